@@ -1,0 +1,93 @@
+"""Per-tensor FP8 quantizers: delayed scaling and current scaling."""
+
+from __future__ import annotations
+
+import torch
+
+from ..base import Quantizer
+from ..casting import check_fp8_dtype
+from .reference import current_scale, quantize_per_tensor, tensor_amax
+from .tensor import Float8Tensor
+
+
+class _PerTensorFloat8(Quantizer):
+    def __init__(self, fp8_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.fp8_dtype = check_fp8_dtype(fp8_dtype)
+
+    def _tensor_class(self):
+        return Float8Tensor
+
+    def _fields(self, x2d: torch.Tensor, scale: torch.Tensor) -> dict:
+        row, col = quantize_per_tensor(x2d, scale, self.fp8_dtype, rowwise=self.rowwise_usage,
+                                       columnwise=self.columnwise_usage)
+        return {"rowwise_data": row, "columnwise_data": col, "shared_scale": scale,
+                "fp8_dtype": self.fp8_dtype}
+
+    def _empty_fields(self, m, k, device):
+        empty = lambda *s: torch.empty(s, dtype=self.fp8_dtype, device=device)  # noqa: E731
+        return {"rowwise_data": empty(m, k) if self.rowwise_usage else None,
+                "columnwise_data": empty(k, m) if self.columnwise_usage else None,
+                "shared_scale": torch.ones(1, dtype=torch.float32, device=device),
+                "fp8_dtype": self.fp8_dtype}
+
+
+class Float8Quantizer(_PerTensorFloat8):
+    """Per-tensor FP8 with *delayed* scaling.
+
+    ``scale`` and ``amax`` are 1-element fp32 tensors owned by the recipe
+    state: quantize casts ``x * scale`` and records ``amax(|x|)`` into
+    ``amax`` in place; the state turns recorded amaxes into the next scale.
+    """
+
+    format_name = "fp8_delayed"
+
+    def __init__(self, scale: torch.Tensor, amax: torch.Tensor,
+                 fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
+        super().__init__(fp8_dtype)
+        for name, t in (("scale", scale), ("amax", amax)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
+                raise TypeError(f"Float8Quantizer: {name} must be a 1-element fp32 tensor, got "
+                                f"{t if not isinstance(t, torch.Tensor) else (t.dtype, tuple(t.shape))}")
+        self.scale = scale
+        self.amax = amax
+
+    def _quantize_2d(self, x2d):
+        amax = tensor_amax(x2d).to(self.amax.device)
+        self.amax.copy_(amax.reshape(self.amax.shape))
+        scale = self.scale.detach().reshape(1).to(device=x2d.device, copy=True)
+        # A NaN/Inf input must not come back as finite values: poison this tensor's scale.
+        scale = torch.where(torch.isfinite(amax.to(x2d.device)), scale,
+                            torch.full_like(scale, float("nan")))
+        return self._fields(x2d, scale)
+
+    def _repr_params(self):
+        return {"fp8_dtype": self.fp8_dtype, "scale": float(self.scale)}
+
+
+class Float8CurrentScalingQuantizer(_PerTensorFloat8):
+    """Per-tensor FP8 with *current* scaling: the scale comes from this tensor's amax.
+
+    ``scale = fp8_max / max(amax, amax_epsilon)`` in fp32; amax 0 gives 1; an
+    infinite scale becomes the fp32 max; ``force_pow_2_scales`` rounds the
+    scale down to a power of two.
+    """
+
+    format_name = "fp8_current"
+
+    def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *,
+                 force_pow_2_scales: bool = False, amax_epsilon: float = 0.0) -> None:
+        super().__init__(fp8_dtype)
+        if not amax_epsilon >= 0.0:
+            raise ValueError(f"amax_epsilon must be >= 0, got {amax_epsilon}")
+        self.force_pow_2_scales = bool(force_pow_2_scales)
+        self.amax_epsilon = float(amax_epsilon)
+
+    def _quantize_2d(self, x2d):
+        scale = current_scale(tensor_amax(x2d), self.fp8_dtype, pow2=self.force_pow_2_scales,
+                              eps=self.amax_epsilon)
+        return self._fields(x2d, scale)
+
+    def _repr_params(self):
+        return {"fp8_dtype": self.fp8_dtype, "force_pow_2_scales": self.force_pow_2_scales,
+                "amax_epsilon": self.amax_epsilon}
