@@ -1,7 +1,16 @@
 """lowprec: low-precision (FP8, MXFP8, NVFP4) training for PyTorch."""
 
+from . import recipe
+from .autocast import autocast, quantized_model_init
 from .formats import *  # noqa: F401,F403
 from .formats import __all__ as _formats_all
+from .modules import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
+                     MXFP8BlockScaling, NVFP4BlockScaling)
+from .roles import QuantizerRole
 
 __version__ = "0.1.0"
-__all__ = list(_formats_all)
+__all__ = [*_formats_all, "recipe", "autocast", "quantized_model_init", "QuantizerRole",
+           "Format", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+           "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe",
+           "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm"]

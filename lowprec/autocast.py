@@ -1,0 +1,89 @@
+"""autocast (quantized compute) and quantized_model_init (quantized parameters)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+from .recipe import DelayedScaling, Recipe
+
+
+def default_recipe() -> Recipe:
+    """The recipe used when autocast is given none (as Transformer Engine: delayed scaling)."""
+    return DelayedScaling()
+
+
+@dataclass
+class _Region:
+    recipe: Recipe
+    group: object = None
+    delayed_states: list = field(default_factory=list)
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.regions: list = []       # autocast stack; None entries are disabled regions
+        self.init_recipes: list = []  # quantized_model_init stack
+
+
+_LOCAL = _Local()
+
+
+def _check_recipe(recipe) -> Recipe:
+    if recipe is None:
+        return default_recipe()
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a lowprec.recipe recipe, got {type(recipe).__name__}")
+    return recipe
+
+
+@contextlib.contextmanager
+def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_group=None):
+    """Run lowprec modules inside this region with quantized GEMMs per ``recipe``.
+
+    ``amax_reduction_group`` is the process group over which delayed-scaling
+    amaxes are reduced; it is passed to the state where it is used and never
+    stored on a quantizer. Forward amaxes of delayed scaling enter the
+    history when the region exits.
+    """
+    region = _Region(_check_recipe(recipe), amax_reduction_group) if enabled else None
+    _LOCAL.regions.append(region)
+    try:
+        yield
+    finally:
+        _LOCAL.regions.pop()
+        if region is not None:
+            for state in region.delayed_states:
+                state.update(region.group)
+
+
+def active_region() -> _Region | None:
+    """The innermost enabled autocast region, or None outside (or in a disabled one)."""
+    return _LOCAL.regions[-1] if _LOCAL.regions else None
+
+
+def register_delayed_state(state) -> None:
+    """Ask the active region to update ``state`` (forward amaxes) when it exits."""
+    region = active_region()
+    if region is not None and state not in region.delayed_states:
+        region.delayed_states.append(state)
+
+
+@contextlib.contextmanager
+def quantized_model_init(enabled: bool = True, recipe: Recipe | None = None):
+    """Modules built inside keep their weights as quantized tensors (no high-precision copy).
+
+    Train them with :class:`lowprec.optim.QuantizedWeightOptimizer`, which
+    keeps fp32 master weights and re-quantizes after each step.
+    """
+    _LOCAL.init_recipes.append(_check_recipe(recipe) if enabled else None)
+    try:
+        yield
+    finally:
+        _LOCAL.init_recipes.pop()
+
+
+def init_recipe() -> Recipe | None:
+    """The recipe of the innermost enabled quantized_model_init, or None."""
+    return _LOCAL.init_recipes[-1] if _LOCAL.init_recipes else None

@@ -1,0 +1,40 @@
+"""Float8BlockwiseTensor: FP8 data with one fp32 scale per 1x128 or 128x128 block."""
+
+from __future__ import annotations
+
+import torch
+
+from ..base import QuantizedTensor
+from .reference import dequantize_blocks
+
+
+class Float8BlockwiseTensor(QuantizedTensor):
+    """Block-scaled FP8 (1x128 blocks for ``block_scaling_dim=1``, 128x128 for 2).
+
+    With ``M = prod(shape[:-1])`` and ``K = shape[-1]``:
+
+    * ``rowwise_data`` (M, K) fp8; ``rowwise_scale`` fp32, (M, K/128) for
+      dim 1 and (M/128, K/128) for dim 2.
+    * ``columnwise_data`` (K, M) fp8; ``columnwise_scale`` fp32, (K, M/128)
+      for dim 1 (blocks run 128x1 along M) and (K/128, M/128) for dim 2.
+
+    Scales are the *encode* scales used at quantize time (data was cast from
+    ``x * scale``; dequantization is ``data / scale``). A block that held
+    NaN/Inf has a NaN scale and dequantizes to NaN. For 128x128 blocks the
+    two directions share their blocks, so either derives from the other by a
+    transpose; 1x128 blocks cannot be re-derived without the original values.
+    """
+
+    _inner = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")
+    _meta = ("fp8_dtype", "block_scaling_dim")
+
+    def _dequantize_2d(self, usage: str) -> torch.Tensor:
+        return dequantize_blocks(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),
+                                 self.block_scaling_dim)
+
+    def _derive(self, usage: str) -> dict[str, torch.Tensor]:
+        if self.block_scaling_dim != 2:
+            return super()._derive(usage)
+        other = "columnwise" if usage == "rowwise" else "rowwise"
+        return {f"{usage}_data": getattr(self, f"{other}_data").t().contiguous(),
+                f"{usage}_scale": getattr(self, f"{other}_scale").t().contiguous()}

@@ -1,0 +1,84 @@
+"""MXFP8Quantizer: E8M0-scaled FP8 in 1x32 / 32x1 blocks (32x32 with 2-D quantization)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..base import Quantizer, check_divisible
+from ..casting import check_fp8_dtype
+from .reference import BLOCK, quantize_1x32, quantize_32x32
+from .tensor import MXFP8Tensor
+
+
+class MXFP8Quantizer(Quantizer):
+    """MXFP8 block scaling with power-of-two (E8M0) scales.
+
+    Per block: ``e`` = exponent of the smallest power of two >=
+    ``fp32(block_amax / fp8_max)`` ("RCEIL", as NVIDIA hardware rounds),
+    clamped to [-127, 127] (an all-zero block gets -127); the data is
+    ``cast_fp8(x * 2**-e)`` and dequantizes as ``data * 2**e``. A block holding
+    NaN or Inf gets the NaN scale code 255 and dequantizes to NaN.
+
+    Rowwise blocks are 1x32 along the last dimension, columnwise blocks 32x1
+    (the rowwise quantization of the transposed matrix). With
+    ``with_2d_quantization`` both directions share 32x32 blocks.
+    """
+
+    format_name = "mxfp8"
+
+    def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *,
+                 with_2d_quantization: bool = False) -> None:
+        super().__init__()
+        self.fp8_dtype = check_fp8_dtype(fp8_dtype)
+        self.with_2d_quantization = bool(with_2d_quantization)
+
+    def _tensor_class(self):
+        return MXFP8Tensor
+
+    def _check_shape(self, shape, m: int, k: int) -> None:
+        if self.with_2d_quantization:
+            if self.rowwise_usage or self.columnwise_usage:
+                check_divisible(shape, m, k, row_block=BLOCK, col_block=BLOCK,
+                                what="MXFP8 with 2D (32x32) quantization")
+            return
+        if self.rowwise_usage:
+            check_divisible(shape, m, k, row_block=BLOCK, col_block=1, what="MXFP8 rowwise usage")
+        if self.columnwise_usage:
+            check_divisible(shape, m, k, row_block=1, col_block=BLOCK,
+                            what="MXFP8 columnwise usage")
+
+    def _meta_fields(self) -> dict:
+        return {"fp8_dtype": self.fp8_dtype, "with_2d_quantization": self.with_2d_quantization}
+
+    def _quantize_2d(self, x2d: torch.Tensor) -> dict:
+        fields = dict.fromkeys(MXFP8Tensor._inner)
+        if self.with_2d_quantization:
+            data, scale = quantize_32x32(x2d, self.fp8_dtype)
+            if self.rowwise_usage:
+                fields.update(rowwise_data=data, rowwise_scale=scale)
+            if self.columnwise_usage:
+                fields.update(columnwise_data=data.t().contiguous(),
+                              columnwise_scale=scale.t().contiguous())
+        else:
+            if self.rowwise_usage:
+                fields["rowwise_data"], fields["rowwise_scale"] = quantize_1x32(x2d, self.fp8_dtype)
+            if self.columnwise_usage:
+                fields["columnwise_data"], fields["columnwise_scale"] = quantize_1x32(
+                    x2d.t(), self.fp8_dtype)
+        return {**fields, **self._meta_fields()}
+
+    def _empty_fields(self, m, k, device):
+        data = lambda *s: torch.empty(s, dtype=self.fp8_dtype, device=device)  # noqa: E731
+        scale = lambda *s: torch.empty(s, dtype=torch.uint8, device=device)  # noqa: E731
+        fields = dict.fromkeys(MXFP8Tensor._inner)
+        rows_per_scale = BLOCK if self.with_2d_quantization else 1
+        if self.rowwise_usage:
+            fields.update(rowwise_data=data(m, k),
+                          rowwise_scale=scale(m // rows_per_scale, k // BLOCK))
+        if self.columnwise_usage:
+            fields.update(columnwise_data=data(k, m),
+                          columnwise_scale=scale(k // rows_per_scale, m // BLOCK))
+        return {**fields, **self._meta_fields()}
+
+    def _repr_params(self):
+        return self._meta_fields()

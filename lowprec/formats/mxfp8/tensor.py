@@ -1,0 +1,38 @@
+"""MXFP8Tensor: FP8 data with one E8M0 (power-of-two) scale per block of 32."""
+
+from __future__ import annotations
+
+import torch
+
+from ..base import QuantizedTensor
+from .reference import BLOCK, dequantize_blocks
+
+
+class MXFP8Tensor(QuantizedTensor):
+    """MXFP8 data: fp8 elements, uint8 E8M0 block scales (biased exponent, 255 = NaN).
+
+    With ``M = prod(shape[:-1])``, ``K = shape[-1]``:
+
+    * ``rowwise_data`` (M, K) fp8, ``rowwise_scale`` (M, K/32): 1x32 blocks along K;
+    * ``columnwise_data`` (K, M) fp8, ``columnwise_scale`` (K, M/32): the 1x32
+      rowwise quantization of the transposed matrix (32x1 blocks of the original).
+
+    With ``with_2d_quantization`` the blocks are 32x32: ``rowwise_scale`` is
+    (M/32, K/32), the columnwise data and scale are the transposes of the
+    rowwise ones, so either direction derives from the other.
+    """
+
+    _inner = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")
+    _meta = ("fp8_dtype", "with_2d_quantization")
+
+    def _dequantize_2d(self, usage: str) -> torch.Tensor:
+        return dequantize_blocks(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),
+                                 block_rows=BLOCK if self.with_2d_quantization else 1)
+
+    def _derive(self, usage: str) -> dict[str, torch.Tensor]:
+        if not self.with_2d_quantization:
+            # 1x32 and 32x1 blocks scale different element groups: no way back without x.
+            return super()._derive(usage)
+        other = "columnwise" if usage == "rowwise" else "rowwise"
+        return {f"{usage}_data": getattr(self, f"{other}_data").t().contiguous(),
+                f"{usage}_scale": getattr(self, f"{other}_scale").t().contiguous()}

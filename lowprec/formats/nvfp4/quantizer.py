@@ -1,0 +1,127 @@
+"""NVFP4Quantizer: 1x16 (or 16x16) E2M1 blocks, optional RHT and stochastic rounding."""
+
+from __future__ import annotations
+
+import torch
+
+from ..base import Quantizer, check_divisible
+from .reference import BLOCK, SCALE_DTYPE, quantize_matrix
+from .rht import rht_forward
+from .tensor import NVFP4Tensor
+
+
+class NVFP4Quantizer(Quantizer):
+    """NVFP4: E2M1 values, E4M3 decode scale per 16 elements, fp32 global encode scale.
+
+    * ``with_rht``: the columnwise (wgrad) representation is quantized after a
+      16-point random Hadamard transform along M (see :mod:`.rht`); the
+      rowwise one never is.
+    * ``with_2d_quantization``: 16x16 blocks instead of 1x16 (both
+      dimensions must then divide by 16 for either usage).
+    * ``stochastic_rounding``: E2M1 codes are rounded up with probability
+      ``(|v| - lo) / (hi - lo)`` using ``torch.rand`` draws from ``generator``
+      (``None``: torch's default generator of the input's device, so
+      ``torch.manual_seed`` makes results repeatable). One draw per element,
+      the rowwise direction first, then the columnwise one.
+
+    ``copy()`` shares the generator object (draws advance one state);
+    ``copy.deepcopy`` and pickling give a new generator with an equal state.
+    See :mod:`.reference` for the exact numerics.
+    """
+
+    format_name = "nvfp4"
+
+    def __init__(self, *, with_rht: bool = False, with_2d_quantization: bool = False,
+                 stochastic_rounding: bool = False,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"NVFP4Quantizer: generator must be a torch.Generator or None, got "
+                            f"{type(generator).__name__}")
+        self.with_rht = bool(with_rht)
+        self.with_2d_quantization = bool(with_2d_quantization)
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.generator = generator
+
+    def _tensor_class(self):
+        return NVFP4Tensor
+
+    # ---- pickling: a torch.Generator does not pickle, its state does ----------------------
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        g = state.get("generator")
+        if g is not None:
+            state["generator"] = (str(g.device), g.get_state())
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        g = state.get("generator")
+        if g is not None:
+            device, rng_state = g
+            gen = torch.Generator(device=device)
+            gen.set_state(rng_state)
+            state["generator"] = gen
+        self.__dict__.update(state)
+
+    def __copy__(self):
+        # Shallow: the copy draws from the same generator object (as Transformer Engine).
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    # ---- shapes ---------------------------------------------------------------------------
+    def _check_shape(self, shape, m, k):
+        if self.with_2d_quantization:
+            check_divisible(shape, m, k, row_block=BLOCK, col_block=BLOCK,
+                            what="NVFP4 2D (16x16 block) quantization")
+            return
+        if self.rowwise_usage:
+            check_divisible(shape, m, k, row_block=BLOCK, col_block=1,
+                            what="NVFP4 rowwise quantization (1x16 blocks)")
+        if self.columnwise_usage:
+            check_divisible(shape, m, k, row_block=1, col_block=BLOCK,
+                            what="NVFP4 columnwise quantization (16x1 blocks)")
+
+    # ---- quantize -------------------------------------------------------------------------
+    def _draws(self, shape, device) -> torch.Tensor | None:
+        if not self.stochastic_rounding:
+            return None
+        return torch.rand(shape, generator=self.generator, device=device, dtype=torch.float32)
+
+    def _quantize_2d(self, x2d):
+        m, k = x2d.shape
+        x = x2d.to(torch.float32)
+        fields = {"with_rht": self.with_rht, "with_2d_quantization": self.with_2d_quantization}
+        two_d = self.with_2d_quantization
+        if self.rowwise_usage:
+            data, scale, s = quantize_matrix(x, two_d=two_d, rand=self._draws((m, k), x.device))
+            fields.update(rowwise_data=data, rowwise_scale=scale, rowwise_global=s)
+        if self.columnwise_usage:
+            xt = x.t().contiguous()
+            if self.with_rht:
+                xt = rht_forward(xt)
+            data, scale, s = quantize_matrix(xt, two_d=two_d, rand=self._draws((k, m), x.device))
+            fields.update(columnwise_data=data, columnwise_scale=scale, columnwise_global=s)
+        return fields
+
+    def _empty_fields(self, m, k, device):
+        def direction(rows, cols):
+            srows = rows // BLOCK if self.with_2d_quantization else rows
+            return (torch.empty(rows, cols // 2, dtype=torch.uint8, device=device),
+                    torch.empty(srows, cols // BLOCK, dtype=SCALE_DTYPE, device=device),
+                    torch.ones(1, dtype=torch.float32, device=device))
+
+        fields = {"with_rht": self.with_rht, "with_2d_quantization": self.with_2d_quantization}
+        for usage, on, dims in (("rowwise", self.rowwise_usage, (m, k)),
+                                ("columnwise", self.columnwise_usage, (k, m))):
+            if on:
+                data, scale, s = direction(*dims)
+                fields.update({f"{usage}_data": data, f"{usage}_scale": scale,
+                               f"{usage}_global": s})
+        return fields
+
+    def _repr_params(self):
+        return {"with_rht": self.with_rht, "with_2d_quantization": self.with_2d_quantization,
+                "stochastic_rounding": self.stochastic_rounding,
+                "generator": None if self.generator is None else str(self.generator.device)}

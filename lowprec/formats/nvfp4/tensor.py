@@ -1,0 +1,58 @@
+"""NVFP4Tensor: E2M1 data in 16-element blocks with E4M3 block scales and an fp32 global scale."""
+
+from __future__ import annotations
+
+import torch
+
+from ..base import QuantizedTensor
+from .reference import dequantize_matrix
+from .rht import rht_inverse
+
+
+class NVFP4Tensor(QuantizedTensor):
+    """NVFP4 data (two E2M1 codes per byte) with per-block E4M3 decode scales.
+
+    With ``M = prod(shape[:-1])`` and ``K = shape[-1]``:
+
+    * ``rowwise_data`` (M, K/2) uint8: codes of ``x`` in 1x16 blocks along K,
+      element ``2i`` in the low nibble, sign in bit 3 of each code;
+      ``rowwise_scale`` float8_e4m3fn (M, K/16), or (M/16, K/16) for 16x16
+      blocks (``with_2d_quantization``): the block *decode* scales ``d``;
+      ``rowwise_global`` (1,) fp32: the global *encode* scale
+      ``S = 2688 / amax`` (values were encoded as ``x * S / d`` and decode
+      as ``q * d / S``).
+    * ``columnwise_data`` (K, M/2), ``columnwise_scale`` (K, M/16) (2D:
+      (K/16, M/16)), ``columnwise_global`` (1,): the same for the transpose
+      of x, Hadamard-transformed along M first when ``with_rht``. The
+      columnwise encode scale is computed from the transformed values.
+
+    A block whose input held NaN/Inf stores a NaN decode scale and
+    dequantizes to NaN. ``dequantize(usage="columnwise")`` returns the
+    original domain (inverse RHT applied in fp32);
+    :meth:`dequantize_stored` gives the stored-domain values a GEMM whose two
+    operands both carry the RHT consumes. Neither direction derives from the
+    other (each has its own blocks and rounding), so ``update_usage`` can only
+    drop a direction.
+    """
+
+    _inner = ("rowwise_data", "rowwise_scale", "rowwise_global",
+              "columnwise_data", "columnwise_scale", "columnwise_global")
+    _meta = ("with_rht", "with_2d_quantization")
+
+    def dequantize_stored(self, usage: str = "rowwise") -> torch.Tensor:
+        """fp32 ``(q * d) / S`` in the stored 2-D layout and domain.
+
+        Rowwise: (M, K). Columnwise: (K, M), still RHT-transformed along M
+        when ``with_rht``.
+        """
+        if not self.has_usage(usage):
+            raise RuntimeError(f"{type(self).__name__} holds no {usage} data")
+        return dequantize_matrix(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),
+                                 getattr(self, f"{usage}_global"),
+                                 two_d=self.with_2d_quantization)
+
+    def _dequantize_2d(self, usage: str) -> torch.Tensor:
+        out = self.dequantize_stored(usage)
+        if usage == "columnwise" and self.with_rht:
+            out = rht_inverse(out)
+        return out

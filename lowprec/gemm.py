@@ -1,0 +1,104 @@
+"""The GEMM dispatcher: one product for every layout, a backend per operand pair.
+
+Every linear GEMM is written as ``mat(a) @ mat(b).T`` where ``mat`` takes an
+operand in one *usage*:
+
+* ``mat(t, "rowwise")`` is the (M, K) matrix of a tensor of shape (..., K);
+* ``mat(t, "columnwise")`` is its transpose (K, M), the stored layout of a
+  quantized tensor's columnwise data.
+
+So fprop ``Y = X W^T`` is ``gemm(X, "rowwise", W, "rowwise")``, dgrad
+``dX = dY W`` is ``gemm(dY, "rowwise", W, "columnwise")`` and wgrad
+``dW = dY^T X`` is ``gemm(dY, "columnwise", X, "columnwise")``: both operands
+are always contiguous in the contraction dimension, as cuBLAS FP8 wants.
+
+Backends are tried in order; the first whose ``accepts`` is true runs. The
+fallback emulates any pair exactly: it dequantizes both operands in fp32
+(NVFP4 global scales and block scales applied, RHT undone) and multiplies in
+fp32, so the result equals the product of the dequantized operands to fp32
+rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from .formats.base import QuantizedTensor, _check_usage
+from .formats.identity import IdentityTensor
+
+
+def _plain_matrix(t: torch.Tensor, usage: str) -> torch.Tensor:
+    if isinstance(t, IdentityTensor):
+        return getattr(t, f"{usage}_data")
+    m2 = t.reshape(-1, t.shape[-1])
+    return m2 if usage == "rowwise" else m2.t()
+
+
+def operand_matrix_fp32(t: torch.Tensor, usage: str) -> torch.Tensor:
+    """fp32 values of ``mat(t, usage)``, dequantized exactly for quantized operands."""
+    if isinstance(t, QuantizedTensor) and not isinstance(t, IdentityTensor):
+        if not t.has_usage(usage):
+            raise RuntimeError(f"GEMM needs the {usage} representation of {t!r}")
+        return t._dequantize_2d(usage)
+    return _plain_matrix(t, usage).to(torch.float32)
+
+
+def _is_plain(t) -> bool:
+    return not isinstance(t, QuantizedTensor) or isinstance(t, IdentityTensor)
+
+
+class Backend(NamedTuple):
+    name: str
+    accepts: Callable
+    run: Callable
+
+
+def _plain_accepts(a, a_usage, b, b_usage, out_dtype, bias):
+    if not (_is_plain(a) and _is_plain(b)):
+        return False
+    am, bm = _plain_matrix(a, a_usage), _plain_matrix(b, b_usage)
+    return am.dtype == bm.dtype and am.dtype == out_dtype and (bias is None or bias.dtype == out_dtype)
+
+
+def _plain_run(a, a_usage, b, b_usage, out_dtype, bias):
+    am, bm = _plain_matrix(a, a_usage), _plain_matrix(b, b_usage)
+    if bias is None:
+        return am @ bm.t()
+    return torch.addmm(bias, am, bm.t())
+
+
+def _emulated_run(a, a_usage, b, b_usage, out_dtype, bias):
+    out = operand_matrix_fp32(a, a_usage) @ operand_matrix_fp32(b, b_usage).t()
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)
+
+
+#: Tried in order; GPU backends are inserted ahead of the emulation when available.
+BACKENDS: list[Backend] = [
+    Backend("plain", _plain_accepts, _plain_run),
+    Backend("emulated_fp32", lambda *args: True, _emulated_run),
+]
+
+
+def select_backend(a, a_usage, b, b_usage, out_dtype, bias=None) -> Backend:
+    for backend in BACKENDS:
+        if backend.accepts(a, a_usage, b, b_usage, out_dtype, bias):
+            return backend
+    raise RuntimeError("no GEMM backend accepts these operands")  # the emulation accepts all
+
+
+def gemm(a: torch.Tensor, a_usage: str, b: torch.Tensor, b_usage: str, *,
+         out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``mat(a, a_usage) @ mat(b, b_usage).T (+ bias)`` as a 2-D tensor of ``out_dtype``."""
+    _check_usage(a_usage)
+    _check_usage(b_usage)
+    ka = a.shape[-1] if a_usage == "rowwise" else a.numel() // max(a.shape[-1], 1)
+    kb = b.shape[-1] if b_usage == "rowwise" else b.numel() // max(b.shape[-1], 1)
+    if ka != kb:
+        raise ValueError(f"GEMM contraction sizes differ: {a_usage} {tuple(a.shape)} vs "
+                         f"{b_usage} {tuple(b.shape)}")
+    return select_backend(a, a_usage, b, b_usage, out_dtype, bias).run(
+        a, a_usage, b, b_usage, out_dtype, bias)

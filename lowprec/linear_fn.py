@@ -1,0 +1,161 @@
+"""The one quantized-linear forward/backward shared by every module and op.
+
+``y = x @ weight.T + bias`` with three GEMMs:
+
+* fprop ``gemm(x, rowwise, W, rowwise)``
+* dgrad ``gemm(dY, rowwise, W, columnwise)``
+* wgrad ``gemm(dY, columnwise, x, columnwise)``
+
+The backward mode decides what the forward saves:
+
+* ``default``: the columnwise quantized input and weight (only the
+  directions a needed gradient consumes; never a high-precision copy);
+  the gradient is quantized per the recipe.
+* ``high_precision``: the original input and weight; dgrad/wgrad run in
+  high precision with the unquantized gradient.
+* ``dequantized``: the rowwise quantized input and weight (what fprop used);
+  backward dequantizes them and runs dgrad/wgrad in high precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .formats.base import QuantizedTensor, Quantizer
+from .gemm import gemm
+
+
+@dataclass
+class LinearQuantizers:
+    """The quantizers of one GEMM's slots (None: slot not quantized)."""
+
+    input: Optional[Quantizer]
+    weight: Optional[Quantizer]
+    output: Optional[Quantizer] = None
+    grad_output: Optional[Quantizer] = None
+    grad_input: Optional[Quantizer] = None
+
+
+def quantize_operand(quantizer: Quantizer | None, t: torch.Tensor, *, rowwise: bool,
+                     columnwise: bool) -> tuple[torch.Tensor, bool]:
+    """Quantize ``t`` with exactly the usages asked for; returns (tensor, owned).
+
+    An already quantized ``t`` (a quantized weight, or the output of a
+    previous module) is used as it is: missing usages are derived where the
+    format allows and nothing is ever dropped from it (``owned`` is False).
+    """
+    if isinstance(t, QuantizedTensor):
+        missing = {u: True for u, want in (("rowwise", rowwise), ("columnwise", columnwise))
+                   if want and not t.has_usage(u)}
+        if missing:
+            t.update_usage(rowwise_usage=missing.get("rowwise"),
+                           columnwise_usage=missing.get("columnwise"))
+        return t, False
+    if quantizer is None:
+        return t, False
+    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+    return quantizer.quantize(t), True
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.dequantize() if isinstance(t, QuantizedTensor) else t
+
+
+def _keep_only(t: torch.Tensor, owned: bool, usage: str) -> torch.Tensor:
+    """Free the direction backward does not need (only on tensors this call made)."""
+    if owned and isinstance(t, QuantizedTensor):
+        other = "columnwise" if usage == "rowwise" else "rowwise"
+        if t.has_usage(other):
+            t.update_usage(**{f"{other}_usage": False})
+    return t
+
+
+def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"linear weight must be 2-D (out_features, in_features), got shape "
+                         f"{tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear input has {x.shape[-1]} features (shape {tuple(x.shape)}), the "
+                         f"weight expects {weight.shape[1]}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"linear input dtype {x.dtype} does not match the weight dtype "
+                        f"{weight.dtype}; cast the input or build the module with "
+                        f"params_dtype={x.dtype}")
+    if bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"linear bias dtype {bias.dtype} does not match the weight dtype {weight.dtype}")
+
+
+class _QuantizedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, quantizers, backward_mode, on_backward_done):
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        q = quantizers
+        quantized = q is not None
+        # Only default mode consumes columnwise operands; the others save hp or rowwise data.
+        col = quantized and backward_mode == "default"
+        x_lp, x_owned = quantize_operand(q.input if q else None, x, rowwise=True,
+                                         columnwise=col and need_dw)
+        w_lp, w_owned = quantize_operand(q.weight if q else None, weight, rowwise=True,
+                                         columnwise=col and need_dx)
+        out_features = weight.shape[0]
+        y = gemm(x_lp, "rowwise", w_lp, "rowwise", out_dtype=x.dtype, bias=bias)
+        y = y.reshape(*x.shape[:-1], out_features)
+
+        if not quantized or backward_mode == "high_precision":
+            saved_x, saved_w = x, weight
+        elif backward_mode == "default":
+            saved_x = _keep_only(x_lp, x_owned, "columnwise") if need_dw else None
+            saved_w = _keep_only(w_lp, w_owned, "columnwise") if need_dx else None
+        else:  # dequantized
+            saved_x, saved_w = x_lp, w_lp
+        ctx.save_for_backward(saved_x if need_dw else None, saved_w if need_dx else None)
+        ctx.quantizers = q
+        ctx.backward_mode = backward_mode
+        ctx.on_backward_done = on_backward_done
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        if quantized and q.output is not None:
+            y = q.output.quantize(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved_x, saved_w = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        q, mode = ctx.quantizers, ctx.backward_mode
+        dx = dw = db = None
+        if q is not None and mode == "default" and (need_dx or need_dw):
+            dy_lp, _ = quantize_operand(q.grad_output, dy, rowwise=need_dx, columnwise=need_dw)
+            w_op, x_op = saved_w, saved_x
+        else:
+            dy_lp = _plain(dy)
+            w_op = _plain(saved_w) if saved_w is not None else None
+            x_op = _plain(saved_x) if saved_x is not None else None
+        if need_dx:
+            dx = gemm(dy_lp, "rowwise", w_op, "columnwise", out_dtype=ctx.x_dtype)
+            dx = dx.reshape(ctx.x_shape)
+            if q is not None and mode == "default" and q.grad_input is not None:
+                dx = q.grad_input.quantize(dx)
+        if need_dw:
+            dw = gemm(dy_lp, "columnwise", x_op, "columnwise", out_dtype=ctx.w_dtype)
+        if need_db and ctx.has_bias:
+            dy2d = _plain(dy).reshape(-1, dy.shape[-1])
+            db = dy2d.sum(dim=0).to(ctx.w_dtype)
+        if ctx.on_backward_done is not None:
+            ctx.on_backward_done()
+        return dx, dw, db, None, None, None
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     quantizers: LinearQuantizers | None = None, backward_mode: str = "default",
+                     on_backward_done: Callable[[], None] | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with the GEMMs quantized by ``quantizers`` (None: high precision).
+
+    ``on_backward_done`` runs after this GEMM's backward (delayed scaling
+    uses it to push backward amaxes into the history).
+    """
+    check_linear_args(x, weight, bias)
+    return _QuantizedLinear.apply(x, weight, bias, quantizers, backward_mode, on_backward_done)

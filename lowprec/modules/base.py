@@ -1,0 +1,186 @@
+"""What every GEMM module shares: roles, recipe state, quantized weights, extra state."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..autocast import active_region, init_recipe, register_delayed_state
+from ..formats.base import QuantizedTensor
+from ..linear_fn import LinearQuantizers
+from ..recipe import DelayedScaling
+from ..roles import check_num_quantizers, gemm_roles
+from ..state import RecipeState
+
+PARALLEL_MODES = (None, "column", "row")
+
+
+def check_parallel_args(parallel_mode, tp_group, sequence_parallel) -> None:
+    """Validate tensor-parallel arguments; only a single-rank group is supported yet."""
+    if parallel_mode not in PARALLEL_MODES:
+        raise ValueError(f"parallel_mode={parallel_mode!r}; use one of {PARALLEL_MODES}")
+    if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+        raise NotImplementedError("tensor parallelism over more than one rank is not implemented "
+                                  "yet; pass tp_group=None or a single-rank group")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+
+
+def init_linear_params(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """torch.nn.Linear's initialization (Kaiming-uniform weight, uniform bias)."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0
+        nn.init.uniform_(bias, -bound, bound)
+
+
+class _BackwardDone:
+    """Counts a forward call's GEMM backwards and fires once all have run."""
+
+    def __init__(self, n: int, fn) -> None:
+        self.left, self.fn = n, fn
+
+    def __call__(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.fn()
+
+
+class LowprecModule(nn.Module):
+    """Base of the GEMM modules: one or more GEMMs with [input, weight, output] forward
+    slots and [grad_output, grad_input] backward slots each."""
+
+    module_type = "linear"
+
+    def __init__(self, name: str | None, output_quantizer_role=None,
+                 grad_input_quantizer_role=None) -> None:
+        super().__init__()
+        self.name = name or ""
+        self.output_quantizer_role = output_quantizer_role
+        self.grad_input_quantizer_role = grad_input_quantizer_role
+        self._recipe_states: dict[str, RecipeState | None] = {"forward": None, "backward": None}
+        self._pending_extra_state: dict | None = None
+
+    # ---- roles ------------------------------------------------------------------------
+    def _gemm_names(self) -> list[str]:
+        """Name of each GEMM (its roles' ``name``); one GEMM named after the module by default."""
+        return [self.name]
+
+    def _boundary(self, i: int, fwd: bool):
+        """The boundary role of GEMM i's output (fwd) or grad-input (bwd) slot, or None."""
+        n = len(self._gemm_names())
+        if fwd:
+            return self.output_quantizer_role if i == n - 1 else None
+        return self.grad_input_quantizer_role if i == 0 else None
+
+    def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int | None = None) -> list:
+        """Roles of every quantizer slot: forward [input, weight, output] per GEMM,
+        backward [grad_output, grad_input] per GEMM."""
+        roles = []
+        for i, gname in enumerate(self._gemm_names()):
+            boundary = self._boundary(i, fwd)
+            roles += gemm_roles(self.module_type, gname, fwd=fwd,
+                                output_role=boundary if fwd else None,
+                                grad_input_role=None if fwd else boundary)
+        return check_num_quantizers(self, fwd, num_quantizers, roles)
+
+    # ---- recipe state -------------------------------------------------------------------
+    def _state(self, mode: str, recipe, device) -> RecipeState:
+        state = self._recipe_states[mode]
+        if state is None or state.recipe != recipe:
+            state = RecipeState.create(recipe, mode,
+                                       self.get_quantizer_roles(fwd=mode == "forward"), device)
+            extra = (self._pending_extra_state or {}).pop(mode, None)
+            if extra is not None and state.delayed is not None:
+                state.delayed.load_state_dict(extra)
+            self._recipe_states[mode] = state
+        return state
+
+    def gemm_quantizers(self, device) -> tuple[list[LinearQuantizers] | None, str, object]:
+        """Per-GEMM quantizers under the active autocast (None outside), the backward mode,
+        and a callback for the end of the backward pass."""
+        region = active_region()
+        if region is None:
+            return None, "default", None
+        recipe = region.recipe
+        fwd, bwd = self._state("forward", recipe, device), self._state("backward", recipe, device)
+        callback = None
+        if fwd.delayed is not None:
+            fwd.delayed.pending = True
+            register_delayed_state(fwd.delayed)
+            group = region.group
+
+            def bwd_update():
+                bwd.delayed.pending = True
+                bwd.delayed.update(group)
+
+            callback = _BackwardDone(len(self._gemm_names()), bwd_update)
+        out = []
+        for i in range(len(self._gemm_names())):
+            fq, bq = fwd.quantizers[3 * i:3 * i + 3], bwd.quantizers[2 * i:2 * i + 2]
+            out.append(LinearQuantizers(
+                input=fq[0], weight=fq[1],
+                output=fq[2] if self._boundary(i, True) is not None else None,
+                grad_output=bq[0],
+                grad_input=bq[1] if self._boundary(i, False) is not None else None))
+        return out, recipe.backward_mode, callback
+
+    # ---- quantized weights ----------------------------------------------------------------
+    def _weight_names(self) -> list[str]:
+        return ["weight"]
+
+    def _maybe_quantize_weights(self) -> None:
+        """Under quantized_model_init, replace each weight by a quantized tensor (both usages)."""
+        recipe = init_recipe()
+        if recipe is None:
+            return
+        self._init_recipe = recipe
+        for i, pname in enumerate(self._weight_names()):
+            w = getattr(self, pname)
+            q = self.weight_quantizer(i, w.device)
+            setattr(self, pname, nn.Parameter(q.quantize(w.detach()), requires_grad=w.requires_grad))
+
+    def weight_quantizer(self, gemm_index: int, device=None):
+        """The quantizer (both usages on) for GEMM ``gemm_index``'s weight under the
+        quantized_model_init recipe; used to (re)quantize quantized weights."""
+        recipe = getattr(self, "_init_recipe", None)
+        if recipe is None:
+            raise RuntimeError(f"{type(self).__name__} was not built under quantized_model_init")
+        state = self._state("forward", recipe, device)
+        q = state.quantizers[3 * gemm_index + 1]
+        if state.delayed is not None:
+            # Delayed scaling: seed this slot from the weight's own amax so the first
+            # quantization is not done with the placeholder scale 1.
+            w = getattr(self, self._weight_names()[gemm_index])
+            if not isinstance(w, QuantizedTensor) and state.delayed.amax_history.abs().sum() == 0:
+                q.quantize(w.detach())  # records the amax into this slot
+                state.delayed.pending = True
+                state.delayed.update()
+        q.set_usage(rowwise=True, columnwise=True)
+        return q
+
+    # ---- extra state (delayed scaling) ----------------------------------------------------
+    def get_extra_state(self):
+        out = {}
+        for mode, state in self._recipe_states.items():
+            if state is not None and state.delayed is not None:
+                out[mode] = state.delayed.state_dict()
+        return out
+
+    def set_extra_state(self, state) -> None:
+        if not state:
+            return
+        pending = {}
+        for mode, sd in state.items():
+            current = self._recipe_states.get(mode)
+            if current is not None and current.delayed is not None:
+                current.delayed.load_state_dict(sd)
+            else:
+                pending[mode] = sd
+        self._pending_extra_state = pending or None
+
+    def _check_input_dtype(self, x: torch.Tensor) -> None:
+        if not x.is_floating_point():
+            raise TypeError(f"{type(self).__name__} expects a floating-point input, got {x.dtype}")

@@ -1,0 +1,65 @@
+"""GroupedLinear: num_gemms independent Linears over consecutive row groups of one input."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..linear_fn import quantized_linear
+from .base import LowprecModule, check_parallel_args, init_linear_params
+
+
+class GroupedLinear(LowprecModule):
+    """``forward(x, m_splits)``: rows ``x[s_i : s_i + m_splits[i]]`` go through GEMM ``i``
+    with ``weight{i}`` / ``bias{i}``; the outputs are concatenated in order.
+
+    Each group is quantized on its own rows, so the result equals one
+    :class:`Linear` per group with the same weights.
+    """
+
+    module_type = "grouped_linear"
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
+                 params_dtype: torch.dtype | None = None, device=None, name: str | None = None,
+                 parallel_mode: str | None = None, tp_group=None, sequence_parallel: bool = False,
+                 output_quantizer_role=None, grad_input_quantizer_role=None) -> None:
+        super().__init__(name, output_quantizer_role, grad_input_quantizer_role)
+        check_parallel_args(parallel_mode, tp_group, sequence_parallel)
+        if not isinstance(num_gemms, int) or num_gemms < 1:
+            raise ValueError(f"num_gemms must be a positive int, got {num_gemms!r}")
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        dtype = params_dtype or torch.get_default_dtype()
+        for i in range(num_gemms):
+            w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+            b = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+            init_linear_params(w, b)
+            self.register_parameter(f"weight{i}", w)
+            self.register_parameter(f"bias{i}", b)
+        self._maybe_quantize_weights()
+
+    def _gemm_names(self) -> list[str]:
+        return [self.name] * self.num_gemms
+
+    def _boundary(self, i: int, fwd: bool):
+        # Every group's output and grad-input cross the module boundary.
+        return self.output_quantizer_role if fwd else self.grad_input_quantizer_role
+
+    def _weight_names(self) -> list[str]:
+        return [f"weight{i}" for i in range(self.num_gemms)]
+
+    def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
+        self._check_input_dtype(x)
+        m_splits = [int(m) for m in m_splits]
+        if len(m_splits) != self.num_gemms or any(m < 0 for m in m_splits):
+            raise ValueError(f"m_splits={m_splits} must have {self.num_gemms} non-negative sizes")
+        x2d = x.reshape(-1, x.shape[-1])
+        if sum(m_splits) != x2d.shape[0]:
+            raise ValueError(f"m_splits sum to {sum(m_splits)} but the input has {x2d.shape[0]} "
+                             f"rows (shape {tuple(x.shape)})")
+        qs, mode, done = self.gemm_quantizers(x.device)
+        outs = []
+        for i, xi in enumerate(torch.split(x2d, m_splits)):
+            outs.append(quantized_linear(xi, getattr(self, f"weight{i}"), getattr(self, f"bias{i}"),
+                                         quantizers=qs[i] if qs else None, backward_mode=mode,
+                                         on_backward_done=done))
+        return torch.cat(outs).reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,45 @@
+"""LayerNormLinear: a LayerNorm/RMSNorm followed by a quantized Linear."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..linear_fn import quantized_linear
+from .base import LowprecModule, check_parallel_args, init_linear_params
+from .norms import apply_norm, check_normalization, make_norm_params
+
+
+class LayerNormLinear(LowprecModule):
+    """``Linear(norm(x))``; parameters ``layer_norm_weight``, ``layer_norm_bias``
+    (LayerNorm only), ``weight`` and ``bias``."""
+
+    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True, *,
+                 normalization: str = "LayerNorm", zero_centered_gamma: bool = False,
+                 return_layernorm_output: bool = False, params_dtype: torch.dtype | None = None,
+                 device=None, name: str | None = None, parallel_mode: str | None = None,
+                 tp_group=None, sequence_parallel: bool = False, output_quantizer_role=None,
+                 grad_input_quantizer_role=None) -> None:
+        super().__init__(name, output_quantizer_role, grad_input_quantizer_role)
+        check_parallel_args(parallel_mode, tp_group, sequence_parallel)
+        self.normalization = check_normalization(normalization)
+        self.in_features, self.out_features, self.eps = in_features, out_features, eps
+        self.zero_centered_gamma = zero_centered_gamma
+        self.return_layernorm_output = return_layernorm_output
+        self.parallel_mode, self.sequence_parallel = parallel_mode, sequence_parallel
+        dtype = params_dtype or torch.get_default_dtype()
+        make_norm_params(self, in_features, normalization, zero_centered_gamma=zero_centered_gamma,
+                         dtype=dtype, device=device, prefix="layer_norm_")
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        init_linear_params(self.weight, self.bias)
+        self._maybe_quantize_weights()
+
+    def forward(self, x: torch.Tensor):
+        self._check_input_dtype(x)
+        ln_out = apply_norm(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias,
+                            self.eps, self.zero_centered_gamma)
+        qs, mode, done = self.gemm_quantizers(x.device)
+        y = quantized_linear(ln_out, self.weight, self.bias, quantizers=qs[0] if qs else None,
+                             backward_mode=mode, on_backward_done=done)
+        return (y, ln_out) if self.return_layernorm_output else y

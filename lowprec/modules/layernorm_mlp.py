@@ -1,0 +1,64 @@
+"""LayerNormMLP: norm -> fc1 -> activation -> fc2, both GEMMs quantized."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..linear_fn import quantized_linear
+from .activations import get_activation
+from .base import LowprecModule, check_parallel_args, init_linear_params
+from .norms import apply_norm, check_normalization, make_norm_params
+
+
+class LayerNormMLP(LowprecModule):
+    """``fc2(act(fc1(norm(x))))``. Gated activations (swiglu, geglu) make fc1 2x wide.
+
+    Parameters: ``layer_norm_weight``, ``layer_norm_bias``, ``fc1_weight``,
+    ``fc1_bias``, ``fc2_weight``, ``fc2_bias``. Roles name the GEMMs
+    ``<name>.fc1`` and ``<name>.fc2``.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
+                 bias: bool = True, *, normalization: str = "LayerNorm", activation: str = "gelu",
+                 zero_centered_gamma: bool = False, params_dtype: torch.dtype | None = None,
+                 device=None, name: str | None = None, parallel_mode: str | None = None,
+                 tp_group=None, sequence_parallel: bool = False, output_quantizer_role=None,
+                 grad_input_quantizer_role=None) -> None:
+        super().__init__(name, output_quantizer_role, grad_input_quantizer_role)
+        check_parallel_args(parallel_mode, tp_group, sequence_parallel)
+        self.normalization = check_normalization(normalization)
+        self.activation = activation
+        self._act, gated = get_activation(activation)
+        self.hidden_size, self.ffn_hidden_size, self.eps = hidden_size, ffn_hidden_size, eps
+        self.zero_centered_gamma = zero_centered_gamma
+        dtype = params_dtype or torch.get_default_dtype()
+        make_norm_params(self, hidden_size, normalization, zero_centered_gamma=zero_centered_gamma,
+                         dtype=dtype, device=device, prefix="layer_norm_")
+        fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
+        for pname, (n_out, n_in) in (("fc1", (fc1_out, hidden_size)),
+                                     ("fc2", (hidden_size, ffn_hidden_size))):
+            w = nn.Parameter(torch.empty(n_out, n_in, dtype=dtype, device=device))
+            b = nn.Parameter(torch.empty(n_out, dtype=dtype, device=device)) if bias else None
+            init_linear_params(w, b)
+            self.register_parameter(f"{pname}_weight", w)
+            self.register_parameter(f"{pname}_bias", b)
+        self._maybe_quantize_weights()
+
+    def _gemm_names(self) -> list[str]:
+        return [f"{self.name}.fc1", f"{self.name}.fc2"]
+
+    def _weight_names(self) -> list[str]:
+        return ["fc1_weight", "fc2_weight"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dtype(x)
+        h = apply_norm(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias,
+                       self.eps, self.zero_centered_gamma)
+        qs, mode, done = self.gemm_quantizers(x.device)
+        h = quantized_linear(h, self.fc1_weight, self.fc1_bias, quantizers=qs[0] if qs else None,
+                             backward_mode=mode, on_backward_done=done)
+        h = self._act(h)
+        return quantized_linear(h, self.fc2_weight, self.fc2_bias,
+                                quantizers=qs[1] if qs else None, backward_mode=mode,
+                                on_backward_done=done)

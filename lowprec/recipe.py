@@ -1,0 +1,195 @@
+"""Recipes: which quantizer each tensor role gets.
+
+Every recipe is a frozen dataclass validated on construction. All recipes
+carry ``backward_mode`` (keyword-only): ``"default"`` quantizes the backward
+GEMM operands per the recipe, ``"high_precision"`` (alias ``"unquant"``)
+runs dgrad/wgrad in high precision on the saved original tensors and
+``"dequantized"`` (alias ``"dequant"``) runs them in high precision on the
+dequantized forward operands. When the field is not given, the environment
+variable ``LOWPREC_BACKWARD_MODE`` supplies it.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+import torch
+
+__all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+           "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "BACKWARD_MODES"]
+
+BACKWARD_MODES = ("default", "high_precision", "dequantized")
+_BACKWARD_ALIASES = {"unquant": "high_precision", "dequant": "dequantized"}
+BACKWARD_MODE_ENV = "LOWPREC_BACKWARD_MODE"
+
+
+class Format(enum.Enum):
+    """Element formats. HYBRID is E4M3 for forward tensors and E5M2 for gradients."""
+
+    E4M3 = "E4M3"
+    E5M2 = "E5M2"
+    HYBRID = "HYBRID"
+    E2M1 = "E2M1"
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self is Format.E5M2 else torch.float8_e4m3fn
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
+
+
+def normalize_backward_mode(mode: str, *, source: str = "backward_mode") -> str:
+    """Resolve aliases and validate a backward mode string."""
+    if not isinstance(mode, str):
+        raise TypeError(f"{source} must be a string, got {type(mode).__name__}")
+    resolved = _BACKWARD_ALIASES.get(mode, mode)
+    if resolved not in BACKWARD_MODES:
+        raise ValueError(f"{source}={mode!r} is not a backward mode; use one of "
+                         f"{BACKWARD_MODES} (aliases {sorted(_BACKWARD_ALIASES)})")
+    return resolved
+
+
+def _check_fp8_format(recipe: str, fmt, allowed) -> None:
+    if not isinstance(fmt, Format) or fmt not in allowed:
+        raise ValueError(f"{recipe}: fp8_format={fmt!r} is not supported; use one of "
+                         f"{[f.name for f in allowed]}")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Base of all recipes; holds the backward mode."""
+
+    backward_mode: str | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.backward_mode is None:
+            env = os.environ.get(BACKWARD_MODE_ENV)
+            mode = (normalize_backward_mode(env, source=f"environment {BACKWARD_MODE_ENV}")
+                    if env else "default")
+        else:
+            mode = normalize_backward_mode(self.backward_mode)
+        object.__setattr__(self, "backward_mode", mode)
+
+
+@dataclass(frozen=True)
+class DelayedScaling(Recipe):
+    """Per-tensor FP8 with scales from an amax history (delayed scaling).
+
+    ``scale = fp8_max / amax / 2**margin`` where amax is ``max(history)``
+    ("max"), the newest entry ("most_recent") or ``amax_compute_algo(history)``
+    for a callable taking the (history_len, n) fp32 history and returning n
+    amaxes. Only ``backward_mode="default"`` is supported.
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: Union[str, Callable] = "max"
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.backward_mode != "default":
+            source = ("" if os.environ.get(BACKWARD_MODE_ENV) is None else
+                      f" (from the environment variable {BACKWARD_MODE_ENV})")
+            raise ValueError(f"DelayedScaling supports only backward_mode='default', got "
+                             f"{self.backward_mode!r}{source}: its quantizers share recipe-owned "
+                             f"scaling state that the backward GEMMs update")
+        _check_fp8_format("DelayedScaling", self.fp8_format, (Format.E4M3, Format.E5M2, Format.HYBRID))
+        if not isinstance(self.margin, (int, float)) or self.margin < 0:
+            raise ValueError(f"DelayedScaling: margin must be a number >= 0, got {self.margin!r}")
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ValueError(f"DelayedScaling: amax_history_len must be an int >= 1, got "
+                             f"{self.amax_history_len!r}")
+        if not (callable(self.amax_compute_algo) or self.amax_compute_algo in ("max", "most_recent")):
+            raise ValueError(f"DelayedScaling: amax_compute_algo={self.amax_compute_algo!r}; use "
+                             f"'max', 'most_recent' or a callable")
+
+
+@dataclass(frozen=True)
+class Float8CurrentScaling(Recipe):
+    """Per-tensor FP8 with the scale computed from each tensor's own amax."""
+
+    fp8_format: Format = Format.HYBRID
+    use_power_2_scales: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_fp8_format("Float8CurrentScaling", self.fp8_format,
+                          (Format.E4M3, Format.E5M2, Format.HYBRID))
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """FP8 block scaling: inputs and gradients 1x128, weights 128x128, power-of-two scales."""
+
+    fp8_format: Format = Format.E4M3
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_fp8_format("Float8BlockScaling", self.fp8_format,
+                          (Format.E4M3, Format.E5M2, Format.HYBRID))
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            if getattr(self, name) not in (1, 2):
+                raise ValueError(f"Float8BlockScaling: {name}={getattr(self, name)!r}; use 1 or 2")
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8: E4M3 data with E8M0 scales per 32 elements, for every role."""
+
+    enable_2d_quantization: bool = False
+    fp8_format: Format = Format.E4M3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_fp8_format("MXFP8BlockScaling", self.fp8_format,
+                          (Format.E4M3, Format.E5M2, Format.HYBRID))
+
+
+@dataclass(frozen=True)
+class NVFP4BlockScaling(Recipe):
+    """NVFP4: E2M1 data, E4M3 scales per 16 elements and an fp32 per-tensor scale.
+
+    Inputs get the random Hadamard transform on their columnwise (wgrad)
+    side, weights 16x16 2-D blocks, gradients RHT and stochastic rounding;
+    each can be switched off.
+    """
+
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+    fp4_format: Format = Format.E2M1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fp4_format is not Format.E2M1:
+            raise ValueError(f"NVFP4BlockScaling: fp4_format={self.fp4_format!r}; only E2M1")
+
+
+@dataclass(frozen=True)
+class CustomRecipe(Recipe):
+    """A recipe whose quantizers come from ``qfactory(role) -> Quantizer``.
+
+    The factory is called once per quantizer slot with a
+    :class:`lowprec.QuantizerRole` (or ``None`` for an unset boundary role)
+    and must return a quantizer; return ``IdentityQuantizer()`` to keep a
+    tensor in high precision. A module-level function pickles; a closure or
+    lambda does not.
+    """
+
+    qfactory: Callable | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not callable(self.qfactory):
+            raise TypeError(f"CustomRecipe needs a callable qfactory(role) -> Quantizer, got "
+                            f"{self.qfactory!r}")

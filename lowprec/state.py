@@ -1,0 +1,170 @@
+"""Recipe state: one quantizer per role slot, and delayed-scaling history.
+
+``RecipeState.create(recipe, mode, roles)`` builds the quantizers a module
+uses for one direction (``mode`` is ``"forward"`` or ``"backward"``).
+Built-in recipes pick per-role settings here; ``CustomRecipe`` asks its
+``qfactory``. Delayed scaling keeps its scales and amax history in the state
+and hands the quantizers views into them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
+                      MXFP8Quantizer, NVFP4Quantizer, Quantizer)
+from .formats.casting import FP8_MAX
+from .recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                     MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
+from .roles import QuantizerRole
+
+MODES = ("forward", "backward")
+
+
+def _is_grad(role: QuantizerRole | None, mode: str) -> bool:
+    # An unset boundary role takes its direction from the mode it sits in.
+    return role.is_gradient if role is not None else mode == "backward"
+
+
+def _builtin_quantizer(recipe: Recipe, role: QuantizerRole | None, mode: str) -> Quantizer:
+    """Per-role quantizer of a built-in (non-delayed) recipe."""
+    grad = _is_grad(role, mode)
+    ttype = role.tensor_type if role is not None else None
+    if isinstance(recipe, Float8CurrentScaling):
+        fmt = recipe.fp8_format
+        return Float8CurrentScalingQuantizer(fmt.bwd_dtype if grad else fmt.fwd_dtype,
+                                             force_pow_2_scales=recipe.use_power_2_scales)
+    if isinstance(recipe, Float8BlockScaling):
+        fmt = recipe.fp8_format
+        dim = (recipe.w_block_scaling_dim if ttype == "weight" else
+               recipe.grad_block_scaling_dim if grad else recipe.x_block_scaling_dim)
+        return Float8BlockQuantizer(fmt.bwd_dtype if grad else fmt.fwd_dtype, block_scaling_dim=dim,
+                                    force_pow_2_scales=True)
+    if isinstance(recipe, MXFP8BlockScaling):
+        fmt = recipe.fp8_format
+        return MXFP8Quantizer(fmt.bwd_dtype if grad else fmt.fwd_dtype,
+                              with_2d_quantization=recipe.enable_2d_quantization and ttype == "weight")
+    if isinstance(recipe, NVFP4BlockScaling):
+        if ttype == "weight":
+            return NVFP4Quantizer(with_2d_quantization=not recipe.disable_2d_quantization)
+        if ttype == "input":
+            return NVFP4Quantizer(with_rht=not recipe.disable_rht)
+        if ttype == "grad_output":
+            return NVFP4Quantizer(with_rht=not recipe.disable_rht,
+                                  stochastic_rounding=not recipe.disable_stochastic_rounding)
+        return NVFP4Quantizer()
+    raise TypeError(f"unsupported recipe {type(recipe).__name__}")
+
+
+def _factory_quantizer(recipe: CustomRecipe, role: QuantizerRole | None) -> Quantizer:
+    q = recipe.qfactory(role)
+    if q is None:
+        raise ValueError(f"CustomRecipe qfactory returned None for role {role!r}; return "
+                         f"IdentityQuantizer() to keep this tensor in high precision")
+    if not isinstance(q, Quantizer):
+        raise TypeError(f"CustomRecipe qfactory returned {type(q).__name__} for role {role!r}; "
+                        f"it must return a lowprec Quantizer")
+    return q
+
+
+class DelayedScalingState:
+    """Scales and amax history for one direction of one module (delayed scaling).
+
+    ``scale`` is (n,), ``amax_history`` (history_len, n) with the newest row
+    first; quantizers record into ``amax_current`` (n,), which
+    :meth:`update` pushes into the history.
+    """
+
+    def __init__(self, recipe: DelayedScaling, n: int, fp8_dtypes: Sequence[torch.dtype],
+                 device: torch.device) -> None:
+        self.recipe = recipe
+        self.fp8_max = torch.tensor([FP8_MAX[d] for d in fp8_dtypes], dtype=torch.float32,
+                                    device=device)
+        self.scale = torch.ones(n, dtype=torch.float32, device=device)
+        self.amax_history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32,
+                                        device=device)
+        self.amax_current = torch.zeros(n, dtype=torch.float32, device=device)
+        self.pending = False
+
+    def quantizers(self, fp8_dtypes: Sequence[torch.dtype]) -> list[Float8Quantizer]:
+        return [Float8Quantizer(self.scale[i:i + 1], self.amax_current[i:i + 1], dt)
+                for i, dt in enumerate(fp8_dtypes)]
+
+    def update(self, group=None) -> None:
+        """Push the recorded amaxes into the history and recompute the scales."""
+        if not self.pending:
+            return
+        self.pending = False
+        current = self.amax_current
+        if group is not None and self.recipe.reduce_amax:
+            current = current.clone()
+            torch.distributed.all_reduce(current, op=torch.distributed.ReduceOp.MAX, group=group)
+        self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=0))
+        self.amax_history[0].copy_(current)
+        algo = self.recipe.amax_compute_algo
+        if algo == "max":
+            amax = self.amax_history.amax(dim=0)
+            # amax() ignores NaN on some backends; a NaN in the history must keep the scale.
+            amax = torch.where(torch.isnan(self.amax_history).any(dim=0),
+                               torch.full_like(amax, float("nan")), amax)
+        elif algo == "most_recent":
+            amax = self.amax_history[0].clone()
+        else:
+            amax = torch.as_tensor(algo(self.amax_history.clone()), dtype=torch.float32,
+                                   device=self.scale.device).reshape(self.scale.shape)
+        new = self.fp8_max / amax / (2.0 ** self.recipe.margin)
+        ok = torch.isfinite(amax) & (amax > 0)
+        self.scale.copy_(torch.where(ok, new, self.scale))
+        self.amax_current.zero_()
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale.clone(), "amax_history": self.amax_history.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["amax_history"].shape != self.amax_history.shape:
+            raise ValueError(f"delayed-scaling state has history shape "
+                             f"{tuple(state['amax_history'].shape)}, the recipe wants "
+                             f"{tuple(self.amax_history.shape)}")
+        self.scale.copy_(state["scale"])
+        self.amax_history.copy_(state["amax_history"])
+
+
+class RecipeState:
+    """Quantizers for one direction of one module under one recipe."""
+
+    def __init__(self, recipe: Recipe, mode: str, roles: Sequence[QuantizerRole | None],
+                 quantizers: list[Quantizer], delayed: DelayedScalingState | None) -> None:
+        self.recipe = recipe
+        self.mode = mode
+        self.roles = list(roles)
+        self.quantizers = quantizers
+        self.delayed = delayed
+
+    @classmethod
+    def create(cls, recipe: Recipe, mode: str, roles: Sequence[QuantizerRole | None],
+               device: torch.device | None = None) -> "RecipeState":
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}; use 'forward' or 'backward'")
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a lowprec recipe, got {type(recipe).__name__}")
+        delayed = None
+        if isinstance(recipe, DelayedScaling):
+            fmt = recipe.fp8_format
+            dtypes = [fmt.bwd_dtype if _is_grad(r, mode) else fmt.fwd_dtype for r in roles]
+            delayed = DelayedScalingState(recipe, len(roles), dtypes,
+                                          device or torch.device("cpu"))
+            quantizers = delayed.quantizers(dtypes)
+        elif isinstance(recipe, CustomRecipe):
+            quantizers = [_factory_quantizer(recipe, r) for r in roles]
+        else:
+            quantizers = [_builtin_quantizer(recipe, r, mode) for r in roles]
+        # One object per slot: a factory that returns a shared quantizer must not see one
+        # slot's usage settings leak into another.
+        seen: set[int] = set()
+        for i, q in enumerate(quantizers):
+            if id(q) in seen:
+                quantizers[i] = q.copy()
+            seen.add(id(quantizers[i]))
+        return cls(recipe, mode, roles, quantizers, delayed)
