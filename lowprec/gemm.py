@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .formats.base import QuantizedTensor, _check_usage
+from .formats.hybrid import HybridQuantizedTensor
 from .formats.identity import IdentityTensor
 
 
@@ -95,6 +96,11 @@ def gemm(a: torch.Tensor, a_usage: str, b: torch.Tensor, b_usage: str, *,
     """``mat(a, a_usage) @ mat(b, b_usage).T (+ bias)`` as a 2-D tensor of ``out_dtype``."""
     _check_usage(a_usage)
     _check_usage(b_usage)
+    # A hybrid operand is just the sub-tensor of the direction this GEMM consumes.
+    if isinstance(a, HybridQuantizedTensor):
+        a = a.sub_tensor(a_usage)
+    if isinstance(b, HybridQuantizedTensor):
+        b = b.sub_tensor(b_usage)
     ka = a.shape[-1] if a_usage == "rowwise" else a.numel() // max(a.shape[-1], 1)
     kb = b.shape[-1] if b_usage == "rowwise" else b.numel() // max(b.shape[-1], 1)
     if ka != kb:

@@ -3,6 +3,7 @@
 from .base import Quantizer, QuantizedTensor, register_safe_globals
 from .block import Float8BlockQuantizer, Float8BlockwiseTensor
 from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .hybrid import HybridQuantizedTensor, HybridQuantizer
 from .identity import IdentityQuantizer, IdentityTensor
 from .mxfp8 import MXFP8Quantizer, MXFP8Tensor
 from .nvfp4 import NVFP4Quantizer, NVFP4Tensor
@@ -12,6 +13,7 @@ __all__ = ["Quantizer", "QuantizedTensor",
            "Float8BlockQuantizer", "Float8BlockwiseTensor",
            "MXFP8Quantizer", "MXFP8Tensor",
            "NVFP4Quantizer", "NVFP4Tensor",
-           "IdentityQuantizer", "IdentityTensor"]
+           "IdentityQuantizer", "IdentityTensor",
+           "HybridQuantizer", "HybridQuantizedTensor"]
 
 register_safe_globals(*(globals()[name] for name in __all__ if name not in ("Quantizer", "QuantizedTensor")))

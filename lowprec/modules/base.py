@@ -107,7 +107,9 @@ class LowprecModule(nn.Module):
         recipe = region.recipe
         fwd, bwd = self._state("forward", recipe, device), self._state("backward", recipe, device)
         callback = None
-        if fwd.delayed is not None:
+        # An evaluation forward (grad disabled) must not move the delayed-scaling state, so
+        # interleaved eval steps leave training bit-identical.
+        if fwd.delayed is not None and torch.is_grad_enabled():
             fwd.delayed.pending = True
             register_delayed_state(fwd.delayed)
             group = region.group

@@ -174,8 +174,8 @@ def make_input(dist: str, shape, dtype, seed: int) -> torch.Tensor:
 
 DISTS = ["normal", "uniform", "lognormal", "student_t", "outliers", "binades"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SHAPES = {1: [(384,), (8, 256), (256, 384), (2, 128, 256)],
-          2: [(128, 128), (256, 384), (2, 128, 256)]}
+SHAPES = {1: [(384,), (8, 256), (2, 128, 256), (128, 384)],
+          2: [(128, 384), (2, 128, 256)]}
 
 
 def usages_for(shape, dim):
@@ -190,13 +190,15 @@ def usages_for(shape, dim):
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dim", [1, 2])
 def test_random_matches_spec(dist, dtype, fp8_dtype, dim):
+    # Alternate pow2 over shapes and distributions so that every combination is
+    # covered by some case while each case stays small.
     for i, shape in enumerate(SHAPES[dim]):
         row, col = usages_for(shape, dim)
-        x = make_input(dist, shape, dtype, seed=hash((dist, str(dtype), dim, i)) % 2**31)
-        for pow2 in (True, False):
-            q = Float8BlockQuantizer(fp8_dtype, block_scaling_dim=dim, force_pow_2_scales=pow2)
-            q.set_usage(rowwise=row, columnwise=col)
-            check_all(q, x)
+        x = make_input(dist, shape, dtype, seed=1000 * DISTS.index(dist) + 10 * dim + i)
+        pow2 = (i + DISTS.index(dist)) % 2 == 0
+        q = Float8BlockQuantizer(fp8_dtype, block_scaling_dim=dim, force_pow_2_scales=pow2)
+        q.set_usage(rowwise=row, columnwise=col)
+        check_all(q, x)
 
 
 def test_defaults_and_layout():

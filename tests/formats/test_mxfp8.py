@@ -202,14 +202,19 @@ def _next(x, direction):
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_rceil_power_of_two_boundaries(fp8_dtype):
     fmax = FMT[fp8_dtype][2]
-    ks = [k for k in range(-126, 113, 7)] + [-1, 0, 1]
-    rows, want_codes = [], []
+    ks = [k for k in range(-126, 113, 7)] + [-130, -128, -127, -125, -1, 0, 1]
+    rows, want_codes, full_range_rows = [], [], []
     for k in ks:
         exact = fmax * 2.0 ** k  # amax / fp8_max == 2**k exactly
-        for amax, want_e in ((exact, k), (_next(exact, math.inf), k + 1),
-                             (_next(exact, 0.0), k)):
+        # Slightly above: the next power of two, except where the quotient is an fp32
+        # subnormal whose rounding lands back on 2**k (k <= -127), and the clamp at -127.
+        above = k + 1 if k >= -126 else -127
+        for amax, want_e in ((exact, max(k, -127)), (_next(exact, math.inf), above),
+                             (_next(exact, 0.0), max(k, -127))):
             if not math.isfinite(amax):
                 continue
+            if amax == exact and k >= -127:
+                full_range_rows.append(len(rows))
             row = torch.linspace(-1, 1, 32) * amax * 0.9
             row[5] = -amax
             rows.append(row)
@@ -219,14 +224,27 @@ def test_rceil_power_of_two_boundaries(fp8_dtype):
     qt = MXFP8Quantizer(fp8_dtype)(x)
     codes = qt.rowwise_scale[: len(want_codes), 0].tolist()
     assert codes == want_codes
-    # The exact-power-of-two block uses the full range: its amax lands on fp8_max.
-    exact_rows = torch.arange(0, len(want_codes), 3)
-    top = qt.rowwise_data[exact_rows, 5].to(torch.float32)
+    # An exact-power-of-two block (unclamped) uses the full range: its amax lands on fp8_max.
+    top = qt.rowwise_data[full_range_rows, 5].to(torch.float32)
     assert torch.equal(top, torch.full_like(top, -fmax))
     check_direction(qt, x, "rowwise", fp8_dtype)
     check_direction(qt, x, "columnwise", fp8_dtype)
     check_direction(MXFP8Quantizer(fp8_dtype, with_2d_quantization=True)(x), x, "rowwise",
                     fp8_dtype, two_d=True)
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_subnormal_quotient_saturates(fp8_dtype):
+    # amax one ulp above fp8_max * 2**-127: fp32(amax / fp8_max) is subnormal and rounds to
+    # 2**-127 exactly, so e = -127 and the largest element saturates to fp8_max.
+    fmax = FMT[fp8_dtype][2]
+    amax = _next(fmax * 2.0 ** -127, math.inf)
+    x = torch.full((1, 32), amax / 4)
+    x[0, 9] = -amax
+    qt = MXFP8Quantizer(fp8_dtype).set_usage(columnwise=False)(x)
+    assert qt.rowwise_scale.item() == 0
+    assert qt.rowwise_data[0, 9].to(torch.float32).item() == -fmax
+    check_direction(qt, x, "rowwise", fp8_dtype)
 
 
 def test_rceil_rounds_up_not_down():

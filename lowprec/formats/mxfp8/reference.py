@@ -32,7 +32,7 @@ def block_exponents(amax: torch.Tensor, fp8_dtype: torch.dtype):
     positive = finite & (v > 0)
     e = ceil_pow2_exponent(torch.where(positive, v, torch.ones_like(v)))
     e = e.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
-    e = torch.where(positive, e, torch.zeros_like(e))
+    e = torch.where(positive, e, torch.full_like(e, E8M0_MIN_EXP))
     e = torch.where(finite, e, torch.zeros_like(e))
     code = torch.where(finite, e + E8M0_BIAS, torch.full_like(e, E8M0_NAN)).to(torch.uint8)
     return e, code
