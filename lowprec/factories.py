@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, IdentityQuantizer,
-                      MXFP8Quantizer, NVFP4Quantizer)
+from .formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, HybridQuantizer,
+                      IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _GRAD_TYPES = ("grad_output", "grad_input")
@@ -57,16 +57,32 @@ def nvfp4_factory(role):
 
 
 def mxfp8_fwd_nvfp4_bwd_factory(role):
-    """MXFP8 for forward tensors, NVFP4 (RHT + stochastic rounding) for gradients.
+    """MXFP8 for the forward GEMM, NVFP4 for both backward GEMMs.
 
-    Backward GEMMs then pair an NVFP4 gradient with an MXFP8 operand, which
-    runs through exact emulation.
+    Inputs and weights are hybrids: MXFP8 rowwise (fprop), NVFP4 columnwise
+    (dgrad's W, wgrad's X, with RHT on the input as in ``NVFP4BlockScaling``);
+    gradients are NVFP4 with RHT and stochastic rounding. Every backward GEMM
+    therefore pairs two NVFP4 operands.
     """
     if role is None:
         return IdentityQuantizer()
     if role.tensor_type in _GRAD_TYPES:
         return NVFP4Quantizer(with_rht=True, stochastic_rounding=True)
+    if role.tensor_type == "weight":
+        return HybridQuantizer(MXFP8Quantizer(E4M3), NVFP4Quantizer(with_2d_quantization=True))
+    if role.tensor_type == "input":
+        return HybridQuantizer(MXFP8Quantizer(E4M3), NVFP4Quantizer(with_rht=True))
     return MXFP8Quantizer(E4M3)
+
+
+def fp8_row_mxfp8_col_factory(role):
+    """Per-tensor FP8 (current scaling) rowwise, MXFP8 columnwise, for every forward tensor;
+    MXFP8 gradients. dgrad and wgrad then run on MXFP8 operands only."""
+    if role is None:
+        return IdentityQuantizer()
+    if role.tensor_type in _GRAD_TYPES:
+        return MXFP8Quantizer(E4M3)
+    return HybridQuantizer(Float8CurrentScalingQuantizer(E4M3), MXFP8Quantizer(E4M3))
 
 
 class NVFP4ExceptLayers:

@@ -190,6 +190,12 @@ class CustomRecipe(Recipe):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        from .formats.base import Quantizer  # recipes stay importable without formats loaded first
+
+        if isinstance(self.qfactory, Quantizer):
+            raise TypeError(f"CustomRecipe got a quantizer ({type(self.qfactory).__name__}) where a "
+                            f"factory is expected; pass a function role -> Quantizer, e.g. one "
+                            f"that returns q.copy()")
         if not callable(self.qfactory):
             raise TypeError(f"CustomRecipe needs a callable qfactory(role) -> Quantizer, got "
                             f"{self.qfactory!r}")

@@ -95,7 +95,7 @@ def assert_bits_equal(actual: torch.Tensor, want: torch.Tensor, nan_mask=None):
     assert torch.equal(a, w), f"{(a != w).sum()} mismatching elements"
 
 
-def check_direction(qt, x, usage, fp8_dtype, dim, *, pow2, eps=0.0):
+def check_direction(q: Float8BlockQuantizer, qt, x, usage):
     """Compare one direction's stored data/scale and its dequantization with the model.
 
     Columnwise is modelled as the quantization of x2d.T (1x128 blocks for dim 1,
@@ -104,15 +104,16 @@ def check_direction(qt, x, usage, fp8_dtype, dim, *, pow2, eps=0.0):
     m, k = qt.shape_2d
     x2d = x.reshape(m, k)
     src = x2d if usage == "rowwise" else x2d.t()
-    scale, data, deq, nan_mask = expected(src, fp8_dtype, dim, pow2=pow2, eps=eps)
+    scale, data, deq, nan_mask = expected(src, q.fp8_dtype, q.block_scaling_dim,
+                                          pow2=q.force_pow_2_scales, eps=q.amax_epsilon)
     stored_data, stored_scale = getattr(qt, f"{usage}_data"), getattr(qt, f"{usage}_scale")
     # Stored scale: exact fp32 values in the documented shape.
     assert stored_scale.dtype == torch.float32
     assert_bits_equal(stored_scale, scale)
     # Stored data: exact fp8 bytes outside NaN blocks, NaN inside them.
-    assert stored_data.dtype == fp8_dtype and stored_data.is_contiguous()
+    assert stored_data.dtype == q.fp8_dtype and stored_data.is_contiguous()
     assert stored_data.shape == data.shape
-    want_bytes = data.to(torch.float32).to(fp8_dtype).view(torch.uint8)
+    want_bytes = data.to(torch.float32).to(q.fp8_dtype).view(torch.uint8)
     got = stored_data.view(torch.uint8)
     assert torch.equal(torch.where(nan_mask, 0, got), torch.where(nan_mask, 0, want_bytes))
     assert bool(torch.isnan(stored_data.to(torch.float32))[nan_mask].all())
@@ -128,14 +129,14 @@ def check_direction(qt, x, usage, fp8_dtype, dim, *, pow2, eps=0.0):
     assert torch.equal(default.nan_to_num(0), out.to(x.dtype).nan_to_num(0))
 
 
-def check_all(q: Float8BlockQuantizer, x: torch.Tensor, eps: float = 0.0):
+def check_all(q: Float8BlockQuantizer, x: torch.Tensor):
+    """Quantize x and check every direction q asks for against the model."""
     qt = q.quantize(x)
     assert isinstance(qt, Float8BlockwiseTensor)
     assert qt.shape == x.shape and qt.dtype == x.dtype
     for usage in ("rowwise", "columnwise"):
         if getattr(q, f"{usage}_usage"):
-            check_direction(qt, x, usage, q.fp8_dtype, q.block_scaling_dim,
-                            pow2=q.force_pow_2_scales, eps=eps)
+            check_direction(q, qt, x, usage)
         else:
             assert getattr(qt, f"{usage}_data") is None and getattr(qt, f"{usage}_scale") is None
     return qt
@@ -229,7 +230,7 @@ def test_amax_epsilon():
             for pow2 in (True, False):
                 q = Float8BlockQuantizer(block_scaling_dim=dim, force_pow_2_scales=pow2,
                                          amax_epsilon=eps)
-                qt = check_all(q, x, eps=eps)
+                qt = check_all(q, x)
                 if not pow2:
                     eps32 = torch.tensor(eps, dtype=torch.float32)
                     assert qt.rowwise_scale[0, 0] == torch.tensor(448.0) / eps32
@@ -383,7 +384,9 @@ def test_usages(dim):
 
 @pytest.mark.parametrize("dim", [1, 2])
 def test_update_usage(dim):
-    x = make_input("normal", (256, 128), torch.float32, 10)
+    # Blocks with distinct scales on a non-square block grid, so a transposed scale
+    # cannot pass for a reshaped one.
+    x = make_input("lognormal", (2, 128, 384), torch.float32, 10)
     q = Float8BlockQuantizer(block_scaling_dim=dim)
     qt = q.quantize(x)
     ref = q.quantize(x)
@@ -396,6 +399,7 @@ def test_update_usage(dim):
         with pytest.raises(RuntimeError, match="cannot derive"):
             qt.update_usage(columnwise_usage=True)
         return
+    assert not torch.equal(ref.rowwise_scale.t(), ref.rowwise_scale.reshape(3, 2))
     qt.update_usage(columnwise_usage=True)
     assert torch.equal(qt.columnwise_data.view(torch.uint8), ref.columnwise_data.view(torch.uint8))
     assert torch.equal(qt.columnwise_scale, ref.columnwise_scale)

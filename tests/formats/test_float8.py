@@ -287,6 +287,15 @@ def test_rounding_ties_and_fp32_overflow(fp8_dtype):
         x, want = [36864.0, 45056.0, 2.25, 2.75], [32768.0, 49152.0, 2.0, 3.0]
     qt = delayed(1.0, fp8_dtype).quantize(torch.tensor(x))
     assert qt.rowwise_data.to(torch.float64).flatten().tolist() == want
+    # x*scale is an fp32 multiply: the exact product lies just above a tie, but its fp32
+    # rounding is the tie itself, which then goes to the even neighbour (not the upper one).
+    s = 1 - 2.0 ** -24
+    tie, lower = (400.0, 384.0) if fp8_dtype == E4M3 else (36864.0, 32768.0)
+    xt = torch.tensor([tie, -tie]) + torch.tensor([1.0, -1.0]) * 2.0 ** (math.frexp(tie)[1] - 24)
+    assert (xt.double() * s).abs().min().item() > tie and f32(xt[0].item() * s) == tie
+    qt = delayed(s, fp8_dtype).quantize(xt)
+    assert qt.rowwise_data.to(torch.float64).flatten().tolist() == [lower, -lower]
+    check_quantized(qt, xt, s, fp8_dtype)
     # x * scale overflows fp32 to inf: that saturates, it is not a NaN/Inf input.
     xo = torch.tensor([2.0 ** 30, -(2.0 ** 30), 1.0])
     qt = delayed(2.0 ** 100, fp8_dtype).quantize(xo)

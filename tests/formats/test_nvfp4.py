@@ -107,7 +107,8 @@ def expected_direction(mat, two_d, rand=None):
     ok = (d > 0)[..., None]
     v = torch.where(ok, f32(f32(b * s) / torch.where(ok, d[..., None], 1.0)), 0.0)
     q = e2m1_rne(v) if rand is None else e2m1_sr(v, to_blocks(rand.to(F64), two_d))
-    codes = torch.searchsorted(E2M1, q.contiguous()).to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
+    codes = torch.searchsorted(E2M1, q.contiguous()).to(torch.uint8)
+    codes |= torch.signbit(v).to(torch.uint8) << 3
     q = torch.where(torch.signbit(v), -q, q)
     deq = f32(f32(q * d[..., None]) / s)
     return (from_blocks(codes, mat.shape, two_d), d, s, from_blocks(deq, mat.shape, two_d))
@@ -205,7 +206,8 @@ def test_one_dim_and_three_dim_rowwise_only():
 def test_two_d_scales_are_shared_between_directions():
     x = make("lognormal", (32, 48), torch.float32)
     qt = check_against_model(NVFP4Quantizer(with_2d_quantization=True), x)
-    assert torch.equal(qt.columnwise_scale.view(torch.uint8), qt.rowwise_scale.view(torch.uint8).t())
+    assert torch.equal(qt.columnwise_scale.view(torch.uint8),
+                       qt.rowwise_scale.view(torch.uint8).t())
     assert torch.equal(qt.columnwise_global, qt.rowwise_global)
     assert qt.rowwise_scale.shape == (2, 3) and qt.columnwise_data.shape == (48, 16)
 
@@ -354,22 +356,8 @@ def test_usages_and_update_usage():
         full.update_usage(rowwise_usage=False)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS + [dict(stochastic_rounding=True, with_rht=True)])
-def test_make_empty_then_update_quantized(cfg):
-    q = NVFP4Quantizer(**cfg)
-    x = make("student_t", (2, 16, 64), torch.float16)
-    torch.manual_seed(7)
-    ref = q.quantize(x)
-    empty = q.make_empty(x.shape, dtype=torch.float16)
-    buffers = {n: t.data_ptr() for n, t in empty.inner_tensors().items()}
-    torch.manual_seed(7)
-    out = q.update_quantized(x, empty)
-    assert out is empty
-    for name, t in ref.inner_tensors().items():
-        assert torch.equal(getattr(empty, name).view(torch.uint8) if t.dtype.itemsize == 1
-                           else getattr(empty, name), t.view(torch.uint8) if t.dtype.itemsize == 1
-                           else t)
-        assert getattr(empty, name).data_ptr() == buffers[name]
+def bits(t):
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
 def assert_same_tensor(a, b):
@@ -379,27 +367,7 @@ def assert_same_tensor(a, b):
         u = getattr(b, name)
         assert (t is None) == (u is None)
         if t is not None:
-            assert t.dtype == u.dtype and torch.equal(t.view(torch.uint8) if t.dtype.itemsize == 1
-                                                      else t, u.view(torch.uint8)
-                                                      if u.dtype.itemsize == 1 else u)
-
-
-def test_tensor_round_trips():
-    x = make("outliers", (32, 32), torch.bfloat16)
-    x[0, 0] = float("nan")
-    qt = NVFP4Quantizer(with_rht=True, with_2d_quantization=True).quantize(x)
-    assert_same_tensor(pickle.loads(pickle.dumps(qt)), qt)
-    assert_same_tensor(copy.deepcopy(qt), qt)
-    buf = io.BytesIO()
-    torch.save(qt, buf)
-    buf.seek(0)
-    back = torch.load(buf, weights_only=True)
-    assert_same_tensor(back, qt)
-    assert_bits_equal(back.dequantize(torch.float32, usage="columnwise"),
-                      qt.dequantize(torch.float32, usage="columnwise").to(F64))
-    assert_same_tensor(qt.detach(), qt)
-    assert_same_tensor(qt.clone(), qt)
-    assert_same_tensor(qt.view(2, 16, 32), qt.view(2, 16, 32))
+            assert t.dtype == u.dtype and torch.equal(bits(t), bits(u))
 
 
 def _torch_round_trip(obj):
@@ -407,6 +375,41 @@ def _torch_round_trip(obj):
     torch.save(obj, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS + [dict(stochastic_rounding=True, with_rht=True)])
+@pytest.mark.parametrize("usage", ["both", "rowwise", "columnwise"])
+def test_make_empty_then_update_quantized(cfg, usage):
+    q = NVFP4Quantizer(**cfg).set_usage(rowwise=usage != "columnwise",
+                                        columnwise=usage != "rowwise")
+    x = make("student_t", (2, 16, 64), torch.float16)
+    torch.manual_seed(7)
+    ref = q.quantize(x)
+    empty = q.make_empty(x.shape, dtype=torch.float16)
+    buffers = {}
+    for name, t in empty.inner_tensors().items():
+        if t is not None:
+            bits(t).fill_(0x7E if t.dtype != torch.float32 else 0)  # garbage to overwrite
+            buffers[name] = t.data_ptr()
+    torch.manual_seed(7)
+    assert q.update_quantized(x, empty) is empty
+    assert_same_tensor(empty, ref)
+    assert {n: t.data_ptr() for n, t in empty.inner_tensors().items() if t is not None} == buffers
+
+
+def test_tensor_round_trips():
+    x = make("outliers", (32, 32), torch.bfloat16)
+    x[0, 0] = float("nan")
+    qt = NVFP4Quantizer(with_rht=True, with_2d_quantization=True).quantize(x)
+    for back in (pickle.loads(pickle.dumps(qt)), copy.deepcopy(qt), _torch_round_trip(qt),
+                 qt.detach(), qt.clone()):
+        assert_same_tensor(back, qt)
+        assert_bits_equal(back.dequantize(torch.float32, usage="columnwise"),
+                          qt.dequantize(torch.float32, usage="columnwise").to(F64))
+    v = qt.view(2, 16, 32)
+    assert v.shape == (2, 16, 32)
+    assert torch.equal(v.dequantize(torch.float32, usage="columnwise").isnan(),
+                       qt.dequantize(torch.float32, usage="columnwise").reshape(2, 16, 32).isnan())
 
 
 @pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch_save"])
@@ -450,7 +453,8 @@ def test_stochastic_rounding_matches_float64_model_with_same_draws(cfg):
     q = NVFP4Quantizer(stochastic_rounding=True, **cfg)
     g = torch.Generator().manual_seed(123)
     # The quantizer draws rowwise (M, K) first, then columnwise (K, M), uniform fp32 [0, 1).
-    rands = {"rowwise": torch.rand(32, 48, generator=g), "columnwise": torch.rand(48, 32, generator=g)}
+    rands = {"rowwise": torch.rand(32, 48, generator=g),
+             "columnwise": torch.rand(48, 32, generator=g)}
     torch.manual_seed(123)
     check_against_model(q, x, rands)
 

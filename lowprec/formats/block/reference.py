@@ -56,7 +56,7 @@ def quantize_blocks(x2d: torch.Tensor, fp8_dtype: torch.dtype, block_scaling_dim
     amax = block_amax(x, block_scaling_dim)
     scale = scale_from_amax(amax, FP8_MAX[fp8_dtype], eps=eps, pow2=pow2)
     scaled = _blocked(x, block_scaling_dim) * _per_element(scale, block_scaling_dim)
-    data = scaled.to(fp8_dtype).reshape(x.shape)
+    data = cast_fp8(scaled, fp8_dtype).reshape(x.shape)
     return data, scale
 
 

@@ -62,7 +62,8 @@ def block_decode_scales(xb: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """E4M3 ``d = cast((block_amax / 6) * S)`` per block of a blocked fp32 view; NaN where
     the block holds a non-finite element."""
     bamax = xb.abs().amax(dim=-1)
-    d = cast_fp8((bamax / E2M1_MAX) * s, SCALE_DTYPE).to(torch.float32)
+    # Divide by a tensor: CUDA turns division by a Python scalar into a reciprocal multiply.
+    d = cast_fp8((bamax / torch.full_like(bamax, E2M1_MAX)) * s, SCALE_DTYPE).to(torch.float32)
     bad = ~torch.isfinite(xb).all(dim=-1)
     d = torch.where(bad, torch.full_like(d, float("nan")), d)
     return d.to(SCALE_DTYPE)
