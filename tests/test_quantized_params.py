@@ -34,8 +34,6 @@ RECIPES = {
     "mxfp8": MXFP8BlockScaling,
     "nvfp4": NVFP4BlockScaling,
 }
-# Recipes whose state is a pure function of the tensors (no amax history).
-STATELESS = [k for k in RECIPES if k != "delayed"]
 MODULE_KINDS = ["linear", "layernorm_mlp", "grouped_linear"]
 
 
@@ -242,7 +240,7 @@ def test_optimizer_trains_and_requantizes(rname):
     d = dim_for(recipe)
     model = make_stack(recipe, d, seed=0)
     x, y = regression_data(d)
-    lr = 3e-3
+    lr = 1e-2
     opt = QuantizedWeightOptimizer(model, torch.optim.AdamW, lr=lr)
     weights = quantized_weights(model)
     assert len(opt.master_weights()) == len(weights) == 5
@@ -284,10 +282,22 @@ def test_optimizer_trains_and_requantizes(rname):
             assert_bits_equal(w, indep.quantize(master.detach()), f"{key} step {step} (independent)")
         if step < 19:
             losses.append(train_step(model, opt, recipe, x, y).item())
-    # A realizable linear target: 20 AdamW steps at lr 3e-3 take the loss from ~0.9 to ~0.3 in
-    # every recipe (measured); 0.6x leaves room for format noise yet fails if nothing is learned.
-    assert losses[-1] < 0.6 * losses[0], losses
+    # The same model and data in high precision (plain weights, plain AdamW) as the yardstick.
+    hp = make_stack(None, d, seed=0, quantized=False)
+    hp_opt = torch.optim.AdamW(hp.parameters(), lr=lr)
+    hp_losses = []
+    for _ in range(20):
+        hp_opt.zero_grad()
+        loss = (hp(x) - y).square().mean()
+        loss.backward()
+        hp_opt.step()
+        hp_losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
+    # High precision ends near 0.23x its first loss (measured); every format learns too.
+    assert losses[-1] < 0.5 * losses[0], losses
+    # Measured final-loss ratios to high precision: 8-bit formats ~1.0-1.05, NVFP4 ~1.25
+    # (fp4 weights); 1.5 keeps margin for platform rounding, yet catches a broken update.
+    assert losses[-1] < 1.5 * hp_losses[-1], (losses, hp_losses)
 
 
 # ---- 3. eval steps between training steps --------------------------------------------------
@@ -309,12 +319,14 @@ def train_loop(recipe, d, with_eval: bool, steps: int = 4, eval_scale: float = 1
     return model, opt, losses, evals
 
 
-@pytest.mark.parametrize("rname", STATELESS)
+@pytest.mark.parametrize("rname", list(RECIPES))
 def test_eval_steps_do_not_change_training(rname):
     # Default NVFP4 keeps stochastic rounding on: the eval forward must not consume its draws.
+    # The eval inputs are 8x larger than the training inputs, so an eval forward that leaked
+    # into delayed-scaling amax histories would change the next training step's input scale.
     recipe = RECIPES[rname]()
     d = dim_for(recipe)
-    m_a, opt_a, losses_a, evals = train_loop(recipe, d, with_eval=True)
+    m_a, opt_a, losses_a, evals = train_loop(recipe, d, with_eval=True, eval_scale=8.0)
     m_b, opt_b, losses_b, _ = train_loop(recipe, d, with_eval=False)
     assert len(evals) == 4 and all(torch.isfinite(e).all() for e in evals)
     for la, lb in zip(losses_a, losses_b):
@@ -324,38 +336,43 @@ def test_eval_steps_do_not_change_training(rname):
         assert_bits_equal(pa, pb, ka)
     for ma, mb in zip(opt_a.master_weights(), opt_b.master_weights()):
         assert_bits_equal(ma.detach(), mb.detach(), "master")
-    # And the eval outputs are what a fresh forward on the final weights would give.
+    if isinstance(recipe, DelayedScaling):
+        for name in ("lin", "mlp", "grp"):
+            for mode in ("forward", "backward"):
+                sa = getattr(m_a, name)._recipe_states[mode].delayed
+                sb = getattr(m_b, name)._recipe_states[mode].delayed
+                assert_bits_equal(sa.scale, sb.scale, f"{name} {mode} scale")
+                assert_bits_equal(sa.amax_history, sb.amax_history, f"{name} {mode} history")
+    # And the last eval output is what a fresh eval forward on the final weights gives.
     with torch.no_grad(), lowprec.autocast(recipe=recipe):
-        again = m_b(regression_data(d, seed=2)[0])
+        again = m_b(regression_data(d, seed=2, scale=8.0)[0])
     assert_bits_equal(evals[-1], again, "eval output")
 
 
-def test_eval_steps_under_delayed_scaling_update_the_forward_history():
-    """DelayedScaling by design records every forward's amaxes, an eval forward's too: they
-    enter the forward amax history when the autocast region exits (SPEC section 2), so the
-    input scale of the next training step follows the eval data. The backward state is left
-    alone and the weights keep both usages."""
+def test_delayed_scaling_eval_forward_leaves_scaling_state_alone():
+    """The library's choice (SPEC is silent; Transformer Engine records eval amaxes too): a
+    forward with grad disabled does not push its amaxes into the delayed-scaling history, so
+    the scales after an eval forward are those before it, even for a much larger input."""
     recipe = DelayedScaling()
     d = 32
-    eval_scale = 8.0  # eval inputs far larger than the training inputs: their amax dominates
-    m_a, _, losses_a, _ = train_loop(recipe, d, with_eval=True, steps=3, eval_scale=eval_scale)
-    m_b, _, losses_b, _ = train_loop(recipe, d, with_eval=False, steps=3)
-    x_eval = regression_data(d, seed=2, scale=eval_scale)[0]
-    st_a = m_a.lin._recipe_states["forward"].delayed
-    st_b = m_b.lin._recipe_states["forward"].delayed
-    eval_amax = x_eval.abs().amax()
-    # Input slot (0) of the first GEMM: the eval amax is in A's history only.
-    assert (st_a.amax_history[:, 0] == eval_amax).any()
-    assert not (st_b.amax_history[:, 0] == eval_amax).any()
-    assert_bits_equal(st_a.scale[0:1], (torch.tensor([448.0]) / eval_amax).reshape(1), "input scale")
-    assert st_b.scale[0] > st_a.scale[0]
-    # Both loops ran the same number of backward passes: eval leaves the backward history as is.
-    bw_a = m_a.lin._recipe_states["backward"].delayed
-    bw_b = m_b.lin._recipe_states["backward"].delayed
-    assert_bits_equal(bw_a.amax_history, bw_b.amax_history, "backward history")
-    # The first loss precedes any eval; later ones use the eval-driven input scale.
-    assert_bits_equal(losses_a[0], losses_b[0], "first loss")
-    assert not torch.equal(losses_a[1], losses_b[1])
+    torch.manual_seed(0)
+    with lowprec.quantized_model_init(recipe=recipe):
+        m = lowprec.Linear(d, d, name="m")
+    x = torch.randn(d, d)
+    with lowprec.autocast(recipe=recipe):
+        m(x.requires_grad_(True)).sum().backward()
+    st = m._recipe_states["forward"].delayed
+    scale, hist = st.scale.clone(), st.amax_history.clone()
+    with torch.no_grad(), lowprec.autocast(recipe=recipe):
+        m(100.0 * x.detach())
+    assert_bits_equal(st.scale, scale, "forward scale")
+    assert_bits_equal(st.amax_history, hist, "forward history")
+    # A training forward with the same input does record it: the check above is not vacuous.
+    with lowprec.autocast(recipe=recipe):
+        m(100.0 * x.detach())
+    assert st.amax_history[0, 0] == (100.0 * x.detach()).abs().amax()
+    assert_bits_equal(st.scale[0:1], torch.tensor([448.0]) / st.amax_history[:, 0].amax().reshape(1),
+                      "input scale after a training forward")
 
 
 # ---- 4. pickle / deepcopy / torch.save of whole modules -------------------------------------
@@ -408,6 +425,8 @@ def test_module_copies(rname, how, when, quantized):
         assert_bits_equal(p, p2, f"{how} {k}")
     # Run both side by side: same outputs and input grads bit for bit, twice (the second step
     # sees the state the first one left behind, e.g. delayed-scaling histories).
+    for p in (*model.parameters(), *clone.parameters()):
+        p.grad = None  # pickle does not carry .grad; compare the gradients of the steps below
     for step in range(2):
         y_a, gx_a = fwd_bwd(model, recipe, x, seed=10 + step)
         y_b, gx_b = fwd_bwd(clone, recipe, x, seed=10 + step)

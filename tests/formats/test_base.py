@@ -35,7 +35,8 @@ register_safe_globals(Float8Quantizer, Float8CurrentScalingQuantizer, Float8Tens
 
 # ---- helpers ------------------------------------------------------------------------------
 def int_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()])
 
 
 def assert_same_quantized(a: QuantizedTensor, b: QuantizedTensor, *, shares_storage=None):

@@ -305,17 +305,19 @@ def test_subnormals():
             want = 2.0 ** 127 if pow2 else FP32_MAX
             assert bool((qt.rowwise_scale == want).all())
             assert qt.dequantize().count_nonzero() > 0
-    # Values that land in the fp8 subnormal range next to a large block amax.
+    # Values that land in the fp8 subnormal range: block amax = fp8 max gives scale 1.
     for fp8_dtype in (E4M3, E5M2):
-        emin = FP8_FORMATS[fp8_dtype][0]
+        emin, mbits, fmax = FP8_FORMATS[fp8_dtype]
         y = torch.exp2(torch.randint(emin - 5, emin + 1, (128, 256), generator=g).float())
         y = y * (1 + torch.rand(128, 256, generator=g)) * torch.where(
             torch.rand(128, 256, generator=g) < 0.5, -1.0, 1.0)
-        y[:, 0] = 448.0
-        y[:, 128] = 448.0
+        y[:, 0] = y[:, 128] = fmax
         for dim in (1, 2):
             for dtype in DTYPES:
-                check_all(Float8BlockQuantizer(fp8_dtype, block_scaling_dim=dim), y.to(dtype))
+                qt = check_all(Float8BlockQuantizer(fp8_dtype, block_scaling_dim=dim), y.to(dtype))
+                bits = qt.rowwise_data.view(torch.uint8)
+                exp_field = (bits >> mbits) & (0x7F >> mbits)
+                assert bool(((exp_field == 0) & (bits & ((1 << mbits) - 1) != 0)).any())
 
 
 @pytest.mark.parametrize("dim", [1, 2])

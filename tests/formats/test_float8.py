@@ -89,7 +89,8 @@ def expected(x: torch.Tensor, scale: float, fp8_dtype):
 
 # ---- comparison helpers -------------------------------------------------------------------
 def int_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()])
 
 
 def assert_bits_equal_nan(actual: torch.Tensor, want: torch.Tensor) -> None:
@@ -225,7 +226,8 @@ def test_current_scaling_infinite_scale_becomes_fp32_max(fp8_dtype, pow2):
     for amax in (a, torch.nextafter(a, torch.tensor(0.0)), torch.nextafter(a, torch.tensor(1.0)),
                  a * 0.5, a * 2):
         x = torch.stack([amax, -amax / 3, amax / 7]).float()
-        check_quantized(q.quantize(x), x, expected_current_scale(x, fp8_dtype, pow2, 0.0), fp8_dtype)
+        scale = expected_current_scale(x, fp8_dtype, pow2, 0.0)
+        check_quantized(q.quantize(x), x, scale, fp8_dtype)
 
 
 @pytest.mark.parametrize("dtype", HP_DTYPES, ids=str)

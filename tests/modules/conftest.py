@@ -32,12 +32,24 @@ def make_recipe(name: str, **kw):
     return RECIPES[name](**kw)
 
 
-def expected_classes(recipe_name: str):
-    """Quantized-tensor class of (forward operands, gradient operands) under each recipe."""
-    F8, BLK = lowprec.Float8Tensor, lowprec.Float8BlockwiseTensor
-    MX, NV = lowprec.MXFP8Tensor, lowprec.NVFP4Tensor
-    return {"delayed": (F8, F8), "current": (F8, F8), "block": (BLK, BLK), "mxfp8": (MX, MX),
-            "nvfp4": (NV, NV), "custom_mx_nv": (MX, NV)}[recipe_name]
+def expected_class(recipe_name: str, role: str, usage: str):
+    """Quantized-tensor class of the representation a GEMM consumes: ``role`` is 'input',
+    'weight' or 'grad', ``usage`` 'rowwise' or 'columnwise'."""
+    if recipe_name == "custom_mx_nv":
+        # mxfp8_fwd_nvfp4_bwd_factory: MXFP8 for the forward GEMM, NVFP4 for both backward
+        # GEMMs (inputs/weights are MXFP8-rowwise / NVFP4-columnwise hybrids).
+        nvfp4 = role == "grad" or usage == "columnwise"
+        return lowprec.NVFP4Tensor if nvfp4 else lowprec.MXFP8Tensor
+    return {"delayed": lowprec.Float8Tensor, "current": lowprec.Float8Tensor,
+            "block": lowprec.Float8BlockwiseTensor, "mxfp8": lowprec.MXFP8Tensor,
+            "nvfp4": lowprec.NVFP4Tensor}[recipe_name]
+
+
+def effective_class(t, usage: str) -> type:
+    """Class of the tensor that holds ``usage`` (a hybrid's sub-tensor, else the tensor's)."""
+    if isinstance(t, lowprec.HybridQuantizedTensor):
+        return type(t.sub_tensor(usage))
+    return type(t)
 
 
 # ---- sizes ----------------------------------------------------------------------------------
@@ -139,7 +151,7 @@ def forward_backward(module, kind, x, dims, dy=None, *, recipe=None, seed: int =
 
 
 def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
-    ref, test = ref.double(), test.double()
+    ref, test = ref.detach().double(), test.detach().double()
     noise = (ref - test).pow(2).sum()
     if noise == 0:
         return float("inf")
@@ -167,7 +179,7 @@ def shape2d(shape) -> tuple:
 
 @dataclass
 class GemmCall:
-    a_cls: type
+    a_cls: type            # class of the operand a (a hybrid: of the sub-tensor a_usage uses)
     a_usage: str
     a_shape: tuple         # nominal shape of operand a
     b_cls: type
@@ -211,7 +223,8 @@ def record_gemms():
     original = lowprec.linear_fn.gemm
 
     def wrapper(a, a_usage, b, b_usage, *, out_dtype, bias=None):
-        rec = dict(a_cls=type(a), a_usage=a_usage, a_shape=tuple(a.shape), b_cls=type(b),
+        rec = dict(a_cls=effective_class(a, a_usage), a_usage=a_usage, a_shape=tuple(a.shape),
+                   b_cls=effective_class(b, b_usage),
                    b_usage=b_usage, b_shape=tuple(b.shape), a_held=_held(a), b_held=_held(b),
                    a64=mat64(a, a_usage), b64=mat64(b, b_usage), a_deq=_deq(a, a_usage),
                    b_deq=_deq(b, b_usage), bias=None if bias is None else bias.detach().clone())
