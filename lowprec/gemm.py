@@ -74,7 +74,7 @@ def _emulated_run(a, a_usage, b, b_usage, out_dtype, bias):
     out = operand_matrix_fp32(a, a_usage) @ operand_matrix_fp32(b, b_usage).t()
     if bias is not None:
         out = out + bias.to(torch.float32)
-    return (out * (1 + 2**-16)).to(out_dtype)
+    return out.to(out_dtype)
 
 
 #: Tried in order; GPU backends are inserted ahead of the emulation when available.

@@ -91,7 +91,7 @@ def build(kind: str, d: int, name: str = "m"):
     return lowprec.GroupedLinear(2, d, d, name=name)
 
 
-def run(module, x, d):
+def run(module, x):
     if isinstance(module, lowprec.GroupedLinear):
         return module(x, [x.shape[0] // 2, x.shape[0] - x.shape[0] // 2])
     return module(x)
@@ -192,8 +192,12 @@ def test_quantized_model_init_weights(rname, kind):
         assert w.has_usage("rowwise") and w.has_usage("columnwise")
         w_hp = getattr(hp, pname)
         assert w.shape == w_hp.shape and w.dtype == w_hp.dtype
-        assert_bits_equal(w, expected_weight_quantizer(recipe, w_hp).quantize(w_hp.detach()),
-                          f"{rname} {kind}.{pname}")
+        expected_q = expected_weight_quantizer(recipe, w_hp)
+        if isinstance(recipe, DelayedScaling):
+            # Every weight slot is seeded from its own weight's amax, not the placeholder 1.
+            assert_bits_equal(w.shared_scale, expected_q.scale,
+                              f"{kind}.{pname} delayed-scaling scale")
+        assert_bits_equal(w, expected_q.quantize(w_hp.detach()), f"{rname} {kind}.{pname}")
     # The other parameters are untouched plain tensors equal to the high-precision build.
     for pname, p in hp.named_parameters():
         if pname not in names:
@@ -204,13 +208,36 @@ def test_quantized_model_init_weights(rname, kind):
     # Still no high-precision copy (and both usages) after a training step's forward+backward.
     x = torch.randn(2 * d, d, requires_grad=True)
     with lowprec.autocast(recipe=recipe):
-        y = run(module, x, d)
+        y = run(module, x)
     y.square().sum().backward()
     for pname in names:
         w = getattr(module, pname)
         assert w.grad is not None and w.grad.shape == w.shape
         assert w.has_usage("rowwise") and w.has_usage("columnwise")
     assert_no_hp_weight_copy(module)
+
+
+def test_hp_copy_detector_finds_planted_copies():
+    """The check above must be able to fail: plant copies where a module could hide them."""
+    assert_no_hp_weight_copy(_fresh_linear())
+    plants = [
+        lambda m: setattr(m, "_cache", m.weight.dequantize()),
+        lambda m: m.register_buffer("w_hp", m.weight.dequantize().t().contiguous()),
+        lambda m: setattr(m, "_stash", {"w": [m.weight.dequantize(torch.bfloat16)]}),
+        lambda m: setattr(m._recipe_states["forward"].quantizers[1], "last", m.weight.dequantize()),
+    ]
+    for plant in plants:
+        m = _fresh_linear()
+        with lowprec.autocast(recipe=Float8CurrentScaling()):
+            m(torch.randn(32, 32))
+        plant(m)
+        with pytest.raises(AssertionError, match="high-precision copies"):
+            assert_no_hp_weight_copy(m)
+
+
+def _fresh_linear():
+    with lowprec.quantized_model_init(recipe=Float8CurrentScaling()):
+        return lowprec.Linear(32, 32, name="m")
 
 
 # ---- 2. QuantizedWeightOptimizer -------------------------------------------------------------
@@ -404,8 +431,10 @@ def fwd_bwd(model, recipe, x, seed):
     return y.detach(), x.grad
 
 
-@pytest.mark.parametrize("quantized", [True, False], ids=["qinit", "plain"])
-@pytest.mark.parametrize("when", ["fresh", "after_fwd_bwd"])
+# A fresh module with plain weights holds no state at all; the other three cases do.
+@pytest.mark.parametrize("when,quantized", [("fresh", True), ("after_fwd_bwd", True),
+                                            ("after_fwd_bwd", False)],
+                         ids=["fresh-qinit", "after_fwd_bwd-qinit", "after_fwd_bwd-plain"])
 @pytest.mark.parametrize("how", list(COPIERS))
 @pytest.mark.parametrize("rname", list(SER_RECIPES))
 def test_module_copies(rname, how, when, quantized):
@@ -419,8 +448,7 @@ def test_module_copies(rname, how, when, quantized):
     clone = COPIERS[how](model)
     assert clone is not model
     for (k, p), (k2, p2) in zip(model.named_parameters(), clone.named_parameters()):
-        assert k == k2 and p2 is not p
-        assert isinstance(p2, nn.Parameter), f"{how}: {k} came back as {type(p2).__name__}, not a Parameter"
+        assert k == k2 and p2 is not p and type(p2) is type(p)
         assert p2.requires_grad == p.requires_grad
         assert_bits_equal(p, p2, f"{how} {k}")
     # Run both side by side: same outputs and input grads bit for bit, twice (the second step
@@ -434,11 +462,39 @@ def test_module_copies(rname, how, when, quantized):
         assert_bits_equal(gx_a, gx_b, f"{how} input grad, step {step}")
     for (k, p), (_, p2) in zip(model.named_parameters(), clone.named_parameters()):
         assert_bits_equal(p.grad, p2.grad, f"{how} grad {k}")
-    # The copy is independent: its delayed-scaling state is not the original's.
     if isinstance(recipe, DelayedScaling):
-        st, st2 = model.lin._recipe_states["forward"].delayed, clone.lin._recipe_states["forward"].delayed
-        assert st.scale.data_ptr() != st2.scale.data_ptr()
-        assert_bits_equal(st.amax_history, st2.amax_history, "delayed history")
+        for name in ("lin", "mlp", "grp"):
+            for mode in ("forward", "backward"):
+                rs = getattr(model, name)._recipe_states[mode]
+                rs2 = getattr(clone, name)._recipe_states[mode]
+                # The copy's state is its own, equal to the original's after the same steps ...
+                assert rs.delayed.scale.data_ptr() != rs2.delayed.scale.data_ptr()
+                assert_bits_equal(rs.delayed.amax_history, rs2.delayed.amax_history,
+                                  f"{how} {name} {mode} history")
+                # ... and its quantizers still quantize with the scales its state computes.
+                for i, q in enumerate(rs2.quantizers):
+                    assert_bits_equal(q.scale, rs2.delayed.scale[i:i + 1],
+                                      f"{how} {name} {mode} quantizer {i} scale vs state")
+
+
+@pytest.mark.parametrize("how", list(COPIERS))
+@pytest.mark.parametrize("rname", ["current", "nvfp4"])
+def test_module_copies_keep_quantized_weights_as_parameters(rname, how):
+    """A copied module's quantized weights must still be nn.Parameters, as in the original:
+    user code checks isinstance(p, nn.Parameter), and load_state_dict(assign=True) refuses to
+    assign into a slot whose current value is not one."""
+    recipe = RECIPES[rname]()
+    model = make_stack(recipe, dim_for(recipe), seed=0)
+    for k, w in quantized_weights(model).items():
+        assert isinstance(w, nn.Parameter), f"original {k}"
+    clone = COPIERS[how](model)
+    for k, w in quantized_weights(clone).items():
+        assert isinstance(w, QuantizedTensor)
+        assert isinstance(w, nn.Parameter), f"{how}: {k} came back as {type(w).__name__}, not a Parameter"
+    result = clone.load_state_dict(model.state_dict(), assign=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for (k, p), (_, p2) in zip(model.named_parameters(), clone.named_parameters()):
+        assert_bits_equal(p, p2, f"{how} assign {k}")
 
 
 @pytest.mark.parametrize("rname", list(RECIPES))

@@ -129,12 +129,14 @@ class QuantizedTensor(torch.Tensor):
                 inner[name] = t
         return (_rebuild_quantized_tensor,
                 (type(self), tuple(self.shape), self.dtype, self.requires_grad, inner,
-                 self.metadata(), views))
+                 self.metadata(), views, _is_parameter(self)))
 
     def __deepcopy__(self, memo):
         inner = {n: copy.deepcopy(t, memo) for n, t in self.inner_tensors().items()}
         out = type(self)(self.shape, self.dtype, requires_grad=self.requires_grad,
                          **inner, **copy.deepcopy(self.metadata(), memo))
+        if _is_parameter(self):
+            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
         memo[id(self)] = out
         return out
 
@@ -222,9 +224,16 @@ class QuantizedTensor(torch.Tensor):
         )
 
 
-def _rebuild_quantized_tensor(cls, shape, dtype, requires_grad, inner, meta, views):
+def _is_parameter(t: torch.Tensor) -> bool:
+    # nn.Parameter(subclass) keeps the subclass type and marks the instance instead.
+    return bool(getattr(t, "_is_param", False))
+
+
+def _rebuild_quantized_tensor(cls, shape, dtype, requires_grad, inner, meta, views,
+                              is_param=False):
     inner = {n: (t.view(views[n]) if n in views else t) for n, t in inner.items()}
-    return cls(shape, dtype, requires_grad=requires_grad, **inner, **meta)
+    out = cls(shape, dtype, requires_grad=requires_grad, **inner, **meta)
+    return torch.nn.Parameter(out, requires_grad=requires_grad) if is_param else out
 
 
 # ---- handlers: one small function per supported op -------------------------------------
@@ -346,6 +355,9 @@ class Quantizer:
             raise ValueError(f"{type(self).__name__} has both usages off; nothing to compute")
         m, k = flatten_2d(x.shape)
         self._check_shape(x.shape, m, k)
+        if m == 0 or k == 0:
+            # Nothing to scale (e.g. an empty GroupedLinear split): empty buffers, unit scales.
+            return self.make_empty(x.shape, dtype=x.dtype, device=x.device)
         x2d = x.detach().reshape(m, k)
         fields = self._quantize_2d(x2d)
         return self._tensor_class()(x.shape, x.dtype, **fields)

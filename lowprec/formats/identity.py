@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import HIGH_PRECISION_DTYPES, QuantizedTensor, Quantizer
+from .base import HIGH_PRECISION_DTYPES, QuantizedTensor, Quantizer, flatten_2d
 
 
 class IdentityTensor(QuantizedTensor):
@@ -58,8 +58,9 @@ class IdentityQuantizer(Quantizer):
         # The held dtype defaults to the nominal one, which the generic hook does not see.
         if dtype not in HIGH_PRECISION_DTYPES:
             raise TypeError(f"make_empty: dtype must be one of {HIGH_PRECISION_DTYPES}, got {dtype}")
-        data = torch.empty(tuple(shape), dtype=self.dtype or dtype, device=device)
-        return self.quantize(data).to(dtype)
+        m, k = flatten_2d(tuple(shape))
+        data = torch.empty(m, k, dtype=self.dtype or dtype, device=device)
+        return IdentityTensor(tuple(shape), dtype, **self._quantize_2d(data))
 
     def _repr_params(self):
         return {"dtype": self.dtype}

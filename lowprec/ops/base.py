@@ -260,7 +260,8 @@ class Sequential(nn.Module):
     """Ops in order: ``forward(x, *extra_inputs)``.
 
     ``Sequential(*ops, fuse=True)``; ops may be any lowprec op (``Linear``
-    counts as ``BasicLinear`` + ``Bias``) or another ``Sequential``. Ops
+    counts as ``BasicLinear`` + ``Bias``) or another ``Sequential`` (whose
+    ops join this one's run: the outermost ``fuse`` applies). Ops
     that take extra inputs (``GroupedLinear``'s ``m_splits``) take them from
     ``extra_inputs`` in order. With ``fuse=True`` matching patterns run as
     fused pieces and norms/biases/activations hand a following linear its

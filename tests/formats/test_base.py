@@ -266,8 +266,6 @@ def test_parameter_keeps_the_type(qt):
     assert_same_quantized(qt.view(24, 8), other.weight.detach())
 
 
-@pytest.mark.xfail(strict=True, reason="QuantizedTensor.__deepcopy__/__reduce_ex__ rebuild a "
-                   "plain subclass instance and drop the nn.Parameter flag")
 @pytest.mark.parametrize("method", list(ROUND_TRIPS))
 def test_parameter_survives_round_trip(qt, method):
     p = torch.nn.Parameter(qt, requires_grad=False)

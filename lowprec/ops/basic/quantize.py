@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from ...autocast import active_region, register_delayed_state
-from ...formats.base import QuantizedTensor
 from ...modules.base import LowprecModule
 from ...roles import QuantizerRole, check_num_quantizers
 from ..base import BasicOperation, RunContext, as_plain, plain

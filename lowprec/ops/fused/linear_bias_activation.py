@@ -28,6 +28,17 @@ class LinearBiasActivation(Piece):
         self.linear, self.bias_part, self.act = linear, bias_part, act
 
     @property
+    def can_emit(self) -> bool:
+        # Only the activation's output can be handed on quantized (a GEMM's own output is
+        # quantized only through its output_quantizer_role).
+        return self.act is not None
+
+    @property
+    def takes_quantized_grad(self) -> bool:
+        # Without an activation the backward is quantized_linear's, which consumes it as is.
+        return self.act is None
+
+    @property
     def name(self) -> str:
         return "Linear" + ("Bias" if self.bias_part is not None else "") + (
             "Activation" if self.act is not None else "")
