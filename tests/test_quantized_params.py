@@ -377,9 +377,9 @@ def test_eval_steps_do_not_change_training(rname):
 
 
 def test_delayed_scaling_eval_forward_leaves_scaling_state_alone():
-    """The library's choice (SPEC is silent; Transformer Engine records eval amaxes too): a
-    forward with grad disabled does not push its amaxes into the delayed-scaling history, so
-    the scales after an eval forward are those before it, even for a much larger input."""
+    """The library's choice (the SPEC is silent; see LowprecModule.gemm_quantizers): a forward
+    with grad disabled does not push its amaxes into the delayed-scaling history, so the scales
+    after an eval forward are those before it, even for a much larger input."""
     recipe = DelayedScaling()
     d = 32
     torch.manual_seed(0)
