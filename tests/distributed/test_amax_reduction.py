@@ -1,0 +1,61 @@
+"""Delayed-scaling amax reduction over a process group (2 CPU ranks, gloo)."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import lowprec
+from lowprec.recipe import DelayedScaling
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, reduce_amax: bool, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)  # same weights on every rank
+        lin = lowprec.Linear(32, 16)
+        # Rank r's input is scaled by (r + 1): the reduced amax is the largest rank's.
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)) * (rank + 1)
+        x.requires_grad_(True)
+        grad = torch.randn(8, 16, generator=torch.Generator().manual_seed(2)) * (rank + 1)
+        recipe = DelayedScaling(amax_history_len=2, reduce_amax=reduce_amax)
+        with lowprec.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+            y = lin(x)
+        y.backward(grad)
+        state = lin.get_extra_state()
+        torch.save({k: {n: t.clone() for n, t in v.items()} for k, v in state.items()},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("reduce_amax", [True, False])
+def test_delayed_scaling_reduces_amax_over_group(tmp_path, reduce_amax):
+    world = 2
+    mp.spawn(_worker, args=(world, _free_port(), reduce_amax, str(tmp_path)), nprocs=world)
+    states = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+    torch.manual_seed(0)
+    w_amax = lowprec.Linear(32, 16).weight.detach().abs().max()
+    x0 = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    g0 = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    for r, st in enumerate(states):
+        seen = world if reduce_amax else r + 1  # largest input scale this rank's history saw
+        x_amax, g_amax = x0.abs().max() * seen, g0.abs().max() * seen
+        fwd_hist = st["forward"]["amax_history"][0]
+        torch.testing.assert_close(fwd_hist[:2], torch.stack([x_amax, w_amax]), rtol=0, atol=0)
+        assert torch.equal(st["forward"]["scale"][0], torch.tensor(E4M3_MAX) / x_amax)
+        assert torch.equal(st["backward"]["amax_history"][0][0], g_amax)
+        assert torch.equal(st["backward"]["scale"][0], torch.tensor(E5M2_MAX) / g_amax)
