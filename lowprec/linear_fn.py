@@ -90,8 +90,10 @@ def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, quantizers, backward_mode, on_backward_done):
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, x, weight, bias, quantizers, backward_mode, on_backward_done, grad_enabled):
+        # needs_input_grad ignores no_grad(); an eval forward must not make columnwise data.
+        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dw = grad_enabled and ctx.needs_input_grad[1]
         q = quantizers
         quantized = q is not None
         # Only default mode consumes columnwise operands; the others save hp or rowwise data.
@@ -146,7 +148,7 @@ class _QuantizedLinear(torch.autograd.Function):
             db = dy2d.sum(dim=0).to(ctx.w_dtype)
         if ctx.on_backward_done is not None:
             ctx.on_backward_done()
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -158,4 +160,5 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     uses it to push backward amaxes into the history).
     """
     check_linear_args(x, weight, bias)
-    return _QuantizedLinear.apply(x, weight, bias, quantizers, backward_mode, on_backward_done)
+    return _QuantizedLinear.apply(x, weight, bias, quantizers, backward_mode, on_backward_done,
+                                  torch.is_grad_enabled())
