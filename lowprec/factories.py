@@ -97,5 +97,12 @@ class NVFP4ExceptLayers:
             return fp8_current_scaling_factory(role)
         return nvfp4_factory(role)
 
+    def __eq__(self, other) -> bool:
+        # Equal factories keep a module's recipe state when an equal recipe is rebuilt.
+        return isinstance(other, NVFP4ExceptLayers) and other.fp8_layers == self.fp8_layers
+
+    def __hash__(self) -> int:
+        return hash(self.fp8_layers)
+
     def __repr__(self) -> str:
         return f"NVFP4ExceptLayers(fp8_layers={self.fp8_layers!r})"

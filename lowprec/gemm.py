@@ -83,6 +83,11 @@ BACKENDS: list[Backend] = [
     Backend("emulated_fp32", lambda *args: True, _emulated_run),
 ]
 
+# The GPU backends (lowprec/backends/) accept CUDA operands only; CPU pairs reach the emulation.
+from .backends import cuda_backends  # noqa: E402  (needs Backend above)
+
+BACKENDS[-1:-1] = cuda_backends(Backend)
+
 
 def select_backend(a, a_usage, b, b_usage, out_dtype, bias=None) -> Backend:
     for backend in BACKENDS:

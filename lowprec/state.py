@@ -142,6 +142,15 @@ class RecipeState:
         self.quantizers = quantizers
         self.delayed = delayed
 
+    def __setstate__(self, state: dict) -> None:
+        # Plain pickle stores each quantizer's scale/amax view as its own storage; re-point
+        # them into the shared delayed-scaling state so they keep following its updates.
+        self.__dict__.update(state)
+        if self.delayed is not None:
+            for i, q in enumerate(self.quantizers):
+                q.scale = self.delayed.scale[i:i + 1]
+                q.amax = self.delayed.amax_current[i:i + 1]
+
     @classmethod
     def create(cls, recipe: Recipe, mode: str, roles: Sequence[QuantizerRole | None],
                device: torch.device | None = None) -> "RecipeState":

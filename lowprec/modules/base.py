@@ -156,7 +156,9 @@ class LowprecModule(nn.Module):
             # Delayed scaling: seed this slot from the weight's own amax so the first
             # quantization is not done with the placeholder scale 1.
             w = getattr(self, self._weight_names()[gemm_index])
-            if not isinstance(w, QuantizedTensor) and state.delayed.amax_history.abs().sum() == 0:
+            slot = 3 * gemm_index + 1
+            if (not isinstance(w, QuantizedTensor)
+                    and state.delayed.amax_history[:, slot].abs().sum() == 0):
                 q.quantize(w.detach())  # records the amax into this slot
                 state.delayed.pending = True
                 state.delayed.update()

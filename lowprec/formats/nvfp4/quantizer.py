@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import use_kernels
 from ..base import Quantizer, check_divisible
 from .reference import BLOCK, SCALE_DTYPE, quantize_matrix
 from .rht import rht_forward
@@ -91,6 +92,16 @@ class NVFP4Quantizer(Quantizer):
 
     def _quantize_2d(self, x2d):
         m, k = x2d.shape
+        if use_kernels(x2d):
+            from .launch import quantize_2d
+            # Same draws, same order as the reference path below: rowwise first.
+            rand_row = self._draws((m, k), x2d.device) if self.rowwise_usage else None
+            rand_col = self._draws((k, m), x2d.device) if self.columnwise_usage else None
+            return {"with_rht": self.with_rht, "with_2d_quantization": self.with_2d_quantization,
+                    **quantize_2d(x2d, rowwise=self.rowwise_usage,
+                                  columnwise=self.columnwise_usage, with_rht=self.with_rht,
+                                  two_d=self.with_2d_quantization, rand_row=rand_row,
+                                  rand_col=rand_col)}
         x = x2d.to(torch.float32)
         fields = {"with_rht": self.with_rht, "with_2d_quantization": self.with_2d_quantization}
         two_d = self.with_2d_quantization

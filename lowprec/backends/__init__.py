@@ -1,0 +1,34 @@
+"""GPU GEMM backends, tried by :func:`lowprec.gemm.gemm` ahead of the fp32 emulation.
+
+Each backend accepts only CUDA operands, so on CPU (and for any pair none of
+them takes) the exact fp32 emulation runs as before.
+
+=================  ==============================================================
+backend            operand pairs
+=================  ==============================================================
+cublas_fp8         Float8Tensor x Float8Tensor (E4M3/E5M2, not both E5M2),
+                   ``torch._scaled_mm`` with per-tensor decode scales
+cublas_fp8_block   Float8BlockwiseTensor pairs 1x128 x 128x128, 128x128 x 1x128,
+                   1x128 x 1x128, ``torch._scaled_mm`` block scaling (sm90)
+emulated_bf16      any pair whose dequantized values are exact in bf16 (MXFP8,
+                   NVFP4, FP8, power-of-two block FP8, bf16): bf16 tensor-core
+                   GEMM, fp32 accumulation, global scales and bias in fp32
+=================  ==============================================================
+"""
+
+from __future__ import annotations
+
+from .cublas_fp8 import blockwise_accepts, blockwise_run, tensorwise_accepts, tensorwise_run
+from .emulated_bf16 import emulated_bf16_accepts, emulated_bf16_run
+
+
+def cuda_backends(backend_cls):
+    """The GPU backends as ``backend_cls(name, accepts, run)`` entries, in dispatch order."""
+    return [
+        backend_cls("cublas_fp8", tensorwise_accepts, tensorwise_run),
+        backend_cls("cublas_fp8_block", blockwise_accepts, blockwise_run),
+        backend_cls("emulated_bf16", emulated_bf16_accepts, emulated_bf16_run),
+    ]
+
+
+__all__ = ["cuda_backends"]

@@ -1,0 +1,52 @@
+"""@triton.jit kernels of the GEMM backends (launchers: :mod:`lowprec.backends.kernels`).
+
+Imported only when a launcher runs on CUDA with Triton available.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mxfp8_dequant_bf16_kernel(data_ptr, scale_ptr, out_ptr, R, C, SC,
+                              BLOCK_ROWS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """out[r, c] = bf16(data[r, c] * 2**(scale[r // BLOCK_ROWS, c // 32] - 127)); code 255 -> NaN.
+
+    One pass: fp8 in, bf16 out. The product has at most 4 significant bits and an
+    exponent inside fp32's range, so the fp32 multiply and the bf16 rounding are exact.
+    """
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BR + tl.arange(0, BR)
+    cols = pid_c * BC + tl.arange(0, BC)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    x = tl.load(data_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s_offs = (rows // BLOCK_ROWS)[:, None].to(tl.int64) * SC + (cols // 32)[None, :]
+    s = tl.load(scale_ptr + s_offs, mask=mask, other=127).to(tl.int32)
+    # 2**(s - 127) from its bits: s >= 1 is a normal float; s == 0 is the subnormal 2**-127.
+    bits = tl.where(s == 0, 0x00400000, s << 23)
+    f = bits.to(tl.float32, bitcast=True)
+    f = tl.where(s == 255, float("nan"), f)
+    tl.store(out_ptr + offs, (x * f).to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def scale_bias_epilogue_kernel(acc_ptr, out_ptr, div_a_ptr, div_b_ptr, bias_ptr, M, N,
+                               HAS_DIV_A: tl.constexpr, HAS_DIV_B: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """out = ((acc / div_a) / div_b + bias) in fp32, rounded once to out's dtype."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    v = tl.load(acc_ptr + offs, mask=mask, other=0.0)
+    if HAS_DIV_A:
+        v = tl.math.div_rn(v, tl.load(div_a_ptr))
+    if HAS_DIV_B:
+        v = tl.math.div_rn(v, tl.load(div_b_ptr))
+    if HAS_BIAS:
+        v = v + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)

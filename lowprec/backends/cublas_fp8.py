@@ -1,0 +1,149 @@
+"""FP8 GEMMs through cuBLAS (``torch._scaled_mm``) on Hopper.
+
+Both backends take the operands exactly as lowprec stores them: ``mat(a)`` is
+(M, K) row-major and ``mat(b)`` is (N, K) row-major, so ``mat(b).T`` is the
+(K, N) column-major second operand cuBLAS FP8 wants, with no copy.
+
+* :data:`TENSORWISE` -- two :class:`Float8Tensor` operands (E4M3 x E4M3,
+  E4M3 x E5M2, E5M2 x E4M3). cuBLAS gets the *decode* scales ``1 / scale``
+  (one element each); the product is accumulated in fp32
+  (``use_fast_accum=False``) and written once in ``out_dtype``. A bias is
+  fused into the epilogue when cuBLAS allows it (bf16/fp16 output with a
+  bias of that dtype), else added in fp32 afterwards.
+* :data:`BLOCKWISE` -- two :class:`Float8BlockwiseTensor` operands with
+  1x128 x 128x128, 128x128 x 1x128 or 1x128 x 1x128 blocks (cuBLAS has no
+  128x128 x 128x128 kernel). Decode scales are ``1 / scale`` per block, exact
+  for the default power-of-two scales. cuBLAS wants the 1x128 scales
+  outer-dim-major ((M, K/128) with strides (1, M)) and the 128x128 scales of
+  the second operand as the transpose of their (N/128, K/128) matrix; the
+  128x128 scale rows must be 16-byte aligned, so those need K/128 % 4 == 0.
+  A combination cuBLAS refuses on this machine (an fp8 dtype pair, an output
+  dtype) is remembered and handed to the exact bf16 emulation instead.
+
+Anything either backend does not take (shapes not multiples of 16, E5M2 x
+E5M2, CPU tensors) falls through to the next backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.block.tensor import Float8BlockwiseTensor
+from ..formats.float8.tensor import Float8Tensor
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def scaled_mm_available() -> bool:
+    return hasattr(torch, "_scaled_mm")
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def _common_accepts(cls, a, a_usage, b, b_usage, out_dtype) -> bool:
+    if not (type(a) is cls and type(b) is cls):
+        return False
+    if not (a.is_cuda and b.is_cuda and scaled_mm_available()):
+        return False
+    if not (a.has_usage(a_usage) and b.has_usage(b_usage)):
+        return False  # the emulation raises the proper error
+    if out_dtype not in _OUT_DTYPES:
+        return False
+    if a.fp8_dtype == E5M2 and b.fp8_dtype == E5M2:
+        return False  # cuBLAS has no E5M2 x E5M2 kernel
+    ad, bd = getattr(a, f"{a_usage}_data"), getattr(b, f"{b_usage}_data")
+    m, k = ad.shape
+    n = bd.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        return False
+    return k % 16 == 0 and n % 16 == 0 and _aligned(ad) and _aligned(bd)
+
+
+def _fusable_bias(bias, out_dtype) -> bool:
+    # cuBLAS FP8 epilogue bias: bf16 or fp16 matching the output; not with an fp32 output.
+    return (bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+            and bias.dtype == out_dtype and bias.is_contiguous())
+
+
+def _finish(out, bias, fused):
+    if bias is not None and not fused:
+        out = (out.to(torch.float32) + bias.to(torch.float32)).to(out.dtype)
+    return out
+
+
+# ---- per-tensor ---------------------------------------------------------------------------
+def tensorwise_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
+    return _common_accepts(Float8Tensor, a, a_usage, b, b_usage, out_dtype)
+
+
+def tensorwise_run(a, a_usage, b, b_usage, out_dtype, bias):
+    ad, bd = getattr(a, f"{a_usage}_data"), getattr(b, f"{b_usage}_data")
+    scale_a = torch.reciprocal(a.shared_scale.to(torch.float32)).reshape(())
+    scale_b = torch.reciprocal(b.shared_scale.to(torch.float32)).reshape(())
+    fused = _fusable_bias(bias, out_dtype)
+    out = torch._scaled_mm(ad, bd.t(), scale_a=scale_a, scale_b=scale_b,
+                           bias=bias if fused else None, out_dtype=out_dtype,
+                           use_fast_accum=False)
+    return _finish(out, bias, fused)
+
+
+# ---- block-scaled -------------------------------------------------------------------------
+#: (block dims, fp8 dtypes, out dtype, fused bias) -> False once cuBLAS refused the combination.
+_BLOCK_REFUSED: dict = {}
+
+
+def _block_key(a, b, out_dtype, bias):
+    return (a.block_scaling_dim, b.block_scaling_dim, a.fp8_dtype, b.fp8_dtype, out_dtype,
+            _fusable_bias(bias, out_dtype))
+
+
+def blockwise_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
+    if not _common_accepts(Float8BlockwiseTensor, a, a_usage, b, b_usage, out_dtype):
+        return False
+    da, db = a.block_scaling_dim, b.block_scaling_dim
+    if da == 2 and db == 2:
+        return False  # no 128x128 x 128x128 cuBLAS kernel
+    m, k = getattr(a, f"{a_usage}_data").shape
+    if k % 128 or m % 16:
+        return False
+    if (da == 2 or db == 2) and (k // 128) % 4:
+        return False  # 128x128 scale rows must be 16-byte aligned
+    return _BLOCK_REFUSED.get(_block_key(a, b, out_dtype, bias), True)
+
+
+def _block_scales(a, a_usage, b, b_usage):
+    """Decode scales in the layouts ``torch._scaled_mm`` expects for (mat(a), mat(b).T)."""
+    inv_a = torch.reciprocal(getattr(a, f"{a_usage}_scale").to(torch.float32))
+    inv_b = torch.reciprocal(getattr(b, f"{b_usage}_scale").to(torch.float32))
+    if a.block_scaling_dim == 1:
+        scale_a = inv_a.t().contiguous().t()          # (M, K/128), strides (1, M)
+    else:
+        scale_a = inv_a.contiguous()                   # (M/128, K/128), K-blocks contiguous
+    if b.block_scaling_dim == 1:
+        scale_b = inv_b.t().contiguous()               # (K/128, N): mat(b).T's 1x128 blocks
+    else:
+        scale_b = inv_b.contiguous().t()               # (K/128, N/128) view of (N/128, K/128)
+    return scale_a, scale_b
+
+
+def blockwise_run(a, a_usage, b, b_usage, out_dtype, bias):
+    ad, bd = getattr(a, f"{a_usage}_data"), getattr(b, f"{b_usage}_data")
+    scale_a, scale_b = _block_scales(a, a_usage, b, b_usage)
+    fused = _fusable_bias(bias, out_dtype)
+    key = _block_key(a, b, out_dtype, bias)
+    try:
+        out = torch._scaled_mm(ad, bd.t(), scale_a=scale_a, scale_b=scale_b,
+                               bias=bias if fused else None, out_dtype=out_dtype,
+                               use_fast_accum=False)
+    except (RuntimeError, ValueError, NotImplementedError):
+        # This torch/cuBLAS refuses the combination: remember it, emulate exactly instead.
+        _BLOCK_REFUSED[key] = False
+        from .emulated_bf16 import emulated_bf16_accepts, emulated_bf16_run
+        if emulated_bf16_accepts(a, a_usage, b, b_usage, out_dtype, bias):
+            return emulated_bf16_run(a, a_usage, b, b_usage, out_dtype, bias)
+        from ..gemm import _emulated_run
+        return _emulated_run(a, a_usage, b, b_usage, out_dtype, bias)
+    return _finish(out, bias, fused)

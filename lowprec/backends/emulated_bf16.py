@@ -1,0 +1,148 @@
+"""Exact emulation of any quantized operand pair on a bf16 tensor-core GEMM (CUDA).
+
+Each operand becomes a bf16 matrix that holds its dequantized values
+*exactly*, times at most one fp32 per-tensor divisor applied after the GEMM:
+
+=================  ==========================================  ===============
+operand            bf16 matrix (exact)                         divisor
+=================  ==========================================  ===============
+MXFP8              ``data * 2**e`` (<= 4 significant bits)      none
+NVFP4              ``q * d`` (E2M1 x E4M3: <= 6 bits)           global ``S``
+per-tensor FP8     ``data``                                     ``scale``
+block FP8          ``data / scale`` (power-of-two scales only)  none
+bf16 (plain or     the values                                  none
+IdentityTensor)
+=================  ==========================================  ===============
+
+The GEMM multiplies the bf16 matrices on the tensor cores with fp32
+accumulation; the divisors and the bias are then applied in fp32 and the
+result is rounded once to ``out_dtype``. So the result equals the fp32
+emulation (dequantize both operands in fp32, multiply in fp32) up to fp32
+rounding of the products' sums. Where nothing is left to apply in fp32 (no
+divisor, a bf16 output, a bf16 bias) the GEMM writes bf16 directly, with
+the bias in cuBLAS's fp32 epilogue.
+
+NVFP4 RHT: when both operands carry the Hadamard transform along the
+contraction dimension (the wgrad pair of NVFP4BlockScaling), their stored
+values are multiplied directly, since the orthogonal transform cancels.
+When only one does, its original-domain values are no longer exact in bf16,
+so this backend declines and the fp32 emulation (which undoes the transform
+in fp32) runs instead. It declines likewise for fp16/fp32 operands and for
+block FP8 with scales that are not powers of two.
+
+Limitation: values below bf16's subnormal grid (2**-133), which only occur
+in MXFP8 blocks with a scale near 2**-127, would be rounded; their
+contribution to any product is below 1e-38.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.base import QuantizedTensor
+from ..formats.block.tensor import Float8BlockwiseTensor
+from ..formats.float8.tensor import Float8Tensor
+from ..formats.identity import IdentityTensor
+from ..formats.mxfp8.tensor import MXFP8Tensor
+from ..formats.nvfp4.tensor import NVFP4Tensor
+from . import kernels
+
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _plain_matrix(t: torch.Tensor, usage: str) -> torch.Tensor:
+    if isinstance(t, IdentityTensor):
+        return getattr(t, f"{usage}_data")
+    m2 = t.reshape(-1, t.shape[-1])
+    return m2 if usage == "rowwise" else m2.t()
+
+
+def _pow2_or_nonfinite(scale: torch.Tensor) -> bool:
+    """Whether every block scale is a power of two (or NaN/Inf). Synchronizes."""
+    mant, _ = torch.frexp(scale.to(torch.float32))
+    return bool(((mant == 0.5) | ~torch.isfinite(scale)).all())
+
+
+def _operand_kind(t, usage: str) -> str | None:
+    """How ``mat(t, usage)`` becomes exact bf16, or None when it cannot."""
+    if isinstance(t, IdentityTensor) or not isinstance(t, QuantizedTensor):
+        return "plain" if _plain_matrix(t, usage).dtype == torch.bfloat16 else None
+    if not t.has_usage(usage):
+        return None
+    if isinstance(t, MXFP8Tensor):
+        return "mxfp8"
+    if isinstance(t, NVFP4Tensor):
+        return "nvfp4_rht" if (usage == "columnwise" and t.with_rht) else "nvfp4"
+    if isinstance(t, Float8Tensor):
+        return "fp8"
+    if isinstance(t, Float8BlockwiseTensor):
+        return "block" if _pow2_or_nonfinite(getattr(t, f"{usage}_scale")) else None
+    return None
+
+
+def emulated_bf16_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
+    if not (a.is_cuda and b.is_cuda) or out_dtype not in _OUT_DTYPES:
+        return False
+    ka = _operand_kind(a, a_usage)
+    if ka is None:
+        return False
+    kb = _operand_kind(b, b_usage)
+    if kb is None:
+        return False
+    if (ka == "nvfp4_rht") != (kb == "nvfp4_rht"):
+        return False  # one-sided RHT: the original domain is not exact in bf16
+    return True
+
+
+def _nvfp4_unscaled(t: NVFP4Tensor, usage: str):
+    """(bf16 ``q * d`` in the stored layout and domain, fp32 global encode scale S)."""
+    try:
+        from ..formats.nvfp4.launch import dequantize_unscaled_bf16
+    except ImportError:
+        dequantize_unscaled_bf16 = None
+    if dequantize_unscaled_bf16 is not None:
+        return dequantize_unscaled_bf16(t, usage)
+    return (kernels.nvfp4_unscaled_bf16_torch(getattr(t, f"{usage}_data"),
+                                              getattr(t, f"{usage}_scale"),
+                                              t.with_2d_quantization),
+            getattr(t, f"{usage}_global"))
+
+
+def bf16_operand(t, usage: str):
+    """(exact bf16 matrix of ``mat(t, usage)`` up to a divisor, fp32 divisor or None)."""
+    if isinstance(t, IdentityTensor) or not isinstance(t, QuantizedTensor):
+        return _plain_matrix(t, usage), None
+    if isinstance(t, MXFP8Tensor):
+        return kernels.mxfp8_dequantize_bf16(getattr(t, f"{usage}_data"),
+                                             getattr(t, f"{usage}_scale"),
+                                             32 if t.with_2d_quantization else 1), None
+    if isinstance(t, NVFP4Tensor):
+        return _nvfp4_unscaled(t, usage)
+    if isinstance(t, Float8Tensor):
+        return getattr(t, f"{usage}_data").to(torch.bfloat16), t.shared_scale
+    if isinstance(t, Float8BlockwiseTensor):
+        # Power-of-two scales (checked in accepts): data / scale is exact in bf16.
+        return t._dequantize_2d(usage).to(torch.bfloat16), None
+    raise TypeError(f"no exact bf16 form for {type(t).__name__}")
+
+
+def _mm_fp32_out(am: torch.Tensor, bm: torch.Tensor) -> torch.Tensor:
+    """bf16 x bf16 -> fp32 on the tensor cores (fp32 accumulation, fp32 result)."""
+    try:
+        return torch.mm(am, bm.t(), out_dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        # Older torch without mm(..., out_dtype): exact but slower fp32 GEMM.
+        return am.to(torch.float32) @ bm.to(torch.float32).t()
+
+
+def emulated_bf16_run(a, a_usage, b, b_usage, out_dtype, bias):
+    am, div_a = bf16_operand(a, a_usage)
+    bm, div_b = bf16_operand(b, b_usage)
+    if div_a is None and div_b is None and out_dtype == torch.bfloat16 and (
+            bias is None or bias.dtype == torch.bfloat16):
+        # Nothing left to do in fp32: cuBLAS accumulates in fp32 and rounds once to bf16.
+        if bias is None:
+            return torch.mm(am, bm.t())
+        return torch.addmm(bias, am, bm.t())
+    acc = _mm_fp32_out(am, bm)
+    return kernels.scale_bias_epilogue(acc, div_a, div_b, bias, out_dtype)

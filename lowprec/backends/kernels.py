@@ -1,0 +1,126 @@
+"""Launchers for the GEMM backends' elementwise helpers, with pure-torch fallbacks.
+
+* :func:`mxfp8_dequantize_bf16` -- MXFP8 data and E8M0 scales to exact bf16;
+* :func:`nvfp4_unscaled_bf16_torch` -- NVFP4 ``q * d`` to exact bf16 (torch ops;
+  the format's own launcher is preferred when it exists);
+* :func:`scale_bias_epilogue` -- ``(acc / div_a / div_b + bias)`` in fp32, rounded
+  once to the output dtype.
+
+The Triton versions are registered as torch custom ops (``lowprec_gemm::*``)
+so ``torch.compile`` can trace them; they run on CUDA when Triton imports
+and :func:`lowprec.kernels.use_kernels` allows it, else the torch ops run.
+Both give the same values (each is exact or a single rounding).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..formats.casting import E8M0_BIAS, E8M0_NAN, e2m1_codes_to_float, exp2_int, unpack_e2m1
+from ..kernels import use_kernels
+
+_MX_BLOCK = 32
+_NV_BLOCK = 16
+
+
+# ---- torch reference versions -------------------------------------------------------------
+def mxfp8_dequantize_bf16_torch(data: torch.Tensor, scale: torch.Tensor,
+                                block_rows: int) -> torch.Tensor:
+    r, c = data.shape
+    nan = scale == E8M0_NAN
+    e = torch.where(nan, torch.zeros_like(scale), scale).to(torch.int32) - E8M0_BIAS
+    factor = torch.where(nan, torch.full(e.shape, float("nan"), device=e.device), exp2_int(e))
+    blocks = data.to(torch.bfloat16).reshape(r // block_rows, block_rows, c // _MX_BLOCK, _MX_BLOCK)
+    # bf16 x bf16 multiplies in fp32 and rounds once; the exact product is representable.
+    return (blocks * factor.to(torch.bfloat16)[:, None, :, None]).reshape(r, c)
+
+
+def nvfp4_unscaled_bf16_torch(packed: torch.Tensor, scales: torch.Tensor,
+                              two_d: bool) -> torch.Tensor:
+    """bf16 ``q * d`` (no global scale) in the stored layout; exact (<= 6 significant bits)."""
+    q = e2m1_codes_to_float(unpack_e2m1(packed))
+    r, c = q.shape
+    d = scales.to(torch.float32)
+    if two_d:
+        v = q.reshape(r // _NV_BLOCK, _NV_BLOCK, c // _NV_BLOCK, _NV_BLOCK) * d[:, None, :, None]
+    else:
+        v = q.reshape(r, c // _NV_BLOCK, _NV_BLOCK) * d.unsqueeze(-1)
+    return v.reshape(r, c).to(torch.bfloat16)
+
+
+def scale_bias_epilogue_torch(acc, div_a, div_b, bias, out_dtype):
+    if div_a is not None:
+        acc = acc / div_a.to(torch.float32)
+    if div_b is not None:
+        acc = acc / div_b.to(torch.float32)
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc.to(out_dtype)
+
+
+# ---- Triton launchers as custom ops -------------------------------------------------------
+@torch.library.custom_op("lowprec_gemm::mxfp8_dequant_bf16", mutates_args=())
+def _mxfp8_dequant_op(data: torch.Tensor, scale: torch.Tensor, block_rows: int) -> torch.Tensor:
+    from ._triton_kernels import mxfp8_dequant_bf16_kernel
+
+    data, scale = data.contiguous(), scale.contiguous()
+    r, c = data.shape
+    out = torch.empty((r, c), dtype=torch.bfloat16, device=data.device)
+    br, bc = 32, 256
+    grid = ((r + br - 1) // br, (c + bc - 1) // bc)
+    mxfp8_dequant_bf16_kernel[grid](data, scale, out, r, c, scale.shape[1],
+                                    BLOCK_ROWS=block_rows, BR=br, BC=bc, num_warps=8)
+    return out
+
+
+@_mxfp8_dequant_op.register_fake
+def _(data, scale, block_rows):
+    return data.new_empty(data.shape, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("lowprec_gemm::scale_bias_epilogue", mutates_args=())
+def _epilogue_op(acc: torch.Tensor, div_a: Optional[torch.Tensor], div_b: Optional[torch.Tensor],
+                 bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    from ._triton_kernels import scale_bias_epilogue_kernel
+
+    acc = acc.contiguous()
+    m, n = acc.shape
+    out = torch.empty((m, n), dtype=out_dtype, device=acc.device)
+    bm, bn = 32, 256
+    grid = ((m + bm - 1) // bm, (n + bn - 1) // bn)
+    dummy = acc
+    scale_bias_epilogue_kernel[grid](
+        acc, out, div_a if div_a is not None else dummy, div_b if div_b is not None else dummy,
+        bias if bias is not None else dummy, m, n,
+        HAS_DIV_A=div_a is not None, HAS_DIV_B=div_b is not None, HAS_BIAS=bias is not None,
+        BM=bm, BN=bn, num_warps=8)
+    return out
+
+
+@_epilogue_op.register_fake
+def _(acc, div_a, div_b, bias, out_dtype):
+    return acc.new_empty(acc.shape, dtype=out_dtype)
+
+
+# ---- dispatch -----------------------------------------------------------------------------
+def mxfp8_dequantize_bf16(data: torch.Tensor, scale: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """Exact bf16 ``data * 2**e`` of one stored MXFP8 direction (R, C)."""
+    if use_kernels(data) and data.numel():
+        return _mxfp8_dequant_op(data, scale, block_rows)
+    return mxfp8_dequantize_bf16_torch(data, scale, block_rows)
+
+
+def scale_bias_epilogue(acc: torch.Tensor, div_a: torch.Tensor | None, div_b: torch.Tensor | None,
+                        bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``acc / div_a / div_b + bias`` in fp32, rounded once to ``out_dtype``."""
+    if div_a is not None:
+        div_a = div_a.to(torch.float32).reshape(1)
+    if div_b is not None:
+        div_b = div_b.to(torch.float32).reshape(1)
+    if use_kernels(acc) and acc.numel():
+        if bias is not None:
+            bias = bias.contiguous()
+        return _epilogue_op(acc, div_a, div_b, bias, out_dtype)
+    return scale_bias_epilogue_torch(acc, div_a, div_b, bias, out_dtype)

@@ -1,0 +1,79 @@
+"""Launcher for the block-scaled FP8 Triton kernel, registered as a torch custom op.
+
+One pass over the input whatever the usages: each (BM, BN) tile is read once and its
+rowwise and columnwise data and scales are written from registers. Importing this module
+needs neither Triton nor CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
+                             triton_cdiv)
+from .reference import BLOCK
+
+#: (BM, BN, num_warps) per (block_scaling_dim, usages). Benchmarks may override entries.
+CONFIGS = {
+    (1, "row"): (32, 128, 4),
+    (1, "col"): (128, 64, 8),
+    (1, "both"): (128, 128, 8),
+    (2, "row"): (128, 128, 8),
+    (2, "col"): (128, 128, 8),
+    (2, "both"): (128, 128, 8),
+}
+
+
+def _shapes(m: int, k: int, dim: int, rowwise: bool, columnwise: bool):
+    if dim == 2:
+        rs, cs = (m // BLOCK, k // BLOCK), (k // BLOCK, m // BLOCK)
+    else:
+        rs, cs = (m, k // BLOCK), (k, m // BLOCK)
+    return ((m, k) if rowwise else (0,), rs if rowwise else (0,),
+            (k, m) if columnwise else (0,), cs if columnwise else (0,))
+
+
+def _empty_outputs(x, dim, rowwise, columnwise):
+    m, k = x.shape
+    rq, rs, cq, cs = _shapes(m, k, dim, rowwise, columnwise)
+    return (x.new_empty(rq, dtype=torch.uint8), x.new_empty(rs, dtype=torch.float32),
+            x.new_empty(cq, dtype=torch.uint8), x.new_empty(cs, dtype=torch.float32))
+
+
+@torch.library.custom_op("lowprec::fp8_block_quantize", mutates_args=())
+def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2: bool,
+                       eps: float, rowwise: bool, columnwise: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .triton_kernels import block_quant_kernel
+    fp8_dtype = fp8_dtype_of(e5m2)
+    m, k = x.shape
+    rq, rs, cq, cs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise)
+    usage = "both" if rowwise and columnwise else ("row" if rowwise else "col")
+    bm, bn, warps = CONFIGS[(block_scaling_dim, usage)]
+    grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
+    with device_guard(x.device):
+        block_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1), eps,
+                                 FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
+                                 TWO_D=block_scaling_dim == 2, ROWWISE=rowwise,
+                                 COLWISE=columnwise, BM=bm, BN=bn, num_warps=warps,
+                                 **kernel_fp8_args(fp8_dtype))
+    return rq, rs, cq, cs
+
+
+@fp8_block_quantize.register_fake
+def _(x, e5m2, block_scaling_dim, pow2, eps, rowwise, columnwise):
+    return _empty_outputs(x, block_scaling_dim, rowwise, columnwise)
+
+
+def quantize_block(quantizer, x2d: torch.Tensor) -> dict:
+    """Float8BlockQuantizer._quantize_2d through the kernel (same fields)."""
+    row, col = quantizer.rowwise_usage, quantizer.columnwise_usage
+    dt = quantizer.fp8_dtype
+    rq, rs, cq, cs = fp8_block_quantize(x2d, dt == torch.float8_e5m2,
+                                        quantizer.block_scaling_dim,
+                                        quantizer.force_pow_2_scales, quantizer.amax_epsilon,
+                                        row, col)
+    return {"rowwise_data": rq.view(dt) if row else None, "rowwise_scale": rs if row else None,
+            "columnwise_data": cq.view(dt) if col else None,
+            "columnwise_scale": cs if col else None,
+            "fp8_dtype": dt, "block_scaling_dim": quantizer.block_scaling_dim}

@@ -1,0 +1,76 @@
+"""Triton kernel for block-scaled FP8 (1x128 / 128x1 and 128x128 blocks), one pass per tile.
+
+Each program loads one (BM, BN) tile of x once (BM, BN multiples of 128 where that
+direction is blocked), computes the row-block scales and/or the column-block scales from
+int32 amaxes of the bit patterns, and writes the rowwise data (M, K) and the columnwise data
+(K, M, the 128x1 quantization of the transposed matrix) with their fp32 encode scales.
+Numerics are those of ``block/reference.py`` (see ``float8/triton_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..float8.triton_kernels import abs_bits, current_scale, fp8_codes
+
+
+@triton.jit
+def block_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, stride_xk, eps,
+                       FP8_MAX: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr,
+                       BIAS: tl.constexpr, MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr,
+                       TWO_D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr):
+    BLK: tl.constexpr = 128
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BN + tl.arange(0, BN)
+    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    offs_m64 = offs_m.to(tl.int64)
+    offs_k64 = offs_k.to(tl.int64)
+    ptrs = x_ptr + offs_m64[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    a = abs_bits(x)
+    if TWO_D:
+        # 128x128 blocks shared by both directions (M, K both divisible by 128).
+        amax = tl.max(tl.max(tl.reshape(a, (BM // BLK, BLK, BN // BLK, BLK)), 3), 1)
+        s = current_scale(amax, eps, FP8_MAX, POW2)  # (BM/128, BN/128)
+        x4 = tl.reshape(x, (BM // BLK, BLK, BN // BLK, BLK))
+        q = fp8_codes(tl.reshape(x4 * s[:, None, :, None], (BM, BN)), MBITS, BIAS, MAX_BITS,
+                      HW_CVT)
+        sm = pid_m * (BM // BLK) + tl.arange(0, BM // BLK)
+        sk = pid_k * (BN // BLK) + tl.arange(0, BN // BLK)
+        smask = (sm < M // BLK)[:, None] & (sk < K // BLK)[None, :]
+        if ROWWISE:
+            tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :], q, mask=mask)
+            tl.store(rs_ptr + sm[:, None] * (K // BLK) + sk[None, :], s, mask=smask)
+        if COLWISE:
+            tl.store(cq_ptr + offs_k64[:, None] * M + offs_m[None, :], tl.trans(q),
+                     mask=tl.trans(mask))
+            tl.store(cs_ptr + sk[:, None] * (M // BLK) + sm[None, :], tl.trans(s),
+                     mask=tl.trans(smask))
+    else:
+        if ROWWISE:
+            # 1x128 blocks along K (K divisible by 128).
+            amax_r = tl.max(tl.reshape(a, (BM, BN // BLK, BLK)), 2)
+            s_r = current_scale(amax_r, eps, FP8_MAX, POW2)  # (BM, BN/128)
+            x3 = tl.reshape(x, (BM, BN // BLK, BLK))
+            q = fp8_codes(tl.reshape(x3 * s_r[:, :, None], (BM, BN)), MBITS, BIAS, MAX_BITS,
+                          HW_CVT)
+            tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :], q, mask=mask)
+            sk = pid_k * (BN // BLK) + tl.arange(0, BN // BLK)
+            tl.store(rs_ptr + offs_m64[:, None] * (K // BLK) + sk[None, :], s_r,
+                     mask=(offs_m < M)[:, None] & (sk < K // BLK)[None, :])
+        if COLWISE:
+            # 128x1 blocks along M (M divisible by 128).
+            amax_c = tl.max(tl.reshape(a, (BM // BLK, BLK, BN)), 1)
+            s_c = current_scale(amax_c, eps, FP8_MAX, POW2)  # (BM/128, BN)
+            x3 = tl.reshape(x, (BM // BLK, BLK, BN))
+            q = fp8_codes(tl.reshape(x3 * s_c[:, None, :], (BM, BN)), MBITS, BIAS, MAX_BITS,
+                          HW_CVT)
+            tl.store(cq_ptr + offs_k64[:, None] * M + offs_m[None, :], tl.trans(q),
+                     mask=tl.trans(mask))
+            sm = pid_m * (BM // BLK) + tl.arange(0, BM // BLK)
+            tl.store(cs_ptr + offs_k64[:, None] * (M // BLK) + sm[None, :], tl.trans(s_c),
+                     mask=(offs_k < K)[:, None] & (sm < M // BLK)[None, :])

@@ -1,0 +1,188 @@
+"""Launchers for the per-tensor FP8 Triton kernels, registered as torch custom ops.
+
+The ops return uint8 codes (viewed as the fp8 dtype here, outside the op) and take plain
+tensors and scalars, so ``torch.compile(fullgraph=True)`` traces them through their fake
+implementations. Importing this module needs neither Triton nor CUDA: the kernels module is
+imported on first launch.
+
+Passes over memory (M x K input):
+
+* current scaling: amax pass (read x) + one cast pass (read x, write rowwise and/or the
+  transposed columnwise data); the scale is computed on the device, no host sync;
+* delayed scaling: one pass (read x, write both directions, record the amax) + a tiny
+  finishing kernel that stores the amax and scale and, only for a NaN/Inf input, fills the
+  data with NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# fp8 dtype -> (mantissa bits, exponent bias, fp32 bits of the max finite value, max)
+FP8_PARAMS = {
+    torch.float8_e4m3fn: (3, 7, 0x43E00000, 448.0),
+    torch.float8_e5m2: (2, 15, 0x47600000, 57344.0),
+}
+
+#: Use the hardware fp32 -> fp8 conversion (cvt.rn.satfinite) after an explicit saturation;
+#: False computes the rounding with integer arithmetic (same bits, more instructions).
+HW_CVT = True
+
+#: Tile configs: name -> (BM, BN, num_warps). Benchmarks may override entries.
+CONFIGS = {
+    "amax": (32, 256, 8),
+    "cast_row": (32, 256, 8),
+    "cast_col": (64, 128, 8),
+    "cast_both": (64, 128, 8),
+    "finish": (4096, 0, 4),
+}
+
+
+def fp8_dtype_of(is_e5m2: bool) -> torch.dtype:
+    return torch.float8_e5m2 if is_e5m2 else torch.float8_e4m3fn
+
+
+def kernel_fp8_args(fp8_dtype: torch.dtype) -> dict:
+    mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
+    return {"MBITS": mbits, "BIAS": bias, "MAX_BITS": max_bits, "HW_CVT": HW_CVT}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4  # CPU interpreter (logic checks only)
+
+
+def device_guard(device: torch.device):
+    """Launch on ``device`` (Triton launches on the current CUDA device)."""
+    import contextlib
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _cast_cfg(rowwise: bool, columnwise: bool):
+    if rowwise and columnwise:
+        return CONFIGS["cast_both"]
+    return CONFIGS["cast_row"] if rowwise else CONFIGS["cast_col"]
+
+
+def _outputs(x: torch.Tensor, rowwise: bool, columnwise: bool):
+    m, k = x.shape
+    row = x.new_empty((m, k) if rowwise else (0,), dtype=torch.uint8)
+    col = x.new_empty((k, m) if columnwise else (0,), dtype=torch.uint8)
+    return row, col
+
+
+def _launch_amax(x: torch.Tensor) -> torch.Tensor:
+    from .triton_kernels import amax_kernel
+    m, k = x.shape
+    bm, bn, warps = CONFIGS["amax"]
+    amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
+    tiles = triton_cdiv(m, bm) * triton_cdiv(k, bn)
+    grid = (max(1, min(tiles, num_sms(x.device) * 4)),)
+    amax_kernel[grid](x, amax_bits, m, k, x.stride(0), x.stride(1), BM=bm, BN=bn,
+                      num_warps=warps)
+    return amax_bits
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- current scaling ----------------------------------------------------------------------
+@torch.library.custom_op("lowprec::fp8_current_quantize", mutates_args=())
+def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, rowwise: bool,
+                         columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .triton_kernels import cast_kernel
+    fp8_dtype = fp8_dtype_of(e5m2)
+    m, k = x.shape
+    row, col = _outputs(x, rowwise, columnwise)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    with device_guard(x.device):
+        amax_bits = _launch_amax(x)
+        bm, bn, warps = _cast_cfg(rowwise, columnwise)
+        grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
+        cast_kernel[grid](x, row, col, amax_bits, scale, scale, m, k, x.stride(0), x.stride(1),
+                          eps, CURRENT=True, POW2=pow2, FP8_MAX=FP8_PARAMS[fp8_dtype][3],
+                          ROWWISE=rowwise, COLWISE=columnwise, BM=bm, BN=bn,
+                          num_warps=warps, **kernel_fp8_args(fp8_dtype))
+    return row, col, scale
+
+
+@fp8_current_quantize.register_fake
+def _(x, e5m2, pow2, eps, rowwise, columnwise):
+    row, col = _outputs(x, rowwise, columnwise)
+    return row, col, x.new_empty((1,), dtype=torch.float32)
+
+
+# ---- delayed scaling ----------------------------------------------------------------------
+@torch.library.custom_op("lowprec::fp8_delayed_quantize", mutates_args=("amax",))
+def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, e5m2: bool,
+                         rowwise: bool, columnwise: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .triton_kernels import cast_kernel, delayed_finish_kernel
+    fp8_dtype = fp8_dtype_of(e5m2)
+    m, k = x.shape
+    row, col = _outputs(x, rowwise, columnwise)
+    scale_out = torch.empty(1, dtype=torch.float32, device=x.device)
+    amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
+    with device_guard(x.device):
+        bm, bn, warps = _cast_cfg(rowwise, columnwise)
+        grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
+        cast_kernel[grid](x, row, col, amax_bits, scale, scale_out, m, k, x.stride(0),
+                          x.stride(1), 0.0, CURRENT=False, POW2=False,
+                          FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=rowwise,
+                          COLWISE=columnwise, BM=bm, BN=bn, num_warps=warps,
+                          **kernel_fp8_args(fp8_dtype))
+        block, _, warps = CONFIGS["finish"]
+        n = m * k
+        grid = (max(1, min(triton_cdiv(n, block), num_sms(x.device) * 2)),)
+        delayed_finish_kernel[grid](amax_bits, scale, scale_out, amax, row, col, n,
+                                    ROWWISE=rowwise, COLWISE=columnwise, BLOCK=block,
+                                    num_warps=warps)
+    return row, col, scale_out
+
+
+@fp8_delayed_quantize.register_fake
+def _(x, scale, amax, e5m2, rowwise, columnwise):
+    row, col = _outputs(x, rowwise, columnwise)
+    return row, col, x.new_empty((1,), dtype=torch.float32)
+
+
+# ---- what the quantizers call -------------------------------------------------------------
+def _fields(quantizer, row, col, scale) -> dict:
+    dt = quantizer.fp8_dtype
+    return {"rowwise_data": row.view(dt) if quantizer.rowwise_usage else None,
+            "columnwise_data": col.view(dt) if quantizer.columnwise_usage else None,
+            "shared_scale": scale, "fp8_dtype": dt}
+
+
+def quantize_current(quantizer, x2d: torch.Tensor) -> dict:
+    """Float8CurrentScalingQuantizer._quantize_2d through the kernels (same fields)."""
+    row, col, scale = fp8_current_quantize(
+        x2d, quantizer.fp8_dtype == torch.float8_e5m2, quantizer.force_pow_2_scales,
+        quantizer.amax_epsilon, quantizer.rowwise_usage, quantizer.columnwise_usage)
+    return _fields(quantizer, row, col, scale)
+
+
+def quantize_delayed(quantizer, x2d: torch.Tensor) -> dict:
+    """Float8Quantizer._quantize_2d through the kernels: records the amax into
+    ``quantizer.amax`` in place and keeps a copy of the (NaN-poisoned) scale."""
+    scale = quantizer.scale.detach().reshape(1).to(device=x2d.device, dtype=torch.float32)
+    target = quantizer.amax
+    direct = (target.device == x2d.device and target.dtype == torch.float32
+              and target.is_contiguous())
+    amax = target if direct else torch.empty(1, dtype=torch.float32, device=x2d.device)
+    row, col, scale_out = fp8_delayed_quantize(
+        x2d, scale, amax,
+        quantizer.fp8_dtype == torch.float8_e5m2, quantizer.rowwise_usage,
+        quantizer.columnwise_usage)
+    if not direct:
+        target.copy_(amax.reshape(target.shape))
+    return _fields(quantizer, row, col, scale_out)

@@ -1,0 +1,166 @@
+"""Triton kernels for per-tensor FP8 quantization, plus the jit helpers every FP8 format shares.
+
+Only ``launch.py`` modules import this file (lazily, from inside their custom ops), so
+``import lowprec`` never needs Triton.
+
+Numerics (bit for bit those of ``casting.py`` / ``float8/reference.py``):
+
+* amaxes are reduced on the *bit patterns* of ``|x|`` as int32: for non-negative floats the
+  integer order is the float order, every NaN sorts above Inf, so a NaN anywhere propagates
+  exactly as ``torch.amax`` does, with no float NaN semantics involved;
+* the current-scaling scale is ``fp8_max / max(amax, eps)`` with a correctly rounded
+  (``div.rn``) fp32 division, amax 0 -> 1, Inf -> fp32 max, optional power-of-two floor,
+  non-finite amax -> NaN;
+* the fp8 cast saturates on the integer bit pattern (NaN kept), then rounds to nearest even,
+  either with the hardware conversion (``cvt.rn.satfinite``) or with integer arithmetic
+  (``HW_CVT=False``, exact on any backend including the CPU interpreter).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_ABS_MASK = 0x7FFFFFFF
+_INF_BITS = 0x7F800000
+_FP32_MAX_BITS = 0x7F7FFFFF
+_NAN_BITS = 0x7FC00000
+
+
+# ---- shared jit helpers -------------------------------------------------------------------
+@triton.jit
+def abs_bits(x):
+    """int32 bit patterns of |x| for fp32 x (ordered like the floats; NaN above Inf)."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def current_scale(amax_bits, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """casting.scale_from_amax on int32 amax bit patterns (any shape); fp32 result."""
+    finite = amax_bits < 0x7F800000
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    clamped = tl.maximum(amax, eps)
+    num = tl.zeros_like(clamped) + FP8_MAX
+    scale = tl.math.div_rn(num, clamped)
+    scale = tl.where(clamped == 0.0, 1.0, scale)
+    sbits = scale.to(tl.int32, bitcast=True)
+    sbits = tl.where(sbits == 0x7F800000, 0x7F7FFFFF, sbits)
+    if POW2:
+        sbits = sbits & 0x7F800000
+    sbits = tl.where(finite, sbits, 0x7FC00000)
+    return sbits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_codes(y, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
+              HW_CVT: tl.constexpr):
+    """uint8 fp8 codes of fp32 ``y``: saturate to +-max (NaN stays NaN), round to nearest even.
+
+    MBITS/BIAS: 3/7 for E4M3 (fn), 2/15 for E5M2; MAX_BITS: fp32 bits of the max finite value.
+    """
+    b = y.to(tl.int32, bitcast=True)
+    a = b & 0x7FFFFFFF
+    is_nan = a > 0x7F800000
+    a = tl.where(is_nan, a, tl.minimum(a, MAX_BITS))
+    if HW_CVT:
+        sat = (a | ((b >> 31) << 31)).to(tl.float32, bitcast=True)
+        if MBITS == 3:
+            code = sat.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            code = sat.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        e = a >> 23
+        mant = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)
+        n = tl.maximum(e, 1) - (128 - BIAS)  # 0 at the smallest fp8 normal
+        shift = tl.minimum((23 - MBITS) + tl.maximum(-n, 0), 31)
+        q = mant >> shift
+        rem = mant & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+        c = (tl.maximum(n, 0) << MBITS) + q + up.to(tl.int32)
+        c = tl.where(is_nan, 0x7F, c)
+        code = (c | ((b >> 24) & 0x80)).to(tl.uint8)
+    return code
+
+
+# ---- per-tensor kernels -------------------------------------------------------------------
+@triton.jit
+def amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, stride_xk,
+                BM: tl.constexpr, BN: tl.constexpr):
+    """Grid-stride over (BM, BN) tiles; one relaxed int32 atomic max per program."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    tiles_k = tl.cdiv(K, BN)
+    n_tiles = tl.cdiv(M, BM) * tiles_k
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    for t in range(pid, n_tiles, nprog):
+        offs_m = (t // tiles_k) * BM + tl.arange(0, BM)
+        offs_k = (t % tiles_k) * BN + tl.arange(0, BN)
+        mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+        ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, abs_bits(x))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, 1), 0), sem="relaxed")
+
+
+@triton.jit
+def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr,
+                M, K, stride_xm, stride_xk, eps,
+                CURRENT: tl.constexpr, POW2: tl.constexpr, FP8_MAX: tl.constexpr,
+                MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
+                HW_CVT: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr):
+    """One pass over x: cast ``x * scale`` and write rowwise (M, K) and/or columnwise (K, M).
+
+    CURRENT: the scale comes from the amax pass (``amax_ptr``), program (0, 0) stores it.
+    Delayed (not CURRENT): the scale is ``scale_in``; this pass also records the amax
+    (atomic max into ``amax_ptr``); ``delayed_finish_kernel`` then stores the scale.
+    """
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if CURRENT:
+        scale = current_scale(tl.load(amax_ptr), eps, FP8_MAX, POW2)
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(scale_out_ptr, scale)
+    else:
+        scale = tl.load(scale_in_ptr)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BN + tl.arange(0, BN)
+    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    offs_m64 = offs_m.to(tl.int64)
+    ptrs = x_ptr + offs_m64[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if not CURRENT:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(abs_bits(x), 1), 0), sem="relaxed")
+    q = fp8_codes(x * scale, MBITS, BIAS, MAX_BITS, HW_CVT)
+    if ROWWISE:
+        tl.store(row_ptr + offs_m64[:, None] * K + offs_k[None, :], q, mask=mask)
+    if COLWISE:
+        offs_k64 = offs_k.to(tl.int64)
+        tl.store(col_ptr + offs_k64[:, None] * M + offs_m[None, :], tl.trans(q),
+                 mask=tl.trans(mask))
+
+
+@triton.jit
+def delayed_finish_kernel(amax_bits_ptr, scale_in_ptr, scale_out_ptr, amax_out_ptr,
+                          row_ptr, col_ptr, N,
+                          ROWWISE: tl.constexpr, COLWISE: tl.constexpr, BLOCK: tl.constexpr):
+    """After the delayed cast pass: record the amax, store the (NaN-poisoned) scale and, only
+    when the amax is not finite, overwrite the data with NaN codes (as the reference's
+    ``x * NaN`` gives). With a finite amax each program reads one word and exits."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    bits = tl.load(amax_bits_ptr)
+    if pid == 0:
+        tl.store(amax_out_ptr, bits.to(tl.float32, bitcast=True))
+        s = tl.load(scale_in_ptr).to(tl.int32, bitcast=True)
+        s = tl.where(bits < 0x7F800000, s, 0x7FC00000)
+        tl.store(scale_out_ptr, s.to(tl.float32, bitcast=True))
+    if bits >= 0x7F800000:
+        nan = tl.full([BLOCK], 0x7F, dtype=tl.uint8)
+        for start in range(pid * BLOCK, N, nprog * BLOCK):
+            offs = start + tl.arange(0, BLOCK).to(tl.int64)
+            if ROWWISE:
+                tl.store(row_ptr + offs, nan, mask=offs < N)
+            if COLWISE:
+                tl.store(col_ptr + offs, nan, mask=offs < N)

@@ -1,0 +1,216 @@
+"""Launchers for the NVFP4 Triton kernels (kernels: :mod:`.triton_kernels`).
+
+Both entry points are torch custom ops (``torch.ops.lowprec.nvfp4_quantize`` and
+``torch.ops.lowprec.nvfp4_dequantize_unscaled_bf16``) with fake implementations,
+so ``torch.compile(fullgraph=True)`` traces through them. Triton is imported
+lazily, inside the op bodies: this module imports on machines without Triton
+or CUDA, where :func:`dequantize_unscaled_bf16` falls back to plain torch.
+
+* :func:`quantize_2d`: the kernel path of ``NVFP4Quantizer._quantize_2d``,
+  bit-identical to :func:`.reference.quantize_matrix` applied as the quantizer
+  does (rowwise on x, columnwise on the -- RHT-transformed -- transpose).
+  Stochastic rounding consumes the caller's uniforms (drawn with ``torch.rand``
+  in the reference's order, rowwise first), so results match the reference
+  for the same generator state. Two launches: the amax pass (global amax over
+  finite values, the RHT'd one for the columnwise side when ``with_rht``;
+  combined on device with atomics, no host sync), then the quantize pass
+  which derives the global scales from it.
+* :func:`dequantize_unscaled_bf16`: ``q * d`` of one stored direction as a
+  bf16 matrix (exact: at most 6 significant bits and exponents well inside
+  bf16's range) plus the fp32 global encode scale ``S``, for GEMM emulation
+  (bf16 tensor-core GEMM with fp32 output, then divide by ``S_a * S_b`` in
+  fp32). Values stay in the stored layout and domain (columnwise: (K, M),
+  RHT-transformed when the tensor carries it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ...kernels import use_kernels
+from ..casting import e2m1_codes_to_float, unpack_e2m1
+from .reference import BLOCK, SCALE_DTYPE
+
+# Tile sizes and warps (tuned on H100 by benchmarks/check_kernels_nvfp4.py).
+CONFIG = {
+    "quant": {"BM": 64, "BK": 64, "num_warps": 4},
+    "amax": {"BM": 64, "BK": 128, "num_warps": 4},
+    "dequant": {"BR": 32, "BC": 128, "num_warps": 4},
+}
+
+# FMA contraction off: every fp32 operation rounds as in the reference.
+_LAUNCH_OPTS = {"enable_fp_fusion": False}
+
+
+def _kernels():
+    from . import triton_kernels
+    return triton_kernels
+
+
+def _empty(device) -> Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device)
+
+
+# ---- quantize ---------------------------------------------------------------------------------
+@torch.library.custom_op("lowprec::nvfp4_quantize", mutates_args=())
+def nvfp4_quantize(x: Tensor, rand_row: Optional[Tensor], rand_col: Optional[Tensor],
+                   rowwise: bool, columnwise: bool, with_rht: bool,
+                   two_d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(rdata, rscale u8, rglobal, cdata, cscale u8, cglobal) of a 2-D x; an unused
+    direction's three tensors are empty. Scales are the E4M3 bytes (view as
+    float8_e4m3fn)."""
+    k = _kernels()
+    m, kk = x.shape
+    dev = x.device
+    sr = rand_row is not None or rand_col is not None
+    if rowwise and sr and rand_row is None or columnwise and sr and rand_col is None:
+        raise ValueError("nvfp4_quantize: stochastic rounding needs uniforms for every "
+                         "direction it quantizes")
+    for r, shape in ((rand_row, (m, kk)), (rand_col, (kk, m))):
+        if r is not None and (r.dtype != torch.float32 or tuple(r.shape) != shape
+                              or not r.is_contiguous()):
+            raise ValueError(f"nvfp4_quantize: uniforms must be contiguous fp32 {shape}")
+    rows_s = (m // BLOCK) if two_d else m
+    cols_s = (kk // BLOCK) if two_d else kk
+    if rowwise:
+        rdata = torch.empty(m, kk // 2, dtype=torch.uint8, device=dev)
+        rscale = torch.empty(rows_s, kk // BLOCK, dtype=torch.uint8, device=dev)
+        rglob = torch.empty(1, dtype=torch.float32, device=dev)
+    else:
+        rdata, rscale, rglob = _empty(dev), _empty(dev), _empty(dev)
+    if columnwise:
+        cdata = torch.empty(kk, m // 2, dtype=torch.uint8, device=dev)
+        cscale = torch.empty(cols_s, m // BLOCK, dtype=torch.uint8, device=dev)
+        cglob = torch.empty(1, dtype=torch.float32, device=dev)
+    else:
+        cdata, cscale, cglob = _empty(dev), _empty(dev), _empty(dev)
+    if not (rowwise or columnwise) or m == 0 or kk == 0:
+        return rdata, rscale, rglob, cdata, cscale, cglob
+
+    rht = bool(with_rht and columnwise)
+    plain = bool(rowwise or not rht)
+    amax = torch.zeros(2, dtype=torch.int32, device=dev)
+    ca = CONFIG["amax"]
+    grid_a = (triton_cdiv(m, ca["BM"]) * triton_cdiv(kk, ca["BK"]),)
+    k._nvfp4_amax_kernel[grid_a](x, x.stride(0), x.stride(1), m, kk, amax,
+                                 PLAIN=plain, RHT=rht, BM=ca["BM"], BK=ca["BK"],
+                                 num_warps=ca["num_warps"], **_LAUNCH_OPTS)
+    cq = CONFIG["quant"]
+    grid_q = (triton_cdiv(m, cq["BM"]) * triton_cdiv(kk, cq["BK"]),)
+    dummy_f = rglob if rowwise else cglob
+    k._nvfp4_quant_kernel[grid_q](
+        x, x.stride(0), x.stride(1), m, kk, amax,
+        rdata, rscale, rglob, rand_row if rand_row is not None else dummy_f,
+        cdata, cscale, cglob, rand_col if rand_col is not None else dummy_f,
+        ROW=bool(rowwise), COL=bool(columnwise), RHT=rht, TWO_D=bool(two_d), SR=sr,
+        BM=cq["BM"], BK=cq["BK"], num_warps=cq["num_warps"], **_LAUNCH_OPTS)
+    return rdata, rscale, rglob, cdata, cscale, cglob
+
+
+@nvfp4_quantize.register_fake
+def _nvfp4_quantize_fake(x, rand_row, rand_col, rowwise, columnwise, with_rht, two_d):
+    m, kk = x.shape
+
+    def e():
+        return x.new_empty(0, dtype=torch.uint8)
+
+    rows_s = (m // BLOCK) if two_d else m
+    cols_s = (kk // BLOCK) if two_d else kk
+    if rowwise:
+        row = (x.new_empty(m, kk // 2, dtype=torch.uint8),
+               x.new_empty(rows_s, kk // BLOCK, dtype=torch.uint8),
+               x.new_empty(1, dtype=torch.float32))
+    else:
+        row = (e(), e(), e())
+    if columnwise:
+        col = (x.new_empty(kk, m // 2, dtype=torch.uint8),
+               x.new_empty(cols_s, m // BLOCK, dtype=torch.uint8),
+               x.new_empty(1, dtype=torch.float32))
+    else:
+        col = (e(), e(), e())
+    return (*row, *col)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
+                two_d: bool, rand_row: Tensor | None = None,
+                rand_col: Tensor | None = None) -> dict:
+    """NVFP4Tensor fields for an (M, K) input through the kernels (see module doc).
+
+    ``rand_row`` (M, K) / ``rand_col`` (K, M): fp32 uniforms for stochastic
+    rounding (both ``None``: nearest-even).
+    """
+    rdata, rscale, rglob, cdata, cscale, cglob = torch.ops.lowprec.nvfp4_quantize(
+        x2d, rand_row, rand_col, bool(rowwise), bool(columnwise), bool(with_rht), bool(two_d))
+    fields: dict = {}
+    if rowwise:
+        fields.update(rowwise_data=rdata, rowwise_scale=rscale.view(SCALE_DTYPE),
+                      rowwise_global=rglob)
+    if columnwise:
+        fields.update(columnwise_data=cdata, columnwise_scale=cscale.view(SCALE_DTYPE),
+                      columnwise_global=cglob)
+    return fields
+
+
+# ---- dequantize (unscaled, bf16) ------------------------------------------------------------------
+@torch.library.custom_op("lowprec::nvfp4_dequantize_unscaled_bf16", mutates_args=())
+def nvfp4_dequantize_unscaled_bf16(data: Tensor, scale: Tensor, two_d: bool) -> Tensor:
+    """bf16 (R, C) ``q * d`` from packed codes (R, C/2) and E4M3 scale bytes (uint8)."""
+    r, c2 = data.shape
+    c = 2 * c2
+    out = torch.empty(r, c, dtype=torch.bfloat16, device=data.device)
+    if r == 0 or c == 0:
+        return out
+    cfg = CONFIG["dequant"]
+    grid = (triton_cdiv(r, cfg["BR"]) * triton_cdiv(c, cfg["BC"]),)
+    _kernels()._nvfp4_dequant_unscaled_kernel[grid](
+        data.contiguous(), scale.contiguous(), out, r, c, TWO_D=bool(two_d),
+        BR=cfg["BR"], BC=cfg["BC"], num_warps=cfg["num_warps"], **_LAUNCH_OPTS)
+    return out
+
+
+@nvfp4_dequantize_unscaled_bf16.register_fake
+def _nvfp4_dequantize_unscaled_bf16_fake(data, scale, two_d):
+    r, c2 = data.shape
+    return data.new_empty(r, 2 * c2, dtype=torch.bfloat16)
+
+
+def _dequantize_unscaled_torch(data: Tensor, scale: Tensor, two_d: bool) -> Tensor:
+    q = e2m1_codes_to_float(unpack_e2m1(data))
+    r, c = q.shape
+    d = scale.to(torch.float32)
+    if two_d:
+        v = q.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK) * d[:, None, :, None]
+    else:
+        v = q.reshape(r, c // BLOCK, BLOCK) * d[:, :, None]
+    return v.reshape(r, c).to(torch.bfloat16)
+
+
+def dequantize_unscaled_bf16(qt, usage: str = "rowwise") -> tuple[Tensor, Tensor]:
+    """``(q * d as a bf16 (R, C) matrix, S)`` for one stored direction of an NVFP4Tensor.
+
+    Rowwise: (M, K); columnwise: (K, M), still RHT-transformed when the tensor
+    carries it. ``q * d`` is exact in bf16; the high-precision value is
+    ``(q * d) / S`` with ``S`` the (1,) fp32 global encode scale returned
+    beside it. Triton kernel on CUDA, plain torch elsewhere (same values).
+    """
+    if usage not in ("rowwise", "columnwise"):
+        raise ValueError(f"usage={usage!r} is not valid; use 'rowwise' or 'columnwise'")
+    if not qt.has_usage(usage):
+        raise RuntimeError(f"{type(qt).__name__} holds no {usage} data")
+    data = getattr(qt, f"{usage}_data")
+    scale = getattr(qt, f"{usage}_scale")
+    s = getattr(qt, f"{usage}_global")
+    two_d = bool(qt.with_2d_quantization)
+    if use_kernels(data):
+        out = torch.ops.lowprec.nvfp4_dequantize_unscaled_bf16(data, scale.view(torch.uint8),
+                                                               two_d)
+    else:
+        out = _dequantize_unscaled_torch(data, scale, two_d)
+    return out, s
