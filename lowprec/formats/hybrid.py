@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import QuantizedTensor, Quantizer
+from .base import QuantizedTensor, Quantizer, flatten_2d
 
 
 class HybridQuantizedTensor(QuantizedTensor):
@@ -92,16 +92,18 @@ class HybridQuantizer(Quantizer):
         return _nominal_subs(super().quantize(x))
 
     def make_empty(self, shape, dtype=torch.float32, device=None) -> HybridQuantizedTensor:
-        return _nominal_subs(super().make_empty(shape, dtype=dtype, device=device))
-
-    def _empty_fields(self, m, k, device):
+        # Each half is built by its own quantizer with the nominal shape and dtype (an
+        # identity half stores data in that dtype).
+        shape = tuple(shape)
+        m, k = flatten_2d(shape)
+        self._check_shape(shape, m, k)
         fields = {"rowwise_data": None, "columnwise_data": None}
         for usage, q in (("rowwise", self.rowwise_quantizer),
                          ("columnwise", self.columnwise_quantizer)):
             if getattr(self, f"{usage}_usage"):
                 q.set_usage(rowwise=usage == "rowwise", columnwise=usage == "columnwise")
-                fields[f"{usage}_data"] = q.make_empty((m, k), device=device)
-        return fields
+                fields[f"{usage}_data"] = q.make_empty(shape, dtype=dtype, device=device)
+        return HybridQuantizedTensor(shape, dtype, **fields)
 
     def _repr_params(self):
         return {"rowwise_quantizer": self.rowwise_quantizer,
