@@ -98,12 +98,12 @@ class LowprecModule(nn.Module):
             self._recipe_states[mode] = state
         return state
 
-    def gemm_quantizers(self, device) -> tuple[list[LinearQuantizers] | None, str, object]:
-        """Per-GEMM quantizers under the active autocast (None outside), the backward mode,
-        and a callback for the end of the backward pass."""
+    def active_states(self, device, backward_calls: int = 1):
+        """(recipe, forward state, backward state, end-of-backward callback) under the active
+        autocast, or None outside it. The callback fires after ``backward_calls`` calls."""
         region = active_region()
         if region is None:
-            return None, "default", None
+            return None
         recipe = region.recipe
         fwd, bwd = self._state("forward", recipe, device), self._state("backward", recipe, device)
         callback = None
@@ -118,7 +118,16 @@ class LowprecModule(nn.Module):
                 bwd.delayed.pending = True
                 bwd.delayed.update(group)
 
-            callback = _BackwardDone(len(self._gemm_names()), bwd_update)
+            callback = _BackwardDone(backward_calls, bwd_update)
+        return recipe, fwd, bwd, callback
+
+    def gemm_quantizers(self, device) -> tuple[list[LinearQuantizers] | None, str, object]:
+        """Per-GEMM quantizers under the active autocast (None outside), the backward mode,
+        and a callback for the end of the backward pass."""
+        active = self.active_states(device, backward_calls=len(self._gemm_names()))
+        if active is None:
+            return None, "default", None
+        recipe, fwd, bwd, callback = active
         out = []
         for i in range(len(self._gemm_names())):
             fq, bq = fwd.quantizers[3 * i:3 * i + 3], bwd.quantizers[2 * i:2 * i + 2]

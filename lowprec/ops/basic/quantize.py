@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ...autocast import active_region, register_delayed_state
 from ...modules.base import LowprecModule
 from ...roles import QuantizerRole, check_num_quantizers
 from ..base import BasicOperation, RunContext, as_plain, plain
@@ -67,22 +66,10 @@ class Quantize(LowprecModule, BasicOperation):
     def _quantizers(self, device):
         """(forward quantizer, backward quantizer, backward mode, backward callback) under
         autocast, else None."""
-        region = active_region()
-        if region is None:
+        active = self.active_states(device)
+        if active is None:
             return None
-        recipe = region.recipe
-        fwd, bwd = self._state("forward", recipe, device), self._state("backward", recipe, device)
-        callback = None
-        if fwd.delayed is not None and torch.is_grad_enabled():
-            # As the GEMM modules: only training forwards move the delayed-scaling state.
-            fwd.delayed.pending = True
-            register_delayed_state(fwd.delayed)
-            group = region.group
-
-            def callback():
-                bwd.delayed.pending = True
-                bwd.delayed.update(group)
-
+        recipe, fwd, bwd, callback = active
         return fwd.quantizers[0], bwd.quantizers[0], recipe.backward_mode, callback
 
     def op_forward(self, x: torch.Tensor, extra_inputs: list, ctx: RunContext) -> torch.Tensor:
