@@ -68,10 +68,11 @@ def _mxfp8_dequant_op(data: torch.Tensor, scale: torch.Tensor, block_rows: int) 
     data, scale = data.contiguous(), scale.contiguous()
     r, c = data.shape
     out = torch.empty((r, c), dtype=torch.bfloat16, device=data.device)
-    br, bc = 32, 256
-    grid = ((r + br - 1) // br, (c + bc - 1) // bc)
-    mxfp8_dequant_bf16_kernel[grid](data, scale, out, r, c, scale.shape[1],
-                                    BLOCK_ROWS=block_rows, BR=br, BC=bc, num_warps=8)
+    nblk = c // _MX_BLOCK
+    br, nb = 16, 16  # 16 rows x 512 columns per program
+    grid = ((r + br - 1) // br, (nblk + nb - 1) // nb)
+    mxfp8_dequant_bf16_kernel[grid](data, scale, out, r, c, nblk,
+                                    BLOCK_ROWS=block_rows, BR=br, NB=nb, num_warps=8)
     return out
 
 

@@ -55,7 +55,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(d_model=128, n_layers=2, n_heads=2, seq_len=64, batch_size=2,
                         default_steps=20),
     "small": ModelConfig(d_model=128, n_layers=2, n_heads=2, seq_len=128, batch_size=4,
-                         default_steps=100),
+                         default_steps=120),
     "medium": ModelConfig(d_model=512, n_layers=8, n_heads=8, seq_len=512, batch_size=16,
                           lr=1e-3, default_steps=300),
     "large": ModelConfig(d_model=1024, n_layers=16, n_heads=16, seq_len=1024, batch_size=16,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
-                             triton_cdiv)
+                             launches, triton_cdiv)
 from .reference import BLOCK
 
 #: (BM, BN, num_warps) per (block_scaling_dim, usages). Benchmarks may override entries.
@@ -22,6 +22,10 @@ CONFIGS = {
     (2, "col"): (128, 128, 8),
     (2, "both"): (128, 128, 8),
 }
+
+
+def _usage(rowwise: bool, columnwise: bool) -> str:
+    return "both" if rowwise and columnwise else ("row" if rowwise else "col")
 
 
 def _shapes(m: int, k: int, dim: int, rowwise: bool, columnwise: bool):
@@ -48,15 +52,15 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = x.shape
     rq, rs, cq, cs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise)
-    usage = "both" if rowwise and columnwise else ("row" if rowwise else "col")
-    bm, bn, warps = CONFIGS[(block_scaling_dim, usage)]
-    grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
     with device_guard(x.device):
-        block_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1), eps,
-                                 FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
-                                 TWO_D=block_scaling_dim == 2, ROWWISE=rowwise,
-                                 COLWISE=columnwise, BM=bm, BN=bn, num_warps=warps,
-                                 **kernel_fp8_args(fp8_dtype))
+        for r, c in launches(rowwise, columnwise, f"block{block_scaling_dim}"):
+            bm, bn, warps = CONFIGS[(block_scaling_dim, _usage(r, c))]
+            grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
+            block_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1), eps,
+                                     FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
+                                     TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c,
+                                     BM=bm, BN=bn, num_warps=warps,
+                                     **kernel_fp8_args(fp8_dtype))
     return rq, rs, cq, cs
 
 

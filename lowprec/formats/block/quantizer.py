@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import use_kernels
 from ..base import Quantizer, check_divisible
+from . import launch
 from ..casting import FP32_MAX, check_fp8_dtype
 from .reference import BLOCK, quantize_blocks
 from .tensor import Float8BlockwiseTensor
@@ -58,6 +60,8 @@ class Float8BlockQuantizer(Quantizer):
                                eps=self.amax_epsilon)
 
     def _quantize_2d(self, x2d):
+        if use_kernels(x2d):
+            return launch.quantize_block(self, x2d)
         fields = {"rowwise_data": None, "rowwise_scale": None, "columnwise_data": None,
                   "columnwise_scale": None, "fp8_dtype": self.fp8_dtype,
                   "block_scaling_dim": self.block_scaling_dim}

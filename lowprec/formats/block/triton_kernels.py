@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..float8.triton_kernels import abs_bits, current_scale, fp8_codes
+from ..float8.triton_kernels import abs_bits, current_scale, fp8_codes, store_t
 
 
 @triton.jit
@@ -20,7 +20,7 @@ def block_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, s
                        FP8_MAX: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr,
                        BIAS: tl.constexpr, MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr,
                        TWO_D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr):
     BLK: tl.constexpr = 128
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -28,7 +28,6 @@ def block_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, s
     offs_k = pid_k * BN + tl.arange(0, BN)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
     offs_m64 = offs_m.to(tl.int64)
-    offs_k64 = offs_k.to(tl.int64)
     ptrs = x_ptr + offs_m64[:, None] * stride_xm + offs_k[None, :] * stride_xk
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     a = abs_bits(x)
@@ -37,19 +36,19 @@ def block_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, s
         amax = tl.max(tl.max(tl.reshape(a, (BM // BLK, BLK, BN // BLK, BLK)), 3), 1)
         s = current_scale(amax, eps, FP8_MAX, POW2)  # (BM/128, BN/128)
         x4 = tl.reshape(x, (BM // BLK, BLK, BN // BLK, BLK))
-        q = fp8_codes(tl.reshape(x4 * s[:, None, :, None], (BM, BN)), MBITS, BIAS, MAX_BITS,
-                      HW_CVT)
+        y = tl.reshape(x4 * s[:, None, :, None], (BM, BN))
         sm = pid_m * (BM // BLK) + tl.arange(0, BM // BLK)
         sk = pid_k * (BN // BLK) + tl.arange(0, BN // BLK)
         smask = (sm < M // BLK)[:, None] & (sk < K // BLK)[None, :]
         if ROWWISE:
-            tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :], q, mask=mask)
+            tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :],
+                     fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT), mask=mask)
             tl.store(rs_ptr + sm[:, None] * (K // BLK) + sk[None, :], s, mask=smask)
         if COLWISE:
-            tl.store(cq_ptr + offs_k64[:, None] * M + offs_m[None, :], tl.trans(q),
-                     mask=tl.trans(mask))
-            tl.store(cs_ptr + sk[:, None] * (M // BLK) + sm[None, :], tl.trans(s),
-                     mask=tl.trans(smask))
+            # a chain of its own when the rowwise codes exist too (see float8 cast_kernel)
+            store_t(cq_ptr, offs_m, offs_k, M, K, M,
+                    fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT, ROWWISE), COL_MODE)
+            store_t(cs_ptr, sm, sk, M // BLK, K // BLK, M // BLK, s, COL_MODE)
     else:
         if ROWWISE:
             # 1x128 blocks along K (K divisible by 128).
@@ -67,10 +66,8 @@ def block_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, s
             amax_c = tl.max(tl.reshape(a, (BM // BLK, BLK, BN)), 1)
             s_c = current_scale(amax_c, eps, FP8_MAX, POW2)  # (BM/128, BN)
             x3 = tl.reshape(x, (BM // BLK, BLK, BN))
-            q = fp8_codes(tl.reshape(x3 * s_c[:, None, :], (BM, BN)), MBITS, BIAS, MAX_BITS,
-                          HW_CVT)
-            tl.store(cq_ptr + offs_k64[:, None] * M + offs_m[None, :], tl.trans(q),
-                     mask=tl.trans(mask))
+            y = tl.reshape(x3 * s_c[:, None, :], (BM, BN))
+            store_t(cq_ptr, offs_m, offs_k, M, K, M, fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT),
+                    COL_MODE)
             sm = pid_m * (BM // BLK) + tl.arange(0, BM // BLK)
-            tl.store(cs_ptr + offs_k64[:, None] * (M // BLK) + sm[None, :], tl.trans(s_c),
-                     mask=(offs_k < K)[:, None] & (sm < M // BLK)[None, :])
+            store_t(cs_ptr, sm, offs_k, M // BLK, K, M // BLK, s_c, COL_MODE)

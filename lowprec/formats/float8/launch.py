@@ -30,6 +30,24 @@ FP8_PARAMS = {
 #: False computes the rounding with integer arithmetic (same bits, more instructions).
 HW_CVT = True
 
+#: How the kernels write a transposed (columnwise) tile (see triton_kernels.store_t):
+#: 0 tl.trans of the fp8 codes, 1 tl.trans of an int32 widening, 2 transpose the fp32 values
+#: and cast again, 3 transposed pointers (the compiler arranges the coalesced store).
+COL_MODE = 0
+
+#: Formats whose "both usages" quantization runs as two launches (rowwise-only, then
+#: columnwise-only) instead of one fused pass: keys "pertensor", "block1", "block2", "mx1",
+#: "mx2". The fused pass reads the input once; the split one twice, which can still be faster
+#: where the fused kernel's in-register transposition costs more than the second read.
+SPLIT_BOTH = {"pertensor": False, "block1": False, "block2": False, "mx1": False, "mx2": False}
+
+
+def launches(rowwise: bool, columnwise: bool, key: str):
+    """The (rowwise, columnwise) flags of each kernel launch for the requested usages."""
+    if rowwise and columnwise and SPLIT_BOTH.get(key, False):
+        return [(True, False), (False, True)]
+    return [(rowwise, columnwise)]
+
 #: Tile configs: name -> (BM, BN, num_warps). Benchmarks may override entries.
 CONFIGS = {
     "amax": (32, 256, 8),
@@ -46,7 +64,8 @@ def fp8_dtype_of(is_e5m2: bool) -> torch.dtype:
 
 def kernel_fp8_args(fp8_dtype: torch.dtype) -> dict:
     mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
-    return {"MBITS": mbits, "BIAS": bias, "MAX_BITS": max_bits, "HW_CVT": HW_CVT}
+    return {"MBITS": mbits, "BIAS": bias, "MAX_BITS": max_bits, "HW_CVT": HW_CVT,
+            "COL_MODE": COL_MODE}
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,8 +104,9 @@ def _launch_amax(x: torch.Tensor) -> torch.Tensor:
     bm, bn, warps = CONFIGS["amax"]
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
     tiles = triton_cdiv(m, bm) * triton_cdiv(k, bn)
-    grid = (max(1, min(tiles, num_sms(x.device) * 4)),)
-    amax_kernel[grid](x, amax_bits, m, k, x.stride(0), x.stride(1), BM=bm, BN=bn,
+    progs = max(1, min(tiles, num_sms(x.device) * 4))
+    amax_kernel[(progs,)](x, amax_bits, m, k, x.stride(0), x.stride(1), tiles,
+                      triton_cdiv(tiles, progs), BM=bm, BN=bn,
                       num_warps=warps)
     return amax_bits
 
@@ -106,12 +126,13 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     with device_guard(x.device):
         amax_bits = _launch_amax(x)
-        bm, bn, warps = _cast_cfg(rowwise, columnwise)
-        grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
-        cast_kernel[grid](x, row, col, amax_bits, scale, scale, m, k, x.stride(0), x.stride(1),
-                          eps, CURRENT=True, POW2=pow2, FP8_MAX=FP8_PARAMS[fp8_dtype][3],
-                          ROWWISE=rowwise, COLWISE=columnwise, BM=bm, BN=bn,
-                          num_warps=warps, **kernel_fp8_args(fp8_dtype))
+        for r, c in launches(rowwise, columnwise, "pertensor"):
+            bm, bn, warps = _cast_cfg(r, c)
+            grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
+            cast_kernel[grid](x, row, col, amax_bits, scale, scale, m, k, x.stride(0),
+                              x.stride(1), eps, CURRENT=True, POW2=pow2,
+                              FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm,
+                              BN=bn, num_warps=warps, **kernel_fp8_args(fp8_dtype))
     return row, col, scale
 
 
@@ -133,19 +154,20 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
     scale_out = torch.empty(1, dtype=torch.float32, device=x.device)
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
     with device_guard(x.device):
-        bm, bn, warps = _cast_cfg(rowwise, columnwise)
-        grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
-        cast_kernel[grid](x, row, col, amax_bits, scale, scale_out, m, k, x.stride(0),
-                          x.stride(1), 0.0, CURRENT=False, POW2=False,
-                          FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=rowwise,
-                          COLWISE=columnwise, BM=bm, BN=bn, num_warps=warps,
-                          **kernel_fp8_args(fp8_dtype))
+        for r, c in launches(rowwise, columnwise, "pertensor"):
+            bm, bn, warps = _cast_cfg(r, c)
+            grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
+            cast_kernel[grid](x, row, col, amax_bits, scale, scale_out, m, k, x.stride(0),
+                              x.stride(1), 0.0, CURRENT=False, POW2=False,
+                              FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm,
+                              BN=bn, num_warps=warps, **kernel_fp8_args(fp8_dtype))
         block, _, warps = CONFIGS["finish"]
         n = m * k
-        grid = (max(1, min(triton_cdiv(n, block), num_sms(x.device) * 2)),)
-        delayed_finish_kernel[grid](amax_bits, scale, scale_out, amax, row, col, n,
-                                    ROWWISE=rowwise, COLWISE=columnwise, BLOCK=block,
-                                    num_warps=warps)
+        progs = max(1, min(triton_cdiv(n, block), num_sms(x.device) * 2))
+        delayed_finish_kernel[(progs,)](amax_bits, scale, scale_out, amax, row, col, n,
+                                        triton_cdiv(triton_cdiv(n, block), progs),
+                                        ROWWISE=rowwise, COLWISE=columnwise, BLOCK=block,
+                                        num_warps=warps)
     return row, col, scale_out
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import use_kernels
 from ..base import Quantizer
 from ..casting import check_fp8_dtype
+from . import launch
 from .reference import current_scale, quantize_per_tensor, tensor_amax
 from .tensor import Float8Tensor
 
@@ -53,6 +55,8 @@ class Float8Quantizer(_PerTensorFloat8):
         self.amax = amax
 
     def _quantize_2d(self, x2d):
+        if use_kernels(x2d):
+            return launch.quantize_delayed(self, x2d)
         amax = tensor_amax(x2d).to(self.amax.device)
         self.amax.copy_(amax.reshape(self.amax.shape))
         scale = self.scale.detach().reshape(1).to(device=x2d.device, copy=True)
@@ -84,6 +88,8 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
         self.amax_epsilon = float(amax_epsilon)
 
     def _quantize_2d(self, x2d):
+        if use_kernels(x2d):
+            return launch.quantize_current(self, x2d)
         scale = current_scale(tensor_amax(x2d), self.fp8_dtype, pow2=self.force_pow_2_scales,
                               eps=self.amax_epsilon)
         return self._fields(x2d, scale)

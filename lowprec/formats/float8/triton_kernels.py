@@ -53,15 +53,20 @@ def current_scale(amax_bits, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 @triton.jit
 def fp8_codes(y, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
-              HW_CVT: tl.constexpr):
+              HW_CVT: tl.constexpr, ALT: tl.constexpr = False):
     """uint8 fp8 codes of fp32 ``y``: saturate to +-max (NaN stays NaN), round to nearest even.
 
     MBITS/BIAS: 3/7 for E4M3 (fn), 2/15 for E5M2; MAX_BITS: fp32 bits of the max finite value.
+    ``ALT`` writes the saturation differently (same results) so that the compiler keeps a
+    second conversion of the same values as its own chain of ops: see ``cast_kernel``.
     """
     b = y.to(tl.int32, bitcast=True)
     a = b & 0x7FFFFFFF
     is_nan = a > 0x7F800000
-    a = tl.where(is_nan, a, tl.minimum(a, MAX_BITS))
+    if ALT:
+        a = tl.where((a > MAX_BITS) & (a <= 0x7F800000), MAX_BITS, a)
+    else:
+        a = tl.where(is_nan, a, tl.minimum(a, MAX_BITS))
     if HW_CVT:
         sat = (a | ((b >> 31) << 31)).to(tl.float32, bitcast=True)
         if MBITS == 3:
@@ -83,20 +88,38 @@ def fp8_codes(y, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr
     return code
 
 
+@triton.jit
+def store_t(ptr, offs_r, offs_c, n_r, n_c, ld, v, MODE: tl.constexpr):
+    """Store the transpose of the (R, C) tile ``v``: element [r, c] goes to ptr[c * ld + r],
+    for ``offs_r < n_r`` and ``offs_c < n_c``.
+
+    The mask is built in the stored orientation (no transposed copy of a mask the caller
+    also uses). MODE 3: no transpose op, the pointers are transposed and the compiler
+    arranges the coalesced store; otherwise ``tl.trans`` of the tile.
+    """
+    if MODE == 3:
+        tl.store(ptr + offs_c.to(tl.int64)[None, :] * ld + offs_r[:, None], v,
+                 mask=(offs_r < n_r)[:, None] & (offs_c < n_c)[None, :])
+    else:
+        tl.store(ptr + offs_c.to(tl.int64)[:, None] * ld + offs_r[None, :], tl.trans(v),
+                 mask=(offs_c < n_c)[:, None] & (offs_r < n_r)[None, :])
+
+
 # ---- per-tensor kernels -------------------------------------------------------------------
 @triton.jit
-def amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, stride_xk,
+def amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, stride_xk, n_tiles, iters,
                 BM: tl.constexpr, BN: tl.constexpr):
-    """Grid-stride over (BM, BN) tiles; one relaxed int32 atomic max per program."""
+    """Grid-stride over (BM, BN) tiles (``iters`` each); one relaxed int32 atomic max per
+    program."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     tiles_k = tl.cdiv(K, BN)
-    n_tiles = tl.cdiv(M, BM) * tiles_k
     acc = tl.zeros([BM, BN], dtype=tl.int32)
-    for t in range(pid, n_tiles, nprog):
+    for i in range(0, iters):
+        t = pid + i * nprog
         offs_m = (t // tiles_k) * BM + tl.arange(0, BM)
         offs_k = (t % tiles_k) * BN + tl.arange(0, BN)
-        mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+        mask = ((offs_m < M)[:, None] & (offs_k < K)[None, :]) & (t < n_tiles)
         ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
         x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, abs_bits(x))
@@ -109,7 +132,7 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr,
                 CURRENT: tl.constexpr, POW2: tl.constexpr, FP8_MAX: tl.constexpr,
                 MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
                 HW_CVT: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr):
     """One pass over x: cast ``x * scale`` and write rowwise (M, K) and/or columnwise (K, M).
 
     CURRENT: the scale comes from the amax pass (``amax_ptr``), program (0, 0) stores it.
@@ -132,18 +155,21 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr,
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if not CURRENT:
         tl.atomic_max(amax_ptr, tl.max(tl.max(abs_bits(x), 1), 0), sem="relaxed")
-    q = fp8_codes(x * scale, MBITS, BIAS, MAX_BITS, HW_CVT)
+    y = x * scale
     if ROWWISE:
-        tl.store(row_ptr + offs_m64[:, None] * K + offs_k[None, :], q, mask=mask)
+        tl.store(row_ptr + offs_m64[:, None] * K + offs_k[None, :],
+                 fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT), mask=mask)
     if COLWISE:
-        offs_k64 = offs_k.to(tl.int64)
-        tl.store(col_ptr + offs_k64[:, None] * M + offs_m[None, :], tl.trans(q),
-                 mask=tl.trans(mask))
+        # With both directions the columnwise codes are computed as a chain of their own
+        # (ALT): Triton 3.6 on sm90 miscompiled the layout conversion of one uint8 tile
+        # that feeds both the rowwise store and the transposed store (fp32 inputs).
+        store_t(col_ptr, offs_m, offs_k, M, K, M,
+                fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT, ROWWISE), COL_MODE)
 
 
 @triton.jit
 def delayed_finish_kernel(amax_bits_ptr, scale_in_ptr, scale_out_ptr, amax_out_ptr,
-                          row_ptr, col_ptr, N,
+                          row_ptr, col_ptr, N, iters,
                           ROWWISE: tl.constexpr, COLWISE: tl.constexpr, BLOCK: tl.constexpr):
     """After the delayed cast pass: record the amax, store the (NaN-poisoned) scale and, only
     when the amax is not finite, overwrite the data with NaN codes (as the reference's
@@ -158,7 +184,8 @@ def delayed_finish_kernel(amax_bits_ptr, scale_in_ptr, scale_out_ptr, amax_out_p
         tl.store(scale_out_ptr, s.to(tl.float32, bitcast=True))
     if bits >= 0x7F800000:
         nan = tl.full([BLOCK], 0x7F, dtype=tl.uint8)
-        for start in range(pid * BLOCK, N, nprog * BLOCK):
+        for i in range(0, iters):
+            start = (pid + i * nprog).to(tl.int64) * BLOCK
             offs = start + tl.arange(0, BLOCK).to(tl.int64)
             if ROWWISE:
                 tl.store(row_ptr + offs, nan, mask=offs < N)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import use_kernels
 from ..base import Quantizer, check_divisible
+from . import launch
 from ..casting import check_fp8_dtype
 from .reference import BLOCK, quantize_1x32, quantize_32x32
 from .tensor import MXFP8Tensor
@@ -51,6 +53,8 @@ class MXFP8Quantizer(Quantizer):
         return {"fp8_dtype": self.fp8_dtype, "with_2d_quantization": self.with_2d_quantization}
 
     def _quantize_2d(self, x2d: torch.Tensor) -> dict:
+        if use_kernels(x2d):
+            return launch.quantize_mxfp8(self, x2d)
         fields = dict.fromkeys(MXFP8Tensor._inner)
         if self.with_2d_quantization:
             data, scale = quantize_32x32(x2d, self.fp8_dtype)

@@ -1,0 +1,241 @@
+"""Linear and LayerNormMLP forward+backward per recipe, against bf16 and torchao.
+
+One step is ``y = module(x); y.backward(dy)`` with bf16 activations, x requiring
+grad (so dgrad and wgrad both run) and the weight gradient reset each step.
+Peers, each timed in the same run as its baseline:
+
+* ``bf16``: ``torch.nn.Linear`` (eager; one cuBLAS GEMM per direction);
+* ``lowprec/<recipe>``: ``lowprec.Linear`` under ``lowprec.autocast(recipe)`` (eager);
+* ``torchao/tensorwise``, ``torchao/rowwise``: ``Float8Linear`` from
+  ``torchao.float8.convert_to_float8_training``, ``torch.compile``d (skipped when
+  torchao does not import).
+
+LayerNormMLP (``--mlp``): ``lowprec.LayerNormMLP(K, N, activation="gelu")`` on an
+(M, K) input, against the same module outside autocast (bf16) and a plain torch
+LayerNorm -> Linear -> GELU -> Linear.
+
+``ratio`` in the CSV is peer time / bf16 time (below 1 = faster); the table
+also prints the speedup (bf16 time / peer time).
+
+    python benchmarks/bench_linear.py [--shapes 16384x4096x4096,...] [--recipes ...] [--mlp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lowprec  # noqa: E402
+from harness import append_rows, compare, l2_rotation, print_table  # noqa: E402
+
+SHAPES = ["16384x4096x4096", "16384x4096x14336", "16384x14336x4096"]
+RECIPES = {
+    "current": lambda: lowprec.Float8CurrentScaling(),
+    "delayed": lambda: lowprec.DelayedScaling(),
+    "block": lambda: lowprec.Float8BlockScaling(),
+    "mxfp8": lambda: lowprec.MXFP8BlockScaling(),
+    "nvfp4": lambda: lowprec.NVFP4BlockScaling(),
+}
+TORCHAO = ["tensorwise", "rowwise"]
+
+
+def parse_shape(s):
+    return tuple(int(v) for v in s.lower().split("x"))
+
+
+# ---- step functions -----------------------------------------------------------------------
+# ``fresh=True`` feeds the module ``x * 1.0``, an activation that only autograd keeps alive
+# (as a previous layer's output would be), so the memory bench sees what each peer saves.
+def plain_step(module, fresh=False, on_forward=None):
+    params = [p for p in module.parameters()]
+
+    def step(x, dy):
+        for p in params:
+            p.grad = None
+        x.grad = None
+        y = module(x * 1.0 if fresh else x)
+        if on_forward is not None:
+            on_forward()
+        y.backward(dy)
+    step.zero_grads = lambda: [setattr(p, "grad", None) for p in params]
+    return step
+
+
+def lowprec_step(module, recipe, fresh=False, on_forward=None):
+    params = [p for p in module.parameters()]
+
+    def step(x, dy):
+        for p in params:
+            p.grad = None
+        x.grad = None
+        with lowprec.autocast(recipe=recipe):
+            y = module(x * 1.0 if fresh else x)
+        if on_forward is not None:
+            on_forward()
+        y.backward(dy)
+    step.zero_grads = lambda: [setattr(p, "grad", None) for p in params]
+    return step
+
+
+def torchao_linear(k, n, recipe_name, device):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    model = nn.Sequential(nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16))
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe_name))
+    return torch.compile(model)
+
+
+def make_inputs(m, k, n, device, count_bytes=True):
+    gen = torch.Generator(device=device).manual_seed(m + k + n)
+
+    def one():
+        x = torch.randn(m, k, device=device, generator=gen, dtype=torch.bfloat16)
+        dy = torch.randn(m, n, device=device, generator=gen, dtype=torch.bfloat16)
+        return x.requires_grad_(True), dy
+    return l2_rotation(one, 2 * (m * k + m * n), min_sets=2, max_sets=3)
+
+
+# ---- benches ------------------------------------------------------------------------------
+def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", **step_kw):
+    """(name, step) for one shape, the bf16 baseline first."""
+    torch.manual_seed(0)
+    base = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    peers = [("bf16", plain_step(base, **step_kw))]
+    for r in recipes:
+        mod = lowprec.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=device)
+        with torch.no_grad():
+            mod.weight.copy_(base.weight)
+        peers.append((f"lowprec/{r}", lowprec_step(mod, RECIPES[r](), **step_kw)))
+    for r in torchao_recipes:
+        try:
+            peers.append((f"torchao/{r}",
+                          plain_step(torchao_linear(k, n, r, device), **step_kw)))
+        except Exception as e:  # noqa: BLE001 - torchao missing or refusing
+            print(f"torchao/{r}: skipped ({type(e).__name__}: {e})")
+    return peers
+
+
+def mlp_peers(m, hidden, ffn, recipes, device="cuda", **step_kw):
+    torch.manual_seed(0)
+    mod = lowprec.LayerNormMLP(hidden, ffn, bias=False, activation="gelu",
+                               params_dtype=torch.bfloat16, device=device)
+    ref = nn.Sequential(nn.LayerNorm(hidden, device=device, dtype=torch.bfloat16),
+                        nn.Linear(hidden, ffn, bias=False, device=device, dtype=torch.bfloat16),
+                        nn.GELU(),
+                        nn.Linear(ffn, hidden, bias=False, device=device, dtype=torch.bfloat16))
+    peers = [("bf16", plain_step(ref, **step_kw)), ("lowprec/bf16", plain_step(mod, **step_kw))]
+    for r in recipes:
+        peers.append((f"lowprec/{r}", lowprec_step(copy.deepcopy(mod), RECIPES[r](), **step_kw)))
+    return peers
+
+
+def host_time(step, inputs, n=10):
+    """CPU time to issue one step (ms), from a queue already drained: when it reaches the
+    GPU time the step is launch-bound."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(n):
+        step(*inputs[i % len(inputs)])
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e3 / n
+
+
+def run_peers(bench, shape_str, peers, inputs, args):
+    rows = []
+    baseline_name, baseline = peers[0]
+    for name, step in peers:
+        try:
+            peer_ms, base_ms = compare(step, baseline, inputs, inputs, rounds=args.rounds,
+                                       warmup=args.warmup, iters=args.iters)
+            host_ms = host_time(step, inputs)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"{bench} {shape_str} {name}: FAILED {type(e).__name__}: {e}")
+            continue
+        rows.append({"bench": bench, "shape": shape_str, "recipe": name, "metric": "ms",
+                     "value": peer_ms, "baseline": baseline_name, "baseline_value": base_ms,
+                     "ratio": peer_ms / base_ms,
+                     "note": f"speedup {base_ms / peer_ms:.3f}x; host {host_ms:.2f} ms/step"})
+        print(f"  {bench:6s} {shape_str:18s} {name:22s} {peer_ms:8.3f} ms  bf16 {base_ms:8.3f} ms"
+              f"  speedup {base_ms / peer_ms:.3f}x  host {host_ms:.2f} ms/step", flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--torchao", default=",".join(TORCHAO), help="'' to skip torchao")
+    ap.add_argument("--mlp", action="store_true", help="also LayerNormMLP (M x hidden x ffn)")
+    ap.add_argument("--mlp-shape", default="16384x4096x14336")
+    ap.add_argument("--no-linear", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--no-csv", action="store_true")
+    args = ap.parse_args(argv)
+    recipes = [r for r in args.recipes.split(",") if r]
+    tao = [r for r in args.torchao.split(",") if r]
+    rows = []
+    if not args.no_linear:
+        for s in args.shapes.split(","):
+            m, k, n = parse_shape(s)
+            inputs = make_inputs(m, k, n, "cuda")
+            rows += run_peers("linear", s, linear_peers(m, k, n, recipes, tao), inputs, args)
+            del inputs
+            torch.cuda.empty_cache()
+    if args.mlp:
+        m, h, f = parse_shape(args.mlp_shape)
+        inputs = make_inputs(m, h, h, "cuda")
+        rows += run_peers("mlp", args.mlp_shape, mlp_peers(m, h, f, recipes), inputs, args)
+    if rows:
+        print_table(rows, ["bench", "shape", "recipe", "value", "baseline_value", "ratio", "note"])
+        if not args.no_csv:
+            append_rows(rows)
+    report_targets(rows)
+    return rows
+
+
+def report_targets(rows):
+    """Prints the issue's speed targets as met / not met with the measured ratios."""
+    lin = {(r["shape"], r["recipe"]): r for r in rows if r["bench"] == "linear"}
+    if not lin:
+        return
+    print("\ntargets (Linear fwd+bwd):")
+    for shape in dict.fromkeys(s for s, _ in lin):
+        first = shape == SHAPES[0]
+
+        def speed(rec):
+            r = lin.get((shape, rec))
+            return None if r is None else r["baseline_value"] / r["value"]
+
+        def line(name, ok, detail):
+            print(f"  {shape:18s} {name:44s} {'MET' if ok else 'NOT MET':8s} {detail}")
+
+        cur, tw = speed("lowprec/current"), speed("torchao/tensorwise")
+        if cur is not None:
+            need = 1.5 if first else 1.6
+            line(f"Float8CurrentScaling >= {need}x bf16", cur >= need, f"{cur:.3f}x")
+            if tw is not None:
+                line("Float8CurrentScaling faster than torchao tensorwise", cur > tw,
+                     f"{cur:.3f}x vs {tw:.3f}x")
+        for rec, need in (("delayed", 1.6), ("block", 1.35)):
+            s = speed(f"lowprec/{rec}")
+            if s is not None:
+                line(f"{rec} >= {need}x bf16", s >= need, f"{s:.3f}x")
+        for rec, cap in (("mxfp8", 1.10), ("nvfp4", 1.25)):
+            s = speed(f"lowprec/{rec}")
+            if s is not None:
+                line(f"{rec} time <= {cap}x bf16", 1 / s <= cap, f"{1 / s:.3f}x bf16 time")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Shared timing and bookkeeping for the lowprec benchmarks.
+
+* :func:`time_fn` times a callable with CUDA events: warm-up calls first, then
+  ``iters`` timed calls, each between its own pair of events, and returns the
+  median in milliseconds. The callable gets one of several input sets in
+  turn, so repeated calls do not find their inputs in the L2 cache.
+* :func:`compare` times a peer and its baseline in the same run, interleaved
+  in rounds, so clock or thermal drift affects both alike.
+* :func:`append_rows` appends result rows (GPU name, torch version, git commit,
+  benchmark, shape, recipe, metric, value, baseline, ratio) to
+  ``benchmarks/results.csv`` (or ``$LOWPREC_RESULTS``).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+RESULTS = Path(os.environ.get("LOWPREC_RESULTS", HERE / "results.csv"))
+FIELDS = ["date", "gpu", "torch", "commit", "bench", "shape", "recipe", "metric", "value",
+          "baseline", "baseline_value", "ratio", "note"]
+
+
+def git_commit() -> str:
+    """The repository's commit (``$LOWPREC_GIT_COMMIT`` when the tree travels without .git)."""
+    env = os.environ.get("LOWPREC_GIT_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=HERE, check=True,
+                             capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=HERE, capture_output=True, text=True).stdout.strip()
+        return out + ("+dirty" if dirty else "")
+    except Exception:  # noqa: BLE001 - no git, not a checkout
+        return "unknown"
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def time_fn(fn: Callable, input_sets: Sequence[tuple], *, warmup: int = 5, iters: int = 30,
+            sync_each: bool = False) -> float:
+    """Median time of ``fn(*input_sets[i % n])`` in ms, measured with CUDA events."""
+    n = len(input_sets)
+    for i in range(warmup):
+        fn(*input_sets[i % n])
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        args = input_sets[(i + warmup) % n]
+        starts[i].record()
+        fn(*args)
+        ends[i].record()
+        if sync_each:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def compare(peer: Callable, baseline: Callable, peer_inputs: Sequence[tuple],
+            baseline_inputs: Sequence[tuple], *, rounds: int = 3, warmup: int = 5,
+            iters: int = 20) -> tuple[float, float]:
+    """(peer ms, baseline ms): medians over ``rounds`` interleaved rounds of each."""
+    p, b = [], []
+    for _ in range(rounds):
+        b.append(time_fn(baseline, baseline_inputs, warmup=warmup, iters=iters))
+        p.append(time_fn(peer, peer_inputs, warmup=warmup, iters=iters))
+    return statistics.median(p), statistics.median(b)
+
+
+def l2_rotation(make_inputs: Callable[[], tuple], bytes_per_set: int, *, min_sets: int = 2,
+                max_sets: int = 6) -> list[tuple]:
+    """Enough input sets that the ones not in use exceed the L2 cache (at least ``min_sets``)."""
+    l2 = 64 << 20
+    if torch.cuda.is_available():
+        l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", l2) or l2
+    n = max(min_sets, min(max_sets, 1 + (2 * l2) // max(bytes_per_set, 1)))
+    return [make_inputs() for _ in range(n)]
+
+
+def append_rows(rows: list[dict], path: Path | str | None = None) -> Path:
+    path = Path(path or RESULTS)
+    new = not path.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    base = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+            "gpu": gpu_name(), "torch": torch.__version__, "commit": git_commit()}
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        if new:
+            w.writeheader()
+        for r in rows:
+            w.writerow({k: _fmt(v) for k, v in {**base, **r}.items() if k in FIELDS})
+    return path
+
+
+def _fmt(v):
+    return f"{v:.4g}" if isinstance(v, float) else v
+
+
+def print_table(rows: list[dict], cols: Sequence[str]) -> None:
+    widths = [max(len(c), *(len(str(_fmt(r.get(c, "")))) for r in rows)) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(str(_fmt(r.get(c, ""))).ljust(w) for c, w in zip(cols, widths)))

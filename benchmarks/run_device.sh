@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call: the benchmarks, then the GPU backend tests; logs and results.csv go to $OUT.
+#   bash benchmarks/run_device.sh validate   # short smoke of every benchmark, then the tests
+#   bash benchmarks/run_device.sh full       # every benchmark at full length, then the tests
+# TEST_TIMEOUT (seconds, default 150) caps the test run. torchao (optional) is installed
+# from .whl/ when present (carry it: run(carry=['.whl'])).
+set -u
+MODE=${1:-validate}
+OUT=${OUT:-/tmp/lowprec_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 LOWPREC_RESULTS="$OUT/results.csv"
+if ls .whl/torchao-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/torchao-*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+T0=$(date +%s)
+t() { echo "== $* (t=$(( $(date +%s) - T0 ))s)"; }
+if [ "$MODE" = validate ]; then
+  t gemm;     python3 benchmarks/bench_gemm.py --shapes 16384x4096x4096 --iters 10 > "$OUT/gemm.log" 2>&1
+  t quantize; python3 benchmarks/bench_quantize.py --iters 10 --reference > "$OUT/quantize.log" 2>&1
+  t linear;   python3 benchmarks/bench_linear.py --shapes 16384x4096x4096 --rounds 1 --warmup 2 --iters 5 > "$OUT/linear.log" 2>&1
+  t memory;   python3 benchmarks/bench_memory.py --shapes 16384x4096x4096 --torchao tensorwise > "$OUT/memory.log" 2>&1
+else
+  t gemm;     python3 benchmarks/bench_gemm.py > "$OUT/gemm.log" 2>&1
+  t quantize; python3 benchmarks/bench_quantize.py > "$OUT/quantize.log" 2>&1
+  t linear;   python3 benchmarks/bench_linear.py --mlp > "$OUT/linear.log" 2>&1
+  t memory;   python3 benchmarks/bench_memory.py --mlp > "$OUT/memory.log" 2>&1
+fi
+t tests
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -s -p no:cacheprovider tests/test_backends_gpu.py \
+  > "$OUT/tests.log" 2>&1; echo "tests rc=$?"
+t done
+# compact summary last (the reply shows the tail)
+grep -E "^(shape|16384)" "$OUT/gemm.log" | cut -c1-90
+grep -E "^(recipe|d2d|fp8|block|mxfp8|nvfp4)" "$OUT/quantize.log" | cut -c1-80
+grep -E "^  (linear|mlp) " "$OUT/linear.log"
+grep -A30 "^targets" "$OUT/linear.log"
+grep -E "^  (linear|mlp) |^peak memory" "$OUT/memory.log"
+grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
+grep -B2 -A44 "^worst" "$OUT/tests.log" | grep -E "emulated|cublas|Linear" | awk '{print $1, $2, $3, $4}' | sort -k4 -g | tail -6

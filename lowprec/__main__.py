@@ -1,0 +1,7 @@
+"""``python -m lowprec compare ...``: the same as the ``lowprec`` console script."""
+
+import sys
+
+from .compare.cli import main
+
+sys.exit(main())

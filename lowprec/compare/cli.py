@@ -1,0 +1,204 @@
+"""``lowprec compare``: train one small GPT per recipe from the same seed and compare.
+
+Console script ``lowprec`` (and ``python -m lowprec``); see ``lowprec compare --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tempfile
+
+import torch
+
+from .. import gemm
+from . import report
+from .data import load_corpus
+from .model import GPT, PRESETS, check_config
+from .progress import Progress
+from .recipes import (BASELINE, DEFAULT_RECIPES, NAMED_RECIPES, RecipeError, build_named,
+                      check_backward_mode, load_recipe_file, noise_floor_spec, parse_recipe_names,
+                      validate_recipe)
+from .train import TrainSettings, train_one
+
+DEFAULT_OUT = "lowprec-compare"
+
+
+def _recipe_help() -> str:
+    return "\n".join(f"  {name:<20} {entry.help}" for name, entry in NAMED_RECIPES.items())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lowprec", description="lowprec command-line tools.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    p = sub.add_parser(
+        "compare", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="train the same small GPT once per recipe and compare loss, speed and SQNR",
+        description=(
+            "Train the same small byte-level GPT (every GEMM a lowprec module) from the same "
+            "seed on the same batches of Python standard-library source, once per recipe, "
+            "and report side by side: results.csv, loss.png, report.md in --out, and a "
+            "table on the terminal."),
+        epilog="named recipes:\n" + _recipe_help() + (
+            "\n\nmodel presets:\n" + "\n".join(f"  {k:<8} {v.describe()}, {v.default_steps} "
+                                                f"steps by default" for k, v in PRESETS.items())
+            + "\n\nexamples:\n  lowprec compare\n  lowprec compare --recipes bf16,fp8_block,"
+              "mxfp8_fwd_nvfp4_bwd --steps 200\n  lowprec compare --recipe-file my.py:factory "
+              "--model medium --device cuda"))
+    p.add_argument("--recipes", default=None, metavar="LIST",
+                   help=f"comma-separated recipe names (default: {','.join(DEFAULT_RECIPES)}; "
+                        f"with --recipe-file only: bf16 and the file's)")
+    p.add_argument("--recipe-file", action="append", default=[], metavar="PATH.py:FACTORY",
+                   help="a Python file and the name of a qfactory(role) -> Quantizer in it "
+                        "(or of a lowprec recipe object); may be given more than once")
+    p.add_argument("--backward-mode", default=None, metavar="MODE",
+                   help="default | high_precision | dequantized (aliases unquant, dequant), "
+                        "for every recipe")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps per recipe (default: the preset's)")
+    p.add_argument("--model", default="small", choices=list(PRESETS),
+                   help="model size preset (default: small; medium/large are for a GPU)")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: preset's)")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"output directory (default: ./{DEFAULT_OUT})")
+    p.add_argument("--noise-floor", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train bf16 from other initial weights (seed + 1), to show how far "
+                        "seed-to-seed noise alone moves the loss (default: on when bf16 runs)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default on CPU: half the cores, at least 1: the "
+                        "emulated formats are many small ops, where threads mostly add "
+                        "synchronisation)")
+    p.add_argument("--list-recipes", action="store_true", help="list the named recipes and exit")
+    return parser
+
+
+class UsageError(Exception):
+    pass
+
+
+def check_out_dir(path: str) -> str:
+    """Create ``path`` if needed and prove a file can be written there, before any training."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--out {path!r} exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise UsageError(f"cannot write to the output directory {path!r}: "
+                         f"{err.strerror or err}") from None
+    return path
+
+
+def resolve_device(text: str | None) -> torch.device:
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as err:
+        raise UsageError(f"--device {text!r}: {err}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {text!r}: CUDA is not available here; use --device cpu")
+    return device
+
+
+def resolve_recipes(args) -> list:
+    mode = check_backward_mode(args.backward_mode)
+    if args.recipes is not None:
+        names = parse_recipe_names(args.recipes)
+    else:
+        names = ["bf16"] if args.recipe_file else list(DEFAULT_RECIPES)
+    specs = [build_named(n, mode) for n in names]
+    if args.noise_floor and BASELINE in names:
+        specs.insert(names.index(BASELINE) + 1, noise_floor_spec())
+    for item in args.recipe_file:
+        spec = load_recipe_file(item, mode)
+        taken = {s.name for s in specs}
+        base, i = spec.name, 2
+        while spec.name in taken:
+            spec.name = f"{base}_{i}"
+            i += 1
+        specs.append(spec)
+    return specs
+
+
+def run(args, stdout=None, stderr=None) -> int:
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    cfg = PRESETS[args.model]
+    check_config(cfg)
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    steps = args.steps or cfg.default_steps
+    device = resolve_device(args.device)
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    elif device.type == "cpu":
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) // 2)))
+    specs = resolve_recipes(args)
+    # Every quantizer every role will get, built and checked against its tensor shape now.
+    with torch.device("meta"):
+        shape_model = GPT(cfg, device="meta")
+    for spec in specs:
+        validate_recipe(spec, shape_model, cfg.tokens_per_step)
+    del shape_model
+    out_dir = check_out_dir(args.out)
+    corpus = load_corpus()
+
+    settings = TrainSettings(steps=steps, seed=args.seed, device=device, lr=args.lr or cfg.lr)
+    print(f"lowprec compare: model {args.model} ({cfg.describe()}), {steps} steps x "
+          f"{len(specs)} recipes on {device}", file=stderr)
+    print(f"data: {corpus.describe()}", file=stderr)
+    results = []
+    for spec in specs:
+        progress = Progress(spec.name, steps, stream=stderr)
+        result = train_one(spec, cfg, corpus, settings, progress)
+        if result.status == "error" and result.traceback:
+            print(result.traceback, file=stderr)
+        results.append(result)
+
+    native = [b.name for b in gemm.BACKENDS if b.name not in ("plain", "emulated_fp32")]
+    info = report.RunInfo(
+        command="lowprec compare " + " ".join(shlex.quote(a) for a in args.argv),
+        device=str(device),
+        device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
+                     else f"CPU, {torch.get_num_threads()} threads"),
+        torch_version=torch.__version__, model=args.model, model_desc=cfg.describe(),
+        corpus=corpus.describe(), steps=steps, seed=args.seed,
+        backward_mode=check_backward_mode(args.backward_mode) or "default",
+        emulated=device.type != "cuda" or not native, backends=native)
+    report.write_csv(os.path.join(out_dir, "results.csv"), results)
+    plot_note = report.plot(os.path.join(out_dir, "loss.png"), results)
+    report.write_markdown(os.path.join(out_dir, "report.md"), info, results, plot_note)
+    print(report.terminal_summary(info, results, out_dir, plot_note), file=stdout)
+    return 1 if any(r.status == "error" for r in results) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "compare":  # pragma: no cover - argparse enforces the choices
+        parser.error(f"unknown command {args.command!r}")
+    if args.list_recipes:
+        print(_recipe_help())
+        return 0
+    args.argv = argv[1:]
+    try:
+        return run(args)
+    except (UsageError, RecipeError) as err:
+        print(f"lowprec compare: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

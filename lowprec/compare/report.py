@@ -1,0 +1,339 @@
+"""Outputs of ``lowprec compare``: results.csv, loss.png, report.md and the terminal table."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import statistics
+from dataclasses import dataclass
+
+from .recipes import BASELINE, NOISE_FLOOR
+from .train import RunResult
+
+CSV_COLUMNS = ("recipe", "step", "loss", "tokens_per_s", "step_ms")
+MAIN_COLUMNS = ("recipe", "status", "held-out loss", "delta vs bf16", "train loss (last 10%)",
+                "tokens/s", "speedup vs bf16", "step ms (median)", "peak mem", "saved for bwd")
+
+
+@dataclass
+class RunInfo:
+    """What the report says about the setup."""
+
+    command: str
+    device: str
+    device_name: str
+    torch_version: str
+    model: str
+    model_desc: str
+    corpus: str
+    steps: int
+    seed: int
+    backward_mode: str
+    emulated: bool
+    backends: list
+
+
+# ---- numbers ---------------------------------------------------------------------------
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def reference(results: list[RunResult]) -> RunResult | None:
+    """The bf16 run when there is one (and it finished), else None."""
+    for r in results:
+        if r.name == BASELINE and r.ok:
+            return r
+    return None
+
+
+def train_tail_loss(r: RunResult) -> float | None:
+    vals = [s.loss for s in r.steps]
+    if not vals or not r.ok:
+        return None
+    n = max(1, len(vals) // 10)
+    return sum(vals[-n:]) / n
+
+
+def delta_vs(ref: RunResult | None, r: RunResult) -> tuple[float, float] | None:
+    """Held-out loss difference to the reference and its paired standard error over the
+    held-out batches (both runs see the same batches)."""
+    if ref is None or not r.ok or r.val_loss is None or ref.val_loss is None:
+        return None
+    diffs = [a - b for a, b in zip(r.val_losses, ref.val_losses)]
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    return r.val_loss - ref.val_loss, se
+
+
+def main_rows(results: list[RunResult]) -> list[list[str]]:
+    ref = reference(results)
+    ref_ms = ref.median_step_ms() if ref is not None else None
+    rows = []
+    for r in results:
+        ms = r.median_step_ms() if r.ok else None
+        status = {"ok": "ok", "nan": f"NaN (step {len(r.steps)})" if r.steps else "NaN",
+                  "error": "FAILED"}.get(r.status, r.status)
+        d = delta_vs(ref, r)
+        if r is ref:
+            delta = "0 (reference)"
+        elif d is None:
+            delta = "n/a"
+        else:
+            delta = f"{d[0]:+.4f} ± {d[1]:.4f}"
+        tail = train_tail_loss(r)
+        tok_s = f"{r.tokens_per_step / (ms / 1e3):,.0f}" if ms else "n/a"
+        speed = f"{ref_ms / ms:.2f}x" if (ms and ref_ms) else "n/a"
+        rows.append([r.name, status,
+                     f"{r.val_loss:.4f}" if r.ok and r.val_loss is not None else "n/a",
+                     delta, f"{tail:.4f}" if tail is not None else "n/a", tok_s, speed,
+                     f"{ms:.1f}" if ms else "n/a", _mib(r.peak_mem_bytes), _mib(r.saved_bytes)])
+    return rows
+
+
+# ---- tables ----------------------------------------------------------------------------
+def markdown_table(header, rows) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def text_table(header, rows) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*row) for row in rows]
+    return "\n".join(out)
+
+
+def _db(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if math.isinf(v):
+        return "exact" if v > 0 else "-inf"
+    if math.isnan(v):
+        return "nan"
+    return f"{v:.1f}"
+
+
+ROLE_ORDER = {"input": 0, "weight": 1, "output": 2, "grad_output": 3, "grad_input": 4}
+
+
+def sqnr_rows(results: list[RunResult]) -> tuple[list[str], list[list[str]]]:
+    quantized = [r for r in results if r.sqnr]
+    keys: list[tuple[str, str]] = []
+    for r in quantized:
+        for rec in r.sqnr:
+            if (rec.layer, rec.role) not in keys:
+                keys.append((rec.layer, rec.role))
+    layer_order = {}
+    for layer, _ in keys:
+        layer_order.setdefault(layer, len(layer_order))
+    keys.sort(key=lambda k: (layer_order[k[0]], ROLE_ORDER.get(k[1], 9)))
+    header = ["layer", "role"] + [f"{r.name} (row / col dB)" for r in quantized]
+    rows = []
+    for layer, role in keys:
+        row = [layer, role]
+        for r in quantized:
+            rec = next((x for x in r.sqnr if (x.layer, x.role) == (layer, role)), None)
+            row.append("not quantized" if rec is None else
+                       f"{_db(rec.rowwise_db)} / {_db(rec.columnwise_db)}")
+        rows.append(row)
+    return header, rows
+
+
+def sqnr_summary_rows(results: list[RunResult]) -> tuple[list[str], list[list[str]]]:
+    """Mean SQNR over layers, per role and direction (the terminal's short version)."""
+    quantized = [r for r in results if r.sqnr]
+    roles = sorted({rec.role for r in quantized for rec in r.sqnr}, key=lambda x: ROLE_ORDER.get(x, 9))
+    header = ["recipe"] + [f"{role} (row / col dB)" for role in roles]
+    rows = []
+    for r in quantized:
+        row = [r.name]
+        for role in roles:
+            cells = []
+            for attr in ("rowwise_db", "columnwise_db"):
+                vals = [getattr(x, attr) for x in r.sqnr if x.role == role
+                        and getattr(x, attr) is not None and math.isfinite(getattr(x, attr))]
+                cells.append(_db(sum(vals) / len(vals)) if vals else "-")
+            row.append(" / ".join(cells))
+        rows.append(row)
+    return header, rows
+
+
+def format_legend(r: RunResult) -> str:
+    parts = []
+    for role in sorted({x.role for x in r.sqnr}, key=lambda x: ROLE_ORDER.get(x, 9)):
+        fmts = set()
+        for x in r.sqnr:
+            if x.role == role:
+                fmts.add(f"{x.rowwise_format or '-'} / {x.columnwise_format or '-'}")
+        parts.append(f"{role}: {' | '.join(sorted(fmts))}")
+    return "; ".join(parts)
+
+
+# ---- files -----------------------------------------------------------------------------
+def write_csv(path: str, results: list[RunResult]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_COLUMNS)
+        for r in results:
+            for s in r.steps:
+                w.writerow([r.name, s.step, repr(float(s.loss)), f"{s.tokens_per_s:.1f}",
+                            f"{s.step_ms:.3f}"])
+
+
+def _smooth(vals: list[float], window: int) -> list[float]:
+    out, acc, q = [], 0.0, []
+    for v in vals:
+        q.append(v)
+        acc += v
+        if len(q) > window:
+            acc -= q.pop(0)
+        out.append(acc / len(q))
+    return out
+
+
+def plot(path: str, results: list[RunResult]) -> str | None:
+    """Write loss.png; returns None on success or the reason it was skipped."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as err:  # noqa: BLE001 - the plot is optional
+        return (f"matplotlib is not importable ({type(err).__name__}: {err}); install it with "
+                f"pip install 'lowprec[compare]'")
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 8), sharex=True,
+                                   gridspec_kw={"height_ratios": [3, 2]})
+    ref = reference(results) or next((r for r in results if r.ok and r.steps), None)
+    n_steps = max((len(r.steps) for r in results), default=1)
+    window = max(1, n_steps // 20)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    ref_loss = {s.step: s.loss for s in ref.steps} if ref is not None else {}
+    for i, r in enumerate(results):
+        if not r.steps:
+            continue
+        c = colors[i % len(colors)]
+        if r.name == NOISE_FLOOR:
+            # Shown dashed above and as its held-out delta (dotted band) below.
+            vals = [(s.step, s.loss) for s in r.steps if math.isfinite(s.loss)]
+            ax1.plot([v[0] for v in vals], _smooth([v[1] for v in vals], window), color="gray",
+                     linestyle="--", linewidth=1.0, label=f"{r.name} (noise reference)")
+            d = delta_vs(reference(results), r)
+            if d is not None:
+                for sign in (1, -1):
+                    ax2.axhline(sign * abs(d[0]), color="gray", linestyle=":", linewidth=1.0,
+                                label="noise floor (held-out delta of "
+                                      f"{NOISE_FLOOR})" if sign > 0 else None)
+            continue
+        steps = [s.step for s in r.steps if math.isfinite(s.loss)]
+        losses = [s.loss for s in r.steps if math.isfinite(s.loss)]
+        label = r.name if r.ok else f"{r.name} ({r.status}: stopped at step {len(r.steps)})"
+        ax1.plot(steps, losses, color=c, alpha=0.25, linewidth=0.8)
+        ax1.plot(steps, _smooth(losses, window), color=c, linewidth=1.6, label=label)
+        if not r.ok and steps:
+            ax1.plot(steps[-1], losses[-1], "x", color=c, markersize=10)
+        if ref is not None and r is not ref:
+            pairs = [(s, l - ref_loss[s]) for s, l in zip(steps, losses) if s in ref_loss]
+            if pairs:
+                ds = [p[1] for p in pairs]
+                ax2.plot([p[0] for p in pairs], _smooth(ds, window), color=c, linewidth=1.6,
+                         label=r.name)
+    ax1.set_ylabel("training loss (nats/byte)")
+    ax1.set_title(f"training loss (faint: per step; solid: mean of {window} steps)")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    ax2.axhline(0.0, color="black", linewidth=0.8)
+    ref_name = ref.name if ref is not None else "reference"
+    ax2.set_ylabel(f"loss - {ref_name} loss")
+    ax2.set_xlabel("step")
+    ax2.set_title(f"difference to {ref_name} (same batches; mean of {window} steps)")
+    if any(line.get_label() and not line.get_label().startswith("_") for line in ax2.lines):
+        ax2.legend()
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def notes(info: RunInfo, results: list[RunResult]) -> list[str]:
+    out = []
+    if info.emulated:
+        out.append("The quantized recipes' GEMMs ran through lowprec's exact emulation (operands "
+                   "quantized, dequantized, multiplied in fp32) on this device, so tokens/s and "
+                   "speedup measure the cost of emulation, not FP8/FP4 hardware; the losses and "
+                   "SQNRs are those the real formats give.")
+    else:
+        out.append(f"Native GEMM backends available: {', '.join(info.backends)}; formats without "
+                   f"one run through the exact emulation.")
+    out.append("Held-out loss: mean over fixed held-out batches, evaluated with each recipe's own "
+               "quantized forward. The delta's ± is the paired standard error over those "
+               "batches; a delta within about two of it is not a measurable difference, and a "
+               "different --seed moves every run.")
+    noise = next((r for r in results if r.name == NOISE_FLOOR and r.ok), None)
+    ref = reference(results)
+    d = delta_vs(ref, noise) if noise is not None else None
+    if d is not None:
+        out.append(f"{NOISE_FLOOR} is bf16 again on the same batches from other initial "
+                   f"weights (seed + 1): its delta ({d[0]:+.4f}) is what seed-to-seed variation "
+                   f"alone does here. A recipe's delta of about that size or less is not a "
+                   f"difference this run can show; one well beyond it is.")
+    out.append("Step time: median over steps, the first left out; tokens/s = tokens per step / "
+               "that median.")
+    out.append("Saved for bwd: bytes autograd kept from the forward for the backward "
+               "(activations and quantized operands, parameters excluded), measured at the last "
+               "step; peak mem is torch.cuda.max_memory_allocated (n/a on CPU).")
+    for r in results:
+        if r.status == "nan":
+            out.append(f"{r.name}: {r.status_detail}; its rows in results.csv stop there and it "
+                       f"has no held-out loss or SQNR.")
+        elif r.status == "error":
+            out.append(f"{r.name} failed: {r.status_detail}")
+    return out
+
+
+def write_markdown(path: str, info: RunInfo, results: list[RunResult],
+                   plot_note: str | None) -> None:
+    lines = ["# lowprec compare", "",
+             f"`{info.command}`", "",
+             f"- device: {info.device} ({info.device_name}), torch {info.torch_version}",
+             f"- model: `{info.model}`: {info.model_desc}",
+             f"- data: {info.corpus}",
+             f"- steps: {info.steps}, seed: {info.seed}, backward mode: {info.backward_mode}",
+             "", "## Results", "", markdown_table(MAIN_COLUMNS, main_rows(results)), ""]
+    lines += [f"- {n}" for n in notes(info, results)]
+    lines += ["", "Recipes:", ""]
+    for r in results:
+        lines.append(f"- `{r.name}`: {r.description} (wall {r.wall_s:.1f} s, CPU {r.cpu_s:.1f} s)")
+    lines += ["", "## Loss curves", ""]
+    lines.append("![loss curves](loss.png)" if plot_note is None else f"loss.png skipped: {plot_note}")
+    header, rows = sqnr_rows(results)
+    lines += ["", "## Quantization SQNR at the last step", "",
+              "Per layer (GEMM) and tensor role: 10·log10(‖x‖² / ‖x − dequant(q(x))‖²) in dB of "
+              "the tensor each quantizer quantized in the last training step, for the rowwise "
+              "direction (fprop; dgrad's gradient) and the columnwise one (wgrad; dgrad's weight). "
+              "Higher is more accurate; each bit of mantissa is about 6 dB. '-' means that "
+              "direction was not quantized; 'exact' means no error.", ""]
+    if rows:
+        lines += [markdown_table(header, rows), "", "Formats (rowwise / columnwise):", ""]
+        lines += [f"- `{r.name}`: {format_legend(r)}" for r in results if r.sqnr]
+    else:
+        lines.append("No quantized recipe finished, so there is nothing to show.")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def terminal_summary(info: RunInfo, results: list[RunResult], out_dir: str,
+                     plot_note: str | None) -> str:
+    parts = ["", f"lowprec compare: {info.model} ({info.model_desc}), {info.steps} steps on "
+             f"{info.device}", "", text_table(MAIN_COLUMNS, main_rows(results)), ""]
+    header, rows = sqnr_summary_rows(results)
+    if rows:
+        parts += ["Mean quantization SQNR over layers at the last step (per-layer detail in "
+                  "report.md):", text_table(header, rows), ""]
+    parts += [f"* {n}" for n in notes(info, results)]
+    files = ["results.csv", "report.md"] + (["loss.png"] if plot_note is None else [])
+    parts += ["", f"wrote {', '.join(os.path.join(out_dir, f) for f in files)}"]
+    if plot_note is not None:
+        parts.append(f"loss.png skipped: {plot_note}")
+    return "\n".join(parts)

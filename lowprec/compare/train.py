@@ -1,0 +1,191 @@
+"""One training run per recipe: same seed, same initial weights, same batches.
+
+The model's parameters are bf16 (what the GEMMs read); AdamW updates fp32 master
+copies and writes them back each step, as mixed-precision training does, so a
+recipe's effect is not hidden under bf16 update rounding. ``bf16`` runs the model
+without lowprec autocast; every other recipe runs its forward under
+``lowprec.autocast(recipe=...)``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..autocast import autocast
+from .data import Batches, Corpus
+from .model import GPT, ModelConfig
+from .probe import SavedTensorMeter, SQNRProbe, SQNRRecord
+from .progress import Progress
+from .recipes import RecipeSpec
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    tokens_per_s: float
+    step_ms: float
+
+
+@dataclass
+class RunResult:
+    name: str
+    description: str
+    steps: list[StepRecord] = field(default_factory=list)
+    status: str = "ok"          # ok | nan | error
+    status_detail: str = ""
+    val_loss: float | None = None
+    val_losses: list[float] = field(default_factory=list)
+    sqnr: list[SQNRRecord] = field(default_factory=list)
+    saved_bytes: int | None = None
+    peak_mem_bytes: int | None = None
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    traceback: str = ""
+    tokens_per_step: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def median_step_ms(self) -> float | None:
+        """Median step time, leaving out the first step (allocations, lazy state) when possible."""
+        times = [s.step_ms for s in self.steps if math.isfinite(s.loss)]
+        if len(times) > 1:
+            times = times[1:]
+        if not times:
+            return None
+        times = sorted(times)
+        mid = len(times) // 2
+        return times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
+
+
+@dataclass
+class TrainSettings:
+    steps: int
+    seed: int
+    device: torch.device
+    lr: float
+    eval_batches: int = 8
+    grad_clip: float = 1.0
+    warmup_frac: float = 0.1
+
+
+def lr_at(step: int, settings: TrainSettings) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak (``step`` from 1)."""
+    warm = max(1, int(settings.steps * settings.warmup_frac))
+    if step <= warm:
+        return settings.lr * step / warm
+    progress = (step - warm) / max(1, settings.steps - warm)
+    return settings.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: TrainSettings,
+              progress: Progress | None = None) -> RunResult:
+    """Train from scratch under ``spec``; a NaN/Inf loss stops the run (status ``nan``)."""
+    result = RunResult(spec.name, spec.description, tokens_per_step=cfg.tokens_per_step)
+    device = settings.device
+    enabled = spec.recipe is not None
+    t_wall, t_cpu = time.perf_counter(), time.process_time()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(settings.seed + spec.init_seed_offset)
+    model = GPT(cfg, dtype=torch.bfloat16, device=device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    master = [p.detach().float().clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(master, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    batches = Batches(corpus, cfg.seq_len, cfg.batch_size, settings.seed, device)
+    probe = SQNRProbe(model)
+    tokens = cfg.tokens_per_step
+    try:
+        for step in range(1, settings.steps + 1):
+            last = step == settings.steps
+            x, y = batches.train_batch()
+            _sync(device)
+            t0 = time.perf_counter()
+            if last and enabled:
+                probe.arm(spec.recipe, device)
+            meter = SavedTensorMeter(model) if last else None
+            with autocast(enabled=enabled, recipe=spec.recipe):
+                if meter is not None:
+                    with meter:
+                        logits = model(x)
+                else:
+                    logits = model(x)
+            loss = F.cross_entropy(logits.float().view(-1, cfg.vocab), y.reshape(-1))
+            loss_value = float(loss.detach())
+            if not math.isfinite(loss_value):
+                _sync(device)
+                ms = (time.perf_counter() - t0) * 1e3
+                result.steps.append(StepRecord(step, loss_value, tokens / (ms / 1e3), ms))
+                result.status = "nan"
+                result.status_detail = f"loss became {loss_value} at step {step}; run stopped"
+                if progress is not None:
+                    progress.update(step, loss_value, ms, note="NaN: stopped")
+                break
+            loss.backward()
+            for p, m in zip(params, master):
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+            torch.nn.utils.clip_grad_norm_(master, settings.grad_clip)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, settings)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for p, m in zip(params, master):
+                    p.copy_(m)
+            _sync(device)
+            ms = (time.perf_counter() - t0) * 1e3
+            if last:
+                probe.disarm()
+                result.sqnr = probe.results()
+                result.saved_bytes = meter.bytes
+            result.steps.append(StepRecord(step, loss_value, tokens / (ms / 1e3), ms))
+            if progress is not None:
+                progress.update(step, loss_value, ms)
+        if result.ok:
+            result.val_losses = evaluate(model, spec, batches, settings, cfg)
+            result.val_loss = sum(result.val_losses) / len(result.val_losses)
+            if not math.isfinite(result.val_loss):
+                result.status = "nan"
+                result.status_detail = "held-out loss is not finite"
+    except Exception as err:  # noqa: BLE001 - one recipe's failure must not end the comparison
+        result.status = "error"
+        result.status_detail = f"{type(err).__name__}: {err}"
+        result.traceback = traceback.format_exc()
+        if progress is not None:
+            progress.update(len(result.steps), float("nan"), 0.0, note=f"error: {type(err).__name__}")
+    finally:
+        probe.disarm()
+    if device.type == "cuda":
+        result.peak_mem_bytes = torch.cuda.max_memory_allocated(device)
+    result.wall_s = time.perf_counter() - t_wall
+    result.cpu_s = time.process_time() - t_cpu
+    if progress is not None:
+        progress.close(result)
+    return result
+
+
+@torch.no_grad()
+def evaluate(model: GPT, spec: RecipeSpec, batches: Batches, settings: TrainSettings,
+             cfg: ModelConfig) -> list[float]:
+    """Mean loss on fixed held-out batches, with the recipe's quantized forward."""
+    losses = []
+    for x, y in batches.val_batches(settings.eval_batches):
+        with autocast(enabled=spec.recipe is not None, recipe=spec.recipe):
+            logits = model(x)
+        losses.append(float(F.cross_entropy(logits.float().view(-1, cfg.vocab), y.reshape(-1))))
+    return losses

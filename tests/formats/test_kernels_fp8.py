@@ -1,0 +1,157 @@
+"""Triton quantize kernels for per-tensor FP8, block FP8 and MXFP8 against the reference.
+
+GPU-only (CUDA + Triton); skipped elsewhere. Every case quantizes the same CUDA input
+through the kernel path and through the pure-PyTorch reference
+(``lowprec.kernels.reference_only()``) and requires identical fp8 bytes, scales and
+recorded amaxes, except that a NaN may have any NaN bit pattern (NaN masks must match).
+``benchmarks/check_kernels_fp8.py`` runs the much larger sweep (exhaustive element rules,
+many more shapes and settings) and the bandwidth measurements.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec.kernels
+from lowprec.formats.block.quantizer import Float8BlockQuantizer
+from lowprec.formats.float8.quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
+from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
+from lowprec.kernels import reference_only
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not lowprec.kernels.triton_available(),
+                       reason="needs a CUDA device and Triton"),
+]
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+USAGES = {"both": (True, True), "row": (True, False), "col": (False, True)}
+
+QUANTIZERS = {
+    "current": lambda f: Float8CurrentScalingQuantizer(f),
+    "current_pow2_eps": lambda f: Float8CurrentScalingQuantizer(f, force_pow_2_scales=True,
+                                                                amax_epsilon=1e-3),
+    "delayed": lambda f: Float8Quantizer(torch.tensor([0.37], device="cuda"),
+                                         torch.full((1,), -1.0, device="cuda"), f),
+    "delayed_saturating": lambda f: Float8Quantizer(torch.tensor([2.0 ** 40], device="cuda"),
+                                                    torch.full((1,), -1.0, device="cuda"), f),
+    "block1x128": lambda f: Float8BlockQuantizer(f, block_scaling_dim=1),
+    "block128x128": lambda f: Float8BlockQuantizer(f, block_scaling_dim=2),
+    "block1x128_nopow2": lambda f: Float8BlockQuantizer(f, block_scaling_dim=1,
+                                                        force_pow_2_scales=False),
+    "mxfp8": lambda f: MXFP8Quantizer(f),
+    "mxfp8_2d": lambda f: MXFP8Quantizer(f, with_2d_quantization=True),
+}
+
+# 2-D and 3-D, odd leading dims, a transposed (non-contiguous) view
+SHAPES = [(256, 384), (100, 128), (3, 40, 256), (4, 64, 384), (7, 32), ("t", 128, 256)]
+
+
+def _input(shape, dtype, dist, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    transposed = shape[0] == "t"
+    if transposed:
+        shape = shape[1:]
+    x = torch.randn(shape[::-1] if transposed else shape, generator=g, device="cuda")
+    if dist == "wide":
+        span = 10 if dtype == torch.float16 else 60
+        x = x * torch.exp2(torch.randint(-span, span, x.shape, generator=g, device="cuda").float())
+    elif dist == "tiny":
+        x = x * torch.finfo(dtype).tiny * 0.3
+    x = x.to(dtype)
+    x2 = x.view(-1, x.shape[-1])
+    if dist == "special":
+        m, k = x2.shape
+        x2[: min(m, 32), : min(k, 64)] = 0
+        x2[min(m - 1, 5), min(k - 1, 7)] = float("nan")
+        x2[m - 1, k - 1] = float("inf")
+    return x.t() if transposed else x
+
+
+def _assert_same(a, b, what):
+    assert (a is None) == (b is None), what
+    if a is None:
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert a.is_contiguous(), what
+    if a.dtype == torch.uint8:
+        assert torch.equal(a, b), what
+        return
+    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
+    assert torch.equal(nan_a, nan_b), what
+    ints = {1: torch.uint8, 4: torch.int32}[a.element_size()]
+    assert torch.equal(a.view(ints)[~nan_a], b.view(ints)[~nan_b]), what
+
+
+@pytest.mark.parametrize("dist", ["normal", "wide", "tiny", "special"])
+@pytest.mark.parametrize("usage", list(USAGES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fp8_dtype", [E4, E5], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("kind", list(QUANTIZERS))
+def test_kernel_matches_reference(kind, fp8_dtype, dtype, usage, dist):
+    for i, shape in enumerate(SHAPES):
+        x = _input(shape, dtype, dist, seed=i)
+        qk = QUANTIZERS[kind](fp8_dtype).set_usage(*USAGES[usage])
+        qr = QUANTIZERS[kind](fp8_dtype).set_usage(*USAGES[usage])
+        try:
+            with reference_only():
+                ref = qr.quantize(x)
+        except ValueError:
+            with pytest.raises(ValueError):
+                qk.quantize(x)
+            continue
+        got = qk.quantize(x)
+        assert type(got) is type(ref) and got.metadata() == ref.metadata()
+        for name, t in got.inner_tensors().items():
+            _assert_same(t, ref.inner_tensors()[name], f"{kind} {shape} {name}")
+        if hasattr(qk, "amax"):
+            _assert_same(qk.amax, qr.amax, f"{kind} {shape} recorded amax")
+            assert qk.scale.item() == qr.scale.item()  # the recipe-owned scale is untouched
+
+
+@pytest.mark.parametrize("kind", ["current", "delayed", "block1x128", "mxfp8"])
+def test_kernel_update_quantized_in_place(kind):
+    x = _input((256, 256), torch.bfloat16, "normal", seed=7)
+    q = QUANTIZERS[kind](E4)
+    qt = q.make_empty(x.shape, dtype=x.dtype, device="cuda")
+    buffers = {n: t.data_ptr() for n, t in qt.inner_tensors().items() if t is not None}
+    q.update_quantized(x, qt)
+    assert {n: t.data_ptr() for n, t in qt.inner_tensors().items() if t is not None} == buffers
+    with reference_only():
+        ref = QUANTIZERS[kind](E4).quantize(x)
+    for name, t in qt.inner_tensors().items():
+        _assert_same(t, ref.inner_tensors()[name], f"{kind} {name}")
+
+
+def test_kernel_path_is_used_and_respects_reference_only(monkeypatch):
+    """The dispatch goes to the launcher on CUDA and to the reference under reference_only."""
+    from lowprec.formats.mxfp8 import launch
+    calls = []
+    orig = launch.quantize_mxfp8
+    monkeypatch.setattr(launch, "quantize_mxfp8", lambda *a: calls.append(1) or orig(*a))
+    x = torch.randn(64, 64, device="cuda")
+    MXFP8Quantizer(E4).quantize(x)
+    assert calls == [1]
+    with reference_only():
+        MXFP8Quantizer(E4).quantize(x)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("kind", ["current", "delayed", "block128x128", "mxfp8"])
+def test_kernel_torch_compile_fullgraph(kind):
+    x = _input((256, 512), torch.bfloat16, "normal", seed=3)
+    q_eager, q_comp = QUANTIZERS[kind](E4), QUANTIZERS[kind](E4)
+
+    def run(q, t):
+        return [v for v in q.quantize(t).inner_tensors().values() if v is not None]
+
+    torch._dynamo.reset()
+    got = torch.compile(lambda t: run(q_comp, t), fullgraph=True)(x)
+    want = run(q_eager, x)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        _assert_same(a, b, kind)
+    if hasattr(q_eager, "amax"):
+        _assert_same(q_comp.amax, q_eager.amax, "amax")
