@@ -1,20 +1,28 @@
 """GPU check of the FP8 / block-FP8 / MXFP8 quantize kernels: bit-exactness and bandwidth.
 
-Run on a CUDA machine with Triton:  python benchmarks/check_kernels_fp8.py [--quick] [--no-sweep]
+Run on a CUDA machine with Triton:
+    python benchmarks/check_kernels_fp8.py [--diag] [--quick] [--no-sweep] [--no-exhaustive]
 
-1. exhaustive: the fp8 cast helper (hardware cvt and integer paths) on all 2**32 fp32 bit
-   patterns, and the current-scaling scale and MXFP8 E8M0 rules on all 2**31 non-negative
-   amax bit patterns, against ``casting.py`` / ``mxfp8/reference.py`` run by torch on the GPU;
-2. quantizers: kernel path vs reference path (``lowprec.kernels.reference_only()``) on the
-   same CUDA input, for every format setting x input dtype x shape (odd M, 3-D,
-   non-contiguous) x value distribution (normal, wide, subnormal, zero blocks, NaN/Inf
-   blocks, saturation, rounding ties) x usages; small cases also against the CPU reference.
-   fp8 bytes, scales and recorded amaxes must be identical, except that a NaN may have any
-   NaN bit pattern. Run in parallel worker processes (one per format group);
-3. torch.compile(fullgraph=True) of each quantizer's kernel path equals eager;
-4. bandwidth on 16384x4096 bf16: each kernel (both usages and rowwise only) in GB/s counting
-   the bytes it must move (input read once + every output written once) against a
-   device-to-device copy of the input; optional tile-config sweep.
+Phase 1 (parallel worker processes):
+  * exhaustive: the fp8 cast helper (hardware cvt and integer paths) on all 2**32 fp32 bit
+    patterns, and the current-scaling scale and MXFP8 E8M0 rules on all 2**31 non-negative
+    amax bit patterns, against ``casting.py`` / ``mxfp8/reference.py`` run by torch on the GPU
+    (plus a CPU-vs-GPU reference spot check);
+  * compile: torch.compile(fullgraph=True) of each launcher and of ``quantizer.quantize``
+    equals eager, bit for bit;
+  * with --diag: every kernel with both usages under each transposed-store mode
+    (``float8.launch.COL_MODE`` 0 and 3) and as split launches; only modes without any
+    mismatch are used afterwards.
+Phase 2: bandwidth on 16384x4096 bf16 (GB/s counting the bytes that must move: input read
+  once + every output written once) against a device-to-device copy; unless --no-sweep, it
+  first picks the tile configs, the store mode and fused-vs-split per format by timing.
+Phase 3 (parallel workers, with the settings phase 2 chose): kernel path vs reference path
+  (``lowprec.kernels.reference_only()``) on the same CUDA input for every format setting x
+  input dtype x shape (odd M, 3-D, transposed and sliced views) x value distribution
+  (normal, wide, subnormal, zero blocks, NaN/Inf blocks, saturation, rounding ties) x
+  usages, breadth first until the time limit; small cases also against the CPU reference.
+  fp8 bytes, scales and recorded amaxes must be identical, except that a NaN may have any
+  NaN bit pattern.
 
 The last lines printed are a compact table; details go to $OUT/check_kernels_fp8.json.
 """

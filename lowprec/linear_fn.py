@@ -129,20 +129,25 @@ class _QuantizedLinear(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         q, mode = ctx.quantizers, ctx.backward_mode
         dx = dw = db = None
+        dy_owned = False
         if q is not None and mode == "default" and (need_dx or need_dw):
-            dy_lp, _ = quantize_operand(q.grad_output, dy, rowwise=need_dx, columnwise=need_dw)
+            dy_lp, dy_owned = quantize_operand(q.grad_output, dy, rowwise=need_dx,
+                                               columnwise=need_dw)
             w_op, x_op = saved_w, saved_x
         else:
             dy_lp = _plain(dy)
             w_op = _plain(saved_w) if saved_w is not None else None
             x_op = _plain(saved_x) if saved_x is not None else None
+        # wgrad first, so dY's columnwise copy is freed before dgrad allocates dX (lower peak).
+        if need_dw:
+            dw = gemm(dy_lp, "columnwise", x_op, "columnwise", out_dtype=ctx.w_dtype)
+            if need_dx:
+                _keep_only(dy_lp, dy_owned, "rowwise")
         if need_dx:
             dx = gemm(dy_lp, "rowwise", w_op, "columnwise", out_dtype=ctx.x_dtype)
             dx = dx.reshape(ctx.x_shape)
             if q is not None and mode == "default" and q.grad_input is not None:
                 dx = q.grad_input.quantize(dx)
-        if need_dw:
-            dw = gemm(dy_lp, "columnwise", x_op, "columnwise", out_dtype=ctx.w_dtype)
         if need_db and ctx.has_bias:
             dy2d = _plain(dy).reshape(-1, dy.shape[-1])
             db = dy2d.sum(dim=0).to(ctx.w_dtype)

@@ -21,7 +21,7 @@ from .progress import Progress
 from .recipes import (BASELINE, DEFAULT_RECIPES, NAMED_RECIPES, RecipeError, build_named,
                       check_backward_mode, load_recipe_file, noise_floor_spec, parse_recipe_names,
                       validate_recipe)
-from .train import TrainSettings, train_one
+from .train import INTERRUPTED, TrainSettings, train_one
 
 DEFAULT_OUT = "lowprec-compare"
 
@@ -165,6 +165,8 @@ def run(args, stdout=None, stderr=None) -> int:
         if result.status == "error" and result.traceback:
             print(result.traceback, file=stderr)
         results.append(result)
+        if result.status_detail == INTERRUPTED:
+            break  # write what there is, then stop
 
     native = [b.name for b in gemm.BACKENDS if b.name not in ("plain", "emulated_fp32")]
     info = report.RunInfo(
@@ -180,6 +182,8 @@ def run(args, stdout=None, stderr=None) -> int:
     plot_note = report.plot(os.path.join(out_dir, "loss.png"), results)
     report.write_markdown(os.path.join(out_dir, "report.md"), info, results, plot_note)
     print(report.terminal_summary(info, results, out_dir, plot_note), file=stdout)
+    if any(r.status_detail == INTERRUPTED for r in results):
+        return 130
     return 1 if any(r.status == "error" for r in results) else 0
 
 

@@ -197,22 +197,22 @@ def plot(path: str, results: list[RunResult]) -> str | None:
     """Write loss.png; returns None on success or the reason it was skipped."""
     try:
         import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+        from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
     except Exception as err:  # noqa: BLE001 - the plot is optional
         return (f"matplotlib is not importable ({type(err).__name__}: {err}); install it with "
                 f"pip install 'lowprec[compare]'")
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 8), sharex=True,
-                                   gridspec_kw={"height_ratios": [3, 2]})
+    fig = Figure(figsize=(9, 8))
+    ax1, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     ref = reference(results) or next((r for r in results if r.ok and r.steps), None)
     n_steps = max((len(r.steps) for r in results), default=1)
     window = max(1, n_steps // 20)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     ref_loss = {s.step: s.loss for s in ref.steps} if ref is not None else {}
     for i, r in enumerate(results):
         if not r.steps:
             continue
-        c = colors[i % len(colors)]
+        c = "black" if r is ref else colors[i % len(colors)]
         if r.name == NOISE_FLOOR:
             # Shown dashed above and as its held-out delta (dotted band) below.
             vals = [(s.step, s.loss) for s in r.steps if math.isfinite(s.loss)]
@@ -239,20 +239,22 @@ def plot(path: str, results: list[RunResult]) -> str | None:
                 ax2.plot([p[0] for p in pairs], _smooth(ds, window), color=c, linewidth=1.6,
                          label=r.name)
     ax1.set_ylabel("training loss (nats/byte)")
-    ax1.set_title(f"training loss (faint: per step; solid: mean of {window} steps)")
-    ax1.legend()
+    ax1.set_title("training loss" if window == 1 else
+                  f"training loss (faint: per step; solid: mean of {window} steps)")
+    ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
     ax2.axhline(0.0, color="black", linewidth=0.8)
     ref_name = ref.name if ref is not None else "reference"
     ax2.set_ylabel(f"loss - {ref_name} loss")
     ax2.set_xlabel("step")
-    ax2.set_title(f"difference to {ref_name} (same batches; mean of {window} steps)")
+    ax2.set_title(f"difference to {ref_name} (same batches" +
+                  (")" if window == 1 else f"; mean of {window} steps)"))
+    ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     if any(line.get_label() and not line.get_label().startswith("_") for line in ax2.lines):
-        ax2.legend()
+        ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return None
 
 

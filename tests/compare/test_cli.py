@@ -466,3 +466,14 @@ def test_corpus_is_deterministic_bytes():
     x1, y1 = g1.train_batch()
     x2, y2 = g2.train_batch()
     assert torch.equal(x1, x2) and torch.equal(x1[:, 1:], y1[:, :-1])
+
+
+def test_plot_is_skipped_with_a_reason_without_matplotlib(monkeypatch, tmp_path):
+    from lowprec.compare import report
+    from lowprec.compare.train import RunResult, StepRecord
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises
+    r = RunResult("bf16", "", steps=[StepRecord(1, 5.0, 100.0, 1.0)])
+    note = report.plot(str(tmp_path / "loss.png"), [r])
+    assert "matplotlib is not importable" in note and "lowprec[compare]" in note
+    assert not (tmp_path / "loss.png").exists()

@@ -271,8 +271,8 @@ def test_identity_forward_hybrid_backward_forward_is_unquantized():
     assert not torch.equal(got[1], want[1]) and not torch.equal(got[2], want[2])
     assert [(c["usages"], c["a_cls"], c["b_cls"]) for c in calls] == [
         ((R, R), lowprec.IdentityTensor, lowprec.IdentityTensor),
-        ((R, C), lowprec.MXFP8Tensor, lowprec.MXFP8Tensor),
-        ((C, C), lowprec.MXFP8Tensor, lowprec.MXFP8Tensor)]
+        ((C, C), lowprec.MXFP8Tensor, lowprec.MXFP8Tensor),  # backward runs wgrad first
+        ((R, C), lowprec.MXFP8Tensor, lowprec.MXFP8Tensor)]
 
 
 # ================================================================================================
@@ -299,7 +299,7 @@ def test_mixed_factory_routes_each_direction_and_gemms_match_fp64(name):
     x, dy = inputs("linear", None)
     with record_gemms() as calls:
         got = fwd_bwd(module, "linear", None, x, dy, lowprec.CustomRecipe(qfactory=MIXED[name]))
-    assert [c["usages"] for c in calls] == [(R, R), (R, C), (C, C)]
+    assert [c["usages"] for c in calls] == [(R, R), (C, C), (R, C)]  # wgrad before dgrad
     for c in calls:
         assert (c["a_cls"], c["b_cls"]) == MIXED_ROUTING[name][c["usages"]], c["usages"]
         # fp32 accumulation over K of exactly representable values: |err| <= gamma_K |A||B|^T
@@ -311,7 +311,7 @@ def test_mixed_factory_routes_each_direction_and_gemms_match_fp64(name):
         gamma = k * FP32_U / (1 - k * FP32_U)
         bound = gamma * (c["a64"].abs() @ c["b64"].abs().t()) + 2 * FP32_U * want.abs()
         assert ((c["out"].double() - want).abs() <= bound).all(), c["usages"]
-    fprop, dgrad, wgrad = calls
+    fprop, wgrad, dgrad = calls  # backward runs wgrad first
     assert fprop["a_hybrid"] and fprop["b_hybrid"]  # x and W are hybrids
     assert dgrad["b_hybrid"] and wgrad["b_hybrid"]  # W and x are still hybrids in backward
     assert not dgrad["a_hybrid"] and not wgrad["a_hybrid"]  # dY is a plain quantized tensor

@@ -14,17 +14,19 @@ Numerics (bit for bit those of ``casting.py`` / ``float8/reference.py``):
 * the fp8 cast saturates on the integer bit pattern (NaN kept), then rounds to nearest even,
   either with the hardware conversion (``cvt.rn.satfinite``) or with integer arithmetic
   (``HW_CVT=False``, exact on any backend including the CPU interpreter).
+
+Compiler pitfall (Triton 3.6, sm90): when one tile of fp8 codes fed both the rowwise store
+and, through a layout conversion, the transposed columnwise store, the columnwise bytes came
+out wrong (fp32 inputs of the per-tensor kernel, fp32 and bf16 inputs of the 2-D block
+kernels). Every kernel therefore computes the columnwise codes as a chain of ops of its own
+(``fp8_codes(..., ALT=True)``, ``e8m0_scale(..., ALT=True)``) and builds each mask in the
+orientation it is stored in, so no value is both stored and layout-converted.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-_ABS_MASK = 0x7FFFFFFF
-_INF_BITS = 0x7F800000
-_FP32_MAX_BITS = 0x7F7FFFFF
-_NAN_BITS = 0x7FC00000
 
 
 # ---- shared jit helpers -------------------------------------------------------------------
@@ -160,9 +162,8 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr,
         tl.store(row_ptr + offs_m64[:, None] * K + offs_k[None, :],
                  fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT), mask=mask)
     if COLWISE:
-        # With both directions the columnwise codes are computed as a chain of their own
-        # (ALT): Triton 3.6 on sm90 miscompiled the layout conversion of one uint8 tile
-        # that feeds both the rowwise store and the transposed store (fp32 inputs).
+        # With both directions the columnwise codes are a chain of their own (ALT): see the
+        # compiler pitfall in the module docstring.
         store_t(col_ptr, offs_m, offs_k, M, K, M,
                 fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT, ROWWISE), COL_MODE)
 

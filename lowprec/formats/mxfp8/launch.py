@@ -13,14 +13,15 @@ from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_
                              launches, triton_cdiv)
 from .reference import BLOCK
 
-#: (BM, BN, num_warps) per (two_d, usages). Benchmarks may override entries.
+#: (BM, BN, num_warps) per (two_d, usages), picked by timing on an H200
+#: (benchmarks/check_kernels_fp8.py, which may override entries).
 CONFIGS = {
     (False, "row"): (32, 256, 8),
-    (False, "col"): (64, 128, 8),
-    (False, "both"): (64, 128, 8),
+    (False, "col"): (32, 128, 4),
+    (False, "both"): (32, 128, 4),
     (True, "row"): (64, 128, 8),
     (True, "col"): (64, 128, 8),
-    (True, "both"): (64, 128, 8),
+    (True, "both"): (64, 128, 4),
 }
 
 

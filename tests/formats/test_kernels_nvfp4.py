@@ -1,0 +1,143 @@
+"""NVFP4 Triton kernels against the reference path, bit for bit (CUDA + Triton only).
+
+Each case quantizes the same input through the kernels and through the pure-torch
+reference on the GPU, with the same seed (stochastic rounding draws the same uniforms),
+and compares every inner tensor byte for byte. benchmarks/check_kernels_nvfp4.py runs a
+much larger matrix of cases and the bandwidth measurements.
+"""
+
+import pytest
+import torch
+
+import lowprec.kernels
+from lowprec.formats.nvfp4 import NVFP4Quantizer
+from lowprec.kernels import reference_only
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not lowprec.kernels.triton_available(),
+                       reason="needs a CUDA device and Triton"),
+]
+
+
+def _input(shape, dtype, dist, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = shape[-1]
+    m = 1
+    for s in shape[:-1]:
+        m *= s
+    x = torch.randn(m, k, generator=g)
+    if dist == "wide":
+        x = x * torch.exp(torch.randn(m, k, generator=g) * 4)
+    elif dist == "special":
+        x = x * 10
+        x[0, :16] = 0.0
+        if m >= 32 and k >= 32:
+            x[16:32, 16:32] = 0.0
+        if m >= 48 and k >= 48:
+            z = torch.zeros(16, 3)
+            z[torch.rand(16, 3, generator=g) < 0.5] = -0.0
+            x[32:48, 33:36] = z
+        x[min(2, m - 1), min(5, k - 1)] = float("nan")
+        x[min(5, m - 1), min(20, k - 1)] = float("inf")
+        x[min(17, m - 1), min(40, k - 1)] = -float("inf")
+        x[min(3, m - 1), :] = -0.0
+    elif dist == "saturate":
+        x = x * (1e38 if dtype != torch.float16 else 2e4)
+    return x.to(dtype).reshape(shape).cuda()
+
+
+def _raw(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+
+
+def _check(q, x, seed=0):
+    torch.manual_seed(seed)
+    qk = q.quantize(x)
+    with reference_only():
+        torch.manual_seed(seed)
+        qr = q.quantize(x)
+    for name in qr._inner:
+        a, b = getattr(qk, name), getattr(qr, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            assert torch.equal(_raw(a), _raw(b)), name
+    return qk
+
+
+@pytest.mark.parametrize("rht", [False, True])
+@pytest.mark.parametrize("two_d", [False, True])
+@pytest.mark.parametrize("sr", [False, True])
+@pytest.mark.parametrize("dist", ["normal", "wide", "special"])
+def test_both_usages_bf16(rht, two_d, sr, dist):
+    q = NVFP4Quantizer(with_rht=rht, with_2d_quantization=two_d, stochastic_rounding=sr)
+    _check(q, _input((3, 80, 144), torch.bfloat16, dist, 1), seed=3)
+    _check(q, _input((1040, 272), torch.bfloat16, dist, 2), seed=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dist", ["normal", "special", "saturate"])
+@pytest.mark.parametrize("rht,two_d,sr", [(True, False, False), (False, True, True)])
+def test_input_dtypes(dtype, dist, rht, two_d, sr):
+    q = NVFP4Quantizer(with_rht=rht, with_2d_quantization=two_d, stochastic_rounding=sr)
+    _check(q, _input((256, 512), dtype, dist, 5), seed=6)
+
+
+@pytest.mark.parametrize("shape", [(7, 32), (33, 48), (5, 3, 64)])
+@pytest.mark.parametrize("sr", [False, True])
+def test_rowwise_only_any_m(shape, sr):
+    q = NVFP4Quantizer(with_rht=True, stochastic_rounding=sr).set_usage(columnwise=False)
+    qt = _check(q, _input(shape, torch.bfloat16, "special", 7), seed=8)
+    assert qt.columnwise_data is None
+
+
+@pytest.mark.parametrize("shape", [(48, 40), (96, 10), (2, 64, 24)])
+@pytest.mark.parametrize("sr", [False, True])
+def test_columnwise_only_any_k(shape, sr):
+    q = NVFP4Quantizer(with_rht=True, stochastic_rounding=sr).set_usage(rowwise=False)
+    qt = _check(q, _input(shape, torch.bfloat16, "special", 9), seed=10)
+    assert qt.rowwise_data is None
+
+
+def test_non_contiguous():
+    x = _input((256, 512), torch.bfloat16, "special", 11)
+    q = NVFP4Quantizer(with_rht=True, stochastic_rounding=True)
+    _check(q, x.t().contiguous().t(), seed=12)
+    _check(q, torch.cat([x, x], dim=1)[:, :512], seed=13)
+
+
+def test_large_multi_tile():
+    x = _input((4096, 2048), torch.bfloat16, "wide", 14)
+    _check(NVFP4Quantizer(with_rht=True, stochastic_rounding=True), x, seed=15)
+    _check(NVFP4Quantizer(with_2d_quantization=True), x)
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+def test_dequantize_unscaled_bf16(two_d):
+    from lowprec.formats.nvfp4.launch import _dequantize_unscaled_torch, dequantize_unscaled_bf16
+    x = _input((256, 512), torch.bfloat16, "special", 16)
+    qt = NVFP4Quantizer(with_rht=True, with_2d_quantization=two_d).quantize(x)
+    for usage in ("rowwise", "columnwise"):
+        out, s = dequantize_unscaled_bf16(qt, usage)
+        assert out.dtype == torch.bfloat16
+        assert s is getattr(qt, f"{usage}_global")
+        ref = _dequantize_unscaled_torch(getattr(qt, f"{usage}_data"),
+                                         getattr(qt, f"{usage}_scale"), two_d)
+        nan = torch.isnan(ref)
+        assert torch.equal(torch.isnan(out), nan)
+        assert torch.equal(out.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+        full = qt.dequantize_stored(usage)
+        assert torch.equal((out.float() / s)[~nan], full[~nan])
+
+
+def test_compile_fullgraph():
+    from lowprec.formats.nvfp4.launch import quantize_2d
+    x = _input((256, 128), torch.bfloat16, "normal", 17)
+
+    def f(t):
+        return quantize_2d(t, rowwise=True, columnwise=True, with_rht=True, two_d=False)
+    eager = f(x)
+    comp = torch.compile(f, fullgraph=True)(x)
+    for k in eager:
+        assert torch.equal(_raw(eager[k]), _raw(comp[k])), k
