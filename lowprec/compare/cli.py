@@ -10,6 +10,7 @@ import os
 import shlex
 import sys
 import tempfile
+import textwrap
 
 import torch
 
@@ -37,11 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "compare", formatter_class=argparse.RawDescriptionHelpFormatter,
         help="train the same small GPT once per recipe and compare loss, speed and SQNR",
-        description=(
+        description=textwrap.fill(
             "Train the same small byte-level GPT (every GEMM a lowprec module) from the same "
             "seed on the same batches of Python standard-library source, once per recipe, "
             "and report side by side: results.csv, loss.png, report.md in --out, and a "
-            "table on the terminal."),
+            "table on the terminal.", 79),
         epilog="named recipes:\n" + _recipe_help() + (
             "\n\nmodel presets:\n" + "\n".join(f"  {k:<8} {v.describe()}, {v.default_steps} "
                                                 f"steps by default" for k, v in PRESETS.items())
@@ -173,7 +174,8 @@ def run(args, stdout=None, stderr=None) -> int:
         command="lowprec compare " + " ".join(shlex.quote(a) for a in args.argv),
         device=str(device),
         device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
-                     else f"CPU, {torch.get_num_threads()} threads"),
+                     else f"CPU, {torch.get_num_threads()} torch thread"
+                          f"{'s' if torch.get_num_threads() > 1 else ''}"),
         torch_version=torch.__version__, model=args.model, model_desc=cfg.describe(),
         corpus=corpus.describe(), steps=steps, seed=args.seed,
         backward_mode=check_backward_mode(args.backward_mode) or "default",

@@ -33,7 +33,7 @@ class ModelConfig:
     seq_len: int
     batch_size: int
     ffn_mult: int = 4
-    lr: float = 2e-3
+    lr: float = 1e-3
     default_steps: int = 100
     vocab: int = VOCAB
 

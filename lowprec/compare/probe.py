@@ -52,6 +52,9 @@ def _format_of(q, usage: str) -> str:
     if isinstance(q, HybridQuantizer):
         q = q.rowwise_quantizer if usage == "rowwise" else q.columnwise_quantizer
     name = getattr(q, "format_name", type(q).__name__)
+    fp8 = getattr(q, "fp8_dtype", None)
+    if fp8 is not None:
+        name += {torch.float8_e4m3fn: "(e4m3)", torch.float8_e5m2: "(e5m2)"}.get(fp8, f"({fp8})")
     extras = [tag for tag, on in (("rht", getattr(q, "with_rht", False) and usage == "columnwise"),
                                   ("2d", getattr(q, "with_2d_quantization", False)),
                                   ("sr", getattr(q, "stochastic_rounding", False))) if on]

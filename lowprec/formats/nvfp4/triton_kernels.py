@@ -170,7 +170,8 @@ def _div6_rn(b):
     qi = bi // 6
     rem = bi - qi * 6
     qi = qi + ((rem > 3) | ((rem == 3) & ((qi & 1) == 1))).to(tl.int32)
-    qs = qi.to(tl.float32) * 1.401298464324817e-45  # * 2**-149, exact
+    # * 2**-149 in two exact steps (a subnormal literal would make Triton use fp64)
+    qs = (qi.to(tl.float32) * 7.888609052210118e-31) * 1.7763568394002505e-15
     return tl.where(b < 7.052966104933725e-38, qs, q)  # b < 6 * 2**-126
 
 
@@ -193,7 +194,8 @@ def _e2m1_sr_codes(a, d, r, rand):
     span = tl.where(hi > lo, hi - lo, 1.0)
     v = _div_rn_e4m3(a, d, r)
     pos = (a * 1.2676506002282294e30) > (d * 8.881784197001252e-16)  # a*2**100 > d*2**-50
-    v = tl.where(pos, tl.maximum(v, 1.401298464324817e-45), 0.0)
+    tiny = tl.full(v.shape, 1, tl.int32).to(tl.float32, bitcast=True)  # 2**-149
+    v = tl.where(pos, tl.maximum(v, tiny), 0.0)
     up = (rand * span < v - lo) & (hi > lo)
     return tl.where(up, hi_i, lo_i)
 

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up a virtual environment (CPU torch first) and run the default `lowprec compare`.
+# Extra arguments go to the command, e.g. `bash scripts/compare.sh --recipes bf16,mxfp8 --steps 60`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[compare]"
+lowprec compare "$@"
