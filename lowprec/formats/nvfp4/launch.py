@@ -34,11 +34,13 @@ from ...kernels import use_kernels
 from ..casting import e2m1_codes_to_float, unpack_e2m1
 from .reference import BLOCK, SCALE_DTYPE
 
-# Tile sizes and warps (tuned on H100 by benchmarks/check_kernels_nvfp4.py).
+# Tile shapes (see the kernels' docs; warps follow from them). Tuned on H200 with
+# benchmarks/check_kernels_nvfp4.py.
 CONFIG = {
-    "quant": {"BM": 64, "BK": 64, "num_warps": 4},
-    "amax": {"BM": 64, "BK": 128, "num_warps": 4},
-    "dequant": {"BR": 32, "BC": 128, "num_warps": 4},
+    "amax": {"FLAT": 4096, "KW": 4},       # flat elements per program; RHT: 64 x 16 KW tiles
+    "row": {"KB": 8, "RB": 16},            # 16 rows x 8 blocks of 16 columns
+    "col": {"KW": 4},                      # 64 rows x 16 KW columns
+    "dequant": {"KB": 8, "RB": 16},
 }
 
 # FMA contraction off: every fp32 operation rounds as in the reference.
@@ -54,6 +56,10 @@ def _empty(device) -> Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device)
 
 
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
 # ---- quantize ---------------------------------------------------------------------------------
 @torch.library.custom_op("lowprec::nvfp4_quantize", mutates_args=())
 def nvfp4_quantize(x: Tensor, rand_row: Optional[Tensor], rand_col: Optional[Tensor],
@@ -63,6 +69,7 @@ def nvfp4_quantize(x: Tensor, rand_row: Optional[Tensor], rand_col: Optional[Ten
     direction's three tensors are empty. Scales are the E4M3 bytes (view as
     float8_e4m3fn)."""
     k = _kernels()
+    x = x.contiguous()
     m, kk = x.shape
     dev = x.device
     sr = rand_row is not None or rand_col is not None
@@ -91,22 +98,33 @@ def nvfp4_quantize(x: Tensor, rand_row: Optional[Tensor], rand_col: Optional[Ten
         return rdata, rscale, rglob, cdata, cscale, cglob
 
     rht = bool(with_rht and columnwise)
-    plain = bool(rowwise or not rht)
-    amax = torch.zeros(2, dtype=torch.int32, device=dev)
+    ws = torch.zeros(3, dtype=torch.int32, device=dev)
     ca = CONFIG["amax"]
-    grid_a = (triton_cdiv(m, ca["BM"]) * triton_cdiv(kk, ca["BK"]),)
-    k._nvfp4_amax_kernel[grid_a](x, x.stride(0), x.stride(1), m, kk, amax,
-                                 PLAIN=plain, RHT=rht, BM=ca["BM"], BK=ca["BK"],
-                                 num_warps=ca["num_warps"], **_LAUNCH_OPTS)
-    cq = CONFIG["quant"]
-    grid_q = (triton_cdiv(m, cq["BM"]) * triton_cdiv(kk, cq["BK"]),)
-    dummy_f = rglob if rowwise else cglob
-    k._nvfp4_quant_kernel[grid_q](
-        x, x.stride(0), x.stride(1), m, kk, amax,
-        rdata, rscale, rglob, rand_row if rand_row is not None else dummy_f,
-        cdata, cscale, cglob, rand_col if rand_col is not None else dummy_f,
-        ROW=bool(rowwise), COL=bool(columnwise), RHT=rht, TWO_D=bool(two_d), SR=sr,
-        BM=cq["BM"], BK=cq["BK"], num_warps=cq["num_warps"], **_LAUNCH_OPTS)
+    if rht:
+        grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * ca["KW"]),)
+        warps = ca["KW"]
+    else:
+        grid = (triton_cdiv(m * kk, ca["FLAT"]),)
+        warps = 4
+    k._nvfp4_amax_kernel[grid](x, m, kk, ws, rglob, cglob, ROW=bool(rowwise),
+                               COL=bool(columnwise), RHT=rht, KW=ca["KW"], FLAT=ca["FLAT"],
+                               num_warps=warps, **_LAUNCH_OPTS)
+    if rowwise:
+        cr = CONFIG["row"]
+        kb, rb = cr["KB"], (16 if two_d else cr["RB"])
+        grid = (triton_cdiv(m, rb) * triton_cdiv(kk // BLOCK, kb),)
+        k._nvfp4_row_kernel[grid](x, m, kk, rdata, rscale, rglob,
+                                  rand_row if rand_row is not None else rglob,
+                                  TWO_D=bool(two_d), SR=sr, VEC=16 // x.element_size(),
+                                  KB=kb, RB=rb, num_warps=max(1, kb * rb // 32),
+                                  **_LAUNCH_OPTS)
+    if columnwise:
+        kw = CONFIG["col"]["KW"]
+        grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * kw),)
+        k._nvfp4_col_kernel[grid](x, m, kk, cdata, cscale, cglob,
+                                  rand_col if rand_col is not None else cglob,
+                                  RHT=rht, TWO_D=bool(two_d), SR=sr, KW=kw, num_warps=kw,
+                                  **_LAUNCH_OPTS)
     return rdata, rscale, rglob, cdata, cscale, cglob
 
 
@@ -132,10 +150,6 @@ def _nvfp4_quantize_fake(x, rand_row, rand_col, rowwise, columnwise, with_rht, t
     else:
         col = (e(), e(), e())
     return (*row, *col)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
@@ -168,10 +182,11 @@ def nvfp4_dequantize_unscaled_bf16(data: Tensor, scale: Tensor, two_d: bool) -> 
     if r == 0 or c == 0:
         return out
     cfg = CONFIG["dequant"]
-    grid = (triton_cdiv(r, cfg["BR"]) * triton_cdiv(c, cfg["BC"]),)
+    grid = (triton_cdiv(r, cfg["RB"]) * triton_cdiv(c // BLOCK, cfg["KB"]),)
     _kernels()._nvfp4_dequant_unscaled_kernel[grid](
         data.contiguous(), scale.contiguous(), out, r, c, TWO_D=bool(two_d),
-        BR=cfg["BR"], BC=cfg["BC"], num_warps=cfg["num_warps"], **_LAUNCH_OPTS)
+        KB=cfg["KB"], RB=cfg["RB"], num_warps=max(1, cfg["KB"] * cfg["RB"] // 32),
+        **_LAUNCH_OPTS)
     return out
 
 

@@ -1,68 +1,71 @@
 """Triton kernels for NVFP4 quantization and dequantization (launchers: :mod:`.launch`).
 
-Bit-identical to :mod:`.reference` (the numerics definition). Every fp32
-operation is the reference's, in its order; divisions use ``tl.math.div_rn``
-(correctly rounded; Triton's ``/`` on fp32 may lower to an approximate
-divide), E4M3 and E2M1 roundings are done with exact integer/compare
-arithmetic (no reliance on the hardware fp8 conversion), and the kernels are
-launched with FMA contraction off.
+Bit-identical to :mod:`.reference` (the numerics definition); every fp32 result is the
+reference's, however it is computed:
 
-Two passes over the input:
+* E2M1 codes without dividing: for an E4M3 decode scale d (<= 4 significant bits) and a
+  rounding threshold t of the E2M1 grid (<= 3 bits), t*d is exact and
+  ``RN(a/d) > t  <=>  a > t*d`` (likewise for >=): a/d cannot land strictly between t and
+  the rounding midpoint next to it (checked exhaustively for every E4M3 d). Nearest-even
+  codes are therefore three comparisons against per-block thresholds (a binary search).
+* Where the exact quotient ``v = RN(a/d)`` itself is needed (stochastic rounding compares
+  ``v - lo`` with the uniform), it is ``RN32(a * r)`` in fp64, r a ~2**-43-accurate
+  reciprocal of d: a quotient of a 24-bit by a <=4-bit number is either representable or at
+  least 2**-30 (relative) away from every fp32 rounding midpoint. ``block_amax / 6`` is
+  ``RN32(b * RN64(1/6))`` in fp64 by the same argument (checked on ~10**8 values,
+  subnormals included). The global scale ``2688 / amax`` uses a correctly rounded divide.
+* E4M3 rounding of the block scale is integer arithmetic (no reliance on the fp8
+  conversion), and kernels launch with FMA contraction off.
+* Signs are flipped by multiplying by -1 (Triton's unary minus is ``0 - x``, which turns
+  -0 into +0, and the sign of zero reaches the E2M1 sign bit).
 
-1. ``_nvfp4_amax_kernel``: per (BM x BK) tile, the max of the finite ``|x|``
-   and, when the columnwise side carries the RHT, the max of the finite
-   ``|RHT(x^T)|``; combined across programs by int32 ``atomic_max`` on the
-   fp32 bit patterns (all values are >= 0, so integer order is float order).
-2. ``_nvfp4_quant_kernel``: per tile, computes the global encode scale(s)
-   from the amax buffer (no host sync), then the rowwise blocks of the
-   (BM, BK) tile and/or the columnwise blocks of its (BK, BM) transpose (RHT
-   recomputed in registers), and stores packed codes and E4M3 scale bytes.
+Passes over memory (x is the contiguous (M, K) input):
 
-The RHT works on 16-element tiles along M: the (BK, BM) transposed tile is
-viewed as (BK, BM/16, 16) and split into 16 slices, so the sign flips and
-the four butterfly stages are plain elementwise fp32 ops in the reference's
-order.
+1. ``_nvfp4_amax_kernel``: the max of the finite ``|x|`` and, when the columnwise side
+   carries the RHT, of the finite ``|RHT(x^T)|``, combined across programs by int32
+   ``atomic_max`` on the fp32 bit patterns (all >= 0). The last program to finish (atomic
+   ticket) turns them into the global encode scales, on device, no host sync.
+2. ``_nvfp4_row_kernel``: rowwise codes/scales; each thread owns whole 1x16 blocks (16
+   contiguous elements, vector loads), or one row of a 16x16 block (2D).
+3. ``_nvfp4_col_kernel``: columnwise codes/scales of the transpose; each thread owns two
+   adjacent columns over 16 rows (one 16x1 block each, RHT tile included), so blocks and
+   butterflies are in-register; it writes 8 contiguous code bytes per column.
+
+Layouts are steered through Triton's coalescing pass: a pointer tensor's contiguous axis
+is vectorized in-thread and the remaining axes get lanes, then warps, in increasing axis
+order, so the axes that must stay in registers (the 16 rows of a column block, the
+halves of a row block) come last.
 """
-
-import os
 
 import triton
 import triton.language as tl
 
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
-E2M1_MAX = tl.constexpr(6.0)
 E4M3_MAX = tl.constexpr(448.0)
 GLOBAL_NUM = tl.constexpr(2688.0)  # 448 * 6
 E4M3_NAN = tl.constexpr(0x7F)
+ONE_SIXTH = tl.constexpr(0.16666666666666666)    # RN64(1/6), used as an fp64 constant
+TWO_M150 = tl.constexpr(7.006492321624085e-46)   # 2**-150, used as an fp64 constant
 
 
-# ---- small helpers ------------------------------------------------------------------------
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    # The interpreter's tl.fma is an unfused multiply-add; emulate the fused one in fp64
-    # (exact for the residuals computed with it, which are representable in fp32).
-    @triton.jit
-    def _fma(x, y, z):
-        return (x.to(tl.float64) * y.to(tl.float64) + z.to(tl.float64)).to(tl.float32)
-else:
-    @triton.jit
-    def _fma(x, y, z):
-        return tl.fma(x, y, z)
-
-
-@triton.jit
-def _finite_abs(t):
-    """|t| where finite, else 0 (NaN compares false)."""
-    a = tl.abs(t)
-    return tl.where(a <= FP32_MAX, a, 0.0)
-
-
+# ---- scalar helpers -----------------------------------------------------------------------------
 @triton.jit
 def _global_scale(amax):
     """S = 2688 / amax (fp32, correctly rounded); amax 0 -> 1; inf -> fp32 max."""
     s = tl.math.div_rn(GLOBAL_NUM, amax)
     s = tl.where(amax == 0.0, 1.0, s)
-    s = tl.where(s > FP32_MAX, FP32_MAX, s)
-    return s
+    return tl.where(s > FP32_MAX, FP32_MAX, s)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _finite_max(a):
+    """0 where |a| is not finite (a >= 0 or NaN)."""
+    return tl.where(a <= FP32_MAX, a, 0.0)
 
 
 @triton.jit
@@ -84,6 +87,81 @@ def _e4m3_rne(q):
 
 
 @triton.jit
+def _block_scale(bmax, s):
+    """E4M3 decode scale of a block from its NaN-propagating max |x| (inf/NaN: bad block).
+
+    Returns (code int32: E4M3 byte, 0x7F for a bad block; d fp32: 0 for a bad block, so its
+    codes are 0 as the reference's d = NaN gives)."""
+    bad = ~(bmax <= FP32_MAX)
+    b = tl.where(bad, 0.0, bmax)
+    sixth = tl.full(b.shape, ONE_SIXTH, tl.float64)
+    q = tl.minimum((b.to(tl.float64) * sixth).to(tl.float32) * s, E4M3_MAX)  # RN(b/6) * S
+    code, d = _e4m3_rne(q)
+    return tl.where(bad, E4M3_NAN, code), tl.where(bad, 0.0, d)
+
+
+@triton.jit
+def _rne_thresholds(d):
+    """Per-block thresholds t*d of nearest-even E2M1 rounding (+inf for a dead block)."""
+    dl = tl.where(d > 0.0, d, float("inf"))
+    return (dl * 0.25, dl * 0.75, dl * 1.25, dl * 1.75, dl * 2.5, dl * 3.5, dl * 5.0)
+
+
+@triton.jit
+def _rne_codes(a, th):
+    """casting.round_e2m1_codes of RN(a/d) (magnitude), as a binary search:
+    code = #{t in (.25>, .75>=, 1.25>, 1.75>=, 2.5>, 3.5>=, 5>) passed}."""
+    b2 = a >= th[3]
+    b1 = a >= tl.where(b2, th[5], th[1])
+    b0 = a > tl.where(b2, tl.where(b1, th[6], th[4]), tl.where(b1, th[2], th[0]))
+    return b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
+
+
+@triton.jit
+def _sr_prep(d):
+    """Per-block values for stochastic rounding: grid thresholds g*d (+inf for a dead
+    block), a fp64 reciprocal of d good to ~2**-43, and the positivity bound d * 2**-150."""
+    live = d > 0.0
+    dl = tl.where(live, d, float("inf"))
+    ds = tl.where(live, d, 1.0)
+    r0 = tl.math.fdiv(tl.full(d.shape, 1.0, tl.float32), ds)   # approximate
+    d64 = ds.to(tl.float64)
+    r = r0.to(tl.float64)
+    r = r + r * (1.0 - d64 * r)                                 # one Newton step in fp64
+    pos = tl.where(live, d64 * tl.full(d.shape, TWO_M150, tl.float64),
+                   tl.full(d.shape, float("inf"), tl.float64))
+    return (dl * 0.5, dl, dl * 1.5, dl * 2.0, dl * 3.0, dl * 4.0, dl * 6.0, r, pos)
+
+
+@triton.jit
+def _sr_codes(a, p, rand):
+    """casting.stochastic_round_e2m1_codes of v = RN(a/d) (magnitude).
+
+    lo = largest grid point <= v by exact comparisons; round up when
+    rand < (v - lo) / span, evaluated exactly as rand * span < v - lo (span a power of
+    two, v - lo exact by Sterbenz). v comes from fp64 (exact, see the module doc); below
+    2**-126 only v > 0 matters there, i.e. a > d * 2**-150."""
+    b2 = a >= p[3]
+    b1 = a >= tl.where(b2, p[5], p[1])
+    b0 = a >= tl.where(b2, tl.where(b1, p[6], p[4]), tl.where(b1, p[2], p[0]))
+    lo_i = b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
+    f0 = b0.to(tl.float32)
+    f1 = b1.to(tl.float32)
+    lo = tl.where(b2, tl.where(b1, 4.0 + 2.0 * f0, 2.0 + f0), f1 + 0.5 * f0)
+    span = tl.where(b2, tl.where(b1, 2.0, 1.0), 0.5)
+    a64 = a.to(tl.float64)
+    v = tl.where(a64 > p[8], (a64 * p[7]).to(tl.float32), 0.0)
+    up = (rand * span < v - lo) & (lo_i < 7)
+    return lo_i + up.to(tl.int32)
+
+
+@triton.jit
+def _sign_bits(n, d):
+    """E2M1 sign bit (8) of v = n / d: n's sign where the block is live, else 0."""
+    return (n.to(tl.int32, bitcast=True) >> 28) & tl.where(d > 0.0, 8, 0)
+
+
+@triton.jit
 def _e4m3_decode(b):
     """E4M3 byte (int32 0..255) -> fp32 (exact; 0x7F/0xFF -> NaN)."""
     e = (b >> 3) & 15
@@ -97,121 +175,18 @@ def _e4m3_decode(b):
 
 
 @triton.jit
-def _e2m1_val(i):
-    """E2M1 magnitude for a 3-bit index (int32 0..7): 0, .5, 1, 1.5, 2, 3, 4, 6."""
-    return tl.where(i < 5, i.to(tl.float32) * 0.5,
-                    tl.where(i == 5, 3.0, tl.where(i == 6, 4.0, 6.0)))
-
-
-@triton.jit
 def _e2m1_decode(c):
     """E2M1 code (int32, sign in bit 3) -> fp32, keeping the sign of zero."""
-    mag = _e2m1_val(c & 7)
+    i = c & 7
+    mag = tl.where(i < 5, i.to(tl.float32) * 0.5,
+                   tl.where(i == 5, 3.0, tl.where(i == 6, 4.0, 6.0)))
     return tl.where((c & 8) != 0, mag * -1.0, mag)
 
 
-@triton.jit
-def _e2m1_rne_codes(a, d):
-    """E2M1 magnitude codes of RN(a / d), nearest-even and saturating, as
-    casting.round_e2m1_codes, without dividing.
-
-    For d an E4M3 value (<= 4 significant bits) and a threshold t of the
-    rounding (<= 3 bits), t * d is exact and RN(a/d) > t <=> a > t*d,
-    RN(a/d) >= t <=> a >= t*d (a/d cannot fall strictly between t and the
-    rounding midpoint next to it; checked exhaustively for every E4M3 d).
-    """
-    return ((a > d * 0.25).to(tl.int32) + (a >= d * 0.75).to(tl.int32)
-            + (a > d * 1.25).to(tl.int32) + (a >= d * 1.75).to(tl.int32)
-            + (a > d * 2.5).to(tl.int32) + (a >= d * 3.5).to(tl.int32)
-            + (a > d * 5.0).to(tl.int32))
-
-
-@triton.jit
-def _div_rn_e4m3(a, d, r):
-    """RN(a / d) in fp32 for a >= 0 finite and d > 0 an E4M3 value, r = RN(1 / d).
-
-    Exact whenever the quotient is a normal fp32 (>= 2**-126); below that it
-    is some value in [0, 2**-126) (callers only need its sign there). Small
-    operands (a < 2**-60) are scaled, with d, by 2**64 so that the residuals
-    a - q*d are exact (FMA); q0 = a*r is corrected once (Markstein) and then
-    moved by one ulp where the exact residual shows it is not the
-    nearest-even quotient. d may be any value with <= 4 significant bits
-    (6 included).
-    """
-    small = a < 8.673617379884035e-19                   # 2**-60
-    a2 = a * tl.where(small, 18446744073709551616.0, 1.0)  # * 2**64, exact
-    d2 = d * tl.where(small, 18446744073709551616.0, 1.0)
-    r2 = r * tl.where(small, 5.421010862427522e-20, 1.0)   # * 2**-64, exact (r >= 1/448)
-    q0 = a2 * r2
-    q1 = _fma(_fma(q0 * -1.0, d2, a2), r2, q0)
-    qb = q1.to(tl.int32, bitcast=True)
-    e = qb >> 23
-    ub = tl.where(e > 23, (e - 23) << 23, 1 << tl.maximum(e - 1, 0))
-    u = ub.to(tl.float32, bitcast=True)                 # ulp(q1), q1 normal
-    hu = (u * d2) * 0.5                                 # half an ulp above, in a-space
-    hd = tl.where(((qb & 0x7FFFFF) == 0) & (e > 1), hu * 0.5, hu)  # half the gap below
-    rho = _fma(q1 * -1.0, d2, a2)                       # exact
-    odd = (qb & 1) == 1
-    up = (rho > hu) | ((rho == hu) & odd)
-    down = (rho < hd * -1.0) | ((rho == hd * -1.0) & odd)
-    qb = qb + up.to(tl.int32) - down.to(tl.int32)
-    return tl.where(e >= 1, qb.to(tl.float32, bitcast=True), q1)
-
-
-@triton.jit
-def _div6_rn(b):
-    """RN(b / 6) in fp32 for finite b >= 0, subnormal results included."""
-    q = _div_rn_e4m3(b, tl.full(b.shape, 6.0, tl.float32),
-                     tl.full(b.shape, 0.1666666716337204, tl.float32))  # RN(1/6)
-    # quotient below 2**-126: round b * 2**149 / 6 to an integer (b < 6 * 2**-126 here, so
-    # b * 2**149 is an integer < 2**26) and scale back
-    bs = tl.minimum(b, 7.052966104933725e-38)
-    bi = ((bs * 1.2676506002282294e30) * 562949953421312.0).to(tl.int32)  # * 2**100 * 2**49
-    qi = bi // 6
-    rem = bi - qi * 6
-    qi = qi + ((rem > 3) | ((rem == 3) & ((qi & 1) == 1))).to(tl.int32)
-    # * 2**-149 in two exact steps (a subnormal literal would make Triton use fp64)
-    qs = (qi.to(tl.float32) * 7.888609052210118e-31) * 1.7763568394002505e-15
-    return tl.where(b < 7.052966104933725e-38, qs, q)  # b < 6 * 2**-126
-
-
-@triton.jit
-def _e2m1_sr_codes(a, d, r, rand):
-    """Magnitude codes of casting.stochastic_round_e2m1_codes for v = RN(a / d).
-
-    Grid position by exact comparisons (as _e2m1_rne_codes); round up when
-    rand < (|v| - lo) / (hi - lo), evaluated exactly as rand * span < |v| - lo
-    (span is a power of two, |v| - lo is exact by Sterbenz). Quotients below
-    2**-126 only matter through v > 0, i.e. a > d * 2**-150.
-    """
-    lo_i = ((a >= d * 0.5).to(tl.int32) + (a >= d * 1.0).to(tl.int32)
-            + (a >= d * 1.5).to(tl.int32) + (a >= d * 2.0).to(tl.int32)
-            + (a >= d * 3.0).to(tl.int32) + (a >= d * 4.0).to(tl.int32)
-            + (a >= d * 6.0).to(tl.int32))
-    hi_i = tl.minimum(lo_i + 1, 7)
-    lo = _e2m1_val(lo_i)
-    hi = _e2m1_val(hi_i)
-    span = tl.where(hi > lo, hi - lo, 1.0)
-    v = _div_rn_e4m3(a, d, r)
-    pos = (a * 1.2676506002282294e30) > (d * 8.881784197001252e-16)  # a*2**100 > d*2**-50
-    tiny = tl.full(v.shape, 1, tl.int32).to(tl.float32, bitcast=True)  # 2**-149
-    v = tl.where(pos, tl.maximum(v, tiny), 0.0)
-    up = (rand * span < v - lo) & (hi > lo)
-    return tl.where(up, hi_i, lo_i)
-
-
-# ---- slices and the RHT ---------------------------------------------------------------------------
-# A (BM, BK) = (16 G, 16 NB) tile of x at (m0, k0) is held as 16 "slices": slice i holds rows
-# m0 + 16 g + i (g < G) as two (8, NB, G) tensors E and O indexed [j, kb, g]: E the even
-# columns k0 + 16 kb + 2 j, O the odd ones (k + 1). Rowwise 1x16 blocks are reductions over
-# axis 0 (E and O together); the columnwise 16x1 blocks along M and the RHT tiles run across
-# the 16 slices, so they are elementwise. The tile is loaded once as a (8, NB, G, 2, 16) view:
-# the dimension order makes Triton's coalescing put the column pair in-thread, lanes along
-# the columns (a warp reads a contiguous row segment) and warps along g, leaving the 16
-# slice rows in registers, where splitting them apart costs nothing.
+# ---- 16 slices and the RHT ------------------------------------------------------------------
 @triton.jit
 def _split_last16(t):
-    """(A, B, C, D, 16) -> tuple of the 16 tensors t[..., i] (A, B, C, D)."""
+    """(A, B, C, D, 16) -> tuple of the 16 tensors t[..., i] (A, B, C, D) (in-register)."""
     A: tl.constexpr = t.shape[0]
     B: tl.constexpr = t.shape[1]
     C: tl.constexpr = t.shape[2]
@@ -235,55 +210,6 @@ def _split_last16(t):
 
 
 @triton.jit
-def _join_last16(ts):
-    """Inverse of _split_last16 for 16 tensors (A, B, C) -> (A, B, C, 16)."""
-    A: tl.constexpr = ts[0].shape[0]
-    B: tl.constexpr = ts[0].shape[1]
-    C: tl.constexpr = ts[0].shape[2]
-    s8 = ()
-    for f in tl.static_range(8):
-        # s16[2 f] = ts[rev(2 f)] = ts[rev(f) >> 1], s16[2 f + 1] = ts[(rev(f) >> 1) + 8]
-        s8 = s8 + (tl.join(ts[(((f & 1) << 2) | (f & 2) | ((f & 4) >> 2))],
-                           ts[(((f & 1) << 2) | (f & 2) | ((f & 4) >> 2)) + 8]),)
-    s4 = ()
-    for c in tl.static_range(4):
-        s4 = s4 + (tl.reshape(tl.join(s8[2 * c], s8[2 * c + 1]), (A, B, C, 4)),)
-    s2 = ()
-    for a in tl.static_range(2):
-        s2 = s2 + (tl.reshape(tl.join(s4[2 * a], s4[2 * a + 1]), (A, B, C, 8)),)
-    return tl.reshape(tl.join(s2[0], s2[1]), (A, B, C, 16))
-
-
-@triton.jit
-def _tile_index(m0, k0, G: tl.constexpr, NB: tl.constexpr):
-    """Row (1, 1, G, 1, 16) and column (8, NB, 1, 2, 1) indices of a tile's 5-D view."""
-    j = tl.arange(0, 8)[:, None, None, None, None]
-    kb = tl.arange(0, NB)[None, :, None, None, None]
-    g = tl.arange(0, G)[None, None, :, None, None]
-    p = tl.arange(0, 2)[None, None, None, :, None]
-    i = tl.arange(0, 16)[None, None, None, None, :]
-    return m0 + g * 16 + i, k0 + kb * 16 + j * 2 + p
-
-
-@triton.jit
-def _load_slices(ptr, stride_m, stride_k, M, K, m0, k0, other,
-                 G: tl.constexpr, NB: tl.constexpr):
-    """The 16 slices of the tile at (m0, k0) of an (M, K) matrix (element [m, k] at
-    m * stride_m + k * stride_k), as fp32 tuples (E, O) of (8, NB, G) tensors."""
-    rows, cols = _tile_index(m0, k0, G, NB)
-    v = tl.load(ptr + rows.to(tl.int64) * stride_m + cols.to(tl.int64) * stride_k,
-                mask=(rows < M) & (cols < K), other=other)
-    sl = _split_last16(v.to(tl.float32))
-    es = ()
-    os_ = ()
-    for a in tl.static_range(16):
-        e, o = tl.split(sl[a])
-        es = es + (e,)
-        os_ = os_ + (o,)
-    return es, os_
-
-
-@triton.jit
 def _bfly_stage(t, h: tl.constexpr):
     out = ()
     for i in tl.static_range(16):
@@ -296,9 +222,8 @@ def _bfly_stage(t, h: tl.constexpr):
 
 @triton.jit
 def _rht(xs):
-    """rht.rht_forward across 16 slices: signs (mask 0xD7E8; multiply by -1 as the
-    reference does -- Triton's unary minus is 0 - x, which loses -0), butterflies at
-    strides 8, 4, 2, 1, then * 0.25."""
+    """rht.rht_forward across 16 slices: signs (mask 0xD7E8, multiplied by -1 as the
+    reference does), butterflies at strides 8, 4, 2, 1, then * 0.25."""
     t = ()
     for i in tl.static_range(16):
         if ((0xD7E8 >> i) & 1) == 1:
@@ -315,254 +240,251 @@ def _rht(xs):
     return out
 
 
-# ---- blocks and codes -------------------------------------------------------------------------------
 @triton.jit
-def _amax_bad(a):
-    """(|a| with non-finite -> 0, 1 where non-finite else 0) for a = |x|."""
-    fin = a <= FP32_MAX
-    return tl.where(fin, a, 0.0), tl.where(fin, 0, 1)
-
-
-@triton.jit
-def _block_scale(bamax, bad, s):
-    """E4M3 d = cast((bamax / 6) * S) (code int32, value fp32); NaN code and d = 0 for a
-    block holding a non-finite element (its codes are then 0, as the reference's)."""
-    q = tl.minimum(_div6_rn(bamax) * s, E4M3_MAX)
-    code, d = _e4m3_rne(q)
-    return tl.where(bad != 0, E4M3_NAN, code), tl.where(bad != 0, 0.0, d)
+def _col_tile_index(m0, k0, KW: tl.constexpr):
+    """Row (1, 4, 1, 1, 16) and column (8, 1, KW, 2, 1) indices of a column tile: 64 rows
+    (4 groups g of 16 rows i) by 16 KW columns (k = k0 + 16 kw + 2 kp + p). Lanes go to
+    (kp, g), warps to kw; the column pair p and the 16 rows i stay in each thread."""
+    kp = tl.arange(0, 8)[:, None, None, None, None]
+    g = tl.arange(0, 4)[None, :, None, None, None]
+    kw = tl.arange(0, KW)[None, None, :, None, None]
+    p = tl.arange(0, 2)[None, None, None, :, None]
+    i = tl.arange(0, 16)[None, None, None, None, :]
+    return m0 + g * 16 + i, k0 + kw * 16 + kp * 2 + p
 
 
 @triton.jit
-def _recip(d, SR: tl.constexpr):
-    if SR:
-        # an approximate 1/d is enough: _div_rn_e4m3 corrects to the exact quotient
-        return tl.math.fdiv(tl.full(d.shape, 1.0, tl.float32), tl.where(d > 0.0, d, 1.0))
+def _load_col_tile(x_ptr, M, K, m0, k0, KW: tl.constexpr):
+    """The 16 row slices (8, 4, KW, 2) fp32 of a column tile of the contiguous (M, K) x."""
+    rows, cols = _col_tile_index(m0, k0, KW)
+    v = tl.load(x_ptr + rows.to(tl.int64) * K + cols, mask=(rows < M) & (cols < K), other=0.0)
+    return _split_last16(v.to(tl.float32))
+
+
+# ---- pass 1: global amax(es) and the global scales --------------------------------------------
+@triton.jit
+def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
+                       ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
+                       KW: tl.constexpr, FLAT: tl.constexpr):
+    """ws_ptr int32[3] zeroed: [0] finite amax of x, [1] finite amax of RHT(x^T) (fp32
+    bits), [2] ticket counter. The last program writes S into rglob / cglob.
+
+    Without the RHT x is read as a flat array of FLAT elements per program; with it in
+    column tiles (64 x 16 KW)."""
+    pid = tl.program_id(0)
+    if RHT:
+        nk = tl.cdiv(K, 16 * KW)
+        sl = _load_col_tile(x_ptr, M, K, (pid // nk) * 64, (pid % nk) * 16 * KW, KW)
+        if ROW:
+            m = _finite_max(tl.abs(sl[0]))
+            for i in tl.static_range(1, 16):
+                m = tl.maximum(m, _finite_max(tl.abs(sl[i])))
+            am = tl.max(tl.max(tl.max(tl.max(m, axis=3), axis=2), axis=1), axis=0)
+            tl.atomic_max(ws_ptr, am.to(tl.int32, bitcast=True))
+        y = _rht(sl)
+        m = _finite_max(tl.abs(y[0]))
+        for i in tl.static_range(1, 16):
+            m = tl.maximum(m, _finite_max(tl.abs(y[i])))
+        am = tl.max(tl.max(tl.max(tl.max(m, axis=3), axis=2), axis=1), axis=0)
+        tl.atomic_max(ws_ptr + 1, am.to(tl.int32, bitcast=True))
     else:
-        return d
+        offs = pid.to(tl.int64) * FLAT + tl.arange(0, FLAT)
+        v = tl.load(x_ptr + offs, mask=offs < M.to(tl.int64) * K, other=0.0).to(tl.float32)
+        am = tl.max(_finite_max(tl.abs(v)), axis=0)
+        tl.atomic_max(ws_ptr, am.to(tl.int32, bitcast=True))
+    ticket = tl.atomic_add(ws_ptr + 2, 1)
+    if ticket == tl.num_programs(0) - 1:
+        # every program's atomic_max precedes its ticket (acq_rel): the maxima are final
+        a_plain = tl.atomic_max(ws_ptr, 0).to(tl.float32, bitcast=True)
+        a_rht = tl.atomic_max(ws_ptr + 1, 0).to(tl.float32, bitcast=True)
+        if ROW:
+            tl.store(rglob_ptr, _global_scale(a_plain))
+        if COL:
+            if RHT:
+                tl.store(cglob_ptr, _global_scale(a_rht))
+            else:
+                tl.store(cglob_ptr, _global_scale(a_plain))
 
 
+# ---- pass 2a: rowwise -------------------------------------------------------------------------------
 @triton.jit
-def _codes(t, s, d, r, rand, SR: tl.constexpr):
-    """E2M1 codes (int32, sign in bit 3) of v = RN((t * S) / d), as the reference."""
-    n = t * s
+def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
+                      TWO_D: tl.constexpr, SR: tl.constexpr, VEC: tl.constexpr,
+                      KB: tl.constexpr, RB: tl.constexpr):
+    """Rowwise NVFP4 of x (M, K): data (M, K/2) u8, scales (M, K/16) or (M/16, K/16) u8
+    (E4M3 bytes), S read from glob; rand (M, K) fp32 uniforms when SR.
+
+    Tile: RB rows x KB blocks of 16 columns; each thread owns one 1x16 block as H x VEC
+    (H = 16 / VEC) elements, VEC contiguous per vector load. 1D: lanes over blocks, then
+    rows; 2D: lanes over the 16 rows of a 16x16 block (RB = 16), then blocks."""
+    H: tl.constexpr = 16 // VEC
+    pid = tl.program_id(0)
+    nkb = tl.cdiv(K // 16, KB)
+    m0 = (pid // nkb) * RB
+    kb0 = (pid % nkb) * KB
+    s = tl.load(glob_ptr)
+    K2 = K // 2
+    K16 = K // 16
+    # index tensors (X, Y, ...): (blocks, rows) for 1D, (rows, blocks) for 2D
+    if TWO_D:
+        r3 = m0 + tl.arange(0, RB)[:, None, None]
+        b3 = kb0 + tl.arange(0, KB)[None, :, None]
+    else:
+        b3 = kb0 + tl.arange(0, KB)[:, None, None]
+        r3 = m0 + tl.arange(0, RB)[None, :, None]
+    r4 = r3[:, :, :, None]
+    b4 = b3[:, :, :, None]
+    h4 = tl.arange(0, H)[None, None, :, None]
+    c4 = tl.arange(0, VEC)[None, None, None, :]
+    mask4 = (r4 < M) & (b4 < K16)
+    x = tl.load(x_ptr + r4.to(tl.int64) * K + b4 * 16 + h4 * VEC + c4, mask=mask4,
+                other=0.0).to(tl.float32)
+    # block max |x|, NaN-propagating (inf/NaN mark a bad block)
+    bm = tl.reduce(tl.reduce(tl.abs(x), 3, _max_nan), 2, _max_nan)        # (X, Y)
+    if TWO_D:
+        bm = tl.reduce(bm, 0, _max_nan)                                     # (KB,)
+        sc, d = _block_scale(bm, s)
+        srow = m0 // 16
+        tl.store(scale_ptr + srow.to(tl.int64) * K16 + kb0 + tl.arange(0, KB), sc.to(tl.uint8),
+                 mask=(srow < M // 16) & (kb0 + tl.arange(0, KB) < K16))
+        dd = d[None, :, None, None]
+    else:
+        sc, d = _block_scale(bm, s)
+        r2 = m0 + tl.arange(0, RB)[None, :]
+        b2 = kb0 + tl.arange(0, KB)[:, None]
+        tl.store(scale_ptr + r2.to(tl.int64) * K16 + b2, sc.to(tl.uint8),
+                 mask=(r2 < M) & (b2 < K16))
+        dd = d[:, :, None, None]
+    n = x * s
     a = tl.abs(n)
     if SR:
-        code = _e2m1_sr_codes(a, d, r, rand)
+        # uniforms as (X, Y, H, 2 or 1, 4 or VEC): at most 4 fp32 per vector load
+        V4: tl.constexpr = 4 if VEC > 4 else VEC
+        c5 = tl.arange(0, V4)[None, None, None, None, :]
+        q5 = tl.arange(0, VEC // V4)[None, None, None, :, None]
+        rp = rand_ptr + r4[:, :, :, :, None].to(tl.int64) * K + b4[:, :, :, :, None] * 16 \
+            + h4[:, :, :, :, None] * VEC + q5 * V4 + c5
+        rnd = tl.load(rp, mask=mask4[:, :, :, :, None], other=1.0)
+        rnd = tl.reshape(rnd, x.shape)
+        code = _sr_codes(a, _sr_prep(dd), rnd)
     else:
-        code = _e2m1_rne_codes(a, d)
-    code = code | tl.where(n.to(tl.int32, bitcast=True) < 0, 8, 0)
-    return tl.where(d > 0.0, code, 0)
+        code = _rne_codes(a, _rne_thresholds(dd))
+    code = code | _sign_bits(n, dd)
+    X: tl.constexpr = x.shape[0]
+    Y: tl.constexpr = x.shape[1]
+    lo, hi = tl.split(tl.reshape(code, (X, Y, 8, 2)))
+    packed = (lo | (hi << 4)).to(tl.uint8)                                  # (X, Y, 8)
+    j3 = tl.arange(0, 8)[None, None, :]
+    tl.store(data_ptr + r3.to(tl.int64) * K2 + b3 * 8 + j3, packed,
+             mask=(r3 < M) & (b3 < K16))
 
 
+# ---- pass 2b: columnwise ----------------------------------------------------------------------------
 @triton.jit
-def _slices_amax(es, os_):
-    """Elementwise max over the 16 slices of the finite |.| and of the non-finite flags."""
-    m, b = _amax_bad(tl.abs(es[0]))
-    for i in tl.static_range(16):
-        a1, b1 = _amax_bad(tl.abs(es[i]))
-        a2, b2 = _amax_bad(tl.abs(os_[i]))
-        m = tl.maximum(m, tl.maximum(a1, a2))
-        b = tl.maximum(b, tl.maximum(b1, b2))
-    return m, b
-
-
-# ---- pass 1: global amax(es) --------------------------------------------------------------------------
-@triton.jit
-def _nvfp4_amax_kernel(x_ptr, stride_xm, stride_xk, M, K, amax_ptr,
-                       PLAIN: tl.constexpr, RHT: tl.constexpr,
-                       BM: tl.constexpr, BK: tl.constexpr):
-    """amax_ptr (int32[2], zeroed): [0] finite amax of x, [1] finite amax of RHT(x^T)."""
-    G: tl.constexpr = BM // 16
-    NB: tl.constexpr = BK // 16
+def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
+                      RHT: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
+                      KW: tl.constexpr):
+    """Columnwise NVFP4 of x (M, K): the rowwise quantization of x^T (RHT'd along M when
+    RHT). data (K, M/2) u8, scales (K, M/16) or (K/16, M/16) u8, S from glob; rand (K, M)
+    fp32 uniforms when SR. Tile: 64 rows x 16 KW columns (see _col_tile_index); each
+    thread owns the 16x1 blocks of two adjacent columns in one 16-row group."""
     pid = tl.program_id(0)
-    nk = tl.cdiv(K, BK)
-    m0 = (pid // nk) * BM
-    k0 = (pid % nk) * BK
-    es, os_ = _load_slices(x_ptr, stride_xm, stride_xk, M, K, m0, k0, 0.0, G, NB)
-    if PLAIN:
-        m = _slices_amax(es, os_)[0]
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.max(m, axis=2), axis=1), axis=0)
-                      .to(tl.int32, bitcast=True))
+    nk = tl.cdiv(K, 16 * KW)
+    m0 = (pid // nk) * 64
+    k0 = (pid % nk) * 16 * KW
+    s = tl.load(glob_ptr)
+    M2 = M // 2
+    M16 = M // 16
+    ys = _load_col_tile(x_ptr, M, K, m0, k0, KW)
     if RHT:
-        m = _slices_amax(_rht(es), _rht(os_))[0]
-        tl.atomic_max(amax_ptr + 1, tl.max(tl.max(tl.max(m, axis=2), axis=1), axis=0)
-                      .to(tl.int32, bitcast=True))
-
-
-# ---- pass 2: quantize -----------------------------------------------------------------------------------
-@triton.jit
-def _nvfp4_quant_kernel(x_ptr, stride_xm, stride_xk, M, K, amax_ptr,
-                        rdata_ptr, rscale_ptr, rglob_ptr, rrand_ptr,
-                        cdata_ptr, cscale_ptr, cglob_ptr, crand_ptr,
-                        ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
-                        TWO_D: tl.constexpr, SR: tl.constexpr,
-                        BM: tl.constexpr, BK: tl.constexpr):
-    """Rowwise (M, K) and/or columnwise (K, M) NVFP4 of one (BM, BK) tile of x.
-
-    rowwise: rdata (M, K/2) u8, rscale (M, K/16) or (M/16, K/16) u8 (E4M3 bytes), rglob (1,)
-    columnwise: cdata (K, M/2), cscale (K, M/16) or (K/16, M/16), cglob (1,).
-    rrand (M, K) / crand (K, M): contiguous fp32 uniforms when SR.
-    """
-    G: tl.constexpr = BM // 16
-    NB: tl.constexpr = BK // 16
-    pid = tl.program_id(0)
-    nk = tl.cdiv(K, BK)
-    m0 = (pid // nk) * BM
-    k0 = (pid % nk) * BK
-    es, os_ = _load_slices(x_ptr, stride_xm, stride_xk, M, K, m0, k0, 0.0, G, NB)
-    # index helpers: [j, kb, g] and [kb, g]
-    j3 = tl.arange(0, 8)[:, None, None]
-    kb3 = tl.arange(0, NB)[None, :, None]
-    g3 = tl.arange(0, G)[None, None, :]
-    kb2 = tl.arange(0, NB)[:, None]
-    g2 = tl.arange(0, G)[None, :]
-    amax_plain = tl.load(amax_ptr).to(tl.float32, bitcast=True)
-
-    if ROW:
-        s = _global_scale(amax_plain)
-        if pid == 0:
-            tl.store(rglob_ptr, s)
+        ys = _rht(ys)
+    # per-column block max (NaN-propagating) across the 16 rows
+    bm = tl.abs(ys[0])
+    for i in tl.static_range(1, 16):
+        bm = _max_nan(bm, tl.abs(ys[i]))                                     # (8, 4, KW, 2)
+    kp = tl.arange(0, 8)[:, None, None, None]
+    g = tl.arange(0, 4)[None, :, None, None]
+    kw = tl.arange(0, KW)[None, None, :, None]
+    p = tl.arange(0, 2)[None, None, None, :]
+    col = k0 + kw * 16 + kp * 2 + p                                          # (8, 1, KW, 2)
+    grp = m0 // 16 + g                                                       # (1, 4, 1, 1)
+    if TWO_D:
+        bm2 = tl.reduce(tl.reduce(bm, 3, _max_nan), 0, _max_nan)            # (4, KW)
+        sc, d = _block_scale(bm2, s)
+        okb = k0 // 16 + tl.arange(0, KW)[None, :]
+        og = m0 // 16 + tl.arange(0, 4)[:, None]
+        tl.store(scale_ptr + okb.to(tl.int64) * M16 + og, sc.to(tl.uint8),
+                 mask=(okb < K // 16) & (og < M16))
+        dd = d[None, :, :, None]
+    else:
+        sc, dd = _block_scale(bm, s)
+        tl.store(scale_ptr + col.to(tl.int64) * M16 + grp, sc.to(tl.uint8),
+                 mask=(col < K) & (grp < M16))
+    if SR:
+        # uniforms (K, M): each thread's 2 columns x 16 rows, four 16-byte loads per column
+        kp6 = tl.arange(0, 8)[:, None, None, None, None, None]
+        g6 = tl.arange(0, 4)[None, :, None, None, None, None]
+        kw6 = tl.arange(0, KW)[None, None, :, None, None, None]
+        p6 = tl.arange(0, 2)[None, None, None, :, None, None]
+        q6 = tl.arange(0, 4)[None, None, None, None, :, None]
+        i6 = tl.arange(0, 4)[None, None, None, None, None, :]
+        col6 = k0 + kw6 * 16 + kp6 * 2 + p6
+        row6 = m0 + g6 * 16 + q6 * 4 + i6
+        rnd = tl.load(rand_ptr + col6.to(tl.int64) * M + row6,
+                      mask=(col6 < K) & (row6 < M), other=1.0)
+        rs = _split_last16(tl.reshape(rnd, (8, 4, KW, 2, 16)))
+        prep = _sr_prep(dd)
+    else:
+        th = _rne_thresholds(dd)
+    codes = ()
+    for i in tl.static_range(16):
+        n = ys[i] * s
         if SR:
-            res, ros = _load_slices(rrand_ptr, K, 1, M, K, m0, k0, 1.0, G, NB)
+            c = _sr_codes(tl.abs(n), prep, rs[i])
         else:
-            res, ros = es, os_
-        K2 = K // 2
-        K16 = K // 16
-        if TWO_D:
-            bm = tl.zeros((NB, G), tl.float32)
-            bb = tl.zeros((NB, G), tl.int32)
-            for i in tl.static_range(16):
-                ae, be = _amax_bad(tl.abs(es[i]))
-                ao, bo = _amax_bad(tl.abs(os_[i]))
-                bm = tl.maximum(bm, tl.max(tl.maximum(ae, ao), axis=0))
-                bb = tl.maximum(bb, tl.max(tl.maximum(be, bo), axis=0))
-            sc2, d2 = _block_scale(bm, bb, s)
-            dd = d2[None, :, :]
-            rr = _recip(dd, SR)
-            srow = m0 // 16 + g2
-            scol = k0 // 16 + kb2
-            tl.store(rscale_ptr + srow.to(tl.int64) * K16 + scol, sc2.to(tl.uint8),
-                     mask=(srow < M // 16) & (scol < K16))
-        packed = ()
-        scales = ()
-        for i in tl.static_range(16):
-            if not TWO_D:
-                ae, be = _amax_bad(tl.abs(es[i]))
-                ao, bo = _amax_bad(tl.abs(os_[i]))
-                sc1, d1 = _block_scale(tl.max(tl.maximum(ae, ao), axis=0),
-                                       tl.max(tl.maximum(be, bo), axis=0), s)
-                scales = scales + (sc1[None, :, :],)
-                dd = d1[None, :, :]
-                rr = _recip(dd, SR)
-            ce = _codes(es[i], s, dd, rr, res[i], SR)
-            co = _codes(os_[i], s, dd, rr, ros[i], SR)
-            packed = packed + (ce | (co << 4),)
-        # (8, NB, G, 16): byte k0/2 + 8 kb + j of row m0 + 16 g + i
-        r4 = m0 + g3[:, :, :, None] * 16 + tl.arange(0, 16)[None, None, None, :]
-        c4 = k0 // 2 + kb3[:, :, :, None] * 8 + j3[:, :, :, None]
-        tl.store(rdata_ptr + r4.to(tl.int64) * K2 + c4, _join_last16(packed).to(tl.uint8),
-                 mask=(r4 < M) & (c4 < K2))
-        if not TWO_D:
-            # (1, NB, G, 16): scale k0/16 + kb of row m0 + 16 g + i
-            c4s = k0 // 16 + kb3[:, :, :, None]
-            tl.store(rscale_ptr + r4.to(tl.int64) * K16 + c4s,
-                     _join_last16(scales).to(tl.uint8), mask=(r4 < M) & (c4s < K16))
-
-    if COL:
-        if RHT:
-            ys = _rht(es)
-            yo = _rht(os_)
-            s = _global_scale(tl.load(amax_ptr + 1).to(tl.float32, bitcast=True))
-        else:
-            ys = es
-            yo = os_
-            s = _global_scale(amax_plain)
-        if pid == 0:
-            tl.store(cglob_ptr, s)
-        if SR:
-            res, ros = _load_slices(crand_ptr, 1, M, M, K, m0, k0, 1.0, G, NB)
-        else:
-            res, ros = ys, yo
-        M2 = M // 2
-        M16 = M // 16
-        # block amaxes across the 16 slices (per column k: a 16x1 block along M)
-        me, be = _slices_amax(ys, ys)
-        mo, bo = _slices_amax(yo, yo)
-        kcol = k0 + kb3 * 16 + j3 * 2          # even column of each pair, (8, NB, 1)
-        if TWO_D:
-            sc2, d2 = _block_scale(tl.max(tl.maximum(me, mo), axis=0),
-                                   tl.max(tl.maximum(be, bo), axis=0), s)
-            de = d2[None, :, :]
-            do = de
-            srow = k0 // 16 + kb2
-            scol = m0 // 16 + g2
-            tl.store(cscale_ptr + srow.to(tl.int64) * M16 + scol, sc2.to(tl.uint8),
-                     mask=(srow < K // 16) & (scol < M16))
-        else:
-            sce, de = _block_scale(me, be, s)
-            sco, do = _block_scale(mo, bo, s)
-            # (8, NB, G, 2): scale m0/16 + g of column kcol + p
-            k4 = kcol[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]
-            c4 = m0 // 16 + g3[:, :, :, None]
-            tl.store(cscale_ptr + k4.to(tl.int64) * M16 + c4, tl.join(sce, sco).to(tl.uint8),
-                     mask=(k4 < K) & (c4 < M16))
-        re_ = _recip(de, SR)
-        ro_ = _recip(do, SR)
-        ce = ()
-        co = ()
-        for i in tl.static_range(16):
-            ce = ce + (_codes(ys[i], s, de, re_, res[i], SR),)
-            co = co + (_codes(yo[i], s, do, ro_, ros[i], SR),)
-        # byte (k, m0/2 + 8 g + jj) = code(i = 2 jj) | code(i = 2 jj + 1) << 4
-        pe = ()
-        po = ()
-        for jj in tl.static_range(8):
-            pe = pe + (ce[2 * jj] | (ce[2 * jj + 1] << 4),)
-            po = po + (co[2 * jj] | (co[2 * jj + 1] << 4),)
-        # stack jj as a new axis (nested joins index it 4 c0 + 2 c1 + c2), then p
-        we = tl.reshape(tl.join(tl.join(tl.join(pe[0], pe[4]), tl.join(pe[2], pe[6])),
-                                tl.join(tl.join(pe[1], pe[5]), tl.join(pe[3], pe[7]))),
-                        (8, NB, G, 8))
-        wo = tl.reshape(tl.join(tl.join(tl.join(po[0], po[4]), tl.join(po[2], po[6])),
-                                tl.join(tl.join(po[1], po[5]), tl.join(po[3], po[7]))),
-                        (8, NB, G, 8))
-        w = tl.join(we, wo).to(tl.uint8)                     # (8 j, NB, G, 8 jj, 2 p)
-        k5 = kcol[:, :, :, None, None] + tl.arange(0, 2)[None, None, None, None, :]
-        c5 = m0 // 2 + g3[:, :, :, None, None] * 8 + tl.arange(0, 8)[None, None, None, :, None]
-        tl.store(cdata_ptr + k5.to(tl.int64) * M2 + c5, w, mask=(k5 < K) & (c5 < M2))
+            c = _rne_codes(tl.abs(n), th)
+        codes = codes + (c | _sign_bits(n, dd),)
+    # byte jj of column k = code(row 2 jj) | code(row 2 jj + 1) << 4; stack jj last
+    pk = ()
+    for jj in tl.static_range(8):
+        pk = pk + (codes[2 * jj] | (codes[2 * jj + 1] << 4),)
+    w = tl.reshape(tl.join(tl.join(tl.join(pk[0], pk[4]), tl.join(pk[2], pk[6])),
+                           tl.join(tl.join(pk[1], pk[5]), tl.join(pk[3], pk[7]))),
+                   (8, 4, KW, 2, 8)).to(tl.uint8)       # nested joins index 4 c0 + 2 c1 + c2
+    jj5 = tl.arange(0, 8)[None, None, None, None, :]
+    col5 = col[:, :, :, :, None]
+    tl.store(data_ptr + col5.to(tl.int64) * M2 + grp[:, :, :, :, None] * 8 + jj5, w,
+             mask=(col5 < K) & (grp[:, :, :, :, None] < M16))
 
 
-# ---- dequantize to bf16 (q * d, no global scale) ----------------------------------------------------------
+# ---- dequantize to bf16 (q * d, no global scale) ----------------------------------------------------
 @triton.jit
 def _nvfp4_dequant_unscaled_kernel(data_ptr, scale_ptr, out_ptr, R, C,
-                                   TWO_D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """out (R, C) bf16 = q * d (exact in bf16) from data (R, C/2) u8 and E4M3 scale bytes."""
-    NB: tl.constexpr = BC // 16
+                                   TWO_D: tl.constexpr, KB: tl.constexpr, RB: tl.constexpr):
+    """out (R, C) bf16 = q * d (exact in bf16) from data (R, C/2) u8 and E4M3 scale bytes.
+    Each thread owns one 1x16 block: 8 bytes in, two 16-byte vectors out."""
     pid = tl.program_id(0)
-    nc = tl.cdiv(C, BC)
-    r0 = (pid // nc) * BR
-    kb0 = (pid % nc) * NB
-    gi = tl.arange(0, BR // 16)[:, None, None, None]
-    ii = tl.arange(0, 16)[None, :, None, None]
-    kb = (kb0 + tl.arange(0, NB))[None, None, :, None]
-    j = tl.arange(0, 8)[None, None, None, :]
-    rows = r0 + gi * 16 + ii                                  # (BR/16, 16, 1, 1)
-    rmask = rows < R
-    r64 = rows.to(tl.int64)
+    nkb = tl.cdiv(C // 16, KB)
+    r0 = (pid // nkb) * RB
+    kb0 = (pid % nkb) * KB
     C16 = C // 16
-    b = tl.load(data_ptr + r64 * (C // 2) + kb * 8 + j, mask=rmask & (kb < C16),
-                other=0).to(tl.int32)
+    b3 = kb0 + tl.arange(0, KB)[:, None, None]
+    r3 = r0 + tl.arange(0, RB)[None, :, None]
+    j3 = tl.arange(0, 8)[None, None, :]
+    m3 = (r3 < R) & (b3 < C16)
+    byte = tl.load(data_ptr + r3.to(tl.int64) * (C // 2) + b3 * 8 + j3, mask=m3,
+                   other=0).to(tl.int32)                                    # (KB, RB, 8)
     if TWO_D:
-        srow = r0 // 16 + gi
-        sb = tl.load(scale_ptr + srow.to(tl.int64) * C16 + kb, mask=(srow < R // 16) & (kb < C16),
-                     other=0).to(tl.int32)
+        sb = tl.load(scale_ptr + (r3 // 16).to(tl.int64) * C16 + b3, mask=m3, other=0)
     else:
-        sb = tl.load(scale_ptr + r64 * C16 + kb, mask=rmask & (kb < C16), other=0).to(tl.int32)
-    d = _e4m3_decode(sb)
-    lo = (_e2m1_decode(b & 15) * d).to(tl.bfloat16)
-    hi = (_e2m1_decode(b >> 4) * d).to(tl.bfloat16)
-    out = tl.join(lo, hi)                                     # (BR/16, 16, NB, 8, 2)
-    cols = (kb[:, :, :, :, None] * 16 + j[:, :, :, :, None] * 2
-            + tl.arange(0, 2)[None, None, None, None, :])
-    tl.store(out_ptr + r64[:, :, :, :, None] * C + cols, out,
-             mask=rmask[:, :, :, :, None] & (cols < C))
+        sb = tl.load(scale_ptr + r3.to(tl.int64) * C16 + b3, mask=m3, other=0)
+    d = _e4m3_decode(sb.to(tl.int32))
+    lo = (_e2m1_decode(byte & 15) * d).to(tl.bfloat16)
+    hi = (_e2m1_decode(byte >> 4) * d).to(tl.bfloat16)
+    out = tl.reshape(tl.join(lo, hi), (KB, RB, 2, 8))                       # element 2j + p
+    b4 = b3[:, :, :, None]
+    r4 = r3[:, :, :, None]
+    h4 = tl.arange(0, 2)[None, None, :, None]
+    c4 = tl.arange(0, 8)[None, None, None, :]
+    tl.store(out_ptr + r4.to(tl.int64) * C + b4 * 16 + h4 * 8 + c4, out,
+             mask=(r4 < R) & (b4 < C16))
