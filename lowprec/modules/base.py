@@ -194,6 +194,16 @@ class LowprecModule(nn.Module):
                 pending[mode] = sd
         self._pending_extra_state = pending or None
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        # A checkpoint from before conversion (torch.nn.Linear) has no scaling state; starting
+        # it fresh is what loading such a checkpoint means, so it is not a missing key.
+        key = prefix + "_extra_state"
+        if key in missing_keys:
+            missing_keys.remove(key)
+
     def _check_input_dtype(self, x: torch.Tensor) -> None:
         if not x.is_floating_point():
             raise TypeError(f"{type(self).__name__} expects a floating-point input, got {x.dtype}")
