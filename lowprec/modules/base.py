@@ -10,7 +10,6 @@ from torch import nn
 from ..autocast import active_region, init_recipe, register_delayed_state
 from ..formats.base import QuantizedTensor
 from ..linear_fn import LinearQuantizers
-from ..recipe import DelayedScaling
 from ..roles import check_num_quantizers, gemm_roles
 from ..state import RecipeState
 
@@ -34,6 +33,20 @@ def init_linear_params(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if bias is not None:
         bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0
         nn.init.uniform_(bias, -bound, bound)
+
+
+def add_linear_params(module: nn.Module, weight_name: str, bias_name: str | None,
+                      out_features: int, in_features: int, *, bias: bool, dtype, device) -> None:
+    """Register an ``nn.Linear``-initialized weight (and bias) on ``module``.
+
+    With ``bias=False`` the bias name (if given) is registered as ``None``.
+    """
+    w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+    b = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+    init_linear_params(w, b)
+    module.register_parameter(weight_name, w)
+    if bias_name is not None:
+        module.register_parameter(bias_name, b)
 
 
 class _BackwardDone:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..linear_fn import quantized_linear
-from .base import LowprecModule, check_parallel_args, init_linear_params
+from .base import LowprecModule, add_linear_params, check_parallel_args
 
 
 class GroupedLinear(LowprecModule):
@@ -30,11 +29,8 @@ class GroupedLinear(LowprecModule):
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         dtype = params_dtype or torch.get_default_dtype()
         for i in range(num_gemms):
-            w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-            b = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-            init_linear_params(w, b)
-            self.register_parameter(f"weight{i}", w)
-            self.register_parameter(f"bias{i}", b)
+            add_linear_params(self, f"weight{i}", f"bias{i}", out_features, in_features, bias=bias,
+                              dtype=dtype, device=device)
         self._maybe_quantize_weights()
 
     def _gemm_names(self) -> list[str]:

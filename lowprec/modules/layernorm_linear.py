@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..linear_fn import quantized_linear
-from .base import LowprecModule, check_parallel_args, init_linear_params
+from .base import LowprecModule, add_linear_params, check_parallel_args
 from .norms import apply_norm, check_normalization, make_norm_params
 
 
@@ -30,9 +29,8 @@ class LayerNormLinear(LowprecModule):
         dtype = params_dtype or torch.get_default_dtype()
         make_norm_params(self, in_features, normalization, zero_centered_gamma=zero_centered_gamma,
                          dtype=dtype, device=device, prefix="layer_norm_")
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-        init_linear_params(self.weight, self.bias)
+        add_linear_params(self, "weight", "bias", out_features, in_features, bias=bias, dtype=dtype,
+                          device=device)
         self._maybe_quantize_weights()
 
     def forward(self, x: torch.Tensor):

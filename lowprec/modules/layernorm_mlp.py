@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..linear_fn import quantized_linear
 from .activations import get_activation
-from .base import LowprecModule, check_parallel_args, init_linear_params
+from .base import LowprecModule, add_linear_params, check_parallel_args
 from .norms import apply_norm, check_normalization, make_norm_params
 
 
@@ -38,11 +37,8 @@ class LayerNormMLP(LowprecModule):
         fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
         for pname, (n_out, n_in) in (("fc1", (fc1_out, hidden_size)),
                                      ("fc2", (hidden_size, ffn_hidden_size))):
-            w = nn.Parameter(torch.empty(n_out, n_in, dtype=dtype, device=device))
-            b = nn.Parameter(torch.empty(n_out, dtype=dtype, device=device)) if bias else None
-            init_linear_params(w, b)
-            self.register_parameter(f"{pname}_weight", w)
-            self.register_parameter(f"{pname}_bias", b)
+            add_linear_params(self, f"{pname}_weight", f"{pname}_bias", n_out, n_in, bias=bias,
+                              dtype=dtype, device=device)
         self._maybe_quantize_weights()
 
     def _gemm_names(self) -> list[str]:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ...formats.base import QuantizedTensor
 from ...linear_fn import quantized_linear
-from ...modules.base import LowprecModule, check_parallel_args, init_linear_params
+from ...modules.base import LowprecModule, add_linear_params, check_parallel_args
 from ..base import BasicOperation, EmitSpec, RunContext
 from .bias import bias_forward
 
@@ -39,10 +38,8 @@ class BasicLinear(LowprecModule, BasicOperation):
         self.in_features, self.out_features = in_features, out_features
         self.parallel_mode, self.sequence_parallel = parallel_mode, sequence_parallel
         dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-        if _with_bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
-        init_linear_params(self.weight, self.bias if _with_bias else None)
+        add_linear_params(self, "weight", "bias" if _with_bias else None, out_features,
+                          in_features, bias=_with_bias, dtype=dtype, device=device)
         self._maybe_quantize_weights()
 
     # ---- what the run machinery asks of a linear -----------------------------------------
