@@ -16,8 +16,8 @@
 3. Bandwidth for a 16384x4096 bf16 input: kernel time (amax pass + quantize pass, uniforms
    given) for several settings, the full ``quantize()`` with its torch.rand draws, the
    reference path, the bf16 dequantization, against a device-to-device copy. Useful bytes =
-   input read once + uniforms read + outputs written; "moved" adds the second read of the
-   input by the amax pass.
+   input read once + uniforms read + outputs written; "moved" counts what the passes read
+   (the amax pass, the rowwise and the columnwise kernel each read the input).
 
 The last lines printed are a compact summary table.
 """
@@ -38,9 +38,23 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-QUANT_CONFIGS = [(64, 64, 4), (64, 128, 8), (128, 64, 8), (32, 64, 2), (32, 128, 4)]
-AMAX_CONFIGS = [(64, 64, 4), (64, 128, 8), (128, 64, 8)]
+ROW_CONFIGS = [(8, 16), (8, 32), (16, 16)]     # (KB, RB)
+COL_CONFIGS = [4, 2, 8]                         # KW
+FLAT_CONFIGS = [4096, 8192, 16384]              # amax elements per program
 BIG = (16384, 4096)
+
+
+def apply_config(cfg):
+    from lowprec.formats.nvfp4 import launch
+    if cfg is None:
+        return
+    kind, val = cfg
+    if kind == "row":
+        launch.CONFIG["row"].update(KB=val[0], RB=val[1])
+    elif kind == "col":
+        launch.CONFIG["col"].update(KW=val)
+    elif kind == "flat":
+        launch.CONFIG["amax"].update(FLAT=val)
 
 
 # ---- inputs ---------------------------------------------------------------------------------
@@ -157,10 +171,7 @@ def run_case(case: dict) -> dict:
     t0 = time.time()
     res = dict(case)
     try:
-        if "config" in case:
-            from lowprec.formats.nvfp4 import launch
-            launch.CONFIG["quant"].update(BM=case["config"][0], BK=case["config"][1],
-                                          num_warps=case["config"][2])
+        apply_config(case.get("config"))
         x = make_input(case["dist"], case["shape"], getattr(torch, case["dtype"]), case["seed"])
         if case.get("layout") == "transposed":
             x = x.reshape(-1, x.shape[-1]).t().contiguous().t()     # stride (1, M)
@@ -191,23 +202,6 @@ def run_group(cases):
     return [run_case(c) for c in cases]
 
 
-def warm_group(args):
-    """Compile the timing variants for one tile config (fills the shared Triton cache)."""
-    cfg, acfg = args
-    from lowprec.formats.nvfp4 import launch
-    launch.CONFIG["quant"].update(BM=cfg[0], BK=cfg[1], num_warps=cfg[2])
-    if acfg is not None:
-        launch.CONFIG["amax"].update(BM=acfg[0], BK=acfg[1], num_warps=acfg[2])
-    x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
-    r1 = torch.rand(1024, 512, device="cuda")
-    r2 = torch.rand(512, 1024, device="cuda")
-    for (row, col, rht, two_d, sr) in TIMING_VARIANTS:
-        launch.quantize_2d(x, rowwise=row, columnwise=col, with_rht=rht, two_d=two_d,
-                           rand_row=r1 if sr and row else None, rand_col=r2 if sr and col else None)
-    torch.cuda.synchronize()
-    return cfg
-
-
 # ---- the case list ----------------------------------------------------------------------------
 def build_cases(quick: bool) -> list[dict]:
     cases = []
@@ -226,7 +220,8 @@ def build_cases(quick: bool) -> list[dict]:
                 add(shape, "bfloat16", dist, rht=rht, two_d=two_d, sr=sr)
     for dtype, dists, flags in (
             ("float32", ("normal", "special", "tiny", "subnormal", "saturate"),
-             [(True, False, False), (False, True, True), (True, True, True), (False, False, False)]),
+             [(True, False, False), (False, True, True), (True, True, True),
+              (False, False, False)]),
             ("float16", ("normal", "special", "saturate"),
              [(True, False, False), (False, False, True), (False, True, False)]),
             ("bfloat16", ("tiny", "saturate"), [(True, False, True), (False, True, False)])):
@@ -253,10 +248,12 @@ def build_cases(quick: bool) -> list[dict]:
     add((2048, 6144), "float32", "special", rht=True)
     if not quick:
         add(BIG, "bfloat16", "normal", rht=True, sr=True)
-        # every tile config on the flagship setting (bit-exactness must not depend on it)
-        for cfg in QUANT_CONFIGS[1:]:
+        # every tile config (bit-exactness must not depend on it)
+        for cfg in [("row", c) for c in ROW_CONFIGS[1:]] + [("col", c) for c in COL_CONFIGS[1:]] \
+                + [("flat", c) for c in FLAT_CONFIGS[1:]]:
             add((1040, 272), "bfloat16", "special", rht=True, sr=True, config=cfg)
             add((1040, 272), "bfloat16", "special", two_d=True, config=cfg)
+            add((1000, 80), "float32", "wide", col=False, sr=True, config=cfg)
     return cases
 
 
@@ -266,6 +263,7 @@ TIMING_VARIANTS = [  # (row, col, rht, two_d, sr)
     (True, True, True, False, True),
     (True, True, False, True, False),
     (True, False, False, False, False),
+    (False, True, False, False, False),
     (False, True, True, False, True),
 ]
 
@@ -291,11 +289,14 @@ def timing(args, out: dict):
     t_copy = bench(lambda: y.copy_(x))
     copy_gbs = 2 * x.numel() * 2 / t_copy / 1e6
     rows = [("device copy (bf16 read + write)", t_copy, 4 * n, 4 * n, copy_gbs)]
+    out["_rows"] = rows          # partial results survive a failure further down
+    out["copy_gbs"] = copy_gbs
     rr = torch.rand(m, k, device="cuda")
     rc = torch.rand(k, m, device="cuda")
 
     def useful(row, col, sr, moved=False):
-        b = 2 * n * (2 if moved else 1)
+        # moved: the amax pass, the row and the column kernel each read x
+        b = 2 * n * ((1 + int(row) + int(col)) if moved else 1)
         per_dir = n // 2 + n // 16 + 4 + (4 * n if sr else 0)
         return b + per_dir * (int(row) + int(col))
 
@@ -307,44 +308,60 @@ def timing(args, out: dict):
 
     sweep = {}
     if args.sweep:
-        for cfg in QUANT_CONFIGS:
-            launch.CONFIG["quant"].update(BM=cfg[0], BK=cfg[1], num_warps=cfg[2])
-            for v in (TIMING_VARIANTS[0], TIMING_VARIANTS[2]):
-                sweep[(cfg, v)] = bench(run_variant(v))
-        for acfg in AMAX_CONFIGS:
-            launch.CONFIG["amax"].update(BM=acfg[0], BK=acfg[1], num_warps=acfg[2])
-            sweep[("amax", acfg)] = bench(run_variant(TIMING_VARIANTS[2]))
-        best = min(QUANT_CONFIGS, key=lambda c: sweep[(c, TIMING_VARIANTS[2])]
-                   + sweep[(c, TIMING_VARIANTS[0])])
-        launch.CONFIG["quant"].update(BM=best[0], BK=best[1], num_warps=best[2])
-        besta = min(AMAX_CONFIGS, key=lambda c: sweep[("amax", c)])
-        launch.CONFIG["amax"].update(BM=besta[0], BK=besta[1], num_warps=besta[2])
+        row_v = [(True, False, False, False, False), (True, False, False, False, True)]
+        col_v = [(False, True, True, False, False), (False, True, True, False, True)]
+        for c in ROW_CONFIGS:
+            apply_config(("row", c))
+            sweep[("row", c)] = [bench(run_variant(v)) for v in row_v]
+        best_r = min(ROW_CONFIGS, key=lambda c: sum(sweep[("row", c)]))
+        apply_config(("row", best_r))
+        for c in COL_CONFIGS:
+            apply_config(("col", c))
+            sweep[("col", c)] = [bench(run_variant(v)) for v in col_v]
+        best_c = min(COL_CONFIGS, key=lambda c: sum(sweep[("col", c)]))
+        apply_config(("col", best_c))
+        for c in FLAT_CONFIGS:
+            apply_config(("flat", c))
+            sweep[("flat", c)] = [bench(run_variant(row_v[0]))]
+        best_f = min(FLAT_CONFIGS, key=lambda c: sum(sweep[("flat", c)]))
+        apply_config(("flat", best_f))
         out["sweep"] = {str(kk): v for kk, v in sweep.items()}
-        out["best_quant_config"] = best
-        out["best_amax_config"] = besta
+        out["best"] = {"row": best_r, "col": best_c, "flat": best_f}
     names = {TIMING_VARIANTS[0]: "both usages, RNE",
              TIMING_VARIANTS[1]: "both usages, RHT",
              TIMING_VARIANTS[2]: "both usages, RHT + SR",
              TIMING_VARIANTS[3]: "both usages, 16x16 (2D)",
              TIMING_VARIANTS[4]: "rowwise only, RNE",
-             TIMING_VARIANTS[5]: "columnwise only, RHT + SR"}
+             TIMING_VARIANTS[5]: "columnwise only, RNE",
+             TIMING_VARIANTS[6]: "columnwise only, RHT + SR"}
     for v in TIMING_VARIANTS:
         t = bench(run_variant(v))
         row, col, rht, two_d, sr = v
         rows.append((f"kernels: {names[v]}", t, useful(row, col, sr), useful(row, col, sr, True),
                      useful(row, col, sr) / t / 1e6))
-    # amax pass alone (RHT), for the split of the time
-    amax = torch.zeros(2, dtype=torch.int32, device="cuda")
+        out.setdefault("moved_gbs", {})[names[v]] = useful(row, col, sr, True) / t / 1e6
+    # the amax pass alone (flat; RHT tiles), for the split of the time
+    ws = torch.zeros(3, dtype=torch.int32, device="cuda")
+    g1 = torch.empty(1, device="cuda")
+    g2 = torch.empty(1, device="cuda")
     ca = launch.CONFIG["amax"]
     kern = launch._kernels()._nvfp4_amax_kernel
-    grid = (launch.triton_cdiv(m, ca["BM"]) * launch.triton_cdiv(k, ca["BK"]),)
+    for rht in (False, True):
+        if rht:
+            grid = (launch.triton_cdiv(m, 64) * launch.triton_cdiv(k, 16 * ca["KW"]),)
+            even = m % 64 == 0 and k % (16 * ca["KW"]) == 0
+        else:
+            grid = (launch.triton_cdiv(m * k, ca["FLAT"]),)
+            even = (m * k) % ca["FLAT"] == 0
 
-    def amax_only():
-        amax.zero_()
-        kern[grid](x, x.stride(0), x.stride(1), m, k, amax, PLAIN=True, RHT=True, BM=ca["BM"],
-                   BK=ca["BK"], num_warps=ca["num_warps"], **launch._LAUNCH_OPTS)
-    t = bench(amax_only)
-    rows.append(("amax pass alone (plain + RHT)", t, 2 * n, 2 * n, 2 * n / t / 1e6))
+        def amax_only():
+            ws.zero_()
+            kern[grid](x, m, k, ws, g1, g2, ROW=True, COL=True, RHT=rht, KW=ca["KW"],
+                       FLAT=ca["FLAT"], EVEN=even, IDX64=launch._idx64(m, k),
+                       num_warps=ca["KW"] if rht else 4, **launch._LAUNCH_OPTS)
+        t = bench(amax_only)
+        rows.append((f"amax pass alone ({'plain + RHT' if rht else 'plain'}, incl. memset)", t,
+                     2 * n, 2 * n, 2 * n / t / 1e6))
     # full quantize() with the torch.rand draws
     q = NVFP4Quantizer(with_rht=True, stochastic_rounding=True)
     t = bench(lambda: q.quantize(x))
@@ -420,14 +437,8 @@ def main():
     ctx = mp.get_context("spawn")
     results = []
     with ctx.Pool(args.jobs) as pool:
-        warm = None
-        if args.timing and args.sweep:
-            warm = pool.map_async(warm_group, [(c, a) for c, a in
-                                               zip(QUANT_CONFIGS, AMAX_CONFIGS + [None] * 5)])
         for part in pool.imap_unordered(run_group, glist):
             results.extend(part)
-        if warm is not None:
-            warm.get()
     t_checks = time.time() - t_start
     bad = [r for r in results if not (r["exact"] and r["dequant_ok"])]
     out["cases"] = len(results)
@@ -445,13 +456,23 @@ def main():
         json.dump(out, fh, indent=1, default=str)
     if time.time() - t_start > args.budget * 0.55:
         args.sweep = False     # keep inside the time budget
-    msgs = compile_checks(out) if time.time() - t_start < args.budget * 0.7 else ["compile checks skipped (time)"]
+    if time.time() - t_start < args.budget * 0.7:
+        msgs = compile_checks(out)
+    else:
+        msgs = ["compile checks skipped (time)"]
     for mline in msgs:
         print(mline, flush=True)
 
     rows, copy_gbs = ([], None)
     if args.timing:
-        rows, copy_gbs = timing(args, out)
+        try:
+            rows, copy_gbs = timing(args, out)
+        except Exception:  # noqa: BLE001
+            out["timing_error"] = traceback.format_exc()
+            print("TIMING FAILED\n" + out["timing_error"], flush=True)
+            rows = out.get("_rows", [])
+            copy_gbs = out.get("copy_gbs") or 1.0
+    out.pop("_rows", None)
     with open(os.path.join(args.out, "check_kernels_nvfp4.json"), "w") as fh:
         json.dump(out, fh, indent=1, default=str)
 
@@ -463,16 +484,16 @@ def main():
           f"NaN blocks, dequant {out['dequant_ok']}/{out['cases']}; "
           + "; ".join(msgs))
     if "sweep" in out:
-        print("tile sweep (ms, RNE both / RHT+SR both):",
-              ", ".join(f"{c}: {out['sweep'][str((c, TIMING_VARIANTS[0]))]:.3f}/"
-                        f"{out['sweep'][str((c, TIMING_VARIANTS[2]))]:.3f}" for c in QUANT_CONFIGS),
-              "| amax:", ", ".join(f"{c}: {out['sweep'][str(('amax', c))]:.3f}"
-                                  for c in AMAX_CONFIGS),
-              f"| chosen quant {out['best_quant_config']} amax {out['best_amax_config']}")
+        print("tile sweep (ms): " + ", ".join(f"{kk}: {'/'.join(f'{t:.3f}' for t in v)}"
+                                              for kk, v in out["sweep"].items())
+              + f" | chosen {out['best']}")
     if rows:
-        print(f"{'16384x4096 bf16':44s} {'ms':>8s} {'useful MB':>10s} {'GB/s':>8s} {'% copy':>7s}")
+        print(f"{'16384x4096 bf16':46s} {'ms':>7s} {'useful MB':>9s} {'GB/s':>6s} {'%copy':>5s}"
+              f" {'moved MB':>8s} {'GB/s':>6s} {'%copy':>5s}")
         for name, t, ub, mb, gbs in rows:
-            print(f"{name:44s} {t:8.3f} {ub / 1e6:10.1f} {gbs:8.0f} {100 * gbs / copy_gbs:6.0f}%")
+            mg = mb / t / 1e6
+            print(f"{name:46s} {t:7.3f} {ub / 1e6:9.1f} {gbs:6.0f} {100 * gbs / copy_gbs:4.0f}%"
+                  f" {mb / 1e6:8.1f} {mg:6.0f} {100 * mg / copy_gbs:4.0f}%")
     print(f"total {time.time() - t_start:.0f}s")
 
 

@@ -11,10 +11,11 @@ or CUDA, where :func:`dequantize_unscaled_bf16` falls back to plain torch.
   does (rowwise on x, columnwise on the -- RHT-transformed -- transpose).
   Stochastic rounding consumes the caller's uniforms (drawn with ``torch.rand``
   in the reference's order, rowwise first), so results match the reference
-  for the same generator state. Two launches: the amax pass (global amax over
-  finite values, the RHT'd one for the columnwise side when ``with_rht``;
-  combined on device with atomics, no host sync), then the quantize pass
-  which derives the global scales from it.
+  for the same generator state. Up to three launches (plus a 12-byte memset):
+  the amax pass (global amax over finite values, of the RHT'd transpose for
+  the columnwise side when ``with_rht``, combined on device with atomics; its
+  last program writes the global scales: no host sync), then the rowwise and
+  the columnwise kernel, each reading x once.
 * :func:`dequantize_unscaled_bf16`: ``q * d`` of one stored direction as a
   bf16 matrix (exact: at most 6 significant bits and exponents well inside
   bf16's range) plus the fp32 global encode scale ``S``, for GEMM emulation
@@ -37,7 +38,7 @@ from .reference import BLOCK, SCALE_DTYPE
 # Tile shapes (see the kernels' docs; warps follow from them). Tuned on H200 with
 # benchmarks/check_kernels_nvfp4.py.
 CONFIG = {
-    "amax": {"FLAT": 4096, "KW": 4},       # flat elements per program; RHT: 64 x 16 KW tiles
+    "amax": {"FLAT": 16384, "KW": 4},       # flat elements per program; RHT: 64 x 16 KW tiles
     "row": {"KB": 8, "RB": 16},            # 16 rows x 8 blocks of 16 columns
     "col": {"KW": 4},                      # 64 rows x 16 KW columns
     "dequant": {"KB": 8, "RB": 16},
@@ -60,7 +61,12 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-# ---- quantize ---------------------------------------------------------------------------------
+def _idx64(rows: int, cols: int) -> bool:
+    """Whether element offsets (with a tile's worth of slack) may exceed int32."""
+    return (rows + 64) * (cols + 256) + (1 << 16) >= 2**31
+
+
+# ---- quantize -----------------------------------------------------------------------------------
 @torch.library.custom_op("lowprec::nvfp4_quantize", mutates_args=())
 def nvfp4_quantize(x: Tensor, rand_row: Optional[Tensor], rand_col: Optional[Tensor],
                    rowwise: bool, columnwise: bool, with_rht: bool,
@@ -98,17 +104,20 @@ def nvfp4_quantize(x: Tensor, rand_row: Optional[Tensor], rand_col: Optional[Ten
         return rdata, rscale, rglob, cdata, cscale, cglob
 
     rht = bool(with_rht and columnwise)
+    idx64 = _idx64(m, kk)
     ws = torch.zeros(3, dtype=torch.int32, device=dev)
     ca = CONFIG["amax"]
     if rht:
         grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * ca["KW"]),)
         warps = ca["KW"]
+        even = m % 64 == 0 and kk % (16 * ca["KW"]) == 0
     else:
         grid = (triton_cdiv(m * kk, ca["FLAT"]),)
         warps = 4
+        even = (m * kk) % ca["FLAT"] == 0
     k._nvfp4_amax_kernel[grid](x, m, kk, ws, rglob, cglob, ROW=bool(rowwise),
                                COL=bool(columnwise), RHT=rht, KW=ca["KW"], FLAT=ca["FLAT"],
-                               num_warps=warps, **_LAUNCH_OPTS)
+                               EVEN=even, IDX64=idx64, num_warps=warps, **_LAUNCH_OPTS)
     if rowwise:
         cr = CONFIG["row"]
         kb, rb = cr["KB"], (16 if two_d else cr["RB"])
@@ -116,15 +125,17 @@ def nvfp4_quantize(x: Tensor, rand_row: Optional[Tensor], rand_col: Optional[Ten
         k._nvfp4_row_kernel[grid](x, m, kk, rdata, rscale, rglob,
                                   rand_row if rand_row is not None else rglob,
                                   TWO_D=bool(two_d), SR=sr, VEC=16 // x.element_size(),
-                                  KB=kb, RB=rb, num_warps=max(1, kb * rb // 32),
+                                  KB=kb, RB=rb, EVEN=m % rb == 0 and (kk // BLOCK) % kb == 0,
+                                  IDX64=idx64, num_warps=max(1, kb * rb // 32),
                                   **_LAUNCH_OPTS)
     if columnwise:
         kw = CONFIG["col"]["KW"]
         grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * kw),)
         k._nvfp4_col_kernel[grid](x, m, kk, cdata, cscale, cglob,
                                   rand_col if rand_col is not None else cglob,
-                                  RHT=rht, TWO_D=bool(two_d), SR=sr, KW=kw, num_warps=kw,
-                                  **_LAUNCH_OPTS)
+                                  RHT=rht, TWO_D=bool(two_d), SR=sr, KW=kw,
+                                  EVEN=m % 64 == 0 and kk % (16 * kw) == 0, IDX64=idx64,
+                                  num_warps=kw, **_LAUNCH_OPTS)
     return rdata, rscale, rglob, cdata, cscale, cglob
 
 
@@ -172,7 +183,7 @@ def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
     return fields
 
 
-# ---- dequantize (unscaled, bf16) ------------------------------------------------------------------
+# ---- dequantize (unscaled, bf16) ----------------------------------------------------------------
 @torch.library.custom_op("lowprec::nvfp4_dequantize_unscaled_bf16", mutates_args=())
 def nvfp4_dequantize_unscaled_bf16(data: Tensor, scale: Tensor, two_d: bool) -> Tensor:
     """bf16 (R, C) ``q * d`` from packed codes (R, C/2) and E4M3 scale bytes (uint8)."""
@@ -185,8 +196,8 @@ def nvfp4_dequantize_unscaled_bf16(data: Tensor, scale: Tensor, two_d: bool) -> 
     grid = (triton_cdiv(r, cfg["RB"]) * triton_cdiv(c // BLOCK, cfg["KB"]),)
     _kernels()._nvfp4_dequant_unscaled_kernel[grid](
         data.contiguous(), scale.contiguous(), out, r, c, TWO_D=bool(two_d),
-        KB=cfg["KB"], RB=cfg["RB"], num_warps=max(1, cfg["KB"] * cfg["RB"] // 32),
-        **_LAUNCH_OPTS)
+        KB=cfg["KB"], RB=cfg["RB"], EVEN=r % cfg["RB"] == 0 and (c // BLOCK) % cfg["KB"] == 0,
+        IDX64=_idx64(r, c), num_warps=max(1, cfg["KB"] * cfg["RB"] // 32), **_LAUNCH_OPTS)
     return out
 
 

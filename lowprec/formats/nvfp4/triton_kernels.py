@@ -102,8 +102,9 @@ def _block_scale(bmax, s):
 
 @triton.jit
 def _rne_thresholds(d):
-    """Per-block thresholds t*d of nearest-even E2M1 rounding (+inf for a dead block)."""
-    dl = tl.where(d > 0.0, d, float("inf"))
+    """Per-block thresholds t*d of nearest-even E2M1 rounding (NaN for a dead block, so
+    that every comparison fails, even for an infinite element)."""
+    dl = tl.where(d > 0.0, d, float("nan"))
     return (dl * 0.25, dl * 0.75, dl * 1.25, dl * 1.75, dl * 2.5, dl * 3.5, dl * 5.0)
 
 
@@ -119,17 +120,18 @@ def _rne_codes(a, th):
 
 @triton.jit
 def _sr_prep(d):
-    """Per-block values for stochastic rounding: grid thresholds g*d (+inf for a dead
-    block), a fp64 reciprocal of d good to ~2**-43, and the positivity bound d * 2**-150."""
+    """Per-block values for stochastic rounding: grid thresholds g*d (NaN for a dead
+    block: every comparison fails), a fp64 reciprocal of d good to ~2**-43, and the
+    positivity bound d * 2**-150 (NaN for a dead block)."""
     live = d > 0.0
-    dl = tl.where(live, d, float("inf"))
+    dl = tl.where(live, d, float("nan"))
     ds = tl.where(live, d, 1.0)
     r0 = tl.math.fdiv(tl.full(d.shape, 1.0, tl.float32), ds)   # approximate
     d64 = ds.to(tl.float64)
     r = r0.to(tl.float64)
     r = r + r * (1.0 - d64 * r)                                 # one Newton step in fp64
     pos = tl.where(live, d64 * tl.full(d.shape, TWO_M150, tl.float64),
-                   tl.full(d.shape, float("inf"), tl.float64))
+                   tl.full(d.shape, float("nan"), tl.float64))
     return (dl * 0.5, dl, dl * 1.5, dl * 2.0, dl * 3.0, dl * 4.0, dl * 6.0, r, pos)
 
 
@@ -183,7 +185,33 @@ def _e2m1_decode(c):
     return tl.where((c & 8) != 0, mag * -1.0, mag)
 
 
-# ---- 16 slices and the RHT ------------------------------------------------------------------
+# ---- memory helpers: mask-free when the tile divides the tensor (EVEN), 32-bit offsets
+# when every offset fits (not IDX64) -----------------------------------------------------------
+@triton.jit
+def _ld(ptr, mask, other, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=other)
+
+
+@triton.jit
+def _st(ptr, val, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr, val)
+    else:
+        tl.store(ptr, val, mask=mask)
+
+
+@triton.jit
+def _wide(i, IDX64: tl.constexpr):
+    if IDX64:
+        return i.to(tl.int64)
+    else:
+        return i
+
+
+# ---- 16 slices and the RHT ----------------------------------------------------------------------
 @triton.jit
 def _split_last16(t):
     """(A, B, C, D, 16) -> tuple of the 16 tensors t[..., i] (A, B, C, D) (in-register)."""
@@ -221,9 +249,9 @@ def _bfly_stage(t, h: tl.constexpr):
 
 
 @triton.jit
-def _rht(xs):
-    """rht.rht_forward across 16 slices: signs (mask 0xD7E8, multiplied by -1 as the
-    reference does), butterflies at strides 8, 4, 2, 1, then * 0.25."""
+def _rht_unscaled(xs):
+    """rht.rht_forward across 16 slices before its final * 0.25: signs (mask 0xD7E8,
+    multiplied by -1 as the reference does), butterflies at strides 8, 4, 2, 1."""
     t = ()
     for i in tl.static_range(16):
         if ((0xD7E8 >> i) & 1) == 1:
@@ -233,7 +261,13 @@ def _rht(xs):
     t = _bfly_stage(t, 8)
     t = _bfly_stage(t, 4)
     t = _bfly_stage(t, 2)
-    t = _bfly_stage(t, 1)
+    return _bfly_stage(t, 1)
+
+
+@triton.jit
+def _rht(xs):
+    """rht.rht_forward across 16 slices (see _rht_unscaled), then * 0.25."""
+    t = _rht_unscaled(xs)
     out = ()
     for i in tl.static_range(16):
         out = out + (t[i] * 0.25,)
@@ -254,18 +288,27 @@ def _col_tile_index(m0, k0, KW: tl.constexpr):
 
 
 @triton.jit
-def _load_col_tile(x_ptr, M, K, m0, k0, KW: tl.constexpr):
+def _load_col_tile(x_ptr, M, K, m0, k0, KW: tl.constexpr, EVEN: tl.constexpr,
+                   IDX64: tl.constexpr):
     """The 16 row slices (8, 4, KW, 2) fp32 of a column tile of the contiguous (M, K) x."""
     rows, cols = _col_tile_index(m0, k0, KW)
-    v = tl.load(x_ptr + rows.to(tl.int64) * K + cols, mask=(rows < M) & (cols < K), other=0.0)
+    v = _ld(x_ptr + _wide(rows, IDX64) * K + cols, (rows < M) & (cols < K), 0.0, EVEN)
     return _split_last16(v.to(tl.float32))
 
 
-# ---- pass 1: global amax(es) and the global scales --------------------------------------------
+@triton.jit
+def _tile_max(m):
+    """Max of all elements of a tile (order is irrelevant for a max)."""
+    n: tl.constexpr = m.numel
+    return tl.max(tl.reshape(m, (n,), can_reorder=True), axis=0)
+
+
+# ---- pass 1: global amax(es) and the global scales ----------------------------------------------
 @triton.jit
 def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
                        ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
-                       KW: tl.constexpr, FLAT: tl.constexpr):
+                       KW: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr,
+                       IDX64: tl.constexpr):
     """ws_ptr int32[3] zeroed: [0] finite amax of x, [1] finite amax of RHT(x^T) (fp32
     bits), [2] ticket counter. The last program writes S into rglob / cglob.
 
@@ -274,22 +317,23 @@ def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
     pid = tl.program_id(0)
     if RHT:
         nk = tl.cdiv(K, 16 * KW)
-        sl = _load_col_tile(x_ptr, M, K, (pid // nk) * 64, (pid % nk) * 16 * KW, KW)
+        sl = _load_col_tile(x_ptr, M, K, (pid // nk) * 64, (pid % nk) * 16 * KW, KW, EVEN,
+                            IDX64)
         if ROW:
             m = _finite_max(tl.abs(sl[0]))
             for i in tl.static_range(1, 16):
                 m = tl.maximum(m, _finite_max(tl.abs(sl[i])))
-            am = tl.max(tl.max(tl.max(tl.max(m, axis=3), axis=2), axis=1), axis=0)
-            tl.atomic_max(ws_ptr, am.to(tl.int32, bitcast=True))
-        y = _rht(sl)
+            tl.atomic_max(ws_ptr, _tile_max(m).to(tl.int32, bitcast=True))
+        # max over the butterflies before their * 0.25: RN(0.25 y) is monotone in y and
+        # finite exactly when y is, so the max of the scaled values is the scaled max
+        y = _rht_unscaled(sl)
         m = _finite_max(tl.abs(y[0]))
         for i in tl.static_range(1, 16):
             m = tl.maximum(m, _finite_max(tl.abs(y[i])))
-        am = tl.max(tl.max(tl.max(tl.max(m, axis=3), axis=2), axis=1), axis=0)
-        tl.atomic_max(ws_ptr + 1, am.to(tl.int32, bitcast=True))
+        tl.atomic_max(ws_ptr + 1, (_tile_max(m) * 0.25).to(tl.int32, bitcast=True))
     else:
-        offs = pid.to(tl.int64) * FLAT + tl.arange(0, FLAT)
-        v = tl.load(x_ptr + offs, mask=offs < M.to(tl.int64) * K, other=0.0).to(tl.float32)
+        offs = _wide(pid, IDX64) * FLAT + tl.arange(0, FLAT)
+        v = _ld(x_ptr + offs, offs < _wide(M, IDX64) * K, 0.0, EVEN).to(tl.float32)
         am = tl.max(_finite_max(tl.abs(v)), axis=0)
         tl.atomic_max(ws_ptr, am.to(tl.int32, bitcast=True))
     ticket = tl.atomic_add(ws_ptr + 2, 1)
@@ -306,11 +350,12 @@ def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
                 tl.store(cglob_ptr, _global_scale(a_plain))
 
 
-# ---- pass 2a: rowwise -------------------------------------------------------------------------------
+# ---- pass 2a: rowwise ---------------------------------------------------------------------------
 @triton.jit
 def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
                       TWO_D: tl.constexpr, SR: tl.constexpr, VEC: tl.constexpr,
-                      KB: tl.constexpr, RB: tl.constexpr):
+                      KB: tl.constexpr, RB: tl.constexpr, EVEN: tl.constexpr,
+                      IDX64: tl.constexpr):
     """Rowwise NVFP4 of x (M, K): data (M, K/2) u8, scales (M, K/16) or (M/16, K/16) u8
     (E4M3 bytes), S read from glob; rand (M, K) fp32 uniforms when SR.
 
@@ -337,23 +382,23 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
     h4 = tl.arange(0, H)[None, None, :, None]
     c4 = tl.arange(0, VEC)[None, None, None, :]
     mask4 = (r4 < M) & (b4 < K16)
-    x = tl.load(x_ptr + r4.to(tl.int64) * K + b4 * 16 + h4 * VEC + c4, mask=mask4,
-                other=0.0).to(tl.float32)
+    x = _ld(x_ptr + _wide(r4, IDX64) * K + b4 * 16 + h4 * VEC + c4, mask4, 0.0,
+            EVEN).to(tl.float32)
     # block max |x|, NaN-propagating (inf/NaN mark a bad block)
     bm = tl.reduce(tl.reduce(tl.abs(x), 3, _max_nan), 2, _max_nan)        # (X, Y)
     if TWO_D:
         bm = tl.reduce(bm, 0, _max_nan)                                     # (KB,)
         sc, d = _block_scale(bm, s)
         srow = m0 // 16
-        tl.store(scale_ptr + srow.to(tl.int64) * K16 + kb0 + tl.arange(0, KB), sc.to(tl.uint8),
-                 mask=(srow < M // 16) & (kb0 + tl.arange(0, KB) < K16))
+        _st(scale_ptr + _wide(srow, IDX64) * K16 + kb0 + tl.arange(0, KB), sc.to(tl.uint8),
+            (srow < M // 16) & (kb0 + tl.arange(0, KB) < K16), EVEN)
         dd = d[None, :, None, None]
     else:
         sc, d = _block_scale(bm, s)
         r2 = m0 + tl.arange(0, RB)[None, :]
         b2 = kb0 + tl.arange(0, KB)[:, None]
-        tl.store(scale_ptr + r2.to(tl.int64) * K16 + b2, sc.to(tl.uint8),
-                 mask=(r2 < M) & (b2 < K16))
+        _st(scale_ptr + _wide(r2, IDX64) * K16 + b2, sc.to(tl.uint8), (r2 < M) & (b2 < K16),
+            EVEN)
         dd = d[:, :, None, None]
     n = x * s
     a = tl.abs(n)
@@ -362,9 +407,9 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
         V4: tl.constexpr = 4 if VEC > 4 else VEC
         c5 = tl.arange(0, V4)[None, None, None, None, :]
         q5 = tl.arange(0, VEC // V4)[None, None, None, :, None]
-        rp = rand_ptr + r4[:, :, :, :, None].to(tl.int64) * K + b4[:, :, :, :, None] * 16 \
+        rp = rand_ptr + _wide(r4[:, :, :, :, None], IDX64) * K + b4[:, :, :, :, None] * 16 \
             + h4[:, :, :, :, None] * VEC + q5 * V4 + c5
-        rnd = tl.load(rp, mask=mask4[:, :, :, :, None], other=1.0)
+        rnd = _ld(rp, mask4[:, :, :, :, None], 1.0, EVEN)
         rnd = tl.reshape(rnd, x.shape)
         code = _sr_codes(a, _sr_prep(dd), rnd)
     else:
@@ -375,15 +420,14 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
     lo, hi = tl.split(tl.reshape(code, (X, Y, 8, 2)))
     packed = (lo | (hi << 4)).to(tl.uint8)                                  # (X, Y, 8)
     j3 = tl.arange(0, 8)[None, None, :]
-    tl.store(data_ptr + r3.to(tl.int64) * K2 + b3 * 8 + j3, packed,
-             mask=(r3 < M) & (b3 < K16))
+    _st(data_ptr + _wide(r3, IDX64) * K2 + b3 * 8 + j3, packed, (r3 < M) & (b3 < K16), EVEN)
 
 
-# ---- pass 2b: columnwise ----------------------------------------------------------------------------
+# ---- pass 2b: columnwise ------------------------------------------------------------------------
 @triton.jit
 def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
                       RHT: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
-                      KW: tl.constexpr):
+                      KW: tl.constexpr, EVEN: tl.constexpr, IDX64: tl.constexpr):
     """Columnwise NVFP4 of x (M, K): the rowwise quantization of x^T (RHT'd along M when
     RHT). data (K, M/2) u8, scales (K, M/16) or (K/16, M/16) u8, S from glob; rand (K, M)
     fp32 uniforms when SR. Tile: 64 rows x 16 KW columns (see _col_tile_index); each
@@ -395,7 +439,7 @@ def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
     s = tl.load(glob_ptr)
     M2 = M // 2
     M16 = M // 16
-    ys = _load_col_tile(x_ptr, M, K, m0, k0, KW)
+    ys = _load_col_tile(x_ptr, M, K, m0, k0, KW, EVEN, IDX64)
     if RHT:
         ys = _rht(ys)
     # per-column block max (NaN-propagating) across the 16 rows
@@ -413,13 +457,13 @@ def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
         sc, d = _block_scale(bm2, s)
         okb = k0 // 16 + tl.arange(0, KW)[None, :]
         og = m0 // 16 + tl.arange(0, 4)[:, None]
-        tl.store(scale_ptr + okb.to(tl.int64) * M16 + og, sc.to(tl.uint8),
-                 mask=(okb < K // 16) & (og < M16))
+        _st(scale_ptr + _wide(okb, IDX64) * M16 + og, sc.to(tl.uint8),
+            (okb < K // 16) & (og < M16), EVEN)
         dd = d[None, :, :, None]
     else:
         sc, dd = _block_scale(bm, s)
-        tl.store(scale_ptr + col.to(tl.int64) * M16 + grp, sc.to(tl.uint8),
-                 mask=(col < K) & (grp < M16))
+        _st(scale_ptr + _wide(col, IDX64) * M16 + grp, sc.to(tl.uint8),
+            (col < K) & (grp < M16), EVEN)
     if SR:
         # uniforms (K, M): each thread's 2 columns x 16 rows, four 16-byte loads per column
         kp6 = tl.arange(0, 8)[:, None, None, None, None, None]
@@ -430,8 +474,7 @@ def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
         i6 = tl.arange(0, 4)[None, None, None, None, None, :]
         col6 = k0 + kw6 * 16 + kp6 * 2 + p6
         row6 = m0 + g6 * 16 + q6 * 4 + i6
-        rnd = tl.load(rand_ptr + col6.to(tl.int64) * M + row6,
-                      mask=(col6 < K) & (row6 < M), other=1.0)
+        rnd = _ld(rand_ptr + _wide(col6, IDX64) * M + row6, (col6 < K) & (row6 < M), 1.0, EVEN)
         rs = _split_last16(tl.reshape(rnd, (8, 4, KW, 2, 16)))
         prep = _sr_prep(dd)
     else:
@@ -453,14 +496,15 @@ def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
                    (8, 4, KW, 2, 8)).to(tl.uint8)       # nested joins index 4 c0 + 2 c1 + c2
     jj5 = tl.arange(0, 8)[None, None, None, None, :]
     col5 = col[:, :, :, :, None]
-    tl.store(data_ptr + col5.to(tl.int64) * M2 + grp[:, :, :, :, None] * 8 + jj5, w,
-             mask=(col5 < K) & (grp[:, :, :, :, None] < M16))
+    _st(data_ptr + _wide(col5, IDX64) * M2 + grp[:, :, :, :, None] * 8 + jj5, w,
+        (col5 < K) & (grp[:, :, :, :, None] < M16), EVEN)
 
 
-# ---- dequantize to bf16 (q * d, no global scale) ----------------------------------------------------
+# ---- dequantize to bf16 (q * d, no global scale) ------------------------------------------------
 @triton.jit
 def _nvfp4_dequant_unscaled_kernel(data_ptr, scale_ptr, out_ptr, R, C,
-                                   TWO_D: tl.constexpr, KB: tl.constexpr, RB: tl.constexpr):
+                                   TWO_D: tl.constexpr, KB: tl.constexpr, RB: tl.constexpr,
+                                   EVEN: tl.constexpr, IDX64: tl.constexpr):
     """out (R, C) bf16 = q * d (exact in bf16) from data (R, C/2) u8 and E4M3 scale bytes.
     Each thread owns one 1x16 block: 8 bytes in, two 16-byte vectors out."""
     pid = tl.program_id(0)
@@ -472,12 +516,12 @@ def _nvfp4_dequant_unscaled_kernel(data_ptr, scale_ptr, out_ptr, R, C,
     r3 = r0 + tl.arange(0, RB)[None, :, None]
     j3 = tl.arange(0, 8)[None, None, :]
     m3 = (r3 < R) & (b3 < C16)
-    byte = tl.load(data_ptr + r3.to(tl.int64) * (C // 2) + b3 * 8 + j3, mask=m3,
-                   other=0).to(tl.int32)                                    # (KB, RB, 8)
+    byte = _ld(data_ptr + _wide(r3, IDX64) * (C // 2) + b3 * 8 + j3, m3, 0,
+               EVEN).to(tl.int32)                                           # (KB, RB, 8)
     if TWO_D:
-        sb = tl.load(scale_ptr + (r3 // 16).to(tl.int64) * C16 + b3, mask=m3, other=0)
+        sb = _ld(scale_ptr + _wide(r3 // 16, IDX64) * C16 + b3, m3, 0, EVEN)
     else:
-        sb = tl.load(scale_ptr + r3.to(tl.int64) * C16 + b3, mask=m3, other=0)
+        sb = _ld(scale_ptr + _wide(r3, IDX64) * C16 + b3, m3, 0, EVEN)
     d = _e4m3_decode(sb.to(tl.int32))
     lo = (_e2m1_decode(byte & 15) * d).to(tl.bfloat16)
     hi = (_e2m1_decode(byte >> 4) * d).to(tl.bfloat16)
@@ -486,5 +530,5 @@ def _nvfp4_dequant_unscaled_kernel(data_ptr, scale_ptr, out_ptr, R, C,
     r4 = r3[:, :, :, None]
     h4 = tl.arange(0, 2)[None, None, :, None]
     c4 = tl.arange(0, 8)[None, None, None, :]
-    tl.store(out_ptr + r4.to(tl.int64) * C + b4 * 16 + h4 * 8 + c4, out,
-             mask=(r4 < R) & (b4 < C16))
+    _st(out_ptr + _wide(r4, IDX64) * C + b4 * 16 + h4 * 8 + c4, out, (r4 < R) & (b4 < C16),
+        EVEN)
