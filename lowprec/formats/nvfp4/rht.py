@@ -11,8 +11,8 @@ orthogonal (``R @ R.T == I``), so the transform cancels in a GEMM whose two
 operands both carry it along the contraction dimension.
 
 The sign vector is fixed by :data:`RHT_SIGN_MASK` = ``0xD7E8``: bit ``i`` set
-means ``s[i] = -1``. It is the same vector Transformer Engine documents for
-its NVFP4 wgrad RHT: ``(1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)``.
+means ``s[i] = -1``, i.e.
+``(1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)``.
 
 Numerics (fp32, the product's definition; kernels must match bit for bit):
 forward = sign multiply, then four butterfly stages ``(a, b) -> (a + b, a - b)``
