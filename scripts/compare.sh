@@ -3,9 +3,5 @@
 # Extra arguments go to the command, e.g. `bash scripts/compare.sh --recipes bf16,mxfp8 --steps 60`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-. .venv/bin/activate
-python -m pip install -q --upgrade pip
-python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[compare]"
+. scripts/setup_venv.sh compare
 lowprec compare "$@"
