@@ -16,6 +16,7 @@ import torch
 from .formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                       MXFP8Quantizer, NVFP4Quantizer, Quantizer)
 from .formats.casting import FP8_MAX
+from .kernels import use_kernels
 from .recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                      MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
 from .roles import QuantizerRole
@@ -101,9 +102,16 @@ class DelayedScalingState:
         if group is not None and self.recipe.reduce_amax:
             current = current.clone()
             torch.distributed.all_reduce(current, op=torch.distributed.ReduceOp.MAX, group=group)
+        algo = self.recipe.amax_compute_algo
+        if self._update_with_kernel(algo):
+            if current is not self.amax_current:
+                self.amax_current.copy_(current)
+            from .formats.float8.launch import fp8_delayed_update
+            fp8_delayed_update(self.amax_history, self.amax_current, self.scale, self.fp8_max,
+                               self._inv_margin(), algo == "most_recent")
+            return
         self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=0))
         self.amax_history[0].copy_(current)
-        algo = self.recipe.amax_compute_algo
         if algo == "max":
             amax = self.amax_history.amax(dim=0)
             # amax() ignores NaN on some backends; a NaN in the history must keep the scale.
@@ -118,6 +126,18 @@ class DelayedScalingState:
         ok = torch.isfinite(amax) & (amax > 0)
         self.scale.copy_(torch.where(ok, new, self.scale))
         self.amax_current.zero_()
+
+    def _update_with_kernel(self, algo) -> bool:
+        from .formats.float8.launch import UPDATE_MAX_HISTORY
+        return (algo in ("max", "most_recent") and use_kernels(self.scale)
+                and self.amax_history.shape[0] <= UPDATE_MAX_HISTORY
+                and self.amax_history.is_contiguous())
+
+    def _inv_margin(self) -> float:
+        # What torch's ``t / (2.0 ** margin)`` multiplies by: the fp32 reciprocal of the
+        # fp32-rounded divisor.
+        div = torch.tensor(2.0 ** self.recipe.margin, dtype=torch.float32)
+        return float(torch.ones((), dtype=torch.float32) / div)
 
     def state_dict(self) -> dict:
         return {"scale": self.scale.clone(), "amax_history": self.amax_history.clone()}

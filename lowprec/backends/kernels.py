@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..formats.casting import E8M0_BIAS, E8M0_NAN, e2m1_codes_to_float, exp2_int, unpack_e2m1
-from ..kernels import use_kernels
+from ..kernels import kernel_op, use_kernels
 
 _MX_BLOCK = 32
 _NV_BLOCK = 16
@@ -61,7 +61,7 @@ def scale_bias_epilogue_torch(acc, div_a, div_b, bias, out_dtype):
 
 
 # ---- Triton launchers as custom ops -------------------------------------------------------
-@torch.library.custom_op("lowprec_gemm::mxfp8_dequant_bf16", mutates_args=())
+@kernel_op("lowprec_gemm::mxfp8_dequant_bf16", mutates_args=())
 def _mxfp8_dequant_op(data: torch.Tensor, scale: torch.Tensor, block_rows: int) -> torch.Tensor:
     from ._triton_kernels import mxfp8_dequant_bf16_kernel
 
@@ -81,7 +81,7 @@ def _(data, scale, block_rows):
     return data.new_empty(data.shape, dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("lowprec_gemm::scale_bias_epilogue", mutates_args=())
+@kernel_op("lowprec_gemm::scale_bias_epilogue", mutates_args=())
 def _epilogue_op(acc: torch.Tensor, div_a: Optional[torch.Tensor], div_b: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     from ._triton_kernels import scale_bias_epilogue_kernel

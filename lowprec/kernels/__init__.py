@@ -43,3 +43,38 @@ class reference_only:
         global _enabled
         _enabled = self._saved
         return False
+
+
+def _tracing(args) -> bool:
+    """True when a call must go through the dispatcher: torch.compile/export tracing, an
+    active dispatch mode (fake tensors, functionalization) or a tensor subclass argument."""
+    if torch.compiler.is_compiling():
+        return True
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    if _get_current_dispatch_mode() is not None:
+        return True
+    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def kernel_op(name: str, *, mutates_args=()):
+    """``torch.library.custom_op`` for a kernel launcher that eager calls skip.
+
+    The returned callable runs the launcher directly in eager mode: going through the
+    dispatcher costs far more host time (about 0.1 ms a call) than the launch itself, and
+    small steps are bound by that. Under tracing (see ``_tracing``) it calls the registered
+    op, so ``torch.compile(fullgraph=True)`` still sees one opaque op with its fake. ``.op``
+    is the custom op; ``.register_fake`` registers its fake implementation.
+    """
+    def wrap(fn):
+        op = torch.library.custom_op(name, fn, mutates_args=mutates_args)
+
+        @functools.wraps(fn)
+        def call(*args):
+            return op(*args) if _tracing(args) else fn(*args)
+        call.op = op
+        call.register_fake = op.register_fake
+        return call
+    return wrap

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import kernel_op
+
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
                              launches, triton_cdiv)
 from .reference import BLOCK
@@ -45,7 +47,7 @@ def _empty_outputs(x, dim, rowwise, columnwise):
             x.new_empty(cq, dtype=torch.uint8), x.new_empty(cs, dtype=torch.float32))
 
 
-@torch.library.custom_op("lowprec::fp8_block_quantize", mutates_args=())
+@kernel_op("lowprec::fp8_block_quantize", mutates_args=())
 def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2: bool,
                        eps: float, rowwise: bool, columnwise: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

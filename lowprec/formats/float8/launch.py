@@ -23,6 +23,8 @@ import functools
 
 import torch
 
+from ...kernels import kernel_op
+
 # fp8 dtype -> (mantissa bits, exponent bias, fp32 bits of the max finite value, max)
 FP8_PARAMS = {
     torch.float8_e4m3fn: (3, 7, 0x43E00000, 448.0),
@@ -122,7 +124,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 # ---- current scaling ----------------------------------------------------------------------
-@torch.library.custom_op("lowprec::fp8_current_quantize", mutates_args=())
+@kernel_op("lowprec::fp8_current_quantize", mutates_args=())
 def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, rowwise: bool,
                          columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .triton_kernels import cast_kernel
@@ -149,7 +151,7 @@ def _(x, e5m2, pow2, eps, rowwise, columnwise):
 
 
 # ---- delayed scaling ----------------------------------------------------------------------
-@torch.library.custom_op("lowprec::fp8_delayed_quantize", mutates_args=("amax",))
+@kernel_op("lowprec::fp8_delayed_quantize", mutates_args=("amax",))
 def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, e5m2: bool,
                          rowwise: bool, columnwise: bool
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -214,3 +216,32 @@ def quantize_delayed(quantizer, x2d: torch.Tensor) -> dict:
     if not direct:
         target.copy_(amax.reshape(target.shape))
     return _fields(quantizer, row, col, scale_out)
+
+
+# ---- delayed-scaling state update ---------------------------------------------------------
+#: Longest amax history the one-launch update handles (the whole history sits in registers).
+UPDATE_MAX_HISTORY = 4096
+
+
+@kernel_op("lowprec::fp8_delayed_update", mutates_args=("history", "current", "scale"))
+def fp8_delayed_update(history: torch.Tensor, current: torch.Tensor, scale: torch.Tensor,
+                       fp8_max: torch.Tensor, inv_margin: float, most_recent: bool) -> None:
+    """Roll ``history`` (H, N), push ``current``, recompute ``scale`` and zero ``current``,
+    in one launch (see ``delayed_update_kernel``)."""
+    from .triton_kernels import delayed_update_kernel
+    h, n = history.shape
+    bh = 1
+    while bh < max(h - 1, 1):
+        bh *= 2
+    bn = 1
+    while bn < n and bn * bh < 8192:
+        bn *= 2
+    with device_guard(history.device):
+        delayed_update_kernel[(triton_cdiv(n, bn),)](
+            history, current, scale, fp8_max, h, n, inv_margin, MOST_RECENT=most_recent,
+            BH=bh, BN=bn, num_warps=4)
+
+
+@fp8_delayed_update.register_fake
+def _(history, current, scale, fp8_max, inv_margin, most_recent):
+    return None

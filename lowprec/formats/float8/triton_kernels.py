@@ -192,3 +192,35 @@ def delayed_finish_kernel(amax_bits_ptr, scale_in_ptr, scale_out_ptr, amax_out_p
                 tl.store(row_ptr + offs, nan, mask=offs < N)
             if COLWISE:
                 tl.store(col_ptr + offs, nan, mask=offs < N)
+
+
+@triton.jit
+def delayed_update_kernel(hist_ptr, cur_ptr, scale_ptr, fmax_ptr, H, N, inv_margin,
+                          MOST_RECENT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+    """DelayedScalingState.update for ``max``/``most_recent`` in one launch (columns split
+    over programs): history (H, N) rolls down one row, row 0 becomes ``cur``, the new scale
+    is ``fmax / amax * inv_margin`` where amax is finite and > 0 (NaN anywhere in the history
+    gives NaN, so the scale is kept), and ``cur`` is zeroed."""
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    cmask = cols < N
+    rows = tl.arange(0, BH)
+    keep = (rows < H - 1)[:, None] & cmask[None, :]
+    old = tl.load(hist_ptr + rows[:, None] * N + cols[None, :], mask=keep, other=float("-inf"))
+    cur = tl.load(cur_ptr + cols, mask=cmask, other=0.0)
+    # Every thread must have read its rows before any thread overwrites them.
+    tl.debug_barrier()
+    tl.store(hist_ptr + (rows[:, None] + 1) * N + cols[None, :], old, mask=keep)
+    tl.store(hist_ptr + cols, cur, mask=cmask)
+    tl.store(cur_ptr + cols, tl.zeros_like(cur), mask=cmask)
+    if MOST_RECENT:
+        amax = cur
+    else:
+        has_nan = (tl.sum((old != old).to(tl.int32), 0) > 0) | (cur != cur)
+        amax = tl.maximum(tl.max(tl.where(old != old, float("-inf"), old), 0),
+                          tl.where(cur != cur, float("-inf"), cur))
+        amax = tl.where(has_nan, float("nan"), amax)
+    fmax = tl.load(fmax_ptr + cols, mask=cmask, other=1.0)
+    new = tl.math.div_rn(fmax, amax) * inv_margin
+    ok = (amax == amax) & (tl.abs(amax) != float("inf")) & (amax > 0)
+    old_scale = tl.load(scale_ptr + cols, mask=cmask, other=1.0)
+    tl.store(scale_ptr + cols, tl.where(ok, new, old_scale), mask=cmask)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import kernel_op
+
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
                              launches, triton_cdiv)
 from .reference import BLOCK
@@ -39,7 +41,7 @@ def _empty_outputs(x, two_d, rowwise, columnwise):
             x.new_empty((k // per, m // BLOCK) if columnwise else (0,), dtype=u8))
 
 
-@torch.library.custom_op("lowprec::mxfp8_quantize", mutates_args=())
+@kernel_op("lowprec::mxfp8_quantize", mutates_args=())
 def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, columnwise: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .triton_kernels import mxfp8_quant_kernel

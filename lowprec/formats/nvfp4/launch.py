@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...kernels import use_kernels
+from ...kernels import kernel_op, use_kernels
 from ..casting import e2m1_codes_to_float, unpack_e2m1
 from .reference import BLOCK, SCALE_DTYPE
 
@@ -67,7 +67,7 @@ def _idx64(rows: int, cols: int) -> bool:
 
 
 # ---- quantize -----------------------------------------------------------------------------------
-@torch.library.custom_op("lowprec::nvfp4_quantize", mutates_args=())
+@kernel_op("lowprec::nvfp4_quantize", mutates_args=())
 def nvfp4_quantize(x: Tensor, rand_row: Optional[Tensor], rand_col: Optional[Tensor],
                    rowwise: bool, columnwise: bool, with_rht: bool,
                    two_d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -171,7 +171,7 @@ def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
     ``rand_row`` (M, K) / ``rand_col`` (K, M): fp32 uniforms for stochastic
     rounding (both ``None``: nearest-even).
     """
-    rdata, rscale, rglob, cdata, cscale, cglob = torch.ops.lowprec.nvfp4_quantize(
+    rdata, rscale, rglob, cdata, cscale, cglob = nvfp4_quantize(
         x2d, rand_row, rand_col, bool(rowwise), bool(columnwise), bool(with_rht), bool(two_d))
     fields: dict = {}
     if rowwise:
@@ -184,7 +184,7 @@ def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
 
 
 # ---- dequantize (unscaled, bf16) ----------------------------------------------------------------
-@torch.library.custom_op("lowprec::nvfp4_dequantize_unscaled_bf16", mutates_args=())
+@kernel_op("lowprec::nvfp4_dequantize_unscaled_bf16", mutates_args=())
 def nvfp4_dequantize_unscaled_bf16(data: Tensor, scale: Tensor, two_d: bool) -> Tensor:
     """bf16 (R, C) ``q * d`` from packed codes (R, C/2) and E4M3 scale bytes (uint8)."""
     r, c2 = data.shape
@@ -235,8 +235,7 @@ def dequantize_unscaled_bf16(qt, usage: str = "rowwise") -> tuple[Tensor, Tensor
     s = getattr(qt, f"{usage}_global")
     two_d = bool(qt.with_2d_quantization)
     if use_kernels(data):
-        out = torch.ops.lowprec.nvfp4_dequantize_unscaled_bf16(data, scale.view(torch.uint8),
-                                                               two_d)
+        out = nvfp4_dequantize_unscaled_bf16(data, scale.view(torch.uint8), two_d)
     else:
         out = _dequantize_unscaled_torch(data, scale, two_d)
     return out, s

@@ -1,0 +1,80 @@
+"""Where one Linear fwd+bwd step spends its time: host (Python) and device (kernels).
+
+For each recipe on one shape: the host time to issue a step (no sync), the GPU time of a
+step (CUDA events), the top Python functions by own time (cProfile over ``--steps`` steps)
+and the CUDA kernels of one step (torch.profiler), so launch overhead and slow kernels can
+be told apart.
+
+    python benchmarks/profile_step.py [--shape 16384x4096x4096] [--recipes current,delayed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lowprec  # noqa: E402
+from bench_linear import RECIPES, lowprec_step, parse_shape  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="16384x4096x4096")
+    ap.add_argument("--recipes", default="current,delayed,block,mxfp8,nvfp4")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    m, k, n = parse_shape(args.shape)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    for r in args.recipes.split(","):
+        mod = lowprec.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        step = lowprec_step(mod, RECIPES[r]())
+        for _ in range(5):
+            step(x, dy)
+        torch.cuda.synchronize()
+        # host: issue time per step while the GPU queue is not full (sync each step)
+        host = []
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(x, dy)
+            host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(args.steps):
+            step(x, dy)
+        e.record()
+        torch.cuda.synchronize()
+        host.sort()
+        print(f"\n##### {r}: host {1e3 * host[len(host) // 2]:.3f} ms/step, "
+              f"GPU {s.elapsed_time(e) / args.steps:.3f} ms/step (back to back)")
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(args.steps):
+            step(x, dy)
+        pr.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(args.top)
+        print("\n".join(line[:160] for line in buf.getvalue().splitlines()[4:]))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step(x, dy)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()

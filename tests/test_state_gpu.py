@@ -1,0 +1,88 @@
+"""The one-launch delayed-scaling update kernel against the torch update (GPU only).
+
+Both paths start from the same random state (histories with zeros, NaN, Inf and huge and
+tiny values) and must leave bit-identical scales, histories and zeroed current amaxes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec.kernels
+from lowprec.kernels import reference_only
+from lowprec.recipe import DelayedScaling
+from lowprec.state import DelayedScalingState
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not lowprec.kernels.triton_available(),
+                       reason="needs a CUDA device and Triton"),
+]
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _random_state(recipe, n, gen):
+    dtypes = [E4 if i % 2 == 0 else E5 for i in range(n)]
+    st = DelayedScalingState(recipe, n, dtypes, torch.device("cuda"))
+    h = recipe.amax_history_len
+    hist = torch.rand(h, n, generator=gen) * 10.0 ** torch.randint(-40, 38, (h, n), generator=gen)
+    special = torch.rand(h, n, generator=gen)
+    hist[special < 0.05] = 0.0
+    hist[(special > 0.05) & (special < 0.07)] = float("nan")
+    hist[(special > 0.07) & (special < 0.08)] = float("inf")
+    cur = torch.rand(n, generator=gen) * 10.0 ** torch.randint(-40, 38, (n,), generator=gen)
+    cur[torch.rand(n, generator=gen) < 0.2] = 0.0
+    st.amax_history.copy_(hist)
+    st.amax_current.copy_(cur)
+    st.scale.copy_(torch.rand(n, generator=gen) + 0.5)
+    st.pending = True
+    return st
+
+
+def _same(a, b):
+    assert torch.equal(torch.isnan(a), torch.isnan(b))
+    assert torch.equal(torch.nan_to_num(a, nan=0.0).view(torch.int32),
+                       torch.nan_to_num(b, nan=0.0).view(torch.int32))
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("hist_len", [1, 2, 16, 1024, 4096])
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 33])
+@pytest.mark.parametrize("margin", [0, 1, 0.5, 3.7])
+def test_update_kernel_matches_torch(algo, hist_len, n, margin):
+    recipe = DelayedScaling(margin=margin, amax_history_len=hist_len, amax_compute_algo=algo)
+    seed = hash((algo, hist_len, n, margin)) % 2 ** 31
+    for step in range(3):
+        a = _random_state(recipe, n, torch.Generator().manual_seed(seed + step))
+        b = _random_state(recipe, n, torch.Generator().manual_seed(seed + step))
+        assert a._update_with_kernel(algo)
+        a.update()
+        with reference_only():
+            assert not b._update_with_kernel(algo)
+            b.update()
+        _same(a.scale, b.scale)
+        _same(a.amax_history, b.amax_history)
+        assert torch.equal(a.amax_current, torch.zeros_like(a.amax_current))
+        assert torch.equal(b.amax_current, torch.zeros_like(b.amax_current))
+
+
+def test_update_kernel_sequence_matches_torch():
+    """Many updates in a row (the history shifting through) stay identical."""
+    recipe = DelayedScaling(amax_history_len=5, margin=1)
+    gen = torch.Generator().manual_seed(3)
+    a = _random_state(recipe, 3, gen)
+    b = DelayedScalingState(recipe, 3, [E4, E5, E4], torch.device("cuda"))
+    b.amax_history.copy_(a.amax_history)
+    b.scale.copy_(a.scale)
+    for _ in range(12):
+        cur = torch.rand(3, generator=gen).cuda() * 100
+        a.amax_current.copy_(cur)
+        b.amax_current.copy_(cur)
+        a.pending = b.pending = True
+        a.update()
+        with reference_only():
+            b.update()
+        _same(a.scale, b.scale)
+        _same(a.amax_history, b.amax_history)
