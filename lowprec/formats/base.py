@@ -364,6 +364,30 @@ class Quantizer:
 
     __call__ = quantize
 
+    def supports_fused(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`quantize_fused` can take ``x`` (a CUDA input with Triton kernels, a
+        format whose kernels take a prologue)."""
+        from ..kernels import use_kernels
+        return type(self)._quantize_2d_fused is not Quantizer._quantize_2d_fused and \
+            use_kernels(x)
+
+    def quantize_fused(self, x: torch.Tensor, prologue) -> QuantizedTensor:
+        """Quantize ``prologue(x)`` (a norm or an activation, see ``lowprec.fused``) without
+        writing it out: bit-identical to ``quantize(apply_prologue(x, prologue))``."""
+        self._check_input(x)
+        if not self.supports_fused(x):
+            raise NotImplementedError(f"{type(self).__name__} has no fused quantize for "
+                                      f"{x.device} input; check supports_fused() first")
+        if not (self.rowwise_usage or self.columnwise_usage):
+            raise ValueError(f"{type(self).__name__} has both usages off; nothing to compute")
+        shape = (*x.shape[:-1], prologue.out_features(x.shape[-1]))
+        m, k = flatten_2d(shape)
+        self._check_shape(shape, m, k)
+        if m == 0 or k == 0:
+            return self.make_empty(shape, dtype=x.dtype, device=x.device)
+        x2d = x.detach().reshape(m, -1).contiguous()
+        return self._tensor_class()(shape, x.dtype, **self._quantize_2d_fused(x2d, prologue))
+
     def update_quantized(self, x: torch.Tensor, qt: QuantizedTensor) -> QuantizedTensor:
         """Quantize ``x`` into the existing buffers of ``qt`` (its held usages), in place."""
         if not isinstance(qt, self._tensor_class()):
@@ -416,6 +440,10 @@ class Quantizer:
 
     def _quantize_2d(self, x2d: torch.Tensor) -> dict[str, torch.Tensor | Any]:
         """Return the tensor fields for an (M, K) input, for the usages that are on."""
+        raise NotImplementedError
+
+    def _quantize_2d_fused(self, x2d: torch.Tensor, prologue) -> dict[str, torch.Tensor | Any]:
+        """``_quantize_2d`` of ``prologue(x2d)`` in one kernel (formats that have one)."""
         raise NotImplementedError
 
     def _empty_fields(self, m: int, k: int, device: torch.device) -> dict[str, Any]:

@@ -27,6 +27,21 @@ def check_parallel_args(parallel_mode, tp_group, sequence_parallel) -> None:
         raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
 
 
+def producer_usages(weight: torch.Tensor, backward_mode: str) -> tuple[bool, bool]:
+    """(rowwise, columnwise) usages a producer quantizes a GEMM's input with: what
+    ``quantized_linear`` would make itself (columnwise only for wgrad in default mode)."""
+    return True, (backward_mode == "default" and weight.requires_grad
+                  and torch.is_grad_enabled())
+
+
+def release_fprop_copy(x: torch.Tensor, backward_mode: str) -> None:
+    """After fprop, drop the rowwise data of an input a producer quantized for this GEMM
+    alone: in default mode backward saved only the columnwise data."""
+    if (backward_mode == "default" and isinstance(x, QuantizedTensor)
+            and x.has_usage("rowwise") and x.has_usage("columnwise")):
+        x.update_usage(rowwise_usage=False)
+
+
 def init_linear_params(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """torch.nn.Linear's initialization (Kaiming-uniform weight, uniform bias)."""
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))

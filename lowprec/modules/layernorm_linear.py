@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import fused
 from ..linear_fn import quantized_linear
-from .base import LowprecModule, add_linear_params, check_parallel_args
+from .base import (LowprecModule, add_linear_params, check_parallel_args, producer_usages,
+                   release_fprop_copy)
 from .norms import apply_norm, check_normalization, make_norm_params
 
 
@@ -35,9 +37,19 @@ class LayerNormLinear(LowprecModule):
 
     def forward(self, x: torch.Tensor):
         self._check_input_dtype(x)
-        ln_out = apply_norm(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias,
-                            self.eps, self.zero_centered_gamma)
         qs, mode, done = self.gemm_quantizers(x.device)
-        y = quantized_linear(ln_out, self.weight, self.bias, quantizers=qs[0] if qs else None,
-                             backward_mode=mode, on_backward_done=done)
-        return (y, ln_out) if self.return_layernorm_output else y
+        q = qs[0] if qs else None
+        norm_args = (self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                     self.zero_centered_gamma)
+        if (not self.return_layernorm_output and q is not None
+                and fused.can_fuse(q.input, x, mode)):
+            ln_out = fused.norm_then_quantize(x, *norm_args, q.input,
+                                              *producer_usages(self.weight, mode))
+        else:
+            ln_out = apply_norm(x, *norm_args)
+        y = quantized_linear(ln_out, self.weight, self.bias, quantizers=q, backward_mode=mode,
+                             on_backward_done=done)
+        if self.return_layernorm_output:
+            return y, ln_out
+        release_fprop_copy(ln_out, mode)
+        return y

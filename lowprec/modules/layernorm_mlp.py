@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import fused
 from ..linear_fn import quantized_linear
 from .activations import get_activation
-from .base import LowprecModule, add_linear_params, check_parallel_args
+from .base import (LowprecModule, add_linear_params, check_parallel_args, producer_usages,
+                   release_fprop_copy)
 from .norms import apply_norm, check_normalization, make_norm_params
 
 
@@ -49,12 +51,27 @@ class LayerNormMLP(LowprecModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dtype(x)
-        h = apply_norm(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias,
-                       self.eps, self.zero_centered_gamma)
         qs, mode, done = self.gemm_quantizers(x.device)
-        h = quantized_linear(h, self.fc1_weight, self.fc1_bias, quantizers=qs[0] if qs else None,
+        q1, q2 = (qs[0], qs[1]) if qs else (None, None)
+        norm_args = (self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                     self.zero_centered_gamma)
+        # Norm and activation hand their GEMM its quantized input from one fused kernel
+        # where the quantizer has one (lowprec.fused); else they run apart.
+        if q1 is not None and fused.can_fuse(q1.input, x, mode):
+            h = fused.norm_then_quantize(x, *norm_args, q1.input,
+                                         *producer_usages(self.fc1_weight, mode))
+        else:
+            h = apply_norm(x, *norm_args)
+        h1 = quantized_linear(h, self.fc1_weight, self.fc1_bias, quantizers=q1,
+                              backward_mode=mode, on_backward_done=done)
+        release_fprop_copy(h, mode)
+        if (q2 is not None and fused.activation_prologue(self.activation) is not None
+                and fused.can_fuse(q2.input, h1, mode)):
+            a = fused.activation_then_quantize(h1, self.activation, q2.input,
+                                               *producer_usages(self.fc2_weight, mode))
+        else:
+            a = self._act(h1)
+        y = quantized_linear(a, self.fc2_weight, self.fc2_bias, quantizers=q2,
                              backward_mode=mode, on_backward_done=done)
-        h = self._act(h)
-        return quantized_linear(h, self.fc2_weight, self.fc2_bias,
-                                quantizers=qs[1] if qs else None, backward_mode=mode,
-                                on_backward_done=done)
+        release_fprop_copy(a, mode)
+        return y

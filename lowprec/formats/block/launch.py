@@ -12,7 +12,8 @@ import torch
 from ...kernels import kernel_op
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
-                             launches, triton_cdiv)
+                              launches, logical_shape, prologue_args, prologue_launch_args,
+                              triton_cdiv)
 from .reference import BLOCK
 
 #: (BM, BN, num_warps) per (block_scaling_dim, usages), picked by timing on an H200
@@ -40,8 +41,8 @@ def _shapes(m: int, k: int, dim: int, rowwise: bool, columnwise: bool):
             (k, m) if columnwise else (0,), cs if columnwise else (0,))
 
 
-def _empty_outputs(x, dim, rowwise, columnwise):
-    m, k = x.shape
+def _empty_outputs(x, dim, rowwise, columnwise, pro=0):
+    m, k = logical_shape(x, pro)
     rq, rs, cq, cs = _shapes(m, k, dim, rowwise, columnwise)
     return (x.new_empty(rq, dtype=torch.uint8), x.new_empty(rs, dtype=torch.float32),
             x.new_empty(cq, dtype=torch.uint8), x.new_empty(cs, dtype=torch.float32))
@@ -49,17 +50,19 @@ def _empty_outputs(x, dim, rowwise, columnwise):
 
 @kernel_op("lowprec::fp8_block_quantize", mutates_args=())
 def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2: bool,
-                       eps: float, rowwise: bool, columnwise: bool
+                       eps: float, rowwise: bool, columnwise: bool, pro: int,
+                       pro_args: list[torch.Tensor]
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .triton_kernels import block_quant_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
-    m, k = x.shape
-    rq, rs, cq, cs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise)
+    m, k = logical_shape(x, pro)
+    rq, rs, cq, cs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
     with device_guard(x.device):
         for r, c in launches(rowwise, columnwise, f"block{block_scaling_dim}"):
             bm, bn, warps = CONFIGS[(block_scaling_dim, _usage(r, c))]
             grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
-            block_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1), eps,
+            block_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1),
+                                     *prologue_args(x, pro_args), eps, PRO=pro,
                                      FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
                                      TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c,
                                      BM=bm, BN=bn, num_warps=warps,
@@ -68,18 +71,18 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
 
 
 @fp8_block_quantize.register_fake
-def _(x, e5m2, block_scaling_dim, pow2, eps, rowwise, columnwise):
-    return _empty_outputs(x, block_scaling_dim, rowwise, columnwise)
+def _(x, e5m2, block_scaling_dim, pow2, eps, rowwise, columnwise, pro, pro_args):
+    return _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
 
 
-def quantize_block(quantizer, x2d: torch.Tensor) -> dict:
+def quantize_block(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
     """Float8BlockQuantizer._quantize_2d through the kernel (same fields)."""
     row, col = quantizer.rowwise_usage, quantizer.columnwise_usage
     dt = quantizer.fp8_dtype
     rq, rs, cq, cs = fp8_block_quantize(x2d, dt == torch.float8_e5m2,
                                         quantizer.block_scaling_dim,
                                         quantizer.force_pow_2_scales, quantizer.amax_epsilon,
-                                        row, col)
+                                        row, col, *prologue_launch_args(prologue))
     return {"rowwise_data": rq.view(dt) if row else None, "rowwise_scale": rs if row else None,
             "columnwise_data": cq.view(dt) if col else None,
             "columnwise_scale": cs if col else None,

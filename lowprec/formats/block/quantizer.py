@@ -59,6 +59,9 @@ class Float8BlockQuantizer(Quantizer):
         return quantize_blocks(x2d, self.fp8_dtype, dim, pow2=self.force_pow_2_scales,
                                eps=self.amax_epsilon)
 
+    def _quantize_2d_fused(self, x2d, prologue):
+        return launch.quantize_block(self, x2d, prologue)
+
     def _quantize_2d(self, x2d):
         if use_kernels(x2d):
             return launch.quantize_block(self, x2d)

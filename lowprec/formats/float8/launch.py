@@ -20,6 +20,7 @@ writes the rowwise tile and/or its transpose (columnwise (K, M) layout).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -99,23 +100,34 @@ def _cast_cfg(rowwise: bool, columnwise: bool):
     return CONFIGS["cast_row"] if rowwise else CONFIGS["cast_col"]
 
 
-def _outputs(x: torch.Tensor, rowwise: bool, columnwise: bool):
+def logical_shape(x: torch.Tensor, pro: int) -> tuple[int, int]:
+    """(M, K) of what a kernel quantizes: ``x`` itself, or a gated activation's half."""
     m, k = x.shape
+    return (m, k // 2) if pro >= 20 else (m, k)
+
+
+def prologue_args(x: torch.Tensor, pro_args: list) -> list:
+    """The four prologue pointers of a launch (``x`` for unused ones)."""
+    return list(pro_args) + [x] * (4 - len(pro_args))
+
+
+def _outputs(x: torch.Tensor, rowwise: bool, columnwise: bool, pro: int = 0):
+    m, k = logical_shape(x, pro)
     row = x.new_empty((m, k) if rowwise else (0,), dtype=torch.uint8)
     col = x.new_empty((k, m) if columnwise else (0,), dtype=torch.uint8)
     return row, col
 
 
-def _launch_amax(x: torch.Tensor) -> torch.Tensor:
+def _launch_amax(x: torch.Tensor, pro: int = 0, pro_args: list = ()) -> torch.Tensor:
     from .triton_kernels import amax_kernel
-    m, k = x.shape
+    m, k = logical_shape(x, pro)
     bm, bn, warps = CONFIGS["amax"]
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
     tiles = triton_cdiv(m, bm) * triton_cdiv(k, bn)
     progs = max(1, min(tiles, num_sms(x.device) * 4))
-    amax_kernel[(progs,)](x, amax_bits, m, k, x.stride(0), x.stride(1), tiles,
-                      triton_cdiv(tiles, progs), BM=bm, BN=bn,
-                      num_warps=warps)
+    amax_kernel[(progs,)](x, amax_bits, m, k, x.stride(0), x.stride(1),
+                          *prologue_args(x, pro_args), tiles, triton_cdiv(tiles, progs),
+                          PRO=pro, BM=bm, BN=bn, num_warps=warps)
     return amax_bits
 
 
@@ -126,39 +138,47 @@ def triton_cdiv(a: int, b: int) -> int:
 # ---- current scaling ----------------------------------------------------------------------
 @kernel_op("lowprec::fp8_current_quantize", mutates_args=())
 def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, rowwise: bool,
-                         columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         columnwise: bool, pro: int, pro_args: list[torch.Tensor],
+                         amax_bits: Optional[torch.Tensor]
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``amax_bits``: the int32 amax bits when the producer already computed them (the
+    fused norm statistics), else None and an amax pass runs first."""
     from .triton_kernels import cast_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
-    m, k = x.shape
-    row, col = _outputs(x, rowwise, columnwise)
+    m, k = logical_shape(x, pro)
+    row, col = _outputs(x, rowwise, columnwise, pro)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    p = prologue_args(x, pro_args)
     with device_guard(x.device):
-        amax_bits = _launch_amax(x)
+        if amax_bits is None:
+            amax_bits = _launch_amax(x, pro, pro_args)
         for r, c in launches(rowwise, columnwise, "pertensor"):
             bm, bn, warps = _cast_cfg(r, c)
             grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
             cast_kernel[grid](x, row, col, amax_bits, scale, scale, m, k, x.stride(0),
-                              x.stride(1), eps, CURRENT=True, POW2=pow2,
+                              x.stride(1), *p, eps, PRO=pro, CURRENT=True, POW2=pow2,
                               FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm,
                               BN=bn, num_warps=warps, **kernel_fp8_args(fp8_dtype))
     return row, col, scale
 
 
 @fp8_current_quantize.register_fake
-def _(x, e5m2, pow2, eps, rowwise, columnwise):
-    row, col = _outputs(x, rowwise, columnwise)
+def _(x, e5m2, pow2, eps, rowwise, columnwise, pro, pro_args, amax_bits):
+    row, col = _outputs(x, rowwise, columnwise, pro)
     return row, col, x.new_empty((1,), dtype=torch.float32)
 
 
 # ---- delayed scaling ----------------------------------------------------------------------
 @kernel_op("lowprec::fp8_delayed_quantize", mutates_args=("amax",))
 def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, e5m2: bool,
-                         rowwise: bool, columnwise: bool
+                         rowwise: bool, columnwise: bool, pro: int,
+                         pro_args: list[torch.Tensor]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .triton_kernels import cast_kernel, delayed_finish_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
-    m, k = x.shape
-    row, col = _outputs(x, rowwise, columnwise)
+    m, k = logical_shape(x, pro)
+    row, col = _outputs(x, rowwise, columnwise, pro)
+    p = prologue_args(x, pro_args)
     scale_out = torch.empty(1, dtype=torch.float32, device=x.device)
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
     with device_guard(x.device):
@@ -166,7 +186,7 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
             bm, bn, warps = _cast_cfg(r, c)
             grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
             cast_kernel[grid](x, row, col, amax_bits, scale, scale_out, m, k, x.stride(0),
-                              x.stride(1), 0.0, CURRENT=False, POW2=False,
+                              x.stride(1), *p, 0.0, PRO=pro, CURRENT=False, POW2=False,
                               FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm,
                               BN=bn, num_warps=warps, **kernel_fp8_args(fp8_dtype))
         block, _, warps = CONFIGS["finish"]
@@ -180,8 +200,8 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
 
 
 @fp8_delayed_quantize.register_fake
-def _(x, scale, amax, e5m2, rowwise, columnwise):
-    row, col = _outputs(x, rowwise, columnwise)
+def _(x, scale, amax, e5m2, rowwise, columnwise, pro, pro_args):
+    row, col = _outputs(x, rowwise, columnwise, pro)
     return row, col, x.new_empty((1,), dtype=torch.float32)
 
 
@@ -193,15 +213,18 @@ def _fields(quantizer, row, col, scale) -> dict:
             "shared_scale": scale, "fp8_dtype": dt}
 
 
-def quantize_current(quantizer, x2d: torch.Tensor) -> dict:
-    """Float8CurrentScalingQuantizer._quantize_2d through the kernels (same fields)."""
+def quantize_current(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
+    """Float8CurrentScalingQuantizer._quantize_2d through the kernels (same fields), of
+    ``prologue(x2d)`` when given (a norm prologue may carry its amax bits)."""
+    pro, pro_args = prologue_launch_args(prologue)
     row, col, scale = fp8_current_quantize(
         x2d, quantizer.fp8_dtype == torch.float8_e5m2, quantizer.force_pow_2_scales,
-        quantizer.amax_epsilon, quantizer.rowwise_usage, quantizer.columnwise_usage)
+        quantizer.amax_epsilon, quantizer.rowwise_usage, quantizer.columnwise_usage, pro,
+        pro_args, prologue.amax_bits if prologue else None)
     return _fields(quantizer, row, col, scale)
 
 
-def quantize_delayed(quantizer, x2d: torch.Tensor) -> dict:
+def quantize_delayed(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
     """Float8Quantizer._quantize_2d through the kernels: records the amax into
     ``quantizer.amax`` in place and keeps a copy of the (NaN-poisoned) scale."""
     scale = quantizer.scale.detach().reshape(1).to(device=x2d.device, dtype=torch.float32)
@@ -212,7 +235,7 @@ def quantize_delayed(quantizer, x2d: torch.Tensor) -> dict:
     row, col, scale_out = fp8_delayed_quantize(
         x2d, scale, amax,
         quantizer.fp8_dtype == torch.float8_e5m2, quantizer.rowwise_usage,
-        quantizer.columnwise_usage)
+        quantizer.columnwise_usage, *prologue_launch_args(prologue))
     if not direct:
         target.copy_(amax.reshape(target.shape))
     return _fields(quantizer, row, col, scale_out)
@@ -245,3 +268,8 @@ def fp8_delayed_update(history: torch.Tensor, current: torch.Tensor, scale: torc
 @fp8_delayed_update.register_fake
 def _(history, current, scale, fp8_max, inv_margin, most_recent):
     return None
+
+
+def prologue_launch_args(prologue) -> tuple[int, list]:
+    """(pro code, pro tensors) of a launcher call for an optional prologue."""
+    return (prologue.code, prologue.kernel_tensors()) if prologue is not None else (0, [])

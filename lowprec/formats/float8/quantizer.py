@@ -65,6 +65,9 @@ class Float8Quantizer(_PerTensorFloat8):
                             torch.full_like(scale, float("nan")))
         return self._fields(x2d, scale)
 
+    def _quantize_2d_fused(self, x2d, prologue):
+        return launch.quantize_delayed(self, x2d, prologue)
+
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "scale": float(self.scale)}
 
@@ -78,6 +81,8 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     """
 
     format_name = "fp8_current"
+    #: A fused norm computes the amax of its output for this quantizer (no amax pass).
+    wants_producer_amax = True
 
     def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *,
                  force_pow_2_scales: bool = False, amax_epsilon: float = 0.0) -> None:
@@ -93,6 +98,9 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
         scale = current_scale(tensor_amax(x2d), self.fp8_dtype, pow2=self.force_pow_2_scales,
                               eps=self.amax_epsilon)
         return self._fields(x2d, scale)
+
+    def _quantize_2d_fused(self, x2d, prologue):
+        return launch.quantize_current(self, x2d, prologue)
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "force_pow_2_scales": self.force_pow_2_scales,

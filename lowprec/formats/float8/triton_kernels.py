@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...fused.triton_prologue import load_tile
+
 
 # ---- shared jit helpers -------------------------------------------------------------------
 @triton.jit
@@ -109,8 +111,8 @@ def store_t(ptr, offs_r, offs_c, n_r, n_c, ld, v, MODE: tl.constexpr):
 
 # ---- per-tensor kernels -------------------------------------------------------------------
 @triton.jit
-def amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, stride_xk, n_tiles, iters,
-                BM: tl.constexpr, BN: tl.constexpr):
+def amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3, n_tiles, iters,
+                PRO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Grid-stride over (BM, BN) tiles (``iters`` each); one relaxed int32 atomic max per
     program."""
     pid = tl.program_id(0)
@@ -121,17 +123,16 @@ def amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, stride_xk, n_tiles, iters,
         t = pid + i * nprog
         offs_m = (t // tiles_k) * BM + tl.arange(0, BM)
         offs_k = (t % tiles_k) * BN + tl.arange(0, BN)
-        mask = ((offs_m < M)[:, None] & (offs_k < K)[None, :]) & (t < n_tiles)
-        ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        # A tile past n_tiles starts at a row >= M, so load_tile masks all of it.
+        x = load_tile(x_ptr, offs_m, offs_k, M, K, stride_xm, stride_xk, p0, p1, p2, p3, PRO)
         acc = tl.maximum(acc, abs_bits(x))
     tl.atomic_max(amax_ptr, tl.max(tl.max(acc, 1), 0), sem="relaxed")
 
 
 @triton.jit
 def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr,
-                M, K, stride_xm, stride_xk, eps,
-                CURRENT: tl.constexpr, POW2: tl.constexpr, FP8_MAX: tl.constexpr,
+                M, K, stride_xm, stride_xk, p0, p1, p2, p3, eps,
+                PRO: tl.constexpr, CURRENT: tl.constexpr, POW2: tl.constexpr, FP8_MAX: tl.constexpr,
                 MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
                 HW_CVT: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr):
@@ -153,8 +154,7 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr,
     offs_k = pid_k * BN + tl.arange(0, BN)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
     offs_m64 = offs_m.to(tl.int64)
-    ptrs = x_ptr + offs_m64[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x = load_tile(x_ptr, offs_m, offs_k, M, K, stride_xm, stride_xk, p0, p1, p2, p3, PRO)
     if not CURRENT:
         tl.atomic_max(amax_ptr, tl.max(tl.max(abs_bits(x), 1), 0), sem="relaxed")
     y = x * scale

@@ -12,7 +12,8 @@ import torch
 from ...kernels import kernel_op
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
-                             launches, triton_cdiv)
+                              launches, logical_shape, prologue_args, prologue_launch_args,
+                              triton_cdiv)
 from .reference import BLOCK
 
 #: (BM, BN, num_warps) per (two_d, usages), picked by timing on an H200
@@ -31,8 +32,8 @@ def _usage(rowwise: bool, columnwise: bool) -> str:
     return "both" if rowwise and columnwise else ("row" if rowwise else "col")
 
 
-def _empty_outputs(x, two_d, rowwise, columnwise):
-    m, k = x.shape
+def _empty_outputs(x, two_d, rowwise, columnwise, pro=0):
+    m, k = logical_shape(x, pro)
     per = BLOCK if two_d else 1
     u8 = torch.uint8
     return (x.new_empty((m, k) if rowwise else (0,), dtype=u8),
@@ -42,17 +43,19 @@ def _empty_outputs(x, two_d, rowwise, columnwise):
 
 
 @kernel_op("lowprec::mxfp8_quantize", mutates_args=())
-def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, columnwise: bool
+def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, columnwise: bool,
+                   pro: int, pro_args: list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .triton_kernels import mxfp8_quant_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
-    m, k = x.shape
-    rq, rs, cq, cs = _empty_outputs(x, two_d, rowwise, columnwise)
+    m, k = logical_shape(x, pro)
+    rq, rs, cq, cs = _empty_outputs(x, two_d, rowwise, columnwise, pro)
     with device_guard(x.device):
         for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
             bm, bn, warps = CONFIGS[(two_d, _usage(r, c))]
             grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
             mxfp8_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1),
+                                     *prologue_args(x, pro_args), PRO=pro,
                                      FP8_MAX=FP8_PARAMS[fp8_dtype][3], TWO_D=two_d, ROWWISE=r,
                                      COLWISE=c, BM=bm, BN=bn, num_warps=warps,
                                      **kernel_fp8_args(fp8_dtype))
@@ -60,16 +63,17 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
 
 
 @mxfp8_quantize.register_fake
-def _(x, e5m2, two_d, rowwise, columnwise):
-    return _empty_outputs(x, two_d, rowwise, columnwise)
+def _(x, e5m2, two_d, rowwise, columnwise, pro, pro_args):
+    return _empty_outputs(x, two_d, rowwise, columnwise, pro)
 
 
-def quantize_mxfp8(quantizer, x2d: torch.Tensor) -> dict:
+def quantize_mxfp8(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
     """MXFP8Quantizer._quantize_2d through the kernel (same fields)."""
     row, col = quantizer.rowwise_usage, quantizer.columnwise_usage
     dt = quantizer.fp8_dtype
     rq, rs, cq, cs = mxfp8_quantize(x2d, dt == torch.float8_e5m2,
-                                    quantizer.with_2d_quantization, row, col)
+                                    quantizer.with_2d_quantization, row, col,
+                                    *prologue_launch_args(prologue))
     return {"rowwise_data": rq.view(dt) if row else None, "rowwise_scale": rs if row else None,
             "columnwise_data": cq.view(dt) if col else None,
             "columnwise_scale": cs if col else None,

@@ -52,6 +52,9 @@ class MXFP8Quantizer(Quantizer):
     def _meta_fields(self) -> dict:
         return {"fp8_dtype": self.fp8_dtype, "with_2d_quantization": self.with_2d_quantization}
 
+    def _quantize_2d_fused(self, x2d, prologue):
+        return launch.quantize_mxfp8(self, x2d, prologue)
+
     def _quantize_2d(self, x2d: torch.Tensor) -> dict:
         if use_kernels(x2d):
             return launch.quantize_mxfp8(self, x2d)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...fused.triton_prologue import load_tile
 from ..float8.triton_kernels import abs_bits, fp8_codes, store_t
 
 
@@ -46,6 +47,7 @@ def e8m0_scale(amax_bits, FP8_MAX: tl.constexpr, ALT: tl.constexpr = False):
 
 @triton.jit
 def mxfp8_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, stride_xk,
+                       p0, p1, p2, p3, PRO: tl.constexpr,
                        FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                        MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr, TWO_D: tl.constexpr,
                        ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
@@ -57,8 +59,7 @@ def mxfp8_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, s
     offs_k = pid_k * BN + tl.arange(0, BN)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
     offs_m64 = offs_m.to(tl.int64)
-    ptrs = x_ptr + offs_m64[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x = load_tile(x_ptr, offs_m, offs_k, M, K, stride_xm, stride_xk, p0, p1, p2, p3, PRO)
     a = abs_bits(x)
     if TWO_D:
         amax = tl.max(tl.max(tl.reshape(a, (BM // BLK, BLK, BN // BLK, BLK)), 3), 1)

@@ -1,0 +1,42 @@
+"""Fused producer + quantize: a norm or an activation whose output goes straight into the
+next GEMM's quantized input, in one kernel pass (GPU with Triton, per-tensor FP8, block
+FP8 and MXFP8 quantizers; everything else runs the producer and the quantizer apart).
+
+``enabled`` / :class:`unfused` switch the fusion off (benchmarks and tests compare both).
+"""
+
+from __future__ import annotations
+
+from .activation_quantize import activation_then_quantize
+from .norm_quantize import norm_then_quantize
+from .prologue import Prologue, activation_prologue, apply_prologue, norm_prologue
+
+enabled = True
+
+
+class unfused:
+    """Context manager: modules run the producer and the quantizer as separate passes."""
+
+    def __enter__(self):
+        global enabled
+        self._saved, enabled = enabled, False
+        return self
+
+    def __exit__(self, *exc):
+        global enabled
+        enabled = self._saved
+        return False
+
+
+def can_fuse(quantizer, x, backward_mode: str) -> bool:
+    """Whether a producer may hand ``quantizer`` its output through a fused kernel.
+
+    Not in ``high_precision`` backward mode: that mode saves the GEMM's high-precision
+    input, which a fused producer never writes.
+    """
+    return (enabled and quantizer is not None and backward_mode != "high_precision"
+            and quantizer.supports_fused(x))
+
+
+__all__ = ["Prologue", "activation_prologue", "activation_then_quantize", "apply_prologue",
+           "can_fuse", "enabled", "norm_prologue", "norm_then_quantize", "unfused"]
