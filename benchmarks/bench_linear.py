@@ -134,7 +134,19 @@ def mlp_peers(m, hidden, ffn, recipes, device="cuda", **step_kw):
     peers = [("bf16", plain_step(ref, **step_kw)), ("lowprec/bf16", plain_step(mod, **step_kw))]
     for r in recipes:
         peers.append((f"lowprec/{r}", lowprec_step(copy.deepcopy(mod), RECIPES[r](), **step_kw)))
+        if r in ("current", "mxfp8"):
+            # the same recipe with norm and activation run apart from their quantize
+            peers.append((f"lowprec/{r}/unfused", unfused(lowprec_step(copy.deepcopy(mod),
+                                                                       RECIPES[r](), **step_kw))))
     return peers
+
+
+def unfused(step):
+    def run(x, dy):
+        with lowprec.fused.unfused():
+            step(x, dy)
+    run.zero_grads = step.zero_grads
+    return run
 
 
 def host_time(step, inputs, n=10):

@@ -1,6 +1,6 @@
 """lowprec: low-precision (FP8, MXFP8, NVFP4) training for PyTorch."""
 
-from . import ops, recipe
+from . import fused, ops, recipe
 from .autocast import autocast, quantized_model_init
 from .convert import convert_model
 from .formats import *  # noqa: F401,F403

@@ -1,0 +1,55 @@
+"""The fused-quantize API where it does not apply (CPU, formats without a fused kernel):
+it must say so, never silently compute something else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec
+from lowprec import fused
+from lowprec.formats.float8.quantizer import Float8CurrentScalingQuantizer
+from lowprec.formats.nvfp4.quantizer import NVFP4Quantizer
+
+
+def test_cpu_input_is_not_fusable_and_quantize_fused_raises():
+    q = Float8CurrentScalingQuantizer()
+    x = torch.randn(16, 32)
+    assert not q.supports_fused(x)
+    assert not fused.can_fuse(q, x, "default")
+    with pytest.raises(NotImplementedError, match="supports_fused"):
+        q.quantize_fused(x, fused.activation_prologue("gelu"))
+
+
+def test_formats_without_a_fused_kernel_say_so():
+    x = torch.randn(16, 32)
+    assert not NVFP4Quantizer().supports_fused(x)
+    assert not fused.can_fuse(None, x, "default")
+
+
+def test_gated_prologue_needs_even_width():
+    with pytest.raises(ValueError, match="even"):
+        fused.activation_prologue("swiglu").out_features(7)
+    assert fused.activation_prologue("swiglu").out_features(8) == 4
+    assert fused.activation_prologue("gelu").out_features(7) == 7
+    assert fused.activation_prologue("no_such") is None
+
+
+def test_unfused_context_restores_the_switch():
+    assert fused.enabled
+    with fused.unfused():
+        assert not fused.enabled
+        assert not fused.can_fuse(Float8CurrentScalingQuantizer(), torch.randn(2, 2), "default")
+    assert fused.enabled
+
+
+def test_cpu_modules_unchanged_under_autocast():
+    """On CPU LayerNormMLP runs norm and activation apart: same as before the fusion."""
+    torch.manual_seed(0)
+    mod = lowprec.LayerNormMLP(64, 128)
+    x = torch.randn(8, 64, requires_grad=True)
+    with lowprec.autocast(recipe=lowprec.Float8CurrentScaling()):
+        y1 = mod(x)
+    with fused.unfused(), lowprec.autocast(recipe=lowprec.Float8CurrentScaling()):
+        y2 = mod(x)
+    assert torch.equal(y1, y2)
