@@ -57,6 +57,15 @@ def main():
             step(x, dy)
         e.record()
         torch.cuda.synchronize()
+        # Any op that waits for the GPU inside a step makes it look launch-bound: list them.
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            step(x, dy)
+            torch.cuda.set_sync_debug_mode(0)
+        for w in caught[:5]:
+            print(f"SYNC in {r}: {str(w.message)[:200]}")
         host.sort()
         print(f"\n##### {r}: host {1e3 * host[len(host) // 2]:.3f} ms/step, "
               f"GPU {s.elapsed_time(e) / args.steps:.3f} ms/step (back to back)")

@@ -135,9 +135,12 @@ class DelayedScalingState:
 
     def _inv_margin(self) -> float:
         # What torch's ``t / (2.0 ** margin)`` multiplies by: the fp32 reciprocal of the
-        # fp32-rounded divisor.
-        div = torch.tensor(2.0 ** self.recipe.margin, dtype=torch.float32)
-        return float(torch.ones((), dtype=torch.float32) / div)
+        # fp32-rounded divisor (computed once; the recipe is frozen).
+        inv = self.__dict__.get("_inv_margin_value")
+        if inv is None:
+            div = torch.tensor(2.0 ** self.recipe.margin, dtype=torch.float32)
+            inv = self._inv_margin_value = float(torch.ones((), dtype=torch.float32) / div)
+        return inv
 
     def state_dict(self) -> dict:
         return {"scale": self.scale.clone(), "amax_history": self.amax_history.clone()}
