@@ -96,26 +96,35 @@ def _(x, gamma, beta, eps, rms, want_amax):
 
 # ---- the unfused form ---------------------------------------------------------------------
 @kernel_op("lowprec::apply_prologue", mutates_args=())
-def _apply_op(x: torch.Tensor, code: int, p: list[torch.Tensor], k_out: int) -> torch.Tensor:
+def _apply_op(x: torch.Tensor, code: int, p: list[torch.Tensor], k_out: int, want_amax: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     from ..formats.float8.launch import device_guard, prologue_args
     from .triton_prologue import apply_kernel
     m = x.shape[0]
     out = torch.empty((m, k_out), dtype=x.dtype, device=x.device)
+    amax = torch.zeros(1, dtype=torch.int32, device=x.device)
     bm, bn = 32, 128
     with device_guard(x.device):
-        apply_kernel[(_cdiv(m, bm), _cdiv(k_out, bn))](x, out, m, k_out, x.stride(0),
-                                                       x.stride(1), *prologue_args(x, p), PRO=code,
-                                                       BM=bm, BN=bn,
-                                                       num_warps=4)
-    return out
+        apply_kernel[(_cdiv(m, bm), _cdiv(k_out, bn))](x, out, amax, m, k_out, x.stride(0),
+                                                       x.stride(1), *prologue_args(x, p),
+                                                       PRO=code, WANT_AMAX=want_amax,
+                                                       BM=bm, BN=bn, num_warps=4)
+    return out, amax
 
 
 @_apply_op.register_fake
-def _(x, code, p, k_out):
-    return x.new_empty((x.shape[0], k_out))
+def _(x, code, p, k_out, want_amax):
+    return x.new_empty((x.shape[0], k_out)), x.new_empty((1,), dtype=torch.int32)
 
 
 def apply_prologue(x2d: torch.Tensor, prologue: Prologue) -> torch.Tensor:
     """``prologue(x2d)`` written out in x's dtype (CUDA + Triton only)."""
+    return apply_prologue_with_amax(x2d, prologue, want_amax=False)[0]
+
+
+def apply_prologue_with_amax(x2d: torch.Tensor, prologue: Prologue, *, want_amax: bool = True
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``prologue(x2d)``, int32 bits of its amax): the producer pass of current scaling,
+    whose amax must be known before the cast (the amax is 0 unless ``want_amax``)."""
     k_out = prologue.out_features(x2d.shape[1])
-    return _apply_op(x2d, prologue.code, prologue.kernel_tensors(), k_out)
+    return _apply_op(x2d, prologue.code, prologue.kernel_tensors(), k_out, want_amax)

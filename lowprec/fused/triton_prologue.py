@@ -95,15 +95,20 @@ def load_tile(x_ptr, offs_m, offs_k, M, K, stride_xm, stride_xk, p0, p1, p2, p3,
 
 
 @triton.jit
-def apply_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3,
-                 PRO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """Write the logical input (M, K) in the input's dtype: the unfused form of a prologue."""
+def apply_kernel(x_ptr, out_ptr, amax_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3,
+                 PRO: tl.constexpr, WANT_AMAX: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr):
+    """Write the logical input (M, K) in the input's dtype: the unfused form of a prologue;
+    with ``WANT_AMAX`` also record its amax (int32 bits, atomic max into ``amax_ptr``)."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_k = tl.program_id(1) * BN + tl.arange(0, BN)
     y = load_tile(x_ptr, offs_m, offs_k, M, K, stride_xm, stride_xk, p0, p1, p2, p3, PRO)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :],
              y.to(out_ptr.dtype.element_ty), mask=mask)
+    if WANT_AMAX:
+        bits = tl.max(tl.max(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1), 0)
+        tl.atomic_max(amax_ptr, bits, sem="relaxed")
 
 
 @triton.jit

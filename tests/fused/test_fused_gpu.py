@@ -29,7 +29,7 @@ from lowprec.formats.base import Quantizer
 from lowprec.formats.block.quantizer import Float8BlockQuantizer
 from lowprec.formats.float8.quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
-from lowprec.fused.prologue import norm_stats
+from lowprec.fused.prologue import apply_prologue_with_amax, norm_stats
 from lowprec.modules.activations import ACTIVATIONS
 
 pytestmark = [
@@ -159,6 +159,11 @@ def test_activation_prologue_close_to_torch(act, dtype):
     x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
     got = fused.apply_prologue(x, fused.activation_prologue(act)).float()
     want = fn(x).float()
+    # the producer pass of current scaling writes the same values and their amax
+    again, amax_bits = apply_prologue_with_amax(x, fused.activation_prologue(act))
+    assert torch.equal(again.float().nan_to_num(), got.nan_to_num())
+    bits = got.abs().view(torch.int32).max()  # NaN sorts above Inf, as in the kernel
+    assert amax_bits.item() == bits.item()
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     ok = ~torch.isnan(want)
     # gated outputs round twice (activation, product), so allow two units
