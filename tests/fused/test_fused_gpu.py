@@ -162,8 +162,10 @@ def test_activation_prologue_close_to_torch(act, dtype):
     # the producer pass of current scaling writes the same values and their amax
     again, amax_bits = apply_prologue_with_amax(x, fused.activation_prologue(act))
     assert torch.equal(again.float().nan_to_num(), got.nan_to_num())
-    bits = got.abs().view(torch.int32).max()  # NaN sorts above Inf, as in the kernel
-    assert amax_bits.item() == bits.item()
+    if torch.isnan(got).any():  # any NaN bit pattern (they sort above Inf)
+        assert amax_bits.item() > 0x7F800000
+    else:
+        assert amax_bits.item() == got.abs().max().view(torch.int32).item()
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     ok = ~torch.isnan(want)
     # gated outputs round twice (activation, product), so allow two units
