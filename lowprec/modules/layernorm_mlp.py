@@ -65,6 +65,7 @@ class LayerNormMLP(LowprecModule):
         h1 = quantized_linear(h, self.fc1_weight, self.fc1_bias, quantizers=q1,
                               backward_mode=mode, on_backward_done=done)
         release_fprop_copy(h, mode)
+        del h  # the norm output must not outlive fc1's forward (peak memory)
         if (q2 is not None and fused.activation_prologue(self.activation) is not None
                 and fused.can_fuse(q2.input, h1, mode)):
             a = fused.activation_then_quantize(h1, self.activation, q2.input,
