@@ -1,12 +1,14 @@
 """Fused producer + quantize: a norm or an activation whose output goes straight into the
-next GEMM's quantized input, in one kernel pass (GPU with Triton, per-tensor FP8, block
-FP8 and MXFP8 quantizers; everything else runs the producer and the quantizer apart).
+next GEMM's quantized input without being written in high precision (GPU with Triton;
+per-tensor FP8, block FP8 and MXFP8 quantizers; everything else runs the producer and the
+quantizer apart). See docs/fused.md for the passes each case makes.
 
 ``enabled`` / :class:`unfused` switch the fusion off (benchmarks and tests compare both).
 """
 
 from __future__ import annotations
 
+from ..kernels import FlagOff
 from .activation_quantize import activation_then_quantize
 from .norm_quantize import norm_then_quantize
 from .prologue import Prologue, activation_prologue, apply_prologue, norm_prologue
@@ -14,18 +16,10 @@ from .prologue import Prologue, activation_prologue, apply_prologue, norm_prolog
 enabled = True
 
 
-class unfused:
+class unfused(FlagOff):
     """Context manager: modules run the producer and the quantizer as separate passes."""
 
-    def __enter__(self):
-        global enabled
-        self._saved, enabled = enabled, False
-        return self
-
-    def __exit__(self, *exc):
-        global enabled
-        enabled = self._saved
-        return False
+    _module, _flag = __name__, "enabled"
 
 
 def can_fuse(quantizer, x, backward_mode: str) -> bool:

@@ -8,6 +8,7 @@ bit.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -31,18 +32,28 @@ def use_kernels(t: torch.Tensor) -> bool:
     return _enabled and t.is_cuda and triton_available()
 
 
-class reference_only:
-    """Context manager that forces the pure-PyTorch path (for tests and benchmarks)."""
+class FlagOff:
+    """Base of context managers that turn a module-level boolean off and restore it;
+    subclasses name the module (``_module``) and the flag (``_flag``)."""
+
+    _module: str
+    _flag: str
 
     def __enter__(self):
-        global _enabled
-        self._saved, _enabled = _enabled, False
+        mod = sys.modules[self._module]
+        self._saved = getattr(mod, self._flag)
+        setattr(mod, self._flag, False)
         return self
 
     def __exit__(self, *exc):
-        global _enabled
-        _enabled = self._saved
+        setattr(sys.modules[self._module], self._flag, self._saved)
         return False
+
+
+class reference_only(FlagOff):
+    """Context manager that forces the pure-PyTorch path (for tests and benchmarks)."""
+
+    _module, _flag = __name__, "_enabled"
 
 
 def _tracing(args) -> bool:
