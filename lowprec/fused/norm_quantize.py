@@ -31,7 +31,9 @@ class _NormQuantize(torch.autograd.Function):
         pro = norm_prologue(normalization, None if rms else mean, rstd, gamma, bias,
                             amax_bits if want_amax else None)
         quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
-        out = quantizer.quantize_fused(x2d, pro).view(*x.shape[:-1], k)
+        # Quantized in x's own shape: a view of the result would keep the un-viewed tensor
+        # (and the rowwise data release_fprop_copy drops) alive as its base.
+        out = quantizer.quantize_fused(x, pro)
         ctx.save_for_backward(x2d, gamma, bias, mean, rstd)
         ctx.rms, ctx.x_shape = rms, x.shape
         return out
