@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import fused
 from ..linear_fn import quantized_linear
-from .base import (LowprecModule, add_linear_params, check_parallel_args, producer_usages,
-                   release_fprop_copy)
-from .norms import apply_norm, check_normalization, make_norm_params
+from .base import LowprecModule, add_linear_params, check_parallel_args, release_fprop_copy
+from .norms import check_normalization, make_norm_params, norm_into_gemm
 
 
 class LayerNormLinear(LowprecModule):
@@ -39,14 +37,9 @@ class LayerNormLinear(LowprecModule):
         self._check_input_dtype(x)
         qs, mode, done = self.gemm_quantizers(x.device)
         q = qs[0] if qs else None
-        norm_args = (self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
-                     self.zero_centered_gamma)
-        if (not self.return_layernorm_output and q is not None
-                and fused.can_fuse(q.input, x, mode)):
-            ln_out = fused.norm_then_quantize(x, *norm_args, q.input,
-                                              *producer_usages(self.weight, mode))
-        else:
-            ln_out = apply_norm(x, *norm_args)
+        # return_layernorm_output needs the high-precision norm output: no fusion then.
+        ln_out = norm_into_gemm(self, x, q, mode, self.weight,
+                                fuse=not self.return_layernorm_output)
         y = quantized_linear(ln_out, self.weight, self.bias, quantizers=q, backward_mode=mode,
                              on_backward_done=done)
         if self.return_layernorm_output:

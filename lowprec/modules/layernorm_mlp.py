@@ -9,7 +9,7 @@ from ..linear_fn import quantized_linear
 from .activations import get_activation
 from .base import (LowprecModule, add_linear_params, check_parallel_args, producer_usages,
                    release_fprop_copy)
-from .norms import apply_norm, check_normalization, make_norm_params
+from .norms import check_normalization, make_norm_params, norm_into_gemm
 
 
 class LayerNormMLP(LowprecModule):
@@ -53,15 +53,9 @@ class LayerNormMLP(LowprecModule):
         self._check_input_dtype(x)
         qs, mode, done = self.gemm_quantizers(x.device)
         q1, q2 = (qs[0], qs[1]) if qs else (None, None)
-        norm_args = (self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
-                     self.zero_centered_gamma)
         # Norm and activation hand their GEMM its quantized input from one fused kernel
         # where the quantizer has one (lowprec.fused); else they run apart.
-        if q1 is not None and fused.can_fuse(q1.input, x, mode):
-            h = fused.norm_then_quantize(x, *norm_args, q1.input,
-                                         *producer_usages(self.fc1_weight, mode))
-        else:
-            h = apply_norm(x, *norm_args)
+        h = norm_into_gemm(self, x, q1, mode, self.fc1_weight)
         h1 = quantized_linear(h, self.fc1_weight, self.fc1_bias, quantizers=q1,
                               backward_mode=mode, on_backward_done=done)
         release_fprop_copy(h, mode)

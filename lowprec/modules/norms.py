@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import fused
+from .base import producer_usages
+
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
@@ -22,6 +25,20 @@ def apply_norm(x: torch.Tensor, normalization: str, weight: torch.Tensor,
     if normalization == "LayerNorm":
         return F.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
     return F.rms_norm(x, (x.shape[-1],), gamma, eps)
+
+
+def norm_into_gemm(module: nn.Module, x: torch.Tensor, quantizers, backward_mode: str,
+                   gemm_weight: torch.Tensor, *, fuse: bool = True) -> torch.Tensor:
+    """The norm of ``module`` (its ``layer_norm_*`` parameters) applied to ``x`` as the input
+    of the GEMM with ``quantizers``: quantized by one fused kernel where
+    ``lowprec.fused.can_fuse`` allows it (and ``fuse``), else in high precision."""
+    args = (module.normalization, module.layer_norm_weight, module.layer_norm_bias, module.eps,
+            module.zero_centered_gamma)
+    q = quantizers.input if quantizers is not None else None
+    if fuse and q is not None and fused.can_fuse(q, x, backward_mode):
+        return fused.norm_then_quantize(x, *args, q, *producer_usages(gemm_weight,
+                                                                      backward_mode))
+    return apply_norm(x, *args)
 
 
 def make_norm_params(module: nn.Module, hidden_size: int, normalization: str, *,
