@@ -141,3 +141,49 @@ def test_compile_fullgraph():
     comp = torch.compile(f, fullgraph=True)(x)
     for k in eager:
         assert torch.equal(_raw(eager[k]), _raw(comp[k])), k
+
+
+# ---- stochastic-rounding uniforms: in-register hash vs draws.uniforms_at -------------------------
+def _probe_kernel():
+    import triton
+    import triton.language as tl
+
+    from lowprec.formats.nvfp4.triton_kernels import _sr_uniform
+
+    @triton.jit
+    def probe(key_ptr, idx_ptr, out_ptr, N, IDX64: tl.constexpr, B: tl.constexpr):
+        o = tl.program_id(0) * B + tl.arange(0, B)
+        m = o < N
+        idx = tl.load(idx_ptr + o, mask=m, other=0)
+        if not IDX64:
+            idx = idx.to(tl.int32)
+        tl.store(out_ptr + o, _sr_uniform(key_ptr, idx, IDX64), mask=m)
+
+    return probe
+
+
+@pytest.mark.parametrize("idx64", [False, True])
+def test_sr_uniform_matches_torch_definition(idx64):
+    import triton
+
+    from lowprec.formats.nvfp4.draws import uniforms_at
+    g = torch.Generator().manual_seed(21)
+    top = (1 << 62) if idx64 else (1 << 31) - 1
+    idx = torch.cat([torch.arange(0, 4096), torch.randint(0, top, (100000,), generator=g),
+                     torch.tensor([top - 1, (1 << 32) + 1 if idx64 else 3])]).cuda()
+    for key in ([0, 0], [0xFFFFFFFF, 0xFFFFFFFF], [0x9E3779B9, 0x12345]):
+        key = torch.tensor(key, device="cuda")
+        out = torch.empty(idx.numel(), dtype=torch.float32, device="cuda")
+        _probe_kernel()[(triton.cdiv(idx.numel(), 512),)](key, idx, out, idx.numel(),
+                                                           IDX64=idx64, B=512)
+        assert torch.equal(out, uniforms_at(key, idx))
+
+
+def test_sr_with_64bit_offsets(monkeypatch):
+    # The 64-bit index path normally needs > 2**31 elements; force it on a small input.
+    from lowprec.formats.nvfp4 import launch
+    monkeypatch.setattr(launch, "_idx64", lambda rows, cols: True)
+    x = _input((272, 160), torch.bfloat16, "wide", 22)
+    for two_d in (False, True):
+        _check(NVFP4Quantizer(with_rht=not two_d, with_2d_quantization=two_d,
+                              stochastic_rounding=True), x, seed=23)

@@ -16,6 +16,7 @@ import torch
 
 from lowprec.formats.base import register_safe_globals
 from lowprec.formats.nvfp4 import NVFP4Quantizer, NVFP4Tensor, rht_forward, rht_inverse, rht_matrix
+from lowprec.formats.nvfp4.draws import draw_key, uniforms
 
 register_safe_globals(NVFP4Quantizer, NVFP4Tensor)
 
@@ -452,9 +453,9 @@ def test_stochastic_rounding_matches_float64_model_with_same_draws(cfg):
     x = make("lognormal", (32, 48), torch.bfloat16, seed=3)
     q = NVFP4Quantizer(stochastic_rounding=True, **cfg)
     g = torch.Generator().manual_seed(123)
-    # The quantizer draws rowwise (M, K) first, then columnwise (K, M), uniform fp32 [0, 1).
-    rands = {"rowwise": torch.rand(32, 48, generator=g),
-             "columnwise": torch.rand(48, 32, generator=g)}
+    # The quantizer draws a key per direction, rowwise (M, K) first, then columnwise (K, M).
+    rands = {"rowwise": uniforms(draw_key(g, "cpu"), 32, 48),
+             "columnwise": uniforms(draw_key(g, "cpu"), 48, 32)}
     torch.manual_seed(123)
     check_against_model(q, x, rands)
 

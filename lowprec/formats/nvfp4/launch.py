@@ -9,9 +9,9 @@ or CUDA, where :func:`dequantize_unscaled_bf16` falls back to plain torch.
 * :func:`quantize_2d`: the kernel path of ``NVFP4Quantizer._quantize_2d``,
   bit-identical to :func:`.reference.quantize_matrix` applied as the quantizer
   does (rowwise on x, columnwise on the -- RHT-transformed -- transpose).
-  Stochastic rounding consumes the caller's uniforms (drawn with ``torch.rand``
-  in the reference's order, rowwise first), so results match the reference
-  for the same generator state. Up to three launches (plus a 12-byte memset):
+  Stochastic rounding takes one key per direction (:mod:`.draws`, drawn by the
+  caller in the reference's order, rowwise first) and computes the uniforms in
+  registers, so results match the reference for the same generator state. Up to three launches (plus a 12-byte memset):
   the amax pass (global amax over finite values, of the RHT'd transpose for
   the columnwise side when ``with_rht``, combined on device with atomics; its
   last program writes the global scales: no host sync), then the rowwise and
@@ -68,7 +68,7 @@ def _idx64(rows: int, cols: int) -> bool:
 
 # ---- quantize -----------------------------------------------------------------------------------
 @kernel_op("lowprec::nvfp4_quantize", mutates_args=())
-def nvfp4_quantize(x: Tensor, rand_row: Optional[Tensor], rand_col: Optional[Tensor],
+def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tensor],
                    rowwise: bool, columnwise: bool, with_rht: bool,
                    two_d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(rdata, rscale u8, rglobal, cdata, cscale u8, cglobal) of a 2-D x; an unused
@@ -78,14 +78,16 @@ def nvfp4_quantize(x: Tensor, rand_row: Optional[Tensor], rand_col: Optional[Ten
     x = x.contiguous()
     m, kk = x.shape
     dev = x.device
-    sr = rand_row is not None or rand_col is not None
-    if rowwise and sr and rand_row is None or columnwise and sr and rand_col is None:
-        raise ValueError("nvfp4_quantize: stochastic rounding needs uniforms for every "
+    sr = key_row is not None or key_col is not None
+    if rowwise and sr and key_row is None or columnwise and sr and key_col is None:
+        raise ValueError("nvfp4_quantize: stochastic rounding needs a key for every "
                          "direction it quantizes")
-    for r, shape in ((rand_row, (m, kk)), (rand_col, (kk, m))):
-        if r is not None and (r.dtype != torch.float32 or tuple(r.shape) != shape
-                              or not r.is_contiguous()):
-            raise ValueError(f"nvfp4_quantize: uniforms must be contiguous fp32 {shape}")
+    for key in (key_row, key_col):
+        if key is not None and (key.dtype != torch.int64 or tuple(key.shape) != (2,)
+                                or key.device != dev):
+            raise ValueError(f"nvfp4_quantize: a stochastic-rounding key must be an int64 (2,) "
+                             f"tensor on {dev}, got {key.dtype} {tuple(key.shape)} on "
+                             f"{key.device}")
     rows_s = (m // BLOCK) if two_d else m
     cols_s = (kk // BLOCK) if two_d else kk
     if rowwise:
@@ -123,7 +125,7 @@ def nvfp4_quantize(x: Tensor, rand_row: Optional[Tensor], rand_col: Optional[Ten
         kb, rb = cr["KB"], (16 if two_d else cr["RB"])
         grid = (triton_cdiv(m, rb) * triton_cdiv(kk // BLOCK, kb),)
         k._nvfp4_row_kernel[grid](x, m, kk, rdata, rscale, rglob,
-                                  rand_row if rand_row is not None else rglob,
+                                  key_row if key_row is not None else rglob,
                                   TWO_D=bool(two_d), SR=sr, VEC=16 // x.element_size(),
                                   KB=kb, RB=rb, EVEN=m % rb == 0 and (kk // BLOCK) % kb == 0,
                                   IDX64=idx64, num_warps=max(1, kb * rb // 32),
@@ -132,7 +134,7 @@ def nvfp4_quantize(x: Tensor, rand_row: Optional[Tensor], rand_col: Optional[Ten
         kw = CONFIG["col"]["KW"]
         grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * kw),)
         k._nvfp4_col_kernel[grid](x, m, kk, cdata, cscale, cglob,
-                                  rand_col if rand_col is not None else cglob,
+                                  key_col if key_col is not None else cglob,
                                   RHT=rht, TWO_D=bool(two_d), SR=sr, KW=kw,
                                   EVEN=m % 64 == 0 and kk % (16 * kw) == 0, IDX64=idx64,
                                   num_warps=kw, **_LAUNCH_OPTS)
@@ -140,7 +142,7 @@ def nvfp4_quantize(x: Tensor, rand_row: Optional[Tensor], rand_col: Optional[Ten
 
 
 @nvfp4_quantize.register_fake
-def _nvfp4_quantize_fake(x, rand_row, rand_col, rowwise, columnwise, with_rht, two_d):
+def _nvfp4_quantize_fake(x, key_row, key_col, rowwise, columnwise, with_rht, two_d):
     m, kk = x.shape
 
     def e():
@@ -164,15 +166,15 @@ def _nvfp4_quantize_fake(x, rand_row, rand_col, rowwise, columnwise, with_rht, t
 
 
 def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
-                two_d: bool, rand_row: Tensor | None = None,
-                rand_col: Tensor | None = None) -> dict:
+                two_d: bool, key_row: Tensor | None = None,
+                key_col: Tensor | None = None) -> dict:
     """NVFP4Tensor fields for an (M, K) input through the kernels (see module doc).
 
-    ``rand_row`` (M, K) / ``rand_col`` (K, M): fp32 uniforms for stochastic
-    rounding (both ``None``: nearest-even).
+    ``key_row`` / ``key_col``: the stochastic-rounding keys of the rowwise (M, K) and
+    columnwise (K, M) directions (:func:`.draws.draw_key`; both ``None``: nearest-even).
     """
     rdata, rscale, rglob, cdata, cscale, cglob = nvfp4_quantize(
-        x2d, rand_row, rand_col, bool(rowwise), bool(columnwise), bool(with_rht), bool(two_d))
+        x2d, key_row, key_col, bool(rowwise), bool(columnwise), bool(with_rht), bool(two_d))
     fields: dict = {}
     if rowwise:
         fields.update(rowwise_data=rdata, rowwise_scale=rscale.view(SCALE_DTYPE),

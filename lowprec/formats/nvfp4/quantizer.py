@@ -6,6 +6,7 @@ import torch
 
 from ...kernels import use_kernels
 from ..base import Quantizer, check_divisible
+from .draws import draw_key, uniforms
 from .reference import BLOCK, SCALE_DTYPE, quantize_matrix
 from .rht import rht_forward
 from .tensor import NVFP4Tensor
@@ -20,10 +21,11 @@ class NVFP4Quantizer(Quantizer):
     * ``with_2d_quantization``: 16x16 blocks instead of 1x16 (both
       dimensions must then divide by 16 for either usage).
     * ``stochastic_rounding``: E2M1 codes are rounded up with probability
-      ``(|v| - lo) / (hi - lo)`` using ``torch.rand`` draws from ``generator``
-      (``None``: torch's default generator of the input's device, so
-      ``torch.manual_seed`` makes results repeatable). One draw per element,
-      the rowwise direction first, then the columnwise one.
+      ``(|v| - lo) / (hi - lo)``. Each quantized direction draws one key from
+      ``generator`` (``None``: torch's default generator of the input's
+      device, so ``torch.manual_seed`` makes results repeatable), the rowwise
+      direction first; the per-element uniforms are a counter-based function
+      of that key (:mod:`.draws`), computed in registers by the kernels.
 
     ``copy()`` shares the generator object (draws advance one state);
     ``copy.deepcopy`` and pickling give a new generator with an equal state.
@@ -85,34 +87,39 @@ class NVFP4Quantizer(Quantizer):
                             what="NVFP4 columnwise quantization (16x1 blocks)")
 
     # ---- quantize -------------------------------------------------------------------------
-    def _draws(self, shape, device) -> torch.Tensor | None:
+    def _sr_key(self, device) -> torch.Tensor | None:
         if not self.stochastic_rounding:
             return None
-        return torch.rand(shape, generator=self.generator, device=device, dtype=torch.float32)
+        return draw_key(self.generator, device)
+
+    def _uniforms(self, rows, cols, device) -> torch.Tensor | None:
+        key = self._sr_key(device)
+        return None if key is None else uniforms(key, rows, cols)
 
     def _quantize_2d(self, x2d):
         m, k = x2d.shape
         if use_kernels(x2d):
             from .launch import quantize_2d
-            # Same draws, same order as the reference path below: rowwise first.
-            rand_row = self._draws((m, k), x2d.device) if self.rowwise_usage else None
-            rand_col = self._draws((k, m), x2d.device) if self.columnwise_usage else None
+            # Same keys, same order as the reference path below: rowwise first.
+            key_row = self._sr_key(x2d.device) if self.rowwise_usage else None
+            key_col = self._sr_key(x2d.device) if self.columnwise_usage else None
             return {"with_rht": self.with_rht, "with_2d_quantization": self.with_2d_quantization,
                     **quantize_2d(x2d, rowwise=self.rowwise_usage,
                                   columnwise=self.columnwise_usage, with_rht=self.with_rht,
-                                  two_d=self.with_2d_quantization, rand_row=rand_row,
-                                  rand_col=rand_col)}
+                                  two_d=self.with_2d_quantization, key_row=key_row,
+                                  key_col=key_col)}
         x = x2d.to(torch.float32)
         fields = {"with_rht": self.with_rht, "with_2d_quantization": self.with_2d_quantization}
         two_d = self.with_2d_quantization
         if self.rowwise_usage:
-            data, scale, s = quantize_matrix(x, two_d=two_d, rand=self._draws((m, k), x.device))
+            data, scale, s = quantize_matrix(x, two_d=two_d, rand=self._uniforms(m, k, x.device))
             fields.update(rowwise_data=data, rowwise_scale=scale, rowwise_global=s)
         if self.columnwise_usage:
             xt = x.t().contiguous()
             if self.with_rht:
                 xt = rht_forward(xt)
-            data, scale, s = quantize_matrix(xt, two_d=two_d, rand=self._draws((k, m), x.device))
+            data, scale, s = quantize_matrix(xt, two_d=two_d,
+                                             rand=self._uniforms(k, m, x.device))
             fields.update(columnwise_data=data, columnwise_scale=scale, columnwise_global=s)
         return fields
 

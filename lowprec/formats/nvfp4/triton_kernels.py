@@ -136,6 +136,31 @@ def _sr_prep(d):
 
 
 @triton.jit
+def _mix32(h):
+    """draws.mix32 on uint32 (wrapping multiplies, logical shifts)."""
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    h = h * 0x846CA68B
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _sr_uniform(key_ptr, idx, IDX64: tl.constexpr):
+    """draws.uniforms_at: fp32 uniforms of the row-major element indices ``idx`` (int64
+    when IDX64, else non-negative int32) under the (2,) int64 key at ``key_ptr``."""
+    k0 = tl.load(key_ptr).to(tl.uint32)
+    k1 = tl.load(key_ptr + 1).to(tl.uint32)
+    if IDX64:
+        lo = idx.to(tl.uint32)
+        hi = (idx >> 32).to(tl.uint32)
+        h = _mix32(_mix32(lo ^ k0) ^ (hi + k1))
+    else:
+        h = _mix32(_mix32(idx.to(tl.uint32, bitcast=True) ^ k0) ^ k1)
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+
+
+@triton.jit
 def _sr_codes(a, p, rand):
     """casting.stochastic_round_e2m1_codes of v = RN(a/d) (magnitude).
 
@@ -352,12 +377,12 @@ def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
 
 # ---- pass 2a: rowwise ---------------------------------------------------------------------------
 @triton.jit
-def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
+def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr,
                       TWO_D: tl.constexpr, SR: tl.constexpr, VEC: tl.constexpr,
                       KB: tl.constexpr, RB: tl.constexpr, EVEN: tl.constexpr,
                       IDX64: tl.constexpr):
     """Rowwise NVFP4 of x (M, K): data (M, K/2) u8, scales (M, K/16) or (M/16, K/16) u8
-    (E4M3 bytes), S read from glob; rand (M, K) fp32 uniforms when SR.
+    (E4M3 bytes), S read from glob; key (2,) int64 the stochastic-rounding key when SR.
 
     Tile: RB rows x KB blocks of 16 columns; each thread owns one 1x16 block as H x VEC
     (H = 16 / VEC) elements, VEC contiguous per vector load. 1D: lanes over blocks, then
@@ -403,14 +428,7 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
     n = x * s
     a = tl.abs(n)
     if SR:
-        # uniforms as (X, Y, H, 2 or 1, 4 or VEC): at most 4 fp32 per vector load
-        V4: tl.constexpr = 4 if VEC > 4 else VEC
-        c5 = tl.arange(0, V4)[None, None, None, None, :]
-        q5 = tl.arange(0, VEC // V4)[None, None, None, :, None]
-        rp = rand_ptr + _wide(r4[:, :, :, :, None], IDX64) * K + b4[:, :, :, :, None] * 16 \
-            + h4[:, :, :, :, None] * VEC + q5 * V4 + c5
-        rnd = _ld(rp, mask4[:, :, :, :, None], 1.0, EVEN)
-        rnd = tl.reshape(rnd, x.shape)
+        rnd = _sr_uniform(key_ptr, _wide(r4, IDX64) * K + b4 * 16 + h4 * VEC + c4, IDX64)
         code = _sr_codes(a, _sr_prep(dd), rnd)
     else:
         code = _rne_codes(a, _rne_thresholds(dd))
@@ -425,12 +443,12 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
 
 # ---- pass 2b: columnwise ------------------------------------------------------------------------
 @triton.jit
-def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
+def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr,
                       RHT: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
                       KW: tl.constexpr, EVEN: tl.constexpr, IDX64: tl.constexpr):
     """Columnwise NVFP4 of x (M, K): the rowwise quantization of x^T (RHT'd along M when
-    RHT). data (K, M/2) u8, scales (K, M/16) or (K/16, M/16) u8, S from glob; rand (K, M)
-    fp32 uniforms when SR. Tile: 64 rows x 16 KW columns (see _col_tile_index); each
+    RHT). data (K, M/2) u8, scales (K, M/16) or (K/16, M/16) u8, S from glob; key (2,)
+    int64 the stochastic-rounding key when SR. Tile: 64 rows x 16 KW columns (see _col_tile_index); each
     thread owns the 16x1 blocks of two adjacent columns in one 16-row group."""
     pid = tl.program_id(0)
     nk = tl.cdiv(K, 16 * KW)
@@ -465,7 +483,7 @@ def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
         _st(scale_ptr + _wide(col, IDX64) * M16 + grp, sc.to(tl.uint8),
             (col < K) & (grp < M16), EVEN)
     if SR:
-        # uniforms (K, M): each thread's 2 columns x 16 rows, four 16-byte loads per column
+        # uniforms of (K, M) elements: each thread's 2 columns x 16 rows
         kp6 = tl.arange(0, 8)[:, None, None, None, None, None]
         g6 = tl.arange(0, 4)[None, :, None, None, None, None]
         kw6 = tl.arange(0, KW)[None, None, :, None, None, None]
@@ -474,7 +492,7 @@ def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, rand_ptr,
         i6 = tl.arange(0, 4)[None, None, None, None, None, :]
         col6 = k0 + kw6 * 16 + kp6 * 2 + p6
         row6 = m0 + g6 * 16 + q6 * 4 + i6
-        rnd = _ld(rand_ptr + _wide(col6, IDX64) * M + row6, (col6 < K) & (row6 < M), 1.0, EVEN)
+        rnd = _sr_uniform(key_ptr, _wide(col6, IDX64) * M + row6, IDX64)
         rs = _split_last16(tl.reshape(rnd, (8, 4, KW, 2, 16)))
         prep = _sr_prep(dd)
     else:
