@@ -13,10 +13,11 @@ from ...kernels import kernel_op
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
                               launches, logical_shape, prologue_args, prologue_launch_args,
-                              triton_cdiv)
+                              tile_config, triton_cdiv)
 from .reference import BLOCK
 
-#: (BM, BN, num_warps) per (block_scaling_dim, usages), picked by timing on an H200
+#: (BM, BN, num_warps[, tiles per program, pipeline stages]) per
+#: (block_scaling_dim, usages), picked by timing on an H200
 #: (benchmarks/check_kernels_fp8.py, which may override entries).
 CONFIGS = {
     (1, "row"): (32, 256, 8),
@@ -59,13 +60,15 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
     rq, rs, cq, cs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
     with device_guard(x.device):
         for r, c in launches(rowwise, columnwise, f"block{block_scaling_dim}"):
-            bm, bn, warps = CONFIGS[(block_scaling_dim, _usage(r, c))]
-            grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
+            cfg = CONFIGS[(block_scaling_dim, _usage(r, c))]
+            bm, bn, warps, iters, stages = tile_config(cfg)
+            grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
             block_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1),
                                      *prologue_args(x, pro_args), eps, PRO=pro,
                                      FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
                                      TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c,
-                                     BM=bm, BN=bn, num_warps=warps,
+                                     BM=bm, BN=bn, ITERS=iters, STAGES=stages,
+                                     num_warps=warps,
                                      **kernel_fp8_args(fp8_dtype))
     return rq, rs, cq, cs
 

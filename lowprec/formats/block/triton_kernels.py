@@ -17,15 +17,13 @@ from ..float8.triton_kernels import abs_bits, current_scale, fp8_codes, store_t
 
 
 @triton.jit
-def block_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, stride_xk,
-                       p0, p1, p2, p3, eps, PRO: tl.constexpr,
-                       FP8_MAX: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr,
-                       BIAS: tl.constexpr, MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr,
-                       TWO_D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr):
+def _block_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, stride_xk,
+                p0, p1, p2, p3, eps, PRO: tl.constexpr,
+                FP8_MAX: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr,
+                BIAS: tl.constexpr, MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr,
+                TWO_D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr):
     BLK: tl.constexpr = 128
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BN + tl.arange(0, BN)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
@@ -72,3 +70,20 @@ def block_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, s
                     COL_MODE)
             sm = pid_m * (BM // BLK) + tl.arange(0, BM // BLK)
             store_t(cs_ptr, sm, offs_k, M // BLK, K, M // BLK, s_c, COL_MODE)
+
+
+@triton.jit
+def block_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, stride_xk,
+                       p0, p1, p2, p3, eps, PRO: tl.constexpr,
+                       FP8_MAX: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr,
+                       BIAS: tl.constexpr, MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr,
+                       TWO_D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr,
+                       ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+    """One program quantizes ITERS (BM, BN) tiles down a column of tiles; with STAGES > 1
+    the loads of the next tiles are issued (asynchronously) while one is converted."""
+    pid_k = tl.program_id(1)
+    for t in tl.range(0, ITERS, num_stages=STAGES):
+        _block_tile(tl.program_id(0) * ITERS + t, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr,
+                    M, K, stride_xm, stride_xk, p0, p1, p2, p3, eps, PRO, FP8_MAX, POW2,
+                    MBITS, BIAS, MAX_BITS, HW_CVT, TWO_D, ROWWISE, COLWISE, BM, BN, COL_MODE)

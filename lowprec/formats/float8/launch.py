@@ -67,6 +67,14 @@ CONFIGS = {
 }
 
 
+def tile_config(cfg: tuple) -> tuple:
+    """(BM, BN, num_warps, ITERS, STAGES) of a config entry; the last two default to 1 (one
+    tile per program, no software pipelining)."""
+    bm, bn, warps, *rest = cfg
+    iters, stages = (tuple(rest) + (1, 1))[:2]
+    return bm, bn, warps, iters, stages
+
+
 def fp8_dtype_of(is_e5m2: bool) -> torch.dtype:
     return torch.float8_e5m2 if is_e5m2 else torch.float8_e4m3fn
 
@@ -153,12 +161,13 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
         if amax_bits is None:
             amax_bits = _launch_amax(x, pro, pro_args)
         for r, c in launches(rowwise, columnwise, "pertensor"):
-            bm, bn, warps = _cast_cfg(r, c)
-            grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
+            bm, bn, warps, iters, stages = tile_config(_cast_cfg(r, c))
+            grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
             cast_kernel[grid](x, row, col, amax_bits, scale, scale, m, k, x.stride(0),
                               x.stride(1), *p, eps, PRO=pro, CURRENT=True, POW2=pow2,
                               FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm,
-                              BN=bn, num_warps=warps, **kernel_fp8_args(fp8_dtype))
+                              BN=bn, ITERS=iters, STAGES=stages, num_warps=warps,
+                              **kernel_fp8_args(fp8_dtype))
     return row, col, scale
 
 
@@ -183,12 +192,13 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
     with device_guard(x.device):
         for r, c in launches(rowwise, columnwise, "pertensor"):
-            bm, bn, warps = _cast_cfg(r, c)
-            grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
+            bm, bn, warps, iters, stages = tile_config(_cast_cfg(r, c))
+            grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
             cast_kernel[grid](x, row, col, amax_bits, scale, scale_out, m, k, x.stride(0),
                               x.stride(1), *p, 0.0, PRO=pro, CURRENT=False, POW2=False,
                               FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm,
-                              BN=bn, num_warps=warps, **kernel_fp8_args(fp8_dtype))
+                              BN=bn, ITERS=iters, STAGES=stages, num_warps=warps,
+                              **kernel_fp8_args(fp8_dtype))
         block, _, warps = CONFIGS["finish"]
         n = m * k
         progs = max(1, min(triton_cdiv(n, block), num_sms(x.device) * 2))

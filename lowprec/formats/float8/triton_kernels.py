@@ -130,26 +130,11 @@ def amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3, n_t
 
 
 @triton.jit
-def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr,
-                M, K, stride_xm, stride_xk, p0, p1, p2, p3, eps,
-                PRO: tl.constexpr, CURRENT: tl.constexpr, POW2: tl.constexpr, FP8_MAX: tl.constexpr,
-                MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
-                HW_CVT: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr):
-    """One pass over x: cast ``x * scale`` and write rowwise (M, K) and/or columnwise (K, M).
-
-    CURRENT: the scale comes from the amax pass (``amax_ptr``), program (0, 0) stores it.
-    Delayed (not CURRENT): the scale is ``scale_in``; this pass also records the amax
-    (atomic max into ``amax_ptr``); ``delayed_finish_kernel`` then stores the scale.
-    """
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    if CURRENT:
-        scale = current_scale(tl.load(amax_ptr), eps, FP8_MAX, POW2)
-        if (pid_m == 0) & (pid_k == 0):
-            tl.store(scale_out_ptr, scale)
-    else:
-        scale = tl.load(scale_in_ptr)
+def _cast_tile(pid_m, pid_k, scale, x_ptr, row_ptr, col_ptr, amax_ptr, M, K, stride_xm,
+               stride_xk, p0, p1, p2, p3, PRO: tl.constexpr, CURRENT: tl.constexpr,
+               MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
+               HW_CVT: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr):
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BN + tl.arange(0, BN)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
@@ -166,6 +151,36 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr,
         # compiler pitfall in the module docstring.
         store_t(col_ptr, offs_m, offs_k, M, K, M,
                 fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT, ROWWISE), COL_MODE)
+
+
+@triton.jit
+def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr,
+                M, K, stride_xm, stride_xk, p0, p1, p2, p3, eps,
+                PRO: tl.constexpr, CURRENT: tl.constexpr, POW2: tl.constexpr, FP8_MAX: tl.constexpr,
+                MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
+                HW_CVT: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr,
+                ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+    """One pass over x: cast ``x * scale`` and write rowwise (M, K) and/or columnwise (K, M).
+
+    CURRENT: the scale comes from the amax pass (``amax_ptr``), program (0, 0) stores it.
+    Delayed (not CURRENT): the scale is ``scale_in``; this pass also records the amax
+    (atomic max into ``amax_ptr``); ``delayed_finish_kernel`` then stores the scale.
+    Each program converts ITERS tiles down a column of tiles; with STAGES > 1 the loads of
+    the next tiles are issued (asynchronously) while one is converted.
+    """
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if CURRENT:
+        scale = current_scale(tl.load(amax_ptr), eps, FP8_MAX, POW2)
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(scale_out_ptr, scale)
+    else:
+        scale = tl.load(scale_in_ptr)
+    for t in tl.range(0, ITERS, num_stages=STAGES):
+        _cast_tile(pid_m * ITERS + t, pid_k, scale, x_ptr, row_ptr, col_ptr, amax_ptr, M, K,
+                   stride_xm, stride_xk, p0, p1, p2, p3, PRO, CURRENT, MBITS, BIAS, MAX_BITS,
+                   HW_CVT, ROWWISE, COLWISE, BM, BN, COL_MODE)
 
 
 @triton.jit

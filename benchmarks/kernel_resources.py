@@ -1,0 +1,144 @@
+"""Registers, spills and shared memory of the FP8 / block / MXFP8 quantize kernels, per config.
+
+Compiles each kernel for sm90 ahead of time (no GPU needed: Triton's bundled ``ptxas``), so
+tile configs and kernel structure can be compared before spending device time. Occupancy
+is what a memory-bound kernel lives on: at 232+ registers per thread an SM holds two
+4-warp programs, too few loads in flight to reach copy bandwidth.
+
+    python3 benchmarks/kernel_resources.py [--only mx1,block1] [--configs 32x128x4,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+FP8 = dict(FP8_MAX=448.0, MBITS=3, BIAS=7, MAX_BITS=0x43E00000, HW_CVT=True, COL_MODE=0)
+REGS_PER_SM = 65536
+SMEM_PER_SM = 228 * 1024
+
+
+def _compile(fn, sig: dict, const: dict, warps: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    # As the JIT specializes a launch on a contiguous 16384x4096 input: the inner stride is
+    # the constant 1, pointers and the other integers are divisible by 16.
+    const = dict(const, stride_xk=1)
+    full = {a: ("constexpr" if a in const else sig[a]) for a in fn.arg_names}
+    names = list(full)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+             if full[a].startswith("*") or full[a] == "i32"}
+    src = ASTSource(fn=fn, signature=full,
+                    constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def resources(kernel) -> dict:
+    """ptxas -v figures of a compiled kernel plus its layout conversions."""
+    import triton
+    ptxas = os.path.join(triton.__path__[0], "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        err = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", err).group(1))
+    spill = int(re.search(r"(\d+) bytes spill stores", err).group(1))
+    return {"regs": regs, "spill": spill, "smem": kernel.metadata.shared,
+            "converts": kernel.asm["ttgir"].count("convert_layout")}
+
+
+def _quant_sig(extra_ptrs=()):
+    sig = {"x_ptr": "*bf16"}
+    for p in ("rq_ptr", "rs_ptr", "cq_ptr", "cs_ptr"):
+        sig[p] = "*u8" if "q" in p else "*fp32"
+    sig.update({"M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32",
+                "p0": "*bf16", "p1": "*bf16", "p2": "*bf16", "p3": "*bf16"})
+    return sig
+
+
+def cases(only):
+    """(name, kernel fn, signature, constexprs, configs) per kernel family and usage."""
+    from lowprec.formats.block import launch as bl
+    from lowprec.formats.block.triton_kernels import block_quant_kernel
+    from lowprec.formats.mxfp8 import launch as ml
+    from lowprec.formats.float8 import launch as fl
+    from lowprec.formats.float8.triton_kernels import cast_kernel
+    from lowprec.formats.mxfp8.triton_kernels import mxfp8_quant_kernel
+    out = []
+    for usage, (r, c) in (("both", (True, True)), ("row", (True, False)), ("col", (False, True))):
+        sig = {"x_ptr": "*bf16", "row_ptr": "*u8", "col_ptr": "*u8", "amax_ptr": "*i32",
+               "scale_in_ptr": "*fp32", "scale_out_ptr": "*fp32", "M": "i32", "K": "i32",
+               "stride_xm": "i32", "p0": "*bf16", "p1": "*bf16", "p2": "*bf16", "p3": "*bf16",
+               "eps": "fp32"}
+        for current in (True, False):
+            const = dict(FP8, PRO=0, CURRENT=current, POW2=False, ROWWISE=r, COLWISE=c)
+            out.append(("current" if current else "delayed", usage, cast_kernel, sig, const,
+                        fl.CONFIGS[f"cast_{usage}"]))
+    for usage, (r, c) in (("both", (True, True)), ("row", (True, False)), ("col", (False, True))):
+        for dim in (1, 2):
+            sig = dict(_quant_sig(), eps="fp32")
+            const = dict(FP8, PRO=0, POW2=True, TWO_D=dim == 2, ROWWISE=r, COLWISE=c)
+            out.append((f"block{dim}", usage, block_quant_kernel, sig, const,
+                        bl.CONFIGS[(dim, usage)]))
+        for two_d in (False, True):
+            sig = _quant_sig()
+            sig["rs_ptr"] = sig["cs_ptr"] = "*u8"
+            const = dict(FP8, PRO=0, TWO_D=two_d, ROWWISE=r, COLWISE=c)
+            const.pop("COL_MODE")
+            const["COL_MODE"] = 0
+            out.append((f"mx{2 if two_d else 1}", usage, mxfp8_quant_kernel, sig, const,
+                        ml.CONFIGS[(two_d, usage)]))
+    return [c for c in out if not only or c[0] in only]
+
+
+def tile_config(cfg):
+    from lowprec.formats.float8.launch import tile_config as tc
+    return tc(cfg)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="",
+                    help="comma-separated families: current,delayed,block1,block2,mx1,mx2")
+    ap.add_argument("--usages", default="both,row,col")
+    ap.add_argument("--configs", default="",
+                    help="extra BMxBNxWARPS[xITERSxSTAGES] configs to try for every case, "
+                         "e.g. 64x128x4,32x128x4x4x3")
+    args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    extra = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
+    usages = args.usages.split(",")
+    print(f"{'kernel':8} {'usage':5} {'BMxBNxWxIxS':14} {'regs':>5} {'spill':>6} {'smem':>6} "
+          f"{'cvt':>4} {'progs/SM':>8}")
+    for fam, usage, fn, sig, const, default in cases(only):
+        if usage not in usages:
+            continue
+        for cfg in [default] + extra:
+            bm, bn, warps, iters, stages = tile_config(cfg)
+            name = "x".join(str(v) for v in (bm, bn, warps, iters, stages))
+            try:
+                k = _compile(fn, sig, dict(const, BM=bm, BN=bn, ITERS=iters, STAGES=stages),
+                             warps)
+                r = resources(k)
+            except Exception as e:  # noqa: BLE001
+                print(f"{fam:8} {usage:5} {name:14} failed: {type(e).__name__}")
+                continue
+            progs = min(REGS_PER_SM // (max(r["regs"], 1) * 32 * warps),
+                        SMEM_PER_SM // max(r["smem"], 1))
+            mark = " (default)" if cfg == default else ""
+            print(f"{fam:8} {usage:5} {name:14} {r['regs']:5} {r['spill']:6} "
+                  f"{r['smem']:6} {r['converts']:4} {progs:8}{mark}")
+
+
+if __name__ == "__main__":
+    main()
