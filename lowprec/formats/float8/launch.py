@@ -45,7 +45,7 @@ COL_MODE = 0
 #: columnwise-only) instead of one fused pass: keys "pertensor", "block1", "block2", "mx1",
 #: "mx2". The fused pass reads the input once; the split one twice, which can still be faster
 #: where the fused kernel's in-register transposition costs more than the second read.
-SPLIT_BOTH = {"pertensor": False, "block1": False, "block2": False, "mx1": False, "mx2": False}
+SPLIT_BOTH = {"pertensor": False, "block1": True, "block2": False, "mx1": False, "mx2": False}
 
 
 def launches(rowwise: bool, columnwise: bool, key: str):
@@ -59,8 +59,8 @@ def launches(rowwise: bool, columnwise: bool, key: str):
 #: (benchmarks/check_kernels_fp8.py, which may override entries). The values here are the
 #: ones that script verified bit-exact.
 CONFIGS = {
-    "amax": (64, 256, 8),
-    "cast_row": (32, 256, 8),
+    "amax": (32, 256, 8),
+    "cast_row": (32, 128, 4, 4, 3),
     "cast_col": (64, 128, 8),
     "cast_both": (64, 64, 4),
     "finish": (4096, 0, 4),
@@ -68,11 +68,12 @@ CONFIGS = {
 
 
 def tile_config(cfg: tuple) -> tuple:
-    """(BM, BN, num_warps, ITERS, STAGES) of a config entry; the last two default to 1 (one
-    tile per program, no software pipelining)."""
+    """(BM, BN, num_warps, ITERS, STAGES, COL_T) of a config entry: ITERS and STAGES default
+    to 1 (one tile per program, no software pipelining), COL_T (block and MXFP8 1-D
+    kernels: columnwise side through a transposed input tile) to False."""
     bm, bn, warps, *rest = cfg
-    iters, stages = (tuple(rest) + (1, 1))[:2]
-    return bm, bn, warps, iters, stages
+    iters, stages, col_t = (tuple(rest) + (1, 1, False)[len(rest):])[:3]
+    return bm, bn, warps, iters, stages, bool(col_t)
 
 
 def fp8_dtype_of(is_e5m2: bool) -> torch.dtype:
@@ -161,7 +162,7 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
         if amax_bits is None:
             amax_bits = _launch_amax(x, pro, pro_args)
         for r, c in launches(rowwise, columnwise, "pertensor"):
-            bm, bn, warps, iters, stages = tile_config(_cast_cfg(r, c))
+            bm, bn, warps, iters, stages, _ = tile_config(_cast_cfg(r, c))
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
             cast_kernel[grid](x, row, col, amax_bits, scale, scale, m, k, x.stride(0),
                               x.stride(1), *p, eps, PRO=pro, CURRENT=True, POW2=pow2,
@@ -192,7 +193,7 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
     with device_guard(x.device):
         for r, c in launches(rowwise, columnwise, "pertensor"):
-            bm, bn, warps, iters, stages = tile_config(_cast_cfg(r, c))
+            bm, bn, warps, iters, stages, _ = tile_config(_cast_cfg(r, c))
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
             cast_kernel[grid](x, row, col, amax_bits, scale, scale_out, m, k, x.stride(0),
                               x.stride(1), *p, 0.0, PRO=pro, CURRENT=False, POW2=False,
