@@ -113,32 +113,31 @@ def main():
                     help="comma-separated families: current,delayed,block1,block2,mx1,mx2")
     ap.add_argument("--usages", default="both,row,col")
     ap.add_argument("--configs", default="",
-                    help="extra BMxBNxWARPS[xITERSxSTAGES[xCOL_T]] configs to try for every "
-                         "case, e.g. 64x128x4,32x128x4x4x3,32x64x2x1x1x1")
+                    help="extra BMxBNxWARPS[xITERSxSTAGES] configs to try for every case, "
+                         "e.g. 64x128x4,32x128x4x4x3")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
     extra = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
     usages = args.usages.split(",")
-    print(f"{'kernel':8} {'usage':5} {'BMxBNxWxIxSxT':16} {'regs':>5} {'spill':>6} {'smem':>6} "
+    print(f"{'kernel':8} {'usage':5} {'BMxBNxWxIxS':14} {'regs':>5} {'spill':>6} {'smem':>6} "
           f"{'cvt':>4} {'progs/SM':>8}")
     for fam, usage, fn, sig, const, default in cases(only):
         if usage not in usages:
             continue
         for cfg in [default] + extra:
-            bm, bn, warps, iters, stages, col_t = tile_config(cfg)
-            name = "x".join(str(int(v)) for v in (bm, bn, warps, iters, stages, col_t))
+            bm, bn, warps, iters, stages = tile_config(cfg)
+            name = "x".join(str(v) for v in (bm, bn, warps, iters, stages))
             try:
-                extra_const = {"COL_T": col_t} if "COL_T" in fn.arg_names else {}
-                k = _compile(fn, sig, dict(const, BM=bm, BN=bn, ITERS=iters, STAGES=stages,
-                                           **extra_const), warps)
+                k = _compile(fn, sig, dict(const, BM=bm, BN=bn, ITERS=iters, STAGES=stages),
+                             warps)
                 r = resources(k)
             except Exception as e:  # noqa: BLE001
-                print(f"{fam:8} {usage:5} {name:16} failed: {type(e).__name__}")
+                print(f"{fam:8} {usage:5} {name:14} failed: {type(e).__name__}")
                 continue
             progs = min(REGS_PER_SM // (max(r["regs"], 1) * 32 * warps),
                         SMEM_PER_SM // max(r["smem"], 1))
             mark = " (default)" if cfg == default else ""
-            print(f"{fam:8} {usage:5} {name:16} {r['regs']:5} {r['spill']:6} "
+            print(f"{fam:8} {usage:5} {name:14} {r['regs']:5} {r['spill']:6} "
                   f"{r['smem']:6} {r['converts']:4} {progs:8}{mark}")
 
 

@@ -16,7 +16,7 @@ from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_
                               tile_config, triton_cdiv)
 from .reference import BLOCK
 
-#: (BM, BN, num_warps[, tiles per program, pipeline stages, COL_T]) per
+#: (BM, BN, num_warps[, tiles per program, pipeline stages]) per
 #: (block_scaling_dim, usages), picked by timing on an H200
 #: (benchmarks/check_kernels_fp8.py, which may override entries).
 CONFIGS = {
@@ -61,14 +61,13 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
     with device_guard(x.device):
         for r, c in launches(rowwise, columnwise, f"block{block_scaling_dim}"):
             cfg = CONFIGS[(block_scaling_dim, _usage(r, c))]
-            bm, bn, warps, iters, stages, col_t = tile_config(cfg)
+            bm, bn, warps, iters, stages = tile_config(cfg)
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
             block_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1),
                                      *prologue_args(x, pro_args), eps, PRO=pro,
                                      FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
                                      TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c,
                                      BM=bm, BN=bn, ITERS=iters, STAGES=stages,
-                                     COL_T=col_t,
                                      num_warps=warps,
                                      **kernel_fp8_args(fp8_dtype))
     return rq, rs, cq, cs

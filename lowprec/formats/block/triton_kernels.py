@@ -22,8 +22,7 @@ def _block_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, strid
                 FP8_MAX: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr,
                 BIAS: tl.constexpr, MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr,
                 TWO_D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr,
-                COL_T: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr):
     BLK: tl.constexpr = 128
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BN + tl.arange(0, BN)
@@ -61,21 +60,7 @@ def _block_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, strid
             sk = pid_k * (BN // BLK) + tl.arange(0, BN // BLK)
             tl.store(rs_ptr + offs_m64[:, None] * (K // BLK) + sk[None, :], s_r,
                      mask=(offs_m < M)[:, None] & (sk < K // BLK)[None, :])
-        if COLWISE and COL_T:
-            # 128x1 blocks along M: transpose the input tile once, quantize its rows and
-            # store them straight into the (K, M) layout.
-            xt = tl.trans(x)  # (BN, BM)
-            amax_c = tl.max(tl.reshape(abs_bits(xt), (BN, BM // BLK, BLK)), 2)
-            s_c = current_scale(amax_c, eps, FP8_MAX, POW2)  # (BN, BM/128)
-            y = tl.reshape(tl.reshape(xt, (BN, BM // BLK, BLK)) * s_c[:, :, None], (BN, BM))
-            offs_k64 = offs_k.to(tl.int64)
-            tl.store(cq_ptr + offs_k64[:, None] * M + offs_m[None, :],
-                     fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT, ROWWISE),
-                     mask=(offs_k < K)[:, None] & (offs_m < M)[None, :])
-            sm = pid_m * (BM // BLK) + tl.arange(0, BM // BLK)
-            tl.store(cs_ptr + offs_k64[:, None] * (M // BLK) + sm[None, :], s_c,
-                     mask=(offs_k < K)[:, None] & (sm < M // BLK)[None, :])
-        elif COLWISE:
+        if COLWISE:
             # 128x1 blocks along M (M divisible by 128).
             amax_c = tl.max(tl.reshape(a, (BM // BLK, BLK, BN)), 1)
             s_c = current_scale(amax_c, eps, FP8_MAX, POW2)  # (BM/128, BN)
@@ -94,15 +79,11 @@ def block_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, s
                        BIAS: tl.constexpr, MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr,
                        TWO_D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr,
-                       ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1,
-                       COL_T: tl.constexpr = False):
+                       ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1):
     """One program quantizes ITERS (BM, BN) tiles down a column of tiles; with STAGES > 1
-    the loads of the next tiles are issued (asynchronously) while one is converted. COL_T
-    (1x128 blocks): the columnwise side transposes the input tile and quantizes its rows,
-    instead of reducing down the columns and transposing the codes."""
+    the loads of the next tiles are issued (asynchronously) while one is converted."""
     pid_k = tl.program_id(1)
     for t in tl.range(0, ITERS, num_stages=STAGES):
         _block_tile(tl.program_id(0) * ITERS + t, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr,
                     M, K, stride_xm, stride_xk, p0, p1, p2, p3, eps, PRO, FP8_MAX, POW2,
-                    MBITS, BIAS, MAX_BITS, HW_CVT, TWO_D, ROWWISE, COLWISE, BM, BN, COL_MODE,
-                    COL_T)
+                    MBITS, BIAS, MAX_BITS, HW_CVT, TWO_D, ROWWISE, COLWISE, BM, BN, COL_MODE)

@@ -59,8 +59,8 @@ def launches(rowwise: bool, columnwise: bool, key: str):
 #: (benchmarks/check_kernels_fp8.py, which may override entries). The values here are the
 #: ones that script verified bit-exact.
 CONFIGS = {
-    "amax": (32, 256, 8),
-    "cast_row": (32, 128, 4, 4, 3),
+    "amax": (64, 256, 8),
+    "cast_row": (32, 256, 8),
     "cast_col": (64, 128, 8),
     "cast_both": (64, 64, 4),
     "finish": (4096, 0, 4),
@@ -68,12 +68,11 @@ CONFIGS = {
 
 
 def tile_config(cfg: tuple) -> tuple:
-    """(BM, BN, num_warps, ITERS, STAGES, COL_T) of a config entry: ITERS and STAGES default
-    to 1 (one tile per program, no software pipelining), COL_T (block and MXFP8 1-D
-    kernels: columnwise side through a transposed input tile) to False."""
+    """(BM, BN, num_warps, ITERS, STAGES) of a config entry; the last two default to 1 (one
+    tile per program, no software pipelining)."""
     bm, bn, warps, *rest = cfg
-    iters, stages, col_t = (tuple(rest) + (1, 1, False)[len(rest):])[:3]
-    return bm, bn, warps, iters, stages, bool(col_t)
+    iters, stages = (tuple(rest) + (1, 1))[:2]
+    return bm, bn, warps, iters, stages
 
 
 def fp8_dtype_of(is_e5m2: bool) -> torch.dtype:
@@ -162,7 +161,7 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
         if amax_bits is None:
             amax_bits = _launch_amax(x, pro, pro_args)
         for r, c in launches(rowwise, columnwise, "pertensor"):
-            bm, bn, warps, iters, stages, _ = tile_config(_cast_cfg(r, c))
+            bm, bn, warps, iters, stages = tile_config(_cast_cfg(r, c))
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
             cast_kernel[grid](x, row, col, amax_bits, scale, scale, m, k, x.stride(0),
                               x.stride(1), *p, eps, PRO=pro, CURRENT=True, POW2=pow2,
@@ -193,7 +192,7 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
     with device_guard(x.device):
         for r, c in launches(rowwise, columnwise, "pertensor"):
-            bm, bn, warps, iters, stages, _ = tile_config(_cast_cfg(r, c))
+            bm, bn, warps, iters, stages = tile_config(_cast_cfg(r, c))
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
             cast_kernel[grid](x, row, col, amax_bits, scale, scale_out, m, k, x.stride(0),
                               x.stride(1), *p, 0.0, PRO=pro, CURRENT=False, POW2=False,

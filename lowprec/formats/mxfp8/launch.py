@@ -16,8 +16,7 @@ from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_
                               tile_config, triton_cdiv)
 from .reference import BLOCK
 
-#: (BM, BN, num_warps[, tiles per program, pipeline stages, COL_T]) per
-#: (two_d, usages),
+#: (BM, BN, num_warps[, tiles per program, pipeline stages]) per (two_d, usages),
 #: picked by timing on an H200
 #: (benchmarks/check_kernels_fp8.py, which may override entries).
 CONFIGS = {
@@ -54,14 +53,12 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
     rq, rs, cq, cs = _empty_outputs(x, two_d, rowwise, columnwise, pro)
     with device_guard(x.device):
         for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
-            cfg = CONFIGS[(two_d, _usage(r, c))]
-            bm, bn, warps, iters, stages, col_t = tile_config(cfg)
+            bm, bn, warps, iters, stages = tile_config(CONFIGS[(two_d, _usage(r, c))])
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
             mxfp8_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1),
                                      *prologue_args(x, pro_args), PRO=pro,
                                      FP8_MAX=FP8_PARAMS[fp8_dtype][3], TWO_D=two_d, ROWWISE=r,
                                      COLWISE=c, BM=bm, BN=bn, ITERS=iters, STAGES=stages,
-                                     COL_T=col_t,
                                      num_warps=warps,
                                      **kernel_fp8_args(fp8_dtype))
     return rq, rs, cq, cs

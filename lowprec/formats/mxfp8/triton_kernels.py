@@ -51,8 +51,7 @@ def _mxfp8_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, strid
                 FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                 MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr, TWO_D: tl.constexpr,
                 ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr,
-                COL_T: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr):
     BLK: tl.constexpr = 32
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BN + tl.arange(0, BN)
@@ -89,21 +88,7 @@ def _mxfp8_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, strid
             sk = pid_k * (BN // BLK) + tl.arange(0, BN // BLK)
             tl.store(rs_ptr + offs_m64[:, None] * (K // BLK) + sk[None, :], code_r,
                      mask=(offs_m < M)[:, None] & (sk < K // BLK)[None, :])
-        if COLWISE and COL_T:
-            # Transpose the input tile once, then quantize its rows (blocks along M)
-            # and store them straight into the (K, M) layout.
-            xt = tl.trans(x)  # (BN, BM)
-            amax_c = tl.max(tl.reshape(abs_bits(xt), (BN, BM // BLK, BLK)), 2)
-            code_c, mult_c = e8m0_scale(amax_c, FP8_MAX, ROWWISE)  # (BN, BM/32)
-            y = tl.reshape(tl.reshape(xt, (BN, BM // BLK, BLK)) * mult_c[:, :, None], (BN, BM))
-            offs_k64 = offs_k.to(tl.int64)
-            tl.store(cq_ptr + offs_k64[:, None] * M + offs_m[None, :],
-                     fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT, ROWWISE),
-                     mask=(offs_k < K)[:, None] & (offs_m < M)[None, :])
-            sm = pid_m * (BM // BLK) + tl.arange(0, BM // BLK)
-            tl.store(cs_ptr + offs_k64[:, None] * (M // BLK) + sm[None, :], code_c,
-                     mask=(offs_k < K)[:, None] & (sm < M // BLK)[None, :])
-        elif COLWISE:
+        if COLWISE:
             amax_c = tl.max(tl.reshape(a, (BM // BLK, BLK, BN)), 1)
             code_c, mult_c = e8m0_scale(amax_c, FP8_MAX)  # (BM/32, BN)
             x3 = tl.reshape(x, (BM // BLK, BLK, BN))
@@ -121,14 +106,11 @@ def mxfp8_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, s
                        MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr, TWO_D: tl.constexpr,
                        ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr,
-                       ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1,
-                       COL_T: tl.constexpr = False):
+                       ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1):
     """One program quantizes ITERS (BM, BN) tiles down a column of tiles; with STAGES > 1
-    the loads of the next tiles are issued (asynchronously) while one is converted. COL_T
-    (1x32 blocks): the columnwise side transposes the input tile and quantizes its rows,
-    instead of reducing down the columns and transposing the codes."""
+    the loads of the next tiles are issued (asynchronously) while one is converted."""
     pid_k = tl.program_id(1)
     for t in tl.range(0, ITERS, num_stages=STAGES):
         _mxfp8_tile(tl.program_id(0) * ITERS + t, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr,
                     M, K, stride_xm, stride_xk, p0, p1, p2, p3, PRO, FP8_MAX, MBITS, BIAS, MAX_BITS,
-                    HW_CVT, TWO_D, ROWWISE, COLWISE, BM, BN, COL_MODE, COL_T)
+                    HW_CVT, TWO_D, ROWWISE, COLWISE, BM, BN, COL_MODE)
