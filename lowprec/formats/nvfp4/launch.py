@@ -53,10 +53,6 @@ def _kernels():
     return triton_kernels
 
 
-def _empty(device) -> Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device)
-
-
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -88,20 +84,7 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
             raise ValueError(f"nvfp4_quantize: a stochastic-rounding key must be an int64 (2,) "
                              f"tensor on {dev}, got {key.dtype} {tuple(key.shape)} on "
                              f"{key.device}")
-    rows_s = (m // BLOCK) if two_d else m
-    cols_s = (kk // BLOCK) if two_d else kk
-    if rowwise:
-        rdata = torch.empty(m, kk // 2, dtype=torch.uint8, device=dev)
-        rscale = torch.empty(rows_s, kk // BLOCK, dtype=torch.uint8, device=dev)
-        rglob = torch.empty(1, dtype=torch.float32, device=dev)
-    else:
-        rdata, rscale, rglob = _empty(dev), _empty(dev), _empty(dev)
-    if columnwise:
-        cdata = torch.empty(kk, m // 2, dtype=torch.uint8, device=dev)
-        cscale = torch.empty(cols_s, m // BLOCK, dtype=torch.uint8, device=dev)
-        cglob = torch.empty(1, dtype=torch.float32, device=dev)
-    else:
-        cdata, cscale, cglob = _empty(dev), _empty(dev), _empty(dev)
+    rdata, rscale, rglob, cdata, cscale, cglob = _quantize_outputs(x, rowwise, columnwise, two_d)
     if not (rowwise or columnwise) or m == 0 or kk == 0:
         return rdata, rscale, rglob, cdata, cscale, cglob
 
@@ -141,28 +124,24 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
     return rdata, rscale, rglob, cdata, cscale, cglob
 
 
-@nvfp4_quantize.register_fake
-def _nvfp4_quantize_fake(x, key_row, key_col, rowwise, columnwise, with_rht, two_d):
+def _quantize_outputs(x: Tensor, rowwise: bool, columnwise: bool, two_d: bool):
+    """Uninitialized (data, scale bytes, S) of each direction of an (M, K) x; an unused
+    direction's three tensors are empty. Shared by the op and its fake."""
     m, kk = x.shape
 
-    def e():
-        return x.new_empty(0, dtype=torch.uint8)
+    def direction(on, rows, cols):
+        if not on:
+            return tuple(x.new_empty(0, dtype=torch.uint8) for _ in range(3))
+        return (x.new_empty(rows, cols // 2, dtype=torch.uint8),
+                x.new_empty(rows // BLOCK if two_d else rows, cols // BLOCK, dtype=torch.uint8),
+                x.new_empty(1, dtype=torch.float32))
 
-    rows_s = (m // BLOCK) if two_d else m
-    cols_s = (kk // BLOCK) if two_d else kk
-    if rowwise:
-        row = (x.new_empty(m, kk // 2, dtype=torch.uint8),
-               x.new_empty(rows_s, kk // BLOCK, dtype=torch.uint8),
-               x.new_empty(1, dtype=torch.float32))
-    else:
-        row = (e(), e(), e())
-    if columnwise:
-        col = (x.new_empty(kk, m // 2, dtype=torch.uint8),
-               x.new_empty(cols_s, m // BLOCK, dtype=torch.uint8),
-               x.new_empty(1, dtype=torch.float32))
-    else:
-        col = (e(), e(), e())
-    return (*row, *col)
+    return (*direction(rowwise, m, kk), *direction(columnwise, kk, m))
+
+
+@nvfp4_quantize.register_fake
+def _nvfp4_quantize_fake(x, key_row, key_col, rowwise, columnwise, with_rht, two_d):
+    return _quantize_outputs(x, rowwise, columnwise, two_d)
 
 
 def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
