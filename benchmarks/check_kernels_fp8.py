@@ -310,12 +310,12 @@ def run_exhaustive(quick):
 
     @triton.jit
     def cast_probe(x_ptr, hw_ptr, sw_ptr, N, MBITS: tl.constexpr, BIAS: tl.constexpr,
-                   MAX_BITS: tl.constexpr, BLOCK: tl.constexpr):
+                   MAX_BITS: tl.constexpr, BLOCK: tl.constexpr, ALT: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        tl.store(hw_ptr + offs, fp8_codes(x, MBITS, BIAS, MAX_BITS, True), mask=mask)
-        tl.store(sw_ptr + offs, fp8_codes(x, MBITS, BIAS, MAX_BITS, False), mask=mask)
+        tl.store(hw_ptr + offs, fp8_codes(x, MBITS, BIAS, MAX_BITS, True, ALT), mask=mask)
+        tl.store(sw_ptr + offs, fp8_codes(x, MBITS, BIAS, MAX_BITS, False, ALT), mask=mask)
 
     @triton.jit
     def scale_probe(a_ptr, s_ptr, code_ptr, mult_ptr, N, eps, FP8_MAX: tl.constexpr,
@@ -333,7 +333,7 @@ def run_exhaustive(quick):
     block = 4096
     total = 1 << 32
     step = 8 if quick else 1  # quick: every 8th chunk
-    for f in (E4, E5):
+    for f, alt in ((E4, False), (E5, False), (E4, True), (E5, True)):
         mbits, bias, max_bits, fmax = f8_launch.FP8_PARAMS[f]
         bad_hw = bad_sw = checked = 0
         hw = torch.empty(chunk, dtype=torch.uint8, device="cuda")
@@ -344,7 +344,7 @@ def run_exhaustive(quick):
                 torch.int32)
             x = bits.view(torch.float32)
             cast_probe[(chunk // block,)](x, hw, sw, chunk, MBITS=mbits, BIAS=bias,
-                                          MAX_BITS=max_bits, BLOCK=block)
+                                          MAX_BITS=max_bits, BLOCK=block, ALT=alt)
             ref = cast_fp8(x, f).view(torch.uint8)
             nan_in = torch.isnan(x)
             for name, got in (("hw", hw), ("sw", sw)):
@@ -357,7 +357,7 @@ def run_exhaustive(quick):
                     bad_sw += cnt
             checked += chunk
             del bits, x, ref, nan_in
-        out[f"cast {FP8_NAME[f]}"] = {"checked": checked, "hw_mismatch": bad_hw,
+        out[f"cast {FP8_NAME[f]}{' alt' if alt else ''}"] = {"checked": checked, "hw_mismatch": bad_hw,
                                       "int_mismatch": bad_sw}
     # scale rules on every non-negative amax bit pattern
     for f in (E4, E5):
@@ -489,7 +489,7 @@ def run_bench(sweep, col_modes=(0,), fused_ok=True):
         plan = [
             (f8_launch.CONFIGS, "cast_both", [(64, 64, 4), (64, 128, 4), (32, 64, 4),
                                               (32, 64, 4, 4, 3), (32, 128, 4, 4, 2),
-                                              (64, 64, 4, 2, 2), (32, 64, 2, 8, 2)],
+                                              (64, 64, 2), (32, 128, 2)],
              lambda: Float8Quantizer(ones(), zeros(), E4)),
             (f8_launch.CONFIGS, "cast_row", [(32, 256, 8), (16, 512, 4), (32, 256, 8, 4, 2),
                                              (32, 128, 4, 4, 3)],
@@ -499,16 +499,16 @@ def run_bench(sweep, col_modes=(0,), fused_ok=True):
             (block_launch.CONFIGS, (1, "both"), [(128, 128, 4), (128, 128, 8)],
              lambda: Float8BlockQuantizer(E4, block_scaling_dim=1)),
             (block_launch.CONFIGS, (1, "row"), [(32, 256, 8), (32, 128, 4), (32, 128, 4, 4, 3),
-                                                (32, 256, 8, 4, 2)],
+                                                (32, 128, 2), (64, 128, 4), (32, 256, 4)],
              lambda: Float8BlockQuantizer(E4, block_scaling_dim=1).set_usage(True, False)),
             (block_launch.CONFIGS, (2, "both"), [(128, 128, 4), (128, 128, 8), (128, 128, 16),
                                                  (128, 128, 16, 2, 2)],
              lambda: Float8BlockQuantizer(E4, block_scaling_dim=2)),
-            (mx_launch.CONFIGS, (False, "both"), [(32, 64, 2), (32, 128, 4), (32, 64, 4),
-                                                  (32, 32, 2)],
+            (mx_launch.CONFIGS, (False, "both"), [(32, 64, 2), (32, 64, 1), (32, 256, 4),
+                                                  (32, 128, 2), (32, 32, 1)],
              lambda: MXFP8Quantizer(E4)),
-            (mx_launch.CONFIGS, (False, "row"), [(32, 256, 8), (16, 512, 8), (32, 256, 8, 4, 2),
-                                                 (32, 128, 4, 4, 3)],
+            (mx_launch.CONFIGS, (False, "row"), [(32, 128, 4, 4, 3), (32, 128, 2),
+                                                 (64, 128, 4), (32, 64, 1), (32, 128, 2, 4, 3)],
              lambda: MXFP8Quantizer(E4).set_usage(True, False)),
             (mx_launch.CONFIGS, (True, "both"), [(64, 128, 4), (32, 64, 4), (32, 64, 4, 4, 3),
                                                  (64, 64, 4, 2, 2)],
@@ -516,9 +516,11 @@ def run_bench(sweep, col_modes=(0,), fused_ok=True):
             (f8_launch.CONFIGS, "cast_col", [(64, 128, 8), (64, 64, 4), (32, 128, 4, 4, 3),
                                              (64, 64, 4, 4, 2)],
              lambda: Float8Quantizer(ones(), zeros(), E4).set_usage(False, True)),
-            (block_launch.CONFIGS, (1, "col"), [(128, 32, 4), (128, 64, 4), (128, 32, 2)],
+            (block_launch.CONFIGS, (1, "col"), [(128, 32, 4), (128, 64, 4), (128, 32, 2),
+                                                (128, 32, 1), (128, 64, 2)],
              lambda: Float8BlockQuantizer(E4, block_scaling_dim=1).set_usage(False, True)),
-            (mx_launch.CONFIGS, (False, "col"), [(32, 64, 2), (32, 128, 4), (32, 64, 4)],
+            (mx_launch.CONFIGS, (False, "col"), [(32, 64, 2), (32, 128, 1), (32, 64, 1),
+                                                 (32, 128, 2)],
              lambda: MXFP8Quantizer(E4).set_usage(False, True)),
         ]
         # the transposed-store mode first, on the current default configs

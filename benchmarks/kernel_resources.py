@@ -42,20 +42,38 @@ def _compile(fn, sig: dict, const: dict, warps: int):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def resources(kernel) -> dict:
-    """ptxas -v figures of a compiled kernel plus its layout conversions."""
+def _nvidia_bin(tool: str) -> str:
     import triton
-    ptxas = os.path.join(triton.__path__[0], "backends", "nvidia", "bin", "ptxas")
+    return os.path.join(triton.__path__[0], "backends", "nvidia", "bin", tool)
+
+
+def sass_count(cubin: bytes) -> int:
+    """Static SASS instructions of a kernel (NOPs excluded). For a kernel without loops this
+    is what each warp executes; these kernels are bound by integer/logic issue (ncu: the ALU
+    pipe at 72-79% on sm90), so fewer instructions per element is the lever."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([_nvidia_bin("cuobjdump"), "-sass", path], capture_output=True,
+                              text=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    return sum(1 for op in ops if not op.startswith("NOP"))
+
+
+def resources(kernel) -> dict:
+    """ptxas -v figures of a compiled kernel, its layout conversions and SASS size."""
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
-        err = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.o")],
-                             capture_output=True, text=True).stderr
+        err = subprocess.run([_nvidia_bin("ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
+                              os.path.join(d, "k.o")], capture_output=True, text=True).stderr
     regs = int(re.search(r"Used (\d+) registers", err).group(1))
     spill = int(re.search(r"(\d+) bytes spill stores", err).group(1))
     return {"regs": regs, "spill": spill, "smem": kernel.metadata.shared,
-            "converts": kernel.asm["ttgir"].count("convert_layout")}
+            "converts": kernel.asm["ttgir"].count("convert_layout"),
+            "sass": sass_count(kernel.asm["cubin"])}
 
 
 def _quant_sig(extra_ptrs=()):
@@ -120,7 +138,7 @@ def main():
     extra = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
     usages = args.usages.split(",")
     print(f"{'kernel':8} {'usage':5} {'BMxBNxWxIxS':14} {'regs':>5} {'spill':>6} {'smem':>6} "
-          f"{'cvt':>4} {'progs/SM':>8}")
+          f"{'cvt':>4} {'progs/SM':>8} {'sass':>6} {'ins/el':>6}")
     for fam, usage, fn, sig, const, default in cases(only):
         if usage not in usages:
             continue
@@ -137,8 +155,10 @@ def main():
             progs = min(REGS_PER_SM // (max(r["regs"], 1) * 32 * warps),
                         SMEM_PER_SM // max(r["smem"], 1))
             mark = " (default)" if cfg == default else ""
+            # thread instructions per input element (a loop body counts once: ITERS=1 only)
+            per_el = r["sass"] * 32 * warps / (bm * bn) if iters == 1 else float("nan")
             print(f"{fam:8} {usage:5} {name:14} {r['regs']:5} {r['spill']:6} "
-                  f"{r['smem']:6} {r['converts']:4} {progs:8}{mark}")
+                  f"{r['smem']:6} {r['converts']:4} {progs:8} {r['sass']:6} {per_el:6.1f}{mark}")
 
 
 if __name__ == "__main__":

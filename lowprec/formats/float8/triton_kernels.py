@@ -61,23 +61,28 @@ def fp8_codes(y, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr
     """uint8 fp8 codes of fp32 ``y``: saturate to +-max (NaN stays NaN), round to nearest even.
 
     MBITS/BIAS: 3/7 for E4M3 (fn), 2/15 for E5M2; MAX_BITS: fp32 bits of the max finite value.
-    ``ALT`` writes the saturation differently (same results) so that the compiler keeps a
-    second conversion of the same values as its own chain of ops: see ``cast_kernel``.
+    ``ALT`` makes a second conversion of the same values a chain of ops of its own (same
+    results): an opaque copy of ``y`` before the hardware cast, a differently written
+    saturation in the integer path. See the compiler pitfall in the module docstring.
     """
-    b = y.to(tl.int32, bitcast=True)
-    a = b & 0x7FFFFFFF
-    is_nan = a > 0x7F800000
-    if ALT:
-        a = tl.where((a > MAX_BITS) & (a <= 0x7F800000), MAX_BITS, a)
-    else:
-        a = tl.where(is_nan, a, tl.minimum(a, MAX_BITS))
     if HW_CVT:
-        sat = (a | ((b >> 31) << 31)).to(tl.float32, bitcast=True)
+        if ALT:
+            y = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=f,f", [y], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        # Triton lowers these casts to cvt.rn.satfinite on sm89+: finite overflow and +-Inf
+        # saturate to +-max and NaN stays NaN, so the instruction is the whole cast.
         if MBITS == 3:
-            code = sat.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
-            code = sat.to(tl.float8e5).to(tl.uint8, bitcast=True)
+            code = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
+        b = y.to(tl.int32, bitcast=True)
+        a = b & 0x7FFFFFFF
+        is_nan = a > 0x7F800000
+        if ALT:
+            a = tl.where((a > MAX_BITS) & (a <= 0x7F800000), MAX_BITS, a)
+        else:
+            a = tl.where(is_nan, a, tl.minimum(a, MAX_BITS))
         e = a >> 23
         mant = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)
         n = tl.maximum(e, 1) - (128 - BIAS)  # 0 at the smallest fp8 normal
