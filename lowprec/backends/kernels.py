@@ -24,6 +24,10 @@ from ..kernels import kernel_op, use_kernels
 _MX_BLOCK = 32
 _NV_BLOCK = 16
 
+#: MXFP8 dequantize tile: BR rows x NB blocks of 32 per program, num_warps (timed on an H200
+#: with benchmarks/sweep_dequant.py, which may override it).
+MX_DEQUANT_CONFIG = {"BR": 16, "NB": 16, "warps": 8}
+
 
 # ---- torch reference versions -------------------------------------------------------------
 def mxfp8_dequantize_bf16_torch(data: torch.Tensor, scale: torch.Tensor,
@@ -69,10 +73,11 @@ def _mxfp8_dequant_op(data: torch.Tensor, scale: torch.Tensor, block_rows: int) 
     r, c = data.shape
     out = torch.empty((r, c), dtype=torch.bfloat16, device=data.device)
     nblk = c // _MX_BLOCK
-    br, nb = 16, 16  # 16 rows x 512 columns per program
+    cfg = MX_DEQUANT_CONFIG
+    br, nb = cfg["BR"], cfg["NB"]
     grid = ((r + br - 1) // br, (nblk + nb - 1) // nb)
     mxfp8_dequant_bf16_kernel[grid](data, scale, out, r, c, nblk,
-                                    BLOCK_ROWS=block_rows, BR=br, NB=nb, num_warps=8)
+                                    BLOCK_ROWS=block_rows, BR=br, NB=nb, num_warps=cfg["warps"])
     return out
 
 

@@ -203,11 +203,14 @@ def _e4m3_decode(b):
 
 @triton.jit
 def _e2m1_decode(c):
-    """E2M1 code (int32, sign in bit 3) -> fp32, keeping the sign of zero."""
+    """E2M1 code (int32, sign in bit 3) -> fp32, keeping the sign of zero.
+
+    Built from bits: magnitudes 0 and 0.5 (the subnormals) are ``i * 0x3F000000``; for
+    i >= 2 the value 2**((i >> 1) - 1) * (1 + (i & 1) / 2) has the fp32 bits
+    ``(i + 252) << 22`` (exponent and mantissa bit side by side)."""
     i = c & 7
-    mag = tl.where(i < 5, i.to(tl.float32) * 0.5,
-                   tl.where(i == 5, 3.0, tl.where(i == 6, 4.0, 6.0)))
-    return tl.where((c & 8) != 0, mag * -1.0, mag)
+    bits = tl.where(i < 2, i * 0x3F000000, (i + 252) << 22)
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 # ---- memory helpers: mask-free when the tile divides the tensor (EVEN), 32-bit offsets
