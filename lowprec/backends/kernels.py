@@ -26,7 +26,7 @@ _NV_BLOCK = 16
 
 #: MXFP8 dequantize tile: BR rows x NB blocks of 32 per program, num_warps (timed on an H200
 #: with benchmarks/sweep_dequant.py, which may override it).
-MX_DEQUANT_CONFIG = {"BR": 16, "NB": 16, "warps": 8}
+MX_DEQUANT_CONFIG = {"BR": 32, "NB": 8, "warps": 8}
 
 
 # ---- torch reference versions -------------------------------------------------------------

@@ -41,7 +41,7 @@ CONFIG = {
     "amax": {"FLAT": 16384, "KW": 4},       # flat elements per program; RHT: 64 x 16 KW tiles
     "row": {"KB": 8, "RB": 16},            # 16 rows x 8 blocks of 16 columns
     "col": {"KW": 4},                      # 64 rows x 16 KW columns
-    "dequant": {"KB": 8, "RB": 16},
+    "dequant": {"KB": 32, "RB": 8},
 }
 
 # FMA contraction off: every fp32 operation rounds as in the reference.
