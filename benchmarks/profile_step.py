@@ -33,6 +33,10 @@ def main():
     ap.add_argument("--recipes", default="current,delayed,block,mxfp8,nvfp4")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumtime")
+    ap.add_argument("--only-lowprec", action="store_true",
+                    help="list only functions of the lowprec package in the cProfile table")
+    ap.add_argument("--no-kernels", action="store_true", help="skip the torch.profiler table")
     args = ap.parse_args()
     m, k, n = parse_shape(args.shape)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
@@ -76,8 +80,14 @@ def main():
         pr.disable()
         torch.cuda.synchronize()
         buf = io.StringIO()
-        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(args.top)
+        stats = pstats.Stats(pr, stream=buf).sort_stats(args.sort)
+        if args.only_lowprec:
+            stats.print_stats("lowprec", args.top)
+        else:
+            stats.print_stats(args.top)
         print("\n".join(line[:160] for line in buf.getvalue().splitlines()[4:]))
+        if args.no_kernels:
+            continue
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 step(x, dy)
