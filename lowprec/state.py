@@ -59,15 +59,20 @@ def _builtin_quantizer(recipe: Recipe, role: QuantizerRole | None, mode: str) ->
     raise TypeError(f"unsupported recipe {type(recipe).__name__}")
 
 
-def _factory_quantizer(recipe: CustomRecipe, role: QuantizerRole | None) -> Quantizer:
-    q = recipe.qfactory(role)
+def check_factory_result(q, role: QuantizerRole | None) -> Quantizer:
+    """``q`` if a CustomRecipe factory may return it for ``role``; else ValueError (None) or
+    TypeError (not a lowprec Quantizer), naming the role."""
     if q is None:
         raise ValueError(f"CustomRecipe qfactory returned None for role {role!r}; return "
                          f"IdentityQuantizer() to keep this tensor in high precision")
     if not isinstance(q, Quantizer):
-        raise TypeError(f"CustomRecipe qfactory returned {type(q).__name__} for role {role!r}; "
-                        f"it must return a lowprec Quantizer")
+        raise TypeError(f"CustomRecipe qfactory returned {type(q).__name__} {q!r:.60} for role "
+                        f"{role!r}; it must return a lowprec Quantizer")
     return q
+
+
+def _factory_quantizer(recipe: CustomRecipe, role: QuantizerRole | None) -> Quantizer:
+    return check_factory_result(recipe.qfactory(role), role)
 
 
 class DelayedScalingState:

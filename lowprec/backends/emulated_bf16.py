@@ -96,16 +96,8 @@ def emulated_bf16_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
 
 def _nvfp4_unscaled(t: NVFP4Tensor, usage: str):
     """(bf16 ``q * d`` in the stored layout and domain, fp32 global encode scale S)."""
-    try:
-        from ..formats.nvfp4.launch import dequantize_unscaled_bf16
-    except ImportError:
-        dequantize_unscaled_bf16 = None
-    if dequantize_unscaled_bf16 is not None:
-        return dequantize_unscaled_bf16(t, usage)
-    return (kernels.nvfp4_unscaled_bf16_torch(getattr(t, f"{usage}_data"),
-                                              getattr(t, f"{usage}_scale"),
-                                              t.with_2d_quantization),
-            getattr(t, f"{usage}_global"))
+    from ..formats.nvfp4.launch import dequantize_unscaled_bf16  # kernel on CUDA, else torch
+    return dequantize_unscaled_bf16(t, usage)
 
 
 def bf16_operand(t, usage: str):

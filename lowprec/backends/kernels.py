@@ -1,8 +1,6 @@
 """Launchers for the GEMM backends' elementwise helpers, with pure-torch fallbacks.
 
 * :func:`mxfp8_dequantize_bf16` -- MXFP8 data and E8M0 scales to exact bf16;
-* :func:`nvfp4_unscaled_bf16_torch` -- NVFP4 ``q * d`` to exact bf16 (torch ops;
-  the format's own launcher is preferred when it exists);
 * :func:`scale_bias_epilogue` -- ``(acc / div_a / div_b + bias)`` in fp32, rounded
   once to the output dtype.
 
@@ -18,11 +16,10 @@ from typing import Optional
 
 import torch
 
-from ..formats.casting import E8M0_BIAS, E8M0_NAN, e2m1_codes_to_float, exp2_int, unpack_e2m1
+from ..formats.casting import E8M0_BIAS, E8M0_NAN, exp2_int
 from ..kernels import kernel_op, use_kernels
 
 _MX_BLOCK = 32
-_NV_BLOCK = 16
 
 #: MXFP8 dequantize tile: BR rows x NB blocks of 32 per program, num_warps (timed on an H200
 #: with benchmarks/sweep_dequant.py, which may override it).
@@ -39,19 +36,6 @@ def mxfp8_dequantize_bf16_torch(data: torch.Tensor, scale: torch.Tensor,
     blocks = data.to(torch.bfloat16).reshape(r // block_rows, block_rows, c // _MX_BLOCK, _MX_BLOCK)
     # bf16 x bf16 multiplies in fp32 and rounds once; the exact product is representable.
     return (blocks * factor.to(torch.bfloat16)[:, None, :, None]).reshape(r, c)
-
-
-def nvfp4_unscaled_bf16_torch(packed: torch.Tensor, scales: torch.Tensor,
-                              two_d: bool) -> torch.Tensor:
-    """bf16 ``q * d`` (no global scale) in the stored layout; exact (<= 6 significant bits)."""
-    q = e2m1_codes_to_float(unpack_e2m1(packed))
-    r, c = q.shape
-    d = scales.to(torch.float32)
-    if two_d:
-        v = q.reshape(r // _NV_BLOCK, _NV_BLOCK, c // _NV_BLOCK, _NV_BLOCK) * d[:, None, :, None]
-    else:
-        v = q.reshape(r, c // _NV_BLOCK, _NV_BLOCK) * d.unsqueeze(-1)
-    return v.reshape(r, c).to(torch.bfloat16)
 
 
 def scale_bias_epilogue_torch(acc, div_a, div_b, bias, out_dtype):

@@ -20,7 +20,7 @@ from ..formats.base import Quantizer
 from ..recipe import (BACKWARD_MODES, CustomRecipe, DelayedScaling, Float8BlockScaling,
                       Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe,
                       normalize_backward_mode)
-from ..state import RecipeState
+from ..state import RecipeState, check_factory_result
 
 BASELINE = "bf16"
 
@@ -201,13 +201,10 @@ def _quantizer_for(spec: RecipeSpec, mode: str, role) -> Quantizer:
         except Exception as err:  # noqa: BLE001 - the user's factory: say which role broke it
             raise RecipeError(f"recipe {spec.name!r}: the factory raised {type(err).__name__} for "
                               f"role {role!r}: {err}") from None
-        if q is None:
-            raise RecipeError(f"recipe {spec.name!r}: the factory returned None for role {role!r}; "
-                              f"return IdentityQuantizer() to keep a tensor in high precision")
-        if not isinstance(q, Quantizer):
-            raise RecipeError(f"recipe {spec.name!r}: the factory returned {type(q).__name__} "
-                              f"{q!r:.60} for role {role!r}; it must return a lowprec Quantizer")
-        return q
+        try:
+            return check_factory_result(q, role)
+        except (ValueError, TypeError) as err:
+            raise RecipeError(f"recipe {spec.name!r}: {err}") from None
     try:
         return RecipeState.create(recipe, mode, [role]).quantizers[0]
     except Exception as err:  # noqa: BLE001
