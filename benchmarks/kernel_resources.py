@@ -88,11 +88,10 @@ def _quant_sig(extra_ptrs=()):
 def cases(only):
     """(name, kernel fn, signature, constexprs, configs) per kernel family and usage."""
     from lowprec.formats.block import launch as bl
-    from lowprec.formats.block.triton_kernels import block_quant_kernel
+    from lowprec.formats.block.triton_kernels import block_scaled_quant_kernel
     from lowprec.formats.mxfp8 import launch as ml
     from lowprec.formats.float8 import launch as fl
     from lowprec.formats.float8.triton_kernels import cast_kernel
-    from lowprec.formats.mxfp8.triton_kernels import mxfp8_quant_kernel
     out = []
     for usage, (r, c) in (("both", (True, True)), ("row", (True, False)), ("col", (False, True))):
         sig = {"x_ptr": "*bf16", "row_ptr": "*u8", "col_ptr": "*u8", "amax_ptr": "*i32",
@@ -106,16 +105,16 @@ def cases(only):
     for usage, (r, c) in (("both", (True, True)), ("row", (True, False)), ("col", (False, True))):
         for dim in (1, 2):
             sig = dict(_quant_sig(), eps="fp32")
-            const = dict(FP8, PRO=0, POW2=True, TWO_D=dim == 2, ROWWISE=r, COLWISE=c)
-            out.append((f"block{dim}", usage, block_quant_kernel, sig, const,
+            const = dict(FP8, PRO=0, POW2=True, TWO_D=dim == 2, ROWWISE=r, COLWISE=c,
+                         E8M0=False, BLK=128)
+            out.append((f"block{dim}", usage, block_scaled_quant_kernel, sig, const,
                         bl.CONFIGS[(dim, usage)]))
         for two_d in (False, True):
-            sig = _quant_sig()
+            sig = dict(_quant_sig(), eps="fp32")
             sig["rs_ptr"] = sig["cs_ptr"] = "*u8"
-            const = dict(FP8, PRO=0, TWO_D=two_d, ROWWISE=r, COLWISE=c)
-            const.pop("COL_MODE")
-            const["COL_MODE"] = 0
-            out.append((f"mx{2 if two_d else 1}", usage, mxfp8_quant_kernel, sig, const,
+            const = dict(FP8, PRO=0, POW2=False, TWO_D=two_d, ROWWISE=r, COLWISE=c, E8M0=True,
+                         BLK=32)
+            out.append((f"mx{2 if two_d else 1}", usage, block_scaled_quant_kernel, sig, const,
                         ml.CONFIGS[(two_d, usage)]))
     return [c for c in out if not only or c[0] in only]
 

@@ -54,7 +54,7 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
                        eps: float, rowwise: bool, columnwise: bool, pro: int,
                        pro_args: list[torch.Tensor]
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .triton_kernels import block_quant_kernel
+    from .triton_kernels import block_scaled_quant_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)
     rq, rs, cq, cs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
@@ -63,13 +63,13 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
             cfg = CONFIGS[(block_scaling_dim, _usage(r, c))]
             bm, bn, warps, iters, stages = tile_config(cfg)
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-            block_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1),
-                                     *prologue_args(x, pro_args), eps, PRO=pro,
-                                     FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
-                                     TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c,
-                                     BM=bm, BN=bn, ITERS=iters, STAGES=stages,
-                                     num_warps=warps,
-                                     **kernel_fp8_args(fp8_dtype))
+            block_scaled_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1),
+                                            *prologue_args(x, pro_args), eps, PRO=pro,
+                                            FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
+                                            TWO_D=block_scaling_dim == 2, ROWWISE=r,
+                                            COLWISE=c, BM=bm, BN=bn, E8M0=False, BLK=BLOCK,
+                                            ITERS=iters, STAGES=stages, num_warps=warps,
+                                            **kernel_fp8_args(fp8_dtype))
     return rq, rs, cq, cs
 
 

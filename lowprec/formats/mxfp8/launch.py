@@ -47,7 +47,7 @@ def _empty_outputs(x, two_d, rowwise, columnwise, pro=0):
 def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, columnwise: bool,
                    pro: int, pro_args: list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .triton_kernels import mxfp8_quant_kernel
+    from ..block.triton_kernels import block_scaled_quant_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)
     rq, rs, cq, cs = _empty_outputs(x, two_d, rowwise, columnwise, pro)
@@ -55,12 +55,12 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
         for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
             bm, bn, warps, iters, stages = tile_config(CONFIGS[(two_d, _usage(r, c))])
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-            mxfp8_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1),
-                                     *prologue_args(x, pro_args), PRO=pro,
-                                     FP8_MAX=FP8_PARAMS[fp8_dtype][3], TWO_D=two_d, ROWWISE=r,
-                                     COLWISE=c, BM=bm, BN=bn, ITERS=iters, STAGES=stages,
-                                     num_warps=warps,
-                                     **kernel_fp8_args(fp8_dtype))
+            block_scaled_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1),
+                                            *prologue_args(x, pro_args), 0.0, PRO=pro,
+                                            FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=False,
+                                            TWO_D=two_d, ROWWISE=r, COLWISE=c, BM=bm, BN=bn,
+                                            E8M0=True, BLK=BLOCK, ITERS=iters, STAGES=stages,
+                                            num_warps=warps, **kernel_fp8_args(fp8_dtype))
     return rq, rs, cq, cs
 
 
