@@ -114,18 +114,26 @@ def blockwise_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
     return _BLOCK_REFUSED.get(_block_key(a, b, out_dtype, bias), True)
 
 
+def _reciprocal_t(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale.T`` as a contiguous (C, R) fp32 tensor: reciprocal and transpose in one
+    pass (one launch instead of two)."""
+    s = scale.to(torch.float32)
+    out = torch.empty((s.shape[1], s.shape[0]), dtype=torch.float32, device=s.device)
+    return torch.reciprocal(s.t(), out=out)
+
+
 def _block_scales(a, a_usage, b, b_usage):
     """Decode scales in the layouts ``torch._scaled_mm`` expects for (mat(a), mat(b).T)."""
-    inv_a = torch.reciprocal(getattr(a, f"{a_usage}_scale").to(torch.float32))
-    inv_b = torch.reciprocal(getattr(b, f"{b_usage}_scale").to(torch.float32))
+    sa, sb = getattr(a, f"{a_usage}_scale"), getattr(b, f"{b_usage}_scale")
     if a.block_scaling_dim == 1:
-        scale_a = inv_a.t().contiguous().t()          # (M, K/128), strides (1, M)
+        scale_a = _reciprocal_t(sa).t()                # (M, K/128), strides (1, M)
     else:
-        scale_a = inv_a.contiguous()                   # (M/128, K/128), K-blocks contiguous
+        scale_a = torch.reciprocal(sa.to(torch.float32)).contiguous()  # (M/128, K/128)
     if b.block_scaling_dim == 1:
-        scale_b = inv_b.t().contiguous()               # (K/128, N): mat(b).T's 1x128 blocks
+        scale_b = _reciprocal_t(sb)                    # (K/128, N): mat(b).T's 1x128 blocks
     else:
-        scale_b = inv_b.contiguous().t()               # (K/128, N/128) view of (N/128, K/128)
+        # (K/128, N/128) view of (N/128, K/128)
+        scale_b = torch.reciprocal(sb.to(torch.float32)).contiguous().t()
     return scale_a, scale_b
 
 

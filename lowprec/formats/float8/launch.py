@@ -19,6 +19,7 @@ writes the rowwise tile and/or its transpose (columnwise (K, M) layout).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
@@ -97,9 +98,12 @@ def num_sms(device: torch.device) -> int:
 
 
 def device_guard(device: torch.device):
-    """Launch on ``device`` (Triton launches on the current CUDA device)."""
-    import contextlib
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    """Launch on ``device`` (Triton launches on the current CUDA device); no device switch
+    (and none of its host cost) when it already is the current one."""
+    if device.type == "cuda" and device.index is not None \
+            and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _cast_cfg(rowwise: bool, columnwise: bool):
