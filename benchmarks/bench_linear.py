@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lowprec  # noqa: E402
-from harness import append_rows, compare, l2_rotation, print_table  # noqa: E402
+from harness import (append_rows, compare, compare_alternating, l2_rotation,  # noqa: E402
+                     print_table)
 
 SHAPES = ["16384x4096x4096", "16384x4096x14336", "16384x14336x4096"]
 RECIPES = {
@@ -166,8 +167,13 @@ def run_peers(bench, shape_str, peers, inputs, args):
     baseline_name, baseline = peers[0]
     for name, step in peers:
         try:
-            peer_ms, base_ms = compare(step, baseline, inputs, inputs, rounds=args.rounds,
-                                       warmup=args.warmup, iters=args.iters)
+            if args.alternate:
+                peer_ms, base_ms = compare_alternating(step, baseline, inputs, inputs,
+                                                       warmup=args.warmup,
+                                                       iters=args.rounds * args.iters)
+            else:
+                peer_ms, base_ms = compare(step, baseline, inputs, inputs, rounds=args.rounds,
+                                           warmup=args.warmup, iters=args.iters)
             host_ms = host_time(step, inputs)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{bench} {shape_str} {name}: FAILED {type(e).__name__}: {e}")
@@ -175,7 +181,8 @@ def run_peers(bench, shape_str, peers, inputs, args):
         rows.append({"bench": bench, "shape": shape_str, "recipe": name, "metric": "ms",
                      "value": peer_ms, "baseline": baseline_name, "baseline_value": base_ms,
                      "ratio": peer_ms / base_ms,
-                     "note": f"speedup {base_ms / peer_ms:.3f}x; host {host_ms:.2f} ms/step"})
+                     "note": f"speedup {base_ms / peer_ms:.3f}x; host {host_ms:.2f} ms/step; "
+                             f"{'alternating calls' if args.alternate else 'rounds'}"})
         print(f"  {bench:6s} {shape_str:18s} {name:22s} {peer_ms:8.3f} ms  bf16 {base_ms:8.3f} ms"
               f"  speedup {base_ms / peer_ms:.3f}x  host {host_ms:.2f} ms/step", flush=True)
     return rows
@@ -192,6 +199,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--alternate", action="store_true",
+                    help="time baseline and peer call by call, alternating (rounds x iters "
+                         "calls each), instead of in interleaved rounds")
     ap.add_argument("--no-csv", action="store_true")
     args = ap.parse_args(argv)
     recipes = [r for r in args.recipes.split(",") if r]

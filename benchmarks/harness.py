@@ -79,6 +79,34 @@ def compare(peer: Callable, baseline: Callable, peer_inputs: Sequence[tuple],
     return statistics.median(p), statistics.median(b)
 
 
+def compare_alternating(peer: Callable, baseline: Callable, peer_inputs: Sequence[tuple],
+                        baseline_inputs: Sequence[tuple], *, warmup: int = 5,
+                        iters: int = 40) -> tuple[float, float]:
+    """(peer ms, baseline ms): medians of ``iters`` calls of each, baseline and peer
+    alternating call by call (CUDA events around each call, no sync in between).
+
+    The GPU's clock drifts with its power and thermal state over a run (the bf16 step was
+    seen to slow from 2.06 to 2.26 ms within 30 back-to-back calls), so two peers timed in
+    separate rounds can meet different clocks; alternating call by call puts both under the
+    same conditions."""
+    for i in range(warmup):
+        baseline(*baseline_inputs[i % len(baseline_inputs)])
+        peer(*peer_inputs[i % len(peer_inputs)])
+    torch.cuda.synchronize()
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(iters)]
+    for i in range(iters):
+        e = ev[i]
+        e[0].record()
+        baseline(*baseline_inputs[(i + warmup) % len(baseline_inputs)])
+        e[1].record()
+        e[2].record()
+        peer(*peer_inputs[(i + warmup) % len(peer_inputs)])
+        e[3].record()
+    torch.cuda.synchronize()
+    return (statistics.median(e[2].elapsed_time(e[3]) for e in ev),
+            statistics.median(e[0].elapsed_time(e[1]) for e in ev))
+
+
 def l2_rotation(make_inputs: Callable[[], tuple], bytes_per_set: int, *, min_sets: int = 2,
                 max_sets: int = 6) -> list[tuple]:
     """Enough input sets that the ones not in use exceed the L2 cache (at least ``min_sets``)."""
