@@ -173,7 +173,8 @@ def run_peers(bench, shape_str, peers, inputs, args):
                                                        iters=args.rounds * args.iters)
             else:
                 peer_ms, base_ms = compare(step, baseline, inputs, inputs, rounds=args.rounds,
-                                           warmup=args.warmup, iters=args.iters)
+                                           warmup=args.warmup, iters=args.iters,
+                                           warmup_s=args.warmup_seconds)
             host_ms = host_time(step, inputs)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{bench} {shape_str} {name}: FAILED {type(e).__name__}: {e}")
@@ -182,7 +183,8 @@ def run_peers(bench, shape_str, peers, inputs, args):
                      "value": peer_ms, "baseline": baseline_name, "baseline_value": base_ms,
                      "ratio": peer_ms / base_ms,
                      "note": f"speedup {base_ms / peer_ms:.3f}x; host {host_ms:.2f} ms/step; "
-                             f"{'alternating calls' if args.alternate else 'rounds'}"})
+                             f"{'alternating calls' if args.alternate else 'rounds'}"
+                             f"{f', warm-up {args.warmup_seconds:g} s' if args.warmup_seconds else ''}"})
         print(f"  {bench:6s} {shape_str:18s} {name:22s} {peer_ms:8.3f} ms  bf16 {base_ms:8.3f} ms"
               f"  speedup {base_ms / peer_ms:.3f}x  host {host_ms:.2f} ms/step", flush=True)
     return rows
@@ -199,6 +201,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup-seconds", type=float, default=0.0,
+                    help="warm each round up for this long first (the GPU clock settles "
+                         "under a sustained load)")
     ap.add_argument("--alternate", action="store_true",
                     help="time baseline and peer call by call, alternating (rounds x iters "
                          "calls each), instead of in interleaved rounds")

@@ -17,6 +17,7 @@ import csv
 import datetime
 import os
 import statistics
+import time
 import subprocess
 from pathlib import Path
 from typing import Callable, Sequence
@@ -49,12 +50,24 @@ def gpu_name() -> str:
 
 
 def time_fn(fn: Callable, input_sets: Sequence[tuple], *, warmup: int = 5, iters: int = 30,
-            sync_each: bool = False) -> float:
-    """Median time of ``fn(*input_sets[i % n])`` in ms, measured with CUDA events."""
+            sync_each: bool = False, warmup_s: float = 0.0) -> float:
+    """Median time of ``fn(*input_sets[i % n])`` in ms, measured with CUDA events.
+
+    ``warmup_s``: keep warming up until that many seconds of GPU work have run, so the
+    timed calls see the clock the GPU settles at under this workload (its SM clock was seen
+    between 1560 and 1815 MHz depending on the load of the previous second or two)."""
     n = len(input_sets)
     for i in range(warmup):
         fn(*input_sets[i % n])
     torch.cuda.synchronize()
+    if warmup_s > 0:
+        t0, i = time.perf_counter(), 0
+        while time.perf_counter() - t0 < warmup_s:
+            fn(*input_sets[i % n])
+            i += 1
+            if i % 4 == 0:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for i in range(iters):
@@ -70,12 +83,14 @@ def time_fn(fn: Callable, input_sets: Sequence[tuple], *, warmup: int = 5, iters
 
 def compare(peer: Callable, baseline: Callable, peer_inputs: Sequence[tuple],
             baseline_inputs: Sequence[tuple], *, rounds: int = 3, warmup: int = 5,
-            iters: int = 20) -> tuple[float, float]:
-    """(peer ms, baseline ms): medians over ``rounds`` interleaved rounds of each."""
+            iters: int = 20, warmup_s: float = 0.0) -> tuple[float, float]:
+    """(peer ms, baseline ms): medians over ``rounds`` interleaved rounds of each (each
+    round warmed up for ``warmup_s`` seconds first, see ``time_fn``)."""
     p, b = [], []
     for _ in range(rounds):
-        b.append(time_fn(baseline, baseline_inputs, warmup=warmup, iters=iters))
-        p.append(time_fn(peer, peer_inputs, warmup=warmup, iters=iters))
+        b.append(time_fn(baseline, baseline_inputs, warmup=warmup, iters=iters,
+                         warmup_s=warmup_s))
+        p.append(time_fn(peer, peer_inputs, warmup=warmup, iters=iters, warmup_s=warmup_s))
     return statistics.median(p), statistics.median(b)
 
 
