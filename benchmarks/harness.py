@@ -17,8 +17,8 @@ import csv
 import datetime
 import os
 import statistics
-import time
 import subprocess
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
