@@ -25,6 +25,9 @@ else
   t gemm;     python3 benchmarks/bench_gemm.py > "$OUT/gemm.log" 2>&1
   t quantize; python3 benchmarks/bench_quantize.py > "$OUT/quantize.log" 2>&1
   t linear;   python3 benchmarks/bench_linear.py --mlp > "$OUT/linear.log" 2>&1
+  # the same Linear steps at the clock the GPU settles at under each step's own load
+  t linear_steady; python3 benchmarks/bench_linear.py --rounds 2 --warmup-seconds 1 \
+                     > "$OUT/linear_steady.log" 2>&1
   t memory;   python3 benchmarks/bench_memory.py --mlp > "$OUT/memory.log" 2>&1
 fi
 t tests
@@ -36,6 +39,7 @@ grep -E "^(shape|16384)" "$OUT/gemm.log" | cut -c1-90
 grep -E "^(recipe|d2d|fp8|block|mxfp8|nvfp4)" "$OUT/quantize.log" | cut -c1-80
 grep -E "^  (linear|mlp) " "$OUT/linear.log"
 grep -A30 "^targets" "$OUT/linear.log"
+[ -f "$OUT/linear_steady.log" ] && grep -A20 "^targets" "$OUT/linear_steady.log"
 grep -E "^  (linear|mlp) |^peak memory" "$OUT/memory.log"
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
 grep -B2 -A44 "^worst" "$OUT/tests.log" | grep -E "emulated|cublas|Linear" | awk '{print $1, $2, $3, $4}' | sort -k4 -g | tail -6
