@@ -210,22 +210,22 @@ def _deq(t, usage):
 
 
 @contextlib.contextmanager
-def record_gemms():
-    """Record every GEMM lowprec.linear_fn runs (it calls ``gemm`` through its module globals).
+def spy_gemms(describe, make=dict):
+    """Patch ``lowprec.linear_fn.gemm`` (which the modules call through its module globals):
+    each call appends ``make(rec)``, ``rec`` being ``describe(a, a_usage, b, b_usage, bias)``
+    (a dict taken before the GEMM runs) plus ``out``. Yields the list.
 
-    The operands are dequantized at call time: the forward frees the rowwise data of the
+    The operands must be described at call time: the forward frees the rowwise data of the
     tensors it saves right after the fprop GEMM, so they cannot be read afterwards.
     """
-    calls: list[GemmCall] = []
+    calls = []
     original = lowprec.linear_fn.gemm
 
     def wrapper(a, a_usage, b, b_usage, *, out_dtype, bias=None):
-        rec = dict(a_cls=effective_class(a, a_usage), a_usage=a_usage, a_shape=tuple(a.shape),
-                   b_cls=effective_class(b, b_usage), b_usage=b_usage, b_shape=tuple(b.shape),
-                   a64=mat64(a, a_usage), b64=mat64(b, b_usage), a_deq=_deq(a, a_usage),
-                   b_deq=_deq(b, b_usage), bias=None if bias is None else bias.detach().clone())
+        rec = describe(a, a_usage, b, b_usage, bias)
         out = original(a, a_usage, b, b_usage, out_dtype=out_dtype, bias=bias)
-        calls.append(GemmCall(**rec, out=out.detach().clone()))
+        rec["out"] = out.detach().clone()
+        calls.append(make(rec))
         return out
 
     lowprec.linear_fn.gemm = wrapper
@@ -233,6 +233,18 @@ def record_gemms():
         yield calls
     finally:
         lowprec.linear_fn.gemm = original
+
+
+def _describe(a, a_usage, b, b_usage, bias) -> dict:
+    return dict(a_cls=effective_class(a, a_usage), a_usage=a_usage, a_shape=tuple(a.shape),
+                b_cls=effective_class(b, b_usage), b_usage=b_usage, b_shape=tuple(b.shape),
+                a64=mat64(a, a_usage), b64=mat64(b, b_usage), a_deq=_deq(a, a_usage),
+                b_deq=_deq(b, b_usage), bias=None if bias is None else bias.detach().clone())
+
+
+def record_gemms():
+    """Record every GEMM lowprec.linear_fn runs as a :class:`GemmCall`."""
+    return spy_gemms(_describe, lambda rec: GemmCall(**rec))
 
 
 R, C = "rowwise", "columnwise"

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import io
@@ -24,10 +23,11 @@ import torch
 import torch.nn.functional as F
 
 import lowprec
-import lowprec.linear_fn
 from lowprec import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, HybridQuantizedTensor,
                      HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, factories)
 from lowprec.formats.base import QuantizedTensor
+
+from modules_helpers import spy_gemms
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 R, C = "rowwise", "columnwise"
@@ -173,39 +173,29 @@ def sub_class(t, usage: str):
     return type(t)
 
 
-@contextlib.contextmanager
+def _mat64(t, usage):
+    if isinstance(t, QuantizedTensor):
+        d = t.dequantize(torch.float64, usage=usage)
+    else:
+        d = t.detach().double()
+    d = d.reshape(-1, d.shape[-1])
+    return d if usage == R else d.t()
+
+
+def _describe(a, a_usage, b, b_usage, bias) -> dict:
+    return dict(a_hybrid=isinstance(a, HybridQuantizedTensor),
+                b_hybrid=isinstance(b, HybridQuantizedTensor),
+                a_cls=sub_class(a, a_usage), b_cls=sub_class(b, b_usage),
+                a_sub=a.sub_tensor(a_usage) if isinstance(a, HybridQuantizedTensor) else a,
+                b_sub=b.sub_tensor(b_usage) if isinstance(b, HybridQuantizedTensor) else b,
+                usages=(a_usage, b_usage), a64=_mat64(a, a_usage), b64=_mat64(b, b_usage),
+                bias=None if bias is None else bias.detach().double())
+
+
 def record_gemms():
     """Record (a, a_usage, b, b_usage, out) of every GEMM lowprec.linear_fn runs, with the
     operands dequantized in float64 at call time (the forward frees data right after)."""
-    calls = []
-    original = lowprec.linear_fn.gemm
-
-    def mat64(t, usage):
-        if isinstance(t, QuantizedTensor):
-            d = t.dequantize(torch.float64, usage=usage)
-        else:
-            d = t.detach().double()
-        d = d.reshape(-1, d.shape[-1])
-        return d if usage == R else d.t()
-
-    def wrapper(a, a_usage, b, b_usage, *, out_dtype, bias=None):
-        rec = dict(a_hybrid=isinstance(a, HybridQuantizedTensor),
-                   b_hybrid=isinstance(b, HybridQuantizedTensor),
-                   a_cls=sub_class(a, a_usage), b_cls=sub_class(b, b_usage),
-                   a_sub=a.sub_tensor(a_usage) if isinstance(a, HybridQuantizedTensor) else a,
-                   b_sub=b.sub_tensor(b_usage) if isinstance(b, HybridQuantizedTensor) else b,
-                   usages=(a_usage, b_usage), a64=mat64(a, a_usage), b64=mat64(b, b_usage),
-                   bias=None if bias is None else bias.detach().double())
-        out = original(a, a_usage, b, b_usage, out_dtype=out_dtype, bias=bias)
-        rec["out"] = out.detach().clone()
-        calls.append(rec)
-        return out
-
-    lowprec.linear_fn.gemm = wrapper
-    try:
-        yield calls
-    finally:
-        lowprec.linear_fn.gemm = original
+    return spy_gemms(_describe)
 
 
 # ================================================================================================
