@@ -23,6 +23,7 @@ also prints the speedup (bf16 time / peer time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import sys
 import time
@@ -56,14 +57,17 @@ def parse_shape(s):
 # ---- step functions -----------------------------------------------------------------------
 # ``fresh=True`` feeds the module ``x * 1.0``, an activation that only autograd keeps alive
 # (as a previous layer's output would be), so the memory bench sees what each peer saves.
-def plain_step(module, fresh=False, on_forward=None):
+def plain_step(module, fresh=False, on_forward=None, recipe=None):
+    """One ``y = module(x); y.backward(dy)`` step (under ``lowprec.autocast(recipe)`` when a
+    recipe is given); ``fresh``: the module input is an activation made inside the step."""
     params = [p for p in module.parameters()]
 
     def step(x, dy):
         for p in params:
             p.grad = None
         x.grad = None
-        y = module(x * 1.0 if fresh else x)
+        with lowprec.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext():
+            y = module(x * 1.0 if fresh else x)
         if on_forward is not None:
             on_forward()
         y.backward(dy)
@@ -72,19 +76,7 @@ def plain_step(module, fresh=False, on_forward=None):
 
 
 def lowprec_step(module, recipe, fresh=False, on_forward=None):
-    params = [p for p in module.parameters()]
-
-    def step(x, dy):
-        for p in params:
-            p.grad = None
-        x.grad = None
-        with lowprec.autocast(recipe=recipe):
-            y = module(x * 1.0 if fresh else x)
-        if on_forward is not None:
-            on_forward()
-        y.backward(dy)
-    step.zero_grads = lambda: [setattr(p, "grad", None) for p in params]
-    return step
+    return plain_step(module, fresh, on_forward, recipe)
 
 
 def torchao_linear(k, n, recipe_name, device):
@@ -190,14 +182,19 @@ def run_peers(bench, shape_str, peers, inputs, args):
     return rows
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
+def add_peer_args(ap: argparse.ArgumentParser) -> None:
+    """The shapes, recipes and peers options shared with bench_memory.py."""
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--torchao", default=",".join(TORCHAO), help="'' to skip torchao")
     ap.add_argument("--mlp", action="store_true", help="also LayerNormMLP (M x hidden x ffn)")
     ap.add_argument("--mlp-shape", default="16384x4096x14336")
     ap.add_argument("--no-linear", action="store_true")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    add_peer_args(ap)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)

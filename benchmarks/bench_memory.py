@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_linear import (RECIPES, SHAPES, TORCHAO, linear_peers, make_inputs,  # noqa: E402
-                          mlp_peers, parse_shape)
+from bench_linear import (add_peer_args, linear_peers, make_inputs, mlp_peers,  # noqa: E402
+                          parse_shape)
 from harness import append_rows, print_table  # noqa: E402
 
 
@@ -78,12 +78,7 @@ def measure(bench, shape_str, peers, probe, x, dy):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--recipes", default=",".join(RECIPES))
-    ap.add_argument("--torchao", default=",".join(TORCHAO))
-    ap.add_argument("--mlp", action="store_true")
-    ap.add_argument("--mlp-shape", default="16384x4096x14336")
-    ap.add_argument("--no-linear", action="store_true")
+    add_peer_args(ap)
     ap.add_argument("--no-csv", action="store_true")
     args = ap.parse_args(argv)
     recipes = [r for r in args.recipes.split(",") if r]
