@@ -54,6 +54,8 @@ class Backend(NamedTuple):
     name: str
     accepts: Callable
     run: Callable
+    #: ``run`` takes ``out=`` and writes the product there (no copy).
+    takes_out: bool = False
 
 
 def _plain_accepts(a, a_usage, b, b_usage, out_dtype, bias):
@@ -97,8 +99,13 @@ def select_backend(a, a_usage, b, b_usage, out_dtype, bias=None) -> Backend:
 
 
 def gemm(a: torch.Tensor, a_usage: str, b: torch.Tensor, b_usage: str, *,
-         out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``mat(a, a_usage) @ mat(b, b_usage).T (+ bias)`` as a 2-D tensor of ``out_dtype``."""
+         out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """``mat(a, a_usage) @ mat(b, b_usage).T (+ bias)`` as a 2-D tensor of ``out_dtype``.
+
+    ``out``: a contiguous tensor of the product's shape and ``out_dtype`` (e.g. a row
+    range of a larger result) that receives the product and is returned.
+    """
     _check_usage(a_usage)
     _check_usage(b_usage)
     # A hybrid operand is just the sub-tensor of the direction this GEMM consumes.
@@ -111,5 +118,15 @@ def gemm(a: torch.Tensor, a_usage: str, b: torch.Tensor, b_usage: str, *,
     if ka != kb:
         raise ValueError(f"GEMM contraction sizes differ: {a_usage} {tuple(a.shape)} vs "
                          f"{b_usage} {tuple(b.shape)}")
-    return select_backend(a, a_usage, b, b_usage, out_dtype, bias).run(
-        a, a_usage, b, b_usage, out_dtype, bias)
+    backend = select_backend(a, a_usage, b, b_usage, out_dtype, bias)
+    if out is None:
+        return backend.run(a, a_usage, b, b_usage, out_dtype, bias)
+    rows = a.numel() // max(ka, 1)
+    cols = b.numel() // max(kb, 1)
+    if tuple(out.shape) != (rows, cols) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"gemm out= must be a contiguous ({rows}, {cols}) {out_dtype} tensor, "
+                         f"got {tuple(out.shape)} {out.dtype} (contiguous="
+                         f"{out.is_contiguous()})")
+    if backend.takes_out:
+        return backend.run(a, a_usage, b, b_usage, out_dtype, bias, out=out)
+    return out.copy_(backend.run(a, a_usage, b, b_usage, out_dtype, bias))

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from .formats.base import QuantizedTensor, Quantizer
+from . import grad_split
 from .gemm import gemm
 
 
@@ -88,6 +89,45 @@ def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise TypeError(f"linear bias dtype {bias.dtype} does not match the weight dtype {weight.dtype}")
 
 
+def _graph_kept() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph=True``), i.e. saved
+    tensors may be read again. True when unknown (tracing, no engine task, older torch)."""
+    if torch.compiler.is_compiling():
+        return True
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if query is None:
+        return True
+    try:
+        return bool(query())
+    except RuntimeError:
+        return True
+
+
+def _whole_backward(ctx, dy, saved_x, saved_w, need_dx: bool, need_dw: bool,
+                    quantized: bool, release_x: Callable[[], None]):
+    """(dX as (M, K) or None, dW or None) with dY quantized (or not) as a whole."""
+    dx = dw = None
+    dy_owned = False
+    if quantized and (need_dx or need_dw):
+        dy_lp, dy_owned = quantize_operand(ctx.quantizers.grad_output, dy, rowwise=need_dx,
+                                           columnwise=need_dw)
+        w_op, x_op = saved_w, saved_x
+    else:
+        dy_lp = _plain(dy)
+        w_op = _plain(saved_w) if saved_w is not None else None
+        x_op = _plain(saved_x) if saved_x is not None else None
+    # wgrad first, so dY's columnwise copy and the saved input are freed before dgrad
+    # allocates dX (lower peak).
+    if need_dw:
+        dw = gemm(dy_lp, "columnwise", x_op, "columnwise", out_dtype=ctx.w_dtype)
+        if need_dx:
+            _keep_only(dy_lp, dy_owned, "rowwise")
+        release_x()
+    if need_dx:
+        dx = gemm(dy_lp, "rowwise", w_op, "columnwise", out_dtype=ctx.x_dtype)
+    return dx, dw
+
+
 class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quantizers, backward_mode, on_backward_done, grad_enabled):
@@ -114,6 +154,8 @@ class _QuantizedLinear(torch.autograd.Function):
         else:  # dequantized
             saved_x, saved_w = x_lp, w_lp
         ctx.save_for_backward(saved_x if need_dw else None, saved_w if need_dx else None)
+        # Backward may free the saved input after wgrad only if nothing else holds it.
+        ctx.x_releasable = backward_mode == "default" and x_owned
         ctx.quantizers = q
         ctx.backward_mode = backward_mode
         ctx.on_backward_done = on_backward_done
@@ -127,27 +169,27 @@ class _QuantizedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         saved_x, saved_w = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        q, mode = ctx.quantizers, ctx.backward_mode
-        dx = dw = db = None
-        dy_owned = False
-        if q is not None and mode == "default" and (need_dx or need_dw):
-            dy_lp, dy_owned = quantize_operand(q.grad_output, dy, rowwise=need_dx,
-                                               columnwise=need_dw)
-            w_op, x_op = saved_w, saved_x
+        q = ctx.quantizers
+        quantized_bwd = q is not None and ctx.backward_mode == "default"
+
+        def release_x():
+            # The saved input is dead once wgrad has run, unless backward may run again.
+            if ctx.x_releasable and isinstance(saved_x, QuantizedTensor) and not _graph_kept():
+                saved_x.release()
+
+        split = (grad_split.plan(q.grad_output, dy, saved_x, saved_w, ctx.x_dtype, ctx.w_dtype)
+                 if quantized_bwd and need_dx and need_dw else None)
+        if split is not None:
+            dx, dw = grad_split.sliced_backward(q.grad_output, dy, saved_x, saved_w, *split,
+                                                ctx.x_dtype, ctx.w_dtype, release_x)
         else:
-            dy_lp = _plain(dy)
-            w_op = _plain(saved_w) if saved_w is not None else None
-            x_op = _plain(saved_x) if saved_x is not None else None
-        # wgrad first, so dY's columnwise copy is freed before dgrad allocates dX (lower peak).
-        if need_dw:
-            dw = gemm(dy_lp, "columnwise", x_op, "columnwise", out_dtype=ctx.w_dtype)
-            if need_dx:
-                _keep_only(dy_lp, dy_owned, "rowwise")
-        if need_dx:
-            dx = gemm(dy_lp, "rowwise", w_op, "columnwise", out_dtype=ctx.x_dtype)
+            dx, dw = _whole_backward(ctx, dy, saved_x, saved_w, need_dx, need_dw,
+                                     quantized_bwd, release_x)
+        if dx is not None:
             dx = dx.reshape(ctx.x_shape)
-            if q is not None and mode == "default" and q.grad_input is not None:
+            if quantized_bwd and q.grad_input is not None:
                 dx = q.grad_input.quantize(dx)
+        db = None
         if need_db and ctx.has_bias:
             dy2d = _plain(dy).reshape(-1, dy.shape[-1])
             db = dy2d.sum(dim=0).to(ctx.w_dtype)

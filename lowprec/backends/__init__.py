@@ -25,8 +25,8 @@ from .emulated_bf16 import emulated_bf16_accepts, emulated_bf16_run
 def cuda_backends(backend_cls):
     """The GPU backends as ``backend_cls(name, accepts, run)`` entries, in dispatch order."""
     return [
-        backend_cls("cublas_fp8", tensorwise_accepts, tensorwise_run),
-        backend_cls("cublas_fp8_block", blockwise_accepts, blockwise_run),
+        backend_cls("cublas_fp8", tensorwise_accepts, tensorwise_run, True),
+        backend_cls("cublas_fp8_block", blockwise_accepts, blockwise_run, True),
         backend_cls("emulated_bf16", emulated_bf16_accepts, emulated_bf16_run),
     ]
 

@@ -70,7 +70,7 @@ def _fusable_bias(bias, out_dtype) -> bool:
 
 def _finish(out, bias, fused):
     if bias is not None and not fused:
-        out = (out.to(torch.float32) + bias.to(torch.float32)).to(out.dtype)
+        out.copy_((out.to(torch.float32) + bias.to(torch.float32)).to(out.dtype))
     return out
 
 
@@ -79,14 +79,19 @@ def tensorwise_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
     return _common_accepts(Float8Tensor, a, a_usage, b, b_usage, out_dtype)
 
 
-def tensorwise_run(a, a_usage, b, b_usage, out_dtype, bias):
+def _scaled_mm(ad, bd, scale_a, scale_b, bias, out_dtype, out):
+    """``torch._scaled_mm(ad, bd.T)``, into ``out`` when given (exact fp32 accumulation)."""
+    extra = {} if out is None else {"out": out}
+    return torch._scaled_mm(ad, bd.t(), scale_a=scale_a, scale_b=scale_b, bias=bias,
+                            out_dtype=out_dtype, use_fast_accum=False, **extra)
+
+
+def tensorwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     ad, bd = getattr(a, f"{a_usage}_data"), getattr(b, f"{b_usage}_data")
     scale_a = torch.reciprocal(a.shared_scale.to(torch.float32)).reshape(())
     scale_b = torch.reciprocal(b.shared_scale.to(torch.float32)).reshape(())
     fused = _fusable_bias(bias, out_dtype)
-    out = torch._scaled_mm(ad, bd.t(), scale_a=scale_a, scale_b=scale_b,
-                           bias=bias if fused else None, out_dtype=out_dtype,
-                           use_fast_accum=False)
+    out = _scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)
     return _finish(out, bias, fused)
 
 
@@ -137,21 +142,21 @@ def _block_scales(a, a_usage, b, b_usage):
     return scale_a, scale_b
 
 
-def blockwise_run(a, a_usage, b, b_usage, out_dtype, bias):
+def blockwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     ad, bd = getattr(a, f"{a_usage}_data"), getattr(b, f"{b_usage}_data")
     scale_a, scale_b = _block_scales(a, a_usage, b, b_usage)
     fused = _fusable_bias(bias, out_dtype)
     key = _block_key(a, b, out_dtype, bias)
     try:
-        out = torch._scaled_mm(ad, bd.t(), scale_a=scale_a, scale_b=scale_b,
-                               bias=bias if fused else None, out_dtype=out_dtype,
-                               use_fast_accum=False)
+        res = _scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)
     except (RuntimeError, ValueError, NotImplementedError):
         # This torch/cuBLAS refuses the combination: remember it, emulate exactly instead.
         _BLOCK_REFUSED[key] = False
         from .emulated_bf16 import emulated_bf16_accepts, emulated_bf16_run
         if emulated_bf16_accepts(a, a_usage, b, b_usage, out_dtype, bias):
-            return emulated_bf16_run(a, a_usage, b, b_usage, out_dtype, bias)
-        from ..gemm import _emulated_run
-        return _emulated_run(a, a_usage, b, b_usage, out_dtype, bias)
-    return _finish(out, bias, fused)
+            res = emulated_bf16_run(a, a_usage, b, b_usage, out_dtype, bias)
+        else:
+            from ..gemm import _emulated_run
+            res = _emulated_run(a, a_usage, b, b_usage, out_dtype, bias)
+        return res if out is None else out.copy_(res)
+    return _finish(res, bias, fused)

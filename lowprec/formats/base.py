@@ -178,6 +178,15 @@ class QuantizedTensor(torch.Tensor):
                         setattr(self, name, None)
         return self
 
+    def release(self) -> None:
+        """Drop every inner tensor, so their memory can be reused at once.
+
+        For a tensor nothing else will read again (the linear backward frees the
+        input it saved once wgrad has consumed it); any later use raises.
+        """
+        for name in self._inner:
+            setattr(self, name, None)
+
     def _derive(self, usage: str) -> dict[str, torch.Tensor]:
         raise RuntimeError(
             f"{type(self).__name__} cannot derive its {usage} representation from the other "
@@ -387,6 +396,35 @@ class Quantizer:
             return self.make_empty(shape, dtype=x.dtype, device=x.device)
         x2d = x.detach().reshape(m, -1).contiguous()
         return self._tensor_class()(shape, x.dtype, **self._quantize_2d_fused(x2d, prologue))
+
+    def slice_quantizer(self, x2d: torch.Tensor) -> Callable[[torch.Tensor, str], QuantizedTensor] | None:
+        """A function ``f(part, usage)`` quantizing slices of the 2-D ``x2d`` exactly as
+        ``quantize(x2d)`` quantizes those elements, or None where the format cannot.
+
+        ``part`` is a row range ``x2d[a:b]`` quantized for ``"rowwise"`` usage or a column
+        range ``x2d[:, a:b]`` for ``"columnwise"``, with ``a`` a multiple of 128 (no block
+        straddles a slice). Per-tensor formats compute the statistics of the whole tensor
+        here, once (recording what ``quantize`` records), and every slice uses them. This
+        lets a backward quantize dY a slice at a time and hand each slice to its GEMM
+        (see ``lowprec.grad_split``).
+        """
+        return None
+
+    def _slice_tensor(self, part: torch.Tensor, usage: str,
+                      fields_of: Callable[[torch.Tensor], dict]) -> QuantizedTensor:
+        """One slice for :meth:`slice_quantizer`: ``fields_of(part)`` with only ``usage`` on.
+        Kernels read the strided slice in place; the reference gets a contiguous copy."""
+        from ..kernels import use_kernels
+        _check_usage(usage)
+        m, k = part.shape
+        saved = (self.rowwise_usage, self.columnwise_usage)
+        self.set_usage(rowwise=usage == "rowwise", columnwise=usage == "columnwise")
+        try:
+            self._check_shape(part.shape, m, k)
+            fields = fields_of(part if use_kernels(part) else part.contiguous())
+        finally:
+            self.set_usage(*saved)
+        return self._tensor_class()(part.shape, part.dtype, **fields)
 
     def update_quantized(self, x: torch.Tensor, qt: QuantizedTensor) -> QuantizedTensor:
         """Quantize ``x`` into the existing buffers of ``qt`` (its held usages), in place."""

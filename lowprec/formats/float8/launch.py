@@ -143,6 +143,18 @@ def _launch_amax(x: torch.Tensor, pro: int = 0, pro_args: list = ()) -> torch.Te
     return amax_bits
 
 
+@kernel_op("lowprec::fp8_amax", mutates_args=())
+def fp8_amax(x: torch.Tensor) -> torch.Tensor:
+    """amax(|x|) of a 2-D tensor as int32 bits of the fp32 value (NaN above +Inf)."""
+    with device_guard(x.device):
+        return _launch_amax(x)
+
+
+@fp8_amax.register_fake
+def _(x):
+    return x.new_empty((1,), dtype=torch.int32)
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -227,15 +239,28 @@ def _fields(quantizer, row, col, scale) -> dict:
             "shared_scale": scale, "fp8_dtype": dt}
 
 
-def quantize_current(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
+def quantize_current(quantizer, x2d: torch.Tensor, prologue=None, amax_bits=None) -> dict:
     """Float8CurrentScalingQuantizer._quantize_2d through the kernels (same fields), of
-    ``prologue(x2d)`` when given (a norm prologue may carry its amax bits)."""
+    ``prologue(x2d)`` when given (a norm prologue may carry its amax bits). ``amax_bits``:
+    the amax of a larger tensor ``x2d`` is a slice of (see ``slice_quantizer``)."""
     pro, pro_args = prologue_launch_args(prologue)
+    if amax_bits is None and prologue is not None:
+        amax_bits = prologue.amax_bits
     row, col, scale = fp8_current_quantize(
         x2d, quantizer.fp8_dtype == torch.float8_e5m2, quantizer.force_pow_2_scales,
         quantizer.amax_epsilon, quantizer.rowwise_usage, quantizer.columnwise_usage, pro,
-        pro_args, prologue.amax_bits if prologue else None)
+        pro_args, amax_bits)
     return _fields(quantizer, row, col, scale)
+
+
+def quantize_with_scale(quantizer, x2d: torch.Tensor, scale: torch.Tensor) -> dict:
+    """Cast ``x2d * scale`` (a delayed-scaling slice, its scale already NaN-poisoned by the
+    whole tensor's amax); the slice's own amax goes to a scratch word."""
+    scratch = torch.empty(1, dtype=torch.float32, device=x2d.device)
+    row, col, scale_out = fp8_delayed_quantize(
+        x2d, scale, scratch, quantizer.fp8_dtype == torch.float8_e5m2,
+        quantizer.rowwise_usage, quantizer.columnwise_usage, 0, [])
+    return _fields(quantizer, row, col, scale_out)
 
 
 def quantize_delayed(quantizer, x2d: torch.Tensor, prologue=None) -> dict:

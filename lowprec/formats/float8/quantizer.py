@@ -68,6 +68,21 @@ class Float8Quantizer(_PerTensorFloat8):
     def _quantize_2d_fused(self, x2d, prologue):
         return launch.quantize_delayed(self, x2d, prologue)
 
+    def slice_quantizer(self, x2d):
+        # The whole tensor's amax is recorded once and poisons the scale of every slice when
+        # it is not finite, as quantize() does for the whole tensor.
+        kernels = use_kernels(x2d)
+        amax = launch.fp8_amax(x2d).view(torch.float32) if kernels else tensor_amax(x2d)
+        self.amax.copy_(amax.reshape(self.amax.shape))
+        scale = self.scale.detach().reshape(1).to(device=x2d.device, dtype=torch.float32,
+                                                  copy=True)
+        scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+        if kernels:
+            return lambda part, usage: self._slice_tensor(
+                part, usage, lambda v: launch.quantize_with_scale(self, v, scale))
+        return lambda part, usage: self._slice_tensor(part, usage,
+                                                      lambda v: self._fields(v, scale))
+
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "scale": float(self.scale)}
 
@@ -101,6 +116,18 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
 
     def _quantize_2d_fused(self, x2d, prologue):
         return launch.quantize_current(self, x2d, prologue)
+
+    def slice_quantizer(self, x2d):
+        # The scale of the whole tensor: the kernels take its amax bits (the same in-kernel
+        # scale computation as an unsliced quantize), the reference the scale itself.
+        if use_kernels(x2d):
+            bits = launch.fp8_amax(x2d)
+            return lambda part, usage: self._slice_tensor(
+                part, usage, lambda v: launch.quantize_current(self, v, amax_bits=bits))
+        scale = current_scale(tensor_amax(x2d), self.fp8_dtype, pow2=self.force_pow_2_scales,
+                              eps=self.amax_epsilon)
+        return lambda part, usage: self._slice_tensor(part, usage,
+                                                      lambda v: self._fields(v, scale))
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "force_pow_2_scales": self.force_pow_2_scales,

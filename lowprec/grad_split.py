@@ -1,0 +1,97 @@
+"""Linear backward with dY quantized a slice at a time, for a lower peak memory.
+
+A bf16 backward allocates dX and dW. A quantized one also holds dY quantized twice
+(rowwise for dgrad, columnwise for wgrad). Where those two copies outweigh dX + dW (a
+wide output layer: N large against K), the backward instead quantizes dY in slices, each
+consumed by its GEMM and freed before the next is made:
+
+* wgrad ``dW[a:b] = mat(dY[:, a:b], columnwise) @ mat(X, columnwise).T``, column slices;
+* dgrad ``dX[a:b] = mat(dY[a:b], rowwise) @ mat(W, columnwise).T``, row slices.
+
+Each slice is quantized exactly as the whole dY would be (``Quantizer.slice_quantizer``:
+per-tensor formats compute the whole tensor's amax first), so the quantized values, and
+so the gradients, are the same as unsliced; each GEMM writes its rows of dX or dW in
+place. The cost is one more read of dY (and for delayed scaling an amax pass), about 2%
+of a step on the shapes where it applies; formats without ``slice_quantizer`` (MXFP8,
+NVFP4 and hybrids) keep the unsliced backward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .formats.base import QuantizedTensor, Quantizer
+from .gemm import gemm
+
+#: Below this size of one quantized copy of dY (bytes) the backward never slices: the
+#: memory is small and every extra launch costs host time.
+MIN_COPY_BYTES = 16 << 20
+
+#: Slice starts are multiples of this (the largest block edge of any format).
+ALIGN = 128
+
+
+def split_sizes(m: int, n: int, k: int, dx_itemsize: int, dw_itemsize: int
+                ) -> tuple[int, int] | None:
+    """(rows per dgrad slice, columns per wgrad slice) for dY (m, n), X (m, k), W (n, k),
+    or None when slicing does not pay.
+
+    Slices when the two one-byte copies of dY (2 m n bytes) exceed dX + dW; each slice then
+    holds at most half of the smaller gradient, so the slices never add more than that.
+    """
+    copy = m * n
+    dx_bytes, dw_bytes = m * k * dx_itemsize, n * k * dw_itemsize
+    if copy < MIN_COPY_BYTES or 2 * copy <= dx_bytes + dw_bytes:
+        return None
+    limit = min(dx_bytes, dw_bytes) // 2
+    rows = max(ALIGN, limit // n // ALIGN * ALIGN)
+    cols = max(ALIGN, limit // m // ALIGN * ALIGN)
+    if rows >= m and cols >= n:
+        return None
+    return rows, cols
+
+
+def plan(quantizer: Quantizer | None, dy: torch.Tensor, x_op, w_op,
+         dx_dtype: torch.dtype, dw_dtype: torch.dtype):
+    """``(slice_quantize, rows, cols)`` when this backward should slice dY, else None."""
+    if quantizer is None or isinstance(dy, QuantizedTensor) or dy.dim() < 2:
+        return None
+    if not isinstance(x_op, QuantizedTensor) or not isinstance(w_op, QuantizedTensor):
+        return None
+    n = dy.shape[-1]
+    m = dy.numel() // max(n, 1)
+    k = w_op.shape[-1]
+    sizes = split_sizes(m, n, k, dx_dtype.itemsize, dw_dtype.itemsize)
+    if sizes is None:
+        return None
+    if type(quantizer).slice_quantizer is Quantizer.slice_quantizer:
+        return None
+    return sizes
+
+
+def sliced_backward(quantizer: Quantizer, dy: torch.Tensor, x_op: QuantizedTensor,
+                    w_op: QuantizedTensor, rows: int, cols: int, dx_dtype: torch.dtype,
+                    dw_dtype: torch.dtype, after_wgrad: Callable[[], None]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX as (M, K), dW as (N, K)) with dY quantized in slices; ``after_wgrad`` runs
+    between the two GEMM loops (the caller frees the saved input there)."""
+    n = dy.shape[-1]
+    dy2d = dy.detach().reshape(-1, n)
+    m, k = dy2d.shape[0], w_op.shape[-1]
+    slice_quantize = quantizer.slice_quantizer(dy2d)
+    if slice_quantize is None:
+        raise RuntimeError(f"{quantizer!r}.slice_quantizer returned None after plan() chose it")
+    dw = torch.empty((n, k), dtype=dw_dtype, device=dy.device)
+    for a in range(0, n, cols):
+        part = slice_quantize(dy2d[:, a:a + cols], "columnwise")
+        gemm(part, "columnwise", x_op, "columnwise", out_dtype=dw_dtype, out=dw[a:a + cols])
+        del part  # free this slice before the next is made
+    after_wgrad()
+    dx = torch.empty((m, k), dtype=dx_dtype, device=dy.device)
+    for a in range(0, m, rows):
+        part = slice_quantize(dy2d[a:a + rows], "rowwise")
+        gemm(part, "rowwise", w_op, "columnwise", out_dtype=dx_dtype, out=dx[a:a + rows])
+        del part
+    return dx, dw
