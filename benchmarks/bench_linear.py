@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lowprec  # noqa: E402
+import lowprec.grad_split  # noqa: E402
 from harness import (append_rows, compare, compare_alternating, l2_rotation,  # noqa: E402
                      print_table)
 
@@ -48,6 +49,10 @@ RECIPES = {
     "nvfp4": lambda: lowprec.NVFP4BlockScaling(),
 }
 TORCHAO = ["tensorwise", "rowwise"]
+
+
+def split_list(s: str) -> list[str]:
+    return [v for v in s.split(",") if v]
 
 
 def parse_shape(s):
@@ -97,8 +102,9 @@ def make_inputs(m, k, n, device, count_bytes=True):
 
 
 # ---- benches ------------------------------------------------------------------------------
-def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", **step_kw):
-    """(name, step) for one shape, the bf16 baseline first."""
+def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", unsliced_too=(), **step_kw):
+    """(name, step) for one shape, the bf16 baseline first; ``unsliced_too``: recipes also
+    run as ``lowprec/<recipe>/unsliced`` (inside ``grad_split.unsliced()``)."""
     torch.manual_seed(0)
     base = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     peers = [("bf16", plain_step(base, **step_kw))]
@@ -107,6 +113,10 @@ def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", **step_kw):
         with torch.no_grad():
             mod.weight.copy_(base.weight)
         peers.append((f"lowprec/{r}", lowprec_step(mod, RECIPES[r](), **step_kw)))
+        if r in unsliced_too:
+            peers.append((f"lowprec/{r}/unsliced",
+                          within(lowprec.grad_split.unsliced,
+                                 lowprec_step(copy.deepcopy(mod), RECIPES[r](), **step_kw))))
     for r in torchao_recipes:
         try:
             peers.append((f"torchao/{r}",
@@ -134,12 +144,17 @@ def mlp_peers(m, hidden, ffn, recipes, device="cuda", **step_kw):
     return peers
 
 
-def unfused(step):
+def within(context, step):
+    """``step`` run inside ``context()`` (keeps ``zero_grads``)."""
     def run(x, dy):
-        with lowprec.fused.unfused():
+        with context():
             step(x, dy)
     run.zero_grads = step.zero_grads
     return run
+
+
+def unfused(step):
+    return within(lowprec.fused.unfused, step)
 
 
 def host_time(step, inputs, n=10):
@@ -190,6 +205,9 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mlp", action="store_true", help="also LayerNormMLP (M x hidden x ffn)")
     ap.add_argument("--mlp-shape", default="16384x4096x14336")
     ap.add_argument("--no-linear", action="store_true")
+    ap.add_argument("--unsliced-too", default="",
+                    help="comma-separated recipes also run with dY and the weight quantized "
+                         "whole (lowprec.grad_split.unsliced), for an A/B in the same run")
 
 
 def main(argv=None):
@@ -206,14 +224,15 @@ def main(argv=None):
                          "calls each), instead of in interleaved rounds")
     ap.add_argument("--no-csv", action="store_true")
     args = ap.parse_args(argv)
-    recipes = [r for r in args.recipes.split(",") if r]
-    tao = [r for r in args.torchao.split(",") if r]
+    recipes = split_list(args.recipes)
+    tao = split_list(args.torchao)
     rows = []
     if not args.no_linear:
         for s in args.shapes.split(","):
             m, k, n = parse_shape(s)
             inputs = make_inputs(m, k, n, "cuda")
-            rows += run_peers("linear", s, linear_peers(m, k, n, recipes, tao), inputs, args)
+            peers = linear_peers(m, k, n, recipes, tao, unsliced_too=split_list(args.unsliced_too))
+            rows += run_peers("linear", s, peers, inputs, args)
             del inputs
             torch.cuda.empty_cache()
     if args.mlp:

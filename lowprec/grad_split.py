@@ -14,6 +14,9 @@ so the gradients, are the same as unsliced; each GEMM writes its rows of dX or d
 place. The cost is one more read of dY (and for delayed scaling an amax pass), about 2%
 of a step on the shapes where it applies; formats without ``slice_quantizer`` (MXFP8,
 NVFP4 and hybrids) keep the unsliced backward.
+
+The forward does the same for the weight (``linear_fn``): its columnwise copy is made
+after fprop, from the same statistics, once the rowwise copy of the input is freed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from .formats.base import QuantizedTensor, Quantizer
 from .gemm import gemm
+from .kernels import FlagOff
 
 #: Below this size of one quantized copy of dY (bytes) the backward never slices: the
 #: memory is small and every extra launch costs host time.
@@ -38,19 +42,44 @@ def split_sizes(m: int, n: int, k: int, dx_itemsize: int, dw_itemsize: int
     """(rows per dgrad slice, columns per wgrad slice) for dY (m, n), X (m, k), W (n, k),
     or None when slicing does not pay.
 
-    Slices when the two one-byte copies of dY (2 m n bytes) exceed dX + dW; each slice then
-    holds at most half of the smaller gradient, so the slices never add more than that.
+    Slices when the two one-byte copies of dY (2 m n bytes) exceed dX + dW. wgrad runs
+    before dX exists, so a column slice may take up to dX's size; dgrad runs beside both
+    gradients, so a row slice takes at most half of dX. Large slices keep the GEMMs large
+    (a GEMM cut too small loses its last partial wave of tiles).
     """
     copy = m * n
     dx_bytes, dw_bytes = m * k * dx_itemsize, n * k * dw_itemsize
-    if copy < MIN_COPY_BYTES or 2 * copy <= dx_bytes + dw_bytes:
+    if copy < MIN_COPY_BYTES or 2 * copy <= dx_bytes + dw_bytes or not _slicing:
         return None
-    limit = min(dx_bytes, dw_bytes) // 2
-    rows = max(ALIGN, limit // n // ALIGN * ALIGN)
-    cols = max(ALIGN, limit // m // ALIGN * ALIGN)
+    rows = _even_slices(m, dx_bytes // 2 // n)
+    cols = _even_slices(n, dx_bytes // m)
     if rows >= m and cols >= n:
         return None
     return rows, cols
+
+
+def _even_slices(size: int, limit: int) -> int:
+    """Slice length for ``size`` split into the fewest equal, ALIGN-multiple slices of about
+    ``limit`` at most (equal slices: no small last GEMM)."""
+    count = -(-size // max(limit, ALIGN))
+    per = -(-size // count)
+    return min(size, -(-per // ALIGN) * ALIGN)
+
+
+_slicing = True
+
+
+def slicing_enabled() -> bool:
+    """False inside :class:`unsliced`."""
+    return _slicing
+
+
+class unsliced(FlagOff):
+    """Context manager: linear layers run inside it quantize dY (backward) and the weight's
+    two directions (forward) each in one piece, as before this module; for comparisons, or
+    where speed matters more than the peak memory."""
+
+    _module, _flag = __name__, "_slicing"
 
 
 def plan(quantizer: Quantizer | None, dy: torch.Tensor, x_op, w_op,

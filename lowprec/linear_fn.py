@@ -89,6 +89,17 @@ def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise TypeError(f"linear bias dtype {bias.dtype} does not match the weight dtype {weight.dtype}")
 
 
+def _weight_slices(quantizer: Quantizer | None, weight: torch.Tensor, columnwise: bool):
+    """``quantizer.slice_quantizer(weight)`` when the forward should make the weight's two
+    directions one after the other (same statistics), else None."""
+    if (not columnwise or quantizer is None or isinstance(weight, QuantizedTensor)
+            or not grad_split.slicing_enabled()
+            or weight.numel() == 0
+            or type(quantizer).slice_quantizer is Quantizer.slice_quantizer):
+        return None
+    return quantizer.slice_quantizer(weight.detach())
+
+
 def _graph_kept() -> bool:
     """Whether the running backward keeps the graph (``retain_graph=True``), i.e. saved
     tensors may be read again. True when unknown (tracing, no engine task, older torch)."""
@@ -140,8 +151,15 @@ class _QuantizedLinear(torch.autograd.Function):
         col = quantized and backward_mode == "default"
         x_lp, x_owned = quantize_operand(q.input if q else None, x, rowwise=True,
                                          columnwise=col and need_dw)
-        w_lp, w_owned = quantize_operand(q.weight if q else None, weight, rowwise=True,
-                                         columnwise=col and need_dx)
+        # The weight's columnwise copy is made after fprop, once x's rowwise copy is freed:
+        # made with it, the forward would hold x (the caller's), both copies of x and of W
+        # and y at once, as much as a bf16 backward's peak (x, y, dX, dW).
+        w_slices = _weight_slices(q.weight if q else None, weight, col and need_dx)
+        if w_slices is not None:
+            w_lp, w_owned = w_slices(weight.detach(), "rowwise"), True
+        else:
+            w_lp, w_owned = quantize_operand(q.weight if q else None, weight, rowwise=True,
+                                             columnwise=col and need_dx)
         out_features = weight.shape[0]
         y = gemm(x_lp, "rowwise", w_lp, "rowwise", out_dtype=x.dtype, bias=bias)
         y = y.reshape(*x.shape[:-1], out_features)
@@ -150,7 +168,11 @@ class _QuantizedLinear(torch.autograd.Function):
             saved_x, saved_w = x, weight
         elif backward_mode == "default":
             saved_x = _keep_only(x_lp, x_owned, "columnwise") if need_dw else None
-            saved_w = _keep_only(w_lp, w_owned, "columnwise") if need_dx else None
+            if w_slices is not None:
+                del w_lp
+                saved_w = w_slices(weight.detach(), "columnwise")
+            else:
+                saved_w = _keep_only(w_lp, w_owned, "columnwise") if need_dx else None
         else:  # dequantized
             saved_x, saved_w = x_lp, w_lp
         ctx.save_for_backward(saved_x if need_dw else None, saved_w if need_dx else None)

@@ -8,6 +8,8 @@ freed after wgrad only when the graph is not retained.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -63,18 +65,26 @@ def _step(recipe, *, device="cpu", dtype=torch.bfloat16, retain=False, dy_scale=
 # ---- the policy -----------------------------------------------------------------------------
 def test_split_sizes_on_the_benchmark_shapes():
     # (m, n, k): dY (m, n), X (m, k), W (n, k), bf16 gradients
-    assert grad_split.split_sizes(16384, 14336, 4096, 2, 2) == (4096, 3584)  # wide output
+    assert grad_split.split_sizes(16384, 14336, 4096, 2, 2) == (4096, 7168)  # wide output
     assert grad_split.split_sizes(16384, 4096, 4096, 2, 2) is None   # dY copies < dX + dW
     assert grad_split.split_sizes(16384, 4096, 14336, 2, 2) is None
     assert grad_split.split_sizes(1024, 4096, 64, 2, 2) is None      # one copy < 16 MiB
+    with grad_split.unsliced():
+        assert grad_split.split_sizes(16384, 14336, 4096, 2, 2) is None
+    assert grad_split.split_sizes(16384, 14336, 4096, 2, 2) is not None
 
 
-def test_split_sizes_are_block_aligned_and_bounded():
-    for m, n, k in [(16384, 14336, 4096), (8192, 50304, 1024), (4096, 32768, 512)]:
-        rows, cols = grad_split.split_sizes(m, n, k, 2, 2)
-        assert rows % grad_split.ALIGN == 0 and cols % grad_split.ALIGN == 0
-        limit = max(min(m * k * 2, n * k * 2) // 2, grad_split.ALIGN * max(m, n))
-        assert rows * n <= limit and cols * m <= limit
+@pytest.mark.parametrize("m,n,k", [(16384, 14336, 4096), (8192, 50304, 1024),
+                                   (4096, 32768, 512), (12288, 40000, 2048)])
+def test_split_sizes_are_aligned_even_and_bounded(m, n, k):
+    rows, cols = grad_split.split_sizes(m, n, k, 2, 2)
+    dx = m * k * 2
+    for size, length, limit in ((m, rows, dx // 2 // n), (n, cols, dx // m)):
+        assert length % grad_split.ALIGN == 0 or length == size
+        assert length <= max(limit, grad_split.ALIGN) + grad_split.ALIGN - 1
+        count = -(-size // length)
+        assert size - (count - 1) * length > 0  # no empty slice
+        assert count <= -(-size // max(limit, grad_split.ALIGN))  # no more than needed
 
 
 # ---- slices equal the whole quantization -----------------------------------------------------
@@ -296,3 +306,35 @@ def test_slices_equal_whole_quantization_gpu(qname):
     for a, b in [(0, 256), (256, 640)]:
         _assert_same_fields(slice_quantize(x[:, a:b], "columnwise"), whole, "columnwise",
                             slice(a, b))
+
+
+# ---- the forward makes the weight's columnwise copy after fprop ------------------------------
+def _saved_weight(rname, *, sliced: bool):
+    torch.manual_seed(0)
+    lin = lowprec.Linear(K, N, params_dtype=torch.bfloat16)
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+    ctx = grad_split.unsliced() if not sliced else contextlib.nullcontext()
+    with ctx, lowprec.autocast(enabled=True, recipe=SLICED[rname]()):
+        y = lin(x)
+    return y.grad_fn.saved_tensors[1]
+
+
+@pytest.mark.parametrize("rname", list(SLICED))
+def test_weight_columnwise_made_after_fprop_equals_whole(rname, monkeypatch):
+    events = []
+    real_gemm = lowprec.linear_fn.gemm
+
+    def gemm_spy(*args, **kw):
+        events.append("gemm")
+        return real_gemm(*args, **kw)
+
+    monkeypatch.setattr(lowprec.linear_fn, "gemm", gemm_spy)
+    new = _saved_weight(rname, sliced=True)
+    assert events == ["gemm"] and not new.has_usage("rowwise")
+    old = _saved_weight(rname, sliced=False)  # both directions in one quantize, as before
+    for name, t in old.inner_tensors().items():
+        got = getattr(new, name)
+        assert (t is None) == (got is None), name
+        if t is not None:
+            assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got,
+                               t.view(torch.uint8) if t.dtype.itemsize == 1 else t), name

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import grad_split
 from ..formats.base import QuantizedTensor
 from ..formats.hybrid import HybridQuantizer
 from ..modules.base import LowprecModule
@@ -68,6 +69,7 @@ class SQNRProbe:
         self.model = model
         self.records: dict[tuple[str, str], SQNRRecord] = {}
         self._wrapped: list = []
+        self._whole = None
 
     def arm(self, recipe, device) -> None:
         """Hook the quantizers ``recipe`` gives every module (creating the states if needed)."""
@@ -91,12 +93,38 @@ class SQNRProbe:
             return qt
 
         q.quantize = quantize
+        # Weights are quantized one direction at a time through slice_quantizer (each call
+        # covers the whole tensor); a probed step never slices dY (see arm()).
+        original_slices = q.slice_quantizer
+
+        def slice_quantizer(x2d, _original=original_slices, _q=q, _role=role):
+            quantize_part = _original(x2d)
+            if quantize_part is None:
+                return None
+
+            def part(p, usage):
+                qt = quantize_part(p, usage)
+                if tuple(p.shape) == tuple(x2d.shape):
+                    probe._record(_q, _role, p, qt)
+                return qt
+            return part
+
+        q.slice_quantizer = slice_quantizer
         self._wrapped.append(q)
+        if self._whole is None:
+            # A dY slice is not the tensor: quantize dY whole while armed, so its SQNR is
+            # the whole tensor's.
+            self._whole = grad_split.unsliced()
+            self._whole.__enter__()
 
     def disarm(self) -> None:
         for q in self._wrapped:
-            q.__dict__.pop("quantize", None)  # back to the class's method; pickles again
+            for name in ("quantize", "slice_quantizer"):
+                q.__dict__.pop(name, None)  # back to the class's method; pickles again
         self._wrapped.clear()
+        if self._whole is not None:
+            self._whole.__exit__(None, None, None)
+            self._whole = None
 
     def _record(self, q, role, x: torch.Tensor, qt: torch.Tensor) -> None:
         if not isinstance(qt, QuantizedTensor):

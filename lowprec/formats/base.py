@@ -416,6 +416,7 @@ class Quantizer:
         Kernels read the strided slice in place; the reference gets a contiguous copy."""
         from ..kernels import use_kernels
         _check_usage(usage)
+        self._check_input(part)
         m, k = part.shape
         saved = (self.rowwise_usage, self.columnwise_usage)
         self.set_usage(rowwise=usage == "rowwise", columnwise=usage == "columnwise")
