@@ -102,9 +102,11 @@ def make_inputs(m, k, n, device, count_bytes=True):
 
 
 # ---- benches ------------------------------------------------------------------------------
-def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", unsliced_too=(), **step_kw):
-    """(name, step) for one shape, the bf16 baseline first; ``unsliced_too``: recipes also
-    run as ``lowprec/<recipe>/unsliced`` (inside ``grad_split.unsliced()``)."""
+def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", unsliced_too=(),
+                 sliced_too=(), **step_kw):
+    """(name, step) for one shape, the bf16 baseline first; ``unsliced_too``/``sliced_too``:
+    recipes also run as ``lowprec/<recipe>/unsliced`` or ``/sliced`` (inside
+    ``grad_split.unsliced()`` or ``grad_split.sliced()``)."""
     torch.manual_seed(0)
     base = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     peers = [("bf16", plain_step(base, **step_kw))]
@@ -113,10 +115,11 @@ def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", unsliced_too=
         with torch.no_grad():
             mod.weight.copy_(base.weight)
         peers.append((f"lowprec/{r}", lowprec_step(mod, RECIPES[r](), **step_kw)))
-        if r in unsliced_too:
-            peers.append((f"lowprec/{r}/unsliced",
-                          within(lowprec.grad_split.unsliced,
-                                 lowprec_step(copy.deepcopy(mod), RECIPES[r](), **step_kw))))
+        for variant, context, wanted in (("unsliced", lowprec.grad_split.unsliced, unsliced_too),
+                                         ("sliced", lowprec.grad_split.sliced, sliced_too)):
+            if r in wanted:
+                peers.append((f"lowprec/{r}/{variant}", within(
+                    context, lowprec_step(copy.deepcopy(mod), RECIPES[r](), **step_kw))))
     for r in torchao_recipes:
         try:
             peers.append((f"torchao/{r}",
@@ -208,6 +211,9 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--unsliced-too", default="",
                     help="comma-separated recipes also run with dY and the weight quantized "
                          "whole (lowprec.grad_split.unsliced), for an A/B in the same run")
+    ap.add_argument("--sliced-too", default="",
+                    help="comma-separated recipes also run inside lowprec.grad_split.sliced() "
+                         "(per-tensor FP8 slices too: lower peak memory, one more read)")
 
 
 def main(argv=None):
@@ -231,7 +237,8 @@ def main(argv=None):
         for s in args.shapes.split(","):
             m, k, n = parse_shape(s)
             inputs = make_inputs(m, k, n, "cuda")
-            peers = linear_peers(m, k, n, recipes, tao, unsliced_too=split_list(args.unsliced_too))
+            peers = linear_peers(m, k, n, recipes, tao, unsliced_too=split_list(args.unsliced_too),
+                                 sliced_too=split_list(args.sliced_too))
             rows += run_peers("linear", s, peers, inputs, args)
             del inputs
             torch.cuda.empty_cache()

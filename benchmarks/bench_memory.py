@@ -90,7 +90,8 @@ def main(argv=None):
             x, dy = make_inputs(m, k, n, "cuda")[0]
             probe = _AfterForward()
             peers = linear_peers(m, k, n, recipes, tao, fresh=True, on_forward=probe,
-                                 unsliced_too=split_list(args.unsliced_too))
+                                 unsliced_too=split_list(args.unsliced_too),
+                                 sliced_too=split_list(args.sliced_too))
             rows += measure("linear", s, peers, probe, x, dy)
             del peers
             del x, dy

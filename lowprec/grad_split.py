@@ -11,9 +11,10 @@ consumed by its GEMM and freed before the next is made:
 Each slice is quantized exactly as the whole dY would be (``Quantizer.slice_quantizer``:
 per-tensor formats compute the whole tensor's amax first), so the quantized values, and
 so the gradients, are the same as unsliced; each GEMM writes its rows of dX or dW in
-place. The cost is one more read of dY (and for delayed scaling an amax pass), about 2%
-of a step on the shapes where it applies; formats without ``slice_quantizer`` (MXFP8,
-NVFP4 and hybrids) keep the unsliced backward.
+place. Block formats slice by default: they quantize dY's two directions in two passes
+anyway. Per-tensor FP8 slices only inside :class:`sliced`: it then reads dY once more
+(delayed scaling twice, for the amax), 4-7% of a step where it applies. Formats without
+``slice_quantizer`` (MXFP8, NVFP4 and hybrids) never slice.
 
 The forward does the same for the weight (``linear_fn``): its columnwise copy is made
 after fprop, from the same statistics, once the rowwise copy of the input is freed.
@@ -27,7 +28,6 @@ import torch
 
 from .formats.base import QuantizedTensor, Quantizer
 from .gemm import gemm
-from .kernels import FlagOff
 
 #: Below this size of one quantized copy of dY (bytes) the backward never slices: the
 #: memory is small and every extra launch costs host time.
@@ -49,7 +49,7 @@ def split_sizes(m: int, n: int, k: int, dx_itemsize: int, dw_itemsize: int
     """
     copy = m * n
     dx_bytes, dw_bytes = m * k * dx_itemsize, n * k * dw_itemsize
-    if copy < MIN_COPY_BYTES or 2 * copy <= dx_bytes + dw_bytes or not _slicing:
+    if copy < MIN_COPY_BYTES or 2 * copy <= dx_bytes + dw_bytes:
         return None
     rows = _even_slices(m, dx_bytes // 2 // n)
     cols = _even_slices(n, dx_bytes // m)
@@ -66,20 +66,50 @@ def _even_slices(size: int, limit: int) -> int:
     return min(size, -(-per // ALIGN) * ALIGN)
 
 
-_slicing = True
+#: "auto": slice only with quantizers whose slices need no extra pass over the tensor
+#: (``Quantizer.slices_need_stats_pass`` False: block formats, which quantize dY's two
+#: directions in two passes anyway); "always": also per-tensor FP8, which then reads dY
+#: (and the weight) once more for its amax; "never". Set through the context managers.
+_mode = "auto"
 
 
-def slicing_enabled() -> bool:
-    """False inside :class:`unsliced`."""
-    return _slicing
+def slicing_enabled(quantizer) -> bool:
+    """Whether a linear layer may slice what ``quantizer`` quantizes (see ``_mode``)."""
+    if _mode == "never" or quantizer is None:
+        return False
+    if type(quantizer).slice_quantizer is Quantizer.slice_quantizer:
+        return False
+    return _mode == "always" or not quantizer.slices_need_stats_pass
 
 
-class unsliced(FlagOff):
+class _Mode:
+    _value = "auto"
+
+    def __enter__(self):
+        global _mode
+        self._saved, _mode = _mode, self._value
+        return self
+
+    def __exit__(self, *exc):
+        global _mode
+        _mode = self._saved
+        return False
+
+
+class unsliced(_Mode):
     """Context manager: linear layers run inside it quantize dY (backward) and the weight's
-    two directions (forward) each in one piece, as before this module; for comparisons, or
-    where speed matters more than the peak memory."""
+    two directions (forward) each in one piece; for comparisons, or where speed matters
+    more than the peak memory."""
 
-    _module, _flag = __name__, "_slicing"
+    _value = "never"
+
+
+class sliced(_Mode):
+    """Context manager: linear layers run inside it slice wherever the memory rule says so,
+    per-tensor FP8 included (peak memory at or below bf16's on the benchmark shapes, for
+    one more read of dY and of the weight: 4-7% of a step on 16384x4096x14336, H200)."""
+
+    _value = "always"
 
 
 def plan(quantizer: Quantizer | None, dy: torch.Tensor, x_op, w_op,
@@ -92,12 +122,9 @@ def plan(quantizer: Quantizer | None, dy: torch.Tensor, x_op, w_op,
     n = dy.shape[-1]
     m = dy.numel() // max(n, 1)
     k = w_op.shape[-1]
-    sizes = split_sizes(m, n, k, dx_dtype.itemsize, dw_dtype.itemsize)
-    if sizes is None:
+    if not slicing_enabled(quantizer):
         return None
-    if type(quantizer).slice_quantizer is Quantizer.slice_quantizer:
-        return None
-    return sizes
+    return split_sizes(m, n, k, dx_dtype.itemsize, dw_dtype.itemsize)
 
 
 def sliced_backward(quantizer: Quantizer, dy: torch.Tensor, x_op: QuantizedTensor,

@@ -92,10 +92,8 @@ def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def _weight_slices(quantizer: Quantizer | None, weight: torch.Tensor, columnwise: bool):
     """``quantizer.slice_quantizer(weight)`` when the forward should make the weight's two
     directions one after the other (same statistics), else None."""
-    if (not columnwise or quantizer is None or isinstance(weight, QuantizedTensor)
-            or not grad_split.slicing_enabled()
-            or weight.numel() == 0
-            or type(quantizer).slice_quantizer is Quantizer.slice_quantizer):
+    if (not columnwise or isinstance(weight, QuantizedTensor) or weight.numel() == 0
+            or not grad_split.slicing_enabled(quantizer)):
         return None
     return quantizer.slice_quantizer(weight.detach())
 

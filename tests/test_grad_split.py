@@ -8,8 +8,6 @@ freed after wgrad only when the graph is not retained.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -35,6 +33,7 @@ def slicing(monkeypatch):
     """Set whether the backward may slice dY (by its size threshold)."""
     def set_(on: bool):
         monkeypatch.setattr(grad_split, "MIN_COPY_BYTES", 0 if on else 1 << 62)
+        monkeypatch.setattr(grad_split, "_mode", "always" if on else "never")
     return set_
 
 
@@ -69,9 +68,31 @@ def test_split_sizes_on_the_benchmark_shapes():
     assert grad_split.split_sizes(16384, 4096, 4096, 2, 2) is None   # dY copies < dX + dW
     assert grad_split.split_sizes(16384, 4096, 14336, 2, 2) is None
     assert grad_split.split_sizes(1024, 4096, 64, 2, 2) is None      # one copy < 16 MiB
-    with grad_split.unsliced():
-        assert grad_split.split_sizes(16384, 14336, 4096, 2, 2) is None
-    assert grad_split.split_sizes(16384, 14336, 4096, 2, 2) is not None
+
+
+def test_slicing_modes():
+    current = lowprec.Float8CurrentScalingQuantizer()
+    delayed = lowprec.Float8Quantizer(torch.ones(1), torch.zeros(1))
+    block = lowprec.Float8BlockQuantizer(block_scaling_dim=1)
+    mx = lowprec.MXFP8Quantizer()
+    enabled = lambda: [grad_split.slicing_enabled(q) for q in (current, delayed, block, mx)]  # noqa: E731
+    assert enabled() == [False, False, True, False]  # auto: only where slicing is free
+    with grad_split.sliced():
+        assert enabled() == [True, True, True, False]
+        with grad_split.unsliced():
+            assert enabled() == [False] * 4
+        assert enabled() == [True, True, True, False]
+    assert enabled() == [False, False, True, False]
+    assert not grad_split.slicing_enabled(None)
+
+
+def test_auto_mode_slices_block_but_not_per_tensor(monkeypatch):
+    monkeypatch.setattr(grad_split, "MIN_COPY_BYTES", 0)
+    for rname, expect in (("block", True), ("current", False), ("delayed", False)):
+        calls = _count_gemms(monkeypatch)
+        _step(SLICED[rname]())
+        wgrads = [c for c in calls if c[1] == "columnwise"]
+        assert (len(wgrads) > 1) == expect, rname
 
 
 @pytest.mark.parametrize("m,n,k", [(16384, 14336, 4096), (8192, 50304, 1024),
@@ -313,7 +334,7 @@ def _saved_weight(rname, *, sliced: bool):
     torch.manual_seed(0)
     lin = lowprec.Linear(K, N, params_dtype=torch.bfloat16)
     x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
-    ctx = grad_split.unsliced() if not sliced else contextlib.nullcontext()
+    ctx = grad_split.sliced() if sliced else grad_split.unsliced()
     with ctx, lowprec.autocast(enabled=True, recipe=SLICED[rname]()):
         y = lin(x)
     return y.grad_fn.saved_tensors[1]

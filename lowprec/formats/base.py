@@ -397,6 +397,9 @@ class Quantizer:
         x2d = x.detach().reshape(m, -1).contiguous()
         return self._tensor_class()(shape, x.dtype, **self._quantize_2d_fused(x2d, prologue))
 
+    #: Whether :meth:`slice_quantizer` reads the whole tensor first (per-tensor amax).
+    slices_need_stats_pass: ClassVar[bool] = False
+
     def slice_quantizer(self, x2d: torch.Tensor) -> Callable[[torch.Tensor, str], QuantizedTensor] | None:
         """A function ``f(part, usage)`` quantizing slices of the 2-D ``x2d`` exactly as
         ``quantize(x2d)`` quantizes those elements, or None where the format cannot.

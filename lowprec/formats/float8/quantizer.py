@@ -13,6 +13,9 @@ from .tensor import Float8Tensor
 
 
 class _PerTensorFloat8(Quantizer):
+    # Slices share the whole tensor's amax: one more pass over it.
+    slices_need_stats_pass = True
+
     def __init__(self, fp8_dtype: torch.dtype) -> None:
         super().__init__()
         self.fp8_dtype = check_fp8_dtype(fp8_dtype)
