@@ -129,6 +129,13 @@ def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", unsliced_too=
     return peers
 
 
+def shape_peers(args, m, k, n, **step_kw):
+    """``linear_peers`` for one shape with the options of ``add_peer_args``."""
+    return linear_peers(m, k, n, split_list(args.recipes), split_list(args.torchao),
+                        unsliced_too=split_list(args.unsliced_too),
+                        sliced_too=split_list(args.sliced_too), **step_kw)
+
+
 def mlp_peers(m, hidden, ffn, recipes, device="cuda", **step_kw):
     torch.manual_seed(0)
     mod = lowprec.LayerNormMLP(hidden, ffn, bias=False, activation="gelu",
@@ -231,15 +238,12 @@ def main(argv=None):
     ap.add_argument("--no-csv", action="store_true")
     args = ap.parse_args(argv)
     recipes = split_list(args.recipes)
-    tao = split_list(args.torchao)
     rows = []
     if not args.no_linear:
         for s in args.shapes.split(","):
             m, k, n = parse_shape(s)
             inputs = make_inputs(m, k, n, "cuda")
-            peers = linear_peers(m, k, n, recipes, tao, unsliced_too=split_list(args.unsliced_too),
-                                 sliced_too=split_list(args.sliced_too))
-            rows += run_peers("linear", s, peers, inputs, args)
+            rows += run_peers("linear", s, shape_peers(args, m, k, n), inputs, args)
             del inputs
             torch.cuda.empty_cache()
     if args.mlp:

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_linear import (add_peer_args, linear_peers, make_inputs, mlp_peers,  # noqa: E402
-                          parse_shape, split_list)
+from bench_linear import (add_peer_args, make_inputs, mlp_peers, parse_shape,  # noqa: E402
+                          shape_peers, split_list)
 from harness import append_rows, print_table  # noqa: E402
 
 
@@ -82,16 +82,13 @@ def main(argv=None):
     ap.add_argument("--no-csv", action="store_true")
     args = ap.parse_args(argv)
     recipes = split_list(args.recipes)
-    tao = split_list(args.torchao)
     rows = []
     if not args.no_linear:
         for s in args.shapes.split(","):
             m, k, n = parse_shape(s)
             x, dy = make_inputs(m, k, n, "cuda")[0]
             probe = _AfterForward()
-            peers = linear_peers(m, k, n, recipes, tao, fresh=True, on_forward=probe,
-                                 unsliced_too=split_list(args.unsliced_too),
-                                 sliced_too=split_list(args.sliced_too))
+            peers = shape_peers(args, m, k, n, fresh=True, on_forward=probe)
             rows += measure("linear", s, peers, probe, x, dy)
             del peers
             del x, dy
