@@ -13,7 +13,7 @@ per-tensor formats compute the whole tensor's amax first), so the quantized valu
 so the gradients, are the same as unsliced; each GEMM writes its rows of dX or dW in
 place. Block formats slice by default: they quantize dY's two directions in two passes
 anyway. Per-tensor FP8 slices only inside :class:`sliced`: it then reads dY once more
-(delayed scaling twice, for the amax), 4-7% of a step where it applies. Formats without
+(delayed scaling twice, for the amax), 4-8% of a step where it applies. Formats without
 ``slice_quantizer`` (MXFP8, NVFP4 and hybrids) never slice.
 
 The forward does the same for the weight (``linear_fn``): its columnwise copy is made
