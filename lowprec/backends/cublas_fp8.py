@@ -68,10 +68,13 @@ def _fusable_bias(bias, out_dtype) -> bool:
             and bias.dtype == out_dtype and bias.is_contiguous())
 
 
-def _finish(out, bias, fused):
+def _finish(res, bias, fused, out):
+    """Add an unfused bias to the GEMM result ``res`` (which is ``out`` when one was given:
+    the sum then goes back into it)."""
     if bias is not None and not fused:
-        out.copy_((out.to(torch.float32) + bias.to(torch.float32)).to(out.dtype))
-    return out
+        summed = (res.to(torch.float32) + bias.to(torch.float32)).to(res.dtype)
+        return summed if out is None else out.copy_(summed)
+    return res
 
 
 # ---- per-tensor ---------------------------------------------------------------------------
@@ -91,8 +94,8 @@ def tensorwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     scale_a = torch.reciprocal(a.shared_scale.to(torch.float32)).reshape(())
     scale_b = torch.reciprocal(b.shared_scale.to(torch.float32)).reshape(())
     fused = _fusable_bias(bias, out_dtype)
-    out = _scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)
-    return _finish(out, bias, fused)
+    res = _scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)
+    return _finish(res, bias, fused, out)
 
 
 # ---- block-scaled -------------------------------------------------------------------------
@@ -159,4 +162,4 @@ def blockwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
             from ..gemm import _emulated_run
             res = _emulated_run(a, a_usage, b, b_usage, out_dtype, bias)
         return res if out is None else out.copy_(res)
-    return _finish(res, bias, fused)
+    return _finish(res, bias, fused, out)

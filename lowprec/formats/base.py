@@ -413,6 +413,11 @@ class Quantizer:
         """
         return None
 
+    def _slicer(self, fields_of: Callable[[torch.Tensor], dict]
+                ) -> Callable[[torch.Tensor, str], QuantizedTensor]:
+        """The ``f(part, usage)`` of :meth:`slice_quantizer` for a ``fields_of(part)``."""
+        return lambda part, usage: self._slice_tensor(part, usage, fields_of)
+
     def _slice_tensor(self, part: torch.Tensor, usage: str,
                       fields_of: Callable[[torch.Tensor], dict]) -> QuantizedTensor:
         """One slice for :meth:`slice_quantizer`: ``fields_of(part)`` with only ``usage`` on.

@@ -61,7 +61,7 @@ class Float8BlockQuantizer(Quantizer):
 
     def slice_quantizer(self, x2d):
         # Every block lies inside one slice (slices start at multiples of 128): no shared state.
-        return lambda part, usage: self._slice_tensor(part, usage, self._quantize_2d)
+        return self._slicer(self._quantize_2d)
 
     def _quantize_2d_fused(self, x2d, prologue):
         return launch.quantize_block(self, x2d, prologue)

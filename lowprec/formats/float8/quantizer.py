@@ -60,13 +60,16 @@ class Float8Quantizer(_PerTensorFloat8):
     def _quantize_2d(self, x2d):
         if use_kernels(x2d):
             return launch.quantize_delayed(self, x2d)
-        amax = tensor_amax(x2d).to(self.amax.device)
+        return self._fields(x2d, self._record_amax(tensor_amax(x2d), x2d.device))
+
+    def _record_amax(self, amax: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Record ``amax`` (1 element) into ``self.amax``; return the scale to cast with on
+        ``device``: a copy of ``self.scale``, NaN when the amax is not finite (a NaN/Inf
+        input must not come back as finite values)."""
         self.amax.copy_(amax.reshape(self.amax.shape))
-        scale = self.scale.detach().reshape(1).to(device=x2d.device, copy=True)
-        # A NaN/Inf input must not come back as finite values: poison this tensor's scale.
-        scale = torch.where(torch.isfinite(amax.to(x2d.device)), scale,
-                            torch.full_like(scale, float("nan")))
-        return self._fields(x2d, scale)
+        scale = self.scale.detach().reshape(1).to(device=device, dtype=torch.float32, copy=True)
+        return torch.where(torch.isfinite(amax.to(device)), scale,
+                           torch.full_like(scale, float("nan")))
 
     def _quantize_2d_fused(self, x2d, prologue):
         return launch.quantize_delayed(self, x2d, prologue)
@@ -74,17 +77,11 @@ class Float8Quantizer(_PerTensorFloat8):
     def slice_quantizer(self, x2d):
         # The whole tensor's amax is recorded once and poisons the scale of every slice when
         # it is not finite, as quantize() does for the whole tensor.
-        kernels = use_kernels(x2d)
-        amax = launch.fp8_amax(x2d).view(torch.float32) if kernels else tensor_amax(x2d)
-        self.amax.copy_(amax.reshape(self.amax.shape))
-        scale = self.scale.detach().reshape(1).to(device=x2d.device, dtype=torch.float32,
-                                                  copy=True)
-        scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-        if kernels:
-            return lambda part, usage: self._slice_tensor(
-                part, usage, lambda v: launch.quantize_with_scale(self, v, scale))
-        return lambda part, usage: self._slice_tensor(part, usage,
-                                                      lambda v: self._fields(v, scale))
+        if use_kernels(x2d):
+            scale = self._record_amax(launch.fp8_amax(x2d).view(torch.float32), x2d.device)
+            return self._slicer(lambda v: launch.quantize_with_scale(self, v, scale))
+        scale = self._record_amax(tensor_amax(x2d), x2d.device)
+        return self._slicer(lambda v: self._fields(v, scale))
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "scale": float(self.scale)}
@@ -113,9 +110,11 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def _quantize_2d(self, x2d):
         if use_kernels(x2d):
             return launch.quantize_current(self, x2d)
-        scale = current_scale(tensor_amax(x2d), self.fp8_dtype, pow2=self.force_pow_2_scales,
-                              eps=self.amax_epsilon)
-        return self._fields(x2d, scale)
+        return self._fields(x2d, self._reference_scale(x2d))
+
+    def _reference_scale(self, x2d):
+        return current_scale(tensor_amax(x2d), self.fp8_dtype, pow2=self.force_pow_2_scales,
+                             eps=self.amax_epsilon)
 
     def _quantize_2d_fused(self, x2d, prologue):
         return launch.quantize_current(self, x2d, prologue)
@@ -125,12 +124,9 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
         # scale computation as an unsliced quantize), the reference the scale itself.
         if use_kernels(x2d):
             bits = launch.fp8_amax(x2d)
-            return lambda part, usage: self._slice_tensor(
-                part, usage, lambda v: launch.quantize_current(self, v, amax_bits=bits))
-        scale = current_scale(tensor_amax(x2d), self.fp8_dtype, pow2=self.force_pow_2_scales,
-                              eps=self.amax_epsilon)
-        return lambda part, usage: self._slice_tensor(part, usage,
-                                                      lambda v: self._fields(v, scale))
+            return self._slicer(lambda v: launch.quantize_current(self, v, amax_bits=bits))
+        scale = self._reference_scale(x2d)
+        return self._slicer(lambda v: self._fields(v, scale))
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "force_pow_2_scales": self.force_pow_2_scales,
