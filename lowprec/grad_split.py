@@ -17,7 +17,9 @@ anyway. Per-tensor FP8 slices only inside :class:`sliced`: it then reads dY once
 ``slice_quantizer`` (MXFP8, NVFP4 and hybrids) never slice.
 
 The forward does the same for the weight (``linear_fn``): its columnwise copy is made
-after fprop, from the same statistics, once the rowwise copy of the input is freed.
+after fprop, from the same statistics (``Quantizer.quantize_usage_like``; no extra pass for
+them), once the rowwise copy of the input is freed. This is on in every mode but
+:class:`unsliced`.
 """
 
 from __future__ import annotations
@@ -69,8 +71,15 @@ def _even_slices(size: int, limit: int) -> int:
 #: "auto": slice only with quantizers whose slices need no extra pass over the tensor
 #: (``Quantizer.slices_need_stats_pass`` False: block formats, which quantize dY's two
 #: directions in two passes anyway); "always": also per-tensor FP8, which then reads dY
-#: (and the weight) once more for its amax; "never". Set through the context managers.
+#: once more for its amax; "never": no slicing, and the weight's two usages made at once.
+#: Set through the context managers.
 _mode = "auto"
+
+
+def weight_in_two_steps() -> bool:
+    """Whether a linear forward may quantize the weight's two usages one after the other
+    (all modes but ``unsliced()``; see ``linear_fn``)."""
+    return _mode != "never"
 
 
 def slicing_enabled(quantizer) -> bool:
@@ -107,7 +116,7 @@ class unsliced(_Mode):
 class sliced(_Mode):
     """Context manager: linear layers run inside it slice wherever the memory rule says so,
     per-tensor FP8 included (peak memory at or below bf16's on the benchmark shapes, for
-    one more read of dY and of the weight: 4-8% of a step on 16384x4096x14336, H200)."""
+    one more read of dY: 4-8% of a step on 16384x4096x14336, H200)."""
 
     _value = "always"
 

@@ -89,13 +89,13 @@ def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise TypeError(f"linear bias dtype {bias.dtype} does not match the weight dtype {weight.dtype}")
 
 
-def _weight_slices(quantizer: Quantizer | None, weight: torch.Tensor, columnwise: bool):
-    """``quantizer.slice_quantizer(weight)`` when the forward should make the weight's two
-    directions one after the other (same statistics), else None."""
-    if (not columnwise or isinstance(weight, QuantizedTensor) or weight.numel() == 0
-            or not grad_split.slicing_enabled(quantizer)):
-        return None
-    return quantizer.slice_quantizer(weight.detach())
+def _weight_in_two_steps(quantizer: Quantizer | None, weight: torch.Tensor,
+                         columnwise: bool) -> bool:
+    """Whether the forward quantizes the weight rowwise for fprop and makes its columnwise
+    copy only afterwards, with the same statistics (``Quantizer.quantize_usage_like``)."""
+    return (columnwise and quantizer is not None and not isinstance(weight, QuantizedTensor)
+            and weight.numel() > 0 and grad_split.weight_in_two_steps()
+            and quantizer.can_quantize_usage_like())
 
 
 def _graph_kept() -> bool:
@@ -152,12 +152,10 @@ class _QuantizedLinear(torch.autograd.Function):
         # The weight's columnwise copy is made after fprop, once x's rowwise copy is freed:
         # made with it, the forward would hold x (the caller's), both copies of x and of W
         # and y at once, as much as a bf16 backward's peak (x, y, dX, dW).
-        w_slices = _weight_slices(q.weight if q else None, weight, col and need_dx)
-        if w_slices is not None:
-            w_lp, w_owned = w_slices(weight.detach(), "rowwise"), True
-        else:
-            w_lp, w_owned = quantize_operand(q.weight if q else None, weight, rowwise=True,
-                                             columnwise=col and need_dx)
+        w_q = q.weight if q else None
+        w_two_steps = _weight_in_two_steps(w_q, weight, col and need_dx)
+        w_lp, w_owned = quantize_operand(w_q, weight, rowwise=True,
+                                         columnwise=col and need_dx and not w_two_steps)
         out_features = weight.shape[0]
         y = gemm(x_lp, "rowwise", w_lp, "rowwise", out_dtype=x.dtype, bias=bias)
         y = y.reshape(*x.shape[:-1], out_features)
@@ -166,9 +164,9 @@ class _QuantizedLinear(torch.autograd.Function):
             saved_x, saved_w = x, weight
         elif backward_mode == "default":
             saved_x = _keep_only(x_lp, x_owned, "columnwise") if need_dw else None
-            if w_slices is not None:
+            if w_two_steps:
+                saved_w = w_q.quantize_usage_like(weight.detach(), w_lp, "columnwise")
                 del w_lp
-                saved_w = w_slices(weight.detach(), "columnwise")
             else:
                 saved_w = _keep_only(w_lp, w_owned, "columnwise") if need_dx else None
         else:  # dequantized

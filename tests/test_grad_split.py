@@ -15,7 +15,8 @@ import lowprec
 import lowprec.gemm
 import lowprec.grad_split as grad_split
 import lowprec.kernels
-from lowprec.formats.base import QuantizedTensor
+from lowprec.formats.base import QuantizedTensor, Quantizer
+from lowprec.formats.float8.quantizer import _PerTensorFloat8
 
 M, K, N = 512, 128, 1024  # dY (512, 1024) is twice the size of dX + dW: slicing applies
 
@@ -330,18 +331,20 @@ def test_slices_equal_whole_quantization_gpu(qname):
 
 
 # ---- the forward makes the weight's columnwise copy after fprop ------------------------------
-def _saved_weight(rname, *, sliced: bool):
+def _saved_weight(rname, *, mode: str):
     torch.manual_seed(0)
     lin = lowprec.Linear(K, N, params_dtype=torch.bfloat16)
     x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
-    ctx = grad_split.sliced() if sliced else grad_split.unsliced()
+    ctx = {"sliced": grad_split.sliced, "unsliced": grad_split.unsliced,
+           "auto": grad_split._Mode}[mode]()
     with ctx, lowprec.autocast(enabled=True, recipe=SLICED[rname]()):
         y = lin(x)
     return y.grad_fn.saved_tensors[1]
 
 
+@pytest.mark.parametrize("mode", ["auto", "sliced"])
 @pytest.mark.parametrize("rname", list(SLICED))
-def test_weight_columnwise_made_after_fprop_equals_whole(rname, monkeypatch):
+def test_weight_columnwise_made_after_fprop_equals_whole(rname, mode, monkeypatch):
     events = []
     real_gemm = lowprec.linear_fn.gemm
 
@@ -350,12 +353,71 @@ def test_weight_columnwise_made_after_fprop_equals_whole(rname, monkeypatch):
         return real_gemm(*args, **kw)
 
     monkeypatch.setattr(lowprec.linear_fn, "gemm", gemm_spy)
-    new = _saved_weight(rname, sliced=True)
-    assert events == ["gemm"] and not new.has_usage("rowwise")
-    old = _saved_weight(rname, sliced=False)  # both directions in one quantize, as before
+    for cls in (Quantizer, _PerTensorFloat8):
+        def usage_like_spy(self, *args, _real=cls.quantize_usage_like):
+            events.append("usage_like")
+            return _real(self, *args)
+        monkeypatch.setattr(cls, "quantize_usage_like", usage_like_spy)
+    new = _saved_weight(rname, mode=mode)
+    assert events == ["gemm", "usage_like"] and not new.has_usage("rowwise")
+    old = _saved_weight(rname, mode="unsliced")  # both directions in one quantize
     for name, t in old.inner_tensors().items():
         got = getattr(new, name)
         assert (t is None) == (got is None), name
         if t is not None:
             assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got,
                                t.view(torch.uint8) if t.dtype.itemsize == 1 else t), name
+
+
+# ---- quantize_usage_like: one usage after the other, same bits as both at once --------------
+def _usage_like_quantizers():
+    return {**_quantizers(), "delayed": lowprec.Float8Quantizer(torch.tensor([8.0]),
+                                                                 torch.zeros(1))}
+
+
+def _check_usage_like(qname, device, poison):
+    torch.manual_seed(3)
+    x = (torch.randn(384, 640, dtype=torch.bfloat16) * 3).to(device)
+    if poison is not None:
+        x[300, 500] = poison
+    q = _usage_like_quantizers()[qname]
+    whole = q.copy().set_usage(rowwise=True, columnwise=True).quantize(x)
+    for first, second in (("rowwise", "columnwise"), ("columnwise", "rowwise")):
+        one = q.copy().set_usage(rowwise=first == "rowwise",
+                                 columnwise=first == "columnwise").quantize(x)
+        assert q.can_quantize_usage_like()
+        other = q.quantize_usage_like(x, one, second)
+        assert other.has_usage(second) and not other.has_usage(first)
+        for part in (one, other):
+            for name, t in part.inner_tensors().items():
+                if t is None:
+                    continue
+                ref = getattr(whole, name)
+                if t.dtype.itemsize == 1:  # codes: bit for bit
+                    assert torch.equal(t.view(torch.uint8), ref.view(torch.uint8)), name
+                else:  # scales: the same values, NaN where the whole has NaN
+                    torch.testing.assert_close(t, ref, rtol=0, atol=0, equal_nan=True)
+    if poison is not None and "block" not in qname:
+        assert other.dequantize(usage=second).isnan().all()
+
+
+@pytest.mark.parametrize("poison", [None, float("nan"), float("inf")])
+@pytest.mark.parametrize("qname", list(_usage_like_quantizers()))
+def test_quantize_usage_like_equals_both_at_once(qname, poison):
+    _check_usage_like(qname, "cpu", poison)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("poison", [None, float("nan")])
+@pytest.mark.parametrize("qname", list(_usage_like_quantizers()))
+def test_quantize_usage_like_equals_both_at_once_gpu(qname, poison):
+    _check_usage_like(qname, "cuda", poison)
+
+
+def test_formats_without_usage_like_say_so():
+    x = torch.randn(128, 128)
+    for q in (lowprec.MXFP8Quantizer(), lowprec.NVFP4Quantizer()):
+        assert not q.can_quantize_usage_like()
+        with pytest.raises(NotImplementedError, match="both usages at once"):
+            q.quantize_usage_like(x, q.quantize(x), "columnwise")

@@ -93,34 +93,16 @@ class SQNRProbe:
             return qt
 
         q.quantize = quantize
-        # Weights are quantized one direction at a time through slice_quantizer (each call
-        # covers the whole tensor); a probed step never slices dY (see arm()).
-        original_slices = q.slice_quantizer
-
-        def slice_quantizer(x2d, _original=original_slices, _q=q, _role=role):
-            quantize_part = _original(x2d)
-            if quantize_part is None:
-                return None
-
-            def part(p, usage):
-                qt = quantize_part(p, usage)
-                if tuple(p.shape) == tuple(x2d.shape):
-                    probe._record(_q, _role, p, qt)
-                return qt
-            return part
-
-        q.slice_quantizer = slice_quantizer
         self._wrapped.append(q)
         if self._whole is None:
-            # A dY slice is not the tensor: quantize dY whole while armed, so its SQNR is
-            # the whole tensor's.
+            # A slice is not the tensor: while armed, dY and the weights are quantized whole
+            # (both usages in one quantize call), so each SQNR is the whole tensor's.
             self._whole = grad_split.unsliced()
             self._whole.__enter__()
 
     def disarm(self) -> None:
         for q in self._wrapped:
-            for name in ("quantize", "slice_quantizer"):
-                q.__dict__.pop(name, None)  # back to the class's method; pickles again
+            q.__dict__.pop("quantize", None)  # back to the class's method; pickles again
         self._wrapped.clear()
         if self._whole is not None:
             self._whole.__exit__(None, None, None)

@@ -413,6 +413,25 @@ class Quantizer:
         """
         return None
 
+    def can_quantize_usage_like(self) -> bool:
+        """Whether :meth:`quantize_usage_like` works with this quantizer."""
+        return not self.slices_need_stats_pass and \
+            type(self).slice_quantizer is not Quantizer.slice_quantizer
+
+    def quantize_usage_like(self, x2d: torch.Tensor, like: QuantizedTensor,
+                            usage: str) -> QuantizedTensor:
+        """The 2-D ``x2d`` quantized for ``usage`` alone, bit for bit the ``usage`` half of one
+        ``quantize(x2d)`` with both usages, given ``like``: ``x2d`` already quantized by this
+        quantizer for the other usage, whose statistics are reused (no pass over ``x2d`` for
+        them). A linear forward uses it to make the weight's columnwise copy after fprop,
+        once the rowwise copies are freed. Formats whose blocks hold their own scales
+        quantize ``usage`` afresh; per-tensor formats reuse ``like``'s scale.
+        """
+        if not self.can_quantize_usage_like():
+            raise NotImplementedError(f"{type(self).__name__} cannot quantize one usage after "
+                                      f"the other; quantize both usages at once")
+        return self.slice_quantizer(x2d)(x2d, usage)
+
     def _slicer(self, fields_of: Callable[[torch.Tensor], dict]
                 ) -> Callable[[torch.Tensor, str], QuantizedTensor]:
         """The ``f(part, usage)`` of :meth:`slice_quantizer` for a ``fields_of(part)``."""

@@ -254,8 +254,9 @@ def quantize_current(quantizer, x2d: torch.Tensor, prologue=None, amax_bits=None
 
 
 def quantize_with_scale(quantizer, x2d: torch.Tensor, scale: torch.Tensor) -> dict:
-    """Cast ``x2d * scale`` (a delayed-scaling slice, its scale already NaN-poisoned by the
-    whole tensor's amax); the slice's own amax goes to a scratch word."""
+    """Cast ``x2d * scale`` with a scale already known: a delayed-scaling slice (its scale
+    NaN-poisoned by the whole tensor's amax), or one usage of a tensor whose other usage
+    set the scale (``quantize_usage_like``). The amax of ``x2d`` goes to a scratch word."""
     scratch = torch.empty(1, dtype=torch.float32, device=x2d.device)
     row, col, scale_out = fp8_delayed_quantize(
         x2d, scale, scratch, quantizer.fp8_dtype == torch.float8_e5m2,

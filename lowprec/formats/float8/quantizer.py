@@ -36,6 +36,19 @@ class _PerTensorFloat8(Quantizer):
                 "shared_scale": torch.ones(1, dtype=torch.float32, device=device),
                 "fp8_dtype": self.fp8_dtype}
 
+    def can_quantize_usage_like(self) -> bool:
+        return True
+
+    def quantize_usage_like(self, x2d, like, usage):
+        # Both usages of one quantize share one scale: cast with like's (NaN when the tensor
+        # held NaN/Inf, so this half comes out NaN too). Delayed scaling records nothing
+        # here: like's quantize recorded the same amax.
+        scale = like.shared_scale
+        if use_kernels(x2d):
+            return self._slice_tensor(x2d, usage,
+                                      lambda v: launch.quantize_with_scale(self, v, scale))
+        return self._slice_tensor(x2d, usage, lambda v: self._fields(v, scale))
+
 
 class Float8Quantizer(_PerTensorFloat8):
     """Per-tensor FP8 with *delayed* scaling.
