@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of the FP8 / block / MXFP8 quantize kernels, per config.
+"""Registers, spills, shared memory and SASS size of the quantize kernels, per config.
 
 Compiles each kernel for sm90 ahead of time (no GPU needed: Triton's bundled ``ptxas``), so
 tile configs and kernel structure can be compared before spending device time. Occupancy
@@ -25,7 +25,7 @@ REGS_PER_SM = 65536
 SMEM_PER_SM = 228 * 1024
 
 
-def _compile(fn, sig: dict, const: dict, warps: int):
+def _compile(fn, sig: dict, const: dict, warps: int, **options):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -39,7 +39,8 @@ def _compile(fn, sig: dict, const: dict, warps: int):
              if full[a].startswith("*") or full[a] == "i32"}
     src = ASTSource(fn=fn, signature=full,
                     constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, **options})
 
 
 def _nvidia_bin(tool: str) -> str:
@@ -58,7 +59,12 @@ def sass_count(cubin: bytes) -> int:
         sass = subprocess.run([_nvidia_bin("cuobjdump"), "-sass", path], capture_output=True,
                               text=True).stdout
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-    return sum(1 for op in ops if not op.startswith("NOP"))
+    ops = [op for op in ops if not op.startswith("NOP")]
+    # fp64 arithmetic and conversions run at a fraction of the fp32 rate on sm90 (the
+    # conversions 16 per SM per clock): counted apart
+    f64 = sum(1 for op in ops if op.startswith(("DMUL", "DADD", "DFMA", "DSETP"))
+              or (op.startswith("F2F") and "F64" in op))
+    return len(ops), f64
 
 
 def resources(kernel) -> dict:
@@ -73,7 +79,7 @@ def resources(kernel) -> dict:
     spill = int(re.search(r"(\d+) bytes spill stores", err).group(1))
     return {"regs": regs, "spill": spill, "smem": kernel.metadata.shared,
             "converts": kernel.asm["ttgir"].count("convert_layout"),
-            "sass": sass_count(kernel.asm["cubin"])}
+            **dict(zip(("sass", "f64"), sass_count(kernel.asm["cubin"])))}
 
 
 def _quant_sig(extra_ptrs=()):
@@ -119,6 +125,37 @@ def cases(only):
     return [c for c in out if not only or c[0] in only]
 
 
+def nvfp4_cases():
+    """(name, kernel fn, signature, constexprs, warps, elements per program) of the NVFP4
+    rowwise and columnwise kernels at the launch configs, 1D blocks."""
+    from lowprec.formats.nvfp4 import launch as nl
+    from lowprec.formats.nvfp4 import triton_kernels as nk
+    sig = {"x_ptr": "*bf16", "M": "i32", "K": "i32", "data_ptr": "*u8", "scale_ptr": "*u8",
+           "glob_ptr": "*fp32", "key_ptr": "*i64"}
+    kb, rb, kw = nl.CONFIG["row"]["KB"], nl.CONFIG["row"]["RB"], nl.CONFIG["col"]["KW"]
+    out = []
+    for sr in (False, True):
+        tag = "+sr" if sr else ""
+        out.append(("row" + tag, nk._nvfp4_row_kernel, sig,
+                    dict(TWO_D=False, SR=sr, VEC=8, KB=kb, RB=rb, EVEN=True, IDX64=False),
+                    max(1, kb * rb // 32), kb * rb * 16))
+        for rht in (False, True):
+            out.append(("col" + ("+rht" if rht else "") + tag, nk._nvfp4_col_kernel, sig,
+                        dict(RHT=rht, TWO_D=False, SR=sr, KW=kw, EVEN=True, IDX64=False),
+                        kw, 64 * 16 * kw))
+    return out
+
+
+def nvfp4_report():
+    print(f"{'nvfp4 kernel':14} {'regs':>5} {'spill':>6} {'sass':>6} {'ins/el':>6} "
+          f"{'f64/el':>6}")
+    for name, fn, sig, const, warps, elements in nvfp4_cases():
+        r = resources(_compile(fn, sig, const, warps, enable_fp_fusion=False))
+        per = 32 * warps / elements
+        print(f"{name:14} {r['regs']:5} {r['spill']:6} {r['sass']:6} {r['sass'] * per:6.1f} "
+              f"{r['f64'] * per:6.2f}")
+
+
 def tile_config(cfg):
     from lowprec.formats.float8.launch import tile_config as tc
     return tc(cfg)
@@ -127,13 +164,16 @@ def tile_config(cfg):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="",
-                    help="comma-separated families: current,delayed,block1,block2,mx1,mx2")
+                    help="comma-separated families: current,delayed,block1,block2,mx1,mx2,"
+                         "nvfp4")
     ap.add_argument("--usages", default="both,row,col")
     ap.add_argument("--configs", default="",
                     help="extra BMxBNxWARPS[xITERSxSTAGES] configs to try for every case, "
                          "e.g. 64x128x4,32x128x4x4x3")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
+    if not only or "nvfp4" in only:
+        nvfp4_report()
     extra = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
     usages = args.usages.split(",")
     print(f"{'kernel':8} {'usage':5} {'BMxBNxWxIxS':14} {'regs':>5} {'spill':>6} {'smem':>6} "
