@@ -9,12 +9,11 @@ reference's, however it is computed:
   the rounding midpoint next to it (checked exhaustively for every E4M3 d). Nearest-even
   codes are therefore three comparisons against per-block thresholds (a binary search).
 * Where the exact quotient ``v = RN(a/d)`` itself is needed (stochastic rounding compares
-  ``v - lo`` with the uniform), it comes from a reciprocal multiply and one FMA
-  correction step in fp32 (``_quotient``). ``block_amax / 6`` is ``RN32(b * RN64(1/6))``
-  in fp64: a quotient of a 24-bit by a <=4-bit number is either representable or at least
-  2**-30 (relative) away from every fp32 rounding midpoint (checked on ~10**8 values,
-  subnormals included); it runs once per block. The global scale ``2688 / amax`` uses a
-  correctly rounded divide.
+  ``v - lo`` with the uniform), it is ``RN32(a * r)`` in fp64, r a ~2**-43-accurate
+  reciprocal of d: a quotient of a 24-bit by a <=4-bit number is either representable or at
+  least 2**-30 (relative) away from every fp32 rounding midpoint. ``block_amax / 6`` is
+  ``RN32(b * RN64(1/6))`` in fp64 by the same argument (checked on ~10**8 values,
+  subnormals included). The global scale ``2688 / amax`` uses a correctly rounded divide.
 * E4M3 rounding of the block scale is integer arithmetic (no reliance on the fp8
   conversion), and kernels launch with FMA contraction off.
 * Signs are flipped by multiplying by -1 (Triton's unary minus is ``0 - x``, which turns
@@ -46,9 +45,7 @@ E4M3_MAX = tl.constexpr(448.0)
 GLOBAL_NUM = tl.constexpr(2688.0)  # 448 * 6
 E4M3_NAN = tl.constexpr(0x7F)
 ONE_SIXTH = tl.constexpr(0.16666666666666666)    # RN64(1/6), used as an fp64 constant
-TWO_M86 = tl.constexpr(2.0 ** -86)
-TWO_P64 = tl.constexpr(2.0 ** 64)
-TWO_M100 = tl.constexpr(2.0 ** -100)
+TWO_M150 = tl.constexpr(7.006492321624085e-46)   # 2**-150, used as an fp64 constant
 
 
 # ---- scalar helpers -----------------------------------------------------------------------------
@@ -124,26 +121,18 @@ def _rne_codes(a, th):
 @triton.jit
 def _sr_prep(d):
     """Per-block values for stochastic rounding: grid thresholds g*d (NaN for a dead
-    block: every comparison fails), the correctly rounded reciprocal r = RN(1/d), d (1 for
-    a dead block) and the positivity bound d * 2**-86 (NaN for a dead block)."""
+    block: every comparison fails), a fp64 reciprocal of d good to ~2**-43, and the
+    positivity bound d * 2**-150 (NaN for a dead block)."""
     live = d > 0.0
     dl = tl.where(live, d, float("nan"))
     ds = tl.where(live, d, 1.0)
-    r = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), ds)
-    return (dl * 0.5, dl, dl * 1.5, dl * 2.0, dl * 3.0, dl * 4.0, dl * 6.0, r, ds,
-            dl * TWO_M86)
-
-
-@triton.jit
-def _quotient(a, r, d):
-    """RN(a / d) for fp32 a >= 0 and an E4M3 value d with r = RN(1/d), without dividing:
-    q0 = RN(a r) is within one ulp of a/d, the FMA remainder a - q0 d is exact, and one
-    correction step RN(q0 + rem r) is the correctly rounded quotient (Markstein), wherever
-    a/d >= 2**-100 (no remainder underflows). Checked against an fp64 division on every
-    24-bit significand over every E4M3 significand by benchmarks/check_kernels_nvfp4.py."""
-    q0 = a * r
-    rem = tl.fma(q0 * -1.0, d, a)
-    return tl.fma(rem, r, q0)
+    r0 = tl.math.fdiv(tl.full(d.shape, 1.0, tl.float32), ds)   # approximate
+    d64 = ds.to(tl.float64)
+    r = r0.to(tl.float64)
+    r = r + r * (1.0 - d64 * r)                                 # one Newton step in fp64
+    pos = tl.where(live, d64 * tl.full(d.shape, TWO_M150, tl.float64),
+                   tl.full(d.shape, float("nan"), tl.float64))
+    return (dl * 0.5, dl, dl * 1.5, dl * 2.0, dl * 3.0, dl * 4.0, dl * 6.0, r, pos)
 
 
 @triton.jit
@@ -177,10 +166,8 @@ def _sr_codes(a, p, rand):
 
     lo = largest grid point <= v by exact comparisons; round up when
     rand < (v - lo) / span, evaluated exactly as rand * span < v - lo (span a power of
-    two, v - lo exact by Sterbenz). ``_quotient`` gives v exactly wherever
-    a/d >= 2**-100. Below that only whether v > 0 matters (rand * span is 0 or at least
-    2**-25): v > 0 iff a/d > 2**-150, tested exactly as a * 2**64 > d * 2**-86, and such a
-    v is replaced by max(quotient, 2**-100), 0 otherwise."""
+    two, v - lo exact by Sterbenz). v comes from fp64 (exact, see the module doc); below
+    2**-126 only v > 0 matters there, i.e. a > d * 2**-150."""
     b2 = a >= p[3]
     b1 = a >= tl.where(b2, p[5], p[1])
     b0 = a >= tl.where(b2, tl.where(b1, p[6], p[4]), tl.where(b1, p[2], p[0]))
@@ -189,7 +176,8 @@ def _sr_codes(a, p, rand):
     f1 = b1.to(tl.float32)
     lo = tl.where(b2, tl.where(b1, 4.0 + 2.0 * f0, 2.0 + f0), f1 + 0.5 * f0)
     span = tl.where(b2, tl.where(b1, 2.0, 1.0), 0.5)
-    v = tl.where(a * TWO_P64 > p[9], tl.maximum(_quotient(a, p[7], p[8]), TWO_M100), 0.0)
+    a64 = a.to(tl.float64)
+    v = tl.where(a64 > p[8], (a64 * p[7]).to(tl.float32), 0.0)
     up = (rand * span < v - lo) & (lo_i < 7)
     return lo_i + up.to(tl.int32)
 
