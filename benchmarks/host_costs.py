@@ -2,7 +2,7 @@
 the GPU never holds the host back: Triton launches, small torch ops, cuBLAS FP8 GEMMs,
 custom-op wrappers. Tells which launches are worth fusing or caching.
 
-    python benchmarks/host_costs.py [--normal-launch]
+    python benchmarks/host_costs.py
 """
 
 from __future__ import annotations
@@ -32,14 +32,6 @@ def per_call_us(fn, n=2000) -> float:
 
 
 def main():
-    import argparse
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--normal-launch", action="store_true",
-                    help="launch kernels through kernel[grid] (no launcher cache), for A/B")
-    args = ap.parse_args()
-    from lowprec.kernels import launcher
-    launcher.ENABLED = not args.normal_launch
-    print("kernel launches:", "kernel[grid]" if args.normal_launch else "launcher cache")
     dev = "cuda"
     x = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
     s = torch.ones(1, device=dev)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from ...kernels import kernel_op
-from ...kernels.launcher import launch
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
                               launches, logical_shape, prologue_args, prologue_launch_args,
@@ -64,8 +63,7 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
             cfg = CONFIGS[(block_scaling_dim, _usage(r, c))]
             bm, bn, warps, iters, stages = tile_config(cfg)
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-            launch(block_scaled_quant_kernel, grid, x, rq, rs, cq, cs, m, k, x.stride(0),
-                   x.stride(1),
+            block_scaled_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1),
                                             *prologue_args(x, pro_args), eps, PRO=pro,
                                             FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
                                             TWO_D=block_scaling_dim == 2, ROWWISE=r,

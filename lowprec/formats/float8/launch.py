@@ -26,7 +26,6 @@ from typing import Optional
 import torch
 
 from ...kernels import kernel_op
-from ...kernels.launcher import launch
 
 # fp8 dtype -> (mantissa bits, exponent bias, fp32 bits of the max finite value, max)
 FP8_PARAMS = {
@@ -138,7 +137,7 @@ def _launch_amax(x: torch.Tensor, pro: int = 0, pro_args: list = ()) -> torch.Te
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
     tiles = triton_cdiv(m, bm) * triton_cdiv(k, bn)
     progs = max(1, min(tiles, num_sms(x.device) * 4))
-    launch(amax_kernel, (progs,), x, amax_bits, m, k, x.stride(0), x.stride(1),
+    amax_kernel[(progs,)](x, amax_bits, m, k, x.stride(0), x.stride(1),
                           *prologue_args(x, pro_args), tiles, triton_cdiv(tiles, progs),
                           PRO=pro, BM=bm, BN=bn, num_warps=warps)
     return amax_bits
@@ -180,7 +179,7 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
         for r, c in launches(rowwise, columnwise, "pertensor"):
             bm, bn, warps, iters, stages = tile_config(_cast_cfg(r, c))
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-            launch(cast_kernel, grid, x, row, col, amax_bits, scale, scale, m, k, x.stride(0),
+            cast_kernel[grid](x, row, col, amax_bits, scale, scale, m, k, x.stride(0),
                               x.stride(1), *p, eps, PRO=pro, CURRENT=True, POW2=pow2,
                               FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm,
                               BN=bn, ITERS=iters, STAGES=stages, num_warps=warps,
@@ -211,7 +210,7 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
         for r, c in launches(rowwise, columnwise, "pertensor"):
             bm, bn, warps, iters, stages = tile_config(_cast_cfg(r, c))
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-            launch(cast_kernel, grid, x, row, col, amax_bits, scale, scale_out, m, k, x.stride(0),
+            cast_kernel[grid](x, row, col, amax_bits, scale, scale_out, m, k, x.stride(0),
                               x.stride(1), *p, 0.0, PRO=pro, CURRENT=False, POW2=False,
                               FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm,
                               BN=bn, ITERS=iters, STAGES=stages, num_warps=warps,
@@ -219,7 +218,7 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
         block, _, warps = CONFIGS["finish"]
         n = m * k
         progs = max(1, min(triton_cdiv(n, block), num_sms(x.device) * 2))
-        launch(delayed_finish_kernel, (progs,), amax_bits, scale, scale_out, amax, row, col, n,
+        delayed_finish_kernel[(progs,)](amax_bits, scale, scale_out, amax, row, col, n,
                                         triton_cdiv(triton_cdiv(n, block), progs),
                                         ROWWISE=rowwise, COLWISE=columnwise, BLOCK=block,
                                         num_warps=warps)
@@ -301,7 +300,7 @@ def fp8_delayed_update(history: torch.Tensor, current: torch.Tensor, scale: torc
     while bn < n and bn * bh < 8192:
         bn *= 2
     with device_guard(history.device):
-        launch(delayed_update_kernel, (triton_cdiv(n, bn),),
+        delayed_update_kernel[(triton_cdiv(n, bn),)](
             history, current, scale, fp8_max, h, n, inv_margin, MOST_RECENT=most_recent,
             BH=bh, BN=bn, num_warps=4)
 

@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from ...kernels import kernel_op, use_kernels
-from ...kernels.launcher import launch
 from ..casting import e2m1_codes_to_float, unpack_e2m1
 from .reference import BLOCK, SCALE_DTYPE
 
@@ -101,14 +100,14 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
         grid = (triton_cdiv(m * kk, ca["FLAT"]),)
         warps = 4
         even = (m * kk) % ca["FLAT"] == 0
-    launch(k._nvfp4_amax_kernel, grid, x, m, kk, ws, rglob, cglob, ROW=bool(rowwise),
+    k._nvfp4_amax_kernel[grid](x, m, kk, ws, rglob, cglob, ROW=bool(rowwise),
                                COL=bool(columnwise), RHT=rht, KW=ca["KW"], FLAT=ca["FLAT"],
                                EVEN=even, IDX64=idx64, num_warps=warps, **_LAUNCH_OPTS)
     if rowwise:
         cr = CONFIG["row"]
         kb, rb = cr["KB"], (16 if two_d else cr["RB"])
         grid = (triton_cdiv(m, rb) * triton_cdiv(kk // BLOCK, kb),)
-        launch(k._nvfp4_row_kernel, grid, x, m, kk, rdata, rscale, rglob,
+        k._nvfp4_row_kernel[grid](x, m, kk, rdata, rscale, rglob,
                                   key_row if key_row is not None else rglob,
                                   TWO_D=bool(two_d), SR=sr, VEC=16 // x.element_size(),
                                   KB=kb, RB=rb, EVEN=m % rb == 0 and (kk // BLOCK) % kb == 0,
@@ -117,7 +116,7 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
     if columnwise:
         kw = CONFIG["col"]["KW"]
         grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * kw),)
-        launch(k._nvfp4_col_kernel, grid, x, m, kk, cdata, cscale, cglob,
+        k._nvfp4_col_kernel[grid](x, m, kk, cdata, cscale, cglob,
                                   key_col if key_col is not None else cglob,
                                   RHT=rht, TWO_D=bool(two_d), SR=sr, KW=kw,
                                   EVEN=m % 64 == 0 and kk % (16 * kw) == 0, IDX64=idx64,
@@ -176,7 +175,7 @@ def nvfp4_dequantize_unscaled_bf16(data: Tensor, scale: Tensor, two_d: bool) -> 
         return out
     cfg = CONFIG["dequant"]
     grid = (triton_cdiv(r, cfg["RB"]) * triton_cdiv(c // BLOCK, cfg["KB"]),)
-    launch(_kernels()._nvfp4_dequant_unscaled_kernel, grid,
+    _kernels()._nvfp4_dequant_unscaled_kernel[grid](
         data.contiguous(), scale.contiguous(), out, r, c, TWO_D=bool(two_d),
         KB=cfg["KB"], RB=cfg["RB"], EVEN=r % cfg["RB"] == 0 and (c // BLOCK) % cfg["KB"] == 0,
         IDX64=_idx64(r, c), num_warps=max(1, cfg["KB"] * cfg["RB"] // 32), **_LAUNCH_OPTS)
