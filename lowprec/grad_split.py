@@ -86,7 +86,7 @@ def slicing_enabled(quantizer) -> bool:
     """Whether a linear layer may slice what ``quantizer`` quantizes (see ``_mode``)."""
     if _mode == "never" or quantizer is None:
         return False
-    if type(quantizer).slice_quantizer is Quantizer.slice_quantizer:
+    if not quantizer.can_slice():
         return False
     return _mode == "always" or not quantizer.slices_need_stats_pass
 

@@ -413,10 +413,13 @@ class Quantizer:
         """
         return None
 
+    def can_slice(self) -> bool:
+        """Whether :meth:`slice_quantizer` is implemented by this format."""
+        return type(self).slice_quantizer is not Quantizer.slice_quantizer
+
     def can_quantize_usage_like(self) -> bool:
         """Whether :meth:`quantize_usage_like` works with this quantizer."""
-        return not self.slices_need_stats_pass and \
-            type(self).slice_quantizer is not Quantizer.slice_quantizer
+        return not self.slices_need_stats_pass and self.can_slice()
 
     def quantize_usage_like(self, x2d: torch.Tensor, like: QuantizedTensor,
                             usage: str) -> QuantizedTensor:
