@@ -101,11 +101,13 @@ def cases(only):
     out = []
     for usage, (r, c) in (("both", (True, True)), ("row", (True, False)), ("col", (False, True))):
         sig = {"x_ptr": "*bf16", "row_ptr": "*u8", "col_ptr": "*u8", "amax_ptr": "*i32",
-               "scale_in_ptr": "*fp32", "scale_out_ptr": "*fp32", "M": "i32", "K": "i32",
+               "scale_in_ptr": "*fp32", "scale_out_ptr": "*fp32", "amax_out_ptr": "*fp32",
+               "M": "i32", "K": "i32",
                "stride_xm": "i32", "p0": "*bf16", "p1": "*bf16", "p2": "*bf16", "p3": "*bf16",
                "eps": "fp32"}
         for current in (True, False):
-            const = dict(FP8, PRO=0, CURRENT=current, POW2=False, ROWWISE=r, COLWISE=c)
+            const = dict(FP8, PRO=0, CURRENT=current, POW2=False, ROWWISE=r, COLWISE=c,
+                         RECORD=not current, FINISH=not current)
             out.append(("current" if current else "delayed", usage, cast_kernel, sig, const,
                         fl.CONFIGS[f"cast_{usage}"]))
     for usage, (r, c) in (("both", (True, True)), ("row", (True, False)), ("col", (False, True))):

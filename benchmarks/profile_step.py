@@ -37,6 +37,9 @@ def main():
     ap.add_argument("--only-lowprec", action="store_true",
                     help="list only functions of the lowprec package in the cProfile table")
     ap.add_argument("--no-kernels", action="store_true", help="skip the torch.profiler table")
+    ap.add_argument("--host-ops", action="store_true",
+                    help="also list the torch ops one step issues (count, host time): the ops "
+                         "worth fusing away when the step is host-bound")
     args = ap.parse_args()
     m, k, n = parse_shape(args.shape)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
@@ -86,6 +89,13 @@ def main():
         else:
             stats.print_stats(args.top)
         print("\n".join(line[:160] for line in buf.getvalue().splitlines()[4:]))
+        if args.host_ops:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    step(x, dy)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40,
+                                            max_name_column_width=60))
         if args.no_kernels:
             continue
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

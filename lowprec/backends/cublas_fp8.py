@@ -91,8 +91,7 @@ def _scaled_mm(ad, bd, scale_a, scale_b, bias, out_dtype, out):
 
 def tensorwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     ad, bd = getattr(a, f"{a_usage}_data"), getattr(b, f"{b_usage}_data")
-    scale_a = torch.reciprocal(a.shared_scale.to(torch.float32)).reshape(())
-    scale_b = torch.reciprocal(b.shared_scale.to(torch.float32)).reshape(())
+    scale_a, scale_b = a.decode_scale(), b.decode_scale()
     fused = _fusable_bias(bias, out_dtype)
     res = _scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)
     return _finish(res, bias, fused, out)

@@ -71,6 +71,10 @@ class QuantizedTensor(torch.Tensor):
 
     _inner: ClassVar[tuple[str, ...]] = ()
     _meta: ClassVar[tuple[str, ...]] = ()
+    #: Optional private values a quantize computes beside the inner tensors (a decode
+    #: scale), kept while this object lives but never flattened, pickled or copied; whoever
+    #: reads one checks it still matches the inner tensors.
+    _derived: ClassVar[tuple[str, ...]] = ()
 
     @staticmethod
     def __new__(cls, shape, dtype, *, requires_grad: bool = False, **fields):
@@ -89,6 +93,8 @@ class QuantizedTensor(torch.Tensor):
             setattr(self, name, fields.pop(name, None))
         for name in cls._meta:
             setattr(self, name, fields.pop(name))
+        for name in cls._derived:
+            setattr(self, name, fields.pop(name, None))
         if fields:
             raise TypeError(f"{cls.__name__} got unknown fields {sorted(fields)}")
         return self

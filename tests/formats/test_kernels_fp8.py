@@ -109,6 +109,11 @@ def test_kernel_matches_reference(kind, fp8_dtype, dtype, usage, dist):
         if hasattr(qk, "amax"):
             _assert_same(qk.amax, qr.amax, f"{kind} {shape} recorded amax")
             assert qk.scale.item() == qr.scale.item()  # the recipe-owned scale is untouched
+        if hasattr(got, "decode_scale"):
+            # the decode scale the kernel wrote is the one the GEMMs get, and exact
+            assert got._decode is not None and got._decode[0] is got.shared_scale
+            _assert_same(got.decode_scale().reshape(1), torch.reciprocal(ref.shared_scale),
+                         f"{kind} {shape} decode scale")
 
 
 @pytest.mark.parametrize("kind", ["current", "delayed", "block1x128", "block128x128", "mxfp8",
@@ -169,3 +174,41 @@ def test_kernel_torch_compile_fullgraph(kind):
         _assert_same(a, b, kind)
     if hasattr(q_eager, "amax"):
         _assert_same(q_comp.amax, q_eager.amax, "amax")
+
+
+def test_decode_scale_helper_is_torch_reciprocal():
+    """The kernels' ``decode_scale`` is bit for bit ``torch.reciprocal`` on fp32 bit patterns
+    from the whole range (subnormal results of huge scales included) and the special values."""
+    import triton
+    import triton.language as tl
+    from lowprec.formats.float8.triton_kernels import decode_scale
+
+    @triton.jit
+    def _kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n)
+        tl.store(y_ptr + offs, decode_scale(x), mask=offs < n)
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (1 << 22,), generator=g, device="cuda",
+                         dtype=torch.int32)
+    special = torch.tensor([0.0, -0.0, 1.0, 448.0, 57344.0, float("inf"), float("nan"),
+                            torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny,
+                            1e-45, 3e-39, 2.0 ** 126, 2.0 ** 127 * 1.5], device="cuda")
+    x = torch.cat([bits.view(torch.float32), special])
+    y = torch.empty_like(x)
+    _kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    _assert_same(y, torch.reciprocal(x), "decode_scale")
+
+
+@pytest.mark.parametrize("kind", ["current", "delayed"])
+def test_decode_scale_follows_in_place_scale_changes(kind):
+    """A kept decode scale is used only while the scale it came from is unmodified."""
+    x = _input((64, 128), torch.bfloat16, "normal", seed=2)
+    qt = QUANTIZERS[kind](E4).quantize(x)
+    assert qt.decode_scale() is qt._decode[2]
+    qt.shared_scale.mul_(4.0)
+    assert torch.equal(qt.decode_scale(), torch.reciprocal(qt.shared_scale).reshape(()))
+    like = QUANTIZERS[kind](E4).quantize_usage_like(x.reshape(64, 128), qt, "columnwise")
+    assert like.shared_scale is qt.shared_scale
+    assert torch.equal(like.decode_scale(), torch.reciprocal(qt.shared_scale).reshape(()))

@@ -56,6 +56,11 @@ def launches(rowwise: bool, columnwise: bool, key: str):
     return [(rowwise, columnwise)]
 
 
+#: Delayed scaling: the cast launch's last program stores the scales (and NaN-fills a
+#: NaN/Inf input) instead of a second, finishing launch. It saves one launch's host time;
+#: the NaN fill then runs in one program, slow, but only for NaN/Inf inputs.
+FUSED_FINISH = True
+
 #: Tile configs: name -> (BM, BN, num_warps), picked by timing 16384x4096 bf16 on an H200
 #: (benchmarks/check_kernels_fp8.py, which may override entries). The values here are the
 #: ones that script verified bit-exact.
@@ -167,30 +172,40 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``amax_bits``: the int32 amax bits when the producer already computed them (the
     fused norm statistics), else None and an amax pass runs first."""
-    from .triton_kernels import cast_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)
     row, col = _outputs(x, rowwise, columnwise, pro)
-    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    scales = torch.empty(2, dtype=torch.float32, device=x.device)
     p = prologue_args(x, pro_args)
     with device_guard(x.device):
         if amax_bits is None:
             amax_bits = _launch_amax(x, pro, pro_args)
         for r, c in launches(rowwise, columnwise, "pertensor"):
-            bm, bn, warps, iters, stages = tile_config(_cast_cfg(r, c))
-            grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-            cast_kernel[grid](x, row, col, amax_bits, scale, scale, m, k, x.stride(0),
-                              x.stride(1), *p, eps, PRO=pro, CURRENT=True, POW2=pow2,
-                              FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm,
-                              BN=bn, ITERS=iters, STAGES=stages, num_warps=warps,
-                              **kernel_fp8_args(fp8_dtype))
-    return row, col, scale
+            _launch_cast(x, row, col, amax_bits, scales, scales, m, k, p, eps, pro, r, c,
+                         fp8_dtype, current=True, pow2=pow2, record=False)
+    return row, col, scales
 
 
 @fp8_current_quantize.register_fake
 def _(x, e5m2, pow2, eps, rowwise, columnwise, pro, pro_args, amax_bits):
     row, col = _outputs(x, rowwise, columnwise, pro)
-    return row, col, x.new_empty((1,), dtype=torch.float32)
+    return row, col, x.new_empty((2,), dtype=torch.float32)
+
+
+def _launch_cast(x, row, col, amax_bits, scale_in, scale_out, m, k, p, eps, pro, r, c,
+                 fp8_dtype, *, current, pow2, record, amax_out=None):
+    """One ``cast_kernel`` launch; ``amax_out`` (delayed scaling): finish in this launch,
+    recording the amax there (``amax_bits`` then holds two zeroed words)."""
+    from .triton_kernels import cast_kernel
+    bm, bn, warps, iters, stages = tile_config(_cast_cfg(r, c))
+    grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
+    finish = amax_out is not None
+    cast_kernel[grid](x, row, col, amax_bits, scale_in, scale_out,
+                      amax_out if finish else scale_out, m, k, x.stride(0), x.stride(1), *p,
+                      eps, PRO=pro, CURRENT=current, POW2=pow2,
+                      FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm, BN=bn,
+                      RECORD=record, FINISH=finish, ITERS=iters, STAGES=stages,
+                      num_warps=warps, **kernel_fp8_args(fp8_dtype))
 
 
 # ---- delayed scaling ----------------------------------------------------------------------
@@ -199,22 +214,22 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
                          rowwise: bool, columnwise: bool, pro: int,
                          pro_args: list[torch.Tensor]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .triton_kernels import cast_kernel, delayed_finish_kernel
+    from .triton_kernels import delayed_finish_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)
     row, col = _outputs(x, rowwise, columnwise, pro)
     p = prologue_args(x, pro_args)
-    scale_out = torch.empty(1, dtype=torch.float32, device=x.device)
-    amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
+    scale_out = torch.empty(2, dtype=torch.float32, device=x.device)
+    amax_bits = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax, finished programs
+    parts = launches(rowwise, columnwise, "pertensor")
     with device_guard(x.device):
-        for r, c in launches(rowwise, columnwise, "pertensor"):
-            bm, bn, warps, iters, stages = tile_config(_cast_cfg(r, c))
-            grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-            cast_kernel[grid](x, row, col, amax_bits, scale, scale_out, m, k, x.stride(0),
-                              x.stride(1), *p, 0.0, PRO=pro, CURRENT=False, POW2=False,
-                              FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm,
-                              BN=bn, ITERS=iters, STAGES=stages, num_warps=warps,
-                              **kernel_fp8_args(fp8_dtype))
+        if len(parts) == 1 and FUSED_FINISH:
+            _launch_cast(x, row, col, amax_bits, scale, scale_out, m, k, p, 0.0, pro, *parts[0],
+                         fp8_dtype, current=False, pow2=False, record=True, amax_out=amax)
+            return row, col, scale_out
+        for r, c in parts:
+            _launch_cast(x, row, col, amax_bits, scale, scale_out, m, k, p, 0.0, pro, r, c,
+                         fp8_dtype, current=False, pow2=False, record=True)
         block, _, warps = CONFIGS["finish"]
         n = m * k
         progs = max(1, min(triton_cdiv(n, block), num_sms(x.device) * 2))
@@ -228,15 +243,45 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
 @fp8_delayed_quantize.register_fake
 def _(x, scale, amax, e5m2, rowwise, columnwise, pro, pro_args):
     row, col = _outputs(x, rowwise, columnwise, pro)
-    return row, col, x.new_empty((1,), dtype=torch.float32)
+    return row, col, x.new_empty((2,), dtype=torch.float32)
+
+
+# ---- cast with a known scale --------------------------------------------------------------
+@kernel_op("lowprec::fp8_cast_with_scale", mutates_args=())
+def fp8_cast_with_scale(x: torch.Tensor, scale: torch.Tensor, e5m2: bool, rowwise: bool,
+                        columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cast ``x * scale`` with a scale that already accounts for x's amax (NaN when x held
+    NaN/Inf, so the codes come out NaN as the reference's): one pass, nothing recorded."""
+    fp8_dtype = fp8_dtype_of(e5m2)
+    m, k = x.shape
+    row, col = _outputs(x, rowwise, columnwise)
+    p = prologue_args(x, [])
+    with device_guard(x.device):
+        for r, c in launches(rowwise, columnwise, "pertensor"):
+            _launch_cast(x, row, col, scale, scale, scale, m, k, p, 0.0, 0, r, c, fp8_dtype,
+                         current=False, pow2=False, record=False)
+    return row, col
+
+
+@fp8_cast_with_scale.register_fake
+def _(x, scale, e5m2, rowwise, columnwise):
+    return _outputs(x, rowwise, columnwise)
 
 
 # ---- what the quantizers call -------------------------------------------------------------
-def _fields(quantizer, row, col, scale) -> dict:
+def _fields(quantizer, row, col, scale, decode=None) -> dict:
+    """Float8Tensor fields; ``decode``: the record of ``1 / scale`` (see ``Float8Tensor``)."""
     dt = quantizer.fp8_dtype
     return {"rowwise_data": row.view(dt) if quantizer.rowwise_usage else None,
             "columnwise_data": col.view(dt) if quantizer.columnwise_usage else None,
-            "shared_scale": scale, "fp8_dtype": dt}
+            "shared_scale": scale, "fp8_dtype": dt, "_decode": decode}
+
+
+def _kernel_fields(quantizer, row, col, scales) -> dict:
+    """Fields of a quantize launch, whose ``scales`` is [scale, 1 / scale]: the decode half
+    is kept for the GEMMs."""
+    scale = scales[0:1]
+    return _fields(quantizer, row, col, scale, (scale, scale._version, scales[1]))
 
 
 def quantize_current(quantizer, x2d: torch.Tensor, prologue=None, amax_bits=None) -> dict:
@@ -250,18 +295,18 @@ def quantize_current(quantizer, x2d: torch.Tensor, prologue=None, amax_bits=None
         x2d, quantizer.fp8_dtype == torch.float8_e5m2, quantizer.force_pow_2_scales,
         quantizer.amax_epsilon, quantizer.rowwise_usage, quantizer.columnwise_usage, pro,
         pro_args, amax_bits)
-    return _fields(quantizer, row, col, scale)
+    return _kernel_fields(quantizer, row, col, scale)
 
 
-def quantize_with_scale(quantizer, x2d: torch.Tensor, scale: torch.Tensor) -> dict:
+def quantize_with_scale(quantizer, x2d: torch.Tensor, scale: torch.Tensor,
+                        decode=None) -> dict:
     """Cast ``x2d * scale`` with a scale already known: a delayed-scaling slice (its scale
     NaN-poisoned by the whole tensor's amax), or one usage of a tensor whose other usage
-    set the scale (``quantize_usage_like``). The amax of ``x2d`` goes to a scratch word."""
-    scratch = torch.empty(1, dtype=torch.float32, device=x2d.device)
-    row, col, scale_out = fp8_delayed_quantize(
-        x2d, scale, scratch, quantizer.fp8_dtype == torch.float8_e5m2,
-        quantizer.rowwise_usage, quantizer.columnwise_usage, 0, [])
-    return _fields(quantizer, row, col, scale_out)
+    set the scale (``quantize_usage_like``, which passes that tensor's ``decode`` record).
+    The result shares ``scale``."""
+    row, col = fp8_cast_with_scale(x2d, scale, quantizer.fp8_dtype == torch.float8_e5m2,
+                                   quantizer.rowwise_usage, quantizer.columnwise_usage)
+    return _fields(quantizer, row, col, scale, decode)
 
 
 def quantize_delayed(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
@@ -278,7 +323,7 @@ def quantize_delayed(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
         quantizer.columnwise_usage, *prologue_launch_args(prologue))
     if not direct:
         target.copy_(amax.reshape(target.shape))
-    return _fields(quantizer, row, col, scale_out)
+    return _kernel_fields(quantizer, row, col, scale_out)
 
 
 # ---- delayed-scaling state update ---------------------------------------------------------

@@ -45,8 +45,8 @@ class _PerTensorFloat8(Quantizer):
         # here: like's quantize recorded the same amax.
         scale = like.shared_scale
         if use_kernels(x2d):
-            return self._slice_tensor(x2d, usage,
-                                      lambda v: launch.quantize_with_scale(self, v, scale))
+            return self._slice_tensor(
+                x2d, usage, lambda v: launch.quantize_with_scale(self, v, scale, like._decode))
         return self._slice_tensor(x2d, usage, lambda v: self._fields(v, scale))
 
 

@@ -20,6 +20,19 @@ class Float8Tensor(QuantizedTensor):
 
     _inner = ("rowwise_data", "columnwise_data", "shared_scale")
     _meta = ("fp8_dtype",)
+    #: ``(scale, scale._version, 1 / scale)`` as the quantize kernel wrote it, or None.
+    _derived = ("_decode",)
+
+    def decode_scale(self) -> torch.Tensor:
+        """``1 / shared_scale`` as a 0-d fp32 tensor, the scale a GEMM multiplies its fp8
+        product by. The quantize kernel's copy while ``shared_scale`` is the same,
+        unmodified tensor (it saves a launch per GEMM operand); else computed here."""
+        s = self.shared_scale
+        if not torch.compiler.is_compiling():
+            rec = self._decode
+            if rec is not None and rec[0] is s and rec[1] == s._version:
+                return rec[2]
+        return torch.reciprocal(s.to(torch.float32)).reshape(())
 
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         return dequantize_per_tensor(getattr(self, f"{usage}_data"), self.shared_scale)

@@ -41,6 +41,13 @@ def abs_bits(x):
 
 
 @triton.jit
+def decode_scale(scale):
+    """``1 / scale`` correctly rounded (``div.rn``, subnormals kept): bit for bit
+    ``torch.reciprocal`` of the encode scale, which is what GEMMs multiply by."""
+    return tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+
+
+@triton.jit
 def current_scale(amax_bits, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     """casting.scale_from_amax on int32 amax bit patterns (any shape); fp32 result."""
     finite = amax_bits < 0x7F800000
@@ -138,7 +145,7 @@ def amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3, n_t
 
 @triton.jit
 def _cast_tile(pid_m, pid_k, scale, x_ptr, row_ptr, col_ptr, amax_ptr, M, K, stride_xm,
-               stride_xk, p0, p1, p2, p3, PRO: tl.constexpr, CURRENT: tl.constexpr,
+               stride_xk, p0, p1, p2, p3, PRO: tl.constexpr, RECORD: tl.constexpr,
                MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
                HW_CVT: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr):
@@ -147,7 +154,7 @@ def _cast_tile(pid_m, pid_k, scale, x_ptr, row_ptr, col_ptr, amax_ptr, M, K, str
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
     offs_m64 = offs_m.to(tl.int64)
     x = load_tile(x_ptr, offs_m, offs_k, M, K, stride_xm, stride_xk, p0, p1, p2, p3, PRO)
-    if not CURRENT:
+    if RECORD:
         tl.atomic_max(amax_ptr, tl.max(tl.max(abs_bits(x), 1), 0), sem="relaxed")
     y = x * scale
     if ROWWISE:
@@ -161,18 +168,22 @@ def _cast_tile(pid_m, pid_k, scale, x_ptr, row_ptr, col_ptr, amax_ptr, M, K, str
 
 
 @triton.jit
-def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr,
+def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, amax_out_ptr,
                 M, K, stride_xm, stride_xk, p0, p1, p2, p3, eps,
                 PRO: tl.constexpr, CURRENT: tl.constexpr, POW2: tl.constexpr, FP8_MAX: tl.constexpr,
                 MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
                 HW_CVT: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr,
-                ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+                RECORD: tl.constexpr, FINISH: tl.constexpr, ITERS: tl.constexpr = 1,
+                STAGES: tl.constexpr = 1):
     """One pass over x: cast ``x * scale`` and write rowwise (M, K) and/or columnwise (K, M).
 
-    CURRENT: the scale comes from the amax pass (``amax_ptr``), program (0, 0) stores it.
-    Delayed (not CURRENT): the scale is ``scale_in``; this pass also records the amax
-    (atomic max into ``amax_ptr``); ``delayed_finish_kernel`` then stores the scale.
+    CURRENT: the scale comes from the amax pass (``amax_ptr``); program (0, 0) stores it and
+    its correctly rounded reciprocal (the decode scale GEMMs take) in ``scale_out[0:2]``.
+    Otherwise the scale is ``scale_in``. RECORD (delayed scaling): this pass also records the
+    amax (atomic max into ``amax_ptr[0]``); then the scales are stored by
+    ``delayed_finish_kernel`` or, with FINISH, by the last program to finish its tiles
+    (a count in ``amax_ptr[1]``, zero at launch): one launch fewer.
     Each program converts ITERS tiles down a column of tiles; with STAGES > 1 the loads of
     the next tiles are issued (asynchronously) while one is converted.
     """
@@ -182,29 +193,38 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr,
         scale = current_scale(tl.load(amax_ptr), eps, FP8_MAX, POW2)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(scale_out_ptr, scale)
+            tl.store(scale_out_ptr + 1, decode_scale(scale))
     else:
         scale = tl.load(scale_in_ptr)
     for t in tl.range(0, ITERS, num_stages=STAGES):
         _cast_tile(pid_m * ITERS + t, pid_k, scale, x_ptr, row_ptr, col_ptr, amax_ptr, M, K,
-                   stride_xm, stride_xk, p0, p1, p2, p3, PRO, CURRENT, MBITS, BIAS, MAX_BITS,
+                   stride_xm, stride_xk, p0, p1, p2, p3, PRO, RECORD, MBITS, BIAS, MAX_BITS,
                    HW_CVT, ROWWISE, COLWISE, BM, BN, COL_MODE)
+    if FINISH:
+        # acq_rel: this program's stores and amax are visible before its count, and the
+        # last program sees every other program's.
+        nprog = tl.num_programs(0) * tl.num_programs(1)
+        if tl.atomic_add(amax_ptr + 1, 1, sem="acq_rel") == nprog - 1:
+            bits = tl.atomic_max(amax_ptr, 0, sem="acquire")
+            n = M * K
+            _finish_delayed(bits, 0, 1, tl.cdiv(n, 1024), scale_in_ptr, scale_out_ptr,
+                            amax_out_ptr, row_ptr, col_ptr, n, ROWWISE, COLWISE, 1024)
 
 
 @triton.jit
-def delayed_finish_kernel(amax_bits_ptr, scale_in_ptr, scale_out_ptr, amax_out_ptr,
-                          row_ptr, col_ptr, N, iters,
-                          ROWWISE: tl.constexpr, COLWISE: tl.constexpr, BLOCK: tl.constexpr):
-    """After the delayed cast pass: record the amax, store the (NaN-poisoned) scale and, only
-    when the amax is not finite, overwrite the data with NaN codes (as the reference's
-    ``x * NaN`` gives). With a finite amax each program reads one word and exits."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    bits = tl.load(amax_bits_ptr)
+def _finish_delayed(bits, pid, nprog, iters, scale_in_ptr, scale_out_ptr, amax_out_ptr,
+                    row_ptr, col_ptr, N, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Program ``pid`` of ``nprog`` finishing a delayed cast whose amax bits are ``bits``:
+    program 0 records the amax and stores the (NaN-poisoned) scale and its reciprocal
+    (``scale_out[0:2]``); only when the amax is not finite, every program overwrites its
+    share (``iters`` blocks) of the data with NaN codes (as the reference's ``x * NaN``)."""
     if pid == 0:
         tl.store(amax_out_ptr, bits.to(tl.float32, bitcast=True))
         s = tl.load(scale_in_ptr).to(tl.int32, bitcast=True)
-        s = tl.where(bits < 0x7F800000, s, 0x7FC00000)
-        tl.store(scale_out_ptr, s.to(tl.float32, bitcast=True))
+        s = tl.where(bits < 0x7F800000, s, 0x7FC00000).to(tl.float32, bitcast=True)
+        tl.store(scale_out_ptr, s)
+        tl.store(scale_out_ptr + 1, decode_scale(s))
     if bits >= 0x7F800000:
         nan = tl.full([BLOCK], 0x7F, dtype=tl.uint8)
         for i in range(0, iters):
@@ -214,6 +234,18 @@ def delayed_finish_kernel(amax_bits_ptr, scale_in_ptr, scale_out_ptr, amax_out_p
                 tl.store(row_ptr + offs, nan, mask=offs < N)
             if COLWISE:
                 tl.store(col_ptr + offs, nan, mask=offs < N)
+
+
+@triton.jit
+def delayed_finish_kernel(amax_bits_ptr, scale_in_ptr, scale_out_ptr, amax_out_ptr,
+                          row_ptr, col_ptr, N, iters,
+                          ROWWISE: tl.constexpr, COLWISE: tl.constexpr, BLOCK: tl.constexpr):
+    """After a delayed cast pass that did not finish itself (``cast_kernel`` FINISH off):
+    ``_finish_delayed`` over a grid. With a finite amax each program reads one word and
+    exits."""
+    _finish_delayed(tl.load(amax_bits_ptr), tl.program_id(0), tl.num_programs(0), iters,
+                    scale_in_ptr, scale_out_ptr, amax_out_ptr, row_ptr, col_ptr, N, ROWWISE,
+                    COLWISE, BLOCK)
 
 
 @triton.jit
