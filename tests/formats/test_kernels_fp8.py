@@ -112,6 +112,7 @@ def test_kernel_matches_reference(kind, fp8_dtype, dtype, usage, dist):
         if hasattr(got, "decode_scale"):
             # the decode scale the kernel wrote is the one the GEMMs get, and exact
             assert got._decode is not None and got._decode[0] is got.shared_scale
+            assert got._decode[2].data_ptr() % 16 == 0  # cuBLAS takes aligned scales only
             _assert_same(got.decode_scale().reshape(1), torch.reciprocal(ref.shared_scale),
                          f"{kind} {shape} decode scale")
 
@@ -199,6 +200,12 @@ def test_decode_scale_helper_is_torch_reciprocal():
     y = torch.empty_like(x)
     _kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
     _assert_same(y, torch.reciprocal(x), "decode_scale")
+
+
+def test_decode_scale_offset_agrees():
+    from lowprec.formats.float8 import launch, triton_kernels
+    assert launch.DECODE_AT == triton_kernels.DECODE_AT.value
+    assert launch.DECODE_AT * 4 % 16 == 0
 
 
 @pytest.mark.parametrize("kind", ["current", "delayed"])

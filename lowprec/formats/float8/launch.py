@@ -164,6 +164,16 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+#: A quantize's scale buffer: the scale at 0, the decode scale at DECODE_AT (16-byte
+#: aligned, as cuBLAS wants its scale pointers; see triton_kernels.DECODE_AT).
+DECODE_AT = 4
+SCALE_BUFFER = DECODE_AT + 1
+
+
+def _scale_buffer(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(SCALE_BUFFER, dtype=torch.float32, device=x.device)
+
+
 # ---- current scaling ----------------------------------------------------------------------
 @kernel_op("lowprec::fp8_current_quantize", mutates_args=())
 def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, rowwise: bool,
@@ -175,7 +185,7 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)
     row, col = _outputs(x, rowwise, columnwise, pro)
-    scales = torch.empty(2, dtype=torch.float32, device=x.device)
+    scales = _scale_buffer(x)
     p = prologue_args(x, pro_args)
     with device_guard(x.device):
         if amax_bits is None:
@@ -189,7 +199,7 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
 @fp8_current_quantize.register_fake
 def _(x, e5m2, pow2, eps, rowwise, columnwise, pro, pro_args, amax_bits):
     row, col = _outputs(x, rowwise, columnwise, pro)
-    return row, col, x.new_empty((2,), dtype=torch.float32)
+    return row, col, x.new_empty((SCALE_BUFFER,), dtype=torch.float32)
 
 
 def _launch_cast(x, row, col, amax_bits, scale_in, scale_out, m, k, p, eps, pro, r, c,
@@ -219,7 +229,7 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
     m, k = logical_shape(x, pro)
     row, col = _outputs(x, rowwise, columnwise, pro)
     p = prologue_args(x, pro_args)
-    scale_out = torch.empty(2, dtype=torch.float32, device=x.device)
+    scale_out = _scale_buffer(x)
     amax_bits = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax, finished programs
     parts = launches(rowwise, columnwise, "pertensor")
     with device_guard(x.device):
@@ -243,7 +253,7 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
 @fp8_delayed_quantize.register_fake
 def _(x, scale, amax, e5m2, rowwise, columnwise, pro, pro_args):
     row, col = _outputs(x, rowwise, columnwise, pro)
-    return row, col, x.new_empty((2,), dtype=torch.float32)
+    return row, col, x.new_empty((SCALE_BUFFER,), dtype=torch.float32)
 
 
 # ---- cast with a known scale --------------------------------------------------------------
@@ -278,10 +288,10 @@ def _fields(quantizer, row, col, scale, decode=None) -> dict:
 
 
 def _kernel_fields(quantizer, row, col, scales) -> dict:
-    """Fields of a quantize launch, whose ``scales`` is [scale, 1 / scale]: the decode half
-    is kept for the GEMMs."""
+    """Fields of a quantize launch, whose ``scales`` holds the scale at 0 and its reciprocal
+    at ``DECODE_AT`` (kept for the GEMMs)."""
     scale = scales[0:1]
-    return _fields(quantizer, row, col, scale, (scale, scale._version, scales[1]))
+    return _fields(quantizer, row, col, scale, (scale, scale._version, scales[DECODE_AT]))
 
 
 def quantize_current(quantizer, x2d: torch.Tensor, prologue=None, amax_bits=None) -> dict:

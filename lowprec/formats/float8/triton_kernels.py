@@ -40,6 +40,11 @@ def abs_bits(x):
     return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
+#: Where a quantize writes the decode scale in its scale buffer: 16 bytes past the scale,
+#: since cuBLAS refuses a scale pointer that is not 16-byte aligned.
+DECODE_AT: tl.constexpr = tl.constexpr(4)
+
+
 @triton.jit
 def decode_scale(scale):
     """``1 / scale`` correctly rounded (``div.rn``, subnormals kept): bit for bit
@@ -179,7 +184,7 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
     """One pass over x: cast ``x * scale`` and write rowwise (M, K) and/or columnwise (K, M).
 
     CURRENT: the scale comes from the amax pass (``amax_ptr``); program (0, 0) stores it and
-    its correctly rounded reciprocal (the decode scale GEMMs take) in ``scale_out[0:2]``.
+    its correctly rounded reciprocal (the decode scale GEMMs take) at ``scale_out[DECODE_AT]``.
     Otherwise the scale is ``scale_in``. RECORD (delayed scaling): this pass also records the
     amax (atomic max into ``amax_ptr[0]``); then the scales are stored by
     ``delayed_finish_kernel`` or, with FINISH, by the last program to finish its tiles
@@ -193,7 +198,7 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
         scale = current_scale(tl.load(amax_ptr), eps, FP8_MAX, POW2)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(scale_out_ptr, scale)
-            tl.store(scale_out_ptr + 1, decode_scale(scale))
+            tl.store(scale_out_ptr + DECODE_AT, decode_scale(scale))
     else:
         scale = tl.load(scale_in_ptr)
     for t in tl.range(0, ITERS, num_stages=STAGES):
@@ -217,14 +222,15 @@ def _finish_delayed(bits, pid, nprog, iters, scale_in_ptr, scale_out_ptr, amax_o
                     BLOCK: tl.constexpr):
     """Program ``pid`` of ``nprog`` finishing a delayed cast whose amax bits are ``bits``:
     program 0 records the amax and stores the (NaN-poisoned) scale and its reciprocal
-    (``scale_out[0:2]``); only when the amax is not finite, every program overwrites its
-    share (``iters`` blocks) of the data with NaN codes (as the reference's ``x * NaN``)."""
+    (``scale_out[0]``, ``scale_out[DECODE_AT]``); only when the amax is not finite, every
+    program overwrites its share (``iters`` blocks) of the data with NaN codes (as the
+    reference's ``x * NaN``)."""
     if pid == 0:
         tl.store(amax_out_ptr, bits.to(tl.float32, bitcast=True))
         s = tl.load(scale_in_ptr).to(tl.int32, bitcast=True)
         s = tl.where(bits < 0x7F800000, s, 0x7FC00000).to(tl.float32, bitcast=True)
         tl.store(scale_out_ptr, s)
-        tl.store(scale_out_ptr + 1, decode_scale(s))
+        tl.store(scale_out_ptr + DECODE_AT, decode_scale(s))
     if bits >= 0x7F800000:
         nan = tl.full([BLOCK], 0x7F, dtype=tl.uint8)
         for i in range(0, iters):
