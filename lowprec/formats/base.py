@@ -373,7 +373,9 @@ class Quantizer:
         if m == 0 or k == 0:
             # Nothing to scale (e.g. an empty GroupedLinear split): empty buffers, unit scales.
             return self.make_empty(x.shape, dtype=x.dtype, device=x.device)
-        x2d = x.detach().reshape(m, k).contiguous()  # stored data is always row-major
+        # stored data is always row-major
+        x2d = x.detach() if x.dim() == 2 and x.is_contiguous() else \
+            x.detach().reshape(m, k).contiguous()
         fields = self._quantize_2d(x2d)
         return self._tensor_class()(x.shape, x.dtype, **fields)
 

@@ -11,6 +11,7 @@ import functools
 import sys
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 _enabled = True
 
@@ -59,12 +60,12 @@ class reference_only(FlagOff):
 def _tracing(args) -> bool:
     """True when a call must go through the dispatcher: torch.compile/export tracing, an
     active dispatch mode (fake tensors, functionalization) or a tensor subclass argument."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return True
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-    if _get_current_dispatch_mode() is not None:
-        return True
-    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args)
+    for a in args:
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+            return True
+    return False
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

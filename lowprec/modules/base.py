@@ -117,7 +117,9 @@ class LowprecModule(nn.Module):
     # ---- recipe state -------------------------------------------------------------------
     def _state(self, mode: str, recipe, device) -> RecipeState:
         state = self._recipe_states[mode]
-        if state is None or state.recipe != recipe:
+        # identity first: the same recipe object every step is the common case, and a
+        # dataclass comparison of nested recipes costs host time each call
+        if state is None or (state.recipe is not recipe and state.recipe != recipe):
             state = RecipeState.create(recipe, mode,
                                        self.get_quantizer_roles(fwd=mode == "forward"), device)
             extra = (self._pending_extra_state or {}).pop(mode, None)
@@ -156,6 +158,10 @@ class LowprecModule(nn.Module):
         if active is None:
             return None, "default", None
         recipe, fwd, bwd, callback = active
+        key = (fwd, bwd, self.output_quantizer_role, self.grad_input_quantizer_role)
+        cached = self.__dict__.get("_gemm_quantizers_of")
+        if cached is not None and all(a is b for a, b in zip(cached[0], key)):
+            return cached[1], recipe.backward_mode, callback
         out = []
         for i in range(len(self._gemm_names())):
             fq, bq = fwd.quantizers[3 * i:3 * i + 3], bwd.quantizers[2 * i:2 * i + 2]
@@ -164,6 +170,9 @@ class LowprecModule(nn.Module):
                 output=fq[2] if self._boundary(i, True) is not None else None,
                 grad_output=bq[0],
                 grad_input=bq[1] if self._boundary(i, False) is not None else None))
+        # Reused while the states are: the quantizers are the states' own objects, and
+        # which slots a module quantizes does not change between calls.
+        self._gemm_quantizers_of = (key, out)
         return out, recipe.backward_mode, callback
 
     # ---- quantized weights ----------------------------------------------------------------

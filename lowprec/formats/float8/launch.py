@@ -124,8 +124,9 @@ def logical_shape(x: torch.Tensor, pro: int) -> tuple[int, int]:
 
 
 def prologue_args(x: torch.Tensor, pro_args: list) -> list:
-    """The four prologue pointers of a launch (``x`` for unused ones)."""
-    return list(pro_args) + [x] * (4 - len(pro_args))
+    """The four prologue pointers of a launch; unused ones are None, which Triton makes a
+    constexpr (no pointer to specialize and pass per launch: host time)."""
+    return list(pro_args) + [None] * (4 - len(pro_args))
 
 
 def _outputs(x: torch.Tensor, rowwise: bool, columnwise: bool, pro: int = 0):
