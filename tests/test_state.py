@@ -463,3 +463,21 @@ def test_shared_quantizer_factory_matches_per_slot_factory():
     assert torch.equal(y_sh, y_ref)
     for name in g_ref:
         assert torch.equal(g_sh[name], g_ref[name]), name
+
+
+def test_gemm_quantizers_reused_while_states_and_roles_are():
+    """The per-GEMM quantizer records are built once per recipe state (host time) and follow
+    a new recipe or a boundary role set after the first call."""
+    m = lowprec.Linear(32, 32, name="proj")
+    recipe = lowprec.Float8CurrentScaling()
+    with lowprec.autocast(recipe=recipe):
+        first, _, _ = m.gemm_quantizers(torch.device("cpu"))
+        again, _, _ = m.gemm_quantizers(torch.device("cpu"))
+    assert again is first and first[0].output is None
+    m.output_quantizer_role = R("attn", "input", "next")
+    with lowprec.autocast(recipe=recipe):
+        bounded, _, _ = m.gemm_quantizers(torch.device("cpu"))
+    assert bounded is not first and bounded[0].output is not None
+    with lowprec.autocast(recipe=lowprec.Float8BlockScaling()):
+        block, _, _ = m.gemm_quantizers(torch.device("cpu"))
+    assert type(block[0].input).__name__ == "Float8BlockQuantizer"
