@@ -73,7 +73,9 @@ class QuantizedTensor(torch.Tensor):
     _meta: ClassVar[tuple[str, ...]] = ()
     #: Optional private values a quantize computes beside the inner tensors (a decode
     #: scale), kept while this object lives but never flattened, pickled or copied; whoever
-    #: reads one checks it still matches the inner tensors.
+    #: reads one checks it still matches the inner tensors (through torch's version
+    #: counter: writes that bypass it, such as ``t.data.copy_()`` or a raw kernel writing
+    #: an inner tensor in place, must drop the record, i.e. set the name to None).
     _derived: ClassVar[tuple[str, ...]] = ()
 
     @staticmethod
@@ -190,7 +192,7 @@ class QuantizedTensor(torch.Tensor):
         For a tensor nothing else will read again (the linear backward frees the
         input it saved once wgrad has consumed it); any later use raises.
         """
-        for name in self._inner:
+        for name in self._inner + self._derived:
             setattr(self, name, None)
 
     def _derive(self, usage: str) -> dict[str, torch.Tensor]:

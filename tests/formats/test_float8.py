@@ -542,3 +542,40 @@ def test_copy():
     assert d.columnwise_usage
     dc.quantize(x)
     assert d.amax.item() == x.abs().max().item()
+
+
+def test_decode_scale_is_reciprocal_and_private_record_is_not_carried():
+    """``decode_scale()`` is ``1 / shared_scale``; the kernel's record of it (``_decode``,
+    GPU only) is neither flattened, pickled nor deep-copied, so no copy can carry a decode
+    scale that does not belong to its scale."""
+    import copy
+    import io
+    x = torch.randn(16, 48) * 3
+    qt = Float8CurrentScalingQuantizer(E4M3).quantize(x)
+    assert torch.equal(qt.decode_scale(), torch.reciprocal(qt.shared_scale).reshape(()))
+    qt._decode = (qt.shared_scale, qt.shared_scale._version, torch.tensor(123.0))
+    assert qt.decode_scale().item() == 123.0  # the record is used while it matches
+    names, _ = qt.__tensor_flatten__()
+    assert "_decode" not in names
+    buf = io.BytesIO()
+    torch.save(qt, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(qt), torch.load(buf, weights_only=False), qt.detach()):
+        assert other._decode is None
+        assert torch.equal(other.decode_scale(), torch.reciprocal(qt.shared_scale).reshape(()))
+    qt.shared_scale.mul_(2.0)  # an in-place change bumps the version: the record is stale
+    assert torch.equal(qt.decode_scale(), torch.reciprocal(qt.shared_scale).reshape(()))
+
+
+def test_kernel_fields_keep_no_decode_record_for_inference_tensors():
+    """The launch helper that builds a kernel quantize's fields (no kernel runs here)."""
+    from lowprec.formats.float8 import launch
+    q = Float8CurrentScalingQuantizer(E4M3)
+    row, col = torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(8, 4, dtype=torch.uint8)
+    scales = torch.arange(1.0, 1.0 + launch.SCALE_BUFFER)
+    fields = launch._kernel_fields(q, row, col, scales)
+    assert fields["_decode"][0] is fields["shared_scale"]
+    assert fields["_decode"][2].item() == scales[launch.DECODE_AT].item()
+    with torch.inference_mode():
+        fields = launch._kernel_fields(q, row, col, torch.ones(launch.SCALE_BUFFER))
+    assert fields["_decode"] is None

@@ -219,3 +219,29 @@ def test_decode_scale_follows_in_place_scale_changes(kind):
     like = QUANTIZERS[kind](E4).quantize_usage_like(x.reshape(64, 128), qt, "columnwise")
     assert like.shared_scale is qt.shared_scale
     assert torch.equal(like.decode_scale(), torch.reciprocal(qt.shared_scale).reshape(()))
+
+
+@pytest.mark.parametrize("kind", ["current", "delayed"])
+def test_quantize_under_inference_mode(kind):
+    """Inference tensors have no version counter: no decode record, the GEMM scale is
+    computed (and the quantize does not raise)."""
+    x = _input((64, 128), torch.bfloat16, "normal", seed=4)
+    with torch.inference_mode():
+        qt = QUANTIZERS[kind](E4).quantize(x)
+        assert qt._decode is None
+        assert torch.equal(qt.decode_scale(), torch.reciprocal(qt.shared_scale).reshape(()))
+
+
+def test_delayed_nan_fill_past_int32_elements():
+    """An input of 2**31 elements or more finishes in its own launch (the fused finish counts
+    elements in int32): a NaN still turns every code NaN."""
+    need = 2 ** 31 * (2 + 1 + 1) + 2 ** 30
+    if torch.cuda.mem_get_info()[0] < need:
+        pytest.skip("needs about 9 GiB of free GPU memory")
+    x = torch.ones(65536, 32768, device="cuda", dtype=torch.bfloat16)
+    x[7, 9] = float("nan")
+    q = QUANTIZERS["delayed"](E4).set_usage(rowwise=True, columnwise=False)
+    qt = q.quantize(x)
+    del x
+    assert torch.isnan(qt.shared_scale).all()
+    assert bool((qt.rowwise_data.view(torch.uint8) & 0x7F == 0x7F).all())

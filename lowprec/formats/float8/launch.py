@@ -234,7 +234,8 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
     amax_bits = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax, finished programs
     parts = launches(rowwise, columnwise, "pertensor")
     with device_guard(x.device):
-        if len(parts) == 1 and FUSED_FINISH:
+        # the kernel counts elements in int32 for its fill: larger inputs finish apart
+        if len(parts) == 1 and FUSED_FINISH and m * k < 2 ** 31:
             _launch_cast(x, row, col, amax_bits, scale, scale_out, m, k, p, 0.0, pro, *parts[0],
                          fp8_dtype, current=False, pow2=False, record=True, amax_out=amax)
             return row, col, scale_out
@@ -290,9 +291,11 @@ def _fields(quantizer, row, col, scale, decode=None) -> dict:
 
 def _kernel_fields(quantizer, row, col, scales) -> dict:
     """Fields of a quantize launch, whose ``scales`` holds the scale at 0 and its reciprocal
-    at ``DECODE_AT`` (kept for the GEMMs)."""
+    at ``DECODE_AT`` (kept for the GEMMs). Not kept for inference tensors
+    (``torch.inference_mode``): they have no version counter to tell it is still valid."""
     scale = scales[0:1]
-    return _fields(quantizer, row, col, scale, (scale, scale._version, scales[DECODE_AT]))
+    decode = None if scale.is_inference() else (scale, scale._version, scales[DECODE_AT])
+    return _fields(quantizer, row, col, scale, decode)
 
 
 def quantize_current(quantizer, x2d: torch.Tensor, prologue=None, amax_bits=None) -> dict:

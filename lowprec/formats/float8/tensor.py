@@ -16,6 +16,10 @@ class Float8Tensor(QuantizedTensor):
     ``data / scale``). It is NaN when the input held NaN/Inf, so the whole
     tensor dequantizes to NaN. The columnwise data is the transpose of the
     rowwise data, so either direction derives from the other.
+
+    Tensors made from one quantize one usage at a time (a weight's columnwise copy
+    made after fprop, the slices of a sliced dY) share one ``shared_scale`` tensor:
+    an in-place write to one's scale changes the other's too.
     """
 
     _inner = ("rowwise_data", "columnwise_data", "shared_scale")

@@ -209,6 +209,9 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
         # acq_rel: this program's stores and amax are visible before its count, and the
         # last program sees every other program's.
         nprog = tl.num_programs(0) * tl.num_programs(1)
+        # One thread issues the count: the barrier orders every thread's stores before it
+        # (Triton 3.6 emits one here anyway; this does not rely on that).
+        tl.debug_barrier()
         if tl.atomic_add(amax_ptr + 1, 1, sem="acq_rel") == nprog - 1:
             bits = tl.atomic_max(amax_ptr, 0, sem="acquire")
             n = M * K
