@@ -9,9 +9,13 @@ Passes over memory (M x K input):
 
 * current scaling: amax pass (read x) + one cast pass (read x, write rowwise and/or the
   transposed columnwise data); the scale is computed on the device, no host sync;
-* delayed scaling: one pass (read x, write both directions, record the amax) + a tiny
-  finishing kernel that stores the amax and scale and, only for a NaN/Inf input, fills the
-  data with NaN.
+* delayed scaling: one pass (read x, write both directions, record the amax) whose last
+  program stores the amax and scale and, only for a NaN/Inf input, fills the data with NaN
+  (a separate finishing kernel when the cast is split in two launches);
+* a cast with a known scale (one usage after the other, slices): one pass.
+
+Each quantize also stores ``1 / scale`` (``DECODE_AT``), which the GEMMs take as their
+decode scale instead of launching a reciprocal per operand.
 
 The cast kernel works on (BM, BN) tiles: each program loads its tile once, casts it, and
 writes the rowwise tile and/or its transpose (columnwise (K, M) layout).
