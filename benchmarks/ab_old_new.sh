@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Session 8 device call: GPU tests of the touched code, host breakdown and shape-1 Linear
-# steps, new tree against the previous commit (.oldtree) in the same call.
+# One device call: GPU tests of the touched code, host breakdown and shape-1 Linear
+# steps, the working tree against an older commit unpacked in .oldtree (git archive REV |
+# tar -x -C .oldtree; carry it), in the same call. TESTS, HOST_RECIPES, SHAPES, RECIPES
+# override the defaults.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LOWPREC_RESULTS="$OUT/results.csv"
