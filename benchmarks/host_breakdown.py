@@ -103,19 +103,8 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def steps_us(step, x, dy, n):
-    for _ in range(20):
-        step(x, dy)
-    _sync(x.device.type)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step(x, dy)
-    t = time.perf_counter() - t0
-    _sync(x.device.type)
-    return t / n * 1e6
-
-
 def per_call_us(fn, device, n=500):
+    """Host microseconds per ``fn()`` over ``n`` calls after 20 warm-up calls."""
     for _ in range(20):
         fn()
     _sync(device)
@@ -125,6 +114,10 @@ def per_call_us(fn, device, n=500):
     t = time.perf_counter() - t0
     _sync(device)
     return t / n * 1e6
+
+
+def steps_us(step, x, dy, n):
+    return per_call_us(lambda: step(x, dy), x.device.type, n)
 
 
 def main():
