@@ -84,7 +84,7 @@ def resources(kernel) -> dict:
 
 def _quant_sig(extra_ptrs=()):
     sig = {"x_ptr": "*bf16"}
-    for p in ("rq_ptr", "rs_ptr", "cq_ptr", "cs_ptr"):
+    for p in ("rq_ptr", "rs_ptr", "cq_ptr", "cs_ptr", "rd_ptr", "cd_ptr"):
         sig[p] = "*u8" if "q" in p else "*fp32"
     sig.update({"M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32",
                 "p0": "*bf16", "p1": "*bf16", "p2": "*bf16", "p3": "*bf16"})
@@ -114,14 +114,14 @@ def cases(only):
         for dim in (1, 2):
             sig = dict(_quant_sig(), eps="fp32")
             const = dict(FP8, PRO=0, POW2=True, TWO_D=dim == 2, ROWWISE=r, COLWISE=c,
-                         E8M0=False, BLK=128)
+                         E8M0=False, BLK=128, DECODE=True)
             out.append((f"block{dim}", usage, block_scaled_quant_kernel, sig, const,
                         bl.CONFIGS[(dim, usage)]))
         for two_d in (False, True):
             sig = dict(_quant_sig(), eps="fp32")
             sig["rs_ptr"] = sig["cs_ptr"] = "*u8"
             const = dict(FP8, PRO=0, POW2=False, TWO_D=two_d, ROWWISE=r, COLWISE=c, E8M0=True,
-                         BLK=32)
+                         BLK=32, DECODE=False)
             out.append((f"mx{2 if two_d else 1}", usage, block_scaled_quant_kernel, sig, const,
                         ml.CONFIGS[(two_d, usage)]))
     return [c for c in out if not only or c[0] in only]

@@ -121,26 +121,13 @@ def blockwise_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
     return _BLOCK_REFUSED.get(_block_key(a, b, out_dtype, bias), True)
 
 
-def _reciprocal_t(scale: torch.Tensor) -> torch.Tensor:
-    """``1 / scale.T`` as a contiguous (C, R) fp32 tensor: reciprocal and transpose in one
-    pass (one launch instead of two)."""
-    s = scale.to(torch.float32)
-    out = torch.empty((s.shape[1], s.shape[0]), dtype=torch.float32, device=s.device)
-    return torch.reciprocal(s.t(), out=out)
-
-
 def _block_scales(a, a_usage, b, b_usage):
     """Decode scales in the layouts ``torch._scaled_mm`` expects for (mat(a), mat(b).T)."""
-    sa, sb = getattr(a, f"{a_usage}_scale"), getattr(b, f"{b_usage}_scale")
-    if a.block_scaling_dim == 1:
-        scale_a = _reciprocal_t(sa).t()                # (M, K/128), strides (1, M)
-    else:
-        scale_a = torch.reciprocal(sa.to(torch.float32)).contiguous()  # (M/128, K/128)
-    if b.block_scaling_dim == 1:
-        scale_b = _reciprocal_t(sb)                    # (K/128, N): mat(b).T's 1x128 blocks
-    else:
-        # (K/128, N/128) view of (N/128, K/128)
-        scale_b = torch.reciprocal(sb.to(torch.float32)).contiguous().t()
+    da, db = a.decode_scale(a_usage), b.decode_scale(b_usage)
+    # 1x128: da (K/128, M) -> (M, K/128) with strides (1, M); db (K/128, N) as it is.
+    # 128x128: da (M/128, K/128) as it is; db (N/128, K/128) -> a (K/128, N/128) view.
+    scale_a = da.t() if a.block_scaling_dim == 1 else da
+    scale_b = db if b.block_scaling_dim == 1 else db.t()
     return scale_a, scale_b
 
 

@@ -103,6 +103,26 @@ class QuantizedTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    # ---- derived records (see ``_derived``) ----------------------------------------------
+    @staticmethod
+    def derived_record(source: torch.Tensor, value: torch.Tensor):
+        """A ``_derived`` record of ``value`` computed from ``source``, or None where it could
+        not be checked later: inference tensors have no version counter, and under
+        ``torch.compile`` the records are never read."""
+        if torch.compiler.is_compiling() or source.is_inference():
+            return None
+        return (source, source._version, value)
+
+    def _read_derived(self, name: str, source: torch.Tensor) -> torch.Tensor | None:
+        """The value of record ``name`` if it was made from ``source`` (the same tensor
+        object) and ``source`` has not been written since; else None."""
+        if torch.compiler.is_compiling():
+            return None
+        rec = getattr(self, name)
+        if rec is not None and rec[0] is source and rec[1] == source._version:
+            return rec[2]
+        return None
+
     # ---- derived from the declarations -------------------------------------------------
     def inner_tensors(self) -> dict[str, torch.Tensor | None]:
         return {name: getattr(self, name) for name in self._inner}

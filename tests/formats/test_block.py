@@ -519,3 +519,30 @@ def test_constructor_validation():
         Float8BlockQuantizer(E4M3, 1)  # keyword-only options
     with pytest.raises(TypeError):
         Float8BlockQuantizer().quantize(torch.zeros(128, 128, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_decode_scale_layout_and_private_record(dim):
+    """``decode_scale(usage)`` is ``1 / scale`` in cuBLAS's layout (1x128: transposed, so
+    (K/128, M) rowwise and (M/128, K) columnwise; 128x128: as the scale). A kernel's record
+    of it is used only while its scale is unmodified, and no copy carries it."""
+    import copy
+    x = torch.randn(256, 384) * 5
+    qt = Float8BlockQuantizer(E4M3, block_scaling_dim=dim).quantize(x)
+    for usage in ("rowwise", "columnwise"):
+        s = getattr(qt, f"{usage}_scale")
+        d = qt.decode_scale(usage)
+        want = torch.reciprocal(s.t() if dim == 1 else s)
+        assert d.is_contiguous() and torch.equal(d, want)
+    s = qt.rowwise_scale
+    fake = torch.full_like(qt.decode_scale("rowwise"), 7.0)
+    qt._decode_rowwise = Float8BlockwiseTensor.derived_record(s, fake)
+    assert qt.decode_scale("rowwise") is fake
+    names, _ = qt.__tensor_flatten__()
+    assert not any(n.startswith("_decode") for n in names)
+    for other in (copy.deepcopy(qt), qt.detach()):
+        assert other._decode_rowwise is None
+    s.mul_(2.0)  # an in-place write makes the record stale
+    assert torch.equal(qt.decode_scale("rowwise"), torch.reciprocal(s.t() if dim == 1 else s))
+    with torch.inference_mode():
+        assert Float8BlockwiseTensor.derived_record(torch.ones(2), torch.ones(2)) is None

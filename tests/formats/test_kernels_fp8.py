@@ -15,6 +15,7 @@ import torch
 
 import lowprec.kernels
 from lowprec.formats.block.quantizer import Float8BlockQuantizer
+from lowprec.formats.block.tensor import Float8BlockwiseTensor
 from lowprec.formats.float8.quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
 from lowprec.kernels import reference_only
@@ -115,6 +116,23 @@ def test_kernel_matches_reference(kind, fp8_dtype, dtype, usage, dist):
             assert got._decode[2].data_ptr() % 16 == 0  # cuBLAS takes aligned scales only
             _assert_same(got.decode_scale().reshape(1), torch.reciprocal(ref.shared_scale),
                          f"{kind} {shape} decode scale")
+        if isinstance(got, Float8BlockwiseTensor):
+            _check_block_decode(got, ref, f"{kind} {shape}")
+
+
+def _check_block_decode(got, ref, what):
+    """The block kernel's decode scales (kept records) equal the ones computed from the
+    reference's scales, in the same cuBLAS layout."""
+    for usage in ("rowwise", "columnwise"):
+        scale = getattr(got, f"{usage}_scale")
+        rec = getattr(got, f"_decode_{usage}")
+        if scale is None:
+            assert rec is None
+            continue
+        assert rec is not None and rec[0] is scale, what
+        assert getattr(ref, f"_decode_{usage}") is None  # computed below, not a record
+        _assert_same(got.decode_scale(usage), ref.decode_scale(usage), f"{what} {usage} decode")
+        assert got.decode_scale(usage) is rec[2]
 
 
 @pytest.mark.parametrize("kind", ["current", "delayed", "block1x128", "block128x128", "mxfp8",
@@ -128,6 +146,9 @@ def test_kernel_split_launches_match(kind, monkeypatch):
     split = QUANTIZERS[kind](E4).quantize(x)
     for name, t in fused.inner_tensors().items():
         _assert_same(t, split.inner_tensors()[name], f"{kind} {name}")
+    if isinstance(fused, Float8BlockwiseTensor):
+        for usage in ("rowwise", "columnwise"):
+            _assert_same(split.decode_scale(usage), fused.decode_scale(usage), f"{kind} {usage}")
 
 
 @pytest.mark.parametrize("kind", ["current", "delayed", "block1x128", "mxfp8"])
@@ -221,15 +242,36 @@ def test_decode_scale_follows_in_place_scale_changes(kind):
     assert torch.equal(like.decode_scale(), torch.reciprocal(qt.shared_scale).reshape(()))
 
 
-@pytest.mark.parametrize("kind", ["current", "delayed"])
+@pytest.mark.parametrize("kind", ["block1x128", "block128x128"])
+def test_block_decode_scale_follows_in_place_scale_changes(kind):
+    x = _input((256, 384), torch.bfloat16, "normal", seed=5)
+    qt = QUANTIZERS[kind](E4).quantize(x)
+    kept = qt.decode_scale("rowwise")
+    assert kept is qt._decode_rowwise[2]
+    qt.rowwise_scale.mul_(4.0)
+    fresh = qt.decode_scale("rowwise")
+    assert fresh is not kept and not torch.equal(fresh, kept)
+    with reference_only():
+        ref = QUANTIZERS[kind](E4).quantize(x)
+    ref.rowwise_scale.mul_(4.0)
+    _assert_same(fresh, ref.decode_scale("rowwise"), kind)
+    assert qt.decode_scale("columnwise") is qt._decode_columnwise[2]  # its scale is untouched
+
+
+@pytest.mark.parametrize("kind", ["current", "delayed", "block1x128"])
 def test_quantize_under_inference_mode(kind):
     """Inference tensors have no version counter: no decode record, the GEMM scale is
     computed (and the quantize does not raise)."""
-    x = _input((64, 128), torch.bfloat16, "normal", seed=4)
+    x = _input((128, 256), torch.bfloat16, "normal", seed=4)
     with torch.inference_mode():
         qt = QUANTIZERS[kind](E4).quantize(x)
-        assert qt._decode is None
-        assert torch.equal(qt.decode_scale(), torch.reciprocal(qt.shared_scale).reshape(()))
+        if kind.startswith("block"):
+            assert qt._decode_rowwise is None and qt._decode_columnwise is None
+            want = torch.reciprocal(qt.rowwise_scale).t()
+            assert torch.equal(qt.decode_scale("rowwise"), want)
+        else:
+            assert qt._decode is None
+            assert torch.equal(qt.decode_scale(), torch.reciprocal(qt.shared_scale).reshape(()))
 
 
 def test_delayed_nan_fill_past_int32_elements():

@@ -1,8 +1,9 @@
 """Launcher for the block-scaled FP8 Triton kernel, registered as a torch custom op.
 
-One pass over the input whatever the usages: each (BM, BN) tile is read once and its
-rowwise and columnwise data and scales are written from registers. Importing this module
-needs neither Triton nor CUDA.
+Each (BM, BN) tile is read once per launch and its rowwise and/or columnwise data, scales
+and decode scales (the reciprocals in cuBLAS's layout, kept as ``_derived`` records of the
+tensor so the GEMMs need no launch to make them) are written from registers. Importing this
+module needs neither Triton nor CUDA.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import kernel_op
+from ..base import QuantizedTensor
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
                               launches, logical_shape, prologue_args, prologue_launch_args,
@@ -34,43 +36,52 @@ def _usage(rowwise: bool, columnwise: bool) -> str:
 
 
 def _shapes(m: int, k: int, dim: int, rowwise: bool, columnwise: bool):
+    """Shapes of (rowwise data, scale, decode; columnwise data, scale, decode); (0,) for a
+    usage not made."""
     if dim == 2:
         rs, cs = (m // BLOCK, k // BLOCK), (k // BLOCK, m // BLOCK)
+        rd, cd = rs, cs
     else:
         rs, cs = (m, k // BLOCK), (k, m // BLOCK)
-    return ((m, k) if rowwise else (0,), rs if rowwise else (0,),
-            (k, m) if columnwise else (0,), cs if columnwise else (0,))
+        rd, cd = rs[::-1], cs[::-1]
+    none = (0,)
+    return ((m, k) if rowwise else none, rs if rowwise else none, rd if rowwise else none,
+            (k, m) if columnwise else none, cs if columnwise else none,
+            cd if columnwise else none)
 
 
 def _empty_outputs(x, dim, rowwise, columnwise, pro=0):
     m, k = logical_shape(x, pro)
-    rq, rs, cq, cs = _shapes(m, k, dim, rowwise, columnwise)
-    return (x.new_empty(rq, dtype=torch.uint8), x.new_empty(rs, dtype=torch.float32),
-            x.new_empty(cq, dtype=torch.uint8), x.new_empty(cs, dtype=torch.float32))
+    shapes = _shapes(m, k, dim, rowwise, columnwise)
+    return tuple(x.new_empty(s, dtype=torch.uint8 if i % 3 == 0 else torch.float32)
+                 for i, s in enumerate(shapes))
 
 
 @kernel_op("lowprec::fp8_block_quantize", mutates_args=())
 def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2: bool,
                        eps: float, rowwise: bool, columnwise: bool, pro: int,
                        pro_args: list[torch.Tensor]
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                  torch.Tensor, torch.Tensor]:
+    """(rowwise data, scale, decode scale, columnwise data, scale, decode scale)."""
     from .triton_kernels import block_scaled_quant_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)
-    rq, rs, cq, cs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
+    rq, rs, rd, cq, cs, cd = _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
     with device_guard(x.device):
         for r, c in launches(rowwise, columnwise, f"block{block_scaling_dim}"):
             cfg = CONFIGS[(block_scaling_dim, _usage(r, c))]
             bm, bn, warps, iters, stages = tile_config(cfg)
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-            block_scaled_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1),
+            block_scaled_quant_kernel[grid](x, rq, rs, cq, cs, rd, cd, m, k, x.stride(0),
+                                            x.stride(1),
                                             *prologue_args(x, pro_args), eps, PRO=pro,
                                             FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
                                             TWO_D=block_scaling_dim == 2, ROWWISE=r,
                                             COLWISE=c, BM=bm, BN=bn, E8M0=False, BLK=BLOCK,
-                                            ITERS=iters, STAGES=stages, num_warps=warps,
-                                            **kernel_fp8_args(fp8_dtype))
-    return rq, rs, cq, cs
+                                            ITERS=iters, STAGES=stages, DECODE=True,
+                                            num_warps=warps, **kernel_fp8_args(fp8_dtype))
+    return rq, rs, rd, cq, cs, cd
 
 
 @fp8_block_quantize.register_fake
@@ -82,11 +93,13 @@ def quantize_block(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
     """Float8BlockQuantizer._quantize_2d through the kernel (same fields)."""
     row, col = quantizer.rowwise_usage, quantizer.columnwise_usage
     dt = quantizer.fp8_dtype
-    rq, rs, cq, cs = fp8_block_quantize(x2d, dt == torch.float8_e5m2,
-                                        quantizer.block_scaling_dim,
-                                        quantizer.force_pow_2_scales, quantizer.amax_epsilon,
-                                        row, col, *prologue_launch_args(prologue))
+    rq, rs, rd, cq, cs, cd = fp8_block_quantize(
+        x2d, dt == torch.float8_e5m2, quantizer.block_scaling_dim, quantizer.force_pow_2_scales,
+        quantizer.amax_epsilon, row, col, *prologue_launch_args(prologue))
+    record = QuantizedTensor.derived_record
     return {"rowwise_data": rq.view(dt) if row else None, "rowwise_scale": rs if row else None,
             "columnwise_data": cq.view(dt) if col else None,
             "columnwise_scale": cs if col else None,
-            "fp8_dtype": dt, "block_scaling_dim": quantizer.block_scaling_dim}
+            "fp8_dtype": dt, "block_scaling_dim": quantizer.block_scaling_dim,
+            "_decode_rowwise": record(rs, rd) if row else None,
+            "_decode_columnwise": record(cs, cd) if col else None}

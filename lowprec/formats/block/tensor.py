@@ -27,6 +27,25 @@ class Float8BlockwiseTensor(QuantizedTensor):
 
     _inner = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")
     _meta = ("fp8_dtype", "block_scaling_dim")
+    #: per usage, ``(scale, scale._version, decode)`` as the quantize kernel wrote it, or None
+    #: (``decode`` as ``decode_scale`` returns it).
+    _derived = ("_decode_rowwise", "_decode_columnwise")
+
+    def decode_scale(self, usage: str) -> torch.Tensor:
+        """``1 / scale`` of ``usage``'s blocks (fp32), laid out as cuBLAS reads block scales:
+        for 1x128 blocks transposed and contiguous, (K/128, M) rowwise and (M/128, K)
+        columnwise; for 128x128 blocks contiguous in the scale's own shape. The quantize
+        kernel's copy while the scale is the same, unmodified tensor; else computed here."""
+        s = getattr(self, f"{usage}_scale")
+        rec = self._read_derived(f"_decode_{usage}", s)
+        if rec is not None:
+            return rec
+        s = s.to(torch.float32)
+        if self.block_scaling_dim == 2:
+            return torch.reciprocal(s).contiguous()
+        # reciprocal and transpose in one pass (one launch)
+        out = torch.empty((s.shape[1], s.shape[0]), dtype=torch.float32, device=s.device)
+        return torch.reciprocal(s.t(), out=out)
 
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         return dequantize_blocks(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),

@@ -11,6 +11,11 @@ Each program loads one tile of x once (BM, BN multiples of BLK where that direct
 blocked), takes the row-block and/or column-block amaxes (int32 bit patterns), and writes the
 rowwise data (M, K) and the columnwise data (K, M, the blocks running along M) with their
 scales. Numerics: see ``float8/triton_kernels.py``.
+
+With ``DECODE`` (Float8Block only) it also writes each direction's decode scales
+(``1 / scale``, correctly rounded as ``torch.reciprocal``) in the layout cuBLAS reads them
+(``backends/cublas_fp8.py``): for 1-D blocks the transpose of the scales, (K/128, M) rowwise
+and (M/128, K) columnwise; for 128x128 blocks the scales' own layout.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ...fused.triton_prologue import load_tile
-from ..float8.triton_kernels import abs_bits, current_scale, fp8_codes, store_t
+from ..float8.triton_kernels import abs_bits, current_scale, decode_scale, fp8_codes, store_t
 from ..mxfp8.triton_kernels import e8m0_scale
 
 
@@ -37,13 +42,13 @@ def block_scales(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr, E8M0: tl.
 
 
 @triton.jit
-def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm,
-                       stride_xk, p0, p1, p2, p3, eps, PRO: tl.constexpr,
+def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_ptr, cd_ptr, M,
+                       K, stride_xm, stride_xk, p0, p1, p2, p3, eps, PRO: tl.constexpr,
                        FP8_MAX: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr,
                        BIAS: tl.constexpr, MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr,
                        TWO_D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr,
-                       E8M0: tl.constexpr, BLK: tl.constexpr):
+                       E8M0: tl.constexpr, BLK: tl.constexpr, DECODE: tl.constexpr):
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BN + tl.arange(0, BN)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
@@ -63,12 +68,18 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K
             tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :],
                      fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT), mask=mask)
             tl.store(rs_ptr + sm[:, None] * (K // BLK) + sk[None, :], sc, mask=smask)
+            if DECODE:
+                tl.store(rd_ptr + sm[:, None] * (K // BLK) + sk[None, :], decode_scale(sc),
+                         mask=smask)
         if COLWISE:
             # chains of their own when the rowwise codes exist too (see float8 cast_kernel)
             store_t(cq_ptr, offs_m, offs_k, M, K, M,
                     fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT, ROWWISE), COL_MODE)
             sc_c, _ = block_scales(amax, eps, FP8_MAX, POW2, E8M0, ROWWISE)
             store_t(cs_ptr, sm, sk, M // BLK, K // BLK, M // BLK, sc_c, COL_MODE)
+            if DECODE:
+                store_t(cd_ptr, sm, sk, M // BLK, K // BLK, M // BLK, decode_scale(sc_c),
+                        COL_MODE)
     else:
         if ROWWISE:
             # 1 x BLK blocks along K (K divisible by BLK).
@@ -79,8 +90,11 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K
                           HW_CVT)
             tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :], q, mask=mask)
             sk = pid_k * (BN // BLK) + tl.arange(0, BN // BLK)
-            tl.store(rs_ptr + offs_m64[:, None] * (K // BLK) + sk[None, :], sc_r,
-                     mask=(offs_m < M)[:, None] & (sk < K // BLK)[None, :])
+            smask = (offs_m < M)[:, None] & (sk < K // BLK)[None, :]
+            tl.store(rs_ptr + offs_m64[:, None] * (K // BLK) + sk[None, :], sc_r, mask=smask)
+            if DECODE:
+                tl.store(rd_ptr + sk.to(tl.int64)[None, :] * M + offs_m[:, None],
+                         decode_scale(sc_r), mask=smask)
         if COLWISE:
             # BLK x 1 blocks along M (M divisible by BLK).
             amax_c = tl.max(tl.reshape(a, (BM // BLK, BLK, BN)), 1)
@@ -91,22 +105,27 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K
                     COL_MODE)
             sm = pid_m * (BM // BLK) + tl.arange(0, BM // BLK)
             store_t(cs_ptr, sm, offs_k, M // BLK, K, M // BLK, sc_c, COL_MODE)
+            if DECODE:
+                tl.store(cd_ptr + sm.to(tl.int64)[:, None] * K + offs_k[None, :],
+                         decode_scale(sc_c),
+                         mask=(sm < M // BLK)[:, None] & (offs_k < K)[None, :])
 
 
 @triton.jit
-def block_scaled_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, M, K, stride_xm, stride_xk,
-                              p0, p1, p2, p3, eps, PRO: tl.constexpr,
+def block_scaled_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_ptr, cd_ptr, M, K,
+                              stride_xm, stride_xk, p0, p1, p2, p3, eps, PRO: tl.constexpr,
                               FP8_MAX: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr,
                               BIAS: tl.constexpr, MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr,
                               TWO_D: tl.constexpr, ROWWISE: tl.constexpr,
                               COLWISE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                               COL_MODE: tl.constexpr, E8M0: tl.constexpr, BLK: tl.constexpr,
-                              ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+                              ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1,
+                              DECODE: tl.constexpr = False):
     """One program quantizes ITERS (BM, BN) tiles down a column of tiles; with STAGES > 1
     the loads of the next tiles are issued (asynchronously) while one is converted."""
     pid_k = tl.program_id(1)
     for t in tl.range(0, ITERS, num_stages=STAGES):
         _block_scaled_tile(tl.program_id(0) * ITERS + t, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr,
-                           cs_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3, eps, PRO, FP8_MAX,
-                           POW2, MBITS, BIAS, MAX_BITS, HW_CVT, TWO_D, ROWWISE, COLWISE, BM, BN,
-                           COL_MODE, E8M0, BLK)
+                           cs_ptr, rd_ptr, cd_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3,
+                           eps, PRO, FP8_MAX, POW2, MBITS, BIAS, MAX_BITS, HW_CVT, TWO_D,
+                           ROWWISE, COLWISE, BM, BN, COL_MODE, E8M0, BLK, DECODE)

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ...kernels import kernel_op
+from ..base import QuantizedTensor
 
 # fp8 dtype -> (mantissa bits, exponent bias, fp32 bits of the max finite value, max)
 FP8_PARAMS = {
@@ -296,10 +297,11 @@ def _fields(quantizer, row, col, scale, decode=None) -> dict:
 def _kernel_fields(quantizer, row, col, scales) -> dict:
     """Fields of a quantize launch, whose ``scales`` holds the scale at 0 and its reciprocal
     at ``DECODE_AT`` (kept for the GEMMs). Not kept for inference tensors
-    (``torch.inference_mode``): they have no version counter to tell it is still valid."""
+    (``torch.inference_mode``): they have no version counter to tell it is still valid; nor
+    under ``torch.compile``, where ``decode_scale`` never reads it."""
     scale = scales[0:1]
-    decode = None if scale.is_inference() else (scale, scale._version, scales[DECODE_AT])
-    return _fields(quantizer, row, col, scale, decode)
+    return _fields(quantizer, row, col, scale,
+                   QuantizedTensor.derived_record(scale, scales[DECODE_AT]))
 
 
 def quantize_current(quantizer, x2d: torch.Tensor, prologue=None, amax_bits=None) -> dict:

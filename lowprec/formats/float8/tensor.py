@@ -32,10 +32,9 @@ class Float8Tensor(QuantizedTensor):
         product by. The quantize kernel's copy while ``shared_scale`` is the same,
         unmodified tensor (it saves a launch per GEMM operand); else computed here."""
         s = self.shared_scale
-        if not torch.compiler.is_compiling():
-            rec = self._decode
-            if rec is not None and rec[0] is s and rec[1] == s._version:
-                return rec[2]
+        rec = self._read_derived("_decode", s)
+        if rec is not None:
+            return rec
         return torch.reciprocal(s.to(torch.float32)).reshape(())
 
     def _dequantize_2d(self, usage: str) -> torch.Tensor:

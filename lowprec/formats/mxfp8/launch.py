@@ -55,7 +55,8 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
         for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
             bm, bn, warps, iters, stages = tile_config(CONFIGS[(two_d, _usage(r, c))])
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-            block_scaled_quant_kernel[grid](x, rq, rs, cq, cs, m, k, x.stride(0), x.stride(1),
+            block_scaled_quant_kernel[grid](x, rq, rs, cq, cs, None, None, m, k, x.stride(0),
+                                            x.stride(1),
                                             *prologue_args(x, pro_args), 0.0, PRO=pro,
                                             FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=False,
                                             TWO_D=two_d, ROWWISE=r, COLWISE=c, BM=bm, BN=bn,
