@@ -52,9 +52,10 @@ def _shapes(m: int, k: int, dim: int, rowwise: bool, columnwise: bool):
 
 def _empty_outputs(x, dim, rowwise, columnwise, pro=0):
     m, k = logical_shape(x, pro)
-    shapes = _shapes(m, k, dim, rowwise, columnwise)
-    return tuple(x.new_empty(s, dtype=torch.uint8 if i % 3 == 0 else torch.float32)
-                 for i, s in enumerate(shapes))
+    rq, rs, rd, cq, cs, cd = _shapes(m, k, dim, rowwise, columnwise)
+    u8, f32 = torch.uint8, torch.float32
+    return (x.new_empty(rq, dtype=u8), x.new_empty(rs, dtype=f32), x.new_empty(rd, dtype=f32),
+            x.new_empty(cq, dtype=u8), x.new_empty(cs, dtype=f32), x.new_empty(cd, dtype=f32))
 
 
 @kernel_op("lowprec::fp8_block_quantize", mutates_args=())
