@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU test suite in two device calls: on a fresh machine Triton compiles every kernel
+# variant again and the whole suite runs past one call's 10 minutes.
+#   bash benchmarks/run_gpu_tests.sh a     # formats, backends, compare, distributed
+#   bash benchmarks/run_gpu_tests.sh b     # fused, modules, ops and the top-level tests
+# TEST_TIMEOUT (seconds, default 540) caps the run; pytest is interrupted with SIGINT so
+# it still prints its summary and the slowest tests. The log goes to $OUT/tests_<part>.log.
+set -u
+PART=${1:?part a or b}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+case "$PART" in
+  a) FILES="tests/formats tests/backends tests/compare tests/distributed" ;;
+  b) FILES="tests/fused tests/modules tests/ops $(ls tests/test_*.py | tr '\n' ' ')" ;;
+  *) echo "unknown part '$PART': use a or b" >&2; exit 2 ;;
+esac
+LOG="$OUT/tests_$PART.log"
+timeout -s INT "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --durations=10 \
+  $FILES > "$LOG" 2>&1
+echo "tests $PART rc=$?"
+grep -E "^(FAILED|ERROR)" "$LOG" | head -20
+grep -E "passed|failed|error|interrupted" "$LOG" | tail -3
