@@ -8,6 +8,8 @@ module needs neither Triton nor CUDA.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...kernels import kernel_op
@@ -29,6 +31,51 @@ CONFIGS = {
     (2, "col"): (128, 128, 8),
     (2, "both"): (128, 128, 8),
 }
+
+
+#: Run the 1x128 columnwise usage (with the rowwise one when ``GLUON_BOTH``) through the
+#: Gluon kernel (``gluon_kernels.py``) where it applies: Gluon imports, no prologue, a unit
+#: inner stride and a 16-bit or fp32 input. False: the Triton kernel only.
+GLUON = True
+GLUON_BOTH = False
+#: (R rows per thread, T threads along K, warps[, maxnreg]) of the Gluon kernel per usage:
+#: a program covers 128 rows and 8 * T columns.
+GLUON_CONFIGS = {"col": (8, 8, 4), "both": (8, 16, 8)}
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_available() -> bool:
+    try:
+        from triton.experimental import gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _gluon_applies(x: torch.Tensor, dim: int, rowwise: bool, columnwise: bool,
+                   pro: int) -> bool:
+    """The Gluon kernel has no masks along M (whole 128-row blocks) nor along K when it
+    makes the rowwise usage too; the quantizers enforce both divisibilities before any
+    launch, this keeps a direct call of the op on the masked Triton kernel."""
+    m, k = x.shape
+    return (GLUON and dim == 1 and columnwise and pro == 0 and x.stride(1) == 1
+            and m % BLOCK == 0 and (k % BLOCK == 0 or not rowwise)
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and gluon_available())
+
+
+def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, pow2: bool, eps: float):
+    from .gluon_kernels import block1_quant_kernel
+    rq, rs, rd, cq, cs, cd = outs
+    m, k = x.shape
+    if m == 0 or k == 0:
+        return
+    r, t, warps, *maxnreg = GLUON_CONFIGS["both" if rowwise else "col"]
+    mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
+    opts = {"maxnreg": maxnreg[0]} if maxnreg else {}
+    block1_quant_kernel[(m // BLOCK, triton_cdiv(k, 8 * t))](
+        x, rq, rs, rd, cq, cs, cd, m, k, x.stride(0), eps, FP8_MAX=fmax, POW2=pow2,
+        MBITS=mbits, BIAS=bias, MAX_BITS=max_bits, ROWWISE=rowwise, R=r, T=t, WARPS=warps,
+        num_warps=warps, **opts)
 
 
 def _usage(rowwise: bool, columnwise: bool) -> str:
@@ -65,24 +112,34 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                   torch.Tensor, torch.Tensor]:
     """(rowwise data, scale, decode scale, columnwise data, scale, decode scale)."""
-    from .triton_kernels import block_scaled_quant_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
-    m, k = logical_shape(x, pro)
-    rq, rs, rd, cq, cs, cd = _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
+    outs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
     with device_guard(x.device):
+        if _gluon_applies(x, block_scaling_dim, rowwise, columnwise, pro):
+            both = rowwise and GLUON_BOTH
+            if rowwise and not both:
+                _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, True, False,
+                               pro, pro_args)
+            _launch_gluon(x, outs, both, fp8_dtype, pow2, eps)
+            return outs
         for r, c in launches(rowwise, columnwise, f"block{block_scaling_dim}"):
-            cfg = CONFIGS[(block_scaling_dim, _usage(r, c))]
-            bm, bn, warps, iters, stages = tile_config(cfg)
-            grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-            block_scaled_quant_kernel[grid](x, rq, rs, cq, cs, rd, cd, m, k, x.stride(0),
-                                            x.stride(1),
-                                            *prologue_args(x, pro_args), eps, PRO=pro,
-                                            FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
-                                            TWO_D=block_scaling_dim == 2, ROWWISE=r,
-                                            COLWISE=c, BM=bm, BN=bn, E8M0=False, BLK=BLOCK,
-                                            ITERS=iters, STAGES=stages, DECODE=True,
-                                            num_warps=warps, **kernel_fp8_args(fp8_dtype))
-    return rq, rs, rd, cq, cs, cd
+            _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro,
+                           pro_args)
+    return outs
+
+
+def _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, pro_args):
+    from .triton_kernels import block_scaled_quant_kernel
+    rq, rs, rd, cq, cs, cd = outs
+    m, k = logical_shape(x, pro)
+    bm, bn, warps, iters, stages = tile_config(CONFIGS[(block_scaling_dim, _usage(r, c))])
+    grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
+    block_scaled_quant_kernel[grid](x, rq, rs, cq, cs, rd, cd, m, k, x.stride(0), x.stride(1),
+                                    *prologue_args(x, pro_args), eps, PRO=pro,
+                                    FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
+                                    TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c, BM=bm,
+                                    BN=bn, E8M0=False, BLK=BLOCK, ITERS=iters, STAGES=stages,
+                                    DECODE=True, num_warps=warps, **kernel_fp8_args(fp8_dtype))
 
 
 @fp8_block_quantize.register_fake

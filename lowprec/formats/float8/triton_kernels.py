@@ -34,6 +34,14 @@ from ...fused.triton_prologue import load_tile
 
 
 # ---- shared jit helpers -------------------------------------------------------------------
+# These helpers are also called from the Gluon kernels (``block/gluon_kernels.py``), where a
+# tensor needs an explicit layout: constants are splatted with ``filled`` (no ``tl.full``).
+@triton.jit
+def filled(like, value):
+    """A tensor of ``like``'s shape (and layout) holding ``value`` (folded to a constant)."""
+    return tl.where(like == like, value, value)
+
+
 @triton.jit
 def abs_bits(x):
     """int32 bit patterns of |x| for fp32 x (ordered like the floats; NaN above Inf)."""
@@ -49,7 +57,7 @@ DECODE_AT: tl.constexpr = tl.constexpr(4)
 def decode_scale(scale):
     """``1 / scale`` correctly rounded (``div.rn``, subnormals kept): bit for bit
     ``torch.reciprocal`` of the encode scale, which is what GEMMs multiply by."""
-    return tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    return tl.math.div_rn(filled(scale, 1.0), scale)
 
 
 @triton.jit
@@ -58,7 +66,7 @@ def current_scale(amax_bits, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     finite = amax_bits < 0x7F800000
     amax = amax_bits.to(tl.float32, bitcast=True)
     clamped = tl.maximum(amax, eps)
-    num = tl.zeros_like(clamped) + FP8_MAX
+    num = filled(clamped, FP8_MAX)
     scale = tl.math.div_rn(num, clamped)
     scale = tl.where(clamped == 0.0, 1.0, scale)
     sbits = scale.to(tl.int32, bitcast=True)

@@ -1,0 +1,120 @@
+"""The 1x128 block quantize on its Triton kernel against the Gluon kernel, in one run.
+
+Variants (``formats/block/launch.py`` flags, set around each call):
+
+* ``triton``: rowwise and columnwise as two Triton launches (two reads of the input);
+* ``gluon_col/R,T,W``: the Triton rowwise launch, then the Gluon columnwise kernel;
+* ``gluon_both/R,T,W[,maxnreg]``: both usages from one read, one Gluon launch.
+
+Part 1 times the quantize of both usages (and the columnwise usage alone) of bf16 inputs
+against a device-to-device copy in the same run. Part 2 (``--linear``) times a Linear
+fwd+bwd step under ``Float8BlockScaling`` with each variant against bf16 ``nn.Linear``.
+Rows go to results.csv.
+
+    python benchmarks/ab_block_gluon.py [--shapes 16384x4096,...] [--linear 16384x4096x4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lowprec  # noqa: E402
+from bench_linear import (linear_peers, make_inputs, parse_shape, run_peers,  # noqa: E402
+                          split_list, within)
+from harness import append_rows, l2_rotation, print_table, time_fn  # noqa: E402
+from lowprec.formats.block import launch  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+DEFAULT_VARIANTS = ("triton,gluon_col/8.8.4,gluon_col/8.16.8,gluon_col/16.16.4,"
+                    "gluon_both/8.16.8,gluon_both/8.16.8.128,gluon_both/4.16.16")
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """Set the launcher's flags for one variant, restoring them after."""
+    saved = (launch.GLUON, launch.GLUON_BOTH, dict(launch.GLUON_CONFIGS))
+    kind, _, cfg = name.partition("/")
+    try:
+        launch.GLUON = kind != "triton"
+        launch.GLUON_BOTH = kind == "gluon_both"
+        if cfg:
+            launch.GLUON_CONFIGS["both" if launch.GLUON_BOTH else "col"] = \
+                tuple(int(v) for v in cfg.split("."))
+        yield
+    finally:
+        launch.GLUON, launch.GLUON_BOTH, launch.GLUON_CONFIGS = saved
+
+
+def quantize_rows(shape: str, variants, iters: int):
+    m, k = (int(v) for v in shape.split("x"))
+    nbytes = m * k * 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = l2_rotation(lambda: (torch.randn(m, k, device="cuda", generator=gen)
+                                  .to(torch.bfloat16),), nbytes)
+    dst = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    copy_gbs = 2 * nbytes / time_fn(lambda x: dst.copy_(x), inputs, iters=iters) / 1e6
+    rows = [{"bench": "quantize", "shape": shape, "recipe": "d2d_copy", "metric": "GB/s",
+             "value": copy_gbs, "baseline": "", "baseline_value": "", "ratio": 1.0, "note": ""}]
+    for usage, flags in (("both", (True, True)), ("col", (False, True))):
+        q = lowprec.Float8BlockQuantizer(E4M3, block_scaling_dim=1).set_usage(*flags)
+        for name in variants:
+            if usage == "col" and name.startswith("gluon_both"):
+                continue  # the same kernel as gluon_col with the same config
+            with variant(name):
+                qt = q.quantize(inputs[0][0])
+                moved = nbytes + sum(t.numel() * t.element_size()
+                                     for t in qt.inner_tensors().values() if t is not None)
+                del qt
+                ms = time_fn(lambda x: q.quantize(x), inputs, iters=iters, warmup_s=0.3)
+            gbs = moved / ms / 1e6
+            rows.append({"bench": "quantize", "shape": shape,
+                         "recipe": f"block_1x128_{usage}/{name}", "metric": "GB/s",
+                         "value": gbs, "baseline": "d2d_copy", "baseline_value": copy_gbs,
+                         "ratio": gbs / copy_gbs, "note": f"{ms:.4f} ms"})
+            print(f"  {shape} {usage:4s} {name:24s} {ms:.4f} ms  {gbs / copy_gbs:.3f} of copy",
+                  flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="16384x4096,16384x14336")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--linear", default="", help="Linear shapes MxKxN, comma-separated")
+    ap.add_argument("--linear-variants", default="triton,gluon_col,gluon_both")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup-seconds", type=float, default=1.0)
+    ap.add_argument("--no-csv", action="store_true")
+    args = ap.parse_args(argv)
+    args.alternate, args.iters_linear = False, 10
+    rows = []
+    for s in split_list(args.shapes):
+        rows += quantize_rows(s, split_list(args.variants), args.iters)
+    for s in split_list(args.linear):
+        m, k, n = parse_shape(s)
+        base, block = linear_peers(m, k, n, ["block"], [])
+        peers = [base] + [(f"lowprec/block/{v}", within(lambda v=v: variant(v), block[1]))
+                          for v in split_list(args.linear_variants)]
+        inputs = make_inputs(m, k, n, "cuda")
+        ns = argparse.Namespace(**vars(args))
+        ns.iters = args.iters_linear
+        rows += run_peers("linear", s, peers, inputs, ns)
+        del inputs
+        torch.cuda.empty_cache()
+    print_table(rows, ["bench", "shape", "recipe", "value", "ratio", "note"])
+    if not args.no_csv:
+        append_rows(rows)
+
+
+if __name__ == "__main__":
+    main()

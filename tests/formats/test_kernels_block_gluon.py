@@ -1,0 +1,124 @@
+"""The Gluon 1x128 block kernel (``formats/block/gluon_kernels.py``) against the reference,
+bit for bit, in each mode the launcher can pick: columnwise only, both usages from one read,
+and the rowwise Triton launch beside the Gluon columnwise one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec.kernels
+from lowprec.formats.block import launch
+from lowprec.formats.block.quantizer import Float8BlockQuantizer
+from lowprec.kernels import reference_only
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (lowprec.kernels.triton_available() and launch.gluon_available()),
+                       reason="needs a CUDA device, Triton and Gluon"),
+]
+
+# (M, K): M a multiple of 128 (1x128 columnwise blocks run along M); K aligned, unaligned
+# (columnwise only), narrower than one tile, and several tiles wide
+SHAPES = [(128, 128), (256, 384), (384, 200), (128, 40), (1024, 1152)]
+USAGES = {"both": (True, True), "col": (False, True)}
+
+
+def _input(m, k, dtype, dist, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k + 64, generator=g, device="cuda")
+    if dist == "wide":
+        span = 10 if dtype == torch.float16 else 60
+        x = x * torch.exp2(torch.randint(-span, span, x.shape, generator=g, device="cuda").float())
+    x = x.to(dtype)
+    if dist == "special":
+        x[: min(m, 32), : min(k, 64)] = 0
+        x[5, 7] = float("nan")
+        x[m - 1, k - 1] = float("-inf")
+        x[m // 2, 0] = float("inf")
+    return x[:, :k]  # rows further apart than K (stride(0) > K)
+
+
+def _same(a, b, what):
+    assert (a is None) == (b is None), what
+    if a is None:
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    if a.dtype.is_floating_point and a.element_size() == 4:
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        assert torch.equal(nan_a, nan_b), what
+        a, b = a.view(torch.int32)[~nan_a], b.view(torch.int32)[~nan_b]
+    else:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    assert torch.equal(a, b), what
+
+
+@pytest.mark.parametrize("mode", ["gluon_col", "gluon_both"])
+@pytest.mark.parametrize("dist", ["normal", "wide", "special"])
+@pytest.mark.parametrize("usage", list(USAGES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "exact"])
+def test_gluon_matches_reference(pow2, fp8_dtype, dtype, usage, dist, mode, monkeypatch):
+    calls = []
+    orig = launch._launch_gluon
+    monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(a[2]) or orig(*a))
+    monkeypatch.setattr(launch, "GLUON", True)
+    monkeypatch.setattr(launch, "GLUON_BOTH", mode == "gluon_both")
+    launched = 0
+    row, col = USAGES[usage]
+    for i, (m, k) in enumerate(SHAPES):
+        x = _input(m, k, dtype, dist, seed=i)
+
+        def quantizer():
+            return Float8BlockQuantizer(fp8_dtype, block_scaling_dim=1,
+                                        force_pow_2_scales=pow2).set_usage(row, col)
+        try:
+            with reference_only():
+                ref = quantizer().quantize(x)
+        except ValueError:
+            with pytest.raises(ValueError):
+                quantizer().quantize(x)
+            continue
+        # through the quantizer (a contiguous copy of x) and through the op on the strided
+        # view itself (rows further apart than K)
+        got = quantizer().quantize(x)
+        for name, t in got.inner_tensors().items():
+            _same(t, ref.inner_tensors()[name], f"{(m, k)} {name}")
+        for u in ("rowwise", "columnwise"):
+            if getattr(ref, f"{u}_scale") is not None:
+                _same(got.decode_scale(u), ref.decode_scale(u), f"{(m, k)} {u} decode")
+                assert got.decode_scale(u) is getattr(got, f"_decode_{u}")[2]
+        assert x.stride(0) > k
+        outs = launch.fp8_block_quantize(x, fp8_dtype == torch.float8_e5m2, 1, pow2, 0.0, row,
+                                         col, 0, [])
+        want = [ref.rowwise_data, ref.rowwise_scale, ref.decode_scale("rowwise") if row else None,
+                ref.columnwise_data, ref.columnwise_scale, ref.decode_scale("columnwise")]
+        for name, a, b in zip(("rq", "rs", "rd", "cq", "cs", "cd"), outs, want):
+            if b is not None:
+                _same(a.view(b.dtype), b, f"{(m, k)} strided {name}")
+        launched += 2
+    # every quantize that the reference accepted went through the Gluon kernel, in the mode
+    # asked for (its third argument: the rowwise usage from the same read)
+    assert launched >= 8 and len(calls) == launched
+    assert set(calls) == {usage == "both" and mode == "gluon_both"}
+
+
+def test_gluon_not_used_where_it_does_not_apply(monkeypatch):
+    """Row-only, 128x128 blocks and non-unit inner strides stay on the Triton kernel."""
+    calls = []
+    orig = launch._launch_gluon
+    monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(1) or orig(*a))
+    x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1).set_usage(True, False) \
+        .quantize(x)
+    Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=2).quantize(x)
+    rq, rs, rd, cq, cs, cd = launch.fp8_block_quantize(x.t(), False, 1, True, 0.0, True, True,
+                                                       0, [])
+    assert calls == []
+    with reference_only():
+        ref = Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1).quantize(x.t())
+    _same(rq.view(ref.rowwise_data.dtype), ref.rowwise_data, "rowwise")
+    _same(cq.view(ref.columnwise_data.dtype), ref.columnwise_data, "columnwise")
+    _same(cs, ref.columnwise_scale, "columnwise scale")
