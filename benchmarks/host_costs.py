@@ -18,6 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lowprec  # noqa: E402
 from lowprec.formats.float8 import launch as fl  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_block_gluon import variant  # noqa: E402
+
 
 def per_call_us(fn, n=2000) -> float:
     for _ in range(50):
@@ -31,6 +34,11 @@ def per_call_us(fn, n=2000) -> float:
     return t / n * 1e6
 
 
+def _within(name, fn):
+    with variant(name):
+        return fn()
+
+
 def main():
     dev = "cuda"
     x = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
@@ -39,6 +47,7 @@ def main():
     dq = lowprec.Float8Quantizer(s.clone(), a.clone())
     cq = lowprec.Float8CurrentScalingQuantizer()
     bq = lowprec.Float8BlockQuantizer(block_scaling_dim=1)
+    bcq = lowprec.Float8BlockQuantizer(block_scaling_dim=1).set_usage(False, True)
     f8 = torch.randn(256, 256, device=dev).to(torch.float8_e4m3fn)
     rows = {
         "torch.empty(1)": lambda: torch.empty(1, device=dev),
@@ -49,6 +58,10 @@ def main():
         "delayed quantize rowwise": lambda: dq.copy().set_usage(columnwise=False).quantize(x),
         "current quantize both": lambda: cq.quantize(x),
         "block1 quantize both": lambda: bq.quantize(x),
+        **{f"block1 quantize both, {v}": (lambda v=v: _within(v, lambda: bq.quantize(x)))
+           for v in ("triton", "gluon_col", "gluon_both")},
+        **{f"block1 quantize col, {v}": (lambda v=v: _within(v, lambda: bcq.quantize(x)))
+           for v in ("triton", "gluon_col")},
         "_scaled_mm 256^3": lambda: torch._scaled_mm(f8, f8.t(), s, s,
                                                      out_dtype=torch.bfloat16),
         "bf16 mm 256^3": lambda: x @ x,
@@ -66,6 +79,13 @@ def main():
                 y = lin(xg)
             y.backward(dy)
         print(f"{'Linear step ' + name:40s} {per_call_us(step, 300):8.1f} us")
+    if "--profile-gluon" in sys.argv:
+        import cProfile
+        import pstats
+        with variant("gluon_col"):
+            cProfile.runctx("for _ in range(500): bcq.quantize(x)", globals(), locals(),
+                            "/tmp/gluon.prof")
+        pstats.Stats("/tmp/gluon.prof").sort_stats("tottime").print_stats(14)
 
 
 if __name__ == "__main__":

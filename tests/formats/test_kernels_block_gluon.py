@@ -101,7 +101,7 @@ def test_gluon_matches_reference(pow2, fp8_dtype, dtype, usage, dist, mode, monk
         launched += 2
     # every quantize that the reference accepted went through the Gluon kernel, in the mode
     # asked for (its third argument: the rowwise usage from the same read)
-    assert launched >= 8 and len(calls) == launched
+    assert launched >= 6 and len(calls) == launched
     assert set(calls) == {usage == "both" and mode == "gluon_both"}
 
 
