@@ -3,8 +3,8 @@
 Variants (``formats/block/launch.py`` flags, set around each call):
 
 * ``triton``: rowwise and columnwise as two Triton launches (two reads of the input);
-* ``gluon_col/R,T,W``: the Triton rowwise launch, then the Gluon columnwise kernel;
-* ``gluon_both/R,T,W[,maxnreg]``: both usages from one read, one Gluon launch.
+* ``gluon_col/R.T.W``: the Triton rowwise launch, then the Gluon columnwise kernel;
+* ``gluon_both/W``: both usages from one read, one Gluon launch of W warps.
 
 Part 1 times the quantize of both usages (and the columnwise usage alone) of bf16 inputs
 against a device-to-device copy in the same run: GPU time from a CUDA graph of several
@@ -35,8 +35,7 @@ from harness import append_rows, l2_rotation, print_table, time_fn  # noqa: E402
 from lowprec.formats.block import launch  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
-DEFAULT_VARIANTS = ("triton,gluon_col/8.8.4,gluon_col/8.16.8,gluon_col/16.16.4,"
-                    "gluon_both/8.16.8,gluon_both/8.16.8.128,gluon_both/4.16.16")
+DEFAULT_VARIANTS = "triton,gluon_col/8.8.4,gluon_col/8.16.8,gluon_both/4,gluon_both/8,gluon_both/16"
 
 
 @contextlib.contextmanager

@@ -122,3 +122,24 @@ def test_gluon_not_used_where_it_does_not_apply(monkeypatch):
     _same(rq.view(ref.rowwise_data.dtype), ref.rowwise_data, "rowwise")
     _same(cq.view(ref.columnwise_data.dtype), ref.columnwise_data, "columnwise")
     _same(cs, ref.columnwise_scale, "columnwise scale")
+
+
+def test_gluon_both_needs_16_byte_aligned_rows(monkeypatch):
+    """An input whose rows do not start 16-byte aligned (cp.async copies 16-byte pieces)
+    takes the Triton rowwise launch and the Gluon columnwise kernel instead, same bytes."""
+    calls = []
+    orig = launch._launch_gluon
+    monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(a[2]) or orig(*a))
+    monkeypatch.setattr(launch, "GLUON_BOTH", True)
+    flat = torch.randn(256 * 384 + 8, device="cuda", dtype=torch.bfloat16)
+    x = flat[1:1 + 256 * 384].view(256, 384)
+    assert x.data_ptr() % 16 != 0
+    rq, rs, rd, cq, cs, cd = launch.fp8_block_quantize(x, False, 1, True, 0.0, True, True, 0,
+                                                       [])
+    assert calls == [False]
+    with reference_only():
+        ref = Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1).quantize(x)
+    _same(rq.view(ref.rowwise_data.dtype), ref.rowwise_data, "rowwise")
+    _same(rs, ref.rowwise_scale, "rowwise scale")
+    _same(cq.view(ref.columnwise_data.dtype), ref.columnwise_data, "columnwise")
+    _same(cs, ref.columnwise_scale, "columnwise scale")

@@ -33,14 +33,15 @@ CONFIGS = {
 }
 
 
-#: Run the 1x128 columnwise usage (with the rowwise one when ``GLUON_BOTH``) through the
-#: Gluon kernel (``gluon_kernels.py``) where it applies: Gluon imports, no prologue, a unit
-#: inner stride and a 16-bit or fp32 input. False: the Triton kernel only.
+#: Run the 1x128 columnwise usage through a Gluon kernel (``gluon_kernels.py``) where one
+#: applies (Gluon imports, no prologue, a unit inner stride, a 16-bit or fp32 input):
+#: ``block1_both_kernel`` for both usages when ``GLUON_BOTH``, else the Triton rowwise
+#: launch and ``block1_col_kernel``. False: the Triton kernel only.
 GLUON = True
 GLUON_BOTH = False
-#: (R rows per thread, T threads along K, warps[, maxnreg]) of the Gluon kernel per usage:
-#: a program covers 128 rows and 8 * T columns.
-GLUON_CONFIGS = {"col": (8, 8, 4), "both": (8, 16, 8)}
+#: Gluon launch configs: "col" (R rows per thread, T threads along K, warps): a program
+#: covers 128 rows and 8 * T columns; "both" (warps,): a program covers 128 x 128.
+GLUON_CONFIGS = {"col": (8, 8, 4), "both": (8,)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,18 +65,23 @@ def _gluon_applies(x: torch.Tensor, dim: int, rowwise: bool, columnwise: bool,
 
 
 def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, pow2: bool, eps: float):
-    from .gluon_kernels import block1_quant_kernel
+    from .gluon_kernels import block1_both_kernel, block1_col_kernel
     rq, rs, rd, cq, cs, cd = outs
     m, k = x.shape
     if m == 0 or k == 0:
         return
-    r, t, warps, *maxnreg = GLUON_CONFIGS["both" if rowwise else "col"]
     mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
-    opts = {"maxnreg": maxnreg[0]} if maxnreg else {}
-    block1_quant_kernel[(m // BLOCK, triton_cdiv(k, 8 * t))](
-        x, rq, rs, rd, cq, cs, cd, m, k, x.stride(0), eps, FP8_MAX=fmax, POW2=pow2,
-        MBITS=mbits, BIAS=bias, MAX_BITS=max_bits, ROWWISE=rowwise, R=r, T=t, WARPS=warps,
-        num_warps=warps, **opts)
+    fp8 = dict(FP8_MAX=fmax, POW2=pow2, MBITS=mbits, BIAS=bias, MAX_BITS=max_bits)
+    if rowwise:
+        (warps,) = GLUON_CONFIGS["both"]
+        block1_both_kernel[(m // BLOCK, k // BLOCK)](
+            x, rq, rs, rd, cq, cs, cd, m, k, x.stride(0), eps, WARPS=warps, num_warps=warps,
+            **fp8)
+    else:
+        r, t, warps = GLUON_CONFIGS["col"]
+        block1_col_kernel[(m // BLOCK, triton_cdiv(k, 8 * t))](
+            x, cq, cs, cd, m, k, x.stride(0), eps, R=r, T=t, WARPS=warps, num_warps=warps,
+            **fp8)
 
 
 def _usage(rowwise: bool, columnwise: bool) -> str:
@@ -116,7 +122,9 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
     outs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
     with device_guard(x.device):
         if _gluon_applies(x, block_scaling_dim, rowwise, columnwise, pro):
-            both = rowwise and GLUON_BOTH
+            # cp.async copies 16-byte pieces: rows must start 16-byte aligned
+            both = rowwise and GLUON_BOTH and x.data_ptr() % 16 == 0 \
+                and x.stride(0) * x.element_size() % 16 == 0
             if rowwise and not both:
                 _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, True, False,
                                pro, pro_args)
