@@ -37,8 +37,11 @@ def _compile(fn, sig: dict, const: dict, warps: int, **options):
     names = list(full)
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
              if full[a].startswith("*") or full[a] == "i32"}
-    src = ASTSource(fn=fn, signature=full,
-                    constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=fn, signature=full,
+                 constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, **options})
 
@@ -158,6 +161,30 @@ def nvfp4_report():
               f"{r['f64'] * per:6.2f}")
 
 
+def gluon_report():
+    """The Gluon 1x128 kernels (``formats/block/gluon_kernels.py``) at their launch configs."""
+    from lowprec.formats.block import launch as bl
+    from lowprec.formats.block import gluon_kernels as gk
+    fp8 = dict(FP8_MAX=448.0, POW2=True, MBITS=3, BIAS=7, MAX_BITS=0x43E00000)
+    base = {"x_ptr": "*bf16", "cq_ptr": "*u8", "cs_ptr": "*fp32", "cd_ptr": "*fp32",
+            "M": "i32", "K": "i32", "stride_xm": "i32", "eps": "fp32"}
+    r, t, w = bl.GLUON_CONFIGS["col"]
+    (wb,) = bl.GLUON_CONFIGS["both"]
+    both = dict(base, rq_ptr="*u8", rs_ptr="*fp32", rd_ptr="*fp32")
+    print(f"{'gluon kernel':30} {'regs':>5} {'spill':>6} {'smem':>6} {'progs/SM':>8} "
+          f"{'ins/el':>6}")
+    for name, fn, sig, const, warps, elements in (
+            (f"block1 col R{r} T{t} W{w}", gk.block1_col_kernel, base,
+             dict(fp8, R=r, T=t, WARPS=w), w, 128 * 8 * t),
+            (f"block1 both W{wb}", gk.block1_both_kernel, both, dict(fp8, WARPS=wb), wb,
+             128 * 128)):
+        res = resources(_compile(fn, sig, const, warps))
+        progs = min(REGS_PER_SM // (max(res["regs"], 1) * 32 * warps),
+                    SMEM_PER_SM // max(res["smem"], 1))
+        print(f"{name:30} {res['regs']:5} {res['spill']:6} {res['smem']:6} {progs:8} "
+              f"{res['sass'] * 32 * warps / elements:6.1f}")
+
+
 def tile_config(cfg):
     from lowprec.formats.float8.launch import tile_config as tc
     return tc(cfg)
@@ -167,7 +194,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="",
                     help="comma-separated families: current,delayed,block1,block2,mx1,mx2,"
-                         "nvfp4")
+                         "nvfp4,gluon")
     ap.add_argument("--usages", default="both,row,col")
     ap.add_argument("--configs", default="",
                     help="extra BMxBNxWARPS[xITERSxSTAGES] configs to try for every case, "
@@ -176,6 +203,8 @@ def main():
     only = set(filter(None, args.only.split(",")))
     if not only or "nvfp4" in only:
         nvfp4_report()
+    if not only or "gluon" in only:
+        gluon_report()
     extra = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
     usages = args.usages.split(",")
     print(f"{'kernel':8} {'usage':5} {'BMxBNxWxIxS':14} {'regs':>5} {'spill':>6} {'smem':>6} "
