@@ -46,11 +46,15 @@ GLUON_CONFIGS = {"col": (8, 8, 4), "both": (8,)}
 
 @functools.lru_cache(maxsize=None)
 def gluon_available() -> bool:
+    """Gluon imports and its API is the one the kernels were written against (Triton 3.6;
+    Gluon is experimental and changed between releases). Older Triton: the Triton kernel."""
     try:
+        import triton
         from triton.experimental import gluon  # noqa: F401
     except ImportError:
         return False
-    return True
+    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 6)
 
 
 def _gluon_applies(x: torch.Tensor, dim: int, rowwise: bool, columnwise: bool,
