@@ -114,7 +114,6 @@ def main(argv=None):
     ap.add_argument("--warmup-seconds", type=float, default=1.0)
     ap.add_argument("--no-csv", action="store_true")
     args = ap.parse_args(argv)
-    args.alternate, args.iters_linear = False, 10
     rows = []
     for s in split_list(args.shapes):
         rows += quantize_rows(s, split_list(args.variants), args.iters)
@@ -124,9 +123,10 @@ def main(argv=None):
         peers = [base] + [(f"lowprec/block/{v}", within(lambda v=v: variant(v), block[1]))
                           for v in split_list(args.linear_variants)]
         inputs = make_inputs(m, k, n, "cuda")
-        ns = argparse.Namespace(**vars(args))
-        ns.iters = args.iters_linear
-        rows += run_peers("linear", s, peers, inputs, ns)
+        # run_peers' timing options: 10 steps a round, rounds interleaved with bf16
+        timing = argparse.Namespace(**vars(args), alternate=False)
+        timing.iters = 10
+        rows += run_peers("linear", s, peers, inputs, timing)
         del inputs
         torch.cuda.empty_cache()
     print_table(rows, ["bench", "shape", "recipe", "value", "ratio", "note"])

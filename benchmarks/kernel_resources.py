@@ -85,6 +85,12 @@ def resources(kernel) -> dict:
             **dict(zip(("sass", "f64"), sass_count(kernel.asm["cubin"])))}
 
 
+def programs_per_sm(res: dict, warps: int) -> int:
+    """Programs an SM holds at once, by registers and by shared memory."""
+    return min(REGS_PER_SM // (max(res["regs"], 1) * 32 * warps),
+               SMEM_PER_SM // max(res["smem"], 1))
+
+
 def _quant_sig(extra_ptrs=()):
     sig = {"x_ptr": "*bf16"}
     for p in ("rq_ptr", "rs_ptr", "cq_ptr", "cs_ptr", "rd_ptr", "cd_ptr"):
@@ -179,8 +185,7 @@ def gluon_report():
             (f"block1 both W{wb}", gk.block1_both_kernel, both, dict(fp8, WARPS=wb), wb,
              128 * 128)):
         res = resources(_compile(fn, sig, const, warps))
-        progs = min(REGS_PER_SM // (max(res["regs"], 1) * 32 * warps),
-                    SMEM_PER_SM // max(res["smem"], 1))
+        progs = programs_per_sm(res, warps)
         print(f"{name:30} {res['regs']:5} {res['spill']:6} {res['smem']:6} {progs:8} "
               f"{res['sass'] * 32 * warps / elements:6.1f}")
 
@@ -222,8 +227,7 @@ def main():
             except Exception as e:  # noqa: BLE001
                 print(f"{fam:8} {usage:5} {name:14} failed: {type(e).__name__}")
                 continue
-            progs = min(REGS_PER_SM // (max(r["regs"], 1) * 32 * warps),
-                        SMEM_PER_SM // max(r["smem"], 1))
+            progs = programs_per_sm(r, warps)
             mark = " (default)" if cfg == default else ""
             # thread instructions per input element (a loop body counts once: ITERS=1 only)
             per_el = r["sass"] * 32 * warps / (bm * bn) if iters == 1 else float("nan")
