@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lowprec  # noqa: E402
 from bench_linear import (linear_peers, make_inputs, parse_shape, run_peers,  # noqa: E402
                           split_list, within)
-from harness import append_rows, l2_rotation, print_table, time_fn  # noqa: E402
+from harness import append_rows, graph_ms, l2_rotation, print_table, time_fn  # noqa: E402
 from lowprec.formats.block import launch  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -52,21 +52,6 @@ def variant(name: str):
         yield
     finally:
         launch.GLUON, launch.GLUON_BOTH, launch.GLUON_CONFIGS = saved
-
-
-def graph_ms(fn, inputs, reps: int = 8, iters: int = 20) -> float:
-    """GPU time of one ``fn`` call (ms): ``reps`` calls over the input sets captured in a
-    CUDA graph, the replay timed with events (median of ``iters``), so no host time counts."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(*inputs[0])
-    torch.cuda.current_stream().wait_stream(side)
-    graph, keep = torch.cuda.CUDAGraph(), []
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            keep.append(fn(*inputs[i % len(inputs)]))
-    return time_fn(graph.replay, [()], warmup=3, iters=iters) / reps
 
 
 def quantize_rows(shape: str, variants, iters: int):

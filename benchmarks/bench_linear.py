@@ -102,11 +102,34 @@ def make_inputs(m, k, n, device, count_bytes=True):
 
 
 # ---- benches ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def no_exact_records():
+    """MXFP8/NVFP4 quantize without writing exact bf16 GEMM operands (every GEMM operand
+    then takes a dequantize pass, as before session 11): for an A/B in one run."""
+    from lowprec.formats.base import Quantizer
+    classes = [c for c in _subclasses(Quantizer) if c.__dict__.get("keeps_exact_bf16")]
+    for c in classes:
+        c.keeps_exact_bf16 = False
+    try:
+        yield
+    finally:
+        for c in classes:
+            c.keeps_exact_bf16 = True
+
+
+def _subclasses(cls):
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
+
+
 def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", unsliced_too=(),
-                 sliced_too=(), **step_kw):
-    """(name, step) for one shape, the bf16 baseline first; ``unsliced_too``/``sliced_too``:
-    recipes also run as ``lowprec/<recipe>/unsliced`` or ``/sliced`` (inside
-    ``grad_split.unsliced()`` or ``grad_split.sliced()``)."""
+                 sliced_too=(), no_exact_too=(), **step_kw):
+    """(name, step) for one shape, the bf16 baseline first; ``unsliced_too``/``sliced_too``
+    /``no_exact_too``: recipes also run as ``lowprec/<recipe>/unsliced``, ``/sliced`` or
+    ``/no_exact`` (inside ``grad_split.unsliced()``, ``grad_split.sliced()`` or
+    ``no_exact_records()``)."""
     torch.manual_seed(0)
     base = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     peers = [("bf16", plain_step(base, **step_kw))]
@@ -116,7 +139,8 @@ def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", unsliced_too=
             mod.weight.copy_(base.weight)
         peers.append((f"lowprec/{r}", lowprec_step(mod, RECIPES[r](), **step_kw)))
         for variant, context, wanted in (("unsliced", lowprec.grad_split.unsliced, unsliced_too),
-                                         ("sliced", lowprec.grad_split.sliced, sliced_too)):
+                                         ("sliced", lowprec.grad_split.sliced, sliced_too),
+                                         ("no_exact", no_exact_records, no_exact_too)):
             if r in wanted:
                 peers.append((f"lowprec/{r}/{variant}", within(
                     context, lowprec_step(copy.deepcopy(mod), RECIPES[r](), **step_kw))))
@@ -133,7 +157,8 @@ def shape_peers(args, m, k, n, **step_kw):
     """``linear_peers`` for one shape with the options of ``add_peer_args``."""
     return linear_peers(m, k, n, split_list(args.recipes), split_list(args.torchao),
                         unsliced_too=split_list(args.unsliced_too),
-                        sliced_too=split_list(args.sliced_too), **step_kw)
+                        sliced_too=split_list(args.sliced_too),
+                        no_exact_too=split_list(args.no_exact_too), **step_kw)
 
 
 def mlp_peers(m, hidden, ffn, recipes, device="cuda", **step_kw):
@@ -221,6 +246,9 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sliced-too", default="",
                     help="comma-separated recipes also run inside lowprec.grad_split.sliced() "
                          "(per-tensor FP8 slices too: lower peak memory, one more read)")
+    ap.add_argument("--no-exact-too", default="",
+                    help="comma-separated recipes (mxfp8, nvfp4) also run without the exact "
+                         "bf16 operands written by the quantize kernels (no_exact_records)")
 
 
 def main(argv=None):

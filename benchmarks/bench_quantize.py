@@ -1,5 +1,11 @@
 """Quantize throughput of every format, against a device-to-device copy measured in the same run.
 
+Times are GPU time: each quantize (and the copy) runs several times inside a CUDA graph
+whose replay is timed (``harness.graph_ms``), so the host's issue time, which at these
+sizes can exceed the kernel's, is not counted. The eager per-call time (CUDA events around
+each call, as a training step sees it when the host falls behind) is printed beside it.
+A quantizer that cannot be captured (a host sync on its path) is timed eagerly and says so.
+
 GB/s counts the fewest bytes a quantize must move: the high-precision input read
 once plus every output buffer (data and scales of each direction) written once.
 The copy moves the input once each way (read + write). ``ratio`` is quantize GB/s
@@ -14,6 +20,7 @@ and Triton is available) and, with ``--reference``, on the pure-torch reference 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -23,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lowprec  # noqa: E402
-from harness import append_rows, l2_rotation, print_table, time_fn  # noqa: E402
+from harness import append_rows, graph_ms, l2_rotation, print_table, time_fn  # noqa: E402
 from lowprec import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,  # noqa: E402
                      Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer)
 
@@ -71,11 +78,11 @@ def main(argv=None):
     inputs = l2_rotation(lambda: (torch.randn(m, k, device=dev, generator=gen).to(dtype),),
                          nbytes)
     dst = torch.empty(m, k, device=dev, dtype=dtype)
-    copy_ms = time_fn(lambda x: dst.copy_(x), inputs, iters=args.iters)
+    copy_ms = graph_ms(lambda x: dst.copy_(x), inputs, iters=args.iters)
     copy_gbs = 2 * nbytes / copy_ms / 1e6
     rows = [{"bench": "quantize", "shape": f"{m}x{k}", "recipe": "d2d_copy", "metric": "GB/s",
              "value": copy_gbs, "baseline": "", "baseline_value": "", "ratio": 1.0,
-             "note": f"{copy_ms:.4f} ms"}]
+             "note": f"GPU {copy_ms:.4f} ms (CUDA graph)"}]
     only = set(filter(None, args.only.split(",")))
     paths = [("default", None)] + ([("reference", lowprec.kernels.reference_only)]
                                    if args.reference else [])
@@ -85,16 +92,14 @@ def main(argv=None):
         q = make()
         q.set_usage(rowwise=row, columnwise=col)
         for path, ctx in paths:
-            if ctx is not None:
-                with ctx():
-                    ms, ob = _time_one(q, inputs, args.iters)
-            else:
-                ms, ob = _time_one(q, inputs, args.iters)
+            with (ctx() if ctx is not None else contextlib.nullcontext()):
+                ms, how, eager_ms, ob = _time_one(q, inputs, args.iters)
             gbs = (nbytes + ob) / ms / 1e6
             rows.append({"bench": "quantize", "shape": f"{m}x{k}", "recipe": f"{name}/{path}",
                          "metric": "GB/s", "value": gbs, "baseline": "d2d_copy",
                          "baseline_value": copy_gbs, "ratio": gbs / copy_gbs,
-                         "note": f"{ms:.4f} ms, {(nbytes + ob) / 1e6:.0f} MB, {args.dtype} in"})
+                         "note": f"{how} {ms:.4f} ms; eager {eager_ms:.4f} ms; "
+                                 f"{(nbytes + ob) / 1e6:.0f} MB, {args.dtype} in"})
     print_table(rows, ["recipe", "value", "ratio", "note"])
     if not args.no_csv:
         append_rows(rows)
@@ -102,10 +107,17 @@ def main(argv=None):
 
 
 def _time_one(q, inputs, iters):
+    """(time ms, "GPU" or "eager", eager ms, output bytes) of ``q.quantize``."""
     qt = q.quantize(inputs[0][0])
     ob = out_bytes(qt)
     del qt
-    return time_fn(lambda x: q.quantize(x), inputs, iters=iters), ob
+    eager = time_fn(lambda x: q.quantize(x), inputs, iters=iters)
+    try:
+        return graph_ms(lambda x: q.quantize(x), inputs, iters=iters), "GPU", eager, ob
+    except RuntimeError as e:  # capture refused (a host sync on the path): say so, time eagerly
+        print(f"{q!r}: no CUDA graph ({str(e).splitlines()[0][:100]}); eager time only")
+        torch.cuda.synchronize()
+        return eager, "eager", eager, ob
 
 
 if __name__ == "__main__":

@@ -81,6 +81,21 @@ def time_fn(fn: Callable, input_sets: Sequence[tuple], *, warmup: int = 5, iters
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def graph_ms(fn, inputs, reps: int = 8, iters: int = 20) -> float:
+    """GPU time of one ``fn`` call (ms): ``reps`` calls over the input sets captured in a
+    CUDA graph, the replay timed with events (median of ``iters``), so no host time counts."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*inputs[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph, keep = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            keep.append(fn(*inputs[i % len(inputs)]))
+    return time_fn(graph.replay, [()], warmup=3, iters=iters) / reps
+
+
 def compare(peer: Callable, baseline: Callable, peer_inputs: Sequence[tuple],
             baseline_inputs: Sequence[tuple], *, rounds: int = 3, warmup: int = 5,
             iters: int = 20, warmup_s: float = 0.0) -> tuple[float, float]:

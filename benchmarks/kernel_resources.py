@@ -11,6 +11,7 @@ is what a memory-bound kernel lives on: at 232+ registers per thread an SM holds
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -33,6 +34,10 @@ def _compile(fn, sig: dict, const: dict, warps: int, **options):
     # the constant 1, pointers and the other integers are divisible by 16.
     if "stride_xk" in fn.arg_names:
         const = dict(const, stride_xk=1)
+    # parameters with defaults left out (optional pointers, flags) take their defaults
+    defaults = {a: p.default for a, p in inspect.signature(fn.fn).parameters.items()
+                if a not in sig and p.default is not inspect.Parameter.empty}
+    const = dict(defaults, **const)
     full = {a: ("constexpr" if a in const else sig[a]) for a in fn.arg_names}
     names = list(full)
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
@@ -133,6 +138,10 @@ def cases(only):
                          BLK=32, DECODE=False)
             out.append((f"mx{2 if two_d else 1}", usage, block_scaled_quant_kernel, sig, const,
                         ml.CONFIGS[(two_d, usage)]))
+            # with the exact bf16 values of each direction written too (quantize_for_gemm)
+            sig_ex = dict(sig, re_ptr="*bf16", ce_ptr="*bf16")
+            out.append((f"mx{2 if two_d else 1}+ex", usage, block_scaled_quant_kernel, sig_ex,
+                        dict(const, EXACT_ROW=r, EXACT_COL=c), ml.CONFIGS[(two_d, usage)]))
     return [c for c in out if not only or c[0] in only]
 
 
@@ -142,17 +151,19 @@ def nvfp4_cases():
     from lowprec.formats.nvfp4 import launch as nl
     from lowprec.formats.nvfp4 import triton_kernels as nk
     sig = {"x_ptr": "*bf16", "M": "i32", "K": "i32", "data_ptr": "*u8", "scale_ptr": "*u8",
-           "glob_ptr": "*fp32", "key_ptr": "*i64"}
+           "glob_ptr": "*fp32", "key_ptr": "*i64", "exact_ptr": "*bf16"}
     kb, rb, kw = nl.CONFIG["row"]["KB"], nl.CONFIG["row"]["RB"], nl.CONFIG["col"]["KW"]
     out = []
-    for sr in (False, True):
-        tag = "+sr" if sr else ""
+    for sr, ex in ((False, False), (True, False), (True, True)):
+        tag = ("+sr" if sr else "") + ("+ex" if ex else "")
         out.append(("row" + tag, nk._nvfp4_row_kernel, sig,
-                    dict(TWO_D=False, SR=sr, VEC=8, KB=kb, RB=rb, EVEN=True, IDX64=False),
+                    dict(TWO_D=False, SR=sr, VEC=8, KB=kb, RB=rb, EVEN=True, IDX64=False,
+                         EXACT=ex),
                     max(1, kb * rb // 32), kb * rb * 16))
         for rht in (False, True):
             out.append(("col" + ("+rht" if rht else "") + tag, nk._nvfp4_col_kernel, sig,
-                        dict(RHT=rht, TWO_D=False, SR=sr, KW=kw, EVEN=True, IDX64=False),
+                        dict(RHT=rht, TWO_D=False, SR=sr, KW=kw, EVEN=True, IDX64=False,
+                             EXACT=ex),
                         kw, 64 * 16 * kw))
     return out
 

@@ -41,8 +41,12 @@ class LinearQuantizers:
 
 
 def quantize_operand(quantizer: Quantizer | None, t: torch.Tensor, *, rowwise: bool,
-                     columnwise: bool) -> tuple[torch.Tensor, bool]:
+                     columnwise: bool, exact: tuple[str, ...] = ()) -> tuple[torch.Tensor, bool]:
     """Quantize ``t`` with exactly the usages asked for; returns (tensor, owned).
+
+    ``exact``: the usages a GEMM consumes right away; formats emulated on a bf16 GEMM
+    (MXFP8, NVFP4) then also write their exact bf16 values in the same pass
+    (``Quantizer.quantize_for_gemm``), which saves the GEMM a dequantize pass.
 
     An already quantized ``t`` (a quantized weight, or the output of a
     previous module) is used as it is: missing usages are derived where the
@@ -58,7 +62,13 @@ def quantize_operand(quantizer: Quantizer | None, t: torch.Tensor, *, rowwise: b
     if quantizer is None:
         return t, False
     quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
-    return quantizer.quantize(t), True
+    return quantizer.quantize_for_gemm(t, exact), True
+
+
+#: The usages a GEMM consumes right after the quantize (see ``quantize_operand``): the
+#: rowwise x and W of fprop; both directions of dY (dgrad and wgrad run at once).
+_ROW = ("rowwise",)
+_BOTH = ("rowwise", "columnwise")
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -119,7 +129,7 @@ def _whole_backward(ctx, dy, saved_x, saved_w, need_dx: bool, need_dw: bool,
     dy_owned = False
     if quantized and (need_dx or need_dw):
         dy_lp, dy_owned = quantize_operand(ctx.quantizers.grad_output, dy, rowwise=need_dx,
-                                           columnwise=need_dw)
+                                           columnwise=need_dw, exact=_BOTH)
         w_op, x_op = saved_w, saved_x
     else:
         dy_lp = _plain(dy)
@@ -147,15 +157,18 @@ class _QuantizedLinear(torch.autograd.Function):
         quantized = q is not None
         # Only default mode consumes columnwise operands; the others save hp or rowwise data.
         col = quantized and backward_mode == "default"
+        # "dequantized" saves fprop's rowwise copies: no exact records held on to them
+        exact = _ROW if backward_mode != "dequantized" else ()
         x_lp, x_owned = quantize_operand(q.input if q else None, x, rowwise=True,
-                                         columnwise=col and need_dw)
+                                         columnwise=col and need_dw, exact=exact)
         # The weight's columnwise copy is made after fprop, once x's rowwise copy is freed:
         # made with it, the forward would hold x (the caller's), both copies of x and of W
         # and y at once, as much as a bf16 backward's peak (x, y, dX, dW).
         w_q = q.weight if q else None
         w_two_steps = _weight_in_two_steps(w_q, weight, col and need_dx)
         w_lp, w_owned = quantize_operand(w_q, weight, rowwise=True,
-                                         columnwise=col and need_dx and not w_two_steps)
+                                         columnwise=col and need_dx and not w_two_steps,
+                                         exact=exact)
         out_features = weight.shape[0]
         y = gemm(x_lp, "rowwise", w_lp, "rowwise", out_dtype=x.dtype, bias=bias)
         y = y.reshape(*x.shape[:-1], out_features)

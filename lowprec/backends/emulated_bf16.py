@@ -100,10 +100,22 @@ def _nvfp4_unscaled(t: NVFP4Tensor, usage: str):
     return dequantize_unscaled_bf16(t, usage)
 
 
+def _exact_record(t, usage: str):
+    """The exact bf16 matrix the quantize kernel wrote beside ``usage``'s data
+    (``Quantizer.quantize_for_gemm``), if it is still that data's; else None."""
+    name = f"_exact_{usage}"
+    if name not in type(t)._derived:
+        return None
+    return t._read_derived(name, getattr(t, f"{usage}_data"))
+
+
 def bf16_operand(t, usage: str):
     """(exact bf16 matrix of ``mat(t, usage)`` up to a divisor, fp32 divisor or None)."""
     if isinstance(t, IdentityTensor) or not isinstance(t, QuantizedTensor):
         return _plain_matrix(t, usage), None
+    exact = _exact_record(t, usage)
+    if exact is not None:  # MXFP8 (no divisor) or NVFP4 (divisor S)
+        return exact, (getattr(t, f"{usage}_global") if isinstance(t, NVFP4Tensor) else None)
     if isinstance(t, MXFP8Tensor):
         return kernels.mxfp8_dequantize_bf16(getattr(t, f"{usage}_data"),
                                              getattr(t, f"{usage}_scale"),

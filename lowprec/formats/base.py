@@ -201,8 +201,9 @@ class QuantizedTensor(torch.Tensor):
             raise ValueError("update_usage would leave the tensor with no data; keep one usage")
         for usage, want in wanted.items():
             if want is False:
-                for name in self._inner:
-                    if name.startswith(usage + "_"):
+                for name in self._inner + self._derived:
+                    # a record of one direction (``_decode_rowwise``) goes with it
+                    if name.startswith(usage + "_") or name.endswith("_" + usage):
                         setattr(self, name, None)
         return self
 
@@ -383,6 +384,34 @@ class Quantizer:
     def copy(self) -> "Quantizer":
         """An independent quantizer with the same settings (shared recipe-owned state stays shared)."""
         return copy.copy(self)
+
+    # ---- exact bf16 GEMM operands -----------------------------------------------------------
+    #: Whether this format's kernels can also write a direction's exact bf16 values (the
+    #: operand of the bf16 GEMM emulation, kept as a ``_derived`` record ``_exact_<usage>``
+    #: of the tensor): MXFP8 and NVFP4.
+    keeps_exact_bf16: ClassVar[bool] = False
+    #: The directions asked for by :meth:`quantize_for_gemm`, during that call only.
+    _exact: tuple[str, ...] = ()
+
+    def quantize_for_gemm(self, x: torch.Tensor, exact: tuple[str, ...] = ()) -> QuantizedTensor:
+        """``quantize(x)``; where the format keeps exact bf16 operands, its kernel also writes
+        those of the directions in ``exact`` (ones a GEMM consumes right away), so the GEMM
+        emulation reads them instead of dequantizing in a pass of its own. The quantized
+        tensor is the same either way."""
+        if not (exact and self.keeps_exact_bf16):
+            return self.quantize(x)
+        self._exact = tuple(exact)
+        try:
+            return self.quantize(x)
+        finally:
+            self._exact = ()
+
+    def exact_usages(self) -> tuple[str, ...]:
+        """The directions whose exact bf16 records the running quantize should write: none
+        where records could not be kept (tracing, inference mode; see ``derived_record``)."""
+        if not self._exact or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            return ()
+        return self._exact
 
     # ---- quantize -------------------------------------------------------------------------
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:

@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 
 from ...fused.triton_prologue import load_tile
-from ..float8.triton_kernels import abs_bits, current_scale, decode_scale, fp8_codes, store_t
-from ..mxfp8.triton_kernels import e8m0_scale
+from ..float8.triton_kernels import (abs_bits, current_scale, decode_scale, fp8_codes, fp8_value,
+                                     store_t)
+from ..mxfp8.triton_kernels import e8m0_factor, e8m0_scale
 
 
 @triton.jit
@@ -42,13 +43,26 @@ def block_scales(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr, E8M0: tl.
 
 
 @triton.jit
+def exact_bf16(codes, sc, BM: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr,
+               COLS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+               HW_CVT: tl.constexpr):
+    """bf16 ``value(codes) * 2**e`` of a (BM, BN) tile whose E8M0 codes ``sc`` are
+    (BM / ROWS, BN / COLS), one per ROWS x COLS block: the dequantize kernel's product
+    (fp32, exact) rounded to bf16 (exact too, bf16 subnormals aside)."""
+    v = tl.reshape(fp8_value(codes, MBITS, BIAS, HW_CVT), (BM // ROWS, ROWS, BN // COLS, COLS))
+    f = e8m0_factor(sc)[:, None, :, None]
+    return tl.reshape(v * f, (BM, BN)).to(tl.bfloat16)
+
+
+@triton.jit
 def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_ptr, cd_ptr, M,
                        K, stride_xm, stride_xk, p0, p1, p2, p3, eps, PRO: tl.constexpr,
                        FP8_MAX: tl.constexpr, POW2: tl.constexpr, MBITS: tl.constexpr,
                        BIAS: tl.constexpr, MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr,
                        TWO_D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr,
-                       E8M0: tl.constexpr, BLK: tl.constexpr, DECODE: tl.constexpr):
+                       E8M0: tl.constexpr, BLK: tl.constexpr, DECODE: tl.constexpr,
+                       re_ptr, ce_ptr, EXACT_ROW: tl.constexpr, EXACT_COL: tl.constexpr):
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BN + tl.arange(0, BN)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
@@ -65,18 +79,24 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_p
         sk = pid_k * (BN // BLK) + tl.arange(0, BN // BLK)
         smask = (sm < M // BLK)[:, None] & (sk < K // BLK)[None, :]
         if ROWWISE:
-            tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :],
-                     fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT), mask=mask)
+            q = fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT)
+            tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :], q, mask=mask)
             tl.store(rs_ptr + sm[:, None] * (K // BLK) + sk[None, :], sc, mask=smask)
+            if EXACT_ROW:
+                tl.store(re_ptr + offs_m64[:, None] * K + offs_k[None, :],
+                         exact_bf16(q, sc, BM, BN, BLK, BLK, MBITS, BIAS, HW_CVT), mask=mask)
             if DECODE:
                 tl.store(rd_ptr + sm[:, None] * (K // BLK) + sk[None, :], decode_scale(sc),
                          mask=smask)
         if COLWISE:
             # chains of their own when the rowwise codes exist too (see float8 cast_kernel)
-            store_t(cq_ptr, offs_m, offs_k, M, K, M,
-                    fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT, ROWWISE), COL_MODE)
+            q_c = fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT, ROWWISE)
+            store_t(cq_ptr, offs_m, offs_k, M, K, M, q_c, COL_MODE)
             sc_c, _ = block_scales(amax, eps, FP8_MAX, POW2, E8M0, ROWWISE)
             store_t(cs_ptr, sm, sk, M // BLK, K // BLK, M // BLK, sc_c, COL_MODE)
+            if EXACT_COL:
+                store_t(ce_ptr, offs_m, offs_k, M, K, M,
+                        exact_bf16(q_c, sc_c, BM, BN, BLK, BLK, MBITS, BIAS, HW_CVT), COL_MODE)
             if DECODE:
                 store_t(cd_ptr, sm, sk, M // BLK, K // BLK, M // BLK, decode_scale(sc_c),
                         COL_MODE)
@@ -92,6 +112,9 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_p
             sk = pid_k * (BN // BLK) + tl.arange(0, BN // BLK)
             smask = (offs_m < M)[:, None] & (sk < K // BLK)[None, :]
             tl.store(rs_ptr + offs_m64[:, None] * (K // BLK) + sk[None, :], sc_r, mask=smask)
+            if EXACT_ROW:
+                tl.store(re_ptr + offs_m64[:, None] * K + offs_k[None, :],
+                         exact_bf16(q, sc_r, BM, BN, 1, BLK, MBITS, BIAS, HW_CVT), mask=mask)
             if DECODE:
                 tl.store(rd_ptr + sk.to(tl.int64)[None, :] * M + offs_m[:, None],
                          decode_scale(sc_r), mask=smask)
@@ -101,10 +124,13 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_p
             sc_c, mult_c = block_scales(amax_c, eps, FP8_MAX, POW2, E8M0)  # (BM/BLK, BN)
             x3 = tl.reshape(x, (BM // BLK, BLK, BN))
             y = tl.reshape(x3 * mult_c[:, None, :], (BM, BN))
-            store_t(cq_ptr, offs_m, offs_k, M, K, M, fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT),
-                    COL_MODE)
+            q_c = fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT)
+            store_t(cq_ptr, offs_m, offs_k, M, K, M, q_c, COL_MODE)
             sm = pid_m * (BM // BLK) + tl.arange(0, BM // BLK)
             store_t(cs_ptr, sm, offs_k, M // BLK, K, M // BLK, sc_c, COL_MODE)
+            if EXACT_COL:
+                store_t(ce_ptr, offs_m, offs_k, M, K, M,
+                        exact_bf16(q_c, sc_c, BM, BN, BLK, 1, MBITS, BIAS, HW_CVT), COL_MODE)
             if DECODE:
                 tl.store(cd_ptr + sm.to(tl.int64)[:, None] * K + offs_k[None, :],
                          decode_scale(sc_c),
@@ -120,7 +146,9 @@ def block_scaled_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_ptr, cd_
                               COLWISE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                               COL_MODE: tl.constexpr, E8M0: tl.constexpr, BLK: tl.constexpr,
                               ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1,
-                              DECODE: tl.constexpr = False):
+                              DECODE: tl.constexpr = False, re_ptr=None, ce_ptr=None,
+                              EXACT_ROW: tl.constexpr = False,
+                              EXACT_COL: tl.constexpr = False):
     """One program quantizes ITERS (BM, BN) tiles down a column of tiles; with STAGES > 1
     the loads of the next tiles are issued (asynchronously) while one is converted."""
     pid_k = tl.program_id(1)
@@ -128,4 +156,5 @@ def block_scaled_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_ptr, cd_
         _block_scaled_tile(tl.program_id(0) * ITERS + t, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr,
                            cs_ptr, rd_ptr, cd_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3,
                            eps, PRO, FP8_MAX, POW2, MBITS, BIAS, MAX_BITS, HW_CVT, TWO_D,
-                           ROWWISE, COLWISE, BM, BN, COL_MODE, E8M0, BLK, DECODE)
+                           ROWWISE, COLWISE, BM, BN, COL_MODE, E8M0, BLK, DECODE, re_ptr,
+                           ce_ptr, EXACT_ROW, EXACT_COL)

@@ -120,6 +120,37 @@ def fp8_codes(y, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr
 
 
 @triton.jit
+def fp8_value(code, MBITS: tl.constexpr, BIAS: tl.constexpr, HW_CVT: tl.constexpr):
+    """fp32 value of uint8 fp8 codes (exact): the inverse of ``fp8_codes``.
+
+    E4M3 (fn) codes 0x7F/0xFF are NaN; E5M2 exponent 31 is Inf or NaN. ``HW_CVT``: the
+    hardware conversion; otherwise the bit arithmetic below (any backend)."""
+    if HW_CVT:
+        if MBITS == 3:
+            v = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            v = code.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        c = code.to(tl.int32)
+        a = c & 0x7F
+        e = a >> MBITS
+        m = a & ((1 << MBITS) - 1)
+        normal = (((e + (127 - BIAS)) << 23) | (m << (23 - MBITS))).to(tl.float32, bitcast=True)
+        # subnormal: m * 2**(1 - BIAS - MBITS), a power-of-two multiple (exact)
+        sub = m.to(tl.float32) * filled(m, (128 - BIAS - MBITS) << 23).to(tl.float32,
+                                                                        bitcast=True)
+        v = tl.where(e == 0, sub, normal)
+        if MBITS == 3:
+            special = a == 0x7F
+            v = tl.where(special, float("nan"), v)
+        else:
+            special = e == 31
+            v = tl.where(special, tl.where(m == 0, float("inf"), float("nan")), v)
+        v = tl.where((c & 0x80) != 0, -v, v)
+    return v
+
+
+@triton.jit
 def store_t(ptr, offs_r, offs_c, n_r, n_c, ld, v, MODE: tl.constexpr):
     """Store the transpose of the (R, C) tile ``v``: element [r, c] goes to ptr[c * ld + r],
     for ``offs_r < n_r`` and ``offs_c < n_c``.

@@ -1,7 +1,9 @@
 """Launcher for the MXFP8 Triton kernel, registered as a torch custom op.
 
 One pass over the input whatever the usages: each (BM, BN) tile is read once and its
-rowwise and columnwise data and E8M0 scales are written from registers. Importing this
+rowwise and columnwise data and E8M0 scales are written from registers, and, where asked,
+the exact bf16 values of a direction (``data * 2**e``, what the bf16 GEMM emulation
+multiplies), so an operand consumed at once needs no dequantize pass. Importing this
 module needs neither Triton nor CUDA.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import kernel_op
+from ..base import QuantizedTensor
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
                               launches, logical_shape, prologue_args, prologue_launch_args,
@@ -33,24 +36,31 @@ def _usage(rowwise: bool, columnwise: bool) -> str:
     return "both" if rowwise and columnwise else ("row" if rowwise else "col")
 
 
-def _empty_outputs(x, two_d, rowwise, columnwise, pro=0):
+def _empty_outputs(x, two_d, rowwise, columnwise, pro=0, exact_row=False, exact_col=False):
     m, k = logical_shape(x, pro)
     per = BLOCK if two_d else 1
-    u8 = torch.uint8
+    u8, bf16 = torch.uint8, torch.bfloat16
     return (x.new_empty((m, k) if rowwise else (0,), dtype=u8),
             x.new_empty((m // per, k // BLOCK) if rowwise else (0,), dtype=u8),
             x.new_empty((k, m) if columnwise else (0,), dtype=u8),
-            x.new_empty((k // per, m // BLOCK) if columnwise else (0,), dtype=u8))
+            x.new_empty((k // per, m // BLOCK) if columnwise else (0,), dtype=u8),
+            x.new_empty((m, k) if rowwise and exact_row else (0,), dtype=bf16),
+            x.new_empty((k, m) if columnwise and exact_col else (0,), dtype=bf16))
 
 
 @kernel_op("lowprec::mxfp8_quantize", mutates_args=())
 def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, columnwise: bool,
-                   pro: int, pro_args: list[torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   pro: int, pro_args: list[torch.Tensor], exact_row: bool = False,
+                   exact_col: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor, torch.Tensor]:
+    """(rowwise data, scale, columnwise data, scale, rowwise exact bf16, columnwise exact
+    bf16); a direction not asked for gets empty tensors."""
     from ..block.triton_kernels import block_scaled_quant_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)
-    rq, rs, cq, cs = _empty_outputs(x, two_d, rowwise, columnwise, pro)
+    rq, rs, cq, cs, re, ce = _empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row,
+                                            exact_col)
     with device_guard(x.device):
         for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
             bm, bn, warps, iters, stages = tile_config(CONFIGS[(two_d, _usage(r, c))])
@@ -61,23 +71,34 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
                                             FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=False,
                                             TWO_D=two_d, ROWWISE=r, COLWISE=c, BM=bm, BN=bn,
                                             E8M0=True, BLK=BLOCK, ITERS=iters, STAGES=stages,
+                                            re_ptr=re if r and exact_row else None,
+                                            ce_ptr=ce if c and exact_col else None,
+                                            EXACT_ROW=r and exact_row,
+                                            EXACT_COL=c and exact_col,
                                             num_warps=warps, **kernel_fp8_args(fp8_dtype))
-    return rq, rs, cq, cs
+    return rq, rs, cq, cs, re, ce
 
 
 @mxfp8_quantize.register_fake
-def _(x, e5m2, two_d, rowwise, columnwise, pro, pro_args):
-    return _empty_outputs(x, two_d, rowwise, columnwise, pro)
+def _(x, e5m2, two_d, rowwise, columnwise, pro, pro_args, exact_row=False, exact_col=False):
+    return _empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row, exact_col)
 
 
 def quantize_mxfp8(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
-    """MXFP8Quantizer._quantize_2d through the kernel (same fields)."""
+    """MXFP8Quantizer._quantize_2d through the kernel (same fields), with the exact bf16
+    records of the directions in ``quantizer.exact_usages()``."""
     row, col = quantizer.rowwise_usage, quantizer.columnwise_usage
     dt = quantizer.fp8_dtype
-    rq, rs, cq, cs = mxfp8_quantize(x2d, dt == torch.float8_e5m2,
-                                    quantizer.with_2d_quantization, row, col,
-                                    *prologue_launch_args(prologue))
-    return {"rowwise_data": rq.view(dt) if row else None, "rowwise_scale": rs if row else None,
-            "columnwise_data": cq.view(dt) if col else None,
+    exact = quantizer.exact_usages()
+    ex_row, ex_col = row and "rowwise" in exact, col and "columnwise" in exact
+    rq, rs, cq, cs, re, ce = mxfp8_quantize(x2d, dt == torch.float8_e5m2,
+                                            quantizer.with_2d_quantization, row, col,
+                                            *prologue_launch_args(prologue), ex_row, ex_col)
+    rq, cq = rq.view(dt), cq.view(dt)
+    record = QuantizedTensor.derived_record
+    return {"rowwise_data": rq if row else None, "rowwise_scale": rs if row else None,
+            "columnwise_data": cq if col else None,
             "columnwise_scale": cs if col else None,
-            "fp8_dtype": dt, "with_2d_quantization": quantizer.with_2d_quantization}
+            "fp8_dtype": dt, "with_2d_quantization": quantizer.with_2d_quantization,
+            "_exact_rowwise": record(rq, re) if ex_row else None,
+            "_exact_columnwise": record(cq, ce) if ex_col else None}

@@ -27,6 +27,7 @@ class MXFP8Quantizer(Quantizer):
     """
 
     format_name = "mxfp8"
+    keeps_exact_bf16 = True
 
     def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *,
                  with_2d_quantization: bool = False) -> None:

@@ -24,6 +24,9 @@ class MXFP8Tensor(QuantizedTensor):
 
     _inner = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")
     _meta = ("fp8_dtype", "with_2d_quantization")
+    #: exact bf16 ``data * 2**e`` of a direction, in its data's layout, where the quantize
+    #: kernel wrote it (``Quantizer.quantize_for_gemm``); read by the bf16 GEMM emulation
+    _derived = ("_exact_rowwise", "_exact_columnwise")
 
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         return dequantize_blocks(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),

@@ -37,3 +37,14 @@ def e8m0_scale(amax_bits, FP8_MAX: tl.constexpr, ALT: tl.constexpr = False):
     neg = -e
     mult = tl.where(neg >= -126, (neg + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
     return code, mult
+
+
+@triton.jit
+def e8m0_factor(code):
+    """fp32 ``2**(code - 127)`` of E8M0 codes (any int shape); 255 -> NaN.
+
+    Built from bits: a code >= 1 is the normal float ``code << 23``; code 0 is the
+    subnormal ``2**-127``. Every value is exact in fp32."""
+    s = code.to(tl.int32)
+    f = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+    return tl.where(s == 255, float("nan"), f)

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ...kernels import kernel_op, use_kernels
+from ..base import QuantizedTensor
 from ..casting import e2m1_codes_to_float, unpack_e2m1
 from .reference import BLOCK, SCALE_DTYPE
 
@@ -66,10 +67,12 @@ def _idx64(rows: int, cols: int) -> bool:
 @kernel_op("lowprec::nvfp4_quantize", mutates_args=())
 def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tensor],
                    rowwise: bool, columnwise: bool, with_rht: bool,
-                   two_d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(rdata, rscale u8, rglobal, cdata, cscale u8, cglobal) of a 2-D x; an unused
-    direction's three tensors are empty. Scales are the E4M3 bytes (view as
-    float8_e4m3fn)."""
+                   two_d: bool, exact_row: bool = False, exact_col: bool = False
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(rdata, rscale u8, rglobal, cdata, cscale u8, cglobal, rexact, cexact) of a 2-D x;
+    an unused direction's tensors are empty. Scales are the E4M3 bytes (view as
+    float8_e4m3fn). ``exact_row`` / ``exact_col``: also the exact bf16 ``q * d`` of that
+    direction (stored layout and domain), else an empty tensor."""
     k = _kernels()
     x = x.contiguous()
     m, kk = x.shape
@@ -84,9 +87,11 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
             raise ValueError(f"nvfp4_quantize: a stochastic-rounding key must be an int64 (2,) "
                              f"tensor on {dev}, got {key.dtype} {tuple(key.shape)} on "
                              f"{key.device}")
-    rdata, rscale, rglob, cdata, cscale, cglob = _quantize_outputs(x, rowwise, columnwise, two_d)
+    rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = _quantize_outputs(
+        x, rowwise, columnwise, two_d, exact_row, exact_col)
+    exact_row, exact_col = bool(rowwise and exact_row), bool(columnwise and exact_col)
     if not (rowwise or columnwise) or m == 0 or kk == 0:
-        return rdata, rscale, rglob, cdata, cscale, cglob
+        return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
 
     rht = bool(with_rht and columnwise)
     idx64 = _idx64(m, kk)
@@ -109,24 +114,28 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
         grid = (triton_cdiv(m, rb) * triton_cdiv(kk // BLOCK, kb),)
         k._nvfp4_row_kernel[grid](x, m, kk, rdata, rscale, rglob,
                                   key_row if key_row is not None else rglob,
+                                  rex if exact_row else None,
                                   TWO_D=bool(two_d), SR=sr, VEC=16 // x.element_size(),
                                   KB=kb, RB=rb, EVEN=m % rb == 0 and (kk // BLOCK) % kb == 0,
-                                  IDX64=idx64, num_warps=max(1, kb * rb // 32),
-                                  **_LAUNCH_OPTS)
+                                  IDX64=idx64, EXACT=exact_row,
+                                  num_warps=max(1, kb * rb // 32), **_LAUNCH_OPTS)
     if columnwise:
         kw = CONFIG["col"]["KW"]
         grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * kw),)
         k._nvfp4_col_kernel[grid](x, m, kk, cdata, cscale, cglob,
                                   key_col if key_col is not None else cglob,
+                                  cex if exact_col else None,
                                   RHT=rht, TWO_D=bool(two_d), SR=sr, KW=kw,
                                   EVEN=m % 64 == 0 and kk % (16 * kw) == 0, IDX64=idx64,
-                                  num_warps=kw, **_LAUNCH_OPTS)
-    return rdata, rscale, rglob, cdata, cscale, cglob
+                                  EXACT=exact_col, num_warps=kw, **_LAUNCH_OPTS)
+    return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
 
 
-def _quantize_outputs(x: Tensor, rowwise: bool, columnwise: bool, two_d: bool):
-    """Uninitialized (data, scale bytes, S) of each direction of an (M, K) x; an unused
-    direction's three tensors are empty. Shared by the op and its fake."""
+def _quantize_outputs(x: Tensor, rowwise: bool, columnwise: bool, two_d: bool,
+                      exact_row: bool = False, exact_col: bool = False):
+    """Uninitialized (data, scale bytes, S) of each direction of an (M, K) x, then the
+    exact bf16 of each; an unused direction's tensors are empty. Shared by the op and its
+    fake."""
     m, kk = x.shape
 
     def direction(on, rows, cols):
@@ -136,31 +145,43 @@ def _quantize_outputs(x: Tensor, rowwise: bool, columnwise: bool, two_d: bool):
                 x.new_empty(rows // BLOCK if two_d else rows, cols // BLOCK, dtype=torch.uint8),
                 x.new_empty(1, dtype=torch.float32))
 
-    return (*direction(rowwise, m, kk), *direction(columnwise, kk, m))
+    def exact(on, rows, cols):
+        return x.new_empty((rows, cols) if on else (0,), dtype=torch.bfloat16)
+
+    return (*direction(rowwise, m, kk), *direction(columnwise, kk, m),
+            exact(rowwise and exact_row, m, kk), exact(columnwise and exact_col, kk, m))
 
 
 @nvfp4_quantize.register_fake
-def _nvfp4_quantize_fake(x, key_row, key_col, rowwise, columnwise, with_rht, two_d):
-    return _quantize_outputs(x, rowwise, columnwise, two_d)
+def _nvfp4_quantize_fake(x, key_row, key_col, rowwise, columnwise, with_rht, two_d,
+                         exact_row=False, exact_col=False):
+    return _quantize_outputs(x, rowwise, columnwise, two_d, exact_row, exact_col)
 
 
 def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
                 two_d: bool, key_row: Tensor | None = None,
-                key_col: Tensor | None = None) -> dict:
+                key_col: Tensor | None = None, exact: tuple[str, ...] = ()) -> dict:
     """NVFP4Tensor fields for an (M, K) input through the kernels (see module doc).
 
     ``key_row`` / ``key_col``: the stochastic-rounding keys of the rowwise (M, K) and
     columnwise (K, M) directions (:func:`.draws.draw_key`; both ``None``: nearest-even).
+    ``exact``: the directions whose exact bf16 ``q * d`` the kernels also write, kept as
+    the tensor's ``_exact_<usage>`` records.
     """
-    rdata, rscale, rglob, cdata, cscale, cglob = nvfp4_quantize(
-        x2d, key_row, key_col, bool(rowwise), bool(columnwise), bool(with_rht), bool(two_d))
+    ex_row, ex_col = bool(rowwise) and "rowwise" in exact, bool(columnwise) and "columnwise" in exact
+    rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = nvfp4_quantize(
+        x2d, key_row, key_col, bool(rowwise), bool(columnwise), bool(with_rht), bool(two_d),
+        ex_row, ex_col)
+    record = QuantizedTensor.derived_record
     fields: dict = {}
     if rowwise:
         fields.update(rowwise_data=rdata, rowwise_scale=rscale.view(SCALE_DTYPE),
-                      rowwise_global=rglob)
+                      rowwise_global=rglob,
+                      _exact_rowwise=record(rdata, rex) if ex_row else None)
     if columnwise:
         fields.update(columnwise_data=cdata, columnwise_scale=cscale.view(SCALE_DTYPE),
-                      columnwise_global=cglob)
+                      columnwise_global=cglob,
+                      _exact_columnwise=record(cdata, cex) if ex_col else None)
     return fields
 
 

@@ -33,6 +33,7 @@ class NVFP4Quantizer(Quantizer):
     """
 
     format_name = "nvfp4"
+    keeps_exact_bf16 = True
 
     def __init__(self, *, with_rht: bool = False, with_2d_quantization: bool = False,
                  stochastic_rounding: bool = False,
@@ -107,7 +108,7 @@ class NVFP4Quantizer(Quantizer):
                     **quantize_2d(x2d, rowwise=self.rowwise_usage,
                                   columnwise=self.columnwise_usage, with_rht=self.with_rht,
                                   two_d=self.with_2d_quantization, key_row=key_row,
-                                  key_col=key_col)}
+                                  key_col=key_col, exact=self.exact_usages())}
         x = x2d.to(torch.float32)
         fields = {"with_rht": self.with_rht, "with_2d_quantization": self.with_2d_quantization}
         two_d = self.with_2d_quantization

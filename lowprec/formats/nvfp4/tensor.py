@@ -38,6 +38,10 @@ class NVFP4Tensor(QuantizedTensor):
     _inner = ("rowwise_data", "rowwise_scale", "rowwise_global",
               "columnwise_data", "columnwise_scale", "columnwise_global")
     _meta = ("with_rht", "with_2d_quantization")
+    #: exact bf16 ``q * d`` of a direction (stored layout and domain, no global scale),
+    #: where the quantize kernel wrote it (``Quantizer.quantize_for_gemm``); read by the
+    #: bf16 GEMM emulation
+    _derived = ("_exact_rowwise", "_exact_columnwise")
 
     def dequantize_stored(self, usage: str = "rowwise") -> torch.Tensor:
         """fp32 ``(q * d) / S`` in the stored 2-D layout and domain.

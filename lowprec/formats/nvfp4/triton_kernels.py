@@ -266,6 +266,32 @@ def _split_last16(t):
 
 
 @triton.jit
+def _stack4(a, b, c, d):
+    """(A, B, C, D, 4) holding a, b, c, d along the new last axis."""
+    A: tl.constexpr = a.shape[0]
+    B: tl.constexpr = a.shape[1]
+    C: tl.constexpr = a.shape[2]
+    D: tl.constexpr = a.shape[3]
+    # join(x, y)[..., i, j] is (x, y)[j][..., i]: flattened, element 2 i + j
+    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), (A, B, C, D, 4))
+
+
+@triton.jit
+def _join_last16(ts):
+    """Tuple of 16 tensors (A, B, C, D) -> (A, B, C, D, 16) with [..., i] = ts[i] (the
+    inverse of _split_last16): element 2 i + j of a join of two stacks is stack j's i."""
+    A: tl.constexpr = ts[0].shape[0]
+    B: tl.constexpr = ts[0].shape[1]
+    C: tl.constexpr = ts[0].shape[2]
+    D: tl.constexpr = ts[0].shape[3]
+    even = tl.reshape(tl.join(_stack4(ts[0], ts[4], ts[8], ts[12]),
+                              _stack4(ts[2], ts[6], ts[10], ts[14])), (A, B, C, D, 8))
+    odd = tl.reshape(tl.join(_stack4(ts[1], ts[5], ts[9], ts[13]),
+                             _stack4(ts[3], ts[7], ts[11], ts[15])), (A, B, C, D, 8))
+    return tl.reshape(tl.join(even, odd), (A, B, C, D, 16))
+
+
+@triton.jit
 def _bfly_stage(t, h: tl.constexpr):
     out = ()
     for i in tl.static_range(16):
@@ -380,10 +406,10 @@ def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
 
 # ---- pass 2a: rowwise ---------------------------------------------------------------------------
 @triton.jit
-def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr,
+def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact_ptr,
                       TWO_D: tl.constexpr, SR: tl.constexpr, VEC: tl.constexpr,
                       KB: tl.constexpr, RB: tl.constexpr, EVEN: tl.constexpr,
-                      IDX64: tl.constexpr):
+                      IDX64: tl.constexpr, EXACT: tl.constexpr):
     """Rowwise NVFP4 of x (M, K): data (M, K/2) u8, scales (M, K/16) or (M/16, K/16) u8
     (E4M3 bytes), S read from glob; key (2,) int64 the stochastic-rounding key when SR.
 
@@ -421,6 +447,7 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr,
         _st(scale_ptr + _wide(srow, IDX64) * K16 + kb0 + tl.arange(0, KB), sc.to(tl.uint8),
             (srow < M // 16) & (kb0 + tl.arange(0, KB) < K16), EVEN)
         dd = d[None, :, None, None]
+        sc4 = sc[None, :, None, None]
     else:
         sc, d = _block_scale(bm, s)
         r2 = m0 + tl.arange(0, RB)[None, :]
@@ -428,6 +455,7 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr,
         _st(scale_ptr + _wide(r2, IDX64) * K16 + b2, sc.to(tl.uint8), (r2 < M) & (b2 < K16),
             EVEN)
         dd = d[:, :, None, None]
+        sc4 = sc[:, :, None, None]
     n = x * s
     a = tl.abs(n)
     if SR:
@@ -436,6 +464,10 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr,
     else:
         code = _rne_codes(a, _rne_thresholds(dd))
     code = code | _sign_bits(n, dd)
+    if EXACT:
+        # decoded from the stored bytes, as the dequantize kernel does
+        ex = (_e2m1_decode(code) * _e4m3_decode(sc4 & 0xFF)).to(tl.bfloat16)
+        _st(exact_ptr + _wide(r4, IDX64) * K + b4 * 16 + h4 * VEC + c4, ex, mask4, EVEN)
     X: tl.constexpr = x.shape[0]
     Y: tl.constexpr = x.shape[1]
     lo, hi = tl.split(tl.reshape(code, (X, Y, 8, 2)))
@@ -446,13 +478,16 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr,
 
 # ---- pass 2b: columnwise ------------------------------------------------------------------------
 @triton.jit
-def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr,
+def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact_ptr,
                       RHT: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
-                      KW: tl.constexpr, EVEN: tl.constexpr, IDX64: tl.constexpr):
+                      KW: tl.constexpr, EVEN: tl.constexpr, IDX64: tl.constexpr,
+                      EXACT: tl.constexpr):
     """Columnwise NVFP4 of x (M, K): the rowwise quantization of x^T (RHT'd along M when
     RHT). data (K, M/2) u8, scales (K, M/16) or (K/16, M/16) u8, S from glob; key (2,)
     int64 the stochastic-rounding key when SR. Tile: 64 rows x 16 KW columns (see _col_tile_index); each
-    thread owns the 16x1 blocks of two adjacent columns in one 16-row group."""
+    thread owns the 16x1 blocks of two adjacent columns in one 16-row group. EXACT: also
+    writes the exact bf16 ``q * d`` (K, M) to exact_ptr (32 contiguous bytes a column a
+    thread)."""
     pid = tl.program_id(0)
     nk = tl.cdiv(K, 16 * KW)
     m0 = (pid // nk) * 64
@@ -481,8 +516,10 @@ def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr,
         _st(scale_ptr + _wide(okb, IDX64) * M16 + og, sc.to(tl.uint8),
             (okb < K // 16) & (og < M16), EVEN)
         dd = d[None, :, :, None]
+        sc4 = sc[None, :, :, None]
     else:
         sc, dd = _block_scale(bm, s)
+        sc4 = sc
         _st(scale_ptr + _wide(col, IDX64) * M16 + grp, sc.to(tl.uint8),
             (col < K) & (grp < M16), EVEN)
     if SR:
@@ -508,6 +545,16 @@ def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr,
         else:
             c = _rne_codes(tl.abs(n), th)
         codes = codes + (c | _sign_bits(n, dd),)
+    if EXACT:
+        d_st = _e4m3_decode(sc4 & 0xFF)  # decoded from the stored bytes, as dequantize does
+        ex = ()
+        for i in tl.static_range(16):
+            ex = ex + ((_e2m1_decode(codes[i]) * d_st).to(tl.bfloat16),)
+        col5e = col[:, :, :, :, None]
+        grp5e = grp[:, :, :, :, None]
+        i5 = tl.arange(0, 16)[None, None, None, None, :]
+        _st(exact_ptr + _wide(col5e, IDX64) * M + grp5e * 16 + i5, _join_last16(ex),
+            (col5e < K) & (grp5e < M16), EVEN)
     # byte jj of column k = code(row 2 jj) | code(row 2 jj + 1) << 4; stack jj last
     pk = ()
     for jj in tl.static_range(8):

@@ -1,0 +1,256 @@
+"""Exact bf16 GEMM operands written by the MXFP8 and NVFP4 quantize kernels
+(``Quantizer.quantize_for_gemm``).
+
+GPU: each record is bit for bit what the dequantize kernel makes of the stored data (the
+operand the bf16 GEMM emulation would otherwise compute), the quantized data is unchanged
+by asking for records, and GEMMs and Linear steps give the same bits with and without
+them. CPU: the bookkeeping (no records where they could not be checked; a dropped
+direction drops its record).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec
+import lowprec.kernels
+from lowprec.backends import kernels as gemm_kernels
+from lowprec.backends.emulated_bf16 import bf16_operand
+from lowprec.formats.base import QuantizedTensor
+from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
+from lowprec.formats.nvfp4.launch import dequantize_unscaled_bf16
+from lowprec.formats.nvfp4.quantizer import NVFP4Quantizer
+from lowprec.gemm import gemm
+
+gpu = pytest.mark.skipif(not lowprec.kernels.triton_available(),
+                         reason="needs a CUDA device and Triton")
+
+BOTH = ("rowwise", "columnwise")
+USAGES = {"both": (True, True), "row": (True, False), "col": (False, True)}
+
+
+def _input(m, k, dtype, dist, seed, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device=device)
+    if dist == "wide":
+        span = 10 if dtype == torch.float16 else 60
+        x = x * torch.exp2(torch.randint(-span, span, x.shape, generator=g,
+                                         device=device).float())
+    x = x.to(dtype)
+    if dist == "special":
+        x[: min(m, 32), : min(k, 32)] = 0
+        x[min(5, m - 1), min(40, k - 1)] = float("nan")
+        x[m - 1, k - 1] = float("-inf")
+        x[m // 2, 0] = float("inf")
+    return x
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def _assert_fields_equal(a: QuantizedTensor, b: QuantizedTensor):
+    for name, ta in a.inner_tensors().items():
+        tb = getattr(b, name)
+        assert (ta is None) == (tb is None), name
+        if ta is not None:
+            assert torch.equal(ta.view(torch.uint8) if ta.element_size() == 1 else ta,
+                               tb.view(torch.uint8) if tb.element_size() == 1 else tb), name
+
+
+def _mx_dequant(qt, usage):
+    return gemm_kernels.mxfp8_dequantize_bf16(getattr(qt, f"{usage}_data"),
+                                              getattr(qt, f"{usage}_scale"),
+                                              32 if qt.with_2d_quantization else 1)
+
+
+def _check_records(q, x, usages, exact, dequant):
+    q.set_usage(rowwise=usages[0], columnwise=usages[1])
+    plain = q.quantize(x)
+    q.set_usage(rowwise=usages[0], columnwise=usages[1])
+    qt = q.quantize_for_gemm(x, exact)
+    _assert_fields_equal(plain, qt)
+    for usage, on in zip(BOTH, usages):
+        rec = qt._read_derived(f"_exact_{usage}", getattr(qt, f"{usage}_data")) if on else None
+        if on and usage in exact:
+            assert rec is not None, f"no {usage} record"
+            want = dequant(qt, usage)
+            assert rec.dtype == torch.bfloat16 and rec.shape == want.shape
+            assert torch.equal(_bits(rec), _bits(want)), f"{usage} record differs"
+        else:
+            assert rec is None
+    return qt
+
+
+# ---- MXFP8 --------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("shape", [(32, 32), (96, 160), (64, 4128), (1056, 96)])
+@pytest.mark.parametrize("usage", list(USAGES))
+@pytest.mark.parametrize("exact", [BOTH, ("rowwise",), ("columnwise",)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dist", ["normal", "wide", "special"])
+def test_mxfp8_records_match_dequantize(shape, usage, exact, dtype, dist):
+    x = _input(*shape, dtype, dist, seed=hash((shape, usage, dist)) % 1000)
+    _check_records(MXFP8Quantizer(), x, USAGES[usage], exact, _mx_dequant)
+
+
+@gpu
+@pytest.mark.parametrize("two_d", [False, True])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("usage", list(USAGES))
+@pytest.mark.parametrize("dist", ["normal", "special"])
+def test_mxfp8_records_formats(two_d, fp8, usage, dist):
+    x = _input(160, 224, torch.bfloat16, dist, seed=7)
+    _check_records(MXFP8Quantizer(fp8, with_2d_quantization=two_d), x, USAGES[usage], BOTH,
+                   _mx_dequant)
+
+
+@gpu
+def test_mxfp8_odd_rows_rowwise():
+    # rowwise 1x32 blocks need only K % 32 == 0: an odd row count
+    x = _input(77, 96, torch.bfloat16, "normal", seed=3)
+    _check_records(MXFP8Quantizer(), x, (True, False), BOTH, _mx_dequant)
+
+
+# ---- NVFP4 --------------------------------------------------------------------------------
+def _nv_dequant(qt, usage):
+    return dequantize_unscaled_bf16(qt, usage)[0]
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(16, 16), (64, 96), (80, 1040), (1040, 48)])
+@pytest.mark.parametrize("usage", list(USAGES))
+@pytest.mark.parametrize("rht,sr", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dist", ["normal", "wide", "special"])
+def test_nvfp4_records_match_dequantize(shape, usage, rht, sr, dtype, dist):
+    x = _input(*shape, dtype, dist, seed=hash((shape, usage, dist, rht)) % 1000)
+
+    def quantizer():
+        # same generator state for the plain and the record-writing quantize
+        return NVFP4Quantizer(with_rht=rht, stochastic_rounding=sr,
+                              generator=torch.Generator(device="cuda").manual_seed(5))
+
+    q = quantizer()
+    q.set_usage(*USAGES[usage])
+    plain = q.quantize(x)
+    q = quantizer()
+    q.set_usage(*USAGES[usage])
+    qt = q.quantize_for_gemm(x, BOTH)
+    _assert_fields_equal(plain, qt)
+    for u, on in zip(BOTH, USAGES[usage]):
+        if on:
+            rec = qt._read_derived(f"_exact_{u}", getattr(qt, f"{u}_data"))
+            assert rec is not None
+            assert torch.equal(_bits(rec), _bits(_nv_dequant(qt, u))), f"{u} record differs"
+
+
+@gpu
+@pytest.mark.parametrize("exact", [("rowwise",), ("columnwise",)])
+def test_nvfp4_2d_records(exact):
+    x = _input(96, 160, torch.bfloat16, "special", seed=11)
+    _check_records(NVFP4Quantizer(with_2d_quantization=True), x, (True, True), exact,
+                   _nv_dequant)
+
+
+# ---- GEMM and Linear with and without records -----------------------------------------------
+@gpu
+@pytest.mark.parametrize("make", [lambda: MXFP8Quantizer(),
+                                  lambda: NVFP4Quantizer(with_rht=True)],
+                         ids=["mxfp8", "nvfp4"])
+def test_gemm_same_bits_with_records(make):
+    a_hp = _input(256, 192, torch.bfloat16, "normal", seed=1)
+    b_hp = _input(128, 192, torch.bfloat16, "normal", seed=2)
+    q = make()
+    a_plain, b_plain = q.quantize(a_hp), q.quantize(b_hp)
+    a_ex, b_ex = q.quantize_for_gemm(a_hp, BOTH), q.quantize_for_gemm(b_hp, BOTH)
+    for ua, ub in (("rowwise", "rowwise"), ("columnwise", "columnwise")):
+        # the record is what the backend multiplies
+        assert bf16_operand(a_ex, ua)[0] is getattr(a_ex, f"_exact_{ua}")[2]
+        for out in (torch.bfloat16, torch.float32):
+            want = gemm(a_plain, ua, b_plain, ub, out_dtype=out)
+            got = gemm(a_ex, ua, b_ex, ub, out_dtype=out)
+            assert torch.equal(got, want)
+
+
+@gpu
+def test_record_not_used_after_inplace_write():
+    x = _input(64, 64, torch.bfloat16, "normal", seed=4)
+    qt = MXFP8Quantizer().quantize_for_gemm(x, BOTH)
+    assert bf16_operand(qt, "rowwise")[0] is qt._exact_rowwise[2]
+    qt.rowwise_data.view(torch.uint8).zero_()  # bumps the version counter
+    fresh, _ = bf16_operand(qt, "rowwise")
+    assert fresh is not qt._exact_rowwise[2]
+    assert torch.equal(fresh, torch.zeros_like(fresh))
+
+
+@gpu
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_linear_same_bits_with_and_without_records(recipe, monkeypatch):
+    make = {"mxfp8": lowprec.MXFP8BlockScaling, "nvfp4": lowprec.NVFP4BlockScaling}[recipe]
+    torch.manual_seed(0)
+    mod = lowprec.Linear(192, 160, params_dtype=torch.bfloat16, device="cuda")
+    x0 = torch.randn(4, 64, 192, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(4, 64, 160, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        torch.manual_seed(1)  # the same stochastic-rounding draws in both runs
+        mod.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_(True)
+        with lowprec.autocast(recipe=make()):
+            y = mod(x)
+        y.backward(dy)
+        return y.detach(), x.grad, mod.weight.grad
+
+    calls = []
+    real = QuantizedTensor._read_derived
+
+    def spy(self, name, source):
+        out = real(self, name, source)
+        if name.startswith("_exact_") and out is not None:
+            calls.append(name)
+        return out
+
+    monkeypatch.setattr(QuantizedTensor, "_read_derived", spy)
+    with_records = step()
+    # x and W rowwise in fprop; dY both ways in the backward
+    assert sorted(set(calls)) == ["_exact_columnwise", "_exact_rowwise"] and len(calls) == 4
+    monkeypatch.setattr(MXFP8Quantizer, "keeps_exact_bf16", False)
+    monkeypatch.setattr(NVFP4Quantizer, "keeps_exact_bf16", False)
+    calls.clear()
+    without = step()
+    assert not calls
+    for a, b in zip(with_records, without):
+        assert torch.equal(a, b)
+
+
+# ---- CPU bookkeeping --------------------------------------------------------------------------
+def test_quantize_for_gemm_on_cpu_is_quantize():
+    x = _input(64, 64, torch.float32, "normal", seed=0, device="cpu")
+    for q in (MXFP8Quantizer(), NVFP4Quantizer()):
+        a, b = q.quantize(x), q.quantize_for_gemm(x, BOTH)
+        _assert_fields_equal(a, b)
+        assert b._exact_rowwise is None and b._exact_columnwise is None
+        assert q._exact == ()  # the request lasts one call
+
+
+def test_exact_usages_off_in_inference_mode_and_for_other_formats():
+    q = MXFP8Quantizer()
+    q._exact = BOTH
+    assert q.exact_usages() == BOTH
+    with torch.inference_mode():
+        assert q.exact_usages() == ()
+    assert not lowprec.Float8CurrentScalingQuantizer().keeps_exact_bf16
+
+
+def test_dropping_a_direction_drops_its_records():
+    x = _input(64, 64, torch.float32, "normal", seed=0, device="cpu")
+    qt = MXFP8Quantizer().quantize(x)
+    for u in BOTH:
+        setattr(qt, f"_exact_{u}", QuantizedTensor.derived_record(
+            getattr(qt, f"{u}_data"), torch.zeros(64, 64, dtype=torch.bfloat16)))
+    qt.update_usage(rowwise_usage=False)
+    assert qt._exact_rowwise is None and qt._exact_columnwise is not None
+    qt.release()
+    assert qt._exact_columnwise is None
