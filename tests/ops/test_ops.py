@@ -362,9 +362,9 @@ def operand_log(monkeypatch):
     seen = []
     original = lowprec.linear_fn.quantize_operand
 
-    def spy(quantizer, t, *, rowwise, columnwise):
+    def spy(quantizer, t, **kw):
         seen.append((t, isinstance(t, QuantizedTensor)))
-        return original(quantizer, t, rowwise=rowwise, columnwise=columnwise)
+        return original(quantizer, t, **kw)
 
     monkeypatch.setattr(lowprec.linear_fn, "quantize_operand", spy)
     return seen
@@ -400,10 +400,10 @@ def test_hand_over_skips_usages_not_needed():
     captured = []
     original = lowprec.linear_fn.quantize_operand
 
-    def spy(quantizer, t, *, rowwise, columnwise):
+    def spy(quantizer, t, **kw):
         if isinstance(t, QuantizedTensor) and t.shape[-1] == 128:
             captured.append((t.has_usage("rowwise"), t.has_usage("columnwise")))
-        return original(quantizer, t, rowwise=rowwise, columnwise=columnwise)
+        return original(quantizer, t, **kw)
 
     lowprec.linear_fn.quantize_operand = spy
     try:
