@@ -39,7 +39,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def quantizers(device):
-    """(name, factory, rowwise, columnwise)."""
+    """(name, factory, rowwise, columnwise[, exact usages for quantize_for_gemm])."""
     return [
         ("fp8_delayed", lambda: Float8Quantizer(torch.ones(1, device=device),
                                                 torch.zeros(1, device=device), E4M3), True, True),
@@ -54,12 +54,25 @@ def quantizers(device):
         ("nvfp4_2d", lambda: NVFP4Quantizer(with_2d_quantization=True), True, True),
         ("nvfp4_rht_sr", lambda: NVFP4Quantizer(with_rht=True, stochastic_rounding=True),
          True, True),
+        # with the exact bf16 GEMM operands written too, as a Linear step asks for them
+        # (x: rowwise; dY: both directions)
+        ("mxfp8+exact_row", lambda: MXFP8Quantizer(E4M3), True, True, ("rowwise",)),
+        ("mxfp8+exact", lambda: MXFP8Quantizer(E4M3), True, True, ("rowwise", "columnwise")),
+        ("nvfp4_rht_sr+exact_row",
+         lambda: NVFP4Quantizer(with_rht=True, stochastic_rounding=True), True, True,
+         ("rowwise",)),
+        ("nvfp4_rht_sr+exact",
+         lambda: NVFP4Quantizer(with_rht=True, stochastic_rounding=True), True, True,
+         ("rowwise", "columnwise")),
     ]
 
 
 def out_bytes(qt) -> int:
-    return sum(t.numel() * t.element_size() for t in qt.inner_tensors().values()
-               if t is not None)
+    """Bytes of every output: the inner tensors and the exact bf16 records."""
+    outs = [t for t in qt.inner_tensors().values() if t is not None]
+    outs += [rec[2] for rec in (getattr(qt, n) for n in qt._derived)
+             if rec is not None and rec[2] is not None and rec[2].element_size() == 2]
+    return sum(t.numel() * t.element_size() for t in outs)
 
 
 def main(argv=None):
@@ -86,11 +99,12 @@ def main(argv=None):
     only = set(filter(None, args.only.split(",")))
     paths = [("default", None)] + ([("reference", lowprec.kernels.reference_only)]
                                    if args.reference else [])
-    for name, make, row, col in quantizers(dev):
+    for name, make, row, col, *exact in quantizers(dev):
         if only and name not in only:
             continue
         q = make()
         q.set_usage(rowwise=row, columnwise=col)
+        q.exact_for_bench = exact[0] if exact else ()
         for path, ctx in paths:
             with (ctx() if ctx is not None else contextlib.nullcontext()):
                 ms, how, eager_ms, ob = _time_one(q, inputs, args.iters)
@@ -108,12 +122,15 @@ def main(argv=None):
 
 def _time_one(q, inputs, iters):
     """(time ms, "GPU" or "eager", eager ms, output bytes) of ``q.quantize``."""
-    qt = q.quantize(inputs[0][0])
+    def quantize(x):
+        return q.quantize_for_gemm(x, q.exact_for_bench)
+
+    qt = quantize(inputs[0][0])
     ob = out_bytes(qt)
     del qt
-    eager = time_fn(lambda x: q.quantize(x), inputs, iters=iters)
+    eager = time_fn(quantize, inputs, iters=iters)
     try:
-        return graph_ms(lambda x: q.quantize(x), inputs, iters=iters), "GPU", eager, ob
+        return graph_ms(quantize, inputs, iters=iters), "GPU", eager, ob
     except RuntimeError as e:  # capture refused (a host sync on the path): say so, time eagerly
         print(f"{q!r}: no CUDA graph ({str(e).splitlines()[0][:100]}); eager time only")
         torch.cuda.synchronize()

@@ -160,17 +160,18 @@ def test_nvfp4_2d_records(exact):
                                   lambda: NVFP4Quantizer(with_rht=True)],
                          ids=["mxfp8", "nvfp4"])
 def test_gemm_same_bits_with_records(make):
-    a_hp = _input(256, 192, torch.bfloat16, "normal", seed=1)
-    b_hp = _input(128, 192, torch.bfloat16, "normal", seed=2)
     q = make()
-    a_plain, b_plain = q.quantize(a_hp), q.quantize(b_hp)
-    a_ex, b_ex = q.quantize_for_gemm(a_hp, BOTH), q.quantize_for_gemm(b_hp, BOTH)
-    for ua, ub in (("rowwise", "rowwise"), ("columnwise", "columnwise")):
+    a_hp = _input(256, 192, torch.bfloat16, "normal", seed=1)
+    a_plain, a_ex = q.quantize(a_hp), q.quantize_for_gemm(a_hp, BOTH)
+    # rowwise pairs contract K (b: N x K), columnwise pairs contract M (b: M x N)
+    for usage, b_shape in (("rowwise", (128, 192)), ("columnwise", (256, 128))):
+        b_hp = _input(*b_shape, torch.bfloat16, "normal", seed=2)
+        b_plain, b_ex = q.quantize(b_hp), q.quantize_for_gemm(b_hp, BOTH)
         # the record is what the backend multiplies
-        assert bf16_operand(a_ex, ua)[0] is getattr(a_ex, f"_exact_{ua}")[2]
+        assert bf16_operand(a_ex, usage)[0] is getattr(a_ex, f"_exact_{usage}")[2]
         for out in (torch.bfloat16, torch.float32):
-            want = gemm(a_plain, ua, b_plain, ub, out_dtype=out)
-            got = gemm(a_ex, ua, b_ex, ub, out_dtype=out)
+            want = gemm(a_plain, usage, b_plain, usage, out_dtype=out)
+            got = gemm(a_ex, usage, b_ex, usage, out_dtype=out)
             assert torch.equal(got, want)
 
 

@@ -95,10 +95,12 @@ def quantize_mxfp8(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
                                             quantizer.with_2d_quantization, row, col,
                                             *prologue_launch_args(prologue), ex_row, ex_col)
     rq, cq = rq.view(dt), cq.view(dt)
-    record = QuantizedTensor.derived_record
-    return {"rowwise_data": rq if row else None, "rowwise_scale": rs if row else None,
-            "columnwise_data": cq if col else None,
-            "columnwise_scale": cs if col else None,
-            "fp8_dtype": dt, "with_2d_quantization": quantizer.with_2d_quantization,
-            "_exact_rowwise": record(rq, re) if ex_row else None,
-            "_exact_columnwise": record(cq, ce) if ex_col else None}
+    fields = {"rowwise_data": rq if row else None, "rowwise_scale": rs if row else None,
+              "columnwise_data": cq if col else None,
+              "columnwise_scale": cs if col else None,
+              "fp8_dtype": dt, "with_2d_quantization": quantizer.with_2d_quantization}
+    if ex_row:
+        fields["_exact_rowwise"] = QuantizedTensor.derived_record(rq, re)
+    if ex_col:
+        fields["_exact_columnwise"] = QuantizedTensor.derived_record(cq, ce)
+    return fields

@@ -172,16 +172,17 @@ def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
     rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = nvfp4_quantize(
         x2d, key_row, key_col, bool(rowwise), bool(columnwise), bool(with_rht), bool(two_d),
         ex_row, ex_col)
-    record = QuantizedTensor.derived_record
     fields: dict = {}
     if rowwise:
         fields.update(rowwise_data=rdata, rowwise_scale=rscale.view(SCALE_DTYPE),
-                      rowwise_global=rglob,
-                      _exact_rowwise=record(rdata, rex) if ex_row else None)
+                      rowwise_global=rglob)
     if columnwise:
         fields.update(columnwise_data=cdata, columnwise_scale=cscale.view(SCALE_DTYPE),
-                      columnwise_global=cglob,
-                      _exact_columnwise=record(cdata, cex) if ex_col else None)
+                      columnwise_global=cglob)
+    if ex_row:
+        fields["_exact_rowwise"] = QuantizedTensor.derived_record(rdata, rex)
+    if ex_col:
+        fields["_exact_columnwise"] = QuantizedTensor.derived_record(cdata, cex)
     return fields
 
 
