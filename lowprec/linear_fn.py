@@ -41,12 +41,15 @@ class LinearQuantizers:
 
 
 def quantize_operand(quantizer: Quantizer | None, t: torch.Tensor, *, rowwise: bool,
-                     columnwise: bool, exact: tuple[str, ...] = ()) -> tuple[torch.Tensor, bool]:
+                     columnwise: bool, exact: tuple[str, ...] = (),
+                     codes: bool = True) -> tuple[torch.Tensor, bool]:
     """Quantize ``t`` with exactly the usages asked for; returns (tensor, owned).
 
     ``exact``: the usages a GEMM consumes right away; formats emulated on a bf16 GEMM
     (MXFP8, NVFP4) then also write their exact bf16 values in the same pass
     (``Quantizer.quantize_for_gemm``), which saves the GEMM a dequantize pass.
+    ``codes=False``: nothing but those GEMMs reads the result, so such formats may keep
+    only the exact values (an ``ExactTensor``).
 
     An already quantized ``t`` (a quantized weight, or the output of a
     previous module) is used as it is: missing usages are derived where the
@@ -62,7 +65,7 @@ def quantize_operand(quantizer: Quantizer | None, t: torch.Tensor, *, rowwise: b
     if quantizer is None:
         return t, False
     quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
-    return quantizer.quantize_for_gemm(t, exact), True
+    return quantizer.quantize_for_gemm(t, exact, codes=codes), True
 
 
 #: The usages a GEMM consumes right after the quantize (see ``quantize_operand``): the
@@ -128,8 +131,12 @@ def _whole_backward(ctx, dy, saved_x, saved_w, need_dx: bool, need_dw: bool,
     dx = dw = None
     dy_owned = False
     if quantized and (need_dx or need_dw):
+        # dY is read by dgrad and wgrad only: exact values alone where the format allows
         dy_lp, dy_owned = quantize_operand(ctx.quantizers.grad_output, dy, rowwise=need_dx,
-                                           columnwise=need_dw, exact=_BOTH)
+                                           columnwise=need_dw,
+                                           exact=_BOTH if need_dx and need_dw else
+                                           (("rowwise",) if need_dx else ("columnwise",)),
+                                           codes=False)
         w_op, x_op = saved_w, saved_x
     else:
         dy_lp = _plain(dy)

@@ -10,6 +10,7 @@ MXFP8              ``data * 2**e`` (<= 4 significant bits)      none
 NVFP4              ``q * d`` (E2M1 x E4M3: <= 6 bits)           global ``S``
 per-tensor FP8     ``data``                                     ``scale``
 block FP8          ``data / scale`` (power-of-two scales only)  none
+ExactTensor        the held values                             its divisor
 bf16 (plain or     the values                                  none
 IdentityTensor)
 =================  ==========================================  ===============
@@ -41,6 +42,7 @@ import torch
 
 from ..formats.base import QuantizedTensor
 from ..formats.block.tensor import Float8BlockwiseTensor
+from ..formats.exact import ExactTensor
 from ..formats.float8.tensor import Float8Tensor
 from ..formats.identity import IdentityTensor
 from ..formats.mxfp8.tensor import MXFP8Tensor
@@ -69,6 +71,8 @@ def _operand_kind(t, usage: str) -> str | None:
         return "plain" if _plain_matrix(t, usage).dtype == torch.bfloat16 else None
     if not t.has_usage(usage):
         return None
+    if isinstance(t, ExactTensor):
+        return "nvfp4_rht" if (usage == "columnwise" and t.columnwise_rht) else "exact"
     if isinstance(t, MXFP8Tensor):
         return "mxfp8"
     if isinstance(t, NVFP4Tensor):
@@ -113,6 +117,8 @@ def bf16_operand(t, usage: str):
     """(exact bf16 matrix of ``mat(t, usage)`` up to a divisor, fp32 divisor or None)."""
     if isinstance(t, IdentityTensor) or not isinstance(t, QuantizedTensor):
         return _plain_matrix(t, usage), None
+    if isinstance(t, ExactTensor):
+        return getattr(t, f"{usage}_data"), getattr(t, f"{usage}_divisor")
     exact = _exact_record(t, usage)
     if exact is not None:  # MXFP8 (no divisor) or NVFP4 (divisor S)
         return exact, (getattr(t, f"{usage}_global") if isinstance(t, NVFP4Tensor) else None)

@@ -2,6 +2,7 @@
 
 from .base import Quantizer, QuantizedTensor, register_safe_globals
 from .block import Float8BlockQuantizer, Float8BlockwiseTensor
+from .exact import ExactTensor
 from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 from .hybrid import HybridQuantizedTensor, HybridQuantizer
 from .identity import IdentityQuantizer, IdentityTensor
@@ -14,6 +15,6 @@ __all__ = ["Quantizer", "QuantizedTensor",
            "MXFP8Quantizer", "MXFP8Tensor",
            "NVFP4Quantizer", "NVFP4Tensor",
            "IdentityQuantizer", "IdentityTensor",
-           "HybridQuantizer", "HybridQuantizedTensor"]
+           "HybridQuantizer", "HybridQuantizedTensor", "ExactTensor"]
 
 register_safe_globals(*(globals()[name] for name in __all__ if name not in ("Quantizer", "QuantizedTensor")))

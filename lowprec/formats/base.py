@@ -393,18 +393,50 @@ class Quantizer:
     #: The directions asked for by :meth:`quantize_for_gemm`, during that call only.
     _exact: tuple[str, ...] = ()
 
-    def quantize_for_gemm(self, x: torch.Tensor, exact: tuple[str, ...] = ()) -> QuantizedTensor:
+    def quantize_for_gemm(self, x: torch.Tensor, exact: tuple[str, ...] = (), *,
+                          codes: bool = True) -> QuantizedTensor:
         """``quantize(x)``; where the format keeps exact bf16 operands, its kernel also writes
         those of the directions in ``exact`` (ones a GEMM consumes right away), so the GEMM
         emulation reads them instead of dequantizing in a pass of its own. The quantized
-        tensor is the same either way."""
+        tensor is the same either way.
+
+        ``codes=False``, for an operand nothing reads but those GEMMs (every direction in
+        use listed in ``exact``): where the format's kernels run, the result is an
+        :class:`~lowprec.formats.exact.ExactTensor` holding only the exact values (no codes,
+        no scales: less memory written and held); elsewhere the usual quantized tensor."""
         if not (exact and self.keeps_exact_bf16):
             return self.quantize(x)
+        if not codes:
+            wanted = {u for u in USAGES if getattr(self, f"{u}_usage")}
+            if not wanted <= set(exact):
+                raise ValueError(f"quantize_for_gemm(codes=False) needs the exact values of "
+                                 f"every direction in use ({sorted(wanted)}), got {exact}")
+            exact_only = self._quantize_exact(x)
+            if exact_only is not None:
+                return exact_only
         self._exact = tuple(exact)
         try:
             return self.quantize(x)
         finally:
             self._exact = ()
+
+    def _quantize_exact(self, x: torch.Tensor) -> QuantizedTensor | None:
+        """An ExactTensor of ``x`` through the format's kernels, or None where they do not
+        run (CPU, no Triton, an empty tensor)."""
+        from ..kernels import use_kernels
+        from .exact import ExactTensor
+        self._check_input(x)
+        m, k = flatten_2d(x.shape)
+        self._check_shape(x.shape, m, k)
+        if m == 0 or k == 0 or not use_kernels(x):
+            return None
+        x2d = x.detach() if x.dim() == 2 and x.is_contiguous() else \
+            x.detach().reshape(m, k).contiguous()
+        return ExactTensor(x.shape, x.dtype, **self._quantize_exact_2d(x2d))
+
+    def _quantize_exact_2d(self, x2d: torch.Tensor) -> dict[str, Any]:
+        """ExactTensor fields of ``x2d`` (formats with ``keeps_exact_bf16``)."""
+        raise NotImplementedError
 
     def exact_usages(self) -> tuple[str, ...]:
         """The directions whose exact bf16 records the running quantize should write: none

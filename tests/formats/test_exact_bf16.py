@@ -189,6 +189,7 @@ def test_record_not_used_after_inplace_write():
 @gpu
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_linear_same_bits_with_and_without_records(recipe, monkeypatch):
+    from lowprec.backends import emulated_bf16
     make = {"mxfp8": lowprec.MXFP8BlockScaling, "nvfp4": lowprec.NVFP4BlockScaling}[recipe]
     torch.manual_seed(0)
     mod = lowprec.Linear(192, 160, params_dtype=torch.bfloat16, device="cuda")
@@ -204,26 +205,104 @@ def test_linear_same_bits_with_and_without_records(recipe, monkeypatch):
         y.backward(dy)
         return y.detach(), x.grad, mod.weight.grad
 
-    calls = []
-    real = QuantizedTensor._read_derived
+    seen = []
+    real = emulated_bf16.bf16_operand
 
-    def spy(self, name, source):
-        out = real(self, name, source)
-        if name.startswith("_exact_") and out is not None:
-            calls.append(name)
-        return out
+    def spy(t, usage):
+        rec = getattr(t, f"_exact_{usage}", None)
+        seen.append((type(t).__name__, usage, rec is not None))
+        return real(t, usage)
 
-    monkeypatch.setattr(QuantizedTensor, "_read_derived", spy)
+    monkeypatch.setattr(emulated_bf16, "bf16_operand", spy)
     with_records = step()
-    # x and W rowwise in fprop; dY both ways in the backward
-    assert sorted(set(calls)) == ["_exact_columnwise", "_exact_rowwise"] and len(calls) == 4
+    src = {"mxfp8": "MXFP8Tensor", "nvfp4": "NVFP4Tensor"}[recipe]
+    # fprop: x and W rowwise with records; wgrad: dY's exact columnwise values and the saved
+    # x (dequantized); dgrad: dY's exact rowwise values and the saved W (dequantized)
+    assert sorted(seen) == sorted([
+        (src, "rowwise", True), (src, "rowwise", True),
+        ("ExactTensor", "columnwise", False), (src, "columnwise", False),
+        ("ExactTensor", "rowwise", False), (src, "columnwise", False)])
     monkeypatch.setattr(MXFP8Quantizer, "keeps_exact_bf16", False)
     monkeypatch.setattr(NVFP4Quantizer, "keeps_exact_bf16", False)
-    calls.clear()
+    seen.clear()
     without = step()
-    assert not calls
+    assert all(t != "ExactTensor" and not rec for t, _, rec in seen)
     for a, b in zip(with_records, without):
         assert torch.equal(a, b)
+
+
+# ---- ExactTensor (codes=False) ------------------------------------------------------------
+def _exact_pair(make, x, usages):
+    q = make()
+    q.set_usage(*usages)
+    torch.manual_seed(3)
+    normal = q.quantize_for_gemm(x, BOTH)
+    q = make()
+    q.set_usage(*usages)
+    torch.manual_seed(3)
+    exact = q.quantize_for_gemm(x, BOTH, codes=False)
+    return normal, exact
+
+
+NV_MAKERS = {
+    "mxfp8": lambda: MXFP8Quantizer(),
+    "mxfp8_2d": lambda: MXFP8Quantizer(with_2d_quantization=True),
+    "nvfp4": lambda: NVFP4Quantizer(),
+    "nvfp4_rht_sr": lambda: NVFP4Quantizer(with_rht=True, stochastic_rounding=True),
+    "nvfp4_2d": lambda: NVFP4Quantizer(with_2d_quantization=True),
+}
+
+
+@gpu
+@pytest.mark.parametrize("fmt", list(NV_MAKERS))
+@pytest.mark.parametrize("usage", list(USAGES))
+@pytest.mark.parametrize("shape", [(64, 96), (160, 1056)])
+@pytest.mark.parametrize("dist", ["normal", "special"])
+def test_exact_tensor_holds_the_records(fmt, usage, shape, dist):
+    from lowprec.formats.exact import ExactTensor
+    x = _input(*shape, torch.bfloat16, dist, seed=9)
+    normal, exact = _exact_pair(NV_MAKERS[fmt], x, USAGES[usage])
+    assert isinstance(exact, ExactTensor) and exact.shape == x.shape
+    for u, on in zip(BOTH, USAGES[usage]):
+        assert exact.has_usage(u) == on
+        if not on:
+            continue
+        rec = getattr(normal, f"_exact_{u}")[2]
+        assert torch.equal(_bits(getattr(exact, f"{u}_data")), _bits(rec))
+        div = getattr(exact, f"{u}_divisor")
+        if fmt.startswith("nvfp4"):
+            assert torch.equal(div, getattr(normal, f"{u}_global"))
+        else:
+            assert div is None
+        # dequantize: the same fp32 values, NaN where the source has NaN
+        a, b = normal.dequantize(torch.float32, usage=u), exact.dequantize(torch.float32, usage=u)
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4_rht_sr"])
+def test_exact_tensor_gemms(fmt):
+    make = NV_MAKERS[fmt]
+    a_hp = _input(256, 192, torch.bfloat16, "normal", seed=1)
+    for usage, b_shape in (("rowwise", (128, 192)), ("columnwise", (256, 128))):
+        b_hp = _input(*b_shape, torch.bfloat16, "normal", seed=2)
+        torch.manual_seed(0)
+        a_q, b_q = make().quantize(a_hp), make().quantize(b_hp)
+        torch.manual_seed(0)
+        a_x = make().quantize_for_gemm(a_hp, BOTH, codes=False)
+        b_x = make().quantize_for_gemm(b_hp, BOTH, codes=False)
+        for out in (torch.bfloat16, torch.float32):
+            want = gemm(a_q, usage, b_q, usage, out_dtype=out)
+            assert torch.equal(gemm(a_x, usage, b_q, usage, out_dtype=out), want)
+            assert torch.equal(gemm(a_x, usage, b_x, usage, out_dtype=out), want)
+        # the fp32 emulation (the fallback backend, dequantize() of each operand) agrees to
+        # fp32 rounding of the sums
+        from lowprec.gemm import _emulated_run
+        ref = _emulated_run(a_q, usage, b_q, usage, torch.float32, None)
+        got = _emulated_run(a_x, usage, b_x, usage, torch.float32, None)
+        assert torch.equal(got, ref)  # same fp32 operands, same fp32 GEMM
+        torch.testing.assert_close(want, ref, rtol=1e-5, atol=1e-5)
 
 
 # ---- CPU bookkeeping --------------------------------------------------------------------------
@@ -255,3 +334,37 @@ def test_dropping_a_direction_drops_its_records():
     assert qt._exact_rowwise is None and qt._exact_columnwise is not None
     qt.release()
     assert qt._exact_columnwise is None
+
+
+def test_codes_false_on_cpu_and_bad_requests():
+    x = _input(64, 64, torch.float32, "normal", seed=0, device="cpu")
+    q = MXFP8Quantizer()
+    out = q.quantize_for_gemm(x, BOTH, codes=False)
+    assert type(out).__name__ == "MXFP8Tensor"  # no kernels: the usual tensor
+    with pytest.raises(ValueError, match="every direction in use"):
+        q.quantize_for_gemm(x, ("rowwise",), codes=False)
+
+
+def test_exact_tensor_on_cpu_dequantizes_and_multiplies_like_its_source():
+    from lowprec.formats.exact import ExactTensor
+    from lowprec.formats.nvfp4.launch import dequantize_unscaled_bf16 as nv_unscaled
+    x = _input(64, 96, torch.float32, "normal", seed=2, device="cpu")
+    w = _input(32, 96, torch.float32, "normal", seed=3, device="cpu")
+    q = NVFP4Quantizer(with_rht=True)
+    xq, wq = q.quantize(x), q.quantize(w)
+
+    def exact_of(t):
+        fields = {}
+        for u in BOTH:
+            v, s = nv_unscaled(t, u)
+            fields.update({f"{u}_data": v, f"{u}_divisor": s})
+        return ExactTensor(t.shape, t.dtype, source_format="nvfp4", columnwise_rht=True,
+                           **fields)
+
+    xe = exact_of(xq)
+    for u in BOTH:
+        assert torch.equal(xe.dequantize(usage=u), xq.dequantize(usage=u))
+    assert torch.equal(gemm(xe, "rowwise", wq, "rowwise", out_dtype=torch.float32),
+                       gemm(xq, "rowwise", wq, "rowwise", out_dtype=torch.float32))
+    xe.update_usage(columnwise_usage=False)
+    assert xe.columnwise_data is None and xe.columnwise_divisor is None

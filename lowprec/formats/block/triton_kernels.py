@@ -16,6 +16,13 @@ With ``DECODE`` (Float8Block only) it also writes each direction's decode scales
 (``1 / scale``, correctly rounded as ``torch.reciprocal``) in the layout cuBLAS reads them
 (``backends/cublas_fp8.py``): for 1-D blocks the transpose of the scales, (K/128, M) rowwise
 and (M/128, K) columnwise; for 128x128 blocks the scales' own layout.
+
+With ``EXACT_ROW`` / ``EXACT_COL`` (MXFP8 only) it also writes that direction's exact bf16
+values ``data * 2**e`` in the data's layout (``re_ptr`` (M, K), ``ce_ptr`` (K, M)): what the
+bf16 GEMM emulation consumes, bit for bit the dequantize kernel's output
+(``backends/_triton_kernels.py``), so an operand consumed at once needs no dequantize pass.
+``CODES=False`` then skips the data and scale stores (an operand nothing reads but its
+GEMMs keeps only the exact values).
 """
 
 from __future__ import annotations
@@ -62,7 +69,8 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_p
                        TWO_D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr,
                        E8M0: tl.constexpr, BLK: tl.constexpr, DECODE: tl.constexpr,
-                       re_ptr, ce_ptr, EXACT_ROW: tl.constexpr, EXACT_COL: tl.constexpr):
+                       re_ptr, ce_ptr, EXACT_ROW: tl.constexpr, EXACT_COL: tl.constexpr,
+                       CODES: tl.constexpr):
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BN + tl.arange(0, BN)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
@@ -80,8 +88,9 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_p
         smask = (sm < M // BLK)[:, None] & (sk < K // BLK)[None, :]
         if ROWWISE:
             q = fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT)
-            tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :], q, mask=mask)
-            tl.store(rs_ptr + sm[:, None] * (K // BLK) + sk[None, :], sc, mask=smask)
+            if CODES:
+                tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :], q, mask=mask)
+                tl.store(rs_ptr + sm[:, None] * (K // BLK) + sk[None, :], sc, mask=smask)
             if EXACT_ROW:
                 tl.store(re_ptr + offs_m64[:, None] * K + offs_k[None, :],
                          exact_bf16(q, sc, BM, BN, BLK, BLK, MBITS, BIAS, HW_CVT), mask=mask)
@@ -91,9 +100,10 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_p
         if COLWISE:
             # chains of their own when the rowwise codes exist too (see float8 cast_kernel)
             q_c = fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT, ROWWISE)
-            store_t(cq_ptr, offs_m, offs_k, M, K, M, q_c, COL_MODE)
             sc_c, _ = block_scales(amax, eps, FP8_MAX, POW2, E8M0, ROWWISE)
-            store_t(cs_ptr, sm, sk, M // BLK, K // BLK, M // BLK, sc_c, COL_MODE)
+            if CODES:
+                store_t(cq_ptr, offs_m, offs_k, M, K, M, q_c, COL_MODE)
+                store_t(cs_ptr, sm, sk, M // BLK, K // BLK, M // BLK, sc_c, COL_MODE)
             if EXACT_COL:
                 store_t(ce_ptr, offs_m, offs_k, M, K, M,
                         exact_bf16(q_c, sc_c, BM, BN, BLK, BLK, MBITS, BIAS, HW_CVT), COL_MODE)
@@ -108,10 +118,12 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_p
             x3 = tl.reshape(x, (BM, BN // BLK, BLK))
             q = fp8_codes(tl.reshape(x3 * mult_r[:, :, None], (BM, BN)), MBITS, BIAS, MAX_BITS,
                           HW_CVT)
-            tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :], q, mask=mask)
             sk = pid_k * (BN // BLK) + tl.arange(0, BN // BLK)
             smask = (offs_m < M)[:, None] & (sk < K // BLK)[None, :]
-            tl.store(rs_ptr + offs_m64[:, None] * (K // BLK) + sk[None, :], sc_r, mask=smask)
+            if CODES:
+                tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :], q, mask=mask)
+                tl.store(rs_ptr + offs_m64[:, None] * (K // BLK) + sk[None, :], sc_r,
+                         mask=smask)
             if EXACT_ROW:
                 tl.store(re_ptr + offs_m64[:, None] * K + offs_k[None, :],
                          exact_bf16(q, sc_r, BM, BN, 1, BLK, MBITS, BIAS, HW_CVT), mask=mask)
@@ -125,9 +137,10 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_p
             x3 = tl.reshape(x, (BM // BLK, BLK, BN))
             y = tl.reshape(x3 * mult_c[:, None, :], (BM, BN))
             q_c = fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT)
-            store_t(cq_ptr, offs_m, offs_k, M, K, M, q_c, COL_MODE)
             sm = pid_m * (BM // BLK) + tl.arange(0, BM // BLK)
-            store_t(cs_ptr, sm, offs_k, M // BLK, K, M // BLK, sc_c, COL_MODE)
+            if CODES:
+                store_t(cq_ptr, offs_m, offs_k, M, K, M, q_c, COL_MODE)
+                store_t(cs_ptr, sm, offs_k, M // BLK, K, M // BLK, sc_c, COL_MODE)
             if EXACT_COL:
                 store_t(ce_ptr, offs_m, offs_k, M, K, M,
                         exact_bf16(q_c, sc_c, BM, BN, BLK, 1, MBITS, BIAS, HW_CVT), COL_MODE)
@@ -148,7 +161,7 @@ def block_scaled_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_ptr, cd_
                               ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1,
                               DECODE: tl.constexpr = False, re_ptr=None, ce_ptr=None,
                               EXACT_ROW: tl.constexpr = False,
-                              EXACT_COL: tl.constexpr = False):
+                              EXACT_COL: tl.constexpr = False, CODES: tl.constexpr = True):
     """One program quantizes ITERS (BM, BN) tiles down a column of tiles; with STAGES > 1
     the loads of the next tiles are issued (asynchronously) while one is converted."""
     pid_k = tl.program_id(1)
@@ -157,4 +170,4 @@ def block_scaled_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_ptr, cd_
                            cs_ptr, rd_ptr, cd_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3,
                            eps, PRO, FP8_MAX, POW2, MBITS, BIAS, MAX_BITS, HW_CVT, TWO_D,
                            ROWWISE, COLWISE, BM, BN, COL_MODE, E8M0, BLK, DECODE, re_ptr,
-                           ce_ptr, EXACT_ROW, EXACT_COL)
+                           ce_ptr, EXACT_ROW, EXACT_COL, CODES)

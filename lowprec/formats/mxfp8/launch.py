@@ -36,14 +36,16 @@ def _usage(rowwise: bool, columnwise: bool) -> str:
     return "both" if rowwise and columnwise else ("row" if rowwise else "col")
 
 
-def _empty_outputs(x, two_d, rowwise, columnwise, pro=0, exact_row=False, exact_col=False):
+def _empty_outputs(x, two_d, rowwise, columnwise, pro=0, exact_row=False, exact_col=False,
+                   codes=True):
     m, k = logical_shape(x, pro)
     per = BLOCK if two_d else 1
     u8, bf16 = torch.uint8, torch.bfloat16
-    return (x.new_empty((m, k) if rowwise else (0,), dtype=u8),
-            x.new_empty((m // per, k // BLOCK) if rowwise else (0,), dtype=u8),
-            x.new_empty((k, m) if columnwise else (0,), dtype=u8),
-            x.new_empty((k // per, m // BLOCK) if columnwise else (0,), dtype=u8),
+    row_codes, col_codes = rowwise and codes, columnwise and codes
+    return (x.new_empty((m, k) if row_codes else (0,), dtype=u8),
+            x.new_empty((m // per, k // BLOCK) if row_codes else (0,), dtype=u8),
+            x.new_empty((k, m) if col_codes else (0,), dtype=u8),
+            x.new_empty((k // per, m // BLOCK) if col_codes else (0,), dtype=u8),
             x.new_empty((m, k) if rowwise and exact_row else (0,), dtype=bf16),
             x.new_empty((k, m) if columnwise and exact_col else (0,), dtype=bf16))
 
@@ -51,16 +53,20 @@ def _empty_outputs(x, two_d, rowwise, columnwise, pro=0, exact_row=False, exact_
 @kernel_op("lowprec::mxfp8_quantize", mutates_args=())
 def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, columnwise: bool,
                    pro: int, pro_args: list[torch.Tensor], exact_row: bool = False,
-                   exact_col: bool = False
+                   exact_col: bool = False, codes: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor, torch.Tensor]:
     """(rowwise data, scale, columnwise data, scale, rowwise exact bf16, columnwise exact
-    bf16); a direction not asked for gets empty tensors."""
+    bf16); a direction not asked for gets empty tensors. ``codes=False`` (every direction
+    in use asks for its exact values): no data or scales, empty tensors in their place."""
+    if not codes and (rowwise and not exact_row or columnwise and not exact_col):
+        raise ValueError("mxfp8_quantize: codes=False needs the exact values of every "
+                         "direction it quantizes")
     from ..block.triton_kernels import block_scaled_quant_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)
     rq, rs, cq, cs, re, ce = _empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row,
-                                            exact_col)
+                                            exact_col, codes)
     with device_guard(x.device):
         for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
             bm, bn, warps, iters, stages = tile_config(CONFIGS[(two_d, _usage(r, c))])
@@ -74,14 +80,15 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
                                             re_ptr=re if r and exact_row else None,
                                             ce_ptr=ce if c and exact_col else None,
                                             EXACT_ROW=r and exact_row,
-                                            EXACT_COL=c and exact_col,
+                                            EXACT_COL=c and exact_col, CODES=codes,
                                             num_warps=warps, **kernel_fp8_args(fp8_dtype))
     return rq, rs, cq, cs, re, ce
 
 
 @mxfp8_quantize.register_fake
-def _(x, e5m2, two_d, rowwise, columnwise, pro, pro_args, exact_row=False, exact_col=False):
-    return _empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row, exact_col)
+def _(x, e5m2, two_d, rowwise, columnwise, pro, pro_args, exact_row=False, exact_col=False,
+      codes=True):
+    return _empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row, exact_col, codes)
 
 
 def quantize_mxfp8(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
@@ -104,3 +111,15 @@ def quantize_mxfp8(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
     if ex_col:
         fields["_exact_columnwise"] = QuantizedTensor.derived_record(cq, ce)
     return fields
+
+
+def quantize_mxfp8_exact(quantizer, x2d: torch.Tensor) -> dict:
+    """ExactTensor fields of ``x2d`` (no codes or scales written): the exact bf16 values of
+    each direction ``quantizer`` has on, as ``quantize_mxfp8`` would record them."""
+    row, col = quantizer.rowwise_usage, quantizer.columnwise_usage
+    _, _, _, _, re, ce = mxfp8_quantize(x2d, quantizer.fp8_dtype == torch.float8_e5m2,
+                                        quantizer.with_2d_quantization, row, col, 0, [], row,
+                                        col, False)
+    return {"rowwise_data": re if row else None, "rowwise_divisor": None,
+            "columnwise_data": ce if col else None, "columnwise_divisor": None,
+            "source_format": "mxfp8", "columnwise_rht": False}

@@ -56,6 +56,9 @@ class MXFP8Quantizer(Quantizer):
     def _quantize_2d_fused(self, x2d, prologue):
         return launch.quantize_mxfp8(self, x2d, prologue)
 
+    def _quantize_exact_2d(self, x2d: torch.Tensor) -> dict:
+        return launch.quantize_mxfp8_exact(self, x2d)
+
     def _quantize_2d(self, x2d: torch.Tensor) -> dict:
         if use_kernels(x2d):
             return launch.quantize_mxfp8(self, x2d)

@@ -67,12 +67,15 @@ def _idx64(rows: int, cols: int) -> bool:
 @kernel_op("lowprec::nvfp4_quantize", mutates_args=())
 def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tensor],
                    rowwise: bool, columnwise: bool, with_rht: bool,
-                   two_d: bool, exact_row: bool = False, exact_col: bool = False
+                   two_d: bool, exact_row: bool = False, exact_col: bool = False,
+                   codes: bool = True
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(rdata, rscale u8, rglobal, cdata, cscale u8, cglobal, rexact, cexact) of a 2-D x;
     an unused direction's tensors are empty. Scales are the E4M3 bytes (view as
     float8_e4m3fn). ``exact_row`` / ``exact_col``: also the exact bf16 ``q * d`` of that
-    direction (stored layout and domain), else an empty tensor."""
+    direction (stored layout and domain), else an empty tensor. ``codes=False`` (every
+    direction in use asks for its exact values): no data or scales (empty tensors; the
+    global scales are still computed)."""
     k = _kernels()
     x = x.contiguous()
     m, kk = x.shape
@@ -87,8 +90,11 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
             raise ValueError(f"nvfp4_quantize: a stochastic-rounding key must be an int64 (2,) "
                              f"tensor on {dev}, got {key.dtype} {tuple(key.shape)} on "
                              f"{key.device}")
+    if not codes and (rowwise and not exact_row or columnwise and not exact_col):
+        raise ValueError("nvfp4_quantize: codes=False needs the exact values of every "
+                         "direction it quantizes")
     rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = _quantize_outputs(
-        x, rowwise, columnwise, two_d, exact_row, exact_col)
+        x, rowwise, columnwise, two_d, exact_row, exact_col, codes)
     exact_row, exact_col = bool(rowwise and exact_row), bool(columnwise and exact_col)
     if not (rowwise or columnwise) or m == 0 or kk == 0:
         return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
@@ -117,7 +123,7 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
                                   rex if exact_row else None,
                                   TWO_D=bool(two_d), SR=sr, VEC=16 // x.element_size(),
                                   KB=kb, RB=rb, EVEN=m % rb == 0 and (kk // BLOCK) % kb == 0,
-                                  IDX64=idx64, EXACT=exact_row,
+                                  IDX64=idx64, EXACT=exact_row, CODES=bool(codes),
                                   num_warps=max(1, kb * rb // 32), **_LAUNCH_OPTS)
     if columnwise:
         kw = CONFIG["col"]["KW"]
@@ -127,12 +133,13 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
                                   cex if exact_col else None,
                                   RHT=rht, TWO_D=bool(two_d), SR=sr, KW=kw,
                                   EVEN=m % 64 == 0 and kk % (16 * kw) == 0, IDX64=idx64,
-                                  EXACT=exact_col, num_warps=kw, **_LAUNCH_OPTS)
+                                  EXACT=exact_col, CODES=bool(codes), num_warps=kw,
+                                  **_LAUNCH_OPTS)
     return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
 
 
 def _quantize_outputs(x: Tensor, rowwise: bool, columnwise: bool, two_d: bool,
-                      exact_row: bool = False, exact_col: bool = False):
+                      exact_row: bool = False, exact_col: bool = False, codes: bool = True):
     """Uninitialized (data, scale bytes, S) of each direction of an (M, K) x, then the
     exact bf16 of each; an unused direction's tensors are empty. Shared by the op and its
     fake."""
@@ -141,6 +148,9 @@ def _quantize_outputs(x: Tensor, rowwise: bool, columnwise: bool, two_d: bool,
     def direction(on, rows, cols):
         if not on:
             return tuple(x.new_empty(0, dtype=torch.uint8) for _ in range(3))
+        if not codes:
+            return (x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.uint8),
+                    x.new_empty(1, dtype=torch.float32))
         return (x.new_empty(rows, cols // 2, dtype=torch.uint8),
                 x.new_empty(rows // BLOCK if two_d else rows, cols // BLOCK, dtype=torch.uint8),
                 x.new_empty(1, dtype=torch.float32))
@@ -154,8 +164,8 @@ def _quantize_outputs(x: Tensor, rowwise: bool, columnwise: bool, two_d: bool,
 
 @nvfp4_quantize.register_fake
 def _nvfp4_quantize_fake(x, key_row, key_col, rowwise, columnwise, with_rht, two_d,
-                         exact_row=False, exact_col=False):
-    return _quantize_outputs(x, rowwise, columnwise, two_d, exact_row, exact_col)
+                         exact_row=False, exact_col=False, codes=True):
+    return _quantize_outputs(x, rowwise, columnwise, two_d, exact_row, exact_col, codes)
 
 
 def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
@@ -184,6 +194,22 @@ def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
     if ex_col:
         fields["_exact_columnwise"] = QuantizedTensor.derived_record(cdata, cex)
     return fields
+
+
+def quantize_2d_exact(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
+                      two_d: bool, key_row: Tensor | None = None,
+                      key_col: Tensor | None = None) -> dict:
+    """ExactTensor fields of an (M, K) input (no codes or scales written): each direction's
+    exact bf16 ``q * d`` with its global scale ``S`` as the divisor, the values
+    :func:`quantize_2d` would record for the same keys."""
+    _, _, rglob, _, _, cglob, rex, cex = nvfp4_quantize(
+        x2d, key_row, key_col, bool(rowwise), bool(columnwise), bool(with_rht), bool(two_d),
+        bool(rowwise), bool(columnwise), False)
+    return {"rowwise_data": rex if rowwise else None,
+            "rowwise_divisor": rglob if rowwise else None,
+            "columnwise_data": cex if columnwise else None,
+            "columnwise_divisor": cglob if columnwise else None,
+            "source_format": "nvfp4", "columnwise_rht": bool(with_rht and columnwise)}
 
 
 # ---- dequantize (unscaled, bf16) ----------------------------------------------------------------

@@ -97,13 +97,25 @@ class NVFP4Quantizer(Quantizer):
         key = self._sr_key(device)
         return None if key is None else uniforms(key, rows, cols)
 
+    def _kernel_keys(self, x2d):
+        # Same keys, same order as the reference path: rowwise first.
+        key_row = self._sr_key(x2d.device) if self.rowwise_usage else None
+        key_col = self._sr_key(x2d.device) if self.columnwise_usage else None
+        return key_row, key_col
+
+    def _quantize_exact_2d(self, x2d):
+        from .launch import quantize_2d_exact
+        key_row, key_col = self._kernel_keys(x2d)
+        return quantize_2d_exact(x2d, rowwise=self.rowwise_usage,
+                                 columnwise=self.columnwise_usage, with_rht=self.with_rht,
+                                 two_d=self.with_2d_quantization, key_row=key_row,
+                                 key_col=key_col)
+
     def _quantize_2d(self, x2d):
         m, k = x2d.shape
         if use_kernels(x2d):
             from .launch import quantize_2d
-            # Same keys, same order as the reference path below: rowwise first.
-            key_row = self._sr_key(x2d.device) if self.rowwise_usage else None
-            key_col = self._sr_key(x2d.device) if self.columnwise_usage else None
+            key_row, key_col = self._kernel_keys(x2d)
             return {"with_rht": self.with_rht, "with_2d_quantization": self.with_2d_quantization,
                     **quantize_2d(x2d, rowwise=self.rowwise_usage,
                                   columnwise=self.columnwise_usage, with_rht=self.with_rht,

@@ -409,13 +409,16 @@ def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
 def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact_ptr,
                       TWO_D: tl.constexpr, SR: tl.constexpr, VEC: tl.constexpr,
                       KB: tl.constexpr, RB: tl.constexpr, EVEN: tl.constexpr,
-                      IDX64: tl.constexpr, EXACT: tl.constexpr):
+                      IDX64: tl.constexpr, EXACT: tl.constexpr, CODES: tl.constexpr):
     """Rowwise NVFP4 of x (M, K): data (M, K/2) u8, scales (M, K/16) or (M/16, K/16) u8
     (E4M3 bytes), S read from glob; key (2,) int64 the stochastic-rounding key when SR.
 
     Tile: RB rows x KB blocks of 16 columns; each thread owns one 1x16 block as H x VEC
     (H = 16 / VEC) elements, VEC contiguous per vector load. 1D: lanes over blocks, then
-    rows; 2D: lanes over the 16 rows of a 16x16 block (RB = 16), then blocks."""
+    rows; 2D: lanes over the 16 rows of a 16x16 block (RB = 16), then blocks.
+
+    EXACT: also writes the exact bf16 ``q * d`` (M, K) to exact_ptr (the dequantize
+    kernel's values, bit for bit); CODES=False: only those (no data or scales)."""
     H: tl.constexpr = 16 // VEC
     pid = tl.program_id(0)
     nkb = tl.cdiv(K // 16, KB)
@@ -444,16 +447,18 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact
         bm = tl.reduce(bm, 0, _max_nan)                                     # (KB,)
         sc, d = _block_scale(bm, s)
         srow = m0 // 16
-        _st(scale_ptr + _wide(srow, IDX64) * K16 + kb0 + tl.arange(0, KB), sc.to(tl.uint8),
-            (srow < M // 16) & (kb0 + tl.arange(0, KB) < K16), EVEN)
+        if CODES:
+            _st(scale_ptr + _wide(srow, IDX64) * K16 + kb0 + tl.arange(0, KB),
+                sc.to(tl.uint8), (srow < M // 16) & (kb0 + tl.arange(0, KB) < K16), EVEN)
         dd = d[None, :, None, None]
         sc4 = sc[None, :, None, None]
     else:
         sc, d = _block_scale(bm, s)
         r2 = m0 + tl.arange(0, RB)[None, :]
         b2 = kb0 + tl.arange(0, KB)[:, None]
-        _st(scale_ptr + _wide(r2, IDX64) * K16 + b2, sc.to(tl.uint8), (r2 < M) & (b2 < K16),
-            EVEN)
+        if CODES:
+            _st(scale_ptr + _wide(r2, IDX64) * K16 + b2, sc.to(tl.uint8),
+                (r2 < M) & (b2 < K16), EVEN)
         dd = d[:, :, None, None]
         sc4 = sc[:, :, None, None]
     n = x * s
@@ -468,12 +473,14 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact
         # decoded from the stored bytes, as the dequantize kernel does
         ex = (_e2m1_decode(code) * _e4m3_decode(sc4 & 0xFF)).to(tl.bfloat16)
         _st(exact_ptr + _wide(r4, IDX64) * K + b4 * 16 + h4 * VEC + c4, ex, mask4, EVEN)
-    X: tl.constexpr = x.shape[0]
-    Y: tl.constexpr = x.shape[1]
-    lo, hi = tl.split(tl.reshape(code, (X, Y, 8, 2)))
-    packed = (lo | (hi << 4)).to(tl.uint8)                                  # (X, Y, 8)
-    j3 = tl.arange(0, 8)[None, None, :]
-    _st(data_ptr + _wide(r3, IDX64) * K2 + b3 * 8 + j3, packed, (r3 < M) & (b3 < K16), EVEN)
+    if CODES:
+        X: tl.constexpr = x.shape[0]
+        Y: tl.constexpr = x.shape[1]
+        lo, hi = tl.split(tl.reshape(code, (X, Y, 8, 2)))
+        packed = (lo | (hi << 4)).to(tl.uint8)                              # (X, Y, 8)
+        j3 = tl.arange(0, 8)[None, None, :]
+        _st(data_ptr + _wide(r3, IDX64) * K2 + b3 * 8 + j3, packed, (r3 < M) & (b3 < K16),
+            EVEN)
 
 
 # ---- pass 2b: columnwise ------------------------------------------------------------------------
@@ -481,13 +488,13 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact
 def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact_ptr,
                       RHT: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
                       KW: tl.constexpr, EVEN: tl.constexpr, IDX64: tl.constexpr,
-                      EXACT: tl.constexpr):
+                      EXACT: tl.constexpr, CODES: tl.constexpr):
     """Columnwise NVFP4 of x (M, K): the rowwise quantization of x^T (RHT'd along M when
     RHT). data (K, M/2) u8, scales (K, M/16) or (K/16, M/16) u8, S from glob; key (2,)
     int64 the stochastic-rounding key when SR. Tile: 64 rows x 16 KW columns (see _col_tile_index); each
     thread owns the 16x1 blocks of two adjacent columns in one 16-row group. EXACT: also
     writes the exact bf16 ``q * d`` (K, M) to exact_ptr (32 contiguous bytes a column a
-    thread)."""
+    thread); CODES=False: only those (no data or scales)."""
     pid = tl.program_id(0)
     nk = tl.cdiv(K, 16 * KW)
     m0 = (pid // nk) * 64
@@ -513,15 +520,17 @@ def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact
         sc, d = _block_scale(bm2, s)
         okb = k0 // 16 + tl.arange(0, KW)[None, :]
         og = m0 // 16 + tl.arange(0, 4)[:, None]
-        _st(scale_ptr + _wide(okb, IDX64) * M16 + og, sc.to(tl.uint8),
-            (okb < K // 16) & (og < M16), EVEN)
+        if CODES:
+            _st(scale_ptr + _wide(okb, IDX64) * M16 + og, sc.to(tl.uint8),
+                (okb < K // 16) & (og < M16), EVEN)
         dd = d[None, :, :, None]
         sc4 = sc[None, :, :, None]
     else:
         sc, dd = _block_scale(bm, s)
         sc4 = sc
-        _st(scale_ptr + _wide(col, IDX64) * M16 + grp, sc.to(tl.uint8),
-            (col < K) & (grp < M16), EVEN)
+        if CODES:
+            _st(scale_ptr + _wide(col, IDX64) * M16 + grp, sc.to(tl.uint8),
+                (col < K) & (grp < M16), EVEN)
     if SR:
         # uniforms of (K, M) elements: each thread's 2 columns x 16 rows
         kp6 = tl.arange(0, 8)[:, None, None, None, None, None]
@@ -556,16 +565,17 @@ def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact
         _st(exact_ptr + _wide(col5e, IDX64) * M + grp5e * 16 + i5, _join_last16(ex),
             (col5e < K) & (grp5e < M16), EVEN)
     # byte jj of column k = code(row 2 jj) | code(row 2 jj + 1) << 4; stack jj last
-    pk = ()
-    for jj in tl.static_range(8):
-        pk = pk + (codes[2 * jj] | (codes[2 * jj + 1] << 4),)
-    w = tl.reshape(tl.join(tl.join(tl.join(pk[0], pk[4]), tl.join(pk[2], pk[6])),
-                           tl.join(tl.join(pk[1], pk[5]), tl.join(pk[3], pk[7]))),
-                   (8, 4, KW, 2, 8)).to(tl.uint8)       # nested joins index 4 c0 + 2 c1 + c2
-    jj5 = tl.arange(0, 8)[None, None, None, None, :]
-    col5 = col[:, :, :, :, None]
-    _st(data_ptr + _wide(col5, IDX64) * M2 + grp[:, :, :, :, None] * 8 + jj5, w,
-        (col5 < K) & (grp[:, :, :, :, None] < M16), EVEN)
+    if CODES:
+        pk = ()
+        for jj in tl.static_range(8):
+            pk = pk + (codes[2 * jj] | (codes[2 * jj + 1] << 4),)
+        w = tl.reshape(tl.join(tl.join(tl.join(pk[0], pk[4]), tl.join(pk[2], pk[6])),
+                               tl.join(tl.join(pk[1], pk[5]), tl.join(pk[3], pk[7]))),
+                       (8, 4, KW, 2, 8)).to(tl.uint8)   # nested joins index 4 c0 + 2 c1 + c2
+        jj5 = tl.arange(0, 8)[None, None, None, None, :]
+        col5 = col[:, :, :, :, None]
+        _st(data_ptr + _wide(col5, IDX64) * M2 + grp[:, :, :, :, None] * 8 + jj5, w,
+            (col5 < K) & (grp[:, :, :, :, None] < M16), EVEN)
 
 
 # ---- dequantize to bf16 (q * d, no global scale) ------------------------------------------------
