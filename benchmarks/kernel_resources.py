@@ -158,12 +158,12 @@ def nvfp4_cases():
         tag = ("+sr" if sr else "") + ("+ex" if ex else "")
         out.append(("row" + tag, nk._nvfp4_row_kernel, sig,
                     dict(TWO_D=False, SR=sr, VEC=8, KB=kb, RB=rb, EVEN=True, IDX64=False,
-                         EXACT=ex),
+                         EXACT=ex, CODES=True),
                     max(1, kb * rb // 32), kb * rb * 16))
         for rht in (False, True):
             out.append(("col" + ("+rht" if rht else "") + tag, nk._nvfp4_col_kernel, sig,
                         dict(RHT=rht, TWO_D=False, SR=sr, KW=kw, EVEN=True, IDX64=False,
-                             EXACT=ex),
+                             EXACT=ex, CODES=True),
                         kw, 64 * 16 * kw))
     return out
 
