@@ -132,11 +132,9 @@ def _whole_backward(ctx, dy, saved_x, saved_w, need_dx: bool, need_dw: bool,
     dy_owned = False
     if quantized and (need_dx or need_dw):
         # dY is read by dgrad and wgrad only: exact values alone where the format allows
+        # (only the directions in use are quantized)
         dy_lp, dy_owned = quantize_operand(ctx.quantizers.grad_output, dy, rowwise=need_dx,
-                                           columnwise=need_dw,
-                                           exact=_BOTH if need_dx and need_dw else
-                                           (("rowwise",) if need_dx else ("columnwise",)),
-                                           codes=False)
+                                           columnwise=need_dw, exact=_BOTH, codes=False)
         w_op, x_op = saved_w, saved_x
     else:
         dy_lp = _plain(dy)

@@ -430,9 +430,7 @@ class Quantizer:
         self._check_shape(x.shape, m, k)
         if m == 0 or k == 0 or not use_kernels(x):
             return None
-        x2d = x.detach() if x.dim() == 2 and x.is_contiguous() else \
-            x.detach().reshape(m, k).contiguous()
-        return ExactTensor(x.shape, x.dtype, **self._quantize_exact_2d(x2d))
+        return ExactTensor(x.shape, x.dtype, **self._quantize_exact_2d(_row_major_2d(x, m, k)))
 
     def _quantize_exact_2d(self, x2d: torch.Tensor) -> dict[str, Any]:
         """ExactTensor fields of ``x2d`` (formats with ``keeps_exact_bf16``)."""
@@ -456,10 +454,7 @@ class Quantizer:
         if m == 0 or k == 0:
             # Nothing to scale (e.g. an empty GroupedLinear split): empty buffers, unit scales.
             return self.make_empty(x.shape, dtype=x.dtype, device=x.device)
-        # stored data is always row-major
-        x2d = x.detach() if x.dim() == 2 and x.is_contiguous() else \
-            x.detach().reshape(m, k).contiguous()
-        fields = self._quantize_2d(x2d)
+        fields = self._quantize_2d(_row_major_2d(x, m, k))
         return self._tensor_class()(x.shape, x.dtype, **fields)
 
     __call__ = quantize
@@ -616,6 +611,12 @@ class Quantizer:
 
     def _repr_params(self) -> dict[str, Any]:
         return {}
+
+
+def _row_major_2d(x: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """``x`` detached as a contiguous (m, k) matrix (stored data is always row-major)."""
+    return x.detach() if x.dim() == 2 and x.is_contiguous() else \
+        x.detach().reshape(m, k).contiguous()
 
 
 def register_safe_globals(*objs) -> None:
