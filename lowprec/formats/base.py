@@ -613,6 +613,16 @@ class Quantizer:
         return {}
 
 
+def check_exact_only(op: str, rowwise: bool, columnwise: bool, exact_row: bool,
+                     exact_col: bool) -> None:
+    """A quantize that writes no codes (``codes=False``) must write the exact values of
+    every direction it quantizes, else that direction would hold nothing."""
+    if rowwise and not exact_row or columnwise and not exact_col:
+        raise ValueError(f"{op}: codes=False needs the exact values of every direction it "
+                         f"quantizes (rowwise={rowwise} exact_row={exact_row}, "
+                         f"columnwise={columnwise} exact_col={exact_col})")
+
+
 def _row_major_2d(x: torch.Tensor, m: int, k: int) -> torch.Tensor:
     """``x`` detached as a contiguous (m, k) matrix (stored data is always row-major)."""
     return x.detach() if x.dim() == 2 and x.is_contiguous() else \

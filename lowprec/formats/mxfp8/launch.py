@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import kernel_op
-from ..base import QuantizedTensor
+from ..base import QuantizedTensor, check_exact_only
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
                               launches, logical_shape, prologue_args, prologue_launch_args,
@@ -59,9 +59,8 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
     """(rowwise data, scale, columnwise data, scale, rowwise exact bf16, columnwise exact
     bf16); a direction not asked for gets empty tensors. ``codes=False`` (every direction
     in use asks for its exact values): no data or scales, empty tensors in their place."""
-    if not codes and (rowwise and not exact_row or columnwise and not exact_col):
-        raise ValueError("mxfp8_quantize: codes=False needs the exact values of every "
-                         "direction it quantizes")
+    if not codes:
+        check_exact_only("mxfp8_quantize", rowwise, columnwise, exact_row, exact_col)
     from ..block.triton_kernels import block_scaled_quant_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ...kernels import kernel_op, use_kernels
-from ..base import QuantizedTensor
+from ..base import QuantizedTensor, check_exact_only
 from ..casting import e2m1_codes_to_float, unpack_e2m1
 from .reference import BLOCK, SCALE_DTYPE
 
@@ -90,9 +90,8 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
             raise ValueError(f"nvfp4_quantize: a stochastic-rounding key must be an int64 (2,) "
                              f"tensor on {dev}, got {key.dtype} {tuple(key.shape)} on "
                              f"{key.device}")
-    if not codes and (rowwise and not exact_row or columnwise and not exact_col):
-        raise ValueError("nvfp4_quantize: codes=False needs the exact values of every "
-                         "direction it quantizes")
+    if not codes:
+        check_exact_only("nvfp4_quantize", rowwise, columnwise, exact_row, exact_col)
     rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = _quantize_outputs(
         x, rowwise, columnwise, two_d, exact_row, exact_col, codes)
     exact_row, exact_col = bool(rowwise and exact_row), bool(columnwise and exact_col)
@@ -178,7 +177,8 @@ def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
     ``exact``: the directions whose exact bf16 ``q * d`` the kernels also write, kept as
     the tensor's ``_exact_<usage>`` records.
     """
-    ex_row, ex_col = bool(rowwise) and "rowwise" in exact, bool(columnwise) and "columnwise" in exact
+    ex_row = bool(rowwise) and "rowwise" in exact
+    ex_col = bool(columnwise) and "columnwise" in exact
     rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = nvfp4_quantize(
         x2d, key_row, key_col, bool(rowwise), bool(columnwise), bool(with_rht), bool(two_d),
         ex_row, ex_col)
