@@ -70,8 +70,8 @@ def quantizers(device):
 def out_bytes(qt) -> int:
     """Bytes of every output: the inner tensors and the exact bf16 records."""
     outs = [t for t in qt.inner_tensors().values() if t is not None]
-    outs += [rec[2] for rec in (getattr(qt, n) for n in qt._derived)
-             if rec is not None and rec[2] is not None and rec[2].element_size() == 2]
+    outs += [getattr(qt, n)[2] for n in qt._derived
+             if n.startswith("_exact_") and getattr(qt, n) is not None]
     return sum(t.numel() * t.element_size() for t in outs)
 
 
@@ -104,10 +104,10 @@ def main(argv=None):
             continue
         q = make()
         q.set_usage(rowwise=row, columnwise=col)
-        q.exact_for_bench = exact[0] if exact else ()
+        exact = exact[0] if exact else ()
         for path, ctx in paths:
             with (ctx() if ctx is not None else contextlib.nullcontext()):
-                ms, how, eager_ms, ob = _time_one(q, inputs, args.iters)
+                ms, how, eager_ms, ob = _time_one(q, exact, inputs, args.iters)
             gbs = (nbytes + ob) / ms / 1e6
             rows.append({"bench": "quantize", "shape": f"{m}x{k}", "recipe": f"{name}/{path}",
                          "metric": "GB/s", "value": gbs, "baseline": "d2d_copy",
@@ -120,10 +120,11 @@ def main(argv=None):
     return rows
 
 
-def _time_one(q, inputs, iters):
-    """(time ms, "GPU" or "eager", eager ms, output bytes) of ``q.quantize``."""
+def _time_one(q, exact, inputs, iters):
+    """(time ms, "GPU" or "eager", eager ms, output bytes) of ``q.quantize_for_gemm(x,
+    exact)`` (``q.quantize`` when ``exact`` is empty)."""
     def quantize(x):
-        return q.quantize_for_gemm(x, q.exact_for_bench)
+        return q.quantize_for_gemm(x, exact)
 
     qt = quantize(inputs[0][0])
     ob = out_bytes(qt)
