@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lowprec  # noqa: E402
 import lowprec.grad_split  # noqa: E402
+from lowprec.backends import cublaslt  # noqa: E402
 from harness import (append_rows, compare, compare_alternating, l2_rotation,  # noqa: E402
                      print_table)
 
@@ -117,11 +118,11 @@ def no_exact_records():
 
 
 def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", unsliced_too=(),
-                 sliced_too=(), no_exact_too=(), **step_kw):
+                 sliced_too=(), no_exact_too=(), no_lt_too=(), **step_kw):
     """(name, step) for one shape, the bf16 baseline first; ``unsliced_too``/``sliced_too``
-    /``no_exact_too``: recipes also run as ``lowprec/<recipe>/unsliced``, ``/sliced`` or
-    ``/no_exact`` (inside ``grad_split.unsliced()``, ``grad_split.sliced()`` or
-    ``no_exact_records()``)."""
+    /``no_exact_too``/``no_lt_too``: recipes also run as ``lowprec/<recipe>/unsliced``,
+    ``/sliced``, ``/no_exact`` or ``/no_lt`` (inside ``grad_split.unsliced()``,
+    ``grad_split.sliced()``, ``no_exact_records()`` or ``backends.cublaslt.disabled()``)."""
     torch.manual_seed(0)
     base = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     peers = [("bf16", plain_step(base, **step_kw))]
@@ -132,7 +133,8 @@ def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", unsliced_too=
         peers.append((f"lowprec/{r}", lowprec_step(mod, RECIPES[r](), **step_kw)))
         for variant, context, wanted in (("unsliced", lowprec.grad_split.unsliced, unsliced_too),
                                          ("sliced", lowprec.grad_split.sliced, sliced_too),
-                                         ("no_exact", no_exact_records, no_exact_too)):
+                                         ("no_exact", no_exact_records, no_exact_too),
+                                         ("no_lt", cublaslt.disabled, no_lt_too)):
             if r in wanted:
                 peers.append((f"lowprec/{r}/{variant}", within(
                     context, lowprec_step(copy.deepcopy(mod), RECIPES[r](), **step_kw))))
@@ -150,7 +152,8 @@ def shape_peers(args, m, k, n, **step_kw):
     return linear_peers(m, k, n, split_list(args.recipes), split_list(args.torchao),
                         unsliced_too=split_list(args.unsliced_too),
                         sliced_too=split_list(args.sliced_too),
-                        no_exact_too=split_list(args.no_exact_too), **step_kw)
+                        no_exact_too=split_list(args.no_exact_too),
+                        no_lt_too=split_list(args.no_lt_too), **step_kw)
 
 
 def mlp_peers(m, hidden, ffn, recipes, device="cuda", **step_kw):
@@ -241,6 +244,9 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-exact-too", default="",
                     help="comma-separated recipes (mxfp8, nvfp4) also run without the exact "
                          "bf16 operands written by the quantize kernels (no_exact_records)")
+    ap.add_argument("--no-lt-too", default="",
+                    help="comma-separated recipes (nvfp4) also run with the fp32-output GEMM "
+                         "and a scaling kernel instead of cuBLASLt's device-side alpha")
 
 
 def main(argv=None):

@@ -57,3 +57,18 @@ def scale_bias_epilogue_kernel(acc_ptr, out_ptr, div_a_ptr, div_b_ptr, bias_ptr,
     if HAS_BIAS:
         v = v + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gemm_alpha_kernel(div_a_ptr, div_b_ptr, out_ptr, HAS_DIV_A: tl.constexpr,
+                      HAS_DIV_B: tl.constexpr):
+    """out = RN32(1 / (div_a * div_b)) through fp64 (the product is exact there), clamped
+    to the fp32 maximum (so that 0 * alpha stays 0)."""
+    p = tl.full((1,), 1.0, tl.float64)
+    if HAS_DIV_A:
+        p = p * tl.load(div_a_ptr + tl.arange(0, 1)).to(tl.float64)
+    if HAS_DIV_B:
+        p = p * tl.load(div_b_ptr + tl.arange(0, 1)).to(tl.float64)
+    alpha = (1.0 / p).to(tl.float32)
+    alpha = tl.where(alpha > 3.4028234663852886e38, 3.4028234663852886e38, alpha)
+    tl.store(out_ptr + tl.arange(0, 1), alpha)

@@ -21,7 +21,11 @@ result is rounded once to ``out_dtype``. So the result equals the fp32
 emulation (dequantize both operands in fp32, multiply in fp32) up to fp32
 rounding of the products' sums. Where nothing is left to apply in fp32 (no
 divisor, a bf16 output, a bf16 bias) the GEMM writes bf16 directly, with
-the bias in cuBLAS's fp32 epilogue.
+the bias in cuBLAS's fp32 epilogue. Otherwise, for row-contiguous operands,
+cuBLASLt applies the divisors as one factor ``RN32(1 / (div_a * div_b))``
+read from device memory, and the bias, in its fp32 epilogue
+(:mod:`.cublaslt`); elsewhere the GEMM writes fp32 and a kernel divides by
+each divisor in turn (``(acc / div_a) / div_b + bias``).
 
 NVFP4 RHT: when both operands carry the Hadamard transform along the
 contraction dimension (the wgrad pair of NVFP4BlockScaling), their stored
@@ -47,7 +51,8 @@ from ..formats.float8.tensor import Float8Tensor
 from ..formats.identity import IdentityTensor
 from ..formats.mxfp8.tensor import MXFP8Tensor
 from ..formats.nvfp4.tensor import NVFP4Tensor
-from . import kernels
+from ..kernels import use_kernels
+from . import cublaslt, kernels
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -154,5 +159,8 @@ def emulated_bf16_run(a, a_usage, b, b_usage, out_dtype, bias):
         if bias is None:
             return torch.mm(am, bm.t())
         return torch.addmm(bias, am, bm.t())
+    if use_kernels(am) and cublaslt.shape_ok(am, bm, out_dtype, bias):
+        # divisors and bias in cuBLASLt's epilogue: no fp32 result in memory
+        return kernels.scaled_mm_lt(am, bm, div_a, div_b, bias, out_dtype)
     acc = _mm_fp32_out(am, bm)
     return kernels.scale_bias_epilogue(acc, div_a, div_b, bias, out_dtype)

@@ -2,7 +2,9 @@
 
 * :func:`mxfp8_dequantize_bf16` -- MXFP8 data and E8M0 scales to exact bf16;
 * :func:`scale_bias_epilogue` -- ``(acc / div_a / div_b + bias)`` in fp32, rounded
-  once to the output dtype.
+  once to the output dtype;
+* :func:`gemm_alpha` -- ``RN32(1 / (div_a * div_b))`` on the device, the output scale of
+  :func:`scaled_mm_lt` (a cuBLASLt GEMM that applies it and the bias in its epilogue).
 
 The Triton versions are registered as torch custom ops (``lowprec_gemm::*``)
 so ``torch.compile`` can trace them; they run on CUDA when Triton imports
@@ -46,6 +48,14 @@ def scale_bias_epilogue_torch(acc, div_a, div_b, bias, out_dtype):
     if bias is not None:
         acc = acc + bias.to(torch.float32)
     return acc.to(out_dtype)
+
+
+def gemm_alpha_torch(div_a, div_b):
+    p = torch.ones(1, dtype=torch.float64, device=(div_a if div_a is not None else div_b).device)
+    for d in (div_a, div_b):
+        if d is not None:
+            p = p * d.to(torch.float64).reshape(1)
+    return p.reciprocal().to(torch.float32).clamp(max=torch.finfo(torch.float32).max)
 
 
 # ---- Triton launchers as custom ops -------------------------------------------------------
@@ -94,6 +104,40 @@ def _(acc, div_a, div_b, bias, out_dtype):
     return acc.new_empty(acc.shape, dtype=out_dtype)
 
 
+def _alpha_launch(div_a, div_b):
+    from ._triton_kernels import gemm_alpha_kernel
+
+    some = div_a if div_a is not None else div_b
+    out = torch.empty(1, dtype=torch.float32, device=some.device)
+    gemm_alpha_kernel[(1,)](div_a if div_a is not None else some,
+                            div_b if div_b is not None else some, out,
+                            HAS_DIV_A=div_a is not None, HAS_DIV_B=div_b is not None,
+                            num_warps=1)
+    return out
+
+
+@kernel_op("lowprec_gemm::scaled_mm_lt", mutates_args=())
+def _scaled_mm_lt_op(am: torch.Tensor, bm: torch.Tensor, div_a: Optional[torch.Tensor],
+                     div_b: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    from . import cublaslt
+
+    if div_a is None and div_b is None:
+        alpha = cublaslt.one(am.device)
+    else:
+        alpha = _alpha_launch(div_a, div_b)
+    out = cublaslt.mm_scaled(am, bm, alpha, bias, out_dtype)
+    if out is None:  # no cuBLASLt algorithm for these pointers: fp32 GEMM, then scale
+        acc = torch.mm(am, bm.t(), out_dtype=torch.float32)
+        out = _epilogue_op(acc, div_a, div_b, bias, out_dtype)
+    return out
+
+
+@_scaled_mm_lt_op.register_fake
+def _(am, bm, div_a, div_b, bias, out_dtype):
+    return am.new_empty((am.shape[0], bm.shape[0]), dtype=out_dtype)
+
+
 # ---- dispatch -----------------------------------------------------------------------------
 def mxfp8_dequantize_bf16(data: torch.Tensor, scale: torch.Tensor, block_rows: int) -> torch.Tensor:
     """Exact bf16 ``data * 2**e`` of one stored MXFP8 direction (R, C)."""
@@ -114,3 +158,27 @@ def scale_bias_epilogue(acc: torch.Tensor, div_a: torch.Tensor | None, div_b: to
             bias = bias.contiguous()
         return _epilogue_op(acc, div_a, div_b, bias, out_dtype)
     return scale_bias_epilogue_torch(acc, div_a, div_b, bias, out_dtype)
+
+
+def gemm_alpha(div_a: torch.Tensor | None, div_b: torch.Tensor | None) -> torch.Tensor:
+    """(1,) fp32 ``RN32(1 / (div_a * div_b))`` (fp64 product and reciprocal), clamped to
+    the fp32 maximum; a missing divisor counts as 1."""
+    div_a = None if div_a is None else div_a.to(torch.float32).reshape(1)
+    div_b = None if div_b is None else div_b.to(torch.float32).reshape(1)
+    some = div_a if div_a is not None else div_b
+    if use_kernels(some):
+        return _alpha_launch(div_a, div_b)
+    return gemm_alpha_torch(div_a, div_b)
+
+
+def scaled_mm_lt(am: torch.Tensor, bm: torch.Tensor, div_a: torch.Tensor | None,
+                 div_b: torch.Tensor | None, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """``(am @ bm.T) * RN32(1 / (div_a * div_b)) + bias`` in cuBLASLt's fp32 epilogue,
+    rounded once to ``out_dtype`` (CUDA bf16 operands that pass
+    :func:`lowprec.backends.cublaslt.shape_ok`)."""
+    if div_a is not None:
+        div_a = div_a.to(torch.float32).reshape(1)
+    if div_b is not None:
+        div_b = div_b.to(torch.float32).reshape(1)
+    return _scaled_mm_lt_op(am, bm, div_a, div_b, bias, out_dtype)

@@ -1,0 +1,279 @@
+"""bf16 GEMMs through cuBLASLt with the output scale read from device memory (ctypes).
+
+The bf16 emulation of NVFP4 (and of per-tensor FP8 paired with another format) must apply
+the operands' fp32 divisors after the GEMM. They live on the device (computed from an amax
+by a kernel), and torch passes device-side scales to cuBLAS only for fp8 operands
+(``torch._scaled_mm``). Without that, the GEMM writes an fp32 result and a second kernel
+scales it to bf16: 4 more bytes written and 6 more moved per output element, about a tenth
+of an NVFP4 Linear step at 16384 tokens. cuBLASLt reads ``alpha`` through a device pointer
+(``CUBLASLT_POINTER_MODE_DEVICE``) and applies it, and the bias, in its fp32 epilogue::
+
+    D = RN_out(alpha * (A @ B^T) + bias),   alpha = RN32(1 / (div_a * div_b))
+
+``alpha`` is computed on the device in fp64 (the product of two fp32 values is exact there)
+by one tiny kernel, and clamped to the fp32 maximum so that a zero row times an
+unrepresentable alpha stays 0 (it is out of range only for amax products above ~1e45).
+
+The library is the libcublasLt that torch itself loaded (same process, same version). Plans
+(descriptors, the heuristic's algorithm) are cached per shape, strides, alignment and
+dtypes; each device gets one handle and a zero ``beta``, each stream a 32 MiB workspace. Where no
+library or no algorithm is found, :func:`mm_scaled` returns None and the caller keeps its
+fp32-output path (same values up to fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+
+import torch
+
+from ..kernels import FlagOff
+
+#: Off inside :class:`disabled` (benchmarks' A/B against the fp32-output path).
+_enabled = True
+
+# ---- cuBLASLt constants (cublasLt.h / library_types.h) ------------------------------------
+_CUBLAS_COMPUTE_32F = 68
+_CUDA_TYPES = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}
+_DESC_SCALE_TYPE, _DESC_POINTER_MODE, _DESC_TRANSA, _DESC_TRANSB = 1, 2, 3, 4
+_DESC_EPILOGUE, _DESC_BIAS_POINTER = 7, 8
+_POINTER_MODE_DEVICE = 1
+_OP_N, _OP_T = 0, 1
+_EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
+_PREF_MAX_WORKSPACE = 1
+_PREF_MIN_ALIGN = {"a": 5, "b": 6, "c": 7, "d": 8}
+
+WORKSPACE_BYTES = 32 << 20
+
+
+class _Heuristic(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t."""
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t),
+                ("state", ctypes.c_int), ("waves_count", ctypes.c_float),
+                ("reserved", ctypes.c_int * 4)]
+
+
+def _library_path() -> str | None:
+    """Path of the libcublasLt loaded in this process (torch's), else one beside torch."""
+    if torch.cuda.is_available():
+        torch.cuda.current_blas_handle()  # makes torch load cuBLAS(Lt) if it has not yet
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if "libcublasLt.so" in os.path.basename(path):
+                    return path
+    except OSError:
+        pass
+    roots = [os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(torch.__file__))]
+    for root in roots:
+        hits = sorted(glob.glob(os.path.join(root, "**", "libcublasLt.so*"), recursive=True))
+        if hits:
+            return hits[0]
+    return None
+
+
+def _bind(lib):
+    vp, sz, i32, u64, i64 = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64,
+                             ctypes.c_int64)
+    pvp = ctypes.POINTER(vp)
+    sigs = {
+        "cublasLtCreate": [pvp],
+        "cublasLtMatmulDescCreate": [pvp, i32, i32],
+        "cublasLtMatmulDescSetAttribute": [vp, i32, vp, sz],
+        "cublasLtMatrixLayoutCreate": [pvp, i32, u64, u64, i64],
+        "cublasLtMatmulPreferenceCreate": [pvp],
+        "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
+        "cublasLtMatmulPreferenceDestroy": [vp],
+        "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32,
+                                           ctypes.POINTER(_Heuristic), ctypes.POINTER(i32)],
+        "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp],
+    }
+    for name, args in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, i32
+    lib.cublasLtGetStatusString.argtypes, lib.cublasLtGetStatusString.restype = [i32], ctypes.c_char_p
+    return lib
+
+
+class _State:
+    lib = None
+    tried = False
+    lock = threading.Lock()
+    handles: dict = {}       # device index -> (handle, zero beta)
+    workspaces: dict = {}    # (device index, stream) -> workspace tensor
+    ones: dict = {}          # device index -> (1,) fp32 1.0
+    plans: dict = {}         # plan key -> _Plan or None (no algorithm)
+
+
+def _lib():
+    if not _State.tried:
+        with _State.lock:
+            if not _State.tried:
+                path = _library_path()
+                try:
+                    _State.lib = _bind(ctypes.CDLL(path)) if path else None
+                except (OSError, AttributeError):
+                    _State.lib = None
+                _State.tried = True
+    return _State.lib
+
+
+def available() -> bool:
+    """Whether cuBLASLt could be loaded (CUDA only) and is not :class:`disabled`."""
+    return _enabled and torch.cuda.is_available() and _lib() is not None
+
+
+class disabled(FlagOff):
+    """Context manager: the bf16 emulation writes fp32 and scales in a second kernel, as
+    before this module (for A/B comparisons)."""
+
+    _module, _flag = __name__, "_enabled"
+
+
+def _check(status: int, what: str):
+    if status != 0:
+        msg = _State.lib.cublasLtGetStatusString(status)
+        raise RuntimeError(f"cuBLASLt {what} failed: status {status} "
+                           f"({msg.decode() if msg else 'unknown'})")
+
+
+def _device_state(device: torch.device, stream: int):
+    """(handle, zero beta, workspace) of a device; one workspace per stream, since two
+    GEMMs running at once must not share one."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    st = _State.handles.get(idx)
+    if st is None:
+        with torch.cuda.device(idx):
+            h = ctypes.c_void_p()
+            _check(_State.lib.cublasLtCreate(ctypes.byref(h)), "create")
+            beta = torch.zeros(1, dtype=torch.float32, device=device)
+        st = _State.handles[idx] = (h, beta)
+    ws = _State.workspaces.get((idx, stream))
+    if ws is None:
+        ws = _State.workspaces[(idx, stream)] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8,
+                                                            device=device)
+    return st[0], st[1], ws
+
+
+def one(device: torch.device) -> torch.Tensor:
+    """A cached (1,) fp32 1.0 on ``device`` (alpha when there is no divisor)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    t = _State.ones.get(idx)
+    if t is None:
+        t = _State.ones[idx] = torch.ones(1, dtype=torch.float32, device=device)
+    return t
+
+
+def _set(setter, obj, attr: int, value, ctype):
+    v = ctype(value)
+    _check(setter(obj, attr, ctypes.byref(v), ctypes.sizeof(v)), f"attribute {attr}")
+
+
+def _alignment(ptr: int, ld_bytes: int) -> int:
+    """Largest power of two (<= 256) dividing the base address and the row pitch."""
+    a = 256
+    while a > 1 and (ptr % a or ld_bytes % a):
+        a //= 2
+    return a
+
+
+class _Plan:
+    """Descriptors and algorithm for one GEMM signature (see :func:`_plan`)."""
+
+    def __init__(self, handle, m, n, k, lda, ldb, ldd, in_type, out_type, has_bias, aligns):
+        lib = _State.lib
+        self.desc = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _CUBLAS_COMPUTE_32F,
+                                            _CUDA_TYPES[torch.float32]), "desc")
+        sd = lib.cublasLtMatmulDescSetAttribute
+        _set(sd, self.desc, _DESC_POINTER_MODE, _POINTER_MODE_DEVICE, ctypes.c_int32)
+        _set(sd, self.desc, _DESC_TRANSA, _OP_T, ctypes.c_int32)
+        _set(sd, self.desc, _DESC_TRANSB, _OP_N, ctypes.c_int32)
+        _set(sd, self.desc, _DESC_EPILOGUE, _EPILOGUE_BIAS if has_bias else _EPILOGUE_DEFAULT,
+             ctypes.c_uint32)
+        # row-major out (m, n) = a (m, k) @ b (n, k)^T is column-major out^T (n, m):
+        # cuBLAS A = b (k x n, ld ldb) transposed, B = a (k x m, ld lda), D (n x m, ld ldd)
+        self.layouts = []
+        for rows, cols, ld, t in ((k, n, ldb, in_type), (k, m, lda, in_type),
+                                  (n, m, ldd, out_type)):
+            lay = ctypes.c_void_p()
+            _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), _CUDA_TYPES[t], rows, cols,
+                                                  ld), "layout")
+            self.layouts.append(lay)
+        pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
+        sp = lib.cublasLtMatmulPreferenceSetAttribute
+        _set(sp, pref, _PREF_MAX_WORKSPACE, WORKSPACE_BYTES, ctypes.c_uint64)
+        for key, align in zip("abcd", aligns):
+            _set(sp, pref, _PREF_MIN_ALIGN[key], align, ctypes.c_uint32)
+        self.heuristic = _Heuristic()
+        count = ctypes.c_int(0)
+        la, lb, ld_ = self.layouts
+        status = lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, la, lb, ld_, ld_, pref, 1,
+                                                    ctypes.byref(self.heuristic),
+                                                    ctypes.byref(count))
+        lib.cublasLtMatmulPreferenceDestroy(pref)
+        self.ok = status == 0 and count.value > 0 and self.heuristic.state == 0
+
+
+def _plan(handle, key) -> _Plan | None:
+    plan = _State.plans.get(key)
+    if plan is None and key not in _State.plans:
+        with _State.lock:
+            plan = _Plan(handle, *key[1:])
+            plan = plan if plan.ok else None
+            _State.plans[key] = plan
+    return plan
+
+
+def shape_ok(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype, bias) -> bool:
+    """What can be decided without data pointers (so also under tracing): dtypes, rows
+    contiguous, 16-byte row pitch, bias of the output dtype."""
+    if not available() or am.dtype != torch.bfloat16 or bm.dtype != torch.bfloat16:
+        return False
+    if out_dtype not in _CUDA_TYPES or am.dim() != 2 or bm.dim() != 2:
+        return False
+    if bias is not None and (bias.dtype != out_dtype or bias.dim() != 1 or bias.stride(0) != 1):
+        return False
+    m, k = am.shape
+    n = bm.shape[0]
+    if min(m, n, k) == 0 or bm.shape[1] != k or am.stride(1) != 1 or bm.stride(1) != 1:
+        return False
+    return am.stride(0) % 8 == 0 and bm.stride(0) % 8 == 0 and k % 8 == 0
+
+
+def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """``alpha * (am @ bm.T) + bias`` rounded once to ``out_dtype``, with ``alpha`` an fp32
+    device scalar; None when cuBLASLt has no algorithm for these operands (the caller then
+    takes another path). ``shape_ok`` must hold."""
+    m, k = am.shape
+    n = bm.shape[0]
+    stream = torch.cuda.current_stream(am.device).cuda_stream
+    handle, beta, ws = _device_state(am.device, stream)
+    out = torch.empty((m, n), dtype=out_dtype, device=am.device)
+    isz, osz = am.element_size(), out.element_size()
+    aligns = (_alignment(bm.data_ptr(), bm.stride(0) * isz),
+              _alignment(am.data_ptr(), am.stride(0) * isz),
+              _alignment(out.data_ptr(), n * osz), _alignment(out.data_ptr(), n * osz))
+    if bias is not None and bias.data_ptr() % 256:
+        return None  # the plan's algorithm was chosen for a bias at full alignment
+    key = (am.device.index, m, n, k, am.stride(0), bm.stride(0), n, am.dtype, out_dtype,
+           bias is not None, aligns)
+    plan = _plan(handle, key)
+    if plan is None:
+        return None
+    lib = _State.lib
+    if bias is not None:
+        _set(lib.cublasLtMatmulDescSetAttribute, plan.desc, _DESC_BIAS_POINTER,
+             bias.data_ptr(), ctypes.c_void_p)
+    la, lb, ld_ = plan.layouts
+    _check(lib.cublasLtMatmul(handle, plan.desc, alpha.data_ptr(), bm.data_ptr(), la,
+                              am.data_ptr(), lb, beta.data_ptr(), out.data_ptr(), ld_,
+                              out.data_ptr(), ld_, ctypes.byref(plan.heuristic.algo),
+                              ws.data_ptr(), WORKSPACE_BYTES, stream), "matmul")
+    return out

@@ -1,0 +1,198 @@
+"""The cuBLASLt GEMM with a device-side output scale (``lowprec.backends.cublaslt``).
+
+Against the path it replaces (fp32 GEMM, then ``(acc / div_a) / div_b + bias`` in a
+kernel), on the same bf16 operands:
+
+* fp32 output: normwise relative difference <= 1e-6. Both accumulate the same exact
+  products in fp32; the orders may differ (another cuBLAS algorithm), and alpha is one
+  rounded factor instead of two divisions: a few fp32 ulps per element, ~1e-7 normwise.
+* bf16/fp16 output: each element equals the old one or is one unit in the last place
+  away (a few fp32 ulps can only move the final rounding across one boundary), and at
+  least 99% are identical (a boundary is crossed with probability ~2**-15 per element).
+
+The alpha kernel is compared bit for bit with its fp64 torch definition, and every GPU
+case asserts that cuBLASLt actually ran (a silent fall-back would pass the value checks).
+The CPU test checks the torch definition of alpha.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec
+import lowprec.gemm
+from lowprec import NVFP4Quantizer
+from lowprec.backends import cublaslt, kernels
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def test_alpha_torch_definition_cpu():
+    a = torch.tensor([3.0e-3, 1.0, 7.0e30, 2.0e-30, 3.0e38])
+    b = torch.tensor([5.0e2, 0.75, 9.0e30, 1.0e-30, 3.0e38])
+    for i in range(a.numel()):
+        got = kernels.gemm_alpha_torch(a[i:i + 1], b[i:i + 1])
+        exact = 1.0 / (float(a[i]) * float(b[i]))   # Python floats are fp64
+        want = min(torch.tensor(exact, dtype=torch.float64).float().item(), F32_MAX)
+        assert got.item() == want, (a[i], b[i])
+    assert kernels.gemm_alpha_torch(None, b[:1]).item() == torch.tensor(1 / 5.0e2).float().item()
+
+
+@pytest.fixture
+def lt_calls(monkeypatch):
+    """Counts cuBLASLt launches that found an algorithm."""
+    calls = []
+    real = cublaslt.mm_scaled
+
+    def spy(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(cublaslt, "mm_scaled", spy)
+    return calls
+
+
+def _old_path(am, bm, div_a, div_b, bias, out_dtype):
+    acc = torch.mm(am, bm.t(), out_dtype=torch.float32)
+    return kernels.scale_bias_epilogue(acc, div_a, div_b, bias, out_dtype)
+
+
+def _exactish_bf16(rows, cols, gen):
+    """bf16 values with few significant bits (like the exact NVFP4 products) and a spread
+    of magnitudes."""
+    v = torch.randint(-12, 13, (rows, cols), generator=gen, device="cuda").float() * 0.25
+    return (v * torch.exp2(torch.randint(-6, 6, (rows, 1), generator=gen,
+                                         device="cuda").float())).to(torch.bfloat16)
+
+
+def _assert_close(got, want, out_dtype):
+    assert got.dtype == out_dtype and got.shape == want.shape
+    if out_dtype == torch.float32:
+        rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert rel <= 1e-6, rel
+        return
+    g, w = got.float(), want.float()
+    same = g == w
+    spacing = torch.where(w == 0, torch.zeros_like(w),
+                          torch.exp2(torch.floor(torch.log2(w.abs())))
+                          * torch.finfo(out_dtype).eps)
+    assert bool(((g - w).abs() <= spacing).all()), "more than one ulp apart"
+    assert same.float().mean().item() >= 0.99, same.float().mean().item()
+
+
+@gpu
+def test_library_loads():
+    assert cublaslt.available(), "libcublasLt not found in the process or beside torch"
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(256, 512, 384), (333, 1024, 77), (1, 64, 8), (4096, 4096, 1024)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("divs", ["both", "a", "none"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_fp32_epilogue_path(shape, out_dtype, divs, with_bias, lt_calls):
+    m, k, n = shape
+    gen = torch.Generator(device="cuda").manual_seed(m * 7 + k + n)
+    am, bm = _exactish_bf16(m, k, gen), _exactish_bf16(n, k, gen)
+    div_a = torch.rand(1, device="cuda", generator=gen) * 1e3 + 0.5 if divs != "none" else None
+    div_b = torch.rand(1, device="cuda", generator=gen) * 1e-2 + 1e-4 if divs == "both" else None
+    bias = (torch.randn(n, device="cuda", generator=gen).to(out_dtype) if with_bias else None)
+    assert cublaslt.shape_ok(am, bm, out_dtype, bias)
+    got = kernels.scaled_mm_lt(am, bm, div_a, div_b, bias, out_dtype)
+    assert lt_calls == [True]
+    _assert_close(got, _old_path(am, bm, div_a, div_b, bias, out_dtype), out_dtype)
+
+
+@gpu
+def test_alpha_kernel_matches_torch():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    vals = torch.cat([torch.rand(64, device="cuda", generator=gen) * 1e3,
+                      torch.exp2(torch.randint(-120, 120, (64,), device="cuda",
+                                               generator=gen).float()) * 1.37,
+                      torch.tensor([F32_MAX, 1e-38, 1.0, 3.0], device="cuda")])
+    for i in range(0, vals.numel() - 1):
+        a, b = vals[i:i + 1], vals[i + 1:i + 2]
+        for da, db in ((a, b), (a, None), (None, b)):
+            got = kernels.gemm_alpha(da, db)
+            want = kernels.gemm_alpha_torch(da, db)
+            assert torch.equal(got, want), (da, db, got, want)
+
+
+@gpu
+def test_out_of_range_alpha_keeps_zero_rows(lt_calls):
+    # div_a * div_b underflows fp32: alpha is clamped, so a zero row gives 0, not NaN
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    am, bm = _exactish_bf16(128, 256, gen), _exactish_bf16(64, 256, gen)
+    am[5] = 0
+    tiny = torch.tensor([1e-30], device="cuda")
+    out = kernels.scaled_mm_lt(am, bm, tiny, tiny, None, torch.float32)
+    assert lt_calls == [True]
+    assert bool((out[5] == 0).all())
+    assert not bool(out.isnan().any())
+
+
+@gpu
+def test_unaligned_and_strided_operands(lt_calls):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    big = _exactish_bf16(300, 1032, gen)
+    am = big[1:, 8:1032 - 8]          # 16-byte aligned start, row pitch 1032 elements
+    bm = _exactish_bf16(96, 1016, gen)
+    div = torch.tensor([3.0], device="cuda")
+    bias_store = torch.randn(97, device="cuda", generator=gen).to(torch.bfloat16)
+    bias = bias_store[1:]             # 2-byte offset: not at the plan's alignment
+    assert cublaslt.shape_ok(am, bm, torch.bfloat16, bias)
+    for b in (None, bias):
+        got = kernels.scaled_mm_lt(am, bm, div, None, b, torch.bfloat16)
+        _assert_close(got, _old_path(am, bm, div, None, b, torch.bfloat16), torch.bfloat16)
+    assert lt_calls[0] is True and lt_calls[1] is False  # the offset bias takes the old path
+    # row pitch not a multiple of 8 elements: refused before any launch
+    odd = _exactish_bf16(64, 1001, gen)[:, :1000]
+    assert not cublaslt.shape_ok(odd, bm[:, :1000], torch.bfloat16, None)
+
+
+@gpu
+def test_under_compile_and_cuda_graph():
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    am, bm = _exactish_bf16(512, 768, gen), _exactish_bf16(256, 768, gen)
+    da, db = torch.tensor([7.0], device="cuda"), torch.tensor([0.01], device="cuda")
+    eager = kernels.scaled_mm_lt(am, bm, da, db, None, torch.bfloat16)
+    compiled = torch.compile(lambda a, b: kernels.scaled_mm_lt(a, b, da, db, None,
+                                                               torch.bfloat16),
+                             fullgraph=True)
+    assert torch.equal(compiled(am, bm), eager)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kernels.scaled_mm_lt(am, bm, da, db, None, torch.bfloat16)  # workspace for s
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        captured = kernels.scaled_mm_lt(am, bm, da, db, None, torch.bfloat16)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+@gpu
+def test_nvfp4_linear_uses_it_for_all_three_gemms(lt_calls):
+    torch.manual_seed(0)
+    lin = lowprec.Linear(512, 384, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with lowprec.autocast(recipe=lowprec.NVFP4BlockScaling()):
+        y = lin(x)
+    y.backward(torch.randn_like(y))
+    assert lt_calls == [True, True, True]
+
+
+@gpu
+def test_disabled_takes_the_fp32_output_path(lt_calls):
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    am, bm = _exactish_bf16(64, 128, gen), _exactish_bf16(32, 128, gen)
+    with cublaslt.disabled():
+        assert not cublaslt.available()
+        a = NVFP4Quantizer().quantize(am.float())
+        b = NVFP4Quantizer().quantize(bm.float())
+        lowprec.gemm.gemm(a, "rowwise", b, "rowwise", out_dtype=torch.bfloat16)
+    assert lt_calls == [] and cublaslt.available()
