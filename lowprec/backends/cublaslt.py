@@ -37,7 +37,7 @@ _enabled = True
 
 # ---- cuBLASLt constants (cublasLt.h / library_types.h) ------------------------------------
 _CUBLAS_COMPUTE_32F = 68
-_CUDA_TYPES = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}
+_CUDA_TYPES = {torch.float32: 0, torch.bfloat16: 14}  # cuBLASLt: bf16 A/B give bf16/fp32 D
 _DESC_SCALE_TYPE, _DESC_POINTER_MODE, _DESC_TRANSA, _DESC_TRANSB = 1, 2, 3, 4
 _DESC_EPILOGUE, _DESC_BIAS_POINTER = 7, 8
 _POINTER_MODE_DEVICE = 1
@@ -58,8 +58,9 @@ class _Heuristic(ctypes.Structure):
 
 def _library_path() -> str | None:
     """Path of the libcublasLt loaded in this process (torch's), else one beside torch."""
-    if torch.cuda.is_available():
-        torch.cuda.current_blas_handle()  # makes torch load cuBLAS(Lt) if it has not yet
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.current_blas_handle()  # makes torch load cuBLAS(Lt) if it has not yet
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
@@ -124,7 +125,7 @@ def _lib():
 
 def available() -> bool:
     """Whether cuBLASLt could be loaded (CUDA only) and is not :class:`disabled`."""
-    return _enabled and torch.cuda.is_available() and _lib() is not None
+    return _enabled and _lib() is not None
 
 
 class disabled(FlagOff):
@@ -175,10 +176,8 @@ def _set(setter, obj, attr: int, value, ctype):
 
 def _alignment(ptr: int, ld_bytes: int) -> int:
     """Largest power of two (<= 256) dividing the base address and the row pitch."""
-    a = 256
-    while a > 1 and (ptr % a or ld_bytes % a):
-        a //= 2
-    return a
+    bits = ptr | ld_bytes | 256
+    return bits & -bits
 
 
 class _Plan:
@@ -253,16 +252,17 @@ def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha: torch.Tensor,
     takes another path). ``shape_ok`` must hold."""
     m, k = am.shape
     n = bm.shape[0]
-    stream = torch.cuda.current_stream(am.device).cuda_stream
-    handle, beta, ws = _device_state(am.device, stream)
-    out = torch.empty((m, n), dtype=out_dtype, device=am.device)
+    dev = am.device
+    stream = torch._C._cuda_getCurrentRawStream(dev.index)
+    handle, beta, ws = _device_state(dev, stream)
+    out = torch.empty((m, n), dtype=out_dtype, device=dev)
     isz, osz = am.element_size(), out.element_size()
     aligns = (_alignment(bm.data_ptr(), bm.stride(0) * isz),
               _alignment(am.data_ptr(), am.stride(0) * isz),
               _alignment(out.data_ptr(), n * osz), _alignment(out.data_ptr(), n * osz))
     if bias is not None and bias.data_ptr() % 256:
         return None  # the plan's algorithm was chosen for a bias at full alignment
-    key = (am.device.index, m, n, k, am.stride(0), bm.stride(0), n, am.dtype, out_dtype,
+    key = (dev.index, m, n, k, am.stride(0), bm.stride(0), n, am.dtype, out_dtype,
            bias is not None, aligns)
     plan = _plan(handle, key)
     if plan is None:
