@@ -347,18 +347,13 @@ def timing(args, out: dict):
     ca = launch.CONFIG["amax"]
     kern = launch._kernels()._nvfp4_amax_kernel
     for rht in (False, True):
-        if rht:
-            grid = (launch.triton_cdiv(m, 64) * launch.triton_cdiv(k, 16 * ca["KW"]),)
-            even = m % 64 == 0 and k % (16 * ca["KW"]) == 0
-        else:
-            grid = (launch.triton_cdiv(m * k, ca["FLAT"]),)
-            even = (m * k) % ca["FLAT"] == 0
+        grid, warps, even = launch.amax_launch(m, k, rht, x.device)
 
         def amax_only():
             ws.zero_()
             kern[grid](x, m, k, ws, g1, g2, ROW=True, COL=True, RHT=rht, KW=ca["KW"],
                        FLAT=ca["FLAT"], EVEN=even, IDX64=launch._idx64(m, k),
-                       num_warps=ca["KW"] if rht else 4, **launch._LAUNCH_OPTS)
+                       num_warps=warps, **launch._LAUNCH_OPTS)
         t = bench(amax_only)
         rows.append((f"amax pass alone ({'plain + RHT' if rht else 'plain'}, incl. memset)", t,
                      2 * n, 2 * n, 2 * n / t / 1e6))

@@ -6,9 +6,9 @@ by a kernel), and torch passes device-side scales to cuBLAS only for fp8 operand
 (``torch._scaled_mm``). Without that, the GEMM writes an fp32 result and a second kernel
 scales it to bf16: 4 more bytes written and 6 more moved per output element, about a tenth
 of an NVFP4 Linear step at 16384 tokens. cuBLASLt reads ``alpha`` through a device pointer
-(``CUBLASLT_POINTER_MODE_DEVICE``) and applies it, and the bias, in its fp32 epilogue::
+(``CUBLASLT_POINTER_MODE_DEVICE``) and applies it in its fp32 epilogue::
 
-    D = RN_out(alpha * (A @ B^T) + bias),   alpha = RN32(1 / (div_a * div_b))
+    D = RN_out(alpha * (A @ B^T)),   alpha = RN32(1 / (div_a * div_b))
 
 ``alpha`` is computed on the device in fp64 (the product of two fp32 values is exact there)
 by one tiny kernel, and clamped to the fp32 maximum so that a zero row times an
@@ -19,6 +19,12 @@ The library is the libcublasLt that torch itself loaded (same process, same vers
 dtypes; each device gets one handle and a zero ``beta``, each stream a 32 MiB workspace. Where no
 library or no algorithm is found, :func:`mm_scaled` returns None and the caller keeps its
 fp32-output path (same values up to fp32 rounding).
+
+Two cuBLASLt features are kept out on purpose, because they round differently from the
+definition above: its bias epilogue (with a bf16 output it was measured more than one bf16
+ulp away from adding the bias in fp32 and rounding once; H200, CUDA 13), so a GEMM with a bias
+keeps the fp32-output path; and split-K reductions through the output type (bf16 partial
+sums), excluded by the reduction-scheme mask (fp32 partials in the workspace stay allowed).
 """
 
 from __future__ import annotations
@@ -39,11 +45,10 @@ _enabled = True
 _CUBLAS_COMPUTE_32F = 68
 _CUDA_TYPES = {torch.float32: 0, torch.bfloat16: 14}  # cuBLASLt: bf16 A/B give bf16/fp32 D
 _DESC_SCALE_TYPE, _DESC_POINTER_MODE, _DESC_TRANSA, _DESC_TRANSB = 1, 2, 3, 4
-_DESC_EPILOGUE, _DESC_BIAS_POINTER = 7, 8
 _POINTER_MODE_DEVICE = 1
 _OP_N, _OP_T = 0, 1
-_EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
-_PREF_MAX_WORKSPACE = 1
+_PREF_MAX_WORKSPACE, _PREF_REDUCTION_MASK = 1, 3
+_REDUCTION_COMPUTE_TYPE = 2  # split-K partial sums in fp32 (the compute type) only
 _PREF_MIN_ALIGN = {"a": 5, "b": 6, "c": 7, "d": 8}
 
 WORKSPACE_BYTES = 32 << 20
@@ -183,7 +188,7 @@ def _alignment(ptr: int, ld_bytes: int) -> int:
 class _Plan:
     """Descriptors and algorithm for one GEMM signature (see :func:`_plan`)."""
 
-    def __init__(self, handle, m, n, k, lda, ldb, ldd, in_type, out_type, has_bias, aligns):
+    def __init__(self, handle, m, n, k, lda, ldb, ldd, in_type, out_type, aligns):
         lib = _State.lib
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _CUBLAS_COMPUTE_32F,
@@ -192,8 +197,6 @@ class _Plan:
         _set(sd, self.desc, _DESC_POINTER_MODE, _POINTER_MODE_DEVICE, ctypes.c_int32)
         _set(sd, self.desc, _DESC_TRANSA, _OP_T, ctypes.c_int32)
         _set(sd, self.desc, _DESC_TRANSB, _OP_N, ctypes.c_int32)
-        _set(sd, self.desc, _DESC_EPILOGUE, _EPILOGUE_BIAS if has_bias else _EPILOGUE_DEFAULT,
-             ctypes.c_uint32)
         # row-major out (m, n) = a (m, k) @ b (n, k)^T is column-major out^T (n, m):
         # cuBLAS A = b (k x n, ld ldb) transposed, B = a (k x m, ld lda), D (n x m, ld ldd)
         self.layouts = []
@@ -207,6 +210,7 @@ class _Plan:
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
         sp = lib.cublasLtMatmulPreferenceSetAttribute
         _set(sp, pref, _PREF_MAX_WORKSPACE, WORKSPACE_BYTES, ctypes.c_uint64)
+        _set(sp, pref, _PREF_REDUCTION_MASK, _REDUCTION_COMPUTE_TYPE, ctypes.c_uint32)
         for key, align in zip("abcd", aligns):
             _set(sp, pref, _PREF_MIN_ALIGN[key], align, ctypes.c_uint32)
         self.heuristic = _Heuristic()
@@ -229,14 +233,12 @@ def _plan(handle, key) -> _Plan | None:
     return plan
 
 
-def shape_ok(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype, bias) -> bool:
+def shape_ok(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """What can be decided without data pointers (so also under tracing): dtypes, rows
-    contiguous, 16-byte row pitch, bias of the output dtype."""
+    contiguous, 16-byte row pitch."""
     if not available() or am.dtype != torch.bfloat16 or bm.dtype != torch.bfloat16:
         return False
     if out_dtype not in _CUDA_TYPES or am.dim() != 2 or bm.dim() != 2:
-        return False
-    if bias is not None and (bias.dtype != out_dtype or bias.dim() != 1 or bias.stride(0) != 1):
         return False
     m, k = am.shape
     n = bm.shape[0]
@@ -246,8 +248,8 @@ def shape_ok(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype, bias) -
 
 
 def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha: torch.Tensor,
-              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """``alpha * (am @ bm.T) + bias`` rounded once to ``out_dtype``, with ``alpha`` an fp32
+              out_dtype: torch.dtype) -> torch.Tensor | None:
+    """``alpha * (am @ bm.T)`` rounded once to ``out_dtype``, with ``alpha`` an fp32
     device scalar; None when cuBLASLt has no algorithm for these operands (the caller then
     takes another path). ``shape_ok`` must hold."""
     m, k = am.shape
@@ -260,17 +262,11 @@ def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha: torch.Tensor,
     aligns = (_alignment(bm.data_ptr(), bm.stride(0) * isz),
               _alignment(am.data_ptr(), am.stride(0) * isz),
               _alignment(out.data_ptr(), n * osz), _alignment(out.data_ptr(), n * osz))
-    if bias is not None and bias.data_ptr() % 256:
-        return None  # the plan's algorithm was chosen for a bias at full alignment
-    key = (dev.index, m, n, k, am.stride(0), bm.stride(0), n, am.dtype, out_dtype,
-           bias is not None, aligns)
+    key = (dev.index, m, n, k, am.stride(0), bm.stride(0), n, am.dtype, out_dtype, aligns)
     plan = _plan(handle, key)
     if plan is None:
         return None
     lib = _State.lib
-    if bias is not None:
-        _set(lib.cublasLtMatmulDescSetAttribute, plan.desc, _DESC_BIAS_POINTER,
-             bias.data_ptr(), ctypes.c_void_p)
     la, lb, ld_ = plan.layouts
     _check(lib.cublasLtMatmul(handle, plan.desc, alpha.data_ptr(), bm.data_ptr(), la,
                               am.data_ptr(), lb, beta.data_ptr(), out.data_ptr(), ld_,

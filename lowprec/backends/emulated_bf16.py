@@ -21,9 +21,9 @@ result is rounded once to ``out_dtype``. So the result equals the fp32
 emulation (dequantize both operands in fp32, multiply in fp32) up to fp32
 rounding of the products' sums. Where nothing is left to apply in fp32 (no
 divisor, a bf16 output, a bf16 bias) the GEMM writes bf16 directly, with
-the bias in cuBLAS's fp32 epilogue. Otherwise, for row-contiguous operands,
-cuBLASLt applies the divisors as one factor ``RN32(1 / (div_a * div_b))``
-read from device memory, and the bias, in its fp32 epilogue
+the bias in cuBLAS's epilogue. Otherwise, without a bias and for
+row-contiguous operands, cuBLASLt applies the divisors as one factor
+``RN32(1 / (div_a * div_b))`` read from device memory in its fp32 epilogue
 (:mod:`.cublaslt`); elsewhere the GEMM writes fp32 and a kernel divides by
 each divisor in turn (``(acc / div_a) / div_b + bias``).
 
@@ -159,8 +159,8 @@ def emulated_bf16_run(a, a_usage, b, b_usage, out_dtype, bias):
         if bias is None:
             return torch.mm(am, bm.t())
         return torch.addmm(bias, am, bm.t())
-    if use_kernels(am) and cublaslt.shape_ok(am, bm, out_dtype, bias):
-        # divisors and bias in cuBLASLt's epilogue: no fp32 result in memory
-        return kernels.scaled_mm_lt(am, bm, div_a, div_b, bias, out_dtype)
+    if bias is None and use_kernels(am) and cublaslt.shape_ok(am, bm, out_dtype):
+        # the divisors in cuBLASLt's epilogue: no fp32 result in memory
+        return kernels.scaled_mm_lt(am, bm, div_a, div_b, out_dtype)
     acc = _mm_fp32_out(am, bm)
     return kernels.scale_bias_epilogue(acc, div_a, div_b, bias, out_dtype)

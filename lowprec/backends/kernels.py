@@ -4,7 +4,7 @@
 * :func:`scale_bias_epilogue` -- ``(acc / div_a / div_b + bias)`` in fp32, rounded
   once to the output dtype;
 * :func:`gemm_alpha` -- ``RN32(1 / (div_a * div_b))`` on the device, the output scale of
-  :func:`scaled_mm_lt` (a cuBLASLt GEMM that applies it and the bias in its epilogue).
+  :func:`scaled_mm_lt` (a cuBLASLt GEMM that applies it in its epilogue).
 
 The Triton versions are registered as torch custom ops (``lowprec_gemm::*``)
 so ``torch.compile`` can trace them; they run on CUDA when Triton imports
@@ -118,23 +118,22 @@ def _alpha_launch(div_a, div_b):
 
 @kernel_op("lowprec_gemm::scaled_mm_lt", mutates_args=())
 def _scaled_mm_lt_op(am: torch.Tensor, bm: torch.Tensor, div_a: Optional[torch.Tensor],
-                     div_b: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                     out_dtype: torch.dtype) -> torch.Tensor:
+                     div_b: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     from . import cublaslt
 
     if div_a is None and div_b is None:
         alpha = cublaslt.one(am.device)
     else:
         alpha = _alpha_launch(div_a, div_b)
-    out = cublaslt.mm_scaled(am, bm, alpha, bias, out_dtype)
+    out = cublaslt.mm_scaled(am, bm, alpha, out_dtype)
     if out is None:  # no cuBLASLt algorithm for these pointers: fp32 GEMM, then scale
         acc = torch.mm(am, bm.t(), out_dtype=torch.float32)
-        out = _epilogue_op(acc, div_a, div_b, bias, out_dtype)
+        out = _epilogue_op(acc, div_a, div_b, None, out_dtype)
     return out
 
 
 @_scaled_mm_lt_op.register_fake
-def _(am, bm, div_a, div_b, bias, out_dtype):
+def _(am, bm, div_a, div_b, out_dtype):
     return am.new_empty((am.shape[0], bm.shape[0]), dtype=out_dtype)
 
 
@@ -172,13 +171,12 @@ def gemm_alpha(div_a: torch.Tensor | None, div_b: torch.Tensor | None) -> torch.
 
 
 def scaled_mm_lt(am: torch.Tensor, bm: torch.Tensor, div_a: torch.Tensor | None,
-                 div_b: torch.Tensor | None, bias: torch.Tensor | None,
-                 out_dtype: torch.dtype) -> torch.Tensor:
-    """``(am @ bm.T) * RN32(1 / (div_a * div_b)) + bias`` in cuBLASLt's fp32 epilogue,
+                 div_b: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(am @ bm.T) * RN32(1 / (div_a * div_b))`` in cuBLASLt's fp32 epilogue,
     rounded once to ``out_dtype`` (CUDA bf16 operands that pass
     :func:`lowprec.backends.cublaslt.shape_ok`)."""
     if div_a is not None:
         div_a = div_a.to(torch.float32).reshape(1)
     if div_b is not None:
         div_b = div_b.to(torch.float32).reshape(1)
-    return _scaled_mm_lt_op(am, bm, div_a, div_b, bias, out_dtype)
+    return _scaled_mm_lt_op(am, bm, div_a, div_b, out_dtype)

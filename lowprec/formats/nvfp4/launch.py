@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ...kernels import kernel_op, use_kernels
+from ..float8.launch import num_sms
 from ..base import QuantizedTensor, check_exact_only
 from ..casting import e2m1_codes_to_float, unpack_e2m1
 from .reference import BLOCK, SCALE_DTYPE
@@ -39,7 +40,8 @@ from .reference import BLOCK, SCALE_DTYPE
 # Tile shapes (see the kernels' docs; warps follow from them). Tuned on H200 with
 # benchmarks/check_kernels_nvfp4.py.
 CONFIG = {
-    "amax": {"FLAT": 16384, "KW": 4},       # flat elements per program; RHT: 64 x 16 KW tiles
+    # grid-stride tiles: FLAT flat elements, or (RHT) 64 x 16 KW; PROGS_PER_SM programs
+    "amax": {"FLAT": 4096, "KW": 4, "PROGS_PER_SM": 8},
     "row": {"KB": 8, "RB": 16},            # 16 rows x 8 blocks of 16 columns
     "col": {"KW": 4},                      # 64 rows x 16 KW columns
     "dequant": {"KB": 32, "RB": 8},
@@ -102,14 +104,7 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
     idx64 = _idx64(m, kk)
     ws = torch.zeros(3, dtype=torch.int32, device=dev)
     ca = CONFIG["amax"]
-    if rht:
-        grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * ca["KW"]),)
-        warps = ca["KW"]
-        even = m % 64 == 0 and kk % (16 * ca["KW"]) == 0
-    else:
-        grid = (triton_cdiv(m * kk, ca["FLAT"]),)
-        warps = 4
-        even = (m * kk) % ca["FLAT"] == 0
+    grid, warps, even = amax_launch(m, kk, rht, dev)
     k._nvfp4_amax_kernel[grid](x, m, kk, ws, rglob, cglob, ROW=bool(rowwise),
                                COL=bool(columnwise), RHT=rht, KW=ca["KW"], FLAT=ca["FLAT"],
                                EVEN=even, IDX64=idx64, num_warps=warps, **_LAUNCH_OPTS)
@@ -135,6 +130,21 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
                                   EXACT=exact_col, CODES=bool(codes), num_warps=kw,
                                   **_LAUNCH_OPTS)
     return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
+
+
+def amax_launch(m: int, kk: int, rht: bool, device: torch.device) -> tuple:
+    """(grid, num_warps, EVEN) of the amax pass over an (m, kk) input: at most
+    ``PROGS_PER_SM`` programs per SM, each folding tiles (grid-stride)."""
+    ca = CONFIG["amax"]
+    if rht:
+        tiles = triton_cdiv(m, 64) * triton_cdiv(kk, 16 * ca["KW"])
+        warps = ca["KW"]
+        even = m % 64 == 0 and kk % (16 * ca["KW"]) == 0
+    else:
+        tiles = triton_cdiv(m * kk, ca["FLAT"])
+        warps = 4
+        even = (m * kk) % ca["FLAT"] == 0
+    return (max(1, min(tiles, num_sms(device) * ca["PROGS_PER_SM"])),), warps, even
 
 
 def _quantize_outputs(x: Tensor, rowwise: bool, columnwise: bool, two_d: bool,

@@ -22,8 +22,8 @@ reference's, however it is computed:
 Passes over memory (x is the contiguous (M, K) input):
 
 1. ``_nvfp4_amax_kernel``: the max of the finite ``|x|`` and, when the columnwise side
-   carries the RHT, of the finite ``|RHT(x^T)|``, combined across programs by int32
-   ``atomic_max`` on the fp32 bit patterns (all >= 0). The last program to finish (atomic
+   carries the RHT, of the finite ``|RHT(x^T)|``, grid-stride over tiles, combined across
+   programs by int32 ``atomic_max`` on the fp32 bit patterns (all >= 0). The last program to finish (atomic
    ticket) turns them into the global encode scales, on device, no host sync.
 2. ``_nvfp4_row_kernel``: rowwise codes/scales; each thread owns whole 1x16 blocks (16
    contiguous elements, vector loads), or one row of a 16x16 block (2D).
@@ -366,30 +366,37 @@ def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
     """ws_ptr int32[3] zeroed: [0] finite amax of x, [1] finite amax of RHT(x^T) (fp32
     bits), [2] ticket counter. The last program writes S into rglob / cglob.
 
-    Without the RHT x is read as a flat array of FLAT elements per program; with it in
-    column tiles (64 x 16 KW)."""
+    Grid-stride: each program folds many tiles into register maxima and makes one atomic
+    per amax (same-address atomics from one program per tile serialized in L2). Without
+    the RHT a tile is FLAT elements of the flat array; with it a column tile (64 x 16 KW)."""
     pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
     if RHT:
         nk = tl.cdiv(K, 16 * KW)
-        sl = _load_col_tile(x_ptr, M, K, (pid // nk) * 64, (pid % nk) * 16 * KW, KW, EVEN,
-                            IDX64)
+        m_plain = tl.zeros((8, 4, KW, 2), dtype=tl.float32)
+        m_rht = tl.zeros((8, 4, KW, 2), dtype=tl.float32)
+        for t in range(pid, tl.cdiv(M, 64) * nk, nprog):
+            sl = _load_col_tile(x_ptr, M, K, (t // nk) * 64, (t % nk) * 16 * KW, KW, EVEN,
+                                IDX64)
+            if ROW:
+                for i in tl.static_range(16):
+                    m_plain = tl.maximum(m_plain, _finite_max(tl.abs(sl[i])))
+            # max over the butterflies before their * 0.25: RN(0.25 y) is monotone in y and
+            # finite exactly when y is, so the max of the scaled values is the scaled max
+            y = _rht_unscaled(sl)
+            for i in tl.static_range(16):
+                m_rht = tl.maximum(m_rht, _finite_max(tl.abs(y[i])))
         if ROW:
-            m = _finite_max(tl.abs(sl[0]))
-            for i in tl.static_range(1, 16):
-                m = tl.maximum(m, _finite_max(tl.abs(sl[i])))
-            tl.atomic_max(ws_ptr, _tile_max(m).to(tl.int32, bitcast=True))
-        # max over the butterflies before their * 0.25: RN(0.25 y) is monotone in y and
-        # finite exactly when y is, so the max of the scaled values is the scaled max
-        y = _rht_unscaled(sl)
-        m = _finite_max(tl.abs(y[0]))
-        for i in tl.static_range(1, 16):
-            m = tl.maximum(m, _finite_max(tl.abs(y[i])))
-        tl.atomic_max(ws_ptr + 1, (_tile_max(m) * 0.25).to(tl.int32, bitcast=True))
+            tl.atomic_max(ws_ptr, _tile_max(m_plain).to(tl.int32, bitcast=True))
+        tl.atomic_max(ws_ptr + 1, (_tile_max(m_rht) * 0.25).to(tl.int32, bitcast=True))
     else:
-        offs = _wide(pid, IDX64) * FLAT + tl.arange(0, FLAT)
-        v = _ld(x_ptr + offs, offs < _wide(M, IDX64) * K, 0.0, EVEN).to(tl.float32)
-        am = tl.max(_finite_max(tl.abs(v)), axis=0)
-        tl.atomic_max(ws_ptr, am.to(tl.int32, bitcast=True))
+        am = tl.zeros((FLAT,), dtype=tl.float32)
+        n = _wide(M, IDX64) * K
+        for t in range(pid, tl.cdiv(n, FLAT), nprog):
+            offs = _wide(t, IDX64) * FLAT + tl.arange(0, FLAT)
+            v = _ld(x_ptr + offs, offs < n, 0.0, EVEN).to(tl.float32)
+            am = tl.maximum(am, _finite_max(tl.abs(v)))
+        tl.atomic_max(ws_ptr, tl.max(am, axis=0).to(tl.int32, bitcast=True))
     ticket = tl.atomic_add(ws_ptr + 2, 1)
     if ticket == tl.num_programs(0) - 1:
         # every program's atomic_max precedes its ticket (acq_rel): the maxima are final
