@@ -23,8 +23,8 @@ def _mix_py(h: int) -> int:
 
 
 def _uniform_py(k0: int, k1: int, i: int) -> float:
-    h = _mix_py(_mix_py((i & M32) ^ k0) ^ (((i >> 32) + k1) & M32))
-    return (h >> 8) / 2.0 ** 24
+    pre = ((i & M32) * 0x9E3779B9 + ((i >> 32) & M32) * 0x85EBCA6B + k0) & M32
+    return ((_mix_py(pre) ^ k1) >> 8) / 2.0 ** 24
 
 
 def test_mix32_matches_plain_python_on_extreme_and_random_words():
@@ -59,7 +59,8 @@ def test_one_key_gives_distinct_hashes_for_distinct_indices():
     # 2**20 consecutive indices give 2**20 distinct hashes.
     key = torch.tensor([0x12345678, 0x9ABCDEF0])
     lo = torch.arange(1 << 20, dtype=torch.int64)
-    h = mix32(mix32(lo ^ key[0]) ^ key[1])
+    pre = (lo * 0x9E3779B9 + key[0]) & M32   # < 2**52: no int64 overflow here
+    h = mix32(pre) ^ key[1]
     assert torch.unique(h).numel() == lo.numel()
 
 

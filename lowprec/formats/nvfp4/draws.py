@@ -5,14 +5,16 @@ default generator of the input's device): two 32-bit words ``k0, k1`` drawn with
 ``torch.randint``, rowwise direction first. The uniform of the element at row-major index
 ``i`` of that direction's (R, C) matrix is then a pure function of ``(key, i)``::
 
-    h = mix(mix(lo32(i) ^ k0) ^ ((hi32(i) + k1) mod 2**32))
+    h = mix(lo32(i) * 0x9E3779B9 + hi32(i) * 0x85EBCA6B + k0) ^ k1     (mod 2**32)
     u = (h >> 8) * 2**-24                      # exact in fp32, in [0, 1)
 
 with ``mix`` the 32-bit integer hash ``x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15;
 x *= 0x846CA68B; x ^= x >> 16`` (arithmetic mod 2**32; "lowbias32", a published
-low-bias constant set). For a fixed key and ``hi32(i)`` the map from ``lo32(i)`` to ``h`` is a
-bijection, so over 2**32 consecutive elements every 24-bit value of ``u`` occurs equally
-often.
+low-bias constant set). The index is spread by an odd (golden-ratio) multiplier, so
+neighbouring elements enter the hash far apart. For a fixed key and ``hi32(i)`` the map
+from ``lo32(i)`` to ``h`` is a bijection, so over 2**32 consecutive elements every 24-bit
+value of ``u`` occurs equally often. One hash round per element: the quantize kernels
+that draw are bound by instruction issue, and a second round cost about a tenth of them.
 
 Why not ``torch.rand``: materializing one fp32 uniform per element costs a write and a read
 of 4 bytes per element, more memory traffic than the quantization itself; the Triton
@@ -27,6 +29,8 @@ import torch
 
 MASK32 = 0xFFFFFFFF
 MIX_MUL = (0x7FEB352D, 0x846CA68B)
+#: Odd multipliers spreading the low and high 32 bits of an element index.
+INDEX_MUL = (0x9E3779B9, 0x85EBCA6B)
 MIX_SHIFT = (16, 15, 16)
 
 
@@ -55,8 +59,8 @@ def uniforms_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """fp32 uniforms of the (non-negative, int64) row-major element indices ``index``."""
     k0, k1 = key.to(torch.int64).reshape(2).to(index.device).unbind()
     lo = index & MASK32
-    hi = index >> 32
-    h = mix32(mix32(lo ^ k0) ^ ((hi + k1) & MASK32))
+    hi = (index >> 32) & MASK32
+    h = mix32((_mul32(lo, INDEX_MUL[0]) + _mul32(hi, INDEX_MUL[1]) + k0) & MASK32) ^ k1
     return (h >> 8).to(torch.float32) * (2.0 ** -24)
 
 

@@ -8,8 +8,8 @@ reference's, however it is computed:
   ``RN(a/d) > t  <=>  a > t*d`` (likewise for >=): a/d cannot land strictly between t and
   the rounding midpoint next to it (checked exhaustively for every E4M3 d). Nearest-even
   codes are therefore three comparisons against per-block thresholds (a binary search).
-* Where the exact quotient ``v = RN(a/d)`` itself is needed (stochastic rounding compares
-  ``v - lo`` with the uniform), it is ``RN32(a * r)`` in fp64, r a ~2**-43-accurate
+* Where the exact quotient ``v = RN(a/d)`` itself is needed (stochastic rounding reads the
+  grid interval off its bits and compares ``v - lo`` with the uniform), it is ``RN32(a * r)`` in fp64, r a ~2**-43-accurate
   reciprocal of d: a quotient of a 24-bit by a <=4-bit number is either representable or at
   least 2**-30 (relative) away from every fp32 rounding midpoint. ``block_amax / 6`` is
   ``RN32(b * RN64(1/6))`` in fp64 by the same argument (checked on ~10**8 values,
@@ -120,11 +120,9 @@ def _rne_codes(a, th):
 
 @triton.jit
 def _sr_prep(d):
-    """Per-block values for stochastic rounding: grid thresholds g*d (NaN for a dead
-    block: every comparison fails), a fp64 reciprocal of d good to ~2**-43, and the
-    positivity bound d * 2**-150 (NaN for a dead block)."""
+    """Per-block values for stochastic rounding: a fp64 reciprocal of d good to ~2**-43,
+    and the positivity bound d * 2**-150 (NaN for a dead block, so that v is 0 there)."""
     live = d > 0.0
-    dl = tl.where(live, d, float("nan"))
     ds = tl.where(live, d, 1.0)
     r0 = tl.math.fdiv(tl.full(d.shape, 1.0, tl.float32), ds)   # approximate
     d64 = ds.to(tl.float64)
@@ -132,7 +130,7 @@ def _sr_prep(d):
     r = r + r * (1.0 - d64 * r)                                 # one Newton step in fp64
     pos = tl.where(live, d64 * tl.full(d.shape, TWO_M150, tl.float64),
                    tl.full(d.shape, float("nan"), tl.float64))
-    return (dl * 0.5, dl, dl * 1.5, dl * 2.0, dl * 3.0, dl * 4.0, dl * 6.0, r, pos)
+    return r, pos
 
 
 @triton.jit
@@ -154,9 +152,9 @@ def _sr_uniform(key_ptr, idx, IDX64: tl.constexpr):
     if IDX64:
         lo = idx.to(tl.uint32)
         hi = (idx >> 32).to(tl.uint32)
-        h = _mix32(_mix32(lo ^ k0) ^ (hi + k1))
+        h = _mix32(lo * 0x9E3779B9 + hi * 0x85EBCA6B + k0) ^ k1
     else:
-        h = _mix32(_mix32(idx.to(tl.uint32, bitcast=True) ^ k0) ^ k1)
+        h = _mix32(idx.to(tl.uint32, bitcast=True) * 0x9E3779B9 + k0) ^ k1
     return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
 
 
@@ -164,22 +162,24 @@ def _sr_uniform(key_ptr, idx, IDX64: tl.constexpr):
 def _sr_codes(a, p, rand):
     """casting.stochastic_round_e2m1_codes of v = RN(a/d) (magnitude).
 
-    lo = largest grid point <= v by exact comparisons; round up when
-    rand < (v - lo) / span, evaluated exactly as rand * span < v - lo (span a power of
-    two, v - lo exact by Sterbenz). v comes from fp64 (exact, see the module doc); below
-    2**-126 only v > 0 matters there, i.e. a > d * 2**-150."""
-    b2 = a >= p[3]
-    b1 = a >= tl.where(b2, p[5], p[1])
-    b0 = a >= tl.where(b2, tl.where(b1, p[6], p[4]), tl.where(b1, p[2], p[0]))
-    lo_i = b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
-    f0 = b0.to(tl.float32)
-    f1 = b1.to(tl.float32)
-    lo = tl.where(b2, tl.where(b1, 4.0 + 2.0 * f0, 2.0 + f0), f1 + 0.5 * f0)
-    span = tl.where(b2, tl.where(b1, 2.0, 1.0), 0.5)
+    v comes from fp64 (exact, see the module doc); below 2**-126 only v > 0 matters there,
+    i.e. a > d * 2**-150. lo, the largest grid point <= v, and the grid step above it are
+    read off v's bits: from 1 up, the grid is v cut to 2 significant bits (code
+    ``(bits >> 22) - 252``, step half of v's binade); below, steps of 0.5. Round up when
+    rand < (v - lo) / span, evaluated exactly as rand * span < v - lo (span a power of two,
+    v - lo exact by Sterbenz); v >= 6 saturates to code 7."""
     a64 = a.to(tl.float64)
-    v = tl.where(a64 > p[8], (a64 * p[7]).to(tl.float32), 0.0)
-    up = (rand * span < v - lo) & (lo_i < 7)
-    return lo_i + up.to(tl.int32)
+    v = tl.where(a64 > p[1], (a64 * p[0]).to(tl.float32), 0.0)
+    vb = v.to(tl.int32, bitcast=True)
+    big = v >= 1.0
+    half = v >= 0.5
+    i_big = tl.minimum((vb >> 22) - 252, 7)
+    code = tl.where(big, i_big, half.to(tl.int32))
+    lo = tl.where(big, ((i_big + 252) << 22).to(tl.float32, bitcast=True),
+                  tl.where(half, 0.5, 0.0))
+    span = tl.where(big, (((vb >> 23) - 1) << 23).to(tl.float32, bitcast=True), 0.5)
+    up = (rand * span < v - lo) & (code < 7)
+    return code + up.to(tl.int32)
 
 
 @triton.jit
