@@ -29,6 +29,7 @@ sums), excluded by the reduction-scheme mask (fp32 partials in the workspace sta
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import glob
 import os
@@ -44,7 +45,7 @@ _enabled = True
 # ---- cuBLASLt constants (cublasLt.h / library_types.h) ------------------------------------
 _CUBLAS_COMPUTE_32F = 68
 _CUDA_TYPES = {torch.float32: 0, torch.bfloat16: 14}  # cuBLASLt: bf16 A/B give bf16/fp32 D
-_DESC_SCALE_TYPE, _DESC_POINTER_MODE, _DESC_TRANSA, _DESC_TRANSB = 1, 2, 3, 4
+_DESC_POINTER_MODE, _DESC_TRANSA, _DESC_TRANSB = 2, 3, 4
 _POINTER_MODE_DEVICE = 1
 _OP_N, _OP_T = 0, 1
 _PREF_MAX_WORKSPACE, _PREF_REDUCTION_MASK = 1, 3
@@ -52,6 +53,10 @@ _REDUCTION_COMPUTE_TYPE = 2  # split-K partial sums in fp32 (the compute type) o
 _PREF_MIN_ALIGN = {"a": 5, "b": 6, "c": 7, "d": 8}
 
 WORKSPACE_BYTES = 32 << 20
+
+#: Plans kept (least recently used dropped first): a workload with many token counts makes
+#: a plan per shape, each holding four cuBLASLt descriptors.
+MAX_PLANS = 256
 
 
 class _Heuristic(ctypes.Structure):
@@ -94,6 +99,8 @@ def _bind(lib):
         "cublasLtMatmulPreferenceCreate": [pvp],
         "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
         "cublasLtMatmulPreferenceDestroy": [vp],
+        "cublasLtMatmulDescDestroy": [vp],
+        "cublasLtMatrixLayoutDestroy": [vp],
         "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32,
                                            ctypes.POINTER(_Heuristic), ctypes.POINTER(i32)],
         "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp],
@@ -112,7 +119,7 @@ class _State:
     handles: dict = {}       # device index -> (handle, zero beta)
     workspaces: dict = {}    # (device index, stream) -> workspace tensor
     ones: dict = {}          # device index -> (1,) fp32 1.0
-    plans: dict = {}         # plan key -> _Plan or None (no algorithm)
+    plans = collections.OrderedDict()  # plan key -> _Plan or None (no algorithm), LRU
 
 
 def _lib():
@@ -222,15 +229,31 @@ class _Plan:
         lib.cublasLtMatmulPreferenceDestroy(pref)
         self.ok = status == 0 and count.value > 0 and self.heuristic.state == 0
 
+    def destroy(self):
+        """Frees the descriptors (a GEMM already queued with them has copied what it needs:
+        cuBLASLt reads descriptors on the host at launch)."""
+        lib = _State.lib
+        for lay in self.layouts:
+            lib.cublasLtMatrixLayoutDestroy(lay)
+        lib.cublasLtMatmulDescDestroy(self.desc)
+        self.layouts = []
+
 
 def _plan(handle, key) -> _Plan | None:
-    plan = _State.plans.get(key)
-    if plan is None and key not in _State.plans:
-        with _State.lock:
-            plan = _Plan(handle, *key[1:])
-            plan = plan if plan.ok else None
-            _State.plans[key] = plan
-    return plan
+    with _State.lock:
+        if key in _State.plans:
+            _State.plans.move_to_end(key)
+            return _State.plans[key]
+        plan = _Plan(handle, *key[1:])
+        if not plan.ok:
+            plan.destroy()
+            plan = None
+        _State.plans[key] = plan
+        while len(_State.plans) > MAX_PLANS:
+            old = _State.plans.popitem(last=False)[1]
+            if old is not None:
+                old.destroy()
+        return plan
 
 
 def shape_ok(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype) -> bool:

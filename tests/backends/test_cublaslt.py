@@ -200,3 +200,20 @@ def test_disabled_takes_the_fp32_output_path(lt_calls):
         b = NVFP4Quantizer().quantize(bm.float())
         lowprec.gemm.gemm(a, "rowwise", b, "rowwise", out_dtype=torch.bfloat16)
     assert lt_calls == [] and cublaslt.available()
+
+
+@gpu
+def test_plan_cache_evicts_and_rebuilds(monkeypatch, lt_calls):
+    monkeypatch.setattr(cublaslt, "MAX_PLANS", 2)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    div = torch.tensor([5.0], device="cuda")
+    bm = _exactish_bf16(64, 256, gen)
+    firsts = []
+    for rounds in range(2):
+        for m in (40, 48, 56, 72):   # four shapes through a cache of two
+            am = _exactish_bf16(m, 256, gen)
+            got = kernels.scaled_mm_lt(am, bm, div, None, torch.bfloat16)
+            _assert_close(got, _old_path(am, bm, div, None, None, torch.bfloat16),
+                          torch.bfloat16)
+        firsts.append(len(cublaslt._State.plans))
+    assert firsts == [2, 2] and all(lt_calls) and len(lt_calls) == 8
