@@ -117,12 +117,28 @@ def no_exact_records():
             c.keeps_exact_bf16 = True
 
 
-def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", unsliced_too=(),
-                 sliced_too=(), no_exact_too=(), no_lt_too=(), **step_kw):
-    """(name, step) for one shape, the bf16 baseline first; ``unsliced_too``/``sliced_too``
-    /``no_exact_too``/``no_lt_too``: recipes also run as ``lowprec/<recipe>/unsliced``,
-    ``/sliced``, ``/no_exact`` or ``/no_lt`` (inside ``grad_split.unsliced()``,
-    ``grad_split.sliced()``, ``no_exact_records()`` or ``backends.cublaslt.disabled()``)."""
+#: Peer variants for an A/B in the same run: (name, context manager a step runs inside,
+#: help of its ``--<name>-too`` option, which lists the recipes that also run that way as
+#: ``lowprec/<recipe>/<name>``).
+VARIANTS = (
+    ("unsliced", lowprec.grad_split.unsliced,
+     "with dY and the weight quantized whole (lowprec.grad_split.unsliced)"),
+    ("sliced", lowprec.grad_split.sliced,
+     "inside lowprec.grad_split.sliced() (per-tensor FP8 slices too: lower peak memory, one "
+     "more read)"),
+    ("no_exact", no_exact_records,
+     "(mxfp8, nvfp4) without the exact bf16 operands written by the quantize kernels "
+     "(no_exact_records)"),
+    ("no_lt", cublaslt.disabled,
+     "(nvfp4) with the fp32-output GEMM and a scaling kernel instead of cuBLASLt's "
+     "device-side alpha (lowprec.backends.cublaslt.disabled)"),
+)
+
+
+def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", variants=None, **step_kw):
+    """(name, step) for one shape, the bf16 baseline first; ``variants`` maps a
+    :data:`VARIANTS` name to the recipes that also run that way."""
+    variants = variants or {}
     torch.manual_seed(0)
     base = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     peers = [("bf16", plain_step(base, **step_kw))]
@@ -131,11 +147,8 @@ def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", unsliced_too=
         with torch.no_grad():
             mod.weight.copy_(base.weight)
         peers.append((f"lowprec/{r}", lowprec_step(mod, RECIPES[r](), **step_kw)))
-        for variant, context, wanted in (("unsliced", lowprec.grad_split.unsliced, unsliced_too),
-                                         ("sliced", lowprec.grad_split.sliced, sliced_too),
-                                         ("no_exact", no_exact_records, no_exact_too),
-                                         ("no_lt", cublaslt.disabled, no_lt_too)):
-            if r in wanted:
+        for variant, context, _ in VARIANTS:
+            if r in variants.get(variant, ()):
                 peers.append((f"lowprec/{r}/{variant}", within(
                     context, lowprec_step(copy.deepcopy(mod), RECIPES[r](), **step_kw))))
     for r in torchao_recipes:
@@ -149,11 +162,9 @@ def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", unsliced_too=
 
 def shape_peers(args, m, k, n, **step_kw):
     """``linear_peers`` for one shape with the options of ``add_peer_args``."""
+    variants = {name: split_list(getattr(args, f"{name}_too")) for name, _, _ in VARIANTS}
     return linear_peers(m, k, n, split_list(args.recipes), split_list(args.torchao),
-                        unsliced_too=split_list(args.unsliced_too),
-                        sliced_too=split_list(args.sliced_too),
-                        no_exact_too=split_list(args.no_exact_too),
-                        no_lt_too=split_list(args.no_lt_too), **step_kw)
+                        variants=variants, **step_kw)
 
 
 def mlp_peers(m, hidden, ffn, recipes, device="cuda", **step_kw):
@@ -235,18 +246,10 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mlp", action="store_true", help="also LayerNormMLP (M x hidden x ffn)")
     ap.add_argument("--mlp-shape", default="16384x4096x14336")
     ap.add_argument("--no-linear", action="store_true")
-    ap.add_argument("--unsliced-too", default="",
-                    help="comma-separated recipes also run with dY and the weight quantized "
-                         "whole (lowprec.grad_split.unsliced), for an A/B in the same run")
-    ap.add_argument("--sliced-too", default="",
-                    help="comma-separated recipes also run inside lowprec.grad_split.sliced() "
-                         "(per-tensor FP8 slices too: lower peak memory, one more read)")
-    ap.add_argument("--no-exact-too", default="",
-                    help="comma-separated recipes (mxfp8, nvfp4) also run without the exact "
-                         "bf16 operands written by the quantize kernels (no_exact_records)")
-    ap.add_argument("--no-lt-too", default="",
-                    help="comma-separated recipes (nvfp4) also run with the fp32-output GEMM "
-                         "and a scaling kernel instead of cuBLASLt's device-side alpha")
+    for name, _, what in VARIANTS:
+        ap.add_argument(f"--{name.replace('_', '-')}-too", default="",
+                        help=f"comma-separated recipes also run {what}, for an A/B in the "
+                             f"same run")
 
 
 def main(argv=None):
