@@ -145,13 +145,15 @@ def mxfp8_dequantize_bf16(data: torch.Tensor, scale: torch.Tensor, block_rows: i
     return mxfp8_dequantize_bf16_torch(data, scale, block_rows)
 
 
+def _divisor(d: torch.Tensor | None) -> torch.Tensor | None:
+    """A per-tensor divisor as the (1,) fp32 tensor the kernels read (None stays None)."""
+    return None if d is None else d.to(torch.float32).reshape(1)
+
+
 def scale_bias_epilogue(acc: torch.Tensor, div_a: torch.Tensor | None, div_b: torch.Tensor | None,
                         bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``acc / div_a / div_b + bias`` in fp32, rounded once to ``out_dtype``."""
-    if div_a is not None:
-        div_a = div_a.to(torch.float32).reshape(1)
-    if div_b is not None:
-        div_b = div_b.to(torch.float32).reshape(1)
+    div_a, div_b = _divisor(div_a), _divisor(div_b)
     if use_kernels(acc) and acc.numel():
         if bias is not None:
             bias = bias.contiguous()
@@ -162,8 +164,7 @@ def scale_bias_epilogue(acc: torch.Tensor, div_a: torch.Tensor | None, div_b: to
 def gemm_alpha(div_a: torch.Tensor | None, div_b: torch.Tensor | None) -> torch.Tensor:
     """(1,) fp32 ``RN32(1 / (div_a * div_b))`` (fp64 product and reciprocal), clamped to
     the fp32 maximum; a missing divisor counts as 1."""
-    div_a = None if div_a is None else div_a.to(torch.float32).reshape(1)
-    div_b = None if div_b is None else div_b.to(torch.float32).reshape(1)
+    div_a, div_b = _divisor(div_a), _divisor(div_b)
     some = div_a if div_a is not None else div_b
     if use_kernels(some):
         return _alpha_launch(div_a, div_b)
@@ -175,8 +176,4 @@ def scaled_mm_lt(am: torch.Tensor, bm: torch.Tensor, div_a: torch.Tensor | None,
     """``(am @ bm.T) * RN32(1 / (div_a * div_b))`` in cuBLASLt's fp32 epilogue,
     rounded once to ``out_dtype`` (CUDA bf16 operands that pass
     :func:`lowprec.backends.cublaslt.shape_ok`)."""
-    if div_a is not None:
-        div_a = div_a.to(torch.float32).reshape(1)
-    if div_b is not None:
-        div_b = div_b.to(torch.float32).reshape(1)
-    return _scaled_mm_lt_op(am, bm, div_a, div_b, out_dtype)
+    return _scaled_mm_lt_op(am, bm, _divisor(div_a), _divisor(div_b), out_dtype)
