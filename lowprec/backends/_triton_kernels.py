@@ -62,8 +62,9 @@ def scale_bias_epilogue_kernel(acc_ptr, out_ptr, div_a_ptr, div_b_ptr, bias_ptr,
 @triton.jit
 def gemm_alpha_kernel(div_a_ptr, div_b_ptr, out_ptr, HAS_DIV_A: tl.constexpr,
                       HAS_DIV_B: tl.constexpr):
-    """out = RN32(1 / (div_a * div_b)) through fp64 (the product is exact there), clamped
-    to the fp32 maximum (so that 0 * alpha stays 0)."""
+    """out[0] = RN32(RN64(1 / (div_a * div_b))) (the fp64 product is exact), clamped to the
+    fp32 maximum (so that 0 * alpha stays 0); out[1] = 0 (cuBLAS's beta). A missing
+    divisor counts as 1."""
     p = tl.full((1,), 1.0, tl.float64)
     if HAS_DIV_A:
         p = p * tl.load(div_a_ptr + tl.arange(0, 1)).to(tl.float64)
@@ -72,3 +73,4 @@ def gemm_alpha_kernel(div_a_ptr, div_b_ptr, out_ptr, HAS_DIV_A: tl.constexpr,
     alpha = (1.0 / p).to(tl.float32)
     alpha = tl.where(alpha > 3.4028234663852886e38, 3.4028234663852886e38, alpha)
     tl.store(out_ptr + tl.arange(0, 1), alpha)
+    tl.store(out_ptr + 1 + tl.arange(0, 1), tl.zeros((1,), tl.float32))

@@ -8,17 +8,21 @@ scales it to bf16: 4 more bytes written and 6 more moved per output element, abo
 of an NVFP4 Linear step at 16384 tokens. cuBLASLt reads ``alpha`` through a device pointer
 (``CUBLASLT_POINTER_MODE_DEVICE``) and applies it in its fp32 epilogue::
 
-    D = RN_out(alpha * (A @ B^T)),   alpha = RN32(1 / (div_a * div_b))
+    D = RN_out(alpha * (A @ B^T)),   alpha = RN32(RN64(1 / (div_a * div_b)))
 
-``alpha`` is computed on the device in fp64 (the product of two fp32 values is exact there)
-by one tiny kernel, and clamped to the fp32 maximum so that a zero row times an
-unrepresentable alpha stays 0 (it is out of range only for amax products above ~1e45).
+``alpha`` is the fp64 reciprocal of the exact fp64 product ``div_a * div_b``, rounded to
+fp32 (so within one fp32 ulp of ``1 / (div_a * div_b)``), computed on the device by one
+tiny kernel that also writes the zero ``beta`` beside it; it is clamped to the fp32 maximum
+so that a zero row times an unrepresentable alpha stays 0 (out of range only for amax
+products above ~1e45).
 
 The library is the libcublasLt that torch itself loaded (same process, same version). Plans
-(descriptors, the heuristic's algorithm) are cached per shape, strides, alignment and
-dtypes; each device gets one handle and a zero ``beta``, each stream a 32 MiB workspace. Where no
-library or no algorithm is found, :func:`mm_scaled` returns None and the caller keeps its
-fp32-output path (same values up to fp32 rounding).
+(descriptors, the heuristic's algorithm) are kept per shape, strides, alignment and dtypes
+(least recently used dropped past :data:`MAX_PLANS`); each device gets one handle, each
+stream a 32 MiB workspace. Under CUDA graph capture no workspace is used (algorithms that
+need none), so a captured GEMM shares no memory with eager ones. Where no library or no
+algorithm is found, :func:`mm_scaled` returns None and the caller keeps its fp32-output path
+(same values up to fp32 rounding).
 
 Two cuBLASLt features are kept out on purpose, because they round differently from the
 definition above: its bias epilogue (with a bf16 output it was measured more than one bf16
@@ -116,9 +120,8 @@ class _State:
     lib = None
     tried = False
     lock = threading.Lock()
-    handles: dict = {}       # device index -> (handle, zero beta)
+    handles: dict = {}       # device index -> cublasLt handle
     workspaces: dict = {}    # (device index, stream) -> workspace tensor
-    ones: dict = {}          # device index -> (1,) fp32 1.0
     plans = collections.OrderedDict()  # plan key -> _Plan or None (no algorithm), LRU
 
 
@@ -154,31 +157,26 @@ def _check(status: int, what: str):
                            f"({msg.decode() if msg else 'unknown'})")
 
 
-def _device_state(device: torch.device, stream: int):
-    """(handle, zero beta, workspace) of a device; one workspace per stream, since two
-    GEMMs running at once must not share one."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    st = _State.handles.get(idx)
-    if st is None:
+def _handle(idx: int):
+    h = _State.handles.get(idx)
+    if h is None:
         with torch.cuda.device(idx):
             h = ctypes.c_void_p()
             _check(_State.lib.cublasLtCreate(ctypes.byref(h)), "create")
-            beta = torch.zeros(1, dtype=torch.float32, device=device)
-        st = _State.handles[idx] = (h, beta)
+        _State.handles[idx] = h
+    return h
+
+
+def _workspace(device: torch.device, idx: int, stream: int) -> torch.Tensor | None:
+    """This stream's workspace (two GEMMs running at once must not share one); None under
+    graph capture, where a cached eager workspace would be shared with the replays."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
     ws = _State.workspaces.get((idx, stream))
     if ws is None:
         ws = _State.workspaces[(idx, stream)] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8,
                                                             device=device)
-    return st[0], st[1], ws
-
-
-def one(device: torch.device) -> torch.Tensor:
-    """A cached (1,) fp32 1.0 on ``device`` (alpha when there is no divisor)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    t = _State.ones.get(idx)
-    if t is None:
-        t = _State.ones[idx] = torch.ones(1, dtype=torch.float32, device=device)
-    return t
+    return ws
 
 
 def _set(setter, obj, attr: int, value, ctype):
@@ -195,7 +193,7 @@ def _alignment(ptr: int, ld_bytes: int) -> int:
 class _Plan:
     """Descriptors and algorithm for one GEMM signature (see :func:`_plan`)."""
 
-    def __init__(self, handle, m, n, k, lda, ldb, ldd, in_type, out_type, aligns):
+    def __init__(self, handle, m, n, k, lda, ldb, ldd, in_type, out_type, aligns, ws_bytes):
         lib = _State.lib
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _CUBLAS_COMPUTE_32F,
@@ -216,7 +214,7 @@ class _Plan:
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
         sp = lib.cublasLtMatmulPreferenceSetAttribute
-        _set(sp, pref, _PREF_MAX_WORKSPACE, WORKSPACE_BYTES, ctypes.c_uint64)
+        _set(sp, pref, _PREF_MAX_WORKSPACE, ws_bytes, ctypes.c_uint64)
         _set(sp, pref, _PREF_REDUCTION_MASK, _REDUCTION_COMPUTE_TYPE, ctypes.c_uint32)
         for key, align in zip("abcd", aligns):
             _set(sp, pref, _PREF_MIN_ALIGN[key], align, ctypes.c_uint32)
@@ -239,21 +237,22 @@ class _Plan:
         self.layouts = []
 
 
-def _plan(handle, key) -> _Plan | None:
-    with _State.lock:
-        if key in _State.plans:
-            _State.plans.move_to_end(key)
-            return _State.plans[key]
-        plan = _Plan(handle, *key[1:])
-        if not plan.ok:
-            plan.destroy()
-            plan = None
-        _State.plans[key] = plan
-        while len(_State.plans) > MAX_PLANS:
-            old = _State.plans.popitem(last=False)[1]
-            if old is not None:
-                old.destroy()
-        return plan
+def _plan_locked(handle, key) -> _Plan | None:
+    """The cached plan of ``key`` (built on a miss); call with ``_State.lock`` held, and
+    launch before releasing it (an eviction frees the descriptors)."""
+    if key in _State.plans:
+        _State.plans.move_to_end(key)
+        return _State.plans[key]
+    plan = _Plan(handle, *key[1:])
+    if not plan.ok:
+        plan.destroy()
+        plan = None
+    _State.plans[key] = plan
+    while len(_State.plans) > MAX_PLANS:
+        old = _State.plans.popitem(last=False)[1]
+        if old is not None:
+            old.destroy()
+    return plan
 
 
 def shape_ok(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -267,32 +266,41 @@ def shape_ok(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype) -> bool
     n = bm.shape[0]
     if min(m, n, k) == 0 or bm.shape[1] != k or am.stride(1) != 1 or bm.stride(1) != 1:
         return False
+    if am.stride(0) < k or bm.stride(0) < k:  # overlapping rows (expanded views)
+        return False
     return am.stride(0) % 8 == 0 and bm.stride(0) % 8 == 0 and k % 8 == 0
 
 
-def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha: torch.Tensor,
+def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha_beta: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor | None:
-    """``alpha * (am @ bm.T)`` rounded once to ``out_dtype``, with ``alpha`` an fp32
-    device scalar; None when cuBLASLt has no algorithm for these operands (the caller then
-    takes another path). ``shape_ok`` must hold."""
+    """``alpha * (am @ bm.T)`` rounded once to ``out_dtype``, with ``alpha_beta`` the (2,)
+    fp32 device tensor ``[alpha, 0.0]`` (alpha and cuBLAS's beta); None when cuBLASLt has
+    no algorithm for these operands (the caller then takes another path). ``shape_ok`` must
+    hold, and the current device must be the operands'."""
     m, k = am.shape
     n = bm.shape[0]
     dev = am.device
-    stream = torch._C._cuda_getCurrentRawStream(dev.index)
-    handle, beta, ws = _device_state(dev, stream)
+    idx = dev.index
+    stream = torch._C._cuda_getCurrentRawStream(idx)
+    ws = _workspace(dev, idx, stream)
+    ws_bytes = 0 if ws is None else WORKSPACE_BYTES
     out = torch.empty((m, n), dtype=out_dtype, device=dev)
     isz, osz = am.element_size(), out.element_size()
     aligns = (_alignment(bm.data_ptr(), bm.stride(0) * isz),
               _alignment(am.data_ptr(), am.stride(0) * isz),
               _alignment(out.data_ptr(), n * osz), _alignment(out.data_ptr(), n * osz))
-    key = (dev.index, m, n, k, am.stride(0), bm.stride(0), n, am.dtype, out_dtype, aligns)
-    plan = _plan(handle, key)
-    if plan is None:
-        return None
+    key = (idx, m, n, k, am.stride(0), bm.stride(0), n, am.dtype, out_dtype, aligns, ws_bytes)
     lib = _State.lib
-    la, lb, ld_ = plan.layouts
-    _check(lib.cublasLtMatmul(handle, plan.desc, alpha.data_ptr(), bm.data_ptr(), la,
-                              am.data_ptr(), lb, beta.data_ptr(), out.data_ptr(), ld_,
-                              out.data_ptr(), ld_, ctypes.byref(plan.heuristic.algo),
-                              ws.data_ptr(), WORKSPACE_BYTES, stream), "matmul")
+    alpha = alpha_beta.data_ptr()
+    with _State.lock:
+        handle = _handle(idx)
+        plan = _plan_locked(handle, key)
+        if plan is None:
+            return None
+        la, lb, ld_ = plan.layouts
+        _check(lib.cublasLtMatmul(handle, plan.desc, alpha, bm.data_ptr(), la, am.data_ptr(),
+                                  lb, alpha + 4, out.data_ptr(), ld_, out.data_ptr(), ld_,
+                                  ctypes.byref(plan.heuristic.algo),
+                                  None if ws is None else ws.data_ptr(), ws_bytes, stream),
+               "matmul")
     return out

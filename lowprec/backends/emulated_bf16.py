@@ -23,7 +23,7 @@ rounding of the products' sums. Where nothing is left to apply in fp32 (no
 divisor, a bf16 output, a bf16 bias) the GEMM writes bf16 directly, with
 the bias in cuBLAS's epilogue. Otherwise, without a bias and for
 row-contiguous operands, cuBLASLt applies the divisors as one factor
-``RN32(1 / (div_a * div_b))`` read from device memory in its fp32 epilogue
+``RN32(RN64(1 / (div_a * div_b)))`` read from device memory in its fp32 epilogue
 (:mod:`.cublaslt`); elsewhere the GEMM writes fp32 and a kernel divides by
 each divisor in turn (``(acc / div_a) / div_b + bias``).
 

@@ -3,8 +3,8 @@
 * :func:`mxfp8_dequantize_bf16` -- MXFP8 data and E8M0 scales to exact bf16;
 * :func:`scale_bias_epilogue` -- ``(acc / div_a / div_b + bias)`` in fp32, rounded
   once to the output dtype;
-* :func:`gemm_alpha` -- ``RN32(1 / (div_a * div_b))`` on the device, the output scale of
-  :func:`scaled_mm_lt` (a cuBLASLt GEMM that applies it in its epilogue).
+* :func:`gemm_alpha` -- ``1 / (div_a * div_b)`` (fp64, rounded to fp32) on the device, the
+  output scale of :func:`scaled_mm_lt` (a cuBLASLt GEMM that applies it in its epilogue).
 
 The Triton versions are registered as torch custom ops (``lowprec_gemm::*``)
 so ``torch.compile`` can trace them; they run on CUDA when Triton imports
@@ -104,13 +104,13 @@ def _(acc, div_a, div_b, bias, out_dtype):
     return acc.new_empty(acc.shape, dtype=out_dtype)
 
 
-def _alpha_launch(div_a, div_b):
+def _alpha_launch(div_a, div_b, device):
+    """(2,) fp32 ``[alpha, 0.0]`` on ``device`` (the current device): see gemm_alpha."""
     from ._triton_kernels import gemm_alpha_kernel
 
-    some = div_a if div_a is not None else div_b
-    out = torch.empty(1, dtype=torch.float32, device=some.device)
-    gemm_alpha_kernel[(1,)](div_a if div_a is not None else some,
-                            div_b if div_b is not None else some, out,
+    out = torch.empty(2, dtype=torch.float32, device=device)
+    gemm_alpha_kernel[(1,)](div_a if div_a is not None else out,
+                            div_b if div_b is not None else out, out,
                             HAS_DIV_A=div_a is not None, HAS_DIV_B=div_b is not None,
                             num_warps=1)
     return out
@@ -119,16 +119,15 @@ def _alpha_launch(div_a, div_b):
 @kernel_op("lowprec_gemm::scaled_mm_lt", mutates_args=())
 def _scaled_mm_lt_op(am: torch.Tensor, bm: torch.Tensor, div_a: Optional[torch.Tensor],
                      div_b: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    from ..formats.float8.launch import device_guard
     from . import cublaslt
 
-    if div_a is None and div_b is None:
-        alpha = cublaslt.one(am.device)
-    else:
-        alpha = _alpha_launch(div_a, div_b)
-    out = cublaslt.mm_scaled(am, bm, alpha, out_dtype)
-    if out is None:  # no cuBLASLt algorithm for these pointers: fp32 GEMM, then scale
-        acc = torch.mm(am, bm.t(), out_dtype=torch.float32)
-        out = _epilogue_op(acc, div_a, div_b, None, out_dtype)
+    with device_guard(am.device):
+        # alpha and beta are written on the stream the GEMM reads them on
+        out = cublaslt.mm_scaled(am, bm, _alpha_launch(div_a, div_b, am.device), out_dtype)
+        if out is None:  # no cuBLASLt algorithm for these pointers: fp32 GEMM, then scale
+            acc = torch.mm(am, bm.t(), out_dtype=torch.float32)
+            out = _epilogue_op(acc, div_a, div_b, None, out_dtype)
     return out
 
 
@@ -162,18 +161,22 @@ def scale_bias_epilogue(acc: torch.Tensor, div_a: torch.Tensor | None, div_b: to
 
 
 def gemm_alpha(div_a: torch.Tensor | None, div_b: torch.Tensor | None) -> torch.Tensor:
-    """(1,) fp32 ``RN32(1 / (div_a * div_b))`` (fp64 product and reciprocal), clamped to
-    the fp32 maximum; a missing divisor counts as 1."""
+    """(1,) fp32 alpha of :func:`scaled_mm_lt`: the fp64 reciprocal of the exact fp64
+    product ``div_a * div_b`` rounded to fp32 (within one fp32 ulp of ``1 / (div_a *
+    div_b)``), clamped to the fp32 maximum; a missing divisor counts as 1 (one of the two
+    must be given)."""
     div_a, div_b = _divisor(div_a), _divisor(div_b)
     some = div_a if div_a is not None else div_b
     if use_kernels(some):
-        return _alpha_launch(div_a, div_b)
+        from ..formats.float8.launch import device_guard
+        with device_guard(some.device):
+            return _alpha_launch(div_a, div_b, some.device)[:1]
     return gemm_alpha_torch(div_a, div_b)
 
 
 def scaled_mm_lt(am: torch.Tensor, bm: torch.Tensor, div_a: torch.Tensor | None,
                  div_b: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """``(am @ bm.T) * RN32(1 / (div_a * div_b))`` in cuBLASLt's fp32 epilogue,
+    """``(am @ bm.T) * alpha`` (alpha of :func:`gemm_alpha`) in cuBLASLt's fp32 epilogue,
     rounded once to ``out_dtype`` (CUDA bf16 operands that pass
     :func:`lowprec.backends.cublaslt.shape_ok`)."""
     return _scaled_mm_lt_op(am, bm, _divisor(div_a), _divisor(div_b), out_dtype)
