@@ -191,7 +191,7 @@ def _alignment(ptr: int, ld_bytes: int) -> int:
 
 
 class _Plan:
-    """Descriptors and algorithm for one GEMM signature (see :func:`_plan`)."""
+    """Descriptors and algorithm for one GEMM signature (see :func:`_plan_locked`)."""
 
     def __init__(self, handle, m, n, k, lda, ldb, ldd, in_type, out_type, aligns, ws_bytes):
         lib = _State.lib
@@ -286,9 +286,9 @@ def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha_beta: torch.Tensor,
     ws_bytes = 0 if ws is None else WORKSPACE_BYTES
     out = torch.empty((m, n), dtype=out_dtype, device=dev)
     isz, osz = am.element_size(), out.element_size()
+    align_out = _alignment(out.data_ptr(), n * osz)   # C and D are the same buffer
     aligns = (_alignment(bm.data_ptr(), bm.stride(0) * isz),
-              _alignment(am.data_ptr(), am.stride(0) * isz),
-              _alignment(out.data_ptr(), n * osz), _alignment(out.data_ptr(), n * osz))
+              _alignment(am.data_ptr(), am.stride(0) * isz), align_out, align_out)
     key = (idx, m, n, k, am.stride(0), bm.stride(0), n, am.dtype, out_dtype, aligns, ws_bytes)
     lib = _State.lib
     alpha = alpha_beta.data_ptr()

@@ -9,7 +9,8 @@ reference's, however it is computed:
   the rounding midpoint next to it (checked exhaustively for every E4M3 d). Nearest-even
   codes are therefore three comparisons against per-block thresholds (a binary search).
 * Where the exact quotient ``v = RN(a/d)`` itself is needed (stochastic rounding reads the
-  grid interval off its bits and compares ``v - lo`` with the uniform), it is ``RN32(a * r)`` in fp64, r a ~2**-43-accurate
+  grid interval off its bits and compares ``v - lo`` with the uniform), it is
+  ``RN32(a * r)`` in fp64, r a ~2**-43-accurate
   reciprocal of d: a quotient of a 24-bit by a <=4-bit number is either representable or at
   least 2**-30 (relative) away from every fp32 rounding midpoint. ``block_amax / 6`` is
   ``RN32(b * RN64(1/6))`` in fp64 by the same argument (checked on ~10**8 values,
@@ -23,8 +24,9 @@ Passes over memory (x is the contiguous (M, K) input):
 
 1. ``_nvfp4_amax_kernel``: the max of the finite ``|x|`` and, when the columnwise side
    carries the RHT, of the finite ``|RHT(x^T)|``, grid-stride over tiles, combined across
-   programs by int32 ``atomic_max`` on the fp32 bit patterns (all >= 0). The last program to finish (atomic
-   ticket) turns them into the global encode scales, on device, no host sync.
+   programs by int32 ``atomic_max`` on the fp32 bit patterns (all >= 0). The last
+   program to finish (atomic ticket) turns them into the global encode scales, on device,
+   no host sync.
 2. ``_nvfp4_row_kernel``: rowwise codes/scales; each thread owns whole 1x16 blocks (16
    contiguous elements, vector loads), or one row of a 16x16 block (2D).
 3. ``_nvfp4_col_kernel``: columnwise codes/scales of the transpose; each thread owns two
