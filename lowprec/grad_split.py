@@ -82,6 +82,12 @@ def weight_in_two_steps() -> bool:
     return _mode != "never"
 
 
+def exact_slicing() -> bool:
+    """Whether linear layers with formats emulated on bf16 GEMMs run sliced
+    (``lowprec.exact_split``): only inside :class:`sliced`."""
+    return _mode == "always"
+
+
 def slicing_enabled(quantizer) -> bool:
     """Whether a linear layer may slice what ``quantizer`` quantizes (see ``_mode``)."""
     if _mode == "never" or quantizer is None:
@@ -116,7 +122,9 @@ class unsliced(_Mode):
 class sliced(_Mode):
     """Context manager: linear layers run inside it slice wherever the memory rule says so,
     per-tensor FP8 included (peak memory at or below bf16's on the benchmark shapes, for
-    one more read of dY: 4-8% of a step on 16384x4096x14336, H200)."""
+    one more read of dY: 4-8% of a step on 16384x4096x14336, H200), and formats emulated
+    on bf16 GEMMs (MXFP8) take the sliced path of :mod:`lowprec.exact_split` (x and dY
+    read twice, a launch per slice)."""
 
     _value = "always"
 

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from .formats.base import QuantizedTensor, Quantizer
-from . import grad_split
+from . import exact_split, grad_split
 from .gemm import gemm
 
 
@@ -152,6 +152,24 @@ def _whole_backward(ctx, dy, saved_x, saved_w, need_dx: bool, need_dw: bool,
     return dx, dw
 
 
+def _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w, q, backward_mode,
+                    on_backward_done, need_dx, need_dw, *, x_owned, w_owned):
+    """Save what backward reads, record the rest on ``ctx``; y (quantized where the recipe
+    quantizes the output)."""
+    ctx.save_for_backward(saved_x if need_dw else None, saved_w if need_dx else None)
+    # Backward may free a saved operand once consumed only if nothing else holds it.
+    ctx.x_releasable = backward_mode == "default" and x_owned
+    ctx.w_releasable = backward_mode == "default" and w_owned
+    ctx.quantizers = q
+    ctx.backward_mode = backward_mode
+    ctx.on_backward_done = on_backward_done
+    ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+    ctx.has_bias = bias is not None
+    if q is not None and q.output is not None:
+        y = q.output.quantize(y)
+    return y
+
+
 class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quantizers, backward_mode, on_backward_done, grad_enabled):
@@ -160,6 +178,13 @@ class _QuantizedLinear(torch.autograd.Function):
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         q = quantizers
         quantized = q is not None
+        ctx.exact_split = exact_split.applies(q, x, weight, backward_mode, need_dx, need_dw)
+        if ctx.exact_split:
+            y, saved_x, saved_w = exact_split.forward(q, x, weight, bias)
+            return _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w,
+                                                    q, backward_mode, on_backward_done,
+                                                    need_dx, need_dw, x_owned=True,
+                                                    w_owned=True)
         # Only default mode consumes columnwise operands; the others save hp or rowwise data.
         col = quantized and backward_mode == "default"
         # "dequantized" saves fprop's rowwise copies: no exact records held on to them
@@ -189,17 +214,9 @@ class _QuantizedLinear(torch.autograd.Function):
                 saved_w = _keep_only(w_lp, w_owned, "columnwise") if need_dx else None
         else:  # dequantized
             saved_x, saved_w = x_lp, w_lp
-        ctx.save_for_backward(saved_x if need_dw else None, saved_w if need_dx else None)
-        # Backward may free the saved input after wgrad only if nothing else holds it.
-        ctx.x_releasable = backward_mode == "default" and x_owned
-        ctx.quantizers = q
-        ctx.backward_mode = backward_mode
-        ctx.on_backward_done = on_backward_done
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        ctx.has_bias = bias is not None
-        if quantized and q.output is not None:
-            y = q.output.quantize(y)
-        return y
+        return _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w, q,
+                                                backward_mode, on_backward_done, need_dx,
+                                                need_dw, x_owned=x_owned, w_owned=False)
 
     @staticmethod
     def backward(ctx, dy):
@@ -213,9 +230,16 @@ class _QuantizedLinear(torch.autograd.Function):
             if ctx.x_releasable and isinstance(saved_x, QuantizedTensor) and not _graph_kept():
                 saved_x.release()
 
+        def release_w():
+            if ctx.w_releasable and isinstance(saved_w, QuantizedTensor) and not _graph_kept():
+                saved_w.release()
+
         split = (grad_split.plan(q.grad_output, dy, saved_x, saved_w, ctx.x_dtype, ctx.w_dtype)
-                 if quantized_bwd and need_dx and need_dw else None)
-        if split is not None:
+                 if quantized_bwd and need_dx and need_dw and not ctx.exact_split else None)
+        if ctx.exact_split and need_dx and need_dw:
+            dx, dw = exact_split.backward(q.grad_output, dy, saved_x, saved_w, ctx.x_dtype,
+                                          ctx.w_dtype, release_x, release_w)
+        elif split is not None:
             dx, dw = grad_split.sliced_backward(q.grad_output, dy, saved_x, saved_w, *split,
                                                 ctx.x_dtype, ctx.w_dtype, release_x)
         else:

@@ -215,8 +215,9 @@ def test_sliced_backward_delayed_amax_history_matches(slicing):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-@pytest.mark.parametrize("rname", list(UNSLICED))
+@pytest.mark.parametrize("rname", ["nvfp4"])
 def test_formats_without_slices_keep_the_whole_backward(rname, slicing, monkeypatch):
+    # (MXFP8 slices inside sliced() through lowprec.exact_split: tests/test_exact_split.py)
     slicing(True)
     calls = _count_gemms(monkeypatch)
     _step(UNSLICED[rname]())

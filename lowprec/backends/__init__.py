@@ -27,7 +27,7 @@ def cuda_backends(backend_cls):
     return [
         backend_cls("cublas_fp8", tensorwise_accepts, tensorwise_run, True),
         backend_cls("cublas_fp8_block", blockwise_accepts, blockwise_run, True),
-        backend_cls("emulated_bf16", emulated_bf16_accepts, emulated_bf16_run),
+        backend_cls("emulated_bf16", emulated_bf16_accepts, emulated_bf16_run, True),
     ]
 
 

@@ -141,6 +141,22 @@ def bf16_operand(t, usage: str):
     raise TypeError(f"no exact bf16 form for {type(t).__name__}")
 
 
+def as_exact(t, usage: str):
+    """``t`` as an ExactTensor holding only ``usage``'s exact bf16 values (one dequantize
+    pass, made once for GEMMs that would each dequantize ``t`` again), or ``t`` itself
+    where this backend would not take it (CPU, a format without exact bf16 values here)."""
+    if not (isinstance(t, (MXFP8Tensor, NVFP4Tensor)) and t.is_cuda and t.has_usage(usage)
+            and use_kernels(t)):
+        return t
+    values, divisor = bf16_operand(t, usage)
+    other = "columnwise" if usage == "rowwise" else "rowwise"
+    rht = usage == "columnwise" and isinstance(t, NVFP4Tensor) and t.with_rht
+    return ExactTensor(t.shape, t.dtype, **{f"{usage}_data": values, f"{usage}_divisor": divisor,
+                                            f"{other}_data": None, f"{other}_divisor": None},
+                       source_format="nvfp4" if isinstance(t, NVFP4Tensor) else "mxfp8",
+                       columnwise_rht=rht)
+
+
 def _mm_fp32_out(am: torch.Tensor, bm: torch.Tensor) -> torch.Tensor:
     """bf16 x bf16 -> fp32 on the tensor cores (fp32 accumulation, fp32 result)."""
     try:
@@ -150,17 +166,21 @@ def _mm_fp32_out(am: torch.Tensor, bm: torch.Tensor) -> torch.Tensor:
         return am.to(torch.float32) @ bm.to(torch.float32).t()
 
 
-def emulated_bf16_run(a, a_usage, b, b_usage, out_dtype, bias):
+def emulated_bf16_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
+    """The product (see the module docstring); ``out``: a contiguous tensor of its shape
+    and dtype to write it to (directly where cuBLAS writes bf16, else copied)."""
     am, div_a = bf16_operand(a, a_usage)
     bm, div_b = bf16_operand(b, b_usage)
     if div_a is None and div_b is None and out_dtype == torch.bfloat16 and (
             bias is None or bias.dtype == torch.bfloat16):
         # Nothing left to do in fp32: cuBLAS accumulates in fp32 and rounds once to bf16.
         if bias is None:
-            return torch.mm(am, bm.t())
-        return torch.addmm(bias, am, bm.t())
+            return torch.mm(am, bm.t(), out=out)
+        return torch.addmm(bias, am, bm.t(), out=out)
     if bias is None and use_kernels(am) and cublaslt.shape_ok(am, bm, out_dtype):
         # the divisors in cuBLASLt's epilogue: no fp32 result in memory
-        return kernels.scaled_mm_lt(am, bm, div_a, div_b, out_dtype)
-    acc = _mm_fp32_out(am, bm)
-    return kernels.scale_bias_epilogue(acc, div_a, div_b, bias, out_dtype)
+        result = kernels.scaled_mm_lt(am, bm, div_a, div_b, out_dtype)
+    else:
+        acc = _mm_fp32_out(am, bm)
+        result = kernels.scale_bias_epilogue(acc, div_a, div_b, bias, out_dtype)
+    return result if out is None else out.copy_(result)

@@ -499,6 +499,27 @@ class Quantizer:
         """
         return None
 
+    def gemm_slicer(self, x2d: torch.Tensor) -> Callable[[torch.Tensor, str], QuantizedTensor] | None:
+        """Like :meth:`slice_quantizer`, with each slice in the form a GEMM consumes at once:
+        for formats emulated on bf16 GEMMs whose kernels run, an
+        :class:`~lowprec.formats.exact.ExactTensor` of the slice's exact values (no codes
+        or scales); elsewhere the quantized slice. None where the format has no such path
+        (see ``lowprec.exact_split``)."""
+        return None
+
+    def can_gemm_slice(self) -> bool:
+        """Whether :meth:`gemm_slicer` is implemented by this format."""
+        return type(self).gemm_slicer is not Quantizer.gemm_slicer
+
+    def _exact_slicer(self) -> Callable[[torch.Tensor, str], QuantizedTensor]:
+        """:meth:`gemm_slicer` of a format whose blocks never straddle a slice (no state
+        shared between slices)."""
+        from ..kernels import use_kernels
+        from .exact import ExactTensor
+        codes = self._slicer(self._quantize_2d)
+        exact = self._slicer(self._quantize_exact_2d, ExactTensor)
+        return lambda part, usage: (exact if use_kernels(part) else codes)(part, usage)
+
     def can_slice(self) -> bool:
         """Whether :meth:`slice_quantizer` is implemented by this format."""
         return type(self).slice_quantizer is not Quantizer.slice_quantizer
@@ -521,13 +542,14 @@ class Quantizer:
                                       f"the other; quantize both usages at once")
         return self.slice_quantizer(x2d)(x2d, usage)
 
-    def _slicer(self, fields_of: Callable[[torch.Tensor], dict]
+    def _slicer(self, fields_of: Callable[[torch.Tensor], dict], tensor_class=None
                 ) -> Callable[[torch.Tensor, str], QuantizedTensor]:
         """The ``f(part, usage)`` of :meth:`slice_quantizer` for a ``fields_of(part)``."""
-        return lambda part, usage: self._slice_tensor(part, usage, fields_of)
+        return lambda part, usage: self._slice_tensor(part, usage, fields_of, tensor_class)
 
     def _slice_tensor(self, part: torch.Tensor, usage: str,
-                      fields_of: Callable[[torch.Tensor], dict]) -> QuantizedTensor:
+                      fields_of: Callable[[torch.Tensor], dict],
+                      tensor_class=None) -> QuantizedTensor:
         """One slice for :meth:`slice_quantizer`: ``fields_of(part)`` with only ``usage`` on.
         Kernels read the strided slice in place; the reference gets a contiguous copy."""
         from ..kernels import use_kernels
@@ -541,7 +563,7 @@ class Quantizer:
             fields = fields_of(part if use_kernels(part) else part.contiguous())
         finally:
             self.set_usage(*saved)
-        return self._tensor_class()(part.shape, part.dtype, **fields)
+        return (tensor_class or self._tensor_class())(part.shape, part.dtype, **fields)
 
     def update_quantized(self, x: torch.Tensor, qt: QuantizedTensor) -> QuantizedTensor:
         """Quantize ``x`` into the existing buffers of ``qt`` (its held usages), in place."""

@@ -73,7 +73,7 @@ CONFIGS = {
     "amax": (32, 256, 8),
     "cast_row": (16, 512, 4),
     "cast_col": (64, 128, 8),
-    "cast_both": (32, 128, 2),
+    "cast_both": (128, 128, 8),
     "finish": (4096, 0, 4),
 }
 

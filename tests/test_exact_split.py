@@ -1,0 +1,227 @@
+"""The sliced Linear for formats emulated on bf16 GEMMs (lowprec/exact_split.py).
+
+On CPU the slices are quantized tensors and the GEMMs the fp32 emulation: the sliced path
+must give the unsliced path's bits. On the GPU the slices are exact bf16 values from the
+quantize kernels, checked bit for bit against the same rows/columns of a whole-tensor
+quantize; the Linear is compared with the unsliced one, where only a GEMM of another size
+may pick another accumulation order (bf16 outputs within 2 ulps), and its peak memory with
+a bf16 Linear's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec
+import lowprec.exact_split as exact_split
+import lowprec.grad_split as grad_split
+from lowprec.formats.base import QuantizedTensor
+from lowprec.formats.exact import ExactTensor
+
+M, K, N = 512, 128, 1024
+
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or not lowprec.kernels.triton_available(),
+    reason="needs CUDA and Triton")
+
+
+@pytest.fixture
+def small_slices(monkeypatch):
+    """Every loop runs in 128-long slices (the budget would take one at these sizes)."""
+    monkeypatch.setattr(exact_split, "_slice_len", lambda size, per_unit, free: 128)
+
+
+def _step(context, *, recipe=lowprec.MXFP8BlockScaling, device="cpu", bias=True, shape3d=False,
+          retain=False, seed=0):
+    torch.manual_seed(seed)
+    lin = lowprec.Linear(K, N, bias=bias, params_dtype=torch.bfloat16, device=device)
+    xs = (4, M // 4, K) if shape3d else (M, K)
+    x = torch.randn(*xs, dtype=torch.bfloat16, device=device, requires_grad=True)
+    dy = torch.randn(*xs[:-1], N, dtype=torch.bfloat16, device=device)
+    with context(), lowprec.autocast(enabled=True, recipe=recipe()):
+        y = lin(x)
+    took = y.grad_fn.exact_split
+    y.backward(dy, retain_graph=retain)
+    grads = [y.detach(), x.grad.clone(), lin.weight.grad.clone()]
+    if bias:
+        grads.append(lin.bias.grad.clone())
+    return grads, took, y
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape3d", [False, True])
+def test_cpu_sliced_equals_unsliced(small_slices, bias, shape3d):
+    ref, took_ref, _ = _step(grad_split.unsliced, bias=bias, shape3d=shape3d)
+    got, took, _ = _step(grad_split.sliced, bias=bias, shape3d=shape3d)
+    assert took and not took_ref
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def test_cpu_budget_slices_equal_unsliced():
+    ref, _, _ = _step(grad_split.unsliced)
+    got, took, _ = _step(grad_split.sliced)
+    assert took
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def test_applies_only_where_it_should():
+    # default mode and unsliced(): never; per-tensor/block FP8 and NVFP4: never
+    for context in (grad_split.unsliced, lambda: _Nothing()):
+        _, took, _ = _step(context)
+        assert not took
+    for recipe in (lowprec.Float8CurrentScaling, lowprec.Float8BlockScaling,
+                   lowprec.NVFP4BlockScaling):
+        _, took, _ = _step(grad_split.sliced, recipe=recipe)
+        assert not took, recipe
+    # a frozen weight (no dW) keeps the default path
+    lin = lowprec.Linear(K, N, params_dtype=torch.bfloat16)
+    lin.weight.requires_grad_(False)
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+    with grad_split.sliced(), lowprec.autocast(enabled=True, recipe=lowprec.MXFP8BlockScaling()):
+        y = lin(x)
+    assert not y.grad_fn.exact_split
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_retained_graph_runs_backward_twice(small_slices):
+    torch.manual_seed(0)
+    lin = lowprec.Linear(K, N, params_dtype=torch.bfloat16)
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M, N, dtype=torch.bfloat16)
+    with grad_split.sliced(), lowprec.autocast(enabled=True, recipe=lowprec.MXFP8BlockScaling()):
+        y = lin(x)
+    y.backward(dy, retain_graph=True)
+    first = (x.grad.clone(), lin.weight.grad.clone())
+    x.grad, lin.weight.grad = None, None
+    y.backward(dy)
+    assert torch.equal(first[0], x.grad) and torch.equal(first[1], lin.weight.grad)
+
+
+def test_budget_is_a_bf16_backward_peak():
+    assert exact_split.budget(16384, 4096, 4096, 2) == 416 << 20
+    assert exact_split.budget(16384, 14336, 4096, 2) == 816 << 20
+    assert exact_split.budget(16384, 4096, 14336, 2) == 1136 << 20
+
+
+def test_held_bytes_counts_inner_tensors():
+    q = lowprec.MXFP8Quantizer()
+    t = q.quantize(torch.randn(64, 128, dtype=torch.bfloat16))
+    assert isinstance(t, QuantizedTensor)
+    want = sum(v.numel() * v.element_size() for v in t.inner_tensors().values() if v is not None)
+    assert exact_split.held_bytes(t) == want == 2 * (64 * 128 + 64 * 128 // 32)
+    assert exact_split.held_bytes(torch.empty(3, 5)) == 60
+    assert exact_split.held_bytes(None) == 0
+
+
+# ---- GPU ----------------------------------------------------------------------------------
+@needs_gpu
+@pytest.mark.parametrize("two_d", [False, True])
+@pytest.mark.parametrize("shape", [(512, 1024), (384, 2080), (1056, 640)])
+def test_gpu_gemm_slices_match_whole_quantize(two_d, shape):
+    m, n = shape
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 3
+    q = lowprec.MXFP8Quantizer(with_2d_quantization=two_d)
+    whole = q.set_usage(rowwise=True, columnwise=True).quantize_for_gemm(
+        x, ("rowwise", "columnwise"), codes=False)
+    assert isinstance(whole, ExactTensor)
+    slicer = q.gemm_slicer(x)
+    for a in range(0, m, 128):
+        part = slicer(x[a:a + 128], "rowwise")
+        assert isinstance(part, ExactTensor) and not part.has_usage("columnwise")
+        assert torch.equal(part.rowwise_data, whole.rowwise_data[a:a + 128])
+    for a in range(0, n, 256):
+        part = slicer(x[:, a:a + 256], "columnwise")
+        assert torch.equal(part.columnwise_data, whole.columnwise_data[a:a + 256])
+    assert q.rowwise_usage and q.columnwise_usage  # the slicer leaves the usages as they were
+
+
+@needs_gpu
+def test_gpu_as_exact_matches_dequantize():
+    from lowprec.backends.emulated_bf16 import as_exact
+    x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    t = lowprec.MXFP8Quantizer().set_usage(rowwise=False, columnwise=True).quantize(x)
+    e = as_exact(t, "columnwise")
+    assert isinstance(e, ExactTensor) and not e.has_usage("rowwise")
+    assert torch.equal(e.dequantize(usage="columnwise"), t.dequantize(usage="columnwise"))
+    assert as_exact(t, "rowwise") is t  # no rowwise data: unchanged
+
+
+def _close_bf16(a: torch.Tensor, b: torch.Tensor):
+    # Another GEMM size may pick another fp32 accumulation order: 2 bf16 ulps, and an
+    # absolute floor for values near 0 (relative to the tensor's scale).
+    torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7,
+                               atol=2 ** -7 * b.float().abs().max().item() * 2 ** -6)
+
+
+@needs_gpu
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("sliced_small", [True, False])
+def test_gpu_sliced_matches_unsliced(monkeypatch, bias, sliced_small):
+    if sliced_small:
+        monkeypatch.setattr(exact_split, "_slice_len", lambda size, per_unit, free: 128)
+    ref, _, _ = _step(grad_split.unsliced, device="cuda", bias=bias)
+    got, took, _ = _step(grad_split.sliced, device="cuda", bias=bias)
+    assert took
+    for a, b in zip(got, ref):
+        _close_bf16(a, b)
+
+
+@needs_gpu
+@pytest.mark.parametrize("m,k,n", [(4096, 1024, 1024), (4096, 1024, 3584), (4096, 3584, 1024)])
+def test_gpu_peak_memory_at_most_bf16(m, k, n):
+    """The benchmark shapes scaled down 4x: the sliced MXFP8 step peaks at or below a bf16
+    nn.Linear step (the bf16 input made inside the step, as bench_memory does)."""
+    def peak(step):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    torch.manual_seed(0)
+    x0 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    lin = lowprec.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+
+    def bf16_step():
+        ref(x0 * 1.0).backward(dy)
+        ref.weight.grad = x0.grad = None
+
+    def sliced_step():
+        with grad_split.sliced(), lowprec.autocast(enabled=True,
+                                                   recipe=lowprec.MXFP8BlockScaling()):
+            y = lin(x0 * 1.0)
+        y.backward(dy)
+        lin.weight.grad = x0.grad = None
+
+    bf16_step(), sliced_step()  # warm-up (cuBLAS workspaces, kernels)
+    bf16, ours = peak(bf16_step), peak(sliced_step)
+    assert ours <= bf16, (ours / 2**20, bf16 / 2**20)
+
+
+def test_gemms_run_in_slices(small_slices, monkeypatch):
+    calls = []
+    real = exact_split.gemm
+
+    def spy(a, a_usage, b, b_usage, **kw):
+        calls.append((tuple(a.shape), a_usage, b_usage))
+        return real(a, a_usage, b, b_usage, **kw)
+    monkeypatch.setattr(exact_split, "gemm", spy)
+    _step(grad_split.sliced)
+    fprop = [((128, K), "rowwise", "rowwise")] * (M // 128)
+    wgrad = [((M, 128), "columnwise", "columnwise")] * (N // 128)
+    dgrad = [((128, N), "rowwise", "columnwise")] * (M // 128)
+    assert calls == fprop + wgrad + dgrad
