@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lowprec  # noqa: E402
-from bench_linear import RECIPES, lowprec_step, parse_shape  # noqa: E402
+from bench_linear import RECIPES, lowprec_step, parse_shape, within  # noqa: E402
 
 
 def main():
@@ -37,6 +37,8 @@ def main():
     ap.add_argument("--only-lowprec", action="store_true",
                     help="list only functions of the lowprec package in the cProfile table")
     ap.add_argument("--no-kernels", action="store_true", help="skip the torch.profiler table")
+    ap.add_argument("--sliced", action="store_true",
+                    help="run the steps inside lowprec.grad_split.sliced()")
     ap.add_argument("--host-ops", action="store_true",
                     help="also list the torch ops one step issues (count, host time): the ops "
                          "worth fusing away when the step is host-bound")
@@ -47,6 +49,8 @@ def main():
     for r in args.recipes.split(","):
         mod = lowprec.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
         step = lowprec_step(mod, RECIPES[r]())
+        if args.sliced:
+            step = within(lowprec.grad_split.sliced, step)
         for _ in range(5):
             step(x, dy)
         torch.cuda.synchronize()

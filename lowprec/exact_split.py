@@ -66,10 +66,23 @@ def budget(m: int, n: int, k: int, itemsize: int) -> int:
     return itemsize * (2 * m * k + m * n + n * k)
 
 
+#: Bytes of the budget each loop leaves unused: the caching allocator hands out blocks up
+#: to 1 MiB larger than asked (large blocks are not split below that).
+MARGIN = 2 << 20
+
+
 def _slice_len(size: int, per_unit: int, free: int) -> int:
     """Slice length along a dimension of ``size`` whose slices cost ``per_unit`` bytes a
-    row or column, within ``free`` bytes (at least one ALIGN-long slice)."""
-    return grad_split._even_slices(size, max(free, 0) // max(per_unit, 1))
+    row or column: equal ALIGN-multiple slices within ``free - MARGIN`` bytes (at least
+    ALIGN)."""
+    align = grad_split.ALIGN
+    limit = max(free - MARGIN, 0) // max(per_unit, 1)
+    if limit >= size:
+        return size
+    limit = max(align, limit // align * align)
+    count = -(-size // limit)
+    # size / count <= limit, a multiple of ALIGN: rounding up to ALIGN stays within it
+    return -(-(-(-size // count)) // align) * align
 
 
 def _one_usage(quantizer: Quantizer, t: torch.Tensor, usage: str) -> QuantizedTensor:
