@@ -14,7 +14,8 @@ so the gradients, are the same as unsliced; each GEMM writes its rows of dX or d
 place. Block formats slice by default: they quantize dY's two directions in two passes
 anyway. Per-tensor FP8 slices only inside :class:`sliced`: it then reads dY once more
 (delayed scaling twice, for the amax), 4-8% of a step where it applies. Formats without
-``slice_quantizer`` (MXFP8, NVFP4 and hybrids) never slice.
+``slice_quantizer`` (MXFP8, NVFP4 and hybrids) never slice here; inside :class:`sliced`,
+MXFP8 takes a path of its own that also slices the forward (``lowprec.exact_split``).
 
 The forward does the same for the weight (``linear_fn``): its columnwise copy is made
 after fprop, from the same statistics (``Quantizer.quantize_usage_like``; no extra pass for

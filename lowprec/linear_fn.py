@@ -236,7 +236,8 @@ class _QuantizedLinear(torch.autograd.Function):
 
         split = (grad_split.plan(q.grad_output, dy, saved_x, saved_w, ctx.x_dtype, ctx.w_dtype)
                  if quantized_bwd and need_dx and need_dw and not ctx.exact_split else None)
-        if ctx.exact_split and need_dx and need_dw:
+        # (a dY quantized upstream is used whole, as the default path does)
+        if ctx.exact_split and need_dx and need_dw and not isinstance(dy, QuantizedTensor):
             dx, dw = exact_split.backward(q.grad_output, dy, saved_x, saved_w, ctx.x_dtype,
                                           ctx.w_dtype, release_x, release_w)
         elif split is not None:

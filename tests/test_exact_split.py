@@ -227,3 +227,24 @@ def test_gemms_run_in_slices(small_slices, monkeypatch):
     wgrad = [((M, 128), "columnwise", "columnwise")] * (N // 128)
     dgrad = [((128, N), "rowwise", "columnwise")] * (M // 128)
     assert calls == fprop + wgrad + dgrad
+
+
+def test_gradient_quantized_upstream_is_used_whole(small_slices):
+    """A dY that arrives quantized (a downstream grad_input quantizer) cannot be sliced: the
+    backward consumes it whole, as the default path does."""
+    from lowprec.linear_fn import LinearQuantizers, quantized_linear
+    torch.manual_seed(0)
+    w = torch.randn(N, K, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+    dy = lowprec.MXFP8Quantizer().quantize(torch.randn(M, N, dtype=torch.bfloat16))
+    grads = []
+    for context in (grad_split.unsliced, grad_split.sliced):
+        q = LinearQuantizers(input=lowprec.MXFP8Quantizer(), weight=lowprec.MXFP8Quantizer(),
+                             grad_output=lowprec.MXFP8Quantizer())
+        with context():
+            y = quantized_linear(x, w, quantizers=q)
+        assert y.grad_fn.exact_split == (context is grad_split.sliced)
+        x.grad = w.grad = None
+        y.backward(dy)
+        grads.append((x.grad.clone(), w.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
