@@ -67,14 +67,6 @@ def quantizers(device):
     ]
 
 
-def out_bytes(qt) -> int:
-    """Bytes of every output: the inner tensors and the exact bf16 records."""
-    outs = [t for t in qt.inner_tensors().values() if t is not None]
-    outs += [getattr(qt, n)[2] for n in qt._derived
-             if n.startswith("_exact_") and getattr(qt, n) is not None]
-    return sum(t.numel() * t.element_size() for t in outs)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="16384x4096")
@@ -127,7 +119,7 @@ def _time_one(q, exact, inputs, iters):
         return q.quantize_for_gemm(x, exact)
 
     qt = quantize(inputs[0][0])
-    ob = out_bytes(qt)
+    ob = qt.held_bytes()  # every output: inner tensors and exact bf16 records
     del qt
     eager = time_fn(quantize, inputs, iters=iters)
     try:

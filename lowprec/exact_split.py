@@ -54,10 +54,7 @@ def held_bytes(t) -> int:
     if t is None:
         return 0
     if isinstance(t, QuantizedTensor):
-        parts = [v for v in t.inner_tensors().values() if v is not None]
-        parts += [getattr(t, n)[2] for n in t._derived
-                  if n.startswith("_exact_") and getattr(t, n) is not None]
-        return sum(p.numel() * p.element_size() for p in parts)
+        return t.held_bytes()
     return t.numel() * t.element_size()
 
 

@@ -207,6 +207,13 @@ class QuantizedTensor(torch.Tensor):
                         setattr(self, name, None)
         return self
 
+    def held_bytes(self) -> int:
+        """Bytes this tensor holds: its inner tensors and the exact bf16 records beside them."""
+        parts = [v for v in self.inner_tensors().values() if v is not None]
+        parts += [getattr(self, n)[2] for n in self._derived
+                  if n.startswith("_exact_") and getattr(self, n) is not None]
+        return sum(p.numel() * p.element_size() for p in parts)
+
     def release(self) -> None:
         """Drop every inner tensor, so their memory can be reused at once.
 
