@@ -82,22 +82,14 @@ def _slice_len(size: int, per_unit: int, free: int) -> int:
     return -(-(-(-size // count)) // align) * align
 
 
-def _one_usage(quantizer: Quantizer, t: torch.Tensor, usage: str) -> QuantizedTensor:
-    saved = (quantizer.rowwise_usage, quantizer.columnwise_usage)
-    quantizer.set_usage(rowwise=usage == "rowwise", columnwise=usage == "columnwise")
-    try:
-        return quantizer.quantize(t)
-    finally:
-        quantizer.set_usage(*saved)
-
-
 def forward(quantizers, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             ) -> tuple[torch.Tensor, QuantizedTensor, QuantizedTensor]:
     """(y, x quantized columnwise, weight quantized columnwise) for the backward."""
     k = x.shape[-1]
     x2d = x.detach().reshape(-1, k)
     m, n = x2d.shape[0], weight.shape[0]
-    x_col = _one_usage(quantizers.input, x2d, "columnwise")
+    with quantizers.input.usages(rowwise=False, columnwise=True) as q_in:
+        x_col = q_in.quantize(x2d)
     w2d = weight.detach()
     w_exact = quantizers.weight.gemm_slicer(w2d)(w2d, "rowwise")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -110,7 +102,8 @@ def forward(quantizers, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
              out=y[a:a + rows])
         del part  # free this slice before the next is made
     del w_exact
-    w_col = _one_usage(quantizers.weight, w2d, "columnwise")
+    with quantizers.weight.usages(rowwise=False, columnwise=True) as q_w:
+        w_col = q_w.quantize(w2d)
     return y.reshape(*x.shape[:-1], n), x_col, w_col
 
 

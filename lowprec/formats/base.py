@@ -18,6 +18,8 @@ format parameters) and never a reference to the quantizer that made it.
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 from typing import Any, Callable, ClassVar
 
@@ -388,6 +390,16 @@ class Quantizer:
             self.columnwise_usage = bool(columnwise)
         return self
 
+    @contextlib.contextmanager
+    def usages(self, rowwise: bool, columnwise: bool):
+        """Context manager: these usages inside, the previous ones restored after."""
+        saved = (self.rowwise_usage, self.columnwise_usage)
+        self.set_usage(rowwise=rowwise, columnwise=columnwise)
+        try:
+            yield self
+        finally:
+            self.set_usage(*saved)
+
     def copy(self) -> "Quantizer":
         """An independent quantizer with the same settings (shared recipe-owned state stays shared)."""
         return copy.copy(self)
@@ -563,13 +575,9 @@ class Quantizer:
         _check_usage(usage)
         self._check_input(part)
         m, k = part.shape
-        saved = (self.rowwise_usage, self.columnwise_usage)
-        self.set_usage(rowwise=usage == "rowwise", columnwise=usage == "columnwise")
-        try:
+        with self.usages(rowwise=usage == "rowwise", columnwise=usage == "columnwise"):
             self._check_shape(part.shape, m, k)
             fields = fields_of(part if use_kernels(part) else part.contiguous())
-        finally:
-            self.set_usage(*saved)
         return (tensor_class or self._tensor_class())(part.shape, part.dtype, **fields)
 
     def update_quantized(self, x: torch.Tensor, qt: QuantizedTensor) -> QuantizedTensor:
@@ -580,12 +588,8 @@ class Quantizer:
         if tuple(x.shape) != tuple(qt.shape):
             raise ValueError(f"update_quantized: shape {tuple(x.shape)} does not match the "
                              f"quantized tensor's {tuple(qt.shape)}")
-        saved = (self.rowwise_usage, self.columnwise_usage)
-        self.set_usage(rowwise=qt.has_usage("rowwise"), columnwise=qt.has_usage("columnwise"))
-        try:
+        with self.usages(rowwise=qt.has_usage("rowwise"), columnwise=qt.has_usage("columnwise")):
             fresh = self.quantize(x)
-        finally:
-            self.set_usage(*saved)
         if fresh.metadata() != qt.metadata():
             raise ValueError(f"update_quantized: {qt!r} was made with other settings than {self!r}")
         for name, dst in qt.inner_tensors().items():
