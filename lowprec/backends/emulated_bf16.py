@@ -145,7 +145,7 @@ def as_exact(t, usage: str):
     """``t`` as an ExactTensor holding only ``usage``'s exact bf16 values (one dequantize
     pass, made once for GEMMs that would each dequantize ``t`` again), or ``t`` itself
     where this backend would not take it (CPU, a format without exact bf16 values here)."""
-    if not (isinstance(t, (MXFP8Tensor, NVFP4Tensor)) and t.is_cuda and t.has_usage(usage)
+    if not (isinstance(t, (MXFP8Tensor, NVFP4Tensor)) and t.has_usage(usage)
             and use_kernels(t)):
         return t
     values, divisor = bf16_operand(t, usage)

@@ -19,7 +19,6 @@ format parameters) and never a reference to the quantizer that made it.
 from __future__ import annotations
 
 import contextlib
-
 import copy
 from typing import Any, Callable, ClassVar
 
