@@ -150,8 +150,9 @@ def nvfp4_cases():
     rowwise and columnwise kernels at the launch configs, 1D blocks."""
     from lowprec.formats.nvfp4 import launch as nl
     from lowprec.formats.nvfp4 import triton_kernels as nk
-    sig = {"x_ptr": "*bf16", "M": "i32", "K": "i32", "data_ptr": "*u8", "scale_ptr": "*u8",
-           "glob_ptr": "*fp32", "key_ptr": "*i64", "exact_ptr": "*bf16"}
+    sig = {"x_ptr": "*bf16", "M": "i32", "K": "i32", "SX": "i32", "data_ptr": "*u8",
+           "scale_ptr": "*u8", "glob_ptr": "*fp32", "key_ptr": "*i64", "IDX0": "i32",
+           "exact_ptr": "*bf16"}
     kb, rb, kw = nl.CONFIG["row"]["KB"], nl.CONFIG["row"]["RB"], nl.CONFIG["col"]["KW"]
     out = []
     for sr, ex in ((False, False), (True, False), (True, True)):

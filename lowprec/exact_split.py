@@ -82,28 +82,35 @@ def _slice_len(size: int, per_unit: int, free: int) -> int:
     return -(-(-(-size // count)) // align) * align
 
 
+def _unfused_out_bytes(bias: torch.Tensor | None, n: int) -> int:
+    """Bytes a row of an n-wide GEMM output may take besides the output itself: with a
+    bias and a per-tensor divisor (NVFP4) the emulation writes an fp32 product and rounds
+    it in a second kernel, not in place."""
+    return 0 if bias is None else 6 * n
+
+
 def forward(quantizers, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             ) -> tuple[torch.Tensor, QuantizedTensor, QuantizedTensor]:
     """(y, x quantized columnwise, weight quantized columnwise) for the backward."""
     k = x.shape[-1]
     x2d = x.detach().reshape(-1, k)
     m, n = x2d.shape[0], weight.shape[0]
-    with quantizers.input.usages(rowwise=False, columnwise=True) as q_in:
-        x_col = q_in.quantize(x2d)
+    x_slicer = quantizers.input.gemm_slicer(x2d)
+    x_col = x_slicer.codes(0, k, "columnwise")
     w2d = weight.detach()
-    w_exact = quantizers.weight.gemm_slicer(w2d)(w2d, "rowwise")
+    w_slicer = quantizers.weight.gemm_slicer(w2d)
+    w_exact = w_slicer(0, n, "rowwise")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     alive = held_bytes(x) + held_bytes(x_col) + held_bytes(w_exact) + held_bytes(y)
-    rows = _slice_len(m, 2 * k, budget(m, n, k, x.element_size()) - alive)
-    slicer = quantizers.input.gemm_slicer(x2d)
+    rows = _slice_len(m, 2 * k + _unfused_out_bytes(bias, n), budget(m, n, k, x.element_size())
+                      - alive)
     for a in range(0, m, rows):
-        part = slicer(x2d[a:a + rows], "rowwise")
+        part = x_slicer(a, a + rows, "rowwise")
         gemm(part, "rowwise", w_exact, "rowwise", out_dtype=x.dtype, bias=bias,
              out=y[a:a + rows])
         del part  # free this slice before the next is made
     del w_exact
-    with quantizers.weight.usages(rowwise=False, columnwise=True) as q_w:
-        w_col = q_w.quantize(w2d)
+    w_col = w_slicer.codes(0, k, "columnwise")
     return y.reshape(*x.shape[:-1], n), x_col, w_col
 
 
@@ -128,7 +135,7 @@ def backward(quantizer: Quantizer, dy: torch.Tensor, x_col: QuantizedTensor,
         + held_bytes(dw)
     cols = _slice_len(n, 2 * m, total - alive)
     for a in range(0, n, cols):
-        part = slicer(dy2d[:, a:a + cols], "columnwise")
+        part = slicer(a, a + cols, "columnwise")
         gemm(part, "columnwise", x_exact, "columnwise", out_dtype=dw_dtype, out=dw[a:a + cols])
         del part
     del x_exact
@@ -142,7 +149,7 @@ def backward(quantizer: Quantizer, dy: torch.Tensor, x_col: QuantizedTensor,
         + held_bytes(w_col) + held_bytes(x_col)
     rows = _slice_len(m, 2 * n, total - alive)
     for a in range(0, m, rows):
-        part = slicer(dy2d[a:a + rows], "rowwise")
+        part = slicer(a, a + rows, "rowwise")
         gemm(part, "rowwise", w_exact, "columnwise", out_dtype=dx_dtype, out=dx[a:a + rows])
         del part
     return dx, dw

@@ -49,31 +49,40 @@ def _step(context, *, recipe=lowprec.MXFP8BlockScaling, device="cpu", bias=True,
     return grads, took, y
 
 
+#: Recipes whose quantizers all have a gemm_slicer. NVFP4BlockScaling's defaults exercise
+#: every piece a slice shares with the whole tensor: global scales, the RHT'd columnwise
+#: amax, stochastic-rounding draws at the slice's indices, 16x16 weight blocks.
+RECIPES = [lowprec.MXFP8BlockScaling, lowprec.NVFP4BlockScaling,
+           lambda: lowprec.NVFP4BlockScaling(disable_rht=True, disable_2d_quantization=True)]
+RECIPE_IDS = ["mxfp8", "nvfp4", "nvfp4_1d_no_rht"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape3d", [False, True])
-def test_cpu_sliced_equals_unsliced(small_slices, bias, shape3d):
-    ref, took_ref, _ = _step(grad_split.unsliced, bias=bias, shape3d=shape3d)
-    got, took, _ = _step(grad_split.sliced, bias=bias, shape3d=shape3d)
+def test_cpu_sliced_equals_unsliced(small_slices, recipe, bias, shape3d):
+    ref, took_ref, _ = _step(grad_split.unsliced, recipe=recipe, bias=bias, shape3d=shape3d)
+    got, took, _ = _step(grad_split.sliced, recipe=recipe, bias=bias, shape3d=shape3d)
     assert took and not took_ref
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
 
 
-def test_cpu_budget_slices_equal_unsliced():
-    ref, _, _ = _step(grad_split.unsliced)
-    got, took, _ = _step(grad_split.sliced)
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_cpu_budget_slices_equal_unsliced(recipe):
+    ref, _, _ = _step(grad_split.unsliced, recipe=recipe)
+    got, took, _ = _step(grad_split.sliced, recipe=recipe)
     assert took
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
 
 
 def test_applies_only_where_it_should():
-    # default mode and unsliced(): never; per-tensor/block FP8 and NVFP4: never
+    # default mode and unsliced(): never; per-tensor/block FP8: never
     for context in (grad_split.unsliced, lambda: _Nothing()):
         _, took, _ = _step(context)
         assert not took
-    for recipe in (lowprec.Float8CurrentScaling, lowprec.Float8BlockScaling,
-                   lowprec.NVFP4BlockScaling):
+    for recipe in (lowprec.Float8CurrentScaling, lowprec.Float8BlockScaling):
         _, took, _ = _step(grad_split.sliced, recipe=recipe)
         assert not took, recipe
     # a frozen weight (no dW) keeps the default path
@@ -93,16 +102,19 @@ class _Nothing:
         return False
 
 
-def test_retained_graph_runs_backward_twice(small_slices):
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=RECIPE_IDS[:2])
+def test_retained_graph_runs_backward_twice(small_slices, recipe):
     torch.manual_seed(0)
     lin = lowprec.Linear(K, N, params_dtype=torch.bfloat16)
     x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(M, N, dtype=torch.bfloat16)
-    with grad_split.sliced(), lowprec.autocast(enabled=True, recipe=lowprec.MXFP8BlockScaling()):
+    with grad_split.sliced(), lowprec.autocast(enabled=True, recipe=recipe()):
         y = lin(x)
+    torch.manual_seed(1)
     y.backward(dy, retain_graph=True)
     first = (x.grad.clone(), lin.weight.grad.clone())
     x.grad, lin.weight.grad = None, None
+    torch.manual_seed(1)  # the same stochastic-rounding draws for dY as the first time
     y.backward(dy)
     assert torch.equal(first[0], x.grad) and torch.equal(first[1], lin.weight.grad)
 
@@ -124,24 +136,48 @@ def test_held_bytes_counts_inner_tensors():
 
 
 # ---- GPU ----------------------------------------------------------------------------------
+SLICED_QUANTIZERS = {
+    "mxfp8": lambda: lowprec.MXFP8Quantizer(),
+    "mxfp8_2d": lambda: lowprec.MXFP8Quantizer(with_2d_quantization=True),
+    "nvfp4": lambda: lowprec.NVFP4Quantizer(),
+    "nvfp4_rht_sr": lambda: lowprec.NVFP4Quantizer(with_rht=True, stochastic_rounding=True),
+    "nvfp4_2d_sr": lambda: lowprec.NVFP4Quantizer(with_2d_quantization=True,
+                                                  stochastic_rounding=True),
+}
+
+
 @needs_gpu
-@pytest.mark.parametrize("two_d", [False, True])
+@pytest.mark.parametrize("name", list(SLICED_QUANTIZERS))
 @pytest.mark.parametrize("shape", [(512, 1024), (384, 2080), (1056, 640)])
-def test_gpu_gemm_slices_match_whole_quantize(two_d, shape):
+def test_gpu_gemm_slices_match_whole_quantize(name, shape):
+    """Row slices (contiguous) and column slices (read in place, row-strided) equal the same
+    rows/columns of one whole-tensor quantize: exact values and codes, bit for bit (NVFP4:
+    the whole tensor's global scales and stochastic-rounding draws)."""
     m, n = shape
+    torch.manual_seed(3)
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 3
-    q = lowprec.MXFP8Quantizer(with_2d_quantization=two_d)
-    whole = q.set_usage(rowwise=True, columnwise=True).quantize_for_gemm(
-        x, ("rowwise", "columnwise"), codes=False)
+    q = SLICED_QUANTIZERS[name]().set_usage(rowwise=True, columnwise=True)
+    torch.manual_seed(7)
+    whole = q.quantize_for_gemm(x, ("rowwise", "columnwise"), codes=False)
+    torch.manual_seed(7)
+    whole_codes = q.quantize(x)
     assert isinstance(whole, ExactTensor)
+    torch.manual_seed(7)
     slicer = q.gemm_slicer(x)
     for a in range(0, m, 128):
-        part = slicer(x[a:a + 128], "rowwise")
+        part = slicer(a, a + 128, "rowwise")
         assert isinstance(part, ExactTensor) and not part.has_usage("columnwise")
         assert torch.equal(part.rowwise_data, whole.rowwise_data[a:a + 128])
+        assert torch.equal(part.dequantize(), whole.dequantize()[a:a + 128])
     for a in range(0, n, 256):
-        part = slicer(x[:, a:a + 256], "columnwise")
+        part = slicer(a, a + 256, "columnwise")
         assert torch.equal(part.columnwise_data, whole.columnwise_data[a:a + 256])
+        assert torch.equal(part.dequantize(usage="columnwise"),
+                           whole.dequantize(usage="columnwise")[:, a:a + 256])
+        codes = slicer.codes(a, a + 256, "columnwise")
+        assert torch.equal(codes.columnwise_data, whole_codes.columnwise_data[a:a + 256])
+        assert torch.equal(codes.dequantize(usage="columnwise"),
+                           whole_codes.dequantize(usage="columnwise")[:, a:a + 256])
     assert q.rowwise_usage and q.columnwise_usage  # the slicer leaves the usages as they were
 
 
@@ -164,23 +200,25 @@ def _close_bf16(a: torch.Tensor, b: torch.Tensor):
 
 
 @needs_gpu
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("sliced_small", [True, False])
-def test_gpu_sliced_matches_unsliced(monkeypatch, bias, sliced_small):
+def test_gpu_sliced_matches_unsliced(monkeypatch, recipe, bias, sliced_small):
     if sliced_small:
         monkeypatch.setattr(exact_split, "_slice_len", lambda size, per_unit, free: 128)
-    ref, _, _ = _step(grad_split.unsliced, device="cuda", bias=bias)
-    got, took, _ = _step(grad_split.sliced, device="cuda", bias=bias)
+    ref, _, _ = _step(grad_split.unsliced, recipe=recipe, device="cuda", bias=bias)
+    got, took, _ = _step(grad_split.sliced, recipe=recipe, device="cuda", bias=bias)
     assert took
     for a, b in zip(got, ref):
         _close_bf16(a, b)
 
 
 @needs_gpu
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=RECIPE_IDS[:2])
 @pytest.mark.parametrize("m,k,n", [(16384, 4096, 4096), (16384, 4096, 14336),
                                    (16384, 14336, 4096)])
-def test_gpu_peak_memory_at_most_bf16(m, k, n):
-    """On the benchmark shapes the sliced MXFP8 step peaks at or below a bf16 nn.Linear step
+def test_gpu_peak_memory_at_most_bf16(recipe, m, k, n):
+    """On the benchmark shapes the sliced step peaks at or below a bf16 nn.Linear step
     (the bf16 input made inside the step, as bench_memory does). Smaller shapes leave the
     wide one's dgrad less room than one 128-row slice."""
     def peak(step):
@@ -203,8 +241,7 @@ def test_gpu_peak_memory_at_most_bf16(m, k, n):
         ref.weight.grad = x0.grad = None
 
     def sliced_step():
-        with grad_split.sliced(), lowprec.autocast(enabled=True,
-                                                   recipe=lowprec.MXFP8BlockScaling()):
+        with grad_split.sliced(), lowprec.autocast(enabled=True, recipe=recipe()):
             y = lin(x0 * 1.0)
         y.backward(dy)
         lin.weight.grad = x0.grad = None
@@ -214,7 +251,8 @@ def test_gpu_peak_memory_at_most_bf16(m, k, n):
     assert ours <= bf16, (ours / 2**20, bf16 / 2**20)
 
 
-def test_gemms_run_in_slices(small_slices, monkeypatch):
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=RECIPE_IDS[:2])
+def test_gemms_run_in_slices(small_slices, monkeypatch, recipe):
     calls = []
     real = exact_split.gemm
 
@@ -222,7 +260,7 @@ def test_gemms_run_in_slices(small_slices, monkeypatch):
         calls.append((tuple(a.shape), a_usage, b_usage))
         return real(a, a_usage, b, b_usage, **kw)
     monkeypatch.setattr(exact_split, "gemm", spy)
-    _step(grad_split.sliced)
+    _step(grad_split.sliced, recipe=recipe)
     fprop = [((128, K), "rowwise", "rowwise")] * (M // 128)
     wgrad = [((M, 128), "columnwise", "columnwise")] * (N // 128)
     dgrad = [((128, N), "rowwise", "columnwise")] * (M // 128)

@@ -25,8 +25,13 @@ SLICED = {
     "delayed": lambda: lowprec.DelayedScaling(),
     "block": lambda: lowprec.Float8BlockScaling(),
 }
+# MXFP8 and NVFP4 have no slice_quantizer (inside sliced() they take lowprec.exact_split's
+# path instead); a hybrid of the two has neither, so it keeps the whole backward everywhere.
 UNSLICED = {"mxfp8": lambda: lowprec.MXFP8BlockScaling(),
-            "nvfp4": lambda: lowprec.NVFP4BlockScaling()}
+            "nvfp4": lambda: lowprec.NVFP4BlockScaling(),
+            "hybrid": lambda: lowprec.CustomRecipe(lambda role: lowprec.HybridQuantizer(
+                rowwise_quantizer=lowprec.MXFP8Quantizer(),
+                columnwise_quantizer=lowprec.NVFP4Quantizer()))}
 
 
 @pytest.fixture
@@ -215,9 +220,10 @@ def test_sliced_backward_delayed_amax_history_matches(slicing):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-@pytest.mark.parametrize("rname", ["nvfp4"])
+@pytest.mark.parametrize("rname", ["hybrid"])
 def test_formats_without_slices_keep_the_whole_backward(rname, slicing, monkeypatch):
-    # (MXFP8 slices inside sliced() through lowprec.exact_split: tests/test_exact_split.py)
+    # (MXFP8 and NVFP4 slice inside sliced() through lowprec.exact_split:
+    # tests/test_exact_split.py)
     slicing(True)
     calls = _count_gemms(monkeypatch)
     _step(UNSLICED[rname]())

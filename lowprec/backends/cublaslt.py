@@ -272,11 +272,12 @@ def shape_ok(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype) -> bool
 
 
 def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha_beta: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor | None:
+              out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """``alpha * (am @ bm.T)`` rounded once to ``out_dtype``, with ``alpha_beta`` the (2,)
     fp32 device tensor ``[alpha, 0.0]`` (alpha and cuBLAS's beta); None when cuBLASLt has
     no algorithm for these operands (the caller then takes another path). ``shape_ok`` must
-    hold, and the current device must be the operands'."""
+    hold, and the current device must be the operands'. ``out``: a contiguous (M, N)
+    tensor of ``out_dtype`` to write to."""
     m, k = am.shape
     n = bm.shape[0]
     dev = am.device
@@ -284,7 +285,11 @@ def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha_beta: torch.Tensor,
     stream = torch._C._cuda_getCurrentRawStream(idx)
     ws = _workspace(dev, idx, stream)
     ws_bytes = 0 if ws is None else WORKSPACE_BYTES
-    out = torch.empty((m, n), dtype=out_dtype, device=dev)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=dev)
+    elif tuple(out.shape) != (m, n) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"mm_scaled: out must be a contiguous ({m}, {n}) {out_dtype} tensor, "
+                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     isz, osz = am.element_size(), out.element_size()
     align_out = _alignment(out.data_ptr(), n * osz)   # C and D are the same buffer
     aligns = (_alignment(bm.data_ptr(), bm.stride(0) * isz),

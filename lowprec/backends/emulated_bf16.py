@@ -168,7 +168,7 @@ def _mm_fp32_out(am: torch.Tensor, bm: torch.Tensor) -> torch.Tensor:
 
 def emulated_bf16_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     """The product (see the module docstring); ``out``: a contiguous tensor of its shape
-    and dtype to write it to (directly where cuBLAS writes bf16, else copied)."""
+    and dtype to write it to (directly where cuBLAS or cuBLASLt writes it, else copied)."""
     am, div_a = bf16_operand(a, a_usage)
     bm, div_b = bf16_operand(b, b_usage)
     if div_a is None and div_b is None and out_dtype == torch.bfloat16 and (
@@ -179,8 +179,7 @@ def emulated_bf16_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
         return torch.addmm(bias, am, bm.t(), out=out)
     if bias is None and use_kernels(am) and cublaslt.shape_ok(am, bm, out_dtype):
         # the divisors in cuBLASLt's epilogue: no fp32 result in memory
-        result = kernels.scaled_mm_lt(am, bm, div_a, div_b, out_dtype)
-    else:
-        acc = _mm_fp32_out(am, bm)
-        result = kernels.scale_bias_epilogue(acc, div_a, div_b, bias, out_dtype)
+        return kernels.scaled_mm_lt(am, bm, div_a, div_b, out_dtype, out=out)
+    acc = _mm_fp32_out(am, bm)
+    result = kernels.scale_bias_epilogue(acc, div_a, div_b, bias, out_dtype)
     return result if out is None else out.copy_(result)

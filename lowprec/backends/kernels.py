@@ -116,24 +116,42 @@ def _alpha_launch(div_a, div_b, device):
     return out
 
 
-@kernel_op("lowprec_gemm::scaled_mm_lt", mutates_args=())
-def _scaled_mm_lt_op(am: torch.Tensor, bm: torch.Tensor, div_a: Optional[torch.Tensor],
-                     div_b: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+def _scaled_mm_lt(am, bm, div_a, div_b, out_dtype, out=None):
     from ..formats.float8.launch import device_guard
     from . import cublaslt
 
     with device_guard(am.device):
         # alpha and beta are written on the stream the GEMM reads them on
-        out = cublaslt.mm_scaled(am, bm, _alpha_launch(div_a, div_b, am.device), out_dtype)
-        if out is None:  # no cuBLASLt algorithm for these pointers: fp32 GEMM, then scale
+        result = cublaslt.mm_scaled(am, bm, _alpha_launch(div_a, div_b, am.device), out_dtype,
+                                    out)
+        if result is None:  # no cuBLASLt algorithm for these pointers: fp32 GEMM, then scale
             acc = torch.mm(am, bm.t(), out_dtype=torch.float32)
-            out = _epilogue_op(acc, div_a, div_b, None, out_dtype)
-    return out
+            result = _epilogue_op(acc, div_a, div_b, None, out_dtype)
+            if out is not None:
+                result = out.copy_(result)
+    return result
+
+
+@kernel_op("lowprec_gemm::scaled_mm_lt", mutates_args=())
+def _scaled_mm_lt_op(am: torch.Tensor, bm: torch.Tensor, div_a: Optional[torch.Tensor],
+                     div_b: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    return _scaled_mm_lt(am, bm, div_a, div_b, out_dtype)
 
 
 @_scaled_mm_lt_op.register_fake
 def _(am, bm, div_a, div_b, out_dtype):
     return am.new_empty((am.shape[0], bm.shape[0]), dtype=out_dtype)
+
+
+@kernel_op("lowprec_gemm::scaled_mm_lt_out", mutates_args=("out",))
+def _scaled_mm_lt_out_op(am: torch.Tensor, bm: torch.Tensor, div_a: Optional[torch.Tensor],
+                         div_b: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    _scaled_mm_lt(am, bm, div_a, div_b, out.dtype, out)
+
+
+@_scaled_mm_lt_out_op.register_fake
+def _(am, bm, div_a, div_b, out):
+    return None
 
 
 # ---- dispatch -----------------------------------------------------------------------------
@@ -175,8 +193,15 @@ def gemm_alpha(div_a: torch.Tensor | None, div_b: torch.Tensor | None) -> torch.
 
 
 def scaled_mm_lt(am: torch.Tensor, bm: torch.Tensor, div_a: torch.Tensor | None,
-                 div_b: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+                 div_b: torch.Tensor | None, out_dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``(am @ bm.T) * alpha`` (alpha of :func:`gemm_alpha`) in cuBLASLt's fp32 epilogue,
     rounded once to ``out_dtype`` (CUDA bf16 operands that pass
-    :func:`lowprec.backends.cublaslt.shape_ok`)."""
-    return _scaled_mm_lt_op(am, bm, _divisor(div_a), _divisor(div_b), out_dtype)
+    :func:`lowprec.backends.cublaslt.shape_ok`); written to ``out`` (a contiguous tensor of
+    the product's shape and ``out_dtype``) where given."""
+    if out is None:
+        return _scaled_mm_lt_op(am, bm, _divisor(div_a), _divisor(div_b), out_dtype)
+    if out.dtype != out_dtype:
+        raise ValueError(f"scaled_mm_lt: out is {out.dtype}, the product {out_dtype}")
+    _scaled_mm_lt_out_op(am, bm, _divisor(div_a), _divisor(div_b), out)
+    return out

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from .gemm_slicer import GemmSlicer
 
 aten = torch.ops.aten
 
@@ -517,26 +520,24 @@ class Quantizer:
         """
         return None
 
-    def gemm_slicer(self, x2d: torch.Tensor) -> Callable[[torch.Tensor, str], QuantizedTensor] | None:
-        """Like :meth:`slice_quantizer`, with each slice in the form a GEMM consumes at once:
-        for formats emulated on bf16 GEMMs whose kernels run, an
-        :class:`~lowprec.formats.exact.ExactTensor` of the slice's exact values (no codes
-        or scales); elsewhere the quantized slice. None where the format has no such path
-        (see ``lowprec.exact_split``)."""
+    def gemm_slicer(self, x2d: torch.Tensor) -> "GemmSlicer | None":
+        """A :class:`~lowprec.formats.gemm_slicer.GemmSlicer` of the 2-D ``x2d``: its slices
+        quantized as ``quantize(x2d)`` quantizes them, in the form a GEMM consumes at once
+        (for formats emulated on bf16 GEMMs whose kernels run, an
+        :class:`~lowprec.formats.exact.ExactTensor` of the slice's exact values). None
+        where the format has no such path (see ``lowprec.exact_split``)."""
         return None
 
     def can_gemm_slice(self) -> bool:
         """Whether :meth:`gemm_slicer` is implemented by this format."""
         return type(self).gemm_slicer is not Quantizer.gemm_slicer
 
-    def _exact_slicer(self) -> Callable[[torch.Tensor, str], QuantizedTensor]:
-        """:meth:`gemm_slicer` of a format whose blocks never straddle a slice (no state
-        shared between slices)."""
-        from ..kernels import use_kernels
-        from .exact import ExactTensor
-        codes = self._slicer(self._quantize_2d)
-        exact = self._slicer(self._quantize_exact_2d, ExactTensor)
-        return lambda part, usage: (exact if use_kernels(part) else codes)(part, usage)
+    def _block_gemm_slicer(self, x2d: torch.Tensor) -> "GemmSlicer":
+        """:meth:`gemm_slicer` of a format whose blocks never straddle a slice and which
+        shares nothing between blocks."""
+        from .gemm_slicer import GemmSlicer
+        return GemmSlicer(self, x2d, lambda part, usage, start: self._quantize_2d(part),
+                          lambda part, usage, start: self._quantize_exact_2d(part))
 
     def can_slice(self) -> bool:
         """Whether :meth:`slice_quantizer` is implemented by this format."""

@@ -58,7 +58,7 @@ class MXFP8Quantizer(Quantizer):
 
     def gemm_slicer(self, x2d):
         # Slices start at multiples of 128 rows or columns: every block lies inside one.
-        return self._exact_slicer()
+        return self._block_gemm_slicer(x2d)
 
     def _quantize_exact_2d(self, x2d: torch.Tensor) -> dict:
         return launch.quantize_mxfp8_exact(self, x2d)

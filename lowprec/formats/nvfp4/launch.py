@@ -61,9 +61,14 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _idx64(rows: int, cols: int) -> bool:
-    """Whether element offsets (with a tile's worth of slack) may exceed int32."""
-    return (rows + 64) * (cols + 256) + (1 << 16) >= 2**31
+def _idx64(rows: int, cols: int, base: int = 0) -> bool:
+    """Whether element offsets (with a tile's worth of slack), from ``base`` on, may exceed
+    int32."""
+    return base + (rows + 64) * (cols + 256) + (1 << 16) >= 2**31
+
+
+def _row_stride(x: Tensor) -> int:
+    return x.stride(0) if x.shape[0] > 1 else x.shape[1]
 
 
 # ---- quantize -----------------------------------------------------------------------------------
@@ -71,18 +76,35 @@ def _idx64(rows: int, cols: int) -> bool:
 def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tensor],
                    rowwise: bool, columnwise: bool, with_rht: bool,
                    two_d: bool, exact_row: bool = False, exact_col: bool = False,
-                   codes: bool = True
+                   codes: bool = True, rglob_in: Optional[Tensor] = None,
+                   cglob_in: Optional[Tensor] = None, row_offset: int = 0,
+                   col_offset: int = 0
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(rdata, rscale u8, rglobal, cdata, cscale u8, cglobal, rexact, cexact) of a 2-D x;
     an unused direction's tensors are empty. Scales are the E4M3 bytes (view as
     float8_e4m3fn). ``exact_row`` / ``exact_col``: also the exact bf16 ``q * d`` of that
     direction (stored layout and domain), else an empty tensor. ``codes=False`` (every
     direction in use asks for its exact values): no data or scales (empty tensors; the
-    global scales are still computed)."""
+    global scales are still computed).
+
+    Slices of a larger tensor (``NVFP4Quantizer.gemm_slicer``): ``rglob_in`` /
+    ``cglob_in`` are the whole tensor's global scales (:func:`nvfp4_global_scales`), given
+    for every direction in use; there is then no amax pass, the returned global scales are
+    empty, and x may be row-strided (a column slice, read in place). ``row_offset`` /
+    ``col_offset``: the stochastic-rounding index of each direction's first element in the
+    whole tensor's matrix of that direction."""
     k = _kernels()
-    x = x.contiguous()
     m, kk = x.shape
     dev = x.device
+    given = rglob_in is not None or cglob_in is not None
+    if given and (rowwise and rglob_in is None or columnwise and cglob_in is None):
+        raise ValueError("nvfp4_quantize: given global scales must cover every direction it "
+                         "quantizes")
+    if not given and (row_offset or col_offset):
+        raise ValueError("nvfp4_quantize: index offsets are for slices, which take the whole "
+                         "tensor's global scales")
+    if x.stride(-1) != 1 or not given:
+        x = x.contiguous()
     sr = key_row is not None or key_col is not None
     if rowwise and sr and key_row is None or columnwise and sr and key_col is None:
         raise ValueError("nvfp4_quantize: stochastic rounding needs a key for every "
@@ -96,25 +118,25 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
     if not codes:
         check_exact_only("nvfp4_quantize", rowwise, columnwise, exact_row, exact_col)
     rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = _quantize_outputs(
-        x, rowwise, columnwise, two_d, exact_row, exact_col, codes)
+        x, rowwise, columnwise, two_d, exact_row, exact_col, codes, given)
     exact_row, exact_col = bool(rowwise and exact_row), bool(columnwise and exact_col)
     if not (rowwise or columnwise) or m == 0 or kk == 0:
         return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
 
     rht = bool(with_rht and columnwise)
-    idx64 = _idx64(m, kk)
-    ws = torch.zeros(3, dtype=torch.int32, device=dev)
-    ca = CONFIG["amax"]
-    grid, warps, even = amax_launch(m, kk, rht, dev)
-    k._nvfp4_amax_kernel[grid](x, m, kk, ws, rglob, cglob, ROW=bool(rowwise),
-                               COL=bool(columnwise), RHT=rht, KW=ca["KW"], FLAT=ca["FLAT"],
-                               EVEN=even, IDX64=idx64, num_warps=warps, **_LAUNCH_OPTS)
+    sx = _row_stride(x)
+    idx64 = _idx64(m, max(kk, sx), max(row_offset, col_offset))
+    if given:
+        rs, cs = rglob_in, cglob_in
+    else:
+        _amax_pass(x, rglob, cglob, rowwise, columnwise, rht, idx64)
+        rs, cs = rglob, cglob
     if rowwise:
         cr = CONFIG["row"]
         kb, rb = cr["KB"], (16 if two_d else cr["RB"])
         grid = (triton_cdiv(m, rb) * triton_cdiv(kk // BLOCK, kb),)
-        k._nvfp4_row_kernel[grid](x, m, kk, rdata, rscale, rglob,
-                                  key_row if key_row is not None else rglob,
+        k._nvfp4_row_kernel[grid](x, m, kk, sx, rdata, rscale, rs,
+                                  key_row if key_row is not None else rs, row_offset,
                                   rex if exact_row else None,
                                   TWO_D=bool(two_d), SR=sr, VEC=16 // x.element_size(),
                                   KB=kb, RB=rb, EVEN=m % rb == 0 and (kk // BLOCK) % kb == 0,
@@ -123,14 +145,52 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
     if columnwise:
         kw = CONFIG["col"]["KW"]
         grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * kw),)
-        k._nvfp4_col_kernel[grid](x, m, kk, cdata, cscale, cglob,
-                                  key_col if key_col is not None else cglob,
+        k._nvfp4_col_kernel[grid](x, m, kk, sx, cdata, cscale, cs,
+                                  key_col if key_col is not None else cs, col_offset,
                                   cex if exact_col else None,
                                   RHT=rht, TWO_D=bool(two_d), SR=sr, KW=kw,
                                   EVEN=m % 64 == 0 and kk % (16 * kw) == 0, IDX64=idx64,
                                   EXACT=exact_col, CODES=bool(codes), num_warps=kw,
                                   **_LAUNCH_OPTS)
     return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
+
+
+def _amax_pass(x: Tensor, rglob: Tensor, cglob: Tensor, rowwise: bool, columnwise: bool,
+               rht: bool, idx64: bool) -> None:
+    """Write the global encode scales of the contiguous x's directions in use."""
+    m, kk = x.shape
+    ws = torch.zeros(3, dtype=torch.int32, device=x.device)
+    ca = CONFIG["amax"]
+    grid, warps, even = amax_launch(m, kk, rht, x.device)
+    _kernels()._nvfp4_amax_kernel[grid](x, m, kk, ws, rglob, cglob, ROW=bool(rowwise),
+                                        COL=bool(columnwise), RHT=rht, KW=ca["KW"],
+                                        FLAT=ca["FLAT"], EVEN=even, IDX64=idx64,
+                                        num_warps=warps, **_LAUNCH_OPTS)
+
+
+@kernel_op("lowprec::nvfp4_global_scales", mutates_args=())
+def nvfp4_global_scales(x: Tensor, rowwise: bool, columnwise: bool,
+                        with_rht: bool) -> tuple[Tensor, Tensor]:
+    """(rowwise S, columnwise S) of a 2-D x, (1,) fp32 each (the columnwise one of the
+    RHT'd transpose when ``with_rht``), as :func:`nvfp4_quantize` computes them; a direction
+    not in use gets an empty tensor. One pass over x."""
+    x = x.contiguous()
+    rglob = x.new_empty(1 if rowwise else 0, dtype=torch.float32)
+    cglob = x.new_empty(1 if columnwise else 0, dtype=torch.float32)
+    m, kk = x.shape
+    if m and kk and (rowwise or columnwise):
+        _amax_pass(x, rglob, cglob, rowwise, columnwise, bool(with_rht and columnwise),
+                   _idx64(m, kk))
+    else:  # no elements: amax 0, S = 1
+        rglob.fill_(1.0)
+        cglob.fill_(1.0)
+    return rglob, cglob
+
+
+@nvfp4_global_scales.register_fake
+def _nvfp4_global_scales_fake(x, rowwise, columnwise, with_rht):
+    return (x.new_empty(1 if rowwise else 0, dtype=torch.float32),
+            x.new_empty(1 if columnwise else 0, dtype=torch.float32))
 
 
 def amax_launch(m: int, kk: int, rht: bool, device: torch.device) -> tuple:
@@ -149,21 +209,22 @@ def amax_launch(m: int, kk: int, rht: bool, device: torch.device) -> tuple:
 
 
 def _quantize_outputs(x: Tensor, rowwise: bool, columnwise: bool, two_d: bool,
-                      exact_row: bool = False, exact_col: bool = False, codes: bool = True):
+                      exact_row: bool = False, exact_col: bool = False, codes: bool = True,
+                      scales_given: bool = False):
     """Uninitialized (data, scale bytes, S) of each direction of an (M, K) x, then the
-    exact bf16 of each; an unused direction's tensors are empty. Shared by the op and its
-    fake."""
+    exact bf16 of each; an unused direction's tensors are empty, as is S when the scales
+    are given. Shared by the op and its fake."""
     m, kk = x.shape
 
     def direction(on, rows, cols):
         if not on:
             return tuple(x.new_empty(0, dtype=torch.uint8) for _ in range(3))
+        glob = x.new_empty(0 if scales_given else 1, dtype=torch.float32)
         if not codes:
-            return (x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.uint8),
-                    x.new_empty(1, dtype=torch.float32))
+            return x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.uint8), glob
         return (x.new_empty(rows, cols // 2, dtype=torch.uint8),
                 x.new_empty(rows // BLOCK if two_d else rows, cols // BLOCK, dtype=torch.uint8),
-                x.new_empty(1, dtype=torch.float32))
+                glob)
 
     def exact(on, rows, cols):
         return x.new_empty((rows, cols) if on else (0,), dtype=torch.bfloat16)
@@ -174,25 +235,34 @@ def _quantize_outputs(x: Tensor, rowwise: bool, columnwise: bool, two_d: bool,
 
 @nvfp4_quantize.register_fake
 def _nvfp4_quantize_fake(x, key_row, key_col, rowwise, columnwise, with_rht, two_d,
-                         exact_row=False, exact_col=False, codes=True):
-    return _quantize_outputs(x, rowwise, columnwise, two_d, exact_row, exact_col, codes)
+                         exact_row=False, exact_col=False, codes=True, rglob_in=None,
+                         cglob_in=None, row_offset=0, col_offset=0):
+    return _quantize_outputs(x, rowwise, columnwise, two_d, exact_row, exact_col, codes,
+                             rglob_in is not None or cglob_in is not None)
 
 
 def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
                 two_d: bool, key_row: Tensor | None = None,
-                key_col: Tensor | None = None, exact: tuple[str, ...] = ()) -> dict:
+                key_col: Tensor | None = None, exact: tuple[str, ...] = (),
+                scales: tuple | None = None, offsets: tuple[int, int] = (0, 0)) -> dict:
     """NVFP4Tensor fields for an (M, K) input through the kernels (see module doc).
 
     ``key_row`` / ``key_col``: the stochastic-rounding keys of the rowwise (M, K) and
     columnwise (K, M) directions (:func:`.draws.draw_key`; both ``None``: nearest-even).
     ``exact``: the directions whose exact bf16 ``q * d`` the kernels also write, kept as
-    the tensor's ``_exact_<usage>`` records.
+    the tensor's ``_exact_<usage>`` records. ``scales`` (rowwise S, columnwise S) and
+    ``offsets`` (rowwise, columnwise): for a slice of a larger tensor, its global scales
+    and the slice's first stochastic-rounding index in each direction (see
+    :func:`nvfp4_quantize`).
     """
     ex_row = bool(rowwise) and "rowwise" in exact
     ex_col = bool(columnwise) and "columnwise" in exact
+    rs_in, cs_in = scales if scales is not None else (None, None)
     rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = nvfp4_quantize(
         x2d, key_row, key_col, bool(rowwise), bool(columnwise), bool(with_rht), bool(two_d),
-        ex_row, ex_col)
+        ex_row, ex_col, True, rs_in, cs_in, offsets[0], offsets[1])
+    if scales is not None:
+        rglob, cglob = rs_in, cs_in
     fields: dict = {}
     if rowwise:
         fields.update(rowwise_data=rdata, rowwise_scale=rscale.view(SCALE_DTYPE),
@@ -209,13 +279,17 @@ def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
 
 def quantize_2d_exact(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
                       two_d: bool, key_row: Tensor | None = None,
-                      key_col: Tensor | None = None) -> dict:
+                      key_col: Tensor | None = None, scales: tuple | None = None,
+                      offsets: tuple[int, int] = (0, 0)) -> dict:
     """ExactTensor fields of an (M, K) input (no codes or scales written): each direction's
     exact bf16 ``q * d`` with its global scale ``S`` as the divisor, the values
-    :func:`quantize_2d` would record for the same keys."""
+    :func:`quantize_2d` would record for the same keys (and ``scales``/``offsets``)."""
+    rs_in, cs_in = scales if scales is not None else (None, None)
     _, _, rglob, _, _, cglob, rex, cex = nvfp4_quantize(
         x2d, key_row, key_col, bool(rowwise), bool(columnwise), bool(with_rht), bool(two_d),
-        bool(rowwise), bool(columnwise), False)
+        bool(rowwise), bool(columnwise), False, rs_in, cs_in, offsets[0], offsets[1])
+    if scales is not None:
+        rglob, cglob = rs_in, cs_in
     return {"rowwise_data": rex if rowwise else None,
             "rowwise_divisor": rglob if rowwise else None,
             "columnwise_data": cex if columnwise else None,

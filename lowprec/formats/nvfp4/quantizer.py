@@ -6,8 +6,8 @@ import torch
 
 from ...kernels import use_kernels
 from ..base import Quantizer, check_divisible
-from .draws import draw_key, uniforms
-from .reference import BLOCK, SCALE_DTYPE, quantize_matrix
+from .draws import draw_key, uniforms_at
+from .reference import BLOCK, SCALE_DTYPE, finite_amax, global_encode_scale, quantize_matrix
 from .rht import rht_forward
 from .tensor import NVFP4Tensor
 
@@ -93,10 +93,6 @@ class NVFP4Quantizer(Quantizer):
             return None
         return draw_key(self.generator, device)
 
-    def _uniforms(self, rows, cols, device) -> torch.Tensor | None:
-        key = self._sr_key(device)
-        return None if key is None else uniforms(key, rows, cols)
-
     def _kernel_keys(self, x2d):
         # Same keys, same order as the reference path: rowwise first.
         key_row = self._sr_key(x2d.device) if self.rowwise_usage else None
@@ -111,8 +107,45 @@ class NVFP4Quantizer(Quantizer):
                                  two_d=self.with_2d_quantization, key_row=key_row,
                                  key_col=key_col)
 
-    def _quantize_2d(self, x2d):
+    def gemm_slicer(self, x2d):
+        # A slice takes the whole tensor's global scales and draws the whole tensor's
+        # uniforms at its own indices; both are fixed here, for both directions, as a
+        # quantize with both usages fixes them (the keys rowwise first).
+        from ..gemm_slicer import GemmSlicer
         m, k = x2d.shape
+        scales = self._global_scales(x2d)
+        keys = (self._sr_key(x2d.device), self._sr_key(x2d.device))
+
+        def fields(part, usage, start, exact):
+            rowwise = usage == "rowwise"
+            offset = start * (k if rowwise else m)
+            if use_kernels(part):
+                from .launch import quantize_2d, quantize_2d_exact
+                args = dict(rowwise=rowwise, columnwise=not rowwise, with_rht=self.with_rht,
+                            two_d=self.with_2d_quantization, key_row=keys[0] if rowwise else None,
+                            key_col=None if rowwise else keys[1], scales=scales,
+                            offsets=(offset, 0) if rowwise else (0, offset))
+                if exact:
+                    return quantize_2d_exact(part, **args)
+                return {"with_rht": self.with_rht,
+                        "with_2d_quantization": self.with_2d_quantization,
+                        **quantize_2d(part, **args)}
+            return self._reference_fields(part, rowwise, not rowwise, keys, scales,
+                                          (offset, offset))
+
+        return GemmSlicer(self, x2d, lambda p, u, a: fields(p, u, a, False),
+                          lambda p, u, a: fields(p, u, a, True))
+
+    def _global_scales(self, x2d) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rowwise S, columnwise S) of the whole 2-D x2d, (1,) fp32 each."""
+        if use_kernels(x2d):
+            from .launch import nvfp4_global_scales
+            return nvfp4_global_scales(x2d, True, True, self.with_rht)
+        x = x2d.to(torch.float32)
+        xt = rht_forward(x.t().contiguous()) if self.with_rht else x
+        return global_encode_scale(finite_amax(x)), global_encode_scale(finite_amax(xt))
+
+    def _quantize_2d(self, x2d):
         if use_kernels(x2d):
             from .launch import quantize_2d
             key_row, key_col = self._kernel_keys(x2d)
@@ -121,18 +154,35 @@ class NVFP4Quantizer(Quantizer):
                                   columnwise=self.columnwise_usage, with_rht=self.with_rht,
                                   two_d=self.with_2d_quantization, key_row=key_row,
                                   key_col=key_col, exact=self.exact_usages())}
+        return self._reference_fields(x2d, self.rowwise_usage, self.columnwise_usage,
+                                      self._kernel_keys(x2d))
+
+    def _reference_fields(self, x2d, rowwise, columnwise, keys, scales=(None, None),
+                          offsets=(0, 0)) -> dict:
+        """NVFP4Tensor fields through :mod:`.reference`: ``keys`` the (rowwise, columnwise)
+        stochastic-rounding keys (None: nearest-even); ``scales`` / ``offsets`` those of a
+        slice (see ``launch.nvfp4_quantize``)."""
+        m, k = x2d.shape
         x = x2d.to(torch.float32)
         fields = {"with_rht": self.with_rht, "with_2d_quantization": self.with_2d_quantization}
         two_d = self.with_2d_quantization
-        if self.rowwise_usage:
-            data, scale, s = quantize_matrix(x, two_d=two_d, rand=self._uniforms(m, k, x.device))
+
+        def rand(key, offset, rows, cols):
+            if key is None:
+                return None
+            index = offset + torch.arange(rows * cols, dtype=torch.int64, device=x.device)
+            return uniforms_at(key, index).reshape(rows, cols)
+
+        if rowwise:
+            data, scale, s = quantize_matrix(x, two_d=two_d, rand=rand(keys[0], offsets[0], m, k),
+                                             s=scales[0])
             fields.update(rowwise_data=data, rowwise_scale=scale, rowwise_global=s)
-        if self.columnwise_usage:
+        if columnwise:
             xt = x.t().contiguous()
             if self.with_rht:
                 xt = rht_forward(xt)
-            data, scale, s = quantize_matrix(xt, two_d=two_d,
-                                             rand=self._uniforms(k, m, x.device))
+            data, scale, s = quantize_matrix(xt, two_d=two_d, rand=rand(keys[1], offsets[1], k, m),
+                                             s=scales[1])
             fields.update(columnwise_data=data, columnwise_scale=scale, columnwise_global=s)
         return fields
 

@@ -69,15 +69,18 @@ def block_decode_scales(xb: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return d.to(SCALE_DTYPE)
 
 
-def quantize_matrix(x: torch.Tensor, *, two_d: bool, rand: torch.Tensor | None = None):
+def quantize_matrix(x: torch.Tensor, *, two_d: bool, rand: torch.Tensor | None = None,
+                    s: torch.Tensor | None = None):
     """Quantize an (R, C) matrix along C.
 
     Returns ``(packed codes (R, C/2) uint8, scales float8_e4m3fn (R, C/16) or
     (R/16, C/16) when ``two_d``, encode scale S (1,) fp32)``. ``rand`` (R, C)
-    uniform [0, 1) draws switch to stochastic rounding.
+    uniform [0, 1) draws switch to stochastic rounding. ``s``: the encode scale to use
+    instead of x's own (x a slice of the matrix that ``s`` was computed from).
     """
     x = x.to(torch.float32)
-    s = global_encode_scale(finite_amax(x))
+    if s is None:
+        s = global_encode_scale(finite_amax(x))
     xb = _blocked(x, two_d)
     d_e4m3 = block_decode_scales(xb, s)
     d = d_e4m3.to(torch.float32).unsqueeze(-1)

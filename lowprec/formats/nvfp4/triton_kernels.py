@@ -20,7 +20,8 @@ reference's, however it is computed:
 * Signs are flipped by multiplying by -1 (Triton's unary minus is ``0 - x``, which turns
   -0 into +0, and the sign of zero reaches the E2M1 sign bit).
 
-Passes over memory (x is the contiguous (M, K) input):
+Passes over memory (x is the (M, K) input, rows contiguous; the amax pass needs it whole
+and contiguous, the quantize passes take a row stride, so a column slice is read in place):
 
 1. ``_nvfp4_amax_kernel``: the max of the finite ``|x|`` and, when the columnwise side
    carries the RHT, of the finite ``|RHT(x^T)|``, grid-stride over tiles, combined across
@@ -344,11 +345,12 @@ def _col_tile_index(m0, k0, KW: tl.constexpr):
 
 
 @triton.jit
-def _load_col_tile(x_ptr, M, K, m0, k0, KW: tl.constexpr, EVEN: tl.constexpr,
+def _load_col_tile(x_ptr, M, K, SX, m0, k0, KW: tl.constexpr, EVEN: tl.constexpr,
                    IDX64: tl.constexpr):
-    """The 16 row slices (8, 4, KW, 2) fp32 of a column tile of the contiguous (M, K) x."""
+    """The 16 row slices (8, 4, KW, 2) fp32 of a column tile of the (M, K) x (rows SX
+    elements apart)."""
     rows, cols = _col_tile_index(m0, k0, KW)
-    v = _ld(x_ptr + _wide(rows, IDX64) * K + cols, (rows < M) & (cols < K), 0.0, EVEN)
+    v = _ld(x_ptr + _wide(rows, IDX64) * SX + cols, (rows < M) & (cols < K), 0.0, EVEN)
     return _split_last16(v.to(tl.float32))
 
 
@@ -378,7 +380,7 @@ def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
         m_plain = tl.zeros((8, 4, KW, 2), dtype=tl.float32)
         m_rht = tl.zeros((8, 4, KW, 2), dtype=tl.float32)
         for t in range(pid, tl.cdiv(M, 64) * nk, nprog):
-            sl = _load_col_tile(x_ptr, M, K, (t // nk) * 64, (t % nk) * 16 * KW, KW, EVEN,
+            sl = _load_col_tile(x_ptr, M, K, K, (t // nk) * 64, (t % nk) * 16 * KW, KW, EVEN,
                                 IDX64)
             if ROW:
                 for i in tl.static_range(16):
@@ -415,12 +417,14 @@ def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
 
 # ---- pass 2a: rowwise ---------------------------------------------------------------------------
 @triton.jit
-def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact_ptr,
-                      TWO_D: tl.constexpr, SR: tl.constexpr, VEC: tl.constexpr,
+def _nvfp4_row_kernel(x_ptr, M, K, SX, data_ptr, scale_ptr, glob_ptr, key_ptr, IDX0,
+                      exact_ptr, TWO_D: tl.constexpr, SR: tl.constexpr, VEC: tl.constexpr,
                       KB: tl.constexpr, RB: tl.constexpr, EVEN: tl.constexpr,
                       IDX64: tl.constexpr, EXACT: tl.constexpr, CODES: tl.constexpr):
-    """Rowwise NVFP4 of x (M, K): data (M, K/2) u8, scales (M, K/16) or (M/16, K/16) u8
-    (E4M3 bytes), S read from glob; key (2,) int64 the stochastic-rounding key when SR.
+    """Rowwise NVFP4 of x (M, K), rows SX elements apart: data (M, K/2) u8, scales (M, K/16)
+    or (M/16, K/16) u8 (E4M3 bytes), S read from glob; key (2,) int64 the
+    stochastic-rounding key when SR, the element at (r, c) drawing index IDX0 + r K + c
+    (a slice of a larger matrix draws the whole matrix's uniforms).
 
     Tile: RB rows x KB blocks of 16 columns; each thread owns one 1x16 block as H x VEC
     (H = 16 / VEC) elements, VEC contiguous per vector load. 1D: lanes over blocks, then
@@ -448,7 +452,7 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact
     h4 = tl.arange(0, H)[None, None, :, None]
     c4 = tl.arange(0, VEC)[None, None, None, :]
     mask4 = (r4 < M) & (b4 < K16)
-    x = _ld(x_ptr + _wide(r4, IDX64) * K + b4 * 16 + h4 * VEC + c4, mask4, 0.0,
+    x = _ld(x_ptr + _wide(r4, IDX64) * SX + b4 * 16 + h4 * VEC + c4, mask4, 0.0,
             EVEN).to(tl.float32)
     # block max |x|, NaN-propagating (inf/NaN mark a bad block)
     bm = tl.reduce(tl.reduce(tl.abs(x), 3, _max_nan), 2, _max_nan)        # (X, Y)
@@ -473,7 +477,8 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact
     n = x * s
     a = tl.abs(n)
     if SR:
-        rnd = _sr_uniform(key_ptr, _wide(r4, IDX64) * K + b4 * 16 + h4 * VEC + c4, IDX64)
+        rnd = _sr_uniform(key_ptr, IDX0 + _wide(r4, IDX64) * K + b4 * 16 + h4 * VEC + c4,
+                          IDX64)
         code = _sr_codes(a, _sr_prep(dd), rnd)
     else:
         code = _rne_codes(a, _rne_thresholds(dd))
@@ -494,13 +499,14 @@ def _nvfp4_row_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact
 
 # ---- pass 2b: columnwise ------------------------------------------------------------------------
 @triton.jit
-def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact_ptr,
-                      RHT: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
+def _nvfp4_col_kernel(x_ptr, M, K, SX, data_ptr, scale_ptr, glob_ptr, key_ptr, IDX0,
+                      exact_ptr, RHT: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
                       KW: tl.constexpr, EVEN: tl.constexpr, IDX64: tl.constexpr,
                       EXACT: tl.constexpr, CODES: tl.constexpr):
-    """Columnwise NVFP4 of x (M, K): the rowwise quantization of x^T (RHT'd along M when
-    RHT). data (K, M/2) u8, scales (K, M/16) or (K/16, M/16) u8, S from glob; key (2,)
-    int64 the stochastic-rounding key when SR. Tile: 64 rows x 16 KW columns (see _col_tile_index); each
+    """Columnwise NVFP4 of x (M, K), rows SX elements apart: the rowwise quantization of
+    x^T (RHT'd along M when RHT). data (K, M/2) u8, scales (K, M/16) or (K/16, M/16) u8, S
+    from glob; key (2,) int64 the stochastic-rounding key when SR, element (k, m) of x^T
+    drawing index IDX0 + k M + m. Tile: 64 rows x 16 KW columns (see _col_tile_index); each
     thread owns the 16x1 blocks of two adjacent columns in one 16-row group. EXACT: also
     writes the exact bf16 ``q * d`` (K, M) to exact_ptr (32 contiguous bytes a column a
     thread); CODES=False: only those (no data or scales)."""
@@ -511,7 +517,7 @@ def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact
     s = tl.load(glob_ptr)
     M2 = M // 2
     M16 = M // 16
-    ys = _load_col_tile(x_ptr, M, K, m0, k0, KW, EVEN, IDX64)
+    ys = _load_col_tile(x_ptr, M, K, SX, m0, k0, KW, EVEN, IDX64)
     if RHT:
         ys = _rht(ys)
     # per-column block max (NaN-propagating) across the 16 rows
@@ -550,7 +556,7 @@ def _nvfp4_col_kernel(x_ptr, M, K, data_ptr, scale_ptr, glob_ptr, key_ptr, exact
         i6 = tl.arange(0, 4)[None, None, None, None, None, :]
         col6 = k0 + kw6 * 16 + kp6 * 2 + p6
         row6 = m0 + g6 * 16 + q6 * 4 + i6
-        rnd = _sr_uniform(key_ptr, _wide(col6, IDX64) * M + row6, IDX64)
+        rnd = _sr_uniform(key_ptr, IDX0 + _wide(col6, IDX64) * M + row6, IDX64)
         rs = _split_last16(tl.reshape(rnd, (8, 4, KW, 2, 16)))
         prep = _sr_prep(dd)
     else:
