@@ -182,6 +182,16 @@ def test_gpu_gemm_slices_match_whole_quantize(name, shape):
 
 
 @needs_gpu
+@pytest.mark.parametrize("name", ["nvfp4_rht_sr", "nvfp4_2d_sr"])
+def test_gpu_gemm_slices_with_64bit_indices(monkeypatch, name):
+    """The kernels' 64-bit offset path (normally for > 2**31 elements, forced here) gives the
+    slices the same values."""
+    from lowprec.formats.nvfp4 import launch
+    monkeypatch.setattr(launch, "_idx64", lambda rows, cols, base=0: True)
+    test_gpu_gemm_slices_match_whole_quantize(name, (384, 2080))
+
+
+@needs_gpu
 def test_gpu_as_exact_matches_dequantize():
     from lowprec.backends.emulated_bf16 import as_exact
     x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)

@@ -182,7 +182,7 @@ def test_sr_uniform_matches_torch_definition(idx64):
 def test_sr_with_64bit_offsets(monkeypatch):
     # The 64-bit index path normally needs > 2**31 elements; force it on a small input.
     from lowprec.formats.nvfp4 import launch
-    monkeypatch.setattr(launch, "_idx64", lambda rows, cols: True)
+    monkeypatch.setattr(launch, "_idx64", lambda rows, cols, base=0: True)
     x = _input((272, 160), torch.bfloat16, "wide", 22)
     for two_d in (False, True):
         _check(NVFP4Quantizer(with_rht=not two_d, with_2d_quantization=two_d,
