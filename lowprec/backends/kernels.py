@@ -116,13 +116,41 @@ def _alpha_launch(div_a, div_b, device):
     return out
 
 
+class _LastAlpha:
+    """The last ``[alpha, 0]`` made for :func:`_scaled_mm_lt`, reused while the same
+    divisors come back unchanged on the same stream: a sliced GEMM loop
+    (``lowprec.exact_split``) scales every slice by the same two divisors, and a launch
+    costs more host time than the GEMM's other steps. The divisors are held, so their
+    memory cannot be reused by another tensor while the entry stands; an in-place change
+    bumps their version. Never used or filled during CUDA graph capture (a captured graph
+    must own what it reads)."""
+
+    entry = None  # (key, divisors held, alpha)
+
+    @classmethod
+    def get(cls, div_a, div_b, device):
+        if torch.cuda.is_current_stream_capturing():
+            return _alpha_launch(div_a, div_b, device)
+        try:
+            key = tuple((d.data_ptr(), d._version) if d is not None else None
+                        for d in (div_a, div_b))
+        except RuntimeError:  # inference tensors have no version counter
+            return _alpha_launch(div_a, div_b, device)
+        key += (torch._C._cuda_getCurrentRawStream(device.index),)
+        if cls.entry is not None and cls.entry[0] == key:
+            return cls.entry[2]
+        alpha = _alpha_launch(div_a, div_b, device)
+        cls.entry = (key, (div_a, div_b), alpha)
+        return alpha
+
+
 def _scaled_mm_lt(am, bm, div_a, div_b, out_dtype, out=None):
     from ..formats.float8.launch import device_guard
     from . import cublaslt
 
     with device_guard(am.device):
         # alpha and beta are written on the stream the GEMM reads them on
-        result = cublaslt.mm_scaled(am, bm, _alpha_launch(div_a, div_b, am.device), out_dtype,
+        result = cublaslt.mm_scaled(am, bm, _LastAlpha.get(div_a, div_b, am.device), out_dtype,
                                     out)
         if result is None:  # no cuBLASLt algorithm for these pointers: fp32 GEMM, then scale
             acc = torch.mm(am, bm.t(), out_dtype=torch.float32)

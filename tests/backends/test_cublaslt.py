@@ -247,3 +247,48 @@ def test_long_contraction_random_values(lt_calls):
         _assert_close(got, _old_path(am, bm, div, div, None, out_dtype), out_dtype,
                       fp32_bound=1e-5)
     assert lt_calls == [True, True]
+
+
+@gpu
+def test_out_is_written_in_place(lt_calls):
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    am, bm = _exactish_bf16(384, 512, gen), _exactish_bf16(256, 512, gen)
+    div_a, div_b = torch.tensor([3.0], device="cuda"), torch.tensor([0.125], device="cuda")
+    want = kernels.scaled_mm_lt(am, bm, div_a, div_b, torch.bfloat16)
+    big = torch.full((640, 256), 7.0, dtype=torch.bfloat16, device="cuda")
+    got = kernels.scaled_mm_lt(am, bm, div_a, div_b, torch.bfloat16, out=big[128:512])
+    assert got.data_ptr() == big[128:512].data_ptr() and lt_calls == [True, True]
+    assert torch.equal(big[128:512], want)
+    assert bool((big[:128] == 7).all()) and bool((big[512:] == 7).all())
+    with pytest.raises(ValueError, match="float32"):
+        kernels.scaled_mm_lt(am, bm, div_a, div_b, torch.bfloat16,
+                             out=torch.empty(384, 256, device="cuda"))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.scaled_mm_lt(am, bm, div_a, div_b, torch.bfloat16,
+                             out=torch.empty(256, 384, dtype=torch.bfloat16, device="cuda").t())
+
+
+@gpu
+def test_alpha_is_reused_only_while_the_divisors_are_unchanged(monkeypatch):
+    """A loop of GEMMs with the same divisors makes alpha once; an in-place change to a
+    divisor, or another divisor tensor, makes it again (and the result follows)."""
+    launches = []
+    real = kernels._alpha_launch
+
+    def spy(*args):
+        launches.append(1)
+        return real(*args)
+    monkeypatch.setattr(kernels, "_alpha_launch", spy)
+    monkeypatch.setattr(kernels._LastAlpha, "entry", None)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    am, bm = _exactish_bf16(256, 256, gen), _exactish_bf16(128, 256, gen)
+    div_a, div_b = torch.tensor([4.0], device="cuda"), torch.tensor([0.5], device="cuda")
+    first = kernels.scaled_mm_lt(am, bm, div_a, div_b, torch.float32)
+    again = kernels.scaled_mm_lt(am, bm, div_a, div_b, torch.float32)
+    assert len(launches) == 1 and torch.equal(first, again)
+    div_a.mul_(2.0)
+    halved = kernels.scaled_mm_lt(am, bm, div_a, div_b, torch.float32)
+    assert len(launches) == 2 and torch.equal(halved, first / 2)
+    other = torch.tensor([8.0], device="cuda")
+    assert torch.equal(kernels.scaled_mm_lt(am, bm, other, div_b, torch.float32), halved)
+    assert len(launches) == 3

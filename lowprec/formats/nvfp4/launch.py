@@ -93,7 +93,6 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
     empty, and x may be row-strided (a column slice, read in place). ``row_offset`` /
     ``col_offset``: the stochastic-rounding index of each direction's first element in the
     whole tensor's matrix of that direction."""
-    k = _kernels()
     m, kk = x.shape
     dev = x.device
     given = rglob_in is not None or cglob_in is not None
@@ -110,11 +109,7 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
         raise ValueError("nvfp4_quantize: stochastic rounding needs a key for every "
                          "direction it quantizes")
     for key in (key_row, key_col):
-        if key is not None and (key.dtype != torch.int64 or tuple(key.shape) != (2,)
-                                or key.device != dev):
-            raise ValueError(f"nvfp4_quantize: a stochastic-rounding key must be an int64 (2,) "
-                             f"tensor on {dev}, got {key.dtype} {tuple(key.shape)} on "
-                             f"{key.device}")
+        _check_key("nvfp4_quantize", key, dev)
     if not codes:
         check_exact_only("nvfp4_quantize", rowwise, columnwise, exact_row, exact_col)
     rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = _quantize_outputs(
@@ -132,27 +127,77 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
         _amax_pass(x, rglob, cglob, rowwise, columnwise, rht, idx64)
         rs, cs = rglob, cglob
     if rowwise:
-        cr = CONFIG["row"]
-        kb, rb = cr["KB"], (16 if two_d else cr["RB"])
-        grid = (triton_cdiv(m, rb) * triton_cdiv(kk // BLOCK, kb),)
-        k._nvfp4_row_kernel[grid](x, m, kk, sx, rdata, rscale, rs,
-                                  key_row if key_row is not None else rs, row_offset,
-                                  rex if exact_row else None,
-                                  TWO_D=bool(two_d), SR=sr, VEC=16 // x.element_size(),
-                                  KB=kb, RB=rb, EVEN=m % rb == 0 and (kk // BLOCK) % kb == 0,
-                                  IDX64=idx64, EXACT=exact_row, CODES=bool(codes),
-                                  num_warps=max(1, kb * rb // 32), **_LAUNCH_OPTS)
+        _launch_row(x, sx, rdata, rscale, rs, key_row, row_offset, rex if exact_row else None,
+                    two_d, codes, idx64)
     if columnwise:
-        kw = CONFIG["col"]["KW"]
-        grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * kw),)
-        k._nvfp4_col_kernel[grid](x, m, kk, sx, cdata, cscale, cs,
-                                  key_col if key_col is not None else cs, col_offset,
-                                  cex if exact_col else None,
-                                  RHT=rht, TWO_D=bool(two_d), SR=sr, KW=kw,
-                                  EVEN=m % 64 == 0 and kk % (16 * kw) == 0, IDX64=idx64,
-                                  EXACT=exact_col, CODES=bool(codes), num_warps=kw,
-                                  **_LAUNCH_OPTS)
+        _launch_col(x, sx, cdata, cscale, cs, key_col, col_offset, cex if exact_col else None,
+                    rht, two_d, codes, idx64)
     return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
+
+
+def _check_key(op: str, key: Optional[Tensor], device: torch.device) -> None:
+    if key is not None and (key.dtype != torch.int64 or tuple(key.shape) != (2,)
+                            or key.device != device):
+        raise ValueError(f"{op}: a stochastic-rounding key must be an int64 (2,) tensor on "
+                         f"{device}, got {key.dtype} {tuple(key.shape)} on {key.device}")
+
+
+def _launch_row(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx64) -> None:
+    """The rowwise kernel over x (M, K), rows sx elements apart (see the kernel's doc);
+    ``exact`` None: no exact values written."""
+    m, kk = x.shape
+    cr = CONFIG["row"]
+    kb, rb = cr["KB"], (16 if two_d else cr["RB"])
+    grid = (triton_cdiv(m, rb) * triton_cdiv(kk // BLOCK, kb),)
+    _kernels()._nvfp4_row_kernel[grid](
+        x, m, kk, sx, data, scale, glob, key if key is not None else glob, offset, exact,
+        TWO_D=bool(two_d), SR=key is not None, VEC=16 // x.element_size(), KB=kb, RB=rb,
+        EVEN=m % rb == 0 and (kk // BLOCK) % kb == 0, IDX64=idx64, EXACT=exact is not None,
+        CODES=bool(codes), num_warps=max(1, kb * rb // 32), **_LAUNCH_OPTS)
+
+
+def _launch_col(x, sx, data, scale, glob, key, offset, exact, rht, two_d, codes,
+                idx64) -> None:
+    """The columnwise kernel over x (M, K), rows sx elements apart (see the kernel's doc)."""
+    m, kk = x.shape
+    kw = CONFIG["col"]["KW"]
+    grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * kw),)
+    _kernels()._nvfp4_col_kernel[grid](
+        x, m, kk, sx, data, scale, glob, key if key is not None else glob, offset, exact,
+        RHT=bool(rht), TWO_D=bool(two_d), SR=key is not None, KW=kw,
+        EVEN=m % 64 == 0 and kk % (16 * kw) == 0, IDX64=idx64, EXACT=exact is not None,
+        CODES=bool(codes), num_warps=kw, **_LAUNCH_OPTS)
+
+
+@kernel_op("lowprec::nvfp4_exact_slice", mutates_args=())
+def nvfp4_exact_slice(x: Tensor, glob: Tensor, key: Optional[Tensor], offset: int,
+                      rowwise: bool, with_rht: bool, two_d: bool) -> Tensor:
+    """The exact bf16 ``q * d`` of one direction of x, a slice of a larger tensor (what
+    :func:`nvfp4_quantize` writes for it with ``codes=False``, in one allocation): ``glob``
+    the whole tensor's global scale of that direction, ``key`` its stochastic-rounding key
+    (None: nearest-even), ``offset`` the slice's first stochastic-rounding index in that
+    direction's matrix. (M, K) rowwise, (K, M) columnwise (RHT'd when ``with_rht``); x may
+    be row-strided."""
+    _check_key("nvfp4_exact_slice", key, x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, kk = x.shape
+    out = x.new_empty((m, kk) if rowwise else (kk, m), dtype=torch.bfloat16)
+    if m == 0 or kk == 0:
+        return out
+    sx = _row_stride(x)
+    idx64 = _idx64(m, max(kk, sx), offset)
+    if rowwise:
+        _launch_row(x, sx, out, out, glob, key, offset, out, two_d, False, idx64)
+    else:
+        _launch_col(x, sx, out, out, glob, key, offset, out, with_rht, two_d, False, idx64)
+    return out
+
+
+@nvfp4_exact_slice.register_fake
+def _nvfp4_exact_slice_fake(x, glob, key, offset, rowwise, with_rht, two_d):
+    m, kk = x.shape
+    return x.new_empty((m, kk) if rowwise else (kk, m), dtype=torch.bfloat16)
 
 
 def _amax_pass(x: Tensor, rglob: Tensor, cglob: Tensor, rowwise: bool, columnwise: bool,
@@ -279,17 +324,13 @@ def quantize_2d(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
 
 def quantize_2d_exact(x2d: Tensor, *, rowwise: bool, columnwise: bool, with_rht: bool,
                       two_d: bool, key_row: Tensor | None = None,
-                      key_col: Tensor | None = None, scales: tuple | None = None,
-                      offsets: tuple[int, int] = (0, 0)) -> dict:
+                      key_col: Tensor | None = None) -> dict:
     """ExactTensor fields of an (M, K) input (no codes or scales written): each direction's
     exact bf16 ``q * d`` with its global scale ``S`` as the divisor, the values
-    :func:`quantize_2d` would record for the same keys (and ``scales``/``offsets``)."""
-    rs_in, cs_in = scales if scales is not None else (None, None)
+    :func:`quantize_2d` would record for the same keys."""
     _, _, rglob, _, _, cglob, rex, cex = nvfp4_quantize(
         x2d, key_row, key_col, bool(rowwise), bool(columnwise), bool(with_rht), bool(two_d),
-        bool(rowwise), bool(columnwise), False, rs_in, cs_in, offsets[0], offsets[1])
-    if scales is not None:
-        rglob, cglob = rs_in, cs_in
+        bool(rowwise), bool(columnwise), False)
     return {"rowwise_data": rex if rowwise else None,
             "rowwise_divisor": rglob if rowwise else None,
             "columnwise_data": cex if columnwise else None,

@@ -119,17 +119,25 @@ class NVFP4Quantizer(Quantizer):
         def fields(part, usage, start, exact):
             rowwise = usage == "rowwise"
             offset = start * (k if rowwise else m)
+            i = 0 if rowwise else 1
+            if exact:  # only where the kernels run (GemmSlicer)
+                from .launch import nvfp4_exact_slice
+                other = "columnwise" if rowwise else "rowwise"
+                values = nvfp4_exact_slice(part, scales[i], keys[i], offset, rowwise,
+                                           self.with_rht, self.with_2d_quantization)
+                return {f"{usage}_data": values, f"{usage}_divisor": scales[i],
+                        f"{other}_data": None, f"{other}_divisor": None,
+                        "source_format": "nvfp4",
+                        "columnwise_rht": self.with_rht and not rowwise}
             if use_kernels(part):
-                from .launch import quantize_2d, quantize_2d_exact
-                args = dict(rowwise=rowwise, columnwise=not rowwise, with_rht=self.with_rht,
-                            two_d=self.with_2d_quantization, key_row=keys[0] if rowwise else None,
-                            key_col=None if rowwise else keys[1], scales=scales,
-                            offsets=(offset, 0) if rowwise else (0, offset))
-                if exact:
-                    return quantize_2d_exact(part, **args)
+                from .launch import quantize_2d
                 return {"with_rht": self.with_rht,
                         "with_2d_quantization": self.with_2d_quantization,
-                        **quantize_2d(part, **args)}
+                        **quantize_2d(part, rowwise=rowwise, columnwise=not rowwise,
+                                      with_rht=self.with_rht, two_d=self.with_2d_quantization,
+                                      key_row=keys[0] if rowwise else None,
+                                      key_col=None if rowwise else keys[1], scales=scales,
+                                      offsets=(offset, 0) if rowwise else (0, offset))}
             return self._reference_fields(part, rowwise, not rowwise, keys, scales,
                                           (offset, offset))
 
