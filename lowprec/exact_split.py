@@ -1,10 +1,10 @@
 """A quantized Linear for formats emulated on bf16 GEMMs, sliced to a bf16 Linear's peak.
 
-MXFP8 GEMMs run on Hopper as bf16 GEMMs of exact dequantized values
+MXFP8 and NVFP4 GEMMs run on Hopper as bf16 GEMMs of exact dequantized values
 (``lowprec.backends.emulated_bf16``). Those bf16 operands are as large as the bf16
 tensors they come from, so the default path, which makes them whole (x's rowwise values
 for fprop, dY's two directions at once, the saved input and weight dequantized for the
-backward GEMMs), peaks at 1.5-2.1x a bf16 ``nn.Linear``. Inside
+backward GEMMs), peaks at 1.3-2.1x a bf16 ``nn.Linear``. Inside
 :class:`lowprec.grad_split.sliced` a Linear with such quantizers runs this path instead:
 
 * forward: x is quantized columnwise for the backward (codes only) and, separately,
@@ -18,7 +18,8 @@ backward GEMMs), peaks at 1.5-2.1x a bf16 ``nn.Linear``. Inside
 
 Slice sizes follow from a budget, a bf16 Linear's backward peak (x, dY, dX and dW alive
 at once): each loop takes what the tensors alive during it leave of that budget. Every
-slice is quantized exactly as the whole tensor would be (``Quantizer.gemm_slicer``), and
+slice is quantized exactly as the whole tensor would be (``Quantizer.gemm_slicer``: NVFP4
+slices share the whole tensor's global scales and stochastic-rounding draws), and
 no GEMM's contraction is split, so the result is the default path's up to the
 accumulation order a GEMM of another size may pick. It costs speed: x and dY are each
 read twice, and every slice is a launch.

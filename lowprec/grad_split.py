@@ -15,7 +15,8 @@ place. Block formats slice by default: they quantize dY's two directions in two 
 anyway. Per-tensor FP8 slices only inside :class:`sliced`: it then reads dY once more
 (delayed scaling twice, for the amax), 4-8% of a step where it applies. Formats without
 ``slice_quantizer`` (MXFP8, NVFP4 and hybrids) never slice here; inside :class:`sliced`,
-MXFP8 takes a path of its own that also slices the forward (``lowprec.exact_split``).
+MXFP8 and NVFP4 take a path of their own that also slices the forward
+(``lowprec.exact_split``).
 
 The forward does the same for the weight (``linear_fn``): its columnwise copy is made
 after fprop, from the same statistics (``Quantizer.quantize_usage_like``; no extra pass for
@@ -124,7 +125,7 @@ class sliced(_Mode):
     """Context manager: linear layers run inside it slice wherever the memory rule says so,
     per-tensor FP8 included (peak memory at or below bf16's on the benchmark shapes, for
     one more read of dY: 4-8% of a step on 16384x4096x14336, H200), and formats emulated
-    on bf16 GEMMs (MXFP8) take the sliced path of :mod:`lowprec.exact_split` (x and dY
+    on bf16 GEMMs (MXFP8, NVFP4) take the sliced path of :mod:`lowprec.exact_split` (x and dY
     read twice, a launch per slice)."""
 
     _value = "always"
