@@ -296,3 +296,47 @@ def test_gradient_quantized_upstream_is_used_whole(small_slices):
         y.backward(dy)
         grads.append((x.grad.clone(), w.grad.clone()))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_slice_inputs_are_checked():
+    """Bad slice requests raise before any kernel runs (CPU: the checks come first)."""
+    from lowprec.formats.gemm_slicer import GemmSlicer
+    from lowprec.formats.nvfp4 import launch
+    q = lowprec.NVFP4Quantizer()
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="2-D"):
+        GemmSlicer(q, x.reshape(4, 16, 128), lambda *a: {}, None)
+    slicer = q.gemm_slicer(x)
+    with pytest.raises(ValueError, match="usage='diagonal'"):
+        slicer(0, 16, "diagonal")
+    one = torch.ones(1)
+    with pytest.raises(ValueError, match="cover every direction"):
+        launch.nvfp4_quantize(x, None, None, True, True, False, False, False, False, True,
+                              one, None)
+    with pytest.raises(ValueError, match="offsets are for slices"):
+        launch.nvfp4_quantize(x, None, None, True, False, False, False, False, False, True,
+                              None, None, 128)
+    with pytest.raises(ValueError, match="int64 \\(2,\\)"):
+        launch.nvfp4_exact_slice(x, one, torch.zeros(3, dtype=torch.int64), 0, True, False,
+                                 False)
+
+
+def test_cpu_nvfp4_slices_match_whole_quantize():
+    """The CPU slicer (reference path): every slice's codes equal the same rows/columns of
+    one whole-tensor quantize, with RHT and stochastic rounding (odd slice counts)."""
+    torch.manual_seed(5)
+    x = torch.randn(384, 208, dtype=torch.bfloat16) * 4
+    q = lowprec.NVFP4Quantizer(with_rht=True, stochastic_rounding=True)
+    torch.manual_seed(9)
+    whole = q.quantize(x)
+    torch.manual_seed(9)
+    slicer = q.gemm_slicer(x)
+    for a in range(0, 384, 128):
+        part = slicer(a, a + 128, "rowwise")
+        assert torch.equal(part.rowwise_data, whole.rowwise_data[a:a + 128])
+        assert torch.equal(part.dequantize(), whole.dequantize()[a:a + 128])
+    for a in range(0, 208, 128):
+        part = slicer(a, a + 128, "columnwise")
+        assert torch.equal(part.columnwise_data, whole.columnwise_data[a:a + 128])
+        assert torch.equal(part.dequantize(usage="columnwise"),
+                           whole.dequantize(usage="columnwise")[:, a:a + 128])
