@@ -71,6 +71,13 @@ def _exactish_bf16(rows, cols, gen):
                                          device="cuda").float())).to(torch.bfloat16)
 
 
+def _operands(seed: int, m: int, n: int, k: int, div_a: float, div_b: float):
+    """(a (m, k), b (n, k), div_a, div_b) on the GPU: exactish bf16 operands, (1,) divisors."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    am, bm = _exactish_bf16(m, k, gen), _exactish_bf16(n, k, gen)
+    return am, bm, torch.tensor([div_a], device="cuda"), torch.tensor([div_b], device="cuda")
+
+
 def _assert_close(got, want, out_dtype, fp32_bound=1e-6):
     assert got.dtype == out_dtype and got.shape == want.shape
     if out_dtype == torch.float32:
@@ -166,9 +173,7 @@ def test_unaligned_and_strided_operands(lt_calls):
 
 @gpu
 def test_under_compile_and_cuda_graph(lt_calls):
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    am, bm = _exactish_bf16(512, 768, gen), _exactish_bf16(256, 768, gen)
-    da, db = torch.tensor([7.0], device="cuda"), torch.tensor([0.01], device="cuda")
+    am, bm, da, db = _operands(6, 512, 256, 768, 7.0, 0.01)
     eager = kernels.scaled_mm_lt(am, bm, da, db, torch.bfloat16)
     compiled = torch.compile(lambda a, b: kernels.scaled_mm_lt(a, b, da, db, torch.bfloat16),
                              fullgraph=True)
@@ -179,7 +184,7 @@ def test_under_compile_and_cuda_graph(lt_calls):
     with torch.cuda.graph(g):
         captured = kernels.scaled_mm_lt(am, bm, da, db, torch.bfloat16)
     # the replay reads the live operands and divisors
-    am.copy_(_exactish_bf16(512, 768, gen))
+    am.copy_(_exactish_bf16(512, 768, torch.Generator(device="cuda").manual_seed(7)))
     da.fill_(3.0)
     g.replay()
     torch.cuda.synchronize()
@@ -251,9 +256,7 @@ def test_long_contraction_random_values(lt_calls):
 
 @gpu
 def test_out_is_written_in_place(lt_calls):
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    am, bm = _exactish_bf16(384, 512, gen), _exactish_bf16(256, 512, gen)
-    div_a, div_b = torch.tensor([3.0], device="cuda"), torch.tensor([0.125], device="cuda")
+    am, bm, div_a, div_b = _operands(11, 384, 256, 512, 3.0, 0.125)
     want = kernels.scaled_mm_lt(am, bm, div_a, div_b, torch.bfloat16)
     big = torch.full((640, 256), 7.0, dtype=torch.bfloat16, device="cuda")
     got = kernels.scaled_mm_lt(am, bm, div_a, div_b, torch.bfloat16, out=big[128:512])
@@ -280,9 +283,7 @@ def test_alpha_is_reused_only_while_the_divisors_are_unchanged(monkeypatch):
         return real(*args)
     monkeypatch.setattr(kernels, "_alpha_launch", spy)
     monkeypatch.setattr(kernels._LastAlpha, "entry", None)
-    gen = torch.Generator(device="cuda").manual_seed(12)
-    am, bm = _exactish_bf16(256, 256, gen), _exactish_bf16(128, 256, gen)
-    div_a, div_b = torch.tensor([4.0], device="cuda"), torch.tensor([0.5], device="cuda")
+    am, bm, div_a, div_b = _operands(12, 256, 128, 256, 4.0, 0.5)
     first = kernels.scaled_mm_lt(am, bm, div_a, div_b, torch.float32)
     again = kernels.scaled_mm_lt(am, bm, div_a, div_b, torch.float32)
     assert len(launches) == 1 and torch.equal(first, again)
