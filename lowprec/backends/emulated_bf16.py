@@ -149,12 +149,10 @@ def as_exact(t, usage: str):
             and use_kernels(t)):
         return t
     values, divisor = bf16_operand(t, usage)
-    other = "columnwise" if usage == "rowwise" else "rowwise"
-    rht = usage == "columnwise" and isinstance(t, NVFP4Tensor) and t.with_rht
-    return ExactTensor(t.shape, t.dtype, **{f"{usage}_data": values, f"{usage}_divisor": divisor,
-                                            f"{other}_data": None, f"{other}_divisor": None},
-                       source_format="nvfp4" if isinstance(t, NVFP4Tensor) else "mxfp8",
-                       columnwise_rht=rht)
+    nvfp4 = isinstance(t, NVFP4Tensor)
+    return ExactTensor(t.shape, t.dtype, **ExactTensor.one_usage_fields(
+        usage, values, divisor, source_format="nvfp4" if nvfp4 else "mxfp8",
+        rht=nvfp4 and t.with_rht))
 
 
 def _mm_fp32_out(am: torch.Tensor, bm: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,16 @@ class ExactTensor(QuantizedTensor):
     _inner = ("rowwise_data", "rowwise_divisor", "columnwise_data", "columnwise_divisor")
     _meta = ("source_format", "columnwise_rht")
 
+    @staticmethod
+    def one_usage_fields(usage: str, values: torch.Tensor, divisor: torch.Tensor | None, *,
+                         source_format: str, rht: bool = False) -> dict:
+        """Fields of an ExactTensor holding ``usage``'s values alone (``rht``: columnwise
+        values in the Hadamard domain)."""
+        other = "columnwise" if usage == "rowwise" else "rowwise"
+        return {f"{usage}_data": values, f"{usage}_divisor": divisor, f"{other}_data": None,
+                f"{other}_divisor": None, "source_format": source_format,
+                "columnwise_rht": bool(rht and usage == "columnwise")}
+
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         values = getattr(self, f"{usage}_data").to(torch.float32)
         divisor = getattr(self, f"{usage}_divisor")

@@ -121,14 +121,12 @@ class NVFP4Quantizer(Quantizer):
             offset = start * (k if rowwise else m)
             i = 0 if rowwise else 1
             if exact:  # only where the kernels run (GemmSlicer)
+                from ..exact import ExactTensor
                 from .launch import nvfp4_exact_slice
-                other = "columnwise" if rowwise else "rowwise"
                 values = nvfp4_exact_slice(part, scales[i], keys[i], offset, rowwise,
                                            self.with_rht, self.with_2d_quantization)
-                return {f"{usage}_data": values, f"{usage}_divisor": scales[i],
-                        f"{other}_data": None, f"{other}_divisor": None,
-                        "source_format": "nvfp4",
-                        "columnwise_rht": self.with_rht and not rowwise}
+                return ExactTensor.one_usage_fields(usage, values, scales[i],
+                                                    source_format="nvfp4", rht=self.with_rht)
             if use_kernels(part):
                 from .launch import quantize_2d
                 return {"with_rht": self.with_rht,
