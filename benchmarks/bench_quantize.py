@@ -39,7 +39,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def quantizers(device):
-    """(name, factory, rowwise, columnwise[, exact usages for quantize_for_gemm])."""
+    """(name, factory, rowwise, columnwise[, exact usages for quantize_for_gemm[, codes]])."""
     return [
         ("fp8_delayed", lambda: Float8Quantizer(torch.ones(1, device=device),
                                                 torch.zeros(1, device=device), E4M3), True, True),
@@ -58,6 +58,9 @@ def quantizers(device):
         # (x: rowwise; dY: both directions)
         ("mxfp8+exact_row", lambda: MXFP8Quantizer(E4M3), True, True, ("rowwise",)),
         ("mxfp8+exact", lambda: MXFP8Quantizer(E4M3), True, True, ("rowwise", "columnwise")),
+        # dY in a Linear step: the exact values of both directions and nothing else
+        ("mxfp8_exact_only", lambda: MXFP8Quantizer(E4M3), True, True,
+         ("rowwise", "columnwise"), False),
         ("nvfp4_rht_sr+exact_row",
          lambda: NVFP4Quantizer(with_rht=True, stochastic_rounding=True), True, True,
          ("rowwise",)),
@@ -72,6 +75,8 @@ def main(argv=None):
     ap.add_argument("--shape", default="16384x4096")
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--reference", action="store_true", help="also time the torch reference")
+    ap.add_argument("--triton-too", action="store_true",
+                    help="also time the Triton kernels where a Gluon one runs by default")
     ap.add_argument("--only", default="", help="comma-separated format names")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-csv", action="store_true")
@@ -89,17 +94,17 @@ def main(argv=None):
              "value": copy_gbs, "baseline": "", "baseline_value": "", "ratio": 1.0,
              "note": f"GPU {copy_ms:.4f} ms (CUDA graph)"}]
     only = set(filter(None, args.only.split(",")))
-    paths = [("default", None)] + ([("reference", lowprec.kernels.reference_only)]
-                                   if args.reference else [])
-    for name, make, row, col, *exact in quantizers(dev):
+    paths = [("default", None)] + ([("triton", triton_only)] if args.triton_too else []) \
+        + ([("reference", lowprec.kernels.reference_only)] if args.reference else [])
+    for name, make, row, col, *opts in quantizers(dev):
         if only and name not in only:
             continue
         q = make()
         q.set_usage(rowwise=row, columnwise=col)
-        exact = exact[0] if exact else ()
+        exact, codes = (tuple(opts) + ((), True))[:2] if opts else ((), True)
         for path, ctx in paths:
             with (ctx() if ctx is not None else contextlib.nullcontext()):
-                ms, how, eager_ms, ob = _time_one(q, exact, inputs, args.iters)
+                ms, how, eager_ms, ob = _time_one(q, exact, codes, inputs, args.iters)
             gbs = (nbytes + ob) / ms / 1e6
             rows.append({"bench": "quantize", "shape": f"{m}x{k}", "recipe": f"{name}/{path}",
                          "metric": "GB/s", "value": gbs, "baseline": "d2d_copy",
@@ -112,11 +117,24 @@ def main(argv=None):
     return rows
 
 
-def _time_one(q, exact, inputs, iters):
+@contextlib.contextmanager
+def triton_only():
+    """The Triton kernels where the launchers would pick a Gluon one."""
+    from lowprec.formats.block import launch as block_launch
+    from lowprec.formats.mxfp8 import launch as mx_launch
+    saved = block_launch.GLUON, mx_launch.GLUON
+    block_launch.GLUON = mx_launch.GLUON = False
+    try:
+        yield
+    finally:
+        block_launch.GLUON, mx_launch.GLUON = saved
+
+
+def _time_one(q, exact, codes, inputs, iters):
     """(time ms, "GPU" or "eager", eager ms, output bytes) of ``q.quantize_for_gemm(x,
-    exact)`` (``q.quantize`` when ``exact`` is empty)."""
+    exact, codes=codes)`` (``q.quantize`` when ``exact`` is empty)."""
     def quantize(x):
-        return q.quantize_for_gemm(x, exact)
+        return q.quantize_for_gemm(x, exact, codes=codes)
 
     qt = quantize(inputs[0][0])
     ob = qt.held_bytes()  # every output: inner tensors and exact bf16 records

@@ -1,17 +1,18 @@
-"""Launcher for the MXFP8 Triton kernel, registered as a torch custom op.
+"""Launcher for the MXFP8 kernels, registered as a torch custom op.
 
-One pass over the input whatever the usages: each (BM, BN) tile is read once and its
-rowwise and columnwise data and E8M0 scales are written from registers, and, where asked,
-the exact bf16 values of a direction (``data * 2**e``, what the bf16 GEMM emulation
-multiplies), so an operand consumed at once needs no dequantize pass. Importing this
-module needs neither Triton nor CUDA.
+One pass over the input whatever the usages: each tile is read once and its rowwise and
+columnwise data and E8M0 scales are written from registers, and, where asked, the exact
+bf16 values of a direction (``data * 2**e``, what the bf16 GEMM emulation multiplies), so
+an operand consumed at once needs no dequantize pass. 1x32 blocks with the columnwise
+usage go to a Gluon kernel where one applies (``GLUON``), everything else to the Triton
+kernel. Importing this module needs neither Triton nor CUDA.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...kernels import kernel_op
+from ...kernels import gluon_available, kernel_op
 from ..base import QuantizedTensor, check_exact_only
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
@@ -30,6 +31,37 @@ CONFIGS = {
     (True, "col"): (64, 128, 8),
     (True, "both"): (64, 128, 4),
 }
+
+#: Run 1x32 blocks with the columnwise usage (alone or with the rowwise one) through the
+#: Gluon kernel (``gluon_kernels.py``) where it applies (Gluon imports, no prologue, a unit
+#: inner stride, M and K multiples of 32, a 16-bit or fp32 input). False: Triton only.
+GLUON = True
+#: Gluon launch configs (warps, rows a thread holds (4 or 8)) per usage ("col", "both").
+GLUON_CONFIGS = {"col": (4, 8), "both": (4, 8)}
+
+
+def _gluon_applies(x: torch.Tensor, two_d: bool, columnwise: bool, pro: int) -> bool:
+    m, k = x.shape
+    return (GLUON and not two_d and columnwise and pro == 0 and x.stride(1) == 1
+            and m % BLOCK == 0 and k % BLOCK == 0
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and gluon_available())
+
+
+def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, exact_row: bool, exact_col: bool,
+                  codes: bool):
+    from .gluon_kernels import layouts, mx1_quant_kernel
+    rq, rs, cq, cs, re, ce = outs
+    m, k = x.shape
+    if m == 0 or k == 0:
+        return
+    warps, rows = GLUON_CONFIGS["both" if rowwise else "col"]
+    row_l, col_l, nb = layouts(warps, rows)
+    mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
+    mx1_quant_kernel[(m // BLOCK, triton_cdiv(k // BLOCK, nb))](
+        x, rq, rs, cq, cs, re if rowwise and exact_row else None,
+        ce if exact_col else None, m, k, x.stride(0), FP8_MAX=fmax, MBITS=mbits, BIAS=bias,
+        MAX_BITS=max_bits, ROWWISE=rowwise, CODES=codes, EXACT_ROW=rowwise and exact_row,
+        EXACT_COL=exact_col, NB=nb, row_l=row_l, col_l=col_l, num_warps=warps)
 
 
 def _usage(rowwise: bool, columnwise: bool) -> str:
@@ -67,6 +99,10 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
     rq, rs, cq, cs, re, ce = _empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row,
                                             exact_col, codes)
     with device_guard(x.device):
+        if _gluon_applies(x, two_d, columnwise, pro):
+            _launch_gluon(x, (rq, rs, cq, cs, re, ce), rowwise, fp8_dtype, exact_row,
+                          exact_col, codes)
+            return rq, rs, cq, cs, re, ce
         for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
             bm, bn, warps, iters, stages = tile_config(CONFIGS[(two_d, _usage(r, c))])
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
