@@ -101,7 +101,8 @@ def main(argv=None):
             continue
         q = make()
         q.set_usage(rowwise=row, columnwise=col)
-        exact, codes = (tuple(opts) + ((), True))[:2] if opts else ((), True)
+        exact = opts[0] if opts else ()
+        codes = opts[1] if len(opts) > 1 else True
         for path, ctx in paths:
             with (ctx() if ctx is not None else contextlib.nullcontext()):
                 ms, how, eager_ms, ob = _time_one(q, exact, codes, inputs, args.iters)

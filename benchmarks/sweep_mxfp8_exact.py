@@ -2,7 +2,7 @@
 bf16 operands.
 
 Candidates: Triton (BM, BN, warps[, iters, stages]) configs, ``BMxBNxW...``, and Gluon
-(warps, rows a thread holds) configs, ``gW.R``. For each candidate and each request (no
+(warps, rows a thread holds[, tiles a program, K-fast grid]) configs, ``gW.R[.I.KF]``. For each candidate and each request (no
 records; rowwise record as for x; both records; both records and no codes, as for dY) the
 outputs are checked bit for bit against the default Triton config's, then the GPU time of
 one quantize (CUDA graph, ``harness.graph_ms``) is printed against a copy of the input.

@@ -24,7 +24,7 @@ E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 # (M, K), both multiples of 32: one block, K narrower than a tile, K not a multiple of any
 # tile width, several tiles in both directions
 SHAPES = [(32, 32), (64, 96), (96, 288), (1056, 4128)]
-CONFIGS = [(4, 8), (2, 8), (8, 8), (4, 4), (1, 4)]
+CONFIGS = [(4, 8), (2, 8), (8, 8), (4, 4), (1, 4), (4, 8, 2, 1), (2, 4, 3, 0)]
 # (rowwise, exact_row, exact_col, codes)
 MODES = {"col": (False, False, False, True), "both": (True, False, False, True),
          "col+exact": (False, False, True, True), "both+exact_row": (True, True, False, True),
@@ -114,7 +114,7 @@ def test_gluon_matches_reference(fp8_dtype, dtype, dist, mode, monkeypatch):
                f"{mode} {(m, k)}")
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"w{c[0]}r{c[1]}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ".".join(map(str, c)))
 @pytest.mark.parametrize("mode", ["col", "both+exact", "exact_only"])
 def test_every_config_matches_reference(mode, config, monkeypatch):
     """Each launch config the sweep may pick (warps, rows a thread holds) is exact too."""

@@ -58,18 +58,12 @@ def layouts(warps: int, rows: int):
 
 
 @gluon.jit
-def mx1_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, re_ptr, ce_ptr, M, K, stride_xm,
-                     FP8_MAX: gl.constexpr, MBITS: gl.constexpr, BIAS: gl.constexpr,
-                     MAX_BITS: gl.constexpr, ROWWISE: gl.constexpr, CODES: gl.constexpr,
-                     EXACT_ROW: gl.constexpr, EXACT_COL: gl.constexpr, NB: gl.constexpr,
-                     row_l: gl.constexpr, col_l: gl.constexpr):
-    """Columnwise data (K, M), E8M0 scales (K, M / 32) and, with ``ROWWISE``, rowwise data
-    (M, K) and scales (M, K / 32) of one (32, 32 * NB) tile; ``EXACT_*`` also write that
-    direction's exact bf16 values in its data's layout, ``CODES=False`` only those."""
-    L2: gl.constexpr = gl.SliceLayout(2, row_l)   # (32, NB): one per row block
-    L0: gl.constexpr = gl.SliceLayout(0, row_l)   # (NB, 32): one per column block
-    pid_m = gl.program_id(0)
-    pid_k = gl.program_id(1)
+def _tile_offsets(pid_m, pid_k, M, K, row_l: gl.constexpr, NB: gl.constexpr,
+                  ROW_MASK: gl.constexpr):
+    """(rows (32, 1, 1) int64, columns (1, NB, 32), live mask) of tile (pid_m, pid_k);
+    ``live`` is False past K and, with ``ROW_MASK``, past M (where a program converts
+    several tiles, its last ones may lie beyond M)."""
+    L2: gl.constexpr = gl.SliceLayout(2, row_l)
     rows = pid_m * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, L2))
     blks = pid_k * NB + gl.arange(0, NB, layout=gl.SliceLayout(0, L2))
     rows3 = gl.expand_dims(gl.expand_dims(rows, 1), 2).to(gl.int64)      # (32, 1, 1)
@@ -77,7 +71,27 @@ def mx1_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, re_ptr, ce_ptr, M, K
     inner = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, row_l)))
     cols3 = blks3 * 32 + gl.expand_dims(gl.expand_dims(inner, 0), 1)     # (1, NB, 32)
     live = blks3 < K // 32
-    x = gl.load(x_ptr + rows3 * stride_xm + cols3, mask=live, other=0.0).to(gl.float32)
+    if ROW_MASK:
+        live = live & (rows3 < M)
+    return rows3, cols3, live
+
+
+@gluon.jit
+def _load(x_ptr, pid_m, pid_k, M, K, stride_xm, row_l: gl.constexpr, NB: gl.constexpr,
+          ROW_MASK: gl.constexpr):
+    rows3, cols3, live = _tile_offsets(pid_m, pid_k, M, K, row_l, NB, ROW_MASK)
+    return gl.load(x_ptr + rows3 * stride_xm + cols3, mask=live, other=0.0)
+
+
+@gluon.jit
+def _quant_tile(x, pid_m, pid_k, rq_ptr, rs_ptr, cq_ptr, cs_ptr, re_ptr, ce_ptr, M, K,
+                FP8_MAX: gl.constexpr, MBITS: gl.constexpr, BIAS: gl.constexpr,
+                MAX_BITS: gl.constexpr, ROWWISE: gl.constexpr, CODES: gl.constexpr,
+                EXACT_ROW: gl.constexpr, EXACT_COL: gl.constexpr, NB: gl.constexpr,
+                row_l: gl.constexpr, col_l: gl.constexpr, ROW_MASK: gl.constexpr):
+    L2: gl.constexpr = gl.SliceLayout(2, row_l)   # (32, NB): one per row block
+    L0: gl.constexpr = gl.SliceLayout(0, row_l)   # (NB, 32): one per column block
+    rows3, cols3, live = _tile_offsets(pid_m, pid_k, M, K, row_l, NB, ROW_MASK)
     a = abs_bits(x)
 
     if ROWWISE:
@@ -85,8 +99,13 @@ def mx1_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, re_ptr, ce_ptr, M, K
         q = fp8_codes(x * gl.expand_dims(mult_r, 2), MBITS, BIAS, MAX_BITS, True)
         if CODES:
             gl.store(rq_ptr + rows3 * K + cols3, q, mask=live)
+            rows = pid_m * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, L2))
+            blks = pid_k * NB + gl.arange(0, NB, layout=gl.SliceLayout(0, L2))
             rb = gl.expand_dims(rows, 1).to(gl.int64) * (K // 32) + gl.expand_dims(blks, 0)
-            gl.store(rs_ptr + rb, sc_r, mask=gl.expand_dims(blks, 0) < K // 32)
+            rb_live = gl.expand_dims(blks, 0) < K // 32
+            if ROW_MASK:
+                rb_live = rb_live & (gl.expand_dims(rows, 1) < M)
+            gl.store(rs_ptr + rb, sc_r, mask=rb_live)
         if EXACT_ROW:
             v = fp8_value(q, MBITS, BIAS, True) * gl.expand_dims(e8m0_factor(sc_r), 2)
             gl.store(re_ptr + rows3 * K + cols3, v.to(gl.bfloat16), mask=live)
@@ -96,14 +115,45 @@ def mx1_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, re_ptr, ce_ptr, M, K
     # element (r, c) of x goes to (c, r) of the columnwise outputs; in col_l each thread
     # holds the same elements as in row_l, its registers ordered rows first (no data moves)
     at_c = gl.convert_layout(cols3.to(gl.int64) * M + rows3, col_l, assert_trivial=True)
-    live_c = gl.convert_layout(live & (rows3 >= 0), col_l, assert_trivial=True)
+    live_c = gl.convert_layout(live, col_l, assert_trivial=True)
     if CODES:
         gl.store(cq_ptr + at_c, gl.convert_layout(q_c, col_l, assert_trivial=True),
                  mask=live_c)
         cblk = gl.expand_dims(pid_k * NB + gl.arange(0, NB, layout=gl.SliceLayout(1, L0)), 1)
         ccol = cblk * 32 + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L0)), 0)
-        gl.store(cs_ptr + ccol.to(gl.int64) * (M // 32) + pid_m, sc_c, mask=cblk < K // 32)
+        gl.store(cs_ptr + ccol.to(gl.int64) * (M // 32) + pid_m, sc_c,
+                 mask=(cblk < K // 32) & (pid_m < M // 32))
     if EXACT_COL:
         v_c = fp8_value(q_c, MBITS, BIAS, True) * gl.expand_dims(e8m0_factor(sc_c), 0)
         gl.store(ce_ptr + at_c, gl.convert_layout(v_c.to(gl.bfloat16), col_l,
                                                   assert_trivial=True), mask=live_c)
+
+
+@gluon.jit
+def mx1_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, re_ptr, ce_ptr, M, K, stride_xm,
+                     FP8_MAX: gl.constexpr, MBITS: gl.constexpr, BIAS: gl.constexpr,
+                     MAX_BITS: gl.constexpr, ROWWISE: gl.constexpr, CODES: gl.constexpr,
+                     EXACT_ROW: gl.constexpr, EXACT_COL: gl.constexpr, NB: gl.constexpr,
+                     row_l: gl.constexpr, col_l: gl.constexpr, ITERS: gl.constexpr,
+                     K_FAST: gl.constexpr):
+    """Columnwise data (K, M), E8M0 scales (K, M / 32) and, with ``ROWWISE``, rowwise data
+    (M, K) and scales (M, K / 32) of ITERS (32, 32 * NB) tiles down a column of tiles;
+    ``EXACT_*`` also write that direction's exact bf16 values in its data's layout,
+    ``CODES=False`` only those. Each tile's load is issued before the previous tile is
+    converted, so a program keeps memory busy while it computes. ``K_FAST``: grid axis 0
+    runs along K (neighbouring programs read neighbouring columns), else along M."""
+    if K_FAST:
+        pid_k = gl.program_id(0)
+        first = gl.program_id(1) * ITERS
+    else:
+        pid_k = gl.program_id(1)
+        first = gl.program_id(0) * ITERS
+    ROW_MASK: gl.constexpr = ITERS > 1
+    x_next = _load(x_ptr, first, pid_k, M, K, stride_xm, row_l, NB, ROW_MASK)
+    for t in gl.static_range(ITERS):
+        x = x_next
+        if t + 1 < ITERS:
+            x_next = _load(x_ptr, first + t + 1, pid_k, M, K, stride_xm, row_l, NB, ROW_MASK)
+        _quant_tile(x.to(gl.float32), first + t, pid_k, rq_ptr, rs_ptr, cq_ptr, cs_ptr,
+                    re_ptr, ce_ptr, M, K, FP8_MAX, MBITS, BIAS, MAX_BITS, ROWWISE, CODES,
+                    EXACT_ROW, EXACT_COL, NB, row_l, col_l, ROW_MASK)

@@ -36,7 +36,9 @@ CONFIGS = {
 #: Gluon kernel (``gluon_kernels.py``) where it applies (Gluon imports, no prologue, a unit
 #: inner stride, M and K multiples of 32, a 16-bit or fp32 input). False: Triton only.
 GLUON = True
-#: Gluon launch configs (warps, rows a thread holds (4 or 8)) per usage ("col", "both").
+#: Gluon launch configs per usage ("col", "both"): (warps, rows a thread holds (4 or 8)[,
+#: tiles a program converts one after another (each load issued one tile ahead), grid
+#: axis 0 along K (1) or along M (0)]).
 GLUON_CONFIGS = {"col": (4, 8), "both": (4, 8)}
 
 
@@ -54,14 +56,17 @@ def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, exact_row: bool, exact_col:
     m, k = x.shape
     if m == 0 or k == 0:
         return
-    warps, rows = GLUON_CONFIGS["both" if rowwise else "col"]
+    warps, rows, *rest = GLUON_CONFIGS["both" if rowwise else "col"]
+    iters, k_fast = (tuple(rest) + (1, 0))[:2]
     row_l, col_l, nb = layouts(warps, rows)
     mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
-    mx1_quant_kernel[(m // BLOCK, triton_cdiv(k // BLOCK, nb))](
+    grid = (triton_cdiv(m // BLOCK, iters), triton_cdiv(k // BLOCK, nb))
+    mx1_quant_kernel[grid[::-1] if k_fast else grid](
         x, rq, rs, cq, cs, re if rowwise and exact_row else None,
         ce if exact_col else None, m, k, x.stride(0), FP8_MAX=fmax, MBITS=mbits, BIAS=bias,
         MAX_BITS=max_bits, ROWWISE=rowwise, CODES=codes, EXACT_ROW=rowwise and exact_row,
-        EXACT_COL=exact_col, NB=nb, row_l=row_l, col_l=col_l, num_warps=warps)
+        EXACT_COL=exact_col, NB=nb, row_l=row_l, col_l=col_l, ITERS=iters,
+        K_FAST=bool(k_fast), num_warps=warps)
 
 
 def _usage(rowwise: bool, columnwise: bool) -> str:
