@@ -1,7 +1,7 @@
 """Tile sweep of the 1x32 MXFP8 quantize kernels (both usages) with and without the exact
 bf16 operands.
 
-Candidates: Triton (BM, BN, warps[, iters, stages]) configs, ``BMxBNxW...``, and Gluon
+Candidates: Triton (BM, BN, warps[, iters, stages[, K-fast grid]]) configs, ``BMxBNxW...``, and Gluon
 (warps, rows a thread holds[, tiles a program, K-fast grid]) configs, ``gW.R[.I.KF]``. For each candidate and each request (no
 records; rowwise record as for x; both records; both records and no codes, as for dY) the
 outputs are checked bit for bit against the default Triton config's, then the GPU time of

@@ -161,12 +161,20 @@ def block_scaled_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_ptr, cd_
                               ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1,
                               DECODE: tl.constexpr = False, re_ptr=None, ce_ptr=None,
                               EXACT_ROW: tl.constexpr = False,
-                              EXACT_COL: tl.constexpr = False, CODES: tl.constexpr = True):
+                              EXACT_COL: tl.constexpr = False, CODES: tl.constexpr = True,
+                              K_FAST: tl.constexpr = False):
     """One program quantizes ITERS (BM, BN) tiles down a column of tiles; with STAGES > 1
-    the loads of the next tiles are issued (asynchronously) while one is converted."""
-    pid_k = tl.program_id(1)
+    the loads of the next tiles are issued (asynchronously) while one is converted.
+    ``K_FAST``: grid axis 0 runs along K (programs launched together read neighbouring
+    columns of the same rows), else along M."""
+    if K_FAST:
+        pid_k = tl.program_id(0)
+        first = tl.program_id(1) * ITERS
+    else:
+        pid_k = tl.program_id(1)
+        first = tl.program_id(0) * ITERS
     for t in tl.range(0, ITERS, num_stages=STAGES):
-        _block_scaled_tile(tl.program_id(0) * ITERS + t, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr,
+        _block_scaled_tile(first + t, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr,
                            cs_ptr, rd_ptr, cd_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3,
                            eps, PRO, FP8_MAX, POW2, MBITS, BIAS, MAX_BITS, HW_CVT, TWO_D,
                            ROWWISE, COLWISE, BM, BN, COL_MODE, E8M0, BLK, DECODE, re_ptr,

@@ -10,6 +10,8 @@ kernel. Importing this module needs neither Triton nor CUDA.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...kernels import gluon_available, kernel_op
@@ -20,7 +22,8 @@ from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_
                               tile_config, triton_cdiv)
 from .reference import BLOCK
 
-#: (BM, BN, num_warps[, tiles per program, pipeline stages]) per (two_d, usages),
+#: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]]) per
+#: (two_d, usages),
 #: picked by timing on an H200
 #: (benchmarks/check_kernels_fp8.py, which may override entries).
 CONFIGS = {
@@ -49,16 +52,22 @@ def _gluon_applies(x: torch.Tensor, two_d: bool, columnwise: bool, pro: int) -> 
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and gluon_available())
 
 
+@functools.lru_cache(maxsize=None)
+def _layouts(warps: int, rows: int):
+    from .gluon_kernels import layouts
+    return layouts(warps, rows)
+
+
 def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, exact_row: bool, exact_col: bool,
                   codes: bool):
-    from .gluon_kernels import layouts, mx1_quant_kernel
+    from .gluon_kernels import mx1_quant_kernel
     rq, rs, cq, cs, re, ce = outs
     m, k = x.shape
     if m == 0 or k == 0:
         return
     warps, rows, *rest = GLUON_CONFIGS["both" if rowwise else "col"]
     iters, k_fast = (tuple(rest) + (1, 0))[:2]
-    row_l, col_l, nb = layouts(warps, rows)
+    row_l, col_l, nb = _layouts(warps, rows)
     mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
     grid = (triton_cdiv(m // BLOCK, iters), triton_cdiv(k // BLOCK, nb))
     mx1_quant_kernel[grid[::-1] if k_fast else grid](
@@ -109,9 +118,11 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
                           exact_col, codes)
             return rq, rs, cq, cs, re, ce
         for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
-            bm, bn, warps, iters, stages = tile_config(CONFIGS[(two_d, _usage(r, c))])
+            cfg = CONFIGS[(two_d, _usage(r, c))]
+            bm, bn, warps, iters, stages = tile_config(cfg[:5])
+            k_fast = bool(cfg[5]) if len(cfg) > 5 else False
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-            block_scaled_quant_kernel[grid](x, rq, rs, cq, cs, None, None, m, k, x.stride(0),
+            block_scaled_quant_kernel[grid[::-1] if k_fast else grid](x, rq, rs, cq, cs, None, None, m, k, x.stride(0),
                                             x.stride(1),
                                             *prologue_args(x, pro_args), 0.0, PRO=pro,
                                             FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=False,
@@ -121,6 +132,7 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
                                             ce_ptr=ce if c and exact_col else None,
                                             EXACT_ROW=r and exact_row,
                                             EXACT_COL=c and exact_col, CODES=codes,
+                                            K_FAST=k_fast,
                                             num_warps=warps, **kernel_fp8_args(fp8_dtype))
     return rq, rs, cq, cs, re, ce
 
