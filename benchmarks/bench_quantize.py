@@ -122,13 +122,12 @@ def main(argv=None):
 def triton_only():
     """The Triton kernels where the launchers would pick a Gluon one."""
     from lowprec.formats.block import launch as block_launch
-    from lowprec.formats.mxfp8 import launch as mx_launch
-    saved = block_launch.GLUON, mx_launch.GLUON
-    block_launch.GLUON = mx_launch.GLUON = False
+    saved = block_launch.GLUON
+    block_launch.GLUON = False
     try:
         yield
     finally:
-        block_launch.GLUON, mx_launch.GLUON = saved
+        block_launch.GLUON = saved
 
 
 def _time_one(q, exact, codes, inputs, iters):

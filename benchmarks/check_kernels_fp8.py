@@ -484,8 +484,8 @@ def run_bench(sweep, col_modes=(0,), fused_ok=True):
     sweep_rows = []
     if sweep:
         # (CONFIGS dict, key, candidate (BM, BN, num_warps), quantizer factory)
-        # Candidates: (BM, BN, num_warps[, tiles per program, pipeline stages]); the
-        # register counts of each are in benchmarks/kernel_resources.py.
+        # Candidates: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0
+        # along K]]); the register counts of each are in benchmarks/kernel_resources.py.
         plan = [
             (f8_launch.CONFIGS, "cast_both", [(64, 64, 4), (64, 128, 4), (32, 64, 4),
                                               (32, 64, 4, 4, 3), (32, 128, 4, 4, 2),
@@ -499,19 +499,25 @@ def run_bench(sweep, col_modes=(0,), fused_ok=True):
             (block_launch.CONFIGS, (1, "both"), [(128, 128, 4), (128, 128, 8)],
              lambda: Float8BlockQuantizer(E4, block_scaling_dim=1)),
             (block_launch.CONFIGS, (1, "row"), [(32, 256, 8), (32, 128, 4), (32, 128, 4, 4, 3),
-                                                (32, 128, 2), (64, 128, 4), (32, 256, 4)],
+                                                (32, 128, 2), (64, 128, 4), (32, 256, 4),
+                                                (32, 256, 4, 1, 1, 1), (32, 128, 2, 1, 1, 1),
+                                                (32, 128, 4, 1, 1, 1)],
              lambda: Float8BlockQuantizer(E4, block_scaling_dim=1).set_usage(True, False)),
             (block_launch.CONFIGS, (2, "both"), [(128, 128, 4), (128, 128, 8), (128, 128, 16),
-                                                 (128, 128, 16, 2, 2)],
+                                                 (128, 128, 16, 2, 2), (128, 128, 8, 1, 1, 1)],
              lambda: Float8BlockQuantizer(E4, block_scaling_dim=2)),
             (mx_launch.CONFIGS, (False, "both"), [(32, 64, 2), (32, 64, 1), (32, 256, 4),
-                                                  (32, 128, 2), (32, 32, 1)],
+                                                  (32, 128, 2), (32, 32, 1),
+                                                  (32, 128, 2, 1, 1, 1), (32, 64, 1, 1, 1, 1),
+                                                  (64, 64, 4, 1, 1, 1), (32, 128, 4, 1, 1, 1)],
              lambda: MXFP8Quantizer(E4)),
             (mx_launch.CONFIGS, (False, "row"), [(32, 128, 4, 4, 3), (32, 128, 2),
-                                                 (64, 128, 4), (32, 64, 1), (32, 128, 2, 4, 3)],
+                                                 (64, 128, 4), (32, 64, 1), (32, 128, 2, 4, 3),
+                                                 (32, 128, 2, 1, 1, 1), (32, 256, 4, 1, 1, 1)],
              lambda: MXFP8Quantizer(E4).set_usage(True, False)),
             (mx_launch.CONFIGS, (True, "both"), [(64, 128, 4), (32, 64, 4), (32, 64, 4, 4, 3),
-                                                 (64, 64, 4, 2, 2)],
+                                                 (64, 64, 4, 2, 2), (64, 128, 4, 1, 1, 1),
+                                                 (32, 64, 4, 1, 1, 1)],
              lambda: MXFP8Quantizer(E4, with_2d_quantization=True)),
             (f8_launch.CONFIGS, "cast_col", [(64, 128, 8), (64, 64, 4), (32, 128, 4, 4, 3),
                                              (64, 64, 4, 4, 2)],
@@ -520,7 +526,8 @@ def run_bench(sweep, col_modes=(0,), fused_ok=True):
                                                 (128, 32, 1), (128, 64, 2)],
              lambda: Float8BlockQuantizer(E4, block_scaling_dim=1).set_usage(False, True)),
             (mx_launch.CONFIGS, (False, "col"), [(32, 64, 2), (32, 128, 1), (32, 64, 1),
-                                                 (32, 128, 2)],
+                                                 (32, 128, 2), (32, 64, 1, 1, 1, 1),
+                                                 (32, 128, 2, 1, 1, 1)],
              lambda: MXFP8Quantizer(E4).set_usage(False, True)),
         ]
         # the transposed-store mode first, on the current default configs

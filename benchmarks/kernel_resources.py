@@ -230,7 +230,7 @@ def main():
         if usage not in usages:
             continue
         for cfg in [default] + extra:
-            bm, bn, warps, iters, stages = tile_config(cfg)
+            bm, bn, warps, iters, stages, _ = tile_config(cfg)
             name = "x".join(str(v) for v in (bm, bn, warps, iters, stages))
             try:
                 k = _compile(fn, sig, dict(const, BM=bm, BN=bn, ITERS=iters, STAGES=stages),

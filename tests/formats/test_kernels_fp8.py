@@ -18,7 +18,9 @@ from lowprec.formats.block.quantizer import Float8BlockQuantizer
 from lowprec.formats.block.tensor import Float8BlockwiseTensor
 from lowprec.formats.float8.quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from lowprec.formats.float8.tensor import Float8Tensor
+from lowprec.formats.mxfp8 import launch as mx_launch
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
+from lowprec.formats.mxfp8.reference import block_exponents
 from lowprec.kernels import reference_only
 
 pytestmark = [
@@ -288,3 +290,38 @@ def test_delayed_nan_fill_past_int32_elements():
     del x
     assert torch.isnan(qt.shared_scale).all()
     assert bool((qt.rowwise_data.view(torch.uint8) & 0x7F == 0x7F).all())
+
+
+def _edge_amaxes(p: int) -> torch.Tensor:
+    """fp32 amaxes around every place the integer scale rule could slip: the mantissa
+    bound 0x600000 at many exponents, the pattern where the quotient rounds down to the
+    smallest subnormal (exponent p), tiny and huge amaxes, zero, plus random ones."""
+    mants = torch.tensor([0, 1, 0x5FFFFF, 0x600000, 0x600001, 0x600002, 0x7FFFFF],
+                         dtype=torch.int64)
+    exps = torch.tensor(sorted({0, 1, 2, p - 2, p - 1, p, p + 1, p + 2, 100, 127, 127 + p,
+                                200, 253, 254}), dtype=torch.int64)
+    bits = (exps[:, None] << 23 | mants[None, :]).reshape(-1)
+    g = torch.Generator().manual_seed(p)
+    rand = torch.randint(0, 0x7F800000, (4096,), generator=g, dtype=torch.int64)
+    return torch.cat([bits, rand]).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4, E5], ids=["e4m3", "e5m2"])
+def test_mxfp8_scale_rule_at_edge_amaxes(fp8_dtype):
+    """The MXFP8 kernel gets the E8M0 exponent from the amax's bits, no division; each row
+    and each column of the input below is one block whose amax is a chosen fp32 pattern.
+    (``benchmarks/check_kernels_fp8.py`` checks the rule on every finite fp32.)"""
+    amax = _edge_amaxes(8 if fp8_dtype == E4 else 15)
+    n = (amax.numel() + 31) // 32 * 32
+    amax = torch.cat([amax, amax[: n - amax.numel()]]).cuda()
+    # (n, 32): row i holds amax[i] at column i % 32 and smaller values elsewhere; its
+    # transpose, quantized columnwise, makes the same blocks
+    x = amax[:, None] * torch.rand(n, 32, device="cuda", generator=torch.Generator(
+        device="cuda").manual_seed(0)) * 0.5
+    x[torch.arange(n), torch.arange(n) % 32] = amax
+    _, want = block_exponents(amax, fp8_dtype)
+    _, rs, _, _, _, _ = mx_launch.mxfp8_quantize(x, fp8_dtype == E5, False, True, True, 0, [])
+    assert torch.equal(rs.reshape(-1), want), "rowwise scales"
+    _, _, _, cs, _, _ = mx_launch.mxfp8_quantize(x.t().contiguous(), fp8_dtype == E5, False,
+                                                 True, True, 0, [])
+    assert torch.equal(cs.reshape(-1), want), "columnwise scales"

@@ -19,7 +19,7 @@ from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_
                               tile_config, triton_cdiv)
 from .reference import BLOCK
 
-#: (BM, BN, num_warps[, tiles per program, pipeline stages]) per
+#: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]]) per
 #: (block_scaling_dim, usages), picked by timing on an H200
 #: (benchmarks/check_kernels_fp8.py, which may override entries).
 CONFIGS = {
@@ -130,14 +130,15 @@ def _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, 
     from .triton_kernels import block_scaled_quant_kernel
     rq, rs, rd, cq, cs, cd = outs
     m, k = logical_shape(x, pro)
-    bm, bn, warps, iters, stages = tile_config(CONFIGS[(block_scaling_dim, _usage(r, c))])
+    bm, bn, warps, iters, stages, k_fast = tile_config(
+        CONFIGS[(block_scaling_dim, _usage(r, c))])
     grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-    block_scaled_quant_kernel[grid](x, rq, rs, cq, cs, rd, cd, m, k, x.stride(0), x.stride(1),
-                                    *prologue_args(x, pro_args), eps, PRO=pro,
-                                    FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
-                                    TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c, BM=bm,
-                                    BN=bn, E8M0=False, BLK=BLOCK, ITERS=iters, STAGES=stages,
-                                    DECODE=True, num_warps=warps, **kernel_fp8_args(fp8_dtype))
+    block_scaled_quant_kernel[grid[::-1] if k_fast else grid](
+        x, rq, rs, cq, cs, rd, cd, m, k, x.stride(0), x.stride(1), *prologue_args(x, pro_args),
+        eps, PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
+        TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=False,
+        BLK=BLOCK, ITERS=iters, STAGES=stages, DECODE=True, K_FAST=k_fast, num_warps=warps,
+        **kernel_fp8_args(fp8_dtype))
 
 
 @fp8_block_quantize.register_fake

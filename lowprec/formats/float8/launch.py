@@ -79,11 +79,12 @@ CONFIGS = {
 
 
 def tile_config(cfg: tuple) -> tuple:
-    """(BM, BN, num_warps, ITERS, STAGES) of a config entry; the last two default to 1 (one
-    tile per program, no software pipelining)."""
+    """(BM, BN, num_warps, ITERS, STAGES, K_FAST) of a config entry; ITERS and STAGES
+    default to 1 (one tile per program, no software pipelining), K_FAST to False (grid
+    axis 0 along M; kernels without the option take the default)."""
     bm, bn, warps, *rest = cfg
-    iters, stages = (tuple(rest) + (1, 1))[:2]
-    return bm, bn, warps, iters, stages
+    iters, stages, k_fast = (tuple(rest) + (1, 1, 0))[:3]
+    return bm, bn, warps, iters, stages, bool(k_fast)
 
 
 def fp8_dtype_of(is_e5m2: bool) -> torch.dtype:
@@ -213,7 +214,7 @@ def _launch_cast(x, row, col, amax_bits, scale_in, scale_out, m, k, p, eps, pro,
     """One ``cast_kernel`` launch; ``amax_out`` (delayed scaling): finish in this launch,
     recording the amax there (``amax_bits`` then holds two zeroed words)."""
     from .triton_kernels import cast_kernel
-    bm, bn, warps, iters, stages = tile_config(_cast_cfg(r, c))
+    bm, bn, warps, iters, stages, _ = tile_config(_cast_cfg(r, c))
     grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
     finish = amax_out is not None
     cast_kernel[grid](x, row, col, amax_bits, scale_in, scale_out,

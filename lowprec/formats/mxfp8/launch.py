@@ -1,20 +1,17 @@
-"""Launcher for the MXFP8 kernels, registered as a torch custom op.
+"""Launcher for the MXFP8 Triton kernel, registered as a torch custom op.
 
 One pass over the input whatever the usages: each tile is read once and its rowwise and
 columnwise data and E8M0 scales are written from registers, and, where asked, the exact
 bf16 values of a direction (``data * 2**e``, what the bf16 GEMM emulation multiplies), so
-an operand consumed at once needs no dequantize pass. 1x32 blocks with the columnwise
-usage go to a Gluon kernel where one applies (``GLUON``), everything else to the Triton
-kernel. Importing this module needs neither Triton nor CUDA.
+an operand consumed at once needs no dequantize pass. Importing this module needs neither
+Triton nor CUDA.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ...kernels import gluon_available, kernel_op
+from ...kernels import kernel_op
 from ..base import QuantizedTensor, check_exact_only
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
@@ -29,54 +26,11 @@ from .reference import BLOCK
 CONFIGS = {
     (False, "row"): (32, 128, 2),
     (False, "col"): (32, 64, 1),
-    (False, "both"): (32, 64, 1),
+    (False, "both"): (32, 128, 2, 1, 1, 1),
     (True, "row"): (64, 128, 8),
     (True, "col"): (64, 128, 8),
     (True, "both"): (64, 128, 4),
 }
-
-#: Run 1x32 blocks with the columnwise usage (alone or with the rowwise one) through the
-#: Gluon kernel (``gluon_kernels.py``) where it applies (Gluon imports, no prologue, a unit
-#: inner stride, M and K multiples of 32, a 16-bit or fp32 input). False: Triton only.
-GLUON = True
-#: Gluon launch configs per usage ("col", "both"): (warps, rows a thread holds (4 or 8)[,
-#: tiles a program converts one after another (each load issued one tile ahead), grid
-#: axis 0 along K (1) or along M (0)]).
-GLUON_CONFIGS = {"col": (4, 8), "both": (4, 8)}
-
-
-def _gluon_applies(x: torch.Tensor, two_d: bool, columnwise: bool, pro: int) -> bool:
-    m, k = x.shape
-    return (GLUON and not two_d and columnwise and pro == 0 and x.stride(1) == 1
-            and m % BLOCK == 0 and k % BLOCK == 0
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and gluon_available())
-
-
-@functools.lru_cache(maxsize=None)
-def _layouts(warps: int, rows: int):
-    from .gluon_kernels import layouts
-    return layouts(warps, rows)
-
-
-def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, exact_row: bool, exact_col: bool,
-                  codes: bool):
-    from .gluon_kernels import mx1_quant_kernel
-    rq, rs, cq, cs, re, ce = outs
-    m, k = x.shape
-    if m == 0 or k == 0:
-        return
-    warps, rows, *rest = GLUON_CONFIGS["both" if rowwise else "col"]
-    iters, k_fast = (tuple(rest) + (1, 0))[:2]
-    row_l, col_l, nb = _layouts(warps, rows)
-    mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
-    grid = (triton_cdiv(m // BLOCK, iters), triton_cdiv(k // BLOCK, nb))
-    mx1_quant_kernel[grid[::-1] if k_fast else grid](
-        x, rq, rs, cq, cs, re if rowwise and exact_row else None,
-        ce if exact_col else None, m, k, x.stride(0), FP8_MAX=fmax, MBITS=mbits, BIAS=bias,
-        MAX_BITS=max_bits, ROWWISE=rowwise, CODES=codes, EXACT_ROW=rowwise and exact_row,
-        EXACT_COL=exact_col, NB=nb, row_l=row_l, col_l=col_l, ITERS=iters,
-        K_FAST=bool(k_fast), num_warps=warps)
-
 
 def _usage(rowwise: bool, columnwise: bool) -> str:
     return "both" if rowwise and columnwise else ("row" if rowwise else "col")
@@ -113,27 +67,17 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
     rq, rs, cq, cs, re, ce = _empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row,
                                             exact_col, codes)
     with device_guard(x.device):
-        if _gluon_applies(x, two_d, columnwise, pro):
-            _launch_gluon(x, (rq, rs, cq, cs, re, ce), rowwise, fp8_dtype, exact_row,
-                          exact_col, codes)
-            return rq, rs, cq, cs, re, ce
         for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
-            cfg = CONFIGS[(two_d, _usage(r, c))]
-            bm, bn, warps, iters, stages = tile_config(cfg[:5])
-            k_fast = bool(cfg[5]) if len(cfg) > 5 else False
+            bm, bn, warps, iters, stages, k_fast = tile_config(CONFIGS[(two_d, _usage(r, c))])
             grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-            block_scaled_quant_kernel[grid[::-1] if k_fast else grid](x, rq, rs, cq, cs, None, None, m, k, x.stride(0),
-                                            x.stride(1),
-                                            *prologue_args(x, pro_args), 0.0, PRO=pro,
-                                            FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=False,
-                                            TWO_D=two_d, ROWWISE=r, COLWISE=c, BM=bm, BN=bn,
-                                            E8M0=True, BLK=BLOCK, ITERS=iters, STAGES=stages,
-                                            re_ptr=re if r and exact_row else None,
-                                            ce_ptr=ce if c and exact_col else None,
-                                            EXACT_ROW=r and exact_row,
-                                            EXACT_COL=c and exact_col, CODES=codes,
-                                            K_FAST=k_fast,
-                                            num_warps=warps, **kernel_fp8_args(fp8_dtype))
+            block_scaled_quant_kernel[grid[::-1] if k_fast else grid](
+                x, rq, rs, cq, cs, None, None, m, k, x.stride(0), x.stride(1),
+                *prologue_args(x, pro_args), 0.0, PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3],
+                POW2=False, TWO_D=two_d, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=True,
+                BLK=BLOCK, ITERS=iters, STAGES=stages,
+                re_ptr=re if r and exact_row else None, ce_ptr=ce if c and exact_col else None,
+                EXACT_ROW=r and exact_row, EXACT_COL=c and exact_col, CODES=codes,
+                K_FAST=k_fast, num_warps=warps, **kernel_fp8_args(fp8_dtype))
     return rq, rs, cq, cs, re, ce
 
 
