@@ -9,9 +9,11 @@ the Triton kernel. Importing this module needs neither Triton nor CUDA.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ...kernels import gluon_available, kernel_op
+from ...kernels import kernel_op
 from ..base import QuantizedTensor
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
@@ -41,6 +43,19 @@ GLUON_BOTH = False
 #: Gluon launch configs: "col" (R rows per thread, T threads along K, warps): a program
 #: covers 128 rows and 8 * T columns; "both" (warps,): a program covers 128 x 128.
 GLUON_CONFIGS = {"col": (8, 8, 4), "both": (8,)}
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_available() -> bool:
+    """Gluon imports and its API is the one the kernels were written against (Triton 3.6;
+    Gluon is experimental and changed between releases). Older Triton: the Triton kernel."""
+    try:
+        import triton
+        from triton.experimental import gluon  # noqa: F401
+    except ImportError:
+        return False
+    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 6)
 
 
 def _gluon_applies(x: torch.Tensor, dim: int, rowwise: bool, columnwise: bool,
