@@ -579,3 +579,14 @@ def test_kernel_fields_keep_no_decode_record_for_inference_tensors():
     with torch.inference_mode():
         fields = launch._kernel_fields(q, row, col, torch.ones(launch.SCALE_BUFFER))
     assert fields["_decode"] is None
+
+
+def test_tile_config_and_grid():
+    """A tile config's optional items and the launch grid they give: ITERS tiles a
+    program down M, and with K_FAST the grid's axes swapped (axis 0 along K)."""
+    from lowprec.formats.float8.launch import tile_config, tile_grid
+    assert tile_config((32, 128, 2)) == (32, 128, 2, 1, 1, False)
+    assert tile_config((32, 128, 2, 4, 3, 1)) == (32, 128, 2, 4, 3, True)
+    # 100 rows: 4 tiles of 32, 2 programs of 2 tiles; 300 columns: 3 tiles of 128
+    assert tile_grid(100, 300, 32, 128, 2, False) == (2, 3)
+    assert tile_grid(100, 300, 32, 128, 2, True) == (3, 2)

@@ -18,7 +18,7 @@ from ..base import QuantizedTensor
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
                               launches, logical_shape, prologue_args, prologue_launch_args,
-                              tile_config, triton_cdiv)
+                              tile_config, tile_grid, triton_cdiv)
 from .reference import BLOCK
 
 #: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]]) per
@@ -147,8 +147,7 @@ def _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, 
     m, k = logical_shape(x, pro)
     bm, bn, warps, iters, stages, k_fast = tile_config(
         CONFIGS[(block_scaling_dim, _usage(r, c))])
-    grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-    block_scaled_quant_kernel[grid[::-1] if k_fast else grid](
+    block_scaled_quant_kernel[tile_grid(m, k, bm, bn, iters, k_fast)](
         x, rq, rs, cq, cs, rd, cd, m, k, x.stride(0), x.stride(1), *prologue_args(x, pro_args),
         eps, PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
         TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=False,

@@ -81,10 +81,17 @@ CONFIGS = {
 def tile_config(cfg: tuple) -> tuple:
     """(BM, BN, num_warps, ITERS, STAGES, K_FAST) of a config entry; ITERS and STAGES
     default to 1 (one tile per program, no software pipelining), K_FAST to False (grid
-    axis 0 along M; kernels without the option take the default)."""
+    axis 0 along M, see :func:`tile_grid`)."""
     bm, bn, warps, *rest = cfg
     iters, stages, k_fast = (tuple(rest) + (1, 1, 0))[:3]
     return bm, bn, warps, iters, stages, bool(k_fast)
+
+
+def tile_grid(m: int, k: int, bm: int, bn: int, iters: int, k_fast: bool) -> tuple:
+    """Launch grid of a tiled quantize: (groups of ITERS tiles down M, tiles along K), the
+    two axes swapped with ``k_fast`` (the kernel must then read them swapped too)."""
+    grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
+    return grid[::-1] if k_fast else grid
 
 
 def fp8_dtype_of(is_e5m2: bool) -> torch.dtype:
@@ -214,8 +221,11 @@ def _launch_cast(x, row, col, amax_bits, scale_in, scale_out, m, k, p, eps, pro,
     """One ``cast_kernel`` launch; ``amax_out`` (delayed scaling): finish in this launch,
     recording the amax there (``amax_bits`` then holds two zeroed words)."""
     from .triton_kernels import cast_kernel
-    bm, bn, warps, iters, stages, _ = tile_config(_cast_cfg(r, c))
-    grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
+    cfg = _cast_cfg(r, c)
+    bm, bn, warps, iters, stages, k_fast = tile_config(cfg)
+    if k_fast:
+        raise ValueError(f"cast_kernel has no K-fast grid; config {cfg} asks for one")
+    grid = tile_grid(m, k, bm, bn, iters, False)
     finish = amax_out is not None
     cast_kernel[grid](x, row, col, amax_bits, scale_in, scale_out,
                       amax_out if finish else scale_out, m, k, x.stride(0), x.stride(1), *p,

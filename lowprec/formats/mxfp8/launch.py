@@ -16,7 +16,7 @@ from ..base import QuantizedTensor, check_exact_only
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
                               launches, logical_shape, prologue_args, prologue_launch_args,
-                              tile_config, triton_cdiv)
+                              tile_config, tile_grid)
 from .reference import BLOCK
 
 #: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]]) per
@@ -72,8 +72,7 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
     with device_guard(x.device):
         for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
             bm, bn, warps, iters, stages, k_fast = tile_config(CONFIGS[(two_d, _usage(r, c))])
-            grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-            block_scaled_quant_kernel[grid[::-1] if k_fast else grid](
+            block_scaled_quant_kernel[tile_grid(m, k, bm, bn, iters, k_fast)](
                 x, rq, rs, cq, cs, None, None, m, k, x.stride(0), x.stride(1),
                 *prologue_args(x, pro_args), 0.0, PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3],
                 POW2=False, TWO_D=two_d, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=True,
