@@ -75,8 +75,6 @@ def main(argv=None):
     ap.add_argument("--shape", default="16384x4096")
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--reference", action="store_true", help="also time the torch reference")
-    ap.add_argument("--triton-too", action="store_true",
-                    help="also time the Triton kernels where a Gluon one runs by default")
     ap.add_argument("--only", default="", help="comma-separated format names")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-csv", action="store_true")
@@ -94,8 +92,8 @@ def main(argv=None):
              "value": copy_gbs, "baseline": "", "baseline_value": "", "ratio": 1.0,
              "note": f"GPU {copy_ms:.4f} ms (CUDA graph)"}]
     only = set(filter(None, args.only.split(",")))
-    paths = [("default", None)] + ([("triton", triton_only)] if args.triton_too else []) \
-        + ([("reference", lowprec.kernels.reference_only)] if args.reference else [])
+    paths = [("default", None)] + ([("reference", lowprec.kernels.reference_only)]
+                                   if args.reference else [])
     for name, make, row, col, *opts in quantizers(dev):
         if only and name not in only:
             continue
@@ -116,18 +114,6 @@ def main(argv=None):
     if not args.no_csv:
         append_rows(rows)
     return rows
-
-
-@contextlib.contextmanager
-def triton_only():
-    """The Triton kernels where the launchers would pick a Gluon one."""
-    from lowprec.formats.block import launch as block_launch
-    saved = block_launch.GLUON
-    block_launch.GLUON = False
-    try:
-        yield
-    finally:
-        block_launch.GLUON = saved
 
 
 def _time_one(q, exact, codes, inputs, iters):

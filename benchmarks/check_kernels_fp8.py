@@ -54,9 +54,9 @@ from lowprec.formats.mxfp8 import launch as mx_launch  # noqa: E402
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer  # noqa: E402
 from lowprec.kernels import reference_only  # noqa: E402
 
-E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+from exhaustive_fp8 import E4, E5, FP8_NAME, run_exhaustive  # noqa: E402
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FP8_NAME = {E4: "e4m3", E5: "e5m2"}
 
 
 # ---- quantizer settings (grouped so that each worker compiles few kernel variants) -------
@@ -528,7 +528,6 @@ def worker_main(task, quick, out_path):
     apply_settings(os.environ.get("CHECK_SETTINGS"))
     try:
         if task == "exhaustive":
-            from exhaustive_fp8 import run_exhaustive
             res = run_exhaustive(quick)
         elif task == "compile":
             res = run_compile()
