@@ -193,7 +193,7 @@ def _alignment(ptr: int, ld_bytes: int) -> int:
 class _Plan:
     """Descriptors and algorithm for one GEMM signature (see :func:`_plan_locked`)."""
 
-    def __init__(self, handle, m, n, k, lda, ldb, ldd, in_type, out_type, aligns, ws_bytes):
+    def __init__(self, handle, m, n, k, lda, ldb, in_type, out_type, aligns, ws_bytes):
         lib = _State.lib
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _CUBLAS_COMPUTE_32F,
@@ -203,10 +203,11 @@ class _Plan:
         _set(sd, self.desc, _DESC_TRANSA, _OP_T, ctypes.c_int32)
         _set(sd, self.desc, _DESC_TRANSB, _OP_N, ctypes.c_int32)
         # row-major out (m, n) = a (m, k) @ b (n, k)^T is column-major out^T (n, m):
-        # cuBLAS A = b (k x n, ld ldb) transposed, B = a (k x m, ld lda), D (n x m, ld ldd)
+        # cuBLAS A = b (k x n, ld ldb) transposed, B = a (k x m, ld lda), D (n x m, ld n:
+        # out is contiguous)
         self.layouts = []
         for rows, cols, ld, t in ((k, n, ldb, in_type), (k, m, lda, in_type),
-                                  (n, m, ldd, out_type)):
+                                  (n, m, n, out_type)):
             lay = ctypes.c_void_p()
             _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), _CUDA_TYPES[t], rows, cols,
                                                   ld), "layout")
@@ -294,7 +295,7 @@ def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha_beta: torch.Tensor,
     align_out = _alignment(out.data_ptr(), n * osz)   # C and D are the same buffer
     aligns = (_alignment(bm.data_ptr(), bm.stride(0) * isz),
               _alignment(am.data_ptr(), am.stride(0) * isz), align_out, align_out)
-    key = (idx, m, n, k, am.stride(0), bm.stride(0), n, am.dtype, out_dtype, aligns, ws_bytes)
+    key = (idx, m, n, k, am.stride(0), bm.stride(0), am.dtype, out_dtype, aligns, ws_bytes)
     lib = _State.lib
     alpha = alpha_beta.data_ptr()
     with _State.lock:
