@@ -3,8 +3,13 @@
 Variants (``formats/block/launch.py`` flags, set around each call):
 
 * ``triton``: rowwise and columnwise as two Triton launches (two reads of the input);
-* ``gluon_col/R.T.W``: the Triton rowwise launch, then the Gluon columnwise kernel;
-* ``gluon_both/W``: both usages from one read, one Gluon launch of W warps.
+* ``triton_both/BM.BN.W.I.S.KF``: both usages from one read, one Triton launch of that
+  tile config (``launch.CONFIGS``; KF 1: grid axis 0 along K);
+* ``gluon_col/R.T.W[.KF]``: the Triton rowwise launch, then the Gluon columnwise kernel;
+* ``gluon_both/W[.KF]``: both usages from one read, one Gluon launch of W warps.
+
+A third ``/BM.BN.W.I.S.KF`` sets the Triton rowwise launch's tile config. Every variant's
+outputs are checked bit for bit against the default launch's before it is timed.
 
 Part 1 times the quantize of both usages (and the columnwise usage alone) of bf16 inputs
 against a device-to-device copy in the same run: GPU time from a CUDA graph of several
@@ -33,6 +38,7 @@ from bench_linear import (linear_peers, make_inputs, parse_shape, run_peers,  # 
                           split_list, within)
 from harness import append_rows, graph_ms, l2_rotation, print_table, time_fn  # noqa: E402
 from lowprec.formats.block import launch  # noqa: E402
+from lowprec.formats.float8 import launch as f8_launch  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 DEFAULT_VARIANTS = "triton,gluon_col/8.8.4,gluon_col/8.16.8,gluon_both/4,gluon_both/8,gluon_both/16"
@@ -40,18 +46,31 @@ DEFAULT_VARIANTS = "triton,gluon_col/8.8.4,gluon_col/8.16.8,gluon_both/4,gluon_b
 
 @contextlib.contextmanager
 def variant(name: str):
-    """Set the launcher's flags for one variant, restoring them after."""
-    saved = (launch.GLUON, launch.GLUON_BOTH, dict(launch.GLUON_CONFIGS))
-    kind, _, cfg = name.partition("/")
+    """Set the launcher's flags for one variant, restoring them after. ``kind[/cfg[/row]]``:
+    cfg is the Gluon config (``launch.GLUON_CONFIGS``) or, for ``triton_both``, the Triton
+    tile config of one launch for both usages (``launch.CONFIGS``); row the Triton rowwise
+    launch's tile config; both dot-separated."""
+    saved = (launch.GLUON, launch.GLUON_BOTH, dict(launch.GLUON_CONFIGS), dict(launch.CONFIGS),
+             dict(f8_launch.SPLIT_BOTH))
+    kind, cfg, row = (name.split("/") + ["", ""])[:3]
+    parse = lambda c: tuple(int(v) for v in c.split("."))  # noqa: E731
+    if kind not in ("triton", "triton_both", "gluon_col", "gluon_both"):
+        raise ValueError(f"unknown variant kind {kind!r} in {name!r}: expected triton, "
+                         "triton_both, gluon_col or gluon_both")
     try:
-        launch.GLUON = kind != "triton"
+        launch.GLUON = kind.startswith("gluon")
         launch.GLUON_BOTH = kind == "gluon_both"
-        if cfg:
-            launch.GLUON_CONFIGS["both" if launch.GLUON_BOTH else "col"] = \
-                tuple(int(v) for v in cfg.split("."))
+        f8_launch.SPLIT_BOTH["block1"] = kind != "triton_both"
+        if cfg and kind == "triton_both":
+            launch.CONFIGS[(1, "both")] = parse(cfg)
+        elif cfg:
+            launch.GLUON_CONFIGS["both" if launch.GLUON_BOTH else "col"] = parse(cfg)
+        if row:
+            launch.CONFIGS[(1, "row")] = parse(row)
         yield
     finally:
-        launch.GLUON, launch.GLUON_BOTH, launch.GLUON_CONFIGS = saved
+        (launch.GLUON, launch.GLUON_BOTH, launch.GLUON_CONFIGS, launch.CONFIGS,
+         f8_launch.SPLIT_BOTH) = saved
 
 
 def quantize_rows(shape: str, variants, iters: int):
@@ -66,11 +85,18 @@ def quantize_rows(shape: str, variants, iters: int):
              "value": copy_gbs, "baseline": "", "baseline_value": "", "ratio": 1.0, "note": ""}]
     for usage, flags in (("both", (True, True)), ("col", (False, True))):
         q = lowprec.Float8BlockQuantizer(E4M3, block_scaling_dim=1).set_usage(*flags)
+        want = [t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+                for t in q.quantize(inputs[0][0]).inner_tensors().values() if t is not None]
         for name in variants:
-            if usage == "col" and name.startswith("gluon_both"):
-                continue  # the same kernel as gluon_col with the same config
+            if usage == "col" and name.startswith(("gluon_both", "triton_both")):
+                continue  # the same kernel as gluon_col / triton with the same config
             with variant(name):
                 qt = q.quantize(inputs[0][0])
+                got = [t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+                       for t in qt.inner_tensors().values() if t is not None]
+                if len(got) != len(want) or not all(torch.equal(a, b)
+                                                    for a, b in zip(got, want)):
+                    raise AssertionError(f"{name} ({usage}): outputs differ from the default")
                 moved = nbytes + sum(t.numel() * t.element_size()
                                      for t in qt.inner_tensors().values() if t is not None)
                 del qt

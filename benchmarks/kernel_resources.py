@@ -186,16 +186,16 @@ def gluon_report():
     fp8 = dict(FP8_MAX=448.0, POW2=True, MBITS=3, BIAS=7, MAX_BITS=0x43E00000)
     base = {"x_ptr": "*bf16", "cq_ptr": "*u8", "cs_ptr": "*fp32", "cd_ptr": "*fp32",
             "M": "i32", "K": "i32", "stride_xm": "i32", "eps": "fp32"}
-    r, t, w = bl.GLUON_CONFIGS["col"]
-    (wb,) = bl.GLUON_CONFIGS["both"]
+    r, t, w, kf = (bl.GLUON_CONFIGS["col"] + (0,))[:4]
+    wb, kfb = (bl.GLUON_CONFIGS["both"] + (0,))[:2]
     both = dict(base, rq_ptr="*u8", rs_ptr="*fp32", rd_ptr="*fp32")
     print(f"{'gluon kernel':30} {'regs':>5} {'spill':>6} {'smem':>6} {'progs/SM':>8} "
           f"{'ins/el':>6}")
     for name, fn, sig, const, warps, elements in (
             (f"block1 col R{r} T{t} W{w}", gk.block1_col_kernel, base,
-             dict(fp8, R=r, T=t, WARPS=w), w, 128 * 8 * t),
-            (f"block1 both W{wb}", gk.block1_both_kernel, both, dict(fp8, WARPS=wb), wb,
-             128 * 128)):
+             dict(fp8, R=r, T=t, WARPS=w, K_FAST=bool(kf)), w, 128 * 8 * t),
+            (f"block1 both W{wb}", gk.block1_both_kernel, both,
+             dict(fp8, WARPS=wb, K_FAST=bool(kfb)), wb, 128 * 128)):
         res = resources(_compile(fn, sig, const, warps))
         progs = programs_per_sm(res, warps)
         print(f"{name:30} {res['regs']:5} {res['spill']:6} {res['smem']:6} {progs:8} "

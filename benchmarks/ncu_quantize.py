@@ -7,7 +7,9 @@ before the range opens, so only one launch per variant is profiled:
         python3 benchmarks/ncu_quantize.py [--only mxfp8_col,block1_col]
 
 Variants: ``<format>_<usage>`` with format in fp8 (delayed scaling, one cast pass), block1,
-block2, mxfp8, mx2 and usage in row, col, both.
+block2, mxfp8, mx2, nvfp4, nvfp4sr (stochastic rounding), nvfp4rhtsr (RHT and stochastic
+rounding) and usage in row, col, both; a format ending in ``x`` (``mxfp8x``, ``nvfp4rhtsrx``)
+also writes the exact bf16 operands of the requested usages (``quantize_for_gemm``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lowprec import Float8BlockQuantizer, Float8Quantizer, MXFP8Quantizer  # noqa: E402
+from lowprec import (Float8BlockQuantizer, Float8Quantizer, MXFP8Quantizer,  # noqa: E402
+                     NVFP4Quantizer)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -33,7 +36,12 @@ def _factory(fmt: str, device):
         return lambda: Float8BlockQuantizer(E4M3, block_scaling_dim=int(fmt[-1]))
     if fmt in ("mxfp8", "mx2"):
         return lambda: MXFP8Quantizer(E4M3, with_2d_quantization=fmt == "mx2")
-    raise ValueError(f"unknown format {fmt!r}; expected fp8, block1, block2, mxfp8 or mx2")
+    if fmt in ("nvfp4", "nvfp4sr", "nvfp4rhtsr"):
+        return lambda: NVFP4Quantizer(with_rht=fmt == "nvfp4rhtsr",
+                                      stochastic_rounding=fmt != "nvfp4")
+    raise ValueError(f"unknown format {fmt!r}; expected fp8, block1, block2, mxfp8, mx2, "
+                     "nvfp4, nvfp4sr or nvfp4rhtsr (mxfp8 and the nvfp4 ones with an x suffix "
+                     "for the exact operands)")
 
 
 def main(argv=None):
@@ -47,15 +55,22 @@ def main(argv=None):
     runs = []
     for name in args.only.split(","):
         fmt, usage = name.rsplit("_", 1)
-        q = _factory(fmt, "cuda")()
-        q.set_usage(rowwise=usage in ("row", "both"), columnwise=usage in ("col", "both"))
-        q.quantize(x)  # compile + warm-up outside the profiled range
-        runs.append((name, q))
+        exact = fmt.endswith("x")
+        q = _factory(fmt[:-1] if exact else fmt, "cuda")()
+        rowwise, columnwise = usage in ("row", "both"), usage in ("col", "both")
+        q.set_usage(rowwise=rowwise, columnwise=columnwise)
+        if exact:
+            usages = ("rowwise",) * rowwise + ("columnwise",) * columnwise
+            run = (lambda q=q, u=usages: q.quantize_for_gemm(x, u))
+        else:
+            run = (lambda q=q: q.quantize(x))
+        run()  # compile + warm-up outside the profiled range
+        runs.append((name, run))
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    for name, q in runs:
+    for name, run in runs:
         torch.cuda.nvtx.range_push(name)
-        q.quantize(x)
+        run()
         torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()

@@ -105,13 +105,17 @@ def round_e2m1_codes(v: torch.Tensor) -> torch.Tensor:
 def stochastic_round_e2m1_codes(v: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
     """Stochastically round fp32 values to E2M1 codes.
 
-    For |v| between grid neighbours lo < hi, round up when
-    ``rand < (|v| - lo) / (hi - lo)``, so P(hi) is the spec's probability;
-    values on the grid are kept exactly and |v| >= 6 saturates to 6.
-    ``rand`` holds uniform [0, 1) draws, one per element.
+    |v| is first cut toward zero to a multiple of 2**-23 (a no-op from 1 up, where fp32
+    has no finer bits; below, it keeps 22 bits under the grid step 0.5, as from 1 up).
+    For that value between grid neighbours lo < hi, round up when
+    ``rand < (|v| - lo) / (hi - lo)``, so P(hi) is the spec's probability to 22 bits
+    (``rand`` holds 22-bit uniform [0, 1) draws, one per element, see
+    ``nvfp4/draws.py``); values on the grid are kept exactly and |v| >= 6 saturates
+    to 6.
     """
     grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=v.device)
     a = v.abs().clamp_max(E2M1_MAX)
+    a = torch.where(a < 1.0, torch.floor(a * 2.0 ** 23) * 2.0 ** -23, a)  # exact in fp32
     # lo index: number of grid points <= a, minus one.
     lo_idx = (torch.bucketize(a, grid, right=True) - 1).clamp(0, 7)
     hi_idx = (lo_idx + 1).clamp_max(7)

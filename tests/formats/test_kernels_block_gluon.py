@@ -53,7 +53,8 @@ def _same(a, b, what):
     assert torch.equal(a, b), what
 
 
-@pytest.mark.parametrize("mode", ["gluon_col", "gluon_both"])
+@pytest.mark.parametrize("mode", ["gluon_col", "gluon_both", "gluon_col/kfast",
+                                  "gluon_both/kfast"])
 @pytest.mark.parametrize("dist", ["normal", "wide", "special"])
 @pytest.mark.parametrize("usage", list(USAGES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -65,7 +66,12 @@ def test_gluon_matches_reference(pow2, fp8_dtype, dtype, usage, dist, mode, monk
     orig = launch._launch_gluon
     monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(a[2]) or orig(*a))
     monkeypatch.setattr(launch, "GLUON", True)
-    monkeypatch.setattr(launch, "GLUON_BOTH", mode == "gluon_both")
+    monkeypatch.setattr(launch, "GLUON_BOTH", mode.startswith("gluon_both"))
+    if mode.endswith("kfast"):  # grid axis 0 along K
+        monkeypatch.setattr(launch, "GLUON_CONFIGS", {"col": launch.GLUON_CONFIGS["col"][:3]
+                                                      + (1,),
+                                                      "both": launch.GLUON_CONFIGS["both"][:1]
+                                                      + (1,)})
     launched = 0
     row, col = USAGES[usage]
     for i, (m, k) in enumerate(SHAPES):
@@ -102,7 +108,7 @@ def test_gluon_matches_reference(pow2, fp8_dtype, dtype, usage, dist, mode, monk
     # every quantize that the reference accepted went through the Gluon kernel, in the mode
     # asked for (its third argument: the rowwise usage from the same read)
     assert launched >= 6 and len(calls) == launched
-    assert set(calls) == {usage == "both" and mode == "gluon_both"}
+    assert set(calls) == {usage == "both" and mode.startswith("gluon_both")}
 
 
 def test_gluon_not_used_where_it_does_not_apply(monkeypatch):

@@ -143,6 +143,45 @@ def test_compile_fullgraph():
         assert torch.equal(_raw(eager[k]), _raw(comp[k])), k
 
 
+# ---- rounding decisions at the edges ------------------------------------------------------------
+def _edge_values():
+    """fp32 magnitudes where the E2M1 decisions are delicate: grid points, nearest-even
+    midpoints and their fp32 neighbours, the 2**-23 cut of stochastic rounding below 1,
+    values under every fp32 bit the kernels keep, and the saturation at 6."""
+    pts = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0,
+                        5.0, 6.0])
+    bits = pts.view(torch.int32)
+    near = torch.cat([(bits + k).view(torch.float32) for k in (-2, -1, 1, 2)])
+    tiny = torch.tensor([2.0 ** -23, 2.0 ** -23 * 1.5, 2.0 ** -24, 2.0 ** -25 * 3, 2.0 ** -30,
+                         1e-38, 1e-44, 0.5 + 2.0 ** -24, 0.75 + 2.0 ** -24,
+                         0.25 + 2.0 ** -25, 1.0 - 2.0 ** -24, 0.5 - 2.0 ** -25])
+    return torch.cat([pts, near[near > 0], tiny])
+
+
+@pytest.mark.parametrize("sr", [False, True])
+@pytest.mark.parametrize("rht", [False, True])
+def test_rounding_edges(sr, rht):
+    # Blocks of 16 whose first element is 6: with a global amax of 6, S = 448 and d = 448,
+    # so v = x * 448 / 448 lands on the edge values themselves (rowwise, without the RHT).
+    # The last block leads with 4.4 instead: its d rounds down to 320 and its largest v
+    # (6.16) saturates. Signs vary, -0.0 included.
+    vals = _edge_values()
+    n = (vals.numel() + 14) // 15 * 15
+    vals = torch.cat([vals, vals[: n - vals.numel()]]).reshape(-1, 15)
+    lead = torch.full((vals.shape[0], 1), 6.0)
+    lead[-1] = 4.4
+    blocks = torch.cat([lead, vals], dim=1)                                    # (B, 16)
+    x = blocks.repeat(16, 4)[:, :64]                                           # (16 B, 64)
+    x = x[: x.shape[0] // 16 * 16]
+    sign = torch.where(torch.arange(x.numel()) % 3 == 1, -1.0, 1.0).reshape(x.shape)
+    x = (x * sign).cuda()
+    x[0, 5] = -0.0
+    for seed in range(4):
+        _check(NVFP4Quantizer(with_rht=rht, stochastic_rounding=sr), x, seed=seed)
+        _check(NVFP4Quantizer(with_rht=rht, stochastic_rounding=sr), x.t().contiguous(),
+               seed=seed)
+
+
 # ---- stochastic-rounding uniforms: in-register hash vs draws.uniforms_at -------------------------
 def _probe_kernel():
     import triton

@@ -49,7 +49,10 @@ def e2m1_rne(v):
 
 
 def e2m1_sr(v, rand):
+    """SR of |v| cut toward zero to a multiple of 2**-23 (22 bits under the grid step below
+    1, as fp32 has from 1 up), with 22-bit draws ``rand``."""
     a = v.abs().clamp(max=6.0)
+    a = torch.where(a < 1, torch.floor(a * 2.0 ** 23) / 2.0 ** 23, a)
     lo_idx = (torch.searchsorted(E2M1, a.contiguous(), right=True) - 1).clamp(0, 7)
     hi_idx = (lo_idx + 1).clamp(max=7)
     lo, hi = E2M1[lo_idx], E2M1[hi_idx]

@@ -24,7 +24,7 @@ def _mix_py(h: int) -> int:
 
 def _uniform_py(k0: int, k1: int, i: int) -> float:
     pre = ((i & M32) * 0x9E3779B9 + ((i >> 32) & M32) * 0x85EBCA6B + k0) & M32
-    return ((_mix_py(pre) ^ k1) >> 8) / 2.0 ** 24
+    return ((_mix_py(pre) ^ k1) >> 10) / 2.0 ** 22
 
 
 def test_mix32_matches_plain_python_on_extreme_and_random_words():

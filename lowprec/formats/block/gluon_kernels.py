@@ -45,11 +45,22 @@ def _scales(amax, eps, one_l: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.cons
 
 
 @gluon.jit
+def _tile_ids(K_FAST: gl.constexpr):
+    """(pid_m, pid_k) of this program; ``K_FAST``: grid axis 0 runs along K, so programs
+    launched together read neighbouring columns of the same rows."""
+    if K_FAST:
+        return gl.program_id(1), gl.program_id(0)
+    else:
+        return gl.program_id(0), gl.program_id(1)
+
+
+@gluon.jit
 def block1_col_kernel(x_ptr, cq_ptr, cs_ptr, cd_ptr, M, K, stride_xm, eps,
                       FP8_MAX: gl.constexpr, POW2: gl.constexpr, MBITS: gl.constexpr,
                       BIAS: gl.constexpr, MAX_BITS: gl.constexpr, R: gl.constexpr,
-                      T: gl.constexpr, WARPS: gl.constexpr):
-    """Columnwise usage of one (128, 8 * T) tile; columns past K are masked."""
+                      T: gl.constexpr, WARPS: gl.constexpr, K_FAST: gl.constexpr = False):
+    """Columnwise usage of one (128, 8 * T) tile; columns past K are masked. ``K_FAST``:
+    grid axis 0 runs along K."""
     BM: gl.constexpr = R * (32 // T) * WARPS
     BN: gl.constexpr = 8 * T
     gl.static_assert(BM == 128, "one 128-row block per program")
@@ -57,8 +68,7 @@ def block1_col_kernel(x_ptr, cq_ptr, cs_ptr, cd_ptr, M, K, stride_xm, eps,
     store_l: gl.constexpr = gl.BlockedLayout([R, 8], [32 // T, T], [WARPS, 1], [0, 1])
     one_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
 
-    pid_m = gl.program_id(0)
-    pid_k = gl.program_id(1)
+    pid_m, pid_k = _tile_ids(K_FAST)
     offs_m = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, load_l))
     offs_k = pid_k * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, load_l))
     x = gl.load(x_ptr + offs_m.to(gl.int64)[:, None] * stride_xm + offs_k[None, :],
@@ -81,7 +91,7 @@ def block1_col_kernel(x_ptr, cq_ptr, cs_ptr, cd_ptr, M, K, stride_xm, eps,
 def block1_both_kernel(x_ptr, rq_ptr, rs_ptr, rd_ptr, cq_ptr, cs_ptr, cd_ptr, M, K,
                        stride_xm, eps, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
                        MBITS: gl.constexpr, BIAS: gl.constexpr, MAX_BITS: gl.constexpr,
-                       WARPS: gl.constexpr):
+                       WARPS: gl.constexpr, K_FAST: gl.constexpr = False):
     """Both usages of one 128 x 128 tile from one read (K % 128 == 0: no masks), in pieces
     of CHUNK = 4 * WARPS rows: 2 rows of 8 columns a thread in the row layout, 8 rows of 2
     columns in the column layout, each covering a piece exactly."""
@@ -93,8 +103,7 @@ def block1_both_kernel(x_ptr, rq_ptr, rs_ptr, rd_ptr, cq_ptr, cs_ptr, cd_ptr, M,
     tile = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NCH, CHUNK, 128],
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
-    pid_m = gl.program_id(0)
-    pid_k = gl.program_id(1)
+    pid_m, pid_k = _tile_ids(K_FAST)
     rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, row_l))
     cols = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, row_l))
     for c in gl.static_range(NCH):

@@ -40,8 +40,9 @@ CONFIGS = {
 #: launch and ``block1_col_kernel``. False: the Triton kernel only.
 GLUON = True
 GLUON_BOTH = False
-#: Gluon launch configs: "col" (R rows per thread, T threads along K, warps): a program
-#: covers 128 rows and 8 * T columns; "both" (warps,): a program covers 128 x 128.
+#: Gluon launch configs: "col" (R rows per thread, T threads along K, warps[, K-fast]): a
+#: program covers 128 rows and 8 * T columns; "both" (warps[, K-fast]): a program covers
+#: 128 x 128. K-fast: grid axis 0 runs along K.
 GLUON_CONFIGS = {"col": (8, 8, 4), "both": (8,)}
 
 
@@ -78,15 +79,17 @@ def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, pow2: bool, eps: float):
     mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
     fp8 = dict(FP8_MAX=fmax, POW2=pow2, MBITS=mbits, BIAS=bias, MAX_BITS=max_bits)
     if rowwise:
-        (warps,) = GLUON_CONFIGS["both"]
-        block1_both_kernel[(m // BLOCK, k // BLOCK)](
-            x, rq, rs, rd, cq, cs, cd, m, k, x.stride(0), eps, WARPS=warps, num_warps=warps,
-            **fp8)
+        warps, k_fast = (GLUON_CONFIGS["both"] + (0,))[:2]
+        grid = (m // BLOCK, k // BLOCK)
+        block1_both_kernel[grid[::-1] if k_fast else grid](
+            x, rq, rs, rd, cq, cs, cd, m, k, x.stride(0), eps, WARPS=warps,
+            K_FAST=bool(k_fast), num_warps=warps, **fp8)
     else:
-        r, t, warps = GLUON_CONFIGS["col"]
-        block1_col_kernel[(m // BLOCK, triton_cdiv(k, 8 * t))](
-            x, cq, cs, cd, m, k, x.stride(0), eps, R=r, T=t, WARPS=warps, num_warps=warps,
-            **fp8)
+        r, t, warps, k_fast = (GLUON_CONFIGS["col"] + (0,))[:4]
+        grid = (m // BLOCK, triton_cdiv(k, 8 * t))
+        block1_col_kernel[grid[::-1] if k_fast else grid](
+            x, cq, cs, cd, m, k, x.stride(0), eps, R=r, T=t, WARPS=warps, K_FAST=bool(k_fast),
+            num_warps=warps, **fp8)
 
 
 def _usage(rowwise: bool, columnwise: bool) -> str:

@@ -6,15 +6,18 @@ default generator of the input's device): two 32-bit words ``k0, k1`` drawn with
 ``i`` of that direction's (R, C) matrix is then a pure function of ``(key, i)``::
 
     h = mix(lo32(i) * 0x9E3779B9 + hi32(i) * 0x85EBCA6B + k0) ^ k1     (mod 2**32)
-    u = (h >> 8) * 2**-24                      # exact in fp32, in [0, 1)
+    u = (h >> 10) * 2**-22                     # exact in fp32, in [0, 1)
 
 with ``mix`` the 32-bit integer hash ``x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15;
 x *= 0x846CA68B; x ^= x >> 16`` (arithmetic mod 2**32; "lowbias32", a published
 low-bias constant set). The index is spread by an odd (golden-ratio) multiplier, so
 neighbouring elements enter the hash far apart. For a fixed key and ``hi32(i)`` the map
-from ``lo32(i)`` to ``h`` is a bijection, so over 2**32 consecutive elements every 24-bit
+from ``lo32(i)`` to ``h`` is a bijection, so over 2**32 consecutive elements every 22-bit
 value of ``u`` occurs equally often. One hash round per element: the quantize kernels
 that draw are bound by instruction issue, and a second round cost about a tenth of them.
+22 bits, because that is the resolution of the rounding decision from 1 up, where v has
+22 bits below the E2M1 grid step (``casting.stochastic_round_e2m1_codes``); the kernels
+then decide with one integer add (``triton_kernels._sr_codes``).
 
 Why not ``torch.rand``: materializing one fp32 uniform per element costs a write and a read
 of 4 bytes per element, more memory traffic than the quantization itself; the Triton
@@ -61,7 +64,7 @@ def uniforms_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     lo = index & MASK32
     hi = (index >> 32) & MASK32
     h = mix32((_mul32(lo, INDEX_MUL[0]) + _mul32(hi, INDEX_MUL[1]) + k0) & MASK32) ^ k1
-    return (h >> 8).to(torch.float32) * (2.0 ** -24)
+    return (h >> 10).to(torch.float32) * (2.0 ** -22)
 
 
 def uniforms(key: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -7,14 +7,17 @@ reference's, however it is computed:
   rounding threshold t of the E2M1 grid (<= 3 bits), t*d is exact and
   ``RN(a/d) > t  <=>  a > t*d`` (likewise for >=): a/d cannot land strictly between t and
   the rounding midpoint next to it (checked exhaustively for every E4M3 d). Nearest-even
-  codes are therefore three comparisons against per-block thresholds (a binary search).
-* Where the exact quotient ``v = RN(a/d)`` itself is needed (stochastic rounding reads the
-  grid interval off its bits and compares ``v - lo`` with the uniform), it is
-  ``RN32(a * r)`` in fp64, r a ~2**-43-accurate
+  codes are therefore three comparisons against per-block thresholds (a binary search),
+  each a saturated fma (see ``_step``).
+* Where the exact quotient ``v = RN(a/d)`` itself is needed (stochastic rounding adds the
+  draw to v's bits), it is ``RN32(a * r)`` in fp64, r a ~2**-43-accurate
   reciprocal of d: a quotient of a 24-bit by a <=4-bit number is either representable or at
   least 2**-30 (relative) away from every fp32 rounding midpoint. ``block_amax / 6`` is
   ``RN32(b * RN64(1/6))`` in fp64 by the same argument (checked on ~10**8 values,
   subnormals included). The global scale ``2688 / amax`` uses a correctly rounded divide.
+* The per-element work is written for the FMA pipe (fp32 fmas, integer multiplies and
+  high words) wherever it can be: Nsight Compute shows these kernels bound by the
+  integer/logic pipe (compares, selects, shifts, logic), which issues at half the rate.
 * E4M3 rounding of the block scale is integer arithmetic (no reliance on the fp8
   conversion), and kernels launch with FMA contraction off.
 * Signs are flipped by multiplying by -1 (Triton's unary minus is ``0 - x``, which turns
@@ -103,37 +106,72 @@ def _block_scale(bmax, s):
     return tl.where(bad, E4M3_NAN, code), tl.where(bad, 0.0, d)
 
 
+# The E2M1 searches compare a = |x S| (>= 0) with thresholds t d (t a multiple of 0.25, d
+# an E4M3 scale >= 2**-9) by the sign of fma(a, 2**40, -t d 2**40): a * 2**40 is exact and
+# the fma rounds once, so the sign is exact and the result is 0 only for a == t d. Where a
+# is within a factor 2 of t d, both are multiples of 2**-35, so a nonzero result is at
+# least 2**5 and saturating it to [0, 1] gives exactly 1.0 (a > t d) or 0.0 (NaN too: a
+# dead block's thresholds are NaN). ``a >= t d`` is ``a > pred(t d)``, the next fp32 below,
+# which is RN(t d (1 - 2**-24)) for normal t d. All of it runs on the FMA pipe: the
+# integer and logic pipe, at half its rate, is what bounds these kernels.
+RNE_K = tl.constexpr(1099511627776.0)          # 2**40
+RNE_KP = tl.constexpr(-1099511562240.0)        # -(1 - 2**-24) * 2**40, exact in fp32
+
+
+@triton.jit
+def _step(a, c):
+    """1.0 where a * 2**40 + c > 0, else 0.0 (one fma, saturated)."""
+    return tl.minimum(tl.maximum(tl.fma(a, RNE_K, c), 0.0), 1.0)
+
+
 @triton.jit
 def _rne_thresholds(d):
-    """Per-block thresholds t*d of nearest-even E2M1 rounding (NaN for a dead block, so
-    that every comparison fails, even for an infinite element)."""
+    """Per-block constants of the nearest-even search (all NaN for a dead block, so that
+    every step is 0, even for an infinite element): -pred(1.75 d) 2**40; 0.75 d and
+    2.75 d (b1's threshold before scaling); -d 2**40 times 0.25, 1, 1.5 and 2.25 (b0's)."""
     dl = tl.where(d > 0.0, d, float("nan"))
-    return (dl * 0.25, dl * 0.75, dl * 1.25, dl * 1.75, dl * 2.5, dl * 3.5, dl * 5.0)
+    dk = dl * -RNE_K
+    return (dl * 1.75 * RNE_KP, dl * 0.75, dl * 2.75, dk * 0.25, dk, dk * 1.5, dk * 2.25)
 
 
 @triton.jit
 def _rne_codes(a, th):
-    """casting.round_e2m1_codes of RN(a/d) (magnitude), as a binary search:
-    code = #{t in (.25>, .75>=, 1.25>, 1.75>=, 2.5>, 3.5>=, 5>) passed}."""
-    b2 = a >= th[3]
-    b1 = a >= tl.where(b2, th[5], th[1])
-    b0 = a > tl.where(b2, tl.where(b1, th[6], th[4]), tl.where(b1, th[2], th[0]))
-    return b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
+    """casting.round_e2m1_codes of RN(a/d) (magnitude) as a binary search over the exact
+    thresholds t d (see the comparisons above):
+
+    b2 = a >= 1.75 d; b1 = a >= (b2 ? 3.5 : 0.75) d; b0 = a > t d with t = 0.25, 1.25, 2.5
+    or 5 as (b2, b1) pick it; code = 4 b2 + 2 b1 + b0. Every threshold is formed exactly
+    by fmas of the 0/1 steps with per-block constants.
+
+    Returns int32 bits whose low 3 bits are the code; the bits from 24 up are not zero
+    (0x4B000000 + code, the fp32 bits of 2**23 + code), which the callers' uses ignore:
+    the byte packing keeps the low 8 bits and ``code << 22`` drops them."""
+    b2 = _step(a, th[0])
+    b1 = _step(a, tl.fma(b2, th[2], th[1]) * RNE_KP)
+    b0 = _step(a, tl.fma(b1, tl.fma(b2, th[5], th[4]), tl.fma(b2, th[6], th[3])))
+    code = tl.fma(b2, 4.0, tl.fma(b1, 2.0, b0))
+    return (code + 8388608.0).to(tl.int32, bitcast=True)
 
 
 @triton.jit
 def _sr_prep(d):
-    """Per-block values for stochastic rounding: a fp64 reciprocal of d good to ~2**-43,
-    and the positivity bound d * 2**-150 (NaN for a dead block, so that v is 0 there)."""
+    """Per-block values for stochastic rounding: a fp64 reciprocal of d good to ~2**-43 (0
+    for a dead block) and the saturation bound 6 d (0 for a dead block, so that every
+    element, inf and NaN included, is clamped to v = 0 there)."""
     live = d > 0.0
     ds = tl.where(live, d, 1.0)
     r0 = tl.math.fdiv(tl.full(d.shape, 1.0, tl.float32), ds)   # approximate
     d64 = ds.to(tl.float64)
     r = r0.to(tl.float64)
     r = r + r * (1.0 - d64 * r)                                 # one Newton step in fp64
-    pos = tl.where(live, d64 * tl.full(d.shape, TWO_M150, tl.float64),
-                   tl.full(d.shape, float("nan"), tl.float64))
-    return r, pos
+    return tl.where(live, r, 0.0), tl.where(live, d * 6.0, 0.0)
+
+
+@triton.jit
+def _mul_rz(a, b):
+    """fp32 a * b rounded toward zero, subnormal results kept (no flush to zero)."""
+    return tl.inline_asm_elementwise("mul.rz.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                     dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -147,48 +185,74 @@ def _mix32(h):
 
 
 @triton.jit
-def _sr_uniform(key_ptr, idx, IDX64: tl.constexpr):
-    """draws.uniforms_at: fp32 uniforms of the row-major element indices ``idx`` (int64
-    when IDX64, else non-negative int32) under the (2,) int64 key at ``key_ptr``."""
+def _sr_hash(key_ptr, idx, IDX64: tl.constexpr, FLIP: tl.constexpr = False):
+    """The uint32 hash h behind draws.uniforms_at of the row-major element indices ``idx``
+    (int64 when IDX64, else non-negative int32) under the (2,) int64 key at ``key_ptr``;
+    ``FLIP``: its complement ``~h`` (the last xor takes ``~k1``, no extra instruction)."""
     k0 = tl.load(key_ptr).to(tl.uint32)
     k1 = tl.load(key_ptr + 1).to(tl.uint32)
+    if FLIP:
+        k1 = k1 ^ 0xFFFFFFFF
     if IDX64:
         lo = idx.to(tl.uint32)
         hi = (idx >> 32).to(tl.uint32)
-        h = _mix32(lo * 0x9E3779B9 + hi * 0x85EBCA6B + k0) ^ k1
+        return _mix32(lo * 0x9E3779B9 + hi * 0x85EBCA6B + k0) ^ k1
     else:
-        h = _mix32(idx.to(tl.uint32, bitcast=True) * 0x9E3779B9 + k0) ^ k1
-    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+        return _mix32(idx.to(tl.uint32, bitcast=True) * 0x9E3779B9 + k0) ^ k1
 
 
 @triton.jit
-def _sr_codes(a, p, rand):
-    """casting.stochastic_round_e2m1_codes of v = RN(a/d) (magnitude).
-
-    v comes from fp64 (exact, see the module doc); below 2**-126 only v > 0 matters there,
-    i.e. a > d * 2**-150. lo, the largest grid point <= v, and the grid step above it are
-    read off v's bits: from 1 up, the grid is v cut to 2 significant bits (code
-    ``(bits >> 22) - 252``, step half of v's binade); below, steps of 0.5. Round up when
-    rand < (v - lo) / span, evaluated exactly as rand * span < v - lo (span a power of two,
-    v - lo exact by Sterbenz); v >= 6 saturates to code 7."""
-    a64 = a.to(tl.float64)
-    v = tl.where(a64 > p[1], (a64 * p[0]).to(tl.float32), 0.0)
-    vb = v.to(tl.int32, bitcast=True)
-    big = v >= 1.0
-    half = v >= 0.5
-    i_big = tl.minimum((vb >> 22) - 252, 7)
-    code = tl.where(big, i_big, half.to(tl.int32))
-    lo = tl.where(big, ((i_big + 252) << 22).to(tl.float32, bitcast=True),
-                  tl.where(half, 0.5, 0.0))
-    span = tl.where(big, (((vb >> 23) - 1) << 23).to(tl.float32, bitcast=True), 0.5)
-    up = (rand * span < v - lo) & (code < 7)
-    return code + up.to(tl.int32)
+def _sr_uniform(key_ptr, idx, IDX64: tl.constexpr):
+    """draws.uniforms_at: fp32 uniforms ``(h >> 10) * 2**-22`` of the indices ``idx``."""
+    return (_sr_hash(key_ptr, idx, IDX64) >> 10).to(tl.float32) * 2.384185791015625e-07
 
 
 @triton.jit
-def _sign_bits(n, d):
-    """E2M1 sign bit (8) of v = n / d: n's sign where the block is live, else 0."""
-    return (n.to(tl.int32, bitcast=True) >> 28) & tl.where(d > 0.0, 8, 0)
+def _sr_bits(key_ptr, idx, IDX64: tl.constexpr):
+    """The 22 random bits _sr_codes adds: ``(~h) >> 10 = 2**22 - 1 - (h >> 10)``."""
+    return tl.umulhi(_sr_hash(key_ptr, idx, IDX64, True), 4194304)                # >> 10
+
+
+@triton.jit
+def _sr_codes(a, p, r):
+    """casting.stochastic_round_e2m1_codes of v = RN(a/d) (magnitude), where ``r`` (uint32)
+    is the kernel-side draw ``(~h) >> 10`` of the element's hash h (_sr_bits).
+
+    v comes from fp64 (exact, see the module doc), clamped to 6 first (a <= 6 d; NaN and
+    inf too, and a dead block, whose bound is 0, gives v = 0). Scaled by 2**-126 and
+    rounded toward zero, v lands where the E2M1 grid is every fp32 bit pattern with the low
+    22 bits clear: 0.5 is the subnormal 2**-127, 1 the smallest normal, and from there the
+    grid is 2 significant bits. The low 22 bits of z are ``(v_t - lo) / span`` as a 22-bit
+    fraction (v_t: v cut to a multiple of 2**-23, which is v itself from 1 up), so adding
+    the 22 random bits r carries into bit 22 exactly when the draw ``u = (h >> 10) 2**-22
+    < (v_t - lo) / span``, and the code is bits 22 up of the sum. All of it runs on the
+    FMA and fp64 pipes but the clamp."""
+    v = (tl.minimum(a, p[1]).to(tl.float64) * p[0]).to(tl.float32)
+    z = _mul_rz(v, 1.1754943508222875e-38).to(tl.uint32, bitcast=True)  # * 2**-126
+    return tl.umulhi(z + r, 1024).to(tl.int32)                          # >> 22
+
+
+@triton.jit
+def _live2(d):
+    """The _sign_bit multiplier of a block: 2 where its decode scale d is live, else 0."""
+    return tl.where(d > 0.0, 2, 0).to(tl.uint32)
+
+
+@triton.jit
+def _sign_bit(n, live2):
+    """1 where n's sign bit is set and its block is live (live2 = 2), else 0 (live2 = 0):
+    the high word of the 64-bit product, on the FMA pipe."""
+    return tl.umulhi(n.to(tl.uint32, bitcast=True), live2).to(tl.int32)
+
+
+@triton.jit
+def _exact_value(c, sgn, d):
+    """fp32 ``e2m1(code) * d`` with the code's sign (the dequantize kernel's product, exact
+    in bf16): the code shifted to bits 22 up is the E2M1 value times 2**-126 (0.5 the
+    subnormal 2**-127, see _sr_codes), the sign goes to bit 31. ``c``: bits 0-2 the code,
+    bits from 10 up ignored."""
+    word = (sgn << 31) + (c << 22)
+    return (word.to(tl.float32, bitcast=True) * 8.507059173023462e37) * d  # * 2**126
 
 
 @triton.jit
@@ -477,21 +541,20 @@ def _nvfp4_row_kernel(x_ptr, M, K, SX, data_ptr, scale_ptr, glob_ptr, key_ptr, I
     n = x * s
     a = tl.abs(n)
     if SR:
-        rnd = _sr_uniform(key_ptr, IDX0 + _wide(r4, IDX64) * K + b4 * 16 + h4 * VEC + c4,
-                          IDX64)
+        rnd = _sr_bits(key_ptr, IDX0 + _wide(r4, IDX64) * K + b4 * 16 + h4 * VEC + c4, IDX64)
         code = _sr_codes(a, _sr_prep(dd), rnd)
     else:
         code = _rne_codes(a, _rne_thresholds(dd))
-    code = code | _sign_bits(n, dd)
+    sgn = _sign_bit(n, _live2(dd))
     if EXACT:
-        # decoded from the stored bytes, as the dequantize kernel does
-        ex = (_e2m1_decode(code) * _e4m3_decode(sc4 & 0xFF)).to(tl.bfloat16)
+        # the scale decoded from the stored byte, as the dequantize kernel does
+        ex = _exact_value(code, sgn, _e4m3_decode(sc4 & 0xFF)).to(tl.bfloat16)
         _st(exact_ptr + _wide(r4, IDX64) * K + b4 * 16 + h4 * VEC + c4, ex, mask4, EVEN)
     if CODES:
         X: tl.constexpr = x.shape[0]
         Y: tl.constexpr = x.shape[1]
-        lo, hi = tl.split(tl.reshape(code, (X, Y, 8, 2)))
-        packed = (lo | (hi << 4)).to(tl.uint8)                              # (X, Y, 8)
+        lo, hi = tl.split(tl.reshape(code + sgn * 8, (X, Y, 8, 2)))
+        packed = (lo + hi * 16).to(tl.uint8)                                # (X, Y, 8)
         j3 = tl.arange(0, 8)[None, None, :]
         _st(data_ptr + _wide(r3, IDX64) * K2 + b3 * 8 + j3, packed, (r3 < M) & (b3 < K16),
             EVEN)
@@ -547,33 +610,27 @@ def _nvfp4_col_kernel(x_ptr, M, K, SX, data_ptr, scale_ptr, glob_ptr, key_ptr, I
             _st(scale_ptr + _wide(col, IDX64) * M16 + grp, sc.to(tl.uint8),
                 (col < K) & (grp < M16), EVEN)
     if SR:
-        # uniforms of (K, M) elements: each thread's 2 columns x 16 rows
-        kp6 = tl.arange(0, 8)[:, None, None, None, None, None]
-        g6 = tl.arange(0, 4)[None, :, None, None, None, None]
-        kw6 = tl.arange(0, KW)[None, None, :, None, None, None]
-        p6 = tl.arange(0, 2)[None, None, None, :, None, None]
-        q6 = tl.arange(0, 4)[None, None, None, None, :, None]
-        i6 = tl.arange(0, 4)[None, None, None, None, None, :]
-        col6 = k0 + kw6 * 16 + kp6 * 2 + p6
-        row6 = m0 + g6 * 16 + q6 * 4 + i6
-        rnd = _sr_uniform(key_ptr, IDX0 + _wide(col6, IDX64) * M + row6, IDX64)
-        rs = _split_last16(tl.reshape(rnd, (8, 4, KW, 2, 16)))
+        # hashes of (K, M) elements, one row slice at a time in the slices' own layout
+        first = IDX0 + _wide(col, IDX64) * M + grp * 16                     # (8, 4, KW, 2)
         prep = _sr_prep(dd)
     else:
         th = _rne_thresholds(dd)
+    live2 = _live2(dd)
+    if EXACT:
+        d_st = _e4m3_decode(sc4 & 0xFF)  # decoded from the stored bytes, as dequantize does
     codes = ()
+    ex = ()
     for i in tl.static_range(16):
         n = ys[i] * s
         if SR:
-            c = _sr_codes(tl.abs(n), prep, rs[i])
+            c = _sr_codes(tl.abs(n), prep, _sr_bits(key_ptr, first + i, IDX64))
         else:
             c = _rne_codes(tl.abs(n), th)
-        codes = codes + (c | _sign_bits(n, dd),)
+        sgn = _sign_bit(n, live2)
+        codes = codes + (c + sgn * 8,)
+        if EXACT:
+            ex = ex + (_exact_value(c, sgn, d_st).to(tl.bfloat16),)
     if EXACT:
-        d_st = _e4m3_decode(sc4 & 0xFF)  # decoded from the stored bytes, as dequantize does
-        ex = ()
-        for i in tl.static_range(16):
-            ex = ex + ((_e2m1_decode(codes[i]) * d_st).to(tl.bfloat16),)
         col5e = col[:, :, :, :, None]
         grp5e = grp[:, :, :, :, None]
         i5 = tl.arange(0, 16)[None, None, None, None, :]
@@ -583,7 +640,7 @@ def _nvfp4_col_kernel(x_ptr, M, K, SX, data_ptr, scale_ptr, glob_ptr, key_ptr, I
     if CODES:
         pk = ()
         for jj in tl.static_range(8):
-            pk = pk + (codes[2 * jj] | (codes[2 * jj + 1] << 4),)
+            pk = pk + (codes[2 * jj] + codes[2 * jj + 1] * 16,)
         w = tl.reshape(tl.join(tl.join(tl.join(pk[0], pk[4]), tl.join(pk[2], pk[6])),
                                tl.join(tl.join(pk[1], pk[5]), tl.join(pk[3], pk[7]))),
                        (8, 4, KW, 2, 8)).to(tl.uint8)   # nested joins index 4 c0 + 2 c1 + c2

@@ -1,0 +1,96 @@
+"""Tile sweep of the NVFP4 rowwise and columnwise quantize kernels.
+
+For each candidate (``row:KBxRB`` sets ``launch.CONFIG["row"]``, ``col:KW`` sets
+``launch.CONFIG["col"]``) and each request, the outputs are checked bit for bit against the
+default config's, then the GPU time of one quantize (CUDA graph, ``harness.graph_ms``) is
+printed against a copy of the input. Requests: the plain quantizer (nearest-even, both
+usages), and RHT + stochastic rounding with the exact bf16 operands of both directions
+(dY in a Linear step), each direction alone.
+
+    python benchmarks/sweep_nvfp4.py [--shape 16384x4096] [--configs row:8x16,col:4,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import graph_ms, l2_rotation  # noqa: E402
+from lowprec.formats.nvfp4 import launch  # noqa: E402
+from lowprec.formats.nvfp4.quantizer import NVFP4Quantizer  # noqa: E402
+
+#: name -> (quantizer kwargs, usage, exact directions)
+REQUESTS = {
+    "rne_row": ({}, "row", ()),
+    "rne_col": ({}, "col", ()),
+    "rne_rht_col": (dict(with_rht=True), "col", ()),
+    "sr_ex_row": (dict(with_rht=True, stochastic_rounding=True), "row", ("rowwise",)),
+    "sr_ex_col": (dict(with_rht=True, stochastic_rounding=True), "col", ("columnwise",)),
+}
+
+
+def _outputs(qt):
+    outs = [t for t in qt.inner_tensors().values() if t is not None]
+    outs += [rec[2] for rec in (getattr(qt, "_exact_rowwise", None),
+                                getattr(qt, "_exact_columnwise", None)) if rec]
+    return [t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
+            if t.element_size() == 2 else t.view(torch.int32) for t in outs]
+
+
+def _run(kwargs, usage, exact, x, seed=None):
+    q = NVFP4Quantizer(**kwargs).set_usage(rowwise=usage == "row", columnwise=usage == "col")
+    if seed is not None:  # the same draws for the bit-for-bit check (not inside a graph)
+        torch.manual_seed(seed)
+    return q.quantize_for_gemm(x, exact) if exact else q.quantize(x)
+
+
+def _apply(cfg: str):
+    kind, _, val = cfg.partition(":")
+    if kind == "row":
+        kb, rb = (int(v) for v in val.split("x"))
+        launch.CONFIG["row"].update(KB=kb, RB=rb)
+    elif kind == "col":
+        launch.CONFIG["col"].update(KW=int(val))
+    else:
+        raise ValueError(f"unknown config {cfg!r}: expected row:KBxRB or col:KW")
+    return kind
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="16384x4096")
+    ap.add_argument("--configs", default="row:8x16,row:4x32,row:16x8,row:8x8,row:4x16,"
+                                         "col:4,col:2,col:8,col:1")
+    args = ap.parse_args()
+    m, k = (int(v) for v in args.shape.split("x"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = l2_rotation(lambda: (torch.randn(m, k, device="cuda", generator=gen)
+                                  .to(torch.bfloat16),), m * k * 2)
+    dst = torch.empty_like(inputs[0][0])
+    copy_ms = graph_ms(lambda x: dst.copy_(x), inputs)
+    print(f"copy {copy_ms:.4f} ms ({4 * m * k / copy_ms / 1e6:.0f} GB/s)")
+    default = {key: dict(launch.CONFIG[key]) for key in ("row", "col")}
+    want = {r: _outputs(_run(*req, inputs[0][0], 0)) for r, req in REQUESTS.items()}
+    for cfg in args.configs.split(","):
+        kind = _apply(cfg)
+        cells = []
+        for r, req in REQUESTS.items():
+            if not r.endswith(kind):
+                continue
+            same = all(torch.equal(a, b)
+                       for a, b in zip(_outputs(_run(*req, inputs[0][0], 0)), want[r]))
+            ms = graph_ms(lambda x, req=req: _run(*req, x), inputs)
+            cells.append(f"{r} {ms:.4f} ms{'' if same else ' MISMATCH'}")
+        print(f"{cfg:10} " + " | ".join(cells), flush=True)
+        for key, val in default.items():
+            launch.CONFIG[key].update(val)
+
+
+if __name__ == "__main__":
+    main()
