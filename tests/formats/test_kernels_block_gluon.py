@@ -53,7 +53,7 @@ def _same(a, b, what):
     assert torch.equal(a, b), what
 
 
-@pytest.mark.parametrize("mode", ["gluon_col", "gluon_both", "gluon_col/kfast",
+@pytest.mark.parametrize("mode", ["gluon_col", "gluon_both", "gluon_col/mfast",
                                   "gluon_both/kfast"])
 @pytest.mark.parametrize("dist", ["normal", "wide", "special"])
 @pytest.mark.parametrize("usage", list(USAGES))
@@ -67,11 +67,11 @@ def test_gluon_matches_reference(pow2, fp8_dtype, dtype, usage, dist, mode, monk
     monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(a[2]) or orig(*a))
     monkeypatch.setattr(launch, "GLUON", True)
     monkeypatch.setattr(launch, "GLUON_BOTH", mode.startswith("gluon_both"))
-    if mode.endswith("kfast"):  # grid axis 0 along K
+    if "/" in mode:  # the grid order other than the default: axis 0 along M or along K
         monkeypatch.setattr(launch, "GLUON_CONFIGS", {"col": launch.GLUON_CONFIGS["col"][:3]
-                                                      + (1,),
+                                                      + (int(mode.endswith("kfast")),),
                                                       "both": launch.GLUON_CONFIGS["both"][:1]
-                                                      + (1,)})
+                                                      + (int(mode.endswith("kfast")),)})
     launched = 0
     row, col = USAGES[usage]
     for i, (m, k) in enumerate(SHAPES):

@@ -23,9 +23,11 @@ from .reference import BLOCK
 
 #: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]]) per
 #: (block_scaling_dim, usages), picked by timing on an H200
-#: (benchmarks/check_kernels_fp8.py, which may override entries).
+#: (benchmarks/check_kernels_fp8.py, which may override entries); the 1x128 rowwise
+#: launch and the Gluon columnwise one run K-fast (H100, session 16: 3% faster for both
+#: usages, ``ab_block_gluon.py``).
 CONFIGS = {
-    (1, "row"): (32, 256, 4),
+    (1, "row"): (32, 256, 4, 1, 1, 1),
     (1, "col"): (128, 64, 4),
     (1, "both"): (128, 128, 8),
     (2, "row"): (128, 128, 8),
@@ -43,7 +45,7 @@ GLUON_BOTH = False
 #: Gluon launch configs: "col" (R rows per thread, T threads along K, warps[, K-fast]): a
 #: program covers 128 rows and 8 * T columns; "both" (warps[, K-fast]): a program covers
 #: 128 x 128. K-fast: grid axis 0 runs along K.
-GLUON_CONFIGS = {"col": (8, 8, 4), "both": (8,)}
+GLUON_CONFIGS = {"col": (8, 8, 4, 1), "both": (8,)}
 
 
 @functools.lru_cache(maxsize=None)
