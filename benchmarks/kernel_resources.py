@@ -195,7 +195,8 @@ def gluon_report():
             (f"block1 col R{r} T{t} W{w}", gk.block1_col_kernel, base,
              dict(fp8, R=r, T=t, WARPS=w, K_FAST=bool(kf)), w, 128 * 8 * t),
             (f"block1 both W{wb}", gk.block1_both_kernel, both,
-             dict(fp8, WARPS=wb, K_FAST=bool(kfb)), wb, 128 * 128)):
+             dict(fp8, WARPS=wb, K_FAST=bool(kfb), row_l=gk.both_layouts(wb)[0],
+                  col_l=gk.both_layouts(wb)[1]), wb, 128 * 128)):
         res = resources(_compile(fn, sig, const, warps))
         progs = programs_per_sm(res, warps)
         print(f"{name:30} {res['regs']:5} {res['spill']:6} {res['smem']:6} {progs:8} "

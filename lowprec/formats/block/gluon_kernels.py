@@ -14,13 +14,11 @@ column's scale math in every thread that holds part of the column (docs/performa
 * the codes are stored from ``store_l``, which differs from ``load_l`` only in register
   order: no data crosses threads, each thread writes R consecutive bytes of a (K, M) row.
 
-``block1_both_kernel`` (both usages, one read): a 128 x 128 tile is copied to shared memory
-in pieces of 4 * WARPS rows (``cp.async``, one commit group each, all in flight at once). Pass 1
-takes each piece as it lands, in a row layout: the rowwise blocks are whole rows of the
-piece, so their codes and scales are written at once, and the column maxima accumulate
-elementwise. Pass 2 reads the pieces back in a column layout (each thread 8 consecutive
-rows of 2 columns) and writes the columnwise codes. Registers stay small (16 elements a
-thread), so several programs share an SM and their copies overlap.
+``block1_both_kernel`` (both usages, one read): the 128 x 128 tile stays in registers.
+Each thread holds R rows of 8 consecutive columns; 16 lanes span a row's 128 columns, so
+the rowwise amaxes are shuffles, and the columnwise amaxes cross the warps. The
+columnwise codes are stored from a layout that renumbers the same registers rows first
+(``both_layouts``), so each thread writes R consecutive bytes of a (K, M) row.
 
 Numerics are the shared jit helpers of ``float8/triton_kernels.py`` (bit for bit the
 reference, ``block/reference.py``). The launcher guarantees M % 128 == 0 (K % 128 == 0
@@ -32,7 +30,6 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from ..float8.triton_kernels import abs_bits, current_scale, decode_scale, fp8_codes
 
@@ -87,55 +84,57 @@ def block1_col_kernel(x_ptr, cq_ptr, cs_ptr, cd_ptr, M, K, stride_xm, eps,
              mask=(offs_k < K)[None, :])
 
 
+def both_layouts(warps: int):
+    """(row_l, col_l) of the (128, 128) tile of ``block1_both_kernel``: each thread holds
+    R = 64 / warps rows of 8 consecutive columns, 16 lanes span a 1x128 block's columns
+    (its amax: 8 registers and 4 shuffles), 2 lanes and the warps its 128 rows. The same
+    thread holds every element in both layouts; registers run along the columns first in
+    ``row_l`` (16-byte loads, 8-byte rowwise stores), along the rows first in ``col_l``
+    (R consecutive bytes of a (K, M) row per column, no data moved)."""
+    assert warps in (4, 8, 16), warps
+    rows = 64 // warps
+    row_l = gl.BlockedLayout([rows, 8], [2, 16], [warps, 1], [1, 0])
+
+    def bases(dim, start, count):
+        return [[start << i if d == dim else 0 for d in range(2)] for i in range(count)]
+    col_l = gl.DistributedLinearLayout(
+        reg_bases=bases(0, 1, rows.bit_length() - 1) + bases(1, 1, 3),
+        lane_bases=bases(1, 8, 4) + bases(0, rows, 1),
+        warp_bases=bases(0, 2 * rows, warps.bit_length() - 1), block_bases=[],
+        shape=[128, 128])
+    return row_l, col_l
+
+
 @gluon.jit
 def block1_both_kernel(x_ptr, rq_ptr, rs_ptr, rd_ptr, cq_ptr, cs_ptr, cd_ptr, M, K,
                        stride_xm, eps, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
                        MBITS: gl.constexpr, BIAS: gl.constexpr, MAX_BITS: gl.constexpr,
-                       WARPS: gl.constexpr, K_FAST: gl.constexpr = False):
-    """Both usages of one 128 x 128 tile from one read (K % 128 == 0: no masks), in pieces
-    of CHUNK = 4 * WARPS rows: 2 rows of 8 columns a thread in the row layout, 8 rows of 2
-    columns in the column layout, each covering a piece exactly."""
-    CHUNK: gl.constexpr = 4 * WARPS
-    NCH: gl.constexpr = 128 // CHUNK
-    row_l: gl.constexpr = gl.BlockedLayout([2, 8], [2, 16], [WARPS, 1], [1, 0])
-    col_l: gl.constexpr = gl.BlockedLayout([8, 2], [1, 32], [WARPS // 2, 2], [0, 1])
-    one_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    tile = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NCH, CHUNK, 128],
-                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-
+                       WARPS: gl.constexpr, row_l: gl.constexpr, col_l: gl.constexpr,
+                       K_FAST: gl.constexpr = False):
+    """Both usages of one 128 x 128 tile from one read, held in registers (K % 128 == 0:
+    no masks; layouts from ``both_layouts``). The row amaxes are warp shuffles, the column
+    amaxes cross the warps (a small shared-memory reduction), and the columnwise codes are
+    stored from ``col_l``, the same registers renumbered."""
     pid_m, pid_k = _tile_ids(K_FAST)
-    rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, row_l))
+    rows = pid_m * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, row_l))
     cols = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, row_l))
-    for c in gl.static_range(NCH):
-        m64 = (pid_m * 128 + c * CHUNK + rows).to(gl.int64)
-        async_copy.async_copy_global_to_shared(tile.index(c),
-                                               x_ptr + m64[:, None] * stride_xm + cols[None, :])
-        async_copy.commit_group()
+    rows2 = gl.expand_dims(rows, 1).to(gl.int64)
+    cols2 = gl.expand_dims(cols, 0)
+    x = gl.load(x_ptr + rows2 * stride_xm + cols2).to(gl.float32)
+    a = abs_bits(x)
 
-    # pass 1, row layout: rowwise codes and scales, column maxima
-    acc = gl.zeros([CHUNK, 128], gl.int32, row_l)
-    for c in gl.static_range(NCH):
-        async_copy.wait_group(NCH - 1 - c)  # this thread's copies of piece c have landed
-        x = tile.index(c).load(row_l).to(gl.float32)
-        a = abs_bits(x)
-        acc = gl.maximum(acc, a)
-        s_r = current_scale(gl.max(a, axis=1), eps, FP8_MAX, POW2)
-        m = pid_m * 128 + c * CHUNK + rows
-        gl.store(rs_ptr + m.to(gl.int64) * (K // 128) + pid_k, s_r)
-        gl.store(rd_ptr + pid_k.to(gl.int64) * M + m, decode_scale(s_r))
-        q = fp8_codes(x * s_r[:, None], MBITS, BIAS, MAX_BITS, True, True)
-        gl.store(rq_ptr + m.to(gl.int64)[:, None] * K + cols[None, :], q)
+    # rowwise: 1x128 blocks are whole rows of the tile
+    s_r = current_scale(gl.max(a, axis=1), eps, FP8_MAX, POW2)
+    gl.store(rs_ptr + rows.to(gl.int64) * (K // 128) + pid_k, s_r)
+    gl.store(rd_ptr + pid_k.to(gl.int64) * M + rows, decode_scale(s_r))
+    q = fp8_codes(x * gl.expand_dims(s_r, 1), MBITS, BIAS, MAX_BITS, True, True)
+    gl.store(rq_ptr + rows2 * K + cols2, q)
 
-    # pass 2, column layout: columnwise scales and codes
-    s_c, d_c = _scales(gl.max(acc, axis=0), eps, one_l, FP8_MAX, POW2)
-    sk = pid_k * 128 + gl.arange(0, 128, layout=one_l)
-    gl.store(cs_ptr + sk.to(gl.int64) * (M // 128) + pid_m, s_c)
-    gl.store(cd_ptr + pid_m.to(gl.int64) * K + sk, d_c)
-    s_c = gl.convert_layout(s_c, gl.SliceLayout(0, col_l))
-    gl.thread_barrier()  # every thread's pieces are in shared memory
-    rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, col_l))
-    cols64 = (pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, col_l))).to(gl.int64)
-    for c in gl.static_range(NCH):
-        x = tile.index(c).load(col_l).to(gl.float32)
-        q = fp8_codes(x * s_c[None, :], MBITS, BIAS, MAX_BITS, True)
-        gl.store(cq_ptr + cols64[None, :] * M + (pid_m * 128 + c * CHUNK + rows)[:, None], q)
+    # columnwise: 128x1 blocks are whole columns of the tile
+    s_c = current_scale(gl.max(a, axis=0), eps, FP8_MAX, POW2)
+    gl.store(cs_ptr + cols.to(gl.int64) * (M // 128) + pid_m, s_c)
+    gl.store(cd_ptr + pid_m.to(gl.int64) * K + cols, decode_scale(s_c))
+    q_c = fp8_codes(x * gl.expand_dims(s_c, 0), MBITS, BIAS, MAX_BITS, True)
+    at_c = gl.convert_layout(gl.expand_dims(cols.to(gl.int64), 0) * M + rows2, col_l,
+                             assert_trivial=True)
+    gl.store(cq_ptr + at_c, gl.convert_layout(q_c, col_l, assert_trivial=True))

@@ -39,13 +39,15 @@ CONFIGS = {
 #: Run the 1x128 columnwise usage through a Gluon kernel (``gluon_kernels.py``) where one
 #: applies (Gluon imports, no prologue, a unit inner stride, a 16-bit or fp32 input):
 #: ``block1_both_kernel`` for both usages when ``GLUON_BOTH``, else the Triton rowwise
-#: launch and ``block1_col_kernel``. False: the Triton kernel only.
+#: launch and ``block1_col_kernel``. False: the Triton kernel only. ``GLUON_BOTH`` is off:
+#: its one read needs a 128x128 tile in registers (255 registers at 4 warps, two programs
+#: an SM) and ran 0.128 against the two launches' 0.109 ms (H200, session 16).
 GLUON = True
 GLUON_BOTH = False
 #: Gluon launch configs: "col" (R rows per thread, T threads along K, warps[, K-fast]): a
 #: program covers 128 rows and 8 * T columns; "both" (warps[, K-fast]): a program covers
 #: 128 x 128. K-fast: grid axis 0 runs along K.
-GLUON_CONFIGS = {"col": (8, 8, 4, 1), "both": (8,)}
+GLUON_CONFIGS = {"col": (8, 8, 4, 1), "both": (4, 1)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,7 +75,7 @@ def _gluon_applies(x: torch.Tensor, dim: int, rowwise: bool, columnwise: bool,
 
 
 def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, pow2: bool, eps: float):
-    from .gluon_kernels import block1_both_kernel, block1_col_kernel
+    from .gluon_kernels import block1_both_kernel, block1_col_kernel, both_layouts
     rq, rs, rd, cq, cs, cd = outs
     m, k = x.shape
     if m == 0 or k == 0:
@@ -82,10 +84,11 @@ def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, pow2: bool, eps: float):
     fp8 = dict(FP8_MAX=fmax, POW2=pow2, MBITS=mbits, BIAS=bias, MAX_BITS=max_bits)
     if rowwise:
         warps, k_fast = (GLUON_CONFIGS["both"] + (0,))[:2]
+        row_l, col_l = both_layouts(warps)
         grid = (m // BLOCK, k // BLOCK)
         block1_both_kernel[grid[::-1] if k_fast else grid](
-            x, rq, rs, rd, cq, cs, cd, m, k, x.stride(0), eps, WARPS=warps,
-            K_FAST=bool(k_fast), num_warps=warps, **fp8)
+            x, rq, rs, rd, cq, cs, cd, m, k, x.stride(0), eps, WARPS=warps, row_l=row_l,
+            col_l=col_l, K_FAST=bool(k_fast), num_warps=warps, **fp8)
     else:
         r, t, warps, k_fast = (GLUON_CONFIGS["col"] + (0,))[:4]
         grid = (m // BLOCK, triton_cdiv(k, 8 * t))
@@ -132,7 +135,7 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
     outs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
     with device_guard(x.device):
         if _gluon_applies(x, block_scaling_dim, rowwise, columnwise, pro):
-            # cp.async copies 16-byte pieces: rows must start 16-byte aligned
+            # its 16-byte vector loads want rows that start 16-byte aligned
             both = rowwise and GLUON_BOTH and x.data_ptr() % 16 == 0 \
                 and x.stride(0) * x.element_size() % 16 == 0
             if rowwise and not both:
