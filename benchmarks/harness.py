@@ -147,6 +147,31 @@ def l2_rotation(make_inputs: Callable[[], tuple], bytes_per_set: int, *, min_set
     return [make_inputs() for _ in range(n)]
 
 
+def bf16_inputs_and_copy(m: int, k: int, seed: int = 0) -> tuple[list[tuple], float]:
+    """Rotating (m, k) bf16 normal inputs on the GPU (``l2_rotation``) and the GPU time
+    of a device-to-device copy of one (CUDA graph, ms), printed as the sweeps' first line."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    inputs = l2_rotation(lambda: (torch.randn(m, k, device="cuda", generator=gen)
+                                  .to(torch.bfloat16),), m * k * 2)
+    dst = torch.empty_like(inputs[0][0])
+    copy_ms = graph_ms(lambda x: dst.copy_(x), inputs)
+    print(f"{m}x{k} bf16: copy {copy_ms:.4f} ms ({4 * m * k / copy_ms / 1e6:.0f} GB/s)")
+    return inputs, copy_ms
+
+
+def sweep_setup(default_configs: str, argv=None):
+    """The tile sweeps' command line (``--shape MxK``, ``--configs`` comma-separated) and
+    their inputs: (config list, inputs, copy ms) from ``bf16_inputs_and_copy``."""
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="16384x4096")
+    ap.add_argument("--configs", default=default_configs)
+    args = ap.parse_args(argv)
+    m, k = (int(v) for v in args.shape.split("x"))
+    inputs, copy_ms = bf16_inputs_and_copy(m, k)
+    return args.configs.split(","), inputs, copy_ms
+
+
 def append_rows(rows: list[dict], path: Path | str | None = None) -> Path:
     path = Path(path or RESULTS)
     new = not path.exists()

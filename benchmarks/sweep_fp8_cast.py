@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import graph_ms, l2_rotation  # noqa: E402
+from harness import bf16_inputs_and_copy, graph_ms  # noqa: E402
 from lowprec.formats import Float8CurrentScalingQuantizer, Float8Quantizer  # noqa: E402
 from lowprec.formats.float8 import launch  # noqa: E402
 
@@ -86,12 +86,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     m, k = (int(v) for v in args.shape.split("x"))
     nbytes = m * k * 2
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    inputs = l2_rotation(lambda: (torch.randn(m, k, device="cuda", generator=gen)
-                                  .to(torch.bfloat16),), nbytes)
-    dst = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-    copy_ms = graph_ms(lambda t: dst.copy_(t), inputs)
-    print(f"{args.shape} bf16: copy {copy_ms:.4f} ms ({2 * nbytes / copy_ms / 1e6:.0f} GB/s)")
+    inputs, copy_ms = bf16_inputs_and_copy(m, k)
     x = inputs[0][0]
     for key in args.keys.split(","):
         saved = launch.CONFIGS[key]

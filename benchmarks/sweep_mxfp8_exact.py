@@ -10,7 +10,6 @@ printed against a copy of the input.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import graph_ms, l2_rotation  # noqa: E402
+from harness import graph_ms, sweep_setup  # noqa: E402
 from lowprec.formats.mxfp8 import launch  # noqa: E402
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer  # noqa: E402
 
@@ -32,22 +31,12 @@ def outputs(qt):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="16384x4096")
-    ap.add_argument("--configs", default="32x64x1,32x64x2,64x64x2,32x128x2,64x128x4,"
-                                         "32x64x1x2x2,64x64x4")
-    args = ap.parse_args()
-    m, k = (int(v) for v in args.shape.split("x"))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    inputs = l2_rotation(lambda: (torch.randn(m, k, device="cuda", generator=gen)
-                                  .to(torch.bfloat16),), m * k * 2)
-    dst = torch.empty_like(inputs[0][0])
-    copy_ms = graph_ms(lambda x: dst.copy_(x), inputs)
-    print(f"copy {copy_ms:.4f} ms ({4 * m * k / copy_ms / 1e6:.0f} GB/s)")
+    configs, inputs, _ = sweep_setup("32x64x1,32x64x2,64x64x2,32x128x2,64x128x4,"
+                                     "32x64x1x2x2,64x64x4")
     q = MXFP8Quantizer()
     default = launch.CONFIGS[(False, "both")]
     want = {r: outputs(q.quantize_for_gemm(inputs[0][0], ex)) for r, ex in REQUESTS.items()}
-    for cfg in args.configs.split(","):
+    for cfg in configs:
         launch.CONFIGS[(False, "both")] = tuple(int(v) for v in cfg.split("x"))
         cells = []
         for r, ex in REQUESTS.items():

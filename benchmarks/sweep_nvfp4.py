@@ -12,7 +12,6 @@ usages), and RHT + stochastic rounding with the exact bf16 operands of both dire
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import graph_ms, l2_rotation  # noqa: E402
+from harness import graph_ms, sweep_setup  # noqa: E402
 from lowprec.formats.nvfp4 import launch  # noqa: E402
 from lowprec.formats.nvfp4.quantizer import NVFP4Quantizer  # noqa: E402
 
@@ -63,21 +62,11 @@ def _apply(cfg: str):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="16384x4096")
-    ap.add_argument("--configs", default="row:8x16,row:4x32,row:16x8,row:8x8,row:4x16,"
-                                         "col:4,col:2,col:8,col:1")
-    args = ap.parse_args()
-    m, k = (int(v) for v in args.shape.split("x"))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    inputs = l2_rotation(lambda: (torch.randn(m, k, device="cuda", generator=gen)
-                                  .to(torch.bfloat16),), m * k * 2)
-    dst = torch.empty_like(inputs[0][0])
-    copy_ms = graph_ms(lambda x: dst.copy_(x), inputs)
-    print(f"copy {copy_ms:.4f} ms ({4 * m * k / copy_ms / 1e6:.0f} GB/s)")
+    configs, inputs, _ = sweep_setup("row:8x16,row:4x32,row:16x8,row:8x8,row:4x16,"
+                                     "col:4,col:2,col:8,col:1")
     default = {key: dict(launch.CONFIG[key]) for key in ("row", "col")}
     want = {r: _outputs(_run(*req, inputs[0][0], 0)) for r, req in REQUESTS.items()}
-    for cfg in args.configs.split(","):
+    for cfg in configs:
         kind = _apply(cfg)
         cells = []
         for r, req in REQUESTS.items():
