@@ -51,7 +51,6 @@ E4M3_MAX = tl.constexpr(448.0)
 GLOBAL_NUM = tl.constexpr(2688.0)  # 448 * 6
 E4M3_NAN = tl.constexpr(0x7F)
 ONE_SIXTH = tl.constexpr(0.16666666666666666)    # RN64(1/6), used as an fp64 constant
-TWO_M150 = tl.constexpr(7.006492321624085e-46)   # 2**-150, used as an fp64 constant
 
 
 # ---- scalar helpers -----------------------------------------------------------------------------
