@@ -73,6 +73,12 @@ def variant(name: str):
          f8_launch.SPLIT_BOTH) = saved
 
 
+def _raw_outputs(qt):
+    """The quantized tensor's inner tensors, 1-byte ones as uint8 (for torch.equal)."""
+    return [t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+            for t in qt.inner_tensors().values() if t is not None]
+
+
 def quantize_rows(shape: str, variants, iters: int):
     m, k = (int(v) for v in shape.split("x"))
     nbytes = m * k * 2
@@ -85,15 +91,13 @@ def quantize_rows(shape: str, variants, iters: int):
              "value": copy_gbs, "baseline": "", "baseline_value": "", "ratio": 1.0, "note": ""}]
     for usage, flags in (("both", (True, True)), ("col", (False, True))):
         q = lowprec.Float8BlockQuantizer(E4M3, block_scaling_dim=1).set_usage(*flags)
-        want = [t.view(torch.uint8) if t.dtype.itemsize == 1 else t
-                for t in q.quantize(inputs[0][0]).inner_tensors().values() if t is not None]
+        want = _raw_outputs(q.quantize(inputs[0][0]))
         for name in variants:
             if usage == "col" and name.startswith(("gluon_both", "triton_both")):
                 continue  # the same kernel as gluon_col / triton with the same config
             with variant(name):
                 qt = q.quantize(inputs[0][0])
-                got = [t.view(torch.uint8) if t.dtype.itemsize == 1 else t
-                       for t in qt.inner_tensors().values() if t is not None]
+                got = _raw_outputs(qt)
                 if len(got) != len(want) or not all(torch.equal(a, b)
                                                     for a, b in zip(got, want)):
                     raise AssertionError(f"{name} ({usage}): outputs differ from the default")

@@ -186,8 +186,9 @@ def gluon_report():
     fp8 = dict(FP8_MAX=448.0, POW2=True, MBITS=3, BIAS=7, MAX_BITS=0x43E00000)
     base = {"x_ptr": "*bf16", "cq_ptr": "*u8", "cs_ptr": "*fp32", "cd_ptr": "*fp32",
             "M": "i32", "K": "i32", "stride_xm": "i32", "eps": "fp32"}
-    r, t, w, kf = (bl.GLUON_CONFIGS["col"] + (0,))[:4]
-    wb, kfb = (bl.GLUON_CONFIGS["both"] + (0,))[:2]
+    r, t, w, kf = bl.gluon_config("col")
+    wb, kfb = bl.gluon_config("both")
+    row_l, col_l = gk.both_layouts(wb)
     both = dict(base, rq_ptr="*u8", rs_ptr="*fp32", rd_ptr="*fp32")
     print(f"{'gluon kernel':30} {'regs':>5} {'spill':>6} {'smem':>6} {'progs/SM':>8} "
           f"{'ins/el':>6}")
@@ -195,8 +196,8 @@ def gluon_report():
             (f"block1 col R{r} T{t} W{w}", gk.block1_col_kernel, base,
              dict(fp8, R=r, T=t, WARPS=w, K_FAST=bool(kf)), w, 128 * 8 * t),
             (f"block1 both W{wb}", gk.block1_both_kernel, both,
-             dict(fp8, WARPS=wb, K_FAST=bool(kfb), row_l=gk.both_layouts(wb)[0],
-                  col_l=gk.both_layouts(wb)[1]), wb, 128 * 128)):
+             dict(fp8, WARPS=wb, K_FAST=bool(kfb), row_l=row_l, col_l=col_l), wb,
+             128 * 128)):
         res = resources(_compile(fn, sig, const, warps))
         progs = programs_per_sm(res, warps)
         print(f"{name:30} {res['regs']:5} {res['spill']:6} {res['smem']:6} {progs:8} "

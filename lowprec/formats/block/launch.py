@@ -50,6 +50,13 @@ GLUON_BOTH = False
 GLUON_CONFIGS = {"col": (8, 8, 4, 1), "both": (4, 1)}
 
 
+def gluon_config(kind: str) -> tuple:
+    """``GLUON_CONFIGS[kind]`` with the K-fast flag filled in (0) where an entry omits it:
+    (R, T, warps, k_fast) for "col", (warps, k_fast) for "both"."""
+    size = {"col": 4, "both": 2}[kind]
+    return (tuple(GLUON_CONFIGS[kind]) + (0,))[:size]
+
+
 @functools.lru_cache(maxsize=None)
 def gluon_available() -> bool:
     """Gluon imports and its API is the one the kernels were written against (Triton 3.6;
@@ -83,14 +90,14 @@ def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, pow2: bool, eps: float):
     mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
     fp8 = dict(FP8_MAX=fmax, POW2=pow2, MBITS=mbits, BIAS=bias, MAX_BITS=max_bits)
     if rowwise:
-        warps, k_fast = (GLUON_CONFIGS["both"] + (0,))[:2]
+        warps, k_fast = gluon_config("both")
         row_l, col_l = both_layouts(warps)
         grid = (m // BLOCK, k // BLOCK)
         block1_both_kernel[grid[::-1] if k_fast else grid](
             x, rq, rs, rd, cq, cs, cd, m, k, x.stride(0), eps, WARPS=warps, row_l=row_l,
             col_l=col_l, K_FAST=bool(k_fast), num_warps=warps, **fp8)
     else:
-        r, t, warps, k_fast = (GLUON_CONFIGS["col"] + (0,))[:4]
+        r, t, warps, k_fast = gluon_config("col")
         grid = (m // BLOCK, triton_cdiv(k, 8 * t))
         block1_col_kernel[grid[::-1] if k_fast else grid](
             x, cq, cs, cd, m, k, x.stride(0), eps, R=r, T=t, WARPS=warps, K_FAST=bool(k_fast),
