@@ -6,7 +6,10 @@ Variants (``formats/block/launch.py`` flags, set around each call):
 * ``triton_both/BM.BN.W.I.S.KF``: both usages from one read, one Triton launch of that
   tile config (``launch.CONFIGS``; KF 1: grid axis 0 along K);
 * ``gluon_col/R.T.W[.KF]``: the Triton rowwise launch, then the Gluon columnwise kernel;
-* ``gluon_both/W[.KF]``: both usages from one read, one Gluon launch of W warps.
+* ``gluon_both/RB.R.T.W[.KF[.EV]]``: both usages in one Gluon launch (the input read from
+  DRAM once, each 128x128 tile read again from L2 for the columnwise usage): rowwise
+  chunks of RB rows, columnwise pieces of R rows and T threads along K per thread, W
+  warps; EV 0 drops the L2 eviction hints.
 
 A third ``/BM.BN.W.I.S.KF`` sets the Triton rowwise launch's tile config. Every variant's
 outputs are checked bit for bit against the default launch's before it is timed.
@@ -41,7 +44,8 @@ from lowprec.formats.block import launch  # noqa: E402
 from lowprec.formats.float8 import launch as f8_launch  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
-DEFAULT_VARIANTS = "triton,gluon_col/8.8.4,gluon_col/8.16.8,gluon_both/4,gluon_both/8,gluon_both/16"
+DEFAULT_VARIANTS = ("triton,gluon_col/8.8.4.1,gluon_both/32.8.8.4.1.1,gluon_both/32.8.8.4.1.0,"
+                    "gluon_both/16.8.16.8.1.1")
 
 
 @contextlib.contextmanager

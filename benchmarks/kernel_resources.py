@@ -187,16 +187,15 @@ def gluon_report():
     base = {"x_ptr": "*bf16", "cq_ptr": "*u8", "cs_ptr": "*fp32", "cd_ptr": "*fp32",
             "M": "i32", "K": "i32", "stride_xm": "i32", "eps": "fp32"}
     r, t, w, kf = bl.gluon_config("col")
-    wb, kfb = bl.gluon_config("both")
-    row_l, col_l = gk.both_layouts(wb)
+    rb, rr, tb, wb, kfb, ev = bl.gluon_config("both")
     both = dict(base, rq_ptr="*u8", rs_ptr="*fp32", rd_ptr="*fp32")
     print(f"{'gluon kernel':30} {'regs':>5} {'spill':>6} {'smem':>6} {'progs/SM':>8} "
           f"{'ins/el':>6}")
     for name, fn, sig, const, warps, elements in (
             (f"block1 col R{r} T{t} W{w}", gk.block1_col_kernel, base,
              dict(fp8, R=r, T=t, WARPS=w, K_FAST=bool(kf)), w, 128 * 8 * t),
-            (f"block1 both W{wb}", gk.block1_both_kernel, both,
-             dict(fp8, WARPS=wb, K_FAST=bool(kfb), row_l=row_l, col_l=col_l), wb,
+            (f"block1 both RB{rb} R{rr} T{tb} W{wb}", gk.block1_both_kernel, both,
+             dict(fp8, RB=rb, R=rr, T=tb, WARPS=wb, K_FAST=bool(kfb), EVICT=bool(ev)), wb,
              128 * 128)):
         res = resources(_compile(fn, sig, const, warps))
         progs = programs_per_sm(res, warps)

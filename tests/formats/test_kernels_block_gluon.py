@@ -53,8 +53,14 @@ def _same(a, b, what):
     assert torch.equal(a, b), what
 
 
-@pytest.mark.parametrize("mode", ["gluon_col", "gluon_both", "gluon_col/mfast",
-                                  "gluon_both/kfast"])
+#: launch modes: the default configs, the grid along M instead of K, and for both usages
+#: smaller row chunks, 8 warps and no L2 eviction hints
+MODES = {"gluon_col": {}, "gluon_both": {}, "gluon_col/mfast": {"col": (8, 8, 4, 0)},
+         "gluon_both/mfast": {"both": (32, 8, 8, 4, 0, 1)},
+         "gluon_both/w8": {"both": (16, 8, 16, 8, 1, 0)}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("dist", ["normal", "wide", "special"])
 @pytest.mark.parametrize("usage", list(USAGES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -67,11 +73,7 @@ def test_gluon_matches_reference(pow2, fp8_dtype, dtype, usage, dist, mode, monk
     monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(a[2]) or orig(*a))
     monkeypatch.setattr(launch, "GLUON", True)
     monkeypatch.setattr(launch, "GLUON_BOTH", mode.startswith("gluon_both"))
-    if "/" in mode:  # the grid order other than the default: axis 0 along M or along K
-        monkeypatch.setattr(launch, "GLUON_CONFIGS", {"col": launch.GLUON_CONFIGS["col"][:3]
-                                                      + (int(mode.endswith("kfast")),),
-                                                      "both": launch.GLUON_CONFIGS["both"][:1]
-                                                      + (int(mode.endswith("kfast")),)})
+    monkeypatch.setattr(launch, "GLUON_CONFIGS", {**launch.GLUON_CONFIGS, **MODES[mode]})
     launched = 0
     row, col = USAGES[usage]
     for i, (m, k) in enumerate(SHAPES):
@@ -130,9 +132,9 @@ def test_gluon_not_used_where_it_does_not_apply(monkeypatch):
     _same(cs, ref.columnwise_scale, "columnwise scale")
 
 
-def test_gluon_both_needs_16_byte_aligned_rows(monkeypatch):
-    """An input whose rows do not start 16-byte aligned (cp.async copies 16-byte pieces)
-    takes the Triton rowwise launch and the Gluon columnwise kernel instead, same bytes."""
+def test_gluon_both_unaligned_rows(monkeypatch):
+    """An input whose rows do not start 16-byte aligned (the kernel's loads cannot be
+    vectorized) goes through the both-usage kernel all the same, with the same bytes."""
     calls = []
     orig = launch._launch_gluon
     monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(a[2]) or orig(*a))
@@ -142,7 +144,7 @@ def test_gluon_both_needs_16_byte_aligned_rows(monkeypatch):
     assert x.data_ptr() % 16 != 0
     rq, rs, rd, cq, cs, cd = launch.fp8_block_quantize(x, False, 1, True, 0.0, True, True, 0,
                                                        [])
-    assert calls == [False]
+    assert calls == [True]
     with reference_only():
         ref = Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1).quantize(x)
     _same(rq.view(ref.rowwise_data.dtype), ref.rowwise_data, "rowwise")

@@ -38,23 +38,25 @@ CONFIGS = {
 
 #: Run the 1x128 columnwise usage through a Gluon kernel (``gluon_kernels.py``) where one
 #: applies (Gluon imports, no prologue, a unit inner stride, a 16-bit or fp32 input):
-#: ``block1_both_kernel`` for both usages when ``GLUON_BOTH``, else the Triton rowwise
-#: launch and ``block1_col_kernel``. False: the Triton kernel only. ``GLUON_BOTH`` is off:
-#: its one read needs a 128x128 tile in registers (255 registers at 4 warps, two programs
-#: an SM) and ran 0.128 against the two launches' 0.109 ms (H200, session 16).
+#: ``block1_both_kernel`` for both usages when ``GLUON_BOTH`` (one launch, the input read
+#: from DRAM once, the columnwise pass re-reading each tile from L2), else the Triton
+#: rowwise launch and ``block1_col_kernel``. False: the Triton kernel only.
 GLUON = True
-GLUON_BOTH = False
+GLUON_BOTH = True
 #: Gluon launch configs: "col" (R rows per thread, T threads along K, warps[, K-fast]): a
-#: program covers 128 rows and 8 * T columns; "both" (warps[, K-fast]): a program covers
-#: 128 x 128. K-fast: grid axis 0 runs along K.
-GLUON_CONFIGS = {"col": (8, 8, 4, 1), "both": (4, 1)}
+#: program covers 128 rows and 8 * T columns; "both" (RB rows per rowwise chunk, R, T,
+#: warps[, K-fast[, L2 eviction hints]]): a program covers 128 x 128, its columnwise pass
+#: in "col" pieces of R, T. K-fast: grid axis 0 runs along K.
+GLUON_CONFIGS = {"col": (8, 8, 4, 1), "both": (32, 8, 8, 4, 1, 1)}
 
 
 def gluon_config(kind: str) -> tuple:
-    """``GLUON_CONFIGS[kind]`` with the K-fast flag filled in (0) where an entry omits it:
-    (R, T, warps, k_fast) for "col", (warps, k_fast) for "both"."""
-    size = {"col": 4, "both": 2}[kind]
-    return (tuple(GLUON_CONFIGS[kind]) + (0,))[:size]
+    """``GLUON_CONFIGS[kind]`` with the optional flags filled in where an entry omits them
+    (K-fast 0; eviction hints 1): (R, T, warps, k_fast) for "col", (RB, R, T, warps, k_fast,
+    evict) for "both"."""
+    defaults = {"col": (None,) * 3 + (0,), "both": (None,) * 4 + (0, 1)}[kind]
+    cfg = tuple(GLUON_CONFIGS[kind])
+    return cfg + defaults[len(cfg):]
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +84,7 @@ def _gluon_applies(x: torch.Tensor, dim: int, rowwise: bool, columnwise: bool,
 
 
 def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, pow2: bool, eps: float):
-    from .gluon_kernels import block1_both_kernel, block1_col_kernel, both_layouts
+    from .gluon_kernels import block1_both_kernel, block1_col_kernel
     rq, rs, rd, cq, cs, cd = outs
     m, k = x.shape
     if m == 0 or k == 0:
@@ -90,12 +92,11 @@ def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, pow2: bool, eps: float):
     mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
     fp8 = dict(FP8_MAX=fmax, POW2=pow2, MBITS=mbits, BIAS=bias, MAX_BITS=max_bits)
     if rowwise:
-        warps, k_fast = gluon_config("both")
-        row_l, col_l = both_layouts(warps)
+        rb, r, t, warps, k_fast, evict = gluon_config("both")
         grid = (m // BLOCK, k // BLOCK)
         block1_both_kernel[grid[::-1] if k_fast else grid](
-            x, rq, rs, rd, cq, cs, cd, m, k, x.stride(0), eps, WARPS=warps, row_l=row_l,
-            col_l=col_l, K_FAST=bool(k_fast), num_warps=warps, **fp8)
+            x, rq, rs, rd, cq, cs, cd, m, k, x.stride(0), eps, RB=rb, R=r, T=t, WARPS=warps,
+            K_FAST=bool(k_fast), EVICT=bool(evict), num_warps=warps, **fp8)
     else:
         r, t, warps, k_fast = gluon_config("col")
         grid = (m // BLOCK, triton_cdiv(k, 8 * t))
@@ -142,9 +143,7 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
     outs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
     with device_guard(x.device):
         if _gluon_applies(x, block_scaling_dim, rowwise, columnwise, pro):
-            # its 16-byte vector loads want rows that start 16-byte aligned
-            both = rowwise and GLUON_BOTH and x.data_ptr() % 16 == 0 \
-                and x.stride(0) * x.element_size() % 16 == 0
+            both = rowwise and GLUON_BOTH
             if rowwise and not both:
                 _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, True, False,
                                pro, pro_args)
