@@ -28,6 +28,20 @@ def triton_available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def gluon_available() -> bool:
+    """Gluon imports and its API is the one the Gluon kernels were written against (Triton
+    3.6; Gluon is experimental and changed between releases). Older Triton: the Triton
+    kernels."""
+    try:
+        import triton
+        from triton.experimental import gluon  # noqa: F401
+    except ImportError:
+        return False
+    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 6)
+
+
 def use_kernels(t: torch.Tensor) -> bool:
     """Whether ``t`` should be quantized by a Triton kernel rather than the reference."""
     return _enabled and t.is_cuda and triton_available()

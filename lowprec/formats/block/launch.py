@@ -9,11 +9,9 @@ the Triton kernel. Importing this module needs neither Triton nor CUDA.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ...kernels import kernel_op
+from ...kernels import gluon_available, kernel_op
 from ..base import QuantizedTensor
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
@@ -57,19 +55,6 @@ def gluon_config(kind: str) -> tuple:
     defaults = {"col": (None,) * 3 + (0,), "both": (None,) * 4 + (0, 1)}[kind]
     cfg = tuple(GLUON_CONFIGS[kind])
     return cfg + defaults[len(cfg):]
-
-
-@functools.lru_cache(maxsize=None)
-def gluon_available() -> bool:
-    """Gluon imports and its API is the one the kernels were written against (Triton 3.6;
-    Gluon is experimental and changed between releases). Older Triton: the Triton kernel."""
-    try:
-        import triton
-        from triton.experimental import gluon  # noqa: F401
-    except ImportError:
-        return False
-    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-    return (major, minor) >= (3, 6)
 
 
 def _gluon_applies(x: torch.Tensor, dim: int, rowwise: bool, columnwise: bool,
