@@ -3,8 +3,9 @@
 Each (BM, BN) tile is read once per launch and its rowwise and/or columnwise data, scales
 and decode scales (the reciprocals in cuBLAS's layout, kept as ``_derived`` records of the
 tensor so the GEMMs need no launch to make them) are written from registers. The 1x128
-columnwise usage goes to a Gluon kernel where one applies (``GLUON``), everything else to
-the Triton kernel. Importing this module needs neither Triton nor CUDA.
+columnwise usage, alone or with the rowwise one, goes to a Gluon kernel where one applies
+(``GLUON``), everything else to the Triton kernel. Importing this module needs neither
+Triton nor CUDA.
 """
 
 from __future__ import annotations
