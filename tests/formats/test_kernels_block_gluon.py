@@ -14,7 +14,8 @@ from lowprec.kernels import reference_only
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not (lowprec.kernels.triton_available() and lowprec.kernels.gluon_available()),
+    pytest.mark.skipif(not (lowprec.kernels.triton_available()
+                            and lowprec.kernels.gluon_available()),
                        reason="needs a CUDA device, Triton and Gluon"),
 ]
 
