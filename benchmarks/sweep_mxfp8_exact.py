@@ -1,11 +1,13 @@
-"""Tile sweep of the 1x32 MXFP8 quantize kernel with and without the exact bf16 operands.
+"""Tile sweep of the 1x32 MXFP8 quantize of both usages with and without the exact bf16
+operands, on the Triton kernel and the Gluon one.
 
-For each (BM, BN, warps[, iters, stages]) candidate and each request (no records, rowwise
-record as for x, both records as for dY): the outputs are checked bit for bit against the
-default config's, then the GPU time of one quantize (CUDA graph, ``harness.graph_ms``) is
-printed against a copy of the input.
+Candidates: ``BMxBNxWARPS[xITERSxSTAGES[xKFAST]]`` (the Triton kernel, ``launch.CONFIGS``)
+or ``gluon:RB.WARPS.KFAST.EVICT`` (``launch.GLUON_CONFIG``). For each candidate and each
+request (no records, rowwise record as for x, both records as for dY) the outputs are
+checked bit for bit against the Triton kernel at its default config, then the GPU time of
+one quantize (CUDA graph, ``harness.graph_ms``) is printed against a copy of the input.
 
-    python benchmarks/sweep_mxfp8_exact.py [--shape 16384x4096] [--configs 32x64x1,64x64x2]
+    python benchmarks/sweep_mxfp8_exact.py [--shape 16384x4096] [--configs 32x64x1,gluon:32.4.1.1]
 """
 
 from __future__ import annotations
@@ -30,22 +32,35 @@ def outputs(qt):
     return outs + [rec[2] for rec in (qt._exact_rowwise, qt._exact_columnwise) if rec]
 
 
-def main():
-    configs, inputs, _ = sweep_setup("32x64x1,32x64x2,64x64x2,32x128x2,64x128x4,"
-                                     "32x64x1x2x2,64x64x4")
-    q = MXFP8Quantizer()
-    default = launch.CONFIGS[(False, "both")]
-    want = {r: outputs(q.quantize_for_gemm(inputs[0][0], ex)) for r, ex in REQUESTS.items()}
-    for cfg in configs:
+def _set(cfg: str):
+    """Point the launcher at one candidate."""
+    if cfg.startswith("gluon:"):
+        launch.GLUON = True
+        launch.GLUON_CONFIG = tuple(int(v) for v in cfg.removeprefix("gluon:").split("."))
+    else:
+        launch.GLUON = False
         launch.CONFIGS[(False, "both")] = tuple(int(v) for v in cfg.split("x"))
-        cells = []
-        for r, ex in REQUESTS.items():
-            got = outputs(q.quantize_for_gemm(inputs[0][0], ex))
-            same = all(torch.equal(a, b) for a, b in zip(got, want[r]))
-            ms = graph_ms(lambda x: q.quantize_for_gemm(x, ex), inputs)
-            cells.append(f"{r} {ms:.4f} ms{'' if same else ' MISMATCH'}")
-        print(f"{cfg:14} " + " | ".join(cells))
-    launch.CONFIGS[(False, "both")] = default
+
+
+def main():
+    configs, inputs, _ = sweep_setup("32x128x2x1x1x1,gluon:32.4.1.1,gluon:16.4.1.1,"
+                                     "gluon:32.4.1.0,gluon:32.2.1.1,gluon:32.8.1.1")
+    q = MXFP8Quantizer()
+    saved = launch.GLUON, launch.GLUON_CONFIG, launch.CONFIGS[(False, "both")]
+    launch.GLUON = False
+    want = {r: outputs(q.quantize_for_gemm(inputs[0][0], ex)) for r, ex in REQUESTS.items()}
+    try:
+        for cfg in configs:
+            _set(cfg)
+            cells = []
+            for r, ex in REQUESTS.items():
+                got = outputs(q.quantize_for_gemm(inputs[0][0], ex))
+                same = all(torch.equal(a, b) for a, b in zip(got, want[r]))
+                ms = graph_ms(lambda x: q.quantize_for_gemm(x, ex), inputs)
+                cells.append(f"{r} {ms:.4f} ms{'' if same else ' MISMATCH'}")
+            print(f"{cfg:16} " + " | ".join(cells), flush=True)
+    finally:
+        launch.GLUON, launch.GLUON_CONFIG, launch.CONFIGS[(False, "both")] = saved
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import kernel_op
+from ...kernels import gluon_available, kernel_op
 from ..base import QuantizedTensor, check_exact_only
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
                               launches, logical_shape, prologue_args, prologue_launch_args,
-                              tile_config, tile_grid)
+                              tile_config, tile_grid, triton_cdiv)
 from .reference import BLOCK
 
 #: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]]) per
@@ -33,6 +33,41 @@ CONFIGS = {
     (True, "col"): (64, 128, 8),
     (True, "both"): (64, 128, 4),
 }
+
+
+#: Both usages of 1x32 blocks through the Gluon kernel (``gluon_kernels.py``: the rowwise
+#: usage from DRAM, the columnwise one re-reading each tile from L2) where it applies
+#: (Gluon imports, no prologue, a unit inner stride, M and K multiples of 32, a 16-bit or
+#: fp32 input); False: the Triton kernel only.
+GLUON = True
+#: The Gluon kernel's launch config: (RB rows per rowwise chunk, warps, grid axis 0 along
+#: K, L2 eviction hints); a program covers 32 * warps rows and 128 columns.
+GLUON_CONFIG = (32, 2, 1, 1)
+
+
+def _gluon_applies(x: torch.Tensor, two_d: bool, rowwise: bool, columnwise: bool,
+                   pro: int) -> bool:
+    if not (GLUON and rowwise and columnwise and not two_d and pro == 0):
+        return False
+    m, k = x.shape
+    return (x.stride(1) == 1 and m % BLOCK == 0 and k % BLOCK == 0
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and gluon_available())
+
+
+def _launch_gluon(x, outs, fp8_dtype, exact_row: bool, exact_col: bool, codes: bool):
+    from .gluon_kernels import mx1_both_kernel
+    rq, rs, cq, cs, re, ce = outs
+    m, k = x.shape
+    if m == 0 or k == 0:
+        return
+    rb, warps, k_fast, evict = GLUON_CONFIG
+    grid = (triton_cdiv(m, 32 * warps), triton_cdiv(k, 128))
+    mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
+    mx1_both_kernel[grid[::-1] if k_fast else grid](
+        x, rq, rs, cq, cs, re if exact_row else None, ce if exact_col else None, m, k,
+        x.stride(0), FP8_MAX=fmax, MBITS=mbits, BIAS=bias, MAX_BITS=max_bits, RB=rb,
+        WARPS=warps, EXACT_ROW=exact_row, EXACT_COL=exact_col, CODES=codes,
+        K_FAST=bool(k_fast), EVICT=bool(evict), num_warps=warps)
 
 
 def _usage(rowwise: bool, columnwise: bool) -> str:
@@ -70,6 +105,9 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
     rq, rs, cq, cs, re, ce = _empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row,
                                             exact_col, codes)
     with device_guard(x.device):
+        if _gluon_applies(x, two_d, rowwise, columnwise, pro):
+            _launch_gluon(x, (rq, rs, cq, cs, re, ce), fp8_dtype, exact_row, exact_col, codes)
+            return rq, rs, cq, cs, re, ce
         for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
             bm, bn, warps, iters, stages, k_fast = tile_config(CONFIGS[(two_d, _usage(r, c))])
             block_scaled_quant_kernel[tile_grid(m, k, bm, bn, iters, k_fast)](
