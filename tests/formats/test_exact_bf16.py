@@ -23,6 +23,8 @@ from lowprec.formats.nvfp4.launch import dequantize_unscaled_bf16
 from lowprec.formats.nvfp4.quantizer import NVFP4Quantizer
 from lowprec.gemm import gemm
 
+from format_inputs import spread
+
 gpu = pytest.mark.skipif(not lowprec.kernels.triton_available(),
                          reason="needs a CUDA device and Triton")
 
@@ -32,12 +34,7 @@ USAGES = {"both": (True, True), "row": (True, False), "col": (False, True)}
 
 def _input(m, k, dtype, dist, seed, device="cuda"):
     g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(m, k, generator=g, device=device)
-    if dist == "wide":
-        span = 10 if dtype == torch.float16 else 60
-        x = x * torch.exp2(torch.randint(-span, span, x.shape, generator=g,
-                                         device=device).float())
-    x = x.to(dtype)
+    x = spread(torch.randn(m, k, generator=g, device=device), dtype, dist, g)
     if dist == "special":
         x[: min(m, 32), : min(k, 32)] = 0
         x[min(5, m - 1), min(40, k - 1)] = float("nan")

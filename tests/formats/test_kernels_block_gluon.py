@@ -12,6 +12,8 @@ from lowprec.formats.block import launch
 from lowprec.formats.block.quantizer import Float8BlockQuantizer
 from lowprec.kernels import reference_only
 
+from format_inputs import spread
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not (lowprec.kernels.triton_available()
@@ -27,11 +29,7 @@ USAGES = {"both": (True, True), "col": (False, True)}
 
 def _input(m, k, dtype, dist, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(m, k + 64, generator=g, device="cuda")
-    if dist == "wide":
-        span = 10 if dtype == torch.float16 else 60
-        x = x * torch.exp2(torch.randint(-span, span, x.shape, generator=g, device="cuda").float())
-    x = x.to(dtype)
+    x = spread(torch.randn(m, k + 64, generator=g, device="cuda"), dtype, dist, g)
     if dist == "special":
         x[: min(m, 32), : min(k, 64)] = 0
         x[5, 7] = float("nan")

@@ -23,6 +23,8 @@ from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
 from lowprec.formats.mxfp8.reference import block_exponents
 from lowprec.kernels import reference_only
 
+from format_inputs import spread
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not lowprec.kernels.triton_available(),
@@ -58,13 +60,8 @@ def _input(shape, dtype, dist, seed):
     transposed = shape[0] == "t"
     if transposed:
         shape = shape[1:]
-    x = torch.randn(shape[::-1] if transposed else shape, generator=g, device="cuda")
-    if dist == "wide":
-        span = 10 if dtype == torch.float16 else 60
-        x = x * torch.exp2(torch.randint(-span, span, x.shape, generator=g, device="cuda").float())
-    elif dist == "tiny":
-        x = x * torch.finfo(dtype).tiny * 0.3
-    x = x.to(dtype)
+    x = spread(torch.randn(shape[::-1] if transposed else shape, generator=g, device="cuda"),
+               dtype, dist, g)
     x2 = x.view(-1, x.shape[-1])
     if dist == "special":
         m, k = x2.shape

@@ -13,6 +13,8 @@ from lowprec.formats.mxfp8 import launch
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
 from lowprec.kernels import reference_only
 
+from format_inputs import spread
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not (lowprec.kernels.triton_available()
@@ -34,13 +36,7 @@ REQUESTS = {"none": (), "row": ("rowwise",), "both": ("rowwise", "columnwise")}
 
 def _input(m, k, dtype, dist, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(m, k + 32, generator=g, device="cuda")
-    if dist == "wide":
-        span = 10 if dtype == torch.float16 else 60
-        x = x * torch.exp2(torch.randint(-span, span, x.shape, generator=g, device="cuda").float())
-    elif dist == "tiny":
-        x = x * torch.finfo(dtype).tiny * 0.3
-    x = x.to(dtype)
+    x = spread(torch.randn(m, k + 32, generator=g, device="cuda"), dtype, dist, g)
     if dist == "special":
         x[:32, :32] = 0
         x[5, 7] = float("nan")
