@@ -180,15 +180,23 @@ def nvfp4_report():
 
 
 def gluon_report():
-    """The Gluon 1x128 kernels (``formats/block/gluon_kernels.py``) at their launch configs."""
+    """The Gluon kernels at their launch configs: block 1x128 (``formats/block/
+    gluon_kernels.py``) and MXFP8 1x32 both usages (``formats/mxfp8/gluon_kernels.py``)."""
     from lowprec.formats.block import launch as bl
     from lowprec.formats.block import gluon_kernels as gk
+    from lowprec.formats.mxfp8 import launch as ml
+    from lowprec.formats.mxfp8 import gluon_kernels as mk
     fp8 = dict(FP8_MAX=448.0, POW2=True, MBITS=3, BIAS=7, MAX_BITS=0x43E00000)
     base = {"x_ptr": "*bf16", "cq_ptr": "*u8", "cs_ptr": "*fp32", "cd_ptr": "*fp32",
             "M": "i32", "K": "i32", "stride_xm": "i32", "eps": "fp32"}
     r, t, w, kf = bl.gluon_config("col")
     rb, rr, tb, wb, kfb, ev = bl.gluon_config("both")
     both = dict(base, rq_ptr="*u8", rs_ptr="*fp32", rd_ptr="*fp32")
+    mrb, mw, mkf, mev = ml.GLUON_CONFIG
+    mx = {"x_ptr": "*bf16", "rq_ptr": "*u8", "rs_ptr": "*u8", "cq_ptr": "*u8", "cs_ptr": "*u8",
+          "re_ptr": "*bf16", "ce_ptr": "*bf16", "M": "i32", "K": "i32", "stride_xm": "i32"}
+    mx_const = dict(FP8_MAX=448.0, MBITS=3, BIAS=7, MAX_BITS=0x43E00000, RB=mrb, WARPS=mw,
+                    K_FAST=bool(mkf), EVICT=bool(mev))
     print(f"{'gluon kernel':30} {'regs':>5} {'spill':>6} {'smem':>6} {'progs/SM':>8} "
           f"{'ins/el':>6}")
     for name, fn, sig, const, warps, elements in (
@@ -196,7 +204,11 @@ def gluon_report():
              dict(fp8, R=r, T=t, WARPS=w, K_FAST=bool(kf)), w, 128 * 8 * t),
             (f"block1 both RB{rb} R{rr} T{tb} W{wb}", gk.block1_both_kernel, both,
              dict(fp8, RB=rb, R=rr, T=tb, WARPS=wb, K_FAST=bool(kfb), EVICT=bool(ev)), wb,
-             128 * 128)):
+             128 * 128),
+            *((f"mxfp8 both RB{mrb} W{mw}{tag}", mk.mx1_both_kernel, mx,
+               dict(mx_const, EXACT_ROW=er, EXACT_COL=ec, CODES=True), mw, 32 * mw * 128)
+              for tag, er, ec in (("", False, False), (" +exact row", True, False),
+                                  (" +exact both", True, True)))):
         res = resources(_compile(fn, sig, const, warps))
         progs = programs_per_sm(res, warps)
         print(f"{name:30} {res['regs']:5} {res['spill']:6} {res['smem']:6} {progs:8} "
