@@ -186,7 +186,8 @@ def gluon_report():
     from lowprec.formats.block import gluon_kernels as gk
     from lowprec.formats.mxfp8 import launch as ml
     from lowprec.formats.mxfp8 import gluon_kernels as mk
-    fp8 = dict(FP8_MAX=448.0, POW2=True, MBITS=3, BIAS=7, MAX_BITS=0x43E00000)
+    e4m3 = dict(FP8_MAX=448.0, MBITS=3, BIAS=7, MAX_BITS=0x43E00000)
+    fp8 = dict(e4m3, POW2=True)
     base = {"x_ptr": "*bf16", "cq_ptr": "*u8", "cs_ptr": "*fp32", "cd_ptr": "*fp32",
             "M": "i32", "K": "i32", "stride_xm": "i32", "eps": "fp32"}
     r, t, w, kf = bl.gluon_config("col")
@@ -195,8 +196,7 @@ def gluon_report():
     mrb, mw, mkf, mev = ml.GLUON_CONFIG
     mx = {"x_ptr": "*bf16", "rq_ptr": "*u8", "rs_ptr": "*u8", "cq_ptr": "*u8", "cs_ptr": "*u8",
           "re_ptr": "*bf16", "ce_ptr": "*bf16", "M": "i32", "K": "i32", "stride_xm": "i32"}
-    mx_const = dict(FP8_MAX=448.0, MBITS=3, BIAS=7, MAX_BITS=0x43E00000, RB=mrb, WARPS=mw,
-                    K_FAST=bool(mkf), EVICT=bool(mev))
+    mx_const = dict(e4m3, RB=mrb, WARPS=mw, K_FAST=bool(mkf), EVICT=bool(mev))
     print(f"{'gluon kernel':30} {'regs':>5} {'spill':>6} {'smem':>6} {'progs/SM':>8} "
           f"{'ins/el':>6}")
     for name, fn, sig, const, warps, elements in (

@@ -42,6 +42,13 @@ def gluon_available() -> bool:
     return (major, minor) >= (3, 6)
 
 
+def gluon_takes(x: torch.Tensor) -> bool:
+    """Whether the Gluon quantize kernels can read ``x`` (2-D): a unit inner stride, a
+    16-bit or fp32 dtype, and Gluon available."""
+    return (x.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and gluon_available())
+
+
 def use_kernels(t: torch.Tensor) -> bool:
     """Whether ``t`` should be quantized by a Triton kernel rather than the reference."""
     return _enabled and t.is_cuda and triton_available()

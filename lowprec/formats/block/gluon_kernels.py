@@ -36,7 +36,7 @@ from ..float8.triton_kernels import abs_bits, current_scale, decode_scale, fp8_c
 
 
 @gluon.jit
-def _tile_ids(K_FAST: gl.constexpr):
+def tile_ids(K_FAST: gl.constexpr):
     """(pid_m, pid_k) of this program; ``K_FAST``: grid axis 0 runs along K, so programs
     launched together read neighbouring columns of the same rows."""
     if K_FAST:
@@ -98,7 +98,7 @@ def block1_col_kernel(x_ptr, cq_ptr, cs_ptr, cd_ptr, M, K, stride_xm, eps,
                       T: gl.constexpr, WARPS: gl.constexpr, K_FAST: gl.constexpr = False):
     """Columnwise usage of one (128, 8 * T) tile; columns past K are masked. ``K_FAST``:
     grid axis 0 runs along K."""
-    pid_m, pid_k = _tile_ids(K_FAST)
+    pid_m, pid_k = tile_ids(K_FAST)
     x = _col_load(x_ptr, K, stride_xm, pid_m, pid_k, R, T, WARPS, "")
     _col_store(x, cq_ptr, cs_ptr, cd_ptr, M, K, eps, pid_m, pid_k, FP8_MAX, POW2, MBITS, BIAS,
                MAX_BITS, R, T, WARPS)
@@ -159,7 +159,7 @@ def block1_both_kernel(x_ptr, rq_ptr, rs_ptr, rd_ptr, cq_ptr, cs_ptr, cd_ptr, M,
     NC: gl.constexpr = 128 // (8 * T)
     FIRST: gl.constexpr = "evict_last" if EVICT else ""
     SECOND: gl.constexpr = "evict_first" if EVICT else ""
-    pid_m, pid_k = _tile_ids(K_FAST)
+    pid_m, pid_k = tile_ids(K_FAST)
     x = _row_load(x_ptr, stride_xm, pid_m * 128, pid_k, RB, WARPS, FIRST)
     for c in gl.static_range(NR):
         if c + 1 < NR:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import gluon_available, kernel_op
+from ...kernels import gluon_takes, kernel_op
 from ..base import QuantizedTensor
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
@@ -64,9 +64,8 @@ def _gluon_applies(x: torch.Tensor, dim: int, rowwise: bool, columnwise: bool,
     makes the rowwise usage too; the quantizers enforce both divisibilities before any
     launch, this keeps a direct call of the op on the masked Triton kernel."""
     m, k = x.shape
-    return (GLUON and dim == 1 and columnwise and pro == 0 and x.stride(1) == 1
-            and m % BLOCK == 0 and (k % BLOCK == 0 or not rowwise)
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and gluon_available())
+    return (GLUON and dim == 1 and columnwise and pro == 0 and m % BLOCK == 0
+            and (k % BLOCK == 0 or not rowwise) and gluon_takes(x))
 
 
 def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, pow2: bool, eps: float):

@@ -28,6 +28,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from ..block.gluon_kernels import tile_ids
 from ..float8.triton_kernels import abs_bits, fp8_codes, fp8_value
 from .triton_kernels import e8m0_factor, e8m0_scale
 
@@ -169,12 +170,7 @@ def mx1_both_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, re_ptr, ce_ptr, M, K,
     its data's layout, and ``CODES=False`` none of the codes. ``K_FAST``: grid axis 0 runs
     along K. ``EVICT``: hint L2 to keep the tile after the first read and drop it after
     the second."""
-    if K_FAST:
-        pid_m = gl.program_id(1)
-        pid_k = gl.program_id(0)
-    else:
-        pid_m = gl.program_id(0)
-        pid_k = gl.program_id(1)
+    pid_m, pid_k = tile_ids(K_FAST)
     BM: gl.constexpr = 32 * WARPS
     NR: gl.constexpr = BM // RB
     FIRST: gl.constexpr = "evict_last" if EVICT else ""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import gluon_available, kernel_op
+from ...kernels import gluon_takes, kernel_op
 from ..base import QuantizedTensor, check_exact_only
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
@@ -50,8 +50,7 @@ def _gluon_applies(x: torch.Tensor, two_d: bool, rowwise: bool, columnwise: bool
     if not (GLUON and rowwise and columnwise and not two_d and pro == 0):
         return False
     m, k = x.shape
-    return (x.stride(1) == 1 and m % BLOCK == 0 and k % BLOCK == 0
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and gluon_available())
+    return m % BLOCK == 0 and k % BLOCK == 0 and gluon_takes(x)
 
 
 def _launch_gluon(x, outs, fp8_dtype, exact_row: bool, exact_col: bool, codes: bool):
