@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lowprec  # noqa: E402
 import lowprec.grad_split  # noqa: E402
 from lowprec.backends import cublaslt  # noqa: E402
-from harness import (append_rows, compare, compare_alternating, l2_rotation,  # noqa: E402
-                     print_table)
+from harness import (append_rows, compare, compare_alternating, graphed_step,  # noqa: E402
+                     l2_rotation, print_table)
 
 SHAPES = ["16384x4096x4096", "16384x4096x14336", "16384x14336x4096"]
 RECIPES = {
@@ -210,11 +210,17 @@ def host_time(step, inputs, n=10):
     return (t1 - t0) * 1e3 / n
 
 
-def run_peers(bench, shape_str, peers, inputs, args):
+def run_peers(bench, shape_str, peers, inputs, args, graphed=False):
+    """Times every peer against the first (the baseline); ``graphed``: each step captured
+    in CUDA graphs first (``harness.graphed_step``), the baseline's too."""
     rows = []
     baseline_name, baseline = peers[0]
+    if graphed:
+        baseline = graphed_step(baseline, inputs)
     for name, step in peers:
         try:
+            if graphed:
+                step = baseline if name == baseline_name else graphed_step(step, inputs)
             if args.alternate:
                 peer_ms, base_ms = compare_alternating(step, baseline, inputs, inputs,
                                                        warmup=args.warmup,
@@ -231,6 +237,7 @@ def run_peers(bench, shape_str, peers, inputs, args):
                      "value": peer_ms, "baseline": baseline_name, "baseline_value": base_ms,
                      "ratio": peer_ms / base_ms,
                      "note": f"speedup {base_ms / peer_ms:.3f}x; host {host_ms:.2f} ms/step; "
+                             f"{'CUDA graph replays; ' if graphed else ''}"
                              f"{'alternating calls' if args.alternate else 'rounds'}"
                              f"{f', warm-up {args.warmup_seconds:g} s' if args.warmup_seconds else ''}"})
         print(f"  {bench:6s} {shape_str:18s} {name:22s} {peer_ms:8.3f} ms  bf16 {base_ms:8.3f} ms"
@@ -264,6 +271,10 @@ def main(argv=None):
     ap.add_argument("--alternate", action="store_true",
                     help="time baseline and peer call by call, alternating (rounds x iters "
                          "calls each), instead of in interleaved rounds")
+    ap.add_argument("--graphed", action="store_true",
+                    help="also time every peer (bf16 included) with its step captured in a "
+                         "CUDA graph and replayed: GPU time without the host's issue time "
+                         "(bench 'linear_graph' in the CSV)")
     ap.add_argument("--no-csv", action="store_true")
     args = ap.parse_args(argv)
     recipes = split_list(args.recipes)
@@ -273,6 +284,9 @@ def main(argv=None):
             m, k, n = parse_shape(s)
             inputs = make_inputs(m, k, n, "cuda")
             rows += run_peers("linear", s, shape_peers(args, m, k, n), inputs, args)
+            if args.graphed:
+                rows += run_peers("linear_graph", s, shape_peers(args, m, k, n), inputs, args,
+                                  graphed=True)
             del inputs
             torch.cuda.empty_cache()
     if args.mlp:
@@ -288,11 +302,17 @@ def main(argv=None):
 
 
 def report_targets(rows):
-    """Prints the issue's speed targets as met / not met with the measured ratios."""
-    lin = {(r["shape"], r["recipe"]): r for r in rows if r["bench"] == "linear"}
+    """Prints the issue's speed targets as met / not met with the measured ratios (eager
+    steps, then CUDA-graphed ones when ``--graphed`` ran)."""
+    for bench, what in (("linear", "eager steps"), ("linear_graph", "CUDA graph replays")):
+        _report_bench(rows, bench, what)
+
+
+def _report_bench(rows, bench, what):
+    lin = {(r["shape"], r["recipe"]): r for r in rows if r["bench"] == bench}
     if not lin:
         return
-    print("\ntargets (Linear fwd+bwd):")
+    print(f"\ntargets (Linear fwd+bwd, {what}):")
     for shape in dict.fromkeys(s for s, _ in lin):
         first = shape == SHAPES[0]
 

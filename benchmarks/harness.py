@@ -96,6 +96,35 @@ def graph_ms(fn, inputs, reps: int = 8, iters: int = 20) -> float:
     return time_fn(graph.replay, [()], warmup=3, iters=iters) / reps
 
 
+def graphed_step(step: Callable, input_sets: Sequence[tuple], warmup: int = 3) -> Callable:
+    """``step`` captured in one CUDA graph per input set (after ``warmup`` eager calls on a
+    side stream, as capture requires), returned as a callable taking the same arguments
+    that replays the graph captured for them (found by the first argument's address). The
+    graphs share one memory pool and must replay one at a time, as the timing loops do.
+    What the step leaves behind (gradients) lives in that pool, overwritten by each replay;
+    ``zero_grads`` is carried over from ``step`` when it has one."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(warmup):
+            step(*input_sets[i % len(input_sets)])
+    torch.cuda.current_stream().wait_stream(side)
+    graphs, pool = {}, None
+    for args in input_sets:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            step(*args)
+        pool = graph.pool()
+        graphs[args[0].data_ptr()] = graph
+
+    def replay(*args):
+        graphs[args[0].data_ptr()].replay()
+    if hasattr(step, "zero_grads"):
+        replay.zero_grads = step.zero_grads
+    replay.graphs = graphs
+    return replay
+
+
 def compare(peer: Callable, baseline: Callable, peer_inputs: Sequence[tuple],
             baseline_inputs: Sequence[tuple], *, rounds: int = 3, warmup: int = 5,
             iters: int = 20, warmup_s: float = 0.0) -> tuple[float, float]:

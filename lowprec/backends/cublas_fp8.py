@@ -139,6 +139,10 @@ def blockwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     try:
         res = _scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)
     except (RuntimeError, ValueError, NotImplementedError):
+        if torch.cuda.is_current_stream_capturing():
+            # A failure under CUDA graph capture has already invalidated the capture; a
+            # fallback would only hide why, and must not mark the combination refused.
+            raise
         # This torch/cuBLAS refuses the combination: remember it, emulate exactly instead.
         _BLOCK_REFUSED[key] = False
         from .emulated_bf16 import emulated_bf16_accepts, emulated_bf16_run

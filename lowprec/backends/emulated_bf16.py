@@ -85,6 +85,10 @@ def _operand_kind(t, usage: str) -> str | None:
     if isinstance(t, Float8Tensor):
         return "fp8"
     if isinstance(t, Float8BlockwiseTensor):
+        if t.pow2_scales(usage):
+            return "block"
+        if torch.cuda.is_current_stream_capturing():
+            return None  # the scales cannot be read back under capture: the fp32 emulation
         return "block" if _pow2_or_nonfinite(getattr(t, f"{usage}_scale")) else None
     return None
 

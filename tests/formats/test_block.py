@@ -385,6 +385,25 @@ def test_usages(dim):
 
 
 @pytest.mark.parametrize("dim", [1, 2])
+def test_pow2_scales_known_without_reading_them(dim):
+    """A GEMM backend asks ``pow2_scales`` instead of reading the scales back (a sync; under
+    CUDA graph capture impossible): True only while the forced scales stay as made."""
+    x = make_input("lognormal", (2, 128, 256), torch.bfloat16, 11)
+    qt = Float8BlockQuantizer(block_scaling_dim=dim).quantize(x)
+    for usage in ("rowwise", "columnwise"):
+        scale = getattr(qt, f"{usage}_scale")
+        mant, _ = torch.frexp(scale)
+        assert bool((mant == 0.5).all()) and qt.pow2_scales(usage)
+    assert not copy.deepcopy(qt).pow2_scales("rowwise")  # records are never copied
+    qt.rowwise_scale.mul_(3.0)  # no longer powers of two: the record must not vouch for it
+    assert not qt.pow2_scales("rowwise") and qt.pow2_scales("columnwise")
+    qt.update_usage(columnwise_usage=False)
+    assert not qt.pow2_scales("rowwise")
+    free = Float8BlockQuantizer(block_scaling_dim=dim, force_pow_2_scales=False).quantize(x)
+    assert not free.pow2_scales("rowwise") and not free.pow2_scales("columnwise")
+
+
+@pytest.mark.parametrize("dim", [1, 2])
 def test_update_usage(dim):
     # Blocks with distinct scales on a non-square block grid, so a transposed scale
     # cannot pass for a reshaped one.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import use_kernels
-from ..base import Quantizer, check_divisible
+from ..base import QuantizedTensor, Quantizer, check_divisible
 from . import launch
 from ..casting import FP32_MAX, check_fp8_dtype
 from .reference import BLOCK, quantize_blocks
@@ -64,9 +64,23 @@ class Float8BlockQuantizer(Quantizer):
         return self._slicer(self._quantize_2d)
 
     def _quantize_2d_fused(self, x2d, prologue):
-        return launch.quantize_block(self, x2d, prologue)
+        return self._pow2_records(launch.quantize_block(self, x2d, prologue))
+
+    def _pow2_records(self, fields: dict) -> dict:
+        """Notes on each scale made with ``force_pow_2_scales`` that it is a power of two, so
+        a GEMM backend that needs that need not read the scales back to the host (a sync,
+        and impossible under CUDA graph capture)."""
+        if self.force_pow_2_scales:
+            for usage in ("rowwise", "columnwise"):
+                scale = fields.get(f"{usage}_scale")
+                if scale is not None:
+                    fields[f"_pow2_{usage}"] = QuantizedTensor.derived_record(scale, True)
+        return fields
 
     def _quantize_2d(self, x2d):
+        return self._pow2_records(self._quantize_2d_plain(x2d))
+
+    def _quantize_2d_plain(self, x2d):
         if use_kernels(x2d):
             return launch.quantize_block(self, x2d)
         fields = {"rowwise_data": None, "rowwise_scale": None, "columnwise_data": None,

@@ -28,8 +28,15 @@ class Float8BlockwiseTensor(QuantizedTensor):
     _inner = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")
     _meta = ("fp8_dtype", "block_scaling_dim")
     #: per usage, ``(scale, scale._version, decode)`` as the quantize kernel wrote it, or None
-    #: (``decode`` as ``decode_scale`` returns it).
-    _derived = ("_decode_rowwise", "_decode_columnwise")
+    #: (``decode`` as ``decode_scale`` returns it); and ``(scale, scale._version, True)`` when
+    #: the quantizer forced the scales to powers of two (see ``pow2_scales``).
+    _derived = ("_decode_rowwise", "_decode_columnwise", "_pow2_rowwise", "_pow2_columnwise")
+
+    def pow2_scales(self, usage: str) -> bool:
+        """Whether ``usage``'s scales are known to be powers of two (or NaN/Inf) without
+        looking at them: the quantizer forced them so and they have not been written since.
+        False means unknown, not that some scale is not a power of two."""
+        return bool(self._read_derived(f"_pow2_{usage}", getattr(self, f"{usage}_scale")))
 
     def decode_scale(self, usage: str) -> torch.Tensor:
         """``1 / scale`` of ``usage``'s blocks (fp32), laid out as cuBLAS reads block scales:
