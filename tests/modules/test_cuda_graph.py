@@ -133,3 +133,42 @@ def test_nvfp4_stochastic_rounding_draws_advance():
     for got in (first, second):
         assert sqnr_db(dw64, got[2].double()) > 10.0
         assert sqnr_db(dx64, got[1].double()) > 10.0
+
+
+class _UnderAutocast(torch.nn.Module):
+    """``module`` run under ``lowprec.autocast(recipe)``: what ``make_graphed_callables``
+    captures (the recipe context must be inside the captured forward)."""
+
+    def __init__(self, module, recipe):
+        super().__init__()
+        self.module, self.recipe = module, recipe
+
+    def forward(self, x):
+        with lowprec.autocast(recipe=self.recipe):
+            return self.module(x)
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "block", "mxfp8"])
+def test_make_graphed_callables(recipe_name):
+    """``torch.cuda.make_graphed_callables`` captures forward and backward apart (as
+    Transformer Engine's does); its warm-up runs the backward on uninitialized gradients,
+    which a stateless recipe forgets (delayed scaling would record their amaxes: capture
+    whole steps instead, or reset the history after graphing)."""
+    torch.manual_seed(0)
+    mod = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    twin = copy.deepcopy(mod)
+    recipe = make_recipe(recipe_name)
+    sample = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = torch.cuda.make_graphed_callables(_UnderAutocast(mod, recipe), (sample,))
+    for seed in (3, 4):
+        x, dy = _data(seed)
+        mod.weight.grad = None
+        xg = x.clone().requires_grad_(True)
+        y = graphed(xg)
+        y.backward(dy)
+        xe = x.clone().requires_grad_(True)
+        ye = _step(twin, make_recipe(recipe_name), xe, dy)
+        torch.cuda.synchronize()
+        assert torch.equal(y, ye), f"{recipe_name}: forward output, seed {seed}"
+        assert torch.equal(xg.grad, xe.grad), f"{recipe_name}: dgrad, seed {seed}"
+        assert torch.equal(mod.weight.grad, twin.weight.grad), f"{recipe_name}: wgrad, seed {seed}"
