@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lowprec  # noqa: E402
 import lowprec.grad_split  # noqa: E402
+import lowprec.kernels.launch  # noqa: E402
 from lowprec.backends import cublaslt  # noqa: E402
 from harness import (append_rows, compare, compare_alternating, graphed_step,  # noqa: E402
                      l2_rotation, print_table)
@@ -129,6 +130,8 @@ VARIANTS = (
     ("no_exact", no_exact_records,
      "(mxfp8, nvfp4) without the exact bf16 operands written by the quantize kernels "
      "(no_exact_records)"),
+    ("slow_launches", lowprec.kernels.launch.slow_launches,
+     "with every Triton launch through JITFunction.run (lowprec.kernels.launch.slow_launches)"),
     ("no_lt", cublaslt.disabled,
      "(nvfp4) with the fp32-output GEMM and a scaling kernel instead of cuBLASLt's "
      "device-side alpha (lowprec.backends.cublaslt.disabled)"),

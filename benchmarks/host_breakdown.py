@@ -44,6 +44,13 @@ TARGETS = [
     ("lowprec.state:DelayedScalingState", "update"),
     ("lowprec.gemm", "select_backend"),
     ("triton.runtime.jit:JITFunction", "run"),
+    # every launch, cached or not (lowprec.kernels.launch), under one key per module
+    ("lowprec.formats.float8.launch", "launch"),
+    ("lowprec.formats.block.launch", "launch"),
+    ("lowprec.formats.mxfp8.launch", "launch"),
+    ("lowprec.formats.nvfp4.launch", "launch"),
+    ("lowprec.backends.kernels", "launch"),
+    ("lowprec.fused.prologue", "launch"),
     ("torch", "zeros"),
     ("torch", "empty"),
     ("torch", "reciprocal"),
@@ -126,7 +133,18 @@ def main():
     ap.add_argument("--recipes", default="current,delayed,block")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script only")
+    ap.add_argument("--slow-launches", action="store_true",
+                    help="every Triton launch through JITFunction.run (the path before "
+                         "lowprec.kernels.launch), for an A/B")
     args = ap.parse_args()
+    if args.slow_launches:
+        import lowprec.kernels.launch
+        with lowprec.kernels.launch.slow_launches():
+            return run(args)
+    return run(args)
+
+
+def run(args):
     dev = args.device
     m, k, n = parse_shape(args.shape)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16).requires_grad_(True)

@@ -20,6 +20,7 @@ import torch
 
 from ..formats.casting import E8M0_BIAS, E8M0_NAN, exp2_int
 from ..kernels import kernel_op, use_kernels
+from ..kernels.launch import launch
 
 _MX_BLOCK = 32
 
@@ -70,8 +71,8 @@ def _mxfp8_dequant_op(data: torch.Tensor, scale: torch.Tensor, block_rows: int) 
     cfg = MX_DEQUANT_CONFIG
     br, nb = cfg["BR"], cfg["NB"]
     grid = ((r + br - 1) // br, (nblk + nb - 1) // nb)
-    mxfp8_dequant_bf16_kernel[grid](data, scale, out, r, c, nblk,
-                                    BLOCK_ROWS=block_rows, BR=br, NB=nb, num_warps=cfg["warps"])
+    launch(mxfp8_dequant_bf16_kernel, grid, data, scale, out, r, c, nblk,
+           BLOCK_ROWS=block_rows, BR=br, NB=nb, num_warps=cfg["warps"])
     return out
 
 
@@ -91,7 +92,7 @@ def _epilogue_op(acc: torch.Tensor, div_a: Optional[torch.Tensor], div_b: Option
     bm, bn = 32, 256
     grid = ((m + bm - 1) // bm, (n + bn - 1) // bn)
     dummy = acc
-    scale_bias_epilogue_kernel[grid](
+    launch(scale_bias_epilogue_kernel, grid,
         acc, out, div_a if div_a is not None else dummy, div_b if div_b is not None else dummy,
         bias if bias is not None else dummy, m, n,
         HAS_DIV_A=div_a is not None, HAS_DIV_B=div_b is not None, HAS_BIAS=bias is not None,
@@ -109,10 +110,10 @@ def _alpha_launch(div_a, div_b, device):
     from ._triton_kernels import gemm_alpha_kernel
 
     out = torch.empty(2, dtype=torch.float32, device=device)
-    gemm_alpha_kernel[(1,)](div_a if div_a is not None else out,
-                            div_b if div_b is not None else out, out,
-                            HAS_DIV_A=div_a is not None, HAS_DIV_B=div_b is not None,
-                            num_warps=1)
+    launch(gemm_alpha_kernel, (1,), div_a if div_a is not None else out,
+           div_b if div_b is not None else out, out,
+           HAS_DIV_A=div_a is not None, HAS_DIV_B=div_b is not None,
+           num_warps=1)
     return out
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import kernel_op
+from ..kernels.launch import launch
 
 NORM_CODES = {"LayerNorm": 1, "RMSNorm": 2}
 ACT_CODES = {"gelu": 10, "relu": 11, "silu": 12, "srelu": 13, "qgelu": 14, "swiglu": 20,
@@ -81,9 +82,9 @@ def norm_stats(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: fl
     bk = min(4096, max(16, 1 << (k - 1).bit_length()))
     br = max(1, 2048 // bk)
     with device_guard(x.device):
-        norm_stats_kernel[(_cdiv(m, br),)](x, mean, rstd, gamma, beta, amax, m, k, x.stride(0),
-                                           eps, RMS=rms, WANT_AMAX=want_amax, BR=br, BK=bk,
-                                           num_warps=4)
+        launch(norm_stats_kernel, (_cdiv(m, br),), x, mean, rstd, gamma, beta, amax, m, k,
+               x.stride(0), eps, RMS=rms, WANT_AMAX=want_amax, BR=br, BK=bk,
+               num_warps=4)
     return mean, rstd, amax
 
 
@@ -105,10 +106,10 @@ def _apply_op(x: torch.Tensor, code: int, p: list[torch.Tensor], k_out: int, wan
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
     bm, bn = 32, 128
     with device_guard(x.device):
-        apply_kernel[(_cdiv(m, bm), _cdiv(k_out, bn))](x, out, amax, m, k_out, x.stride(0),
-                                                       x.stride(1), *prologue_args(x, p),
-                                                       PRO=code, WANT_AMAX=want_amax,
-                                                       BM=bm, BN=bn, num_warps=4)
+        launch(apply_kernel, (_cdiv(m, bm), _cdiv(k_out, bn)), x, out, amax, m, k_out, x.stride(0),
+               x.stride(1), *prologue_args(x, p),
+               PRO=code, WANT_AMAX=want_amax,
+               BM=bm, BN=bn, num_warps=4)
     return out, amax
 
 

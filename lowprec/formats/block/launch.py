@@ -19,6 +19,7 @@ from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_
                               launches, logical_shape, prologue_args, prologue_launch_args,
                               tile_config, tile_grid, triton_cdiv)
 from .reference import BLOCK
+from ...kernels.launch import launch
 
 #: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]]) per
 #: (block_scaling_dim, usages), picked by timing on an H200
@@ -79,13 +80,13 @@ def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, pow2: bool, eps: float):
     if rowwise:
         rb, r, t, warps, k_fast, evict = gluon_config("both")
         grid = (m // BLOCK, k // BLOCK)
-        block1_both_kernel[grid[::-1] if k_fast else grid](
+        launch(block1_both_kernel, grid[::-1] if k_fast else grid,
             x, rq, rs, rd, cq, cs, cd, m, k, x.stride(0), eps, RB=rb, R=r, T=t, WARPS=warps,
             K_FAST=bool(k_fast), EVICT=bool(evict), num_warps=warps, **fp8)
     else:
         r, t, warps, k_fast = gluon_config("col")
         grid = (m // BLOCK, triton_cdiv(k, 8 * t))
-        block1_col_kernel[grid[::-1] if k_fast else grid](
+        launch(block1_col_kernel, grid[::-1] if k_fast else grid,
             x, cq, cs, cd, m, k, x.stride(0), eps, R=r, T=t, WARPS=warps, K_FAST=bool(k_fast),
             num_warps=warps, **fp8)
 
@@ -146,7 +147,7 @@ def _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, 
     m, k = logical_shape(x, pro)
     bm, bn, warps, iters, stages, k_fast = tile_config(
         CONFIGS[(block_scaling_dim, _usage(r, c))])
-    block_scaled_quant_kernel[tile_grid(m, k, bm, bn, iters, k_fast)](
+    launch(block_scaled_quant_kernel, tile_grid(m, k, bm, bn, iters, k_fast),
         x, rq, rs, cq, cs, rd, cd, m, k, x.stride(0), x.stride(1), *prologue_args(x, pro_args),
         eps, PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
         TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=False,

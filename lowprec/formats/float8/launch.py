@@ -31,6 +31,7 @@ import torch
 
 from ...kernels import kernel_op
 from ..base import QuantizedTensor
+from ...kernels.launch import launch
 
 # fp8 dtype -> (mantissa bits, exponent bias, fp32 bits of the max finite value, max)
 FP8_PARAMS = {
@@ -156,9 +157,9 @@ def _launch_amax(x: torch.Tensor, pro: int = 0, pro_args: list = ()) -> torch.Te
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
     tiles = triton_cdiv(m, bm) * triton_cdiv(k, bn)
     progs = max(1, min(tiles, num_sms(x.device) * 4))
-    amax_kernel[(progs,)](x, amax_bits, m, k, x.stride(0), x.stride(1),
-                          *prologue_args(x, pro_args), tiles, triton_cdiv(tiles, progs),
-                          PRO=pro, BM=bm, BN=bn, num_warps=warps)
+    launch(amax_kernel, (progs,), x, amax_bits, m, k, x.stride(0), x.stride(1),
+           *prologue_args(x, pro_args), tiles, triton_cdiv(tiles, progs),
+           PRO=pro, BM=bm, BN=bn, num_warps=warps)
     return amax_bits
 
 
@@ -227,12 +228,12 @@ def _launch_cast(x, row, col, amax_bits, scale_in, scale_out, m, k, p, eps, pro,
         raise ValueError(f"cast_kernel has no K-fast grid; config {cfg} asks for one")
     grid = tile_grid(m, k, bm, bn, iters, False)
     finish = amax_out is not None
-    cast_kernel[grid](x, row, col, amax_bits, scale_in, scale_out,
-                      amax_out if finish else scale_out, m, k, x.stride(0), x.stride(1), *p,
-                      eps, PRO=pro, CURRENT=current, POW2=pow2,
-                      FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm, BN=bn,
-                      RECORD=record, FINISH=finish, ITERS=iters, STAGES=stages,
-                      num_warps=warps, **kernel_fp8_args(fp8_dtype))
+    launch(cast_kernel, grid, x, row, col, amax_bits, scale_in, scale_out,
+           amax_out if finish else scale_out, m, k, x.stride(0), x.stride(1), *p,
+           eps, PRO=pro, CURRENT=current, POW2=pow2,
+           FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm, BN=bn,
+           RECORD=record, FINISH=finish, ITERS=iters, STAGES=stages,
+           num_warps=warps, **kernel_fp8_args(fp8_dtype))
 
 
 # ---- delayed scaling ----------------------------------------------------------------------
@@ -261,10 +262,10 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
         block, _, warps = CONFIGS["finish"]
         n = m * k
         progs = max(1, min(triton_cdiv(n, block), num_sms(x.device) * 2))
-        delayed_finish_kernel[(progs,)](amax_bits, scale, scale_out, amax, row, col, n,
-                                        triton_cdiv(triton_cdiv(n, block), progs),
-                                        ROWWISE=rowwise, COLWISE=columnwise, BLOCK=block,
-                                        num_warps=warps)
+        launch(delayed_finish_kernel, (progs,), amax_bits, scale, scale_out, amax, row, col, n,
+               triton_cdiv(triton_cdiv(n, block), progs),
+               ROWWISE=rowwise, COLWISE=columnwise, BLOCK=block,
+               num_warps=warps)
     return row, col, scale_out
 
 
@@ -376,7 +377,7 @@ def fp8_delayed_update(history: torch.Tensor, current: torch.Tensor, scale: torc
     while bn < n and bn * bh < 8192:
         bn *= 2
     with device_guard(history.device):
-        delayed_update_kernel[(triton_cdiv(n, bn),)](
+        launch(delayed_update_kernel, (triton_cdiv(n, bn),),
             history, current, scale, fp8_max, h, n, inv_margin, MOST_RECENT=most_recent,
             BH=bh, BN=bn, num_warps=4)
 

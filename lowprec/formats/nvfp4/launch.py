@@ -37,6 +37,7 @@ from ..float8.launch import num_sms
 from ..base import QuantizedTensor, check_exact_only
 from ..casting import e2m1_codes_to_float, unpack_e2m1
 from .reference import BLOCK, SCALE_DTYPE
+from ...kernels.launch import launch
 
 # Tile shapes (see the kernels' docs; warps follow from them). Tuned on H200 with
 # benchmarks/check_kernels_nvfp4.py.
@@ -149,7 +150,7 @@ def _launch_row(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx6
     cr = CONFIG["row"]
     kb, rb = cr["KB"], (16 if two_d else cr["RB"])
     grid = (triton_cdiv(m, rb) * triton_cdiv(kk // BLOCK, kb),)
-    _kernels()._nvfp4_row_kernel[grid](
+    launch(_kernels()._nvfp4_row_kernel, grid,
         x, m, kk, sx, data, scale, glob, key if key is not None else glob, offset, exact,
         TWO_D=bool(two_d), SR=key is not None, VEC=16 // x.element_size(), KB=kb, RB=rb,
         EVEN=m % rb == 0 and (kk // BLOCK) % kb == 0, IDX64=idx64, EXACT=exact is not None,
@@ -162,7 +163,7 @@ def _launch_col(x, sx, data, scale, glob, key, offset, exact, rht, two_d, codes,
     m, kk = x.shape
     kw = CONFIG["col"]["KW"]
     grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * kw),)
-    _kernels()._nvfp4_col_kernel[grid](
+    launch(_kernels()._nvfp4_col_kernel, grid,
         x, m, kk, sx, data, scale, glob, key if key is not None else glob, offset, exact,
         RHT=bool(rht), TWO_D=bool(two_d), SR=key is not None, KW=kw,
         EVEN=m % 64 == 0 and kk % (16 * kw) == 0, IDX64=idx64, EXACT=exact is not None,
@@ -207,10 +208,10 @@ def _amax_pass(x: Tensor, rglob: Tensor, cglob: Tensor, rowwise: bool, columnwis
     ws = torch.zeros(3, dtype=torch.int32, device=x.device)
     ca = CONFIG["amax"]
     grid, warps, even = amax_launch(m, kk, rht, x.device)
-    _kernels()._nvfp4_amax_kernel[grid](x, m, kk, ws, rglob, cglob, ROW=bool(rowwise),
-                                        COL=bool(columnwise), RHT=rht, KW=ca["KW"],
-                                        FLAT=ca["FLAT"], EVEN=even, IDX64=idx64,
-                                        num_warps=warps, **_LAUNCH_OPTS)
+    launch(_kernels()._nvfp4_amax_kernel, grid, x, m, kk, ws, rglob, cglob, ROW=bool(rowwise),
+           COL=bool(columnwise), RHT=rht, KW=ca["KW"],
+           FLAT=ca["FLAT"], EVEN=even, IDX64=idx64,
+           num_warps=warps, **_LAUNCH_OPTS)
 
 
 @kernel_op("lowprec::nvfp4_global_scales", mutates_args=())
@@ -349,7 +350,7 @@ def nvfp4_dequantize_unscaled_bf16(data: Tensor, scale: Tensor, two_d: bool) -> 
         return out
     cfg = CONFIG["dequant"]
     grid = (triton_cdiv(r, cfg["RB"]) * triton_cdiv(c // BLOCK, cfg["KB"]),)
-    _kernels()._nvfp4_dequant_unscaled_kernel[grid](
+    launch(_kernels()._nvfp4_dequant_unscaled_kernel, grid,
         data.contiguous(), scale.contiguous(), out, r, c, TWO_D=bool(two_d),
         KB=cfg["KB"], RB=cfg["RB"], EVEN=r % cfg["RB"] == 0 and (c // BLOCK) % cfg["KB"] == 0,
         IDX64=_idx64(r, c), num_warps=max(1, cfg["KB"] * cfg["RB"] // 32), **_LAUNCH_OPTS)

@@ -1,0 +1,95 @@
+"""``lowprec.kernels.launch.launch``: the compiled kernel it reuses is the one Triton would
+pick (GPU only). Each case launches the same kernel with arguments Triton specializes on
+differently (16-byte aligned or not, an integer equal to 1, another dtype, another
+constexpr) after a cached launch, and checks every result against torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec.kernels
+from lowprec.kernels import launch as launch_mod
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not lowprec.kernels.triton_available(),
+                       reason="needs a CUDA device and Triton"),
+]
+
+if lowprec.kernels.triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _axpb_kernel(x_ptr, y_ptr, n, stride, a, b, BLOCK: tl.constexpr, NEG: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        v = tl.load(x_ptr + offs * stride, mask=mask).to(tl.float32) * a + b
+        if NEG:
+            v = -v
+        tl.store(y_ptr + offs, v.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _run(x, n, stride, a, b, block=128, neg=False, out_dtype=torch.float32):
+    y = torch.empty(n, device="cuda", dtype=out_dtype)
+    launch_mod.launch(_axpb_kernel, (triton.cdiv(n, block),), x, y, n, stride, a, b,
+                      BLOCK=block, NEG=neg, enable_fp_fusion=False)  # x * a + b as torch does
+    ref = (x[::stride][:n].float() * a + b) * (-1 if neg else 1)
+    return y, ref.to(out_dtype)
+
+
+def test_cached_launches_match_each_specialization():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(4096, device="cuda", generator=gen)
+    cases = [
+        (base, 1000, 1, 2.0, 0.5, {}),              # first: compiles, cached
+        (base, 1000, 1, 3.0, -1.0, {}),             # same specialization: cache hit
+        (base[1:], 999, 1, 2.0, 0.5, {}),           # pointer not 16-byte aligned
+        (base, 1000, 2, 2.0, 0.5, {}),              # stride 2 (1 is a constexpr to Triton)
+        (base, 1024, 1, 2.0, 0.5, {}),              # n divisible by 16
+        (base, 1, 1, 2.0, 0.5, {}),                 # n == 1
+        (base.to(torch.bfloat16), 1000, 1, 2.0, 0.5, {}),   # another input dtype
+        (base, 1000, 1, 2.0, 0.5, {"neg": True}),   # another constexpr
+        (base, 1000, 1, 2.0, 0.5, {"block": 256}),
+        (base, 1000, 1, 2.0, 0.5, {"out_dtype": torch.bfloat16}),
+        (base[1:], 999, 1, 2.0, 0.5, {}),           # back to an earlier specialization
+    ]
+    for x, n, stride, a, b, kw in cases:
+        y, ref = _run(x, n, stride, a, b, **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(y, ref), (x.dtype, x.data_ptr() % 16, n, stride, kw)
+    keys = [k for k in launch_mod._compiled if k[0] is _axpb_kernel]
+    assert len(keys) >= 8  # one entry per distinct specialization seen
+
+
+def test_slow_launches_skip_the_cache():
+    x = torch.randn(512, device="cuda")
+    _run(x, 500, 1, 1.0, 0.0)
+    before = dict(launch_mod._compiled)
+    with launch_mod.slow_launches():
+        y, ref = _run(x, 500, 1, 1.5, 2.0, block=64)  # a new specialization: not recorded
+    torch.cuda.synchronize()
+    assert torch.equal(y, ref)
+    assert launch_mod._compiled == before
+
+
+def test_launch_on_another_stream_and_under_capture():
+    x = torch.randn(2048, device="cuda")
+    _run(x, 2000, 1, 1.0, 0.0)  # cached
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y, ref = _run(x, 2000, 1, 4.0, 1.0)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(y, ref)
+    y = torch.empty(2000, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch_mod.launch(_axpb_kernel, (16,), x, y, 2000, 1, 4.0, 1.0, BLOCK=128, NEG=False,
+                          enable_fp_fusion=False)
+    x.mul_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x[:2000] * 4.0 + 1.0)
