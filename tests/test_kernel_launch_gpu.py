@@ -39,7 +39,11 @@ def _run(x, n, stride, a, b, block=128, neg=False, out_dtype=torch.float32):
     return y, ref.to(out_dtype)
 
 
-def test_cached_launches_match_each_specialization():
+def test_cached_launches_match_each_specialization(monkeypatch):
+    slow = []  # launches that went through JITFunction.run (cache misses)
+    jit_run = _axpb_kernel.run
+    monkeypatch.setattr(_axpb_kernel, "run", lambda *a, **k: slow.append(1) or jit_run(*a, **k))
+    launch_mod._compiled.clear()
     gen = torch.Generator(device="cuda").manual_seed(0)
     base = torch.randn(4096, device="cuda", generator=gen)
     cases = [
@@ -60,7 +64,26 @@ def test_cached_launches_match_each_specialization():
         torch.cuda.synchronize()
         assert torch.equal(y, ref), (x.dtype, x.data_ptr() % 16, n, stride, kw)
     keys = [k for k in launch_mod._compiled if k[0] is _axpb_kernel]
-    assert len(keys) >= 8  # one entry per distinct specialization seen
+    # one entry per distinct specialization, each made by the one launch that missed; the
+    # repeated ones (cases 2 and 11) were launched from the cache
+    assert len(keys) == 9 and len(slow) == 9, (len(keys), len(slow))
+
+
+def test_launch_hooks_take_the_ordinary_path():
+    from triton import knobs
+    x = torch.randn(256, device="cuda")
+    _run(x, 200, 1, 1.0, 0.0)  # cached
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        y, ref = _run(x, 200, 1, 1.0, 0.0)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert torch.equal(y, ref) and len(seen) == 1
 
 
 def test_slow_launches_skip_the_cache():

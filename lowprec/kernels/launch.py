@@ -14,7 +14,7 @@ integers equal to 1), and keys its cache on that specialization and the launch o
 On a miss it launches through ``kernel[grid]`` as before, which compiles when needed and
 hands back the compiled kernel it ran; on a hit it calls that kernel's launcher directly on
 the current stream. Anything it does not cover takes the ordinary path: launch hooks (a
-profiler's), pre-run hooks, a callable grid, Triton's interpreter or a stand-in object,
+profiler's; Triton 3.6 keeps an empty hook chain when there are none), pre-run hooks, a callable grid, Triton's interpreter or a stand-in object,
 and the whole fast path inside :class:`slow_launches` (for A/B comparisons and to rule it
 out). What the fast path skips, Triton's check that the globals a kernel read have not
 changed since it was compiled, holds here: lowprec's kernels read only constants.
@@ -51,6 +51,11 @@ def _runtime():
     return knobs.runtime if (major, minor) == (3, 6) else None
 
 
+def _quiet(hook) -> bool:
+    """Whether a launch hook slot calls nothing: None, or Triton's empty ``HookChain``."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
 def launch(kernel, grid, *args, **kwargs) -> None:
     """Launch ``kernel`` (a ``@triton.jit`` or Gluon kernel) on ``grid`` (a tuple of up
     to three ints), as ``kernel[grid](*args, **kwargs)`` does, on the current device and
@@ -58,7 +63,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     caches = getattr(kernel, "device_caches", None) if _enabled else None
     runtime = _runtime() if caches is not None else None
     if runtime is None or kernel.pre_run_hooks or callable(grid) \
-            or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None:
+            or not _quiet(runtime.launch_enter_hook) or not _quiet(runtime.launch_exit_hook):
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()
