@@ -56,6 +56,20 @@ def _quiet(hook) -> bool:
     return hook is None or getattr(hook, "calls", None) == []
 
 
+def _remember(kernel, device, entry, compiled, args, kwargs) -> None:
+    """Caches ``compiled``, what ``kernel[grid](*args, **kwargs)`` just ran, under the key
+    of those arguments."""
+    if hasattr(compiled, "result"):  # an asynchronous compile's future
+        compiled = compiled.result()
+    if compiled is None:
+        return
+    _, specialization, options = entry[4](*args, **kwargs)
+    try:
+        _compiled[(kernel, device, tuple(specialization), tuple(options.items()))] = compiled
+    except TypeError:
+        pass  # unhashable: launch() takes the ordinary path for these arguments
+
+
 def launch(kernel, grid, *args, **kwargs) -> None:
     """Launch ``kernel`` (a ``@triton.jit`` or Gluon kernel) on ``grid`` (a tuple of up
     to three ints), as ``kernel[grid](*args, **kwargs)`` does, on the current device and
@@ -69,7 +83,10 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     device = torch.cuda.current_device()
     entry = caches.get(device)
     if entry is None:  # the kernel's first launch on this device builds its binder
-        kernel[grid](*args, **kwargs)
+        compiled = kernel[grid](*args, **kwargs)
+        entry = caches.get(device)
+        if entry is not None:
+            _remember(kernel, device, entry, compiled, args, kwargs)
         return
     bound, specialization, options = entry[4](*args, **kwargs)
     try:
@@ -79,11 +96,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
         return
     if compiled is None:
-        compiled = kernel[grid](*args, **kwargs)
-        if hasattr(compiled, "result"):  # an asynchronous compile's future
-            compiled = compiled.result()
-        if compiled is not None:
-            _compiled[key] = compiled
+        _remember(kernel, device, entry, kernel[grid](*args, **kwargs), args, kwargs)
         return
     stream = torch._C._cuda_getCurrentRawStream(device)
     n = len(grid)
