@@ -63,7 +63,7 @@ def test_cached_launches_match_each_specialization(monkeypatch):
         y, ref = _run(x, n, stride, a, b, **kw)
         torch.cuda.synchronize()
         assert torch.equal(y, ref), (x.dtype, x.data_ptr() % 16, n, stride, kw)
-    keys = [k for k in launch_mod._compiled if k[0] is _axpb_kernel]
+    keys = [k for k in launch_mod._compiled if k[0] == id(_axpb_kernel)]
     # one entry per distinct specialization, each made by the one launch that missed; the
     # repeated ones (cases 2 and 11) were launched from the cache
     assert len(keys) == 9 and len(slow) == 9, (len(keys), len(slow))
@@ -97,9 +97,12 @@ def test_slow_launches_skip_the_cache():
     assert launch_mod._compiled == before
 
 
-def test_launch_on_another_stream_and_under_capture():
+def test_launch_on_another_stream_and_under_capture(monkeypatch):
     x = torch.randn(2048, device="cuda")
     _run(x, 2000, 1, 1.0, 0.0)  # cached
+    slow = []  # from here on every launch must come from the cache
+    jit_run = _axpb_kernel.run
+    monkeypatch.setattr(_axpb_kernel, "run", lambda *a, **k: slow.append(1) or jit_run(*a, **k))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -116,3 +119,19 @@ def test_launch_on_another_stream_and_under_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, x[:2000] * 4.0 + 1.0)
+    assert not slow, "a cached specialization went through JITFunction.run"
+
+
+def test_debug_mode_is_part_of_the_key():
+    from triton import knobs
+    x = torch.randn(256, device="cuda")
+    _run(x, 200, 1, 1.0, 0.0)
+    before = len(launch_mod._compiled)
+    saved = knobs.runtime.debug
+    knobs.runtime.debug = True
+    try:
+        y, ref = _run(x, 200, 1, 1.0, 0.0)  # the debug build: compiled anew, not the cached one
+    finally:
+        knobs.runtime.debug = saved
+    torch.cuda.synchronize()
+    assert torch.equal(y, ref) and len(launch_mod._compiled) == before + 1

@@ -140,8 +140,10 @@ def blockwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
         res = _scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)
     except (RuntimeError, ValueError, NotImplementedError):
         if torch.cuda.is_current_stream_capturing():
-            # A failure under CUDA graph capture has already invalidated the capture; a
-            # fallback would only hide why, and must not mark the combination refused.
+            # Under CUDA graph capture a cuBLAS failure may already have invalidated the
+            # capture, and a refusal seen only there must not mark the pair refused for
+            # the eager steps: raise (run an eager step before capturing, as capture
+            # requires anyway, and a refused pair is known and emulated by then).
             raise
         # This torch/cuBLAS refuses the combination: remember it, emulate exactly instead.
         _BLOCK_REFUSED[key] = False

@@ -30,7 +30,8 @@ from . import FlagOff
 
 _enabled = True
 
-#: (kernel, device, specialization, options) -> compiled kernel
+#: (id(kernel), device, specialization, options) -> (kernel, compiled kernel); keyed by id
+#: because hashing a JITFunction takes a lock
 _compiled: dict = {}
 
 
@@ -41,14 +42,14 @@ class slow_launches(FlagOff):
 
 
 @functools.lru_cache(maxsize=None)
-def _runtime():
-    """Triton's runtime knobs when this Triton's ``JITFunction`` internals are the ones the
+def _knobs():
+    """Triton's knobs when this Triton's ``JITFunction`` internals are the ones the
     fast path was written against (3.6: ``device_caches[device][4]`` is the binder), else
     None: every launch then takes the ordinary path."""
     import triton
     from triton import knobs
     major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-    return knobs.runtime if (major, minor) == (3, 6) else None
+    return knobs if (major, minor) == (3, 6) else None
 
 
 def _quiet(hook) -> bool:
@@ -65,7 +66,8 @@ def _remember(kernel, device, entry, compiled, args, kwargs) -> None:
         return
     _, specialization, options = entry[4](*args, **kwargs)
     try:
-        _compiled[(kernel, device, tuple(specialization), tuple(options.items()))] = compiled
+        _compiled[(id(kernel), device, tuple(specialization), tuple(options.items()))] = \
+            (kernel, compiled)
     except TypeError:
         pass  # unhashable: launch() takes the ordinary path for these arguments
 
@@ -75,11 +77,16 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     to three ints), as ``kernel[grid](*args, **kwargs)`` does, on the current device and
     stream."""
     caches = getattr(kernel, "device_caches", None) if _enabled else None
-    runtime = _runtime() if caches is not None else None
-    if runtime is None or kernel.pre_run_hooks or callable(grid) \
-            or not _quiet(runtime.launch_enter_hook) or not _quiet(runtime.launch_exit_hook):
+    knobs = _knobs() if caches is not None else None
+    if knobs is None or kernel.pre_run_hooks or callable(grid) \
+            or not _quiet(knobs.runtime.launch_enter_hook) \
+            or not _quiet(knobs.runtime.launch_exit_hook):
         kernel[grid](*args, **kwargs)
         return
+    # the two options JITFunction.run adds before binding: part of the key, so turning
+    # Triton's debug mode (device asserts) or an instrumentation on takes effect here too
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
     device = torch.cuda.current_device()
     entry = caches.get(device)
     if entry is None:  # the kernel's first launch on this device builds its binder
@@ -90,14 +97,14 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         return
     bound, specialization, options = entry[4](*args, **kwargs)
     try:
-        key = (kernel, device, tuple(specialization), tuple(options.items()))
-        compiled = _compiled.get(key)
+        hit = _compiled.get((id(kernel), device, tuple(specialization), tuple(options.items())))
     except TypeError:  # an unhashable constexpr or option: no cache entry for it
         kernel[grid](*args, **kwargs)
         return
-    if compiled is None:
+    if hit is None or hit[0] is not kernel:
         _remember(kernel, device, entry, kernel[grid](*args, **kwargs), args, kwargs)
         return
+    compiled = hit[1]
     stream = torch._C._cuda_getCurrentRawStream(device)
     n = len(grid)
     compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream,

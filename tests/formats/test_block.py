@@ -397,8 +397,11 @@ def test_pow2_scales_known_without_reading_them(dim):
     assert not copy.deepcopy(qt).pow2_scales("rowwise")  # records are never copied
     qt.rowwise_scale.mul_(3.0)  # no longer powers of two: the record must not vouch for it
     assert not qt.pow2_scales("rowwise") and qt.pow2_scales("columnwise")
-    qt.update_usage(columnwise_usage=False)
-    assert not qt.pow2_scales("rowwise")
+    qt.update_usage(rowwise_usage=False)  # dropping a usage drops its record
+    assert qt._pow2_rowwise is None and qt.pow2_scales("columnwise")
+    if dim == 2:  # rowwise derived again from the columnwise blocks: still powers of two
+        qt.update_usage(rowwise_usage=True)
+        assert qt.pow2_scales("rowwise")
     free = Float8BlockQuantizer(block_scaling_dim=dim, force_pow_2_scales=False).quantize(x)
     assert not free.pow2_scales("rowwise") and not free.pow2_scales("columnwise")
 

@@ -62,5 +62,9 @@ class Float8BlockwiseTensor(QuantizedTensor):
         if self.block_scaling_dim != 2:
             return super()._derive(usage)
         other = "columnwise" if usage == "rowwise" else "rowwise"
-        return {f"{usage}_data": getattr(self, f"{other}_data").t().contiguous(),
-                f"{usage}_scale": getattr(self, f"{other}_scale").t().contiguous()}
+        scale = getattr(self, f"{other}_scale").t().contiguous()
+        fields = {f"{usage}_data": getattr(self, f"{other}_data").t().contiguous(),
+                  f"{usage}_scale": scale}
+        if self.pow2_scales(other):  # the transposed scales are the same powers of two
+            fields[f"_pow2_{usage}"] = self.derived_record(scale, True)
+        return fields
