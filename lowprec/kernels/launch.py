@@ -14,10 +14,11 @@ integers equal to 1), and keys its cache on that specialization and the launch o
 On a miss it launches through ``kernel[grid]`` as before, which compiles when needed and
 hands back the compiled kernel it ran; on a hit it calls that kernel's launcher directly on
 the current stream. Anything it does not cover takes the ordinary path: launch hooks (a
-profiler's; Triton 3.6 keeps an empty hook chain when there are none), pre-run hooks, a callable grid, Triton's interpreter or a stand-in object,
-and the whole fast path inside :class:`slow_launches` (for A/B comparisons and to rule it
-out). What the fast path skips, Triton's check that the globals a kernel read have not
-changed since it was compiled, holds here: lowprec's kernels read only constants.
+profiler's; Triton 3.6 keeps an empty hook chain when there are none), pre-run hooks, a
+callable grid, Triton's interpreter or a stand-in object, and the whole fast path inside
+:class:`slow_launches` (for A/B comparisons and to rule it out). What the fast path skips,
+Triton's check that the globals a kernel read have not changed since it was compiled,
+holds here: lowprec's kernels read only constants.
 """
 
 from __future__ import annotations
@@ -57,19 +58,13 @@ def _quiet(hook) -> bool:
     return hook is None or getattr(hook, "calls", None) == []
 
 
-def _remember(kernel, device, entry, compiled, args, kwargs) -> None:
-    """Caches ``compiled``, what ``kernel[grid](*args, **kwargs)`` just ran, under the key
-    of those arguments."""
+def _remember(key, kernel, compiled) -> None:
+    """Caches ``compiled``, what ``kernel[grid](...)`` just ran, under ``key`` (None: the
+    arguments had no hashable key)."""
     if hasattr(compiled, "result"):  # an asynchronous compile's future
         compiled = compiled.result()
-    if compiled is None:
-        return
-    _, specialization, options = entry[4](*args, **kwargs)
-    try:
-        _compiled[(id(kernel), device, tuple(specialization), tuple(options.items()))] = \
-            (kernel, compiled)
-    except TypeError:
-        pass  # unhashable: launch() takes the ordinary path for these arguments
+    if key is not None and compiled is not None:
+        _compiled[key] = (kernel, compiled)
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
@@ -88,21 +83,20 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
     kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
     device = torch.cuda.current_device()
-    entry = caches.get(device)
-    if entry is None:  # the kernel's first launch on this device builds its binder
+    first = device not in caches  # the kernel's first launch here builds its binder
+    if first:
         compiled = kernel[grid](*args, **kwargs)
-        entry = caches.get(device)
-        if entry is not None:
-            _remember(kernel, device, entry, compiled, args, kwargs)
-        return
-    bound, specialization, options = entry[4](*args, **kwargs)
+    bound, specialization, options = caches[device][4](*args, **kwargs)
+    key = (id(kernel), device, tuple(specialization), tuple(options.items()))
     try:
-        hit = _compiled.get((id(kernel), device, tuple(specialization), tuple(options.items())))
+        hit = _compiled.get(key)
     except TypeError:  # an unhashable constexpr or option: no cache entry for it
-        kernel[grid](*args, **kwargs)
+        key = hit = None
+    if first:
+        _remember(key, kernel, compiled)
         return
     if hit is None or hit[0] is not kernel:
-        _remember(kernel, device, entry, kernel[grid](*args, **kwargs), args, kwargs)
+        _remember(key, kernel, kernel[grid](*args, **kwargs))
         return
     compiled = hit[1]
     stream = torch._C._cuda_getCurrentRawStream(device)
