@@ -81,14 +81,21 @@ def time_fn(fn: Callable, input_sets: Sequence[tuple], *, warmup: int = 5, iters
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def graph_ms(fn, inputs, reps: int = 8, iters: int = 20) -> float:
-    """GPU time of one ``fn`` call (ms): ``reps`` calls over the input sets captured in a
-    CUDA graph, the replay timed with events (median of ``iters``), so no host time counts."""
+def warm_on_side_stream(fn, input_sets: Sequence[tuple], calls: int = 1) -> None:
+    """``calls`` eager calls of ``fn`` over the input sets on a side stream, as CUDA graph
+    capture asks of what it captures (lazy initialization, compiles, workspaces)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn(*inputs[0])
+        for i in range(calls):
+            fn(*input_sets[i % len(input_sets)])
     torch.cuda.current_stream().wait_stream(side)
+
+
+def graph_ms(fn, inputs, reps: int = 8, iters: int = 20) -> float:
+    """GPU time of one ``fn`` call (ms): ``reps`` calls over the input sets captured in a
+    CUDA graph, the replay timed with events (median of ``iters``), so no host time counts."""
+    warm_on_side_stream(fn, inputs)
     graph, keep = torch.cuda.CUDAGraph(), []
     with torch.cuda.graph(graph):
         for i in range(reps):
@@ -103,12 +110,7 @@ def graphed_step(step: Callable, input_sets: Sequence[tuple], warmup: int = 3) -
     graphs share one memory pool and must replay one at a time, as the timing loops do.
     What the step leaves behind (gradients) lives in that pool, overwritten by each replay;
     ``zero_grads`` is carried over from ``step`` when it has one."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(warmup):
-            step(*input_sets[i % len(input_sets)])
-    torch.cuda.current_stream().wait_stream(side)
+    warm_on_side_stream(step, input_sets, warmup)
     graphs, pool = {}, None
     for args in input_sets:
         graph = torch.cuda.CUDAGraph()
@@ -121,7 +123,6 @@ def graphed_step(step: Callable, input_sets: Sequence[tuple], warmup: int = 3) -
         graphs[args[0].data_ptr()].replay()
     if hasattr(step, "zero_grads"):
         replay.zero_grads = step.zero_grads
-    replay.graphs = graphs
     return replay
 
 

@@ -39,10 +39,17 @@ def _run(x, n, stride, a, b, block=128, neg=False, out_dtype=torch.float32):
     return y, ref.to(out_dtype)
 
 
-def test_cached_launches_match_each_specialization(monkeypatch):
-    slow = []  # launches that went through JITFunction.run (cache misses)
+@pytest.fixture
+def jit_runs(monkeypatch):
+    """The launches of ``_axpb_kernel`` that went through ``JITFunction.run`` from here on
+    (cache misses), one list entry each."""
+    runs = []
     jit_run = _axpb_kernel.run
-    monkeypatch.setattr(_axpb_kernel, "run", lambda *a, **k: slow.append(1) or jit_run(*a, **k))
+    monkeypatch.setattr(_axpb_kernel, "run", lambda *a, **k: runs.append(1) or jit_run(*a, **k))
+    return runs
+
+
+def test_cached_launches_match_each_specialization(jit_runs):
     launch_mod._compiled.clear()
     gen = torch.Generator(device="cuda").manual_seed(0)
     base = torch.randn(4096, device="cuda", generator=gen)
@@ -66,7 +73,7 @@ def test_cached_launches_match_each_specialization(monkeypatch):
     keys = [k for k in launch_mod._compiled if k[0] == id(_axpb_kernel)]
     # one entry per distinct specialization, each made by the one launch that missed; the
     # repeated ones (cases 2 and 11) were launched from the cache
-    assert len(keys) == 9 and len(slow) == 9, (len(keys), len(slow))
+    assert len(keys) == 9 and len(jit_runs) == 9, (len(keys), len(jit_runs))
 
 
 def test_launch_hooks_take_the_ordinary_path():
@@ -97,12 +104,10 @@ def test_slow_launches_skip_the_cache():
     assert launch_mod._compiled == before
 
 
-def test_launch_on_another_stream_and_under_capture(monkeypatch):
+def test_launch_on_another_stream_and_under_capture(jit_runs):
     x = torch.randn(2048, device="cuda")
-    _run(x, 2000, 1, 1.0, 0.0)  # cached
-    slow = []  # from here on every launch must come from the cache
-    jit_run = _axpb_kernel.run
-    monkeypatch.setattr(_axpb_kernel, "run", lambda *a, **k: slow.append(1) or jit_run(*a, **k))
+    _run(x, 2000, 1, 1.0, 0.0)  # cached (or a miss, counted before the check below)
+    misses = len(jit_runs)  # from here on every launch must come from the cache
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -119,7 +124,7 @@ def test_launch_on_another_stream_and_under_capture(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, x[:2000] * 4.0 + 1.0)
-    assert not slow, "a cached specialization went through JITFunction.run"
+    assert len(jit_runs) == misses, "a cached specialization went through JITFunction.run"
 
 
 def test_debug_mode_is_part_of_the_key():

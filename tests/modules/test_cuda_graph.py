@@ -50,8 +50,9 @@ def _data(seed):
 
 
 def _captured(recipe_name):
-    """(module, recipe, graph, static x, static dy, static y) after two eager warm-up steps
-    on a side stream, as ``torch.cuda.graph`` asks; with an eager twin warmed up alike."""
+    """(module, eager twin, twin's recipe, graph, static x, static dy, static y): the
+    module's step captured after two eager warm-up steps on a side stream, as
+    ``torch.cuda.graph`` asks, and the twin warmed up on the same data."""
     torch.manual_seed(0)
     mod = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
     twin = copy.deepcopy(mod)
