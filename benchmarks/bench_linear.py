@@ -118,6 +118,22 @@ def no_exact_records():
             c.keeps_exact_bf16 = True
 
 
+@contextlib.contextmanager
+def top_down_casts():
+    """The per-tensor FP8 casts in their pre-session-19 tile order (grid along M, rows top
+    down) instead of the configured one: for an A/B in one run."""
+    from lowprec.formats.float8 import launch
+    saved = dict(launch.CONFIGS)
+    for key in ("cast_both", "cast_row", "cast_col"):
+        bm, bn, warps, iters, stages, _ = launch.tile_config(saved[key])
+        launch.CONFIGS[key] = (bm, bn, warps, iters, stages, 0, 0)
+    try:
+        yield
+    finally:
+        launch.CONFIGS.clear()
+        launch.CONFIGS.update(saved)
+
+
 #: Peer variants for an A/B in the same run: (name, context manager a step runs inside,
 #: help of its ``--<name>-too`` option, which lists the recipes that also run that way as
 #: ``lowprec/<recipe>/<name>``).
@@ -132,6 +148,9 @@ VARIANTS = (
      "(no_exact_records)"),
     ("slow_launches", lowprec.kernels.launch.slow_launches,
      "with every Triton launch through JITFunction.run (lowprec.kernels.launch.slow_launches)"),
+    ("top_down", top_down_casts,
+     "(current, delayed) with the per-tensor casts reading x's tiles top down along M, the "
+     "order before session 19 (top_down_casts)"),
     ("no_lt", cublaslt.disabled,
      "(nvfp4) with the fp32-output GEMM and a scaling kernel instead of cuBLASLt's "
      "device-side alpha (lowprec.backends.cublaslt.disabled)"),

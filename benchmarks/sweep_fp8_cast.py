@@ -3,7 +3,9 @@
 Delayed scaling's quantize is one pass (read x, write rowwise and/or columnwise codes,
 record the amax); current scaling is an amax pass plus the same cast pass. Both take their
 tile config from ``float8.launch.CONFIGS`` ("cast_both", "cast_row", "cast_col":
-(BM, BN, warps[, tiles per program, pipeline stages])). For each candidate this prints the
+(BM, BN, warps[, tiles per program, pipeline stages[, K-fast grid[, bottom-up]]])).
+Current scaling's cast follows its amax pass, so an order that first reads the rows the
+amax pass read last takes them from L2. For each candidate this prints the
 GPU time (CUDA graphs) of delayed and current scaling and their ratio to a device-to-device
 copy of the same input measured in the same run (bytes read + written, as
 ``bench_quantize.py``), after checking the codes, scales and recorded amax against the
@@ -32,9 +34,14 @@ USAGES = {"cast_both": (True, True), "cast_row": (True, False), "cast_col": (Fal
 CANDIDATES = {
     "cast_both": [(32, 128, 2), (32, 128, 2, 8, 1), (32, 128, 2, 16, 1), (32, 128, 4, 8, 2),
                   (64, 128, 4, 4, 1), (64, 128, 4, 8, 2), (128, 128, 8), (128, 128, 8, 2, 2),
-                  (64, 64, 2, 8, 1), (64, 64, 4, 8, 2)],
-    "cast_row": [(16, 512, 4), (16, 512, 4, 8, 1), (32, 256, 8, 4, 2), (32, 512, 8, 4, 1)],
-    "cast_col": [(64, 128, 8), (64, 128, 8, 4, 1), (64, 128, 4, 8, 2), (128, 128, 8, 2, 1)],
+                  (64, 64, 2, 8, 1), (64, 64, 4, 8, 2),
+                  # tile orders (6th, 7th items): K-fast grid, row tiles from the last up
+                  (128, 128, 8, 1, 1, 1, 0), (128, 128, 8, 1, 1, 0, 1), (128, 128, 8, 1, 1, 1, 1),
+                  (64, 128, 4, 4, 1, 1, 1)],
+    "cast_row": [(16, 512, 4), (16, 512, 4, 8, 1), (32, 256, 8, 4, 2), (32, 512, 8, 4, 1),
+                 (16, 512, 4, 1, 1, 1, 1), (16, 512, 4, 1, 1, 0, 1), (32, 512, 8, 4, 1, 1, 1)],
+    "cast_col": [(64, 128, 8), (64, 128, 8, 4, 1), (64, 128, 4, 8, 2), (128, 128, 8, 2, 1),
+                 (64, 128, 8, 1, 1, 1, 1), (64, 128, 8, 1, 1, 0, 1)],
 }
 ODD_SHAPES = [(1000, 520), (257, 4096), (4096, 136)]
 

@@ -151,6 +151,54 @@ def test_kernel_split_launches_match(kind, monkeypatch):
             _assert_same(split.decode_scale(usage), fused.decode_scale(usage), f"{kind} {usage}")
 
 
+@pytest.mark.parametrize("order", [(0, 0), (1, 0), (0, 1), (1, 1)],
+                         ids=["m_fast", "k_fast", "m_fast_bottom_up", "k_fast_bottom_up"])
+@pytest.mark.parametrize("kind", ["current", "delayed"])
+def test_cast_tile_orders_match_reference(kind, order, monkeypatch):
+    """The per-tensor cast reads its tiles in any order (grid axis along K, rows from the
+    last up, several tiles a program) and gives the reference's bytes: the scale store and
+    the delayed finish are done by exactly one program in each order."""
+    from lowprec.formats.float8 import launch
+    configs = {"cast_both": (64, 128, 4, 2, 1), "cast_row": (16, 256, 4, 3, 1),
+               "cast_col": (64, 128, 4, 1, 1)}
+    for key, (bm, bn, warps, iters, stages) in configs.items():
+        monkeypatch.setitem(launch.CONFIGS, key, (bm, bn, warps, iters, stages, *order))
+    for usage in USAGES:
+        for i, shape in enumerate([(300, 520), (4, 64, 384), ("t", 128, 256)]):
+            x = _input(shape, torch.bfloat16, "special" if i == 0 else "normal", seed=20 + i)
+            qk = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
+            qr = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
+            with reference_only():
+                ref = qr.quantize(x)
+            got = qk.quantize(x)
+            for name, t in got.inner_tensors().items():
+                _assert_same(t, ref.inner_tensors()[name], f"{kind} {order} {usage} {name}")
+            _assert_same(got.decode_scale().reshape(1), torch.reciprocal(ref.shared_scale),
+                         f"{kind} {order} {usage} decode scale")
+            if hasattr(qk, "amax"):
+                _assert_same(qk.amax, qr.amax, f"{kind} {order} {usage} recorded amax")
+
+
+@pytest.mark.parametrize("usage", list(USAGES))
+def test_delayed_casts_leave_their_words_zero(usage):
+    """A delayed quantizer's casts count in two words kept on the quantizer; each cast sets
+    them back to zero, so a later, smaller input records its own amax (not the earlier
+    one's), and a NaN input does not poison the next cast."""
+    qk = QUANTIZERS["delayed"](E4).set_usage(*USAGES[usage])
+    qr = QUANTIZERS["delayed"](E4).set_usage(*USAGES[usage])
+    big = _input((300, 520), torch.bfloat16, "normal", seed=3) * 1000
+    nan = _input((256, 384), torch.bfloat16, "special", seed=4)
+    small = _input((4, 64, 384), torch.bfloat16, "normal", seed=5)
+    for x in (big, nan, small, big):
+        got = qk.quantize(x)
+        with reference_only():
+            ref = qr.quantize(x)
+        assert qk._finish_words.tolist() == [0, 0]
+        for name, t in got.inner_tensors().items():
+            _assert_same(t, ref.inner_tensors()[name], f"{usage} {tuple(x.shape)} {name}")
+        _assert_same(qk.amax, qr.amax, f"{usage} {tuple(x.shape)} recorded amax")
+
+
 @pytest.mark.parametrize("kind", ["current", "delayed", "block1x128", "mxfp8"])
 def test_kernel_update_quantized_in_place(kind):
     x = _input((256, 256), torch.bfloat16, "normal", seed=7)

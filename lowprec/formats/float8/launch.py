@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ...kernels import kernel_op
+from ...kernels import _tracing, kernel_op
 from ..base import QuantizedTensor
 from ...kernels.launch import launch
 
@@ -67,14 +67,16 @@ def launches(rowwise: bool, columnwise: bool, key: str):
 #: the NaN fill then runs in one program, slow, but only for NaN/Inf inputs.
 FUSED_FINISH = True
 
-#: Tile configs: name -> (BM, BN, num_warps), picked by timing 16384x4096 bf16 on an H200
-#: (benchmarks/check_kernels_fp8.py, which may override entries). The values here are the
-#: ones that script verified bit-exact.
+#: Tile configs: name -> (BM, BN, num_warps[, ITERS, STAGES, K_FAST, BOTTOM_UP] of the
+#: casts: see tile_config and cast_bottom_up), picked by timing 16384x4096 bf16 on an H200
+#: (benchmarks/check_kernels_fp8.py, which may override entries, and sweep_fp8_cast.py).
+#: The values here are the ones those scripts verified bit-exact. The casts take the rows
+#: the amax pass read last first, from L2 (``cast_kernel``).
 CONFIGS = {
     "amax": (32, 256, 8),
-    "cast_row": (16, 512, 4),
-    "cast_col": (64, 128, 8),
-    "cast_both": (128, 128, 8),
+    "cast_row": (16, 512, 4, 1, 1, 1, 1),
+    "cast_col": (64, 128, 8, 1, 1, 1, 1),
+    "cast_both": (128, 128, 8, 1, 1, 1, 1),
     "finish": (4096, 0, 4),
 }
 
@@ -86,6 +88,12 @@ def tile_config(cfg: tuple) -> tuple:
     bm, bn, warps, *rest = cfg
     iters, stages, k_fast = (tuple(rest) + (1, 1, 0))[:3]
     return bm, bn, warps, iters, stages, bool(k_fast)
+
+
+def cast_bottom_up(cfg: tuple) -> bool:
+    """The 7th item of a ``cast_*`` config: the cast takes x's row tiles from the last one
+    up (see ``cast_kernel``); False when absent."""
+    return len(cfg) > 6 and bool(cfg[6])
 
 
 def tile_grid(m: int, k: int, bm: int, bn: int, iters: int, k_fast: bool) -> tuple:
@@ -224,38 +232,42 @@ def _launch_cast(x, row, col, amax_bits, scale_in, scale_out, m, k, p, eps, pro,
     from .triton_kernels import cast_kernel
     cfg = _cast_cfg(r, c)
     bm, bn, warps, iters, stages, k_fast = tile_config(cfg)
-    if k_fast:
-        raise ValueError(f"cast_kernel has no K-fast grid; config {cfg} asks for one")
-    grid = tile_grid(m, k, bm, bn, iters, False)
+    bottom_up = cast_bottom_up(cfg)
+    grid = tile_grid(m, k, bm, bn, iters, k_fast)
     finish = amax_out is not None
     launch(cast_kernel, grid, x, row, col, amax_bits, scale_in, scale_out,
            amax_out if finish else scale_out, m, k, x.stride(0), x.stride(1), *p,
            eps, PRO=pro, CURRENT=current, POW2=pow2,
            FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm, BN=bn,
-           RECORD=record, FINISH=finish, ITERS=iters, STAGES=stages,
-           num_warps=warps, **kernel_fp8_args(fp8_dtype))
+           RECORD=record, FINISH=finish, ITERS=iters, STAGES=stages, K_FAST=k_fast,
+           BOTTOM_UP=bottom_up, num_warps=warps, **kernel_fp8_args(fp8_dtype))
 
 
 # ---- delayed scaling ----------------------------------------------------------------------
-@kernel_op("lowprec::fp8_delayed_quantize", mutates_args=("amax",))
+@kernel_op("lowprec::fp8_delayed_quantize", mutates_args=("amax", "finish_words"))
 def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, e5m2: bool,
                          rowwise: bool, columnwise: bool, pro: int,
-                         pro_args: list[torch.Tensor]
+                         pro_args: list[torch.Tensor], finish_words: Optional[torch.Tensor]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``finish_words``: two int32 zeros (amax bits, finished programs) that a one-launch
+    cast uses and leaves zero again (see ``finish_words``); None allocates them."""
     from .triton_kernels import delayed_finish_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)
     row, col = _outputs(x, rowwise, columnwise, pro)
     p = prologue_args(x, pro_args)
     scale_out = _scale_buffer(x)
-    amax_bits = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax, finished programs
     parts = launches(rowwise, columnwise, "pertensor")
     with device_guard(x.device):
         # the kernel counts elements in int32 for its fill: larger inputs finish apart
         if len(parts) == 1 and FUSED_FINISH and m * k < 2 ** 31:
-            _launch_cast(x, row, col, amax_bits, scale, scale_out, m, k, p, 0.0, pro, *parts[0],
-                         fp8_dtype, current=False, pow2=False, record=True, amax_out=amax)
+            if finish_words is None:
+                finish_words = torch.zeros(2, dtype=torch.int32, device=x.device)
+            _launch_cast(x, row, col, finish_words, scale, scale_out, m, k, p, 0.0, pro,
+                         *parts[0], fp8_dtype, current=False, pow2=False, record=True,
+                         amax_out=amax)
             return row, col, scale_out
+        amax_bits = torch.zeros(2, dtype=torch.int32, device=x.device)
         for r, c in parts:
             _launch_cast(x, row, col, amax_bits, scale, scale_out, m, k, p, 0.0, pro, r, c,
                          fp8_dtype, current=False, pow2=False, record=True)
@@ -270,7 +282,7 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
 
 
 @fp8_delayed_quantize.register_fake
-def _(x, scale, amax, e5m2, rowwise, columnwise, pro, pro_args):
+def _(x, scale, amax, e5m2, rowwise, columnwise, pro, pro_args, finish_words):
     row, col = _outputs(x, rowwise, columnwise, pro)
     return row, col, x.new_empty((SCALE_BUFFER,), dtype=torch.float32)
 
@@ -341,6 +353,22 @@ def quantize_with_scale(quantizer, x2d: torch.Tensor, scale: torch.Tensor,
     return _fields(quantizer, row, col, scale, decode)
 
 
+def finish_words(quantizer, device: torch.device) -> Optional[torch.Tensor]:
+    """The two int32 words (amax bits, finished programs) a delayed cast of ``quantizer``
+    counts in, kept on the quantizer: the cast's last program reads them and sets them back
+    to zero, so later casts need no zeroing launch of their own (host time). Casts of one
+    quantizer run one after the other on a stream, as its amax record already requires.
+    None under tracing (torch.compile), where the op allocates them."""
+    if _tracing(()):
+        return None
+    words = quantizer.__dict__.get("_finish_words")
+    if words is None or words.device != device:
+        with torch.inference_mode(False):  # a later cast outside inference mode writes it
+            words = torch.zeros(2, dtype=torch.int32, device=device)
+        quantizer._finish_words = words
+    return words
+
+
 def quantize_delayed(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
     """Float8Quantizer._quantize_2d through the kernels: records the amax into
     ``quantizer.amax`` in place and keeps a copy of the (NaN-poisoned) scale."""
@@ -352,7 +380,8 @@ def quantize_delayed(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
     row, col, scale_out = fp8_delayed_quantize(
         x2d, scale, amax,
         quantizer.fp8_dtype == torch.float8_e5m2, quantizer.rowwise_usage,
-        quantizer.columnwise_usage, *prologue_launch_args(prologue))
+        quantizer.columnwise_usage, *prologue_launch_args(prologue),
+        finish_words(quantizer, x2d.device))
     if not direct:
         target.copy_(amax.reshape(target.shape))
     return _kernel_fields(quantizer, row, col, scale_out)

@@ -223,7 +223,8 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
                 HW_CVT: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr,
                 RECORD: tl.constexpr, FINISH: tl.constexpr, ITERS: tl.constexpr = 1,
-                STAGES: tl.constexpr = 1):
+                STAGES: tl.constexpr = 1, K_FAST: tl.constexpr = False,
+                BOTTOM_UP: tl.constexpr = False):
     """One pass over x: cast ``x * scale`` and write rowwise (M, K) and/or columnwise (K, M).
 
     CURRENT: the scale comes from the amax pass (``amax_ptr``); program (0, 0) stores it and
@@ -231,12 +232,26 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
     Otherwise the scale is ``scale_in``. RECORD (delayed scaling): this pass also records the
     amax (atomic max into ``amax_ptr[0]``); then the scales are stored by
     ``delayed_finish_kernel`` or, with FINISH, by the last program to finish its tiles
-    (a count in ``amax_ptr[1]``, zero at launch): one launch fewer.
+    (a count in ``amax_ptr[1]``, zero at launch), which sets both words back to zero: one
+    launch fewer.
     Each program converts ITERS tiles down a column of tiles; with STAGES > 1 the loads of
     the next tiles are issued (asynchronously) while one is converted.
+
+    Tile order: K_FAST puts grid axis 0 along K, so the programs launched together read
+    whole rows of tiles; BOTTOM_UP then takes the row tiles from the last one up. The amax
+    pass (and a norm or activation producer) went through x top to bottom, so its last rows
+    are the ones L2 still holds when this pass starts: read first, they come from L2.
     """
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    if K_FAST:
+        pid_k = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        groups_m = tl.num_programs(1)
+    else:
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        groups_m = tl.num_programs(0)
+    if BOTTOM_UP:
+        pid_m = groups_m - 1 - pid_m
     if CURRENT:
         scale = current_scale(tl.load(amax_ptr), eps, FP8_MAX, POW2)
         if (pid_m == 0) & (pid_k == 0):
@@ -263,6 +278,12 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
         tl.debug_barrier()
         if tl.atomic_add(amax_ptr + 1, 1, sem="acq_rel") == nprog - 1:
             bits = tl.atomic_max(amax_ptr, 0, sem="acquire")
+            # Every other program is done with both words: leave them zero for the next
+            # cast that counts in them (``launch.finish_words``), once every thread of this
+            # one has the amax.
+            tl.debug_barrier()
+            tl.store(amax_ptr, 0)
+            tl.store(amax_ptr + 1, 0)
             n = M * K
             _finish_delayed(bits, 0, 1, tl.cdiv(n, 1024), scale_in_ptr, scale_out_ptr,
                             amax_out_ptr, row_ptr, col_ptr, n, ROWWISE, COLWISE, 1024)
