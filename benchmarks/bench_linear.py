@@ -134,6 +134,20 @@ def top_down_casts():
         launch.CONFIGS.update(saved)
 
 
+@contextlib.contextmanager
+def fresh_amax_words():
+    """Per-tensor FP8 quantizes with their amax words zeroed by a ``torch.zeros`` launch
+    each time, as before session 19, instead of the words kept on the quantizer: for an
+    A/B in one run."""
+    from lowprec.formats.float8 import launch
+    saved = launch.kept_amax_words
+    launch.kept_amax_words = lambda quantizer, device: None
+    try:
+        yield
+    finally:
+        launch.kept_amax_words = saved
+
+
 #: Peer variants for an A/B in the same run: (name, context manager a step runs inside,
 #: help of its ``--<name>-too`` option, which lists the recipes that also run that way as
 #: ``lowprec/<recipe>/<name>``).
@@ -151,6 +165,9 @@ VARIANTS = (
     ("top_down", top_down_casts,
      "(current, delayed) with the per-tensor casts reading x's tiles top down along M, the "
      "order before session 19 (top_down_casts)"),
+    ("fresh_words", fresh_amax_words,
+     "(current, delayed) with a torch.zeros launch for each quantize's amax words "
+     "(fresh_amax_words)"),
     ("no_lt", cublaslt.disabled,
      "(nvfp4) with the fp32-output GEMM and a scaling kernel instead of cuBLASLt's "
      "device-side alpha (lowprec.backends.cublaslt.disabled)"),

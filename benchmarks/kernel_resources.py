@@ -121,7 +121,7 @@ def cases(only):
                "eps": "fp32"}
         for current in (True, False):
             const = dict(FP8, PRO=0, CURRENT=current, POW2=False, ROWWISE=r, COLWISE=c,
-                         RECORD=not current, FINISH=not current)
+                         RECORD=not current, FINISH=not current, RESET=current)
             out.append(("current" if current else "delayed", usage, cast_kernel, sig, const,
                         fl.CONFIGS[f"cast_{usage}"]))
     for usage, (r, c) in (("both", (True, True)), ("row", (True, False)), ("col", (False, True))):

@@ -74,7 +74,7 @@ FUSED_FINISH = True
 #: the amax pass read last first, from L2 (``cast_kernel``).
 CONFIGS = {
     "amax": (32, 256, 8),
-    "cast_row": (16, 512, 4, 1, 1, 1, 1),
+    "cast_row": (32, 512, 8, 4, 1, 1, 1),
     "cast_col": (64, 128, 8, 1, 1, 1, 1),
     "cast_both": (128, 128, 8, 1, 1, 1, 1),
     "finish": (4096, 0, 4),
@@ -158,11 +158,13 @@ def _outputs(x: torch.Tensor, rowwise: bool, columnwise: bool, pro: int = 0):
     return row, col
 
 
-def _launch_amax(x: torch.Tensor, pro: int = 0, pro_args: list = ()) -> torch.Tensor:
+def _launch_amax(x: torch.Tensor, pro: int = 0, pro_args: list = (),
+                 words: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The amax pass into ``words[0]`` (zero, see ``kept_amax_words``), or into a fresh zero."""
     from .triton_kernels import amax_kernel
     m, k = logical_shape(x, pro)
     bm, bn, warps = CONFIGS["amax"]
-    amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
+    amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device) if words is None else words
     tiles = triton_cdiv(m, bm) * triton_cdiv(k, bn)
     progs = max(1, min(tiles, num_sms(x.device) * 4))
     launch(amax_kernel, (progs,), x, amax_bits, m, k, x.stride(0), x.stride(1),
@@ -198,37 +200,43 @@ def _scale_buffer(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- current scaling ----------------------------------------------------------------------
-@kernel_op("lowprec::fp8_current_quantize", mutates_args=())
+@kernel_op("lowprec::fp8_current_quantize", mutates_args=("amax_words",))
 def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, rowwise: bool,
                          columnwise: bool, pro: int, pro_args: list[torch.Tensor],
-                         amax_bits: Optional[torch.Tensor]
+                         amax_bits: Optional[torch.Tensor], amax_words: Optional[torch.Tensor]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``amax_bits``: the int32 amax bits when the producer already computed them (the
-    fused norm statistics), else None and an amax pass runs first."""
+    fused norm statistics), else None and an amax pass runs first, into ``amax_words``
+    (see ``kept_amax_words``; None allocates a zero)."""
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)
     row, col = _outputs(x, rowwise, columnwise, pro)
     scales = _scale_buffer(x)
     p = prologue_args(x, pro_args)
+    reset = False
     with device_guard(x.device):
         if amax_bits is None:
-            amax_bits = _launch_amax(x, pro, pro_args)
-        for r, c in launches(rowwise, columnwise, "pertensor"):
+            amax_bits = _launch_amax(x, pro, pro_args, amax_words)
+            reset = amax_words is not None
+        parts = launches(rowwise, columnwise, "pertensor")
+        for i, (r, c) in enumerate(parts):
             _launch_cast(x, row, col, amax_bits, scales, scales, m, k, p, eps, pro, r, c,
-                         fp8_dtype, current=True, pow2=pow2, record=False)
+                         fp8_dtype, current=True, pow2=pow2, record=False,
+                         reset=reset and i == len(parts) - 1)
     return row, col, scales
 
 
 @fp8_current_quantize.register_fake
-def _(x, e5m2, pow2, eps, rowwise, columnwise, pro, pro_args, amax_bits):
+def _(x, e5m2, pow2, eps, rowwise, columnwise, pro, pro_args, amax_bits, amax_words):
     row, col = _outputs(x, rowwise, columnwise, pro)
     return row, col, x.new_empty((SCALE_BUFFER,), dtype=torch.float32)
 
 
 def _launch_cast(x, row, col, amax_bits, scale_in, scale_out, m, k, p, eps, pro, r, c,
-                 fp8_dtype, *, current, pow2, record, amax_out=None):
+                 fp8_dtype, *, current, pow2, record, amax_out=None, reset=False):
     """One ``cast_kernel`` launch; ``amax_out`` (delayed scaling): finish in this launch,
-    recording the amax there (``amax_bits`` then holds two zeroed words)."""
+    recording the amax there (``amax_bits`` then holds two zeroed words, left zero);
+    ``reset`` (current scaling): the amax word and a zeroed count after it are left zero."""
     from .triton_kernels import cast_kernel
     cfg = _cast_cfg(r, c)
     bm, bn, warps, iters, stages, k_fast = tile_config(cfg)
@@ -239,18 +247,18 @@ def _launch_cast(x, row, col, amax_bits, scale_in, scale_out, m, k, p, eps, pro,
            amax_out if finish else scale_out, m, k, x.stride(0), x.stride(1), *p,
            eps, PRO=pro, CURRENT=current, POW2=pow2,
            FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r, COLWISE=c, BM=bm, BN=bn,
-           RECORD=record, FINISH=finish, ITERS=iters, STAGES=stages, K_FAST=k_fast,
-           BOTTOM_UP=bottom_up, num_warps=warps, **kernel_fp8_args(fp8_dtype))
+           RECORD=record, FINISH=finish, RESET=reset, ITERS=iters, STAGES=stages,
+           K_FAST=k_fast, BOTTOM_UP=bottom_up, num_warps=warps, **kernel_fp8_args(fp8_dtype))
 
 
 # ---- delayed scaling ----------------------------------------------------------------------
-@kernel_op("lowprec::fp8_delayed_quantize", mutates_args=("amax", "finish_words"))
+@kernel_op("lowprec::fp8_delayed_quantize", mutates_args=("amax", "amax_words"))
 def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, e5m2: bool,
                          rowwise: bool, columnwise: bool, pro: int,
-                         pro_args: list[torch.Tensor], finish_words: Optional[torch.Tensor]
+                         pro_args: list[torch.Tensor], amax_words: Optional[torch.Tensor]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``finish_words``: two int32 zeros (amax bits, finished programs) that a one-launch
-    cast uses and leaves zero again (see ``finish_words``); None allocates them."""
+    """``amax_words``: the two int32 zeros a one-launch cast counts in and leaves zero (see
+    ``kept_amax_words``); None allocates them."""
     from .triton_kernels import delayed_finish_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)
@@ -261,9 +269,9 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
     with device_guard(x.device):
         # the kernel counts elements in int32 for its fill: larger inputs finish apart
         if len(parts) == 1 and FUSED_FINISH and m * k < 2 ** 31:
-            if finish_words is None:
-                finish_words = torch.zeros(2, dtype=torch.int32, device=x.device)
-            _launch_cast(x, row, col, finish_words, scale, scale_out, m, k, p, 0.0, pro,
+            if amax_words is None:
+                amax_words = torch.zeros(2, dtype=torch.int32, device=x.device)
+            _launch_cast(x, row, col, amax_words, scale, scale_out, m, k, p, 0.0, pro,
                          *parts[0], fp8_dtype, current=False, pow2=False, record=True,
                          amax_out=amax)
             return row, col, scale_out
@@ -282,7 +290,7 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
 
 
 @fp8_delayed_quantize.register_fake
-def _(x, scale, amax, e5m2, rowwise, columnwise, pro, pro_args, finish_words):
+def _(x, scale, amax, e5m2, rowwise, columnwise, pro, pro_args, amax_words):
     row, col = _outputs(x, rowwise, columnwise, pro)
     return row, col, x.new_empty((SCALE_BUFFER,), dtype=torch.float32)
 
@@ -335,10 +343,11 @@ def quantize_current(quantizer, x2d: torch.Tensor, prologue=None, amax_bits=None
     pro, pro_args = prologue_launch_args(prologue)
     if amax_bits is None and prologue is not None:
         amax_bits = prologue.amax_bits
+    words = None if amax_bits is not None else kept_amax_words(quantizer, x2d.device)
     row, col, scale = fp8_current_quantize(
         x2d, quantizer.fp8_dtype == torch.float8_e5m2, quantizer.force_pow_2_scales,
         quantizer.amax_epsilon, quantizer.rowwise_usage, quantizer.columnwise_usage, pro,
-        pro_args, amax_bits)
+        pro_args, amax_bits, words)
     return _kernel_fields(quantizer, row, col, scale)
 
 
@@ -353,19 +362,20 @@ def quantize_with_scale(quantizer, x2d: torch.Tensor, scale: torch.Tensor,
     return _fields(quantizer, row, col, scale, decode)
 
 
-def finish_words(quantizer, device: torch.device) -> Optional[torch.Tensor]:
-    """The two int32 words (amax bits, finished programs) a delayed cast of ``quantizer``
-    counts in, kept on the quantizer: the cast's last program reads them and sets them back
-    to zero, so later casts need no zeroing launch of their own (host time). Casts of one
-    quantizer run one after the other on a stream, as its amax record already requires.
-    None under tracing (torch.compile), where the op allocates them."""
+def kept_amax_words(quantizer, device: torch.device) -> Optional[torch.Tensor]:
+    """Two int32 words a quantize of ``quantizer`` counts in (amax bits, finished programs),
+    kept on the quantizer. They are zero between quantizes: the cast's last program reads
+    them and sets them back to zero (current scaling's amax pass, before it, only raises
+    the amax word), so a quantize needs no zeroing launch of its own (host time). Quantizes
+    of one quantizer run one after the other on a stream, as delayed scaling's amax record
+    already requires. None under tracing (torch.compile), where the ops allocate them."""
     if _tracing(()):
         return None
-    words = quantizer.__dict__.get("_finish_words")
+    words = quantizer.__dict__.get("_amax_words")
     if words is None or words.device != device:
-        with torch.inference_mode(False):  # a later cast outside inference mode writes it
+        with torch.inference_mode(False):  # a later quantize outside inference mode writes it
             words = torch.zeros(2, dtype=torch.int32, device=device)
-        quantizer._finish_words = words
+        quantizer._amax_words = words
     return words
 
 
@@ -381,7 +391,7 @@ def quantize_delayed(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
         x2d, scale, amax,
         quantizer.fp8_dtype == torch.float8_e5m2, quantizer.rowwise_usage,
         quantizer.columnwise_usage, *prologue_launch_args(prologue),
-        finish_words(quantizer, x2d.device))
+        kept_amax_words(quantizer, x2d.device))
     if not direct:
         target.copy_(amax.reshape(target.shape))
     return _kernel_fields(quantizer, row, col, scale_out)

@@ -222,7 +222,8 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
                 MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
                 HW_CVT: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr,
-                RECORD: tl.constexpr, FINISH: tl.constexpr, ITERS: tl.constexpr = 1,
+                RECORD: tl.constexpr, FINISH: tl.constexpr, RESET: tl.constexpr,
+                ITERS: tl.constexpr = 1,
                 STAGES: tl.constexpr = 1, K_FAST: tl.constexpr = False,
                 BOTTOM_UP: tl.constexpr = False):
     """One pass over x: cast ``x * scale`` and write rowwise (M, K) and/or columnwise (K, M).
@@ -233,7 +234,8 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
     amax (atomic max into ``amax_ptr[0]``); then the scales are stored by
     ``delayed_finish_kernel`` or, with FINISH, by the last program to finish its tiles
     (a count in ``amax_ptr[1]``, zero at launch), which sets both words back to zero: one
-    launch fewer.
+    launch fewer. RESET (current scaling): the last program likewise sets the amax word and
+    the count back to zero, so the next amax pass needs no zeroing launch.
     Each program converts ITERS tiles down a column of tiles; with STAGES > 1 the loads of
     the next tiles are issued (asynchronously) while one is converted.
 
@@ -269,9 +271,9 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
         amax = tl.maximum(amax, tile_amax)
     if RECORD:
         tl.atomic_max(amax_ptr, amax, sem="relaxed")
-    if FINISH:
-        # acq_rel: this program's stores and amax are visible before its count, and the
-        # last program sees every other program's.
+    if FINISH or RESET:
+        # acq_rel: this program's stores, amax and read of the amax word are done before
+        # its count, and the last program sees every other program's.
         nprog = tl.num_programs(0) * tl.num_programs(1)
         # One thread issues the count: the barrier orders every thread's stores before it
         # (Triton 3.6 emits one here anyway; this does not rely on that).
@@ -279,14 +281,15 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
         if tl.atomic_add(amax_ptr + 1, 1, sem="acq_rel") == nprog - 1:
             bits = tl.atomic_max(amax_ptr, 0, sem="acquire")
             # Every other program is done with both words: leave them zero for the next
-            # cast that counts in them (``launch.finish_words``), once every thread of this
-            # one has the amax.
+            # quantize that counts in them (``launch.kept_amax_words``), once every thread of
+            # this one has the amax.
             tl.debug_barrier()
             tl.store(amax_ptr, 0)
             tl.store(amax_ptr + 1, 0)
-            n = M * K
-            _finish_delayed(bits, 0, 1, tl.cdiv(n, 1024), scale_in_ptr, scale_out_ptr,
-                            amax_out_ptr, row_ptr, col_ptr, n, ROWWISE, COLWISE, 1024)
+            if FINISH:
+                n = M * K
+                _finish_delayed(bits, 0, 1, tl.cdiv(n, 1024), scale_in_ptr, scale_out_ptr,
+                                amax_out_ptr, row_ptr, col_ptr, n, ROWWISE, COLWISE, 1024)
 
 
 @triton.jit
