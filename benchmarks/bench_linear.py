@@ -148,6 +148,19 @@ def fresh_amax_words():
         launch.kept_amax_words = saved
 
 
+@contextlib.contextmanager
+def two_launch_current():
+    """Current scaling's quantize as an amax pass and a cast (two launches), as before
+    session 19, instead of one cooperative launch: for an A/B in one run."""
+    from lowprec.formats.float8 import launch
+    saved = launch.ONE_LAUNCH_CURRENT
+    launch.ONE_LAUNCH_CURRENT = False
+    try:
+        yield
+    finally:
+        launch.ONE_LAUNCH_CURRENT = saved
+
+
 #: Peer variants for an A/B in the same run: (name, context manager a step runs inside,
 #: help of its ``--<name>-too`` option, which lists the recipes that also run that way as
 #: ``lowprec/<recipe>/<name>``).
@@ -168,6 +181,8 @@ VARIANTS = (
     ("fresh_words", fresh_amax_words,
      "(current, delayed) with a torch.zeros launch for each quantize's amax words "
      "(fresh_amax_words)"),
+    ("two_launch", two_launch_current,
+     "(current) with each quantize as an amax pass and a cast (two_launch_current)"),
     ("no_lt", cublaslt.disabled,
      "(nvfp4) with the fp32-output GEMM and a scaling kernel instead of cuBLASLt's "
      "device-side alpha (lowprec.backends.cublaslt.disabled)"),

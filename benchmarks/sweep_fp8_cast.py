@@ -3,7 +3,8 @@
 Delayed scaling's quantize is one pass (read x, write rowwise and/or columnwise codes,
 record the amax); current scaling is an amax pass plus the same cast pass. Both take their
 tile config from ``float8.launch.CONFIGS`` ("cast_both", "cast_row", "cast_col":
-(BM, BN, warps[, tiles per program, pipeline stages[, K-fast grid[, bottom-up]]])).
+(BM, BN, warps[, tiles per program, pipeline stages[, K-fast grid[, bottom-up]]])),
+and current scaling's one-launch kernel from "current_one" (BM, BN, warps, programs per SM).
 Current scaling's cast follows its amax pass, so an order that first reads the rows the
 amax pass read last takes them from L2. For each candidate this prints the
 GPU time (CUDA graphs) of delayed and current scaling and their ratio to a device-to-device
@@ -30,7 +31,8 @@ from lowprec.formats import Float8CurrentScalingQuantizer, Float8Quantizer  # no
 from lowprec.formats.float8 import launch  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
-USAGES = {"cast_both": (True, True), "cast_row": (True, False), "cast_col": (False, True)}
+USAGES = {"cast_both": (True, True), "cast_row": (True, False), "cast_col": (False, True),
+          "current_one": (True, True)}
 CANDIDATES = {
     "cast_both": [(32, 128, 2), (32, 128, 2, 8, 1), (32, 128, 2, 16, 1), (32, 128, 4, 8, 2),
                   (64, 128, 4, 4, 1), (64, 128, 4, 8, 2), (128, 128, 8), (128, 128, 8, 2, 2),
@@ -40,6 +42,9 @@ CANDIDATES = {
                   (64, 128, 4, 4, 1, 1, 1)],
     "cast_row": [(16, 512, 4), (16, 512, 4, 8, 1), (32, 256, 8, 4, 2), (32, 512, 8, 4, 1),
                  (16, 512, 4, 1, 1, 1, 1), (16, 512, 4, 1, 1, 0, 1), (32, 512, 8, 4, 1, 1, 1)],
+    # current scaling in one cooperative launch: (BM, BN, warps, programs per SM at most)
+    "current_one": [(128, 128, 8, 1), (128, 128, 8, 2), (64, 128, 4, 4), (64, 128, 8, 2),
+                    (128, 128, 16, 1), (32, 256, 4, 4), (64, 256, 8, 2)],
     "cast_col": [(64, 128, 8), (64, 128, 8, 4, 1), (64, 128, 4, 8, 2), (128, 128, 8, 2, 1),
                  (64, 128, 8, 1, 1, 1, 1), (64, 128, 8, 1, 1, 0, 1)],
 }

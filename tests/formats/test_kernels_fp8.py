@@ -180,11 +180,16 @@ def test_cast_tile_orders_match_reference(kind, order, monkeypatch):
 
 
 @pytest.mark.parametrize("usage", list(USAGES))
-@pytest.mark.parametrize("kind", ["current", "delayed", "current_pow2_eps"])
-def test_quantizes_leave_their_amax_words_zero(kind, usage):
-    """A per-tensor quantizer's amax pass and cast count in two words kept on the
-    quantizer; each quantize sets them back to zero, so a later, smaller input gets its own
-    amax (not the earlier one's), and a NaN input does not poison the next quantize."""
+@pytest.mark.parametrize("kind", ["current", "delayed", "current_pow2_eps", "current_2_launches"])
+def test_quantizes_leave_their_amax_words_zero(kind, usage, monkeypatch):
+    """A per-tensor quantizer's amax pass and cast count in words kept on the quantizer;
+    each quantize sets them back to zero, so a later, smaller input gets its own amax (not
+    the earlier one's), and a NaN input does not poison the next quantize. Current scaling
+    in one cooperative launch and in two (amax pass, cast)."""
+    from lowprec.formats.float8 import launch
+    if kind == "current_2_launches":
+        monkeypatch.setattr(launch, "ONE_LAUNCH_CURRENT", False)
+        kind = "current"
     qk = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
     qr = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
     big = _input((300, 520), torch.bfloat16, "normal", seed=3) * 1000
@@ -194,11 +199,37 @@ def test_quantizes_leave_their_amax_words_zero(kind, usage):
         got = qk.quantize(x)
         with reference_only():
             ref = qr.quantize(x)
-        assert qk._amax_words.tolist() == [0, 0]
+        assert qk._amax_words.tolist() == [0] * launch.AMAX_WORDS
         for name, t in got.inner_tensors().items():
             _assert_same(t, ref.inner_tensors()[name], f"{usage} {tuple(x.shape)} {name}")
         if hasattr(qk, "amax"):
             _assert_same(qk.amax, qr.amax, f"{usage} {tuple(x.shape)} recorded amax")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_current_one_launch_with_several_tiles_a_program(dtype):
+    """More tiles than the cooperative grid has programs (several a program, the last
+    ones partly or wholly past the edge): the one-launch current quantize still gives the
+    reference's bytes, in both usages, with NaN and Inf in the input."""
+    from lowprec.formats.float8 import launch
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bm, bn, _, per_sm = launch.CONFIGS["current_one"]
+    m, k = bm * 2 * sms * per_sm // 9 + 37, bn * 9 + 40  # > 2 tiles a program, ragged
+    x = _input((m, k), dtype, "special", seed=31)
+    for usage in USAGES:
+        qk = QUANTIZERS["current"](E4).set_usage(*USAGES[usage])
+        qr = QUANTIZERS["current"](E4).set_usage(*USAGES[usage])
+        with reference_only():
+            ref = qr.quantize(x)
+        got = qk.quantize(x)
+        for name, t in got.inner_tensors().items():
+            _assert_same(t, ref.inner_tensors()[name], f"{usage} {name}")
+        x2 = _input((m // 3, k), dtype, "normal", seed=32)  # finite next: words left zero
+        with reference_only():
+            ref = qr.quantize(x2)
+        got = qk.quantize(x2)
+        for name, t in got.inner_tensors().items():
+            _assert_same(t, ref.inner_tensors()[name], f"{usage} second {name}")
 
 
 @pytest.mark.parametrize("kind", ["current", "delayed", "block1x128", "mxfp8"])

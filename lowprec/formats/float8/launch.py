@@ -78,7 +78,13 @@ CONFIGS = {
     "cast_col": (64, 128, 8, 1, 1, 1, 1),
     "cast_both": (128, 128, 8, 1, 1, 1, 1),
     "finish": (4096, 0, 4),
+    # current scaling in one cooperative launch: (BM, BN, warps, programs per SM at most)
+    "current_one": (128, 128, 8, 2),
 }
+
+#: Current scaling's amax pass and cast in one launch (``current_quantize_kernel``) when
+#: no producer computed the amax; False: two launches (``amax_kernel``, ``cast_kernel``).
+ONE_LAUNCH_CURRENT = True
 
 
 def tile_config(cfg: tuple) -> tuple:
@@ -215,6 +221,12 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
     p = prologue_args(x, pro_args)
     reset = False
     with device_guard(x.device):
+        if amax_bits is None and ONE_LAUNCH_CURRENT:
+            if amax_words is None:
+                amax_words = torch.zeros(AMAX_WORDS, dtype=torch.int32, device=x.device)
+            _launch_current_one(x, row, col, amax_words, scales, m, k, p, eps, pro, rowwise,
+                                columnwise, fp8_dtype, pow2)
+            return row, col, scales
         if amax_bits is None:
             amax_bits = _launch_amax(x, pro, pro_args, amax_words)
             reset = amax_words is not None
@@ -230,6 +242,58 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
 def _(x, e5m2, pow2, eps, rowwise, columnwise, pro, pro_args, amax_bits, amax_words):
     row, col = _outputs(x, rowwise, columnwise, pro)
     return row, col, x.new_empty((SCALE_BUFFER,), dtype=torch.float32)
+
+
+#: (device, compile-relevant arguments) -> programs of ``current_quantize_kernel`` that fit
+#: on one SM together
+_resident: dict = {}
+
+@functools.lru_cache(maxsize=None)
+def _cuda_driver():
+    import ctypes
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def resident_programs(compiled) -> int:
+    """How many programs of a compiled Triton kernel one SM holds at once, as the CUDA
+    driver computes it for a cooperative launch (registers, threads, shared memory)."""
+    import ctypes
+    compiled._init_handles()
+    n = ctypes.c_int(0)
+    err = _cuda_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(n), ctypes.c_void_p(compiled.function),
+        ctypes.c_int(32 * compiled.metadata.num_warps), ctypes.c_size_t(compiled.metadata.shared))
+    if err != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUresult "
+                           f"{err} for {compiled.name}")
+    return n.value
+
+
+def _launch_current_one(x, row, col, words, scales, m, k, p, eps, pro, r, c, fp8_dtype, pow2):
+    """``current_quantize_kernel`` on a cooperative grid of as many programs as fit on the
+    GPU at once (at most the config's count per SM, at most one per tile)."""
+    from .triton_kernels import current_quantize_kernel
+    bm, bn, warps, per_sm = CONFIGS["current_one"]
+    consts = dict(PRO=pro, POW2=pow2, FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r,
+                  COLWISE=c, BM=bm, BN=bn, num_warps=warps, launch_cooperative_grid=True,
+                  **kernel_fp8_args(fp8_dtype))
+    tiles = triton_cdiv(m, bm) * triton_cdiv(k, bn)
+    args = [x, row, col, words, scales, m, k, x.stride(0), x.stride(1), *p, eps]
+    # what Triton specializes the kernel on (so its registers) besides the constexprs:
+    # integers equal to 1 or divisible by 16, pointers 16-byte aligned (iters is never
+    # specialized: the grid size depends on this)
+    key = (x.device, x.dtype, tuple(consts.items()),
+           tuple((v == 1, v % 16 == 0) for v in (m, k, x.stride(0), x.stride(1))),
+           tuple(None if t is None else t.data_ptr() % 16 == 0 for t in (x, *p)))
+    fit = _resident.get(key)
+    if fit is None:
+        compiled = current_quantize_kernel.warmup(*args, 2, grid=(1,), **consts)
+        fit = _resident[key] = min(per_sm, resident_programs(compiled))
+        if fit < 1:
+            raise RuntimeError(f"current_quantize_kernel config {CONFIGS['current_one']} "
+                               f"does not fit on one SM")
+    progs = max(1, min(tiles, num_sms(x.device) * fit))
+    launch(current_quantize_kernel, (progs,), *args, triton_cdiv(tiles, progs), **consts)
 
 
 def _launch_cast(x, row, col, amax_bits, scale_in, scale_out, m, k, p, eps, pro, r, c,
@@ -362,11 +426,17 @@ def quantize_with_scale(quantizer, x2d: torch.Tensor, scale: torch.Tensor,
     return _fields(quantizer, row, col, scale, decode)
 
 
+#: int32 words a per-tensor quantize counts in: the amax bits and program counts (two for
+#: ``current_quantize_kernel``'s barrier), padded to 16 bytes
+AMAX_WORDS = 4
+
+
 def kept_amax_words(quantizer, device: torch.device) -> Optional[torch.Tensor]:
-    """Two int32 words a quantize of ``quantizer`` counts in (amax bits, finished programs),
-    kept on the quantizer. They are zero between quantizes: the cast's last program reads
-    them and sets them back to zero (current scaling's amax pass, before it, only raises
-    the amax word), so a quantize needs no zeroing launch of its own (host time). Quantizes
+    """The int32 words a quantize of ``quantizer`` counts in (amax bits, program counts),
+    kept on the quantizer. They are zero between quantizes: the quantize's last program
+    reads them and sets them back to zero (current scaling's separate amax pass, before
+    the cast, only raises the amax word), so a quantize needs no zeroing launch of its own
+    (host time). Quantizes
     of one quantizer run one after the other on a stream, as delayed scaling's amax record
     already requires. None under tracing (torch.compile), where the ops allocate them."""
     if _tracing(()):
@@ -374,7 +444,7 @@ def kept_amax_words(quantizer, device: torch.device) -> Optional[torch.Tensor]:
     words = quantizer.__dict__.get("_amax_words")
     if words is None or words.device != device:
         with torch.inference_mode(False):  # a later quantize outside inference mode writes it
-            words = torch.zeros(2, dtype=torch.int32, device=device)
+            words = torch.zeros(AMAX_WORDS, dtype=torch.int32, device=device)
         quantizer._amax_words = words
     return words
 

@@ -292,6 +292,60 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
                                 amax_out_ptr, row_ptr, col_ptr, n, ROWWISE, COLWISE, 1024)
 
 
+@triton.jit(do_not_specialize=["iters"])
+def current_quantize_kernel(x_ptr, row_ptr, col_ptr, words_ptr, scale_out_ptr, M, K,
+                            stride_xm, stride_xk, p0, p1, p2, p3, eps, iters,
+                            PRO: tl.constexpr, POW2: tl.constexpr, FP8_MAX: tl.constexpr,
+                            MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
+                            HW_CVT: tl.constexpr, ROWWISE: tl.constexpr,
+                            COLWISE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                            COL_MODE: tl.constexpr):
+    """Current scaling in one launch: the amax pass, a grid-wide barrier, the cast.
+
+    Launched as a cooperative grid (every program resident at once, or the launch fails),
+    so programs may wait for each other. Each program takes ``iters`` (BM, BN) tiles, the
+    grid striding through x row-major, and reduces their amax; it raises ``words[0]``,
+    counts itself in ``words[1]`` and waits until every program has. It then reads the
+    amax, counts itself out in ``words[2]`` (the last one sets the three words back to zero,
+    see ``launch.kept_amax_words``) and casts its tiles in reverse order: the tiles the grid
+    read last, first, while L2 still holds them.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    tiles_k = tl.cdiv(K, BN)
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    for i in range(0, iters):
+        t = pid + i * nprog
+        offs_m = (t // tiles_k) * BM + tl.arange(0, BM)
+        offs_k = (t % tiles_k) * BN + tl.arange(0, BN)
+        # a tile past the last one starts at a row >= M: load_tile masks all of it
+        x = load_tile(x_ptr, offs_m, offs_k, M, K, stride_xm, stride_xk, p0, p1, p2, p3, PRO)
+        acc = tl.maximum(acc, abs_bits(x))
+    tl.atomic_max(words_ptr, tl.max(tl.max(acc, 1), 0), sem="relaxed")
+    # acq_rel: the amax above is visible to whoever sees this count; a program that sees
+    # every count sees every amax.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(words_ptr + 1, 1, sem="acq_rel") + 1
+    while arrived < nprog:
+        arrived = tl.atomic_add(words_ptr + 1, 0, sem="acquire")
+    bits = tl.atomic_max(words_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+    if tl.atomic_add(words_ptr + 2, 1, sem="acq_rel") == nprog - 1:
+        # every program has read the amax and stopped waiting
+        tl.store(words_ptr, 0)
+        tl.store(words_ptr + 1, 0)
+        tl.store(words_ptr + 2, 0)
+    scale = current_scale(bits, eps, FP8_MAX, POW2)
+    if pid == 0:
+        tl.store(scale_out_ptr, scale)
+        tl.store(scale_out_ptr + DECODE_AT, decode_scale(scale))
+    for i in range(0, iters):
+        t = pid + (iters - 1 - i) * nprog
+        _cast_tile(t // tiles_k, t % tiles_k, scale, x_ptr, row_ptr, col_ptr, M, K,
+                   stride_xm, stride_xk, p0, p1, p2, p3, PRO, False, MBITS, BIAS, MAX_BITS,
+                   HW_CVT, ROWWISE, COLWISE, BM, BN, COL_MODE)
+
+
 @triton.jit
 def _finish_delayed(bits, pid, nprog, iters, scale_in_ptr, scale_out_ptr, amax_out_ptr,
                     row_ptr, col_ptr, N, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
