@@ -8,14 +8,17 @@ imported on first launch.
 Passes over memory (M x K input):
 
 * current scaling: amax pass (read x) + one cast pass (read x, write rowwise and/or the
-  transposed columnwise data); the scale is computed on the device, no host sync;
+  transposed columnwise data); the scale is computed on the device, no host sync. Both
+  run in one cooperative launch (``current_quantize_kernel``, a grid-wide barrier
+  between them) unless a producer already computed the amax;
 * delayed scaling: one pass (read x, write both directions, record the amax) whose last
   program stores the amax and scale and, only for a NaN/Inf input, fills the data with NaN
   (a separate finishing kernel when the cast is split in two launches);
 * a cast with a known scale (one usage after the other, slices): one pass.
 
 Each quantize also stores ``1 / scale`` (``DECODE_AT``), which the GEMMs take as their
-decode scale instead of launching a reciprocal per operand.
+decode scale instead of launching a reciprocal per operand, and counts in int32 words kept
+on its quantizer that it leaves zero (``kept_amax_words``): no zeroing launch per quantize.
 
 The cast kernel works on (BM, BN) tiles: each program loads its tile once, casts it, and
 writes the rowwise tile and/or its transpose (columnwise (K, M) layout).
