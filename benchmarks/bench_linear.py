@@ -149,12 +149,12 @@ def fresh_amax_words():
 
 
 @contextlib.contextmanager
-def two_launch_current():
-    """Current scaling's quantize as an amax pass and a cast (two launches), as before
-    session 19, instead of one cooperative launch: for an A/B in one run."""
+def one_launch_current():
+    """Current scaling's quantize in one cooperative launch (``launch.ONE_LAUNCH_CURRENT``,
+    opt-in) instead of an amax pass and a cast: for an A/B in one run."""
     from lowprec.formats.float8 import launch
     saved = launch.ONE_LAUNCH_CURRENT
-    launch.ONE_LAUNCH_CURRENT = False
+    launch.ONE_LAUNCH_CURRENT = True
     try:
         yield
     finally:
@@ -181,8 +181,8 @@ VARIANTS = (
     ("fresh_words", fresh_amax_words,
      "(current, delayed) with a torch.zeros launch for each quantize's amax words "
      "(fresh_amax_words)"),
-    ("two_launch", two_launch_current,
-     "(current) with each quantize as an amax pass and a cast (two_launch_current)"),
+    ("one_launch", one_launch_current,
+     "(current) with each quantize in one cooperative launch (one_launch_current)"),
     ("no_lt", cublaslt.disabled,
      "(nvfp4) with the fp32-output GEMM and a scaling kernel instead of cuBLASLt's "
      "device-side alpha (lowprec.backends.cublaslt.disabled)"),

@@ -1,7 +1,9 @@
 """GPU time of the per-tensor FP8 cast pass per tile config, each config checked bit for bit.
 
 Delayed scaling's quantize is one pass (read x, write rowwise and/or columnwise codes,
-record the amax); current scaling is an amax pass plus the same cast pass. Both take their
+record the amax); current scaling is an amax pass plus the same cast pass (or, with
+``launch.ONE_LAUNCH_CURRENT``, both in one cooperative launch: the "current_one" key
+turns it on for its candidates). Both take their
 tile config from ``float8.launch.CONFIGS`` ("cast_both", "cast_row", "cast_col":
 (BM, BN, warps[, tiles per program, pipeline stages[, K-fast grid[, bottom-up]]])),
 and current scaling's one-launch kernel from "current_one" (BM, BN, warps, programs per SM).
@@ -106,6 +108,7 @@ def main(argv=None):
         out_bytes = m * k * sum(usage)
         default_out = {kind: codes((q := make(kind, usage)).quantize(x), q)
                        for kind in ("delayed", "current")}
+        launch.ONE_LAUNCH_CURRENT = key == "current_one"
         for cfg in [saved] + [c for c in CANDIDATES[key] if c != saved]:
             launch.CONFIGS[key] = cfg
             try:
@@ -125,6 +128,7 @@ def main(argv=None):
                   f"({ratio['current']:.2f}){'' if bad is None else ' MISMATCH: ' + bad}",
                   flush=True)
         launch.CONFIGS[key] = saved
+        launch.ONE_LAUNCH_CURRENT = False
 
 
 if __name__ == "__main__":

@@ -588,5 +588,9 @@ def test_tile_config_and_grid():
     assert tile_config((32, 128, 2)) == (32, 128, 2, 1, 1, False)
     assert tile_config((32, 128, 2, 4, 3, 1)) == (32, 128, 2, 4, 3, True)
     # 100 rows: 4 tiles of 32, 2 programs of 2 tiles; 300 columns: 3 tiles of 128
-    assert tile_grid(100, 300, 32, 128, 2, False) == (2, 3)
-    assert tile_grid(100, 300, 32, 128, 2, True) == (3, 2)
+    assert tile_grid(100, 300, 32, 128, 2, False) == ((2, 3), False)
+    assert tile_grid(100, 300, 32, 128, 2, True) == ((3, 2), True)
+    # more than CUDA's 65535 programs down M: grid axis 1 cannot hold them, M-fast instead
+    m = 32 * 2 * 65536
+    assert tile_grid(m, 300, 32, 128, 2, True) == ((65536, 3), False)
+    assert tile_grid(m - 64, 300, 32, 128, 2, True) == ((3, 65535), True)

@@ -159,6 +159,7 @@ def test_cast_tile_orders_match_reference(kind, order, monkeypatch):
     last up, several tiles a program) and gives the reference's bytes: the scale store and
     the delayed finish are done by exactly one program in each order."""
     from lowprec.formats.float8 import launch
+    monkeypatch.setattr(launch, "ONE_LAUNCH_CURRENT", False)  # current: amax pass + cast
     configs = {"cast_both": (64, 128, 4, 2, 1), "cast_row": (16, 256, 4, 3, 1),
                "cast_col": (64, 128, 4, 1, 1)}
     for key, (bm, bn, warps, iters, stages) in configs.items():
@@ -180,16 +181,15 @@ def test_cast_tile_orders_match_reference(kind, order, monkeypatch):
 
 
 @pytest.mark.parametrize("usage", list(USAGES))
-@pytest.mark.parametrize("kind", ["current", "delayed", "current_pow2_eps", "current_2_launches"])
+@pytest.mark.parametrize("kind", ["current", "delayed", "current_pow2_eps", "current_one_launch"])
 def test_quantizes_leave_their_amax_words_zero(kind, usage, monkeypatch):
     """A per-tensor quantizer's amax pass and cast count in words kept on the quantizer;
     each quantize sets them back to zero, so a later, smaller input gets its own amax (not
     the earlier one's), and a NaN input does not poison the next quantize. Current scaling
-    in one cooperative launch and in two (amax pass, cast)."""
+    in two launches (amax pass, cast) and in one cooperative launch."""
     from lowprec.formats.float8 import launch
-    if kind == "current_2_launches":
-        monkeypatch.setattr(launch, "ONE_LAUNCH_CURRENT", False)
-        kind = "current"
+    monkeypatch.setattr(launch, "ONE_LAUNCH_CURRENT", kind == "current_one_launch")
+    kind = "current" if kind == "current_one_launch" else kind
     qk = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
     qr = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
     big = _input((300, 520), torch.bfloat16, "normal", seed=3) * 1000
@@ -199,19 +199,43 @@ def test_quantizes_leave_their_amax_words_zero(kind, usage, monkeypatch):
         got = qk.quantize(x)
         with reference_only():
             ref = qr.quantize(x)
-        assert qk._amax_words.tolist() == [0] * launch.AMAX_WORDS
+        (words,) = qk._amax_words.values()  # one stream, one set
+        assert words.tolist() == [0] * launch.AMAX_WORDS
         for name, t in got.inner_tensors().items():
             _assert_same(t, ref.inner_tensors()[name], f"{usage} {tuple(x.shape)} {name}")
         if hasattr(qk, "amax"):
             _assert_same(qk.amax, qr.amax, f"{usage} {tuple(x.shape)} recorded amax")
 
 
+@pytest.mark.parametrize("dist", ["normal", "wide", "special"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_current_one_launch_with_several_tiles_a_program(dtype):
+def test_current_one_launch_matches_reference(dtype, dist, monkeypatch):
+    """Current scaling in one cooperative launch (opt-in) gives the reference's bytes on
+    every shape, usage and setting the two-launch path is tested on."""
+    from lowprec.formats.float8 import launch
+    monkeypatch.setattr(launch, "ONE_LAUNCH_CURRENT", True)
+    for kind in ("current", "current_pow2_eps"):
+        for usage in USAGES:
+            for i, shape in enumerate(SHAPES):
+                x = _input(shape, dtype, dist, seed=40 + i)
+                qk = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
+                qr = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
+                with reference_only():
+                    ref = qr.quantize(x)
+                got = qk.quantize(x)
+                for name, t in got.inner_tensors().items():
+                    _assert_same(t, ref.inner_tensors()[name], f"{kind} {usage} {shape} {name}")
+                _assert_same(got.decode_scale().reshape(1), torch.reciprocal(ref.shared_scale),
+                             f"{kind} {usage} {shape} decode scale")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_current_one_launch_with_several_tiles_a_program(dtype, monkeypatch):
     """More tiles than the cooperative grid has programs (several a program, the last
     ones partly or wholly past the edge): the one-launch current quantize still gives the
     reference's bytes, in both usages, with NaN and Inf in the input."""
     from lowprec.formats.float8 import launch
+    monkeypatch.setattr(launch, "ONE_LAUNCH_CURRENT", True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bm, bn, _, per_sm = launch.CONFIGS["current_one"]
     m, k = bm * 2 * sms * per_sm // 9 + 37, bn * 9 + 40  # > 2 tiles a program, ragged
@@ -230,6 +254,43 @@ def test_current_one_launch_with_several_tiles_a_program(dtype):
         got = qk.quantize(x2)
         for name, t in got.inner_tensors().items():
             _assert_same(t, ref.inner_tensors()[name], f"{usage} second {name}")
+
+
+@pytest.mark.parametrize("kind", ["current", "delayed"])
+def test_amax_words_are_per_stream_and_not_shared_by_copies(kind):
+    """Quantizes of one quantizer on two streams, or of a quantizer and its copy, count in
+    words of their own; none are kept for a quantize under CUDA graph capture (the graph
+    zeroes its own on each replay)."""
+    from lowprec.formats.float8 import launch
+    q = QUANTIZERS[kind](E4)
+    x = _input((256, 384), torch.bfloat16, "normal", seed=50)
+    ref = q.quantize(x)
+    (first,) = q._amax_words.values()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = q.quantize(x)
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(q._amax_words) == 2
+    assert all(w is first or w.data_ptr() != first.data_ptr() for w in q._amax_words.values())
+    for name, t in on_side.inner_tensors().items():
+        _assert_same(t, ref.inner_tensors()[name], f"{kind} side stream {name}")
+    twin = q.copy()
+    assert "_amax_words" not in twin.__dict__
+    twin.quantize(x)
+    assert all(w.data_ptr() != first.data_ptr() for w in twin._amax_words.values())
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        assert launch.kept_amax_words(q, x.device) is None
+        graphed = q.quantize(x)
+    g.replay()
+    g.replay()
+    torch.cuda.synchronize()
+    for name, t in graphed.inner_tensors().items():
+        _assert_same(t, ref.inner_tensors()[name], f"{kind} graph replay {name}")
+    for w in list(q._amax_words.values()) + list(twin._amax_words.values()):
+        assert w.tolist() == [0] * launch.AMAX_WORDS
 
 
 @pytest.mark.parametrize("kind", ["current", "delayed", "block1x128", "mxfp8"])

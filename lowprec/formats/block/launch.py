@@ -17,7 +17,7 @@ from ..base import QuantizedTensor
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
                               launches, logical_shape, prologue_args, prologue_launch_args,
-                              tile_config, tile_grid, triton_cdiv)
+                              order_axes, tile_config, tile_grid, triton_cdiv)
 from .reference import BLOCK
 from ...kernels.launch import launch
 
@@ -79,15 +79,15 @@ def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, pow2: bool, eps: float):
     fp8 = dict(FP8_MAX=fmax, POW2=pow2, MBITS=mbits, BIAS=bias, MAX_BITS=max_bits)
     if rowwise:
         rb, r, t, warps, k_fast, evict = gluon_config("both")
-        grid = (m // BLOCK, k // BLOCK)
-        launch(block1_both_kernel, grid[::-1] if k_fast else grid,
+        grid, k_fast = order_axes((m // BLOCK, k // BLOCK), k_fast)
+        launch(block1_both_kernel, grid,
             x, rq, rs, rd, cq, cs, cd, m, k, x.stride(0), eps, RB=rb, R=r, T=t, WARPS=warps,
-            K_FAST=bool(k_fast), EVICT=bool(evict), num_warps=warps, **fp8)
+            K_FAST=k_fast, EVICT=bool(evict), num_warps=warps, **fp8)
     else:
         r, t, warps, k_fast = gluon_config("col")
-        grid = (m // BLOCK, triton_cdiv(k, 8 * t))
-        launch(block1_col_kernel, grid[::-1] if k_fast else grid,
-            x, cq, cs, cd, m, k, x.stride(0), eps, R=r, T=t, WARPS=warps, K_FAST=bool(k_fast),
+        grid, k_fast = order_axes((m // BLOCK, triton_cdiv(k, 8 * t)), k_fast)
+        launch(block1_col_kernel, grid,
+            x, cq, cs, cd, m, k, x.stride(0), eps, R=r, T=t, WARPS=warps, K_FAST=k_fast,
             num_warps=warps, **fp8)
 
 
@@ -147,7 +147,8 @@ def _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, 
     m, k = logical_shape(x, pro)
     bm, bn, warps, iters, stages, k_fast = tile_config(
         CONFIGS[(block_scaling_dim, _usage(r, c))])
-    launch(block_scaled_quant_kernel, tile_grid(m, k, bm, bn, iters, k_fast),
+    grid, k_fast = tile_grid(m, k, bm, bn, iters, k_fast)
+    launch(block_scaled_quant_kernel, grid,
         x, rq, rs, cq, cs, rd, cd, m, k, x.stride(0), x.stride(1), *prologue_args(x, pro_args),
         eps, PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
         TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=False,

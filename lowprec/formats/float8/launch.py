@@ -8,9 +8,8 @@ imported on first launch.
 Passes over memory (M x K input):
 
 * current scaling: amax pass (read x) + one cast pass (read x, write rowwise and/or the
-  transposed columnwise data); the scale is computed on the device, no host sync. Both
-  run in one cooperative launch (``current_quantize_kernel``, a grid-wide barrier
-  between them) unless a producer already computed the amax;
+  transposed columnwise data); the scale is computed on the device, no host sync. With
+  ``ONE_LAUNCH_CURRENT`` both run in one cooperative launch (``cooperative.py``);
 * delayed scaling: one pass (read x, write both directions, record the amax) whose last
   program stores the amax and scale and, only for a NaN/Inf input, fills the data with NaN
   (a separate finishing kernel when the cast is split in two launches);
@@ -81,13 +80,21 @@ CONFIGS = {
     "cast_col": (64, 128, 8, 1, 1, 1, 1),
     "cast_both": (128, 128, 8, 1, 1, 1, 1),
     "finish": (4096, 0, 4),
-    # current scaling in one cooperative launch: (BM, BN, warps, programs per SM at most)
+    # current scaling in one cooperative launch: (BM, BN, warps, programs per SM at most;
+    # the driver fits one 8-warp program of this tile an SM for bf16 input, 255 registers)
     "current_one": (128, 128, 8, 2),
 }
 
-#: Current scaling's amax pass and cast in one launch (``current_quantize_kernel``) when
-#: no producer computed the amax; False: two launches (``amax_kernel``, ``cast_kernel``).
-ONE_LAUNCH_CURRENT = True
+#: Current scaling's amax pass and cast in one cooperative launch (``cooperative.py``)
+#: when no producer computed the amax, instead of two launches (``amax_kernel``, then
+#: ``cast_kernel``). Off by default: it saves one launch's host time per quantize, but a
+#: cooperative grid the size of the GPU cannot start until every SM has room for it, so it
+#: waits for kernels of other streams (communication overlapped with compute) to leave.
+ONE_LAUNCH_CURRENT = False
+
+#: int32 words a per-tensor quantize counts in: the amax bits and program counts (two for
+#: the cooperative kernel's barrier), padded to 16 bytes; see ``kept_amax_words``
+AMAX_WORDS = 4
 
 
 def tile_config(cfg: tuple) -> tuple:
@@ -105,11 +112,24 @@ def cast_bottom_up(cfg: tuple) -> bool:
     return len(cfg) > 6 and bool(cfg[6])
 
 
-def tile_grid(m: int, k: int, bm: int, bn: int, iters: int, k_fast: bool) -> tuple:
-    """Launch grid of a tiled quantize: (groups of ITERS tiles down M, tiles along K), the
-    two axes swapped with ``k_fast`` (the kernel must then read them swapped too)."""
-    grid = (triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn))
-    return grid[::-1] if k_fast else grid
+#: CUDA's limit on a launch grid's axes 1 and 2 (axis 0 goes to 2**31 - 1)
+MAX_GRID_YZ = 65535
+
+
+def order_axes(grid: tuple, k_fast: bool) -> tuple[tuple, bool]:
+    """(launch grid, K_FAST to pass the kernel) of a (programs down M, programs along K)
+    grid: ``k_fast`` swaps the axes, unless that would put more than CUDA's 65535 programs
+    on axis 1; the M-fast order then runs (the same tiles in another order)."""
+    if k_fast and grid[0] > MAX_GRID_YZ:
+        k_fast = False
+    return (grid[::-1] if k_fast else grid), bool(k_fast)
+
+
+def tile_grid(m: int, k: int, bm: int, bn: int, iters: int, k_fast: bool) -> tuple[tuple, bool]:
+    """Launch grid of a tiled quantize and the K_FAST the kernel must read it with: (groups
+    of ITERS tiles down M, tiles along K), the axes swapped with ``k_fast`` (see
+    :func:`order_axes`)."""
+    return order_axes((triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn)), k_fast)
 
 
 def fp8_dtype_of(is_e5m2: bool) -> torch.dtype:
@@ -225,19 +245,26 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
     reset = False
     with device_guard(x.device):
         if amax_bits is None and ONE_LAUNCH_CURRENT:
-            if amax_words is None:
-                amax_words = torch.zeros(AMAX_WORDS, dtype=torch.int32, device=x.device)
-            _launch_current_one(x, row, col, amax_words, scales, m, k, p, eps, pro, rowwise,
-                                columnwise, fp8_dtype, pow2)
-            return row, col, scales
-        if amax_bits is None:
-            amax_bits = _launch_amax(x, pro, pro_args, amax_words)
-            reset = amax_words is not None
-        parts = launches(rowwise, columnwise, "pertensor")
-        for i, (r, c) in enumerate(parts):
-            _launch_cast(x, row, col, amax_bits, scales, scales, m, k, p, eps, pro, r, c,
-                         fp8_dtype, current=True, pow2=pow2, record=False,
-                         reset=reset and i == len(parts) - 1)
+            from .cooperative import launch_current_one, usable
+            if usable():
+                if amax_words is None:
+                    amax_words = torch.zeros(AMAX_WORDS, dtype=torch.int32, device=x.device)
+                launch_current_one(x, row, col, amax_words, scales, m, k, p, eps, pro,
+                                   rowwise, columnwise, fp8_dtype, pow2)
+                return row, col, scales
+        try:
+            if amax_bits is None:
+                amax_bits = _launch_amax(x, pro, pro_args, amax_words)
+                reset = amax_words is not None
+            parts = launches(rowwise, columnwise, "pertensor")
+            for i, (r, c) in enumerate(parts):
+                _launch_cast(x, row, col, amax_bits, scales, scales, m, k, p, eps, pro, r, c,
+                             fp8_dtype, current=True, pow2=pow2, record=False,
+                             reset=reset and i == len(parts) - 1)
+        except BaseException:
+            if reset:  # the amax pass raised the kept amax word and no cast reset it
+                amax_words.zero_()
+            raise
     return row, col, scales
 
 
@@ -245,58 +272,6 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
 def _(x, e5m2, pow2, eps, rowwise, columnwise, pro, pro_args, amax_bits, amax_words):
     row, col = _outputs(x, rowwise, columnwise, pro)
     return row, col, x.new_empty((SCALE_BUFFER,), dtype=torch.float32)
-
-
-#: (device, compile-relevant arguments) -> programs of ``current_quantize_kernel`` that fit
-#: on one SM together
-_resident: dict = {}
-
-@functools.lru_cache(maxsize=None)
-def _cuda_driver():
-    import ctypes
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def resident_programs(compiled) -> int:
-    """How many programs of a compiled Triton kernel one SM holds at once, as the CUDA
-    driver computes it for a cooperative launch (registers, threads, shared memory)."""
-    import ctypes
-    compiled._init_handles()
-    n = ctypes.c_int(0)
-    err = _cuda_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(n), ctypes.c_void_p(compiled.function),
-        ctypes.c_int(32 * compiled.metadata.num_warps), ctypes.c_size_t(compiled.metadata.shared))
-    if err != 0:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUresult "
-                           f"{err} for {compiled.name}")
-    return n.value
-
-
-def _launch_current_one(x, row, col, words, scales, m, k, p, eps, pro, r, c, fp8_dtype, pow2):
-    """``current_quantize_kernel`` on a cooperative grid of as many programs as fit on the
-    GPU at once (at most the config's count per SM, at most one per tile)."""
-    from .triton_kernels import current_quantize_kernel
-    bm, bn, warps, per_sm = CONFIGS["current_one"]
-    consts = dict(PRO=pro, POW2=pow2, FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r,
-                  COLWISE=c, BM=bm, BN=bn, num_warps=warps, launch_cooperative_grid=True,
-                  **kernel_fp8_args(fp8_dtype))
-    tiles = triton_cdiv(m, bm) * triton_cdiv(k, bn)
-    args = [x, row, col, words, scales, m, k, x.stride(0), x.stride(1), *p, eps]
-    # what Triton specializes the kernel on (so its registers) besides the constexprs:
-    # integers equal to 1 or divisible by 16, pointers 16-byte aligned (iters is never
-    # specialized: the grid size depends on this)
-    key = (x.device, x.dtype, tuple(consts.items()),
-           tuple((v == 1, v % 16 == 0) for v in (m, k, x.stride(0), x.stride(1))),
-           tuple(None if t is None else t.data_ptr() % 16 == 0 for t in (x, *p)))
-    fit = _resident.get(key)
-    if fit is None:
-        compiled = current_quantize_kernel.warmup(*args, 2, grid=(1,), **consts)
-        fit = _resident[key] = min(per_sm, resident_programs(compiled))
-        if fit < 1:
-            raise RuntimeError(f"current_quantize_kernel config {CONFIGS['current_one']} "
-                               f"does not fit on one SM")
-    progs = max(1, min(tiles, num_sms(x.device) * fit))
-    launch(current_quantize_kernel, (progs,), *args, triton_cdiv(tiles, progs), **consts)
 
 
 def _launch_cast(x, row, col, amax_bits, scale_in, scale_out, m, k, p, eps, pro, r, c,
@@ -308,7 +283,7 @@ def _launch_cast(x, row, col, amax_bits, scale_in, scale_out, m, k, p, eps, pro,
     cfg = _cast_cfg(r, c)
     bm, bn, warps, iters, stages, k_fast = tile_config(cfg)
     bottom_up = cast_bottom_up(cfg)
-    grid = tile_grid(m, k, bm, bn, iters, k_fast)
+    grid, k_fast = tile_grid(m, k, bm, bn, iters, k_fast)
     finish = amax_out is not None
     launch(cast_kernel, grid, x, row, col, amax_bits, scale_in, scale_out,
            amax_out if finish else scale_out, m, k, x.stride(0), x.stride(1), *p,
@@ -324,8 +299,9 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
                          rowwise: bool, columnwise: bool, pro: int,
                          pro_args: list[torch.Tensor], amax_words: Optional[torch.Tensor]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``amax_words``: the two int32 zeros a one-launch cast counts in and leaves zero (see
-    ``kept_amax_words``); None allocates them."""
+    """``amax_words``: zeroed int32 words (the first two used: amax bits, finished
+    programs) a one-launch cast counts in and leaves zero (see ``kept_amax_words``); None
+    allocates them."""
     from .triton_kernels import delayed_finish_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)
@@ -429,26 +405,31 @@ def quantize_with_scale(quantizer, x2d: torch.Tensor, scale: torch.Tensor,
     return _fields(quantizer, row, col, scale, decode)
 
 
-#: int32 words a per-tensor quantize counts in: the amax bits and program counts (two for
-#: ``current_quantize_kernel``'s barrier), padded to 16 bytes
-AMAX_WORDS = 4
-
-
 def kept_amax_words(quantizer, device: torch.device) -> Optional[torch.Tensor]:
-    """The int32 words a quantize of ``quantizer`` counts in (amax bits, program counts),
-    kept on the quantizer. They are zero between quantizes: the quantize's last program
-    reads them and sets them back to zero (current scaling's separate amax pass, before
-    the cast, only raises the amax word), so a quantize needs no zeroing launch of its own
-    (host time). Quantizes
-    of one quantizer run one after the other on a stream, as delayed scaling's amax record
-    already requires. None under tracing (torch.compile), where the ops allocate them."""
-    if _tracing(()):
+    """The int32 words (``AMAX_WORDS``: amax bits, program counts) a quantize of
+    ``quantizer`` on ``device`` counts in, kept on the quantizer, one set per CUDA stream.
+
+    They are zero between quantizes: the quantize's last program reads them and sets them
+    back to zero (current scaling's separate amax pass, before the cast, only raises the
+    amax word), so a quantize needs no zeroing launch of its own (host time). Quantizes on
+    one stream run one after another; a set per stream keeps quantizes that overlap on two
+    streams apart, and a copy of the quantizer (``copy()``) starts without any.
+
+    None, and the ops allocate fresh zeros, under tracing (torch.compile) and under CUDA
+    graph capture: a graph then zeroes its own words on each replay instead of holding a
+    pointer to ones that an eager quantize also uses (or that a replaced quantizer frees).
+    """
+    if _tracing(()) or torch.cuda.is_current_stream_capturing():
         return None
-    words = quantizer.__dict__.get("_amax_words")
-    if words is None or words.device != device:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    by_stream = quantizer.__dict__.get("_amax_words")
+    if by_stream is None:
+        by_stream = quantizer._amax_words = {}
+    words = by_stream.get(key)
+    if words is None:
         with torch.inference_mode(False):  # a later quantize outside inference mode writes it
-            words = torch.zeros(AMAX_WORDS, dtype=torch.int32, device=device)
-        quantizer._amax_words = words
+            words = by_stream[key] = torch.zeros(AMAX_WORDS, dtype=torch.int32, device=device)
     return words
 
 

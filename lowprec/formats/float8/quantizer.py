@@ -23,6 +23,13 @@ class _PerTensorFloat8(Quantizer):
     def _tensor_class(self):
         return Float8Tensor
 
+    def copy(self) -> "Quantizer":
+        new = super().copy()
+        # The kernels' kept amax words (launch.kept_amax_words) are this object's: a copy
+        # may quantize while this one does.
+        new.__dict__.pop("_amax_words", None)
+        return new
+
     def _fields(self, x2d: torch.Tensor, scale: torch.Tensor) -> dict:
         row, col = quantize_per_tensor(x2d, scale, self.fp8_dtype, rowwise=self.rowwise_usage,
                                        columnwise=self.columnwise_usage)

@@ -279,7 +279,8 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
         # (Triton 3.6 emits one here anyway; this does not rely on that).
         tl.debug_barrier()
         if tl.atomic_add(amax_ptr + 1, 1, sem="acq_rel") == nprog - 1:
-            bits = tl.atomic_max(amax_ptr, 0, sem="acquire")
+            if FINISH:
+                bits = tl.atomic_max(amax_ptr, 0, sem="acquire")
             # Every other program is done with both words: leave them zero for the next
             # quantize that counts in them (``launch.kept_amax_words``), once every thread of
             # this one has the amax.

@@ -16,7 +16,7 @@ from ..base import QuantizedTensor, check_exact_only
 
 from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
                               launches, logical_shape, prologue_args, prologue_launch_args,
-                              tile_config, tile_grid, triton_cdiv)
+                              order_axes, tile_config, tile_grid, triton_cdiv)
 from .reference import BLOCK
 from ...kernels.launch import launch
 
@@ -61,13 +61,13 @@ def _launch_gluon(x, outs, fp8_dtype, exact_row: bool, exact_col: bool, codes: b
     if m == 0 or k == 0:
         return
     rb, warps, k_fast, evict = GLUON_CONFIG
-    grid = (triton_cdiv(m, 32 * warps), triton_cdiv(k, 128))
+    grid, k_fast = order_axes((triton_cdiv(m, 32 * warps), triton_cdiv(k, 128)), k_fast)
     mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
-    launch(mx1_both_kernel, grid[::-1] if k_fast else grid,
+    launch(mx1_both_kernel, grid,
         x, rq, rs, cq, cs, re if exact_row else None, ce if exact_col else None, m, k,
         x.stride(0), FP8_MAX=fmax, MBITS=mbits, BIAS=bias, MAX_BITS=max_bits, RB=rb,
         WARPS=warps, EXACT_ROW=exact_row, EXACT_COL=exact_col, CODES=codes,
-        K_FAST=bool(k_fast), EVICT=bool(evict), num_warps=warps)
+        K_FAST=k_fast, EVICT=bool(evict), num_warps=warps)
 
 
 def _usage(rowwise: bool, columnwise: bool) -> str:
@@ -110,7 +110,8 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
             return rq, rs, cq, cs, re, ce
         for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
             bm, bn, warps, iters, stages, k_fast = tile_config(CONFIGS[(two_d, _usage(r, c))])
-            launch(block_scaled_quant_kernel, tile_grid(m, k, bm, bn, iters, k_fast),
+            grid, k_fast = tile_grid(m, k, bm, bn, iters, k_fast)
+            launch(block_scaled_quant_kernel, grid,
                 x, rq, rs, cq, cs, None, None, m, k, x.stride(0), x.stride(1),
                 *prologue_args(x, pro_args), 0.0, PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3],
                 POW2=False, TWO_D=two_d, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=True,
