@@ -86,6 +86,23 @@ def _assert_same(a, b, what):
     assert torch.equal(a.view(ints)[~nan_a], b.view(ints)[~nan_b]), what
 
 
+def _matches_reference(kind, usage, x, what, qk=None, qr=None):
+    """Quantizes ``x`` with a per-tensor quantizer of ``kind`` through the kernels and the
+    reference (fresh quantizers unless given) and requires the same bytes, decode scale and
+    recorded amax."""
+    qk = qk if qk is not None else QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
+    qr = qr if qr is not None else QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
+    with reference_only():
+        ref = qr.quantize(x)
+    got = qk.quantize(x)
+    for name, t in got.inner_tensors().items():
+        _assert_same(t, ref.inner_tensors()[name], f"{what} {name}")
+    _assert_same(got.decode_scale().reshape(1), torch.reciprocal(ref.shared_scale),
+                 f"{what} decode scale")
+    if hasattr(qk, "amax"):
+        _assert_same(qk.amax, qr.amax, f"{what} recorded amax")
+
+
 @pytest.mark.parametrize("dist", ["normal", "wide", "tiny", "special"])
 @pytest.mark.parametrize("usage", list(USAGES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -167,17 +184,7 @@ def test_cast_tile_orders_match_reference(kind, order, monkeypatch):
     for usage in USAGES:
         for i, shape in enumerate([(300, 520), (4, 64, 384), ("t", 128, 256)]):
             x = _input(shape, torch.bfloat16, "special" if i == 0 else "normal", seed=20 + i)
-            qk = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
-            qr = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
-            with reference_only():
-                ref = qr.quantize(x)
-            got = qk.quantize(x)
-            for name, t in got.inner_tensors().items():
-                _assert_same(t, ref.inner_tensors()[name], f"{kind} {order} {usage} {name}")
-            _assert_same(got.decode_scale().reshape(1), torch.reciprocal(ref.shared_scale),
-                         f"{kind} {order} {usage} decode scale")
-            if hasattr(qk, "amax"):
-                _assert_same(qk.amax, qr.amax, f"{kind} {order} {usage} recorded amax")
+            _matches_reference(kind, usage, x, f"{kind} {order} {usage} {shape}")
 
 
 @pytest.mark.parametrize("usage", list(USAGES))
@@ -196,15 +203,9 @@ def test_quantizes_leave_their_amax_words_zero(kind, usage, monkeypatch):
     nan = _input((256, 384), torch.bfloat16, "special", seed=4)
     small = _input((4, 64, 384), torch.bfloat16, "normal", seed=5)
     for x in (big, nan, small, big, small):
-        got = qk.quantize(x)
-        with reference_only():
-            ref = qr.quantize(x)
+        _matches_reference(kind, usage, x, f"{usage} {tuple(x.shape)}", qk, qr)
         (words,) = qk._amax_words.values()  # one stream, one set
         assert words.tolist() == [0] * launch.AMAX_WORDS
-        for name, t in got.inner_tensors().items():
-            _assert_same(t, ref.inner_tensors()[name], f"{usage} {tuple(x.shape)} {name}")
-        if hasattr(qk, "amax"):
-            _assert_same(qk.amax, qr.amax, f"{usage} {tuple(x.shape)} recorded amax")
 
 
 @pytest.mark.parametrize("dist", ["normal", "wide", "special"])
@@ -218,15 +219,7 @@ def test_current_one_launch_matches_reference(dtype, dist, monkeypatch):
         for usage in USAGES:
             for i, shape in enumerate(SHAPES):
                 x = _input(shape, dtype, dist, seed=40 + i)
-                qk = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
-                qr = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
-                with reference_only():
-                    ref = qr.quantize(x)
-                got = qk.quantize(x)
-                for name, t in got.inner_tensors().items():
-                    _assert_same(t, ref.inner_tensors()[name], f"{kind} {usage} {shape} {name}")
-                _assert_same(got.decode_scale().reshape(1), torch.reciprocal(ref.shared_scale),
-                             f"{kind} {usage} {shape} decode scale")
+                _matches_reference(kind, usage, x, f"{kind} {usage} {shape}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -240,20 +233,12 @@ def test_current_one_launch_with_several_tiles_a_program(dtype, monkeypatch):
     bm, bn, _, per_sm = launch.CONFIGS["current_one"]
     m, k = bm * 2 * sms * per_sm // 9 + 37, bn * 9 + 40  # > 2 tiles a program, ragged
     x = _input((m, k), dtype, "special", seed=31)
+    x2 = _input((m // 3, k), dtype, "normal", seed=32)  # finite next: words left zero
     for usage in USAGES:
         qk = QUANTIZERS["current"](E4).set_usage(*USAGES[usage])
         qr = QUANTIZERS["current"](E4).set_usage(*USAGES[usage])
-        with reference_only():
-            ref = qr.quantize(x)
-        got = qk.quantize(x)
-        for name, t in got.inner_tensors().items():
-            _assert_same(t, ref.inner_tensors()[name], f"{usage} {name}")
-        x2 = _input((m // 3, k), dtype, "normal", seed=32)  # finite next: words left zero
-        with reference_only():
-            ref = qr.quantize(x2)
-        got = qk.quantize(x2)
-        for name, t in got.inner_tensors().items():
-            _assert_same(t, ref.inner_tensors()[name], f"{usage} second {name}")
+        _matches_reference("current", usage, x, f"{usage} first", qk, qr)
+        _matches_reference("current", usage, x2, f"{usage} second", qk, qr)
 
 
 @pytest.mark.parametrize("kind", ["current", "delayed"])

@@ -173,18 +173,26 @@ def amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3, n_t
                 PRO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Grid-stride over (BM, BN) tiles (``iters`` each); one relaxed int32 atomic max per
     program."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    bits = _strided_tiles_amax(x_ptr, tl.program_id(0), tl.num_programs(0), iters, M, K,
+                               stride_xm, stride_xk, p0, p1, p2, p3, PRO, BM, BN)
+    tl.atomic_max(amax_ptr, bits, sem="relaxed")
+
+
+@triton.jit
+def _strided_tiles_amax(x_ptr, pid, nprog, iters, M, K, stride_xm, stride_xk, p0, p1, p2, p3,
+                        PRO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """int32 amax bits of the ``iters`` (BM, BN) tiles ``pid + i * nprog`` of x, the tiles
+    numbered row-major."""
     tiles_k = tl.cdiv(K, BN)
     acc = tl.zeros([BM, BN], dtype=tl.int32)
     for i in range(0, iters):
         t = pid + i * nprog
         offs_m = (t // tiles_k) * BM + tl.arange(0, BM)
         offs_k = (t % tiles_k) * BN + tl.arange(0, BN)
-        # A tile past n_tiles starts at a row >= M, so load_tile masks all of it.
+        # A tile past the last one starts at a row >= M, so load_tile masks all of it.
         x = load_tile(x_ptr, offs_m, offs_k, M, K, stride_xm, stride_xk, p0, p1, p2, p3, PRO)
         acc = tl.maximum(acc, abs_bits(x))
-    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, 1), 0), sem="relaxed")
+    return tl.max(tl.max(acc, 1), 0)
 
 
 @triton.jit
@@ -314,15 +322,9 @@ def current_quantize_kernel(x_ptr, row_ptr, col_ptr, words_ptr, scale_out_ptr, M
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     tiles_k = tl.cdiv(K, BN)
-    acc = tl.zeros([BM, BN], dtype=tl.int32)
-    for i in range(0, iters):
-        t = pid + i * nprog
-        offs_m = (t // tiles_k) * BM + tl.arange(0, BM)
-        offs_k = (t % tiles_k) * BN + tl.arange(0, BN)
-        # a tile past the last one starts at a row >= M: load_tile masks all of it
-        x = load_tile(x_ptr, offs_m, offs_k, M, K, stride_xm, stride_xk, p0, p1, p2, p3, PRO)
-        acc = tl.maximum(acc, abs_bits(x))
-    tl.atomic_max(words_ptr, tl.max(tl.max(acc, 1), 0), sem="relaxed")
+    tl.atomic_max(words_ptr, _strided_tiles_amax(x_ptr, pid, nprog, iters, M, K, stride_xm,
+                                                 stride_xk, p0, p1, p2, p3, PRO, BM, BN),
+                  sem="relaxed")
     # acq_rel: the amax above is visible to whoever sees this count; a program that sees
     # every count sees every amax.
     tl.debug_barrier()
