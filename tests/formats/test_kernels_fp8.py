@@ -245,7 +245,10 @@ def test_current_one_launch_with_several_tiles_a_program(dtype, monkeypatch):
 def test_amax_words_are_per_stream_and_not_shared_by_copies(kind):
     """Quantizes of one quantizer on two streams, or of a quantizer and its copy, count in
     words of their own; none are kept for a quantize under CUDA graph capture (the graph
-    zeroes its own on each replay)."""
+    zeroes its own on each replay), and the capture compiles no kernel the eager quantize
+    did not."""
+    from triton import knobs
+
     from lowprec.formats.float8 import launch
     q = QUANTIZERS[kind](E4)
     x = _input((256, 384), torch.bfloat16, "normal", seed=50)
@@ -265,10 +268,20 @@ def test_amax_words_are_per_stream_and_not_shared_by_copies(kind):
     twin.quantize(x)
     assert all(w.data_ptr() != first.data_ptr() for w in twin._amax_words.values())
     torch.cuda.synchronize()
+    kept = {w.data_ptr() for w in q._amax_words.values()}
+    loads = []
+
+    def on_load(*args):
+        loads.append(args[2])  # the kernel's name
+    knobs.runtime.kernel_load_start_hook.add(on_load)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        assert launch.kept_amax_words(q, x.device) is None
-        graphed = q.quantize(x)
+    try:
+        with torch.cuda.graph(g):
+            assert launch.kept_amax_words(q, x.device).data_ptr() not in kept
+            graphed = q.quantize(x)
+    finally:
+        knobs.runtime.kernel_load_start_hook.remove(on_load)
+    assert loads == []  # every kernel the capture launched was loaded by the eager quantize
     g.replay()
     g.replay()
     torch.cuda.synchronize()

@@ -415,12 +415,17 @@ def kept_amax_words(quantizer, device: torch.device) -> Optional[torch.Tensor]:
     one stream run one after another; a set per stream keeps quantizes that overlap on two
     streams apart, and a copy of the quantizer (``copy()``) starts without any.
 
-    None, and the ops allocate fresh zeros, under tracing (torch.compile) and under CUDA
-    graph capture: a graph then zeroes its own words on each replay instead of holding a
-    pointer to ones that an eager quantize also uses (or that a replaced quantizer frees).
+    Under CUDA graph capture: fresh zeroed words, not kept, so the graph zeroes its own on
+    each replay instead of holding a pointer to words an eager quantize also uses (or that
+    a replaced quantizer frees). They are words all the same, so the capture launches the
+    kernel variants the eager warm-up compiled (a kernel compiled and loaded for the first
+    time inside a capture breaks it). None under tracing (torch.compile), where the ops
+    allocate what they need.
     """
-    if _tracing(()) or torch.cuda.is_current_stream_capturing():
+    if _tracing(()):
         return None
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(AMAX_WORDS, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     by_stream = quantizer.__dict__.get("_amax_words")
