@@ -594,3 +594,7 @@ def test_tile_config_and_grid():
     m = 32 * 2 * 65536
     assert tile_grid(m, 300, 32, 128, 2, True) == ((65536, 3), False)
     assert tile_grid(m - 64, 300, 32, 128, 2, True) == ((3, 65535), True)
+    # too many programs along K for the M-fast order: K-fast instead; too many both ways
+    assert tile_grid(100, 128 * 65536, 32, 128, 2, False) == ((65536, 2), True)
+    with pytest.raises(ValueError, match="65535"):
+        tile_grid(m, 128 * 65536, 32, 128, 2, True)

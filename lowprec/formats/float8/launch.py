@@ -81,7 +81,8 @@ CONFIGS = {
     "cast_both": (128, 128, 8, 1, 1, 1, 1),
     "finish": (4096, 0, 4),
     # current scaling in one cooperative launch: (BM, BN, warps, programs per SM at most;
-    # the driver fits one 8-warp program of this tile an SM for bf16 input, 255 registers)
+    # how many fit is the driver's count for the compiled variant: 2 with 128 registers
+    # when M, K and the row stride are multiples of 16, 1 for a variant near 255)
     "current_one": (128, 128, 8, 2),
 }
 
@@ -119,10 +120,14 @@ MAX_GRID_YZ = 65535
 def order_axes(grid: tuple, k_fast: bool) -> tuple[tuple, bool]:
     """(launch grid, K_FAST to pass the kernel) of a (programs down M, programs along K)
     grid: ``k_fast`` swaps the axes, unless that would put more than CUDA's 65535 programs
-    on axis 1; the M-fast order then runs (the same tiles in another order)."""
-    if k_fast and grid[0] > MAX_GRID_YZ:
-        k_fast = False
-    return (grid[::-1] if k_fast else grid), bool(k_fast)
+    on axis 1; the other order then runs (the same tiles in another order)."""
+    for fast in (bool(k_fast), not k_fast):
+        ordered = grid[::-1] if fast else grid
+        if ordered[1] <= MAX_GRID_YZ:
+            return ordered, fast
+    raise ValueError(f"a quantize grid of {grid[0]} x {grid[1]} programs (down M x along K) "
+                     f"exceeds CUDA's {MAX_GRID_YZ} programs on grid axis 1 either way; "
+                     f"quantize the tensor in row slices")
 
 
 def tile_grid(m: int, k: int, bm: int, bn: int, iters: int, k_fast: bool) -> tuple[tuple, bool]:
@@ -254,15 +259,17 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
                 return row, col, scales
         try:
             if amax_bits is None:
+                reset = amax_words is not None  # before the launch: it may raise after it
                 amax_bits = _launch_amax(x, pro, pro_args, amax_words)
-                reset = amax_words is not None
             parts = launches(rowwise, columnwise, "pertensor")
             for i, (r, c) in enumerate(parts):
                 _launch_cast(x, row, col, amax_bits, scales, scales, m, k, p, eps, pro, r, c,
                              fp8_dtype, current=True, pow2=pow2, record=False,
                              reset=reset and i == len(parts) - 1)
         except BaseException:
-            if reset:  # the amax pass raised the kept amax word and no cast reset it
+            # The amax pass may have raised the kept amax word, and no cast reset it. (Under
+            # capture the words are the graph's own and the stream may be unusable.)
+            if reset and not torch.cuda.is_current_stream_capturing():
                 amax_words.zero_()
             raise
     return row, col, scales

@@ -23,12 +23,13 @@ class _PerTensorFloat8(Quantizer):
     def _tensor_class(self):
         return Float8Tensor
 
-    def copy(self) -> "Quantizer":
-        new = super().copy()
-        # The kernels' kept amax words (launch.kept_amax_words) are this object's: a copy
-        # may quantize while this one does.
-        new.__dict__.pop("_amax_words", None)
-        return new
+    def __getstate__(self):
+        # The kernels' kept amax words (launch.kept_amax_words) are this object's, on this
+        # process's devices and streams: a copy (copy(), deepcopy, pickling) may quantize
+        # while this one does, or elsewhere, and makes its own.
+        state = dict(self.__dict__)
+        state.pop("_amax_words", None)
+        return state
 
     def _fields(self, x2d: torch.Tensor, scale: torch.Tensor) -> dict:
         row, col = quantize_per_tensor(x2d, scale, self.fp8_dtype, rowwise=self.rowwise_usage,
