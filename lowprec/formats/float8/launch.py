@@ -420,7 +420,8 @@ def kept_amax_words(quantizer, device: torch.device) -> Optional[torch.Tensor]:
     back to zero (current scaling's separate amax pass, before the cast, only raises the
     amax word), so a quantize needs no zeroing launch of its own (host time). Quantizes on
     one stream run one after another; a set per stream keeps quantizes that overlap on two
-    streams apart, and a copy of the quantizer (``copy()``) starts without any.
+    streams apart, and a copy of the quantizer (``copy()``, deepcopy, pickling) starts
+    without any.
 
     Under CUDA graph capture: fresh zeroed words, not kept, so the graph zeroes its own on
     each replay instead of holding a pointer to words an eager quantize also uses (or that
