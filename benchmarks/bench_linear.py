@@ -28,6 +28,7 @@ import copy
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
@@ -118,47 +119,28 @@ def no_exact_records():
             c.keeps_exact_bf16 = True
 
 
-@contextlib.contextmanager
 def top_down_casts():
     """The per-tensor FP8 casts in their pre-session-19 tile order (grid along M, rows top
     down) instead of the configured one: for an A/B in one run."""
     from lowprec.formats.float8 import launch
-    saved = dict(launch.CONFIGS)
-    for key in ("cast_both", "cast_row", "cast_col"):
-        bm, bn, warps, iters, stages, _ = launch.tile_config(saved[key])
-        launch.CONFIGS[key] = (bm, bn, warps, iters, stages, 0, 0)
-    try:
-        yield
-    finally:
-        launch.CONFIGS.clear()
-        launch.CONFIGS.update(saved)
+    old_order = {key: launch.tile_config(launch.CONFIGS[key])[:5] + (0, 0)
+                 for key in ("cast_both", "cast_row", "cast_col")}
+    return mock.patch.dict(launch.CONFIGS, old_order)
 
 
-@contextlib.contextmanager
 def fresh_amax_words():
     """Per-tensor FP8 quantizes with their amax words zeroed by a ``torch.zeros`` launch
     each time, as before session 19, instead of the words kept on the quantizer: for an
     A/B in one run."""
     from lowprec.formats.float8 import launch
-    saved = launch.kept_amax_words
-    launch.kept_amax_words = lambda quantizer, device: None
-    try:
-        yield
-    finally:
-        launch.kept_amax_words = saved
+    return mock.patch.object(launch, "kept_amax_words", lambda quantizer, device: None)
 
 
-@contextlib.contextmanager
 def one_launch_current():
     """Current scaling's quantize in one cooperative launch (``launch.ONE_LAUNCH_CURRENT``,
     opt-in) instead of an amax pass and a cast: for an A/B in one run."""
     from lowprec.formats.float8 import launch
-    saved = launch.ONE_LAUNCH_CURRENT
-    launch.ONE_LAUNCH_CURRENT = True
-    try:
-        yield
-    finally:
-        launch.ONE_LAUNCH_CURRENT = saved
+    return mock.patch.object(launch, "ONE_LAUNCH_CURRENT", True)
 
 
 #: Peer variants for an A/B in the same run: (name, context manager a step runs inside,
