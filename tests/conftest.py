@@ -1,7 +1,30 @@
 """Suite-wide settings."""
 
+import pytest
 import torch
 
 # The suite is thousands of small tensor ops: on a 2-core CI machine intra-op threads cost
 # more in synchronisation than they save (measured: ~3x faster with one thread).
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def no_kernel_loads_in_capture():
+    """Fails a test whose capture loaded a Triton kernel for the first time, naming it.
+
+    CUDA does not allow loading a module during capture, and the capture then fails later
+    with "operation failed due to a previous error during capture", which does not say
+    which kernel's variant the warm-up missed (a pointer of another alignment, an integer
+    equal to 1 or divisible by 16 in the capture only)."""
+    from triton import knobs
+    loaded = []
+
+    def on_load(module, function, name, *rest):
+        if torch.cuda.is_current_stream_capturing():
+            loaded.append(name)
+    knobs.runtime.kernel_load_start_hook.add(on_load)
+    try:
+        yield
+    finally:
+        knobs.runtime.kernel_load_start_hook.remove(on_load)
+    assert not loaded, f"Triton kernels first loaded inside a CUDA graph capture: {loaded}"

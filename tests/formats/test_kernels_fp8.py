@@ -242,13 +242,11 @@ def test_current_one_launch_with_several_tiles_a_program(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["current", "delayed"])
-def test_amax_words_are_per_stream_and_not_shared_by_copies(kind):
+def test_amax_words_are_per_stream_and_not_shared_by_copies(kind, no_kernel_loads_in_capture):
     """Quantizes of one quantizer on two streams, or of a quantizer and its copy, count in
     words of their own; none are kept for a quantize under CUDA graph capture (the graph
     zeroes its own on each replay), and the capture compiles no kernel the eager quantize
     did not."""
-    from triton import knobs
-
     from lowprec.formats.float8 import launch
 
     def kept_ptrs(quantizer):
@@ -271,19 +269,11 @@ def test_amax_words_are_per_stream_and_not_shared_by_copies(kind):
     assert all(w.data_ptr() != first.data_ptr() for w in twin._amax_words.values())
     torch.cuda.synchronize()
     kept = kept_ptrs(q)
-    loads = []
-
-    def on_load(*args):
-        loads.append(args[2])  # the kernel's name
-    knobs.runtime.kernel_load_start_hook.add(on_load)
     g = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(g):
-            assert launch.kept_amax_words(q, x.device).data_ptr() not in kept
-            graphed = q.quantize(x)
-    finally:
-        knobs.runtime.kernel_load_start_hook.remove(on_load)
-    assert loads == []  # every kernel the capture launched was loaded by the eager quantize
+    # (no_kernel_loads_in_capture: every kernel the capture launches was loaded eagerly)
+    with torch.cuda.graph(g):
+        assert launch.kept_amax_words(q, x.device).data_ptr() not in kept
+        graphed = q.quantize(x)
     assert kept_ptrs(q) == kept  # the capture kept no words
     g.replay()
     g.replay()

@@ -27,32 +27,11 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not lowprec.kernels.triton_available(),
                        reason="needs a CUDA device and Triton"),
+    pytest.mark.usefixtures("no_kernel_loads_in_capture"),  # tests/conftest.py
 ]
 
 M, K, N = 256, 384, 512
 DETERMINISTIC = ["current", "delayed", "block", "mxfp8"]
-
-
-@pytest.fixture(autouse=True)
-def no_kernel_loads_in_capture():
-    """Fails a test whose capture loaded a Triton kernel for the first time, naming it.
-
-    CUDA does not allow loading a module during capture, and the capture then fails later
-    with "operation failed due to a previous error during capture", which does not say
-    which kernel's variant the warm-up missed (a pointer of another alignment, an integer
-    equal to 1 or divisible by 16 in the capture only)."""
-    from triton import knobs
-    loaded = []
-
-    def on_load(module, function, name, *rest):
-        if torch.cuda.is_current_stream_capturing():
-            loaded.append(name)
-    knobs.runtime.kernel_load_start_hook.add(on_load)
-    try:
-        yield
-    finally:
-        knobs.runtime.kernel_load_start_hook.remove(on_load)
-    assert not loaded, f"Triton kernels first loaded inside a CUDA graph capture: {loaded}"
 
 
 def _step(module, recipe, x, dy):
