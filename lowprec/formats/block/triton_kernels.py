@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ...fused.triton_prologue import load_tile
 from ..float8.triton_kernels import (abs_bits, current_scale, decode_scale, fp8_codes, fp8_value,
-                                     store_t)
+                                     store_t, tile_ids)
 from ..mxfp8.triton_kernels import e8m0_factor, e8m0_scale
 
 
@@ -167,14 +167,9 @@ def block_scaled_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_ptr, cd_
     the loads of the next tiles are issued (asynchronously) while one is converted.
     ``K_FAST``: grid axis 0 runs along K (programs launched together read neighbouring
     columns of the same rows), else along M."""
-    if K_FAST:
-        pid_k = tl.program_id(0)
-        first = tl.program_id(1) * ITERS
-    else:
-        pid_k = tl.program_id(1)
-        first = tl.program_id(0) * ITERS
+    group_m, pid_k, _ = tile_ids(K_FAST)
     for t in tl.range(0, ITERS, num_stages=STAGES):
-        _block_scaled_tile(first + t, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr,
+        _block_scaled_tile(group_m * ITERS + t, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr,
                            cs_ptr, rd_ptr, cd_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3,
                            eps, PRO, FP8_MAX, POW2, MBITS, BIAS, MAX_BITS, HW_CVT, TWO_D,
                            ROWWISE, COLWISE, BM, BN, COL_MODE, E8M0, BLK, DECODE, re_ptr,

@@ -167,6 +167,16 @@ def store_t(ptr, offs_r, offs_c, n_r, n_c, ld, v, MODE: tl.constexpr):
                  mask=(offs_c < n_c)[:, None] & (offs_r < n_r)[None, :])
 
 
+@triton.jit
+def tile_ids(K_FAST: tl.constexpr):
+    """(program down M, program along K, programs down M) of a 2-D quantize grid, whose
+    axis 0 runs along K with ``K_FAST`` (programs launched together read neighbouring
+    columns of the same rows), else along M (see ``launch.order_axes``)."""
+    if K_FAST:
+        return tl.program_id(1), tl.program_id(0), tl.num_programs(1)
+    return tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+
+
 # ---- per-tensor kernels -------------------------------------------------------------------
 @triton.jit
 def amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3, n_tiles, iters,
@@ -252,14 +262,7 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
     pass (and a norm or activation producer) went through x top to bottom, so its last rows
     are the ones L2 still holds when this pass starts: read first, they come from L2.
     """
-    if K_FAST:
-        pid_k = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        groups_m = tl.num_programs(1)
-    else:
-        pid_m = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        groups_m = tl.num_programs(0)
+    pid_m, pid_k, groups_m = tile_ids(K_FAST)
     if BOTTOM_UP:
         pid_m = groups_m - 1 - pid_m
     if CURRENT:
