@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lowprec  # noqa: E402
 import lowprec.grad_split  # noqa: E402
 import lowprec.kernels.launch  # noqa: E402
+import lowprec.state_batch  # noqa: E402
 from lowprec.backends import cublaslt  # noqa: E402
 from harness import (append_rows, compare, compare_alternating, graphed_step,  # noqa: E402
                      l2_rotation, print_table)
@@ -165,6 +166,9 @@ VARIANTS = (
      "(fresh_amax_words)"),
     ("one_launch", one_launch_current,
      "(current) with each quantize in one cooperative launch (one_launch_current)"),
+    ("per_state", lowprec.state_batch.per_state_updates,
+     "(delayed) with each delayed-scaling state updated alone, one launch (and amax "
+     "all-reduce) per state (lowprec.state_batch.per_state_updates)"),
     ("no_lt", cublaslt.disabled,
      "(nvfp4) with the fp32-output GEMM and a scaling kernel instead of cuBLASLt's "
      "device-side alpha (lowprec.backends.cublaslt.disabled)"),
@@ -201,6 +205,28 @@ def shape_peers(args, m, k, n, **step_kw):
     variants = {name: split_list(getattr(args, f"{name}_too")) for name, _, _ in VARIANTS}
     return linear_peers(m, k, n, split_list(args.recipes), split_list(args.torchao),
                         variants=variants, **step_kw)
+
+
+def stack_peers(layers, m, k, recipes, device="cuda", variants=None, **step_kw):
+    """(name, step) for ``layers`` bias-free K x K Linear layers in a row on M tokens, the
+    bf16 ``nn.Linear`` stack first: per-module host costs add up here."""
+    variants = variants or {}
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Linear(k, k, bias=False, device=device, dtype=torch.bfloat16)
+                           for _ in range(layers)])
+    peers = [("bf16", plain_step(base, **step_kw))]
+    for r in recipes:
+        mod = nn.Sequential(*[lowprec.Linear(k, k, bias=False, params_dtype=torch.bfloat16,
+                                             device=device) for _ in range(layers)])
+        with torch.no_grad():
+            for a, b in zip(mod, base):
+                a.weight.copy_(b.weight)
+        peers.append((f"lowprec/{r}", lowprec_step(mod, RECIPES[r](), **step_kw)))
+        for variant, context, _ in VARIANTS:
+            if r in variants.get(variant, ()):
+                peers.append((f"lowprec/{r}/{variant}", within(
+                    context, lowprec_step(copy.deepcopy(mod), RECIPES[r](), **step_kw))))
+    return peers
 
 
 def mlp_peers(m, hidden, ffn, recipes, device="cuda", **step_kw):
@@ -300,6 +326,10 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     add_peer_args(ap)
+    ap.add_argument("--stack", default="",
+                    help="also a stack of Linear layers, LAYERSxMxK: that many K x K layers "
+                         "on M tokens (bench 'stack'; host-bound steps where per-module host "
+                         "costs add up)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
@@ -327,6 +357,12 @@ def main(argv=None):
                                   graphed=True)
             del inputs
             torch.cuda.empty_cache()
+    if args.stack:
+        layers, m, k = parse_shape(args.stack)
+        variants = {name: split_list(getattr(args, f"{name}_too")) for name, _, _ in VARIANTS}
+        rows += run_peers("stack", args.stack, stack_peers(layers, m, k, recipes,
+                                                           variants=variants),
+                          make_inputs(m, k, k, "cuda"), args)
     if args.mlp:
         m, h, f = parse_shape(args.mlp_shape)
         inputs = make_inputs(m, h, h, "cuda")

@@ -45,7 +45,8 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_
     ``amax_reduction_group`` is the process group over which delayed-scaling
     amaxes are reduced; it is passed to the state where it is used and never
     stored on a quantizer. Forward amaxes of delayed scaling enter the
-    history when the region exits.
+    history when the region exits (all of the region's states together, see
+    ``lowprec.state_batch``).
     """
     region = _Region(_check_recipe(recipe), amax_reduction_group) if enabled else None
     _LOCAL.regions.append(region)
@@ -54,8 +55,8 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_
     finally:
         _LOCAL.regions.pop()
         if region is not None:
-            for state in region.delayed_states:
-                state.update(region.group)
+            from .state_batch import update_states
+            update_states(region.delayed_states, region.group)
 
 
 def active_region() -> _Region | None:

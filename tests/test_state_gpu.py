@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import lowprec.kernels
+from lowprec import state_batch
 from lowprec.kernels import reference_only
 from lowprec.recipe import DelayedScaling
 from lowprec.state import DelayedScalingState
@@ -86,3 +87,69 @@ def test_update_kernel_sequence_matches_torch():
             b.update()
         _same(a.scale, b.scale)
         _same(a.amax_history, b.amax_history)
+
+
+# ---- many states in one launch (lowprec.state_batch) ---------------------------------------
+def _random_states(specs, seed):
+    """One random state per (recipe, n) spec, the same for the same seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return [_random_state(recipe, n, gen) for recipe, n in specs]
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("hist_len", [1, 2, 16, 1024])
+def test_batched_update_matches_single_state_kernel(algo, hist_len):
+    """States of 1 to 33 columns (several column blocks a state at long histories) in one
+    launch end exactly as with one launch each."""
+    recipe = DelayedScaling(margin=0.5, amax_history_len=hist_len, amax_compute_algo=algo)
+    specs = [(recipe, n) for n in (3, 1, 33, 2, 7, 3)]
+    for step in range(3):
+        batched = _random_states(specs, 100 * hist_len + step)
+        alone = _random_states(specs, 100 * hist_len + step)
+        state_batch.update_states(batched)
+        for s in alone:
+            s.update()
+        for a, b in zip(batched, alone):
+            assert not a.pending
+            _same(a.scale, b.scale)
+            _same(a.amax_history, b.amax_history)
+            assert torch.equal(a.amax_current, torch.zeros_like(a.amax_current))
+
+
+def test_batched_update_mixed_recipes_and_the_torch_path():
+    """States of different history lengths, margins and algorithms (a callable one too, which
+    takes the torch path) in one call: each set updates together, each state as alone."""
+    recipes = [DelayedScaling(amax_history_len=4), DelayedScaling(amax_history_len=4, margin=2),
+               DelayedScaling(amax_history_len=8, amax_compute_algo="most_recent"),
+               DelayedScaling(amax_history_len=4, amax_compute_algo=lambda h: h[-1])]
+    specs = [(recipes[i % 4], 2 + i % 3) for i in range(10)]
+    batched, alone = _random_states(specs, 7), _random_states(specs, 7)
+    batched[3].pending = alone[3].pending = False  # not recorded since its last update
+    state_batch.update_states(batched)
+    for s in alone:
+        s.update()
+    for a, b in zip(batched, alone):
+        _same(a.scale, b.scale)
+        _same(a.amax_history, b.amax_history)
+        _same(a.amax_current, b.amax_current)
+
+
+def test_batched_update_table_follows_the_states():
+    """The address table of a set of states is kept while they live; new states (even where
+    ids come back) get a new one."""
+    recipe = DelayedScaling(amax_history_len=4)
+    for seed in range(4):
+        batched = _random_states([(recipe, 3)] * 3, seed)
+        alone = _random_states([(recipe, 3)] * 3, seed)
+        for _ in range(2):
+            for a, b in zip(batched, alone):
+                a.amax_current.fill_(float(seed + 1))
+                b.amax_current.fill_(float(seed + 1))
+                a.pending = b.pending = True
+            state_batch.update_states(batched)
+            for s in alone:
+                s.update()
+            for a, b in zip(batched, alone):
+                _same(a.scale, b.scale)
+                _same(a.amax_history, b.amax_history)
+        del batched, alone

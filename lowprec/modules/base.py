@@ -12,6 +12,7 @@ from ..formats.base import QuantizedTensor
 from ..linear_fn import LinearQuantizers
 from ..roles import check_num_quantizers, gemm_roles
 from ..state import RecipeState
+from ..state_batch import defer_backward_update
 
 PARALLEL_MODES = (None, "column", "row")
 
@@ -145,8 +146,7 @@ class LowprecModule(nn.Module):
             group = region.group
 
             def bwd_update():
-                bwd.delayed.pending = True
-                bwd.delayed.update(group)
+                defer_backward_update(bwd.delayed, group)
 
             callback = _BackwardDone(backward_calls, bwd_update)
         return recipe, fwd, bwd, callback

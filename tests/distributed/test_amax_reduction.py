@@ -20,42 +20,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, reduce_amax: bool, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, reduce_amax: bool, out_dir: str,
+            modules: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counted(t, *args, **kwargs):
+        calls.append(t.numel())
+        return all_reduce(t, *args, **kwargs)
+    dist.all_reduce = counted
     try:
         torch.manual_seed(0)  # same weights on every rank
-        lin = lowprec.Linear(32, 16)
+        lins = [lowprec.Linear(32, 16) for _ in range(modules)]
         # Rank r's input is scaled by (r + 1): the reduced amax is the largest rank's.
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)) * (rank + 1)
         x.requires_grad_(True)
         grad = torch.randn(8, 16, generator=torch.Generator().manual_seed(2)) * (rank + 1)
         recipe = DelayedScaling(amax_history_len=2, reduce_amax=reduce_amax)
         with lowprec.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
-            y = lin(x)
+            y = sum(lin(x) for lin in lins)
         y.backward(grad)
-        state = lin.get_extra_state()
-        torch.save({k: {n: t.clone() for n, t in v.items()} for k, v in state.items()},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        out = {"calls": torch.tensor(calls)}
+        for i, lin in enumerate(lins):
+            out[i] = {k: {n: t.clone() for n, t in v.items()}
+                      for k, v in lin.get_extra_state().items()}
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
+        dist.all_reduce = all_reduce
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("modules", [1, 3])
 @pytest.mark.parametrize("reduce_amax", [True, False])
-def test_delayed_scaling_reduces_amax_over_group(tmp_path, reduce_amax):
+def test_delayed_scaling_reduces_amax_over_group(tmp_path, reduce_amax, modules):
+    """Every module's forward and backward amaxes are reduced; with several modules each
+    direction's amaxes go in one all-reduce (``lowprec.state_batch``)."""
     world = 2
-    mp.spawn(_worker, args=(world, _free_port(), reduce_amax, str(tmp_path)), nprocs=world)
-    states = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    mp.spawn(_worker, args=(world, _free_port(), reduce_amax, str(tmp_path), modules),
+             nprocs=world)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
     torch.manual_seed(0)
-    w_amax = lowprec.Linear(32, 16).weight.detach().abs().max()
+    w_amaxes = [lowprec.Linear(32, 16).weight.detach().abs().max() for _ in range(modules)]
     x0 = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
     g0 = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
-    for r, st in enumerate(states):
+    for r, res in enumerate(results):
+        # one all-reduce of 3 forward amaxes a module, then one of 2 backward amaxes a module
+        expect_calls = [3 * modules, 2 * modules] if reduce_amax else []
+        assert res["calls"].tolist() == expect_calls
         seen = world if reduce_amax else r + 1  # largest input scale this rank's history saw
         x_amax, g_amax = x0.abs().max() * seen, g0.abs().max() * seen
-        fwd_hist = st["forward"]["amax_history"][0]
-        torch.testing.assert_close(fwd_hist[:2], torch.stack([x_amax, w_amax]), rtol=0, atol=0)
-        assert torch.equal(st["forward"]["scale"][0], torch.tensor(E4M3_MAX) / x_amax)
-        assert torch.equal(st["backward"]["amax_history"][0][0], g_amax)
-        assert torch.equal(st["backward"]["scale"][0], torch.tensor(E5M2_MAX) / g_amax)
+        for i, w_amax in enumerate(w_amaxes):
+            st = res[i]
+            fwd_hist = st["forward"]["amax_history"][0]
+            torch.testing.assert_close(fwd_hist[:2], torch.stack([x_amax, w_amax]), rtol=0, atol=0)
+            assert torch.equal(st["forward"]["scale"][0], torch.tensor(E4M3_MAX) / x_amax)
+            assert torch.equal(st["backward"]["amax_history"][0][0], g_amax)
+            assert torch.equal(st["backward"]["scale"][0], torch.tensor(E5M2_MAX) / g_amax)

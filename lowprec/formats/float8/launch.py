@@ -476,12 +476,7 @@ def fp8_delayed_update(history: torch.Tensor, current: torch.Tensor, scale: torc
     in one launch (see ``delayed_update_kernel``)."""
     from .triton_kernels import delayed_update_kernel
     h, n = history.shape
-    bh = 1
-    while bh < max(h - 1, 1):
-        bh *= 2
-    bn = 1
-    while bn < n and bn * bh < 8192:
-        bn *= 2
+    bh, bn = _update_tile(h, n)
     with device_guard(history.device):
         launch(delayed_update_kernel, (triton_cdiv(n, bn),),
             history, current, scale, fp8_max, h, n, inv_margin, MOST_RECENT=most_recent,
@@ -491,6 +486,31 @@ def fp8_delayed_update(history: torch.Tensor, current: torch.Tensor, scale: torc
 @fp8_delayed_update.register_fake
 def _(history, current, scale, fp8_max, inv_margin, most_recent):
     return None
+
+
+def _update_tile(h: int, n: int) -> tuple[int, int]:
+    """(BH, BN) of an update launch: the whole history (H - 1 rows kept) in one tile, as
+    many columns beside it as keep the tile within 8192 elements."""
+    bh = 1
+    while bh < max(h - 1, 1):
+        bh *= 2
+    bn = 1
+    while bn < n and bn * bh < 8192:
+        bn *= 2
+    return bh, bn
+
+
+def fp8_delayed_update_many(table: torch.Tensor, h: int, max_n: int, inv_margin: float,
+                            most_recent: bool) -> None:
+    """``fp8_delayed_update`` of many states in one launch (``delayed_update_many_kernel``):
+    ``table`` is the int64 (S, 5) table of their tensors' addresses and column counts (see
+    ``lowprec.state_batch``), all of histories with ``h`` rows. Eager only, not a custom op:
+    a table of addresses means nothing to a tracer."""
+    from .triton_kernels import delayed_update_many_kernel
+    bh, bn = _update_tile(h, max_n)
+    with device_guard(table.device):
+        launch(delayed_update_many_kernel, (table.shape[0], triton_cdiv(max_n, bn)),
+               table, h, inv_margin, MOST_RECENT=most_recent, BH=bh, BN=bn, num_warps=4)
 
 
 def prologue_launch_args(prologue) -> tuple[int, list]:

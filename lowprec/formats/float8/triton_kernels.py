@@ -391,13 +391,12 @@ def delayed_finish_kernel(amax_bits_ptr, scale_in_ptr, scale_out_ptr, amax_out_p
 
 
 @triton.jit
-def delayed_update_kernel(hist_ptr, cur_ptr, scale_ptr, fmax_ptr, H, N, inv_margin,
-                          MOST_RECENT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
-    """DelayedScalingState.update for ``max``/``most_recent`` in one launch (columns split
-    over programs): history (H, N) rolls down one row, row 0 becomes ``cur``, the new scale
-    is ``fmax / amax * inv_margin`` where amax is finite and > 0 (NaN anywhere in the history
-    gives NaN, so the scale is kept), and ``cur`` is zeroed."""
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+def _update_columns(hist_ptr, cur_ptr, scale_ptr, fmax_ptr, H, N, cols, inv_margin,
+                    MOST_RECENT: tl.constexpr, BH: tl.constexpr):
+    """DelayedScalingState.update of the columns ``cols`` of one state: its history (H, N)
+    rolls down one row, row 0 becomes ``cur``, the new scale is ``fmax / amax * inv_margin``
+    where amax is finite and > 0 (NaN anywhere in the history gives NaN, so the scale is
+    kept), and ``cur`` is zeroed."""
     cmask = cols < N
     rows = tl.arange(0, BH)
     keep = (rows < H - 1)[:, None] & cmask[None, :]
@@ -420,3 +419,29 @@ def delayed_update_kernel(hist_ptr, cur_ptr, scale_ptr, fmax_ptr, H, N, inv_marg
     ok = (amax == amax) & (tl.abs(amax) != float("inf")) & (amax > 0)
     old_scale = tl.load(scale_ptr + cols, mask=cmask, other=1.0)
     tl.store(scale_ptr + cols, tl.where(ok, new, old_scale), mask=cmask)
+
+
+@triton.jit
+def delayed_update_kernel(hist_ptr, cur_ptr, scale_ptr, fmax_ptr, H, N, inv_margin,
+                          MOST_RECENT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+    """One state's update (``_update_columns``) in one launch, its columns split over the
+    programs."""
+    _update_columns(hist_ptr, cur_ptr, scale_ptr, fmax_ptr, H, N,
+                    tl.program_id(0) * BN + tl.arange(0, BN), inv_margin, MOST_RECENT, BH)
+
+
+@triton.jit
+def delayed_update_many_kernel(table_ptr, H, inv_margin, MOST_RECENT: tl.constexpr,
+                               BH: tl.constexpr, BN: tl.constexpr):
+    """Many states' updates in one launch: program (s, j) updates columns [j*BN, (j+1)*BN)
+    of state s. Row s of the int64 ``table`` (S, 5) holds that state's history, current
+    amax, scale and fp8-max addresses and its column count N; all share H."""
+    row = table_ptr + tl.program_id(0) * 5
+    n = tl.load(row + 4).to(tl.int32)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    if tl.program_id(1) * BN < n:
+        _update_columns(tl.load(row).to(tl.pointer_type(tl.float32)),
+                        tl.load(row + 1).to(tl.pointer_type(tl.float32)),
+                        tl.load(row + 2).to(tl.pointer_type(tl.float32)),
+                        tl.load(row + 3).to(tl.pointer_type(tl.float32)),
+                        H, n, cols, inv_margin, MOST_RECENT, BH)
