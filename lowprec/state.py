@@ -93,6 +93,8 @@ class DelayedScalingState:
                                         device=device)
         self.amax_current = torch.zeros(n, dtype=torch.float32, device=device)
         self.pending = False
+        # forward calls whose backward is still to record here (lowprec.state_batch)
+        self._open_backwards = 0
 
     def quantizers(self, fp8_dtypes: Sequence[torch.dtype]) -> list[Float8Quantizer]:
         return [Float8Quantizer(self.scale[i:i + 1], self.amax_current[i:i + 1], dt)

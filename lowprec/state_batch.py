@@ -8,15 +8,18 @@ reduction, 2L all-reduces. Here they go together, as in Transformer Engine:
 * an autocast region's forward states update together when it exits
   (:func:`update_states`);
 * a module's backward state, once its backward has run, is queued
-  (:func:`defer_backward_update`), and the autograd engine updates the queue together
-  when it finishes the backward pass (a final callback). Backward amaxes still enter the
-  history "after the backward pass", before ``backward()`` returns.
+  (:func:`defer_backward_update`), and the autograd engine updates the pass's queue
+  together when it finishes the backward pass (a final callback), each state on the
+  stream its own update would have used. Backward amaxes still enter the history "after
+  the backward pass", before ``backward()`` returns.
 
 Each state ends exactly as its own :meth:`~lowprec.state.DelayedScalingState.update` leaves
 it: the all-reduce is elementwise MAX over the concatenated amaxes, and the batched kernel
-runs the single-state kernel's code on each state's columns. One difference: a module whose
-forward ran several times in one backward pass has its backward state updated once, at the
-end of the pass (as its forward state is once per region), not once per call.
+runs the single-state kernel's code on each state's columns. A module called several times
+before one backward (shared weights, recurrence) still updates its backward state after
+each call's backward but the last (:func:`close_backward`): each call's amax overwrites the
+one before, so waiting would lose all but one. A backward pass that fails leaves its queue
+unflushed: those amaxes never enter the history.
 
 The batched launch takes an int64 table of the states' tensor addresses, so it runs only in
 eager mode outside CUDA graph capture (the table is made on the first update of a set of
@@ -26,6 +29,8 @@ before.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import weakref
 
@@ -36,13 +41,16 @@ from .kernels import FlagOff, _tracing
 #: Whether states update in batches (off: each alone, for A/B comparisons and tests)
 BATCHED = True
 
-#: tuple of state ids -> (weak references to the states, their device address table)
+#: tuple of state ids -> (weak references to the states, their device address table, the
+#: stream it was made on); an entry goes when one of its states does
 _TABLES: dict = {}
-_MAX_TABLES = 64
+_MAX_TABLES = 1024
 
-#: id(state) -> (state, amax reduction group) of backward states waiting for the end of
-#: the backward pass, in the order their modules' backwards finished
-_DEFERRED: dict = {}
+#: autograd graph task id -> {id(state): (state, amax reduction group, CUDA stream)} of the
+#: backward states waiting for the end of that backward pass, in the order their modules'
+#: backwards finished
+_QUEUES: dict = {}
+_MAX_QUEUES = 16
 _LOCK = threading.Lock()
 
 
@@ -58,7 +66,7 @@ def update_states(states, group=None) -> None:
     ``states``, with one all-reduce of their amaxes over ``group`` per device (states
     whose recipe has ``reduce_amax``) and one update launch per compatible set (same
     device, history length, algorithm and margin); the rest update alone."""
-    pending = [s for s in states if s.pending]
+    pending = list({id(s): s for s in states if s.pending}.values())
     if not BATCHED or len(pending) < 2:
         for s in pending:
             s.update(group)
@@ -111,46 +119,92 @@ def _table(states, device) -> torch.Tensor:
     """The int64 (S, 5) table ``delayed_update_many_kernel`` reads: per state the addresses
     of its history, current amax, scale and fp8 maxima, and its column count. A state's
     tensors are made once and only ever written in place, so a table stays right while its
-    states live (checked through weak references)."""
+    states live; it is dropped when one of them goes."""
     key = tuple(map(id, states))
-    hit = _TABLES.get(key)
+    with _LOCK:
+        hit = _TABLES.get(key)
     if hit is not None and all(ref() is s for ref, s in zip(hit[0], states)):
-        return hit[1]
-    rows = [[s.amax_history.data_ptr(), s.amax_current.data_ptr(), s.scale.data_ptr(),
-             s.fp8_max.data_ptr(), s.scale.numel()] for s in states]
-    table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-    if len(_TABLES) >= _MAX_TABLES:
-        _TABLES.pop(next(iter(_TABLES)))
-    _TABLES[key] = ([weakref.ref(s) for s in states], table)
+        _, table, made_on = hit
+    else:
+        rows = [[s.amax_history.data_ptr(), s.amax_current.data_ptr(), s.scale.data_ptr(),
+                 s.fp8_max.data_ptr(), s.scale.numel()] for s in states]
+        table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        made_on = torch.cuda.current_stream(device)
+        with _LOCK:
+            if len(_TABLES) >= _MAX_TABLES:  # a safety net: sets of states come and go
+                _TABLES.pop(next(iter(_TABLES)))
+            _TABLES[key] = ([weakref.ref(s) for s in states], table, made_on)
+        for s in states:
+            weakref.finalize(s, _TABLES.pop, key, None)
+    stream = torch.cuda.current_stream(device)
+    if stream != made_on:  # the allocator must not hand it out while this launch reads it
+        table.record_stream(stream)
     return table
+
+
+# ---- backward states --------------------------------------------------------------------
+def open_backward(state) -> None:
+    """A forward call (with gradients) whose backward will record an amax into ``state``;
+    :func:`close_backward` when that backward has run or its graph is dropped."""
+    with _LOCK:
+        state._open_backwards += 1
+
+
+def close_backward(state, group, ran: bool) -> None:
+    """One forward call's backward into ``state`` has run (``ran``), or never will. When it
+    ran and another call's backward into ``state`` is still to come (a module called more
+    than once), that one will overwrite the amax just recorded: update now, as before
+    batching. Otherwise the update waits for the end of the backward pass
+    (:func:`defer_backward_update`)."""
+    with _LOCK:
+        state._open_backwards -= 1
+        more = state._open_backwards > 0
+    if not ran:
+        return
+    if more:
+        state.pending = True
+        state.update(group)
+    else:
+        defer_backward_update(state, group)
 
 
 def defer_backward_update(state, group=None) -> None:
     """Update ``state`` (a module's backward state, its backward done) when the autograd
-    engine finishes the current backward pass, together with the others queued in it; at
-    once where nothing can be queued (not inside a backward pass, tracing, batching off)."""
+    engine finishes the current backward pass, together with the others queued in it, on
+    the CUDA stream current now (the backward's own, as an update at once would run); at
+    once where nothing can be queued (outside a backward pass, tracing, batching off)."""
     state.pending = True
-    if BATCHED and not _tracing(()):
-        with _LOCK:
-            _DEFERRED[id(state)] = (state, group)
-        try:
-            # One callback per call: the first to run updates everything queued; a pass
-            # that failed before its callbacks ran leaves its states to the next one.
-            torch.autograd.Variable._execution_engine.queue_callback(flush_backward_updates)
-            return
-        except RuntimeError:  # not inside a backward pass
-            with _LOCK:
-                _DEFERRED.pop(id(state), None)
-    state.update(group)
-
-
-def flush_backward_updates() -> None:
-    """Update every queued backward state now (grouped by amax reduction group)."""
+    task = torch._C._current_graph_task_id() if BATCHED and not _tracing(()) else -1
+    if task == -1:
+        state.update(group)
+        return
+    stream = torch.cuda.current_stream(state.scale.device) if state.scale.is_cuda else None
     with _LOCK:
-        items = list(_DEFERRED.values())
-        _DEFERRED.clear()
-    by_group: dict = {}
-    for state, group in items:
-        by_group.setdefault(id(group), (group, []))[1].append(state)
-    for group, states in by_group.values():
-        update_states(states, group)
+        # a pass that failed before its end may have left it queued (its queue then goes)
+        for t in [t for t, q in _QUEUES.items()
+                  if t != task and q.pop(id(state), None) is not None and not q]:
+            del _QUEUES[t]
+        queue = _QUEUES.get(task)
+        first = queue is None
+        if first:
+            while len(_QUEUES) >= _MAX_QUEUES:  # passes that failed: never flushed
+                _QUEUES.pop(next(iter(_QUEUES)))
+            queue = _QUEUES[task] = {}
+        queue[id(state)] = (state, group, stream)
+    if first:
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_flush, task))
+
+
+def _flush(task: int) -> None:
+    """The end of backward pass ``task``: update its queued states, together per amax
+    reduction group and stream. Another pass's queue is left alone (it may still be
+    running, or it failed and its amaxes never complete a step)."""
+    with _LOCK:
+        queue = _QUEUES.pop(task, None) or {}
+    buckets: dict = {}
+    for state, group, stream in queue.values():
+        buckets.setdefault((id(group), stream), (group, stream, []))[2].append(state)
+    for group, stream, states in buckets.values():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            update_states(states, group)

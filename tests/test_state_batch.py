@@ -93,7 +93,7 @@ def test_backward_states_update_when_the_backward_pass_ends():
         st = m._recipe_states["backward"].delayed
         assert not st.pending and st.amax_history[0][0] > 0
     assert last._recipe_states["backward"].delayed.amax_history[0][0] == g.abs().max()
-    assert not state_batch._DEFERRED
+    assert not state_batch._QUEUES
 
 
 def test_outside_a_backward_pass_the_update_runs_at_once():
@@ -101,27 +101,103 @@ def test_outside_a_backward_pass_the_update_runs_at_once():
     st = lowprec.state.DelayedScalingState(recipe, 2, [torch.float8_e5m2] * 2, torch.device("cpu"))
     st.amax_current.copy_(torch.tensor([4.0, 0.0]))
     state_batch.defer_backward_update(st)
-    assert not st.pending and not state_batch._DEFERRED
+    assert not st.pending and not state_batch._QUEUES
     assert st.amax_history[0].tolist() == [4.0, 0.0]
     assert st.scale.tolist() == [57344.0 / 4.0, 1.0]
 
 
-def test_a_module_called_twice_updates_its_backward_state_once_per_pass():
-    """Forward and backward alike: one history row per region and per backward pass (a
-    state's amax is the last one recorded into it)."""
-    recipe = DelayedScaling(amax_history_len=3, amax_compute_algo="most_recent")
+def _called_twice(algo):
+    """A module called twice before one backward, the second call's gradient far larger:
+    (forward and backward states after two steps)."""
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=algo)
     torch.manual_seed(0)
+    lin = lowprec.Linear(16, 16, bias=False)
+    for _ in range(2):
+        x = torch.randn(4, 16, requires_grad=True)
+        with lowprec.autocast(recipe=recipe):
+            y = lin(lin(x) * 1e-3)
+        (y * 1e4).sum().backward()
+    return {mode: (st.delayed.amax_history.clone(), st.delayed.scale.clone())
+            for mode, st in lin._recipe_states.items()}
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_a_module_called_twice_keeps_every_backward_amax(algo):
+    """Each call's backward amax enters the history (the later call's backward records
+    over the earlier's amax): the same states as one update per call."""
+    batched = _called_twice(algo)
+    with state_batch.per_state_updates():
+        alone = _called_twice(algo)
+    for mode in ("forward", "backward"):
+        for a, b in zip(batched[mode], alone[mode]):
+            assert torch.equal(a, b), mode
+    hist = batched["backward"][0]
+    assert (hist[:4, 0] > 0).all()  # two backward rows a step, both steps
+    assert hist[:, 0].max() > 100 * hist[:, 0].min()  # the large gradient is among them
+
+
+def test_a_forward_without_backward_does_not_hold_batching_back():
+    """A forward whose graph is dropped unused closes its call: later backward passes
+    still queue the state instead of updating it at once."""
+    recipe = DelayedScaling(amax_history_len=2)
     lin = lowprec.Linear(16, 16)
+    with lowprec.autocast(recipe=recipe):
+        lin(torch.randn(4, 16, requires_grad=True))  # graph dropped here
+    st = lin._recipe_states["backward"].delayed
+    assert st._open_backwards == 0
+    seen = {}
     x = torch.randn(4, 16, requires_grad=True)
     with lowprec.autocast(recipe=recipe):
-        y = lin(lin(x))
-    y.backward(torch.randn(4, 16))
-    for mode in ("forward", "backward"):
-        hist = lin._recipe_states[mode].delayed.amax_history
-        assert (hist[0] > 0).any() and torch.equal(hist[1:], torch.zeros_like(hist[1:])), mode
+        y = lin(x)
+
+    def hook(grad):
+        seen["pending"] = st.pending
+        return grad
+    x.register_hook(hook)
+    y.sum().backward()
+    assert seen["pending"] is True and not st.pending
 
 
 def test_per_state_updates_restores_the_flag():
     with state_batch.per_state_updates():
         assert state_batch.BATCHED is False
     assert state_batch.BATCHED is True
+
+
+class _Fails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed on purpose")
+
+
+def test_a_failed_backward_pass_leaves_its_queue_to_no_other_pass():
+    """The states of a pass that raised stay out of the history; the next pass updates
+    only its own states (each once), as one update per state would after the failure."""
+    recipe = DelayedScaling(amax_history_len=3)
+
+    def run():
+        torch.manual_seed(0)
+        a, b, c = (lowprec.Linear(8, 8) for _ in range(3))
+        x = torch.randn(4, 8, requires_grad=True)
+        with lowprec.autocast(recipe=recipe):
+            y = c(_Fails.apply(b(a(x))))
+        with pytest.raises(RuntimeError, match="on purpose"):
+            y.sum().backward()
+        hist_c = c._recipe_states["backward"].delayed.amax_history.clone()
+        with lowprec.autocast(recipe=recipe):
+            y = c(b(a(x)))
+        y.sum().backward()
+        return hist_c, [m._recipe_states["backward"].delayed.amax_history.clone() for m in (a, b, c)]
+
+    stale_c, batched = run()
+    assert torch.equal(stale_c, torch.zeros_like(stale_c))  # queued, not yet updated
+    assert not state_batch._QUEUES
+    with state_batch.per_state_updates():
+        _, alone = run()
+    for h in batched[:2]:  # a and b: one row, from the pass that completed
+        assert (h[0, 0] > 0) and torch.equal(h[1:], torch.zeros_like(h[1:]))
+    assert torch.equal(batched[2][0], alone[2][0])  # c: the completed pass's amax on top
