@@ -135,8 +135,13 @@ class DelayedScalingState:
         self.amax_current.zero_()
 
     def _update_with_kernel(self, algo) -> bool:
+        return use_kernels(self.scale) and self._kernel_update_fits(algo)
+
+    def _kernel_update_fits(self, algo) -> bool:
+        """Whether the update kernel computes ``algo`` on this state's history (fixed for
+        the state's life; whether kernels run at all is ``use_kernels``)."""
         from .formats.float8.launch import UPDATE_MAX_HISTORY
-        return (algo in ("max", "most_recent") and use_kernels(self.scale)
+        return (algo in ("max", "most_recent")
                 and self.amax_history.shape[0] <= UPDATE_MAX_HISTORY
                 and self.amax_history.is_contiguous())
 

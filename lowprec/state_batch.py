@@ -36,6 +36,7 @@ import weakref
 
 import torch
 
+from . import kernels as lowprec_kernels
 from .kernels import FlagOff, _tracing
 
 #: Whether states update in batches (off: each alone, for A/B comparisons and tests)
@@ -46,9 +47,9 @@ BATCHED = True
 _TABLES: dict = {}
 _MAX_TABLES = 1024
 
-#: autograd graph task id -> {id(state): (state, amax reduction group, CUDA stream)} of the
-#: backward states waiting for the end of that backward pass, in the order their modules'
-#: backwards finished
+#: autograd graph task id -> {id(state): (state, amax reduction group, device, CUDA stream
+#: handle)} of the backward states waiting for the end of that backward pass, in the order
+#: their modules' backwards finished
 _QUEUES: dict = {}
 _MAX_QUEUES = 16
 _LOCK = threading.Lock()
@@ -74,9 +75,14 @@ def update_states(states, group=None) -> None:
     if group is not None:
         _all_reduce_amaxes([s for s in pending if s.recipe.reduce_amax], group)
     batched: dict = {}
+    can_batch = None  # decided once, at the first state that could batch
     for s in pending:
         key = _batch_key(s)
-        if key is None:
+        if key is not None and can_batch is None:
+            # a captured graph must not read a table made outside it; tracers cannot
+            can_batch = lowprec_kernels._enabled and not _tracing(()) \
+                and not torch.cuda.is_current_stream_capturing()
+        if key is None or not can_batch:
             s.update()
         else:
             batched.setdefault(key, []).append(s)
@@ -93,13 +99,18 @@ def update_states(states, group=None) -> None:
 
 
 def _batch_key(state):
-    """What a state shares with the others it can update in one launch with, or None when
-    it updates alone (a callable algorithm, the torch path, tracing, graph capture)."""
-    algo = state.recipe.amax_compute_algo
-    if not isinstance(algo, str) or not state._update_with_kernel(algo) or _tracing(()) \
-            or torch.cuda.is_current_stream_capturing():
-        return None
-    return state.scale.device, state.amax_history.shape[0], algo, state._inv_margin()
+    """What a state shares with the others it can update in one launch with (device,
+    history length, algorithm, margin), or None when its update takes the torch path (a
+    callable algorithm, no kernels for it). Fixed for a state's life: computed once."""
+    key = state.__dict__.get("_batch_key", False)
+    if key is False:
+        algo = state.recipe.amax_compute_algo
+        key = None
+        if isinstance(algo, str) and state.scale.is_cuda \
+                and lowprec_kernels.triton_available() and state._kernel_update_fits(algo):
+            key = (state.scale.device, state.amax_history.shape[0], algo, state._inv_margin())
+        state._batch_key = key
+    return key
 
 
 def _all_reduce_amaxes(states, group) -> None:
@@ -129,17 +140,23 @@ def _table(states, device) -> torch.Tensor:
         rows = [[s.amax_history.data_ptr(), s.amax_current.data_ptr(), s.scale.data_ptr(),
                  s.fp8_max.data_ptr(), s.scale.numel()] for s in states]
         table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        made_on = torch.cuda.current_stream(device)
+        made_on = _raw_stream(device)
         with _LOCK:
             if len(_TABLES) >= _MAX_TABLES:  # a safety net: sets of states come and go
                 _TABLES.pop(next(iter(_TABLES)))
             _TABLES[key] = ([weakref.ref(s) for s in states], table, made_on)
         for s in states:
             weakref.finalize(s, _TABLES.pop, key, None)
-    stream = torch.cuda.current_stream(device)
+    stream = _raw_stream(device)
     if stream != made_on:  # the allocator must not hand it out while this launch reads it
-        table.record_stream(stream)
+        table.record_stream(torch.cuda.ExternalStream(stream, device=device))
     return table
+
+
+def _raw_stream(device: torch.device) -> int:
+    """The current CUDA stream of ``device`` as its handle (cheaper than a Stream object)."""
+    return torch._C._cuda_getCurrentRawStream(
+        device.index if device.index is not None else torch.cuda.current_device())
 
 
 # ---- backward states --------------------------------------------------------------------
@@ -178,7 +195,8 @@ def defer_backward_update(state, group=None) -> None:
     if task == -1:
         state.update(group)
         return
-    stream = torch.cuda.current_stream(state.scale.device) if state.scale.is_cuda else None
+    device = state.scale.device
+    stream = _raw_stream(device) if device.type == "cuda" else None
     with _LOCK:
         # a pass that failed before its end may have left it queued (its queue then goes)
         for t in [t for t, q in _QUEUES.items()
@@ -190,7 +208,7 @@ def defer_backward_update(state, group=None) -> None:
             while len(_QUEUES) >= _MAX_QUEUES:  # passes that failed: never flushed
                 _QUEUES.pop(next(iter(_QUEUES)))
             queue = _QUEUES[task] = {}
-        queue[id(state)] = (state, group, stream)
+        queue[id(state)] = (state, group, device, stream)
     if first:
         torch.autograd.Variable._execution_engine.queue_callback(
             functools.partial(_flush, task))
@@ -203,8 +221,12 @@ def _flush(task: int) -> None:
     with _LOCK:
         queue = _QUEUES.pop(task, None) or {}
     buckets: dict = {}
-    for state, group, stream in queue.values():
-        buckets.setdefault((id(group), stream), (group, stream, []))[2].append(state)
-    for group, stream, states in buckets.values():
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    for state, group, device, stream in queue.values():
+        buckets.setdefault((id(group), device, stream), (group, device, stream, []))[3].append(state)
+    for group, device, stream, states in buckets.values():
+        # the engine runs this callback on the stream current at backward(); a state's own
+        # update would have run on its module's backward stream
+        other = stream is not None and stream != _raw_stream(device)
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)) if other \
+                else contextlib.nullcontext():
             update_states(states, group)
