@@ -175,6 +175,17 @@ VARIANTS = (
 )
 
 
+def recipe_peers(mod, recipe, variants, **step_kw):
+    """(name, step) of ``mod`` under ``recipe``, then of a copy of it for each
+    :data:`VARIANTS` name whose recipes in ``variants`` include this one."""
+    peers = [(f"lowprec/{recipe}", lowprec_step(mod, RECIPES[recipe](), **step_kw))]
+    for variant, context, _ in VARIANTS:
+        if recipe in variants.get(variant, ()):
+            peers.append((f"lowprec/{recipe}/{variant}", within(
+                context, lowprec_step(copy.deepcopy(mod), RECIPES[recipe](), **step_kw))))
+    return peers
+
+
 def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", variants=None, **step_kw):
     """(name, step) for one shape, the bf16 baseline first; ``variants`` maps a
     :data:`VARIANTS` name to the recipes that also run that way."""
@@ -186,11 +197,7 @@ def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", variants=None
         mod = lowprec.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=device)
         with torch.no_grad():
             mod.weight.copy_(base.weight)
-        peers.append((f"lowprec/{r}", lowprec_step(mod, RECIPES[r](), **step_kw)))
-        for variant, context, _ in VARIANTS:
-            if r in variants.get(variant, ()):
-                peers.append((f"lowprec/{r}/{variant}", within(
-                    context, lowprec_step(copy.deepcopy(mod), RECIPES[r](), **step_kw))))
+        peers += recipe_peers(mod, r, variants, **step_kw)
     for r in torchao_recipes:
         try:
             peers.append((f"torchao/{r}",
@@ -221,11 +228,7 @@ def stack_peers(layers, m, k, recipes, device="cuda", variants=None, **step_kw):
         with torch.no_grad():
             for a, b in zip(mod, base):
                 a.weight.copy_(b.weight)
-        peers.append((f"lowprec/{r}", lowprec_step(mod, RECIPES[r](), **step_kw)))
-        for variant, context, _ in VARIANTS:
-            if r in variants.get(variant, ()):
-                peers.append((f"lowprec/{r}/{variant}", within(
-                    context, lowprec_step(copy.deepcopy(mod), RECIPES[r](), **step_kw))))
+        peers += recipe_peers(mod, r, variants, **step_kw)
     return peers
 
 

@@ -96,6 +96,17 @@ def _random_states(specs, seed):
     return [_random_state(recipe, n, gen) for recipe, n in specs]
 
 
+def _update_both_ways(batched, alone):
+    """``batched`` updated together, ``alone`` one state at a time: the same states after."""
+    state_batch.update_states(batched)
+    for s in alone:
+        s.update()
+    for a, b in zip(batched, alone):
+        _same(a.scale, b.scale)
+        _same(a.amax_history, b.amax_history)
+        _same(a.amax_current, b.amax_current)
+
+
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("hist_len", [1, 2, 16, 1024])
 def test_batched_update_matches_single_state_kernel(algo, hist_len):
@@ -106,13 +117,9 @@ def test_batched_update_matches_single_state_kernel(algo, hist_len):
     for step in range(3):
         batched = _random_states(specs, 100 * hist_len + step)
         alone = _random_states(specs, 100 * hist_len + step)
-        state_batch.update_states(batched)
-        for s in alone:
-            s.update()
-        for a, b in zip(batched, alone):
+        _update_both_ways(batched, alone)
+        for a in batched:
             assert not a.pending
-            _same(a.scale, b.scale)
-            _same(a.amax_history, b.amax_history)
             assert torch.equal(a.amax_current, torch.zeros_like(a.amax_current))
 
 
@@ -125,13 +132,7 @@ def test_batched_update_mixed_recipes_and_the_torch_path():
     specs = [(recipes[i % 4], 2 + i % 3) for i in range(10)]
     batched, alone = _random_states(specs, 7), _random_states(specs, 7)
     batched[3].pending = alone[3].pending = False  # not recorded since its last update
-    state_batch.update_states(batched)
-    for s in alone:
-        s.update()
-    for a, b in zip(batched, alone):
-        _same(a.scale, b.scale)
-        _same(a.amax_history, b.amax_history)
-        _same(a.amax_current, b.amax_current)
+    _update_both_ways(batched, alone)
 
 
 def test_batched_update_table_follows_the_states():
@@ -146,10 +147,37 @@ def test_batched_update_table_follows_the_states():
                 a.amax_current.fill_(float(seed + 1))
                 b.amax_current.fill_(float(seed + 1))
                 a.pending = b.pending = True
-            state_batch.update_states(batched)
-            for s in alone:
-                s.update()
-            for a, b in zip(batched, alone):
-                _same(a.scale, b.scale)
-                _same(a.amax_history, b.amax_history)
+            _update_both_ways(batched, alone)
         del batched, alone
+
+
+def _side_stream_steps(steps=3):
+    """A three-layer model stepped with its forward on a side stream and ``backward()``
+    called on the default stream: the backward states' updates run on the side stream (the
+    modules' backward stream), not the stream current at ``backward()``."""
+    import lowprec
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[lowprec.Linear(64, 64, device="cuda") for _ in range(3)])
+    recipe = DelayedScaling(amax_history_len=4)
+    side = torch.cuda.Stream()
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = (torch.randn(32, 64, generator=gen) * (step + 1)).cuda().requires_grad_(True)
+        g = (torch.randn(32, 64, generator=gen) * 10.0 ** step).cuda()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), lowprec.autocast(recipe=recipe):
+            y = model(x)
+        torch.cuda.current_stream().wait_stream(side)
+        y.backward(g)
+    torch.cuda.synchronize()
+    return [m.get_extra_state() for m in model]
+
+
+def test_batched_updates_on_the_modules_streams():
+    batched = _side_stream_steps()
+    with state_batch.per_state_updates():
+        alone = _side_stream_steps()
+    for sb, sa in zip(batched, alone):
+        for mode in ("forward", "backward"):
+            for name in ("scale", "amax_history"):
+                _same(sb[mode][name], sa[mode][name])
