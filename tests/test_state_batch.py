@@ -6,6 +6,8 @@ the single-state kernel in ``test_state_gpu.py``; the batched amax all-reduce in
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -201,3 +203,17 @@ def test_a_failed_backward_pass_leaves_its_queue_to_no_other_pass():
     for h in batched[:2]:  # a and b: one row, from the pass that completed
         assert (h[0, 0] > 0) and torch.equal(h[1:], torch.zeros_like(h[1:]))
     assert torch.equal(batched[2][0], alone[2][0])  # c: the completed pass's amax on top
+
+
+def test_a_copy_of_a_state_has_no_open_calls():
+    recipe = DelayedScaling(amax_history_len=2)
+    lin = lowprec.Linear(8, 8)
+    x = torch.randn(2, 8, requires_grad=True)
+    with lowprec.autocast(recipe=recipe):
+        y = lin(x)  # its backward is still to run
+    st = lin._recipe_states["backward"].delayed
+    assert st._open_backwards == 1
+    twin = copy.deepcopy(lin)
+    assert twin._recipe_states["backward"].delayed._open_backwards == 0
+    y.sum().backward()
+    assert st._open_backwards == 0
