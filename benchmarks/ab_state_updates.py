@@ -1,6 +1,6 @@
 """Delayed-scaling state updates batched (``lowprec.state_batch``) against one per state, in
-one process on a stack of Linear layers: the host time inside the update machinery (region
-exit, each module's end of backward, the end-of-pass flush; outermost calls timed) and the
+one process on a stack of Linear layers: the host time inside the update machinery (the
+region's exit and each module's backward-state update; outermost calls timed) and the
 host time of the whole step, alternating the two peers (the whole-step times of these
 host-bound steps move by 10% between calls; the update time is the steady measure).
 
@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lowprec.modules.base as module_base  # noqa: E402
 from lowprec import state_batch  # noqa: E402
+from lowprec.state import DelayedScalingState  # noqa: E402
 from bench_linear import make_inputs, parse_shape, stack_peers  # noqa: E402
 
 _acc = {"s": 0.0, "depth": 0}
@@ -50,9 +50,9 @@ def main():
     ap.add_argument("--reps", type=int, default=16)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
+    # the region's exit (batched or not) and every single-state update (backward ones)
     state_batch.update_states = _timed(state_batch.update_states)
-    state_batch._flush = _timed(state_batch._flush)
-    module_base.close_backward = state_batch.close_backward = _timed(state_batch.close_backward)
+    DelayedScalingState.update = _timed(DelayedScalingState.update)
     layers, m, k = parse_shape(args.stack)
     peers = dict(stack_peers(layers, m, k, ["delayed"], variants={"per_state": ["delayed"]}))
     names = ["lowprec/delayed", "lowprec/delayed/per_state"]

@@ -93,20 +93,13 @@ class DelayedScalingState:
                                         device=device)
         self.amax_current = torch.zeros(n, dtype=torch.float32, device=device)
         self.pending = False
-        # forward calls whose backward is still to record here (lowprec.state_batch)
-        self._open_backwards = 0
 
     def __getstate__(self):
-        # A copy (deepcopy, pickling) has no forward call waiting for its backward, and
-        # works out its own batch key (lowprec.state_batch).
+        # A copy (deepcopy, pickling, perhaps loaded onto another device) works out its own
+        # batch key (lowprec.state_batch).
         state = dict(self.__dict__)
-        state["_open_backwards"] = 0
         state.pop("_batch_key", None)
         return state
-
-    def __setstate__(self, state: dict) -> None:
-        state.setdefault("_open_backwards", 0)  # pickled before lowprec.state_batch
-        self.__dict__.update(state)
 
     def quantizers(self, fp8_dtypes: Sequence[torch.dtype]) -> list[Float8Quantizer]:
         return [Float8Quantizer(self.scale[i:i + 1], self.amax_current[i:i + 1], dt)

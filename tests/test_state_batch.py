@@ -1,6 +1,6 @@
-"""Delayed-scaling states updated in batches (``lowprec.state_batch``): the same states as
-one update per state, backward states updated when the backward pass ends (not when each
-module's backward does), and the fallbacks. The batched kernel itself is checked against
+"""Delayed-scaling forward states updated in a batch at the autocast region's exit
+(``lowprec.state_batch``): the same states as one update per state, backward states still
+updated at the end of each module's backward. The batched kernel itself is checked against
 the single-state kernel in ``test_state_gpu.py``; the batched amax all-reduce in
 ``tests/distributed``."""
 
@@ -67,47 +67,6 @@ def test_batched_updates_match_one_update_per_state(device, algo):
                 assert torch.equal(st.delayed.amax_current, torch.zeros_like(st.delayed.amax_current))
 
 
-def test_backward_states_update_when_the_backward_pass_ends():
-    recipe = DelayedScaling(amax_history_len=3)
-    model = _model("cpu")
-    last, first = model[4], model[0]
-    seen = {}
-
-    def during_backward(grad):
-        # runs after the last module's backward, before the first module's: the last
-        # module's backward amax is recorded but has not entered its history yet
-        st = last._recipe_states["backward"].delayed
-        seen["pending"] = st.pending
-        seen["row0"] = st.amax_history[0].clone()
-        seen["current"] = st.amax_current.clone()
-        return grad
-
-    x = torch.randn(16, 64, requires_grad=True)
-    with lowprec.autocast(recipe=recipe):
-        h = model[1](model[0](x))
-        h.register_hook(during_backward)
-        y = model[4](model[3](model[2](h)))
-    g = torch.randn(16, 16) * 100
-    y.backward(g)
-    assert seen["pending"] and torch.equal(seen["row0"], torch.zeros(2))
-    assert seen["current"][0] == g.abs().max()
-    for m in (last, first):
-        st = m._recipe_states["backward"].delayed
-        assert not st.pending and st.amax_history[0][0] > 0
-    assert last._recipe_states["backward"].delayed.amax_history[0][0] == g.abs().max()
-    assert not state_batch._QUEUES
-
-
-def test_outside_a_backward_pass_the_update_runs_at_once():
-    recipe = DelayedScaling(amax_history_len=2)
-    st = lowprec.state.DelayedScalingState(recipe, 2, [torch.float8_e5m2] * 2, torch.device("cpu"))
-    st.amax_current.copy_(torch.tensor([4.0, 0.0]))
-    state_batch.defer_backward_update(st)
-    assert not st.pending and not state_batch._QUEUES
-    assert st.amax_history[0].tolist() == [4.0, 0.0]
-    assert st.scale.tolist() == [57344.0 / 4.0, 1.0]
-
-
 def _called_twice(algo):
     """A module called twice before one backward, the second call's gradient far larger:
     (forward and backward states after two steps)."""
@@ -125,8 +84,8 @@ def _called_twice(algo):
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 def test_a_module_called_twice_keeps_every_backward_amax(algo):
-    """Each call's backward amax enters the history (the later call's backward records
-    over the earlier's amax): the same states as one update per call."""
+    """Each call's backward amax enters the history (each call's backward updates before
+    the next one records over its amax): the same states as one update per state."""
     batched = _called_twice(algo)
     with state_batch.per_state_updates():
         alone = _called_twice(algo)
@@ -138,82 +97,38 @@ def test_a_module_called_twice_keeps_every_backward_amax(algo):
     assert hist[:, 0].max() > 100 * hist[:, 0].min()  # the large gradient is among them
 
 
-def test_a_forward_without_backward_does_not_hold_batching_back():
-    """A forward whose graph is dropped unused closes its call: later backward passes
-    still queue the state instead of updating it at once."""
-    recipe = DelayedScaling(amax_history_len=2)
-    lin = lowprec.Linear(16, 16)
-    with lowprec.autocast(recipe=recipe):
-        lin(torch.randn(4, 16, requires_grad=True))  # graph dropped here
-    st = lin._recipe_states["backward"].delayed
-    assert st._open_backwards == 0
-    seen = {}
-    x = torch.randn(4, 16, requires_grad=True)
-    with lowprec.autocast(recipe=recipe):
-        y = lin(x)
-
-    def hook(grad):
-        seen["pending"] = st.pending
-        return grad
-    x.register_hook(hook)
-    y.sum().backward()
-    assert seen["pending"] is True and not st.pending
-
-
 def test_per_state_updates_restores_the_flag():
     with state_batch.per_state_updates():
         assert state_batch.BATCHED is False
     assert state_batch.BATCHED is True
 
 
-class _Fails(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("backward failed on purpose")
-
-
-def test_a_failed_backward_pass_leaves_its_queue_to_no_other_pass():
-    """The states of a pass that raised stay out of the history; the next pass updates
-    only its own states (each once), as one update per state would after the failure."""
+def test_backward_states_update_at_the_end_of_each_modules_backward():
+    """Not batched: the last module's backward state has its amax in the history before the
+    first module's backward runs."""
     recipe = DelayedScaling(amax_history_len=3)
+    model = _model("cpu")
+    last = model[4]
+    seen = {}
 
-    def run():
-        torch.manual_seed(0)
-        a, b, c = (lowprec.Linear(8, 8) for _ in range(3))
-        x = torch.randn(4, 8, requires_grad=True)
-        with lowprec.autocast(recipe=recipe):
-            y = c(_Fails.apply(b(a(x))))
-        with pytest.raises(RuntimeError, match="on purpose"):
-            y.sum().backward()
-        hist_c = c._recipe_states["backward"].delayed.amax_history.clone()
-        with lowprec.autocast(recipe=recipe):
-            y = c(b(a(x)))
-        y.sum().backward()
-        return hist_c, [m._recipe_states["backward"].delayed.amax_history.clone() for m in (a, b, c)]
+    def during_backward(grad):
+        seen["row0"] = last._recipe_states["backward"].delayed.amax_history[0].clone()
+        return grad
 
-    stale_c, batched = run()
-    assert torch.equal(stale_c, torch.zeros_like(stale_c))  # queued, not yet updated
-    assert not state_batch._QUEUES
-    with state_batch.per_state_updates():
-        _, alone = run()
-    for h in batched[:2]:  # a and b: one row, from the pass that completed
-        assert (h[0, 0] > 0) and torch.equal(h[1:], torch.zeros_like(h[1:]))
-    assert torch.equal(batched[2][0], alone[2][0])  # c: the completed pass's amax on top
-
-
-def test_a_copy_of_a_state_has_no_open_calls():
-    recipe = DelayedScaling(amax_history_len=2)
-    lin = lowprec.Linear(8, 8)
-    x = torch.randn(2, 8, requires_grad=True)
+    x = torch.randn(16, 64, requires_grad=True)
     with lowprec.autocast(recipe=recipe):
-        y = lin(x)  # its backward is still to run
-    st = lin._recipe_states["backward"].delayed
-    assert st._open_backwards == 1
-    twin = copy.deepcopy(lin)
-    assert twin._recipe_states["backward"].delayed._open_backwards == 0
-    y.sum().backward()
-    assert st._open_backwards == 0
+        h = model[1](model[0](x))
+        h.register_hook(during_backward)
+        y = model[4](model[3](model[2](h)))
+    g = torch.randn(16, 16) * 100
+    y.backward(g)
+    assert seen["row0"][0] == g.abs().max()
+
+
+def test_a_copy_of_a_state_works_out_its_own_batch_key():
+    recipe = DelayedScaling(amax_history_len=2)
+    st = lowprec.state.DelayedScalingState(recipe, 2, [torch.float8_e4m3fn] * 2,
+                                           torch.device("cpu"))
+    assert state_batch._batch_key(st) is None  # a CPU state updates on the torch path
+    assert "_batch_key" in st.__dict__ and "_batch_key" not in copy.deepcopy(st).__dict__

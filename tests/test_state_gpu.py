@@ -152,9 +152,8 @@ def test_batched_update_table_follows_the_states():
 
 
 def _side_stream_steps(steps=3):
-    """A three-layer model stepped with its forward on a side stream and ``backward()``
-    called on the default stream: the backward states' updates run on the side stream (the
-    modules' backward stream), not the stream current at ``backward()``."""
+    """A three-layer model stepped with its forward (and the region's batched update) on a
+    side stream and ``backward()`` called on the default stream; the states after."""
     import lowprec
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[lowprec.Linear(64, 64, device="cuda") for _ in range(3)])

@@ -12,7 +12,6 @@ from ..formats.base import QuantizedTensor
 from ..linear_fn import LinearQuantizers
 from ..roles import check_num_quantizers, gemm_roles
 from ..state import RecipeState
-from ..state_batch import close_backward, open_backward
 
 PARALLEL_MODES = (None, "column", "row")
 
@@ -66,20 +65,15 @@ def add_linear_params(module: nn.Module, weight_name: str, bias_name: str | None
 
 
 class _BackwardDone:
-    """Counts a forward call's GEMM backwards and fires ``fn`` once all have run;
-    ``dropped`` runs instead if the call's graph goes before that (no backward)."""
+    """Counts a forward call's GEMM backwards and fires once all have run."""
 
-    def __init__(self, n: int, fn, dropped=None) -> None:
-        self.left, self.fn, self.dropped = n, fn, dropped
+    def __init__(self, n: int, fn) -> None:
+        self.left, self.fn = n, fn
 
     def __call__(self) -> None:
         self.left -= 1
         if self.left == 0:
             self.fn()
-
-    def __del__(self) -> None:
-        if self.left > 0 and self.dropped is not None:
-            self.dropped()
 
 
 class LowprecModule(nn.Module):
@@ -148,11 +142,13 @@ class LowprecModule(nn.Module):
         if fwd.delayed is not None and torch.is_grad_enabled():
             fwd.delayed.pending = True
             register_delayed_state(fwd.delayed)
-            state, group = bwd.delayed, region.group
-            open_backward(state)
-            callback = _BackwardDone(backward_calls,
-                                     lambda: close_backward(state, group, ran=True),
-                                     lambda: close_backward(state, group, ran=False))
+            group = region.group
+
+            def bwd_update():
+                bwd.delayed.pending = True
+                bwd.delayed.update(group)
+
+            callback = _BackwardDone(backward_calls, bwd_update)
         return recipe, fwd, bwd, callback
 
     def gemm_quantizers(self, device) -> tuple[list[LinearQuantizers] | None, str, object]:
