@@ -268,5 +268,12 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     uses it to push backward amaxes into the history).
     """
     check_linear_args(x, weight, bias)
+    grad_enabled = torch.is_grad_enabled()
+    if on_backward_done is not None and grad_enabled and not (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        # autograd records no node for this GEMM: its backward will never count
+        skip = getattr(on_backward_done, "skip", None)
+        if skip is not None:
+            skip()
     return _QuantizedLinear.apply(x, weight, bias, quantizers, backward_mode, on_backward_done,
-                                  torch.is_grad_enabled())
+                                  grad_enabled)

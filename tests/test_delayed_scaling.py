@@ -328,3 +328,20 @@ def test_checkpoint_resume_needs_the_scaling_state(tmp_path):
     opt_b.load_state_dict(opt_sd)
     fresh = _train(b, opt_b, batches[N:])
     assert not torch.equal(cont[0], fresh[0])
+
+
+def test_layernorm_mlp_with_a_frozen_first_gemm_updates_its_backward_state():
+    """fc1 and the norm frozen and an input without gradient: fc1's GEMM has no backward,
+    and fc2's backward amaxes still enter the history."""
+    recipe = DelayedScaling(amax_history_len=2)
+    torch.manual_seed(0)
+    mlp = lowprec.LayerNormMLP(16, 32)
+    for p in (mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.fc1_weight, mlp.fc1_bias):
+        p.requires_grad_(False)
+    with autocast(recipe=recipe):
+        y = mlp(torch.randn(4, 16))
+    g = torch.randn(4, 16) * 7
+    y.backward(g)
+    hist = mlp.get_extra_state()["backward"]["amax_history"]
+    assert hist[0][2] == g.abs().max()  # fc2's grad_output slot
+    assert mlp.fc2_weight.grad is not None

@@ -75,6 +75,11 @@ class _BackwardDone:
         if self.left == 0:
             self.fn()
 
+    def skip(self) -> None:
+        """One of the GEMMs will have no backward (nothing it read needs a gradient): the
+        others' backwards fire without it; with none left to run, nothing fires."""
+        self.left -= 1
+
 
 class LowprecModule(nn.Module):
     """Base of the GEMM modules: one or more GEMMs with [input, weight, output] forward
