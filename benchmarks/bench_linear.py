@@ -207,11 +207,15 @@ def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", variants=None
     return peers
 
 
+def variant_args(args) -> dict:
+    """:data:`VARIANTS` name -> the recipes its ``--<name>-too`` option lists."""
+    return {name: split_list(getattr(args, f"{name}_too")) for name, _, _ in VARIANTS}
+
+
 def shape_peers(args, m, k, n, **step_kw):
     """``linear_peers`` for one shape with the options of ``add_peer_args``."""
-    variants = {name: split_list(getattr(args, f"{name}_too")) for name, _, _ in VARIANTS}
     return linear_peers(m, k, n, split_list(args.recipes), split_list(args.torchao),
-                        variants=variants, **step_kw)
+                        variants=variant_args(args), **step_kw)
 
 
 def stack_peers(layers, m, k, recipes, device="cuda", variants=None, **step_kw):
@@ -362,9 +366,8 @@ def main(argv=None):
             torch.cuda.empty_cache()
     if args.stack:
         layers, m, k = parse_shape(args.stack)
-        variants = {name: split_list(getattr(args, f"{name}_too")) for name, _, _ in VARIANTS}
         rows += run_peers("stack", args.stack, stack_peers(layers, m, k, recipes,
-                                                           variants=variants),
+                                                           variants=variant_args(args)),
                           make_inputs(m, k, k, "cuda"), args)
     if args.mlp:
         m, h, f = parse_shape(args.mlp_shape)

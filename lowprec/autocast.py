@@ -7,6 +7,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .recipe import DelayedScaling, Recipe
+from .state_batch import update_states
 
 
 def default_recipe() -> Recipe:
@@ -55,7 +56,6 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_
     finally:
         _LOCAL.regions.pop()
         if region is not None:
-            from .state_batch import update_states
             update_states(region.delayed_states, region.group)
 
 
