@@ -21,7 +21,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lowprec.autocast  # noqa: E402
 from lowprec import state_batch  # noqa: E402
 from lowprec.state import DelayedScalingState  # noqa: E402
 from bench_linear import make_inputs, parse_shape, stack_peers  # noqa: E402
@@ -52,7 +51,9 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
     # the region's exit (batched or not) and every single-state update (backward ones)
-    lowprec.autocast.update_states = state_batch.update_states = _timed(state_batch.update_states)
+    # (``lowprec.autocast`` is the function; the module binds update_states at import)
+    autocast_module = sys.modules["lowprec.autocast"]
+    autocast_module.update_states = state_batch.update_states = _timed(state_batch.update_states)
     DelayedScalingState.update = _timed(DelayedScalingState.update)
     layers, m, k = parse_shape(args.stack)
     peers = dict(stack_peers(layers, m, k, ["delayed"], variants={"per_state": ["delayed"]}))
