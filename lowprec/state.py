@@ -15,7 +15,7 @@ import torch
 
 from .formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                       MXFP8Quantizer, NVFP4Quantizer, Quantizer)
-from .formats.casting import FP8_MAX
+from .formats.casting import FP8_MAX, FP32_MAX
 from .kernels import use_kernels
 from .recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                      MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
@@ -79,8 +79,11 @@ class DelayedScalingState:
     """Scales and amax history for one direction of one module (delayed scaling).
 
     ``scale`` is (n,), ``amax_history`` (history_len, n) with the newest row
-    first; quantizers record into ``amax_current`` (n,), which
-    :meth:`update` pushes into the history.
+    first; quantizers record into ``amax_current`` (n,) the max over every
+    call since the last :meth:`update`, which pushes it into the history.
+    Quantizers of calls that must not move the state (grad disabled: eval,
+    ``no_grad``, ``inference_mode``) record into ``amax_scratch`` instead,
+    which nothing reads.
     """
 
     def __init__(self, recipe: DelayedScaling, n: int, fp8_dtypes: Sequence[torch.dtype],
@@ -92,6 +95,7 @@ class DelayedScalingState:
         self.amax_history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32,
                                         device=device)
         self.amax_current = torch.zeros(n, dtype=torch.float32, device=device)
+        self.amax_scratch = torch.zeros(n, dtype=torch.float32, device=device)
         self.pending = False
 
     def __getstate__(self):
@@ -101,9 +105,27 @@ class DelayedScalingState:
         state.pop("_batch_key", None)
         return state
 
-    def quantizers(self, fp8_dtypes: Sequence[torch.dtype]) -> list[Float8Quantizer]:
-        return [Float8Quantizer(self.scale[i:i + 1], self.amax_current[i:i + 1], dt)
+    def quantizers(self, fp8_dtypes: Sequence[torch.dtype], *,
+                   record: bool = True) -> list[Float8Quantizer]:
+        """One quantizer per slot with this state's scale; ``record=False``: its amaxes go
+        to the scratch slots and never reach the history."""
+        amax = self.amax_current if record else self.amax_scratch
+        return [Float8Quantizer(self.scale[i:i + 1], amax[i:i + 1], dt)
                 for i, dt in enumerate(fp8_dtypes)]
+
+    def adopt(self, other: "DelayedScalingState") -> bool:
+        """Take ``other``'s scales, history and recorded amaxes when they fit this state
+        (same slots, formats and history length): a module's delayed-scaling state for
+        another DelayedScaling recipe or other roles goes on from where it was."""
+        if (other.amax_history.shape != self.amax_history.shape
+                or not torch.equal(other.fp8_max.cpu(), self.fp8_max.cpu())):
+            return False
+        with torch.no_grad():
+            self.scale.copy_(other.scale)
+            self.amax_history.copy_(other.amax_history)
+            self.amax_current.copy_(other.amax_current)
+        self.pending = other.pending
+        return True
 
     def update(self, group=None) -> None:
         """Push the recorded amaxes into the history and recompute the scales."""
@@ -134,7 +156,9 @@ class DelayedScalingState:
         else:
             amax = torch.as_tensor(algo(self.amax_history.clone()), dtype=torch.float32,
                                    device=self.scale.device).reshape(self.scale.shape)
-        new = self.fp8_max / amax / (2.0 ** self.recipe.margin)
+        # A tiny amax must not give an infinite scale (0 * inf is NaN): the fp32 max, as
+        # current scaling does.
+        new = (self.fp8_max / amax / (2.0 ** self.recipe.margin)).clamp(max=FP32_MAX)
         ok = torch.isfinite(amax) & (amax > 0)
         self.scale.copy_(torch.where(ok, new, self.scale))
         self.amax_current.zero_()
@@ -160,15 +184,26 @@ class DelayedScalingState:
         return inv
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale.clone(), "amax_history": self.amax_history.clone()}
+        """Scales, history and the amaxes recorded since the last update (a quantized
+        weight's re-quantize after an optimizer step records one that the next update
+        reads): a resumed run goes on bit for bit."""
+        return {"scale": self.scale.clone(), "amax_history": self.amax_history.clone(),
+                "amax_current": self.amax_current.clone()}
 
     def load_state_dict(self, state: dict) -> None:
         if state["amax_history"].shape != self.amax_history.shape:
             raise ValueError(f"delayed-scaling state has history shape "
                              f"{tuple(state['amax_history'].shape)}, the recipe wants "
                              f"{tuple(self.amax_history.shape)}")
-        self.scale.copy_(state["scale"])
-        self.amax_history.copy_(state["amax_history"])
+        with torch.no_grad():
+            self.scale.copy_(state["scale"])
+            self.amax_history.copy_(state["amax_history"])
+            # checkpoints written before the recorded amaxes were saved have none
+            current = state.get("amax_current")
+            if current is not None:
+                self.amax_current.copy_(current)
+            else:
+                self.amax_current.zero_()
 
 
 class RecipeState:
@@ -181,15 +216,37 @@ class RecipeState:
         self.roles = list(roles)
         self.quantizers = quantizers
         self.delayed = delayed
+        self._make_eval_twin()
+
+    def _make_eval_twin(self) -> None:
+        # What a forward that must not move the state uses (grad disabled): the same
+        # quantizers, except that delayed scaling's record into the scratch amaxes.
+        if self.delayed is None:
+            self.eval_twin = self
+            return
+        twin = object.__new__(RecipeState)
+        twin.__dict__.update(self.__dict__)
+        twin.quantizers = self.delayed.quantizers([q.fp8_dtype for q in self.quantizers],
+                                                  record=False)
+        twin.eval_twin = twin
+        self.eval_twin = twin
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("eval_twin", None)
+        return state
 
     def __setstate__(self, state: dict) -> None:
         # Plain pickle stores each quantizer's scale/amax view as its own storage; re-point
         # them into the shared delayed-scaling state so they keep following its updates.
         self.__dict__.update(state)
         if self.delayed is not None:
+            if "amax_scratch" not in self.delayed.__dict__:  # pickled before it existed
+                self.delayed.amax_scratch = torch.zeros_like(self.delayed.amax_current)
             for i, q in enumerate(self.quantizers):
                 q.scale = self.delayed.scale[i:i + 1]
                 q.amax = self.delayed.amax_current[i:i + 1]
+        self._make_eval_twin()
 
     @classmethod
     def create(cls, recipe: Recipe, mode: str, roles: Sequence[QuantizerRole | None],
@@ -198,6 +255,13 @@ class RecipeState:
             raise ValueError(f"mode={mode!r}; use 'forward' or 'backward'")
         if not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be a lowprec recipe, got {type(recipe).__name__}")
+        # A first forward under torch.inference_mode() (an eval before training) must not
+        # make the state's tensors inference tensors: training updates them in place.
+        with torch.inference_mode(False):
+            return cls._create(recipe, mode, roles, device)
+
+    @classmethod
+    def _create(cls, recipe, mode, roles, device) -> "RecipeState":
         delayed = None
         if isinstance(recipe, DelayedScaling):
             fmt = recipe.fp8_format

@@ -300,7 +300,14 @@ def _handles(*ops):
 
 @_handles(aten.detach.default, aten.alias.default)
 def _detach(func, args, kwargs):
-    return args[0]._rebuild(lambda t: t.detach())
+    qt = args[0]
+    if torch.is_inference_mode_enabled() and not qt.is_inference():
+        # A view of a normal tensor shares its version counter, which an inference tensor
+        # has none of: the wrapper is made as a normal tensor (state_dict() under
+        # inference_mode detaches every parameter).
+        with torch.inference_mode(False):
+            return qt._rebuild(lambda t: t.detach())
+    return qt._rebuild(lambda t: t.detach())
 
 
 @_handles(aten.clone.default)

@@ -10,6 +10,7 @@ from torch import nn
 from ..autocast import active_region, init_recipe, register_delayed_state
 from ..formats.base import QuantizedTensor
 from ..linear_fn import LinearQuantizers
+from ..recipe import DelayedScaling
 from ..roles import check_num_quantizers, gemm_roles
 from ..state import RecipeState
 
@@ -64,6 +65,10 @@ def add_linear_params(module: nn.Module, weight_name: str, bias_name: str | None
         module.register_parameter(bias_name, b)
 
 
+def _same_key(a: tuple | None, b: tuple) -> bool:
+    return a is not None and all(x is y or x == y for x, y in zip(a, b))
+
+
 class _BackwardDone:
     """Counts a forward call's GEMM backwards and fires once all have run."""
 
@@ -94,6 +99,8 @@ class LowprecModule(nn.Module):
         self.output_quantizer_role = output_quantizer_role
         self.grad_input_quantizer_role = grad_input_quantizer_role
         self._recipe_states: dict[str, RecipeState | None] = {"forward": None, "backward": None}
+        # the delayed-scaling states, kept across forwards under other recipes
+        self._delayed_states: dict[str, RecipeState | None] = {"forward": None, "backward": None}
         self._pending_extra_state: dict | None = None
 
     # ---- roles ------------------------------------------------------------------------
@@ -120,31 +127,69 @@ class LowprecModule(nn.Module):
         return check_num_quantizers(self, fwd, num_quantizers, roles)
 
     # ---- recipe state -------------------------------------------------------------------
+    def _role_key(self) -> tuple:
+        """What the roles are built from: a change of any of these rebuilds the states."""
+        return (self.name, self.output_quantizer_role, self.grad_input_quantizer_role)
+
     def _state(self, mode: str, recipe, device) -> RecipeState:
         state = self._recipe_states[mode]
         # identity first: the same recipe object every step is the common case, and a
         # dataclass comparison of nested recipes costs host time each call
-        if state is None or (state.recipe is not recipe and state.recipe != recipe):
-            state = RecipeState.create(recipe, mode,
-                                       self.get_quantizer_roles(fwd=mode == "forward"), device)
-            extra = (self._pending_extra_state or {}).pop(mode, None)
-            if extra is not None and state.delayed is not None:
-                state.delayed.load_state_dict(extra)
-            self._recipe_states[mode] = state
+        if (state is None or (state.recipe is not recipe and state.recipe != recipe)
+                or not _same_key(state.role_key, self._role_key())):
+            state = self._new_state(mode, recipe, device)
         return state
+
+    def _new_state(self, mode: str, recipe, device) -> RecipeState:
+        """The state for ``recipe`` under the current roles. A module's delayed-scaling state
+        outlives forwards under other recipes (an eval under MXFP8, say): it is kept aside
+        and taken up again, or carried into the state of another DelayedScaling recipe or
+        other roles where it fits."""
+        key = self._role_key()
+        roles = self.get_quantizer_roles(fwd=mode == "forward")
+        kept = self._kept_delayed().get(mode)
+        if (isinstance(recipe, DelayedScaling) and kept is not None and kept.roles == roles
+                and (kept.recipe is recipe or kept.recipe == recipe)):
+            state = kept
+        else:
+            state = RecipeState.create(recipe, mode, roles, device)
+            if state.delayed is not None:
+                if kept is not None:
+                    state.delayed.adopt(kept.delayed)
+                extra = (self._pending_extra_state or {}).pop(mode, None)
+                if extra is not None:
+                    state.delayed.load_state_dict(extra)
+                self._delayed_states[mode] = state
+        state.role_key = key
+        self._recipe_states[mode] = state
+        return state
+
+    def _kept_delayed(self) -> dict:
+        """The module's delayed-scaling state per mode (None until it has one)."""
+        kept = self.__dict__.get("_delayed_states")
+        if kept is None:  # a module pickled before the states were kept apart
+            kept = self.__dict__["_delayed_states"] = {
+                m: (s if s is not None and s.delayed is not None else None)
+                for m, s in self._recipe_states.items()}
+        return kept
 
     def active_states(self, device, backward_calls: int = 1):
         """(recipe, forward state, backward state, end-of-backward callback) under the active
-        autocast, or None outside it. The callback fires after ``backward_calls`` calls."""
+        autocast, or None outside it. The callback fires after ``backward_calls`` calls.
+
+        A forward with grad disabled (eval, ``no_grad``, ``inference_mode``) gets the
+        forward state's ``eval_twin``: the same quantizers, except that delayed scaling's
+        record their amaxes where no update reads them, so such calls never move the
+        state and interleaved eval steps leave training bit-identical."""
         region = active_region()
         if region is None:
             return None
         recipe = region.recipe
         fwd, bwd = self._state("forward", recipe, device), self._state("backward", recipe, device)
         callback = None
-        # An evaluation forward (grad disabled) must not move the delayed-scaling state, so
-        # interleaved eval steps leave training bit-identical.
-        if fwd.delayed is not None and torch.is_grad_enabled():
+        if fwd.delayed is not None:
+            if not torch.is_grad_enabled():
+                return recipe, fwd.eval_twin, bwd, None
             fwd.delayed.pending = True
             register_delayed_state(fwd.delayed)
             group = region.group
@@ -219,8 +264,8 @@ class LowprecModule(nn.Module):
     # ---- extra state (delayed scaling) ----------------------------------------------------
     def get_extra_state(self):
         out = {}
-        for mode, state in self._recipe_states.items():
-            if state is not None and state.delayed is not None:
+        for mode, state in self._kept_delayed().items():
+            if state is not None:
                 out[mode] = state.delayed.state_dict()
         return out
 
@@ -229,8 +274,8 @@ class LowprecModule(nn.Module):
             return
         pending = {}
         for mode, sd in state.items():
-            current = self._recipe_states.get(mode)
-            if current is not None and current.delayed is not None:
+            current = self._kept_delayed().get(mode)
+            if current is not None:
                 current.delayed.load_state_dict(sd)
             else:
                 pending[mode] = sd

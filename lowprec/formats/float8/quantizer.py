@@ -63,7 +63,10 @@ class Float8Quantizer(_PerTensorFloat8):
 
     ``scale`` and ``amax`` are 1-element fp32 tensors owned by the recipe
     state: quantize casts ``x * scale`` and records ``amax(|x|)`` into
-    ``amax`` in place; the state turns recorded amaxes into the next scale.
+    ``amax`` in place, as the max with what ``amax`` holds (NaN sticks), so a
+    slot quantized several times before the state's update (a shared layer,
+    gradient accumulation in one region) keeps the largest; the state turns
+    recorded amaxes into the next scale and zeroes them.
     """
 
     format_name = "fp8_delayed"
@@ -84,10 +87,12 @@ class Float8Quantizer(_PerTensorFloat8):
         return self._fields(x2d, self._record_amax(tensor_amax(x2d), x2d.device))
 
     def _record_amax(self, amax: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Record ``amax`` (1 element) into ``self.amax``; return the scale to cast with on
-        ``device``: a copy of ``self.scale``, NaN when the amax is not finite (a NaN/Inf
-        input must not come back as finite values)."""
-        self.amax.copy_(amax.reshape(self.amax.shape))
+        """Record ``amax`` (1 element) into ``self.amax`` (the max with what it holds); return
+        the scale to cast with on ``device``: a copy of ``self.scale``, NaN when the amax is
+        not finite (a NaN/Inf input must not come back as finite values)."""
+        # torch.maximum propagates NaN: a NaN input keeps the state's scale at its update
+        torch.maximum(self.amax, amax.reshape(self.amax.shape).to(self.amax.device),
+                      out=self.amax)
         scale = self.scale.detach().reshape(1).to(device=device, dtype=torch.float32, copy=True)
         return torch.where(torch.isfinite(amax.to(device)), scale,
                            torch.full_like(scale, float("nan")))

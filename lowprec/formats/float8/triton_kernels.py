@@ -357,12 +357,16 @@ def _finish_delayed(bits, pid, nprog, iters, scale_in_ptr, scale_out_ptr, amax_o
                     row_ptr, col_ptr, N, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                     BLOCK: tl.constexpr):
     """Program ``pid`` of ``nprog`` finishing a delayed cast whose amax bits are ``bits``:
-    program 0 records the amax and stores the (NaN-poisoned) scale and its reciprocal
+    program 0 records the amax (the max with what ``amax_out`` holds, NaN sticking, as the
+    reference's ``torch.maximum``) and stores the (NaN-poisoned) scale and its reciprocal
     (``scale_out[0]``, ``scale_out[DECODE_AT]``); only when the amax is not finite, every
     program overwrites its share (``iters`` blocks) of the data with NaN codes (as the
     reference's ``x * NaN``)."""
     if pid == 0:
-        tl.store(amax_out_ptr, bits.to(tl.float32, bitcast=True))
+        new = bits.to(tl.float32, bitcast=True)
+        old = tl.load(amax_out_ptr)
+        acc = tl.where((old != old) | (new != new), float("nan"), tl.maximum(old, new))
+        tl.store(amax_out_ptr, acc)
         s = tl.load(scale_in_ptr).to(tl.int32, bitcast=True)
         s = tl.where(bits < 0x7F800000, s, 0x7FC00000).to(tl.float32, bitcast=True)
         tl.store(scale_out_ptr, s)
@@ -395,7 +399,7 @@ def _update_columns(hist_ptr, cur_ptr, scale_ptr, fmax_ptr, H, N, cols, inv_marg
                     MOST_RECENT: tl.constexpr, BH: tl.constexpr):
     """DelayedScalingState.update of the columns ``cols`` of one state: its history (H, N)
     rolls down one row, row 0 becomes ``cur``, the new scale is ``fmax / amax * inv_margin``
-    where amax is finite and > 0 (NaN anywhere in the history gives NaN, so the scale is
+    (at most the fp32 max) where amax is finite and > 0 (NaN anywhere in the history gives NaN, so the scale is
     kept), and ``cur`` is zeroed."""
     cmask = cols < N
     rows = tl.arange(0, BH)
@@ -415,7 +419,8 @@ def _update_columns(hist_ptr, cur_ptr, scale_ptr, fmax_ptr, H, N, cols, inv_marg
                           tl.where(cur != cur, float("-inf"), cur))
         amax = tl.where(has_nan, float("nan"), amax)
     fmax = tl.load(fmax_ptr + cols, mask=cmask, other=1.0)
-    new = tl.math.div_rn(fmax, amax) * inv_margin
+    # clamped to the fp32 max: a tiny amax must not give an infinite scale
+    new = tl.minimum(tl.math.div_rn(fmax, amax) * inv_margin, 3.4028234663852886e38)
     ok = (amax == amax) & (tl.abs(amax) != float("inf")) & (amax > 0)
     old_scale = tl.load(scale_ptr + cols, mask=cmask, other=1.0)
     tl.store(scale_ptr + cols, tl.where(ok, new, old_scale), mask=cmask)
