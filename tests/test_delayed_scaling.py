@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import lowprec
 from lowprec import autocast
 from lowprec.recipe import DelayedScaling
+from lowprec.optim import QuantizedWeightOptimizer
 from lowprec.state import DelayedScalingState
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -345,3 +346,240 @@ def test_layernorm_mlp_with_a_frozen_first_gemm_updates_its_backward_state():
     hist = mlp.get_extra_state()["backward"]["amax_history"]
     assert hist[0][2] == g.abs().max()  # fc2's grad_output slot
     assert mlp.fc2_weight.grad is not None
+
+
+# =============================================================================================
+# (g) what enters the history: every training call, no eval call; state kept across recipes
+# =============================================================================================
+def _fwd_state(module):
+    return module._delayed_states["forward"].delayed
+
+
+def test_module_called_twice_records_the_max_of_both_calls():
+    torch.manual_seed(0)
+    lin = lowprec.Linear(64, 64)
+    big, small = torch.randn(32, 64) * 100, torch.randn(32, 64) * 0.01
+    with autocast(recipe=DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent")):
+        y = lin(big) + lin(small)
+    g = torch.randn(32, 64)
+    y.backward(g)
+    hist = _fwd_state(lin).amax_history
+    assert hist[0, 0] == big.abs().max()  # the input slot keeps the larger call's amax
+    assert hist[0, 1] == lin.weight.abs().max()
+    # backward: each call's backward updates, and each update sees that call's gradient
+    bwd = lin._delayed_states["backward"].delayed.amax_history
+    assert bwd[0, 0] == g.abs().max() and bwd[1, 0] == g.abs().max()
+
+
+def test_amaxes_accumulate_until_the_update_and_restart_after_it():
+    torch.manual_seed(1)
+    lin = lowprec.Linear(16, 16)
+    recipe = DelayedScaling(amax_history_len=3, amax_compute_algo="most_recent")
+    xs = [torch.randn(8, 16) * s for s in (3.0, 9.0, 1.0)]
+    with autocast(recipe=recipe):
+        for x in xs:  # gradient accumulation inside one region
+            lin(x).sum().backward()
+    assert _fwd_state(lin).amax_history[0, 0] == max(x.abs().max() for x in xs)
+    assert torch.all(_fwd_state(lin).amax_current == 0)
+    with autocast(recipe=recipe):
+        lin(xs[2]).sum().backward()
+    assert _fwd_state(lin).amax_history[0, 0] == xs[2].abs().max()
+
+
+@pytest.mark.parametrize("grad_off", ["no_grad", "inference_mode"])
+def test_grad_disabled_call_in_a_training_region_records_nothing(grad_off):
+    torch.manual_seed(2)
+    lin = lowprec.Linear(64, 64)
+    x = torch.randn(32, 64) * 4
+    ctx = torch.no_grad if grad_off == "no_grad" else torch.inference_mode
+    with autocast(recipe=DelayedScaling(amax_history_len=4)):
+        y = lin(x)
+        with ctx():
+            lin(torch.randn(32, 64) * 0.01)
+            lin(torch.randn(32, 64) * 1e4)
+    y.sum().backward()
+    state = _fwd_state(lin)
+    assert state.amax_history[0, 0] == x.abs().max()
+    assert state.scale[0] == f32(448.0 / x.abs().max().item())
+
+
+def test_first_forward_under_inference_mode_then_training():
+    torch.manual_seed(3)
+    recipe = DelayedScaling(amax_history_len=2)
+    a, b = lowprec.Linear(16, 16), None
+    b = copy.deepcopy(a)
+    with torch.inference_mode(), autocast(recipe=recipe):
+        a(torch.randn(4, 16))
+    assert not _fwd_state(a).scale.is_inference()
+    x = torch.randn(4, 16, requires_grad=True)
+    for m in (a, b):
+        with autocast(recipe=recipe):
+            m(x).sum().backward()
+    assert torch.equal(a.weight.grad, b.weight.grad)
+    for mode in ("forward", "backward"):
+        for k, v in a.get_extra_state()[mode].items():
+            assert torch.equal(v, b.get_extra_state()[mode][k]), (mode, k)
+    with torch.inference_mode():
+        sd = a.state_dict()
+    assert set(sd) >= {"weight", "bias", "_extra_state"}
+
+
+def test_quantized_weights_state_dict_under_inference_mode():
+    with lowprec.quantized_model_init(recipe=DelayedScaling()):
+        lin = lowprec.Linear(16, 16)
+    with torch.inference_mode():
+        sd = lin.state_dict()
+        w = lin.weight.detach()
+    assert torch.equal(sd["weight"].dequantize(), lin.weight.dequantize())
+    assert not w.is_inference()
+
+
+@pytest.mark.parametrize("other", ["mxfp8", "current", "delayed_other_margin"])
+def test_state_survives_a_forward_under_another_recipe(other):
+    from lowprec.recipe import Float8CurrentScaling, MXFP8BlockScaling
+    recipe = DelayedScaling(amax_history_len=4)
+    others = {"mxfp8": MXFP8BlockScaling(), "current": Float8CurrentScaling(),
+              "delayed_other_margin": DelayedScaling(amax_history_len=4, margin=1)}
+    torch.manual_seed(4)
+    a = lowprec.Linear(32, 32)
+    b = copy.deepcopy(a)
+    xs = [torch.randn(32, 32) * (i + 1) for i in range(3)]
+    grads = [torch.randn(32, 32) * 1e-3 for _ in range(3)]
+
+    def step(m, x, g):
+        with autocast(recipe=recipe):
+            m(x).backward(g)
+
+    step(a, xs[0], grads[0])
+    step(b, xs[0], grads[0])
+    with torch.no_grad(), autocast(recipe=others[other]):
+        b(xs[1])
+    if other != "delayed_other_margin":
+        # a checkpoint taken in between still holds the delayed state
+        sd = b.get_extra_state()
+        for mode in ("forward", "backward"):
+            assert torch.equal(sd[mode]["scale"], a.get_extra_state()[mode]["scale"])
+    for x, g in zip(xs[1:], grads[1:]):
+        step(a, x, g)
+        step(b, x, g)
+    assert torch.equal(a.weight.grad, b.weight.grad)
+    for mode in ("forward", "backward"):
+        for k, v in a.get_extra_state()[mode].items():
+            assert torch.equal(v, b.get_extra_state()[mode][k]), (mode, k)
+
+
+def test_a_delayed_recipe_with_another_margin_carries_the_history_on():
+    torch.manual_seed(5)
+    lin = lowprec.Linear(16, 16)
+    x = torch.randn(8, 16) * 3
+    with autocast(recipe=DelayedScaling(amax_history_len=4)):
+        lin(x).sum().backward()
+    hist = _fwd_state(lin).amax_history.clone()
+    with autocast(recipe=DelayedScaling(amax_history_len=4, margin=1)):
+        lin(x).sum().backward()
+    state = _fwd_state(lin)
+    assert state.recipe.margin == 1
+    assert torch.equal(state.amax_history[1], hist[0])  # went on from the old history
+
+
+def test_tiny_amax_gives_the_fp32_max_scale_not_inf():
+    torch.manual_seed(6)
+    lin = lowprec.Linear(64, 64, bias=False)
+    recipe = DelayedScaling(amax_history_len=1)
+    with autocast(recipe=recipe):
+        lin(torch.full((32, 64), 1e-39))
+    scale = _fwd_state(lin).scale
+    assert scale[0] == torch.finfo(torch.float32).max
+    x = torch.zeros(32, 64)
+    x[0] = 1e-39
+    with autocast(recipe=recipe):
+        y = lin(x)
+    assert torch.isfinite(y).all()  # an exact zero times the scale stays zero, never NaN
+
+
+def test_state_direct_tiny_amax_clamps():
+    s = DelayedScalingState(DelayedScaling(amax_history_len=2, margin=2), 2, [E4M3, E5M2],
+                            torch.device("cpu"))
+    s.amax_current.copy_(torch.tensor([1e-40, 1e-36]))
+    s.pending = True
+    s.update()
+    fmax = torch.finfo(torch.float32).max
+    assert s.scale[0] == fmax
+    assert s.scale[1] == min(f32(f32(57344.0 / f32(1e-36)) / 4), fmax)
+
+
+# =============================================================================================
+# (h) resume with quantized weights: the recorded weight amax travels with the checkpoint
+# =============================================================================================
+def _resume_recipes():
+    from lowprec.recipe import (CustomRecipe, Float8BlockScaling, Float8CurrentScaling,
+                                MXFP8BlockScaling, NVFP4BlockScaling)
+    from lowprec import MXFP8Quantizer
+    return {"delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling(),
+            "block": Float8BlockScaling(), "mxfp8": MXFP8BlockScaling(),
+            "nvfp4": NVFP4BlockScaling(),
+            "custom": CustomRecipe(qfactory=_mxfp8_factory)}
+
+
+def _mxfp8_factory(role):
+    return lowprec.MXFP8Quantizer()
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["hp_weights", "quantized_weights"])
+@pytest.mark.parametrize("rname", ["delayed", "current", "block", "mxfp8", "nvfp4", "custom"])
+def test_resume_bit_identical_every_recipe(tmp_path, rname, quantized):
+    recipe = _resume_recipes()[rname]
+    d = 128 if rname == "block" else 32
+    gen = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(2 * d, d, generator=gen), torch.randn(2 * d, d, generator=gen))
+               for _ in range(5)]
+
+    def make(seed):
+        torch.manual_seed(seed)
+        with lowprec.quantized_model_init(enabled=quantized, recipe=recipe):
+            m = torch.nn.Sequential(lowprec.Linear(d, d, name="a"),
+                                    lowprec.LayerNormMLP(d, d, name="b"))
+        opt = (QuantizedWeightOptimizer(m, torch.optim.AdamW, lr=1e-2) if quantized
+               else torch.optim.AdamW(m.parameters(), lr=1e-2))
+        return m, opt
+
+    def train(m, opt, data):
+        out = []
+        for x, t in data:
+            opt.zero_grad()
+            with autocast(recipe=recipe):
+                loss = F.mse_loss(m(x), t)
+            loss.backward()
+            opt.step()
+            out.append(loss.detach())
+        return out
+
+    ref, ref_opt = make(0)
+    torch.manual_seed(100)
+    ref_losses = train(ref, ref_opt, batches)
+
+    a, a_opt = make(0)
+    torch.manual_seed(100)
+    losses = train(a, a_opt, batches[:2])
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": a.state_dict(), "optim": a_opt.state_dict(),
+                "rng": torch.get_rng_state()}, path)
+    ckpt = torch.load(path, weights_only=False)
+    b, b_opt = make(1)  # other initial weights (and their amaxes): all must come from ckpt
+    b.load_state_dict(ckpt["model"])
+    b_opt.load_state_dict(ckpt["optim"])
+    torch.set_rng_state(ckpt["rng"])
+    losses += train(b, b_opt, batches[2:])
+
+    for i, (l1, l2) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(l1, l2), (i, l1, l2)
+    for (n, p1), (_, p2) in zip(ref.named_parameters(), b.named_parameters()):
+        p1 = p1.dequantize() if isinstance(p1, lowprec.QuantizedTensor) else p1
+        p2 = p2.dequantize() if isinstance(p2, lowprec.QuantizedTensor) else p2
+        assert torch.equal(p1, p2), n
+    for m1, m2 in zip(ref, b):
+        s1, s2 = m1.get_extra_state(), m2.get_extra_state()
+        assert s1.keys() == s2.keys()
+        for mode in s1:
+            for k in s1[mode]:
+                assert torch.equal(s1[mode][k], s2[mode][k]), (mode, k)

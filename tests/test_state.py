@@ -481,3 +481,76 @@ def test_gemm_quantizers_reused_while_states_and_roles_are():
     with lowprec.autocast(recipe=lowprec.Float8BlockScaling()):
         block, _, _ = m.gemm_quantizers(torch.device("cpu"))
     assert type(block[0].input).__name__ == "Float8BlockQuantizer"
+
+
+@pytest.mark.parametrize("slot", ["output", "grad_input"])
+def test_boundary_role_set_after_the_first_forward_takes_effect(slot):
+    seen = []
+
+    def factory(role):
+        seen.append(role)
+        if role is not None and role.tensor_type in ("output", "grad_input"):
+            return MXFP8Quantizer()
+        return IdentityQuantizer()
+
+    recipe = CustomRecipe(qfactory=factory)
+    torch.manual_seed(0)
+    lin = lowprec.Linear(64, 32, name="l")
+    x = torch.randn(32, 64, requires_grad=True)
+    grads = []
+
+    def step():
+        grads.clear()
+        with autocast(recipe=recipe):
+            h = x * 1.0
+            # record the gradient; hand the rest of the graph its values
+            h.register_hook(lambda g: grads.append(g) or (
+                g.dequantize() if isinstance(g, lowprec.QuantizedTensor) else g))
+            y = lin(h)
+        if isinstance(y, lowprec.QuantizedTensor):
+            return y  # a quantized output is for a consumer that takes one: forward only
+        y.sum().backward()
+        return y
+
+    y = step()
+    assert not isinstance(y, lowprec.QuantizedTensor)
+    assert not isinstance(grads[0], lowprec.QuantizedTensor)
+    role = R("linear", slot, "boundary")
+    setattr(lin, f"{slot}_quantizer_role", role)
+    y = step()
+    assert role in seen  # the factory saw the new role
+    if slot == "output":
+        assert isinstance(y, lowprec.MXFP8Tensor)
+    else:
+        assert isinstance(grads[0], lowprec.MXFP8Tensor)
+    setattr(lin, f"{slot}_quantizer_role", None)  # and back
+    y = step()
+    assert not isinstance(y, lowprec.QuantizedTensor)
+    assert not isinstance(grads[0], lowprec.QuantizedTensor)
+
+
+def test_renamed_module_gets_roles_of_its_new_name():
+    seen = []
+    recipe = CustomRecipe(qfactory=lambda role: seen.append(role) or IdentityQuantizer())
+    lin = lowprec.Linear(16, 16, name="old")
+    with autocast(recipe=recipe):
+        lin(torch.randn(4, 16))
+    lin.name = "new"
+    seen.clear()
+    with autocast(recipe=recipe):
+        lin(torch.randn(4, 16))
+    assert {r.name for r in seen if r is not None} == {"new"}
+
+
+def test_role_change_keeps_the_delayed_scaling_history():
+    recipe = DelayedScaling(amax_history_len=4)
+    lin = lowprec.Linear(16, 16, name="l")
+    x = torch.randn(8, 16) * 3
+    with autocast(recipe=recipe):
+        lin(x).sum().backward()
+    hist = lin.get_extra_state()["forward"]["amax_history"].clone()
+    lin.output_quantizer_role = R("linear", "output", "l")
+    with autocast(recipe=recipe):
+        assert isinstance(lin(x), lowprec.Float8Tensor)
+    now = lin.get_extra_state()["forward"]["amax_history"]
+    assert torch.equal(now[1], hist[0])
