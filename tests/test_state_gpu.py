@@ -180,3 +180,17 @@ def test_batched_updates_on_the_modules_streams():
         for mode in ("forward", "backward"):
             for name in ("scale", "amax_history"):
                 _same(sb[mode][name], sa[mode][name])
+
+
+def test_update_kernel_clamps_tiny_amax_to_the_fp32_max():
+    recipe = DelayedScaling(amax_history_len=2, margin=1, amax_compute_algo="most_recent")
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    a = DelayedScalingState(recipe, 3, [e4m3, e4m3, e5m2], torch.device("cuda"))
+    a.amax_current.copy_(torch.tensor([1e-40, 1e-36, 3.0]))
+    a.pending = True
+    assert a._update_with_kernel("most_recent")
+    a.update()
+    fmax = torch.finfo(torch.float32).max
+    assert a.scale[0].item() == fmax and a.scale[1].item() == fmax
+    expected = torch.tensor(57344.0) / torch.tensor(3.0) / 2  # fp32, as the torch path
+    assert a.scale[2].item() == expected.item()

@@ -455,3 +455,26 @@ def test_mxfp8_scale_rule_at_edge_amaxes(fp8_dtype):
     _, _, _, cs, _, _ = mx_launch.mxfp8_quantize(x.t().contiguous(), fp8_dtype == E5, False,
                                                  True, True, 0, [])
     assert torch.equal(cs.reshape(-1), want), "columnwise scales"
+
+
+@pytest.mark.parametrize("held", ["smaller", "larger", "nan", "zero"])
+@pytest.mark.parametrize("usage", ["both", "row"])
+@pytest.mark.parametrize("dist", ["normal", "special"])
+def test_delayed_records_the_max_with_the_held_amax(held, usage, dist):
+    """A delayed quantizer records max(held amax, amax(|x|)) (NaN sticking), in one launch
+    and in the sliced path, as the reference does."""
+    x = _input((256, 384), torch.bfloat16, dist, seed=11)
+    amax = x.float().abs().max().item()
+    start = {"smaller": amax / 2, "larger": amax * 2, "nan": float("nan"), "zero": 0.0}[held]
+
+    def quantizer():
+        return Float8Quantizer(torch.tensor([0.37], device="cuda"),
+                               torch.full((1,), start, device="cuda"), E4).set_usage(
+                                   *USAGES[usage])
+
+    _matches_reference("delayed", usage, x, f"held {held}", quantizer(), quantizer())
+    qk, qr = quantizer(), quantizer()
+    qk.slice_quantizer(x.view(-1, 384))
+    with reference_only():
+        qr.slice_quantizer(x.view(-1, 384))
+    _assert_same(qk.amax, qr.amax, "sliced recorded amax")
