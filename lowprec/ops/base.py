@@ -236,8 +236,11 @@ def run_parts(parts: list, x: torch.Tensor, extra_inputs: Iterable, *, fuse: boo
         return preps[k]
 
     extra = iter(extra_inputs)
+    caller_x = x
     for k, piece in enumerate(pieces):
-        ctx = RunContext(intermediate=k > 0)
+        # Only a tensor this run made may lose data after its use: a piece may pass the
+        # caller's own (quantized) input through unchanged.
+        ctx = RunContext(intermediate=k > 0 and x is not caller_x)
         if piece.leading_linear is not None:
             ctx.prep = prep_of(k)
         if k > 0:

@@ -657,3 +657,36 @@ def test_save_load_after_training_step():
     assert_all_equal(fwd_bwd(fresh, x, dy, recipe=recipe), ref)
     # the scales really moved away from the first step's 1.0, so the state mattered
     assert not torch.equal(seq[1]._recipe_states["forward"].delayed.scale, torch.ones(3))
+
+
+@pytest.mark.parametrize("first", ["quantize_off", "quantize_forward_only"])
+@pytest.mark.parametrize("recipe_name", ["mxfp8", "current"])
+def test_caller_quantized_input_passed_through_is_never_modified(first, recipe_name):
+    """An op before the linear that passes the caller's quantized input through unchanged:
+    the linear must not drop the rowwise data of a tensor the run did not make."""
+    recipe = {"mxfp8": lowprec.MXFP8BlockScaling(), "current": lowprec.Float8CurrentScaling()}
+    q = {"mxfp8": lowprec.MXFP8Quantizer(E4M3),
+         "current": lowprec.Float8CurrentScalingQuantizer(E4M3)}[recipe_name]
+    qx = q.quantize(randn(64, 64, seed=1))
+    before = {n: (None if t is None else t.clone()) for n, t in qx.inner_tensors().items()}
+    op = (ops.Quantize(forward=False, backward=False) if first == "quantize_off"
+          else ops.Quantize(forward=True, backward=False))
+    torch.manual_seed(0)
+    seq = ops.Sequential(op, ops.Linear(64, 32))
+    with lowprec.autocast(recipe=recipe[recipe_name]):
+        y = seq(qx)
+    y.sum().backward()
+    assert seq[1].weight.grad is not None
+    for name, t in qx.inner_tensors().items():
+        assert (t is None) == (before[name] is None), name
+        if t is not None:
+            assert torch.equal(t.view(torch.uint8) if t.element_size() == 1 else t,
+                               before[name].view(torch.uint8) if t.element_size() == 1
+                               else before[name]), name
+    # the same linear on the caller's tensor directly gives the same weight gradient
+    ref = ops.Sequential(ops.Linear(64, 32))
+    ref.load_state_dict({"0." + k[2:]: v for k, v in seq.state_dict().items()
+                         if k.startswith("1.")})
+    with lowprec.autocast(recipe=recipe[recipe_name]):
+        ref(qx).sum().backward()
+    assert torch.equal(ref[0].weight.grad, seq[1].weight.grad)
