@@ -57,7 +57,9 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
         for name, ta in a.inner_tensors().items():
             tb = getattr(b, name)
             assert (ta is None) == (tb is None), f"{what}: {name} held by only one side"
-            if ta is not None:
+            if isinstance(ta, QuantizedTensor):  # a hybrid's halves
+                assert_bits_equal(ta, tb, f"{what}.{name}")
+            elif ta is not None:
                 assert ta.dtype == tb.dtype and ta.shape == tb.shape, f"{what}: {name}"
                 assert torch.equal(raw(ta), raw(tb)), f"{what}: {name} differs"
         return
@@ -594,3 +596,104 @@ def test_nvfp4_except_layers_picks_fp8_for_named_layers():
     h2.backward(h2d.grad)
     assert_bits_equal(body.weight.grad, body2.weight.grad, "body wgrad")
     assert_bits_equal(xb.grad, xb2.grad, "input grad")
+
+
+# ---- high-precision values into quantized parameters (load_state_dict, copy_) -------------------
+def _mx_factory(role):
+    return MXFP8Quantizer(E4M3)
+
+
+def _hybrid_factory(role):
+    from lowprec import HybridQuantizer
+    return HybridQuantizer(rowwise_quantizer=Float8CurrentScalingQuantizer(E4M3),
+                           columnwise_quantizer=MXFP8Quantizer(E4M3))
+
+
+HP_RECIPES = dict(RECIPES, custom=lambda: CustomRecipe(qfactory=_mx_factory),
+                  hybrid=lambda: CustomRecipe(qfactory=_hybrid_factory))
+
+
+def _quantized_pair(rname, kind):
+    recipe = HP_RECIPES[rname]()
+    d = dim_for(recipe)
+    mods = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        with lowprec.quantized_model_init(recipe=recipe):
+            mods.append(build(kind, d))
+    torch.manual_seed(1)
+    plain = build(kind, d)
+    return mods[0], mods[1], plain
+
+
+def _expect_requantized(module, ref_module, hp_values):
+    """Each quantized weight of ``module`` equals ``ref_module``'s weight quantizer applied to
+    the same values directly (every usage the parameter holds)."""
+    for i, pname in enumerate(weight_names(module)):
+        p = getattr(module, pname)
+        assert isinstance(p, QuantizedTensor) and isinstance(p, nn.Parameter), pname
+        q = ref_module.weight_quantizer(i, p.device)
+        with q.usages(rowwise=p.has_usage("rowwise"), columnwise=p.has_usage("columnwise")):
+            expected = q.quantize(hp_values[pname].to(p.dtype))
+        assert_bits_equal(p, expected, pname)
+    s1, s2 = module.get_extra_state(), ref_module.get_extra_state()
+    assert s1.keys() == s2.keys()
+    for mode in s1:
+        for k in s1[mode]:
+            assert torch.equal(s1[mode][k], s2[mode][k]), (mode, k)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", MODULE_KINDS)
+@pytest.mark.parametrize("rname", list(HP_RECIPES))
+def test_load_high_precision_state_dict_requantizes(rname, kind, src_dtype):
+    m, ref, plain = _quantized_pair(rname, kind)
+    sd = {k: (v.to(src_dtype) if v.is_floating_point() else v)
+          for k, v in plain.state_dict().items() if not k.endswith("_extra_state")}
+    weights = [id(getattr(m, n)) for n in weight_names(m)]
+    m.load_state_dict(sd, strict=False)
+    assert weights == [id(getattr(m, n)) for n in weight_names(m)]  # in place
+    _expect_requantized(m, ref, sd)
+    for name, p in m.named_parameters():
+        if name not in weight_names(m):
+            assert torch.equal(p, sd[name].to(p.dtype)), name
+
+
+@pytest.mark.parametrize("rname", list(HP_RECIPES))
+def test_param_copy_of_high_precision_values_requantizes(rname):
+    m, ref, plain = _quantized_pair(rname, "layernorm_mlp")
+    hp = {n: getattr(plain, n).detach() * 1.5 for n in weight_names(m)}
+    with torch.no_grad():
+        for n in weight_names(m):
+            getattr(m, n).copy_(hp[n])
+    _expect_requantized(m, ref, hp)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch_save", "to"])
+def test_copies_requantize_into_their_own_module(how):
+    m, _, plain = _quantized_pair("delayed", "linear")
+    before = m.weight.dequantize().clone()
+    state_before = copy.deepcopy(m.get_extra_state())
+    c = {"deepcopy": _deepcopy, "pickle": _pickle, "torch_save": _torch_save,
+         "to": lambda mod: mod.to(torch.float32)}[how](m)
+    with torch.no_grad():
+        c.weight.copy_(plain.weight * 3)
+    if how != "to":  # .to() on the module keeps it the same module
+        assert torch.equal(m.weight.dequantize(), before)
+        assert torch.equal(m.get_extra_state()["forward"]["amax_current"],
+                           state_before["forward"]["amax_current"])
+    assert torch.equal(c.get_extra_state()["forward"]["amax_current"][1],
+                       (plain.weight * 3).abs().max())
+    assert not torch.equal(c.weight.dequantize(), before)
+
+
+def test_copy_into_quantized_tensor_without_a_module_raises():
+    qt = MXFP8Quantizer(E4M3).quantize(torch.randn(32, 32))
+    with pytest.raises(TypeError, match="update_quantized"):
+        qt.copy_(torch.randn(32, 32))
+    m, _, _ = _quantized_pair("mxfp8", "linear")
+    with pytest.raises(ValueError, match="shapes must match"):
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(1, 32))
+    # the state dict's detached tensors carry no module: pickling one does not pickle the model
+    assert not hasattr(m.state_dict()["weight"], "_lowprec_requantize")

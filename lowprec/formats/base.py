@@ -161,7 +161,8 @@ class QuantizedTensor(torch.Tensor):
                 inner[name] = t
         return (_rebuild_quantized_tensor,
                 (type(self), tuple(self.shape), self.dtype, self.requires_grad, inner,
-                 self.metadata(), views, _is_parameter(self)))
+                 self.metadata(), views, _is_parameter(self),
+                 getattr(self, REQUANTIZE_ATTR, None)))
 
     def __deepcopy__(self, memo):
         inner = {n: copy.deepcopy(t, memo) for n, t in self.inner_tensors().items()}
@@ -169,6 +170,9 @@ class QuantizedTensor(torch.Tensor):
                          **inner, **copy.deepcopy(self.metadata(), memo))
         if _is_parameter(self):
             out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
+        link = getattr(self, REQUANTIZE_ATTR, None)
+        if link is not None:  # deep-copied with its module: the copy's link is to the copy
+            setattr(out, REQUANTIZE_ATTR, copy.deepcopy(link, memo))
         memo[id(self)] = out
         return out
 
@@ -279,10 +283,14 @@ def _is_parameter(t: torch.Tensor) -> bool:
 
 
 def _rebuild_quantized_tensor(cls, shape, dtype, requires_grad, inner, meta, views,
-                              is_param=False):
+                              is_param=False, requantize=None):
     inner = {n: (t.view(views[n]) if n in views else t) for n, t in inner.items()}
     out = cls(shape, dtype, requires_grad=requires_grad, **inner, **meta)
-    return torch.nn.Parameter(out, requires_grad=requires_grad) if is_param else out
+    if is_param:
+        out = torch.nn.Parameter(out, requires_grad=requires_grad)
+    if requantize is not None:
+        setattr(out, REQUANTIZE_ATTR, requantize)
+    return out
 
 
 # ---- handlers: one small function per supported op -------------------------------------
@@ -321,10 +329,7 @@ def _copy(func, args, kwargs):
     if not isinstance(dst, QuantizedTensor):
         return dst.copy_(src.dequantize(dst.dtype))
     if not isinstance(src, QuantizedTensor):
-        raise TypeError(
-            f"copy_ of a high-precision tensor into a {type(dst).__name__} needs a quantizer; "
-            f"use quantizer.update_quantized(src, dst)"
-        )
+        return _requantize_into(dst, src)
     if type(src) is not type(dst) or src.metadata() != dst.metadata() or src.shape != dst.shape:
         raise TypeError(f"copy_ needs the same format and shape: {dst!r} <- {src!r}")
     for name, d in dst.inner_tensors().items():
@@ -333,6 +338,29 @@ def _copy(func, args, kwargs):
             raise TypeError(f"copy_ needs the same usages: {dst!r} <- {src!r}")
         if d is not None:
             d.copy_(s)
+    return dst
+
+
+#: Attribute a quantized *parameter* may carry: ``f(src, dst)`` re-quantizes the high-precision
+#: ``src`` into ``dst`` with its module's weight quantizer (set by the lowprec modules).
+REQUANTIZE_ATTR = "_lowprec_requantize"
+
+
+def _requantize_into(dst: QuantizedTensor, src: torch.Tensor) -> QuantizedTensor:
+    """``dst.copy_(src)`` of high-precision values: re-quantized in place by the quantizer the
+    parameter's module gives (``load_state_dict`` of a high-precision checkpoint, a master
+    weight copied back)."""
+    requantize = getattr(dst, REQUANTIZE_ATTR, None)
+    if requantize is None:
+        raise TypeError(
+            f"copy_ of a high-precision tensor into a {type(dst).__name__} needs a quantizer: "
+            f"only a quantized weight of a lowprec module built under quantized_model_init "
+            f"re-quantizes by itself; use quantizer.update_quantized(src, dst)")
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"copy_ into a quantized parameter of shape {tuple(dst.shape)} got "
+                         f"shape {tuple(src.shape)}; the shapes must match (no broadcasting)")
+    # the values the parameter would hold as a plain tensor of its dtype
+    requantize(src.to(device=dst.device, dtype=dst.dtype), dst)
     return dst
 
 

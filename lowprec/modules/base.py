@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..autocast import active_region, init_recipe, register_delayed_state
-from ..formats.base import QuantizedTensor
+from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor
 from ..linear_fn import LinearQuantizers
 from ..recipe import DelayedScaling
 from ..roles import check_num_quantizers, gemm_roles
@@ -67,6 +67,18 @@ def add_linear_params(module: nn.Module, weight_name: str, bias_name: str | None
 
 def _same_key(a: tuple | None, b: tuple) -> bool:
     return a is not None and all(x is y or x == y for x, y in zip(a, b))
+
+
+class _WeightSlot:
+    """Re-quantizes high-precision values into quantized weight ``index`` of ``module``
+    (the parameter's ``REQUANTIZE_ATTR``). Holds the module itself, so a deepcopy or a
+    pickle of the module carries a link to the copy."""
+
+    def __init__(self, module: "LowprecModule", index: int) -> None:
+        self.module, self.index = module, index
+
+    def __call__(self, src: torch.Tensor, dst: QuantizedTensor) -> None:
+        self.module.weight_quantizer(self.index, dst.device).update_quantized(src, dst)
 
 
 class _BackwardDone:
@@ -229,6 +241,23 @@ class LowprecModule(nn.Module):
     def _weight_names(self) -> list[str]:
         return ["weight"]
 
+    def _link_quantized_weights(self) -> None:
+        """Let each quantized weight re-quantize high-precision values copied into it
+        (``param.copy_(hp)``, ``load_state_dict`` of a high-precision checkpoint) with this
+        module's weight quantizer. Set again whenever the parameters are replaced."""
+        if getattr(self, "_init_recipe", None) is None:
+            return
+        for i, pname in enumerate(self._weight_names()):
+            w = getattr(self, pname, None)
+            if isinstance(w, QuantizedTensor):
+                setattr(w, REQUANTIZE_ATTR, _WeightSlot(self, i))
+
+    def _apply(self, fn, recurse=True):
+        # .to()/.cuda()/.float()/to_empty() may swap in new parameter objects
+        out = super()._apply(fn, recurse)
+        self._link_quantized_weights()
+        return out
+
     def _maybe_quantize_weights(self) -> None:
         """Under quantized_model_init, replace each weight by a quantized tensor (both usages)."""
         recipe = init_recipe()
@@ -239,6 +268,7 @@ class LowprecModule(nn.Module):
             w = getattr(self, pname)
             q = self.weight_quantizer(i, w.device)
             setattr(self, pname, nn.Parameter(q.quantize(w.detach()), requires_grad=w.requires_grad))
+        self._link_quantized_weights()
 
     def weight_quantizer(self, gemm_index: int, device=None):
         """The quantizer (both usages on) for GEMM ``gemm_index``'s weight under the
@@ -290,6 +320,7 @@ class LowprecModule(nn.Module):
         key = prefix + "_extra_state"
         if key in missing_keys:
             missing_keys.remove(key)
+        self._link_quantized_weights()  # load_state_dict(assign=True) swaps parameters in
 
     def _check_input_dtype(self, x: torch.Tensor) -> None:
         if not x.is_floating_point():
