@@ -697,3 +697,15 @@ def test_copy_into_quantized_tensor_without_a_module_raises():
             m.weight.copy_(torch.randn(1, 32))
     # the state dict's detached tensors carry no module: pickling one does not pickle the model
     assert not hasattr(m.state_dict()["weight"], "_lowprec_requantize")
+
+
+@pytest.mark.parametrize("rname", ["delayed", "mxfp8", "nvfp4"])
+def test_load_state_dict_assign_quantizes_high_precision_weights(rname):
+    m, ref, plain = _quantized_pair(rname, "linear")
+    sd = plain.state_dict()
+    m.load_state_dict(sd, assign=True)
+    assert isinstance(m.weight, QuantizedTensor) and isinstance(m.weight, nn.Parameter)
+    assert not isinstance(sd["weight"], QuantizedTensor)  # the caller's dict is left as it was
+    _expect_requantized(m, ref, sd)
+    with torch.no_grad():  # and the assigned weight is linked like the others
+        m.weight.copy_(sd["weight"] * 2)

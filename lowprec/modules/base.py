@@ -311,10 +311,38 @@ class LowprecModule(nn.Module):
                 pending[mode] = sd
         self._pending_extra_state = pending or None
 
+    def _quantize_assigned_weights(self, state_dict, prefix: str, local_metadata) -> dict:
+        """``load_state_dict(assign=True)``: a high-precision tensor for a quantized weight is
+        assigned quantized by the weight quantizer, with the usages the weight holds (else
+        the module would silently keep a high-precision weight). Rewrites those entries of
+        ``state_dict``; returns the originals to put back."""
+        if (not local_metadata.get("assign_to_params_buffers", False)
+                or getattr(self, "_init_recipe", None) is None):
+            return {}
+        originals = {}
+        for i, pname in enumerate(self._weight_names()):
+            w, key = self._parameters.get(pname), prefix + pname
+            hp = state_dict.get(key)
+            # a wrong shape is left to torch, which reports it as a size mismatch
+            if (isinstance(w, QuantizedTensor) and isinstance(hp, torch.Tensor)
+                    and not isinstance(hp, QuantizedTensor) and hp.shape == w.shape):
+                q = self.weight_quantizer(i, hp.device)
+                with q.usages(rowwise=w.has_usage("rowwise"),
+                              columnwise=w.has_usage("columnwise")):
+                    state_dict[key] = q.quantize(hp.detach().to(w.dtype))
+                originals[key] = hp
+        return originals
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        # A high-precision tensor for a quantized weight: copy_ re-quantizes it in place
+        # (_WeightSlot); assign=True assigns it quantized.
+        originals = self._quantize_assigned_weights(state_dict, prefix, local_metadata)
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+        finally:
+            state_dict.update(originals)
         # A checkpoint from before conversion (torch.nn.Linear) has no scaling state; starting
         # it fresh is what loading such a checkpoint means, so it is not a missing key.
         key = prefix + "_extra_state"

@@ -88,7 +88,8 @@ class BasicLinear(LowprecModule, BasicOperation):
         qs, mode, done = prep
         y = quantized_linear(x, self.weight, bias, quantizers=qs[0] if qs else None,
                              backward_mode=mode, on_backward_done=done)
-        if (intermediate and mode == "default" and isinstance(x, QuantizedTensor)
+        if (intermediate and qs is not None and mode == "default"
+                and isinstance(x, QuantizedTensor)
                 and x.has_usage("rowwise") and x.has_usage("columnwise")):
             x.update_usage(rowwise_usage=False)
         return y
