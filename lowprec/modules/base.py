@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..autocast import active_region, init_recipe, register_delayed_state
+from ..checkpoint import check_not_recomputing, current_frame
 from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor
 from ..linear_fn import LinearQuantizers
 from ..recipe import DelayedScaling
@@ -193,25 +194,50 @@ class LowprecModule(nn.Module):
         forward state's ``eval_twin``: the same quantizers, except that delayed scaling's
         record their amaxes where no update reads them, so such calls never move the
         state and interleaved eval steps leave training bit-identical."""
+        frame = current_frame()
+        if frame is not None and frame.replaying:  # a lowprec.checkpoint recompute
+            active = frame.replay(self)
+            if active is None:
+                return None
+            recipe, fwd, bwd, group = active
+            # reentrant: the recompute's graph is the one that runs backward
+            callback = (self._backward_callback(bwd, group, backward_calls)
+                        if frame.reentrant and bwd.delayed is not None else None)
+            return recipe, fwd, bwd, callback
         region = active_region()
         if region is None:
+            if frame is not None:
+                frame.record(self, None)
+            else:
+                check_not_recomputing(self, delayed=False)
             return None
         recipe = region.recipe
         fwd, bwd = self._state("forward", recipe, device), self._state("backward", recipe, device)
+        if frame is not None:
+            frame.record(self, (recipe, fwd, bwd, region.group))
         callback = None
         if fwd.delayed is not None:
-            if not torch.is_grad_enabled():
+            # a reentrant checkpoint runs the training forward under no_grad
+            if not torch.is_grad_enabled() and (frame is None or not frame.reentrant):
                 return recipe, fwd.eval_twin, bwd, None
+            if frame is None:
+                check_not_recomputing(self, delayed=True)
             fwd.delayed.pending = True
             register_delayed_state(fwd.delayed)
-            group = region.group
-
-            def bwd_update():
-                bwd.delayed.pending = True
-                bwd.delayed.update(group)
-
-            callback = _BackwardDone(backward_calls, bwd_update)
+            if torch.is_grad_enabled():
+                callback = self._backward_callback(bwd, region.group, backward_calls)
         return recipe, fwd, bwd, callback
+
+    @staticmethod
+    def _backward_callback(bwd: RecipeState, group, backward_calls: int) -> "_BackwardDone":
+        """Pushes the backward amaxes into the history once ``backward_calls`` GEMM
+        backwards of one forward call have run."""
+
+        def bwd_update():
+            bwd.delayed.pending = True
+            bwd.delayed.update(group)
+
+        return _BackwardDone(backward_calls, bwd_update)
 
     def gemm_quantizers(self, device) -> tuple[list[LinearQuantizers] | None, str, object]:
         """Per-GEMM quantizers under the active autocast (None outside), the backward mode,
