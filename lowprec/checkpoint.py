@@ -111,7 +111,7 @@ def check_not_recomputing(module, delayed: bool) -> None:
     """Raise when ``module`` runs inside a backward pass in a way only a recompute by the
     plain ``torch.utils.checkpoint`` explains: outside autocast after having run under
     one (``delayed=False``), or under delayed scaling (``delayed=True``)."""
-    if not in_backward() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not in_backward():
         return
     if delayed:
         why = ("a DelayedScaling forward inside a backward pass would quantize with scales "
