@@ -399,8 +399,8 @@ def _update_columns(hist_ptr, cur_ptr, scale_ptr, fmax_ptr, H, N, cols, inv_marg
                     MOST_RECENT: tl.constexpr, BH: tl.constexpr):
     """DelayedScalingState.update of the columns ``cols`` of one state: its history (H, N)
     rolls down one row, row 0 becomes ``cur``, the new scale is ``fmax / amax * inv_margin``
-    (at most the fp32 max) where amax is finite and > 0 (NaN anywhere in the history gives NaN, so the scale is
-    kept), and ``cur`` is zeroed."""
+    (at most the fp32 max) where amax is finite and > 0 (NaN anywhere in the history gives
+    NaN, so the scale is kept), and ``cur`` is zeroed."""
     cmask = cols < N
     rows = tl.arange(0, BH)
     keep = (rows < H - 1)[:, None] & cmask[None, :]
