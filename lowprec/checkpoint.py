@@ -46,8 +46,10 @@ class _Record:
 class _Frame:
     """One checkpointed call: its records, filled by the forward, replayed by recomputes."""
 
-    def __init__(self, reentrant: bool) -> None:
+    def __init__(self, reentrant: bool, training: bool) -> None:
         self.reentrant = reentrant
+        # a reentrant forward runs under no_grad: whether it trains is decided at the call
+        self.training = training
         self.records: list[_Record] = []
         self.replaying = False
         self.next = 0
@@ -89,6 +91,27 @@ def _frozen(fwd: RecipeState) -> RecipeState:
 def current_frame() -> _Frame | None:
     """The innermost checkpointed call running on this thread, or None."""
     return _LOCAL.frames[-1] if _LOCAL.frames else None
+
+
+def replayed(module):
+    """What ``module`` quantizes with in a recompute: None when no checkpointed call is being
+    recomputed, else (the replayed record, whether its graph is the one backward runs).
+    A record of None means the call ran outside autocast. A checkpointed call nested in the
+    recompute (its own original forward) records what the outer one replays."""
+    frames = _LOCAL.frames
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i].replaying:
+            active = frames[i].replay(module)
+            for inner in frames[i + 1:]:
+                inner.record(module, active)
+            return active, frames[i].reentrant
+    return None
+
+
+def record(module, active) -> None:
+    """Record a forward call into every checkpointed call running (none is replaying)."""
+    for frame in _LOCAL.frames:
+        frame.record(module, active)
 
 
 @contextlib.contextmanager
@@ -139,7 +162,8 @@ def checkpoint(function, *args, use_reentrant: bool = False, **kwargs):
     """
     if not isinstance(use_reentrant, bool):
         raise TypeError(f"use_reentrant must be a bool, got {use_reentrant!r}")
-    frame = _Frame(use_reentrant)
+    outer = current_frame()  # nested in a reentrant forward, grad is off but it trains
+    frame = _Frame(use_reentrant, torch.is_grad_enabled() or (outer is not None and outer.training))
     if use_reentrant:
         if "context_fn" in kwargs:
             raise ValueError("context_fn is not supported with use_reentrant=True (as in "

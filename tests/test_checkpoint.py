@@ -205,3 +205,43 @@ def test_recompute_calling_other_modules_raises():
 def test_bad_arguments():
     with pytest.raises(TypeError, match="use_reentrant"):
         lowprec.checkpoint(lambda t: t, torch.randn(2, requires_grad=True), use_reentrant=None)
+
+
+@pytest.mark.parametrize("inner_reentrant", [False, True], ids=["inner_nonre", "inner_re"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_nested_checkpoints_bit_identical(reentrant, inner_reentrant):
+    """A checkpointed function that checkpoints part of itself: the inner original forward
+    runs again during the outer recompute and records what the outer replays."""
+    recipe = RECIPES["delayed"]()
+    a, b = _pair("block")
+
+    def outer(t):
+        h = t + b.lin(torch.nn.functional.gelu(b.ln_lin(t)))
+        return lowprec.checkpoint(lambda u: u + b.mlp(u), h, use_reentrant=inner_reentrant)
+
+    xa = torch.randn(D, D, requires_grad=True)
+    xb = xa.detach().clone().requires_grad_(True)
+    for step in range(2):
+        ya = _step(a, xa, recipe, step, "plain", reentrant, False)
+        torch.manual_seed(step)
+        with autocast(recipe=recipe):
+            yb = lowprec.checkpoint(outer, xb, use_reentrant=reentrant)
+        yb.backward(torch.randn(yb.shape, generator=torch.Generator().manual_seed(step)))
+        _assert_same_run(a, b, xa, xb, ya, yb.detach())
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_checkpoint_under_no_grad_is_an_evaluation(reentrant):
+    recipe = RECIPES["delayed"]()
+    m, _ = _pair("layernorm_mlp")
+    x = torch.randn(D, D)
+    _step(m, x.clone().requires_grad_(True), recipe, 0, "plain", reentrant, False)
+    before = copy.deepcopy(_states(m))
+    with torch.no_grad(), autocast(recipe=recipe):
+        expected = m(x * 50)
+        y = lowprec.checkpoint(m, x * 50, use_reentrant=reentrant)
+    assert torch.equal(y, expected)
+    after = _states(m)
+    for key in before:
+        for k in before[key]:
+            assert torch.equal(before[key][k], after[key][k]), (key, k)

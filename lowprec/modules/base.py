@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..autocast import active_region, init_recipe, register_delayed_state
-from ..checkpoint import check_not_recomputing, current_frame
+from ..checkpoint import check_not_recomputing, current_frame, record, replayed
 from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor
 from ..linear_fn import LinearQuantizers
 from ..recipe import DelayedScaling
@@ -195,30 +195,34 @@ class LowprecModule(nn.Module):
         record their amaxes where no update reads them, so such calls never move the
         state and interleaved eval steps leave training bit-identical."""
         frame = current_frame()
-        if frame is not None and frame.replaying:  # a lowprec.checkpoint recompute
-            active = frame.replay(self)
-            if active is None:
-                return None
-            recipe, fwd, bwd, group = active
-            # reentrant: the recompute's graph is the one that runs backward
-            callback = (self._backward_callback(bwd, group, backward_calls)
-                        if frame.reentrant and bwd.delayed is not None else None)
-            return recipe, fwd, bwd, callback
+        if frame is not None:
+            replay = replayed(self)
+            if replay is not None:  # a lowprec.checkpoint recompute
+                active, reentrant = replay
+                if active is None:
+                    return None
+                recipe, fwd, bwd, group = active
+                # reentrant: the recompute's graph is the one that runs backward
+                callback = (self._backward_callback(bwd, group, backward_calls)
+                            if reentrant and bwd.delayed is not None else None)
+                return recipe, fwd, bwd, callback
         region = active_region()
         if region is None:
             if frame is not None:
-                frame.record(self, None)
+                record(self, None)
             else:
                 check_not_recomputing(self, delayed=False)
             return None
         recipe = region.recipe
         fwd, bwd = self._state("forward", recipe, device), self._state("backward", recipe, device)
         if frame is not None:
-            frame.record(self, (recipe, fwd, bwd, region.group))
+            record(self, (recipe, fwd, bwd, region.group))
         callback = None
         if fwd.delayed is not None:
             # a reentrant checkpoint runs the training forward under no_grad
-            if not torch.is_grad_enabled() and (frame is None or not frame.reentrant):
+            training = torch.is_grad_enabled() or (
+                frame is not None and frame.reentrant and frame.training)
+            if not training:
                 return recipe, fwd.eval_twin, bwd, None
             if frame is None:
                 check_not_recomputing(self, delayed=True)
