@@ -209,9 +209,6 @@ class DelayedScalingState:
 class RecipeState:
     """Quantizers for one direction of one module under one recipe."""
 
-    #: what the owning module built the roles from (set by the module; see its _role_key)
-    role_key = None
-
     def __init__(self, recipe: Recipe, mode: str, roles: Sequence[QuantizerRole | None],
                  quantizers: list[Quantizer], delayed: DelayedScalingState | None) -> None:
         self.recipe = recipe

@@ -66,8 +66,8 @@ def add_linear_params(module: nn.Module, weight_name: str, bias_name: str | None
         module.register_parameter(bias_name, b)
 
 
-def _same_key(a: tuple | None, b: tuple) -> bool:
-    return a is not None and all(x is y or x == y for x, y in zip(a, b))
+#: Attributes the roles are built from (``get_quantizer_roles``)
+_ROLE_ATTRS = frozenset({"name", "output_quantizer_role", "grad_input_quantizer_role"})
 
 
 class _WeightSlot:
@@ -140,16 +140,21 @@ class LowprecModule(nn.Module):
         return check_num_quantizers(self, fwd, num_quantizers, roles)
 
     # ---- recipe state -------------------------------------------------------------------
-    def _role_key(self) -> tuple:
-        """What the roles are built from: a change of any of these rebuilds the states."""
-        return (self.name, self.output_quantizer_role, self.grad_input_quantizer_role)
+    def __setattr__(self, key, value) -> None:
+        super().__setattr__(key, value)
+        if key in _ROLE_ATTRS:
+            # the roles are built from these: the states are rebuilt at the next forward
+            # (checked here, once, rather than on every forward)
+            states = self.__dict__.get("_recipe_states")
+            if states is not None:
+                for mode in states:
+                    states[mode] = None
 
     def _state(self, mode: str, recipe, device) -> RecipeState:
         state = self._recipe_states[mode]
         # identity first: the same recipe object every step is the common case, and a
         # dataclass comparison of nested recipes costs host time each call
-        if (state is None or (state.recipe is not recipe and state.recipe != recipe)
-                or not _same_key(state.role_key, self._role_key())):
+        if state is None or (state.recipe is not recipe and state.recipe != recipe):
             state = self._new_state(mode, recipe, device)
         return state
 
@@ -158,7 +163,6 @@ class LowprecModule(nn.Module):
         outlives forwards under other recipes (an eval under MXFP8, say): it is kept aside
         and taken up again, or carried into the state of another DelayedScaling recipe or
         other roles where it fits."""
-        key = self._role_key()
         roles = self.get_quantizer_roles(fwd=mode == "forward")
         kept = self._kept_delayed().get(mode)
         if (isinstance(recipe, DelayedScaling) and kept is not None and kept.roles == roles
@@ -173,7 +177,6 @@ class LowprecModule(nn.Module):
                 if extra is not None:
                     state.delayed.load_state_dict(extra)
                 self._delayed_states[mode] = state
-        state.role_key = key
         self._recipe_states[mode] = state
         return state
 
