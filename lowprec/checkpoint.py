@@ -22,7 +22,6 @@ import threading
 
 import torch
 
-from .formats.float8.quantizer import Float8Quantizer
 from .state import RecipeState
 
 
@@ -81,10 +80,8 @@ def _frozen(fwd: RecipeState) -> RecipeState:
     where nothing reads them; other recipes' quantizers hold no state and are reused."""
     if fwd.delayed is None:
         return fwd
-    scale = fwd.delayed.scale.detach().clone()
-    scratch = fwd.delayed.amax_scratch
-    quantizers = [Float8Quantizer(scale[i:i + 1], scratch[i:i + 1], q.fp8_dtype)
-                  for i, q in enumerate(fwd.quantizers)]
+    quantizers = fwd.delayed.quantizers([q.fp8_dtype for q in fwd.quantizers], record=False,
+                                        scale=fwd.delayed.scale.detach().clone())
     return RecipeState(fwd.recipe, fwd.mode, fwd.roles, quantizers, None)
 
 

@@ -105,27 +105,28 @@ class DelayedScalingState:
         state.pop("_batch_key", None)
         return state
 
-    def quantizers(self, fp8_dtypes: Sequence[torch.dtype], *,
-                   record: bool = True) -> list[Float8Quantizer]:
-        """One quantizer per slot with this state's scale; ``record=False``: its amaxes go
-        to the scratch slots and never reach the history."""
+    def quantizers(self, fp8_dtypes: Sequence[torch.dtype], *, record: bool = True,
+                   scale: torch.Tensor | None = None) -> list[Float8Quantizer]:
+        """One quantizer per slot with this state's scale (or ``scale``, a copy of it that
+        later updates do not move); ``record=False``: its amaxes go to the scratch slots
+        and never reach the history."""
         amax = self.amax_current if record else self.amax_scratch
-        return [Float8Quantizer(self.scale[i:i + 1], amax[i:i + 1], dt)
+        scale = self.scale if scale is None else scale
+        return [Float8Quantizer(scale[i:i + 1], amax[i:i + 1], dt)
                 for i, dt in enumerate(fp8_dtypes)]
 
-    def adopt(self, other: "DelayedScalingState") -> bool:
+    def adopt(self, other: "DelayedScalingState") -> None:
         """Take ``other``'s scales, history and recorded amaxes when they fit this state
-        (same slots, formats and history length): a module's delayed-scaling state for
-        another DelayedScaling recipe or other roles goes on from where it was."""
+        (same slots, formats and history length; else nothing): a module's delayed-scaling
+        state for another DelayedScaling recipe or other roles goes on from where it was."""
         if (other.amax_history.shape != self.amax_history.shape
                 or not torch.equal(other.fp8_max.cpu(), self.fp8_max.cpu())):
-            return False
+            return
         with torch.no_grad():
             self.scale.copy_(other.scale)
             self.amax_history.copy_(other.amax_history)
             self.amax_current.copy_(other.amax_current)
         self.pending = other.pending
-        return True
 
     def update(self, group=None) -> None:
         """Push the recorded amaxes into the history and recompute the scales."""
