@@ -64,6 +64,24 @@ def active_region() -> _Region | None:
     return _LOCAL.regions[-1] if _LOCAL.regions else None
 
 
+def push_region(recipe: Recipe | None, group=None):
+    """Enter a region (None: a disabled one) without a ``with`` block; returns the token
+    for ``pop_region``. For calls that run a region's body elsewhere (compiled calls)."""
+    region = _Region(recipe, group) if recipe is not None else None
+    _LOCAL.regions.append(region)
+    return [region]
+
+
+def pop_region(token) -> None:
+    """Leave the region ``push_region`` entered, updating its delayed-scaling states."""
+    region = token[0]
+    if not _LOCAL.regions or _LOCAL.regions[-1] is not region:
+        raise RuntimeError("autocast regions were left out of order")
+    _LOCAL.regions.pop()
+    if region is not None:
+        update_states(region.delayed_states, region.group)
+
+
 def register_delayed_state(state) -> None:
     """Ask the active region to update ``state`` (forward amaxes) when it exits."""
     region = active_region()

@@ -12,7 +12,9 @@ variable ``LOWPREC_BACKWARD_MODE`` supplies it.
 from __future__ import annotations
 
 import enum
+import itertools
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
@@ -60,13 +62,49 @@ def _check_fp8_format(recipe: str, fmt, allowed) -> None:
                          f"{[f.name for f in allowed]}")
 
 
+_RECIPES: "weakref.WeakValueDictionary[int, Recipe]" = weakref.WeakValueDictionary()
+_next_key = itertools.count()
+
+
+def _register(recipe: "Recipe") -> None:
+    key = next(_next_key)
+    object.__setattr__(recipe, "_lowprec_key", key)
+    _RECIPES[key] = recipe
+
+
+def recipe_from_key(key: int) -> "Recipe":
+    """The recipe object whose ``_lowprec_key`` is ``key`` (compiled calls name recipes by
+    it; see ``lowprec.compiled_call``)."""
+    recipe = _RECIPES.get(key)
+    if recipe is None:
+        raise RuntimeError(f"a compiled lowprec call names recipe key {key}, which no live "
+                           f"recipe has; keep the recipe object alive while the compiled "
+                           f"function runs")
+    return recipe
+
+
 @dataclass(frozen=True)
 class Recipe:
-    """Base of all recipes; holds the backward mode."""
+    """Base of all recipes; holds the backward mode.
+
+    Each recipe object also carries ``_lowprec_key``, an int naming that object for
+    ``torch.compile`` (not a field: it takes no part in comparison, hashing or repr;
+    a copy or an unpickled recipe gets its own).
+    """
 
     backward_mode: str | None = field(default=None, kw_only=True)
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_lowprec_key", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _register(self)
+
     def __post_init__(self) -> None:
+        _register(self)
         if self.backward_mode is None:
             env = os.environ.get(BACKWARD_MODE_ENV)
             mode = (normalize_backward_mode(env, source=f"environment {BACKWARD_MODE_ENV}")

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..autocast import active_region, init_recipe, register_delayed_state
 from ..checkpoint import check_not_recomputing, current_frame, record, replayed
+from ..compiled_call import CompiledCallMixin
 from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor
 from ..linear_fn import LinearQuantizers
 from ..recipe import DelayedScaling
@@ -99,7 +100,7 @@ class _BackwardDone:
         self.left -= 1
 
 
-class LowprecModule(nn.Module):
+class LowprecModule(CompiledCallMixin, nn.Module):
     """Base of the GEMM modules: one or more GEMMs with [input, weight, output] forward
     slots and [grad_output, grad_input] backward slots each."""
 

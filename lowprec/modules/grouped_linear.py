@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compiled_call import compiled_as_one_op
 from ..linear_fn import quantized_linear
 from .base import LowprecModule, add_linear_params, check_parallel_args
 
@@ -43,6 +44,14 @@ class GroupedLinear(LowprecModule):
     def _weight_names(self) -> list[str]:
         return [f"weight{i}" for i in range(self.num_gemms)]
 
+    def output_shape(self, shape: tuple) -> tuple:
+        """The output shape for an input of ``shape`` (as an op of a Sequential)."""
+        return (*shape[:-1], self.out_features)
+
+    def compiled_output_shapes(self, x: torch.Tensor, m_splits) -> list[tuple]:
+        return [self.output_shape(tuple(x.shape))]
+
+    @compiled_as_one_op
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
         self._check_input_dtype(x)
         m_splits = [int(m) for m in m_splits]

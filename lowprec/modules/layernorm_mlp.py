@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import fused
+from ..compiled_call import compiled_as_one_op
 from ..linear_fn import quantized_linear
 from .activations import get_activation
 from .base import (LowprecModule, add_linear_params, check_parallel_args, producer_usages,
@@ -49,6 +50,10 @@ class LayerNormMLP(LowprecModule):
     def _weight_names(self) -> list[str]:
         return ["fc1_weight", "fc2_weight"]
 
+    def compiled_output_shapes(self, x: torch.Tensor) -> list[tuple]:
+        return [tuple(x.shape)]
+
+    @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dtype(x)
         qs, mode, done = self.gemm_quantizers(x.device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compiled_call import compiled_as_one_op
 from ..linear_fn import quantized_linear
 from .base import LowprecModule, add_linear_params, check_parallel_args
 
@@ -28,6 +29,10 @@ class Linear(LowprecModule):
                           device=device)
         self._maybe_quantize_weights()
 
+    def compiled_output_shapes(self, x: torch.Tensor) -> list[tuple]:
+        return [(*x.shape[:-1], self.out_features)]
+
+    @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dtype(x)
         qs, mode, done = self.gemm_quantizers(x.device)

@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from ..compiled_call import CompiledCallMixin, compiled_as_one_op
 from ..formats.base import QuantizedTensor, Quantizer
 from ..roles import check_num_quantizers
 
@@ -106,7 +107,7 @@ class RunContext:
     intermediate: bool = False
 
 
-class BasicOperation(nn.Module):
+class BasicOperation(CompiledCallMixin, nn.Module):
     """Base of every op.
 
     Class attributes a subclass sets:
@@ -137,6 +138,14 @@ class BasicOperation(nn.Module):
     def op_forward(self, x: torch.Tensor, extra_inputs: list, ctx: RunContext) -> torch.Tensor:
         raise NotImplementedError
 
+    def output_shape(self, shape: tuple) -> tuple:
+        """The shape of this op's output for an input of ``shape``."""
+        return shape
+
+    def compiled_output_shapes(self, x: torch.Tensor, *extra_inputs) -> list[tuple]:
+        return [output_shape_of(self.basic_parts(), tuple(x.shape))]
+
+    @compiled_as_one_op
     def forward(self, x: torch.Tensor, *extra_inputs) -> torch.Tensor:
         return run_parts(self.basic_parts(), x, extra_inputs, fuse=True)
 
@@ -259,7 +268,14 @@ def run_parts(parts: list, x: torch.Tensor, extra_inputs: Iterable, *, fuse: boo
 
 
 # ---- Sequential ------------------------------------------------------------------------------
-class Sequential(nn.Module):
+def output_shape_of(parts: list, shape: tuple) -> tuple:
+    """The output shape of running ``parts`` on an input of ``shape``."""
+    for part in parts:
+        shape = part.output_shape(shape)
+    return shape
+
+
+class Sequential(CompiledCallMixin, nn.Module):
     """Ops in order: ``forward(x, *extra_inputs)``.
 
     ``Sequential(*ops, fuse=True)``; ops may be any lowprec op (``Linear``
@@ -310,6 +326,10 @@ class Sequential(nn.Module):
         return [(p.name, tuple(part_name(q) for q in p.parts))
                 for p in plan(self.basic_parts(), self.fuse)]
 
+    def compiled_output_shapes(self, x: torch.Tensor, *extra_inputs) -> list[tuple]:
+        return [output_shape_of(self.basic_parts(), tuple(x.shape))]
+
+    @compiled_as_one_op
     def forward(self, x: torch.Tensor, *extra_inputs) -> torch.Tensor:
         return run_parts(self.basic_parts(), x, extra_inputs, fuse=self.fuse)
 

@@ -33,6 +33,9 @@ class Activation(BasicOperation):
             raise ValueError(f"{self.activation} is gated and needs an even last dimension, got "
                              f"shape {tuple(x.shape)}")
 
+    def output_shape(self, shape: tuple) -> tuple:
+        return (*shape[:-1], shape[-1] // 2) if self.gated else shape
+
     def op_forward(self, x: torch.Tensor, extra_inputs: list, ctx: RunContext) -> torch.Tensor:
         x = as_plain(x)
         self.check_input(x)

@@ -98,6 +98,9 @@ class BasicLinear(LowprecModule, BasicOperation):
         prep = ctx.prep if ctx.prep is not None else self.prepare(x.device)
         return self.run_linear(x, None, prep, intermediate=ctx.intermediate)
 
+    def output_shape(self, shape: tuple) -> tuple:
+        return (*shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"name={self.name!r}")
