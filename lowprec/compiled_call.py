@@ -233,6 +233,20 @@ class _RuntimeRegion:
 
 
 # ---- the ops ---------------------------------------------------------------------------------
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.ADInplaceOrView, torch._C.DispatchKey.AutogradFunctionality,
+                  torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.AutogradOther)
+
+
+def _autograd_dispatch():
+    """A custom op's implementation runs with autograd excluded from dispatch; the eager
+    forward inside must build its graph (views of the inputs included), so this puts the
+    autograd keys back for its duration."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
 def _fix_aliases(outs: list, inputs: list, private: _PrivateSaves | None) -> list:
     """Outputs the compiled graph may own: copies where one shares memory with an input,
     an earlier output or a saved tensor."""
@@ -254,7 +268,7 @@ def _call_impl(handle: torch.Tensor, recipe_key: int, grad_enabled: bool, needs:
     module = _module_of(handle)
     n_in = len(tensors)
     params_live = list(module.parameters())
-    with torch.set_grad_enabled(grad_enabled):
+    with _autograd_dispatch(), torch.set_grad_enabled(grad_enabled):
         inner, leaves = [], []
         for t, need in zip(tensors, needs[:n_in]):
             if grad_enabled and need:
@@ -301,8 +315,9 @@ def _call_backward_impl(token: torch.Tensor, grads: list[torch.Tensor | None],
     pairs = [(o, g) for o, g in zip(rec.outputs, grads) if g is not None and o.requires_grad]
     keep = _graph_kept()
     if pairs:
-        got = torch.autograd.grad([o for o, _ in pairs], rec.leaves, [g for _, g in pairs],
-                                  retain_graph=keep, allow_unused=True)
+        with _autograd_dispatch():
+            got = torch.autograd.grad([o for o, _ in pairs], rec.leaves, [g for _, g in pairs],
+                                      retain_graph=keep, allow_unused=True)
     else:
         got = [None] * len(rec.leaves)
     if not keep:

@@ -122,6 +122,9 @@ class _LinearBias:
     def bias(self) -> torch.Tensor:
         return self.owner.bias
 
+    def output_shape(self, shape: tuple) -> tuple:
+        return shape
+
     def op_forward(self, x: torch.Tensor, extra_inputs: list, ctx: RunContext) -> torch.Tensor:
         return bias_forward(x, self.bias, ctx)
 

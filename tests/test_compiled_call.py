@@ -1,0 +1,372 @@
+"""torch.compile over lowprec modules and ops (SPEC section 6): ``fullgraph=True``, forward
+and gradients bit-identical to eager under every recipe, autocast inside or outside the
+compiled function, and same-shaped layers with different names share one compiled code."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import pickle
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import lowprec
+import lowprec.ops as ops
+from lowprec import autocast
+from lowprec.compiled_call import HANDLE_ATTR
+from lowprec.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling,
+                            Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+
+D = 128  # every block divides it (128x128 FP8 blocks, MXFP8 32, NVFP4 16)
+
+
+def _nvfp4_factory(role):
+    from lowprec.factories import nvfp4_factory
+    return nvfp4_factory(role)
+
+
+def _hybrid_factory(role):
+    from lowprec.factories import mxfp8_fwd_nvfp4_bwd_factory
+    return mxfp8_fwd_nvfp4_bwd_factory(role)
+
+
+RECIPES = {
+    "current": lambda: Float8CurrentScaling(),
+    "delayed": lambda: DelayedScaling(amax_history_len=4),
+    "block": lambda: Float8BlockScaling(),
+    "mxfp8": lambda: MXFP8BlockScaling(),
+    "nvfp4": lambda: NVFP4BlockScaling(),  # RHT, stochastic rounding, 2D weights
+    "custom": lambda: CustomRecipe(qfactory=_nvfp4_factory),
+    "hybrid": lambda: CustomRecipe(qfactory=_hybrid_factory),
+    "current_hp_backward": lambda: Float8CurrentScaling(backward_mode="high_precision"),
+}
+
+
+class Block(torch.nn.Module):
+    """Several modules with plain torch between them (what the compiler fuses)."""
+
+    def __init__(self, name: str = "b") -> None:
+        super().__init__()
+        self.ln_lin = lowprec.LayerNormLinear(D, D, name=f"{name}.qkv")
+        self.lin = lowprec.Linear(D, D, name=f"{name}.proj")
+        self.mlp = lowprec.LayerNormMLP(D, 2 * D, activation="swiglu", name=f"{name}.mlp")
+
+    def forward(self, x):
+        h = x + self.lin(torch.nn.functional.gelu(self.ln_lin(x)))
+        return h + self.mlp(h)
+
+
+class Grouped(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = lowprec.GroupedLinear(3, D, D, name="g")
+
+    def forward(self, x):
+        flat = x.reshape(-1, D)
+        return self.g(flat, [128, 0, flat.shape[0] - 128]).reshape(x.shape)
+
+
+MODELS = {
+    "linear": lambda: lowprec.Linear(D, D, name="l"),
+    "layernorm_linear": lambda: lowprec.LayerNormLinear(D, D, name="l"),
+    "layernorm_mlp": lambda: lowprec.LayerNormMLP(D, 2 * D, name="m"),
+    "grouped": Grouped,
+    "ops": lambda: ops.Sequential(ops.LayerNorm(D), ops.Linear(D, 2 * D), ops.GELU(),
+                                  ops.Linear(2 * D, D)),
+    "block": Block,
+}
+
+
+def _step(m, x, recipe, seed, autocast_inside):
+    def fn(t):
+        if autocast_inside:
+            with autocast(recipe=recipe):
+                return m(t)
+        return m(t)
+    return fn
+
+
+def _run(fn, recipe, x, seed, autocast_inside):
+    torch.manual_seed(seed)  # NVFP4's stochastic rounding draws from the default generator
+    with (contextlib.nullcontext() if autocast_inside else autocast(recipe=recipe)):
+        y = fn(x)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed))
+    y.backward(g)
+    return y.detach()
+
+
+def _states(m):
+    return {(name, mode): sd for name, mod in m.named_modules()
+            if isinstance(mod, lowprec.modules.base.LowprecModule)
+            for mode, sd in mod.get_extra_state().items()}
+
+
+def _assert_same(a, b, xa, xb, ya, yb):
+    assert torch.equal(ya, yb)
+    assert torch.equal(xa.grad, xb.grad)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    sa, sb = _states(a), _states(b)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        for k in sa[key]:
+            assert torch.equal(sa[key][k], sb[key][k]), (key, k)
+
+
+def _compare(rname, model, autocast_inside, backend="aot_eager", steps=2):
+    recipe = RECIPES[rname]()
+    torch.manual_seed(0)
+    a = MODELS[model]()
+    b = copy.deepcopy(a)
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(_step(b, None, recipe, 0, autocast_inside), backend=counter,
+                             fullgraph=True)
+    eager = _step(a, None, recipe, 0, autocast_inside)
+    xa = torch.randn(2, D, D, requires_grad=True)
+    xb = xa.detach().clone().requires_grad_(True)
+    for step in range(steps):
+        ya = _run(eager, recipe, xa, 10 + step, autocast_inside)
+        yb = _run(compiled, recipe, xb, 10 + step, autocast_inside)
+        _assert_same(a, b, xa, xb, ya, yb)
+    assert counter.frame_count == 1
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("rname", list(RECIPES))
+def test_compiled_bit_identical(rname, model):
+    _compare(rname, model, autocast_inside=False)
+
+
+@pytest.mark.parametrize("model", ["linear", "ops", "block"])
+@pytest.mark.parametrize("rname", list(RECIPES))
+def test_compiled_with_autocast_inside_bit_identical(rname, model):
+    _compare(rname, model, autocast_inside=True)
+
+
+def test_compiled_outside_autocast_is_high_precision_and_exact():
+    torch.manual_seed(0)
+    a = Block()
+    b = copy.deepcopy(a)
+    compiled = torch.compile(b, backend="aot_eager", fullgraph=True)
+    xa = torch.randn(2, 8, D, requires_grad=True)
+    xb = xa.detach().clone().requires_grad_(True)
+    ya, yb = a(xa), compiled(xb)
+    ya.sum().backward()
+    yb.sum().backward()
+    assert torch.equal(ya, yb)
+    assert torch.equal(xa.grad, xb.grad)
+
+
+def test_no_grad_compiled_forward_matches_eval():
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(0)
+    a = Block()
+    b = copy.deepcopy(a)
+    compiled = torch.compile(b, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 8, D)
+    with torch.no_grad(), autocast(recipe=recipe):
+        assert torch.equal(a(x), compiled(x))
+
+
+def test_layers_with_different_names_share_compiled_code():
+    """A stack of same-shaped layers, each compiled on its own (as torchtitan does per
+    block), compiles the block's code once."""
+    recipe = Float8CurrentScaling()
+    layers = [Block(name=f"model.layers.{i}") for i in range(4)]
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = [torch.compile(layer, backend=counter, fullgraph=True) for layer in layers]
+    x = torch.randn(2, 8, D, requires_grad=True)
+    with autocast(recipe=recipe):
+        h = x
+        for layer in compiled:
+            h = layer(h)
+    h.sum().backward()
+    assert counter.frame_count == 1
+    assert all(p.grad is not None for layer in layers for p in layer.parameters())
+
+
+def test_whole_model_compiles_to_one_graph():
+    recipe = MXFP8BlockScaling()
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(*[Block(name=f"layers.{i}") for i in range(3)])
+    b = copy.deepcopy(a)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(b, backend=counter, fullgraph=True)
+    xa = torch.randn(2, 64, D, requires_grad=True)
+    xb = xa.detach().clone().requires_grad_(True)
+    with autocast(recipe=recipe):
+        ya, yb = a(xa), compiled(xb)
+    ya.backward(torch.ones_like(ya))
+    yb.backward(torch.ones_like(yb))
+    assert torch.equal(ya, yb)
+    assert torch.equal(xa.grad, xb.grad)
+    assert counter.frame_count == 1 and counter.op_count > 0
+
+
+def test_converted_model_compiles_fullgraph():
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(D, 2 * D)
+            self.down = torch.nn.Linear(2 * D, D)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.silu(self.up(x)))
+
+    torch.manual_seed(0)
+    a = lowprec.convert_model(Tiny())
+    b = copy.deepcopy(a)
+    recipe = Float8BlockScaling()
+    compiled = torch.compile(b, backend="aot_eager", fullgraph=True)
+    xa = torch.randn(4, 32, D, requires_grad=True)
+    xb = xa.detach().clone().requires_grad_(True)
+    with autocast(recipe=recipe):
+        ya, yb = a(xa), compiled(xb)
+    ya.backward(torch.ones_like(ya))
+    yb.backward(torch.ones_like(yb))
+    assert torch.equal(ya, yb)
+    assert torch.equal(xa.grad, xb.grad)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_recipe_switch_recompiles_and_stays_exact():
+    """The recipe is guarded: a second recipe compiles again and runs under that recipe."""
+    torch.manual_seed(0)
+    a = lowprec.Linear(D, D, name="l")
+    b = copy.deepcopy(a)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(b, backend=counter, fullgraph=True)
+    x = torch.randn(128, D)
+    for recipe in (Float8CurrentScaling(), MXFP8BlockScaling(), Float8CurrentScaling()):
+        with autocast(recipe=recipe):
+            assert torch.equal(a(x), compiled(x))
+    assert counter.frame_count == 3
+
+
+def test_retain_graph_and_double_backward_of_the_call():
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(0)
+    a = lowprec.Linear(D, D, name="l")
+    b = copy.deepcopy(a)
+    compiled = torch.compile(b, backend="aot_eager", fullgraph=True)
+    x = torch.randn(16, D)
+    with autocast(recipe=recipe):
+        ya, yb = a(x), compiled(x)
+    for _ in range(2):
+        ya.sum().backward(retain_graph=True)
+        yb.sum().backward(retain_graph=True)
+    assert torch.equal(a.weight.grad, b.weight.grad)
+    yb.sum().backward()
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        yb.sum().backward()
+
+
+def test_saved_inputs_are_private_copies():
+    """A tensor the eager graph saves that shares memory with the call's input is saved as
+    a copy: writing into the input afterwards (as compiled code may, reusing memory) does
+    not change the gradients."""
+    recipe = Float8CurrentScaling(backward_mode="high_precision")  # saves the input itself
+    torch.manual_seed(0)
+    a = lowprec.Linear(D, D, name="l")
+    b = copy.deepcopy(a)
+
+    def fn(m, t):
+        h = t * 2
+        y = m(h)
+        return y, h
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    x = torch.randn(16, D)
+    with autocast(recipe=recipe):
+        ya, _ = fn(a, x)
+        yb, hb = compiled(b, x)
+    hb.fill_(7.0)  # the compiled graph's output of h is the call's input
+    g = torch.randn(16, D)
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(a.weight.grad, b.weight.grad)
+
+
+@pytest.fixture(scope="module")
+def inductor_available():
+    try:
+        fn = torch.compile(lambda t: (t * 2).sin(), backend="inductor", fullgraph=True)
+        fn(torch.randn(4))
+    except Exception as exc:  # no C++ toolchain on this machine
+        pytest.skip(f"inductor cannot build CPU code here: {type(exc).__name__}: {exc}")
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("rname", ["current", "mxfp8", "nvfp4"])
+def test_inductor_bit_identical(rname, inductor_available):
+    """Inductor fuses the plain torch between the calls; the lowprec calls themselves are
+    exact, and so is the block here (the gelu/add of inductor match eager on CPU)."""
+    _compare(rname, "linear", autocast_inside=False, backend="inductor")
+    _compare(rname, "layernorm_mlp", autocast_inside=True, backend="inductor")
+
+
+# ---- what is refused, and handles ------------------------------------------------------------
+def test_checkpoint_inside_compile_raises():
+    m = lowprec.Linear(D, D, name="l")
+
+    def fn(t):
+        return lowprec.checkpoint(m, t)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    with autocast(recipe=Float8CurrentScaling()), pytest.raises(Exception,
+                                                                match="lowprec.checkpoint"):
+        compiled(torch.randn(4, D, requires_grad=True))
+
+
+def test_quantized_weights_raise_under_compile():
+    recipe = Float8CurrentScaling()
+    with lowprec.quantized_model_init(recipe=recipe):
+        m = lowprec.Linear(D, D, name="l")
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    with autocast(recipe=recipe), pytest.raises(Exception, match="quantized_model_init"):
+        compiled(torch.randn(4, D))
+
+
+def test_quantized_output_raises_under_compile():
+    m = lowprec.Linear(D, D, name="l", output_quantizer_role=lowprec.QuantizerRole(
+        module_type="linear", tensor_type="output", name="boundary"))
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    with autocast(recipe=Float8CurrentScaling()), pytest.raises(Exception,
+                                                                match="plain tensors"):
+        compiled(torch.randn(4, D))
+
+
+def test_unsupported_forward_argument_raises():
+    m = lowprec.GroupedLinear(2, D, D, name="g")
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="lists of ints"):
+        compiled(torch.randn(4, D), "not splits")
+
+
+def test_copies_get_their_own_handle():
+    m = lowprec.Linear(D, D, name="l")
+    c = copy.deepcopy(m)
+    p = pickle.loads(pickle.dumps(m))
+    keys = {int(getattr(x, HANDLE_ATTR)) for x in (m, c, p)}
+    assert len(keys) == 3
+    assert HANDLE_ATTR not in m.state_dict()
+
+
+def test_recipe_keys_are_per_object_and_outside_equality():
+    r = Float8CurrentScaling()
+    c = copy.deepcopy(r)
+    p = pickle.loads(pickle.dumps(r))
+    assert r == c == p and hash(r) == hash(c)
+    assert len({r._lowprec_key, c._lowprec_key, p._lowprec_key}) == 3
+    assert "_lowprec_key" not in repr(r)
