@@ -92,7 +92,7 @@ def _run(fn, recipe, x, seed, autocast_inside):
     torch.manual_seed(seed)  # NVFP4's stochastic rounding draws from the default generator
     with (contextlib.nullcontext() if autocast_inside else autocast(recipe=recipe)):
         y = fn(x)
-    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed))
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y)
     y.backward(g)
     return y.detach()
 
@@ -115,16 +115,17 @@ def _assert_same(a, b, xa, xb, ya, yb):
             assert torch.equal(sa[key][k], sb[key][k]), (key, k)
 
 
-def _compare(rname, model, autocast_inside, backend="aot_eager", steps=2):
+def _compare(rname, model, autocast_inside, backend="aot_eager", steps=2, device="cpu",
+             dtype=torch.float32):
     recipe = RECIPES[rname]()
     torch.manual_seed(0)
-    a = MODELS[model]()
+    a = MODELS[model]().to(device=device, dtype=dtype)
     b = copy.deepcopy(a)
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = torch.compile(_step(b, None, recipe, 0, autocast_inside), backend=counter,
                              fullgraph=True)
     eager = _step(a, None, recipe, 0, autocast_inside)
-    xa = torch.randn(2, D, D, requires_grad=True)
+    xa = torch.randn(2, D, D, device=device, dtype=dtype, requires_grad=True)
     xb = xa.detach().clone().requires_grad_(True)
     for step in range(steps):
         ya = _run(eager, recipe, xa, 10 + step, autocast_inside)
@@ -314,6 +315,16 @@ def test_inductor_bit_identical(rname, inductor_available):
     exact, and so is the block here (the gelu/add of inductor match eager on CPU)."""
     _compare(rname, "linear", autocast_inside=False, backend="inductor")
     _compare(rname, "layernorm_mlp", autocast_inside=True, backend="inductor")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (inductor + Triton)")
+@pytest.mark.parametrize("model", ["block", "ops", "grouped"])
+@pytest.mark.parametrize("rname", ["current", "delayed", "block", "mxfp8", "nvfp4", "hybrid"])
+def test_inductor_bit_identical_cuda(rname, model):
+    """On the GPU: the Triton/cuBLAS paths, bf16, inductor kernels between the calls. The
+    block model's gelu and residual adds are inductor's; they match eager bit for bit."""
+    _compare(rname, model, autocast_inside=model == "ops", backend="inductor", device="cuda",
+             dtype=torch.bfloat16)
 
 
 # ---- what is refused, and handles ------------------------------------------------------------

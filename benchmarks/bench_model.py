@@ -1,0 +1,211 @@
+"""Whole-model training step: a Hugging Face ``LlamaForCausalLM`` built from a config.
+
+One step is forward + backward + fused AdamW on ``tokens`` tokens. Every Linear but
+``lm_head`` runs through the peer under test. Peers, all in one process and run:
+
+* ``bf16``: plain bf16, eager and ``torch.compile``;
+* ``torchao-tensorwise`` / ``torchao-rowwise``: torchao float8 training, compiled
+  (when torchao imports);
+* ``lowprec-<recipe>``: ``lowprec.convert_model`` + ``lowprec.autocast``, eager and
+  compiled.
+
+Per peer it prints the step time (median of ``--steps`` steps timed with CUDA events,
+after ``--warmup`` steps whose time is reported apart as warm-up/compile time),
+tokens/s, the speedup over bf16 eager and over bf16 compiled, and the peak memory of the
+timed steps; rows go to ``results.csv``.
+
+    python benchmarks/bench_model.py --model 1b
+    python benchmarks/bench_model.py --model 8b-wide --recipes current,block
+    python benchmarks/bench_model.py --model tiny --device cpu   # smoke test of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lowprec  # noqa: E402
+from harness import append_rows  # noqa: E402
+from lowprec import recipe as R  # noqa: E402
+
+#: hidden, ffn, layers, heads, kv heads, seq, batch
+MODELS = {
+    "1b": (2048, 8192, 8, 16, 8, 2048, 4),
+    "8b-wide": (4096, 14336, 4, 32, 8, 4096, 2),
+    "tiny": (256, 512, 2, 4, 2, 128, 2),
+}
+
+RECIPES = {
+    "current": lambda: R.Float8CurrentScaling(),
+    "delayed": lambda: R.DelayedScaling(),
+    "block": lambda: R.Float8BlockScaling(),
+    "mxfp8": lambda: R.MXFP8BlockScaling(),
+    "nvfp4": lambda: R.NVFP4BlockScaling(),
+}
+
+
+def build(model: str, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, ffn, layers, heads, kv, seq, _ = MODELS[model]
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, vocab_size=32000,
+                      max_position_embeddings=seq, attn_implementation="sdpa",
+                      use_cache=False)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+
+
+def not_lm_head(module, name: str) -> bool:
+    return "lm_head" not in name
+
+
+def make_peer(peer: str, model: str, device: str, compiled: bool):
+    """(model, autocast context factory) for one peer."""
+    m = build(model, device)
+    ctx = None
+    if peer.startswith("torchao-"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        cfg = Float8LinearConfig.from_recipe_name(peer.split("-", 1)[1])
+        convert_to_float8_training(m, config=cfg,
+                                   module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)
+    elif peer.startswith("lowprec-"):
+        recipe = RECIPES[peer.split("-", 1)[1]]()
+        lowprec.convert_model(m, module_filter_fn=not_lm_head)
+        ctx = lambda: lowprec.autocast(recipe=recipe)  # noqa: E731
+    if compiled:
+        m = torch.compile(m)
+    return m, ctx
+
+
+def run_peer(peer: str, model: str, device: str, compiled: bool, steps: int, warmup: int):
+    """(median step ms, warm-up seconds, peak GiB, graph breaks)."""
+    torch._dynamo.utils.counters.clear()
+    m, ctx = make_peer(peer, model, device, compiled)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=device == "cuda")
+    *_, seq, batch = MODELS[model]
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = [torch.randint(0, 32000, (batch, seq), device=device, generator=gen) for _ in range(2)]
+
+    def step(i):
+        x = ids[i % 2]
+        if ctx is None:
+            loss = m(input_ids=x, labels=x).loss
+        else:
+            with ctx():
+                loss = m(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        step(i)
+    sync()
+    warm_s = time.perf_counter() - t0
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for i in range(steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step(i)
+            b.record()
+            times.append((a, b))
+        torch.cuda.synchronize()
+        ms = statistics.median(a.elapsed_time(b) for a, b in times)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        t = []
+        for i in range(steps):
+            t1 = time.perf_counter()
+            step(i)
+            t.append((time.perf_counter() - t1) * 1e3)
+        ms, peak = statistics.median(t), 0.0
+    del m, opt, ids
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return ms, warm_s, peak, breaks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="1b", choices=list(MODELS))
+    ap.add_argument("--recipes", default="current,delayed,block,mxfp8,nvfp4")
+    ap.add_argument("--modes", default="eager,compiled")
+    ap.add_argument("--torchao", default="tensorwise,rowwise",
+                    help="torchao recipes (compiled), '' for none")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    peers = [("bf16", c) for c in (False, True) if ("compiled" if c else "eager") in modes]
+    if args.torchao and "compiled" in modes:
+        try:
+            import torchao.float8  # noqa: F401
+            peers += [(f"torchao-{r}", True) for r in args.torchao.split(",")]
+        except ImportError as exc:
+            print(f"torchao not importable ({exc}); its peers are left out")
+    for r in args.recipes.split(","):
+        if r:
+            peers += [(f"lowprec-{r}", c) for c in (False, True)
+                      if ("compiled" if c else "eager") in modes]
+    *_, seq, batch = MODELS[args.model]
+    tokens = seq * batch
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"{args.model}: {MODELS[args.model][:3]} hidden/ffn/layers, {tokens} tokens a step, "
+          f"{gpu}, torch {torch.__version__}")
+    results = {}
+    for peer, compiled in peers:
+        mode = "compiled" if compiled else "eager"
+        try:
+            results[(peer, mode)] = run_peer(peer, args.model, args.device, compiled,
+                                             args.steps, args.warmup)
+        except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
+            print(f"{peer:24s} {mode:8s} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+            gc.collect()
+            torch._dynamo.reset()
+            continue
+        ms, warm, peak, breaks = results[(peer, mode)]
+        print(f"{peer:24s} {mode:8s} {ms:9.2f} ms  {tokens / ms * 1e3:10.0f} tok/s  "
+              f"warm-up {warm:6.1f} s  peak {peak:6.2f} GiB  graph breaks {breaks}", flush=True)
+    base_e = results.get(("bf16", "eager"))
+    base_c = results.get(("bf16", "compiled"))
+    rows = []
+    print(f"\n{'peer':24s} {'mode':8s} {'ms':>9s} {'tok/s':>10s} {'vs bf16 eager':>14s} "
+          f"{'vs bf16 comp.':>14s} {'peak GiB':>9s} {'vs bf16 peak':>12s}")
+    for (peer, mode), (ms, warm, peak, breaks) in results.items():
+        same = results.get(("bf16", mode))
+        se = base_e[0] / ms if base_e else float("nan")
+        sc = base_c[0] / ms if base_c else float("nan")
+        pk = peak / same[2] if same and same[2] else float("nan")
+        print(f"{peer:24s} {mode:8s} {ms:9.2f} {tokens / ms * 1e3:10.0f} {se:13.2f}x "
+              f"{sc:13.2f}x {peak:9.2f} {pk:11.2f}x")
+        rows.append(dict(bench="model", shape=f"{args.model} {tokens}tok", recipe=f"{peer} {mode}",
+                         metric="step_ms", value=round(ms, 3), baseline="bf16 eager",
+                         baseline_value=round(base_e[0], 3) if base_e else "",
+                         ratio=round(se, 4) if base_e else "",
+                         note=f"{tokens / ms * 1e3:.0f} tok/s; peak {peak:.2f} GiB "
+                              f"({pk:.2f}x bf16 {mode}); warm-up {warm:.0f} s; "
+                              f"vs bf16 compiled {sc:.2f}x; graph breaks {breaks}"))
+    if args.device == "cuda":
+        append_rows(rows)
+
+
+if __name__ == "__main__":
+    main()
