@@ -9,6 +9,10 @@ One step is forward + backward + fused AdamW on ``tokens`` tokens. Every Linear 
 * ``lowprec-<recipe>``: ``lowprec.convert_model`` + ``lowprec.autocast``, eager and
   compiled.
 
+Modes: ``eager``, ``compiled`` (``torch.compile(model)``) and ``graphed`` (the whole
+eager step captured in one CUDA graph and replayed: no host time at all, so the step
+time is the GPU's; what a step costs once host overhead is out of the way).
+
 Per peer it prints the step time (median of ``--steps`` steps timed with CUDA events,
 after ``--warmup`` steps whose time is reported apart as warm-up/compile time),
 tokens/s, the speedup over bf16 eager and over bf16 compiled, and the peak memory of the
@@ -16,6 +20,7 @@ timed steps; rows go to ``results.csv``.
 
     python benchmarks/bench_model.py --model 1b
     python benchmarks/bench_model.py --model 8b-wide --recipes current,block
+    python benchmarks/bench_model.py --modes graphed --torchao ''
     python benchmarks/bench_model.py --model tiny --device cpu   # smoke test of the script
 """
 
@@ -70,8 +75,8 @@ def not_lm_head(module, name: str) -> bool:
     return "lm_head" not in name
 
 
-def make_peer(peer: str, model: str, device: str, compiled: bool):
-    """(model, autocast context factory) for one peer."""
+def make_peer(peer: str, model: str, device: str, mode: str):
+    """(model, autocast context factory or None) for one peer."""
     m = build(model, device)
     ctx = None
     if peer.startswith("torchao-"):
@@ -83,22 +88,26 @@ def make_peer(peer: str, model: str, device: str, compiled: bool):
         recipe = RECIPES[peer.split("-", 1)[1]]()
         lowprec.convert_model(m, module_filter_fn=not_lm_head)
         ctx = lambda: lowprec.autocast(recipe=recipe)  # noqa: E731
-    if compiled:
+    if mode == "compiled":
         m = torch.compile(m)
     return m, ctx
 
 
-def run_peer(peer: str, model: str, device: str, compiled: bool, steps: int, warmup: int):
+def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: int):
     """(median step ms, warm-up seconds, peak GiB, graph breaks)."""
     torch._dynamo.utils.counters.clear()
-    m, ctx = make_peer(peer, model, device, compiled)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=device == "cuda")
+    m, ctx = make_peer(peer, model, device, mode)
+    graphed = mode == "graphed"
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=device == "cuda",
+                            capturable=graphed)
     *_, seq, batch = MODELS[model]
     gen = torch.Generator(device=device).manual_seed(0)
     ids = [torch.randint(0, 32000, (batch, seq), device=device, generator=gen) for _ in range(2)]
 
     def step(i):
         x = ids[i % 2]
+        if graphed:
+            opt.zero_grad(set_to_none=False)  # the captured step zeroes its static grads
         if ctx is None:
             loss = m(input_ids=x, labels=x).loss
         else:
@@ -106,12 +115,26 @@ def run_peer(peer: str, model: str, device: str, compiled: bool, steps: int, war
                 loss = m(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        if not graphed:
+            opt.zero_grad(set_to_none=True)
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    for i in range(warmup):
-        step(i)
+    if graphed:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(warmup):
+                step(i)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(0)
+        run = lambda i: graph.replay()  # noqa: E731
+    else:
+        for i in range(warmup):
+            step(i)
+        run = step
     sync()
     warm_s = time.perf_counter() - t0
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
@@ -121,7 +144,7 @@ def run_peer(peer: str, model: str, device: str, compiled: bool, steps: int, war
         for i in range(steps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            step(i)
+            run(i)
             b.record()
             times.append((a, b))
         torch.cuda.synchronize()
@@ -131,10 +154,10 @@ def run_peer(peer: str, model: str, device: str, compiled: bool, steps: int, war
         t = []
         for i in range(steps):
             t1 = time.perf_counter()
-            step(i)
+            run(i)
             t.append((time.perf_counter() - t1) * 1e3)
         ms, peak = statistics.median(t), 0.0
-    del m, opt, ids
+    del m, opt, ids, run
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -142,69 +165,73 @@ def run_peer(peer: str, model: str, device: str, compiled: bool, steps: int, war
     return ms, warm_s, peak, breaks
 
 
+def _row(model, tokens, peer, mode, res, results):
+    ms, warm, peak, breaks = res
+    base_e, base_c = results.get(("bf16", "eager")), results.get(("bf16", "compiled"))
+    same = results.get(("bf16", mode))
+    se = base_e[0] / ms if base_e else float("nan")
+    sc = base_c[0] / ms if base_c else float("nan")
+    pk = peak / same[2] if same and same[2] else float("nan")
+    line = (f"{peer:24s} {mode:8s} {ms:9.2f} {tokens / ms * 1e3:10.0f} {se:13.2f}x "
+            f"{sc:13.2f}x {peak:9.2f} {pk:11.2f}x {breaks:6d}")
+    row = dict(bench="model", shape=f"{model} {tokens}tok", recipe=f"{peer} {mode}",
+               metric="step_ms", value=round(ms, 3), baseline="bf16 eager",
+               baseline_value=round(base_e[0], 3) if base_e else "",
+               ratio=round(se, 4) if base_e else "",
+               note=f"{tokens / ms * 1e3:.0f} tok/s; peak {peak:.2f} GiB ({pk:.2f}x bf16 "
+                    f"{mode}); warm-up {warm:.0f} s; vs bf16 compiled {sc:.2f}x; graph "
+                    f"breaks {breaks}")
+    return line, row
+
+
+HEADER = (f"{'peer':24s} {'mode':8s} {'ms':>9s} {'tok/s':>10s} {'vs bf16 eager':>14s} "
+          f"{'vs bf16 comp.':>14s} {'peak GiB':>9s} {'vs bf16 peak':>12s} {'breaks':>6s}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="1b", choices=list(MODELS))
     ap.add_argument("--recipes", default="current,delayed,block,mxfp8,nvfp4")
-    ap.add_argument("--modes", default="eager,compiled")
+    ap.add_argument("--modes", default="eager,compiled", help="eager,compiled,graphed")
     ap.add_argument("--torchao", default="tensorwise,rowwise",
                     help="torchao recipes (compiled), '' for none")
+    ap.add_argument("--bf16", default="", help="bf16 modes to run (default: --modes)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
-    peers = [("bf16", c) for c in (False, True) if ("compiled" if c else "eager") in modes]
-    if args.torchao and "compiled" in modes:
+    bf16_modes = [m for m in (args.bf16 or args.modes).split(",") if m]
+    peers = [("bf16", m) for m in ("eager", "compiled", "graphed") if m in bf16_modes]
+    if args.torchao:
         try:
             import torchao.float8  # noqa: F401
-            peers += [(f"torchao-{r}", True) for r in args.torchao.split(",")]
+            peers += [(f"torchao-{r}", "compiled") for r in args.torchao.split(",")]
         except ImportError as exc:
             print(f"torchao not importable ({exc}); its peers are left out")
-    for r in args.recipes.split(","):
-        if r:
-            peers += [(f"lowprec-{r}", c) for c in (False, True)
-                      if ("compiled" if c else "eager") in modes]
+    peers += [(f"lowprec-{r}", m) for r in args.recipes.split(",") if r for m in modes]
     *_, seq, batch = MODELS[args.model]
     tokens = seq * batch
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{args.model}: {MODELS[args.model][:3]} hidden/ffn/layers, {tokens} tokens a step, "
-          f"{gpu}, torch {torch.__version__}")
-    results = {}
-    for peer, compiled in peers:
-        mode = "compiled" if compiled else "eager"
+          f"{gpu}, torch {torch.__version__}\n{HEADER}", flush=True)
+    results, lines = {}, []
+    for peer, mode in peers:
         try:
-            results[(peer, mode)] = run_peer(peer, args.model, args.device, compiled,
+            results[(peer, mode)] = run_peer(peer, args.model, args.device, mode,
                                              args.steps, args.warmup)
         except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
-            print(f"{peer:24s} {mode:8s} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+            print(f"{peer:24s} {mode:8s} FAILED: {type(exc).__name__}: {str(exc)[:300]}",
+                  flush=True)
             gc.collect()
             torch._dynamo.reset()
             continue
-        ms, warm, peak, breaks = results[(peer, mode)]
-        print(f"{peer:24s} {mode:8s} {ms:9.2f} ms  {tokens / ms * 1e3:10.0f} tok/s  "
-              f"warm-up {warm:6.1f} s  peak {peak:6.2f} GiB  graph breaks {breaks}", flush=True)
-    base_e = results.get(("bf16", "eager"))
-    base_c = results.get(("bf16", "compiled"))
-    rows = []
-    print(f"\n{'peer':24s} {'mode':8s} {'ms':>9s} {'tok/s':>10s} {'vs bf16 eager':>14s} "
-          f"{'vs bf16 comp.':>14s} {'peak GiB':>9s} {'vs bf16 peak':>12s}")
-    for (peer, mode), (ms, warm, peak, breaks) in results.items():
-        same = results.get(("bf16", mode))
-        se = base_e[0] / ms if base_e else float("nan")
-        sc = base_c[0] / ms if base_c else float("nan")
-        pk = peak / same[2] if same and same[2] else float("nan")
-        print(f"{peer:24s} {mode:8s} {ms:9.2f} {tokens / ms * 1e3:10.0f} {se:13.2f}x "
-              f"{sc:13.2f}x {peak:9.2f} {pk:11.2f}x")
-        rows.append(dict(bench="model", shape=f"{args.model} {tokens}tok", recipe=f"{peer} {mode}",
-                         metric="step_ms", value=round(ms, 3), baseline="bf16 eager",
-                         baseline_value=round(base_e[0], 3) if base_e else "",
-                         ratio=round(se, 4) if base_e else "",
-                         note=f"{tokens / ms * 1e3:.0f} tok/s; peak {peak:.2f} GiB "
-                              f"({pk:.2f}x bf16 {mode}); warm-up {warm:.0f} s; "
-                              f"vs bf16 compiled {sc:.2f}x; graph breaks {breaks}"))
-    if args.device == "cuda":
-        append_rows(rows)
+        line, row = _row(args.model, tokens, peer, mode, results[(peer, mode)], results)
+        lines.append(line)
+        print(line, flush=True)
+        if args.device == "cuda":
+            append_rows([row])  # as each peer finishes: a run cut short keeps its rows
+    print(f"\n{HEADER}\n" + "\n".join(lines))
 
 
 if __name__ == "__main__":
