@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model size preset (default: small; medium/large are for a GPU)")
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="run every recipe's training forward through torch.compile (default: "
+                        "on for CUDA, off for CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: preset's)")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
@@ -155,9 +158,11 @@ def run(args, stdout=None, stderr=None) -> int:
     out_dir = check_out_dir(args.out)
     corpus = load_corpus()
 
-    settings = TrainSettings(steps=steps, seed=args.seed, device=device, lr=args.lr or cfg.lr)
+    compiled = device.type == "cuda" if args.compile is None else args.compile
+    settings = TrainSettings(steps=steps, seed=args.seed, device=device, lr=args.lr or cfg.lr,
+                             compile=compiled)
     print(f"lowprec compare: model {args.model} ({cfg.describe()}), {steps} steps x "
-          f"{len(specs)} recipes on {device}", file=stderr)
+          f"{len(specs)} recipes on {device}{', compiled' if compiled else ''}", file=stderr)
     print(f"data: {corpus.describe()}", file=stderr)
     results = []
     for spec in specs:
@@ -179,7 +184,7 @@ def run(args, stdout=None, stderr=None) -> int:
         torch_version=torch.__version__, model=args.model, model_desc=cfg.describe(),
         corpus=corpus.describe(), steps=steps, seed=args.seed,
         backward_mode=check_backward_mode(args.backward_mode) or "default",
-        emulated=device.type != "cuda" or not native, backends=native)
+        emulated=device.type != "cuda" or not native, backends=native, compiled=compiled)
     report.write_csv(os.path.join(out_dir, "results.csv"), results)
     plot_note = report.plot(os.path.join(out_dir, "loss.png"), results)
     report.write_markdown(os.path.join(out_dir, "report.md"), info, results, plot_note)

@@ -32,6 +32,7 @@ class RunInfo:
     backward_mode: str
     emulated: bool
     backends: list
+    compiled: bool = False
 
 
 # ---- numbers ---------------------------------------------------------------------------
@@ -268,6 +269,10 @@ def notes(info: RunInfo, results: list[RunResult]) -> list[str]:
     else:
         out.append(f"Native GEMM backends available: {', '.join(info.backends)}; formats without "
                    f"one run through the exact emulation.")
+    out.append("Every recipe's model, bf16 included, ran under torch.compile (the first step, "
+               "which compiles, and the last, which measures SQNR eagerly, are left out of the "
+               "step time)." if info.compiled else
+               "Every recipe's model, bf16 included, ran eagerly (--no-compile).")
     out.append("Held-out loss: mean over fixed held-out batches, evaluated with each recipe's own "
                "quantized forward. The delta's ± is the paired standard error over those "
                "batches; a delta within about two of it is not a measurable difference, and a "

@@ -477,3 +477,26 @@ def test_plot_is_skipped_with_a_reason_without_matplotlib(monkeypatch, tmp_path)
     note = report.plot(str(tmp_path / "loss.png"), [r])
     assert "matplotlib is not importable" in note and "lowprec[compare]" in note
     assert not (tmp_path / "loss.png").exists()
+
+
+def test_compile_runs_every_recipe_compiled_and_says_so(tmp_path, capsys):
+    """--compile trains through torch.compile; the losses follow the eager run's (inductor
+    may round the bf16 model's elementwise math differently, so not bit for bit)."""
+    try:
+        torch.compile(lambda t: (t * 2).sin(), fullgraph=True)(torch.randn(4))
+    except Exception as exc:  # noqa: BLE001 - no C++ toolchain for inductor here
+        pytest.skip(f"inductor cannot build CPU code here: {type(exc).__name__}")
+    losses = {}
+    for flag in ("--compile", "--no-compile"):
+        out = tmp_path / flag.strip("-")
+        code, _, err = run_cli(["--model", "tiny", "--steps", "3", "--recipes",
+                                "bf16,fp8_current", "--no-noise-floor", "--out", str(out),
+                                flag], capsys)
+        assert code == 0, err
+        assert ("compiled" in err) == (flag == "--compile")
+        report = (out / "report.md").read_text()
+        assert ("ran under torch.compile" in report) == (flag == "--compile")
+        _, rows = read_csv(out / "results.csv")
+        losses[flag] = {r: [float(s[2]) for s in v] for r, v in by_recipe(rows).items()}
+    for recipe, eager in losses["--no-compile"].items():
+        assert losses["--compile"][recipe] == pytest.approx(eager, rel=2e-2), recipe
