@@ -20,6 +20,7 @@ class _Region:
     recipe: Recipe
     group: object = None
     delayed_states: list = field(default_factory=list)
+    cache_weights: bool = False
 
 
 class _Local(threading.local):
@@ -40,8 +41,14 @@ def _check_recipe(recipe) -> Recipe:
 
 
 @contextlib.contextmanager
-def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_group=None):
+def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_group=None,
+             *, cache_weights: bool = False):
     """Run lowprec modules inside this region with quantized GEMMs per ``recipe``.
+
+    ``cache_weights=True``: a module reuses its quantized weight while the weight is
+    unchanged, so with gradient accumulation each weight is quantized once per optimizer
+    step rather than once per micro-batch (``lowprec.weight_cache``; each weight then
+    holds its quantized copy between steps).
 
     ``amax_reduction_group`` is the process group over which delayed-scaling
     amaxes are reduced; it is passed to the state where it is used and never
@@ -49,7 +56,10 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_
     history when the region exits (all of the region's states together, see
     ``lowprec.state_batch``).
     """
-    region = _Region(_check_recipe(recipe), amax_reduction_group) if enabled else None
+    if not isinstance(cache_weights, bool):
+        raise TypeError(f"cache_weights must be a bool, got {cache_weights!r}")
+    region = (_Region(_check_recipe(recipe), amax_reduction_group, cache_weights=cache_weights)
+              if enabled else None)
     _LOCAL.regions.append(region)
     try:
         yield

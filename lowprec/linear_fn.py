@@ -24,8 +24,9 @@ from typing import Callable, Optional
 
 import torch
 
+from . import exact_split, grad_split, weight_cache
+from .autocast import active_region
 from .formats.base import QuantizedTensor, Quantizer
-from . import exact_split, grad_split
 from .gemm import gemm
 
 
@@ -172,13 +173,15 @@ def _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w, q, backward_mode,
 
 class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, quantizers, backward_mode, on_backward_done, grad_enabled):
+    def forward(ctx, x, weight, bias, quantizers, backward_mode, on_backward_done, grad_enabled,
+                weight_lp):
         # needs_input_grad ignores no_grad(); an eval forward must not make columnwise data.
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         q = quantizers
         quantized = q is not None
-        ctx.exact_split = exact_split.applies(q, x, weight, backward_mode, need_dx, need_dw)
+        ctx.exact_split = weight_lp is None and exact_split.applies(q, x, weight, backward_mode,
+                                                                     need_dx, need_dw)
         if ctx.exact_split:
             y, saved_x, saved_w = exact_split.forward(q, x, weight, bias)
             return _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w,
@@ -195,10 +198,15 @@ class _QuantizedLinear(torch.autograd.Function):
         # made with it, the forward would hold x (the caller's), both copies of x and of W
         # and y at once, as much as a bf16 backward's peak (x, y, dX, dW).
         w_q = q.weight if q else None
-        w_two_steps = _weight_in_two_steps(w_q, weight, col and need_dx)
-        w_lp, w_owned = quantize_operand(w_q, weight, rowwise=True,
-                                         columnwise=col and need_dx and not w_two_steps,
-                                         exact=exact)
+        if weight_lp is not None:  # a cached quantized weight (lowprec.weight_cache)
+            w_two_steps = False
+            w_lp, w_owned = quantize_operand(None, weight_lp, rowwise=True,
+                                             columnwise=col and need_dx)
+        else:
+            w_two_steps = _weight_in_two_steps(w_q, weight, col and need_dx)
+            w_lp, w_owned = quantize_operand(w_q, weight, rowwise=True,
+                                             columnwise=col and need_dx and not w_two_steps,
+                                             exact=exact)
         out_features = weight.shape[0]
         y = gemm(x_lp, "rowwise", w_lp, "rowwise", out_dtype=x.dtype, bias=bias)
         y = y.reshape(*x.shape[:-1], out_features)
@@ -256,7 +264,7 @@ class _QuantizedLinear(torch.autograd.Function):
             db = dy2d.sum(dim=0).to(ctx.w_dtype)
         if ctx.on_backward_done is not None:
             ctx.on_backward_done()
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -275,5 +283,16 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         skip = getattr(on_backward_done, "skip", None)
         if skip is not None:
             skip()
+    weight_lp = None
+    if (quantizers is not None and quantizers.weight is not None
+            and not isinstance(weight, QuantizedTensor) and _caching_weights()):
+        weight_lp = weight_cache.cached_weight(
+            weight, quantizers.weight,
+            columnwise=backward_mode == "default" and grad_enabled and x.requires_grad)
     return _QuantizedLinear.apply(x, weight, bias, quantizers, backward_mode, on_backward_done,
-                                  grad_enabled)
+                                  grad_enabled, weight_lp)
+
+
+def _caching_weights() -> bool:
+    region = active_region()
+    return region is not None and region.cache_weights
