@@ -167,6 +167,25 @@ def test_compiled_outside_autocast_is_high_precision_and_exact():
     assert torch.equal(xa.grad, xb.grad)
 
 
+def test_dynamic_shapes():
+    """Token counts marked dynamic reach the op as symbolic sizes; one compile serves all."""
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(lowprec.LayerNormMLP(D, 2 * D, name="m"), lowprec.Linear(D, 64))
+    b = copy.deepcopy(a)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(b, backend=counter, fullgraph=True, dynamic=True)
+    for n in (32, 48, 80):
+        xa = torch.randn(2, n, D, requires_grad=True)
+        xb = xa.detach().clone().requires_grad_(True)
+        with autocast(recipe=recipe):
+            ya, yb = a(xa), compiled(xb)
+        ya.sum().backward()
+        yb.sum().backward()
+        assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
+    assert counter.frame_count == 1
+
+
 def test_no_grad_compiled_forward_matches_eval():
     recipe = Float8CurrentScaling()
     torch.manual_seed(0)
