@@ -157,12 +157,15 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
             run(i)
             t.append((time.perf_counter() - t1) * 1e3)
         ms, peak = statistics.median(t), 0.0
-    del m, opt, ids, run
+    return ms, warm_s, peak, breaks
+
+
+def release() -> None:
+    """Free what the last peer left (its model and optimizer died with ``run_peer``)."""
     gc.collect()
-    if device == "cuda":
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
     torch._dynamo.reset()
-    return ms, warm_s, peak, breaks
 
 
 def _row(model, tokens, peer, mode, res, results):
@@ -223,9 +226,9 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
             print(f"{peer:24s} {mode:8s} FAILED: {type(exc).__name__}: {str(exc)[:300]}",
                   flush=True)
-            gc.collect()
-            torch._dynamo.reset()
             continue
+        finally:
+            release()
         line, row = _row(args.model, tokens, peer, mode, results[(peer, mode)], results)
         lines.append(line)
         print(line, flush=True)

@@ -46,6 +46,7 @@ import torch
 
 from . import autocast as _autocast
 from .formats.base import QuantizedTensor
+from .linear_fn import graph_kept
 from .recipe import recipe_from_key
 
 HANDLE_ATTR = "_lowprec_handle"
@@ -313,7 +314,7 @@ def _call_backward_impl(token: torch.Tensor, grads: list[torch.Tensor | None],
                         device: torch.device) -> list[torch.Tensor]:
     rec = _record_of(token)
     pairs = [(o, g) for o, g in zip(rec.outputs, grads) if g is not None and o.requires_grad]
-    keep = _graph_kept()
+    keep = graph_kept()
     if pairs:
         with _autograd_dispatch():
             got = torch.autograd.grad([o for o, _ in pairs], rec.leaves, [g for _, g in pairs],
@@ -336,16 +337,6 @@ def _call_backward_fake(token, grads, shapes, ndims, dtypes, device):
         out.append(torch.empty(tuple(shapes[pos:pos + nd]), dtype=_DTYPES[dt], device=device))
         pos += nd
     return out
-
-
-def _graph_kept() -> bool:
-    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    if query is None:
-        return True
-    try:
-        return bool(query())
-    except RuntimeError:
-        return True
 
 
 _TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)

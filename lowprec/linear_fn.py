@@ -112,7 +112,7 @@ def _weight_in_two_steps(quantizer: Quantizer | None, weight: torch.Tensor,
             and quantizer.can_quantize_usage_like())
 
 
-def _graph_kept() -> bool:
+def graph_kept() -> bool:
     """Whether the running backward keeps the graph (``retain_graph=True``), i.e. saved
     tensors may be read again. True when unknown (tracing, no engine task, older torch)."""
     if torch.compiler.is_compiling():
@@ -235,11 +235,11 @@ class _QuantizedLinear(torch.autograd.Function):
 
         def release_x():
             # The saved input is dead once wgrad has run, unless backward may run again.
-            if ctx.x_releasable and isinstance(saved_x, QuantizedTensor) and not _graph_kept():
+            if ctx.x_releasable and isinstance(saved_x, QuantizedTensor) and not graph_kept():
                 saved_x.release()
 
         def release_w():
-            if ctx.w_releasable and isinstance(saved_w, QuantizedTensor) and not _graph_kept():
+            if ctx.w_releasable and isinstance(saved_w, QuantizedTensor) and not graph_kept():
                 saved_w.release()
 
         split = (grad_split.plan(q.grad_output, dy, saved_x, saved_w, ctx.x_dtype, ctx.w_dtype)

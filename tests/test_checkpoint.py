@@ -15,25 +15,14 @@ import torch.utils.checkpoint as torch_checkpoint
 import lowprec
 import lowprec.ops as ops
 from lowprec import autocast
-from lowprec.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling,
-                            Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+from lowprec.recipe import DelayedScaling, Float8CurrentScaling
+from same_run import RECIPES as SHARED_RECIPES, assert_same_run, delayed_states
 
 D = 128  # every block divides it (128x128 FP8 blocks, MXFP8 32, NVFP4 16)
 
 
-def _nvfp4_factory(role):
-    from lowprec.factories import nvfp4_factory
-    return nvfp4_factory(role)
-
-
-RECIPES = {
-    "current": lambda: Float8CurrentScaling(),
-    "delayed": lambda: DelayedScaling(amax_history_len=4),
-    "block": lambda: Float8BlockScaling(),
-    "mxfp8": lambda: MXFP8BlockScaling(),
-    "nvfp4": lambda: NVFP4BlockScaling(),  # RHT, stochastic rounding, 2D weights
-    "custom": lambda: CustomRecipe(qfactory=_nvfp4_factory),
-}
+RECIPES = {k: SHARED_RECIPES[k] for k in ("current", "delayed", "block", "mxfp8", "nvfp4",
+                                          "custom")}
 
 
 class Block(torch.nn.Module):
@@ -88,24 +77,6 @@ def _step(m, x, recipe, seed, how, reentrant, autocast_inside):
     return y.detach()
 
 
-def _states(m):
-    return {(name, mode): sd for name, mod in m.named_modules()
-            if isinstance(mod, lowprec.modules.base.LowprecModule)
-            for mode, sd in mod.get_extra_state().items()}
-
-
-def _assert_same_run(a, b, xa, xb, ya, yb):
-    assert torch.equal(ya, yb)
-    assert torch.equal(xa.grad, xb.grad)
-    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
-        assert torch.equal(p.grad, q.grad), n
-    sa, sb = _states(a), _states(b)
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        for k in sa[key]:
-            assert torch.equal(sa[key][k], sb[key][k]), (key, k)
-
-
 def _compare(rname, model, reentrant, autocast_inside, steps=2):
     recipe = RECIPES[rname]()
     a, b = _pair(model)
@@ -114,7 +85,7 @@ def _compare(rname, model, reentrant, autocast_inside, steps=2):
     for step in range(steps):
         ya = _step(a, xa, recipe, 10 + step, "plain", reentrant, autocast_inside)
         yb = _step(b, xb, recipe, 10 + step, "lowprec", reentrant, autocast_inside)
-        _assert_same_run(a, b, xa, xb, ya, yb)
+        assert_same_run(a, b, xa, xb, ya, yb)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
@@ -141,7 +112,7 @@ def test_delayed_scaling_amaxes_recorded_once_and_scales_of_the_forward_used():
             xb = xa.detach().clone().requires_grad_(True)
             ya = _step(a, xa, recipe, step, "plain", reentrant, False)
             yb = _step(b, xb, recipe, step, "lowprec", reentrant, False)
-            _assert_same_run(a, b, xa, xb, ya, yb)
+            assert_same_run(a, b, xa, xb, ya, yb)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
@@ -174,7 +145,7 @@ def test_plain_torch_checkpoint_with_stateless_autocast_inside_is_exact(rname, r
     xb = xa.detach().clone().requires_grad_(True)
     ya = _step(a, xa, recipe, 3, "plain", reentrant, True)
     yb = _step(b, xb, recipe, 3, "torch", reentrant, True)
-    _assert_same_run(a, b, xa, xb, ya, yb)
+    assert_same_run(a, b, xa, xb, ya, yb)
 
 
 def test_modules_outside_autocast_checkpoint_as_usual():
@@ -227,7 +198,7 @@ def test_nested_checkpoints_bit_identical(reentrant, inner_reentrant):
         with autocast(recipe=recipe):
             yb = lowprec.checkpoint(outer, xb, use_reentrant=reentrant)
         yb.backward(torch.randn(yb.shape, generator=torch.Generator().manual_seed(step)))
-        _assert_same_run(a, b, xa, xb, ya, yb.detach())
+        assert_same_run(a, b, xa, xb, ya, yb.detach())
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
@@ -236,12 +207,12 @@ def test_checkpoint_under_no_grad_is_an_evaluation(reentrant):
     m, _ = _pair("layernorm_mlp")
     x = torch.randn(D, D)
     _step(m, x.clone().requires_grad_(True), recipe, 0, "plain", reentrant, False)
-    before = copy.deepcopy(_states(m))
+    before = copy.deepcopy(delayed_states(m))
     with torch.no_grad(), autocast(recipe=recipe):
         expected = m(x * 50)
         y = lowprec.checkpoint(m, x * 50, use_reentrant=reentrant)
     assert torch.equal(y, expected)
-    after = _states(m)
+    after = delayed_states(m)
     for key in before:
         for k in before[key]:
             assert torch.equal(before[key][k], after[key][k]), (key, k)

@@ -16,32 +16,14 @@ import lowprec
 import lowprec.ops as ops
 from lowprec import autocast
 from lowprec.compiled_call import HANDLE_ATTR
-from lowprec.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling,
-                            Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+from lowprec.recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from same_run import RECIPES as SHARED_RECIPES, assert_same_run
 
 D = 128  # every block divides it (128x128 FP8 blocks, MXFP8 32, NVFP4 16)
 
 
-def _nvfp4_factory(role):
-    from lowprec.factories import nvfp4_factory
-    return nvfp4_factory(role)
-
-
-def _hybrid_factory(role):
-    from lowprec.factories import mxfp8_fwd_nvfp4_bwd_factory
-    return mxfp8_fwd_nvfp4_bwd_factory(role)
-
-
-RECIPES = {
-    "current": lambda: Float8CurrentScaling(),
-    "delayed": lambda: DelayedScaling(amax_history_len=4),
-    "block": lambda: Float8BlockScaling(),
-    "mxfp8": lambda: MXFP8BlockScaling(),
-    "nvfp4": lambda: NVFP4BlockScaling(),  # RHT, stochastic rounding, 2D weights
-    "custom": lambda: CustomRecipe(qfactory=_nvfp4_factory),
-    "hybrid": lambda: CustomRecipe(qfactory=_hybrid_factory),
-    "current_hp_backward": lambda: Float8CurrentScaling(backward_mode="high_precision"),
-}
+RECIPES = {**SHARED_RECIPES,
+           "current_hp_backward": lambda: Float8CurrentScaling(backward_mode="high_precision")}
 
 
 class Block(torch.nn.Module):
@@ -97,24 +79,6 @@ def _run(fn, recipe, x, seed, autocast_inside):
     return y.detach()
 
 
-def _states(m):
-    return {(name, mode): sd for name, mod in m.named_modules()
-            if isinstance(mod, lowprec.modules.base.LowprecModule)
-            for mode, sd in mod.get_extra_state().items()}
-
-
-def _assert_same(a, b, xa, xb, ya, yb):
-    assert torch.equal(ya, yb)
-    assert torch.equal(xa.grad, xb.grad)
-    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
-        assert torch.equal(p.grad, q.grad), n
-    sa, sb = _states(a), _states(b)
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        for k in sa[key]:
-            assert torch.equal(sa[key][k], sb[key][k]), (key, k)
-
-
 def _compare(rname, model, autocast_inside, backend="aot_eager", steps=2, device="cpu",
              dtype=torch.float32):
     recipe = RECIPES[rname]()
@@ -130,7 +94,7 @@ def _compare(rname, model, autocast_inside, backend="aot_eager", steps=2, device
     for step in range(steps):
         ya = _run(eager, recipe, xa, 10 + step, autocast_inside)
         yb = _run(compiled, recipe, xb, 10 + step, autocast_inside)
-        _assert_same(a, b, xa, xb, ya, yb)
+        assert_same_run(a, b, xa, xb, ya, yb)
     assert counter.frame_count == 1
 
 
@@ -214,21 +178,24 @@ def test_layers_with_different_names_share_compiled_code():
     assert all(p.grad is not None for layer in layers for p in layer.parameters())
 
 
-def test_whole_model_compiles_to_one_graph():
-    recipe = MXFP8BlockScaling()
-    torch.manual_seed(0)
-    a = torch.nn.Sequential(*[Block(name=f"layers.{i}") for i in range(3)])
+def _one_step_same(a, recipe, x_shape, counter="aot_eager"):
+    """One compiled and one eager step of copies of ``a``: outputs and all gradients equal."""
     b = copy.deepcopy(a)
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(b, backend=counter, fullgraph=True)
-    xa = torch.randn(2, 64, D, requires_grad=True)
+    xa = torch.randn(*x_shape, requires_grad=True)
     xb = xa.detach().clone().requires_grad_(True)
     with autocast(recipe=recipe):
         ya, yb = a(xa), compiled(xb)
     ya.backward(torch.ones_like(ya))
     yb.backward(torch.ones_like(yb))
-    assert torch.equal(ya, yb)
-    assert torch.equal(xa.grad, xb.grad)
+    assert_same_run(a, b, xa, xb, ya, yb)
+
+
+def test_whole_model_compiles_to_one_graph():
+    torch.manual_seed(0)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    _one_step_same(torch.nn.Sequential(*[Block(name=f"layers.{i}") for i in range(3)]),
+                   MXFP8BlockScaling(), (2, 64, D), counter)
     assert counter.frame_count == 1 and counter.op_count > 0
 
 
@@ -243,20 +210,7 @@ def test_converted_model_compiles_fullgraph():
             return x + self.down(torch.nn.functional.silu(self.up(x)))
 
     torch.manual_seed(0)
-    a = lowprec.convert_model(Tiny())
-    b = copy.deepcopy(a)
-    recipe = Float8BlockScaling()
-    compiled = torch.compile(b, backend="aot_eager", fullgraph=True)
-    xa = torch.randn(4, 32, D, requires_grad=True)
-    xb = xa.detach().clone().requires_grad_(True)
-    with autocast(recipe=recipe):
-        ya, yb = a(xa), compiled(xb)
-    ya.backward(torch.ones_like(ya))
-    yb.backward(torch.ones_like(yb))
-    assert torch.equal(ya, yb)
-    assert torch.equal(xa.grad, xb.grad)
-    for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.equal(p.grad, q.grad)
+    _one_step_same(lowprec.convert_model(Tiny()), Float8BlockScaling(), (4, 32, D))
 
 
 def test_recipe_switch_recompiles_and_stays_exact():

@@ -11,26 +11,14 @@ import torch
 
 import lowprec
 from lowprec import autocast, weight_cache
-from lowprec.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling,
-                            Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+from lowprec.recipe import Float8CurrentScaling, MXFP8BlockScaling
+from same_run import RECIPES as SHARED_RECIPES
 
 D = 128
 
 
-def _hybrid_factory(role):
-    from lowprec.factories import mxfp8_fwd_nvfp4_bwd_factory
-    return mxfp8_fwd_nvfp4_bwd_factory(role)
-
-
-RECIPES = {
-    "current": lambda: Float8CurrentScaling(),
-    "delayed": lambda: DelayedScaling(amax_history_len=4),
-    "block": lambda: Float8BlockScaling(),
-    "mxfp8": lambda: MXFP8BlockScaling(),
-    "nvfp4": lambda: NVFP4BlockScaling(),
-    "hybrid": lambda: CustomRecipe(qfactory=_hybrid_factory),
-    "current_dequantized": lambda: Float8CurrentScaling(backward_mode="dequantized"),
-}
+RECIPES = {**{k: v for k, v in SHARED_RECIPES.items() if k != "custom"},
+           "current_dequantized": lambda: Float8CurrentScaling(backward_mode="dequantized")}
 
 
 class Model(torch.nn.Module):

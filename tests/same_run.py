@@ -1,0 +1,53 @@
+"""Bit-for-bit comparison of two runs of the same model (shared by the tests that compare
+a way of running against eager: checkpointing, torch.compile)."""
+
+from __future__ import annotations
+
+import torch
+
+import lowprec
+from lowprec.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling,
+                            Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+
+
+def nvfp4_factory(role):
+    from lowprec.factories import nvfp4_factory as factory
+    return factory(role)
+
+
+def hybrid_factory(role):
+    """MXFP8 forward, NVFP4 backward: a hybrid per direction."""
+    from lowprec.factories import mxfp8_fwd_nvfp4_bwd_factory
+    return mxfp8_fwd_nvfp4_bwd_factory(role)
+
+
+#: A fresh recipe per call, for each kind the bit-for-bit tests run.
+RECIPES = {
+    "current": lambda: Float8CurrentScaling(),
+    "delayed": lambda: DelayedScaling(amax_history_len=4),
+    "block": lambda: Float8BlockScaling(),
+    "mxfp8": lambda: MXFP8BlockScaling(),
+    "nvfp4": lambda: NVFP4BlockScaling(),  # RHT, stochastic rounding, 2D weights
+    "custom": lambda: CustomRecipe(qfactory=nvfp4_factory),
+    "hybrid": lambda: CustomRecipe(qfactory=hybrid_factory),
+}
+
+
+def delayed_states(m) -> dict:
+    """Every lowprec module's delayed-scaling state dicts, by (module name, mode)."""
+    return {(name, mode): sd for name, mod in m.named_modules()
+            if isinstance(mod, lowprec.modules.base.LowprecModule)
+            for mode, sd in mod.get_extra_state().items()}
+
+
+def assert_same_run(a, b, xa, xb, ya, yb) -> None:
+    """Outputs, input and parameter gradients and delayed-scaling states all equal."""
+    assert torch.equal(ya, yb)
+    assert torch.equal(xa.grad, xb.grad)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    sa, sb = delayed_states(a), delayed_states(b)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        for k in sa[key]:
+            assert torch.equal(sa[key][k], sb[key][k]), (key, k)
