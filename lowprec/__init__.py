@@ -1,6 +1,6 @@
 """lowprec: low-precision (FP8, MXFP8, NVFP4) training for PyTorch."""
 
-from . import fused, ops, recipe
+from . import fused, ops, optim, recipe
 from .autocast import autocast, quantized_model_init
 from .checkpoint import checkpoint
 from .convert import convert_model
@@ -12,7 +12,7 @@ from .recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8Cur
 from .roles import QuantizerRole
 
 __version__ = "0.1.0"
-__all__ = [*_formats_all, "recipe", "ops", "autocast", "checkpoint", "convert_model", "quantized_model_init", "QuantizerRole",
+__all__ = [*_formats_all, "recipe", "ops", "optim", "autocast", "checkpoint", "convert_model", "quantized_model_init", "QuantizerRole",
            "Format", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
            "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe",
            "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm"]

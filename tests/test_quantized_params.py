@@ -709,3 +709,41 @@ def test_load_state_dict_assign_quantizes_high_precision_weights(rname):
     _expect_requantized(m, ref, sd)
     with torch.no_grad():  # and the assigned weight is linked like the others
         m.weight.copy_(sd["weight"] * 2)
+
+
+# ---- module conversions, plain optimizers ------------------------------------------------------
+@pytest.mark.parametrize("convert", ["float", "bfloat16", "half", "to_dtype", "cpu", "to_device"])
+def test_module_conversions_keep_quantized_weights_and_their_attributes(convert):
+    with lowprec.quantized_model_init(recipe=Float8CurrentScaling()):
+        m = lowprec.Linear(64, 32, params_dtype=torch.bfloat16)
+    m.weight.tp_mark = ("column", 0)
+    before = m.weight.dequantize(torch.float32)
+    {"float": lambda: m.float(), "bfloat16": lambda: m.bfloat16(), "half": lambda: m.half(),
+     "to_dtype": lambda: m.to(torch.float32), "cpu": lambda: m.cpu(),
+     "to_device": lambda: m.to("cpu")}[convert]()
+    w = m.weight
+    assert isinstance(w, QuantizedTensor) and isinstance(w, nn.Parameter)
+    assert w.tp_mark == ("column", 0)
+    want = {"float": torch.float32, "half": torch.float16, "to_dtype": torch.float32}
+    assert w.dtype == want.get(convert, torch.bfloat16)
+    assert torch.equal(w.dequantize(torch.float32), before)  # lossless: same codes and scales
+    # still linked to its module: a high-precision copy re-quantizes
+    hp = torch.randn(32, 64)
+    with torch.no_grad():
+        w.copy_(hp)
+    q = Float8CurrentScalingQuantizer(E4M3)
+    assert torch.equal(w.dequantize(torch.float32), q.quantize(hp.to(w.dtype)).dequantize(torch.float32))
+
+
+def test_plain_optimizer_on_quantized_weights_names_the_wrapper():
+    with lowprec.quantized_model_init(recipe=Float8CurrentScaling()):
+        m = lowprec.Linear(64, 32, params_dtype=torch.bfloat16)
+    with lowprec.autocast(recipe=Float8CurrentScaling()):
+        m(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()
+    opt = torch.optim.AdamW(m.parameters())
+    with pytest.raises(NotImplementedError, match=r"lowprec\.optim\.QuantizedWeightOptimizer"):
+        opt.step()
+
+
+def test_optim_is_reachable_from_the_package():
+    assert lowprec.optim.QuantizedWeightOptimizer is QuantizedWeightOptimizer

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
@@ -261,6 +262,25 @@ class QuantizedTensor(torch.Tensor):
         """fp32 values of one direction in its stored 2-D layout."""
         raise NotImplementedError
 
+    # ---- plain-tensor conversions ---------------------------------------------------------
+    def _as_plain(self, dtype: torch.dtype) -> torch.Tensor:
+        if _CONVERSIONS.keep_quantized:
+            # a module's .float()/.half() (``keep_quantized``): only the nominal dtype changes
+            return self.to(dtype)
+        return _Dequantize.apply(self, dtype)
+
+    def float(self, memory_format=torch.preserve_format) -> torch.Tensor:
+        """The dequantized values as a plain fp32 tensor; gradients flow back to ``self``."""
+        return self._as_plain(torch.float32)
+
+    def bfloat16(self, memory_format=torch.preserve_format) -> torch.Tensor:
+        """The dequantized values as a plain bf16 tensor; gradients flow back to ``self``."""
+        return self._as_plain(torch.bfloat16)
+
+    def half(self, memory_format=torch.preserve_format) -> torch.Tensor:
+        """The dequantized values as a plain fp16 tensor; gradients flow back to ``self``."""
+        return self._as_plain(torch.float16)
+
     # ---- op table -------------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -270,11 +290,64 @@ class QuantizedTensor(torch.Tensor):
             return handler(func, args, kwargs)
         if func.overloadpacket in _HANDLERS_BY_PACKET:
             return _HANDLERS_BY_PACKET[func.overloadpacket](func, args, kwargs)
+        hint = ("Call .dequantize() (or .float()/.bfloat16()) to get a high-precision tensor "
+                "for other operations.")
+        if any(_is_parameter(a) for a in _flat_tensors(args, kwargs)):
+            hint = ("This is a quantized weight (quantized_model_init): a plain torch optimizer "
+                    "cannot update it; wrap the optimizer in "
+                    "lowprec.optim.QuantizedWeightOptimizer(model, torch.optim.AdamW, ...), "
+                    "which keeps fp32 master weights and re-quantizes them after each step. "
+                    "Call .dequantize() for other operations.")
         raise NotImplementedError(
             f"{cls.__name__} does not support {func}. Supported: detach, clone, copy_, to, "
-            f"view/reshape keeping the last dimension, torch.save. Call .dequantize() to get "
-            f"a high-precision tensor for other operations."
-        )
+            f"view/reshape keeping the last dimension, torch.save. {hint}")
+
+
+class _Dequantize(torch.autograd.Function):
+    """``qt.dequantize(dtype)`` with a straight-through gradient to the quantized tensor."""
+
+    @staticmethod
+    def forward(ctx, qt, dtype):
+        ctx.dtype = qt.dtype
+        return qt.dequantize(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+class _Conversions(threading.local):
+    keep_quantized = False
+
+
+_CONVERSIONS = _Conversions()
+
+
+@contextlib.contextmanager
+def keep_quantized():
+    """Inside, ``qt.float()``/``.bfloat16()``/``.half()`` change a quantized tensor's nominal
+    dtype (lossless, still quantized) instead of dequantizing it: what a module's
+    ``.float()``/``.half()`` means for its quantized weights."""
+    saved = _CONVERSIONS.keep_quantized
+    _CONVERSIONS.keep_quantized = True
+    try:
+        yield
+    finally:
+        _CONVERSIONS.keep_quantized = saved
+
+
+def _flat_tensors(args, kwargs) -> list:
+    out = []
+    for a in list(args) + list(kwargs.values()):
+        out += list(a) if isinstance(a, (list, tuple)) else [a]
+    return [a for a in out if isinstance(a, QuantizedTensor)]
+
+
+def user_attributes(qt: QuantizedTensor) -> dict[str, Any]:
+    """Python attributes set on a quantized tensor beyond its declared fields (a
+    parameter's sharding or tensor-parallel marks, the re-quantize link)."""
+    own = set(qt._inner) | set(qt._meta) | set(qt._derived) | {"_is_param"}
+    return {k: v for k, v in qt.__dict__.items() if k not in own}
 
 
 def _is_parameter(t: torch.Tensor) -> bool:

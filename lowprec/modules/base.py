@@ -10,7 +10,7 @@ from torch import nn
 from ..autocast import active_region, init_recipe, register_delayed_state
 from ..checkpoint import check_not_recomputing, current_frame, record, replayed
 from ..compiled_call import CompiledCallMixin
-from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor
+from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor, keep_quantized, user_attributes
 from ..linear_fn import LinearQuantizers
 from ..recipe import DelayedScaling
 from ..roles import check_num_quantizers, gemm_roles
@@ -287,8 +287,23 @@ class LowprecModule(CompiledCallMixin, nn.Module):
                 setattr(w, REQUANTIZE_ATTR, _WeightSlot(self, i))
 
     def _apply(self, fn, recurse=True):
-        # .to()/.cuda()/.float()/to_empty() may swap in new parameter objects
-        out = super()._apply(fn, recurse)
+        # A module's .float()/.half() keeps its quantized weights quantized (only their
+        # nominal dtype changes), where the tensor's own .float() dequantizes.
+        def keep(t):
+            with keep_quantized():
+                return fn(t)
+
+        # torch swaps a tensor subclass parameter's contents and __dict__ with the converted
+        # tensor's: the user's attributes on it are put back, as a plain parameter keeps them.
+        attrs = {name: user_attributes(p) for name, p in self._parameters.items()
+                 if isinstance(p, QuantizedTensor)}
+        out = super()._apply(keep, recurse)
+        for name, kept in attrs.items():
+            p = self._parameters.get(name)
+            if p is not None:
+                for k, v in kept.items():
+                    if k not in p.__dict__:
+                        setattr(p, k, v)
         self._link_quantized_weights()
         return out
 

@@ -357,3 +357,27 @@ def test_compile_dequantize_fullgraph(qt):
     other = Float8CurrentScalingQuantizer(E4M3).set_usage(columnwise=False).quantize(
         data((4, 6, 8), seed=3))
     assert torch.equal(fn(other), other.dequantize())
+
+
+# ---- plain-tensor conversions ----------------------------------------------------------------
+@pytest.mark.parametrize("method,dtype", [("float", torch.float32), ("bfloat16", torch.bfloat16),
+                                          ("half", torch.float16)])
+@pytest.mark.parametrize("factory,shape", FACTORY_PARAMS)
+def test_float_bfloat16_half_dequantize(factory, shape, method, dtype):
+    qt = factory().quantize(data(shape, torch.bfloat16))
+    out = getattr(qt, method)()
+    assert type(out) is torch.Tensor and out.dtype == dtype and out.shape == qt.shape
+    assert torch.equal(out, qt.dequantize(dtype))
+
+
+def test_float_is_differentiable_to_the_quantized_tensor(quantizer):
+    w = torch.nn.Parameter(quantizer.quantize(data((4, 8), torch.bfloat16)))
+    g = data((4, 8), torch.float32, seed=3)
+    (w.float() * g).sum().backward()
+    assert type(w.grad) is torch.Tensor and w.grad.dtype == torch.bfloat16
+    assert torch.equal(w.grad, g.to(torch.bfloat16))
+
+
+def test_to_dtype_stays_quantized_where_float_does_not(qt):
+    assert isinstance(qt.to(torch.float32), QuantizedTensor)
+    assert not isinstance(qt.float(), QuantizedTensor)
