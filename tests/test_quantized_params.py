@@ -747,3 +747,19 @@ def test_plain_optimizer_on_quantized_weights_names_the_wrapper():
 
 def test_optim_is_reachable_from_the_package():
     assert lowprec.optim.QuantizedWeightOptimizer is QuantizedWeightOptimizer
+
+
+@pytest.mark.parametrize("kind", ["linear", "layernorm_mlp", "ops"])
+def test_module_pickles_after_running_under_a_lambda_recipe(kind):
+    make = {"linear": lambda: lowprec.Linear(64, 64),
+            "layernorm_mlp": lambda: lowprec.LayerNormMLP(64, 128),
+            "ops": lambda: lowprec.ops.Sequential(lowprec.ops.BasicLinear(64, 64))}[kind]
+    torch.manual_seed(0)
+    m = make()
+    recipe = CustomRecipe(qfactory=lambda role: factories.mxfp8_factory(role))
+    x = torch.randn(32, 64)
+    with lowprec.autocast(recipe=recipe):
+        m(x).sum().backward()
+    for back in (pickle.loads(pickle.dumps(m)), copy.deepcopy(m)):
+        with lowprec.autocast(recipe=recipe):
+            assert torch.equal(back(x), m(x))

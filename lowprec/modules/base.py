@@ -151,6 +151,16 @@ class LowprecModule(CompiledCallMixin, nn.Module):
                 for mode in states:
                     states[mode] = None
 
+    def __getstate__(self):
+        # The per-recipe caches are rebuilt at the next forward: they stay out of a pickle or
+        # a copy, so a recipe that does not pickle (a CustomRecipe with a lambda) never makes
+        # the module unpicklable. Delayed-scaling states are real state and travel.
+        state = dict(super().__getstate__())
+        state["_recipe_states"] = {m: (s if s is not None and s.delayed is not None else None)
+                                   for m, s in state["_recipe_states"].items()}
+        state.pop("_gemm_quantizers_of", None)
+        return state
+
     def _state(self, mode: str, recipe, device) -> RecipeState:
         state = self._recipe_states[mode]
         # identity first: the same recipe object every step is the common case, and a
