@@ -300,7 +300,7 @@ class QuantizedTensor(torch.Tensor):
                     "Call .dequantize() for other operations.")
         raise NotImplementedError(
             f"{cls.__name__} does not support {func}. Supported: detach, clone, copy_, to, "
-            f"view/reshape keeping the last dimension, torch.save. {hint}")
+            f"empty_like, view/reshape keeping the last dimension, torch.save. {hint}")
 
 
 class _Dequantize(torch.autograd.Function):
@@ -452,6 +452,22 @@ def _to_copy(func, args, kwargs):
     # A dtype change only changes the nominal dtype (what dequantize returns): lossless.
     return qt._rebuild(lambda t: t.to(device=device, non_blocking=kwargs.get("non_blocking", False))
                        if device is not None else t.clone(), dtype=dtype)
+
+
+@_handles(aten.empty_like.default)
+def _empty_like(func, args, kwargs):
+    # ``module.to_empty(device=...)`` (meta-device init): fresh, uninitialized buffers of the
+    # same layout, to be filled by a re-quantize (``reset_parameters``, a checkpoint load).
+    qt = args[0]
+    extra = set(kwargs) - {"dtype", "device", "layout", "pin_memory", "memory_format"}
+    if extra:
+        raise NotImplementedError(f"{type(qt).__name__}: empty_like does not support {sorted(extra)}")
+    dtype = kwargs.get("dtype") or qt.dtype
+    if dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"a quantized tensor's nominal dtype must be one of "
+                        f"{HIGH_PRECISION_DTYPES}, got {dtype}")
+    device = kwargs.get("device") or qt.device
+    return qt._rebuild(lambda t: torch.empty_like(t, device=device), dtype=dtype)
 
 
 def _view_shape(qt: QuantizedTensor, size) -> tuple[int, ...]:

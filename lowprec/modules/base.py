@@ -329,9 +329,12 @@ class LowprecModule(CompiledCallMixin, nn.Module):
             setattr(self, pname, nn.Parameter(q.quantize(w.detach()), requires_grad=w.requires_grad))
         self._link_quantized_weights()
 
-    def weight_quantizer(self, gemm_index: int, device=None):
+    def weight_quantizer(self, gemm_index: int, device=None, values: torch.Tensor | None = None):
         """The quantizer (both usages on) for GEMM ``gemm_index``'s weight under the
-        quantized_model_init recipe; used to (re)quantize quantized weights."""
+        quantized_model_init recipe; used to (re)quantize quantized weights.
+
+        Under delayed scaling an empty amax history of the weight's slot is first seeded
+        from ``values`` (default: the weight, when it is still high precision)."""
         recipe = getattr(self, "_init_recipe", None)
         if recipe is None:
             raise RuntimeError(f"{type(self).__name__} was not built under quantized_model_init")
@@ -340,15 +343,37 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         if state.delayed is not None:
             # Delayed scaling: seed this slot from the weight's own amax so the first
             # quantization is not done with the placeholder scale 1.
-            w = getattr(self, self._weight_names()[gemm_index])
+            w = values if values is not None else getattr(self, self._weight_names()[gemm_index])
             slot = 3 * gemm_index + 1
-            if (not isinstance(w, QuantizedTensor)
+            if (not isinstance(w, QuantizedTensor) and w.device.type != "meta"
                     and state.delayed.amax_history[:, slot].abs().sum() == 0):
                 q.quantize(w.detach())  # records the amax into this slot
                 state.delayed.pending = True
                 state.delayed.update()
         q.set_usage(rowwise=True, columnwise=True)
         return q
+
+    # ---- initialization ---------------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """The constructor's initialization again, in place: each linear weight and bias as
+        ``torch.nn.Linear`` draws them (a fused norm's weight and bias first: one, or zero
+        with ``zero_centered_gamma``, and zero), in the constructor's order (the same draws after the
+        same seed). Quantized weights are re-quantized from the fresh values with every
+        usage they hold, and scaling state starts afresh. This completes meta-device init:
+        ``device="meta"`` → ``to_empty(device=...)`` → ``reset_parameters()``."""
+        self._recipe_states = {"forward": None, "backward": None}
+        self._delayed_states = {"forward": None, "backward": None}
+        self.__dict__.pop("_gemm_quantizers_of", None)
+        with torch.no_grad():
+            for i, wname in enumerate(self._weight_names()):
+                w = getattr(self, wname)
+                b = getattr(self, wname.replace("weight", "bias"), None)
+                if not isinstance(w, QuantizedTensor):
+                    init_linear_params(w, b)
+                    continue
+                fresh = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+                init_linear_params(fresh, b)
+                self.weight_quantizer(i, w.device, values=fresh).update_quantized(fresh, w)
 
     # ---- extra state (delayed scaling) ----------------------------------------------------
     def get_extra_state(self):

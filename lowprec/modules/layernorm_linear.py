@@ -7,7 +7,7 @@ import torch
 from ..compiled_call import compiled_as_one_op
 from ..linear_fn import quantized_linear
 from .base import LowprecModule, add_linear_params, check_parallel_args, release_fprop_copy
-from .norms import check_normalization, make_norm_params, norm_into_gemm
+from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params
 
 
 class LayerNormLinear(LowprecModule):
@@ -33,6 +33,10 @@ class LayerNormLinear(LowprecModule):
         add_linear_params(self, "weight", "bias", out_features, in_features, bias=bias, dtype=dtype,
                           device=device)
         self._maybe_quantize_weights()
+
+    def reset_parameters(self) -> None:
+        reset_norm_params(self, "layer_norm_", self.zero_centered_gamma)
+        super().reset_parameters()
 
     def compiled_output_shapes(self, x: torch.Tensor) -> list[tuple]:
         y = (*x.shape[:-1], self.out_features)

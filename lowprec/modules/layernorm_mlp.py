@@ -10,7 +10,7 @@ from ..linear_fn import quantized_linear
 from .activations import get_activation
 from .base import (LowprecModule, add_linear_params, check_parallel_args, producer_usages,
                    release_fprop_copy)
-from .norms import check_normalization, make_norm_params, norm_into_gemm
+from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params
 
 
 class LayerNormMLP(LowprecModule):
@@ -43,6 +43,10 @@ class LayerNormMLP(LowprecModule):
             add_linear_params(self, f"{pname}_weight", f"{pname}_bias", n_out, n_in, bias=bias,
                               dtype=dtype, device=device)
         self._maybe_quantize_weights()
+
+    def reset_parameters(self) -> None:
+        reset_norm_params(self, "layer_norm_", self.zero_centered_gamma)
+        super().reset_parameters()
 
     def _gemm_names(self) -> list[str]:
         return [f"{self.name}.fc1", f"{self.name}.fc2"]

@@ -41,6 +41,15 @@ def norm_into_gemm(module: nn.Module, x: torch.Tensor, quantizers, backward_mode
     return apply_norm(x, *args)
 
 
+def reset_norm_params(module: nn.Module, prefix: str, zero_centered_gamma: bool) -> None:
+    """The initialization of :func:`make_norm_params` again, in place."""
+    with torch.no_grad():
+        getattr(module, prefix + "weight").fill_(0.0 if zero_centered_gamma else 1.0)
+        bias = getattr(module, prefix + "bias", None)
+        if bias is not None:
+            bias.zero_()
+
+
 def make_norm_params(module: nn.Module, hidden_size: int, normalization: str, *,
                      zero_centered_gamma: bool, dtype, device, prefix: str) -> None:
     """Register ``<prefix>weight`` (and ``<prefix>bias`` for LayerNorm) on ``module``."""
@@ -62,6 +71,10 @@ class _Norm(nn.Module):
         make_norm_params(self, hidden_size, self.normalization,
                          zero_centered_gamma=zero_centered_gamma,
                          dtype=params_dtype or torch.get_default_dtype(), device=device, prefix="")
+
+    def reset_parameters(self) -> None:
+        """The constructor's initialization again (meta-device init)."""
+        reset_norm_params(self, "", self.zero_centered_gamma)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return apply_norm(x, self.normalization, self.weight, self.bias, self.eps,

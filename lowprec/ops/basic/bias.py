@@ -30,6 +30,11 @@ class Bias(BasicOperation):
         self.bias = nn.Parameter(torch.zeros(size, dtype=params_dtype or torch.get_default_dtype(),
                                              device=device))
 
+    def reset_parameters(self) -> None:
+        """The constructor's initialization again (zeros; meta-device init)."""
+        with torch.no_grad():
+            self.bias.zero_()
+
     def op_forward(self, x: torch.Tensor, extra_inputs: list, ctx: RunContext) -> torch.Tensor:
         return bias_forward(x, self.bias, ctx)
 
