@@ -19,6 +19,7 @@ The backward mode decides what the forward saves:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -153,10 +154,36 @@ def _whole_backward(ctx, dy, saved_x, saved_w, need_dx: bool, need_dw: bool,
     return dx, dw
 
 
+def row_padding(q: LinearQuantizers | None, x: torch.Tensor, backward_mode: str,
+                need_dw: bool) -> int:
+    """Zero rows to append to the 2-D input (and to dY in backward) so that the wgrad
+    operands, quantized columnwise, fill whole blocks along M (the token count).
+
+    Zero rows change no block's amax or scale, give zero products in every GEMM and are cut
+    from the output and dX: the result is the one of an input padded by hand. Only the
+    columnwise (wgrad) side runs its blocks along M, so without wgrad nothing is padded.
+    """
+    if (q is None or backward_mode != "default" or not need_dw
+            or isinstance(x, QuantizedTensor) or x.shape[-1] == 0):
+        return 0
+    multiple = 1
+    for quantizer in (q.input, q.grad_output):
+        if quantizer is not None:
+            multiple = math.lcm(multiple, quantizer.row_multiple(rowwise=True, columnwise=True))
+    m = x.numel() // x.shape[-1]
+    return -m % multiple
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    t2d = t.reshape(-1, t.shape[-1])
+    return torch.cat([t2d, t2d.new_zeros(rows, t2d.shape[1])])
+
+
 def _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w, q, backward_mode,
-                    on_backward_done, need_dx, need_dw, *, x_owned, w_owned):
+                    on_backward_done, need_dx, need_dw, *, x_owned, w_owned, pad=0, x_shape=None):
     """Save what backward reads, record the rest on ``ctx``; y (quantized where the recipe
-    quantizes the output)."""
+    quantizes the output). With ``pad`` rows appended to the input, ``x_shape`` is the
+    caller's shape and the padded rows are cut from y."""
     ctx.save_for_backward(saved_x if need_dw else None, saved_w if need_dx else None)
     # Backward may free a saved operand once consumed only if nothing else holds it.
     ctx.x_releasable = backward_mode == "default" and x_owned
@@ -164,8 +191,11 @@ def _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w, q, backward_mode,
     ctx.quantizers = q
     ctx.backward_mode = backward_mode
     ctx.on_backward_done = on_backward_done
-    ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+    ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x_shape or x.shape, x.dtype, weight.dtype
+    ctx.pad = pad
     ctx.has_bias = bias is not None
+    if pad:
+        y = y.reshape(-1, y.shape[-1])[:-pad].reshape(*ctx.x_shape[:-1], y.shape[-1])
     if q is not None and q.output is not None:
         y = q.output.quantize(y)
     return y
@@ -180,6 +210,11 @@ class _QuantizedLinear(torch.autograd.Function):
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         q = quantizers
         quantized = q is not None
+        pad = row_padding(q, x, backward_mode, need_dw)
+        x_shape = x.shape
+        if pad:
+            x = _pad_rows(x, pad)
+        padding = {"pad": pad, "x_shape": x_shape}
         ctx.exact_split = weight_lp is None and exact_split.applies(q, x, weight, backward_mode,
                                                                      need_dx, need_dw)
         if ctx.exact_split:
@@ -187,7 +222,7 @@ class _QuantizedLinear(torch.autograd.Function):
             return _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w,
                                                     q, backward_mode, on_backward_done,
                                                     need_dx, need_dw, x_owned=True,
-                                                    w_owned=True)
+                                                    w_owned=True, **padding)
         # Only default mode consumes columnwise operands; the others save hp or rowwise data.
         col = quantized and backward_mode == "default"
         # "dequantized" saves fprop's rowwise copies: no exact records held on to them
@@ -224,7 +259,8 @@ class _QuantizedLinear(torch.autograd.Function):
             saved_x, saved_w = x_lp, w_lp
         return _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w, q,
                                                 backward_mode, on_backward_done, need_dx,
-                                                need_dw, x_owned=x_owned, w_owned=False)
+                                                need_dw, x_owned=x_owned, w_owned=False,
+                                                **padding)
 
     @staticmethod
     def backward(ctx, dy):
@@ -232,6 +268,14 @@ class _QuantizedLinear(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         q = ctx.quantizers
         quantized_bwd = q is not None and ctx.backward_mode == "default"
+        if ctx.pad:
+            if isinstance(dy, QuantizedTensor):
+                raise ValueError(
+                    f"a linear whose input was padded to whole blocks along M ({ctx.pad} zero "
+                    f"rows) got a quantized grad_output of shape {tuple(dy.shape)}; hand it a "
+                    f"high-precision gradient (the layer above quantizes its grad_input only "
+                    f"for token counts that fill the blocks)")
+            dy = _pad_rows(dy, ctx.pad)
 
         def release_x():
             # The saved input is dead once wgrad has run, unless backward may run again.
@@ -255,6 +299,8 @@ class _QuantizedLinear(torch.autograd.Function):
             dx, dw = _whole_backward(ctx, dy, saved_x, saved_w, need_dx, need_dw,
                                      quantized_bwd, release_x)
         if dx is not None:
+            if ctx.pad:
+                dx = dx.reshape(-1, dx.shape[-1])[:-ctx.pad]
             dx = dx.reshape(ctx.x_shape)
             if quantized_bwd and q.grad_input is not None:
                 dx = q.grad_input.quantize(dx)

@@ -51,6 +51,15 @@ def flatten_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     return m, k
 
 
+def rows_fit(quantizer: "Quantizer", t: torch.Tensor, *, rowwise: bool, columnwise: bool) -> bool:
+    """Whether ``t``'s M (product of the leading dimensions) is a multiple of what
+    ``quantizer`` needs along M for these usages (see ``Quantizer.row_multiple``)."""
+    if t.dim() == 0 or t.shape[-1] == 0:
+        return True
+    return (t.numel() // t.shape[-1]) % quantizer.row_multiple(rowwise=rowwise,
+                                                              columnwise=columnwise) == 0
+
+
 def check_divisible(shape, m: int, k: int, *, row_block: int, col_block: int,
                     what: str) -> None:
     """Raise ValueError naming the shape and block when a blocked dim does not divide."""
@@ -746,6 +755,13 @@ class Quantizer:
 
     def _check_shape(self, shape, m: int, k: int) -> None:
         """Raise ValueError when the shape does not fit the format's blocks."""
+
+    def row_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
+        """The multiple of M (the product of the leading dimensions) that quantizing with
+        these usages needs: the block length of blocks that run along M (columnwise 1-D
+        blocks, 2-D blocks), 1 where M is free. A GEMM module pads M up to it
+        (``lowprec.linear_fn``); the feature dimension is never padded."""
+        return 1
 
     def _tensor_class(self) -> type[QuantizedTensor]:
         raise NotImplementedError

@@ -8,6 +8,8 @@ quantized tensors; GEMMs pick the sub-tensor of the direction they consume.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import QuantizedTensor, Quantizer, flatten_2d
@@ -70,6 +72,12 @@ class HybridQuantizer(Quantizer):
 
     def _tensor_class(self):
         return HybridQuantizedTensor
+
+    def row_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
+        return math.lcm(
+            self.rowwise_quantizer.row_multiple(rowwise=rowwise, columnwise=False) if rowwise else 1,
+            self.columnwise_quantizer.row_multiple(rowwise=False, columnwise=columnwise)
+            if columnwise else 1)
 
     def _check_shape(self, shape, m, k):
         if self.rowwise_usage:

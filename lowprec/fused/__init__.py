@@ -8,6 +8,7 @@ quantizer apart). See docs/fused.md for the passes each case makes.
 
 from __future__ import annotations
 
+from ..formats.base import rows_fit
 from ..kernels import FlagOff
 from .activation_quantize import activation_then_quantize
 from .norm_quantize import norm_then_quantize
@@ -29,7 +30,9 @@ def can_fuse(quantizer, x, backward_mode: str) -> bool:
     input, which a fused producer never writes.
     """
     return (enabled and quantizer is not None and backward_mode != "high_precision"
-            and quantizer.supports_fused(x))
+            and quantizer.supports_fused(x)
+            # a token count that does not fill the blocks along M is padded by the GEMM
+            and rows_fit(quantizer, x, rowwise=True, columnwise=True))
 
 
 __all__ = ["Prologue", "activation_prologue", "activation_then_quantize", "apply_prologue",

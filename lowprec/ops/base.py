@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..compiled_call import CompiledCallMixin, compiled_as_one_op
-from ..formats.base import QuantizedTensor, Quantizer
+from ..formats.base import QuantizedTensor, Quantizer, rows_fit
 from ..roles import check_num_quantizers
 
 
@@ -46,7 +46,15 @@ class EmitSpec:
     rowwise: bool
     columnwise: bool
 
-    def quantize(self, t: torch.Tensor) -> QuantizedTensor:
+    def fits(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s token count fills the quantizer's blocks along M; where it does
+        not, ``t`` is handed over in high precision and the consumer pads it
+        (``lowprec.linear_fn.row_padding``)."""
+        return rows_fit(self.quantizer, t, rowwise=self.rowwise, columnwise=self.columnwise)
+
+    def quantize(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.fits(t):
+            return t
         self.quantizer.set_usage(rowwise=self.rowwise, columnwise=self.columnwise)
         return self.quantizer.quantize(t)
 
@@ -91,7 +99,7 @@ class _EmitQuantized(torch.autograd.Function):
 
 def emit_output(h: torch.Tensor, ctx: "RunContext") -> torch.Tensor:
     """``h``, quantized for the next linear when the run asks for it."""
-    return _EmitQuantized.apply(h, ctx.emit) if ctx.emit is not None else h
+    return _EmitQuantized.apply(h, ctx.emit) if ctx.emit is not None and ctx.emit.fits(h) else h
 
 
 # ---- ops ----------------------------------------------------------------------------------

@@ -87,6 +87,9 @@ class NVFP4Quantizer(Quantizer):
             check_divisible(shape, m, k, row_block=1, col_block=BLOCK,
                             what="NVFP4 columnwise quantization (16x1 blocks)")
 
+    def row_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
+        return BLOCK if (self.with_2d_quantization or columnwise) else 1
+
     # ---- quantize -------------------------------------------------------------------------
     def _sr_key(self, device) -> torch.Tensor | None:
         if not self.stochastic_rounding:
