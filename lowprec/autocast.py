@@ -6,8 +6,20 @@ import contextlib
 import threading
 from dataclasses import dataclass, field
 
+import torch
+
 from .recipe import DelayedScaling, Recipe
 from .state_batch import update_states
+
+
+def torch_autocast_dtype(x) -> "torch.dtype | None":
+    """The ``torch.autocast`` dtype for ``x``'s device where torch's autocast is on there,
+    else None. Under it lowprec modules compute as ``torch.nn`` ones would: GEMM operands
+    in that dtype (and quantized from it), norms in fp32 with their output in that dtype."""
+    device_type = x.device.type
+    if device_type in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
 
 
 def default_recipe() -> Recipe:

@@ -211,6 +211,14 @@ def _record_of(token: torch.Tensor) -> _Record:
     return rec
 
 
+def _torch_autocast(device_type: str, amp: int):
+    """torch.autocast as it was where the call was traced (``amp``: its dtype's index in
+    ``_DTYPES``, -1: off), whatever the state where the compiled code runs."""
+    if amp < 0:
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=_DTYPES[amp])
+
+
 class _RuntimeRegion:
     """The autocast region a compiled call runs in: the real one where autocast encloses
     the compiled function, else one of its own (see the module docstring)."""
@@ -262,7 +270,8 @@ def _fix_aliases(outs: list, inputs: list, private: _PrivateSaves | None) -> lis
     return fixed
 
 
-def _call_impl(handle: torch.Tensor, recipe_key: int, grad_enabled: bool, needs: list[bool],
+def _call_impl(handle: torch.Tensor, recipe_key: int, amp: int, grad_enabled: bool,
+               needs: list[bool],
                layout: str, ints: list[int], tensors: list[torch.Tensor],
                params: list[torch.Tensor], out_shapes: list[int], out_ndims: list[int]
                ) -> list[torch.Tensor]:
@@ -279,7 +288,7 @@ def _call_impl(handle: torch.Tensor, recipe_key: int, grad_enabled: bool, needs:
         leaves += [p for p, need in zip(params_live, needs[n_in:]) if grad_enabled and need]
         args, kwargs = _decode(layout, ints, inner)
         private = _PrivateSaves(tensors) if leaves else None
-        with _RuntimeRegion(recipe_key):
+        with _RuntimeRegion(recipe_key), _torch_autocast(tensors[0].device.type, amp):
             if private is not None:
                 with private.hooks():
                     out = module.forward(*args, **kwargs)
@@ -296,12 +305,13 @@ def _call_impl(handle: torch.Tensor, recipe_key: int, grad_enabled: bool, needs:
     return returned + [token]
 
 
-def _call_fake(handle, recipe_key, grad_enabled, needs, layout, ints, tensors, params,
+def _call_fake(handle, recipe_key, amp, grad_enabled, needs, layout, ints, tensors, params,
                out_shapes, out_ndims):
     x = tensors[0]
+    dtype = _DTYPES[amp] if amp >= 0 else x.dtype  # under torch.autocast: its dtype
     outs, pos = [], 0
     for nd in out_ndims:
-        outs.append(x.new_empty(tuple(out_shapes[pos:pos + nd])))
+        outs.append(x.new_empty(tuple(out_shapes[pos:pos + nd]), dtype=dtype))
         pos += nd
     return outs + [torch.empty(1, dtype=torch.int64)]
 
@@ -343,7 +353,7 @@ _TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is
 
 call_op = torch.library.custom_op(
     "lowprec::call", _call_impl, mutates_args=(), tags=_TAGS,
-    schema="(Tensor handle, int recipe_key, bool grad_enabled, bool[] needs, str layout, "
+    schema="(Tensor handle, int recipe_key, int amp, bool grad_enabled, bool[] needs, str layout, "
            "SymInt[] ints, Tensor[] tensors, Tensor[] params, SymInt[] out_shapes, "
            "int[] out_ndims) -> Tensor[]")
 call_op.register_fake(_call_fake)
@@ -355,7 +365,7 @@ call_backward_op.register_fake(_call_backward_fake)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (handle, recipe_key, grad_enabled, needs, layout, ints, tensors, params,
+    (handle, recipe_key, amp, grad_enabled, needs, layout, ints, tensors, params,
      out_shapes, out_ndims) = inputs
     ctx.n_in, ctx.n_params = len(tensors), len(params)
     ctx.needs = list(needs)
@@ -377,7 +387,7 @@ def _backward(ctx, grads):
                                 ctx.device)) if ctx.ndims else iter(())
     per = [next(got) if need else None for need in ctx.needs]
     out = [None if n is None else [None] * n for n in ctx.tensor_lists]
-    out[6], out[7] = per[:ctx.n_in], per[ctx.n_in:]
+    out[7], out[8] = per[:ctx.n_in], per[ctx.n_in:]
     return tuple(out)
 
 
@@ -415,7 +425,9 @@ def _trace_call(module, args: tuple, kwargs: dict):
     grad_enabled = torch.is_grad_enabled()
     needs = [grad_enabled and t.requires_grad and t.is_floating_point()
              for t in tensors + params]
-    outs = call_op(getattr(module, HANDLE_ATTR), recipe_key, grad_enabled, needs, layout, ints,
+    amp = _autocast.torch_autocast_dtype(tensors[0])
+    outs = call_op(getattr(module, HANDLE_ATTR), recipe_key,
+                   -1 if amp is None else _DTYPES.index(amp), grad_enabled, needs, layout, ints,
                    tensors, params, out_shapes, out_ndims)
     if len(shapes) == 1:
         return outs[0]

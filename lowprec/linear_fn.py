@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from . import exact_split, grad_split, weight_cache
-from .autocast import active_region
+from .autocast import active_region, torch_autocast_dtype
 from .formats.base import QuantizedTensor, Quantizer
 from .gemm import gemm
 
@@ -89,18 +89,23 @@ def _keep_only(t: torch.Tensor, owned: bool, usage: str) -> torch.Tensor:
     return t
 
 
-def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                      quantized_weight_dtype_free: bool = False) -> None:
+    """Shapes and dtypes of a linear's operands. ``quantized_weight_dtype_free``: a quantized
+    weight's nominal dtype need not be the input's (under torch.autocast, where the GEMM
+    output takes the input's dtype and the weight gradient the weight's)."""
     if weight.dim() != 2:
         raise ValueError(f"linear weight must be 2-D (out_features, in_features), got shape "
                          f"{tuple(weight.shape)}")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear input has {x.shape[-1]} features (shape {tuple(x.shape)}), the "
                          f"weight expects {weight.shape[1]}")
-    if x.dtype != weight.dtype:
+    if x.dtype != weight.dtype and not (quantized_weight_dtype_free
+                                        and isinstance(weight, QuantizedTensor)):
         raise TypeError(f"linear input dtype {x.dtype} does not match the weight dtype "
                         f"{weight.dtype}; cast the input or build the module with "
                         f"params_dtype={x.dtype}")
-    if bias is not None and bias.dtype != weight.dtype:
+    if bias is not None and bias.dtype != x.dtype:
         raise TypeError(f"linear bias dtype {bias.dtype} does not match the weight dtype {weight.dtype}")
 
 
@@ -264,6 +269,12 @@ class _QuantizedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        # the forward ran with torch.autocast off; so does its backward, whatever the caller's
+        with torch.autocast(dy.device.type, enabled=False):
+            return _QuantizedLinear._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy):
         saved_x, saved_w = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         q = ctx.quantizers
@@ -321,7 +332,25 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     ``on_backward_done`` runs after this GEMM's backward (delayed scaling
     uses it to push backward amaxes into the history).
     """
-    check_linear_args(x, weight, bias)
+    amp = torch_autocast_dtype(x)
+    if amp is not None:
+        # torch.autocast: compute as nn.Linear would under it, the activations and a
+        # high-precision weight cast (differentiably: the gradient reaches an fp32 .grad) to
+        # the autocast dtype, quantized from there; lowprec's own math runs with autocast off.
+        device_type = x.device.type
+        x = x.to(amp)
+        bias = bias.to(amp) if bias is not None else None
+        with torch.autocast(device_type, enabled=False):
+            return _quantized_linear(x, weight, bias, quantizers, backward_mode,
+                                     on_backward_done, amp)
+    return _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_done, None)
+
+
+def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_done, amp):
+    param = weight
+    if amp is not None and not isinstance(weight, QuantizedTensor):
+        weight = weight.to(amp)
+    check_linear_args(x, weight, bias, quantized_weight_dtype_free=amp is not None)
     grad_enabled = torch.is_grad_enabled()
     if on_backward_done is not None and grad_enabled and not (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
@@ -332,9 +361,11 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     weight_lp = None
     if (quantizers is not None and quantizers.weight is not None
             and not isinstance(weight, QuantizedTensor) and _caching_weights()):
+        # keyed by the parameter, not by its autocast copy (a new tensor each call)
         weight_lp = weight_cache.cached_weight(
-            weight, quantizers.weight,
-            columnwise=backward_mode == "default" and grad_enabled and x.requires_grad)
+            param, quantizers.weight,
+            columnwise=backward_mode == "default" and grad_enabled and x.requires_grad,
+            dtype=amp)
     return _QuantizedLinear.apply(x, weight, bias, quantizers, backward_mode, on_backward_done,
                                   grad_enabled, weight_lp)
 

@@ -21,7 +21,7 @@ import torch
 
 from .formats.base import Quantizer
 
-#: id(weight) -> (weak reference to the weight, (version, data_ptr), quantizer, columnwise,
+#: id(weight) -> (weak reference to the weight, (version, data_ptr, cast dtype), quantizer, columnwise,
 #: quantized copy); an entry goes when its weight is freed. (Keyed by id: a
 #: WeakKeyDictionary would compare tensors with ``==``.)
 _CACHE: dict = {}
@@ -33,10 +33,12 @@ def _forget(key: int):
     return callback
 
 
-def cached_weight(weight: torch.Tensor, quantizer: Quantizer, *, columnwise: bool):
-    """``weight`` quantized by ``quantizer`` with the rowwise usage (and the columnwise one
-    when asked), reused from an earlier call while the weight and quantizer are unchanged."""
-    key = (weight._version, weight.data_ptr())
+def cached_weight(weight: torch.Tensor, quantizer: Quantizer, *, columnwise: bool,
+                  dtype: torch.dtype | None = None):
+    """``weight`` (cast to ``dtype`` where given: torch.autocast) quantized by ``quantizer``
+    with the rowwise usage (and the columnwise one when asked), reused from an earlier call
+    while the weight and quantizer are unchanged."""
+    key = (weight._version, weight.data_ptr(), dtype)
     entry = _CACHE.get(id(weight))
     if entry is not None:
         ref, ekey, equantizer, ecol, quantized = entry
@@ -44,7 +46,7 @@ def cached_weight(weight: torch.Tensor, quantizer: Quantizer, *, columnwise: boo
                 and (ecol or not columnwise)):
             return quantized
     with quantizer.usages(rowwise=True, columnwise=columnwise):
-        quantized = quantizer.quantize(weight.detach())
+        quantized = quantizer.quantize(weight.detach().to(dtype or weight.dtype))
     _CACHE[id(weight)] = (weakref.ref(weight, _forget(id(weight))), key, quantizer,
                           columnwise, quantized)
     return quantized

@@ -117,6 +117,32 @@ def test_compiled_with_autocast_inside_bit_identical(rname, model):
     _compare(rname, model, autocast_inside=True)
 
 
+@pytest.mark.parametrize("model", ["block", "ops", "grouped"])
+@pytest.mark.parametrize("rname", ["current", "mxfp8", "nvfp4"])
+def test_compiled_under_torch_autocast_bit_identical(rname, model):
+    # fp32 parameters, torch.autocast(bfloat16) around the compiled call, as AMP scripts do
+    recipe = RECIPES[rname]()
+    torch.manual_seed(0)
+    a = MODELS[model]()
+    b = copy.deepcopy(a)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(b, backend=counter, fullgraph=True)
+    xa = torch.randn(2, D, D, requires_grad=True)
+    xb = xa.detach().clone().requires_grad_(True)
+    for step in range(2):
+        ys = []
+        for fn, x in ((a, xa), (compiled, xb)):
+            torch.manual_seed(10 + step)
+            with torch.autocast("cpu", dtype=torch.bfloat16), autocast(recipe=recipe):
+                y = fn(x)
+            y.float().sum().backward()
+            ys.append(y.detach())
+        # (the block adds an fp32 residual)
+        assert ys[0].dtype == (torch.float32 if model == "block" else torch.bfloat16)
+        assert_same_run(a, b, xa, xb, *ys)
+    assert counter.frame_count == 1
+
+
 def test_compiled_outside_autocast_is_high_precision_and_exact():
     torch.manual_seed(0)
     a = Block()

@@ -8,6 +8,7 @@ quantizer apart). See docs/fused.md for the passes each case makes.
 
 from __future__ import annotations
 
+from ..autocast import torch_autocast_dtype
 from ..formats.base import rows_fit
 from ..kernels import FlagOff
 from .activation_quantize import activation_then_quantize
@@ -31,6 +32,8 @@ def can_fuse(quantizer, x, backward_mode: str) -> bool:
     """
     return (enabled and quantizer is not None and backward_mode != "high_precision"
             and quantizer.supports_fused(x)
+            # torch.autocast: the producer's output is rounded to the autocast dtype first
+            and torch_autocast_dtype(x) is None
             # a token count that does not fill the blocks along M is padded by the GEMM
             and rows_fit(quantizer, x, rowwise=True, columnwise=True))
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import fused
+from ..autocast import torch_autocast_dtype
 from .base import producer_usages
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -21,6 +22,14 @@ def check_normalization(normalization: str) -> str:
 def apply_norm(x: torch.Tensor, normalization: str, weight: torch.Tensor,
                bias: torch.Tensor | None, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
     """Normalize over the last dim; ``zero_centered_gamma`` stores gamma - 1."""
+    amp = torch_autocast_dtype(x)
+    if amp is not None:
+        # torch.autocast: the norm in fp32, its output in the autocast dtype (the dtype the
+        # GEMM after it quantizes from)
+        with torch.autocast(x.device.type, enabled=False):
+            return apply_norm(x.float(), normalization, weight.float(),
+                              None if bias is None else bias.float(), eps,
+                              zero_centered_gamma).to(amp)
     gamma = weight + 1 if zero_centered_gamma else weight
     if normalization == "LayerNorm":
         return F.layer_norm(x, (x.shape[-1],), gamma, bias, eps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...autocast import torch_autocast_dtype
 from ..base import BasicOperation, RunContext, as_plain, emit_output
 
 
@@ -12,7 +13,10 @@ def bias_forward(x: torch.Tensor, bias: torch.Tensor, ctx: RunContext) -> torch.
     if x.shape[-1] != bias.shape[0]:
         raise ValueError(f"Bias of size {bias.shape[0]} cannot be added to an input of shape "
                          f"{tuple(x.shape)}")
-    return emit_output(as_plain(x) + bias, ctx)
+    x = as_plain(x)
+    if torch_autocast_dtype(x) is not None:
+        bias = bias.to(x.dtype)  # as nn.Linear's bias under torch.autocast
+    return emit_output(x + bias, ctx)
 
 
 class Bias(BasicOperation):
