@@ -4,6 +4,7 @@ from . import fused, ops, optim, recipe
 from .autocast import autocast, quantized_model_init
 from .checkpoint import checkpoint
 from .convert import convert_model
+from .offload import cpu_offload
 from .formats import *  # noqa: F401,F403
 from .formats import __all__ as _formats_all
 from .modules import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
@@ -12,7 +13,7 @@ from .recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8Cur
 from .roles import QuantizerRole
 
 __version__ = "0.1.0"
-__all__ = [*_formats_all, "recipe", "ops", "optim", "autocast", "checkpoint", "convert_model", "quantized_model_init", "QuantizerRole",
+__all__ = [*_formats_all, "recipe", "ops", "optim", "autocast", "checkpoint", "convert_model", "cpu_offload", "quantized_model_init", "QuantizerRole",
            "Format", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
            "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe",
            "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm"]

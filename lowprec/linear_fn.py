@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import exact_split, grad_split, weight_cache
+from . import exact_split, grad_split, offload, weight_cache
 from .autocast import active_region, torch_autocast_dtype
 from .formats.base import QuantizedTensor, Quantizer
 from .gemm import gemm
@@ -189,6 +189,8 @@ def _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w, q, backward_mode,
     """Save what backward reads, record the rest on ``ctx``; y (quantized where the recipe
     quantizes the output). With ``pad`` rows appended to the input, ``x_shape`` is the
     caller's shape and the padded rows are cut from y."""
+    if saved_w is not None and saved_w is not weight and not isinstance(saved_w, torch.nn.Parameter):
+        offload.keep_on_device(saved_w)  # a weight's working copy stays with the weight
     ctx.save_for_backward(saved_x if need_dw else None, saved_w if need_dx else None)
     # Backward may free a saved operand once consumed only if nothing else holds it.
     ctx.x_releasable = backward_mode == "default" and x_owned

@@ -409,6 +409,14 @@ def _clone(func, args, kwargs):
 def _copy(func, args, kwargs):
     dst, src = args[0], args[1]
     if not isinstance(dst, QuantizedTensor):
+        if dst.is_pinned():
+            # torch.autograd.graph.save_on_cpu(pin_memory=True) copies saved tensors this way:
+            # a quantized operand would come back as a plain one
+            raise TypeError(
+                f"copying a {type(src).__name__} into a pinned plain tensor would save its "
+                f"dequantized values; to offload saved activations use "
+                f"lowprec.cpu_offload(pin_memory=True), which moves quantized tensors as "
+                f"their codes and scales")
         return dst.copy_(src.dequantize(dst.dtype))
     if not isinstance(src, QuantizedTensor):
         return _requantize_into(dst, src)
