@@ -454,17 +454,23 @@ def _requantize_into(dst: QuantizedTensor, src: torch.Tensor) -> QuantizedTensor
     return dst
 
 
-@_handles(aten._to_copy.default)
-def _to_copy(func, args, kwargs):
-    qt = args[0]
-    extra = set(kwargs) - {"dtype", "device", "non_blocking", "layout", "memory_format",
-                           "pin_memory"}
+def _like_args(qt: QuantizedTensor, kwargs: dict, op: str, accepted: set) -> torch.dtype:
+    """The nominal dtype a ``to``/``empty_like`` asks for, after checking its arguments."""
+    extra = set(kwargs) - accepted
     if extra:
-        raise NotImplementedError(f"{type(qt).__name__}.to does not support {sorted(extra)}")
+        raise NotImplementedError(f"{type(qt).__name__}: {op} does not support {sorted(extra)}")
     dtype = kwargs.get("dtype") or qt.dtype
     if dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(f"a quantized tensor's nominal dtype must be one of "
                         f"{HIGH_PRECISION_DTYPES}, got {dtype}")
+    return dtype
+
+
+@_handles(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    qt = args[0]
+    dtype = _like_args(qt, kwargs, "to", {"dtype", "device", "non_blocking", "layout",
+                                          "memory_format", "pin_memory"})
     device = kwargs.get("device")
     # A dtype change only changes the nominal dtype (what dequantize returns): lossless.
     return qt._rebuild(lambda t: t.to(device=device, non_blocking=kwargs.get("non_blocking", False))
@@ -476,13 +482,8 @@ def _empty_like(func, args, kwargs):
     # ``module.to_empty(device=...)`` (meta-device init): fresh, uninitialized buffers of the
     # same layout, to be filled by a re-quantize (``reset_parameters``, a checkpoint load).
     qt = args[0]
-    extra = set(kwargs) - {"dtype", "device", "layout", "pin_memory", "memory_format"}
-    if extra:
-        raise NotImplementedError(f"{type(qt).__name__}: empty_like does not support {sorted(extra)}")
-    dtype = kwargs.get("dtype") or qt.dtype
-    if dtype not in HIGH_PRECISION_DTYPES:
-        raise TypeError(f"a quantized tensor's nominal dtype must be one of "
-                        f"{HIGH_PRECISION_DTYPES}, got {dtype}")
+    dtype = _like_args(qt, kwargs, "empty_like", {"dtype", "device", "layout", "pin_memory",
+                                                  "memory_format"})
     device = kwargs.get("device") or qt.device
     return qt._rebuild(lambda t: torch.empty_like(t, device=device), dtype=dtype)
 
