@@ -18,6 +18,7 @@ from same_run import RECIPES
 MULTIPLE = {"current": 1, "delayed": 1, "block": 128, "mxfp8": 32, "nvfp4": 16, "custom": 16,
             "hybrid": 16}
 K, N = 128, 256
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _grad_run(module, x, g, recipe, seed=7):
@@ -47,14 +48,15 @@ MODULES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rname", list(RECIPES))
 @pytest.mark.parametrize("kind", list(MODULES))
 @pytest.mark.parametrize("shape", [(3, 100), (1, 1), (2, 333)], ids=str)
-def test_unaligned_tokens_equal_hand_padding(kind, rname, shape):
+def test_unaligned_tokens_equal_hand_padding(kind, rname, shape, device):
     torch.manual_seed(0)
-    ref = MODULES[kind]()
-    x = torch.randn(*shape, K, dtype=torch.bfloat16)
-    g = torch.randn(*shape, N, dtype=torch.bfloat16)
+    ref = MODULES[kind]().to(device)
+    x = torch.randn(*shape, K, dtype=torch.bfloat16, device=device)
+    g = torch.randn(*shape, N, dtype=torch.bfloat16, device=device)
     a, b = copy.deepcopy(ref), copy.deepcopy(ref)
     ya, dxa = _grad_run(a, x, g, RECIPES[rname]())
     yb, dxb = _hand_padded(b, x, g, RECIPES[rname](), MULTIPLE[rname])

@@ -15,12 +15,13 @@ from lowprec.recipe import MXFP8BlockScaling
 from same_run import RECIPES
 
 AMP = torch.bfloat16
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _amp(recipe=None):
+def _amp(recipe=None, device="cpu"):
     class _Both:
         def __enter__(self):
-            self.a = torch.autocast("cpu", dtype=AMP)
+            self.a = torch.autocast(device, dtype=AMP)
             self.b = lowprec.autocast(enabled=recipe is not None, recipe=recipe)
             self.a.__enter__()
             self.b.__enter__()
@@ -38,20 +39,21 @@ GEMM_MODULES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rname", list(RECIPES))
 @pytest.mark.parametrize("kind", list(GEMM_MODULES))
-def test_gemm_modules_compute_as_in_the_autocast_dtype(kind, rname):
+def test_gemm_modules_compute_as_in_the_autocast_dtype(kind, rname, device):
     """fp32 module + fp32 input under torch.autocast == the bf16 module on the bf16 input:
     output, dX and dW (the fp32 .grad holds the bf16 gradient), bit for bit."""
     make, extra = GEMM_MODULES[kind]
     torch.manual_seed(0)
-    fp32 = make()
+    fp32 = make().to(device)
     bf16 = copy.deepcopy(fp32).to(AMP)
-    x = torch.randn(256, 128)
-    g = torch.randn(256, 256)
+    x = torch.randn(256, 128, device=device)
+    g = torch.randn(256, 256, device=device)
     xa = x.clone().requires_grad_(True)
     torch.manual_seed(3)
-    with _amp(RECIPES[rname]()):
+    with _amp(RECIPES[rname](), device):
         ya = fp32(xa, *extra)
     ya.backward(g.to(AMP))
     xb = x.to(AMP).requires_grad_(True)
