@@ -60,16 +60,14 @@ class cpu_offload(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        if _stays(t):
-            return t
+        return t if _stays(t) else self._move(t)
+
+    def _move(self, t: torch.Tensor):
         if isinstance(t, QuantizedTensor):
-            inner = {}
-            for name, v in t.inner_tensors().items():
-                if v is not None:
-                    inner[name] = _to_cpu(v, self.pin_memory)
-                    self.offloaded_bytes += v.numel() * v.element_size()
-            return ("quantized", t.device, type(t), tuple(t.shape), t.dtype, t.requires_grad,
-                    inner, t.metadata())
+            # inner tensors may be quantized themselves (a hybrid's two directions)
+            inner = {n: self._move(v) for n, v in t.inner_tensors().items() if v is not None}
+            return ("quantized", type(t), tuple(t.shape), t.dtype, t.requires_grad, inner,
+                    t.metadata())
         self.offloaded_bytes += t.numel() * t.element_size()
         return ("plain", t.device, _to_cpu(t, self.pin_memory))
 
@@ -79,6 +77,6 @@ class cpu_offload(torch.autograd.graph.saved_tensors_hooks):
         if packed[0] == "plain":
             _, device, t = packed
             return t.to(device, non_blocking=self.pin_memory)
-        _, device, cls, shape, dtype, requires_grad, inner, meta = packed
-        back = {n: v.to(device, non_blocking=self.pin_memory) for n, v in inner.items()}
+        _, cls, shape, dtype, requires_grad, inner, meta = packed
+        back = {n: self._unpack(v) for n, v in inner.items()}
         return cls(shape, dtype, requires_grad=requires_grad, **back, **meta)
