@@ -1,6 +1,8 @@
 """Recipes: which quantizer each tensor role gets.
 
-Every recipe is a frozen dataclass validated on construction. All recipes
+Every recipe is a frozen dataclass validated on construction: its ``bool``
+fields take only ``True``/``False`` (numpy bools too) and its ``int`` fields
+only integers, never a bool, else ValueError. All recipes
 carry ``backward_mode`` (keyword-only): ``"default"`` quantizes the backward
 GEMM operands per the recipe, ``"high_precision"`` (alias ``"unquant"``)
 runs dgrad/wgrad in high precision on the saved original tensors and
@@ -11,8 +13,10 @@ variable ``LOWPREC_BACKWARD_MODE`` supplies it.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
+import numbers
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -60,6 +64,24 @@ def _check_fp8_format(recipe: str, fmt, allowed) -> None:
     if not isinstance(fmt, Format) or fmt not in allowed:
         raise ValueError(f"{recipe}: fp8_format={fmt!r} is not supported; use one of "
                          f"{[f.name for f in allowed]}")
+
+
+def _check_field_types(recipe: "Recipe") -> None:
+    """Check every ``bool`` and ``int`` field of ``recipe`` by its annotation (numpy bools
+    and integers become Python ones); else ValueError naming the recipe, the field and the
+    value. Going by the annotations checks every field a recipe declares, now and later:
+    a flag read from a config as the string ``"false"`` is truthy, and ``True`` passes for
+    the int 1."""
+    # the same checks as the quantizers' options; imported here so that recipes stay
+    # importable without the formats loaded first
+    from .formats.base import check_bool_option, check_int_option
+
+    checks = {"bool": check_bool_option, "int": check_int_option}
+    for f in dataclasses.fields(recipe):
+        check = checks.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", None))
+        if check is not None:
+            value = check(type(recipe).__name__, f.name, getattr(recipe, f.name))
+            object.__setattr__(recipe, f.name, value)
 
 
 _RECIPES: "weakref.WeakValueDictionary[int, Recipe]" = weakref.WeakValueDictionary()
@@ -112,6 +134,11 @@ class Recipe:
         else:
             mode = normalize_backward_mode(self.backward_mode)
         object.__setattr__(self, "backward_mode", mode)
+        _check_field_types(self)
+
+
+# 2**127 is the largest power of two fp32 holds; the scale divides by 2**margin in fp32
+_MAX_MARGIN = 127
 
 
 @dataclass(frozen=True)
@@ -120,11 +147,14 @@ class DelayedScaling(Recipe):
 
     ``scale = fp8_max / amax / 2**margin`` where amax is ``max(history)``
     ("max"), the newest entry ("most_recent") or ``amax_compute_algo(history)``
-    for a callable taking the (history_len, n) fp32 history and returning n
-    amaxes. Only ``backward_mode="default"`` is supported.
+    for a callable taking the (history_len, n) fp32 history (newest row
+    first) and returning a floating-point tensor of n amaxes, shape (n,).
+    ``margin`` is an int or a float in [0, 127] (``2**margin`` stays finite in
+    fp32), ``amax_history_len`` an int >= 1 and ``reduce_amax`` a bool. Only
+    ``backward_mode="default"`` is supported.
     """
 
-    margin: int = 0
+    margin: float = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: Union[str, Callable] = "max"
@@ -139,9 +169,16 @@ class DelayedScaling(Recipe):
                              f"{self.backward_mode!r}{source}: its quantizers share recipe-owned "
                              f"scaling state that the backward GEMMs update")
         _check_fp8_format("DelayedScaling", self.fp8_format, (Format.E4M3, Format.E5M2, Format.HYBRID))
-        if not isinstance(self.margin, (int, float)) or self.margin < 0:
-            raise ValueError(f"DelayedScaling: margin must be a number >= 0, got {self.margin!r}")
-        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+        margin = self.margin
+        if (isinstance(margin, bool) or not isinstance(margin, numbers.Real)
+                or not 0 <= margin <= _MAX_MARGIN):
+            raise ValueError(f"DelayedScaling: margin must be an int or a float in "
+                             f"[0, {_MAX_MARGIN}] (2**margin must stay finite in fp32), got "
+                             f"{margin!r} ({type(margin).__name__})")
+        if type(margin) not in (int, float):  # numpy scalars
+            object.__setattr__(self, "margin", int(margin) if isinstance(margin, numbers.Integral)
+                               else float(margin))
+        if self.amax_history_len < 1:
             raise ValueError(f"DelayedScaling: amax_history_len must be an int >= 1, got "
                              f"{self.amax_history_len!r}")
         if not (callable(self.amax_compute_algo) or self.amax_compute_algo in ("max", "most_recent")):

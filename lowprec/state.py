@@ -9,7 +9,7 @@ and hands the quantizers views into them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -73,6 +73,33 @@ def check_factory_result(q, role: QuantizerRole | None) -> Quantizer:
 
 def _factory_quantizer(recipe: CustomRecipe, role: QuantizerRole | None) -> Quantizer:
     return check_factory_result(recipe.qfactory(role), role)
+
+
+def amax_from_callable(algo: Callable, history: torch.Tensor) -> torch.Tensor:
+    """``algo(history)`` for a callable ``DelayedScaling.amax_compute_algo``, checked and
+    returned as an fp32 tensor of shape (n,) on ``history``'s device.
+
+    ``history`` is the (history_len, n) fp32 amax history, newest row first; ``algo`` gets a
+    copy of it and must return a floating-point torch.Tensor holding n amaxes, one per slot
+    (shape (n,); any shape holding n elements, such as a keepdim reduction's (1, n), is
+    read as (n,)). Anything else raises TypeError (not a floating-point tensor) or
+    ValueError (another number of elements) naming the option, the expected shape and
+    dtype, and what came back.
+    """
+    n = history.shape[1]
+    expected = (f"a floating-point torch.Tensor of shape ({n},), one amax per slot, from the "
+                f"({history.shape[0]}, {n}) history")
+    out = algo(history.clone())
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"DelayedScaling amax_compute_algo {algo!r} returned "
+                        f"{type(out).__name__} {out!r:.60}; it must return {expected}")
+    if not out.is_floating_point():
+        raise TypeError(f"DelayedScaling amax_compute_algo {algo!r} returned a {out.dtype} "
+                        f"tensor; it must return {expected}")
+    if out.numel() != n:
+        raise ValueError(f"DelayedScaling amax_compute_algo {algo!r} returned shape "
+                         f"{tuple(out.shape)}; it must return {expected}")
+    return out.detach().to(device=history.device, dtype=torch.float32).reshape(n)
 
 
 class DelayedScalingState:
@@ -155,8 +182,7 @@ class DelayedScalingState:
         elif algo == "most_recent":
             amax = self.amax_history[0].clone()
         else:
-            amax = torch.as_tensor(algo(self.amax_history.clone()), dtype=torch.float32,
-                                   device=self.scale.device).reshape(self.scale.shape)
+            amax = amax_from_callable(algo, self.amax_history)
         # A tiny amax must not give an infinite scale (0 * inf is NaN): the fp32 max, as
         # current scaling does.
         new = (self.fp8_max / amax / (2.0 ** self.recipe.margin)).clamp(max=FP32_MAX)

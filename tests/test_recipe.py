@@ -259,3 +259,90 @@ def test_format_dtypes(fmt, fwd, bwd):
 
 def test_format_members():
     assert {f.name for f in Format} == {"E4M3", "E5M2", "HYBRID", "E2M1"}
+
+
+# ---- field types: flags must be bools, counts ints ------------------------------------------
+# every bool field of every recipe, written out (a new one must be added here too)
+BOOL_FIELDS = [("DelayedScaling", "reduce_amax"), ("Float8CurrentScaling", "use_power_2_scales"),
+               ("MXFP8BlockScaling", "enable_2d_quantization"),
+               ("NVFP4BlockScaling", "disable_rht"),
+               ("NVFP4BlockScaling", "disable_stochastic_rounding"),
+               ("NVFP4BlockScaling", "disable_2d_quantization")]
+INT_FIELDS = [("DelayedScaling", "amax_history_len"), ("Float8BlockScaling", "x_block_scaling_dim"),
+              ("Float8BlockScaling", "w_block_scaling_dim"),
+              ("Float8BlockScaling", "grad_block_scaling_dim")]
+
+
+def test_bool_field_list_is_complete():
+    declared = {(cls.__name__, f.name)
+                for cls in (DelayedScaling, Float8CurrentScaling, Float8BlockScaling,
+                            MXFP8BlockScaling, NVFP4BlockScaling, CustomRecipe)
+                for f in dataclasses.fields(cls) if f.type in ("bool", bool)}
+    assert declared == set(BOOL_FIELDS)
+
+
+def test_nvfp4_disable_rht_string_from_a_config_is_rejected():
+    # "false" is truthy: it used to switch RHT off silently
+    with pytest.raises(ValueError) as err:
+        NVFP4BlockScaling(disable_rht="false")
+    msg = str(err.value)
+    assert "NVFP4BlockScaling" in msg and "disable_rht" in msg and "'false'" in msg
+    assert "bool" in msg
+
+
+@pytest.mark.parametrize("name,field", BOOL_FIELDS)
+@pytest.mark.parametrize("bad", ["false", "True", "", 0, 1, None, 1.0],
+                         ids=["false", "True", "empty", "0", "1", "none", "float"])
+def test_bool_fields_reject_non_bools(name, field, bad):
+    with pytest.raises(ValueError) as err:
+        make(name, **{field: bad})
+    msg = str(err.value)
+    assert name in msg and field in msg and repr(bad) in msg and "bool" in msg
+
+
+@pytest.mark.parametrize("name,field", BOOL_FIELDS)
+@pytest.mark.parametrize("value", [True, False])
+def test_bool_fields_take_bools_and_numpy_bools(name, field, value):
+    np = pytest.importorskip("numpy")
+    assert getattr(make(name, **{field: value}), field) is value
+    r = make(name, **{field: np.bool_(value)})
+    assert getattr(r, field) is value  # a plain bool: hashes and compares like one
+    assert r == make(name, **{field: value})
+
+
+@pytest.mark.parametrize("name,field", INT_FIELDS)
+@pytest.mark.parametrize("bad", [True, False, "1", 1.0, None],
+                         ids=["True", "False", "str", "float", "none"])
+def test_int_fields_reject_bools_and_non_ints(name, field, bad):
+    with pytest.raises(ValueError) as err:
+        make(name, **{field: bad})
+    msg = str(err.value)
+    assert name in msg and field in msg and repr(bad) in msg and "int" in msg
+
+
+@pytest.mark.parametrize("name,field", INT_FIELDS)
+def test_int_fields_take_numpy_ints(name, field):
+    np = pytest.importorskip("numpy")
+    value = getattr(make(name, **{field: np.int64(2)}), field)
+    assert value == 2 and type(value) is int
+
+
+@pytest.mark.parametrize("bad", [True, "1", None, float("nan"), float("inf"), 128, 1e9, -0.5],
+                         ids=["bool", "str", "none", "nan", "inf", "128", "1e9", "negative"])
+def test_margin_must_be_a_number_in_range(bad):
+    with pytest.raises(ValueError) as err:
+        DelayedScaling(margin=bad)
+    msg = str(err.value)
+    assert "DelayedScaling" in msg and "margin" in msg and repr(bad) in msg and "127" in msg
+
+
+@pytest.mark.parametrize("margin", [0, 1, 0.5, 127])
+def test_margin_takes_ints_and_floats(margin):
+    assert DelayedScaling(margin=margin).margin == margin
+
+
+def test_margin_numpy_scalars_become_python_numbers():
+    np = pytest.importorskip("numpy")
+    for value, kind in ((np.int64(2), int), (np.float32(0.5), float)):
+        margin = DelayedScaling(margin=value).margin
+        assert margin == value and type(margin) is kind

@@ -22,7 +22,8 @@ from lowprec.factories import (fp8_block_scaling_factory, fp8_current_scaling_fa
                                mxfp8_factory, nvfp4_factory)
 from lowprec.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling,
                             Float8CurrentScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling)
-from lowprec.state import RecipeState
+from lowprec import state_batch
+from lowprec.state import DelayedScalingState, RecipeState
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -554,3 +555,64 @@ def test_role_change_keeps_the_delayed_scaling_history():
         assert isinstance(lin(x), lowprec.Float8Tensor)
     now = lin.get_extra_state()["forward"]["amax_history"]
     assert torch.equal(now[1], hist[0])
+
+
+# =============================================================================================
+# a callable amax_compute_algo must return n floating-point amaxes
+# =============================================================================================
+def _delayed_state(algo, n=3, history_len=4):
+    recipe = DelayedScaling(amax_history_len=history_len, amax_compute_algo=algo)
+    st = DelayedScalingState(recipe, n, [E4M3] * n, torch.device("cpu"))
+    st.amax_current.copy_(torch.arange(1.0, n + 1))
+    st.pending = True
+    return st
+
+
+def _scalar_amax(h):
+    return h.amax()
+
+
+def _list_amax(h):
+    return h.amax(dim=0).tolist()
+
+
+def _int_amax(h):
+    return h.amax(dim=0).to(torch.int32)
+
+
+def test_amax_compute_algo_wrong_shape_names_option_and_shape():
+    # used to fail in reshape with "shape '[3]' is invalid for input of size 1"
+    st = _delayed_state(_scalar_amax)
+    with pytest.raises(ValueError) as err:
+        st.update()
+    msg = str(err.value)
+    assert "amax_compute_algo" in msg and "_scalar_amax" in msg
+    assert "shape (3,)" in msg and "floating-point" in msg and "()" in msg
+
+
+@pytest.mark.parametrize("algo,what", [(_list_amax, "list"), (lambda h: 2.0, "float"),
+                                       (lambda h: None, "NoneType"), (_int_amax, "torch.int32")])
+def test_amax_compute_algo_non_float_tensor_result_is_a_type_error(algo, what):
+    st = _delayed_state(algo)
+    with pytest.raises(TypeError) as err:
+        st.update()
+    msg = str(err.value)
+    assert "amax_compute_algo" in msg and what in msg and "torch.Tensor of shape (3,)" in msg
+
+
+def test_amax_compute_algo_bad_result_is_reported_by_batched_updates_too():
+    states = [_delayed_state(_scalar_amax), _delayed_state(_scalar_amax)]
+    with pytest.raises(ValueError, match="amax_compute_algo"):
+        state_batch.update_states(states)
+
+
+@pytest.mark.parametrize("algo", [lambda h: h.amax(dim=0, keepdim=True),
+                                  lambda h: h.amax(dim=0).double(),
+                                  lambda h: h.amax(dim=0).bfloat16()],
+                         ids=["keepdim", "float64", "bfloat16"])
+def test_amax_compute_algo_takes_n_floating_amaxes(algo):
+    st = _delayed_state(algo)
+    st.update()
+    assert st.scale.dtype == torch.float32 and st.scale.shape == (3,)
+    expected = torch.full((3,), 448.0) / torch.tensor([1.0, 2.0, 3.0])  # fp32, amaxes 1, 2, 3
+    assert torch.equal(st.scale, expected)

@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import numbers
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
+
+from .casting import FP32_MAX
 
 if TYPE_CHECKING:
     from .gemm_slicer import GemmSlicer
@@ -70,6 +74,47 @@ def check_divisible(shape, m: int, k: int, *, row_block: int, col_block: int,
             f"(M={m}, K={k}, block {col_block}x{row_block}). Pad the tensor or use a "
             f"per-tensor format."
         )
+
+
+# ---- constructor options (quantizers and recipes) ---------------------------------------
+def check_bool_option(owner: str, name: str, value: Any) -> bool:
+    """``value`` as a Python bool when it is ``True``/``False`` or a numpy bool; else
+    ValueError naming ``owner``, the option and the value.
+
+    Truthiness is not enough: a flag read from a YAML/CLI config as the string ``"false"``
+    is truthy and would silently switch the option on.
+    """
+    if isinstance(value, bool):
+        return value
+    # numpy cannot have made the value unless it is already imported
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.bool_):
+        return bool(value)
+    raise ValueError(f"{owner}: {name} must be a bool (True or False), got {value!r} "
+                     f"({type(value).__name__})")
+
+
+def check_int_option(owner: str, name: str, value: Any) -> int:
+    """``value`` as a Python int when it is an integer (numpy integers too) and not a bool;
+    else ValueError naming ``owner``, the option and the value."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise ValueError(f"{owner}: {name} must be an int, got {value!r} ({type(value).__name__})")
+
+
+def check_amax_epsilon(owner: str, value: Any, name: str = "amax_epsilon") -> float:
+    """``value`` as a float when it is a real number in ``[0, fp32 max]``; else ValueError
+    naming ``owner``, the value and the accepted range.
+
+    The epsilon is a lower bound on the amax that the scale divides by, and it is stored
+    as fp32 where the scale is computed: an infinite or NaN one (or one that overflows to
+    inf in fp32) would give zero or NaN scales and turn every value NaN.
+    """
+    if (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and 0.0 <= value <= FP32_MAX):
+        return float(value)
+    raise ValueError(f"{owner}: {name} must be a real number >= 0 and at most the fp32 "
+                     f"maximum {FP32_MAX!r}, got {value!r} ({type(value).__name__})")
 
 
 class QuantizedTensor(torch.Tensor):
@@ -529,9 +574,10 @@ class Quantizer:
     def set_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> "Quantizer":
         """Turn the rowwise/columnwise outputs on or off (``None`` keeps the current value)."""
         if rowwise is not None:
-            self.rowwise_usage = bool(rowwise)
+            self.rowwise_usage = check_bool_option(type(self).__name__, "rowwise", rowwise)
         if columnwise is not None:
-            self.columnwise_usage = bool(columnwise)
+            self.columnwise_usage = check_bool_option(type(self).__name__, "columnwise",
+                                                      columnwise)
         return self
 
     @contextlib.contextmanager

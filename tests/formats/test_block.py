@@ -568,3 +568,27 @@ def test_decode_scale_layout_and_private_record(dim):
     assert torch.equal(qt.decode_scale("rowwise"), torch.reciprocal(s.t() if dim == 1 else s))
     with torch.inference_mode():
         assert Float8BlockwiseTensor.derived_record(torch.ones(2), torch.ones(2)) is None
+
+
+@pytest.mark.parametrize("eps", [float("inf"), 1e39, 2 * FP32_MAX, -1e-30, "0", None, True],
+                         ids=["inf", "1e39", "2xfp32max", "negative", "str", "none", "bool"])
+def test_amax_epsilon_must_be_finite_in_fp32(eps):
+    with pytest.raises(ValueError) as err:
+        Float8BlockQuantizer(amax_epsilon=eps)
+    msg = str(err.value)
+    assert "Float8BlockQuantizer" in msg and "amax_epsilon" in msg and repr(eps) in msg
+    assert ">= 0" in msg and "fp32" in msg
+
+
+def test_amax_epsilon_fp32_max_is_accepted():
+    q = Float8BlockQuantizer(block_scaling_dim=1, amax_epsilon=FP32_MAX)
+    assert q.amax_epsilon == FP32_MAX
+    assert torch.isfinite(q.quantize(torch.ones(B, B)).dequantize()).all()
+
+
+@pytest.mark.parametrize("bad", ["false", 0, 1, None])
+def test_force_pow_2_scales_must_be_bool(bad):
+    with pytest.raises(ValueError) as err:
+        Float8BlockQuantizer(force_pow_2_scales=bad)
+    msg = str(err.value)
+    assert "force_pow_2_scales" in msg and repr(bad) in msg and "bool" in msg

@@ -423,6 +423,35 @@ def test_constructor_validation():
             Float8CurrentScalingQuantizer(E4M3, amax_epsilon=eps)
 
 
+# inf made every value NaN; 1e39 (inf once stored in fp32) failed only at quantize
+@pytest.mark.parametrize("eps", [math.inf, -math.inf, 1e39, 2 * FP32_MAX, -1e-30, "0.1", None,
+                                 True, torch.tensor(0.0)],
+                         ids=["inf", "-inf", "1e39", "2xfp32max", "negative", "str", "none",
+                              "bool", "tensor"])
+def test_current_scaling_rejects_bad_amax_epsilon(eps):
+    with pytest.raises(ValueError) as err:
+        Float8CurrentScalingQuantizer(E4M3, amax_epsilon=eps)
+    msg = str(err.value)
+    assert "Float8CurrentScalingQuantizer" in msg and "amax_epsilon" in msg
+    assert repr(eps) in msg and ">= 0" in msg and "fp32" in msg
+
+
+@pytest.mark.parametrize("eps", [0, 1e-12, 0.5, FP32_MAX])
+def test_current_scaling_accepts_amax_epsilon_up_to_fp32_max(eps):
+    q = Float8CurrentScalingQuantizer(E4M3, amax_epsilon=eps)
+    assert q.amax_epsilon == eps and type(q.amax_epsilon) is float
+    x = torch.tensor([[0.0, 1.0, -2.0, 3.0]])
+    assert torch.isfinite(q.quantize(x).dequantize()).all()
+
+
+@pytest.mark.parametrize("bad", ["false", "True", 0, 1, None, 1.0])
+def test_current_scaling_force_pow_2_scales_must_be_bool(bad):
+    with pytest.raises(ValueError) as err:
+        Float8CurrentScalingQuantizer(E4M3, force_pow_2_scales=bad)
+    msg = str(err.value)
+    assert "force_pow_2_scales" in msg and repr(bad) in msg and "bool" in msg
+
+
 # ---- usages, derive, make_empty, copy -----------------------------------------------------
 def expected_scale_for(q, x) -> float:
     if isinstance(q, Float8Quantizer):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from ...kernels import use_kernels
-from ..base import QuantizedTensor, Quantizer, check_divisible
+from ..base import (QuantizedTensor, Quantizer, check_amax_epsilon, check_bool_option,
+                    check_divisible)
 from . import launch
-from ..casting import FP32_MAX, check_fp8_dtype
+from ..casting import check_fp8_dtype
 from .reference import BLOCK, quantize_blocks
 from .tensor import Float8BlockwiseTensor
 
@@ -24,6 +25,8 @@ class Float8BlockQuantizer(Quantizer):
     rounds the scale down to a power of two; a block holding NaN/Inf gets a
     NaN scale. The blocked dimensions must be divisible by 128 (only those a
     requested usage blocks, for 1x128; both for 128x128), else ValueError.
+    ``amax_epsilon`` must be a real number in ``[0, fp32 max]`` and
+    ``force_pow_2_scales`` a bool, else ValueError.
     """
 
     format_name = "fp8_block"
@@ -35,12 +38,10 @@ class Float8BlockQuantizer(Quantizer):
         if isinstance(block_scaling_dim, bool) or block_scaling_dim not in (1, 2):
             raise ValueError(f"block_scaling_dim={block_scaling_dim!r} is not supported; use 1 "
                              f"(1x128 blocks) or 2 (128x128 blocks)")
-        # A non-finite epsilon would give zero scales and 0/0 on dequantization.
-        if not 0.0 <= amax_epsilon <= FP32_MAX:
-            raise ValueError(f"amax_epsilon must be >= 0 and finite in fp32, got {amax_epsilon}")
         self.block_scaling_dim = int(block_scaling_dim)
-        self.force_pow_2_scales = bool(force_pow_2_scales)
-        self.amax_epsilon = float(amax_epsilon)
+        self.force_pow_2_scales = check_bool_option(type(self).__name__, "force_pow_2_scales",
+                                                    force_pow_2_scales)
+        self.amax_epsilon = check_amax_epsilon(type(self).__name__, amax_epsilon)
 
     def _tensor_class(self):
         return Float8BlockwiseTensor

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import use_kernels
-from ..base import Quantizer
+from ..base import Quantizer, check_amax_epsilon, check_bool_option
 from ..casting import check_fp8_dtype
 from . import launch
 from .reference import current_scale, quantize_per_tensor, tensor_amax
@@ -118,7 +118,8 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
 
     ``scale = fp8_max / max(amax, amax_epsilon)`` in fp32; amax 0 gives 1; an
     infinite scale becomes the fp32 max; ``force_pow_2_scales`` rounds the
-    scale down to a power of two.
+    scale down to a power of two. ``amax_epsilon`` must be a real number in
+    ``[0, fp32 max]`` and ``force_pow_2_scales`` a bool, else ValueError.
     """
 
     format_name = "fp8_current"
@@ -128,10 +129,10 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *,
                  force_pow_2_scales: bool = False, amax_epsilon: float = 0.0) -> None:
         super().__init__(fp8_dtype)
-        if not amax_epsilon >= 0.0:
-            raise ValueError(f"amax_epsilon must be >= 0, got {amax_epsilon}")
-        self.force_pow_2_scales = bool(force_pow_2_scales)
-        self.amax_epsilon = float(amax_epsilon)
+        owner = type(self).__name__
+        self.force_pow_2_scales = check_bool_option(owner, "force_pow_2_scales",
+                                                    force_pow_2_scales)
+        self.amax_epsilon = check_amax_epsilon(owner, amax_epsilon)
 
     def _quantize_2d(self, x2d):
         if use_kernels(x2d):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import use_kernels
-from ..base import Quantizer, check_divisible
+from ..base import Quantizer, check_bool_option, check_divisible
 from . import launch
 from ..casting import check_fp8_dtype
 from .reference import BLOCK, quantize_1x32, quantize_32x32
@@ -23,7 +23,8 @@ class MXFP8Quantizer(Quantizer):
 
     Rowwise blocks are 1x32 along the last dimension, columnwise blocks 32x1
     (the rowwise quantization of the transposed matrix). With
-    ``with_2d_quantization`` both directions share 32x32 blocks.
+    ``with_2d_quantization`` (a bool, else ValueError) both directions share
+    32x32 blocks.
     """
 
     format_name = "mxfp8"
@@ -33,7 +34,8 @@ class MXFP8Quantizer(Quantizer):
                  with_2d_quantization: bool = False) -> None:
         super().__init__()
         self.fp8_dtype = check_fp8_dtype(fp8_dtype)
-        self.with_2d_quantization = bool(with_2d_quantization)
+        self.with_2d_quantization = check_bool_option(type(self).__name__, "with_2d_quantization",
+                                                      with_2d_quantization)
 
     def _tensor_class(self):
         return MXFP8Tensor

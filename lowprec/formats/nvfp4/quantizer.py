@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import use_kernels
-from ..base import Quantizer, check_divisible
+from ..base import Quantizer, check_bool_option, check_divisible
 from .draws import draw_key, uniforms_at
 from .reference import BLOCK, SCALE_DTYPE, finite_amax, global_encode_scale, quantize_matrix
 from .rht import rht_forward
@@ -27,7 +27,8 @@ class NVFP4Quantizer(Quantizer):
       direction first; the per-element uniforms are a counter-based function
       of that key (:mod:`.draws`), computed in registers by the kernels.
 
-    ``copy()`` shares the generator object (draws advance one state);
+    The three flags must be bools (``True``/``False``, numpy bools too), else
+    ValueError. ``copy()`` shares the generator object (draws advance one state);
     ``copy.deepcopy`` and pickling give a new generator with an equal state.
     See :mod:`.reference` for the exact numerics.
     """
@@ -42,9 +43,12 @@ class NVFP4Quantizer(Quantizer):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"NVFP4Quantizer: generator must be a torch.Generator or None, got "
                             f"{type(generator).__name__}")
-        self.with_rht = bool(with_rht)
-        self.with_2d_quantization = bool(with_2d_quantization)
-        self.stochastic_rounding = bool(stochastic_rounding)
+        owner = type(self).__name__
+        self.with_rht = check_bool_option(owner, "with_rht", with_rht)
+        self.with_2d_quantization = check_bool_option(owner, "with_2d_quantization",
+                                                      with_2d_quantization)
+        self.stochastic_rounding = check_bool_option(owner, "stochastic_rounding",
+                                                     stochastic_rounding)
         self.generator = generator
 
     def _tensor_class(self):
