@@ -11,6 +11,7 @@ import torch
 
 import lowprec.kernels
 from lowprec.formats.nvfp4 import NVFP4Quantizer
+from lowprec.formats.nvfp4.rht import rht_signs
 from lowprec.kernels import reference_only
 
 pytestmark = [
@@ -82,6 +83,43 @@ def test_both_usages_bf16(rht, two_d, sr, dist):
 def test_input_dtypes(dtype, dist, rht, two_d, sr):
     q = NVFP4Quantizer(with_rht=rht, with_2d_quantization=two_d, stochastic_rounding=sr)
     _check(q, _input((256, 512), dtype, dist, 5), seed=6)
+
+
+def _near_max_input(dtype, seed):
+    """(256, 96) with magnitudes log-uniform in [1e37, dtype max], plus column tiles (16 rows,
+    the RHT's tiles of the columnwise side) at the transform's extremes and subnormal ones."""
+    g = torch.Generator().manual_seed(seed)
+    top = torch.finfo(dtype).max
+    lo, hi = torch.log(torch.tensor([1e37, top], dtype=torch.float64))
+    x = torch.exp(lo + (hi - lo) * torch.rand(256, 96, generator=g, dtype=torch.float64))
+    x = x * torch.where(torch.rand(256, 96, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    s = rht_signs(torch.float64)
+    x[0:16, 0] = s * (top / 4)         # RHT (top, 0, ..., 0)
+    x[16:32, 1] = s * top              # (inf, 0, ..., 0): one bad block
+    x[32:48, 2] = 0.0
+    x[32, 2] = x[40, 2] = top          # the first stage's pair sums at 2 top
+    # subnormals; in fp32 with the low bits set, where x / 8 rounds
+    x[:, 3:6] = torch.randint(-2 ** 23, 2 ** 23, (256, 3), generator=g).to(torch.float64) \
+        * 2.0 ** -149
+    return x.to(dtype).cuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("two_d,sr", [(False, False), (False, True), (True, False)],
+                         ids=["1d", "1d_sr", "2d"])
+def test_rht_near_fp32_max(dtype, two_d, sr):
+    # Butterflies that would overflow with the RHT's 1/4 applied last: kernels and reference
+    # both keep them finite, with the same bits (global scale from the amax pass included).
+    x = _near_max_input(dtype, 24)
+    for rowwise in (True, False):
+        q = NVFP4Quantizer(with_rht=True, with_2d_quantization=two_d, stochastic_rounding=sr)
+        qt = _check(q.set_usage(rowwise=rowwise), x, seed=25)
+        assert torch.isfinite(qt.columnwise_global).all() and qt.columnwise_global.item() > 0
+        bad = torch.isnan(qt.columnwise_scale.to(torch.float32))
+        assert bad[0 if two_d else 1, 1] and 0 < bad.float().mean() < 0.9
+        if not two_d:
+            assert not bad[0, 0] and not bad[2, 2] and not bad[3:6].any()
+    _check(NVFP4Quantizer(with_rht=True), x.t().contiguous(), seed=26)
 
 
 @pytest.mark.parametrize("shape", [(7, 32), (33, 48), (5, 3, 64)])

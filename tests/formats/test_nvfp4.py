@@ -74,13 +74,14 @@ def butterfly_f64(t):
 
 
 def rht_f64(mat):
+    """Signs and 1/8 (one fp32 rounding), butterflies, * 2 (rht.py's arrangement)."""
     tiles = mat.reshape(*mat.shape[:-1], -1, 16)
-    return f32(butterfly_f64(tiles * SIGNS) * 0.25).reshape(mat.shape)
+    return f32(butterfly_f64(f32(tiles * SIGNS * 0.125)) * 2.0).reshape(mat.shape)
 
 
 def rht_inv_f64(mat):
     tiles = mat.reshape(*mat.shape[:-1], -1, 16)
-    return (f32(butterfly_f64(tiles) * 0.25) * SIGNS).reshape(mat.shape)
+    return f32(butterfly_f64(f32(tiles * 0.125)) * 2.0 * SIGNS).reshape(mat.shape)
 
 
 def to_blocks(mat, two_d):
@@ -577,3 +578,151 @@ def test_rht_cancels_in_the_wgrad_product():
         F64).t()
     orig = qa.dequantize(usage="columnwise").to(F64).t() @ qb.dequantize(usage="columnwise").to(F64)
     assert ((stored - orig).abs() <= 1e-5 * scale).all()
+
+
+# ---- RHT at the ends of the fp32 range ---------------------------------------------------------
+def rht_quarter_at_end(x, inverse=False):
+    """fp32 RHT with the whole 1/4 applied after the butterflies (signs first for the
+    forward, last for the inverse): rht.py's result wherever no value of this formula
+    overflows or has to round below 2**-126 (powers of two commute with fp32 rounding)."""
+    s = SIGNS.to(torch.float32)
+    t = x.to(torch.float32).reshape(*x.shape[:-1], -1, 16)
+    if not inverse:
+        t = t * s
+    for h in (8, 4, 2, 1):
+        halves = t.reshape(*t.shape[:-1], 16 // (2 * h), 2, h).unbind(-2)
+        t = torch.stack((halves[0] + halves[1], halves[0] - halves[1]), -2).reshape(t.shape)
+    t = t * 0.25
+    if inverse:
+        t = t * s
+    return t.reshape(x.shape)
+
+
+def f32_bits(t):
+    return t.contiguous().view(torch.int32)
+
+
+def log_uniform(shape, lo, hi, seed):
+    """fp32 values with log-uniform magnitudes in [lo, hi] and random signs."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp(torch.empty(shape, dtype=F64).uniform_(math.log(lo), math.log(hi),
+                                                           generator=g))
+    sign = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0).to(F64)
+    return (mag * sign).to(torch.float32)
+
+
+def rht_exact(x):
+    """float64 x @ R per tile (no intermediate rounding)."""
+    return (x.to(F64).reshape(*x.shape[:-1], -1, 16) @ rht_matrix()).reshape(x.shape)
+
+
+def tile_amax(x):
+    t = x.to(F64).abs().reshape(*x.shape[:-1], -1, 16)
+    return t.amax(-1, keepdim=True).expand(t.shape).reshape(x.shape)
+
+
+def test_rht_same_bits_as_quarter_at_end_for_ordinary_inputs():
+    g = torch.Generator().manual_seed(30)
+    k = torch.randint(-2 ** 20, 2 ** 20, (8, 64), generator=g).to(F64)
+    cases = [  # (x, whether y = RHT(x) is itself ordinary)
+        (torch.randn(64, 256, generator=g), True),
+        (log_uniform((64, 256), 1e-30, 1e30, 31), True),
+        # the whole range the quarter-at-end formula survives: 16 max|x| < fp32 max
+        (log_uniform((64, 256), 2.0 ** -123, 1e37, 32), False),
+        # below 2**-123 only multiples of 2**-146 keep x / 8 exact; results subnormal too
+        ((k * 2.0 ** -146).to(torch.float32), False),
+        (torch.tensor([0.0, -0.0] * 8 + [1.0, -0.0] + [0.0] * 14), True),
+    ]
+    for x, y_ordinary in cases:
+        y = rht_forward(x)
+        assert torch.isfinite(y).all()
+        assert torch.equal(f32_bits(y), f32_bits(rht_quarter_at_end(x)))
+        assert torch.equal(f32_bits(rht_inverse(x)), f32_bits(rht_quarter_at_end(x, inverse=True)))
+        if y_ordinary:
+            assert torch.equal(f32_bits(rht_inverse(y)), f32_bits(rht_quarter_at_end(y, inverse=True)))
+    # non-finite inputs: the same infs and NaNs in the same places
+    x = torch.randn(4, 32, generator=g)
+    x[0, 3], x[1, 17], x[2, 0], x[2, 9] = float("inf"), float("nan"), float("inf"), -float("inf")
+    y, old = rht_forward(x), rht_quarter_at_end(x)
+    assert torch.equal(torch.isnan(y), torch.isnan(old))
+    assert torch.equal(y[~torch.isnan(y)], old[~torch.isnan(old)])
+
+
+def test_rht_near_fp32_max_is_finite_and_accurate():
+    x = log_uniform((64, 256), 1e37, FP32_MAX, 33)
+    assert not torch.isfinite(rht_quarter_at_end(x)).all()  # what the scaling is for
+    y, exact = rht_forward(x), rht_exact(x)
+    bound = 2.0 ** -20 * tile_amax(x)  # four stages rounding at <= 2, 4, 8, 16 max|x| / 8
+    fits = exact.abs() <= FP32_MAX - bound
+    over = exact.abs() >= FP32_MAX + bound
+    assert fits.float().mean() > 0.5 and over.any()
+    assert ((y.to(F64) - exact).abs()[fits] <= bound[fits]).all()
+    # overflow stays with the elements whose own value is out of range: no NaN, no
+    # spill-over into their tile
+    assert torch.equal(y[over].to(F64), exact[over].sign() * math.inf)
+    assert not torch.isnan(y).any()
+    assert torch.equal(y.to(F64), rht_f64(x.to(F64)))
+    # x near 1e38 with every result in range: a finite round trip
+    x = log_uniform((32, 128), 1e37, 8e37, 34)
+    y = rht_forward(x)
+    assert torch.isfinite(y).all() and not torch.isfinite(rht_quarter_at_end(x)).all()
+    assert ((y.to(F64) - rht_exact(x)).abs() <= 2.0 ** -20 * tile_amax(x)).all()
+    back = rht_inverse(y)
+    assert torch.equal(back.to(F64), rht_inv_f64(y.to(F64)))
+    assert ((back - x).abs().to(F64) <= 2.0 ** -20 * tile_amax(x)).all()
+
+
+def test_rht_extreme_tiles():
+    s = SIGNS.to(torch.float32)
+    one_hot = torch.zeros(16)
+    one_hot[0] = FP32_MAX
+    pair = torch.zeros(16)
+    pair[0] = pair[8] = FP32_MAX
+    x = torch.stack([
+        s * one_hot,               # y = +-fp32 max / 4
+        s * pair,                  # stage 1 reaches 2 fp32 max (unscaled); y in {0, fp32 max / 2}
+        s * (FP32_MAX / 4),        # y = (fp32 max, 0, ..., 0)
+        s * FP32_MAX,              # y = (inf, 0, ..., 0): only y_0 is out of range
+        -s * FP32_MAX,
+        # (0, inf, 0, ..., 0): stage 3 reaches +-2 fp32 max (unscaled) in one pair
+        s * FP32_MAX * torch.tensor([1.0, -1.0] * 8),
+    ])
+    y = rht_forward(x)
+    assert torch.equal(y, rht_exact(x).to(torch.float32))
+    assert y[2, 0] == FP32_MAX and y[3, 0] == math.inf and y[4, 0] == -math.inf
+    assert y[5, 1] == math.inf and (y[5, ::2] == 0).all()
+    assert not torch.isnan(y).any()
+    assert torch.equal(rht_inverse(y[:3]), x[:3])
+    # the inverse likewise: an all-(fp32 max) y maps to (inf, 0, ...) times s
+    back = rht_inverse(torch.full((16,), FP32_MAX))
+    assert back[0] == math.inf and torch.equal(back[1:], torch.zeros(15))
+
+
+def test_rht_subnormal_inputs():
+    # x / 8 rounds for subnormal x that are not multiples of 2**-146: the bits are those of
+    # rht.py's arrangement (the model), within fp32 accuracy of the exact transform.
+    g = torch.Generator().manual_seed(35)
+    sub = (torch.randint(-2 ** 23, 2 ** 23, (16, 64), generator=g).to(F64) * 2.0 ** -149)
+    mixed = sub.clone()
+    mixed[:, ::3] = torch.randn(16, 22, generator=g).to(F64) * 1e-30
+    for x in (sub.to(torch.float32), mixed.to(torch.float32)):
+        y = rht_forward(x)
+        assert torch.equal(y.to(F64), rht_f64(x.to(F64)))
+        assert torch.equal(rht_inverse(x).to(F64), rht_inv_f64(x.to(F64)))
+        err = (y.to(F64) - rht_exact(x)).abs()
+        assert (err <= 2.0 ** -20 * tile_amax(x) + 2.0 ** -145).all()
+
+
+@pytest.mark.parametrize("two_d", [False, True], ids=["1d", "2d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rht_quantize_near_fp32_max(dtype, two_d):
+    x = log_uniform((64, 48), 1e37, 8e37, 36).to(dtype)
+    assert not torch.isfinite(rht_quarter_at_end(x.float().t())).all()
+    qt = check_against_model(NVFP4Quantizer(with_rht=True, with_2d_quantization=two_d), x)
+    amax = rht_exact(x.float().t()).abs().max().item()
+    glob = qt.columnwise_global.item()
+    assert math.isfinite(glob) and abs(glob * amax / 2688.0 - 1) < 2.0 ** -18
+    assert torch.isfinite(qt.columnwise_scale.to(torch.float32)).all()
+    deq = qt.dequantize(torch.float32, usage="columnwise")
+    assert torch.isfinite(deq).all()
+    assert (deq - x.float()).norm() <= 0.15 * x.float().norm()

@@ -15,10 +15,30 @@ means ``s[i] = -1``, i.e.
 ``(1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)``.
 
 Numerics (fp32, the product's definition; kernels must match bit for bit):
-forward = sign multiply, then four butterfly stages ``(a, b) -> (a + b, a - b)``
-at strides 8, 4, 2, 1 in that order (each add/sub rounded to fp32), then
-``* 0.25``. The inverse runs the same butterflies on ``y``, multiplies by 0.25
-and then by ``s`` (``H16 @ H16 = 16 I``).
+forward = multiply by ``s / 8`` (entries +-0.125), then four butterfly stages
+``(a, b) -> (a + b, a - b)`` at strides 8, 4, 2, 1 in that order (each add/sub
+rounded to fp32), then ``* 2``. The inverse multiplies ``y`` by 0.125, runs the
+same butterflies and multiplies by ``2 s`` (``H16 @ H16 = 16 I``).
+
+Where the 1/4 goes: multiplying by a power of two commutes with fp32 rounding
+while values stay in the normal range, so the split ``1/8 ... 2`` gives the bits
+of "butterflies, then ``* 0.25``" evaluated with an unbounded exponent. An
+output of stage ``k`` is a signed sum of ``2**k`` inputs: with the 1/8 up front,
+the outputs of stages 1 to 3 stay within ``max |x|`` of the tile and the last
+stage's are half the results, so an output is inf only where its own value
+exceeds the fp32 range (a tile of ``x_i = s_i * fp32_max`` gives ``y_0 = inf``
+and fifteen zeros, not NaNs). Dividing by less than 8 before stage 4 lets an
+intermediate overflow next to finite results: the whole 1/4 after the
+butterflies from ``max |x|`` ~ 2e37 on, 1/2 after each of the first two stages
+from ``fp32_max / 2`` on, and with 1/4 up front an overflowing stage 3 turns
+finite results into inf or NaN.
+
+Dividing by more than 8 would only widen the range where the division rounds:
+``x / 8`` is inexact where it is subnormal and not a multiple of ``2**-149``. A
+tile whose inputs are all multiples of ``2**-146`` (every ``|x| >= 2**-123`` ~
+9.4e-38, and zeros) gets exactly the "butterflies, then ``* 0.25``" bits; a tile
+holding a smaller input with low bits set may not (that input's ``x / 8`` is off
+by at most ``2**-150``), though its results keep the usual fp32 accuracy.
 """
 
 from __future__ import annotations
@@ -69,14 +89,15 @@ def _butterflies(t: torch.Tensor) -> torch.Tensor:
 
 
 def rht_forward(x: torch.Tensor) -> torch.Tensor:
-    """Apply the RHT to every 16-tile of the last dimension; fp32 result, same shape."""
+    """Apply the RHT to every 16-tile of the last dimension; fp32 result, same shape
+    (``* s / 8``, butterflies, ``* 2``: see the module docstring)."""
     t = _tiles(x)
-    t = _butterflies(t * rht_signs(device=t.device)) * 0.25
+    t = _butterflies(t * (rht_signs(device=t.device) * 0.125)) * 2.0
     return t.reshape(x.shape)
 
 
 def rht_inverse(y: torch.Tensor) -> torch.Tensor:
-    """Undo :func:`rht_forward` (fp32): butterflies, ``* 0.25``, then ``* s``."""
+    """Undo :func:`rht_forward` (fp32): ``* 0.125``, butterflies, then ``* 2 s``."""
     t = _tiles(y)
-    t = (_butterflies(t) * 0.25) * rht_signs(device=t.device)
+    t = _butterflies(t * 0.125) * (rht_signs(device=t.device) * 2.0)
     return t.reshape(y.shape)

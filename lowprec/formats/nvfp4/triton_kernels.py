@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
+FP32_HALF_MAX = tl.constexpr(1.7014117331926443e38)  # exact in fp32
 E4M3_MAX = tl.constexpr(448.0)
 GLOBAL_NUM = tl.constexpr(2688.0)  # 448 * 6
 E4M3_NAN = tl.constexpr(0x7F)
@@ -369,15 +370,15 @@ def _bfly_stage(t, h: tl.constexpr):
 
 
 @triton.jit
-def _rht_unscaled(xs):
-    """rht.rht_forward across 16 slices before its final * 0.25: signs (mask 0xD7E8,
-    multiplied by -1 as the reference does), butterflies at strides 8, 4, 2, 1."""
+def _rht_half(xs):
+    """Half of rht.rht_forward across 16 slices (all of it but the final * 2): x * s / 8 as
+    one multiply by +-0.125 (sign mask 0xD7E8), then butterflies at strides 8, 4, 2, 1."""
     t = ()
     for i in tl.static_range(16):
         if ((0xD7E8 >> i) & 1) == 1:
-            t = t + (xs[i] * -1.0,)
+            t = t + (xs[i] * -0.125,)
         else:
-            t = t + (xs[i],)
+            t = t + (xs[i] * 0.125,)
     t = _bfly_stage(t, 8)
     t = _bfly_stage(t, 4)
     t = _bfly_stage(t, 2)
@@ -386,11 +387,11 @@ def _rht_unscaled(xs):
 
 @triton.jit
 def _rht(xs):
-    """rht.rht_forward across 16 slices (see _rht_unscaled), then * 0.25."""
-    t = _rht_unscaled(xs)
+    """rht.rht_forward across 16 slices: _rht_half, then * 2."""
+    t = _rht_half(xs)
     out = ()
     for i in tl.static_range(16):
-        out = out + (t[i] * 0.25,)
+        out = out + (t[i] * 2.0,)
     return out
 
 
@@ -448,14 +449,15 @@ def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
             if ROW:
                 for i in tl.static_range(16):
                     m_plain = tl.maximum(m_plain, _finite_max(tl.abs(sl[i])))
-            # max over the butterflies before their * 0.25: RN(0.25 y) is monotone in y and
-            # finite exactly when y is, so the max of the scaled values is the scaled max
-            y = _rht_unscaled(sl)
+            # max over the butterflies before their * 2, which is exact and finite exactly
+            # for |z| <= FP32_MAX / 2: the finite max of the results is twice that of z
+            z = _rht_half(sl)
             for i in tl.static_range(16):
-                m_rht = tl.maximum(m_rht, _finite_max(tl.abs(y[i])))
+                az = tl.abs(z[i])
+                m_rht = tl.maximum(m_rht, tl.where(az <= FP32_HALF_MAX, az, 0.0))
         if ROW:
             tl.atomic_max(ws_ptr, _tile_max(m_plain).to(tl.int32, bitcast=True))
-        tl.atomic_max(ws_ptr + 1, (_tile_max(m_rht) * 0.25).to(tl.int32, bitcast=True))
+        tl.atomic_max(ws_ptr + 1, (_tile_max(m_rht) * 2.0).to(tl.int32, bitcast=True))
     else:
         am = tl.zeros((FLAT,), dtype=tl.float32)
         n = _wide(M, IDX64) * K
