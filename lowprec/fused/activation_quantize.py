@@ -1,45 +1,23 @@
 """An activation whose output is written only in quantized form (the next GEMM's input).
 
 Forward: the quantize kernels apply the activation as they load each tile (current
-scaling's amax pass does too). Backward: the activation's gradient from its saved input
-through the same aten backward ops torch's autograd uses for gelu, relu and silu (and
-their gated forms), so it equals the unfused gradient bit for bit and allocates no
-activation output; the rarer ones recompute the activation under autograd.
+scaling's amax pass does too), in fp32 rounded once to the input dtype, as
+``lowprec.modules.activations`` computes it. Backward: that module's gradient from the saved
+input, so it equals the unfused gradient bit for bit and allocates no activation output.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..formats.base import QuantizedTensor
-from ..modules.activations import get_activation
+from ..modules.activations import activation_grad_fp32
 from .prologue import Prologue, activation_prologue, apply_prologue_with_amax
-
-_aten = torch.ops.aten
-_DIRECT = {
-    "gelu": (lambda g, h: _aten.gelu_backward(g, h, approximate="tanh"),
-             lambda a: F.gelu(a, approximate="tanh")),
-    "relu": (lambda g, h: _aten.threshold_backward(g, F.relu(h), 0), F.relu),
-    "silu": (lambda g, h: _aten.silu_backward(g, h), F.silu),
-}
-_GATED = {"swiglu": "silu", "geglu": "gelu"}
 
 
 def activation_backward(name: str, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """d activation(h) / dh applied to ``g``, as torch's autograd computes it."""
-    if name in _DIRECT:
-        return _DIRECT[name][0](g, h)
-    if name in _GATED:
-        back, fwd = _DIRECT[_GATED[name]]
-        a, b = h.chunk(2, dim=-1)
-        # autograd of act(a) * b: d act(a) = g * b, d b = g * act(a)
-        return torch.cat([back(g * b, a), g * fwd(a)], dim=-1)
-    fn, _ = get_activation(name)
-    with torch.enable_grad():
-        hh = h.detach().requires_grad_(True)
-        (dh,) = torch.autograd.grad(fn(hh), hh, g)
-    return dh
+    """d activation(h) / dh applied to ``g``, in h's dtype (computed in fp32)."""
+    return activation_grad_fp32(name, h, g).to(h.dtype)
 
 
 class _ActivationQuantize(torch.autograd.Function):

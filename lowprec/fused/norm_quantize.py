@@ -2,7 +2,8 @@
 
 Forward: one statistics kernel (per-row mean/rstd; for current scaling also the amax of
 the normalized output) and one quantize kernel that normalizes each tile as it loads it
-(``load_tile``). Backward: the norm's gradient from the saved input and statistics.
+(``load_tile``), in fp32 rounded once to the input dtype. Backward: the unfused norm's
+fp32 gradient (``lowprec.modules.norms.norm_backward``) from the saved input and statistics.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.base import QuantizedTensor
+from ..modules.norms import norm_backward
 from .prologue import norm_prologue, norm_stats
 
 
@@ -23,7 +25,9 @@ class _NormQuantize(torch.autograd.Function):
                 rowwise, columnwise):
         k = x.shape[-1]
         x2d = x.reshape(-1, k).contiguous()
-        gamma = (weight + 1 if zero_centered_gamma else weight).contiguous()
+        # The kernels convert gamma to fp32 as they load it, so a weight goes in as it is;
+        # weight + 1 is formed in fp32, never rounded to the weight's dtype.
+        gamma = (weight.float() + 1 if zero_centered_gamma else weight).contiguous()
         rms = normalization == "RMSNorm"
         want_amax = getattr(quantizer, "wants_producer_amax", False)
         mean, rstd, amax_bits = norm_stats(x2d, gamma, gamma if bias is None else bias,
@@ -34,27 +38,17 @@ class _NormQuantize(torch.autograd.Function):
         # Quantized in x's own shape: a view of the result would keep the un-viewed tensor
         # (and the rowwise data release_fprop_copy drops) alive as its base.
         out = quantizer.quantize_fused(x, pro)
-        ctx.save_for_backward(x2d, gamma, bias, mean, rstd)
-        ctx.rms, ctx.x_shape = rms, x.shape
+        ctx.save_for_backward(x2d, weight, bias, mean, rstd)
+        ctx.rms, ctx.zero_centered_gamma, ctx.x_shape = rms, zero_centered_gamma, x.shape
         return out
 
     @staticmethod
     def backward(ctx, g):
-        x2d, gamma, bias, mean, rstd = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        g = _plain(g).reshape(x2d.shape)
-        m, k = x2d.shape
-        if ctx.rms:
-            xhat = x2d.float() * rstd[:, None]
-            dxhat = g.float() * gamma.float()
-            dx = rstd[:, None] * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
-            dx = dx.to(x2d.dtype) if need_x else None
-            dw = (g.float() * xhat).sum(0).to(gamma.dtype) if need_w else None
-            db = None
-        else:
-            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-                g.contiguous(), x2d, [k], mean.view(m, 1), rstd.view(m, 1), gamma, bias,
-                [need_x, need_w, need_b and bias is not None])
+        x2d, weight, bias, mean, rstd = ctx.saved_tensors
+        m = x2d.shape[0]
+        dx, dw, db = norm_backward(_plain(g).reshape(x2d.shape), x2d, ctx.rms, weight,
+                                   ctx.zero_centered_gamma, bias, mean.view(m, 1),
+                                   rstd.view(m, 1), ctx.needs_input_grad[:3])
         if dx is not None:
             dx = dx.view(ctx.x_shape)
         return dx, dw, db, None, None, None, None, None, None

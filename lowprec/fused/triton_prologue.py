@@ -3,9 +3,11 @@
 ``load_tile`` is the one tile-loading prologue every quantize kernel shares: it loads an
 (BM, BN) tile of the kernel's logical input and, when ``PRO`` asks for it, computes that
 input from the real one on the fly (a LayerNorm/RMSNorm with precomputed row statistics,
-or an activation, gated ones reading both halves of the row). The result is rounded to the
-input's dtype, so a fused kernel quantizes exactly the values the unfused ``apply_kernel``
-writes. Elements outside the tile's mask are 0.
+or an activation, gated ones reading both halves of the row). The norm or activation is
+computed in fp32 and rounded once to the input's dtype, as the torch reference paths
+(``lowprec.modules.norms``, ``lowprec.modules.activations``) compute it; that rounding
+makes a fused kernel quantize exactly the values the unfused ``apply_kernel`` writes.
+Elements outside the tile's mask are 0.
 
 Prologue codes (``PRO``): 0 none, 1 LayerNorm, 2 RMSNorm, 10 gelu (tanh), 11 relu,
 12 silu, 13 srelu, 14 qgelu, 20 swiglu, 21 geglu. Pointer arguments ``p0..p3``: for the
@@ -21,10 +23,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 
-
 @triton.jit
 def _rnd(v, x_ptr):
-    """Round fp32 ``v`` to the input's dtype (and back to fp32), as an unfused op writes it."""
+    """Round fp32 ``v`` to the input's dtype (and back to fp32), as the output is written."""
     return v.to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
@@ -41,21 +42,19 @@ def _gelu(x):
 
 
 @triton.jit
-def _act(x, x_ptr, ACT: tl.constexpr):
-    """One activation of fp32 ``x`` (already holding input-dtype values), rounded like the
-    torch ops it stands for (one rounding per torch op)."""
+def _act(x, ACT: tl.constexpr):
+    """One activation of fp32 ``x`` (holding input-dtype values), in fp32, not rounded."""
     if ACT == 10:
-        y = _rnd(_gelu(x), x_ptr)
+        y = _gelu(x)
     elif ACT == 11:
         y = tl.where(x != x, x, tl.maximum(x, 0.0))
     elif ACT == 12:
-        y = _rnd(tl.math.div_rn(x, 1.0 + libdevice.exp(-x)), x_ptr)
+        y = tl.math.div_rn(x, 1.0 + libdevice.exp(-x))
     elif ACT == 13:
         r = tl.where(x != x, x, tl.maximum(x, 0.0))
-        y = _rnd(r * r, x_ptr)
-    else:  # 14: qgelu = x * sigmoid(1.702 x), three torch ops
-        t = _rnd(x * 1.702, x_ptr)
-        y = _rnd(x * _rnd(_sigmoid(t), x_ptr), x_ptr)
+        y = r * r
+    else:  # 14: qgelu = x * sigmoid(1.702 x)
+        y = x * _sigmoid(x * 1.702)
     return y
 
 
@@ -87,10 +86,10 @@ def load_tile(x_ptr, offs_m, offs_k, M, K, stride_xm, stride_xk, p0, p1, p2, p3,
     elif PRO >= 20:
         gate = tl.load(rows + (offs_k + K)[None, :] * stride_xk, mask=mask,
                        other=0.0).to(tl.float32)
-        a = _act(x, x_ptr, 12 if PRO == 20 else 10)
+        a = _act(x, 12 if PRO == 20 else 10)
         x = tl.where(mask, _rnd(a * gate, x_ptr), 0.0)
     elif PRO >= 10:
-        x = tl.where(mask, _act(x, x_ptr, PRO), 0.0)
+        x = tl.where(mask, _rnd(_act(x, PRO), x_ptr), 0.0)
     return x
 
 

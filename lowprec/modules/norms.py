@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import fused
@@ -19,21 +18,92 @@ def check_normalization(normalization: str) -> str:
     return normalization
 
 
+def norm_gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
+    """The norm's scale in fp32; ``zero_centered_gamma`` stores gamma - 1, and the + 1 must
+    not round in a bf16/fp16 weight's dtype."""
+    return weight.float() + 1 if zero_centered_gamma else weight.float()
+
+
+def _norm_fp32(x2d: torch.Tensor, rms: bool, gamma: torch.Tensor, bias: torch.Tensor | None,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(fp32 output, mean, rstd) of the norm of the rows of (M, K) ``x2d``, statistics fp32
+    (M, 1) (mean None for RMSNorm); the ops are those of ``F.layer_norm``/``F.rms_norm``."""
+    x = x2d.float().contiguous()
+    if not rms:
+        y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), gamma,
+                                                None if bias is None else bias.float(), eps)
+        return y, mean, rstd
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x * rstd * gamma, None, rstd
+
+
+def norm_backward(g2d: torch.Tensor, x2d: torch.Tensor, rms: bool, weight: torch.Tensor,
+                  zero_centered_gamma: bool, bias: torch.Tensor | None, mean, rstd,
+                  needs: tuple[bool, bool, bool]):
+    """(dx, dweight, dbias) of the norm of (M, K) ``x2d`` for the output gradient ``g2d``,
+    from fp32 (M, 1) row statistics: computed in fp32 (the parameter gradients are sums over
+    M rows, which a bf16 accumulator would stall) and each rounded once to the dtype of the
+    tensor it belongs to; None where ``needs`` is False."""
+    need_x, need_w, need_b = needs
+    need_b = need_b and bias is not None
+    x, g = x2d.float().contiguous(), g2d.float().contiguous()
+    gamma = norm_gamma(weight, zero_centered_gamma)
+    if rms:
+        (dx, dw), db = _rms_norm_backward(g, x, rstd, gamma, need_x, need_w), None
+    else:
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            g, x, [x.shape[-1]], mean, rstd, gamma, None if bias is None else bias.float(),
+            [need_x, need_w, need_b])
+    return (dx.to(x2d.dtype) if need_x else None, dw.to(weight.dtype) if need_w else None,
+            db.to(bias.dtype) if need_b else None)
+
+
+def _rms_norm_backward(g, x, rstd, gamma, need_x: bool, need_w: bool):
+    """fp32 (dx, dgamma) of ``x * rstd * gamma``, rstd = rsqrt(mean(x^2) + eps): the ops
+    torch's autograd runs through ``F.rms_norm``'s composite, in its order."""
+    n = x * rstd
+    dw = (g * n).sum(0) if need_w else None
+    dx = None
+    if need_x:
+        dn = g * gamma
+        drstd = (dn * x).sum(-1, keepdim=True)
+        dmean_sq = -0.5 * drstd * (rstd * rstd * rstd) / x.shape[-1]
+        dx = dn * rstd + dmean_sq * (2 * x)
+    return dx, dw
+
+
+class _NormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, rms, eps, zero_centered_gamma, out_dtype):
+        x2d = x.reshape(-1, x.shape[-1])
+        y, mean, rstd = _norm_fp32(x2d, rms, norm_gamma(weight, zero_centered_gamma), bias, eps)
+        ctx.save_for_backward(x2d, weight, bias, mean, rstd)
+        ctx.rms, ctx.zero_centered_gamma = rms, zero_centered_gamma
+        return y.to(out_dtype).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        x2d, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = norm_backward(g.reshape(x2d.shape), x2d, ctx.rms, weight,
+                                   ctx.zero_centered_gamma, bias, mean, rstd,
+                                   ctx.needs_input_grad[:3])
+        return None if dx is None else dx.view(g.shape), dw, db, None, None, None, None
+
+
 def apply_norm(x: torch.Tensor, normalization: str, weight: torch.Tensor,
                bias: torch.Tensor | None, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
-    """Normalize over the last dim; ``zero_centered_gamma`` stores gamma - 1."""
+    """Normalize over the last dim, in fp32 rounded once to x's dtype; ``zero_centered_gamma``
+    stores gamma - 1. Backward keeps x in its own dtype and the fp32 row statistics.
+
+    Under ``torch.autocast`` the output is in the autocast dtype (the dtype the GEMM after it
+    quantizes from), the gradients in the dtypes of x and the parameters."""
     amp = torch_autocast_dtype(x)
-    if amp is not None:
-        # torch.autocast: the norm in fp32, its output in the autocast dtype (the dtype the
-        # GEMM after it quantizes from)
-        with torch.autocast(x.device.type, enabled=False):
-            return apply_norm(x.float(), normalization, weight.float(),
-                              None if bias is None else bias.float(), eps,
-                              zero_centered_gamma).to(amp)
-    gamma = weight + 1 if zero_centered_gamma else weight
-    if normalization == "LayerNorm":
-        return F.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
-    return F.rms_norm(x, (x.shape[-1],), gamma, eps)
+    args = (x, weight, bias if normalization == "LayerNorm" else None,
+            normalization == "RMSNorm", eps, zero_centered_gamma, amp or x.dtype)
+    if amp is None:
+        return _NormFn.apply(*args)
+    with torch.autocast(x.device.type, enabled=False):
+        return _NormFn.apply(*args)
 
 
 def norm_into_gemm(module: nn.Module, x: torch.Tensor, quantizers, backward_mode: str,

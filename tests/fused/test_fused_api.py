@@ -56,7 +56,7 @@ def test_cpu_modules_unchanged_under_autocast():
 
 
 @pytest.mark.parametrize("act", ["gelu", "relu", "silu", "srelu", "qgelu", "swiglu", "geglu"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_activation_backward_equals_autograd(act, dtype):
     """The fused activation's backward is bit-identical to autograd through the unfused one."""
     from lowprec.fused.activation_quantize import activation_backward

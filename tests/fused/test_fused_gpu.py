@@ -5,9 +5,14 @@
   amaxes), for every fusable quantizer, prologue, input dtype and usage, on random data of
   odd and aligned shapes. ``apply_prologue`` is the same prologue written out by itself.
 * The prologue against torch: the written-out norm/activation is within one unit in the
-  last place of the dtype of ``F.layer_norm``/``F.rms_norm``/the torch activation (the row
-  statistics are reduced in another order, and libdevice's tanh/exp may differ from
+  last place of the dtype of ``F.layer_norm``/``F.rms_norm``/the reference activation (the
+  row statistics are reduced in another order, and libdevice's tanh/exp may differ from
   CUDA's in the last bit, so bit equality with torch is not expected).
+* The prologue against the reference paths (``lowprec.modules.norms``/``activations``) in
+  bf16/fp16: both compute in fp32 and round once, so their fp32 values differ by a few fp32
+  units at most and the rounded outputs differ in a tiny fraction of the elements (by one
+  unit); a path that rounded an intermediate (``weight + 1`` in the weight's dtype, one
+  rounding per op of an activation) would differ in a large fraction.
 * Modules: LayerNormLinear and LayerNormMLP take the fused path on the GPU and agree with
   the unfused path (``lowprec.fused.unfused()``) to within 1% relative error in the output
   and every gradient; a flipped fp8 rounding here and there is all that differs, while
@@ -168,8 +173,90 @@ def test_activation_prologue_close_to_torch(act, dtype):
         assert amax_bits.item() == got.abs().max().view(torch.int32).item()
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     ok = ~torch.isnan(want)
-    # gated outputs round twice (activation, product), so allow two units
-    torch.testing.assert_close(got[ok], want[ok], rtol=2 * ULP[dtype], atol=1e-6)
+    torch.testing.assert_close(got[ok], want[ok], rtol=ULP[dtype], atol=1e-6)
+
+
+LOW = (torch.bfloat16, torch.float16)
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+MIN_SUBNORMAL = {torch.bfloat16: 2.0 ** -133, torch.float16: 2.0 ** -24}
+# fraction of elements whose rounding may flip between two fp32 computations of one value
+FLIPS = 0.01
+
+
+def _ulps_apart(got, want, dtype, what, fp32_terms=0.0):
+    """got and want (same dtype) at most one unit of ``dtype`` apart, plus a few fp32 units
+    of ``fp32_terms`` (the size of terms that cancel in their fp32 computation), and equal
+    in all but FLIPS of the elements; NaN where the other is NaN."""
+    assert got.dtype == want.dtype == dtype, what
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), what
+    ok = ~torch.isnan(want)
+    g, w = got[ok].double(), want[ok].double()
+    _, e = torch.frexp(w.abs())
+    spacing = torch.clamp_min(torch.ldexp(torch.ones_like(w), e - 1 - MANTISSA_BITS[dtype]),
+                              MIN_SUBNORMAL[dtype])
+    if isinstance(fp32_terms, torch.Tensor):
+        fp32_terms = fp32_terms.expand(want.shape)[ok].double()
+    bound = spacing + 64 * 2.0 ** -24 * fp32_terms
+    assert bool(((g - w).abs() <= bound).all()), f"{what}: more than one unit apart"
+    flipped = float((g != w).float().mean())
+    assert flipped <= FLIPS, f"{what}: {flipped:.2%} of the elements differ"
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_activation_prologue_rounds_once_like_reference(act, dtype):
+    fn, gated = ACTIVATIONS[act]
+    x = _rand((256, 2 * 512 if gated else 512), dtype, seed=6)
+    got = fused.apply_prologue(x, fused.activation_prologue(act))
+    # gelu of a negative x cancels 1 + tanh(...) in fp32: a last-bit difference of tanh is
+    # then an error of a few fp32 units of |x| (times the gate), more than a unit of a small
+    # fp16 result
+    a, gate = x.double().chunk(2, dim=-1) if gated else (x.double(), 1.0)
+    _ulps_apart(got, fn(x), dtype, act, fp32_terms=a.abs() * abs(gate))
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_fused_norm_zero_centered_gamma_matches_reference(normalization, dtype, monkeypatch):
+    """The fused norm with zero_centered_gamma forms weight + 1 in fp32, as the reference
+    does (small weights: + 1 in bf16/fp16 would round off their low bits); its backward (the
+    reference's fp32 backward from the kernel's statistics) accumulates the parameter
+    gradients in fp32: the bias gradient of an all-ones gradient over M rows is M."""
+    from lowprec.modules.norms import apply_norm
+    m, k = 2048, 256
+    x = _rand((m, k), dtype, seed=7, scale=2.0)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    w = (torch.randn(k, generator=gen, device="cuda") * 0.05).to(dtype)  # gamma - 1
+    b = _rand((k,), dtype, seed=9, scale=0.2) if normalization == "LayerNorm" else None
+    q = MXFP8Quantizer(E4)
+    prologues = []
+    orig = MXFP8Quantizer.quantize_fused
+    monkeypatch.setattr(MXFP8Quantizer, "quantize_fused",
+                        lambda self, t, pro: prologues.append(pro) or orig(self, t, pro))
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b) if t is not None]
+    out = fused.norm_then_quantize(leaves[0], normalization, leaves[1],
+                                   leaves[2] if b is not None else None, 1e-5, True, q,
+                                   True, True)
+    assert len(prologues) == 1
+    ref_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+    want = apply_norm(ref_leaves[0], normalization, ref_leaves[1],
+                      ref_leaves[2] if b is not None else None, 1e-5, True)
+    # gamma * xhat + beta cancels where the output is near 0: a few fp32 units of the terms
+    beta = 0.0 if b is None else b.double()
+    terms = (want.detach().double() - beta).abs() + abs(beta)
+    _ulps_apart(fused.apply_prologue(x, prologues[0]), want.detach(), dtype,
+                f"{normalization} forward", fp32_terms=terms)
+
+    ones = torch.ones(m, k, dtype=dtype, device="cuda")
+    got = torch.autograd.grad(out, leaves, ones)
+    ref = torch.autograd.grad(want, ref_leaves, ones)
+    # dx cancels terms of the size of rstd * |gamma| * (1 + |xhat|); the parameter
+    # gradients are sums of M terms of size up to |xhat| (about 5 at most here)
+    terms = {"x": float(ref[0].abs().max()) + 4.0, "weight": 5.0 * m, "bias": float(m)}
+    for name, g, r in zip(["x", "weight", "bias"], got, ref):
+        _ulps_apart(g, r, dtype, f"{normalization} {name} grad", fp32_terms=terms[name])
+    if b is not None:
+        assert torch.equal(got[2], torch.full((k,), float(m), dtype=dtype, device="cuda"))
 
 
 RECIPES = {

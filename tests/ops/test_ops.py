@@ -126,7 +126,7 @@ def _ref_activation(name, x):
     a, b = x.chunk(2, dim=-1)
     return {
         "gelu": lambda: F.gelu(x, approximate="tanh"),
-        "relu": lambda: torch.clamp_min(x, 0.0),
+        "relu": lambda: torch.relu(x),  # clamp_min's gradient at 0 would be 1, not 0
         "silu": lambda: F.silu(x),
         "srelu": lambda: torch.clamp_min(x, 0.0) ** 2,
         "qgelu": lambda: x * torch.sigmoid(1.702 * x),
@@ -150,7 +150,7 @@ def test_activation_matches_torch(name):
     xr = x.clone().requires_grad_(True)
     yr = _ref_activation(name, xr)
     yr.backward(dy)
-    # Same elementwise torch kernels (relu^2 and max(x,0) agree exactly): bit-identical.
+    # Same elementwise torch kernels (relu^2 and max(x,0)^2 agree exactly): bit-identical.
     assert torch.equal(got[0], yr.detach())
     assert torch.equal(got[1], xr.grad)
 
@@ -187,6 +187,68 @@ def test_norm_matches_torch(norm):
     yr.backward(dy)
     # The same torch norm kernels, forward and backward: bit-identical.
     assert_all_equal(got, [yr.detach(), xr.grad] + [p.grad for p in params])
+
+
+# bf16/fp16: norms and activations computed in fp32, every result rounded once to its dtype.
+# The expectations are torch's fp32 autograd of the same formulas on fp32 copies of the inputs.
+LOW = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("name", list(ACT_CLASSES))
+def test_activation_low_precision_rounds_once(name, dtype):
+    op = ACT_CLASSES[name]()
+    gated = name in ("swiglu", "geglu")
+    x = 3 * randn(64, 32, seed=1, dtype=dtype)
+    dy = randn(64, 16 if gated else 32, seed=2, dtype=dtype)
+    got = fwd_bwd(op, x, dy)
+    xr = x.float().requires_grad_(True)
+    yr = _ref_activation(name, xr)
+    yr.backward(dy.float())
+    assert_all_equal(got, [yr.detach().to(dtype), xr.grad.to(dtype)])
+
+    # Bias + activation: the sum, the activation and dbias (a sum over rows of fp32 dact
+    # values) in fp32, each output rounded once.
+    seq = ops.Sequential(ops.Bias(32, params_dtype=dtype), op)
+    assert seq.fusion_plan() == [("BiasActivation", ("Bias", type(op).__name__))]
+    with torch.no_grad():
+        seq[0].bias.copy_(randn(32, seed=3))
+    got = fwd_bwd(seq, x, dy)
+    xr = x.float().requires_grad_(True)
+    br = seq[0].bias.detach().float().requires_grad_(True)
+    yr = _ref_activation(name, xr + br)
+    yr.backward(dy.float())
+    assert_all_equal(got, [yr.detach().to(dtype), xr.grad.to(dtype), br.grad.to(dtype)])
+
+
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero_centered"])
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_norm_low_precision_rounds_once(norm, dtype, zero_centered):
+    """zero_centered_gamma adds 1 to the weight in fp32; the parameter gradients are sums over
+    the rows accumulated in fp32 (an all-ones gradient over 2048 rows sums to 2048, where a
+    bf16 accumulator stops at 256 or 512)."""
+    k, rows = 64, 2048
+    op = getattr(ops, norm)(k, eps=1e-5, zero_centered_gamma=zero_centered, params_dtype=dtype)
+    with torch.no_grad():
+        op.weight.copy_(0.05 * randn(k, seed=3) + (0.0 if zero_centered else 1.0))
+        if norm == "LayerNorm":
+            op.bias.copy_(0.2 * randn(k, seed=4))
+    x = 2 * randn(rows, k, seed=1, dtype=dtype)
+    for dy in (randn(rows, k, seed=2, dtype=dtype), torch.ones(rows, k, dtype=dtype)):
+        got = fwd_bwd(ops.Sequential(op), x, dy)
+        xr = x.float().requires_grad_(True)
+        params = [p.detach().float().requires_grad_(True) for p in op.parameters()]
+        gamma = params[0] + 1 if zero_centered else params[0]
+        if norm == "LayerNorm":
+            yr = F.layer_norm(xr, (k,), gamma, params[1], 1e-5)
+        else:
+            yr = F.rms_norm(xr, (k,), gamma, 1e-5)
+        yr.backward(dy.float())
+        assert_all_equal(got, [t.to(dtype) for t in [yr.detach(), xr.grad]
+                               + [p.grad for p in params]])
+    if norm == "LayerNorm":
+        assert torch.equal(got[3], torch.full((k,), float(rows), dtype=dtype))
 
 
 def test_quantize_is_identity_outside_autocast():

@@ -41,7 +41,7 @@ class Activation(BasicOperation):
         self.check_input(x)
         if ctx.emit is None:
             return self.fn(x)
-        return bias_activation(x, None, self.fn, add_bias=False, emit=ctx.emit)
+        return bias_activation(x, None, self.activation, add_bias=False, emit=ctx.emit)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"

@@ -51,7 +51,7 @@ class LinearBiasActivation(Piece):
         y = lin.run_linear(x, None if bias is None else bias.detach(), ctx.prep,
                            intermediate=ctx.intermediate)
         self.act.check_input(y)
-        return bias_activation(y, bias, self.act.fn, add_bias=False, emit=ctx.emit,
+        return bias_activation(y, bias, self.act.activation, add_bias=False, emit=ctx.emit,
                                grad_emit=lin.grad_emit_spec(ctx.prep, x))
 
 
