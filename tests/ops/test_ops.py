@@ -139,6 +139,21 @@ ACT_CLASSES = {"gelu": ops.GELU, "relu": ops.ReLU, "silu": ops.SiLU, "srelu": op
                "qgelu": ops.QGELU, "swiglu": ops.SwiGLU, "geglu": ops.GEGLU}
 
 
+def _bias_activation_and_reference(name, op, x, dy):
+    """The fused Bias+activation step on (x, dy), and torch's fp32 autograd of the same
+    formula: (outputs and grads, (reference output, reference x, reference bias))."""
+    seq = ops.Sequential(ops.Bias(32, params_dtype=x.dtype), op)
+    assert seq.fusion_plan() == [("BiasActivation", ("Bias", type(op).__name__))]
+    with torch.no_grad():
+        seq[0].bias.copy_(randn(32, seed=3))
+    got = fwd_bwd(seq, x, dy)
+    xr = x.detach().to(torch.float32, copy=True).requires_grad_(True)
+    br = seq[0].bias.detach().float().requires_grad_(True)
+    yr = _ref_activation(name, xr + br)
+    yr.backward(dy.float())
+    return got, (yr, xr, br)
+
+
 @pytest.mark.parametrize("name", list(ACT_CLASSES))
 def test_activation_matches_torch(name):
     op = ACT_CLASSES[name]()
@@ -155,15 +170,7 @@ def test_activation_matches_torch(name):
     assert torch.equal(got[1], xr.grad)
 
     # The fused bias+activation step (its own backward: dact recomputed, dbias summed).
-    seq = ops.Sequential(ops.Bias(32), op)
-    assert seq.fusion_plan() == [("BiasActivation", ("Bias", type(op).__name__))]
-    with torch.no_grad():
-        seq[0].bias.copy_(randn(32, seed=3))
-    got = fwd_bwd(seq, x, dy)
-    xr = x.clone().requires_grad_(True)
-    br = seq[0].bias.detach().clone().requires_grad_(True)
-    yr = _ref_activation(name, xr + br)
-    yr.backward(dy)
+    got, (yr, xr, br) = _bias_activation_and_reference(name, op, x, dy)
     assert torch.equal(got[0], yr.detach())
     assert torch.equal(got[1], xr.grad)  # same dact kernels on the same saved pre-activation
     torch.testing.assert_close(got[2], br.grad, rtol=1e-6, atol=1e-6)  # 12-row sum, any order
@@ -209,15 +216,7 @@ def test_activation_low_precision_rounds_once(name, dtype):
 
     # Bias + activation: the sum, the activation and dbias (a sum over rows of fp32 dact
     # values) in fp32, each output rounded once.
-    seq = ops.Sequential(ops.Bias(32, params_dtype=dtype), op)
-    assert seq.fusion_plan() == [("BiasActivation", ("Bias", type(op).__name__))]
-    with torch.no_grad():
-        seq[0].bias.copy_(randn(32, seed=3))
-    got = fwd_bwd(seq, x, dy)
-    xr = x.float().requires_grad_(True)
-    br = seq[0].bias.detach().float().requires_grad_(True)
-    yr = _ref_activation(name, xr + br)
-    yr.backward(dy.float())
+    got, (yr, xr, br) = _bias_activation_and_reference(name, op, x, dy)
     assert_all_equal(got, [yr.detach().to(dtype), xr.grad.to(dtype), br.grad.to(dtype)])
 
 
