@@ -118,6 +118,16 @@ def _weight_in_two_steps(quantizer: Quantizer | None, weight: torch.Tensor,
             and quantizer.can_quantize_usage_like())
 
 
+def _dgrad_weight(w: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight as dgrad reads it: a quantized weight that does not hold contiguous
+    columnwise data (an FSDP-gathered weight holds a transposed view of the gathered rows,
+    or only rowwise data where columnwise derives from it) gives a copy for this backward
+    alone, so the weight itself never keeps one."""
+    if not isinstance(w, QuantizedTensor) or w.holds_gemm_layout("columnwise"):
+        return w
+    return w.usage_copy("columnwise")
+
+
 def graph_kept() -> bool:
     """Whether the running backward keeps the graph (``retain_graph=True``), i.e. saved
     tensors may be read again. True when unknown (tracing, no engine task, older torch)."""
@@ -244,6 +254,12 @@ class _QuantizedLinear(torch.autograd.Function):
             w_two_steps = False
             w_lp, w_owned = quantize_operand(None, weight_lp, rowwise=True,
                                              columnwise=col and need_dx)
+        elif isinstance(weight, QuantizedTensor):
+            # A quantized weight is saved as it is and dgrad reads its columnwise data in
+            # backward (``_dgrad_weight``): an FSDP-gathered weight gets that direction from
+            # the backward's own all-gather, and one that derives it makes the copy then.
+            w_two_steps = False
+            w_lp, w_owned = quantize_operand(None, weight, rowwise=True, columnwise=False)
         else:
             w_two_steps = _weight_in_two_steps(w_q, weight, col and need_dx)
             w_lp, w_owned = quantize_operand(w_q, weight, rowwise=True,
@@ -281,6 +297,8 @@ class _QuantizedLinear(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         q = ctx.quantizers
         quantized_bwd = q is not None and ctx.backward_mode == "default"
+        if quantized_bwd and need_dx:
+            saved_w = _dgrad_weight(saved_w)
         if ctx.pad:
             if isinstance(dy, QuantizedTensor):
                 raise ValueError(

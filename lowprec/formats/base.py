@@ -286,6 +286,28 @@ class QuantizedTensor(torch.Tensor):
         for name in self._inner + self._derived:
             setattr(self, name, None)
 
+    def holds_gemm_layout(self, usage: str) -> bool:
+        """Whether ``usage``'s data is held in the layout the GEMMs read (contiguous); an
+        FSDP-gathered weight holds its columnwise data as a transposed view."""
+        return self.has_usage(usage) and all(
+            t.is_contiguous() for n, t in self.inner_tensors().items()
+            if t is not None and n.startswith(usage + "_"))
+
+    def usage_copy(self, usage: str) -> "QuantizedTensor":
+        """A new tensor holding only ``usage``'s data, contiguous: the held data (the same
+        tensors where already contiguous), or derived from the other direction where the
+        format allows. ``self`` is left as it is, so a derived copy lives only as long as
+        whoever asked for it (a GEMM operand of one backward)."""
+        _check_usage(usage)
+        other = "columnwise" if usage == "rowwise" else "rowwise"
+        fields = {n: (None if n.startswith(other + "_") or t is None else t.contiguous())
+                  for n, t in self.inner_tensors().items()}
+        if not self.has_usage(usage):
+            if not self.has_usage(other):
+                raise RuntimeError(f"{type(self).__name__} holds no data to derive {usage} from")
+            fields.update(self._derive(usage))
+        return type(self)(self.shape, self.dtype, **fields, **self.metadata())
+
     def _derive(self, usage: str) -> dict[str, torch.Tensor]:
         raise RuntimeError(
             f"{type(self).__name__} cannot derive its {usage} representation from the other "
@@ -354,7 +376,8 @@ class QuantizedTensor(torch.Tensor):
                     "Call .dequantize() for other operations.")
         raise NotImplementedError(
             f"{cls.__name__} does not support {func}. Supported: detach, clone, copy_, to, "
-            f"empty_like, view/reshape keeping the last dimension, torch.save. {hint}")
+            f"empty_like, view/reshape keeping the last dimension, identity as_strided, "
+            f"torch.save. {hint}")
 
 
 class _Dequantize(torch.autograd.Function):
@@ -557,6 +580,20 @@ def _view(func, args, kwargs):
     return qt._rebuild(lambda t: t, shape=_view_shape(qt, size))
 
 
+@_handles(aten.as_strided.default)
+def _as_strided(func, args, kwargs):
+    # FSDP2 takes its unsharded parameter as ``as_strided(t, t.shape, contiguous stride, 0)``:
+    # the identity is the one strided view a quantized tensor has.
+    qt, size, stride = args[0], tuple(args[1]), tuple(args[2])
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+    if size != tuple(qt.shape) or stride != torch.empty(size, device="meta").stride() or offset:
+        raise NotImplementedError(
+            f"{type(qt).__name__} supports as_strided only as the identity (size "
+            f"{tuple(qt.shape)}, contiguous stride, offset 0); got size {size}, stride "
+            f"{stride}, offset {offset}")
+    return qt._rebuild(lambda t: t)
+
+
 class Quantizer:
     """Configuration that turns a high-precision tensor into a QuantizedTensor.
 
@@ -667,6 +704,48 @@ class Quantizer:
         return self._tensor_class()(x.shape, x.dtype, **fields)
 
     __call__ = quantize
+
+    def quantize_part(self, part: torch.Tensor,
+                      reduce_max: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensor:
+        """``part``, whole rows of a 2-D tensor whose other rows other processes hold (a
+        weight shard under FSDP), quantized with this quantizer's usages exactly as
+        :meth:`quantize` of the whole tensor quantizes those rows, where
+        :meth:`can_quantize_part` says the format can (its values depend on nothing but the
+        part and a maximum over the parts).
+
+        ``reduce_max(t)`` returns the elementwise maximum of the int32 tensor ``t`` over
+        every part (an all-reduce): a per-tensor statistic goes through it, and every part
+        calls it the same number of times, so every process calls this together. Blocks
+        that run along the rows need the part to start and end on a block boundary
+        (:meth:`row_multiple`)."""
+        self._check_input(part)
+        if part.dim() != 2:
+            raise ValueError(f"{type(self).__name__}.quantize_part needs a 2-D part, got shape "
+                             f"{tuple(part.shape)}")
+        if not (self.rowwise_usage or self.columnwise_usage):
+            raise ValueError(f"{type(self).__name__} has both usages off; nothing to compute")
+        if not self.can_quantize_part():
+            raise NotImplementedError(
+                f"{self!r} cannot quantize a part of a tensor as the whole tensor's quantize "
+                f"would (see can_quantize_part)")
+        m, k = part.shape
+        self._check_shape(part.shape, m, k)
+        fields = self._part_fields(part.contiguous(), reduce_max)
+        if fields == "empty":
+            return self.make_empty(part.shape, dtype=part.dtype, device=part.device)
+        return self._tensor_class()(part.shape, part.dtype, **fields)
+
+    #: Whether a quantize's values depend on nothing beyond each block's own elements, so a
+    #: part of a tensor quantizes alone (``quantize_part``).
+    blocks_are_independent: ClassVar[bool] = False
+
+    def can_quantize_part(self) -> bool:
+        """Whether :meth:`quantize_part` works with this quantizer and its usages."""
+        return self.blocks_are_independent
+
+    def _part_fields(self, part: torch.Tensor, reduce_max) -> dict | str:
+        """Fields of :meth:`quantize_part` (``"empty"`` for a part without elements)."""
+        return "empty" if part.numel() == 0 else self._quantize_2d(part)
 
     def supports_fused(self, x: torch.Tensor) -> bool:
         """Whether :meth:`quantize_fused` can take ``x`` (a CUDA input with Triton kernels, a

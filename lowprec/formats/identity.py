@@ -29,6 +29,10 @@ class IdentityTensor(QuantizedTensor):
         data = data.t() if usage == "columnwise" else data
         return data.reshape(self.shape).to(dtype or self.dtype)
 
+    def holds_gemm_layout(self, usage: str) -> bool:
+        # the GEMMs read the transposed view as it is
+        return self.has_usage(usage)
+
     def _derive(self, usage: str) -> dict[str, torch.Tensor]:
         other = "columnwise" if usage == "rowwise" else "rowwise"
         return {f"{usage}_data": getattr(self, f"{other}_data").t()}

@@ -29,6 +29,9 @@ class Float8BlockQuantizer(Quantizer):
     ``force_pow_2_scales`` a bool, else ValueError.
     """
 
+    # every block scales itself: a part quantizes alone (quantize_part)
+    blocks_are_independent = True
+
     format_name = "fp8_block"
 
     def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *, block_scaling_dim: int = 2,

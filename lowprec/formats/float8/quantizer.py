@@ -146,6 +146,27 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def _quantize_2d_fused(self, x2d, prologue):
         return launch.quantize_current(self, x2d, prologue)
 
+    def can_quantize_part(self) -> bool:
+        return True
+
+    def _part_fields(self, part, reduce_max):
+        # The whole tensor's amax is the maximum of the parts' (as int32 bits: the order of
+        # non-negative floats, NaN above +Inf, so a NaN anywhere reaches every part).
+        if use_kernels(part) and part.numel():
+            bits = launch.fp8_amax(part)
+        elif part.numel():
+            bits = tensor_amax(part).view(torch.int32)
+        else:
+            bits = torch.zeros(1, dtype=torch.int32, device=part.device)
+        bits = reduce_max(bits)
+        if not part.numel():
+            return "empty"
+        if use_kernels(part):
+            return launch.quantize_current(self, part, amax_bits=bits)
+        scale = current_scale(bits.view(torch.float32), self.fp8_dtype,
+                              pow2=self.force_pow_2_scales, eps=self.amax_epsilon)
+        return self._fields(part, scale)
+
     def slice_quantizer(self, x2d):
         # The scale of the whole tensor: the kernels take its amax bits (the same in-kernel
         # scale computation as an unsliced quantize), the reference the scale itself.

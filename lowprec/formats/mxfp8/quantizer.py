@@ -27,6 +27,9 @@ class MXFP8Quantizer(Quantizer):
     32x32 blocks.
     """
 
+    # every block scales itself: a part quantizes alone (quantize_part)
+    blocks_are_independent = True
+
     format_name = "mxfp8"
     keeps_exact_bf16 = True
 

@@ -149,6 +149,28 @@ class NVFP4Quantizer(Quantizer):
         return GemmSlicer(self, x2d, lambda p, u, a: fields(p, u, a, False),
                           lambda p, u, a: fields(p, u, a, True))
 
+    def can_quantize_part(self) -> bool:
+        # A transformed (RHT) or stochastically rounded direction depends on more than the
+        # part and the whole tensor's amax (the draws on the part's place in the whole).
+        return not (self.stochastic_rounding or (self.with_rht and self.columnwise_usage))
+
+    def _part_fields(self, part, reduce_max):
+        # The global scales come from the whole tensor's amax, the maximum of the parts'
+        # (int32 bits of finite non-negative floats order as the floats do).
+        bits = reduce_max(finite_amax(part).view(torch.int32))
+        if not part.numel():
+            return "empty"
+        s = global_encode_scale(bits.view(torch.float32))
+        scales = (s, s.clone())
+        if use_kernels(part):
+            from .launch import quantize_2d
+            return {"with_rht": self.with_rht, "with_2d_quantization": self.with_2d_quantization,
+                    **quantize_2d(part, rowwise=self.rowwise_usage,
+                                  columnwise=self.columnwise_usage, with_rht=self.with_rht,
+                                  two_d=self.with_2d_quantization, scales=scales)}
+        return self._reference_fields(part, self.rowwise_usage, self.columnwise_usage,
+                                      (None, None), scales)
+
     def _global_scales(self, x2d) -> tuple[torch.Tensor, torch.Tensor]:
         """(rowwise S, columnwise S) of the whole 2-D x2d, (1,) fp32 each."""
         if use_kernels(x2d):

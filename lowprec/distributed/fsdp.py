@@ -1,0 +1,270 @@
+"""FSDP2 all-gathers of lowprec weights in their quantized format.
+
+``quantized_all_gather(model, recipe)`` (before ``fully_shard``) wraps the high-precision
+weights of the model's lowprec modules in :class:`QuantizedGatherWeight`. The wrapper is
+the weight to everything else (the optimizer, the state dict, ``reset_parameters``): every
+op runs on the high-precision tensor inside. FSDP2 finds its ``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather`` hooks and lets it choose what to gather: each rank quantizes its
+own shard with the module's weight quantizer under ``recipe``, exactly as a quantize of the
+whole weight quantizes those rows (``Quantizer.quantize_part``; a per-tensor amax is
+all-reduced over the FSDP mesh first), and the ranks gather the codes and scales. The
+unsharded parameter is then a quantized tensor, which the module's GEMMs consume as they
+consume a ``quantized_model_init`` weight.
+
+What each format gathers (a shard is a block of whole rows):
+
+* Per-tensor FP8 (current scaling): the rowwise FP8 data, with one scale from the
+  all-reduced amax; dgrad's transposed copy is made in backward (one layer at a time).
+* Block FP8 with 128x128 weight blocks, MXFP8 with 32x32 blocks (2-D): the rowwise data
+  and block scales; the columnwise side derives from them.
+* MXFP8 (1x32), NVFP4, block FP8 with 1x128 weight blocks: the rowwise data and scales for
+  forward and, when FSDP reshards after forward, the columnwise ones for backward's own
+  gather (both in forward otherwise). NVFP4's global scale comes from the all-reduced amax.
+* High precision (the parameter's FSDP dtype), where the quantized bytes would depend on
+  the shard boundary or on more than the shard: delayed scaling (its scales come from the
+  amax history), NVFP4 weights with stochastic rounding or a Hadamard transform, hybrid
+  formats, shards that do not split the rows evenly or not on block boundaries (except
+  per-tensor FP8, whose one input FSDP pads), a world of one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ..formats.base import QuantizedTensor, Quantizer
+from . import gather_codec
+
+aten = torch.ops.aten
+
+#: Ops FSDP2 shards, pads, moves and copies a parameter with: their results stay wrapped
+#: (every other op sees the high-precision tensor and returns plain tensors).
+_KEEP_WRAPPED = frozenset({
+    aten.detach.default, aten.alias.default, aten.clone.default, aten.view.default,
+    aten.as_strided.default, aten.slice.Tensor, aten.split.Tensor, aten.new_zeros.default,
+    aten.new_empty.default, aten.empty_like.default, aten._to_copy.default,
+    aten._pin_memory.default,
+})
+
+
+@dataclass
+class _GatherPlan:
+    """What one weight gathers, fixed at its first gather (FSDP sizes its buffers then)."""
+
+    quantizer: Quantizer | None  # None: high precision
+    derivable: bool = True  # columnwise derives from rowwise: gather rowwise only
+    padded: bool = False  # one input, padded by FSDP's rule for uneven shards
+    backward_mode: str = "default"
+
+    def usages(self, backward: bool, reshard: bool) -> tuple[bool, bool]:
+        """(rowwise, columnwise) to gather in this phase."""
+        if self.derivable or self.backward_mode != "default":
+            return True, False
+        if backward:
+            return False, True
+        return True, not reshard
+
+
+class _GatherSpec:
+    """The module and GEMM a wrapped weight belongs to, and the recipe it gathers under."""
+
+    def __init__(self, module: nn.Module, index: int, recipe) -> None:
+        self.module, self.index, self.recipe = module, index, recipe
+        self._plans: dict = {}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_plans"] = {}  # quantizers of this process's recipe state
+        return state
+
+    def plan(self, device, dtype, shape: tuple[int, int], world: int) -> _GatherPlan:
+        key = (device, dtype, shape, world)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._make_plan(device, shape, world)
+        return plan
+
+    def _make_plan(self, device, shape, world) -> _GatherPlan:
+        state = self.module._state("forward", self.recipe, device)
+        if state.delayed is not None or world == 1:
+            return _GatherPlan(None)
+        q = state.quantizers[3 * self.index + 1].copy()
+        q.set_usage(rowwise=True, columnwise=True)
+        if not q.can_quantize_part():
+            return _GatherPlan(None)
+        rows, k = shape
+        local = math.ceil(rows / world)
+        derivable = _derives_columnwise(q, local, k)
+        multiple = q.row_multiple(rowwise=True, columnwise=not derivable)
+        row_inputs = _inputs_meta(q, local, k, rowwise=True, columnwise=False)
+        single = derivable and len(row_inputs) == 1 and row_inputs[0].shape == (local, k)
+        mode = self.recipe.backward_mode
+        plan = _GatherPlan(q, derivable, padded=single, backward_mode=mode)
+        if single:
+            return plan
+        if rows % world or local % multiple:
+            return _GatherPlan(None)  # uneven or straddling shards: FSDP's padding rule
+        if not derivable and mode == "default":
+            col_inputs = _inputs_meta(q, local, k, rowwise=False, columnwise=True)
+            if gather_codec.signature(row_inputs) != gather_codec.signature(col_inputs):
+                return _GatherPlan(None)  # the two phases must fill the same buffers
+        return plan
+
+
+def _inputs_meta(q: Quantizer, m: int, k: int, *, rowwise: bool, columnwise: bool):
+    with q.usages(rowwise=rowwise, columnwise=columnwise):
+        empty = q.make_empty((m, k), dtype=torch.float32, device="meta")
+    return gather_codec.pack(empty, m)[0]
+
+
+def _derives_columnwise(q: Quantizer, m: int, k: int) -> bool:
+    with q.usages(rowwise=True, columnwise=False):
+        empty = q.make_empty((m, k), dtype=torch.float32, device="meta")
+    try:
+        empty._derive("columnwise")
+    except RuntimeError:
+        return False
+    return True
+
+
+def _fsdp_phase(module: nn.Module) -> tuple[bool, bool]:
+    """(in backward, resharding after forward) of the FSDP state owning ``module``'s
+    parameters; unknown (another torch) reads as forward without resharding, which gathers
+    every direction a step needs."""
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group
+        backward = group._training_state.name in ("PRE_BACKWARD", "POST_BACKWARD")
+        return backward, bool(group._reshard_after_forward)
+    except AttributeError:
+        return False, False
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    short = rows - t.shape[0]
+    return torch.cat([t, t.new_zeros(short, *t.shape[1:])]) if short else t
+
+
+class QuantizedGatherWeight(torch.Tensor):
+    """A high-precision weight that FSDP2 all-gathers quantized (see the module doc)."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, spec: _GatherSpec):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
+            dtype=data.dtype, device=data.device, layout=data.layout,
+            requires_grad=data.requires_grad)
+        self._data, self._spec = data, spec
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"QuantizedGatherWeight({self._data!r})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
+        return QuantizedGatherWeight(inner["_data"], spec)
+
+    def __reduce_ex__(self, protocol):
+        return (_rebuild, (self._data, self._spec, getattr(self, "_is_param", False),
+                           self.requires_grad))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        spec = None
+
+        def unwrap(t):
+            nonlocal spec
+            if isinstance(t, cls):
+                spec = spec or t._spec
+                return t._data
+            return t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        name = func._schema.name.split("::")[-1]
+        if name.endswith("_") and not name.startswith("_foreach") and isinstance(args[0], cls):
+            return args[0]  # in place (an optimizer step, a copy_): the wrapper itself
+        if func in _KEEP_WRAPPED:
+            return tree_map(lambda t: cls(t, spec) if type(t) is torch.Tensor else t, out)
+        return out
+
+    # ---- FSDP2 all-gather extension -----------------------------------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        dtype = mp_policy.param_dtype or self.dtype
+        world = mesh.size()
+        rows, k = outer_size
+        padded_rows = math.ceil(rows / world)
+        shard = self._data.to(dtype)
+        plan = self._spec.plan(shard.device, dtype, (rows, k), world)
+        if plan.quantizer is None:
+            return (_pad_rows(shard, padded_rows),), None
+        backward, reshard = _fsdp_phase(module)
+        rowwise, columnwise = plan.usages(backward, reshard)
+        group = mesh.get_group()
+
+        def reduce_max(t: torch.Tensor) -> torch.Tensor:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+            return t
+
+        with plan.quantizer.usages(rowwise=rowwise, columnwise=columnwise):
+            part = plan.quantizer.quantize_part(shard, reduce_max)
+        return gather_codec.pack(part, rows, padded_rows if plan.padded else None)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        if metadata is None:  # high precision: the parameter is a view of the gather
+            if out is None:
+                return all_gather_outputs[0], tuple(all_gather_outputs)
+            return None
+        if out is not None:
+            local = getattr(out, "_local_tensor", out)  # a DTensor parameter under TP
+            gather_codec.refill(local, all_gather_outputs, metadata)
+            return None
+        shape = (metadata.rows, self.shape[1])
+        qt = gather_codec.unpack(all_gather_outputs, metadata, shape, param_dtype)
+        return qt, tuple(all_gather_outputs)
+
+
+def _rebuild(data, spec, is_param, requires_grad):
+    out = QuantizedGatherWeight(data, spec)
+    return nn.Parameter(out, requires_grad=requires_grad) if is_param else out
+
+
+def quantized_all_gather(model: nn.Module, recipe) -> nn.Module:
+    """Let FSDP2 all-gather the weights of ``model``'s lowprec modules quantized in
+    ``recipe``'s weight format (see the module doc for what each format gathers). Call it
+    on the unsharded model, before ``fully_shard``; returns ``model``.
+
+    Forwards under ``lowprec.autocast(recipe=recipe)`` compute exactly what they compute
+    without FSDP. The gathered weight is the module's weight for any forward: under
+    another recipe or outside autocast its GEMMs use the gathered values, as they use a
+    ``quantized_model_init`` weight. Quantized weights (``quantized_model_init``) are left
+    as they are."""
+    from ..modules.base import LowprecModule
+    from ..recipe import Recipe
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"quantized_all_gather: recipe must be a lowprec Recipe, got "
+                        f"{type(recipe).__name__}")
+    for module in model.modules():
+        if not isinstance(module, LowprecModule):
+            continue
+        for i, name in enumerate(module._weight_names()):
+            w = module._parameters.get(name)
+            if w is None or isinstance(w, (QuantizedTensor, QuantizedGatherWeight)):
+                continue
+            if type(w.data) is not torch.Tensor:
+                raise TypeError(f"quantized_all_gather: {type(module).__name__}.{name} is a "
+                                f"{type(w.data).__name__}; call it before fully_shard")
+            if w.dim() != 2:
+                raise ValueError(f"quantized_all_gather: {name} must be 2-D, got shape "
+                                 f"{tuple(w.shape)}")
+            wrapped = QuantizedGatherWeight(w.detach(), _GatherSpec(module, i, recipe))
+            module._parameters[name] = nn.Parameter(wrapped, requires_grad=w.requires_grad)
+    return model
