@@ -98,17 +98,19 @@ class _GatherSpec:
             return _GatherPlan(None)
         rows, k = shape
         local = math.ceil(rows / world)
-        derivable = _derives_columnwise(q, local, k)
-        multiple = q.row_multiple(rowwise=True, columnwise=not derivable)
-        row_inputs = _inputs_meta(q, local, k, rowwise=True, columnwise=False)
-        single = derivable and len(row_inputs) == 1 and row_inputs[0].shape == (local, k)
+        probe = q.row_multiple(rowwise=True, columnwise=True)  # rows any block accepts
+        derivable = _derives_columnwise(q, probe, k)
+        probe_inputs = _inputs_meta(q, probe, k, rowwise=True, columnwise=False)
+        single = (derivable and len(probe_inputs) == 1 and probe_inputs[0].shape == (probe, k)
+                  and q.row_multiple(rowwise=True, columnwise=False) == 1)
         mode = self.recipe.backward_mode
         plan = _GatherPlan(q, derivable, padded=single, backward_mode=mode)
         if single:
             return plan
-        if rows % world or local % multiple:
+        if rows % world or local % q.row_multiple(rowwise=True, columnwise=not derivable):
             return _GatherPlan(None)  # uneven or straddling shards: FSDP's padding rule
         if not derivable and mode == "default":
+            row_inputs = _inputs_meta(q, local, k, rowwise=True, columnwise=False)
             col_inputs = _inputs_meta(q, local, k, rowwise=False, columnwise=True)
             if gather_codec.signature(row_inputs) != gather_codec.signature(col_inputs):
                 return _GatherPlan(None)  # the two phases must fill the same buffers

@@ -1,5 +1,7 @@
-"""Run a function on N gloo ranks on 127.0.0.1 (CPU), bounded in time, for the
-distributed tests."""
+"""Run a function on N ranks on 127.0.0.1, bounded in time, for the distributed tests.
+
+gloo on CPU by default (CI); ``LOWPREC_DIST_BACKEND=nccl`` runs the same tests with NCCL,
+one GPU a rank (``device()``), on a machine with as many GPUs."""
 
 from __future__ import annotations
 
@@ -13,6 +15,19 @@ import torch.multiprocessing as mp
 
 #: seconds a collective may wait before the process group fails (never a hang in CI)
 PG_TIMEOUT = 60
+BACKEND = os.environ.get("LOWPREC_DIST_BACKEND", "gloo")
+
+
+def device(rank: int = 0) -> torch.device:
+    """The device rank ``rank`` computes on (the main test process: rank 0's)."""
+    return torch.device("cuda", rank) if BACKEND == "nccl" else torch.device("cpu")
+
+
+def check_world(world: int) -> None:
+    """Skip a test that needs more GPUs than the machine has (NCCL only)."""
+    import pytest
+    if BACKEND == "nccl" and torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs for NCCL, the machine has {torch.cuda.device_count()}")
 
 
 def free_port() -> int:
@@ -24,7 +39,9 @@ def free_port() -> int:
 def _entry(rank: int, world: int, port: int, fn, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    if BACKEND == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(BACKEND, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT))
     try:
         fn(rank, world, *args)
@@ -35,4 +52,5 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
 
 def run(fn, world: int, *args) -> None:
     """``fn(rank, world, *args)`` on ``world`` spawned processes; raises if any fails."""
+    check_world(world)
     mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)

@@ -8,12 +8,17 @@ import torch
 from torch import nn
 
 import lowprec
+from lowprec import factories
 from lowprec.distributed import QuantizedGatherWeight, quantized_all_gather
 
 import spawn
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 fully_shard = fsdp.fully_shard
+
+def _nvfp4_sr_everywhere(role):
+    return lowprec.NVFP4Quantizer(stochastic_rounding=True)
+
 
 RECIPES = {
     "current": lambda: lowprec.Float8CurrentScaling(),
@@ -22,11 +27,17 @@ RECIPES = {
     "mxfp8": lambda: lowprec.MXFP8BlockScaling(),
     "nvfp4": lambda: lowprec.NVFP4BlockScaling(disable_stochastic_rounding=True),
 }
+#: gathered in high precision (see test_formats_gathered_in_high_precision)
+HP_RECIPES = {
+    "nvfp4_sr": lambda: lowprec.CustomRecipe(qfactory=_nvfp4_sr_everywhere),
+    "hybrid": lambda: lowprec.CustomRecipe(qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory),
+}
 #: the unsharded weight's class during forward with quantized_all_gather (None: the
 #: weight is gathered in high precision)
 GATHERED = {"current": lowprec.Float8Tensor, "delayed": None,
             "block": lowprec.Float8BlockwiseTensor, "mxfp8": lowprec.MXFP8Tensor,
-            "nvfp4": lowprec.NVFP4Tensor}
+            "nvfp4": lowprec.NVFP4Tensor, "nvfp4_sr": None, "hybrid": None}
+RECIPES.update(HP_RECIPES)
 HIDDEN, TOKENS, STEPS = 256, 64, 3
 
 
@@ -44,9 +55,10 @@ class Model(nn.Module):
         return x
 
 
-def _data(step: int):
+def _data(step: int, device):
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(TOKENS, HIDDEN, generator=g), torch.randn(TOKENS, HIDDEN, generator=g)
+    x, t = torch.randn(TOKENS, HIDDEN, generator=g), torch.randn(TOKENS, HIDDEN, generator=g)
+    return x.to(device), t.to(device)
 
 
 def train(model, recipe, steps: int = STEPS, record=None):
@@ -58,9 +70,10 @@ def train(model, recipe, steps: int = STEPS, record=None):
             if isinstance(m, lowprec.Linear):
                 hooks.append(m.register_forward_pre_hook(lambda mod, args: record(mod)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    device = next(model.parameters()).device
     losses = []
     for step in range(steps):
-        x, target = _data(step)
+        x, target = _data(step, device)
         with lowprec.autocast(recipe=recipe):
             y = model(x)
         loss = ((y.float() - target) ** 2).mean()
@@ -78,13 +91,18 @@ def full_state(model) -> dict:
     for k, v in model.state_dict().items():
         if isinstance(v, torch.Tensor):
             v = v.full_tensor() if hasattr(v, "full_tensor") else v
-            out[k] = torch.Tensor(v._data) if isinstance(v, QuantizedGatherWeight) else v
+            v = v._data if isinstance(v, QuantizedGatherWeight) else v
+            out[k] = v.cpu()
     return out
 
 
-def _worker(rank, world, rname, wrap, rows, reshard, out_dir):
+def _model(rows: int = HIDDEN, rank: int = 0):
     torch.manual_seed(0)
-    model = Model(rows)
+    return Model(rows).to(spawn.device(rank))
+
+
+def _worker(rank, world, rname, wrap, rows, reshard, out_dir):
+    model = _model(rows, rank)
     recipe = RECIPES[rname]()
     if wrap:
         quantized_all_gather(model, recipe)
@@ -95,19 +113,19 @@ def _worker(rank, world, rname, wrap, rows, reshard, out_dir):
     losses = train(model, recipe, record=lambda m: seen.append(type(m.weight).__name__))
     state = full_state(model)
     if rank == 0:
-        torch.save({"losses": losses, "state": state, "seen": seen}, f"{out_dir}/fsdp.pt")
+        torch.save({"losses": losses.cpu(), "state": state, "seen": seen}, f"{out_dir}/fsdp.pt")
 
 
 def _single(rname, rows):
-    torch.manual_seed(0)
-    model = Model(rows)
+    model = _model(rows)
     losses = train(model, RECIPES[rname]())
-    return losses, {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    return losses.cpu(), {k: v.cpu() for k, v in model.state_dict().items()
+                          if isinstance(v, torch.Tensor)}
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
 @pytest.mark.parametrize("wrap", [True, False], ids=["quantized_gather", "hp_gather"])
-@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("rname", [r for r in RECIPES if r not in HP_RECIPES])
 def test_fsdp_matches_single_process(tmp_path, rname, wrap, reshard):
     """Two ranks on the same batches (the averaged gradient is the one process's exactly):
     losses and the final weights bit-identical to one process."""
@@ -125,8 +143,7 @@ def test_fsdp_matches_single_process(tmp_path, rname, wrap, reshard):
 
 def _bytes_worker(rank, world, rname, wrap, out_dir):
     from lowprec.distributed.diagnostics import count_all_gather_bytes
-    torch.manual_seed(0)
-    model = Model()
+    model = _model(rank=rank)
     recipe = RECIPES[rname]()
     if wrap:
         quantized_all_gather(model, recipe)
@@ -162,3 +179,80 @@ def test_quantized_all_gather_bytes(tmp_path, rname):
     others = hp - 2 * 4 * weights  # forward and backward gathers, 4 bytes an element
     assert others >= 0
     assert q == pytest.approx(weights * GATHER_BYTES[rname] + others, rel=1e-6), (q, hp)
+
+
+def _uneven_worker(rank, world, rname, out_dir):
+    model = _model(rank=rank)
+    recipe = RECIPES[rname]()
+    quantized_all_gather(model, recipe)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    seen = []
+    losses = train(model, recipe, record=lambda m: seen.append(type(m.weight).__name__))
+    state = full_state(model)
+    if rank == 0:
+        torch.save({"losses": losses.cpu(), "state": state, "seen": seen}, f"{out_dir}/fsdp.pt")
+
+
+#: what an uneven shard (256 rows on 3 ranks) gathers: per-tensor FP8 sends one input,
+#: which FSDP pads; the formats with scale inputs gather in high precision
+UNEVEN = {"current": "Float8Tensor", "block": "Parameter", "mxfp8": "Parameter",
+          "nvfp4": "Parameter"}
+
+
+@pytest.mark.parametrize("rname", list(UNEVEN))
+def test_uneven_shards(tmp_path, rname):
+    """World size 3 on 256 rows (shards of 86, 86 and 84 rows): the first forward is one
+    process's bit for bit; the next steps, whose gradients are means over three equal
+    contributions (rounded), stay within float tolerance of it."""
+    spawn.run(_uneven_worker, 3, rname, str(tmp_path))
+    got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
+    losses, state = _single(rname, HIDDEN)
+    assert torch.equal(got["losses"][0], losses[0])
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-3, atol=0)
+    for k in state:
+        torch.testing.assert_close(got["state"][k], state[k], rtol=1e-3, atol=1e-4)
+    assert set(got["seen"]) == {UNEVEN[rname]}, got["seen"]
+
+
+def _meta_worker(rank, world, rname, out_dir):
+    with torch.device("meta"):
+        model = Model()
+    recipe = RECIPES[rname]()
+    quantized_all_gather(model, recipe)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device=spawn.device(rank))
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, lowprec.Linear) or isinstance(m, lowprec.LayerNormMLP):
+            m.reset_parameters()
+    seen = []
+    losses = train(model, recipe, record=lambda m: seen.append(type(m.weight).__name__))
+    state = full_state(model)
+    if rank == 0:
+        torch.save({"losses": losses.cpu(), "state": state, "seen": seen}, f"{out_dir}/fsdp.pt")
+
+
+@pytest.mark.parametrize("rname", ["current", "mxfp8"])
+def test_meta_device_init(tmp_path, rname):
+    """torchtitan's deferred init: meta model -> quantized_all_gather -> fully_shard ->
+    to_empty -> reset_parameters, then training with quantized gathers."""
+    spawn.run(_meta_worker, 2, rname, str(tmp_path))
+    got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
+    assert torch.isfinite(got["losses"]).all()
+    assert set(got["seen"]) == {GATHERED[rname].__name__}
+    w = got["state"]["layers.0.weight"]
+    bound = 1 / HIDDEN ** 0.5  # nn.Linear's init, drawn again by reset_parameters
+    assert w.abs().max() <= bound * 1.01 and w.std() > bound / 4
+    # the norm's weight starts at one (three small SGD steps since)
+    assert (got["state"]["layers.1.layer_norm_weight"] - 1).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("rname", ["nvfp4_sr", "hybrid"])
+def test_formats_gathered_in_high_precision(tmp_path, rname):
+    """NVFP4 weights with stochastic rounding and hybrid formats depend on more than the
+    shard: they gather in high precision and still train as one process does."""
+    test_fsdp_matches_single_process(tmp_path, rname, True, True)

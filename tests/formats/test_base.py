@@ -13,6 +13,8 @@ import pickle
 import pytest
 import torch
 
+import lowprec
+
 from lowprec.formats.base import QuantizedTensor, Quantizer, register_safe_globals
 from lowprec.formats.float8 import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 
@@ -381,3 +383,33 @@ def test_float_is_differentiable_to_the_quantized_tensor(quantizer):
 def test_to_dtype_stays_quantized_where_float_does_not(qt):
     assert isinstance(qt.to(torch.float32), QuantizedTensor)
     assert not isinstance(qt.float(), QuantizedTensor)
+
+
+def test_usage_copy_leaves_the_tensor_as_it_is():
+    q = lowprec.Float8CurrentScalingQuantizer()
+    with q.usages(rowwise=True, columnwise=False):
+        qt = q.quantize(torch.randn(48, 32))
+    col = qt.usage_copy("columnwise")  # derived (per-tensor FP8: a transpose)
+    assert not qt.has_usage("columnwise") and col.has_usage("columnwise")
+    assert not col.has_usage("rowwise") and col.shared_scale is qt.shared_scale
+    assert torch.equal(col.dequantize(usage="columnwise"), qt.dequantize())
+    # a held but transposed (non-contiguous) direction comes back contiguous
+    view = type(qt)(qt.shape, qt.dtype, rowwise_data=None,
+                    columnwise_data=col.columnwise_data.t().contiguous().t(),
+                    shared_scale=qt.shared_scale, fp8_dtype=qt.fp8_dtype)
+    assert not view.holds_gemm_layout("columnwise")
+    fixed = view.usage_copy("columnwise")
+    assert fixed.holds_gemm_layout("columnwise")
+    assert torch.equal(fixed.dequantize(usage="columnwise"), qt.dequantize())
+    mx = lowprec.MXFP8Quantizer()
+    with mx.usages(rowwise=True, columnwise=False):
+        with pytest.raises(RuntimeError, match="cannot derive its columnwise"):
+            mx.quantize(torch.randn(64, 64)).usage_copy("columnwise")
+
+
+def test_as_strided_is_the_identity_only():
+    qt = lowprec.Float8CurrentScalingQuantizer()(torch.randn(8, 32))
+    same = torch.as_strided(qt, (8, 32), (32, 1), 0)
+    assert type(same) is type(qt) and torch.equal(same.dequantize(), qt.dequantize())
+    with pytest.raises(NotImplementedError, match="as_strided only as the identity"):
+        torch.as_strided(qt, (4, 32), (32, 1), 0)
