@@ -67,8 +67,9 @@ def build(model: str, device: str):
                       max_position_embeddings=seq, attn_implementation="sdpa",
                       use_cache=False)
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    with torch.device(device):  # initialized where it runs (seconds, not a minute on CPU)
+        return LlamaForCausalLM(cfg).to(dtype=dtype)
 
 
 def not_lm_head(module, name: str) -> bool:

@@ -1,0 +1,168 @@
+"""FSDP2 training step over several GPUs: bf16 against lowprec recipes, with the weights
+all-gathered in high precision and quantized (``lowprec.distributed.quantized_all_gather``).
+
+One process per GPU (NCCL). The model is ``bench_model.py``'s Hugging Face Llama config
+(``--model``, default "8b-wide"), every Linear but ``lm_head`` converted with
+``lowprec.convert_model``, ``fully_shard`` on each decoder layer and on the root, bf16
+parameters, ``seq x batch`` tokens per rank, forward + backward + AdamW. Per peer, rank 0
+prints the median step time (CUDA events, after warm-up), the bytes all-gathered in a step
+(what a rank receives), the peak memory, and each as a ratio to bf16 FSDP in the same run;
+rows go to ``results.csv``.
+
+    python benchmarks/bench_distributed.py                    # 2 GPUs, every recipe
+    python benchmarks/bench_distributed.py --recipes current --gathers quantized
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lowprec  # noqa: E402
+from bench_model import MODELS, RECIPES, build, not_lm_head  # noqa: E402
+from harness import append_rows  # noqa: E402
+from lowprec.distributed import quantized_all_gather  # noqa: E402
+from lowprec.distributed.diagnostics import count_all_gather_bytes  # noqa: E402
+
+
+def make_peer(peer: str, model: str, device):
+    """(FSDP model, autocast context factory or None)."""
+    from torch.distributed.fsdp import fully_shard
+    m = build(model, device)
+    ctx = None
+    if peer != "bf16":
+        name, gather = peer[len("lowprec-"):].split("+")
+        recipe = RECIPES[name]()
+        lowprec.convert_model(m, module_filter_fn=not_lm_head)
+        if gather == "quantized":
+            quantized_all_gather(m, recipe)
+        ctx = lambda: lowprec.autocast(recipe=recipe)  # noqa: E731
+    for layer in m.model.layers:
+        fully_shard(layer)
+    fully_shard(m)
+    return m, ctx
+
+
+def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int) -> tuple:
+    """(median step ms, all-gathered bytes a step, peak GiB) on this rank."""
+    device = torch.device("cuda", rank)
+    m, ctx = make_peer(peer, model, device)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    *_, seq, batch = MODELS[model]
+    gen = torch.Generator(device=device).manual_seed(rank)
+    ids = [torch.randint(0, 32000, (batch, seq), device=device, generator=gen) for _ in range(2)]
+
+    def step(i):
+        x = ids[i % 2]
+        if ctx is None:
+            loss = m(input_ids=x, labels=x).loss
+        else:
+            with ctx():
+                loss = m(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for i in range(warmup):
+        step(i)
+    with count_all_gather_bytes() as counter:
+        step(0)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step(i)
+        b.record()
+        times.append((a, b))
+    torch.cuda.synchronize()
+    ms = statistics.median(a.elapsed_time(b) for a, b in times)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return ms, counter.bytes, peak
+
+
+def worker(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    peers = ["bf16"] + [f"lowprec-{r}+{g}" for r in args.recipes.split(",") if r
+                        for g in args.gathers.split(",") if g]
+    results, lines = {}, []
+    *_, seq, batch = MODELS[args.model]
+    header = (f"{'peer':28s} {'ms':>8s} {'vs bf16':>8s} {'gathered GB':>12s} {'vs bf16':>8s} "
+              f"{'peak GiB':>9s} {'vs bf16':>8s}")
+    if rank == 0:
+        print(f"{args.model} FSDP2 on {world} x {torch.cuda.get_device_name()}, "
+              f"{seq * batch} tokens a rank, torch {torch.__version__}\n{header}", flush=True)
+    for peer in peers:
+        try:
+            res = run_peer(peer, args.model, rank, args.steps, args.warmup)
+            gc.collect()
+            torch.cuda.empty_cache()  # the peer's model and optimizer died with run_peer
+        except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
+            print(f"rank {rank} {peer}: FAILED {type(exc).__name__}: {str(exc)[:400]}",
+                  flush=True)
+            raise
+        # the slowest rank's time and the largest peak are the step's
+        t = torch.tensor([res[0], res[2]], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        ms, peak, gathered = t[0].item(), t[1].item(), res[1]
+        results[peer] = (ms, gathered, peak)
+        if rank != 0:
+            continue
+        base = results["bf16"]
+        r_ms, r_b, r_p = ms / base[0], gathered / base[1], peak / base[2]
+        line = (f"{peer:28s} {ms:8.2f} {r_ms:7.2f}x {gathered / 1e9:12.3f} {r_b:7.2f}x "
+                f"{peak:9.2f} {r_p:7.2f}x")
+        lines.append(line)
+        print(line, flush=True)
+        shape = f"{args.model} {seq * batch}tok/rank x{world}"
+        append_rows([
+            dict(bench="fsdp2", shape=shape, recipe=peer, metric="step_ms", value=round(ms, 3),
+                 baseline="bf16 fsdp2", baseline_value=round(base[0], 3), ratio=round(r_ms, 4),
+                 note=f"{seq * batch * world / ms * 1e3:.0f} tok/s"),
+            dict(bench="fsdp2", shape=shape, recipe=peer, metric="all_gather_GB",
+                 value=round(gathered / 1e9, 4), baseline="bf16 fsdp2",
+                 baseline_value=round(base[1] / 1e9, 4), ratio=round(r_b, 4)),
+            dict(bench="fsdp2", shape=shape, recipe=peer, metric="peak_GiB",
+                 value=round(peak, 3), baseline="bf16 fsdp2",
+                 baseline_value=round(base[2], 3), ratio=round(r_p, 4)),
+        ])
+    if rank == 0:
+        print(f"\n{header}\n" + "\n".join(lines), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="8b-wide", choices=list(MODELS))
+    ap.add_argument("--recipes", default="current,block,mxfp8,nvfp4")
+    ap.add_argument("--gathers", default="hp,quantized", help="hp,quantized")
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args.gpus, port, args), nprocs=args.gpus, join=True)
+
+
+if __name__ == "__main__":
+    main()
