@@ -1,5 +1,6 @@
 """FSDP2 training step over several GPUs: bf16 against lowprec recipes, with the weights
-all-gathered in high precision and quantized (``lowprec.distributed.quantized_all_gather``).
+all-gathered in high precision and quantized (``lowprec.distributed.quantized_all_gather``,
+with and without ``precompute_gather_statistics``).
 
 One process per GPU (NCCL). The model is ``bench_model.py``'s Hugging Face Llama config
 (``--model``, default "8b-wide"), every Linear but ``lm_head`` converted with
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lowprec  # noqa: E402
 from bench_model import MODELS, RECIPES, build, not_lm_head  # noqa: E402
 from harness import append_rows  # noqa: E402
-from lowprec.distributed import quantized_all_gather  # noqa: E402
+from lowprec.distributed import precompute_gather_statistics, quantized_all_gather  # noqa: E402
 from lowprec.distributed.diagnostics import count_all_gather_bytes  # noqa: E402
 
 
@@ -47,13 +48,19 @@ def make_peer(peer: str, model: str, device):
         name, gather = peer[len("lowprec-"):].split("+")
         recipe = RECIPES[name]()
         lowprec.convert_model(m, module_filter_fn=not_lm_head)
-        if gather == "quantized":
+        if gather in ("quantized", "precomputed"):
             quantized_all_gather(m, recipe)
         ctx = lambda: lowprec.autocast(recipe=recipe)  # noqa: E731
     for layer in m.model.layers:
         fully_shard(layer)
     fully_shard(m)
     return m, ctx
+
+
+def after_step(peer: str, m):
+    """What the peer runs after each optimizer step."""
+    if peer.endswith("+precomputed"):
+        precompute_gather_statistics(m)
 
 
 def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int) -> tuple:
@@ -75,6 +82,7 @@ def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int) -> tuple
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        after_step(peer, m)
 
     for i in range(warmup):
         step(i)
@@ -153,7 +161,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="8b-wide", choices=list(MODELS))
     ap.add_argument("--recipes", default="current,block,mxfp8,nvfp4")
-    ap.add_argument("--gathers", default="hp,quantized", help="hp,quantized")
+    ap.add_argument("--gathers", default="hp,quantized,precomputed",
+                    help="hp (gather bf16), quantized (quantized_all_gather), precomputed "
+                         "(and precompute_gather_statistics after each step)")
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)

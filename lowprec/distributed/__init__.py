@@ -1,5 +1,5 @@
 """lowprec on torch.distributed: FSDP2 all-gathers of quantized weights."""
 
-from .fsdp import QuantizedGatherWeight, quantized_all_gather
+from .fsdp import QuantizedGatherWeight, precompute_gather_statistics, quantized_all_gather
 
-__all__ = ["QuantizedGatherWeight", "quantized_all_gather"]
+__all__ = ["QuantizedGatherWeight", "precompute_gather_statistics", "quantized_all_gather"]

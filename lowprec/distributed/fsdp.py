@@ -75,11 +75,19 @@ class _GatherSpec:
     def __init__(self, module: nn.Module, index: int, recipe) -> None:
         self.module, self.index, self.recipe = module, index, recipe
         self._plans: dict = {}
+        self._group = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_plans"] = {}  # quantizers of this process's recipe state
+        state["_group"] = None  # this process's FSDP state
         return state
+
+    def fsdp_group(self):
+        """The FSDP parameter group of this weight (found once)."""
+        if self._group is None:
+            self._group = _fsdp_param_group(self.module, self.module._weight_names()[self.index])
+        return self._group
 
     def plan(self, device, dtype, shape: tuple[int, int], world: int) -> _GatherPlan:
         key = (device, dtype, shape, world)
@@ -133,12 +141,27 @@ def _derives_columnwise(q: Quantizer, m: int, k: int) -> bool:
     return True
 
 
-def _fsdp_phase(module: nn.Module) -> tuple[bool, bool]:
-    """(in backward, resharding after forward) of the FSDP state owning ``module``'s
-    parameters; unknown (another torch) reads as forward without resharding, which gathers
-    every direction a step needs."""
+def _fsdp_param_group(module: nn.Module, name: str):
+    """FSDP2's parameter group holding ``module.<name>`` (FSDP hands the hooks the module
+    that owns the parameter, which need not be the one ``fully_shard`` was applied to), or
+    None where this torch keeps its states otherwise."""
     try:
-        group = module._get_fsdp_state()._fsdp_param_group
+        from torch.distributed._composable_state import _module_state_mapping
+        for ref in list(_module_state_mapping.values()):
+            group = getattr(ref(), "_fsdp_param_group", None)
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                info = fsdp_param._module_info
+                if info.module is module and info.param_name == name:
+                    return group
+    except (ImportError, AttributeError):
+        pass
+    return None
+
+
+def _fsdp_phase(group) -> tuple[bool, bool]:
+    """(in backward, resharding after forward) of FSDP parameter group ``group``; unknown
+    reads as forward without resharding, which gathers every direction a step needs."""
+    try:
         backward = group._training_state.name in ("PRE_BACKWARD", "POST_BACKWARD")
         return backward, bool(group._reshard_after_forward)
     except AttributeError:
@@ -160,6 +183,10 @@ class QuantizedGatherWeight(torch.Tensor):
             dtype=data.dtype, device=data.device, layout=data.layout,
             requires_grad=data.requires_grad)
         self._data, self._spec = data, spec
+        #: (plan, dtype, process group) of the last quantized gather
+        self._last_gather = None
+        #: (data version, dtype, statistic) from ``precompute_gather_statistics``
+        self._statistic = None
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -208,17 +235,26 @@ class QuantizedGatherWeight(torch.Tensor):
         plan = self._spec.plan(shard.device, dtype, (rows, k), world)
         if plan.quantizer is None:
             return (_pad_rows(shard, padded_rows),), None
-        backward, reshard = _fsdp_phase(module)
+        backward, reshard = _fsdp_phase(self._spec.fsdp_group())
         rowwise, columnwise = plan.usages(backward, reshard)
         group = mesh.get_group()
-
-        def reduce_max(t: torch.Tensor) -> torch.Tensor:
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
-            return t
-
+        self._last_gather = (plan, dtype, group)
         with plan.quantizer.usages(rowwise=rowwise, columnwise=columnwise):
-            part = plan.quantizer.quantize_part(shard, reduce_max)
+            statistic = self._whole_statistic(plan.quantizer, shard, dtype, group)
+            part = plan.quantizer.quantize_part(shard, statistic)
         return gather_codec.pack(part, rows, padded_rows if plan.padded else None)
+
+    def _whole_statistic(self, quantizer, shard, dtype, group):
+        """The whole weight's per-tensor statistic: the one precomputed for these values, or
+        an all-reduce of the shards' (every rank takes the same branch: the same steps)."""
+        kept = self._statistic
+        if kept is not None and kept[0] == self._data._version and kept[1] == dtype:
+            return kept[2]
+        statistic = quantizer.part_statistic(shard)
+        if statistic is not None:
+            torch.distributed.all_reduce(statistic, op=torch.distributed.ReduceOp.MAX,
+                                         group=group)
+        return statistic
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if metadata is None:  # high precision: the parameter is a view of the gather
@@ -237,6 +273,29 @@ class QuantizedGatherWeight(torch.Tensor):
 def _rebuild(data, spec, is_param, requires_grad):
     out = QuantizedGatherWeight(data, spec)
     return nn.Parameter(out, requires_grad=requires_grad) if is_param else out
+
+
+def precompute_gather_statistics(model: nn.Module) -> None:
+    """Compute the per-tensor statistics (amaxes) the next quantized all-gathers need, for
+    every weight of ``model`` wrapped by :func:`quantized_all_gather`, in one all-reduce per
+    process group, instead of one small all-reduce per weight inside each gather (where it
+    waits behind the gradient reduce-scatters). Call it after ``optimizer.step()``, on every
+    rank; a weight changed since is all-reduced by its gather as usual, so a missed call
+    costs time, never correctness. The gathered bytes are the same either way."""
+    pending: dict = {}
+    for p in model.parameters():
+        local = getattr(p, "_local_tensor", p)
+        if not isinstance(local, QuantizedGatherWeight) or local._last_gather is None:
+            continue  # not wrapped, or not gathered quantized yet (sized at the first gather)
+        plan, dtype, group = local._last_gather
+        statistic = plan.quantizer.part_statistic(local._data.to(dtype))
+        if statistic is not None:
+            pending.setdefault(group, []).append((local, dtype, statistic))
+    for group, items in pending.items():
+        flat = torch.cat([s for *_, s in items])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
+        for (local, dtype, _), whole in zip(items, flat.split([s.numel() for *_, s in items])):
+            local._statistic = (local._data._version, dtype, whole)
 
 
 def quantized_all_gather(model: nn.Module, recipe) -> nn.Module:

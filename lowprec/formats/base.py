@@ -705,19 +705,24 @@ class Quantizer:
 
     __call__ = quantize
 
+    def part_statistic(self, part: torch.Tensor) -> torch.Tensor | None:
+        """The per-tensor statistic of ``part`` (rows of a larger 2-D tensor) that
+        :meth:`quantize_part` needs the whole tensor's value of, as an int32 tensor whose
+        elementwise maximum over the parts is the whole tensor's (an all-reduce MAX
+        combines them); None for formats whose blocks need nothing beyond themselves."""
+        return None
+
     def quantize_part(self, part: torch.Tensor,
-                      reduce_max: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensor:
+                      statistic: torch.Tensor | None = None) -> QuantizedTensor:
         """``part``, whole rows of a 2-D tensor whose other rows other processes hold (a
         weight shard under FSDP), quantized with this quantizer's usages exactly as
         :meth:`quantize` of the whole tensor quantizes those rows, where
         :meth:`can_quantize_part` says the format can (its values depend on nothing but the
         part and a maximum over the parts).
 
-        ``reduce_max(t)`` returns the elementwise maximum of the int32 tensor ``t`` over
-        every part (an all-reduce): a per-tensor statistic goes through it, and every part
-        calls it the same number of times, so every process calls this together. Blocks
-        that run along the rows need the part to start and end on a block boundary
-        (:meth:`row_multiple`)."""
+        ``statistic``: the elementwise maximum of :meth:`part_statistic` over every part
+        (required where that is not None). Blocks that run along the rows need the part to
+        start and end on a block boundary (:meth:`row_multiple`)."""
         self._check_input(part)
         if part.dim() != 2:
             raise ValueError(f"{type(self).__name__}.quantize_part needs a 2-D part, got shape "
@@ -730,10 +735,10 @@ class Quantizer:
                 f"would (see can_quantize_part)")
         m, k = part.shape
         self._check_shape(part.shape, m, k)
-        fields = self._part_fields(part.contiguous(), reduce_max)
-        if fields == "empty":
+        if m == 0 or k == 0:
             return self.make_empty(part.shape, dtype=part.dtype, device=part.device)
-        return self._tensor_class()(part.shape, part.dtype, **fields)
+        return self._tensor_class()(part.shape, part.dtype,
+                                    **self._part_fields(part.contiguous(), statistic))
 
     #: Whether a quantize's values depend on nothing beyond each block's own elements, so a
     #: part of a tensor quantizes alone (``quantize_part``).
@@ -743,9 +748,9 @@ class Quantizer:
         """Whether :meth:`quantize_part` works with this quantizer and its usages."""
         return self.blocks_are_independent
 
-    def _part_fields(self, part: torch.Tensor, reduce_max) -> dict | str:
-        """Fields of :meth:`quantize_part` (``"empty"`` for a part without elements)."""
-        return "empty" if part.numel() == 0 else self._quantize_2d(part)
+    def _part_fields(self, part: torch.Tensor, statistic: torch.Tensor | None) -> dict:
+        """Fields of :meth:`quantize_part` for a part with elements."""
+        return self._quantize_2d(part)
 
     def supports_fused(self, x: torch.Tensor) -> bool:
         """Whether :meth:`quantize_fused` can take ``x`` (a CUDA input with Triton kernels, a

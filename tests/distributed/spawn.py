@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,12 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
         dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
+    # Leave without running destructors: a gloo worker thread still owned by FSDP state at
+    # interpreter exit can abort the process ("terminate called without an active
+    # exception") after the test's work is done and saved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(fn, world: int, *args) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import lowprec
 from lowprec import factories
-from lowprec.distributed import QuantizedGatherWeight, quantized_all_gather
+from lowprec.distributed import (QuantizedGatherWeight, precompute_gather_statistics,
+                                 quantized_all_gather)
 
 import spawn
 
@@ -61,9 +63,9 @@ def _data(step: int, device):
     return x.to(device), t.to(device)
 
 
-def train(model, recipe, steps: int = STEPS, record=None):
+def train(model, recipe, steps: int = STEPS, record=None, after_step=None):
     """Losses of ``steps`` SGD steps on the same batches; ``record(module)`` is called in
-    each Linear's forward."""
+    each Linear's forward, ``after_step()`` after each optimizer step."""
     hooks = []
     if record is not None:
         for m in model.modules():
@@ -80,6 +82,8 @@ def train(model, recipe, steps: int = STEPS, record=None):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step()
         losses.append(loss.detach())
     for h in hooks:
         h.remove()
@@ -101,7 +105,7 @@ def _model(rows: int = HIDDEN, rank: int = 0):
     return Model(rows).to(spawn.device(rank))
 
 
-def _worker(rank, world, rname, wrap, rows, reshard, out_dir):
+def _worker(rank, world, rname, wrap, rows, reshard, out_dir, precompute=False):
     model = _model(rows, rank)
     recipe = RECIPES[rname]()
     if wrap:
@@ -109,11 +113,23 @@ def _worker(rank, world, rname, wrap, rows, reshard, out_dir):
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
-    seen = []
-    losses = train(model, recipe, record=lambda m: seen.append(type(m.weight).__name__))
+    seen, reduces = [], []
+    all_reduce = dist.all_reduce
+
+    def counted(t, *args, **kwargs):
+        reduces.append(t.numel())
+        return all_reduce(t, *args, **kwargs)
+    dist.all_reduce = counted
+    try:
+        losses = train(model, recipe, record=lambda m: seen.append(type(m.weight).__name__),
+                       after_step=(lambda: precompute_gather_statistics(model)) if precompute
+                       else None)
+    finally:
+        dist.all_reduce = all_reduce
     state = full_state(model)
     if rank == 0:
-        torch.save({"losses": losses.cpu(), "state": state, "seen": seen}, f"{out_dir}/fsdp.pt")
+        torch.save({"losses": losses.cpu(), "state": state, "seen": seen, "reduces": reduces},
+                   f"{out_dir}/fsdp.pt")
 
 
 def _single(rname, rows):
@@ -256,3 +272,37 @@ def test_formats_gathered_in_high_precision(tmp_path, rname):
     """NVFP4 weights with stochastic rounding and hybrid formats depend on more than the
     shard: they gather in high precision and still train as one process does."""
     test_fsdp_matches_single_process(tmp_path, rname, True, True)
+
+
+@pytest.mark.parametrize("rname", ["current", "nvfp4"])
+def test_precomputed_statistics(tmp_path, rname):
+    """precompute_gather_statistics after each step: the same training bit for bit, and
+    the gathers of the following steps run no all-reduce of their own (one per step for
+    every weight instead of one per weight and gather)."""
+    spawn.run(_worker, 2, rname, True, HIDDEN, True, str(tmp_path), True)
+    got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
+    losses, state = _single(rname, HIDDEN)
+    assert torch.equal(got["losses"], losses)
+    for k in state:
+        assert torch.equal(got["state"][k], state[k]), k
+    weights = 4
+    # step 1: a reduce per weight and gather (forward, backward); after each step, one
+    # reduce of every weight's statistic; then no more in the gathers
+    assert got["reduces"] == [1] * (2 * weights) + [weights] * STEPS, got["reduces"]
+
+
+def _group_worker(rank, world, out_dir):
+    from lowprec.distributed.fsdp import _fsdp_param_group
+    model = _model(rank=rank)
+    fully_shard(model.layers[1])
+    fully_shard(model)  # layers 0 and 2 belong to the root's group
+    groups = [_fsdp_param_group(model.layers[i], "weight") for i in (0, 2)]
+    mlp = _fsdp_param_group(model.layers[1], "fc1_weight")
+    assert groups[0] is not None and groups[0] is groups[1] and mlp is not None
+    assert mlp is not groups[0]
+
+
+def test_param_group_of_a_module_inside_a_sharded_one(tmp_path):
+    """FSDP hands the gather hooks the module owning the weight; its parameter group (whose
+    phase decides which directions to gather) is the enclosing fully_shard's."""
+    spawn.run(_group_worker, 2, str(tmp_path))

@@ -26,31 +26,13 @@ QUANTIZERS = {
 
 
 def _parts_quantized(q, x, parts: int):
-    """Each part quantized with reduce_max giving the maximum over every part (computed by
-    running each part's statistic first, as an all-reduce would)."""
+    """Each part quantized with the maximum of every part's statistic (what an all-reduce
+    MAX over the processes holding them gives)."""
     rows = x.shape[0] // parts
     chunks = [x[i * rows:(i + 1) * rows] for i in range(parts)]
-    seen = [[] for _ in chunks]
-
-    def recorder(i):
-        def reduce_max(t):
-            seen[i].append(t.clone())
-            return t
-        return reduce_max
-
-    for i, c in enumerate(chunks):  # first pass: each part's own statistics
-        q.quantize_part(c, recorder(i))
-    calls = len(seen[0])
-    assert all(len(s) == calls for s in seen)  # every part calls it equally often
-    out = []
-    for i, c in enumerate(chunks):
-        k = iter(range(calls))
-
-        def reduce_max(t):
-            j = next(k)
-            return torch.stack([s[j] for s in seen]).amax(0)
-        out.append(q.quantize_part(c, reduce_max))
-    return out
+    stats = [q.part_statistic(c) for c in chunks]
+    stat = None if stats[0] is None else torch.stack(stats).amax(0)
+    return [q.quantize_part(c, stat) for c in chunks]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -87,11 +69,17 @@ def test_nan_in_one_part_reaches_every_part(device):
     assert torch.isnan(q.quantize(x).dequantize()).all()
 
 
-def test_empty_part_still_takes_part_in_the_reduction():
+def test_empty_part_has_a_neutral_statistic():
     q = lowprec.Float8CurrentScalingQuantizer()
-    calls = []
-    out = q.quantize_part(torch.zeros(0, 32), lambda t: calls.append(t) or t)
-    assert out.shape == (0, 32) and len(calls) == 1
+    empty = torch.zeros(0, 32)
+    assert q.part_statistic(empty).tolist() == [0]  # the maximum ignores it
+    assert q.quantize_part(empty, torch.zeros(1, dtype=torch.int32)).shape == (0, 32)
+
+
+def test_statistic_is_required_where_the_format_has_one():
+    with pytest.raises(ValueError, match="needs the statistic"):
+        lowprec.Float8CurrentScalingQuantizer().quantize_part(torch.randn(8, 32))
+    assert lowprec.MXFP8Quantizer().part_statistic(torch.randn(32, 32)) is None
 
 
 @pytest.mark.parametrize("q", [
@@ -102,7 +90,7 @@ def test_empty_part_still_takes_part_in_the_reduction():
 def test_formats_that_cannot_raise(q):
     assert not q.can_quantize_part()
     with pytest.raises(NotImplementedError, match="cannot quantize a part"):
-        q.quantize_part(torch.randn(32, 32), lambda t: t)
+        q.quantize_part(torch.randn(32, 32))
     # NVFP4's RHT touches the columnwise side only: rowwise alone quantizes by parts
     if isinstance(q, lowprec.NVFP4Quantizer) and q.with_rht:
         with q.usages(rowwise=True, columnwise=False):
@@ -111,4 +99,4 @@ def test_formats_that_cannot_raise(q):
 
 def test_part_must_be_2d():
     with pytest.raises(ValueError, match="2-D part"):
-        lowprec.Float8CurrentScalingQuantizer().quantize_part(torch.randn(2, 3, 32), max)
+        lowprec.Float8CurrentScalingQuantizer().quantize_part(torch.randn(2, 3, 32))

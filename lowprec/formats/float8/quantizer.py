@@ -149,21 +149,22 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def can_quantize_part(self) -> bool:
         return True
 
-    def _part_fields(self, part, reduce_max):
-        # The whole tensor's amax is the maximum of the parts' (as int32 bits: the order of
-        # non-negative floats, NaN above +Inf, so a NaN anywhere reaches every part).
-        if use_kernels(part) and part.numel():
-            bits = launch.fp8_amax(part)
-        elif part.numel():
-            bits = tensor_amax(part).view(torch.int32)
-        else:
-            bits = torch.zeros(1, dtype=torch.int32, device=part.device)
-        bits = reduce_max(bits)
+    def part_statistic(self, part):
+        # The amax as int32 bits: non-negative floats order as their bits do, NaN above +Inf,
+        # so the maximum over the parts is the whole tensor's amax (NaN anywhere reaches all).
         if not part.numel():
-            return "empty"
+            return torch.zeros(1, dtype=torch.int32, device=part.device)
         if use_kernels(part):
-            return launch.quantize_current(self, part, amax_bits=bits)
-        scale = current_scale(bits.view(torch.float32), self.fp8_dtype,
+            return launch.fp8_amax(part.contiguous())
+        return tensor_amax(part).view(torch.int32)
+
+    def _part_fields(self, part, statistic):
+        if statistic is None:
+            raise ValueError("Float8CurrentScalingQuantizer.quantize_part needs the statistic "
+                             "(the maximum of part_statistic over every part)")
+        if use_kernels(part):
+            return launch.quantize_current(self, part, amax_bits=statistic)
+        scale = current_scale(statistic.view(torch.float32), self.fp8_dtype,
                               pow2=self.force_pow_2_scales, eps=self.amax_epsilon)
         return self._fields(part, scale)
 

@@ -154,13 +154,15 @@ class NVFP4Quantizer(Quantizer):
         # part and the whole tensor's amax (the draws on the part's place in the whole).
         return not (self.stochastic_rounding or (self.with_rht and self.columnwise_usage))
 
-    def _part_fields(self, part, reduce_max):
-        # The global scales come from the whole tensor's amax, the maximum of the parts'
-        # (int32 bits of finite non-negative floats order as the floats do).
-        bits = reduce_max(finite_amax(part).view(torch.int32))
-        if not part.numel():
-            return "empty"
-        s = global_encode_scale(bits.view(torch.float32))
+    def part_statistic(self, part):
+        # the finite amax as int32 bits (finite non-negative floats order as their bits do)
+        return finite_amax(part).view(torch.int32)
+
+    def _part_fields(self, part, statistic):
+        if statistic is None:
+            raise ValueError("NVFP4Quantizer.quantize_part needs the statistic (the maximum "
+                             "of part_statistic over every part)")
+        s = global_encode_scale(statistic.view(torch.float32))
         scales = (s, s.clone())
         if use_kernels(part):
             from .launch import quantize_2d
