@@ -63,8 +63,10 @@ def after_step(peer: str, m):
         precompute_gather_statistics(m)
 
 
-def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int) -> tuple:
-    """(median step ms, all-gathered bytes a step, peak GiB) on this rank."""
+def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int,
+             profile_dir: str = "") -> tuple:
+    """(median step ms, all-gathered bytes a step, peak GiB) on this rank; with
+    ``profile_dir``, rank 0 also profiles two more steps (a kernel table and a trace)."""
     device = torch.device("cuda", rank)
     m, ctx = make_peer(peer, model, device)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
@@ -100,6 +102,15 @@ def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int) -> tuple
     torch.cuda.synchronize()
     ms = statistics.median(a.elapsed_time(b) for a, b in times)
     peak = torch.cuda.max_memory_allocated() / 2**30
+    if profile_dir and rank == 0:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(2):
+                step(i)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        Path(profile_dir, f"{peer}.txt").write_text(table)
+        prof.export_chrome_trace(str(Path(profile_dir, f"{peer}.json")))
     return ms, counter.bytes, peak
 
 
@@ -119,7 +130,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
               f"{seq * batch} tokens a rank, torch {torch.__version__}\n{header}", flush=True)
     for peer in peers:
         try:
-            res = run_peer(peer, args.model, rank, args.steps, args.warmup)
+            res = run_peer(peer, args.model, rank, args.steps, args.warmup, args.profile)
             gc.collect()
             torch.cuda.empty_cache()  # the peer's model and optimizer died with run_peer
         except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
@@ -165,6 +176,7 @@ def main() -> None:
                     help="hp (gather bf16), quantized (quantized_all_gather), precomputed "
                          "(and precompute_gather_statistics after each step)")
     ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--profile", default="", help="directory for per-peer profiles (rank 0)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
