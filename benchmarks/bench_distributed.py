@@ -17,6 +17,7 @@ rows go to ``results.csv``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import os
@@ -102,13 +103,15 @@ def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int,
     torch.cuda.synchronize()
     ms = statistics.median(a.elapsed_time(b) for a, b in times)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    if profile_dir and rank == 0:
+    if profile_dir:  # every rank runs the step (its collectives need them all)
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     ) if rank == 0 else contextlib.nullcontext() as prof:
             step(0)
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-        Path(profile_dir, f"{peer}.txt").write_text(table)
+        if rank == 0:
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+            Path(profile_dir, f"{peer}.txt").write_text(table)
     return ms, counter.bytes, peak
 
 
