@@ -111,7 +111,7 @@ def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int,
             torch.cuda.synchronize()
         if rank == 0:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-            Path(profile_dir, f"{peer}.txt").write_text(table)
+            Path(profile_dir, peer.replace("+", "_") + ".txt").write_text(table)
     return ms, counter.bytes, peak
 
 
