@@ -300,7 +300,7 @@ class QuantizedTensor(torch.Tensor):
         whoever asked for it (a GEMM operand of one backward)."""
         _check_usage(usage)
         other = "columnwise" if usage == "rowwise" else "rowwise"
-        fields = {n: (None if n.startswith(other + "_") or t is None else t.contiguous())
+        fields = {n: (None if n.startswith(other + "_") or t is None else _contiguous(t))
                   for n, t in self.inner_tensors().items()}
         if not self.has_usage(usage):
             if not self.has_usage(other):
@@ -378,6 +378,15 @@ class QuantizedTensor(torch.Tensor):
             f"{cls.__name__} does not support {func}. Supported: detach, clone, copy_, to, "
             f"empty_like, view/reshape keeping the last dimension, identity as_strided, "
             f"torch.save. {hint}")
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()``; a transposed view (FSDP's gathered columnwise data) through the
+    transpose kernel."""
+    if t.is_contiguous() or t.dim() != 2 or not t.t().is_contiguous():
+        return t.contiguous()
+    from ..kernels.transpose import transpose_contiguous
+    return transpose_contiguous(t.t())
 
 
 class _Dequantize(torch.autograd.Function):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
 from .reference import dequantize_blocks
 
@@ -62,8 +63,8 @@ class Float8BlockwiseTensor(QuantizedTensor):
         if self.block_scaling_dim != 2:
             return super()._derive(usage)
         other = "columnwise" if usage == "rowwise" else "rowwise"
-        scale = getattr(self, f"{other}_scale").t().contiguous()
-        fields = {f"{usage}_data": getattr(self, f"{other}_data").t().contiguous(),
+        scale = transpose_contiguous(getattr(self, f"{other}_scale"))
+        fields = {f"{usage}_data": transpose_contiguous(getattr(self, f"{other}_data")),
                   f"{usage}_scale": scale}
         if self.pow2_scales(other):  # the transposed scales are the same powers of two
             fields[f"_pow2_{usage}"] = self.derived_record(scale, True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
 from .reference import dequantize_per_tensor
 
@@ -42,4 +43,4 @@ class Float8Tensor(QuantizedTensor):
 
     def _derive(self, usage: str) -> dict[str, torch.Tensor]:
         other = "columnwise" if usage == "rowwise" else "rowwise"
-        return {f"{usage}_data": getattr(self, f"{other}_data").t().contiguous()}
+        return {f"{usage}_data": transpose_contiguous(getattr(self, f"{other}_data"))}

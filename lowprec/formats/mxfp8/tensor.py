@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
 from .reference import BLOCK, dequantize_blocks
 
@@ -37,5 +38,5 @@ class MXFP8Tensor(QuantizedTensor):
             # 1x32 and 32x1 blocks scale different element groups: no way back without x.
             return super()._derive(usage)
         other = "columnwise" if usage == "rowwise" else "rowwise"
-        return {f"{usage}_data": getattr(self, f"{other}_data").t().contiguous(),
-                f"{usage}_scale": getattr(self, f"{other}_scale").t().contiguous()}
+        return {f"{usage}_data": transpose_contiguous(getattr(self, f"{other}_data")),
+                f"{usage}_scale": transpose_contiguous(getattr(self, f"{other}_scale"))}
