@@ -29,6 +29,7 @@ What each format gathers (a shard is a block of whole rows):
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -202,8 +203,21 @@ class QuantizedGatherWeight(torch.Tensor):
         return QuantizedGatherWeight(inner["_data"], spec)
 
     def __reduce_ex__(self, protocol):
-        return (_rebuild, (self._data, self._spec, getattr(self, "_is_param", False),
-                           self.requires_grad))
+        # Saved (torch.save, DCP, pickle) as the high-precision tensor it holds: a checkpoint
+        # does not depend on how the weight was gathered (nor hold its module).
+        data = self._data.detach()
+        if getattr(self, "_is_param", False):
+            return (nn.Parameter, (data, self.requires_grad))
+        return data.__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        # the copy belongs to the copied module (``memo`` has it when a whole model is copied)
+        out = QuantizedGatherWeight(copy.deepcopy(self._data, memo),
+                                    copy.deepcopy(self._spec, memo))
+        if getattr(self, "_is_param", False):
+            out = nn.Parameter(out, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        return out
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -268,11 +282,6 @@ class QuantizedGatherWeight(torch.Tensor):
         shape = (metadata.rows, self.shape[1])
         qt = gather_codec.unpack(all_gather_outputs, metadata, shape, param_dtype)
         return qt, tuple(all_gather_outputs)
-
-
-def _rebuild(data, spec, is_param, requires_grad):
-    out = QuantizedGatherWeight(data, spec)
-    return nn.Parameter(out, requires_grad=requires_grad) if is_param else out
 
 
 def precompute_gather_statistics(model: nn.Module) -> None:
