@@ -583,3 +583,30 @@ def test_resume_bit_identical_every_recipe(tmp_path, rname, quantized):
         for mode in s1:
             for k in s1[mode]:
                 assert torch.equal(s1[mode][k], s2[mode][k]), (mode, k)
+
+
+def test_extra_state_round_trips_weights_only_and_as_a_dict():
+    """The delayed-scaling state in a state dict (a ScalingStateDict) loads with
+    torch.load(weights_only=True) into a fresh module, and a checkpoint holding it as a
+    plain dict (older lowprec) loads too."""
+    import io
+    from lowprec.modules.base import ScalingStateDict
+    torch.manual_seed(0)
+    lin = lowprec.Linear(32, 16)
+    recipe = lowprec.DelayedScaling(amax_history_len=3)
+    for _ in range(2):
+        with lowprec.autocast(recipe=recipe):
+            lin(torch.randn(8, 32)).sum().backward()
+    sd = lin.state_dict()
+    assert isinstance(sd["_extra_state"], ScalingStateDict) and sd["_extra_state"]
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    for extra in (loaded["_extra_state"], dict(loaded["_extra_state"].items())):
+        fresh = lowprec.Linear(32, 16)
+        fresh.load_state_dict({**loaded, "_extra_state": extra})
+        with lowprec.autocast(recipe=recipe), torch.no_grad():
+            fresh(torch.zeros(8, 32))  # the first forward takes the loaded state up
+        assert fresh.get_extra_state() == lin.get_extra_state()
+    assert lowprec.Linear(4, 4).get_extra_state() == {}  # nothing before a forward

@@ -83,6 +83,52 @@ class _WeightSlot:
         self.module.weight_quantizer(self.index, dst.device).update_quantized(src, dst)
 
 
+class ScalingStateDict:
+    """A module's delayed-scaling state as its state dict holds it (``_extra_state``):
+    ``{mode: {name: tensor}}``, read like a dict.
+
+    Deliberately not a ``Mapping``: ``torch.distributed.checkpoint`` then saves and loads it
+    as one object, so a fresh model, whose state exists only after its first forward (its
+    own is empty), still receives it, taken up at that forward. (Tensors inside a nested
+    dict would be looked up in the fresh model's empty one and silently skipped.)"""
+
+    def __init__(self, states: dict | None = None) -> None:
+        self.states = dict(states or {})
+
+    def __getitem__(self, mode):
+        return self.states[mode]
+
+    def __contains__(self, mode) -> bool:
+        return mode in self.states
+
+    def __iter__(self):
+        return iter(self.states)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def keys(self):
+        return self.states.keys()
+
+    def items(self):
+        return self.states.items()
+
+    def values(self):
+        return self.states.values()
+
+    def __eq__(self, other) -> bool:
+        other = other.states if isinstance(other, ScalingStateDict) else other
+        return isinstance(other, dict) and other.keys() == self.states.keys() and all(
+            other[m].keys() == sd.keys() and all(torch.equal(other[m][k], v) for k, v in sd.items())
+            for m, sd in self.states.items())
+
+    def __repr__(self) -> str:
+        return f"ScalingStateDict({sorted(self.states)})"
+
+
+torch.serialization.add_safe_globals([ScalingStateDict])
+
+
 class _BackwardDone:
     """Counts a forward call's GEMM backwards and fires once all have run."""
 
@@ -376,14 +422,16 @@ class LowprecModule(CompiledCallMixin, nn.Module):
                 self.weight_quantizer(i, w.device, values=fresh).update_quantized(fresh, w)
 
     # ---- extra state (delayed scaling) ----------------------------------------------------
-    def get_extra_state(self):
+    def get_extra_state(self) -> "ScalingStateDict":
         out = {}
         for mode, state in self._kept_delayed().items():
             if state is not None:
                 out[mode] = state.delayed.state_dict()
-        return out
+        return ScalingStateDict(out)
 
     def set_extra_state(self, state) -> None:
+        if isinstance(state, ScalingStateDict):
+            state = state.states
         if not state:
             return
         pending = {}
