@@ -22,7 +22,6 @@ import datetime
 import gc
 import os
 import socket
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lowprec  # noqa: E402
-from bench_model import MODELS, RECIPES, build, not_lm_head  # noqa: E402
-from harness import append_rows  # noqa: E402
+from bench_model import MODELS, RECIPES, build, lm_loss, not_lm_head  # noqa: E402
+from harness import append_rows, median_step_ms  # noqa: E402
 from lowprec.distributed import precompute_gather_statistics, quantized_all_gather  # noqa: E402
 from lowprec.distributed.diagnostics import count_all_gather_bytes  # noqa: E402
 
@@ -76,13 +75,7 @@ def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int,
     ids = [torch.randint(0, 32000, (batch, seq), device=device, generator=gen) for _ in range(2)]
 
     def step(i):
-        x = ids[i % 2]
-        if ctx is None:
-            loss = m(input_ids=x, labels=x).loss
-        else:
-            with ctx():
-                loss = m(input_ids=x, labels=x).loss
-        loss.backward()
+        lm_loss(m, ctx, ids[i % 2]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         after_step(peer, m)
@@ -91,18 +84,7 @@ def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int,
         step(i)
     with count_all_gather_bytes() as counter:
         step(0)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for i in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step(i)
-        b.record()
-        times.append((a, b))
-    torch.cuda.synchronize()
-    ms = statistics.median(a.elapsed_time(b) for a, b in times)
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    ms, peak = median_step_ms(step, steps)
     if profile_dir:  # every rank runs the step (its collectives need them all)
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],

@@ -27,6 +27,7 @@ timed steps; rows go to ``results.csv``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lowprec  # noqa: E402
-from harness import append_rows  # noqa: E402
+from harness import append_rows, median_step_ms  # noqa: E402
 from lowprec import recipe as R  # noqa: E402
 
 #: hidden, ffn, layers, heads, kv heads, seq, batch
@@ -94,6 +95,12 @@ def make_peer(peer: str, model: str, device: str, mode: str):
     return m, ctx
 
 
+def lm_loss(m, ctx, ids):
+    """The causal-LM loss of ``m`` on ``ids``, under the peer's context when it has one."""
+    with ctx() if ctx is not None else contextlib.nullcontext():
+        return m(input_ids=ids, labels=ids).loss
+
+
 def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: int):
     """(median step ms, warm-up seconds, peak GiB, graph breaks)."""
     torch._dynamo.utils.counters.clear()
@@ -109,12 +116,7 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
         x = ids[i % 2]
         if graphed:
             opt.zero_grad(set_to_none=False)  # the captured step zeroes its static grads
-        if ctx is None:
-            loss = m(input_ids=x, labels=x).loss
-        else:
-            with ctx():
-                loss = m(input_ids=x, labels=x).loss
-        loss.backward()
+        lm_loss(m, ctx, x).backward()
         opt.step()
         if not graphed:
             opt.zero_grad(set_to_none=True)
@@ -140,17 +142,7 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
     warm_s = time.perf_counter() - t0
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        times = []
-        for i in range(steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run(i)
-            b.record()
-            times.append((a, b))
-        torch.cuda.synchronize()
-        ms = statistics.median(a.elapsed_time(b) for a, b in times)
-        peak = torch.cuda.max_memory_allocated() / 2**30
+        ms, peak = median_step_ms(run, steps)
     else:
         t = []
         for i in range(steps):

@@ -202,6 +202,23 @@ def sweep_setup(default_configs: str, argv=None):
     return args.configs.split(","), inputs, copy_ms
 
 
+def median_step_ms(run: Callable[[int], None], steps: int) -> tuple[float, float]:
+    """(median ms, peak GiB) of ``run(i)`` for ``i < steps``, each step between its own
+    pair of CUDA events; the peak memory is of these steps alone."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run(i)
+        b.record()
+        times.append((a, b))
+    torch.cuda.synchronize()
+    ms = statistics.median(a.elapsed_time(b) for a, b in times)
+    return ms, torch.cuda.max_memory_allocated() / 2**30
+
+
 def append_rows(rows: list[dict], path: Path | str | None = None) -> Path:
     path = Path(path or RESULTS)
     new = not path.exists()

@@ -5,6 +5,7 @@ one GPU a rank (``device()``), on a machine with as many GPUs."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -35,6 +36,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def counted_all_reduces():
+    """Inside, record the element count of every ``dist.all_reduce``; yields the list."""
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counted(t, *args, **kwargs):
+        calls.append(t.numel())
+        return all_reduce(t, *args, **kwargs)
+    dist.all_reduce = counted
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = all_reduce
 
 
 def _entry(rank: int, world: int, port: int, fn, args) -> None:

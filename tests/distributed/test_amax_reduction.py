@@ -1,55 +1,36 @@
-"""Delayed-scaling amax reduction over a process group (2 CPU ranks, gloo)."""
+"""Delayed-scaling amax reduction over a process group (2 CPU gloo ranks, or NCCL)."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lowprec
 from lowprec.recipe import DelayedScaling
 
+import spawn
+
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, reduce_amax: bool, out_dir: str,
-            modules: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    calls = []
-    all_reduce = dist.all_reduce
-
-    def counted(t, *args, **kwargs):
-        calls.append(t.numel())
-        return all_reduce(t, *args, **kwargs)
-    dist.all_reduce = counted
-    try:
+def _worker(rank: int, world: int, reduce_amax: bool, out_dir: str, modules: int) -> None:
+    with spawn.counted_all_reduces() as calls:
         torch.manual_seed(0)  # same weights on every rank
-        lins = [lowprec.Linear(32, 16) for _ in range(modules)]
+        lins = [lowprec.Linear(32, 16).to(spawn.device(rank)) for _ in range(modules)]
         # Rank r's input is scaled by (r + 1): the reduced amax is the largest rank's.
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)) * (rank + 1)
-        x.requires_grad_(True)
+        x = x.to(spawn.device(rank)).requires_grad_(True)
         grad = torch.randn(8, 16, generator=torch.Generator().manual_seed(2)) * (rank + 1)
         recipe = DelayedScaling(amax_history_len=2, reduce_amax=reduce_amax)
         with lowprec.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
             y = sum(lin(x) for lin in lins)
-        y.backward(grad)
-        out = {"calls": torch.tensor(calls)}
-        for i, lin in enumerate(lins):
-            out[i] = {k: {n: t.clone() for n, t in v.items()}
-                      for k, v in lin.get_extra_state().items()}
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.all_reduce = all_reduce
-        dist.destroy_process_group()
+        y.backward(grad.to(spawn.device(rank)))
+    out = {"calls": torch.tensor(calls)}
+    for i, lin in enumerate(lins):
+        out[i] = {k: {n: t.detach().cpu().clone() for n, t in v.items()}
+                  for k, v in lin.get_extra_state().items()}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("modules", [1, 3])
@@ -59,8 +40,7 @@ def test_delayed_scaling_reduces_amax_over_group(tmp_path, reduce_amax, modules)
     forward amaxes go in one all-reduce at the region's exit (``lowprec.state_batch``),
     the backward ones one module at a time, as each module's backward ends."""
     world = 2
-    mp.spawn(_worker, args=(world, _free_port(), reduce_amax, str(tmp_path), modules),
-             nprocs=world)
+    spawn.run(_worker, world, reduce_amax, str(tmp_path), modules)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
     torch.manual_seed(0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import lowprec
@@ -114,19 +113,11 @@ def _worker(rank, world, rname, wrap, rows, reshard, out_dir, precompute=False):
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
-    seen, reduces = [], []
-    all_reduce = dist.all_reduce
-
-    def counted(t, *args, **kwargs):
-        reduces.append(t.numel())
-        return all_reduce(t, *args, **kwargs)
-    dist.all_reduce = counted
-    try:
+    seen = []
+    with spawn.counted_all_reduces() as reduces:
         losses = train(model, recipe, record=lambda m: seen.append(type(m.weight).__name__),
                        after_step=(lambda: precompute_gather_statistics(model)) if precompute
                        else None)
-    finally:
-        dist.all_reduce = all_reduce
     state = full_state(model)
     if rank == 0:
         torch.save({"losses": losses.cpu(), "state": state, "seen": seen, "reduces": reduces},
