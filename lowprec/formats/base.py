@@ -575,10 +575,15 @@ def _view_shape(qt: QuantizedTensor, size) -> tuple[int, ...]:
                 known *= s
         size[size.index(-1)] = numel // known if known else 0
     if len(size) == 0 or size[-1] != qt.shape[-1] or torch.Size(size).numel() != numel:
+        hint = ""
+        if len(size) == 1 and qt.dim() > 1:
+            # DistributedDataParallel's constructor broadcasts parameters flattened this way
+            hint = ("; under DistributedDataParallel build every rank's quantized weights "
+                    "alike (same seed) and pass init_sync=False")
         raise RuntimeError(
             f"{type(qt).__name__} can only be viewed with the same last dimension "
             f"({qt.shape[-1]}) and number of elements; got {tuple(size)} for shape "
-            f"{tuple(qt.shape)}"
+            f"{tuple(qt.shape)}{hint}"
         )
     return tuple(size)
 

@@ -126,3 +126,53 @@ def test_dcp_restores_delayed_scaling_state_into_a_fresh_model(tmp_path):
         assert res["want"].keys() == res["got"].keys() and res["want"]
         for k, v in res["want"].items():
             assert torch.equal(res["got"][k], v), (r, k)
+
+
+def _quantized_model(rank):
+    torch.manual_seed(0)
+    with lowprec.quantized_model_init(recipe=lowprec.Float8CurrentScaling()):
+        return _model(rank=rank)
+
+
+def _quantized_train(model, steps=STEPS):
+    from lowprec.optim import QuantizedWeightOptimizer
+    from test_fsdp import _data
+    opt = QuantizedWeightOptimizer(model, torch.optim.SGD, lr=0.05)
+    device = next(model.parameters()).device
+    losses = []
+    for step in range(steps):
+        x, target = _data(step, device)
+        with lowprec.autocast(recipe=lowprec.Float8CurrentScaling()):
+            loss = ((model(x).float() - target) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().cpu())
+    return torch.stack(losses)
+
+
+def _ddp_quantized_worker(rank, world, out_dir):
+    model = _quantized_model(rank)
+    try:
+        DDP(model)
+    except RuntimeError as exc:
+        assert "init_sync=False" in str(exc), exc
+    else:
+        raise AssertionError("DDP's constructor broadcast flattened quantized weights")
+    net = DDP(model, init_sync=False)  # every rank built the same weights (same seed)
+    losses = _quantized_train(net)
+    if rank == 0:
+        torch.save({"losses": losses, "weight": model.layers[0].weight.dequantize().cpu()},
+                   f"{out_dir}/ddpq.pt")
+
+
+def test_ddp_over_quantized_weights(tmp_path):
+    """quantized_model_init weights under DDP: the constructor's broadcast (which flattens
+    every parameter) raises naming init_sync=False; with it, training with
+    QuantizedWeightOptimizer matches one process bit for bit."""
+    spawn.run(_ddp_quantized_worker, 2, str(tmp_path))
+    got = torch.load(tmp_path / "ddpq.pt")
+    model = _quantized_model(0)
+    losses = _quantized_train(model)
+    assert torch.equal(got["losses"], losses)
+    assert torch.equal(got["weight"], model.layers[0].weight.dequantize().cpu())
