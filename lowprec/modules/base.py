@@ -16,18 +16,13 @@ from ..recipe import DelayedScaling
 from ..roles import check_num_quantizers, gemm_roles
 from ..state import RecipeState
 
-PARALLEL_MODES = (None, "column", "row")
-
-
 def check_parallel_args(parallel_mode, tp_group, sequence_parallel) -> None:
-    """Validate tensor-parallel arguments; only a single-rank group is supported yet."""
-    if parallel_mode not in PARALLEL_MODES:
-        raise ValueError(f"parallel_mode={parallel_mode!r}; use one of {PARALLEL_MODES}")
-    if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
-        raise NotImplementedError("tensor parallelism over more than one rank is not implemented "
-                                  "yet; pass tp_group=None or a single-rank group")
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    """Validate tensor-parallel arguments of a module that runs on a single rank only."""
+    from .tensor_parallel import check_parallel_args as check
+    if check(parallel_mode, tp_group, sequence_parallel) > 1:
+        raise NotImplementedError("tensor parallelism over more than one rank is implemented "
+                                  "for Linear, LayerNormLinear and LayerNormMLP; pass "
+                                  "tp_group=None or a single-rank group")
 
 
 def producer_usages(weight: torch.Tensor, backward_mode: str) -> tuple[bool, bool]:
@@ -45,23 +40,35 @@ def release_fprop_copy(x: torch.Tensor, backward_mode: str) -> None:
         x.update_usage(rowwise_usage=False)
 
 
-def init_linear_params(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """torch.nn.Linear's initialization (Kaiming-uniform weight, uniform bias)."""
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+def init_linear_params(weight: torch.Tensor, bias: torch.Tensor | None,
+                       fan_in: int | None = None) -> None:
+    """torch.nn.Linear's initialization (Kaiming-uniform weight, uniform bias).
+    ``fan_in``: the whole layer's, for a row-parallel shard (its columns are a slice of it):
+    the bounds are those of the unsplit layer."""
+    if fan_in is None or fan_in == weight.shape[1]:
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        fan_in = weight.shape[1]
+    else:  # kaiming_uniform_ with a=sqrt(5) draws from U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        nn.init.uniform_(weight, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
     if bias is not None:
-        bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
         nn.init.uniform_(bias, -bound, bound)
 
 
 def add_linear_params(module: nn.Module, weight_name: str, bias_name: str | None,
-                      out_features: int, in_features: int, *, bias: bool, dtype, device) -> None:
+                      out_features: int, in_features: int, *, bias: bool, dtype, device,
+                      bias_features: int | None = None, fan_in: int | None = None) -> None:
     """Register an ``nn.Linear``-initialized weight (and bias) on ``module``.
 
     With ``bias=False`` the bias name (if given) is registered as ``None``.
+    ``bias_features``/``fan_in``: a row-parallel shard's whole bias and whole fan-in.
     """
     w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-    b = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-    init_linear_params(w, b)
+    b = (nn.Parameter(torch.empty(bias_features or out_features, dtype=dtype, device=device))
+         if bias else None)
+    init_linear_params(w, b, fan_in)
+    if fan_in is not None:
+        module.__dict__.setdefault("_fan_in", {})[weight_name] = fan_in
     module.register_parameter(weight_name, w)
     if bias_name is not None:
         module.register_parameter(bias_name, b)
@@ -162,6 +169,17 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         # the delayed-scaling states, kept across forwards under other recipes
         self._delayed_states: dict[str, RecipeState | None] = {"forward": None, "backward": None}
         self._pending_extra_state: dict | None = None
+        #: tensor parallelism (``modules.tensor_parallel.TensorParallel``), None on one rank
+        self._tp = None
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Give a tensor-parallel module its process group again (one unpickled in another
+        process, where the group it was built with does not exist): a group of the same
+        ranks."""
+        tp = self.__dict__.get("_tp")
+        if tp is None:
+            raise ValueError(f"{type(self).__name__} was not built tensor-parallel")
+        tp.set_group(tp_group)
 
     # ---- roles ------------------------------------------------------------------------
     def _gemm_names(self) -> list[str]:
@@ -414,11 +432,12 @@ class LowprecModule(CompiledCallMixin, nn.Module):
             for i, wname in enumerate(self._weight_names()):
                 w = getattr(self, wname)
                 b = getattr(self, wname.replace("weight", "bias"), None)
+                fan_in = self.__dict__.get("_fan_in", {}).get(wname)
                 if not isinstance(w, QuantizedTensor):
-                    init_linear_params(w, b)
+                    init_linear_params(w, b, fan_in)
                     continue
                 fresh = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-                init_linear_params(fresh, b)
+                init_linear_params(fresh, b, fan_in)
                 self.weight_quantizer(i, w.device, values=fresh).update_quantized(fresh, w)
 
     # ---- extra state (delayed scaling) ----------------------------------------------------

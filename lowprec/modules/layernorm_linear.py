@@ -6,13 +6,19 @@ import torch
 
 from ..compiled_call import compiled_as_one_op
 from ..linear_fn import quantized_linear
-from .base import LowprecModule, add_linear_params, check_parallel_args, release_fprop_copy
-from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params
+from . import tensor_parallel as tpar
+from .base import LowprecModule, add_linear_params, producer_usages, release_fprop_copy
+from .norms import (apply_norm, check_normalization, make_norm_params, norm_into_gemm,
+                    reset_norm_params)
 
 
 class LayerNormLinear(LowprecModule):
     """``Linear(norm(x))``; parameters ``layer_norm_weight``, ``layer_norm_bias``
-    (LayerNorm only), ``weight`` and ``bias``."""
+    (LayerNorm only), ``weight`` and ``bias``.
+
+    Tensor parallel: ``parallel_mode="column"`` only (the norm needs whole rows); with
+    ``sequence_parallel`` the norm runs on this rank's rows and its output is gathered.
+    """
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True, *,
                  normalization: str = "LayerNorm", zero_centered_gamma: bool = False,
@@ -21,7 +27,11 @@ class LayerNormLinear(LowprecModule):
                  tp_group=None, sequence_parallel: bool = False, output_quantizer_role=None,
                  grad_input_quantizer_role=None) -> None:
         super().__init__(name, output_quantizer_role, grad_input_quantizer_role)
-        check_parallel_args(parallel_mode, tp_group, sequence_parallel)
+        tp_size = tpar.check_parallel_args(parallel_mode, tp_group, sequence_parallel,
+                                           modes=("column",), module="LayerNormLinear")
+        self._tp = tpar.make_tensor_parallel(parallel_mode, tp_group, sequence_parallel, tp_size)
+        tpar.check_boundary_roles(self._tp, row_output=False,
+                                  column_grad_input=grad_input_quantizer_role is not None)
         self.normalization = check_normalization(normalization)
         self.in_features, self.out_features, self.eps = in_features, out_features, eps
         self.zero_centered_gamma = zero_centered_gamma
@@ -30,8 +40,9 @@ class LayerNormLinear(LowprecModule):
         dtype = params_dtype or torch.get_default_dtype()
         make_norm_params(self, in_features, normalization, zero_centered_gamma=zero_centered_gamma,
                          dtype=dtype, device=device, prefix="layer_norm_")
-        add_linear_params(self, "weight", "bias", out_features, in_features, bias=bias, dtype=dtype,
-                          device=device)
+        add_linear_params(self, "weight", "bias",
+                          tpar.shard_size(out_features, tp_size, "out_features"), in_features,
+                          bias=bias, dtype=dtype, device=device)
         self._maybe_quantize_weights()
 
     def reset_parameters(self) -> None:
@@ -39,7 +50,8 @@ class LayerNormLinear(LowprecModule):
         super().reset_parameters()
 
     def compiled_output_shapes(self, x: torch.Tensor) -> list[tuple]:
-        y = (*x.shape[:-1], self.out_features)
+        rows = tpar.output_rows(self._tp, x.shape[0], "column")
+        y = (rows, *x.shape[1:-1], self.weight.shape[0])
         return [y, tuple(x.shape)] if self.return_layernorm_output else [y]
 
     @compiled_as_one_op
@@ -47,6 +59,8 @@ class LayerNormLinear(LowprecModule):
         self._check_input_dtype(x)
         qs, mode, done = self.gemm_quantizers(x.device)
         q = qs[0] if qs else None
+        if self._tp is not None:
+            return self._forward_tensor_parallel(x, q, mode, done)
         # return_layernorm_output needs the high-precision norm output: no fusion then.
         ln_out = norm_into_gemm(self, x, q, mode, self.weight,
                                 fuse=not self.return_layernorm_output)
@@ -56,3 +70,19 @@ class LayerNormLinear(LowprecModule):
             return y, ln_out
         release_fprop_copy(ln_out, mode)
         return y
+
+    def _forward_tensor_parallel(self, x, q, mode, done):
+        # The norm runs apart, in high precision, on the rows this rank holds; its output
+        # is then replicated (its gradient summed over the group before the norm's
+        # backward) or gathered.
+        tp = self._tp
+        ln_out = apply_norm(x, self.normalization, tpar.replicated_param(tp, self.layer_norm_weight),
+                            tpar.replicated_param(tp, self.layer_norm_bias), self.eps,
+                            self.zero_centered_gamma)
+        gemm_in = tpar.column_input(tp, ln_out, q.input if q else None, mode,
+                                    producer_usages(self.weight, mode))
+        y = quantized_linear(gemm_in, self.weight, self.bias, quantizers=q, backward_mode=mode,
+                             on_backward_done=done)
+        if tpar.gathered(tp):
+            release_fprop_copy(gemm_in, mode)
+        return (y, ln_out) if self.return_layernorm_output else y

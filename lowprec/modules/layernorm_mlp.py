@@ -8,9 +8,10 @@ from .. import fused
 from ..compiled_call import compiled_as_one_op
 from ..linear_fn import quantized_linear
 from .activations import get_activation
-from .base import (LowprecModule, add_linear_params, check_parallel_args, producer_usages,
-                   release_fprop_copy)
-from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params
+from . import tensor_parallel as tpar
+from .base import LowprecModule, add_linear_params, producer_usages, release_fprop_copy
+from .norms import (apply_norm, check_normalization, make_norm_params, norm_into_gemm,
+                    reset_norm_params)
 
 
 class LayerNormMLP(LowprecModule):
@@ -19,6 +20,10 @@ class LayerNormMLP(LowprecModule):
     Parameters: ``layer_norm_weight``, ``layer_norm_bias``, ``fc1_weight``,
     ``fc1_bias``, ``fc2_weight``, ``fc2_bias``. Roles name the GEMMs
     ``<name>.fc1`` and ``<name>.fc2``.
+
+    Tensor parallel: over a ``tp_group`` of several ranks fc1 is column-parallel and fc2
+    row-parallel (``ffn_hidden_size / tp`` on each rank); ``parallel_mode`` may be left
+    None. With ``sequence_parallel`` the input and output are blocks of rows.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
@@ -28,7 +33,15 @@ class LayerNormMLP(LowprecModule):
                  tp_group=None, sequence_parallel: bool = False, output_quantizer_role=None,
                  grad_input_quantizer_role=None) -> None:
         super().__init__(name, output_quantizer_role, grad_input_quantizer_role)
-        check_parallel_args(parallel_mode, tp_group, sequence_parallel)
+        tp_size = tpar.check_parallel_args(parallel_mode, tp_group, sequence_parallel,
+                                           modes=(None, "column", "row"),
+                                           module="LayerNormMLP")
+        # fc1 column-parallel, fc2 row-parallel, whatever parallel_mode says
+        self._tp = tpar.make_tensor_parallel("column", tp_group, sequence_parallel, tp_size)
+        self.parallel_mode, self.sequence_parallel = parallel_mode, sequence_parallel
+        tpar.check_boundary_roles(self._tp, row_output=output_quantizer_role is not None,
+                                  column_grad_input=grad_input_quantizer_role is not None)
+        ffn_local = tpar.shard_size(ffn_hidden_size, tp_size, "ffn_hidden_size")
         self.normalization = check_normalization(normalization)
         self.activation = activation
         self._act, gated = get_activation(activation)
@@ -37,11 +50,12 @@ class LayerNormMLP(LowprecModule):
         dtype = params_dtype or torch.get_default_dtype()
         make_norm_params(self, hidden_size, normalization, zero_centered_gamma=zero_centered_gamma,
                          dtype=dtype, device=device, prefix="layer_norm_")
-        fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
-        for pname, (n_out, n_in) in (("fc1", (fc1_out, hidden_size)),
-                                     ("fc2", (hidden_size, ffn_hidden_size))):
-            add_linear_params(self, f"{pname}_weight", f"{pname}_bias", n_out, n_in, bias=bias,
-                              dtype=dtype, device=device)
+        fc1_out = 2 * ffn_local if gated else ffn_local
+        add_linear_params(self, "fc1_weight", "fc1_bias", fc1_out, hidden_size, bias=bias,
+                          dtype=dtype, device=device)
+        add_linear_params(self, "fc2_weight", "fc2_bias", hidden_size, ffn_local, bias=bias,
+                          dtype=dtype, device=device,
+                          fan_in=ffn_hidden_size if tp_size > 1 else None)
         self._maybe_quantize_weights()
 
     def reset_parameters(self) -> None:
@@ -55,16 +69,24 @@ class LayerNormMLP(LowprecModule):
         return ["fc1_weight", "fc2_weight"]
 
     def compiled_output_shapes(self, x: torch.Tensor) -> list[tuple]:
-        return [tuple(x.shape)]
+        return [tuple(x.shape)]  # sequence parallel: gathered, then scattered back
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dtype(x)
         qs, mode, done = self.gemm_quantizers(x.device)
         q1, q2 = (qs[0], qs[1]) if qs else (None, None)
-        # Norm and activation hand their GEMM its quantized input from one fused kernel
-        # where the quantizer has one (lowprec.fused); else they run apart.
-        h = norm_into_gemm(self, x, q1, mode, self.fc1_weight)
+        tp = self._tp
+        if tp is None:
+            # Norm and activation hand their GEMM its quantized input from one fused kernel
+            # where the quantizer has one (lowprec.fused); else they run apart.
+            h = norm_into_gemm(self, x, q1, mode, self.fc1_weight)
+        else:  # the norm on this rank's rows, then replicated or gathered (LayerNormLinear)
+            h = apply_norm(x, self.normalization, tpar.replicated_param(tp, self.layer_norm_weight),
+                           tpar.replicated_param(tp, self.layer_norm_bias), self.eps,
+                           self.zero_centered_gamma)
+            h = tpar.column_input(tp, h, q1.input if q1 else None, mode,
+                                  producer_usages(self.fc1_weight, mode))
         h1 = quantized_linear(h, self.fc1_weight, self.fc1_bias, quantizers=q1,
                               backward_mode=mode, on_backward_done=done)
         release_fprop_copy(h, mode)
@@ -75,7 +97,9 @@ class LayerNormMLP(LowprecModule):
                                                *producer_usages(self.fc2_weight, mode))
         else:
             a = self._act(h1)
-        y = quantized_linear(a, self.fc2_weight, self.fc2_bias, quantizers=q2,
-                             backward_mode=mode, on_backward_done=done)
+        y = quantized_linear(a, self.fc2_weight, self.fc2_bias if tp is None else None,
+                             quantizers=q2, backward_mode=mode, on_backward_done=done)
         release_fprop_copy(a, mode)
+        if tp is not None:
+            y = tpar.row_output(tp, y, self.fc2_bias, q2.grad_output if q2 else None, mode)
         return y

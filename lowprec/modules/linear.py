@@ -6,7 +6,8 @@ import torch
 
 from ..compiled_call import compiled_as_one_op
 from ..linear_fn import quantized_linear
-from .base import LowprecModule, add_linear_params, check_parallel_args
+from . import tensor_parallel as tpar
+from .base import LowprecModule, add_linear_params, producer_usages, release_fprop_copy
 
 
 class Linear(LowprecModule):
@@ -14,6 +15,11 @@ class Linear(LowprecModule):
 
     Outside :func:`lowprec.autocast` it computes in high precision. Under
     :func:`lowprec.quantized_model_init` its weight is kept quantized.
+
+    ``parallel_mode="column"|"row"`` with a ``tp_group`` of several ranks splits the
+    weight over them (``in_features``/``out_features`` are the whole layer's);
+    ``sequence_parallel`` splits the rows of the input (column) or output (row) too. See
+    ``lowprec.modules.tensor_parallel``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -21,24 +27,48 @@ class Linear(LowprecModule):
                  parallel_mode: str | None = None, tp_group=None, sequence_parallel: bool = False,
                  output_quantizer_role=None, grad_input_quantizer_role=None) -> None:
         super().__init__(name, output_quantizer_role, grad_input_quantizer_role)
-        check_parallel_args(parallel_mode, tp_group, sequence_parallel)
+        tp_size = tpar.check_parallel_args(parallel_mode, tp_group, sequence_parallel,
+                                           module="Linear")
         self.in_features, self.out_features = in_features, out_features
         self.parallel_mode, self.sequence_parallel = parallel_mode, sequence_parallel
+        self._tp = tpar.make_tensor_parallel(parallel_mode, tp_group, sequence_parallel, tp_size)
+        row = self._tp is not None and parallel_mode == "row"
+        tpar.check_boundary_roles(self._tp, row_output=row and output_quantizer_role is not None,
+                                  column_grad_input=not row and grad_input_quantizer_role
+                                  is not None)
+        n_out = tpar.shard_size(out_features, tp_size, "out_features") if not row else out_features
+        n_in = tpar.shard_size(in_features, tp_size, "in_features") if row else in_features
         dtype = params_dtype or torch.get_default_dtype()
-        add_linear_params(self, "weight", "bias", out_features, in_features, bias=bias, dtype=dtype,
-                          device=device)
+        add_linear_params(self, "weight", "bias", n_out, n_in, bias=bias, dtype=dtype,
+                          device=device, fan_in=in_features if row else None)
         self._maybe_quantize_weights()
 
     def compiled_output_shapes(self, x: torch.Tensor) -> list[tuple]:
-        return [(*x.shape[:-1], self.out_features)]
+        tp = self._tp
+        rows = tpar.output_rows(tp, x.shape[0], tp.mode if tp is not None else "column")
+        return [(rows, *x.shape[1:-1], self.weight.shape[0])]
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dtype(x)
         qs, mode, done = self.gemm_quantizers(x.device)
-        return quantized_linear(x, self.weight, self.bias, quantizers=qs[0] if qs else None,
-                                backward_mode=mode, on_backward_done=done)
+        q = qs[0] if qs else None
+        tp = self._tp
+        if tp is not None and tp.mode == "row":
+            y = quantized_linear(x, self.weight, None, quantizers=q, backward_mode=mode,
+                                 on_backward_done=done)
+            return tpar.row_output(tp, y, self.bias, q.grad_output if q else None, mode)
+        x = tpar.column_input(tp, x, q.input if q else None, mode,
+                              producer_usages(self.weight, mode))
+        y = quantized_linear(x, self.weight, self.bias, quantizers=q, backward_mode=mode,
+                             on_backward_done=done)
+        if tpar.gathered(tp):
+            release_fprop_copy(x, mode)
+        return y
 
     def extra_repr(self) -> str:
+        tp = "" if self._tp is None else (f", parallel_mode={self.parallel_mode!r}, "
+                                          f"tp_size={self._tp.size}, "
+                                          f"sequence_parallel={self.sequence_parallel}")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, name={self.name!r}")
+                f"bias={self.bias is not None}, name={self.name!r}{tp}")

@@ -1,0 +1,151 @@
+"""Tensor and sequence parallelism of the GEMM modules (``parallel_mode``, ``tp_group``,
+``sequence_parallel``), Megatron-LM's split as Transformer Engine exposes it.
+
+* ``"column"``: the module holds ``out_features / tp`` rows of the weight (and of the
+  bias) and returns its slice of the output features. Its input is replicated over the
+  group, or with ``sequence_parallel`` a block of the rows (first dimension) that the
+  ranks all-gather before the GEMM.
+* ``"row"``: the module holds ``in_features / tp`` columns of the weight and takes the
+  matching slice of the input features; the ranks' partial outputs are all-reduced, or
+  reduce-scattered into row blocks with ``sequence_parallel``; the (whole) bias is added
+  after the reduction.
+* ``LayerNormMLP``: fc1 column-parallel, fc2 row-parallel, nothing moves between them.
+
+Parameters every rank holds whole but uses on its own rows only (with
+``sequence_parallel``: the norm's, a row-parallel bias) get their gradient summed over the
+group in backward, so each rank's ``.grad`` is the whole gradient. The collectives are in
+``lowprec.distributed.tp_comm``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import tp_comm
+
+PARALLEL_MODES = (None, "column", "row")
+
+
+def check_parallel_args(parallel_mode, tp_group, sequence_parallel, *,
+                        modes=("column", "row"), module: str = "this module") -> int:
+    """Validate tensor-parallel arguments; returns the group's size (1 without a group)."""
+    if parallel_mode not in PARALLEL_MODES:
+        raise ValueError(f"parallel_mode={parallel_mode!r}; use one of {PARALLEL_MODES}")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    if tp_group is None:
+        return 1
+    if not dist.is_initialized():
+        raise RuntimeError(f"tp_group={tp_group!r} given but torch.distributed is not "
+                           f"initialized")
+    size = dist.get_world_size(tp_group)
+    if size > 1 and parallel_mode not in modes:
+        raise ValueError(f"{module} over a tp_group of {size} ranks takes parallel_mode in "
+                         f"{modes}, got {parallel_mode!r}")
+    return size
+
+
+def shard_size(n: int, tp_size: int, what: str) -> int:
+    """``n / tp_size``, which must be whole."""
+    if n % tp_size:
+        raise ValueError(f"{what}={n} does not split evenly over a tensor-parallel group of "
+                         f"{tp_size} ranks")
+    return n // tp_size
+
+
+class TensorParallel:
+    """A module's tensor-parallel setting: its mode, its group, sequence parallelism."""
+
+    def __init__(self, mode: str, group, sequence_parallel: bool) -> None:
+        self.mode, self.sequence_parallel = mode, sequence_parallel
+        self.ref = tp_comm.GroupRef(group)
+
+    @property
+    def size(self) -> int:
+        return self.ref.size
+
+    @property
+    def group(self):
+        return self.ref.group
+
+    def set_group(self, group) -> None:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks != self.ref.ranks:
+            raise ValueError(f"the module's tensor-parallel group has ranks "
+                             f"{list(self.ref.ranks)}; got a group of ranks {list(ranks)}")
+        self.ref = tp_comm.GroupRef(group, ranks)
+
+
+def make_tensor_parallel(parallel_mode, tp_group, sequence_parallel, tp_size: int
+                         ) -> TensorParallel | None:
+    """The module's TensorParallel, or None for a single rank (nothing to split)."""
+    if tp_size == 1:
+        return None
+    return TensorParallel(parallel_mode, tp_group, sequence_parallel)
+
+
+def check_boundary_roles(tp: TensorParallel | None, *, row_output: bool,
+                         column_grad_input: bool) -> None:
+    """A quantized output of partial sums, or a quantized gradient of a replicated input,
+    could not be reduced: those boundary roles do not combine with the split."""
+    if tp is None:
+        return
+    if row_output:
+        raise ValueError("output_quantizer_role with a row-parallel GEMM over more than one "
+                         "rank: its outputs are partial sums, reduced after the GEMM; quantize "
+                         "in the next module instead")
+    if column_grad_input:
+        raise ValueError("grad_input_quantizer_role with a column-parallel GEMM over more than "
+                         "one rank: its input gradients are partial sums, reduced after the "
+                         "GEMM")
+
+
+def replicated_param(tp: TensorParallel | None, p: torch.Tensor | None):
+    """A parameter every rank holds whole and applies to its own rows only (sequence
+    parallelism): its gradient is summed over the group."""
+    if p is None or tp is None or not tp.sequence_parallel:
+        return p
+    return tp_comm.copy_to_group(p, tp.group)
+
+
+def column_input(tp: TensorParallel | None, x: torch.Tensor, quantizer, backward_mode: str,
+                 usages: tuple[bool, bool]) -> torch.Tensor:
+    """The input of a column-parallel GEMM: replicated (gradient all-reduced), or gathered
+    over the group (quantized by ``quantizer`` with ``usages`` where it can)."""
+    if tp is None:
+        return x
+    if not tp.sequence_parallel:
+        return tp_comm.copy_to_group(x, tp.group)
+    quantized = backward_mode in ("default", "dequantized")
+    return tp_comm.gather_sequence(x, tp.group, quantizer if quantized else None,
+                                   rowwise=usages[0], columnwise=usages[1])
+
+
+def row_output(tp: TensorParallel | None, y: torch.Tensor, bias: torch.Tensor | None,
+               grad_quantizer, backward_mode: str) -> torch.Tensor:
+    """The output of a row-parallel GEMM from its partial sums: all-reduced, or
+    reduce-scattered into row blocks (backward gathers the gradient quantized by
+    ``grad_quantizer`` where it can); then the bias."""
+    if tp is not None:
+        if tp.sequence_parallel:
+            q = grad_quantizer if backward_mode == "default" else None
+            y = tp_comm.reduce_scatter_sequence(y, tp.group, q)
+        else:
+            y = tp_comm.reduce_from_group(y, tp.group)
+    if bias is not None:
+        y = y + replicated_param(tp, bias)
+    return y
+
+
+def output_rows(tp: TensorParallel | None, rows: int, mode: str) -> int:
+    """Rows (first dimension) of the output of a GEMM whose input has ``rows``: gathered
+    (column) or scattered (row) with sequence parallelism."""
+    if tp is None or not tp.sequence_parallel:
+        return rows
+    return rows * tp.size if mode == "column" else rows // tp.size
+
+
+def gathered(tp: TensorParallel | None) -> bool:
+    """Whether the GEMM input was gathered here (and may be released after fprop)."""
+    return tp is not None and tp.sequence_parallel
