@@ -1,5 +1,8 @@
-"""lowprec on torch.distributed: FSDP2 all-gathers of quantized weights."""
+"""lowprec on torch.distributed: FSDP2 all-gathers of quantized weights, tensor-parallel
+styles for ``parallelize_module``."""
 
 from .fsdp import QuantizedGatherWeight, precompute_gather_statistics, quantized_all_gather
+from .tp_styles import ColwiseParallel, RowwiseParallel
 
-__all__ = ["QuantizedGatherWeight", "precompute_gather_statistics", "quantized_all_gather"]
+__all__ = ["ColwiseParallel", "QuantizedGatherWeight", "RowwiseParallel",
+           "precompute_gather_statistics", "quantized_all_gather"]
