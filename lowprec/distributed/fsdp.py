@@ -71,10 +71,13 @@ class _GatherPlan:
 
 
 class _GatherSpec:
-    """The module and GEMM a wrapped weight belongs to, and the recipe it gathers under."""
+    """The module and GEMM a wrapped weight belongs to, and the recipe it gathers under.
+    ``master``: the wrapped tensor is the fp32 master of a ``quantized_model_init`` weight
+    of dtype ``master`` (quantized from fp32, as ``QuantizedWeightOptimizer`` does)."""
 
-    def __init__(self, module: nn.Module, index: int, recipe) -> None:
-        self.module, self.index, self.recipe = module, index, recipe
+    def __init__(self, module: nn.Module, index: int, recipe,
+                 master: torch.dtype | None = None) -> None:
+        self.module, self.index, self.recipe, self.master = module, index, recipe, master
         self._plans: dict = {}
         self._group = None
 
@@ -242,13 +245,21 @@ class QuantizedGatherWeight(torch.Tensor):
     # ---- FSDP2 all-gather extension -----------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         dtype = mp_policy.param_dtype or self.dtype
+        master = getattr(self._spec, "master", None)
+        if master is not None and dtype != master:
+            raise TypeError(
+                f"this weight was built under quantized_model_init as {master} and is kept as "
+                f"an fp32 master shard; FSDP2 must compute in {master}: fully_shard(..., "
+                f"mp_policy=MixedPrecisionPolicy(param_dtype={master})) (got {dtype})")
         world = mesh.size()
         rows, k = outer_size
         padded_rows = math.ceil(rows / world)
-        shard = self._data.to(dtype)
+        # a master quantizes from its fp32 values; a high-precision weight from the values
+        # the GEMM would read (the compute dtype)
+        shard = self._source(dtype)
         plan = self._spec.plan(shard.device, dtype, (rows, k), world)
         if plan.quantizer is None:
-            return (_pad_rows(shard, padded_rows),), None
+            return (_pad_rows(shard.to(dtype), padded_rows),), None
         backward, reshard = _fsdp_phase(self._spec.fsdp_group())
         rowwise, columnwise = plan.usages(backward, reshard)
         group = mesh.get_group()
@@ -257,6 +268,11 @@ class QuantizedGatherWeight(torch.Tensor):
             statistic = self._whole_statistic(plan.quantizer, shard, dtype, group)
             part = plan.quantizer.quantize_part(shard, statistic)
         return gather_codec.pack(part, rows, padded_rows if plan.padded else None)
+
+    def _source(self, dtype) -> torch.Tensor:
+        """The values a gather quantizes: a master's own fp32 values, a high-precision
+        weight's in the compute dtype (the values its GEMM would read)."""
+        return self._data if getattr(self._spec, "master", None) is not None else self._data.to(dtype)
 
     def _whole_statistic(self, quantizer, shard, dtype, group):
         """The whole weight's per-tensor statistic: the one precomputed for these values, or
@@ -297,7 +313,7 @@ def precompute_gather_statistics(model: nn.Module) -> None:
         if not isinstance(local, QuantizedGatherWeight) or local._last_gather is None:
             continue  # not wrapped, or not gathered quantized yet (sized at the first gather)
         plan, dtype, group = local._last_gather
-        statistic = plan.quantizer.part_statistic(local._data.to(dtype))
+        statistic = plan.quantizer.part_statistic(local._source(dtype))
         if statistic is not None:
             pending.setdefault(group, []).append((local, dtype, statistic))
     for group, items in pending.items():
@@ -315,8 +331,14 @@ def quantized_all_gather(model: nn.Module, recipe) -> nn.Module:
     Forwards under ``lowprec.autocast(recipe=recipe)`` compute exactly what they compute
     without FSDP. The gathered weight is the module's weight for any forward: under
     another recipe or outside autocast its GEMMs use the gathered values, as they use a
-    ``quantized_model_init`` weight. Quantized weights (``quantized_model_init``) are left
-    as they are."""
+    ``quantized_model_init`` weight.
+
+    Weights built under ``quantized_model_init`` (which FSDP2 cannot split) become fp32
+    master shards, starting from their dequantized values, gathered in the format of the
+    recipe they were built under: what ``QuantizedWeightOptimizer`` does on one process
+    (its fp32 masters, re-quantized after each step), with the master sharded and a plain
+    torch optimizer. Their modules then need FSDP2 to compute in the weight's dtype
+    (``MixedPrecisionPolicy(param_dtype=...)`` where that is not fp32)."""
     from ..modules.base import LowprecModule
     from ..recipe import Recipe
     if not isinstance(recipe, Recipe):
@@ -327,7 +349,16 @@ def quantized_all_gather(model: nn.Module, recipe) -> nn.Module:
             continue
         for i, name in enumerate(module._weight_names()):
             w = module._parameters.get(name)
-            if w is None or isinstance(w, (QuantizedTensor, QuantizedGatherWeight)):
+            if w is None or isinstance(w, QuantizedGatherWeight):
+                continue
+            if isinstance(w, QuantizedTensor):
+                if w.dim() != 2 or getattr(module, "_init_recipe", None) is None:
+                    raise TypeError(f"quantized_all_gather: {type(module).__name__}.{name} is a "
+                                    f"quantized tensor not made by quantized_model_init")
+                master = w.dequantize(torch.float32).detach()
+                spec = _GatherSpec(module, i, module._init_recipe, master=w.dtype)
+                wrapped = QuantizedGatherWeight(master, spec)
+                module._parameters[name] = nn.Parameter(wrapped, requires_grad=w.requires_grad)
                 continue
             if type(w.data) is not torch.Tensor:
                 raise TypeError(f"quantized_all_gather: {type(module).__name__}.{name} is a "

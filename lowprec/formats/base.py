@@ -368,7 +368,13 @@ class QuantizedTensor(torch.Tensor):
             return _HANDLERS_BY_PACKET[func.overloadpacket](func, args, kwargs)
         hint = ("Call .dequantize() (or .float()/.bfloat16()) to get a high-precision tensor "
                 "for other operations.")
-        if any(_is_parameter(a) for a in _flat_tensors(args, kwargs)):
+        if func.overloadpacket in (aten.split, aten.chunk) and any(
+                _is_parameter(a) for a in _flat_tensors(args, kwargs)):
+            hint = ("A quantized weight (quantized_model_init) is being split, as FSDP2's "
+                    "fully_shard does: call lowprec.distributed.quantized_all_gather(model, "
+                    "recipe) before fully_shard; it gives each such weight an fp32 shard "
+                    "that FSDP2 all-gathers in the weight's quantized format.")
+        elif any(_is_parameter(a) for a in _flat_tensors(args, kwargs)):
             hint = ("This is a quantized weight (quantized_model_init): a plain torch optimizer "
                     "cannot update it; wrap the optimizer in "
                     "lowprec.optim.QuantizedWeightOptimizer(model, torch.optim.AdamW, ...), "
