@@ -1,6 +1,7 @@
-"""FSDP2 training step over several GPUs: bf16 against lowprec recipes, with the weights
-all-gathered in high precision and quantized (``lowprec.distributed.quantized_all_gather``,
-with and without ``precompute_gather_statistics``).
+"""FSDP2 (or tensor-parallel) training step over several GPUs: bf16 against lowprec
+recipes, with the weights all-gathered in high precision and quantized
+(``lowprec.distributed.quantized_all_gather``, with and without
+``precompute_gather_statistics``).
 
 One process per GPU (NCCL). The model is ``bench_model.py``'s Hugging Face Llama config
 (``--model``, default "8b-wide"), every Linear but ``lm_head`` converted with
@@ -12,6 +13,14 @@ rows go to ``results.csv``.
 
     python benchmarks/bench_distributed.py                    # 2 GPUs, every recipe
     python benchmarks/bench_distributed.py --recipes current --gathers quantized
+    python benchmarks/bench_distributed.py --tp --recipes current,mxfp8
+
+``--tp``: tensor parallelism with sequence parallelism instead, over all the GPUs: the
+config's width in blocks of lowprec modules built with ``tp_group`` (a column-parallel
+``LayerNormLinear`` and a row-parallel ``Linear`` where attention would be, then a
+``LayerNormMLP`` with SwiGLU), sequence-first, ``seq x batch`` tokens split over the ranks.
+The peers are bf16 (the same modules outside autocast) and each recipe, whose SP
+all-gathers move quantized bytes where the format allows.
 """
 
 from __future__ import annotations
@@ -57,6 +66,36 @@ def make_peer(peer: str, model: str, device):
     return m, ctx
 
 
+class TPBlock(torch.nn.Module):
+    """Where attention would be, a column- then a row-parallel GEMM; then the MLP."""
+
+    def __init__(self, hidden: int, ffn: int, group, device):
+        super().__init__()
+        kw = dict(tp_group=group, sequence_parallel=True, params_dtype=torch.bfloat16,
+                  device=device)
+        self.qkv = lowprec.LayerNormLinear(hidden, hidden, bias=False, normalization="RMSNorm",
+                                           parallel_mode="column", **kw)
+        self.proj = lowprec.Linear(hidden, hidden, bias=False, parallel_mode="row", **kw)
+        self.mlp = lowprec.LayerNormMLP(hidden, ffn, bias=False, normalization="RMSNorm",
+                                        activation="swiglu", **kw)
+
+    def forward(self, x):
+        x = x + self.proj(self.qkv(x))
+        return x + self.mlp(x)
+
+
+def make_tp_peer(peer: str, model: str, device):
+    """(TP model, autocast context factory or None, input shape of this rank)."""
+    hidden, ffn, layers, *_, seq, batch = MODELS[model]
+    group = dist.group.WORLD
+    m = torch.nn.Sequential(*[TPBlock(hidden, ffn, group, device) for _ in range(layers)])
+    ctx = None
+    if peer != "bf16":
+        recipe = RECIPES[peer[len("lowprec-"):]]()
+        ctx = lambda: lowprec.autocast(recipe=recipe)  # noqa: E731
+    return m, ctx, (seq // dist.get_world_size(), batch, hidden)
+
+
 def after_step(peer: str, m):
     """What the peer runs after each optimizer step."""
     if peer.endswith("+precomputed"):
@@ -64,18 +103,32 @@ def after_step(peer: str, m):
 
 
 def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int,
-             profile_dir: str = "") -> tuple:
+             profile_dir: str = "", tp: bool = False) -> tuple:
     """(median step ms, all-gathered bytes a step, peak GiB) on this rank; with
     ``profile_dir``, rank 0 also profiles one more step (its kernel table)."""
     device = torch.device("cuda", rank)
-    m, ctx = make_peer(peer, model, device)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-    *_, seq, batch = MODELS[model]
     gen = torch.Generator(device=device).manual_seed(rank)
-    ids = [torch.randint(0, 32000, (batch, seq), device=device, generator=gen) for _ in range(2)]
+    if tp:
+        m, ctx, shape = make_tp_peer(peer, model, device)
+        inputs = [torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+                  for _ in range(2)]
+
+        def loss_of(i):
+            with ctx() if ctx else contextlib.nullcontext():
+                y = m(inputs[i % 2])
+            return y.float().pow(2).mean()
+    else:
+        m, ctx = make_peer(peer, model, device)
+        *_, seq, batch = MODELS[model]
+        ids = [torch.randint(0, 32000, (batch, seq), device=device, generator=gen)
+               for _ in range(2)]
+
+        def loss_of(i):
+            return lm_loss(m, ctx, ids[i % 2])
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
 
     def step(i):
-        lm_loss(m, ctx, ids[i % 2]).backward()
+        loss_of(i).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         after_step(peer, m)
@@ -102,18 +155,23 @@ def worker(rank: int, world: int, port: int, args) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
-    peers = ["bf16"] + [f"lowprec-{r}+{g}" for r in args.recipes.split(",") if r
-                        for g in args.gathers.split(",") if g]
+    recipes = [r for r in args.recipes.split(",") if r]
+    peers = ["bf16"] + ([f"lowprec-{r}" for r in recipes] if args.tp else
+                        [f"lowprec-{r}+{g}" for r in recipes for g in args.gathers.split(",") if g])
     results, lines = {}, []
     *_, seq, batch = MODELS[args.model]
+    bench = "tp_sp" if args.tp else "fsdp2"
+    tokens = seq * batch // world if args.tp else seq * batch  # per rank
     header = (f"{'peer':28s} {'ms':>8s} {'vs bf16':>8s} {'gathered GB':>12s} {'vs bf16':>8s} "
               f"{'peak GiB':>9s} {'vs bf16':>8s}")
     if rank == 0:
-        print(f"{args.model} FSDP2 on {world} x {torch.cuda.get_device_name()}, "
-              f"{seq * batch} tokens a rank, torch {torch.__version__}\n{header}", flush=True)
+        print(f"{args.model} {'TP+SP' if args.tp else 'FSDP2'} on {world} x "
+              f"{torch.cuda.get_device_name()}, {tokens} tokens a rank, torch "
+              f"{torch.__version__}\n{header}", flush=True)
     for peer in peers:
         try:
-            res = run_peer(peer, args.model, rank, args.steps, args.warmup, args.profile)
+            res = run_peer(peer, args.model, rank, args.steps, args.warmup, args.profile,
+                           args.tp)
             gc.collect()
             torch.cuda.empty_cache()  # the peer's model and optimizer died with run_peer
         except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
@@ -133,16 +191,17 @@ def worker(rank: int, world: int, port: int, args) -> None:
                 f"{peak:9.2f} {r_p:7.2f}x")
         lines.append(line)
         print(line, flush=True)
-        shape = f"{args.model} {seq * batch}tok/rank x{world}"
+        shape = f"{args.model} {tokens}tok/rank x{world}"
+        baseline = f"bf16 {bench}"
         append_rows([
-            dict(bench="fsdp2", shape=shape, recipe=peer, metric="step_ms", value=round(ms, 3),
-                 baseline="bf16 fsdp2", baseline_value=round(base[0], 3), ratio=round(r_ms, 4),
-                 note=f"{seq * batch * world / ms * 1e3:.0f} tok/s"),
-            dict(bench="fsdp2", shape=shape, recipe=peer, metric="all_gather_GB",
-                 value=round(gathered / 1e9, 4), baseline="bf16 fsdp2",
+            dict(bench=bench, shape=shape, recipe=peer, metric="step_ms", value=round(ms, 3),
+                 baseline=baseline, baseline_value=round(base[0], 3), ratio=round(r_ms, 4),
+                 note=f"{tokens * world / ms * 1e3:.0f} tok/s"),
+            dict(bench=bench, shape=shape, recipe=peer, metric="all_gather_GB",
+                 value=round(gathered / 1e9, 4), baseline=baseline,
                  baseline_value=round(base[1] / 1e9, 4), ratio=round(r_b, 4)),
-            dict(bench="fsdp2", shape=shape, recipe=peer, metric="peak_GiB",
-                 value=round(peak, 3), baseline="bf16 fsdp2",
+            dict(bench=bench, shape=shape, recipe=peer, metric="peak_GiB",
+                 value=round(peak, 3), baseline=baseline,
                  baseline_value=round(base[2], 3), ratio=round(r_p, 4)),
         ])
     if rank == 0:
@@ -159,6 +218,8 @@ def main() -> None:
                     help="hp (gather bf16), quantized (quantized_all_gather), precomputed "
                          "(and precompute_gather_statistics after each step)")
     ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--tp", action="store_true",
+                    help="tensor + sequence parallelism over the GPUs instead of FSDP2")
     ap.add_argument("--profile", default="", help="directory for per-peer kernel tables (rank 0)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
