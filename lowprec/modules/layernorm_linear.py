@@ -7,9 +7,8 @@ import torch
 from ..compiled_call import compiled_as_one_op
 from ..linear_fn import quantized_linear
 from . import tensor_parallel as tpar
-from .base import LowprecModule, add_linear_params, producer_usages, release_fprop_copy
-from .norms import (apply_norm, check_normalization, make_norm_params, norm_into_gemm,
-                    reset_norm_params)
+from .base import LowprecModule, add_linear_params, release_fprop_copy
+from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params
 
 
 class LayerNormLinear(LowprecModule):
@@ -75,14 +74,6 @@ class LayerNormLinear(LowprecModule):
         # The norm runs apart, in high precision, on the rows this rank holds; its output
         # is then replicated (its gradient summed over the group before the norm's
         # backward) or gathered.
-        tp = self._tp
-        ln_out = apply_norm(x, self.normalization, tpar.replicated_param(tp, self.layer_norm_weight),
-                            tpar.replicated_param(tp, self.layer_norm_bias), self.eps,
-                            self.zero_centered_gamma)
-        gemm_in = tpar.column_input(tp, ln_out, q.input if q else None, mode,
-                                    producer_usages(self.weight, mode))
-        y = quantized_linear(gemm_in, self.weight, self.bias, quantizers=q, backward_mode=mode,
-                             on_backward_done=done)
-        if tpar.gathered(tp):
-            release_fprop_copy(gemm_in, mode)
+        ln_out = tpar.norm_rows(self, self._tp, x)
+        y = tpar.column_linear(self._tp, ln_out, self.weight, self.bias, q, mode, done)
         return (y, ln_out) if self.return_layernorm_output else y

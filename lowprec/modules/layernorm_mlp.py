@@ -10,8 +10,7 @@ from ..linear_fn import quantized_linear
 from .activations import get_activation
 from . import tensor_parallel as tpar
 from .base import LowprecModule, add_linear_params, producer_usages, release_fprop_copy
-from .norms import (apply_norm, check_normalization, make_norm_params, norm_into_gemm,
-                    reset_norm_params)
+from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params
 
 
 class LayerNormMLP(LowprecModule):
@@ -81,16 +80,13 @@ class LayerNormMLP(LowprecModule):
             # Norm and activation hand their GEMM its quantized input from one fused kernel
             # where the quantizer has one (lowprec.fused); else they run apart.
             h = norm_into_gemm(self, x, q1, mode, self.fc1_weight)
-        else:  # the norm on this rank's rows, then replicated or gathered (LayerNormLinear)
-            h = apply_norm(x, self.normalization, tpar.replicated_param(tp, self.layer_norm_weight),
-                           tpar.replicated_param(tp, self.layer_norm_bias), self.eps,
-                           self.zero_centered_gamma)
-            h = tpar.column_input(tp, h, q1.input if q1 else None, mode,
-                                  producer_usages(self.fc1_weight, mode))
-        h1 = quantized_linear(h, self.fc1_weight, self.fc1_bias, quantizers=q1,
-                              backward_mode=mode, on_backward_done=done)
-        release_fprop_copy(h, mode)
-        del h  # the norm output must not outlive fc1's forward (peak memory)
+            h1 = quantized_linear(h, self.fc1_weight, self.fc1_bias, quantizers=q1,
+                                  backward_mode=mode, on_backward_done=done)
+            release_fprop_copy(h, mode)
+            del h  # the norm output must not outlive fc1's forward (peak memory)
+        else:
+            h1 = tpar.column_linear(tp, tpar.norm_rows(self, tp, x), self.fc1_weight,
+                                    self.fc1_bias, q1, mode, done)
         if (q2 is not None and fused.activation_prologue(self.activation) is not None
                 and fused.can_fuse(q2.input, h1, mode)):
             a = fused.activation_then_quantize(h1, self.activation, q2.input,

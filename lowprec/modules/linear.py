@@ -7,7 +7,7 @@ import torch
 from ..compiled_call import compiled_as_one_op
 from ..linear_fn import quantized_linear
 from . import tensor_parallel as tpar
-from .base import LowprecModule, add_linear_params, producer_usages, release_fprop_copy
+from .base import LowprecModule, add_linear_params
 
 
 class Linear(LowprecModule):
@@ -58,13 +58,7 @@ class Linear(LowprecModule):
             y = quantized_linear(x, self.weight, None, quantizers=q, backward_mode=mode,
                                  on_backward_done=done)
             return tpar.row_output(tp, y, self.bias, q.grad_output if q else None, mode)
-        x = tpar.column_input(tp, x, q.input if q else None, mode,
-                              producer_usages(self.weight, mode))
-        y = quantized_linear(x, self.weight, self.bias, quantizers=q, backward_mode=mode,
-                             on_backward_done=done)
-        if tpar.gathered(tp):
-            release_fprop_copy(x, mode)
-        return y
+        return tpar.column_linear(tp, x, self.weight, self.bias, q, mode, done)
 
     def extra_repr(self) -> str:
         tp = "" if self._tp is None else (f", parallel_mode={self.parallel_mode!r}, "

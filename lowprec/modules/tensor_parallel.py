@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import tp_comm
+from ..linear_fn import quantized_linear
+from .base import producer_usages, release_fprop_copy
+from .norms import apply_norm
 
 PARALLEL_MODES = (None, "column", "row")
 
@@ -149,3 +152,24 @@ def output_rows(tp: TensorParallel | None, rows: int, mode: str) -> int:
 def gathered(tp: TensorParallel | None) -> bool:
     """Whether the GEMM input was gathered here (and may be released after fprop)."""
     return tp is not None and tp.sequence_parallel
+
+
+def column_linear(tp: TensorParallel | None, x: torch.Tensor, weight, bias, quantizers,
+                  backward_mode: str, on_backward_done) -> torch.Tensor:
+    """A column-parallel quantized linear: its input replicated or gathered first (an
+    unsplit one with ``tp`` None)."""
+    q = quantizers.input if quantizers is not None else None
+    x = column_input(tp, x, q, backward_mode, producer_usages(weight, backward_mode))
+    y = quantized_linear(x, weight, bias, quantizers=quantizers, backward_mode=backward_mode,
+                         on_backward_done=on_backward_done)
+    if gathered(tp):
+        release_fprop_copy(x, backward_mode)  # the gathered input, made here
+    return y
+
+
+def norm_rows(module, tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+    """The norm of a tensor-parallel module on the rows this rank holds, in high precision
+    (its output is replicated or gathered next; no fused quantize)."""
+    return apply_norm(x, module.normalization, replicated_param(tp, module.layer_norm_weight),
+                      replicated_param(tp, module.layer_norm_bias), module.eps,
+                      module.zero_centered_gamma)
