@@ -90,7 +90,8 @@ def _from_local_output(mesh, produced, layout, use_local_output: bool, y):
     return y.to_local() if use_local_output else y
 
 
-def _make_parallel(module: nn.Module, mode: str, mesh, sequence_parallel: bool) -> None:
+def _make_parallel(style, module: nn.Module, mode: str, mesh) -> nn.Module:
+    """Turn lowprec ``module`` tensor-parallel over ``mesh`` as ``style`` describes."""
     from ..modules import tensor_parallel as tpar
     from ..modules.layernorm_linear import LayerNormLinear
     from ..modules.linear import Linear
@@ -108,10 +109,23 @@ def _make_parallel(module: nn.Module, mode: str, mesh, sequence_parallel: bool) 
     if mesh.ndim != 1:
         raise ValueError(f"a tensor-parallel style takes a 1-D mesh (the TP dimension), got "
                          f"{mesh.ndim}-D")
-    module._tp = tpar.TensorParallel(mode, mesh.get_group(), sequence_parallel)
-    module.parallel_mode, module.sequence_parallel = mode, sequence_parallel
+    layout, out_layout = style.input_layouts[0], style.output_layouts[0]
+    if mode == "column":
+        # sequence-first SP: the module gathers its input rows itself
+        sp = _shard0(layout)
+        params, desired, produced = _COLUMN_PARAMS, (layout if sp else Replicate()), Shard(-1)
+    else:
+        sp = _shard0(out_layout)
+        params, desired, produced = _ROW_PARAMS, Shard(-1), (out_layout if sp else Replicate())
+    module._tp = tpar.TensorParallel(mode, mesh.get_group(), sp)
+    module.parallel_mode, module.sequence_parallel = mode, sp
+    _distribute(module, mesh, params, style.src_data_rank)
+    module.register_forward_pre_hook(partial(_input_hook, mesh, layout, desired))
     module.register_forward_pre_hook(_swap_to_local)
     module.register_forward_hook(_swap_back, always_call=True)
+    module.register_forward_hook(partial(_output_hook, mesh, produced, out_layout,
+                                         style.use_local_output))
+    return module
 
 
 class ColwiseParallel(torch_style.ColwiseParallel):
@@ -121,16 +135,7 @@ class ColwiseParallel(torch_style.ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not _is_lowprec(module):
             return super()._apply(module, device_mesh)
-        layout, out_layout = self.input_layouts[0], self.output_layouts[0]
-        sp = _shard0(layout)
-        _make_parallel(module, "column", device_mesh, sp)
-        _distribute(module, device_mesh, _COLUMN_PARAMS, self.src_data_rank)
-        desired = layout if sp else Replicate()
-        module.register_forward_pre_hook(partial(_input_hook, device_mesh, layout, desired),
-                                         prepend=True)
-        module.register_forward_hook(partial(_output_hook, device_mesh, Shard(-1), out_layout,
-                                             self.use_local_output))
-        return module
+        return _make_parallel(self, module, "column", device_mesh)
 
 
 class RowwiseParallel(torch_style.RowwiseParallel):
@@ -139,13 +144,4 @@ class RowwiseParallel(torch_style.RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not _is_lowprec(module):
             return super()._apply(module, device_mesh)
-        layout, out_layout = self.input_layouts[0], self.output_layouts[0]
-        sp = _shard0(out_layout)
-        _make_parallel(module, "row", device_mesh, sp)
-        _distribute(module, device_mesh, _ROW_PARAMS, self.src_data_rank)
-        produced = out_layout if sp else Replicate()
-        module.register_forward_pre_hook(partial(_input_hook, device_mesh, layout, Shard(-1)),
-                                         prepend=True)
-        module.register_forward_hook(partial(_output_hook, device_mesh, produced, out_layout,
-                                             self.use_local_output))
-        return module
+        return _make_parallel(self, module, "row", device_mesh)
