@@ -16,13 +16,14 @@ import torch
 
 from .. import gemm
 from . import report
-from .data import load_corpus
-from .model import GPT, PRESETS, check_config
+from .data import load_data
+from .model import PRESETS, check_config
 from .progress import Progress
 from .recipes import (BASELINE, DEFAULT_RECIPES, NAMED_RECIPES, RecipeError, build_named,
                       check_backward_mode, load_recipe_file, noise_floor_spec, parse_recipe_names,
                       validate_recipe)
 from .train import INTERRUPTED, TrainSettings, train_one
+from .user_model import ModelError, resolve_model, run_config
 
 DEFAULT_OUT = "lowprec-compare"
 
@@ -60,8 +61,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "for every recipe")
     p.add_argument("--steps", type=int, default=None,
                    help="training steps per recipe (default: the preset's)")
-    p.add_argument("--model", default="small", choices=list(PRESETS),
-                   help="model size preset (default: small; medium/large are for a GPU)")
+    p.add_argument("--model", default="small", metavar="MODEL",
+                   help=f"a preset ({', '.join(PRESETS)}; default small; medium/large are for a "
+                        f"GPU), a local Hugging Face model directory (config.json, with or "
+                        f"without weights), or path/to/file.py:build / module:build (build() "
+                        f"returns an nn.Module mapping token ids (batch, seq) to logits)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary size, where it cannot be read from --model")
+    p.add_argument("--keep-high-precision", action="append", default=[], metavar="PATTERN",
+                   help="qualified names of Linears of a Hugging Face or user model to leave "
+                        "unconverted (fnmatch patterns, comma-separated or repeated; e.g. "
+                        "lm_head), the same for every recipe")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="training text: a text file, a directory of text files (recursively), "
+                        "or a .npy/.bin array of token ids (uint16 .bin as nanoGPT writes; "
+                        "PATH.bin:uint32 for 32-bit ids); tokenized with the model directory's "
+                        "tokenizer where it has one, else as bytes (default: Python "
+                        "standard-library source)")
+    p.add_argument("--data-glob", default=None, metavar="GLOB",
+                   help="with a --data directory: the files to read (e.g. '**/*.md')")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="learning-rate warm-up in steps (default: a fixed minimum or 10%% of "
+                        "the steps, whichever is longer)")
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -133,41 +158,69 @@ def resolve_recipes(args) -> list:
     return specs
 
 
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise UsageError(f"{name} must be >= 1, got {value}")
+
+
 def run(args, stdout=None, stderr=None) -> int:
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
-    cfg = PRESETS[args.model]
-    check_config(cfg)
-    if args.steps is not None and args.steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {args.steps}")
-    steps = args.steps or cfg.default_steps
+    for name in ("steps", "seq_len", "batch_size", "grad_accum", "vocab", "threads"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    if args.warmup is not None and args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    keep = tuple(p.strip() for item in args.keep_high_precision for p in item.split(","))
+    try:
+        source = resolve_model(args.model, vocab=args.vocab, keep_high_precision=keep)
+        cfg = run_config(source, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                         steps=args.steps)
+        if source.kind == "preset":
+            check_config(cfg)
+    except (ModelError, ValueError) as err:
+        raise UsageError(str(err)) from None
+    steps = cfg.default_steps
     device = resolve_device(args.device)
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     elif device.type == "cpu":
         torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) // 2)))
     specs = resolve_recipes(args)
     # Every quantizer every role will get, built and checked against its tensor shape now.
-    with torch.device("meta"):
-        shape_model = GPT(cfg, device="meta")
+    shape_model = _shape_model(source)
     for spec in specs:
-        validate_recipe(spec, shape_model, cfg.tokens_per_step)
+        try:
+            validate_recipe(spec, shape_model, cfg.tokens_per_step)
+        except RecipeError as err:
+            if source.kind == "preset":
+                raise
+            raise RecipeError(f"{err} (keep such a layer out with --keep-high-precision, e.g. "
+                              f"--keep-high-precision lm_head)") from None
     del shape_model
     out_dir = check_out_dir(args.out)
-    corpus = load_corpus()
+    try:
+        corpus = load_data(args.data, tokenizer=source.tokenizer, vocab=cfg.vocab,
+                           glob=args.data_glob)
+        corpus.check_windows(cfg.seq_len)
+    except (OSError, ValueError, TypeError) as err:
+        raise UsageError(f"--data: {err}") from None
 
     compiled = device.type == "cuda" if args.compile is None else args.compile
-    settings = TrainSettings(steps=steps, seed=args.seed, device=device, lr=args.lr or cfg.lr,
-                             compile=compiled)
-    print(f"lowprec compare: model {args.model} ({cfg.describe()}), {steps} steps x "
+    settings = TrainSettings(steps=steps, seed=args.seed, device=device, lr=cfg.lr,
+                             compile=compiled, warmup=args.warmup)
+    model_desc = (cfg.describe() if source.kind == "preset" else
+                  f"{source.describe()}, seq={cfg.seq_len}, batch={cfg.batch_size}")
+    if args.grad_accum > 1:
+        model_desc += f", {args.grad_accum} micro-batches a step"
+    print(f"lowprec compare: model {args.model} ({model_desc}), {steps} steps x "
           f"{len(specs)} recipes on {device}{', compiled' if compiled else ''}", file=stderr)
     print(f"data: {corpus.describe()}", file=stderr)
     results = []
     for spec in specs:
         progress = Progress(spec.name, steps, stream=stderr)
-        result = train_one(spec, cfg, corpus, settings, progress)
+        result = train_one(spec, cfg, corpus, settings, progress,
+                           source=None if source.kind == "preset" else source,
+                           grad_accum=args.grad_accum)
         if result.status == "error" and result.traceback:
             print(result.traceback, file=stderr)
         results.append(result)
@@ -181,7 +234,7 @@ def run(args, stdout=None, stderr=None) -> int:
         device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
                      else f"CPU, {torch.get_num_threads()} torch thread"
                           f"{'s' if torch.get_num_threads() > 1 else ''}"),
-        torch_version=torch.__version__, model=args.model, model_desc=cfg.describe(),
+        torch_version=torch.__version__, model=args.model, model_desc=model_desc,
         corpus=corpus.describe(), steps=steps, seed=args.seed,
         backward_mode=check_backward_mode(args.backward_mode) or "default",
         emulated=device.type != "cuda" or not native, backends=native, compiled=compiled)
@@ -192,6 +245,16 @@ def run(args, stdout=None, stderr=None) -> int:
     if any(r.status_detail == INTERRUPTED for r in results):
         return 130
     return 1 if any(r.status == "error" for r in results) else 0
+
+
+def _shape_model(source):
+    """The model built on the meta device (shapes only), for the recipe checks."""
+    with torch.device("meta"):
+        try:
+            return source.build("meta", shapes_only=True)
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass  # a user model that cannot be built on meta: build it for real
+    return source.build("cpu")
 
 
 def main(argv: list[str] | None = None) -> int:

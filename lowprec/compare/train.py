@@ -13,6 +13,7 @@ import math
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from ..autocast import autocast
 from .data import Batches, Corpus
 from .model import GPT, ModelConfig
+from .user_model import ModelSource, logits_of
 from .probe import SavedTensorMeter, SQNRProbe, SQNRRecord
 from .progress import Progress
 from .recipes import RecipeSpec
@@ -83,15 +85,33 @@ class TrainSettings:
     warmup_frac: float = 0.1
     #: run the training forward through torch.compile (every recipe alike)
     compile: bool = False
+    #: learning-rate warm-up in steps (0: none); None: the default rule of warmup_steps()
+    warmup: int | None = None
+
+    #: The shortest default warm-up. Adam's first updates are about lr in size whatever the
+    #: gradient, so reaching the peak lr within a handful of steps knocks a fresh model off
+    #: its initial descent (on an H100 the large preset at 40 steps, 4 warm-up steps,
+    #: spiked at step 3); ten steps let the second-moment estimates settle first.
+    WARMUP_MIN_STEPS: ClassVar[int] = 10
+
+    def warmup_steps(self) -> int:
+        """Warm-up length in steps: ``warmup`` when given, else the longer of
+        WARMUP_MIN_STEPS and ``warmup_frac`` of the run, but never more than half of it."""
+        if self.warmup is not None:
+            return max(0, self.warmup)
+        warm = max(self.WARMUP_MIN_STEPS, int(self.steps * self.warmup_frac))
+        # A short run still needs its decay half: that is where the last iterates settle.
+        return max(1, min(warm, self.steps // 2))
 
 
 def lr_at(step: int, settings: TrainSettings) -> float:
-    """Linear warmup, then cosine decay to zero (``step`` from 1).
+    """Linear warm-up over ``settings.warmup_steps()`` steps, then cosine decay to zero
+    (``step`` from 1).
 
     Decaying to zero settles the last iterates, which keeps the seed-to-seed noise of the
     final loss small (about 0.003 on the small preset) next to a recipe's effect (NVFP4:
     about 0.01 there)."""
-    warm = max(1, int(settings.steps * settings.warmup_frac))
+    warm = settings.warmup_steps()
     if step <= warm:
         return settings.lr * step / warm
     progress = (step - warm) / (settings.steps - warm + 1)
@@ -104,9 +124,14 @@ def _sync(device: torch.device) -> None:
 
 
 def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: TrainSettings,
-              progress: Progress | None = None) -> RunResult:
-    """Train from scratch under ``spec``; a NaN/Inf loss stops the run (status ``nan``)."""
-    result = RunResult(spec.name, spec.description, tokens_per_step=cfg.tokens_per_step)
+              progress: Progress | None = None, source: ModelSource | None = None,
+              grad_accum: int = 1) -> RunResult:
+    """Train from scratch under ``spec``; a NaN/Inf loss stops the run (status ``nan``).
+
+    ``source``: the model to build (default: the preset GPT of ``cfg``). ``grad_accum``:
+    micro-batches of ``cfg.batch_size`` sequences per optimizer step."""
+    tokens = cfg.tokens_per_step * grad_accum
+    result = RunResult(spec.name, spec.description, tokens_per_step=tokens)
     device = settings.device
     enabled = spec.recipe is not None
     t_wall, t_cpu = time.perf_counter(), time.process_time()
@@ -114,33 +139,43 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(settings.seed + spec.init_seed_offset)
-    model = GPT(cfg, dtype=torch.bfloat16, device=device)
+    model = (source.build(device) if source is not None
+             else GPT(cfg, dtype=torch.bfloat16, device=device))
     params = [p for p in model.parameters() if p.requires_grad]
     master = [p.detach().float().clone().requires_grad_(True) for p in params]
     opt = torch.optim.AdamW(master, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    batches = Batches(corpus, cfg.seq_len, cfg.batch_size, settings.seed, device)
+    # Checkpoint weights are the same for every seed: the reseeded noise-floor run draws
+    # its batches in another order instead.
+    batch_seed = settings.seed + (spec.init_seed_offset if source is not None
+                                  and source.pretrained else 0)
+    batches = Batches(corpus, cfg.seq_len, cfg.batch_size, batch_seed, device)
     probe = SQNRProbe(model)
-    tokens = cfg.tokens_per_step
     # The SQNR probe and the saved-tensor meter of the last step hook the eager modules;
     # that step runs eagerly.
     forward = torch.compile(model) if settings.compile else model
     try:
         for step in range(1, settings.steps + 1):
             last = step == settings.steps
-            x, y = batches.train_batch()
             _sync(device)
             t0 = time.perf_counter()
             if last and enabled:
                 probe.arm(spec.recipe, device)
             meter = SavedTensorMeter(model) if last else None
-            with autocast(enabled=enabled, recipe=spec.recipe):
-                if meter is not None:
-                    with meter:
-                        logits = model(x)
-                else:
-                    logits = forward(x)
-            loss = F.cross_entropy(logits.float().view(-1, cfg.vocab), y.reshape(-1))
-            loss_value = float(loss.detach())
+            loss_value = 0.0
+            for micro in range(grad_accum):
+                x, y = batches.train_batch()
+                with autocast(enabled=enabled, recipe=spec.recipe):
+                    if meter is not None and micro == 0:
+                        with meter:
+                            logits = logits_of(model(x))
+                    else:
+                        logits = logits_of(forward(x))
+                loss = F.cross_entropy(logits.float().view(-1, cfg.vocab),
+                                       y.reshape(-1)) / grad_accum
+                loss_value += float(loss.detach())
+                if not math.isfinite(loss_value):
+                    break
+                loss.backward()
             if not math.isfinite(loss_value):
                 _sync(device)
                 ms = (time.perf_counter() - t0) * 1e3
@@ -150,7 +185,6 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
                 if progress is not None:
                     progress.update(step, loss_value, ms, note="NaN: stopped")
                 break
-            loss.backward()
             for p, m in zip(params, master):
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
@@ -204,6 +238,6 @@ def evaluate(model: GPT, spec: RecipeSpec, batches: Batches, settings: TrainSett
     losses = []
     for x, y in batches.val_batches(settings.eval_batches):
         with autocast(enabled=spec.recipe is not None, recipe=spec.recipe):
-            logits = model(x)
+            logits = logits_of(model(x))
         losses.append(float(F.cross_entropy(logits.float().view(-1, cfg.vocab), y.reshape(-1))))
     return losses

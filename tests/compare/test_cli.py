@@ -375,8 +375,8 @@ def test_bad_options(tmp_path, capsys):
     assert code == 2 and "fp8_delayed" in err and "DelayedScaling" in err
     code, _, err = run_cli(["--model", "tiny", "--steps", "0", "--out", str(tmp_path)], capsys)
     assert code == 2 and "--steps" in err
-    with pytest.raises(SystemExit):
-        cli.main(["compare", "--model", "enormous"])
+    code, _, err = run_cli(["--model", "enormous", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "enormous" in err and "not a preset" in err
 
 
 def test_nan_loss_stops_that_run_and_the_others_continue(tmp_path, capsys):
