@@ -235,6 +235,7 @@ def run(args, stdout=None, stderr=None) -> int:
                      else f"CPU, {torch.get_num_threads()} torch thread"
                           f"{'s' if torch.get_num_threads() > 1 else ''}"),
         torch_version=torch.__version__, model=args.model, model_desc=model_desc,
+        lr=cfg.lr, warmup=settings.warmup_steps(),
         corpus=corpus.describe(), steps=steps, seed=args.seed,
         backward_mode=check_backward_mode(args.backward_mode) or "default",
         emulated=device.type != "cuda" or not native, backends=native, compiled=compiled)

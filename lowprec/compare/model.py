@@ -59,7 +59,7 @@ PRESETS: dict[str, ModelConfig] = {
     "medium": ModelConfig(d_model=512, n_layers=8, n_heads=8, seq_len=512, batch_size=16,
                           lr=1e-3, default_steps=300),
     "large": ModelConfig(d_model=1024, n_layers=16, n_heads=16, seq_len=1024, batch_size=16,
-                         lr=6e-4, default_steps=300),
+                         lr=3e-4, default_steps=300),
 }
 
 

@@ -8,12 +8,15 @@ import os
 import statistics
 from dataclasses import dataclass
 
+from . import stability
 from .recipes import BASELINE, NOISE_FLOOR
-from .train import RunResult
+from .stability import Stability
+from .train import RunResult, TrainSettings
 
 CSV_COLUMNS = ("recipe", "step", "loss", "tokens_per_s", "step_ms")
-MAIN_COLUMNS = ("recipe", "status", "held-out loss", "delta vs bf16", "train loss (last 10%)",
-                "tokens/s", "speedup vs bf16", "step ms (median)", "peak mem", "saved for bwd")
+MAIN_COLUMNS = ("recipe", "status", "held-out loss", "delta vs bf16", "stability",
+                "train loss (last 10%)", "tokens/s", "speedup vs bf16", "step ms (median)",
+                "peak mem", "saved for bwd")
 
 
 @dataclass
@@ -33,6 +36,10 @@ class RunInfo:
     emulated: bool
     backends: list
     compiled: bool = False
+    #: peak learning rate and warm-up steps the runs used (None: not known), for the
+    #: suggested fix when a run is unstable
+    lr: float | None = None
+    warmup: int | None = None
 
 
 # ---- numbers ---------------------------------------------------------------------------
@@ -46,6 +53,113 @@ def reference(results: list[RunResult]) -> RunResult | None:
         if r.name == BASELINE and r.ok:
             return r
     return None
+
+
+def baseline_run(results: list[RunResult]) -> RunResult | None:
+    """The bf16 run whatever its status (its stability decides every comparison)."""
+    return next((r for r in results if r.name == BASELINE), None)
+
+
+def assess(results: list[RunResult]) -> dict[int, Stability]:
+    """Stability of every run, keyed by ``id(run)``."""
+    return {id(r): stability.check(r) for r in results}
+
+
+def _base_stab(results: list[RunResult], stabs: dict[int, Stability]) -> Stability | None:
+    base = baseline_run(results)
+    return None if base is None else stabs[id(base)]
+
+
+def delta_cell(r: RunResult, ref: RunResult | None, stab: Stability,
+               base_stab: Stability | None) -> str:
+    """The delta column: a number only when both runs are stable."""
+    if r.name == BASELINE and base_stab is not None and base_stab.unstable:
+        return "unstable (reference)"
+    if r is ref:
+        return "0 (reference)"
+    if stab.unstable:
+        return "diverged" if stab.diverged_step is not None else "unstable"
+    if base_stab is not None and base_stab.unstable:
+        return "unstable (baseline)"
+    d = delta_vs(ref, r)
+    return "n/a" if d is None else f"{d[0]:+.4f} ± {d[1]:.4f}"
+
+
+def noise_delta(results: list[RunResult],
+                stabs: dict[int, Stability] | None = None) -> tuple[float, float] | None:
+    """The reseeded bf16 run's held-out delta to bf16, only when both trained stably."""
+    stabs = assess(results) if stabs is None else stabs
+    noise = next((r for r in results if r.name == NOISE_FLOOR and r.ok), None)
+    base = baseline_run(results)
+    if noise is None or base is None or stabs[id(noise)].unstable or stabs[id(base)].unstable:
+        return None
+    return delta_vs(reference(results), noise)
+
+
+def verdicts(results: list[RunResult]) -> list[tuple[str, str]]:
+    """(recipe, one line of plain words) for every run but the baseline; empty without a
+    bf16 run to compare with."""
+    base = baseline_run(results)
+    if base is None:
+        return []
+    stabs = assess(results)
+    base_stab = stabs[id(base)]
+    ref = reference(results)
+    noise = noise_delta(results, stabs)
+    out = []
+    for r in results:
+        if r is base:
+            continue
+        st = stabs[id(r)]
+        failed = r.status_detail if r.status == "error" else ""
+        if r.name == NOISE_FLOOR and not failed and not st.unstable and not base_stab.unstable:
+            d = delta_vs(ref, r)
+            text = ("noise reference: bf16 from other initial weights differs by "
+                    f"{d[0]:+.4f} ± {d[1]:.4f}, what seed-to-seed variation alone does here"
+                    if d is not None else "noise reference: no held-out loss")
+        else:
+            text = stability.verdict(st, delta_vs(ref, r), baseline=BASELINE,
+                                     base_stab=base_stab, base_ok=ref is not None,
+                                     noise=None if r.name == NOISE_FLOOR else noise,
+                                     noise_name=NOISE_FLOOR, failed=failed)
+        out.append((r.name, text))
+    return out
+
+
+def _default_warmup(steps: int) -> int:
+    return TrainSettings(steps=steps, seed=0, device=None, lr=0.0).warmup_steps()
+
+
+def stability_notes(info: RunInfo, results: list[RunResult]) -> list[str]:
+    """The runs' spikes and divergences, the rule behind them and, when a run is unstable,
+    the fix to try."""
+    stabs = assess(results)
+    bad = [(r, stabs[id(r)]) for r in results if stabs[id(r)].unstable]
+    out = [f"Stability: a step is a loss spike when its loss is more than "
+           f"{stability.SPIKE_SIGMAS:g} robust standard deviations of the step-to-step noise "
+           f"and {stability.SPIKE_REL:.0%} above the median of the {stability.SPIKE_WINDOW} "
+           f"steps before it (in the first steps, before the noise can be estimated: "
+           f"{stability.SPIKE_EARLY_REL:.0%} above the lowest loss yet); a run diverged when "
+           f"its loss became NaN/Inf, did not come back within {stability.RECOVER_REL:.0%} of "
+           f"its pre-spike level by the end, or ends above where it started. "
+           + ("Every run trained stably." if not bad else
+              "An unstable run's held-out loss says where a spike left it, not what its "
+              "recipe does, so no delta involving one is given.")]
+    for r, st in bad:
+        out.append(f"{r.name}: {st.reason}.")
+    if bad:
+        known = info.warmup is not None
+        warm = info.warmup if known else _default_warmup(info.steps)
+        lr = (f"--lr {info.lr / 2:.3g} (half of {info.lr:.3g})" if info.lr
+              else "a lower --lr (half the current one, say)")
+        early = any(st.spike_steps and st.spike_steps[0] <= max(warm, 1) for _, st in bad)
+        where = (f"this run warmed up over {warm} step{'s' if warm != 1 else ''}" if known else
+                 f"without --warmup, {info.steps} steps warm up over {warm}")
+        out.append(f"To fix: rerun with {lr} or a longer warm-up, --warmup "
+                   f"{max(2 * warm, 20)} ({where}" +
+                   ("; a spike came in the first steps, where the warm-up is" if early else "")
+                   + ").")
+    return out
 
 
 def train_tail_loss(r: RunResult) -> float | None:
@@ -69,24 +183,22 @@ def delta_vs(ref: RunResult | None, r: RunResult) -> tuple[float, float] | None:
 def main_rows(results: list[RunResult]) -> list[list[str]]:
     ref = reference(results)
     ref_ms = ref.median_step_ms() if ref is not None else None
+    stabs = assess(results)
+    base_stab = _base_stab(results, stabs)
     rows = []
     for r in results:
         ms = r.median_step_ms() if r.ok else None
         status = {"ok": "ok", "nan": f"NaN (step {len(r.steps)})" if r.steps else "NaN",
                   "error": "FAILED"}.get(r.status, r.status)
-        d = delta_vs(ref, r)
-        if r is ref:
-            delta = "0 (reference)"
-        elif d is None:
-            delta = "n/a"
-        else:
-            delta = f"{d[0]:+.4f} ± {d[1]:.4f}"
+        st = stabs[id(r)]
+        delta = delta_cell(r, ref, st, base_stab)
         tail = train_tail_loss(r)
         tok_s = f"{r.tokens_per_step / (ms / 1e3):,.0f}" if ms else "n/a"
         speed = f"{ref_ms / ms:.2f}x" if (ms and ref_ms) else "n/a"
         rows.append([r.name, status,
                      f"{r.val_loss:.4f}" if r.ok and r.val_loss is not None else "n/a",
-                     delta, f"{tail:.4f}" if tail is not None else "n/a", tok_s, speed,
+                     delta, st.short(), f"{tail:.4f}" if tail is not None else "n/a", tok_s,
+                     speed,
                      f"{ms:.1f}" if ms else "n/a", _mib(r.peak_mem_bytes), _mib(r.saved_bytes)])
     return rows
 
@@ -210,6 +322,23 @@ def plot(path: str, results: list[RunResult]) -> str | None:
     window = max(1, n_steps // 20)
     colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     ref_loss = {s.step: s.loss for s in ref.steps} if ref is not None else {}
+    stabs = assess(results)
+    marked = set()
+
+    def mark(r: RunResult, color: str) -> None:
+        # Spikes as open triangles on the per-step curve; a divergence as a dotted line.
+        st = stabs[id(r)]
+        loss_at = {s.step: s.loss for s in r.steps}
+        if st.spike_steps:
+            ax1.plot(st.spike_steps, [loss_at[k] for k in st.spike_steps], "^",
+                     markersize=9, markerfacecolor="none", markeredgecolor=color,
+                     markeredgewidth=1.5, label=None if "spike" in marked else "loss spike")
+            marked.add("spike")
+        if st.diverged_step is not None and r.status != "nan":
+            ax1.axvline(st.diverged_step, color=color, linestyle=":", linewidth=1.2,
+                        label=None if "div" in marked else "diverged")
+            marked.add("div")
+
     for i, r in enumerate(results):
         if not r.steps:
             continue
@@ -219,7 +348,8 @@ def plot(path: str, results: list[RunResult]) -> str | None:
             vals = [(s.step, s.loss) for s in r.steps if math.isfinite(s.loss)]
             ax1.plot([v[0] for v in vals], _smooth([v[1] for v in vals], window), color="gray",
                      linestyle="--", linewidth=1.0, label=f"{r.name} (noise reference)")
-            d = delta_vs(reference(results), r)
+            mark(r, "gray")
+            d = noise_delta(results, stabs)
             if d is not None:
                 for sign in (1, -1):
                     ax2.axhline(sign * abs(d[0]), color="gray", linestyle=":", linewidth=1.0,
@@ -233,6 +363,7 @@ def plot(path: str, results: list[RunResult]) -> str | None:
         ax1.plot(steps, _smooth(losses, window), color=c, linewidth=1.6, label=label)
         if not r.ok and steps:
             ax1.plot(steps[-1], losses[-1], "x", color=c, markersize=10)
+        mark(r, c)
         if ref is not None and r is not ref:
             pairs = [(s, l - ref_loss[s]) for s, l in zip(steps, losses) if s in ref_loss]
             if pairs:
@@ -249,7 +380,9 @@ def plot(path: str, results: list[RunResult]) -> str | None:
     ax2.set_ylabel(f"loss - {ref_name} loss")
     ax2.set_xlabel("step")
     ax2.set_title(f"difference to {ref_name} (same batches" +
-                  (")" if window == 1 else f"; mean of {window} steps)"))
+                  (")" if window == 1 else f"; mean of {window} steps)") +
+                  (f"; {ref_name} unstable: not a recipe effect"
+                   if ref is not None and stabs[id(ref)].unstable else ""))
     ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     if any(line.get_label() and not line.get_label().startswith("_") for line in ax2.lines):
         ax2.legend(fontsize=8)
@@ -277,14 +410,21 @@ def notes(info: RunInfo, results: list[RunResult]) -> list[str]:
                "quantized forward. The delta's ± is the paired standard error over those "
                "batches; a delta within about two of it is not a measurable difference, and a "
                "different --seed moves every run.")
-    noise = next((r for r in results if r.name == NOISE_FLOOR and r.ok), None)
-    ref = reference(results)
-    d = delta_vs(ref, noise) if noise is not None else None
+    d = noise_delta(results)
     if d is not None:
         out.append(f"{NOISE_FLOOR} is bf16 again on the same batches from other initial "
                    f"weights (seed + 1): its delta ({d[0]:+.4f}) is what seed-to-seed variation "
                    f"alone does here. A recipe's delta of about that size or less is not a "
-                   f"difference this run can show; one well beyond it is.")
+                   f"difference this run can show; one well beyond it is. The verdicts add it "
+                   f"to the ± as an independent error, sqrt(±² + {NOISE_FLOOR} delta²), and "
+                   f"call a difference only beyond {stability.SIGNIFICANT_SE:g} of those.")
+    elif any(r.name == NOISE_FLOOR for r in results):
+        stabs = assess(results)
+        shaky = [r.name for r in results if r.name in (BASELINE, NOISE_FLOOR)
+                 and (stabs[id(r)].unstable or not r.ok)]
+        out.append(f"{' and '.join(shaky) or NOISE_FLOOR} did not train stably, so this run "
+                   f"has no noise floor.")
+    out += stability_notes(info, results)
     out.append("Step time: median over steps, the first left out; tokens/s = tokens per step / "
                "that median.")
     out.append("Saved for bwd: bytes autograd kept from the forward for the backward "
@@ -308,7 +448,12 @@ def write_markdown(path: str, info: RunInfo, results: list[RunResult],
              f"- data: {info.corpus}",
              f"- steps: {info.steps}, seed: {info.seed}, backward mode: {info.backward_mode}",
              "", "## Results", "", markdown_table(MAIN_COLUMNS, main_rows(results)), ""]
-    lines += [f"- {n}" for n in notes(info, results)]
+    judged = verdicts(results)
+    if judged:
+        lines += [f"Verdicts (held-out loss against {BASELINE}):", ""]
+        lines += [f"- `{name}`: {text}" for name, text in judged]
+        lines.append("")
+    lines += ["Notes:", ""] + [f"- {n}" for n in notes(info, results)]
     lines += ["", "Recipes:", ""]
     for r in results:
         lines.append(f"- `{r.name}`: {r.description} (wall {r.wall_s:.1f} s, CPU {r.cpu_s:.1f} s)")
@@ -334,6 +479,12 @@ def terminal_summary(info: RunInfo, results: list[RunResult], out_dir: str,
                      plot_note: str | None) -> str:
     parts = ["", f"lowprec compare: {info.model} ({info.model_desc}), {info.steps} steps on "
              f"{info.device}", "", text_table(MAIN_COLUMNS, main_rows(results)), ""]
+    judged = verdicts(results)
+    if judged:
+        width = max(len(name) for name, _ in judged)
+        parts += [f"Verdicts (held-out loss against {BASELINE}):"]
+        parts += [f"  {name:<{width}}  {text}" for name, text in judged]
+        parts.append("")
     header, rows = sqnr_summary_rows(results)
     if rows:
         parts += ["Mean quantization SQNR over layers at the last step (per-layer detail in "
