@@ -241,7 +241,9 @@ def run(args, stdout=None, stderr=None) -> int:
         emulated=device.type != "cuda" or not native, backends=native, compiled=compiled)
     report.write_csv(os.path.join(out_dir, "results.csv"), results)
     plot_note = report.plot(os.path.join(out_dir, "loss.png"), results)
-    report.write_markdown(os.path.join(out_dir, "report.md"), info, results, plot_note)
+    sqnr_note = report.plot_sqnr(os.path.join(out_dir, "sqnr.png"), results)
+    report.write_markdown(os.path.join(out_dir, "report.md"), info, results, plot_note,
+                          sqnr_note)
     print(report.terminal_summary(info, results, out_dir, plot_note), file=stdout)
     if any(r.status_detail == INTERRUPTED for r in results):
         return 130

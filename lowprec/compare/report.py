@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from . import stability
 from .recipes import BASELINE, NOISE_FLOOR
 from .stability import Stability
+from .probe import SQNRRecord
 from .train import RunResult, TrainSettings
 
 CSV_COLUMNS = ("recipe", "step", "loss", "tokens_per_s", "step_ms")
@@ -231,7 +232,15 @@ def _db(v: float | None) -> str:
 ROLE_ORDER = {"input": 0, "weight": 1, "output": 2, "grad_output": 3, "grad_input": 4}
 
 
+def _worst_db(rec: SQNRRecord | None) -> float:
+    vals = [] if rec is None else [v for v in (rec.rowwise_db, rec.columnwise_db)
+                                   if v is not None and not math.isnan(v)]
+    return min(vals) if vals else math.inf
+
+
 def sqnr_rows(results: list[RunResult]) -> tuple[list[str], list[list[str]]]:
+    """Per (layer, role) rows of every quantized recipe's last-step SQNR, the worst first
+    (the lowest SQNR any recipe and direction reached), so the layer that hurts leads."""
     quantized = [r for r in results if r.sqnr]
     keys: list[tuple[str, str]] = []
     for r in quantized:
@@ -241,17 +250,84 @@ def sqnr_rows(results: list[RunResult]) -> tuple[list[str], list[list[str]]]:
     layer_order = {}
     for layer, _ in keys:
         layer_order.setdefault(layer, len(layer_order))
-    keys.sort(key=lambda k: (layer_order[k[0]], ROLE_ORDER.get(k[1], 9)))
+
+    def record(r, layer, role):
+        return next((x for x in r.sqnr if (x.layer, x.role) == (layer, role)), None)
+
+    keys.sort(key=lambda k: (min((_worst_db(record(r, *k)) for r in quantized), default=math.inf),
+                             layer_order[k[0]], ROLE_ORDER.get(k[1], 9)))
     header = ["layer", "role"] + [f"{r.name} (row / col dB)" for r in quantized]
     rows = []
     for layer, role in keys:
         row = [layer, role]
         for r in quantized:
-            rec = next((x for x in r.sqnr if (x.layer, x.role) == (layer, role)), None)
+            rec = record(r, layer, role)
             row.append("not quantized" if rec is None else
                        f"{_db(rec.rowwise_db)} / {_db(rec.columnwise_db)}")
         rows.append(row)
     return header, rows
+
+
+def sqnr_grid(r: RunResult) -> tuple[list[str], list[str], list[list[float]]]:
+    """(layers in model order, columns "role row|col", SQNR dB values with NaN where a
+    direction was not quantized) of one recipe's last step: what sqnr.png draws."""
+    layers: list[str] = []
+    for rec in r.sqnr:
+        if rec.layer not in layers:
+            layers.append(rec.layer)
+    roles = sorted({rec.role for rec in r.sqnr}, key=lambda x: ROLE_ORDER.get(x, 9))
+    columns = [f"{role} {d}" for role in roles for d in ("row", "col")]
+    grid = []
+    for layer in layers:
+        row = []
+        for role in roles:
+            rec = next((x for x in r.sqnr if (x.layer, x.role) == (layer, role)), None)
+            for attr in ("rowwise_db", "columnwise_db"):
+                v = None if rec is None else getattr(rec, attr)
+                row.append(math.nan if v is None else v)
+        grid.append(row)
+    return layers, columns, grid
+
+
+def plot_sqnr(path: str, results: list[RunResult]) -> str | None:
+    """Write sqnr.png: per quantized recipe, a heatmap of the last step's SQNR per layer
+    (rows) and tensor role and direction (columns), on one colour scale, the worst cell of
+    each recipe outlined; returns None on success or the reason it was skipped."""
+    quantized = [r for r in results if r.sqnr]
+    if not quantized:
+        return "no quantized recipe finished"
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Rectangle
+    except Exception as err:  # noqa: BLE001 - the plot is optional
+        return (f"matplotlib is not importable ({type(err).__name__}: {err}); install it with "
+                f"pip install 'lowprec[compare]'")
+    grids = [(r, *sqnr_grid(r)) for r in quantized]
+    finite = [v for *_, g in grids for row in g for v in row if math.isfinite(v)]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    n_layers = max(len(layers) for _, layers, _, _ in grids)
+    fig = Figure(figsize=(3.2 + 2.6 * len(grids), 1.6 + 0.28 * n_layers))
+    axes = fig.subplots(1, len(grids), squeeze=False)[0]
+    image = None
+    for ax, (r, layers, columns, grid) in zip(axes, grids):
+        image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=lo, vmax=hi,
+                          interpolation="nearest")
+        ax.set_title(r.name, fontsize=9)
+        ax.set_xticks(range(len(columns)), columns, rotation=60, ha="right", fontsize=7)
+        ax.set_yticks(range(len(layers)), layers if ax is axes[0] else [""] * len(layers),
+                      fontsize=7)
+        cells = [(v, i, j) for i, row in enumerate(grid) for j, v in enumerate(row)
+                 if math.isfinite(v)]
+        if cells:
+            _, i, j = min(cells)
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red",
+                                   linewidth=1.5))
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), label="SQNR (dB), higher is better", shrink=0.8)
+    fig.suptitle("Quantization SQNR per layer at the last step (worst cell outlined; blank: "
+                 "not quantized)", fontsize=9)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return None
 
 
 def sqnr_summary_rows(results: list[RunResult]) -> tuple[list[str], list[list[str]]]:
@@ -440,7 +516,7 @@ def notes(info: RunInfo, results: list[RunResult]) -> list[str]:
 
 
 def write_markdown(path: str, info: RunInfo, results: list[RunResult],
-                   plot_note: str | None) -> None:
+                   plot_note: str | None, sqnr_note: str | None = "not drawn") -> None:
     lines = ["# lowprec compare", "",
              f"`{info.command}`", "",
              f"- device: {info.device} ({info.device_name}), torch {info.torch_version}",
@@ -465,7 +541,12 @@ def write_markdown(path: str, info: RunInfo, results: list[RunResult],
               "the tensor each quantizer quantized in the last training step, for the rowwise "
               "direction (fprop; dgrad's gradient) and the columnwise one (wgrad; dgrad's weight). "
               "Higher is more accurate; each bit of mantissa is about 6 dB. '-' means that "
-              "direction was not quantized; 'exact' means no error.", ""]
+              "direction was not quantized; 'exact' means no error. Rows are sorted worst "
+              "first: by the lowest SQNR any recipe and direction reached.", ""]
+    if sqnr_note is None and rows:
+        lines += ["![SQNR per layer](sqnr.png)", ""]
+    elif rows:
+        lines += [f"sqnr.png skipped: {sqnr_note}", ""]
     if rows:
         lines += [markdown_table(header, rows), "", "Formats (rowwise / columnwise):", ""]
         lines += [f"- `{r.name}`: {format_legend(r)}" for r in results if r.sqnr]
