@@ -100,7 +100,7 @@ RUNS = ["bf16", "bf16_reseeded", "fp8_current", "fp8_block", "mxfp8", "nvfp4",
 def test_e2e_exit_code_and_files(e2e):
     assert e2e["code"] == 0, e2e["stderr"][-2000:]
     names = sorted(os.listdir(e2e["out"]))
-    expected = ["report.md", "results.csv"] + (["loss.png"] if HAVE_MPL else [])
+    expected = ["report.md", "results.csv"] + (["loss.png", "sqnr.png"] if HAVE_MPL else [])
     assert sorted(n for n in names if not n.startswith(".")) == sorted(expected)
 
 
