@@ -569,9 +569,11 @@ def terminal_summary(info: RunInfo, results: list[RunResult], out_dir: str,
     header, rows = sqnr_summary_rows(results)
     if rows:
         parts += ["Mean quantization SQNR over layers at the last step (per-layer detail in "
-                  "report.md):", text_table(header, rows), ""]
+                  "report.md and sqnr.png):", text_table(header, rows), ""]
     parts += [f"* {n}" for n in notes(info, results)]
     files = ["results.csv", "report.md"] + (["loss.png"] if plot_note is None else [])
+    if plot_note is None and any(r.sqnr for r in results):
+        files.append("sqnr.png")  # drawn with matplotlib too, when a quantized run finished
     parts += ["", f"wrote {', '.join(os.path.join(out_dir, f) for f in files)}"]
     if plot_note is not None:
         parts.append(f"loss.png skipped: {plot_note}")
