@@ -19,6 +19,8 @@ from . import report
 from .data import load_data
 from .model import PRESETS, check_config
 from .progress import Progress
+from .resume import (CHECKPOINT_DIR, DEFAULT_SAVE_EVERY, CheckpointStore, ResumeError,
+                     atomic_path, data_fingerprint, environment, file_sha256)
 from .recipes import (BASELINE, DEFAULT_RECIPES, NAMED_RECIPES, RecipeError, build_named,
                       check_backward_mode, load_recipe_file, noise_floor_spec, parse_recipe_names,
                       validate_recipe)
@@ -95,7 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: preset's)")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
-                   help=f"output directory (default: ./{DEFAULT_OUT})")
+                   help=f"output directory (default: ./{DEFAULT_OUT}); each recipe's checkpoint "
+                        f"goes to DIR/{CHECKPOINT_DIR}/RECIPE.pt")
+    p.add_argument("--save-every", type=int, default=DEFAULT_SAVE_EVERY, metavar="N",
+                   help=f"save each recipe's training state every N steps, and its result when "
+                        f"it ends (default {DEFAULT_SAVE_EVERY}; 0: only the result)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted command from the checkpoints in --out: "
+                        "finished recipes are not run again, an unfinished one goes on from "
+                        "its last checkpoint, bit for bit as if never stopped; the options must "
+                        "be those of the interrupted command (a difference is refused, naming "
+                        "it). Without --resume, checkpoints in --out are ignored and "
+                        "overwritten")
     p.add_argument("--noise-floor", action=argparse.BooleanOptionalAction, default=True,
                    help="also train bf16 from other initial weights (seed + 1), to show how far "
                         "seed-to-seed noise alone moves the loss (default: on when bf16 runs)")
@@ -138,7 +151,9 @@ def resolve_device(text: str | None) -> torch.device:
     return device
 
 
-def resolve_recipes(args) -> list:
+def resolve_recipes(args, files: dict | None = None) -> list:
+    """The runs the command asks for, in order (the noise-floor run after bf16).
+    ``files``, when given, receives each recipe file's run name -> its path."""
     mode = check_backward_mode(args.backward_mode)
     if args.recipes is not None:
         names = parse_recipe_names(args.recipes)
@@ -155,6 +170,8 @@ def resolve_recipes(args) -> list:
             spec.name = f"{base}_{i}"
             i += 1
         specs.append(spec)
+        if files is not None:
+            files[spec.name] = item.rpartition(":")[0]
     return specs
 
 
@@ -170,6 +187,8 @@ def run(args, stdout=None, stderr=None) -> int:
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     if args.warmup is not None and args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.save_every < 0:
+        raise UsageError(f"--save-every must be >= 0, got {args.save_every}")
     keep = tuple(p.strip() for item in args.keep_high_precision for p in item.split(","))
     try:
         source = resolve_model(args.model, vocab=args.vocab, keep_high_precision=keep)
@@ -185,7 +204,8 @@ def run(args, stdout=None, stderr=None) -> int:
         torch.set_num_threads(args.threads)
     elif device.type == "cpu":
         torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) // 2)))
-    specs = resolve_recipes(args)
+    recipe_files: dict[str, str] = {}
+    specs = resolve_recipes(args, recipe_files)
     # Every quantizer every role will get, built and checked against its tensor shape now.
     shape_model = _shape_model(source)
     for spec in specs:
@@ -215,17 +235,56 @@ def run(args, stdout=None, stderr=None) -> int:
     print(f"lowprec compare: model {args.model} ({model_desc}), {steps} steps x "
           f"{len(specs)} recipes on {device}{', compiled' if compiled else ''}", file=stderr)
     print(f"data: {corpus.describe()}", file=stderr)
+    store = CheckpointStore(
+        out_dir, run_settings(args, source, cfg, settings, corpus, device), environment(device),
+        args.save_every, recipe_settings={name: {"recipe_file_sha256": file_sha256(path)}
+                                          for name, path in recipe_files.items()},
+        stream=stderr)
+    # Every checkpoint is checked before anything trains: a mismatch is refused at once.
+    saved = {spec.name: store.inspect(spec) for spec in specs} if args.resume else {}
+    if args.resume:
+        print(resume_summary(specs, saved, store, steps), file=stderr)
     results = []
+    stopped: tuple | None = None  # (recipe, its checkpointer or None) of an interrupt
     for spec in specs:
-        progress = Progress(spec.name, steps, stream=stderr)
-        result = train_one(spec, cfg, corpus, settings, progress,
-                           source=None if source.kind == "preset" else source,
-                           grad_accum=args.grad_accum)
+        found = saved.get(spec.name)
+        if found is not None and found.finished:
+            print(f"{spec.name:<20} finished in an earlier run: result from {found.path}",
+                  file=stderr)
+            results.append(found.result)
+            continue
+        checkpoint = None
+        try:
+            if not args.resume:
+                store.discard(spec)
+            checkpoint = store.for_recipe(spec, found)
+            progress = Progress(spec.name, steps, stream=stderr)
+            result = train_one(spec, cfg, corpus, settings, progress,
+                               source=None if source.kind == "preset" else source,
+                               grad_accum=args.grad_accum, checkpoint=checkpoint)
+        except KeyboardInterrupt:
+            # outside the part train_one handles itself (building the model, closing the
+            # bar): stop the same way, writing what there is
+            stopped = (spec.name, checkpoint)
+            break
         if result.status == "error" and result.traceback:
             print(result.traceback, file=stderr)
         results.append(result)
         if result.status_detail == INTERRUPTED:
+            stopped = (spec.name, checkpoint)
             break  # write what there is, then stop
+        if result.status in ("ok", "nan"):
+            # A failed run (an exception) keeps its last progress checkpoint: --resume
+            # tries it again from there.
+            try:
+                store.finish(spec, result)
+            except (OSError, RuntimeError) as err:
+                print(f"lowprec compare: warning: cannot save {spec.name}'s result to "
+                      f"{store.path(spec.name)} ({type(err).__name__}: {err}); --resume would "
+                      f"train it again", file=stderr)
+            except KeyboardInterrupt:
+                stopped = (spec.name, checkpoint)  # the result is complete: report it
+                break
 
     native = [b.name for b in gemm.BACKENDS if b.name not in ("plain", "emulated_fp32")]
     info = report.RunInfo(
@@ -239,15 +298,80 @@ def run(args, stdout=None, stderr=None) -> int:
         corpus=corpus.describe(), steps=steps, seed=args.seed,
         backward_mode=check_backward_mode(args.backward_mode) or "default",
         emulated=device.type != "cuda" or not native, backends=native, compiled=compiled)
-    report.write_csv(os.path.join(out_dir, "results.csv"), results)
-    plot_note = report.plot(os.path.join(out_dir, "loss.png"), results)
-    sqnr_note = report.plot_sqnr(os.path.join(out_dir, "sqnr.png"), results)
-    report.write_markdown(os.path.join(out_dir, "report.md"), info, results, plot_note,
-                          sqnr_note)
+    # Each file is written under a temporary name and then moved into place: an interrupt
+    # or a failure while writing leaves the previous file, never a half-written one.
+    with atomic_path(os.path.join(out_dir, "results.csv")) as tmp:
+        report.write_csv(tmp, results)
+    with atomic_path(os.path.join(out_dir, "loss.png")) as tmp:
+        plot_note = report.plot(tmp, results)
+    with atomic_path(os.path.join(out_dir, "sqnr.png")) as tmp:
+        sqnr_note = report.plot_sqnr(tmp, results)
+    with atomic_path(os.path.join(out_dir, "report.md")) as tmp:
+        report.write_markdown(tmp, info, results, plot_note, sqnr_note)
     print(report.terminal_summary(info, results, out_dir, plot_note), file=stdout)
-    if any(r.status_detail == INTERRUPTED for r in results):
+    size = store.disk_bytes()
+    if size:
+        amount = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
+        print(f"checkpoints: {store.dir} ({amount}; --resume continues from them, deleting "
+              f"them frees the space)", file=stdout)
+    if stopped is not None:
+        print(interrupt_message(stopped[0], stopped[1], args.argv), file=stderr)
         return 130
     return 1 if any(r.status == "error" for r in results) else 0
+
+
+def run_settings(args, source, cfg, settings: TrainSettings, corpus, device) -> dict:
+    """The command's settings that decide a run's numbers, as a checkpoint records them
+    (see ``resume.SETTING_LABELS``): resolved values, so ``--lr 1e-3`` and the preset's
+    default 1e-3 are one setting."""
+    return {
+        "model": args.model,
+        "architecture": cfg.describe() if source.kind == "preset" else source.describe(),
+        "vocab": cfg.vocab,
+        "keep_high_precision": tuple(source.keep_high_precision),
+        "seq_len": cfg.seq_len,
+        "batch_size": cfg.batch_size,
+        "grad_accum": args.grad_accum,
+        "steps": settings.steps,
+        "seed": settings.seed,
+        "lr": settings.lr,
+        "warmup": settings.warmup_steps(),
+        "data": data_fingerprint(corpus),
+        "device": device.type,
+        # inductor rounds the bf16 model's elementwise math differently from eager
+        "compile": settings.compile,
+        "backward_mode": check_backward_mode(args.backward_mode) or "default",
+        "eval_batches": settings.eval_batches,
+        "grad_clip": settings.grad_clip,
+    }
+
+
+def resume_summary(specs, saved: dict, store: CheckpointStore, steps: int) -> str:
+    """One line on what ``--resume`` found for each recipe."""
+    parts = []
+    for spec in specs:
+        found = saved.get(spec.name)
+        if found is None:
+            parts.append(f"{spec.name}: from the start")
+        elif found.finished:
+            parts.append(f"{spec.name}: finished")
+        else:
+            parts.append(f"{spec.name}: from step {found.step + 1}/{steps}")
+    return f"resume from {store.dir}: " + "; ".join(parts)
+
+
+def interrupt_message(name: str, checkpoint, argv: list) -> str:
+    """What Ctrl-C left and the command that continues it."""
+    command = "lowprec compare " + " ".join(shlex.quote(a) for a in argv)
+    if "--resume" not in argv:
+        command += " --resume"
+    if checkpoint is not None and checkpoint.saved_step:
+        where = (f"{name} will go on after step {checkpoint.saved_step}, its last checkpoint "
+                 f"({checkpoint.path})")
+    else:
+        where = f"{name} had no checkpoint yet and will start again"
+    return (f"lowprec compare: interrupted during {name}; finished recipes are saved and "
+            f"{where}. To continue, run the same command with --resume:\n  {command}")
 
 
 def _shape_model(source):
@@ -272,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv[1:]
     try:
         return run(args)
-    except (UsageError, RecipeError) as err:
+    except (UsageError, RecipeError, ResumeError) as err:
         print(f"lowprec compare: error: {err}", file=sys.stderr)
         return 2
 

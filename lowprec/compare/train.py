@@ -13,7 +13,7 @@ import math
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +26,12 @@ from .probe import SavedTensorMeter, SQNRProbe, SQNRRecord
 from .progress import Progress
 from .recipes import RecipeSpec
 
+if TYPE_CHECKING:  # resume imports this module
+    from .resume import RecipeCheckpoint
 
-INTERRUPTED = "interrupted (Ctrl-C); the remaining recipes were not run"
+
+INTERRUPTED = ("interrupted (Ctrl-C); the remaining recipes were not run (the same command "
+               "with --resume continues from the last checkpoint)")
 
 
 @dataclass
@@ -133,11 +137,18 @@ def _sync(device: torch.device) -> None:
 
 def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: TrainSettings,
               progress: Progress | None = None, source: ModelSource | None = None,
-              grad_accum: int = 1) -> RunResult:
-    """Train from scratch under ``spec``; a NaN/Inf loss stops the run (status ``nan``).
+              grad_accum: int = 1, checkpoint: RecipeCheckpoint | None = None) -> RunResult:
+    """Train under ``spec``; a NaN/Inf loss stops the run (status ``nan``).
 
     ``source``: the model to build (default: the preset GPT of ``cfg``). ``grad_accum``:
-    micro-batches of ``cfg.batch_size`` sequences per optimizer step."""
+    micro-batches of ``cfg.batch_size`` sequences per optimizer step. ``checkpoint``
+    (:class:`~lowprec.compare.resume.RecipeCheckpoint`): saves the training state at the
+    step boundaries it asks for, and when it holds a saved run, the training continues
+    from there (bit for bit the run that was saved) instead of from scratch.
+
+    Ctrl-C (KeyboardInterrupt) ends the run with ``status_detail`` :data:`INTERRUPTED`;
+    the checkpoint on disk is then the last one saved, which only a completed step
+    writes."""
     tokens = cfg.tokens_per_step * grad_accum
     result = RunResult(spec.name, spec.description, tokens_per_step=tokens)
     device = settings.device
@@ -161,8 +172,18 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
     # The SQNR probe and the saved-tensor meter of the last step hook the eager modules;
     # that step runs eagerly.
     forward = torch.compile(model) if settings.compile else model
+    base_wall = base_cpu = 0.0  # time spent in the saved part of a resumed run
     try:
-        for step in range(1, settings.steps + 1):
+        first = 1
+        if checkpoint is not None:
+            # After the build: restoring sets the global generator to the saved run's.
+            first = checkpoint.restore(result, model, master, opt, batches, device)
+            base_wall, base_cpu = result.wall_s, result.cpu_s
+            if first > 1 and progress is not None and result.steps:
+                last_rec = result.steps[-1]
+                progress.update(last_rec.step, last_rec.loss, last_rec.step_ms,
+                                note=f"resumed after step {first - 1}")
+        for step in range(first, settings.steps + 1):
             last = step == settings.steps
             _sync(device)
             t0 = time.perf_counter()
@@ -213,6 +234,13 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
             result.steps.append(StepRecord(step, loss_value, tokens / (ms / 1e3), ms))
             if progress is not None:
                 progress.update(step, loss_value, ms)
+            if checkpoint is not None and checkpoint.due(step):
+                result.wall_s = base_wall + time.perf_counter() - t_wall
+                result.cpu_s = base_cpu + time.process_time() - t_cpu
+                if device.type == "cuda":
+                    result.peak_mem_bytes = max(result.peak_mem_bytes or 0,
+                                                torch.cuda.max_memory_allocated(device))
+                checkpoint.save(step, result, model, master, opt, batches, device)
         if result.ok:
             result.val_losses = evaluate(model, spec, batches, settings, cfg)
             result.val_loss = sum(result.val_losses) / len(result.val_losses)
@@ -231,9 +259,11 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
     finally:
         probe.disarm()
     if device.type == "cuda":
-        result.peak_mem_bytes = torch.cuda.max_memory_allocated(device)
-    result.wall_s = time.perf_counter() - t_wall
-    result.cpu_s = time.process_time() - t_cpu
+        # a resumed run's peak is the larger of the saved part's and this process's
+        result.peak_mem_bytes = max(result.peak_mem_bytes or 0,
+                                    torch.cuda.max_memory_allocated(device))
+    result.wall_s = base_wall + time.perf_counter() - t_wall
+    result.cpu_s = base_cpu + time.process_time() - t_cpu
     if progress is not None:
         progress.close(result)
     return result
