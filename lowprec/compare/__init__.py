@@ -1,10 +1,13 @@
-"""``lowprec compare``: the same small GPT trained once per recipe, reported side by side.
+"""``lowprec compare``: one model trained once per recipe, reported side by side.
 
-Run ``lowprec compare --help`` (or ``python -m lowprec compare --help``). The pieces
-are importable for scripting: :mod:`.model` (the GPT and its presets), :mod:`.data`
-(the standard-library corpus), :mod:`.recipes` (named recipes, ``--recipe-file``),
-:mod:`.train` (one run), :mod:`.probe` (SQNR and saved-tensor measurements) and
-:mod:`.report` (the output files). matplotlib is needed only for loss.png.
+Run ``lowprec compare --help`` (or ``python -m lowprec compare --help``). The model is a
+preset GPT, a Hugging Face model directory or the user's own ``build()``; the data the
+standard library's source or the user's text or token ids. The pieces are importable for
+scripting: :mod:`.model` (the GPT and its presets), :mod:`.user_model` (``--model``),
+:mod:`.data` (``--data``), :mod:`.recipes` (named recipes, ``--recipe-file``),
+:mod:`.train` (one run), :mod:`.resume` (checkpoints, atomic writes), :mod:`.probe`
+(SQNR and saved-tensor measurements), :mod:`.stability` (spikes, divergence) and
+:mod:`.report` (the output files and verdicts). matplotlib is needed only for the plots.
 """
 
 from .cli import main
