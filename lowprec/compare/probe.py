@@ -3,9 +3,10 @@
 :class:`SQNRProbe` hooks the quantizers of every lowprec module's recipe state
 (``module._recipe_states['forward'|'backward'].quantizers``, roles from
 ``get_quantizer_roles``) for one step. Each time a quantizer quantizes a tensor
-(a GEMM's input, weight or output gradient) it records, for every direction the
-GEMMs consume (rowwise for fprop/dgrad's gradient, columnwise for wgrad and
-dgrad's weight), ``10 log10(||x||^2 / ||x - dequant(q(x))||^2)`` computed on the
+(a GEMM's input, weight or output gradient), through ``quantize`` or, for an
+operand only a GEMM reads, ``_quantize_exact`` (exact values without codes: dY
+on Hopper), it records, for every direction the GEMMs consume (rowwise for
+fprop/dgrad's gradient, columnwise for wgrad and dgrad's weight), ``10 log10(||x||^2 / ||x - dequant(q(x))||^2)`` computed on the
 tensor the step actually quantized. Nothing is re-quantized, so the numbers are
 those of the GEMMs that ran and the random streams (stochastic rounding) are
 untouched.
@@ -93,6 +94,15 @@ class SQNRProbe:
             return qt
 
         q.quantize = quantize
+        exact_only = q._quantize_exact  # codes=False operands (dY on Hopper) skip quantize()
+
+        def quantize_exact(x, _original=exact_only, _q=q, _role=role):
+            qt = _original(x)
+            if qt is not None:
+                probe._record(_q, _role, x, qt)
+            return qt
+
+        q._quantize_exact = quantize_exact
         self._wrapped.append(q)
         if self._whole is None:
             # A slice is not the tensor: while armed, dY and the weights are quantized whole
@@ -102,7 +112,8 @@ class SQNRProbe:
 
     def disarm(self) -> None:
         for q in self._wrapped:
-            q.__dict__.pop("quantize", None)  # back to the class's method; pickles again
+            for name in ("quantize", "_quantize_exact"):
+                q.__dict__.pop(name, None)  # back to the class's methods; pickles again
         self._wrapped.clear()
         if self._whole is not None:
             self._whole.__exit__(None, None, None)

@@ -396,7 +396,11 @@ def plot(path: str, results: list[RunResult]) -> str | None:
     ref = reference(results) or next((r for r in results if r.ok and r.steps), None)
     n_steps = max((len(r.steps) for r in results), default=1)
     window = max(1, n_steps // 20)
-    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    # Black is the reference and gray the noise run: the recipes take the other colors.
+    import matplotlib.colors
+    colors = [c for c in matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+              if matplotlib.colors.to_hex(c) not in ("#7f7f7f", "#808080", "#000000")]
+    colors += ["#393b79", "#8c6d31", "#843c39", "#7b4173", "#3182bd"]
     ref_loss = {s.step: s.loss for s in ref.steps} if ref is not None else {}
     stabs = assess(results)
     marked = set()
@@ -415,10 +419,13 @@ def plot(path: str, results: list[RunResult]) -> str | None:
                         label=None if "div" in marked else "diverged")
             marked.add("div")
 
-    for i, r in enumerate(results):
+    recipe_index = 0
+    for r in results:
         if not r.steps:
             continue
-        c = "black" if r is ref else colors[i % len(colors)]
+        c = "black" if r is ref else colors[recipe_index % len(colors)]
+        if r is not ref and r.name != NOISE_FLOOR:
+            recipe_index += 1
         if r.name == NOISE_FLOOR:
             # Shown dashed above and as its held-out delta (dotted band) below.
             vals = [(s.step, s.loss) for s in r.steps if math.isfinite(s.loss)]
@@ -446,7 +453,7 @@ def plot(path: str, results: list[RunResult]) -> str | None:
                 ds = [p[1] for p in pairs]
                 ax2.plot([p[0] for p in pairs], _smooth(ds, window), color=c, linewidth=1.6,
                          label=r.name)
-    ax1.set_ylabel("training loss (nats/byte)")
+    ax1.set_ylabel("training loss (nats/token)")
     ax1.set_title("training loss" if window == 1 else
                   f"training loss (faint: per step; solid: mean of {window} steps)")
     ax1.legend(fontsize=8)
