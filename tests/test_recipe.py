@@ -282,7 +282,7 @@ def test_bool_field_list_is_complete():
 
 
 def test_nvfp4_disable_rht_string_from_a_config_is_rejected():
-    # "false" is truthy: it used to switch RHT off silently
+    # "false" is truthy: taken as a bool it would switch RHT off silently
     with pytest.raises(ValueError) as err:
         NVFP4BlockScaling(disable_rht="false")
     msg = str(err.value)

@@ -581,7 +581,7 @@ def _int_amax(h):
 
 
 def test_amax_compute_algo_wrong_shape_names_option_and_shape():
-    # used to fail in reshape with "shape '[3]' is invalid for input of size 1"
+    # must name the option, not fail in reshape ("shape '[3]' is invalid for input of size 1")
     st = _delayed_state(_scalar_amax)
     with pytest.raises(ValueError) as err:
         st.update()

@@ -1,7 +1,7 @@
 """GPU GEMM backends, tried by :func:`lowprec.gemm.gemm` ahead of the fp32 emulation.
 
 Each backend accepts only CUDA operands, so on CPU (and for any pair none of
-them takes) the exact fp32 emulation runs as before.
+them takes) the exact fp32 emulation runs.
 
 =================  ==============================================================
 backend            operand pairs

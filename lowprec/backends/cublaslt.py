@@ -144,8 +144,8 @@ def available() -> bool:
 
 
 class disabled(FlagOff):
-    """Context manager: the bf16 emulation writes fp32 and scales in a second kernel, as
-    before this module (for A/B comparisons)."""
+    """Context manager: the bf16 emulation writes fp32 and scales it in a second kernel,
+    without cuBLASLt (for A/B comparisons)."""
 
     _module, _flag = __name__, "_enabled"
 

@@ -93,8 +93,8 @@ class TrainSettings:
     warmup: int | None = None
 
     #: The shortest default warm-up: ten steps, so that even a short run ramps up over
-    #: several steps of second-moment estimates (a run of 40 steps took 4 under the old
-    #: 10% rule, and spiked at step 2-3 on an H100; see lr_at).
+    #: several steps of second-moment estimates (the 10% rule alone gives a run of 40 steps
+    #: 4, and such a run spiked at step 2-3 on an H100; see lr_at).
     WARMUP_MIN_STEPS: ClassVar[int] = 10
 
     def warmup_steps(self) -> int:
@@ -116,9 +116,9 @@ def lr_at(step: int, settings: TrainSettings) -> float:
     lr far below the peak, and a quadratic ramp starts warmup^2 times below it instead of
     warmup times (half the peak comes at 70% of the warm-up). Measured with bf16 on H100
     and H200 GPUs over 40 steps: under a 10-step linear ramp the medium preset (lr 1e-3) spiked at
-    step 3 (4.4 -> 6.5) and the large one (then lr 6e-4) went 5.5 -> 8.0 by step 3; under
-    the quadratic ramp medium trained without a spike, and large did once its preset lr
-    was halved to 3e-4 (at 6e-4 it still spiked at step 3), over 300 steps too.
+    step 3 (4.4 -> 6.5) and the large one at lr 6e-4 went 5.5 -> 8.0 by step 3; under the
+    quadratic ramp medium trained without a spike, and large did at its preset lr of 3e-4
+    (at 6e-4 it still spiked at step 3), over 300 steps too.
 
     Decaying to zero settles the last iterates, which keeps the seed-to-seed noise of the
     final loss small (0.009-0.012 measured on the small preset), so a recipe's effect of

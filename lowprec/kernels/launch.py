@@ -11,7 +11,7 @@ host.
 :func:`launch` keeps the part that decides *which* compiled kernel runs, Triton's own
 binder (the same specialization: dtypes, 16-byte alignment of pointers and integers,
 integers equal to 1), and keys its cache on that specialization and the launch options.
-On a miss it launches through ``kernel[grid]`` as before, which compiles when needed and
+On a miss it launches through ``kernel[grid]``, which compiles when needed and
 hands back the compiled kernel it ran; on a hit it calls that kernel's launcher directly on
 the current stream. Anything it does not cover takes the ordinary path: launch hooks (a
 profiler's; Triton 3.6 keeps an empty hook chain when there are none), pre-run hooks, a

@@ -1,15 +1,15 @@
 """The cuBLASLt GEMM with a device-side output scale (``lowprec.backends.cublaslt``).
 
-Against the path it replaces (fp32 GEMM, then ``(acc / div_a) / div_b`` in a kernel), on
-the same bf16 operands:
+Against the fp32-output path (fp32 GEMM, then ``(acc / div_a) / div_b`` in a kernel), which
+runs where cuBLASLt does not, on the same bf16 operands:
 
 * fp32 output: normwise relative difference <= 1e-6 on operands whose fp32 sums are exact
   (few significant bits): only alpha, one rounded factor instead of two divisions, differs
   (a few fp32 ulps per element, ~1e-7 normwise). On random bf16 values with K = 16384 the
   summation orders may differ too (another cuBLAS algorithm, split-K): <= 1e-5, the bound
   of tests/test_backends_gpu.py for the same situation (~sqrt(K) * 2**-24 ~ 8e-6 worst).
-* bf16 output (cuBLASLt has no bf16 x bf16 -> fp16 GEMM; that output keeps the old
-  path): each element equals the old one or is one unit in the last place
+* bf16 output (cuBLASLt has no bf16 x bf16 -> fp16 GEMM; that output takes the fp32-output
+  path): each element equals that path's or is one unit in the last place
   away (a few fp32 ulps can only move the final rounding across one boundary), and at
   least 99% are identical (a boundary is crossed with probability ~2**-15 per element).
 
@@ -158,7 +158,7 @@ def test_unaligned_and_strided_operands(lt_calls):
     assert cublaslt.shape_ok(am, bm, torch.bfloat16)
     got = kernels.scaled_mm_lt(am, bm, div, None, torch.bfloat16)
     _assert_close(got, _old_path(am, bm, div, None, None, torch.bfloat16), torch.bfloat16)
-    # a 2-byte aligned operand: an algorithm for that alignment, or the old path; same values
+    # a 2-byte aligned operand: an algorithm for it or the fp32-output path; same values
     store = _exactish_bf16(96 * 1016 + 1, 1, gen).reshape(-1)
     bm_odd = store[1:].reshape(96, 1016)
     got = kernels.scaled_mm_lt(am, bm_odd, div, None, torch.bfloat16)

@@ -44,7 +44,7 @@ def test_unfused_context_restores_the_switch():
 
 
 def test_cpu_modules_unchanged_under_autocast():
-    """On CPU LayerNormMLP runs norm and activation apart: same as before the fusion."""
+    """On CPU LayerNormMLP runs norm and activation apart, as the unfused path does."""
     torch.manual_seed(0)
     mod = lowprec.LayerNormMLP(64, 128)
     x = torch.randn(8, 64, requires_grad=True)

@@ -4,7 +4,7 @@ usages in one launch.
 Why Gluon: the Triton kernel (``triton_kernels.py``) leaves layouts to the compiler, which
 transposes the columnwise fp8 codes byte by byte through shared memory and repeats each
 column's scale math in every thread that holds part of the column (docs/performance.md,
-"Block scaling on the first shape"). Here the layouts are explicit.
+"Inside the quantize kernels"). Here the layouts are explicit.
 
 ``block1_col_kernel`` (columnwise only, ``_col_tile``):
 
@@ -18,8 +18,8 @@ column's scale math in every thread that holds part of the column (docs/performa
 RB rows (16 lanes span a row's 128 columns, so a row amax is 4 shuffles), then the
 columnwise usage as ``_col_tile`` over the same tile. The second read finds the tile in
 L2, where the first one has just put it, so the input crosses DRAM once while no thread
-holds more than a chunk. (Holding the whole tile in registers took 255 registers at 4
-warps and ran slower than two launches; session 16.)
+holds more than a chunk. (Holding the whole tile in registers needs 255 registers at 4
+warps and runs slower than two launches.)
 
 Numerics are the shared jit helpers of ``float8/triton_kernels.py`` (bit for bit the
 reference, ``block/reference.py``). The launcher guarantees M % 128 == 0 (K % 128 == 0

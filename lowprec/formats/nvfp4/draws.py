@@ -23,7 +23,7 @@ Why not ``torch.rand``: materializing one fp32 uniform per element costs a write
 of 4 bytes per element, more memory traffic than the quantization itself; the Triton
 kernels evaluate the same function in registers (``triton_kernels._sr_uniform``), and this
 module is the pure-torch definition they are tested against bit for bit. ``torch.manual_seed``
-(or the quantizer's ``generator``) makes the draws repeatable, as before.
+(or the quantizer's ``generator``) makes the draws repeatable.
 """
 
 from __future__ import annotations
