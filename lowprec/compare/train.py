@@ -93,8 +93,8 @@ class TrainSettings:
     warmup: int | None = None
 
     #: The shortest default warm-up: ten steps, so that even a short run ramps up over
-    #: several steps of second-moment estimates (the 10% rule alone gives a run of 40 steps
-    #: 4, and such a run spiked at step 2-3 on an H100; see lr_at).
+    #: several steps of second-moment estimates (the 10% rule alone gives a 40-step run 4
+    #: warm-up steps, and such a run spiked at step 2-3 on an H100; see lr_at).
     WARMUP_MIN_STEPS: ClassVar[int] = 10
 
     def warmup_steps(self) -> int:
