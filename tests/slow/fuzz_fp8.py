@@ -35,7 +35,7 @@ from lowprec.kernels import reference_only
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# ---- quantizer settings (grouped so that each worker compiles few kernel variants) -------
+# ---- quantizer settings (grouped so that each test compiles few kernel variants) ---------
 def quantizer_groups():
     g = {}
     for f in (E4, E5):
