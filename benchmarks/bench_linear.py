@@ -28,7 +28,6 @@ import copy
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 from torch import nn
@@ -37,10 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lowprec  # noqa: E402
-import lowprec.grad_split  # noqa: E402
-import lowprec.kernels.launch  # noqa: E402
-import lowprec.state_batch  # noqa: E402
-from lowprec.backends import cublaslt  # noqa: E402
 from harness import (append_rows, compare, compare_alternating, graphed_step,  # noqa: E402
                      l2_rotation, print_table)
 
@@ -106,90 +101,8 @@ def make_inputs(m, k, n, device, count_bytes=True):
 
 
 # ---- benches ------------------------------------------------------------------------------
-@contextlib.contextmanager
-def no_exact_records():
-    """MXFP8/NVFP4 quantize without writing exact bf16 GEMM operands (every GEMM operand
-    then takes a dequantize pass, as before session 11): for an A/B in one run."""
-    classes = (lowprec.MXFP8Quantizer, lowprec.NVFP4Quantizer)
-    for c in classes:
-        c.keeps_exact_bf16 = False
-    try:
-        yield
-    finally:
-        for c in classes:
-            c.keeps_exact_bf16 = True
-
-
-def top_down_casts():
-    """The per-tensor FP8 casts in their pre-session-19 tile order (grid along M, rows top
-    down) instead of the configured one: for an A/B in one run."""
-    from lowprec.formats.float8 import launch
-    old_order = {key: launch.tile_config(launch.CONFIGS[key])[:5] + (0, 0)
-                 for key in ("cast_both", "cast_row", "cast_col")}
-    return mock.patch.dict(launch.CONFIGS, old_order)
-
-
-def fresh_amax_words():
-    """Per-tensor FP8 quantizes with their amax words zeroed by a ``torch.zeros`` launch
-    each time, as before session 19, instead of the words kept on the quantizer: for an
-    A/B in one run."""
-    from lowprec.formats.float8 import launch
-    return mock.patch.object(launch, "kept_amax_words", lambda quantizer, device: None)
-
-
-def one_launch_current():
-    """Current scaling's quantize in one cooperative launch (``launch.ONE_LAUNCH_CURRENT``,
-    opt-in) instead of an amax pass and a cast: for an A/B in one run."""
-    from lowprec.formats.float8 import launch
-    return mock.patch.object(launch, "ONE_LAUNCH_CURRENT", True)
-
-
-#: Peer variants for an A/B in the same run: (name, context manager a step runs inside,
-#: help of its ``--<name>-too`` option, which lists the recipes that also run that way as
-#: ``lowprec/<recipe>/<name>``).
-VARIANTS = (
-    ("unsliced", lowprec.grad_split.unsliced,
-     "with dY and the weight quantized whole (lowprec.grad_split.unsliced)"),
-    ("sliced", lowprec.grad_split.sliced,
-     "inside lowprec.grad_split.sliced() (per-tensor FP8 slices too: lower peak memory, one "
-     "more read)"),
-    ("no_exact", no_exact_records,
-     "(mxfp8, nvfp4) without the exact bf16 operands written by the quantize kernels "
-     "(no_exact_records)"),
-    ("slow_launches", lowprec.kernels.launch.slow_launches,
-     "with every Triton launch through JITFunction.run (lowprec.kernels.launch.slow_launches)"),
-    ("top_down", top_down_casts,
-     "(current, delayed) with the per-tensor casts reading x's tiles top down along M, the "
-     "order before session 19 (top_down_casts)"),
-    ("fresh_words", fresh_amax_words,
-     "(current, delayed) with a torch.zeros launch for each quantize's amax words "
-     "(fresh_amax_words)"),
-    ("one_launch", one_launch_current,
-     "(current) with each quantize in one cooperative launch (one_launch_current)"),
-    ("per_state", lowprec.state_batch.per_state_updates,
-     "(delayed) with each delayed-scaling state updated alone, one launch (and amax "
-     "all-reduce) per state (lowprec.state_batch.per_state_updates)"),
-    ("no_lt", cublaslt.disabled,
-     "(nvfp4) with the fp32-output GEMM and a scaling kernel instead of cuBLASLt's "
-     "device-side alpha (lowprec.backends.cublaslt.disabled)"),
-)
-
-
-def recipe_peers(mod, recipe, variants, **step_kw):
-    """(name, step) of ``mod`` under ``recipe``, then of a copy of it for each
-    :data:`VARIANTS` name whose recipes in ``variants`` include this one."""
-    peers = [(f"lowprec/{recipe}", lowprec_step(mod, RECIPES[recipe](), **step_kw))]
-    for variant, context, _ in VARIANTS:
-        if recipe in variants.get(variant, ()):
-            peers.append((f"lowprec/{recipe}/{variant}", within(
-                context, lowprec_step(copy.deepcopy(mod), RECIPES[recipe](), **step_kw))))
-    return peers
-
-
-def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", variants=None, **step_kw):
-    """(name, step) for one shape, the bf16 baseline first; ``variants`` maps a
-    :data:`VARIANTS` name to the recipes that also run that way."""
-    variants = variants or {}
+def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", **step_kw):
+    """(name, step) for one shape, the bf16 baseline first."""
     torch.manual_seed(0)
     base = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     peers = [("bf16", plain_step(base, **step_kw))]
@@ -197,7 +110,7 @@ def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", variants=None
         mod = lowprec.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=device)
         with torch.no_grad():
             mod.weight.copy_(base.weight)
-        peers += recipe_peers(mod, r, variants, **step_kw)
+        peers.append((f"lowprec/{r}", lowprec_step(mod, RECIPES[r](), **step_kw)))
     for r in torchao_recipes:
         try:
             peers.append((f"torchao/{r}",
@@ -207,21 +120,14 @@ def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", variants=None
     return peers
 
 
-def variant_args(args) -> dict:
-    """:data:`VARIANTS` name -> the recipes its ``--<name>-too`` option lists."""
-    return {name: split_list(getattr(args, f"{name}_too")) for name, _, _ in VARIANTS}
-
-
 def shape_peers(args, m, k, n, **step_kw):
     """``linear_peers`` for one shape with the options of ``add_peer_args``."""
-    return linear_peers(m, k, n, split_list(args.recipes), split_list(args.torchao),
-                        variants=variant_args(args), **step_kw)
+    return linear_peers(m, k, n, split_list(args.recipes), split_list(args.torchao), **step_kw)
 
 
-def stack_peers(layers, m, k, recipes, device="cuda", variants=None, **step_kw):
+def stack_peers(layers, m, k, recipes, device="cuda", **step_kw):
     """(name, step) for ``layers`` bias-free K x K Linear layers in a row on M tokens, the
     bf16 ``nn.Linear`` stack first: per-module host costs add up here."""
-    variants = variants or {}
     torch.manual_seed(0)
     base = nn.Sequential(*[nn.Linear(k, k, bias=False, device=device, dtype=torch.bfloat16)
                            for _ in range(layers)])
@@ -232,7 +138,7 @@ def stack_peers(layers, m, k, recipes, device="cuda", variants=None, **step_kw):
         with torch.no_grad():
             for a, b in zip(mod, base):
                 a.weight.copy_(b.weight)
-        peers += recipe_peers(mod, r, variants, **step_kw)
+        peers.append((f"lowprec/{r}", lowprec_step(mod, RECIPES[r](), **step_kw)))
     return peers
 
 
@@ -287,8 +193,6 @@ def run_peers(bench, shape_str, peers, inputs, args, graphed=False):
     if graphed:
         baseline = graphed_step(baseline, inputs)
     for name, step in peers:
-        if graphed and name.endswith("/slow_launches"):
-            continue  # a replay issues no launches from the host: nothing to compare
         try:
             if graphed:
                 step = baseline if name == baseline_name else graphed_step(step, inputs)
@@ -324,10 +228,6 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mlp", action="store_true", help="also LayerNormMLP (M x hidden x ffn)")
     ap.add_argument("--mlp-shape", default="16384x4096x14336")
     ap.add_argument("--no-linear", action="store_true")
-    for name, _, what in VARIANTS:
-        ap.add_argument(f"--{name.replace('_', '-')}-too", default="",
-                        help=f"comma-separated recipes also run {what}, for an A/B in the "
-                             f"same run")
 
 
 def main(argv=None):
@@ -366,8 +266,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     if args.stack:
         layers, m, k = parse_shape(args.stack)
-        rows += run_peers("stack", args.stack, stack_peers(layers, m, k, recipes,
-                                                           variants=variant_args(args)),
+        rows += run_peers("stack", args.stack, stack_peers(layers, m, k, recipes),
                           make_inputs(m, k, k, "cuda"), args)
     if args.mlp:
         m, h, f = parse_shape(args.mlp_shape)

@@ -8,6 +8,21 @@ import torch
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow (the GPU kernel fuzzers in tests/slow/)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` are deselected unless ``--slow`` is given or ``-m`` names them."""
+    if config.getoption("--slow") or "slow" in (config.getoption("markexpr") or ""):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 @pytest.fixture
 def no_kernel_loads_in_capture():
     """Fails a test whose capture loaded a Triton kernel for the first time, naming it.

@@ -25,7 +25,7 @@ from ..kernels.launch import launch
 _MX_BLOCK = 32
 
 #: MXFP8 dequantize tile: BR rows x NB blocks of 32 per program, num_warps (timed on an H200
-#: with benchmarks/sweep_dequant.py, which may override it).
+#: with tools/sweep_dequant.py, which may override it).
 MX_DEQUANT_CONFIG = {"BR": 32, "NB": 8, "warps": 8}
 
 

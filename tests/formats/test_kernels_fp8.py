@@ -4,8 +4,8 @@ GPU-only (CUDA + Triton); skipped elsewhere. Every case quantizes the same CUDA 
 through the kernel path and through the pure-PyTorch reference
 (``lowprec.kernels.reference_only()``) and requires identical fp8 bytes, scales and
 recorded amaxes, except that a NaN may have any NaN bit pattern (NaN masks must match).
-``benchmarks/check_kernels_fp8.py`` runs the much larger sweep (exhaustive element rules,
-many more shapes and settings) and the bandwidth measurements.
+``tests/slow/test_fuzz_kernels_fp8.py`` (``pytest -m slow``) runs the much larger sweep
+(exhaustive element rules, many more shapes and settings).
 """
 
 from __future__ import annotations
@@ -440,7 +440,7 @@ def _edge_amaxes(p: int) -> torch.Tensor:
 def test_mxfp8_scale_rule_at_edge_amaxes(fp8_dtype):
     """The MXFP8 kernel gets the E8M0 exponent from the amax's bits, no division; each row
     and each column of the input below is one block whose amax is a chosen fp32 pattern.
-    (``benchmarks/check_kernels_fp8.py`` checks the rule on every finite fp32.)"""
+    (``tests/slow/test_fuzz_kernels_fp8.py`` checks the rule on every finite fp32.)"""
     amax = _edge_amaxes(8 if fp8_dtype == E4 else 15)
     n = (amax.numel() + 31) // 32 * 32
     amax = torch.cat([amax, amax[: n - amax.numel()]]).cuda()

@@ -2,8 +2,8 @@
 
 Each case quantizes the same input through the kernels and through the pure-torch
 reference on the GPU, with the same seed (stochastic rounding draws the same uniforms),
-and compares every inner tensor byte for byte. benchmarks/check_kernels_nvfp4.py runs a
-much larger matrix of cases and the bandwidth measurements.
+and compares every inner tensor byte for byte. tests/slow/test_fuzz_kernels_nvfp4.py runs a
+much larger matrix of cases (``pytest -m slow``).
 """
 
 import pytest

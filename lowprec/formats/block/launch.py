@@ -22,10 +22,9 @@ from .reference import BLOCK
 from ...kernels.launch import launch
 
 #: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]]) per
-#: (block_scaling_dim, usages), picked by timing on an H200
-#: (benchmarks/check_kernels_fp8.py, which may override entries); the 1x128 rowwise
-#: launch and the Gluon columnwise one run K-fast (3% faster for both usages on an H100,
-#: ``ab_block_gluon.py``).
+#: (block_scaling_dim, usages), picked by timing on an H200 (tools/sweep_fp8_quantize.py);
+#: the 1x128 rowwise launch and the Gluon columnwise one run K-fast (3% faster for both
+#: usages on an H100).
 CONFIGS = {
     (1, "row"): (32, 256, 4, 1, 1, 1),
     (1, "col"): (128, 64, 4),

@@ -71,8 +71,8 @@ FUSED_FINISH = True
 
 #: Tile configs: name -> (BM, BN, num_warps[, ITERS, STAGES, K_FAST, BOTTOM_UP] of the
 #: casts: see tile_config and cast_bottom_up), picked by timing 16384x4096 bf16 on an H200
-#: (benchmarks/check_kernels_fp8.py, which may override entries, and sweep_fp8_cast.py).
-#: The values here are the ones those scripts verified bit-exact. The casts take the rows
+#: (tools/sweep_fp8_quantize.py and tools/sweep_fp8_cast.py).
+#: tests/slow/test_fuzz_kernels_fp8.py checks them bit for bit against the reference. The casts take the rows
 #: the amax pass read last first, from L2 (``cast_kernel``).
 CONFIGS = {
     "amax": (32, 256, 8),

@@ -13,9 +13,9 @@ Numerics (bit for bit those of ``casting.py`` / ``float8/reference.py``):
   non-finite amax -> NaN;
 * the fp8 cast saturates to +-max (NaN kept) and rounds to nearest even: on the GPU one
   hardware conversion does both (``cvt.rn.satfinite``, what Triton emits on sm89+; checked
-  against the reference on all 2**32 fp32 bit patterns by ``benchmarks/check_kernels_fp8.py``),
-  elsewhere (``HW_CVT=False``, exact on any backend including the CPU interpreter) integer
-  arithmetic on the bit pattern.
+  against the reference on all 2**32 fp32 bit patterns by
+  ``tests/slow/test_fuzz_kernels_fp8.py``), elsewhere (``HW_CVT=False``, exact on any
+  backend including the CPU interpreter) integer arithmetic on the bit pattern.
 
 Compiler pitfall (Triton 3.6, sm90): when one tile of fp8 codes fed both the rowwise store
 and, through a layout conversion, the transposed columnwise store, the columnwise bytes came

@@ -21,9 +21,9 @@ from .reference import BLOCK
 from ...kernels.launch import launch
 
 #: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]]) per
-#: (two_d, usages), picked by timing on an H200 (benchmarks/check_kernels_fp8.py, which
-#: may override entries). With the columnwise usage the grid runs along K first, picked on
-#: an H100 (sweep_mxfp8_exact.py for both usages, the check_kernels_fp8.py sweep for the
+#: (two_d, usages), picked by timing on an H200 (tools/sweep_fp8_quantize.py).
+#: With the columnwise usage the grid runs along K first, picked on
+#: an H100 (tools/sweep_mxfp8_exact.py for both usages, tools/sweep_fp8_quantize.py for the
 #: columnwise one): programs in flight together then read whole rows and write
 #: neighbouring stretches of each columnwise row, 7-13% less GPU time.
 CONFIGS = {

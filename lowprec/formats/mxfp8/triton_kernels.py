@@ -11,7 +11,7 @@ E5M2 57344, P = 15), and no fp32 lies strictly between 1.75 * 2**k and the bound
 E and mantissa bits m the rule is ``e = E - 127 - P + (m > 0x600000)``, save one pattern
 where the quotient is subnormal and rounds down to 2**-127 (E == P, m == 0x600001, one
 less). Checked against the reference on every finite non-negative fp32 for both formats
-(the exhaustive phase of benchmarks/check_kernels_fp8.py). A division took about 12
+(the exhaustive test in tests/slow/test_fuzz_kernels_fp8.py). A division took about 12
 instructions a block.
 """
 

@@ -40,7 +40,7 @@ from .reference import BLOCK, SCALE_DTYPE
 from ...kernels.launch import launch
 
 # Tile shapes (see the kernels' docs; warps follow from them). Tuned on H200 with
-# benchmarks/check_kernels_nvfp4.py.
+# tests/slow/test_fuzz_kernels_nvfp4.py.
 CONFIG = {
     # grid-stride tiles: FLAT flat elements, or (RHT) 64 x 16 KW; PROGS_PER_SM programs
     "amax": {"FLAT": 4096, "KW": 4, "PROGS_PER_SM": 8},

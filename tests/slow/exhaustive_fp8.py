@@ -1,5 +1,5 @@
 """Exhaustive GPU checks of the element rules the FP8 / block-FP8 / MXFP8 quantize kernels
-share, one phase of ``check_kernels_fp8.py`` (which runs it in a worker process): the fp8
+share, run by ``test_fuzz_kernels_fp8.py::test_element_rules_exhaustive``: the fp8
 cast helper (hardware cvt and integer paths) on all 2**32 fp32 bit patterns, and the
 current-scaling scale and MXFP8 E8M0 rules on all 2**31 non-negative amax bit patterns,
 against ``casting.py`` / ``mxfp8/reference.py`` run by torch on the GPU (plus a

@@ -5,7 +5,7 @@ folds tiles grid-stride in at most PROGS_PER_SM programs an SM (``launch.CONFIG[
 Prints each config's time and its read bandwidth against a device-to-device copy of the same
 tensor measured in the same run.
 
-    python benchmarks/sweep_nvfp4_amax.py [--shapes 16384x4096,4096x4096]
+    python tools/sweep_nvfp4_amax.py [--shapes 16384x4096,4096x4096]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import graph_ms  # noqa: E402
 from lowprec.formats.nvfp4 import launch  # noqa: E402

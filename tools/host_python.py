@@ -3,7 +3,7 @@ with the Triton launch replaced by a no-op: runs on any machine (no GPU), so hos
 changes can be compared before spending device time. CPU tensors stand in for CUDA ones;
 a CUDA host adds the launches and its allocator's cost on top.
 
-    python benchmarks/host_python.py          # run it in two trees to compare commits
+    python tools/host_python.py          # run it in two trees to compare commits
 """
 
 from __future__ import annotations

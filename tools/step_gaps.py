@@ -7,7 +7,7 @@ report, per step, the summed kernel time (busy), the idle time between kernels (
 the largest gaps with the kernels around them. Gaps that remain in steady state mean the
 host does not stay ahead of the GPU somewhere inside the step.
 
-    python benchmarks/step_gaps.py [--shape 16384x4096x4096] [--recipes block,current]
+    python tools/step_gaps.py [--shape 16384x4096x4096] [--recipes block,current]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from bench_linear import RECIPES, lowprec_step, parse_shape, plain_step  # noqa: E402
 from harness import time_fn  # noqa: E402

@@ -7,7 +7,7 @@
 * torch ops for scale: ``torch.zeros(1)`` (an allocation and a fill), ``x.add_(1)``;
 * ``cuPointerGetAttribute`` alone (ctypes, libcuda), what the launcher calls per pointer.
 
-    python benchmarks/launch_cost.py
+    python tools/launch_cost.py
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ as ``lowprec.backends.cublaslt`` does), times each with CUDA events against
 time, its ratio to torch's, and its largest difference from torch's output (0 where the
 same kernel ran).
 
-    python benchmarks/probe_lt_fp8.py [--shape 16384x4096x4096] [--algos 16]
+    python tools/probe_lt_fp8.py [--shape 16384x4096x4096] [--algos 16]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from lowprec.backends import cublaslt as lt  # noqa: E402
 from harness import time_fn  # noqa: E402

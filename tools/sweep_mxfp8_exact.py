@@ -7,7 +7,7 @@ request (no records, rowwise record as for x, both records as for dY) the output
 checked bit for bit against the Triton kernel at its default config, then the GPU time of
 one quantize (CUDA graph, ``harness.graph_ms``) is printed against a copy of the input.
 
-    python benchmarks/sweep_mxfp8_exact.py [--shape 16384x4096] [--configs 32x64x1,gluon:32.4.1.1]
+    python tools/sweep_mxfp8_exact.py [--shape 16384x4096] [--configs 32x64x1,gluon:32.4.1.1]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import graph_ms, sweep_setup  # noqa: E402
 from lowprec.formats.mxfp8 import launch  # noqa: E402

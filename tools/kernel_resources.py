@@ -5,7 +5,7 @@ tile configs and kernel structure can be compared before spending device time. O
 is what a memory-bound kernel lives on: at 232+ registers per thread an SM holds two
 4-warp programs, too few loads in flight to reach copy bandwidth.
 
-    python3 benchmarks/kernel_resources.py [--only mx1,block1] [--configs 32x128x4,...]
+    python3 tools/kernel_resources.py [--only mx1,block1] [--configs 32x128x4,...]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the GPU never holds the host back: Triton launches, small torch ops, cuBLAS FP8 GEMMs,
 custom-op wrappers. Tells which launches are worth fusing or caching.
 
-    python benchmarks/host_costs.py
+    python tools/host_costs.py
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lowprec  # noqa: E402
 from lowprec.formats.float8 import launch as fl  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_block_gluon import variant  # noqa: E402
 
 
 def per_call_us(fn, n=2000) -> float:
@@ -32,11 +30,6 @@ def per_call_us(fn, n=2000) -> float:
     t = time.perf_counter() - t0
     torch.cuda.synchronize()
     return t / n * 1e6
-
-
-def _within(name, fn):
-    with variant(name):
-        return fn()
 
 
 def main():
@@ -58,10 +51,7 @@ def main():
         "delayed quantize rowwise": lambda: dq.copy().set_usage(columnwise=False).quantize(x),
         "current quantize both": lambda: cq.quantize(x),
         "block1 quantize both": lambda: bq.quantize(x),
-        **{f"block1 quantize both, {v}": (lambda v=v: _within(v, lambda: bq.quantize(x)))
-           for v in ("triton", "gluon_col", "gluon_both")},
-        **{f"block1 quantize col, {v}": (lambda v=v: _within(v, lambda: bcq.quantize(x)))
-           for v in ("triton", "gluon_col")},
+        "block1 quantize col": lambda: bcq.quantize(x),
         "_scaled_mm 256^3": lambda: torch._scaled_mm(f8, f8.t(), s, s,
                                                      out_dtype=torch.bfloat16),
         "bf16 mm 256^3": lambda: x @ x,
@@ -79,13 +69,6 @@ def main():
                 y = lin(xg)
             y.backward(dy)
         print(f"{'Linear step ' + name:40s} {per_call_us(step, 300):8.1f} us")
-    if "--profile-gluon" in sys.argv:
-        import cProfile
-        import pstats
-        with variant("gluon_col"):
-            cProfile.runctx("for _ in range(500): bcq.quantize(x)", globals(), locals(),
-                            "/tmp/gluon.prof")
-        pstats.Stats("/tmp/gluon.prof").sort_stats("tottime").print_stats(14)
 
 
 if __name__ == "__main__":

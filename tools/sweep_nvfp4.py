@@ -7,7 +7,7 @@ printed against a copy of the input. Requests: the plain quantizer (nearest-even
 usages), and RHT + stochastic rounding with the exact bf16 operands of both directions
 (dY in a Linear step), each direction alone.
 
-    python benchmarks/sweep_nvfp4.py [--shape 16384x4096] [--configs row:8x16,col:4,...]
+    python tools/sweep_nvfp4.py [--shape 16384x4096] [--configs row:8x16,col:4,...]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import graph_ms, sweep_setup  # noqa: E402
 from lowprec.formats.nvfp4 import launch  # noqa: E402

@@ -1,42 +1,25 @@
-"""GPU check of the NVFP4 Triton kernels: bit-exactness against the reference, then bandwidth.
+"""Kernel-against-reference checks of the NVFP4 Triton kernels, the helpers of
+``test_fuzz_kernels_nvfp4.py`` (a slow GPU test).
 
-    python benchmarks/check_kernels_nvfp4.py [--jobs 12] [--no-sweep] [--out DIR]
-
-1. Bit-exactness. Every case quantizes one input twice on the GPU, through the kernels and
-   through the pure-torch reference (``lowprec.kernels.reference_only``), with the same
-   ``torch.manual_seed`` before each, so stochastic rounding draws the same uniforms. All
-   inner tensors are compared byte for byte (codes, E4M3 scale bytes, fp32 global scales);
-   outputs land in memory poisoned beforehand. ``dequantize_unscaled_bf16`` is checked
-   against its torch fallback, and ``(q*d)/S`` against ``dequantize_stored``. Cases cover
-   bf16/fp16/fp32, 1x16 and 16x16 blocks, RHT, stochastic rounding, each usage alone,
-   M not a multiple of 16 (rowwise only), K not a multiple of 16 (columnwise only), 3-D and
-   non-contiguous inputs, zero / NaN / Inf / signed-zero blocks, tiny, subnormal and
-   saturating values. Cases run in parallel worker processes (compilation dominates).
-2. torch.compile(fullgraph=True) through the custom op, and torch.library.opcheck.
-3. Bandwidth for a 16384x4096 bf16 input: kernel time (amax pass + quantize pass, SR keys
-   given) for several settings, the full ``quantize()`` with its key draws, the
-   reference path, the bf16 dequantization, against a device-to-device copy. Useful bytes =
-   input read once + outputs written (the SR uniforms are computed in registers); "moved" counts what the passes read
-   (the amax pass, the rowwise and the columnwise kernel each read the input).
-
-The last lines printed are a compact summary table.
+Every case (:func:`build_cases`) quantizes one input twice on the GPU, through the kernels
+and through the pure-torch reference (``lowprec.kernels.reference_only``), with the same
+``torch.manual_seed`` before each, so stochastic rounding draws the same uniforms. All inner
+tensors are compared byte for byte (codes, E4M3 scale bytes, fp32 global scales); outputs
+land in memory poisoned beforehand. ``dequantize_unscaled_bf16`` is checked against its
+torch fallback, and ``(q*d)/S`` against ``dequantize_stored``. Cases cover bf16/fp16/fp32,
+1x16 and 16x16 blocks, RHT, stochastic rounding, each usage alone, M not a multiple of 16
+(rowwise only), K not a multiple of 16 (columnwise only), 3-D and non-contiguous inputs,
+zero / NaN / Inf / signed-zero blocks, tiny, subnormal and saturating values, and every
+tile config (bit-exactness must not depend on it). :func:`compile_checks`:
+``torch.compile(fullgraph=True)`` through the custom op, and ``torch.library.opcheck``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import multiprocessing as mp
-import os
-import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import torch  # noqa: E402
+import torch
 
 ROW_CONFIGS = [(8, 16), (8, 32), (16, 16)]     # (KB, RB)
 COL_CONFIGS = [4, 2, 8]                         # KW
@@ -257,123 +240,9 @@ def build_cases(quick: bool) -> list[dict]:
     return cases
 
 
-TIMING_VARIANTS = [  # (row, col, rht, two_d, sr)
-    (True, True, False, False, False),
-    (True, True, True, False, False),
-    (True, True, True, False, True),
-    (True, True, False, True, False),
-    (True, False, False, False, False),
-    (False, True, False, False, False),
-    (False, True, True, False, True),
-]
-
-
 def variant_key(c):
     return (c["dtype"], c["row"], c["col"], c["rht"], c["two_d"], c["sr"], c.get("config"),
             c.get("layout"))
-
-
-# ---- timing -------------------------------------------------------------------------------------
-def bench(fn, reps=50):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
-
-
-def timing(args, out: dict):
-    from lowprec.formats.nvfp4 import NVFP4Quantizer, launch
-    from lowprec.kernels import reference_only
-    m, k = BIG
-    n = m * k
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    t_copy = bench(lambda: y.copy_(x))
-    copy_gbs = 2 * x.numel() * 2 / t_copy / 1e6
-    rows = [("device copy (bf16 read + write)", t_copy, 4 * n, 4 * n, copy_gbs)]
-    out["_rows"] = rows          # partial results survive a failure further down
-    out["copy_gbs"] = copy_gbs
-    kr = torch.tensor([11, 12], device="cuda")
-    kc = torch.tensor([13, 14], device="cuda")
-
-    def useful(row, col, sr, moved=False):
-        # moved: the amax pass, the row and the column kernel each read x
-        b = 2 * n * ((1 + int(row) + int(col)) if moved else 1)
-        per_dir = n // 2 + n // 16 + 4
-        return b + per_dir * (int(row) + int(col))
-
-    def run_variant(v):
-        row, col, rht, two_d, sr = v
-        return lambda: launch.quantize_2d(x, rowwise=row, columnwise=col, with_rht=rht,
-                                          two_d=two_d, key_row=kr if sr and row else None,
-                                          key_col=kc if sr and col else None)
-
-    sweep = {}
-    if args.sweep:
-        row_v = [(True, False, False, False, False), (True, False, False, False, True)]
-        col_v = [(False, True, True, False, False), (False, True, True, False, True)]
-        for c in ROW_CONFIGS:
-            apply_config(("row", c))
-            sweep[("row", c)] = [bench(run_variant(v)) for v in row_v]
-        best_r = min(ROW_CONFIGS, key=lambda c: sum(sweep[("row", c)]))
-        apply_config(("row", best_r))
-        for c in COL_CONFIGS:
-            apply_config(("col", c))
-            sweep[("col", c)] = [bench(run_variant(v)) for v in col_v]
-        best_c = min(COL_CONFIGS, key=lambda c: sum(sweep[("col", c)]))
-        apply_config(("col", best_c))
-        for c in FLAT_CONFIGS:
-            apply_config(("flat", c))
-            sweep[("flat", c)] = [bench(run_variant(row_v[0]))]
-        best_f = min(FLAT_CONFIGS, key=lambda c: sum(sweep[("flat", c)]))
-        apply_config(("flat", best_f))
-        out["sweep"] = {str(kk): v for kk, v in sweep.items()}
-        out["best"] = {"row": best_r, "col": best_c, "flat": best_f}
-    names = {TIMING_VARIANTS[0]: "both usages, RNE",
-             TIMING_VARIANTS[1]: "both usages, RHT",
-             TIMING_VARIANTS[2]: "both usages, RHT + SR",
-             TIMING_VARIANTS[3]: "both usages, 16x16 (2D)",
-             TIMING_VARIANTS[4]: "rowwise only, RNE",
-             TIMING_VARIANTS[5]: "columnwise only, RNE",
-             TIMING_VARIANTS[6]: "columnwise only, RHT + SR"}
-    for v in TIMING_VARIANTS:
-        t = bench(run_variant(v))
-        row, col, rht, two_d, sr = v
-        rows.append((f"kernels: {names[v]}", t, useful(row, col, sr), useful(row, col, sr, True),
-                     useful(row, col, sr) / t / 1e6))
-        out.setdefault("moved_gbs", {})[names[v]] = useful(row, col, sr, True) / t / 1e6
-    # the amax pass alone (flat; RHT tiles), for the split of the time
-    ws = torch.zeros(3, dtype=torch.int32, device="cuda")
-    g1 = torch.empty(1, device="cuda")
-    g2 = torch.empty(1, device="cuda")
-    ca = launch.CONFIG["amax"]
-    kern = launch._kernels()._nvfp4_amax_kernel
-    for rht in (False, True):
-        grid, warps, even = launch.amax_launch(m, k, rht, x.device)
-
-        def amax_only():
-            ws.zero_()
-            kern[grid](x, m, k, ws, g1, g2, ROW=True, COL=True, RHT=rht, KW=ca["KW"],
-                       FLAT=ca["FLAT"], EVEN=even, IDX64=launch._idx64(m, k),
-                       num_warps=warps, **launch._LAUNCH_OPTS)
-        t = bench(amax_only)
-        rows.append((f"amax pass alone ({'plain + RHT' if rht else 'plain'}, incl. memset)", t,
-                     2 * n, 2 * n, 2 * n / t / 1e6))
-    # full quantize() with its key draws
-    q = NVFP4Quantizer(with_rht=True, stochastic_rounding=True)
-    t = bench(lambda: q.quantize(x))
-    rows.append(("quantize() RHT + SR incl. key draws", t, useful(True, True, True),
-                 useful(True, True, True, True), useful(True, True, True) / t / 1e6))
-    with reference_only():
-        t_ref = bench(lambda: q.quantize(x), reps=20)
-    rows.append(("reference path (torch) RHT + SR", t_ref, useful(True, True, True), 0,
-                 useful(True, True, True) / t_ref / 1e6))
-    qt = NVFP4Quantizer().quantize(x)
-    t = bench(lambda: launch.dequantize_unscaled_bf16(qt, "rowwise"))
-    b = n // 2 + n // 16 + 2 * n
-    rows.append(("dequantize_unscaled_bf16 (rowwise)", t, b, b, b / t / 1e6))
-    out["timing"] = [dict(name=r[0], ms=r[1], useful_bytes=r[2], moved_bytes=r[3], gbs=r[4])
-                     for r in rows]
-    out["copy_gbs"] = copy_gbs
-    return rows, copy_gbs
 
 
 def compile_checks(out: dict) -> list[str]:
@@ -407,90 +276,3 @@ def compile_checks(out: dict) -> list[str]:
         msgs.append(f"opcheck FAILED: {type(e).__name__}: {str(e)[:300]}")
         out["opcheck_ok"] = False
     return msgs
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--jobs", type=int, default=12)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-sweep", dest="sweep", action="store_false")
-    ap.add_argument("--no-timing", dest="timing", action="store_false")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--budget", type=float, default=400.0, help="seconds")
-    args = ap.parse_args()
-    t_start = time.time()
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    import triton
-    out["triton"] = triton.__version__
-    print(f"device {out['device']}, torch {out['torch']}, triton {out['triton']}", flush=True)
-
-    cases = build_cases(args.quick)
-    groups: dict = {}
-    for c in cases:
-        groups.setdefault(variant_key(c), []).append(c)
-    glist = sorted(groups.values(), key=len, reverse=True)
-    ctx = mp.get_context("spawn")
-    results = []
-    with ctx.Pool(args.jobs) as pool:
-        for part in pool.imap_unordered(run_group, glist):
-            results.extend(part)
-    t_checks = time.time() - t_start
-    bad = [r for r in results if not (r["exact"] and r["dequant_ok"])]
-    out["cases"] = len(results)
-    out["exact"] = sum(r["exact"] for r in results)
-    out["nan_ok"] = sum(r["nan_ok"] for r in results)
-    out["dequant_ok"] = sum(r["dequant_ok"] for r in results)
-    out["failures"] = bad
-    for r in bad[:25]:
-        print("FAIL", {k: r[k] for k in ("shape", "dtype", "dist", "row", "col", "rht", "two_d",
-                                         "sr", "secs")}, r.get("config"), r.get("layout"),
-              r["detail"][:600], flush=True)
-    print(f"checks: {len(results)} cases in {t_checks:.0f}s", flush=True)
-
-    with open(os.path.join(args.out, "check_kernels_nvfp4.json"), "w") as fh:
-        json.dump(out, fh, indent=1, default=str)
-    if time.time() - t_start > args.budget * 0.55:
-        args.sweep = False     # keep inside the time budget
-    if time.time() - t_start < args.budget * 0.7:
-        msgs = compile_checks(out)
-    else:
-        msgs = ["compile checks skipped (time)"]
-    for mline in msgs:
-        print(mline, flush=True)
-
-    rows, copy_gbs = ([], None)
-    if args.timing:
-        try:
-            rows, copy_gbs = timing(args, out)
-        except Exception:  # noqa: BLE001
-            out["timing_error"] = traceback.format_exc()
-            print("TIMING FAILED\n" + out["timing_error"], flush=True)
-            rows = out.get("_rows", [])
-            copy_gbs = out.get("copy_gbs") or 1.0
-    out.pop("_rows", None)
-    with open(os.path.join(args.out, "check_kernels_nvfp4.json"), "w") as fh:
-        json.dump(out, fh, indent=1, default=str)
-
-    # ---- summary ----
-    print()
-    print("=" * 100)
-    print(f"NVFP4 kernels on {out['device']} (torch {out['torch']}, triton {out['triton']})")
-    print(f"bit-exact: {out['exact']}/{out['cases']} cases exact, {out['nan_ok']} exact outside "
-          f"NaN blocks, dequant {out['dequant_ok']}/{out['cases']}; "
-          + "; ".join(msgs))
-    if "sweep" in out:
-        print("tile sweep (ms): " + ", ".join(f"{kk}: {'/'.join(f'{t:.3f}' for t in v)}"
-                                              for kk, v in out["sweep"].items())
-              + f" | chosen {out['best']}")
-    if rows:
-        print(f"{'16384x4096 bf16':46s} {'ms':>7s} {'useful MB':>9s} {'GB/s':>6s} {'%copy':>5s}"
-              f" {'moved MB':>8s} {'GB/s':>6s} {'%copy':>5s}")
-        for name, t, ub, mb, gbs in rows:
-            mg = mb / t / 1e6
-            print(f"{name:46s} {t:7.3f} {ub / 1e6:9.1f} {gbs:6.0f} {100 * gbs / copy_gbs:4.0f}%"
-                  f" {mb / 1e6:8.1f} {mg:6.0f} {100 * mg / copy_gbs:4.0f}%")
-    print(f"total {time.time() - t_start:.0f}s")
-
-
-if __name__ == "__main__":
-    main()

@@ -14,7 +14,7 @@ copy of the same input measured in the same run (bytes read + written, as
 ``bench_quantize.py``), after checking the codes, scales and recorded amax against the
 configured default on the benchmark shape and against the CPU reference on odd shapes.
 
-    python benchmarks/sweep_fp8_cast.py [--shape 16384x4096] [--keys cast_both,cast_row]
+    python tools/sweep_fp8_cast.py [--shape 16384x4096] [--keys cast_both,cast_row]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import bf16_inputs_and_copy, graph_ms  # noqa: E402
 from lowprec.formats import Float8CurrentScalingQuantizer, Float8Quantizer  # noqa: E402

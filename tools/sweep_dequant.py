@@ -7,7 +7,7 @@ that differs in any bit is dropped), then timed on a 16384x4096 operand against 
 device-to-device copy of the bf16 output size. Prints the fastest exact candidate per
 kernel, with GB/s counting the bytes read (codes + scales) and written (bf16).
 
-    python benchmarks/sweep_dequant.py
+    python tools/sweep_dequant.py
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import l2_rotation, time_fn  # noqa: E402
 from lowprec import MXFP8Quantizer, NVFP4Quantizer  # noqa: E402

@@ -6,7 +6,7 @@ functions (lowprec's step pieces, Triton's launch, the small torch ops) with inc
 GPU never holds the host back) and prints microseconds per step for each piece, with the
 unwrapped step's time beside it.
 
-    python benchmarks/host_breakdown.py [--shape 512x512x512] [--recipes current,delayed]
+    python tools/host_breakdown.py [--shape 512x512x512] [--recipes current,delayed]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import lowprec  # noqa: E402
 from bench_linear import RECIPES, lowprec_step, parse_shape, plain_step  # noqa: E402

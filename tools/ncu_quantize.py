@@ -4,7 +4,7 @@ Run it under ncu with ``--profile-from-start off``; every variant is warmed up (
 before the range opens, so only one launch per variant is profiled:
 
     ncu --profile-from-start off --clock-control none --set full -o rep \
-        python3 benchmarks/ncu_quantize.py [--only mxfp8_col,block1_col]
+        python3 tools/ncu_quantize.py [--only mxfp8_col,block1_col]
 
 Variants: ``<format>_<usage>`` with format in fp8 (delayed scaling, one cast pass), block1,
 block2, mxfp8, mx2, nvfp4, nvfp4sr (stochastic rounding), nvfp4rhtsr (RHT and stochastic

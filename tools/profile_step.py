@@ -5,7 +5,7 @@ step (CUDA events), the top Python functions by own time (cProfile over ``--step
 and the CUDA kernels of one step (torch.profiler), so launch overhead and slow kernels can
 be told apart.
 
-    python benchmarks/profile_step.py [--shape 16384x4096x4096] [--recipes current,delayed]
+    python tools/profile_step.py [--shape 16384x4096x4096] [--recipes current,delayed]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import lowprec  # noqa: E402
 from bench_linear import RECIPES, lowprec_step, parse_shape, within  # noqa: E402
