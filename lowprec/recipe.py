@@ -25,7 +25,8 @@ from typing import Callable, Union
 import torch
 
 __all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
-           "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "BACKWARD_MODES"]
+           "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "BACKWARD_MODES",
+           "RECIPE_ALIASES"]
 
 BACKWARD_MODES = ("default", "high_precision", "dequantized")
 _BACKWARD_ALIASES = {"unquant": "high_precision", "dequant": "dequantized"}
@@ -124,6 +125,36 @@ class Recipe:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         _register(self)
+
+    @classmethod
+    def from_name(cls, name: str, **kwargs) -> "Recipe | None":
+        """The recipe called ``name`` (one of :meth:`names`, or an alias of
+        ``RECIPE_ALIASES``), built with ``kwargs`` (e.g. ``backward_mode=``).
+
+        ``"bf16"`` names no quantization at all and returns ``None`` (run without
+        ``lowprec.autocast``, or with ``recipe=None``). An unknown name raises ValueError
+        naming it and the accepted names.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"Recipe.from_name takes a recipe name string, got "
+                            f"{type(name).__name__}")
+        canonical = RECIPE_ALIASES.get(name, name)
+        entry = _NAMED_RECIPES.get(canonical)
+        if entry is None:
+            raise ValueError(f"unknown recipe name {name!r}; accepted names: "
+                             f"{', '.join(_NAMED_RECIPES)} (aliases: "
+                             f"{', '.join(f'{a}={c}' for a, c in RECIPE_ALIASES.items())})")
+        return entry[0](**kwargs)
+
+    @staticmethod
+    def names() -> tuple[str, ...]:
+        """The names :meth:`from_name` accepts (aliases aside), in display order."""
+        return tuple(_NAMED_RECIPES)
+
+    @staticmethod
+    def describe(name: str) -> str:
+        """One line saying what the recipe called ``name`` is."""
+        return _NAMED_RECIPES[RECIPE_ALIASES.get(name, name)][1]
 
     def __post_init__(self) -> None:
         _register(self)
@@ -274,3 +305,44 @@ class CustomRecipe(Recipe):
         if not callable(self.qfactory):
             raise TypeError(f"CustomRecipe needs a callable qfactory(role) -> Quantizer, got "
                             f"{self.qfactory!r}")
+
+
+def _custom(factory_name: str, *args):
+    """A builder of ``CustomRecipe`` over a factory of :mod:`lowprec.factories`, imported at
+    build time: the factories import the formats, which import this module."""
+    def build(**kwargs) -> CustomRecipe:
+        from . import factories
+
+        factory = getattr(factories, factory_name)
+        return CustomRecipe(qfactory=factory(*args) if args else factory, **kwargs)
+    return build
+
+
+# The one table of named recipes: name -> (builder taking the recipe's keyword arguments,
+# description). ``lowprec compare``, the benchmarks and the tests all build from it.
+_NAMED_RECIPES: dict[str, tuple[Callable[..., "Recipe | None"], str]] = {
+    "bf16": (lambda **kw: None, "bf16 weights and GEMMs, no quantization (the baseline)"),
+    "fp8_delayed": (lambda **kw: DelayedScaling(**kw),
+                    "DelayedScaling(): per-tensor FP8, scales from an amax history"),
+    "fp8_current": (lambda **kw: Float8CurrentScaling(**kw),
+                    "Float8CurrentScaling(): per-tensor FP8, E4M3 forward / E5M2 gradients"),
+    "fp8_block": (lambda **kw: Float8BlockScaling(**kw),
+                  "Float8BlockScaling(): FP8, 1x128 activations/gradients, 128x128 weights"),
+    "mxfp8": (lambda **kw: MXFP8BlockScaling(**kw),
+              "MXFP8BlockScaling(): E4M3 with E8M0 scales per 32 elements"),
+    "nvfp4": (lambda **kw: NVFP4BlockScaling(**kw),
+              "NVFP4BlockScaling(): E2M1 with E4M3 scales per 16, RHT, SR on gradients"),
+    "mxfp8_fwd_nvfp4_bwd": (
+        _custom("mxfp8_fwd_nvfp4_bwd_factory"),
+        "CustomRecipe(mxfp8_fwd_nvfp4_bwd_factory): MXFP8 forward GEMM, NVFP4 backward GEMMs"),
+    "fp8_row_mxfp8_col": (
+        _custom("fp8_row_mxfp8_col_factory"),
+        "CustomRecipe(fp8_row_mxfp8_col_factory): per-tensor FP8 rowwise, MXFP8 columnwise"),
+    "nvfp4_fp8_head": (
+        _custom("NVFP4ExceptLayers", ("lm_head",)),
+        "CustomRecipe(NVFP4ExceptLayers(('lm_head',))): NVFP4 except an FP8 output head"),
+}
+
+#: Short names the tests and benchmarks use, accepted by :meth:`Recipe.from_name`.
+RECIPE_ALIASES: dict[str, str] = {"delayed": "fp8_delayed", "current": "fp8_current",
+                                  "block": "fp8_block"}

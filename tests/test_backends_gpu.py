@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -331,13 +332,8 @@ def _emulation_only():
         G.BACKENDS[:] = saved
 
 
-RECIPES = {
-    "current": lambda: lowprec.Float8CurrentScaling(),
-    "delayed": lambda: lowprec.DelayedScaling(),
-    "block": lambda: lowprec.Float8BlockScaling(),
-    "mxfp8": lambda: lowprec.MXFP8BlockScaling(),
-    "nvfp4": lambda: lowprec.NVFP4BlockScaling(),
-}
+RECIPES = {name: functools.partial(lowprec.recipe.Recipe.from_name, name)
+           for name in ("current", "delayed", "block", "mxfp8", "nvfp4")}
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))

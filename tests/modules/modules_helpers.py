@@ -12,8 +12,8 @@ import torch
 
 import lowprec
 import lowprec.linear_fn
-from lowprec import factories
 from lowprec.formats.base import QuantizedTensor
+from lowprec.recipe import Recipe
 
 # ================================================================================================
 # helpers: recipes, sizes, modules, runs, SQNR, the GEMM recorder
@@ -21,15 +21,10 @@ from lowprec.formats.base import QuantizedTensor
 FP32_EPS = 2.0 ** -24  # unit roundoff of fp32 (round to nearest)
 
 # ---- recipes ------------------------------------------------------------------------------
-RECIPES = {
-    "delayed": lambda **kw: lowprec.DelayedScaling(**kw),
-    "current": lambda **kw: lowprec.Float8CurrentScaling(**kw),
-    "block": lambda **kw: lowprec.Float8BlockScaling(**kw),
-    "mxfp8": lambda **kw: lowprec.MXFP8BlockScaling(**kw),
-    "nvfp4": lambda **kw: lowprec.NVFP4BlockScaling(**kw),
-    "custom_mx_nv": lambda **kw: lowprec.CustomRecipe(
-        qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory, **kw),
-}
+# test id -> Recipe.from_name name
+RECIPES = {name: functools.partial(Recipe.from_name, table_name) for name, table_name in (
+    ("delayed", "fp8_delayed"), ("current", "fp8_current"), ("block", "fp8_block"),
+    ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("custom_mx_nv", "mxfp8_fwd_nvfp4_bwd"))}
 RECIPE_NAMES = list(RECIPES)
 
 

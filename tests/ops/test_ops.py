@@ -4,6 +4,7 @@ quantized hand-over, usage preservation of quantized weights (train/eval loop), 
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import math
 
@@ -14,21 +15,16 @@ import torch.nn.functional as F
 import lowprec
 import lowprec.linear_fn
 import lowprec.ops as ops
-from lowprec import factories
 from lowprec.formats.base import QuantizedTensor
 from lowprec.optim import QuantizedWeightOptimizer
 
 E4M3 = torch.float8_e4m3fn
 
-RECIPES = {
-    "delayed": lambda **kw: lowprec.DelayedScaling(**kw),
-    "current": lambda **kw: lowprec.Float8CurrentScaling(**kw),
-    "block": lambda **kw: lowprec.Float8BlockScaling(**kw),
-    "mxfp8": lambda **kw: lowprec.MXFP8BlockScaling(**kw),
-    "nvfp4": lambda **kw: lowprec.NVFP4BlockScaling(**kw),
-    "hybrid": lambda **kw: lowprec.CustomRecipe(qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory,
-                                                **kw),
-}
+# test id -> Recipe.from_name name
+RECIPES = {name: functools.partial(lowprec.recipe.Recipe.from_name, table_name)
+           for name, table_name in (("delayed", "fp8_delayed"), ("current", "fp8_current"),
+                                    ("block", "fp8_block"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"),
+                                    ("hybrid", "mxfp8_fwd_nvfp4_bwd"))}
 RECIPE_NAMES = list(RECIPES)
 
 
