@@ -20,17 +20,54 @@ import numbers
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable, NamedTuple, Union
 
 import torch
 
 __all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
            "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "BACKWARD_MODES",
-           "RECIPE_ALIASES"]
+           "RECIPE_ALIASES", "BackwardMode", "OperandUsages", "operand_usages"]
 
-BACKWARD_MODES = ("default", "high_precision", "dequantized")
+
+class BackwardMode(str, enum.Enum):
+    """How dgrad and wgrad run (the ``backward_mode`` of every recipe).
+
+    A ``str`` enum: each member equals its string (``BackwardMode.DEFAULT == "default"``),
+    and recipes hold the plain string, so code and configs that use strings keep working.
+    """
+
+    DEFAULT = "default"                # quantize the backward GEMM operands per the recipe
+    HIGH_PRECISION = "high_precision"  # save the original x and W; hp dgrad/wgrad
+    DEQUANTIZED = "dequantized"        # save fprop's rowwise x and W; dequantize for backward
+
+    def __str__(self) -> str:
+        return self.value
+
+
+BACKWARD_MODES = tuple(m.value for m in BackwardMode)
 _BACKWARD_ALIASES = {"unquant": "high_precision", "dequant": "dequantized"}
 BACKWARD_MODE_ENV = "LOWPREC_BACKWARD_MODE"
+
+
+class OperandUsages(NamedTuple):
+    """The (rowwise, columnwise) usages a linear's forward quantizes its input and its
+    weight with."""
+
+    input: tuple[bool, bool]
+    weight: tuple[bool, bool]
+
+
+def operand_usages(mode: str, needs_dgrad: bool, needs_wgrad: bool) -> OperandUsages:
+    """Which usages of the input and the weight a linear's forward must produce.
+
+    fprop consumes both rowwise. Only the ``default`` backward mode consumes quantized
+    columnwise operands: the weight's for dgrad (``needs_dgrad``), the input's for wgrad
+    (``needs_wgrad``); the other modes save high-precision or rowwise data instead.
+    ``mode`` is a normalized backward mode (a ``BackwardMode`` or its string).
+    """
+    quantized_bwd = mode == "default"
+    return OperandUsages(input=(True, quantized_bwd and bool(needs_wgrad)),
+                         weight=(True, quantized_bwd and bool(needs_dgrad)))
 
 
 class Format(enum.Enum):
@@ -51,9 +88,12 @@ class Format(enum.Enum):
 
 
 def normalize_backward_mode(mode: str, *, source: str = "backward_mode") -> str:
-    """Resolve aliases and validate a backward mode string."""
+    """Resolve aliases and validate a backward mode (a string or a :class:`BackwardMode`);
+    returns the mode's plain string, else ValueError naming the value and the accepted ones."""
     if not isinstance(mode, str):
         raise TypeError(f"{source} must be a string, got {type(mode).__name__}")
+    if isinstance(mode, BackwardMode):
+        return mode.value
     resolved = _BACKWARD_ALIASES.get(mode, mode)
     if resolved not in BACKWARD_MODES:
         raise ValueError(f"{source}={mode!r} is not a backward mode; use one of "

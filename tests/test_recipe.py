@@ -385,3 +385,35 @@ def test_recipe_from_name_passes_fields():
 def test_recipe_from_bad_name():
     with pytest.raises(ValueError, match=r"'fp9'.*fp8_current.*nvfp4_fp8_head"):
         lowprec.recipe.Recipe.from_name("fp9")
+
+
+# ---- backward modes ------------------------------------------------------------------------
+def test_backward_mode_enum_equals_strings():
+    from lowprec.recipe import BackwardMode
+    assert BackwardMode.DEFAULT == "default" and str(BackwardMode.DEQUANTIZED) == "dequantized"
+    assert tuple(BackwardMode) == tuple(BackwardMode(m) for m in lowprec.recipe.BACKWARD_MODES)
+    r = lowprec.Float8CurrentScaling(backward_mode=BackwardMode.HIGH_PRECISION)
+    assert r.backward_mode == "high_precision" and type(r.backward_mode) is str
+    assert r == lowprec.Float8CurrentScaling(backward_mode="unquant")
+
+
+def test_bad_backward_mode_names_value_and_accepted():
+    with pytest.raises(ValueError, match=r"'fast'.*default.*high_precision.*dequantized"):
+        lowprec.MXFP8BlockScaling(backward_mode="fast")
+    x, w = torch.randn(2, 32), torch.randn(4, 32)
+    with pytest.raises(ValueError, match=r"'fast'.*dequantized"):
+        lowprec.linear_fn.quantized_linear(x, w, backward_mode="fast")
+
+
+@pytest.mark.parametrize("mode", ["default", "high_precision", "dequantized"])
+@pytest.mark.parametrize("needs_dgrad", [False, True])
+@pytest.mark.parametrize("needs_wgrad", [False, True])
+def test_operand_usages_table(mode, needs_dgrad, needs_wgrad):
+    from lowprec.recipe import BackwardMode, operand_usages
+    got = operand_usages(mode, needs_dgrad, needs_wgrad)
+    default = mode == "default"
+    # fprop reads x and W rowwise; only default mode keeps columnwise copies: W's for dgrad,
+    # x's for wgrad
+    assert got.input == (True, default and needs_wgrad)
+    assert got.weight == (True, default and needs_dgrad)
+    assert operand_usages(BackwardMode(mode), needs_dgrad, needs_wgrad) == got
