@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 import lowprec
+from helpers import sqnr_db  # noqa: F401 - the module tests import it from here
 import lowprec.linear_fn
 from lowprec.formats.base import QuantizedTensor
 from lowprec.recipe import Recipe
@@ -148,14 +149,6 @@ def forward_backward(module, kind, x, dims, dy=None, *, recipe=None, seed: int =
     for pname, p in module.named_parameters():
         grads[pname] = p.grad.clone()
     return Run(x.detach(), y.detach().clone(), dy, grads)
-
-
-def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
-    ref, test = ref.detach().double(), test.detach().double()
-    noise = (ref - test).pow(2).sum()
-    if noise == 0:
-        return float("inf")
-    return float(10 * torch.log10(ref.pow(2).sum() / noise))
 
 
 # ---- GEMM recorder ------------------------------------------------------------------------

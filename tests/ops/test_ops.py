@@ -6,13 +6,13 @@ from __future__ import annotations
 import copy
 import functools
 import io
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import lowprec
+from helpers import randn, sqnr_db
 import lowprec.linear_fn
 import lowprec.ops as ops
 from lowprec.formats.base import QuantizedTensor
@@ -35,9 +35,6 @@ def dims(recipe_name):
     return (128, 256, 256) if recipe_name == "block" else (64, 128, 64)
 
 
-def randn(*shape, seed, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype)
 
 
 def fwd_bwd(module, x, dy, *extra, recipe=None, seed=7):
@@ -56,12 +53,6 @@ def assert_all_equal(a, b):
     assert len(a) == len(b)
     for i, (u, v) in enumerate(zip(a, b)):
         assert torch.equal(u, v), f"entry {i}: max diff {(u.double() - v.double()).abs().max()}"
-
-
-def sqnr_db(ref, test):
-    ref, test = ref.double(), test.double()
-    noise = (ref - test).pow(2).sum()
-    return math.inf if noise == 0 else float(10 * torch.log10(ref.pow(2).sum() / noise))
 
 
 # fp32 GEMMs that run through differently laid out BLAS calls (reshaped / transposed operands)
