@@ -22,7 +22,7 @@ import lowprec.gemm as G  # noqa: E402
 from harness import append_rows, l2_rotation, print_table, time_fn  # noqa: E402
 from lowprec import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,  # noqa: E402
                      MXFP8Quantizer, NVFP4Quantizer)
-from lowprec.backends import emulated_bf16, kernels  # noqa: E402
+from lowprec.backends import exact_bf16, kernels  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -61,11 +61,11 @@ def main(argv=None):
             cases[name] = (lambda a, b: G.gemm(a, "rowwise", b, "rowwise",
                                                out_dtype=torch.bfloat16), qsets[name])
         cases["mxfp8 dequant x2"] = (
-            lambda a, b: (emulated_bf16.bf16_operand(a, "rowwise"),
-                          emulated_bf16.bf16_operand(b, "rowwise")), qsets["mxfp8 emulated"])
+            lambda a, b: (exact_bf16.bf16_operand(a, "rowwise"),
+                          exact_bf16.bf16_operand(b, "rowwise")), qsets["mxfp8 emulated"])
         cases["nvfp4 dequant x2"] = (
-            lambda a, b: (emulated_bf16.bf16_operand(a, "rowwise"),
-                          emulated_bf16.bf16_operand(b, "rowwise")), qsets["nvfp4 emulated"])
+            lambda a, b: (exact_bf16.bf16_operand(a, "rowwise"),
+                          exact_bf16.bf16_operand(b, "rowwise")), qsets["nvfp4 emulated"])
         acc = [(torch.randn(m, n, device="cuda", generator=gen), torch.rand(1, device="cuda"))
                for _ in range(2)]
         cases["fp32 epilogue"] = (lambda c, d: kernels.scale_bias_epilogue(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import sys
 import time
 from pathlib import Path
@@ -40,13 +41,8 @@ from harness import (append_rows, compare, compare_alternating, graphed_step,  #
                      l2_rotation, print_table)
 
 SHAPES = ["16384x4096x4096", "16384x4096x14336", "16384x14336x4096"]
-RECIPES = {
-    "current": lambda: lowprec.Float8CurrentScaling(),
-    "delayed": lambda: lowprec.DelayedScaling(),
-    "block": lambda: lowprec.Float8BlockScaling(),
-    "mxfp8": lambda: lowprec.MXFP8BlockScaling(),
-    "nvfp4": lambda: lowprec.NVFP4BlockScaling(),
-}
+RECIPES = {name: functools.partial(lowprec.recipe.Recipe.from_name, name)
+           for name in ("current", "delayed", "block", "mxfp8", "nvfp4")}
 TORCHAO = ["tensorwise", "rowwise"]
 
 

@@ -8,12 +8,12 @@ from .offload import cpu_offload
 from .formats import *  # noqa: F401,F403
 from .formats import __all__ as _formats_all
 from .modules import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
-from .recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
-                     MXFP8BlockScaling, NVFP4BlockScaling)
+from .recipe import (BackwardMode, CustomRecipe, DelayedScaling, Float8BlockScaling,
+                     Float8CurrentScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
 from .roles import QuantizerRole
 
 __version__ = "0.1.0"
 __all__ = [*_formats_all, "recipe", "ops", "optim", "autocast", "checkpoint", "convert_model", "cpu_offload", "quantized_model_init", "QuantizerRole",
            "Format", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
-           "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe",
+           "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "Recipe", "BackwardMode",
            "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm"]

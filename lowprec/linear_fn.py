@@ -29,6 +29,7 @@ from . import exact_split, grad_split, offload, weight_cache
 from .autocast import active_region, torch_autocast_dtype
 from .formats.base import QuantizedTensor, Quantizer
 from .gemm import gemm
+from .recipe import BACKWARD_MODES, normalize_backward_mode, operand_usages
 
 
 @dataclass
@@ -240,20 +241,19 @@ class _QuantizedLinear(torch.autograd.Function):
                                                     q, backward_mode, on_backward_done,
                                                     need_dx, need_dw, x_owned=True,
                                                     w_owned=True, **padding)
-        # Only default mode consumes columnwise operands; the others save hp or rowwise data.
-        col = quantized and backward_mode == "default"
+        usages = operand_usages(backward_mode, need_dx, need_dw)
+        x_col, w_col = quantized and usages.input[1], quantized and usages.weight[1]
         # "dequantized" saves fprop's rowwise copies: no exact records held on to them
         exact = _ROW if backward_mode != "dequantized" else ()
         x_lp, x_owned = quantize_operand(q.input if q else None, x, rowwise=True,
-                                         columnwise=col and need_dw, exact=exact)
+                                         columnwise=x_col, exact=exact)
         # The weight's columnwise copy is made after fprop, once x's rowwise copy is freed:
         # made with it, the forward would hold x (the caller's), both copies of x and of W
         # and y at once, as much as a bf16 backward's peak (x, y, dX, dW).
         w_q = q.weight if q else None
         if weight_lp is not None:  # a cached quantized weight (lowprec.weight_cache)
             w_two_steps = False
-            w_lp, w_owned = quantize_operand(None, weight_lp, rowwise=True,
-                                             columnwise=col and need_dx)
+            w_lp, w_owned = quantize_operand(None, weight_lp, rowwise=True, columnwise=w_col)
         elif isinstance(weight, QuantizedTensor):
             # A quantized weight is saved as it is and dgrad reads its columnwise data in
             # backward (``_dgrad_weight``): an FSDP-gathered weight gets that direction from
@@ -261,9 +261,9 @@ class _QuantizedLinear(torch.autograd.Function):
             w_two_steps = False
             w_lp, w_owned = quantize_operand(None, weight, rowwise=True, columnwise=False)
         else:
-            w_two_steps = _weight_in_two_steps(w_q, weight, col and need_dx)
+            w_two_steps = _weight_in_two_steps(w_q, weight, w_col)
             w_lp, w_owned = quantize_operand(w_q, weight, rowwise=True,
-                                             columnwise=col and need_dx and not w_two_steps,
+                                             columnwise=w_col and not w_two_steps,
                                              exact=exact)
         out_features = weight.shape[0]
         y = gemm(x_lp, "rowwise", w_lp, "rowwise", out_dtype=x.dtype, bias=bias)
@@ -349,9 +349,12 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                      on_backward_done: Callable[[], None] | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` with the GEMMs quantized by ``quantizers`` (None: high precision).
 
-    ``on_backward_done`` runs after this GEMM's backward (delayed scaling
-    uses it to push backward amaxes into the history).
+    ``backward_mode`` is a :class:`lowprec.recipe.BackwardMode` or its string (aliases
+    accepted; anything else raises ValueError). ``on_backward_done`` runs after this GEMM's
+    backward (delayed scaling uses it to push backward amaxes into the history).
     """
+    if type(backward_mode) is not str or backward_mode not in BACKWARD_MODES:
+        backward_mode = normalize_backward_mode(backward_mode)
     amp = torch_autocast_dtype(x)
     if amp is not None:
         # torch.autocast: compute as nn.Linear would under it, the activations and a
@@ -384,7 +387,8 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
         # keyed by the parameter, not by its autocast copy (a new tensor each call)
         weight_lp = weight_cache.cached_weight(
             param, quantizers.weight,
-            columnwise=backward_mode == "default" and grad_enabled and x.requires_grad,
+            columnwise=operand_usages(backward_mode, grad_enabled and x.requires_grad,
+                                      False).weight[1],
             dtype=amp)
     return _QuantizedLinear.apply(x, weight, bias, quantizers, backward_mode, on_backward_done,
                                   grad_enabled, weight_lp)

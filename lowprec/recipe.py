@@ -20,16 +20,54 @@ import numbers
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable, NamedTuple, Union
 
 import torch
 
 __all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
-           "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "BACKWARD_MODES"]
+           "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "BACKWARD_MODES",
+           "RECIPE_ALIASES", "BackwardMode", "OperandUsages", "operand_usages"]
 
-BACKWARD_MODES = ("default", "high_precision", "dequantized")
+
+class BackwardMode(str, enum.Enum):
+    """How dgrad and wgrad run (the ``backward_mode`` of every recipe).
+
+    A ``str`` enum: each member equals its string (``BackwardMode.DEFAULT == "default"``),
+    and recipes hold the plain string, so code and configs that use strings keep working.
+    """
+
+    DEFAULT = "default"                # quantize the backward GEMM operands per the recipe
+    HIGH_PRECISION = "high_precision"  # save the original x and W; hp dgrad/wgrad
+    DEQUANTIZED = "dequantized"        # save fprop's rowwise x and W; dequantize for backward
+
+    def __str__(self) -> str:
+        return self.value
+
+
+BACKWARD_MODES = tuple(m.value for m in BackwardMode)
 _BACKWARD_ALIASES = {"unquant": "high_precision", "dequant": "dequantized"}
 BACKWARD_MODE_ENV = "LOWPREC_BACKWARD_MODE"
+
+
+class OperandUsages(NamedTuple):
+    """The (rowwise, columnwise) usages a linear's forward quantizes its input and its
+    weight with."""
+
+    input: tuple[bool, bool]
+    weight: tuple[bool, bool]
+
+
+def operand_usages(mode: str, needs_dgrad: bool, needs_wgrad: bool) -> OperandUsages:
+    """Which usages of the input and the weight a linear's forward must produce.
+
+    fprop consumes both rowwise. Only the ``default`` backward mode consumes quantized
+    columnwise operands: the weight's for dgrad (``needs_dgrad``), the input's for wgrad
+    (``needs_wgrad``); the other modes save high-precision or rowwise data instead.
+    ``mode`` is a normalized backward mode (a ``BackwardMode`` or its string).
+    """
+    quantized_bwd = mode == "default"
+    return OperandUsages(input=(True, quantized_bwd and bool(needs_wgrad)),
+                         weight=(True, quantized_bwd and bool(needs_dgrad)))
 
 
 class Format(enum.Enum):
@@ -50,9 +88,12 @@ class Format(enum.Enum):
 
 
 def normalize_backward_mode(mode: str, *, source: str = "backward_mode") -> str:
-    """Resolve aliases and validate a backward mode string."""
+    """Resolve aliases and validate a backward mode (a string or a :class:`BackwardMode`);
+    returns the mode's plain string, else ValueError naming the value and the accepted ones."""
     if not isinstance(mode, str):
         raise TypeError(f"{source} must be a string, got {type(mode).__name__}")
+    if isinstance(mode, BackwardMode):
+        return mode.value
     resolved = _BACKWARD_ALIASES.get(mode, mode)
     if resolved not in BACKWARD_MODES:
         raise ValueError(f"{source}={mode!r} is not a backward mode; use one of "
@@ -124,6 +165,36 @@ class Recipe:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         _register(self)
+
+    @classmethod
+    def from_name(cls, name: str, **kwargs) -> "Recipe | None":
+        """The recipe called ``name`` (one of :meth:`names`, or an alias of
+        ``RECIPE_ALIASES``), built with ``kwargs`` (e.g. ``backward_mode=``).
+
+        ``"bf16"`` names no quantization at all and returns ``None`` (run without
+        ``lowprec.autocast``, or with ``recipe=None``). An unknown name raises ValueError
+        naming it and the accepted names.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"Recipe.from_name takes a recipe name string, got "
+                            f"{type(name).__name__}")
+        canonical = RECIPE_ALIASES.get(name, name)
+        entry = _NAMED_RECIPES.get(canonical)
+        if entry is None:
+            raise ValueError(f"unknown recipe name {name!r}; accepted names: "
+                             f"{', '.join(_NAMED_RECIPES)} (aliases: "
+                             f"{', '.join(f'{a}={c}' for a, c in RECIPE_ALIASES.items())})")
+        return entry[0](**kwargs)
+
+    @staticmethod
+    def names() -> tuple[str, ...]:
+        """The names :meth:`from_name` accepts (aliases aside), in display order."""
+        return tuple(_NAMED_RECIPES)
+
+    @staticmethod
+    def describe(name: str) -> str:
+        """One line saying what the recipe called ``name`` is."""
+        return _NAMED_RECIPES[RECIPE_ALIASES.get(name, name)][1]
 
     def __post_init__(self) -> None:
         _register(self)
@@ -274,3 +345,44 @@ class CustomRecipe(Recipe):
         if not callable(self.qfactory):
             raise TypeError(f"CustomRecipe needs a callable qfactory(role) -> Quantizer, got "
                             f"{self.qfactory!r}")
+
+
+def _custom(factory_name: str, *args):
+    """A builder of ``CustomRecipe`` over a factory of :mod:`lowprec.factories`, imported at
+    build time: the factories import the formats, which import this module."""
+    def build(**kwargs) -> CustomRecipe:
+        from . import factories
+
+        factory = getattr(factories, factory_name)
+        return CustomRecipe(qfactory=factory(*args) if args else factory, **kwargs)
+    return build
+
+
+# The one table of named recipes: name -> (builder taking the recipe's keyword arguments,
+# description). ``lowprec compare``, the benchmarks and the tests all build from it.
+_NAMED_RECIPES: dict[str, tuple[Callable[..., "Recipe | None"], str]] = {
+    "bf16": (lambda **kw: None, "bf16 weights and GEMMs, no quantization (the baseline)"),
+    "fp8_delayed": (lambda **kw: DelayedScaling(**kw),
+                    "DelayedScaling(): per-tensor FP8, scales from an amax history"),
+    "fp8_current": (lambda **kw: Float8CurrentScaling(**kw),
+                    "Float8CurrentScaling(): per-tensor FP8, E4M3 forward / E5M2 gradients"),
+    "fp8_block": (lambda **kw: Float8BlockScaling(**kw),
+                  "Float8BlockScaling(): FP8, 1x128 activations/gradients, 128x128 weights"),
+    "mxfp8": (lambda **kw: MXFP8BlockScaling(**kw),
+              "MXFP8BlockScaling(): E4M3 with E8M0 scales per 32 elements"),
+    "nvfp4": (lambda **kw: NVFP4BlockScaling(**kw),
+              "NVFP4BlockScaling(): E2M1 with E4M3 scales per 16, RHT, SR on gradients"),
+    "mxfp8_fwd_nvfp4_bwd": (
+        _custom("mxfp8_fwd_nvfp4_bwd_factory"),
+        "CustomRecipe(mxfp8_fwd_nvfp4_bwd_factory): MXFP8 forward GEMM, NVFP4 backward GEMMs"),
+    "fp8_row_mxfp8_col": (
+        _custom("fp8_row_mxfp8_col_factory"),
+        "CustomRecipe(fp8_row_mxfp8_col_factory): per-tensor FP8 rowwise, MXFP8 columnwise"),
+    "nvfp4_fp8_head": (
+        _custom("NVFP4ExceptLayers", ("lm_head",)),
+        "CustomRecipe(NVFP4ExceptLayers(('lm_head',))): NVFP4 except an FP8 output head"),
+}
+
+#: Short names the tests and benchmarks use, accepted by :meth:`Recipe.from_name`.
+RECIPE_ALIASES: dict[str, str] = {"delayed": "fp8_delayed", "current": "fp8_current",
+                                  "block": "fp8_block"}

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 import lowprec
-from lowprec.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling,
-                            Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+from lowprec.recipe import CustomRecipe, Recipe
 
 
 def nvfp4_factory(role):
@@ -23,11 +22,11 @@ def hybrid_factory(role):
 
 #: A fresh recipe per call, for each kind the bit-for-bit tests run.
 RECIPES = {
-    "current": lambda: Float8CurrentScaling(),
-    "delayed": lambda: DelayedScaling(amax_history_len=4),
-    "block": lambda: Float8BlockScaling(),
-    "mxfp8": lambda: MXFP8BlockScaling(),
-    "nvfp4": lambda: NVFP4BlockScaling(),  # RHT, stochastic rounding, 2D weights
+    "current": lambda: Recipe.from_name("fp8_current"),
+    "delayed": lambda: Recipe.from_name("fp8_delayed", amax_history_len=4),
+    "block": lambda: Recipe.from_name("fp8_block"),
+    "mxfp8": lambda: Recipe.from_name("mxfp8"),
+    "nvfp4": lambda: Recipe.from_name("nvfp4"),  # RHT, stochastic rounding, 2D weights
     "custom": lambda: CustomRecipe(qfactory=nvfp4_factory),
     "hybrid": lambda: CustomRecipe(qfactory=hybrid_factory),
 }

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -140,7 +141,7 @@ def test_tensorwise_unaligned_falls_through():
     gen = torch.Generator(device="cuda").manual_seed(3)
     a = _operand(Float8CurrentScalingQuantizer(E4M3), 64, 40, "rowwise", gen)  # K % 16 != 0
     b = _operand(Float8CurrentScalingQuantizer(E4M3), 64, 40, "rowwise", gen)
-    _check("fp8 K=40", a, "rowwise", b, "rowwise", torch.float32, backend="emulated_bf16")
+    _check("fp8 K=40", a, "rowwise", b, "rowwise", torch.float32, backend="exact_bf16")
 
 
 # ---- block FP8 ----------------------------------------------------------------------------
@@ -185,10 +186,10 @@ def test_blockwise_2x2_and_unaligned_go_to_bf16():
     gen = torch.Generator(device="cuda").manual_seed(6)
     a = _operand(Float8BlockQuantizer(E4M3, block_scaling_dim=2), 256, 512, "rowwise", gen)
     b = _operand(Float8BlockQuantizer(E4M3, block_scaling_dim=2), 256, 512, "rowwise", gen)
-    _check("block 2x2", a, "rowwise", b, "rowwise", torch.float32, backend="emulated_bf16")
+    _check("block 2x2", a, "rowwise", b, "rowwise", torch.float32, backend="exact_bf16")
     a = _operand(Float8BlockQuantizer(E4M3, block_scaling_dim=1), 256, 384, "rowwise", gen)
     b = _operand(Float8BlockQuantizer(E4M3, block_scaling_dim=2), 256, 384, "rowwise", gen)
-    _check("block K/128=3", a, "rowwise", b, "rowwise", torch.float32, backend="emulated_bf16")
+    _check("block K/128=3", a, "rowwise", b, "rowwise", torch.float32, backend="exact_bf16")
 
 
 def test_blockwise_non_pow2_goes_to_fp32():
@@ -223,7 +224,7 @@ def _mx(dtype=E4M3, two_d=False):
 @pytest.mark.parametrize("usages", USAGE_PAIRS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_emulated_bf16(qa, qb, usages, shape, out_dtype):
+def test_exact_bf16(qa, qb, usages, shape, out_dtype):
     makers = {
         "mx": lambda: _mx(), "mx2d": lambda: _mx(two_d=True), "mx_e5m2": lambda: _mx(E5M2),
         "nv": lambda: NVFP4Quantizer(), "nv2d": lambda: NVFP4Quantizer(with_2d_quantization=True),
@@ -237,7 +238,7 @@ def test_emulated_bf16(qa, qb, usages, shape, out_dtype):
     a = _operand(makers[qa](), m, k, usages[0], gen, dist="wide")
     b = _operand(makers[qb](), n, k, usages[1], gen)
     _check(f"{qa}x{qb} {usages} {shape}", a, usages[0], b, usages[1], out_dtype,
-           backend="emulated_bf16")
+           backend="exact_bf16")
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -248,7 +249,7 @@ def test_emulated_bias(out_dtype):
         b = _operand(qb, 384, 1024, "rowwise", gen)
         bias = torch.randn(384, device="cuda", generator=gen).to(out_dtype)
         _check(f"{type(qa).__name__} bias", a, "rowwise", b, "rowwise", out_dtype,
-               backend="emulated_bf16", bias=bias)
+               backend="exact_bf16", bias=bias)
 
 
 def test_nvfp4_rht_both_sides_cancel():
@@ -258,7 +259,7 @@ def test_nvfp4_rht_both_sides_cancel():
     b = _operand(NVFP4Quantizer(with_rht=True, stochastic_rounding=True), 384, 2048,
                  "columnwise", gen, dist="wide")
     _check("nvfp4 rht x rht", a, "columnwise", b, "columnwise", torch.float32,
-           backend="emulated_bf16")
+           backend="exact_bf16")
 
 
 def test_nvfp4_rht_one_side_goes_to_fp32():
@@ -276,12 +277,12 @@ def test_emulated_nan_and_tiny_blocks():
     x[9, 64:96] *= 1e-30                # a block with a tiny scale
     a = _mx().quantize(x)
     b = _operand(_mx(), 128, 512, "rowwise", gen)
-    _check("mx NaN/tiny", a, "rowwise", b, "rowwise", torch.float32, backend="emulated_bf16")
+    _check("mx NaN/tiny", a, "rowwise", b, "rowwise", torch.float32, backend="exact_bf16")
     xn = torch.randn(256, 512, device="cuda", generator=gen)
     xn[3, 16:32] = float("inf")
     a = NVFP4Quantizer().quantize(xn)
     b = _operand(NVFP4Quantizer(), 128, 512, "rowwise", gen)
-    _check("nv NaN", a, "rowwise", b, "rowwise", torch.float32, backend="emulated_bf16")
+    _check("nv NaN", a, "rowwise", b, "rowwise", torch.float32, backend="exact_bf16")
 
 
 def test_mxfp8_dequant_kernel_matches_torch():
@@ -331,13 +332,8 @@ def _emulation_only():
         G.BACKENDS[:] = saved
 
 
-RECIPES = {
-    "current": lambda: lowprec.Float8CurrentScaling(),
-    "delayed": lambda: lowprec.DelayedScaling(),
-    "block": lambda: lowprec.Float8BlockScaling(),
-    "mxfp8": lambda: lowprec.MXFP8BlockScaling(),
-    "nvfp4": lambda: lowprec.NVFP4BlockScaling(),
-}
+RECIPES = {name: functools.partial(lowprec.recipe.Recipe.from_name, name)
+           for name in ("current", "delayed", "block", "mxfp8", "nvfp4")}
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))

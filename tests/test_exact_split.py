@@ -193,7 +193,7 @@ def test_gpu_gemm_slices_with_64bit_indices(monkeypatch, name):
 
 @needs_gpu
 def test_gpu_as_exact_matches_dequantize():
-    from lowprec.backends.emulated_bf16 import as_exact
+    from lowprec.backends.exact_bf16 import as_exact
     x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
     t = lowprec.MXFP8Quantizer().set_usage(rowwise=False, columnwise=True).quantize(x)
     e = as_exact(t, "columnwise")

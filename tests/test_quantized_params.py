@@ -10,6 +10,7 @@ original module running the same steps beside it.
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import pickle
 
@@ -23,17 +24,12 @@ from lowprec.formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer
                              IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, QuantizedTensor)
 from lowprec.optim import QuantizedWeightOptimizer
 from lowprec.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                            MXFP8BlockScaling, NVFP4BlockScaling)
+                            MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
-RECIPES = {
-    "delayed": DelayedScaling,
-    "current": Float8CurrentScaling,
-    "block": Float8BlockScaling,
-    "mxfp8": MXFP8BlockScaling,
-    "nvfp4": NVFP4BlockScaling,
-}
+RECIPES = {name: functools.partial(Recipe.from_name, name)
+           for name in ("delayed", "current", "block", "mxfp8", "nvfp4")}
 MODULE_KINDS = ["linear", "layernorm_mlp", "grouped_linear"]
 
 

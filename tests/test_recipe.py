@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import lowprec
+from lowprec import factories
 from lowprec.factories import mxfp8_factory
 from lowprec.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                             Format, MXFP8BlockScaling, NVFP4BlockScaling)
@@ -340,3 +341,79 @@ def test_margin_numpy_scalars_become_python_numbers():
     for value, kind in ((np.int64(2), int), (np.float32(0.5), float)):
         margin = DelayedScaling(margin=value).margin
         assert margin == value and type(margin) is kind
+
+
+# ---- named recipes -----------------------------------------------------------------------
+def test_recipe_names_cover_the_compare_list():
+    assert lowprec.recipe.Recipe.names() == (
+        "bf16", "fp8_delayed", "fp8_current", "fp8_block", "mxfp8", "nvfp4",
+        "mxfp8_fwd_nvfp4_bwd", "fp8_row_mxfp8_col", "nvfp4_fp8_head")
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("bf16", lambda: None),
+    ("fp8_delayed", lambda: lowprec.DelayedScaling()),
+    ("delayed", lambda: lowprec.DelayedScaling()),
+    ("fp8_current", lambda: lowprec.Float8CurrentScaling()),
+    ("current", lambda: lowprec.Float8CurrentScaling()),
+    ("fp8_block", lambda: lowprec.Float8BlockScaling()),
+    ("block", lambda: lowprec.Float8BlockScaling()),
+    ("mxfp8", lambda: lowprec.MXFP8BlockScaling()),
+    ("nvfp4", lambda: lowprec.NVFP4BlockScaling()),
+    ("mxfp8_fwd_nvfp4_bwd",
+     lambda: lowprec.CustomRecipe(qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory)),
+    ("fp8_row_mxfp8_col",
+     lambda: lowprec.CustomRecipe(qfactory=factories.fp8_row_mxfp8_col_factory)),
+    ("nvfp4_fp8_head",
+     lambda: lowprec.CustomRecipe(qfactory=factories.NVFP4ExceptLayers(("lm_head",)))),
+])
+def test_recipe_from_name(name, expected):
+    got = lowprec.recipe.Recipe.from_name(name)
+    assert got == expected()
+    assert type(got) is type(expected())
+    assert isinstance(lowprec.recipe.Recipe.describe(name), str)
+    if got is not None and not isinstance(got, lowprec.DelayedScaling):
+        assert lowprec.recipe.Recipe.from_name(
+            name, backward_mode="dequant").backward_mode == "dequantized"
+
+
+def test_recipe_from_name_passes_fields():
+    assert lowprec.recipe.Recipe.from_name("fp8_delayed", amax_history_len=4) == \
+        lowprec.DelayedScaling(amax_history_len=4)
+
+
+def test_recipe_from_bad_name():
+    with pytest.raises(ValueError, match=r"'fp9'.*fp8_current.*nvfp4_fp8_head"):
+        lowprec.recipe.Recipe.from_name("fp9")
+
+
+# ---- backward modes ------------------------------------------------------------------------
+def test_backward_mode_enum_equals_strings():
+    from lowprec.recipe import BackwardMode
+    assert BackwardMode.DEFAULT == "default" and str(BackwardMode.DEQUANTIZED) == "dequantized"
+    assert tuple(BackwardMode) == tuple(BackwardMode(m) for m in lowprec.recipe.BACKWARD_MODES)
+    r = lowprec.Float8CurrentScaling(backward_mode=BackwardMode.HIGH_PRECISION)
+    assert r.backward_mode == "high_precision" and type(r.backward_mode) is str
+    assert r == lowprec.Float8CurrentScaling(backward_mode="unquant")
+
+
+def test_bad_backward_mode_names_value_and_accepted():
+    with pytest.raises(ValueError, match=r"'fast'.*default.*high_precision.*dequantized"):
+        lowprec.MXFP8BlockScaling(backward_mode="fast")
+    x, w = torch.randn(2, 32), torch.randn(4, 32)
+    with pytest.raises(ValueError, match=r"'fast'.*dequantized"):
+        lowprec.linear_fn.quantized_linear(x, w, backward_mode="fast")
+
+
+@pytest.mark.parametrize("mode", ["default", "high_precision", "dequantized"])
+@pytest.mark.parametrize("needs_dgrad", [False, True])
+@pytest.mark.parametrize("needs_wgrad", [False, True])
+def test_operand_usages_table(mode, needs_dgrad, needs_wgrad):
+    from lowprec.recipe import BackwardMode, operand_usages
+    got = operand_usages(mode, needs_dgrad, needs_wgrad)
+    default = mode == "default"
+    # fprop reads x and W rowwise; only default mode keeps columnwise copies: W's for dgrad,
+    # x's for wgrad
+    assert got.input == (True, default and needs_wgrad)
+    assert got.weight == (True, default and needs_dgrad)
+    assert operand_usages(BackwardMode(mode), needs_dgrad, needs_wgrad) == got

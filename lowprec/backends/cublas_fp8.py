@@ -147,9 +147,9 @@ def blockwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
             raise
         # This torch/cuBLAS refuses the combination: remember it, emulate exactly instead.
         _BLOCK_REFUSED[key] = False
-        from .emulated_bf16 import emulated_bf16_accepts, emulated_bf16_run
-        if emulated_bf16_accepts(a, a_usage, b, b_usage, out_dtype, bias):
-            res = emulated_bf16_run(a, a_usage, b, b_usage, out_dtype, bias)
+        from .exact_bf16 import exact_bf16_accepts, exact_bf16_run
+        if exact_bf16_accepts(a, a_usage, b, b_usage, out_dtype, bias):
+            res = exact_bf16_run(a, a_usage, b, b_usage, out_dtype, bias)
         else:
             from ..gemm import _emulated_run
             res = _emulated_run(a, a_usage, b, b_usage, out_dtype, bias)

@@ -1,8 +1,8 @@
 """Named recipes for ``lowprec compare`` and loading a user's own factory from a file.
 
-Every name maps to a lowprec recipe object (``None`` for ``bf16``: no lowprec
-autocast, the bf16 model as it is). Hybrids are ``CustomRecipe`` objects over the
-factories of :mod:`lowprec.factories`.
+Every name is one of :meth:`lowprec.recipe.Recipe.names` and maps to the recipe object
+:meth:`~lowprec.recipe.Recipe.from_name` builds (``None`` for ``bf16``: no lowprec
+autocast, the bf16 model as it is).
 """
 
 from __future__ import annotations
@@ -15,11 +15,8 @@ from typing import Callable
 
 import torch
 
-from .. import factories
 from ..formats.base import Quantizer
-from ..recipe import (BACKWARD_MODES, CustomRecipe, DelayedScaling, Float8BlockScaling,
-                      Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe,
-                      normalize_backward_mode)
+from ..recipe import BACKWARD_MODES, CustomRecipe, Recipe, normalize_backward_mode
 from ..state import RecipeState, check_factory_result
 
 BASELINE = "bf16"
@@ -31,28 +28,12 @@ class _Named:
     help: str
 
 
-NAMED_RECIPES: dict[str, _Named] = {
-    "bf16": _Named(lambda **kw: None, "bf16 weights and GEMMs, no quantization (the baseline)"),
-    "fp8_delayed": _Named(lambda **kw: DelayedScaling(**kw),
-                          "DelayedScaling(): per-tensor FP8, scales from an amax history"),
-    "fp8_current": _Named(lambda **kw: Float8CurrentScaling(**kw),
-                          "Float8CurrentScaling(): per-tensor FP8, E4M3 forward / E5M2 gradients"),
-    "fp8_block": _Named(lambda **kw: Float8BlockScaling(**kw),
-                        "Float8BlockScaling(): FP8, 1x128 activations/gradients, 128x128 weights"),
-    "mxfp8": _Named(lambda **kw: MXFP8BlockScaling(**kw),
-                    "MXFP8BlockScaling(): E4M3 with E8M0 scales per 32 elements"),
-    "nvfp4": _Named(lambda **kw: NVFP4BlockScaling(**kw),
-                    "NVFP4BlockScaling(): E2M1 with E4M3 scales per 16, RHT, SR on gradients"),
-    "mxfp8_fwd_nvfp4_bwd": _Named(
-        lambda **kw: CustomRecipe(qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory, **kw),
-        "CustomRecipe(mxfp8_fwd_nvfp4_bwd_factory): MXFP8 forward GEMM, NVFP4 backward GEMMs"),
-    "fp8_row_mxfp8_col": _Named(
-        lambda **kw: CustomRecipe(qfactory=factories.fp8_row_mxfp8_col_factory, **kw),
-        "CustomRecipe(fp8_row_mxfp8_col_factory): per-tensor FP8 rowwise, MXFP8 columnwise"),
-    "nvfp4_fp8_head": _Named(
-        lambda **kw: CustomRecipe(qfactory=factories.NVFP4ExceptLayers(("lm_head",)), **kw),
-        "CustomRecipe(NVFP4ExceptLayers(('lm_head',))): NVFP4 except an FP8 output head"),
-}
+def _from_table(name: str) -> _Named:
+    return _Named(lambda **kw: Recipe.from_name(name, **kw), Recipe.describe(name))
+
+
+# the names and descriptions are lowprec.recipe's one table (Recipe.names())
+NAMED_RECIPES: dict[str, _Named] = {name: _from_table(name) for name in Recipe.names()}
 
 DEFAULT_RECIPES = ("bf16", "fp8_current", "mxfp8", "nvfp4")
 NOISE_FLOOR = "bf16_reseeded"

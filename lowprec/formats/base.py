@@ -182,6 +182,33 @@ class QuantizedTensor(torch.Tensor):
             return rec[2]
         return None
 
+    # ---- exact bf16 GEMM operands (lowprec.backends.exact_bf16) --------------------------
+    def bf16_operand_domain(self, usage: str) -> str | None:
+        """Whether ``usage``'s values enter a bf16 tensor-core GEMM exactly: ``"original"``;
+        ``"rht"`` for values in NVFP4's Hadamard domain along the contraction dimension
+        (exact only against another such operand, where the transform cancels); None where
+        they are not exact in bf16 or ``usage`` is not held."""
+        if not self.has_usage(usage):
+            return None
+        return self._bf16_domain(usage)
+
+    def _bf16_domain(self, usage: str) -> str | None:
+        return None  # formats whose values are exact in bf16 say so
+
+    def bf16_operand(self, usage: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(bf16 matrix, fp32 divisor or None)``: ``usage``'s values, in the layout and
+        domain it is stored in, are exactly ``matrix / divisor`` (see
+        :meth:`bf16_operand_domain`)."""
+        raise TypeError(f"no exact bf16 form for {type(self).__name__}")
+
+    def _exact_bf16_record(self, usage: str) -> torch.Tensor | None:
+        """The exact bf16 matrix the quantize kernel wrote beside ``usage``'s data
+        (``Quantizer.quantize_for_gemm``), if it is still that data's; else None."""
+        name = f"_exact_{usage}"
+        if name not in type(self)._derived:
+            return None
+        return self._read_derived(name, getattr(self, f"{usage}_data"))
+
     # ---- derived from the declarations -------------------------------------------------
     def inner_tensors(self) -> dict[str, torch.Tensor | None]:
         return {name: getattr(self, name) for name in self._inner}

@@ -43,6 +43,12 @@ class ExactTensor(QuantizedTensor):
                 f"{other}_divisor": None, "source_format": source_format,
                 "columnwise_rht": bool(rht and usage == "columnwise")}
 
+    def _bf16_domain(self, usage: str) -> str:
+        return "rht" if (usage == "columnwise" and self.columnwise_rht) else "original"
+
+    def bf16_operand(self, usage: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return getattr(self, f"{usage}_data"), getattr(self, f"{usage}_divisor")
+
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         values = getattr(self, f"{usage}_data").to(torch.float32)
         divisor = getattr(self, f"{usage}_divisor")

@@ -29,6 +29,12 @@ class IdentityTensor(QuantizedTensor):
         data = data.t() if usage == "columnwise" else data
         return data.reshape(self.shape).to(dtype or self.dtype)
 
+    def bf16_operand_domain(self, usage: str) -> str | None:
+        return "original" if getattr(self, f"{usage}_data").dtype == torch.bfloat16 else None
+
+    def bf16_operand(self, usage: str) -> tuple[torch.Tensor, None]:
+        return getattr(self, f"{usage}_data"), None
+
     def holds_gemm_layout(self, usage: str) -> bool:
         # the GEMMs read the transposed view as it is
         return self.has_usage(usage)

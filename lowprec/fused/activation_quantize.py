@@ -2,7 +2,7 @@
 
 Forward: the quantize kernels apply the activation as they load each tile (current
 scaling's amax pass does too), in fp32 rounded once to the input dtype, as
-``lowprec.modules.activations`` computes it. Backward: that module's gradient from the saved
+``lowprec.activations`` computes it. Backward: that registry's gradient from the saved
 input, so it equals the unfused gradient bit for bit and allocates no activation output.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.base import QuantizedTensor
-from ..modules.activations import activation_grad_fp32
+from ..activations import activation_grad_fp32
 from .prologue import Prologue, activation_prologue, apply_prologue_with_amax
 
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..activations import REGISTRY as _ACTIVATIONS
 from ..kernels import kernel_op
 from ..kernels.launch import launch
 
 NORM_CODES = {"LayerNorm": 1, "RMSNorm": 2}
-ACT_CODES = {"gelu": 10, "relu": 11, "silu": 12, "srelu": 13, "qgelu": 14, "swiglu": 20,
-             "geglu": 21}
+ACT_CODES = {name: act.code for name, act in _ACTIVATIONS.items()}
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Prologue:
 
     @property
     def gated(self) -> bool:
-        return self.code >= 20
+        return self.code >= 20  # the kernels' numbering (lowprec.activations)
 
     def out_features(self, in_features: int) -> int:
         if self.gated:

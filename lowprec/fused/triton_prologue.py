@@ -5,12 +5,13 @@
 input from the real one on the fly (a LayerNorm/RMSNorm with precomputed row statistics,
 or an activation, gated ones reading both halves of the row). The norm or activation is
 computed in fp32 and rounded once to the input's dtype, as the torch reference paths
-(``lowprec.modules.norms``, ``lowprec.modules.activations``) compute it; that rounding
+(``lowprec.modules.norms``, ``lowprec.activations``) compute it; that rounding
 makes a fused kernel quantize exactly the values the unfused ``apply_kernel`` writes.
 Elements outside the tile's mask are 0.
 
 Prologue codes (``PRO``): 0 none, 1 LayerNorm, 2 RMSNorm, 10 gelu (tanh), 11 relu,
-12 silu, 13 srelu, 14 qgelu, 20 swiglu, 21 geglu. Pointer arguments ``p0..p3``: for the
+12 silu, 13 srelu, 14 qgelu, 20 swiglu, 21 geglu (the ``code`` of each activation in
+``lowprec.activations.REGISTRY``, which the callers pass). Pointer arguments ``p0..p3``: for the
 norms mean (LayerNorm only), rstd, gamma, beta (LayerNorm only); unused otherwise.
 
 Only the launchers (``prologue.py`` and each format's ``launch.py``) import this module.

@@ -3,10 +3,8 @@
 Each activation is computed in fp32 whatever its input dtype and rounded once to that dtype,
 forward and backward, as the fused kernels of ``lowprec.fused`` compute it: a bf16/fp16
 activation built from several torch ops would otherwise round after every op. The input is
-saved in its own dtype (no fp32 copy is kept for backward).
-
-The fp32 math below is what torch's own autograd computes for these formulas, op for op, so an
-fp32 input gives exactly torch's values and gradients.
+saved in its own dtype (no fp32 copy is kept for backward). The fp32 math is
+:data:`lowprec.activations.REGISTRY`'s.
 """
 
 from __future__ import annotations
@@ -14,73 +12,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
-_aten = torch.ops.aten
-_QGELU_ALPHA = 1.702
-
-
-def _gelu(x):
-    return F.gelu(x, approximate="tanh")
-
-
-def _gelu_grad(g, x):
-    return _aten.gelu_backward(g, x, approximate="tanh")
-
-
-def _relu_grad(g, x):
-    return _aten.threshold_backward(g, x, 0)
-
-
-def _srelu(x):
-    return torch.square(F.relu(x))
-
-
-def _srelu_grad(g, x):
-    r = F.relu(x)
-    return _aten.threshold_backward(g * (2 * r), r, 0)
-
-
-def _qgelu(x):
-    return x * torch.sigmoid(_QGELU_ALPHA * x)
-
-
-def _qgelu_grad(g, x):
-    s = torch.sigmoid(_QGELU_ALPHA * x)
-    return g * s + _aten.sigmoid_backward(g * x, s) * _QGELU_ALPHA
-
-
-#: name -> (fp32 forward f(x), fp32 backward (g, x) -> g * f'(x)), for fp32 tensors.
-_FP32_MATH = {
-    "gelu": (_gelu, _gelu_grad),
-    "relu": (F.relu, _relu_grad),
-    "silu": (F.silu, _aten.silu_backward),
-    "srelu": (_srelu, _srelu_grad),
-    "qgelu": (_qgelu, _qgelu_grad),
-}
-#: gated name -> the activation applied to the first half (the second half is the gate).
-_GATED = {"swiglu": "silu", "geglu": "gelu"}
-
-
-def activation_fp32(name: str, x: torch.Tensor) -> torch.Tensor:
-    """``activation(x)`` computed and returned in fp32 (not rounded to x's dtype)."""
-    x = x.float()
-    if name in _GATED:
-        a, b = x.chunk(2, dim=-1)
-        return _FP32_MATH[_GATED[name]][0](a) * b
-    return _FP32_MATH[name][0](x)
-
-
-def activation_grad_fp32(name: str, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """The gradient wrt ``x`` of ``activation(x)`` for the (plain) output gradient ``g``,
-    computed and returned in fp32 (a bias gradient sums it before any rounding)."""
-    x, g = x.float(), g.float()
-    if name in _GATED:
-        fwd, back = _FP32_MATH[_GATED[name]]
-        a, b = x.chunk(2, dim=-1)
-        # d(act(a) * b): d a = act'(a) * (g * b), d b = g * act(a)
-        return torch.cat([back(g * b, a), g * fwd(a)], dim=-1)
-    return _FP32_MATH[name][1](g, x)
+# the math lives in the registry; these names are also imported from here
+from ..activations import REGISTRY, activation_fp32, activation_grad_fp32  # noqa: F401
 
 
 class _Activation(torch.autograd.Function):
@@ -102,8 +36,8 @@ def apply_activation(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 #: name -> (function, gated). A gated activation takes 2n features and returns n.
-ACTIVATIONS = {name: (functools.partial(apply_activation, name), name in _GATED)
-               for name in ("gelu", "relu", "silu", "srelu", "qgelu", "swiglu", "geglu")}
+ACTIVATIONS = {name: (functools.partial(apply_activation, name), act.gated)
+               for name, act in REGISTRY.items()}
 
 
 def get_activation(name: str):

@@ -12,7 +12,7 @@ from ..checkpoint import check_not_recomputing, current_frame, record, replayed
 from ..compiled_call import CompiledCallMixin
 from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor, keep_quantized, user_attributes
 from ..linear_fn import LinearQuantizers
-from ..recipe import DelayedScaling
+from ..recipe import DelayedScaling, operand_usages
 from ..roles import check_num_quantizers, gemm_roles
 from ..state import RecipeState
 
@@ -28,8 +28,8 @@ def check_parallel_args(parallel_mode, tp_group, sequence_parallel) -> None:
 def producer_usages(weight: torch.Tensor, backward_mode: str) -> tuple[bool, bool]:
     """(rowwise, columnwise) usages a producer quantizes a GEMM's input with: what
     ``quantized_linear`` would make itself (columnwise only for wgrad in default mode)."""
-    return True, (backward_mode == "default" and weight.requires_grad
-                  and torch.is_grad_enabled())
+    return operand_usages(backward_mode, needs_dgrad=False,
+                          needs_wgrad=weight.requires_grad and torch.is_grad_enabled()).input
 
 
 def release_fprop_copy(x: torch.Tensor, backward_mode: str) -> None:

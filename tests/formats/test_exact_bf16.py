@@ -16,7 +16,7 @@ import torch
 import lowprec
 import lowprec.kernels
 from lowprec.backends import kernels as gemm_kernels
-from lowprec.backends.emulated_bf16 import bf16_operand
+from lowprec.backends.exact_bf16 import bf16_operand
 from lowprec.formats.base import QuantizedTensor
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
 from lowprec.formats.nvfp4.launch import dequantize_unscaled_bf16
@@ -186,7 +186,7 @@ def test_record_not_used_after_inplace_write():
 @gpu
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_linear_same_bits_with_and_without_records(recipe, monkeypatch):
-    from lowprec.backends import emulated_bf16
+    from lowprec.backends import exact_bf16
     make = {"mxfp8": lowprec.MXFP8BlockScaling, "nvfp4": lowprec.NVFP4BlockScaling}[recipe]
     torch.manual_seed(0)
     mod = lowprec.Linear(192, 160, params_dtype=torch.bfloat16, device="cuda")
@@ -203,14 +203,14 @@ def test_linear_same_bits_with_and_without_records(recipe, monkeypatch):
         return y.detach(), x.grad, mod.weight.grad
 
     seen = []
-    real = emulated_bf16.bf16_operand
+    real = exact_bf16.bf16_operand
 
     def spy(t, usage):
         rec = getattr(t, f"_exact_{usage}", None)
         seen.append((type(t).__name__, usage, rec is not None))
         return real(t, usage)
 
-    monkeypatch.setattr(emulated_bf16, "bf16_operand", spy)
+    monkeypatch.setattr(exact_bf16, "bf16_operand", spy)
     with_records = step()
     src = {"mxfp8": "MXFP8Tensor", "nvfp4": "NVFP4Tensor"}[recipe]
     # fprop: x and W rowwise with records; wgrad: dY's exact columnwise values and the saved
@@ -365,3 +365,30 @@ def test_exact_tensor_on_cpu_dequantizes_and_multiplies_like_its_source():
                        gemm(xq, "rowwise", wq, "rowwise", out_dtype=torch.float32))
     xe.update_usage(columnwise_usage=False)
     assert xe.columnwise_data is None and xe.columnwise_divisor is None
+
+
+@pytest.mark.parametrize("make", [
+    lambda: lowprec.MXFP8Quantizer(), lambda: lowprec.MXFP8Quantizer(with_2d_quantization=True),
+    lambda: lowprec.NVFP4Quantizer(), lambda: lowprec.NVFP4Quantizer(with_2d_quantization=True),
+    lambda: lowprec.Float8CurrentScalingQuantizer(torch.float8_e4m3fn),
+    lambda: lowprec.Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=2),
+    lambda: lowprec.IdentityQuantizer(torch.bfloat16),
+], ids=["mxfp8", "mxfp8_2d", "nvfp4", "nvfp4_2d", "fp8", "block", "identity"])
+def test_tensor_bf16_operand_is_its_dequantized_values(make):
+    """Each format's own ``bf16_operand``: bf16 values that, divided in fp32, are the
+    format's dequantized values bit for bit."""
+    qt = make().quantize(torch.randn(128, 256, generator=torch.Generator().manual_seed(3)))
+    for usage in ("rowwise", "columnwise"):
+        assert qt.bf16_operand_domain(usage) == "original"
+        values, divisor = qt.bf16_operand(usage)
+        assert values.dtype == torch.bfloat16
+        got = values.float() if divisor is None else values.float() / divisor
+        want = qt.dequantize(torch.float32, usage=usage).reshape(-1, 256)
+        assert torch.equal(got, want if usage == "rowwise" else want.t())
+
+
+def test_tensor_without_exact_bf16_form():
+    qt = lowprec.IdentityQuantizer().quantize(torch.randn(4, 32))  # fp32 values
+    assert qt.bf16_operand_domain("rowwise") is None
+    qt = lowprec.NVFP4Quantizer(with_rht=True).quantize(torch.randn(32, 32))
+    assert qt.bf16_operand_domain("columnwise") == "rht"

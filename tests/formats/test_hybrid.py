@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import lowprec
+from helpers import randn, sqnr_db
 from lowprec import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, HybridQuantizedTensor,
                      HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, factories)
 from lowprec.formats.base import QuantizedTensor
@@ -36,9 +37,6 @@ FP32_U = 2.0 ** -24  # unit roundoff of fp32 (round to nearest)
 # ================================================================================================
 # helpers
 # ================================================================================================
-def randn(*shape, seed, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype)
 
 
 # Plain quantizer builders by short name. Each call returns a fresh object.
@@ -299,11 +297,6 @@ def sqnr_floor(fmt: str) -> float:
 def mat(t: torch.Tensor, usage: str) -> torch.Tensor:
     m2 = t.reshape(-1, t.shape[-1])
     return m2 if usage == R else m2.t()
-
-
-def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
-    noise = (ref - test).pow(2).sum()
-    return math.inf if noise == 0 else float(10 * torch.log10(ref.pow(2).sum() / noise))
 
 
 @pytest.mark.parametrize("layout_name", LAYOUT_NAMES)

@@ -72,3 +72,18 @@ def test_activation_backward_equals_autograd(act, dtype):
     got = activation_backward(act, h, g)
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+
+
+def test_activation_registry_is_the_kernels_numbering():
+    """The fused kernels' prologue codes (``load_tile``): gated codes from 20, each gated
+    activation applying silu (swiglu) or gelu (geglu) to its first half."""
+    from lowprec.activations import REGISTRY, activation_fp32
+    from lowprec.fused.prologue import ACT_CODES
+    assert {n: a.code for n, a in REGISTRY.items()} == {
+        "gelu": 10, "relu": 11, "silu": 12, "srelu": 13, "qgelu": 14, "swiglu": 20, "geglu": 21}
+    assert ACT_CODES == {n: a.code for n, a in REGISTRY.items()}
+    assert all(a.gated == (a.code >= 20) for a in REGISTRY.values())
+    assert all(fused.activation_prologue(n).gated == a.gated for n, a in REGISTRY.items())
+    x = torch.randn(4, 16)
+    for gated, base in (("swiglu", "silu"), ("geglu", "gelu")):
+        assert torch.equal(activation_fp32(gated, x), activation_fp32(base, x[:, :8]) * x[:, 8:])

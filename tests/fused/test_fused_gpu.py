@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 import lowprec
 import lowprec.kernels
+from helpers import randn
 from lowprec import fused
 from lowprec.formats.base import Quantizer
 from lowprec.formats.block.quantizer import Float8BlockQuantizer
@@ -63,15 +65,15 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -17}
 
 
-def _rand(shape, dtype, seed, scale=1.0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(shape, generator=g, device="cuda") * scale + 0.3).to(dtype)
+#: inputs drawn on the GPU, off zero-mean so that a norm's mean matters
+ON_GPU = dict(shift=0.3, device="cuda")
 
 
 def _norm_case(normalization, m, k, dtype, seed, want_amax):
-    x = _rand((m, k), dtype, seed, scale=3.0)
-    gamma = _rand((k,), dtype, seed + 1, scale=0.5)
-    beta = _rand((k,), dtype, seed + 2) if normalization == "LayerNorm" else None
+    x = randn((m, k), dtype=dtype, seed=seed, scale=3.0, **ON_GPU)
+    gamma = randn((k,), dtype=dtype, seed=seed + 1, scale=0.5, **ON_GPU)
+    beta = (randn((k,), dtype=dtype, seed=seed + 2, **ON_GPU) if normalization == "LayerNorm"
+            else None)
     rms = normalization == "RMSNorm"
     mean, rstd, amax = norm_stats(x, gamma, gamma if beta is None else beta, 1e-5, rms,
                                   want_amax)
@@ -86,7 +88,7 @@ def _prologues(m, k, dtype, seed, want_amax):
         yield norm, x, pro
     for act in ACTIVATIONS:
         gated = ACTIVATIONS[act][1]
-        yield act, _rand((m, 2 * k if gated else k), dtype, seed, scale=3.0), \
+        yield act, randn((m, 2 * k if gated else k), dtype=dtype, seed=seed, scale=3.0, **ON_GPU), \
             fused.activation_prologue(act)
 
 
@@ -160,7 +162,7 @@ def test_norm_prologue_close_to_torch(normalization, dtype):
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
 def test_activation_prologue_close_to_torch(act, dtype):
     fn, gated = ACTIVATIONS[act]
-    x = _rand((96, 2 * 384 if gated else 384), dtype, seed=5, scale=3.0)
+    x = randn((96, 2 * 384 if gated else 384), dtype=dtype, seed=5, scale=3.0, **ON_GPU)
     x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
     got = fused.apply_prologue(x, fused.activation_prologue(act)).float()
     want = fn(x).float()
@@ -206,7 +208,7 @@ def _ulps_apart(got, want, dtype, what, fp32_terms=0.0):
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
 def test_activation_prologue_rounds_once_like_reference(act, dtype):
     fn, gated = ACTIVATIONS[act]
-    x = _rand((256, 2 * 512 if gated else 512), dtype, seed=6)
+    x = randn((256, 2 * 512 if gated else 512), dtype=dtype, seed=6, **ON_GPU)
     got = fused.apply_prologue(x, fused.activation_prologue(act))
     # gelu of a negative x cancels 1 + tanh(...) in fp32: a last-bit difference of tanh is
     # then an error of a few fp32 units of |x| (times the gate), more than a unit of a small
@@ -224,10 +226,11 @@ def test_fused_norm_zero_centered_gamma_matches_reference(normalization, dtype, 
     gradients in fp32: the bias gradient of an all-ones gradient over M rows is M."""
     from lowprec.modules.norms import apply_norm
     m, k = 2048, 256
-    x = _rand((m, k), dtype, seed=7, scale=2.0)
+    x = randn((m, k), dtype=dtype, seed=7, scale=2.0, **ON_GPU)
     gen = torch.Generator(device="cuda").manual_seed(8)
     w = (torch.randn(k, generator=gen, device="cuda") * 0.05).to(dtype)  # gamma - 1
-    b = _rand((k,), dtype, seed=9, scale=0.2) if normalization == "LayerNorm" else None
+    b = (randn((k,), dtype=dtype, seed=9, scale=0.2, **ON_GPU) if normalization == "LayerNorm"
+         else None)
     q = MXFP8Quantizer(E4)
     prologues = []
     orig = MXFP8Quantizer.quantize_fused
@@ -259,12 +262,8 @@ def test_fused_norm_zero_centered_gamma_matches_reference(normalization, dtype, 
         assert torch.equal(got[2], torch.full((k,), float(m), dtype=dtype, device="cuda"))
 
 
-RECIPES = {
-    "current": lowprec.Float8CurrentScaling,
-    "delayed": lowprec.DelayedScaling,
-    "block": lowprec.Float8BlockScaling,
-    "mxfp8": lowprec.MXFP8BlockScaling,
-}
+RECIPES = {name: functools.partial(lowprec.recipe.Recipe.from_name, name)
+           for name in ("current", "delayed", "block", "mxfp8")}
 
 
 def _rel(a, b):
@@ -324,7 +323,7 @@ def test_high_precision_mode_is_not_fused(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["current", "delayed", "mxfp8"])
 def test_fused_torch_compile_fullgraph(kind):
-    x = _rand((128, 512), torch.bfloat16, seed=4)
+    x = randn((128, 512), dtype=torch.bfloat16, seed=4, **ON_GPU)
     pro = fused.activation_prologue("swiglu")
     qe, qc = QUANTIZERS[kind](), QUANTIZERS[kind]()
 

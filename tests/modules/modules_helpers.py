@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 
 import lowprec
+from helpers import sqnr_db  # noqa: F401 - the module tests import it from here
 import lowprec.linear_fn
-from lowprec import factories
 from lowprec.formats.base import QuantizedTensor
+from lowprec.recipe import Recipe
 
 # ================================================================================================
 # helpers: recipes, sizes, modules, runs, SQNR, the GEMM recorder
@@ -21,15 +22,10 @@ from lowprec.formats.base import QuantizedTensor
 FP32_EPS = 2.0 ** -24  # unit roundoff of fp32 (round to nearest)
 
 # ---- recipes ------------------------------------------------------------------------------
-RECIPES = {
-    "delayed": lambda **kw: lowprec.DelayedScaling(**kw),
-    "current": lambda **kw: lowprec.Float8CurrentScaling(**kw),
-    "block": lambda **kw: lowprec.Float8BlockScaling(**kw),
-    "mxfp8": lambda **kw: lowprec.MXFP8BlockScaling(**kw),
-    "nvfp4": lambda **kw: lowprec.NVFP4BlockScaling(**kw),
-    "custom_mx_nv": lambda **kw: lowprec.CustomRecipe(
-        qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory, **kw),
-}
+# test id -> Recipe.from_name name
+RECIPES = {name: functools.partial(Recipe.from_name, table_name) for name, table_name in (
+    ("delayed", "fp8_delayed"), ("current", "fp8_current"), ("block", "fp8_block"),
+    ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("custom_mx_nv", "mxfp8_fwd_nvfp4_bwd"))}
 RECIPE_NAMES = list(RECIPES)
 
 
@@ -153,14 +149,6 @@ def forward_backward(module, kind, x, dims, dy=None, *, recipe=None, seed: int =
     for pname, p in module.named_parameters():
         grads[pname] = p.grad.clone()
     return Run(x.detach(), y.detach().clone(), dy, grads)
-
-
-def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
-    ref, test = ref.detach().double(), test.detach().double()
-    noise = (ref - test).pow(2).sum()
-    if noise == 0:
-        return float("inf")
-    return float(10 * torch.log10(ref.pow(2).sum() / noise))
 
 
 # ---- GEMM recorder ------------------------------------------------------------------------

@@ -5,14 +5,14 @@ weights (plain or quantized) and forward outputs bit for bit."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
 
 import lowprec
 from lowprec.formats import QuantizedTensor
-from lowprec.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                            MXFP8BlockScaling, NVFP4BlockScaling)
+from lowprec.recipe import MXFP8BlockScaling, Recipe
 
 KINDS = {
     "linear": lambda d: lowprec.Linear(128, 256, device=d),
@@ -27,8 +27,8 @@ KINDS = {
                                             lowprec.ops.Linear(128, 256, device=d),
                                             lowprec.ops.Bias(256, device=d)),
 }
-RECIPES = {"current": Float8CurrentScaling, "delayed": DelayedScaling,
-           "block": Float8BlockScaling, "mxfp8": MXFP8BlockScaling, "nvfp4": NVFP4BlockScaling}
+RECIPES = {name: functools.partial(Recipe.from_name, name)
+           for name in ("current", "delayed", "block", "mxfp8", "nvfp4")}
 
 
 def _reset_all(model: torch.nn.Module) -> None:

@@ -23,17 +23,13 @@ import torch
 import torch.nn.functional as F
 
 import lowprec
+from helpers import randn
 from lowprec.modules.activations import ACTIVATIONS
 
 DTYPES = (torch.bfloat16, torch.float16)
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 MIN_SUBNORMAL = {torch.bfloat16: 2.0 ** -133, torch.float16: 2.0 ** -24}
 FP32_U = 2.0 ** -24
-
-
-def _rand(shape, seed, scale=1.0, shift=0.0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * scale + shift).to(dtype)
 
 
 def _ulp(ref64: torch.Tensor, dtype) -> torch.Tensor:
@@ -64,8 +60,9 @@ def _assert_bits_equal(got, want, what):
 # ================================================================================================
 def _norm_params(normalization, k, dtype, zero_centered, seed):
     # Zero-centered weights are small (gamma - 1): their + 1 does not fit a bf16/fp16 mantissa.
-    w = _rand(k, seed, 0.05, 0.0 if zero_centered else 1.0, dtype)
-    b = _rand(k, seed + 1, 0.2, 0.0, dtype) if normalization == "LayerNorm" else None
+    w = randn(k, seed=seed, scale=0.05, shift=0.0 if zero_centered else 1.0, dtype=dtype)
+    b = (randn(k, seed=seed + 1, scale=0.2, dtype=dtype) if normalization == "LayerNorm"
+         else None)
     return w, b
 
 
@@ -102,7 +99,7 @@ def _make_norm(normalization, k, dtype, zero_centered, w, b):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_norm_forward_fp32_rounded_once(dtype, normalization, zero_centered):
     k = 256
-    x = _rand((4, 64, k), 1, 2.0, 0.3, dtype)
+    x = randn((4, 64, k), seed=1, scale=2.0, shift=0.3, dtype=dtype)
     w, b = _norm_params(normalization, k, dtype, zero_centered, seed=2)
     m = _make_norm(normalization, k, dtype, zero_centered, w, b)
     with torch.no_grad():
@@ -132,7 +129,7 @@ def test_fused_modules_norm_zero_centered_gamma(module, normalization, monkeypat
         mod.layer_norm_weight.copy_(w)
         if b is not None:
             mod.layer_norm_bias.copy_(b)
-    x = _rand((2, 16, k), 4, 2.0, 0.3, dtype)
+    x = randn((2, 16, k), seed=4, scale=2.0, shift=0.3, dtype=dtype)
     where = importlib.import_module(type(mod).__module__)
     gemm_inputs = []
     original = where.quantized_linear
@@ -150,7 +147,7 @@ def test_bf16_layernorm_bias_grad_accumulates_in_fp32():
     spacing there reaches 2), fp32 accumulation rounded once gives exactly 2048."""
     hidden, rows = 2048, 2048
     m = lowprec.LayerNorm(hidden, params_dtype=torch.bfloat16)
-    x = _rand((rows, hidden), 5, 1.0, 0.0, torch.bfloat16).requires_grad_(True)
+    x = randn((rows, hidden), seed=5, dtype=torch.bfloat16).requires_grad_(True)
     y = m(x)
     y.backward(torch.ones_like(y))
     assert m.bias.grad.dtype == torch.bfloat16
@@ -168,8 +165,8 @@ def test_bf16_layernorm_bias_grad_accumulates_in_fp32():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_norm_backward_fp32_rounded_once(dtype, normalization, zero_centered):
     k, rows = 256, 512
-    x = _rand((rows, k), 6, 2.0, 0.3, dtype)
-    dy = _rand((rows, k), 7, 1.0, 0.0, dtype)
+    x = randn((rows, k), seed=6, scale=2.0, shift=0.3, dtype=dtype)
+    dy = randn((rows, k), seed=7, dtype=dtype)
     w, b = _norm_params(normalization, k, dtype, zero_centered, seed=8)
     m = _make_norm(normalization, k, dtype, zero_centered, w, b)
     xl = x.clone().requires_grad_(True)
@@ -222,7 +219,7 @@ def _act_ref(name, x):
 
 def _act_input(name, dtype, seed=9):
     gated = ACTIVATIONS[name][1]
-    return _rand((32, 2 * 128 if gated else 128), seed, 3.0, 0.0, dtype)
+    return randn((32, 2 * 128 if gated else 128), seed=seed, scale=3.0, shift=0.0, dtype=dtype)
 
 
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
@@ -247,7 +244,7 @@ def test_activation_backward_fp32_rounded_once(dtype, name):
     fn, _ = ACTIVATIONS[name]
     x = _act_input(name, dtype).requires_grad_(True)
     y = fn(x)
-    g = _rand(y.shape, 10, 1.0, 0.0, dtype)
+    g = randn(y.shape, seed=10, dtype=dtype)
     (dx,) = torch.autograd.grad(y, x, g)
     assert dx.dtype == dtype
     x32 = x.detach().float().requires_grad_(True)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import lowprec
+from helpers import randn
 import lowprec.ops as ops
 from lowprec.formats.base import QuantizedTensor
 
@@ -27,10 +28,6 @@ FORMATS = {
     "current": (lambda: lowprec.Float8CurrentScalingQuantizer(E4M3),
                  lowprec.Float8CurrentScaling),
 }
-
-
-def randn(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:

@@ -4,31 +4,27 @@ quantized hand-over, usage preservation of quantized weights (train/eval loop), 
 from __future__ import annotations
 
 import copy
+import functools
 import io
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import lowprec
+from helpers import randn, sqnr_db
 import lowprec.linear_fn
 import lowprec.ops as ops
-from lowprec import factories
 from lowprec.formats.base import QuantizedTensor
 from lowprec.optim import QuantizedWeightOptimizer
 
 E4M3 = torch.float8_e4m3fn
 
-RECIPES = {
-    "delayed": lambda **kw: lowprec.DelayedScaling(**kw),
-    "current": lambda **kw: lowprec.Float8CurrentScaling(**kw),
-    "block": lambda **kw: lowprec.Float8BlockScaling(**kw),
-    "mxfp8": lambda **kw: lowprec.MXFP8BlockScaling(**kw),
-    "nvfp4": lambda **kw: lowprec.NVFP4BlockScaling(**kw),
-    "hybrid": lambda **kw: lowprec.CustomRecipe(qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory,
-                                                **kw),
-}
+# test id -> Recipe.from_name name
+RECIPES = {name: functools.partial(lowprec.recipe.Recipe.from_name, table_name)
+           for name, table_name in (("delayed", "fp8_delayed"), ("current", "fp8_current"),
+                                    ("block", "fp8_block"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"),
+                                    ("hybrid", "mxfp8_fwd_nvfp4_bwd"))}
 RECIPE_NAMES = list(RECIPES)
 
 
@@ -39,9 +35,6 @@ def dims(recipe_name):
     return (128, 256, 256) if recipe_name == "block" else (64, 128, 64)
 
 
-def randn(*shape, seed, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype)
 
 
 def fwd_bwd(module, x, dy, *extra, recipe=None, seed=7):
@@ -60,12 +53,6 @@ def assert_all_equal(a, b):
     assert len(a) == len(b)
     for i, (u, v) in enumerate(zip(a, b)):
         assert torch.equal(u, v), f"entry {i}: max diff {(u.double() - v.double()).abs().max()}"
-
-
-def sqnr_db(ref, test):
-    ref, test = ref.double(), test.double()
-    noise = (ref - test).pow(2).sum()
-    return math.inf if noise == 0 else float(10 * torch.log10(ref.pow(2).sum() / noise))
 
 
 # fp32 GEMMs that run through differently laid out BLAS calls (reshaped / transposed operands)

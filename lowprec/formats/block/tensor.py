@@ -55,6 +55,19 @@ class Float8BlockwiseTensor(QuantizedTensor):
         out = torch.empty((s.shape[1], s.shape[0]), dtype=torch.float32, device=s.device)
         return torch.reciprocal(s.t(), out=out)
 
+    def _bf16_domain(self, usage: str) -> str | None:
+        # data / scale is exact in bf16 only for power-of-two scales
+        if self.pow2_scales(usage):
+            return "original"
+        if torch.cuda.is_current_stream_capturing():
+            return None  # the scales cannot be read back under capture
+        scale = getattr(self, f"{usage}_scale")
+        mant, _ = torch.frexp(scale.to(torch.float32))  # reads the scales back: synchronizes
+        return "original" if bool(((mant == 0.5) | ~torch.isfinite(scale)).all()) else None
+
+    def bf16_operand(self, usage: str) -> tuple[torch.Tensor, None]:
+        return self._dequantize_2d(usage).to(torch.bfloat16), None
+
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         return dequantize_blocks(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),
                                  self.block_scaling_dim)

@@ -41,6 +41,12 @@ class Float8Tensor(QuantizedTensor):
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         return dequantize_per_tensor(getattr(self, f"{usage}_data"), self.shared_scale)
 
+    def _bf16_domain(self, usage: str) -> str:
+        return "original"  # fp8 data is exact in bf16; the per-tensor scale is the divisor
+
+    def bf16_operand(self, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"{usage}_data").to(torch.bfloat16), self.shared_scale
+
     def _derive(self, usage: str) -> dict[str, torch.Tensor]:
         other = "columnwise" if usage == "rowwise" else "rowwise"
         return {f"{usage}_data": transpose_contiguous(getattr(self, f"{other}_data"))}

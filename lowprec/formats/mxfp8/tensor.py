@@ -33,6 +33,18 @@ class MXFP8Tensor(QuantizedTensor):
         return dequantize_blocks(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),
                                  block_rows=BLOCK if self.with_2d_quantization else 1)
 
+    def _bf16_domain(self, usage: str) -> str:
+        return "original"  # E4M3/E5M2 times 2**e: at most 4 significant bits
+
+    def bf16_operand(self, usage: str) -> tuple[torch.Tensor, None]:
+        exact = self._exact_bf16_record(usage)
+        if exact is not None:
+            return exact, None
+        from ...backends.kernels import mxfp8_dequantize_bf16  # the backends import formats
+        return mxfp8_dequantize_bf16(getattr(self, f"{usage}_data"),
+                                     getattr(self, f"{usage}_scale"),
+                                     BLOCK if self.with_2d_quantization else 1), None
+
     def _derive(self, usage: str) -> dict[str, torch.Tensor]:
         if not self.with_2d_quantization:
             # 1x32 and 32x1 blocks scale different element groups: no way back without x.

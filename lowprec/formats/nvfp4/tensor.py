@@ -55,6 +55,19 @@ class NVFP4Tensor(QuantizedTensor):
                                  getattr(self, f"{usage}_global"),
                                  two_d=self.with_2d_quantization)
 
+    def _bf16_domain(self, usage: str) -> str:
+        # E2M1 x E4M3 has at most 6 significant bits; the RHT'd columnwise values only
+        # meet another RHT'd operand exactly
+        return "rht" if (usage == "columnwise" and self.with_rht) else "original"
+
+    def bf16_operand(self, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """bf16 ``q * d`` in the stored layout and domain, divisor the global encode scale S."""
+        exact = self._exact_bf16_record(usage)
+        if exact is not None:
+            return exact, getattr(self, f"{usage}_global")
+        from .launch import dequantize_unscaled_bf16  # kernel on CUDA, else torch
+        return dequantize_unscaled_bf16(self, usage)
+
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         out = self.dequantize_stored(usage)
         if usage == "columnwise" and self.with_rht:

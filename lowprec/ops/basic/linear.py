@@ -7,6 +7,7 @@ import torch
 from ...formats.base import QuantizedTensor
 from ...linear_fn import quantized_linear
 from ...modules.base import LowprecModule, add_linear_params, check_parallel_args
+from ...recipe import operand_usages
 from ..base import BasicOperation, EmitSpec, RunContext
 from .bias import bias_forward
 
@@ -56,7 +57,7 @@ class BasicLinear(LowprecModule, BasicOperation):
         qs, mode, _ = prep
         if qs is None:
             return None
-        return True, mode == "default" and self.weight.requires_grad
+        return operand_usages(mode, needs_dgrad=False, needs_wgrad=self.weight.requires_grad).input
 
     def input_emit_spec(self, prep: tuple) -> EmitSpec | None:
         """How a previous op may quantize this linear's input for it (None: it may not).

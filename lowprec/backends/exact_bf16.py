@@ -1,4 +1,6 @@
-"""Exact emulation of any quantized operand pair on a bf16 tensor-core GEMM (CUDA).
+"""The production GEMM of MXFP8 and NVFP4 on Hopper (and any CUDA GPU without MX/FP4
+tensor cores): any operand pair whose values are exact in bf16, multiplied on the bf16
+tensor cores.
 
 Each operand becomes a bf16 matrix that holds its dequantized values
 *exactly*, times at most one fp32 per-tensor divisor applied after the GEMM:
@@ -14,6 +16,9 @@ ExactTensor        the held values                             its divisor
 bf16 (plain or     the values                                  none
 IdentityTensor)
 =================  ==========================================  ===============
+
+Each quantized tensor class gives its matrix and divisor itself
+(``QuantizedTensor.bf16_operand`` and ``bf16_operand_domain``).
 
 The GEMM multiplies the bf16 matrices on the tensor cores with fp32
 accumulation; the divisors and the bias are then applied in fp32 and the
@@ -45,10 +50,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.base import QuantizedTensor
-from ..formats.block.tensor import Float8BlockwiseTensor
 from ..formats.exact import ExactTensor
-from ..formats.float8.tensor import Float8Tensor
-from ..formats.identity import IdentityTensor
 from ..formats.mxfp8.tensor import MXFP8Tensor
 from ..formats.nvfp4.tensor import NVFP4Tensor
 from ..kernels import use_kernels
@@ -58,91 +60,36 @@ _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _plain_matrix(t: torch.Tensor, usage: str) -> torch.Tensor:
-    if isinstance(t, IdentityTensor):
-        return getattr(t, f"{usage}_data")
     m2 = t.reshape(-1, t.shape[-1])
     return m2 if usage == "rowwise" else m2.t()
 
 
-def _pow2_or_nonfinite(scale: torch.Tensor) -> bool:
-    """Whether every block scale is a power of two (or NaN/Inf). Synchronizes."""
-    mant, _ = torch.frexp(scale.to(torch.float32))
-    return bool(((mant == 0.5) | ~torch.isfinite(scale)).all())
+def _operand_domain(t, usage: str) -> str | None:
+    """``"original"``/``"rht"`` where ``mat(t, usage)`` is exact in bf16, else None
+    (:meth:`QuantizedTensor.bf16_operand_domain`)."""
+    if isinstance(t, QuantizedTensor):
+        return t.bf16_operand_domain(usage)
+    return "original" if t.dtype == torch.bfloat16 else None
 
 
-def _operand_kind(t, usage: str) -> str | None:
-    """How ``mat(t, usage)`` becomes exact bf16, or None when it cannot."""
-    if isinstance(t, IdentityTensor) or not isinstance(t, QuantizedTensor):
-        return "plain" if _plain_matrix(t, usage).dtype == torch.bfloat16 else None
-    if not t.has_usage(usage):
-        return None
-    if isinstance(t, ExactTensor):
-        return "nvfp4_rht" if (usage == "columnwise" and t.columnwise_rht) else "exact"
-    if isinstance(t, MXFP8Tensor):
-        return "mxfp8"
-    if isinstance(t, NVFP4Tensor):
-        return "nvfp4_rht" if (usage == "columnwise" and t.with_rht) else "nvfp4"
-    if isinstance(t, Float8Tensor):
-        return "fp8"
-    if isinstance(t, Float8BlockwiseTensor):
-        if t.pow2_scales(usage):
-            return "block"
-        if torch.cuda.is_current_stream_capturing():
-            return None  # the scales cannot be read back under capture: the fp32 emulation
-        return "block" if _pow2_or_nonfinite(getattr(t, f"{usage}_scale")) else None
-    return None
-
-
-def emulated_bf16_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
+def exact_bf16_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
     if not (a.is_cuda and b.is_cuda) or out_dtype not in _OUT_DTYPES:
         return False
-    ka = _operand_kind(a, a_usage)
-    if ka is None:
+    da = _operand_domain(a, a_usage)
+    if da is None:
         return False
-    kb = _operand_kind(b, b_usage)
-    if kb is None:
+    db = _operand_domain(b, b_usage)
+    if db is None:
         return False
-    if (ka == "nvfp4_rht") != (kb == "nvfp4_rht"):
-        return False  # one-sided RHT: the original domain is not exact in bf16
-    return True
-
-
-def _nvfp4_unscaled(t: NVFP4Tensor, usage: str):
-    """(bf16 ``q * d`` in the stored layout and domain, fp32 global encode scale S)."""
-    from ..formats.nvfp4.launch import dequantize_unscaled_bf16  # kernel on CUDA, else torch
-    return dequantize_unscaled_bf16(t, usage)
-
-
-def _exact_record(t, usage: str):
-    """The exact bf16 matrix the quantize kernel wrote beside ``usage``'s data
-    (``Quantizer.quantize_for_gemm``), if it is still that data's; else None."""
-    name = f"_exact_{usage}"
-    if name not in type(t)._derived:
-        return None
-    return t._read_derived(name, getattr(t, f"{usage}_data"))
+    # one-sided RHT: the original domain is not exact in bf16
+    return da == db
 
 
 def bf16_operand(t, usage: str):
     """(exact bf16 matrix of ``mat(t, usage)`` up to a divisor, fp32 divisor or None)."""
-    if isinstance(t, IdentityTensor) or not isinstance(t, QuantizedTensor):
-        return _plain_matrix(t, usage), None
-    if isinstance(t, ExactTensor):
-        return getattr(t, f"{usage}_data"), getattr(t, f"{usage}_divisor")
-    exact = _exact_record(t, usage)
-    if exact is not None:  # MXFP8 (no divisor) or NVFP4 (divisor S)
-        return exact, (getattr(t, f"{usage}_global") if isinstance(t, NVFP4Tensor) else None)
-    if isinstance(t, MXFP8Tensor):
-        return kernels.mxfp8_dequantize_bf16(getattr(t, f"{usage}_data"),
-                                             getattr(t, f"{usage}_scale"),
-                                             32 if t.with_2d_quantization else 1), None
-    if isinstance(t, NVFP4Tensor):
-        return _nvfp4_unscaled(t, usage)
-    if isinstance(t, Float8Tensor):
-        return getattr(t, f"{usage}_data").to(torch.bfloat16), t.shared_scale
-    if isinstance(t, Float8BlockwiseTensor):
-        # Power-of-two scales (checked in accepts): data / scale is exact in bf16.
-        return t._dequantize_2d(usage).to(torch.bfloat16), None
-    raise TypeError(f"no exact bf16 form for {type(t).__name__}")
+    if isinstance(t, QuantizedTensor):
+        return t.bf16_operand(usage)
+    return _plain_matrix(t, usage), None
 
 
 def as_exact(t, usage: str):
@@ -168,7 +115,7 @@ def _mm_fp32_out(am: torch.Tensor, bm: torch.Tensor) -> torch.Tensor:
         return am.to(torch.float32) @ bm.to(torch.float32).t()
 
 
-def emulated_bf16_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
+def exact_bf16_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     """The product (see the module docstring); ``out``: a contiguous tensor of its shape
     and dtype to write it to (directly where cuBLAS or cuBLASLt writes it, else copied)."""
     am, div_a = bf16_operand(a, a_usage)

@@ -1,0 +1,37 @@
+"""Helpers shared across the test directories: the SQNR measure and seeded random inputs.
+
+Test files import them as ``from helpers import sqnr_db, randn`` (``tests/`` is on the
+path through its conftest).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``test`` against ``ref`` in dB, in float64:
+    ``10 log10(sum ref^2 / sum (ref - test)^2)``; inf when they are equal (zeros included),
+    so a bit-exact result passes any threshold."""
+    ref, test = ref.detach().double(), test.detach().double()
+    noise = (ref - test).pow(2).sum()
+    return math.inf if noise == 0 else float(10 * torch.log10(ref.pow(2).sum() / noise))
+
+
+def randn(*shape, seed: int, dtype: torch.dtype = torch.float32, scale: float = 1.0,
+          shift: float = 0.0, device="cpu") -> torch.Tensor:
+    """``randn(shape) * scale + shift`` from a generator of ``device`` seeded with ``seed``,
+    cast to ``dtype``: the same values on every run, whatever else drew numbers before.
+    ``shape`` may be given as one tuple or as separate sizes."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    g = torch.Generator(device=device).manual_seed(seed)
+    t = torch.randn(shape, generator=g, device=device)
+    # an identity scale/shift is skipped, not applied: randn's values stay exactly as drawn
+    if scale != 1.0:
+        t = t * scale
+    if shift != 0.0:
+        t = t + shift
+    return t.to(dtype)
