@@ -123,10 +123,10 @@ def no_exact_records():
 def top_down_casts():
     """The per-tensor FP8 casts in their pre-session-19 tile order (grid along M, rows top
     down) instead of the configured one: for an A/B in one run."""
-    from lowprec.formats.float8 import launch
-    old_order = {key: launch.tile_config(launch.CONFIGS[key])[:5] + (0, 0)
+    from lowprec.kernels import grid, tuning
+    old_order = {key: grid.tile_config(tuning.tuning.fp8_configs[key])[:5] + (0, 0)
                  for key in ("cast_both", "cast_row", "cast_col")}
-    return mock.patch.dict(launch.CONFIGS, old_order)
+    return tuning.override(fp8_configs={**tuning.tuning.fp8_configs, **old_order})
 
 
 def fresh_amax_words():
@@ -138,10 +138,10 @@ def fresh_amax_words():
 
 
 def one_launch_current():
-    """Current scaling's quantize in one cooperative launch (``launch.ONE_LAUNCH_CURRENT``,
+    """Current scaling's quantize in one cooperative launch (``tuning.one_launch_current``,
     opt-in) instead of an amax pass and a cast: for an A/B in one run."""
-    from lowprec.formats.float8 import launch
-    return mock.patch.object(launch, "ONE_LAUNCH_CURRENT", True)
+    from lowprec.kernels import tuning
+    return tuning.override(one_launch_current=True)
 
 
 #: Peer variants for an A/B in the same run: (name, context manager a step runs inside,
