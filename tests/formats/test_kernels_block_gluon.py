@@ -100,7 +100,8 @@ def test_gluon_matches_reference(pow2, fp8_dtype, dtype, usage, dist, mode, monk
             assert x.stride(0) > k
             outs = launch.fp8_block_quantize(x, fp8_dtype == torch.float8_e5m2, 1, pow2, 0.0, row,
                                              col, 0, [])
-            want = [ref.rowwise_data, ref.rowwise_scale, ref.decode_scale("rowwise") if row else None,
+            want = [ref.rowwise_data, ref.rowwise_scale,
+                    ref.decode_scale("rowwise") if row else None,
                     ref.columnwise_data, ref.columnwise_scale, ref.decode_scale("columnwise")]
             for name, a, b in zip(("rq", "rs", "rd", "cq", "cs", "cd"), outs, want):
                 if b is not None:

@@ -73,7 +73,8 @@ def test_gluon_matches_reference_and_triton(fp8_dtype, dtype, dist, config, monk
                     got = MXFP8Quantizer(fp8_dtype).quantize_for_gemm(x, exact)
                 with tuning.override(mxfp8_gluon=False):
                     want = MXFP8Quantizer(fp8_dtype).quantize_for_gemm(x, exact)
-                for name in ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale"):
+                for name in ("rowwise_data", "rowwise_scale", "columnwise_data",
+                             "columnwise_scale"):
                     assert torch.equal(getattr(got, name).view(torch.uint8),
                                        getattr(ref, name).view(torch.uint8)), f"{(m, k)} {name}"
                 g, w = _outputs(got), _outputs(want)

@@ -84,7 +84,8 @@ def launch_current_one(x, row, col, words, scales, m, k, p, eps, pro, r, c, fp8_
         fit = resident_programs(compiled)
         if fit < 1:
             raise RuntimeError(f"current_quantize_kernel with config "
-                               f"{tuning.fp8_configs['current_one']} does not fit on one SM; use a smaller tile or fewer warps")
+                               f"{tuning.fp8_configs['current_one']} does not fit on one SM; "
+                               f"use a smaller tile or fewer warps")
         _occupancy[key] = fit
     progs = max(1, min(tiles, num_sms(x.device) * min(per_sm, fit)))
     launch(current_quantize_kernel, (progs,), *args, triton_cdiv(tiles, progs), **consts)
