@@ -4,7 +4,7 @@ For every name, :data:`REGISTRY` holds its fp32 forward and backward (the math o
 ``lowprec.modules.activations``, ``lowprec.ops`` and the fused activation + quantize
 backward), whether it is gated (takes 2n features, returns n: ``act(first half) * second
 half``) and its ``PRO`` code in the fused Triton prologue (``load_tile`` in
-``lowprec.fused.triton_prologue``: ``code >= 20`` is gated there, and a gated code applies
+``lowprec.kernels.prologue``: ``code >= 20`` is gated there, and a gated code applies
 the activation of its ``base`` code to the first half).
 
 The fp32 math below is what torch's own autograd computes for these formulas, op for op, so an

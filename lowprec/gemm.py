@@ -25,25 +25,12 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .backends import cuda_backends
+from .backends.emulated_fp32 import emulated_fp32_run
+from .backends.emulated_fp32 import plain_matrix as _plain_matrix
 from .formats.base import QuantizedTensor, _check_usage
 from .formats.hybrid import HybridQuantizedTensor
 from .formats.identity import IdentityTensor
-
-
-def _plain_matrix(t: torch.Tensor, usage: str) -> torch.Tensor:
-    if isinstance(t, IdentityTensor):
-        return getattr(t, f"{usage}_data")
-    m2 = t.reshape(-1, t.shape[-1])
-    return m2 if usage == "rowwise" else m2.t()
-
-
-def operand_matrix_fp32(t: torch.Tensor, usage: str) -> torch.Tensor:
-    """fp32 values of ``mat(t, usage)``, dequantized exactly for quantized operands."""
-    if isinstance(t, QuantizedTensor) and not isinstance(t, IdentityTensor):
-        if not t.has_usage(usage):
-            raise RuntimeError(f"GEMM needs the {usage} representation of {t!r}")
-        return t._dequantize_2d(usage)
-    return _plain_matrix(t, usage).to(torch.float32)
 
 
 def _is_plain(t) -> bool:
@@ -72,11 +59,8 @@ def _plain_run(a, a_usage, b, b_usage, out_dtype, bias):
     return torch.addmm(bias, am, bm.t())
 
 
-def _emulated_run(a, a_usage, b, b_usage, out_dtype, bias):
-    out = operand_matrix_fp32(a, a_usage) @ operand_matrix_fp32(b, b_usage).t()
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(out_dtype)
+#: The exact fp32 emulation (``backends/emulated_fp32.py``), the last backend tried.
+_emulated_run = emulated_fp32_run
 
 
 #: Tried in order; GPU backends are inserted ahead of the emulation when available.
@@ -86,8 +70,6 @@ BACKENDS: list[Backend] = [
 ]
 
 # The GPU backends (lowprec/backends/) accept CUDA operands only; CPU pairs reach the emulation.
-from .backends import cuda_backends  # noqa: E402  (needs Backend above)
-
 BACKENDS[-1:-1] = cuda_backends(Backend)
 
 

@@ -151,7 +151,7 @@ def blockwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
         if exact_bf16_accepts(a, a_usage, b, b_usage, out_dtype, bias):
             res = exact_bf16_run(a, a_usage, b, b_usage, out_dtype, bias)
         else:
-            from ..gemm import _emulated_run
-            res = _emulated_run(a, a_usage, b, b_usage, out_dtype, bias)
+            from .emulated_fp32 import emulated_fp32_run
+            res = emulated_fp32_run(a, a_usage, b, b_usage, out_dtype, bias)
         return res if out is None else out.copy_(res)
     return _finish(res, bias, fused, out)

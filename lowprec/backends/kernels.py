@@ -146,7 +146,7 @@ class _LastAlpha:
 
 
 def _scaled_mm_lt(am, bm, div_a, div_b, out_dtype, out=None):
-    from ..formats.float8.launch import device_guard
+    from ..kernels.grid import device_guard
     from . import cublaslt
 
     with device_guard(am.device):
@@ -215,7 +215,7 @@ def gemm_alpha(div_a: torch.Tensor | None, div_b: torch.Tensor | None) -> torch.
     div_a, div_b = _divisor(div_a), _divisor(div_b)
     some = div_a if div_a is not None else div_b
     if use_kernels(some):
-        from ..formats.float8.launch import device_guard
+        from ..kernels.grid import device_guard
         with device_guard(some.device):
             return _alpha_launch(div_a, div_b, some.device)[:1]
     return gemm_alpha_torch(div_a, div_b)

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_map
 
 from ..formats.base import QuantizedTensor, Quantizer
 from . import gather_codec
+from .gather_codec import derives_columnwise as _derives_columnwise
 
 aten = torch.ops.aten
 
@@ -133,16 +134,6 @@ def _inputs_meta(q: Quantizer, m: int, k: int, *, rowwise: bool, columnwise: boo
     with q.usages(rowwise=rowwise, columnwise=columnwise):
         empty = q.make_empty((m, k), dtype=torch.float32, device="meta")
     return gather_codec.pack(empty, m)[0]
-
-
-def _derives_columnwise(q: Quantizer, m: int, k: int) -> bool:
-    with q.usages(rowwise=True, columnwise=False):
-        empty = q.make_empty((m, k), dtype=torch.float32, device="meta")
-    try:
-        empty._derive("columnwise")
-    except RuntimeError:
-        return False
-    return True
 
 
 def _fsdp_param_group(module: nn.Module, name: str):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..formats.base import QuantizedTensor
+from ..formats.base import QuantizedTensor, Quantizer
 
 
 @dataclass
@@ -89,3 +89,15 @@ def refill(dst: QuantizedTensor, outputs, packing: Packing) -> None:
         setattr(dst, name, None)
     for name, value in _fields(outputs, packing).items():
         setattr(dst, name, value)
+
+
+def derives_columnwise(q: Quantizer, m: int, k: int) -> bool:
+    """Whether ``q``'s format derives an (m, k) tensor's columnwise data from its rowwise
+    data (per-tensor FP8, 2-D blocks)."""
+    with q.usages(rowwise=True, columnwise=False):
+        empty = q.make_empty((m, k), dtype=torch.float32, device="meta")
+    try:
+        empty._derive("columnwise")
+    except RuntimeError:
+        return False
+    return True

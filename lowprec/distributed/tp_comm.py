@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..formats.base import QuantizedTensor, Quantizer, _contiguous
 from . import gather_codec
+from .gather_codec import derives_columnwise
 
 
 class GroupRef:
@@ -119,9 +120,8 @@ def sent_usages(quantizer: Quantizer, x: torch.Tensor, rowwise: bool,
     than sending both."""
     if not (rowwise and columnwise):
         return rowwise, columnwise
-    from .fsdp import _derives_columnwise
     m = quantizer.row_multiple(rowwise=True, columnwise=True)
-    return (True, True) if not _derives_columnwise(quantizer, m, x.shape[-1]) else (True, False)
+    return (True, True) if not derives_columnwise(quantizer, m, x.shape[-1]) else (True, False)
 
 
 def gather_rows(x: torch.Tensor, group, quantizer: Quantizer | None = None, *,

@@ -23,14 +23,11 @@ import copy
 import numbers
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from .casting import FP32_MAX
-
-if TYPE_CHECKING:
-    from .gemm_slicer import GemmSlicer
 
 aten = torch.ops.aten
 
@@ -683,6 +680,9 @@ class Quantizer:
     #: operand of the bf16 GEMM emulation, kept as a ``_derived`` record ``_exact_<usage>``
     #: of the tensor): MXFP8 and NVFP4.
     keeps_exact_bf16: ClassVar[bool] = False
+    #: The tensor type ``quantize_for_gemm(codes=False)`` returns (formats with
+    #: ``keeps_exact_bf16``: ``lowprec.formats.exact.ExactTensor``).
+    exact_tensor_type: ClassVar[type | None] = None
     #: The directions asked for by :meth:`quantize_for_gemm`, during that call only.
     _exact: tuple[str, ...] = ()
 
@@ -717,13 +717,13 @@ class Quantizer:
         """An ExactTensor of ``x`` through the format's kernels, or None where they do not
         run (CPU, no Triton, an empty tensor)."""
         from ..kernels import use_kernels
-        from .exact import ExactTensor
         self._check_input(x)
         m, k = flatten_2d(x.shape)
         self._check_shape(x.shape, m, k)
         if m == 0 or k == 0 or not use_kernels(x):
             return None
-        return ExactTensor(x.shape, x.dtype, **self._quantize_exact_2d(_row_major_2d(x, m, k)))
+        return self.exact_tensor_type(x.shape, x.dtype,
+                                      **self._quantize_exact_2d(_row_major_2d(x, m, k)))
 
     def _quantize_exact_2d(self, x2d: torch.Tensor) -> dict[str, Any]:
         """ExactTensor fields of ``x2d`` (formats with ``keeps_exact_bf16``)."""
@@ -839,7 +839,7 @@ class Quantizer:
         """
         return None
 
-    def gemm_slicer(self, x2d: torch.Tensor) -> "GemmSlicer | None":
+    def gemm_slicer(self, x2d: torch.Tensor) -> Any:
         """A :class:`~lowprec.formats.gemm_slicer.GemmSlicer` of the 2-D ``x2d``: its slices
         quantized as ``quantize(x2d)`` quantizes them, in the form a GEMM consumes at once
         (for formats emulated on bf16 GEMMs whose kernels run, an
@@ -850,13 +850,6 @@ class Quantizer:
     def can_gemm_slice(self) -> bool:
         """Whether :meth:`gemm_slicer` is implemented by this format."""
         return type(self).gemm_slicer is not Quantizer.gemm_slicer
-
-    def _block_gemm_slicer(self, x2d: torch.Tensor) -> "GemmSlicer":
-        """:meth:`gemm_slicer` of a format whose blocks never straddle a slice and which
-        shares nothing between blocks."""
-        from .gemm_slicer import GemmSlicer
-        return GemmSlicer(self, x2d, lambda part, usage, start: self._quantize_2d(part),
-                          lambda part, usage, start: self._quantize_exact_2d(part))
 
     def can_slice(self) -> bool:
         """Whether :meth:`slice_quantizer` is implemented by this format."""

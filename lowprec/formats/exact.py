@@ -55,7 +55,7 @@ class ExactTensor(QuantizedTensor):
         if divisor is not None:
             values = values / divisor
         if usage == "columnwise" and self.columnwise_rht:
-            from .nvfp4.rht import rht_inverse
+            from .rht import rht_inverse
             values = rht_inverse(values)
         return values
 

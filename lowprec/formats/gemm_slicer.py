@@ -13,12 +13,13 @@ for ``"columnwise"``, with ``a`` a multiple of 128 (no block straddles a slice).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from .base import QuantizedTensor, Quantizer
+from ..kernels import use_kernels
+from .base import QuantizedTensor, Quantizer, _check_usage
+from .exact import ExactTensor
 
 #: ``fields(part, usage, start) -> dict``: the tensor fields of one slice, ``start`` its
 #: first row (rowwise) or column (columnwise) in the whole tensor.
@@ -33,7 +34,7 @@ class GemmSlicer:
     values, used where the quantize kernels run (None: the format has no such form).
     """
 
-    def __init__(self, quantizer: "Quantizer", x2d: torch.Tensor, codes_of: FieldsOf,
+    def __init__(self, quantizer: Quantizer, x2d: torch.Tensor, codes_of: FieldsOf,
                  exact_of: FieldsOf | None) -> None:
         if x2d.dim() != 2:
             raise ValueError(f"GemmSlicer: needs a 2-D tensor, got shape {tuple(x2d.shape)}")
@@ -43,23 +44,27 @@ class GemmSlicer:
         self._exact_of = exact_of
 
     def _part(self, start: int, stop: int, usage: str) -> torch.Tensor:
-        from .base import _check_usage
         _check_usage(usage)
         return self.x2d[start:stop] if usage == "rowwise" else self.x2d[:, start:stop]
 
-    def codes(self, start: int, stop: int, usage: str) -> "QuantizedTensor":
+    def codes(self, start: int, stop: int, usage: str) -> QuantizedTensor:
         """The slice ``[start, stop)`` quantized for ``usage`` alone (codes and scales)."""
         part = self._part(start, stop, usage)
         return self.quantizer._slice_tensor(
             part, usage, lambda p: self._codes_of(p, usage, start))
 
-    def __call__(self, start: int, stop: int, usage: str) -> "QuantizedTensor":
+    def __call__(self, start: int, stop: int, usage: str) -> QuantizedTensor:
         """The slice ``[start, stop)`` in the form a GEMM consumes at once: an ExactTensor of
         its exact bf16 values where the kernels run, else :meth:`codes`."""
-        from ..kernels import use_kernels
-        from .exact import ExactTensor
         part = self._part(start, stop, usage)
         if self._exact_of is None or not use_kernels(part):
             return self.codes(start, stop, usage)
         return self.quantizer._slice_tensor(
             part, usage, lambda p: self._exact_of(p, usage, start), ExactTensor)
+
+
+def block_gemm_slicer(quantizer: Quantizer, x2d: torch.Tensor) -> GemmSlicer:
+    """``quantizer.gemm_slicer(x2d)`` of a format whose blocks never straddle a slice and
+    which shares nothing between blocks."""
+    return GemmSlicer(quantizer, x2d, lambda part, usage, start: quantizer._quantize_2d(part),
+                      lambda part, usage, start: quantizer._quantize_exact_2d(part))

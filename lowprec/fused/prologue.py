@@ -72,8 +72,8 @@ def norm_stats(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: fl
     """(mean, rstd, amax_bits) of a row-major (M, K) ``x``: fp32 (M,) statistics (mean is
     zeros for RMSNorm) and, with ``want_amax``, the int32 bit pattern of the normalized
     output's amax (else 0). ``beta`` is ignored for RMSNorm."""
-    from ..formats.float8.launch import device_guard
-    from .triton_prologue import norm_stats_kernel
+    from ..kernels.grid import device_guard
+    from ..kernels.prologue import norm_stats_kernel
     m, k = x.shape
     mean = torch.zeros(m, dtype=torch.float32, device=x.device) if rms else \
         torch.empty(m, dtype=torch.float32, device=x.device)
@@ -99,8 +99,8 @@ def _(x, gamma, beta, eps, rms, want_amax):
 @kernel_op("lowprec::apply_prologue", mutates_args=())
 def _apply_op(x: torch.Tensor, code: int, p: list[torch.Tensor], k_out: int, want_amax: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..formats.float8.launch import device_guard, prologue_args
-    from .triton_prologue import apply_kernel
+    from ..kernels.grid import device_guard, prologue_args
+    from ..kernels.prologue import apply_kernel
     m = x.shape[0]
     out = torch.empty((m, k_out), dtype=x.dtype, device=x.device)
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)

@@ -1,4 +1,8 @@
-"""Shared plumbing for the Triton kernels that live beside each format.
+"""The GPU code every format shares: launch plumbing (``launch``, ``grid``), the kernel
+switches and tile configs (``tuning``), the ``@triton.jit`` helpers of the fp8 cast and
+scale rules (``fp8_cast``, ``e8m0``), the block-scaled tile kernel (``block_scaled``) and
+the norm/activation prologue (``prologue``). It imports nothing else of lowprec; each
+format's own kernels live in its folder under ``formats/``.
 
 Kernels run only on CUDA tensors and only when Triton imports; everything
 else takes the pure-PyTorch reference path, which the kernels match bit for

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..autocast import active_region, init_recipe, register_delayed_state
@@ -16,10 +17,31 @@ from ..recipe import DelayedScaling, operand_usages
 from ..roles import check_num_quantizers, gemm_roles
 from ..state import RecipeState
 
+PARALLEL_MODES = (None, "column", "row")
+
+
+def tp_group_size(parallel_mode, tp_group, sequence_parallel, *, modes=("column", "row"),
+                  module: str = "this module") -> int:
+    """Validate tensor-parallel arguments; returns the group's size (1 without a group)."""
+    if parallel_mode not in PARALLEL_MODES:
+        raise ValueError(f"parallel_mode={parallel_mode!r}; use one of {PARALLEL_MODES}")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    if tp_group is None:
+        return 1
+    if not dist.is_initialized():
+        raise RuntimeError(f"tp_group={tp_group!r} given but torch.distributed is not "
+                           f"initialized")
+    size = dist.get_world_size(tp_group)
+    if size > 1 and parallel_mode not in modes:
+        raise ValueError(f"{module} over a tp_group of {size} ranks takes parallel_mode in "
+                         f"{modes}, got {parallel_mode!r}")
+    return size
+
+
 def check_parallel_args(parallel_mode, tp_group, sequence_parallel) -> None:
     """Validate tensor-parallel arguments of a module that runs on a single rank only."""
-    from .tensor_parallel import check_parallel_args as check
-    if check(parallel_mode, tp_group, sequence_parallel) > 1:
+    if tp_group_size(parallel_mode, tp_group, sequence_parallel) > 1:
         raise NotImplementedError("tensor parallelism over more than one rank is implemented "
                                   "for Linear, LayerNormLinear and LayerNormMLP; pass "
                                   "tp_group=None or a single-rank group")

@@ -25,29 +25,8 @@ import torch.distributed as dist
 from ..distributed import tp_comm
 from ..linear_fn import quantized_linear
 from .base import producer_usages, release_fprop_copy
+from .base import tp_group_size as check_parallel_args  # noqa: F401 (the modules call it here)
 from .norms import apply_norm
-
-PARALLEL_MODES = (None, "column", "row")
-
-
-def check_parallel_args(parallel_mode, tp_group, sequence_parallel, *,
-                        modes=("column", "row"), module: str = "this module") -> int:
-    """Validate tensor-parallel arguments; returns the group's size (1 without a group)."""
-    if parallel_mode not in PARALLEL_MODES:
-        raise ValueError(f"parallel_mode={parallel_mode!r}; use one of {PARALLEL_MODES}")
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
-    if tp_group is None:
-        return 1
-    if not dist.is_initialized():
-        raise RuntimeError(f"tp_group={tp_group!r} given but torch.distributed is not "
-                           f"initialized")
-    size = dist.get_world_size(tp_group)
-    if size > 1 and parallel_mode not in modes:
-        raise ValueError(f"{module} over a tp_group of {size} ranks takes parallel_mode in "
-                         f"{modes}, got {parallel_mode!r}")
-    return size
-
 
 def shard_size(n: int, tp_size: int, what: str) -> int:
     """``n / tp_size``, which must be whole."""

@@ -613,7 +613,7 @@ def test_kernel_fields_keep_no_decode_record_for_inference_tensors():
 def test_tile_config_and_grid():
     """A tile config's optional items and the launch grid they give: ITERS tiles a
     program down M, and with K_FAST the grid's axes swapped (axis 0 along K)."""
-    from lowprec.formats.float8.launch import tile_config, tile_grid
+    from lowprec.kernels.grid import tile_config, tile_grid
     assert tile_config((32, 128, 2)) == (32, 128, 2, 1, 1, False)
     assert tile_config((32, 128, 2, 4, 3, 1)) == (32, 128, 2, 4, 3, True)
     # 100 rows: 4 tiles of 32, 2 programs of 2 tiles; 300 columns: 3 tiles of 128

@@ -10,7 +10,7 @@ import torch
 import lowprec.kernels
 from lowprec.formats.block import launch
 from lowprec.formats.block.quantizer import Float8BlockQuantizer
-from lowprec.kernels import reference_only
+from lowprec.kernels import reference_only, tuning
 
 from format_inputs import spread
 
@@ -70,46 +70,47 @@ def test_gluon_matches_reference(pow2, fp8_dtype, dtype, usage, dist, mode, monk
     calls = []
     orig = launch._launch_gluon
     monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(a[2]) or orig(*a))
-    monkeypatch.setattr(launch, "GLUON", True)
-    monkeypatch.setattr(launch, "GLUON_BOTH", mode.startswith("gluon_both"))
-    monkeypatch.setattr(launch, "GLUON_CONFIGS", {**launch.GLUON_CONFIGS, **MODES[mode]})
-    launched = 0
-    row, col = USAGES[usage]
-    for i, (m, k) in enumerate(SHAPES):
-        x = _input(m, k, dtype, dist, seed=i)
+    gluon_configs = {**tuning.tuning.block_gluon_configs, **MODES[mode]}
+    with tuning.override(block_gluon=True, block_gluon_both=mode.startswith("gluon_both"),
+                         block_gluon_configs=gluon_configs):
+        launched = 0
+        row, col = USAGES[usage]
+        for i, (m, k) in enumerate(SHAPES):
+            x = _input(m, k, dtype, dist, seed=i)
 
-        def quantizer():
-            return Float8BlockQuantizer(fp8_dtype, block_scaling_dim=1,
-                                        force_pow_2_scales=pow2).set_usage(row, col)
-        try:
-            with reference_only():
-                ref = quantizer().quantize(x)
-        except ValueError:
-            with pytest.raises(ValueError):
-                quantizer().quantize(x)
-            continue
-        # through the quantizer (a contiguous copy of x) and through the op on the strided
-        # view itself (rows further apart than K)
-        got = quantizer().quantize(x)
-        for name, t in got.inner_tensors().items():
-            _same(t, ref.inner_tensors()[name], f"{(m, k)} {name}")
-        for u in ("rowwise", "columnwise"):
-            if getattr(ref, f"{u}_scale") is not None:
-                _same(got.decode_scale(u), ref.decode_scale(u), f"{(m, k)} {u} decode")
-                assert got.decode_scale(u) is getattr(got, f"_decode_{u}")[2]
-        assert x.stride(0) > k
-        outs = launch.fp8_block_quantize(x, fp8_dtype == torch.float8_e5m2, 1, pow2, 0.0, row,
-                                         col, 0, [])
-        want = [ref.rowwise_data, ref.rowwise_scale, ref.decode_scale("rowwise") if row else None,
-                ref.columnwise_data, ref.columnwise_scale, ref.decode_scale("columnwise")]
-        for name, a, b in zip(("rq", "rs", "rd", "cq", "cs", "cd"), outs, want):
-            if b is not None:
-                _same(a.view(b.dtype), b, f"{(m, k)} strided {name}")
-        launched += 2
-    # every quantize that the reference accepted went through the Gluon kernel, in the mode
-    # asked for (its third argument: the rowwise usage from the same read)
-    assert launched >= 6 and len(calls) == launched
-    assert set(calls) == {usage == "both" and mode.startswith("gluon_both")}
+            def quantizer():
+                return Float8BlockQuantizer(fp8_dtype, block_scaling_dim=1,
+                                            force_pow_2_scales=pow2).set_usage(row, col)
+            try:
+                with reference_only():
+                    ref = quantizer().quantize(x)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    quantizer().quantize(x)
+                continue
+            # through the quantizer (a contiguous copy of x) and through the op on the strided
+            # view itself (rows further apart than K)
+            got = quantizer().quantize(x)
+            for name, t in got.inner_tensors().items():
+                _same(t, ref.inner_tensors()[name], f"{(m, k)} {name}")
+            for u in ("rowwise", "columnwise"):
+                if getattr(ref, f"{u}_scale") is not None:
+                    _same(got.decode_scale(u), ref.decode_scale(u), f"{(m, k)} {u} decode")
+                    assert got.decode_scale(u) is getattr(got, f"_decode_{u}")[2]
+            assert x.stride(0) > k
+            outs = launch.fp8_block_quantize(x, fp8_dtype == torch.float8_e5m2, 1, pow2, 0.0, row,
+                                             col, 0, [])
+            want = [ref.rowwise_data, ref.rowwise_scale,
+                    ref.decode_scale("rowwise") if row else None,
+                    ref.columnwise_data, ref.columnwise_scale, ref.decode_scale("columnwise")]
+            for name, a, b in zip(("rq", "rs", "rd", "cq", "cs", "cd"), outs, want):
+                if b is not None:
+                    _same(a.view(b.dtype), b, f"{(m, k)} strided {name}")
+            launched += 2
+        # every quantize that the reference accepted went through the Gluon kernel, in the mode
+        # asked for (its third argument: the rowwise usage from the same read)
+        assert launched >= 6 and len(calls) == launched
+        assert set(calls) == {usage == "both" and mode.startswith("gluon_both")}
 
 
 def test_gluon_not_used_where_it_does_not_apply(monkeypatch):
@@ -137,16 +138,16 @@ def test_gluon_both_unaligned_rows(monkeypatch):
     calls = []
     orig = launch._launch_gluon
     monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(a[2]) or orig(*a))
-    monkeypatch.setattr(launch, "GLUON_BOTH", True)
-    flat = torch.randn(256 * 384 + 8, device="cuda", dtype=torch.bfloat16)
-    x = flat[1:1 + 256 * 384].view(256, 384)
-    assert x.data_ptr() % 16 != 0
-    rq, rs, rd, cq, cs, cd = launch.fp8_block_quantize(x, False, 1, True, 0.0, True, True, 0,
-                                                       [])
-    assert calls == [True]
-    with reference_only():
-        ref = Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1).quantize(x)
-    _same(rq.view(ref.rowwise_data.dtype), ref.rowwise_data, "rowwise")
-    _same(rs, ref.rowwise_scale, "rowwise scale")
-    _same(cq.view(ref.columnwise_data.dtype), ref.columnwise_data, "columnwise")
-    _same(cs, ref.columnwise_scale, "columnwise scale")
+    with tuning.override(block_gluon_both=True):
+        flat = torch.randn(256 * 384 + 8, device="cuda", dtype=torch.bfloat16)
+        x = flat[1:1 + 256 * 384].view(256, 384)
+        assert x.data_ptr() % 16 != 0
+        rq, rs, rd, cq, cs, cd = launch.fp8_block_quantize(x, False, 1, True, 0.0, True, True, 0,
+                                                           [])
+        assert calls == [True]
+        with reference_only():
+            ref = Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1).quantize(x)
+        _same(rq.view(ref.rowwise_data.dtype), ref.rowwise_data, "rowwise")
+        _same(rs, ref.rowwise_scale, "rowwise scale")
+        _same(cq.view(ref.columnwise_data.dtype), ref.columnwise_data, "columnwise")
+        _same(cs, ref.columnwise_scale, "columnwise scale")

@@ -154,13 +154,13 @@ def _check_block_decode(got, ref, what):
 
 @pytest.mark.parametrize("kind", ["current", "delayed", "block1x128", "block128x128", "mxfp8",
                                   "mxfp8_2d"])
-def test_kernel_split_launches_match(kind, monkeypatch):
+def test_kernel_split_launches_match(kind):
     """Both usages as two launches (rowwise-only + columnwise-only) give the same bytes."""
-    from lowprec.formats.float8 import launch
+    from lowprec.kernels import tuning
     x = _input((256, 384), torch.float32, "special", seed=11)
     fused = QUANTIZERS[kind](E4).quantize(x)
-    monkeypatch.setattr(launch, "SPLIT_BOTH", dict.fromkeys(launch.SPLIT_BOTH, True))
-    split = QUANTIZERS[kind](E4).quantize(x)
+    with tuning.override(split_both=dict.fromkeys(tuning.tuning.split_both, True)):
+        split = QUANTIZERS[kind](E4).quantize(x)
     for name, t in fused.inner_tensors().items():
         _assert_same(t, split.inner_tensors()[name], f"{kind} {name}")
     if isinstance(fused, Float8BlockwiseTensor):
@@ -171,74 +171,79 @@ def test_kernel_split_launches_match(kind, monkeypatch):
 @pytest.mark.parametrize("order", [(0, 0), (1, 0), (0, 1), (1, 1)],
                          ids=["m_fast", "k_fast", "m_fast_bottom_up", "k_fast_bottom_up"])
 @pytest.mark.parametrize("kind", ["current", "delayed"])
-def test_cast_tile_orders_match_reference(kind, order, monkeypatch):
+def test_cast_tile_orders_match_reference(kind, order):
     """The per-tensor cast reads its tiles in any order (grid axis along K, rows from the
     last up, several tiles a program) and gives the reference's bytes: the scale store and
     the delayed finish are done by exactly one program in each order."""
-    from lowprec.formats.float8 import launch
-    monkeypatch.setattr(launch, "ONE_LAUNCH_CURRENT", False)  # current: amax pass + cast
+    from lowprec.kernels import tuning
     configs = {"cast_both": (64, 128, 4, 2, 1), "cast_row": (16, 256, 4, 3, 1),
                "cast_col": (64, 128, 4, 1, 1)}
+    fp8_configs = dict(tuning.tuning.fp8_configs)
     for key, (bm, bn, warps, iters, stages) in configs.items():
-        monkeypatch.setitem(launch.CONFIGS, key, (bm, bn, warps, iters, stages, *order))
-    for usage in USAGES:
-        for i, shape in enumerate([(300, 520), (4, 64, 384), ("t", 128, 256)]):
-            x = _input(shape, torch.bfloat16, "special" if i == 0 else "normal", seed=20 + i)
-            _matches_reference(kind, usage, x, f"{kind} {order} {usage} {shape}")
+        fp8_configs[key] = (bm, bn, warps, iters, stages, *order)
+    # current scaling: amax pass + cast
+    with tuning.override(one_launch_current=False, fp8_configs=fp8_configs):
+        for usage in USAGES:
+            for i, shape in enumerate([(300, 520), (4, 64, 384), ("t", 128, 256)]):
+                x = _input(shape, torch.bfloat16, "special" if i == 0 else "normal",
+                           seed=20 + i)
+                _matches_reference(kind, usage, x, f"{kind} {order} {usage} {shape}")
 
 
 @pytest.mark.parametrize("usage", list(USAGES))
 @pytest.mark.parametrize("kind", ["current", "delayed", "current_pow2_eps", "current_one_launch"])
-def test_quantizes_leave_their_amax_words_zero(kind, usage, monkeypatch):
+def test_quantizes_leave_their_amax_words_zero(kind, usage):
     """A per-tensor quantizer's amax pass and cast count in words kept on the quantizer;
     each quantize sets them back to zero, so a later, smaller input gets its own amax (not
     the earlier one's), and a NaN input does not poison the next quantize. Current scaling
     in two launches (amax pass, cast) and in one cooperative launch."""
     from lowprec.formats.float8 import launch
-    monkeypatch.setattr(launch, "ONE_LAUNCH_CURRENT", kind == "current_one_launch")
+    from lowprec.kernels import tuning
+    one_launch = kind == "current_one_launch"
     kind = "current" if kind == "current_one_launch" else kind
     qk = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
     qr = QUANTIZERS[kind](E4).set_usage(*USAGES[usage])
     big = _input((300, 520), torch.bfloat16, "normal", seed=3) * 1000
     nan = _input((256, 384), torch.bfloat16, "special", seed=4)
     small = _input((4, 64, 384), torch.bfloat16, "normal", seed=5)
-    for x in (big, nan, small, big, small):
-        _matches_reference(kind, usage, x, f"{usage} {tuple(x.shape)}", qk, qr)
-        (words,) = qk._amax_words.values()  # one stream, one set
-        assert words.tolist() == [0] * launch.AMAX_WORDS
+    with tuning.override(one_launch_current=one_launch):
+        for x in (big, nan, small, big, small):
+            _matches_reference(kind, usage, x, f"{usage} {tuple(x.shape)}", qk, qr)
+            (words,) = qk._amax_words.values()  # one stream, one set
+            assert words.tolist() == [0] * launch.AMAX_WORDS
 
 
 @pytest.mark.parametrize("dist", ["normal", "wide", "special"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_current_one_launch_matches_reference(dtype, dist, monkeypatch):
+def test_current_one_launch_matches_reference(dtype, dist):
     """Current scaling in one cooperative launch (opt-in) gives the reference's bytes on
     every shape, usage and setting the two-launch path is tested on."""
-    from lowprec.formats.float8 import launch
-    monkeypatch.setattr(launch, "ONE_LAUNCH_CURRENT", True)
-    for kind in ("current", "current_pow2_eps"):
-        for usage in USAGES:
-            for i, shape in enumerate(SHAPES):
-                x = _input(shape, dtype, dist, seed=40 + i)
-                _matches_reference(kind, usage, x, f"{kind} {usage} {shape}")
+    from lowprec.kernels import tuning
+    with tuning.override(one_launch_current=True):
+        for kind in ("current", "current_pow2_eps"):
+            for usage in USAGES:
+                for i, shape in enumerate(SHAPES):
+                    x = _input(shape, dtype, dist, seed=40 + i)
+                    _matches_reference(kind, usage, x, f"{kind} {usage} {shape}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_current_one_launch_with_several_tiles_a_program(dtype, monkeypatch):
+def test_current_one_launch_with_several_tiles_a_program(dtype):
     """More tiles than the cooperative grid has programs (several a program, the last
     ones partly or wholly past the edge): the one-launch current quantize still gives the
     reference's bytes, in both usages, with NaN and Inf in the input."""
-    from lowprec.formats.float8 import launch
-    monkeypatch.setattr(launch, "ONE_LAUNCH_CURRENT", True)
+    from lowprec.kernels import tuning
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bm, bn, _, per_sm = launch.CONFIGS["current_one"]
+    bm, bn, _, per_sm = tuning.tuning.fp8_configs["current_one"]
     m, k = bm * 2 * sms * per_sm // 9 + 37, bn * 9 + 40  # > 2 tiles a program, ragged
     x = _input((m, k), dtype, "special", seed=31)
     x2 = _input((m // 3, k), dtype, "normal", seed=32)  # finite next: words left zero
-    for usage in USAGES:
-        qk = QUANTIZERS["current"](E4).set_usage(*USAGES[usage])
-        qr = QUANTIZERS["current"](E4).set_usage(*USAGES[usage])
-        _matches_reference("current", usage, x, f"{usage} first", qk, qr)
-        _matches_reference("current", usage, x2, f"{usage} second", qk, qr)
+    with tuning.override(one_launch_current=True):
+        for usage in USAGES:
+            qk = QUANTIZERS["current"](E4).set_usage(*USAGES[usage])
+            qr = QUANTIZERS["current"](E4).set_usage(*USAGES[usage])
+            _matches_reference("current", usage, x, f"{usage} first", qk, qr)
+            _matches_reference("current", usage, x2, f"{usage} second", qk, qr)
 
 
 @pytest.mark.parametrize("kind", ["current", "delayed"])
@@ -336,7 +341,7 @@ def test_decode_scale_helper_is_torch_reciprocal():
     from the whole range (subnormal results of huge scales included) and the special values."""
     import triton
     import triton.language as tl
-    from lowprec.formats.float8.triton_kernels import decode_scale
+    from lowprec.kernels.fp8_cast import decode_scale
 
     @triton.jit
     def _kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):

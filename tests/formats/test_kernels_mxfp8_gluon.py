@@ -11,7 +11,7 @@ import torch
 import lowprec.kernels
 from lowprec.formats.mxfp8 import launch
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
-from lowprec.kernels import reference_only
+from lowprec.kernels import reference_only, tuning
 
 from format_inputs import spread
 
@@ -28,8 +28,8 @@ E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 SHAPES = [(32, 32), (64, 96), (96, 160), (256, 384), (1056, 1184)]
 #: (RB, warps, K-fast, eviction hints): the default (2 warps), 4 warps, the grid along M,
 #: smaller chunks and no hints, 8 warps
-CONFIGS = [launch.GLUON_CONFIG, (32, 4, 1, 1), (32, 4, 0, 1), (16, 4, 1, 0), (16, 2, 1, 1),
-           (32, 8, 1, 1)]
+CONFIGS = [tuning.tuning.mxfp8_gluon_config, (32, 4, 1, 1), (32, 4, 0, 1), (16, 4, 1, 0),
+           (16, 2, 1, 1), (32, 8, 1, 1)]
 #: exact bf16 records asked for (quantize_for_gemm), and none
 REQUESTS = {"none": (), "row": ("rowwise",), "both": ("rowwise", "columnwise")}
 
@@ -63,33 +63,34 @@ def test_gluon_matches_reference_and_triton(fp8_dtype, dtype, dist, config, monk
     calls = []
     orig = launch._launch_gluon
     monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(1) or orig(*a))
-    monkeypatch.setattr(launch, "GLUON_CONFIG", config)
-    for i, (m, k) in enumerate(SHAPES):
-        x = _input(m, k, dtype, dist, seed=i)
-        with reference_only():
-            ref = MXFP8Quantizer(fp8_dtype).quantize(x)
-        for req, exact in REQUESTS.items():
-            monkeypatch.setattr(launch, "GLUON", True)
-            got = MXFP8Quantizer(fp8_dtype).quantize_for_gemm(x, exact)
-            monkeypatch.setattr(launch, "GLUON", False)
-            want = MXFP8Quantizer(fp8_dtype).quantize_for_gemm(x, exact)
-            for name in ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale"):
-                assert torch.equal(getattr(got, name).view(torch.uint8),
-                                   getattr(ref, name).view(torch.uint8)), f"{(m, k)} {name}"
-            g, w = _outputs(got), _outputs(want)
-            assert g.keys() == w.keys()
-            for name in g:
-                assert torch.equal(g[name], w[name]), f"{(m, k)} {req}: {name}"
-        # the exact values alone (no codes written), through the op on the strided view
-        e5m2 = fp8_dtype == E5
-        monkeypatch.setattr(launch, "GLUON", True)
-        outs = launch.mxfp8_quantize(x, e5m2, False, True, True, 0, [], True, True, False)
-        monkeypatch.setattr(launch, "GLUON", False)
-        want = launch.mxfp8_quantize(x, e5m2, False, True, True, 0, [], True, True, False)
-        for a, b in zip(outs, want):
-            assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    # every quantize that asked for the Gluon kernel went through it
-    assert len(calls) == len(SHAPES) * (len(REQUESTS) + 1)
+    with tuning.override(mxfp8_gluon_config=config):
+        for i, (m, k) in enumerate(SHAPES):
+            x = _input(m, k, dtype, dist, seed=i)
+            with reference_only():
+                ref = MXFP8Quantizer(fp8_dtype).quantize(x)
+            for req, exact in REQUESTS.items():
+                with tuning.override(mxfp8_gluon=True):
+                    got = MXFP8Quantizer(fp8_dtype).quantize_for_gemm(x, exact)
+                with tuning.override(mxfp8_gluon=False):
+                    want = MXFP8Quantizer(fp8_dtype).quantize_for_gemm(x, exact)
+                for name in ("rowwise_data", "rowwise_scale", "columnwise_data",
+                             "columnwise_scale"):
+                    assert torch.equal(getattr(got, name).view(torch.uint8),
+                                       getattr(ref, name).view(torch.uint8)), f"{(m, k)} {name}"
+                g, w = _outputs(got), _outputs(want)
+                assert g.keys() == w.keys()
+                for name in g:
+                    assert torch.equal(g[name], w[name]), f"{(m, k)} {req}: {name}"
+            # the exact values alone (no codes written), through the op on the strided view
+            e5m2 = fp8_dtype == E5
+            with tuning.override(mxfp8_gluon=True):
+                outs = launch.mxfp8_quantize(x, e5m2, False, True, True, 0, [], True, True, False)
+            with tuning.override(mxfp8_gluon=False):
+                want = launch.mxfp8_quantize(x, e5m2, False, True, True, 0, [], True, True, False)
+            for a, b in zip(outs, want):
+                assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        # every quantize that asked for the Gluon kernel went through it
+        assert len(calls) == len(SHAPES) * (len(REQUESTS) + 1)
 
 
 def test_gluon_not_used_where_it_does_not_apply(monkeypatch):

@@ -11,7 +11,7 @@ import torch
 
 import lowprec.kernels
 from lowprec.formats.nvfp4 import NVFP4Quantizer
-from lowprec.formats.nvfp4.rht import rht_signs
+from lowprec.formats.rht import rht_signs
 from lowprec.kernels import reference_only
 
 pytestmark = [

@@ -1,7 +1,7 @@
 """Gluon kernels of the 1x128 block FP8 quantize: the columnwise usage alone, and both
 usages in one launch.
 
-Why Gluon: the Triton kernel (``triton_kernels.py``) leaves layouts to the compiler, which
+Why Gluon: the Triton kernel (``kernels/block_scaled.py``) leaves layouts to the compiler, which
 transposes the columnwise fp8 codes byte by byte through shared memory and repeats each
 column's scale math in every thread that holds part of the column (docs/performance.md,
 "Inside the quantize kernels"). Here the layouts are explicit.
@@ -21,7 +21,7 @@ L2, where the first one has just put it, so the input crosses DRAM once while no
 holds more than a chunk. (Holding the whole tile in registers needs 255 registers at 4
 warps and runs slower than two launches.)
 
-Numerics are the shared jit helpers of ``float8/triton_kernels.py`` (bit for bit the
+Numerics are the shared jit helpers of ``kernels/fp8_cast.py`` (bit for bit the
 reference, ``block/reference.py``). The launcher guarantees M % 128 == 0 (K % 128 == 0
 for both usages), a unit inner stride and no prologue. Only ``launch.py`` imports this
 module, and only when Gluon imports.
@@ -32,17 +32,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..float8.triton_kernels import abs_bits, current_scale, decode_scale, fp8_codes
-
-
-@gluon.jit
-def tile_ids(K_FAST: gl.constexpr):
-    """(pid_m, pid_k) of this program; ``K_FAST``: grid axis 0 runs along K, so programs
-    launched together read neighbouring columns of the same rows."""
-    if K_FAST:
-        return gl.program_id(1), gl.program_id(0)
-    else:
-        return gl.program_id(0), gl.program_id(1)
+from ...kernels.fp8_cast import abs_bits, current_scale, decode_scale, fp8_codes
+from ...kernels.gluon_tiles import tile_ids
 
 
 @gluon.constexpr_function

@@ -4,8 +4,8 @@ Each (BM, BN) tile is read once per launch and its rowwise and/or columnwise dat
 and decode scales (the reciprocals in cuBLAS's layout, kept as ``_derived`` records of the
 tensor so the GEMMs need no launch to make them) are written from registers. The 1x128
 columnwise usage, alone or with the rowwise one, goes to a Gluon kernel where one applies
-(``GLUON``), everything else to the Triton kernel. Importing this module needs neither
-Triton nor CUDA.
+(``tuning.block_gluon``), everything else to the Triton kernel shared with MXFP8
+(``kernels/block_scaled.py``). Importing this module needs neither Triton nor CUDA.
 """
 
 from __future__ import annotations
@@ -13,48 +13,22 @@ from __future__ import annotations
 import torch
 
 from ...kernels import gluon_takes, kernel_op
-from ..base import QuantizedTensor
-
-from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
-                              launches, logical_shape, prologue_args, prologue_launch_args,
-                              order_axes, tile_config, tile_grid, triton_cdiv)
-from .reference import BLOCK
+from ...kernels.fp8_args import FP8_PARAMS, fp8_dtype_of, kernel_fp8_args
+from ...kernels.grid import (device_guard, launches, logical_shape, order_axes,
+                             prologue_args, prologue_launch_args, tile_config, tile_grid,
+                             triton_cdiv)
 from ...kernels.launch import launch
-
-#: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]]) per
-#: (block_scaling_dim, usages), picked by timing on an H200 (tools/sweep_fp8_quantize.py);
-#: the 1x128 rowwise launch and the Gluon columnwise one run K-fast (3% faster for both
-#: usages on an H100).
-CONFIGS = {
-    (1, "row"): (32, 256, 4, 1, 1, 1),
-    (1, "col"): (128, 64, 4),
-    (1, "both"): (128, 128, 8),
-    (2, "row"): (128, 128, 8),
-    (2, "col"): (128, 128, 8),
-    (2, "both"): (128, 128, 8),
-}
-
-
-#: Run the 1x128 columnwise usage through a Gluon kernel (``gluon_kernels.py``) where one
-#: applies (Gluon imports, no prologue, a unit inner stride, a 16-bit or fp32 input):
-#: ``block1_both_kernel`` for both usages when ``GLUON_BOTH`` (one launch, the input read
-#: from DRAM once, the columnwise pass re-reading each tile from L2), else the Triton
-#: rowwise launch and ``block1_col_kernel``. False: the Triton kernel only.
-GLUON = True
-GLUON_BOTH = True
-#: Gluon launch configs: "col" (R rows per thread, T threads along K, warps[, K-fast]): a
-#: program covers 128 rows and 8 * T columns; "both" (RB rows per rowwise chunk, R, T,
-#: warps[, K-fast[, L2 eviction hints]]): a program covers 128 x 128, its columnwise pass
-#: in "col" pieces of R, T. K-fast: grid axis 0 runs along K.
-GLUON_CONFIGS = {"col": (8, 8, 4, 1), "both": (32, 8, 8, 4, 1, 1)}
+from ...kernels.tuning import tuning
+from ..base import QuantizedTensor
+from .reference import BLOCK
 
 
 def gluon_config(kind: str) -> tuple:
-    """``GLUON_CONFIGS[kind]`` with the optional flags filled in where an entry omits them
-    (K-fast 0; eviction hints 1): (R, T, warps, k_fast) for "col", (RB, R, T, warps, k_fast,
-    evict) for "both"."""
+    """``tuning.block_gluon_configs[kind]`` with the optional flags filled in where an entry
+    omits them (K-fast 0; eviction hints 1): (R, T, warps, k_fast) for "col", (RB, R, T,
+    warps, k_fast, evict) for "both"."""
     defaults = {"col": (None,) * 3 + (0,), "both": (None,) * 4 + (0, 1)}[kind]
-    cfg = tuple(GLUON_CONFIGS[kind])
+    cfg = tuple(tuning.block_gluon_configs[kind])
     return cfg + defaults[len(cfg):]
 
 
@@ -64,7 +38,7 @@ def _gluon_applies(x: torch.Tensor, dim: int, rowwise: bool, columnwise: bool,
     makes the rowwise usage too; the quantizers enforce both divisibilities before any
     launch, this keeps a direct call of the op on the masked Triton kernel."""
     m, k = x.shape
-    return (GLUON and dim == 1 and columnwise and pro == 0 and m % BLOCK == 0
+    return (tuning.block_gluon and dim == 1 and columnwise and pro == 0 and m % BLOCK == 0
             and (k % BLOCK == 0 or not rowwise) and gluon_takes(x))
 
 
@@ -128,7 +102,7 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
     outs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
     with device_guard(x.device):
         if _gluon_applies(x, block_scaling_dim, rowwise, columnwise, pro):
-            both = rowwise and GLUON_BOTH
+            both = rowwise and tuning.block_gluon_both
             if rowwise and not both:
                 _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, True, False,
                                pro, pro_args)
@@ -141,11 +115,11 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
 
 
 def _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, pro_args):
-    from .triton_kernels import block_scaled_quant_kernel
+    from ...kernels.block_scaled import block_scaled_quant_kernel
     rq, rs, rd, cq, cs, cd = outs
     m, k = logical_shape(x, pro)
     bm, bn, warps, iters, stages, k_fast = tile_config(
-        CONFIGS[(block_scaling_dim, _usage(r, c))])
+        tuning.block_configs[(block_scaling_dim, _usage(r, c))])
     grid, k_fast = tile_grid(m, k, bm, bn, iters, k_fast)
     launch(block_scaled_quant_kernel, grid,
         x, rq, rs, cq, cs, rd, cd, m, k, x.stride(0), x.stride(1), *prologue_args(x, pro_args),

@@ -1,4 +1,4 @@
-"""Current scaling in one cooperative launch (opt-in: ``launch.ONE_LAUNCH_CURRENT``).
+"""Current scaling in one cooperative launch (opt-in: ``tuning.one_launch_current``).
 
 ``current_quantize_kernel`` runs the amax pass and the cast of a current-scaling quantize
 in one launch, with a grid-wide barrier between them. That needs every program of the grid
@@ -15,8 +15,10 @@ from __future__ import annotations
 import ctypes
 import functools
 
+from ...kernels.fp8_args import FP8_PARAMS, kernel_fp8_args
+from ...kernels.grid import num_sms, triton_cdiv
 from ...kernels.launch import launch
-from .launch import CONFIGS, FP8_PARAMS, kernel_fp8_args, num_sms, triton_cdiv
+from ...kernels.tuning import tuning
 
 #: Triton specialization of a launch (see ``_key``) -> programs of ``current_quantize_kernel``
 #: one SM holds at once, as the CUDA driver computes it
@@ -67,7 +69,7 @@ def launch_current_one(x, row, col, words, scales, m, k, p, eps, pro, r, c, fp8_
     at once (at most the config's count an SM), at most one a tile. ``words``: zeroed int32
     words (at least 3), left zero."""
     from .triton_kernels import current_quantize_kernel
-    bm, bn, warps, per_sm = CONFIGS["current_one"]
+    bm, bn, warps, per_sm = tuning.fp8_configs["current_one"]
     consts = dict(PRO=pro, POW2=pow2, FP8_MAX=FP8_PARAMS[fp8_dtype][3], ROWWISE=r,
                   COLWISE=c, BM=bm, BN=bn, num_warps=warps, launch_cooperative_grid=True,
                   **kernel_fp8_args(fp8_dtype))
@@ -81,8 +83,9 @@ def launch_current_one(x, row, col, words, scales, m, k, p, eps, pro, r, c, fp8_
             compiled = compiled.result()
         fit = resident_programs(compiled)
         if fit < 1:
-            raise RuntimeError(f"current_quantize_kernel with config {CONFIGS['current_one']} "
-                               f"does not fit on one SM; use a smaller tile or fewer warps")
+            raise RuntimeError(f"current_quantize_kernel with config "
+                               f"{tuning.fp8_configs['current_one']} does not fit on one SM; "
+                               f"use a smaller tile or fewer warps")
         _occupancy[key] = fit
     progs = max(1, min(tiles, num_sms(x.device) * min(per_sm, fit)))
     launch(current_quantize_kernel, (progs,), *args, triton_cdiv(tiles, progs), **consts)

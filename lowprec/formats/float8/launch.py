@@ -9,7 +9,7 @@ Passes over memory (M x K input):
 
 * current scaling: amax pass (read x) + one cast pass (read x, write rowwise and/or the
   transposed columnwise data); the scale is computed on the device, no host sync. With
-  ``ONE_LAUNCH_CURRENT`` both run in one cooperative launch (``cooperative.py``);
+  ``tuning.one_launch_current`` both run in one cooperative launch (``cooperative.py``);
 * delayed scaling: one pass (read x, write both directions, record the amax) whose last
   program stores the amax and scale and, only for a NaN/Inf input, fills the data with NaN
   (a separate finishing kernel when the cast is split in two launches);
@@ -25,164 +25,29 @@ writes the rowwise tile and/or its transpose (columnwise (K, M) layout).
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from typing import Optional
 
 import torch
 
 from ...kernels import _tracing, kernel_op
-from ..base import QuantizedTensor
+from ...kernels.fp8_args import FP8_PARAMS, fp8_dtype_of, kernel_fp8_args
+from ...kernels.grid import (cast_bottom_up, device_guard, launches, logical_shape, num_sms,
+                             prologue_args, prologue_launch_args, tile_config, tile_grid,
+                             triton_cdiv)
 from ...kernels.launch import launch
-
-# fp8 dtype -> (mantissa bits, exponent bias, fp32 bits of the max finite value, max)
-FP8_PARAMS = {
-    torch.float8_e4m3fn: (3, 7, 0x43E00000, 448.0),
-    torch.float8_e5m2: (2, 15, 0x47600000, 57344.0),
-}
-
-#: Use the hardware fp32 -> fp8 conversion (cvt.rn.satfinite) after an explicit saturation;
-#: False computes the rounding with integer arithmetic (same bits, more instructions).
-HW_CVT = True
-
-#: How the kernels write a transposed (columnwise) tile (see triton_kernels.store_t):
-#: 0 ``tl.trans`` of the fp8 codes, 3 transposed pointers (the compiler arranges the
-#: coalesced store). Both are verified bit-exact on sm90; 0 was as fast or faster.
-COL_MODE = 0
-
-#: Formats whose "both usages" quantization runs as two launches (rowwise-only, then
-#: columnwise-only) instead of one fused pass: keys "pertensor", "block1", "block2", "mx1",
-#: "mx2". The fused pass reads the input once; the split one twice, which can still be faster
-#: where the fused kernel's in-register transposition costs more than the second read.
-SPLIT_BOTH = {"pertensor": False, "block1": True, "block2": False, "mx1": False, "mx2": False}
-
-
-def launches(rowwise: bool, columnwise: bool, key: str):
-    """The (rowwise, columnwise) flags of each kernel launch for the requested usages."""
-    if rowwise and columnwise and SPLIT_BOTH.get(key, False):
-        return [(True, False), (False, True)]
-    return [(rowwise, columnwise)]
-
-
-#: Delayed scaling: the cast launch's last program stores the scales (and NaN-fills a
-#: NaN/Inf input) instead of a second, finishing launch. It saves one launch's host time;
-#: the NaN fill then runs in one program, slow, but only for NaN/Inf inputs.
-FUSED_FINISH = True
-
-#: Tile configs: name -> (BM, BN, num_warps[, ITERS, STAGES, K_FAST, BOTTOM_UP] of the
-#: casts: see tile_config and cast_bottom_up), picked by timing 16384x4096 bf16 on an H200
-#: (tools/sweep_fp8_quantize.py and tools/sweep_fp8_cast.py).
-#: tests/slow/test_fuzz_kernels_fp8.py checks them bit for bit against the reference. The casts take the rows
-#: the amax pass read last first, from L2 (``cast_kernel``).
-CONFIGS = {
-    "amax": (32, 256, 8),
-    "cast_row": (32, 512, 8, 4, 1, 1, 1),
-    "cast_col": (64, 128, 8, 1, 1, 1, 1),
-    "cast_both": (128, 128, 8, 1, 1, 1, 1),
-    "finish": (4096, 0, 4),
-    # current scaling in one cooperative launch: (BM, BN, warps, programs per SM at most;
-    # how many fit is the driver's count for the compiled variant: 2 with 128 registers
-    # when M, K and the row stride are multiples of 16, 1 for a variant near 255)
-    "current_one": (128, 128, 8, 2),
-}
-
-#: Current scaling's amax pass and cast in one cooperative launch (``cooperative.py``)
-#: when no producer computed the amax, instead of two launches (``amax_kernel``, then
-#: ``cast_kernel``). Off by default: it saves one launch's host time per quantize, but a
-#: cooperative grid the size of the GPU cannot start until every SM has room for it, so it
-#: waits for kernels of other streams (communication overlapped with compute) to leave.
-ONE_LAUNCH_CURRENT = False
+from ...kernels.tuning import tuning
+from ..base import QuantizedTensor
 
 #: int32 words a per-tensor quantize counts in: the amax bits and program counts (two for
 #: the cooperative kernel's barrier), padded to 16 bytes; see ``kept_amax_words``
 AMAX_WORDS = 4
 
 
-def tile_config(cfg: tuple) -> tuple:
-    """(BM, BN, num_warps, ITERS, STAGES, K_FAST) of a config entry; ITERS and STAGES
-    default to 1 (one tile per program, no software pipelining), K_FAST to False (grid
-    axis 0 along M, see :func:`tile_grid`)."""
-    bm, bn, warps, *rest = cfg
-    iters, stages, k_fast = (tuple(rest) + (1, 1, 0))[:3]
-    return bm, bn, warps, iters, stages, bool(k_fast)
-
-
-def cast_bottom_up(cfg: tuple) -> bool:
-    """The 7th item of a ``cast_*`` config: the cast takes x's row tiles from the last one
-    up (see ``cast_kernel``); False when absent."""
-    return len(cfg) > 6 and bool(cfg[6])
-
-
-#: CUDA's limit on a launch grid's axes 1 and 2 (axis 0 goes to 2**31 - 1)
-MAX_GRID_YZ = 65535
-
-
-def order_axes(grid: tuple, k_fast: bool) -> tuple[tuple, bool]:
-    """(launch grid, K_FAST to pass the kernel) of a (programs down M, programs along K)
-    grid: ``k_fast`` swaps the axes, unless that would put more than CUDA's 65535 programs
-    on axis 1; the other order then runs (the same tiles in another order)."""
-    for fast in (bool(k_fast), not k_fast):
-        ordered = grid[::-1] if fast else grid
-        if ordered[1] <= MAX_GRID_YZ:
-            return ordered, fast
-    raise ValueError(f"a quantize grid of {grid[0]} x {grid[1]} programs (down M x along K) "
-                     f"exceeds CUDA's {MAX_GRID_YZ} programs on grid axis 1 either way; "
-                     f"quantize the tensor in row slices")
-
-
-def tile_grid(m: int, k: int, bm: int, bn: int, iters: int, k_fast: bool) -> tuple[tuple, bool]:
-    """Launch grid of a tiled quantize and the K_FAST the kernel must read it with: (groups
-    of ITERS tiles down M, tiles along K), the axes swapped with ``k_fast`` (see
-    :func:`order_axes`)."""
-    return order_axes((triton_cdiv(triton_cdiv(m, bm), iters), triton_cdiv(k, bn)), k_fast)
-
-
-def fp8_dtype_of(is_e5m2: bool) -> torch.dtype:
-    return torch.float8_e5m2 if is_e5m2 else torch.float8_e4m3fn
-
-
-def kernel_fp8_args(fp8_dtype: torch.dtype) -> dict:
-    mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
-    return {"MBITS": mbits, "BIAS": bias, "MAX_BITS": max_bits, "HW_CVT": HW_CVT,
-            "COL_MODE": COL_MODE}
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 4  # CPU interpreter (logic checks only)
-
-
-def device_guard(device: torch.device):
-    """Launch on ``device`` (Triton launches on the current CUDA device); no device switch
-    (and none of its host cost) when it already is the current one."""
-    if device.type == "cuda" and device.index is not None \
-            and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
-
-
 def _cast_cfg(rowwise: bool, columnwise: bool):
+    configs = tuning.fp8_configs
     if rowwise and columnwise:
-        return CONFIGS["cast_both"]
-    return CONFIGS["cast_row"] if rowwise else CONFIGS["cast_col"]
-
-
-def logical_shape(x: torch.Tensor, pro: int) -> tuple[int, int]:
-    """(M, K) of what a kernel quantizes: ``x`` itself, or a gated activation's half."""
-    m, k = x.shape
-    return (m, k // 2) if pro >= 20 else (m, k)
-
-
-def prologue_args(x: torch.Tensor, pro_args: list) -> list:
-    """The four prologue pointers of a launch; unused ones are None, which Triton makes a
-    constexpr (no pointer to specialize and pass per launch: host time)."""
-    return list(pro_args) + [None] * (4 - len(pro_args))
+        return configs["cast_both"]
+    return configs["cast_row"] if rowwise else configs["cast_col"]
 
 
 def _outputs(x: torch.Tensor, rowwise: bool, columnwise: bool, pro: int = 0):
@@ -197,7 +62,7 @@ def _launch_amax(x: torch.Tensor, pro: int = 0, pro_args: list = (),
     """The amax pass into ``words[0]`` (zero, see ``kept_amax_words``), or into a fresh zero."""
     from .triton_kernels import amax_kernel
     m, k = logical_shape(x, pro)
-    bm, bn, warps = CONFIGS["amax"]
+    bm, bn, warps = tuning.fp8_configs["amax"]
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device) if words is None else words
     tiles = triton_cdiv(m, bm) * triton_cdiv(k, bn)
     progs = max(1, min(tiles, num_sms(x.device) * 4))
@@ -217,10 +82,6 @@ def fp8_amax(x: torch.Tensor) -> torch.Tensor:
 @fp8_amax.register_fake
 def _(x):
     return x.new_empty((1,), dtype=torch.int32)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 #: A quantize's scale buffer: the scale at 0, the decode scale at DECODE_AT (16-byte
@@ -249,7 +110,7 @@ def fp8_current_quantize(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float, ro
     p = prologue_args(x, pro_args)
     reset = False
     with device_guard(x.device):
-        if amax_bits is None and ONE_LAUNCH_CURRENT:
+        if amax_bits is None and tuning.one_launch_current:
             from .cooperative import launch_current_one, usable
             if usable():
                 if amax_words is None:
@@ -318,7 +179,7 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
     parts = launches(rowwise, columnwise, "pertensor")
     with device_guard(x.device):
         # the kernel counts elements in int32 for its fill: larger inputs finish apart
-        if len(parts) == 1 and FUSED_FINISH and m * k < 2 ** 31:
+        if len(parts) == 1 and m * k < 2 ** 31:
             if amax_words is None:
                 amax_words = torch.zeros(2, dtype=torch.int32, device=x.device)
             _launch_cast(x, row, col, amax_words, scale, scale_out, m, k, p, 0.0, pro,
@@ -329,7 +190,7 @@ def fp8_delayed_quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
         for r, c in parts:
             _launch_cast(x, row, col, amax_bits, scale, scale_out, m, k, p, 0.0, pro, r, c,
                          fp8_dtype, current=False, pow2=False, record=True)
-        block, _, warps = CONFIGS["finish"]
+        block, _, warps = tuning.fp8_configs["finish"]
         n = m * k
         progs = max(1, min(triton_cdiv(n, block), num_sms(x.device) * 2))
         launch(delayed_finish_kernel, (progs,), amax_bits, scale, scale_out, amax, row, col, n,
@@ -512,7 +373,3 @@ def fp8_delayed_update_many(table: torch.Tensor, h: int, max_n: int, inv_margin:
         launch(delayed_update_many_kernel, (table.shape[0], triton_cdiv(max_n, bn)),
                table, h, inv_margin, MOST_RECENT=most_recent, BH=bh, BN=bn, num_warps=4)
 
-
-def prologue_launch_args(prologue) -> tuple[int, list]:
-    """(pro code, pro tensors) of a launcher call for an optional prologue."""
-    return (prologue.code, prologue.kernel_tensors()) if prologue is not None else (0, [])

@@ -16,8 +16,8 @@ No thread holds more than a chunk or a piece.
   exact values are stored from ``col_l``, the same registers numbered rows first, so each
   thread writes 8 consecutive bytes (16 for exact bf16) of a (K, M) row and no data moves.
 
-Numerics are the shared jit helpers the Triton kernel uses (``float8/triton_kernels.py``,
-``mxfp8/triton_kernels.py``), bit for bit the reference (``mxfp8/reference.py``). The
+Numerics are the shared jit helpers the Triton kernel uses (``kernels/fp8_cast.py``,
+``kernels/e8m0.py``), bit for bit the reference (``mxfp8/reference.py``). The
 launcher guarantees M and K multiples of 32, a unit inner stride and no prologue; rows and
 columns past the tensor are masked a whole block at a time. Only ``launch.py`` imports
 this module, and only when Gluon imports.
@@ -28,9 +28,9 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..block.gluon_kernels import tile_ids
-from ..float8.triton_kernels import abs_bits, fp8_codes, fp8_value
-from .triton_kernels import e8m0_factor, e8m0_scale
+from ...kernels.e8m0 import e8m0_factor, e8m0_scale
+from ...kernels.fp8_cast import abs_bits, fp8_codes, fp8_value
+from ...kernels.gluon_tiles import tile_ids
 
 
 @gluon.constexpr_function

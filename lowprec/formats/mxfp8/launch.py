@@ -12,43 +12,18 @@ from __future__ import annotations
 import torch
 
 from ...kernels import gluon_takes, kernel_op
-from ..base import QuantizedTensor, check_exact_only
-
-from ..float8.launch import (FP8_PARAMS, device_guard, fp8_dtype_of, kernel_fp8_args,
-                              launches, logical_shape, prologue_args, prologue_launch_args,
-                              order_axes, tile_config, tile_grid, triton_cdiv)
-from .reference import BLOCK
+from ...kernels.fp8_args import FP8_PARAMS, fp8_dtype_of, kernel_fp8_args
+from ...kernels.grid import (device_guard, launches, logical_shape, order_axes,
+                             prologue_args, prologue_launch_args, tile_config, tile_grid,
+                             triton_cdiv)
 from ...kernels.launch import launch
-
-#: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]]) per
-#: (two_d, usages), picked by timing on an H200 (tools/sweep_fp8_quantize.py).
-#: With the columnwise usage the grid runs along K first, picked on
-#: an H100 (tools/sweep_mxfp8_exact.py for both usages, tools/sweep_fp8_quantize.py for the
-#: columnwise one): programs in flight together then read whole rows and write
-#: neighbouring stretches of each columnwise row, 7-13% less GPU time.
-CONFIGS = {
-    (False, "row"): (32, 128, 2),
-    (False, "col"): (32, 128, 2, 1, 1, 1),
-    (False, "both"): (32, 128, 2, 1, 1, 1),
-    (True, "row"): (64, 128, 8),
-    (True, "col"): (64, 128, 8),
-    (True, "both"): (64, 128, 4),
-}
-
-
-#: Both usages of 1x32 blocks through the Gluon kernel (``gluon_kernels.py``: the rowwise
-#: usage from DRAM, the columnwise one re-reading each tile from L2) where it applies
-#: (Gluon imports, no prologue, a unit inner stride, M and K multiples of 32, a 16-bit or
-#: fp32 input); False: the Triton kernel only.
-GLUON = True
-#: The Gluon kernel's launch config: (RB rows per rowwise chunk, warps, grid axis 0 along
-#: K, L2 eviction hints); a program covers 32 * warps rows and 128 columns.
-GLUON_CONFIG = (32, 2, 1, 1)
-
+from ...kernels.tuning import tuning
+from ..base import QuantizedTensor, check_exact_only
+from .reference import BLOCK
 
 def _gluon_applies(x: torch.Tensor, two_d: bool, rowwise: bool, columnwise: bool,
                    pro: int) -> bool:
-    if not (GLUON and rowwise and columnwise and not two_d and pro == 0):
+    if not (tuning.mxfp8_gluon and rowwise and columnwise and not two_d and pro == 0):
         return False
     m, k = x.shape
     return m % BLOCK == 0 and k % BLOCK == 0 and gluon_takes(x)
@@ -60,7 +35,7 @@ def _launch_gluon(x, outs, fp8_dtype, exact_row: bool, exact_col: bool, codes: b
     m, k = x.shape
     if m == 0 or k == 0:
         return
-    rb, warps, k_fast, evict = GLUON_CONFIG
+    rb, warps, k_fast, evict = tuning.mxfp8_gluon_config
     grid, k_fast = order_axes((triton_cdiv(m, 32 * warps), triton_cdiv(k, 128)), k_fast)
     mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
     launch(mx1_both_kernel, grid,
@@ -99,7 +74,7 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
     in use asks for its exact values): no data or scales, empty tensors in their place."""
     if not codes:
         check_exact_only("mxfp8_quantize", rowwise, columnwise, exact_row, exact_col)
-    from ..block.triton_kernels import block_scaled_quant_kernel
+    from ...kernels.block_scaled import block_scaled_quant_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
     m, k = logical_shape(x, pro)
     rq, rs, cq, cs, re, ce = _empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row,
@@ -109,7 +84,8 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
             _launch_gluon(x, (rq, rs, cq, cs, re, ce), fp8_dtype, exact_row, exact_col, codes)
             return rq, rs, cq, cs, re, ce
         for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
-            bm, bn, warps, iters, stages, k_fast = tile_config(CONFIGS[(two_d, _usage(r, c))])
+            bm, bn, warps, iters, stages, k_fast = tile_config(
+                tuning.mxfp8_configs[(two_d, _usage(r, c))])
             grid, k_fast = tile_grid(m, k, bm, bn, iters, k_fast)
             launch(block_scaled_quant_kernel, grid,
                 x, rq, rs, cq, cs, None, None, m, k, x.stride(0), x.stride(1),

@@ -8,6 +8,8 @@ from ...kernels import use_kernels
 from ..base import Quantizer, check_bool_option, check_divisible
 from . import launch
 from ..casting import check_fp8_dtype
+from ..exact import ExactTensor
+from ..gemm_slicer import block_gemm_slicer
 from .reference import BLOCK, quantize_1x32, quantize_32x32
 from .tensor import MXFP8Tensor
 
@@ -32,6 +34,7 @@ class MXFP8Quantizer(Quantizer):
 
     format_name = "mxfp8"
     keeps_exact_bf16 = True
+    exact_tensor_type = ExactTensor
 
     def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *,
                  with_2d_quantization: bool = False) -> None:
@@ -68,7 +71,7 @@ class MXFP8Quantizer(Quantizer):
 
     def gemm_slicer(self, x2d):
         # Slices start at multiples of 128 rows or columns: every block lies inside one.
-        return self._block_gemm_slicer(x2d)
+        return block_gemm_slicer(self, x2d)
 
     def _quantize_exact_2d(self, x2d: torch.Tensor) -> dict:
         return launch.quantize_mxfp8_exact(self, x2d)

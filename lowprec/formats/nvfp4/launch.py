@@ -33,21 +33,12 @@ import torch
 from torch import Tensor
 
 from ...kernels import kernel_op, use_kernels
-from ..float8.launch import num_sms
+from ...kernels.grid import num_sms
+from ...kernels.launch import launch
+from ...kernels.tuning import tuning
 from ..base import QuantizedTensor, check_exact_only
 from ..casting import e2m1_codes_to_float, unpack_e2m1
 from .reference import BLOCK, SCALE_DTYPE
-from ...kernels.launch import launch
-
-# Tile shapes (see the kernels' docs; warps follow from them). Tuned on H200 with
-# tests/slow/test_fuzz_kernels_nvfp4.py.
-CONFIG = {
-    # grid-stride tiles: FLAT flat elements, or (RHT) 64 x 16 KW; PROGS_PER_SM programs
-    "amax": {"FLAT": 4096, "KW": 4, "PROGS_PER_SM": 8},
-    "row": {"KB": 8, "RB": 16},            # 16 rows x 8 blocks of 16 columns
-    "col": {"KW": 4},                      # 64 rows x 16 KW columns
-    "dequant": {"KB": 32, "RB": 8},
-}
 
 # FMA contraction off: every fp32 operation rounds as in the reference.
 _LAUNCH_OPTS = {"enable_fp_fusion": False}
@@ -147,7 +138,7 @@ def _launch_row(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx6
     """The rowwise kernel over x (M, K), rows sx elements apart (see the kernel's doc);
     ``exact`` None: no exact values written."""
     m, kk = x.shape
-    cr = CONFIG["row"]
+    cr = tuning.nvfp4_config["row"]
     kb, rb = cr["KB"], (16 if two_d else cr["RB"])
     grid = (triton_cdiv(m, rb) * triton_cdiv(kk // BLOCK, kb),)
     launch(_kernels()._nvfp4_row_kernel, grid,
@@ -161,7 +152,7 @@ def _launch_col(x, sx, data, scale, glob, key, offset, exact, rht, two_d, codes,
                 idx64) -> None:
     """The columnwise kernel over x (M, K), rows sx elements apart (see the kernel's doc)."""
     m, kk = x.shape
-    kw = CONFIG["col"]["KW"]
+    kw = tuning.nvfp4_config["col"]["KW"]
     grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * kw),)
     launch(_kernels()._nvfp4_col_kernel, grid,
         x, m, kk, sx, data, scale, glob, key if key is not None else glob, offset, exact,
@@ -206,7 +197,7 @@ def _amax_pass(x: Tensor, rglob: Tensor, cglob: Tensor, rowwise: bool, columnwis
     """Write the global encode scales of the contiguous x's directions in use."""
     m, kk = x.shape
     ws = torch.zeros(3, dtype=torch.int32, device=x.device)
-    ca = CONFIG["amax"]
+    ca = tuning.nvfp4_config["amax"]
     grid, warps, even = amax_launch(m, kk, rht, x.device)
     launch(_kernels()._nvfp4_amax_kernel, grid, x, m, kk, ws, rglob, cglob, ROW=bool(rowwise),
            COL=bool(columnwise), RHT=rht, KW=ca["KW"],
@@ -242,7 +233,7 @@ def _nvfp4_global_scales_fake(x, rowwise, columnwise, with_rht):
 def amax_launch(m: int, kk: int, rht: bool, device: torch.device) -> tuple:
     """(grid, num_warps, EVEN) of the amax pass over an (m, kk) input: at most
     ``PROGS_PER_SM`` programs per SM, each folding tiles (grid-stride)."""
-    ca = CONFIG["amax"]
+    ca = tuning.nvfp4_config["amax"]
     if rht:
         tiles = triton_cdiv(m, 64) * triton_cdiv(kk, 16 * ca["KW"])
         warps = ca["KW"]
@@ -348,7 +339,7 @@ def nvfp4_dequantize_unscaled_bf16(data: Tensor, scale: Tensor, two_d: bool) -> 
     out = torch.empty(r, c, dtype=torch.bfloat16, device=data.device)
     if r == 0 or c == 0:
         return out
-    cfg = CONFIG["dequant"]
+    cfg = tuning.nvfp4_config["dequant"]
     grid = (triton_cdiv(r, cfg["RB"]) * triton_cdiv(c // BLOCK, cfg["KB"]),)
     launch(_kernels()._nvfp4_dequant_unscaled_kernel, grid,
         data.contiguous(), scale.contiguous(), out, r, c, TWO_D=bool(two_d),

@@ -6,9 +6,11 @@ import torch
 
 from ...kernels import use_kernels
 from ..base import Quantizer, check_bool_option, check_divisible
+from ..exact import ExactTensor
+from ..gemm_slicer import GemmSlicer
 from .draws import draw_key, uniforms_at
 from .reference import BLOCK, SCALE_DTYPE, finite_amax, global_encode_scale, quantize_matrix
-from .rht import rht_forward
+from ..rht import rht_forward
 from .tensor import NVFP4Tensor
 
 
@@ -35,6 +37,7 @@ class NVFP4Quantizer(Quantizer):
 
     format_name = "nvfp4"
     keeps_exact_bf16 = True
+    exact_tensor_type = ExactTensor
 
     def __init__(self, *, with_rht: bool = False, with_2d_quantization: bool = False,
                  stochastic_rounding: bool = False,
@@ -118,7 +121,6 @@ class NVFP4Quantizer(Quantizer):
         # A slice takes the whole tensor's global scales and draws the whole tensor's
         # uniforms at its own indices; both are fixed here, for both directions, as a
         # quantize with both usages fixes them (the keys rowwise first).
-        from ..gemm_slicer import GemmSlicer
         m, k = x2d.shape
         scales = self._global_scales(x2d)
         keys = (self._sr_key(x2d.device), self._sr_key(x2d.device))

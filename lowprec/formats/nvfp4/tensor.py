@@ -6,7 +6,7 @@ import torch
 
 from ..base import QuantizedTensor
 from .reference import dequantize_matrix
-from .rht import rht_inverse
+from ..rht import rht_inverse
 
 
 class NVFP4Tensor(QuantizedTensor):

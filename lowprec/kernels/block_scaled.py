@@ -10,7 +10,7 @@ Two formats share it, told apart by ``E8M0`` and the block size ``BLK``:
 Each program loads one tile of x once (BM, BN multiples of BLK where that direction is
 blocked), takes the row-block and/or column-block amaxes (int32 bit patterns), and writes the
 rowwise data (M, K) and the columnwise data (K, M, the blocks running along M) with their
-scales. Numerics: see ``float8/triton_kernels.py``.
+scales. Numerics: see ``fp8_cast.py`` and ``e8m0.py``.
 
 With ``DECODE`` (Float8Block only) it also writes each direction's decode scales
 (``1 / scale``, correctly rounded as ``torch.reciprocal``) in the layout cuBLAS reads them
@@ -30,10 +30,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...fused.triton_prologue import load_tile
-from ..float8.triton_kernels import (abs_bits, current_scale, decode_scale, fp8_codes, fp8_value,
-                                     store_t, tile_ids)
-from ..mxfp8.triton_kernels import e8m0_factor, e8m0_scale
+from .e8m0 import e8m0_factor, e8m0_scale
+from .fp8_cast import (abs_bits, current_scale, decode_scale, fp8_codes, fp8_value, store_t,
+                       tile_ids)
+from .prologue import load_tile
 
 
 @triton.jit

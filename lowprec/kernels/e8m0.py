@@ -1,5 +1,5 @@
 """The MXFP8 scale rule in Triton; the quantize kernel is the block-scaled FP8 one
-(``block/triton_kernels.py`` with ``E8M0=True``, ``BLK=32``).
+(``block_scaled.py`` with ``E8M0=True``, ``BLK=32``).
 
 Numerics are those of ``mxfp8/reference.py``: ``e`` = exponent of the smallest power of two
 >= fp32(amax / fp8_max) (correctly rounded division), clamped to [-127, 127], zero -> -127,

@@ -1,0 +1,37 @@
+"""The exact fp32 GEMM emulation: both operands dequantized in fp32, an fp32 matmul.
+
+Every pair of operands is accepted: :func:`lowprec.gemm.gemm` falls back to it after the
+GPU backends, and a backend that finds its pair refused at run time computes it here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.base import QuantizedTensor
+from ..formats.identity import IdentityTensor
+
+
+def plain_matrix(t: torch.Tensor, usage: str) -> torch.Tensor:
+    """``mat(t, usage)`` of an unquantized operand (or an IdentityTensor's data)."""
+    if isinstance(t, IdentityTensor):
+        return getattr(t, f"{usage}_data")
+    m2 = t.reshape(-1, t.shape[-1])
+    return m2 if usage == "rowwise" else m2.t()
+
+
+def operand_matrix_fp32(t: torch.Tensor, usage: str) -> torch.Tensor:
+    """fp32 values of ``mat(t, usage)``, dequantized exactly for quantized operands."""
+    if isinstance(t, QuantizedTensor) and not isinstance(t, IdentityTensor):
+        if not t.has_usage(usage):
+            raise RuntimeError(f"GEMM needs the {usage} representation of {t!r}")
+        return t._dequantize_2d(usage)
+    return plain_matrix(t, usage).to(torch.float32)
+
+
+def emulated_fp32_run(a, a_usage, b, b_usage, out_dtype, bias):
+    """``mat(a) @ mat(b).T (+ bias)`` in fp32, rounded once to ``out_dtype``."""
+    out = operand_matrix_fp32(a, a_usage) @ operand_matrix_fp32(b, b_usage).t()
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)

@@ -1,0 +1,188 @@
+"""The layering of ``lowprec`` (docs/architecture.md), checked on the source with ``ast``.
+
+* ``lowprec/kernels/`` imports nothing of lowprec but ``kernels/``;
+* the generic modules of ``lowprec/formats/`` (``formats/*.py``) import only ``kernels/``
+  and each other;
+* a format folder (``lowprec/formats/<format>/``) imports only ``kernels/``, the generic
+  ``formats/*.py`` modules and its own folder: never a sibling format, never a higher layer;
+* no import cycles between modules.
+
+Every import counts, at module level or inside a function, except those under
+``if TYPE_CHECKING:`` (never run). A package's ``__init__`` only re-exports: its own imports
+are not edges, and an import of a name it re-exports is an edge to the module defining it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "lowprec"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+MODULES = _modules()
+PACKAGES = {name for name, p in MODULES.items() if p.name == "__init__.py"}
+
+
+def _resolve(module: str, level: int, target: str | None) -> str:
+    """Absolute name of ``from <level dots><target>`` inside ``module``."""
+    if level == 0:
+        return target or ""
+    base = module.split(".") if module in PACKAGES else module.split(".")[:-1]
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _imports(tree: ast.AST):
+    """Import nodes, with those under ``if TYPE_CHECKING:`` left out."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return [n for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skip]
+
+
+def _raw_targets(module: str) -> list[tuple[str, str | None]]:
+    """(module imported from, name imported or None) of every import of lowprec."""
+    tree = ast.parse(MODULES[module].read_text())
+    out = []
+    for node in _imports(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None) for a in node.names if a.name.split(".")[0] == "lowprec"]
+        else:
+            src = _resolve(module, node.level, node.module)
+            if src.split(".")[0] == "lowprec":
+                out += [(src, a.name) for a in node.names]
+    return out
+
+
+def _defining_module(package: str, name: str, seen=()) -> str:
+    """The module a package's ``__init__`` takes ``name`` from (the package itself when it
+    defines the name or the name is not found)."""
+    if package in seen:
+        return package
+    for src, imported in _raw_targets(package):
+        if imported == name:
+            if src in PACKAGES:
+                return _defining_module(src, name, seen + (package,))
+            return src if src in MODULES else package
+    return package
+
+
+def edges(module: str) -> set[str]:
+    """The lowprec modules ``module`` imports (see the module docstring)."""
+    out = set()
+    for src, name in _raw_targets(module):
+        if name is not None and f"{src}.{name}" in MODULES:
+            out.add(f"{src}.{name}")  # a submodule
+        elif src in PACKAGES and name is not None:
+            out.add(_defining_module(src, name))
+        elif src in MODULES:
+            out.add(src)
+    out.discard(module)
+    return out
+
+
+def _is_kernels(m: str) -> bool:
+    return m == "lowprec.kernels" or m.startswith("lowprec.kernels.")
+
+
+def _format_folder(m: str) -> str | None:
+    """The format folder ``m`` lies in (``"float8"``, ...), else None."""
+    parts = m.split(".")
+    if len(parts) >= 3 and parts[:2] == ["lowprec", "formats"] \
+            and f"lowprec.formats.{parts[2]}" in PACKAGES:
+        return parts[2]
+    return None
+
+
+def _is_generic_format(m: str) -> bool:
+    """A generic ``formats/*.py`` module (not the package, not a format folder)."""
+    parts = m.split(".")
+    return len(parts) == 3 and parts[:2] == ["lowprec", "formats"] and m not in PACKAGES
+
+
+def _sources():
+    """Modules whose imports are checked: every module but the packages' ``__init__``."""
+    return [m for m in MODULES if m not in PACKAGES]
+
+
+def test_kernels_import_only_kernels():
+    bad = [(m, t) for m in _sources() if _is_kernels(m) for t in edges(m) if not _is_kernels(t)]
+    assert not bad, f"kernels/ imports outside kernels/: {bad}"
+
+
+def test_generic_format_modules_import_only_kernels_and_each_other():
+    bad = [(m, t) for m in _sources() if _is_generic_format(m) for t in edges(m)
+           if not (_is_kernels(t) or _is_generic_format(t))]
+    assert not bad, f"generic formats/*.py modules import a format folder or a higher layer: {bad}"
+
+
+def test_format_folders_import_only_their_own_folder_and_below():
+    bad = []
+    for m in _sources():
+        fmt = _format_folder(m)
+        if fmt is None:
+            continue
+        for t in edges(m):
+            if not (_is_kernels(t) or _is_generic_format(t) or _format_folder(t) == fmt):
+                bad.append((m, t))
+    assert not bad, f"format folders import a sibling format or a higher layer: {bad}"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    graph = {m: edges(m) for m in _sources()}
+    assert not _cycles(graph), f"import cycles: {_cycles(graph)}"
+
+
+@pytest.mark.parametrize("module, expected", [
+    ("lowprec.formats.mxfp8.launch", "lowprec.kernels.grid"),
+    ("lowprec.formats.float8.quantizer", "lowprec.formats.float8.launch"),
+])
+def test_edges_see_imports(module, expected):
+    """The checks above see module-level and function-level imports (a guard against a
+    checker that finds nothing)."""
+    assert expected in edges(module)
