@@ -1,6 +1,7 @@
 """Launchers for the GEMM backends' elementwise helpers, with pure-torch fallbacks.
 
-* :func:`mxfp8_dequantize_bf16` -- MXFP8 data and E8M0 scales to exact bf16;
+* :func:`mxfp8_dequantize_bf16` -- MXFP8 data and E8M0 scales to exact bf16 (the MXFP8
+  format's own kernel, :mod:`lowprec.formats.mxfp8.dequantize`, re-exported here);
 * :func:`scale_bias_epilogue` -- ``(acc / div_a / div_b + bias)`` in fp32, rounded
   once to the output dtype;
 * :func:`gemm_alpha` -- ``1 / (div_a * div_b)`` (fp64, rounded to fp32) on the device, the
@@ -18,29 +19,13 @@ from typing import Optional
 
 import torch
 
-from ..formats.casting import E8M0_BIAS, E8M0_NAN, exp2_int
 from ..kernels import kernel_op, use_kernels
 from ..kernels.launch import launch
-
-_MX_BLOCK = 32
-
-#: MXFP8 dequantize tile: BR rows x NB blocks of 32 per program, num_warps (timed on an H200
-#: with tools/sweep_dequant.py, which may override it).
-MX_DEQUANT_CONFIG = {"BR": 32, "NB": 8, "warps": 8}
+from ..formats.mxfp8.dequantize import (  # noqa: F401 - the GEMM backends' helpers in one place
+    MX_DEQUANT_CONFIG, mxfp8_dequantize_bf16, mxfp8_dequantize_bf16_torch)
 
 
 # ---- torch reference versions -------------------------------------------------------------
-def mxfp8_dequantize_bf16_torch(data: torch.Tensor, scale: torch.Tensor,
-                                block_rows: int) -> torch.Tensor:
-    r, c = data.shape
-    nan = scale == E8M0_NAN
-    e = torch.where(nan, torch.zeros_like(scale), scale).to(torch.int32) - E8M0_BIAS
-    factor = torch.where(nan, torch.full(e.shape, float("nan"), device=e.device), exp2_int(e))
-    blocks = data.to(torch.bfloat16).reshape(r // block_rows, block_rows, c // _MX_BLOCK, _MX_BLOCK)
-    # bf16 x bf16 multiplies in fp32 and rounds once; the exact product is representable.
-    return (blocks * factor.to(torch.bfloat16)[:, None, :, None]).reshape(r, c)
-
-
 def scale_bias_epilogue_torch(acc, div_a, div_b, bias, out_dtype):
     if div_a is not None:
         acc = acc / div_a.to(torch.float32)
@@ -60,27 +45,6 @@ def gemm_alpha_torch(div_a, div_b):
 
 
 # ---- Triton launchers as custom ops -------------------------------------------------------
-@kernel_op("lowprec_gemm::mxfp8_dequant_bf16", mutates_args=())
-def _mxfp8_dequant_op(data: torch.Tensor, scale: torch.Tensor, block_rows: int) -> torch.Tensor:
-    from ._triton_kernels import mxfp8_dequant_bf16_kernel
-
-    data, scale = data.contiguous(), scale.contiguous()
-    r, c = data.shape
-    out = torch.empty((r, c), dtype=torch.bfloat16, device=data.device)
-    nblk = c // _MX_BLOCK
-    cfg = MX_DEQUANT_CONFIG
-    br, nb = cfg["BR"], cfg["NB"]
-    grid = ((r + br - 1) // br, (nblk + nb - 1) // nb)
-    launch(mxfp8_dequant_bf16_kernel, grid, data, scale, out, r, c, nblk,
-           BLOCK_ROWS=block_rows, BR=br, NB=nb, num_warps=cfg["warps"])
-    return out
-
-
-@_mxfp8_dequant_op.register_fake
-def _(data, scale, block_rows):
-    return data.new_empty(data.shape, dtype=torch.bfloat16)
-
-
 @kernel_op("lowprec_gemm::scale_bias_epilogue", mutates_args=())
 def _epilogue_op(acc: torch.Tensor, div_a: Optional[torch.Tensor], div_b: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
@@ -184,13 +148,6 @@ def _(am, bm, div_a, div_b, out):
 
 
 # ---- dispatch -----------------------------------------------------------------------------
-def mxfp8_dequantize_bf16(data: torch.Tensor, scale: torch.Tensor, block_rows: int) -> torch.Tensor:
-    """Exact bf16 ``data * 2**e`` of one stored MXFP8 direction (R, C)."""
-    if use_kernels(data) and data.numel():
-        return _mxfp8_dequant_op(data, scale, block_rows)
-    return mxfp8_dequantize_bf16_torch(data, scale, block_rows)
-
-
 def _divisor(d: torch.Tensor | None) -> torch.Tensor | None:
     """A per-tensor divisor as the (1,) fp32 tensor the kernels read (None stays None)."""
     return None if d is None else d.to(torch.float32).reshape(1)

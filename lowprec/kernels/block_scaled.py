@@ -20,7 +20,7 @@ and (M/128, K) columnwise; for 128x128 blocks the scales' own layout.
 With ``EXACT_ROW`` / ``EXACT_COL`` (MXFP8 only) it also writes that direction's exact bf16
 values ``data * 2**e`` in the data's layout (``re_ptr`` (M, K), ``ce_ptr`` (K, M)): what the
 bf16 GEMM emulation consumes, bit for bit the dequantize kernel's output
-(``backends/_triton_kernels.py``), so an operand consumed at once needs no dequantize pass.
+(``formats/mxfp8/triton_kernels.py``), so an operand consumed at once needs no dequantize pass.
 ``CODES=False`` then skips the data and scale stores (an operand nothing reads but its
 GEMMs keeps only the exact values).
 """

@@ -6,6 +6,7 @@ import torch
 
 from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
+from .dequantize import mxfp8_dequantize_bf16
 from .reference import BLOCK, dequantize_blocks
 
 
@@ -40,7 +41,6 @@ class MXFP8Tensor(QuantizedTensor):
         exact = self._exact_bf16_record(usage)
         if exact is not None:
             return exact, None
-        from ...backends.kernels import mxfp8_dequantize_bf16  # the backends import formats
         return mxfp8_dequantize_bf16(getattr(self, f"{usage}_data"),
                                      getattr(self, f"{usage}_scale"),
                                      BLOCK if self.with_2d_quantization else 1), None
