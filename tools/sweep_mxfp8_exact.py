@@ -3,10 +3,11 @@ operands, on the Triton kernel and the Gluon one.
 
 Candidates: ``BMxBNxWARPS[xITERSxSTAGES[xKFAST]]`` (the Triton kernel,
 ``tuning.mxfp8_configs[(False, "both")]``) or ``gluon:RB.WARPS.KFAST.EVICT``
-(``tuning.mxfp8_gluon_config``), each set with ``lowprec.kernels.tuning.override``. For each candidate and each
-request (no records, rowwise record as for x, both records as for dY) the outputs are
-checked bit for bit against the Triton kernel at its default config, then the GPU time of
-one quantize (CUDA graph, ``harness.graph_ms``) is printed against a copy of the input.
+(``tuning.mxfp8_gluon_config``), each set with ``kernels.tuning.override``. For each
+candidate and each request (no records, rowwise record as for x, both records as for dY) the
+outputs are checked bit for bit against the Triton kernel at its default config, then the
+GPU time of one quantize (CUDA graph, ``harness.graph_ms``) is printed against a copy of the
+input.
 
     python tools/sweep_mxfp8_exact.py [--shape 16384x4096] [--configs 32x64x1,gluon:32.4.1.1]
 """
