@@ -107,11 +107,9 @@ def _quant_sig(extra_ptrs=()):
 
 def cases(only):
     """(name, kernel fn, signature, constexprs, configs) per kernel family and usage."""
-    from lowprec.formats.block import launch as bl
-    from lowprec.formats.block.triton_kernels import block_scaled_quant_kernel
-    from lowprec.formats.mxfp8 import launch as ml
-    from lowprec.formats.float8 import launch as fl
     from lowprec.formats.float8.triton_kernels import cast_kernel
+    from lowprec.kernels.block_scaled import block_scaled_quant_kernel
+    from lowprec.kernels.tuning import tuning
     out = []
     for usage, (r, c) in (("both", (True, True)), ("row", (True, False)), ("col", (False, True))):
         sig = {"x_ptr": "*bf16", "row_ptr": "*u8", "col_ptr": "*u8", "amax_ptr": "*i32",
@@ -123,37 +121,39 @@ def cases(only):
             const = dict(FP8, PRO=0, CURRENT=current, POW2=False, ROWWISE=r, COLWISE=c,
                          RECORD=not current, FINISH=not current, RESET=current)
             out.append(("current" if current else "delayed", usage, cast_kernel, sig, const,
-                        fl.CONFIGS[f"cast_{usage}"]))
+                        tuning.fp8_configs[f"cast_{usage}"]))
     for usage, (r, c) in (("both", (True, True)), ("row", (True, False)), ("col", (False, True))):
         for dim in (1, 2):
             sig = dict(_quant_sig(), eps="fp32")
             const = dict(FP8, PRO=0, POW2=True, TWO_D=dim == 2, ROWWISE=r, COLWISE=c,
                          E8M0=False, BLK=128, DECODE=True)
             out.append((f"block{dim}", usage, block_scaled_quant_kernel, sig, const,
-                        bl.CONFIGS[(dim, usage)]))
+                        tuning.block_configs[(dim, usage)]))
         for two_d in (False, True):
             sig = dict(_quant_sig(), eps="fp32")
             sig["rs_ptr"] = sig["cs_ptr"] = "*u8"
             const = dict(FP8, PRO=0, POW2=False, TWO_D=two_d, ROWWISE=r, COLWISE=c, E8M0=True,
                          BLK=32, DECODE=False)
             out.append((f"mx{2 if two_d else 1}", usage, block_scaled_quant_kernel, sig, const,
-                        ml.CONFIGS[(two_d, usage)]))
+                        tuning.mxfp8_configs[(two_d, usage)]))
             # with the exact bf16 values of each direction written too (quantize_for_gemm)
             sig_ex = dict(sig, re_ptr="*bf16", ce_ptr="*bf16")
             out.append((f"mx{2 if two_d else 1}+ex", usage, block_scaled_quant_kernel, sig_ex,
-                        dict(const, EXACT_ROW=r, EXACT_COL=c), ml.CONFIGS[(two_d, usage)]))
+                        dict(const, EXACT_ROW=r, EXACT_COL=c),
+                        tuning.mxfp8_configs[(two_d, usage)]))
     return [c for c in out if not only or c[0] in only]
 
 
 def nvfp4_cases():
     """(name, kernel fn, signature, constexprs, warps, elements per program) of the NVFP4
     rowwise and columnwise kernels at the launch configs, 1D blocks."""
-    from lowprec.formats.nvfp4 import launch as nl
     from lowprec.formats.nvfp4 import triton_kernels as nk
+    from lowprec.kernels.tuning import tuning
     sig = {"x_ptr": "*bf16", "M": "i32", "K": "i32", "SX": "i32", "data_ptr": "*u8",
            "scale_ptr": "*u8", "glob_ptr": "*fp32", "key_ptr": "*i64", "IDX0": "i32",
            "exact_ptr": "*bf16"}
-    kb, rb, kw = nl.CONFIG["row"]["KB"], nl.CONFIG["row"]["RB"], nl.CONFIG["col"]["KW"]
+    cfg = tuning.nvfp4_config
+    kb, rb, kw = cfg["row"]["KB"], cfg["row"]["RB"], cfg["col"]["KW"]
     out = []
     for sr, ex in ((False, False), (True, False), (True, True)):
         tag = ("+sr" if sr else "") + ("+ex" if ex else "")
@@ -184,8 +184,8 @@ def gluon_report():
     gluon_kernels.py``) and MXFP8 1x32 both usages (``formats/mxfp8/gluon_kernels.py``)."""
     from lowprec.formats.block import launch as bl
     from lowprec.formats.block import gluon_kernels as gk
-    from lowprec.formats.mxfp8 import launch as ml
     from lowprec.formats.mxfp8 import gluon_kernels as mk
+    from lowprec.kernels.tuning import tuning
     e4m3 = dict(FP8_MAX=448.0, MBITS=3, BIAS=7, MAX_BITS=0x43E00000)
     fp8 = dict(e4m3, POW2=True)
     base = {"x_ptr": "*bf16", "cq_ptr": "*u8", "cs_ptr": "*fp32", "cd_ptr": "*fp32",
@@ -193,7 +193,7 @@ def gluon_report():
     r, t, w, kf = bl.gluon_config("col")
     rb, rr, tb, wb, kfb, ev = bl.gluon_config("both")
     both = dict(base, rq_ptr="*u8", rs_ptr="*fp32", rd_ptr="*fp32")
-    mrb, mw, mkf, mev = ml.GLUON_CONFIG
+    mrb, mw, mkf, mev = tuning.mxfp8_gluon_config
     mx = {"x_ptr": "*bf16", "rq_ptr": "*u8", "rs_ptr": "*u8", "cq_ptr": "*u8", "cs_ptr": "*u8",
           "re_ptr": "*bf16", "ce_ptr": "*bf16", "M": "i32", "K": "i32", "stride_xm": "i32"}
     mx_const = dict(e4m3, RB=mrb, WARPS=mw, K_FAST=bool(mkf), EVICT=bool(mev))
@@ -216,7 +216,7 @@ def gluon_report():
 
 
 def tile_config(cfg):
-    from lowprec.formats.float8.launch import tile_config as tc
+    from lowprec.kernels.grid import tile_config as tc
     return tc(cfg)
 
 

@@ -1,7 +1,7 @@
 """Tile sweep of the two bf16 dequantize kernels of the GEMM emulation, checked bit for bit.
 
 For MXFP8 (``lowprec.backends.kernels.MX_DEQUANT_CONFIG``) and NVFP4
-(``lowprec.formats.nvfp4.launch.CONFIG["dequant"]``): every candidate tile is first
+(``lowprec.kernels.tuning.tuning.nvfp4_config["dequant"]``): every candidate tile is first
 compared with the pure-torch dequantization on odd and aligned shapes (a candidate
 that differs in any bit is dropped), then timed on a 16384x4096 operand against a
 device-to-device copy of the bf16 output size. Prints the fastest exact candidate per
@@ -24,6 +24,7 @@ from harness import l2_rotation, time_fn  # noqa: E402
 from lowprec import MXFP8Quantizer, NVFP4Quantizer  # noqa: E402
 from lowprec.backends import kernels  # noqa: E402
 from lowprec.formats.nvfp4 import launch as nv_launch  # noqa: E402
+from lowprec.kernels.tuning import override, tuning  # noqa: E402
 
 MX_CANDIDATES = [{"BR": 16, "NB": 16, "warps": 8}, {"BR": 32, "NB": 8, "warps": 8},
                  {"BR": 8, "NB": 16, "warps": 4}, {"BR": 16, "NB": 8, "warps": 4},
@@ -106,11 +107,12 @@ def main():
         d, s = t.rowwise_data, t.rowwise_scale
         return d.numel() * d.element_size() + s.numel() * s.element_size() + 2 * t.numel()
 
-    # the launcher reads the module global at each call
+    # the launchers read the module global / ``tuning`` at each call
     sweep("mxfp8 dequant", vars(kernels), "MX_DEQUANT_CONFIG", MX_CANDIDATES, _mx_tensors,
           mx_kernel, mx_ref, nbytes)
-    sweep("nvfp4 dequant", nv_launch.CONFIG, "dequant", NV_CANDIDATES, _nv_tensors, nv_kernel,
-          nv_ref, nbytes)
+    with override(nvfp4_config=dict(tuning.nvfp4_config)):
+        sweep("nvfp4 dequant", tuning.nvfp4_config, "dequant", NV_CANDIDATES, _nv_tensors,
+              nv_kernel, nv_ref, nbytes)
 
 
 if __name__ == "__main__":

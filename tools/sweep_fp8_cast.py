@@ -2,9 +2,9 @@
 
 Delayed scaling's quantize is one pass (read x, write rowwise and/or columnwise codes,
 record the amax); current scaling is an amax pass plus the same cast pass (or, with
-``launch.ONE_LAUNCH_CURRENT``, both in one cooperative launch: the "current_one" key
+``tuning.one_launch_current``, both in one cooperative launch: the "current_one" key
 turns it on for its candidates). Both take their
-tile config from ``float8.launch.CONFIGS`` ("cast_both", "cast_row", "cast_col":
+tile config from ``lowprec.kernels.tuning.tuning.fp8_configs`` ("cast_both", "cast_row", "cast_col":
 (BM, BN, warps[, tiles per program, pipeline stages[, K-fast grid[, bottom-up]]])),
 and current scaling's one-launch kernel from "current_one" (BM, BN, warps, programs per SM).
 Current scaling's cast follows its amax pass, so an order that first reads the rows the
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import bf16_inputs_and_copy, graph_ms  # noqa: E402
 from lowprec.formats import Float8CurrentScalingQuantizer, Float8Quantizer  # noqa: E402
-from lowprec.formats.float8 import launch  # noqa: E402
+from lowprec.kernels import tuning  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 USAGES = {"cast_both": (True, True), "cast_row": (True, False), "cast_col": (False, True),
@@ -103,23 +103,23 @@ def main(argv=None):
     inputs, copy_ms = bf16_inputs_and_copy(m, k)
     x = inputs[0][0]
     for key in args.keys.split(","):
-        saved = launch.CONFIGS[key]
+        saved = tuning.tuning.fp8_configs[key]
         usage = USAGES[key]
         out_bytes = m * k * sum(usage)
         default_out = {kind: codes((q := make(kind, usage)).quantize(x), q)
                        for kind in ("delayed", "current")}
-        launch.ONE_LAUNCH_CURRENT = key == "current_one"
         for cfg in [saved] + [c for c in CANDIDATES[key] if c != saved]:
-            launch.CONFIGS[key] = cfg
-            try:
-                bad = check(key, x, default_out)
-                times = {}
-                for kind in ("delayed", "current"):
-                    q = make(kind, usage)
-                    times[kind] = graph_ms(lambda t: q.quantize(t), inputs)
-            except Exception as e:  # noqa: BLE001 (a config that fails to compile: report it)
-                print(f"{key} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
-                continue
+            with tuning.override(fp8_configs={**tuning.tuning.fp8_configs, key: cfg},
+                                 one_launch_current=key == "current_one"):
+                try:
+                    bad = check(key, x, default_out)
+                    times = {}
+                    for kind in ("delayed", "current"):
+                        q = make(kind, usage)
+                        times[kind] = graph_ms(lambda t: q.quantize(t), inputs)
+                except Exception as e:  # noqa: BLE001 (a config that fails to compile: report it)
+                    print(f"{key} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                    continue
             ratio = {kd: (nbytes + out_bytes) / t / (2 * nbytes / copy_ms)
                      for kd, t in times.items()}
             mark = " (default)" if cfg == saved else ""
@@ -127,9 +127,6 @@ def main(argv=None):
                   f"({ratio['delayed']:.2f} of copy), current {times['current']:.4f} ms "
                   f"({ratio['current']:.2f}){'' if bad is None else ' MISMATCH: ' + bad}",
                   flush=True)
-        launch.CONFIGS[key] = saved
-        launch.ONE_LAUNCH_CURRENT = False
-
 
 if __name__ == "__main__":
     main()

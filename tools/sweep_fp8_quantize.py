@@ -1,13 +1,14 @@
 """Tile sweep of the FP8 / block-FP8 / MXFP8 quantize kernels, then the bandwidth of each.
 
-On a 16384x4096 bf16 input: for each kernel and usage (``CONFIGS`` of
-``float8.launch``, ``block.launch`` and ``mxfp8.launch``) every candidate tile config is
+On a 16384x4096 bf16 input: for each kernel and usage (``fp8_configs``, ``block_configs``
+and ``mxfp8_configs`` of ``lowprec.kernels.tuning.tuning``) every candidate tile config is
 timed (``triton.testing.do_bench``, median) and the fastest printed; then, on those, both
 usages from one fused launch against two launches per format, the integer-rounding cast
 against the hardware cvt, and the GB/s of every quantizer (bytes that must move: input read
 once + every output written once) against a device-to-device copy. ``--col-modes 0,3`` also
-picks the transposed-store mode first. Nothing is written back: put a winner into the
-launcher's table by hand, then check it bit for bit with
+picks the transposed-store mode first. Nothing is written back (the sweep runs inside
+``tuning.override``, which restores every setting after): put a winner into
+``lowprec/kernels/tuning.py`` by hand, then check it bit for bit with
 ``pytest -m slow tests/slow/test_fuzz_kernels_fp8.py``.
 
     python tools/sweep_fp8_quantize.py [--no-sweep] [--col-modes 0,3]
@@ -24,13 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lowprec.formats.block import launch as block_launch  # noqa: E402
 from lowprec.formats.block.quantizer import Float8BlockQuantizer  # noqa: E402
-from lowprec.formats.float8 import launch as f8_launch  # noqa: E402
 from lowprec.formats.float8.quantizer import (Float8CurrentScalingQuantizer,  # noqa: E402
                                               Float8Quantizer)
-from lowprec.formats.mxfp8 import launch as mx_launch  # noqa: E402
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer  # noqa: E402
+from lowprec.kernels.tuning import override, tuning  # noqa: E402
 
 E4 = torch.float8_e4m3fn
 
@@ -38,7 +37,17 @@ E4 = torch.float8_e4m3fn
 # ---- bandwidth ------------------------------------------------------------------------------
 def run_bench(sweep, col_modes=(0,), fused_ok=True):
     """Time every kernel on 16384x4096 bf16; with ``sweep``, first pick tile configs (and the
-    fastest of the verified ``col_modes``) per kernel by timing."""
+    fastest of the verified ``col_modes``) per kernel by timing. The picks apply to the
+    bandwidth table; ``tuning`` is restored on return."""
+    with override(col_mode=tuning.col_mode, hw_cvt=tuning.hw_cvt,
+                  split_both=dict(tuning.split_both), fp8_configs=dict(tuning.fp8_configs),
+                  block_configs=dict(tuning.block_configs),
+                  mxfp8_configs=dict(tuning.mxfp8_configs)):
+        return _run_bench(sweep, col_modes, fused_ok)
+
+
+def _run_bench(sweep, col_modes, fused_ok):
+    """``run_bench`` on copies of the settings it changes (in place)."""
     from triton.testing import do_bench
 
     m, k = 16384, 4096
@@ -58,48 +67,49 @@ def run_bench(sweep, col_modes=(0,), fused_ok=True):
     zeros = lambda: torch.zeros(1, device="cuda")  # noqa: E731
     sweep_rows = []
     if sweep:
-        # (CONFIGS dict, key, candidate (BM, BN, num_warps), quantizer factory)
+        # (``tuning`` config dict's name, key, candidates (BM, BN, num_warps), quantizer
+        # factory)
         # Candidates: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0
         # along K]]); the register counts of each are in tools/kernel_resources.py.
         plan = [
-            (f8_launch.CONFIGS, "cast_both", [(64, 64, 4), (64, 128, 4), (32, 64, 4),
+            ("fp8_configs", "cast_both", [(64, 64, 4), (64, 128, 4), (32, 64, 4),
                                               (32, 64, 4, 4, 3), (32, 128, 4, 4, 2),
                                               (64, 64, 2), (32, 128, 2)],
              lambda: Float8Quantizer(ones(), zeros(), E4)),
-            (f8_launch.CONFIGS, "cast_row", [(32, 256, 8), (16, 512, 4), (32, 256, 8, 4, 2),
+            ("fp8_configs", "cast_row", [(32, 256, 8), (16, 512, 4), (32, 256, 8, 4, 2),
                                              (32, 128, 4, 4, 3)],
              lambda: Float8Quantizer(ones(), zeros(), E4).set_usage(True, False)),
-            (f8_launch.CONFIGS, "amax", [(64, 256, 8), (32, 256, 8), (32, 512, 8)],
+            ("fp8_configs", "amax", [(64, 256, 8), (32, 256, 8), (32, 512, 8)],
              lambda: Float8CurrentScalingQuantizer(E4).set_usage(True, False)),
-            (block_launch.CONFIGS, (1, "both"), [(128, 128, 4), (128, 128, 8)],
+            ("block_configs", (1, "both"), [(128, 128, 4), (128, 128, 8)],
              lambda: Float8BlockQuantizer(E4, block_scaling_dim=1)),
-            (block_launch.CONFIGS, (1, "row"), [
+            ("block_configs", (1, "row"), [
                 (32, 256, 8), (32, 128, 4), (32, 128, 4, 4, 3), (32, 128, 2), (64, 128, 4),
                 (32, 256, 4), (32, 256, 4, 1, 1, 1), (32, 128, 2, 1, 1, 1), (32, 128, 4, 1, 1, 1)],
              lambda: Float8BlockQuantizer(E4, block_scaling_dim=1).set_usage(True, False)),
-            (block_launch.CONFIGS, (2, "both"), [(128, 128, 4), (128, 128, 8), (128, 128, 16),
+            ("block_configs", (2, "both"), [(128, 128, 4), (128, 128, 8), (128, 128, 16),
                                                  (128, 128, 16, 2, 2), (128, 128, 8, 1, 1, 1)],
              lambda: Float8BlockQuantizer(E4, block_scaling_dim=2)),
-            (mx_launch.CONFIGS, (False, "both"), [
+            ("mxfp8_configs", (False, "both"), [
                 (32, 64, 2), (32, 64, 1), (32, 256, 4), (32, 128, 2), (32, 32, 1),
                 (32, 128, 2, 1, 1, 1), (32, 64, 1, 1, 1, 1), (64, 64, 4, 1, 1, 1),
                 (32, 128, 4, 1, 1, 1)],
              lambda: MXFP8Quantizer(E4)),
-            (mx_launch.CONFIGS, (False, "row"), [(32, 128, 4, 4, 3), (32, 128, 2),
+            ("mxfp8_configs", (False, "row"), [(32, 128, 4, 4, 3), (32, 128, 2),
                                                  (64, 128, 4), (32, 64, 1), (32, 128, 2, 4, 3),
                                                  (32, 128, 2, 1, 1, 1), (32, 256, 4, 1, 1, 1)],
              lambda: MXFP8Quantizer(E4).set_usage(True, False)),
-            (mx_launch.CONFIGS, (True, "both"), [(64, 128, 4), (32, 64, 4), (32, 64, 4, 4, 3),
+            ("mxfp8_configs", (True, "both"), [(64, 128, 4), (32, 64, 4), (32, 64, 4, 4, 3),
                                                  (64, 64, 4, 2, 2), (64, 128, 4, 1, 1, 1),
                                                  (32, 64, 4, 1, 1, 1)],
              lambda: MXFP8Quantizer(E4, with_2d_quantization=True)),
-            (f8_launch.CONFIGS, "cast_col", [(64, 128, 8), (64, 64, 4), (32, 128, 4, 4, 3),
+            ("fp8_configs", "cast_col", [(64, 128, 8), (64, 64, 4), (32, 128, 4, 4, 3),
                                              (64, 64, 4, 4, 2)],
              lambda: Float8Quantizer(ones(), zeros(), E4).set_usage(False, True)),
-            (block_launch.CONFIGS, (1, "col"), [(128, 32, 4), (128, 64, 4), (128, 32, 2),
+            ("block_configs", (1, "col"), [(128, 32, 4), (128, 64, 4), (128, 32, 2),
                                                 (128, 32, 1), (128, 64, 2)],
              lambda: Float8BlockQuantizer(E4, block_scaling_dim=1).set_usage(False, True)),
-            (mx_launch.CONFIGS, (False, "col"), [
+            ("mxfp8_configs", (False, "col"), [
                 (32, 64, 2), (32, 128, 1), (32, 64, 1), (32, 128, 2), (32, 64, 1, 1, 1, 1),
                 (32, 128, 2, 1, 1, 1)],
              lambda: MXFP8Quantizer(E4).set_usage(False, True)),
@@ -108,33 +118,31 @@ def run_bench(sweep, col_modes=(0,), fused_ok=True):
         if len(col_modes) > 1:
             timing = {}
             for mode in col_modes:
-                f8_launch.COL_MODE = mode
+                tuning.col_mode = mode
                 tot = 0.0
                 for _, key, _, make_q in plan:
                     if "both" in str(key):
                         q = make_q()
                         t = bench(lambda: q.quantize(x))
-                        sweep_rows.append((f"COL_MODE={mode} {key}", "", t * 1e6))
+                        sweep_rows.append((f"col_mode={mode} {key}", "", t * 1e6))
                         tot += t
                 timing[mode] = tot
-            f8_launch.COL_MODE = min(timing, key=timing.get)
-            print(f"COL_MODE timings {timing}; using {f8_launch.COL_MODE}", flush=True)
-        for cfgs, key, options, make_q in plan:
+            tuning.col_mode = min(timing, key=timing.get)
+            print(f"col_mode timings {timing}; using {tuning.col_mode}", flush=True)
+        for name, key, options, make_q in plan:
             q = make_q()
             best = None
             for opt in options:
-                saved = cfgs[key]
-                cfgs[key] = opt
-                try:
-                    t = bench(lambda: q.quantize(x))
-                except Exception as exc:  # noqa: BLE001
-                    t = math.inf
-                    print("sweep failure", key, opt, type(exc).__name__, str(exc)[:200])
-                cfgs[key] = saved
+                with override(**{name: {**getattr(tuning, name), key: opt}}):
+                    try:
+                        t = bench(lambda: q.quantize(x))
+                    except Exception as exc:  # noqa: BLE001
+                        t = math.inf
+                        print("sweep failure", key, opt, type(exc).__name__, str(exc)[:200])
                 sweep_rows.append((str(key), opt, t * 1e6))
                 if best is None or t < best[1]:
                     best = (opt, t)
-            cfgs[key] = best[0]
+            getattr(tuning, name)[key] = best[0]
             print(f"sweep {key}: best {best[0]} {best[1] * 1e6:.1f} us", flush=True)
         # fused one-pass kernel vs two launches (rowwise-only + columnwise-only), per format
         if fused_ok:
@@ -142,21 +150,21 @@ def run_bench(sweep, col_modes=(0,), fused_ok=True):
                           ("mx1", plan[6][3]), ("mx2", plan[8][3])]
             for key, make_q in split_plan:
                 q = make_q()
-                f8_launch.SPLIT_BOTH[key] = False
+                tuning.split_both[key] = False
                 t_fused = bench(lambda: q.quantize(x))
-                f8_launch.SPLIT_BOTH[key] = True
+                tuning.split_both[key] = True
                 t_split = bench(lambda: q.quantize(x))
-                f8_launch.SPLIT_BOTH[key] = t_split < 0.97 * t_fused
+                tuning.split_both[key] = t_split < 0.97 * t_fused
                 sweep_rows.append((f"{key} both: fused / split", "",
                                    f"{t_fused * 1e6:.1f} / {t_split * 1e6:.1f} -> "
-                                   f"{'split' if f8_launch.SPLIT_BOTH[key] else 'fused'}"))
+                                   f"{'split' if tuning.split_both[key] else 'fused'}"))
         # integer-rounding cast vs hardware cvt, on the chosen configs
         for label, make_q in (("per-tensor both", plan[0][3]), ("mx1 both", plan[6][3]),
                               ("block1 both", plan[3][3])):
             q = make_q()
-            f8_launch.HW_CVT = False
+            tuning.hw_cvt = False
             t_sw = bench(lambda: q.quantize(x))
-            f8_launch.HW_CVT = True
+            tuning.hw_cvt = True
             t_hw = bench(lambda: q.quantize(x))
             sweep_rows.append((f"{label}: int-cast / hw-cvt", "", f"{t_sw * 1e6:.1f} / "
                                f"{t_hw * 1e6:.1f}"))
@@ -183,10 +191,10 @@ def run_bench(sweep, col_modes=(0,), fused_ok=True):
         case(f"mxfp8 32x32   {tag}",
              MXFP8Quantizer(E4, with_2d_quantization=True).set_usage(*u), nd * (n + n // 1024))
     return rows, sweep_rows, copy_gbs, {
-        "COL_MODE": f8_launch.COL_MODE, "SPLIT_BOTH": dict(f8_launch.SPLIT_BOTH),
-        "f8": dict(f8_launch.CONFIGS),
-        "block": {str(k): v for k, v in block_launch.CONFIGS.items()},
-        "mx": {str(k): v for k, v in mx_launch.CONFIGS.items()}}
+        "col_mode": tuning.col_mode, "split_both": dict(tuning.split_both),
+        "f8": dict(tuning.fp8_configs),
+        "block": {str(k): v for k, v in tuning.block_configs.items()},
+        "mx": {str(k): v for k, v in tuning.mxfp8_configs.items()}}
 
 
 
@@ -195,7 +203,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--no-sweep", action="store_true", help="only the bandwidth table")
     ap.add_argument("--col-modes", default="0",
-                    help="transposed-store modes (float8.launch.COL_MODE) to choose from")
+                    help="transposed-store modes (tuning.col_mode) to choose from")
     args = ap.parse_args(argv)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     rows, sweep_rows, copy_gbs, chosen = run_bench(

@@ -1,11 +1,11 @@
 """Tile sweep of the NVFP4 rowwise and columnwise quantize kernels.
 
-For each candidate (``row:KBxRB`` sets ``launch.CONFIG["row"]``, ``col:KW`` sets
-``launch.CONFIG["col"]``) and each request, the outputs are checked bit for bit against the
-default config's, then the GPU time of one quantize (CUDA graph, ``harness.graph_ms``) is
-printed against a copy of the input. Requests: the plain quantizer (nearest-even, both
-usages), and RHT + stochastic rounding with the exact bf16 operands of both directions
-(dY in a Linear step), each direction alone.
+For each candidate (``row:KBxRB`` sets ``tuning.nvfp4_config["row"]``, ``col:KW`` sets
+``tuning.nvfp4_config["col"]``, through ``lowprec.kernels.tuning.override``) and each
+request, the outputs are checked bit for bit against the default config's, then the GPU time
+of one quantize (CUDA graph, ``harness.graph_ms``) is printed against a copy of the input.
+Requests: the plain quantizer (nearest-even, both usages), and RHT + stochastic rounding
+with the exact bf16 operands of both directions (dY in a Linear step), each direction alone.
 
     python tools/sweep_nvfp4.py [--shape 16384x4096] [--configs row:8x16,col:4,...]
 """
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import graph_ms, sweep_setup  # noqa: E402
-from lowprec.formats.nvfp4 import launch  # noqa: E402
 from lowprec.formats.nvfp4.quantizer import NVFP4Quantizer  # noqa: E402
+from lowprec.kernels.tuning import override, tuning  # noqa: E402
 
 #: name -> (quantizer kwargs, usage, exact directions)
 REQUESTS = {
@@ -49,36 +49,36 @@ def _run(kwargs, usage, exact, x, seed=None):
     return q.quantize_for_gemm(x, exact) if exact else q.quantize(x)
 
 
-def _apply(cfg: str):
+def _config(cfg: str) -> tuple[str, dict]:
+    """The candidate's kind ("row" or "col") and ``tuning.nvfp4_config`` with it applied."""
     kind, _, val = cfg.partition(":")
+    config = {key: dict(value) for key, value in tuning.nvfp4_config.items()}
     if kind == "row":
         kb, rb = (int(v) for v in val.split("x"))
-        launch.CONFIG["row"].update(KB=kb, RB=rb)
+        config["row"].update(KB=kb, RB=rb)
     elif kind == "col":
-        launch.CONFIG["col"].update(KW=int(val))
+        config["col"].update(KW=int(val))
     else:
         raise ValueError(f"unknown config {cfg!r}: expected row:KBxRB or col:KW")
-    return kind
+    return kind, config
 
 
 def main():
     configs, inputs, _ = sweep_setup("row:8x16,row:4x32,row:16x8,row:8x8,row:4x16,"
                                      "col:4,col:2,col:8,col:1")
-    default = {key: dict(launch.CONFIG[key]) for key in ("row", "col")}
     want = {r: _outputs(_run(*req, inputs[0][0], 0)) for r, req in REQUESTS.items()}
     for cfg in configs:
-        kind = _apply(cfg)
+        kind, config = _config(cfg)
         cells = []
-        for r, req in REQUESTS.items():
-            if not r.endswith(kind):
-                continue
-            same = all(torch.equal(a, b)
-                       for a, b in zip(_outputs(_run(*req, inputs[0][0], 0)), want[r]))
-            ms = graph_ms(lambda x, req=req: _run(*req, x), inputs)
-            cells.append(f"{r} {ms:.4f} ms{'' if same else ' MISMATCH'}")
+        with override(nvfp4_config=config):
+            for r, req in REQUESTS.items():
+                if not r.endswith(kind):
+                    continue
+                same = all(torch.equal(a, b)
+                           for a, b in zip(_outputs(_run(*req, inputs[0][0], 0)), want[r]))
+                ms = graph_ms(lambda x, req=req: _run(*req, x), inputs)
+                cells.append(f"{r} {ms:.4f} ms{'' if same else ' MISMATCH'}")
         print(f"{cfg:10} " + " | ".join(cells), flush=True)
-        for key, val in default.items():
-            launch.CONFIG[key].update(val)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """GPU time of the NVFP4 amax pass alone per launch config (CUDA graphs, no host time).
 
 The pass reads x once (the RHT variant in 64 x 16 KW column tiles, the plain one flat) and
-folds tiles grid-stride in at most PROGS_PER_SM programs an SM (``launch.CONFIG["amax"]``).
+folds tiles grid-stride in at most PROGS_PER_SM programs an SM
+(``tuning.nvfp4_config["amax"]``, each candidate set with ``kernels.tuning.override``).
 Prints each config's time and its read bandwidth against a device-to-device copy of the same
 tensor measured in the same run.
 
@@ -22,13 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import graph_ms  # noqa: E402
 from lowprec.formats.nvfp4 import launch  # noqa: E402
+from lowprec.kernels.tuning import override, tuning  # noqa: E402
 
 
 def amax_ms(x: torch.Tensor, rht: bool) -> float:
     m, k = x.shape
     ws = torch.zeros(3, dtype=torch.int32, device=x.device)
     g1, g2 = torch.empty(1, device=x.device), torch.empty(1, device=x.device)
-    ca = launch.CONFIG["amax"]
+    ca = tuning.nvfp4_config["amax"]
     grid, warps, even = launch.amax_launch(m, k, rht, x.device)
     kern = launch._kernels()._nvfp4_amax_kernel
 
@@ -48,7 +50,7 @@ def main(argv=None):
     ap.add_argument("--kw", default="2,4,8")
     ap.add_argument("--flat", default="2048,4096,8192")
     args = ap.parse_args(argv)
-    saved = dict(launch.CONFIG["amax"])
+    saved = dict(tuning.nvfp4_config["amax"])
     for shape in args.shapes.split(","):
         m, k = map(int, shape.split("x"))
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -58,10 +60,11 @@ def main(argv=None):
         for rht in (True, False):
             sizes = [int(v) for v in (args.kw if rht else args.flat).split(",")]
             for progs, size in itertools.product(map(int, args.progs.split(",")), sizes):
-                launch.CONFIG["amax"].update(saved, PROGS_PER_SM=progs,
-                                             **({"KW": size} if rht else {"FLAT": size}))
+                amax = dict(saved, PROGS_PER_SM=progs,
+                            **({"KW": size} if rht else {"FLAT": size}))
                 try:
-                    t = amax_ms(x, rht)
+                    with override(nvfp4_config={**tuning.nvfp4_config, "amax": amax}):
+                        t = amax_ms(x, rht)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile
                     print(f"  {'rht' if rht else 'flat'} progs/SM {progs:3d} "
                           f"{'KW' if rht else 'FLAT'} {size:5d}: failed ({type(e).__name__})")
@@ -70,7 +73,6 @@ def main(argv=None):
                       f"{'KW' if rht else 'FLAT'} {size:5d}: {t:.4f} ms, read "
                       f"{read_gbs / t:.0f} GB/s ({read_gbs / t / (2 * read_gbs / copy):.2f} "
                       f"of copy)", flush=True)
-        launch.CONFIG["amax"].update(saved)
 
 
 if __name__ == "__main__":

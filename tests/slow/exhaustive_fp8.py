@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lowprec.formats.float8 import launch as f8_launch
+from lowprec.kernels.fp8_args import FP8_PARAMS
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_NAME = {E4: "e4m3", E5: "e5m2"}
@@ -22,9 +22,9 @@ def run_exhaustive(quick):
     import triton.language as tl
 
     from lowprec.formats.casting import cast_fp8, scale_from_amax
-    from lowprec.formats.float8.triton_kernels import current_scale, fp8_codes
     from lowprec.formats.mxfp8.reference import block_exponents
-    from lowprec.formats.mxfp8.triton_kernels import e8m0_scale
+    from lowprec.kernels.e8m0 import e8m0_scale
+    from lowprec.kernels.fp8_cast import current_scale, fp8_codes
 
     @triton.jit
     def cast_probe(x_ptr, hw_ptr, sw_ptr, N, MBITS: tl.constexpr, BIAS: tl.constexpr,
@@ -52,7 +52,7 @@ def run_exhaustive(quick):
     total = 1 << 32
     step = 8 if quick else 1  # quick: every 8th chunk
     for f, alt in ((E4, False), (E5, False), (E4, True), (E5, True)):
-        mbits, bias, max_bits, fmax = f8_launch.FP8_PARAMS[f]
+        mbits, bias, max_bits, fmax = FP8_PARAMS[f]
         bad_hw = bad_sw = checked = 0
         hw = torch.empty(chunk, dtype=torch.uint8, device="cuda")
         sw = torch.empty_like(hw)
@@ -79,7 +79,7 @@ def run_exhaustive(quick):
                                       "int_mismatch": bad_sw}
     # scale rules on every non-negative amax bit pattern
     for f in (E4, E5):
-        fmax = f8_launch.FP8_PARAMS[f][3]
+        fmax = FP8_PARAMS[f][3]
         for pow2 in (False, True):
             for eps in ((0.0, 1e-3) if not pow2 else (0.0,)):
                 bad_s = bad_e = checked = 0
@@ -119,8 +119,8 @@ def run_exhaustive(quick):
         bad += int(((a != b) & ~torch.isnan(x)).sum())
         ax = x.abs()
         for p in (False, True):
-            s1 = scale_from_amax(ax, f8_launch.FP8_PARAMS[f][3], pow2=p)
-            s2 = scale_from_amax(ax.cuda(), f8_launch.FP8_PARAMS[f][3], pow2=p).cpu()
+            s1 = scale_from_amax(ax, FP8_PARAMS[f][3], pow2=p)
+            s2 = scale_from_amax(ax.cuda(), FP8_PARAMS[f][3], pow2=p).cpu()
             bad += int(((s1.view(torch.int32) != s2.view(torch.int32))
                         & ~torch.isnan(s1)).sum())
         bad += int((block_exponents(ax, f)[1] != block_exponents(ax.cuda(), f)[1].cpu()).sum())

@@ -8,7 +8,7 @@ helpers of ``test_fuzz_kernels_fp8.py`` (a slow GPU test).
   reference. fp8 bytes, scales and recorded amaxes must be identical, except that a NaN may
   have any NaN bit pattern.
 * :func:`run_diag`: every kernel with both usages under one transposed-store mode
-  (``float8.launch.COL_MODE``) or as split launches, with detailed mismatches.
+  (``kernels.tuning.tuning.col_mode``) or as split launches, with detailed mismatches.
 * :func:`run_compile`: ``torch.compile(fullgraph=True)`` of each launcher and of
   ``quantizer.quantize`` against eager, bit for bit.
 * ``exhaustive_fp8.run_exhaustive``: the element rules on every fp32 / amax bit pattern.
@@ -31,6 +31,7 @@ from lowprec.formats.float8.quantizer import Float8CurrentScalingQuantizer, Floa
 from lowprec.formats.mxfp8 import launch as mx_launch
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
 from lowprec.kernels import reference_only
+from lowprec.kernels.tuning import tuning
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -212,7 +213,7 @@ def run_group(group, quick):
             "truncated_by_deadline": truncated}
 
 
-# ---- per-COL_MODE diagnosis --------------------------------------------------------------
+# ---- per-col_mode diagnosis --------------------------------------------------------------
 DIAG_KINDS = {
     "current": lambda: Float8CurrentScalingQuantizer(E4),
     "delayed": lambda: Float8Quantizer(torch.tensor([0.37], device=DEV),
@@ -225,13 +226,14 @@ DIAG_KINDS = {
 
 
 def run_diag(mode):
-    """Every kernel with both/columnwise usages under one COL_MODE ("split": two launches
-    for both usages); detailed mismatches."""
+    """Every kernel with both/columnwise usages under one ``tuning.col_mode`` ("split": two
+    launches for both usages); detailed mismatches. Changes ``tuning`` and leaves it
+    changed: callers restore it (``tuning.override``)."""
     if mode == "split":
-        for key in f8_launch.SPLIT_BOTH:
-            f8_launch.SPLIT_BOTH[key] = True
+        for key in tuning.split_both:
+            tuning.split_both[key] = True
     else:
-        f8_launch.COL_MODE = int(mode)
+        tuning.col_mode = int(mode)
     gen = torch.Generator(device=DEV).manual_seed(5)
     out = {"cases": 0, "bad": 0, "details": []}
     for kind, make_q in DIAG_KINDS.items():

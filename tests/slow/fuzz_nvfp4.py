@@ -28,16 +28,18 @@ BIG = (16384, 4096)
 
 
 def apply_config(cfg):
-    from lowprec.formats.nvfp4 import launch
+    """Set one NVFP4 tile config (``tuning.nvfp4_config``), in place: callers restore it
+    (``tuning.override``)."""
+    from lowprec.kernels.tuning import tuning
     if cfg is None:
         return
     kind, val = cfg
     if kind == "row":
-        launch.CONFIG["row"].update(KB=val[0], RB=val[1])
+        tuning.nvfp4_config["row"].update(KB=val[0], RB=val[1])
     elif kind == "col":
-        launch.CONFIG["col"].update(KW=val)
+        tuning.nvfp4_config["col"].update(KW=val)
     elif kind == "flat":
-        launch.CONFIG["amax"].update(FLAT=val)
+        tuning.nvfp4_config["amax"].update(FLAT=val)
 
 
 # ---- inputs ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 import fuzz_fp8
 import lowprec.kernels
 from exhaustive_fp8 import run_exhaustive
-from lowprec.formats.float8 import launch as f8_launch
+from lowprec.kernels import tuning
 
 pytestmark = [
     pytest.mark.slow,
@@ -40,17 +40,16 @@ def test_kernels_match_reference(group):
 
 @pytest.fixture
 def launch_flags():
-    """Restores the float8 launcher's store mode and split flags after the test."""
-    col_mode, split = f8_launch.COL_MODE, dict(f8_launch.SPLIT_BOTH)
-    yield
-    f8_launch.COL_MODE = col_mode
-    f8_launch.SPLIT_BOTH.clear()
-    f8_launch.SPLIT_BOTH.update(split)
+    """Restores the transposed-store mode and split flags (``tuning.col_mode``,
+    ``tuning.split_both``) after the test: ``run_diag`` changes them, in place."""
+    with tuning.override(col_mode=tuning.tuning.col_mode,
+                         split_both=dict(tuning.tuning.split_both)):
+        yield
 
 
 @pytest.mark.parametrize("mode", ["configured", "split"])
 def test_both_usages_fused_and_split(mode, launch_flags):
-    res = fuzz_fp8.run_diag(str(f8_launch.COL_MODE) if mode == "configured" else "split")
+    res = fuzz_fp8.run_diag(str(tuning.tuning.col_mode) if mode == "configured" else "split")
     assert res["cases"] > 0
     assert res["bad"] == 0, "\n".join(res["details"])
 

@@ -49,13 +49,11 @@ def _group_id(key):
 
 @pytest.fixture
 def nvfp4_config():
-    """Restores the NVFP4 launcher's tile configs after the test (cases may change them)."""
-    from lowprec.formats.nvfp4 import launch
-    saved = copy.deepcopy(launch.CONFIG)
-    yield
-    for key, value in saved.items():
-        launch.CONFIG[key].clear()
-        launch.CONFIG[key].update(value)
+    """Restores the NVFP4 tile configs (``tuning.nvfp4_config``) after the test (cases may
+    change them, in place)."""
+    from lowprec.kernels import tuning
+    with tuning.override(nvfp4_config=copy.deepcopy(tuning.tuning.nvfp4_config)):
+        yield
 
 
 @pytest.mark.parametrize("key", list(GROUPS), ids=[_group_id(k) for k in GROUPS])
