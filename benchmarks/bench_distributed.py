@@ -41,9 +41,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lowprec  # noqa: E402
 from bench_model import MODELS, RECIPES, build, lm_loss, not_lm_head  # noqa: E402
 from harness import append_rows, median_step_ms  # noqa: E402
+
+import lowprec  # noqa: E402
 from lowprec.distributed import precompute_gather_statistics, quantized_all_gather  # noqa: E402
 from lowprec.distributed.diagnostics import count_all_gather_bytes  # noqa: E402
 

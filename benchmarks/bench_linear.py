@@ -36,9 +36,16 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from harness import (  # noqa: E402
+    append_rows,
+    compare,
+    compare_alternating,
+    graphed_step,
+    l2_rotation,
+    print_table,
+)
+
 import lowprec  # noqa: E402
-from harness import (append_rows, compare, compare_alternating, graphed_step,  # noqa: E402
-                     l2_rotation, print_table)
 
 SHAPES = ["16384x4096x4096", "16384x4096x14336", "16384x14336x4096"]
 RECIPES = {name: functools.partial(lowprec.recipe.Recipe.from_name, name)

@@ -28,8 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_linear import (add_peer_args, make_inputs, mlp_peers, parse_shape,  # noqa: E402
-                          shape_peers, split_list)
+from bench_linear import add_peer_args, make_inputs, mlp_peers, parse_shape, shape_peers, split_list  # noqa: E402
 from harness import append_rows, print_table  # noqa: E402
 
 

@@ -39,8 +39,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lowprec  # noqa: E402
 from harness import append_rows, median_step_ms  # noqa: E402
+
+import lowprec  # noqa: E402
 from lowprec import recipe as R  # noqa: E402
 
 #: hidden, ffn, layers, heads, kv heads, seq, batch

@@ -29,10 +29,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lowprec  # noqa: E402
 from harness import append_rows, graph_ms, l2_rotation, print_table, time_fn  # noqa: E402
-from lowprec import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,  # noqa: E402
-                     Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer)
+
+import lowprec  # noqa: E402
+from lowprec import (  # noqa: E402
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+)
 
 E4M3 = torch.float8_e4m3fn
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

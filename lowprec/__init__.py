@@ -1,15 +1,24 @@
 """lowprec: low-precision (FP8, MXFP8, NVFP4) training for PyTorch."""
 
-from . import fused, ops, optim, recipe
+from . import fused, ops, optim, recipe  # noqa: F401 - subpackages as attributes of lowprec
 from .autocast import autocast, quantized_model_init
 from .checkpoint import checkpoint
 from .convert import convert_model
-from .offload import cpu_offload
 from .formats import *  # noqa: F401,F403
 from .formats import __all__ as _formats_all
 from .modules import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
-from .recipe import (BackwardMode, CustomRecipe, DelayedScaling, Float8BlockScaling,
-                     Float8CurrentScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
+from .offload import cpu_offload
+from .recipe import (
+                     BackwardMode,
+                     CustomRecipe,
+                     DelayedScaling,
+                     Float8BlockScaling,
+                     Float8CurrentScaling,
+                     Format,
+                     MXFP8BlockScaling,
+                     NVFP4BlockScaling,
+                     Recipe,
+)
 from .roles import QuantizerRole
 
 __version__ = "0.1.0"

@@ -39,8 +39,8 @@ from torch.utils._pytree import tree_flatten
 
 from .autocast import quantized_model_init
 from .formats.base import QuantizedTensor
-from .modules import LayerNormLinear, Linear
 from .modules import LayerNorm as LPLayerNorm
+from .modules import LayerNormLinear, Linear
 from .modules import RMSNorm as LPRMSNorm
 from .modules.base import LowprecModule
 from .modules.norms import apply_norm

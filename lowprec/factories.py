@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from .formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, HybridQuantizer,
-                      IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer)
+from .formats import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    HybridQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _GRAD_TYPES = ("grad_output", "grad_input")

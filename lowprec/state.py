@@ -13,12 +13,25 @@ from typing import Callable, Sequence
 
 import torch
 
-from .formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
-                      MXFP8Quantizer, NVFP4Quantizer, Quantizer)
+from .formats import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    Quantizer,
+)
 from .formats.casting import FP8_MAX, FP32_MAX
 from .kernels import use_kernels
-from .recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                     MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
+from .recipe import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+)
 from .roles import QuantizerRole
 
 MODES = ("forward", "backward")

@@ -28,8 +28,13 @@ import torch
 
 import lowprec
 import lowprec.gemm as G
-from lowprec import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, IdentityQuantizer,
-                     MXFP8Quantizer, NVFP4Quantizer)
+from lowprec import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+)
 
 pytestmark = [
     pytest.mark.gpu,

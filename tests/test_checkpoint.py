@@ -11,12 +11,13 @@ import copy
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from same_run import RECIPES as SHARED_RECIPES
+from same_run import assert_same_run, delayed_states
 
 import lowprec
 import lowprec.ops as ops
 from lowprec import autocast
 from lowprec.recipe import DelayedScaling, Float8CurrentScaling
-from same_run import RECIPES as SHARED_RECIPES, assert_same_run, delayed_states
 
 D = 128  # every block divides it (128x128 FP8 blocks, MXFP8 32, NVFP4 16)
 

@@ -11,13 +11,14 @@ import pickle
 import pytest
 import torch
 import torch._dynamo.testing
+from same_run import RECIPES as SHARED_RECIPES
+from same_run import assert_same_run
 
 import lowprec
 import lowprec.ops as ops
 from lowprec import autocast
 from lowprec.compiled_call import HANDLE_ATTR
 from lowprec.recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
-from same_run import RECIPES as SHARED_RECIPES, assert_same_run
 
 D = 128  # every block divides it (128x128 FP8 blocks, MXFP8 32, NVFP4 16)
 

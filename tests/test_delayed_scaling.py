@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import lowprec
 from lowprec import autocast
-from lowprec.recipe import DelayedScaling
 from lowprec.optim import QuantizedWeightOptimizer
+from lowprec.recipe import DelayedScaling
 from lowprec.state import DelayedScalingState
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -512,9 +512,13 @@ def test_state_direct_tiny_amax_clamps():
 # (h) resume with quantized weights: the recorded weight amax travels with the checkpoint
 # =============================================================================================
 def _resume_recipes():
-    from lowprec.recipe import (CustomRecipe, Float8BlockScaling, Float8CurrentScaling,
-                                MXFP8BlockScaling, NVFP4BlockScaling)
-    from lowprec import MXFP8Quantizer
+    from lowprec.recipe import (
+        CustomRecipe,
+        Float8BlockScaling,
+        Float8CurrentScaling,
+        MXFP8BlockScaling,
+        NVFP4BlockScaling,
+    )
     return {"delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling(),
             "block": Float8BlockScaling(), "mxfp8": MXFP8BlockScaling(),
             "nvfp4": NVFP4BlockScaling(),
@@ -590,6 +594,7 @@ def test_extra_state_round_trips_weights_only_and_as_a_dict():
     torch.load(weights_only=True) into a fresh module, and a checkpoint holding it as a
     plain dict (older lowprec) loads too."""
     import io
+
     from lowprec.modules.base import ScalingStateDict
     torch.manual_seed(0)
     lin = lowprec.Linear(32, 16)

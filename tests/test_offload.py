@@ -7,10 +7,9 @@ import copy
 
 import pytest
 import torch
+from same_run import RECIPES, assert_same_run
 
 import lowprec
-
-from same_run import RECIPES, assert_same_run
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 MODULES = {

@@ -20,11 +20,25 @@ from torch import nn
 
 import lowprec
 from lowprec import factories
-from lowprec.formats import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
-                             IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, QuantizedTensor)
+from lowprec.formats import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    QuantizedTensor,
+)
 from lowprec.optim import QuantizedWeightOptimizer
-from lowprec.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                            MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
+from lowprec.recipe import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

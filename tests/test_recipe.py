@@ -16,8 +16,15 @@ import torch
 import lowprec
 from lowprec import factories
 from lowprec.factories import mxfp8_factory
-from lowprec.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                            Format, MXFP8BlockScaling, NVFP4BlockScaling)
+from lowprec.recipe import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 
 ENV = "LOWPREC_BACKWARD_MODE"
 MODES = ("default", "high_precision", "dequantized")

@@ -16,13 +16,32 @@ import pytest
 import torch
 
 import lowprec
-from lowprec import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
-                     IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, QuantizerRole, autocast)
-from lowprec.factories import (fp8_block_scaling_factory, fp8_current_scaling_factory,
-                               mxfp8_factory, nvfp4_factory)
-from lowprec.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling,
-                            Float8CurrentScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling)
-from lowprec import state_batch
+from lowprec import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    QuantizerRole,
+    autocast,
+    state_batch,
+)
+from lowprec.factories import (
+    fp8_block_scaling_factory,
+    fp8_current_scaling_factory,
+    mxfp8_factory,
+    nvfp4_factory,
+)
+from lowprec.recipe import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 from lowprec.state import DelayedScalingState, RecipeState
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -8,11 +8,10 @@ import copy
 
 import pytest
 import torch
+from same_run import RECIPES
 
 import lowprec
 from lowprec.recipe import MXFP8BlockScaling
-
-from same_run import RECIPES
 
 AMP = torch.bfloat16
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

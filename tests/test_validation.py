@@ -9,8 +9,12 @@ import math
 import pytest
 import torch
 
-from lowprec import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer,
-                     NVFP4Quantizer)
+from lowprec import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+)
 
 FP32_MAX = float(torch.finfo(torch.float32).max)
 

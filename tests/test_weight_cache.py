@@ -8,11 +8,11 @@ import copy
 
 import pytest
 import torch
+from same_run import RECIPES as SHARED_RECIPES
 
 import lowprec
 from lowprec import autocast, weight_cache
 from lowprec.recipe import Float8CurrentScaling, MXFP8BlockScaling
-from same_run import RECIPES as SHARED_RECIPES
 
 D = 128
 

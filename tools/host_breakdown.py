@@ -25,8 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import lowprec  # noqa: E402
 from bench_linear import RECIPES, lowprec_step, parse_shape, plain_step  # noqa: E402
+
+import lowprec  # noqa: E402
 
 #: (owner as "module" or "module:Class", attribute) of every piece timed.
 TARGETS = [

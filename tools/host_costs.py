@@ -19,7 +19,6 @@ import lowprec  # noqa: E402
 from lowprec.formats.float8 import launch as fl  # noqa: E402
 
 
-
 def per_call_us(fn, n=2000) -> float:
     for _ in range(50):
         fn()

@@ -182,8 +182,8 @@ def nvfp4_report():
 def gluon_report():
     """The Gluon kernels at their launch configs: block 1x128 (``formats/block/
     gluon_kernels.py``) and MXFP8 1x32 both usages (``formats/mxfp8/gluon_kernels.py``)."""
-    from lowprec.formats.block import launch as bl
     from lowprec.formats.block import gluon_kernels as gk
+    from lowprec.formats.block import launch as bl
     from lowprec.formats.mxfp8 import gluon_kernels as mk
     from lowprec.kernels.tuning import tuning
     e4m3 = dict(FP8_MAX=448.0, MBITS=3, BIAS=7, MAX_BITS=0x43E00000)

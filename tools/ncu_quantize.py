@@ -22,8 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lowprec import (Float8BlockQuantizer, Float8Quantizer, MXFP8Quantizer,  # noqa: E402
-                     NVFP4Quantizer)
+from lowprec import Float8BlockQuantizer, Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 

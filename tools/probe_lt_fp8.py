@@ -25,8 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from lowprec.backends import cublaslt as lt  # noqa: E402
 from harness import time_fn  # noqa: E402
+
+from lowprec.backends import cublaslt as lt  # noqa: E402
 
 # cublasLt.h values (checked against the header where one is installed, see _header_enums)
 ENUMS = {"CUBLASLT_MATMUL_DESC_A_SCALE_POINTER": 17, "CUBLASLT_MATMUL_DESC_B_SCALE_POINTER": 18,

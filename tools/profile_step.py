@@ -23,8 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import lowprec  # noqa: E402
 from bench_linear import RECIPES, lowprec_step, parse_shape, within  # noqa: E402
+
+import lowprec  # noqa: E402
 
 
 def main():

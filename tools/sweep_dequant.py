@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import l2_rotation, time_fn  # noqa: E402
+
 from lowprec import MXFP8Quantizer, NVFP4Quantizer  # noqa: E402
 from lowprec.backends import kernels  # noqa: E402
 from lowprec.formats.nvfp4 import launch as nv_launch  # noqa: E402

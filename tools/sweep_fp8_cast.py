@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import bf16_inputs_and_copy, graph_ms  # noqa: E402
+
 from lowprec.formats import Float8CurrentScalingQuantizer, Float8Quantizer  # noqa: E402
 from lowprec.kernels import tuning  # noqa: E402
 

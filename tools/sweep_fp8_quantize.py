@@ -26,8 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lowprec.formats.block.quantizer import Float8BlockQuantizer  # noqa: E402
-from lowprec.formats.float8.quantizer import (Float8CurrentScalingQuantizer,  # noqa: E402
-                                              Float8Quantizer)
+from lowprec.formats.float8.quantizer import Float8CurrentScalingQuantizer, Float8Quantizer  # noqa: E402
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer  # noqa: E402
 from lowprec.kernels.tuning import override, tuning  # noqa: E402
 

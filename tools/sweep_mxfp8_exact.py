@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import graph_ms, sweep_setup  # noqa: E402
+
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer  # noqa: E402
 from lowprec.kernels.tuning import override, tuning  # noqa: E402
 

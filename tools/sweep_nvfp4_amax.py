@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import graph_ms  # noqa: E402
+
 from lowprec.formats.nvfp4 import launch  # noqa: E402
 from lowprec.kernels.tuning import override, tuning  # noqa: E402
 

@@ -19,10 +19,13 @@ from typing import Optional
 
 import torch
 
+from ..formats.mxfp8.dequantize import (  # noqa: F401 - the GEMM backends' helpers in one place
+    MX_DEQUANT_CONFIG,
+    mxfp8_dequantize_bf16,
+    mxfp8_dequantize_bf16_torch,
+)
 from ..kernels import kernel_op, use_kernels
 from ..kernels.launch import launch
-from ..formats.mxfp8.dequantize import (  # noqa: F401 - the GEMM backends' helpers in one place
-    MX_DEQUANT_CONFIG, mxfp8_dequantize_bf16, mxfp8_dequantize_bf16_torch)
 
 
 # ---- torch reference versions -------------------------------------------------------------

@@ -19,11 +19,28 @@ from . import report
 from .data import load_data
 from .model import PRESETS, check_config
 from .progress import Progress
-from .resume import (CHECKPOINT_DIR, DEFAULT_SAVE_EVERY, CheckpointStore, ResumeError,
-                     atomic_path, data_fingerprint, environment, file_sha256)
-from .recipes import (BASELINE, DEFAULT_RECIPES, NAMED_RECIPES, RecipeError, build_named,
-                      check_backward_mode, load_recipe_file, noise_floor_spec, parse_recipe_names,
-                      validate_recipe)
+from .recipes import (
+    BASELINE,
+    DEFAULT_RECIPES,
+    NAMED_RECIPES,
+    RecipeError,
+    build_named,
+    check_backward_mode,
+    load_recipe_file,
+    noise_floor_spec,
+    parse_recipe_names,
+    validate_recipe,
+)
+from .resume import (
+    CHECKPOINT_DIR,
+    DEFAULT_SAVE_EVERY,
+    CheckpointStore,
+    ResumeError,
+    atomic_path,
+    data_fingerprint,
+    environment,
+    file_sha256,
+)
 from .train import INTERRUPTED, TrainSettings, train_one
 from .user_model import ModelError, resolve_model, run_config
 

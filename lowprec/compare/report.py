@@ -9,9 +9,9 @@ import statistics
 from dataclasses import dataclass
 
 from . import stability
+from .probe import SQNRRecord
 from .recipes import BASELINE, NOISE_FLOOR
 from .stability import Stability
-from .probe import SQNRRecord
 from .train import RunResult, TrainSettings
 
 CSV_COLUMNS = ("recipe", "step", "loss", "tokens_per_s", "step_ms")

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from ..autocast import autocast
 from .data import Batches, Corpus
 from .model import GPT, ModelConfig
-from .user_model import ModelSource, logits_of
 from .probe import SavedTensorMeter, SQNRProbe, SQNRRecord
 from .progress import Progress
 from .recipes import RecipeSpec
+from .user_model import ModelSource, logits_of
 
 if TYPE_CHECKING:  # resume imports this module
     from .resume import RecipeCheckpoint

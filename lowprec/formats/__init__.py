@@ -1,6 +1,6 @@
 """Quantization formats: one sub-package per format (quantizer, tensor, reference)."""
 
-from .base import Quantizer, QuantizedTensor, register_safe_globals
+from .base import QuantizedTensor, Quantizer, register_safe_globals
 from .block import Float8BlockQuantizer, Float8BlockwiseTensor
 from .exact import ExactTensor
 from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.base import QuantizedTensor
 from ..activations import activation_grad_fp32
+from ..formats.base import QuantizedTensor
 from .prologue import Prologue, activation_prologue, apply_prologue_with_amax
 
 

@@ -31,8 +31,7 @@ import triton
 import triton.language as tl
 
 from .e8m0 import e8m0_factor, e8m0_scale
-from .fp8_cast import (abs_bits, current_scale, decode_scale, fp8_codes, fp8_value, store_t,
-                       tile_ids)
+from .fp8_cast import abs_bits, current_scale, decode_scale, fp8_codes, fp8_value, store_t, tile_ids
 from .prologue import load_tile
 
 

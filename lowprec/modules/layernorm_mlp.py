@@ -7,8 +7,8 @@ import torch
 from .. import fused
 from ..compiled_call import compiled_as_one_op
 from ..linear_fn import quantized_linear
-from .activations import get_activation
 from . import tensor_parallel as tpar
+from .activations import get_activation
 from .base import LowprecModule, add_linear_params, producer_usages, release_fprop_copy
 from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params
 

@@ -28,6 +28,7 @@ from .base import producer_usages, release_fprop_copy
 from .base import tp_group_size as check_parallel_args  # noqa: F401 (the modules call it here)
 from .norms import apply_norm
 
+
 def shard_size(n: int, tp_size: int, what: str) -> int:
     """``n / tp_size``, which must be whole."""
     if n % tp_size:

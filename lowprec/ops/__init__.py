@@ -7,10 +7,25 @@ the norm and activation hand the following linear its input already
 quantized. ``Sequential(..., fuse=False)`` runs the ops one by one.
 """
 
-from .base import BasicOperation, Sequential, register_fusion
-from .basic import (GEGLU, GELU, QGELU, Activation, BasicLinear, Bias, GroupedLinear, LayerNorm,
-                    Linear, Quantize, ReLU, RMSNorm, SiLU, SReLU, SwiGLU)
 from . import fused  # noqa: F401  (registers the fusion patterns)
+from .base import BasicOperation, Sequential, register_fusion
+from .basic import (
+                    GEGLU,
+                    GELU,
+                    QGELU,
+                    Activation,
+                    BasicLinear,
+                    Bias,
+                    GroupedLinear,
+                    LayerNorm,
+                    Linear,
+                    Quantize,
+                    ReLU,
+                    RMSNorm,
+                    SiLU,
+                    SReLU,
+                    SwiGLU,
+)
 
 __all__ = ["BasicOperation", "Sequential", "register_fusion", "BasicLinear", "Linear", "Bias",
            "Activation", "GELU", "ReLU", "SiLU", "SwiGLU", "GEGLU", "SReLU", "QGELU",

@@ -3,13 +3,12 @@
 import os
 
 import pytest
+import spawn
 import torch
 import torch.distributed as dist
 
 import lowprec
 from lowprec.recipe import DelayedScaling
-
-import spawn
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 

@@ -16,15 +16,14 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import spawn
 import torch
 import torch.distributed as dist
+from test_ddp import _states
+from test_fsdp import HIDDEN, _data, _model, full_state, fully_shard
 
 import lowprec
 from lowprec.distributed import QuantizedGatherWeight, quantized_all_gather
-
-import spawn
-from test_ddp import _states
-from test_fsdp import HIDDEN, _data, _model, full_state, fully_shard
 
 #: DCP's note on a load without a process group (the one-process loads, meant so)
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -5,14 +5,13 @@ ranks, or NCCL with LOWPREC_DIST_BACKEND=nccl)."""
 from __future__ import annotations
 
 import pytest
+import spawn
 import torch
 import torch.distributed as dist
+from test_fsdp import HIDDEN, _model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowprec
-
-import spawn
-from test_fsdp import HIDDEN, _model
 
 STEPS = 3
 
@@ -135,8 +134,9 @@ def _quantized_model(rank):
 
 
 def _quantized_train(model, steps=STEPS):
-    from lowprec.optim import QuantizedWeightOptimizer
     from test_fsdp import _data
+
+    from lowprec.optim import QuantizedWeightOptimizer
     opt = QuantizedWeightOptimizer(model, torch.optim.SGD, lr=0.05)
     device = next(model.parameters()).device
     losses = []

@@ -4,16 +4,18 @@ process bit for bit, and quantized_all_gather gathers each format's codes and sc
 from __future__ import annotations
 
 import pytest
+import spawn
 import torch
 from torch import nn
 
 import lowprec
 from lowprec import factories
+from lowprec.distributed import (
+    QuantizedGatherWeight,
+    precompute_gather_statistics,
+    quantized_all_gather,
+)
 from lowprec.formats.base import QuantizedTensor
-from lowprec.distributed import (QuantizedGatherWeight, precompute_gather_statistics,
-                                 quantized_all_gather)
-
-import spawn
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 fully_shard = fsdp.fully_shard

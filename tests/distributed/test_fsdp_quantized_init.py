@@ -5,14 +5,13 @@ process with ``QuantizedWeightOptimizer`` bit for bit (CPU gloo ranks)."""
 from __future__ import annotations
 
 import pytest
+import spawn
 import torch
+from test_fsdp import RECIPES, STEPS, Model, _data, full_state
 
 import lowprec
 from lowprec.distributed import QuantizedGatherWeight, quantized_all_gather
 from lowprec.optim import QuantizedWeightOptimizer
-
-import spawn
-from test_fsdp import RECIPES, STEPS, Model, _data, full_state
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 

@@ -10,6 +10,7 @@ import io
 import pickle
 
 import pytest
+import spawn
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,8 +18,6 @@ from torch import nn
 import lowprec
 from lowprec.distributed import tp_comm
 from lowprec.distributed.diagnostics import count_all_gather_bytes
-
-import spawn
 
 HIDDEN, SEQ, BATCH, STEPS, TP = 256, 128, 2, 3, 2
 RECIPES = {

@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import pytest
+import spawn
 import torch
 import torch.distributed as dist
+from test_tensor_parallel import BATCH, HIDDEN, SEQ, TP, _batch, _rows
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -15,9 +17,6 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import lowprec
 from lowprec.distributed import ColwiseParallel, RowwiseParallel
-
-import spawn
-from test_tensor_parallel import BATCH, HIDDEN, SEQ, TP, _batch, _rows
 
 RECIPES = {"none": lambda: None, "current": lambda: lowprec.Float8CurrentScaling(),
            "mxfp8": lambda: lowprec.MXFP8BlockScaling()}

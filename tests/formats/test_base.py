@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import lowprec
-
 from lowprec.formats.base import QuantizedTensor, Quantizer, register_safe_globals
 from lowprec.formats.float8 import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 

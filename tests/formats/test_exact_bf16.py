@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_inputs import spread
 
 import lowprec
 import lowprec.kernels
@@ -22,8 +23,6 @@ from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
 from lowprec.formats.nvfp4.launch import dequantize_unscaled_bf16
 from lowprec.formats.nvfp4.quantizer import NVFP4Quantizer
 from lowprec.gemm import gemm
-
-from format_inputs import spread
 
 gpu = pytest.mark.skipif(not lowprec.kernels.triton_available(),
                          reason="needs a CUDA device and Triton")

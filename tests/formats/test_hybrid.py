@@ -21,11 +21,19 @@ import pickle
 
 import pytest
 import torch
+from helpers import randn, sqnr_db
 
 import lowprec
-from helpers import randn, sqnr_db
-from lowprec import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, HybridQuantizedTensor,
-                     HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, factories)
+from lowprec import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    HybridQuantizedTensor,
+    HybridQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    factories,
+)
 from lowprec.formats.base import QuantizedTensor
 from lowprec.gemm import gemm
 

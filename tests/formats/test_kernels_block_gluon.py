@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_inputs import spread
 
 import lowprec.kernels
 from lowprec.formats.block import launch
 from lowprec.formats.block.quantizer import Float8BlockQuantizer
 from lowprec.kernels import reference_only, tuning
-
-from format_inputs import spread
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_inputs import spread
 
 import lowprec.kernels
 from lowprec.formats.block.quantizer import Float8BlockQuantizer
@@ -22,8 +23,6 @@ from lowprec.formats.mxfp8 import launch as mx_launch
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
 from lowprec.formats.mxfp8.reference import block_exponents
 from lowprec.kernels import reference_only
-
-from format_inputs import spread
 
 pytestmark = [
     pytest.mark.gpu,
@@ -341,6 +340,7 @@ def test_decode_scale_helper_is_torch_reciprocal():
     from the whole range (subnormal results of huge scales included) and the special values."""
     import triton
     import triton.language as tl
+
     from lowprec.kernels.fp8_cast import decode_scale
 
     @triton.jit

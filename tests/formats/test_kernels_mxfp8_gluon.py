@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from format_inputs import spread
 
 import lowprec.kernels
 from lowprec.formats.mxfp8 import launch
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
 from lowprec.kernels import reference_only, tuning
-
-from format_inputs import spread
 
 pytestmark = [
     pytest.mark.gpu,

@@ -27,10 +27,10 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import randn
 
 import lowprec
 import lowprec.kernels
-from helpers import randn
 from lowprec import fused
 from lowprec.formats.base import Quantizer
 from lowprec.formats.block.quantizer import Float8BlockQuantizer

@@ -9,9 +9,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from helpers import sqnr_db  # noqa: F401 - the module tests import it from here
 
 import lowprec
-from helpers import sqnr_db  # noqa: F401 - the module tests import it from here
 import lowprec.linear_fn
 from lowprec.formats.base import QuantizedTensor
 from lowprec.recipe import Recipe

@@ -17,11 +17,10 @@ import copy
 
 import pytest
 import torch
+from modules_helpers import make_recipe, sqnr_db
 
 import lowprec
 import lowprec.kernels
-
-from modules_helpers import make_recipe, sqnr_db
 
 pytestmark = [
     pytest.mark.gpu,

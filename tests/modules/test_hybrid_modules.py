@@ -21,13 +21,20 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from modules_helpers import spy_gemms
 
 import lowprec
-from lowprec import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, HybridQuantizedTensor,
-                     HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, factories)
+from lowprec import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    HybridQuantizedTensor,
+    HybridQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    factories,
+)
 from lowprec.formats.base import QuantizedTensor
-
-from modules_helpers import spy_gemms
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 R, C = "rowwise", "columnwise"

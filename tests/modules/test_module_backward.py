@@ -11,13 +11,26 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from modules_helpers import (
+    E4M3,
+    RECIPE_NAMES,
+    dims_for,
+    effective_class,
+    expected_class,
+    forward_backward,
+    make_input,
+    make_module,
+    make_recipe,
+    make_upstream,
+    match_gemms,
+    mlp_act,
+    quantized_run,
+    reference_run,
+    sqnr_db,
+)
 
 import lowprec
 from lowprec.formats.base import QuantizedTensor
-
-from modules_helpers import (RECIPE_NAMES, make_recipe, expected_class, effective_class, dims_for,
-                             mlp_act, make_module, make_input, make_upstream, forward_backward,
-                             sqnr_db, E4M3, quantized_run, reference_run, match_gemms)
 
 
 # ================================================================================================

@@ -20,14 +20,31 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from modules_helpers import (
+    FP32_EPS,
+    MODULE_NAMES,
+    RECIPE_NAMES,
+    SMALL_DIMS,
+    act64,
+    assert_bounded,
+    check_gemm_fp64,
+    check_sum_fp64,
+    dims_for,
+    expected_class,
+    forward_backward,
+    make_input,
+    make_module,
+    make_recipe,
+    make_upstream,
+    match_gemms,
+    mlp_act,
+    norm64,
+    quantized_run,
+    reference_run,
+    sqnr_db,
+)
 
 import lowprec
-
-from modules_helpers import (FP32_EPS, RECIPE_NAMES, make_recipe, expected_class, SMALL_DIMS,
-                             dims_for, MODULE_NAMES, mlp_act, make_module, make_input,
-                             make_upstream, forward_backward, sqnr_db, quantized_run,
-                             reference_run, match_gemms, act64, norm64, assert_bounded,
-                             check_gemm_fp64, check_sum_fp64)
 
 
 # ================================================================================================

@@ -21,9 +21,9 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import randn
 
 import lowprec
-from helpers import randn
 from lowprec.modules.activations import ACTIVATIONS
 
 DTYPES = (torch.bfloat16, torch.float16)

@@ -14,9 +14,9 @@ import contextlib
 
 import pytest
 import torch
+from helpers import randn
 
 import lowprec
-from helpers import randn
 import lowprec.ops as ops
 from lowprec.formats.base import QuantizedTensor
 

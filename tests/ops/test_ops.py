@@ -10,9 +10,9 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import randn, sqnr_db
 
 import lowprec
-from helpers import randn, sqnr_db
 import lowprec.linear_fn
 import lowprec.ops as ops
 from lowprec.formats.base import QuantizedTensor

@@ -22,8 +22,8 @@ import traceback
 import zlib
 
 import torch
-
 from exhaustive_fp8 import E4, E5, FP8_NAME
+
 from lowprec.formats.block import launch as block_launch
 from lowprec.formats.block.quantizer import Float8BlockQuantizer
 from lowprec.formats.float8 import launch as f8_launch

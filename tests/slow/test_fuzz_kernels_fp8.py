@@ -15,11 +15,11 @@ bit for bit (CUDA + Triton; minutes; not collected unless asked for):
 ``tests/formats/test_kernels_fp8.py`` is the quick subset that runs with the GPU suite.
 """
 
-import pytest
-
 import fuzz_fp8
-import lowprec.kernels
+import pytest
 from exhaustive_fp8 import run_exhaustive
+
+import lowprec.kernels
 from lowprec.kernels import tuning
 
 pytestmark = [

@@ -13,9 +13,9 @@ quick subset that runs with the GPU suite.
 
 import copy
 
+import fuzz_nvfp4
 import pytest
 
-import fuzz_nvfp4
 import lowprec.kernels
 
 pytestmark = [

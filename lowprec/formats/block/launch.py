@@ -14,9 +14,17 @@ import torch
 
 from ...kernels import gluon_takes, kernel_op
 from ...kernels.fp8_args import FP8_PARAMS, fp8_dtype_of, kernel_fp8_args
-from ...kernels.grid import (device_guard, launches, logical_shape, order_axes,
-                             prologue_args, prologue_launch_args, tile_config, tile_grid,
-                             triton_cdiv)
+from ...kernels.grid import (
+    device_guard,
+    launches,
+    logical_shape,
+    order_axes,
+    prologue_args,
+    prologue_launch_args,
+    tile_config,
+    tile_grid,
+    triton_cdiv,
+)
 from ...kernels.launch import launch
 from ...kernels.tuning import tuning
 from ..base import QuantizedTensor

@@ -5,10 +5,15 @@ from __future__ import annotations
 import torch
 
 from ...kernels import use_kernels
-from ..base import (QuantizedTensor, Quantizer, check_amax_epsilon, check_bool_option,
-                    check_divisible)
-from . import launch
+from ..base import (
+    QuantizedTensor,
+    Quantizer,
+    check_amax_epsilon,
+    check_bool_option,
+    check_divisible,
+)
 from ..casting import check_fp8_dtype
+from . import launch
 from .reference import BLOCK, quantize_blocks
 from .tensor import Float8BlockwiseTensor
 

@@ -31,9 +31,18 @@ import torch
 
 from ...kernels import _tracing, kernel_op
 from ...kernels.fp8_args import FP8_PARAMS, fp8_dtype_of, kernel_fp8_args
-from ...kernels.grid import (cast_bottom_up, device_guard, launches, logical_shape, num_sms,
-                             prologue_args, prologue_launch_args, tile_config, tile_grid,
-                             triton_cdiv)
+from ...kernels.grid import (
+    cast_bottom_up,
+    device_guard,
+    launches,
+    logical_shape,
+    num_sms,
+    prologue_args,
+    prologue_launch_args,
+    tile_config,
+    tile_grid,
+    triton_cdiv,
+)
 from ...kernels.launch import launch
 from ...kernels.tuning import tuning
 from ..base import QuantizedTensor

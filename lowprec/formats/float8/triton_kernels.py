@@ -31,10 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...kernels.fp8_cast import (abs_bits, current_scale, decode_scale, fp8_codes, store_t,
-                                  tile_ids)
+from ...kernels.fp8_cast import abs_bits, current_scale, decode_scale, fp8_codes, store_t, tile_ids
 from ...kernels.prologue import load_tile
-
 
 #: Where a quantize writes the decode scale in its scale buffer: 16 bytes past the scale,
 #: since cuBLAS refuses a scale pointer that is not 16-byte aligned.

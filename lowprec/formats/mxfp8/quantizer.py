@@ -6,10 +6,10 @@ import torch
 
 from ...kernels import use_kernels
 from ..base import Quantizer, check_bool_option, check_divisible
-from . import launch
 from ..casting import check_fp8_dtype
 from ..exact import ExactTensor
 from ..gemm_slicer import block_gemm_slicer
+from . import launch
 from .reference import BLOCK, quantize_1x32, quantize_32x32
 from .tensor import MXFP8Tensor
 

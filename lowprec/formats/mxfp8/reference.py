@@ -9,8 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from ..casting import (E8M0_BIAS, E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN, FP8_MAX, cast_fp8,
-                       ceil_pow2_exponent, exp2_int)
+from ..casting import (
+    E8M0_BIAS,
+    E8M0_MAX_EXP,
+    E8M0_MIN_EXP,
+    E8M0_NAN,
+    FP8_MAX,
+    cast_fp8,
+    ceil_pow2_exponent,
+    exp2_int,
+)
 
 BLOCK = 32
 

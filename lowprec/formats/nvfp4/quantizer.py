@@ -8,9 +8,9 @@ from ...kernels import use_kernels
 from ..base import Quantizer, check_bool_option, check_divisible
 from ..exact import ExactTensor
 from ..gemm_slicer import GemmSlicer
+from ..rht import rht_forward
 from .draws import draw_key, uniforms_at
 from .reference import BLOCK, SCALE_DTYPE, finite_amax, global_encode_scale, quantize_matrix
-from ..rht import rht_forward
 from .tensor import NVFP4Tensor
 
 

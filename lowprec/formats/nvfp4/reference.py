@@ -21,9 +21,17 @@ from __future__ import annotations
 
 import torch
 
-from ..casting import (E2M1_MAX, FP8_MAX, cast_fp8, e2m1_codes_to_float, pack_e2m1,
-                       round_e2m1_codes, scale_from_amax, stochastic_round_e2m1_codes,
-                       unpack_e2m1)
+from ..casting import (
+    E2M1_MAX,
+    FP8_MAX,
+    cast_fp8,
+    e2m1_codes_to_float,
+    pack_e2m1,
+    round_e2m1_codes,
+    scale_from_amax,
+    stochastic_round_e2m1_codes,
+    unpack_e2m1,
+)
 
 BLOCK = 16
 SCALE_DTYPE = torch.float8_e4m3fn

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..base import QuantizedTensor
-from .reference import dequantize_matrix
 from ..rht import rht_inverse
+from .reference import dequantize_matrix
 
 
 class NVFP4Tensor(QuantizedTensor):

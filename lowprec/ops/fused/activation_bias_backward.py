@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ...autocast import torch_autocast_dtype
 from ...activations import activation_fp32, activation_grad_fp32
+from ...autocast import torch_autocast_dtype
 from ..base import EmitSpec, Piece, RunContext, as_plain, plain, register_fusion
 
 
