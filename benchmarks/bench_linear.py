@@ -214,10 +214,12 @@ def run_peers(bench, shape_str, peers, inputs, args, graphed=False):
         rows.append({"bench": bench, "shape": shape_str, "recipe": name, "metric": "ms",
                      "value": peer_ms, "baseline": baseline_name, "baseline_value": base_ms,
                      "ratio": peer_ms / base_ms,
-                     "note": f"speedup {base_ms / peer_ms:.3f}x; host {host_ms:.2f} ms/step; "
-                             f"{'CUDA graph replays; ' if graphed else ''}"
-                             f"{'alternating calls' if args.alternate else 'rounds'}"
-                             f"{f', warm-up {args.warmup_seconds:g} s' if args.warmup_seconds else ''}"})
+                     "note": (
+                         f"speedup {base_ms / peer_ms:.3f}x; host {host_ms:.2f} ms/step; "
+                         f"{'CUDA graph replays; ' if graphed else ''}"
+                         f"{'alternating calls' if args.alternate else 'rounds'}"
+                         f"{f', warm-up {args.warmup_seconds:g} s' if args.warmup_seconds else ''}"
+                     )})
         print(f"  {bench:6s} {shape_str:18s} {name:22s} {peer_ms:8.3f} ms  bf16 {base_ms:8.3f} ms"
               f"  speedup {base_ms / peer_ms:.3f}x  host {host_ms:.2f} ms/step", flush=True)
     return rows

@@ -70,7 +70,8 @@ def measure(bench, shape_str, peers, probe, x, dy):
             rows.append({"bench": f"{bench}_mem", "shape": shape_str, "recipe": name,
                          "metric": metric, "value": v, "baseline": "bf16",
                          "baseline_value": b, "ratio": v / b if b else float("nan")})
-        print(f"  {bench:6s} {shape_str:18s} {name:22s} peak {peak:9.1f} MiB (x{peak / base[0]:.3f})"
+        print(f"  {bench:6s} {shape_str:18s} {name:22s} peak {peak:9.1f} MiB "
+              f"(x{peak / base[0]:.3f})"
               f"  saved {saved:9.1f} MiB", flush=True)
     return rows
 

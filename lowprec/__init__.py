@@ -22,7 +22,8 @@ from .recipe import (
 from .roles import QuantizerRole
 
 __version__ = "0.1.0"
-__all__ = [*_formats_all, "recipe", "ops", "optim", "autocast", "checkpoint", "convert_model", "cpu_offload", "quantized_model_init", "QuantizerRole",
+__all__ = [*_formats_all, "recipe", "ops", "optim", "autocast", "checkpoint", "convert_model",
+           "cpu_offload", "quantized_model_init", "QuantizerRole",
            "Format", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
            "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "Recipe", "BackwardMode",
            "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm"]

@@ -63,10 +63,12 @@ class _Frame:
     def replay(self, module):
         """The record of the next call, which must be ``module``'s."""
         if self.next >= len(self.records) or self.records[self.next].module is not module:
+            expected = ("nothing more" if self.next >= len(self.records)
+                        else type(self.records[self.next].module).__name__)
             raise RuntimeError(
                 f"lowprec.checkpoint: the recompute called {type(module).__name__} "
                 f"{getattr(module, 'name', '')!r} where the forward called "
-                f"{'nothing more' if self.next >= len(self.records) else type(self.records[self.next].module).__name__}; "
+                f"{expected}; "
                 f"the checkpointed function must call the same lowprec modules in the same "
                 f"order each time")
         rec = self.records[self.next]

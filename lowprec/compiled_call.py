@@ -146,7 +146,7 @@ def _decode(layout: str, ints: list, tensors: list):
     return args, kwargs
 
 
-# ---- memory the compiler may reuse ----------------------------------------------------------------
+# ---- memory the compiler may reuse -----------------------------------------------------------
 def _storage_key(t: torch.Tensor):
     return (t.device, t.untyped_storage().data_ptr())
 

@@ -156,7 +156,8 @@ def _linear_rejection(mod: nn.Linear, fqn: str, recipe, module_filter_fn) -> str
     if "forward" in mod.__dict__:
         return "its forward was replaced on the instance (e.g. by a hook library)"
     w = mod.weight
-    if not isinstance(w, nn.Parameter) or not w.is_floating_point() or isinstance(w, QuantizedTensor):
+    if (not isinstance(w, nn.Parameter) or not w.is_floating_point()
+            or isinstance(w, QuantizedTensor)):
         return f"its weight is not a floating-point parameter ({type(w).__name__}, {w.dtype})"
     if mod.bias is not None and mod.bias.dtype != w.dtype:
         return f"bias dtype {mod.bias.dtype} differs from the weight's {w.dtype}"
@@ -201,8 +202,8 @@ def _make_linear(mod: nn.Linear, fqn: str) -> Linear:
 def _carry_module_state(old: nn.Module, new: nn.Module) -> None:
     new.train(old.training)
     for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
-                 "_backward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
-                 "_forward_hooks_always_called"):
+                 "_backward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
         if hasattr(old, attr) and getattr(old, attr):
             setattr(new, attr, getattr(old, attr))
 

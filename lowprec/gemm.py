@@ -49,7 +49,8 @@ def _plain_accepts(a, a_usage, b, b_usage, out_dtype, bias):
     if not (_is_plain(a) and _is_plain(b)):
         return False
     am, bm = _plain_matrix(a, a_usage), _plain_matrix(b, b_usage)
-    return am.dtype == bm.dtype and am.dtype == out_dtype and (bias is None or bias.dtype == out_dtype)
+    return (am.dtype == bm.dtype and am.dtype == out_dtype
+            and (bias is None or bias.dtype == out_dtype))
 
 
 def _plain_run(a, a_usage, b, b_usage, out_dtype, bias):

@@ -107,7 +107,8 @@ def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                         f"{weight.dtype}; cast the input or build the module with "
                         f"params_dtype={x.dtype}")
     if bias is not None and bias.dtype != x.dtype:
-        raise TypeError(f"linear bias dtype {bias.dtype} does not match the weight dtype {weight.dtype}")
+        raise TypeError(f"linear bias dtype {bias.dtype} does not match the weight dtype "
+                        f"{weight.dtype}")
 
 
 def _weight_in_two_steps(quantizer: Quantizer | None, weight: torch.Tensor,
@@ -200,7 +201,8 @@ def _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w, q, backward_mode,
     """Save what backward reads, record the rest on ``ctx``; y (quantized where the recipe
     quantizes the output). With ``pad`` rows appended to the input, ``x_shape`` is the
     caller's shape and the padded rows are cut from y."""
-    if saved_w is not None and saved_w is not weight and not isinstance(saved_w, torch.nn.Parameter):
+    if (saved_w is not None and saved_w is not weight
+            and not isinstance(saved_w, torch.nn.Parameter)):
         offload.keep_on_device(saved_w)  # a weight's working copy stays with the weight
     ctx.save_for_backward(saved_x if need_dw else None, saved_w if need_dx else None)
     # Backward may free a saved operand once consumed only if nothing else holds it.

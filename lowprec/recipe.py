@@ -239,7 +239,8 @@ class DelayedScaling(Recipe):
             raise ValueError(f"DelayedScaling supports only backward_mode='default', got "
                              f"{self.backward_mode!r}{source}: its quantizers share recipe-owned "
                              f"scaling state that the backward GEMMs update")
-        _check_fp8_format("DelayedScaling", self.fp8_format, (Format.E4M3, Format.E5M2, Format.HYBRID))
+        _check_fp8_format("DelayedScaling", self.fp8_format,
+                          (Format.E4M3, Format.E5M2, Format.HYBRID))
         margin = self.margin
         if (isinstance(margin, bool) or not isinstance(margin, numbers.Real)
                 or not 0 <= margin <= _MAX_MARGIN):
@@ -252,7 +253,8 @@ class DelayedScaling(Recipe):
         if self.amax_history_len < 1:
             raise ValueError(f"DelayedScaling: amax_history_len must be an int >= 1, got "
                              f"{self.amax_history_len!r}")
-        if not (callable(self.amax_compute_algo) or self.amax_compute_algo in ("max", "most_recent")):
+        if not (callable(self.amax_compute_algo)
+                or self.amax_compute_algo in ("max", "most_recent")):
             raise ValueError(f"DelayedScaling: amax_compute_algo={self.amax_compute_algo!r}; use "
                              f"'max', 'most_recent' or a callable")
 
@@ -339,9 +341,9 @@ class CustomRecipe(Recipe):
         from .formats.base import Quantizer  # recipes stay importable without formats loaded first
 
         if isinstance(self.qfactory, Quantizer):
-            raise TypeError(f"CustomRecipe got a quantizer ({type(self.qfactory).__name__}) where a "
-                            f"factory is expected; pass a function role -> Quantizer, e.g. one "
-                            f"that returns q.copy()")
+            raise TypeError(f"CustomRecipe got a quantizer ({type(self.qfactory).__name__}) "
+                            f"where a factory is expected; pass a function role -> Quantizer, "
+                            f"e.g. one that returns q.copy()")
         if not callable(self.qfactory):
             raise TypeError(f"CustomRecipe needs a callable qfactory(role) -> Quantizer, got "
                             f"{self.qfactory!r}")

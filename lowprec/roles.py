@@ -38,14 +38,15 @@ def gemm_roles(module_type: str, name: str, *, fwd: bool, output_role=None,
     Boundary slots (``output``, ``grad_input``) are ``None`` unless a role is given.
     """
     if fwd:
-        return [QuantizerRole(module_type, "input", name), QuantizerRole(module_type, "weight", name),
-                output_role]
+        return [QuantizerRole(module_type, "input", name),
+                QuantizerRole(module_type, "weight", name), output_role]
     return [QuantizerRole(module_type, "grad_output", name), grad_input_role]
 
 
 def check_num_quantizers(module, fwd: bool, num_quantizers: int | None, roles: list) -> list:
     """Validate a caller's expected slot count against the module's roles."""
     if num_quantizers is not None and num_quantizers != len(roles):
-        raise ValueError(f"{type(module).__name__} has {len(roles)} {'forward' if fwd else 'backward'} "
+        raise ValueError(f"{type(module).__name__} has {len(roles)} "
+                         f"{'forward' if fwd else 'backward'} "
                          f"quantizer slots, asked for {num_quantizers}")
     return roles

@@ -59,7 +59,8 @@ def _builtin_quantizer(recipe: Recipe, role: QuantizerRole | None, mode: str) ->
     if isinstance(recipe, MXFP8BlockScaling):
         fmt = recipe.fp8_format
         return MXFP8Quantizer(fmt.bwd_dtype if grad else fmt.fwd_dtype,
-                              with_2d_quantization=recipe.enable_2d_quantization and ttype == "weight")
+                              with_2d_quantization=(recipe.enable_2d_quantization
+                                                    and ttype == "weight"))
     if isinstance(recipe, NVFP4BlockScaling):
         if ttype == "weight":
             return NVFP4Quantizer(with_2d_quantization=not recipe.disable_2d_quantization)

@@ -21,8 +21,8 @@ import torch
 
 from .formats.base import Quantizer
 
-#: id(weight) -> (weak reference to the weight, (version, data_ptr, cast dtype), quantizer, columnwise,
-#: quantized copy); an entry goes when its weight is freed. (Keyed by id: a
+#: id(weight) -> (weak reference to the weight, (version, data_ptr, cast dtype), quantizer,
+#: columnwise, quantized copy); an entry goes when its weight is freed. (Keyed by id: a
 #: WeakKeyDictionary would compare tensors with ``==``.)
 _CACHE: dict = {}
 

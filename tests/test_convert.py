@@ -121,7 +121,8 @@ def test_linear_swap_keeps_parameter_objects_and_outputs():
     assert after.keys() == before.keys()
     assert all(after[k] is before[k] for k in before)
     assert model[0].name == "0" and model[2].name == "2"
-    assert model[0].get_quantizer_roles(fwd=True)[1] == lowprec.QuantizerRole("linear", "weight", "0")
+    assert (model[0].get_quantizer_roles(fwd=True)[1]
+            == lowprec.QuantizerRole("linear", "weight", "0"))
     # Outside autocast a lowprec.Linear is the same fp32 GEMM; only the call path differs, so
     # allow fp32 summation-order rounding (K <= 256: a few ulps of the output).
     torch.testing.assert_close(model(x), want, rtol=1e-6, atol=1e-6)
@@ -139,7 +140,8 @@ def test_converted_linear_quantizes_under_autocast():
     x = torch.randn(8, 32, 128)
     with lowprec.autocast(recipe=lowprec.Float8CurrentScaling()):
         y = model(x)
-    want = _ref_linear(x, model[0].weight, model[0].bias, lowprec.Float8CurrentScalingQuantizer(E4M3),
+    want = _ref_linear(x, model[0].weight, model[0].bias,
+                       lowprec.Float8CurrentScalingQuantizer(E4M3),
                        lowprec.Float8CurrentScalingQuantizer(E4M3))
     # fp32 accumulation of K=128 exactly representable products: relative error ~ K * 2^-24.
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
@@ -200,7 +202,8 @@ def test_traced_proof_rejects_other_uses_of_the_norm_output(cls):
     assert model.lowprec_conversion["fused"] == []
     assert _count(model, nn.LayerNorm) >= 1 and _count(model, lowprec.LayerNormLinear) == 0
     got = model(x)
-    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+    for g, w in zip(got if isinstance(got, tuple) else (got,),
+                    want if isinstance(want, tuple) else (want,)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)  # fp32 reordering only
 
 

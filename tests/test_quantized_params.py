@@ -149,7 +149,8 @@ def _hp_tensors(obj, numels, path, seen, found, depth=0):
     seen.add(id(obj))
     if isinstance(obj, QuantizedTensor):
         for name, t in obj.inner_tensors().items():
-            if t is not None and t.is_floating_point() and t.element_size() >= 2 and t.numel() in numels:
+            if (t is not None and t.is_floating_point() and t.element_size() >= 2
+                    and t.numel() in numels):
                 found.append(f"{path}.{name}")
         return
     if isinstance(obj, torch.Tensor):
@@ -308,7 +309,8 @@ def test_optimizer_trains_and_requantizes(rname):
             if step == 0:
                 assert_bits_equal(master.detach(), refs[key].detach(), f"{key} master after step 1")
             assert w.has_usage("rowwise") and w.has_usage("columnwise"), key
-            assert_bits_equal(w, mod.weight_quantizer(i).quantize(master.detach()), f"{key} step {step}")
+            assert_bits_equal(w, mod.weight_quantizer(i).quantize(master.detach()),
+                              f"{key} step {step}")
             if isinstance(recipe, DelayedScaling):
                 # The weight slot's scale follows its own amax history: fp8_max / max(history).
                 st = mod._recipe_states["forward"].delayed
@@ -318,7 +320,8 @@ def test_optimizer_trains_and_requantizes(rname):
                 indep = Float8Quantizer(expect_scale.clone(), torch.zeros(1), E4M3)
             else:
                 indep = expected_weight_quantizer(recipe, master)
-            assert_bits_equal(w, indep.quantize(master.detach()), f"{key} step {step} (independent)")
+            assert_bits_equal(w, indep.quantize(master.detach()),
+                              f"{key} step {step} (independent)")
         if step < 19:
             losses.append(train_step(model, opt, recipe, x, y).item())
     # The same model and data in high precision (plain weights, plain AdamW) as the yardstick.
@@ -410,7 +413,8 @@ def test_delayed_scaling_eval_forward_leaves_scaling_state_alone():
     with lowprec.autocast(recipe=recipe):
         m(100.0 * x.detach())
     assert st.amax_history[0, 0] == (100.0 * x.detach()).abs().amax()
-    assert_bits_equal(st.scale[0:1], torch.tensor([448.0]) / st.amax_history[:, 0].amax().reshape(1),
+    assert_bits_equal(st.scale[0:1],
+                      torch.tensor([448.0]) / st.amax_history[:, 0].amax().reshape(1),
                       "input scale after a training forward")
 
 
@@ -502,7 +506,8 @@ def test_module_copies_keep_quantized_weights_as_parameters(rname, how):
     clone = COPIERS[how](model)
     for k, w in quantized_weights(clone).items():
         assert isinstance(w, QuantizedTensor)
-        assert isinstance(w, nn.Parameter), f"{how}: {k} came back as {type(w).__name__}, not a Parameter"
+        assert isinstance(w, nn.Parameter), (
+            f"{how}: {k} came back as {type(w).__name__}, not a Parameter")
     result = clone.load_state_dict(model.state_dict(), assign=True)
     assert not result.missing_keys and not result.unexpected_keys
     for (k, p), (_, p2) in zip(model.named_parameters(), clone.named_parameters()):
@@ -742,7 +747,8 @@ def test_module_conversions_keep_quantized_weights_and_their_attributes(convert)
     with torch.no_grad():
         w.copy_(hp)
     q = Float8CurrentScalingQuantizer(E4M3)
-    assert torch.equal(w.dequantize(torch.float32), q.quantize(hp.to(w.dtype)).dequantize(torch.float32))
+    assert torch.equal(w.dequantize(torch.float32),
+                       q.quantize(hp.to(w.dtype)).dequantize(torch.float32))
 
 
 def test_plain_optimizer_on_quantized_weights_names_the_wrapper():

@@ -43,14 +43,16 @@ def _identity_factory(role):
 
 # (constructor, expected default fields) — literal values from SPEC section 4 / Transformer Engine.
 DEFAULTS = {
-    "DelayedScaling": (DelayedScaling, dict(margin=0, fp8_format=Format.HYBRID, amax_history_len=1024,
-                                            amax_compute_algo="max", reduce_amax=True)),
+    "DelayedScaling": (DelayedScaling, dict(margin=0, fp8_format=Format.HYBRID,
+                                            amax_history_len=1024, amax_compute_algo="max",
+                                            reduce_amax=True)),
     "Float8CurrentScaling": (Float8CurrentScaling, dict(fp8_format=Format.HYBRID,
                                                         use_power_2_scales=False)),
     "Float8BlockScaling": (Float8BlockScaling, dict(x_block_scaling_dim=1, w_block_scaling_dim=2,
                                                     grad_block_scaling_dim=1)),
     "MXFP8BlockScaling": (MXFP8BlockScaling, dict(enable_2d_quantization=False)),
-    "NVFP4BlockScaling": (NVFP4BlockScaling, dict(disable_rht=False, disable_stochastic_rounding=False,
+    "NVFP4BlockScaling": (NVFP4BlockScaling, dict(disable_rht=False,
+                                                  disable_stochastic_rounding=False,
                                                   disable_2d_quantization=False)),
     "CustomRecipe": (lambda **kw: CustomRecipe(_identity_factory, **kw),
                      dict(qfactory=_identity_factory)),
@@ -203,7 +205,8 @@ def test_backward_mode_is_keyword_only():
 
 @pytest.mark.parametrize("name", NON_DELAYED)
 @pytest.mark.parametrize("env,resolved", [("high_precision", "high_precision"),
-                                          ("dequantized", "dequantized"), ("unquant", "high_precision"),
+                                          ("dequantized", "dequantized"),
+                                          ("unquant", "high_precision"),
                                           ("dequant", "dequantized"), ("default", "default")])
 def test_env_supplies_default(monkeypatch, name, env, resolved):
     monkeypatch.setenv(ENV, env)

@@ -96,8 +96,8 @@ def test_grouped_linear_roles(num_gemms):
     m = lowprec.GroupedLinear(num_gemms, 32, 32, name="experts")
     fwd = m.get_quantizer_roles(fwd=True, num_quantizers=3 * num_gemms)
     bwd = m.get_quantizer_roles(fwd=False, num_quantizers=2 * num_gemms)
-    assert fwd == [R("grouped_linear", "input", "experts"), R("grouped_linear", "weight", "experts"),
-                   None] * num_gemms
+    assert fwd == [R("grouped_linear", "input", "experts"),
+                   R("grouped_linear", "weight", "experts"), None] * num_gemms
     assert bwd == [R("grouped_linear", "grad_output", "experts"), None] * num_gemms
 
 
@@ -131,7 +131,8 @@ def test_layernorm_mlp_boundary_roles():
     bwd = m.get_quantizer_roles(fwd=False)
     assert fwd[2] is None and fwd[5] == out_role
     assert bwd[1] == gin_role and bwd[3] is None
-    assert fwd[3] == R("linear", "input", "mlp.fc2") and bwd[2] == R("linear", "grad_output", "mlp.fc2")
+    assert (fwd[3] == R("linear", "input", "mlp.fc2")
+            and bwd[2] == R("linear", "grad_output", "mlp.fc2"))
 
 
 @pytest.mark.parametrize("make,fwd_n,bwd_n", [
@@ -259,8 +260,9 @@ def test_delayed_builtin_roles_share_state():
     assert [float(q.scale) for q in f.quantizers] == [2.0, 3.0, 4.0]
 
 
-@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling(),
-                                    NVFP4BlockScaling(), CustomRecipe(mxfp8_factory)])
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8BlockScaling(),
+                                    MXFP8BlockScaling(), NVFP4BlockScaling(),
+                                    CustomRecipe(mxfp8_factory)])
 def test_one_object_per_slot_with_both_usages(recipe):
     qf, qb = states(recipe, LIN_B)
     qs = qf + qb
@@ -357,7 +359,8 @@ def test_factory_returning_non_quantizer_names_role(bad):
         return bad if role == target else mxfp8_factory(role)
 
     with pytest.raises(TypeError) as err:
-        RecipeState.create(CustomRecipe(factory), "forward", [target, R("linear", "weight", "x"), None])
+        RecipeState.create(CustomRecipe(factory), "forward",
+                           [target, R("linear", "weight", "x"), None])
     assert "input" in str(err.value) and "odd_layer" in str(err.value)
 
 
@@ -433,7 +436,8 @@ def test_mirror_factory_bit_identical(kind, fmt):
     # Not vacuous: the recipe really quantized the forward and the backward.
     y_hp, g_hp = _run(module, x, args, g, None)
     assert not torch.equal(y_ref, y_hp)
-    wname = "weight" if kind == "Linear" else ("fc1_weight" if kind == "LayerNormMLP" else "weight0")
+    wname = ("weight" if kind == "Linear"
+             else ("fc1_weight" if kind == "LayerNormMLP" else "weight0"))
     assert not torch.equal(g_ref[wname], g_hp[wname])
     assert not torch.equal(g_ref["input"], g_hp["input"])
 

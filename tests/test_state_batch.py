@@ -64,7 +64,8 @@ def test_batched_updates_match_one_update_per_state(device, algo):
         if isinstance(m, lowprec.modules.base.LowprecModule):
             for st in m._recipe_states.values():
                 assert not st.delayed.pending
-                assert torch.equal(st.delayed.amax_current, torch.zeros_like(st.delayed.amax_current))
+                assert torch.equal(st.delayed.amax_current,
+                                   torch.zeros_like(st.delayed.amax_current))
 
 
 def _called_twice(algo):

@@ -1,7 +1,8 @@
 """Host cost of one Triton launch, taken apart (tight loops on tiny tensors).
 
 * ``jit``: ``kernel[grid](...)`` as lowprec launches (binder, cache lookup, launcher);
-* ``run(tensors)`` (every parameter, constexprs too, as ``JITFunction.run`` passes them): the compiled kernel's launcher called directly with the tensors;
+* ``run(tensors)`` (every parameter, constexprs too, as ``JITFunction.run`` passes them): the
+  compiled kernel's launcher called directly with the tensors;
 * ``run(ints)``: the same with the pointers passed as ints (no ``data_ptr()`` call and no
   ``cuPointerGetAttribute`` per pointer in Triton's C launcher);
 * torch ops for scale: ``torch.zeros(1)`` (an allocation and a fill), ``x.add_(1)``;

@@ -107,7 +107,8 @@ def main():
             for _ in range(3):
                 step(x, dy)
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15,
+                                        max_name_column_width=70))
 
 
 if __name__ == "__main__":

@@ -112,7 +112,8 @@ def _bind(lib):
     for name, args in sigs.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, i32
-    lib.cublasLtGetStatusString.argtypes, lib.cublasLtGetStatusString.restype = [i32], ctypes.c_char_p
+    lib.cublasLtGetStatusString.argtypes, lib.cublasLtGetStatusString.restype = (
+        [i32], ctypes.c_char_p)
     return lib
 
 

@@ -515,7 +515,8 @@ class Batches:
     def __init__(self, corpus: Corpus, seq_len: int, batch_size: int, seed: int,
                  device: torch.device) -> None:
         corpus.check_windows(seq_len)
-        self.corpus, self.seq_len, self.batch_size, self.device = corpus, seq_len, batch_size, device
+        self.corpus, self.seq_len, self.batch_size, self.device = (corpus, seq_len, batch_size,
+                                                                   device)
         self.generator = torch.Generator().manual_seed(seed)
 
     def _windows(self, data: torch.Tensor, starts: torch.Tensor):
@@ -533,5 +534,6 @@ class Batches:
         """``n`` fixed batches covering the held-out text evenly."""
         high = self.corpus.val.numel() - self.seq_len - 1
         starts = torch.linspace(0, high, n * self.batch_size).long()
-        return [self._windows(self.corpus.val, starts[i * self.batch_size:(i + 1) * self.batch_size])
+        return [self._windows(self.corpus.val,
+                              starts[i * self.batch_size:(i + 1) * self.batch_size])
                 for i in range(n)]

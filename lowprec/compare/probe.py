@@ -6,7 +6,8 @@
 (a GEMM's input, weight or output gradient), through ``quantize`` or, for an
 operand only a GEMM reads, ``_quantize_exact`` (exact values without codes: dY
 on Hopper), it records, for every direction the GEMMs consume (rowwise for
-fprop/dgrad's gradient, columnwise for wgrad and dgrad's weight), ``10 log10(||x||^2 / ||x - dequant(q(x))||^2)`` computed on the
+fprop/dgrad's gradient, columnwise for wgrad and dgrad's weight),
+``10 log10(||x||^2 / ||x - dequant(q(x))||^2)`` computed on the
 tensor the step actually quantized. Nothing is re-quantized, so the numbers are
 those of the GEMMs that ran and the random streams (stochastic rounding) are
 untouched.
@@ -150,7 +151,8 @@ class SavedTensorMeter:
     around the forward."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self._params = {self._key(p) for p in model.parameters() if not isinstance(p, QuantizedTensor)}
+        self._params = {self._key(p) for p in model.parameters()
+                        if not isinstance(p, QuantizedTensor)}
         self._seen: set = set()
         self.bytes = 0
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)

@@ -203,9 +203,11 @@ def _role_shapes(module, role, tokens: int) -> list[tuple[int, int]]:
         return []
     out_f, in_f = w.shape
     return {"input": [(tokens, in_f)], "weight": [(out_f, in_f)], "output": [(tokens, out_f)],
-            "grad_output": [(tokens, out_f)], "grad_input": [(tokens, in_f)]}.get(role.tensor_type, [])
+            "grad_output": [(tokens, out_f)], "grad_input": [(tokens, in_f)]}.get(
+                role.tensor_type, [])
 
 
-__all__ = ["NAMED_RECIPES", "DEFAULT_RECIPES", "BASELINE", "NOISE_FLOOR", "noise_floor_spec", "BACKWARD_MODES", "RecipeError",
+__all__ = ["NAMED_RECIPES", "DEFAULT_RECIPES", "BASELINE", "NOISE_FLOOR", "noise_floor_spec",
+           "BACKWARD_MODES", "RecipeError",
            "RecipeSpec", "parse_recipe_names", "build_named", "check_backward_mode",
            "load_recipe_file", "validate_recipe"]

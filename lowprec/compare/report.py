@@ -333,7 +333,8 @@ def plot_sqnr(path: str, results: list[RunResult]) -> str | None:
 def sqnr_summary_rows(results: list[RunResult]) -> tuple[list[str], list[list[str]]]:
     """Mean SQNR over layers, per role and direction (the terminal's short version)."""
     quantized = [r for r in results if r.sqnr]
-    roles = sorted({rec.role for r in quantized for rec in r.sqnr}, key=lambda x: ROLE_ORDER.get(x, 9))
+    roles = sorted({rec.role for r in quantized for rec in r.sqnr},
+                   key=lambda x: ROLE_ORDER.get(x, 9))
     header = ["recipe"] + [f"{role} (row / col dB)" for role in roles]
     rows = []
     for r in quantized:
@@ -541,7 +542,8 @@ def write_markdown(path: str, info: RunInfo, results: list[RunResult],
     for r in results:
         lines.append(f"- `{r.name}`: {r.description} (wall {r.wall_s:.1f} s, CPU {r.cpu_s:.1f} s)")
     lines += ["", "## Loss curves", ""]
-    lines.append("![loss curves](loss.png)" if plot_note is None else f"loss.png skipped: {plot_note}")
+    lines.append("![loss curves](loss.png)" if plot_note is None
+                 else f"loss.png skipped: {plot_note}")
     header, rows = sqnr_rows(results)
     lines += ["", "## Quantization SQNR at the last step", "",
               "Per layer (GEMM) and tensor role: 10·log10(‖x‖² / ‖x − dequant(q(x))‖²) in dB of "

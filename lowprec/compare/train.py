@@ -255,7 +255,8 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
         result.status_detail = f"{type(err).__name__}: {err}"
         result.traceback = traceback.format_exc()
         if progress is not None:
-            progress.update(len(result.steps), float("nan"), 0.0, note=f"error: {type(err).__name__}")
+            progress.update(len(result.steps), float("nan"), 0.0,
+                            note=f"error: {type(err).__name__}")
     finally:
         probe.disarm()
     if device.type == "cuda":

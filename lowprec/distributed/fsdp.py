@@ -263,7 +263,8 @@ class QuantizedGatherWeight(torch.Tensor):
     def _source(self, dtype) -> torch.Tensor:
         """The values a gather quantizes: a master's own fp32 values, a high-precision
         weight's in the compute dtype (the values its GEMM would read)."""
-        return self._data if getattr(self._spec, "master", None) is not None else self._data.to(dtype)
+        return (self._data if getattr(self._spec, "master", None) is not None
+                else self._data.to(dtype))
 
     def _whole_statistic(self, quantizer, shard, dtype, group):
         """The whole weight's per-tensor statistic: the one precomputed for these values, or

@@ -17,4 +17,5 @@ __all__ = ["Quantizer", "QuantizedTensor",
            "IdentityQuantizer", "IdentityTensor",
            "HybridQuantizer", "HybridQuantizedTensor", "ExactTensor"]
 
-register_safe_globals(*(globals()[name] for name in __all__ if name not in ("Quantizer", "QuantizedTensor")))
+register_safe_globals(*(globals()[name] for name in __all__
+                        if name not in ("Quantizer", "QuantizedTensor")))

@@ -281,7 +281,8 @@ class QuantizedTensor(torch.Tensor):
             if want and not self.has_usage(usage):
                 other = "columnwise" if usage == "rowwise" else "rowwise"
                 if not self.has_usage(other):
-                    raise RuntimeError(f"{type(self).__name__} holds no data to derive {usage} from")
+                    raise RuntimeError(f"{type(self).__name__} holds no data to derive "
+                                       f"{usage} from")
                 for name, t in self._derive(usage).items():
                     setattr(self, name, t)
         if all(w is False or (w is None and not self.has_usage(u)) for u, w in wanted.items()):
@@ -490,7 +491,8 @@ _HANDLERS_BY_PACKET: dict = {}
 def _handles(*ops):
     def register(fn):
         for op in ops:
-            (_HANDLERS_BY_PACKET if isinstance(op, torch._ops.OpOverloadPacket) else _HANDLERS)[op] = fn
+            (_HANDLERS_BY_PACKET if isinstance(op, torch._ops.OpOverloadPacket)
+             else _HANDLERS)[op] = fn
         return fn
     return register
 
@@ -672,7 +674,8 @@ class Quantizer:
             self.set_usage(*saved)
 
     def copy(self) -> "Quantizer":
-        """An independent quantizer with the same settings (shared recipe-owned state stays shared)."""
+        """An independent quantizer with the same settings (shared recipe-owned state stays
+        shared)."""
         return copy.copy(self)
 
     # ---- exact bf16 GEMM operands -----------------------------------------------------------
@@ -826,7 +829,8 @@ class Quantizer:
     #: Whether :meth:`slice_quantizer` reads the whole tensor first (per-tensor amax).
     slices_need_stats_pass: ClassVar[bool] = False
 
-    def slice_quantizer(self, x2d: torch.Tensor) -> Callable[[torch.Tensor, str], QuantizedTensor] | None:
+    def slice_quantizer(self, x2d: torch.Tensor
+                        ) -> Callable[[torch.Tensor, str], QuantizedTensor] | None:
         """A function ``f(part, usage)`` quantizing slices of the 2-D ``x2d`` exactly as
         ``quantize(x2d)`` quantizes those elements, or None where the format cannot.
 
@@ -914,7 +918,8 @@ class Quantizer:
                    device: torch.device | str | None = None) -> QuantizedTensor:
         """An uninitialized quantized tensor with this quantizer's usages, for update_quantized."""
         if dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(f"make_empty: dtype must be one of {HIGH_PRECISION_DTYPES}, got {dtype}")
+            raise TypeError(f"make_empty: dtype must be one of {HIGH_PRECISION_DTYPES}, "
+                            f"got {dtype}")
         device = torch.device(device) if device is not None else torch.device("cpu")
         shape = tuple(shape)
         m, k = flatten_2d(shape)
@@ -924,7 +929,8 @@ class Quantizer:
     # ---- for subclasses -------------------------------------------------------------------
     def _check_input(self, x) -> None:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{type(self).__name__}.quantize expects a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{type(self).__name__}.quantize expects a torch.Tensor, "
+                            f"got {type(x).__name__}")
         if isinstance(x, QuantizedTensor):
             raise TypeError(f"{type(self).__name__}.quantize got an already quantized "
                             f"{type(x).__name__}; dequantize it first")

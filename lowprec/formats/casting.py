@@ -31,7 +31,8 @@ def check_fp8_dtype(fp8_dtype) -> torch.dtype:
     """Validate an fp8 dtype argument and return it."""
     if fp8_dtype not in FP8_MAX:
         raise ValueError(
-            f"fp8_dtype={fp8_dtype!r} is not supported; use torch.float8_e4m3fn or torch.float8_e5m2"
+            f"fp8_dtype={fp8_dtype!r} is not supported; use torch.float8_e4m3fn or "
+            f"torch.float8_e5m2"
         )
     return fp8_dtype
 

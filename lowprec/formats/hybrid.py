@@ -75,7 +75,8 @@ class HybridQuantizer(Quantizer):
 
     def row_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
         return math.lcm(
-            self.rowwise_quantizer.row_multiple(rowwise=rowwise, columnwise=False) if rowwise else 1,
+            self.rowwise_quantizer.row_multiple(rowwise=rowwise, columnwise=False)
+            if rowwise else 1,
             self.columnwise_quantizer.row_multiple(rowwise=False, columnwise=columnwise)
             if columnwise else 1)
 

@@ -67,7 +67,8 @@ class IdentityQuantizer(Quantizer):
     def make_empty(self, shape, dtype=torch.float32, device=None):
         # The held dtype defaults to the nominal one, which the generic hook does not see.
         if dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(f"make_empty: dtype must be one of {HIGH_PRECISION_DTYPES}, got {dtype}")
+            raise TypeError(f"make_empty: dtype must be one of {HIGH_PRECISION_DTYPES}, "
+                            f"got {dtype}")
         m, k = flatten_2d(tuple(shape))
         data = torch.empty(m, k, dtype=self.dtype or dtype, device=device)
         return IdentityTensor(tuple(shape), dtype, **self._quantize_2d(data))

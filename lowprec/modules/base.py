@@ -412,7 +412,8 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         for i, pname in enumerate(self._weight_names()):
             w = getattr(self, pname)
             q = self.weight_quantizer(i, w.device)
-            setattr(self, pname, nn.Parameter(q.quantize(w.detach()), requires_grad=w.requires_grad))
+            setattr(self, pname, nn.Parameter(q.quantize(w.detach()),
+                                              requires_grad=w.requires_grad))
         self._link_quantized_weights()
 
     def weight_quantizer(self, gemm_index: int, device=None, values: torch.Tensor | None = None):
@@ -443,8 +444,8 @@ class LowprecModule(CompiledCallMixin, nn.Module):
     def reset_parameters(self) -> None:
         """The constructor's initialization again, in place: each linear weight and bias as
         ``torch.nn.Linear`` draws them (a fused norm's weight and bias first: one, or zero
-        with ``zero_centered_gamma``, and zero), in the constructor's order (the same draws after the
-        same seed). Quantized weights are re-quantized from the fresh values with every
+        with ``zero_centered_gamma``, and zero), in the constructor's order (the same draws
+        after the same seed). Quantized weights are re-quantized from the fresh values with every
         usage they hold, and scaling state starts afresh. This completes meta-device init:
         ``device="meta"`` → ``to_empty(device=...)`` → ``reset_parameters()``."""
         self._recipe_states = {"forward": None, "backward": None}

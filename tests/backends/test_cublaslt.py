@@ -99,7 +99,8 @@ def test_library_loads():
 
 
 @gpu
-@pytest.mark.parametrize("shape", [(256, 512, 384), (333, 1024, 77), (1, 64, 8), (4096, 4096, 1024)])
+@pytest.mark.parametrize("shape", [(256, 512, 384), (333, 1024, 77), (1, 64, 8),
+                                   (4096, 4096, 1024)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("divs", ["both", "a", "none"])
 def test_matches_fp32_epilogue_path(shape, out_dtype, divs, lt_calls):

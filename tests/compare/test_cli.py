@@ -260,7 +260,8 @@ def test_probe_sqnr_equals_recomputation(recipe, make_q):
     for role, t in (("input", x), ("weight", layer.weight), ("grad_output", grad)):
         q = make_q(role)
         qt = q.quantize(t.detach())
-        for usage, got in (("rowwise", recs[role].rowwise_db), ("columnwise", recs[role].columnwise_db)):
+        for usage, got in (("rowwise", recs[role].rowwise_db),
+                           ("columnwise", recs[role].columnwise_db)):
             d = qt.dequantize(dtype=torch.float32, usage=usage)
             want = _np_sqnr(t.detach().float().numpy(), d.numpy())
             assert got == pytest.approx(want, abs=1e-9), (role, usage)  # same tensors, float64
@@ -315,7 +316,8 @@ def test_unknown_recipe_lists_the_valid_ones(tmp_path, capsys):
     ("def f(role):\n    return None\n", "f", r"returned None for role .*IdentityQuantizer"),
     ("import lowprec\n"
      "def f(role):\n"
-     "    return lowprec.Float8BlockQuantizer(block_scaling_dim=2) if role else lowprec.IdentityQuantizer()\n",
+     "    return lowprec.Float8BlockQuantizer(block_scaling_dim=2) if role"
+     " else lowprec.IdentityQuantizer()\n",
      "f", None),  # 128x128 blocks fit every tiny-preset tensor: accepted
 ])
 def test_recipe_file_errors_name_what_failed(tmp_path, capsys, body, attr, pattern):

@@ -137,7 +137,8 @@ def test_interrupted_then_resumed_is_bit_identical(reference, tmp_path, capsys):
     assert code == 130
     # bf16 and fp8_current finished: not trained again
     assert trained == ["fp8_delayed", "nvfp4"]
-    assert "bf16: finished; fp8_current: finished; fp8_delayed: from step 3/6; nvfp4: from the start" in err
+    assert ("bf16: finished; fp8_current: finished; fp8_delayed: from step 3/6;"
+            " nvfp4: from the start") in err
     assert re.search(r"bf16\s+finished in an earlier run", err)
     assert re.search(r"fp8_current\s+finished in an earlier run", err)
     assert "resumed after step 2" in err

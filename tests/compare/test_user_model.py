@@ -154,7 +154,8 @@ def test_unaligned_layer_names_keep_high_precision(tmp_path, capsys):
     --keep-high-precision way out."""
     f = tmp_path / "odd.py"
     f.write_text(BUILD_FILE.replace("nn.Linear(128, 256, bias=False)",
-                                    "nn.Linear(128, 200, bias=False)").replace("256, 128", "200, 128"))
+                                    "nn.Linear(128, 200, bias=False)")
+                 .replace("256, 128", "200, 128"))
     rc = cli.main(["compare", "--model", f"{f}:build", "--recipes", "bf16,fp8_block", "--steps",
                    "2", "--seq-len", "64", "--batch-size", "2", "--out", str(tmp_path / "o")])
     assert rc == 2

@@ -77,7 +77,8 @@ def _models(rank: int, sp: bool):
 
 def _batch(step: int, device):
     g = torch.Generator().manual_seed(50 + step)
-    x, t = torch.randn(SEQ, BATCH, HIDDEN, generator=g), torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    x, t = (torch.randn(SEQ, BATCH, HIDDEN, generator=g),
+            torch.randn(SEQ, BATCH, HIDDEN, generator=g))
     return x.to(device), t.to(device)
 
 

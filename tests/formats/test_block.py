@@ -359,7 +359,8 @@ def test_unaligned_shapes_raise():
     for shape in [(128, 96), (100, 128), (256,)]:
         for row, col in [(True, False), (False, True), (True, True)]:
             q2.set_usage(rowwise=row, columnwise=col)
-            with pytest.raises(ValueError, match=r"\(" + ", ".join(map(str, shape)) + r",?\).*128x128"):
+            with pytest.raises(ValueError,
+                               match=r"\(" + ", ".join(map(str, shape)) + r",?\).*128x128"):
                 q2.quantize(torch.randn(shape))
             with pytest.raises(ValueError, match="128x128"):
                 q2.make_empty(shape)
@@ -458,7 +459,8 @@ def test_make_empty_update_quantized(dim, usage):
                 else:
                     assert torch.equal(e.view(torch.uint8), t.view(torch.uint8))
     with pytest.raises(ValueError):
-        Float8BlockQuantizer(E4M3, block_scaling_dim=dim).set_usage(*usage).update_quantized(x, empty)
+        Float8BlockQuantizer(E4M3, block_scaling_dim=dim).set_usage(*usage).update_quantized(
+            x, empty)
     with pytest.raises(ValueError):
         q.update_quantized(x[:1], empty)
 

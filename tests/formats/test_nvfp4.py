@@ -639,7 +639,8 @@ def test_rht_same_bits_as_quarter_at_end_for_ordinary_inputs():
         assert torch.equal(f32_bits(y), f32_bits(rht_quarter_at_end(x)))
         assert torch.equal(f32_bits(rht_inverse(x)), f32_bits(rht_quarter_at_end(x, inverse=True)))
         if y_ordinary:
-            assert torch.equal(f32_bits(rht_inverse(y)), f32_bits(rht_quarter_at_end(y, inverse=True)))
+            assert torch.equal(f32_bits(rht_inverse(y)),
+                               f32_bits(rht_quarter_at_end(y, inverse=True)))
     # non-finite inputs: the same infs and NaNs in the same places
     x = torch.randn(4, 32, generator=g)
     x[0, 3], x[1, 17], x[2, 0], x[2, 9] = float("inf"), float("nan"), float("inf"), -float("inf")

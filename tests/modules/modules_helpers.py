@@ -293,7 +293,8 @@ def match_gemms(calls, kind, dims):
     fwd_keys = [g["fprop"] for g in exp.values()]
     bwd_keys = sorted(g[p] for g in exp.values() for p in ("dgrad", "wgrad"))
     assert [c.key for c in calls[:n]] == fwd_keys, "forward GEMMs (fprop row/row, in order)"
-    assert sorted(c.key for c in calls[n:]) == bwd_keys, "backward GEMMs (dgrad row/col, wgrad col/col)"
+    assert sorted(c.key for c in calls[n:]) == bwd_keys, (
+        "backward GEMMs (dgrad row/col, wgrad col/col)")
     by_key = {c.key: c for c in calls}
     assert len(by_key) == len(calls), "test shapes must identify every GEMM"
     return {(name, p): by_key[key] for name, g in exp.items() for p, key in g.items()}

@@ -59,7 +59,8 @@ CASES = [pytest.param(kind, rname, quantized,
 @pytest.mark.parametrize("kind,rname,quantized", CASES)
 def test_meta_init_matches_construction(kind, rname, quantized):
     recipe = RECIPES[rname]()
-    init = (lambda: lowprec.quantized_model_init(recipe=recipe)) if quantized else contextlib.nullcontext
+    init = ((lambda: lowprec.quantized_model_init(recipe=recipe)) if quantized
+            else contextlib.nullcontext)
     torch.manual_seed(0)
     with init():
         want = KINDS[kind](None)

@@ -39,11 +39,13 @@ from lowprec.formats.base import QuantizedTensor
 def rowwise_forward_quantizers(rname):
     """Independently built (input, weight) quantizers of the recipe's forward, rowwise only."""
     if rname == "current":  # HYBRID: E4M3 forward
-        qi, qw = lowprec.Float8CurrentScalingQuantizer(E4M3), lowprec.Float8CurrentScalingQuantizer(E4M3)
+        qi, qw = (lowprec.Float8CurrentScalingQuantizer(E4M3),
+                  lowprec.Float8CurrentScalingQuantizer(E4M3))
     elif rname == "mxfp8":
         qi, qw = lowprec.MXFP8Quantizer(E4M3), lowprec.MXFP8Quantizer(E4M3)
     elif rname == "nvfp4":  # inputs: RHT on the columnwise side only; weights: 16x16 blocks
-        qi, qw = lowprec.NVFP4Quantizer(with_rht=True), lowprec.NVFP4Quantizer(with_2d_quantization=True)
+        qi, qw = (lowprec.NVFP4Quantizer(with_rht=True),
+                  lowprec.NVFP4Quantizer(with_2d_quantization=True))
     else:
         raise ValueError(rname)
     return [q.set_usage(rowwise=True, columnwise=False) for q in (qi, qw)]
@@ -98,7 +100,8 @@ def manual_backward(kind, module, run, g, dims, operand):
     ln, norm_params = _norm32(module, xl)
     norm_names = ["layer_norm_weight", "layer_norm_bias"][:len(norm_params)]
     if kind == "ln_linear":
-        dln, dw, db = lin(dy.reshape(-1, dims.out), operand(ln.detach(), "input").reshape(-1, dims.hidden),
+        dln, dw, db = lin(dy.reshape(-1, dims.out),
+                          operand(ln.detach(), "input").reshape(-1, dims.hidden),
                           operand(module.weight, "weight"))
         grads = {"weight": dw, "bias": db}
         fwd_in = {"main": (ln.detach(), module.weight)}
@@ -110,7 +113,8 @@ def manual_backward(kind, module, run, g, dims, operand):
                            operand(a.detach(), "input").reshape(-1, dims.ffn),
                            operand(module.fc2_weight, "weight"))
         (dh1,) = torch.autograd.grad(a, h1, da.reshape(a.shape))
-        dln, dw1, db1 = lin(dh1.reshape(-1, f1), operand(ln.detach(), "input").reshape(-1, dims.hidden),
+        dln, dw1, db1 = lin(dh1.reshape(-1, f1),
+                            operand(ln.detach(), "input").reshape(-1, dims.hidden),
                             operand(module.fc1_weight, "weight"))
         grads = {"fc1_weight": dw1, "fc1_bias": db1, "fc2_weight": dw2, "fc2_bias": db2}
         fwd_in = {"fc1": (ln.detach(), module.fc1_weight), "fc2": (a.detach(), module.fc2_weight)}
@@ -150,7 +154,8 @@ def test_backward_modes_bit_exact(kind, rname, mode):
             assert not issubclass(c.b_cls, QuantizedTensor), f"{name}.{p}: quantized operand"
     assert set(expected) == set(run.grads)
     for name, ref in expected.items():
-        assert torch.equal(run.grads[name], ref), f"{mode} {name} grad differs from the manual backward"
+        assert torch.equal(run.grads[name], ref), (
+            f"{mode} {name} grad differs from the manual backward")
 
     if mode == "high_precision" and not kind.startswith("mlp_"):
         # Without a quantized activation in between, the gradients are those of the
@@ -159,7 +164,8 @@ def test_backward_modes_bit_exact(kind, rname, mode):
         assert torch.equal(ref.dy, run.dy)
         assert sqnr_db(ref.y, run.y) < 60, "the forward must still be quantized"
         for name, t in ref.grads.items():
-            assert torch.equal(run.grads[name], t), f"{name} grad differs from the unquantized module"
+            assert torch.equal(run.grads[name], t), (
+                f"{name} grad differs from the unquantized module")
 
 
 # ================================================================================================
@@ -246,11 +252,13 @@ def test_default_mode_saves_only_columnwise_quantized(rname, needs):
             assert not (t.is_floating_point() and t.numel() in big), (
                 f"a plain {t.dtype} tensor of shape {tuple(t.shape)} was saved for backward")
     # dgrad needs the weight, wgrad the input: exactly those, as columnwise quantized tensors.
-    want = sorted(([tuple(lin.weight.shape)] if need_dx else []) + ([tuple(x.shape)] if need_dw else []))
+    want = sorted(([tuple(lin.weight.shape)] if need_dx else [])
+                  + ([tuple(x.shape)] if need_dw else []))
     assert sorted(tuple(t.shape) for t in quantized) == want
     for t in quantized:
         role = "weight" if tuple(t.shape) == tuple(lin.weight.shape) else "input"
-        assert issubclass(effective_class(t, "columnwise"), expected_class(rname, role, "columnwise"))
+        assert issubclass(effective_class(t, "columnwise"),
+                          expected_class(rname, role, "columnwise"))
         assert t.has_usage("columnwise") and not t.has_usage("rowwise"), repr(t)
     hp_bytes = 2 * (x.numel() + lin.weight.numel())  # bf16 input + weight
     ratio = sum(_nbytes(t) for t in saved) / hp_bytes

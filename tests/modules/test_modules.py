@@ -185,7 +185,8 @@ def _weight_none_factory(role):
     return lowprec.MXFP8Quantizer()
 
 
-@pytest.mark.parametrize("rname,k,block", [("mxfp8", 48, 32), ("nvfp4", 24, 16), ("block", 64, 128)])
+@pytest.mark.parametrize("rname,k,block", [("mxfp8", 48, 32), ("nvfp4", 24, 16),
+                                           ("block", 64, 128)])
 def test_unaligned_shape_raises_value_error_naming_shape(rname, k, block):
     lin = lowprec.Linear(k, 64)
     x = torch.randn(2, 64, k)
@@ -273,7 +274,8 @@ def test_linear_outside_autocast_is_torch_linear(region):
     # (forward/dgrad) or M = 64 (wgrad, bias) terms of size ~1, so they may differ by a few
     # fp32 ulps (~1e-7 of values up to ~10): 1e-6 relative and absolute covers that, while any
     # quantization (>= 2^-4 relative error) is far outside.
-    for got, want in ((y, yb), (x.grad, xb.grad), (lin.weight.grad, w.grad), (lin.bias.grad, b.grad)):
+    for got, want in ((y, yb), (x.grad, xb.grad), (lin.weight.grad, w.grad),
+                      (lin.bias.grad, b.grad)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 

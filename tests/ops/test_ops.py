@@ -340,7 +340,8 @@ def build_block(hidden, ffn, dtype=torch.float32, fuse=True):
     seq = ops.Sequential(
         ops.RMSNorm(hidden, params_dtype=dtype),
         ops.Linear(hidden, ffn, params_dtype=dtype), ops.GELU(),
-        ops.BasicLinear(ffn, 2 * hidden, params_dtype=dtype), ops.Bias(2 * hidden, params_dtype=dtype),
+        ops.BasicLinear(ffn, 2 * hidden, params_dtype=dtype),
+        ops.Bias(2 * hidden, params_dtype=dtype),
         ops.SwiGLU(),
         ops.BasicLinear(hidden, hidden, params_dtype=dtype), ops.SiLU(),
         ops.Linear(hidden, hidden, params_dtype=dtype),

@@ -75,8 +75,9 @@ def run_exhaustive(quick):
                     bad_sw += cnt
             checked += chunk
             del bits, x, ref, nan_in
-        out[f"cast {FP8_NAME[f]}{' alt' if alt else ''}"] = {"checked": checked, "hw_mismatch": bad_hw,
-                                      "int_mismatch": bad_sw}
+        out[f"cast {FP8_NAME[f]}{' alt' if alt else ''}"] = {"checked": checked,
+                                                              "hw_mismatch": bad_hw,
+                                                              "int_mismatch": bad_sw}
     # scale rules on every non-negative amax bit pattern
     for f in (E4, E5):
         fmax = FP8_PARAMS[f][3]

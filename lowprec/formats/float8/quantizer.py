@@ -76,8 +76,9 @@ class Float8Quantizer(_PerTensorFloat8):
         super().__init__(fp8_dtype)
         for name, t in (("scale", scale), ("amax", amax)):
             if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
-                raise TypeError(f"Float8Quantizer: {name} must be a 1-element fp32 tensor, got "
-                                f"{t if not isinstance(t, torch.Tensor) else (t.dtype, tuple(t.shape))}")
+                raise TypeError(
+                    f"Float8Quantizer: {name} must be a 1-element fp32 tensor, got "
+                    f"{t if not isinstance(t, torch.Tensor) else (t.dtype, tuple(t.shape))}")
         self.scale = scale
         self.amax = amax
 

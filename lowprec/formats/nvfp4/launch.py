@@ -11,7 +11,8 @@ or CUDA, where :func:`dequantize_unscaled_bf16` falls back to plain torch.
   does (rowwise on x, columnwise on the -- RHT-transformed -- transpose).
   Stochastic rounding takes one key per direction (:mod:`.draws`, drawn by the
   caller in the reference's order, rowwise first) and computes the uniforms in
-  registers, so results match the reference for the same generator state. Up to three launches (plus a 12-byte memset):
+  registers, so results match the reference for the same generator state. Up to
+  three launches (plus a 12-byte memset):
   the amax pass (global amax over finite values, of the RHT'd transpose for
   the columnwise side when ``with_rht``, combined on device with atomics; its
   last program writes the global scales: no host sync), then the rowwise and

@@ -30,10 +30,11 @@ class BasicLinear(LowprecModule, BasicOperation):
     op_kind = "linear"
     takes_quantized_grad = True
 
-    def __init__(self, in_features: int, out_features: int, *, params_dtype: torch.dtype | None = None,
-                 device=None, name: str | None = None, parallel_mode: str | None = None,
-                 tp_group=None, sequence_parallel: bool = False, output_quantizer_role=None,
-                 grad_input_quantizer_role=None, _with_bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, *,
+                 params_dtype: torch.dtype | None = None, device=None, name: str | None = None,
+                 parallel_mode: str | None = None, tp_group=None, sequence_parallel: bool = False,
+                 output_quantizer_role=None, grad_input_quantizer_role=None,
+                 _with_bias: bool = False) -> None:
         super().__init__(name, output_quantizer_role, grad_input_quantizer_role)
         check_parallel_args(parallel_mode, tp_group, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
