@@ -77,4 +77,17 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
 def run(fn, world: int, *args) -> None:
     """``fn(rank, world, *args)`` on ``world`` spawned processes; raises if any fails."""
     check_world(world)
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    # gloo ranks compute on the CPU. FSDP2's default mesh and DeviceMesh pick CUDA whenever
+    # a GPU is visible, so on a GPU machine the ranks would move their shards there; hiding
+    # the GPUs from the spawned processes keeps them on the CPU, as on a CPU-only machine.
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if BACKEND == "gloo" else {}
+    saved = {k: os.environ.get(k) for k in hidden}
+    os.environ.update(hidden)
+    try:
+        mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
