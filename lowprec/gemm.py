@@ -26,8 +26,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .backends import cuda_backends
-from .backends.emulated_fp32 import emulated_fp32_run
-from .backends.emulated_fp32 import plain_matrix as _plain_matrix
+from .backends.emulated_fp32 import emulated_fp32_run, plain_matrix
 from .formats.base import QuantizedTensor, _check_usage
 from .formats.hybrid import HybridQuantizedTensor
 from .formats.identity import IdentityTensor
@@ -48,26 +47,23 @@ class Backend(NamedTuple):
 def _plain_accepts(a, a_usage, b, b_usage, out_dtype, bias):
     if not (_is_plain(a) and _is_plain(b)):
         return False
-    am, bm = _plain_matrix(a, a_usage), _plain_matrix(b, b_usage)
+    am, bm = plain_matrix(a, a_usage), plain_matrix(b, b_usage)
     return (am.dtype == bm.dtype and am.dtype == out_dtype
             and (bias is None or bias.dtype == out_dtype))
 
 
 def _plain_run(a, a_usage, b, b_usage, out_dtype, bias):
-    am, bm = _plain_matrix(a, a_usage), _plain_matrix(b, b_usage)
+    am, bm = plain_matrix(a, a_usage), plain_matrix(b, b_usage)
     if bias is None:
         return am @ bm.t()
     return torch.addmm(bias, am, bm.t())
 
 
-#: The exact fp32 emulation (``backends/emulated_fp32.py``), the last backend tried.
-_emulated_run = emulated_fp32_run
-
-
 #: Tried in order; GPU backends are inserted ahead of the emulation when available.
 BACKENDS: list[Backend] = [
     Backend("plain", _plain_accepts, _plain_run),
-    Backend("emulated_fp32", lambda *args: True, _emulated_run),
+    # the exact fp32 emulation takes every pair: the last one tried
+    Backend("emulated_fp32", lambda *args: True, emulated_fp32_run),
 ]
 
 # The GPU backends (lowprec/backends/) accept CUDA operands only; CPU pairs reach the emulation.

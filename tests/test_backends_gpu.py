@@ -1,8 +1,8 @@
 """GPU GEMM backends against lowprec's exact fp32 emulation (CUDA only; skipped elsewhere).
 
 Every pair runs through ``lowprec.gemm.gemm`` (which picks the GPU backend) and through
-``lowprec.gemm._emulated_run`` (both operands dequantized in fp32, fp32 matmul, TF32 off) on
-the same quantized operands. The check is the normwise relative error
+``lowprec.backends.emulated_fp32.emulated_fp32_run`` (both operands dequantized in fp32,
+fp32 matmul, TF32 off) on the same quantized operands. The check is the normwise relative error
 ``||out - ref|| / ||ref||`` with ``ref`` the emulation's fp32 result:
 
 * bf16 tensor-core emulation (MXFP8, NVFP4, mixed pairs), fp32 output: <= 1e-5
@@ -35,6 +35,7 @@ from lowprec import (
     MXFP8Quantizer,
     NVFP4Quantizer,
 )
+from lowprec.backends.emulated_fp32 import emulated_fp32_run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,7 +81,7 @@ def _check(case, a, au, b, bu, out_dtype, *, backend, bias=None):
     chosen = G.select_backend(a, au, b, bu, out_dtype, bias).name
     assert chosen == backend, f"{case}: expected backend {backend}, got {chosen}"
     out = G.gemm(a, au, b, bu, out_dtype=out_dtype, bias=bias)
-    ref = G._emulated_run(a, au, b, bu, torch.float32, None if bias is None else bias.float())
+    ref = emulated_fp32_run(a, au, b, bu, torch.float32, None if bias is None else bias.float())
     torch.cuda.synchronize()
     assert out.dtype == out_dtype and out.shape == ref.shape
     nan_ref = torch.isnan(ref)
@@ -179,7 +180,7 @@ def test_blockwise_e5m2_mixed(dtypes, dims):
                  "rowwise", gen)
     chosen = G.select_backend(a, "rowwise", b, "rowwise", torch.float32).name
     out = G.gemm(a, "rowwise", b, "rowwise", out_dtype=torch.float32)
-    ref = G._emulated_run(a, "rowwise", b, "rowwise", torch.float32, None)
+    ref = emulated_fp32_run(a, "rowwise", b, "rowwise", torch.float32, None)
     now = G.select_backend(a, "rowwise", b, "rowwise", torch.float32).name
     ran = chosen if now == chosen else f"{now} ({chosen} refused)"
     rel = _rel(out, ref)

@@ -55,13 +55,9 @@ from ..formats.mxfp8.tensor import MXFP8Tensor
 from ..formats.nvfp4.tensor import NVFP4Tensor
 from ..kernels import use_kernels
 from . import cublaslt, kernels
+from .emulated_fp32 import plain_matrix
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _plain_matrix(t: torch.Tensor, usage: str) -> torch.Tensor:
-    m2 = t.reshape(-1, t.shape[-1])
-    return m2 if usage == "rowwise" else m2.t()
 
 
 def _operand_domain(t, usage: str) -> str | None:
@@ -89,7 +85,7 @@ def bf16_operand(t, usage: str):
     """(exact bf16 matrix of ``mat(t, usage)`` up to a divisor, fp32 divisor or None)."""
     if isinstance(t, QuantizedTensor):
         return t.bf16_operand(usage)
-    return _plain_matrix(t, usage), None
+    return plain_matrix(t, usage), None
 
 
 def as_exact(t, usage: str):

@@ -294,9 +294,9 @@ def test_exact_tensor_gemms(fmt):
             assert torch.equal(gemm(a_x, usage, b_x, usage, out_dtype=out), want)
         # the fp32 emulation (the fallback backend, dequantize() of each operand) agrees to
         # fp32 rounding of the sums
-        from lowprec.gemm import _emulated_run
-        ref = _emulated_run(a_q, usage, b_q, usage, torch.float32, None)
-        got = _emulated_run(a_x, usage, b_x, usage, torch.float32, None)
+        from lowprec.backends.emulated_fp32 import emulated_fp32_run
+        ref = emulated_fp32_run(a_q, usage, b_q, usage, torch.float32, None)
+        got = emulated_fp32_run(a_x, usage, b_x, usage, torch.float32, None)
         assert torch.equal(got, ref)  # same fp32 operands, same fp32 GEMM
         torch.testing.assert_close(want, ref, rtol=1e-5, atol=1e-4)
 
