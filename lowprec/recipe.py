@@ -175,16 +175,7 @@ class Recipe:
         ``lowprec.autocast``, or with ``recipe=None``). An unknown name raises ValueError
         naming it and the accepted names.
         """
-        if not isinstance(name, str):
-            raise TypeError(f"Recipe.from_name takes a recipe name string, got "
-                            f"{type(name).__name__}")
-        canonical = RECIPE_ALIASES.get(name, name)
-        entry = _NAMED_RECIPES.get(canonical)
-        if entry is None:
-            raise ValueError(f"unknown recipe name {name!r}; accepted names: "
-                             f"{', '.join(_NAMED_RECIPES)} (aliases: "
-                             f"{', '.join(f'{a}={c}' for a, c in RECIPE_ALIASES.items())})")
-        return entry[0](**kwargs)
+        return _named_entry(name, "from_name")[0](**kwargs)
 
     @staticmethod
     def names() -> tuple[str, ...]:
@@ -193,8 +184,8 @@ class Recipe:
 
     @staticmethod
     def describe(name: str) -> str:
-        """One line saying what the recipe called ``name`` is."""
-        return _NAMED_RECIPES[RECIPE_ALIASES.get(name, name)][1]
+        """One line saying what the recipe called ``name`` is (names as :meth:`from_name`)."""
+        return _named_entry(name, "describe")[1]
 
     def __post_init__(self) -> None:
         _register(self)
@@ -388,3 +379,17 @@ _NAMED_RECIPES: dict[str, tuple[Callable[..., "Recipe | None"], str]] = {
 #: Short names the tests and benchmarks use, accepted by :meth:`Recipe.from_name`.
 RECIPE_ALIASES: dict[str, str] = {"delayed": "fp8_delayed", "current": "fp8_current",
                                   "block": "fp8_block"}
+
+
+def _named_entry(name: str, method: str) -> tuple[Callable[..., "Recipe | None"], str]:
+    """``_NAMED_RECIPES``'s entry for ``name`` or an alias of it; TypeError/ValueError naming
+    the value and the accepted names otherwise."""
+    if not isinstance(name, str):
+        raise TypeError(f"Recipe.{method} takes a recipe name string, got "
+                        f"{type(name).__name__}")
+    entry = _NAMED_RECIPES.get(RECIPE_ALIASES.get(name, name))
+    if entry is None:
+        raise ValueError(f"unknown recipe name {name!r}; accepted names: "
+                         f"{', '.join(_NAMED_RECIPES)} (aliases: "
+                         f"{', '.join(f'{a}={c}' for a, c in RECIPE_ALIASES.items())})")
+    return entry

@@ -395,6 +395,10 @@ def test_recipe_from_name_passes_fields():
 def test_recipe_from_bad_name():
     with pytest.raises(ValueError, match=r"'fp9'.*fp8_current.*nvfp4_fp8_head"):
         lowprec.recipe.Recipe.from_name("fp9")
+    with pytest.raises(ValueError, match=r"'fp9'.*fp8_current.*nvfp4_fp8_head"):
+        lowprec.recipe.Recipe.describe("fp9")
+    with pytest.raises(TypeError, match=r"Recipe.describe takes a recipe name string, got int"):
+        lowprec.recipe.Recipe.describe(3)
 
 
 # ---- backward modes ------------------------------------------------------------------------
