@@ -9,15 +9,15 @@ from .formats import __all__ as _formats_all
 from .modules import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .offload import cpu_offload
 from .recipe import (
-                     BackwardMode,
-                     CustomRecipe,
-                     DelayedScaling,
-                     Float8BlockScaling,
-                     Float8CurrentScaling,
-                     Format,
-                     MXFP8BlockScaling,
-                     NVFP4BlockScaling,
-                     Recipe,
+    BackwardMode,
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
 )
 from .roles import QuantizerRole
 

@@ -39,7 +39,6 @@ from torch.utils._pytree import tree_map
 
 from ..formats.base import QuantizedTensor, Quantizer
 from . import gather_codec
-from .gather_codec import derives_columnwise as _derives_columnwise
 
 aten = torch.ops.aten
 
@@ -112,7 +111,7 @@ class _GatherSpec:
         rows, k = shape
         local = math.ceil(rows / world)
         probe = q.row_multiple(rowwise=True, columnwise=True)  # rows any block accepts
-        derivable = _derives_columnwise(q, probe, k)
+        derivable = gather_codec.derives_columnwise(q, probe, k)
         probe_inputs = _inputs_meta(q, probe, k, rowwise=True, columnwise=False)
         single = (derivable and len(probe_inputs) == 1 and probe_inputs[0].shape == (probe, k)
                   and q.row_multiple(rowwise=True, columnwise=False) == 1)

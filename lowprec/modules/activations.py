@@ -13,8 +13,7 @@ import functools
 
 import torch
 
-# the math lives in the registry; these names are also imported from here
-from ..activations import REGISTRY, activation_fp32, activation_grad_fp32  # noqa: F401
+from ..activations import REGISTRY, activation_fp32, activation_grad_fp32
 
 
 class _Activation(torch.autograd.Function):
