@@ -10,6 +10,7 @@ import datetime
 import os
 import socket
 import sys
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -81,13 +82,5 @@ def run(fn, world: int, *args) -> None:
     # a GPU is visible, so on a GPU machine the ranks would move their shards there; hiding
     # the GPUs from the spawned processes keeps them on the CPU, as on a CPU-only machine.
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if BACKEND == "gloo" else {}
-    saved = {k: os.environ.get(k) for k in hidden}
-    os.environ.update(hidden)
-    try:
+    with mock.patch.dict(os.environ, hidden):
         mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
