@@ -59,7 +59,7 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_
 
     ``cache_weights=True``: a module reuses its quantized weight while the weight is
     unchanged, so with gradient accumulation each weight is quantized once per optimizer
-    step rather than once per micro-batch (``lowprec.weight_cache``; each weight then
+    step rather than once per micro-batch (``lowprec.linear.weight_cache``; each weight then
     holds its quantized copy between steps).
 
     ``amax_reduction_group`` is the process group over which delayed-scaling

@@ -46,7 +46,7 @@ import torch
 
 from . import autocast as _autocast
 from .formats.base import QuantizedTensor
-from .linear_fn import graph_kept
+from .linear.function import graph_kept
 from .recipe import recipe_from_key
 
 HANDLE_ATTR = "_lowprec_handle"

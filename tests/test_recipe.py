@@ -416,7 +416,7 @@ def test_bad_backward_mode_names_value_and_accepted():
         lowprec.MXFP8BlockScaling(backward_mode="fast")
     x, w = torch.randn(2, 32), torch.randn(4, 32)
     with pytest.raises(ValueError, match=r"'fast'.*dequantized"):
-        lowprec.linear_fn.quantized_linear(x, w, backward_mode="fast")
+        lowprec.linear.function.quantized_linear(x, w, backward_mode="fast")
 
 
 @pytest.mark.parametrize("mode", ["default", "high_precision", "dequantized"])

@@ -39,7 +39,7 @@ def main():
                     help="list only functions of the lowprec package in the cProfile table")
     ap.add_argument("--no-kernels", action="store_true", help="skip the torch.profiler table")
     ap.add_argument("--sliced", action="store_true",
-                    help="run the steps inside lowprec.grad_split.sliced()")
+                    help="run the steps inside lowprec.linear.grad_split.sliced()")
     ap.add_argument("--host-ops", action="store_true",
                     help="also list the torch ops one step issues (count, host time): the ops "
                          "worth fusing away when the step is host-bound")
@@ -51,7 +51,7 @@ def main():
         mod = lowprec.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
         step = lowprec_step(mod, RECIPES[r]())
         if args.sliced:
-            step = within(lowprec.grad_split.sliced, step)
+            step = within(lowprec.linear.grad_split.sliced, step)
         for _ in range(5):
             step(x, dy)
         torch.cuda.synchronize()

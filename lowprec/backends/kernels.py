@@ -87,7 +87,7 @@ def _alpha_launch(div_a, div_b, device):
 class _LastAlpha:
     """The last ``[alpha, 0]`` made for :func:`_scaled_mm_lt`, reused while the same
     divisors come back unchanged on the same stream: a sliced GEMM loop
-    (``lowprec.exact_split``) scales every slice by the same two divisors, and a launch
+    (``lowprec.linear.exact_split``) scales every slice by the same two divisors, and a launch
     costs more host time than the GEMM's other steps. The divisors are held, so their
     memory cannot be reused by another tensor while the entry stands; an in-place change
     bumps their version. Never used or filled during CUDA graph capture (a captured graph

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import grad_split
 from ..formats.base import QuantizedTensor
 from ..formats.hybrid import HybridQuantizer
+from ..linear import grad_split
 from ..modules.base import LowprecModule
 
 

@@ -6,7 +6,7 @@ with its first dimension along those rows: rowwise data and scales as they are s
 columnwise ones transposed (they are stored (K, rows)); 1-element per-tensor scales (the
 same on every rank, the amax having been reduced) travel beside the gather, in FSDP's
 metadata. The gathered columnwise tensors come back as transposed views of the gathered
-rows, without a copy; ``lowprec.linear_fn`` makes the contiguous operand a GEMM reads.
+rows, without a copy; ``lowprec.linear.function`` makes the contiguous operand a GEMM reads.
 """
 
 from __future__ import annotations

@@ -839,7 +839,7 @@ class Quantizer:
         straddles a slice). Per-tensor formats compute the statistics of the whole tensor
         here, once (recording what ``quantize`` records), and every slice uses them. This
         lets a backward quantize dY a slice at a time and hand each slice to its GEMM
-        (see ``lowprec.grad_split``).
+        (see ``lowprec.linear.grad_split``).
         """
         return None
 
@@ -848,7 +848,7 @@ class Quantizer:
         quantized as ``quantize(x2d)`` quantizes them, in the form a GEMM consumes at once
         (for formats emulated on bf16 GEMMs whose kernels run, an
         :class:`~lowprec.formats.exact.ExactTensor` of the slice's exact values). None
-        where the format has no such path (see ``lowprec.exact_split``)."""
+        where the format has no such path (see ``lowprec.linear.exact_split``)."""
         return None
 
     def can_gemm_slice(self) -> bool:
@@ -945,7 +945,7 @@ class Quantizer:
         """The multiple of M (the product of the leading dimensions) that quantizing with
         these usages needs: the block length of blocks that run along M (columnwise 1-D
         blocks, 2-D blocks), 1 where M is free. A GEMM module pads M up to it
-        (``lowprec.linear_fn``); the feature dimension is never padded."""
+        (``lowprec.linear.function``); the feature dimension is never padded."""
         return 1
 
     def _tensor_class(self) -> type[QuantizedTensor]:

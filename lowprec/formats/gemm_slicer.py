@@ -1,6 +1,6 @@
 """GemmSlicer: slices of one 2-D tensor, each quantized as the whole tensor's quantize would.
 
-``Quantizer.gemm_slicer(x2d)`` returns one. ``lowprec.exact_split`` uses it to quantize an
+``Quantizer.gemm_slicer(x2d)`` returns one. ``lowprec.linear.exact_split`` uses it to quantize an
 operand a slice at a time, each slice consumed by its GEMM and freed before the next is
 made. Whatever the whole tensor fixes for all of its elements (NVFP4's global scales, the
 stochastic-rounding keys) is fixed when the slicer is made, for both directions, in the

@@ -12,7 +12,7 @@ from ..autocast import active_region, init_recipe, register_delayed_state
 from ..checkpoint import check_not_recomputing, current_frame, record, replayed
 from ..compiled_call import CompiledCallMixin
 from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor, keep_quantized, user_attributes
-from ..linear_fn import LinearQuantizers
+from ..linear.function import LinearQuantizers
 from ..recipe import DelayedScaling, operand_usages
 from ..roles import check_num_quantizers, gemm_roles
 from ..state import RecipeState

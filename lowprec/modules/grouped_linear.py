@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..compiled_call import compiled_as_one_op
-from ..linear_fn import quantized_linear
+from ..linear.function import quantized_linear
 from .base import LowprecModule, add_linear_params, check_parallel_args
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..compiled_call import compiled_as_one_op
-from ..linear_fn import quantized_linear
+from ..linear.function import quantized_linear
 from . import tensor_parallel as tpar
 from .base import LowprecModule, add_linear_params, release_fprop_copy
 from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params

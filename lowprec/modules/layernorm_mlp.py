@@ -6,7 +6,7 @@ import torch
 
 from .. import fused
 from ..compiled_call import compiled_as_one_op
-from ..linear_fn import quantized_linear
+from ..linear.function import quantized_linear
 from . import tensor_parallel as tpar
 from .activations import get_activation
 from .base import LowprecModule, add_linear_params, producer_usages, release_fprop_copy

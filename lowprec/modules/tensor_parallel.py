@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import tp_comm
-from ..linear_fn import quantized_linear
+from ..linear.function import quantized_linear
 from .base import producer_usages, release_fprop_copy
 from .base import tp_group_size as check_parallel_args  # noqa: F401 (the modules call it here)
 from .norms import apply_norm

@@ -12,7 +12,7 @@ import torch
 from helpers import sqnr_db  # noqa: F401 - the module tests import it from here
 
 import lowprec
-import lowprec.linear_fn
+import lowprec.linear.function
 from lowprec.formats.base import QuantizedTensor
 from lowprec.recipe import Recipe
 
@@ -199,7 +199,7 @@ def _deq(t, usage):
 
 @contextlib.contextmanager
 def spy_gemms(describe, make=dict):
-    """Patch ``lowprec.linear_fn.gemm`` (which the modules call through its module globals):
+    """Patch ``lowprec.linear.function.gemm`` (which the modules call through its module globals):
     each call appends ``make(rec)``, ``rec`` being ``describe(a, a_usage, b, b_usage, bias)``
     (a dict taken before the GEMM runs) plus ``out``. Yields the list.
 
@@ -207,7 +207,7 @@ def spy_gemms(describe, make=dict):
     tensors it saves right after the fprop GEMM, so they cannot be read afterwards.
     """
     calls = []
-    original = lowprec.linear_fn.gemm
+    original = lowprec.linear.function.gemm
 
     def wrapper(a, a_usage, b, b_usage, *, out_dtype, bias=None):
         rec = describe(a, a_usage, b, b_usage, bias)
@@ -216,11 +216,11 @@ def spy_gemms(describe, make=dict):
         calls.append(make(rec))
         return out
 
-    lowprec.linear_fn.gemm = wrapper
+    lowprec.linear.function.gemm = wrapper
     try:
         yield calls
     finally:
-        lowprec.linear_fn.gemm = original
+        lowprec.linear.function.gemm = original
 
 
 def _describe(a, a_usage, b, b_usage, bias) -> dict:
@@ -231,7 +231,7 @@ def _describe(a, a_usage, b, b_usage, bias) -> dict:
 
 
 def record_gemms():
-    """Record every GEMM lowprec.linear_fn runs as a :class:`GemmCall`."""
+    """Record every GEMM lowprec.linear.function runs as a :class:`GemmCall`."""
     return spy_gemms(_describe, lambda rec: GemmCall(**rec))
 
 

@@ -200,7 +200,7 @@ def _describe(a, a_usage, b, b_usage, bias) -> dict:
 
 
 def record_gemms():
-    """Record (a, a_usage, b, b_usage, out) of every GEMM lowprec.linear_fn runs, with the
+    """Record (a, a_usage, b, b_usage, out) of every GEMM lowprec.linear.function runs, with the
     operands dequantized in float64 at call time (the forward frees data right after)."""
     return spy_gemms(_describe)
 

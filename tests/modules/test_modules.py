@@ -2,9 +2,10 @@
 
 Expectations are computed independently of lowprec's GEMM code:
 
-1. every GEMM the modules run is recorded (``lowprec.linear_fn.gemm`` wrapped) and its result is
-   compared with a float64 product of its dequantized operands; module outputs and every
-   gradient are tied to those GEMM results (bias and norm gradients through float64 re-derivations);
+1. every GEMM the modules run is recorded (``lowprec.linear.function.gemm`` wrapped) and its
+   result is compared with a float64 product of its dequantized operands; module outputs and
+   every gradient are tied to those GEMM results (bias and norm gradients through float64
+   re-derivations);
 2. quantized vs unquantized fp32 module: SQNR above per-format thresholds;
 6. errors; 7. behaviour outside autocast and with the identity recipe.
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import randn, sqnr_db
 
 import lowprec
-import lowprec.linear_fn
+import lowprec.linear.function
 import lowprec.ops as ops
 from lowprec.formats.base import QuantizedTensor
 from lowprec.optim import QuantizedWeightOptimizer
@@ -409,13 +409,13 @@ def test_fused_equals_unfused_high_precision():
 def operand_log(monkeypatch):
     """Records the tensors quantized_linear's forward receives as input x."""
     seen = []
-    original = lowprec.linear_fn.quantize_operand
+    original = lowprec.linear.function.quantize_operand
 
     def spy(quantizer, t, **kw):
         seen.append((t, isinstance(t, QuantizedTensor)))
         return original(quantizer, t, **kw)
 
-    monkeypatch.setattr(lowprec.linear_fn, "quantize_operand", spy)
+    monkeypatch.setattr(lowprec.linear.function, "quantize_operand", spy)
     return seen
 
 
@@ -447,19 +447,19 @@ def test_hand_over_skips_usages_not_needed():
     _, seq = build_pair(hidden=64, ffn=128)
     seq[3].weight.requires_grad_(False)
     captured = []
-    original = lowprec.linear_fn.quantize_operand
+    original = lowprec.linear.function.quantize_operand
 
     def spy(quantizer, t, **kw):
         if isinstance(t, QuantizedTensor) and t.shape[-1] == 128:
             captured.append((t.has_usage("rowwise"), t.has_usage("columnwise")))
         return original(quantizer, t, **kw)
 
-    lowprec.linear_fn.quantize_operand = spy
+    lowprec.linear.function.quantize_operand = spy
     try:
         with lowprec.autocast(recipe=lowprec.MXFP8BlockScaling()):
             y = seq(randn(64, 64, seed=1).requires_grad_(True))
     finally:
-        lowprec.linear_fn.quantize_operand = original
+        lowprec.linear.function.quantize_operand = original
     assert captured == [(True, False)]
     y.sum().backward()
     assert seq[1].weight.grad is not None and seq[3].weight.grad is None

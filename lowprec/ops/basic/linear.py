@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...formats.base import QuantizedTensor
-from ...linear_fn import quantized_linear
+from ...linear.function import quantized_linear
 from ...modules.base import LowprecModule, add_linear_params, check_parallel_args
 from ...recipe import operand_usages
 from ..base import BasicOperation, EmitSpec, RunContext
@@ -13,7 +13,7 @@ from .bias import bias_forward
 
 
 class BasicLinear(LowprecModule, BasicOperation):
-    """``y = x @ weight.T`` through :func:`lowprec.linear_fn.quantized_linear`.
+    """``y = x @ weight.T`` through :func:`lowprec.linear.function.quantized_linear`.
 
     A :class:`~lowprec.modules.base.LowprecModule`: roles (``module_type``
     ``linear``, forward ``[input, weight, output]``, backward

@@ -25,11 +25,12 @@ from typing import Callable, Optional
 
 import torch
 
-from . import exact_split, grad_split, offload, weight_cache
-from .autocast import active_region, torch_autocast_dtype
-from .formats.base import QuantizedTensor, Quantizer
-from .gemm import gemm
-from .recipe import BACKWARD_MODES, normalize_backward_mode, operand_usages
+from .. import offload
+from ..autocast import active_region, torch_autocast_dtype
+from ..formats.base import QuantizedTensor, Quantizer
+from ..gemm import gemm
+from ..recipe import BACKWARD_MODES, normalize_backward_mode, operand_usages
+from . import exact_split, grad_split, weight_cache
 
 
 @dataclass
@@ -253,7 +254,7 @@ class _QuantizedLinear(torch.autograd.Function):
         # made with it, the forward would hold x (the caller's), both copies of x and of W
         # and y at once, as much as a bf16 backward's peak (x, y, dX, dW).
         w_q = q.weight if q else None
-        if weight_lp is not None:  # a cached quantized weight (lowprec.weight_cache)
+        if weight_lp is not None:  # a cached quantized weight (lowprec.linear.weight_cache)
             w_two_steps = False
             w_lp, w_owned = quantize_operand(None, weight_lp, rowwise=True, columnwise=w_col)
         elif isinstance(weight, QuantizedTensor):

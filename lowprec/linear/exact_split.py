@@ -5,7 +5,7 @@ MXFP8 and NVFP4 GEMMs run on Hopper as bf16 GEMMs of exact dequantized values
 tensors they come from, so the default path, which makes them whole (x's rowwise values
 for fprop, dY's two directions at once, the saved input and weight dequantized for the
 backward GEMMs), peaks at 1.3-2.1x a bf16 ``nn.Linear``. Inside
-:class:`lowprec.grad_split.sliced` a Linear with such quantizers runs this path instead:
+:class:`lowprec.linear.grad_split.sliced` a Linear with such quantizers runs this path instead:
 
 * forward: x is quantized columnwise for the backward (codes only) and, separately,
   rowwise in row slices of exact values, each consumed by its fprop GEMM into its rows
@@ -31,9 +31,9 @@ from typing import Callable
 
 import torch
 
+from ..formats.base import QuantizedTensor, Quantizer
+from ..gemm import gemm
 from . import grad_split
-from .formats.base import QuantizedTensor, Quantizer
-from .gemm import gemm
 
 
 def applies(quantizers, x: torch.Tensor, weight: torch.Tensor, backward_mode: str,
@@ -121,7 +121,7 @@ def backward(quantizer: Quantizer, dy: torch.Tensor, x_col: QuantizedTensor,
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dX as (M, K), dW as (N, K)); ``release_x`` / ``release_w`` free the saved input and
     weight where nothing will read them again (they decide)."""
-    from .backends.exact_bf16 import as_exact
+    from ..backends.exact_bf16 import as_exact
     n = dy.shape[-1]
     dy2d = dy.detach().reshape(-1, n)
     m, k = dy2d.shape[0], w_col.shape[-1]

@@ -1,4 +1,4 @@
-"""The sliced Linear for formats emulated on bf16 GEMMs (lowprec/exact_split.py).
+"""The sliced Linear for formats emulated on bf16 GEMMs (lowprec/linear/exact_split.py).
 
 On CPU the slices are quantized tensors and the GEMMs the fp32 emulation: the sliced path
 must give the unsliced path's bits. On the GPU the slices are exact bf16 values from the
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import lowprec
-import lowprec.exact_split as exact_split
-import lowprec.grad_split as grad_split
+import lowprec.linear.exact_split as exact_split
+import lowprec.linear.grad_split as grad_split
 from lowprec.formats.base import QuantizedTensor
 from lowprec.formats.exact import ExactTensor
 
@@ -280,7 +280,7 @@ def test_gemms_run_in_slices(small_slices, monkeypatch, recipe):
 def test_gradient_quantized_upstream_is_used_whole(small_slices):
     """A dY that arrives quantized (a downstream grad_input quantizer) cannot be sliced: the
     backward consumes it whole, as the default path does."""
-    from lowprec.linear_fn import LinearQuantizers, quantized_linear
+    from lowprec.linear.function import LinearQuantizers, quantized_linear
     torch.manual_seed(0)
     w = torch.randn(N, K, dtype=torch.bfloat16, requires_grad=True)
     x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)

@@ -16,9 +16,9 @@ anyway. Per-tensor FP8 slices only inside :class:`sliced`: it then reads dY once
 (delayed scaling twice, for the amax), 4-8% of a step where it applies. Formats without
 ``slice_quantizer`` (MXFP8, NVFP4 and hybrids) never slice here; inside :class:`sliced`,
 MXFP8 and NVFP4 take a path of their own that also slices the forward
-(``lowprec.exact_split``).
+(``lowprec.linear.exact_split``).
 
-The forward does the same for the weight (``linear_fn``): its columnwise copy is made
+The forward does the same for the weight (``lowprec.linear.function``): its columnwise copy is made
 after fprop, from the same statistics (``Quantizer.quantize_usage_like``; no extra pass for
 them), once the rowwise copy of the input is freed. This is on in every mode but
 :class:`unsliced`.
@@ -30,8 +30,8 @@ from typing import Callable
 
 import torch
 
-from .formats.base import QuantizedTensor, Quantizer
-from .gemm import gemm
+from ..formats.base import QuantizedTensor, Quantizer
+from ..gemm import gemm
 
 #: Below this size of one quantized copy of dY (bytes) the backward never slices: the
 #: memory is small and every extra launch costs host time.
@@ -80,13 +80,13 @@ _mode = "auto"
 
 def weight_in_two_steps() -> bool:
     """Whether a linear forward may quantize the weight's two usages one after the other
-    (all modes but ``unsliced()``; see ``linear_fn``)."""
+    (all modes but ``unsliced()``; see ``lowprec.linear.function``)."""
     return _mode != "never"
 
 
 def exact_slicing() -> bool:
     """Whether linear layers with formats emulated on bf16 GEMMs run sliced
-    (``lowprec.exact_split``): only inside :class:`sliced`."""
+    (``lowprec.linear.exact_split``): only inside :class:`sliced`."""
     return _mode == "always"
 
 
@@ -125,7 +125,7 @@ class sliced(_Mode):
     """Context manager: linear layers run inside it slice wherever the memory rule says so,
     per-tensor FP8 included (peak memory at or below bf16's on the benchmark shapes, for
     one more read of dY: 4-8% of a step on 16384x4096x14336, H200), and formats emulated
-    on bf16 GEMMs (MXFP8, NVFP4) take the sliced path of :mod:`lowprec.exact_split` (x and dY
+    on bf16 GEMMs (MXFP8, NVFP4) take the sliced path of :mod:`lowprec.linear.exact_split` (x and dY
     read twice, a launch per slice)."""
 
     _value = "always"

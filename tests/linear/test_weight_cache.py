@@ -11,7 +11,8 @@ import torch
 from same_run import RECIPES as SHARED_RECIPES
 
 import lowprec
-from lowprec import autocast, weight_cache
+from lowprec import autocast
+from lowprec.linear import weight_cache
 from lowprec.recipe import Float8CurrentScaling, MXFP8BlockScaling
 
 D = 128

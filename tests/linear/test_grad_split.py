@@ -1,4 +1,4 @@
-"""The sliced linear backward (lowprec/grad_split.py) and the release of the saved input.
+"""The sliced linear backward (lowprec/linear/grad_split.py) and the release of the saved input.
 
 Slicing must not change a single bit: every slice of dY is quantized with the whole
 tensor's statistics, so the quantized slices equal the matching parts of the whole
@@ -13,8 +13,8 @@ import torch
 
 import lowprec
 import lowprec.gemm
-import lowprec.grad_split as grad_split
 import lowprec.kernels
+import lowprec.linear.grad_split as grad_split
 from lowprec.formats.base import QuantizedTensor, Quantizer
 from lowprec.formats.float8.quantizer import _PerTensorFloat8
 
@@ -25,7 +25,7 @@ SLICED = {
     "delayed": lambda: lowprec.DelayedScaling(),
     "block": lambda: lowprec.Float8BlockScaling(),
 }
-# MXFP8 and NVFP4 have no slice_quantizer (inside sliced() they take lowprec.exact_split's
+# MXFP8 and NVFP4 have no slice_quantizer (inside sliced() they take lowprec.linear.exact_split's
 # path instead); a hybrid of the two has neither, so it keeps the whole backward everywhere.
 UNSLICED = {"mxfp8": lambda: lowprec.MXFP8BlockScaling(),
             "nvfp4": lambda: lowprec.NVFP4BlockScaling(),
@@ -51,7 +51,7 @@ def _count_gemms(monkeypatch):
         calls.append((tuple(a.shape), a_usage, b_usage))
         return real(a, a_usage, b, b_usage, **kw)
     monkeypatch.setattr(grad_split, "gemm", spy)
-    monkeypatch.setattr(lowprec.linear_fn, "gemm", spy)
+    monkeypatch.setattr(lowprec.linear.function, "gemm", spy)
     return calls
 
 
@@ -222,7 +222,7 @@ def test_sliced_backward_delayed_amax_history_matches(slicing):
 
 @pytest.mark.parametrize("rname", ["hybrid"])
 def test_formats_without_slices_keep_the_whole_backward(rname, slicing, monkeypatch):
-    # (MXFP8 and NVFP4 slice inside sliced() through lowprec.exact_split:
+    # (MXFP8 and NVFP4 slice inside sliced() through lowprec.linear.exact_split:
     # tests/test_exact_split.py)
     slicing(True)
     calls = _count_gemms(monkeypatch)
@@ -275,11 +275,11 @@ def test_input_quantized_outside_is_not_released():
     torch.manual_seed(0)
     w = torch.randn(64, 64, requires_grad=True)
     xq = q.quantize(torch.randn(32, 64))
-    quantizers = lowprec.linear_fn.LinearQuantizers(
+    quantizers = lowprec.linear.function.LinearQuantizers(
         input=lowprec.Float8CurrentScalingQuantizer(),
         weight=lowprec.Float8CurrentScalingQuantizer(),
         grad_output=lowprec.Float8CurrentScalingQuantizer(torch.float8_e5m2))
-    y = lowprec.linear_fn.quantized_linear(xq, w, quantizers=quantizers)
+    y = lowprec.linear.function.quantized_linear(xq, w, quantizers=quantizers)
     y.backward(torch.randn(32, 64))
     assert xq.has_usage("rowwise") and xq.has_usage("columnwise")  # the caller's tensor
 
@@ -353,13 +353,13 @@ def _saved_weight(rname, *, mode: str):
 @pytest.mark.parametrize("rname", list(SLICED))
 def test_weight_columnwise_made_after_fprop_equals_whole(rname, mode, monkeypatch):
     events = []
-    real_gemm = lowprec.linear_fn.gemm
+    real_gemm = lowprec.linear.function.gemm
 
     def gemm_spy(*args, **kw):
         events.append("gemm")
         return real_gemm(*args, **kw)
 
-    monkeypatch.setattr(lowprec.linear_fn, "gemm", gemm_spy)
+    monkeypatch.setattr(lowprec.linear.function, "gemm", gemm_spy)
     for cls in (Quantizer, _PerTensorFloat8):
         def usage_like_spy(self, *args, _real=cls.quantize_usage_like):
             events.append("usage_like")
