@@ -437,11 +437,20 @@ def _trace_call(module, args: tuple, kwargs: dict):
 def compiled_as_one_op(forward):
     """Decorates a lowprec module's ``forward``: under torch.compile the call becomes one
     ``lowprec::call`` op (see the module docstring); eager calls are unchanged. The module
-    must define ``compiled_output_shapes(*args, **kwargs)``."""
+    must define ``compiled_output_shapes(*args, **kwargs)``.
+
+    A module may also define ``traced_forward(*args, **kwargs)``: under torch.compile it
+    is tried first, and dynamo traces it into the graph (``lowprec.linear.traced``) unless
+    it returns ``NotImplemented`` (a call it does not trace), which falls back to the op."""
 
     @functools.wraps(forward)
     def wrapper(self, *args, **kwargs):
         if torch.compiler.is_compiling():
+            traced = getattr(self, "traced_forward", None)
+            if traced is not None:
+                out = traced(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
             return _trace_call(self, args, kwargs)
         return forward(self, *args, **kwargs)
 

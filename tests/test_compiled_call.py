@@ -241,7 +241,8 @@ def test_converted_model_compiles_fullgraph():
 
 
 def test_recipe_switch_recompiles_and_stays_exact():
-    """The recipe is guarded: a second recipe compiles again and runs under that recipe."""
+    """The recipe is guarded: another recipe compiles again and runs under that recipe; a
+    traced recipe equal to one compiled before (same type and fields) reuses its code."""
     torch.manual_seed(0)
     a = lowprec.Linear(D, D, name="l")
     b = copy.deepcopy(a)
@@ -251,7 +252,7 @@ def test_recipe_switch_recompiles_and_stays_exact():
     for recipe in (Float8CurrentScaling(), MXFP8BlockScaling(), Float8CurrentScaling()):
         with autocast(recipe=recipe):
             assert torch.equal(a(x), compiled(x))
-    assert counter.frame_count == 3
+    assert counter.frame_count == 2
 
 
 def test_retain_graph_and_double_backward_of_the_call():

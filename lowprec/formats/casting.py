@@ -44,7 +44,7 @@ def cast_fp8(x_fp32: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     conversion maps out-of-range values differently across versions and
     devices. NaN stays NaN (clamp keeps NaN).
     """
-    fmax = FP8_MAX[fp8_dtype]
+    fmax = torch.finfo(fp8_dtype).max  # FP8_MAX's value; a constant to torch.compile
     return x_fp32.clamp(-fmax, fmax).to(fp8_dtype)
 
 
@@ -61,7 +61,10 @@ def scale_from_amax(amax: torch.Tensor, fp8_max: float, *, eps: float = 0.0,
     clamped = torch.clamp_min(amax, eps) if eps > 0 else amax
     scale = torch.full_like(amax, fp8_max) / clamped
     scale = torch.where(clamped == 0, torch.ones_like(scale), scale)
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
+    # finfo, not the module's FP32_MAX: torch.compile folds it to a constant, where a module
+    # global float would become a symbolic input under dynamic=True
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, torch.finfo(torch.float32).max),
+                        scale)
     if pow2:
         scale = floor_pow2(scale)
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))

@@ -227,6 +227,19 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         return check_num_quantizers(self, fwd, num_quantizers, roles)
 
     # ---- recipe state -------------------------------------------------------------------
+    def traced_recipe(self, x: torch.Tensor):
+        """The recipe a compiled call of this module may trace into the graph
+        (``lowprec.linear.traced``), or None where it stays one opaque call: outside
+        autocast, with an amax reduction group, a boundary role, torch.autocast, or inside
+        a lowprec.checkpoint recompute."""
+        region = active_region()
+        if (region is None or region.group is not None or current_frame() is not None
+                or self.output_quantizer_role is not None
+                or self.grad_input_quantizer_role is not None
+                or torch.is_autocast_enabled(x.device.type) or not x.is_floating_point()):
+            return None
+        return region.recipe
+
     def __setattr__(self, key, value) -> None:
         super().__setattr__(key, value)
         if key in _ROLE_ATTRS:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..compiled_call import compiled_as_one_op
+from ..formats.base import QuantizedTensor
+from ..linear import traced
 from ..linear.function import quantized_linear
 from . import tensor_parallel as tpar
 from .base import LowprecModule, add_linear_params
@@ -47,6 +49,17 @@ class Linear(LowprecModule):
         tp = self._tp
         rows = tpar.output_rows(tp, x.shape[0], tp.mode if tp is not None else "column")
         return [(rows, *x.shape[1:-1], self.weight.shape[0])]
+
+    def traced_forward(self, x: torch.Tensor):
+        """The call as torch.compile traces it (``lowprec.linear.traced``), or
+        ``NotImplemented`` where it stays one opaque op."""
+        recipe = self.traced_recipe(x)
+        if recipe is None or self._tp is not None or isinstance(self.weight, QuantizedTensor):
+            return NotImplemented
+        plan = traced.plan_for(recipe, x, self.weight)
+        if plan is None:
+            return NotImplemented
+        return traced.traced_linear(x, self.weight, self.bias, plan)
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:
