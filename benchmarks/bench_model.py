@@ -9,14 +9,17 @@ One step is forward + backward + fused AdamW on ``tokens`` tokens. Every Linear 
 * ``lowprec-<recipe>``: ``lowprec.convert_model`` + ``lowprec.autocast``, eager and
   compiled.
 
-Modes: ``eager``, ``compiled`` (``torch.compile(model)``) and ``graphed`` (the whole
-eager step captured in one CUDA graph and replayed: no host time at all, so the step
-time is the GPU's; what a step costs once host overhead is out of the way).
+Modes: ``eager``, ``compiled`` (``torch.compile(model)``), ``reduce-overhead``
+(``torch.compile(model, mode="reduce-overhead")``: inductor's CUDA graphs) and ``graphed``
+(the whole eager step captured in one CUDA graph and replayed: no host time at all, so the
+step time is the GPU's; what a step costs once host overhead is out of the way).
 
 Per peer it prints the step time (median of ``--steps`` steps timed with CUDA events,
 after ``--warmup`` steps whose time is reported apart as warm-up/compile time),
-tokens/s, the speedup over bf16 eager and over bf16 compiled, and the peak memory of the
-timed steps; rows go to ``results.csv``.
+tokens/s, the speedup over bf16 eager and over bf16 compiled, the peak memory of the
+timed steps, the GPU kernel time of a step (``torch.profiler``: the sum of its kernels'
+own times) and the host's share of the step (1 - GPU / wall: the time the GPU waited for
+Python); rows go to ``results.csv``.
 
     python benchmarks/bench_model.py --model 1b
     python benchmarks/bench_model.py --model 8b-wide --recipes current,block
@@ -39,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import append_rows, median_step_ms  # noqa: E402
+from harness import append_rows, gpu_kernel_ms, median_step_ms  # noqa: E402
 
 import lowprec  # noqa: E402
 from lowprec import recipe as R  # noqa: E402
@@ -93,6 +96,8 @@ def make_peer(peer: str, model: str, device: str, mode: str):
         ctx = lambda: lowprec.autocast(recipe=recipe)  # noqa: E731
     if mode == "compiled":
         m = torch.compile(m)
+    elif mode == "reduce-overhead":
+        m = torch.compile(m, mode="reduce-overhead")
     return m, ctx
 
 
@@ -103,7 +108,7 @@ def lm_loss(m, ctx, ids):
 
 
 def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: int):
-    """(median step ms, warm-up seconds, peak GiB, graph breaks)."""
+    """(median step ms, warm-up seconds, peak GiB, graph breaks, GPU kernel ms, kernels)."""
     torch._dynamo.utils.counters.clear()
     m, ctx = make_peer(peer, model, device, mode)
     graphed = mode == "graphed"
@@ -144,6 +149,7 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     if device == "cuda":
         ms, peak = median_step_ms(run, steps)
+        gpu_ms, kernels = gpu_kernel_ms(run)
     else:
         t = []
         for i in range(steps):
@@ -151,7 +157,8 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
             run(i)
             t.append((time.perf_counter() - t1) * 1e3)
         ms, peak = statistics.median(t), 0.0
-    return ms, warm_s, peak, breaks
+        gpu_ms, kernels = float("nan"), 0
+    return ms, warm_s, peak, breaks, gpu_ms, kernels
 
 
 def release() -> None:
@@ -163,35 +170,42 @@ def release() -> None:
 
 
 def _row(model, tokens, peer, mode, res, results):
-    ms, warm, peak, breaks = res
+    ms, warm, peak, breaks, gpu_ms, kernels = res
+    host = 1 - gpu_ms / ms
     base_e, base_c = results.get(("bf16", "eager")), results.get(("bf16", "compiled"))
     same = results.get(("bf16", mode))
     se = base_e[0] / ms if base_e else float("nan")
     sc = base_c[0] / ms if base_c else float("nan")
     pk = peak / same[2] if same and same[2] else float("nan")
     line = (f"{peer:24s} {mode:8s} {ms:9.2f} {tokens / ms * 1e3:10.0f} {se:13.2f}x "
-            f"{sc:13.2f}x {peak:9.2f} {pk:11.2f}x {breaks:6d}")
+            f"{sc:13.2f}x {peak:9.2f} {pk:11.2f}x {breaks:6d} {gpu_ms:8.2f} {host:6.1%} "
+            f"{kernels:8.0f}")
     row = dict(bench="model", shape=f"{model} {tokens}tok", recipe=f"{peer} {mode}",
                metric="step_ms", value=round(ms, 3), baseline="bf16 eager",
                baseline_value=round(base_e[0], 3) if base_e else "",
                ratio=round(se, 4) if base_e else "",
                note=f"{tokens / ms * 1e3:.0f} tok/s; peak {peak:.2f} GiB ({pk:.2f}x bf16 "
                     f"{mode}); warm-up {warm:.0f} s; vs bf16 compiled {sc:.2f}x; graph "
-                    f"breaks {breaks}")
+                    f"breaks {breaks}; GPU kernels {gpu_ms:.2f} ms ({kernels:.0f}), host share "
+                    f"{host:.1%}")
     return line, row
 
 
 HEADER = (f"{'peer':24s} {'mode':8s} {'ms':>9s} {'tok/s':>10s} {'vs bf16 eager':>14s} "
-          f"{'vs bf16 comp.':>14s} {'peak GiB':>9s} {'vs bf16 peak':>12s} {'breaks':>6s}")
+          f"{'vs bf16 comp.':>14s} {'peak GiB':>9s} {'vs bf16 peak':>12s} {'breaks':>6s} "
+          f"{'GPU ms':>8s} {'host':>6s} {'kernels':>8s}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="1b", choices=list(MODELS))
     ap.add_argument("--recipes", default="current,delayed,block,mxfp8,nvfp4")
-    ap.add_argument("--modes", default="eager,compiled", help="eager,compiled,graphed")
+    ap.add_argument("--modes", default="eager,compiled",
+                    help="eager,compiled,reduce-overhead,graphed")
     ap.add_argument("--torchao", default="tensorwise,rowwise",
-                    help="torchao recipes (compiled), '' for none")
+                    help="torchao recipes, '' for none")
+    ap.add_argument("--torchao-modes", default="compiled",
+                    help="modes of the torchao peers (compiled, reduce-overhead)")
     ap.add_argument("--bf16", default="", help="bf16 modes to run (default: --modes)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -199,11 +213,13 @@ def main() -> None:
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     bf16_modes = [m for m in (args.bf16 or args.modes).split(",") if m]
-    peers = [("bf16", m) for m in ("eager", "compiled", "graphed") if m in bf16_modes]
+    peers = [("bf16", m) for m in ("eager", "compiled", "reduce-overhead", "graphed")
+             if m in bf16_modes]
     if args.torchao:
         try:
             import torchao.float8  # noqa: F401
-            peers += [(f"torchao-{r}", "compiled") for r in args.torchao.split(",")]
+            peers += [(f"torchao-{r}", m) for r in args.torchao.split(",")
+                      for m in args.torchao_modes.split(",")]
         except ImportError as exc:
             print(f"torchao not importable ({exc}); its peers are left out")
     peers += [(f"lowprec-{r}", m) for r in args.recipes.split(",") if r for m in modes]

@@ -219,6 +219,22 @@ def median_step_ms(run: Callable[[int], None], steps: int) -> tuple[float, float
     return ms, torch.cuda.max_memory_allocated() / 2**30
 
 
+def gpu_kernel_ms(run: Callable[[int], None], steps: int = 3) -> tuple[float, float]:
+    """(GPU kernel ms, kernels) per call of ``run(i)``, from ``torch.profiler``: the sum of
+    every CUDA kernel's (and memcpy/memset's) own time, whatever the host did between them.
+    Against the wall time of the same step it gives the host's share (1 - GPU / wall)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            run(i)
+        torch.cuda.synchronize()
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.device_time for e in evs)
+    return total_us / 1e3 / steps, len(evs) / steps
+
+
 def append_rows(rows: list[dict], path: Path | str | None = None) -> Path:
     path = Path(path or RESULTS)
     new = not path.exists()
