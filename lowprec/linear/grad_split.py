@@ -90,6 +90,12 @@ def exact_slicing() -> bool:
     return _mode == "always"
 
 
+def slicing_allowed(slices_need_stats_pass: bool) -> bool:
+    """Whether the backward slices dY for a quantizer that can slice, given whether its
+    slices need one more pass for the whole tensor's statistics (see ``_mode``)."""
+    return _mode == "always" or (_mode == "auto" and not slices_need_stats_pass)
+
+
 def slicing_enabled(quantizer) -> bool:
     """Whether a linear layer may slice what ``quantizer`` quantizes (see ``_mode``)."""
     if _mode == "never" or quantizer is None:

@@ -11,10 +11,13 @@ exact functions of the input (any order of a max reduction gives the same amax),
 are the same library calls on the same operands, and the one reduction whose order
 matters (the bias gradient) runs as a custom op around eager's own sum.
 
+FP8 block scaling (1x128 inputs and gradients, 128x128 weights) traces the same way, its
+GEMMs ``torch._scaled_mm`` with block scales, for token counts that fill whole blocks.
+
 What this traces is decided by :func:`plan_for` from the recipe and the shapes; anything
-else (delayed scaling's history, block and MX formats, ``CustomRecipe``, quantized
-weights, tensor parallelism, boundary roles) stays one opaque call
-(``lowprec.compiled_call``).
+else (delayed scaling's history, MX formats, ``CustomRecipe``, quantized weights, tensor
+parallelism, boundary roles, shapes eager would pad or hand to another backend) stays one
+opaque call (``lowprec.compiled_call``).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats.casting import cast_fp8, scale_from_amax
-from ..recipe import Float8CurrentScaling
+from ..formats.block.reference import BLOCK, block_amax
+from ..formats.casting import cast_fp8, floor_pow2
+from ..recipe import Float8BlockScaling, Float8CurrentScaling
+from . import grad_split
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -37,13 +42,68 @@ class Tensorwise:
     pow2: bool = False
     eps: float = 0.0
 
-    def quantize(self, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fp8 data, fp32 scale of one element): ``formats.float8.reference``'s arithmetic."""
+    def scale(self, t2d: torch.Tensor) -> torch.Tensor:
+        """The fp32 scale (one element) of ``t2d``, as ``formats.float8.reference``."""
         amax = t2d.abs().amax().to(torch.float32).reshape(1)
         # finfo(...).max is FP8_MAX's value, folded to a constant by torch.compile
-        scale = scale_from_amax(amax, torch.finfo(self.fp8_dtype).max, eps=self.eps,
-                                pow2=self.pow2)
-        return cast_fp8(t2d.to(torch.float32) * scale, self.fp8_dtype), scale
+        return exact_scale_from_amax(amax, torch.finfo(self.fp8_dtype).max, eps=self.eps,
+                                     pow2=self.pow2)
+
+    def cast(self, t2d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return cast_fp8(t2d.to(torch.float32) * scale, self.fp8_dtype)
+
+    def quantize(self, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp8 data, fp32 scale of one element)."""
+        scale = self.scale(t2d)
+        return self.cast(t2d, scale), scale
+
+
+def exact_scale_from_amax(amax: torch.Tensor, fp8_max: float, *, eps: float,
+                          pow2: bool) -> torch.Tensor:
+    """``formats.casting.scale_from_amax`` with its division done in fp64 and rounded once
+    to fp32. An fp32 division compiled by inductor is not correctly rounded; the fp64
+    quotient rounded to fp32 is (a quotient of two fp32 values rounded first to 53 bits and
+    then to 24 is the correctly rounded one), so the scale is the reference's bit for bit."""
+    amax = amax.to(torch.float32)
+    clamped = torch.clamp_min(amax, eps) if eps > 0 else amax
+    scale = (fp8_max / clamped.to(torch.float64)).to(torch.float32)
+    scale = torch.where(clamped == 0, torch.ones_like(scale), scale)
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, torch.finfo(torch.float32).max),
+                        scale)
+    if pow2:
+        scale = floor_pow2(scale)
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+def decode_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` as a 0-d fp32 tensor, correctly rounded (as ``Float8Tensor.decode_scale``;
+    fp64 for the reason of :func:`exact_scale_from_amax`)."""
+    return (1.0 / scale.to(torch.float64)).to(torch.float32).reshape(())
+
+
+@dataclass(frozen=True)
+class Blockwise:
+    """FP8 with current-scaled blocks for one operand: 1x128 (``dim`` 1) or 128x128 (2)
+    (``formats.block.reference``'s arithmetic, scales as ``Float8BlockQuantizer`` with
+    power-of-two scales)."""
+
+    fp8_dtype: torch.dtype
+    dim: int
+    pow2: bool = True
+    eps: float = 0.0
+
+    def quantize(self, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp8 data (R, C), fp32 scales (R, C/128) or (R/128, C/128)) of ``t2d``, blocked
+        along C (a transposed view gives the columnwise blocks along M)."""
+        x = t2d.to(torch.float32).contiguous()
+        scale = exact_scale_from_amax(block_amax(x, self.dim), torch.finfo(self.fp8_dtype).max,
+                                      eps=self.eps, pow2=self.pow2)
+        r, c = x.shape
+        if self.dim == 1:
+            scaled = x.reshape(r, c // BLOCK, BLOCK) * scale.unsqueeze(-1)
+        else:
+            scaled = x.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK) * scale[:, None, :, None]
+        return cast_fp8(scaled, self.fp8_dtype).reshape(r, c), scale
 
 
 @dataclass(frozen=True)
@@ -52,10 +112,13 @@ class TracedPlan:
     GEMMs run on cuBLAS (CUDA) or in the exact fp32 emulation (elsewhere), as the eager
     dispatcher would choose for the same operands."""
 
-    x: Tensorwise
-    w: Tensorwise
-    dy: Tensorwise
+    x: Tensorwise | Blockwise
+    w: Tensorwise | Blockwise
+    dy: Tensorwise | Blockwise
     cublas: bool
+    #: (rows per dgrad slice, columns per wgrad slice) where eager slices dY
+    #: (``grad_split``; the same slices give the same GEMMs), else None
+    split: tuple[int, int] | None = None
 
 
 def _cublas_takes(plan_dtypes, m, k, n, device: torch.device) -> bool:
@@ -70,13 +133,43 @@ def _cublas_takes(plan_dtypes, m, k, n, device: torch.device) -> bool:
     return m > 0 and m % 16 == 0 and k % 16 == 0 and n % 16 == 0
 
 
+def _block_plan(recipe: Float8BlockScaling, x, weight) -> TracedPlan | None:
+    """Block FP8 on cuBLAS for 1x128 inputs and gradients and 128x128 or 1x128 weights,
+    where eager's ``cublas_fp8_block`` takes all three GEMMs with no padding: every
+    dimension a multiple of 128 (M too: the columnwise blocks run along it), and a
+    multiple of 512 where a 128x128 operand is contracted."""
+    fmt = recipe.fp8_format
+    dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
+            recipe.grad_block_scaling_dim)
+    if x.device.type != "cuda" or not hasattr(torch, "_scaled_mm") or dims[0] != 1 \
+            or dims[2] != 1:
+        return None
+    fwd, bwd = fmt.fwd_dtype, fmt.bwd_dtype
+    if (fwd == E5M2 and bwd == E5M2):
+        return None
+    k, n = x.shape[-1], weight.shape[0]
+    m = x.numel() // k if k else 0
+    contracted = 512 if dims[1] == 2 else BLOCK
+    if not (m > 0 and m % BLOCK == 0 and k % contracted == 0 and n % contracted == 0):
+        return None
+    split = None
+    if grad_split.slicing_allowed(slices_need_stats_pass=False):  # block formats slice free
+        split = grad_split.split_sizes(m, n, k, x.dtype.itemsize, weight.dtype.itemsize)
+    return TracedPlan(Blockwise(fwd, 1), Blockwise(fwd, dims[1]), Blockwise(bwd, 1), cublas=True,
+                      split=split)
+
+
 def plan_for(recipe, x: torch.Tensor, weight: torch.Tensor) -> TracedPlan | None:
     """The traced plan of a linear ``x @ weight.T`` under ``recipe``, or None where the
     compiled path keeps the opaque call (see the module docstring)."""
-    if type(recipe) is not Float8CurrentScaling or recipe.backward_mode != "default":
+    if recipe.backward_mode != "default":
         return None
     if x.dim() < 2 or x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16,
                                                                    torch.float32):
+        return None
+    if type(recipe) is Float8BlockScaling:
+        return _block_plan(recipe, x, weight)
+    if type(recipe) is not Float8CurrentScaling:
         return None
     fmt, pow2 = recipe.fp8_format, recipe.use_power_2_scales
     fwd, bwd = Tensorwise(fmt.fwd_dtype, pow2), Tensorwise(fmt.bwd_dtype, pow2)
@@ -97,8 +190,8 @@ def _gemm(plan: TracedPlan, a, a_scale, b, b_scale, out_dtype, bias=None) -> tor
     if plan.cublas:
         fused = bias is not None and out_dtype in (torch.bfloat16, torch.float16) \
             and bias.dtype == out_dtype
-        res = torch._scaled_mm(a, b.t(), scale_a=torch.reciprocal(a_scale).reshape(()),
-                               scale_b=torch.reciprocal(b_scale).reshape(()),
+        res = torch._scaled_mm(a, b.t(), scale_a=decode_scale(a_scale),
+                               scale_b=decode_scale(b_scale),
                                bias=bias if fused else None, out_dtype=out_dtype,
                                use_fast_accum=False)
         if bias is not None and not fused:
@@ -108,6 +201,26 @@ def _gemm(plan: TracedPlan, a, a_scale, b, b_scale, out_dtype, bias=None) -> tor
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(out_dtype)
+
+
+def _block_gemm(a, a_scale, a_dim, b, b_scale, b_dim, out_dtype, bias=None) -> torch.Tensor:
+    """``mat(a) @ mat(b).T`` of two block-scaled fp8 operands, both (rows, K) with their
+    encode scales, through ``torch._scaled_mm`` with the decode scales laid out as
+    ``backends.cublas_fp8.blockwise_run`` lays them out."""
+    def decode(s):
+        return (1.0 / s.to(torch.float64)).to(torch.float32)
+
+    # 1x128 (R, K/128): contiguous (K/128, R), read as its transpose; 128x128 as it is
+    scale_a = decode(a_scale.t()).contiguous().t() if a_dim == 1 else decode(a_scale).contiguous()
+    scale_b = decode(b_scale.t()).contiguous() if b_dim == 1 else decode(b_scale).contiguous().t()
+    fused = bias is not None and out_dtype in (torch.bfloat16, torch.float16) \
+        and bias.dtype == out_dtype
+    res = torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b,
+                           bias=bias if fused else None, out_dtype=out_dtype,
+                           use_fast_accum=False)
+    if bias is not None and not fused:
+        res = (res.to(torch.float32) + bias.to(torch.float32)).to(out_dtype)
+    return res
 
 
 @torch.library.custom_op("lowprec::bias_grad", mutates_args=())
@@ -122,6 +235,53 @@ def _bias_grad_fake(dy2d, dtype):
     return dy2d.new_empty(dy2d.shape[1:], dtype=dtype)
 
 
+def _cat(parts: list) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class _TracedBlockLinear(torch.autograd.Function):
+    """Block FP8: x and dY are quantized in both directions (their columnwise blocks run
+    along M, with scales of their own), the weight's 128x128 blocks once, read transposed
+    by dgrad."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: TracedPlan):
+        x2d = x.reshape(-1, x.shape[-1])
+        xq, xs = plan.x.quantize(x2d)
+        wq, ws = plan.w.quantize(weight)
+        y = _block_gemm(xq, xs, 1, wq, ws, plan.w.dim, x.dtype, bias)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        xcq, xcs = plan.x.quantize(x2d.t()) if need_dw else (None, None)
+        if plan.w.dim == 2:  # one set of 128x128 blocks serves both directions
+            wcq, wcs = (wq.t().contiguous(), ws.t().contiguous()) if need_dx else (None, None)
+        else:
+            wcq, wcs = plan.w.quantize(weight.t()) if need_dx else (None, None)
+        ctx.save_for_backward(xcq, xcs, wcq, wcs)
+        ctx.plan, ctx.has_bias = plan, bias is not None
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xcq, xcs, wcq, wcs = ctx.saved_tensors
+        plan = ctx.plan
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        m, n = dy2d.shape
+        rows, cols = plan.split if plan.split is not None and need_dx and need_dw else (m, n)
+        if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T, 1x128 blocks along M
+            dw = _cat([_block_gemm(*plan.dy.quantize(dy2d[:, a:a + cols].t()), 1,
+                                        xcq, xcs, 1, ctx.w_dtype) for a in range(0, n, cols)])
+        if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
+            dx = _cat([_block_gemm(*plan.dy.quantize(dy2d[a:a + rows]), 1, wcq, wcs,
+                                        plan.w.dim, ctx.x_dtype) for a in range(0, m, rows)])
+            dx = dx.reshape(ctx.x_shape)
+        if need_db and ctx.has_bias:
+            db = bias_grad(dy2d, ctx.w_dtype)
+        return dx, dw, db, None
+
+
 class _TracedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: TracedPlan):
@@ -131,15 +291,18 @@ class _TracedLinear(torch.autograd.Function):
         wq, ws = plan.w.quantize(weight)
         y = _gemm(plan, xq, xs, wq, ws, x.dtype, bias)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # only fp8 operands are kept: what the backward GEMMs read
-        ctx.save_for_backward(xq if need_dw else None, xs, wq if need_dx else None, ws)
+        # Kept for backward: x in fp8, and the weight itself with its scale (the parameter
+        # is alive anyway): dgrad reads the weight transposed, which a cast of the weight's
+        # transpose with the same scale gives in the one pass a transpose of the fp8 copy
+        # would take, so no fp8 copy of any weight outlives the forward.
+        ctx.save_for_backward(xq if need_dw else None, xs, weight if need_dx else None, ws)
         ctx.plan, ctx.has_bias = plan, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        xq, xs, wq, ws = ctx.saved_tensors
+        xq, xs, w, ws = ctx.saved_tensors
         plan = ctx.plan
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1])
@@ -150,8 +313,8 @@ class _TracedLinear(torch.autograd.Function):
                 dw = _gemm(plan, dyq.t().contiguous(), dys, xq.t().contiguous(), xs,
                            ctx.w_dtype)
             if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
-                dx = _gemm(plan, dyq, dys, wq.t().contiguous(), ws,
-                           ctx.x_dtype).reshape(ctx.x_shape)
+                wq_t = plan.w.cast(w.t(), ws).contiguous()
+                dx = _gemm(plan, dyq, dys, wq_t, ws, ctx.x_dtype).reshape(ctx.x_shape)
         if need_db and ctx.has_bias:
             db = bias_grad(dy2d, ctx.w_dtype)
         return dx, dw, db, None
@@ -160,4 +323,6 @@ class _TracedLinear(torch.autograd.Function):
 def traced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   plan: TracedPlan) -> torch.Tensor:
     """``x @ weight.T + bias`` quantized as ``plan`` says, in ops the compiler traces."""
+    if isinstance(plan.x, Blockwise):
+        return _TracedBlockLinear.apply(x, weight, bias, plan)
     return _TracedLinear.apply(x, weight, bias, plan)

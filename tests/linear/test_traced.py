@@ -117,3 +117,59 @@ def test_cuda_shapes_cublas_does_not_take_stay_opaque():
                                                                 dtype=torch.bfloat16), w) is None
     assert traced.plan_for(Float8CurrentScaling(fp8_format=Format.E5M2),
                            torch.randn(32, 64, device="cuda", dtype=torch.bfloat16), w) is None
+
+
+def _amaxes(device):
+    """fp32 amaxes over the whole range: random bit patterns (positive, finite), subnormals,
+    and the special values."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 0x7F800000, (1 << 16,), generator=g, dtype=torch.int32)
+    special = torch.tensor([0.0, 1e-45, 1e-40, 1.0, 448.0, 3.4e38, float("inf"), float("nan")])
+    return torch.cat([bits.view(torch.float32), special]).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("eps", [0.0, 1e-12])
+def test_compiled_scale_rule_is_the_reference(device, pow2, eps):
+    """The traced scale (fp64 quotient rounded once) is ``scale_from_amax`` bit for bit,
+    compiled by inductor (whose fp32 division is not correctly rounded on the GPU)."""
+    from lowprec.formats.casting import scale_from_amax
+
+    amax = _amaxes(device)
+    fn = torch.compile(lambda a: (traced.exact_scale_from_amax(a, 448.0, eps=eps, pow2=pow2),
+                                  traced.decode_scale(a[:1])), fullgraph=True)
+    got, _ = fn(amax)
+    want = scale_from_amax(amax, 448.0, eps=eps, pow2=pow2)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    finite = want[torch.isfinite(want) & (want > 0)]
+    dec = torch.compile(lambda s: torch.stack([traced.decode_scale(v) for v in s]))(finite[:64])
+    assert torch.equal(dec, torch.reciprocal(finite[:64]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLAS block FP8)")
+@pytest.mark.parametrize("shape", [(256, 512, 1024), (4096, 512, 4096)],
+                         ids=["whole", "sliced_backward"])
+@pytest.mark.parametrize("w_dim", [2, 1])
+def test_block_traced_bit_identical_cuda(shape, w_dim):
+    """Block FP8 traced on cuBLAS; the larger shape slices dY in eager (grad_split), and so
+    in the traced backward."""
+    from lowprec.recipe import Float8BlockScaling
+
+    m, k, n = shape
+    recipe = Float8BlockScaling(w_block_scaling_dim=w_dim)
+    torch.manual_seed(0)
+    lin = lowprec.Linear(k, n, name="l", params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    assert traced.plan_for(recipe, x, lin.weight) is not None
+    if shape[0] == 4096:
+        assert traced.plan_for(recipe, x, lin.weight).split is not None
+    ops = _GraphOps()
+    want = _run(lin, lin, x, dy, recipe)
+    got = _run(torch.compile(lin, fullgraph=True), lin, x, dy, recipe)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    with lowprec.autocast(recipe=recipe):
+        torch.compile(lin, backend=ops, fullgraph=True)(x.requires_grad_()).sum().backward()
+    assert not any("lowprec.call" in t for t in ops.targets)
