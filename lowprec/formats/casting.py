@@ -59,7 +59,10 @@ def scale_from_amax(amax: torch.Tensor, fp8_max: float, *, eps: float = 0.0,
     """
     amax = amax.to(torch.float32)
     clamped = torch.clamp_min(amax, eps) if eps > 0 else amax
-    scale = torch.full_like(amax, fp8_max) / clamped
+    # The fp32 quotient, correctly rounded: computed in fp64 and rounded once (a quotient of
+    # two fp32 values rounded to 53 bits, then to 24, is the correctly rounded one), so a
+    # compiler whose fp32 division is approximate (inductor on the GPU) gives the same bits.
+    scale = (fp8_max / clamped.to(torch.float64)).to(torch.float32)
     scale = torch.where(clamped == 0, torch.ones_like(scale), scale)
     # finfo, not the module's FP32_MAX: torch.compile folds it to a constant, where a module
     # global float would become a symbolic input under dynamic=True

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats.block.reference import BLOCK, block_amax
-from ..formats.casting import cast_fp8, floor_pow2
+from ..formats.casting import cast_fp8, scale_from_amax
 from ..recipe import Float8BlockScaling, Float8CurrentScaling
 from . import grad_split
 
@@ -46,7 +46,7 @@ class Tensorwise:
         """The fp32 scale (one element) of ``t2d``, as ``formats.float8.reference``."""
         amax = t2d.abs().amax().to(torch.float32).reshape(1)
         # finfo(...).max is FP8_MAX's value, folded to a constant by torch.compile
-        return exact_scale_from_amax(amax, torch.finfo(self.fp8_dtype).max, eps=self.eps,
+        return scale_from_amax(amax, torch.finfo(self.fp8_dtype).max, eps=self.eps,
                                      pow2=self.pow2)
 
     def cast(self, t2d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -58,26 +58,9 @@ class Tensorwise:
         return self.cast(t2d, scale), scale
 
 
-def exact_scale_from_amax(amax: torch.Tensor, fp8_max: float, *, eps: float,
-                          pow2: bool) -> torch.Tensor:
-    """``formats.casting.scale_from_amax`` with its division done in fp64 and rounded once
-    to fp32. An fp32 division compiled by inductor is not correctly rounded; the fp64
-    quotient rounded to fp32 is (a quotient of two fp32 values rounded first to 53 bits and
-    then to 24 is the correctly rounded one), so the scale is the reference's bit for bit."""
-    amax = amax.to(torch.float32)
-    clamped = torch.clamp_min(amax, eps) if eps > 0 else amax
-    scale = (fp8_max / clamped.to(torch.float64)).to(torch.float32)
-    scale = torch.where(clamped == 0, torch.ones_like(scale), scale)
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, torch.finfo(torch.float32).max),
-                        scale)
-    if pow2:
-        scale = floor_pow2(scale)
-    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-
-
 def decode_scale(scale: torch.Tensor) -> torch.Tensor:
     """``1 / scale`` as a 0-d fp32 tensor, correctly rounded (as ``Float8Tensor.decode_scale``;
-    fp64 for the reason of :func:`exact_scale_from_amax`)."""
+    in fp64 for the reason ``formats.casting.scale_from_amax`` gives)."""
     return (1.0 / scale.to(torch.float64)).to(torch.float32).reshape(())
 
 
@@ -96,7 +79,7 @@ class Blockwise:
         """(fp8 data (R, C), fp32 scales (R, C/128) or (R/128, C/128)) of ``t2d``, blocked
         along C (a transposed view gives the columnwise blocks along M)."""
         x = t2d.to(torch.float32).contiguous()
-        scale = exact_scale_from_amax(block_amax(x, self.dim), torch.finfo(self.fp8_dtype).max,
+        scale = scale_from_amax(block_amax(x, self.dim), torch.finfo(self.fp8_dtype).max,
                                       eps=self.eps, pow2=self.pow2)
         r, c = x.shape
         if self.dim == 1:

@@ -132,19 +132,28 @@ def _amaxes(device):
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("eps", [0.0, 1e-12])
 def test_compiled_scale_rule_is_the_reference(device, pow2, eps):
-    """The traced scale (fp64 quotient rounded once) is ``scale_from_amax`` bit for bit,
-    compiled by inductor (whose fp32 division is not correctly rounded on the GPU)."""
-    from lowprec.formats.casting import scale_from_amax
+    """``scale_from_amax`` (its quotient in fp64, rounded once) is the fp32 rule computed with
+    an IEEE fp32 division (eager, CPU), bit for bit, also compiled by inductor (whose fp32
+    division is not correctly rounded on the GPU); so is the traced decode scale."""
+    from lowprec.formats.casting import floor_pow2, scale_from_amax
 
     amax = _amaxes(device)
-    fn = torch.compile(lambda a: (traced.exact_scale_from_amax(a, 448.0, eps=eps, pow2=pow2),
-                                  traced.decode_scale(a[:1])), fullgraph=True)
-    got, _ = fn(amax)
-    want = scale_from_amax(amax, 448.0, eps=eps, pow2=pow2)
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    finite = want[torch.isfinite(want) & (want > 0)]
-    dec = torch.compile(lambda s: torch.stack([traced.decode_scale(v) for v in s]))(finite[:64])
-    assert torch.equal(dec, torch.reciprocal(finite[:64]))
+    a = amax.cpu()
+    clamped = torch.clamp_min(a, eps) if eps > 0 else a
+    want = torch.full_like(a, 448.0) / clamped
+    want = torch.where(clamped == 0, torch.ones_like(want), want)
+    want = torch.where(torch.isinf(want), torch.full_like(want, torch.finfo(torch.float32).max),
+                       want)
+    want = floor_pow2(want) if pow2 else want
+    want = torch.where(torch.isfinite(a), want, torch.full_like(want, float("nan")))
+    eager = scale_from_amax(amax, 448.0, eps=eps, pow2=pow2)
+    compiled = torch.compile(lambda t: scale_from_amax(t, 448.0, eps=eps, pow2=pow2),
+                             fullgraph=True)(amax)
+    for got in (eager, compiled):
+        assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
+    finite = eager[torch.isfinite(eager) & (eager > 0)][:64]
+    dec = torch.compile(lambda s: torch.stack([traced.decode_scale(v) for v in s]))(finite)
+    assert torch.equal(dec, torch.reciprocal(finite))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLAS block FP8)")
