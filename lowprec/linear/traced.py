@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..autocast import torch_autocast_dtype
 from ..formats.block.reference import BLOCK, block_amax
 from ..formats.casting import cast_fp8, scale_from_amax
 from ..recipe import Float8BlockScaling, Float8CurrentScaling
@@ -246,6 +247,13 @@ class _TracedBlockLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        # with torch.autocast off, as eager's backward (AOT traces the backward under the
+        # forward's autocast state)
+        with torch.autocast(dy.device.type, enabled=False):
+            return _TracedBlockLinear._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy):
         xcq, xcs, wcq, wcs = ctx.saved_tensors
         plan = ctx.plan
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
@@ -285,6 +293,11 @@ class _TracedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        with torch.autocast(dy.device.type, enabled=False):  # as _TracedBlockLinear's
+            return _TracedLinear._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy):
         xq, xs, w, ws = ctx.saved_tensors
         plan = ctx.plan
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
@@ -303,9 +316,22 @@ class _TracedLinear(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def traced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  plan: TracedPlan) -> torch.Tensor:
-    """``x @ weight.T + bias`` quantized as ``plan`` says, in ops the compiler traces."""
-    if isinstance(plan.x, Blockwise):
-        return _TracedBlockLinear.apply(x, weight, bias, plan)
-    return _TracedLinear.apply(x, weight, bias, plan)
+def traced_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``x @ weight.T + bias`` quantized per ``recipe`` in ops the compiler traces, or
+    ``NotImplemented`` where :func:`plan_for` has no plan (the caller keeps the opaque op).
+
+    Under ``torch.autocast`` the operands are first cast to its dtype (differentiably, so
+    an fp32 weight gets an fp32 gradient) and the rest runs with autocast off, as
+    ``lowprec.linear.quantized_linear`` does in eager mode."""
+    amp = torch_autocast_dtype(x)
+    if amp is not None:
+        x, weight = x.to(amp), weight.to(amp)
+        bias = bias.to(amp) if bias is not None else None
+    plan = plan_for(recipe, x, weight)
+    if plan is None:
+        return NotImplemented
+    fn = _TracedBlockLinear if isinstance(plan.x, Blockwise) else _TracedLinear
+    if amp is None:
+        return fn.apply(x, weight, bias, plan)
+    with torch.autocast(x.device.type, enabled=False):
+        return fn.apply(x, weight, bias, plan)

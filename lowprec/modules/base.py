@@ -230,13 +230,12 @@ class LowprecModule(CompiledCallMixin, nn.Module):
     def traced_recipe(self, x: torch.Tensor):
         """The recipe a compiled call of this module may trace into the graph
         (``lowprec.linear.traced``), or None where it stays one opaque call: outside
-        autocast, with an amax reduction group, a boundary role, torch.autocast, or inside
-        a lowprec.checkpoint recompute."""
+        autocast, with an amax reduction group, a boundary role, or inside a
+        lowprec.checkpoint recompute."""
         region = active_region()
         if (region is None or region.group is not None or current_frame() is not None
                 or self.output_quantizer_role is not None
-                or self.grad_input_quantizer_role is not None
-                or torch.is_autocast_enabled(x.device.type) or not x.is_floating_point()):
+                or self.grad_input_quantizer_role is not None or not x.is_floating_point()):
             return None
         return region.recipe
 

@@ -56,10 +56,7 @@ class Linear(LowprecModule):
         recipe = self.traced_recipe(x)
         if recipe is None or self._tp is not None or isinstance(self.weight, QuantizedTensor):
             return NotImplemented
-        plan = traced.plan_for(recipe, x, self.weight)
-        if plan is None:
-            return NotImplemented
-        return traced.traced_linear(x, self.weight, self.bias, plan)
+        return traced.traced_linear(recipe, x, self.weight, self.bias)
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:

