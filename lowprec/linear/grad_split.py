@@ -26,6 +26,7 @@ them), once the rowwise copy of the input is freed. This is on in every mode but
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -70,56 +71,63 @@ def _even_slices(size: int, limit: int) -> int:
     return min(size, -(-per // ALIGN) * ALIGN)
 
 
-#: "auto": slice only with quantizers whose slices need no extra pass over the tensor
-#: (``Quantizer.slices_need_stats_pass`` False: block formats, which quantize dY's two
-#: directions in two passes anyway); "always": also per-tensor FP8, which then reads dY
-#: once more for its amax; "never": no slicing, and the weight's two usages made at once.
-#: Set through the context managers.
-_mode = "auto"
+class _Mode(threading.local):
+    """The slicing mode of this thread: "auto" slices only with quantizers whose slices need
+    no extra pass over the tensor (``Quantizer.slices_need_stats_pass`` False: block formats,
+    which quantize dY's two directions in two passes anyway); "always" also per-tensor FP8,
+    which then reads dY once more for its amax; "never": no slicing, and the weight's two
+    usages made at once. Set through the context managers :class:`sliced` and
+    :class:`unsliced`; a linear's plan reads it (``lowprec.linear.plan``)."""
+
+    value = "auto"
+
+
+_MODE = _Mode()
+
+
+def mode() -> str:
+    """This thread's slicing mode ("auto", "always" or "never")."""
+    return _MODE.value
 
 
 def weight_in_two_steps() -> bool:
     """Whether a linear forward may quantize the weight's two usages one after the other
     (all modes but ``unsliced()``; see ``lowprec.linear.function``)."""
-    return _mode != "never"
+    return _MODE.value != "never"
 
 
 def exact_slicing() -> bool:
     """Whether linear layers with formats emulated on bf16 GEMMs run sliced
     (``lowprec.linear.exact_split``): only inside :class:`sliced`."""
-    return _mode == "always"
+    return _MODE.value == "always"
 
 
 def slicing_allowed(slices_need_stats_pass: bool) -> bool:
     """Whether the backward slices dY for a quantizer that can slice, given whether its
     slices need one more pass for the whole tensor's statistics (see ``_mode``)."""
-    return _mode == "always" or (_mode == "auto" and not slices_need_stats_pass)
+    return _MODE.value == "always" or (_MODE.value == "auto" and not slices_need_stats_pass)
 
 
 def slicing_enabled(quantizer) -> bool:
     """Whether a linear layer may slice what ``quantizer`` quantizes (see ``_mode``)."""
-    if _mode == "never" or quantizer is None:
+    if quantizer is None or not quantizer.can_slice():
         return False
-    if not quantizer.can_slice():
-        return False
-    return _mode == "always" or not quantizer.slices_need_stats_pass
+    return slicing_allowed(quantizer.slices_need_stats_pass)
 
 
-class _Mode:
+class _SetMode:
     _value = "auto"
 
     def __enter__(self):
-        global _mode
-        self._saved, _mode = _mode, self._value
+        self._saved, _MODE.value = _MODE.value, self._value
         return self
 
     def __exit__(self, *exc):
-        global _mode
-        _mode = self._saved
+        _MODE.value = self._saved
         return False
 
 
-class unsliced(_Mode):
+class unsliced(_SetMode):
     """Context manager: linear layers run inside it quantize dY (backward) and the weight's
     two directions (forward) each in one piece; for comparisons, or where speed matters
     more than the peak memory."""
@@ -127,7 +135,7 @@ class unsliced(_Mode):
     _value = "never"
 
 
-class sliced(_Mode):
+class sliced(_SetMode):
     """Context manager: linear layers run inside it slice wherever the memory rule says so,
     per-tensor FP8 included (peak memory at or below bf16's on the benchmark shapes, for
     one more read of dY: 4-8% of a step on 16384x4096x14336, H200), and formats emulated

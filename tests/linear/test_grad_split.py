@@ -39,7 +39,7 @@ def slicing(monkeypatch):
     """Set whether the backward may slice dY (by its size threshold)."""
     def set_(on: bool):
         monkeypatch.setattr(grad_split, "MIN_COPY_BYTES", 0 if on else 1 << 62)
-        monkeypatch.setattr(grad_split, "_mode", "always" if on else "never")
+        monkeypatch.setattr(grad_split._MODE, "value", "always" if on else "never")
     return set_
 
 
@@ -343,7 +343,7 @@ def _saved_weight(rname, *, mode: str):
     lin = lowprec.Linear(K, N, params_dtype=torch.bfloat16)
     x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
     ctx = {"sliced": grad_split.sliced, "unsliced": grad_split.unsliced,
-           "auto": grad_split._Mode}[mode]()
+           "auto": grad_split._SetMode}[mode]()
     with ctx, lowprec.autocast(enabled=True, recipe=SLICED[rname]()):
         y = lin(x)
     return y.grad_fn.saved_tensors[1]
@@ -428,3 +428,17 @@ def test_formats_without_usage_like_say_so():
         assert not q.can_quantize_usage_like()
         with pytest.raises(NotImplementedError, match="both usages at once"):
             q.quantize_usage_like(x, q.quantize(x), "columnwise")
+
+
+def test_mode_is_per_thread():
+    """sliced()/unsliced() set this thread's mode only: another thread keeps its own."""
+    import threading
+
+    seen = {}
+    with grad_split.sliced():
+        t = threading.Thread(target=lambda: seen.setdefault("other", grad_split.mode()))
+        t.start()
+        t.join()
+        seen["this"] = grad_split.mode()
+    assert seen == {"this": "always", "other": "auto"}
+    assert grad_split.mode() == "auto"
