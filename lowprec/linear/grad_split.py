@@ -77,9 +77,11 @@ class _Mode(threading.local):
     which quantize dY's two directions in two passes anyway); "always" also per-tensor FP8,
     which then reads dY once more for its amax; "never": no slicing, and the weight's two
     usages made at once. Set through the context managers :class:`sliced` and
-    :class:`unsliced`; a linear's plan reads it (``lowprec.linear.plan``)."""
+    :class:`unsliced`; a traced linear's plan reads it (``lowprec.linear.traced``)."""
 
-    value = "auto"
+    def __init__(self) -> None:
+        # an instance attribute in each thread (torch.compile guards on it)
+        self.value = "auto"
 
 
 _MODE = _Mode()

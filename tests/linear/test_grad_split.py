@@ -442,3 +442,15 @@ def test_mode_is_per_thread():
         seen["this"] = grad_split.mode()
     assert seen == {"this": "always", "other": "auto"}
     assert grad_split.mode() == "auto"
+
+
+def test_compiled_code_guards_on_the_mode():
+    """A traced block plan reads the mode at trace time: the compiled code is guarded on it,
+    so switching to unsliced() recompiles instead of running the old slices."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2 if grad_split.slicing_allowed(False) else x,
+                      fullgraph=True)
+    assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))
+    with grad_split.unsliced():
+        assert torch.equal(f(torch.ones(2)), torch.ones(2))
+    torch._dynamo.reset()
