@@ -1,7 +1,8 @@
 """The quantized-linear engine shared by every module and op.
 
-* ``plan``: what one call quantizes, saves and runs, decided once per (module, recipe,
-  input) and cached (:class:`LinearPlan`);
+* ``plan``: what one eager call pads, quantizes with which usages and slices, decided once
+  per (quantizers, backward mode, slicing mode, operand shapes and kinds) and cached
+  (``LinearPlan``);
 * ``function``: the eager autograd Function that runs a plan;
 * ``traced``: the form ``torch.compile`` traces (torch ops and custom ops the compiler
   schedules), bit-identical to ``function``;

@@ -19,8 +19,7 @@ The backward mode decides what the forward saves:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -31,6 +30,7 @@ from ..formats.base import QuantizedTensor, Quantizer
 from ..gemm import gemm
 from ..recipe import BACKWARD_MODES, normalize_backward_mode, operand_usages
 from . import exact_split, grad_split, weight_cache
+from .plan import BOTH, plan_for
 
 
 @dataclass
@@ -42,6 +42,8 @@ class LinearQuantizers:
     output: Optional[Quantizer] = None
     grad_output: Optional[Quantizer] = None
     grad_input: Optional[Quantizer] = None
+    #: the calls' plans (``lowprec.linear.plan``), decided once per kind of call
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def quantize_operand(quantizer: Quantizer | None, t: torch.Tensor, *, rowwise: bool,
@@ -70,12 +72,6 @@ def quantize_operand(quantizer: Quantizer | None, t: torch.Tensor, *, rowwise: b
         return t, False
     quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
     return quantizer.quantize_for_gemm(t, exact, codes=codes), True
-
-
-#: The usages a GEMM consumes right after the quantize (see ``quantize_operand``): the
-#: rowwise x and W of fprop; both directions of dY (dgrad and wgrad run at once).
-_ROW = ("rowwise",)
-_BOTH = ("rowwise", "columnwise")
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -112,15 +108,6 @@ def check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                         f"{weight.dtype}")
 
 
-def _weight_in_two_steps(quantizer: Quantizer | None, weight: torch.Tensor,
-                         columnwise: bool) -> bool:
-    """Whether the forward quantizes the weight rowwise for fprop and makes its columnwise
-    copy only afterwards, with the same statistics (``Quantizer.quantize_usage_like``)."""
-    return (columnwise and quantizer is not None and not isinstance(weight, QuantizedTensor)
-            and weight.numel() > 0 and grad_split.weight_in_two_steps()
-            and quantizer.can_quantize_usage_like())
-
-
 def _dgrad_weight(w: torch.Tensor | None) -> torch.Tensor | None:
     """The weight as dgrad reads it: a quantized weight that does not hold contiguous
     columnwise data (an FSDP-gathered weight holds a transposed view of the gathered rows,
@@ -154,7 +141,7 @@ def _whole_backward(ctx, dy, saved_x, saved_w, need_dx: bool, need_dw: bool,
         # dY is read by dgrad and wgrad only: exact values alone where the format allows
         # (only the directions in use are quantized)
         dy_lp, dy_owned = quantize_operand(ctx.quantizers.grad_output, dy, rowwise=need_dx,
-                                           columnwise=need_dw, exact=_BOTH, codes=False)
+                                           columnwise=need_dw, exact=BOTH, codes=False)
         w_op, x_op = saved_w, saved_x
     else:
         dy_lp = _plain(dy)
@@ -170,26 +157,6 @@ def _whole_backward(ctx, dy, saved_x, saved_w, need_dx: bool, need_dw: bool,
     if need_dx:
         dx = gemm(dy_lp, "rowwise", w_op, "columnwise", out_dtype=ctx.x_dtype)
     return dx, dw
-
-
-def row_padding(q: LinearQuantizers | None, x: torch.Tensor, backward_mode: str,
-                need_dw: bool) -> int:
-    """Zero rows to append to the 2-D input (and to dY in backward) so that the wgrad
-    operands, quantized columnwise, fill whole blocks along M (the token count).
-
-    Zero rows change no block's amax or scale, give zero products in every GEMM and are cut
-    from the output and dX: the result is the one of an input padded by hand. Only the
-    columnwise (wgrad) side runs its blocks along M, so without wgrad nothing is padded.
-    """
-    if (q is None or backward_mode != "default" or not need_dw
-            or isinstance(x, QuantizedTensor) or x.shape[-1] == 0):
-        return 0
-    multiple = 1
-    for quantizer in (q.input, q.grad_output):
-        if quantizer is not None:
-            multiple = math.lcm(multiple, quantizer.row_multiple(rowwise=True, columnwise=True))
-    m = x.numel() // x.shape[-1]
-    return -m % multiple
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -231,23 +198,23 @@ class _QuantizedLinear(torch.autograd.Function):
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         q = quantizers
         quantized = q is not None
-        pad = row_padding(q, x, backward_mode, need_dw)
+        plan = plan_for(q, x, weight, backward_mode, need_dx, need_dw, weight_lp is not None)
+        ctx.plan = plan
+        pad = plan.pad
         x_shape = x.shape
         if pad:
             x = _pad_rows(x, pad)
         padding = {"pad": pad, "x_shape": x_shape}
-        ctx.exact_split = weight_lp is None and exact_split.applies(q, x, weight, backward_mode,
-                                                                     need_dx, need_dw)
+        ctx.exact_split = plan.exact_split
         if ctx.exact_split:
             y, saved_x, saved_w = exact_split.forward(q, x, weight, bias)
             return _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w,
                                                     q, backward_mode, on_backward_done,
                                                     need_dx, need_dw, x_owned=True,
                                                     w_owned=True, **padding)
-        usages = operand_usages(backward_mode, need_dx, need_dw)
-        x_col, w_col = quantized and usages.input[1], quantized and usages.weight[1]
+        x_col, w_col = plan.x_columnwise, plan.w_columnwise
         # "dequantized" saves fprop's rowwise copies: no exact records held on to them
-        exact = _ROW if backward_mode != "dequantized" else ()
+        exact = plan.exact
         x_lp, x_owned = quantize_operand(q.input if q else None, x, rowwise=True,
                                          columnwise=x_col, exact=exact)
         # The weight's columnwise copy is made after fprop, once x's rowwise copy is freed:
@@ -264,7 +231,7 @@ class _QuantizedLinear(torch.autograd.Function):
             w_two_steps = False
             w_lp, w_owned = quantize_operand(None, weight, rowwise=True, columnwise=False)
         else:
-            w_two_steps = _weight_in_two_steps(w_q, weight, w_col)
+            w_two_steps = plan.w_two_steps
             w_lp, w_owned = quantize_operand(w_q, weight, rowwise=True,
                                              columnwise=w_col and not w_two_steps,
                                              exact=exact)
@@ -320,8 +287,13 @@ class _QuantizedLinear(torch.autograd.Function):
             if ctx.w_releasable and isinstance(saved_w, QuantizedTensor) and not graph_kept():
                 saved_w.release()
 
-        split = (grad_split.plan(q.grad_output, dy, saved_x, saved_w, ctx.x_dtype, ctx.w_dtype)
-                 if quantized_bwd and need_dx and need_dw and not ctx.exact_split else None)
+        # the plan's slices, where dY arrives unquantized and both saved operands are quantized
+        split = ctx.plan.split
+        if split is not None and (not quantized_bwd or not (need_dx and need_dw)
+                                  or isinstance(dy, QuantizedTensor)
+                                  or not isinstance(saved_x, QuantizedTensor)
+                                  or not isinstance(saved_w, QuantizedTensor)):
+            split = None
         # (a dY quantized upstream is used whole, as the default path does)
         if ctx.exact_split and need_dx and need_dw and not isinstance(dy, QuantizedTensor):
             dx, dw = exact_split.backward(q.grad_output, dy, saved_x, saved_w, ctx.x_dtype,

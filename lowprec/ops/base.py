@@ -49,7 +49,7 @@ class EmitSpec:
     def fits(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s token count fills the quantizer's blocks along M; where it does
         not, ``t`` is handed over in high precision and the consumer pads it
-        (``lowprec.linear.function.row_padding``)."""
+        (``lowprec.linear.plan.row_padding``)."""
         return rows_fit(self.quantizer, t, rowwise=self.rowwise, columnwise=self.columnwise)
 
     def quantize(self, t: torch.Tensor) -> torch.Tensor:
