@@ -219,6 +219,13 @@ def _bias_grad_fake(dy2d, dtype):
     return dy2d.new_empty(dy2d.shape[1:], dtype=dtype)
 
 
+def _finish(ctx, x, weight, bias, plan: TracedPlan, y: torch.Tensor) -> torch.Tensor:
+    """Record what backward needs besides the saved tensors; y in x's leading shape."""
+    ctx.plan, ctx.has_bias = plan, bias is not None
+    ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def _cat(parts: list) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -241,9 +248,7 @@ class _TracedBlockLinear(torch.autograd.Function):
         else:
             wcq, wcs = plan.w.quantize(weight.t()) if need_dx else (None, None)
         ctx.save_for_backward(xcq, xcs, wcq, wcs)
-        ctx.plan, ctx.has_bias = plan, bias is not None
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        return _finish(ctx, x, weight, bias, plan, y)
 
     @staticmethod
     def backward(ctx, dy):
@@ -287,9 +292,7 @@ class _TracedLinear(torch.autograd.Function):
         # transpose with the same scale gives in the one pass a transpose of the fp8 copy
         # would take, so no fp8 copy of any weight outlives the forward.
         ctx.save_for_backward(xq if need_dw else None, xs, weight if need_dx else None, ws)
-        ctx.plan, ctx.has_bias = plan, bias is not None
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        return _finish(ctx, x, weight, bias, plan, y)
 
     @staticmethod
     def backward(ctx, dy):
