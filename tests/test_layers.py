@@ -8,8 +8,9 @@
 * no import cycles between modules.
 
 Every import counts, at module level or inside a function, except those under
-``if TYPE_CHECKING:`` (never run). A package's ``__init__`` only re-exports: its own imports
-are not edges, and an import of a name it re-exports is an edge to the module defining it.
+``if TYPE_CHECKING:`` (never run). A package's ``__init__`` that only re-exports has no edges
+of its own, and an import of a name it re-exports is an edge to the module defining it; an
+``__init__`` that defines functions or classes is checked like any module.
 """
 
 from __future__ import annotations
@@ -114,9 +115,21 @@ def _is_generic_format(m: str) -> bool:
     return len(parts) == 3 and parts[:2] == ["lowprec", "formats"] and m not in PACKAGES
 
 
+def _defines_code(package: str) -> bool:
+    """Whether a package's ``__init__`` defines functions or classes of its own (it is then
+    a module like any other, not only a list of re-exports)."""
+    tree = ast.parse(MODULES[package].read_text())
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+               for n in tree.body)
+
+
+CODE_PACKAGES = {p for p in PACKAGES if _defines_code(p)}
+
+
 def _sources():
-    """Modules whose imports are checked: every module but the packages' ``__init__``."""
-    return [m for m in MODULES if m not in PACKAGES]
+    """Modules whose imports are checked: every module, and the packages' ``__init__`` that
+    define code (a re-exporting ``__init__``'s imports are no edges of its own)."""
+    return [m for m in MODULES if m not in PACKAGES or m in CODE_PACKAGES]
 
 
 def test_kernels_import_only_kernels():
@@ -176,6 +189,12 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles():
     graph = {m: edges(m) for m in _sources()}
     assert not _cycles(graph), f"import cycles: {_cycles(graph)}"
+
+
+def test_packages_defining_code_are_checked():
+    """``fused/__init__`` defines functions: its imports are edges like any module's."""
+    assert "lowprec.fused" in CODE_PACKAGES and "lowprec.fused" in _sources()
+    assert "lowprec.fused.norm_quantize" in edges("lowprec.fused")
 
 
 @pytest.mark.parametrize("module, expected", [

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.base import QuantizedTensor
-from ..modules.norms import norm_backward
+from .norm_math import norm_backward
 from .prologue import norm_prologue, norm_stats
 
 
