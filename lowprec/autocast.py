@@ -22,6 +22,15 @@ def torch_autocast_dtype(x) -> "torch.dtype | None":
     return None
 
 
+def torch_autocast_off(device_type: str):
+    """``torch.autocast`` disabled on ``device_type``, for lowprec's own math (which runs as
+    it would without torch's autocast); nothing to disable where torch has no autocast for
+    the device (``meta``: shape inference, FLOP counters)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def default_recipe() -> Recipe:
     """The recipe used when autocast is given none (as Transformer Engine: delayed scaling)."""
     return DelayedScaling()

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import offload
-from ..autocast import active_region, torch_autocast_dtype
+from ..autocast import active_region, torch_autocast_dtype, torch_autocast_off
 from ..formats.base import QuantizedTensor, Quantizer
 from ..gemm import gemm
 from ..recipe import BACKWARD_MODES, normalize_backward_mode, operand_usages
@@ -258,7 +258,7 @@ class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         # the forward ran with torch.autocast off; so does its backward, whatever the caller's
-        with torch.autocast(dy.device.type, enabled=False):
+        with torch_autocast_off(dy.device.type):
             return _QuantizedLinear._backward(ctx, dy)
 
     @staticmethod
@@ -338,7 +338,7 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         device_type = x.device.type
         x = x.to(amp)
         bias = bias.to(amp) if bias is not None else None
-        with torch.autocast(device_type, enabled=False):
+        with torch_autocast_off(device_type):
             return _quantized_linear(x, weight, bias, quantizers, backward_mode,
                                      on_backward_done, amp)
     return _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_done, None)

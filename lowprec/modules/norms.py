@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .. import fused
-from ..autocast import torch_autocast_dtype
+from ..autocast import torch_autocast_dtype, torch_autocast_off
 from ..fused.norm_math import norm_backward, norm_fp32, norm_gamma
 from .base import producer_usages
 
@@ -49,7 +49,7 @@ def apply_norm(x: torch.Tensor, normalization: str, weight: torch.Tensor,
             normalization == "RMSNorm", eps, zero_centered_gamma, amp or x.dtype)
     if amp is None:
         return _NormFn.apply(*args)
-    with torch.autocast(x.device.type, enabled=False):
+    with torch_autocast_off(x.device.type):
         return _NormFn.apply(*args)
 
 

@@ -95,3 +95,23 @@ def test_reset_parameters_redraws_in_place():
     assert m.fc1_weight is w and w.rowwise_data is data  # same buffers, re-quantized
     assert not torch.equal(w.dequantize(torch.float32), before)
     assert torch.equal(m.layer_norm_weight, torch.ones(128))
+
+
+@pytest.mark.parametrize("rname", ["fp8_delayed", "fp8_current", "fp8_block", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("make", [
+    lambda: lowprec.Linear(128, 128, device="meta"),
+    lambda: lowprec.LayerNormLinear(128, 128, device="meta"),
+    lambda: lowprec.LayerNormMLP(128, 256, device="meta"),
+], ids=["linear", "layernorm_linear", "layernorm_mlp"])
+def test_meta_forward_and_backward(rname, make):
+    """Shape inference and FLOP counters run a model on the meta device: forward and
+    backward under every recipe give the right shapes (torch has no autocast on meta, so
+    lowprec's backward does not try to switch it off there)."""
+    m = make()
+    x = torch.randn(2, 32, 128, device="meta", requires_grad=True)
+    with lowprec.autocast(recipe=Recipe.from_name(rname)):
+        y = m(x)
+    y.sum().backward()
+    assert y.shape == (2, 32, 128) and y.device.type == "meta"
+    assert x.grad.shape == x.shape
+    assert all(p.grad.shape == p.shape for p in m.parameters())
