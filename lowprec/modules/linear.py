@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from ..compiled_call import compiled_as_one_op
-from ..formats.base import QuantizedTensor
 from ..linear import traced
 from ..linear.function import quantized_linear
 from . import tensor_parallel as tpar
@@ -54,7 +53,10 @@ class Linear(LowprecModule):
         """The call as torch.compile traces it (``lowprec.linear.traced``), or
         ``NotImplemented`` where it stays one opaque op."""
         recipe = self.traced_recipe(x)
-        if recipe is None or self._tp is not None or isinstance(self.weight, QuantizedTensor):
+        # plain tensors only: quantized weights, DTensors (tensor-parallel styles) and other
+        # subclasses keep the opaque call
+        if (recipe is None or self._tp is not None or type(x) is not torch.Tensor
+                or type(self.weight) not in (torch.Tensor, torch.nn.Parameter)):
             return NotImplemented
         return traced.traced_linear(recipe, x, self.weight, self.bias)
 
