@@ -37,7 +37,7 @@ TARGETS = [
     ("lowprec.linear.function", "quantize_operand"),
     ("lowprec.linear.function", "check_linear_args"),
     ("lowprec.linear.function", "gemm"),
-    ("lowprec.linear.grad_split", "plan"),
+    ("lowprec.linear.function", "plan_for"),
     ("lowprec.linear.grad_split", "sliced_backward"),
     ("lowprec.formats.base:Quantizer", "quantize"),
     ("lowprec.formats.float8.quantizer:_PerTensorFloat8", "quantize_usage_like"),

@@ -106,12 +106,12 @@ def exact_slicing() -> bool:
 
 def slicing_allowed(slices_need_stats_pass: bool) -> bool:
     """Whether the backward slices dY for a quantizer that can slice, given whether its
-    slices need one more pass for the whole tensor's statistics (see ``_mode``)."""
+    slices need one more pass for the whole tensor's statistics (see ``_Mode``)."""
     return _MODE.value == "always" or (_MODE.value == "auto" and not slices_need_stats_pass)
 
 
 def slicing_enabled(quantizer) -> bool:
-    """Whether a linear layer may slice what ``quantizer`` quantizes (see ``_mode``)."""
+    """Whether a linear layer may slice what ``quantizer`` quantizes (see ``_Mode``)."""
     if quantizer is None or not quantizer.can_slice():
         return False
     return slicing_allowed(quantizer.slices_need_stats_pass)
@@ -147,18 +147,6 @@ class sliced(_SetMode):
     _value = "always"
 
 
-def plan(quantizer: Quantizer | None, dy: torch.Tensor, x_op, w_op,
-         dx_dtype: torch.dtype, dw_dtype: torch.dtype):
-    """``(rows, cols)`` of :func:`split_sizes` when this backward should slice dY, else None."""
-    if not slicing_enabled(quantizer) or isinstance(dy, QuantizedTensor) or dy.dim() < 2:
-        return None
-    if not isinstance(x_op, QuantizedTensor) or not isinstance(w_op, QuantizedTensor):
-        return None
-    n = dy.shape[-1]
-    return split_sizes(dy.numel() // max(n, 1), n, w_op.shape[-1], dx_dtype.itemsize,
-                       dw_dtype.itemsize)
-
-
 def sliced_backward(quantizer: Quantizer, dy: torch.Tensor, x_op: QuantizedTensor,
                     w_op: QuantizedTensor, rows: int, cols: int, dx_dtype: torch.dtype,
                     dw_dtype: torch.dtype, after_wgrad: Callable[[], None]
@@ -170,7 +158,8 @@ def sliced_backward(quantizer: Quantizer, dy: torch.Tensor, x_op: QuantizedTenso
     m, k = dy2d.shape[0], w_op.shape[-1]
     slice_quantize = quantizer.slice_quantizer(dy2d)
     if slice_quantize is None:
-        raise RuntimeError(f"{quantizer!r}.slice_quantizer returned None after plan() chose it")
+        raise RuntimeError(f"{quantizer!r}.slice_quantizer returned None where the linear's "
+                           f"plan chose to slice")
     dw = torch.empty((n, k), dtype=dw_dtype, device=dy.device)
     for a in range(0, n, cols):
         part = slice_quantize(dy2d[:, a:a + cols], "columnwise")

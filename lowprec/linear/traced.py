@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from ..autocast import torch_autocast_dtype
-from ..formats.block.reference import BLOCK, block_amax
-from ..formats.casting import cast_fp8, scale_from_amax
+from ..formats.block.reference import BLOCK, quantize_blocks
+from ..formats.casting import cast_fp8
+from ..formats.float8.reference import current_scale, tensor_amax
 from ..recipe import Float8BlockScaling, Float8CurrentScaling
 from . import grad_split
 
@@ -45,10 +46,7 @@ class Tensorwise:
 
     def scale(self, t2d: torch.Tensor) -> torch.Tensor:
         """The fp32 scale (one element) of ``t2d``, as ``formats.float8.reference``."""
-        amax = t2d.abs().amax().to(torch.float32).reshape(1)
-        # finfo(...).max is FP8_MAX's value, folded to a constant by torch.compile
-        return scale_from_amax(amax, torch.finfo(self.fp8_dtype).max, eps=self.eps,
-                                     pow2=self.pow2)
+        return current_scale(tensor_amax(t2d), self.fp8_dtype, pow2=self.pow2, eps=self.eps)
 
     def cast(self, t2d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return cast_fp8(t2d.to(torch.float32) * scale, self.fp8_dtype)
@@ -59,10 +57,15 @@ class Tensorwise:
         return self.cast(t2d, scale), scale
 
 
+def _exact_reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` in fp32, correctly rounded (``torch.reciprocal``'s result in eager; in
+    fp64 for the reason ``formats.casting.scale_from_amax`` gives)."""
+    return (1.0 / scale.to(torch.float64)).to(torch.float32)
+
+
 def decode_scale(scale: torch.Tensor) -> torch.Tensor:
-    """``1 / scale`` as a 0-d fp32 tensor, correctly rounded (as ``Float8Tensor.decode_scale``;
-    in fp64 for the reason ``formats.casting.scale_from_amax`` gives)."""
-    return (1.0 / scale.to(torch.float64)).to(torch.float32).reshape(())
+    """``1 / scale`` as a 0-d fp32 tensor (as ``Float8Tensor.decode_scale``)."""
+    return _exact_reciprocal(scale).reshape(())
 
 
 @dataclass(frozen=True)
@@ -79,15 +82,7 @@ class Blockwise:
     def quantize(self, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp8 data (R, C), fp32 scales (R, C/128) or (R/128, C/128)) of ``t2d``, blocked
         along C (a transposed view gives the columnwise blocks along M)."""
-        x = t2d.to(torch.float32).contiguous()
-        scale = scale_from_amax(block_amax(x, self.dim), torch.finfo(self.fp8_dtype).max,
-                                      eps=self.eps, pow2=self.pow2)
-        r, c = x.shape
-        if self.dim == 1:
-            scaled = x.reshape(r, c // BLOCK, BLOCK) * scale.unsqueeze(-1)
-        else:
-            scaled = x.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK) * scale[:, None, :, None]
-        return cast_fp8(scaled, self.fp8_dtype).reshape(r, c), scale
+        return quantize_blocks(t2d, self.fp8_dtype, self.dim, pow2=self.pow2, eps=self.eps)
 
 
 @dataclass(frozen=True)
@@ -105,11 +100,11 @@ class TracedPlan:
     split: tuple[int, int] | None = None
 
 
-def _cublas_takes(plan_dtypes, m, k, n, device: torch.device) -> bool:
+def _cublas_takes(plan_dtypes, m, k, n) -> bool:
     """Whether eager's ``cublas_fp8`` backend takes all three GEMMs of an (m, k) x (n, k)
-    linear (``backends.cublas_fp8.tensorwise_accepts``): every GEMM dimension a multiple of
-    16 (wgrad contracts over m) and no E5M2 x E5M2 pair."""
-    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+    linear on CUDA (``backends.cublas_fp8.tensorwise_accepts``): every GEMM dimension a
+    multiple of 16 (wgrad contracts over m) and no E5M2 x E5M2 pair."""
+    if not hasattr(torch, "_scaled_mm"):
         return False
     x, w, dy = plan_dtypes
     if (x == E5M2 and w == E5M2) or (dy == E5M2 and (w == E5M2 or x == E5M2)):
@@ -129,7 +124,7 @@ def _block_plan(recipe: Float8BlockScaling, x, weight) -> TracedPlan | None:
             or dims[2] != 1:
         return None
     fwd, bwd = fmt.fwd_dtype, fmt.bwd_dtype
-    if (fwd == E5M2 and bwd == E5M2):
+    if fwd == E5M2 and bwd == E5M2:
         return None
     k, n = x.shape[-1], weight.shape[0]
     m = x.numel() // k if k else 0
@@ -161,7 +156,7 @@ def plan_for(recipe, x: torch.Tensor, weight: torch.Tensor) -> TracedPlan | None
         return TracedPlan(fwd, fwd, bwd, cublas=False)
     k, n = x.shape[-1], weight.shape[0]
     m = x.numel() // k if k else 0
-    if not _cublas_takes((fwd.fp8_dtype, fwd.fp8_dtype, bwd.fp8_dtype), m, k, n, x.device):
+    if not _cublas_takes((fwd.fp8_dtype, fwd.fp8_dtype, bwd.fp8_dtype), m, k, n):
         return None  # eager takes another backend for some GEMM: keep the opaque call
     return TracedPlan(fwd, fwd, bwd, cublas=True)
 
@@ -191,9 +186,7 @@ def _block_gemm(a, a_scale, a_dim, b, b_scale, b_dim, out_dtype, bias=None) -> t
     """``mat(a) @ mat(b).T`` of two block-scaled fp8 operands, both (rows, K) with their
     encode scales, through ``torch._scaled_mm`` with the decode scales laid out as
     ``backends.cublas_fp8.blockwise_run`` lays them out."""
-    def decode(s):
-        return (1.0 / s.to(torch.float64)).to(torch.float32)
-
+    decode = _exact_reciprocal
     # 1x128 (R, K/128): contiguous (K/128, R), read as its transpose; 128x128 as it is
     scale_a = decode(a_scale.t()).contiguous().t() if a_dim == 1 else decode(a_scale).contiguous()
     scale_b = decode(b_scale.t()).contiguous() if b_dim == 1 else decode(b_scale).contiguous().t()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..casting import FP8_MAX, cast_fp8, scale_from_amax
+from ..casting import cast_fp8, scale_from_amax
 
 #: Edge of a scaling block (1x128 for block_scaling_dim=1, 128x128 for 2).
 BLOCK = 128
@@ -54,7 +54,7 @@ def quantize_blocks(x2d: torch.Tensor, fp8_dtype: torch.dtype, block_scaling_dim
     # data comes out contiguous in the blocked (contraction) dimension.
     x = x2d.to(torch.float32).contiguous()
     amax = block_amax(x, block_scaling_dim)
-    scale = scale_from_amax(amax, FP8_MAX[fp8_dtype], eps=eps, pow2=pow2)
+    scale = scale_from_amax(amax, torch.finfo(fp8_dtype).max, eps=eps, pow2=pow2)
     scaled = _blocked(x, block_scaling_dim) * _per_element(scale, block_scaling_dim)
     data = cast_fp8(scaled, fp8_dtype).reshape(x.shape)
     return data, scale

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..casting import FP8_MAX, cast_fp8, scale_from_amax
+from ..casting import cast_fp8, scale_from_amax
 
 
 def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
@@ -18,7 +18,7 @@ def tensor_amax(x2d: torch.Tensor) -> torch.Tensor:
 def current_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, *, pow2: bool,
                   eps: float) -> torch.Tensor:
     """Per-tensor current-scaling scale (see casting.scale_from_amax)."""
-    return scale_from_amax(amax, FP8_MAX[fp8_dtype], eps=eps, pow2=pow2)
+    return scale_from_amax(amax, torch.finfo(fp8_dtype).max, eps=eps, pow2=pow2)
 
 
 def quantize_per_tensor(x2d: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *,
