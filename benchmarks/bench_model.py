@@ -107,8 +107,10 @@ def lm_loss(m, ctx, ids):
         return m(input_ids=ids, labels=ids).loss
 
 
-def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: int):
-    """(median step ms, warm-up seconds, peak GiB, graph breaks, GPU kernel ms, kernels)."""
+def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: int,
+             top_kernels: int = 0):
+    """(median step ms, warm-up seconds, peak GiB, graph breaks, GPU kernel ms, kernels);
+    with ``top_kernels``, prints that many of the step's heaviest kernels."""
     torch._dynamo.utils.counters.clear()
     m, ctx = make_peer(peer, model, device, mode)
     graphed = mode == "graphed"
@@ -149,7 +151,9 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     if device == "cuda":
         ms, peak = median_step_ms(run, steps)
-        gpu_ms, kernels = gpu_kernel_ms(run)
+        gpu_ms, kernels, heaviest = gpu_kernel_ms(run, top=top_kernels)
+        for k_ms, k_n, name in heaviest:
+            print(f"    {peer} {mode}: {k_ms:7.3f} ms {k_n:5.0f}x  {name[:110]}")
     else:
         t = []
         for i in range(steps):
@@ -210,6 +214,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--top-kernels", type=int, default=0,
+                    help="print each peer's N heaviest kernels (GPU ms a step)")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     bf16_modes = [m for m in (args.bf16 or args.modes).split(",") if m]
@@ -232,7 +238,7 @@ def main() -> None:
     for peer, mode in peers:
         try:
             results[(peer, mode)] = run_peer(peer, args.model, args.device, mode,
-                                             args.steps, args.warmup)
+                                             args.steps, args.warmup, args.top_kernels)
         except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
             print(f"{peer:24s} {mode:8s} FAILED: {type(exc).__name__}: {str(exc)[:300]}",
                   flush=True)

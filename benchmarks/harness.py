@@ -219,10 +219,13 @@ def median_step_ms(run: Callable[[int], None], steps: int) -> tuple[float, float
     return ms, torch.cuda.max_memory_allocated() / 2**30
 
 
-def gpu_kernel_ms(run: Callable[[int], None], steps: int = 3) -> tuple[float, float]:
-    """(GPU kernel ms, kernels) per call of ``run(i)``, from ``torch.profiler``: the sum of
-    every CUDA kernel's (and memcpy/memset's) own time, whatever the host did between them.
-    Against the wall time of the same step it gives the host's share (1 - GPU / wall)."""
+def gpu_kernel_ms(run: Callable[[int], None], steps: int = 3,
+                  top: int = 0) -> tuple[float, float, list]:
+    """(GPU kernel ms, kernels, heaviest) per call of ``run(i)``, from ``torch.profiler``:
+    the sum of every CUDA kernel's (and memcpy/memset's) own time, whatever the host did
+    between them. Against the wall time of the same step it gives the host's share
+    (1 - GPU / wall). ``heaviest``: the ``top`` kernel names by GPU time per call, as
+    (ms, launches, name)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -232,7 +235,14 @@ def gpu_kernel_ms(run: Callable[[int], None], steps: int = 3) -> tuple[float, fl
         torch.cuda.synchronize()
     evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total_us = sum(e.device_time for e in evs)
-    return total_us / 1e3 / steps, len(evs) / steps
+    by_name: dict[str, list] = {}
+    for e in evs:
+        acc = by_name.setdefault(e.name, [0.0, 0])
+        acc[0] += e.device_time
+        acc[1] += 1
+    heaviest = sorted(((us / 1e3 / steps, n / steps, name) for name, (us, n) in by_name.items()),
+                      reverse=True)[:top]
+    return total_us / 1e3 / steps, len(evs) / steps, heaviest
 
 
 def append_rows(rows: list[dict], path: Path | str | None = None) -> Path:

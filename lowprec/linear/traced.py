@@ -46,15 +46,44 @@ class Tensorwise:
 
     def scale(self, t2d: torch.Tensor) -> torch.Tensor:
         """The fp32 scale (one element) of ``t2d``, as ``formats.float8.reference``."""
-        return current_scale(tensor_amax(t2d), self.fp8_dtype, pow2=self.pow2, eps=self.eps)
+        return current_scale(tensor_amax(_rounded(t2d)), self.fp8_dtype, pow2=self.pow2,
+                             eps=self.eps)
 
     def cast(self, t2d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return cast_fp8(t2d.to(torch.float32) * scale, self.fp8_dtype)
+        return cast_fp8(_rounded(t2d) * scale, self.fp8_dtype)
 
     def quantize(self, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp8 data, fp32 scale of one element)."""
         scale = self.scale(t2d)
         return self.cast(t2d, scale), scale
+
+
+def _bf16_rne_bits(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 bits (int32) rounded to nearest even at bf16 precision, still 32 bits wide
+    (NaN stays NaN: eager's bf16 NaNs keep high mantissa bits, and inductor's are
+    canonical)."""
+    return bits + (0x7FFF + ((bits >> 16) & 1))
+
+
+def _rounded(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, rounded to bf16 precision in integer arithmetic: for a bf16 tensor
+    its exact value. A compiler that fuses the op producing ``t`` computes it in fp32 and
+    hands on the unrounded value (inductor elides the bf16 round trip between fused ops);
+    this rounds it as eager's bf16 tensor is rounded, in whatever kernel it lands. fp32
+    passes through."""
+    if t.dtype == torch.float32:
+        return t
+    return (_bf16_rne_bits(t.to(torch.float32).view(torch.int32)) & -65536).view(torch.float32)
+
+
+def _output(out_fp32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out_fp32.to(dtype)`` whose bf16 rounding a fused consumer cannot elide: the bf16
+    values are made from their bits, so any kernel the compiler fuses this into reads the
+    rounded numbers eager's consumer reads."""
+    if dtype != torch.bfloat16:
+        return out_fp32.to(dtype)
+    half = _bf16_rne_bits(out_fp32.view(torch.int32)) >> 16
+    return half.to(torch.int16).view(torch.bfloat16)
 
 
 def _exact_reciprocal(scale: torch.Tensor) -> torch.Tensor:
@@ -82,7 +111,8 @@ class Blockwise:
     def quantize(self, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp8 data (R, C), fp32 scales (R, C/128) or (R/128, C/128)) of ``t2d``, blocked
         along C (a transposed view gives the columnwise blocks along M)."""
-        return quantize_blocks(t2d, self.fp8_dtype, self.dim, pow2=self.pow2, eps=self.eps)
+        return quantize_blocks(_rounded(t2d), self.fp8_dtype, self.dim, pow2=self.pow2,
+                               eps=self.eps)
 
 
 @dataclass(frozen=True)
@@ -143,8 +173,8 @@ def plan_for(recipe, x: torch.Tensor, weight: torch.Tensor) -> TracedPlan | None
     compiled path keeps the opaque call (see the module docstring)."""
     if recipe.backward_mode != "default":
         return None
-    if x.dim() < 2 or x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16,
-                                                                   torch.float32):
+    # fp16 keeps the opaque call: ``_rounded`` restores bf16 rounding only
+    if x.dim() < 2 or x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32):
         return None
     if type(recipe) is Float8BlockScaling:
         return _block_plan(recipe, x, weight)
@@ -174,12 +204,12 @@ def _gemm(plan: TracedPlan, a, a_scale, b, b_scale, out_dtype, bias=None) -> tor
                                bias=bias if fused else None, out_dtype=out_dtype,
                                use_fast_accum=False)
         if bias is not None and not fused:
-            res = (res.to(torch.float32) + bias.to(torch.float32)).to(out_dtype)
+            res = _output(res.to(torch.float32) + bias.to(torch.float32), out_dtype)
         return res
     out = (a.to(torch.float32) / a_scale) @ (b.to(torch.float32) / b_scale).t()
     if bias is not None:
         out = out + bias.to(torch.float32)
-    return out.to(out_dtype)
+    return _output(out, out_dtype)
 
 
 def _block_gemm(a, a_scale, a_dim, b, b_scale, b_dim, out_dtype, bias=None) -> torch.Tensor:
@@ -196,7 +226,7 @@ def _block_gemm(a, a_scale, a_dim, b, b_scale, b_dim, out_dtype, bias=None) -> t
                            bias=bias if fused else None, out_dtype=out_dtype,
                            use_fast_accum=False)
     if bias is not None and not fused:
-        res = (res.to(torch.float32) + bias.to(torch.float32)).to(out_dtype)
+        res = _output(res.to(torch.float32) + bias.to(torch.float32), out_dtype)
     return res
 
 
@@ -225,8 +255,11 @@ def _cat(parts: list) -> torch.Tensor:
 
 class _TracedBlockLinear(torch.autograd.Function):
     """Block FP8: x and dY are quantized in both directions (their columnwise blocks run
-    along M, with scales of their own), the weight's 128x128 blocks once, read transposed
-    by dgrad."""
+    along M, with scales of their own), the weight's 128x128 blocks read transposed by
+    dgrad. Backward quantizes x and the weight again from the tensors themselves: a
+    quantize is a function of its input, so these are the forward's blocks bit for bit,
+    and no fp8 copy is held from forward to backward (the compiler recomputes x from what
+    the neighbouring ops keep anyway, as for ``_TracedLinear``)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: TracedPlan):
@@ -235,12 +268,7 @@ class _TracedBlockLinear(torch.autograd.Function):
         wq, ws = plan.w.quantize(weight)
         y = _block_gemm(xq, xs, 1, wq, ws, plan.w.dim, x.dtype, bias)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        xcq, xcs = plan.x.quantize(x2d.t()) if need_dw else (None, None)
-        if plan.w.dim == 2:  # one set of 128x128 blocks serves both directions
-            wcq, wcs = (wq.t().contiguous(), ws.t().contiguous()) if need_dx else (None, None)
-        else:
-            wcq, wcs = plan.w.quantize(weight.t()) if need_dx else (None, None)
-        ctx.save_for_backward(xcq, xcs, wcq, wcs)
+        ctx.save_for_backward(x2d if need_dw else None, weight if need_dx else None)
         return _finish(ctx, x, weight, bias, plan, y)
 
     @staticmethod
@@ -251,8 +279,17 @@ class _TracedBlockLinear(torch.autograd.Function):
             return _TracedBlockLinear._backward(ctx, dy)
 
     @staticmethod
+    def _weight_columnwise(plan: TracedPlan, weight: torch.Tensor):
+        """The weight's blocks as dgrad reads them: 128x128 blocks serve both directions
+        (transposed), 1x128 blocks run along the other dimension."""
+        if plan.w.dim == 2:
+            wq, ws = plan.w.quantize(weight)
+            return wq.t().contiguous(), ws.t().contiguous()
+        return plan.w.quantize(weight.t())
+
+    @staticmethod
     def _backward(ctx, dy):
-        xcq, xcs, wcq, wcs = ctx.saved_tensors
+        x2d, weight = ctx.saved_tensors
         plan = ctx.plan
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1])
@@ -260,9 +297,11 @@ class _TracedBlockLinear(torch.autograd.Function):
         m, n = dy2d.shape
         rows, cols = plan.split if plan.split is not None and need_dx and need_dw else (m, n)
         if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T, 1x128 blocks along M
+            xcq, xcs = plan.x.quantize(x2d.t())
             dw = _cat([_block_gemm(*plan.dy.quantize(dy2d[:, a:a + cols].t()), 1,
                                         xcq, xcs, 1, ctx.w_dtype) for a in range(0, n, cols)])
         if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
+            wcq, wcs = _TracedBlockLinear._weight_columnwise(plan, weight)
             dx = _cat([_block_gemm(*plan.dy.quantize(dy2d[a:a + rows]), 1, wcq, wcs,
                                         plan.w.dim, ctx.x_dtype) for a in range(0, m, rows)])
             dx = dx.reshape(ctx.x_shape)
@@ -280,11 +319,12 @@ class _TracedLinear(torch.autograd.Function):
         wq, ws = plan.w.quantize(weight)
         y = _gemm(plan, xq, xs, wq, ws, x.dtype, bias)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # Kept for backward: x in fp8, and the weight itself with its scale (the parameter
-        # is alive anyway): dgrad reads the weight transposed, which a cast of the weight's
-        # transpose with the same scale gives in the one pass a transpose of the fp8 copy
-        # would take, so no fp8 copy of any weight outlives the forward.
-        ctx.save_for_backward(xq if need_dw else None, xs, weight if need_dx else None, ws)
+        # Kept for backward: x and the weight as they came, with their scales. Backward
+        # casts their transposes again with the same scales, which gives the forward's fp8
+        # values bit for bit in the one pass a transpose of an fp8 copy would take, and
+        # leaves the compiler free to recompute x from what the neighbouring ops keep
+        # anyway (the norm's input) rather than hold an fp8 copy of every input.
+        ctx.save_for_backward(x2d if need_dw else None, xs, weight if need_dx else None, ws)
         return _finish(ctx, x, weight, bias, plan, y)
 
     @staticmethod
@@ -294,7 +334,7 @@ class _TracedLinear(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy):
-        xq, xs, w, ws = ctx.saved_tensors
+        x2d, xs, w, ws = ctx.saved_tensors
         plan = ctx.plan
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1])
@@ -302,8 +342,8 @@ class _TracedLinear(torch.autograd.Function):
         if need_dx or need_dw:
             dyq, dys = plan.dy.quantize(dy2d)
             if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T
-                dw = _gemm(plan, dyq.t().contiguous(), dys, xq.t().contiguous(), xs,
-                           ctx.w_dtype)
+                xq_t = plan.x.cast(x2d.t(), xs).contiguous()
+                dw = _gemm(plan, dyq.t().contiguous(), dys, xq_t, xs, ctx.w_dtype)
             if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
                 wq_t = plan.w.cast(w.t(), ws).contiguous()
                 dx = _gemm(plan, dyq, dys, wq_t, ws, ctx.x_dtype).reshape(ctx.x_shape)

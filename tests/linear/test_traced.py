@@ -73,6 +73,49 @@ def test_traced_bit_identical(device, bias, fmt, backend):
         assert torch.equal(w, g)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_neighbours_keep_eager_rounding(device, bias):
+    """bf16 under inductor: the op producing the Linear's input is fused into the quantize,
+    and the ops consuming its output and its input gradient into the GEMM epilogues;
+    inductor would pass fp32 values between them where eager rounds to bf16. The traced
+    quantize rounds its input and makes its outputs from bf16 bits, so the result stays
+    eager's. (One op on each side: a chain of the user's own bf16 ops fused by inductor
+    rounds once where eager rounds after each.)"""
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(0)
+    m = lowprec.Linear(128, 96, bias=bias, name="l", params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(64, 128, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(64, 96, device=device, dtype=torch.bfloat16)
+
+    def f(t):
+        return m(t * 1.7) * 3
+
+    want = _run(f, m, x, dy, recipe)
+    got = _run(torch.compile(f, backend="inductor", fullgraph=True), m, x, dy, recipe)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+def test_bf16_rounding_helpers_are_exact():
+    """``_rounded`` is the identity on every bf16 value and rounds fp32 as ``.to(bf16)``
+    does; ``_output`` is ``.to(bf16)`` bit for bit, NaN, infinities and overflow included."""
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    assert torch.equal(traced._rounded(every).view(torch.int32),
+                       every.float().view(torch.int32))
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(1 << 18, generator=g) * torch.exp2(
+        torch.randint(-149, 128, (1 << 18,), generator=g).float())
+    v = torch.cat([v, torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4028235e38,
+                                    -3.4028235e38, 1e-45, -0.0])])
+    want = v.to(torch.bfloat16)
+    got = traced._output(v, torch.bfloat16)
+    assert torch.equal(got.view(torch.int16)[:-7], want.view(torch.int16)[:-7])
+    assert torch.equal(got[-6:], want[-6:]) and torch.isnan(got[-7])
+    half = v[:-7].to(torch.bfloat16)
+    assert torch.equal(traced._rounded(half), half.float())
+
+
 def test_graph_has_no_opaque_call():
     """The compiled graph shows the quantize (amax, cast) and the GEMMs as ops."""
     ops = _GraphOps()
@@ -124,6 +167,8 @@ def test_plan_for():
     assert not plan.cublas  # CPU: the fp32 emulation, as eager
     assert traced.plan_for(DelayedScaling(), x, w) is None
     assert traced.plan_for(Float8CurrentScaling(), x.double(), w.double()) is None
+    # fp16 keeps the opaque call (the traced quantize restores bf16 rounding only)
+    assert traced.plan_for(Float8CurrentScaling(), x.half(), w.half()) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
