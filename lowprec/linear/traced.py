@@ -13,11 +13,19 @@ matters (the bias gradient) runs as a custom op around eager's own sum.
 
 FP8 block scaling (1x128 inputs and gradients, 128x128 weights) traces the same way, its
 GEMMs ``torch._scaled_mm`` with block scales, for token counts that fill whole blocks.
+MXFP8 (1x32 blocks) traces as its exact dequantized values (``formats.mxfp8.compiled``)
+multiplied by bf16 GEMMs on CUDA, as eager runs it on GPUs without MX tensor cores.
+
+Inductor computes fused bf16 ops in fp32 and skips the rounding between them; the traced
+quantize therefore rounds its input to bf16 in integer arithmetic and builds bf16 outputs
+from their bits (``_rounded``, ``_output``), so a neighbour fused into it reads and hands
+on eager's values. Bit identity assumes inductor's default GEMM lowering (the cuBLAS
+calls); ``max-autotune`` may pick GEMM kernels of its own.
 
 What this traces is decided by :func:`plan_for` from the recipe and the shapes; anything
-else (delayed scaling's history, MX formats, ``CustomRecipe``, quantized weights, tensor
-parallelism, boundary roles, shapes eager would pad or hand to another backend) stays one
-opaque call (``lowprec.compiled_call``).
+else (delayed scaling's history, NVFP4, 2-D MXFP8 weights, ``CustomRecipe``, quantized
+weights, tensor parallelism, boundary roles, fp16, shapes eager would pad, slice or hand
+to another backend) stays one opaque call (``lowprec.compiled_call``).
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ from ..autocast import torch_autocast_dtype
 from ..formats.block.reference import BLOCK, quantize_blocks
 from ..formats.casting import cast_fp8
 from ..formats.float8.reference import current_scale, tensor_amax
-from ..recipe import Float8BlockScaling, Float8CurrentScaling
+from ..formats.mxfp8.compiled import dequantized_1x32
+from ..formats.mxfp8.reference import BLOCK as MX_BLOCK
+from ..recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from . import grad_split
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -116,14 +126,27 @@ class Blockwise:
 
 
 @dataclass(frozen=True)
+class MXBlocks:
+    """MXFP8 (1x32 blocks, E8M0 scales) for one operand, as the exact values its GEMM
+    multiplies: on Hopper eager runs MXFP8 GEMMs as bf16 GEMMs of these values
+    (``backends.exact_bf16``), elsewhere in the fp32 emulation."""
+
+    fp8_dtype: torch.dtype
+
+    def values(self, t2d: torch.Tensor) -> torch.Tensor:
+        """fp32 dequantized values of ``t2d`` (R, C) in blocks along C."""
+        return dequantized_1x32(_rounded(t2d), self.fp8_dtype)
+
+
+@dataclass(frozen=True)
 class TracedPlan:
     """What a traced linear quantizes with: one setting per operand, and whether its
     GEMMs run on cuBLAS (CUDA) or in the exact fp32 emulation (elsewhere), as the eager
     dispatcher would choose for the same operands."""
 
-    x: Tensorwise | Blockwise
-    w: Tensorwise | Blockwise
-    dy: Tensorwise | Blockwise
+    x: Tensorwise | Blockwise | MXBlocks
+    w: Tensorwise | Blockwise | MXBlocks
+    dy: Tensorwise | Blockwise | MXBlocks
     cublas: bool
     #: (rows per dgrad slice, columns per wgrad slice) where eager slices dY
     #: (``grad_split``; the same slices give the same GEMMs), else None
@@ -168,7 +191,27 @@ def _block_plan(recipe: Float8BlockScaling, x, weight) -> TracedPlan | None:
                       split=split)
 
 
-def plan_for(recipe, x: torch.Tensor, weight: torch.Tensor) -> TracedPlan | None:
+def _mx_plan(recipe: MXFP8BlockScaling, x, weight, bias) -> TracedPlan | None:
+    """MXFP8 with 1x32 blocks where eager neither pads (every dimension a multiple of 32)
+    nor slices (``grad_split.sliced`` runs ``exact_split``); on CUDA, as the bf16 GEMMs of
+    ``exact_bf16`` with a bf16 result and no bias (a bias takes cuBLAS's epilogue, which
+    the compiler might run apart)."""
+    if recipe.enable_2d_quantization or grad_split.exact_slicing():
+        return None
+    k, n = x.shape[-1], weight.shape[0]
+    m = x.numel() // k if k else 0
+    if not (m > 0 and m % MX_BLOCK == 0 and k % MX_BLOCK == 0 and n % MX_BLOCK == 0):
+        return None
+    cuda = x.device.type == "cuda"
+    if cuda and (x.dtype != torch.bfloat16 or bias is not None):
+        return None
+    fmt = recipe.fp8_format
+    fwd = MXBlocks(fmt.fwd_dtype)
+    return TracedPlan(fwd, fwd, MXBlocks(fmt.bwd_dtype), cublas=cuda)
+
+
+def plan_for(recipe, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None = None) -> TracedPlan | None:
     """The traced plan of a linear ``x @ weight.T`` under ``recipe``, or None where the
     compiled path keeps the opaque call (see the module docstring)."""
     if recipe.backward_mode != "default":
@@ -178,6 +221,8 @@ def plan_for(recipe, x: torch.Tensor, weight: torch.Tensor) -> TracedPlan | None
         return None
     if type(recipe) is Float8BlockScaling:
         return _block_plan(recipe, x, weight)
+    if type(recipe) is MXFP8BlockScaling:
+        return _mx_plan(recipe, x, weight, bias)
     if type(recipe) is not Float8CurrentScaling:
         return None
     fmt, pow2 = recipe.fp8_format, recipe.use_power_2_scales
@@ -352,6 +397,55 @@ class _TracedLinear(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def _mx_gemm(plan: TracedPlan, a: torch.Tensor, b: torch.Tensor, out_dtype,
+             bias=None) -> torch.Tensor:
+    """``a @ b.T`` of exact fp32 values ``a`` (M, K), ``b`` (N, K): on CUDA the bf16 GEMM
+    ``exact_bf16`` runs (the values are exact in bf16; bf16 result), else the fp32
+    emulation."""
+    if plan.cublas:
+        return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16).t())
+    out = a @ b.t()
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return _output(out, out_dtype)
+
+
+class _TracedMXLinear(torch.autograd.Function):
+    """MXFP8: every operand quantized and dequantized to its exact values in the graph
+    (x and W along K for fprop; dY along N and W along N for dgrad; dY and x along M for
+    wgrad), multiplied as eager multiplies them. Backward quantizes x and W again from
+    the tensors themselves (the same values: a quantize is a function of its input)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: TracedPlan):
+        x2d = x.reshape(-1, x.shape[-1])
+        y = _mx_gemm(plan, plan.x.values(x2d), plan.w.values(weight), x.dtype, bias)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(x2d if need_dw else None, weight if need_dx else None)
+        return _finish(ctx, x, weight, bias, plan, y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        with torch.autocast(dy.device.type, enabled=False):  # as _TracedBlockLinear's
+            return _TracedMXLinear._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy):
+        x2d, weight = ctx.saved_tensors
+        plan = ctx.plan
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T, blocks along M
+            dw = _mx_gemm(plan, plan.dy.values(dy2d.t()), plan.x.values(x2d.t()), ctx.w_dtype)
+        if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T, blocks along N
+            dx = _mx_gemm(plan, plan.dy.values(dy2d), plan.w.values(weight.t()), ctx.x_dtype)
+            dx = dx.reshape(ctx.x_shape)
+        if need_db and ctx.has_bias:
+            db = bias_grad(dy2d, ctx.w_dtype)
+        return dx, dw, db, None
+
+
 def traced_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """``x @ weight.T + bias`` quantized per ``recipe`` in ops the compiler traces, or
     ``NotImplemented`` where :func:`plan_for` has no plan (the caller keeps the opaque op).
@@ -363,10 +457,11 @@ def traced_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if amp is not None:
         x, weight = x.to(amp), weight.to(amp)
         bias = bias.to(amp) if bias is not None else None
-    plan = plan_for(recipe, x, weight)
+    plan = plan_for(recipe, x, weight, bias)
     if plan is None:
         return NotImplemented
-    fn = _TracedBlockLinear if isinstance(plan.x, Blockwise) else _TracedLinear
+    fn = {Blockwise: _TracedBlockLinear, MXBlocks: _TracedMXLinear}.get(type(plan.x),
+                                                                        _TracedLinear)
     if amp is None:
         return fn.apply(x, weight, bias, plan)
     with torch.autocast(x.device.type, enabled=False):

@@ -14,6 +14,7 @@ from lowprec.recipe import (
     Float8CurrentScaling,
     Format,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
 )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -116,6 +117,33 @@ def test_bf16_rounding_helpers_are_exact():
     assert torch.equal(traced._rounded(half), half.float())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_mxfp8_traced_bit_identical(device, bias, fmt, backend):
+    """MXFP8 traced: every operand's exact values made in the graph, multiplied in bf16 on
+    CUDA (as ``exact_bf16``) or in the fp32 emulation; a bias on CUDA keeps the opaque
+    call. Eager's bits either way, and the opaque call only where the plan declines."""
+    recipe = MXFP8BlockScaling(fp8_format=fmt)
+    torch.manual_seed(0)
+    m = lowprec.Linear(128, 96, bias=bias, name="l", params_dtype=_dtype(device), device=device)
+    x = torch.randn(4, 48, 128, device=device, dtype=_dtype(device))
+    x[0, 0, :32] *= 1e-30  # a block scaled far down, one far up
+    x[1, 2, 32:64] *= 1e20
+    dy = torch.randn(4, 48, 96, device=device, dtype=_dtype(device))
+    want = _run(m, m, x, dy, recipe)
+    ops = _GraphOps()
+    counted = ops if backend == "aot_eager" else backend
+    got = _run(torch.compile(m, backend=counted, fullgraph=True), m, x, dy, recipe)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    if backend == "aot_eager":
+        opaque = any("lowprec.call" in t for t in ops.targets)
+        assert opaque == (device == "cuda" and bias)
+        assert opaque == (traced.plan_for(recipe, x, m.weight, m.bias) is None)
+
+
 def test_graph_has_no_opaque_call():
     """The compiled graph shows the quantize (amax, cast) and the GEMMs as ops."""
     ops = _GraphOps()
@@ -148,9 +176,10 @@ def test_traced_under_torch_autocast(device):
     assert not any("lowprec.call" in t for t in ops.targets)
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(), MXFP8BlockScaling(),
+@pytest.mark.parametrize("recipe", [DelayedScaling(), NVFP4BlockScaling(),
+                                    MXFP8BlockScaling(enable_2d_quantization=True),
                                     Float8CurrentScaling(backward_mode="high_precision")],
-                         ids=["delayed", "mxfp8", "hp_backward"])
+                         ids=["delayed", "nvfp4", "mxfp8_2d", "hp_backward"])
 def test_untraced_recipes_keep_the_opaque_call(recipe):
     ops = _GraphOps()
     m = lowprec.Linear(64, 32, name="l")
