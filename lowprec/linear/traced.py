@@ -38,7 +38,7 @@ from ..autocast import torch_autocast_dtype
 from ..formats.block.reference import BLOCK, quantize_blocks
 from ..formats.casting import cast_fp8
 from ..formats.float8.reference import current_scale, tensor_amax
-from ..formats.mxfp8.compiled import dequantized_1x32
+from ..formats.mxfp8.compiled import dequantized_1x32, dequantized_32x1
 from ..formats.mxfp8.reference import BLOCK as MX_BLOCK
 from ..recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from . import grad_split
@@ -136,6 +136,10 @@ class MXBlocks:
     def values(self, t2d: torch.Tensor) -> torch.Tensor:
         """fp32 dequantized values of ``t2d`` (R, C) in blocks along C."""
         return dequantized_1x32(_rounded(t2d), self.fp8_dtype)
+
+    def values_t(self, t2d: torch.Tensor) -> torch.Tensor:
+        """``values(t2d.t())``, computed along ``t2d``'s rows (see ``dequantized_32x1``)."""
+        return dequantized_32x1(_rounded(t2d), self.fp8_dtype)
 
 
 @dataclass(frozen=True)
@@ -401,9 +405,10 @@ def _mx_gemm(plan: TracedPlan, a: torch.Tensor, b: torch.Tensor, out_dtype,
              bias=None) -> torch.Tensor:
     """``a @ b.T`` of exact fp32 values ``a`` (M, K), ``b`` (N, K): on CUDA the bf16 GEMM
     ``exact_bf16`` runs (the values are exact in bf16; bf16 result), else the fp32
-    emulation."""
+    emulation. Both operands are made contiguous, as eager's are, so cuBLAS gets the
+    same layouts (and so the same kernel) as in eager."""
     if plan.cublas:
-        return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16).t())
+        return torch.mm(a.to(torch.bfloat16).contiguous(), b.to(torch.bfloat16).contiguous().t())
     out = a @ b.t()
     if bias is not None:
         out = out + bias.to(torch.float32)
@@ -437,9 +442,9 @@ class _TracedMXLinear(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T, blocks along M
-            dw = _mx_gemm(plan, plan.dy.values(dy2d.t()), plan.x.values(x2d.t()), ctx.w_dtype)
+            dw = _mx_gemm(plan, plan.dy.values_t(dy2d), plan.x.values_t(x2d), ctx.w_dtype)
         if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T, blocks along N
-            dx = _mx_gemm(plan, plan.dy.values(dy2d), plan.w.values(weight.t()), ctx.x_dtype)
+            dx = _mx_gemm(plan, plan.dy.values(dy2d), plan.w.values_t(weight), ctx.x_dtype)
             dx = dx.reshape(ctx.x_shape)
         if need_db and ctx.has_bias:
             db = bias_grad(dy2d, ctx.w_dtype)

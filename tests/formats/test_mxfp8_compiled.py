@@ -48,6 +48,11 @@ def test_dequantized_1x32_is_the_reference(device, fp8_dtype, transposed):
     eager = compiled.dequantized_1x32(x, fp8_dtype)
     comp = torch.compile(compiled.dequantized_1x32, fullgraph=True)(x, fp8_dtype)
     assert _same(eager.cpu(), want) and _same(comp.cpu(), want)
+    # the columnwise form, computed along the rows of the untransposed matrix
+    src = x.t()
+    eager = compiled.dequantized_32x1(src, fp8_dtype)
+    comp = torch.compile(compiled.dequantized_32x1, fullgraph=True)(src, fp8_dtype)
+    assert _same(eager.contiguous().cpu(), want) and _same(comp.contiguous().cpu(), want)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -43,14 +43,29 @@ def block_exponents(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
     return torch.where(finite, e, 0).to(torch.int32)
 
 
+def _dequantized(blocks: torch.Tensor, dim: int, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``blocks`` (fp32) quantized with one E8M0 scale over dimension ``dim`` and
+    dequantized: ``data * 2**e``, NaN over a block whose amax is not finite."""
+    amax = blocks.abs().amax(dim=dim, keepdim=True)
+    e = block_exponents(amax, torch.finfo(fp8_dtype).max)
+    data = cast_fp8(blocks * pow2(-e), fp8_dtype)
+    factor = torch.where(torch.isfinite(amax), pow2(e), float("nan"))
+    return data.to(torch.float32) * factor
+
+
 def dequantized_1x32(x2d: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """fp32 values of ``x2d`` (R, C) quantized in 1x32 blocks along C and dequantized:
     ``data * 2**e`` of ``reference.quantize_1x32``, NaN over a block whose amax is not
-    finite. (A transposed view gives the columnwise blocks.)"""
+    finite."""
     r, c = x2d.shape
     blocks = x2d.to(torch.float32).reshape(r, c // BLOCK, BLOCK)
-    amax = blocks.abs().amax(dim=-1)
-    e = block_exponents(amax, torch.finfo(fp8_dtype).max)
-    data = cast_fp8(blocks * pow2(-e).unsqueeze(-1), fp8_dtype)
-    factor = torch.where(torch.isfinite(amax), pow2(e), float("nan"))
-    return (data.to(torch.float32) * factor.unsqueeze(-1)).reshape(r, c)
+    return _dequantized(blocks, 2, fp8_dtype).reshape(r, c)
+
+
+def dequantized_32x1(x2d: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``dequantized_1x32(x2d.t())`` (the columnwise values, (C, R)) as a transposed view,
+    computed along ``x2d``'s rows: a compiler reads whole rows instead of 32 elements a
+    row apart."""
+    r, c = x2d.shape
+    blocks = x2d.to(torch.float32).reshape(r // BLOCK, BLOCK, c)
+    return _dequantized(blocks, 1, fp8_dtype).reshape(r, c).t()
