@@ -42,6 +42,9 @@ class _Region:
     group: object = None
     delayed_states: list = field(default_factory=list)
     cache_weights: bool = False
+    #: the last input quantize a Linear made, for the next ones that read the same input
+    #: (``lowprec.linear.shared_input``)
+    shared_input: object = None
 
 
 class _Local(threading.local):

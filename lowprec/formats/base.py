@@ -649,6 +649,10 @@ class Quantizer:
 
     #: Name of the format, for messages and reports.
     format_name: ClassVar[str] = "quantizer"
+    #: Whether ``quantize`` is a function of its input and the settings ``_repr_params``
+    #: lists alone (no state read or written, no random draws), so GEMMs that read one
+    #: input may share one quantize of it (:meth:`share_key`).
+    stateless: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.rowwise_usage = True
@@ -677,6 +681,14 @@ class Quantizer:
         """An independent quantizer with the same settings (shared recipe-owned state stays
         shared)."""
         return copy.copy(self)
+
+    def share_key(self):
+        """A hashable key, equal for quantizers that quantize any input to the same tensor
+        (a stateless format and its settings, usages aside), or None where a quantize
+        cannot be shared (scaling state, random draws)."""
+        if not self.stateless:
+            return None
+        return (type(self), tuple(self._repr_params().items()))
 
     # ---- exact bf16 GEMM operands -----------------------------------------------------------
     #: Whether this format's kernels can also write a direction's exact bf16 values (the

@@ -29,7 +29,7 @@ from ..autocast import active_region, torch_autocast_dtype, torch_autocast_off
 from ..formats.base import QuantizedTensor, Quantizer
 from ..gemm import gemm
 from ..recipe import BACKWARD_MODES, normalize_backward_mode, operand_usages
-from . import exact_split, grad_split, weight_cache
+from . import exact_split, grad_split, shared_input, weight_cache
 from .plan import BOTH, plan_for
 
 
@@ -215,8 +215,20 @@ class _QuantizedLinear(torch.autograd.Function):
         x_col, w_col = plan.x_columnwise, plan.w_columnwise
         # "dequantized" saves fprop's rowwise copies: no exact records held on to them
         exact = plan.exact
-        x_lp, x_owned = quantize_operand(q.input if q else None, x, rowwise=True,
-                                         columnwise=x_col, exact=exact)
+        x_q = q.input if q else None
+
+        def quantize_x():
+            return quantize_operand(x_q, x, rowwise=True, columnwise=x_col, exact=exact)[0]
+
+        # q/k/v (gate/up) read one input: one quantize serves them (``shared_input``)
+        x_shared = (shared_input.quantize(x_q, x, columnwise=x_col, exact=exact,
+                                          make=quantize_x)
+                    if backward_mode == "default" and not pad else None)
+        if x_shared is not None:
+            x_lp, x_owned = x_shared, False
+        else:
+            x_lp, x_owned = quantize_operand(x_q, x, rowwise=True, columnwise=x_col,
+                                             exact=exact)
         # The weight's columnwise copy is made after fprop, once x's rowwise copy is freed:
         # made with it, the forward would hold x (the caller's), both copies of x and of W
         # and y at once, as much as a bf16 backward's peak (x, y, dX, dW).
@@ -242,7 +254,11 @@ class _QuantizedLinear(torch.autograd.Function):
         if not quantized or backward_mode == "high_precision":
             saved_x, saved_w = x, weight
         elif backward_mode == "default":
-            saved_x = _keep_only(x_lp, x_owned, "columnwise") if need_dw else None
+            if x_shared is not None:  # this backward's own view of the shared columnwise data
+                saved_x = x_shared.usage_copy("columnwise") if need_dw else None
+                x_owned = True
+            else:
+                saved_x = _keep_only(x_lp, x_owned, "columnwise") if need_dw else None
             if w_two_steps:
                 saved_w = w_q.quantize_usage_like(weight.detach(), w_lp, "columnwise")
                 del w_lp

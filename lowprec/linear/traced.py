@@ -12,7 +12,8 @@ are the same library calls on the same operands, and the one reduction whose ord
 matters (the bias gradient) runs as a custom op around eager's own sum.
 
 FP8 block scaling (1x128 inputs and gradients, 128x128 weights) traces the same way, its
-GEMMs ``torch._scaled_mm`` with block scales, for token counts that fill whole blocks.
+GEMMs ``torch._scaled_mm`` with block scales on CUDA, for token counts that fill whole
+blocks. Off CUDA every recipe's GEMMs are the fp32 emulation eager runs there.
 MXFP8 (1x32 blocks) traces as its exact dequantized values (``formats.mxfp8.compiled``)
 multiplied by bf16 GEMMs on CUDA, as eager runs it on GPUs without MX tensor cores.
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ..autocast import torch_autocast_dtype
-from ..formats.block.reference import BLOCK, quantize_blocks
+from ..formats.block.reference import BLOCK, dequantize_blocks, quantize_blocks
 from ..formats.casting import cast_fp8
 from ..formats.float8.reference import current_scale, tensor_amax
 from ..formats.mxfp8.compiled import dequantized_1x32, dequantized_32x1
@@ -94,6 +95,24 @@ def _output(out_fp32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return out_fp32.to(dtype)
     half = _bf16_rne_bits(out_fp32.view(torch.int32)) >> 16
     return half.to(torch.int16).view(torch.bfloat16)
+
+
+def _plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``out + bias`` in fp32 after the GEMM, as eager's emulation adds it: a custom op,
+    so the compiler does not fold the add into the GEMM (an ``addmm`` accumulates the bias
+    with the products and rounds differently)."""
+    return out if bias is None else bias_add(out, bias)
+
+
+@torch.library.custom_op("lowprec::bias_add", mutates_args=())
+def bias_add(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``out + bias`` in fp32 (``out`` fp32 (M, N), ``bias`` (N,))."""
+    return out + bias.to(torch.float32)
+
+
+@bias_add.register_fake
+def _bias_add_fake(out, bias):
+    return torch.empty_like(out)
 
 
 def _exact_reciprocal(scale: torch.Tensor) -> torch.Tensor:
@@ -170,28 +189,29 @@ def _cublas_takes(plan_dtypes, m, k, n) -> bool:
 
 
 def _block_plan(recipe: Float8BlockScaling, x, weight) -> TracedPlan | None:
-    """Block FP8 on cuBLAS for 1x128 inputs and gradients and 128x128 or 1x128 weights,
-    where eager's ``cublas_fp8_block`` takes all three GEMMs with no padding: every
-    dimension a multiple of 128 (M too: the columnwise blocks run along it), and a
-    multiple of 512 where a 128x128 operand is contracted."""
+    """Block FP8 with 1x128 inputs and gradients and 128x128 or 1x128 weights where eager
+    does not pad: every dimension a multiple of 128 (M too: the columnwise blocks run
+    along it). On CUDA, where eager's ``cublas_fp8_block`` takes all three GEMMs: a
+    multiple of 512 where a 128x128 operand is contracted, no E5M2 x E5M2; elsewhere the
+    fp32 emulation."""
     fmt = recipe.fp8_format
     dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
             recipe.grad_block_scaling_dim)
-    if x.device.type != "cuda" or not hasattr(torch, "_scaled_mm") or dims[0] != 1 \
-            or dims[2] != 1:
+    if dims[0] != 1 or dims[2] != 1:
         return None
+    cuda = x.device.type == "cuda"
     fwd, bwd = fmt.fwd_dtype, fmt.bwd_dtype
-    if fwd == E5M2 and bwd == E5M2:
+    if cuda and (not hasattr(torch, "_scaled_mm") or (fwd == E5M2 and bwd == E5M2)):
         return None
     k, n = x.shape[-1], weight.shape[0]
     m = x.numel() // k if k else 0
-    contracted = 512 if dims[1] == 2 else BLOCK
+    contracted = 512 if dims[1] == 2 and cuda else BLOCK
     if not (m > 0 and m % BLOCK == 0 and k % contracted == 0 and n % contracted == 0):
         return None
     split = None
     if grad_split.slicing_allowed(slices_need_stats_pass=False):  # block formats slice free
         split = grad_split.split_sizes(m, n, k, x.dtype.itemsize, weight.dtype.itemsize)
-    return TracedPlan(Blockwise(fwd, 1), Blockwise(fwd, dims[1]), Blockwise(bwd, 1), cublas=True,
+    return TracedPlan(Blockwise(fwd, 1), Blockwise(fwd, dims[1]), Blockwise(bwd, 1), cublas=cuda,
                       split=split)
 
 
@@ -256,15 +276,18 @@ def _gemm(plan: TracedPlan, a, a_scale, b, b_scale, out_dtype, bias=None) -> tor
             res = _output(res.to(torch.float32) + bias.to(torch.float32), out_dtype)
         return res
     out = (a.to(torch.float32) / a_scale) @ (b.to(torch.float32) / b_scale).t()
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return _output(out, out_dtype)
+    return _output(_plus_bias(out, bias), out_dtype)
 
 
-def _block_gemm(a, a_scale, a_dim, b, b_scale, b_dim, out_dtype, bias=None) -> torch.Tensor:
+def _block_gemm(plan: TracedPlan, a, a_scale, a_dim, b, b_scale, b_dim, out_dtype,
+                bias=None) -> torch.Tensor:
     """``mat(a) @ mat(b).T`` of two block-scaled fp8 operands, both (rows, K) with their
-    encode scales, through ``torch._scaled_mm`` with the decode scales laid out as
-    ``backends.cublas_fp8.blockwise_run`` lays them out."""
+    encode scales: on CUDA through ``torch._scaled_mm`` with the decode scales laid out as
+    ``backends.cublas_fp8.blockwise_run`` lays them out, elsewhere in the fp32 emulation
+    (the reference's dequantize, an fp32 GEMM)."""
+    if not plan.cublas:
+        out = dequantize_blocks(a, a_scale, a_dim) @ dequantize_blocks(b, b_scale, b_dim).t()
+        return _output(_plus_bias(out, bias), out_dtype)
     decode = _exact_reciprocal
     # 1x128 (R, K/128): contiguous (K/128, R), read as its transpose; 128x128 as it is
     scale_a = decode(a_scale.t()).contiguous().t() if a_dim == 1 else decode(a_scale).contiguous()
@@ -302,6 +325,19 @@ def _cat(parts: list) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _backward(ctx, dy, grads) -> tuple:
+    """The traced Functions' backward: ``grads(ctx, dy2d, need_dx, need_dw, *saved)``
+    gives (dX as 2-D or None, dW or None); the bias gradient is eager's sum. It runs with
+    torch.autocast off, as eager's backward does (AOT traces the backward under the
+    forward's autocast state)."""
+    with torch.autocast(dy.device.type, enabled=False):
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dx, dw = grads(ctx, dy2d, need_dx, need_dw, *ctx.saved_tensors)
+        db = bias_grad(dy2d, ctx.w_dtype) if need_db and ctx.has_bias else None
+        return None if dx is None else dx.reshape(ctx.x_shape), dw, db, None
+
+
 class _TracedBlockLinear(torch.autograd.Function):
     """Block FP8: x and dY are quantized in both directions (their columnwise blocks run
     along M, with scales of their own), the weight's 128x128 blocks read transposed by
@@ -315,17 +351,14 @@ class _TracedBlockLinear(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         xq, xs = plan.x.quantize(x2d)
         wq, ws = plan.w.quantize(weight)
-        y = _block_gemm(xq, xs, 1, wq, ws, plan.w.dim, x.dtype, bias)
+        y = _block_gemm(plan, xq, xs, 1, wq, ws, plan.w.dim, x.dtype, bias)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.save_for_backward(x2d if need_dw else None, weight if need_dx else None)
         return _finish(ctx, x, weight, bias, plan, y)
 
     @staticmethod
     def backward(ctx, dy):
-        # with torch.autocast off, as eager's backward (AOT traces the backward under the
-        # forward's autocast state)
-        with torch.autocast(dy.device.type, enabled=False):
-            return _TracedBlockLinear._backward(ctx, dy)
+        return _backward(ctx, dy, _TracedBlockLinear._grads)
 
     @staticmethod
     def _weight_columnwise(plan: TracedPlan, weight: torch.Tensor):
@@ -337,26 +370,20 @@ class _TracedBlockLinear(torch.autograd.Function):
         return plan.w.quantize(weight.t())
 
     @staticmethod
-    def _backward(ctx, dy):
-        x2d, weight = ctx.saved_tensors
+    def _grads(ctx, dy2d, need_dx, need_dw, x2d, weight):
         plan = ctx.plan
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
+        dx = dw = None
         m, n = dy2d.shape
         rows, cols = plan.split if plan.split is not None and need_dx and need_dw else (m, n)
         if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T, 1x128 blocks along M
             xcq, xcs = plan.x.quantize(x2d.t())
-            dw = _cat([_block_gemm(*plan.dy.quantize(dy2d[:, a:a + cols].t()), 1,
+            dw = _cat([_block_gemm(plan, *plan.dy.quantize(dy2d[:, a:a + cols].t()), 1,
                                         xcq, xcs, 1, ctx.w_dtype) for a in range(0, n, cols)])
         if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
             wcq, wcs = _TracedBlockLinear._weight_columnwise(plan, weight)
-            dx = _cat([_block_gemm(*plan.dy.quantize(dy2d[a:a + rows]), 1, wcq, wcs,
+            dx = _cat([_block_gemm(plan, *plan.dy.quantize(dy2d[a:a + rows]), 1, wcq, wcs,
                                         plan.w.dim, ctx.x_dtype) for a in range(0, m, rows)])
-            dx = dx.reshape(ctx.x_shape)
-        if need_db and ctx.has_bias:
-            db = bias_grad(dy2d, ctx.w_dtype)
-        return dx, dw, db, None
+        return dx, dw
 
 
 class _TracedLinear(torch.autograd.Function):
@@ -378,16 +405,12 @@ class _TracedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        with torch.autocast(dy.device.type, enabled=False):  # as _TracedBlockLinear's
-            return _TracedLinear._backward(ctx, dy)
+        return _backward(ctx, dy, _TracedLinear._grads)
 
     @staticmethod
-    def _backward(ctx, dy):
-        x2d, xs, w, ws = ctx.saved_tensors
+    def _grads(ctx, dy2d, need_dx, need_dw, x2d, xs, w, ws):
         plan = ctx.plan
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
+        dx = dw = None
         if need_dx or need_dw:
             dyq, dys = plan.dy.quantize(dy2d)
             if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T
@@ -395,10 +418,8 @@ class _TracedLinear(torch.autograd.Function):
                 dw = _gemm(plan, dyq.t().contiguous(), dys, xq_t, xs, ctx.w_dtype)
             if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
                 wq_t = plan.w.cast(w.t(), ws).contiguous()
-                dx = _gemm(plan, dyq, dys, wq_t, ws, ctx.x_dtype).reshape(ctx.x_shape)
-        if need_db and ctx.has_bias:
-            db = bias_grad(dy2d, ctx.w_dtype)
-        return dx, dw, db, None
+                dx = _gemm(plan, dyq, dys, wq_t, ws, ctx.x_dtype)
+        return dx, dw
 
 
 def _mx_gemm(plan: TracedPlan, a: torch.Tensor, b: torch.Tensor, out_dtype,
@@ -409,10 +430,7 @@ def _mx_gemm(plan: TracedPlan, a: torch.Tensor, b: torch.Tensor, out_dtype,
     same layouts (and so the same kernel) as in eager."""
     if plan.cublas:
         return torch.mm(a.to(torch.bfloat16).contiguous(), b.to(torch.bfloat16).contiguous().t())
-    out = a @ b.t()
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return _output(out, out_dtype)
+    return _output(_plus_bias(a @ b.t(), bias), out_dtype)
 
 
 class _TracedMXLinear(torch.autograd.Function):
@@ -431,24 +449,17 @@ class _TracedMXLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        with torch.autocast(dy.device.type, enabled=False):  # as _TracedBlockLinear's
-            return _TracedMXLinear._backward(ctx, dy)
+        return _backward(ctx, dy, _TracedMXLinear._grads)
 
     @staticmethod
-    def _backward(ctx, dy):
-        x2d, weight = ctx.saved_tensors
+    def _grads(ctx, dy2d, need_dx, need_dw, x2d, weight):
         plan = ctx.plan
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
+        dx = dw = None
         if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T, blocks along M
             dw = _mx_gemm(plan, plan.dy.values_t(dy2d), plan.x.values_t(x2d), ctx.w_dtype)
         if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T, blocks along N
             dx = _mx_gemm(plan, plan.dy.values(dy2d), plan.w.values_t(weight), ctx.x_dtype)
-            dx = dx.reshape(ctx.x_shape)
-        if need_db and ctx.has_bias:
-            db = bias_grad(dy2d, ctx.w_dtype)
-        return dx, dw, db, None
+        return dx, dw
 
 
 def traced_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):

@@ -38,6 +38,7 @@ class Float8BlockQuantizer(Quantizer):
     blocks_are_independent = True
 
     format_name = "fp8_block"
+    stateless = True
 
     def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *, block_scaling_dim: int = 2,
                  force_pow_2_scales: bool = True, amax_epsilon: float = 0.0) -> None:

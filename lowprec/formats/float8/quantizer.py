@@ -124,6 +124,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     """
 
     format_name = "fp8_current"
+    stateless = True
     #: A fused norm computes the amax of its output for this quantizer (no amax pass).
     wants_producer_amax = True
 

@@ -33,6 +33,7 @@ class MXFP8Quantizer(Quantizer):
     blocks_are_independent = True
 
     format_name = "mxfp8"
+    stateless = True
     keeps_exact_bf16 = True
     exact_tensor_type = ExactTensor
 

@@ -1,0 +1,58 @@
+"""One quantize of an input that several Linears read in a row.
+
+q/k/v of an attention block, and gate/up of a gated MLP, are separate Linears called one
+after the other on the same tensor. Under a stateless format (current-scaling and block
+FP8, MXFP8: the quantized tensor is a function of the input and the settings alone) the
+three quantizes of that tensor would give the same tensor three times; the autocast
+region instead keeps the last one made, and a Linear whose input is the same tensor
+(same object, unchanged since: its version counter), with an equal quantizer
+(``Quantizer.share_key``) and the same usages, takes it. The result is unchanged bit for
+bit, and the backward graphs of those Linears hold one columnwise copy between them
+instead of one each.
+
+Only the last quantize is kept, in the region (per thread), so what it holds beyond the
+saved columnwise copy (the rowwise data fprop read) lives until the next Linear quantizes
+another input, or the region ends.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..autocast import active_region
+from ..formats.base import QuantizedTensor, Quantizer
+
+
+@dataclass
+class _Last:
+    source: weakref.ref
+    version: int
+    key: tuple
+    quantized: QuantizedTensor
+
+
+def quantize(quantizer: Quantizer | None, x: torch.Tensor, *, columnwise: bool,
+             exact: tuple[str, ...], make) -> QuantizedTensor | None:
+    """The quantized ``x`` (rowwise, and columnwise when asked) shared with the Linears
+    before this one that read it, made by ``make()`` where none was kept; None where
+    sharing does not apply (outside a region, a stateful format, a quantized or
+    inference-mode input, while tracing). The result is not the caller's to trim:
+    it takes what it keeps with ``usage_copy``."""
+    region = active_region()
+    if (region is None or quantizer is None or isinstance(x, QuantizedTensor)
+            or x.is_inference() or torch.compiler.is_compiling()):
+        return None
+    share = quantizer.share_key()
+    if share is None:
+        return None
+    key = (share, columnwise, exact)
+    last = region.shared_input
+    if (last is not None and last.key == key and last.source() is x
+            and last.version == x._version):
+        return last.quantized
+    quantized = make()
+    region.shared_input = _Last(weakref.ref(x), x._version, key, quantized)
+    return quantized
