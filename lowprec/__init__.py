@@ -1,6 +1,7 @@
 """lowprec: low-precision (FP8, MXFP8, NVFP4) training for PyTorch."""
 
 from . import fused, ops, optim, recipe  # noqa: F401 - subpackages as attributes of lowprec
+from .attach import attach_recipe, attached_recipe, detach_recipe, init_scaling_state
 from .autocast import autocast, quantized_model_init
 from .checkpoint import checkpoint
 from .convert import convert_model
@@ -23,6 +24,7 @@ from .roles import QuantizerRole
 
 __version__ = "0.1.0"
 __all__ = [*_formats_all, "recipe", "ops", "optim", "autocast", "checkpoint", "convert_model",
+           "attach_recipe", "attached_recipe", "detach_recipe", "init_scaling_state",
            "cpu_offload", "quantized_model_init", "QuantizerRole",
            "Format", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
            "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "Recipe", "BackwardMode",

@@ -45,6 +45,9 @@ class _Region:
     #: the last input quantize a Linear made, for the next ones that read the same input
     #: (``lowprec.linear.shared_input``)
     shared_input: object = None
+    #: entered while torch.compile traced (the region lives in the compiled graph), rather
+    #: than around the compiled call
+    traced: bool = field(default_factory=torch.compiler.is_compiling)
 
 
 class _Local(threading.local):
@@ -98,10 +101,16 @@ def active_region() -> _Region | None:
     return _LOCAL.regions[-1] if _LOCAL.regions else None
 
 
-def push_region(recipe: Recipe | None, group=None):
+def any_region() -> bool:
+    """Whether an autocast region, enabled or disabled, encloses this point."""
+    return bool(_LOCAL.regions)
+
+
+def push_region(recipe: Recipe | None, group=None, *, cache_weights: bool = False):
     """Enter a region (None: a disabled one) without a ``with`` block; returns the token
-    for ``pop_region``. For calls that run a region's body elsewhere (compiled calls)."""
-    region = _Region(recipe, group) if recipe is not None else None
+    for ``pop_region``. For calls that run a region's body elsewhere (compiled calls, a
+    model's attached recipe)."""
+    region = _Region(recipe, group, cache_weights=cache_weights) if recipe is not None else None
     _LOCAL.regions.append(region)
     return [region]
 

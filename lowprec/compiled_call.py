@@ -92,6 +92,25 @@ def _module_of(handle: torch.Tensor) -> torch.nn.Module:
     return module
 
 
+@torch.library.custom_op("lowprec::record_amaxes", mutates_args=("amax",))
+def record_amaxes(amax: torch.Tensor, seen: torch.Tensor, handle: torch.Tensor) -> None:
+    """A traced delayed-scaling forward's record, run where the autocast region is real
+    (entered around the compiled call): ``amax[:n]`` takes the max with ``seen`` (n,), and
+    the module's forward state joins the region's update, as an eager forward's does. An
+    op rather than traced Python: the region's list is appended to at run time, beside
+    the opaque calls' own appends."""
+    n = seen.numel()
+    torch.maximum(amax[:n], seen, out=amax[:n])
+    state = _module_of(handle).__dict__["_recipe_states"]["forward"].delayed
+    state.pending = True
+    _autocast.register_delayed_state(state)
+
+
+@record_amaxes.register_fake
+def _record_amaxes_fake(amax, seen, handle):
+    return None
+
+
 # ---- the call's arguments: tensors, None, ints, bools and lists of ints -------------------------
 def _encode(args: tuple, kwargs: dict):
     """(layout string, ints, tensors) describing ``args``/``kwargs``."""
@@ -400,9 +419,11 @@ def _trace_call(module, args: tuple, kwargs: dict):
     from .checkpoint import current_frame
 
     if current_frame() is not None:
-        raise RuntimeError("lowprec.checkpoint is not supported inside torch.compile; compile "
-                           "the function it wraps, or use torch.utils.checkpoint with a "
-                           "recipe without delayed scaling")
+        # the eager recompute must replay the eager call (lowprec.checkpoint)
+        raise RuntimeError("a lowprec module compiled inside an eagerly run activation "
+                           "checkpoint is not supported: put the checkpoint inside the "
+                           "compiled function (a recipe without delayed scaling), or leave "
+                           "the checkpointed function eager")
     region = _autocast.active_region()
     recipe_key = -1
     if region is not None:

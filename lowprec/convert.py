@@ -37,6 +37,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .attach import attach_recipe
 from .autocast import quantized_model_init
 from .formats.base import QuantizedTensor
 from .modules import LayerNorm as LPLayerNorm
@@ -56,7 +57,8 @@ _PROBE_TOKENS = 1 << 12
 
 def convert_model(model: nn.Module, recipe: Recipe | None = None,
                   module_filter_fn: Callable[[nn.Module, str], bool] | None = None, *,
-                  example_inputs=None, fuse_norms: bool = True) -> nn.Module:
+                  example_inputs=None, fuse_norms: bool = True,
+                  attach: bool = False) -> nn.Module:
     """Swap ``nn.Linear`` (and proven norm -> Linear pairs) for lowprec modules, in place.
 
     Args:
@@ -65,8 +67,8 @@ def convert_model(model: nn.Module, recipe: Recipe | None = None,
             gives it can quantize its weight and its input/gradient feature
             dimensions (block formats need ``in_features``/``out_features`` divisible by
             their block: 16 for NVFP4, 32 for MXFP8, 128 for Float8BlockScaling). The
-            others stay ``nn.Linear`` and a warning lists them. The recipe is not
-            stored: quantization happens under ``lowprec.autocast(recipe=...)``.
+            others stay ``nn.Linear`` and a warning lists them. Quantization happens
+            under ``lowprec.autocast(recipe=...)``, or on every call with ``attach``.
         module_filter_fn: ``fn(module, fqn) -> bool``, called for each candidate Linear
             with its fully qualified name; ``False`` leaves it alone (e.g.
             ``lambda m, name: name != "lm_head"``).
@@ -74,6 +76,10 @@ def convert_model(model: nn.Module, recipe: Recipe | None = None,
             arguments for ``model(...)``; enables the traced norm -> Linear proof.
         fuse_norms: set ``False`` to convert Linears only (norm parameters then keep
             their names in ``state_dict``).
+        attach: also attach ``recipe`` to the returned model
+            (:func:`lowprec.attach_recipe`): every call of it then runs under the recipe
+            without a ``lowprec.autocast`` block in the training loop (an explicit one
+            wins). Needs ``recipe``.
 
     Returns:
         ``model`` (a new module when ``model`` itself is an ``nn.Linear``). Converted
@@ -87,6 +93,13 @@ def convert_model(model: nn.Module, recipe: Recipe | None = None,
         raise TypeError(f"recipe must be a lowprec recipe or None, got {type(recipe).__name__}")
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError("module_filter_fn must be callable as fn(module, fqn) -> bool")
+    if not isinstance(attach, bool) or (attach and recipe is None):
+        raise ValueError(f"attach={attach!r}: attach=True needs a recipe; attach takes a bool")
+    model = _convert(model, recipe, module_filter_fn, example_inputs, fuse_norms)
+    return attach_recipe(model, recipe) if attach else model
+
+
+def _convert(model, recipe, module_filter_fn, example_inputs, fuse_norms) -> nn.Module:
 
     report = {"converted": [], "fused": [], "skipped": {}}
     if _is_candidate_linear(model, None) and not isinstance(model, LowprecModule):

@@ -116,6 +116,57 @@ def amax_from_callable(algo: Callable, history: torch.Tensor) -> torch.Tensor:
     return out.detach().to(device=history.device, dtype=torch.float32).reshape(n)
 
 
+def push_amaxes(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.Tensor,
+                fp8_max: torch.Tensor, current: torch.Tensor, algo, margin: float) -> None:
+    """One delayed-scaling update in place: roll ``history``, push ``current`` (the recorded
+    amaxes, perhaps all-reduced), recompute ``scale`` per ``algo``, zero ``amax_current``.
+    One kernel launch where the kernel computes ``algo``, else torch ops."""
+    if use_kernels(scale) and _kernel_update_fits(history, algo):
+        if current is not amax_current:
+            amax_current.copy_(current)
+        from .formats.float8.launch import fp8_delayed_update
+        fp8_delayed_update(history, amax_current, scale, fp8_max, _inv_margin(margin),
+                           algo == "most_recent")
+        return
+    history.copy_(torch.roll(history, 1, dims=0))
+    history[0].copy_(current)
+    if algo == "max":
+        amax = history.amax(dim=0)
+        # amax() ignores NaN on some backends; a NaN in the history must keep the scale.
+        amax = torch.where(torch.isnan(history).any(dim=0), torch.full_like(amax, float("nan")),
+                           amax)
+    elif algo == "most_recent":
+        amax = history[0].clone()
+    else:
+        amax = amax_from_callable(algo, history)
+    # A tiny amax must not give an infinite scale (0 * inf is NaN): the fp32 max, as
+    # current scaling does.
+    new = (fp8_max / amax / (2.0 ** margin)).clamp(max=FP32_MAX)
+    ok = torch.isfinite(amax) & (amax > 0)
+    scale.copy_(torch.where(ok, new, scale))
+    amax_current.zero_()
+
+
+def _kernel_update_fits(history: torch.Tensor, algo) -> bool:
+    """Whether the update kernel computes ``algo`` on ``history``."""
+    from .formats.float8.launch import UPDATE_MAX_HISTORY
+    return (algo in ("max", "most_recent") and history.shape[0] <= UPDATE_MAX_HISTORY
+            and history.is_contiguous())
+
+
+_INV_MARGINS: dict = {}
+
+
+def _inv_margin(margin: float) -> float:
+    """What torch's ``t / (2.0 ** margin)`` multiplies by: the fp32 reciprocal of the
+    fp32-rounded divisor (the update kernel multiplies by it)."""
+    inv = _INV_MARGINS.get(margin)
+    if inv is None:
+        div = torch.tensor(2.0 ** margin, dtype=torch.float32)
+        inv = _INV_MARGINS[margin] = float(torch.ones((), dtype=torch.float32) / div)
+    return inv
+
+
 class DelayedScalingState:
     """Scales and amax history for one direction of one module (delayed scaling).
 
@@ -130,8 +181,9 @@ class DelayedScalingState:
     def __init__(self, recipe: DelayedScaling, n: int, fp8_dtypes: Sequence[torch.dtype],
                  device: torch.device) -> None:
         self.recipe = recipe
-        self.fp8_max = torch.tensor([FP8_MAX[d] for d in fp8_dtypes], dtype=torch.float32,
-                                    device=device)
+        #: the formats' maxima, kept on the host too (a state on the meta device has none)
+        self.fp8_maxima = tuple(float(FP8_MAX[d]) for d in fp8_dtypes)
+        self.fp8_max = torch.tensor(self.fp8_maxima, dtype=torch.float32, device=device)
         self.scale = torch.ones(n, dtype=torch.float32, device=device)
         self.amax_history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32,
                                         device=device)
@@ -145,6 +197,22 @@ class DelayedScalingState:
         state = dict(self.__dict__)
         state.pop("_batch_key", None)
         return state
+
+    def move_to(self, device: torch.device) -> None:
+        """Put the state's tensors on ``device`` (values kept; a state on the meta device,
+        which has none, starts afresh: scales of one, an empty history)."""
+        fresh = self.scale.device.type == "meta"
+        for name in ("fp8_max", "scale", "amax_history", "amax_current", "amax_scratch"):
+            t = getattr(self, name)
+            if fresh and name != "fp8_max":
+                moved = (torch.ones_like(t, device=device) if name == "scale"
+                         else torch.zeros_like(t, device=device))
+            elif fresh:
+                moved = torch.tensor(self.fp8_maxima, dtype=torch.float32, device=device)
+            else:
+                moved = t.to(device)
+            setattr(self, name, moved)
+        self.__dict__.pop("_batch_key", None)
 
     def quantizers(self, fp8_dtypes: Sequence[torch.dtype], *, record: bool = True,
                    scale: torch.Tensor | None = None) -> list[Float8Quantizer]:
@@ -178,51 +246,17 @@ class DelayedScalingState:
         if group is not None and self.recipe.reduce_amax:
             current = current.clone()
             torch.distributed.all_reduce(current, op=torch.distributed.ReduceOp.MAX, group=group)
-        algo = self.recipe.amax_compute_algo
-        if self._update_with_kernel(algo):
-            if current is not self.amax_current:
-                self.amax_current.copy_(current)
-            from .formats.float8.launch import fp8_delayed_update
-            fp8_delayed_update(self.amax_history, self.amax_current, self.scale, self.fp8_max,
-                               self._inv_margin(), algo == "most_recent")
-            return
-        self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=0))
-        self.amax_history[0].copy_(current)
-        if algo == "max":
-            amax = self.amax_history.amax(dim=0)
-            # amax() ignores NaN on some backends; a NaN in the history must keep the scale.
-            amax = torch.where(torch.isnan(self.amax_history).any(dim=0),
-                               torch.full_like(amax, float("nan")), amax)
-        elif algo == "most_recent":
-            amax = self.amax_history[0].clone()
-        else:
-            amax = amax_from_callable(algo, self.amax_history)
-        # A tiny amax must not give an infinite scale (0 * inf is NaN): the fp32 max, as
-        # current scaling does.
-        new = (self.fp8_max / amax / (2.0 ** self.recipe.margin)).clamp(max=FP32_MAX)
-        ok = torch.isfinite(amax) & (amax > 0)
-        self.scale.copy_(torch.where(ok, new, self.scale))
-        self.amax_current.zero_()
+        push_amaxes(self.amax_history, self.amax_current, self.scale, self.fp8_max, current,
+                    self.recipe.amax_compute_algo, self.recipe.margin)
 
     def _update_with_kernel(self, algo) -> bool:
         return use_kernels(self.scale) and self._kernel_update_fits(algo)
 
     def _kernel_update_fits(self, algo) -> bool:
-        """Whether the update kernel computes ``algo`` on this state's history (fixed for
-        the state's life; whether kernels run at all is ``use_kernels``)."""
-        from .formats.float8.launch import UPDATE_MAX_HISTORY
-        return (algo in ("max", "most_recent")
-                and self.amax_history.shape[0] <= UPDATE_MAX_HISTORY
-                and self.amax_history.is_contiguous())
+        return _kernel_update_fits(self.amax_history, algo)
 
     def _inv_margin(self) -> float:
-        # What torch's ``t / (2.0 ** margin)`` multiplies by: the fp32 reciprocal of the
-        # fp32-rounded divisor (computed once; the recipe is frozen).
-        inv = self.__dict__.get("_inv_margin_value")
-        if inv is None:
-            div = torch.tensor(2.0 ** self.recipe.margin, dtype=torch.float32)
-            inv = self._inv_margin_value = float(torch.ones((), dtype=torch.float32) / div)
-        return inv
+        return _inv_margin(self.recipe.margin)
 
     def state_dict(self) -> dict:
         """Scales, history and the amaxes recorded since the last update (a quantized
@@ -288,6 +322,14 @@ class RecipeState:
                 q.scale = self.delayed.scale[i:i + 1]
                 q.amax = self.delayed.amax_current[i:i + 1]
         self._make_eval_twin()
+
+    def move_to(self, device: torch.device) -> None:
+        """Move the delayed-scaling state to ``device`` (the module moved), re-pointing the
+        quantizers at it."""
+        if self.delayed is None or self.delayed.scale.device == torch.device(device):
+            return
+        self.delayed.move_to(device)
+        self.__setstate__(self.__getstate__())
 
     @classmethod
     def create(cls, recipe: Recipe, mode: str, roles: Sequence[QuantizerRole | None],

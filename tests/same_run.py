@@ -36,7 +36,7 @@ def delayed_states(m) -> dict:
     """Every lowprec module's delayed-scaling state dicts, by (module name, mode)."""
     return {(name, mode): sd for name, mod in m.named_modules()
             if isinstance(mod, lowprec.modules.base.LowprecModule)
-            for mode, sd in mod.get_extra_state().items()}
+            for mode, sd in mod.scaling_state().items()}
 
 
 def assert_same_run(a, b, xa, xb, ya, yb) -> None:

@@ -176,9 +176,9 @@ def test_delayed_scaling_through_linear(algo):
         with autocast(recipe=recipe):
             y = lin(x)
             # forward amaxes have not entered the history yet inside the region
-            ex = lin.get_extra_state()
+            ex = lin.scaling_state()
             assert_state(ex["forward"]["amax_history"], ex["forward"]["scale"], fwd)
-        ex = lin.get_extra_state()
+        ex = lin.scaling_state()
         fwd.update([x.detach().abs().max().item(), lin.weight.detach().abs().max().item(), 0.0])
         assert_state(ex["forward"]["amax_history"], ex["forward"]["scale"], fwd)
         # backward amaxes only after the backward pass
@@ -191,7 +191,7 @@ def test_delayed_scaling_through_linear(algo):
 
         y.backward(g)
         bwd.update([g.abs().max().item(), 0.0])
-        ex = lin.get_extra_state()
+        ex = lin.scaling_state()
         assert_state(ex["backward"]["amax_history"], ex["backward"]["scale"], bwd)
         assert_state(ex["forward"]["amax_history"], ex["forward"]["scale"], fwd)
         gq = _deq(g, sg, E5M2)
@@ -217,7 +217,7 @@ def test_delayed_scaling_linear_non_finite_input_keeps_scale():
         with autocast(recipe=recipe):
             y = lin(xs.requires_grad_(True))
         fwd.update([xs.detach().abs().max().item(), wa, 0.0])
-        ex = lin.get_extra_state()["forward"]
+        ex = lin.scaling_state()["forward"]
         assert_state(ex["amax_history"], ex["scale"], fwd)
         if bad is None:
             exp = _deq(xs.detach(), sx, E4M3) @ _deq(lin.weight.detach(), sw, E4M3).t() + lin.bias
@@ -234,10 +234,10 @@ def test_delayed_scaling_eval_under_no_grad_does_not_touch_history():
     lin = lowprec.Linear(32, 16)
     with autocast(recipe=recipe):
         lin(torch.randn(8, 32, requires_grad=True)).sum().backward()
-    before = copy.deepcopy(lin.get_extra_state())
+    before = copy.deepcopy(lin.scaling_state())
     with torch.no_grad(), autocast(recipe=recipe):
         lin(torch.randn(8, 32) * 100)
-    after = lin.get_extra_state()
+    after = lin.scaling_state()
     for mode in ("forward", "backward"):
         for k in ("scale", "amax_history"):
             assert torch.equal(after[mode][k], before[mode][k])
@@ -305,7 +305,7 @@ def test_checkpoint_resume_bit_identical(tmp_path):
     for (n1, p1), (n2, p2) in zip(ref.named_parameters(), b.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), n1
     for mod_ref, mod_b in zip(ref, b):  # delayed-scaling state (scales and histories) too
-        s1, s2 = mod_ref.get_extra_state(), mod_b.get_extra_state()
+        s1, s2 = mod_ref.scaling_state(), mod_b.scaling_state()
         assert s1.keys() == s2.keys() == {"forward", "backward"}
         for mode in s1:
             for k in ("scale", "amax_history"):
@@ -343,7 +343,7 @@ def test_layernorm_mlp_with_a_frozen_first_gemm_updates_its_backward_state():
         y = mlp(torch.randn(4, 16))
     g = torch.randn(4, 16) * 7
     y.backward(g)
-    hist = mlp.get_extra_state()["backward"]["amax_history"]
+    hist = mlp.scaling_state()["backward"]["amax_history"]
     assert hist[0][2] == g.abs().max()  # fc2's grad_output slot
     assert mlp.fc2_weight.grad is not None
 
@@ -417,8 +417,8 @@ def test_first_forward_under_inference_mode_then_training():
             m(x).sum().backward()
     assert torch.equal(a.weight.grad, b.weight.grad)
     for mode in ("forward", "backward"):
-        for k, v in a.get_extra_state()[mode].items():
-            assert torch.equal(v, b.get_extra_state()[mode][k]), (mode, k)
+        for k, v in a.scaling_state()[mode].items():
+            assert torch.equal(v, b.scaling_state()[mode][k]), (mode, k)
     with torch.inference_mode():
         sd = a.state_dict()
     assert set(sd) >= {"weight", "bias", "_extra_state"}
@@ -456,16 +456,16 @@ def test_state_survives_a_forward_under_another_recipe(other):
         b(xs[1])
     if other != "delayed_other_margin":
         # a checkpoint taken in between still holds the delayed state
-        sd = b.get_extra_state()
+        sd = b.scaling_state()
         for mode in ("forward", "backward"):
-            assert torch.equal(sd[mode]["scale"], a.get_extra_state()[mode]["scale"])
+            assert torch.equal(sd[mode]["scale"], a.scaling_state()[mode]["scale"])
     for x, g in zip(xs[1:], grads[1:]):
         step(a, x, g)
         step(b, x, g)
     assert torch.equal(a.weight.grad, b.weight.grad)
     for mode in ("forward", "backward"):
-        for k, v in a.get_extra_state()[mode].items():
-            assert torch.equal(v, b.get_extra_state()[mode][k]), (mode, k)
+        for k, v in a.scaling_state()[mode].items():
+            assert torch.equal(v, b.scaling_state()[mode][k]), (mode, k)
 
 
 def test_a_delayed_recipe_with_another_margin_carries_the_history_on():
@@ -582,17 +582,18 @@ def test_resume_bit_identical_every_recipe(tmp_path, rname, quantized):
         p2 = p2.dequantize() if isinstance(p2, lowprec.QuantizedTensor) else p2
         assert torch.equal(p1, p2), n
     for m1, m2 in zip(ref, b):
-        s1, s2 = m1.get_extra_state(), m2.get_extra_state()
+        s1, s2 = m1.scaling_state(), m2.scaling_state()
         assert s1.keys() == s2.keys()
         for mode in s1:
             for k in s1[mode]:
                 assert torch.equal(s1[mode][k], s2[mode][k]), (mode, k)
 
 
-def test_extra_state_round_trips_weights_only_and_as_a_dict():
-    """The delayed-scaling state in a state dict (a ScalingStateDict) loads with
-    torch.load(weights_only=True) into a fresh module, and a checkpoint holding it as a
-    plain dict (older lowprec) loads too."""
+def test_extra_state_is_a_tensor_and_round_trips():
+    """The delayed-scaling state in a state dict is one uint8 tensor (tensor-only formats
+    such as safetensors take it): it loads with torch.load(weights_only=True) into a fresh
+    module before its first forward, and the older forms (a ScalingStateDict, a plain dict)
+    load too. Two modules with the same recipe have extra states of the same size."""
     import io
 
     from lowprec.modules.base import ScalingStateDict
@@ -603,15 +604,29 @@ def test_extra_state_round_trips_weights_only_and_as_a_dict():
         with lowprec.autocast(recipe=recipe):
             lin(torch.randn(8, 32)).sum().backward()
     sd = lin.state_dict()
-    assert isinstance(sd["_extra_state"], ScalingStateDict) and sd["_extra_state"]
+    extra = sd["_extra_state"]
+    assert isinstance(extra, torch.Tensor) and extra.dtype == torch.uint8 and extra.numel()
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)
-    for extra in (loaded["_extra_state"], dict(loaded["_extra_state"].items())):
+    want = lin.scaling_state()
+    for form in (loaded["_extra_state"], ScalingStateDict(want.states), dict(want.items())):
         fresh = lowprec.Linear(32, 16)
-        fresh.load_state_dict({**loaded, "_extra_state": extra})
+        fresh.load_state_dict({**loaded, "_extra_state": form})
         with lowprec.autocast(recipe=recipe), torch.no_grad():
             fresh(torch.zeros(8, 32))  # the first forward takes the loaded state up
-        assert fresh.get_extra_state() == lin.get_extra_state()
-    assert lowprec.Linear(4, 4).get_extra_state() == {}  # nothing before a forward
+        assert fresh.scaling_state() == want
+        assert fresh.get_extra_state().shape == extra.shape
+        assert torch.equal(fresh.get_extra_state(), extra)
+    # nothing before a forward: an empty tensor
+    assert lowprec.Linear(4, 4).scaling_state() == {}
+    assert lowprec.Linear(4, 4).get_extra_state().shape == (0,)
+
+
+def test_extra_state_refuses_foreign_bytes():
+    lin = lowprec.Linear(4, 4)
+    with pytest.raises(ValueError, match="not written by lowprec"):
+        lin.set_extra_state(torch.zeros(64, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="1-D uint8"):
+        lin.set_extra_state(torch.zeros(4, dtype=torch.float32))

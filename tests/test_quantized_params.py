@@ -651,7 +651,7 @@ def _expect_requantized(module, ref_module, hp_values):
         with q.usages(rowwise=p.has_usage("rowwise"), columnwise=p.has_usage("columnwise")):
             expected = q.quantize(hp_values[pname].to(p.dtype))
         assert_bits_equal(p, expected, pname)
-    s1, s2 = module.get_extra_state(), ref_module.get_extra_state()
+    s1, s2 = module.scaling_state(), ref_module.scaling_state()
     assert s1.keys() == s2.keys()
     for mode in s1:
         for k in s1[mode]:
@@ -688,16 +688,16 @@ def test_param_copy_of_high_precision_values_requantizes(rname):
 def test_copies_requantize_into_their_own_module(how):
     m, _, plain = _quantized_pair("delayed", "linear")
     before = m.weight.dequantize().clone()
-    state_before = copy.deepcopy(m.get_extra_state())
+    state_before = copy.deepcopy(m.scaling_state())
     c = {"deepcopy": _deepcopy, "pickle": _pickle, "torch_save": _torch_save,
          "to": lambda mod: mod.to(torch.float32)}[how](m)
     with torch.no_grad():
         c.weight.copy_(plain.weight * 3)
     if how != "to":  # .to() on the module keeps it the same module
         assert torch.equal(m.weight.dequantize(), before)
-        assert torch.equal(m.get_extra_state()["forward"]["amax_current"],
+        assert torch.equal(m.scaling_state()["forward"]["amax_current"],
                            state_before["forward"]["amax_current"])
-    assert torch.equal(c.get_extra_state()["forward"]["amax_current"][1],
+    assert torch.equal(c.scaling_state()["forward"]["amax_current"][1],
                        (plain.weight * 3).abs().max())
     assert not torch.equal(c.weight.dequantize(), before)
 

@@ -572,11 +572,11 @@ def test_role_change_keeps_the_delayed_scaling_history():
     x = torch.randn(8, 16) * 3
     with autocast(recipe=recipe):
         lin(x).sum().backward()
-    hist = lin.get_extra_state()["forward"]["amax_history"].clone()
+    hist = lin.scaling_state()["forward"]["amax_history"].clone()
     lin.output_quantizer_role = R("linear", "output", "l")
     with autocast(recipe=recipe):
         assert isinstance(lin(x), lowprec.Float8Tensor)
-    now = lin.get_extra_state()["forward"]["amax_history"]
+    now = lin.scaling_state()["forward"]["amax_history"]
     assert torch.equal(now[1], hist[0])
 
 

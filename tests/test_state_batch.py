@@ -40,7 +40,7 @@ def _train(model, recipe, steps, device):
 
 
 def _states(model):
-    return [m.get_extra_state() for m in model if isinstance(m, lowprec.modules.base.LowprecModule)]
+    return [m.scaling_state() for m in model if isinstance(m, lowprec.modules.base.LowprecModule)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

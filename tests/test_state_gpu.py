@@ -169,7 +169,7 @@ def _side_stream_steps(steps=3):
         torch.cuda.current_stream().wait_stream(side)
         y.backward(g)
     torch.cuda.synchronize()
-    return [m.get_extra_state() for m in model]
+    return [m.scaling_state() for m in model]
 
 
 def test_batched_updates_on_the_modules_streams():

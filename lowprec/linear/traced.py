@@ -41,7 +41,8 @@ from ..formats.casting import cast_fp8
 from ..formats.float8.reference import current_scale, tensor_amax
 from ..formats.mxfp8.compiled import dequantized_1x32, dequantized_32x1
 from ..formats.mxfp8.reference import BLOCK as MX_BLOCK
-from ..recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from ..state import push_amaxes
 from . import grad_split
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -67,6 +68,39 @@ class Tensorwise:
         """(fp8 data, fp32 scale of one element)."""
         scale = self.scale(t2d)
         return self.cast(t2d, scale), scale
+
+
+@torch.library.custom_op("lowprec::scale_in_use", mutates_args=())
+def scale_in_use(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """A copy of the state's ``scale``, NaN where ``amax`` is not finite. An op of its own
+    so that backward keeps this copy: recomputed from the state, it would read a scale
+    the region's update has moved since."""
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+@scale_in_use.register_fake
+def _scale_in_use_fake(scale, amax):
+    return torch.empty_like(scale)
+
+
+@dataclass(frozen=True)
+class Delayed:
+    """Per-tensor FP8 with delayed scaling for one operand: cast with a scale the state
+    holds, the tensor's amax recorded into the state (the max with what its slot holds,
+    NaN sticking), as ``Float8Quantizer`` does; NaN or Inf in the tensor casts with a NaN
+    scale, so it comes back NaN."""
+
+    fp8_dtype: torch.dtype
+
+    def quantize(self, t2d: torch.Tensor, scale: torch.Tensor):
+        """(fp8 data, the scale cast with, its amax to record) of ``t2d`` under the state's
+        1-element ``scale``."""
+        seen = tensor_amax(_rounded(t2d))
+        scale = scale_in_use(scale, seen)
+        return self.cast(t2d, scale), scale, seen
+
+    def cast(self, t2d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return cast_fp8(_rounded(t2d) * scale, self.fp8_dtype)
 
 
 def _bf16_rne_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -167,9 +201,9 @@ class TracedPlan:
     GEMMs run on cuBLAS (CUDA) or in the exact fp32 emulation (elsewhere), as the eager
     dispatcher would choose for the same operands."""
 
-    x: Tensorwise | Blockwise | MXBlocks
-    w: Tensorwise | Blockwise | MXBlocks
-    dy: Tensorwise | Blockwise | MXBlocks
+    x: Tensorwise | Delayed | Blockwise | MXBlocks
+    w: Tensorwise | Delayed | Blockwise | MXBlocks
+    dy: Tensorwise | Delayed | Blockwise | MXBlocks
     cublas: bool
     #: (rows per dgrad slice, columns per wgrad slice) where eager slices dY
     #: (``grad_split``; the same slices give the same GEMMs), else None
@@ -247,10 +281,14 @@ def plan_for(recipe, x: torch.Tensor, weight: torch.Tensor,
         return _block_plan(recipe, x, weight)
     if type(recipe) is MXFP8BlockScaling:
         return _mx_plan(recipe, x, weight, bias)
-    if type(recipe) is not Float8CurrentScaling:
+    if type(recipe) is Float8CurrentScaling:
+        fmt, pow2 = recipe.fp8_format, recipe.use_power_2_scales
+        fwd, bwd = Tensorwise(fmt.fwd_dtype, pow2), Tensorwise(fmt.bwd_dtype, pow2)
+    elif type(recipe) is DelayedScaling and recipe.amax_compute_algo in ("max", "most_recent"):
+        fmt = recipe.fp8_format
+        fwd, bwd = Delayed(fmt.fwd_dtype), Delayed(fmt.bwd_dtype)
+    else:
         return None
-    fmt, pow2 = recipe.fp8_format, recipe.use_power_2_scales
-    fwd, bwd = Tensorwise(fmt.fwd_dtype, pow2), Tensorwise(fmt.bwd_dtype, pow2)
     if x.device.type != "cuda":  # the fp32 emulation takes every shape
         return TracedPlan(fwd, fwd, bwd, cublas=False)
     k, n = x.shape[-1], weight.shape[0]
@@ -409,16 +447,78 @@ class _TracedLinear(torch.autograd.Function):
 
     @staticmethod
     def _grads(ctx, dy2d, need_dx, need_dw, x2d, xs, w, ws):
+        if not (need_dx or need_dw):
+            return None, None
+        dyq, dys = ctx.plan.dy.quantize(dy2d)
+        return _tensorwise_grads(ctx.plan, ctx, dyq, dys, need_dx, need_dw, x2d, xs, w, ws)
+
+
+def _tensorwise_grads(plan: TracedPlan, ctx, dyq, dys, need_dx, need_dw, x2d, xs, w, ws):
+    """(dX, dW) of a per-tensor linear from dY's fp8 data and scale: x and the weight cast
+    transposed again with the forward's scales."""
+    dx = dw = None
+    if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T
+        xq_t = plan.x.cast(x2d.t(), xs).contiguous()
+        dw = _gemm(plan, dyq.t().contiguous(), dys, xq_t, xs, ctx.w_dtype)
+    if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
+        wq_t = plan.w.cast(w.t(), ws).contiguous()
+        dx = _gemm(plan, dyq, dys, wq_t, ws, ctx.x_dtype)
+    return dx, dw
+
+
+@torch.library.custom_op("lowprec::delayed_update",
+                         mutates_args=("history", "amax_current", "scale"))
+def delayed_update(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.Tensor,
+                   fp8_max: torch.Tensor, most_recent: bool, margin: float) -> None:
+    """The backward state's update once a traced delayed-scaling backward has recorded its
+    amaxes: eager's own update (``lowprec.state.push_amaxes``), one op in the graph."""
+    push_amaxes(history, amax_current, scale, fp8_max, amax_current,
+                "most_recent" if most_recent else "max", margin)
+
+
+@delayed_update.register_fake
+def _delayed_update_fake(history, amax_current, scale, fp8_max, most_recent, margin):
+    return None
+
+
+class _TracedDelayedLinear(torch.autograd.Function):
+    """Delayed scaling: ``_TracedLinear`` with the scales read from the module's state and
+    the amaxes recorded into it in place (x in slot 0 and the weight in slot 1 of the
+    forward state, whose update the autocast region runs at its exit; dY in slot 0 of the
+    backward state, whose update runs in the backward right after, as eager's does)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: TracedPlan, fwd: tuple, bwd: tuple):
+        scale, amax, handle = fwd
+        x2d = x.reshape(-1, x.shape[-1])
+        xq, xs, x_seen = plan.x.quantize(x2d, scale[0:1])
+        wq, ws, w_seen = plan.w.quantize(weight, scale[1:2])
+        seen = torch.cat([x_seen, w_seen])
+        if handle is None:  # the region is in the graph
+            amax[:2].copy_(torch.maximum(amax[:2], seen))
+        else:
+            torch.ops.lowprec.record_amaxes(amax, seen, handle)
+        y = _gemm(plan, xq, xs, wq, ws, x.dtype, bias)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(x2d if need_dw else None, xs, weight if need_dx else None, ws,
+                              *bwd[:4])
+        ctx.update = bwd[4:]
+        return _finish(ctx, x, weight, bias, plan, y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        out = _backward(ctx, dy, _TracedDelayedLinear._grads)
+        return (*out, None, None)
+
+    @staticmethod
+    def _grads(ctx, dy2d, need_dx, need_dw, x2d, xs, w, ws, scale, amax, history, fp8_max):
         plan = ctx.plan
         dx = dw = None
         if need_dx or need_dw:
-            dyq, dys = plan.dy.quantize(dy2d)
-            if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T
-                xq_t = plan.x.cast(x2d.t(), xs).contiguous()
-                dw = _gemm(plan, dyq.t().contiguous(), dys, xq_t, xs, ctx.w_dtype)
-            if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
-                wq_t = plan.w.cast(w.t(), ws).contiguous()
-                dx = _gemm(plan, dyq, dys, wq_t, ws, ctx.x_dtype)
+            dyq, dys, seen = plan.dy.quantize(dy2d, scale[0:1])
+            amax[0:1].copy_(torch.maximum(amax[0:1], seen))
+            dx, dw = _tensorwise_grads(plan, ctx, dyq, dys, need_dx, need_dw, x2d, xs, w, ws)
+            delayed_update(history, amax, scale, fp8_max, *ctx.update)
         return dx, dw
 
 
@@ -462,7 +562,8 @@ class _TracedMXLinear(torch.autograd.Function):
         return dx, dw
 
 
-def traced_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def traced_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  delayed=None):
     """``x @ weight.T + bias`` quantized per ``recipe`` in ops the compiler traces, or
     ``NotImplemented`` where :func:`plan_for` has no plan (the caller keeps the opaque op).
 
@@ -474,11 +575,17 @@ def traced_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         x, weight = x.to(amp), weight.to(amp)
         bias = bias.to(amp) if bias is not None else None
     plan = plan_for(recipe, x, weight, bias)
-    if plan is None:
+    if plan is None or isinstance(plan.x, Delayed) != (delayed is not None):
         return NotImplemented
-    fn = {Blockwise: _TracedBlockLinear, MXBlocks: _TracedMXLinear}.get(type(plan.x),
-                                                                        _TracedLinear)
+    fn = {Blockwise: _TracedBlockLinear, MXBlocks: _TracedMXLinear,
+          Delayed: _TracedDelayedLinear}.get(type(plan.x), _TracedLinear)
+    args = (x, weight, bias, plan)
+    if delayed is not None:
+        fwd, bwd, handle = delayed
+        args += ((fwd.scale, fwd.amax_current, handle),
+                 (bwd.scale, bwd.amax_current, bwd.amax_history, bwd.fp8_max,
+                  recipe.amax_compute_algo == "most_recent", float(recipe.margin)))
     if amp is None:
-        return fn.apply(x, weight, bias, plan)
+        return fn.apply(*args)
     with torch.autocast(x.device.type, enabled=False):
-        return fn.apply(x, weight, bias, plan)
+        return fn.apply(*args)

@@ -10,12 +10,13 @@ from torch import nn
 
 from ..autocast import active_region, init_recipe, register_delayed_state
 from ..checkpoint import check_not_recomputing, current_frame, record, replayed
-from ..compiled_call import CompiledCallMixin
+from ..compiled_call import HANDLE_ATTR, CompiledCallMixin
 from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor, keep_quantized, user_attributes
 from ..linear.function import LinearQuantizers
 from ..recipe import DelayedScaling, operand_usages
 from ..roles import check_num_quantizers, gemm_roles
 from ..state import RecipeState
+from . import extra_state
 
 PARALLEL_MODES = (None, "column", "row")
 
@@ -113,13 +114,10 @@ class _WeightSlot:
 
 
 class ScalingStateDict:
-    """A module's delayed-scaling state as its state dict holds it (``_extra_state``):
-    ``{mode: {name: tensor}}``, read like a dict.
-
-    Deliberately not a ``Mapping``: ``torch.distributed.checkpoint`` then saves and loads it
-    as one object, so a fresh model, whose state exists only after its first forward (its
-    own is empty), still receives it, taken up at that forward. (Tensors inside a nested
-    dict would be looked up in the fresh model's empty one and silently skipped.)"""
+    """A module's delayed-scaling state, ``{mode: {name: tensor}}``, read like a dict
+    (``LowprecModule.scaling_state()``), compared by value. State dicts hold it packed in
+    a tensor (``lowprec.modules.extra_state``); ``set_extra_state`` still takes one, as
+    older checkpoints stored it."""
 
     def __init__(self, states: dict | None = None) -> None:
         self.states = dict(states or {})
@@ -230,14 +228,36 @@ class LowprecModule(CompiledCallMixin, nn.Module):
     def traced_recipe(self, x: torch.Tensor):
         """The recipe a compiled call of this module may trace into the graph
         (``lowprec.linear.traced``), or None where it stays one opaque call: outside
-        autocast, with an amax reduction group, a boundary role, or inside a
-        lowprec.checkpoint recompute."""
+        autocast, with an amax reduction group, a boundary role, or inside a checkpointed
+        call (whose recompute replays the eager call's record, ``lowprec.checkpoint``)."""
         region = active_region()
         if (region is None or region.group is not None or current_frame() is not None
                 or self.output_quantizer_role is not None
                 or self.grad_input_quantizer_role is not None or not x.is_floating_point()):
             return None
         return region.recipe
+
+    def traced_delayed_states(self, recipe):
+        """(forward, backward ``DelayedScalingState``, module handle or None) a traced
+        training call under ``recipe`` records into; the forward state joins the region's
+        update as an eager forward's does (through the handle where the region was entered
+        outside the compiled call). None where the call stays opaque: the states do not exist yet
+        (the opaque call makes them, and the compiler traces the next call), gradients are
+        off (an evaluation records where nothing reads), or a checkpoint is in play."""
+        states = self.__dict__["_recipe_states"]
+        fwd, bwd = states["forward"], states["backward"]
+        if (fwd is None or bwd is None or fwd.delayed is None or bwd.delayed is None
+                or not (fwd.recipe is recipe or fwd.recipe == recipe)
+                or not (bwd.recipe is recipe or bwd.recipe == recipe)
+                or not torch.is_grad_enabled() or current_frame() is not None):
+            return None
+        if active_region().traced:
+            # the region lives in the graph: its exit's update is traced with it
+            fwd.delayed.pending = True
+            register_delayed_state(fwd.delayed)
+            return fwd.delayed, bwd.delayed, None
+        # a region around the compiled call: joined at run time (``lowprec::record_amaxes``)
+        return fwd.delayed, bwd.delayed, self.__dict__[HANDLE_ATTR]
 
     def __setattr__(self, key, value) -> None:
         super().__setattr__(key, value)
@@ -282,10 +302,8 @@ class LowprecModule(CompiledCallMixin, nn.Module):
             if state.delayed is not None:
                 if kept is not None:
                     state.delayed.adopt(kept.delayed)
-                extra = (self._pending_extra_state or {}).pop(mode, None)
-                if extra is not None:
-                    state.delayed.load_state_dict(extra)
                 self._delayed_states[mode] = state
+                self._take_pending(mode, state)
         self._recipe_states[mode] = state
         return state
 
@@ -305,19 +323,15 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         A forward with grad disabled (eval, ``no_grad``, ``inference_mode``) gets the
         forward state's ``eval_twin``: the same quantizers, except that delayed scaling's
         record their amaxes where no update reads them, so such calls never move the
-        state and interleaved eval steps leave training bit-identical."""
+        state and interleaved eval steps leave training bit-identical.
+
+        Inside a ``torch.utils.checkpoint`` recompute it is what the original call
+        quantized with, autocast or not (``lowprec.checkpoint``)."""
         frame = current_frame()
         if frame is not None:
             replay = replayed(self)
-            if replay is not None:  # a lowprec.checkpoint recompute
-                active, reentrant = replay
-                if active is None:
-                    return None
-                recipe, fwd, bwd, group = active
-                # reentrant: the recompute's graph is the one that runs backward
-                callback = (self._backward_callback(bwd, group, backward_calls)
-                            if reentrant and bwd.delayed is not None else None)
-                return recipe, fwd, bwd, callback
+            if replay is not None:
+                return self._replayed_states(*replay, backward_calls)
         region = active_region()
         if region is None:
             if frame is not None:
@@ -329,20 +343,32 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         fwd, bwd = self._state("forward", recipe, device), self._state("backward", recipe, device)
         if frame is not None:
             record(self, (recipe, fwd, bwd, region.group))
-        callback = None
-        if fwd.delayed is not None:
-            # a reentrant checkpoint runs the training forward under no_grad
-            training = torch.is_grad_enabled() or (
-                frame is not None and frame.reentrant and frame.training)
-            if not training:
-                return recipe, fwd.eval_twin, bwd, None
-            if frame is None:
-                check_not_recomputing(self, delayed=True)
-            fwd.delayed.pending = True
-            register_delayed_state(fwd.delayed)
-            if torch.is_grad_enabled():
-                callback = self._backward_callback(bwd, region.group, backward_calls)
+        if fwd.delayed is None:
+            return recipe, fwd, bwd, None
+        # a reentrant checkpoint runs its forward without gradients, and it trains
+        if not (torch.is_grad_enabled() or (frame is not None and frame.reentrant)):
+            return recipe, fwd.eval_twin, bwd, None
+        if frame is None:
+            check_not_recomputing(self, delayed=True)
+        fwd.delayed.pending = True
+        register_delayed_state(fwd.delayed)
+        callback = (self._backward_callback(bwd, region.group, backward_calls)
+                    if torch.is_grad_enabled() else None)
         return recipe, fwd, bwd, callback
+
+    def _replayed_states(self, rec, reentrant: bool, backward_calls: int):
+        """``active_states`` in a checkpoint recompute, from the original call's record
+        (``lowprec.checkpoint._Record``)."""
+        if rec.active is None:  # it ran outside autocast
+            return None
+        recipe, fwd, bwd, group = rec.active
+        # Only a reentrant recompute's graph runs backward (a non-reentrant one refills the
+        # original graph's saved tensors, and the original call's callback fires).
+        if not reentrant or bwd.delayed is None:
+            return recipe, fwd, bwd, None
+        if rec.callback is None:
+            rec.callback = self._backward_callback(bwd, group, backward_calls)
+        return recipe, fwd, bwd, rec.callback
 
     @staticmethod
     def _backward_callback(bwd: RecipeState, group, backward_calls: int) -> "_BackwardDone":
@@ -406,6 +432,7 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         attrs = {name: user_attributes(p) for name, p in self._parameters.items()
                  if isinstance(p, QuantizedTensor)}
         out = super()._apply(keep, recurse)
+        self._move_scaling_state()
         for name, kept in attrs.items():
             p = self._parameters.get(name)
             if p is not None:
@@ -414,6 +441,34 @@ class LowprecModule(CompiledCallMixin, nn.Module):
                         setattr(p, k, v)
         self._link_quantized_weights()
         return out
+
+    def _move_scaling_state(self) -> None:
+        # delayed-scaling state follows the parameters (.to, .cuda, to_empty)
+        p = next(self.parameters(recurse=False), None)
+        if p is not None:
+            for mode, state in self._kept_delayed().items():
+                if state is not None:
+                    state.move_to(p.device)
+                    self._take_pending(mode, state)
+
+    def _take_pending(self, mode: str, state: RecipeState) -> None:
+        """Load a state dict's delayed-scaling state that arrived before ``state`` could
+        hold it (before the first forward, or while on the meta device)."""
+        extra = (self._pending_extra_state or {}).get(mode)
+        if extra is not None and not state.delayed.scale.is_meta:
+            state.delayed.load_state_dict(extra)
+            del self._pending_extra_state[mode]
+
+    def init_scaling_state(self, recipe) -> None:
+        """Create the delayed-scaling state ``recipe`` gives this module now instead of at
+        its first forward (on the parameters' device), so that its ``_extra_state`` already
+        has the size a trained module's has: ``torch.distributed.checkpoint`` loads a saved
+        one into it in place. Nothing for recipes without state."""
+        if not isinstance(recipe, DelayedScaling):
+            return
+        p = next(self.parameters(recurse=False), None)
+        for mode in ("forward", "backward"):
+            self._state(mode, recipe, p.device if p is not None else None)
 
     def _maybe_quantize_weights(self) -> None:
         """Under quantized_model_init, replace each weight by a quantized tensor (both usages)."""
@@ -460,9 +515,12 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         after the same seed). Quantized weights are re-quantized from the fresh values with every
         usage they hold, and scaling state starts afresh. This completes meta-device init:
         ``device="meta"`` → ``to_empty(device=...)`` → ``reset_parameters()``."""
+        kept = {s.recipe for s in self._kept_delayed().values() if s is not None}
         self._recipe_states = {"forward": None, "backward": None}
         self._delayed_states = {"forward": None, "backward": None}
         self.__dict__.pop("_gemm_quantizers_of", None)
+        for recipe in kept:  # a fresh state of the same size (see init_scaling_state)
+            self.init_scaling_state(recipe)
         with torch.no_grad():
             for i, wname in enumerate(self._weight_names()):
                 w = getattr(self, wname)
@@ -476,22 +534,30 @@ class LowprecModule(CompiledCallMixin, nn.Module):
                 self.weight_quantizer(i, w.device, values=fresh).update_quantized(fresh, w)
 
     # ---- extra state (delayed scaling) ----------------------------------------------------
-    def get_extra_state(self) -> "ScalingStateDict":
-        out = {}
-        for mode, state in self._kept_delayed().items():
-            if state is not None:
-                out[mode] = state.delayed.state_dict()
-        return ScalingStateDict(out)
+    def scaling_state(self) -> ScalingStateDict:
+        """The delayed-scaling state (scales, amax histories, amaxes recorded since the last
+        update) per mode, as the module holds it; empty before its first delayed-scaling
+        forward."""
+        return ScalingStateDict({mode: state.delayed.state_dict()
+                                 for mode, state in self._kept_delayed().items()
+                                 if state is not None})
+
+    def get_extra_state(self) -> torch.Tensor:
+        # a tensor, so that tensor-only formats (safetensors, save_pretrained) take it
+        return extra_state.encode(self.scaling_state().states)
 
     def set_extra_state(self, state) -> None:
-        if isinstance(state, ScalingStateDict):
+        if isinstance(state, torch.Tensor):
+            state = extra_state.decode(state)
+        elif isinstance(state, ScalingStateDict):
             state = state.states
         if not state:
             return
         pending = {}
         for mode, sd in state.items():
             current = self._kept_delayed().get(mode)
-            if current is not None:
+            # a state on the meta device cannot hold values: taken up once it has a device
+            if current is not None and not current.delayed.scale.is_meta:
                 current.delayed.load_state_dict(sd)
             else:
                 pending[mode] = sd

@@ -7,6 +7,7 @@ import torch
 from ..compiled_call import compiled_as_one_op
 from ..linear import traced
 from ..linear.function import quantized_linear
+from ..recipe import DelayedScaling
 from . import tensor_parallel as tpar
 from .base import LowprecModule, add_linear_params
 
@@ -58,7 +59,12 @@ class Linear(LowprecModule):
         if (recipe is None or self._tp is not None or type(x) is not torch.Tensor
                 or type(self.weight) not in (torch.Tensor, torch.nn.Parameter)):
             return NotImplemented
-        return traced.traced_linear(recipe, x, self.weight, self.bias)
+        delayed = None
+        if isinstance(recipe, DelayedScaling):
+            delayed = self.traced_delayed_states(recipe)
+            if delayed is None:
+                return NotImplemented
+        return traced.traced_linear(recipe, x, self.weight, self.bias, delayed)
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:

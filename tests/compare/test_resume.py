@@ -21,6 +21,7 @@ import torch
 from lowprec.compare import cli, report, resume
 from lowprec.compare.data import Batches
 from lowprec.compare.progress import Progress
+from lowprec.modules.extra_state import decode
 
 RECIPES = ["bf16", "fp8_current", "fp8_delayed", "nvfp4"]
 ARGS = ["--model", "tiny", "--steps", "6", "--device", "cpu", "--seed", "0", "--save-every", "2",
@@ -192,7 +193,7 @@ def test_progress_checkpoint_holds_the_training_state(tmp_path, capsys):
     model = train["model"]
     assert all(v.dtype == torch.bfloat16 for k, v in model.items() if k.endswith("weight"))
     # delayed scaling's amax history is in the modules' extra state, already moved by 2 steps
-    extra = [v for k, v in model.items() if k.endswith("_extra_state") and len(v)]
+    extra = [decode(v) for k, v in model.items() if k.endswith("_extra_state") and len(v)]
     assert extra and all(torch.count_nonzero(v["forward"]["amax_history"]) > 0 for v in extra)
     assert all(m.dtype == torch.float32 for m in train["master"])
     assert len(train["optimizer"]["state"]) == len(train["master"])

@@ -28,7 +28,7 @@ def _worker(rank: int, world: int, reduce_amax: bool, out_dir: str, modules: int
     out = {"calls": torch.tensor(calls)}
     for i, lin in enumerate(lins):
         out[i] = {k: {n: t.detach().cpu().clone() for n, t in v.items()}
-                  for k, v in lin.get_extra_state().items()}
+                  for k, v in lin.scaling_state().items()}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -186,7 +186,8 @@ def _assert_loaded_exactly(saved, got):
     assert loaded["model"].keys() == want["model"].keys() and want["model"]
     for k, v in want["model"].items():
         assert torch.equal(loaded["model"][k], v), k
-    assert want["optim"].keys() == {f"{p}.{s}" for p in want["model"] for s in OPTIM_KEYS}
+    params = [k for k in want["model"] if not k.endswith("_extra_state")]
+    assert want["optim"].keys() == {f"{p}.{s}" for p in params for s in OPTIM_KEYS}
     assert loaded["optim"].keys() == want["optim"].keys()
     for k, v in want["optim"].items():
         assert torch.equal(loaded["optim"][k], v), k
@@ -284,11 +285,14 @@ def _delayed_load(rank, out_dir):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model, opt, recipe = _delayed(rank)
     assert _states(model) == {}  # before its first forward a module has no state
+    # the recipe attached: each module makes its (fresh) state now, so its _extra_state
+    # tensor has the saved size and DCP loads into it in place
+    lowprec.attach_recipe(model, recipe, amax_reduction_group=dist.group.WORLD)
+    fresh = _states(model)
+    assert fresh and all(not v.any() for k, v in fresh.items() if "amax" in k)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=f"{out_dir}/ckpt")
-    # the loaded _extra_state is a new object in ``state`` (DCP loads a ScalingStateDict
-    # whole): set_state_dict hands it to set_extra_state, held until the first forward
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     # the first forward takes the loaded state up (a no_grad forward does not move it)
     with lowprec.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
@@ -301,9 +305,10 @@ def _delayed_load(rank, out_dir):
 def test_delayed_scaling_state_reshards(saved_dir, loaded3):
     """Delayed scaling with ``amax_reduction_group=WORLD`` (every rank holds the same
     state although the ranks see different data): each module's ``_extra_state``
-    (``ScalingStateDict``: scales and amax histories, forward and backward) saved on 2
-    ranks loads into a fresh model on 3 ranks before its first forward, and after that
-    forward every rank's state equals the saved one bit for bit (as do the weights)."""
+    (a tensor: scales and amax histories, forward and backward) saved on 2 ranks loads
+    into a fresh model with the recipe attached on 3 ranks before its first forward, and
+    after that forward every rank's state equals the saved one bit for bit (as do the
+    weights)."""
     path = saved_dir / "delayed"
     s0, s1 = (torch.load(path / f"saved{r}.pt") for r in range(2))
     want = s0["states"]

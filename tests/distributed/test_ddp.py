@@ -21,7 +21,7 @@ def _states(model) -> dict:
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, (lowprec.Linear, lowprec.LayerNormMLP)):
-            for mode, sd in m.get_extra_state().items():
+            for mode, sd in m.scaling_state().items():
                 for k, v in sd.items():
                     out[f"{name}.{mode}.{k}"] = v.detach().cpu().clone()
     return out
@@ -109,6 +109,9 @@ def _dcp_delayed_worker(rank, world, out_dir):
             (model(x).float() ** 2).mean().backward()
     dcp.save(model.state_dict(), checkpoint_id=f"{out_dir}/ckpt")
     fresh = sharded()  # no forward yet: its delayed-scaling state does not exist
+    assert all(v.numel() == 0 for k, v in fresh.state_dict().items() if "_extra_state" in k)
+    # made now (fresh), so each _extra_state tensor has the saved size for DCP's in-place load
+    lowprec.init_scaling_state(fresh, recipe)
     sd = fresh.state_dict()
     dcp.load(sd, checkpoint_id=f"{out_dir}/ckpt")
     fresh.load_state_dict(sd)

@@ -52,7 +52,7 @@ def _worker(rank, world, rname, out_dir):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seen = []
     losses = _steps(model, opt, RECIPES[rname](), seen)
-    state = full_state(model)
+    state = {k: v for k, v in full_state(model).items() if not k.endswith("_extra_state")}
     if rank == 0:
         torch.save({"losses": losses, "state": state, "seen": seen}, f"{out_dir}/out.pt")
 

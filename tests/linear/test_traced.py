@@ -200,10 +200,73 @@ def test_traced_under_torch_autocast(device):
     assert not any("lowprec.call" in t for t in ops.targets)
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(), NVFP4BlockScaling(),
+def _delayed_states(m):
+    return {k: v.clone() for mode, sd in m.scaling_state().items() for k, v in
+            ((f"{mode}.{n}", t) for n, t in sd.items())}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_delayed_traced_bit_identical(device, bias, algo, backend):
+    """Delayed scaling traced: the quantizes read the module's scales and record their
+    amaxes into its state in place, the backward state updates in the backward graph (the
+    forward state at the region's exit, as eager). Over steps whose amaxes move the
+    scales, outputs, gradients and the whole state equal eager's bit for bit; the first
+    compiled call, before the module has a state, is the opaque one, and the next ones
+    trace (no ``lowprec::call``)."""
+    recipe = DelayedScaling(amax_history_len=3, amax_compute_algo=algo, margin=1)
+    dtype = _dtype(device)
+    torch.manual_seed(0)
+    a = lowprec.Linear(128, 96, bias=bias, name="l", params_dtype=dtype, device=device)
+    b = lowprec.Linear(128, 96, bias=bias, name="l", params_dtype=dtype, device=device)
+    b.load_state_dict(a.state_dict())
+    ops = _GraphOps()
+    compiled = torch.compile(b, backend=ops if backend == "aot_eager" else backend,
+                             fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x = (torch.randn(64, 128, generator=g) * 4.0 ** step).to(device, dtype)
+        dy = (torch.randn(64, 96, generator=g) / 2.0 ** step).to(device, dtype)
+        want = _run(a, a, x, dy, recipe)
+        got = _run(compiled, b, x, dy, recipe)
+        for w, t in zip(want, got):
+            assert torch.equal(w, t), step
+        sa, sb = _delayed_states(a), _delayed_states(b)
+        assert sa.keys() == sb.keys() and sa
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), (step, k)
+    assert sa["forward.scale"][0] != 1 and sa["backward.scale"][0] != 1  # the scales moved
+    if backend == "aot_eager":
+        graphs = " ".join(ops.targets)
+        # the first call (no state yet) is the opaque op; the later ones the traced
+        # quantizes, the update an auto-functionalized custom op in the backward graph
+        assert "lowprec.call" in graphs and "lowprec.scale_in_use" in graphs
+        assert "auto_functionalized" in graphs
+        assert traced.plan_for(recipe, x, b.weight) is not None
+
+
+def test_delayed_traced_under_no_grad_and_callable_algo_stay_opaque():
+    """An evaluation forward (nothing may move the state) and a callable amax algorithm
+    keep the opaque call."""
+    x, w = torch.randn(32, 64), torch.randn(16, 64)
+    assert traced.plan_for(DelayedScaling(amax_compute_algo=lambda h: h.amax(0)), x, w) is None
+    m = lowprec.Linear(64, 32, name="l")
+    recipe = DelayedScaling()
+    with lowprec.autocast(recipe=recipe):
+        m(torch.randn(16, 64)).sum().backward()  # the module has its state
+    ops = _GraphOps()
+    compiled = torch.compile(m, backend=ops, fullgraph=True)
+    with lowprec.autocast(recipe=recipe), torch.no_grad():
+        compiled(torch.randn(16, 64))
+    assert any("lowprec.call" in t for t in ops.targets)
+
+
+@pytest.mark.parametrize("recipe", [NVFP4BlockScaling(),
                                     MXFP8BlockScaling(enable_2d_quantization=True),
                                     Float8CurrentScaling(backward_mode="high_precision")],
-                         ids=["delayed", "nvfp4", "mxfp8_2d", "hp_backward"])
+                         ids=["nvfp4", "mxfp8_2d", "hp_backward"])
 def test_untraced_recipes_keep_the_opaque_call(recipe):
     ops = _GraphOps()
     m = lowprec.Linear(64, 32, name="l")
@@ -218,7 +281,7 @@ def test_plan_for():
     plan = traced.plan_for(Float8CurrentScaling(), x, w)
     assert plan.x.fp8_dtype == torch.float8_e4m3fn and plan.dy.fp8_dtype == torch.float8_e5m2
     assert not plan.cublas  # CPU: the fp32 emulation, as eager
-    assert traced.plan_for(DelayedScaling(), x, w) is None
+    assert isinstance(traced.plan_for(DelayedScaling(), x, w).x, traced.Delayed)
     assert traced.plan_for(Float8CurrentScaling(), x.double(), w.double()) is None
     # fp16 keeps the opaque call (the traced quantize restores bf16 rounding only)
     assert traced.plan_for(Float8CurrentScaling(), x.half(), w.half()) is None
