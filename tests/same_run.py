@@ -43,6 +43,11 @@ def assert_same_run(a, b, xa, xb, ya, yb) -> None:
     """Outputs, input and parameter gradients and delayed-scaling states all equal."""
     assert torch.equal(ya, yb)
     assert torch.equal(xa.grad, xb.grad)
+    assert_same_grads_and_states(a, b)
+
+
+def assert_same_grads_and_states(a, b) -> None:
+    """Parameter gradients and delayed-scaling states of two models all equal."""
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p.grad, q.grad), n
     sa, sb = delayed_states(a), delayed_states(b)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from same_run import RECIPES as SHARED_RECIPES
-from same_run import assert_same_run, delayed_states
+from same_run import assert_same_grads_and_states, assert_same_run, delayed_states
 
 import lowprec
 import lowprec.ops as ops
@@ -179,6 +179,11 @@ def test_module_called_in_several_checkpoints_of_one_graph(rname, reentrant):
         y.backward(torch.ones_like(y))
         return y.detach()
 
+    _two_steps(a, b, run, reentrant)
+
+
+def _two_steps(a, b, run, reentrant) -> None:
+    """Two steps of ``run(model, x, checkpoint or None)``, plain against checkpointed."""
     xa, xb = _inputs()
     for _ in range(2):
         _fresh_grads(a, b)
@@ -200,10 +205,7 @@ def test_module_under_two_recipes_in_one_graph(reentrant):
         y.backward(torch.ones_like(y))
         return y.detach()
 
-    xa, xb = _inputs()
-    for _ in range(2):
-        _fresh_grads(a, b)
-        assert_same_run(a, b, xa, xb, run(a, xa, None), run(b, xb, torch_ck(reentrant)))
+    _two_steps(a, b, run, reentrant)
 
 
 @REENTRANT
@@ -368,16 +370,6 @@ def test_module_run_in_backward_outside_a_checkpoint_raises():
 
 
 # ---- what calls torch.utils.checkpoint -------------------------------------------------------
-def _assert_same_model(a, b) -> None:
-    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
-        assert torch.equal(p.grad, q.grad), n
-    sa, sb = delayed_states(a), delayed_states(b)
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        for k in sa[key]:
-            assert torch.equal(sa[key][k], sb[key][k]), (key, k)
-
-
 @pytest.mark.parametrize("use_reentrant", [False, True, None], ids=["nonreentrant", "reentrant",
                                                                      "hf_default"])
 @pytest.mark.parametrize("rname", SOME)
@@ -405,7 +397,7 @@ def test_hugging_face_gradient_checkpointing(rname, use_reentrant):
             loss.backward()
             losses.append(loss.detach())
         assert torch.equal(*losses)
-        _assert_same_model(a, b)
+        assert_same_grads_and_states(a, b)
 
 
 @pytest.mark.parametrize("impl", ["REENTRANT", "NO_REENTRANT"])

@@ -515,12 +515,13 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         after the same seed). Quantized weights are re-quantized from the fresh values with every
         usage they hold, and scaling state starts afresh. This completes meta-device init:
         ``device="meta"`` → ``to_empty(device=...)`` → ``reset_parameters()``."""
-        kept = {s.recipe for s in self._kept_delayed().values() if s is not None}
+        kept = {m: s.recipe for m, s in self._kept_delayed().items() if s is not None}
         self._recipe_states = {"forward": None, "backward": None}
         self._delayed_states = {"forward": None, "backward": None}
         self.__dict__.pop("_gemm_quantizers_of", None)
-        for recipe in kept:  # a fresh state of the same size (see init_scaling_state)
-            self.init_scaling_state(recipe)
+        p = next(self.parameters(recurse=False), None)
+        for mode, recipe in kept.items():  # fresh states of the same sizes (init_scaling_state)
+            self._state(mode, recipe, p.device if p is not None else None)
         with torch.no_grad():
             for i, wname in enumerate(self._weight_names()):
                 w = getattr(self, wname)
