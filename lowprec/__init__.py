@@ -1,6 +1,6 @@
 """lowprec: low-precision (FP8, MXFP8, NVFP4) training for PyTorch."""
 
-from . import fused, ops, optim, recipe  # noqa: F401 - subpackages as attributes of lowprec
+from . import debug, fused, ops, optim, recipe  # noqa: F401 - subpackages as attributes of lowprec
 from .attach import attach_recipe, attached_recipe, detach_recipe, init_scaling_state
 from .autocast import autocast, quantized_model_init
 from .checkpoint import checkpoint

@@ -5,6 +5,8 @@
   and each other;
 * a format folder (``lowprec/formats/<format>/``) imports only ``kernels/``, the generic
   ``formats/*.py`` modules and its own folder: never a sibling format, never a higher layer;
+* ``lowprec/debug/`` is imported only by itself and ``compare/``, and never imports
+  ``compare/``;
 * no import cycles between modules.
 
 Every import counts, at module level or inside a function, except those under
@@ -155,6 +157,21 @@ def test_format_folders_import_only_their_own_folder_and_below():
     assert not bad, f"format folders import a sibling format or a higher layer: {bad}"
 
 
+def _within(m: str, package: str) -> bool:
+    return m == package or m.startswith(package + ".")
+
+
+def test_debug_sits_at_the_top():
+    """``lowprec.debug`` hooks whole models from above: nothing imports it but ``compare/``
+    (which records through its hooks), and it imports nothing of ``compare/``."""
+    bad = [(m, t) for m in _sources() for t in edges(m)
+           if _within(t, "lowprec.debug")
+           and not (_within(m, "lowprec.debug") or _within(m, "lowprec.compare"))]
+    bad += [(m, t) for m in _sources() if _within(m, "lowprec.debug") for t in edges(m)
+            if _within(t, "lowprec.compare")]
+    assert not bad, f"imports of lowprec.debug from below, or of compare/ from it: {bad}"
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -200,6 +217,7 @@ def test_packages_defining_code_are_checked():
 @pytest.mark.parametrize("module, expected", [
     ("lowprec.formats.mxfp8.launch", "lowprec.kernels.grid"),
     ("lowprec.formats.float8.quantizer", "lowprec.formats.float8.launch"),
+    ("lowprec.compare.probe", "lowprec.debug.hooks"),
 ])
 def test_edges_see_imports(module, expected):
     """The checks above see module-level and function-level imports (a guard against a
