@@ -23,8 +23,12 @@ from their bits (``_rounded``, ``_output``), so a neighbour fused into it reads 
 on eager's values. Bit identity assumes inductor's default GEMM lowering (the cuBLAS
 calls); ``max-autotune`` may pick GEMM kernels of its own.
 
+Delayed scaling traces as per-tensor FP8 whose scales the module's state holds: the
+quantizes read them and record their amaxes into the state in place
+(:class:`_TracedDelayedLinear`).
+
 What this traces is decided by :func:`plan_for` from the recipe and the shapes; anything
-else (delayed scaling's history, NVFP4, 2-D MXFP8 weights, ``CustomRecipe``, quantized
+else (a callable amax algorithm, NVFP4, 2-D MXFP8 weights, ``CustomRecipe``, quantized
 weights, tensor parallelism, boundary roles, fp16, shapes eager would pad, slice or hand
 to another backend) stays one opaque call (``lowprec.compiled_call``).
 """
