@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 from .attach import attach_recipe
 from .autocast import quantized_model_init
 from .formats.base import QuantizedTensor
+from .linear.function import LinearQuantizers, feature_padding
 from .modules import LayerNorm as LPLayerNorm
 from .modules import LayerNormLinear, Linear
 from .modules import RMSNorm as LPRMSNorm
@@ -180,15 +181,23 @@ def _linear_rejection(mod: nn.Linear, fqn: str, recipe, module_filter_fn) -> str
 
 
 def _recipe_rejection(recipe: Recipe, fqn: str, out_f: int, in_f: int) -> str | None:
-    """Why ``recipe``'s quantizers cannot handle a (out_f x in_f) Linear, or None."""
-    shapes = {"input": (_PROBE_TOKENS, in_f), "weight": (out_f, in_f),
-              "grad_output": (_PROBE_TOKENS, out_f)}
+    """Why ``recipe``'s quantizers cannot handle a (out_f x in_f) Linear, or None. Feature
+    dimensions that are not whole blocks are padded by the linear (``feature_padding``)."""
+    states = {}
     for mode in ("forward", "backward"):
         roles = gemm_roles("linear", fqn, fwd=mode == "forward")
         try:
-            state = RecipeState.create(recipe, mode, roles)
+            states[mode] = (RecipeState.create(recipe, mode, roles), roles)
         except (TypeError, ValueError) as err:
             return f"the recipe gives no quantizer for it: {err}"
+    fq, bq = states["forward"][0].quantizers, states["backward"][0].quantizers
+    pad_k, pad_n = feature_padding(
+        LinearQuantizers(input=fq[0], weight=fq[1], grad_output=bq[0]),
+        torch.empty(0, in_f, device="meta"), torch.empty(out_f, in_f, device="meta"))
+    in_f, out_f = in_f + pad_k, out_f + pad_n
+    shapes = {"input": (_PROBE_TOKENS, in_f), "weight": (out_f, in_f),
+              "grad_output": (_PROBE_TOKENS, out_f)}
+    for state, roles in states.values():
         for q, role in zip(state.quantizers, roles):
             if role is None or role.tensor_type not in shapes:
                 continue

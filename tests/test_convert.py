@@ -240,14 +240,23 @@ def test_module_filter_fn_and_recipe_alignment():
         convert_model(model, recipe=lowprec.MXFP8BlockScaling(), module_filter_fn=keep)
     assert sorted(seen) == [(nn.Linear, "a"), (nn.Linear, "b"), (nn.Linear, "lm_head")]
     assert type(model["lm_head"]) is nn.Linear          # filtered out, silently
-    assert type(model["a"]) is nn.Linear                # 48 is not a multiple of MXFP8's 32
+    # 48 is not a multiple of MXFP8's 32: the linear pads it (feature_padding)
+    assert type(model["a"]) is lowprec.Linear
     assert type(model["b"]) is lowprec.Linear
-    assert "a" in model.lowprec_conversion["skipped"]
-    assert any("a:" in str(w.message) and "MXFP8" in str(w.message) for w in caught)
-    # NVFP4's blocks are 16 wide: 48 fits.
-    model2 = nn.ModuleDict({"a": nn.Linear(128, 48)})
-    convert_model(model2, recipe=lowprec.NVFP4BlockScaling())
-    assert type(model2["a"]) is lowprec.Linear
+    assert list(model.lowprec_conversion["skipped"]) == ["lm_head"] and not caught
+
+
+@pytest.mark.parametrize("dims", [(576, 1536), (960, 2560), (2880, 2880)],
+                         ids=["smollm2_135m", "smollm2_360m", "gpt_oss"])
+def test_block_recipes_convert_partial_block_models(dims):
+    """Hidden sizes that are not multiples of 128 (SmolLM2, gpt-oss) convert under block
+    FP8 (and MXFP8, NVFP4): the linear pads the feature dimensions."""
+    hidden, ffn = dims
+    for recipe in (lowprec.Float8BlockScaling(), lowprec.MXFP8BlockScaling(),
+                   lowprec.NVFP4BlockScaling()):
+        model = nn.Sequential(nn.Linear(hidden, ffn), nn.ReLU(), nn.Linear(ffn, hidden))
+        convert_model(model, recipe=recipe)
+        assert all(type(m) is lowprec.Linear for m in (model[0], model[2])), recipe
 
 
 def test_multihead_attention_out_proj_is_left_alone():

@@ -957,7 +957,14 @@ class Quantizer:
         """The multiple of M (the product of the leading dimensions) that quantizing with
         these usages needs: the block length of blocks that run along M (columnwise 1-D
         blocks, 2-D blocks), 1 where M is free. A GEMM module pads M up to it
-        (``lowprec.linear.function``); the feature dimension is never padded."""
+        (``lowprec.linear.function``)."""
+        return 1
+
+    def col_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
+        """The multiple of K (the last dimension) that quantizing with these usages needs:
+        the block length of blocks that run along K (rowwise 1-D blocks, 2-D blocks), 1
+        where K is free. A linear pads its feature dimensions up to it with zeros
+        (``lowprec.linear.function.feature_padding``)."""
         return 1
 
     def _tensor_class(self) -> type[QuantizedTensor]:

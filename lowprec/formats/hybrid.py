@@ -80,6 +80,13 @@ class HybridQuantizer(Quantizer):
             self.columnwise_quantizer.row_multiple(rowwise=False, columnwise=columnwise)
             if columnwise else 1)
 
+    def col_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
+        return math.lcm(
+            self.rowwise_quantizer.col_multiple(rowwise=rowwise, columnwise=False)
+            if rowwise else 1,
+            self.columnwise_quantizer.col_multiple(rowwise=False, columnwise=columnwise)
+            if columnwise else 1)
+
     def _check_shape(self, shape, m, k):
         if self.rowwise_usage:
             self.rowwise_quantizer.set_usage(rowwise=True, columnwise=False)

@@ -19,6 +19,7 @@ The backward mode decides what the forward saves:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -372,6 +373,17 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
         skip = getattr(on_backward_done, "skip", None)
         if skip is not None:
             skip()
+    pad_k, pad_n = feature_padding(quantizers, x, weight)
+    if pad_k or pad_n:
+        # zero columns along K (x, weight) and rows along N (weight, bias; dY gets zero
+        # columns from the slice's backward): whole blocks everywhere, the same products
+        n = weight.shape[0]
+        x = torch.nn.functional.pad(x, (0, pad_k))
+        weight = torch.nn.functional.pad(weight, (0, pad_k, 0, pad_n))
+        bias = torch.nn.functional.pad(bias, (0, pad_n)) if bias is not None else None
+        y = _QuantizedLinear.apply(x, weight, bias, quantizers, backward_mode,
+                                   on_backward_done, grad_enabled, None)
+        return y[..., :n]
     weight_lp = None
     if (quantizers is not None and quantizers.weight is not None
             and not isinstance(weight, QuantizedTensor) and _caching_weights()):
@@ -383,6 +395,30 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
             dtype=amp)
     return _QuantizedLinear.apply(x, weight, bias, quantizers, backward_mode, on_backward_done,
                                   grad_enabled, weight_lp)
+
+
+def feature_padding(q: LinearQuantizers | None, x: torch.Tensor,
+                    weight: torch.Tensor) -> tuple[int, int]:
+    """(zero columns for K, zero rows for N) that make every operand of ``x @ weight.T``
+    fill whole blocks along its feature dimensions: a partial block then scales by its own
+    values, as Transformer Engine's does (zeros change no amax), and every GEMM gets the
+    same products. Nothing for quantized operands or a quantized output (boundary roles),
+    whose quantizers keep refusing a partial block."""
+    if (q is None or isinstance(x, QuantizedTensor) or isinstance(weight, QuantizedTensor)
+            or q.output is not None or q.grad_input is not None or weight.dim() != 2):
+        return 0, 0
+    k_multiple = n_multiple = 1
+    for quantizer in (q.input, q.weight, q.grad_output):
+        if quantizer is not None:
+            # K blocks of x and W (rowwise, or 2-D), N blocks of dY's rows (dgrad)
+            multiple = quantizer.col_multiple(rowwise=True, columnwise=True)
+            if quantizer is q.grad_output:
+                n_multiple = math.lcm(n_multiple, multiple)
+            else:
+                k_multiple = math.lcm(k_multiple, multiple)
+    if q.weight is not None:  # W's columnwise (dgrad) blocks run along N
+        n_multiple = math.lcm(n_multiple, q.weight.row_multiple(rowwise=True, columnwise=True))
+    return -x.shape[-1] % k_multiple, -weight.shape[0] % n_multiple
 
 
 def _caching_weights() -> bool:

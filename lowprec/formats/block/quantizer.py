@@ -68,6 +68,9 @@ class Float8BlockQuantizer(Quantizer):
     def row_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
         return BLOCK if (self.block_scaling_dim == 2 or columnwise) else 1
 
+    def col_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
+        return BLOCK if (self.block_scaling_dim == 2 or rowwise) else 1
+
     def _quantize(self, x2d: torch.Tensor, dim: int):
         return quantize_blocks(x2d, self.fp8_dtype, dim, pow2=self.force_pow_2_scales,
                                eps=self.amax_epsilon)

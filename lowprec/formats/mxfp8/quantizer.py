@@ -64,6 +64,11 @@ class MXFP8Quantizer(Quantizer):
             return BLOCK if (rowwise or columnwise) else 1
         return BLOCK if columnwise else 1
 
+    def col_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
+        if self.with_2d_quantization:
+            return BLOCK if (rowwise or columnwise) else 1
+        return BLOCK if rowwise else 1
+
     def _meta_fields(self) -> dict:
         return {"fp8_dtype": self.fp8_dtype, "with_2d_quantization": self.with_2d_quantization}
 

@@ -97,6 +97,9 @@ class NVFP4Quantizer(Quantizer):
     def row_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
         return BLOCK if (self.with_2d_quantization or columnwise) else 1
 
+    def col_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
+        return BLOCK if (self.with_2d_quantization or rowwise) else 1
+
     # ---- quantize -------------------------------------------------------------------------
     def _sr_key(self, device) -> torch.Tensor | None:
         if not self.stochastic_rounding:
