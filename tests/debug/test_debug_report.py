@@ -17,6 +17,7 @@ class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 100))
+        self.twin = self.body[2]           # one module at two places: left alone
         self.aux = nn.Linear(128, 128)     # called outside autocast
         self.keep = nn.Linear(128, 128)    # left alone by the filter
         self.spare = nn.Linear(128, 128)   # never called
@@ -56,14 +57,14 @@ def test_report_lists_quantized_high_precision_and_unconverted_modules():
     assert report.high_precision == {"aux": OUTSIDE_AUTOCAST}
     assert report.not_run == ["spare"]
     assert set(report.unconverted) == {"body.2", "keep"}
-    assert "does not divide" in report.unconverted["body.2"]
+    assert "more than one place" in report.unconverted["body.2"]
     assert report.unconverted["keep"] == "module_filter_fn returned False"
     assert sorted(report.converted) == ["aux", "body.0", "spare"]
     text = str(report)
     for part in ("body.0 (Linear): 2 quantized call(s) under MXFP8BlockScaling",
                  "body.0 input: rowwise mxfp8(e4m3), columnwise mxfp8(e4m3)",
                  f"aux: {OUTSIDE_AUTOCAST}", "not run on a hooked step (1):\n  spare",
-                 "body.2: its weight 100x128 does not divide"):
+                 "body.2: the module object is used at more than one place"):
         assert part in text, (part, text)
 
 
