@@ -73,19 +73,19 @@ class HybridQuantizer(Quantizer):
     def _tensor_class(self):
         return HybridQuantizedTensor
 
-    def row_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
+    def _both(self, method: str, rowwise: bool, columnwise: bool) -> int:
+        """lcm of what each direction's quantizer needs (``row_multiple``/``col_multiple``)."""
         return math.lcm(
-            self.rowwise_quantizer.row_multiple(rowwise=rowwise, columnwise=False)
+            getattr(self.rowwise_quantizer, method)(rowwise=rowwise, columnwise=False)
             if rowwise else 1,
-            self.columnwise_quantizer.row_multiple(rowwise=False, columnwise=columnwise)
+            getattr(self.columnwise_quantizer, method)(rowwise=False, columnwise=columnwise)
             if columnwise else 1)
 
+    def row_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
+        return self._both("row_multiple", rowwise, columnwise)
+
     def col_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
-        return math.lcm(
-            self.rowwise_quantizer.col_multiple(rowwise=rowwise, columnwise=False)
-            if rowwise else 1,
-            self.columnwise_quantizer.col_multiple(rowwise=False, columnwise=columnwise)
-            if columnwise else 1)
+        return self._both("col_multiple", rowwise, columnwise)
 
     def _check_shape(self, shape, m, k):
         if self.rowwise_usage:
