@@ -81,7 +81,8 @@ def test_trainer_checkpoints_and_resumes_bit_for_bit(rname, tmp_path):
     """Trainer with gradient checkpointing saves at step 2 (safetensors) and a new Trainer
     resumed from that checkpoint goes on with the uninterrupted run's losses and ends with
     its weights and delayed-scaling state, bit for bit; the same run without gradient
-    checkpointing is the same run."""
+    checkpointing is the same run (checked for delayed scaling and NVFP4's stochastic
+    rounding)."""
     full, model = _train(rname, tmp_path / "full")
     assert sorted(full) == list(range(1, STEPS + 1))
     ckpt = tmp_path / "full" / f"checkpoint-{SAVE}"
@@ -92,9 +93,10 @@ def test_trainer_checkpoints_and_resumes_bit_for_bit(rname, tmp_path):
     _assert_same_model(model, resumed_model)
     if rname == "fp8_delayed":
         assert delayed_states(model)  # the state compared above is real
-    plain, plain_model = _train(rname, tmp_path / "plain", checkpointing=False)
-    assert plain == full
-    _assert_same_model(model, plain_model)
+    if rname in ("fp8_delayed", "nvfp4"):  # (the checkpointing tests cover every recipe)
+        plain, plain_model = _train(rname, tmp_path / "plain", checkpointing=False)
+        assert plain == full
+        _assert_same_model(model, plain_model)
 
 
 def test_save_pretrained_round_trips(tmp_path):
