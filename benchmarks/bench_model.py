@@ -112,7 +112,9 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
     """(median step ms, warm-up seconds, peak GiB, graph breaks, GPU kernel ms, kernels);
     with ``top_kernels``, prints that many of the step's heaviest kernels."""
     torch._dynamo.utils.counters.clear()
+    mode, _, every = mode.partition("-rec")  # "eager-rec100": lowprec.debug.Recorder on
     m, ctx = make_peer(peer, model, device, mode)
+    recorder = lowprec.debug.Recorder(m, every=int(every)) if every else None
     graphed = mode == "graphed"
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=device == "cuda",
                             capturable=graphed)
@@ -128,6 +130,8 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
         opt.step()
         if not graphed:
             opt.zero_grad(set_to_none=True)
+        if recorder is not None:
+            recorder.step()
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t0 = time.perf_counter()
@@ -214,6 +218,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--record-every", default="",
+                    help="also run each eager lowprec peer with lowprec.debug.Recorder "
+                         "recording every N steps (comma-separated Ns)")
     ap.add_argument("--top-kernels", type=int, default=0,
                     help="print each peer's N heaviest kernels (GPU ms a step)")
     args = ap.parse_args()
@@ -229,6 +236,8 @@ def main() -> None:
         except ImportError as exc:
             print(f"torchao not importable ({exc}); its peers are left out")
     peers += [(f"lowprec-{r}", m) for r in args.recipes.split(",") if r for m in modes]
+    peers += [(f"lowprec-{r}", f"eager-rec{n}") for r in args.recipes.split(",") if r
+              for n in args.record_every.split(",") if n and "eager" in modes]
     *_, seq, batch = MODELS[args.model]
     tokens = seq * batch
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
