@@ -201,17 +201,14 @@ class DelayedScalingState:
     def move_to(self, device: torch.device) -> None:
         """Put the state's tensors on ``device`` (values kept; a state on the meta device,
         which has none, starts afresh: scales of one, an empty history)."""
-        fresh = self.scale.device.type == "meta"
-        for name in ("fp8_max", "scale", "amax_history", "amax_current", "amax_scratch"):
+        fresh = self.scale.is_meta
+        self.fp8_max = (torch.tensor(self.fp8_maxima, dtype=torch.float32, device=device)
+                        if fresh else self.fp8_max.to(device))
+        for name, start in (("scale", 1.0), ("amax_history", 0.0), ("amax_current", 0.0),
+                            ("amax_scratch", 0.0)):
             t = getattr(self, name)
-            if fresh and name != "fp8_max":
-                moved = (torch.ones_like(t, device=device) if name == "scale"
-                         else torch.zeros_like(t, device=device))
-            elif fresh:
-                moved = torch.tensor(self.fp8_maxima, dtype=torch.float32, device=device)
-            else:
-                moved = t.to(device)
-            setattr(self, name, moved)
+            setattr(self, name, torch.full_like(t, start, device=device) if fresh
+                    else t.to(device))
         self.__dict__.pop("_batch_key", None)
 
     def quantizers(self, fp8_dtypes: Sequence[torch.dtype], *, record: bool = True,

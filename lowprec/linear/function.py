@@ -407,18 +407,25 @@ def feature_padding(q: LinearQuantizers | None, x: torch.Tensor,
     if (q is None or isinstance(x, QuantizedTensor) or isinstance(weight, QuantizedTensor)
             or q.output is not None or q.grad_input is not None or weight.dim() != 2):
         return 0, 0
-    k_multiple = n_multiple = 1
-    for quantizer in (q.input, q.weight, q.grad_output):
-        if quantizer is not None:
-            # K blocks of x and W (rowwise, or 2-D), N blocks of dY's rows (dgrad)
-            multiple = quantizer.col_multiple(rowwise=True, columnwise=True)
-            if quantizer is q.grad_output:
-                n_multiple = math.lcm(n_multiple, multiple)
-            else:
-                k_multiple = math.lcm(k_multiple, multiple)
-    if q.weight is not None:  # W's columnwise (dgrad) blocks run along N
-        n_multiple = math.lcm(n_multiple, q.weight.row_multiple(rowwise=True, columnwise=True))
+    k_multiple, n_multiple = _feature_multiples(q)
     return -x.shape[-1] % k_multiple, -weight.shape[0] % n_multiple
+
+
+def _feature_multiples(q: LinearQuantizers) -> tuple[int, int]:
+    """(multiple of K, multiple of N) that ``q``'s blocks need: K for x's and W's blocks
+    along it (rowwise, or 2-D), N for W's columnwise (dgrad) blocks and dY's rowwise ones.
+    Fixed for the quantizers, so kept with their plans rather than worked out each call."""
+    multiples = q.plans.get("feature_multiples")
+    if multiples is None:
+        def along_k(quantizer) -> int:
+            return 1 if quantizer is None else quantizer.col_multiple(rowwise=True,
+                                                                      columnwise=True)
+        w_along_n = (1 if q.weight is None
+                     else q.weight.row_multiple(rowwise=True, columnwise=True))
+        multiples = (math.lcm(along_k(q.input), along_k(q.weight)),
+                     math.lcm(along_k(q.grad_output), w_along_n))
+        q.plans["feature_multiples"] = multiples
+    return multiples
 
 
 def _caching_weights() -> bool:

@@ -103,8 +103,7 @@ class Delayed:
         scale = scale_in_use(scale, seen)
         return self.cast(t2d, scale), scale, seen
 
-    def cast(self, t2d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return cast_fp8(_rounded(t2d) * scale, self.fp8_dtype)
+    cast = Tensorwise.cast  # the same saturating cast with a given scale
 
 
 def _bf16_rne_bits(bits: torch.Tensor) -> torch.Tensor:

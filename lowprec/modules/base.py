@@ -156,6 +156,13 @@ class ScalingStateDict:
 torch.serialization.add_safe_globals([ScalingStateDict])
 
 
+def _holds(state: RecipeState | None, recipe) -> bool:
+    """Whether ``state`` is a state for ``recipe``. Identity first: the same recipe object
+    every step is the common case, and a dataclass comparison of nested recipes costs host
+    time each call."""
+    return state is not None and (state.recipe is recipe or state.recipe == recipe)
+
+
 class _BackwardDone:
     """Counts a forward call's GEMM backwards and fires once all have run."""
 
@@ -246,10 +253,9 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         off (an evaluation records where nothing reads), or a checkpoint is in play."""
         states = self.__dict__["_recipe_states"]
         fwd, bwd = states["forward"], states["backward"]
-        if (fwd is None or bwd is None or fwd.delayed is None or bwd.delayed is None
-                or not (fwd.recipe is recipe or fwd.recipe == recipe)
-                or not (bwd.recipe is recipe or bwd.recipe == recipe)
-                or not torch.is_grad_enabled() or current_frame() is not None):
+        if (not _holds(fwd, recipe) or not _holds(bwd, recipe) or fwd.delayed is None
+                or bwd.delayed is None or not torch.is_grad_enabled()
+                or current_frame() is not None):
             return None
         if active_region().traced:
             # the region lives in the graph: its exit's update is traced with it
@@ -281,9 +287,7 @@ class LowprecModule(CompiledCallMixin, nn.Module):
 
     def _state(self, mode: str, recipe, device) -> RecipeState:
         state = self._recipe_states[mode]
-        # identity first: the same recipe object every step is the common case, and a
-        # dataclass comparison of nested recipes costs host time each call
-        if state is None or (state.recipe is not recipe and state.recipe != recipe):
+        if not _holds(state, recipe):
             state = self._new_state(mode, recipe, device)
         return state
 
@@ -442,13 +446,18 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         self._link_quantized_weights()
         return out
 
+    def _params_device(self) -> torch.device | None:
+        """Where the module's own parameters are (None: it has none)."""
+        p = next(self.parameters(recurse=False), None)
+        return p.device if p is not None else None
+
     def _move_scaling_state(self) -> None:
         # delayed-scaling state follows the parameters (.to, .cuda, to_empty)
-        p = next(self.parameters(recurse=False), None)
-        if p is not None:
+        device = self._params_device()
+        if device is not None:
             for mode, state in self._kept_delayed().items():
                 if state is not None:
-                    state.move_to(p.device)
+                    state.move_to(device)
                     self._take_pending(mode, state)
 
     def _take_pending(self, mode: str, state: RecipeState) -> None:
@@ -466,9 +475,8 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         one into it in place. Nothing for recipes without state."""
         if not isinstance(recipe, DelayedScaling):
             return
-        p = next(self.parameters(recurse=False), None)
         for mode in ("forward", "backward"):
-            self._state(mode, recipe, p.device if p is not None else None)
+            self._state(mode, recipe, self._params_device())
 
     def _maybe_quantize_weights(self) -> None:
         """Under quantized_model_init, replace each weight by a quantized tensor (both usages)."""
@@ -519,9 +527,8 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         self._recipe_states = {"forward": None, "backward": None}
         self._delayed_states = {"forward": None, "backward": None}
         self.__dict__.pop("_gemm_quantizers_of", None)
-        p = next(self.parameters(recurse=False), None)
         for mode, recipe in kept.items():  # fresh states of the same sizes (init_scaling_state)
-            self._state(mode, recipe, p.device if p is not None else None)
+            self._state(mode, recipe, self._params_device())
         with torch.no_grad():
             for i, wname in enumerate(self._weight_names()):
                 w = getattr(self, wname)
