@@ -362,6 +362,15 @@ def _finish(ctx, x, weight, bias, plan: TracedPlan, y: torch.Tensor) -> torch.Te
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _finish_requantizing(ctx, x, x2d, weight, bias, plan: TracedPlan,
+                         y: torch.Tensor) -> torch.Tensor:
+    """``_finish`` for a Function whose backward quantizes x and the weight again from the
+    tensors themselves: keeps x (for wgrad) and the weight (for dgrad), as they came."""
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    ctx.save_for_backward(x2d if need_dw else None, weight if need_dx else None)
+    return _finish(ctx, x, weight, bias, plan, y)
+
+
 def _cat(parts: list) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -393,9 +402,7 @@ class _TracedBlockLinear(torch.autograd.Function):
         xq, xs = plan.x.quantize(x2d)
         wq, ws = plan.w.quantize(weight)
         y = _block_gemm(plan, xq, xs, 1, wq, ws, plan.w.dim, x.dtype, bias)
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.save_for_backward(x2d if need_dw else None, weight if need_dx else None)
-        return _finish(ctx, x, weight, bias, plan, y)
+        return _finish_requantizing(ctx, x, x2d, weight, bias, plan, y)
 
     @staticmethod
     def backward(ctx, dy):
@@ -546,9 +553,7 @@ class _TracedMXLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: TracedPlan):
         x2d = x.reshape(-1, x.shape[-1])
         y = _mx_gemm(plan, plan.x.values(x2d), plan.w.values(weight), x.dtype, bias)
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.save_for_backward(x2d if need_dw else None, weight if need_dx else None)
-        return _finish(ctx, x, weight, bias, plan, y)
+        return _finish_requantizing(ctx, x, x2d, weight, bias, plan, y)
 
     @staticmethod
     def backward(ctx, dy):
