@@ -74,17 +74,10 @@ class Tensorwise:
         return self.cast(t2d, scale), scale
 
 
-@torch.library.custom_op("lowprec::scale_in_use", mutates_args=())
 def scale_in_use(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """A copy of the state's ``scale``, NaN where ``amax`` is not finite. An op of its own
-    so that backward keeps this copy: recomputed from the state, it would read a scale
-    the region's update has moved since."""
-    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-
-
-@scale_in_use.register_fake
-def _scale_in_use_fake(scale, amax):
-    return torch.empty_like(scale)
+    """The state's ``scale``, NaN where the matching ``amax`` is not finite (plain torch
+    ops, fused into the amax pass)."""
+    return torch.where(torch.isfinite(amax), scale, float("nan"))
 
 
 @dataclass(frozen=True)
@@ -96,10 +89,14 @@ class Delayed:
 
     fp8_dtype: torch.dtype
 
+    @staticmethod
+    def amax(t2d: torch.Tensor) -> torch.Tensor:
+        return tensor_amax(_rounded(t2d))
+
     def quantize(self, t2d: torch.Tensor, scale: torch.Tensor):
         """(fp8 data, the scale cast with, its amax to record) of ``t2d`` under the state's
         1-element ``scale``."""
-        seen = tensor_amax(_rounded(t2d))
+        seen = self.amax(t2d)
         scale = scale_in_use(scale, seen)
         return self.cast(t2d, scale), scale, seen
 
@@ -501,9 +498,14 @@ class _TracedDelayedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: TracedPlan, fwd: tuple, bwd: tuple):
         scale, amax, handle = fwd
         x2d = x.reshape(-1, x.shape[-1])
-        xq, xs, x_seen = plan.x.quantize(x2d, scale[0:1])
-        wq, ws, w_seen = plan.w.quantize(weight, scale[1:2])
-        seen = torch.cat([x_seen, w_seen])
+        seen = torch.cat([plan.x.amax(x2d), plan.w.amax(weight)])
+        # Backward recasts x and W with these scales, so it must keep this copy: recomputed
+        # from the state, it would read scales the region's update has moved since
+        # (autograd's version check then raises). The copy is taken by a cat, an op the
+        # partitioner saves rather than recomputes.
+        scales = scale_in_use(torch.cat([scale[0:1], scale[1:2]]), seen)
+        xs, ws = scales[0:1], scales[1:2]
+        xq, wq = plan.x.cast(x2d, xs), plan.w.cast(weight, ws)
         if handle is None:  # the region is in the graph
             amax[:2].copy_(torch.maximum(amax[:2], seen))
         else:
