@@ -156,6 +156,25 @@ class ScalingStateDict:
 torch.serialization.add_safe_globals([ScalingStateDict])
 
 
+def _plain_values(w: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A quantized weight's values as a plain tensor of ``dtype`` (default: its own): the
+    rowwise representation (what the forward GEMM reads), the columnwise one where that is
+    all the weight holds."""
+    if w.is_meta:
+        return torch.empty(w.shape, dtype=dtype or w.dtype, device="meta")
+    usage = "rowwise" if w.has_usage("rowwise") else "columnwise"
+    return w.dequantize(dtype, usage=usage).detach()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits (NaNs included)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    as_int = ints[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
 def _holds(state: RecipeState | None, recipe) -> bool:
     """Whether ``state`` is a state for ``recipe``. Identity first: the same recipe object
     every step is the common case, and a dataclass comparison of nested recipes costs host
@@ -551,8 +570,9 @@ class LowprecModule(CompiledCallMixin, nn.Module):
                                  if state is not None})
 
     def get_extra_state(self) -> torch.Tensor:
-        # a tensor, so that tensor-only formats (safetensors, save_pretrained) take it
-        return extra_state.encode(self.scaling_state().states)
+        # a tensor, so that tensor-only formats (safetensors, save_pretrained) take it; with
+        # the exact bytes of the quantized weights (see _save_to_state_dict)
+        return extra_state.encode(self.scaling_state().states, self._held_quantized_weights())
 
     def set_extra_state(self, state) -> None:
         if isinstance(state, torch.Tensor):
@@ -571,15 +591,73 @@ class LowprecModule(CompiledCallMixin, nn.Module):
                 pending[mode] = sd
         self._pending_extra_state = pending or None
 
-    def _quantize_assigned_weights(self, state_dict, prefix: str, local_metadata) -> dict:
+    # ---- quantized weights in state dicts ---------------------------------------------------
+    def _held_quantized_weights(self) -> dict:
+        """``{param name: quantized weight}`` of this module's weights that are quantized."""
+        return {pname: w for pname in self._weight_names()
+                if isinstance(w := self._parameters.get(pname), QuantizedTensor)}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """A quantized weight enters the state dict as plain high-precision values: its
+        dequantized (rowwise) values in its dtype, what the module computes with, so that
+        tensor-only formats (safetensors, ``save_pretrained``, Trainer checkpoints) save it,
+        an unconverted model (``from_pretrained``) loads it, and ``load_state_dict``
+        re-quantizes it. The quantized bytes travel in ``_extra_state``: loading the state
+        dict into a module of the same format restores them exactly
+        (``_exact_saved_weights``). ``keep_vars=True`` keeps the quantized parameters."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if keep_vars:
+            return
+        for pname, w in self._held_quantized_weights().items():
+            if prefix + pname in destination:
+                destination[prefix + pname] = _plain_values(w)
+
+    def _exact_saved_weights(self, state_dict, prefix: str) -> dict:
+        """``{key: quantized tensor}``: the quantized weights this state dict's
+        ``_extra_state`` holds the bytes of, for each weight whose high-precision entry is
+        still exactly those bytes' dequantized values (the state dict as saved, perhaps in
+        another dtype) and whose layout (format, shape, usages) is this module's weight's.
+        Another entry (an edited weight, a checkpoint of another recipe or of a plain model)
+        is re-quantized instead."""
+        extra = state_dict.get(prefix + "_extra_state")
+        held = self._held_quantized_weights()
+        if not held or not isinstance(extra, torch.Tensor) or extra.dtype != torch.uint8:
+            return {}
+        saved = extra_state.decode_weights(extra)
+        out = {}
+        for pname, w in held.items():
+            hp, entry = state_dict.get(prefix + pname), saved.get(pname)
+            # plain tensors only (a quantized one is copied as it is, a DTensor left to torch)
+            if (entry is None or type(hp) not in (torch.Tensor, nn.Parameter) or hp.is_meta
+                    or not hp.is_floating_point() or hp.shape != w.shape):
+                continue
+            # compared where the weight lives (where it was saved from, as a rule), so that
+            # a device's own dequantize reproduces the saved values
+            device = hp.device if w.is_meta else w.device
+            exact = extra_state.weight_from_bytes(entry, w, device)
+            if exact is None:
+                continue
+            if _same_bits(_plain_values(exact, hp.dtype), hp.detach().to(device)):
+                # on the entry's device, where assign=True puts it
+                out[prefix + pname] = (exact if hp.device == device else
+                                       extra_state.weight_from_bytes(entry, w, hp.device))
+        return out
+
+    def _quantize_assigned_weights(self, state_dict, prefix: str, local_metadata,
+                                   exact: dict) -> dict:
         """``load_state_dict(assign=True)``: a high-precision tensor for a quantized weight is
         assigned quantized by the weight quantizer, with the usages the weight holds (else
-        the module would silently keep a high-precision weight). Rewrites those entries of
-        ``state_dict``; returns the originals to put back."""
+        the module would silently keep a high-precision weight), or as the exact quantized
+        weight the state dict saved (``exact``). Without assign, the exact weights are
+        copied in (``copy_`` of quantized tensors copies their bytes). Rewrites those
+        entries of ``state_dict``; returns the originals to put back."""
+        originals = {}
+        for key, qt in exact.items():
+            originals[key] = state_dict[key]
+            state_dict[key] = qt
         if (not local_metadata.get("assign_to_params_buffers", False)
                 or getattr(self, "_init_recipe", None) is None):
-            return {}
-        originals = {}
+            return originals
         for i, pname in enumerate(self._weight_names()):
             w, key = self._parameters.get(pname), prefix + pname
             hp = state_dict.get(key)
@@ -595,9 +673,11 @@ class LowprecModule(CompiledCallMixin, nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        # A high-precision tensor for a quantized weight: copy_ re-quantizes it in place
-        # (_WeightSlot); assign=True assigns it quantized.
-        originals = self._quantize_assigned_weights(state_dict, prefix, local_metadata)
+        # A high-precision tensor for a quantized weight: the exact bytes _extra_state saved
+        # with it where they are its values; else copy_ re-quantizes it in place
+        # (_WeightSlot), and assign=True assigns it quantized.
+        exact = self._exact_saved_weights(state_dict, prefix)
+        originals = self._quantize_assigned_weights(state_dict, prefix, local_metadata, exact)
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                           missing_keys, unexpected_keys, error_msgs)

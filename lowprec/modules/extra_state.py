@@ -1,4 +1,5 @@
-"""A module's delayed-scaling state as one uint8 tensor (its ``_extra_state``).
+"""A module's extra state as one uint8 tensor (its ``_extra_state``): the delayed-scaling
+state, and the exact bytes of its quantized weights.
 
 ``state_dict()`` must hold only tensors: safetensors, ``save_pretrained`` and
 huggingface_hub's shard splitting read every value as a tensor. The state
@@ -7,27 +8,140 @@ huggingface_hub's shard splitting read every value as a tensor. The state
 dimensions) followed by each entry's fp32 values in order. The layout depends
 only on the shapes, so two modules with the same recipe and roles always have
 extra states of the same size (what ``torch.distributed.checkpoint`` needs to
-load one into the other in place). A module without delayed-scaling state has an
-empty tensor.
+load one into the other in place). A module without delayed-scaling state and
+without quantized weights has an empty tensor.
+
+A module with quantized weights (``quantized_model_init``) writes version 2: the
+same header and state, then one more header word, the length of a UTF-8 JSON
+description of each quantized weight (its format class, metadata, shape and every
+inner tensor's dtype and shape, in the format's ``_inner`` order), then that JSON,
+then the raw bytes of every inner tensor in that order. Its state dict holds the
+weight itself as plain high-precision values (see ``LowprecModule``); the bytes here
+let a load restore the quantized weight exactly where re-quantizing those values
+would not give the same bytes (``weight_from_bytes``). Version 1 (delayed-scaling
+state only) is still written when a module has no quantized weight.
 """
 
 from __future__ import annotations
 
+import json
+
 import torch
+
+from ..formats.base import QuantizedTensor
 
 _MAGIC = 0x6C6F7770  # "lowp"
 _VERSION = 1
+_VERSION_WEIGHTS = 2
 _MODES = ("forward", "backward")
 _NAMES = ("scale", "amax_history", "amax_current")
 _ENTRY = 5  # mode, name, ndim, dim0, dim1
 
 
-def encode(states: dict) -> torch.Tensor:
-    """``{mode: {name: tensor}}`` as a CPU uint8 tensor (empty for no state)."""
+# ---- quantized weights: description and bytes -----------------------------------------------
+def _meta_value(v):
+    return v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
+
+
+def describe(qt: QuantizedTensor) -> dict:
+    """A JSON-able description of ``qt``'s layout: format class, metadata, nominal shape and
+    each inner tensor's dtype and shape (a nested quantized tensor described in turn), in
+    ``_inner`` order. Two tensors whose descriptions are equal hold the same fields; the
+    nominal dtype is left out (it changes no byte)."""
+    inner = []
+    for name, t in qt.inner_tensors().items():
+        if t is None:
+            spec = None
+        elif isinstance(t, QuantizedTensor):
+            spec = {"quantized": describe(t)}
+        else:
+            spec = {"dtype": str(t.dtype), "shape": list(t.shape)}
+        inner.append([name, spec])
+    return {"class": type(qt).__name__,
+            "meta": {k: _meta_value(v) for k, v in qt.metadata().items()},
+            "shape": list(qt.shape), "inner": inner}
+
+
+def _pieces(qt: QuantizedTensor) -> list[torch.Tensor]:
+    """Every plain inner tensor of ``qt`` (nested ones included), in ``describe`` order."""
+    out = []
+    for t in qt.inner_tensors().values():
+        if isinstance(t, QuantizedTensor):
+            out += _pieces(t)
+        elif t is not None:
+            out.append(t)
+    return out
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a flat CPU uint8 tensor (zeros of its size on the meta device)."""
+    if t.is_meta:
+        return torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8)
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def _nbytes(spec: dict) -> int:
+    dtype = _DTYPES.get(spec["dtype"])
+    if dtype is None:
+        raise ValueError(f"this _extra_state holds a quantized weight's tensor of dtype "
+                         f"{spec['dtype']}, which this torch does not have")
+    n = 1
+    for s in spec["shape"]:
+        n *= s
+    return n * dtype.itemsize
+
+
+def _specs(desc: dict) -> list[dict]:
+    """The plain inner tensors' specs of a description, in payload order."""
+    out = []
+    for _, spec in desc["inner"]:
+        if spec is None:
+            continue
+        out += _specs(spec["quantized"]) if "quantized" in spec else [spec]
+    return out
+
+
+_DTYPES = {str(d): d for d in (
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu",
+                                  "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)))}
+
+
+def weight_from_bytes(entry: tuple[dict, list[torch.Tensor]], template: QuantizedTensor,
+                      device=None) -> QuantizedTensor | None:
+    """The quantized tensor a ``decode_weights`` entry holds, built like ``template`` (a
+    module's quantized weight: its class, metadata and nominal dtype) on ``device`` (default
+    the CPU); None when the entry describes another layout (another format, shape or set of
+    usages)."""
+    desc, raw = entry
+    if describe(template) != desc:
+        return None
+    pieces = iter(raw)
+
+    def build(tmpl: QuantizedTensor) -> QuantizedTensor:
+        inner = {}
+        for name, t in tmpl.inner_tensors().items():
+            if t is None:
+                inner[name] = None
+            elif isinstance(t, QuantizedTensor):
+                inner[name] = build(t)
+            else:
+                inner[name] = next(pieces).view(t.dtype).reshape(t.shape).to(device)
+        return type(tmpl)(tmpl.shape, tmpl.dtype, **inner, **tmpl.metadata())
+
+    return build(template)
+
+
+# ---- the tensor -------------------------------------------------------------------------------
+def encode(states: dict, weights: dict | None = None) -> torch.Tensor:
+    """``{mode: {name: tensor}}`` (and ``{param name: quantized weight}``) as a CPU uint8
+    tensor (empty for no state and no weights)."""
     entries = [(mode, name, t) for mode, sd in states.items() for name, t in sd.items()]
-    if not entries:
+    weights = dict(weights or {})
+    if not entries and not weights:
         return torch.empty(0, dtype=torch.uint8)
-    header = [_MAGIC, _VERSION, len(entries)]
+    header = [_MAGIC, _VERSION_WEIGHTS if weights else _VERSION, len(entries)]
     payload = []
     for mode, name, t in entries:
         if mode not in _MODES or name not in _NAMES or t.dtype != torch.float32 or t.dim() > 2:
@@ -37,28 +151,41 @@ def encode(states: dict) -> torch.Tensor:
         header += [_MODES.index(mode), _NAMES.index(name), t.dim(), *dims]
         # a state on the meta device has no values: zeros of its size
         t = torch.zeros(t.shape) if t.is_meta else t.detach().to("cpu", copy=True)
-        payload.append(t.reshape(-1))
+        payload.append(t.reshape(-1).view(torch.uint8))
+    if weights:
+        desc = json.dumps([[name, describe(w)] for name, w in weights.items()],
+                          separators=(",", ":")).encode()
+        header.append(len(desc))
+        payload.append(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
+        for w in weights.values():
+            payload += [_as_bytes(t) for t in _pieces(w)]
     head = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
-    body = torch.cat(payload).view(torch.uint8)
-    return torch.cat([head, body])
+    return torch.cat([head, *payload])
 
 
-def decode(data: torch.Tensor) -> dict:
-    """The ``{mode: {name: tensor}}`` that ``encode`` packed into ``data`` (CPU tensors)."""
+def _parse(data: torch.Tensor) -> tuple[dict, dict]:
+    """(delayed-scaling state, ``{param name: (description, [raw uint8 pieces])}``)."""
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
         raise TypeError(f"a lowprec module's _extra_state is a 1-D uint8 tensor, got "
                         f"{type(data).__name__}"
                         + (f" {data.dtype} of shape {tuple(data.shape)}"
                            if isinstance(data, torch.Tensor) else ""))
     if data.numel() == 0:
-        return {}
+        return {}, {}
     raw = data.detach().cpu().contiguous()
     words = lambda start, n: raw[8 * start:8 * (start + n)].view(torch.int64).tolist()  # noqa: E731
-    if raw.numel() < 24 or words(0, 2) != [_MAGIC, _VERSION]:
+    if raw.numel() < 24 or words(0, 1) != [_MAGIC]:
         raise ValueError("this _extra_state was not written by lowprec (bad header)")
+    version = words(1, 1)[0]
+    if version not in (_VERSION, _VERSION_WEIGHTS):
+        raise ValueError(f"this _extra_state has format version {version}; this lowprec reads "
+                         f"versions {_VERSION} and {_VERSION_WEIGHTS} (written by a newer "
+                         f"lowprec?)")
     n = words(2, 1)[0]
     meta = words(3, n * _ENTRY)
-    offset = 8 * (3 + n * _ENTRY)
+    head = 3 + n * _ENTRY + (version == _VERSION_WEIGHTS)
+    desc_len = words(3 + n * _ENTRY, 1)[0] if version == _VERSION_WEIGHTS else 0
+    offset = 8 * head
     out: dict = {}
     for i in range(n):
         mode, name, ndim, d0, d1 = meta[_ENTRY * i:_ENTRY * (i + 1)]
@@ -67,7 +194,30 @@ def decode(data: torch.Tensor) -> dict:
         t = raw[offset:offset + size].clone().view(torch.float32).reshape(shape)
         out.setdefault(_MODES[mode], {})[_NAMES[name]] = t
         offset += size
+    weights: dict = {}
+    if version == _VERSION_WEIGHTS:
+        descs = json.loads(bytes(raw[offset:offset + desc_len].tolist()).decode())
+        offset += desc_len
+        for name, desc in descs:
+            pieces = []
+            for spec in _specs(desc):
+                size = _nbytes(spec)
+                pieces.append(raw[offset:offset + size].clone())
+                offset += size
+            weights[name] = (desc, pieces)
     if offset != raw.numel():
         raise ValueError(f"this _extra_state has {raw.numel()} bytes, its header describes "
                          f"{offset}")
-    return out
+    return out, weights
+
+
+def decode(data: torch.Tensor) -> dict:
+    """The delayed-scaling state ``{mode: {name: tensor}}`` that ``encode`` packed into
+    ``data`` (CPU tensors)."""
+    return _parse(data)[0]
+
+
+def decode_weights(data: torch.Tensor) -> dict:
+    """The quantized weights that ``encode`` packed into ``data``: ``{param name:
+    (description, raw pieces)}``, for :func:`weight_from_bytes`; empty for version 1."""
+    return _parse(data)[1]
