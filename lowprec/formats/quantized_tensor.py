@@ -1,0 +1,559 @@
+"""QuantizedTensor: the base class of every format's quantized tensor, with the table of
+``__torch_dispatch__`` handlers (the few aten ops a quantized tensor supports) and its
+pickling (``torch.save``/``torch.load``, deepcopy).
+
+See ``lowprec.formats.base`` for the storage convention; the rest of lowprec imports these
+names from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from .checks import HIGH_PRECISION_DTYPES, USAGES, _check_usage, flatten_2d
+
+aten = torch.ops.aten
+
+
+class QuantizedTensor(torch.Tensor):
+    """A quantized tensor that poses as its high-precision original.
+
+    Subclasses declare their inner tensors once in ``_inner`` (each may be
+    ``None`` when a direction is not held) and their plain metadata in
+    ``_meta``; flattening for torch.compile, pickling, deepcopy and the op
+    handlers are all derived from those two tuples. Inner tensor names start
+    with ``rowwise_`` or ``columnwise_`` (a direction's data and scales) or
+    ``shared_`` (used by both directions).
+    """
+
+    _inner: ClassVar[tuple[str, ...]] = ()
+    _meta: ClassVar[tuple[str, ...]] = ()
+    #: Optional private values a quantize computes beside the inner tensors (a decode
+    #: scale), kept while this object lives but never flattened, pickled or copied; whoever
+    #: reads one checks it still matches the inner tensors (through torch's version
+    #: counter: writes that bypass it, such as ``t.data.copy_()`` or a raw kernel writing
+    #: an inner tensor in place, must drop the record, i.e. set the name to None).
+    _derived: ClassVar[tuple[str, ...]] = ()
+
+    @staticmethod
+    def __new__(cls, shape, dtype, *, requires_grad: bool = False, **fields):
+        device = None
+        for name in cls._inner:
+            t = fields.get(name)
+            if t is not None:
+                device = t.device
+                break
+        if device is None:
+            raise ValueError(f"{cls.__name__} needs at least one inner tensor")
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, tuple(shape), dtype=dtype, device=device, requires_grad=requires_grad
+        )
+        for name in cls._inner:
+            setattr(self, name, fields.pop(name, None))
+        for name in cls._meta:
+            setattr(self, name, fields.pop(name))
+        for name in cls._derived:
+            setattr(self, name, fields.pop(name, None))
+        if fields:
+            raise TypeError(f"{cls.__name__} got unknown fields {sorted(fields)}")
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # ---- derived records (see ``_derived``) ----------------------------------------------
+    @staticmethod
+    def derived_record(source: torch.Tensor, value: torch.Tensor):
+        """A ``_derived`` record of ``value`` computed from ``source``, or None where it could
+        not be checked later: inference tensors have no version counter, and under
+        ``torch.compile`` the records are never read."""
+        if torch.compiler.is_compiling() or source.is_inference():
+            return None
+        return (source, source._version, value)
+
+    def _read_derived(self, name: str, source: torch.Tensor) -> torch.Tensor | None:
+        """The value of record ``name`` if it was made from ``source`` (the same tensor
+        object) and ``source`` has not been written since; else None."""
+        if torch.compiler.is_compiling():
+            return None
+        rec = getattr(self, name)
+        if rec is not None and rec[0] is source and rec[1] == source._version:
+            return rec[2]
+        return None
+
+    # ---- exact bf16 GEMM operands (lowprec.backends.exact_bf16) --------------------------
+    def bf16_operand_domain(self, usage: str) -> str | None:
+        """Whether ``usage``'s values enter a bf16 tensor-core GEMM exactly: ``"original"``;
+        ``"rht"`` for values in NVFP4's Hadamard domain along the contraction dimension
+        (exact only against another such operand, where the transform cancels); None where
+        they are not exact in bf16 or ``usage`` is not held."""
+        if not self.has_usage(usage):
+            return None
+        return self._bf16_domain(usage)
+
+    def _bf16_domain(self, usage: str) -> str | None:
+        return None  # formats whose values are exact in bf16 say so
+
+    def bf16_operand(self, usage: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(bf16 matrix, fp32 divisor or None)``: ``usage``'s values, in the layout and
+        domain it is stored in, are exactly ``matrix / divisor`` (see
+        :meth:`bf16_operand_domain`)."""
+        raise TypeError(f"no exact bf16 form for {type(self).__name__}")
+
+    def _exact_bf16_record(self, usage: str) -> torch.Tensor | None:
+        """The exact bf16 matrix the quantize kernel wrote beside ``usage``'s data
+        (``Quantizer.quantize_for_gemm``), if it is still that data's; else None."""
+        name = f"_exact_{usage}"
+        if name not in type(self)._derived:
+            return None
+        return self._read_derived(name, getattr(self, f"{usage}_data"))
+
+    # ---- derived from the declarations -------------------------------------------------
+    def inner_tensors(self) -> dict[str, torch.Tensor | None]:
+        return {name: getattr(self, name) for name in self._inner}
+
+    def metadata(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._meta}
+
+    def _rebuild(self, fn: Callable[[torch.Tensor], torch.Tensor], *, shape=None,
+                 dtype=None) -> "QuantizedTensor":
+        inner = {n: (None if t is None else fn(t)) for n, t in self.inner_tensors().items()}
+        return type(self)(self.shape if shape is None else shape,
+                          self.dtype if dtype is None else dtype,
+                          **inner, **self.metadata())
+
+    def __tensor_flatten__(self):
+        names = [n for n in self._inner if getattr(self, n) is not None]
+        return names, (self.dtype, tuple(self.metadata().items()))
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, ctx, outer_size, outer_stride):
+        dtype, meta = ctx
+        return cls(outer_size, dtype, **inner_tensors, **dict(meta))
+
+    def __reduce_ex__(self, protocol):
+        # Plain pickle cannot reload fp8 storages (torch bug), so fp8 inner tensors travel
+        # as uint8 views with their dtype beside them.
+        inner, views = {}, {}
+        for name, t in self.inner_tensors().items():
+            if t is not None and t.dtype.itemsize == 1 and t.dtype.is_floating_point:
+                inner[name], views[name] = t.view(torch.uint8), t.dtype
+            else:
+                inner[name] = t
+        return (_rebuild_quantized_tensor,
+                (type(self), tuple(self.shape), self.dtype, self.requires_grad, inner,
+                 self.metadata(), views, _is_parameter(self),
+                 getattr(self, REQUANTIZE_ATTR, None)))
+
+    def __deepcopy__(self, memo):
+        inner = {n: copy.deepcopy(t, memo) for n, t in self.inner_tensors().items()}
+        out = type(self)(self.shape, self.dtype, requires_grad=self.requires_grad,
+                         **inner, **copy.deepcopy(self.metadata(), memo))
+        if _is_parameter(self):
+            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
+        link = getattr(self, REQUANTIZE_ATTR, None)
+        if link is not None:  # deep-copied with its module: the copy's link is to the copy
+            setattr(out, REQUANTIZE_ATTR, copy.deepcopy(link, memo))
+        memo[id(self)] = out
+        return out
+
+    def __repr__(self, *, tensor_contents=None):
+        meta = ", ".join(f"{k}={v}" for k, v in self.metadata().items())
+        return (f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device}, rowwise={self.has_usage('rowwise')}, "
+                f"columnwise={self.has_usage('columnwise')}{', ' + meta if meta else ''})")
+
+    # ---- usages ---------------------------------------------------------------------------
+    def has_usage(self, usage: str) -> bool:
+        return getattr(self, f"{_check_usage(usage)}_data") is not None
+
+    @property
+    def shape_2d(self) -> tuple[int, int]:
+        return flatten_2d(self.shape)
+
+    def update_usage(self, rowwise_usage: bool | None = None,
+                     columnwise_usage: bool | None = None) -> "QuantizedTensor":
+        """Drop a direction (False) or add one (True) where it derives from what is held.
+
+        Adding a direction that cannot be derived (it needs the original
+        high-precision values) raises. Returns ``self``.
+        """
+        wanted = {"rowwise": rowwise_usage, "columnwise": columnwise_usage}
+        for usage, want in wanted.items():
+            if want and not self.has_usage(usage):
+                other = "columnwise" if usage == "rowwise" else "rowwise"
+                if not self.has_usage(other):
+                    raise RuntimeError(f"{type(self).__name__} holds no data to derive "
+                                       f"{usage} from")
+                for name, t in self._derive(usage).items():
+                    setattr(self, name, t)
+        if all(w is False or (w is None and not self.has_usage(u)) for u, w in wanted.items()):
+            raise ValueError("update_usage would leave the tensor with no data; keep one usage")
+        for usage, want in wanted.items():
+            if want is False:
+                for name in self._inner + self._derived:
+                    # a record of one direction (``_decode_rowwise``) goes with it
+                    if name.startswith(usage + "_") or name.endswith("_" + usage):
+                        setattr(self, name, None)
+        return self
+
+    def held_bytes(self) -> int:
+        """Bytes this tensor holds: its inner tensors and the exact bf16 records beside them."""
+        parts = [v for v in self.inner_tensors().values() if v is not None]
+        parts += [getattr(self, n)[2] for n in self._derived
+                  if n.startswith("_exact_") and getattr(self, n) is not None]
+        return sum(p.numel() * p.element_size() for p in parts)
+
+    def release(self) -> None:
+        """Drop every inner tensor, so their memory can be reused at once.
+
+        For a tensor nothing else will read again (the linear backward frees the
+        input it saved once wgrad has consumed it); any later use raises.
+        """
+        for name in self._inner + self._derived:
+            setattr(self, name, None)
+
+    def holds_gemm_layout(self, usage: str) -> bool:
+        """Whether ``usage``'s data is held in the layout the GEMMs read (contiguous); an
+        FSDP-gathered weight holds its columnwise data as a transposed view."""
+        return self.has_usage(usage) and all(
+            t.is_contiguous() for n, t in self.inner_tensors().items()
+            if t is not None and n.startswith(usage + "_"))
+
+    def usage_copy(self, usage: str) -> "QuantizedTensor":
+        """A new tensor holding only ``usage``'s data, contiguous: the held data (the same
+        tensors where already contiguous), or derived from the other direction where the
+        format allows. ``self`` is left as it is, so a derived copy lives only as long as
+        whoever asked for it (a GEMM operand of one backward)."""
+        _check_usage(usage)
+        other = "columnwise" if usage == "rowwise" else "rowwise"
+        fields = {n: (None if n.startswith(other + "_") or t is None else _contiguous(t))
+                  for n, t in self.inner_tensors().items()}
+        if not self.has_usage(usage):
+            if not self.has_usage(other):
+                raise RuntimeError(f"{type(self).__name__} holds no data to derive {usage} from")
+            fields.update(self._derive(usage))
+        return type(self)(self.shape, self.dtype, **fields, **self.metadata())
+
+    def _derive(self, usage: str) -> dict[str, torch.Tensor]:
+        raise RuntimeError(
+            f"{type(self).__name__} cannot derive its {usage} representation from the other "
+            f"direction without the high-precision values; quantize again with "
+            f"{usage}_usage on"
+        )
+
+    # ---- dequantization -------------------------------------------------------------------
+    def dequantize(self, dtype: torch.dtype | None = None, usage: str = "rowwise") -> torch.Tensor:
+        """High-precision values of one direction, in the nominal (untransposed) shape.
+
+        ``dtype`` defaults to the nominal dtype. The values are computed in
+        fp32 and rounded once to ``dtype``.
+        """
+        _check_usage(usage)
+        if not self.has_usage(usage):
+            held = [u for u in USAGES if self.has_usage(u)]
+            raise RuntimeError(
+                f"{type(self).__name__} holds no {usage} data (it holds {held}); quantize with "
+                f"{usage} usage or call update_usage({usage}_usage=True) where derivable"
+            )
+        out = self._dequantize_2d(usage)
+        if usage == "columnwise":
+            out = out.t()
+        return out.reshape(self.shape).to(dtype or self.dtype)
+
+    def _dequantize_2d(self, usage: str) -> torch.Tensor:
+        """fp32 values of one direction in its stored 2-D layout."""
+        raise NotImplementedError
+
+    # ---- plain-tensor conversions ---------------------------------------------------------
+    def _as_plain(self, dtype: torch.dtype) -> torch.Tensor:
+        if _CONVERSIONS.keep_quantized:
+            # a module's .float()/.half() (``keep_quantized``): only the nominal dtype changes
+            return self.to(dtype)
+        return _Dequantize.apply(self, dtype)
+
+    def float(self, memory_format=torch.preserve_format) -> torch.Tensor:
+        """The dequantized values as a plain fp32 tensor; gradients flow back to ``self``."""
+        return self._as_plain(torch.float32)
+
+    def bfloat16(self, memory_format=torch.preserve_format) -> torch.Tensor:
+        """The dequantized values as a plain bf16 tensor; gradients flow back to ``self``."""
+        return self._as_plain(torch.bfloat16)
+
+    def half(self, memory_format=torch.preserve_format) -> torch.Tensor:
+        """The dequantized values as a plain fp16 tensor; gradients flow back to ``self``."""
+        return self._as_plain(torch.float16)
+
+    # ---- op table -------------------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs)
+        if func.overloadpacket in _HANDLERS_BY_PACKET:
+            return _HANDLERS_BY_PACKET[func.overloadpacket](func, args, kwargs)
+        hint = ("Call .dequantize() (or .float()/.bfloat16()) to get a high-precision tensor "
+                "for other operations.")
+        if func.overloadpacket in (aten.split, aten.chunk) and any(
+                _is_parameter(a) for a in _flat_tensors(args, kwargs)):
+            hint = ("A quantized weight (quantized_model_init) is being split, as FSDP2's "
+                    "fully_shard does: call lowprec.distributed.quantized_all_gather(model, "
+                    "recipe) before fully_shard; it gives each such weight an fp32 shard "
+                    "that FSDP2 all-gathers in the weight's quantized format.")
+        elif any(_is_parameter(a) for a in _flat_tensors(args, kwargs)):
+            hint = ("This is a quantized weight (quantized_model_init): a plain torch optimizer "
+                    "cannot update it; wrap the optimizer in "
+                    "lowprec.optim.QuantizedWeightOptimizer(model, torch.optim.AdamW, ...), "
+                    "which keeps fp32 master weights and re-quantizes them after each step. "
+                    "Call .dequantize() for other operations.")
+        raise NotImplementedError(
+            f"{cls.__name__} does not support {func}. Supported: detach, clone, copy_, to, "
+            f"empty_like, view/reshape keeping the last dimension, identity as_strided, "
+            f"torch.save. {hint}")
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()``; a transposed view (FSDP's gathered columnwise data) through the
+    transpose kernel."""
+    if t.is_contiguous() or t.dim() != 2 or not t.t().is_contiguous():
+        return t.contiguous()
+    from ..kernels.transpose import transpose_contiguous
+    return transpose_contiguous(t.t())
+
+
+class _Dequantize(torch.autograd.Function):
+    """``qt.dequantize(dtype)`` with a straight-through gradient to the quantized tensor."""
+
+    @staticmethod
+    def forward(ctx, qt, dtype):
+        ctx.dtype = qt.dtype
+        return qt.dequantize(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+class _Conversions(threading.local):
+    keep_quantized = False
+
+
+_CONVERSIONS = _Conversions()
+
+
+@contextlib.contextmanager
+def keep_quantized():
+    """Inside, ``qt.float()``/``.bfloat16()``/``.half()`` change a quantized tensor's nominal
+    dtype (lossless, still quantized) instead of dequantizing it: what a module's
+    ``.float()``/``.half()`` means for its quantized weights."""
+    saved = _CONVERSIONS.keep_quantized
+    _CONVERSIONS.keep_quantized = True
+    try:
+        yield
+    finally:
+        _CONVERSIONS.keep_quantized = saved
+
+
+def _flat_tensors(args, kwargs) -> list:
+    out = []
+    for a in list(args) + list(kwargs.values()):
+        out += list(a) if isinstance(a, (list, tuple)) else [a]
+    return [a for a in out if isinstance(a, QuantizedTensor)]
+
+
+def user_attributes(qt: QuantizedTensor) -> dict[str, Any]:
+    """Python attributes set on a quantized tensor beyond its declared fields (a
+    parameter's sharding or tensor-parallel marks, the re-quantize link)."""
+    own = set(qt._inner) | set(qt._meta) | set(qt._derived) | {"_is_param"}
+    return {k: v for k, v in qt.__dict__.items() if k not in own}
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    # nn.Parameter(subclass) keeps the subclass type and marks the instance instead.
+    return bool(getattr(t, "_is_param", False))
+
+
+def _rebuild_quantized_tensor(cls, shape, dtype, requires_grad, inner, meta, views,
+                              is_param=False, requantize=None):
+    inner = {n: (t.view(views[n]) if n in views else t) for n, t in inner.items()}
+    out = cls(shape, dtype, requires_grad=requires_grad, **inner, **meta)
+    if is_param:
+        out = torch.nn.Parameter(out, requires_grad=requires_grad)
+    if requantize is not None:
+        setattr(out, REQUANTIZE_ATTR, requantize)
+    return out
+
+
+# Pickles (``torch.save`` checkpoints) name the rebuild function by module path, and the
+# ``torch.load(weights_only=True)`` allowlist (``register_safe_globals``) matches that path:
+# keep the one it always had, ``lowprec.formats.base`` (which re-exports it), so that
+# checkpoints saved before and after this module was split out of it load alike.
+_rebuild_quantized_tensor.__module__ = "lowprec.formats.base"
+
+
+# ---- handlers: one small function per supported op -------------------------------------
+_HANDLERS: dict = {}
+_HANDLERS_BY_PACKET: dict = {}
+
+
+def _handles(*ops):
+    def register(fn):
+        for op in ops:
+            (_HANDLERS_BY_PACKET if isinstance(op, torch._ops.OpOverloadPacket)
+             else _HANDLERS)[op] = fn
+        return fn
+    return register
+
+
+@_handles(aten.detach.default, aten.alias.default)
+def _detach(func, args, kwargs):
+    qt = args[0]
+    if torch.is_inference_mode_enabled() and not qt.is_inference():
+        # A view of a normal tensor shares its version counter, which an inference tensor
+        # has none of: the wrapper is made as a normal tensor (state_dict() under
+        # inference_mode detaches every parameter).
+        with torch.inference_mode(False):
+            return qt._rebuild(lambda t: t.detach())
+    return qt._rebuild(lambda t: t.detach())
+
+
+@_handles(aten.clone.default)
+def _clone(func, args, kwargs):
+    return args[0]._rebuild(lambda t: t.clone())
+
+
+@_handles(aten.copy_.default)
+def _copy(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, QuantizedTensor):
+        if dst.is_pinned():
+            # torch.autograd.graph.save_on_cpu(pin_memory=True) copies saved tensors this way:
+            # a quantized operand would come back as a plain one
+            raise TypeError(
+                f"copying a {type(src).__name__} into a pinned plain tensor would save its "
+                f"dequantized values; to offload saved activations use "
+                f"lowprec.cpu_offload(pin_memory=True), which moves quantized tensors as "
+                f"their codes and scales")
+        return dst.copy_(src.dequantize(dst.dtype))
+    if not isinstance(src, QuantizedTensor):
+        return _requantize_into(dst, src)
+    if type(src) is not type(dst) or src.metadata() != dst.metadata() or src.shape != dst.shape:
+        raise TypeError(f"copy_ needs the same format and shape: {dst!r} <- {src!r}")
+    for name, d in dst.inner_tensors().items():
+        s = getattr(src, name)
+        if (d is None) != (s is None):
+            raise TypeError(f"copy_ needs the same usages: {dst!r} <- {src!r}")
+        if d is not None:
+            d.copy_(s)
+    return dst
+
+
+#: Attribute a quantized *parameter* may carry: ``f(src, dst)`` re-quantizes the high-precision
+#: ``src`` into ``dst`` with its module's weight quantizer (set by the lowprec modules).
+REQUANTIZE_ATTR = "_lowprec_requantize"
+
+
+def _requantize_into(dst: QuantizedTensor, src: torch.Tensor) -> QuantizedTensor:
+    """``dst.copy_(src)`` of high-precision values: re-quantized in place by the quantizer the
+    parameter's module gives (``load_state_dict`` of a high-precision checkpoint, a master
+    weight copied back)."""
+    requantize = getattr(dst, REQUANTIZE_ATTR, None)
+    if requantize is None:
+        raise TypeError(
+            f"copy_ of a high-precision tensor into a {type(dst).__name__} needs a quantizer: "
+            f"only a quantized weight of a lowprec module built under quantized_model_init "
+            f"re-quantizes by itself; use quantizer.update_quantized(src, dst)")
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"copy_ into a quantized parameter of shape {tuple(dst.shape)} got "
+                         f"shape {tuple(src.shape)}; the shapes must match (no broadcasting)")
+    # the values the parameter would hold as a plain tensor of its dtype
+    requantize(src.to(device=dst.device, dtype=dst.dtype), dst)
+    return dst
+
+
+def _like_args(qt: QuantizedTensor, kwargs: dict, op: str, accepted: set) -> torch.dtype:
+    """The nominal dtype a ``to``/``empty_like`` asks for, after checking its arguments."""
+    extra = set(kwargs) - accepted
+    if extra:
+        raise NotImplementedError(f"{type(qt).__name__}: {op} does not support {sorted(extra)}")
+    dtype = kwargs.get("dtype") or qt.dtype
+    if dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"a quantized tensor's nominal dtype must be one of "
+                        f"{HIGH_PRECISION_DTYPES}, got {dtype}")
+    return dtype
+
+
+@_handles(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    qt = args[0]
+    dtype = _like_args(qt, kwargs, "to", {"dtype", "device", "non_blocking", "layout",
+                                          "memory_format", "pin_memory"})
+    device = kwargs.get("device")
+    # A dtype change only changes the nominal dtype (what dequantize returns): lossless.
+    return qt._rebuild(lambda t: t.to(device=device, non_blocking=kwargs.get("non_blocking", False))
+                       if device is not None else t.clone(), dtype=dtype)
+
+
+@_handles(aten.empty_like.default)
+def _empty_like(func, args, kwargs):
+    # ``module.to_empty(device=...)`` (meta-device init): fresh, uninitialized buffers of the
+    # same layout, to be filled by a re-quantize (``reset_parameters``, a checkpoint load).
+    qt = args[0]
+    dtype = _like_args(qt, kwargs, "empty_like", {"dtype", "device", "layout", "pin_memory",
+                                                  "memory_format"})
+    device = kwargs.get("device") or qt.device
+    return qt._rebuild(lambda t: torch.empty_like(t, device=device), dtype=dtype)
+
+
+def _view_shape(qt: QuantizedTensor, size) -> tuple[int, ...]:
+    size = list(size)
+    numel = qt.numel()
+    if size.count(-1) == 1:
+        known = 1
+        for s in size:
+            if s != -1:
+                known *= s
+        size[size.index(-1)] = numel // known if known else 0
+    if len(size) == 0 or size[-1] != qt.shape[-1] or torch.Size(size).numel() != numel:
+        hint = ""
+        if len(size) == 1 and qt.dim() > 1:
+            # DistributedDataParallel's constructor broadcasts parameters flattened this way
+            hint = ("; under DistributedDataParallel build every rank's quantized weights "
+                    "alike (same seed) and pass init_sync=False")
+        raise RuntimeError(
+            f"{type(qt).__name__} can only be viewed with the same last dimension "
+            f"({qt.shape[-1]}) and number of elements; got {tuple(size)} for shape "
+            f"{tuple(qt.shape)}{hint}"
+        )
+    return tuple(size)
+
+
+@_handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(func, args, kwargs):
+    qt, size = args[0], args[1]
+    return qt._rebuild(lambda t: t, shape=_view_shape(qt, size))
+
+
+@_handles(aten.as_strided.default)
+def _as_strided(func, args, kwargs):
+    # FSDP2 takes its unsharded parameter as ``as_strided(t, t.shape, contiguous stride, 0)``:
+    # the identity is the one strided view a quantized tensor has.
+    qt, size, stride = args[0], tuple(args[1]), tuple(args[2])
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+    if size != tuple(qt.shape) or stride != torch.empty(size, device="meta").stride() or offset:
+        raise NotImplementedError(
+            f"{type(qt).__name__} supports as_strided only as the identity (size "
+            f"{tuple(qt.shape)}, contiguous stride, offset 0); got size {size}, stride "
+            f"{stride}, offset {offset}")
+    return qt._rebuild(lambda t: t)
+
+
+
+def register_safe_globals(*objs) -> None:
+    """Allow ``torch.load(weights_only=True)`` to rebuild lowprec objects."""
+    torch.serialization.add_safe_globals([_rebuild_quantized_tensor, *objs])
