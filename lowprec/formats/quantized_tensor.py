@@ -494,8 +494,12 @@ def _to_copy(func, args, kwargs):
     dtype = _like_args(qt, kwargs, "to", {"dtype", "device", "non_blocking", "layout",
                                           "memory_format", "pin_memory"})
     device = kwargs.get("device")
+    non_blocking = kwargs.get("non_blocking", False)
     # A dtype change only changes the nominal dtype (what dequantize returns): lossless.
-    return qt._rebuild(lambda t: t.to(device=device, non_blocking=kwargs.get("non_blocking", False))
+    # The inner tensors move by the aten op itself: inside this dispatch ``t.to`` would reach
+    # a quantized inner tensor (a hybrid's) as the undecomposed ``aten.to``, which it refuses.
+    return qt._rebuild(lambda t: aten._to_copy.default(t, device=device,
+                                                       non_blocking=non_blocking)
                        if device is not None else t.clone(), dtype=dtype)
 
 

@@ -589,3 +589,18 @@ def test_update_quantized_with_other_formats_raises():
         MXFP8Quantizer(E4M3).update_quantized(randn(*SMALL_SHAPE, seed=53), empty)
     with pytest.raises(ValueError):
         hybrid("mxfp8", "nvfp4").update_quantized(randn(2, 16, 32, seed=54), empty)
+
+
+@pytest.mark.parametrize("device", ["meta"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_hybrid_moves_device_with_its_sub_tensors(device):
+    """``.to(device)`` moves a hybrid and its quantized sub-tensors (``module.cuda()`` of a
+    hybrid quantized weight); on a real device the values are unchanged."""
+    q = HybridQuantizer(MXFP8Quantizer(), Float8CurrentScalingQuantizer(torch.float8_e4m3fn))
+    t = q.quantize(torch.randn(64, 64))
+    moved = t.to(device)
+    assert isinstance(moved, HybridQuantizedTensor) and moved.device.type == device
+    for usage in ("rowwise", "columnwise"):
+        sub = moved.sub_tensor(usage)
+        assert type(sub) is type(t.sub_tensor(usage)) and sub.device.type == device
+        if device != "meta":
+            assert torch.equal(sub.dequantize().cpu(), t.sub_tensor(usage).dequantize())
