@@ -1,14 +1,21 @@
 """The NaN/Inf check: the first layer, role and step where a quantized operand, or the
-high-precision value it was quantized from, held a non-finite value."""
+high-precision value it was quantized from, held a non-finite value.
+
+Each quantize leaves device scalars (:class:`FiniteProbe`, or the recorded statistics);
+nothing is read back until the step ends, when the recorder fetches every call's scalars
+at once and reports the first call, in quantize order, that held a NaN/Inf."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from ..formats.base import USAGES, QuantizedTensor
+from ..formats.base import QuantizedTensor
+from .scaling import stored_values
+from .stats import Pending
 
 #: accepted values of ``check_finite`` and what they mean
 POLICIES = {True: "warn", "warn": "warn", "raise": "raise", False: None, None: None}
@@ -51,16 +58,26 @@ def check_policy(value) -> str | None:
                      f"NonFiniteError) or False (no check)")
 
 
-def nonfinite_where(x: torch.Tensor, qt: QuantizedTensor) -> str | None:
-    """``"input"`` if ``x`` holds NaN/Inf, else the first direction of ``qt`` whose
-    dequantized values do, else None."""
-    if not bool(torch.isfinite(x).all()):
-        return "input"
-    for usage in USAGES:
-        if qt.has_usage(usage) and not bool(
-                torch.isfinite(qt.dequantize(torch.float32, usage)).all()):
-            return usage
-    return None
+class FiniteProbe(Pending):
+    """One quantize's min and max of x and of each direction's dequantized values, as
+    device scalars (a NaN/Inf makes them non-finite); :meth:`where` reads them after the
+    fetch."""
+
+    def __init__(self, x: torch.Tensor, qt: QuantizedTensor, usages) -> None:
+        super().__init__()
+        self.usages = list(usages)
+        for t in (x.detach(), *(stored_values(qt, u) for u in self.usages)):
+            for v in torch.aminmax(t):
+                self.add_float(v)
+
+    def where(self) -> str | None:
+        """``"input"`` if x held NaN/Inf, else the first direction whose dequantized values
+        did, else None (after :func:`lowprec.debug.stats.fetch`)."""
+        v = self.host_floats
+        ok = [math.isfinite(v[i]) and math.isfinite(v[i + 1]) for i in range(0, len(v), 2)]
+        if not ok[0]:
+            return "input"
+        return next((u for u, fine in zip(self.usages, ok[1:]) if not fine), None)
 
 
 class FiniteCheck:
@@ -74,11 +91,11 @@ class FiniteCheck:
     def seen_this_step(self, step: int) -> bool:
         return self._step_seen == step
 
-    def report(self, event: NonFiniteEvent) -> None:
+    def report(self, event: NonFiniteEvent, stacklevel: int = 2) -> None:
         if self.seen_this_step(event.step):
             return  # what follows the first is its consequence
         self._step_seen = event.step
         self.events.append(event)
         if self.policy == "raise":
             raise NonFiniteError(event)
-        warnings.warn(event.message(), RuntimeWarning, stacklevel=2)
+        warnings.warn(event.message(), RuntimeWarning, stacklevel=stacklevel)

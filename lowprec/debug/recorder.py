@@ -13,11 +13,11 @@ from torch import nn
 from ..formats.base import USAGES, QuantizedTensor
 from ..modules.base import LowprecModule
 from .describe import format_of
-from .finite import FiniteCheck, NonFiniteEvent, check_policy, nonfinite_where
+from .finite import FiniteCheck, FiniteProbe, NonFiniteEvent, check_policy
 from .hooks import QuantizerHooks, Site
 from .report import RunLog, RunReport, build_report
 from .sinks import CsvSink, check_path, open_tensorboard
-from .stats import StepStats, direction_stats
+from .stats import OperandStats, StepStats, fetch, operand_stats
 
 
 def _check_every(name: str, value, *, optional: bool = False) -> int | None:
@@ -45,8 +45,10 @@ class Recorder:
             TensorBoard is not installed.
         check_finite: on checked steps, name the first layer, role and step where a
             quantized operand or its high-precision value held NaN/Inf: ``True``/``"warn"``
-            warns, ``"raise"`` raises :class:`NonFiniteError` at once (inside the forward or
-            backward that met it), ``False`` does not check. Events: ``nonfinite``.
+            warns, ``"raise"`` raises :class:`NonFiniteError`, ``False`` does not check.
+            Either happens when the step ends (:meth:`step`, the end of
+            :meth:`step_scope`, :meth:`close`), after its rows are written: the check
+            reads nothing back while the step runs. Events: ``nonfinite``.
         check_every: check every N-th step (default: the recorded steps only). Steps that
             are checked but not recorded run only the check.
 
@@ -56,6 +58,8 @@ class Recorder:
 
     Hooks exist only on recorded or checked steps: the recorder installs them when such a
     step begins and removes them when it ends (:meth:`step`); other steps pay a counter.
+    On a hooked step each quantize adds a few reductions whose results stay on the device;
+    they are read back together, in one transfer, when the step ends.
     Recording changes no result (the same bits, random draws included); on hooked steps
     dY and the weights are quantized whole rather than in slices, and Linears reading
     one input quantize it each (the same values), which may raise those steps' peak
@@ -85,7 +89,9 @@ class Recorder:
         self._log = RunLog()
         self._hooked_steps: list[int] = []
         self._step = 0
-        self._stats: dict[tuple[str, str, str], StepStats] = {}
+        #: the hooked step's quantize calls: (site, device scalars, formats by direction
+        #: and shape where recorded, else None), read back when the step ends
+        self._pending: list[tuple[Site, OperandStats | FiniteProbe, dict | None, tuple]] = []
         self._hooks: QuantizerHooks | None = None
         self._recording = False
         self._calls_before = 0
@@ -107,9 +113,11 @@ class Recorder:
         """End the current step: write its rows and remove its hooks; hook the next step if
         it is recorded or checked."""
         self._check_open()
-        self._finish()
-        self._step += 1
-        self._arm()
+        try:
+            self._finish()
+        finally:
+            self._step += 1
+            self._arm()
 
     @contextlib.contextmanager
     def step_scope(self):
@@ -131,11 +139,13 @@ class Recorder:
         """Write the rows of a step in progress, remove the hooks, close the files."""
         if self._closed:
             return
-        self._finish()
-        self._closed = True
-        for sink in (self._csv, self._tb):
-            if sink is not None:
-                sink.close()
+        try:
+            self._finish()
+        finally:
+            self._closed = True
+            for sink in (self._csv, self._tb):
+                if sink is not None:
+                    sink.close()
 
     def __enter__(self) -> "Recorder":
         return self
@@ -166,15 +176,33 @@ class Recorder:
         self._hooks = None
         if self._log.calls > self._calls_before:
             self._hooked_steps.append(self._step)
+        pending, self._pending = self._pending, []
+        fetch([p for _, p, _, _ in pending])  # the step's one device-to-host transfer
+        stats: dict[tuple[str, str, str], StepStats] = {}
+        event = None
+        for site, p, formats, shape in pending:
+            if formats is None:  # checked, not recorded
+                where = p.where()
+            else:
+                where = None
+                for usage, s in p.resolve().items():
+                    stats.setdefault((site.layer, site.role, usage), StepStats()).add(
+                        s, formats[usage], shape)
+                    if s.nonfinite:
+                        where = "input"
+                    elif s.nonfinite_quantized and where is None:
+                        where = usage
+            if event is None and where is not None:
+                event = NonFiniteEvent(self._step, site.layer, site.role, where, site.module)
         rows = [{"step": self._step, "layer": layer, "role": role, "direction": usage,
-                 **stats.row()} for (layer, role, usage), stats in self._stats.items()]
-        self._stats = {}
-        if not rows:
-            return
-        self.rows += rows
-        for sink in (self._csv, self._tb):
-            if sink is not None:
-                sink.write(rows)
+                 **st.row()} for (layer, role, usage), st in stats.items()]
+        if rows:
+            self.rows += rows
+            for sink in (self._csv, self._tb):
+                if sink is not None:
+                    sink.write(rows)
+        if event is not None and self._finite is not None:
+            self._finite.report(event, stacklevel=4)  # warns at the caller of step()/close()
 
     # ---- one quantize -------------------------------------------------------------------
     def _on_quantize(self, site: Site, q, x: torch.Tensor, qt) -> None:
@@ -182,29 +210,11 @@ class Recorder:
             return
         with torch.no_grad():
             usages = [u for u in USAGES if qt.has_usage(u)]
+            formats = {u: format_of(q, u) for u in usages}
             for usage in usages:
-                self._log.on_format(site.module, site.layer, site.role, usage,
-                                    format_of(q, usage))
+                self._log.on_format(site.module, site.layer, site.role, usage, formats[usage])
             if self._recording:
-                self._record(site, q, x, qt, usages)
-            elif self._finite is not None and not self._finite.seen_this_step(self._step):
-                self._check(site, nonfinite_where(x, qt))
-
-    def _record(self, site: Site, q, x: torch.Tensor, qt, usages: list[str]) -> None:
-        where = None
-        for usage in usages:
-            s = direction_stats(x, qt, usage, q)
-            key = (site.layer, site.role, usage)
-            self._stats.setdefault(key, StepStats()).add(s, format_of(q, usage),
-                                                         tuple(x.shape))
-            if s.nonfinite:
-                where = "input"
-            elif s.nonfinite_quantized and where is None:
-                where = usage
-        if self._finite is not None:
-            self._check(site, where)
-
-    def _check(self, site: Site, where: str | None) -> None:
-        if where is not None:
-            self._finite.report(NonFiniteEvent(self._step, site.layer, site.role, where,
-                                               site.module))
+                self._pending.append((site, operand_stats(x, qt, usages, q), formats,
+                                      tuple(x.shape)))
+            elif self._finite is not None:
+                self._pending.append((site, FiniteProbe(x, qt, usages), None, ()))

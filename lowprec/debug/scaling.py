@@ -6,7 +6,9 @@ reads them back into one picture, in the layout the direction is stored in ((M, 
 rowwise, (K, M) columnwise) and in its domain (NVFP4's columnwise data may be
 Hadamard-transformed):
 
-* ``source``: the input as this direction's cast saw it;
+* ``source``: the input as this direction's cast saw it, in x's own dtype where the
+  direction is untransformed (products with the fp32 scales promote to fp32, the values
+  the cast computes);
 * ``encoded``: the scaled values the element cast rounded (``source`` times the encode
   scales, exactly as the format computes them), so an element saturated (was clipped)
   where ``|encoded| > grid_max``;
@@ -16,9 +18,11 @@ Hadamard-transformed):
   element codes are multiplied by to give values), else None.
 
 Nothing is quantized again: every number comes from the quantized tensor and the input.
-A tensor that holds only exact values (``ExactTensor``, an operand only the GEMMs read on
-GPU) has no scales stored; its block scales are recomputed from the input with the
-format's reference rules (deterministic: no random draws), given its quantizer.
+Per-block scales are broadcast over their blocks' elements (no per-element copy of the
+scales is made). A tensor that holds only exact values (``ExactTensor``, an operand only
+the GEMMs read on GPU) has no scales stored; its block scales are recomputed from the
+input with the format's reference rules (deterministic: no random draws), given its
+quantizer.
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ import torch
 from ..formats.base import QuantizedTensor
 from ..formats.block import Float8BlockwiseTensor
 from ..formats.block.reference import BLOCK as FP8_BLOCK
-from ..formats.casting import E2M1_MAX, E8M0_BIAS, E8M0_NAN, FP8_MAX, exp2_int
+from ..formats.casting import (
+    E2M1_GRID,
+    E2M1_MAX,
+    E8M0_BIAS,
+    E8M0_NAN,
+    FP8_MAX,
+    exp2_int,
+    unpack_e2m1,
+)
 from ..formats.exact import ExactTensor
 from ..formats.float8 import Float8Tensor
 from ..formats.hybrid import HybridQuantizedTensor, HybridQuantizer
@@ -41,7 +53,7 @@ from ..formats.mxfp8.reference import block_exponents
 from ..formats.nvfp4 import NVFP4Tensor
 from ..formats.nvfp4.reference import BLOCK as NV_BLOCK
 from ..formats.nvfp4.reference import block_decode_scales
-from ..formats.rht import rht_forward
+from ..formats.rht import _butterflies, _tiles, rht_signs
 
 
 @dataclass
@@ -62,17 +74,19 @@ class DirectionScaling:
 
 
 def direction_scaling(qt: QuantizedTensor, usage: str, x2d: torch.Tensor,
-                      quantizer=None) -> DirectionScaling:
+                      quantizer=None, x_dir: torch.Tensor | None = None) -> DirectionScaling:
     """``usage``'s direction of ``qt``, quantized from ``x2d`` (the input as (M, K)).
-    ``quantizer``: the quantizer that made ``qt``, needed only for an ``ExactTensor``."""
+    ``quantizer``: the quantizer that made ``qt``, needed only for an ``ExactTensor``.
+    ``x_dir``: ``x2d`` already in the direction's layout (a contiguous (K, M) copy for
+    columnwise), else a view of ``x2d`` is used."""
     if isinstance(qt, HybridQuantizedTensor):
         sub_q = None
         if isinstance(quantizer, HybridQuantizer):
             sub_q = quantizer.rowwise_quantizer if usage == "rowwise" else \
                 quantizer.columnwise_quantizer
-        return direction_scaling(qt.sub_tensor(usage), usage, x2d, sub_q)
-    src = x2d.detach().to(torch.float32)
-    src = src if usage == "rowwise" else src.t()
+        return direction_scaling(qt.sub_tensor(usage), usage, x2d, sub_q, x_dir)
+    src = x_dir if x_dir is not None else x2d if usage == "rowwise" else x2d.t()
+    src = src.detach()
     for cls, read in _READERS:
         if isinstance(qt, cls):
             return read(qt, usage, src, quantizer)
@@ -80,16 +94,97 @@ def direction_scaling(qt: QuantizedTensor, usage: str, x2d: torch.Tensor,
     return DirectionScaling(src, _stored(qt, usage))
 
 
+#: (name, device) -> a small constant tensor of a format (see _constant)
+_CONSTANTS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _constant(name: str, device: torch.device) -> torch.Tensor:
+    """The fp32 constant ``name`` ("rht_fwd": the RHT's ``s / 8``, "rht_inv": its ``2 s``,
+    "e2m1": the E2M1 grid) on ``device``, made once per device and copied there from
+    pinned memory without a synchronization: the format's own functions build them from
+    Python values on every call, a host-to-device copy that synchronizes."""
+    t = _CONSTANTS.get((name, device))
+    if t is None:
+        t = {"rht_fwd": lambda: rht_signs() * 0.125, "rht_inv": lambda: rht_signs() * 2.0,
+             "e2m1": lambda: torch.tensor(E2M1_GRID, dtype=torch.float32)}[name]()
+        if device.type == "cuda":
+            t = t.pin_memory().to(device, non_blocking=True)
+        t = _CONSTANTS[(name, device)] = t.to(device)
+    return t
+
+
+def rht_forward(x: torch.Tensor) -> torch.Tensor:
+    """``lowprec.formats.rht.rht_forward``: the same operations and bits, its sign factors
+    made once per device (:func:`_constant`)."""
+    t = _tiles(x)
+    return (_butterflies(t * _constant("rht_fwd", t.device)) * 2.0).reshape(x.shape)
+
+
+def rht_inverse(y: torch.Tensor) -> torch.Tensor:
+    """``lowprec.formats.rht.rht_inverse``, likewise."""
+    t = _tiles(y)
+    return (_butterflies(t * 0.125) * _constant("rht_inv", t.device)).reshape(y.shape)
+
+
+def stored_values(qt: QuantizedTensor, usage: str) -> torch.Tensor:
+    """fp32 dequantized values of ``usage`` in its stored layout and domain (NVFP4's and an
+    exact tensor's columnwise ones still RHT-transformed): the values the direction gives
+    the GEMM, read without undoing a transform."""
+    if isinstance(qt, HybridQuantizedTensor):
+        return stored_values(qt.sub_tensor(usage), usage)
+    if isinstance(qt, NVFP4Tensor):
+        return _nvfp4_stored(qt, usage)
+    if isinstance(qt, ExactTensor):
+        values = getattr(qt, f"{usage}_data").to(torch.float32)
+        divisor = getattr(qt, f"{usage}_divisor")
+        return values if divisor is None else values / divisor
+    return _stored(qt, usage)
+
+
+def _nvfp4_stored(qt: NVFP4Tensor, usage: str) -> torch.Tensor:
+    """``qt.dequantize_stored(usage)``, the same operations and bits (``(q * d) / S``), its
+    E2M1 grid made once per device (:func:`_constant`) and the block scales broadcast."""
+    codes = unpack_e2m1(getattr(qt, f"{usage}_data"))
+    mag = _constant("e2m1", codes.device)[(codes & 7).long()]
+    q = torch.where((codes & 8) != 0, -mag, mag)
+    d = getattr(qt, f"{usage}_scale").to(torch.float32)
+    rows = NV_BLOCK if qt.with_2d_quantization else 1
+    return _blockwise(_times, q, (d,), rows, NV_BLOCK) / getattr(qt, f"{usage}_global")
+
+
 def _stored(qt: QuantizedTensor, usage: str) -> torch.Tensor:
-    """fp32 dequantized values of ``usage`` in its stored (untransposed-domain) layout."""
-    m, k = qt.shape_2d
-    out = qt.dequantize(torch.float32, usage).reshape(m, k)
-    return out if usage == "rowwise" else out.t()
+    """fp32 dequantized values of ``usage`` in its stored layout ((M, K) rowwise, (K, M)
+    columnwise), in x's domain (what ``dequantize`` gives, without its transposes)."""
+    return qt._dequantize_2d(usage).to(torch.float32)
+
+
+def x_domain(sc: DirectionScaling) -> torch.Tensor:
+    """``sc.stored`` in x's own domain (the RHT undone), in the direction's layout."""
+    return rht_inverse(sc.stored) if sc.transformed else sc.stored
 
 
 def _expand(per_block: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """A per-block (R/rows, C/cols) tensor repeated over each block's elements."""
     return per_block.repeat_interleave(rows, dim=0).repeat_interleave(cols, dim=1)
+
+
+def _blockwise(op, src: torch.Tensor, per_block: tuple[torch.Tensor, ...], rows: int,
+               cols: int) -> torch.Tensor:
+    """``op(src, *per_block)`` with each (R/rows, C/cols) per-block tensor applied to its
+    block's elements of the (R, C) ``src``: broadcast over a blocked view of ``src`` (a
+    transposed ``src`` is taken in its own memory order), no per-element copy of the
+    scales. The same values as ``op(src, *(_expand(p, rows, cols) for p in per_block))``."""
+    r, c = src.shape
+    if not src.is_contiguous() and src.t().is_contiguous():
+        return _blockwise(op, src.t(), tuple(p.t() for p in per_block), cols, rows).t()
+    if r % rows or c % cols or any(p.shape != (r // rows, c // cols) for p in per_block):
+        return op(src, *(_expand(p, rows, cols) for p in per_block))
+    blocks = src.reshape(r // rows, rows, c // cols, cols)
+    return op(blocks, *(p[:, None, :, None] for p in per_block)).reshape(r, c)
+
+
+def _times(src: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    return src * factor
 
 
 def _block_view(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -109,7 +204,7 @@ def _block_fp8(qt: Float8BlockwiseTensor, usage, src, quantizer) -> DirectionSca
     scale = getattr(qt, f"{usage}_scale").to(torch.float32)
     rows = 1 if qt.block_scaling_dim == 1 else FP8_BLOCK
     return DirectionScaling(src, _stored(qt, usage),
-                            encoded=src * _expand(scale, rows, FP8_BLOCK),
+                            encoded=_blockwise(_times, src, (scale,), rows, FP8_BLOCK),
                             grid_max=FP8_MAX[qt.fp8_dtype], block_decode=1.0 / scale)
 
 
@@ -124,31 +219,35 @@ def _mx_factors(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _mxfp8(qt: MXFP8Tensor, usage, src, quantizer) -> DirectionScaling:
     rows = MX_BLOCK if qt.with_2d_quantization else 1
     encode, decode = _mx_factors(getattr(qt, f"{usage}_scale"))
-    return DirectionScaling(src, _stored(qt, usage), encoded=src * _expand(encode, rows, MX_BLOCK),
+    return DirectionScaling(src, _stored(qt, usage),
+                            encoded=_blockwise(_times, src, (encode,), rows, MX_BLOCK),
                             grid_max=FP8_MAX[qt.fp8_dtype], block_decode=decode)
 
 
 def _nvfp4_encoded(src: torch.Tensor, s: torch.Tensor, d: torch.Tensor, two_d: bool):
     """The values NVFP4 rounds to E2M1, ``(x * S) / d`` (0 where ``d`` is not positive, as
     the format stores them), and the per-block decode scales ``d / S``."""
-    d_el = _expand(d, NV_BLOCK if two_d else 1, NV_BLOCK)
-    v = (src * s) / d_el
-    return torch.where(d_el > 0, v, torch.zeros_like(v)), d / s
+    def encode(x, d_el):
+        v = (x * s) / d_el
+        return torch.where(d_el > 0, v, 0.0)
+
+    return _blockwise(encode, src, (d,), NV_BLOCK if two_d else 1, NV_BLOCK), d / s
 
 
 def _nvfp4(qt: NVFP4Tensor, usage, src, quantizer) -> DirectionScaling:
     transformed = usage == "columnwise" and qt.with_rht
     if transformed:
-        src = rht_forward(src)
+        src = rht_forward(src)  # fp32
     s = getattr(qt, f"{usage}_global").to(torch.float32).reshape(1)
     d = getattr(qt, f"{usage}_scale").to(torch.float32)
     encoded, decode = _nvfp4_encoded(src, s, d, qt.with_2d_quantization)
-    return DirectionScaling(src, qt.dequantize_stored(usage), encoded=encoded,
+    return DirectionScaling(src, _nvfp4_stored(qt, usage), encoded=encoded,
                             grid_max=E2M1_MAX, scale=s, block_decode=decode,
                             transformed=transformed)
 
 
 def _exact(qt: ExactTensor, usage, src, quantizer) -> DirectionScaling:
+    src = src.to(torch.float32)  # the block scales below are recomputed in fp32
     values = getattr(qt, f"{usage}_data").to(torch.float32)
     divisor = getattr(qt, f"{usage}_divisor")
     transformed = usage == "columnwise" and qt.columnwise_rht
@@ -160,7 +259,8 @@ def _exact(qt: ExactTensor, usage, src, quantizer) -> DirectionScaling:
         rows = MX_BLOCK if two_d else 1
         amax = _block_view(src, rows, MX_BLOCK).abs().amax(dim=-1)
         encode, decode = _mx_factors(block_exponents(amax, quantizer.fp8_dtype)[1])
-        return DirectionScaling(src, stored, encoded=src * _expand(encode, rows, MX_BLOCK),
+        return DirectionScaling(src, stored,
+                                encoded=_blockwise(_times, src, (encode,), rows, MX_BLOCK),
                                 grid_max=FP8_MAX[quantizer.fp8_dtype], block_decode=decode,
                                 transformed=transformed)
     if qt.source_format == "nvfp4" and divisor is not None and quantizer is not None:

@@ -33,12 +33,20 @@ def test_raise_names_the_layer_role_and_step():
     rec = Recorder(model, every=1, check_finite="raise")
     with pytest.raises(NonFiniteError, match=r"step 2 in layer 'fc2'.*role 'input'") as info:
         train(model, lowprec.MXFP8BlockScaling(), batches(4), rec)
+    # raised by rec.step() at the end of step 2, after the step's rows were written
     assert info.value.event == NonFiniteEvent(2, "fc2", "input", "input", "2")
     assert rec.nonfinite == [info.value.event]
-    rec.close()  # writes the rows the failing step recorded before the NaN
-    assert {(r["step"], r["layer"], r["role"]) for r in rec.rows if r["step"] == 2} == {
-        (2, "fc1", "input"), (2, "fc1", "weight"), (2, "fc2", "input")}
-    assert [r["nonfinite"] for r in rec.rows if r["step"] == 2 and r["layer"] == "fc2"] == [1, 1]
+    assert rec.step_index == 3
+    step2 = {(r["layer"], r["role"], r["direction"]): r for r in rec.rows if r["step"] == 2}
+    assert len(step2) == 10  # the whole step: forward and backward
+    assert [step2["fc2", "input", d]["nonfinite"] for d in ("rowwise", "columnwise")] == [1, 1]
+    assert step2["fc1", "input", "rowwise"]["nonfinite"] == 0
+    # the NaN spread into the backward (fc1 quantized its dY after fc2's input): not
+    # the first event of the step, so not the one reported
+    assert step2["fc1", "grad_output", "columnwise"]["nonfinite"] > 0
+    assert all(r["nonfinite"] == 0 for r in rec.rows if r["step"] < 2)
+    rec.close()
+    assert rec.nonfinite == [info.value.event]
 
 
 def test_warn_on_check_only_steps():
@@ -65,7 +73,7 @@ def test_quantized_values_alone_non_finite():
     with pytest.warns(RuntimeWarning, match=r"layer 'fc1'.*role 'input'.*rowwise quantized"):
         with lowprec.autocast(recipe=recipe):
             model(x)
-    rec.close()
+        rec.close()  # the step ends: its check is read back
     assert rec.nonfinite[0].where == "rowwise"
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from debug_helpers import RECIPES
@@ -110,3 +112,36 @@ def test_tensorboard_event_files(tmp_path):
     _train(model, lowprec.MXFP8BlockScaling(), rec, steps=1)
     rec.close()
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+
+
+def _syncs(fn) -> int:
+    """Host synchronizations ``fn`` makes (``torch.cuda.set_sync_debug_mode``'s warnings)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_recorded_step_synchronizes_once_at_its_end(name):
+    """While a recorded step runs it synchronizes as often as an unrecorded one (the
+    statistics stay on the GPU); its end reads them back at most once."""
+    def step(model):
+        return _syncs(lambda: _train(model, RECIPES[name](), steps=1))
+
+    plain = _model()
+    step(plain)  # the first step creates the states
+    want = step(plain)
+    model = _model()
+    step(model)
+    rec = Recorder(model, every=1)
+    got = step(model)
+    at_end = _syncs(rec.step)
+    rec.close()
+    assert got == want and at_end <= 1, (got, want, at_end)
+    assert {r["step"] for r in rec.rows} == {0}
