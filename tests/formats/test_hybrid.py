@@ -603,4 +603,5 @@ def test_hybrid_moves_device_with_its_sub_tensors(device):
         sub = moved.sub_tensor(usage)
         assert type(sub) is type(t.sub_tensor(usage)) and sub.device.type == device
         if device != "meta":
-            assert torch.equal(sub.dequantize().cpu(), t.sub_tensor(usage).dequantize())
+            assert torch.equal(sub.dequantize(usage=usage).cpu(),
+                               t.sub_tensor(usage).dequantize(usage=usage))
