@@ -72,13 +72,32 @@ def _train(rname, out, *, checkpointing=True, resume=None):
 
 
 def _assert_same_model(a, b):
+    """Every parameter (a quantized weight's bytes) and the delayed-scaling state."""
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        assert torch.equal(p, q), n
+        if isinstance(p, QuantizedTensor):
+            assert isinstance(q, nn.Parameter), n
+            _assert_same_quantized(p, q, n)
+        else:
+            assert torch.equal(p, q), n
     sa, sb = delayed_states(a), delayed_states(b)
     assert sa.keys() == sb.keys()
     for key, sd in sa.items():
         for k, v in sd.items():
             assert torch.equal(v, sb[key][k]), (key, k)
+
+
+def _resumed_run_matches(train, rname, tmp_path):
+    """``train`` run whole and resumed from its step-``SAVE`` checkpoint (safetensors): the
+    same losses after it, the same weights and state at the end; the whole run's (losses, model)."""
+    full, model = train(rname, tmp_path / "full")
+    assert sorted(full) == list(range(1, STEPS + 1))
+    ckpt = tmp_path / "full" / f"checkpoint-{SAVE}"
+    assert (ckpt / "model.safetensors").exists()
+    resumed, resumed_model = train(rname, tmp_path / "resumed", resume=str(ckpt))
+    assert {s: resumed[s] for s in range(SAVE + 1, STEPS + 1)} == {
+        s: full[s] for s in range(SAVE + 1, STEPS + 1)}
+    _assert_same_model(model, resumed_model)
+    return full, model
 
 
 @pytest.mark.parametrize("rname", RECIPES)
@@ -88,14 +107,7 @@ def test_trainer_checkpoints_and_resumes_bit_for_bit(rname, tmp_path):
     its weights and delayed-scaling state, bit for bit; the same run without gradient
     checkpointing is the same run (checked for delayed scaling and NVFP4's stochastic
     rounding)."""
-    full, model = _train(rname, tmp_path / "full")
-    assert sorted(full) == list(range(1, STEPS + 1))
-    ckpt = tmp_path / "full" / f"checkpoint-{SAVE}"
-    assert (ckpt / "model.safetensors").exists()
-    resumed, resumed_model = _train(rname, tmp_path / "resumed", resume=str(ckpt))
-    assert {s: resumed[s] for s in range(SAVE + 1, STEPS + 1)} == {
-        s: full[s] for s in range(SAVE + 1, STEPS + 1)}
-    _assert_same_model(model, resumed_model)
+    full, model = _resumed_run_matches(_train, rname, tmp_path)
     if rname == "fp8_delayed":
         assert delayed_states(model)  # the state compared above is real
     if rname in ("fp8_delayed", "nvfp4"):  # (the checkpointing tests cover every recipe)
@@ -202,21 +214,6 @@ def _assert_same_quantized(a, b, what):
             ), (what, name)
 
 
-def _assert_same_quantized_model(a, b):
-    """Every quantized weight's bytes, every other parameter and the delayed-scaling state."""
-    for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        if isinstance(p, QuantizedTensor):
-            assert isinstance(q, nn.Parameter), n
-            _assert_same_quantized(p, q, n)
-        else:
-            assert torch.equal(p, q), n
-    sa, sb = delayed_states(a), delayed_states(b)
-    assert sa.keys() == sb.keys()
-    for key, sd in sa.items():
-        for k, v in sd.items():
-            assert torch.equal(v, sb[key][k]), (key, k)
-
-
 @pytest.mark.parametrize("rname", RECIPES)
 def test_quantized_weights_save_pretrained_round_trips(rname, tmp_path):
     """A Llama whose Linear weights are quantized (``quantized_model_init``), after
@@ -248,7 +245,7 @@ def test_quantized_weights_save_pretrained_round_trips(rname, tmp_path):
     again = _quantized_llama(rname, seed=1)
     result = again.load_state_dict(load_file(tmp_path / "pre" / "model.safetensors"))
     assert not result.missing_keys and not result.unexpected_keys
-    _assert_same_quantized_model(model, again)
+    _assert_same_model(model, again)
     with torch.no_grad():
         a = model(input_ids=batch, labels=batch).loss
         b = again(input_ids=batch, labels=batch).loss
@@ -280,11 +277,4 @@ def test_trainer_checkpoints_and_resumes_quantized_weights(rname, tmp_path):
     resumed from one goes on with the uninterrupted run's losses and ends with its quantized
     weights and delayed-scaling state, bit for bit (the weights the resumed run's first
     forward reads are the saved bytes, not a re-quantization of their values)."""
-    full, model = _train_quantized(rname, tmp_path / "full")
-    assert sorted(full) == list(range(1, STEPS + 1))
-    ckpt = tmp_path / "full" / f"checkpoint-{SAVE}"
-    assert (ckpt / "model.safetensors").exists()
-    resumed, resumed_model = _train_quantized(rname, tmp_path / "resumed", resume=str(ckpt))
-    assert {s: resumed[s] for s in range(SAVE + 1, STEPS + 1)} == {
-        s: full[s] for s in range(SAVE + 1, STEPS + 1)}
-    _assert_same_quantized_model(model, resumed_model)
+    _resumed_run_matches(_train_quantized, rname, tmp_path)
