@@ -35,13 +35,11 @@ from ..formats.base import QuantizedTensor
 from ..formats.block import Float8BlockwiseTensor
 from ..formats.block.reference import BLOCK as FP8_BLOCK
 from ..formats.casting import (
-    E2M1_GRID,
     E2M1_MAX,
     E8M0_BIAS,
     E8M0_NAN,
     FP8_MAX,
     exp2_int,
-    unpack_e2m1,
 )
 from ..formats.exact import ExactTensor
 from ..formats.float8 import Float8Tensor
@@ -53,7 +51,7 @@ from ..formats.mxfp8.reference import block_exponents
 from ..formats.nvfp4 import NVFP4Tensor
 from ..formats.nvfp4.reference import BLOCK as NV_BLOCK
 from ..formats.nvfp4.reference import block_decode_scales
-from ..formats.rht import _butterflies, _tiles, rht_signs
+from ..formats.rht import rht_forward, rht_inverse
 
 
 @dataclass
@@ -94,38 +92,6 @@ def direction_scaling(qt: QuantizedTensor, usage: str, x2d: torch.Tensor,
     return DirectionScaling(src, _stored(qt, usage))
 
 
-#: (name, device) -> a small constant tensor of a format (see _constant)
-_CONSTANTS: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-
-def _constant(name: str, device: torch.device) -> torch.Tensor:
-    """The fp32 constant ``name`` ("rht_fwd": the RHT's ``s / 8``, "rht_inv": its ``2 s``,
-    "e2m1": the E2M1 grid) on ``device``, made once per device and copied there from
-    pinned memory without a synchronization: the format's own functions build them from
-    Python values on every call, a host-to-device copy that synchronizes."""
-    t = _CONSTANTS.get((name, device))
-    if t is None:
-        t = {"rht_fwd": lambda: rht_signs() * 0.125, "rht_inv": lambda: rht_signs() * 2.0,
-             "e2m1": lambda: torch.tensor(E2M1_GRID, dtype=torch.float32)}[name]()
-        if device.type == "cuda":
-            t = t.pin_memory().to(device, non_blocking=True)
-        t = _CONSTANTS[(name, device)] = t.to(device)
-    return t
-
-
-def rht_forward(x: torch.Tensor) -> torch.Tensor:
-    """``lowprec.formats.rht.rht_forward``: the same operations and bits, its sign factors
-    made once per device (:func:`_constant`)."""
-    t = _tiles(x)
-    return (_butterflies(t * _constant("rht_fwd", t.device)) * 2.0).reshape(x.shape)
-
-
-def rht_inverse(y: torch.Tensor) -> torch.Tensor:
-    """``lowprec.formats.rht.rht_inverse``, likewise."""
-    t = _tiles(y)
-    return (_butterflies(t * 0.125) * _constant("rht_inv", t.device)).reshape(y.shape)
-
-
 def stored_values(qt: QuantizedTensor, usage: str) -> torch.Tensor:
     """fp32 dequantized values of ``usage`` in its stored layout and domain (NVFP4's and an
     exact tensor's columnwise ones still RHT-transformed): the values the direction gives
@@ -133,23 +99,12 @@ def stored_values(qt: QuantizedTensor, usage: str) -> torch.Tensor:
     if isinstance(qt, HybridQuantizedTensor):
         return stored_values(qt.sub_tensor(usage), usage)
     if isinstance(qt, NVFP4Tensor):
-        return _nvfp4_stored(qt, usage)
+        return qt.dequantize_stored(usage)
     if isinstance(qt, ExactTensor):
         values = getattr(qt, f"{usage}_data").to(torch.float32)
         divisor = getattr(qt, f"{usage}_divisor")
         return values if divisor is None else values / divisor
     return _stored(qt, usage)
-
-
-def _nvfp4_stored(qt: NVFP4Tensor, usage: str) -> torch.Tensor:
-    """``qt.dequantize_stored(usage)``, the same operations and bits (``(q * d) / S``), its
-    E2M1 grid made once per device (:func:`_constant`) and the block scales broadcast."""
-    codes = unpack_e2m1(getattr(qt, f"{usage}_data"))
-    mag = _constant("e2m1", codes.device)[(codes & 7).long()]
-    q = torch.where((codes & 8) != 0, -mag, mag)
-    d = getattr(qt, f"{usage}_scale").to(torch.float32)
-    rows = NV_BLOCK if qt.with_2d_quantization else 1
-    return _blockwise(_times, q, (d,), rows, NV_BLOCK) / getattr(qt, f"{usage}_global")
 
 
 def _stored(qt: QuantizedTensor, usage: str) -> torch.Tensor:
@@ -241,7 +196,7 @@ def _nvfp4(qt: NVFP4Tensor, usage, src, quantizer) -> DirectionScaling:
     s = getattr(qt, f"{usage}_global").to(torch.float32).reshape(1)
     d = getattr(qt, f"{usage}_scale").to(torch.float32)
     encoded, decode = _nvfp4_encoded(src, s, d, qt.with_2d_quantization)
-    return DirectionScaling(src, _nvfp4_stored(qt, usage), encoded=encoded,
+    return DirectionScaling(src, qt.dequantize_stored(usage), encoded=encoded,
                             grid_max=E2M1_MAX, scale=s, block_decode=decode,
                             transformed=transformed)
 

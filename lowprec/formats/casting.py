@@ -8,6 +8,7 @@ bit for bit.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 FP8_MAX = {
     torch.float8_e4m3fn: 448.0,
@@ -120,7 +121,7 @@ def stochastic_round_e2m1_codes(v: torch.Tensor, rand: torch.Tensor) -> torch.Te
     ``nvfp4/draws.py``); values on the grid are kept exactly and |v| >= 6 saturates
     to 6.
     """
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=v.device)
+    grid = _e2m1_grid(v.device)
     a = v.abs().clamp_max(E2M1_MAX)
     a = torch.where(a < 1.0, torch.floor(a * 2.0 ** 23) * 2.0 ** -23, a)  # exact in fp32
     # lo index: number of grid points <= a, minus one.
@@ -135,9 +136,37 @@ def stochastic_round_e2m1_codes(v: torch.Tensor, rand: torch.Tensor) -> torch.Te
     return code | (torch.signbit(v).to(torch.uint8) << 3)
 
 
+#: (name, device) -> a small fp32 constant tensor of a format (see device_constant)
+_DEVICE_CONSTANTS: dict = {}
+
+
+def device_constant(name: str, make, device: torch.device) -> torch.Tensor:
+    """The small constant tensor ``make()`` (built on the CPU) on ``device``, made once per
+    (name, device). Built from Python values on every call, it would be a host-to-device
+    copy that synchronizes on a GPU; the copy here goes through pinned memory without one.
+    Under tracing or a dispatch mode (fake tensors, meta) nothing is kept: the constant is
+    built where it is used, as it always was."""
+    device = torch.device(device)
+    tracing = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    t = None if tracing else _DEVICE_CONSTANTS.get((name, device))
+    if t is None:
+        with torch.inference_mode(False):  # kept: usable outside inference mode too
+            t = make()
+            if tracing or device.type == "meta":
+                return t.to(device)
+            if device.type == "cuda":
+                t = t.pin_memory().to(device, non_blocking=True)
+            t = _DEVICE_CONSTANTS[(name, device)] = t.to(device)
+    return t
+
+
+def _e2m1_grid(device) -> torch.Tensor:
+    return device_constant("e2m1", lambda: torch.tensor(E2M1_GRID, dtype=torch.float32), device)
+
+
 def e2m1_codes_to_float(codes: torch.Tensor) -> torch.Tensor:
     """Decode E2M1 codes (uint8, low 4 bits) to fp32, keeping the sign of zero."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
+    grid = _e2m1_grid(codes.device)
     mag = grid[(codes & 7).long()]
     return torch.where((codes & 8) != 0, -mag, mag)
 

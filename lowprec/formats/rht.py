@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import torch
 
+from .casting import device_constant
+
 RHT_TILE = 16
 RHT_SIGN_MASK = 0xD7E8
 _STRIDES = (8, 4, 2, 1)
@@ -92,12 +94,12 @@ def rht_forward(x: torch.Tensor) -> torch.Tensor:
     """Apply the RHT to every 16-tile of the last dimension; fp32 result, same shape
     (``* s / 8``, butterflies, ``* 2``: see the module docstring)."""
     t = _tiles(x)
-    t = _butterflies(t * (rht_signs(device=t.device) * 0.125)) * 2.0
+    t = _butterflies(t * device_constant("rht_fwd", lambda: rht_signs() * 0.125, t.device)) * 2.0
     return t.reshape(x.shape)
 
 
 def rht_inverse(y: torch.Tensor) -> torch.Tensor:
     """Undo :func:`rht_forward` (fp32): ``* 0.125``, butterflies, then ``* 2 s``."""
     t = _tiles(y)
-    t = _butterflies(t * 0.125) * (rht_signs(device=t.device) * 2.0)
+    t = _butterflies(t * 0.125) * device_constant("rht_inv", lambda: rht_signs() * 2.0, t.device)
     return t.reshape(y.shape)

@@ -727,3 +727,27 @@ def test_rht_quantize_near_fp32_max(dtype, two_d):
     deq = qt.dequantize(torch.float32, usage="columnwise")
     assert torch.isfinite(deq).all()
     assert (deq - x.float()).norm() <= 0.15 * x.float().norm()
+
+
+def test_rht_with_its_cached_sign_factors_matches_fresh_ones_bit_for_bit():
+    """The RHT's sign factors are made once per device (``casting.device_constant``): the
+    same bits as built on every call, the overflow edge and subnormals included."""
+    from lowprec.formats import rht
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 256, generator=g) * 3.0
+    x[0, :16] = torch.finfo(torch.float32).max * rht.rht_signs()  # the overflow edge
+    x[1, :16] = 1e-40  # subnormal inputs
+    fresh_fwd = (rht._butterflies(rht._tiles(x) * (rht.rht_signs() * 0.125)) * 2.0)
+    fresh_inv = rht._butterflies(rht._tiles(x) * 0.125) * (rht.rht_signs() * 2.0)
+    for got, want in ((rht.rht_forward(x), fresh_fwd.reshape(x.shape)),
+                      (rht.rht_inverse(x), fresh_inv.reshape(x.shape))):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    from lowprec.formats import casting
+    casting._DEVICE_CONSTANTS.pop(("rht_fwd", torch.device("cpu")), None)
+    with torch.inference_mode():  # a cache first filled here still serves autograd
+        rht.rht_forward(torch.ones(16, 16))
+    assert not casting._DEVICE_CONSTANTS[("rht_fwd", torch.device("cpu"))].is_inference()
+    w = torch.ones(16, 16, requires_grad=True)
+    rht.rht_forward(w).sum().backward()
+    assert w.grad is not None
