@@ -140,3 +140,24 @@ def test_debug_mode_is_part_of_the_key():
         knobs.runtime.debug = saved
     torch.cuda.synchronize()
     assert torch.equal(y, ref) and len(launch_mod._compiled) == before + 1
+
+
+def test_bound_launch_reruns_the_compiled_kernel_with_new_tensors():
+    """``bind`` after a launch: the bound launch writes what ``kernel[grid]`` writes for
+    new tensors at its leading positions; an unlaunched specialization binds nothing."""
+    n = 1000
+    x = torch.randn(n, device="cuda")
+    y, ref = _run(x, n, 1, 2.0, 0.5)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    grid = (triton.cdiv(n, 128),)
+    bound = launch_mod.bind(_axpb_kernel, grid, 2, x, y, n, 1, 2.0, 0.5, BLOCK=128, NEG=False,
+                            enable_fp_fusion=False)
+    assert bound is not None
+    for _ in range(3):
+        x2 = torch.randn(n, device="cuda")
+        y2 = torch.full((n,), float("nan"), device="cuda")
+        bound(x2, y2)
+        torch.testing.assert_close(y2, x2 * 2.0 + 0.5, rtol=0, atol=0)
+    # BLOCK=8 never ran through launch(): nothing compiled to bind
+    assert launch_mod.bind(_axpb_kernel, (triton.cdiv(n, 8),), 2, x, y, n, 1, 2.0, 0.5,
+                           BLOCK=8, NEG=False, enable_fp_fusion=False) is None

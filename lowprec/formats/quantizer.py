@@ -127,6 +127,43 @@ class Quantizer:
             return ()
         return self._exact
 
+    # ---- prepared quantizes ----------------------------------------------------------------
+    def prepare(self, shape: torch.Size, dtype: torch.dtype, device: torch.device, *,
+                rowwise: bool, columnwise: bool, exact: tuple[str, ...] = (),
+                codes: bool = True) -> Callable[[torch.Tensor], QuantizedTensor]:
+        """A function quantizing tensors of one kind (``shape``, ``dtype``, ``device``) as
+        ``quantize_for_gemm(t, exact, codes=codes)`` with these usages does, for a caller
+        that makes the same call again and again (a linear plan): formats whose launches
+        can be decided once (``_prepared``) skip the per-call decisions, and any call the
+        prepared path does not take (another kind of tensor, tracing) gets the usual
+        quantize. The result does not depend on the quantizer's usage settings at the
+        call."""
+        def usual(t: torch.Tensor) -> QuantizedTensor:
+            self.set_usage(rowwise=rowwise, columnwise=columnwise)
+            return self.quantize_for_gemm(t, exact, codes=codes)
+
+        from ..kernels import use_kernels
+        probe = torch.empty(0, dtype=dtype, device=device)
+        fast = (self._prepared(shape, dtype, device, rowwise, columnwise)
+                if shape.numel() and (rowwise or columnwise) and use_kernels(probe) else None)
+        if fast is None:
+            return usual
+        tensor_class = self._tensor_class()
+
+        def prepared(t: torch.Tensor) -> QuantizedTensor:
+            fields = fast(t)
+            if fields is None:
+                return usual(t)
+            return tensor_class(t.shape, t.dtype, **fields)
+        return prepared
+
+    def _prepared(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                  rowwise: bool, columnwise: bool):
+        """A callable returning the tensor fields of a quantize of its argument, or None
+        where it does not apply to that call (see :meth:`prepare`); None: the format has
+        no prepared path."""
+        return None
+
     # ---- quantize -------------------------------------------------------------------------
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
         """Quantize ``x`` into the directions whose usage is on."""

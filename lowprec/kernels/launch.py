@@ -104,3 +104,63 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream,
                  compiled.function, compiled.packed_metadata, None, None, None,
                  *bound.values())
+
+
+class BoundLaunch:
+    """One compiled kernel with every argument fixed but its first ``n`` (the tensors that
+    change from call to call): ``bound(t0, ..., tn-1)`` launches it on the current stream.
+
+    Made by :func:`bind` for a quantize whose kind (shape, strides, dtypes, options) a
+    plan has decided once. The caller keeps what makes that valid: the same dtypes and
+    16-byte alignment of the tensors it passes (Triton specializes on both) and
+    :func:`fast_launches` true at the call.
+    """
+
+    __slots__ = ("_run", "_grid", "_head", "_tail", "_device")
+
+    def __init__(self, compiled, grid: tuple, values: list, n: int, device: int) -> None:
+        self._run = compiled.run
+        self._grid = tuple(grid) + (1,) * (3 - len(grid))
+        self._head = (compiled.function, compiled.packed_metadata, None, None, None)
+        self._tail = tuple(values[n:])
+        self._device = device
+
+    def __call__(self, *tensors) -> None:
+        g = self._grid
+        self._run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self._device),
+                  *self._head, *tensors, *self._tail)
+
+
+def fast_launches() -> bool:
+    """Whether bound launches may run now: the fast path is on, no launch hook is set (a
+    profiler's) and nothing traces or intercepts ops."""
+    if not _enabled:
+        return False
+    knobs = _knobs()
+    return (knobs is not None and _quiet(knobs.runtime.launch_enter_hook)
+            and _quiet(knobs.runtime.launch_exit_hook))
+
+
+def bind(kernel, grid, n: int, *args, **kwargs) -> BoundLaunch | None:
+    """A :class:`BoundLaunch` of ``kernel[grid](*args, **kwargs)`` whose first ``n``
+    positional arguments change per call, or None where there is none: the same launch
+    has not run through :func:`launch` yet (nothing compiled to bind), or it takes the
+    ordinary path (hooks, a callable grid, another Triton)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None or not fast_launches() or kernel.pre_run_hooks or callable(grid):
+        return None
+    knobs = _knobs()
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    device = torch.cuda.current_device()
+    if device not in caches:
+        return None
+    bound, specialization, options = caches[device][4](*args, **kwargs)
+    try:
+        hit = _compiled.get((id(kernel), device, tuple(specialization),
+                             tuple(options.items())))
+    except TypeError:
+        return None
+    if hit is None or hit[0] is not kernel:
+        return None
+    return BoundLaunch(hit[1], grid, list(bound.values()), n, device)

@@ -141,8 +141,13 @@ def _whole_backward(ctx, dy, saved_x, saved_w, need_dx: bool, need_dw: bool,
     if quantized and (need_dx or need_dw):
         # dY is read by dgrad and wgrad only: exact values alone where the format allows
         # (only the directions in use are quantized)
-        dy_lp, dy_owned = quantize_operand(ctx.quantizers.grad_output, dy, rowwise=need_dx,
-                                           columnwise=need_dw, exact=BOTH, codes=False)
+        prepared = ctx.plan.quantize_dy
+        if prepared is not None and not isinstance(dy, QuantizedTensor):
+            dy_lp, dy_owned = prepared(dy), True
+        else:
+            dy_lp, dy_owned = quantize_operand(ctx.quantizers.grad_output, dy,
+                                               rowwise=need_dx, columnwise=need_dw,
+                                               exact=BOTH, codes=False)
         w_op, x_op = saved_w, saved_x
     else:
         dy_lp = _plain(dy)
@@ -219,6 +224,8 @@ class _QuantizedLinear(torch.autograd.Function):
         x_q = q.input if q else None
 
         def quantize_x():
+            if plan.quantize_x is not None:
+                return plan.quantize_x(x)
             return quantize_operand(x_q, x, rowwise=True, columnwise=x_col, exact=exact)[0]
 
         # q/k/v (gate/up) read one input: one quantize serves them (``shared_input``)
@@ -227,6 +234,8 @@ class _QuantizedLinear(torch.autograd.Function):
                     if backward_mode == "default" and not pad else None)
         if x_shared is not None:
             x_lp, x_owned = x_shared, False
+        elif plan.quantize_x is not None:
+            x_lp, x_owned = plan.quantize_x(x), True
         else:
             x_lp, x_owned = quantize_operand(x_q, x, rowwise=True, columnwise=x_col,
                                              exact=exact)
@@ -245,9 +254,12 @@ class _QuantizedLinear(torch.autograd.Function):
             w_lp, w_owned = quantize_operand(None, weight, rowwise=True, columnwise=False)
         else:
             w_two_steps = plan.w_two_steps
-            w_lp, w_owned = quantize_operand(w_q, weight, rowwise=True,
-                                             columnwise=w_col and not w_two_steps,
-                                             exact=exact)
+            if plan.quantize_w is not None:
+                w_lp, w_owned = plan.quantize_w(weight), True
+            else:
+                w_lp, w_owned = quantize_operand(w_q, weight, rowwise=True,
+                                                 columnwise=w_col and not w_two_steps,
+                                                 exact=exact)
         out_features = weight.shape[0]
         y = gemm(x_lp, "rowwise", w_lp, "rowwise", out_dtype=x.dtype, bias=bias)
         y = y.reshape(*x.shape[:-1], out_features)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -47,6 +48,11 @@ class LinearPlan:
     w_two_steps: bool
     #: (rows, columns) of dY's slices in backward (``grad_split``), or None
     split: tuple[int, int] | None
+    #: the quantizes of the input (padded), the weight and dY, prepared once
+    #: (``Quantizer.prepare``); None where the operand is not quantized that way
+    quantize_x: Callable | None = None
+    quantize_w: Callable | None = None
+    quantize_dy: Callable | None = None
 
 
 def row_padding(q, x: torch.Tensor, backward_mode: str, need_dw: bool) -> int:
@@ -102,7 +108,24 @@ def _decide(q, x, weight, backward_mode: str, need_dx: bool, need_dw: bool,
     split = None
     if quantized and backward_mode == "default" and need_dx and need_dw:
         split = _split(q, x, weight, pad)
-    return LinearPlan(pad, False, x_col, w_col, exact, w_two_steps, split)
+    prepared = {}
+    if quantized:
+        lead = (x.numel() // x.shape[-1] + pad,) if pad else tuple(x.shape[:-1])
+        if q.input is not None and not isinstance(x, QuantizedTensor):
+            prepared["quantize_x"] = q.input.prepare(
+                torch.Size(lead + (x.shape[-1],)), x.dtype, x.device, rowwise=True,
+                columnwise=x_col, exact=exact)
+        if (q.weight is not None and not cached_weight
+                and not isinstance(weight, QuantizedTensor)):
+            prepared["quantize_w"] = q.weight.prepare(
+                weight.shape, weight.dtype, weight.device, rowwise=True,
+                columnwise=w_col and not w_two_steps, exact=exact)
+        if (q.grad_output is not None and backward_mode == "default"
+                and (need_dx or need_dw)):
+            prepared["quantize_dy"] = q.grad_output.prepare(
+                torch.Size(lead + (weight.shape[0],)), x.dtype, x.device, rowwise=need_dx,
+                columnwise=need_dw, exact=BOTH, codes=False)
+    return LinearPlan(pad, False, x_col, w_col, exact, w_two_steps, split, **prepared)
 
 
 def plan_for(q, x: torch.Tensor, weight: torch.Tensor, backward_mode: str, need_dx: bool,

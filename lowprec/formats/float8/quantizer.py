@@ -141,6 +141,12 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
             return launch.quantize_current(self, x2d)
         return self._fields(x2d, self._reference_scale(x2d))
 
+    def _prepared(self, shape, dtype, device, rowwise, columnwise):
+        # subclasses may quantize otherwise: only this class's kernels are bound
+        if type(self) is not Float8CurrentScalingQuantizer:
+            return None
+        return launch.PreparedCurrent(self, shape, dtype, device, rowwise, columnwise)
+
     def _reference_scale(self, x2d):
         return current_scale(tensor_amax(x2d), self.fp8_dtype, pow2=self.force_pow_2_scales,
                              eps=self.amax_epsilon)

@@ -1,0 +1,85 @@
+"""``Quantizer.prepare``: a prepared quantize gives the tensor ``quantize_for_gemm`` gives,
+bit for bit, on every call (the first through the usual path, the second binding the
+launches, the rest through the bound launches), and falls back to the usual quantize for
+a call of another kind. On the CPU every call takes the usual path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec.kernels
+from lowprec import Float8CurrentScalingQuantizer, Float8Quantizer
+from lowprec.formats.float8.launch import PreparedCurrent
+
+DEVICES = ["cpu"] + (["cuda"] if lowprec.kernels.triton_available() else [])
+
+
+def _same(a, b):
+    for name in ("rowwise_data", "columnwise_data"):
+        da, db = getattr(a, name), getattr(b, name)
+        assert (da is None) == (db is None), name
+        if da is not None:
+            assert torch.equal(da.view(torch.uint8), db.view(torch.uint8)), name
+    for ta, tb in ((a.shared_scale, b.shared_scale), (a.decode_scale(), b.decode_scale())):
+        assert torch.equal(ta.reshape(-1).view(torch.int32), tb.reshape(-1).view(torch.int32))
+    assert a.shape == b.shape and a.dtype == b.dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("usages", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("shape", [(3, 40, 96), (130, 72)])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_prepared_current_matches_quantize(device, usages, shape, fp8_dtype):
+    rowwise, columnwise = usages
+    q = Float8CurrentScalingQuantizer(fp8_dtype)
+    ref_q = Float8CurrentScalingQuantizer(fp8_dtype).set_usage(rowwise=rowwise,
+                                                              columnwise=columnwise)
+    prepared = q.prepare(torch.Size(shape), torch.bfloat16, torch.device(device),
+                         rowwise=rowwise, columnwise=columnwise)
+    gen = torch.Generator(device=device).manual_seed(sum(shape))
+    for step in range(5):
+        x = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen) * 10 ** step
+        if step == 4:
+            x.view(-1)[7] = float("inf")  # a non-finite input: NaN codes and scale, both ways
+        # another usage setting on the shared quantizer must not leak into the prepared call
+        q.set_usage(rowwise=not rowwise, columnwise=True)
+        got = prepared(x)
+        _same(got, ref_q.quantize(x))
+        assert got.has_usage("rowwise") == rowwise and got.has_usage("columnwise") == columnwise
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prepared_falls_back_for_another_kind_of_call(device):
+    q = Float8CurrentScalingQuantizer()
+    prepared = q.prepare(torch.Size((64, 32)), torch.bfloat16, torch.device(device),
+                         rowwise=True, columnwise=True)
+    ref_q = Float8CurrentScalingQuantizer()
+    for _ in range(3):  # bind on the way
+        prepared(torch.randn(64, 32, device=device, dtype=torch.bfloat16))
+    for x in (torch.randn(32, 32, device=device, dtype=torch.bfloat16),       # another shape
+              torch.randn(64, 32, device=device, dtype=torch.float32),        # another dtype
+              torch.randn(32, 64, device=device, dtype=torch.bfloat16).t(),   # not contiguous
+              torch.randn(64 * 32 + 1, device=device,
+                          dtype=torch.bfloat16)[1:].view(64, 32)):           # misaligned
+        _same(prepared(x), ref_q.quantize(x))
+
+
+def test_prepare_checks_like_quantize():
+    q = Float8CurrentScalingQuantizer()
+    prepared = q.prepare(torch.Size((4, 4)), torch.bfloat16, torch.device("cpu"),
+                         rowwise=True, columnwise=False)
+    with pytest.raises(TypeError, match="expects fp32, bf16 or fp16"):
+        prepared(torch.ones(4, 4, dtype=torch.int32))
+
+
+def test_only_current_scaling_binds():
+    assert Float8Quantizer(torch.ones(1), torch.zeros(1))._prepared(
+        torch.Size((4, 4)), torch.bfloat16, torch.device("cpu"), True, True) is None
+
+    class Sub(Float8CurrentScalingQuantizer):
+        pass
+    assert Sub()._prepared(torch.Size((4, 4)), torch.bfloat16, torch.device("cpu"), True,
+                           True) is None
+    assert isinstance(Float8CurrentScalingQuantizer()._prepared(
+        torch.Size((4, 4)), torch.bfloat16, torch.device("cpu"), True, True), PreparedCurrent)

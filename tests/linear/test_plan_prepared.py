@@ -1,0 +1,45 @@
+"""A linear plan's prepared quantizes (``LinearPlan.quantize_x/_w/_dy``) change no bit: a
+Linear trained for several steps (the plan's first call quantizes the usual way, the
+second binds the launches, the rest run bound) gives the outputs and gradients of the same
+steps with every launch on Triton's ordinary path (``slow_launches``, where the prepared
+quantizes fall back)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec
+import lowprec.kernels
+from lowprec.kernels.launch import slow_launches
+from lowprec.recipe import Recipe
+
+pytestmark = pytest.mark.skipif(not lowprec.kernels.triton_available(),
+                                reason="needs a CUDA device and Triton")
+
+
+def _steps(recipe_name, shape, bias):
+    torch.manual_seed(0)
+    k, n = shape[-1], 96
+    mod = lowprec.Linear(k, n, bias=bias, params_dtype=torch.bfloat16, device="cuda")
+    recipe = Recipe.from_name(recipe_name)
+    out = []
+    for step in range(4):
+        x = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) * (step + 1)
+             ).requires_grad_(True)
+        with lowprec.autocast(recipe=recipe):
+            y = mod(x)
+        y.backward(torch.randn_like(y))
+        out += [y.detach(), x.grad, mod.weight.grad.clone()]
+        mod.weight.grad = None
+    return out
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed", "block", "mxfp8"])
+@pytest.mark.parametrize("shape,bias", [((2, 64, 128), False), ((100, 256), True)])
+def test_prepared_plan_is_bit_identical(recipe_name, shape, bias):
+    fast = _steps(recipe_name, shape, bias)
+    with slow_launches():
+        usual = _steps(recipe_name, shape, bias)
+    for a, b in zip(fast, usual):
+        assert torch.equal(a, b)
