@@ -157,6 +157,37 @@ class Quantizer:
             return tensor_class(t.shape, t.dtype, **fields)
         return prepared
 
+    def prepare_usage_like(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                           usage: str) -> Callable[[torch.Tensor, QuantizedTensor],
+                                                   QuantizedTensor]:
+        """``f(x2d, like)``: :meth:`quantize_usage_like` ``(x2d, like, usage)`` for 2-D tensors
+        of one kind, prepared as :meth:`prepare` prepares a quantize."""
+        _check_usage(usage)
+
+        def usual(x2d: torch.Tensor, like: QuantizedTensor) -> QuantizedTensor:
+            return self.quantize_usage_like(x2d, like, usage)
+
+        from ..kernels import use_kernels
+        probe = torch.empty(0, dtype=dtype, device=device)
+        rowwise = usage == "rowwise"
+        fast = (self._prepared_usage_like(shape, dtype, device, rowwise, not rowwise)
+                if shape.numel() and self.can_quantize_usage_like() and use_kernels(probe)
+                else None)
+        if fast is None:
+            return usual
+        tensor_class = self._tensor_class()
+
+        def prepared(x2d: torch.Tensor, like: QuantizedTensor) -> QuantizedTensor:
+            fields = fast(x2d, like)
+            if fields is None:
+                return usual(x2d, like)
+            return tensor_class(x2d.shape, x2d.dtype, **fields)
+        return prepared
+
+    def _prepared_usage_like(self, shape, dtype, device, rowwise: bool, columnwise: bool):
+        """As :meth:`_prepared`, for :meth:`prepare_usage_like` (called ``(x2d, like)``)."""
+        return None
+
     def _prepared(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
                   rowwise: bool, columnwise: bool):
         """A callable returning the tensor fields of a quantize of its argument, or None

@@ -273,7 +273,7 @@ class _QuantizedLinear(torch.autograd.Function):
             else:
                 saved_x = _keep_only(x_lp, x_owned, "columnwise") if need_dw else None
             if w_two_steps:
-                saved_w = w_q.quantize_usage_like(weight.detach(), w_lp, "columnwise")
+                saved_w = plan.quantize_w_like(weight.detach(), w_lp)
                 del w_lp
             else:
                 saved_w = _keep_only(w_lp, w_owned, "columnwise") if need_dx else None

@@ -53,6 +53,9 @@ class LinearPlan:
     quantize_x: Callable | None = None
     quantize_w: Callable | None = None
     quantize_dy: Callable | None = None
+    #: the weight's columnwise copy from its rowwise one (``w_two_steps``), prepared once
+    #: (``Quantizer.prepare_usage_like``)
+    quantize_w_like: Callable | None = None
 
 
 def row_padding(q, x: torch.Tensor, backward_mode: str, need_dw: bool) -> int:
@@ -120,6 +123,9 @@ def _decide(q, x, weight, backward_mode: str, need_dx: bool, need_dw: bool,
             prepared["quantize_w"] = q.weight.prepare(
                 weight.shape, weight.dtype, weight.device, rowwise=True,
                 columnwise=w_col and not w_two_steps, exact=exact)
+            if w_two_steps:
+                prepared["quantize_w_like"] = q.weight.prepare_usage_like(
+                    weight.shape, weight.dtype, weight.device, "columnwise")
         if (q.grad_output is not None and backward_mode == "default"
                 and (need_dx or need_dw)):
             prepared["quantize_dy"] = q.grad_output.prepare(

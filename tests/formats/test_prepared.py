@@ -83,3 +83,29 @@ def test_only_current_scaling_binds():
                            True) is None
     assert isinstance(Float8CurrentScalingQuantizer()._prepared(
         torch.Size((4, 4)), torch.bfloat16, torch.device("cpu"), True, True), PreparedCurrent)
+
+
+def _delayed():
+    return Float8Quantizer(torch.full((1,), 3.0), torch.zeros(1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make", [Float8CurrentScalingQuantizer, _delayed])
+@pytest.mark.parametrize("usage", ["rowwise", "columnwise"])
+def test_prepared_usage_like_matches(device, make, usage):
+    """``prepare_usage_like`` gives ``quantize_usage_like``'s tensor on every call, sharing
+    ``like``'s scale."""
+    q, ref_q = make(), make()
+    if isinstance(q, Float8Quantizer):
+        q.scale, q.amax = q.scale.to(device), q.amax.to(device)
+        ref_q.scale, ref_q.amax = ref_q.scale.to(device), ref_q.amax.to(device)
+    other = "columnwise" if usage == "rowwise" else "rowwise"
+    prepared = q.prepare_usage_like(torch.Size((96, 48)), torch.bfloat16, torch.device(device),
+                                    usage)
+    for step in range(4):
+        x = torch.randn(96, 48, device=device, dtype=torch.bfloat16) * (step + 1)
+        like = ref_q.set_usage(**{usage: False, other: True}).quantize(x)
+        got = prepared(x, like)
+        _same(got, ref_q.quantize_usage_like(x, like, usage))
+        assert got.shared_scale is like.shared_scale
+        assert got.has_usage(usage) and not got.has_usage(other)

@@ -302,18 +302,16 @@ def quantize_with_scale(quantizer, x2d: torch.Tensor, scale: torch.Tensor,
     return _fields(quantizer, row, col, scale, decode)
 
 
-class PreparedCurrent:
-    """Current-scaling quantizes of one kind of input (shape, dtype, device; contiguous) with
-    fixed usages, for a linear plan that makes the same call again and again. The first
-    call is left to the usual quantize (which compiles the kernels); the second binds the
-    launches (``kernels.launch.bind``); from then on a call allocates the outputs, runs the
-    two bound launches and returns the fields: the same bits for a fraction of the host
-    time.
+class _Prepared:
+    """Quantize launches of one kind of input (shape, dtype, device; contiguous, 16-byte
+    aligned) with fixed usages, for a linear plan that makes the same call again and again.
+    The first call is left to the usual path (which compiles the kernels), the second binds
+    the launches (``kernels.launch.bind``), and from then on a call allocates the outputs
+    and runs the bound launches: the same bits for a fraction of the host time.
 
-    ``__call__(x)`` returns ``Float8Tensor`` fields, or None where the bound path does not
+    ``__call__`` returns ``Float8Tensor`` fields, or None where the bound path does not
     apply (the first call, another kind of input, a launch hook, tracing): the caller then
-    quantizes the usual way.
-    """
+    quantizes the usual way."""
 
     def __init__(self, quantizer, shape: torch.Size, dtype: torch.dtype, device: torch.device,
                  rowwise: bool, columnwise: bool) -> None:
@@ -322,37 +320,74 @@ class PreparedCurrent:
         self.m, self.k = shape.numel() // shape[-1], shape[-1]
         self.rowwise, self.columnwise = rowwise, columnwise
         self.fp8_dtype = quantizer.fp8_dtype
-        self.args = (quantizer.fp8_dtype == torch.float8_e5m2, quantizer.force_pow_2_scales,
-                     quantizer.amax_epsilon, rowwise, columnwise)
         #: None before the first call, True before the second, then the bound launches
         #: (False: none could be bound)
         self.launches = None
         self.empty = torch.empty(0, dtype=torch.uint8, device=device)
 
-    def __call__(self, x: torch.Tensor) -> dict | None:
+    def _outputs(self, x: torch.Tensor):
+        """(launches, x as (m, k), rowwise codes, columnwise codes), or None where the bound
+        path does not take ``x`` (see the class docstring)."""
         launches = self.launches
         if (launches is None or launches is False or x.shape != self.shape
                 or x.dtype != self.dtype or x.device != self.device or not x.is_contiguous()
                 or x.data_ptr() % 16 or self.device.index not in (None, torch.cuda.current_device())
-                or _tracing((x,)) or tuning.one_launch_current or not fast_launches()):
+                or _tracing((x,)) or not fast_launches()):
             if launches is None:
                 self.launches = True
             return None
         x2d = x.view(self.m, self.k)
-        words = kept_amax_words(self.quantizer, self.device)
         row = x2d.new_empty((self.m, self.k), dtype=torch.uint8) if self.rowwise \
             else self.empty
         col = x2d.new_empty((self.k, self.m), dtype=torch.uint8) if self.columnwise \
             else self.empty
+        return launches, x2d, row, col
+
+    def _bound(self, launches, calls):
+        """``launches`` when bound, else the launches of ``calls`` ((kernel, grid, n, args,
+        kwargs) each) bound and kept; None when any could not be (and never tried again)."""
+        if launches is not True:
+            return launches
+        bound = tuple(bind(kernel, grid, n, *args, **kwargs)
+                      for kernel, grid, n, args, kwargs in calls)
+        self.launches = False if None in bound else bound
+        return self.launches or None
+
+    def _cast_calls(self, x2d, row, col, amax_bits, scale, *, current, reset):
+        pow2 = current and self.quantizer.force_pow_2_scales
+        eps = self.quantizer.amax_epsilon if current else 0.0
+        parts = launches(self.rowwise, self.columnwise, "pertensor")
+        calls = []
+        for i, (r, c) in enumerate(parts):
+            kernel, grid, args, kwargs = _cast_call(
+                x2d, row, col, amax_bits, scale, scale, self.m, self.k,
+                prologue_args(x2d, []), eps, 0, r, c, self.fp8_dtype, current=current,
+                pow2=pow2, record=False, reset=reset and i == len(parts) - 1)
+            calls.append((kernel, grid, 7, args, kwargs))
+        return calls
+
+
+class PreparedCurrent(_Prepared):
+    """Current-scaling quantizes (amax pass and cast) of one kind of input; see ``_Prepared``."""
+
+    def __call__(self, x: torch.Tensor) -> dict | None:
+        if tuning.one_launch_current:
+            return None
+        ready = self._outputs(x)
+        if ready is None:
+            return None
+        launches, x2d, row, col = ready
+        words = kept_amax_words(self.quantizer, self.device)
         scales = _scale_buffer(x2d)
         if launches is True:
-            launches = self.launches = self._bind(x2d, row, col, words, scales)
-            if launches is False:
+            kernel, grid, args, kwargs = _amax_call(x2d, words)
+            launches = self._bound(launches, [(kernel, grid, 2, args, kwargs)] + self._cast_calls(
+                x2d, row, col, words, scales, current=True, reset=True))
+            if launches is None:
                 return None
-        amax, casts = launches
         try:
-            amax(x2d, words)
-            for cast in casts:
+            launches[0](x2d, words)
+            for cast in launches[1:]:
                 cast(x2d, row, col, words, scales, scales, scales)
         except BaseException:
             if not torch.cuda.is_current_stream_capturing():
@@ -362,23 +397,27 @@ class PreparedCurrent:
         return _usage_fields(self.fp8_dtype, self.rowwise, self.columnwise, row, col, scale,
                              QuantizedTensor.derived_record(scale, scales[DECODE_AT]))
 
-    def _bind(self, x2d, row, col, words, scales):
-        """(bound amax launch, bound cast launches) as ``fp8_current_quantize`` just ran
-        them, or False (none bound: later calls quantize the usual way)."""
-        e5m2, pow2, eps, rowwise, columnwise = self.args
-        kernel, grid, args, kwargs = _amax_call(x2d, words)
-        amax = bind(kernel, grid, 2, *args, **kwargs)
-        parts = launches(rowwise, columnwise, "pertensor")
-        casts = []
-        for i, (r, c) in enumerate(parts):
-            kernel, grid, args, kwargs = _cast_call(
-                x2d, row, col, words, scales, scales, self.m, self.k, prologue_args(x2d, []),
-                eps, 0, r, c, self.fp8_dtype, current=True, pow2=pow2, record=False,
-                reset=i == len(parts) - 1)
-            casts.append(bind(kernel, grid, 7, *args, **kwargs))
-        if amax is None or None in casts:
-            return False
-        return amax, tuple(casts)
+
+class PreparedUsageLike(_Prepared):
+    """Casts of one usage with the scale of a tensor already quantized for the other
+    (``quantize_usage_like``: a weight's columnwise copy after fprop); see ``_Prepared``.
+    ``__call__(x, like)``."""
+
+    def __call__(self, x: torch.Tensor, like) -> dict | None:
+        ready = self._outputs(x)
+        if ready is None:
+            return None
+        launches, x2d, row, col = ready
+        scale = like.shared_scale
+        if launches is True:
+            launches = self._bound(launches, self._cast_calls(x2d, row, col, scale, scale,
+                                                              current=False, reset=False))
+            if launches is None:
+                return None
+        for cast in launches:
+            cast(x2d, row, col, scale, scale, scale, scale)
+        return _usage_fields(self.fp8_dtype, self.rowwise, self.columnwise, row, col, scale,
+                             like._decode)
 
 
 def kept_amax_words(quantizer, device: torch.device) -> Optional[torch.Tensor]:

@@ -58,6 +58,13 @@ class _PerTensorFloat8(Quantizer):
         return self._slice_tensor(x2d, usage, lambda v: self._fields(v, scale))
 
 
+    def _prepared_usage_like(self, shape, dtype, device, rowwise, columnwise):
+        # the cast with like's scale, as quantize_usage_like's kernel path (both scalings)
+        if type(self) not in (Float8Quantizer, Float8CurrentScalingQuantizer):
+            return None
+        return launch.PreparedUsageLike(self, shape, dtype, device, rowwise, columnwise)
+
+
 class Float8Quantizer(_PerTensorFloat8):
     """Per-tensor FP8 with *delayed* scaling.
 
