@@ -237,6 +237,11 @@ class QuantizedTensor(torch.Tensor):
             if not self.has_usage(other):
                 raise RuntimeError(f"{type(self).__name__} holds no data to derive {usage} from")
             fields.update(self._derive(usage))
+        # records of what is kept go along (each is checked against its source tensor when
+        # read, so one whose data was derived anew is simply not used)
+        for name in self._derived:
+            if not (name.startswith(other + "_") or name.endswith("_" + other)):
+                fields[name] = getattr(self, name)
         return type(self)(self.shape, self.dtype, **fields, **self.metadata())
 
     def _derive(self, usage: str) -> dict[str, torch.Tensor]:
