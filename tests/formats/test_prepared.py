@@ -10,7 +10,7 @@ import torch
 
 import lowprec.kernels
 from lowprec import Float8CurrentScalingQuantizer, Float8Quantizer
-from lowprec.formats.float8.launch import PreparedCurrent
+from lowprec.formats.float8.launch import PreparedCurrent, PreparedDelayed
 
 DEVICES = ["cpu"] + (["cuda"] if lowprec.kernels.triton_available() else [])
 
@@ -73,9 +73,33 @@ def test_prepare_checks_like_quantize():
         prepared(torch.ones(4, 4, dtype=torch.int32))
 
 
-def test_only_current_scaling_binds():
-    assert Float8Quantizer(torch.ones(1), torch.zeros(1))._prepared(
-        torch.Size((4, 4)), torch.bfloat16, torch.device("cpu"), True, True) is None
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("usages", [(True, True), (True, False), (False, True)])
+def test_prepared_delayed_matches_quantize(device, usages):
+    """Delayed scaling: the same codes and scale, and the same amax recorded into the state,
+    call after call (the state's scale moving in between)."""
+    rowwise, columnwise = usages
+    q, ref_q = _delayed(), _delayed()
+    for quantizer in (q, ref_q):
+        quantizer.scale, quantizer.amax = quantizer.scale.to(device), quantizer.amax.to(device)
+    ref_q.set_usage(rowwise=rowwise, columnwise=columnwise)
+    prepared = q.prepare(torch.Size((2, 48, 64)), torch.bfloat16, torch.device(device),
+                         rowwise=rowwise, columnwise=columnwise)
+    for step in range(5):
+        x = torch.randn(2, 48, 64, device=device, dtype=torch.bfloat16) * (step + 1)
+        if step == 4:
+            x[0, 0, 0] = float("nan")
+        _same(prepared(x), ref_q.quantize(x))
+        assert torch.equal(q.amax.view(torch.int32), ref_q.amax.view(torch.int32))
+        for quantizer in (q, ref_q):
+            quantizer.scale.fill_(0.5 * (step + 2))
+            quantizer.amax.zero_()
+
+
+def test_only_plain_per_tensor_classes_bind():
+
+    assert isinstance(_delayed()._prepared(torch.Size((4, 4)), torch.bfloat16,
+                                           torch.device("cpu"), True, True), PreparedDelayed)
 
     class Sub(Float8CurrentScalingQuantizer):
         pass

@@ -320,16 +320,25 @@ class _Prepared:
         self.m, self.k = shape.numel() // shape[-1], shape[-1]
         self.rowwise, self.columnwise = rowwise, columnwise
         self.fp8_dtype = quantizer.fp8_dtype
+        #: the quantizer's settings the launches are bound with (a later change of them
+        #: sends calls the usual way)
+        self.settings = self._settings()
         #: None before the first call, True before the second, then the bound launches
         #: (False: none could be bound)
         self.launches = None
         self.empty = torch.empty(0, dtype=torch.uint8, device=device)
 
+    def _settings(self) -> tuple:
+        q = self.quantizer
+        return (q.fp8_dtype, getattr(q, "force_pow_2_scales", False),
+                getattr(q, "amax_epsilon", 0.0))
+
     def _outputs(self, x: torch.Tensor):
         """(launches, x as (m, k), rowwise codes, columnwise codes), or None where the bound
         path does not take ``x`` (see the class docstring)."""
         launches = self.launches
-        if (launches is None or launches is False or x.shape != self.shape
+        if (launches is None or launches is False or self._settings() != self.settings
+                or x.shape != self.shape
                 or x.dtype != self.dtype or x.device != self.device or not x.is_contiguous()
                 or x.data_ptr() % 16 or self.device.index not in (None, torch.cuda.current_device())
                 or _tracing((x,)) or not fast_launches()):
@@ -396,6 +405,43 @@ class PreparedCurrent(_Prepared):
         scale = scales[0:1]
         return _usage_fields(self.fp8_dtype, self.rowwise, self.columnwise, row, col, scale,
                              QuantizedTensor.derived_record(scale, scales[DECODE_AT]))
+
+
+class PreparedDelayed(_Prepared):
+    """Delayed-scaling quantizes (one cast that records the amax and finishes) of one kind of
+    input; see ``_Prepared``. Calls whose state tensors (``quantizer.scale``/``amax``) are
+    not 1-element fp32 on the input's device, or whose cast is split in two launches, go
+    the usual way."""
+
+    def __call__(self, x: torch.Tensor) -> dict | None:
+        q = self.quantizer
+        scale, amax = q.scale, q.amax
+        if (len(launches(self.rowwise, self.columnwise, "pertensor")) != 1
+                or self.m * self.k >= 2 ** 31
+                or scale.device != self.device or amax.device != self.device
+                or scale.dtype != torch.float32 or amax.dtype != torch.float32
+                or scale.numel() != 1 or amax.numel() != 1 or not amax.is_contiguous()):
+            return None
+        ready = self._outputs(x)
+        if ready is None:
+            return None
+        launches_, x2d, row, col = ready
+        words = kept_amax_words(q, self.device)
+        scale = scale.detach().reshape(1)
+        scales = _scale_buffer(x2d)
+        if launches_ is True:
+            kernel, grid, args, kwargs = _cast_call(
+                x2d, row, col, words, scale, scales, self.m, self.k, prologue_args(x2d, []),
+                0.0, 0, self.rowwise, self.columnwise, self.fp8_dtype, current=False,
+                pow2=False, record=True, amax_out=amax)
+            launches_ = self._bound(launches_, [(kernel, grid, 7, args, kwargs)])
+            if launches_ is None:
+                return None
+        launches_[0](x2d, row, col, words, scale, scales, amax)
+        scale_out = scales[0:1]
+        return _usage_fields(self.fp8_dtype, self.rowwise, self.columnwise, row, col,
+                             scale_out, QuantizedTensor.derived_record(scale_out,
+                                                                       scales[DECODE_AT]))
 
 
 class PreparedUsageLike(_Prepared):

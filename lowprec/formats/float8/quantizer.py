@@ -108,6 +108,11 @@ class Float8Quantizer(_PerTensorFloat8):
     def _quantize_2d_fused(self, x2d, prologue):
         return launch.quantize_delayed(self, x2d, prologue)
 
+    def _prepared(self, shape, dtype, device, rowwise, columnwise):
+        if type(self) is not Float8Quantizer:
+            return None
+        return launch.PreparedDelayed(self, shape, dtype, device, rowwise, columnwise)
+
     def slice_quantizer(self, x2d):
         # The whole tensor's amax is recorded once and poisons the scale of every slice when
         # it is not finite, as quantize() does for the whole tensor.
