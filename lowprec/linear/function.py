@@ -46,6 +46,13 @@ class LinearQuantizers:
     #: the calls' plans (``lowprec.linear.plan``), decided once per kind of call
     plans: dict = field(default_factory=dict, compare=False, repr=False)
 
+    def __getstate__(self):
+        # Plans are a cache whose prepared quantizes hold these very quantizers: a copy
+        # (pickle, deepcopy) starts without any, deciding its own.
+        state = dict(self.__dict__)
+        state["plans"] = {}
+        return state
+
 
 def quantize_operand(quantizer: Quantizer | None, t: torch.Tensor, *, rowwise: bool,
                      columnwise: bool, exact: tuple[str, ...] = (),

@@ -55,3 +55,24 @@ def test_plan_holds_the_decisions():
     assert eval_plan.pad == 0 and not eval_plan.x_columnwise and not eval_plan.w_columnwise
     with grad_split.unsliced():
         assert not plan_mod.plan_for(q, x, w, mode, True, True, False).w_two_steps
+
+
+def test_copies_of_quantizers_decide_their_own_plans():
+    """A pickled or deep-copied LinearQuantizers starts without plans: the prepared quantizes
+    of the original's plans hold the original's quantizers."""
+    import copy
+    import pickle
+
+    from lowprec import Float8CurrentScalingQuantizer
+    from lowprec.linear.function import LinearQuantizers, quantized_linear
+    q = LinearQuantizers(Float8CurrentScalingQuantizer(), Float8CurrentScalingQuantizer(),
+                         grad_output=Float8CurrentScalingQuantizer())
+    x = torch.randn(4, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    quantized_linear(x, w, quantizers=q).sum().backward()
+    assert q.plans
+    for clone in (pickle.loads(pickle.dumps(q)), copy.deepcopy(q)):
+        assert clone.plans == {} and clone.input is not q.input
+        y = quantized_linear(x, w, quantizers=clone)
+        assert torch.equal(y, quantized_linear(x, w, quantizers=q))
+        assert clone.plans and all(plan is not q.plans[k] for k, plan in clone.plans.items())
