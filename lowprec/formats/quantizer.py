@@ -142,20 +142,9 @@ class Quantizer:
             self.set_usage(rowwise=rowwise, columnwise=columnwise)
             return self.quantize_for_gemm(t, exact, codes=codes)
 
-        from ..kernels import use_kernels
-        probe = torch.empty(0, dtype=dtype, device=device)
         fast = (self._prepared(shape, dtype, device, rowwise, columnwise)
-                if shape.numel() and (rowwise or columnwise) and use_kernels(probe) else None)
-        if fast is None:
-            return usual
-        tensor_class = self._tensor_class()
-
-        def prepared(t: torch.Tensor) -> QuantizedTensor:
-            fields = fast(t)
-            if fields is None:
-                return usual(t)
-            return tensor_class(t.shape, t.dtype, **fields)
-        return prepared
+                if (rowwise or columnwise) and _kernels_for(shape, dtype, device) else None)
+        return self._prepared_or_usual(fast, usual)
 
     def prepare_usage_like(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
                            usage: str) -> Callable[[torch.Tensor, QuantizedTensor],
@@ -167,21 +156,24 @@ class Quantizer:
         def usual(x2d: torch.Tensor, like: QuantizedTensor) -> QuantizedTensor:
             return self.quantize_usage_like(x2d, like, usage)
 
-        from ..kernels import use_kernels
-        probe = torch.empty(0, dtype=dtype, device=device)
         rowwise = usage == "rowwise"
         fast = (self._prepared_usage_like(shape, dtype, device, rowwise, not rowwise)
-                if shape.numel() and self.can_quantize_usage_like() and use_kernels(probe)
+                if self.can_quantize_usage_like() and _kernels_for(shape, dtype, device)
                 else None)
+        return self._prepared_or_usual(fast, usual)
+
+    def _prepared_or_usual(self, fast, usual):
+        """``usual`` where there is no prepared path, else a function that builds the tensor
+        from ``fast``'s fields and turns to ``usual`` for a call ``fast`` does not take."""
         if fast is None:
             return usual
         tensor_class = self._tensor_class()
 
-        def prepared(x2d: torch.Tensor, like: QuantizedTensor) -> QuantizedTensor:
-            fields = fast(x2d, like)
+        def prepared(x: torch.Tensor, *rest) -> QuantizedTensor:
+            fields = fast(x, *rest)
             if fields is None:
-                return usual(x2d, like)
-            return tensor_class(x2d.shape, x2d.dtype, **fields)
+                return usual(x, *rest)
+            return tensor_class(x.shape, x.dtype, **fields)
         return prepared
 
     def _prepared_usage_like(self, shape, dtype, device, rowwise: bool, columnwise: bool):
@@ -433,6 +425,12 @@ class Quantizer:
     def _repr_params(self) -> dict[str, Any]:
         return {}
 
+
+
+def _kernels_for(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether tensors of this kind (with elements) are quantized by the kernels."""
+    from ..kernels import use_kernels
+    return bool(shape.numel()) and use_kernels(torch.empty(0, dtype=dtype, device=device))
 
 
 def _row_major_2d(x: torch.Tensor, m: int, k: int) -> torch.Tensor:

@@ -232,20 +232,17 @@ class _QuantizedLinear(torch.autograd.Function):
 
         def quantize_x():
             if plan.quantize_x is not None:
-                return plan.quantize_x(x)
-            return quantize_operand(x_q, x, rowwise=True, columnwise=x_col, exact=exact)[0]
+                return plan.quantize_x(x), True
+            return quantize_operand(x_q, x, rowwise=True, columnwise=x_col, exact=exact)
 
         # q/k/v (gate/up) read one input: one quantize serves them (``shared_input``)
         x_shared = (shared_input.quantize(x_q, x, columnwise=x_col, exact=exact,
-                                          make=quantize_x)
+                                          make=lambda: quantize_x()[0])
                     if backward_mode == "default" and not pad else None)
         if x_shared is not None:
             x_lp, x_owned = x_shared, False
-        elif plan.quantize_x is not None:
-            x_lp, x_owned = plan.quantize_x(x), True
         else:
-            x_lp, x_owned = quantize_operand(x_q, x, rowwise=True, columnwise=x_col,
-                                             exact=exact)
+            x_lp, x_owned = quantize_x()
         # The weight's columnwise copy is made after fprop, once x's rowwise copy is freed:
         # made with it, the forward would hold x (the caller's), both copies of x and of W
         # and y at once, as much as a bf16 backward's peak (x, y, dX, dW).

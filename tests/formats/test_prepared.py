@@ -133,3 +133,4 @@ def test_prepared_usage_like_matches(device, make, usage):
         _same(got, ref_q.quantize_usage_like(x, like, usage))
         assert got.shared_scale is like.shared_scale
         assert got.has_usage(usage) and not got.has_usage(other)
+

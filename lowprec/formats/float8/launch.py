@@ -336,13 +336,13 @@ class _Prepared:
     def _outputs(self, x: torch.Tensor):
         """(launches, x as (m, k), rowwise codes, columnwise codes), or None where the bound
         path does not take ``x`` (see the class docstring)."""
-        launches = self.launches
-        if (launches is None or launches is False or self._settings() != self.settings
+        bound = self.launches
+        if (bound is None or bound is False or self._settings() != self.settings
                 or x.shape != self.shape
                 or x.dtype != self.dtype or x.device != self.device or not x.is_contiguous()
                 or x.data_ptr() % 16 or self.device.index not in (None, torch.cuda.current_device())
                 or _tracing((x,)) or not fast_launches()):
-            if launches is None:
+            if bound is None:
                 self.launches = True
             return None
         x2d = x.view(self.m, self.k)
@@ -350,28 +350,33 @@ class _Prepared:
             else self.empty
         col = x2d.new_empty((self.k, self.m), dtype=torch.uint8) if self.columnwise \
             else self.empty
-        return launches, x2d, row, col
+        return bound, x2d, row, col
 
-    def _bound(self, launches, calls):
-        """``launches`` when bound, else the launches of ``calls`` ((kernel, grid, n, args,
-        kwargs) each) bound and kept; None when any could not be (and never tried again)."""
-        if launches is not True:
-            return launches
-        bound = tuple(bind(kernel, grid, n, *args, **kwargs)
-                      for kernel, grid, n, args, kwargs in calls)
-        self.launches = False if None in bound else bound
+    def _bound(self, bound, calls):
+        """``bound`` when already bound, else the launches of ``calls`` ((kernel, grid, n,
+        args, kwargs) each) bound and kept; None when any could not be (and never tried
+        again)."""
+        if bound is not True:
+            return bound
+        made = tuple(bind(kernel, grid, n, *args, **kwargs)
+                     for kernel, grid, n, args, kwargs in calls)
+        self.launches = False if None in made else made
         return self.launches or None
 
-    def _cast_calls(self, x2d, row, col, amax_bits, scale, *, current, reset):
+    def _cast_calls(self, x2d, row, col, amax_bits, scale_in, scale_out, *, current,
+                    reset=False, amax_out=None):
+        """The (kernel, grid, n, args, kwargs) of the cast launches, as ``_launch_cast``
+        takes them (``amax_out``: delayed scaling's recording, finishing cast)."""
         pow2 = current and self.quantizer.force_pow_2_scales
         eps = self.quantizer.amax_epsilon if current else 0.0
         parts = launches(self.rowwise, self.columnwise, "pertensor")
         calls = []
         for i, (r, c) in enumerate(parts):
             kernel, grid, args, kwargs = _cast_call(
-                x2d, row, col, amax_bits, scale, scale, self.m, self.k,
+                x2d, row, col, amax_bits, scale_in, scale_out, self.m, self.k,
                 prologue_args(x2d, []), eps, 0, r, c, self.fp8_dtype, current=current,
-                pow2=pow2, record=False, reset=reset and i == len(parts) - 1)
+                pow2=pow2, record=amax_out is not None, amax_out=amax_out,
+                reset=reset and i == len(parts) - 1)
             calls.append((kernel, grid, 7, args, kwargs))
         return calls
 
@@ -385,18 +390,18 @@ class PreparedCurrent(_Prepared):
         ready = self._outputs(x)
         if ready is None:
             return None
-        launches, x2d, row, col = ready
+        bound, x2d, row, col = ready
         words = kept_amax_words(self.quantizer, self.device)
         scales = _scale_buffer(x2d)
-        if launches is True:
+        if bound is True:
             kernel, grid, args, kwargs = _amax_call(x2d, words)
-            launches = self._bound(launches, [(kernel, grid, 2, args, kwargs)] + self._cast_calls(
-                x2d, row, col, words, scales, current=True, reset=True))
-            if launches is None:
+            bound = self._bound(bound, [(kernel, grid, 2, args, kwargs)] + self._cast_calls(
+                x2d, row, col, words, scales, scales, current=True, reset=True))
+            if bound is None:
                 return None
         try:
-            launches[0](x2d, words)
-            for cast in launches[1:]:
+            bound[0](x2d, words)
+            for cast in bound[1:]:
                 cast(x2d, row, col, words, scales, scales, scales)
         except BaseException:
             if not torch.cuda.is_current_stream_capturing():
@@ -425,19 +430,16 @@ class PreparedDelayed(_Prepared):
         ready = self._outputs(x)
         if ready is None:
             return None
-        launches_, x2d, row, col = ready
+        bound, x2d, row, col = ready
         words = kept_amax_words(q, self.device)
         scale = scale.detach().reshape(1)
         scales = _scale_buffer(x2d)
-        if launches_ is True:
-            kernel, grid, args, kwargs = _cast_call(
-                x2d, row, col, words, scale, scales, self.m, self.k, prologue_args(x2d, []),
-                0.0, 0, self.rowwise, self.columnwise, self.fp8_dtype, current=False,
-                pow2=False, record=True, amax_out=amax)
-            launches_ = self._bound(launches_, [(kernel, grid, 7, args, kwargs)])
-            if launches_ is None:
+        if bound is True:
+            bound = self._bound(bound, self._cast_calls(x2d, row, col, words, scale, scales,
+                                                        current=False, amax_out=amax))
+            if bound is None:
                 return None
-        launches_[0](x2d, row, col, words, scale, scales, amax)
+        bound[0](x2d, row, col, words, scale, scales, amax)
         scale_out = scales[0:1]
         return _usage_fields(self.fp8_dtype, self.rowwise, self.columnwise, row, col,
                              scale_out, QuantizedTensor.derived_record(scale_out,
@@ -453,14 +455,14 @@ class PreparedUsageLike(_Prepared):
         ready = self._outputs(x)
         if ready is None:
             return None
-        launches, x2d, row, col = ready
+        bound, x2d, row, col = ready
         scale = like.shared_scale
-        if launches is True:
-            launches = self._bound(launches, self._cast_calls(x2d, row, col, scale, scale,
-                                                              current=False, reset=False))
-            if launches is None:
+        if bound is True:
+            bound = self._bound(bound, self._cast_calls(x2d, row, col, scale, scale, scale,
+                                                        current=False))
+            if bound is None:
                 return None
-        for cast in launches:
+        for cast in bound:
             cast(x2d, row, col, scale, scale, scale, scale)
         return _usage_fields(self.fp8_dtype, self.rowwise, self.columnwise, row, col, scale,
                              like._decode)
