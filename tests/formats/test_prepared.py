@@ -134,3 +134,30 @@ def test_prepared_usage_like_matches(device, make, usage):
         assert got.shared_scale is like.shared_scale
         assert got.has_usage(usage) and not got.has_usage(other)
 
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and Triton")
+def test_prepared_paths_bind_their_launches_on_cuda():
+    """On CUDA the third call of each prepared path runs bound launches (it is not left to
+    the usual path for good), and they give the usual quantize's fields."""
+    from lowprec.formats.float8.launch import PreparedUsageLike
+    shape, dev = torch.Size((64, 96)), torch.device("cuda")
+    delayed, ref_delayed = _delayed(), _delayed()
+    for q in (delayed, ref_delayed):
+        q.scale, q.amax = q.scale.to(dev), q.amax.to(dev)
+    current = Float8CurrentScalingQuantizer()
+    like = current.quantize(torch.randn(shape, device=dev, dtype=torch.bfloat16))
+    cases = [(PreparedCurrent(current, shape, torch.bfloat16, dev, True, True), (),
+              lambda x: Float8CurrentScalingQuantizer().quantize(x)),
+             (PreparedDelayed(delayed, shape, torch.bfloat16, dev, True, True), (),
+              lambda x: ref_delayed.quantize(x)),
+             (PreparedUsageLike(current, shape, torch.bfloat16, dev, False, True), (like,),
+              lambda x: Float8CurrentScalingQuantizer().quantize_usage_like(x, like,
+                                                                             "columnwise"))]
+    for prepared, extra, usual in cases:
+        for _ in range(3):
+            x = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+            fields = prepared(x, *extra)
+            ref = usual(x)
+        assert isinstance(prepared.launches, tuple), type(prepared).__name__
+        got = type(ref)(x.shape, x.dtype, **fields)
+        _same(got, ref)

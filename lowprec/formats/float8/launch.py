@@ -316,7 +316,9 @@ class _Prepared:
     def __init__(self, quantizer, shape: torch.Size, dtype: torch.dtype, device: torch.device,
                  rowwise: bool, columnwise: bool) -> None:
         self.quantizer = quantizer
-        self.shape, self.dtype, self.device = shape, dtype, device
+        self.empty = torch.empty(0, dtype=torch.uint8, device=device)
+        # the device with its index (a call's tensor names it: "cuda" alone never matches)
+        self.shape, self.dtype, self.device = shape, dtype, self.empty.device
         self.m, self.k = shape.numel() // shape[-1], shape[-1]
         self.rowwise, self.columnwise = rowwise, columnwise
         self.fp8_dtype = quantizer.fp8_dtype
@@ -326,7 +328,6 @@ class _Prepared:
         #: None before the first call, True before the second, then the bound launches
         #: (False: none could be bound)
         self.launches = None
-        self.empty = torch.empty(0, dtype=torch.uint8, device=device)
 
     def _settings(self) -> tuple:
         q = self.quantizer
