@@ -35,3 +35,21 @@ def randn(*shape, seed: int, dtype: torch.dtype = torch.float32, scale: float = 
     if shift != 0.0:
         t = t + shift
     return t.to(dtype)
+
+
+def assert_same_quantized(a, b, what=""):
+    """``a`` and ``b`` are quantized tensors of one type and metadata holding the same inner
+    tensors (fp8 codes compared as bytes), recursing into nested ones."""
+    from lowprec.formats.base import QuantizedTensor
+    assert type(a) is type(b) and a.metadata() == b.metadata(), what
+    for name, t in a.inner_tensors().items():
+        u = getattr(b, name)
+        assert (t is None) == (u is None), f"{what}.{name}"
+        if isinstance(t, QuantizedTensor):
+            assert_same_quantized(t, u, f"{what}.{name}")
+        elif t is not None:
+            assert t.dtype == u.dtype and torch.equal(_bytes(t), _bytes(u)), f"{what}.{name}"
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import assert_same_quantized
 from same_run import delayed_states
 from torch import nn
 
@@ -76,7 +77,7 @@ def _assert_same_model(a, b):
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         if isinstance(p, QuantizedTensor):
             assert isinstance(q, nn.Parameter), n
-            _assert_same_quantized(p, q, n)
+            assert_same_quantized(p, q, n)
         else:
             assert torch.equal(p, q), n
     sa, sb = delayed_states(a), delayed_states(b)
@@ -198,20 +199,6 @@ def _quantized_llama(rname, seed=0):
     lowprec.attach_recipe(model, recipe)
     assert isinstance(model.model.layers[0].mlp.up_proj.weight, QuantizedTensor)
     return model
-
-
-def _assert_same_quantized(a, b, what):
-    assert type(a) is type(b) and a.metadata() == b.metadata(), what
-    for name, t in a.inner_tensors().items():
-        u = getattr(b, name)
-        assert (t is None) == (u is None), (what, name)
-        if isinstance(t, QuantizedTensor):
-            _assert_same_quantized(t, u, f"{what}.{name}")
-        elif t is not None:
-            one_byte = t.element_size() == 1  # fp8 codes: compared as bytes
-            assert t.dtype == u.dtype and torch.equal(
-                t.view(torch.uint8) if one_byte else t, u.view(torch.uint8) if one_byte else u
-            ), (what, name)
 
 
 @pytest.mark.parametrize("rname", RECIPES)

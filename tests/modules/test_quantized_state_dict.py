@@ -14,6 +14,7 @@ import io
 
 import pytest
 import torch
+from helpers import assert_same_quantized
 from torch import nn
 
 import lowprec
@@ -53,21 +54,6 @@ def _trained_weights(m, seed):
             rows = torch.exp(torch.randn(w.shape[0], 1, generator=g))
             w.copy_(torch.randn(w.shape, generator=g) * rows * 0.02)
     return m
-
-
-def _bytes(t):
-    return t.view(torch.uint8) if t.element_size() == 1 else t
-
-
-def assert_same_quantized(a, b, what=""):
-    assert type(a) is type(b) and a.metadata() == b.metadata(), what
-    for name, t in a.inner_tensors().items():
-        u = getattr(b, name)
-        assert (t is None) == (u is None), f"{what}.{name}"
-        if isinstance(t, QuantizedTensor):
-            assert_same_quantized(t, u, f"{what}.{name}")
-        elif t is not None:
-            assert t.dtype == u.dtype and torch.equal(_bytes(t), _bytes(u)), f"{what}.{name}"
 
 
 def assert_same_module(a, b):
