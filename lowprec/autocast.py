@@ -26,9 +26,12 @@ def torch_autocast_off(device_type: str):
     """``torch.autocast`` disabled on ``device_type``, for lowprec's own math (which runs as
     it would without torch's autocast); nothing to disable where torch has no autocast for
     the device (``meta``: shape inference, FLOP counters)."""
-    if torch.amp.is_autocast_available(device_type):
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+    return _NOTHING  # (it is off already: entering torch.autocast costs host time)
+
+
+_NOTHING = contextlib.nullcontext()
 
 
 def default_recipe() -> Recipe:

@@ -21,6 +21,7 @@ rounding.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, NamedTuple
 
 import torch
@@ -42,6 +43,11 @@ class Backend(NamedTuple):
     run: Callable
     #: ``run`` takes ``out=`` and writes the product there (no copy).
     takes_out: bool = False
+    #: ``(type, direct)``: for a pair of that tensor type with no bias and no ``out=``,
+    #: ``direct(a, a_usage, b, b_usage, out_dtype)`` is ``accepts`` and ``run`` in one
+    #: short call (the product, or None where ``accepts`` is false); the GEMMs of every
+    #: per-tensor FP8 linear call go this way.
+    direct: tuple | None = None
 
 
 def _plain_accepts(a, a_usage, b, b_usage, out_dtype, bias):
@@ -70,6 +76,39 @@ BACKENDS: list[Backend] = [
 BACKENDS[-1:-1] = cuda_backends(Backend)
 
 
+def _direct_table(backends) -> dict:
+    """Operand type -> the direct call of the first backend that may take such a pair, where
+    it has one. A backend ahead of it that could take the pair too (``plain`` takes none of
+    the quantized types) would make the direct call skip it: none here does."""
+    table = {}
+    for backend in backends:
+        if backend.direct is not None:
+            table.setdefault(backend.direct[0], backend.direct[1])
+    return table
+
+
+_DIRECT = _direct_table(BACKENDS)
+
+
+@contextlib.contextmanager
+def use_backends(names):
+    """Within the block, only the backends named in ``names`` run (in their usual order;
+    the emulation must be among them): e.g. ``("plain", "emulated_fp32")`` to compare the
+    GPU backends with the emulation."""
+    global _DIRECT
+    saved = list(BACKENDS)
+    kept = [b for b in saved if b.name in names]
+    if not kept or kept[-1].name != "emulated_fp32":
+        raise ValueError(f"use_backends needs 'emulated_fp32' among its names, got {names!r}")
+    BACKENDS[:] = kept
+    _DIRECT = _direct_table(BACKENDS)
+    try:
+        yield
+    finally:
+        BACKENDS[:] = saved
+        _DIRECT = _direct_table(BACKENDS)
+
+
 def select_backend(a, a_usage, b, b_usage, out_dtype, bias=None) -> Backend:
     for backend in BACKENDS:
         if backend.accepts(a, a_usage, b, b_usage, out_dtype, bias):
@@ -87,6 +126,12 @@ def gemm(a: torch.Tensor, a_usage: str, b: torch.Tensor, b_usage: str, *,
     """
     _check_usage(a_usage)
     _check_usage(b_usage)
+    if out is None and bias is None and type(a) is type(b):
+        direct = _DIRECT.get(type(a))
+        if direct is not None:
+            res = direct(a, a_usage, b, b_usage, out_dtype)
+            if res is not None:
+                return res
     # A hybrid operand is just the sub-tensor of the direction this GEMM consumes.
     if isinstance(a, HybridQuantizedTensor):
         a = a.sub_tensor(a_usage)

@@ -28,7 +28,9 @@ def keep_on_device(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _stays(t: torch.Tensor) -> bool:
-    return (isinstance(t, torch.nn.Parameter) or bool(getattr(t, "_is_param", False))
+    # a view of a parameter too: torch's own linear saves ``weight.t()``
+    base = t._base if t._base is not None else t
+    return (isinstance(base, torch.nn.Parameter) or bool(getattr(base, "_is_param", False))
             or bool(getattr(t, _KEEP_ATTR, False)))
 
 

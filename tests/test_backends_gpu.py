@@ -19,7 +19,6 @@ backend ran, so a silent fall-back to the emulation shows up as a failure.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 
@@ -328,14 +327,8 @@ def test_epilogue_kernel_matches_torch():
 
 
 # ---- whole modules: GPU backends vs the fp32 emulation -----------------------------------
-@contextlib.contextmanager
 def _emulation_only():
-    saved = list(G.BACKENDS)
-    G.BACKENDS[:] = [b for b in saved if b.name in ("plain", "emulated_fp32")]
-    try:
-        yield
-    finally:
-        G.BACKENDS[:] = saved
+    return G.use_backends(("plain", "emulated_fp32"))
 
 
 RECIPES = {name: functools.partial(lowprec.recipe.Recipe.from_name, name)

@@ -19,14 +19,23 @@ exact_bf16         any pair whose dequantized values are exact in bf16 (MXFP8,
 
 from __future__ import annotations
 
-from .cublas_fp8 import blockwise_accepts, blockwise_run, tensorwise_accepts, tensorwise_run
+from ..formats.float8.tensor import Float8Tensor
+from .cublas_fp8 import (
+    blockwise_accepts,
+    blockwise_run,
+    tensorwise_accepts,
+    tensorwise_direct,
+    tensorwise_run,
+)
 from .exact_bf16 import exact_bf16_accepts, exact_bf16_run
 
 
 def cuda_backends(backend_cls):
-    """The GPU backends as ``backend_cls(name, accepts, run)`` entries, in dispatch order."""
+    """The GPU backends as ``backend_cls(name, accepts, run, takes_out, direct)`` entries, in
+    dispatch order."""
     return [
-        backend_cls("cublas_fp8", tensorwise_accepts, tensorwise_run, True),
+        backend_cls("cublas_fp8", tensorwise_accepts, tensorwise_run, True,
+                    (Float8Tensor, tensorwise_direct)),
         backend_cls("cublas_fp8_block", blockwise_accepts, blockwise_run, True),
         backend_cls("exact_bf16", exact_bf16_accepts, exact_bf16_run, True),
     ]

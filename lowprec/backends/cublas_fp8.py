@@ -97,6 +97,29 @@ def tensorwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     return _finish(res, bias, fused, out)
 
 
+def _on_cuda(ad: torch.Tensor, bd: torch.Tensor) -> bool:
+    return ad.is_cuda and bd.is_cuda and scaled_mm_available()
+
+
+def tensorwise_direct(a, a_usage, b, b_usage, out_dtype):
+    """``tensorwise_accepts`` and ``tensorwise_run`` for a pair of ``Float8Tensor`` with no
+    bias, in one short call: the product, or None where the backend does not take the pair.
+    (Every per-tensor linear GEMM comes here: the dispatcher's general checks cost more
+    host time than ``torch._scaled_mm`` itself.)"""
+    ad = a.rowwise_data if a_usage == "rowwise" else a.columnwise_data
+    bd = b.rowwise_data if b_usage == "rowwise" else b.columnwise_data
+    if (ad is None or bd is None or out_dtype not in _OUT_DTYPES or not _on_cuda(ad, bd)
+            or (a.fp8_dtype == E5M2 and b.fp8_dtype == E5M2)):
+        return None
+    m, k = ad.shape
+    n = bd.shape[0]
+    if (m == 0 or n == 0 or k % 16 or n % 16 or k == 0 or not _aligned(ad)
+            or not _aligned(bd)):
+        return None
+    return torch._scaled_mm(ad, bd.t(), scale_a=a.decode_scale(), scale_b=b.decode_scale(),
+                            out_dtype=out_dtype, use_fast_accum=False)
+
+
 # ---- block-scaled -------------------------------------------------------------------------
 #: (block dims, fp8 dtypes, out dtype, fused bias) -> False once cuBLAS refused the combination.
 _BLOCK_REFUSED: dict = {}

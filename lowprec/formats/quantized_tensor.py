@@ -220,9 +220,13 @@ class QuantizedTensor(torch.Tensor):
     def holds_gemm_layout(self, usage: str) -> bool:
         """Whether ``usage``'s data is held in the layout the GEMMs read (contiguous); an
         FSDP-gathered weight holds its columnwise data as a transposed view."""
-        return self.has_usage(usage) and all(
-            t.is_contiguous() for n, t in self.inner_tensors().items()
-            if t is not None and n.startswith(usage + "_"))
+        if not self.has_usage(usage):
+            return False
+        for name in _names_of(type(self), usage)[2]:
+            t = getattr(self, name)
+            if t is not None and not t.is_contiguous():
+                return False
+        return True
 
     def usage_copy(self, usage: str) -> "QuantizedTensor":
         """A new tensor holding only ``usage``'s data, contiguous: the held data (the same
@@ -231,17 +235,19 @@ class QuantizedTensor(torch.Tensor):
         whoever asked for it (a GEMM operand of one backward)."""
         _check_usage(usage)
         other = "columnwise" if usage == "rowwise" else "rowwise"
-        fields = {n: (None if n.startswith(other + "_") or t is None else _contiguous(t))
-                  for n, t in self.inner_tensors().items()}
+        inner, derived, _ = _names_of(type(self), usage)
+        fields = {}
+        for name in inner:
+            t = getattr(self, name)
+            fields[name] = t if t is None or t.is_contiguous() else _contiguous(t)
         if not self.has_usage(usage):
             if not self.has_usage(other):
                 raise RuntimeError(f"{type(self).__name__} holds no data to derive {usage} from")
             fields.update(self._derive(usage))
         # records of what is kept go along (each is checked against its source tensor when
         # read, so one whose data was derived anew is simply not used)
-        for name in self._derived:
-            if not (name.startswith(other + "_") or name.endswith("_" + other)):
-                fields[name] = getattr(self, name)
+        for name in derived:
+            fields[name] = getattr(self, name)
         return type(self)(self.shape, self.dtype, **fields, **self.metadata())
 
     def _derive(self, usage: str) -> dict[str, torch.Tensor]:
@@ -320,6 +326,23 @@ class QuantizedTensor(torch.Tensor):
             f"{cls.__name__} does not support {func}. Supported: detach, clone, copy_, to, "
             f"empty_like, view/reshape keeping the last dimension, identity as_strided, "
             f"torch.save. {hint}")
+
+
+_NAMES: dict = {}
+
+
+def _names_of(cls: type, usage: str) -> tuple[tuple, tuple, tuple]:
+    """(inner tensors a ``usage_copy(usage)`` keeps, derived records it keeps, the inner
+    tensors of ``usage`` alone) of a tensor class, worked out once per class."""
+    names = _NAMES.get((cls, usage))
+    if names is None:
+        other = "columnwise" if usage == "rowwise" else "rowwise"
+        names = _NAMES[(cls, usage)] = (
+            tuple(n for n in cls._inner if not n.startswith(other + "_")),
+            tuple(n for n in cls._derived
+                  if not (n.startswith(other + "_") or n.endswith("_" + other))),
+            tuple(n for n in cls._inner if n.startswith(usage + "_")))
+    return names
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from ..autocast import active_region, torch_autocast_dtype
+from ..checkpoint import current_frame
 from ..compiled_call import compiled_as_one_op
 from ..linear import traced
 from ..linear.function import quantized_linear
@@ -45,6 +48,14 @@ class Linear(LowprecModule):
                           device=device, fan_in=in_features if row else None)
         self._maybe_quantize_weights()
 
+    def _plain_call(self, x: torch.Tensor) -> bool:
+        """Whether a call with no recipe is ``torch.nn.functional.linear`` as it stands: no
+        tensor parallelism, plain input and weight (a quantized weight dequantizes) of one
+        dtype or under ``torch.autocast`` (else the usual path says what is wrong)."""
+        return (self._tp is None and type(x) is torch.Tensor
+                and type(self.weight) in (torch.Tensor, torch.nn.Parameter)
+                and (x.dtype == self.weight.dtype or torch_autocast_dtype(x) is not None))
+
     def compiled_output_shapes(self, x: torch.Tensor) -> list[tuple]:
         tp = self._tp
         rows = tpar.output_rows(tp, x.shape[0], tp.mode if tp is not None else "column")
@@ -53,6 +64,8 @@ class Linear(LowprecModule):
     def traced_forward(self, x: torch.Tensor):
         """The call as torch.compile traces it (``lowprec.linear.traced``), or
         ``NotImplemented`` where it stays one opaque op."""
+        if self._plain_call(x) and active_region() is None and current_frame() is None:
+            return F.linear(x, self.weight, self.bias)
         recipe = self.traced_recipe(x)
         # plain tensors only: quantized weights, DTensors (tensor-parallel styles) and other
         # subclasses keep the opaque call
@@ -70,6 +83,8 @@ class Linear(LowprecModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dtype(x)
         qs, mode, done = self.gemm_quantizers(x.device)
+        if qs is None and self._plain_call(x):
+            return F.linear(x, self.weight, self.bias)  # no recipe: what nn.Linear runs
         q = qs[0] if qs else None
         tp = self._tp
         if tp is not None and tp.mode == "row":
