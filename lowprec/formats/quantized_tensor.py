@@ -217,6 +217,20 @@ class QuantizedTensor(torch.Tensor):
         for name in self._inner + self._derived:
             setattr(self, name, None)
 
+    def shared_only(self) -> "QuantizedTensor | None":
+        """A tensor holding only what this one's directions share (its ``shared_*`` inner
+        tensors and the records made from them), without either direction's data; None
+        for a format whose directions share nothing. It is what
+        :meth:`Quantizer.quantize_usage_like` reads of its ``like`` (a per-tensor scale),
+        kept by a linear forward that makes the weight's other direction in backward."""
+        fields = {n: getattr(self, n) for n in self._inner if n.startswith("shared_")}
+        if all(t is None for t in fields.values()):
+            return None
+        for name in self._derived:
+            if "rowwise" not in name and "columnwise" not in name:
+                fields[name] = getattr(self, name)
+        return type(self)(self.shape, self.dtype, **fields, **self.metadata())
+
     def holds_gemm_layout(self, usage: str) -> bool:
         """Whether ``usage``'s data is held in the layout the GEMMs read (contiguous); an
         FSDP-gathered weight holds its columnwise data as a transposed view."""

@@ -56,6 +56,10 @@ class LinearPlan:
     #: the weight's columnwise copy from its rowwise one (``w_two_steps``), prepared once
     #: (``Quantizer.prepare_usage_like``)
     quantize_w_like: Callable | None = None
+    #: with ``w_two_steps``, that copy is made in backward from the saved weight, a
+    #: parameter (saving it holds no memory): the forward, whose host time bounds an eager
+    #: step, does one quantize less, and no copy lives from forward to backward
+    w_in_backward: bool = False
 
 
 def row_padding(q, x: torch.Tensor, backward_mode: str, need_dw: bool) -> int:
@@ -126,6 +130,7 @@ def _decide(q, x, weight, backward_mode: str, need_dx: bool, need_dw: bool,
             if w_two_steps:
                 prepared["quantize_w_like"] = q.weight.prepare_usage_like(
                     weight.shape, weight.dtype, weight.device, "columnwise")
+                prepared["w_in_backward"] = type(weight) is torch.nn.Parameter
         if (q.grad_output is not None and backward_mode == "default"
                 and (need_dx or need_dw)):
             prepared["quantize_dy"] = q.grad_output.prepare(

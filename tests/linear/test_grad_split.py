@@ -8,6 +8,8 @@ freed after wgrad only when the graph is not retained.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -337,22 +339,21 @@ def test_slices_equal_whole_quantization_gpu(qname):
                             slice(a, b))
 
 
-# ---- the forward makes the weight's columnwise copy after fprop ------------------------------
-def _saved_weight(rname, *, mode: str):
+# ---- the weight's columnwise copy: made after fprop, in backward for a parameter ----------
+def _forward(rname, mode: str, *, amp: bool = False):
     torch.manual_seed(0)
-    lin = lowprec.Linear(K, N, params_dtype=torch.bfloat16)
+    lin = lowprec.Linear(K, N, params_dtype=torch.float32 if amp else torch.bfloat16)
     x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
     ctx = {"sliced": grad_split.sliced, "unsliced": grad_split.unsliced,
            "auto": grad_split._SetMode}[mode]()
-    with ctx, lowprec.autocast(enabled=True, recipe=SLICED[rname]()):
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+    with ctx, cast, lowprec.autocast(enabled=True, recipe=SLICED[rname]()):
         y = lin(x)
-    return y.grad_fn.saved_tensors[1]
+    return lin, y
 
 
-@pytest.mark.parametrize("mode", ["auto", "sliced"])
-@pytest.mark.parametrize("rname", list(SLICED))
-def test_weight_columnwise_made_after_fprop_equals_whole(rname, mode, monkeypatch):
-    events = []
+def _spy(monkeypatch):
+    events, made = [], []
     real_gemm = lowprec.linear.function.gemm
 
     def gemm_spy(*args, **kw):
@@ -363,17 +364,48 @@ def test_weight_columnwise_made_after_fprop_equals_whole(rname, mode, monkeypatc
     for cls in (Quantizer, _PerTensorFloat8):
         def usage_like_spy(self, *args, _real=cls.quantize_usage_like):
             events.append("usage_like")
-            return _real(self, *args)
+            made.append(_real(self, *args))
+            return made[-1]
         monkeypatch.setattr(cls, "quantize_usage_like", usage_like_spy)
-    new = _saved_weight(rname, mode=mode)
-    assert events == ["gemm", "usage_like"] and not new.has_usage("rowwise")
-    old = _saved_weight(rname, mode="unsliced")  # both directions in one quantize
+    return events, made
+
+
+def _assert_same_tensor(new, old):
     for name, t in old.inner_tensors().items():
         got = getattr(new, name)
         assert (t is None) == (got is None), name
         if t is not None:
             assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got,
                                t.view(torch.uint8) if t.dtype.itemsize == 1 else t), name
+
+
+@pytest.mark.parametrize("mode", ["auto", "sliced"])
+@pytest.mark.parametrize("rname", list(SLICED))
+def test_weight_columnwise_made_in_backward_equals_whole(rname, mode, monkeypatch):
+    # whole: both directions of the weight in one quantize, saved by the forward
+    _, y_old = _forward(rname, "unsliced")
+    old = y_old.grad_fn.saved_tensors[1]
+    events, made = _spy(monkeypatch)
+    lin, y = _forward(rname, mode)
+    # the forward saves the parameter itself (no copy lives until backward) ...
+    assert y.grad_fn.saved_tensors[1] is lin.weight and events == ["gemm"]
+    y.backward(torch.randn_like(y))
+    # ... and the backward makes its columnwise copy first, with fprop's statistics
+    assert events[:2] == ["gemm", "usage_like"] and not made[0].has_usage("rowwise")
+    _assert_same_tensor(made[0], old)
+
+
+@pytest.mark.parametrize("rname", list(SLICED))
+def test_weight_columnwise_made_after_fprop_under_torch_autocast(rname, monkeypatch):
+    # the weight GEMMs read is torch.autocast's bf16 copy: saving it would hold 2 bytes a
+    # weight until backward, so its columnwise fp8 copy is made after fprop and saved
+    _, y_old = _forward(rname, "unsliced", amp=True)
+    old = y_old.grad_fn.saved_tensors[1]
+    events, made = _spy(monkeypatch)
+    lin, y = _forward(rname, "auto", amp=True)
+    new = y.grad_fn.saved_tensors[1]
+    assert events == ["gemm", "usage_like"] and not new.has_usage("rowwise")
+    _assert_same_tensor(new, old)
 
 
 # ---- quantize_usage_like: one usage after the other, same bits as both at once --------------

@@ -50,7 +50,10 @@ def test_plan_holds_the_decisions():
     p = plan_mod.plan_for(q, x, w, mode, True, True, False)
     assert p.pad == 56  # 1x128 columnwise blocks run along M: 200 -> 256 rows
     assert p.x_columnwise and p.w_columnwise and p.w_two_steps
+    assert p.w_in_backward  # a parameter: saved as it is, its columnwise copy made in backward
     assert plan_mod.plan_for(q, x, w, mode, True, True, False) is p
+    copy = plan_mod.plan_for(q, x, w.detach().clone(), mode, True, True, False)
+    assert copy.w_two_steps and not copy.w_in_backward  # a temporary: its copy is made now
     eval_plan = plan_mod.plan_for(q, x, w, mode, False, False, False)
     assert eval_plan.pad == 0 and not eval_plan.x_columnwise and not eval_plan.w_columnwise
     with grad_split.unsliced():
