@@ -217,19 +217,16 @@ class QuantizedTensor(torch.Tensor):
         for name in self._inner + self._derived:
             setattr(self, name, None)
 
-    def shared_only(self) -> "QuantizedTensor | None":
-        """A tensor holding only what this one's directions share (its ``shared_*`` inner
-        tensors and the records made from them), without either direction's data; None
-        for a format whose directions share nothing. It is what
-        :meth:`Quantizer.quantize_usage_like` reads of its ``like`` (a per-tensor scale),
-        kept by a linear forward that makes the weight's other direction in backward."""
-        fields = {n: getattr(self, n) for n in self._inner if n.startswith("shared_")}
-        if all(t is None for t in fields.values()):
-            return None
-        for name in self._derived:
-            if "rowwise" not in name and "columnwise" not in name:
-                fields[name] = getattr(self, name)
-        return type(self)(self.shape, self.dtype, **fields, **self.metadata())
+    def keep_shared_only(self) -> "QuantizedTensor":
+        """Drop both directions' data in place, keeping what they share (``shared_*`` inner
+        tensors and the records made from them); returns ``self``. What stays is what
+        :meth:`Quantizer.quantize_usage_like` reads of its ``like`` (a per-tensor scale): a
+        linear forward keeps it for the backward that makes the weight's columnwise copy,
+        and frees the rowwise data at once. The tensor must be nobody else's."""
+        for name in self._inner + self._derived:
+            if "rowwise" in name or "columnwise" in name:
+                setattr(self, name, None)
+        return self
 
     def holds_gemm_layout(self, usage: str) -> bool:
         """Whether ``usage``'s data is held in the layout the GEMMs read (contiguous); an

@@ -278,7 +278,7 @@ class _QuantizedLinear(torch.autograd.Function):
             else:
                 saved_x = _keep_only(x_lp, x_owned, "columnwise") if need_dw else None
             if w_two_steps and plan.w_in_backward and need_dx:
-                saved_w, ctx.w_deferred, ctx.w_like = weight, True, w_lp.shared_only()
+                saved_w, ctx.w_deferred, ctx.w_like = weight, True, w_lp.keep_shared_only()
                 del w_lp
             elif w_two_steps:
                 saved_w = plan.quantize_w_like(weight.detach(), w_lp)
