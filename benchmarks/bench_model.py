@@ -109,8 +109,14 @@ def lm_loss(m, ctx, ids):
 
 def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: int,
              top_kernels: int = 0):
-    """(median step ms, warm-up seconds, peak GiB, graph breaks, GPU kernel ms, kernels);
-    with ``top_kernels``, prints that many of the step's heaviest kernels."""
+    """(median step ms, warm-up seconds, peak GiB, graph breaks, GPU kernel ms, kernels,
+    median forward host ms); with ``top_kernels``, prints that many of the step's heaviest
+    kernels.
+
+    The forward host ms is how long the forward call keeps the host (NaN for graph
+    replays). transformers' Llama synchronizes with the GPU at the start of each forward
+    (its mask code), so that time is exposed in full: a step takes about max(forward
+    host, forward GPU) + the backward's GPU time."""
     torch._dynamo.utils.counters.clear()
     mode, _, every = mode.partition("-rec")  # "eager-rec100": lowprec.debug.Recorder on
     m, ctx = make_peer(peer, model, device, mode)
@@ -122,11 +128,16 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
     gen = torch.Generator(device=device).manual_seed(0)
     ids = [torch.randint(0, 32000, (batch, seq), device=device, generator=gen) for _ in range(2)]
 
+    fwd_host = []
+
     def step(i):
         x = ids[i % 2]
         if graphed:
             opt.zero_grad(set_to_none=False)  # the captured step zeroes its static grads
-        lm_loss(m, ctx, x).backward()
+        t0 = time.perf_counter()
+        loss = lm_loss(m, ctx, x)
+        fwd_host.append(time.perf_counter() - t0)
+        loss.backward()
         opt.step()
         if not graphed:
             opt.zero_grad(set_to_none=True)
@@ -153,8 +164,10 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
     sync()
     warm_s = time.perf_counter() - t0
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    fwd_host.clear()
     if device == "cuda":
         ms, peak = median_step_ms(run, steps)
+        fwd_ms = statistics.median(fwd_host) * 1e3 if fwd_host and not graphed else float("nan")
         gpu_ms, kernels, heaviest = gpu_kernel_ms(run, top=top_kernels)
         for k_ms, k_n, name in heaviest:
             print(f"    {peer} {mode}: {k_ms:7.3f} ms {k_n:5.0f}x  {name[:110]}")
@@ -166,7 +179,8 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
             t.append((time.perf_counter() - t1) * 1e3)
         ms, peak = statistics.median(t), 0.0
         gpu_ms, kernels = float("nan"), 0
-    return ms, warm_s, peak, breaks, gpu_ms, kernels
+        fwd_ms = statistics.median(fwd_host) * 1e3
+    return ms, warm_s, peak, breaks, gpu_ms, kernels, fwd_ms
 
 
 def release() -> None:
@@ -178,7 +192,7 @@ def release() -> None:
 
 
 def _row(model, tokens, peer, mode, res, results):
-    ms, warm, peak, breaks, gpu_ms, kernels = res
+    ms, warm, peak, breaks, gpu_ms, kernels, fwd_ms = res
     host = 1 - gpu_ms / ms
     base_e, base_c = results.get(("bf16", "eager")), results.get(("bf16", "compiled"))
     same = results.get(("bf16", mode))
@@ -187,7 +201,7 @@ def _row(model, tokens, peer, mode, res, results):
     pk = peak / same[2] if same and same[2] else float("nan")
     line = (f"{peer:24s} {mode:8s} {ms:9.2f} {tokens / ms * 1e3:10.0f} {se:13.2f}x "
             f"{sc:13.2f}x {peak:9.2f} {pk:11.2f}x {breaks:6d} {gpu_ms:8.2f} {host:6.1%} "
-            f"{kernels:8.0f}")
+            f"{kernels:8.0f} {fwd_ms:8.2f}")
     row = dict(bench="model", shape=f"{model} {tokens}tok", recipe=f"{peer} {mode}",
                metric="step_ms", value=round(ms, 3), baseline="bf16 eager",
                baseline_value=round(base_e[0], 3) if base_e else "",
@@ -195,13 +209,13 @@ def _row(model, tokens, peer, mode, res, results):
                note=f"{tokens / ms * 1e3:.0f} tok/s; peak {peak:.2f} GiB ({pk:.2f}x bf16 "
                     f"{mode}); warm-up {warm:.0f} s; vs bf16 compiled {sc:.2f}x; graph "
                     f"breaks {breaks}; GPU kernels {gpu_ms:.2f} ms ({kernels:.0f}), host share "
-                    f"{host:.1%}")
+                    f"{host:.1%}; forward host {fwd_ms:.2f} ms")
     return line, row
 
 
 HEADER = (f"{'peer':24s} {'mode':8s} {'ms':>9s} {'tok/s':>10s} {'vs bf16 eager':>14s} "
           f"{'vs bf16 comp.':>14s} {'peak GiB':>9s} {'vs bf16 peak':>12s} {'breaks':>6s} "
-          f"{'GPU ms':>8s} {'host':>6s} {'kernels':>8s}")
+          f"{'GPU ms':>8s} {'host':>6s} {'kernels':>8s} {'fwd host':>8s}")
 
 
 def main() -> None:
