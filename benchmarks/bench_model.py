@@ -113,7 +113,8 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
     median forward host ms); with ``top_kernels``, prints that many of the step's heaviest
     kernels.
 
-    The forward host ms is how long the forward call keeps the host (NaN for graph
+    The forward host ms is how long the forward call keeps the host when it starts on an
+    idle GPU (steps run after the timed ones, each after a synchronize; NaN for graph
     replays). transformers' Llama synchronizes with the GPU at the start of each forward
     (its mask code), so that time is exposed in full: a step takes about max(forward
     host, forward GPU) + the backward's GPU time."""
@@ -164,11 +165,14 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
     sync()
     warm_s = time.perf_counter() - t0
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
-    fwd_host.clear()
     if device == "cuda":
         ms, peak = median_step_ms(run, steps)
-        fwd_ms = statistics.median(fwd_host) * 1e3 if fwd_host and not graphed else float("nan")
         gpu_ms, kernels, heaviest = gpu_kernel_ms(run, top=top_kernels)
+        fwd_host.clear()
+        for i in range(0 if graphed else 5):
+            sync()
+            step(i)
+        fwd_ms = statistics.median(fwd_host) * 1e3 if fwd_host else float("nan")
         for k_ms, k_n, name in heaviest:
             print(f"    {peer} {mode}: {k_ms:7.3f} ms {k_n:5.0f}x  {name[:110]}")
     else:
@@ -179,7 +183,7 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
             t.append((time.perf_counter() - t1) * 1e3)
         ms, peak = statistics.median(t), 0.0
         gpu_ms, kernels = float("nan"), 0
-        fwd_ms = statistics.median(fwd_host) * 1e3
+        fwd_ms = statistics.median(fwd_host[-steps:]) * 1e3
     return ms, warm_s, peak, breaks, gpu_ms, kernels, fwd_ms
 
 
