@@ -174,6 +174,7 @@ def test_dynamic_shapes():
     b = copy.deepcopy(a)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(b, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
     for n in (32, 48, 80):
         xa = torch.randn(2, n, D, requires_grad=True)
         xb = xa.detach().clone().requires_grad_(True)
@@ -182,7 +183,11 @@ def test_dynamic_shapes():
         ya.sum().backward()
         yb.sum().backward()
         assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
-    assert counter.frame_count == 1
+        frames.append(counter.frame_count)
+    # No recompile for the later token counts. (torch 2.11's dynamo hands the first call's
+    # frame to the backend twice: it restarts the analysis once to specialize a float
+    # attribute its tensorify pass cannot keep symbolic; torch 2.13 compiles it once.)
+    assert frames[0] in (1, 2) and frames == [frames[0]] * len(frames), frames
 
 
 def test_no_grad_compiled_forward_matches_eval():
