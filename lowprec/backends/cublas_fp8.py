@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.base import _check_usage
 from ..formats.block.tensor import Float8BlockwiseTensor
 from ..formats.float8.tensor import Float8Tensor
 
@@ -43,23 +44,31 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
-def _common_accepts(cls, a, a_usage, b, b_usage, out_dtype) -> bool:
-    if not (type(a) is cls and type(b) is cls):
-        return False
-    if not (a.is_cuda and b.is_cuda and scaled_mm_available()):
-        return False
-    if not (a.has_usage(a_usage) and b.has_usage(b_usage)):
+def _on_cuda(ad: torch.Tensor, bd: torch.Tensor) -> bool:
+    return ad.is_cuda and bd.is_cuda and scaled_mm_available()
+
+
+def _takes_data(a, ad, b, bd, out_dtype) -> bool:
+    """Whether cuBLAS FP8 takes ``mat(a) = ad`` and ``mat(b) = bd`` (the data of the
+    directions the GEMM reads, None where not held) for an ``out_dtype`` product."""
+    if ad is None or bd is None:
         return False  # the emulation raises the proper error
-    if out_dtype not in _OUT_DTYPES:
+    if not _on_cuda(ad, bd) or out_dtype not in _OUT_DTYPES:
         return False
     if a.fp8_dtype == E5M2 and b.fp8_dtype == E5M2:
         return False  # cuBLAS has no E5M2 x E5M2 kernel
-    ad, bd = getattr(a, f"{a_usage}_data"), getattr(b, f"{b_usage}_data")
     m, k = ad.shape
     n = bd.shape[0]
     if m == 0 or n == 0 or k == 0:
         return False
     return k % 16 == 0 and n % 16 == 0 and _aligned(ad) and _aligned(bd)
+
+
+def _common_accepts(cls, a, a_usage, b, b_usage, out_dtype) -> bool:
+    if not (type(a) is cls and type(b) is cls):
+        return False
+    return _takes_data(a, getattr(a, f"{_check_usage(a_usage)}_data"), b,
+                       getattr(b, f"{_check_usage(b_usage)}_data"), out_dtype)
 
 
 def _fusable_bias(bias, out_dtype) -> bool:
@@ -97,10 +106,6 @@ def tensorwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     return _finish(res, bias, fused, out)
 
 
-def _on_cuda(ad: torch.Tensor, bd: torch.Tensor) -> bool:
-    return ad.is_cuda and bd.is_cuda and scaled_mm_available()
-
-
 def tensorwise_direct(a, a_usage, b, b_usage, out_dtype):
     """``tensorwise_accepts`` and ``tensorwise_run`` for a pair of ``Float8Tensor`` with no
     bias, in one short call: the product, or None where the backend does not take the pair.
@@ -108,16 +113,9 @@ def tensorwise_direct(a, a_usage, b, b_usage, out_dtype):
     host time than ``torch._scaled_mm`` itself.)"""
     ad = a.rowwise_data if a_usage == "rowwise" else a.columnwise_data
     bd = b.rowwise_data if b_usage == "rowwise" else b.columnwise_data
-    if (ad is None or bd is None or out_dtype not in _OUT_DTYPES or not _on_cuda(ad, bd)
-            or (a.fp8_dtype == E5M2 and b.fp8_dtype == E5M2)):
+    if not _takes_data(a, ad, b, bd, out_dtype):
         return None
-    m, k = ad.shape
-    n = bd.shape[0]
-    if (m == 0 or n == 0 or k % 16 or n % 16 or k == 0 or not _aligned(ad)
-            or not _aligned(bd)):
-        return None
-    return torch._scaled_mm(ad, bd.t(), scale_a=a.decode_scale(), scale_b=b.decode_scale(),
-                            out_dtype=out_dtype, use_fast_accum=False)
+    return _scaled_mm(ad, bd, a.decode_scale(), b.decode_scale(), None, out_dtype, None)
 
 
 # ---- block-scaled -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 from typing import Any, Callable, ClassVar
 
@@ -223,8 +224,11 @@ class QuantizedTensor(torch.Tensor):
         :meth:`Quantizer.quantize_usage_like` reads of its ``like`` (a per-tensor scale): a
         linear forward keeps it for the backward that makes the weight's columnwise copy,
         and frees the rowwise data at once. The tensor must be nobody else's."""
+        row_inner, row_derived, _ = _names_of(type(self), "rowwise")
+        col_inner, col_derived, _ = _names_of(type(self), "columnwise")
+        shared = (set(row_inner) & set(col_inner)) | (set(row_derived) & set(col_derived))
         for name in self._inner + self._derived:
-            if "rowwise" in name or "columnwise" in name:
+            if name not in shared:
                 setattr(self, name, None)
         return self
 
@@ -339,21 +343,15 @@ class QuantizedTensor(torch.Tensor):
             f"torch.save. {hint}")
 
 
-_NAMES: dict = {}
-
-
+@functools.cache
 def _names_of(cls: type, usage: str) -> tuple[tuple, tuple, tuple]:
     """(inner tensors a ``usage_copy(usage)`` keeps, derived records it keeps, the inner
     tensors of ``usage`` alone) of a tensor class, worked out once per class."""
-    names = _NAMES.get((cls, usage))
-    if names is None:
-        other = "columnwise" if usage == "rowwise" else "rowwise"
-        names = _NAMES[(cls, usage)] = (
-            tuple(n for n in cls._inner if not n.startswith(other + "_")),
+    other = "columnwise" if usage == "rowwise" else "rowwise"
+    return (tuple(n for n in cls._inner if not n.startswith(other + "_")),
             tuple(n for n in cls._derived
                   if not (n.startswith(other + "_") or n.endswith("_" + other))),
             tuple(n for n in cls._inner if n.startswith(usage + "_")))
-    return names
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -213,7 +213,7 @@ class _QuantizedLinear(torch.autograd.Function):
         quantized = q is not None
         plan = plan_for(q, x, weight, backward_mode, need_dx, need_dw, weight_lp is not None)
         ctx.plan = plan
-        ctx.w_deferred = False  # (see LinearPlan.w_in_backward)
+        ctx.w_like = None  # set where backward makes the weight's copy (w_in_backward)
         pad = plan.pad
         x_shape = x.shape
         if pad:
@@ -278,7 +278,7 @@ class _QuantizedLinear(torch.autograd.Function):
             else:
                 saved_x = _keep_only(x_lp, x_owned, "columnwise") if need_dw else None
             if w_two_steps and plan.w_in_backward and need_dx:
-                saved_w, ctx.w_deferred, ctx.w_like = weight, True, w_lp.keep_shared_only()
+                saved_w, ctx.w_like = weight, w_lp.keep_shared_only()
                 del w_lp
             elif w_two_steps:
                 saved_w = plan.quantize_w_like(weight.detach(), w_lp)
@@ -304,7 +304,7 @@ class _QuantizedLinear(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         q = ctx.quantizers
         quantized_bwd = q is not None and ctx.backward_mode == "default"
-        if ctx.w_deferred and saved_w is not None:
+        if ctx.w_like is not None and saved_w is not None:
             # the weight's columnwise copy, with the statistics of fprop's rowwise one
             saved_w = ctx.plan.quantize_w_like(saved_w.detach(), ctx.w_like)
         elif quantized_bwd and need_dx:

@@ -91,9 +91,6 @@ class Linear(LowprecModule):
             y = quantized_linear(x, self.weight, None, quantizers=q, backward_mode=mode,
                                  on_backward_done=done)
             return tpar.row_output(tp, y, self.bias, q.grad_output if q else None, mode)
-        if tp is None:
-            return quantized_linear(x, self.weight, self.bias, quantizers=q, backward_mode=mode,
-                                    on_backward_done=done)
         return tpar.column_linear(tp, x, self.weight, self.bias, q, mode, done)
 
     def extra_repr(self) -> str:

@@ -138,6 +138,9 @@ def column_linear(tp: TensorParallel | None, x: torch.Tensor, weight, bias, quan
                   backward_mode: str, on_backward_done) -> torch.Tensor:
     """A column-parallel quantized linear: its input replicated or gathered first (an
     unsplit one with ``tp`` None)."""
+    if tp is None:  # unsplit: nothing to replicate or gather
+        return quantized_linear(x, weight, bias, quantizers=quantizers,
+                                backward_mode=backward_mode, on_backward_done=on_backward_done)
     q = quantizers.input if quantizers is not None else None
     x = column_input(tp, x, q, backward_mode, producer_usages(weight, backward_mode))
     y = quantized_linear(x, weight, bias, quantizers=quantizers, backward_mode=backward_mode,
