@@ -42,7 +42,7 @@ import torch
 from ..autocast import torch_autocast_dtype
 from ..formats.block.reference import BLOCK, dequantize_blocks, quantize_blocks
 from ..formats.casting import cast_fp8
-from ..formats.float8.reference import current_scale, tensor_amax
+from ..formats.float8.reference import current_scale
 from ..formats.mxfp8.compiled import dequantized_1x32, dequantized_32x1
 from ..formats.mxfp8.reference import BLOCK as MX_BLOCK
 from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
@@ -62,8 +62,7 @@ class Tensorwise:
 
     def scale(self, t2d: torch.Tensor) -> torch.Tensor:
         """The fp32 scale (one element) of ``t2d``, as ``formats.float8.reference``."""
-        return current_scale(tensor_amax(_rounded(t2d)), self.fp8_dtype, pow2=self.pow2,
-                             eps=self.eps)
+        return current_scale(rounded_amax(t2d), self.fp8_dtype, pow2=self.pow2, eps=self.eps)
 
     def cast(self, t2d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return cast_fp8(_rounded(t2d) * scale, self.fp8_dtype)
@@ -91,7 +90,7 @@ class Delayed:
 
     @staticmethod
     def amax(t2d: torch.Tensor) -> torch.Tensor:
-        return tensor_amax(_rounded(t2d))
+        return rounded_amax(t2d)
 
     def quantize(self, t2d: torch.Tensor, scale: torch.Tensor):
         """(fp8 data, the scale cast with, its amax to record) of ``t2d`` under the state's
@@ -119,6 +118,17 @@ def _rounded(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.float32:
         return t
     return (_bf16_rne_bits(t.to(torch.float32).view(torch.int32)) & -65536).view(torch.float32)
+
+
+def rounded_amax(t2d: torch.Tensor) -> torch.Tensor:
+    """amax(|t2d|) of ``t2d``'s bf16-rounded values (1-element fp32), as eager's amax of the
+    bf16 tensor. Rounding to nearest is monotonic and symmetric, so the largest rounded
+    magnitude is the rounded largest magnitude: the rounding is applied to the one result,
+    and the reduction reads the producer's expression alone, which inductor then fuses
+    with its neighbours' reductions (the amaxes of dgate and dup in one pass) instead of
+    writing the rounded magnitudes to an fp32 buffer first. The rounding reads the
+    reduction's dtype (bf16), as inductor may hand on its fp32 value unrounded."""
+    return _rounded(t2d.abs().amax()).reshape(1)
 
 
 def _output(out_fp32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
