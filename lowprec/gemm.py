@@ -87,7 +87,17 @@ def _direct_table(backends) -> dict:
     return table
 
 
-_DIRECT = _direct_table(BACKENDS)
+_DIRECT: tuple = ((), {})  # (ids of the backends it was built from, _direct_table of them)
+
+
+def _direct_calls() -> dict:
+    """``_direct_table(BACKENDS)``, built again whenever the registry's contents changed (by
+    ``use_backends`` or an edit of ``BACKENDS`` itself)."""
+    global _DIRECT
+    key = tuple(map(id, BACKENDS))
+    if _DIRECT[0] != key:
+        _DIRECT = (key, _direct_table(BACKENDS))
+    return _DIRECT[1]
 
 
 @contextlib.contextmanager
@@ -95,18 +105,15 @@ def use_backends(names):
     """Within the block, only the backends named in ``names`` run (in their usual order;
     the emulation must be among them): e.g. ``("plain", "emulated_fp32")`` to compare the
     GPU backends with the emulation."""
-    global _DIRECT
     saved = list(BACKENDS)
     kept = [b for b in saved if b.name in names]
     if not kept or kept[-1].name != "emulated_fp32":
         raise ValueError(f"use_backends needs 'emulated_fp32' among its names, got {names!r}")
     BACKENDS[:] = kept
-    _DIRECT = _direct_table(BACKENDS)
     try:
         yield
     finally:
         BACKENDS[:] = saved
-        _DIRECT = _direct_table(BACKENDS)
 
 
 def select_backend(a, a_usage, b, b_usage, out_dtype, bias=None) -> Backend:
@@ -127,7 +134,7 @@ def gemm(a: torch.Tensor, a_usage: str, b: torch.Tensor, b_usage: str, *,
     _check_usage(a_usage)
     _check_usage(b_usage)
     if out is None and bias is None and type(a) is type(b):
-        direct = _DIRECT.get(type(a))
+        direct = _direct_calls().get(type(a))
         if direct is not None:
             res = direct(a, a_usage, b, b_usage, out_dtype)
             if res is not None:
