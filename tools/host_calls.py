@@ -7,7 +7,7 @@ GPU run does it, so host-side changes can be compared here before spending devic
 A CUDA host adds the launches, its allocator and cache misses on top (in a full step a
 CUDA host runs this Python about 2x slower than in a tight loop).
 
-    python tools/host_calls.py [--recipes current,mxfp8] [--profile]
+    python tools/host_calls.py [--recipes current,mxfp8] [--forward] [--profile]
 """
 
 from __future__ import annotations
@@ -58,14 +58,17 @@ def _pretend_gpu() -> None:
     cublas_fp8._on_cuda = lambda ad, bd: True  # both per-tensor and block backends ask it
 
 
-def step_fn(module, recipe, x, dy):
+def step_fn(module, recipe, x, dy, backward: bool = True):
+    """One training step of ``module`` (its forward alone with ``backward=False``: the part
+    an eager Hugging Face step exposes, see docs/performance.md)."""
     def step():
         if recipe is None:
             y = module(x)
         else:
             with lowprec.autocast(recipe=recipe):
                 y = module(x)
-        y.backward(dy)
+        if backward:
+            y.backward(dy)
     return step
 
 
@@ -88,6 +91,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="print the busiest functions")
     p.add_argument("--sort", default="cumulative", help="pstats sort key for --profile")
     p.add_argument("--lines", type=int, default=60)
+    p.add_argument("--forward", action="store_true",
+                   help="time the forward alone (x still requires grad)")
     args = p.parse_args()
     _pretend_gpu()
     m, k, n = (int(v) for v in args.shape.split("x"))
@@ -96,12 +101,14 @@ def main() -> None:
     lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
 
     def plain():
-        lin(x).backward(dy)
+        y = lin(x)
+        if not args.forward:
+            y.backward(dy)
     print(f"{'bf16 nn.Linear':12s} {time_us(plain):8.1f} us")
     for name in args.recipes.split(","):
         recipe = None if name == "none" else lowprec.recipe.Recipe.from_name(name)
         module = lowprec.Linear(k, n, bias=False, params_dtype=torch.bfloat16)
-        step = step_fn(module, recipe, x, dy)
+        step = step_fn(module, recipe, x, dy, backward=not args.forward)
         us = time_us(step)
         pr = cProfile.Profile()
         pr.enable()
