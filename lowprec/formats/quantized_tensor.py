@@ -224,9 +224,7 @@ class QuantizedTensor(torch.Tensor):
         :meth:`Quantizer.quantize_usage_like` reads of its ``like`` (a per-tensor scale): a
         linear forward keeps it for the backward that makes the weight's columnwise copy,
         and frees the rowwise data at once. The tensor must be nobody else's."""
-        row_inner, row_derived, _ = _names_of(type(self), "rowwise")
-        col_inner, col_derived, _ = _names_of(type(self), "columnwise")
-        shared = (set(row_inner) & set(col_inner)) | (set(row_derived) & set(col_derived))
+        shared = _shared_names(type(self))
         for name in self._inner + self._derived:
             if name not in shared:
                 setattr(self, name, None)
@@ -352,6 +350,15 @@ def _names_of(cls: type, usage: str) -> tuple[tuple, tuple, tuple]:
             tuple(n for n in cls._derived
                   if not (n.startswith(other + "_") or n.endswith("_" + other))),
             tuple(n for n in cls._inner if n.startswith(usage + "_")))
+
+
+@functools.cache
+def _shared_names(cls: type) -> frozenset:
+    """The inner tensors and derived records of a tensor class that both directions'
+    ``usage_copy`` keep (what ``keep_shared_only`` leaves), worked out once per class."""
+    row_inner, row_derived, _ = _names_of(cls, "rowwise")
+    col_inner, col_derived, _ = _names_of(cls, "columnwise")
+    return frozenset((set(row_inner) & set(col_inner)) | (set(row_derived) & set(col_derived)))
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
