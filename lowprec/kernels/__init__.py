@@ -20,11 +20,20 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 _enabled = True
 
 
-@functools.lru_cache(maxsize=None)
+_triton_found: bool | None = None
+
+
 def triton_available() -> bool:
     """True when Triton imports and a CUDA device is present."""
-    if not torch.cuda.is_available():
-        return False
+    # A plain cached flag rather than functools.lru_cache: the plans call this while
+    # dynamo traces them, and dynamo warns about (and traces through) lru_cache wrappers.
+    global _triton_found
+    if _triton_found is None:
+        _triton_found = torch.cuda.is_available() and _triton_imports()
+    return _triton_found
+
+
+def _triton_imports() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -167,6 +167,7 @@ def block_scaled_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_ptr, cd_
     ``K_FAST``: grid axis 0 runs along K (programs launched together read neighbouring
     columns of the same rows), else along M."""
     group_m, pid_k, _ = tile_ids(K_FAST)
+    eps = tl.cast(eps, tl.float32)  # fp64 where inductor launches it; a float in its analysis
     for t in tl.range(0, ITERS, num_stages=STAGES):
         _block_scaled_tile(group_m * ITERS + t, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr,
                            cs_ptr, rd_ptr, cd_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3,

@@ -164,3 +164,18 @@ def bind(kernel, grid, n: int, *args, **kwargs) -> BoundLaunch | None:
     if hit is None or hit[0] is not kernel:
         return None
     return BoundLaunch(hit[1], grid, list(bound.values()), n, device)
+
+
+def launch_in_graph(kernel, grid, *args, **kwargs) -> None:
+    """``launch`` for the body of a ``torch.library.triton_op``: the kernel goes through
+    ``wrap_triton``, so a compiled graph launches it from inductor's generated code (no
+    dispatch, no Python launcher per call). Every parameter is passed by name, defaults
+    included, which inductor's user-kernel path needs; None arguments stay None (it leaves
+    them out of its mutation analysis, as Triton makes them constexprs)."""
+    import inspect
+
+    from torch.library import wrap_triton
+    named = dict(zip(kernel.arg_names, args))
+    for p in inspect.signature(kernel.fn).parameters.values():
+        named.setdefault(p.name, kwargs.pop(p.name, p.default))
+    wrap_triton(kernel)[grid](**named, **kwargs)

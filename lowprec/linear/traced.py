@@ -11,9 +11,12 @@ exact functions of the input (any order of a max reduction gives the same amax),
 are the same library calls on the same operands, and the one reduction whose order
 matters (the bias gradient) runs as a custom op around eager's own sum.
 
-FP8 block scaling (1x128 inputs and gradients, 128x128 weights) traces the same way, its
-GEMMs ``torch._scaled_mm`` with block scales on CUDA, for token counts that fill whole
-blocks. Off CUDA every recipe's GEMMs are the fp32 emulation eager runs there.
+FP8 block scaling (1x128 inputs and gradients, 128x128 weights) traces too, its GEMMs
+``torch._scaled_mm`` with block scales on CUDA, for token counts that fill whole blocks.
+Its quantize is the reference's torch ops off CUDA and eager's Triton kernel on CUDA (a
+``triton_op`` inductor launches itself), where inductor's code for the per-block amax took
+several times the kernel's GPU time. Off CUDA every recipe's GEMMs are the fp32 emulation
+eager runs there.
 MXFP8 (1x32 blocks) traces as its exact dequantized values (``formats.mxfp8.compiled``)
 multiplied by bf16 GEMMs on CUDA, as eager runs it on GPUs without MX tensor cores.
 
@@ -40,11 +43,14 @@ from dataclasses import dataclass
 import torch
 
 from ..autocast import torch_autocast_dtype
+from ..formats.block.launch import fp8_block_quantize_inline
 from ..formats.block.reference import BLOCK, dequantize_blocks, quantize_blocks
 from ..formats.casting import cast_fp8
 from ..formats.float8.reference import current_scale
 from ..formats.mxfp8.compiled import dequantized_1x32, dequantized_32x1
+from ..formats.mxfp8.launch import mxfp8_exact_inline
 from ..formats.mxfp8.reference import BLOCK as MX_BLOCK
+from ..kernels import use_kernels
 from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from ..state import push_amaxes
 from . import grad_split
@@ -174,35 +180,80 @@ def decode_scale(scale: torch.Tensor) -> torch.Tensor:
 class Blockwise:
     """FP8 with current-scaled blocks for one operand: 1x128 (``dim`` 1) or 128x128 (2)
     (``formats.block.reference``'s arithmetic, scales as ``Float8BlockQuantizer`` with
-    power-of-two scales)."""
+    power-of-two scales).
+
+    With ``kernel`` (CUDA with Triton) the quantize is eager's Triton kernel, which
+    inductor launches from its generated code (``fp8_block_quantize_inline``): its blocked
+    amax and cast take a fraction of the GPU time of inductor's code for the same torch
+    ops, and it makes both directions in one pass. Its results are the reference's bit
+    for bit (as eager's)."""
 
     fp8_dtype: torch.dtype
     dim: int
     pow2: bool = True
     eps: float = 0.0
+    kernel: bool = False
 
     def quantize(self, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp8 data (R, C), fp32 scales (R, C/128) or (R/128, C/128)) of ``t2d``, blocked
-        along C (a transposed view gives the columnwise blocks along M)."""
+        along C."""
+        if self.kernel:
+            return self._launch(t2d, True, False)[0]
         return quantize_blocks(_rounded(t2d), self.fp8_dtype, self.dim, pow2=self.pow2,
                                eps=self.eps)
+
+    def quantize_t(self, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``quantize(t2d.t())``: the columnwise blocks, along ``t2d``'s rows."""
+        if self.kernel:
+            return self._launch(t2d, False, True)[1]
+        return self.quantize(t2d.t())
+
+    def quantize_both(self, t2d: torch.Tensor) -> tuple[tuple, tuple]:
+        """``(quantize(t2d), quantize_t(t2d))``, in one pass where the kernel runs."""
+        if self.kernel:
+            return self._launch(t2d, True, True)
+        return self.quantize(t2d), self.quantize_t(t2d)
+
+    def _launch(self, t2d: torch.Tensor, rowwise: bool, columnwise: bool) -> tuple:
+        rq, rs, _, cq, cs, _ = fp8_block_quantize_inline(
+            t2d, self.fp8_dtype == E5M2, self.dim, self.pow2, self.eps, rowwise, columnwise)
+        return (rq.view(self.fp8_dtype), rs), (cq.view(self.fp8_dtype), cs)
 
 
 @dataclass(frozen=True)
 class MXBlocks:
     """MXFP8 (1x32 blocks, E8M0 scales) for one operand, as the exact values its GEMM
     multiplies: on Hopper eager runs MXFP8 GEMMs as bf16 GEMMs of these values
-    (``backends.exact_bf16``), elsewhere in the fp32 emulation."""
+    (``backends.exact_bf16``), elsewhere in the fp32 emulation.
+
+    With ``kernel`` (CUDA with Triton) the values are eager's Triton kernel's exact bf16
+    values (``mxfp8_exact_inline``, which inductor launches itself), both directions in
+    one pass where both are asked for; otherwise torch ops (``formats.mxfp8.compiled``)."""
 
     fp8_dtype: torch.dtype
+    kernel: bool = False
 
     def values(self, t2d: torch.Tensor) -> torch.Tensor:
-        """fp32 dequantized values of ``t2d`` (R, C) in blocks along C."""
+        """Dequantized values of ``t2d`` (R, C) in blocks along C (fp32, or bf16 from
+        the kernel: exact either way)."""
+        if self.kernel:
+            return self._launch(t2d, True, False)[0]
         return dequantized_1x32(_rounded(t2d), self.fp8_dtype)
 
     def values_t(self, t2d: torch.Tensor) -> torch.Tensor:
         """``values(t2d.t())``, computed along ``t2d``'s rows (see ``dequantized_32x1``)."""
+        if self.kernel:
+            return self._launch(t2d, False, True)[1]
         return dequantized_32x1(_rounded(t2d), self.fp8_dtype)
+
+    def values_both(self, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values(t2d), values_t(t2d))``, in one pass where the kernel runs."""
+        if self.kernel:
+            return self._launch(t2d, True, True)
+        return self.values(t2d), self.values_t(t2d)
+
+    def _launch(self, t2d: torch.Tensor, rowwise: bool, columnwise: bool) -> tuple:
+        return mxfp8_exact_inline(t2d, self.fp8_dtype == E5M2, rowwise, columnwise)
 
 
 @dataclass(frozen=True)
@@ -255,8 +306,9 @@ def _block_plan(recipe: Float8BlockScaling, x, weight) -> TracedPlan | None:
     split = None
     if grad_split.slicing_allowed(slices_need_stats_pass=False):  # block formats slice free
         split = grad_split.split_sizes(m, n, k, x.dtype.itemsize, weight.dtype.itemsize)
-    return TracedPlan(Blockwise(fwd, 1), Blockwise(fwd, dims[1]), Blockwise(bwd, 1), cublas=cuda,
-                      split=split)
+    kernel = use_kernels(x)
+    return TracedPlan(Blockwise(fwd, 1, kernel=kernel), Blockwise(fwd, dims[1], kernel=kernel),
+                      Blockwise(bwd, 1, kernel=kernel), cublas=cuda, split=split)
 
 
 def _mx_plan(recipe: MXFP8BlockScaling, x, weight, bias) -> TracedPlan | None:
@@ -273,9 +325,9 @@ def _mx_plan(recipe: MXFP8BlockScaling, x, weight, bias) -> TracedPlan | None:
     cuda = x.device.type == "cuda"
     if cuda and (x.dtype != torch.bfloat16 or bias is not None):
         return None
-    fmt = recipe.fp8_format
-    fwd = MXBlocks(fmt.fwd_dtype)
-    return TracedPlan(fwd, fwd, MXBlocks(fmt.bwd_dtype), cublas=cuda)
+    fmt, kernel = recipe.fp8_format, use_kernels(x)
+    fwd = MXBlocks(fmt.fwd_dtype, kernel)
+    return TracedPlan(fwd, fwd, MXBlocks(fmt.bwd_dtype, kernel), cublas=cuda)
 
 
 def plan_for(recipe, x: torch.Tensor, weight: torch.Tensor,
@@ -422,7 +474,7 @@ class _TracedBlockLinear(torch.autograd.Function):
         if plan.w.dim == 2:
             wq, ws = plan.w.quantize(weight)
             return wq.t().contiguous(), ws.t().contiguous()
-        return plan.w.quantize(weight.t())
+        return plan.w.quantize_t(weight)
 
     @staticmethod
     def _grads(ctx, dy2d, need_dx, need_dw, x2d, weight):
@@ -430,14 +482,17 @@ class _TracedBlockLinear(torch.autograd.Function):
         dx = dw = None
         m, n = dy2d.shape
         rows, cols = plan.split if plan.split is not None and need_dx and need_dw else (m, n)
+        dyq = dyq_t = None
+        if need_dx and need_dw and (rows, cols) == (m, n):  # both directions in one pass
+            dyq, dyq_t = plan.dy.quantize_both(dy2d)
         if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T, 1x128 blocks along M
-            xcq, xcs = plan.x.quantize(x2d.t())
-            dw = _cat([_block_gemm(plan, *plan.dy.quantize(dy2d[:, a:a + cols].t()), 1,
-                                        xcq, xcs, 1, ctx.w_dtype) for a in range(0, n, cols)])
+            xcq, xcs = plan.x.quantize_t(x2d)
+            dw = _cat([_block_gemm(plan, *(dyq_t or plan.dy.quantize_t(dy2d[:, a:a + cols])),
+                                   1, xcq, xcs, 1, ctx.w_dtype) for a in range(0, n, cols)])
         if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
             wcq, wcs = _TracedBlockLinear._weight_columnwise(plan, weight)
-            dx = _cat([_block_gemm(plan, *plan.dy.quantize(dy2d[a:a + rows]), 1, wcq, wcs,
-                                        plan.w.dim, ctx.x_dtype) for a in range(0, m, rows)])
+            dx = _cat([_block_gemm(plan, *(dyq or plan.dy.quantize(dy2d[a:a + rows])), 1, wcq,
+                                   wcs, plan.w.dim, ctx.x_dtype) for a in range(0, m, rows)])
         return dx, dw
 
 
@@ -575,10 +630,13 @@ class _TracedMXLinear(torch.autograd.Function):
     def _grads(ctx, dy2d, need_dx, need_dw, x2d, weight):
         plan = ctx.plan
         dx = dw = None
+        dyv, dyv_t = plan.dy.values_both(dy2d) if need_dx and need_dw else (None, None)
         if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T, blocks along M
-            dw = _mx_gemm(plan, plan.dy.values_t(dy2d), plan.x.values_t(x2d), ctx.w_dtype)
+            dyv_t = plan.dy.values_t(dy2d) if dyv_t is None else dyv_t
+            dw = _mx_gemm(plan, dyv_t, plan.x.values_t(x2d), ctx.w_dtype)
         if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T, blocks along N
-            dx = _mx_gemm(plan, plan.dy.values(dy2d), plan.w.values_t(weight), ctx.x_dtype)
+            dyv = plan.dy.values(dy2d) if dyv is None else dyv
+            dx = _mx_gemm(plan, dyv, plan.w.values_t(weight), ctx.x_dtype)
         return dx, dw
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import lowprec
+from lowprec.kernels import use_kernels
 from lowprec.linear import traced
 from lowprec.recipe import (
     DelayedScaling,
@@ -377,6 +378,7 @@ def test_block_traced_bit_identical_cuda(shape, w_dim):
     assert traced.plan_for(recipe, x, lin.weight) is not None
     if shape[0] == 4096:
         assert traced.plan_for(recipe, x, lin.weight).split is not None
+    assert traced.plan_for(recipe, x, lin.weight).x.kernel == use_kernels(x)
     ops = _GraphOps()
     want = _run(lin, lin, x, dy, recipe)
     got = _run(torch.compile(lin, fullgraph=True), lin, x, dy, recipe)

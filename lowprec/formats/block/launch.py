@@ -25,7 +25,7 @@ from ...kernels.grid import (
     tile_grid,
     triton_cdiv,
 )
-from ...kernels.launch import launch
+from ...kernels.launch import launch, launch_in_graph
 from ...kernels.tuning import tuning
 from ..base import QuantizedTensor
 from .reference import BLOCK
@@ -122,14 +122,15 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
     return outs
 
 
-def _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, pro_args):
+def _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, pro_args,
+                   run=launch):
     from ...kernels.block_scaled import block_scaled_quant_kernel
     rq, rs, rd, cq, cs, cd = outs
     m, k = logical_shape(x, pro)
     bm, bn, warps, iters, stages, k_fast = tile_config(
         tuning.block_configs[(block_scaling_dim, _usage(r, c))])
     grid, k_fast = tile_grid(m, k, bm, bn, iters, k_fast)
-    launch(block_scaled_quant_kernel, grid,
+    run(block_scaled_quant_kernel, grid,
         x, rq, rs, cq, cs, rd, cd, m, k, x.stride(0), x.stride(1), *prologue_args(x, pro_args),
         eps, PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
         TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=False,
@@ -140,6 +141,24 @@ def _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, 
 @fp8_block_quantize.register_fake
 def _(x, e5m2, block_scaling_dim, pow2, eps, rowwise, columnwise, pro, pro_args):
     return _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
+
+
+@torch.library.triton_op("lowprec::fp8_block_quantize_inline", mutates_args=())
+def fp8_block_quantize_inline(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2: bool,
+                              eps: float, rowwise: bool, columnwise: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fp8_block_quantize`` (no prologue) for compiled graphs: a ``triton_op``, so
+    inductor launches the Triton kernel from its own generated code, with no custom-op
+    dispatch and no Python launcher per call (host time the compiled step would otherwise
+    spend on every quantize). The same kernel as eager's Triton path, so the same bits; the
+    Gluon kernel is not traceable this way."""
+    fp8_dtype = fp8_dtype_of(e5m2)
+    outs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise)
+    for r, c in launches(rowwise, columnwise, f"block{block_scaling_dim}"):
+        _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, 0, [],
+                       run=launch_in_graph)
+    return outs
 
 
 def quantize_block(quantizer, x2d: torch.Tensor, prologue=None) -> dict:

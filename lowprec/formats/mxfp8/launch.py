@@ -24,7 +24,7 @@ from ...kernels.grid import (
     tile_grid,
     triton_cdiv,
 )
-from ...kernels.launch import launch
+from ...kernels.launch import launch, launch_in_graph
 from ...kernels.tuning import tuning
 from ..base import QuantizedTensor, check_exact_only
 from .reference import BLOCK
@@ -83,28 +83,48 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
     in use asks for its exact values): no data or scales, empty tensors in their place."""
     if not codes:
         check_exact_only("mxfp8_quantize", rowwise, columnwise, exact_row, exact_col)
-    from ...kernels.block_scaled import block_scaled_quant_kernel
     fp8_dtype = fp8_dtype_of(e5m2)
-    m, k = logical_shape(x, pro)
     rq, rs, cq, cs, re, ce = _empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row,
                                             exact_col, codes)
     with device_guard(x.device):
         if _gluon_applies(x, two_d, rowwise, columnwise, pro):
             _launch_gluon(x, (rq, rs, cq, cs, re, ce), fp8_dtype, exact_row, exact_col, codes)
             return rq, rs, cq, cs, re, ce
-        for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
-            bm, bn, warps, iters, stages, k_fast = tile_config(
-                tuning.mxfp8_configs[(two_d, _usage(r, c))])
-            grid, k_fast = tile_grid(m, k, bm, bn, iters, k_fast)
-            launch(block_scaled_quant_kernel, grid,
-                x, rq, rs, cq, cs, None, None, m, k, x.stride(0), x.stride(1),
-                *prologue_args(x, pro_args), 0.0, PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3],
-                POW2=False, TWO_D=two_d, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=True,
-                BLK=BLOCK, ITERS=iters, STAGES=stages,
-                re_ptr=re if r and exact_row else None, ce_ptr=ce if c and exact_col else None,
-                EXACT_ROW=r and exact_row, EXACT_COL=c and exact_col, CODES=codes,
-                K_FAST=k_fast, num_warps=warps, **kernel_fp8_args(fp8_dtype))
+        _launch_triton(x, (rq, rs, cq, cs, re, ce), fp8_dtype, two_d, rowwise, columnwise,
+                       pro, pro_args, exact_row, exact_col, codes)
     return rq, rs, cq, cs, re, ce
+
+
+def _launch_triton(x, outs, fp8_dtype, two_d, rowwise, columnwise, pro, pro_args, exact_row,
+                   exact_col, codes, run=launch):
+    from ...kernels.block_scaled import block_scaled_quant_kernel
+    rq, rs, cq, cs, re, ce = outs
+    m, k = logical_shape(x, pro)
+    for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
+        bm, bn, warps, iters, stages, k_fast = tile_config(
+            tuning.mxfp8_configs[(two_d, _usage(r, c))])
+        grid, k_fast = tile_grid(m, k, bm, bn, iters, k_fast)
+        run(block_scaled_quant_kernel, grid,
+            x, rq, rs, cq, cs, None, None, m, k, x.stride(0), x.stride(1),
+            *prologue_args(x, pro_args), 0.0, PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3],
+            POW2=False, TWO_D=two_d, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=True,
+            BLK=BLOCK, ITERS=iters, STAGES=stages,
+            re_ptr=re if r and exact_row else None, ce_ptr=ce if c and exact_col else None,
+            EXACT_ROW=r and exact_row, EXACT_COL=c and exact_col, CODES=codes,
+            K_FAST=k_fast, num_warps=warps, **kernel_fp8_args(fp8_dtype))
+
+
+@torch.library.triton_op("lowprec::mxfp8_exact_inline", mutates_args=())
+def mxfp8_exact_inline(x: torch.Tensor, e5m2: bool, rowwise: bool, columnwise: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact bf16 values of ``x``'s 1x32 blocks (rowwise (M, K), columnwise (K, M);
+    empty where not asked for), as ``mxfp8_quantize`` with ``codes=False`` makes them, for
+    compiled graphs: a ``triton_op``, which inductor launches from its own code. The
+    Triton kernel of eager's path, so the same bits."""
+    outs = _empty_outputs(x, False, rowwise, columnwise, 0, rowwise, columnwise, False)
+    _launch_triton(x, outs, fp8_dtype_of(e5m2), False, rowwise, columnwise, 0, [], rowwise,
+                   columnwise, False, run=launch_in_graph)
+    return outs[4], outs[5]
 
 
 @mxfp8_quantize.register_fake
