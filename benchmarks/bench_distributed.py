@@ -14,6 +14,11 @@ rows go to ``results.csv``.
     python benchmarks/bench_distributed.py                    # 2 GPUs, every recipe
     python benchmarks/bench_distributed.py --recipes current --gathers quantized
     python benchmarks/bench_distributed.py --tp --recipes current,mxfp8
+    python benchmarks/bench_distributed.py --compile --recipes current --torchao tensorwise
+
+``--compile``: each decoder layer compiled and then sharded, the order torchtitan uses;
+``--torchao``: torchao's Float8Linear beside lowprec, its FP8 all-gather as the peer of
+lowprec's quantized gathers.
 
 ``--tp``: tensor parallelism with sequence parallelism instead, over all the GPUs: the
 config's width in blocks of lowprec modules built with ``tp_group`` (a column-parallel
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import os
@@ -49,12 +55,21 @@ from lowprec.distributed import precompute_gather_statistics, quantized_all_gath
 from lowprec.distributed.diagnostics import count_all_gather_bytes  # noqa: E402
 
 
-def make_peer(peer: str, model: str, device):
-    """(FSDP model, autocast context factory or None)."""
+def make_peer(peer: str, model: str, device, compile: bool = False):
+    """(FSDP model, autocast context factory or None). ``compile``: each decoder layer is
+    compiled before it is sharded (torchtitan's order)."""
     from torch.distributed.fsdp import fully_shard
     m = build(model, device)
     ctx = None
-    if peer != "bf16":
+    if peer.startswith("torchao-"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        name, gather = peer[len("torchao-"):].split("+")
+        cfg = Float8LinearConfig.from_recipe_name(name)
+        if gather != "hp":
+            cfg = dataclasses.replace(cfg, enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(m, config=cfg,
+                                   module_filter_fn=lambda mod, fqn: not_lm_head(mod, fqn))
+    elif peer != "bf16":
         name, gather = peer[len("lowprec-"):].split("+")
         recipe = RECIPES[name]()
         lowprec.convert_model(m, module_filter_fn=not_lm_head)
@@ -62,6 +77,8 @@ def make_peer(peer: str, model: str, device):
             quantized_all_gather(m, recipe)
         ctx = lambda: lowprec.autocast(recipe=recipe)  # noqa: E731
     for layer in m.model.layers:
+        if compile:
+            layer.compile()
         fully_shard(layer)
     fully_shard(m)
     return m, ctx
@@ -85,11 +102,14 @@ class TPBlock(torch.nn.Module):
         return x + self.mlp(x)
 
 
-def make_tp_peer(peer: str, model: str, device):
+def make_tp_peer(peer: str, model: str, device, compile: bool = False):
     """(TP model, autocast context factory or None, input shape of this rank)."""
     hidden, ffn, layers, *_, seq, batch = MODELS[model]
     group = dist.group.WORLD
     m = torch.nn.Sequential(*[TPBlock(hidden, ffn, group, device) for _ in range(layers)])
+    if compile:
+        for block in m:
+            block.compile()
     ctx = None
     if peer != "bf16":
         recipe = RECIPES[peer[len("lowprec-"):]]()
@@ -99,18 +119,23 @@ def make_tp_peer(peer: str, model: str, device):
 
 def after_step(peer: str, m):
     """What the peer runs after each optimizer step."""
-    if peer.endswith("+precomputed"):
+    if not peer.endswith("+precomputed"):
+        return
+    if peer.startswith("torchao-"):
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+        precompute_float8_dynamic_scale_for_fsdp(m)
+    else:
         precompute_gather_statistics(m)
 
 
 def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int,
-             profile_dir: str = "", tp: bool = False) -> tuple:
+             profile_dir: str = "", tp: bool = False, compile: bool = False) -> tuple:
     """(median step ms, all-gathered bytes a step, peak GiB) on this rank; with
     ``profile_dir``, rank 0 also profiles one more step (its kernel table)."""
     device = torch.device("cuda", rank)
     gen = torch.Generator(device=device).manual_seed(rank)
     if tp:
-        m, ctx, shape = make_tp_peer(peer, model, device)
+        m, ctx, shape = make_tp_peer(peer, model, device, compile)
         inputs = [torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
                   for _ in range(2)]
 
@@ -119,7 +144,7 @@ def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int,
                 y = m(inputs[i % 2])
             return y.float().pow(2).mean()
     else:
-        m, ctx = make_peer(peer, model, device)
+        m, ctx = make_peer(peer, model, device, compile)
         *_, seq, batch = MODELS[model]
         ids = [torch.randint(0, 32000, (batch, seq), device=device, generator=gen)
                for _ in range(2)]
@@ -157,11 +182,14 @@ def worker(rank: int, world: int, port: int, args) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     recipes = [r for r in args.recipes.split(",") if r]
+    gathers = [g for g in args.gathers.split(",") if g]
     peers = ["bf16"] + ([f"lowprec-{r}" for r in recipes] if args.tp else
-                        [f"lowprec-{r}+{g}" for r in recipes for g in args.gathers.split(",") if g])
+                        [f"lowprec-{r}+{g}" for r in recipes for g in gathers])
+    if not args.tp:
+        peers += [f"torchao-{r}+{g}" for r in args.torchao.split(",") if r for g in gathers]
     results, lines = {}, []
     *_, seq, batch = MODELS[args.model]
-    bench = "tp_sp" if args.tp else "fsdp2"
+    bench = ("tp_sp" if args.tp else "fsdp2") + ("_compiled" if args.compile else "")
     tokens = seq * batch // world if args.tp else seq * batch  # per rank
     header = (f"{'peer':28s} {'ms':>8s} {'vs bf16':>8s} {'gathered GB':>12s} {'vs bf16':>8s} "
               f"{'peak GiB':>9s} {'vs bf16':>8s}")
@@ -172,7 +200,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
     for peer in peers:
         try:
             res = run_peer(peer, args.model, rank, args.steps, args.warmup, args.profile,
-                           args.tp)
+                           args.tp, args.compile)
             gc.collect()
             torch.cuda.empty_cache()  # the peer's model and optimizer died with run_peer
         except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
@@ -221,6 +249,14 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--tp", action="store_true",
                     help="tensor + sequence parallelism over the GPUs instead of FSDP2")
+    ap.add_argument("--compile", action="store_true",
+                    help="compile each decoder layer, then shard it (torchtitan's order); "
+                         "every peer, bf16 included")
+    ap.add_argument("--torchao", default="",
+                    help="torchao Float8Linear recipes to run beside lowprec's (FSDP2 only; "
+                         "e.g. tensorwise), with the same --gathers: hp, quantized "
+                         "(enable_fsdp_float8_all_gather), precomputed (and "
+                         "precompute_float8_dynamic_scale_for_fsdp after each step)")
     ap.add_argument("--profile", default="", help="directory for per-peer kernel tables (rank 0)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
