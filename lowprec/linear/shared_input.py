@@ -42,8 +42,9 @@ def quantize(quantizer: Quantizer | None, x: torch.Tensor, *, columnwise: bool,
     inference-mode input, while tracing). The result is not the caller's to trim:
     it takes what it keeps with ``usage_copy``."""
     region = active_region()
-    if (region is None or quantizer is None or isinstance(x, QuantizedTensor)
-            or x.is_inference() or torch.compiler.is_compiling()):
+    # is_compiling first: dynamo cannot trace is_inference() (a graph break)
+    if (region is None or quantizer is None or torch.compiler.is_compiling()
+            or isinstance(x, QuantizedTensor) or x.is_inference()):
         return None
     share = quantizer.share_key()
     if share is None:

@@ -38,15 +38,19 @@ to another backend) stays one opaque call (``lowprec.compiled_call``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..autocast import torch_autocast_dtype
+from ..formats.base import QuantizedTensor
 from ..formats.block.launch import fp8_block_quantize_inline
 from ..formats.block.reference import BLOCK, dequantize_blocks, quantize_blocks
+from ..formats.block.tensor import Float8BlockwiseTensor
 from ..formats.casting import cast_fp8
 from ..formats.float8.reference import current_scale
+from ..formats.float8.tensor import Float8Tensor
 from ..formats.mxfp8.compiled import dequantized_1x32, dequantized_32x1
 from ..formats.mxfp8.launch import mxfp8_exact_inline
 from ..formats.mxfp8.reference import BLOCK as MX_BLOCK
@@ -78,6 +82,27 @@ class Tensorwise:
         scale = self.scale(t2d)
         return self.cast(t2d, scale), scale
 
+    def transposed(self, t2d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The fp8 data of ``t2d.t()`` cast with ``scale`` (contiguous)."""
+        return self.cast(t2d.t(), scale).contiguous()
+
+
+@dataclass(frozen=True)
+class GivenTensorwise:
+    """A per-tensor FP8 weight that arrives quantized (a ``Float8Tensor``: FSDP2's
+    quantized all-gather, ``quantized_model_init``): its own codes and scale, as eager's
+    GEMMs read them; dgrad reads the transpose of its codes."""
+
+    fp8_dtype: torch.dtype
+
+    @staticmethod
+    def quantize(weight) -> tuple[torch.Tensor, torch.Tensor]:
+        return weight.rowwise_data, weight.shared_scale
+
+    @staticmethod
+    def transposed(weight, scale: torch.Tensor) -> torch.Tensor:
+        return weight.rowwise_data.t().contiguous()
+
 
 def scale_in_use(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """The state's ``scale``, NaN where the matching ``amax`` is not finite (plain torch
@@ -106,6 +131,7 @@ class Delayed:
         return self.cast(t2d, scale), scale, seen
 
     cast = Tensorwise.cast  # the same saturating cast with a given scale
+    transposed = Tensorwise.transposed
 
 
 def _bf16_rne_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -221,6 +247,40 @@ class Blockwise:
 
 
 @dataclass(frozen=True)
+class GivenBlocks:
+    """A 128x128-block FP8 weight that arrives quantized (a ``Float8BlockwiseTensor``):
+    its own codes and block scales; dgrad reads both transposed."""
+
+    fp8_dtype: torch.dtype
+    dim: int = 2
+
+    @staticmethod
+    def quantize(weight) -> tuple[torch.Tensor, torch.Tensor]:
+        return weight.rowwise_data, weight.rowwise_scale
+
+
+def _given_weight(weight: torch.Tensor, w):
+    """The operand setting of a weight that arrives quantized in a form the traced GEMMs
+    read as it is (per-tensor FP8 for a per-tensor plan, 128x128 blocks for a 128x128
+    block plan, in the plan's fp8 dtype), else None."""
+    if isinstance(weight, Float8Tensor) and type(w) is Tensorwise:
+        given = GivenTensorwise(weight.fp8_dtype)
+    elif (isinstance(weight, Float8BlockwiseTensor) and type(w) is Blockwise and w.dim == 2
+          and weight.block_scaling_dim == 2):
+        given = GivenBlocks(weight.fp8_dtype)
+    else:
+        return None
+    return given if weight.rowwise_data is not None and given.fp8_dtype == w.fp8_dtype else None
+
+
+def takes_quantized(weight: torch.Tensor) -> bool:
+    """Whether a quantized ``weight`` may take the traced path (``plan_for`` decides for
+    the recipe): per-tensor and block FP8, the forms FSDP2's quantized all-gather and
+    ``quantized_model_init`` give."""
+    return isinstance(weight, (Float8Tensor, Float8BlockwiseTensor))
+
+
+@dataclass(frozen=True)
 class MXBlocks:
     """MXFP8 (1x32 blocks, E8M0 scales) for one operand, as the exact values its GEMM
     multiplies: on Hopper eager runs MXFP8 GEMMs as bf16 GEMMs of these values
@@ -263,7 +323,7 @@ class TracedPlan:
     dispatcher would choose for the same operands."""
 
     x: Tensorwise | Delayed | Blockwise | MXBlocks
-    w: Tensorwise | Delayed | Blockwise | MXBlocks
+    w: Tensorwise | GivenTensorwise | Delayed | Blockwise | GivenBlocks | MXBlocks
     dy: Tensorwise | Delayed | Blockwise | MXBlocks
     cublas: bool
     #: (rows per dgrad slice, columns per wgrad slice) where eager slices dY
@@ -333,7 +393,16 @@ def _mx_plan(recipe: MXFP8BlockScaling, x, weight, bias) -> TracedPlan | None:
 def plan_for(recipe, x: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None = None) -> TracedPlan | None:
     """The traced plan of a linear ``x @ weight.T`` under ``recipe``, or None where the
-    compiled path keeps the opaque call (see the module docstring)."""
+    compiled path keeps the opaque call (see the module docstring). A weight that arrives
+    quantized is read as it is where the plan's GEMMs take its form (``_given_weight``)."""
+    plan = _plan_for(recipe, x, weight, bias)
+    if plan is None or not isinstance(weight, QuantizedTensor):
+        return plan
+    given = _given_weight(weight, plan.w)
+    return None if given is None else dataclasses.replace(plan, w=given)
+
+
+def _plan_for(recipe, x, weight, bias) -> TracedPlan | None:
     if recipe.backward_mode != "default":
         return None
     # fp16 keeps the opaque call: ``_rounded`` restores bf16 rounding only
@@ -530,11 +599,9 @@ def _tensorwise_grads(plan: TracedPlan, ctx, dyq, dys, need_dx, need_dw, x2d, xs
     transposed again with the forward's scales."""
     dx = dw = None
     if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T
-        xq_t = plan.x.cast(x2d.t(), xs).contiguous()
-        dw = _gemm(plan, dyq.t().contiguous(), dys, xq_t, xs, ctx.w_dtype)
+        dw = _gemm(plan, dyq.t().contiguous(), dys, plan.x.transposed(x2d, xs), xs, ctx.w_dtype)
     if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
-        wq_t = plan.w.cast(w.t(), ws).contiguous()
-        dx = _gemm(plan, dyq, dys, wq_t, ws, ctx.x_dtype)
+        dx = _gemm(plan, dyq, dys, plan.w.transposed(w, ws), ws, ctx.x_dtype)
     return dx, dw
 
 
@@ -649,6 +716,8 @@ def traced_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     an fp32 weight gets an fp32 gradient) and the rest runs with autocast off, as
     ``lowprec.linear.quantized_linear`` does in eager mode."""
     amp = torch_autocast_dtype(x)
+    if amp is not None and isinstance(weight, QuantizedTensor) and weight.dtype != amp:
+        return NotImplemented  # a quantized weight is read as it is, not cast
     if amp is not None:
         x, weight = x.to(amp), weight.to(amp)
         bias = bias.to(amp) if bias is not None else None

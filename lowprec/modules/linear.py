@@ -67,10 +67,12 @@ class Linear(LowprecModule):
         if self._plain_call(x) and active_region() is None and current_frame() is None:
             return F.linear(x, self.weight, self.bias)
         recipe = self.traced_recipe(x)
-        # plain tensors only: quantized weights, DTensors (tensor-parallel styles) and other
-        # subclasses keep the opaque call
+        # plain tensors and FP8 weights that arrive quantized (FSDP2's quantized gathers)
+        # only: DTensors (tensor-parallel styles) and other subclasses keep the opaque call
+        w = self.weight
         if (recipe is None or self._tp is not None or type(x) is not torch.Tensor
-                or type(self.weight) not in (torch.Tensor, torch.nn.Parameter)):
+                or (type(w) not in (torch.Tensor, torch.nn.Parameter)
+                    and not traced.takes_quantized(w))):
             return NotImplemented
         delayed = None
         if isinstance(recipe, DelayedScaling):

@@ -190,6 +190,41 @@ def test_block_traced_bit_identical_cpu(dtype, bias, w_dim, backend):
         assert not any("lowprec.call" in t for t in ops.targets)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8BlockScaling()],
+                         ids=["current", "block"])
+def test_quantized_weight_traced_bit_identical(device, recipe):
+    """A weight that arrives quantized (``quantized_model_init`` here; FSDP2's quantized
+    all-gather gives the same tensors) is read as it is in the graph: its codes and scales
+    for fprop, their transpose for dgrad; forward and gradients are eager's."""
+    dtype = _dtype(device)
+    torch.manual_seed(0)
+    with lowprec.quantized_model_init(recipe=recipe):
+        m = lowprec.Linear(256, 128, name="l", params_dtype=dtype, device=device)
+    assert traced.takes_quantized(m.weight)
+    x = torch.randn(2, 128, 256, dtype=dtype, device=device)
+    dy = torch.randn(2, 128, 128, dtype=dtype, device=device)
+    want = _run(m, m, x, dy, recipe)
+    ops = _GraphOps()
+    got = _run(torch.compile(m, backend=ops, fullgraph=True), m, x, dy, recipe)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    assert not any("lowprec.call" in t for t in ops.targets)
+
+
+def test_quantized_weight_of_another_form_keeps_the_opaque_call():
+    """A quantized weight the plan's GEMMs do not read as it is (E5M2 codes under an E4M3
+    recipe) is not traced; the opaque call then refuses quantized weights by name."""
+    with lowprec.quantized_model_init(recipe=Float8CurrentScaling(fp8_format=Format.E5M2)):
+        m = lowprec.Linear(64, 64, name="l")
+    recipe = Float8CurrentScaling()
+    x = torch.randn(16, 64)
+    assert traced.plan_for(recipe, x, m.weight) is None
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    with lowprec.autocast(recipe=recipe), pytest.raises(Exception, match="quantized_model_init"):
+        compiled(x)
+
+
 def test_graph_has_no_opaque_call():
     """The compiled graph shows the quantize (amax, cast) and the GEMMs as ops."""
     ops = _GraphOps()
