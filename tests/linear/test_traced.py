@@ -200,10 +200,11 @@ def test_quantized_weight_traced_bit_identical(device, recipe):
     dtype = _dtype(device)
     torch.manual_seed(0)
     with lowprec.quantized_model_init(recipe=recipe):
-        m = lowprec.Linear(256, 128, name="l", params_dtype=dtype, device=device)
+        # cuBLAS's 128x128-block GEMMs contract over multiples of 512
+        m = lowprec.Linear(512, 512, name="l", params_dtype=dtype, device=device)
     assert traced.takes_quantized(m.weight)
-    x = torch.randn(2, 128, 256, dtype=dtype, device=device)
-    dy = torch.randn(2, 128, 128, dtype=dtype, device=device)
+    x = torch.randn(2, 128, 512, dtype=dtype, device=device)
+    dy = torch.randn(2, 128, 512, dtype=dtype, device=device)
     want = _run(m, m, x, dy, recipe)
     ops = _GraphOps()
     got = _run(torch.compile(m, backend=ops, fullgraph=True), m, x, dy, recipe)
