@@ -72,10 +72,12 @@ def _step(recipe, *, device="cpu", dtype=torch.bfloat16, retain=False, dy_scale=
 # ---- the policy -----------------------------------------------------------------------------
 def test_split_sizes_on_the_benchmark_shapes():
     # (m, n, k): dY (m, n), X (m, k), W (n, k), bf16 gradients
-    assert grad_split.split_sizes(16384, 14336, 4096, 2, 2) == (4096, 7168)  # wide output
+    assert grad_split.split_sizes(16384, 128256, 4096, 2, 2) == (512, 8064)  # a vocabulary
+    assert grad_split.split_sizes(8192, 128256, 2048, 2, 2) == (128, 4096)
     assert grad_split.split_sizes(16384, 4096, 4096, 2, 2) is None   # dY copies < dX + dW
     assert grad_split.split_sizes(16384, 4096, 14336, 2, 2) is None
-    assert grad_split.split_sizes(1024, 4096, 64, 2, 2) is None      # one copy < 16 MiB
+    assert grad_split.split_sizes(16384, 14336, 4096, 2, 2) is None  # one copy < 256 MiB
+    assert grad_split.split_sizes(8192, 8192, 2048, 2, 2) is None
 
 
 def test_slicing_modes():
