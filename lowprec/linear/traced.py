@@ -519,12 +519,10 @@ def _backward(ctx, dy, grads) -> tuple:
 class _TracedBlockLinear(torch.autograd.Function):
     """Block FP8: x and dY are quantized in both directions (their columnwise blocks run
     along M, with scales of their own), the weight's 128x128 blocks read transposed by
-    dgrad. 128x128 weight blocks are kept from forward (one byte a weight element: less
-    than the pass over the weight that re-making them takes in every backward). Backward
-    quantizes x, and a 1x128 weight, again from the tensors themselves: a quantize is a
-    function of its input, so these are the forward's blocks bit for bit, and no fp8 copy
-    of x is held from forward to backward (the compiler recomputes x from what the
-    neighbouring ops keep anyway, as for ``_TracedLinear``)."""
+    dgrad. Backward quantizes x and the weight again from the tensors themselves: a
+    quantize is a function of its input, so these are the forward's blocks bit for bit,
+    and no fp8 copy is held from forward to backward (the compiler recomputes x from what
+    the neighbouring ops keep anyway, as for ``_TracedLinear``)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: TracedPlan):
@@ -532,26 +530,23 @@ class _TracedBlockLinear(torch.autograd.Function):
         xq, xs = plan.x.quantize(x2d)
         wq, ws = plan.w.quantize(weight)
         y = _block_gemm(plan, xq, xs, 1, wq, ws, plan.w.dim, x.dtype, bias)
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        kept = (wq, ws) if plan.w.dim == 2 else (weight, None)
-        ctx.save_for_backward(x2d if need_dw else None, *(kept if need_dx else (None, None)))
-        return _finish(ctx, x, weight, bias, plan, y)
+        return _finish_requantizing(ctx, x, x2d, weight, bias, plan, y)
 
     @staticmethod
     def backward(ctx, dy):
         return _backward(ctx, dy, _TracedBlockLinear._grads)
 
     @staticmethod
-    def _weight_columnwise(plan: TracedPlan, w: torch.Tensor, ws: torch.Tensor | None):
-        """The weight's blocks as dgrad reads them: the forward's 128x128 blocks (``w``,
-        ``ws``) transposed, or 1x128 blocks along the other dimension made from the weight
-        ``w``."""
+    def _weight_columnwise(plan: TracedPlan, weight: torch.Tensor):
+        """The weight's blocks as dgrad reads them: 128x128 blocks serve both directions
+        (transposed), 1x128 blocks run along the other dimension."""
         if plan.w.dim == 2:
-            return w.t().contiguous(), ws.t().contiguous()
-        return plan.w.quantize_t(w)
+            wq, ws = plan.w.quantize(weight)
+            return wq.t().contiguous(), ws.t().contiguous()
+        return plan.w.quantize_t(weight)
 
     @staticmethod
-    def _grads(ctx, dy2d, need_dx, need_dw, x2d, w, ws):
+    def _grads(ctx, dy2d, need_dx, need_dw, x2d, weight):
         plan = ctx.plan
         dx = dw = None
         m, n = dy2d.shape
@@ -564,7 +559,7 @@ class _TracedBlockLinear(torch.autograd.Function):
             dw = _cat([_block_gemm(plan, *(dyq_t or plan.dy.quantize_t(dy2d[:, a:a + cols])),
                                    1, xcq, xcs, 1, ctx.w_dtype) for a in range(0, n, cols)])
         if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
-            wcq, wcs = _TracedBlockLinear._weight_columnwise(plan, w, ws)
+            wcq, wcs = _TracedBlockLinear._weight_columnwise(plan, weight)
             dx = _cat([_block_gemm(plan, *(dyq or plan.dy.quantize(dy2d[a:a + rows])), 1, wcq,
                                    wcs, plan.w.dim, ctx.x_dtype) for a in range(0, m, rows)])
         return dx, dw
