@@ -1,4 +1,5 @@
-"""Helpers shared across the test directories: the SQNR measure and seeded random inputs.
+"""Helpers shared across the test directories: the SQNR measure, seeded random inputs and
+the marks of a GPU-only test file.
 
 Test files import them as ``from helpers import sqnr_db, randn`` (``tests/`` is on the
 path through its conftest).
@@ -8,7 +9,17 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+
+import lowprec.kernels
+
+#: ``pytestmark`` of a file whose tests need CUDA and Triton: marked ``gpu``, skipped elsewhere
+GPU_ONLY = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not lowprec.kernels.triton_available(),
+                       reason="needs a CUDA device and Triton"),
+]
 
 
 def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:

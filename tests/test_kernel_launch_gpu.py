@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import GPU_ONLY
 
 import lowprec.kernels
 from lowprec.kernels import launch as launch_mod
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not lowprec.kernels.triton_available(),
-                       reason="needs a CUDA device and Triton"),
-]
+pytestmark = GPU_ONLY
 
 if lowprec.kernels.triton_available():
     import triton

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import GPU_ONLY
 
-import lowprec.kernels
 from lowprec import state_batch
 from lowprec.kernels import reference_only
 from lowprec.recipe import DelayedScaling
 from lowprec.state import DelayedScalingState
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not lowprec.kernels.triton_available(),
-                       reason="needs a CUDA device and Triton"),
-]
+pytestmark = GPU_ONLY
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 

@@ -8,17 +8,14 @@ import warnings
 import pytest
 import torch
 from debug_helpers import RECIPES
+from helpers import GPU_ONLY
 
 import lowprec
 import lowprec.kernels
 from lowprec.debug import Recorder
 from lowprec.debug.hooks import QuantizerHooks
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not lowprec.kernels.triton_available(),
-                       reason="needs a CUDA device and Triton"),
-]
+pytestmark = GPU_ONLY
 
 
 def _model():

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from format_inputs import spread
+from helpers import GPU_ONLY
 
-import lowprec.kernels
 from lowprec.formats.block.quantizer import Float8BlockQuantizer
 from lowprec.formats.block.tensor import Float8BlockwiseTensor
 from lowprec.formats.float8.quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
@@ -24,11 +24,7 @@ from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
 from lowprec.formats.mxfp8.reference import block_exponents
 from lowprec.kernels import reference_only
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not lowprec.kernels.triton_available(),
-                       reason="needs a CUDA device and Triton"),
-]
+pytestmark = GPU_ONLY
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

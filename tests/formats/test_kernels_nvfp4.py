@@ -8,17 +8,13 @@ much larger matrix of cases (``pytest -m slow``).
 
 import pytest
 import torch
+from helpers import GPU_ONLY
 
-import lowprec.kernels
 from lowprec.formats.nvfp4 import NVFP4Quantizer
 from lowprec.formats.rht import rht_signs
 from lowprec.kernels import reference_only
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not lowprec.kernels.triton_available(),
-                       reason="needs a CUDA device and Triton"),
-]
+pytestmark = GPU_ONLY
 
 
 def _input(shape, dtype, dist, seed):

@@ -27,7 +27,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import randn
+from helpers import GPU_ONLY, randn
 
 import lowprec
 import lowprec.kernels
@@ -39,11 +39,7 @@ from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
 from lowprec.fused.prologue import apply_prologue_with_amax, norm_stats
 from lowprec.modules.activations import ACTIVATIONS
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not lowprec.kernels.triton_available(),
-                       reason="needs a CUDA device and Triton"),
-]
+pytestmark = GPU_ONLY
 
 E4 = torch.float8_e4m3fn
 QUANTIZERS = {

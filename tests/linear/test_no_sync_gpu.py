@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import GPU_ONLY
 
 import lowprec
 import lowprec.kernels
 from lowprec.recipe import Recipe
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not lowprec.kernels.triton_available(),
-                       reason="needs a CUDA device and Triton"),
-]
+pytestmark = GPU_ONLY
 
 
 def _model():

@@ -17,15 +17,14 @@ import copy
 
 import pytest
 import torch
+from helpers import GPU_ONLY
 from modules_helpers import make_recipe, sqnr_db
 
 import lowprec
 import lowprec.kernels
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not lowprec.kernels.triton_available(),
-                       reason="needs a CUDA device and Triton"),
+    *GPU_ONLY,
     pytest.mark.usefixtures("no_kernel_loads_in_capture"),  # tests/conftest.py
 ]
 

@@ -18,15 +18,13 @@ bit for bit (CUDA + Triton; minutes; not collected unless asked for):
 import fuzz_fp8
 import pytest
 from exhaustive_fp8 import run_exhaustive
+from helpers import GPU_ONLY
 
-import lowprec.kernels
 from lowprec.kernels import tuning
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.gpu,
-    pytest.mark.skipif(not lowprec.kernels.triton_available(),
-                       reason="needs a CUDA device and Triton"),
+    *GPU_ONLY,
 ]
 
 

@@ -15,14 +15,11 @@ import copy
 
 import fuzz_nvfp4
 import pytest
-
-import lowprec.kernels
+from helpers import GPU_ONLY
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.gpu,
-    pytest.mark.skipif(not lowprec.kernels.triton_available(),
-                       reason="needs a CUDA device and Triton"),
+    *GPU_ONLY,
 ]
 
 
