@@ -11,11 +11,12 @@ consumed by its GEMM and freed before the next is made:
 Each slice is quantized exactly as the whole dY would be (``Quantizer.slice_quantizer``:
 per-tensor formats compute the whole tensor's amax first), so the quantized values, and
 so the gradients, are the same as unsliced; each GEMM writes its rows of dX or dW in
-place. Block formats slice by default: they quantize dY's two directions in two passes
-anyway. Per-tensor FP8 slices only inside :class:`sliced`: it then reads dY once more
-(delayed scaling twice, for the amax), 4-8% of a step where it applies. Formats without
-``slice_quantizer`` (MXFP8, NVFP4 and hybrids) never slice here; inside :class:`sliced`,
-MXFP8 and NVFP4 take a path of their own that also slices the forward
+place. Block formats slice by default where one copy exceeds ``AUTO_MIN_COPY_BYTES`` (a
+vocabulary projection): their slices need no pass for statistics. Per-tensor FP8 slices
+only inside :class:`sliced` (which also lowers the floor to ``MIN_COPY_BYTES``): it then
+reads dY once more (delayed scaling twice, for the amax), 4-8% of a step where it applies.
+Formats without ``slice_quantizer`` (MXFP8, NVFP4 and hybrids) never slice here; inside
+:class:`sliced`, MXFP8 and NVFP4 take a path of their own that also slices the forward
 (``lowprec.linear.exact_split``).
 
 The forward does the same for the weight (``lowprec.linear.function``): its columnwise copy is made
@@ -34,12 +35,17 @@ import torch
 from ..formats.base import QuantizedTensor, Quantizer
 from ..gemm import gemm
 
-#: Below this size of one quantized copy of dY (bytes) the backward never slices. Slices
-#: cost GPU time: each GEMM is smaller, and dY's two directions are quantized in separate
-#: passes instead of one (block FP8 on an H100, "1b" gate/up projections with 67 MB copies:
-#: 0.23 ms a layer, with the step's peak memory unchanged, since that peak comes before the
-#: backward of any one layer). Wide outputs (an lm_head's vocabulary) still slice.
-MIN_COPY_BYTES = 256 << 20
+#: Below this size of one quantized copy of dY (bytes) the backward never slices: the
+#: memory is small and every extra launch costs host time.
+MIN_COPY_BYTES = 16 << 20
+
+#: The same floor in the default ("auto") mode. Slices cost GPU time: each GEMM is smaller,
+#: and dY's two directions are quantized in separate passes instead of one (block FP8 on an
+#: H100, "1b" gate/up projections with 67 MB copies: 0.23 ms a layer, with the step's peak
+#: unchanged, since that peak comes before the backward of any one layer). By default only
+#: wide outputs (a vocabulary projection) slice; inside :class:`sliced` every layer above
+#: ``MIN_COPY_BYTES`` does.
+AUTO_MIN_COPY_BYTES = 256 << 20
 
 #: Slice starts are multiples of this (the largest block edge of any format).
 ALIGN = 128
@@ -50,14 +56,17 @@ def split_sizes(m: int, n: int, k: int, dx_itemsize: int, dw_itemsize: int
     """(rows per dgrad slice, columns per wgrad slice) for dY (m, n), X (m, k), W (n, k),
     or None when slicing does not pay.
 
-    Slices when the two one-byte copies of dY (2 m n bytes) exceed dX + dW. wgrad runs
+    Slices when the two one-byte copies of dY (2 m n bytes) exceed dX + dW and one copy is
+    at least this thread's floor (``AUTO_MIN_COPY_BYTES`` in the default mode,
+    ``MIN_COPY_BYTES`` inside :class:`sliced`). wgrad runs
     before dX exists, so a column slice may take up to dX's size; dgrad runs beside both
     gradients, so a row slice takes at most half of dX. Large slices keep the GEMMs large
     (a GEMM cut too small loses its last partial wave of tiles).
     """
     copy = m * n
     dx_bytes, dw_bytes = m * k * dx_itemsize, n * k * dw_itemsize
-    if copy < MIN_COPY_BYTES or 2 * copy <= dx_bytes + dw_bytes:
+    floor = AUTO_MIN_COPY_BYTES if _MODE.value == "auto" else MIN_COPY_BYTES
+    if copy < floor or 2 * copy <= dx_bytes + dw_bytes:
         return None
     rows = _even_slices(m, dx_bytes // 2 // n)
     cols = _even_slices(n, dx_bytes // m)
@@ -76,11 +85,12 @@ def _even_slices(size: int, limit: int) -> int:
 
 class _Mode(threading.local):
     """The slicing mode of this thread: "auto" slices only with quantizers whose slices need
-    no extra pass over the tensor (``Quantizer.slices_need_stats_pass`` False: block formats,
-    which quantize dY's two directions in two passes anyway); "always" also per-tensor FP8,
-    which then reads dY once more for its amax; "never": no slicing, and the weight's two
-    usages made at once. Set through the context managers :class:`sliced` and
-    :class:`unsliced`; a traced linear's plan reads it (``lowprec.linear.traced``)."""
+    no extra pass over the tensor for statistics (``Quantizer.slices_need_stats_pass``
+    False: block formats), and only above ``AUTO_MIN_COPY_BYTES``; "always" also per-tensor
+    FP8, which then reads dY once more for its amax, from ``MIN_COPY_BYTES`` up; "never": no
+    slicing, and the weight's two usages made at once. Set through the context managers
+    :class:`sliced` and :class:`unsliced`; a traced linear's plan reads it
+    (``lowprec.linear.traced``)."""
 
     def __init__(self) -> None:
         # an instance attribute in each thread (torch.compile guards on it)

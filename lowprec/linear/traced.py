@@ -364,7 +364,8 @@ def _block_plan(recipe: Float8BlockScaling, x, weight) -> TracedPlan | None:
     if not (m > 0 and m % BLOCK == 0 and k % contracted == 0 and n % contracted == 0):
         return None
     split = None
-    if grad_split.slicing_allowed(slices_need_stats_pass=False):  # block formats slice free
+    # block slices need no statistics pass; the same rule as eager's (grad_split)
+    if grad_split.slicing_allowed(slices_need_stats_pass=False):
         split = grad_split.split_sizes(m, n, k, x.dtype.itemsize, weight.dtype.itemsize)
     kernel = use_kernels(x)
     return TracedPlan(Blockwise(fwd, 1, kernel=kernel), Blockwise(fwd, dims[1], kernel=kernel),

@@ -78,6 +78,10 @@ def test_split_sizes_on_the_benchmark_shapes():
     assert grad_split.split_sizes(16384, 4096, 14336, 2, 2) is None
     assert grad_split.split_sizes(16384, 14336, 4096, 2, 2) is None  # one copy < 256 MiB
     assert grad_split.split_sizes(8192, 8192, 2048, 2, 2) is None
+    with grad_split.sliced():  # from 16 MiB up
+        assert grad_split.split_sizes(16384, 14336, 4096, 2, 2) == (4096, 7168)
+        assert grad_split.split_sizes(8192, 8192, 2048, 2, 2) == (2048, 4096)
+        assert grad_split.split_sizes(1024, 4096, 64, 2, 2) is None  # one copy < 16 MiB
 
 
 def test_slicing_modes():
@@ -97,7 +101,7 @@ def test_slicing_modes():
 
 
 def test_auto_mode_slices_block_but_not_per_tensor(monkeypatch):
-    monkeypatch.setattr(grad_split, "MIN_COPY_BYTES", 0)
+    monkeypatch.setattr(grad_split, "AUTO_MIN_COPY_BYTES", 0)
     for rname, expect in (("block", True), ("current", False), ("delayed", False)):
         calls = _count_gemms(monkeypatch)
         _step(SLICED[rname]())
@@ -108,7 +112,7 @@ def test_auto_mode_slices_block_but_not_per_tensor(monkeypatch):
 @pytest.mark.parametrize("m,n,k", [(16384, 14336, 4096), (8192, 50304, 1024),
                                    (4096, 32768, 512), (12288, 40000, 2048)])
 def test_split_sizes_are_aligned_even_and_bounded(m, n, k, monkeypatch):
-    monkeypatch.setattr(grad_split, "MIN_COPY_BYTES", 0)  # the shapes, not the size floor
+    monkeypatch.setattr(grad_split, "AUTO_MIN_COPY_BYTES", 0)  # the shapes, not the floor
     rows, cols = grad_split.split_sizes(m, n, k, 2, 2)
     dx = m * k * 2
     for size, length, limit in ((m, rows, dx // 2 // n), (n, cols, dx // m)):

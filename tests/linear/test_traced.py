@@ -9,7 +9,7 @@ import torch
 
 import lowprec
 from lowprec.kernels import use_kernels
-from lowprec.linear import traced
+from lowprec.linear import grad_split, traced
 from lowprec.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -402,9 +402,10 @@ def test_compiled_scale_rule_is_the_reference(device, pow2, eps):
 @pytest.mark.parametrize("shape", [(256, 512, 1024), (4096, 512, 4096)],
                          ids=["whole", "sliced_backward"])
 @pytest.mark.parametrize("w_dim", [2, 1])
-def test_block_traced_bit_identical_cuda(shape, w_dim):
-    """Block FP8 traced on cuBLAS; the larger shape slices dY in eager (grad_split), and so
-    in the traced backward."""
+def test_block_traced_bit_identical_cuda(shape, w_dim, monkeypatch):
+    """Block FP8 traced on cuBLAS; the larger shape slices dY in eager (grad_split, its
+    default floor lowered to this shape's 16 MiB copies), and so in the traced backward."""
+    monkeypatch.setattr(grad_split, "AUTO_MIN_COPY_BYTES", grad_split.MIN_COPY_BYTES)
     m, k, n = shape
     recipe = Float8BlockScaling(w_block_scaling_dim=w_dim)
     torch.manual_seed(0)
