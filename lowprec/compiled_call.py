@@ -437,10 +437,10 @@ def _trace_call(module, args: tuple, kwargs: dict):
             raise NotImplementedError(
                 f"{type(module).__name__} holds a quantized weight ({type(p).__name__}, from "
                 f"quantized_model_init or FSDP2's quantized_all_gather) that torch.compile "
-                f"does not take here: only a Linear under a recipe whose plan reads the "
-                f"weight's form (per-tensor FP8, 128x128 FP8 blocks) traces it; build the "
-                f"model without quantized_model_init, gather this recipe's weights in high "
-                f"precision, or leave this module eager")
+                f"does not take here: only a Linear under Float8CurrentScaling (per-tensor "
+                f"FP8 weights) or Float8BlockScaling (128x128 weight blocks) traces one; "
+                f"build the model without quantized_model_init, shard it without "
+                f"quantized_all_gather, or leave this module eager")
     layout, ints, tensors = _encode(args, kwargs)
     if not tensors:
         raise TypeError(f"{type(module).__name__} called with no tensor argument")

@@ -60,6 +60,7 @@ from torchtitan.tools.logging import logger
 import lowprec
 from lowprec.distributed import precompute_gather_statistics, quantized_all_gather
 from lowprec.distributed.gather_codec import derives_columnwise
+from lowprec.linear.traced import reads_recipe_weights
 from lowprec.recipe import RECIPE_ALIASES, DelayedScaling
 from lowprec.state import RecipeState
 
@@ -130,13 +131,14 @@ class LowprecConverter:
         self.quantized_gathers = (self.enabled and parallel_dims.dp_shard_enabled
                                   and self.config.quantized_all_gather)
         compiled = job_config.compile.enable and "model" in job_config.compile.components
-        if self.quantized_gathers and compiled:
-            # lowprec's traced modules do not take quantized weights yet (compiled_call.py),
-            # and a quantized gather makes the unsharded weight one
-            logger.warning("lowprec: quantized FSDP all-gathers are off under "
-                           "--compile.enable (lowprec's compiled modules do not take "
-                           "quantized weights yet); FSDP gathers the weights in high "
-                           "precision")
+        if self.quantized_gathers and compiled and not reads_recipe_weights(self.recipe):
+            # a quantized gather makes the unsharded weight a quantized tensor, which the
+            # compiled Linear reads only in some formats (lowprec.linear.traced)
+            logger.warning(f"lowprec: quantized FSDP all-gathers are off under "
+                           f"--compile.enable for {type(self.recipe).__name__} (compiled "
+                           f"Linears read gathered weights of Float8CurrentScaling and of "
+                           f"128x128-block Float8BlockScaling only); FSDP gathers the "
+                           f"weights in high precision")
             self.quantized_gathers = False
         self.precompute = self.quantized_gathers and self.config.precompute_gather_statistics
         # Activation checkpointing recomputes a block's forward in backward, where FSDP

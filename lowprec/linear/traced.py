@@ -32,8 +32,9 @@ quantizes read them and record their amaxes into the state in place
 
 What this traces is decided by :func:`plan_for` from the recipe and the shapes; anything
 else (a callable amax algorithm, NVFP4, 2-D MXFP8 weights, ``CustomRecipe``, quantized
-weights, tensor parallelism, boundary roles, fp16, shapes eager would pad, slice or hand
-to another backend) stays one opaque call (``lowprec.compiled_call``).
+weights other than per-tensor FP8 under current scaling and 128x128 FP8 blocks, tensor
+parallelism, boundary roles, fp16, shapes eager would pad, slice or hand to another
+backend) stays one opaque call (``lowprec.compiled_call``).
 """
 
 from __future__ import annotations
@@ -273,6 +274,15 @@ def _given_weight(weight: torch.Tensor, w):
     return given if weight.rowwise_data is not None and given.fp8_dtype == w.fp8_dtype else None
 
 
+def reads_recipe_weights(recipe) -> bool:
+    """Whether a compiled linear reads a weight quantized under ``recipe`` as it is (FSDP2's
+    quantized all-gathers of it under torch.compile, ``quantized_model_init``): current
+    scaling's per-tensor FP8 and block FP8 with 128x128 weight blocks, default backward."""
+    return recipe.backward_mode == "default" and (
+        type(recipe) is Float8CurrentScaling
+        or (type(recipe) is Float8BlockScaling and recipe.w_block_scaling_dim == 2))
+
+
 def takes_quantized(weight: torch.Tensor) -> bool:
     """Whether a quantized ``weight`` may take the traced path (``plan_for`` decides for
     the recipe): per-tensor and block FP8, the forms FSDP2's quantized all-gather and
@@ -392,10 +402,15 @@ def _mx_plan(recipe: MXFP8BlockScaling, x, weight, bias) -> TracedPlan | None:
 
 
 def plan_for(recipe, x: torch.Tensor, weight: torch.Tensor,
-             bias: torch.Tensor | None = None) -> TracedPlan | None:
+             bias: torch.Tensor | None = None, *, amp: bool = False) -> TracedPlan | None:
     """The traced plan of a linear ``x @ weight.T`` under ``recipe``, or None where the
     compiled path keeps the opaque call (see the module docstring). A weight that arrives
-    quantized is read as it is where the plan's GEMMs take its form (``_given_weight``)."""
+    quantized is read as it is where the plan's GEMMs take its form (``_given_weight``);
+    under torch.autocast (``amp``) its nominal dtype need not be the input's, as in eager
+    mode (the weight gradient takes the weight's)."""
+    free = amp and isinstance(weight, QuantizedTensor)
+    if x.dim() < 2 or (x.dtype != weight.dtype and not free):
+        return None
     plan = _plan_for(recipe, x, weight, bias)
     if plan is None or not isinstance(weight, QuantizedTensor):
         return plan
@@ -407,7 +422,7 @@ def _plan_for(recipe, x, weight, bias) -> TracedPlan | None:
     if recipe.backward_mode != "default":
         return None
     # fp16 keeps the opaque call: ``_rounded`` restores bf16 rounding only
-    if x.dim() < 2 or x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32):
+    if x.dtype not in (torch.bfloat16, torch.float32):
         return None
     if type(recipe) is Float8BlockScaling:
         return _block_plan(recipe, x, weight)
@@ -717,12 +732,12 @@ def traced_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     an fp32 weight gets an fp32 gradient) and the rest runs with autocast off, as
     ``lowprec.linear.quantized_linear`` does in eager mode."""
     amp = torch_autocast_dtype(x)
-    if amp is not None and isinstance(weight, QuantizedTensor) and weight.dtype != amp:
-        return NotImplemented  # a quantized weight is read as it is, not cast
     if amp is not None:
-        x, weight = x.to(amp), weight.to(amp)
+        x = x.to(amp)
+        if not isinstance(weight, QuantizedTensor):  # a quantized weight is read as it is
+            weight = weight.to(amp)
         bias = bias.to(amp) if bias is not None else None
-    plan = plan_for(recipe, x, weight, bias)
+    plan = plan_for(recipe, x, weight, bias, amp=amp is not None)
     if plan is None or isinstance(plan.x, Delayed) != (delayed is not None):
         return NotImplemented
     fn = {Blockwise: _TracedBlockLinear, MXBlocks: _TracedMXLinear,

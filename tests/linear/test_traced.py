@@ -213,6 +213,27 @@ def test_quantized_weight_traced_bit_identical(device, recipe):
     assert not any("lowprec.call" in t for t in ops.targets)
 
 
+def test_quantized_weight_under_torch_autocast():
+    """An fp32 quantized weight under torch.autocast(bfloat16): read as it is (not cast),
+    the output bf16 and the weight gradient fp32, as eager computes them."""
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(0)
+    with lowprec.quantized_model_init(recipe=recipe):
+        m = lowprec.Linear(128, 96, name="l")
+    assert m.weight.dtype == torch.float32
+    x = torch.randn(64, 128)
+    dy = torch.randn(64, 96, dtype=torch.bfloat16)
+    ops = _GraphOps()
+    compiled = torch.compile(m, backend=ops, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _run(m, m, x, dy, recipe)
+        got = _run(compiled, m, x, dy, recipe)
+    assert want[0].dtype == torch.bfloat16 and want[2].dtype == torch.float32
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    assert not any("lowprec.call" in t for t in ops.targets)
+
+
 def test_quantized_weight_of_another_form_keeps_the_opaque_call():
     """A quantized weight the plan's GEMMs do not read as it is (E5M2 codes under an E4M3
     recipe) is not traced; the opaque call then refuses quantized weights by name."""
