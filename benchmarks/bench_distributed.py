@@ -203,7 +203,8 @@ def worker(rank: int, world: int, port: int, args) -> None:
                            args.tp, args.compile)
             gc.collect()
             torch.cuda.empty_cache()  # the peer's model and optimizer died with run_peer
-        except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
+        except Exception as exc:  # noqa: BLE001 - name the failed peer on every rank, then
+            # stop: a rank that went on would wait in collectives the others never join
             print(f"rank {rank} {peer}: FAILED {type(exc).__name__}: {str(exc)[:400]}",
                   flush=True)
             raise
@@ -261,6 +262,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
+    if args.tp and args.torchao:
+        ap.error("--torchao runs beside FSDP2 only, not with --tp")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
