@@ -340,6 +340,13 @@ def _eager_rounding():
     return torch._inductor.config.patch(emulate_precision_casts=True)
 
 
+@pytest.mark.xfail(
+    torch.__version__ < "2.13", strict=False,
+    reason="torch 2.11's CPU inductor rounds this model's bf16 glue (a residual add fused "
+           "with the gelu and SwiGLU backwards) otherwise than eager does, even with "
+           "emulate_precision_casts: the same model with nn.Linear in place of lowprec's "
+           "modules gives another x.grad too; 2.13 matches eager. The GPU test below "
+           "checks the same model on 2.11")
 @pytest.mark.parametrize("rname", ["current", "mxfp8"])
 def test_inductor_bit_identical_bf16_block(rname, inductor_available):
     """bf16 on the CPU, where both recipes trace (``lowprec.linear.traced``)."""
