@@ -61,16 +61,15 @@ def make_peer(peer: str, model: str, device, compile: bool = False):
     from torch.distributed.fsdp import fully_shard
     m = build(model, device)
     ctx = None
-    if peer.startswith("torchao-"):
+    library, _, spec = peer.partition("-")  # "bf16", "lowprec-<recipe>+<gather>", "torchao-..."
+    name, _, gather = spec.partition("+")
+    if library == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        name, gather = peer[len("torchao-"):].split("+")
         cfg = Float8LinearConfig.from_recipe_name(name)
         if gather != "hp":
             cfg = dataclasses.replace(cfg, enable_fsdp_float8_all_gather=True)
-        convert_to_float8_training(m, config=cfg,
-                                   module_filter_fn=lambda mod, fqn: not_lm_head(mod, fqn))
-    elif peer != "bf16":
-        name, gather = peer[len("lowprec-"):].split("+")
+        convert_to_float8_training(m, config=cfg, module_filter_fn=not_lm_head)
+    elif library == "lowprec":
         recipe = RECIPES[name]()
         lowprec.convert_model(m, module_filter_fn=not_lm_head)
         if gather in ("quantized", "precomputed"):

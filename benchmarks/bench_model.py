@@ -88,8 +88,7 @@ def make_peer(peer: str, model: str, device: str, mode: str):
     if peer.startswith("torchao-"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         cfg = Float8LinearConfig.from_recipe_name(peer.split("-", 1)[1])
-        convert_to_float8_training(m, config=cfg,
-                                   module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)
+        convert_to_float8_training(m, config=cfg, module_filter_fn=not_lm_head)
     elif peer.startswith("lowprec-"):
         recipe = RECIPES[peer.split("-", 1)[1]]()
         lowprec.convert_model(m, module_filter_fn=not_lm_head)
