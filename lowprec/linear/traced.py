@@ -283,13 +283,6 @@ def reads_recipe_weights(recipe) -> bool:
         or (type(recipe) is Float8BlockScaling and recipe.w_block_scaling_dim == 2))
 
 
-def takes_quantized(weight: torch.Tensor) -> bool:
-    """Whether a quantized ``weight`` may take the traced path (``plan_for`` decides for
-    the recipe): per-tensor and block FP8, the forms FSDP2's quantized all-gather and
-    ``quantized_model_init`` give."""
-    return isinstance(weight, (Float8Tensor, Float8BlockwiseTensor))
-
-
 @dataclass(frozen=True)
 class MXBlocks:
     """MXFP8 (1x32 blocks, E8M0 scales) for one operand, as the exact values its GEMM

@@ -202,8 +202,8 @@ def test_quantized_weight_traced_bit_identical(device, recipe):
     with lowprec.quantized_model_init(recipe=recipe):
         # cuBLAS's 128x128-block GEMMs contract over multiples of 512
         m = lowprec.Linear(512, 512, name="l", params_dtype=dtype, device=device)
-    assert traced.takes_quantized(m.weight)
     x = torch.randn(2, 128, 512, dtype=dtype, device=device)
+    assert traced.plan_for(recipe, x, m.weight) is not None
     dy = torch.randn(2, 128, 512, dtype=dtype, device=device)
     want = _run(m, m, x, dy, recipe)
     ops = _GraphOps()
