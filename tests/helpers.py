@@ -64,3 +64,20 @@ def assert_same_quantized(a, b, what=""):
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+class GraphOps:
+    """A torch.compile backend that records the ops of every graph dynamo hands it, then
+    runs them as aot_eager does."""
+
+    def __init__(self) -> None:
+        self.targets: list = []
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+
+        def record(g, _inputs):
+            self.targets += [str(n.target) for n in g.graph.nodes if n.op == "call_function"]
+            return g
+
+        return aot_autograd(fw_compiler=record, bw_compiler=record)(gm, example_inputs)

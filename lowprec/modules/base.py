@@ -8,10 +8,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..autocast import active_region, init_recipe, register_delayed_state
+from ..autocast import active_region, init_recipe, register_delayed_state, torch_autocast_dtype
 from ..checkpoint import check_not_recomputing, current_frame, record, replayed
 from ..compiled_call import HANDLE_ATTR, CompiledCallMixin
 from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor, keep_quantized, user_attributes
+from ..linear import traced
 from ..linear.function import LinearQuantizers
 from ..recipe import DelayedScaling, operand_usages
 from ..roles import check_num_quantizers, gemm_roles
@@ -262,6 +263,30 @@ class LowprecModule(CompiledCallMixin, nn.Module):
                 or self.grad_input_quantizer_role is not None or not x.is_floating_point()):
             return None
         return region.recipe
+
+    def traced_plain_call(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
+        """Whether a compiled call runs no recipe and traces as the torch ops of its high
+        precision path: outside autocast and checkpointing, no tensor parallelism, plain
+        input and weights of one dtype, no torch.autocast."""
+        return (active_region() is None and current_frame() is None and self._tp is None
+                and type(x) is torch.Tensor and torch_autocast_dtype(x) is None
+                and all(type(w) in (torch.Tensor, nn.Parameter) and w.dtype == x.dtype
+                        for w in weights))
+
+    def traced_call_recipe(self, x: torch.Tensor, *weights: torch.Tensor):
+        """The recipe a compiled call traces its GEMMs under, or None where it stays one
+        opaque call: :meth:`traced_recipe`'s conditions, no tensor parallelism, a plain
+        input, and weights that are plain tensors or arrive quantized under a recipe whose
+        traced GEMMs read them (``traced.reads_recipe_weights``; ``plan_for`` checks the
+        form). DTensors (tensor-parallel styles) and other subclasses keep the opaque call."""
+        recipe = self.traced_recipe(x)
+        if recipe is None or self._tp is not None or type(x) is not torch.Tensor:
+            return None
+        for w in weights:
+            if type(w) not in (torch.Tensor, nn.Parameter) and not (
+                    isinstance(w, QuantizedTensor) and traced.reads_recipe_weights(recipe)):
+                return None
+        return recipe
 
     def traced_delayed_states(self, recipe):
         """(forward, backward ``DelayedScalingState``, module handle or None) a traced

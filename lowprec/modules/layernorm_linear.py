@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from ..autocast import torch_autocast_dtype
 from ..compiled_call import compiled_as_one_op
+from ..fused.graph import graph_norm, producer_kernel
+from ..linear import traced
 from ..linear.function import quantized_linear
+from ..recipe import DelayedScaling
 from . import tensor_parallel as tpar
 from .base import LowprecModule, add_linear_params, release_fprop_copy
 from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params
@@ -52,6 +57,30 @@ class LayerNormLinear(LowprecModule):
         rows = tpar.output_rows(self._tp, x.shape[0], "column")
         y = (rows, *x.shape[1:-1], self.weight.shape[0])
         return [y, tuple(x.shape)] if self.return_layernorm_output else [y]
+
+    def traced_forward(self, x: torch.Tensor):
+        """The call as torch.compile traces it: the norm as one op around eager's own
+        computation (``lowprec.fused.graph``), then the linear traced as ``Linear``'s
+        (``lowprec.linear.traced``); ``NotImplemented`` where it stays one opaque op
+        (under torch.autocast too)."""
+        if self.traced_plain_call(x, self.weight):
+            ln = graph_norm(self, x, kernel=False)  # no quantizer: eager's unfused norm
+            y = F.linear(ln, self.weight, self.bias)
+            return (y, ln) if self.return_layernorm_output else y
+        recipe = self.traced_call_recipe(x, self.weight)
+        if (recipe is None or torch_autocast_dtype(x) is not None
+                or traced.plan_for(recipe, x, self.weight, self.bias) is None):
+            return NotImplemented
+        delayed = None
+        if isinstance(recipe, DelayedScaling):
+            delayed = self.traced_delayed_states(recipe)
+            if delayed is None:
+                return NotImplemented
+        # eager fuses the norm into the quantize unless it returns the norm output
+        ln = graph_norm(self, x, kernel=not self.return_layernorm_output
+                        and producer_kernel(x))
+        y = traced.traced_linear(recipe, ln, self.weight, self.bias, delayed)
+        return (y, ln) if self.return_layernorm_output else y
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor):

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import fused
+from ..autocast import torch_autocast_dtype
 from ..compiled_call import compiled_as_one_op
+from ..fused.graph import graph_activation, graph_norm, producer_kernel
+from ..linear import traced
 from ..linear.function import quantized_linear
+from ..recipe import DelayedScaling
 from . import tensor_parallel as tpar
 from .activations import get_activation
 from .base import LowprecModule, add_linear_params, producer_usages, release_fprop_copy
@@ -69,6 +74,29 @@ class LayerNormMLP(LowprecModule):
 
     def compiled_output_shapes(self, x: torch.Tensor) -> list[tuple]:
         return [tuple(x.shape)]  # sequence parallel: gathered, then scattered back
+
+    def traced_forward(self, x: torch.Tensor):
+        """The call as torch.compile traces it: the norm and the activation as one op each
+        around eager's own computations (``lowprec.fused.graph``), both linears traced as
+        ``Linear``'s (``lowprec.linear.traced``); ``NotImplemented`` where it stays one
+        opaque op (under torch.autocast and delayed scaling too)."""
+        w1, b1, w2, b2 = self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
+        if self.traced_plain_call(x, w1, w2):  # no quantizer: eager's unfused norm and activation
+            h1 = F.linear(graph_norm(self, x, kernel=False), w1, b1)
+            return F.linear(graph_activation(self.activation, h1, kernel=False), w2, b2)
+        recipe = self.traced_call_recipe(x, w1, w2)
+        # fc2's input is made below; a stand-in of its shape asks its plan first (a dead
+        # op in the graph)
+        a_like = x.new_empty((*x.shape[:-1], w2.shape[1]))
+        if (recipe is None or torch_autocast_dtype(x) is not None
+                or isinstance(recipe, DelayedScaling)
+                or traced.plan_for(recipe, x, w1, b1) is None
+                or traced.plan_for(recipe, a_like, w2, b2) is None):
+            return NotImplemented
+        kernel = producer_kernel(x)  # eager's fused norm and activation
+        h1 = traced.traced_linear(recipe, graph_norm(self, x, kernel=kernel), w1, b1)
+        a = graph_activation(self.activation, h1, kernel=kernel)
+        return traced.traced_linear(recipe, a, w2, b2)
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from ..autocast import active_region, torch_autocast_dtype
 from ..checkpoint import current_frame
 from ..compiled_call import compiled_as_one_op
-from ..formats.base import QuantizedTensor
 from ..linear import traced
 from ..linear.function import quantized_linear
 from ..recipe import DelayedScaling
@@ -67,16 +66,8 @@ class Linear(LowprecModule):
         ``NotImplemented`` where it stays one opaque op."""
         if self._plain_call(x) and active_region() is None and current_frame() is None:
             return F.linear(x, self.weight, self.bias)
-        recipe = self.traced_recipe(x)
-        # plain tensors, and weights that arrive quantized under a recipe whose traced GEMMs
-        # read them (plan_for checks the form; refused here before delayed scaling's states
-        # are touched): DTensors (tensor-parallel styles) and other subclasses keep the
-        # opaque call
-        w = self.weight
-        if (recipe is None or self._tp is not None or type(x) is not torch.Tensor
-                or (type(w) not in (torch.Tensor, torch.nn.Parameter)
-                    and not (isinstance(w, QuantizedTensor)
-                             and traced.reads_recipe_weights(recipe)))):
+        recipe = self.traced_call_recipe(x, self.weight)
+        if recipe is None:
             return NotImplemented
         delayed = None
         if isinstance(recipe, DelayedScaling):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import GraphOps
 
 import lowprec
 from lowprec.kernels import use_kernels
@@ -27,22 +28,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-class _GraphOps:
-    """A backend that records the ops of every graph dynamo hands it, then runs aot_eager."""
-
-    def __init__(self) -> None:
-        self.targets: list = []
-
-    def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.common import aot_autograd
-
-        def record(g, _inputs):
-            self.targets += [str(n.target) for n in g.graph.nodes if n.op == "call_function"]
-            return g
-
-        return aot_autograd(fw_compiler=record, bw_compiler=record)(gm, example_inputs)
 
 
 def _run(fn, m, x, dy, recipe):
@@ -156,7 +141,7 @@ def test_mxfp8_traced_bit_identical(device, bias, fmt, backend):
     x[1, 2, 32:64] *= 1e20
     dy = torch.randn(4, 48, 96, device=device, dtype=_dtype(device))
     want = _run(m, m, x, dy, recipe)
-    ops = _GraphOps()
+    ops = GraphOps()
     counted = ops if backend == "aot_eager" else backend
     got = _run(torch.compile(m, backend=counted, fullgraph=True), m, x, dy, recipe)
     for w, g in zip(want, got):
@@ -181,7 +166,7 @@ def test_block_traced_bit_identical_cpu(dtype, bias, w_dim, backend):
     x[0, :3, :128] *= 1e-20  # blocks scaled far from the rest
     dy = torch.randn(2, 128, 128, dtype=dtype)
     want = _run(m, m, x, dy, recipe)
-    ops = _GraphOps()
+    ops = GraphOps()
     got = _run(torch.compile(m, backend=ops if backend == "aot_eager" else backend,
                              fullgraph=True), m, x, dy, recipe)
     for w, g in zip(want, got):
@@ -206,7 +191,7 @@ def test_quantized_weight_traced_bit_identical(device, recipe):
     assert traced.plan_for(recipe, x, m.weight) is not None
     dy = torch.randn(2, 128, 512, dtype=dtype, device=device)
     want = _run(m, m, x, dy, recipe)
-    ops = _GraphOps()
+    ops = GraphOps()
     got = _run(torch.compile(m, backend=ops, fullgraph=True), m, x, dy, recipe)
     for w, g in zip(want, got):
         assert torch.equal(w, g)
@@ -239,7 +224,7 @@ def test_quantized_weight_of_another_form_keeps_the_opaque_call():
 
 def test_graph_has_no_opaque_call():
     """The compiled graph shows the quantize (amax, cast) and the GEMMs as ops."""
-    ops = _GraphOps()
+    ops = GraphOps()
     m = lowprec.Linear(64, 32, name="l")
     compiled = torch.compile(m, backend=ops, fullgraph=True)
     x = torch.randn(16, 64, requires_grad=True)
@@ -264,7 +249,7 @@ def _same_under_torch_autocast(m, device, recipe):
     same bf16 output and fp32 gradients, and no opaque call in the graph."""
     x = torch.randn(64, 128, device=device)
     dy = torch.randn(64, 96, device=device, dtype=torch.bfloat16)
-    ops = _GraphOps()
+    ops = GraphOps()
     compiled = torch.compile(m, backend=ops, fullgraph=True)
     with torch.autocast(device, dtype=torch.bfloat16):
         want = _run(m, m, x, dy, recipe)
@@ -297,7 +282,7 @@ def test_delayed_traced_bit_identical(device, bias, algo, backend):
     a = lowprec.Linear(128, 96, bias=bias, name="l", params_dtype=dtype, device=device)
     b = lowprec.Linear(128, 96, bias=bias, name="l", params_dtype=dtype, device=device)
     b.load_state_dict(a.state_dict())
-    ops = _GraphOps()
+    ops = GraphOps()
     compiled = torch.compile(b, backend=ops if backend == "aot_eager" else backend,
                              fullgraph=True)
     g = torch.Generator().manual_seed(1)
@@ -332,7 +317,7 @@ def test_delayed_traced_under_no_grad_and_callable_algo_stay_opaque():
     recipe = DelayedScaling()
     with lowprec.autocast(recipe=recipe):
         m(torch.randn(16, 64)).sum().backward()  # the module has its state
-    ops = _GraphOps()
+    ops = GraphOps()
     compiled = torch.compile(m, backend=ops, fullgraph=True)
     with lowprec.autocast(recipe=recipe), torch.no_grad():
         compiled(torch.randn(16, 64))
@@ -344,7 +329,7 @@ def test_delayed_traced_under_no_grad_and_callable_algo_stay_opaque():
                                     Float8CurrentScaling(backward_mode="high_precision")],
                          ids=["nvfp4", "mxfp8_2d", "hp_backward"])
 def test_untraced_recipes_keep_the_opaque_call(recipe):
-    ops = _GraphOps()
+    ops = GraphOps()
     m = lowprec.Linear(64, 32, name="l")
     compiled = torch.compile(m, backend=ops, fullgraph=True)
     with lowprec.autocast(recipe=recipe):
@@ -433,7 +418,7 @@ def test_block_traced_bit_identical_cuda(shape, w_dim, monkeypatch):
     if shape[0] == 4096:
         assert traced.plan_for(recipe, x, lin.weight).split is not None
     assert traced.plan_for(recipe, x, lin.weight).x.kernel == use_kernels(x)
-    ops = _GraphOps()
+    ops = GraphOps()
     want = _run(lin, lin, x, dy, recipe)
     got = _run(torch.compile(lin, fullgraph=True), lin, x, dy, recipe)
     for w, g in zip(want, got):

@@ -1,0 +1,160 @@
+"""The norm and the activation of LayerNormLinear/LayerNormMLP as ``torch.compile`` sees
+them: one op each way around eager's own computation, so the traced linear after them
+(``lowprec.linear.traced``) quantizes the values eager quantizes.
+
+Eager mode hands a GEMM its input through a fused kernel where the quantizer takes one
+(``lowprec.fused``): that kernel quantizes exactly what ``apply_prologue`` writes out, so
+the compiled form writes the prologue's output with that kernel (``kernel=True``) and the
+traced quantize reads it. Elsewhere (no Triton, a norm output the caller returns, no
+kernel for the activation) it is the unfused fp32 math of ``norm_math``/``activations``.
+The backward ops are the functions both eager forms run. Inductor cannot fuse the norm
+into its neighbours this way; what it gains is every host step of the call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..activations import REGISTRY, activation_fp32, activation_grad_fp32
+from ..autocast import torch_autocast_dtype
+from ..kernels import use_kernels
+from .norm_math import norm_backward, norm_fp32, norm_gamma
+from .prologue import activation_prologue, apply_prologue, norm_prologue, norm_stats
+
+
+def producer_kernel(x: torch.Tensor) -> bool:
+    """Whether eager mode would hand a traced plan's quantizer ``x``'s producer through a
+    fused kernel (``lowprec.fused.can_fuse`` for the quantizers a traced plan uses: they
+    all take a prologue, and the plan's shapes fill their blocks)."""
+    from . import enabled  # the switch ``lowprec.fused.unfused`` turns off
+    return enabled and use_kernels(x) and torch_autocast_dtype(x) is None
+
+
+def _none(t: torch.Tensor) -> torch.Tensor:
+    return t.new_empty(0)
+
+
+# ---- the norm ---------------------------------------------------------------------------------
+@torch.library.custom_op("lowprec::graph_norm", mutates_args=())
+def _norm_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rms: bool,
+             eps: float, zero_centered_gamma: bool, kernel: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(norm output in x's dtype, fp32 (M,) mean (zeros for RMSNorm), fp32 (M,) rstd)."""
+    m = x2d.shape[0]
+    if kernel:  # as ``norm_quantize._NormQuantize`` computes it
+        gamma = (weight.float() + 1 if zero_centered_gamma else weight).contiguous()
+        x2d = x2d.contiguous()
+        mean, rstd, _ = norm_stats(x2d, gamma, gamma if bias is None else bias, eps, rms, False)
+        pro = norm_prologue("RMSNorm" if rms else "LayerNorm", None if rms else mean, rstd,
+                            gamma, bias)
+        return apply_prologue(x2d, pro), mean, rstd
+    y, mean, rstd = norm_fp32(x2d, rms, norm_gamma(weight, zero_centered_gamma), bias, eps)
+    mean = rstd.new_zeros(m) if mean is None else mean.reshape(m)
+    return y.to(x2d.dtype), mean, rstd.reshape(m)
+
+
+@_norm_op.register_fake
+def _(x2d, weight, bias, rms, eps, zero_centered_gamma, kernel):
+    m = x2d.shape[0]
+    return (torch.empty_like(x2d), x2d.new_empty((m,), dtype=torch.float32),
+            x2d.new_empty((m,), dtype=torch.float32))
+
+
+@torch.library.custom_op("lowprec::graph_norm_backward", mutates_args=())
+def _norm_backward_op(g2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
+                      rms: bool, zero_centered_gamma: bool, need_x: bool, need_w: bool,
+                      need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias) of ``norm_math.norm_backward``; an empty tensor where not needed."""
+    m = x2d.shape[0]
+    grads = norm_backward(g2d, x2d, rms, weight, zero_centered_gamma, bias,
+                          None if rms else mean.view(m, 1), rstd.view(m, 1),
+                          (need_x, need_w, need_b))
+    return tuple(_none(x2d) if t is None else t for t in grads)
+
+
+@_norm_backward_op.register_fake
+def _(g2d, x2d, weight, bias, mean, rstd, rms, zero_centered_gamma, need_x, need_w, need_b):
+    need_b = need_b and bias is not None
+    return (torch.empty_like(x2d) if need_x else _none(x2d),
+            torch.empty_like(weight) if need_w else _none(x2d),
+            torch.empty_like(bias) if need_b else _none(x2d))
+
+
+class _GraphNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, rms, eps, zero_centered_gamma, kernel):
+        x2d = x.reshape(-1, x.shape[-1])
+        y, mean, rstd = _norm_op(x2d, weight, bias, rms, eps, zero_centered_gamma, kernel)
+        ctx.save_for_backward(x2d, weight, bias, mean, rstd)
+        ctx.rms, ctx.zero_centered_gamma, ctx.x_shape = rms, zero_centered_gamma, x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        x2d, weight, bias, mean, rstd = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx, dw, db = _norm_backward_op(g.reshape(x2d.shape), x2d, weight, bias, mean, rstd,
+                                       ctx.rms, ctx.zero_centered_gamma, need_x, need_w,
+                                       need_b and bias is not None)
+        return (dx.view(ctx.x_shape) if need_x else None, dw if need_w else None,
+                db if need_b and bias is not None else None, None, None, None, None)
+
+
+def graph_norm(module, x: torch.Tensor, *, kernel: bool) -> torch.Tensor:
+    """The norm of ``module`` (its ``layer_norm_*`` parameters, as ``norms.norm_into_gemm``
+    reads them) of ``x``, in x's dtype: computed as eager's fused kernel computes it with
+    ``kernel``, else as ``norms.apply_norm``."""
+    rms = module.normalization == "RMSNorm"
+    return _GraphNorm.apply(x, module.layer_norm_weight,
+                            None if rms else module.layer_norm_bias, rms, float(module.eps),
+                            module.zero_centered_gamma, kernel)
+
+
+# ---- the activation ---------------------------------------------------------------------------
+@torch.library.custom_op("lowprec::graph_activation", mutates_args=())
+def _activation_op(h2d: torch.Tensor, name: str, kernel: bool) -> torch.Tensor:
+    """``activation(h2d)`` in h's dtype: the fused kernels' prologue with ``kernel``, else
+    the registry's fp32 math rounded once (``modules.activations``)."""
+    if kernel:
+        return apply_prologue(h2d.contiguous(), activation_prologue(name))
+    return activation_fp32(name, h2d).to(h2d.dtype)
+
+
+@_activation_op.register_fake
+def _(h2d, name, kernel):
+    k = h2d.shape[1]
+    return h2d.new_empty((h2d.shape[0], k // 2 if REGISTRY[name].gated else k))
+
+
+@torch.library.custom_op("lowprec::graph_activation_backward", mutates_args=())
+def _activation_backward_op(g2d: torch.Tensor, h2d: torch.Tensor, name: str) -> torch.Tensor:
+    """The gradient both eager forms of the activation return (fp32 math, h's dtype)."""
+    return activation_grad_fp32(name, h2d, g2d).to(h2d.dtype)
+
+
+@_activation_backward_op.register_fake
+def _(g2d, h2d, name):
+    return torch.empty_like(h2d)
+
+
+class _GraphActivation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, name, kernel):
+        h2d = h.reshape(-1, h.shape[-1])
+        a = _activation_op(h2d, name, kernel)
+        ctx.save_for_backward(h2d)
+        ctx.name, ctx.h_shape = name, h.shape
+        return a.view(*h.shape[:-1], a.shape[-1])
+
+    @staticmethod
+    def backward(ctx, g):
+        (h2d,) = ctx.saved_tensors
+        dh = _activation_backward_op(g.reshape(h2d.shape[0], -1), h2d, ctx.name)
+        return dh.view(ctx.h_shape), None, None
+
+
+def graph_activation(name: str, h: torch.Tensor, *, kernel: bool) -> torch.Tensor:
+    """``activation(h)`` in h's dtype as eager computes it: the fused kernels' prologue
+    with ``kernel`` (only for an activation that has one), else the registry's math."""
+    return _GraphActivation.apply(h, name, kernel and activation_prologue(name) is not None)

@@ -1,0 +1,207 @@
+"""LayerNormLinear and LayerNormMLP under torch.compile: the norm and the activation as one
+op each around eager's computation (``lowprec.fused.graph``) and the linears traced
+(``lowprec.linear.traced``), no opaque ``lowprec::call``; forward, input and parameter
+gradients equal eager's bit for bit, on CUDA where eager fuses the producer into the
+quantize kernel too. Calls the traced path does not take keep the opaque op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import GraphOps
+
+import lowprec
+from lowprec import fused
+from lowprec.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+RECIPES = {"current": Float8CurrentScaling(), "block": Float8BlockScaling(),
+           "mxfp8": MXFP8BlockScaling(), "delayed": DelayedScaling(amax_history_len=2)}
+# cuBLAS's 128x128-block GEMMs contract over multiples of 512
+HIDDEN, FFN = 512, 512
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _module(kind: str, device, dtype, bias: bool):
+    kw = dict(params_dtype=dtype, device=device, bias=bias)
+    if kind == "ln_linear":
+        return lowprec.LayerNormLinear(HIDDEN, 256, name="n", **kw)
+    if kind == "rms_linear_zc":
+        return lowprec.LayerNormLinear(HIDDEN, 256, name="n", normalization="RMSNorm",
+                                       zero_centered_gamma=True, **kw)
+    if kind == "ln_linear_out":
+        return lowprec.LayerNormLinear(HIDDEN, 256, name="n", return_layernorm_output=True,
+                                       **kw)
+    act = "gelu" if kind == "mlp_gelu" else "swiglu"
+    norm = "LayerNorm" if kind == "mlp_gelu" else "RMSNorm"
+    return lowprec.LayerNormMLP(HIDDEN, FFN, name="n", activation=act, normalization=norm,
+                                **kw)
+
+
+def _perturb(m: torch.nn.Module) -> None:
+    """Norm parameters away from their 1/0 initialization, so they take part."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.startswith("layer_norm_"):
+                p.add_((torch.randn(p.shape, generator=g) * 0.1).to(p.device, p.dtype))
+
+
+def _run(fn, m, x, dy, recipe, steps=1):
+    outs = []
+    for _ in range(steps):
+        x = x.detach().clone().requires_grad_(True)
+        for p in m.parameters():
+            p.grad = None
+        with lowprec.autocast(enabled=recipe is not None, recipe=recipe):
+            y = fn(x)
+        ys = y if isinstance(y, tuple) else (y,)
+        torch.autograd.backward(ys, [dy] + [torch.ones_like(t) for t in ys[1:]])
+        outs = [t.detach() for t in ys] + [x.grad] + [p.grad.clone() for p in m.parameters()]
+    return outs
+
+
+def _case(kind, recipe_name, device, bias, backend):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    recipe = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    a = _module(kind, device, dtype, bias)
+    _perturb(a)
+    b = _module(kind, device, dtype, bias)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 128, HIDDEN, device=device, dtype=dtype) * 2 + 0.3
+    n_out = HIDDEN if kind.startswith("mlp") else 256
+    dy = torch.randn(2, 128, n_out, device=device, dtype=dtype)
+    ops = GraphOps()
+    compiled = torch.compile(b, backend=ops if backend == "aot_eager" else backend,
+                             fullgraph=True)
+    # delayed scaling: the first call makes the module's state (the opaque op), the next
+    # ones trace
+    steps = 2 if recipe_name == "delayed" else 1
+    want = _run(a, a, x, dy, recipe, steps)
+    got = _run(compiled, b, x, dy, recipe, steps)
+    return want, got, ops
+
+
+def _assert_same(want, got):
+    assert len(want) == len(got)
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert w.dtype == g.dtype and torch.equal(w, g), i
+
+
+def _traced_graphs(ops: GraphOps, recipe_name: str) -> bool:
+    """Whether the last call's graphs hold no opaque op (delayed: the first call is one)."""
+    calls = sum(t.startswith("lowprec.call.") for t in ops.targets)  # forward ops
+    return calls == (1 if recipe_name == "delayed" else 0)
+
+
+@pytest.mark.parametrize("kind", ["ln_linear", "rms_linear_zc", "ln_linear_out", "mlp_gelu",
+                                  "mlp_swiglu"])
+@pytest.mark.parametrize("recipe_name", ["current", "block", "mxfp8"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_traced_modules_bit_identical(kind, recipe_name, device):
+    """aot_eager: the graph's ops are eager's; no opaque call (MXFP8 with a bias on CUDA
+    keeps it, as for Linear)."""
+    bias = not (device == "cuda" and recipe_name == "mxfp8")
+    want, got, ops = _case(kind, recipe_name, device, bias, "aot_eager")
+    _assert_same(want, got)
+    assert not any("lowprec.call" in t for t in ops.targets)
+    assert any("graph_norm" in t for t in ops.targets)
+    if kind.startswith("mlp"):
+        assert any("graph_activation" in t for t in ops.targets)
+
+
+@pytest.mark.parametrize("kind", ["ln_linear", "mlp_swiglu"])
+@pytest.mark.parametrize("recipe_name", ["current", "block"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_traced_modules_inductor_bit_identical(kind, recipe_name, device):
+    """inductor: its fused kernels around the producer ops still hand on eager's bits."""
+    want, got, _ = _case(kind, recipe_name, device, True, "inductor")
+    _assert_same(want, got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layernorm_linear_delayed_traced(device):
+    """Delayed scaling: LayerNormLinear's one GEMM records into its state as Linear's does
+    (the first call makes the state through the opaque op); LayerNormMLP keeps the opaque
+    call."""
+    want, got, ops = _case("ln_linear", "delayed", device, True, "aot_eager")
+    _assert_same(want, got)
+    assert _traced_graphs(ops, "delayed") and any("graph_norm" in t for t in ops.targets)
+    want, got, ops = _case("mlp_gelu", "delayed", device, True, "aot_eager")
+    _assert_same(want, got)
+    assert not any("graph_norm" in t for t in ops.targets)
+
+
+@pytest.mark.parametrize("kind", ["ln_linear", "mlp_gelu"])
+def test_no_recipe_traces_the_high_precision_path(kind):
+    """Outside autocast the call is the norm op and torch's linear ops: no opaque call,
+    and the values eager's high-precision path gives (the fp32 GEMMs of the same
+    operands; the bias gradient is the compiler's sum, as for ``Linear``)."""
+    want, got, ops = _case_plain(kind)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert not any("lowprec.call" in t for t in ops.targets)
+    assert any("graph_norm" in t for t in ops.targets)
+
+
+def _case_plain(kind):
+    torch.manual_seed(0)
+    m = _module(kind, "cpu", torch.float32, True)
+    _perturb(m)
+    x = torch.randn(4, 32, HIDDEN)
+    dy = torch.randn(4, 32, HIDDEN if kind.startswith("mlp") else 256)
+    ops = GraphOps()
+    want = _run(m, m, x, dy, None)
+    got = _run(torch.compile(m, backend=ops, fullgraph=True), m, x, dy, None)
+    return want, got, ops
+
+
+def test_producer_kernel_follows_eager_fusion(monkeypatch):
+    """The traced norm and activation take eager's fused kernels' values exactly where
+    eager fuses: kernels in use, ``lowprec.fused`` enabled, no torch.autocast."""
+    from lowprec.fused import graph
+    x = torch.randn(16, 32)
+    assert not graph.producer_kernel(x)  # no kernels on the CPU
+    monkeypatch.setattr(graph, "use_kernels", lambda t: True)
+    assert graph.producer_kernel(x)
+    with fused.unfused():
+        assert not graph.producer_kernel(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not graph.producer_kernel(x)
+
+
+@pytest.mark.parametrize("recipe", [NVFP4BlockScaling(),
+                                    Float8CurrentScaling(backward_mode="high_precision")],
+                         ids=["nvfp4", "hp_backward"])
+@pytest.mark.parametrize("kind", ["ln_linear", "mlp_gelu"])
+def test_untraced_recipes_keep_the_opaque_call(recipe, kind):
+    ops = GraphOps()
+    m = _module(kind, "cpu", torch.float32, True)
+    compiled = torch.compile(m, backend=ops, fullgraph=True)
+    with lowprec.autocast(recipe=recipe):
+        compiled(torch.randn(64, HIDDEN, requires_grad=True)).sum().backward()
+    assert any("lowprec.call" in t for t in ops.targets)
+    assert not any("graph_norm" in t for t in ops.targets)
+
+
+def test_torch_autocast_keeps_the_opaque_call():
+    """Under torch.autocast eager's norm rounds to the autocast dtype: kept opaque."""
+    ops = GraphOps()
+    m = _module("ln_linear", "cpu", torch.float32, True)
+    with lowprec.autocast(recipe=Float8CurrentScaling()), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.compile(m, backend=ops, fullgraph=True)(torch.randn(64, HIDDEN))
+    assert any("lowprec.call" in t for t in ops.targets)
