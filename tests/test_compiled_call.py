@@ -100,10 +100,10 @@ def _compare(rname, model, autocast_inside, backend="aot_eager", steps=2, device
 
 
 def _frames(model, rname) -> int:
-    """Frames compiled over the steps: one, and one more where a Linear under delayed
-    scaling ran its first call as the opaque op (its state did not exist yet) and traces
-    the next ones."""
-    linears = any(type(m) is lowprec.Linear for m in model.modules())
+    """Frames compiled over the steps: one, and one more where a Linear or LayerNormLinear
+    under delayed scaling ran its first call as the opaque op (its state did not exist
+    yet) and traces the next ones."""
+    linears = any(type(m) in (lowprec.Linear, lowprec.LayerNormLinear) for m in model.modules())
     return 2 if rname == "delayed" and linears else 1
 
 

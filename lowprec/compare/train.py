@@ -190,7 +190,7 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
             if last and enabled:
                 probe.arm(spec.recipe, device)
             meter = SavedTensorMeter(model) if last else None
-            loss_value = 0.0
+            losses = []
             for micro in range(grad_accum):
                 x, y = batches.train_batch()
                 with autocast(enabled=enabled, recipe=spec.recipe):
@@ -201,10 +201,11 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
                         logits = logits_of(forward(x))
                 loss = F.cross_entropy(logits.float().view(-1, cfg.vocab),
                                        y.reshape(-1)) / grad_accum
-                loss_value += float(loss.detach())
-                if not math.isfinite(loss_value):
-                    break
                 loss.backward()
+                losses.append(loss.detach())
+            # read once, after the backward: a read between forward and backward would make
+            # the host wait for the forward before it queues the backward's kernels
+            loss_value = sum(torch.stack(losses).tolist(), 0.0)
             if not math.isfinite(loss_value):
                 _sync(device)
                 ms = (time.perf_counter() - t0) * 1e3
@@ -223,8 +224,7 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
             opt.step()
             opt.zero_grad(set_to_none=True)
             with torch.no_grad():
-                for p, m in zip(params, master):
-                    p.copy_(m)
+                torch._foreach_copy_(params, master)
             _sync(device)
             ms = (time.perf_counter() - t0) * 1e3
             if last:

@@ -17,7 +17,7 @@ import torch
 
 from ..activations import REGISTRY, activation_fp32, activation_grad_fp32
 from ..autocast import torch_autocast_dtype
-from ..kernels import use_kernels
+from ..kernels import graph_op, use_kernels
 from .norm_math import norm_backward, norm_fp32, norm_gamma
 from .prologue import activation_prologue, apply_prologue, norm_prologue, norm_stats
 
@@ -35,7 +35,7 @@ def _none(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the norm ---------------------------------------------------------------------------------
-@torch.library.custom_op("lowprec::graph_norm", mutates_args=())
+@graph_op("graph_norm")
 def _norm_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rms: bool,
              eps: float, zero_centered_gamma: bool, kernel: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,14 +53,14 @@ def _norm_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y.to(x2d.dtype), mean, rstd.reshape(m)
 
 
-@_norm_op.register_fake
+@torch.library.register_fake("lowprec::graph_norm")
 def _(x2d, weight, bias, rms, eps, zero_centered_gamma, kernel):
     m = x2d.shape[0]
     return (torch.empty_like(x2d), x2d.new_empty((m,), dtype=torch.float32),
             x2d.new_empty((m,), dtype=torch.float32))
 
 
-@torch.library.custom_op("lowprec::graph_norm_backward", mutates_args=())
+@graph_op("graph_norm_backward")
 def _norm_backward_op(g2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
                       rms: bool, zero_centered_gamma: bool, need_x: bool, need_w: bool,
@@ -73,7 +73,7 @@ def _norm_backward_op(g2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor
     return tuple(_none(x2d) if t is None else t for t in grads)
 
 
-@_norm_backward_op.register_fake
+@torch.library.register_fake("lowprec::graph_norm_backward")
 def _(g2d, x2d, weight, bias, mean, rstd, rms, zero_centered_gamma, need_x, need_w, need_b):
     need_b = need_b and bias is not None
     return (torch.empty_like(x2d) if need_x else _none(x2d),
@@ -112,7 +112,7 @@ def graph_norm(module, x: torch.Tensor, *, kernel: bool) -> torch.Tensor:
 
 
 # ---- the activation ---------------------------------------------------------------------------
-@torch.library.custom_op("lowprec::graph_activation", mutates_args=())
+@graph_op("graph_activation")
 def _activation_op(h2d: torch.Tensor, name: str, kernel: bool) -> torch.Tensor:
     """``activation(h2d)`` in h's dtype: the fused kernels' prologue with ``kernel``, else
     the registry's fp32 math rounded once (``modules.activations``)."""
@@ -121,19 +121,19 @@ def _activation_op(h2d: torch.Tensor, name: str, kernel: bool) -> torch.Tensor:
     return activation_fp32(name, h2d).to(h2d.dtype)
 
 
-@_activation_op.register_fake
+@torch.library.register_fake("lowprec::graph_activation")
 def _(h2d, name, kernel):
     k = h2d.shape[1]
     return h2d.new_empty((h2d.shape[0], k // 2 if REGISTRY[name].gated else k))
 
 
-@torch.library.custom_op("lowprec::graph_activation_backward", mutates_args=())
+@graph_op("graph_activation_backward")
 def _activation_backward_op(g2d: torch.Tensor, h2d: torch.Tensor, name: str) -> torch.Tensor:
     """The gradient both eager forms of the activation return (fp32 math, h's dtype)."""
     return activation_grad_fp32(name, h2d, g2d).to(h2d.dtype)
 
 
-@_activation_backward_op.register_fake
+@torch.library.register_fake("lowprec::graph_activation_backward")
 def _(g2d, h2d, name):
     return torch.empty_like(h2d)
 

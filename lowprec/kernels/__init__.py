@@ -124,3 +124,23 @@ def kernel_op(name: str, *, mutates_args=()):
         call.register_fake = op.register_fake
         return call
     return wrap
+
+
+_GRAPH_LIB = torch.library.Library("lowprec", "FRAGMENT")
+
+
+def graph_op(name: str):
+    """Define ``lowprec::<name>`` as an op of the compiled graph that runs ``fn`` (its
+    schema inferred from ``fn``'s annotations; no mutated arguments).
+
+    Defined through ``torch.library.Library`` rather than ``custom_op``: a compiled step
+    calls these ops from inductor's code, and ``custom_op``'s Python autograd layer costs
+    about three times the dispatcher's host time per call. The op has no autograd formula:
+    it is meant for the forward and backward of an ``autograd.Function``, where gradients
+    are off. Returns the op (``torch.ops.lowprec.<name>.default``); register its fake
+    implementation with ``torch.library.register_fake("lowprec::<name>")``."""
+    def wrap(fn):
+        _GRAPH_LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
+        _GRAPH_LIB.impl(name, fn, "CompositeExplicitAutograd")
+        return getattr(torch.ops.lowprec, name).default
+    return wrap

@@ -55,7 +55,7 @@ from ..formats.float8.tensor import Float8Tensor
 from ..formats.mxfp8.compiled import dequantized_1x32, dequantized_32x1
 from ..formats.mxfp8.launch import mxfp8_exact_inline
 from ..formats.mxfp8.reference import BLOCK as MX_BLOCK
-from ..kernels import use_kernels
+from ..kernels import graph_op, use_kernels
 from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from ..state import push_amaxes
 from . import grad_split
@@ -181,13 +181,13 @@ def _plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return out if bias is None else bias_add(out, bias)
 
 
-@torch.library.custom_op("lowprec::bias_add", mutates_args=())
+@graph_op("bias_add")
 def bias_add(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``out + bias`` in fp32 (``out`` fp32 (M, N), ``bias`` (N,))."""
     return out + bias.to(torch.float32)
 
 
-@bias_add.register_fake
+@torch.library.register_fake("lowprec::bias_add")
 def _bias_add_fake(out, bias):
     return torch.empty_like(out)
 
@@ -480,14 +480,14 @@ def _block_gemm(plan: TracedPlan, a, a_scale, a_dim, b, b_scale, b_dim, out_dtyp
     return res
 
 
-@torch.library.custom_op("lowprec::bias_grad", mutates_args=())
+@graph_op("bias_grad")
 def bias_grad(dy2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``dy2d.sum(0)`` in ``dtype``, as eager sums it (a reduction the compiler would
     order its own way)."""
     return dy2d.sum(dim=0).to(dtype)
 
 
-@bias_grad.register_fake
+@torch.library.register_fake("lowprec::bias_grad")
 def _bias_grad_fake(dy2d, dtype):
     return dy2d.new_empty(dy2d.shape[1:], dtype=dtype)
 
