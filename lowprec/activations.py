@@ -73,10 +73,14 @@ class Activation(NamedTuple):
     backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     gated: bool
     code: int
+    #: ``backward`` is one ATen op that computes in fp32 from bf16/fp16 operands and rounds
+    #: once: on such operands it gives ``backward`` of their fp32 values rounded to their
+    #: dtype, bit for bit, without writing fp32 copies (``activation_grad``)
+    one_op_grad: bool = False
 
 
-def _plain(name: str, fwd, back, code: int) -> Activation:
-    return Activation(name, fwd, back, False, code)
+def _plain(name: str, fwd, back, code: int, one_op_grad: bool = False) -> Activation:
+    return Activation(name, fwd, back, False, code, one_op_grad)
 
 
 def _gated(name: str, base: Activation, code: int) -> Activation:
@@ -84,13 +88,13 @@ def _gated(name: str, base: Activation, code: int) -> Activation:
                       functools.partial(_gated_backward, base.forward, base.backward), True, code)
 
 
-_GELU = _plain("gelu", _gelu, _gelu_grad, 10)
-_SILU = _plain("silu", F.silu, _aten.silu_backward, 12)
+_GELU = _plain("gelu", _gelu, _gelu_grad, 10, one_op_grad=True)
+_SILU = _plain("silu", F.silu, _aten.silu_backward, 12, one_op_grad=True)
 
 #: name -> :class:`Activation`, the one table of activations.
 REGISTRY: dict[str, Activation] = {a.name: a for a in (
     _GELU,
-    _plain("relu", F.relu, _relu_grad, 11),
+    _plain("relu", F.relu, _relu_grad, 11, one_op_grad=True),
     _SILU,
     _plain("srelu", _srelu, _srelu_grad, 13),
     _plain("qgelu", _qgelu, _qgelu_grad, 14),
@@ -110,4 +114,13 @@ def activation_grad_fp32(name: str, x: torch.Tensor, g: torch.Tensor) -> torch.T
     return REGISTRY[name].backward(g.float(), x.float())
 
 
-__all__ = ["Activation", "REGISTRY", "activation_fp32", "activation_grad_fp32"]
+def activation_grad(name: str, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``activation_grad_fp32(name, x, g)`` rounded once to x's dtype; for a one-op
+    gradient with ``g`` in x's dtype, that op run on them directly (the same bits)."""
+    act = REGISTRY[name]
+    if act.one_op_grad and g.dtype == x.dtype:
+        return act.backward(g, x)
+    return activation_grad_fp32(name, x, g).to(x.dtype)
+
+
+__all__ = ["Activation", "REGISTRY", "activation_fp32", "activation_grad", "activation_grad_fp32"]

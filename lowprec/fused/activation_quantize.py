@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from ..activations import activation_grad_fp32
+from ..activations import activation_grad
 from ..formats.base import QuantizedTensor
 from .prologue import Prologue, activation_prologue, apply_prologue_with_amax
 
 
 def activation_backward(name: str, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """d activation(h) / dh applied to ``g``, in h's dtype (computed in fp32)."""
-    return activation_grad_fp32(name, h, g).to(h.dtype)
+    return activation_grad(name, h, g)
 
 
 class _ActivationQuantize(torch.autograd.Function):

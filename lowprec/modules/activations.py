@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from ..activations import REGISTRY, activation_fp32, activation_grad_fp32
+from ..activations import REGISTRY, activation_fp32, activation_grad
 
 
 class _Activation(torch.autograd.Function):
@@ -26,7 +26,7 @@ class _Activation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
-        return activation_grad_fp32(ctx.name, x, g).to(x.dtype), None
+        return activation_grad(ctx.name, x, g), None
 
 
 def apply_activation(name: str, x: torch.Tensor) -> torch.Tensor:
