@@ -37,6 +37,8 @@ class RunInfo:
     emulated: bool
     backends: list
     compiled: bool = False
+    #: compiled with CUDA graphs (mode "reduce-overhead")
+    cuda_graphs: bool = False
     #: peak learning rate and warm-up steps the runs used (None: not known), for the
     #: suggested fix when a run is unstable
     lr: float | None = None
@@ -486,9 +488,10 @@ def notes(info: RunInfo, results: list[RunResult]) -> list[str]:
     else:
         out.append(f"Native GEMM backends available: {', '.join(info.backends)}; formats without "
                    f"one run through the exact emulation.")
-    out.append("Every recipe's model, bf16 included, ran under torch.compile (the first step, "
-               "which compiles, and the last, which measures SQNR eagerly, are left out of the "
-               "step time)." if info.compiled else
+    graphs = " with CUDA graphs (mode 'reduce-overhead')" if info.cuda_graphs else ""
+    out.append(f"Every recipe's model, bf16 included, ran under torch.compile{graphs} (the "
+               "first step, which compiles, and the last, which measures SQNR eagerly, are "
+               "left out of the step time)." if info.compiled else
                "Every recipe's model, bf16 included, ran eagerly (--no-compile).")
     out.append("Held-out loss: mean over fixed held-out batches, evaluated with each recipe's own "
                "quantized forward. The delta's ± is the paired standard error over those "

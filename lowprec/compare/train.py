@@ -89,6 +89,8 @@ class TrainSettings:
     warmup_frac: float = 0.1
     #: run the training forward through torch.compile (every recipe alike)
     compile: bool = False
+    #: compile in mode "reduce-overhead" (CUDA graphs; the same numbers, no host time)
+    cuda_graphs: bool = False
     #: learning-rate warm-up in steps (0: none); None: the default rule of warmup_steps()
     warmup: int | None = None
 
@@ -171,7 +173,8 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
     probe = SQNRProbe(model)
     # The SQNR probe and the saved-tensor meter of the last step hook the eager modules;
     # that step runs eagerly.
-    forward = torch.compile(model) if settings.compile else model
+    forward = (torch.compile(model, mode="reduce-overhead" if settings.cuda_graphs else None)
+               if settings.compile else model)
     base_wall = base_cpu = 0.0  # time spent in the saved part of a resumed run
     try:
         first = 1

@@ -1,16 +1,16 @@
 """The norm and the activation of LayerNormLinear/LayerNormMLP as ``torch.compile`` sees
-them: ops around eager's own computation, so the traced linear after them
+them: one op each way around eager's own computation, so the traced linear after them
 (``lowprec.linear.traced``) quantizes the values eager quantizes.
 
 Eager mode hands a GEMM its input through a fused kernel where the quantizer takes one
-(``lowprec.fused``); that kernel quantizes exactly what ``apply_prologue`` writes out. The
-compiled form therefore writes the prologue's output with eager's kernels there
-(``kernel=True``), as ``triton_op``s that inductor launches from its own code, and the
+(``lowprec.fused``): that kernel quantizes exactly what ``apply_prologue`` writes out, so
+the compiled form writes the prologue's output with that kernel (``kernel=True``) and the
 traced quantize reads it. Elsewhere (no Triton, a norm output the caller returns, no
-kernel for the activation) it is one op around the unfused fp32 math of
-``norm_math``/``activations``. The backward ops are the functions both eager forms run.
-Inductor cannot fuse the norm into its neighbours this way; what the call gains is its
-host steps.
+kernel for the activation) it is the unfused fp32 math of ``norm_math``/``activations``.
+The backward ops are the functions both eager forms run. Inductor cannot fuse the norm
+into its neighbours this way; what it gains is every host step of the call. The kernel
+form stays an op around eager's launch rather than a ``triton_op``: launched from
+inductor's code, the same kernels gave other bits for some inputs (H100, Triton 3.6).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import torch
 from ..activations import REGISTRY, activation_fp32, activation_grad
 from ..autocast import torch_autocast_dtype
 from ..kernels import graph_op, use_kernels
-from ..kernels.launch import launch_in_graph
 from .norm_math import norm_backward, norm_fp32, norm_gamma
-from .prologue import activation_prologue, launch_apply, launch_norm_stats, norm_prologue
+from .prologue import activation_prologue, apply_prologue, norm_prologue, norm_stats
 
 
 def producer_kernel(x: torch.Tensor) -> bool:
@@ -38,39 +37,26 @@ def _none(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the norm ---------------------------------------------------------------------------------
-@torch.library.triton_op("lowprec::graph_norm_kernel", mutates_args=())
-def _norm_kernel_op(x2d: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
-                    rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(norm output in x's dtype, fp32 (M,) mean (zeros for RMSNorm), fp32 (M,) rstd) of a
-    contiguous ``x2d`` from the fused path's kernels (``norm_quantize._NormQuantize``'s
-    statistics, then the prologue written out): a ``triton_op``, which inductor launches
-    from its own code (no op dispatch, no Python launcher per call)."""
-    m = x2d.shape[0]
-    f32 = dict(dtype=torch.float32, device=x2d.device)
-    mean = torch.zeros(m, **f32) if rms else torch.empty(m, **f32)
-    rstd = torch.empty(m, **f32)
-    unused = torch.empty(1, dtype=torch.int32, device=x2d.device)  # no amax asked for
-    launch_norm_stats(x2d, mean, rstd, gamma, beta, unused, eps, rms, False, launch_in_graph)
-    y = torch.empty_like(x2d)
-    pro = norm_prologue("RMSNorm" if rms else "LayerNorm", None if rms else mean, rstd, gamma,
-                        beta)
-    launch_apply(x2d, y, unused, pro.code, pro.kernel_tensors(), False, launch_in_graph)
-    return y, mean, rstd
-
-
 @graph_op("graph_norm")
 def _norm_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rms: bool,
-             eps: float, zero_centered_gamma: bool
+             eps: float, zero_centered_gamma: bool, kernel: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_norm_kernel_op``'s outputs from the unfused fp32 math (``norms.apply_norm``)."""
+    """(norm output in x's dtype, fp32 (M,) mean (zeros for RMSNorm), fp32 (M,) rstd)."""
     m = x2d.shape[0]
+    if kernel:  # as ``norm_quantize._NormQuantize`` computes it
+        gamma = (weight.float() + 1 if zero_centered_gamma else weight).contiguous()
+        x2d = x2d.contiguous()
+        mean, rstd, _ = norm_stats(x2d, gamma, gamma if bias is None else bias, eps, rms, False)
+        pro = norm_prologue("RMSNorm" if rms else "LayerNorm", None if rms else mean, rstd,
+                            gamma, bias)
+        return apply_prologue(x2d, pro), mean, rstd
     y, mean, rstd = norm_fp32(x2d, rms, norm_gamma(weight, zero_centered_gamma), bias, eps)
     mean = rstd.new_zeros(m) if mean is None else mean.reshape(m)
     return y.to(x2d.dtype), mean, rstd.reshape(m)
 
 
 @torch.library.register_fake("lowprec::graph_norm")
-def _(x2d, weight, bias, rms, eps, zero_centered_gamma):
+def _(x2d, weight, bias, rms, eps, zero_centered_gamma, kernel):
     m = x2d.shape[0]
     return (torch.empty_like(x2d), x2d.new_empty((m,), dtype=torch.float32),
             x2d.new_empty((m,), dtype=torch.float32))
@@ -101,13 +87,7 @@ class _GraphNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, rms, eps, zero_centered_gamma, kernel):
         x2d = x.reshape(-1, x.shape[-1])
-        if kernel:
-            # the kernels read gamma in fp32 as they load it; weight + 1 formed in fp32
-            gamma = (weight.float() + 1 if zero_centered_gamma else weight).contiguous()
-            y, mean, rstd = _norm_kernel_op(x2d.contiguous(), gamma,
-                                            gamma if bias is None else bias, eps, rms)
-        else:
-            y, mean, rstd = _norm_op(x2d, weight, bias, rms, eps, zero_centered_gamma)
+        y, mean, rstd = _norm_op(x2d, weight, bias, rms, eps, zero_centered_gamma, kernel)
         ctx.save_for_backward(x2d, weight, bias, mean, rstd)
         ctx.rms, ctx.zero_centered_gamma, ctx.x_shape = rms, zero_centered_gamma, x.shape
         return y.view(x.shape)
@@ -134,26 +114,17 @@ def graph_norm(module, x: torch.Tensor, *, kernel: bool) -> torch.Tensor:
 
 
 # ---- the activation ---------------------------------------------------------------------------
-@torch.library.triton_op("lowprec::graph_activation_kernel", mutates_args=())
-def _activation_kernel_op(h2d: torch.Tensor, code: int) -> torch.Tensor:
-    """The fused kernels' prologue ``code`` of ``h2d`` written out in h's dtype (a
-    ``triton_op``, as ``_norm_kernel_op``)."""
-    m, k = h2d.shape
-    out = h2d.new_empty((m, k // 2 if code >= 20 else k))  # gated codes halve the width
-    unused = torch.empty(1, dtype=torch.int32, device=h2d.device)
-    launch_apply(h2d, out, unused, code, [], False, launch_in_graph)
-    return out
-
-
 @graph_op("graph_activation")
-def _activation_op(h2d: torch.Tensor, name: str) -> torch.Tensor:
-    """``activation(h2d)`` in h's dtype: the registry's fp32 math rounded once
-    (``modules.activations``)."""
+def _activation_op(h2d: torch.Tensor, name: str, kernel: bool) -> torch.Tensor:
+    """``activation(h2d)`` in h's dtype: the fused kernels' prologue with ``kernel``, else
+    the registry's fp32 math rounded once (``modules.activations``)."""
+    if kernel:
+        return apply_prologue(h2d.contiguous(), activation_prologue(name))
     return activation_fp32(name, h2d).to(h2d.dtype)
 
 
 @torch.library.register_fake("lowprec::graph_activation")
-def _(h2d, name):
+def _(h2d, name, kernel):
     k = h2d.shape[1]
     return h2d.new_empty((h2d.shape[0], k // 2 if REGISTRY[name].gated else k))
 
@@ -173,8 +144,7 @@ class _GraphActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, name, kernel):
         h2d = h.reshape(-1, h.shape[-1])
-        a = (_activation_kernel_op(h2d.contiguous(), activation_prologue(name).code) if kernel
-             else _activation_op(h2d, name))
+        a = _activation_op(h2d, name, kernel)
         ctx.save_for_backward(h2d)
         ctx.name, ctx.h_shape = name, h.shape
         return a.view(*h.shape[:-1], a.shape[-1])

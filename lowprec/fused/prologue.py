@@ -73,26 +73,19 @@ def norm_stats(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: fl
     zeros for RMSNorm) and, with ``want_amax``, the int32 bit pattern of the normalized
     output's amax (else 0). ``beta`` is ignored for RMSNorm."""
     from ..kernels.grid import device_guard
-    m = x.shape[0]
+    from ..kernels.prologue import norm_stats_kernel
+    m, k = x.shape
     mean = torch.zeros(m, dtype=torch.float32, device=x.device) if rms else \
         torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
-    with device_guard(x.device):
-        launch_norm_stats(x, mean, rstd, gamma, beta, amax, eps, rms, want_amax, launch)
-    return mean, rstd, amax
-
-
-def launch_norm_stats(x, mean, rstd, gamma, beta, amax, eps: float, rms: bool,
-                      want_amax: bool, run) -> None:
-    """The statistics kernel into the given outputs, launched by ``run`` (``launch``, or
-    ``launch_in_graph`` in a ``triton_op``)."""
-    from ..kernels.prologue import norm_stats_kernel
-    m, k = x.shape
     bk = min(4096, max(16, 1 << (k - 1).bit_length()))
     br = max(1, 2048 // bk)
-    run(norm_stats_kernel, (_cdiv(m, br),), x, mean, rstd, gamma, beta, amax, m, k,
-        x.stride(0), eps, RMS=rms, WANT_AMAX=want_amax, BR=br, BK=bk, num_warps=4)
+    with device_guard(x.device):
+        launch(norm_stats_kernel, (_cdiv(m, br),), x, mean, rstd, gamma, beta, amax, m, k,
+               x.stride(0), eps, RMS=rms, WANT_AMAX=want_amax, BR=br, BK=bk,
+               num_warps=4)
+    return mean, rstd, amax
 
 
 @norm_stats.register_fake
@@ -106,24 +99,18 @@ def _(x, gamma, beta, eps, rms, want_amax):
 @kernel_op("lowprec::apply_prologue", mutates_args=())
 def _apply_op(x: torch.Tensor, code: int, p: list[torch.Tensor], k_out: int, want_amax: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..kernels.grid import device_guard
-    out = torch.empty((x.shape[0], k_out), dtype=x.dtype, device=x.device)
-    amax = torch.zeros(1, dtype=torch.int32, device=x.device)
-    with device_guard(x.device):
-        launch_apply(x, out, amax, code, p, want_amax, launch)
-    return out, amax
-
-
-def launch_apply(x, out, amax, code: int, p: list, want_amax: bool, run) -> None:
-    """The prologue kernel writing ``code``'s output of ``x`` into ``out``, launched by
-    ``run`` (as ``launch_norm_stats``)."""
-    from ..kernels.grid import prologue_args
+    from ..kernels.grid import device_guard, prologue_args
     from ..kernels.prologue import apply_kernel
-    m, k_out = out.shape
+    m = x.shape[0]
+    out = torch.empty((m, k_out), dtype=x.dtype, device=x.device)
+    amax = torch.zeros(1, dtype=torch.int32, device=x.device)
     bm, bn = 32, 128
-    run(apply_kernel, (_cdiv(m, bm), _cdiv(k_out, bn)), x, out, amax, m, k_out, x.stride(0),
-        x.stride(1), *prologue_args(x, p), PRO=code, WANT_AMAX=want_amax, BM=bm, BN=bn,
-        num_warps=4)
+    with device_guard(x.device):
+        launch(apply_kernel, (_cdiv(m, bm), _cdiv(k_out, bn)), x, out, amax, m, k_out, x.stride(0),
+               x.stride(1), *prologue_args(x, p),
+               PRO=code, WANT_AMAX=want_amax,
+               BM=bm, BN=bn, num_warps=4)
+    return out, amax
 
 
 @_apply_op.register_fake

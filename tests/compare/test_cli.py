@@ -379,6 +379,9 @@ def test_bad_options(tmp_path, capsys):
     assert code == 2 and "--steps" in err
     code, _, err = run_cli(["--model", "enormous", "--out", str(tmp_path)], capsys)
     assert code == 2 and "enormous" in err and "not a preset" in err
+    code, _, err = run_cli(["--model", "tiny", "--device", "cpu", "--cuda-graphs",
+                            "--out", str(tmp_path)], capsys)
+    assert code == 2 and "--cuda-graphs" in err and "cpu" in err
 
 
 def test_nan_loss_stops_that_run_and_the_others_continue(tmp_path, capsys):
