@@ -164,7 +164,8 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
              else GPT(cfg, dtype=torch.bfloat16, device=device))
     params = [p for p in model.parameters() if p.requires_grad]
     master = [p.detach().float().clone().requires_grad_(True) for p in params]
-    opt = torch.optim.AdamW(master, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(master, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0,
+                            fused=device.type == "cuda")
     # Checkpoint weights are the same for every seed: the reseeded noise-floor run draws
     # its batches in another order instead.
     batch_seed = settings.seed + (spec.init_seed_offset if source is not None
@@ -206,18 +207,6 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
                                        y.reshape(-1)) / grad_accum
                 loss.backward()
                 losses.append(loss.detach())
-            # read once, after the backward: a read between forward and backward would make
-            # the host wait for the forward before it queues the backward's kernels
-            loss_value = sum(torch.stack(losses).tolist(), 0.0)
-            if not math.isfinite(loss_value):
-                _sync(device)
-                ms = (time.perf_counter() - t0) * 1e3
-                result.steps.append(StepRecord(step, loss_value, tokens / (ms / 1e3), ms))
-                result.status = "nan"
-                result.status_detail = f"loss became {loss_value} at step {step}; run stopped"
-                if progress is not None:
-                    progress.update(step, loss_value, ms, note="NaN: stopped")
-                break
             for p, m in zip(params, master):
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
@@ -228,6 +217,19 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
             opt.zero_grad(set_to_none=True)
             with torch.no_grad():
                 torch._foreach_copy_(params, master)
+            # Read once, after the update is queued: a read between forward and backward, or
+            # before the update, would leave the GPU idle while the host queues the next
+            # kernels. A non-finite loss stops the run here; the update it made is never used.
+            loss_value = sum(torch.stack(losses).tolist(), 0.0)
+            if not math.isfinite(loss_value):
+                _sync(device)
+                ms = (time.perf_counter() - t0) * 1e3
+                result.steps.append(StepRecord(step, loss_value, tokens / (ms / 1e3), ms))
+                result.status = "nan"
+                result.status_detail = f"loss became {loss_value} at step {step}; run stopped"
+                if progress is not None:
+                    progress.update(step, loss_value, ms, note="NaN: stopped")
+                break
             _sync(device)
             ms = (time.perf_counter() - t0) * 1e3
             if last:
