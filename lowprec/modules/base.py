@@ -288,6 +288,15 @@ class LowprecModule(CompiledCallMixin, nn.Module):
                 return None
         return recipe
 
+    def traced_states_for(self, recipe) -> tuple[bool, tuple | None]:
+        """(traceable, delayed): the delayed-scaling states a traced call under ``recipe``
+        records into (:meth:`traced_delayed_states`; None for other recipes), and whether
+        the call may trace at all (not where a delayed-scaling call stays opaque)."""
+        if not isinstance(recipe, DelayedScaling):
+            return True, None
+        delayed = self.traced_delayed_states(recipe)
+        return delayed is not None, delayed
+
     def traced_delayed_states(self, recipe):
         """(forward, backward ``DelayedScalingState``, module handle or None) a traced
         training call under ``recipe`` records into; the forward state joins the region's

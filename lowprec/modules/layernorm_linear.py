@@ -10,7 +10,6 @@ from ..compiled_call import compiled_as_one_op
 from ..fused.graph import graph_norm, producer_kernel
 from ..linear import traced
 from ..linear.function import quantized_linear
-from ..recipe import DelayedScaling
 from . import tensor_parallel as tpar
 from .base import LowprecModule, add_linear_params, release_fprop_copy
 from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params
@@ -71,11 +70,9 @@ class LayerNormLinear(LowprecModule):
         if (recipe is None or torch_autocast_dtype(x) is not None
                 or traced.plan_for(recipe, x, self.weight, self.bias) is None):
             return NotImplemented
-        delayed = None
-        if isinstance(recipe, DelayedScaling):
-            delayed = self.traced_delayed_states(recipe)
-            if delayed is None:
-                return NotImplemented
+        traceable, delayed = self.traced_states_for(recipe)
+        if not traceable:
+            return NotImplemented
         # eager fuses the norm into the quantize unless it returns the norm output
         ln = graph_norm(self, x, kernel=not self.return_layernorm_output
                         and producer_kernel(x))

@@ -10,7 +10,6 @@ from ..checkpoint import current_frame
 from ..compiled_call import compiled_as_one_op
 from ..linear import traced
 from ..linear.function import quantized_linear
-from ..recipe import DelayedScaling
 from . import tensor_parallel as tpar
 from .base import LowprecModule, add_linear_params
 
@@ -69,11 +68,9 @@ class Linear(LowprecModule):
         recipe = self.traced_call_recipe(x, self.weight)
         if recipe is None:
             return NotImplemented
-        delayed = None
-        if isinstance(recipe, DelayedScaling):
-            delayed = self.traced_delayed_states(recipe)
-            if delayed is None:
-                return NotImplemented
+        traceable, delayed = self.traced_states_for(recipe)
+        if not traceable:
+            return NotImplemented
         return traced.traced_linear(recipe, x, self.weight, self.bias, delayed)
 
     @compiled_as_one_op
