@@ -1,0 +1,200 @@
+"""AdamW whose training state can be smaller than fp32: bf16 moments, and bf16 weights with
+no fp32 master copy, both kept unbiased by stochastic rounding.
+
+Plain bf16 state does not train like fp32 state under round-to-nearest: the second moment
+decays by ``1 - beta2`` (0.1%) a step, less than half a bf16 unit (0.4%), so a decaying
+value rounds back to where it was and sticks; an update smaller than half a unit of a
+bf16 weight is lost the same way. Stochastic rounding (``rounding``) makes each stored
+value its exact fp32 value on average, so small decays and updates accumulate.
+
+The step is computed in fp32 with torch's AdamW arithmetic, op for op, with multi-tensor
+(``torch._foreach``) ops over every parameter of a dtype and state layout at once; with
+fp32 state it equals ``torch.optim.AdamW`` bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.base import QuantizedTensor
+from .rounding import round_to_bf16_stochastic, stream_key
+
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+MASTER_WEIGHTS = ("fp32", "stochastic", None)
+#: tensor ids of the random streams: three per parameter (exp_avg, exp_avg_sq, weight)
+_STREAMS = 3
+
+
+class AdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW`` (decoupled weight decay) with the state's precision chosen.
+
+    ``exp_avg_dtype`` / ``exp_avg_sq_dtype``: ``torch.float32`` or ``torch.bfloat16``
+    (stored with stochastic rounding). ``master_weights`` for bf16/fp16 parameters:
+    ``"fp32"`` keeps an fp32 copy that the step updates and the parameter is rounded from
+    (to nearest); ``"stochastic"`` keeps none and updates a bf16 parameter in place with
+    stochastic rounding; ``None`` keeps none and rounds to nearest (what a bf16 model under
+    a plain fp32-math optimizer gets). fp32 parameters are their own master in every mode.
+    ``seed`` fixes the random bits of the stochastic roundings: a step's bits depend on
+    (seed, step, parameter, element) only, so a resumed run repeats an uninterrupted one.
+
+    Bytes of persistent state per parameter of a bf16 model (gradients not counted):
+    fp32 moments with fp32 masters 2 + 4 + 8 = 14; bf16 moments with fp32 masters 10;
+    bf16 moments, ``master_weights="stochastic"`` 6.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
+                 amsgrad: bool = False, exp_avg_dtype: torch.dtype = torch.float32,
+                 exp_avg_sq_dtype: torch.dtype = torch.float32,
+                 master_weights: str | None = "fp32", seed: int = 0) -> None:
+        if amsgrad:
+            raise ValueError("lowprec.optim.AdamW: amsgrad=True is not supported (it keeps a "
+                             "running maximum of exp_avg_sq); use torch.optim.AdamW for it")
+        for name, dtype in (("exp_avg_dtype", exp_avg_dtype),
+                            ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
+            if dtype not in MOMENT_DTYPES:
+                raise ValueError(f"lowprec.optim.AdamW: {name}={dtype}; use one of "
+                                 f"{[str(d) for d in MOMENT_DTYPES]}")
+        if master_weights not in MASTER_WEIGHTS:
+            raise ValueError(f"lowprec.optim.AdamW: master_weights={master_weights!r}; use one "
+                             f"of {MASTER_WEIGHTS}")
+        if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay:
+            raise ValueError(f"lowprec.optim.AdamW: lr={lr}, eps={eps} and "
+                             f"weight_decay={weight_decay} must be >= 0")
+        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+            raise ValueError(f"lowprec.optim.AdamW: betas={betas}; two values in [0, 1)")
+        if type(seed) is not int:
+            raise TypeError(f"lowprec.optim.AdamW: seed={seed!r}; an int")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        maximize=maximize, exp_avg_dtype=exp_avg_dtype,
+                        exp_avg_sq_dtype=exp_avg_sq_dtype, master_weights=master_weights,
+                        seed=seed)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            _check_group(group)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step over every parameter with a gradient; returns ``closure()``'s
+        loss where given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = 0
+        for group in self.param_groups:
+            batches: dict[tuple, list] = {}
+            for p in group["params"]:
+                pid, index = index, index + 1
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    _init_state(st, p, group)
+                st["step"] += 1
+                key = (p.device, p.dtype, st["exp_avg"].dtype, st["exp_avg_sq"].dtype,
+                       "master" in st)
+                batches.setdefault(key, []).append((pid, p, st))
+            for items in batches.values():
+                _step_batch(items, group)
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, keeping each state tensor's dtype (the
+        base class casts floating-point state to its parameter's dtype, which would round
+        an fp32 master to a bf16 parameter's precision)."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            for pid, p in zip(saved_group["params"], group["params"]):
+                for k, v in saved.get(pid, {}).items():
+                    if isinstance(v, torch.Tensor) and k != "step":
+                        self.state[p][k] = v.to(device=p.device, copy=True)
+
+
+def _check_group(group: dict) -> None:
+    for p in group["params"]:
+        if isinstance(p, QuantizedTensor):
+            raise TypeError("lowprec.optim.AdamW does not take quantized weights "
+                            "(quantized_model_init); train them with "
+                            "lowprec.optim.QuantizedWeightOptimizer(model, lowprec.optim.AdamW, "
+                            "...)")
+        if type(p) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(f"lowprec.optim.AdamW takes plain tensors; got a "
+                            f"{type(p).__name__} parameter")
+        if not p.is_floating_point():
+            raise TypeError(f"lowprec.optim.AdamW: a {p.dtype} parameter cannot be trained")
+        low = p.dtype in (torch.bfloat16, torch.float16)
+        if group["master_weights"] == "stochastic" and p.dtype == torch.float16:
+            raise ValueError("lowprec.optim.AdamW: master_weights='stochastic' rounds to "
+                             "bf16; an fp16 parameter needs master_weights='fp32' or None")
+        if not low and p.dtype != torch.float32:
+            raise TypeError(f"lowprec.optim.AdamW: {p.dtype} parameters are not supported "
+                            f"(the step computes in fp32); use fp32, bf16 or fp16")
+
+
+def _init_state(st: dict, p: torch.Tensor, group: dict) -> None:
+    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+    st["exp_avg"] = torch.zeros_like(p, dtype=group["exp_avg_dtype"],
+                                     memory_format=torch.preserve_format)
+    st["exp_avg_sq"] = torch.zeros_like(p, dtype=group["exp_avg_sq_dtype"],
+                                        memory_format=torch.preserve_format)
+    if group["master_weights"] == "fp32" and p.dtype in (torch.bfloat16, torch.float16):
+        st["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
+
+
+def _fp32(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 working copies (the tensors themselves where already fp32)."""
+    return [t if t.dtype == torch.float32 else t.float() for t in ts]
+
+
+def _store(dst: list[torch.Tensor], src: list[torch.Tensor], keys: list[int],
+           stochastic: bool) -> None:
+    """Write fp32 ``src`` into ``dst`` in place: nothing to do where they are the same
+    tensor, bf16 with stochastic rounding where asked, else rounded to nearest."""
+    for d, s, k in zip(dst, src, keys):
+        if d is s:
+            continue
+        if stochastic and d.dtype == torch.bfloat16:
+            d.copy_(round_to_bf16_stochastic(s, k))
+        else:
+            d.copy_(s)
+
+
+def _step_batch(items: list, group: dict) -> None:
+    """The step of parameters sharing device, dtype and state layout, in fp32, with
+    torch's AdamW arithmetic in torch's order (``torch.optim.adamw._single_tensor_adamw``)."""
+    lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+    pids = [i for i, _, _ in items]
+    params = [p for _, p, _ in items]
+    states = [st for _, _, st in items]
+    grads = [p.grad for p in params]
+    if group["maximize"]:
+        grads = torch._foreach_neg(grads)
+    steps = [int(st["step"].item()) for st in states]  # CPU tensors: no device sync
+    has_master = "master" in states[0]
+    weights = [st["master"] for st in states] if has_master else _fp32(params)
+    g32 = _fp32(grads)
+    m32 = _fp32([st["exp_avg"] for st in states])
+    v32 = _fp32([st["exp_avg_sq"] for st in states])
+    if group["weight_decay"] != 0:
+        torch._foreach_mul_(weights, 1 - lr * group["weight_decay"])
+    torch._foreach_lerp_(m32, g32, 1 - beta1)
+    torch._foreach_mul_(v32, beta2)
+    torch._foreach_addcmul_(v32, g32, g32, 1 - beta2)
+    step_sizes = [-(lr / (1 - beta1 ** s)) for s in steps]
+    bc2_sqrt = [(1 - beta2 ** s) ** 0.5 for s in steps]
+    denom = torch._foreach_sqrt(v32)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(weights, m32, denom, step_sizes)
+    seed = group["seed"]
+    keys = [[stream_key(seed, s, _STREAMS * pid + j) for pid, s in zip(pids, steps)]
+            for j in range(_STREAMS)]
+    _store([st["exp_avg"] for st in states], m32, keys[0], True)
+    _store([st["exp_avg_sq"] for st in states], v32, keys[1], True)
+    _store(params, weights, keys[2], group["master_weights"] == "stochastic")
