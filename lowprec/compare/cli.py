@@ -28,8 +28,10 @@ from .recipes import (
     check_backward_mode,
     load_recipe_file,
     noise_floor_spec,
+    parse_optim_states,
     parse_recipe_names,
     validate_recipe,
+    with_optim_states,
 )
 from .resume import (
     CHECKPOINT_DIR,
@@ -111,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="run every recipe's training forward through torch.compile (default: "
                         "on for CUDA, off for CPU)")
+    p.add_argument("--optim-states", default="fp32", metavar="NAMES",
+                   help="optimizer-state variants to run every recipe under too, comma-"
+                        "separated: fp32 (torch AdamW over fp32 masters, every run's "
+                        "default), bf16 (bf16 moments), bf16-sr (bf16 moments and bf16 "
+                        "weights with stochastic rounding, no masters); e.g. fp32,bf16-sr")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="with --compile on CUDA: compile in mode='reduce-overhead', so CUDA "
                         "graphs replay each step's kernels and the step time is the GPU's, "
@@ -193,6 +200,12 @@ def resolve_recipes(args, files: dict | None = None) -> list:
         specs.append(spec)
         if files is not None:
             files[spec.name] = item.rpartition(":")[0]
+    specs = with_optim_states(specs, parse_optim_states(args.optim_states))
+    if files is not None:  # a recipe file's variants come from the same file
+        for spec in specs:
+            base = spec.name.partition("+")[0]
+            if spec.name not in files and base in files:
+                files[spec.name] = files[base]
     return specs
 
 

@@ -58,6 +58,48 @@ class RecipeSpec:
     recipe: Recipe | None
     description: str
     init_seed_offset: int = 0  # initial weights from seed + offset (the noise-floor run)
+    #: the optimizer's state: a key of OPTIM_STATES
+    optim_states: str = "fp32"
+
+
+#: ``--optim-states`` variants: name -> (lowprec.optim.AdamW settings, description); "fp32"
+#: is every run's default (torch's AdamW over fp32 master copies)
+OPTIM_STATES: dict[str, tuple[dict, str]] = {
+    "fp32": ({}, "fp32 moments and fp32 master weights"),
+    "bf16": (dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
+                  master_weights="fp32"),
+             "bf16 moments (stochastic rounding), fp32 master weights: 10 bytes a parameter"),
+    "bf16-sr": (dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
+                     master_weights="stochastic"),
+                "bf16 moments and bf16 weights updated with stochastic rounding, no master "
+                "copy: 6 bytes a parameter"),
+}
+
+
+def parse_optim_states(text: str) -> list[str]:
+    """The ``--optim-states`` names, in order, each once; every name must be known."""
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in OPTIM_STATES]
+    if not names or unknown:
+        raise RecipeError(f"--optim-states {text!r}: use names from "
+                          f"{', '.join(OPTIM_STATES)}")
+    return names
+
+
+def with_optim_states(specs: list, names: list[str]) -> list:
+    """``specs`` (their optimizer state fp32), then each of them again under every other
+    state in ``names`` (the noise-floor run excepted), named ``<run>+<state>``."""
+    out = list(specs)
+    for state in names:
+        if state == "fp32":
+            continue
+        for spec in specs:
+            if spec.name == NOISE_FLOOR:
+                continue
+            out.append(RecipeSpec(f"{spec.name}+{state}", spec.recipe,
+                                  f"{spec.description}; optimizer: "
+                                  f"{OPTIM_STATES[state][1]}", spec.init_seed_offset, state))
+    return out
 
 
 def parse_recipe_names(text: str) -> list[str]:

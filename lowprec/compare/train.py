@@ -2,7 +2,9 @@
 
 The model's parameters are bf16 (what the GEMMs read); AdamW updates fp32 master
 copies and writes them back each step, as mixed-precision training does, so a
-recipe's effect is not hidden under bf16 update rounding. ``bf16`` runs the model
+recipe's effect is not hidden under bf16 update rounding (``--optim-states`` variants
+run ``lowprec.optim.AdamW`` on the bf16 parameters instead, with the state precision
+they name). ``bf16`` runs the model
 without lowprec autocast; every other recipe runs its forward under
 ``lowprec.autocast(recipe=...)``.
 """
@@ -19,11 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from ..autocast import autocast
+from ..optim import AdamW as LowprecAdamW
 from .data import Batches, Corpus
 from .model import GPT, ModelConfig
 from .probe import SavedTensorMeter, SQNRProbe, SQNRRecord
 from .progress import Progress
-from .recipes import RecipeSpec
+from .recipes import OPTIM_STATES, RecipeSpec
 from .user_model import ModelSource, logits_of
 
 if TYPE_CHECKING:  # resume imports this module
@@ -163,9 +166,14 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
     model = (source.build(device) if source is not None
              else GPT(cfg, dtype=torch.bfloat16, device=device))
     params = [p for p in model.parameters() if p.requires_grad]
-    master = [p.detach().float().clone().requires_grad_(True) for p in params]
-    opt = torch.optim.AdamW(master, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0,
-                            fused=device.type == "cuda")
+    adam = dict(lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if spec.optim_states == "fp32":
+        master = [p.detach().float().clone().requires_grad_(True) for p in params]
+        opt = torch.optim.AdamW(master, fused=device.type == "cuda", **adam)
+    else:  # the optimizer keeps its own state in the precision the variant names
+        master = []
+        opt = LowprecAdamW(params, seed=settings.seed, **adam,
+                           **OPTIM_STATES[spec.optim_states][0])
     # Checkpoint weights are the same for every seed: the reseeded noise-floor run draws
     # its batches in another order instead.
     batch_seed = settings.seed + (spec.init_seed_offset if source is not None
@@ -210,13 +218,14 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
             for p, m in zip(params, master):
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
-            torch.nn.utils.clip_grad_norm_(master, settings.grad_clip)
+            torch.nn.utils.clip_grad_norm_(master or params, settings.grad_clip)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, settings)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                torch._foreach_copy_(params, master)
+            if master:
+                with torch.no_grad():
+                    torch._foreach_copy_(params, master)
             # Read once, after the update is queued: a read between forward and backward, or
             # before the update, would leave the GPU idle while the host queues the next
             # kernels. A non-finite loss stops the run here; the update it made is never used.
