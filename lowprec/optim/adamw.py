@@ -15,6 +15,8 @@ fp32 state it equals ``torch.optim.AdamW`` bit for bit.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..formats.base import QuantizedTensor
 from .rounding import round_to_bf16_stochastic, stream_key
@@ -123,8 +125,14 @@ def _check_group(group: dict) -> None:
                             "(quantized_model_init); train them with "
                             "lowprec.optim.QuantizedWeightOptimizer(model, lowprec.optim.AdamW, "
                             "...)")
-        if type(p) not in (torch.Tensor, torch.nn.Parameter):
-            raise TypeError(f"lowprec.optim.AdamW takes plain tensors; got a "
+        if isinstance(p, DTensor):
+            if not all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0)
+                       for pl in p.placements):
+                raise TypeError(f"lowprec.optim.AdamW takes DTensor parameters sharded along "
+                                f"dim 0 or replicated (FSDP2's); got placements "
+                                f"{tuple(p.placements)}")
+        elif type(p) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(f"lowprec.optim.AdamW takes plain tensors and DTensors; got a "
                             f"{type(p).__name__} parameter")
         if not p.is_floating_point():
             raise TypeError(f"lowprec.optim.AdamW: a {p.dtype} parameter cannot be trained")
@@ -147,20 +155,35 @@ def _init_state(st: dict, p: torch.Tensor, group: dict) -> None:
         st["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: in-place ops write the DTensor), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _offset(p: torch.Tensor) -> int:
+    """The index in the whole tensor of the first element of ``p``'s local shard: 0 for a
+    plain or replicated tensor; rows before this rank's for one sharded along dim 0 (so a
+    stochastic rounding draws the same bits for an element on any number of ranks)."""
+    if not isinstance(p, DTensor) or p.dim() == 0:
+        return 0
+    _, start = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return start[0] * (p.numel() // p.shape[0] if p.shape[0] else 0)
+
+
 def _fp32(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     """fp32 working copies (the tensors themselves where already fp32)."""
     return [t if t.dtype == torch.float32 else t.float() for t in ts]
 
 
 def _store(dst: list[torch.Tensor], src: list[torch.Tensor], keys: list[int],
-           stochastic: bool) -> None:
+           offsets: list[int], stochastic: bool) -> None:
     """Write fp32 ``src`` into ``dst`` in place: nothing to do where they are the same
     tensor, bf16 with stochastic rounding where asked, else rounded to nearest."""
-    for d, s, k in zip(dst, src, keys):
+    for d, s, k, o in zip(dst, src, keys, offsets):
         if d is s:
             continue
         if stochastic and d.dtype == torch.bfloat16:
-            d.copy_(round_to_bf16_stochastic(s, k))
+            d.copy_(round_to_bf16_stochastic(s, k, o))
         else:
             d.copy_(s)
 
@@ -170,9 +193,11 @@ def _step_batch(items: list, group: dict) -> None:
     torch's AdamW arithmetic in torch's order (``torch.optim.adamw._single_tensor_adamw``)."""
     lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
     pids = [i for i, _, _ in items]
-    params = [p for _, p, _ in items]
-    states = [st for _, _, st in items]
-    grads = [p.grad for p in params]
+    offsets = [_offset(p) for _, p, _ in items]
+    # DTensors (FSDP2) step on their local shards
+    params = [_local(p) for _, p, _ in items]
+    states = [{k: _local(v) for k, v in st.items()} for _, _, st in items]
+    grads = [_local(p.grad) for _, p, _ in items]
     if group["maximize"]:
         grads = torch._foreach_neg(grads)
     steps = [int(st["step"].item()) for st in states]  # CPU tensors: no device sync
@@ -195,6 +220,6 @@ def _step_batch(items: list, group: dict) -> None:
     seed = group["seed"]
     keys = [[stream_key(seed, s, _STREAMS * pid + j) for pid, s in zip(pids, steps)]
             for j in range(_STREAMS)]
-    _store([st["exp_avg"] for st in states], m32, keys[0], True)
-    _store([st["exp_avg_sq"] for st in states], v32, keys[1], True)
-    _store(params, weights, keys[2], group["master_weights"] == "stochastic")
+    _store([st["exp_avg"] for st in states], m32, keys[0], offsets, True)
+    _store([st["exp_avg_sq"] for st in states], v32, keys[1], offsets, True)
+    _store(params, weights, keys[2], offsets, group["master_weights"] == "stochastic")
