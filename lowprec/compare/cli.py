@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer-state variants to run every recipe under too, comma-"
                         "separated: fp32 (torch AdamW over fp32 masters, every run's "
                         "default), bf16 (bf16 moments), bf16-sr (bf16 moments and bf16 "
-                        "weights with stochastic rounding, no masters); e.g. fp32,bf16-sr")
+                        "weights with stochastic rounding, no masters), fp8-sr (FP8 "
+                        "moments, bf16 weights, stochastic rounding); e.g. fp32,fp8-sr")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="with --compile on CUDA: compile in mode='reduce-overhead', so CUDA "
                         "graphs replay each step's kernels and the step time is the GPU's, "

@@ -19,9 +19,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..formats.base import QuantizedTensor
+from . import fp8_state
 from .rounding import round_to_bf16_stochastic, stream_key
 
-MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 MASTER_WEIGHTS = ("fp32", "stochastic", None)
 #: tensor ids of the random streams: three per parameter (exp_avg, exp_avg_sq, weight)
 _STREAMS = 3
@@ -98,8 +99,7 @@ class AdamW(torch.optim.Optimizer):
                 if not st:
                     _init_state(st, p, group)
                 st["step"] += 1
-                key = (p.device, p.dtype, st["exp_avg"].dtype, st["exp_avg_sq"].dtype,
-                       "master" in st)
+                key = (p.device, p.dtype, tuple(sorted(st)))
                 batches.setdefault(key, []).append((pid, p, st))
             for items in batches.values():
                 _step_batch(items, group)
@@ -147,12 +147,52 @@ def _check_group(group: dict) -> None:
 
 def _init_state(st: dict, p: torch.Tensor, group: dict) -> None:
     st["step"] = torch.tensor(0.0, dtype=torch.float32)
-    st["exp_avg"] = torch.zeros_like(p, dtype=group["exp_avg_dtype"],
-                                     memory_format=torch.preserve_format)
-    st["exp_avg_sq"] = torch.zeros_like(p, dtype=group["exp_avg_sq_dtype"],
-                                        memory_format=torch.preserve_format)
+    for name, stored in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq_root")):
+        dtype = group[name + "_dtype"]
+        if dtype == fp8_state.E4M3 and p.dim() >= 2:
+            st[stored] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+            st[stored + "_scale"] = _zeros_by_rows(p, fp8_state.scale_shape(p.shape))
+        else:  # vectors (norms, biases) keep bf16 state under FP8: a few bytes in all
+            st[name] = torch.zeros_like(p, dtype=torch.bfloat16 if dtype == fp8_state.E4M3
+                                        else dtype, memory_format=torch.contiguous_format)
     if group["master_weights"] == "fp32" and p.dtype in (torch.bfloat16, torch.float16):
         st["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
+
+
+def _zeros_by_rows(p: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """fp32 zeros of ``shape`` (``p``'s leading dimensions, another last one), placed as
+    ``p`` is: a DTensor sharded along dim 0 gets the same rows on each rank."""
+    if not isinstance(p, DTensor):
+        return torch.zeros(shape, dtype=torch.float32, device=p.device)
+    local = torch.zeros((*p.to_local().shape[:-1], shape[-1]), dtype=torch.float32,
+                        device=p.to_local().device)
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _moment(st: dict, name: str) -> torch.Tensor:
+    """The fp32 working value of moment ``name`` (the tensor itself where stored fp32)."""
+    if name == "exp_avg_sq" and "exp_avg_sq_root" in st:
+        root = fp8_state.decode(st["exp_avg_sq_root"], st["exp_avg_sq_root_scale"])
+        return root * root
+    if name + "_scale" in st:
+        return fp8_state.decode(st[name], st[name + "_scale"])
+    t = st[name]
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _keep_moment(st: dict, name: str, value: torch.Tensor, key: int, offset: int) -> None:
+    """Store the fp32 ``value`` of moment ``name`` as the state holds it: FP8 blocks (the
+    second moment as its square root, which halves its range in binades), bf16, both with
+    stochastic rounding, or fp32 (already in place)."""
+    if name == "exp_avg_sq" and "exp_avg_sq_root" in st:
+        fp8_state.encode_(st["exp_avg_sq_root"], st["exp_avg_sq_root_scale"],
+                          torch.sqrt(value), key, offset)
+    elif name + "_scale" in st:
+        fp8_state.encode_(st[name], st[name + "_scale"], value, key, offset)
+    else:
+        _store([st[name]], [value], [key], [offset], True)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -204,8 +244,8 @@ def _step_batch(items: list, group: dict) -> None:
     has_master = "master" in states[0]
     weights = [st["master"] for st in states] if has_master else _fp32(params)
     g32 = _fp32(grads)
-    m32 = _fp32([st["exp_avg"] for st in states])
-    v32 = _fp32([st["exp_avg_sq"] for st in states])
+    m32 = [_moment(st, "exp_avg") for st in states]
+    v32 = [_moment(st, "exp_avg_sq") for st in states]
     if group["weight_decay"] != 0:
         torch._foreach_mul_(weights, 1 - lr * group["weight_decay"])
     torch._foreach_lerp_(m32, g32, 1 - beta1)
@@ -220,6 +260,7 @@ def _step_batch(items: list, group: dict) -> None:
     seed = group["seed"]
     keys = [[stream_key(seed, s, _STREAMS * pid + j) for pid, s in zip(pids, steps)]
             for j in range(_STREAMS)]
-    _store([st["exp_avg"] for st in states], m32, keys[0], offsets, True)
-    _store([st["exp_avg_sq"] for st in states], v32, keys[1], offsets, True)
+    for st, m, v, km, kv, o in zip(states, m32, v32, keys[0], keys[1], offsets):
+        _keep_moment(st, "exp_avg", m, km, o)
+        _keep_moment(st, "exp_avg_sq", v, kv, o)
     _store(params, weights, keys[2], offsets, group["master_weights"] == "stochastic")

@@ -71,7 +71,8 @@ def test_bf16_params_with_fp32_masters_follow_fp32_training():
         assert torch.equal(p, q.to(BF16))
 
 
-COMBOS = list(itertools.product([torch.float32, BF16], [torch.float32, BF16],
+FP8 = torch.float8_e4m3fn
+COMBOS = list(itertools.product([torch.float32, BF16, FP8], [torch.float32, BF16, FP8],
                                 ["fp32", "stochastic", None]))
 
 
@@ -106,22 +107,32 @@ def test_resume_is_bit_identical(m_dtype, v_dtype, master):
         for k, v in opt.state[p].items():
             assert v.dtype == opt_c.state[q][k].dtype and torch.equal(v, opt_c.state[q][k]), k
     assert opt.state[a[0]]["exp_avg"].dtype == m_dtype
+    if v_dtype == FP8:  # kept as its square root; vectors keep bf16 state
+        assert opt.state[a[0]]["exp_avg_sq_root"].dtype == FP8
+        assert opt.state[a[1]]["exp_avg_sq"].dtype == BF16
     assert ("master" in opt.state[a[0]]) == (master == "fp32")
 
 
-def test_bf16_second_moment_decays_on_average():
+@pytest.mark.parametrize("dtype", [BF16, FP8], ids=["bf16", "fp8"])
+def test_low_precision_second_moment_decays_on_average(dtype):
     """Round to nearest would keep a bf16 exp_avg_sq where it is: a 0.1% decay is less
-    than half a bf16 unit. Stochastic rounding lets it decay as in fp32, on average."""
-    p = torch.nn.Parameter(torch.zeros(1 << 14))
-    opt = AdamW([p], lr=0.0, weight_decay=0.0, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+    than half a bf16 unit (and far less than an FP8 one). Stochastic rounding lets it
+    decay as in fp32, on average."""
+    p = torch.nn.Parameter(torch.zeros(64, 256))
+    opt = AdamW([p], lr=0.0, weight_decay=0.0, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
     p.grad = torch.ones_like(p)
     opt.step()
     p.grad = torch.zeros_like(p)
     for _ in range(300):
         opt.step()
     want = (1 - 0.999) * 0.999 ** 300
-    got = opt.state[p]["exp_avg_sq"].float().mean().item()
-    assert abs(got / want - 1) < 0.01
+    st = opt.state[p]
+    if dtype == FP8:
+        from lowprec.optim.fp8_state import decode
+        got = decode(st["exp_avg_sq_root"], st["exp_avg_sq_root_scale"]).pow(2).mean().item()
+    else:
+        got = st["exp_avg_sq"].float().mean().item()
+    assert abs(got / want - 1) < (0.01 if dtype == BF16 else 0.05)
     stuck = torch.tensor(1 - 0.999).to(BF16)
     for _ in range(300):  # what round to nearest does with the same decay
         stuck = (stuck.float() * 0.999).to(BF16)
@@ -159,6 +170,10 @@ def test_state_bytes_per_parameter():
     assert state_bytes(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16) == 10
     assert state_bytes(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16,
                        master_weights="stochastic") == 6
+    p = torch.nn.Parameter(torch.zeros(64, 1024, dtype=BF16))  # FP8 state: matrices
+    p.grad = torch.zeros_like(p)
+    assert state_bytes(exp_avg_dtype=FP8, exp_avg_sq_dtype=FP8,
+                       master_weights="stochastic") == 2 + 2 * (1 + 4 / 128)
 
 
 def test_bad_settings_are_refused():
@@ -167,6 +182,8 @@ def test_bad_settings_are_refused():
         AdamW(ps, amsgrad=True)
     with pytest.raises(ValueError, match="exp_avg_dtype"):
         AdamW(ps, exp_avg_dtype=torch.float16)
+    with pytest.raises(ValueError, match="exp_avg_sq_dtype"):
+        AdamW(ps, exp_avg_sq_dtype=torch.float8_e5m2)
     with pytest.raises(ValueError, match="master_weights"):
         AdamW(ps, master_weights="bf16")
     with pytest.raises(ValueError, match="betas"):
