@@ -1,5 +1,5 @@
-"""AdamW whose training state can be smaller than fp32: bf16 moments, and bf16 weights with
-no fp32 master copy, both kept unbiased by stochastic rounding.
+"""AdamW whose training state can be smaller than fp32: bf16 or FP8 moments, and bf16
+weights with no fp32 master copy, all kept unbiased by stochastic rounding.
 
 Plain bf16 state does not train like fp32 state under round-to-nearest: the second moment
 decays by ``1 - beta2`` (0.1%) a step, less than half a bf16 unit (0.4%), so a decaying
@@ -31,18 +31,22 @@ _STREAMS = 3
 class AdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` (decoupled weight decay) with the state's precision chosen.
 
-    ``exp_avg_dtype`` / ``exp_avg_sq_dtype``: ``torch.float32`` or ``torch.bfloat16``
-    (stored with stochastic rounding). ``master_weights`` for bf16/fp16 parameters:
-    ``"fp32"`` keeps an fp32 copy that the step updates and the parameter is rounded from
-    (to nearest); ``"stochastic"`` keeps none and updates a bf16 parameter in place with
-    stochastic rounding; ``None`` keeps none and rounds to nearest (what a bf16 model under
-    a plain fp32-math optimizer gets). fp32 parameters are their own master in every mode.
+    ``exp_avg_dtype`` / ``exp_avg_sq_dtype``: ``torch.float32``, ``torch.bfloat16`` or
+    ``torch.float8_e4m3fn`` (``fp8_state``: 128-element row blocks with power-of-two
+    scales, the second moment kept as its square root; tensors of fewer than two
+    dimensions keep bf16), the low-precision ones stored with stochastic rounding.
+    ``master_weights`` for bf16/fp16 parameters: ``"fp32"`` keeps an fp32 copy that the
+    step updates and the parameter is rounded from (to nearest); ``"stochastic"`` keeps
+    none and updates a bf16 parameter in place with stochastic rounding; ``None`` keeps
+    none and rounds to nearest (what a bf16 model under a plain fp32-math optimizer
+    gets). fp32 parameters are their own master in every mode.
     ``seed`` fixes the random bits of the stochastic roundings: a step's bits depend on
     (seed, step, parameter, element) only, so a resumed run repeats an uninterrupted one.
 
     Bytes of persistent state per parameter of a bf16 model (gradients not counted):
     fp32 moments with fp32 masters 2 + 4 + 8 = 14; bf16 moments with fp32 masters 10;
-    bf16 moments, ``master_weights="stochastic"`` 6.
+    bf16 moments, ``master_weights="stochastic"`` 6; FP8 moments with it 2 + 2 * (1 + 4/128)
+    = 4.06.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
