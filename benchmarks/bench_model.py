@@ -1,7 +1,9 @@
 """Whole-model training step: a Hugging Face ``LlamaForCausalLM`` built from a config.
 
-One step is forward + backward + fused AdamW on ``tokens`` tokens. Every Linear but
-``lm_head`` runs through the peer under test. Peers, all in one process and run:
+One step is forward + backward + fused AdamW on ``tokens`` tokens (``--optim``: also
+``lowprec.optim.AdamW`` with low-precision state, its step time and the state's bytes a
+parameter in the last columns). Every Linear but ``lm_head`` runs through the peer under
+test. Peers, all in one process and run:
 
 * ``bf16``: plain bf16, eager and ``torch.compile``;
 * ``torchao-tensorwise`` / ``torchao-rowwise``: torchao float8 training, compiled
@@ -106,11 +108,35 @@ def lm_loss(m, ctx, ids):
         return m(input_ids=ids, labels=ids).loss
 
 
+#: ``--optim`` settings: torch's fused AdamW over the bf16 parameters (its state in their
+#: dtype), or lowprec.optim.AdamW with the state compare's --optim-states names
+OPTIMS = ("torch", "fp32", "bf16", "bf16-sr", "fp8-sr")
+
+
+def make_optimizer(params, optim: str, device: str, graphed: bool):
+    if optim == "torch":
+        return torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda", capturable=graphed)
+    from lowprec.compare.recipes import OPTIM_STATES
+    return lowprec.optim.AdamW(params, lr=1e-4, **OPTIM_STATES[optim][0])
+
+
+def state_bytes_per_param(model, opt) -> float:
+    """Bytes of persistent training state a parameter: the parameters and the optimizer's
+    tensors (gradients not counted)."""
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    held = sum(p.numel() * p.element_size() for p in params)
+    for st in opt.state.values():
+        held += sum(t.numel() * t.element_size() for k, t in st.items()
+                    if isinstance(t, torch.Tensor) and k != "step")
+    return held / n
+
+
 def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: int,
-             top_kernels: int = 0):
+             top_kernels: int = 0, optim: str = "torch"):
     """(median step ms, warm-up seconds, peak GiB, graph breaks, GPU kernel ms, kernels,
-    median forward host ms); with ``top_kernels``, prints that many of the step's heaviest
-    kernels.
+    median forward host ms, median optimizer-step ms, state bytes a parameter); with
+    ``top_kernels``, prints that many of the step's heaviest kernels.
 
     The forward host ms is how long the forward call keeps the host when it starts on an
     idle GPU (steps run after the timed ones, each after a synchronize; NaN for graph
@@ -122,8 +148,10 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
     m, ctx = make_peer(peer, model, device, mode)
     recorder = lowprec.debug.Recorder(m, every=int(every)) if every else None
     graphed = mode == "graphed"
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=device == "cuda",
-                            capturable=graphed)
+    if graphed and optim != "torch":
+        raise ValueError(f"--optim {optim} is not captured in a CUDA graph here; use torch")
+    opt = make_optimizer(m.parameters(), optim, device, graphed)
+    opt_times = []
     *_, seq, batch = MODELS[model]
     gen = torch.Generator(device=device).manual_seed(0)
     ids = [torch.randint(0, 32000, (batch, seq), device=device, generator=gen) for _ in range(2)]
@@ -138,7 +166,16 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
         loss = lm_loss(m, ctx, x)
         fwd_host.append(time.perf_counter() - t0)
         loss.backward()
-        opt.step()
+        if device == "cuda" and not graphed:
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+            opt.step()
+            ev[1].record()
+            opt_times.append(ev)
+        else:
+            t1 = time.perf_counter()
+            opt.step()
+            opt_times.append((time.perf_counter() - t1) * 1e3)
         if not graphed:
             opt.zero_grad(set_to_none=True)
         if recorder is not None:
@@ -183,7 +220,11 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
         ms, peak = statistics.median(t), 0.0
         gpu_ms, kernels = float("nan"), 0
         fwd_ms = statistics.median(fwd_host[-steps:]) * 1e3
-    return ms, warm_s, peak, breaks, gpu_ms, kernels, fwd_ms
+    sync()
+    done = [t if isinstance(t, float) else t[0].elapsed_time(t[1]) for t in opt_times[-steps:]]
+    opt_ms = statistics.median(done) if done and not graphed else float("nan")
+    return ms, warm_s, peak, breaks, gpu_ms, kernels, fwd_ms, opt_ms, \
+        state_bytes_per_param(m, opt)
 
 
 def release() -> None:
@@ -195,7 +236,7 @@ def release() -> None:
 
 
 def _row(model, tokens, peer, mode, res, results):
-    ms, warm, peak, breaks, gpu_ms, kernels, fwd_ms = res
+    ms, warm, peak, breaks, gpu_ms, kernels, fwd_ms, opt_ms, state_b = res
     host = 1 - gpu_ms / ms
     base_e, base_c = results.get(("bf16", "eager")), results.get(("bf16", "compiled"))
     same = results.get(("bf16", mode))
@@ -204,7 +245,7 @@ def _row(model, tokens, peer, mode, res, results):
     pk = peak / same[2] if same and same[2] else float("nan")
     line = (f"{peer:24s} {mode:8s} {ms:9.2f} {tokens / ms * 1e3:10.0f} {se:13.2f}x "
             f"{sc:13.2f}x {peak:9.2f} {pk:11.2f}x {breaks:6d} {gpu_ms:8.2f} {host:6.1%} "
-            f"{kernels:8.0f} {fwd_ms:8.2f}")
+            f"{kernels:8.0f} {fwd_ms:8.2f} {opt_ms:7.2f} {state_b:6.2f}")
     row = dict(bench="model", shape=f"{model} {tokens}tok", recipe=f"{peer} {mode}",
                metric="step_ms", value=round(ms, 3), baseline="bf16 eager",
                baseline_value=round(base_e[0], 3) if base_e else "",
@@ -212,13 +253,15 @@ def _row(model, tokens, peer, mode, res, results):
                note=f"{tokens / ms * 1e3:.0f} tok/s; peak {peak:.2f} GiB ({pk:.2f}x bf16 "
                     f"{mode}); warm-up {warm:.0f} s; vs bf16 compiled {sc:.2f}x; graph "
                     f"breaks {breaks}; GPU kernels {gpu_ms:.2f} ms ({kernels:.0f}), host share "
-                    f"{host:.1%}; forward host {fwd_ms:.2f} ms")
+                    f"{host:.1%}; forward host {fwd_ms:.2f} ms; optimizer step {opt_ms:.2f} "
+                    f"ms, state {state_b:.2f} bytes/param")
     return line, row
 
 
 HEADER = (f"{'peer':24s} {'mode':8s} {'ms':>9s} {'tok/s':>10s} {'vs bf16 eager':>14s} "
           f"{'vs bf16 comp.':>14s} {'peak GiB':>9s} {'vs bf16 peak':>12s} {'breaks':>6s} "
-          f"{'GPU ms':>8s} {'host':>6s} {'kernels':>8s} {'fwd host':>8s}")
+          f"{'GPU ms':>8s} {'host':>6s} {'kernels':>8s} {'fwd host':>8s} {'opt ms':>7s} "
+          f"{'B/par':>6s}")
 
 
 def main() -> None:
@@ -232,6 +275,10 @@ def main() -> None:
     ap.add_argument("--torchao-modes", default="compiled",
                     help="modes of the torchao peers (compiled, reduce-overhead)")
     ap.add_argument("--bf16", default="", help="bf16 modes to run (default: --modes)")
+    ap.add_argument("--optim", default="torch",
+                    help=f"optimizer settings, comma-separated, each a run of every peer: "
+                         f"{', '.join(OPTIMS)} (torch: fused AdamW over the bf16 parameters; "
+                         f"the others lowprec.optim.AdamW, as compare's --optim-states)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
@@ -260,11 +307,17 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{args.model}: {MODELS[args.model][:3]} hidden/ffn/layers, {tokens} tokens a step, "
           f"{gpu}, torch {torch.__version__}\n{HEADER}", flush=True)
+    optims = [o for o in args.optim.split(",") if o]
+    bad = [o for o in optims if o not in OPTIMS]
+    if bad:
+        raise SystemExit(f"--optim {','.join(bad)}: use names from {', '.join(OPTIMS)}")
+    peers = [(p if o == "torch" else f"{p}+{o}", m, o) for o in optims for p, m in peers]
     results, lines = {}, []
-    for peer, mode in peers:
+    for peer, mode, optim in peers:
         try:
-            results[(peer, mode)] = run_peer(peer, args.model, args.device, mode,
-                                             args.steps, args.warmup, args.top_kernels)
+            results[(peer, mode)] = run_peer(peer.partition("+")[0], args.model, args.device,
+                                             mode, args.steps, args.warmup, args.top_kernels,
+                                             optim)
         except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
             print(f"{peer:24s} {mode:8s} FAILED: {type(exc).__name__}: {str(exc)[:300]}",
                   flush=True)
