@@ -23,6 +23,7 @@ from .recipes import (
     BASELINE,
     DEFAULT_RECIPES,
     NAMED_RECIPES,
+    OPTIM_STATES,
     RecipeError,
     build_named,
     check_backward_mode,
@@ -115,10 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "on for CUDA, off for CPU)")
     p.add_argument("--optim-states", default="fp32", metavar="NAMES",
                    help="optimizer-state variants to run every recipe under too, comma-"
-                        "separated: fp32 (torch AdamW over fp32 masters, every run's "
-                        "default), bf16 (bf16 moments), bf16-sr (bf16 moments and bf16 "
-                        "weights with stochastic rounding, no masters), fp8-sr (FP8 "
-                        "moments, bf16 weights, stochastic rounding); e.g. fp32,fp8-sr")
+                        "separated (fp32, torch's AdamW, is every run's default): "
+                        + "; ".join(f"{name}: {desc}"
+                                    for name, (_, desc) in OPTIM_STATES.items()))
     p.add_argument("--cuda-graphs", action="store_true",
                    help="with --compile on CUDA: compile in mode='reduce-overhead', so CUDA "
                         "graphs replay each step's kernels and the step time is the GPU's, "

@@ -15,11 +15,6 @@ from ..formats.base import QuantizedTensor
 from .prologue import Prologue, activation_prologue, apply_prologue_with_amax
 
 
-def activation_backward(name: str, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """d activation(h) / dh applied to ``g``, in h's dtype (computed in fp32)."""
-    return activation_grad(name, h, g)
-
-
 class _ActivationQuantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, activation, quantizer, rowwise, columnwise):
@@ -43,7 +38,7 @@ class _ActivationQuantize(torch.autograd.Function):
         (h,) = ctx.saved_tensors
         if isinstance(g, QuantizedTensor):
             g = g.dequantize()
-        return activation_backward(ctx.activation, h, g), None, None, None, None
+        return activation_grad(ctx.activation, h, g), None, None, None, None
 
 
 def activation_then_quantize(h: torch.Tensor, activation: str, quantizer, rowwise: bool,

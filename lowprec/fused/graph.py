@@ -21,7 +21,8 @@ from ..activations import REGISTRY, activation_fp32, activation_grad
 from ..autocast import torch_autocast_dtype
 from ..kernels import graph_op, use_kernels
 from .norm_math import norm_backward, norm_fp32, norm_gamma
-from .prologue import activation_prologue, apply_prologue, norm_prologue, norm_stats
+from .norm_quantize import kernel_norm
+from .prologue import activation_prologue, apply_prologue
 
 
 def producer_kernel(x: torch.Tensor) -> bool:
@@ -44,11 +45,8 @@ def _norm_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """(norm output in x's dtype, fp32 (M,) mean (zeros for RMSNorm), fp32 (M,) rstd)."""
     m = x2d.shape[0]
     if kernel:  # as ``norm_quantize._NormQuantize`` computes it
-        gamma = (weight.float() + 1 if zero_centered_gamma else weight).contiguous()
         x2d = x2d.contiguous()
-        mean, rstd, _ = norm_stats(x2d, gamma, gamma if bias is None else bias, eps, rms, False)
-        pro = norm_prologue("RMSNorm" if rms else "LayerNorm", None if rms else mean, rstd,
-                            gamma, bias)
+        pro, mean, rstd = kernel_norm(x2d, weight, bias, rms, eps, zero_centered_gamma, False)
         return apply_prologue(x2d, pro), mean, rstd
     y, mean, rstd = norm_fp32(x2d, rms, norm_gamma(weight, zero_centered_gamma), bias, eps)
     mean = rstd.new_zeros(m) if mean is None else mean.reshape(m)

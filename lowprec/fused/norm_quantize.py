@@ -19,21 +19,30 @@ def _plain(g: torch.Tensor) -> torch.Tensor:
     return g.dequantize() if isinstance(g, QuantizedTensor) else g
 
 
+def kernel_norm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rms: bool,
+                eps: float, zero_centered_gamma: bool, want_amax: bool):
+    """(prologue, mean, rstd) of the norm of a contiguous (M, K) ``x2d`` from the statistics
+    kernel: what the fused kernels (and the compiled graph's norm) apply as they load x;
+    with ``want_amax`` the prologue carries its output's amax."""
+    # The kernels convert gamma to fp32 as they load it, so a weight goes in as it is;
+    # weight + 1 is formed in fp32, never rounded to the weight's dtype.
+    gamma = (weight.float() + 1 if zero_centered_gamma else weight).contiguous()
+    mean, rstd, amax_bits = norm_stats(x2d, gamma, gamma if bias is None else bias,
+                                       float(eps), rms, want_amax)
+    pro = norm_prologue("RMSNorm" if rms else "LayerNorm", None if rms else mean, rstd,
+                        gamma, bias, amax_bits if want_amax else None)
+    return pro, mean, rstd
+
+
 class _NormQuantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, normalization, eps, zero_centered_gamma, quantizer,
                 rowwise, columnwise):
         k = x.shape[-1]
         x2d = x.reshape(-1, k).contiguous()
-        # The kernels convert gamma to fp32 as they load it, so a weight goes in as it is;
-        # weight + 1 is formed in fp32, never rounded to the weight's dtype.
-        gamma = (weight.float() + 1 if zero_centered_gamma else weight).contiguous()
         rms = normalization == "RMSNorm"
-        want_amax = getattr(quantizer, "wants_producer_amax", False)
-        mean, rstd, amax_bits = norm_stats(x2d, gamma, gamma if bias is None else bias,
-                                           float(eps), rms, want_amax)
-        pro = norm_prologue(normalization, None if rms else mean, rstd, gamma, bias,
-                            amax_bits if want_amax else None)
+        pro, mean, rstd = kernel_norm(x2d, weight, bias, rms, eps, zero_centered_gamma,
+                                      getattr(quantizer, "wants_producer_amax", False))
         quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
         # Quantized in x's own shape: a view of the result would keep the un-viewed tensor
         # (and the rowwise data release_fprop_copy drops) alive as its base.

@@ -85,13 +85,13 @@ class LayerNormMLP(LowprecModule):
             h1 = F.linear(graph_norm(self, x, kernel=False), w1, b1)
             return F.linear(graph_activation(self.activation, h1, kernel=False), w2, b2)
         recipe = self.traced_call_recipe(x, w1, w2)
-        # fc2's input is made below; a stand-in of its shape asks its plan first (a dead
-        # op in the graph)
-        a_like = x.new_empty((*x.shape[:-1], w2.shape[1]))
         if (recipe is None or torch_autocast_dtype(x) is not None
                 or isinstance(recipe, DelayedScaling)
                 or traced.plan_for(recipe, x, w1, b1) is None
-                or traced.plan_for(recipe, a_like, w2, b2) is None):
+                # fc2's input is made below: a stand-in of its shape asks its plan first
+                # (a dead op in the graph)
+                or traced.plan_for(recipe, x.new_empty((*x.shape[:-1], w2.shape[1])), w2,
+                                   b2) is None):
             return NotImplemented
         kernel = producer_kernel(x)  # eager's fused norm and activation
         h1 = traced.traced_linear(recipe, graph_norm(self, x, kernel=kernel), w1, b1)

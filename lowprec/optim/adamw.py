@@ -76,9 +76,7 @@ class AdamW(torch.optim.Optimizer):
                         maximize=maximize, exp_avg_dtype=exp_avg_dtype,
                         exp_avg_sq_dtype=exp_avg_sq_dtype, master_weights=master_weights,
                         seed=seed)
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            _check_group(group)
+        super().__init__(params, defaults)  # checks each group through add_param_group
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

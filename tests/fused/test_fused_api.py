@@ -58,8 +58,9 @@ def test_cpu_modules_unchanged_under_autocast():
 @pytest.mark.parametrize("act", ["gelu", "relu", "silu", "srelu", "qgelu", "swiglu", "geglu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_activation_backward_equals_autograd(act, dtype):
-    """The fused activation's backward is bit-identical to autograd through the unfused one."""
-    from lowprec.fused.activation_quantize import activation_backward
+    """The fused activation's backward (``activations.activation_grad``) is bit-identical
+    to autograd through the unfused one."""
+    from lowprec.activations import activation_grad
     from lowprec.modules.activations import get_activation
     fn, gated = get_activation(act)
     g0 = torch.Generator().manual_seed(1)
@@ -69,7 +70,7 @@ def test_activation_backward_equals_autograd(act, dtype):
     y = fn(hh)
     g = torch.randn(y.shape, generator=g0).to(dtype)
     (want,) = torch.autograd.grad(y, hh, g)
-    got = activation_backward(act, h, g)
+    got = activation_grad(act, h, g)
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
 
