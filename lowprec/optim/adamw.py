@@ -7,9 +7,11 @@ value rounds back to where it was and sticks; an update smaller than half a unit
 bf16 weight is lost the same way. Stochastic rounding (``rounding``) makes each stored
 value its exact fp32 value on average, so small decays and updates accumulate.
 
-The step is computed in fp32 with torch's AdamW arithmetic, op for op, with multi-tensor
-(``torch._foreach``) ops over every parameter of a dtype and state layout at once; with
-fp32 state it equals ``torch.optim.AdamW`` bit for bit.
+The step is computed in fp32 with torch's AdamW arithmetic, op for op, over every
+parameter of a dtype and state layout at once: on CUDA with Triton one fused kernel
+launch (``launch``), which equals the reference's multi-tensor (``torch._foreach``) ops on
+the same device bit for bit; elsewhere those ops. With fp32 state the step equals
+``torch.optim.AdamW`` bit for bit.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..formats.base import QuantizedTensor
-from . import fp8_state
+from . import fp8_state, launch
 from .rounding import round_to_bf16_stochastic, stream_key
 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
@@ -231,18 +233,36 @@ def _store(dst: list[torch.Tensor], src: list[torch.Tensor], keys: list[int],
 
 
 def _step_batch(items: list, group: dict) -> None:
-    """The step of parameters sharing device, dtype and state layout, in fp32, with
-    torch's AdamW arithmetic in torch's order (``torch.optim.adamw._single_tensor_adamw``)."""
-    lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+    """The step of parameters sharing device, dtype and state layout: the fused kernel
+    (``launch``) where it takes them, else the reference."""
     pids = [i for i, _, _ in items]
     offsets = [_offset(p) for _, p, _ in items]
     # DTensors (FSDP2) step on their local shards
     params = [_local(p) for _, p, _ in items]
     states = [{k: _local(v) for k, v in st.items()} for _, _, st in items]
     grads = [_local(p.grad) for _, p, _ in items]
+    steps = [int(st["step"].item()) for st in states]  # CPU tensors: no device sync
+    seed = group["seed"]
+    keys = [tuple(stream_key(seed, s, _STREAMS * pid + j) for j in range(_STREAMS))
+            for pid, s in zip(pids, steps)]
+    if launch.takes(params, grads, states):
+        fp8_rows = any(k.endswith("_scale") for k in states[0])
+        for step in sorted(set(steps)):  # one launch per step count (almost always one)
+            at = [i for i, s in enumerate(steps) if s == step]
+            launch.adamw_step(*([lst[i] for i in at]
+                                for lst in (params, grads, states, offsets, keys)),
+                              group, step, fp8_rows)
+        return
+    _reference_step(params, grads, states, offsets, keys, steps, group)
+
+
+def _reference_step(params: list, grads: list, states: list, offsets: list, keys: list,
+                    steps: list, group: dict) -> None:
+    """The step in fp32 with torch's AdamW arithmetic in torch's order
+    (``torch.optim.adamw._multi_tensor_adamw``), as multi-tensor torch ops."""
+    lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
     if group["maximize"]:
         grads = torch._foreach_neg(grads)
-    steps = [int(st["step"].item()) for st in states]  # CPU tensors: no device sync
     has_master = "master" in states[0]
     weights = [st["master"] for st in states] if has_master else _fp32(params)
     g32 = _fp32(grads)
@@ -259,10 +279,8 @@ def _step_batch(items: list, group: dict) -> None:
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(weights, m32, denom, step_sizes)
-    seed = group["seed"]
-    keys = [[stream_key(seed, s, _STREAMS * pid + j) for pid, s in zip(pids, steps)]
-            for j in range(_STREAMS)]
-    for st, m, v, km, kv, o in zip(states, m32, v32, keys[0], keys[1], offsets):
+    for st, m, v, (km, kv, _), o in zip(states, m32, v32, keys, offsets):
         _keep_moment(st, "exp_avg", m, km, o)
         _keep_moment(st, "exp_avg_sq", v, kv, o)
-    _store(params, weights, keys[2], offsets, group["master_weights"] == "stochastic")
+    _store(params, weights, [k[2] for k in keys], offsets,
+           group["master_weights"] == "stochastic")
