@@ -22,7 +22,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..formats.base import QuantizedTensor
 from . import fp8_state, launch
-from .rounding import round_to_bf16_stochastic, stream_key
+from .rounding import round_to_bf16_stochastic, stream_base, stream_key
 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 MASTER_WEIGHTS = ("fp32", "stochastic", None)
@@ -102,7 +102,6 @@ class AdamW(torch.optim.Optimizer):
                 st = self.state[p]
                 if not st:
                     _init_state(st, p, group)
-                st["step"] += 1
                 key = (p.device, p.dtype, tuple(sorted(st)))
                 batches.setdefault(key, []).append((pid, p, st))
             for items in batches.values():
@@ -235,24 +234,28 @@ def _store(dst: list[torch.Tensor], src: list[torch.Tensor], keys: list[int],
 def _step_batch(items: list, group: dict) -> None:
     """The step of parameters sharing device, dtype and state layout: the fused kernel
     (``launch``) where it takes them, else the reference."""
+    counters = [st["step"] for _, _, st in items]
+    torch._foreach_add_(counters, 1)
+    steps = [int(s) for s in torch.stack(counters).tolist()]  # CPU tensors: no device sync
     pids = [i for i, _, _ in items]
     offsets = [_offset(p) for _, p, _ in items]
     # DTensors (FSDP2) step on their local shards
     params = [_local(p) for _, p, _ in items]
-    states = [{k: _local(v) for k, v in st.items()} for _, _, st in items]
+    states = [st if not isinstance(p, DTensor) else {k: _local(v) for k, v in st.items()}
+              for _, p, st in items]
     grads = [_local(p.grad) for _, p, _ in items]
-    steps = [int(st["step"].item()) for st in states]  # CPU tensors: no device sync
     seed = group["seed"]
-    keys = [tuple(stream_key(seed, s, _STREAMS * pid + j) for j in range(_STREAMS))
-            for pid, s in zip(pids, steps)]
     if launch.takes(params, grads, states):
         fp8_rows = any(k.endswith("_scale") for k in states[0])
         for step in sorted(set(steps)):  # one launch per step count (almost always one)
             at = [i for i, s in enumerate(steps) if s == step]
-            launch.adamw_step(*([lst[i] for i in at]
-                                for lst in (params, grads, states, offsets, keys)),
-                              group, step, fp8_rows)
+            launch.adamw_step(*([lst[i] for i in at] for lst in (params, grads, states,
+                                                                   offsets)),
+                              [_STREAMS * pids[i] for i in at], group, step,
+                              stream_base(seed, step), fp8_rows)
         return
+    keys = [tuple(stream_key(seed, s, _STREAMS * pid + j) for j in range(_STREAMS))
+            for pid, s in zip(pids, steps)]
     _reference_step(params, grads, states, offsets, keys, steps, group)
 
 

@@ -16,7 +16,7 @@ from ..kernels import use_kernels
 from ..kernels.launch import launch
 
 #: int64 fields per tensor (``triton_kernels.FIELDS``)
-FIELDS = 13
+FIELDS = 12
 #: 128-element blocks a program
 BLOCKS = 8
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
@@ -64,18 +64,20 @@ def _program_table(device: torch.device, blocks: tuple[int, ...]) -> torch.Tenso
     return torch.stack([tensor, first], 1).to(torch.int32).to(device)
 
 
-def adamw_step(params: list, grads: list, states: list, offsets: list, keys: list,
-               group: dict, step: int, fp8_rows: bool) -> None:
+def adamw_step(params: list, grads: list, states: list, offsets: list, stream_ids: list,
+               group: dict, step: int, base: int, fp8_rows: bool) -> None:
     """One AdamW step of local tensors ``params`` (their ``grads``, state dicts and element
-    offsets; ``keys``: per parameter the (exp_avg, exp_avg_sq, weight) stream keys), all at
-    ``step``; ``fp8_rows``: a moment is FP8, whose blocks run along each row."""
+    offsets), all at ``step``. ``stream_ids``: each parameter's first random-stream id (its
+    exp_avg's; exp_avg_sq's and the weight's follow), whose keys the kernel derives from
+    ``base`` (``rounding.stream_base``); ``fp8_rows``: a moment is FP8, whose blocks run
+    along each row."""
     lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
     first = states[0]
     m_kind, v_kind = _moment(first, "exp_avg")[0], _moment(first, "exp_avg_sq")[0]
     master = "master" in first
     rows, blocks = [], []
     aligned = True
-    for p, g, st, off, (km, kv, kw) in zip(params, grads, states, offsets, keys):
+    for p, g, st, off, sid in zip(params, grads, states, offsets, stream_ids):
         n = p.numel()
         if n == 0:
             continue
@@ -89,7 +91,7 @@ def adamw_step(params: list, grads: list, states: list, offsets: list, keys: lis
         aligned = aligned and k % 16 == 0 and all(a % 16 == 0 for a in ptrs)
         per_row = -(-k // 128)
         count = n // k * per_row
-        rows.extend(ptrs + [k, count, off, km, kv, kw])
+        rows.extend(ptrs + [k, count, off, sid, base])
         blocks.append(count)
     if not blocks:
         return

@@ -25,9 +25,14 @@ def mix32(h):
     return h ^ (h >> 16)
 
 
+def stream_base(seed: int, step: int) -> int:
+    """What the keys of every tensor at one step derive from."""
+    return mix32(mix32(seed) ^ (step & M32))
+
+
 def stream_key(seed: int, step: int, tensor_id: int) -> int:
     """The key of one tensor's random bits at one step."""
-    return mix32(mix32(mix32(seed) ^ (step & M32)) ^ (tensor_id & M32))
+    return mix32(stream_base(seed, step) ^ (tensor_id & M32))
 
 
 def random_bits(n: int, key: int, offset: int, device) -> torch.Tensor:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 #: int64 fields per row of the tensor table (``launch.FIELDS``)
-FIELDS = tl.constexpr(13)
+FIELDS = tl.constexpr(12)
 E4M3_MAX = tl.constexpr(448.0)
 
 # moment storage kinds
@@ -155,9 +155,11 @@ def adamw_kernel(tensors, programs, decay, w1, beta2, w2, eps, bc2_sqrt, step_si
 
     Tensor table row: param, grad, exp_avg, exp_avg_sq, master, exp_avg scales,
     exp_avg_sq scales (addresses; 0 where absent), row length K, block count, element
-    offset in the whole tensor, and the keys of the exp_avg, exp_avg_sq and weight
-    streams. ``ALIGNED``: every address is 16-byte aligned and every row length a multiple
-    of 16."""
+    offset in the whole tensor, the id of its first random stream (exp_avg's; then
+    exp_avg_sq's and the weight's) and what their keys derive from
+    (``rounding.stream_base`` of the seed and step: in the table rather than an argument,
+    which Triton would specialize on). ``ALIGNED``: every address is 16-byte aligned and
+    every row length a multiple of 16."""
     pid = tl.program_id(0)
     t = tl.load(programs + 2 * pid).to(tl.int64)
     first = tl.load(programs + 2 * pid + 1).to(tl.int64)
@@ -167,9 +169,12 @@ def adamw_kernel(tensors, programs, decay, w1, beta2, w2, eps, bc2_sqrt, step_si
         k = tl.multiple_of(k, 16)
     n_blocks = tl.load(row + 8)
     offset = tl.load(row + 9)
-    key_m = tl.load(row + 10).to(tl.uint32)
-    key_v = tl.load(row + 11).to(tl.uint32)
-    key_w = tl.load(row + 12).to(tl.uint32)
+    # rounding.stream_key of the tensor's three streams
+    stream = tl.load(row + 10).to(tl.uint32)
+    base = tl.load(row + 11).to(tl.uint32)
+    key_m = _mix32(base ^ stream)
+    key_v = _mix32(base ^ (stream + 1))
+    key_w = _mix32(base ^ (stream + 2))
     per_row = (k + 127) // 128
     b = first + tl.arange(0, BLOCKS)
     bmask = b < n_blocks
