@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..formats.base import QuantizedTensor
+from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor
 from . import fp8_state, launch
 from .rounding import round_to_bf16_stochastic, stream_base, stream_key
 
@@ -102,7 +102,7 @@ class AdamW(torch.optim.Optimizer):
                 st = self.state[p]
                 if not st:
                     _init_state(st, p, group)
-                key = (p.device, p.dtype, tuple(sorted(st)))
+                key = (p.device, p.dtype, isinstance(p, QuantizedTensor), tuple(sorted(st)))
                 batches.setdefault(key, []).append((pid, p, st))
             for items in batches.values():
                 _step_batch(items, group)
@@ -124,11 +124,22 @@ class AdamW(torch.optim.Optimizer):
 def _check_group(group: dict) -> None:
     for p in group["params"]:
         if isinstance(p, QuantizedTensor):
-            raise TypeError("lowprec.optim.AdamW does not take quantized weights "
-                            "(quantized_model_init); train them with "
-                            "lowprec.optim.QuantizedWeightOptimizer(model, lowprec.optim.AdamW, "
-                            "...)")
+            if getattr(p, REQUANTIZE_ATTR, None) is None:
+                raise TypeError("lowprec.optim.AdamW takes quantized weights only as the "
+                                "parameters of lowprec modules built under "
+                                "quantized_model_init (it re-quantizes them with their "
+                                f"module's quantizer); got a free {type(p).__name__}")
+            if group["master_weights"] == "stochastic":
+                raise ValueError("lowprec.optim.AdamW: master_weights='stochastic' rounds "
+                                 "to bf16, which a quantized weight does not hold; use "
+                                 "'fp32' (an fp32 master re-quantized after each step) or "
+                                 "None")
+            continue
         if isinstance(p, DTensor):
+            if isinstance(p.to_local(), QuantizedTensor):
+                raise TypeError("lowprec.optim.AdamW does not take FSDP2-sharded quantized "
+                                "weights; shard high-precision weights (quantized all-"
+                                "gathers: lowprec.distributed.quantized_all_gather)")
             if not all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0)
                        for pl in p.placements):
                 raise TypeError(f"lowprec.optim.AdamW takes DTensor parameters sharded along "
@@ -153,13 +164,22 @@ def _init_state(st: dict, p: torch.Tensor, group: dict) -> None:
     for name, stored in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq_root")):
         dtype = group[name + "_dtype"]
         if dtype == fp8_state.E4M3 and p.dim() >= 2:
-            st[stored] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+            st[stored] = _zeros(p, dtype)
             st[stored + "_scale"] = _zeros_by_rows(p, fp8_state.scale_shape(p.shape))
         else:  # vectors (norms, biases) keep bf16 state under FP8: a few bytes in all
-            st[name] = torch.zeros_like(p, dtype=torch.bfloat16 if dtype == fp8_state.E4M3
-                                        else dtype, memory_format=torch.contiguous_format)
-    if group["master_weights"] == "fp32" and p.dtype in (torch.bfloat16, torch.float16):
-        st["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
+            st[name] = _zeros(p, torch.bfloat16 if dtype == fp8_state.E4M3 else dtype)
+    if group["master_weights"] == "fp32":
+        if isinstance(p, QuantizedTensor):
+            st["master"] = p.detach().dequantize(torch.float32)
+        elif p.dtype in (torch.bfloat16, torch.float16):
+            st["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
+
+
+def _zeros(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Contiguous zeros shaped and placed as ``p`` (a quantized weight: a plain tensor)."""
+    if isinstance(p, QuantizedTensor):
+        return torch.zeros(p.shape, dtype=dtype, device=p.device)
+    return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def _zeros_by_rows(p: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -232,11 +252,13 @@ def _store(dst: list[torch.Tensor], src: list[torch.Tensor], keys: list[int],
 
 
 def _step_batch(items: list, group: dict) -> None:
-    """The step of parameters sharing device, dtype and state layout: the fused kernel
-    (``launch``) where it takes them, else the reference."""
+    """The step of parameters sharing device, dtype, kind and state layout."""
     counters = [st["step"] for _, _, st in items]
     torch._foreach_add_(counters, 1)
     steps = [int(s) for s in torch.stack(counters).tolist()]  # CPU tensors: no device sync
+    if isinstance(items[0][1], QuantizedTensor):
+        _step_quantized(items, group, steps)
+        return
     pids = [i for i, _, _ in items]
     offsets = [_offset(p) for _, p, _ in items]
     # DTensors (FSDP2) step on their local shards
@@ -244,6 +266,28 @@ def _step_batch(items: list, group: dict) -> None:
     states = [st if not isinstance(p, DTensor) else {k: _local(v) for k, v in st.items()}
               for _, p, st in items]
     grads = [_local(p.grad) for _, p, _ in items]
+    _step_tensors(params, grads, states, offsets, pids, steps, group)
+
+
+def _step_quantized(items: list, group: dict, steps: list) -> None:
+    """Quantized weights (``quantized_model_init``): the step of their fp32 values (the
+    master, or with ``master_weights=None`` the dequantized weight), each then re-quantized
+    in place by its module's weight quantizer."""
+    weights = [st["master"] if "master" in st else p.detach().dequantize(torch.float32)
+               for _, p, st in items]
+    states = [{k: v for k, v in st.items() if k != "master"} for _, _, st in items]
+    grads = [p.grad.float() for _, p, _ in items]
+    _step_tensors(weights, grads, states, [0] * len(items), [i for i, _, _ in items], steps,
+                  group)
+    for (_, p, _), w in zip(items, weights):
+        getattr(p, REQUANTIZE_ATTR)(w, p)
+
+
+def _step_tensors(params: list, grads: list, states: list, offsets: list, pids: list,
+                  steps: list, group: dict) -> None:
+    """The step of plain tensors: the fused kernel (``launch``) where it takes them, one
+    launch per step count, else the reference; ``pids``: the parameters' indices in the
+    optimizer, which name their random streams."""
     seed = group["seed"]
     if launch.takes(params, grads, states):
         fp8_rows = any(k.endswith("_scale") for k in states[0])

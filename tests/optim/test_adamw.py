@@ -195,8 +195,12 @@ def test_bad_settings_are_refused():
         AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
     with lowprec.quantized_model_init(recipe=lowprec.recipe.Float8CurrentScaling()):
         m = lowprec.Linear(32, 32, name="l")
-    with pytest.raises(TypeError, match="QuantizedWeightOptimizer"):
-        AdamW(m.parameters())
+    with pytest.raises(ValueError, match="stochastic"):
+        AdamW(m.parameters(), master_weights="stochastic")
+    free = lowprec.Float8CurrentScalingQuantizer(torch.float8_e4m3fn).quantize(
+        torch.randn(32, 32))
+    with pytest.raises(TypeError, match="quantized_model_init"):
+        AdamW([free])
     opt = AdamW(ps[:1])
     with pytest.raises(TypeError, match="float64"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]})
@@ -221,3 +225,62 @@ def test_trains_a_model_with_quantized_gemms():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0]
+
+
+def _quantized_model(seed=0):
+    torch.manual_seed(seed)
+    with lowprec.quantized_model_init(recipe=lowprec.recipe.Float8CurrentScaling()):
+        return torch.nn.Sequential(lowprec.Linear(64, 64, name="a"), torch.nn.GELU(),
+                                   lowprec.Linear(64, 32, name="b"))
+
+
+def _train_quantized(model, opt, steps, first=0):
+    losses = []
+    for step in range(first, first + steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(128, 64, generator=g)
+        with lowprec.autocast(recipe=lowprec.recipe.Float8CurrentScaling()):
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_quantized_weights_are_stepped_as_the_wrapper_steps_them():
+    """quantized_model_init weights: AdamW keeps their fp32 masters itself and re-quantizes
+    them in place, as QuantizedWeightOptimizer around it does, bit for bit."""
+    a, b = _quantized_model(), _quantized_model()
+    ours = AdamW(a.parameters(), lr=1e-2)
+    wrapped = lowprec.optim.QuantizedWeightOptimizer(b, AdamW, lr=1e-2)
+    la, lb = _train_quantized(a, ours, 4), _train_quantized(b, wrapped, 4)
+    assert la == lb and la[-1] < la[0]
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert type(p) is type(q)
+        assert torch.equal(p.dequantize(), q.dequantize()) if isinstance(
+            p, lowprec.formats.base.QuantizedTensor) else torch.equal(p, q)
+
+
+@pytest.mark.parametrize("master", ["fp32", None])
+def test_quantized_weights_resume_bit_identically(master):
+    kw = dict(lr=1e-2, exp_avg_dtype=FP8, exp_avg_sq_dtype=BF16, master_weights=master)
+    whole = _quantized_model()
+    opt = AdamW(whole.parameters(), **kw)
+    _train_quantized(whole, opt, 5)
+    first = _quantized_model()
+    opt1 = AdamW(first.parameters(), **kw)
+    _train_quantized(first, opt1, 3)
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optim": opt1.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    second = _quantized_model(seed=1)
+    second.load_state_dict(saved["model"])
+    opt2 = AdamW(second.parameters(), **kw)
+    opt2.load_state_dict(saved["optim"])
+    _train_quantized(second, opt2, 2, first=3)
+    for p, q in zip(whole.parameters(), second.parameters()):
+        pv = p.dequantize() if isinstance(p, lowprec.formats.base.QuantizedTensor) else p
+        qv = q.dequantize() if isinstance(q, lowprec.formats.base.QuantizedTensor) else q
+        assert torch.equal(pv, qv)
