@@ -21,8 +21,8 @@ MXFP8 (1x32 blocks) traces as its exact dequantized values (``formats.mxfp8.comp
 multiplied by bf16 GEMMs on CUDA, as eager runs it on GPUs without MX tensor cores.
 
 Inductor computes fused bf16 ops in fp32 and skips the rounding between them; the traced
-quantize therefore rounds its input to bf16 in integer arithmetic and builds bf16 outputs
-from their bits (``_rounded``, ``_output``), so a neighbour fused into it reads and hands
+quantizes therefore round their input as eager's bf16 tensor is rounded, and build bf16
+outputs from their bits (``traced_steps``), so a neighbour fused into them reads and hands
 on eager's values. Bit identity assumes inductor's default GEMM lowering (the cuBLAS
 calls); ``max-autotune`` may pick GEMM kernels of its own.
 
@@ -55,10 +55,11 @@ from ..formats.float8.tensor import Float8Tensor
 from ..formats.mxfp8.compiled import dequantized_1x32, dequantized_32x1
 from ..formats.mxfp8.launch import mxfp8_exact_inline
 from ..formats.mxfp8.reference import BLOCK as MX_BLOCK
-from ..kernels import graph_op, use_kernels
+from ..kernels import use_kernels
 from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from ..state import push_amaxes
 from . import grad_split
+from . import traced_steps as steps
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -73,10 +74,10 @@ class Tensorwise:
 
     def scale(self, t2d: torch.Tensor) -> torch.Tensor:
         """The fp32 scale (one element) of ``t2d``, as ``formats.float8.reference``."""
-        return current_scale(rounded_amax(t2d), self.fp8_dtype, pow2=self.pow2, eps=self.eps)
+        return current_scale(steps.rounded_amax(t2d), self.fp8_dtype, pow2=self.pow2, eps=self.eps)
 
     def cast(self, t2d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return cast_fp8(_rounded(t2d) * scale, self.fp8_dtype)
+        return cast_fp8(steps.rounded(t2d) * scale, self.fp8_dtype)
 
     def quantize(self, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp8 data, fp32 scale of one element)."""
@@ -122,7 +123,7 @@ class Delayed:
 
     @staticmethod
     def amax(t2d: torch.Tensor) -> torch.Tensor:
-        return rounded_amax(t2d)
+        return steps.rounded_amax(t2d)
 
     def quantize(self, t2d: torch.Tensor, scale: torch.Tensor):
         """(fp8 data, the scale cast with, its amax to record) of ``t2d`` under the state's
@@ -133,63 +134,6 @@ class Delayed:
 
     cast = Tensorwise.cast  # the same saturating cast with a given scale
     transposed = Tensorwise.transposed
-
-
-def _bf16_rne_bits(bits: torch.Tensor) -> torch.Tensor:
-    """fp32 bits (int32) rounded to nearest even at bf16 precision, still 32 bits wide
-    (NaN stays NaN: eager's bf16 NaNs keep high mantissa bits, and inductor's are
-    canonical)."""
-    return bits + (0x7FFF + ((bits >> 16) & 1))
-
-
-def _rounded(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in fp32, rounded to bf16 precision in integer arithmetic: for a bf16 tensor
-    its exact value. A compiler that fuses the op producing ``t`` computes it in fp32 and
-    hands on the unrounded value (inductor elides the bf16 round trip between fused ops);
-    this rounds it as eager's bf16 tensor is rounded, in whatever kernel it lands. fp32
-    passes through."""
-    if t.dtype == torch.float32:
-        return t
-    return (_bf16_rne_bits(t.to(torch.float32).view(torch.int32)) & -65536).view(torch.float32)
-
-
-def rounded_amax(t2d: torch.Tensor) -> torch.Tensor:
-    """amax(|t2d|) of ``t2d``'s bf16-rounded values (1-element fp32), as eager's amax of the
-    bf16 tensor. Rounding to nearest is monotonic and symmetric, so the largest rounded
-    magnitude is the rounded largest magnitude: the rounding is applied to the one result,
-    and the reduction reads the producer's expression alone, which inductor then fuses
-    with its neighbours' reductions (the amaxes of dgate and dup in one pass) instead of
-    writing the rounded magnitudes to an fp32 buffer first. The rounding reads the
-    reduction's dtype (bf16), as inductor may hand on its fp32 value unrounded."""
-    return _rounded(t2d.abs().amax()).reshape(1)
-
-
-def _output(out_fp32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``out_fp32.to(dtype)`` whose bf16 rounding a fused consumer cannot elide: the bf16
-    values are made from their bits, so any kernel the compiler fuses this into reads the
-    rounded numbers eager's consumer reads."""
-    if dtype != torch.bfloat16:
-        return out_fp32.to(dtype)
-    half = _bf16_rne_bits(out_fp32.view(torch.int32)) >> 16
-    return half.to(torch.int16).view(torch.bfloat16)
-
-
-def _plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``out + bias`` in fp32 after the GEMM, as eager's emulation adds it: a custom op,
-    so the compiler does not fold the add into the GEMM (an ``addmm`` accumulates the bias
-    with the products and rounds differently)."""
-    return out if bias is None else bias_add(out, bias)
-
-
-@graph_op("bias_add")
-def bias_add(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``out + bias`` in fp32 (``out`` fp32 (M, N), ``bias`` (N,))."""
-    return out + bias.to(torch.float32)
-
-
-@torch.library.register_fake("lowprec::bias_add")
-def _bias_add_fake(out, bias):
-    return torch.empty_like(out)
 
 
 def _exact_reciprocal(scale: torch.Tensor) -> torch.Tensor:
@@ -226,7 +170,7 @@ class Blockwise:
         along C."""
         if self.kernel:
             return self._launch(t2d, True, False)[0]
-        return quantize_blocks(_rounded(t2d), self.fp8_dtype, self.dim, pow2=self.pow2,
+        return quantize_blocks(steps.rounded(t2d), self.fp8_dtype, self.dim, pow2=self.pow2,
                                eps=self.eps)
 
     def quantize_t(self, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,13 +245,13 @@ class MXBlocks:
         the kernel: exact either way)."""
         if self.kernel:
             return self._launch(t2d, True, False)[0]
-        return dequantized_1x32(_rounded(t2d), self.fp8_dtype)
+        return dequantized_1x32(steps.rounded(t2d), self.fp8_dtype)
 
     def values_t(self, t2d: torch.Tensor) -> torch.Tensor:
         """``values(t2d.t())``, computed along ``t2d``'s rows (see ``dequantized_32x1``)."""
         if self.kernel:
             return self._launch(t2d, False, True)[1]
-        return dequantized_32x1(_rounded(t2d), self.fp8_dtype)
+        return dequantized_32x1(steps.rounded(t2d), self.fp8_dtype)
 
     def values_both(self, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(values(t2d), values_t(t2d))``, in one pass where the kernel runs."""
@@ -414,7 +358,7 @@ def plan_for(recipe, x: torch.Tensor, weight: torch.Tensor,
 def _plan_for(recipe, x, weight, bias) -> TracedPlan | None:
     if recipe.backward_mode != "default":
         return None
-    # fp16 keeps the opaque call: ``_rounded`` restores bf16 rounding only
+    # fp16 keeps the opaque call: ``steps.rounded`` restores bf16 rounding only
     if x.dtype not in (torch.bfloat16, torch.float32):
         return None
     if type(recipe) is Float8BlockScaling:
@@ -451,10 +395,10 @@ def _gemm(plan: TracedPlan, a, a_scale, b, b_scale, out_dtype, bias=None) -> tor
                                bias=bias if fused else None, out_dtype=out_dtype,
                                use_fast_accum=False)
         if bias is not None and not fused:
-            res = _output(res.to(torch.float32) + bias.to(torch.float32), out_dtype)
+            res = steps.as_output(res.to(torch.float32) + bias.to(torch.float32), out_dtype)
         return res
     out = (a.to(torch.float32) / a_scale) @ (b.to(torch.float32) / b_scale).t()
-    return _output(_plus_bias(out, bias), out_dtype)
+    return steps.as_output(steps.plus_bias(out, bias), out_dtype)
 
 
 def _block_gemm(plan: TracedPlan, a, a_scale, a_dim, b, b_scale, b_dim, out_dtype,
@@ -465,7 +409,7 @@ def _block_gemm(plan: TracedPlan, a, a_scale, a_dim, b, b_scale, b_dim, out_dtyp
     (the reference's dequantize, an fp32 GEMM)."""
     if not plan.cublas:
         out = dequantize_blocks(a, a_scale, a_dim) @ dequantize_blocks(b, b_scale, b_dim).t()
-        return _output(_plus_bias(out, bias), out_dtype)
+        return steps.as_output(steps.plus_bias(out, bias), out_dtype)
     decode = _exact_reciprocal
     # 1x128 (R, K/128): contiguous (K/128, R), read as its transpose; 128x128 as it is
     scale_a = decode(a_scale.t()).contiguous().t() if a_dim == 1 else decode(a_scale).contiguous()
@@ -476,53 +420,8 @@ def _block_gemm(plan: TracedPlan, a, a_scale, a_dim, b, b_scale, b_dim, out_dtyp
                            bias=bias if fused else None, out_dtype=out_dtype,
                            use_fast_accum=False)
     if bias is not None and not fused:
-        res = _output(res.to(torch.float32) + bias.to(torch.float32), out_dtype)
+        res = steps.as_output(res.to(torch.float32) + bias.to(torch.float32), out_dtype)
     return res
-
-
-@graph_op("bias_grad")
-def bias_grad(dy2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``dy2d.sum(0)`` in ``dtype``, as eager sums it (a reduction the compiler would
-    order its own way)."""
-    return dy2d.sum(dim=0).to(dtype)
-
-
-@torch.library.register_fake("lowprec::bias_grad")
-def _bias_grad_fake(dy2d, dtype):
-    return dy2d.new_empty(dy2d.shape[1:], dtype=dtype)
-
-
-def _finish(ctx, x, weight, bias, plan: TracedPlan, y: torch.Tensor) -> torch.Tensor:
-    """Record what backward needs besides the saved tensors; y in x's leading shape."""
-    ctx.plan, ctx.has_bias = plan, bias is not None
-    ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-    return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _finish_requantizing(ctx, x, x2d, weight, bias, plan: TracedPlan,
-                         y: torch.Tensor) -> torch.Tensor:
-    """``_finish`` for a Function whose backward quantizes x and the weight again from the
-    tensors themselves: keeps x (for wgrad) and the weight (for dgrad), as they came."""
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    ctx.save_for_backward(x2d if need_dw else None, weight if need_dx else None)
-    return _finish(ctx, x, weight, bias, plan, y)
-
-
-def _cat(parts: list) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _backward(ctx, dy, grads) -> tuple:
-    """The traced Functions' backward: ``grads(ctx, dy2d, need_dx, need_dw, *saved)``
-    gives (dX as 2-D or None, dW or None); the bias gradient is eager's sum. It runs with
-    torch.autocast off, as eager's backward does (AOT traces the backward under the
-    forward's autocast state)."""
-    with torch.autocast(dy.device.type, enabled=False):
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        dx, dw = grads(ctx, dy2d, need_dx, need_dw, *ctx.saved_tensors)
-        db = bias_grad(dy2d, ctx.w_dtype) if need_db and ctx.has_bias else None
-        return None if dx is None else dx.reshape(ctx.x_shape), dw, db, None
 
 
 class _TracedBlockLinear(torch.autograd.Function):
@@ -539,11 +438,11 @@ class _TracedBlockLinear(torch.autograd.Function):
         xq, xs = plan.x.quantize(x2d)
         wq, ws = plan.w.quantize(weight)
         y = _block_gemm(plan, xq, xs, 1, wq, ws, plan.w.dim, x.dtype, bias)
-        return _finish_requantizing(ctx, x, x2d, weight, bias, plan, y)
+        return steps.finish_requantizing(ctx, x, x2d, weight, bias, plan, y)
 
     @staticmethod
     def backward(ctx, dy):
-        return _backward(ctx, dy, _TracedBlockLinear._grads)
+        return steps.traced_backward(ctx, dy, _TracedBlockLinear._grads)
 
     @staticmethod
     def _weight_columnwise(plan: TracedPlan, weight: torch.Tensor):
@@ -565,12 +464,14 @@ class _TracedBlockLinear(torch.autograd.Function):
             dyq, dyq_t = plan.dy.quantize_both(dy2d)
         if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T, 1x128 blocks along M
             xcq, xcs = plan.x.quantize_t(x2d)
-            dw = _cat([_block_gemm(plan, *(dyq_t or plan.dy.quantize_t(dy2d[:, a:a + cols])),
-                                   1, xcq, xcs, 1, ctx.w_dtype) for a in range(0, n, cols)])
+            dw = steps.joined([
+                _block_gemm(plan, *(dyq_t or plan.dy.quantize_t(dy2d[:, a:a + cols])), 1, xcq,
+                            xcs, 1, ctx.w_dtype) for a in range(0, n, cols)])
         if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
             wcq, wcs = _TracedBlockLinear._weight_columnwise(plan, weight)
-            dx = _cat([_block_gemm(plan, *(dyq or plan.dy.quantize(dy2d[a:a + rows])), 1, wcq,
-                                   wcs, plan.w.dim, ctx.x_dtype) for a in range(0, m, rows)])
+            dx = steps.joined([
+                _block_gemm(plan, *(dyq or plan.dy.quantize(dy2d[a:a + rows])), 1, wcq, wcs,
+                            plan.w.dim, ctx.x_dtype) for a in range(0, m, rows)])
         return dx, dw
 
 
@@ -589,11 +490,11 @@ class _TracedLinear(torch.autograd.Function):
         # leaves the compiler free to recompute x from what the neighbouring ops keep
         # anyway (the norm's input) rather than hold an fp8 copy of every input.
         ctx.save_for_backward(x2d if need_dw else None, xs, weight if need_dx else None, ws)
-        return _finish(ctx, x, weight, bias, plan, y)
+        return steps.finish(ctx, x, weight, bias, plan, y)
 
     @staticmethod
     def backward(ctx, dy):
-        return _backward(ctx, dy, _TracedLinear._grads)
+        return steps.traced_backward(ctx, dy, _TracedLinear._grads)
 
     @staticmethod
     def _grads(ctx, dy2d, need_dx, need_dw, x2d, xs, w, ws):
@@ -656,11 +557,11 @@ class _TracedDelayedLinear(torch.autograd.Function):
         ctx.save_for_backward(x2d if need_dw else None, xs, weight if need_dx else None, ws,
                               *bwd[:4])
         ctx.update = bwd[4:]
-        return _finish(ctx, x, weight, bias, plan, y)
+        return steps.finish(ctx, x, weight, bias, plan, y)
 
     @staticmethod
     def backward(ctx, dy):
-        out = _backward(ctx, dy, _TracedDelayedLinear._grads)
+        out = steps.traced_backward(ctx, dy, _TracedDelayedLinear._grads)
         return (*out, None, None)
 
     @staticmethod
@@ -683,7 +584,7 @@ def _mx_gemm(plan: TracedPlan, a: torch.Tensor, b: torch.Tensor, out_dtype,
     same layouts (and so the same kernel) as in eager."""
     if plan.cublas:
         return torch.mm(a.to(torch.bfloat16).contiguous(), b.to(torch.bfloat16).contiguous().t())
-    return _output(_plus_bias(a @ b.t(), bias), out_dtype)
+    return steps.as_output(steps.plus_bias(a @ b.t(), bias), out_dtype)
 
 
 class _TracedMXLinear(torch.autograd.Function):
@@ -696,11 +597,11 @@ class _TracedMXLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: TracedPlan):
         x2d = x.reshape(-1, x.shape[-1])
         y = _mx_gemm(plan, plan.x.values(x2d), plan.w.values(weight), x.dtype, bias)
-        return _finish_requantizing(ctx, x, x2d, weight, bias, plan, y)
+        return steps.finish_requantizing(ctx, x, x2d, weight, bias, plan, y)
 
     @staticmethod
     def backward(ctx, dy):
-        return _backward(ctx, dy, _TracedMXLinear._grads)
+        return steps.traced_backward(ctx, dy, _TracedMXLinear._grads)
 
     @staticmethod
     def _grads(ctx, dy2d, need_dx, need_dw, x2d, weight):

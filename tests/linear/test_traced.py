@@ -85,46 +85,6 @@ def test_fused_neighbours_keep_eager_rounding(device, bias):
         assert torch.equal(w, g)
 
 
-def test_rounded_amax_is_the_amax_of_rounded_values():
-    """``rounded_amax`` rounds once, after the reduction; inductor hands it the producer's
-    unrounded fp32 values, so it must equal the amax of those values each rounded to bf16
-    (eager's tensor): rounding to nearest is monotonic and symmetric. fp32 values of every
-    magnitude, bf16 overflow (to inf), infinities and NaN."""
-    g = torch.Generator().manual_seed(0)
-    v = torch.randn(1 << 16, generator=g) * torch.exp2(
-        torch.randint(-140, 128, (1 << 16,), generator=g).float())
-    for extra in ([], [3.4e38], [-float("inf")], [float("nan"), 1.0]):
-        t = torch.cat([v, torch.tensor(extra)]) if extra else v
-        want = t.to(torch.bfloat16).abs().amax().float().reshape(1)
-        got = traced.rounded_amax(t.to(torch.bfloat16))
-        scalar = traced.rounded_amax(t.abs().amax().to(torch.bfloat16).reshape(1, 1))
-        for x in (got, scalar):
-            assert x.dtype == torch.float32 and x.shape == (1,)
-            assert torch.equal(x, want) or (torch.isnan(x).all() and torch.isnan(want).all())
-        # the order inductor may take: max of the unrounded values, rounded once
-        once = traced._output(t.abs().amax().reshape(1), torch.bfloat16).float()
-        assert torch.equal(once, want) or (torch.isnan(once).all() and torch.isnan(want).all())
-
-
-def test_bf16_rounding_helpers_are_exact():
-    """``_rounded`` is the identity on every bf16 value and rounds fp32 as ``.to(bf16)``
-    does; ``_output`` is ``.to(bf16)`` bit for bit, NaN, infinities and overflow included."""
-    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    assert torch.equal(traced._rounded(every).view(torch.int32),
-                       every.float().view(torch.int32))
-    g = torch.Generator().manual_seed(0)
-    v = torch.randn(1 << 18, generator=g) * torch.exp2(
-        torch.randint(-149, 128, (1 << 18,), generator=g).float())
-    v = torch.cat([v, torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4028235e38,
-                                    -3.4028235e38, 1e-45, -0.0])])
-    want = v.to(torch.bfloat16)
-    got = traced._output(v, torch.bfloat16)
-    assert torch.equal(got.view(torch.int16)[:-7], want.view(torch.int16)[:-7])
-    assert torch.equal(got[-6:], want[-6:]) and torch.isnan(got[-7])
-    half = v[:-7].to(torch.bfloat16)
-    assert torch.equal(traced._rounded(half), half.float())
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID])
