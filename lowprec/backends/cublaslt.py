@@ -139,8 +139,11 @@ def _lib():
     return _State.lib
 
 
+@torch.compiler.assume_constant_result
 def available() -> bool:
-    """Whether cuBLASLt could be loaded (CUDA only) and is not :class:`disabled`."""
+    """Whether cuBLASLt could be loaded (CUDA only) and is not :class:`disabled`. A compiled
+    graph reads the answer as a constant of its trace (loading the library is no graph
+    op), so a graph traced outside :class:`disabled` keeps cuBLASLt inside it."""
     return _enabled and _lib() is not None
 
 

@@ -116,6 +116,14 @@ def exact_bf16_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     and dtype to write it to (directly where cuBLAS or cuBLASLt writes it, else copied)."""
     am, div_a = bf16_operand(a, a_usage)
     bm, div_b = bf16_operand(b, b_usage)
+    return exact_product(am, div_a, bm, div_b, out_dtype, bias, out)
+
+
+def exact_product(am, div_a, bm, div_b, out_dtype, bias=None, out=None):
+    """``(am / div_a) @ (bm / div_b).T + bias`` of exact bf16 matrices ``am`` (M, K) and
+    ``bm`` (N, K) with fp32 divisors (None: 1), rounded once to ``out_dtype``, as
+    :func:`exact_bf16_run` computes it (also the traced linears' GEMM, so compiled steps
+    run the same library calls)."""
     if div_a is None and div_b is None and out_dtype == torch.bfloat16 and (
             bias is None or bias.dtype == torch.bfloat16):
         # Nothing left to do in fp32: cuBLAS accumulates in fp32 and rounds once to bf16.

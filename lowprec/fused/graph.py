@@ -20,17 +20,20 @@ import torch
 from ..activations import REGISTRY, activation_fp32, activation_grad
 from ..autocast import torch_autocast_dtype
 from ..kernels import graph_op, use_kernels
+from ..recipe import NVFP4BlockScaling
 from .norm_math import norm_backward, norm_fp32, norm_gamma
 from .norm_quantize import kernel_norm
 from .prologue import activation_prologue, apply_prologue
 
 
-def producer_kernel(x: torch.Tensor) -> bool:
-    """Whether eager mode would hand a traced plan's quantizer ``x``'s producer through a
-    fused kernel (``lowprec.fused.can_fuse`` for the quantizers a traced plan uses: they
-    all take a prologue, and the plan's shapes fill their blocks)."""
+def producer_kernel(x: torch.Tensor, recipe) -> bool:
+    """Whether eager mode would hand the quantizer of a traced plan under ``recipe``
+    ``x``'s producer through a fused kernel (``lowprec.fused.can_fuse``: every traced
+    recipe's quantizers but NVFP4's take a prologue, and the plan's shapes fill their
+    blocks)."""
     from . import enabled  # the switch ``lowprec.fused.unfused`` turns off
-    return enabled and use_kernels(x) and torch_autocast_dtype(x) is None
+    return (enabled and use_kernels(x) and torch_autocast_dtype(x) is None
+            and not isinstance(recipe, NVFP4BlockScaling))
 
 
 def _none(t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ Its quantize is the reference's torch ops off CUDA and eager's Triton kernel on 
 several times the kernel's GPU time. Off CUDA every recipe's GEMMs are the fp32 emulation
 eager runs there.
 MXFP8 (1x32 blocks) traces as its exact dequantized values (``formats.mxfp8.compiled``)
-multiplied by bf16 GEMMs on CUDA, as eager runs it on GPUs without MX tensor cores.
+multiplied by bf16 GEMMs on CUDA, as eager runs it on GPUs without MX tensor cores; NVFP4
+likewise, with its global scales and stochastic-rounding keys (``traced_nvfp4``).
 
 Inductor computes fused bf16 ops in fp32 and skips the rounding between them; the traced
 quantizes therefore round their input as eager's bf16 tensor is rounded, and build bf16
@@ -31,7 +32,7 @@ quantizes read them and record their amaxes into the state in place
 (:class:`_TracedDelayedLinear`).
 
 What this traces is decided by :func:`plan_for` from the recipe and the shapes; anything
-else (a callable amax algorithm, NVFP4, 2-D MXFP8 weights, ``CustomRecipe``, quantized
+else (a callable amax algorithm, 2-D MXFP8 weights, ``CustomRecipe``, quantized
 weights other than per-tensor FP8 under current scaling and 128x128 FP8 blocks, tensor
 parallelism, boundary roles, fp16, shapes eager would pad, slice or hand to another
 backend) stays one opaque call (``lowprec.compiled_call``).
@@ -56,10 +57,17 @@ from ..formats.mxfp8.compiled import dequantized_1x32, dequantized_32x1
 from ..formats.mxfp8.launch import mxfp8_exact_inline
 from ..formats.mxfp8.reference import BLOCK as MX_BLOCK
 from ..kernels import use_kernels
-from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from ..recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 from ..state import push_amaxes
 from . import grad_split
 from . import traced_steps as steps
+from .traced_nvfp4 import FP4Blocks, TracedNVFP4Linear, nvfp4_plan
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -269,9 +277,9 @@ class TracedPlan:
     GEMMs run on cuBLAS (CUDA) or in the exact fp32 emulation (elsewhere), as the eager
     dispatcher would choose for the same operands."""
 
-    x: Tensorwise | Delayed | Blockwise | MXBlocks
-    w: Tensorwise | GivenTensorwise | Delayed | Blockwise | GivenBlocks | MXBlocks
-    dy: Tensorwise | Delayed | Blockwise | MXBlocks
+    x: Tensorwise | Delayed | Blockwise | MXBlocks | FP4Blocks
+    w: Tensorwise | GivenTensorwise | Delayed | Blockwise | GivenBlocks | MXBlocks | FP4Blocks
+    dy: Tensorwise | Delayed | Blockwise | MXBlocks | FP4Blocks
     cublas: bool
     #: (rows per dgrad slice, columns per wgrad slice) where eager slices dY
     #: (``grad_split``; the same slices give the same GEMMs), else None
@@ -365,6 +373,9 @@ def _plan_for(recipe, x, weight, bias) -> TracedPlan | None:
         return _block_plan(recipe, x, weight)
     if type(recipe) is MXFP8BlockScaling:
         return _mx_plan(recipe, x, weight, bias)
+    if type(recipe) is NVFP4BlockScaling:
+        fp4 = nvfp4_plan(recipe, x, weight)
+        return None if fp4 is None else TracedPlan(*fp4, cublas=x.device.type == "cuda")
     if type(recipe) is Float8CurrentScaling:
         fmt, pow2 = recipe.fp8_format, recipe.use_power_2_scales
         fwd, bwd = Tensorwise(fmt.fwd_dtype, pow2), Tensorwise(fmt.bwd_dtype, pow2)
@@ -634,7 +645,7 @@ def traced_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     plan = plan_for(recipe, x, weight, bias, amp=amp is not None)
     if plan is None or isinstance(plan.x, Delayed) != (delayed is not None):
         return NotImplemented
-    fn = {Blockwise: _TracedBlockLinear, MXBlocks: _TracedMXLinear,
+    fn = {Blockwise: _TracedBlockLinear, MXBlocks: _TracedMXLinear, FP4Blocks: TracedNVFP4Linear,
           Delayed: _TracedDelayedLinear}.get(type(plan.x), _TracedLinear)
     args = (x, weight, bias, plan)
     if delayed is not None:

@@ -75,7 +75,7 @@ class LayerNormLinear(LowprecModule):
             return NotImplemented
         # eager fuses the norm into the quantize unless it returns the norm output
         ln = graph_norm(self, x, kernel=not self.return_layernorm_output
-                        and producer_kernel(x))
+                        and producer_kernel(x, recipe))
         y = traced.traced_linear(recipe, ln, self.weight, self.bias, delayed)
         return (y, ln) if self.return_layernorm_output else y
 

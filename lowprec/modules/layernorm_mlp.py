@@ -93,7 +93,7 @@ class LayerNormMLP(LowprecModule):
                 or traced.plan_for(recipe, x.new_empty((*x.shape[:-1], w2.shape[1])), w2,
                                    b2) is None):
             return NotImplemented
-        kernel = producer_kernel(x)  # eager's fused norm and activation
+        kernel = producer_kernel(x, recipe)  # eager's fused norm and activation
         h1 = traced.traced_linear(recipe, graph_norm(self, x, kernel=kernel), w1, b1)
         a = graph_activation(self.activation, h1, kernel=kernel)
         return traced.traced_linear(recipe, a, w2, b2)

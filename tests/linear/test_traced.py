@@ -17,7 +17,6 @@ from lowprec.recipe import (
     Float8CurrentScaling,
     Format,
     MXFP8BlockScaling,
-    NVFP4BlockScaling,
 )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -284,10 +283,9 @@ def test_delayed_traced_under_no_grad_and_callable_algo_stay_opaque():
     assert any("lowprec.call" in t for t in ops.targets)
 
 
-@pytest.mark.parametrize("recipe", [NVFP4BlockScaling(),
-                                    MXFP8BlockScaling(enable_2d_quantization=True),
+@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(enable_2d_quantization=True),
                                     Float8CurrentScaling(backward_mode="high_precision")],
-                         ids=["nvfp4", "mxfp8_2d", "hp_backward"])
+                         ids=["mxfp8_2d", "hp_backward"])
 def test_untraced_recipes_keep_the_opaque_call(recipe):
     ops = GraphOps()
     m = lowprec.Linear(64, 32, name="l")

@@ -1,0 +1,63 @@
+"""NVFP4 in a traced graph (``lowprec.linear.traced_nvfp4``): each direction's values as
+eager's GEMMs read them, and the stochastic-rounding keys drawn where eager draws them.
+
+* With the kernels (CUDA with Triton) a direction is the exact bf16 ``q * d`` that
+  eager's quantize writes for its bf16 GEMM (``launch.nvfp4_quantize`` with
+  ``codes=False``), with the global encode scale ``S`` as the GEMM's divisor: the same op,
+  so the same bits.
+* Elsewhere it is what eager's fp32 emulation multiplies: the reference's ``(q * d) / S``
+  in fp32, a columnwise direction carrying the RHT brought back to the original domain
+  (``NVFP4Tensor._dequantize_2d``), and no divisor. The caller rounds a bf16 input first
+  (a fused producer hands on fp32 values, see ``linear.traced_steps``).
+* Keys: eager draws one key per quantized direction from torch's default generator when
+  it quantizes, rowwise first (``NVFP4Quantizer._kernel_keys``). ``torch.randint`` traced
+  into a graph would draw from the compiler's own generator, so :func:`draw_keys` is an op
+  that calls eager's ``draws.draw_key``; it reads the tensor being quantized, which places
+  it where eager draws (after the layer above's backward produced that tensor).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ...kernels import graph_op
+from ..rht import rht_forward, rht_inverse
+from .draws import draw_key, uniforms
+from .launch import nvfp4_quantize
+from .reference import dequantize_matrix, quantize_matrix
+
+
+@graph_op("nvfp4_draw_keys", tags=(torch.Tag.nondeterministic_seeded,))
+def draw_keys(anchor: Tensor, count: int) -> Tensor:
+    """``count`` stochastic-rounding keys, (count, 2) int64 on ``anchor``'s device, drawn
+    one after another from its default generator as eager's quantize draws them."""
+    return torch.stack([draw_key(None, anchor.device) for _ in range(count)])
+
+
+@torch.library.register_fake("lowprec::nvfp4_draw_keys")
+def _draw_keys_fake(anchor, count):
+    return anchor.new_empty((count, 2), dtype=torch.int64)
+
+
+def kernel_values(x2d: Tensor, rowwise: bool, columnwise: bool, *, rht: bool, two_d: bool,
+                  key_row: Optional[Tensor] = None, key_col: Optional[Tensor] = None):
+    """((rowwise bf16 ``q * d``, S), (columnwise (K, M) ``q * d``, S)) of a 2-D CUDA input
+    in one call of eager's quantize op; a direction not asked for is (None, None)."""
+    _, _, rs, _, _, cs, rv, cv = nvfp4_quantize(x2d, key_row, key_col, rowwise, columnwise,
+                                                rht, two_d, rowwise, columnwise, False)
+    return (rv, rs) if rowwise else (None, None), (cv, cs) if columnwise else (None, None)
+
+
+def reference_values(x: Tensor, rowwise: bool, *, rht: bool, two_d: bool,
+                     key: Optional[Tensor] = None) -> Tensor:
+    """fp32 values of one direction of the 2-D fp32 ``x`` as eager's fp32 emulation reads
+    them: rowwise (M, K), columnwise (K, M) in the original domain."""
+    m = x if rowwise else x.t().contiguous()
+    if rht and not rowwise:
+        m = rht_forward(m)
+    rand = None if key is None else uniforms(key, *m.shape)
+    values = dequantize_matrix(*quantize_matrix(m, two_d=two_d, rand=rand), two_d=two_d)
+    return rht_inverse(values) if rht and not rowwise else values

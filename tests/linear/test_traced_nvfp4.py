@@ -1,0 +1,166 @@
+"""NVFP4 linears under torch.compile (lowprec/linear/traced_nvfp4.py): traced into the graph
+(no opaque ``lowprec::call``), forward and gradients eager's bit for bit, stochastic
+rounding included (the compiled step draws dY's keys from torch's generator as eager
+does); shapes eager would pad or slice keep the opaque op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import GPU_ONLY, GraphOps
+
+import lowprec
+from lowprec.formats.nvfp4 import compiled as fp4
+from lowprec.formats.nvfp4.draws import draw_key
+from lowprec.linear import grad_split, traced
+from lowprec.linear.traced_nvfp4 import FP4Blocks
+from lowprec.recipe import NVFP4BlockScaling
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _dtype(device):
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def _stack(device, bias):
+    """Two Linears with a ReLU between them (exact in any compiler): the lower layer's dY
+    comes from the upper one's dgrad, so a wrong order of key draws between layers shows."""
+    kw = dict(params_dtype=_dtype(device), device=device, bias=bias)
+    return torch.nn.Sequential(lowprec.Linear(128, 96, name="a", **kw), torch.nn.ReLU(),
+                               lowprec.Linear(96, 64, name="b", **kw))
+
+
+def _run(fn, m, x, dy, recipe, seed):
+    x = x.detach().clone().requires_grad_(True)
+    for p in m.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    with lowprec.autocast(recipe=recipe):
+        y = fn(x)
+    y.backward(dy)
+    return [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+
+
+def _inputs(device):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 48, 128, generator=g).to(device, _dtype(device))
+    x[0, 0, :16] *= 1e-20  # one block scaled far down
+    dy = torch.randn(4, 48, 64, generator=g).to(device, _dtype(device))
+    return x, dy
+
+
+RECIPES = {"default": NVFP4BlockScaling(),
+           "no_rht_1d": NVFP4BlockScaling(disable_rht=True, disable_2d_quantization=True),
+           "no_sr": NVFP4BlockScaling(disable_stochastic_rounding=True)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_nvfp4_traced_bit_identical(device, bias, recipe_name, backend):
+    if backend == "inductor" and recipe_name != "default" and device == "cpu":
+        pytest.skip("inductor on the CPU: the default recipe covers it (compile time)")
+    recipe = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    m = _stack(device, bias)
+    x, dy = _inputs(device)
+    want = _run(m, m, x, dy, recipe, seed=5)
+    ops = GraphOps()
+    compiled = torch.compile(m, backend=ops if backend == "aot_eager" else backend,
+                             fullgraph=True)
+    got = _run(compiled, m, x, dy, recipe, seed=5)
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert w.dtype == g.dtype and torch.equal(w, g), i
+    if backend == "aot_eager":
+        assert not any("lowprec.call" in t for t in ops.targets)
+        draws = sum("nvfp4_draw_keys" in t for t in ops.targets)
+        assert draws == (0 if recipe.disable_stochastic_rounding else 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stochastic_rounding_follows_the_seed(device):
+    """The compiled step's draws come from torch's generator: another seed gives other
+    gradients (through dY's stochastically rounded copies), the same seed the same."""
+    recipe = NVFP4BlockScaling()
+    torch.manual_seed(0)
+    m = _stack(device, False)
+    x, dy = _inputs(device)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    a = _run(compiled, m, x, dy, recipe, seed=5)
+    b = _run(compiled, m, x, dy, recipe, seed=6)
+    c = _run(compiled, m, x, dy, recipe, seed=5)
+    assert torch.equal(a[0], b[0])  # the forward draws nothing
+    assert not torch.equal(a[1], b[1]) and not torch.equal(a[2], b[2])
+    for u, v in zip(a, c):
+        assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draw_keys_draws_as_eager(device):
+    torch.manual_seed(3)
+    want = torch.stack([draw_key(None, device), draw_key(None, device)])
+    torch.manual_seed(3)
+    got = fp4.draw_keys(torch.empty(1, device=device), 2)
+    assert got.shape == (2, 2) and got.dtype == torch.int64 and torch.equal(got, want)
+
+
+def test_plan_and_what_stays_opaque():
+    recipe = NVFP4BlockScaling()
+    w = torch.randn(32, 64)
+    plan = traced.plan_for(recipe, torch.randn(48, 64), w)
+    assert plan.x == FP4Blocks(rht=True) and plan.w == FP4Blocks(two_d=True)
+    assert plan.dy == FP4Blocks(rht=True, sr=True) and not plan.cublas
+    # eager pads to whole 16-blocks (M here): the opaque call
+    assert traced.plan_for(recipe, torch.randn(40, 64), w) is None
+    assert traced.plan_for(recipe, torch.randn(48, 64), torch.randn(24, 64)) is None
+    with grad_split.sliced():  # eager's sliced path
+        assert traced.plan_for(recipe, torch.randn(48, 64), w) is None
+    ops = GraphOps()
+    m = lowprec.Linear(64, 32, name="l")
+    with lowprec.autocast(recipe=recipe):
+        torch.compile(m, backend=ops, fullgraph=True)(
+            torch.randn(40, 64, requires_grad=True)).sum().backward()
+    assert any("lowprec.call" in t for t in ops.targets)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rowwise", [True, False])
+def test_reference_values_are_the_emulations_operands(device, rowwise):
+    """``compiled.reference_values`` is what eager's fp32 emulation multiplies: the
+    quantizer's tensor dequantized (the RHT undone), for the same key."""
+    from lowprec import NVFP4Quantizer
+    x = torch.randn(64, 48, device=device) * 3
+    q = NVFP4Quantizer(with_rht=True, stochastic_rounding=True)
+    q.set_usage(rowwise=rowwise, columnwise=not rowwise)
+    torch.manual_seed(7)
+    want = q.quantize(x).dequantize(usage="rowwise" if rowwise else "columnwise")
+    torch.manual_seed(7)
+    key = draw_key(None, device)
+    got = fp4.reference_values(x, rowwise, rht=True, two_d=False, key=key)
+    assert torch.equal(got if rowwise else got.t(), want.float())
+
+
+@GPU_ONLY[0]
+@GPU_ONLY[1]
+def test_reduce_overhead_steps_match_eager():
+    """CUDA graphs (``mode="reduce-overhead"``) take the NVFP4 step whole and replay it
+    with eager's bits, new keys drawn at every replay."""
+    recipe = NVFP4BlockScaling()
+    torch.manual_seed(0)
+    m = _stack("cuda", False)
+    x, dy = _inputs("cuda")
+    compiled = torch.compile(m, mode="reduce-overhead", fullgraph=True)
+    for seed in (11, 12, 13, 11):
+        want = _run(m, m, x, dy, recipe, seed)
+        got = _run(compiled, m, x, dy, recipe, seed)
+        for i, (w, g) in enumerate(zip(want, got)):
+            assert torch.equal(w, g), (seed, i)
