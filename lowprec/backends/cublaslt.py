@@ -277,18 +277,20 @@ def shape_ok(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype) -> bool
 
 
 def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha_beta: torch.Tensor,
-              out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
+              out_dtype: torch.dtype, out: torch.Tensor | None = None,
+              workspace: torch.Tensor | None = None) -> torch.Tensor | None:
     """``alpha * (am @ bm.T)`` rounded once to ``out_dtype``, with ``alpha_beta`` the (2,)
     fp32 device tensor ``[alpha, 0.0]`` (alpha and cuBLAS's beta); None when cuBLASLt has
     no algorithm for these operands (the caller then takes another path). ``shape_ok`` must
     hold, and the current device must be the operands'. ``out``: a contiguous (M, N)
-    tensor of ``out_dtype`` to write to."""
+    tensor of ``out_dtype`` to write to. ``workspace``: ``WORKSPACE_BYTES`` of the caller's
+    (a compiled graph's), else this stream's own."""
     m, k = am.shape
     n = bm.shape[0]
     dev = am.device
     idx = dev.index
     stream = torch._C._cuda_getCurrentRawStream(idx)
-    ws = _workspace(dev, idx, stream)
+    ws = _workspace(dev, idx, stream) if workspace is None else workspace
     ws_bytes = 0 if ws is None else WORKSPACE_BYTES
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=dev)

@@ -119,11 +119,11 @@ def exact_bf16_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     return exact_product(am, div_a, bm, div_b, out_dtype, bias, out)
 
 
-def exact_product(am, div_a, bm, div_b, out_dtype, bias=None, out=None):
+def exact_product(am, div_a, bm, div_b, out_dtype, bias=None, out=None, *, in_graph=False):
     """``(am / div_a) @ (bm / div_b).T + bias`` of exact bf16 matrices ``am`` (M, K) and
     ``bm`` (N, K) with fp32 divisors (None: 1), rounded once to ``out_dtype``, as
-    :func:`exact_bf16_run` computes it (also the traced linears' GEMM, so compiled steps
-    run the same library calls)."""
+    :func:`exact_bf16_run` computes it. ``in_graph``: a traced linear's GEMM, the same
+    library calls with nothing kept between calls (``kernels.scaled_mm_lt_in_graph``)."""
     if div_a is None and div_b is None and out_dtype == torch.bfloat16 and (
             bias is None or bias.dtype == torch.bfloat16):
         # Nothing left to do in fp32: cuBLAS accumulates in fp32 and rounds once to bf16.
@@ -132,6 +132,9 @@ def exact_product(am, div_a, bm, div_b, out_dtype, bias=None, out=None):
         return torch.addmm(bias, am, bm.t(), out=out)
     if bias is None and use_kernels(am) and cublaslt.shape_ok(am, bm, out_dtype):
         # the divisors in cuBLASLt's epilogue: no fp32 result in memory
+        if in_graph:
+            workspace = am.new_empty(cublaslt.WORKSPACE_BYTES, dtype=torch.uint8)
+            return kernels.scaled_mm_lt_in_graph(am, bm, div_a, div_b, workspace, out_dtype)
         return kernels.scaled_mm_lt(am, bm, div_a, div_b, out_dtype, out=out)
     acc = _mm_fp32_out(am, bm)
     result = kernels.scale_bias_epilogue(acc, div_a, div_b, bias, out_dtype)

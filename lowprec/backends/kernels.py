@@ -24,7 +24,7 @@ from ..formats.mxfp8.dequantize import (  # noqa: F401 - the GEMM backends' help
     mxfp8_dequantize_bf16,
     mxfp8_dequantize_bf16_torch,
 )
-from ..kernels import kernel_op, use_kernels
+from ..kernels import graph_op, kernel_op, use_kernels
 from ..kernels.launch import launch
 
 
@@ -112,14 +112,16 @@ class _LastAlpha:
         return alpha
 
 
-def _scaled_mm_lt(am, bm, div_a, div_b, out_dtype, out=None):
+def _scaled_mm_lt(am, bm, div_a, div_b, out_dtype, out=None, workspace=None):
     from ..kernels.grid import device_guard
     from . import cublaslt
 
     with device_guard(am.device):
-        # alpha and beta are written on the stream the GEMM reads them on
-        result = cublaslt.mm_scaled(am, bm, _LastAlpha.get(div_a, div_b, am.device), out_dtype,
-                                    out)
+        # alpha and beta are written on the stream the GEMM reads them on; a graph's call
+        # (a workspace given) keeps nothing for the next one
+        alpha = (_LastAlpha.get(div_a, div_b, am.device) if workspace is None
+                 else _alpha_launch(div_a, div_b, am.device))
+        result = cublaslt.mm_scaled(am, bm, alpha, out_dtype, out, workspace)
         if result is None:  # no cuBLASLt algorithm for these pointers: fp32 GEMM, then scale
             acc = torch.mm(am, bm.t(), out_dtype=torch.float32)
             result = _epilogue_op(acc, div_a, div_b, None, out_dtype)
@@ -148,6 +150,23 @@ def _scaled_mm_lt_out_op(am: torch.Tensor, bm: torch.Tensor, div_a: Optional[tor
 @_scaled_mm_lt_out_op.register_fake
 def _(am, bm, div_a, div_b, out):
     return None
+
+
+@graph_op("scaled_mm_lt_in_graph")
+def scaled_mm_lt_in_graph(am: torch.Tensor, bm: torch.Tensor, div_a: Optional[torch.Tensor],
+                          div_b: Optional[torch.Tensor], workspace: torch.Tensor,
+                          out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`scaled_mm_lt` as an op of a compiled graph: the cuBLASLt workspace is a tensor
+    of the graph (``cublaslt.WORKSPACE_BYTES``) and alpha is made for the call, so nothing
+    outlives it (CUDA graph trees require the graph's memory pool to own every allocation a
+    step keeps). The same cuBLASLt call as eager's, so the same bits."""
+    return _scaled_mm_lt(am, bm, _divisor(div_a), _divisor(div_b), out_dtype,
+                         workspace=workspace)
+
+
+@torch.library.register_fake("lowprec::scaled_mm_lt_in_graph")
+def _(am, bm, div_a, div_b, workspace, out_dtype):
+    return am.new_empty((am.shape[0], bm.shape[0]), dtype=out_dtype)
 
 
 # ---- dispatch -----------------------------------------------------------------------------

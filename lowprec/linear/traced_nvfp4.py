@@ -92,7 +92,7 @@ def _gemm(plan, a, div_a, b, div_b, out_dtype, bias=None) -> torch.Tensor:
     """``a @ b.T`` (+ bias) as eager multiplies these operands: ``exact_bf16`` on CUDA,
     the fp32 emulation (values already divided) elsewhere."""
     if plan.cublas:
-        return exact_product(a, div_a, b, div_b, out_dtype, bias)
+        return exact_product(a, div_a, b, div_b, out_dtype, bias, in_graph=True)
     return steps.as_output(steps.plus_bias(a @ b.t(), bias), out_dtype)
 
 

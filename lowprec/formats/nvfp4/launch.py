@@ -105,7 +105,7 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
         _check_key("nvfp4_quantize", key, dev)
     if not codes:
         check_exact_only("nvfp4_quantize", rowwise, columnwise, exact_row, exact_col)
-    rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = _quantize_outputs(
+    rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = quantize_outputs(
         x, rowwise, columnwise, two_d, exact_row, exact_col, codes, given)
     exact_row, exact_col = bool(rowwise and exact_row), bool(columnwise and exact_col)
     if not (rowwise or columnwise) or m == 0 or kk == 0:
@@ -246,7 +246,7 @@ def amax_launch(m: int, kk: int, rht: bool, device: torch.device) -> tuple:
     return (max(1, min(tiles, num_sms(device) * ca["PROGS_PER_SM"])),), warps, even
 
 
-def _quantize_outputs(x: Tensor, rowwise: bool, columnwise: bool, two_d: bool,
+def quantize_outputs(x: Tensor, rowwise: bool, columnwise: bool, two_d: bool,
                       exact_row: bool = False, exact_col: bool = False, codes: bool = True,
                       scales_given: bool = False):
     """Uninitialized (data, scale bytes, S) of each direction of an (M, K) x, then the
@@ -275,7 +275,7 @@ def _quantize_outputs(x: Tensor, rowwise: bool, columnwise: bool, two_d: bool,
 def _nvfp4_quantize_fake(x, key_row, key_col, rowwise, columnwise, with_rht, two_d,
                          exact_row=False, exact_col=False, codes=True, rglob_in=None,
                          cglob_in=None, row_offset=0, col_offset=0):
-    return _quantize_outputs(x, rowwise, columnwise, two_d, exact_row, exact_col, codes,
+    return quantize_outputs(x, rowwise, columnwise, two_d, exact_row, exact_col, codes,
                              rglob_in is not None or cglob_in is not None)
 
 
