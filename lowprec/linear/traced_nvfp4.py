@@ -99,20 +99,34 @@ def _gemm(plan, a, div_a, b, div_b, out_dtype, bias=None) -> torch.Tensor:
 class TracedNVFP4Linear(torch.autograd.Function):
     """NVFP4: x and W rowwise for fprop; dY in both directions (with its keys), W
     columnwise for dgrad and x columnwise (RHT'd along M where both wgrad operands carry
-    it, which then cancels) for wgrad."""
+    it, which then cancels) for wgrad.
+
+    The forward makes x's columnwise values in the pass of its rowwise ones (one amax
+    pass for both, as eager) and keeps them, bf16 values in place of the bf16 input it
+    would otherwise keep. A weight in 16x16 blocks (no RHT, no stochastic rounding) has
+    the transpose of its rowwise values as its columnwise ones, so the forward keeps the
+    rowwise values and dgrad reads them transposed: no second pass over the weight."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan):
         x2d = x.reshape(-1, x.shape[-1])
-        y = _gemm(plan, *plan.x.values(x2d, True), *plan.w.values(weight, True), x.dtype, bias)
-        return steps.finish_requantizing(ctx, x, x2d, weight, bias, plan, y)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        (xv, xd), x_col = plan.x.values_both(x2d, True, need_dw, None)
+        transposes = _transposes(plan.w)
+        w_row, w_col = plan.w.values_both(weight, True, need_dx and not transposes, None)
+        y = _gemm(plan, xv, xd, *w_row, x.dtype, bias)
+        w_keep = w_row if transposes else w_col
+        ctx.save_for_backward(*(x_col if need_dw else (None, None)),
+                              *(w_keep if need_dx else (None, None)))
+        ctx.w_transposed = transposes
+        return steps.finish(ctx, x, weight, bias, plan, y)
 
     @staticmethod
     def backward(ctx, dy):
         return steps.traced_backward(ctx, dy, TracedNVFP4Linear._grads)
 
     @staticmethod
-    def _grads(ctx, dy2d, need_dx, need_dw, x2d, weight):
+    def _grads(ctx, dy2d, need_dx, need_dw, xc, xcd, wv, wd):
         if not (need_dx or need_dw):
             return None, None
         plan = ctx.plan
@@ -120,7 +134,15 @@ class TracedNVFP4Linear(torch.autograd.Function):
         dy_row, dy_col = plan.dy.values_both(dy2d, need_dx, need_dw, keys)
         dx = dw = None
         if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T
-            dw = _gemm(plan, *dy_col, *plan.x.values(x2d, False), ctx.w_dtype)
+            dw = _gemm(plan, *dy_col, xc, xcd, ctx.w_dtype)
         if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
-            dx = _gemm(plan, *dy_row, *plan.w.values(weight, False), ctx.x_dtype)
+            wc = wv.t().contiguous() if ctx.w_transposed else wv
+            dx = _gemm(plan, *dy_row, wc, wd, ctx.x_dtype)
         return dx, dw
+
+
+def _transposes(w: FP4Blocks) -> bool:
+    """Whether the weight's columnwise values are the transpose of its rowwise ones: 16x16
+    blocks (the same blocks either way, one global scale) with nearest rounding and no
+    transform."""
+    return w.two_d and not (w.rht or w.sr)
