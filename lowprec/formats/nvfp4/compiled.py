@@ -3,9 +3,8 @@ eager's GEMMs read them, and the stochastic-rounding keys drawn where eager draw
 
 * With the kernels (CUDA with Triton) a direction is the exact bf16 ``q * d`` that
   eager's quantize writes for its bf16 GEMM (``launch.nvfp4_quantize`` with
-  ``codes=False``), with the global encode scale ``S`` as the GEMM's divisor: the same
-  kernels with the same arguments (``launch.nvfp4_exact_inline``, a ``triton_op``), so
-  the same bits.
+  ``codes=False``), with the global encode scale ``S`` as the GEMM's divisor: the same op,
+  so the same bits.
 * Elsewhere it is what eager's fp32 emulation multiplies: the reference's ``(q * d) / S``
   in fp32, a columnwise direction carrying the RHT brought back to the original domain
   (``NVFP4Tensor._dequantize_2d``), and no divisor. The caller rounds a bf16 input first
@@ -27,7 +26,7 @@ from torch import Tensor
 from ...kernels import graph_op
 from ..rht import rht_forward, rht_inverse
 from .draws import draw_key, uniforms
-from .launch import nvfp4_exact_inline
+from .launch import nvfp4_quantize, quantize_outputs
 from .reference import dequantize_matrix, quantize_matrix
 
 
@@ -43,13 +42,28 @@ def _draw_keys_fake(anchor, count):
     return anchor.new_empty((count, 2), dtype=torch.int64)
 
 
+@graph_op("nvfp4_graph_values")
+def _graph_values(x2d: Tensor, key_row: Optional[Tensor], key_col: Optional[Tensor],
+                  rowwise: bool, columnwise: bool, rht: bool,
+                  two_d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(rowwise ``q * d``, its S, columnwise ``q * d``, its S): eager's quantize launcher
+    with ``codes=False`` (a graph op costs a third of the custom op's host time)."""
+    _, _, rs, _, _, cs, rv, cv = nvfp4_quantize(x2d, key_row, key_col, rowwise, columnwise,
+                                                rht, two_d, rowwise, columnwise, False)
+    return rv, rs, cv, cs
+
+
+@torch.library.register_fake("lowprec::nvfp4_graph_values")
+def _graph_values_fake(x2d, key_row, key_col, rowwise, columnwise, rht, two_d):
+    outs = quantize_outputs(x2d, rowwise, columnwise, two_d, rowwise, columnwise, False)
+    return outs[6], outs[2], outs[7], outs[5]
+
+
 def kernel_values(x2d: Tensor, rowwise: bool, columnwise: bool, *, rht: bool, two_d: bool,
                   key_row: Optional[Tensor] = None, key_col: Optional[Tensor] = None):
     """((rowwise bf16 ``q * d``, S), (columnwise (K, M) ``q * d``, S)) of a 2-D CUDA input
-    in one pass of eager's kernels, which inductor launches from its own code; a direction
-    not asked for is (None, None)."""
-    rv, rs, cv, cs = nvfp4_exact_inline(x2d, key_row, key_col, rowwise, columnwise, rht,
-                                        two_d)
+    in one pass of eager's kernels; a direction not asked for is (None, None)."""
+    rv, rs, cv, cs = _graph_values(x2d, key_row, key_col, rowwise, columnwise, rht, two_d)
     return (rv, rs) if rowwise else (None, None), (cv, cs) if columnwise else (None, None)
 
 

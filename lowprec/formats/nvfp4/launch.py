@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ...kernels import kernel_op, use_kernels
 from ...kernels.grid import num_sms
-from ...kernels.launch import launch, launch_in_graph
+from ...kernels.launch import launch
 from ...kernels.tuning import tuning
 from ..base import QuantizedTensor, check_exact_only
 from ..casting import e2m1_codes_to_float, unpack_e2m1
@@ -128,36 +128,6 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
     return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
 
 
-@torch.library.triton_op("lowprec::nvfp4_exact_inline", mutates_args=())
-def nvfp4_exact_inline(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tensor],
-                       rowwise: bool, columnwise: bool, with_rht: bool,
-                       two_d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(rowwise exact bf16 ``q * d``, its S, columnwise (K, M) ``q * d``, its S) of a 2-D
-    CUDA x, as :func:`nvfp4_quantize` with ``codes=False`` makes them, for compiled
-    graphs: a ``triton_op``, whose kernels inductor launches from its own code (no Python
-    launcher a call). The same kernels, so the same bits; a direction not asked for gets
-    empty tensors."""
-    x = x.contiguous()
-    for key in (key_row, key_col):
-        _check_key("nvfp4_exact_inline", key, x.device)
-    # the arguments nvfp4_quantize launches with (codes off: empty data and scale tensors)
-    rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = quantize_outputs(
-        x, rowwise, columnwise, two_d, rowwise, columnwise, False)
-    m, kk = x.shape
-    if not (rowwise or columnwise) or m == 0 or kk == 0:
-        return rex, rglob, cex, cglob
-    sx, idx64 = _row_stride(x), _idx64(m, kk)
-    _amax_pass(x, rglob, cglob, rowwise, columnwise, bool(with_rht and columnwise), idx64,
-               run=launch_in_graph)
-    if rowwise:
-        _launch_row(x, sx, rdata, rscale, rglob, key_row, 0, rex, two_d, False, idx64,
-                    run=launch_in_graph)
-    if columnwise:
-        _launch_col(x, sx, cdata, cscale, cglob, key_col, 0, cex, with_rht, two_d, False,
-                    idx64, run=launch_in_graph)
-    return rex, rglob, cex, cglob
-
-
 def _check_key(op: str, key: Optional[Tensor], device: torch.device) -> None:
     if key is not None and (key.dtype != torch.int64 or tuple(key.shape) != (2,)
                             or key.device != device):
@@ -165,16 +135,14 @@ def _check_key(op: str, key: Optional[Tensor], device: torch.device) -> None:
                          f"{device}, got {key.dtype} {tuple(key.shape)} on {key.device}")
 
 
-def _launch_row(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx64,
-                run=launch) -> None:
+def _launch_row(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx64) -> None:
     """The rowwise kernel over x (M, K), rows sx elements apart (see the kernel's doc);
-    ``exact`` None: no exact values written. ``run``: the launcher (``launch_in_graph``
-    inside a ``triton_op``)."""
+    ``exact`` None: no exact values written."""
     m, kk = x.shape
     cr = tuning.nvfp4_config["row"]
     kb, rb = cr["KB"], (16 if two_d else cr["RB"])
     grid = (triton_cdiv(m, rb) * triton_cdiv(kk // BLOCK, kb),)
-    run(_kernels()._nvfp4_row_kernel, grid,
+    launch(_kernels()._nvfp4_row_kernel, grid,
         x, m, kk, sx, data, scale, glob, key if key is not None else glob, offset, exact,
         TWO_D=bool(two_d), SR=key is not None, VEC=16 // x.element_size(), KB=kb, RB=rb,
         EVEN=m % rb == 0 and (kk // BLOCK) % kb == 0, IDX64=idx64, EXACT=exact is not None,
@@ -182,12 +150,12 @@ def _launch_row(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx6
 
 
 def _launch_col(x, sx, data, scale, glob, key, offset, exact, rht, two_d, codes,
-                idx64, run=launch) -> None:
+                idx64) -> None:
     """The columnwise kernel over x (M, K), rows sx elements apart (see the kernel's doc)."""
     m, kk = x.shape
     kw = tuning.nvfp4_config["col"]["KW"]
     grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * kw),)
-    run(_kernels()._nvfp4_col_kernel, grid,
+    launch(_kernels()._nvfp4_col_kernel, grid,
         x, m, kk, sx, data, scale, glob, key if key is not None else glob, offset, exact,
         RHT=bool(rht), TWO_D=bool(two_d), SR=key is not None, KW=kw,
         EVEN=m % 64 == 0 and kk % (16 * kw) == 0, IDX64=idx64, EXACT=exact is not None,
@@ -226,13 +194,13 @@ def _nvfp4_exact_slice_fake(x, glob, key, offset, rowwise, with_rht, two_d):
 
 
 def _amax_pass(x: Tensor, rglob: Tensor, cglob: Tensor, rowwise: bool, columnwise: bool,
-               rht: bool, idx64: bool, run=launch) -> None:
+               rht: bool, idx64: bool) -> None:
     """Write the global encode scales of the contiguous x's directions in use."""
     m, kk = x.shape
     ws = torch.zeros(3, dtype=torch.int32, device=x.device)
     ca = tuning.nvfp4_config["amax"]
     grid, warps, even = amax_launch(m, kk, rht, x.device)
-    run(_kernels()._nvfp4_amax_kernel, grid, x, m, kk, ws, rglob, cglob, ROW=bool(rowwise),
+    launch(_kernels()._nvfp4_amax_kernel, grid, x, m, kk, ws, rglob, cglob, ROW=bool(rowwise),
            COL=bool(columnwise), RHT=rht, KW=ca["KW"],
            FLAT=ca["FLAT"], EVEN=even, IDX64=idx64,
            num_warps=warps, **_LAUNCH_OPTS)
