@@ -24,6 +24,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """dynamo's caches emptied before and after the test (files of compiled tests use it
+    through ``pytestmark``), so one test's compiled code and guards never serve another."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def no_kernel_loads_in_capture():
     """Fails a test whose capture loaded a Triton kernel for the first time, naming it.
 

@@ -20,6 +20,8 @@ from lowprec import autocast
 from lowprec.compiled_call import HANDLE_ATTR
 from lowprec.recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 D = 128  # every block divides it (128x128 FP8 blocks, MXFP8 32, NVFP4 16)
 
 
@@ -106,12 +108,6 @@ def _frames(model, rname) -> int:
     linears = any(type(m) in (lowprec.Linear, lowprec.LayerNormLinear) for m in model.modules())
     return 2 if rname == "delayed" and linears else 1
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("model", list(MODELS))

@@ -28,11 +28,7 @@ RECIPES = {"current": Float8CurrentScaling(), "block": Float8BlockScaling(),
 HIDDEN = FFN = 512
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _module(kind: str, device, dtype, bias: bool):
