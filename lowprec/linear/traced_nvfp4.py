@@ -5,9 +5,8 @@ GEMMs are eager's: on CUDA the bf16 GEMM of ``backends.exact_bf16`` (exact ``q *
 values, the global scales applied in cuBLASLt's epilogue), elsewhere the fp32 emulation.
 So the compiled forward and gradients are eager's bit for bit:
 
-* the input and the weight carry no stochastic rounding, so backward quantizes them
-  again from the tensors themselves (a quantize is a function of its input), and nothing
-  quantized lives from forward to backward;
+* the forward keeps the values backward multiplies (x's columnwise ones, made in the
+  pass of its rowwise ones; the weight's, see :class:`TracedNVFP4Linear`);
 * dY's keys are drawn by an op of the graph from torch's default generator, in eager's
   order (rowwise first; layer by layer, since each layer's dY comes from the one above).
 
