@@ -107,9 +107,11 @@ class TracedNVFP4Linear(torch.autograd.Function):
     rowwise values and dgrad reads them transposed: no second pass over the weight."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan):
+    def forward(ctx, x, weight, bias, plan, grad_enabled: bool):
         x2d = x.reshape(-1, x.shape[-1])
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad ignores no_grad(): an evaluation forward makes no columnwise values
+        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dw = grad_enabled and ctx.needs_input_grad[1]
         (xv, xd), x_col = plan.x.values_both(x2d, True, need_dw, None)
         transposes = _transposes(plan.w)
         w_row, w_col = plan.w.values_both(weight, True, need_dx and not transposes, None)
@@ -122,7 +124,7 @@ class TracedNVFP4Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return steps.traced_backward(ctx, dy, TracedNVFP4Linear._grads)
+        return *steps.traced_backward(ctx, dy, TracedNVFP4Linear._grads), None
 
     @staticmethod
     def _grads(ctx, dy2d, need_dx, need_dw, xc, xcd, wv, wd):

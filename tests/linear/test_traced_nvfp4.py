@@ -109,6 +109,29 @@ def test_draw_keys_draws_as_eager(device):
     assert got.shape == (2, 2) and got.dtype == torch.int64 and torch.equal(got, want)
 
 
+def test_an_evaluation_forward_makes_only_rowwise_values(monkeypatch):
+    """Under no_grad the traced forward quantizes x and the weight only in the direction
+    fprop reads (as eager's plan does), with eager's output."""
+    recipe = NVFP4BlockScaling()
+    torch.manual_seed(0)
+    m = _stack("cpu", True)
+    x, _ = _inputs("cpu")
+    with lowprec.autocast(recipe=recipe), torch.no_grad():
+        want = m(x)
+    directions = []
+    reference = fp4.reference_values
+
+    def recording(t, rowwise, **kw):
+        directions.append(rowwise)
+        return reference(t, rowwise, **kw)
+
+    monkeypatch.setattr(fp4, "reference_values", recording)
+    with lowprec.autocast(recipe=recipe), torch.no_grad():
+        got = torch.compile(m, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(want, got)
+    assert directions and all(directions)
+
+
 def test_plan_and_what_stays_opaque():
     recipe = NVFP4BlockScaling()
     w = torch.randn(32, 64)
