@@ -653,7 +653,7 @@ def traced_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         args += ((fwd.scale, fwd.amax_current, handle),
                  (bwd.scale, bwd.amax_current, bwd.amax_history, bwd.fp8_max,
                   recipe.amax_compute_algo == "most_recent", float(recipe.margin)))
-    if type(plan.x) is FP4Blocks:  # its forward makes backward's operands only where needed
+    if isinstance(plan.x, FP4Blocks):  # its forward makes backward's operands only where needed
         args += (torch.is_grad_enabled(),)
     if amp is None:
         return fn.apply(*args)
