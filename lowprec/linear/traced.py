@@ -408,8 +408,8 @@ def _gemm(plan: TracedPlan, a, a_scale, b, b_scale, out_dtype, bias=None) -> tor
         if bias is not None and not fused:
             res = steps.as_output(res.to(torch.float32) + bias.to(torch.float32), out_dtype)
         return res
-    out = (a.to(torch.float32) / a_scale) @ (b.to(torch.float32) / b_scale).t()
-    return steps.as_output(steps.plus_bias(out, bias), out_dtype)
+    return steps.emulated_product(a.to(torch.float32) / a_scale,
+                                  b.to(torch.float32) / b_scale, bias, out_dtype)
 
 
 def _block_gemm(plan: TracedPlan, a, a_scale, a_dim, b, b_scale, b_dim, out_dtype,
@@ -419,8 +419,8 @@ def _block_gemm(plan: TracedPlan, a, a_scale, a_dim, b, b_scale, b_dim, out_dtyp
     ``backends.cublas_fp8.blockwise_run`` lays them out, elsewhere in the fp32 emulation
     (the reference's dequantize, an fp32 GEMM)."""
     if not plan.cublas:
-        out = dequantize_blocks(a, a_scale, a_dim) @ dequantize_blocks(b, b_scale, b_dim).t()
-        return steps.as_output(steps.plus_bias(out, bias), out_dtype)
+        return steps.emulated_product(dequantize_blocks(a, a_scale, a_dim),
+                                      dequantize_blocks(b, b_scale, b_dim), bias, out_dtype)
     decode = _exact_reciprocal
     # 1x128 (R, K/128): contiguous (K/128, R), read as its transpose; 128x128 as it is
     scale_a = decode(a_scale.t()).contiguous().t() if a_dim == 1 else decode(a_scale).contiguous()
@@ -595,7 +595,7 @@ def _mx_gemm(plan: TracedPlan, a: torch.Tensor, b: torch.Tensor, out_dtype,
     same layouts (and so the same kernel) as in eager."""
     if plan.cublas:
         return torch.mm(a.to(torch.bfloat16).contiguous(), b.to(torch.bfloat16).contiguous().t())
-    return steps.as_output(steps.plus_bias(a @ b.t(), bias), out_dtype)
+    return steps.emulated_product(a, b, bias, out_dtype)
 
 
 class _TracedMXLinear(torch.autograd.Function):

@@ -41,20 +41,11 @@ class FP4Blocks:
     sr: bool = False
     kernel: bool = False
 
-    def values(self, t2d: torch.Tensor, rowwise: bool, key=None):
-        """(values, divisor or None) of one direction of ``t2d`` (see the module doc)."""
-        if self.kernel:
-            row, col = fp4.kernel_values(t2d, rowwise, not rowwise, rht=self.rht,
-                                         two_d=self.two_d, key_row=key if rowwise else None,
-                                         key_col=None if rowwise else key)
-            return row if rowwise else col
-        return fp4.reference_values(steps.rounded(t2d), rowwise, rht=self.rht,
-                                    two_d=self.two_d, key=key), None
-
     def values_both(self, t2d: torch.Tensor, rowwise: bool, columnwise: bool, keys):
-        """``(values(t2d, True), values(t2d, False))`` for the directions asked for (the
-        others (None, None)), in one pass where the kernels run; ``keys`` (count, 2), one
-        per direction asked for, rowwise first, or None."""
+        """((values, divisor or None) rowwise, the same columnwise) of ``t2d`` for the
+        directions asked for (the others (None, None); see the module doc), in one pass
+        where the kernels run; ``keys`` (count, 2), one per direction asked for, rowwise
+        first, or None."""
         key_row = key_col = None
         if keys is not None:
             key_row = keys[0] if rowwise else None
@@ -62,9 +53,12 @@ class FP4Blocks:
         if self.kernel:
             return fp4.kernel_values(t2d, rowwise, columnwise, rht=self.rht,
                                      two_d=self.two_d, key_row=key_row, key_col=key_col)
-        none = (None, None)
-        return (self.values(t2d, True, key_row) if rowwise else none,
-                self.values(t2d, False, key_col) if columnwise else none)
+        t = steps.rounded(t2d)
+
+        def reference(row: bool, key):
+            return fp4.reference_values(t, row, rht=self.rht, two_d=self.two_d, key=key), None
+        return (reference(True, key_row) if rowwise else (None, None),
+                reference(False, key_col) if columnwise else (None, None))
 
 
 def nvfp4_plan(recipe: NVFP4BlockScaling, x: torch.Tensor,
@@ -92,7 +86,7 @@ def _gemm(plan, a, div_a, b, div_b, out_dtype, bias=None) -> torch.Tensor:
     the fp32 emulation (values already divided) elsewhere."""
     if plan.cublas:
         return exact_product(a, div_a, b, div_b, out_dtype, bias, in_graph=True)
-    return steps.as_output(steps.plus_bias(a @ b.t(), bias), out_dtype)
+    return steps.emulated_product(a, b, bias, out_dtype)
 
 
 class TracedNVFP4Linear(torch.autograd.Function):

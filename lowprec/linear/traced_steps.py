@@ -61,6 +61,13 @@ def plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return out if bias is None else bias_add(out, bias)
 
 
+def emulated_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` of fp32 operand values rounded once to ``out_dtype``: the fp32
+    GEMM emulation eager runs off CUDA (``backends.emulated_fp32``), every traced plan's."""
+    return as_output(plus_bias(a @ b.t(), bias), out_dtype)
+
+
 @graph_op("bias_add")
 def bias_add(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``out + bias`` in fp32 (``out`` fp32 (M, N), ``bias`` (N,))."""
