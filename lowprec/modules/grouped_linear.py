@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..compiled_call import compiled_as_one_op
-from ..linear.function import quantized_linear
+from ..linear.grouped import grouped_linear
 from .base import LowprecModule, add_linear_params, check_parallel_args
 
 
@@ -54,17 +54,8 @@ class GroupedLinear(LowprecModule):
     @compiled_as_one_op
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
         self._check_input_dtype(x)
-        m_splits = [int(m) for m in m_splits]
-        if len(m_splits) != self.num_gemms or any(m < 0 for m in m_splits):
-            raise ValueError(f"m_splits={m_splits} must have {self.num_gemms} non-negative sizes")
-        x2d = x.reshape(-1, x.shape[-1])
-        if sum(m_splits) != x2d.shape[0]:
-            raise ValueError(f"m_splits sum to {sum(m_splits)} but the input has {x2d.shape[0]} "
-                             f"rows (shape {tuple(x.shape)})")
         qs, mode, done = self.gemm_quantizers(x.device)
-        outs = []
-        for i, xi in enumerate(torch.split(x2d, m_splits)):
-            outs.append(quantized_linear(xi, getattr(self, f"weight{i}"), getattr(self, f"bias{i}"),
-                                         quantizers=qs[i] if qs else None, backward_mode=mode,
-                                         on_backward_done=done))
-        return torch.cat(outs).reshape(*x.shape[:-1], self.out_features)
+        weights = [getattr(self, name) for name in self._weight_names()]
+        biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        return grouped_linear(x, weights, m_splits, None if biases[0] is None else biases,
+                              quantizers=qs, backward_mode=mode, on_backward_done=done)

@@ -1,0 +1,96 @@
+"""Grouped GEMMs on Hopper: every expert's rows in one launch (``torch._grouped_mm`` and
+``torch._scaled_grouped_mm``), the groups given by device offsets, never read on the host.
+
+Two shapes of problem, as an MoE layer runs them:
+
+* rows by experts (forward and dgrad): ``out[rows of g] = a[rows of g] @ b[g].T`` with
+  ``a`` (M, K) and ``b`` (G, N, K);
+* rows contracted per group (wgrad): ``out[g] = a[rows of g].T @ b[rows of g]``, (G, N, K)
+  from ``a`` (M, N) and ``b`` (M, K).
+
+The FP8 forms take per-tensor decode scales (``1 / scale``) per group: each row gets its
+group's, as the kernels' row-wise scales. FP8 wgrad needs each group's rows to start at a
+multiple of 16, so the rows are spread into a zero-padded copy first (zero rows add
+nothing to the sums).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ALIGN = 16
+
+
+def _hopper(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
+def plain_available(a: torch.Tensor, k: int, n: int) -> bool:
+    """Whether :func:`plain_rows_by_experts` / :func:`plain_wgrad` run ``a``'s problem
+    (bf16 on a Hopper GPU, feature sizes the kernel's 16-byte strides allow)."""
+    return (hasattr(torch, "_grouped_mm") and a.dtype == torch.bfloat16 and _hopper(a)
+            and k % 8 == 0 and n % 8 == 0)
+
+
+def fp8_available(a: torch.Tensor, k: int, n: int) -> bool:
+    """Whether the FP8 grouped GEMMs run on ``a``'s device for features ``k`` and ``n``."""
+    return (hasattr(torch, "_scaled_grouped_mm") and _hopper(a) and k % _ALIGN == 0
+            and n % _ALIGN == 0)
+
+
+def end_offsets(sizes: torch.Tensor) -> torch.Tensor:
+    """Each group's end row, int32, as the grouped kernels take it."""
+    return torch.cumsum(sizes, 0, dtype=torch.int32)
+
+
+def plain_rows_by_experts(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """(M, N) = each group's rows of ``a`` times its ``b[g].T``, in ``a``'s dtype."""
+    return torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+
+
+def plain_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """(G, N, K) = per group, ``a[rows].T @ b[rows]``; an empty group gives zeros."""
+    return torch._grouped_mm(a.t(), b, offs=offs)
+
+
+def fp8_rows_by_experts(a: torch.Tensor, a_decode: torch.Tensor, b: torch.Tensor,
+                        b_decode: torch.Tensor, offs: torch.Tensor,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 rows by experts: ``a`` (M, K) fp8 with ``a_decode`` (M,) per row, ``b`` (G, N, K)
+    fp8 with one decode scale per expert (``b_decode`` (G,)). fp32 accumulation."""
+    g, n = b.shape[0], b.shape[1]
+    return torch._scaled_grouped_mm(a, b.transpose(1, 2), a_decode.contiguous(),
+                                    b_decode[:, None].expand(g, n).contiguous(), offs=offs,
+                                    out_dtype=out_dtype)
+
+
+def padded_layout(sizes: torch.Tensor, group_ids: torch.Tensor, rows: int):
+    """(destination row of each row, padded end offsets int32, padded row count): every
+    group starts at a multiple of 16. The count is an upper bound known on the host."""
+    padded = (sizes + (_ALIGN - 1)) // _ALIGN * _ALIGN
+    padded_end = torch.cumsum(padded, 0)
+    shift = (padded_end - padded) - (torch.cumsum(sizes, 0) - sizes)
+    dest = torch.arange(rows, device=sizes.device) + shift[group_ids]
+    return dest, padded_end.to(torch.int32), rows + (_ALIGN - 1) * sizes.shape[0]
+
+
+def _columns_padded(t: torch.Tensor, dest: torch.Tensor, total: int) -> torch.Tensor:
+    # (features, padded rows) contiguous: the transposed operand wgrad reads, zero-padded
+    out = t.new_zeros(t.shape[1], total)
+    out[:, dest] = t.t()
+    return out
+
+
+def fp8_wgrad(a: torch.Tensor, a_decode: torch.Tensor, b: torch.Tensor, b_decode: torch.Tensor,
+              layout, out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 wgrad: (G, N, K) = per group ``a[rows].T @ b[rows]`` with ``a`` (M, N) and ``b``
+    (M, K) fp8, one decode scale per group each (``a_decode``, ``b_decode`` (G,));
+    ``layout`` from :func:`padded_layout`."""
+    dest, padded_offs, total = layout
+    g = a_decode.shape[0]
+    a_t = _columns_padded(a, dest, total)
+    b_t = _columns_padded(b, dest, total)
+    scale_a = a_decode[:, None].expand(g, a.shape[1]).reshape(-1).contiguous()
+    scale_b = b_decode[:, None].expand(g, b.shape[1]).reshape(-1).contiguous()
+    return torch._scaled_grouped_mm(a_t, b_t.t(), scale_a, scale_b, offs=padded_offs,
+                                    out_dtype=out_dtype)

@@ -1,0 +1,62 @@
+"""Per-tensor FP8 current scaling over row groups (the experts of a grouped GEMM).
+
+Each group of consecutive rows is quantized as its own tensor would be: its own amax, its
+own scale. The group boundaries are a device tensor, so nothing here waits on the host.
+The values are the reference's: the scale is ``scale_from_amax`` of the group's amax and
+the cast is ``cast_fp8(x * scale)`` element by element, so a group equals the
+:class:`Float8CurrentScalingQuantizer` quantize of its rows, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..casting import cast_fp8, scale_from_amax
+from .quantizer import Float8CurrentScalingQuantizer
+
+_SIGN_OFF = 0x7FFFFFFF
+
+
+def _amax_bits(values: torch.Tensor) -> torch.Tensor:
+    # Non-negative floats order as their int32 bits, NaN above +Inf: a max over the bits is
+    # the max over the values with NaN propagating (scatter_reduce's float max may not).
+    return values.to(torch.float32).view(torch.int32) & _SIGN_OFF
+
+
+def group_amax(x2d: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """amax(|x|) of each group's rows as a (num_groups,) fp32 tensor (0 for an empty group,
+    NaN where a row holds NaN). ``group_ids[r]`` is row r's group."""
+    rows = _amax_bits(x2d.abs().amax(dim=1)) if x2d.shape[1] else group_ids.new_zeros(
+        group_ids.shape, dtype=torch.int32)
+    out = torch.zeros(num_groups, dtype=torch.int32, device=x2d.device)
+    return out.scatter_reduce_(0, group_ids, rows, "amax").view(torch.float32)
+
+
+def expert_amax(w3d: torch.Tensor) -> torch.Tensor:
+    """amax(|w_g|) of each (N, K) matrix of a (G, N, K) stack, as a (G,) fp32 tensor."""
+    return w3d.abs().amax(dim=(1, 2)).to(torch.float32)
+
+
+def scales(amax: torch.Tensor, quantizer: Float8CurrentScalingQuantizer) -> torch.Tensor:
+    """The current-scaling encode scale of each amax (the quantizer's rule)."""
+    return scale_from_amax(amax, torch.finfo(quantizer.fp8_dtype).max,
+                           eps=quantizer.amax_epsilon, pow2=quantizer.force_pow_2_scales)
+
+
+def quantize_rows(x2d: torch.Tensor, row_scale: torch.Tensor, fp8_dtype: torch.dtype
+                  ) -> torch.Tensor:
+    """``cast_fp8(x * scale)`` with each row's own scale ((M,) fp32)."""
+    return cast_fp8(x2d.to(torch.float32) * row_scale[:, None], fp8_dtype)
+
+
+def quantize_groups(x2d: torch.Tensor, group_ids: torch.Tensor, num_groups: int,
+                    quantizer: Float8CurrentScalingQuantizer):
+    """(fp8 rows (M, K), per-group encode scales (G,)) of ``x2d`` under ``quantizer``."""
+    scale = scales(group_amax(x2d, group_ids, num_groups), quantizer)
+    return quantize_rows(x2d, scale[group_ids], quantizer.fp8_dtype), scale
+
+
+def quantize_experts(w3d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer):
+    """(fp8 (G, N, K), per-expert encode scales (G,)): each expert's matrix on its own."""
+    scale = scales(expert_amax(w3d), quantizer)
+    return cast_fp8(w3d.to(torch.float32) * scale[:, None, None], quantizer.fp8_dtype), scale

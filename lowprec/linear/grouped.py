@@ -1,0 +1,252 @@
+"""Grouped linear: the experts of a mixture-of-experts layer over their routed rows.
+
+``grouped_linear(x, weight, group_sizes)`` runs rows ``x[s_g : s_g + n_g]`` through expert
+``g``'s weight. Each group is quantized on its own rows, as one :class:`lowprec.Linear`
+per expert would quantize it, so the result is the per-expert one.
+
+How it runs is decided by the quantizers and the device:
+
+* high precision on Hopper: one ``torch._grouped_mm`` per direction;
+* FP8 current scaling on Hopper: per-group amaxes and casts in torch ops (group sizes read
+  on the device, no host sync), one ``torch._scaled_grouped_mm`` per direction;
+* FP8 current scaling elsewhere: the same quantize, then each group's GEMM as
+  :func:`lowprec.gemm.gemm` runs it;
+* every other recipe, a bias, quantized weights or boundary quantizers: one
+  :func:`quantized_linear` per group. This reads ``group_sizes`` on the host (a device
+  tensor costs one synchronization a call).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..backends import grouped_mm
+from ..formats.base import QuantizedTensor
+from ..formats.float8 import grouped as fp8_grouped
+from ..formats.float8.quantizer import Float8CurrentScalingQuantizer
+from ..formats.float8.tensor import Float8Tensor
+from ..gemm import gemm
+from .function import LinearQuantizers, quantized_linear
+
+
+def group_ids(sizes: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row's group (int64, on ``sizes``' device) for ``rows`` rows in all."""
+    groups = torch.arange(sizes.shape[0], device=sizes.device)
+    return torch.repeat_interleave(groups, sizes, output_size=rows)
+
+
+def _sizes_tensor(group_sizes, num_groups: int, rows: int, device) -> torch.Tensor:
+    if isinstance(group_sizes, torch.Tensor):
+        if group_sizes.dim() != 1 or group_sizes.shape[0] != num_groups or (
+                group_sizes.is_floating_point() or group_sizes.is_complex()
+                or group_sizes.dtype == torch.bool):
+            raise ValueError(f"group sizes must be a 1-D integer tensor of {num_groups} sizes, "
+                             f"got {group_sizes.dtype} of shape {tuple(group_sizes.shape)}")
+        sizes = group_sizes.to(device=device, dtype=torch.int64)
+        if sizes.is_cuda:
+            # checked on the device: a bad count stops the stream, the host never waits
+            torch._assert_async(torch.all(sizes >= 0) & (sizes.sum() == rows),
+                                "group sizes must be non-negative and sum to the row count")
+        else:
+            _check_sizes(sizes.tolist(), num_groups, rows)
+        return sizes
+    sizes = [int(m) for m in group_sizes]
+    _check_sizes(sizes, num_groups, rows)
+    return torch.tensor(sizes, dtype=torch.int64, device=device)
+
+
+def _check_sizes(sizes: list, num_groups: int, rows: int) -> None:
+    if len(sizes) != num_groups or any(m < 0 for m in sizes):
+        raise ValueError(f"m_splits={sizes} must have {num_groups} non-negative sizes")
+    if sum(sizes) != rows:
+        raise ValueError(f"m_splits sum to {sum(sizes)} but the input has {rows} rows")
+
+
+def _host_sizes(group_sizes) -> list[int]:
+    if isinstance(group_sizes, torch.Tensor):
+        return [int(m) for m in group_sizes.tolist()]
+    return [int(m) for m in group_sizes]
+
+
+def _same_current(qs: Sequence[Float8CurrentScalingQuantizer | None]) -> bool:
+    first = qs[0]
+    if type(first) is not Float8CurrentScalingQuantizer:
+        return False
+    key = (first.fp8_dtype, first.force_pow_2_scales, first.amax_epsilon)
+    return all(type(q) is Float8CurrentScalingQuantizer
+               and (q.fp8_dtype, q.force_pow_2_scales, q.amax_epsilon) == key for q in qs)
+
+
+def current_scaling_quantizers(qs: Sequence[LinearQuantizers]):
+    """(input, weight, grad_output) quantizers when every group quantizes its three GEMM
+    operands with FP8 current scaling of one setting each and nothing at its boundaries;
+    else None."""
+    if any(q.output is not None or q.grad_input is not None for q in qs):
+        return None
+    slots = ([q.input for q in qs], [q.weight for q in qs], [q.grad_output for q in qs])
+    if not all(_same_current(s) for s in slots):
+        return None
+    return tuple(s[0] for s in slots)
+
+
+class _GroupedPlain(torch.autograd.Function):
+    """High precision, one ``torch._grouped_mm`` per direction."""
+
+    @staticmethod
+    def forward(ctx, x2d, w3d, sizes):
+        offs = grouped_mm.end_offsets(sizes)
+        ctx.save_for_backward(x2d, w3d, offs)
+        return grouped_mm.plain_rows_by_experts(x2d, w3d, offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, w3d, offs = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[1]:
+            dw = grouped_mm.plain_wgrad(dy, x2d, offs)
+        if ctx.needs_input_grad[0]:
+            dx = grouped_mm.plain_rows_by_experts(dy, w3d.transpose(1, 2), offs)
+        return dx, dw, None
+
+
+def _group_tensor(data, scale, shape, dtype, fp8_dtype, usage="rowwise"):
+    # one group's rows as the Float8Tensor its own quantize makes, in the direction used
+    if usage == "rowwise":
+        return Float8Tensor(shape, dtype, rowwise_data=data, columnwise_data=None,
+                            shared_scale=scale, fp8_dtype=fp8_dtype)
+    return Float8Tensor(shape, dtype, rowwise_data=None, columnwise_data=data.t().contiguous(),
+                        shared_scale=scale, fp8_dtype=fp8_dtype)
+
+
+class _GroupedCurrent(torch.autograd.Function):
+    """FP8 current scaling, every group its own scales; grouped GEMMs where the device has
+    them, else each group's GEMM as the per-expert Linear runs it."""
+
+    @staticmethod
+    def forward(ctx, x2d, w3d, sizes, quantizers, grad_enabled):
+        q_x, q_w, q_dy = quantizers
+        num, rows = w3d.shape[0], x2d.shape[0]
+        ids = group_ids(sizes, rows)
+        xq, sx = fp8_grouped.quantize_groups(x2d, ids, num, q_x)
+        wq, sw = fp8_grouped.quantize_experts(w3d, q_w)
+        grouped = grouped_mm.fp8_available(x2d, x2d.shape[1], w3d.shape[1])
+        host = None if grouped else _host_sizes(sizes)
+        if grouped:
+            offs = grouped_mm.end_offsets(sizes)
+            y = grouped_mm.fp8_rows_by_experts(xq, torch.reciprocal(sx)[ids], wq,
+                                               torch.reciprocal(sw), offs, x2d.dtype)
+        else:
+            y = torch.cat([gemm(_group_tensor(xg, sx[g:g + 1], xg.shape, x2d.dtype, q_x.fp8_dtype),
+                                "rowwise", _group_tensor(wq[g], sw[g:g + 1], wq[g].shape,
+                                                         w3d.dtype, q_w.fp8_dtype),
+                                "rowwise", out_dtype=x2d.dtype)
+                           for g, xg in enumerate(torch.split(xq, host))])
+        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dw = grad_enabled and ctx.needs_input_grad[1]
+        ctx.save_for_backward(xq if need_dw else None, sx, wq if need_dx else None, sw, sizes,
+                              ids)
+        ctx.q_dy, ctx.grouped, ctx.host = q_dy, grouped, host
+        ctx.dtypes = (x2d.dtype, w3d.dtype, q_x.fp8_dtype, q_w.fp8_dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, sx, wq, sw, sizes, ids = ctx.saved_tensors
+        x_dtype, w_dtype, x_fp8, w_fp8 = ctx.dtypes
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        num = sw.shape[0]
+        dyq, sdy = fp8_grouped.quantize_groups(dy.contiguous(), ids, num, ctx.q_dy)
+        dy_fp8 = ctx.q_dy.fp8_dtype
+        dx = dw = None
+        if ctx.grouped:
+            dec_dy = torch.reciprocal(sdy)
+            if need_dw:
+                layout = grouped_mm.padded_layout(sizes, ids, dyq.shape[0])
+                dw = grouped_mm.fp8_wgrad(dyq, dec_dy, xq, torch.reciprocal(sx), layout, w_dtype)
+            if need_dx:
+                w_t = wq.transpose(1, 2).contiguous()  # each expert's columnwise copy
+                dx = grouped_mm.fp8_rows_by_experts(dyq, dec_dy[ids], w_t, torch.reciprocal(sw),
+                                                    grouped_mm.end_offsets(sizes), x_dtype)
+            return dx, dw, None, None, None
+        dys = torch.split(dyq, ctx.host)
+        if need_dw:
+            xs = torch.split(xq, ctx.host)
+            dw = torch.stack([
+                gemm(_group_tensor(d, sdy[g:g + 1], d.shape, x_dtype, dy_fp8, "columnwise"),
+                     "columnwise",
+                     _group_tensor(xs[g], sx[g:g + 1], xs[g].shape, x_dtype, x_fp8, "columnwise"),
+                     "columnwise", out_dtype=w_dtype) for g, d in enumerate(dys)])
+        if need_dx:
+            dx = torch.cat([
+                gemm(_group_tensor(d, sdy[g:g + 1], d.shape, x_dtype, dy_fp8), "rowwise",
+                     _group_tensor(wq[g], sw[g:g + 1], wq[g].shape, w_dtype, w_fp8, "columnwise"),
+                     "columnwise", out_dtype=x_dtype) for g, d in enumerate(dys)])
+        return dx, dw, None, None, None
+
+
+def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
+                   quantizers: LinearQuantizers | Sequence[LinearQuantizers] | None = None,
+                   backward_mode: str = "default", on_backward_done=None) -> torch.Tensor:
+    """Each group of consecutive rows of ``x`` through its own expert: ``(..., K) ->
+    (..., N)``.
+
+    ``weight``: a (G, N, K) tensor or G (N, K) tensors. ``group_sizes``: the G row counts,
+    as a 1-D integer tensor (on the device: nothing waits for the host where the recipe
+    has a grouped path, see the module docstring) or a list; zeros are allowed.
+    ``bias``: None, a (G, N) tensor or G (N,) tensors. ``quantizers``: None (high
+    precision), one :class:`LinearQuantizers` for every group, or one per group.
+    ``backward_mode`` and ``on_backward_done`` as :func:`quantized_linear`'s.
+    """
+    weights = list(weight) if not isinstance(weight, torch.Tensor) else None
+    num = len(weights) if weights is not None else weight.shape[0]
+    if weights is None and weight.dim() != 3:
+        raise ValueError(f"grouped_linear weight must be (G, N, K) or a list of (N, K) tensors, "
+                         f"got shape {tuple(weight.shape)}")
+    if num < 1:
+        raise ValueError("grouped_linear needs at least one group")
+    k = x.shape[-1]
+    x2d = x.reshape(-1, k)
+    qs = ([quantizers] * num if isinstance(quantizers, LinearQuantizers) else quantizers)
+    if qs is not None and len(qs) != num:
+        raise ValueError(f"grouped_linear got {len(qs)} quantizer sets for {num} groups")
+    w_list = weights if weights is not None else list(weight.unbind(0))
+    route = _route(x2d, w_list, qs, bias, backward_mode, on_backward_done)
+    if route is None:
+        return _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode, on_backward_done)
+    sizes = _sizes_tensor(group_sizes, num, x2d.shape[0], x.device)
+    w3d = torch.stack(weights) if weights is not None else weight
+    if route == "plain":
+        y = _GroupedPlain.apply(x2d.contiguous(), w3d, sizes)
+    else:
+        y = _GroupedCurrent.apply(x2d.contiguous(), w3d, sizes, route, torch.is_grad_enabled())
+    return y.reshape(*x.shape[:-1], w3d.shape[1])
+
+
+def _route(x2d, w_list, qs, bias, backward_mode, on_backward_done):
+    """"plain", the current-scaling quantizers, or None (one Linear per group)."""
+    if bias is not None or on_backward_done is not None or isinstance(x2d, QuantizedTensor):
+        return None
+    if torch.is_autocast_enabled(x2d.device.type):
+        return None
+    w0 = w_list[0]
+    if any(isinstance(w, QuantizedTensor) or w.dtype != x2d.dtype or w.shape != w0.shape
+           or w.dim() != 2 for w in w_list) or w0.shape[1] != x2d.shape[1]:
+        return None
+    if qs is None:
+        return "plain" if grouped_mm.plain_available(x2d, w0.shape[1], w0.shape[0]) else None
+    if backward_mode != "default":
+        return None
+    return current_scaling_quantizers(qs)
+
+
+def _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode, on_backward_done):
+    sizes = _host_sizes(group_sizes)
+    _check_sizes(sizes, len(w_list), x2d.shape[0])
+    biases = ([None] * len(w_list) if bias is None else list(bias))
+    outs = [quantized_linear(xg, w_list[g], biases[g], quantizers=qs[g] if qs else None,
+                             backward_mode=backward_mode, on_backward_done=on_backward_done)
+            for g, xg in enumerate(torch.split(x2d, sizes))]
+    return torch.cat(outs).reshape(*x.shape[:-1], w_list[0].shape[0])

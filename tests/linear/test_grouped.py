@@ -1,0 +1,137 @@
+"""grouped_linear: the grouped paths against one quantized Linear per group, bit for bit
+where both run the same GEMM (CPU), and the group sizes read on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec
+from lowprec.formats.float8 import grouped as fp8_grouped
+from lowprec.linear.function import LinearQuantizers, quantized_linear
+from lowprec.linear.grouped import current_scaling_quantizers, group_ids, grouped_linear
+from lowprec.recipe import Float8CurrentScaling, MXFP8BlockScaling
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SIZES = [(5, 0, 37, 22), (0, 0, 16, 0), (64, 1, 0, 31)]
+
+
+def _current(**kw):
+    return LinearQuantizers(input=lowprec.Float8CurrentScalingQuantizer(E4M3, **kw),
+                            weight=lowprec.Float8CurrentScalingQuantizer(E4M3, **kw),
+                            grad_output=lowprec.Float8CurrentScalingQuantizer(E5M2, **kw))
+
+
+def _data(sizes, k=64, n=48, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m = sum(sizes)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(len(sizes), n, k, generator=g) * 0.1).to(dtype)
+    dy = torch.randn(m, n, generator=g).to(dtype)
+    return x, w, dy
+
+
+def _run(fn, x, w, dy):
+    x = x.clone().requires_grad_(True)
+    w = w.clone().requires_grad_(True)
+    y = fn(x, w)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+def _per_expert(quantizers, sizes):
+    def fn(x, w):
+        return torch.cat([quantized_linear(xg, w[g], quantizers=quantizers)
+                          for g, xg in enumerate(torch.split(x, list(sizes)))])
+    return fn
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_groups_equals_each_group_quantized(sizes, pow2):
+    x, w, _ = _data(sizes)
+    x[sizes[0] // 2] *= 1e4  # one group's amax far above the others
+    q = lowprec.Float8CurrentScalingQuantizer(E4M3, force_pow_2_scales=pow2, amax_epsilon=1e-3)
+    ids = group_ids(torch.tensor(sizes), x.shape[0])
+    data, scale = fp8_grouped.quantize_groups(x, ids, len(sizes), q)
+    for g, xg in enumerate(torch.split(x, list(sizes))):
+        ref = q.quantize(xg)
+        if xg.shape[0]:  # an empty group's scale scales nothing
+            assert torch.equal(scale[g:g + 1], ref.shared_scale)
+            part = data[sum(sizes[:g]):sum(sizes[:g + 1])]
+            assert torch.equal(part.view(torch.uint8), ref.rowwise_data.view(torch.uint8))
+    wq, ws = fp8_grouped.quantize_experts(w, q)
+    for g in range(w.shape[0]):
+        ref = q.quantize(w[g])
+        assert torch.equal(ws[g:g + 1], ref.shared_scale)
+        assert torch.equal(wq[g].view(torch.uint8), ref.rowwise_data.view(torch.uint8))
+
+
+def test_group_amax_nan_reaches_only_its_group():
+    x, _, _ = _data((4, 4, 4))
+    x[5, 3] = float("nan")
+    amax = fp8_grouped.group_amax(x, group_ids(torch.tensor([4, 4, 4]), 12), 3)
+    assert torch.isnan(amax[1]) and torch.isfinite(amax[[0, 2]]).all()
+    assert amax[0] == x[:4].abs().amax().float()
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_current_grouped_bit_identical_to_per_expert(sizes, as_tensor):
+    q = _current()
+    x, w, dy = _data(sizes)
+    group_sizes = torch.tensor(sizes) if as_tensor else list(sizes)
+    got = _run(lambda a, b: grouped_linear(a, b, group_sizes, quantizers=q), x, w, dy)
+    ref = _run(_per_expert(q, sizes), x, w, dy)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+def test_plain_and_other_recipes_match_per_expert():
+    sizes = (3, 0, 9)
+    x, w, dy = _data(sizes)
+    got = _run(lambda a, b: grouped_linear(a, b, torch.tensor(sizes)), x, w, dy)
+    ref = _run(_per_expert(None, sizes), x, w, dy)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_current_scaling_quantizers_declines_mixed_settings():
+    assert current_scaling_quantizers([_current(), _current()]) is not None
+    assert current_scaling_quantizers([_current(), _current(force_pow_2_scales=True)]) is None
+    q = _current()
+    assert current_scaling_quantizers([LinearQuantizers(
+        input=q.input, weight=q.weight, grad_output=q.grad_output, output=q.input)]) is None
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), MXFP8BlockScaling()],
+                         ids=["current", "mxfp8"])
+def test_module_tensor_splits_equal_list_splits(recipe):
+    torch.manual_seed(0)
+    sizes = [32, 0, 64, 32]
+    mod = lowprec.GroupedLinear(4, 64, 32, bias=False, params_dtype=torch.bfloat16)
+    x, _, dy = _data(sizes, k=64, n=32)
+
+    def run(splits):
+        xx = x.clone().requires_grad_(True)
+        mod.zero_grad()
+        with lowprec.autocast(recipe=recipe):
+            y = mod(xx, splits)
+        y.backward(dy)
+        return y.detach(), xx.grad, [p.grad.clone() for p in mod.parameters()]
+
+    y1, dx1, dw1 = run(sizes)
+    y2, dx2, dw2 = run(torch.tensor(sizes))
+    assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
+    assert all(torch.equal(a, b) for a, b in zip(dw1, dw2))
+
+
+def test_bad_group_sizes():
+    x, w, _ = _data((2, 2))
+    with pytest.raises(ValueError, match="1-D integer tensor of 2 sizes"):
+        grouped_linear(x, w, torch.tensor([2.0, 2.0]), quantizers=_current())
+    with pytest.raises(ValueError, match="must have 2 non-negative sizes"):
+        grouped_linear(x, w, torch.tensor([5, -1]), quantizers=_current())
+    with pytest.raises(ValueError, match="m_splits sum to 3 but the input has 4 rows"):
+        grouped_linear(x, w, [1, 2], quantizers=_current())
+    with pytest.raises(ValueError, match=r"\(G, N, K\)"):
+        grouped_linear(x, w[0], [2, 2])
