@@ -135,3 +135,66 @@ def test_bad_group_sizes():
         grouped_linear(x, w, [1, 2], quantizers=_current())
     with pytest.raises(ValueError, match=r"\(G, N, K\)"):
         grouped_linear(x, w[0], [2, 2])
+
+
+HOPPER = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+    reason="grouped GEMMs need a Hopper GPU")
+GPU_SIZES = [(5, 0, 37, 22), (100, 0, 3, 253), (16, 32, 0, 48)]
+
+
+def _cuda(*ts):
+    return [t.cuda() for t in ts]
+
+
+@HOPPER
+@pytest.mark.parametrize("sizes", GPU_SIZES)
+def test_plain_grouped_gpu_bit_identical_to_per_expert(sizes):
+    x, w, dy = _cuda(*_data(sizes, k=256, n=128))
+    got = _run(lambda a, b: grouped_linear(a, b, torch.tensor(sizes, device="cuda")), x, w, dy)
+    ref = _run(_per_expert(None, sizes), x, w, dy)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+@HOPPER
+@pytest.mark.parametrize("sizes", GPU_SIZES)
+def test_current_grouped_gpu_operands_exact_and_gemms_close(sizes):
+    """The quantized operands are the per-expert kernels' bits; the grouped GEMM (another
+    kernel than the per-expert cuBLAS one, so another fp32 summation order) is within
+    bf16 rounding of the per-expert result."""
+    q = _current()
+    x, w, dy = _cuda(*_data(sizes, k=256, n=128))
+    ids = group_ids(torch.tensor(sizes, device="cuda"), x.shape[0])
+    data, scale = fp8_grouped.quantize_groups(x, ids, len(sizes), q.input)
+    for g, xg in enumerate(torch.split(x, list(sizes))):
+        if xg.shape[0]:
+            ref = q.input.quantize(xg)  # the Triton kernel
+            start = sum(sizes[:g])
+            assert torch.equal(scale[g:g + 1], ref.shared_scale)
+            assert torch.equal(data[start:start + xg.shape[0]].view(torch.uint8),
+                               ref.rowwise_data.view(torch.uint8))
+    got = _run(lambda a, b: grouped_linear(a, b, torch.tensor(sizes, device="cuda"),
+                                           quantizers=q), x, w, dy)
+    ref = _run(_per_expert(q, sizes), x, w, dy)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7,
+                                   atol=2 ** -7 * b.float().abs().max().item())
+    assert torch.all(got[2][[g for g, m in enumerate(sizes) if m == 0]] == 0)
+
+
+@HOPPER
+@pytest.mark.parametrize("quantized", [False, True])
+def test_grouped_gpu_never_syncs(quantized):
+    sizes = torch.tensor([64, 0, 17, 47], device="cuda")
+    x, w, dy = _cuda(*_data([64, 0, 17, 47], k=256, n=128))
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    q = _current() if quantized else None
+    grouped_linear(x, w, sizes, quantizers=q).backward(dy)  # warm-up (kernel compiles)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_linear(x, w, sizes, quantizers=q).backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,162 @@
+"""One mixture-of-experts layer, forward + backward: bf16 grouped GEMMs against lowprec.
+
+The layer: a bf16 router, softmax, top-k, the routed rows permuted by expert, the experts'
+gate/up GEMM, SwiGLU, the down GEMM, and the weighted un-permute back to the tokens. The
+per-expert token counts stay on the GPU (no host sync) in every peer but ``bf16-loop``.
+
+Peers (in the same run): ``bf16-grouped`` (``torch._grouped_mm``), ``bf16-loop`` (one
+``F.linear`` per expert), ``torchao-fp8-rowwise`` (torchao's FP8 MoE grouped GEMM, when it
+imports), and ``lowprec-<recipe>`` (:func:`lowprec.linear.grouped.grouped_linear`).
+Per peer: wall ms (CUDA events, median), GPU kernel ms (profiler), the host share, peak
+memory, and the speedup over ``bf16-grouped``; rows go to the results CSV.
+
+    python benchmarks/bench_moe.py [--shapes mixtral,qwen3] [--recipes current]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness import append_rows, gpu_kernel_ms, median_step_ms  # noqa: E402
+
+import lowprec  # noqa: E402
+from lowprec.linear.function import LinearQuantizers  # noqa: E402
+from lowprec.linear.grouped import grouped_linear  # noqa: E402
+
+#: name: (hidden, experts, top-k, expert ffn)
+SHAPES = {"mixtral": (4096, 8, 2, 14336), "qwen3": (2048, 128, 8, 768)}
+
+
+def recipe_quantizers(name: str) -> LinearQuantizers:
+    """The quantizers each lowprec recipe gives a Linear's input, weight and dY."""
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    if name == "current":  # Float8CurrentScaling(): HYBRID
+        return LinearQuantizers(input=lowprec.Float8CurrentScalingQuantizer(e4),
+                                weight=lowprec.Float8CurrentScalingQuantizer(e4),
+                                grad_output=lowprec.Float8CurrentScalingQuantizer(e5))
+    if name == "block":
+        return LinearQuantizers(input=lowprec.Float8BlockQuantizer(e4, block_scaling_dim=1),
+                                weight=lowprec.Float8BlockQuantizer(e4, block_scaling_dim=2),
+                                grad_output=lowprec.Float8BlockQuantizer(e4, block_scaling_dim=1))
+    if name == "mxfp8":
+        return LinearQuantizers(input=lowprec.MXFP8Quantizer(), weight=lowprec.MXFP8Quantizer(),
+                                grad_output=lowprec.MXFP8Quantizer())
+    raise ValueError(f"unknown recipe {name!r}; use current, block or mxfp8")
+
+
+def _torch_grouped(x, w, counts):
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=torch.cumsum(counts, 0, dtype=torch.int32))
+
+
+def _loop(x, w, counts):
+    return torch.cat([F.linear(xg, w[g]) for g, xg in enumerate(x.split(counts.tolist()))])
+
+
+def _torchao(x, w, counts):
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+    return _to_fp8_rowwise_then_scaled_grouped_mm(
+        x, w.transpose(1, 2), torch.cumsum(counts, 0, dtype=torch.int32))
+
+
+def _lowprec(recipe):
+    q = recipe_quantizers(recipe)
+    return lambda x, w, counts: grouped_linear(x, w, counts, quantizers=q)
+
+
+class MoE(torch.nn.Module):
+    def __init__(self, hidden, experts, topk, ffn, experts_fn):
+        super().__init__()
+        self.topk, self.ffn, self.experts_fn = topk, ffn, experts_fn
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.w13 = torch.nn.Parameter(torch.randn(experts, 2 * ffn, hidden) * hidden ** -0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, hidden, ffn) * ffn ** -0.5)
+
+    def forward(self, x):
+        experts = self.w13.shape[0]
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        top_p, top_i = probs.topk(self.topk, dim=-1)
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+        flat = top_i.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        token = order // self.topk
+        h = self.experts_fn(x[token], self.w13, counts)
+        a = F.silu(h[:, :self.ffn]) * h[:, self.ffn:]
+        o = self.experts_fn(a, self.w2, counts)
+        weight = top_p.reshape(-1)[order].to(o.dtype)
+        return torch.zeros_like(x).index_add_(0, token, o * weight[:, None])
+
+
+def run_shape(name, tokens, peers, steps, warmup):
+    hidden, experts, topk, ffn = SHAPES[name]
+    torch.manual_seed(0)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    layer = MoE(hidden, experts, topk, ffn, None).to("cuda", torch.bfloat16)
+    results = {}
+    print(f"\n{name}: hidden {hidden}, {experts} experts, top-{topk}, expert ffn {ffn}, "
+          f"{tokens} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'peer':24s} {'ms':>8s} {'GPU ms':>8s} {'host':>6s} {'peak GiB':>9s} "
+          f"{'vs bf16-grouped':>16s}")
+    for peer, fn in peers:
+        layer.experts_fn = fn
+        xx = x.clone().requires_grad_(True)
+
+        def step(i):
+            layer.zero_grad(set_to_none=True)
+            xx.grad = None
+            layer(xx).backward(dy)
+        try:
+            for i in range(warmup):
+                step(i)
+            ms, peak = median_step_ms(step, steps)
+            gpu, kernels, _ = gpu_kernel_ms(step, steps=3)
+        except Exception as exc:  # noqa: BLE001 - report the peer that cannot run and go on
+            print(f"{peer:24s} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        results[peer] = ms
+        base = results.get("bf16-grouped")
+        ratio = base / ms if base else float("nan")
+        print(f"{peer:24s} {ms:8.2f} {gpu:8.2f} {1 - gpu / ms:6.1%} {peak:9.2f} {ratio:15.2f}x")
+        append_rows([dict(bench="moe", shape=f"{name} {tokens}tok", recipe=peer,
+                          metric="step_ms", value=round(ms, 3), baseline="bf16-grouped",
+                          baseline_value=round(base, 3) if base else "",
+                          ratio=round(ratio, 4) if base else "",
+                          note=f"GPU kernels {gpu:.2f} ms ({kernels:.0f}); host share "
+                               f"{1 - gpu / ms:.1%}; peak {peak:.2f} GiB")])
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="mixtral,qwen3")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--recipes", default="current", help="lowprec recipes: current,block,mxfp8")
+    ap.add_argument("--no-loop", action="store_true", help="skip the bf16 per-expert loop")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    peers = [("bf16-grouped", _torch_grouped)]
+    if not args.no_loop:
+        peers.append(("bf16-loop", _loop))
+    try:
+        import torchao.prototype.moe_training  # noqa: F401
+        peers.append(("torchao-fp8-rowwise", _torchao))
+    except ImportError as exc:
+        print(f"torchao's MoE training does not import ({exc}); no torchao peer")
+    peers += [(f"lowprec-{r}", _lowprec(r)) for r in args.recipes.split(",") if r]
+    for name in args.shapes.split(","):
+        run_shape(name, args.tokens, peers, args.steps, args.warmup)
+
+
+if __name__ == "__main__":
+    main()
