@@ -32,10 +32,11 @@ def plain_available(a: torch.Tensor, k: int, n: int) -> bool:
             and k % 8 == 0 and n % 8 == 0)
 
 
-def fp8_available(a: torch.Tensor, k: int, n: int) -> bool:
-    """Whether the FP8 grouped GEMMs run on ``a``'s device for features ``k`` and ``n``."""
+def fp8_available(a: torch.Tensor, k: int, n: int, *fp8_dtypes: torch.dtype) -> bool:
+    """Whether the FP8 grouped GEMMs run on ``a``'s device for features ``k`` and ``n`` and
+    operands of ``fp8_dtypes`` (the Hopper kernel takes E4M3 operands only)."""
     return (hasattr(torch, "_scaled_grouped_mm") and _hopper(a) and k % _ALIGN == 0
-            and n % _ALIGN == 0)
+            and n % _ALIGN == 0 and all(d == torch.float8_e4m3fn for d in fp8_dtypes))
 
 
 def end_offsets(sizes: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,9 @@ def padded_layout(sizes: torch.Tensor, group_ids: torch.Tensor, rows: int):
     padded_end = torch.cumsum(padded, 0)
     shift = (padded_end - padded) - (torch.cumsum(sizes, 0) - sizes)
     dest = torch.arange(rows, device=sizes.device) + shift[group_ids]
-    return dest, padded_end.to(torch.int32), rows + (_ALIGN - 1) * sizes.shape[0]
+    # the buffer's row stride must be 16 bytes too
+    total = -(-(rows + (_ALIGN - 1) * sizes.shape[0]) // _ALIGN) * _ALIGN
+    return dest, padded_end.to(torch.int32), total
 
 
 def _columns_padded(t: torch.Tensor, dest: torch.Tensor, total: int) -> torch.Tensor:

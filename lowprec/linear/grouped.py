@@ -8,7 +8,10 @@ How it runs is decided by the quantizers and the device:
 
 * high precision on Hopper: one ``torch._grouped_mm`` per direction;
 * FP8 current scaling on Hopper: per-group amaxes and casts in torch ops (group sizes read
-  on the device, no host sync), one ``torch._scaled_grouped_mm`` per direction;
+  on the device, no host sync), one ``torch._scaled_grouped_mm`` per direction. That
+  kernel takes E4M3 operands only: with E5M2 gradients (``Format.HYBRID``) dgrad and wgrad
+  run one GEMM per group, the sizes read on the host once per backward; with
+  ``Format.E4M3`` nothing waits for the host;
 * FP8 current scaling elsewhere: the same quantize, then each group's GEMM as
   :func:`lowprec.gemm.gemm` runs it;
 * every other recipe, a bias, quantized weights or boundary quantizers: one
@@ -132,7 +135,8 @@ class _GroupedCurrent(torch.autograd.Function):
         ids = group_ids(sizes, rows)
         xq, sx = fp8_grouped.quantize_groups(x2d, ids, num, q_x)
         wq, sw = fp8_grouped.quantize_experts(w3d, q_w)
-        grouped = grouped_mm.fp8_available(x2d, x2d.shape[1], w3d.shape[1])
+        k, n = x2d.shape[1], w3d.shape[1]
+        grouped = grouped_mm.fp8_available(x2d, k, n, q_x.fp8_dtype, q_w.fp8_dtype)
         host = None if grouped else _host_sizes(sizes)
         if grouped:
             offs = grouped_mm.end_offsets(sizes)
@@ -144,11 +148,12 @@ class _GroupedCurrent(torch.autograd.Function):
                                                          w3d.dtype, q_w.fp8_dtype),
                                 "rowwise", out_dtype=x2d.dtype)
                            for g, xg in enumerate(torch.split(xq, host))])
+        grouped_bwd = grouped and grouped_mm.fp8_available(x2d, k, n, q_dy.fp8_dtype)
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         ctx.save_for_backward(xq if need_dw else None, sx, wq if need_dx else None, sw, sizes,
                               ids)
-        ctx.q_dy, ctx.grouped, ctx.host = q_dy, grouped, host
+        ctx.q_dy, ctx.grouped, ctx.host = q_dy, grouped_bwd, host
         ctx.dtypes = (x2d.dtype, w3d.dtype, q_x.fp8_dtype, q_w.fp8_dtype)
         return y
 
@@ -171,9 +176,12 @@ class _GroupedCurrent(torch.autograd.Function):
                 dx = grouped_mm.fp8_rows_by_experts(dyq, dec_dy[ids], w_t, torch.reciprocal(sw),
                                                     grouped_mm.end_offsets(sizes), x_dtype)
             return dx, dw, None, None, None
-        dys = torch.split(dyq, ctx.host)
+        # E5M2 gradients (the HYBRID format) have no grouped kernel: one GEMM per group,
+        # the sizes read on the host (one sync per backward on the GPU)
+        host = ctx.host if ctx.host is not None else _host_sizes(sizes)
+        dys = torch.split(dyq, host)
         if need_dw:
-            xs = torch.split(xq, ctx.host)
+            xs = torch.split(xq, host)
             dw = torch.stack([
                 gemm(_group_tensor(d, sdy[g:g + 1], d.shape, x_dtype, dy_fp8, "columnwise"),
                      "columnwise",
