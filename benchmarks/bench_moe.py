@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness import append_rows, gpu_kernel_ms, median_step_ms  # noqa: E402
 
 import lowprec  # noqa: E402
+from lowprec.backends import grouped_mm  # noqa: E402
 from lowprec.linear.function import LinearQuantizers  # noqa: E402
-from lowprec.linear.grouped import grouped_linear  # noqa: E402
+from lowprec.linear.grouped import group_ids, grouped_linear  # noqa: E402
 
 #: name: (hidden, experts, top-k, expert ffn)
 SHAPES = {"mixtral": (4096, 8, 2, 14336), "qwen3": (2048, 128, 8, 768)}
@@ -63,11 +64,15 @@ def _loop(x, w, counts):
 
 def _torchao(x, w, counts):
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
-    # torchao 0.18 refuses to pad the groups itself; unpadded, each group's size should
-    # be a multiple of 16 (the timing is what this peer is for)
-    return _to_fp8_rowwise_then_scaled_grouped_mm(
-        x, w.transpose(1, 2), torch.cumsum(counts, 0, dtype=torch.int32),
-        pad_token_groups_for_grouped_mm=False)
+    # torchao 0.18 refuses to pad the groups itself (pad_token_groups_for_grouped_mm=True
+    # is "not yet supported") and its FP8 wgrad needs every group to start at a multiple
+    # of 16 rows: the rows go into a padded copy here, in torch ops, and back out.
+    dest, padded_offs, total = grouped_mm.padded_layout(counts, group_ids(counts, x.shape[0]),
+                                                        x.shape[0])
+    xp = x.new_zeros(total, x.shape[1]).index_copy(0, dest, x)
+    y = _to_fp8_rowwise_then_scaled_grouped_mm(xp, w.transpose(1, 2), padded_offs,
+                                               pad_token_groups_for_grouped_mm=False)
+    return y[dest]
 
 
 def _lowprec(recipe):
