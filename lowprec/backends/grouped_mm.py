@@ -77,23 +77,22 @@ def padded_layout(sizes: torch.Tensor, group_ids: torch.Tensor, rows: int):
     return dest, padded_end.to(torch.int32), total
 
 
-def _columns_padded(t: torch.Tensor, dest: torch.Tensor, total: int) -> torch.Tensor:
-    # (features, padded rows) contiguous: the transposed operand wgrad reads, zero-padded
-    out = t.new_zeros(t.shape[1], total)
-    out[:, dest] = t.t()
-    return out
+def padded_columns(t: torch.Tensor, dest: torch.Tensor, total: int) -> torch.Tensor:
+    """(features, ``total``) contiguous: ``t``'s rows moved to ``dest`` and transposed, zeros
+    between the groups (the operand layout FP8 wgrad reads)."""
+    bits = t.view(torch.uint8) if t.element_size() == 1 else t
+    rows = bits.new_zeros(total, t.shape[1]).index_copy_(0, dest, bits)
+    return rows.t().contiguous().view(t.dtype)
 
 
-def fp8_wgrad(a: torch.Tensor, a_decode: torch.Tensor, b: torch.Tensor, b_decode: torch.Tensor,
-              layout, out_dtype: torch.dtype) -> torch.Tensor:
-    """FP8 wgrad: (G, N, K) = per group ``a[rows].T @ b[rows]`` with ``a`` (M, N) and ``b``
-    (M, K) fp8, one decode scale per group each (``a_decode``, ``b_decode`` (G,));
-    ``layout`` from :func:`padded_layout`."""
-    dest, padded_offs, total = layout
+def fp8_wgrad(a_t: torch.Tensor, a_decode: torch.Tensor, b_t: torch.Tensor,
+              b_decode: torch.Tensor, padded_offs: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 wgrad: (G, N, K) = per group ``a[rows].T @ b[rows]``, from the operands as
+    :func:`padded_columns` lays them out (``a_t`` (N, padded), ``b_t`` (K, padded)), one
+    decode scale per group each (``a_decode``, ``b_decode`` (G,))."""
     g = a_decode.shape[0]
-    a_t = _columns_padded(a, dest, total)
-    b_t = _columns_padded(b, dest, total)
-    scale_a = a_decode[:, None].expand(g, a.shape[1]).reshape(-1).contiguous()
-    scale_b = b_decode[:, None].expand(g, b.shape[1]).reshape(-1).contiguous()
+    scale_a = a_decode[:, None].expand(g, a_t.shape[0]).reshape(-1).contiguous()
+    scale_b = b_decode[:, None].expand(g, b_t.shape[0]).reshape(-1).contiguous()
     return torch._scaled_grouped_mm(a_t, b_t.t(), scale_a, scale_b, offs=padded_offs,
                                     out_dtype=out_dtype)

@@ -31,7 +31,21 @@ from ..formats.float8 import grouped as fp8_grouped
 from ..formats.float8.quantizer import Float8CurrentScalingQuantizer
 from ..formats.float8.tensor import Float8Tensor
 from ..gemm import gemm
+from ..kernels import use_kernels
 from .function import LinearQuantizers, quantized_linear
+
+_FUSED: dict = {}
+
+
+def fused(fn, t: torch.Tensor):
+    """``fn`` as inductor's fused kernels where ``t`` is on a GPU with Triton (the same
+    torch ops, so the same bits, in a pass or two instead of one per op), else ``fn``."""
+    if not use_kernels(t) or torch.compiler.is_compiling():
+        return fn
+    compiled = _FUSED.get(fn)
+    if compiled is None:
+        compiled = _FUSED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return compiled
 
 
 def group_ids(sizes: torch.Tensor, rows: int) -> torch.Tensor:
@@ -133,8 +147,8 @@ class _GroupedCurrent(torch.autograd.Function):
         q_x, q_w, q_dy = quantizers
         num, rows = w3d.shape[0], x2d.shape[0]
         ids = group_ids(sizes, rows)
-        xq, sx = fp8_grouped.quantize_groups(x2d, ids, num, q_x)
-        wq, sw = fp8_grouped.quantize_experts(w3d, q_w)
+        xq, sx = fused(fp8_grouped.quantize_groups, x2d)(x2d, ids, num, q_x)
+        wq, sw = fused(fp8_grouped.quantize_experts, w3d)(w3d, q_w)
         k, n = x2d.shape[1], w3d.shape[1]
         grouped = grouped_mm.fp8_available(x2d, k, n, q_x.fp8_dtype, q_w.fp8_dtype)
         host = None if grouped else _host_sizes(sizes)
@@ -163,14 +177,17 @@ class _GroupedCurrent(torch.autograd.Function):
         x_dtype, w_dtype, x_fp8, w_fp8 = ctx.dtypes
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         num = sw.shape[0]
-        dyq, sdy = fp8_grouped.quantize_groups(dy.contiguous(), ids, num, ctx.q_dy)
+        dy = dy.contiguous()
+        dyq, sdy = fused(fp8_grouped.quantize_groups, dy)(dy, ids, num, ctx.q_dy)
         dy_fp8 = ctx.q_dy.fp8_dtype
         dx = dw = None
         if ctx.grouped:
             dec_dy = torch.reciprocal(sdy)
             if need_dw:
-                layout = grouped_mm.padded_layout(sizes, ids, dyq.shape[0])
-                dw = grouped_mm.fp8_wgrad(dyq, dec_dy, xq, torch.reciprocal(sx), layout, w_dtype)
+                dest, padded_offs, total = grouped_mm.padded_layout(sizes, ids, dyq.shape[0])
+                pad = fused(grouped_mm.padded_columns, dyq)
+                dw = grouped_mm.fp8_wgrad(pad(dyq, dest, total), dec_dy, pad(xq, dest, total),
+                                          torch.reciprocal(sx), padded_offs, w_dtype)
             if need_dx:
                 w_t = wq.transpose(1, 2).contiguous()  # each expert's columnwise copy
                 dx = grouped_mm.fp8_rows_by_experts(dyq, dec_dy[ids], w_t, torch.reciprocal(sw),

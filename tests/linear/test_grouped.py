@@ -9,7 +9,7 @@ import torch
 import lowprec
 from lowprec.formats.float8 import grouped as fp8_grouped
 from lowprec.linear.function import LinearQuantizers, quantized_linear
-from lowprec.linear.grouped import current_scaling_quantizers, group_ids, grouped_linear
+from lowprec.linear.grouped import current_scaling_quantizers, fused, group_ids, grouped_linear
 from lowprec.recipe import Float8CurrentScaling, MXFP8BlockScaling
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -167,7 +167,7 @@ def test_current_grouped_gpu_operands_exact_and_gemms_close(sizes, grad):
     q = _current(grad)
     x, w, dy = _cuda(*_data(sizes, k=256, n=128))
     ids = group_ids(torch.tensor(sizes, device="cuda"), x.shape[0])
-    data, scale = fp8_grouped.quantize_groups(x, ids, len(sizes), q.input)
+    data, scale = fused(fp8_grouped.quantize_groups, x)(x, ids, len(sizes), q.input)
     for g, xg in enumerate(torch.split(x, list(sizes))):
         if xg.shape[0]:
             ref = q.input.quantize(xg)  # the Triton kernel
