@@ -105,7 +105,7 @@ class MoE(torch.nn.Module):
         return torch.zeros_like(x).index_add_(0, token, o * weight[:, None])
 
 
-def run_shape(name, tokens, peers, steps, warmup):
+def run_shape(name, tokens, peers, steps, warmup, top=0):
     hidden, experts, topk, ffn = SHAPES[name]
     torch.manual_seed(0)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -128,7 +128,7 @@ def run_shape(name, tokens, peers, steps, warmup):
             for i in range(warmup):
                 step(i)
             ms, peak = median_step_ms(step, steps)
-            gpu, kernels, _ = gpu_kernel_ms(step, steps=3)
+            gpu, kernels, heaviest = gpu_kernel_ms(step, steps=3, top=top)
         except Exception as exc:  # noqa: BLE001 - report the peer that cannot run and go on
             print(f"{peer:24s} failed: {type(exc).__name__}: {str(exc)[:200]}")
             continue
@@ -136,6 +136,8 @@ def run_shape(name, tokens, peers, steps, warmup):
         base = results.get("bf16-grouped")
         ratio = base / ms if base else float("nan")
         print(f"{peer:24s} {ms:8.2f} {gpu:8.2f} {1 - gpu / ms:6.1%} {peak:9.2f} {ratio:15.2f}x")
+        for k_ms, launches, kname in heaviest:
+            print(f"    {k_ms:7.2f} ms {launches:5.0f}x  {kname[:90]}")
         append_rows([dict(bench="moe", shape=f"{name} {tokens}tok", recipe=peer,
                           metric="step_ms", value=round(ms, 3), baseline="bf16-grouped",
                           baseline_value=round(base, 3) if base else "",
@@ -152,6 +154,8 @@ def main() -> None:
     ap.add_argument("--recipes", default="current-e4m3,current",
                     help="lowprec recipes: current (HYBRID), current-e4m3, block, mxfp8")
     ap.add_argument("--no-loop", action="store_true", help="skip the bf16 per-expert loop")
+    ap.add_argument("--top-kernels", type=int, default=0,
+                    help="print each peer's N heaviest kernels (GPU ms a step)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
@@ -165,7 +169,7 @@ def main() -> None:
         print(f"torchao's MoE training does not import ({exc}); no torchao peer")
     peers += [(f"lowprec-{r}", _lowprec(r)) for r in args.recipes.split(",") if r]
     for name in args.shapes.split(","):
-        run_shape(name, args.tokens, peers, args.steps, args.warmup)
+        run_shape(name, args.tokens, peers, args.steps, args.warmup, args.top_kernels)
 
 
 if __name__ == "__main__":
