@@ -67,9 +67,9 @@ def _torchao(x, w, counts):
     # torchao 0.18 refuses to pad the groups itself (pad_token_groups_for_grouped_mm=True
     # is "not yet supported") and its FP8 wgrad needs every group to start at a multiple
     # of 16 rows: the rows go into a padded copy here, in torch ops, and back out.
-    dest, padded_offs, total = grouped_mm.padded_layout(counts, group_ids(counts, x.shape[0]),
-                                                        x.shape[0])
-    xp = x.new_zeros(total, x.shape[1]).index_copy(0, dest, x)
+    src, valid, padded_offs, _, dest = grouped_mm.padded_layout(
+        counts, group_ids(counts, x.shape[0]), x.shape[0])
+    xp = grouped_mm.padded_rows(x, src, valid)
     y = _to_fp8_rowwise_then_scaled_grouped_mm(xp, w.transpose(1, 2), padded_offs,
                                                pad_token_groups_for_grouped_mm=False)
     return y[dest]

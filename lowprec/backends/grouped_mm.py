@@ -11,7 +11,7 @@ Two shapes of problem, as an MoE layer runs them:
 The FP8 forms take per-tensor decode scales (``1 / scale``) per group: each row gets its
 group's, as the kernels' row-wise scales. FP8 wgrad needs each group's rows to start at a
 multiple of 16, so the rows are spread into a zero-padded copy first (zero rows add
-nothing to the sums).
+nothing to the sums), then transposed.
 """
 
 from __future__ import annotations
@@ -66,30 +66,35 @@ def fp8_rows_by_experts(a: torch.Tensor, a_decode: torch.Tensor, b: torch.Tensor
 
 
 def padded_layout(sizes: torch.Tensor, group_ids: torch.Tensor, rows: int):
-    """(destination row of each row, padded end offsets int32, padded row count): every
-    group starts at a multiple of 16. The count is an upper bound known on the host."""
+    """(source row of each padded row, whether it has one, padded end offsets int32, padded
+    row count, each row's padded place): every group starts at a multiple of 16. The count is an upper bound known
+    on the host, a multiple of 16 (the buffer's row stride must be 16 bytes too)."""
     padded = (sizes + (_ALIGN - 1)) // _ALIGN * _ALIGN
     padded_end = torch.cumsum(padded, 0)
     shift = (padded_end - padded) - (torch.cumsum(sizes, 0) - sizes)
     dest = torch.arange(rows, device=sizes.device) + shift[group_ids]
-    # the buffer's row stride must be 16 bytes too
     total = -(-(rows + (_ALIGN - 1) * sizes.shape[0]) // _ALIGN) * _ALIGN
-    return dest, padded_end.to(torch.int32), total
+    src = torch.zeros(total, dtype=torch.int64, device=sizes.device)
+    src[dest] = torch.arange(rows, device=sizes.device)
+    valid = torch.zeros(total, dtype=torch.bool, device=sizes.device)
+    valid[dest] = True
+    return src, valid, padded_end.to(torch.int32), total, dest
 
 
-def padded_columns(t: torch.Tensor, dest: torch.Tensor, total: int) -> torch.Tensor:
-    """(features, ``total``) contiguous: ``t``'s rows moved to ``dest`` and transposed, zeros
-    between the groups (the operand layout FP8 wgrad reads)."""
+def padded_rows(t: torch.Tensor, src: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``t``'s rows at their padded places (``src``, ``valid`` from :func:`padded_layout`),
+    zeros between the groups."""
     bits = t.view(torch.uint8) if t.element_size() == 1 else t
-    rows = bits.new_zeros(total, t.shape[1]).index_copy_(0, dest, bits)
-    return rows.t().contiguous().view(t.dtype)
+    rows = torch.where(valid[:, None], bits[src], torch.zeros((), dtype=bits.dtype,
+                                                              device=t.device))
+    return rows.view(t.dtype)
 
 
 def fp8_wgrad(a_t: torch.Tensor, a_decode: torch.Tensor, b_t: torch.Tensor,
               b_decode: torch.Tensor, padded_offs: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
-    """FP8 wgrad: (G, N, K) = per group ``a[rows].T @ b[rows]``, from the operands as
-    :func:`padded_columns` lays them out (``a_t`` (N, padded), ``b_t`` (K, padded)), one
+    """FP8 wgrad: (G, N, K) = per group ``a[rows].T @ b[rows]``, from the transposes of
+    :func:`padded_rows` (``a_t`` (N, padded), ``b_t`` (K, padded)), one
     decode scale per group each (``a_decode``, ``b_decode`` (G,))."""
     g = a_decode.shape[0]
     scale_a = a_decode[:, None].expand(g, a_t.shape[0]).reshape(-1).contiguous()

@@ -32,6 +32,7 @@ from ..formats.float8.quantizer import Float8CurrentScalingQuantizer
 from ..formats.float8.tensor import Float8Tensor
 from ..gemm import gemm
 from ..kernels import use_kernels
+from ..kernels.transpose import transpose_contiguous
 from .function import LinearQuantizers, quantized_linear
 
 _FUSED: dict = {}
@@ -184,12 +185,14 @@ class _GroupedCurrent(torch.autograd.Function):
         if ctx.grouped:
             dec_dy = torch.reciprocal(sdy)
             if need_dw:
-                dest, padded_offs, total = grouped_mm.padded_layout(sizes, ids, dyq.shape[0])
-                pad = fused(grouped_mm.padded_columns, dyq)
-                dw = grouped_mm.fp8_wgrad(pad(dyq, dest, total), dec_dy, pad(xq, dest, total),
+                src, valid, padded_offs, _, _ = grouped_mm.padded_layout(sizes, ids, dyq.shape[0])
+                pad = fused(grouped_mm.padded_rows, dyq)
+                dw = grouped_mm.fp8_wgrad(transpose_contiguous(pad(dyq, src, valid)), dec_dy,
+                                          transpose_contiguous(pad(xq, src, valid)),
                                           torch.reciprocal(sx), padded_offs, w_dtype)
             if need_dx:
-                w_t = wq.transpose(1, 2).contiguous()  # each expert's columnwise copy
+                # each expert's columnwise copy, through the tiled transpose kernel
+                w_t = torch.stack([transpose_contiguous(wq[g]) for g in range(num)])
                 dx = grouped_mm.fp8_rows_by_experts(dyq, dec_dy[ids], w_t, torch.reciprocal(sw),
                                                     grouped_mm.end_offsets(sizes), x_dtype)
             return dx, dw, None, None, None
