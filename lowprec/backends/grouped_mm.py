@@ -67,8 +67,8 @@ def fp8_rows_by_experts(a: torch.Tensor, a_decode: torch.Tensor, b: torch.Tensor
 
 def padded_layout(sizes: torch.Tensor, group_ids: torch.Tensor, rows: int):
     """(source row of each padded row, whether it has one, padded end offsets int32, padded
-    row count, each row's padded place): every group starts at a multiple of 16. The count is an upper bound known
-    on the host, a multiple of 16 (the buffer's row stride must be 16 bytes too)."""
+    row count, each row's padded place): every group starts at a multiple of 16. The count
+    is an upper bound known on the host, a multiple of 16 (16-byte row strides)."""
     padded = (sizes + (_ALIGN - 1)) // _ALIGN * _ALIGN
     padded_end = torch.cumsum(padded, 0)
     shift = (padded_end - padded) - (torch.cumsum(sizes, 0) - sizes)
