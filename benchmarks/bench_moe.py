@@ -127,6 +127,10 @@ def run_shape(name, tokens, peers, steps, warmup, top=0):
         try:
             for i in range(warmup):
                 step(i)
+            missing = [n for n, p in layer.named_parameters() if p.grad is None
+                       or not p.grad.abs().sum().item()]
+            if missing or xx.grad is None:
+                raise RuntimeError(f"no gradient for {missing or 'the input'}")
             ms, peak = median_step_ms(step, steps)
             gpu, kernels, heaviest = gpu_kernel_ms(step, steps=3, top=top)
         except Exception as exc:  # noqa: BLE001 - report the peer that cannot run and go on
