@@ -7,7 +7,15 @@ from .checkpoint import checkpoint
 from .convert import convert_model
 from .formats import *  # noqa: F401,F403
 from .formats import __all__ as _formats_all
-from .modules import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .modules import (
+    GroupedExperts,
+    GroupedLinear,
+    LayerNorm,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    RMSNorm,
+)
 from .offload import cpu_offload
 from .recipe import (
     BackwardMode,
@@ -28,4 +36,5 @@ __all__ = [*_formats_all, "recipe", "ops", "optim", "autocast", "checkpoint", "c
            "cpu_offload", "quantized_model_init", "QuantizerRole",
            "Format", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
            "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "Recipe", "BackwardMode",
-           "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "LayerNorm", "RMSNorm"]
+           "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "GroupedExperts",
+           "LayerNorm", "RMSNorm"]

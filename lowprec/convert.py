@@ -41,8 +41,8 @@ from .attach import attach_recipe
 from .autocast import quantized_model_init
 from .formats.base import QuantizedTensor
 from .linear.function import LinearQuantizers, feature_padding
+from .modules import GroupedExperts, LayerNormLinear, Linear
 from .modules import LayerNorm as LPLayerNorm
-from .modules import LayerNormLinear, Linear
 from .modules import RMSNorm as LPRMSNorm
 from .modules.base import LowprecModule
 from .modules.norms import apply_norm
@@ -140,6 +140,13 @@ def _convert(model, recipe, module_filter_fn, example_inputs, fuse_norms) -> nn.
             continue
         _replace(parents, fqn, _make_linear(mod, fqn))
         report["converted"].append(fqn)
+    for fqn, mod in list(model.named_modules()):
+        if _is_hf_experts(mod) and counts[id(mod)] == 1 and fqn:
+            if module_filter_fn is not None and not module_filter_fn(mod, fqn):
+                report["skipped"][fqn] = "module_filter_fn returned False"
+                continue
+            _replace(parents, fqn, GroupedExperts.from_experts(mod, fqn))
+            report["converted"].append(fqn)
 
     skipped = {k: v for k, v in report["skipped"].items() if not v.startswith("module_filter_fn")}
     if skipped:
@@ -152,6 +159,23 @@ def _convert(model, recipe, module_filter_fn, example_inputs, fuse_norms) -> nn.
     except Exception:  # noqa: BLE001 - a model that refuses attributes just lacks the report
         pass
     return model
+
+
+# ---- mixture-of-experts experts ------------------------------------------------------
+def _is_hf_experts(mod: nn.Module) -> bool:
+    """A transformers ``*Experts`` module (Mixtral, Qwen3-MoE, DeepSeek-V3 and their kin):
+    3-D ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) parameters and nothing
+    else (no biases), an ``act_fn``, and the transformers loop's
+    ``forward(hidden_states, top_k_index, top_k_weights)``."""
+    if isinstance(mod, LowprecModule) or not type(mod).__name__.endswith("Experts"):
+        return False
+    gu, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+    if not (isinstance(gu, nn.Parameter) and isinstance(down, nn.Parameter) and gu.dim() == 3
+            and down.dim() == 3 and callable(getattr(mod, "act_fn", None))):
+        return False
+    e, two_i, h = gu.shape
+    return (two_i % 2 == 0 and tuple(down.shape) == (e, h, two_i // 2)
+            and {n for n, _ in mod.named_parameters()} == {"gate_up_proj", "down_proj"})
 
 
 # ---- Linear candidates ---------------------------------------------------------------

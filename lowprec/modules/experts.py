@@ -1,0 +1,115 @@
+"""GroupedExperts: the routed experts of a mixture-of-experts layer, in low precision.
+
+It holds the experts the way Hugging Face transformers stores them (Mixtral, Qwen3-MoE,
+DeepSeek-V3 ``*Experts`` modules): ``gate_up_proj`` (E, 2I, H) whose first I rows of each
+expert are the gate, ``down_proj`` (E, H, I), an activation, and
+``forward(hidden_states, top_k_index, top_k_weights)``. ``convert_model`` swaps those
+modules for this one, keeping the same parameter objects, so checkpoints load unchanged.
+
+A call sorts the routed rows by expert (the token counts stay on the device), runs the
+gate/up and down GEMMs through :func:`lowprec.linear.grouped.grouped_linear`, and adds each
+expert's weighted output back to its token, as the transformers loop does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..autocast import init_recipe
+from ..compiled_call import compiled_as_one_op
+from ..linear.grouped import grouped_linear
+from .base import LowprecModule
+
+
+class GroupedExperts(LowprecModule):
+    """``num_experts`` SwiGLU-style experts (``act_fn(gate) * up``, then down) over routed
+    tokens. Each expert has its own quantizers: GEMM slots ``<name>.gate_up`` for experts
+    0..E-1, then ``<name>.down`` (``module_type`` ``grouped_linear``)."""
+
+    module_type = "grouped_linear"
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 act_fn: Callable[[torch.Tensor], torch.Tensor] = nn.functional.silu, *,
+                 params_dtype: torch.dtype | None = None, device=None,
+                 name: str | None = None) -> None:
+        super().__init__(name)
+        for what, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                        ("intermediate_size", intermediate_size)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"GroupedExperts: {what} must be a positive int, got {v!r}")
+        if init_recipe() is not None:
+            raise ValueError("GroupedExperts keeps 3-D expert weights in high precision: build "
+                             "it outside quantized_model_init")
+        dtype = params_dtype or torch.get_default_dtype()
+        self.num_experts, self.hidden_dim, self.intermediate_dim = (num_experts, hidden_size,
+                                                                   intermediate_size)
+        self.act_fn = act_fn
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
+                                                     hidden_size, dtype=dtype, device=device))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size,
+                                                  dtype=dtype, device=device))
+        self._init_weights()
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, name: str = "") -> "GroupedExperts":
+        """A GroupedExperts holding ``experts``' own ``gate_up_proj``/``down_proj``
+        parameters and activation (a transformers ``*Experts`` module)."""
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        new = cls.__new__(cls)
+        LowprecModule.__init__(new, name)
+        new.num_experts, two_i, new.hidden_dim = gate_up.shape
+        new.intermediate_dim = two_i // 2
+        new.act_fn = experts.act_fn
+        new.gate_up_proj, new.down_proj = gate_up, down
+        new.train(experts.training)
+        return new
+
+    def _init_weights(self) -> None:
+        # each expert as an nn.Linear of its shape draws its weight
+        with torch.no_grad():
+            for w in (self.gate_up_proj, self.down_proj):
+                bound = 1 / math.sqrt(w.shape[2]) if w.shape[2] else 0.0
+                w.uniform_(-bound, bound)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()  # scaling state afresh (no 2-D weights of its own)
+        self._init_weights()
+
+    def _gemm_names(self) -> list[str]:
+        return ([f"{self.name}.gate_up"] * self.num_experts
+                + [f"{self.name}.down"] * self.num_experts)
+
+    def _boundary(self, i: int, fwd: bool):
+        return None
+
+    def _weight_names(self) -> list[str]:
+        return []
+
+    def compiled_output_shapes(self, hidden_states, top_k_index, top_k_weights) -> list[tuple]:
+        return [tuple(hidden_states.shape)]
+
+    @compiled_as_one_op
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``hidden_states`` (T, H); ``top_k_index`` (T, k) expert ids in ``[0, E)``;
+        ``top_k_weights`` (T, k). Returns (T, H) in ``hidden_states``' dtype."""
+        qs, mode, done = self.gemm_quantizers(hidden_states.device)
+        e, k = self.num_experts, top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token, slot = order // k, order % k
+        counts = torch.zeros(e, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        h = grouped_linear(hidden_states[token], self.gate_up_proj, counts,
+                           quantizers=qs[:e] if qs else None, backward_mode=mode,
+                           on_backward_done=done)
+        gate, up = h.chunk(2, dim=-1)
+        out = grouped_linear(self.act_fn(gate) * up, self.down_proj, counts,
+                             quantizers=qs[e:] if qs else None, backward_mode=mode,
+                             on_backward_done=done)
+        out = (out * top_k_weights[token, slot, None]).to(hidden_states.dtype)
+        return torch.zeros_like(hidden_states).index_add_(0, token, out)

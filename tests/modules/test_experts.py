@@ -1,0 +1,167 @@
+"""GroupedExperts and convert_model on transformers' mixture-of-experts models."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import lowprec
+from lowprec.linear.function import quantized_linear
+from lowprec.recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling
+
+transformers = pytest.importorskip("transformers")
+
+H, I, E, K, T = 64, 96, 4, 2, 48
+
+
+def _models():
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+    common = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128)
+    return {
+        "mixtral": (MixtralConfig(intermediate_size=I, num_local_experts=E,
+                                  num_experts_per_tok=K, **common), "MixtralForCausalLM"),
+        "qwen3_moe": (Qwen3MoeConfig(moe_intermediate_size=I, intermediate_size=I,
+                                     num_experts=E, num_experts_per_tok=K, head_dim=16,
+                                     **common), "Qwen3MoeForCausalLM"),
+        "deepseek_v3": (DeepseekV3Config(moe_intermediate_size=I, intermediate_size=I,
+                                         n_routed_experts=E, num_experts_per_tok=K,
+                                         n_group=1, topk_group=1, first_k_dense_replace=0,
+                                         q_lora_rank=None, kv_lora_rank=16,
+                                         qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                         v_head_dim=16, **common), "DeepseekV3ForCausalLM"),
+    }
+
+
+def _build(name):
+    cfg, cls = _models()[name]
+    torch.manual_seed(0)
+    # the transformers per-expert loop (its default may pick torch._grouped_mm)
+    return getattr(transformers, cls)._from_config(cfg, experts_implementation="eager").to(
+        torch.bfloat16)
+
+
+def _experts_of(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+
+
+def _routing(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    idx[:5] = 0  # one expert busier, one maybe idle
+    w = torch.rand(T, K, generator=g)
+    return x, idx, w
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_grouped_experts_equal_transformers_loop(name):
+    hf = _experts_of(_build(name))[0]
+    with torch.no_grad():
+        hf.gate_up_proj.normal_(std=0.05)
+        hf.down_proj.normal_(std=0.05)
+    lp = lowprec.GroupedExperts.from_experts(copy.deepcopy(hf), "experts")
+    x, idx, w = _routing()
+    outs, grads = [], []
+    for mod in (hf, lp):
+        xx = x.clone().requires_grad_(True)
+        y = mod(xx, idx, w)
+        y.float().square().sum().backward()
+        outs.append(y)
+        grads.append((xx.grad, mod.gate_up_proj.grad, mod.down_proj.grad))
+    assert torch.equal(outs[0], outs[1])
+    # the weight gradients sum each expert's rows in another order (token-major here,
+    # top-k slot-major in the loop): equal to bf16 rounding
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_convert_model_swaps_experts_keeping_parameters(name):
+    model = _build(name)
+    before = {id(m.gate_up_proj): m for m in _experts_of(model)}
+    keys = set(model.state_dict())
+    lowprec.convert_model(model, module_filter_fn=lambda m, fqn: "lm_head" not in fqn)
+    experts = [m for m in model.modules() if isinstance(m, lowprec.GroupedExperts)]
+    assert len(experts) == len(before) == 2
+    assert all(id(m.gate_up_proj) in before for m in experts)
+    # the same parameter names (lowprec modules add their scaling state as _extra_state)
+    assert {k for k in model.state_dict() if not k.endswith("_extra_state")} == keys
+    assert all(fqn.endswith("experts") for fqn in model.lowprec_conversion["converted"]
+               if "proj" not in fqn.rsplit(".", 1)[-1])
+    ids = torch.randint(0, 128, (2, 16))
+    with lowprec.autocast(recipe=Float8CurrentScaling(fp8_format=Format.E4M3)):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(m.gate_up_proj.grad is not None and m.down_proj.grad.abs().sum() > 0
+               for m in experts)
+
+
+def _per_expert_reference(mod, x, idx, w, qs):
+    """The experts as one quantized Linear per expert and GEMM (the transformers loop)."""
+    out = torch.zeros_like(x)
+    for e in range(mod.num_experts):
+        pos, tok = torch.where((idx == e).t())
+        order = torch.argsort(tok, stable=True)
+        pos, tok = pos[order], tok[order]
+        h = quantized_linear(x[tok], mod.gate_up_proj[e], quantizers=qs[e])
+        gate, up = h.chunk(2, dim=-1)
+        o = quantized_linear(mod.act_fn(gate) * up, mod.down_proj[e],
+                             quantizers=qs[mod.num_experts + e])
+        out.index_add_(0, tok, (o * w[tok, pos, None]).to(x.dtype))
+    return out
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), MXFP8BlockScaling()],
+                         ids=["current", "mxfp8"])
+def test_quantized_experts_equal_per_expert_linears(recipe):
+    torch.manual_seed(0)
+    mod = lowprec.GroupedExperts(E, H, I, params_dtype=torch.bfloat16, name="experts")
+    x, idx, w = _routing(1)
+    with lowprec.autocast(recipe=recipe):
+        got = mod(x, idx, w)
+        qs, _, _ = mod.gemm_quantizers(x.device)
+        ref = _per_expert_reference(mod, x, idx, w, qs)
+    assert torch.equal(got, ref)
+
+
+def test_compiled_experts_bit_identical():
+    torch.manual_seed(0)
+    mod = lowprec.GroupedExperts(E, H, I, params_dtype=torch.bfloat16, name="experts")
+    x, idx, w = _routing(2)
+    recipe = Float8CurrentScaling()
+
+    def step(m, xx):
+        with lowprec.autocast(recipe=recipe):
+            return m(xx, idx, w)
+
+    eager = step(mod, x)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(mod, x)
+    assert torch.equal(eager, compiled)
+
+
+def test_delayed_scaling_experts_update_their_state():
+    torch.manual_seed(0)
+    mod = lowprec.GroupedExperts(E, H, I, params_dtype=torch.bfloat16, name="experts")
+    x, idx, w = _routing(3)
+    for _ in range(2):
+        with lowprec.autocast(recipe=DelayedScaling()):
+            y = mod(x.clone().requires_grad_(True), idx, w)
+        y.float().sum().backward()
+    state = mod.scaling_state()
+    assert "forward" in state and "backward" in state
+
+
+def test_meta_init_and_errors():
+    mod = lowprec.GroupedExperts(E, H, I, device="meta")
+    mod.to_empty(device="cpu")
+    mod.reset_parameters()
+    assert mod.gate_up_proj.abs().max() <= 1 / H ** 0.5
+    with pytest.raises(ValueError, match="num_experts must be a positive int"):
+        lowprec.GroupedExperts(0, H, I)
+    with lowprec.quantized_model_init(recipe=Float8CurrentScaling()):
+        with pytest.raises(ValueError, match="outside quantized_model_init"):
+            lowprec.GroupedExperts(E, H, I)
