@@ -10,12 +10,21 @@ imports), and ``lowprec-<recipe>`` (:func:`lowprec.linear.grouped.grouped_linear
 Per peer: wall ms (CUDA events, median), GPU kernel ms (profiler), the host share, peak
 memory, and the speedup over ``bf16-grouped``; rows go to the results CSV.
 
+``--model mixtral|qwen3`` instead times a whole Hugging Face MoE model built from a config
+(``--layers`` decoder layers of that shape, batch x sequence tokens): forward, backward
+and fused AdamW, eager and ``torch.compile``d. bf16 runs transformers' own experts
+(``experts_implementation="grouped_mm"``); lowprec converts every Linear but ``lm_head``
+and the experts (``convert_model``) and trains under Float8CurrentScaling with E4M3
+gradients.
+
     python benchmarks/bench_moe.py [--shapes mixtral,qwen3] [--recipes current]
+    python benchmarks/bench_moe.py --model qwen3 [--layers 4] [--modes eager,compiled]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -151,6 +160,86 @@ def run_shape(name, tokens, peers, steps, warmup, top=0):
         torch.cuda.empty_cache()
 
 
+def build_model(name: str, layers: int, experts_impl: str, device: str = "cuda"):
+    import transformers
+
+    hidden, experts, topk, ffn = SHAPES[name]
+    common = dict(hidden_size=hidden, num_hidden_layers=layers, vocab_size=32000,
+                  num_attention_heads=hidden // 128,
+                  num_key_value_heads=min(8, hidden // 128),
+                  max_position_embeddings=4096, use_cache=False)
+    if name == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=ffn, num_local_experts=experts,
+                                         num_experts_per_tok=topk, **common)
+        cls = transformers.MixtralForCausalLM
+    else:
+        cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=ffn, intermediate_size=ffn,
+                                          num_experts=experts, num_experts_per_tok=topk,
+                                          head_dim=128, **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device):
+        return cls._from_config(cfg, attn_implementation="sdpa",
+                                experts_implementation=experts_impl).to(torch.bfloat16)
+
+
+def _time_model(name, layers, peer, mode, ids, recipe, steps, warmup):
+    m = build_model(name, layers, "grouped_mm")
+    ctx = None
+    if peer != "bf16":
+        lowprec.convert_model(m, module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)
+        ctx = lambda: lowprec.autocast(recipe=recipe)  # noqa: E731
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True)
+    fwd = torch.compile(m) if mode == "compiled" else m
+
+    def step(i):
+        with ctx() if ctx is not None else contextlib.nullcontext():
+            loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for i in range(warmup):
+        step(i)
+    ms, peak = median_step_ms(step, steps)
+    gpu, kernels, _ = gpu_kernel_ms(step, steps=2)
+    return ms, peak, gpu, kernels
+
+
+def run_model(name, layers, batch, seq, modes, steps, warmup):
+    from lowprec.recipe import Float8CurrentScaling, Format
+
+    tokens = batch * seq
+    ids = torch.randint(0, 32000, (batch, seq), device="cuda")
+    recipe = Float8CurrentScaling(fp8_format=Format.E4M3)
+    print(f"\n{name} model, {layers} layers, {tokens} tokens a step, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'peer':24s} {'mode':9s} {'ms':>8s} {'GPU ms':>8s} {'host':>6s} {'peak GiB':>9s} "
+          f"{'vs bf16 same mode':>18s}")
+    base = {}
+    for peer in ("bf16", "lowprec-current-e4m3"):
+        for mode in modes:
+            try:
+                ms, peak, gpu, kernels = _time_model(name, layers, peer, mode, ids, recipe,
+                                                     steps, warmup)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                print(f"{peer:24s} {mode:9s} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            finally:
+                torch.cuda.empty_cache()
+            if peer == "bf16":
+                base[mode] = ms
+            ratio = base[mode] / ms if mode in base else float("nan")
+            print(f"{peer:24s} {mode:9s} {ms:8.2f} {gpu:8.2f} {1 - gpu / ms:6.1%} {peak:9.2f} "
+                  f"{ratio:17.2f}x")
+            append_rows([dict(bench="moe_model", shape=f"{name} {layers}L {tokens}tok",
+                              recipe=f"{peer} {mode}", metric="step_ms", value=round(ms, 3),
+                              baseline=f"bf16 {mode}",
+                              baseline_value=round(base[mode], 3) if mode in base else "",
+                              ratio=round(ratio, 4) if mode in base else "",
+                              note=f"GPU kernels {gpu:.2f} ms ({kernels:.0f}); host share "
+                                   f"{1 - gpu / ms:.1%}; peak {peak:.2f} GiB")])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="mixtral,qwen3")
@@ -160,9 +249,18 @@ def main() -> None:
     ap.add_argument("--no-loop", action="store_true", help="skip the bf16 per-expert loop")
     ap.add_argument("--top-kernels", type=int, default=0,
                     help="print each peer's N heaviest kernels (GPU ms a step)")
+    ap.add_argument("--model", default="", help="time a whole HF MoE model: mixtral, qwen3")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--modes", default="eager,compiled")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
+    if args.model:
+        run_model(args.model, args.layers, args.batch, args.seq,
+                  [m for m in args.modes.split(",") if m], args.steps, args.warmup)
+        return
     peers = [("bf16-grouped", _torch_grouped)]
     if not args.no_loop:
         peers.append(("bf16-loop", _loop))
