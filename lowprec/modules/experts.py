@@ -27,8 +27,9 @@ from .base import LowprecModule
 
 class GroupedExperts(LowprecModule):
     """``num_experts`` SwiGLU-style experts (``act_fn(gate) * up``, then down) over routed
-    tokens. Each expert has its own quantizers: GEMM slots ``<name>.gate_up`` for experts
-    0..E-1, then ``<name>.down`` (``module_type`` ``grouped_linear``)."""
+    tokens. Each expert has its own quantizers: GEMM slots ``<name>.<e>.gate_up`` for
+    experts 0..E-1, then ``<name>.<e>.down`` (``module_type`` ``grouped_linear``), so
+    per-role recipes and ``lowprec compare`` see each expert."""
 
     module_type = "grouped_linear"
 
@@ -80,8 +81,8 @@ class GroupedExperts(LowprecModule):
         self._init_weights()
 
     def _gemm_names(self) -> list[str]:
-        return ([f"{self.name}.gate_up"] * self.num_experts
-                + [f"{self.name}.down"] * self.num_experts)
+        e = range(self.num_experts)
+        return [f"{self.name}.{i}.gate_up" for i in e] + [f"{self.name}.{i}.down" for i in e]
 
     def _boundary(self, i: int, fwd: bool):
         return None

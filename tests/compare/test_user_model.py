@@ -160,3 +160,23 @@ def test_unaligned_layer_names_keep_high_precision(tmp_path, capsys):
                    "2", "--seq-len", "64", "--batch-size", "2", "--out", str(tmp_path / "o")])
     assert rc == 2
     assert "--keep-high-precision" in capsys.readouterr().err
+
+
+def test_moe_directory_shows_each_expert(tmp_path):
+    """A transformers MoE directory (Qwen3-MoE, config only): the experts are converted
+    (GroupedExperts) and the per-layer SQNR lists every expert's GEMMs."""
+    path = tmp_path / "qwen3_moe"
+    transformers.Qwen3MoeConfig(hidden_size=128, intermediate_size=128, moe_intermediate_size=64,
+                                num_hidden_layers=2, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=64, vocab_size=256,
+                                max_position_embeddings=128, num_experts=4,
+                                num_experts_per_tok=2).save_pretrained(path)
+    source = resolve_model(str(path))
+    assert any(isinstance(m, lowprec.GroupedExperts) for m in source.build("cpu").modules())
+    rc, rows, out = _run(tmp_path, "--model", str(path), "--recipes", "bf16,fp8_current")
+    assert rc == 0 and {r["recipe"] for r in rows} >= {"bf16", "fp8_current"}
+    report = (out / "report.md").read_text()
+    for layer in (0, 1):
+        for e in range(4):
+            for gemm in ("gate_up", "down"):
+                assert f"model.layers.{layer}.mlp.experts.{e}.{gemm} |" in report
