@@ -21,6 +21,7 @@ How it runs is decided by the quantizers and the device:
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -168,6 +169,12 @@ class _GroupedCurrent(torch.autograd.Function):
                                 "rowwise", out_dtype=x2d.dtype)
                            for g, xg in enumerate(torch.split(xq, host))])
         grouped_bwd = grouped and grouped_mm.fp8_available(x2d, k, n, q_dy.fp8_dtype)
+        if grouped and not grouped_bwd and grad_enabled:
+            warnings.warn("grouped_linear: E5M2 gradients (Format.HYBRID) have no grouped FP8 "
+                          "kernel on Hopper, so dgrad and wgrad run one GEMM per expert and "
+                          "read the group sizes on the host; "
+                          "Float8CurrentScaling(fp8_format=Format.E4M3) keeps them grouped",
+                          stacklevel=2)
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         ctx.save_for_backward(xq if need_dw else None, sx, wq if need_dx else None, sw, sizes,

@@ -4,14 +4,17 @@ Each group of consecutive rows is quantized as its own tensor would be: its own 
 own scale. The group boundaries are a device tensor, so nothing here waits on the host.
 The values are the reference's: the scale is ``scale_from_amax`` of the group's amax and
 the cast is ``cast_fp8(x * scale)`` element by element, so a group equals the
-:class:`Float8CurrentScalingQuantizer` quantize of its rows, bit for bit.
+:class:`Float8CurrentScalingQuantizer` quantize of its rows, bit for bit. On a GPU the cast
+is one Triton pass (``launch.fp8_cast_rows``, the per-tensor kernels' cast code).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...kernels import use_kernels
 from ..casting import cast_fp8, scale_from_amax
+from . import launch
 from .quantizer import Float8CurrentScalingQuantizer
 
 _SIGN_OFF = 0x7FFFFFFF
@@ -53,6 +56,11 @@ def quantize_groups(x2d: torch.Tensor, group_ids: torch.Tensor, num_groups: int,
                     quantizer: Float8CurrentScalingQuantizer):
     """(fp8 rows (M, K), per-group encode scales (G,)) of ``x2d`` under ``quantizer``."""
     scale = scales(group_amax(x2d, group_ids, num_groups), quantizer)
+    if use_kernels(x2d) and x2d.stride(1) == 1:
+        # one pass instead of the ops' several (their values: the same cast code)
+        codes = launch.fp8_cast_rows(x2d, scale, group_ids,
+                                     quantizer.fp8_dtype == torch.float8_e5m2)
+        return codes.view(quantizer.fp8_dtype), scale
     return quantize_rows(x2d, scale[group_ids], quantizer.fp8_dtype), scale
 
 

@@ -253,6 +253,31 @@ def _(x, scale, e5m2, rowwise, columnwise):
     return _outputs(x, rowwise, columnwise)
 
 
+# ---- row groups ---------------------------------------------------------------------------
+@kernel_op("lowprec::fp8_cast_rows", mutates_args=())
+def fp8_cast_rows(x: torch.Tensor, scale: torch.Tensor, group_ids: torch.Tensor,
+                  e5m2: bool) -> torch.Tensor:
+    """Rowwise fp8 codes (uint8) of ``x * scale[group_ids[row]]``: the cast of
+    ``formats.float8.grouped.quantize_rows`` in one pass (``x`` (M, K) with unit inner
+    stride, ``scale`` fp32 per group, ``group_ids`` int64 per row)."""
+    from .triton_kernels import row_scaled_cast_kernel
+    m, k = x.shape
+    y = x.new_empty((m, k), dtype=torch.uint8)
+    if m == 0 or k == 0:
+        return y
+    bm, bn, warps = 32, 128, 4
+    with device_guard(x.device):
+        launch(row_scaled_cast_kernel, (triton_cdiv(m, bm), triton_cdiv(k, bn)), x, y, scale,
+               group_ids, m, k, x.stride(0), BM=bm, BN=bn, num_warps=warps,
+               **kernel_fp8_args(fp8_dtype_of(e5m2)))
+    return y
+
+
+@fp8_cast_rows.register_fake
+def _(x, scale, group_ids, e5m2):
+    return x.new_empty(x.shape, dtype=torch.uint8)
+
+
 # ---- what the quantizers call -------------------------------------------------------------
 def _fields(quantizer, row, col, scale, decode=None) -> dict:
     """Float8Tensor fields; ``decode``: the record of ``1 / scale`` (see ``Float8Tensor``)."""
