@@ -45,6 +45,7 @@ from .modules import GroupedExperts, LayerNormLinear, Linear
 from .modules import LayerNorm as LPLayerNorm
 from .modules import RMSNorm as LPRMSNorm
 from .modules.base import LowprecModule
+from .modules.experts import TorchtitanGroupedExperts
 from .modules.norms import apply_norm
 from .recipe import Recipe
 from .roles import gemm_roles
@@ -141,11 +142,12 @@ def _convert(model, recipe, module_filter_fn, example_inputs, fuse_norms) -> nn.
         _replace(parents, fqn, _make_linear(mod, fqn))
         report["converted"].append(fqn)
     for fqn, mod in list(model.named_modules()):
-        if _is_hf_experts(mod) and counts[id(mod)] == 1 and fqn:
+        kind = _experts_kind(mod)
+        if kind is not None and counts[id(mod)] == 1 and fqn:
             if module_filter_fn is not None and not module_filter_fn(mod, fqn):
                 report["skipped"][fqn] = "module_filter_fn returned False"
                 continue
-            _replace(parents, fqn, GroupedExperts.from_experts(mod, fqn))
+            _replace(parents, fqn, kind.from_experts(mod, fqn))
             report["converted"].append(fqn)
 
     skipped = {k: v for k, v in report["skipped"].items() if not v.startswith("module_filter_fn")}
@@ -162,6 +164,29 @@ def _convert(model, recipe, module_filter_fn, example_inputs, fuse_norms) -> nn.
 
 
 # ---- mixture-of-experts experts ------------------------------------------------------
+def _experts_kind(mod: nn.Module):
+    """The lowprec module class for an experts module of a known layout, or None."""
+    if _is_hf_experts(mod):
+        return GroupedExperts
+    if _is_torchtitan_experts(mod):
+        return TorchtitanGroupedExperts
+    return None
+
+
+def _is_torchtitan_experts(mod: nn.Module) -> bool:
+    """torchtitan's ``GroupedExperts`` (0.3): ``w1_EFD``/``w3_EFD`` (E, F, D), ``w2_EDF``
+    (E, D, F) and nothing else, ``forward(x, num_tokens_per_expert)``."""
+    if isinstance(mod, LowprecModule) or type(mod).__name__ != "GroupedExperts":
+        return False
+    params = dict(mod.named_parameters())
+    if set(params) != {"w1_EFD", "w2_EDF", "w3_EFD"} or any(p.dim() != 3
+                                                             for p in params.values()):
+        return False
+    e, f, d = params["w1_EFD"].shape
+    return (tuple(params["w3_EFD"].shape) == (e, f, d)
+            and tuple(params["w2_EDF"].shape) == (e, d, f))
+
+
 def _is_hf_experts(mod: nn.Module) -> bool:
     """A transformers ``*Experts`` module (Mixtral, Qwen3-MoE, DeepSeek-V3 and their kin):
     3-D ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) parameters and nothing

@@ -114,3 +114,54 @@ class GroupedExperts(LowprecModule):
                              on_backward_done=done)
         out = (out * top_k_weights[token, slot, None]).to(hidden_states.dtype)
         return torch.zeros_like(hidden_states).index_add_(0, token, out)
+
+
+class TorchtitanGroupedExperts(LowprecModule):
+    """torchtitan's routed experts (``torchtitan.models.common.moe.GroupedExperts``, 0.3)
+    in low precision: ``w1_EFD`` and ``w3_EFD`` (E, F, D), ``w2_EDF`` (E, D, F),
+    ``forward(x, num_tokens_per_expert)`` on rows already grouped by expert, computing
+    ``w2(silu(w1 x) * w3 x)`` in bf16 as torchtitan's module does, each GEMM through
+    :func:`lowprec.linear.grouped.grouped_linear`. Quantizer slots ``<name>.<e>.w1``,
+    ``<name>.<e>.w3``, ``<name>.<e>.w2``, by GEMM then expert."""
+
+    module_type = "grouped_linear"
+    _GEMMS = ("w1", "w3", "w2")
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, name: str = "") -> "TorchtitanGroupedExperts":
+        """One holding ``experts``' own three parameters."""
+        new = cls.__new__(cls)
+        LowprecModule.__init__(new, name)
+        new.num_experts = experts.w1_EFD.shape[0]
+        new.w1_EFD, new.w2_EDF, new.w3_EFD = experts.w1_EFD, experts.w2_EDF, experts.w3_EFD
+        new.train(experts.training)
+        return new
+
+    def _gemm_names(self) -> list[str]:
+        return [f"{self.name}.{e}.{g}" for g in self._GEMMS for e in range(self.num_experts)]
+
+    def _boundary(self, i: int, fwd: bool):
+        return None
+
+    def _weight_names(self) -> list[str]:
+        return []
+
+    def reset_parameters(self) -> None:
+        raise NotImplementedError("torchtitan initializes its experts (init_weights); "
+                                  "TorchtitanGroupedExperts keeps its parameters")
+
+    def compiled_output_shapes(self, x, num_tokens_per_expert) -> list[tuple]:
+        return [tuple(x.shape)]
+
+    @compiled_as_one_op
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        qs, mode, done = self.gemm_quantizers(x.device)
+        e = self.num_experts
+
+        def gemm(inp, w, i):
+            return grouped_linear(inp, w.bfloat16(), num_tokens_per_expert,
+                                  quantizers=qs[i * e:(i + 1) * e] if qs else None,
+                                  backward_mode=mode, on_backward_done=done)
+        xb = x.bfloat16()
+        h = nn.functional.silu(gemm(xb, self.w1_EFD, 0)) * gemm(xb, self.w3_EFD, 1)
+        return gemm(h, self.w2_EDF, 2).type_as(x)

@@ -165,3 +165,57 @@ def test_meta_init_and_errors():
     with lowprec.quantized_model_init(recipe=Float8CurrentScaling()):
         with pytest.raises(ValueError, match="outside quantized_model_init"):
             lowprec.GroupedExperts(E, H, I)
+
+
+def _titan_experts():
+    try:
+        from torchtitan.models.common.moe import GroupedExperts
+    except Exception as err:  # noqa: BLE001 - torchtitan 0.3 and spmd_types, when installed
+        pytest.skip(f"torchtitan 0.3's MoE does not import: {err}")
+    torch.manual_seed(0)
+    m = GroupedExperts(GroupedExperts.Config(dim=H, hidden_dim=I, num_experts=E))
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    return m
+
+
+def test_torchtitan_experts_converted_and_equal():
+    """torchtitan's GroupedExperts: convert_model swaps in TorchtitanGroupedExperts with the
+    same parameters; high precision equals torchtitan's own forward bit for bit."""
+    titan = _titan_experts()
+    holder = torch.nn.ModuleDict({"experts": titan})
+    ref = copy.deepcopy(titan)
+    lowprec.convert_model(holder)
+    lp = holder["experts"]
+    assert isinstance(lp, lowprec.modules.experts.TorchtitanGroupedExperts)
+    assert lp.w1_EFD is titan.w1_EFD
+    x, counts = torch.randn(40, H), torch.tensor([10, 0, 25, 5])
+    assert torch.equal(lp(x, counts), ref(x, counts))
+    with lowprec.autocast(recipe=Float8CurrentScaling()):
+        y = lp(x.clone().requires_grad_(True), counts)
+    y.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lp.parameters())
+
+
+def test_torchtitan_layout_quantized_equals_per_expert_linears():
+    """TorchtitanGroupedExperts' three GEMMs under FP8 current scaling against one quantized
+    Linear per expert and GEMM (bit for bit on the CPU)."""
+    params = {n: torch.nn.Parameter(torch.randn(E, *s) * 0.05) for n, s in
+              (("w1_EFD", (I, H)), ("w2_EDF", (H, I)), ("w3_EFD", (I, H)))}
+    src = torch.nn.Module()
+    for n, p in params.items():
+        setattr(src, n, p)
+    lp = lowprec.modules.experts.TorchtitanGroupedExperts.from_experts(src, "titan")
+    sizes = [9, 0, 20, 11]
+    x = torch.randn(sum(sizes), H)
+    with lowprec.autocast(recipe=Float8CurrentScaling()):
+        got = lp(x, torch.tensor(sizes))
+        qs, _, _ = lp.gemm_quantizers(x.device)
+    xs = torch.split(x.bfloat16(), sizes)
+    ref = []
+    for g in range(E):
+        w1, w3, w2 = (params[n][g].bfloat16() for n in ("w1_EFD", "w3_EFD", "w2_EDF"))
+        h = torch.nn.functional.silu(quantized_linear(xs[g], w1, quantizers=qs[g])) * \
+            quantized_linear(xs[g], w3, quantizers=qs[E + g])
+        ref.append(quantized_linear(h, w2, quantizers=qs[2 * E + g]))
+    assert torch.equal(got, torch.cat(ref).float())
