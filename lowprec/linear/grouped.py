@@ -34,7 +34,8 @@ from ..formats.float8.tensor import Float8Tensor
 from ..gemm import gemm
 from ..kernels import use_kernels
 from ..kernels.transpose import transpose_contiguous
-from .function import LinearQuantizers, quantized_linear
+from . import weight_cache
+from .function import LinearQuantizers, _caching_weights, quantized_linear
 
 _FUSED: dict = {}
 
@@ -144,6 +145,15 @@ def _group_tensor(data, scale, shape, dtype, fp8_dtype, usage="rowwise"):
                         shared_scale=scale, fp8_dtype=fp8_dtype)
 
 
+def _quantized_experts(w3d: torch.Tensor, q_w):
+    """(fp8 experts, scales) of ``w3d``; under ``lowprec.autocast(cache_weights=True)``
+    made once while the weight is unchanged (gradient accumulation: once per step)."""
+    make = lambda: fused(fp8_grouped.quantize_experts, w3d)(w3d.detach(), q_w)  # noqa: E731
+    if _caching_weights() and not torch.compiler.is_compiling():
+        return weight_cache.cached_value(w3d, q_w, make)
+    return make()
+
+
 class _GroupedCurrent(torch.autograd.Function):
     """FP8 current scaling, every group its own scales; grouped GEMMs where the device has
     them, else each group's GEMM as the per-expert Linear runs it."""
@@ -154,7 +164,7 @@ class _GroupedCurrent(torch.autograd.Function):
         num, rows = w3d.shape[0], x2d.shape[0]
         ids = group_ids(sizes, rows)
         xq, sx = fused(fp8_grouped.quantize_groups, x2d)(x2d, ids, num, q_x)
-        wq, sw = fused(fp8_grouped.quantize_experts, w3d)(w3d, q_w)
+        wq, sw = _quantized_experts(w3d, q_w)
         k, n = x2d.shape[1], w3d.shape[1]
         grouped = grouped_mm.fp8_available(x2d, k, n, q_x.fp8_dtype, q_w.fp8_dtype)
         host = None if grouped else _host_sizes(sizes)

@@ -55,3 +55,18 @@ def cached_weight(weight: torch.Tensor, quantizer: Quantizer, *, columnwise: boo
 def clear() -> None:
     """Drop every cached quantized weight (their memory is freed)."""
     _CACHE.clear()
+
+
+def cached_value(weight: torch.Tensor, owner, make):
+    """``make()`` (any value derived from ``weight`` for ``owner``, e.g. the quantized
+    experts of a 3-D weight and their scales), reused while the weight's version and
+    storage and ``owner`` (compared by identity) are those it was made from."""
+    key = (weight._version, weight.data_ptr(), None)
+    entry = _CACHE.get(id(weight))
+    if entry is not None:
+        ref, ekey, eowner, _, value = entry
+        if ref() is weight and ekey == key and eowner is owner:
+            return value
+    value = make()
+    _CACHE[id(weight)] = (weakref.ref(weight, _forget(id(weight))), key, owner, True, value)
+    return value

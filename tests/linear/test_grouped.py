@@ -199,3 +199,24 @@ def test_grouped_gpu_never_syncs(quantized):
         grouped_linear(x, w, sizes, quantizers=q).backward(dy)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cached_expert_weights_quantized_once_per_step(monkeypatch):
+    """autocast(cache_weights=True): a 3-D expert weight is quantized once while it is
+    unchanged (micro-batches), again after an in-place update; the same results."""
+    calls = []
+    real = fp8_grouped.quantize_experts
+    monkeypatch.setattr(fp8_grouped, "quantize_experts",
+                        lambda *a: calls.append(1) or real(*a))
+    q = _current()
+    x, w, dy = _data((7, 0, 9))
+    w = torch.nn.Parameter(w)
+    sizes = torch.tensor([7, 0, 9])
+    with lowprec.autocast(recipe=Float8CurrentScaling(), cache_weights=True):
+        outs = [grouped_linear(x, w, sizes, quantizers=q) for _ in range(2)]
+    assert len(calls) == 1 and torch.equal(outs[0], outs[1])
+    with torch.no_grad():
+        w.mul_(2)
+    with lowprec.autocast(recipe=Float8CurrentScaling(), cache_weights=True):
+        again = grouped_linear(x, w, sizes, quantizers=q)
+    assert len(calls) == 2 and torch.equal(again, grouped_linear(x, w, sizes, quantizers=q))
