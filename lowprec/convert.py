@@ -188,10 +188,11 @@ def _is_torchtitan_experts(mod: nn.Module) -> bool:
 
 
 def _is_hf_experts(mod: nn.Module) -> bool:
-    """A transformers ``*Experts`` module (Mixtral, Qwen3-MoE, DeepSeek-V3 and their kin):
-    3-D ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) parameters and nothing
-    else (no biases), an ``act_fn``, and the transformers loop's
-    ``forward(hidden_states, top_k_index, top_k_weights)``."""
+    """A transformers ``*Experts`` module (Mixtral, Qwen3-MoE, DeepSeek-V3 and their kin)
+    that ``GroupedExperts`` computes alike: 3-D ``gate_up_proj`` (E, 2I, H) and
+    ``down_proj`` (E, H, I) parameters and nothing else, an ``act_fn``, and the experts
+    interface's attributes saying concatenated gate/up, no bias, no post-expert norm, no
+    expert parallelism (its ``_apply_gate``, default or the model's own, is kept)."""
     if isinstance(mod, LowprecModule) or not type(mod).__name__.endswith("Experts"):
         return False
     gu, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
@@ -199,8 +200,15 @@ def _is_hf_experts(mod: nn.Module) -> bool:
             and down.dim() == 3 and callable(getattr(mod, "act_fn", None))):
         return False
     e, two_i, h = gu.shape
+    # transformers' experts interface describes the layout: concatenated [gate; up] rows,
+    # (out, in) weights, no biases, no norm after each expert, not expert-parallel
+    layout = {"has_gate": True, "has_bias": False, "is_transposed": False,
+              "is_concatenated": True, "has_post_expert_norm": False,
+              "_is_expert_parallel": False}
     return (two_i % 2 == 0 and tuple(down.shape) == (e, h, two_i // 2)
-            and {n for n, _ in mod.named_parameters()} == {"gate_up_proj", "down_proj"})
+            and {n for n, _ in mod.named_parameters()} == {"gate_up_proj", "down_proj"}
+            and all(getattr(mod, k, None) is v for k, v in layout.items())
+            and callable(getattr(mod, "_apply_gate", None)))
 
 
 # ---- Linear candidates ---------------------------------------------------------------

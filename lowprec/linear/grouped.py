@@ -7,8 +7,9 @@ per expert would quantize it, so the result is the per-expert one.
 How it runs is decided by the quantizers and the device:
 
 * high precision on Hopper: one ``torch._grouped_mm`` per direction;
-* FP8 current scaling on Hopper: per-group amaxes and casts in torch ops (group sizes read
-  on the device, no host sync), one ``torch._scaled_grouped_mm`` per direction. That
+* FP8 current scaling on Hopper, bf16 activations: per-group amaxes (torch ops fused by
+  inductor) and one Triton cast pass (group sizes read on the device, no host sync), one
+  ``torch._scaled_grouped_mm`` per direction. That
   kernel takes E4M3 operands only: with E5M2 gradients (``Format.HYBRID``) dgrad and wgrad
   run one GEMM per group, the sizes read on the host once per backward; with
   ``Format.E4M3`` nothing waits for the host;
@@ -57,13 +58,17 @@ def group_ids(sizes: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.repeat_interleave(groups, sizes, output_size=rows)
 
 
+def _check_sizes_tensor(group_sizes: torch.Tensor, num_groups: int) -> None:
+    if group_sizes.dim() != 1 or group_sizes.shape[0] != num_groups or (
+            group_sizes.is_floating_point() or group_sizes.is_complex()
+            or group_sizes.dtype == torch.bool):
+        raise ValueError(f"group sizes must be a 1-D integer tensor of {num_groups} sizes, "
+                         f"got {group_sizes.dtype} of shape {tuple(group_sizes.shape)}")
+
+
 def _sizes_tensor(group_sizes, num_groups: int, rows: int, device) -> torch.Tensor:
     if isinstance(group_sizes, torch.Tensor):
-        if group_sizes.dim() != 1 or group_sizes.shape[0] != num_groups or (
-                group_sizes.is_floating_point() or group_sizes.is_complex()
-                or group_sizes.dtype == torch.bool):
-            raise ValueError(f"group sizes must be a 1-D integer tensor of {num_groups} sizes, "
-                             f"got {group_sizes.dtype} of shape {tuple(group_sizes.shape)}")
+        _check_sizes_tensor(group_sizes, num_groups)
         sizes = group_sizes.to(device=device, dtype=torch.int64)
         if sizes.is_cuda:
             # checked on the device: a bad count stops the stream, the host never waits
@@ -145,28 +150,32 @@ def _group_tensor(data, scale, shape, dtype, fp8_dtype, usage="rowwise"):
                         shared_scale=scale, fp8_dtype=fp8_dtype)
 
 
-def _quantized_experts(w3d: torch.Tensor, q_w):
-    """(fp8 experts, scales) of ``w3d``; under ``lowprec.autocast(cache_weights=True)``
-    made once while the weight is unchanged (gradient accumulation: once per step)."""
-    make = lambda: fused(fp8_grouped.quantize_experts, w3d)(w3d.detach(), q_w)  # noqa: E731
+def _quantized_experts(weights: Sequence[torch.Tensor], q_w):
+    """(fp8 experts (G, N, K), scales (G,)) of one (G, N, K) weight or G (N, K) ones; under
+    ``lowprec.autocast(cache_weights=True)`` made once while the weights are unchanged
+    (gradient accumulation: once per optimizer step)."""
+    def make():
+        w3d = weights[0] if len(weights) == 1 and weights[0].dim() == 3 else torch.stack(
+            weights)
+        return fused(fp8_grouped.quantize_experts, w3d)(w3d.detach(), q_w)
     if _caching_weights() and not torch.compiler.is_compiling():
-        return weight_cache.cached_value(w3d, q_w, make)
+        return weight_cache.cached_value(weights, q_w, make)
     return make()
 
 
 class _GroupedCurrent(torch.autograd.Function):
     """FP8 current scaling, every group its own scales; grouped GEMMs where the device has
-    them, else each group's GEMM as the per-expert Linear runs it."""
+    them, else each group's GEMM as the per-expert Linear runs it. The weights are one
+    (G, N, K) tensor or G (N, K) ones (each gets its own gradient: no stacked copy)."""
 
     @staticmethod
-    def forward(ctx, x2d, w3d, sizes, quantizers, grad_enabled):
+    def forward(ctx, x2d, sizes, quantizers, grad_enabled, grouped, *weights):
         q_x, q_w, q_dy = quantizers
-        num, rows = w3d.shape[0], x2d.shape[0]
+        rows = x2d.shape[0]
+        wq, sw = _quantized_experts(weights, q_w)
+        num, w_dtype = wq.shape[0], weights[0].dtype
         ids = group_ids(sizes, rows)
         xq, sx = fused(fp8_grouped.quantize_groups, x2d)(x2d, ids, num, q_x)
-        wq, sw = _quantized_experts(w3d, q_w)
-        k, n = x2d.shape[1], w3d.shape[1]
-        grouped = grouped_mm.fp8_available(x2d, k, n, q_x.fp8_dtype, q_w.fp8_dtype)
         host = None if grouped else _host_sizes(sizes)
         if grouped:
             offs = grouped_mm.end_offsets(sizes)
@@ -175,29 +184,23 @@ class _GroupedCurrent(torch.autograd.Function):
         else:
             y = torch.cat([gemm(_group_tensor(xg, sx[g:g + 1], xg.shape, x2d.dtype, q_x.fp8_dtype),
                                 "rowwise", _group_tensor(wq[g], sw[g:g + 1], wq[g].shape,
-                                                         w3d.dtype, q_w.fp8_dtype),
+                                                         w_dtype, q_w.fp8_dtype),
                                 "rowwise", out_dtype=x2d.dtype)
                            for g, xg in enumerate(torch.split(xq, host))])
-        grouped_bwd = grouped and grouped_mm.fp8_available(x2d, k, n, q_dy.fp8_dtype)
-        if grouped and not grouped_bwd and grad_enabled:
-            warnings.warn("grouped_linear: E5M2 gradients (Format.HYBRID) have no grouped FP8 "
-                          "kernel on Hopper, so dgrad and wgrad run one GEMM per expert and "
-                          "read the group sizes on the host; "
-                          "Float8CurrentScaling(fp8_format=Format.E4M3) keeps them grouped",
-                          stacklevel=2)
         need_dx = grad_enabled and ctx.needs_input_grad[0]
-        need_dw = grad_enabled and ctx.needs_input_grad[1]
+        need_dw = grad_enabled and any(ctx.needs_input_grad[5:])
         ctx.save_for_backward(xq if need_dw else None, sx, wq if need_dx else None, sw, sizes,
                               ids)
-        ctx.q_dy, ctx.grouped, ctx.host = q_dy, grouped_bwd, host
-        ctx.dtypes = (x2d.dtype, w3d.dtype, q_x.fp8_dtype, q_w.fp8_dtype)
+        ctx.q_dy, ctx.host, ctx.n_weights = q_dy, host, len(weights)
+        ctx.grouped = grouped and _grouped_backward(x2d, wq.shape[1], q_dy)
+        ctx.dtypes = (x2d.dtype, w_dtype, q_x.fp8_dtype, q_w.fp8_dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         xq, sx, wq, sw, sizes, ids = ctx.saved_tensors
         x_dtype, w_dtype, x_fp8, w_fp8 = ctx.dtypes
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
         num = sw.shape[0]
         dy = dy.contiguous()
         dyq, sdy = fused(fp8_grouped.quantize_groups, dy)(dy, ids, num, ctx.q_dy)
@@ -216,7 +219,7 @@ class _GroupedCurrent(torch.autograd.Function):
                 w_t = torch.stack([transpose_contiguous(wq[g]) for g in range(num)])
                 dx = grouped_mm.fp8_rows_by_experts(dyq, dec_dy[ids], w_t, torch.reciprocal(sw),
                                                     grouped_mm.end_offsets(sizes), x_dtype)
-            return dx, dw, None, None, None
+            return dx, None, None, None, None, *_weight_grads(dw, ctx.n_weights, num)
         # E5M2 gradients (the HYBRID format) have no grouped kernel: one GEMM per group,
         # the sizes read on the host (one sync per backward on the GPU)
         host = ctx.host if ctx.host is not None else _host_sizes(sizes)
@@ -233,7 +236,22 @@ class _GroupedCurrent(torch.autograd.Function):
                 gemm(_group_tensor(d, sdy[g:g + 1], d.shape, x_dtype, dy_fp8), "rowwise",
                      _group_tensor(wq[g], sw[g:g + 1], wq[g].shape, w_dtype, w_fp8, "columnwise"),
                      "columnwise", out_dtype=x_dtype) for g, d in enumerate(dys)])
-        return dx, dw, None, None, None
+        return dx, None, None, None, None, *_weight_grads(dw, ctx.n_weights, num)
+
+
+def _weight_grads(dw, n_weights: int, num: int) -> tuple:
+    if dw is None:
+        return (None,) * n_weights
+    return (dw,) if n_weights == 1 else tuple(dw.unbind(0))
+
+
+def _grouped_forward(x2d: torch.Tensor, n: int, q_x, q_w) -> bool:
+    return (x2d.dtype == torch.bfloat16
+            and grouped_mm.fp8_available(x2d, x2d.shape[1], n, q_x.fp8_dtype, q_w.fp8_dtype))
+
+
+def _grouped_backward(x2d: torch.Tensor, n: int, q_dy) -> bool:
+    return grouped_mm.fp8_available(x2d, x2d.shape[1], n, q_dy.fp8_dtype)
 
 
 def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
@@ -266,12 +284,22 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     if route is None:
         return _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode, on_backward_done)
     sizes = _sizes_tensor(group_sizes, num, x2d.shape[0], x.device)
-    w3d = torch.stack(weights) if weights is not None else weight
+    n = w_list[0].shape[0]
     if route == "plain":
+        w3d = torch.stack(weights) if weights is not None else weight
         y = _GroupedPlain.apply(x2d.contiguous(), w3d, sizes)
     else:
-        y = _GroupedCurrent.apply(x2d.contiguous(), w3d, sizes, route, torch.is_grad_enabled())
-    return y.reshape(*x.shape[:-1], w3d.shape[1])
+        q_x, q_w, q_dy = route
+        grouped = _grouped_forward(x2d, n, q_x, q_w)
+        if grouped and torch.is_grad_enabled() and not _grouped_backward(x2d, n, q_dy):
+            warnings.warn("grouped_linear: E5M2 gradients (Format.HYBRID) have no grouped FP8 "
+                          "kernel on Hopper, so dgrad and wgrad run one GEMM per expert and "
+                          "read the group sizes on the host; "
+                          "Float8CurrentScaling(fp8_format=Format.E4M3) keeps them grouped",
+                          stacklevel=2)
+        y = _GroupedCurrent.apply(x2d.contiguous(), sizes, route, torch.is_grad_enabled(),
+                                  grouped, *(weights if weights is not None else (weight,)))
+    return y.reshape(*x.shape[:-1], n)
 
 
 def _route(x2d, w_list, qs, bias, backward_mode, on_backward_done):
@@ -292,6 +320,8 @@ def _route(x2d, w_list, qs, bias, backward_mode, on_backward_done):
 
 
 def _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode, on_backward_done):
+    if isinstance(group_sizes, torch.Tensor):
+        _check_sizes_tensor(group_sizes, len(w_list))
     sizes = _host_sizes(group_sizes)
     _check_sizes(sizes, len(w_list), x2d.shape[0])
     biases = ([None] * len(w_list) if bias is None else list(bias))

@@ -57,16 +57,18 @@ def clear() -> None:
     _CACHE.clear()
 
 
-def cached_value(weight: torch.Tensor, owner, make):
-    """``make()`` (any value derived from ``weight`` for ``owner``, e.g. the quantized
-    experts of a 3-D weight and their scales), reused while the weight's version and
-    storage and ``owner`` (compared by identity) are those it was made from."""
-    key = (weight._version, weight.data_ptr(), None)
-    entry = _CACHE.get(id(weight))
+def cached_value(weights, owner, make):
+    """``make()`` (any value derived from the tensors ``weights`` for ``owner``, e.g. the
+    quantized experts of a 3-D weight or of a list of 2-D ones, and their scales), reused
+    while every weight's version and storage and ``owner`` (compared by identity) are those
+    it was made from. Kept with the first weight."""
+    first = weights[0]
+    key = tuple((w._version, w.data_ptr()) for w in weights)
+    entry = _CACHE.get(id(first))
     if entry is not None:
         ref, ekey, eowner, _, value = entry
-        if ref() is weight and ekey == key and eowner is owner:
+        if ref() is first and ekey == key and eowner is owner:
             return value
     value = make()
-    _CACHE[id(weight)] = (weakref.ref(weight, _forget(id(weight))), key, owner, True, value)
+    _CACHE[id(first)] = (weakref.ref(first, _forget(id(first))), key, owner, True, value)
     return value

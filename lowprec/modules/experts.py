@@ -18,11 +18,21 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..autocast import init_recipe
 from ..compiled_call import compiled_as_one_op
 from ..linear.grouped import grouped_linear
 from .base import LowprecModule
+
+
+def _check_expert_ids(ids: torch.Tensor, num_experts: int) -> None:
+    # transformers' expert parallelism routes foreign tokens to id E: not supported here
+    msg = f"expert ids must be in [0, {num_experts}) (expert parallelism is not supported)"
+    if ids.is_cuda:
+        torch._assert_async(((ids >= 0) & (ids < num_experts)).all(), msg)  # no host sync
+    elif ids.numel() and not bool(((ids >= 0) & (ids < num_experts)).all()):
+        raise ValueError(f"{msg}; got ids from {int(ids.min())} to {int(ids.max())}")
 
 
 class GroupedExperts(LowprecModule):
@@ -45,6 +55,7 @@ class GroupedExperts(LowprecModule):
         if init_recipe() is not None:
             raise ValueError("GroupedExperts keeps 3-D expert weights in high precision: build "
                              "it outside quantized_model_init")
+        self.apply_gate = None
         dtype = params_dtype or torch.get_default_dtype()
         self.num_experts, self.hidden_dim, self.intermediate_dim = (num_experts, hidden_size,
                                                                    intermediate_size)
@@ -66,6 +77,9 @@ class GroupedExperts(LowprecModule):
         new.intermediate_dim = two_i // 2
         new.act_fn = experts.act_fn
         new.gate_up_proj, new.down_proj = gate_up, down
+        # the model's gating (transformers' _apply_gate: act_fn(gate) * up by default; some
+        # models clamp, or run it in fp32), called on the source module it belongs to
+        new.apply_gate = experts._apply_gate
         new.train(experts.training)
         return new
 
@@ -101,6 +115,7 @@ class GroupedExperts(LowprecModule):
         qs, mode, done = self.gemm_quantizers(hidden_states.device)
         e, k = self.num_experts, top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
+        _check_expert_ids(flat, e)
         order = torch.argsort(flat, stable=True)
         token, slot = order // k, order % k
         counts = torch.zeros(e, dtype=torch.int64, device=flat.device).scatter_add_(
@@ -108,8 +123,12 @@ class GroupedExperts(LowprecModule):
         h = grouped_linear(hidden_states[token], self.gate_up_proj, counts,
                            quantizers=qs[:e] if qs else None, backward_mode=mode,
                            on_backward_done=done)
-        gate, up = h.chunk(2, dim=-1)
-        out = grouped_linear(self.act_fn(gate) * up, self.down_proj, counts,
+        if self.apply_gate is not None:
+            a = self.apply_gate(h)
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            a = self.act_fn(gate) * up
+        out = grouped_linear(a, self.down_proj, counts,
                              quantizers=qs[e:] if qs else None, backward_mode=mode,
                              on_backward_done=done)
         out = (out * top_k_weights[token, slot, None]).to(hidden_states.dtype)
@@ -162,6 +181,9 @@ class TorchtitanGroupedExperts(LowprecModule):
             return grouped_linear(inp, w.bfloat16(), num_tokens_per_expert,
                                   quantizers=qs[i * e:(i + 1) * e] if qs else None,
                                   backward_mode=mode, on_backward_done=done)
+        # torchtitan's own module computes on the local shards of DTensor weights
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
+                      for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
         xb = x.bfloat16()
-        h = nn.functional.silu(gemm(xb, self.w1_EFD, 0)) * gemm(xb, self.w3_EFD, 1)
-        return gemm(h, self.w2_EDF, 2).type_as(x)
+        h = nn.functional.silu(gemm(xb, w1, 0)) * gemm(xb, w3, 1)
+        return gemm(h, w2, 2).type_as(x)

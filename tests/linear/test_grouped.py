@@ -185,6 +185,19 @@ def test_current_grouped_gpu_operands_exact_and_gemms_close(sizes, grad):
 
 
 @HOPPER
+def test_fp32_current_grouped_gpu_runs_per_group():
+    """FP8 grouped GEMMs write bf16 only: fp32 activations take the per-group GEMMs."""
+    sizes = (5, 0, 37, 22)
+    x, w, dy = _cuda(*_data(sizes, k=256, n=128, dtype=torch.float32))
+    q = _current(E4M3)
+    got = _run(lambda a, b: grouped_linear(a, b, torch.tensor(sizes, device="cuda"),
+                                           quantizers=q), x, w, dy)
+    ref = _run(_per_expert(q, sizes), x, w, dy)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+@HOPPER
 @pytest.mark.parametrize("quantized", [False, True])
 def test_grouped_gpu_never_syncs(quantized):
     sizes = torch.tensor([64, 0, 17, 47], device="cuda")
@@ -220,3 +233,25 @@ def test_cached_expert_weights_quantized_once_per_step(monkeypatch):
     with lowprec.autocast(recipe=Float8CurrentScaling(), cache_weights=True):
         again = grouped_linear(x, w, sizes, quantizers=q)
     assert len(calls) == 2 and torch.equal(again, grouped_linear(x, w, sizes, quantizers=q))
+
+
+def test_cached_list_weights_quantized_once(monkeypatch):
+    """GroupedLinear's G separate weights are cached together (no re-quantize per call)."""
+    calls = []
+    real = fp8_grouped.quantize_experts
+    monkeypatch.setattr(fp8_grouped, "quantize_experts",
+                        lambda *a: calls.append(1) or real(*a))
+    mod = lowprec.GroupedLinear(3, 64, 48, bias=False, params_dtype=torch.bfloat16)
+    x, _, _ = _data((7, 0, 9))
+    with lowprec.autocast(recipe=Float8CurrentScaling(), cache_weights=True):
+        outs = [mod(x, torch.tensor([7, 0, 9])) for _ in range(3)]
+    assert len(calls) == 1 and all(torch.equal(outs[0], o) for o in outs)
+
+
+@pytest.mark.parametrize("q", [None, "current"])
+def test_bad_tensor_sizes_refused_on_every_path(q):
+    x, w, _ = _data((2, 2))
+    quantizers = _current() if q else None
+    for bad in (torch.tensor([2.0, 2.0]), torch.tensor([[2, 2]]), torch.tensor([True, True])):
+        with pytest.raises(ValueError, match="1-D integer tensor of 2 sizes"):
+            grouped_linear(x, w, bad, quantizers=quantizers)

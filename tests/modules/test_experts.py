@@ -152,7 +152,9 @@ def test_delayed_scaling_experts_update_their_state():
             y = mod(x.clone().requires_grad_(True), idx, w)
         y.float().sum().backward()
     state = mod.scaling_state()
-    assert "forward" in state and "backward" in state
+    for mode in ("forward", "backward"):  # every expert's amaxes entered the history
+        hist = [t for name, t in state[mode].items() if "amax_history" in name]
+        assert hist and all(bool((h > 0).any()) for h in hist), (mode, list(state[mode]))
 
 
 def test_meta_init_and_errors():
@@ -219,3 +221,42 @@ def test_torchtitan_layout_quantized_equals_per_expert_linears():
             quantized_linear(xs[g], w3, quantizers=qs[E + g])
         ref.append(quantized_linear(h, w2, quantizers=qs[2 * E + g]))
     assert torch.equal(got, torch.cat(ref).float())
+
+
+def test_model_gating_is_kept():
+    """An experts class with its own gating (DeepSeek-V4 clamps gate and up to
+    swiglu_limit) is converted with that gating: equal to transformers' loop."""
+    try:
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
+    except ImportError as err:
+        pytest.skip(f"this transformers has no DeepSeek-V4: {err}")
+    cfg = transformers.DeepseekV4Config(hidden_size=H, moe_intermediate_size=I,
+                                        n_routed_experts=E, num_experts_per_tok=K,
+                                        swiglu_limit=0.5)
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    hf = DeepseekV4Experts(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        hf.gate_up_proj.normal_(std=0.2)
+        hf.down_proj.normal_(std=0.2)
+    holder = torch.nn.ModuleDict({"experts": copy.deepcopy(hf)})
+    lowprec.convert_model(holder)
+    assert isinstance(holder["experts"], lowprec.GroupedExperts)
+    x, idx, w = _routing(4)
+    assert torch.equal(holder["experts"](x, idx, w), hf(x, idx, w))
+
+
+def test_expert_parallel_sentinel_refused():
+    mod = lowprec.GroupedExperts(E, H, I, params_dtype=torch.bfloat16)
+    x, idx, w = _routing(5)
+    idx[0, 0] = E  # transformers' expert-parallel id for another rank's expert
+    with pytest.raises(ValueError, match=r"expert ids must be in \[0, 4\)"):
+        mod(x, idx, w)
+
+
+def test_expert_parallel_modules_not_converted():
+    model = _build("mixtral")
+    for m in _experts_of(model):
+        m._is_expert_parallel = True
+    lowprec.convert_model(model)
+    assert not any(isinstance(m, lowprec.GroupedExperts) for m in model.modules())
