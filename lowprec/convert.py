@@ -174,17 +174,18 @@ def _experts_kind(mod: nn.Module):
 
 
 def _is_torchtitan_experts(mod: nn.Module) -> bool:
-    """torchtitan's ``GroupedExperts`` (0.3): ``w1_EFD``/``w3_EFD`` (E, F, D), ``w2_EDF``
-    (E, D, F) and nothing else, ``forward(x, num_tokens_per_expert)``."""
+    """torchtitan's ``GroupedExperts``: w1 and w3 (E, F, D), w2 (E, D, F) and nothing else
+    (named ``w1``/``w2``/``w3`` in 0.2.x, ``w1_EFD``/``w2_EDF``/``w3_EFD`` in 0.3),
+    ``forward(x, num_tokens_per_expert)``."""
     if isinstance(mod, LowprecModule) or type(mod).__name__ != "GroupedExperts":
         return False
     params = dict(mod.named_parameters())
-    if set(params) != {"w1_EFD", "w2_EDF", "w3_EFD"} or any(p.dim() != 3
-                                                             for p in params.values()):
+    names = next((n for n in TorchtitanGroupedExperts.NAMES if set(n) == set(params)), None)
+    if names is None or any(p.dim() != 3 for p in params.values()):
         return False
-    e, f, d = params["w1_EFD"].shape
-    return (tuple(params["w3_EFD"].shape) == (e, f, d)
-            and tuple(params["w2_EDF"].shape) == (e, d, f))
+    w1, w3, w2 = (params[n] for n in names)
+    e, f, d = w1.shape
+    return tuple(w3.shape) == (e, f, d) and tuple(w2.shape) == (e, d, f)
 
 
 def _is_hf_experts(mod: nn.Module) -> bool:

@@ -136,28 +136,38 @@ class GroupedExperts(LowprecModule):
 
 
 class TorchtitanGroupedExperts(LowprecModule):
-    """torchtitan's routed experts (``torchtitan.models.common.moe.GroupedExperts``, 0.3)
-    in low precision: ``w1_EFD`` and ``w3_EFD`` (E, F, D), ``w2_EDF`` (E, D, F),
-    ``forward(x, num_tokens_per_expert)`` on rows already grouped by expert, computing
-    ``w2(silu(w1 x) * w3 x)`` in bf16 as torchtitan's module does, each GEMM through
-    :func:`lowprec.linear.grouped.grouped_linear`. Quantizer slots ``<name>.<e>.w1``,
-    ``<name>.<e>.w3``, ``<name>.<e>.w2``, by GEMM then expert."""
+    """torchtitan's routed experts (``GroupedExperts`` of ``torchtitan.models.moe`` in 0.2.x,
+    parameters ``w1``, ``w2``, ``w3``; of ``torchtitan.models.common.moe`` in 0.3,
+    ``w1_EFD``, ``w2_EDF``, ``w3_EFD``) in low precision, holding the same parameters under
+    the same names: w1 and w3 (E, F, D), w2 (E, D, F), ``forward(x, num_tokens_per_expert)``
+    on rows grouped by expert, ``w2(silu(w1 x) * w3 x)``. Like torchtitan's grouped-mm path
+    it computes in bf16 (its 0.2.x per-expert loop, ``use_grouped_mm=False``, in the
+    parameters' dtype), each GEMM through :func:`lowprec.linear.grouped.grouped_linear`.
+    Quantizer slots ``<name>.<e>.w1``, ``<name>.<e>.w3``, ``<name>.<e>.w2``, by GEMM then
+    expert. Expert parallelism (padded token layouts) is not supported."""
 
     module_type = "grouped_linear"
-    _GEMMS = ("w1", "w3", "w2")
+    #: the parameter names of each torchtitan version, in the order w1, w3, w2
+    NAMES = (("w1", "w3", "w2"), ("w1_EFD", "w3_EFD", "w2_EDF"))
 
     @classmethod
     def from_experts(cls, experts: nn.Module, name: str = "") -> "TorchtitanGroupedExperts":
-        """One holding ``experts``' own three parameters."""
+        """One holding ``experts``' own three parameters, under their names."""
+        params = dict(experts.named_parameters())
+        names = next(n for n in cls.NAMES if set(n) == set(params))
         new = cls.__new__(cls)
         LowprecModule.__init__(new, name)
-        new.num_experts = experts.w1_EFD.shape[0]
-        new.w1_EFD, new.w2_EDF, new.w3_EFD = experts.w1_EFD, experts.w2_EDF, experts.w3_EFD
+        new.param_names = names
+        for n, p in params.items():  # registered in the source's order (state-dict order)
+            setattr(new, n, p)
+        new.num_experts = params[names[0]].shape[0]
+        new.in_bf16 = getattr(experts, "use_grouped_mm", True)
         new.train(experts.training)
         return new
 
     def _gemm_names(self) -> list[str]:
-        return [f"{self.name}.{e}.{g}" for g in self._GEMMS for e in range(self.num_experts)]
+        return [f"{self.name}.{e}.{g}" for g in ("w1", "w3", "w2")
+                for e in range(self.num_experts)]
 
     def _boundary(self, i: int, fwd: bool):
         return None
@@ -176,14 +186,15 @@ class TorchtitanGroupedExperts(LowprecModule):
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         qs, mode, done = self.gemm_quantizers(x.device)
         e = self.num_experts
+        # torchtitan's own module computes on the local shards of DTensor weights
+        w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w
+                      for w in (getattr(self, n) for n in self.param_names))
+        cast = (lambda t: t.bfloat16()) if self.in_bf16 else (lambda t: t)  # noqa: E731
 
         def gemm(inp, w, i):
-            return grouped_linear(inp, w.bfloat16(), num_tokens_per_expert,
+            return grouped_linear(inp, cast(w), num_tokens_per_expert,
                                   quantizers=qs[i * e:(i + 1) * e] if qs else None,
                                   backward_mode=mode, on_backward_done=done)
-        # torchtitan's own module computes on the local shards of DTensor weights
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
-                      for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
-        xb = x.bfloat16()
-        h = nn.functional.silu(gemm(xb, w1, 0)) * gemm(xb, w3, 1)
+        xc = cast(x)
+        h = nn.functional.silu(gemm(xc, w1, 0)) * gemm(xc, w3, 1)
         return gemm(h, w2, 2).type_as(x)

@@ -169,28 +169,38 @@ def test_meta_init_and_errors():
             lowprec.GroupedExperts(E, H, I)
 
 
-def _titan_experts():
+def _titan_experts(version):
+    """torchtitan's GroupedExperts of ``version`` (0.2: the one lowprec's torchtitan
+    converter targets, in the test extra; 0.3 where installed)."""
     try:
-        from torchtitan.models.common.moe import GroupedExperts
-    except Exception as err:  # noqa: BLE001 - torchtitan 0.3 and spmd_types, when installed
-        pytest.skip(f"torchtitan 0.3's MoE does not import: {err}")
+        if version == "0.2":
+            from torchtitan.models.moe.moe import GroupedExperts
+            m = GroupedExperts(dim=H, hidden_dim=I, num_experts=E, use_grouped_mm=False)
+        else:
+            from torchtitan.models.common.moe import GroupedExperts
+            m = GroupedExperts(GroupedExperts.Config(dim=H, hidden_dim=I, num_experts=E))
+    except Exception as err:  # noqa: BLE001 - torchtitan (and what it imports) not there
+        pytest.skip(f"torchtitan {version}'s MoE does not import: {err}")
     torch.manual_seed(0)
-    m = GroupedExperts(GroupedExperts.Config(dim=H, hidden_dim=I, num_experts=E))
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.05)
     return m
 
 
-def test_torchtitan_experts_converted_and_equal():
+@pytest.mark.parametrize("version", ["0.2", "0.3"])
+def test_torchtitan_experts_converted_and_equal(version):
     """torchtitan's GroupedExperts: convert_model swaps in TorchtitanGroupedExperts with the
-    same parameters; high precision equals torchtitan's own forward bit for bit."""
-    titan = _titan_experts()
+    same parameters under the same names; high precision equals torchtitan's own forward
+    bit for bit."""
+    titan = _titan_experts(version)
     holder = torch.nn.ModuleDict({"experts": titan})
     ref = copy.deepcopy(titan)
+    names = [n for n, _ in titan.named_parameters()]
     lowprec.convert_model(holder)
     lp = holder["experts"]
     assert isinstance(lp, lowprec.modules.experts.TorchtitanGroupedExperts)
-    assert lp.w1_EFD is titan.w1_EFD
+    assert [n for n, _ in lp.named_parameters()] == names
+    assert all(getattr(lp, n) is getattr(titan, n) for n in names)
     x, counts = torch.randn(40, H), torch.tensor([10, 0, 25, 5])
     assert torch.equal(lp(x, counts), ref(x, counts))
     with lowprec.autocast(recipe=Float8CurrentScaling()):
