@@ -113,12 +113,15 @@ def _convert(model, recipe, module_filter_fn, example_inputs, fuse_norms) -> nn.
 
     counts = _module_counts(model)
     parents = _parents(model)
+    routers = _router_linears(model)
     candidates: dict[str, nn.Linear] = {}
     for fqn, mod in model.named_modules():
         parent = parents.get(fqn, (None, None))[0]
         if not _is_candidate_linear(mod, parent):
             continue
         reason = _linear_rejection(mod, fqn, recipe, module_filter_fn)
+        if reason is None and fqn in routers:
+            reason = "an MoE router: it stays in high precision"
         if reason is None and counts[id(mod)] > 1:
             reason = "the module object is used at more than one place in the model"
         if reason is not None:
@@ -164,6 +167,23 @@ def _convert(model, recipe, module_filter_fn, example_inputs, fuse_norms) -> nn.
 
 
 # ---- mixture-of-experts experts ------------------------------------------------------
+def _router_linears(model: nn.Module) -> set[str]:
+    """The fully qualified names of MoE router Linears: in a module that holds routed
+    experts, a Linear named ``gate`` or under a child named ``router`` (torchtitan's
+    ``router.gate``, transformers' ``gate``), outside the experts themselves."""
+    out = set()
+    for fqn, mod in model.named_modules():
+        experts = [n for n, c in mod.named_children() if _experts_kind(c) is not None]
+        if not experts:
+            continue
+        for sub, lin in mod.named_modules():
+            parts = sub.split(".")
+            if (isinstance(lin, nn.Linear) and parts[0] not in experts
+                    and (parts[-1] == "gate" or "router" in parts)):
+                out.add(f"{fqn}.{sub}" if fqn else sub)
+    return out
+
+
 def _experts_kind(mod: nn.Module):
     """The lowprec module class for an experts module of a known layout, or None."""
     if _is_hf_experts(mod):

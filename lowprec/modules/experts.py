@@ -162,8 +162,17 @@ class TorchtitanGroupedExperts(LowprecModule):
             setattr(new, n, p)
         new.num_experts = params[names[0]].shape[0]
         new.in_bf16 = getattr(experts, "use_grouped_mm", True)
+        # torchtitan's model.init_weights calls its experts' init_weights: the source class's
+        # own, which reads the parameters by the names this module keeps
+        new._source_init = getattr(type(experts), "init_weights", None)
         new.train(experts.training)
         return new
+
+    def init_weights(self, *args, **kwargs):
+        """torchtitan's ``GroupedExperts.init_weights`` on these parameters."""
+        if self._source_init is None:
+            raise NotImplementedError("the converted torchtitan experts had no init_weights")
+        return self._source_init(self, *args, **kwargs)
 
     def _gemm_names(self) -> list[str]:
         return [f"{self.name}.{e}.{g}" for g in ("w1", "w3", "w2")

@@ -314,3 +314,30 @@ def test_fsdp_two_ranks(tmp_path, recipe, extra, wrapped, gathered):
     assert state.keys() == got["state"].keys()
     for k in state:
         assert torch.equal(got["state"][k], state[k]), k
+
+
+@pytest.mark.parametrize("name,flavor", [("deepseek_v3", "debugmodel"),
+                                         ("qwen3", "debugmodel_moe")])
+def test_moe_debug_model_converted(name, flavor):
+    """torchtitan's MoE debug models through the converter (meta device, converter,
+    init_weights): the routed experts become TorchtitanGroupedExperts initialized by
+    torchtitan's own init_weights, the router's gate stays high precision, and the experts
+    train under FP8. (torchtitan 0.2's router calls torch.histc on integers, which the CPU
+    lacks, so the whole model's step runs on a GPU only.)"""
+    cfg = job_config("--model.converters", "lowprec", "--lowprec.recipe", "fp8_current",
+                     "--model.name", name, "--model.flavor", flavor)
+    model, _, _, _ = build(cfg)
+    experts = [m for m in model.modules()
+               if isinstance(m, lowprec.modules.experts.TorchtitanGroupedExperts)]
+    assert experts and all(m.name.endswith("experts") for m in experts)
+    routers = [_clean(n) for n, m in model.named_modules() if _clean(n).endswith("router.gate")]
+    assert routers and all(type(model.get_submodule(r)) is torch.nn.Linear for r in routers)
+    ex = experts[0]
+    assert all(p.std() > 0 for p in ex.parameters())  # torchtitan's init_weights ran
+    d = ex.w1.shape[-1]
+    counts = torch.tensor([3, 0] + [1] * (ex.num_experts - 2))
+    x = torch.randn(int(counts.sum()), d, requires_grad=True)
+    with lowprec.autocast(recipe=lowprec.Float8CurrentScaling()):
+        y = ex(x, counts)
+    y.float().square().sum().backward()
+    assert torch.isfinite(y).all() and ex.w1.grad is not None and x.grad.abs().sum() > 0

@@ -270,3 +270,18 @@ def test_expert_parallel_modules_not_converted():
         m._is_expert_parallel = True
     lowprec.convert_model(model)
     assert not any(isinstance(m, lowprec.GroupedExperts) for m in model.modules())
+
+
+def test_router_linear_stays_high_precision():
+    """A Linear named ``gate`` beside routed experts (an MoE block's router) is left as it is,
+    with the reason in the conversion report."""
+    block = torch.nn.Module()
+    block.gate = torch.nn.Linear(H, E, bias=False)
+    block.experts = _experts_of(_build("mixtral"))[0]
+    block.shared = torch.nn.Linear(H, H)
+    model = torch.nn.ModuleDict({"moe": block})
+    lowprec.convert_model(model)
+    assert type(block.gate) is torch.nn.Linear
+    assert "router" in model.lowprec_conversion["skipped"]["moe.gate"]
+    assert isinstance(block.shared, lowprec.Linear)
+    assert isinstance(block.experts, lowprec.GroupedExperts)
