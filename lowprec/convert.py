@@ -153,7 +153,9 @@ def _convert(model, recipe, module_filter_fn, example_inputs, fuse_norms) -> nn.
             _replace(parents, fqn, kind.from_experts(mod, fqn))
             report["converted"].append(fqn)
 
-    skipped = {k: v for k, v in report["skipped"].items() if not v.startswith("module_filter_fn")}
+    # chosen, not refused: no warning for these
+    skipped = {k: v for k, v in report["skipped"].items()
+               if not v.startswith(("module_filter_fn", "an MoE router"))}
     if skipped:
         shown = "; ".join(f"{k}: {v}" for k, v in list(skipped.items())[:5])
         more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
