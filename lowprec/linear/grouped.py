@@ -219,7 +219,7 @@ class _GroupedCurrent(torch.autograd.Function):
                 w_t = torch.stack([transpose_contiguous(wq[g]) for g in range(num)])
                 dx = grouped_mm.fp8_rows_by_experts(dyq, dec_dy[ids], w_t, torch.reciprocal(sw),
                                                     grouped_mm.end_offsets(sizes), x_dtype)
-            return dx, None, None, None, None, *_weight_grads(dw, ctx.n_weights, num)
+            return dx, None, None, None, None, *_weight_grads(dw, ctx.n_weights)
         # E5M2 gradients (the HYBRID format) have no grouped kernel: one GEMM per group,
         # the sizes read on the host (one sync per backward on the GPU)
         host = ctx.host if ctx.host is not None else _host_sizes(sizes)
@@ -236,10 +236,11 @@ class _GroupedCurrent(torch.autograd.Function):
                 gemm(_group_tensor(d, sdy[g:g + 1], d.shape, x_dtype, dy_fp8), "rowwise",
                      _group_tensor(wq[g], sw[g:g + 1], wq[g].shape, w_dtype, w_fp8, "columnwise"),
                      "columnwise", out_dtype=x_dtype) for g, d in enumerate(dys)])
-        return dx, None, None, None, None, *_weight_grads(dw, ctx.n_weights, num)
+        return dx, None, None, None, None, *_weight_grads(dw, ctx.n_weights)
 
 
-def _weight_grads(dw, n_weights: int, num: int) -> tuple:
+def _weight_grads(dw, n_weights: int) -> tuple:
+    """dW (G, N, K) as the Function's weight inputs take it: whole, or one per expert."""
     if dw is None:
         return (None,) * n_weights
     return (dw,) if n_weights == 1 else tuple(dw.unbind(0))
