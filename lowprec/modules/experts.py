@@ -18,7 +18,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..autocast import init_recipe
 from ..compiled_call import compiled_as_one_op
@@ -196,7 +195,7 @@ class TorchtitanGroupedExperts(LowprecModule):
         qs, mode, done = self.gemm_quantizers(x.device)
         e = self.num_experts
         # torchtitan's own module computes on the local shards of DTensor weights
-        w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w
+        w1, w3, w2 = (w.to_local() if hasattr(w, "to_local") else w  # a DTensor
                       for w in (getattr(self, n) for n in self.param_names))
         cast = (lambda t: t.bfloat16()) if self.in_bf16 else (lambda t: t)  # noqa: E731
 
