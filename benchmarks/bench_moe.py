@@ -60,7 +60,13 @@ def recipe_quantizers(name: str) -> LinearQuantizers:
     if name == "mxfp8":
         return LinearQuantizers(input=lowprec.MXFP8Quantizer(), weight=lowprec.MXFP8Quantizer(),
                                 grad_output=lowprec.MXFP8Quantizer())
-    raise ValueError(f"unknown recipe {name!r}; use current, current-e4m3, block or mxfp8")
+    if name == "nvfp4":  # NVFP4BlockScaling's roles: 2-D weights, RHT and SR on dY
+        return LinearQuantizers(input=lowprec.NVFP4Quantizer(with_rht=True),
+                                weight=lowprec.NVFP4Quantizer(with_2d_quantization=True),
+                                grad_output=lowprec.NVFP4Quantizer(with_rht=True,
+                                                                   stochastic_rounding=True))
+    raise ValueError(f"unknown recipe {name!r}; use current, current-e4m3, block, mxfp8 or "
+                     f"nvfp4")
 
 
 def _torch_grouped(x, w, counts):
@@ -245,7 +251,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="mixtral,qwen3")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--recipes", default="current-e4m3,current",
-                    help="lowprec recipes: current (HYBRID), current-e4m3, block, mxfp8")
+                    help="lowprec recipes: current (HYBRID), current-e4m3, block, mxfp8, nvfp4")
     ap.add_argument("--no-loop", action="store_true", help="skip the bf16 per-expert loop")
     ap.add_argument("--top-kernels", type=int, default=0,
                     help="print each peer's N heaviest kernels (GPU ms a step)")

@@ -65,15 +65,18 @@ def fp8_rows_by_experts(a: torch.Tensor, a_decode: torch.Tensor, b: torch.Tensor
                                     out_dtype=out_dtype)
 
 
-def padded_layout(sizes: torch.Tensor, group_ids: torch.Tensor, rows: int):
+def padded_layout(sizes: torch.Tensor, group_ids: torch.Tensor, rows: int, align: int = _ALIGN):
     """(source row of each padded row, whether it has one, padded end offsets int32, padded
-    row count, each row's padded place): every group starts at a multiple of 16. The count
-    is an upper bound known on the host, a multiple of 16 (16-byte row strides)."""
-    padded = (sizes + (_ALIGN - 1)) // _ALIGN * _ALIGN
+    row count, each row's padded place): every group starts at a multiple of ``align``
+    (a multiple of 16: the FP8 kernels' 16-byte row strides; a block format's row block).
+    The count is an upper bound known on the host, a multiple of ``align``."""
+    if align % _ALIGN:
+        raise ValueError(f"padded_layout align must be a multiple of {_ALIGN}, got {align}")
+    padded = (sizes + (align - 1)) // align * align
     padded_end = torch.cumsum(padded, 0)
     shift = (padded_end - padded) - (torch.cumsum(sizes, 0) - sizes)
     dest = torch.arange(rows, device=sizes.device) + shift[group_ids]
-    total = -(-(rows + (_ALIGN - 1) * sizes.shape[0]) // _ALIGN) * _ALIGN
+    total = -(-(rows + (align - 1) * sizes.shape[0]) // align) * align
     # index_copy_/index_fill_: an indexed assignment of a Python scalar copies it from the
     # host, a sync
     src = torch.zeros(total, dtype=torch.int64, device=sizes.device).index_copy_(

@@ -15,6 +15,9 @@ How it runs is decided by the quantizers and the device:
   ``Format.E4M3`` nothing waits for the host;
 * FP8 current scaling elsewhere: the same quantize, then each group's GEMM as
   :func:`lowprec.gemm.gemm` runs it;
+* MXFP8 (block formats emulated on bf16 GEMMs) on Hopper, bf16 activations: one quantize
+  of the padded rows, of the stacked weights and of dY, one ``torch._grouped_mm`` per
+  direction over their exact values (:mod:`.grouped_exact`), nothing read on the host;
 * every other recipe, a bias, quantized weights or boundary quantizers: one
   :func:`quantized_linear` per group. This reads ``group_sizes`` on the host (a device
   tensor costs one synchronization a call).
@@ -33,29 +36,10 @@ from ..formats.float8 import grouped as fp8_grouped
 from ..formats.float8.quantizer import Float8CurrentScalingQuantizer
 from ..formats.float8.tensor import Float8Tensor
 from ..gemm import gemm
-from ..kernels import use_kernels
 from ..kernels.transpose import transpose_contiguous
-from . import weight_cache
+from . import grouped_exact, weight_cache
 from .function import LinearQuantizers, _caching_weights, quantized_linear
-
-_FUSED: dict = {}
-
-
-def fused(fn, t: torch.Tensor):
-    """``fn`` as inductor's fused kernels where ``t`` is on a GPU with Triton (the same
-    torch ops, so the same bits, in a pass or two instead of one per op), else ``fn``."""
-    if not use_kernels(t) or torch.compiler.is_compiling():
-        return fn
-    compiled = _FUSED.get(fn)
-    if compiled is None:
-        compiled = _FUSED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
-    return compiled
-
-
-def group_ids(sizes: torch.Tensor, rows: int) -> torch.Tensor:
-    """Each row's group (int64, on ``sizes``' device) for ``rows`` rows in all."""
-    groups = torch.arange(sizes.shape[0], device=sizes.device)
-    return torch.repeat_interleave(groups, sizes, output_size=rows)
+from .grouped_parts import fused, group_ids, weight_grads
 
 
 def _check_sizes_tensor(group_sizes: torch.Tensor, num_groups: int) -> None:
@@ -219,7 +203,7 @@ class _GroupedCurrent(torch.autograd.Function):
                 w_t = torch.stack([transpose_contiguous(wq[g]) for g in range(num)])
                 dx = grouped_mm.fp8_rows_by_experts(dyq, dec_dy[ids], w_t, torch.reciprocal(sw),
                                                     grouped_mm.end_offsets(sizes), x_dtype)
-            return dx, None, None, None, None, *_weight_grads(dw, ctx.n_weights)
+            return dx, None, None, None, None, *weight_grads(dw, ctx.n_weights)
         # E5M2 gradients (the HYBRID format) have no grouped kernel: one GEMM per group,
         # the sizes read on the host (one sync per backward on the GPU)
         host = ctx.host if ctx.host is not None else _host_sizes(sizes)
@@ -236,14 +220,7 @@ class _GroupedCurrent(torch.autograd.Function):
                 gemm(_group_tensor(d, sdy[g:g + 1], d.shape, x_dtype, dy_fp8), "rowwise",
                      _group_tensor(wq[g], sw[g:g + 1], wq[g].shape, w_dtype, w_fp8, "columnwise"),
                      "columnwise", out_dtype=x_dtype) for g, d in enumerate(dys)])
-        return dx, None, None, None, None, *_weight_grads(dw, ctx.n_weights)
-
-
-def _weight_grads(dw, n_weights: int) -> tuple:
-    """dW (G, N, K) as the Function's weight inputs take it: whole, or one per expert."""
-    if dw is None:
-        return (None,) * n_weights
-    return (dw,) if n_weights == 1 else tuple(dw.unbind(0))
+        return dx, None, None, None, None, *weight_grads(dw, ctx.n_weights)
 
 
 def _grouped_forward(x2d: torch.Tensor, n: int, q_x, q_w) -> bool:
@@ -284,13 +261,18 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     route = _route(x2d, w_list, qs, bias, backward_mode, on_backward_done)
     if route is None:
         return _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode, on_backward_done)
+    kind, picked = route
     sizes = _sizes_tensor(group_sizes, num, x2d.shape[0], x.device)
     n = w_list[0].shape[0]
-    if route == "plain":
+    w_args = weights if weights is not None else (weight,)
+    if kind == "plain":
         w3d = torch.stack(weights) if weights is not None else weight
         y = _GroupedPlain.apply(x2d.contiguous(), w3d, sizes)
+    elif kind == "exact":
+        y = grouped_exact.GroupedExact.apply(x2d.contiguous(), sizes, picked,
+                                             torch.is_grad_enabled(), *w_args)
     else:
-        q_x, q_w, q_dy = route
+        q_x, q_w, q_dy = picked
         grouped = _grouped_forward(x2d, n, q_x, q_w)
         if grouped and torch.is_grad_enabled() and not _grouped_backward(x2d, n, q_dy):
             warnings.warn("grouped_linear: E5M2 gradients (Format.HYBRID) have no grouped FP8 "
@@ -298,13 +280,14 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
                           "read the group sizes on the host; "
                           "Float8CurrentScaling(fp8_format=Format.E4M3) keeps them grouped",
                           stacklevel=2)
-        y = _GroupedCurrent.apply(x2d.contiguous(), sizes, route, torch.is_grad_enabled(),
-                                  grouped, *(weights if weights is not None else (weight,)))
+        y = _GroupedCurrent.apply(x2d.contiguous(), sizes, picked, torch.is_grad_enabled(),
+                                  grouped, *w_args)
     return y.reshape(*x.shape[:-1], n)
 
 
 def _route(x2d, w_list, qs, bias, backward_mode, on_backward_done):
-    """"plain", the current-scaling quantizers, or None (one Linear per group)."""
+    """("plain", None), ("current", quantizers), ("exact", quantizers) or None (one Linear
+    per group)."""
     if bias is not None or on_backward_done is not None or isinstance(x2d, QuantizedTensor):
         return None
     if torch.is_autocast_enabled(x2d.device.type):
@@ -313,11 +296,20 @@ def _route(x2d, w_list, qs, bias, backward_mode, on_backward_done):
     if any(isinstance(w, QuantizedTensor) or w.dtype != x2d.dtype or w.shape != w0.shape
            or w.dim() != 2 for w in w_list) or w0.shape[1] != x2d.shape[1]:
         return None
+    n, k = w0.shape
     if qs is None:
-        return "plain" if grouped_mm.plain_available(x2d, w0.shape[1], w0.shape[0]) else None
+        return ("plain", None) if grouped_mm.plain_available(x2d, k, n) else None
     if backward_mode != "default":
         return None
-    return current_scaling_quantizers(qs)
+    current = current_scaling_quantizers(qs)
+    if current is not None:
+        return "current", current
+    if grouped_mm.plain_available(x2d, k, n):
+        # block formats whose per-expert GEMMs run on the bf16 tensor cores (MXFP8)
+        exact = grouped_exact.exact_quantizers(qs, n, k)
+        if exact is not None:
+            return "exact", exact
+    return None
 
 
 def _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode, on_backward_done):

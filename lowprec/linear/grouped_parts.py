@@ -1,0 +1,35 @@
+"""Pieces every grouped-linear path shares: each row's group, the weight gradients as the
+autograd Function hands them back, and inductor-fused torch ops for the layout passes."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import use_kernels
+
+_FUSED: dict = {}
+
+
+def fused(fn, t: torch.Tensor):
+    """``fn`` as inductor's fused kernels where ``t`` is on a GPU with Triton (the same
+    torch ops, so the same bits, in a pass or two instead of one per op), else ``fn``."""
+    if not use_kernels(t) or torch.compiler.is_compiling():
+        return fn
+    compiled = _FUSED.get(fn)
+    if compiled is None:
+        compiled = _FUSED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return compiled
+
+
+def group_ids(sizes: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row's group (int64, on ``sizes``' device) for ``rows`` rows in all."""
+    groups = torch.arange(sizes.shape[0], device=sizes.device)
+    return torch.repeat_interleave(groups, sizes, output_size=rows)
+
+
+def weight_grads(dw, n_weights: int) -> tuple:
+    """dW (G, N, K) as a grouped Function's weight inputs take it: whole (one (G, N, K)
+    weight), or one (N, K) gradient per expert."""
+    if dw is None:
+        return (None,) * n_weights
+    return (dw,) if n_weights == 1 else tuple(dw.unbind(0))

@@ -1,0 +1,183 @@
+"""The grouped path of block formats emulated on bf16 GEMMs (MXFP8): which quantizers it
+takes, its operands and GEMMs against one quantized Linear per group (CPU: against the
+exact products, since the per-expert CPU GEMM is the fp32 emulation; Hopper: bit for bit
+with the per-expert bf16 emulation), and no host sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec
+from lowprec.linear.function import LinearQuantizers, quantized_linear
+from lowprec.linear.grouped import grouped_linear
+from lowprec.linear.grouped_exact import GroupedExact, exact_quantizers, row_align
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SIZES = [(5, 0, 37, 22), (0, 0, 32, 0), (64, 1, 0, 31)]
+
+
+def _mx(**kw):
+    return LinearQuantizers(input=lowprec.MXFP8Quantizer(**kw),
+                            weight=lowprec.MXFP8Quantizer(**kw),
+                            grad_output=lowprec.MXFP8Quantizer(**kw))
+
+
+def _data(sizes, k=64, n=96, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    m = sum(sizes)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(len(sizes), n, k, generator=g) * 0.1).bfloat16()
+    dy = torch.randn(m, n, generator=g).bfloat16()
+    return x.to(device), w.to(device), dy.to(device)
+
+
+def _run(fn, x, w, dy):
+    x = x.clone().requires_grad_(True)
+    w = w.clone().requires_grad_(True)
+    y = fn(x, w)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+def _per_expert(quantizers, sizes):
+    def fn(x, w):
+        return torch.cat([quantized_linear(xg, w[g], quantizers=quantizers)
+                          for g, xg in enumerate(torch.split(x, list(sizes)))])
+    return fn
+
+
+def _exact(quantizers, sizes):
+    def fn(x, w):
+        picked = exact_quantizers([quantizers] * w.shape[0], w.shape[1], w.shape[2])
+        sizes_t = torch.tensor(sizes, device=x.device)
+        return GroupedExact.apply(x, sizes_t, picked, True, w)
+    return fn
+
+
+def test_takes_mxfp8_only_with_one_setting_and_whole_blocks():
+    mx = _mx()
+    assert exact_quantizers([mx] * 3, 96, 64) == (mx.input, mx.weight, mx.grad_output)
+    assert row_align((mx.input, mx.weight, mx.grad_output)) == 32
+    # other formats: per-tensor statistics (current, NVFP4) or cuBLAS FP8 GEMMs (block)
+    current = LinearQuantizers(*(lowprec.Float8CurrentScalingQuantizer(E4M3) for _ in range(2)),
+                               grad_output=lowprec.Float8CurrentScalingQuantizer(E4M3))
+    block = LinearQuantizers(lowprec.Float8BlockQuantizer(E4M3, block_scaling_dim=1),
+                             lowprec.Float8BlockQuantizer(E4M3, block_scaling_dim=2),
+                             grad_output=lowprec.Float8BlockQuantizer(E4M3, block_scaling_dim=1))
+    nv = LinearQuantizers(lowprec.NVFP4Quantizer(), lowprec.NVFP4Quantizer(),
+                          grad_output=lowprec.NVFP4Quantizer())
+    for q in (current, block, nv):
+        assert exact_quantizers([q] * 3, 128, 128) is None
+    # mixed settings, a boundary quantizer, features that do not fill the blocks
+    assert exact_quantizers([mx, _mx(fp8_dtype=E5M2)], 96, 64) is None
+    assert exact_quantizers([_mx(with_2d_quantization=True)] * 2, 96, 64) is not None
+    boundary = _mx()
+    boundary.output = lowprec.MXFP8Quantizer()
+    assert exact_quantizers([boundary], 96, 64) is None
+    assert exact_quantizers([mx], 80, 64) is None and exact_quantizers([mx], 96, 48) is None
+    hooked = _mx()
+    hooked.input.quantize = hooked.input.quantize  # an instance attribute, as debug hooks set
+    assert exact_quantizers([hooked, mx], 96, 64) is None
+
+
+def _exact_products(quantizers, sizes, x, w, dy):
+    """Each group's forward, dgrad and wgrad from its own quantizes (padded as the
+    per-expert Linear pads), multiplied in fp64: what any fp32-accumulating GEMM of the
+    exact values approximates."""
+    q_x, q_w, q_dy = quantizers.input, quantizers.weight, quantizers.grad_output
+    ys, dxs, dws = [], [], []
+    for g, (xg, dyg) in enumerate(zip(torch.split(x, list(sizes)), torch.split(dy, list(sizes)))):
+        m, pad = xg.shape[0], -xg.shape[0] % 32
+        xp = torch.cat([xg, xg.new_zeros(pad, xg.shape[1])])
+        dyp = torch.cat([dyg, dyg.new_zeros(pad, dyg.shape[1])])
+        xq = q_x.quantize(xp).dequantize(dtype=torch.float32).double()
+        xc = q_x.quantize(xp).dequantize(dtype=torch.float32, usage="columnwise").double()
+        wq = q_w.quantize(w[g])
+        wr = wq.dequantize(dtype=torch.float32).double()
+        wc = wq.dequantize(dtype=torch.float32, usage="columnwise").double()
+        dq = q_dy.quantize(dyp)
+        dr = dq.dequantize(dtype=torch.float32).double()
+        dc = dq.dequantize(dtype=torch.float32, usage="columnwise").double()
+        ys.append((xq @ wr.t())[:m])
+        dxs.append((dr @ wc)[:m])
+        dws.append(dc.t() @ xc)
+    return torch.cat(ys), torch.cat(dxs), torch.stack(dws)
+
+
+def _within_bf16_rounding(got, exact):
+    # one rounding to bf16 of an fp32 sum of exact products: half an ulp, plus the fp32
+    # sum's own error
+    tol = exact.abs() * 2.0 ** -8 + exact.abs().amax() * 2.0 ** -20 + 1e-30
+    assert ((got.double() - exact).abs() <= tol).all()
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@pytest.mark.parametrize("sizes", SIZES)
+def test_exact_grouped_equals_exact_products_per_group(sizes):
+    x, w, dy = _data(sizes)
+    x[3] *= 1e3  # a row far above the others: its blocks alone scale for it
+    q = _mx()
+    try:
+        y, dx, dw = _run(_exact(q, sizes), x, w, dy)
+    except (RuntimeError, NotImplementedError) as e:  # a CPU torch without the kernel
+        pytest.skip(f"torch._grouped_mm on the CPU: {e}")
+    ry, rdx, rdw = _exact_products(q, sizes, x, w, dy)
+    _within_bf16_rounding(y, ry)
+    _within_bf16_rounding(dx, rdx)
+    _within_bf16_rounding(dw, rdw)
+    # the per-expert Linears (fp32 emulation here) agree to the same rounding
+    py, pdx, pdw = _run(_per_expert(q, sizes), x, w, dy)
+    _within_bf16_rounding(py, ry)
+    _within_bf16_rounding(pdw, rdw)
+
+
+def test_cpu_grouped_linear_stays_per_expert():
+    sizes = (5, 0, 37, 22)
+    x, w, dy = _data(sizes)
+    q = _mx()
+    got = _run(lambda a, b: grouped_linear(a, b, torch.tensor(sizes), quantizers=q), x, w, dy)
+    ref = _run(_per_expert(q, sizes), x, w, dy)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+    reason="needs a Hopper GPU")
+
+
+@gpu
+@pytest.mark.parametrize("sizes", SIZES + [(300, 2, 129, 33, 0, 64)])
+@pytest.mark.parametrize("two_d", [False, True])
+def test_mxfp8_grouped_gpu_bit_identical_to_per_expert(sizes, two_d):
+    x, w, dy = _data(sizes, k=256, n=128, device="cuda")
+    q = _mx(with_2d_quantization=two_d)
+    got = _run(lambda a, b: grouped_linear(a, b, torch.tensor(sizes, device="cuda"),
+                                           quantizers=q), x, w, dy)
+    ref = _run(_per_expert(q, sizes), x, w, dy)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+@gpu
+def test_mxfp8_grouped_gpu_list_weights_and_no_sync():
+    sizes = [64, 0, 17, 47]
+    x, w, dy = _data(sizes, k=256, n=128, device="cuda")
+    q = _mx()
+    sizes_t = torch.tensor(sizes, device="cuda")
+    ref = _run(_per_expert(q, sizes), x, w, dy)
+    xs = x.clone().requires_grad_(True)
+    ws = [w[g].clone().requires_grad_(True) for g in range(len(sizes))]
+    grouped_linear(xs, ws, sizes_t, quantizers=q).backward(dy)  # warm-up (compiles)
+    for t in [xs, *ws]:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = grouped_linear(xs, ws, sizes_t, quantizers=q)
+        y.backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(y.detach(), ref[0]) and torch.equal(xs.grad, ref[1])
+    assert torch.equal(torch.stack([t.grad for t in ws]), ref[2])
