@@ -141,7 +141,7 @@ def _quantized_experts(weights: Sequence[torch.Tensor], q_w):
     def make():
         w3d = weights[0] if len(weights) == 1 and weights[0].dim() == 3 else torch.stack(
             weights)
-        return fused(fp8_grouped.quantize_experts, w3d)(w3d.detach(), q_w)
+        return fp8_grouped.quantize_experts(w3d.detach().contiguous(), q_w)
     if _caching_weights() and not torch.compiler.is_compiling():
         return weight_cache.cached_value(weights, q_w, make)
     return make()
