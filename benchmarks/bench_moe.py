@@ -6,7 +6,9 @@ per-expert token counts stay on the GPU (no host sync) in every peer but ``bf16-
 
 Peers (in the same run): ``bf16-grouped`` (``torch._grouped_mm``), ``bf16-loop`` (one
 ``F.linear`` per expert), ``torchao-fp8-rowwise`` (torchao's FP8 MoE grouped GEMM, when it
-imports), and ``lowprec-<recipe>`` (:func:`lowprec.linear.grouped.grouped_linear`).
+imports), and ``lowprec-<recipe>`` (the experts as :class:`lowprec.GroupedExperts`, as a
+converted model runs them, under ``lowprec.autocast(recipe=...)``: current, current-e4m3,
+block, mxfp8, nvfp4).
 Per peer: wall ms (CUDA events, median), GPU kernel ms (profiler), the host share, peak
 memory, and the speedup over ``bf16-grouped``; rows go to the results CSV.
 
@@ -27,6 +29,7 @@ import argparse
 import contextlib
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -38,35 +41,28 @@ from harness import append_rows, gpu_kernel_ms, median_step_ms  # noqa: E402
 
 import lowprec  # noqa: E402
 from lowprec.backends import grouped_mm  # noqa: E402
-from lowprec.linear.function import LinearQuantizers  # noqa: E402
-from lowprec.linear.grouped import group_ids, grouped_linear  # noqa: E402
+from lowprec.linear.grouped import group_ids  # noqa: E402
 
 #: name: (hidden, experts, top-k, expert ffn)
 SHAPES = {"mixtral": (4096, 8, 2, 14336), "qwen3": (2048, 128, 8, 768)}
 
 
-def recipe_quantizers(name: str) -> LinearQuantizers:
-    """The quantizers each lowprec recipe gives a Linear's input, weight and dY."""
-    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
-    if name in ("current", "current-e4m3"):  # Float8CurrentScaling(), HYBRID or E4M3
-        grad = e5 if name == "current" else e4
-        return LinearQuantizers(input=lowprec.Float8CurrentScalingQuantizer(e4),
-                                weight=lowprec.Float8CurrentScalingQuantizer(e4),
-                                grad_output=lowprec.Float8CurrentScalingQuantizer(grad))
-    if name == "block":
-        return LinearQuantizers(input=lowprec.Float8BlockQuantizer(e4, block_scaling_dim=1),
-                                weight=lowprec.Float8BlockQuantizer(e4, block_scaling_dim=2),
-                                grad_output=lowprec.Float8BlockQuantizer(e4, block_scaling_dim=1))
-    if name == "mxfp8":
-        return LinearQuantizers(input=lowprec.MXFP8Quantizer(), weight=lowprec.MXFP8Quantizer(),
-                                grad_output=lowprec.MXFP8Quantizer())
-    if name == "nvfp4":  # NVFP4BlockScaling's roles: 2-D weights, RHT and SR on dY
-        return LinearQuantizers(input=lowprec.NVFP4Quantizer(with_rht=True),
-                                weight=lowprec.NVFP4Quantizer(with_2d_quantization=True),
-                                grad_output=lowprec.NVFP4Quantizer(with_rht=True,
-                                                                   stochastic_rounding=True))
-    raise ValueError(f"unknown recipe {name!r}; use current, current-e4m3, block, mxfp8 or "
-                     f"nvfp4")
+def recipe(name: str):
+    """The lowprec recipe of a peer name."""
+    from lowprec.recipe import (
+        Float8BlockScaling,
+        Float8CurrentScaling,
+        Format,
+        MXFP8BlockScaling,
+        NVFP4BlockScaling,
+    )
+    recipes = {"current": Float8CurrentScaling,
+               "current-e4m3": lambda: Float8CurrentScaling(fp8_format=Format.E4M3),
+               "block": Float8BlockScaling, "mxfp8": MXFP8BlockScaling,
+               "nvfp4": NVFP4BlockScaling}
+    if name not in recipes:
+        raise ValueError(f"unknown recipe {name!r}; use one of {sorted(recipes)}")
+    return recipes[name]()
 
 
 def _torch_grouped(x, w, counts):
@@ -90,9 +86,22 @@ def _torchao(x, w, counts):
     return y[dest]
 
 
-def _lowprec(recipe):
-    q = recipe_quantizers(recipe)
-    return lambda x, w, counts: grouped_linear(x, w, counts, quantizers=q)
+class ExpertsModule:
+    """A lowprec peer: the layer's experts as :class:`lowprec.GroupedExperts` (holding the
+    layer's own w13 / w2) under ``lowprec.autocast(recipe=...)``, as a converted model
+    runs them: routed rows laid out in the recipe's blocks, grouped GEMMs."""
+
+    def __init__(self, name: str):
+        self.recipe, self.module = recipe(name), None
+
+    def bind(self, layer) -> None:
+        source = SimpleNamespace(gate_up_proj=layer.w13, down_proj=layer.w2, act_fn=F.silu,
+                                 _apply_gate=None, training=True)
+        self.module = lowprec.GroupedExperts.from_experts(source, name="experts")
+
+    def __call__(self, x, top_i, top_p):
+        with lowprec.autocast(recipe=self.recipe):
+            return self.module(x, top_i, top_p)
 
 
 class MoE(torch.nn.Module):
@@ -108,6 +117,8 @@ class MoE(torch.nn.Module):
         probs = torch.softmax(self.router(x).float(), dim=-1)
         top_p, top_i = probs.topk(self.topk, dim=-1)
         top_p = top_p / top_p.sum(-1, keepdim=True)
+        if isinstance(self.experts_fn, ExpertsModule):
+            return self.experts_fn(x, top_i, top_p.to(x.dtype))
         flat = top_i.reshape(-1)
         order = flat.argsort(stable=True)
         counts = torch.zeros(experts, dtype=torch.int64, device=x.device).scatter_add_(
@@ -133,6 +144,8 @@ def run_shape(name, tokens, peers, steps, warmup, top=0):
           f"{'vs bf16-grouped':>16s}")
     for peer, fn in peers:
         layer.experts_fn = fn
+        if isinstance(fn, ExpertsModule):
+            fn.bind(layer)
         xx = x.clone().requires_grad_(True)
 
         def step(i):
@@ -275,7 +288,7 @@ def main() -> None:
         peers.append(("torchao-fp8-rowwise", _torchao))
     except ImportError as exc:
         print(f"torchao's MoE training does not import ({exc}); no torchao peer")
-    peers += [(f"lowprec-{r}", _lowprec(r)) for r in args.recipes.split(",") if r]
+    peers += [(f"lowprec-{r}", ExpertsModule(r)) for r in args.recipes.split(",") if r]
     for name in args.shapes.split(","):
         run_shape(name, args.tokens, peers, args.steps, args.warmup, args.top_kernels)
 

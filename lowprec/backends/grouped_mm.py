@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-_ALIGN = 16
+#: the row multiple FP8 wgrad needs at each group start (16-byte row strides)
+ALIGN = 16
 
 
 def _hopper(t: torch.Tensor) -> bool:
@@ -35,8 +36,8 @@ def plain_available(a: torch.Tensor, k: int, n: int) -> bool:
 def fp8_available(a: torch.Tensor, k: int, n: int, *fp8_dtypes: torch.dtype) -> bool:
     """Whether the FP8 grouped GEMMs run on ``a``'s device for features ``k`` and ``n`` and
     operands of ``fp8_dtypes`` (the Hopper kernel takes E4M3 operands only)."""
-    return (hasattr(torch, "_scaled_grouped_mm") and _hopper(a) and k % _ALIGN == 0
-            and n % _ALIGN == 0 and all(d == torch.float8_e4m3fn for d in fp8_dtypes))
+    return (hasattr(torch, "_scaled_grouped_mm") and _hopper(a) and k % ALIGN == 0
+            and n % ALIGN == 0 and all(d == torch.float8_e4m3fn for d in fp8_dtypes))
 
 
 def end_offsets(sizes: torch.Tensor) -> torch.Tensor:
@@ -65,13 +66,13 @@ def fp8_rows_by_experts(a: torch.Tensor, a_decode: torch.Tensor, b: torch.Tensor
                                     out_dtype=out_dtype)
 
 
-def padded_layout(sizes: torch.Tensor, group_ids: torch.Tensor, rows: int, align: int = _ALIGN):
+def padded_layout(sizes: torch.Tensor, group_ids: torch.Tensor, rows: int, align: int = ALIGN):
     """(source row of each padded row, whether it has one, padded end offsets int32, padded
     row count, each row's padded place): every group starts at a multiple of ``align``
     (a multiple of 16: the FP8 kernels' 16-byte row strides; a block format's row block).
     The count is an upper bound known on the host, a multiple of ``align``."""
-    if align % _ALIGN:
-        raise ValueError(f"padded_layout align must be a multiple of {_ALIGN}, got {align}")
+    if align % ALIGN:
+        raise ValueError(f"padded_layout align must be a multiple of {ALIGN}, got {align}")
     padded = (sizes + (align - 1)) // align * align
     padded_end = torch.cumsum(padded, 0)
     shift = (padded_end - padded) - (torch.cumsum(sizes, 0) - sizes)

@@ -50,27 +50,32 @@ def _check_sizes_tensor(group_sizes: torch.Tensor, num_groups: int) -> None:
                          f"got {group_sizes.dtype} of shape {tuple(group_sizes.shape)}")
 
 
-def _sizes_tensor(group_sizes, num_groups: int, rows: int, device) -> torch.Tensor:
+def _sizes_tensor(group_sizes, num_groups: int, rows: int, device,
+                  alignment: int = 1) -> torch.Tensor:
     if isinstance(group_sizes, torch.Tensor):
         _check_sizes_tensor(group_sizes, num_groups)
         sizes = group_sizes.to(device=device, dtype=torch.int64)
         if sizes.is_cuda:
             # checked on the device: a bad count stops the stream, the host never waits
-            torch._assert_async(torch.all(sizes >= 0) & (sizes.sum() == rows),
-                                "group sizes must be non-negative and sum to the row count")
+            torch._assert_async(torch.all(sizes >= 0) & (sizes.sum() == rows)
+                                & torch.all(sizes % alignment == 0),
+                                "group sizes must be non-negative multiples of group_alignment "
+                                "and sum to the row count")
         else:
-            _check_sizes(sizes.tolist(), num_groups, rows)
+            _check_sizes(sizes.tolist(), num_groups, rows, alignment)
         return sizes
     sizes = [int(m) for m in group_sizes]
-    _check_sizes(sizes, num_groups, rows)
+    _check_sizes(sizes, num_groups, rows, alignment)
     return torch.tensor(sizes, dtype=torch.int64, device=device)
 
 
-def _check_sizes(sizes: list, num_groups: int, rows: int) -> None:
+def _check_sizes(sizes: list, num_groups: int, rows: int, alignment: int = 1) -> None:
     if len(sizes) != num_groups or any(m < 0 for m in sizes):
         raise ValueError(f"m_splits={sizes} must have {num_groups} non-negative sizes")
     if sum(sizes) != rows:
         raise ValueError(f"m_splits sum to {sum(sizes)} but the input has {rows} rows")
+    if any(m % alignment for m in sizes):
+        raise ValueError(f"m_splits={sizes} must be multiples of group_alignment={alignment}")
 
 
 def _host_sizes(group_sizes) -> list[int]:
@@ -102,6 +107,22 @@ def current_scaling_quantizers(qs: Sequence[LinearQuantizers]):
     if not all(_same_current(s) for s in slots):
         return None
     return tuple(s[0] for s in slots)
+
+
+def group_alignment_for(quantizers: LinearQuantizers | Sequence[LinearQuantizers] | None,
+                        n: int, k: int) -> int:
+    """The row multiple the grouped path of ``quantizers`` (one set, or one per group) pads
+    each group to, for experts of ``n`` out and ``k`` in features; 1 where it pads nothing.
+    A caller that lays its routed rows out in groups of that multiple, zero rows after each
+    group (as :class:`lowprec.GroupedExperts` does), passes it as ``group_alignment`` and
+    spares the grouped path its copies."""
+    if quantizers is None:
+        return 1
+    qs = [quantizers] if isinstance(quantizers, LinearQuantizers) else list(quantizers)
+    if current_scaling_quantizers(qs) is not None:
+        return grouped_mm.ALIGN  # wgrad's FP8 grouped kernel
+    exact = grouped_exact.exact_quantizers(qs, n, k)
+    return grouped_exact.row_align(exact) if exact is not None else 1
 
 
 class _GroupedPlain(torch.autograd.Function):
@@ -153,7 +174,7 @@ class _GroupedCurrent(torch.autograd.Function):
     (G, N, K) tensor or G (N, K) ones (each gets its own gradient: no stacked copy)."""
 
     @staticmethod
-    def forward(ctx, x2d, sizes, quantizers, grad_enabled, grouped, *weights):
+    def forward(ctx, x2d, sizes, quantizers, grad_enabled, grouped, aligned, *weights):
         q_x, q_w, q_dy = quantizers
         rows = x2d.shape[0]
         wq, sw = _quantized_experts(weights, q_w)
@@ -172,10 +193,10 @@ class _GroupedCurrent(torch.autograd.Function):
                                 "rowwise", out_dtype=x2d.dtype)
                            for g, xg in enumerate(torch.split(xq, host))])
         need_dx = grad_enabled and ctx.needs_input_grad[0]
-        need_dw = grad_enabled and any(ctx.needs_input_grad[5:])
+        need_dw = grad_enabled and any(ctx.needs_input_grad[6:])
         ctx.save_for_backward(xq if need_dw else None, sx, wq if need_dx else None, sw, sizes,
                               ids)
-        ctx.q_dy, ctx.host, ctx.n_weights = q_dy, host, len(weights)
+        ctx.q_dy, ctx.host, ctx.n_weights, ctx.aligned = q_dy, host, len(weights), aligned
         ctx.grouped = grouped and _grouped_backward(x2d, wq.shape[1], q_dy)
         ctx.dtypes = (x2d.dtype, w_dtype, q_x.fp8_dtype, q_w.fp8_dtype)
         return y
@@ -184,7 +205,7 @@ class _GroupedCurrent(torch.autograd.Function):
     def backward(ctx, dy):
         xq, sx, wq, sw, sizes, ids = ctx.saved_tensors
         x_dtype, w_dtype, x_fp8, w_fp8 = ctx.dtypes
-        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
         num = sw.shape[0]
         dy = dy.contiguous()
         dyq, sdy = fused(fp8_grouped.quantize_groups, dy)(dy, ids, num, ctx.q_dy)
@@ -193,17 +214,23 @@ class _GroupedCurrent(torch.autograd.Function):
         if ctx.grouped:
             dec_dy = torch.reciprocal(sdy)
             if need_dw:
-                src, valid, padded_offs, _, _ = grouped_mm.padded_layout(sizes, ids, dyq.shape[0])
-                pad = fused(grouped_mm.padded_rows, dyq)
-                dw = grouped_mm.fp8_wgrad(transpose_contiguous(pad(dyq, src, valid)), dec_dy,
-                                          transpose_contiguous(pad(xq, src, valid)),
-                                          torch.reciprocal(sx), padded_offs, w_dtype)
+                if ctx.aligned:  # every group already starts at a multiple of 16 rows
+                    dy_rows, x_rows, offs = dyq, xq, grouped_mm.end_offsets(sizes)
+                else:
+                    src, valid, offs, _, _ = grouped_mm.padded_layout(sizes, ids, dyq.shape[0])
+                    pad = fused(grouped_mm.padded_rows, dyq)
+                    dy_rows, x_rows = pad(dyq, src, valid), pad(xq, src, valid)
+                dw = grouped_mm.fp8_wgrad(transpose_contiguous(dy_rows), dec_dy,
+                                          transpose_contiguous(x_rows), torch.reciprocal(sx),
+                                          offs, w_dtype)
             if need_dx:
-                # each expert's columnwise copy, through the tiled transpose kernel
-                w_t = torch.stack([transpose_contiguous(wq[g]) for g in range(num)])
+                # every expert's columnwise copy in one transpose of the stacked (G * N, K)
+                # codes: (K, G * N), expert g's (K, N) the columns g*N...
+                _, n, k = wq.shape
+                w_t = transpose_contiguous(wq.view(num * n, k)).view(k, num, n).permute(1, 0, 2)
                 dx = grouped_mm.fp8_rows_by_experts(dyq, dec_dy[ids], w_t, torch.reciprocal(sw),
                                                     grouped_mm.end_offsets(sizes), x_dtype)
-            return dx, None, None, None, None, *weight_grads(dw, ctx.n_weights)
+            return dx, None, None, None, None, None, *weight_grads(dw, ctx.n_weights)
         # E5M2 gradients (the HYBRID format) have no grouped kernel: one GEMM per group,
         # the sizes read on the host (one sync per backward on the GPU)
         host = ctx.host if ctx.host is not None else _host_sizes(sizes)
@@ -220,7 +247,7 @@ class _GroupedCurrent(torch.autograd.Function):
                 gemm(_group_tensor(d, sdy[g:g + 1], d.shape, x_dtype, dy_fp8), "rowwise",
                      _group_tensor(wq[g], sw[g:g + 1], wq[g].shape, w_dtype, w_fp8, "columnwise"),
                      "columnwise", out_dtype=x_dtype) for g, d in enumerate(dys)])
-        return dx, None, None, None, None, *weight_grads(dw, ctx.n_weights)
+        return dx, None, None, None, None, None, *weight_grads(dw, ctx.n_weights)
 
 
 def _grouped_forward(x2d: torch.Tensor, n: int, q_x, q_w) -> bool:
@@ -234,7 +261,8 @@ def _grouped_backward(x2d: torch.Tensor, n: int, q_dy) -> bool:
 
 def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
                    quantizers: LinearQuantizers | Sequence[LinearQuantizers] | None = None,
-                   backward_mode: str = "default", on_backward_done=None) -> torch.Tensor:
+                   backward_mode: str = "default", on_backward_done=None,
+                   group_alignment: int = 1) -> torch.Tensor:
     """Each group of consecutive rows of ``x`` through its own expert: ``(..., K) ->
     (..., N)``.
 
@@ -244,7 +272,14 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     ``bias``: None, a (G, N) tensor or G (N,) tensors. ``quantizers``: None (high
     precision), one :class:`LinearQuantizers` for every group, or one per group.
     ``backward_mode`` and ``on_backward_done`` as :func:`quantized_linear`'s.
+    ``group_alignment``: every group size is a multiple of it (the caller spread the rows
+    with zero rows after each group, as :func:`group_alignment_for` asks): a grouped path
+    that pads each group to whole blocks itself then uses the rows as they are. Zero rows
+    change no scale and give zero products, so the result on the real rows is the same.
+    Checked (on the device for a device tensor).
     """
+    if not isinstance(group_alignment, int) or group_alignment < 1:
+        raise ValueError(f"group_alignment must be a positive int, got {group_alignment!r}")
     weights = list(weight) if not isinstance(weight, torch.Tensor) else None
     num = len(weights) if weights is not None else weight.shape[0]
     if weights is None and weight.dim() != 3:
@@ -260,17 +295,19 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     w_list = weights if weights is not None else list(weight.unbind(0))
     route = _route(x2d, w_list, qs, bias, backward_mode, on_backward_done)
     if route is None:
-        return _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode, on_backward_done)
+        return _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode,
+                          on_backward_done, group_alignment)
     kind, picked = route
-    sizes = _sizes_tensor(group_sizes, num, x2d.shape[0], x.device)
+    sizes = _sizes_tensor(group_sizes, num, x2d.shape[0], x.device, group_alignment)
     n = w_list[0].shape[0]
     w_args = weights if weights is not None else (weight,)
     if kind == "plain":
         w3d = torch.stack(weights) if weights is not None else weight
         y = _GroupedPlain.apply(x2d.contiguous(), w3d, sizes)
     elif kind == "exact":
+        aligned = group_alignment % grouped_exact.row_align(picked) == 0
         y = grouped_exact.GroupedExact.apply(x2d.contiguous(), sizes, picked,
-                                             torch.is_grad_enabled(), *w_args)
+                                             torch.is_grad_enabled(), aligned, *w_args)
     else:
         q_x, q_w, q_dy = picked
         grouped = _grouped_forward(x2d, n, q_x, q_w)
@@ -281,7 +318,7 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
                           "Float8CurrentScaling(fp8_format=Format.E4M3) keeps them grouped",
                           stacklevel=2)
         y = _GroupedCurrent.apply(x2d.contiguous(), sizes, picked, torch.is_grad_enabled(),
-                                  grouped, *w_args)
+                                  grouped, group_alignment % grouped_mm.ALIGN == 0, *w_args)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -312,11 +349,12 @@ def _route(x2d, w_list, qs, bias, backward_mode, on_backward_done):
     return None
 
 
-def _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode, on_backward_done):
+def _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode, on_backward_done,
+               group_alignment=1):
     if isinstance(group_sizes, torch.Tensor):
         _check_sizes_tensor(group_sizes, len(w_list))
     sizes = _host_sizes(group_sizes)
-    _check_sizes(sizes, len(w_list), x2d.shape[0])
+    _check_sizes(sizes, len(w_list), x2d.shape[0], group_alignment)
     biases = ([None] * len(w_list) if bias is None else list(bias))
     outs = [quantized_linear(xg, w_list[g], biases[g], quantizers=qs[g] if qs else None,
                              backward_mode=backward_mode, on_backward_done=on_backward_done)

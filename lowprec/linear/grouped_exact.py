@@ -100,23 +100,27 @@ class GroupedExact(torch.autograd.Function):
     the module docstring). The weights are one (G, N, K) tensor or G (N, K) ones."""
 
     @staticmethod
-    def forward(ctx, x2d, sizes, quantizers, grad_enabled, *weights):
+    def forward(ctx, x2d, sizes, quantizers, grad_enabled, aligned, *weights):
         q_x, q_w, q_dy = quantizers
         need_dx = grad_enabled and ctx.needs_input_grad[0]
-        need_dw = grad_enabled and any(ctx.needs_input_grad[4:])
+        need_dw = grad_enabled and any(ctx.needs_input_grad[5:])
         rows = x2d.shape[0]
         num = len(weights) if len(weights) > 1 else weights[0].shape[0]
         n, k = weights[0].shape[-2:]
-        ids = group_ids(sizes, rows)
-        src, valid, offs, _, dest = grouped_mm.padded_layout(sizes, ids, rows,
-                                                             row_align(quantizers))
-        x_pad = fused(grouped_mm.padded_rows, x2d)(x2d, src, valid)
+        if aligned:  # the caller laid the groups out in whole blocks (group_alignment)
+            src = valid = dest = None
+            offs, x_pad = grouped_mm.end_offsets(sizes), x2d
+        else:
+            src, valid, offs, _, dest = grouped_mm.padded_layout(
+                sizes, group_ids(sizes, rows), rows, row_align(quantizers))
+            x_pad = fused(grouped_mm.padded_rows, x2d)(x2d, src, valid)
         x_lp, _ = quantize_operand(q_x, x_pad, rowwise=True, columnwise=need_dw, exact=ROW)
         w_lp, w_owned = _quantized_weights(weights, q_w, need_dx)
-        y_pad = grouped_mm.plain_rows_by_experts(_values(x_lp, "rowwise"),
-                                                 _values(w_lp, "rowwise").view(num, n, k), offs)
-        y = y_pad.index_select(0, dest)
-        del y_pad, x_pad
+        y = grouped_mm.plain_rows_by_experts(_values(x_lp, "rowwise"),
+                                             _values(w_lp, "rowwise").view(num, n, k), offs)
+        if dest is not None:
+            y = y.index_select(0, dest)
+        del x_pad
         saved_x = _keep_only(x_lp, True, "columnwise") if need_dw else None
         saved_w = _keep_only(w_lp, w_owned, "columnwise") if need_dx else None
         ctx.save_for_backward(saved_x, saved_w, src, valid, offs, dest)
@@ -126,10 +130,10 @@ class GroupedExact(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x_lp, w_lp, src, valid, offs, dest = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[4:])
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
         num, n, k = ctx.shape
         dy = dy.contiguous()
-        dy_pad = fused(grouped_mm.padded_rows, dy)(dy, src, valid)
+        dy_pad = dy if src is None else fused(grouped_mm.padded_rows, dy)(dy, src, valid)
         dy_lp, _ = quantize_operand(ctx.q_dy, dy_pad, rowwise=need_dx, columnwise=need_dw,
                                     exact=BOTH, codes=False)
         del dy_pad
@@ -141,6 +145,7 @@ class GroupedExact(torch.autograd.Function):
         if need_dx:
             # the weights' columnwise values are (K, G * N): expert g's are columns g*N...
             w_t = _values(w_lp, "columnwise").view(k, num, n).permute(1, 0, 2)
-            dx = grouped_mm.plain_rows_by_experts(_values(dy_lp, "rowwise"), w_t,
-                                                  offs).index_select(0, dest)
-        return dx, None, None, None, *weight_grads(dw, ctx.n_weights)
+            dx = grouped_mm.plain_rows_by_experts(_values(dy_lp, "rowwise"), w_t, offs)
+            if dest is not None:
+                dx = dx.index_select(0, dest)
+        return dx, None, None, None, None, *weight_grads(dw, ctx.n_weights)

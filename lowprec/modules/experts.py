@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from ..autocast import init_recipe
+from ..backends import grouped_mm
 from ..compiled_call import compiled_as_one_op
-from ..linear.grouped import grouped_linear
+from ..linear.grouped import group_alignment_for, grouped_linear
+from ..linear.grouped_parts import fused
 from .base import LowprecModule
 
 
@@ -113,23 +115,38 @@ class GroupedExperts(LowprecModule):
         ``top_k_weights`` (T, k). Returns (T, H) in ``hidden_states``' dtype."""
         qs, mode, done = self.gemm_quantizers(hidden_states.device)
         e, k = self.num_experts, top_k_index.shape[-1]
+        qs_up, qs_down = (qs[:e], qs[e:]) if qs else (None, None)
         flat = top_k_index.reshape(-1)
         _check_expert_ids(flat, e)
         order = torch.argsort(flat, stable=True)
         token, slot = order // k, order % k
         counts = torch.zeros(e, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
-        h = grouped_linear(hidden_states[token], self.gate_up_proj, counts,
-                           quantizers=qs[:e] if qs else None, backward_mode=mode,
-                           on_backward_done=done)
+        # the routed rows laid out in whole blocks of the recipe's grouped path, zero rows
+        # after each expert's: the grouped GEMMs then pad nothing themselves
+        align = math.lcm(group_alignment_for(qs_up, 2 * self.intermediate_dim, self.hidden_dim),
+                         group_alignment_for(qs_down, self.hidden_dim, self.intermediate_dim))
+        dest = None
+        if align > 1:
+            src, valid, _, total, dest = grouped_mm.padded_layout(counts, flat[order],
+                                                                  flat.numel(), align)
+            padded = (counts + (align - 1)) // align * align
+            # the slack of the host-side row count goes to the last expert (zero rows)
+            counts = torch.cat([padded[:-1], padded[-1:] + (total - padded.sum())])
+            x = fused(grouped_mm.padded_rows, hidden_states)(hidden_states, token[src], valid)
+        else:
+            x = hidden_states[token]
+        h = grouped_linear(x, self.gate_up_proj, counts, quantizers=qs_up, backward_mode=mode,
+                           on_backward_done=done, group_alignment=align)
         if self.apply_gate is not None:
             a = self.apply_gate(h)
         else:
             gate, up = h.chunk(2, dim=-1)
             a = self.act_fn(gate) * up
-        out = grouped_linear(a, self.down_proj, counts,
-                             quantizers=qs[e:] if qs else None, backward_mode=mode,
-                             on_backward_done=done)
+        out = grouped_linear(a, self.down_proj, counts, quantizers=qs_down, backward_mode=mode,
+                             on_backward_done=done, group_alignment=align)
+        if dest is not None:
+            out = out.index_select(0, dest)
         out = (out * top_k_weights[token, slot, None]).to(hidden_states.dtype)
         return torch.zeros_like(hidden_states).index_add_(0, token, out)
 

@@ -10,7 +10,7 @@ import torch
 
 import lowprec
 from lowprec.linear.function import LinearQuantizers, quantized_linear
-from lowprec.linear.grouped import grouped_linear
+from lowprec.linear.grouped import group_alignment_for, grouped_linear
 from lowprec.linear.grouped_exact import GroupedExact, exact_quantizers, row_align
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -51,7 +51,7 @@ def _exact(quantizers, sizes):
     def fn(x, w):
         picked = exact_quantizers([quantizers] * w.shape[0], w.shape[1], w.shape[2])
         sizes_t = torch.tensor(sizes, device=x.device)
-        return GroupedExact.apply(x, sizes_t, picked, True, w)
+        return GroupedExact.apply(x, sizes_t, picked, True, False, w)
     return fn
 
 
@@ -181,3 +181,49 @@ def test_mxfp8_grouped_gpu_list_weights_and_no_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(y.detach(), ref[0]) and torch.equal(xs.grad, ref[1])
     assert torch.equal(torch.stack([t.grad for t in ws]), ref[2])
+
+
+def test_group_alignment_for_each_path_and_checked():
+    assert group_alignment_for(_mx(), 96, 64) == 32
+    current = LinearQuantizers(lowprec.Float8CurrentScalingQuantizer(E4M3),
+                               lowprec.Float8CurrentScalingQuantizer(E4M3),
+                               grad_output=lowprec.Float8CurrentScalingQuantizer(E4M3))
+    assert group_alignment_for(current, 96, 64) == 16
+    assert group_alignment_for(None, 96, 64) == 1
+    nv = LinearQuantizers(lowprec.NVFP4Quantizer(), lowprec.NVFP4Quantizer(),
+                          grad_output=lowprec.NVFP4Quantizer())
+    assert group_alignment_for([nv, nv], 96, 64) == 1
+    x, w, _ = _data((5, 0, 37, 22))
+    for bad in (0, 2.0):
+        with pytest.raises(ValueError, match="group_alignment"):
+            grouped_linear(x, w, [5, 0, 37, 22], quantizers=_mx(), group_alignment=bad)
+    with pytest.raises(ValueError, match="multiples of group_alignment=16"):
+        grouped_linear(x, w, [5, 0, 37, 22], quantizers=_mx(), group_alignment=16)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_rows_laid_out_by_the_caller_give_the_same_result():
+    """Groups the caller already spread into whole blocks (zero rows after each) run as
+    they are, and give on the real rows what the path's own padding gives."""
+    sizes = (5, 0, 37, 22)
+    x, w, dy = _data(sizes)
+    padded = [-(-m // 32) * 32 for m in sizes]
+    xp, dyp = x.new_zeros(sum(padded), x.shape[1]), dy.new_zeros(sum(padded), dy.shape[1])
+    rows = torch.cat([torch.arange(m) + sum(padded[:g]) for g, m in enumerate(sizes)])
+    xp[rows], dyp[rows] = x, dy
+    q = _mx()
+    picked = exact_quantizers([q] * len(sizes), w.shape[1], w.shape[2])
+
+    def run(inp, grad, sizes_, aligned):
+        inp = inp.clone().requires_grad_(True)
+        ww = w.clone().requires_grad_(True)
+        try:
+            y = GroupedExact.apply(inp, torch.tensor(sizes_), picked, True, aligned, ww)
+        except (RuntimeError, NotImplementedError) as e:
+            pytest.skip(f"torch._grouped_mm on the CPU: {e}")
+        y.backward(grad)
+        return y.detach(), inp.grad, ww.grad
+    y, dx, dw = run(x, dy, sizes, False)
+    yp, dxp, dwp = run(xp, dyp, padded, True)
+    assert torch.equal(yp[rows], y) and torch.equal(dxp[rows], dx) and torch.equal(dwp, dw)
+    assert not yp[~torch.isin(torch.arange(len(yp)), rows)].any()
