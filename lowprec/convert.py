@@ -224,14 +224,24 @@ def _is_hf_experts(mod: nn.Module) -> bool:
         return False
     e, two_i, h = gu.shape
     # transformers' experts interface describes the layout: concatenated [gate; up] rows,
-    # (out, in) weights, no biases, no norm after each expert, not expert-parallel
+    # (out, in) weights, no biases, no norm after each expert, not expert-parallel. Releases
+    # before that interface (5.17 and older) have no such attributes and only this layout
+    # (the shapes above tell a transposed one apart).
     layout = {"has_gate": True, "has_bias": False, "is_transposed": False,
               "is_concatenated": True, "has_post_expert_norm": False,
               "_is_expert_parallel": False}
+    gate = getattr(mod, "_apply_gate", None)
+    if gate is None and type(mod).__name__ not in _PLAIN_GATING:
+        return False  # its gating may live in its own forward (a clamp, a scale)
     return (two_i % 2 == 0 and tuple(down.shape) == (e, h, two_i // 2)
             and {n for n, _ in mod.named_parameters()} == {"gate_up_proj", "down_proj"}
-            and all(getattr(mod, k, None) is v for k, v in layout.items())
-            and callable(getattr(mod, "_apply_gate", None)))
+            and all(getattr(mod, k, v) is v for k, v in layout.items())
+            and (gate is None or callable(gate)))
+
+
+#: experts classes whose forward gates as ``act_fn(gate) * up``: converted in transformers
+#: releases without the experts interface's ``_apply_gate``
+_PLAIN_GATING = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "DeepseekV3Experts")
 
 
 # ---- Linear candidates ---------------------------------------------------------------

@@ -23,7 +23,6 @@ from ..autocast import init_recipe
 from ..backends import grouped_mm
 from ..compiled_call import compiled_as_one_op
 from ..linear.grouped import group_alignment_for, grouped_linear
-from ..linear.grouped_parts import fused
 from .base import LowprecModule
 
 
@@ -80,7 +79,7 @@ class GroupedExperts(LowprecModule):
         new.gate_up_proj, new.down_proj = gate_up, down
         # the model's gating (transformers' _apply_gate: act_fn(gate) * up by default; some
         # models clamp, or run it in fp32), called on the source module it belongs to
-        new.apply_gate = experts._apply_gate
+        new.apply_gate = getattr(experts, "_apply_gate", None)  # None: act_fn(gate) * up
         new.train(experts.training)
         return new
 
@@ -133,7 +132,9 @@ class GroupedExperts(LowprecModule):
             padded = (counts + (align - 1)) // align * align
             # the slack of the host-side row count goes to the last expert (zero rows)
             counts = torch.cat([padded[:-1], padded[-1:] + (total - padded.sum())])
-            x = fused(grouped_mm.padded_rows, hidden_states)(hidden_states, token[src], valid)
+            # a gather whose backward sums each token's rows in a fixed order (advanced
+            # indexing: sorted, deterministic), zeros between the experts
+            x = hidden_states[token[src]].masked_fill(~valid[:, None], 0)
         else:
             x = hidden_states[token]
         h = grouped_linear(x, self.gate_up_proj, counts, quantizers=qs_up, backward_mode=mode,

@@ -339,3 +339,69 @@ def test_converted_model_compiles_fullgraph_bit_identical():
     compiled = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
     assert all(torch.equal(a, b) for a, b in zip(eager[2], compiled[2]))
+
+
+class MixtralExperts(torch.nn.Module):
+    """transformers 5.17's Mixtral experts: the same parameters and loop, none of the later
+    experts interface's attributes (``has_gate``, ``_apply_gate``, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H) * H ** -0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(E):
+            tok, pos = torch.where(top_k_index == e)
+            gate, up = torch.nn.functional.linear(hidden_states[tok],
+                                                  self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
+            out.index_add_(0, tok, (h * top_k_weights[tok, pos, None]).to(out.dtype))
+        return out
+
+
+def test_experts_without_the_interface_attributes_converted_by_name():
+    """Releases before transformers' experts interface (the GPU machine's 5.17): the
+    plain-gating classes are converted; an unknown class without ``_apply_gate`` is not
+    (its gating may be its own)."""
+    torch.manual_seed(0)
+    holder = torch.nn.ModuleDict({"experts": MixtralExperts().to(torch.bfloat16)})
+    x, idx, w = _routing(5)
+    ref = holder["experts"](x, idx, w)
+    lowprec.convert_model(holder)
+    assert isinstance(holder["experts"], lowprec.GroupedExperts)
+    assert torch.equal(holder["experts"](x, idx, w), ref)
+
+    class CustomExperts(MixtralExperts):
+        pass
+    other = torch.nn.ModuleDict({"experts": CustomExperts()})
+    lowprec.convert_model(other)
+    assert type(other["experts"]) is CustomExperts
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(fp8_format=Format.E4M3),
+                                    MXFP8BlockScaling()], ids=["current-e4m3", "mxfp8"])
+def test_quantized_experts_gradients_equal_per_expert_linears(recipe):
+    """Input and weight gradients through the block layout of the routed rows equal one
+    quantized Linear per expert (CPU: the same GEMMs)."""
+    torch.manual_seed(0)
+    mod = lowprec.GroupedExperts(E, H, I, params_dtype=torch.bfloat16, name="experts")
+    x, idx, w = _routing(6)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+    def grads(fn):
+        xx = x.clone().requires_grad_(True)
+        mod.zero_grad(set_to_none=True)
+        with lowprec.autocast(recipe=recipe):
+            fn(xx).backward(dy)
+        return xx.grad, mod.gate_up_proj.grad, mod.down_proj.grad
+    got = grads(lambda xx: mod(xx, idx, w))
+    with lowprec.autocast(recipe=recipe):
+        qs, _, _ = mod.gemm_quantizers(x.device)
+    ref = grads(lambda xx: _per_expert_reference(mod, xx, idx, w, qs))
+    assert got[0] is not None and got[0].abs().sum() > 0
+    assert torch.equal(got[0], ref[0])
+    for a, b in zip(got[1:], ref[1:]):  # wgrad sums the rows in another order
+        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-6)
