@@ -125,18 +125,24 @@ class GroupedExperts(LowprecModule):
         # after each expert's: the grouped GEMMs then pad nothing themselves
         align = math.lcm(group_alignment_for(qs_up, 2 * self.intermediate_dim, self.hidden_dim),
                          group_alignment_for(qs_down, self.hidden_dim, self.intermediate_dim))
-        dest = None
-        if align > 1:
-            src, valid, _, total, dest = grouped_mm.padded_layout(counts, flat[order],
-                                                                  flat.numel(), align)
+        rows_token, rows_slot, rows_valid = token, slot, None
+        if align > 1 and hidden_states.shape[0]:
+            src, valid, _, total, _ = grouped_mm.padded_layout(counts, flat[order],
+                                                               flat.numel(), align)
             padded = (counts + (align - 1)) // align * align
             # the slack of the host-side row count goes to the last expert (zero rows)
             counts = torch.cat([padded[:-1], padded[-1:] + (total - padded.sum())])
-            # a gather whose backward sums each token's rows in a fixed order (advanced
-            # indexing: sorted, deterministic), zeros between the experts
-            x = hidden_states[token[src]].masked_fill(~valid[:, None], 0)
-        else:
-            x = hidden_states[token]
+            # each padded row reads (and adds zero to) a token of its own: spread, not all
+            # on one token, whose gradient would then sum them one after another
+            spare = torch.arange(total, device=flat.device) % hidden_states.shape[0]
+            rows_token = torch.where(valid, token[src], spare)
+            rows_slot, rows_valid = slot[src], valid
+        # advanced indexing: its backward sums each token's rows in a fixed (sorted) order
+        x = hidden_states[rows_token]
+        gates = top_k_weights[rows_token, rows_slot]
+        if rows_valid is not None:  # zero rows and zero gates between the experts
+            x = x.masked_fill(~rows_valid[:, None], 0)
+            gates = gates.masked_fill(~rows_valid, 0)
         h = grouped_linear(x, self.gate_up_proj, counts, quantizers=qs_up, backward_mode=mode,
                            on_backward_done=done, group_alignment=align)
         if self.apply_gate is not None:
@@ -146,10 +152,9 @@ class GroupedExperts(LowprecModule):
             a = self.act_fn(gate) * up
         out = grouped_linear(a, self.down_proj, counts, quantizers=qs_down, backward_mode=mode,
                              on_backward_done=done, group_alignment=align)
-        if dest is not None:
-            out = out.index_select(0, dest)
-        out = (out * top_k_weights[token, slot, None]).to(hidden_states.dtype)
-        return torch.zeros_like(hidden_states).index_add_(0, token, out)
+        # a zero row's output is zero: it adds nothing to the token it names
+        out = (out * gates[:, None]).to(hidden_states.dtype)
+        return torch.zeros_like(hidden_states).index_add_(0, rows_token, out)
 
 
 class TorchtitanGroupedExperts(LowprecModule):
