@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grouped_helpers import assert_grouped_equals_per_expert, per_expert, run_grads
 
 import lowprec
 from lowprec.formats.float8 import grouped as fp8_grouped
-from lowprec.linear.function import LinearQuantizers, quantized_linear
+from lowprec.linear.function import LinearQuantizers
 from lowprec.linear.grouped import current_scaling_quantizers, fused, group_ids, grouped_linear
 from lowprec.recipe import Float8CurrentScaling, MXFP8BlockScaling
 
@@ -29,21 +30,6 @@ def _data(sizes, k=64, n=48, dtype=torch.bfloat16, seed=0):
     w = (torch.randn(len(sizes), n, k, generator=g) * 0.1).to(dtype)
     dy = torch.randn(m, n, generator=g).to(dtype)
     return x, w, dy
-
-
-def _run(fn, x, w, dy):
-    x = x.clone().requires_grad_(True)
-    w = w.clone().requires_grad_(True)
-    y = fn(x, w)
-    y.backward(dy)
-    return y.detach(), x.grad, w.grad
-
-
-def _per_expert(quantizers, sizes):
-    def fn(x, w):
-        return torch.cat([quantized_linear(xg, w[g], quantizers=quantizers)
-                          for g, xg in enumerate(torch.split(x, list(sizes)))])
-    return fn
 
 
 @pytest.mark.parametrize("sizes", SIZES)
@@ -81,8 +67,8 @@ def test_current_grouped_bit_identical_to_per_expert(sizes, as_tensor):
     q = _current()
     x, w, dy = _data(sizes)
     group_sizes = torch.tensor(sizes) if as_tensor else list(sizes)
-    got = _run(lambda a, b: grouped_linear(a, b, group_sizes, quantizers=q), x, w, dy)
-    ref = _run(_per_expert(q, sizes), x, w, dy)
+    got = run_grads(lambda a, b: grouped_linear(a, b, group_sizes, quantizers=q), x, w, dy)
+    ref = run_grads(per_expert(q, sizes), x, w, dy)
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
 
@@ -90,8 +76,8 @@ def test_current_grouped_bit_identical_to_per_expert(sizes, as_tensor):
 def test_plain_and_other_recipes_match_per_expert():
     sizes = (3, 0, 9)
     x, w, dy = _data(sizes)
-    got = _run(lambda a, b: grouped_linear(a, b, torch.tensor(sizes)), x, w, dy)
-    ref = _run(_per_expert(None, sizes), x, w, dy)
+    got = run_grads(lambda a, b: grouped_linear(a, b, torch.tensor(sizes)), x, w, dy)
+    ref = run_grads(per_expert(None, sizes), x, w, dy)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
@@ -151,8 +137,8 @@ def _cuda(*ts):
 @pytest.mark.parametrize("sizes", GPU_SIZES)
 def test_plain_grouped_gpu_bit_identical_to_per_expert(sizes):
     x, w, dy = _cuda(*_data(sizes, k=256, n=128))
-    got = _run(lambda a, b: grouped_linear(a, b, torch.tensor(sizes, device="cuda")), x, w, dy)
-    ref = _run(_per_expert(None, sizes), x, w, dy)
+    got = run_grads(lambda a, b: grouped_linear(a, b, torch.tensor(sizes, device="cuda")), x, w, dy)
+    ref = run_grads(per_expert(None, sizes), x, w, dy)
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
 
@@ -175,9 +161,9 @@ def test_current_grouped_gpu_operands_exact_and_gemms_close(sizes, grad):
             assert torch.equal(scale[g:g + 1], ref.shared_scale)
             assert torch.equal(data[start:start + xg.shape[0]].view(torch.uint8),
                                ref.rowwise_data.view(torch.uint8))
-    got = _run(lambda a, b: grouped_linear(a, b, torch.tensor(sizes, device="cuda"),
+    got = run_grads(lambda a, b: grouped_linear(a, b, torch.tensor(sizes, device="cuda"),
                                            quantizers=q), x, w, dy)
-    ref = _run(_per_expert(q, sizes), x, w, dy)
+    ref = run_grads(per_expert(q, sizes), x, w, dy)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7,
                                    atol=2 ** -7 * b.float().abs().max().item())
@@ -190,11 +176,7 @@ def test_fp32_current_grouped_gpu_runs_per_group():
     sizes = (5, 0, 37, 22)
     x, w, dy = _cuda(*_data(sizes, k=256, n=128, dtype=torch.float32))
     q = _current(E4M3)
-    got = _run(lambda a, b: grouped_linear(a, b, torch.tensor(sizes, device="cuda"),
-                                           quantizers=q), x, w, dy)
-    ref = _run(_per_expert(q, sizes), x, w, dy)
-    for a, b in zip(got, ref):
-        assert torch.equal(a, b)
+    assert_grouped_equals_per_expert(x, w, dy, sizes, q)
 
 
 @HOPPER

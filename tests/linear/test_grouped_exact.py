@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grouped_helpers import assert_grouped_equals_per_expert, per_expert, run_grads
 
 import lowprec
-from lowprec.linear.function import LinearQuantizers, quantized_linear
+from lowprec.linear.function import LinearQuantizers
 from lowprec.linear.grouped import group_alignment_for, grouped_linear
 from lowprec.linear.grouped_exact import GroupedExact, exact_quantizers, row_align
 
@@ -30,21 +31,6 @@ def _data(sizes, k=64, n=96, seed=0, device="cpu"):
     w = (torch.randn(len(sizes), n, k, generator=g) * 0.1).bfloat16()
     dy = torch.randn(m, n, generator=g).bfloat16()
     return x.to(device), w.to(device), dy.to(device)
-
-
-def _run(fn, x, w, dy):
-    x = x.clone().requires_grad_(True)
-    w = w.clone().requires_grad_(True)
-    y = fn(x, w)
-    y.backward(dy)
-    return y.detach(), x.grad, w.grad
-
-
-def _per_expert(quantizers, sizes):
-    def fn(x, w):
-        return torch.cat([quantized_linear(xg, w[g], quantizers=quantizers)
-                          for g, xg in enumerate(torch.split(x, list(sizes)))])
-    return fn
 
 
 def _exact(quantizers, sizes):
@@ -119,7 +105,7 @@ def test_exact_grouped_equals_exact_products_per_group(sizes):
     x[3] *= 1e3  # a row far above the others: its blocks alone scale for it
     q = _mx()
     try:
-        y, dx, dw = _run(_exact(q, sizes), x, w, dy)
+        y, dx, dw = run_grads(_exact(q, sizes), x, w, dy)
     except (RuntimeError, NotImplementedError) as e:  # a CPU torch without the kernel
         pytest.skip(f"torch._grouped_mm on the CPU: {e}")
     ry, rdx, rdw = _exact_products(q, sizes, x, w, dy)
@@ -127,7 +113,7 @@ def test_exact_grouped_equals_exact_products_per_group(sizes):
     _within_bf16_rounding(dx, rdx)
     _within_bf16_rounding(dw, rdw)
     # the per-expert Linears (fp32 emulation here) agree to the same rounding
-    py, pdx, pdw = _run(_per_expert(q, sizes), x, w, dy)
+    py, pdx, pdw = run_grads(per_expert(q, sizes), x, w, dy)
     _within_bf16_rounding(py, ry)
     _within_bf16_rounding(pdw, rdw)
 
@@ -135,11 +121,7 @@ def test_exact_grouped_equals_exact_products_per_group(sizes):
 def test_cpu_grouped_linear_stays_per_expert():
     sizes = (5, 0, 37, 22)
     x, w, dy = _data(sizes)
-    q = _mx()
-    got = _run(lambda a, b: grouped_linear(a, b, torch.tensor(sizes), quantizers=q), x, w, dy)
-    ref = _run(_per_expert(q, sizes), x, w, dy)
-    for a, b in zip(got, ref):
-        assert torch.equal(a, b)
+    assert_grouped_equals_per_expert(x, w, dy, sizes, _mx())
 
 
 gpu = pytest.mark.skipif(
@@ -153,11 +135,7 @@ gpu = pytest.mark.skipif(
 def test_mxfp8_grouped_gpu_bit_identical_to_per_expert(sizes, two_d):
     x, w, dy = _data(sizes, k=256, n=128, device="cuda")
     q = _mx(with_2d_quantization=two_d)
-    got = _run(lambda a, b: grouped_linear(a, b, torch.tensor(sizes, device="cuda"),
-                                           quantizers=q), x, w, dy)
-    ref = _run(_per_expert(q, sizes), x, w, dy)
-    for a, b in zip(got, ref):
-        assert torch.equal(a, b)
+    assert_grouped_equals_per_expert(x, w, dy, sizes, q)
 
 
 @gpu
@@ -166,7 +144,7 @@ def test_mxfp8_grouped_gpu_list_weights_and_no_sync():
     x, w, dy = _data(sizes, k=256, n=128, device="cuda")
     q = _mx()
     sizes_t = torch.tensor(sizes, device="cuda")
-    ref = _run(_per_expert(q, sizes), x, w, dy)
+    ref = run_grads(per_expert(q, sizes), x, w, dy)
     xs = x.clone().requires_grad_(True)
     ws = [w[g].clone().requires_grad_(True) for g in range(len(sizes))]
     grouped_linear(xs, ws, sizes_t, quantizers=q).backward(dy)  # warm-up (compiles)
