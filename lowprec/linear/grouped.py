@@ -180,7 +180,17 @@ class _GroupedCurrent(torch.autograd.Function):
         wq, sw = _quantized_experts(weights, q_w)
         num, w_dtype = wq.shape[0], weights[0].dtype
         ids = group_ids(sizes, rows)
-        xq, sx = fused(fp8_grouped.quantize_groups, x2d)(x2d, ids, num, q_x)
+        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dw = grad_enabled and any(ctx.needs_input_grad[6:])
+        ctx.grouped = grouped and _grouped_backward(x2d, wq.shape[1], q_dy)
+        # groups the caller laid out at multiples of 16 rows: wgrad reads the transposed
+        # codes as they are, written by the cast itself
+        ctx.transposed = ctx.grouped and aligned
+        xq_t = None
+        if ctx.transposed and need_dw:
+            xq, xq_t, sx = fused(fp8_grouped.quantize_groups_both, x2d)(x2d, ids, num, q_x)
+        else:
+            xq, sx = fused(fp8_grouped.quantize_groups, x2d)(x2d, ids, num, q_x)
         host = None if grouped else _host_sizes(sizes)
         if grouped:
             offs = grouped_mm.end_offsets(sizes)
@@ -192,12 +202,9 @@ class _GroupedCurrent(torch.autograd.Function):
                                                          w_dtype, q_w.fp8_dtype),
                                 "rowwise", out_dtype=x2d.dtype)
                            for g, xg in enumerate(torch.split(xq, host))])
-        need_dx = grad_enabled and ctx.needs_input_grad[0]
-        need_dw = grad_enabled and any(ctx.needs_input_grad[6:])
-        ctx.save_for_backward(xq if need_dw else None, sx, wq if need_dx else None, sw, sizes,
-                              ids)
-        ctx.q_dy, ctx.host, ctx.n_weights, ctx.aligned = q_dy, host, len(weights), aligned
-        ctx.grouped = grouped and _grouped_backward(x2d, wq.shape[1], q_dy)
+        saved_x = (xq_t if ctx.transposed else xq) if need_dw else None
+        ctx.save_for_backward(saved_x, sx, wq if need_dx else None, sw, sizes, ids)
+        ctx.q_dy, ctx.host, ctx.n_weights = q_dy, host, len(weights)
         ctx.dtypes = (x2d.dtype, w_dtype, q_x.fp8_dtype, q_w.fp8_dtype)
         return y
 
@@ -208,21 +215,23 @@ class _GroupedCurrent(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
         num = sw.shape[0]
         dy = dy.contiguous()
-        dyq, sdy = fused(fp8_grouped.quantize_groups, dy)(dy, ids, num, ctx.q_dy)
+        if ctx.transposed and need_dw:
+            dyq, dyq_t, sdy = fused(fp8_grouped.quantize_groups_both, dy)(dy, ids, num, ctx.q_dy)
+        else:
+            dyq, sdy = fused(fp8_grouped.quantize_groups, dy)(dy, ids, num, ctx.q_dy)
         dy_fp8 = ctx.q_dy.fp8_dtype
         dx = dw = None
         if ctx.grouped:
             dec_dy = torch.reciprocal(sdy)
             if need_dw:
-                if ctx.aligned:  # every group already starts at a multiple of 16 rows
-                    dy_rows, x_rows, offs = dyq, xq, grouped_mm.end_offsets(sizes)
+                if ctx.transposed:  # the saved input is already (K, M)
+                    dy_t, x_t, offs = dyq_t, xq, grouped_mm.end_offsets(sizes)
                 else:
                     src, valid, offs, _, _ = grouped_mm.padded_layout(sizes, ids, dyq.shape[0])
                     pad = fused(grouped_mm.padded_rows, dyq)
-                    dy_rows, x_rows = pad(dyq, src, valid), pad(xq, src, valid)
-                dw = grouped_mm.fp8_wgrad(transpose_contiguous(dy_rows), dec_dy,
-                                          transpose_contiguous(x_rows), torch.reciprocal(sx),
-                                          offs, w_dtype)
+                    dy_t = transpose_contiguous(pad(dyq, src, valid))
+                    x_t = transpose_contiguous(pad(xq, src, valid))
+                dw = grouped_mm.fp8_wgrad(dy_t, dec_dy, x_t, torch.reciprocal(sx), offs, w_dtype)
             if need_dx:
                 # every expert's columnwise copy in one transpose of the stacked (G * N, K)
                 # codes: (K, G * N), expert g's (K, N) the columns g*N...

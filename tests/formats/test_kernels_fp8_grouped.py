@@ -32,6 +32,10 @@ def test_cast_rows_bit_identical_to_reference(fp8, shape, sizes, dtype):
     got = launch.fp8_cast_rows(x, scale, ids, fp8 == torch.float8_e5m2).view(fp8)
     ref = grouped.quantize_rows(x, scale[ids], fp8)
     assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    # the pass that also writes the transpose: the same codes in both layouts
+    rows, cols = launch.fp8_cast_rows_both(x, scale, ids, fp8 == torch.float8_e5m2)
+    assert torch.equal(rows, ref.view(torch.uint8))
+    assert torch.equal(cols, ref.view(torch.uint8).t())
 
 
 @CUDA

@@ -67,6 +67,19 @@ def quantize_groups(x2d: torch.Tensor, group_ids: torch.Tensor, num_groups: int,
     return quantize_rows(x2d, scale[group_ids], quantizer.fp8_dtype), scale
 
 
+def quantize_groups_both(x2d: torch.Tensor, group_ids: torch.Tensor, num_groups: int,
+                         quantizer: Float8CurrentScalingQuantizer):
+    """(fp8 rows (M, K), their transpose (K, M), per-group encode scales (G,)): the codes
+    of :func:`quantize_groups` in both layouts (on a GPU from one pass)."""
+    scale = scales(group_amax(x2d, group_ids, num_groups), quantizer)
+    if use_kernels(x2d) and x2d.stride(1) == 1:
+        rows, cols = launch.fp8_cast_rows_both(x2d, scale, group_ids,
+                                               quantizer.fp8_dtype == torch.float8_e5m2)
+        return rows.view(quantizer.fp8_dtype), cols.view(quantizer.fp8_dtype), scale
+    rows = quantize_rows(x2d, scale[group_ids], quantizer.fp8_dtype)
+    return rows, rows.t().contiguous(), scale
+
+
 def quantize_experts(w3d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer):
     """(fp8 (G, N, K), per-expert encode scales (G,)): each expert's matrix on its own."""
     scale = scales(expert_amax(w3d), quantizer)

@@ -254,28 +254,49 @@ def _(x, scale, e5m2, rowwise, columnwise):
 
 
 # ---- row groups ---------------------------------------------------------------------------
+def _cast_rows(x, scale, group_ids, e5m2, y, yt) -> None:
+    from .triton_kernels import row_scaled_cast_kernel
+    m, k = x.shape
+    if m == 0 or k == 0:
+        return
+    bm, bn, warps = 32, 128, 4
+    with device_guard(x.device):
+        launch(row_scaled_cast_kernel, (triton_cdiv(m, bm), triton_cdiv(k, bn)), x, y,
+               y if yt is None else yt, scale, group_ids, m, k, x.stride(0), BM=bm, BN=bn,
+               TRANS=yt is not None, num_warps=warps, **kernel_fp8_args(fp8_dtype_of(e5m2)))
+
+
 @kernel_op("lowprec::fp8_cast_rows", mutates_args=())
 def fp8_cast_rows(x: torch.Tensor, scale: torch.Tensor, group_ids: torch.Tensor,
                   e5m2: bool) -> torch.Tensor:
     """Rowwise fp8 codes (uint8) of ``x * scale[group_ids[row]]``: the cast of
     ``formats.float8.grouped.quantize_rows`` in one pass (``x`` (M, K) with unit inner
     stride, ``scale`` fp32 per group, ``group_ids`` int64 per row)."""
-    from .triton_kernels import row_scaled_cast_kernel
-    m, k = x.shape
-    y = x.new_empty((m, k), dtype=torch.uint8)
-    if m == 0 or k == 0:
-        return y
-    bm, bn, warps = 32, 128, 4
-    with device_guard(x.device):
-        launch(row_scaled_cast_kernel, (triton_cdiv(m, bm), triton_cdiv(k, bn)), x, y, scale,
-               group_ids, m, k, x.stride(0), BM=bm, BN=bn, num_warps=warps,
-               **kernel_fp8_args(fp8_dtype_of(e5m2)))
+    y = x.new_empty(x.shape, dtype=torch.uint8)
+    _cast_rows(x, scale, group_ids, e5m2, y, None)
     return y
 
 
 @fp8_cast_rows.register_fake
 def _(x, scale, group_ids, e5m2):
     return x.new_empty(x.shape, dtype=torch.uint8)
+
+
+@kernel_op("lowprec::fp8_cast_rows_both", mutates_args=())
+def fp8_cast_rows_both(x: torch.Tensor, scale: torch.Tensor, group_ids: torch.Tensor,
+                       e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fp8_cast_rows`' codes (M, K) and their transpose (K, M), written by the same
+    pass."""
+    y = x.new_empty(x.shape, dtype=torch.uint8)
+    yt = x.new_empty((x.shape[1], x.shape[0]), dtype=torch.uint8)
+    _cast_rows(x, scale, group_ids, e5m2, y, yt)
+    return y, yt
+
+
+@fp8_cast_rows_both.register_fake
+def _(x, scale, group_ids, e5m2):
+    return (x.new_empty(x.shape, dtype=torch.uint8),
+            x.new_empty((x.shape[1], x.shape[0]), dtype=torch.uint8))
 
 
 # ---- what the quantizers call -------------------------------------------------------------
