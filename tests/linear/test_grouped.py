@@ -246,7 +246,7 @@ def test_bad_tensor_sizes_refused_on_every_path(q):
 def test_current_grouped_gpu_caller_aligned_rows_equal_unaligned(grad):
     """Groups laid out by the caller at multiples of 16 rows (zero rows after each; the
     cast then also writes wgrad's transposed codes) give the real rows' results and the
-    weight gradients of the unaligned call."""
+    weight gradients of the unaligned call: bit for bit with E4M3 gradients."""
     sizes = (5, 0, 37, 22)
     x, w, dy = _cuda(*_data(sizes, k=256, n=128))
     padded = [-(-m // 16) * 16 for m in sizes]
@@ -261,4 +261,9 @@ def test_current_grouped_gpu_caller_aligned_rows_equal_unaligned(grad):
         yp, dxp, dwp = run_grads(lambda a, b: grouped_linear(
             a, b, torch.tensor(padded, device="cuda"), quantizers=q, group_alignment=16),
             xp, w, dyp)
-    assert torch.equal(yp[rows], y) and torch.equal(dxp[rows], dx) and torch.equal(dwp, dw)
+    assert torch.equal(yp[rows], y) and torch.equal(dxp[rows], dx)
+    if grad == E4M3:  # both wgrads contract the same 16-row-aligned layout
+        assert torch.equal(dwp, dw)
+    else:  # HYBRID's per-expert wgrad contracts the groups' rows with or without the zeros:
+        # another length, so cuBLAS may sum in another order
+        torch.testing.assert_close(dwp, dw, rtol=2 ** -7, atol=1e-5)
