@@ -202,7 +202,7 @@ def build_model(name: str, layers: int, experts_impl: str, device: str = "cuda")
                                 experts_implementation=experts_impl).to(torch.bfloat16)
 
 
-def _time_model(name, layers, peer, mode, ids, recipe, steps, warmup):
+def _time_model(name, layers, peer, mode, ids, recipe, steps, warmup, top=0):
     m = build_model(name, layers, "grouped_mm")
     ctx = None
     if peer != "bf16":
@@ -220,11 +220,11 @@ def _time_model(name, layers, peer, mode, ids, recipe, steps, warmup):
     for i in range(warmup):
         step(i)
     ms, peak = median_step_ms(step, steps)
-    gpu, kernels, _ = gpu_kernel_ms(step, steps=2)
-    return ms, peak, gpu, kernels
+    gpu, kernels, heaviest = gpu_kernel_ms(step, steps=2, top=top)
+    return ms, peak, gpu, kernels, heaviest
 
 
-def run_model(name, layers, batch, seq, modes, steps, warmup):
+def run_model(name, layers, batch, seq, modes, steps, warmup, top=0):
     from lowprec.recipe import Float8CurrentScaling, Format
 
     tokens = batch * seq
@@ -238,8 +238,8 @@ def run_model(name, layers, batch, seq, modes, steps, warmup):
     for peer in ("bf16", "lowprec-current-e4m3"):
         for mode in modes:
             try:
-                ms, peak, gpu, kernels = _time_model(name, layers, peer, mode, ids, recipe,
-                                                     steps, warmup)
+                ms, peak, gpu, kernels, heaviest = _time_model(name, layers, peer, mode, ids,
+                                                               recipe, steps, warmup, top)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 print(f"{peer:24s} {mode:9s} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
@@ -250,6 +250,8 @@ def run_model(name, layers, batch, seq, modes, steps, warmup):
             ratio = base[mode] / ms if mode in base else float("nan")
             print(f"{peer:24s} {mode:9s} {ms:8.2f} {gpu:8.2f} {1 - gpu / ms:6.1%} {peak:9.2f} "
                   f"{ratio:17.2f}x")
+            for k_ms, launches, kname in heaviest:
+                print(f"    {k_ms:7.2f} ms {launches:5.0f}x  {kname[:90]}")
             append_rows([dict(bench="moe_model", shape=f"{name} {layers}L {tokens}tok",
                               recipe=f"{peer} {mode}", metric="step_ms", value=round(ms, 3),
                               baseline=f"bf16 {mode}",
@@ -278,7 +280,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.model:
         run_model(args.model, args.layers, args.batch, args.seq,
-                  [m for m in args.modes.split(",") if m], args.steps, args.warmup)
+                  [m for m in args.modes.split(",") if m], args.steps, args.warmup,
+                  args.top_kernels)
         return
     peers = [("bf16-grouped", _torch_grouped)]
     if not args.no_loop:
