@@ -155,16 +155,18 @@ def _group_tensor(data, scale, shape, dtype, fp8_dtype, usage="rowwise"):
                         shared_scale=scale, fp8_dtype=fp8_dtype)
 
 
-def _quantized_experts(weights: Sequence[torch.Tensor], q_w):
-    """(fp8 experts (G, N, K), scales (G,)) of one (G, N, K) weight or G (N, K) ones; under
-    ``lowprec.autocast(cache_weights=True)`` made once while the weights are unchanged
-    (gradient accumulation: once per optimizer step)."""
-    def make():
+def _quantized_experts(weights: Sequence[torch.Tensor], q_w, transposed: bool):
+    """(fp8 experts (G, N, K), their transpose (K, G * N) or None, scales (G,)) of one
+    (G, N, K) weight or G (N, K) ones, the transpose (``transposed``) from the same pass;
+    under ``lowprec.autocast(cache_weights=True)`` made once, both layouts, while the
+    weights are unchanged (gradient accumulation: once per optimizer step)."""
+    def make(transposed=transposed):
         w3d = weights[0] if len(weights) == 1 and weights[0].dim() == 3 else torch.stack(
             weights)
-        return fp8_grouped.quantize_experts(w3d.detach().contiguous(), q_w)
+        out = fp8_grouped.quantize_experts(w3d.detach().contiguous(), q_w, transposed)
+        return out if transposed else (out[0], None, out[1])
     if _caching_weights() and not torch.compiler.is_compiling():
-        return weight_cache.cached_value(weights, q_w, make)
+        return weight_cache.cached_value(weights, q_w, lambda: make(True))
     return make()
 
 
@@ -177,12 +179,13 @@ class _GroupedCurrent(torch.autograd.Function):
     def forward(ctx, x2d, sizes, quantizers, grad_enabled, grouped, aligned, *weights):
         q_x, q_w, q_dy = quantizers
         rows = x2d.shape[0]
-        wq, sw = _quantized_experts(weights, q_w)
-        num, w_dtype = wq.shape[0], weights[0].dtype
-        ids = group_ids(sizes, rows)
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and any(ctx.needs_input_grad[6:])
-        ctx.grouped = grouped and _grouped_backward(x2d, wq.shape[1], q_dy)
+        ctx.grouped = grouped and _grouped_backward(x2d, weights[0].shape[-2], q_dy)
+        # dgrad's columnwise copy (K, G * N) is written by the weights' cast itself
+        wq, wq_t, sw = _quantized_experts(weights, q_w, ctx.grouped and need_dx)
+        num, w_dtype = wq.shape[0], weights[0].dtype
+        ids = group_ids(sizes, rows)
         # groups the caller laid out at multiples of 16 rows: wgrad reads the transposed
         # codes as they are, written by the cast itself
         ctx.transposed = ctx.grouped and aligned
@@ -203,7 +206,9 @@ class _GroupedCurrent(torch.autograd.Function):
                                 "rowwise", out_dtype=x2d.dtype)
                            for g, xg in enumerate(torch.split(xq, host))])
         saved_x = (xq_t if ctx.transposed else xq) if need_dw else None
-        ctx.save_for_backward(saved_x, sx, wq if need_dx else None, sw, sizes, ids)
+        saved_w = (wq_t if ctx.grouped else wq) if need_dx else None
+        ctx.save_for_backward(saved_x, sx, saved_w, sw, sizes, ids)
+        ctx.w_shape = wq.shape
         ctx.q_dy, ctx.host, ctx.n_weights = q_dy, host, len(weights)
         ctx.dtypes = (x2d.dtype, w_dtype, q_x.fp8_dtype, q_w.fp8_dtype)
         return y
@@ -233,10 +238,9 @@ class _GroupedCurrent(torch.autograd.Function):
                     x_t = transpose_contiguous(pad(xq, src, valid))
                 dw = grouped_mm.fp8_wgrad(dy_t, dec_dy, x_t, torch.reciprocal(sx), offs, w_dtype)
             if need_dx:
-                # every expert's columnwise copy in one transpose of the stacked (G * N, K)
-                # codes: (K, G * N), expert g's (K, N) the columns g*N...
-                _, n, k = wq.shape
-                w_t = transpose_contiguous(wq.view(num * n, k)).view(k, num, n).permute(1, 0, 2)
+                # the saved (K, G * N) codes: expert g's (K, N) are the columns g*N...
+                _, n, k = ctx.w_shape
+                w_t = wq.view(k, num, n).permute(1, 0, 2)
                 dx = grouped_mm.fp8_rows_by_experts(dyq, dec_dy[ids], w_t, torch.reciprocal(sw),
                                                     grouped_mm.end_offsets(sizes), x_dtype)
             return dx, None, None, None, None, None, *weight_grads(dw, ctx.n_weights)

@@ -53,6 +53,10 @@ def test_quantize_groups_equals_each_group_quantized(sizes, pow2):
         ref = q.quantize(w[g])
         assert torch.equal(ws[g:g + 1], ref.shared_scale)
         assert torch.equal(wq[g].view(torch.uint8), ref.rowwise_data.view(torch.uint8))
+    both, wt, ws2 = fp8_grouped.quantize_experts(w, q, transposed=True)
+    assert torch.equal(both.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(ws2, ws)
+    assert torch.equal(wt.view(torch.uint8),
+                       wq.view(torch.uint8).reshape(-1, w.shape[2]).t())
 
 
 def test_group_amax_nan_reaches_only_its_group():

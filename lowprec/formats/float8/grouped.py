@@ -80,13 +80,23 @@ def quantize_groups_both(x2d: torch.Tensor, group_ids: torch.Tensor, num_groups:
     return rows, rows.t().contiguous(), scale
 
 
-def quantize_experts(w3d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer):
-    """(fp8 (G, N, K), per-expert encode scales (G,)): each expert's matrix on its own."""
+def quantize_experts(w3d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer,
+                     transposed: bool = False):
+    """(fp8 (G, N, K), per-expert encode scales (G,)): each expert's matrix on its own.
+    ``transposed``: (fp8 (G, N, K), the stacked codes' transpose (K, G * N), scales), the
+    transpose from the same pass on a GPU (expert g's columnwise copy: columns g*N...)."""
     scale = scales(expert_amax(w3d), quantizer)
     g, n, k = w3d.shape
     if use_kernels(w3d) and w3d.is_contiguous():
         ids = torch.arange(g, device=w3d.device).repeat_interleave(n)
-        codes = launch.fp8_cast_rows(w3d.view(g * n, k), scale, ids,
-                                     quantizer.fp8_dtype == torch.float8_e5m2)
+        e5m2 = quantizer.fp8_dtype == torch.float8_e5m2
+        if transposed:
+            rows, cols = launch.fp8_cast_rows_both(w3d.view(g * n, k), scale, ids, e5m2)
+            return (rows.view(quantizer.fp8_dtype).view(g, n, k),
+                    cols.view(quantizer.fp8_dtype), scale)
+        codes = launch.fp8_cast_rows(w3d.view(g * n, k), scale, ids, e5m2)
         return codes.view(quantizer.fp8_dtype).view(g, n, k), scale
-    return cast_fp8(w3d.to(torch.float32) * scale[:, None, None], quantizer.fp8_dtype), scale
+    codes = cast_fp8(w3d.to(torch.float32) * scale[:, None, None], quantizer.fp8_dtype)
+    if transposed:
+        return codes, codes.view(g * n, k).t().contiguous(), scale
+    return codes, scale
