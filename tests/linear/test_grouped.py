@@ -270,4 +270,6 @@ def test_current_grouped_gpu_caller_aligned_rows_equal_unaligned(grad):
         assert torch.equal(dwp, dw)
     else:  # HYBRID's per-expert wgrad contracts the groups' rows with or without the zeros:
         # another length, so cuBLAS may sum in another order
-        torch.testing.assert_close(dwp, dw, rtol=2 ** -7, atol=1e-5)
+        # (to the bf16 rounding of the gradient's scale)
+        torch.testing.assert_close(dwp, dw, rtol=2 ** -7,
+                                   atol=2 ** -8 * dw.abs().max().item())
