@@ -213,9 +213,10 @@ def _is_torchtitan_experts(mod: nn.Module) -> bool:
 def _is_hf_experts(mod: nn.Module) -> bool:
     """A transformers ``*Experts`` module (Mixtral, Qwen3-MoE, DeepSeek-V3 and their kin)
     that ``GroupedExperts`` computes alike: 3-D ``gate_up_proj`` (E, 2I, H) and
-    ``down_proj`` (E, H, I) parameters and nothing else, an ``act_fn``, and the experts
-    interface's attributes saying concatenated gate/up, no bias, no post-expert norm, no
-    expert parallelism (its ``_apply_gate``, default or the model's own, is kept)."""
+    ``down_proj`` (E, H, I) parameters and nothing else, an ``act_fn``, and, where the
+    experts interface's attributes exist, them saying concatenated gate/up, no bias, no
+    post-expert norm, no expert parallelism (its ``_apply_gate``, default or the model's
+    own, is kept). Without that interface only the plain-gating classes qualify."""
     if isinstance(mod, LowprecModule) or not type(mod).__name__.endswith("Experts"):
         return False
     gu, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)

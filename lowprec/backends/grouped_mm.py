@@ -10,8 +10,8 @@ Two shapes of problem, as an MoE layer runs them:
 
 The FP8 forms take per-tensor decode scales (``1 / scale``) per group: each row gets its
 group's, as the kernels' row-wise scales. FP8 wgrad needs each group's rows to start at a
-multiple of 16, so the rows are spread into a zero-padded copy first (zero rows add
-nothing to the sums), then transposed.
+multiple of 16: where the caller has not laid the groups out so, the rows are spread into
+a zero-padded copy first (zero rows add nothing to the sums), then transposed.
 """
 
 from __future__ import annotations

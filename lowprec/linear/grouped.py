@@ -338,8 +338,9 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
 def _route(x2d, w_list, qs, bias, backward_mode, on_backward_done):
     """("plain", None), ("current", quantizers), ("exact", quantizers) or None (one Linear
     per group)."""
-    if bias is not None or on_backward_done is not None or isinstance(x2d, QuantizedTensor):
-        return None
+    if (bias is not None or on_backward_done is not None or isinstance(x2d, QuantizedTensor)
+            or x2d.shape[0] == 0):
+        return None  # (no rows: the per-group path runs the empty GEMMs)
     if torch.is_autocast_enabled(x2d.device.type):
         return None
     w0 = w_list[0]

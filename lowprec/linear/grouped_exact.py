@@ -87,7 +87,7 @@ def _quantized_weights(weights: Sequence[torch.Tensor], q_w, columnwise: bool):
     columnwise for dgrad); under ``lowprec.autocast(cache_weights=True)`` made once while
     the weights are unchanged. Returns (tensor, owned)."""
     def make(columnwise=columnwise):
-        w3d = weights[0] if len(weights) == 1 else torch.stack(weights)
+        w3d = weights[0] if weights[0].dim() == 3 else torch.stack(weights)
         w2d = w3d.detach().reshape(-1, w3d.shape[-1])
         return quantize_operand(q_w, w2d, rowwise=True, columnwise=columnwise, exact=ROW)[0]
     if _caching_weights() and not torch.compiler.is_compiling():
@@ -105,7 +105,7 @@ class GroupedExact(torch.autograd.Function):
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and any(ctx.needs_input_grad[5:])
         rows = x2d.shape[0]
-        num = len(weights) if len(weights) > 1 else weights[0].shape[0]
+        num = weights[0].shape[0] if weights[0].dim() == 3 else len(weights)
         n, k = weights[0].shape[-2:]
         if aligned:  # the caller laid the groups out in whole blocks (group_alignment)
             src = valid = dest = None

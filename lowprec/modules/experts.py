@@ -143,6 +143,8 @@ class GroupedExperts(LowprecModule):
         if rows_valid is not None:  # zero rows and zero gates between the experts
             x = x.masked_fill(~rows_valid[:, None], 0)
             gates = gates.masked_fill(~rows_valid, 0)
+        if rows_valid is None:
+            align = 1  # the rows as routed (no tokens: nothing to lay out)
         h = grouped_linear(x, self.gate_up_proj, counts, quantizers=qs_up, backward_mode=mode,
                            on_backward_done=done, group_alignment=align)
         if self.apply_gate is not None:
@@ -152,8 +154,11 @@ class GroupedExperts(LowprecModule):
             a = self.act_fn(gate) * up
         out = grouped_linear(a, self.down_proj, counts, quantizers=qs_down, backward_mode=mode,
                              on_backward_done=done, group_alignment=align)
-        # a zero row's output is zero: it adds nothing to the token it names
         out = (out * gates[:, None]).to(hidden_states.dtype)
+        if rows_valid is not None:
+            # the padded rows add exact zeros (and take no gradient), even where an
+            # expert's weights hold NaN or Inf
+            out = out.masked_fill(~rows_valid[:, None], 0)
         return torch.zeros_like(hidden_states).index_add_(0, rows_token, out)
 
 

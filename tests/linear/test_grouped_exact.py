@@ -18,6 +18,23 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SIZES = [(5, 0, 37, 22), (0, 0, 32, 0), (64, 1, 0, 31)]
 
 
+def _grouped_mm_runs() -> bool:
+    """Whether this torch runs ``torch._grouped_mm`` on the CPU (2.13 does)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        torch._grouped_mm(torch.ones(16, 16, dtype=torch.bfloat16),
+                          torch.ones(1, 16, 16, dtype=torch.bfloat16),
+                          offs=torch.tensor([16], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+CPU_GROUPED = pytest.mark.skipif(not _grouped_mm_runs(),
+                                 reason="this torch has no CPU torch._grouped_mm")
+
+
 def _mx(**kw):
     return LinearQuantizers(input=lowprec.MXFP8Quantizer(**kw),
                             weight=lowprec.MXFP8Quantizer(**kw),
@@ -98,16 +115,13 @@ def _within_bf16_rounding(got, exact):
     assert ((got.double() - exact).abs() <= tol).all()
 
 
-@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@CPU_GROUPED
 @pytest.mark.parametrize("sizes", SIZES)
 def test_exact_grouped_equals_exact_products_per_group(sizes):
     x, w, dy = _data(sizes)
     x[3] *= 1e3  # a row far above the others: its blocks alone scale for it
     q = _mx()
-    try:
-        y, dx, dw = run_grads(_exact(q, sizes), x, w, dy)
-    except (RuntimeError, NotImplementedError) as e:  # a CPU torch without the kernel
-        pytest.skip(f"torch._grouped_mm on the CPU: {e}")
+    y, dx, dw = run_grads(_exact(q, sizes), x, w, dy)
     ry, rdx, rdw = _exact_products(q, sizes, x, w, dy)
     _within_bf16_rounding(y, ry)
     _within_bf16_rounding(dx, rdx)
@@ -179,7 +193,7 @@ def test_group_alignment_for_each_path_and_checked():
         grouped_linear(x, w, [5, 0, 37, 22], quantizers=_mx(), group_alignment=16)
 
 
-@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@CPU_GROUPED
 def test_rows_laid_out_by_the_caller_give_the_same_result():
     """Groups the caller already spread into whole blocks (zero rows after each) run as
     they are, and give on the real rows what the path's own padding gives."""
@@ -195,13 +209,33 @@ def test_rows_laid_out_by_the_caller_give_the_same_result():
     def run(inp, grad, sizes_, aligned):
         inp = inp.clone().requires_grad_(True)
         ww = w.clone().requires_grad_(True)
-        try:
-            y = GroupedExact.apply(inp, torch.tensor(sizes_), picked, True, aligned, ww)
-        except (RuntimeError, NotImplementedError) as e:
-            pytest.skip(f"torch._grouped_mm on the CPU: {e}")
+        y = GroupedExact.apply(inp, torch.tensor(sizes_), picked, True, aligned, ww)
         y.backward(grad)
         return y.detach(), inp.grad, ww.grad
     y, dx, dw = run(x, dy, sizes, False)
     yp, dxp, dwp = run(xp, dyp, padded, True)
     assert torch.equal(yp[rows], y) and torch.equal(dxp[rows], dx) and torch.equal(dwp, dw)
     assert not yp[~torch.isin(torch.arange(len(yp)), rows)].any()
+
+
+@CPU_GROUPED
+def test_one_expert_given_as_a_list():
+    sizes = (37,)
+    x, w, dy = _data(sizes)
+    q = _mx()
+    picked = exact_quantizers([q], w.shape[1], w.shape[2])
+    ref = run_grads(_exact(q, sizes), x, w, dy)
+    xx = x.clone().requires_grad_(True)
+    ww = w[0].clone().requires_grad_(True)
+    y = GroupedExact.apply(xx, torch.tensor(sizes), picked, True, False, ww)
+    y.backward(dy)
+    assert torch.equal(y, ref[0]) and torch.equal(xx.grad, ref[1])
+    assert torch.equal(ww.grad, ref[2][0])
+
+
+def test_no_rows_take_the_per_group_path():
+    x, w, dy = _data((0, 0, 0))
+    for q in (_mx(), None):
+        xx = x.clone().requires_grad_(True)
+        y = grouped_linear(xx, w, torch.tensor([0, 0, 0]), quantizers=q)
+        assert y.shape == (0, w.shape[1])

@@ -413,3 +413,23 @@ def test_quantized_experts_gradients_equal_per_expert_linears(recipe):
     assert torch.equal(got[0], ref[0])
     for a, b in zip(got[1:], ref[1:]):  # wgrad sums the rows in another order
         torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(fp8_format=Format.E4M3),
+                                    MXFP8BlockScaling()], ids=["current-e4m3", "mxfp8"])
+def test_padded_rows_do_not_reach_other_tokens(recipe):
+    """The zero rows between experts' groups add nothing to any token, even when the
+    expert they pad holds NaN; an expert no token is routed to changes no output; no
+    tokens at all run too."""
+    torch.manual_seed(0)
+    mod = lowprec.GroupedExperts(E, H, I, params_dtype=torch.bfloat16, name="experts")
+    x, idx, w = _routing(7)
+    idx[idx == E - 1] = 0  # the last expert (which takes the layout's slack) gets no token
+    with lowprec.autocast(recipe=recipe):
+        ref = mod(x, idx, w)
+        with torch.no_grad():
+            mod.down_proj[E - 1, 0, 0] = float("nan")
+        got = mod(x, idx, w)
+        empty = mod(x[:0], idx[:0], w[:0])
+    assert torch.equal(got, ref) and torch.isfinite(got).all()
+    assert empty.shape == (0, H)
