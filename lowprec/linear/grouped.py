@@ -39,7 +39,7 @@ from ..gemm import gemm
 from ..kernels.transpose import transpose_contiguous
 from . import grouped_exact, weight_cache
 from .function import LinearQuantizers, _caching_weights, quantized_linear
-from .grouped_parts import fused, group_ids, weight_grads
+from .grouped_parts import fused, group_ids, layout, stacked, weight_grads
 
 
 def _check_sizes_tensor(group_sizes: torch.Tensor, num_groups: int) -> None:
@@ -161,9 +161,8 @@ def _quantized_experts(weights: Sequence[torch.Tensor], q_w, transposed: bool):
     under ``lowprec.autocast(cache_weights=True)`` made once, both layouts, while the
     weights are unchanged (gradient accumulation: once per optimizer step)."""
     def make(transposed=transposed):
-        w3d = weights[0] if len(weights) == 1 and weights[0].dim() == 3 else torch.stack(
-            weights)
-        out = fp8_grouped.quantize_experts(w3d.detach().contiguous(), q_w, transposed)
+        out = fp8_grouped.quantize_experts(stacked(weights).detach().contiguous(), q_w,
+                                           transposed)
         return out if transposed else (out[0], None, out[1])
     if _caching_weights() and not torch.compiler.is_compiling():
         return weight_cache.cached_value(weights, q_w, lambda: make(True))
@@ -209,7 +208,8 @@ class _GroupedCurrent(torch.autograd.Function):
         saved_w = (wq_t if ctx.grouped else wq) if need_dx else None
         ctx.save_for_backward(saved_x, sx, saved_w, sw, sizes, ids)
         ctx.w_shape = wq.shape
-        ctx.q_dy, ctx.host, ctx.n_weights = q_dy, host, len(weights)
+        ctx.q_dy, ctx.host = q_dy, host
+        ctx.weights = layout(weights)
         ctx.dtypes = (x2d.dtype, w_dtype, q_x.fp8_dtype, q_w.fp8_dtype)
         return y
 
@@ -243,7 +243,7 @@ class _GroupedCurrent(torch.autograd.Function):
                 w_t = wq.view(k, num, n).permute(1, 0, 2)
                 dx = grouped_mm.fp8_rows_by_experts(dyq, dec_dy[ids], w_t, torch.reciprocal(sw),
                                                     grouped_mm.end_offsets(sizes), x_dtype)
-            return dx, None, None, None, None, None, *weight_grads(dw, ctx.n_weights)
+            return dx, None, None, None, None, None, *weight_grads(dw, ctx.weights)
         # E5M2 gradients (the HYBRID format) have no grouped kernel: one GEMM per group,
         # the sizes read on the host (one sync per backward on the GPU)
         host = ctx.host if ctx.host is not None else _host_sizes(sizes)
@@ -260,7 +260,7 @@ class _GroupedCurrent(torch.autograd.Function):
                 gemm(_group_tensor(d, sdy[g:g + 1], d.shape, x_dtype, dy_fp8), "rowwise",
                      _group_tensor(wq[g], sw[g:g + 1], wq[g].shape, w_dtype, w_fp8, "columnwise"),
                      "columnwise", out_dtype=x_dtype) for g, d in enumerate(dys)])
-        return dx, None, None, None, None, None, *weight_grads(dw, ctx.n_weights)
+        return dx, None, None, None, None, None, *weight_grads(dw, ctx.weights)
 
 
 def _grouped_forward(x2d: torch.Tensor, n: int, q_x, q_w) -> bool:
@@ -315,8 +315,7 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     n = w_list[0].shape[0]
     w_args = weights if weights is not None else (weight,)
     if kind == "plain":
-        w3d = torch.stack(weights) if weights is not None else weight
-        y = _GroupedPlain.apply(x2d.contiguous(), w3d, sizes)
+        y = _GroupedPlain.apply(x2d.contiguous(), stacked(w_args), sizes)
     elif kind == "exact":
         aligned = group_alignment % grouped_exact.row_align(picked) == 0
         y = grouped_exact.GroupedExact.apply(x2d.contiguous(), sizes, picked,

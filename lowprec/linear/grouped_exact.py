@@ -30,7 +30,7 @@ from ..backends import grouped_mm
 from ..formats.base import QuantizedTensor
 from . import weight_cache
 from .function import LinearQuantizers, _caching_weights, _keep_only, quantize_operand
-from .grouped_parts import fused, group_ids, weight_grads
+from .grouped_parts import fused, group_ids, layout, stacked, weight_grads
 from .plan import BOTH, ROW
 
 
@@ -87,7 +87,7 @@ def _quantized_weights(weights: Sequence[torch.Tensor], q_w, columnwise: bool):
     columnwise for dgrad); under ``lowprec.autocast(cache_weights=True)`` made once while
     the weights are unchanged. Returns (tensor, owned)."""
     def make(columnwise=columnwise):
-        w3d = weights[0] if weights[0].dim() == 3 else torch.stack(weights)
+        w3d = stacked(weights)
         w2d = w3d.detach().reshape(-1, w3d.shape[-1])
         return quantize_operand(q_w, w2d, rowwise=True, columnwise=columnwise, exact=ROW)[0]
     if _caching_weights() and not torch.compiler.is_compiling():
@@ -124,7 +124,7 @@ class GroupedExact(torch.autograd.Function):
         saved_x = _keep_only(x_lp, True, "columnwise") if need_dw else None
         saved_w = _keep_only(w_lp, w_owned, "columnwise") if need_dx else None
         ctx.save_for_backward(saved_x, saved_w, src, valid, offs, dest)
-        ctx.q_dy, ctx.n_weights, ctx.shape = q_dy, len(weights), (num, n, k)
+        ctx.q_dy, ctx.weights, ctx.shape = q_dy, layout(weights), (num, n, k)
         return y
 
     @staticmethod
@@ -148,4 +148,4 @@ class GroupedExact(torch.autograd.Function):
             dx = grouped_mm.plain_rows_by_experts(_values(dy_lp, "rowwise"), w_t, offs)
             if dest is not None:
                 dx = dx.index_select(0, dest)
-        return dx, None, None, None, None, *weight_grads(dw, ctx.n_weights)
+        return dx, None, None, None, None, *weight_grads(dw, ctx.weights)

@@ -27,9 +27,22 @@ def group_ids(sizes: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.repeat_interleave(groups, sizes, output_size=rows)
 
 
-def weight_grads(dw, n_weights: int) -> tuple:
-    """dW (G, N, K) as a grouped Function's weight inputs take it: whole (one (G, N, K)
-    weight), or one (N, K) gradient per expert."""
+def stacked(weights) -> torch.Tensor:
+    """The experts' weights as one (G, N, K) tensor: the one 3-D weight given, or the G
+    (N, K) weights stacked."""
+    return weights[0] if weights[0].dim() == 3 else torch.stack(weights)
+
+
+def weight_grads(dw, weights) -> tuple:
+    """dW (G, N, K) as a grouped Function's weight inputs take it: whole where they were
+    one (G, N, K) weight, else one (N, K) gradient per expert (a single expert included).
+    ``weights``: (how many weight inputs, whether the first is 3-D), see :func:`layout`."""
+    n_weights, whole = weights
     if dw is None:
         return (None,) * n_weights
-    return (dw,) if n_weights == 1 else tuple(dw.unbind(0))
+    return (dw,) if whole else tuple(dw.unbind(0))
+
+
+def layout(weights) -> tuple[int, bool]:
+    """What :func:`weight_grads` needs to know of a Function's weight inputs."""
+    return len(weights), weights[0].dim() == 3

@@ -137,14 +137,14 @@ class GroupedExperts(LowprecModule):
             spare = torch.arange(total, device=flat.device) % hidden_states.shape[0]
             rows_token = torch.where(valid, token[src], spare)
             rows_slot, rows_valid = slot[src], valid
+        else:
+            align = 1  # the rows as routed (bf16 experts, or no tokens to lay out)
         # advanced indexing: its backward sums each token's rows in a fixed (sorted) order
         x = hidden_states[rows_token]
         gates = top_k_weights[rows_token, rows_slot]
         if rows_valid is not None:  # zero rows and zero gates between the experts
             x = x.masked_fill(~rows_valid[:, None], 0)
             gates = gates.masked_fill(~rows_valid, 0)
-        if rows_valid is None:
-            align = 1  # the rows as routed (no tokens: nothing to lay out)
         h = grouped_linear(x, self.gate_up_proj, counts, quantizers=qs_up, backward_mode=mode,
                            on_backward_done=done, group_alignment=align)
         if self.apply_gate is not None:
