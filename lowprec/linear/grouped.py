@@ -18,6 +18,10 @@ How it runs is decided by the quantizers and the device:
 * MXFP8 (block formats emulated on bf16 GEMMs) on Hopper, bf16 activations: one quantize
   of the padded rows, of the stacked weights and of dY, one ``torch._grouped_mm`` per
   direction over their exact values (:mod:`.grouped_exact`), nothing read on the host;
+* block-scaled FP8 (1x128 activations and gradients) on Hopper, bf16 activations, E4M3:
+  the same layout and quantizes, one launch of lowprec's grouped block-scaled FP8 GEMM
+  per direction, bit for bit the per-expert cuBLAS GEMMs (:mod:`.grouped_block_fp8`),
+  nothing read on the host;
 * every other recipe, a bias, quantized weights or boundary quantizers: one
   :func:`quantized_linear` per group. This reads ``group_sizes`` on the host (a device
   tensor costs one synchronization a call).
@@ -30,14 +34,14 @@ from typing import Sequence
 
 import torch
 
-from ..backends import grouped_mm
+from ..backends import block_grouped, grouped_mm
 from ..formats.base import QuantizedTensor
 from ..formats.float8 import grouped as fp8_grouped
 from ..formats.float8.quantizer import Float8CurrentScalingQuantizer
 from ..formats.float8.tensor import Float8Tensor
 from ..gemm import gemm
 from ..kernels.transpose import transpose_contiguous
-from . import grouped_exact, weight_cache
+from . import grouped_block_fp8, grouped_exact, weight_cache
 from .function import LinearQuantizers, _caching_weights, quantized_linear
 from .grouped_parts import fused, group_ids, layout, stacked, weight_grads
 
@@ -121,6 +125,8 @@ def group_alignment_for(quantizers: LinearQuantizers | Sequence[LinearQuantizers
     qs = [quantizers] if isinstance(quantizers, LinearQuantizers) else list(quantizers)
     if current_scaling_quantizers(qs) is not None:
         return grouped_mm.ALIGN  # wgrad's FP8 grouped kernel
+    if grouped_block_fp8.block_fp8_quantizers(qs, n, k) is not None:
+        return block_grouped.ALIGN
     exact = grouped_exact.exact_quantizers(qs, n, k)
     return grouped_exact.row_align(exact) if exact is not None else 1
 
@@ -316,6 +322,10 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     w_args = weights if weights is not None else (weight,)
     if kind == "plain":
         y = _GroupedPlain.apply(x2d.contiguous(), stacked(w_args), sizes)
+    elif kind == "block":
+        y = grouped_block_fp8.GroupedBlockFP8.apply(
+            x2d.contiguous(), sizes, picked, torch.is_grad_enabled(),
+            group_alignment % block_grouped.ALIGN == 0, *w_args)
     elif kind == "exact":
         aligned = group_alignment % grouped_exact.row_align(picked) == 0
         y = grouped_exact.GroupedExact.apply(x2d.contiguous(), sizes, picked,
@@ -335,8 +345,8 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
 
 
 def _route(x2d, w_list, qs, bias, backward_mode, on_backward_done):
-    """("plain", None), ("current", quantizers), ("exact", quantizers) or None (one Linear
-    per group)."""
+    """("plain", None), ("current", quantizers), ("block", quantizers), ("exact",
+    quantizers) or None (one Linear per group)."""
     if (bias is not None or on_backward_done is not None or isinstance(x2d, QuantizedTensor)
             or x2d.shape[0] == 0):
         return None  # (no rows: the per-group path runs the empty GEMMs)
@@ -354,6 +364,9 @@ def _route(x2d, w_list, qs, bias, backward_mode, on_backward_done):
     current = current_scaling_quantizers(qs)
     if current is not None:
         return "current", current
+    block = grouped_block_fp8.block_fp8_quantizers(qs, n, k)
+    if block is not None and grouped_block_fp8.runs_on(x2d, block):
+        return "block", block
     if grouped_mm.plain_available(x2d, k, n):
         # block formats whose per-expert GEMMs run on the bf16 tensor cores (MXFP8)
         exact = grouped_exact.exact_quantizers(qs, n, k)

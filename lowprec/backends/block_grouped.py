@@ -1,0 +1,126 @@
+"""Grouped block-scaled FP8 GEMMs on Hopper: every expert's rows in one Triton launch, the
+groups given by device offsets, never read on the host (kernel:
+:mod:`._block_grouped_kernels`).
+
+The two shapes of problem of :mod:`.grouped_mm`, with block-scaled operands (fp8 codes
+contiguous along the contraction, one decode scale ``1 / scale`` per 128 contraction
+elements and per row, or per 128 rows for 128x128 blocks):
+
+* :func:`rows_by_experts` (forward, dgrad): ``out[rows of g] = a[rows of g] @ b[g].T``;
+* :func:`wgrad`: ``out[g] = a[:, rows of g] @ b[:, rows of g].T``.
+
+Each 128-long chunk of the contraction is a tensor-core dot started from zero, scaled by
+its two decode scales and added to an fp32 accumulator, as cuBLAS's block-scaled
+``torch._scaled_mm`` does: on the H100 the results are bit-identical to one cuBLAS GEMM
+per group (``tests/backends/test_block_grouped_gpu.py``). Groups start at multiples of 128
+rows (:data:`ALIGN`): a tile, and a columnwise block, never straddles two groups. Off the
+GPU the same sum runs in torch ops (``_reference``), for the CPU tests of the grouped path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import kernel_op
+from ..kernels.launch import launch
+
+#: the row multiple every group starts at (a block along the rows, the kernel's row tile)
+ALIGN = 128
+#: (BM, BN, warps, stages, bands of row tiles): the fastest of the configs timed on an H100
+#: at the MoE layer's shapes (``tools/probe_block_grouped.py``)
+_CONFIG = {False: (128, 128, 8, 3, 8), True: (128, 128, 8, 3, 8)}
+
+
+def available(a: torch.Tensor, *fp8_dtypes: torch.dtype) -> bool:
+    """Whether the kernel runs on ``a``'s device for operands of ``fp8_dtypes`` (E4M3, the
+    pairing tested bit-identical to cuBLAS): a Hopper GPU with Triton."""
+    from ..kernels import triton_available
+    return (a.is_cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
+            and triton_available() and all(d == torch.float8_e4m3fn for d in fp8_dtypes))
+
+
+def _launch(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: int) -> None:
+    from ._block_grouped_kernels import block_grouped_gemm_kernel
+    bm, bn, warps, stages, band = _CONFIG[group_k]
+    g = offs.shape[0]
+    m, n = a.shape[-2], b.shape[-2]
+    k = a.shape[-1]
+    if group_k:
+        s_b, s_db, s_o = (0, *b.stride()), (0, *db.stride()), out.stride()
+    else:
+        s_b, s_db, s_o = b.stride(), db.stride(), (0, *out.stride())
+    grid = (-(-m // bm) * -(-n // bn), g if group_k else 1)
+    launch(block_grouped_gemm_kernel, grid, a, b, da, db, out, offs, m, n, k, g,
+           *a.stride(), *s_b, *da.stride(), *s_db, *s_o,
+           GROUP_K=group_k, A_ROWS=a_rows, B_ROWS=b_rows, BM=bm, BN=bn, BK=128,
+           GP=max(2, 1 << (g - 1).bit_length()), GROUP_M=band, num_warps=warps,
+           num_stages=stages)
+
+
+def _chunked(a, da, b, db) -> torch.Tensor:
+    """The kernel's sum in torch (fp32): ``a`` (m, C) and ``b`` (n, C) fp8, ``da`` (m, C/128)
+    and ``db`` (n, C/128) decode scales. Each chunk's dot is an fp32 matmul here, not the
+    tensor cores' order: the same values to fp32 rounding."""
+    acc = torch.zeros((a.shape[0], b.shape[0]), dtype=torch.float32, device=a.device)
+    for c in range(a.shape[1] // 128):
+        part = a[:, c * 128:(c + 1) * 128].float() @ b[:, c * 128:(c + 1) * 128].float().t()
+        acc += part * (da[:, c, None].float() * db[None, :, c].float())
+    return acc
+
+
+def _reference(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: int) -> None:
+    """What the kernel writes into ``out``, in torch ops, a group at a time (the groups'
+    ends read on the host): the path off the GPU."""
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if group_k:
+            out[g] = _chunked(a[:, start:end], da[:, start // 128:end // 128],
+                              b[:, start:end], db[:, start // 128:end // 128])
+        elif end > start:
+            rows = torch.arange(start, end, device=a.device) // a_rows
+            cols = torch.arange(b.shape[1], device=a.device) // b_rows
+            out[start:end] = _chunked(a[start:end], da[rows], b[g], db[g][cols])
+        start = end
+
+
+def _run(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: int) -> None:
+    if a.is_cuda:
+        _launch(a, da, b, db, offs, out, group_k, a_rows, b_rows)
+    else:
+        _reference(a, da, b, db, offs, out, group_k, a_rows, b_rows)
+
+
+@kernel_op("lowprec::block_grouped_rows", mutates_args=())
+def rows_by_experts(a: torch.Tensor, a_decode: torch.Tensor, b: torch.Tensor,
+                    b_decode: torch.Tensor, offs: torch.Tensor, a_rows: int, b_rows: int,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """(M, N): each group's rows of ``a`` (M, K) times its ``b[g].T`` (``b`` (G, N, K), any
+    strides). ``a_decode[r // a_rows, c]`` and ``b_decode[g, j // b_rows, c]`` are the decode
+    scales of row r / row j and chunk c. ``offs``: each group's end row (int32), multiples
+    of :data:`ALIGN`; rows past the last group are left unwritten."""
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    _run(a, a_decode, b, b_decode, offs, out, False, a_rows, b_rows)
+    return out
+
+
+@rows_by_experts.register_fake
+def _(a, a_decode, b, b_decode, offs, a_rows, b_rows, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@kernel_op("lowprec::block_grouped_wgrad", mutates_args=())
+def wgrad(a: torch.Tensor, a_decode: torch.Tensor, b: torch.Tensor, b_decode: torch.Tensor,
+          offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """(G, N, K): per group, ``a[:, rows] @ b[:, rows].T`` from ``a`` (N, M) and ``b``
+    (K, M), 128x1 blocks along M (``a_decode`` (N, M/128), ``b_decode`` (K, M/128), any
+    strides). ``offs``: each group's end (int32), multiples of :data:`ALIGN`; an empty
+    group gives zeros."""
+    out = torch.empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype,
+                      device=a.device)
+    _run(a, a_decode, b, b_decode, offs, out, True, 1, 1)
+    return out
+
+
+@wgrad.register_fake
+def _(a, a_decode, b, b_decode, offs, out_dtype):
+    return a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)

@@ -1,0 +1,100 @@
+"""Grouped linear for block-scaled FP8 (the DeepSeek-V3 recipe: 1x128 activations and
+gradients, 128x128 or 1x128 weights) on Hopper: the grouped block layout of
+:mod:`.grouped_blocks`, each direction one launch of lowprec's grouped block-scaled FP8
+GEMM (:mod:`lowprec.backends.block_grouped`).
+
+That kernel accumulates as cuBLAS's block-scaled ``torch._scaled_mm`` does, so the result
+is bit for bit the per-expert Linears' (each of whose GEMMs is that cuBLAS call). It is
+taken only where every per-expert GEMM would run on cuBLAS: E4M3 operands, bf16
+activations, 1x128 input and gradient blocks, and features that fill the blocks (with
+128x128 weights, 4 blocks a row of scales: cuBLAS's 16-byte rule).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..backends import block_grouped
+from ..formats.block.quantizer import Float8BlockQuantizer
+from .function import LinearQuantizers
+from .grouped_blocks import blocks_backward, blocks_forward, slot_quantizers
+
+
+def block_fp8_quantizers(qs: Sequence[LinearQuantizers], n: int, k: int):
+    """(input, weight, grad_output) quantizers when the grouped block FP8 path takes the
+    groups' settings with experts of ``n`` out and ``k`` in features (see the module
+    docstring; :func:`runs_on` says whether the device does); else None."""
+    picked = slot_quantizers(qs)
+    if picked is None or not all(type(p) is Float8BlockQuantizer for p in picked):
+        return None
+    q_x, q_w, q_dy = picked
+    if q_x.block_scaling_dim != 1 or q_dy.block_scaling_dim != 1:
+        return None
+    if n % 128 or k % 128:
+        return None
+    if q_w.block_scaling_dim == 2 and ((k // 128) % 4 or (n // 128) % 4):
+        return None  # cuBLAS takes no such 128x128 scales: the per-expert GEMMs emulate
+    return picked
+
+
+def runs_on(x: torch.Tensor, quantizers) -> bool:
+    """Whether the grouped kernel runs ``x``'s rows with ``quantizers``
+    (:func:`block_fp8_quantizers`): bf16 on a Hopper GPU, E4M3 operands."""
+    return x.dtype == torch.bfloat16 and block_grouped.available(
+        x, *(q.fp8_dtype for q in quantizers))
+
+
+def _w_rows(w_lp) -> int:
+    return 128 if w_lp.block_scaling_dim == 2 else 1
+
+
+class _BlockGemms:
+    """The three grouped GEMMs over block-scaled FP8 codes and decode scales. For 1x128
+    blocks ``decode_scale`` is the transpose of the scales' (rows, chunks) matrix: ``.t()``
+    gives it back as a view."""
+
+    @staticmethod
+    def forward(x_lp, w_lp, offs, shape):
+        num, n, k = shape
+        b_rows = _w_rows(w_lp)
+        w_dec = w_lp.decode_scale("rowwise")
+        w_dec = (w_dec.view(num, n // 128, k // 128) if b_rows == 128
+                 else w_dec.t().reshape(num, n, k // 128))
+        return block_grouped.rows_by_experts(
+            x_lp.rowwise_data, x_lp.decode_scale("rowwise").t(),
+            w_lp.rowwise_data.view(num, n, k), w_dec, offs, 1, b_rows, x_lp.dtype)
+
+    @staticmethod
+    def dgrad(dy_lp, w_lp, offs, shape):
+        num, n, k = shape
+        b_rows = _w_rows(w_lp)
+        # the weights' columnwise codes are (K, G * N): expert g's (K, N) are columns g*N...
+        w_t = w_lp.columnwise_data.view(k, num, n).permute(1, 0, 2)
+        w_dec = w_lp.decode_scale("columnwise")
+        w_dec = (w_dec.view(k // 128, num, n // 128) if b_rows == 128
+                 else w_dec.t().reshape(k, num, n // 128)).permute(1, 0, 2)
+        return block_grouped.rows_by_experts(
+            dy_lp.rowwise_data, dy_lp.decode_scale("rowwise").t(), w_t, w_dec, offs, 1,
+            b_rows, dy_lp.dtype)
+
+    @staticmethod
+    def wgrad(dy_lp, x_lp, offs, w_dtype):
+        return block_grouped.wgrad(dy_lp.columnwise_data, dy_lp.decode_scale("columnwise").t(),
+                                   x_lp.columnwise_data, x_lp.decode_scale("columnwise").t(),
+                                   offs, w_dtype)
+
+
+class GroupedBlockFP8(torch.autograd.Function):
+    """Forward, dgrad and wgrad as grouped block-scaled FP8 GEMMs (see the module
+    docstring). The weights are one (G, N, K) tensor or G (N, K) ones."""
+
+    @staticmethod
+    def forward(ctx, x2d, sizes, quantizers, grad_enabled, aligned, *weights):
+        return blocks_forward(ctx, _BlockGemms, block_grouped.ALIGN, x2d, sizes, quantizers,
+                              grad_enabled, aligned, weights)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return blocks_backward(ctx, dy)

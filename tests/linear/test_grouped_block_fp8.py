@@ -1,0 +1,164 @@
+"""Grouped block-scaled FP8 (lowprec/linear/grouped_block_fp8.py): which settings it takes,
+its layout and GEMMs on CPU (the kernel's sum in torch ops) against the per-expert Linears,
+and on a Hopper GPU bit for bit the per-expert cuBLAS GEMMs with no host sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from grouped_helpers import assert_grouped_equals_per_expert, per_expert, run_grads
+
+import lowprec
+from lowprec.backends import block_grouped
+from lowprec.kernels import triton_available
+from lowprec.linear.function import LinearQuantizers
+from lowprec.linear.grouped import group_alignment_for, grouped_linear
+from lowprec.linear.grouped_block_fp8 import GroupedBlockFP8, block_fp8_quantizers, runs_on
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SIZES = [(5, 0, 200, 130), (0, 0, 16, 0), (128, 1, 0, 255)]
+
+
+def _block(w_dim=2, x_dim=1, grad=E4M3):
+    return LinearQuantizers(
+        input=lowprec.Float8BlockQuantizer(E4M3, block_scaling_dim=x_dim),
+        weight=lowprec.Float8BlockQuantizer(E4M3, block_scaling_dim=w_dim),
+        grad_output=lowprec.Float8BlockQuantizer(grad, block_scaling_dim=1))
+
+
+def _data(sizes, k=512, n=512, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    m = sum(sizes)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(len(sizes), n, k, generator=g) * 0.05).bfloat16()
+    dy = torch.randn(m, n, generator=g).bfloat16()
+    return x.to(device), w.to(device), dy.to(device)
+
+
+def test_takes_the_deepseek_settings_only():
+    q = _block()
+    picked = (q.input, q.weight, q.grad_output)
+    assert block_fp8_quantizers([q] * 3, 512, 512) == picked
+    assert block_fp8_quantizers([_block(w_dim=1)] * 3, 384, 256) is not None
+    assert group_alignment_for(q, 512, 512) == block_grouped.ALIGN
+    assert block_fp8_quantizers([_block(x_dim=2)] * 3, 512, 512) is None  # 2-D activations
+    assert block_fp8_quantizers([q] * 3, 512, 448) is None  # K not whole blocks
+    # 128x128 weights: cuBLAS wants 4 blocks a row of scales, else the per-expert GEMM
+    # is emulated and the grouped kernel would not be its bits
+    assert block_fp8_quantizers([q] * 3, 512, 384) is None
+    assert block_fp8_quantizers([q] * 3, 384, 512) is None
+    # one setting for every group
+    assert block_fp8_quantizers([q, q, _block(w_dim=1)], 512, 512) is None
+    assert not runs_on(torch.zeros(2, 512, dtype=torch.bfloat16), picked)  # CPU
+
+
+def _grouped(q, sizes, aligned=False):
+    def fn(x, w):
+        picked = block_fp8_quantizers([q] * w.shape[0], w.shape[1], w.shape[2])
+        return GroupedBlockFP8.apply(x, torch.tensor(sizes, device=x.device), picked, True,
+                                     aligned, w)
+    return fn
+
+
+def _close(got, ref):
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7,
+                                   atol=2 ** -8 * b.float().abs().max().item())
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("w_dim", [1, 2])
+def test_cpu_grouped_matches_per_expert(sizes, w_dim):
+    """Off the GPU the kernel's chunked sum runs in fp32 torch ops and the per-expert GEMMs
+    in the fp32 emulation: the same products, so equal to fp32 rounding before the bf16
+    output; empty experts get zero weight gradients."""
+    q = _block(w_dim)
+    x, w, dy = _data(sizes)
+    got = run_grads(_grouped(q, sizes), x, w, dy)
+    _close(got, run_grads(per_expert(q, sizes), x, w, dy))
+    assert torch.all(got[2][[g for g, m in enumerate(sizes) if m == 0]] == 0)
+
+
+def test_cpu_caller_aligned_rows_equal_unaligned():
+    sizes = (5, 0, 200, 130)
+    x, w, dy = _data(sizes)
+    padded = [-(-m // 128) * 128 for m in sizes]
+    rows = torch.cat([torch.arange(m) + sum(padded[:g]) for g, m in enumerate(sizes)])
+    xp, dyp = x.new_zeros(sum(padded), x.shape[1]), dy.new_zeros(sum(padded), dy.shape[1])
+    xp[rows], dyp[rows] = x, dy
+    q = _block()
+    y, dx, dw = run_grads(_grouped(q, sizes), x, w, dy)
+    yp, dxp, dwp = run_grads(_grouped(q, padded, aligned=True), xp, w, dyp)
+    assert torch.equal(yp[rows], y) and torch.equal(dxp[rows], dx) and torch.equal(dwp, dw)
+
+
+HOPPER = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+         and triton_available()),
+    reason="the grouped block FP8 kernel needs a Hopper GPU and Triton")
+GPU_SIZES = [(5, 0, 200, 130), (128, 1, 0, 383), (0, 256, 0, 0), (1000, 3, 517, 64)]
+
+
+@HOPPER
+@pytest.mark.parametrize("sizes", GPU_SIZES)
+@pytest.mark.parametrize("w_dim", [1, 2])
+def test_gpu_grouped_bit_identical_to_per_expert(sizes, w_dim):
+    """The grouped kernel sums each 128-long chunk as cuBLAS's block-scaled GEMM does: the
+    output and both gradients are the per-expert Linears' bits."""
+    q = _block(w_dim)
+    x, w, dy = _data(sizes, k=512, n=1024, device="cuda")
+    assert runs_on(x, block_fp8_quantizers([q] * len(sizes), 1024, 512))
+    assert_grouped_equals_per_expert(x, w, dy, sizes, q)
+
+
+@HOPPER
+def test_gpu_caller_aligned_rows_bit_identical():
+    sizes = (5, 0, 200, 130)
+    x, w, dy = _data(sizes, device="cuda")
+    padded = [-(-m // 128) * 128 for m in sizes]
+    rows = torch.cat([torch.arange(m) + sum(padded[:g]) for g, m in enumerate(sizes)]).cuda()
+    xp, dyp = x.new_zeros(sum(padded), x.shape[1]), dy.new_zeros(sum(padded), dy.shape[1])
+    xp[rows], dyp[rows] = x, dy
+    q = _block()
+    pt = torch.tensor(padded, device="cuda")
+    y, dx, dw = run_grads(lambda a, b: grouped_linear(a, b, torch.tensor(sizes, device="cuda"),
+                                                      quantizers=q), x, w, dy)
+    yp, dxp, dwp = run_grads(lambda a, b: grouped_linear(a, b, pt, quantizers=q,
+                                                         group_alignment=128), xp, w, dyp)
+    assert torch.equal(yp[rows], y) and torch.equal(dxp[rows], dx) and torch.equal(dwp, dw)
+
+
+@HOPPER
+def test_gpu_grouped_never_syncs():
+    sizes = [300, 0, 17, 195]
+    x, w, dy = _data(sizes, device="cuda")
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    st = torch.tensor(sizes, device="cuda")
+    q = _block()
+    grouped_linear(x, w, st, quantizers=q).backward(dy)  # warm-up (kernels compile)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_linear(x, w, st, quantizers=q).backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@HOPPER
+def test_gpu_kernel_on_cpu_reference_within_fp32_rounding():
+    """The kernel against its torch form (``_reference``) on the same operands, random
+    groups: the same chunked sum, so equal up to the dot's summation order."""
+    sizes = (384, 0, 128, 640)
+    q = _block()
+    x, w, _ = _data(sizes, device="cuda")
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    xq = q.input.quantize(x)
+    wq = q.weight.quantize(w.reshape(-1, w.shape[-1]))
+    num, n, k = w.shape
+    args = (xq.rowwise_data, xq.decode_scale("rowwise").t(), wq.rowwise_data.view(num, n, k),
+            wq.decode_scale("rowwise").view(num, n // 128, k // 128))
+    got = block_grouped.rows_by_experts(*args, offs, 1, 128, torch.float32)
+    cpu_ref = torch.empty(got.shape, dtype=torch.float32)
+    block_grouped._reference(*(a.cpu() for a in args), offs.cpu(), cpu_ref, False, 1, 128)
+    torch.testing.assert_close(got.cpu(), cpu_ref, rtol=1e-5, atol=1e-5)
