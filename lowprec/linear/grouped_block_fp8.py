@@ -4,10 +4,13 @@ gradients, 128x128 or 1x128 weights) on Hopper: the grouped block layout of
 GEMM (:mod:`lowprec.backends.block_grouped`).
 
 That kernel accumulates as cuBLAS's block-scaled ``torch._scaled_mm`` does, so the result
-is bit for bit the per-expert Linears' (each of whose GEMMs is that cuBLAS call). It is
-taken only where every per-expert GEMM would run on cuBLAS: E4M3 operands, bf16
-activations, 1x128 input and gradient blocks, and features that fill the blocks (with
-128x128 weights, 4 blocks a row of scales: cuBLAS's 16-byte rule).
+is bit for bit the per-expert Linears'. Where a per-expert GEMM does not run on cuBLAS,
+because cuBLAS takes 128x128 weight scales only with 4 blocks a row of scales (16 bytes:
+a contraction of a multiple of 512), it runs on the exact bf16 emulation of the
+power-of-two scaled values, and the grouped direction does the same as one
+``torch._grouped_mm`` (:mod:`.grouped_exact`). The path takes E4M3 operands, bf16
+activations, 1x128 input and gradient blocks, power-of-two scales and features that
+fill the blocks.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ..backends import block_grouped
 from ..formats.block.quantizer import Float8BlockQuantizer
 from .function import LinearQuantizers
 from .grouped_blocks import blocks_backward, blocks_forward, slot_quantizers
+from .grouped_exact import ExactGemms
 
 
 def block_fp8_quantizers(qs: Sequence[LinearQuantizers], n: int, k: int):
@@ -32,10 +36,8 @@ def block_fp8_quantizers(qs: Sequence[LinearQuantizers], n: int, k: int):
     q_x, q_w, q_dy = picked
     if q_x.block_scaling_dim != 1 or q_dy.block_scaling_dim != 1:
         return None
-    if n % 128 or k % 128:
+    if n % 128 or k % 128 or not all(p.force_pow_2_scales for p in picked):
         return None
-    if q_w.block_scaling_dim == 2 and ((k // 128) % 4 or (n // 128) % 4):
-        return None  # cuBLAS takes no such 128x128 scales: the per-expert GEMMs emulate
     return picked
 
 
@@ -50,6 +52,12 @@ def _w_rows(w_lp) -> int:
     return 128 if w_lp.block_scaling_dim == 2 else 1
 
 
+def _on_cublas(w_lp, contraction: int) -> bool:
+    """Whether the per-expert GEMM of the weight over ``contraction`` runs on cuBLAS (see
+    ``backends/cublas_fp8.blockwise_accepts``), else on the exact bf16 emulation."""
+    return w_lp.block_scaling_dim == 1 or (contraction // 128) % 4 == 0
+
+
 class _BlockGemms:
     """The three grouped GEMMs over block-scaled FP8 codes and decode scales. For 1x128
     blocks ``decode_scale`` is the transpose of the scales' (rows, chunks) matrix: ``.t()``
@@ -58,6 +66,8 @@ class _BlockGemms:
     @staticmethod
     def forward(x_lp, w_lp, offs, shape):
         num, n, k = shape
+        if not _on_cublas(w_lp, k):
+            return ExactGemms.forward(x_lp, w_lp, offs, shape)
         b_rows = _w_rows(w_lp)
         w_dec = w_lp.decode_scale("rowwise")
         w_dec = (w_dec.view(num, n // 128, k // 128) if b_rows == 128
@@ -69,6 +79,8 @@ class _BlockGemms:
     @staticmethod
     def dgrad(dy_lp, w_lp, offs, shape):
         num, n, k = shape
+        if not _on_cublas(w_lp, n):
+            return ExactGemms.dgrad(dy_lp, w_lp, offs, shape)
         b_rows = _w_rows(w_lp)
         # the weights' columnwise codes are (K, G * N): expert g's (K, N) are columns g*N...
         w_t = w_lp.columnwise_data.view(k, num, n).permute(1, 0, 2)

@@ -63,7 +63,7 @@ def _values(t: QuantizedTensor, usage: str) -> torch.Tensor:
     return values
 
 
-class _ExactGemms:
+class ExactGemms:
     """The three grouped GEMMs over the operands' exact bf16 values (fp32 accumulation,
     bf16 out, as the per-expert emulation writes them)."""
 
@@ -92,7 +92,7 @@ class GroupedExact(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, sizes, quantizers, grad_enabled, aligned, *weights):
-        return blocks_forward(ctx, _ExactGemms, row_align(quantizers), x2d, sizes, quantizers,
+        return blocks_forward(ctx, ExactGemms, row_align(quantizers), x2d, sizes, quantizers,
                               grad_enabled, aligned, weights)
 
     @staticmethod

@@ -43,10 +43,12 @@ def test_takes_the_deepseek_settings_only():
     assert group_alignment_for(q, 512, 512) == block_grouped.ALIGN
     assert block_fp8_quantizers([_block(x_dim=2)] * 3, 512, 512) is None  # 2-D activations
     assert block_fp8_quantizers([q] * 3, 512, 448) is None  # K not whole blocks
-    # 128x128 weights: cuBLAS wants 4 blocks a row of scales, else the per-expert GEMM
-    # is emulated and the grouped kernel would not be its bits
-    assert block_fp8_quantizers([q] * 3, 512, 384) is None
-    assert block_fp8_quantizers([q] * 3, 384, 512) is None
+    # 128x128 weights over a contraction cuBLAS refuses: that direction emulated exactly
+    assert block_fp8_quantizers([q] * 3, 384, 640) == picked
+    no_pow2 = LinearQuantizers(
+        input=lowprec.Float8BlockQuantizer(E4M3, block_scaling_dim=1, force_pow_2_scales=False),
+        weight=q.weight, grad_output=q.grad_output)
+    assert block_fp8_quantizers([no_pow2] * 3, 512, 512) is None
     # one setting for every group
     assert block_fp8_quantizers([q, q, _block(w_dim=1)], 512, 512) is None
     assert not runs_on(torch.zeros(2, 512, dtype=torch.bfloat16), picked)  # CPU
@@ -102,12 +104,15 @@ GPU_SIZES = [(5, 0, 200, 130), (128, 1, 0, 383), (0, 256, 0, 0), (1000, 3, 517, 
 @HOPPER
 @pytest.mark.parametrize("sizes", GPU_SIZES)
 @pytest.mark.parametrize("w_dim", [1, 2])
-def test_gpu_grouped_bit_identical_to_per_expert(sizes, w_dim):
+@pytest.mark.parametrize("k,n", [(512, 1024), (640, 384)])
+def test_gpu_grouped_bit_identical_to_per_expert(sizes, w_dim, k, n):
     """The grouped kernel sums each 128-long chunk as cuBLAS's block-scaled GEMM does: the
-    output and both gradients are the per-expert Linears' bits."""
+    output and both gradients are the per-expert Linears' bits. (640, 384) with 128x128
+    weights: cuBLAS takes neither weight GEMM, so forward and dgrad are the exact bf16
+    emulation's, per expert and grouped."""
     q = _block(w_dim)
-    x, w, dy = _data(sizes, k=512, n=1024, device="cuda")
-    assert runs_on(x, block_fp8_quantizers([q] * len(sizes), 1024, 512))
+    x, w, dy = _data(sizes, k=k, n=n, device="cuda")
+    assert runs_on(x, block_fp8_quantizers([q] * len(sizes), n, k))
     assert_grouped_equals_per_expert(x, w, dy, sizes, q)
 
 
@@ -146,19 +151,38 @@ def test_gpu_grouped_never_syncs():
 
 
 @HOPPER
-def test_gpu_kernel_on_cpu_reference_within_fp32_rounding():
-    """The kernel against its torch form (``_reference``) on the same operands, random
-    groups: the same chunked sum, so equal up to the dot's summation order."""
+@pytest.mark.parametrize("w_dim", [1, 2])
+def test_gpu_kernel_bit_identical_to_cublas_per_group(w_dim):
+    """Each group of the kernel's fp32 output is cuBLAS's block-scaled GEMM of that group
+    (``lowprec.gemm``), in both problem shapes; an empty group's wgrad is zeros."""
     sizes = (384, 0, 128, 640)
-    q = _block()
-    x, w, _ = _data(sizes, device="cuda")
+    q = _block(w_dim)
+    x, w, dy = _data(sizes, device="cuda")
+    num, n, k = w.shape
     offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
     xq = q.input.quantize(x)
-    wq = q.weight.quantize(w.reshape(-1, w.shape[-1]))
-    num, n, k = w.shape
-    args = (xq.rowwise_data, xq.decode_scale("rowwise").t(), wq.rowwise_data.view(num, n, k),
-            wq.decode_scale("rowwise").view(num, n // 128, k // 128))
-    got = block_grouped.rows_by_experts(*args, offs, 1, 128, torch.float32)
-    cpu_ref = torch.empty(got.shape, dtype=torch.float32)
-    block_grouped._reference(*(a.cpu() for a in args), offs.cpu(), cpu_ref, False, 1, 128)
-    torch.testing.assert_close(got.cpu(), cpu_ref, rtol=1e-5, atol=1e-5)
+    dyq = q.grad_output.quantize(dy)
+    wqs = [q.weight.quantize(w[g]) for g in range(num)]
+    wq = q.weight.quantize(w.reshape(-1, k))
+    if w_dim == 2:
+        w_dec, rows = wq.decode_scale("rowwise").view(num, n // 128, k // 128), 128
+    else:
+        w_dec, rows = wq.decode_scale("rowwise").t().reshape(num, n, k // 128), 1
+    y = block_grouped.rows_by_experts(xq.rowwise_data, xq.decode_scale("rowwise").t(),
+                                      wq.rowwise_data.view(num, n, k), w_dec, offs, 1, rows,
+                                      torch.float32)
+    dw = block_grouped.wgrad(dyq.columnwise_data, dyq.decode_scale("columnwise").t(),
+                             xq.columnwise_data, xq.decode_scale("columnwise").t(), offs,
+                             torch.float32)
+    start = 0
+    for g, m in enumerate(sizes):
+        if m:
+            xg = q.input.quantize(x[start:start + m])
+            dyg = q.grad_output.quantize(dy[start:start + m])
+            assert torch.equal(y[start:start + m], lowprec.gemm.gemm(
+                xg, "rowwise", wqs[g], "rowwise", out_dtype=torch.float32))
+            assert torch.equal(dw[g], lowprec.gemm.gemm(
+                dyg, "columnwise", xg, "columnwise", out_dtype=torch.float32))
+        else:
+            assert torch.all(dw[g] == 0)
+        start += m
