@@ -224,22 +224,21 @@ def _time_model(name, layers, peer, mode, ids, recipe, steps, warmup, top=0):
     return ms, peak, gpu, kernels, heaviest
 
 
-def run_model(name, layers, batch, seq, modes, steps, warmup, top=0):
-    from lowprec.recipe import Float8CurrentScaling, Format
-
+def run_model(name, layers, batch, seq, modes, steps, warmup, top=0, recipes=("current-e4m3",)):
     tokens = batch * seq
     ids = torch.randint(0, 32000, (batch, seq), device="cuda")
-    recipe = Float8CurrentScaling(fp8_format=Format.E4M3)
     print(f"\n{name} model, {layers} layers, {tokens} tokens a step, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'peer':24s} {'mode':9s} {'ms':>8s} {'GPU ms':>8s} {'host':>6s} {'peak GiB':>9s} "
           f"{'vs bf16 same mode':>18s}")
     base = {}
-    for peer in ("bf16", "lowprec-current-e4m3"):
+    for peer in ("bf16", *(f"lowprec-{r}" for r in recipes)):
         for mode in modes:
             try:
-                ms, peak, gpu, kernels, heaviest = _time_model(name, layers, peer, mode, ids,
-                                                               recipe, steps, warmup, top)
+                ms, peak, gpu, kernels, heaviest = _time_model(
+                    name, layers, peer, mode, ids,
+                    recipe(peer[len("lowprec-"):]) if peer != "bf16" else None, steps, warmup,
+                    top)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 print(f"{peer:24s} {mode:9s} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
@@ -266,7 +265,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="mixtral,qwen3")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--recipes", default="current-e4m3,current",
-                    help="lowprec recipes: current (HYBRID), current-e4m3, block, mxfp8, nvfp4")
+                    help="lowprec recipes: current (HYBRID), current-e4m3, block, mxfp8, nvfp4 "
+                         "(with --model: each converts the model's Linears and experts)")
     ap.add_argument("--no-loop", action="store_true", help="skip the bf16 per-expert loop")
     ap.add_argument("--top-kernels", type=int, default=0,
                     help="print each peer's N heaviest kernels (GPU ms a step)")
@@ -281,7 +281,7 @@ def main() -> None:
     if args.model:
         run_model(args.model, args.layers, args.batch, args.seq,
                   [m for m in args.modes.split(",") if m], args.steps, args.warmup,
-                  args.top_kernels)
+                  args.top_kernels, [r for r in args.recipes.split(",") if r])
         return
     peers = [("bf16-grouped", _torch_grouped)]
     if not args.no_loop:
