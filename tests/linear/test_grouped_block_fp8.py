@@ -189,18 +189,30 @@ def test_gpu_kernel_bit_identical_to_cublas_per_group(w_dim):
 
 
 @HOPPER
-def test_gpu_compiled_bit_identical_to_eager():
-    """Under ``torch.compile(fullgraph=True)`` the kernels run as the custom ops
-    ``lowprec::block_grouped_rows`` / ``_wgrad``: the same bits as eager."""
-    sizes = [300, 0, 17, 195]
-    x, w, dy = _data(sizes, device="cuda")
-    st = torch.tensor(sizes, device="cuda")
-    q = _block()
+def test_gpu_compiled_experts_bit_identical_to_eager():
+    """``lowprec.GroupedExperts`` under the block recipe and ``torch.compile(fullgraph=True)``
+    (the experts one op of the graph, running the grouped block path): output and
+    gradients the eager bits."""
+    torch.manual_seed(0)
+    hidden, ffn, experts, tokens = 512, 512, 4, 300
+    mod = lowprec.GroupedExperts(experts, hidden, ffn, params_dtype=torch.bfloat16,
+                                 device="cuda")
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(0, experts, (tokens, 2), device="cuda")
+    weights = torch.rand(tokens, 2, device="cuda", dtype=torch.bfloat16)
+    recipe = lowprec.recipe.Float8BlockScaling()
 
-    def fn(a, b):
-        return grouped_linear(a, b, st, quantizers=q)
+    def step(m, xx):
+        xx = xx.clone().requires_grad_(True)
+        with lowprec.autocast(recipe=recipe):
+            y = m(xx, idx, weights)
+        y.float().square().sum().backward()
+        grads = (xx.grad, m.gate_up_proj.grad.clone(), m.down_proj.grad.clone())
+        m.zero_grad(set_to_none=True)
+        return (y.detach(), *grads)
+
+    eager = step(mod, x)
     torch._dynamo.reset()
-    got = run_grads(torch.compile(fn, fullgraph=True), x, w, dy)
-    ref = run_grads(fn, x, w, dy)
-    for a, b in zip(got, ref):
+    compiled = torch.compile(step, fullgraph=True)(mod, x)
+    for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
