@@ -202,17 +202,20 @@ def test_gpu_compiled_experts_bit_identical_to_eager():
     weights = torch.rand(tokens, 2, device="cuda", dtype=torch.bfloat16)
     recipe = lowprec.recipe.Float8BlockScaling()
 
-    def step(m, xx):
-        xx = xx.clone().requires_grad_(True)
+    def forward(m, xx):
         with lowprec.autocast(recipe=recipe):
-            y = m(xx, idx, weights)
+            return m(xx, idx, weights)
+
+    def step(fwd):
+        xx = x.clone().requires_grad_(True)
+        y = fwd(mod, xx)
         y.float().square().sum().backward()
-        grads = (xx.grad, m.gate_up_proj.grad.clone(), m.down_proj.grad.clone())
-        m.zero_grad(set_to_none=True)
+        grads = (xx.grad, mod.gate_up_proj.grad.clone(), mod.down_proj.grad.clone())
+        mod.zero_grad(set_to_none=True)
         return (y.detach(), *grads)
 
-    eager = step(mod, x)
+    eager = step(forward)
     torch._dynamo.reset()
-    compiled = torch.compile(step, fullgraph=True)(mod, x)
+    compiled = step(torch.compile(forward, fullgraph=True))
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
