@@ -34,3 +34,29 @@ def assert_grouped_equals_per_expert(x, w, dy, sizes, quantizers):
     ref = run_grads(per_expert(quantizers, sizes), x, w, dy)
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
+
+
+def grouped_data(sizes, k, n, *, w_scale=0.1, seed=0, device="cpu"):
+    """bf16 (x, w, dy) for groups of ``sizes`` rows: x (M, K), w (G, N, K) times
+    ``w_scale``, dy (M, N), from a seeded CPU generator, then on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    m = sum(sizes)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(len(sizes), n, k, generator=g) * w_scale).bfloat16()
+    dy = torch.randn(m, n, generator=g).bfloat16()
+    return x.to(device), w.to(device), dy.to(device)
+
+
+def assert_grouped_never_syncs(x, w, dy, sizes, quantizers):
+    """A warm-up forward+backward of grouped_linear (kernels compile), then one under
+    ``torch.cuda.set_sync_debug_mode("error")``: nothing waits for the host."""
+    from lowprec.linear.grouped import grouped_linear
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    grouped_linear(x, w, sizes, quantizers=quantizers).backward(dy)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_linear(x, w, sizes, quantizers=quantizers).backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

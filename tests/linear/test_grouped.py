@@ -7,7 +7,12 @@ import warnings
 
 import pytest
 import torch
-from grouped_helpers import assert_grouped_equals_per_expert, per_expert, run_grads
+from grouped_helpers import (
+    assert_grouped_equals_per_expert,
+    assert_grouped_never_syncs,
+    per_expert,
+    run_grads,
+)
 
 import lowprec
 from lowprec.formats.float8 import grouped as fp8_grouped
@@ -190,16 +195,8 @@ def test_fp32_current_grouped_gpu_runs_per_group():
 def test_grouped_gpu_never_syncs(quantized):
     sizes = torch.tensor([64, 0, 17, 47], device="cuda")
     x, w, dy = _cuda(*_data([64, 0, 17, 47], k=256, n=128))
-    x.requires_grad_(True)
-    w.requires_grad_(True)
     q = _current(E4M3) if quantized else None  # E5M2 gradients have no grouped kernel
-    grouped_linear(x, w, sizes, quantizers=q).backward(dy)  # warm-up (kernel compiles)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        grouped_linear(x, w, sizes, quantizers=q).backward(dy)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_grouped_never_syncs(x, w, dy, sizes, q)
 
 
 def test_cached_expert_weights_quantized_once_per_step(monkeypatch):

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grouped_helpers import assert_grouped_equals_per_expert, per_expert, run_grads
+from grouped_helpers import (
+    assert_grouped_equals_per_expert,
+    assert_grouped_never_syncs,
+    grouped_data,
+    per_expert,
+    run_grads,
+)
 
 import lowprec
 from lowprec.backends import block_grouped
@@ -27,12 +33,7 @@ def _block(w_dim=2, x_dim=1, grad=E4M3):
 
 
 def _data(sizes, k=512, n=512, seed=0, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    m = sum(sizes)
-    x = torch.randn(m, k, generator=g).bfloat16()
-    w = (torch.randn(len(sizes), n, k, generator=g) * 0.05).bfloat16()
-    dy = torch.randn(m, n, generator=g).bfloat16()
-    return x.to(device), w.to(device), dy.to(device)
+    return grouped_data(sizes, k, n, w_scale=0.05, seed=seed, device=device)
 
 
 def test_takes_the_deepseek_settings_only():
@@ -137,17 +138,7 @@ def test_gpu_caller_aligned_rows_bit_identical():
 def test_gpu_grouped_never_syncs():
     sizes = [300, 0, 17, 195]
     x, w, dy = _data(sizes, device="cuda")
-    x.requires_grad_(True)
-    w.requires_grad_(True)
-    st = torch.tensor(sizes, device="cuda")
-    q = _block()
-    grouped_linear(x, w, st, quantizers=q).backward(dy)  # warm-up (kernels compile)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        grouped_linear(x, w, st, quantizers=q).backward(dy)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_grouped_never_syncs(x, w, dy, torch.tensor(sizes, device="cuda"), _block())
 
 
 @HOPPER

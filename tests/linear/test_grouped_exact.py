@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grouped_helpers import assert_grouped_equals_per_expert, per_expert, run_grads
+from grouped_helpers import assert_grouped_equals_per_expert, grouped_data, per_expert, run_grads
 
 import lowprec
 from lowprec.linear.function import LinearQuantizers
@@ -42,12 +42,7 @@ def _mx(**kw):
 
 
 def _data(sizes, k=64, n=96, seed=0, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    m = sum(sizes)
-    x = torch.randn(m, k, generator=g).bfloat16()
-    w = (torch.randn(len(sizes), n, k, generator=g) * 0.1).bfloat16()
-    dy = torch.randn(m, n, generator=g).bfloat16()
-    return x.to(device), w.to(device), dy.to(device)
+    return grouped_data(sizes, k, n, seed=seed, device=device)
 
 
 def _exact(quantizers, sizes):
