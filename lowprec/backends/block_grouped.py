@@ -12,7 +12,7 @@ elements and per row, or per 128 rows for 128x128 blocks):
 Each 128-long chunk of the contraction is a tensor-core dot started from zero, scaled by
 its two decode scales and added to an fp32 accumulator, as cuBLAS's block-scaled
 ``torch._scaled_mm`` does: on the H100 the results are bit-identical to one cuBLAS GEMM
-per group (``tests/backends/test_block_grouped_gpu.py``). Groups start at multiples of 128
+per group (``tests/linear/test_grouped_block_fp8.py``). Groups start at multiples of 128
 rows (:data:`ALIGN`): a tile, and a columnwise block, never straddles two groups. Off the
 GPU the same sum runs in torch ops (``_reference``), for the CPU tests of the grouped path.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import kernel_op
+from ..kernels import kernel_op, triton_available
 from ..kernels.launch import launch
 
 #: the row multiple every group starts at (a block along the rows, the kernel's row tile)
@@ -34,7 +34,6 @@ _CONFIG = {False: (128, 128, 8, 3, 8), True: (128, 128, 8, 3, 8)}
 def available(a: torch.Tensor, *fp8_dtypes: torch.dtype) -> bool:
     """Whether the kernel runs on ``a``'s device for operands of ``fp8_dtypes`` (E4M3, the
     pairing tested bit-identical to cuBLAS): a Hopper GPU with Triton."""
-    from ..kernels import triton_available
     return (a.is_cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
             and triton_available() and all(d == torch.float8_e4m3fn for d in fp8_dtypes))
 

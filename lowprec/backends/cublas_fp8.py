@@ -128,6 +128,13 @@ def _block_key(a, b, out_dtype, bias):
             _fusable_bias(bias, out_dtype))
 
 
+def block_scales_fit(dim_a: int, dim_b: int, k: int) -> bool:
+    """Whether cuBLAS takes the block scales of operands with block dims ``dim_a`` and
+    ``dim_b`` over a contraction of ``k`` (a multiple of 128): 128x128 scale rows must be
+    16-byte aligned, so a 128x128 operand needs K/128 % 4 == 0."""
+    return not ((dim_a == 2 or dim_b == 2) and (k // 128) % 4)
+
+
 def blockwise_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
     if not _common_accepts(Float8BlockwiseTensor, a, a_usage, b, b_usage, out_dtype):
         return False
@@ -137,8 +144,8 @@ def blockwise_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
     m, k = getattr(a, f"{a_usage}_data").shape
     if k % 128 or m % 16:
         return False
-    if (da == 2 or db == 2) and (k // 128) % 4:
-        return False  # 128x128 scale rows must be 16-byte aligned
+    if not block_scales_fit(da, db, k):
+        return False
     return _BLOCK_REFUSED.get(_block_key(a, b, out_dtype, bias), True)
 
 

@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from ..backends import block_grouped
+from ..backends.cublas_fp8 import block_scales_fit
 from ..formats.block.quantizer import Float8BlockQuantizer
 from .function import LinearQuantizers
 from .grouped_blocks import blocks_backward, blocks_forward, slot_quantizers
@@ -53,9 +54,9 @@ def _w_rows(w_lp) -> int:
 
 
 def _on_cublas(w_lp, contraction: int) -> bool:
-    """Whether the per-expert GEMM of the weight over ``contraction`` runs on cuBLAS (see
-    ``backends/cublas_fp8.blockwise_accepts``), else on the exact bf16 emulation."""
-    return w_lp.block_scaling_dim == 1 or (contraction // 128) % 4 == 0
+    """Whether the per-expert GEMM of the weight (against 1x128 blocks) over
+    ``contraction`` runs on cuBLAS, else on the exact bf16 emulation."""
+    return block_scales_fit(1, w_lp.block_scaling_dim, contraction)
 
 
 class _BlockGemms:
