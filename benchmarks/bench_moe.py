@@ -80,7 +80,8 @@ def _torchao(x, w, counts):
     # of 16 rows: the rows go into a padded copy here, in torch ops, and back out.
     src, valid, padded_offs, _, dest = grouped_mm.padded_layout(
         counts, group_ids(counts, x.shape[0]), x.shape[0])
-    xp = grouped_mm.padded_rows(x, src, valid)
+    # index_copy keeps the copy differentiable (padded_rows moves bits, no gradient)
+    xp = x.new_zeros(src.shape[0], x.shape[1]).index_copy(0, dest, x)
     y = _to_fp8_rowwise_then_scaled_grouped_mm(xp, w.transpose(1, 2), padded_offs,
                                                pad_token_groups_for_grouped_mm=False)
     return y[dest]
