@@ -82,14 +82,103 @@ def run(name, tokens):
                   f"  (ms {t_bf:.3f} / {t_slow:.3f} / {t_fast:.3f}) same bits: {same}")
 
 
+def launch(a, b, da, db, offs, out, group_k, s_b, s_o, cfg, acc_k, split=False):
+    from lowprec.backends._fp8_grouped_kernels import fp8_grouped_gemm_kernel
+    bm, bn, warps, stages, band = cfg
+    g = offs.shape[0]
+    m, n, k = a.shape[0], (b.shape[0] if group_k else b.shape[1]), a.shape[1]
+    m_tiles = -(-m // bm) + (0 if group_k else g)
+    grid = (m_tiles * -(-n // bn), g if group_k else 1)
+    fp8_grouped_gemm_kernel[grid](
+        a, b, da, db, out, offs, m, n, k, g, *a.stride(), *s_b, *s_o,
+        GROUP_K=group_k, BM=bm, BN=bn, BK=128, GP=max(2, 1 << (g - 1).bit_length()),
+        GROUP_M=band, ACC_K=acc_k, SPLIT_SCALE=split, num_warps=warps, num_stages=stages)
+    return out
+
+
+def bits_off(x, y):
+    return int((x.view(torch.int16) != y.view(torch.int16)).sum())
+
+
+def triton_run(name, tokens, configs):
+    """The Triton kernel: bits against one cuBLAS ``torch._scaled_mm`` per group (groups of
+    any size, some empty), then TFLOP/s of each config at the layer's shapes."""
+    hidden, experts, topk, ffn = SHAPES[name]
+    rows = tokens * topk
+    for label, n, k in (("gate/up", 2 * ffn, hidden), ("down", hidden, ffn)):
+        a, w, dy, offs = problem(rows, experts, n, k)
+        m = a.shape[0]
+        a8, w8, dy8 = fp8(a), fp8(w), fp8(dy)
+        w8_t = w8.permute(2, 0, 1).reshape(k, experts * n).contiguous()  # (K, G*N)
+        a8_t, dy8_t = a8.t().contiguous(), dy8.t().contiguous()
+        da = torch.rand(experts, device="cuda") * 0.01 + 1e-3
+        db = torch.rand(experts, device="cuda") * 0.01 + 1e-3
+        outs = {"fwd": lambda: torch.empty(m, n, device="cuda", dtype=torch.bfloat16),
+                "dgrad": lambda: torch.empty(m, k, device="cuda", dtype=torch.bfloat16),
+                "wgrad": lambda: torch.empty(experts, n, k, device="cuda",
+                                             dtype=torch.bfloat16)}
+
+        def call(direction, cfg, acc_k, split=False):
+            out = outs[direction]()
+            if direction == "fwd":
+                return launch(a8, w8, da, db, offs, out, False, w8.stride(), (0, *out.stride()),
+                              cfg, acc_k, split)
+            if direction == "dgrad":
+                return launch(dy8, w8_t, da, db, offs, out, False, (n, experts * n, 1),
+                              (0, *out.stride()), cfg, acc_k, split)
+            return launch(dy8_t, a8_t, da, db, offs, out, True, (0, *a8_t.stride()),
+                          out.stride(), cfg, acc_k, split)
+
+        def reference(direction):
+            out, start = outs[direction](), 0
+            for g, end in enumerate(offs.tolist()):
+                sa, sb = da[g:g + 1].reshape(()), db[g:g + 1].reshape(())
+                if direction == "fwd" and end > start:
+                    out[start:end] = torch._scaled_mm(a8[start:end], w8[g].t(), sa, sb,
+                                                      out_dtype=torch.bfloat16)
+                elif direction == "dgrad" and end > start:
+                    out[start:end] = torch._scaled_mm(dy8[start:end],
+                                                      w8_t[:, g * n:(g + 1) * n].t(), sa, sb,
+                                                      out_dtype=torch.bfloat16)
+                elif direction == "wgrad":
+                    out[g] = (torch._scaled_mm(dy8_t[:, start:end], a8_t[:, start:end].t(),
+                                               sa, sb, out_dtype=torch.bfloat16)
+                              if end > start else 0)
+                start = end
+            return out
+
+        flop = 2 * m * n * k
+        for direction in ("fwd", "dgrad", "wgrad"):
+            ref = reference(direction)
+            cfg0 = configs[0]
+            for acc_k in (128, 64, 32):
+                for split in (False, True):
+                    print(f"{name} {label} {direction} bits off vs cuBLAS (acc_k {acc_k}, "
+                          f"split {split}): {bits_off(call(direction, cfg0, acc_k, split), ref)}"
+                          f" of {ref.numel()}")
+            for cfg in configs:
+                for acc_k in (128, 1 << 30):
+                    t = timed(lambda: call(direction, cfg, acc_k))
+                    print(f"{name:8s} {label:8s} {direction:6s} cfg {cfg} acc_k {acc_k:>10d}: "
+                          f"{flop / t / 1e9:6.0f} TFLOP/s ({t:.3f} ms)")
+
+
+CONFIGS = [(128, 128, 8, 3, 8), (128, 256, 8, 3, 8), (128, 128, 4, 4, 8),
+           (64, 128, 4, 4, 8), (128, 256, 8, 4, 8)]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="mixtral,qwen3")
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--triton", action="store_true", help="probe lowprec's Triton kernel")
     args = ap.parse_args()
     torch.manual_seed(0)
     for name in args.shapes.split(","):
-        run(name, args.tokens)
+        if args.triton:
+            triton_run(name, args.tokens, CONFIGS)
+        else:
+            run(name, args.tokens)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,114 @@
+"""@triton.jit kernel of the grouped per-tensor-scaled FP8 GEMM (launcher:
+:mod:`lowprec.backends.fp8_grouped`).
+
+``out = (A @ B.T) * da[g] * db[g]``: both operands fp8 and contiguous along the
+contraction, one decode scale per group and operand. The contraction runs in chunks of
+``BK``; each chunk's tensor-core product is summed apart and then added to the fp32
+accumulator (``max_num_imprecise_acc=BK``), the promotion cuBLAS's FP8 GEMMs without fast
+accumulation make, so that a group's result is the bits of its own ``torch._scaled_mm``.
+
+Two ways the groups split the problem (``GROUP_K``):
+
+* rows (``GROUP_K=False``, forward and dgrad): group ``g`` owns rows ``[offs[g-1], offs[g])``
+  of A and the output; B is expert ``g``'s matrix. Row tiles start at each group's first
+  row, so a tile never mixes two groups and the groups need no padding.
+* contraction (``GROUP_K=True``, wgrad): ``out[g] = A[:, cols of g] @ B[:, cols of g].T``;
+  an empty group writes zeros. Group starts are multiples of 16 (16-byte loads).
+
+Imported only when a launcher runs on CUDA with Triton available.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _group_tile(offs_ptr, pid_m, G, BM: tl.constexpr, GP: tl.constexpr):
+    """(group, first row, end row) of the ``pid_m``-th row tile, counting each group's
+    tiles from its own first row; group ``G`` past the last tile."""
+    gidx = tl.arange(0, GP)
+    live = gidx < G
+    ends = tl.load(offs_ptr + gidx, mask=live, other=0)
+    starts = tl.load(offs_ptr + gidx - 1, mask=live & (gidx > 0), other=0)
+    tiles = tl.cdiv(ends - starts, BM)
+    tile_end = tl.cumsum(tiles, 0)
+    g = tl.sum((tile_end <= pid_m).to(tl.int32))
+    pick = gidx == g
+    first = tl.sum(tl.where(pick, starts + (pid_m - (tile_end - tiles)) * BM, 0))
+    return g, first, tl.sum(tl.where(pick, ends, 0))
+
+
+@triton.jit
+def _row_tiles(offs_ptr, G, BM: tl.constexpr, GP: tl.constexpr):
+    gidx = tl.arange(0, GP)
+    live = gidx < G
+    ends = tl.load(offs_ptr + gidx, mask=live, other=0)
+    starts = tl.load(offs_ptr + gidx - 1, mask=live & (gidx > 0), other=0)
+    return tl.sum(tl.cdiv(ends - starts, BM))
+
+
+@triton.jit
+def fp8_grouped_gemm_kernel(
+        a_ptr, b_ptr, da_ptr, db_ptr, out_ptr, offs_ptr,
+        M, N, K, G,
+        s_am, s_ak, s_bg, s_bn, s_bk,
+        s_og, s_om, s_on,
+        GROUP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        GP: tl.constexpr, GROUP_M: tl.constexpr, ACC_K: tl.constexpr,
+        SPLIT_SCALE: tl.constexpr = False):
+    """One (BM, BN) output tile (grid: row tiles x column tiles, then groups for
+    ``GROUP_K``). ``GP``: ``G`` rounded up to a power of two. ``ACC_K``: contraction elements
+    summed in the tensor cores before each fp32 add."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    if GROUP_K:
+        tiles_m = tl.cdiv(M, BM)
+    else:
+        tiles_m = _row_tiles(offs_ptr, G, BM, GP)
+    # tiles in bands of GROUP_M row tiles, so that a band's A rows stay in L2 while every
+    # column tile reads them
+    band = GROUP_M * tiles_n
+    first_m = (pid // band) * GROUP_M
+    if first_m >= tiles_m:
+        return  # the grid's bound on the row tiles, past the last group's
+    band_m = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % band) % band_m
+    pid_n = (pid % band) // band_m
+    if pid_n >= tiles_n:
+        return  # a short last band
+    cols = pid_n * BN + tl.arange(0, BN)
+    if GROUP_K:
+        g = tl.program_id(1)
+        k_hi = tl.multiple_of(tl.load(offs_ptr + g), 16)
+        k_lo = tl.multiple_of(tl.load(offs_ptr + g - 1, mask=g > 0, other=0), 16)
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_end = M
+        b_base = b_ptr
+        out_base = out_ptr + g.to(tl.int64) * s_og
+    else:
+        g, first, row_end = _group_tile(offs_ptr, pid_m, G, BM, GP)
+        rows = first + tl.arange(0, BM)
+        k_lo = 0
+        k_hi = K
+        b_base = b_ptr + g.to(tl.int64) * s_bg
+        out_base = out_ptr
+    rmask = rows < row_end
+    cmask = cols < N
+    ks = tl.arange(0, BK)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * s_am + (k_lo + ks)[None, :] * s_ak
+    b_ptrs = b_base + cols.to(tl.int64)[None, :] * s_bn + (k_lo + ks)[:, None] * s_bk
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BK):
+        kmask = (k + ks) < k_hi
+        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=cmask[None, :] & kmask[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=ACC_K)
+        a_ptrs += BK * s_ak
+        b_ptrs += BK * s_bk
+    if SPLIT_SCALE:
+        acc = acc * tl.load(da_ptr + g) * tl.load(db_ptr + g)
+    else:
+        acc = acc * (tl.load(da_ptr + g) * tl.load(db_ptr + g))
+    optr = out_base + rows.to(tl.int64)[:, None] * s_om + cols[None, :] * s_on
+    tl.store(optr, acc.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
