@@ -132,7 +132,7 @@ def triton_run(name, tokens, configs):
         def reference(direction):
             out, start = outs[direction](), 0
             for g, end in enumerate(offs.tolist()):
-                sa, sb = da[g:g + 1].reshape(()), db[g:g + 1].reshape(())
+                sa, sb = da[g].clone(), db[g].clone()  # cuBLAS wants aligned scale pointers
                 if direction == "fwd" and end > start:
                     out[start:end] = torch._scaled_mm(a8[start:end], w8[g].t(), sa, sb,
                                                       out_dtype=torch.bfloat16)
