@@ -58,7 +58,8 @@ def fp8_grouped_gemm_kernel(
         SPLIT_SCALE: tl.constexpr = False):
     """One (BM, BN) output tile (grid: row tiles x column tiles, then groups for
     ``GROUP_K``). ``GP``: ``G`` rounded up to a power of two. ``ACC_K``: contraction elements
-    summed in the tensor cores before each fp32 add."""
+    summed in the tensor cores before each fp32 add (0: the
+    whole contraction, fast accumulation; probes only)."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
     if GROUP_K:
@@ -102,7 +103,10 @@ def fp8_grouped_gemm_kernel(
         kmask = (k + ks) < k_hi
         a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=cmask[None, :] & kmask[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, max_num_imprecise_acc=ACC_K)
+        if ACC_K == 0:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=ACC_K)
         a_ptrs += BK * s_ak
         b_ptrs += BK * s_bk
     if SPLIT_SCALE:
