@@ -84,15 +84,16 @@ def run(name, tokens):
 
 def launch(a, b, da, db, offs, out, group_k, s_b, s_o, cfg, acc_k, split=False):
     from lowprec.backends._fp8_grouped_kernels import fp8_grouped_gemm_kernel
-    bm, bn, warps, stages, band = cfg
+    bm, bn, warps, stages, band, mask_k, ws = cfg
     g = offs.shape[0]
-    m, n, k = a.shape[0], (b.shape[0] if group_k else b.shape[1]), a.shape[1]
+    m, n, k = a.shape[0], out.shape[-1], a.shape[1]
     m_tiles = -(-m // bm) + (0 if group_k else g)
     grid = (m_tiles * -(-n // bn), g if group_k else 1)
     fp8_grouped_gemm_kernel[grid](
         a, b, da, db, out, offs, m, n, k, g, *a.stride(), *s_b, *s_o,
         GROUP_K=group_k, BM=bm, BN=bn, BK=128, GP=max(2, 1 << (g - 1).bit_length()),
-        GROUP_M=band, ACC_K=acc_k, SPLIT_SCALE=split, num_warps=warps, num_stages=stages)
+        GROUP_M=band, ACC_K=acc_k, SPLIT_SCALE=split, MASK_K=mask_k, WS=ws,
+        num_warps=warps, num_stages=stages)
     return out
 
 
@@ -157,14 +158,16 @@ def triton_run(name, tokens, configs):
                           f"split {split}): {bits_off(call(direction, cfg0, acc_k, split), ref)}"
                           f" of {ref.numel()}")
             for cfg in configs:
-                for acc_k in (128, 0):
+                for acc_k in (128,):
                     t = timed(lambda: call(direction, cfg, acc_k))
                     print(f"{name:8s} {label:8s} {direction:6s} cfg {cfg} acc_k {acc_k:>10d}: "
                           f"{flop / t / 1e9:6.0f} TFLOP/s ({t:.3f} ms)")
 
 
-CONFIGS = [(128, 128, 8, 3, 8), (128, 256, 8, 3, 8), (128, 128, 4, 4, 8),
-           (64, 128, 4, 4, 8), (128, 256, 8, 4, 8)]
+CONFIGS = [(128, 128, 8, 3, 8, True, False), (128, 128, 8, 3, 8, False, False),
+           (128, 128, 8, 4, 8, False, False), (128, 128, 8, 3, 8, True, True),
+           (64, 128, 4, 4, 8, True, False), (64, 256, 8, 3, 8, True, False),
+           (128, 128, 8, 3, 16, True, False)]
 
 
 def main():

@@ -55,7 +55,8 @@ def fp8_grouped_gemm_kernel(
         s_og, s_om, s_on,
         GROUP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GP: tl.constexpr, GROUP_M: tl.constexpr, ACC_K: tl.constexpr,
-        SPLIT_SCALE: tl.constexpr = False):
+        SPLIT_SCALE: tl.constexpr = False, MASK_K: tl.constexpr = True,
+        WS: tl.constexpr = False):
     """One (BM, BN) output tile (grid: row tiles x column tiles, then groups for
     ``GROUP_K``). ``GP``: ``G`` rounded up to a power of two. ``ACC_K``: contraction elements
     summed in the tensor cores before each fp32 add (0: the
@@ -99,10 +100,14 @@ def fp8_grouped_gemm_kernel(
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * s_am + (k_lo + ks)[None, :] * s_ak
     b_ptrs = b_base + cols.to(tl.int64)[None, :] * s_bn + (k_lo + ks)[:, None] * s_bk
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(k_lo, k_hi, BK):
-        kmask = (k + ks) < k_hi
-        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=cmask[None, :] & kmask[:, None], other=0.0)
+    for k in tl.range(k_lo, k_hi, BK, warp_specialize=WS):
+        if MASK_K:
+            kmask = (k + ks) < k_hi
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=cmask[None, :] & kmask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
         if ACC_K == 0:
             acc = tl.dot(a, b, acc)
         else:
