@@ -1,7 +1,8 @@
-"""Probe of the grouped GEMMs at the MoE layer's shapes: TFLOP/s of bf16
-``torch._grouped_mm`` against FP8 ``torch._scaled_grouped_mm`` with and without fast
-accumulation, per direction (forward, dgrad, wgrad), and whether the two FP8 modes give
-the same bits. Needs a Hopper GPU."""
+"""Probe of the grouped GEMMs at the MoE layer's shapes, per direction (forward, dgrad,
+wgrad): TFLOP/s of bf16 ``torch._grouped_mm`` against FP8 ``torch._scaled_grouped_mm`` with
+and without fast accumulation (and whether the two give the same bits); with ``--triton``,
+lowprec's grouped FP8 kernel (``backends/_fp8_grouped_kernels.py``): its bits against one
+cuBLAS ``torch._scaled_mm`` per group and the TFLOP/s of tile configs. Needs a Hopper GPU."""
 
 from __future__ import annotations
 
@@ -82,9 +83,9 @@ def run(name, tokens):
                   f"  (ms {t_bf:.3f} / {t_slow:.3f} / {t_fast:.3f}) same bits: {same}")
 
 
-def launch(a, b, da, db, offs, out, group_k, s_b, s_o, cfg, acc_k, split=False):
+def launch(a, b, da, db, offs, out, group_k, s_b, s_o, cfg):
     from lowprec.backends._fp8_grouped_kernels import fp8_grouped_gemm_kernel
-    bm, bn, warps, stages, band, mask_k, ws = cfg
+    bm, bn, warps, stages, band = cfg
     g = offs.shape[0]
     m, n, k = a.shape[0], out.shape[-1], a.shape[1]
     m_tiles = -(-m // bm) + (0 if group_k else g)
@@ -92,8 +93,7 @@ def launch(a, b, da, db, offs, out, group_k, s_b, s_o, cfg, acc_k, split=False):
     fp8_grouped_gemm_kernel[grid](
         a, b, da, db, out, offs, m, n, k, g, *a.stride(), *s_b, *s_o,
         GROUP_K=group_k, BM=bm, BN=bn, BK=128, GP=max(2, 1 << (g - 1).bit_length()),
-        GROUP_M=band, ACC_K=acc_k, SPLIT_SCALE=split, MASK_K=mask_k, WS=ws,
-        num_warps=warps, num_stages=stages)
+        GROUP_M=band, MASK_K=group_k or k % 128 != 0, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -119,16 +119,16 @@ def triton_run(name, tokens, configs):
                 "wgrad": lambda: torch.empty(experts, n, k, device="cuda",
                                              dtype=torch.bfloat16)}
 
-        def call(direction, cfg, acc_k, split=False):
+        def call(direction, cfg):
             out = outs[direction]()
             if direction == "fwd":
                 return launch(a8, w8, da, db, offs, out, False, w8.stride(), (0, *out.stride()),
-                              cfg, acc_k, split)
+                              cfg)
             if direction == "dgrad":
                 return launch(dy8, w8_t, da, db, offs, out, False, (n, experts * n, 1),
-                              (0, *out.stride()), cfg, acc_k, split)
+                              (0, *out.stride()), cfg)
             return launch(dy8_t, a8_t, da, db, offs, out, True, (0, *a8_t.stride()),
-                          out.stride(), cfg, acc_k, split)
+                          out.stride(), cfg)
 
         def reference(direction):
             out, start = outs[direction](), 0
@@ -151,23 +151,15 @@ def triton_run(name, tokens, configs):
         flop = 2 * m * n * k
         for direction in ("fwd", "dgrad", "wgrad"):
             ref = reference(direction)
-            cfg0 = configs[0]
-            for acc_k in (128,):
-                for split in (False,):
-                    print(f"{name} {label} {direction} bits off vs cuBLAS (acc_k {acc_k}, "
-                          f"split {split}): {bits_off(call(direction, cfg0, acc_k, split), ref)}"
-                          f" of {ref.numel()}")
+            print(f"{name} {label} {direction} bits off vs cuBLAS: "
+                  f"{bits_off(call(direction, configs[0]), ref)} of {ref.numel()}")
             for cfg in configs:
-                for acc_k in (128,):
-                    t = timed(lambda: call(direction, cfg, acc_k))
-                    print(f"{name:8s} {label:8s} {direction:6s} cfg {cfg} acc_k {acc_k:>10d}: "
-                          f"{flop / t / 1e9:6.0f} TFLOP/s ({t:.3f} ms)")
+                t = timed(lambda: call(direction, cfg))
+                print(f"{name:8s} {label:8s} {direction:6s} cfg {cfg}: "
+                      f"{flop / t / 1e9:6.0f} TFLOP/s ({t:.3f} ms)")
 
 
-CONFIGS = [(128, 128, 8, 3, 8, True, False), (128, 128, 8, 3, 8, False, False),
-           (128, 128, 8, 4, 8, False, False), (128, 128, 8, 3, 8, True, True),
-           (64, 128, 4, 4, 8, True, False), (64, 256, 8, 3, 8, True, False),
-           (128, 128, 8, 3, 16, True, False)]
+CONFIGS = [(128, 128, 8, 4, 8), (128, 128, 8, 3, 8), (64, 128, 4, 4, 8)]
 
 
 def main():

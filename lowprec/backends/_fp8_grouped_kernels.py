@@ -1,7 +1,7 @@
 """@triton.jit kernel of the grouped per-tensor-scaled FP8 GEMM (launcher:
 :mod:`lowprec.backends.fp8_grouped`).
 
-``out = (A @ B.T) * da[g] * db[g]``: both operands fp8 and contiguous along the
+``out = (A @ B.T) * (da[g] * db[g])``: both operands fp8 and contiguous along the
 contraction, one decode scale per group and operand. The contraction runs in chunks of
 ``BK``; each chunk's tensor-core product is summed apart and then added to the fp32
 accumulator (``max_num_imprecise_acc=BK``), the promotion cuBLAS's FP8 GEMMs without fast
@@ -23,28 +23,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _group_tile(offs_ptr, pid_m, G, BM: tl.constexpr, GP: tl.constexpr):
-    """(group, first row, end row) of the ``pid_m``-th row tile, counting each group's
-    tiles from its own first row; group ``G`` past the last tile."""
+def _row_tile_table(offs_ptr, G, BM: tl.constexpr, GP: tl.constexpr):
+    """(first row, end row, row tiles, tiles ending at or before each group) of every group,
+    each group's tiles counted from its own first row; groups past ``G`` are empty."""
     gidx = tl.arange(0, GP)
     live = gidx < G
     ends = tl.load(offs_ptr + gidx, mask=live, other=0)
     starts = tl.load(offs_ptr + gidx - 1, mask=live & (gidx > 0), other=0)
     tiles = tl.cdiv(ends - starts, BM)
-    tile_end = tl.cumsum(tiles, 0)
-    g = tl.sum((tile_end <= pid_m).to(tl.int32))
-    pick = gidx == g
-    first = tl.sum(tl.where(pick, starts + (pid_m - (tile_end - tiles)) * BM, 0))
-    return g, first, tl.sum(tl.where(pick, ends, 0))
-
-
-@triton.jit
-def _row_tiles(offs_ptr, G, BM: tl.constexpr, GP: tl.constexpr):
-    gidx = tl.arange(0, GP)
-    live = gidx < G
-    ends = tl.load(offs_ptr + gidx, mask=live, other=0)
-    starts = tl.load(offs_ptr + gidx - 1, mask=live & (gidx > 0), other=0)
-    return tl.sum(tl.cdiv(ends - starts, BM))
+    return starts, ends, tiles, tl.cumsum(tiles, 0)
 
 
 @triton.jit
@@ -54,19 +41,17 @@ def fp8_grouped_gemm_kernel(
         s_am, s_ak, s_bg, s_bn, s_bk,
         s_og, s_om, s_on,
         GROUP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        GP: tl.constexpr, GROUP_M: tl.constexpr, ACC_K: tl.constexpr,
-        SPLIT_SCALE: tl.constexpr = False, MASK_K: tl.constexpr = True,
-        WS: tl.constexpr = False):
+        GP: tl.constexpr, GROUP_M: tl.constexpr, MASK_K: tl.constexpr):
     """One (BM, BN) output tile (grid: row tiles x column tiles, then groups for
-    ``GROUP_K``). ``GP``: ``G`` rounded up to a power of two. ``ACC_K``: contraction elements
-    summed in the tensor cores before each fp32 add (0: the
-    whole contraction, fast accumulation; probes only)."""
+    ``GROUP_K``). ``GP``: ``G`` rounded up to a power of two. ``MASK_K``: the contraction
+    may end inside a chunk (always so for ``GROUP_K``)."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
     if GROUP_K:
         tiles_m = tl.cdiv(M, BM)
     else:
-        tiles_m = _row_tiles(offs_ptr, G, BM, GP)
+        starts, ends, tiles, tile_end = _row_tile_table(offs_ptr, G, BM, GP)
+        tiles_m = tl.sum(tiles)
     # tiles in bands of GROUP_M row tiles, so that a band's A rows stay in L2 while every
     # column tile reads them
     band = GROUP_M * tiles_n
@@ -88,7 +73,11 @@ def fp8_grouped_gemm_kernel(
         b_base = b_ptr
         out_base = out_ptr + g.to(tl.int64) * s_og
     else:
-        g, first, row_end = _group_tile(offs_ptr, pid_m, G, BM, GP)
+        # the group of this row tile: the number of groups whose tiles end at or before it
+        g = tl.sum((tile_end <= pid_m).to(tl.int32))
+        pick = tl.arange(0, GP) == g
+        first = tl.sum(tl.where(pick, starts + (pid_m - (tile_end - tiles)) * BM, 0))
+        row_end = tl.sum(tl.where(pick, ends, 0))
         rows = first + tl.arange(0, BM)
         k_lo = 0
         k_hi = K
@@ -100,7 +89,7 @@ def fp8_grouped_gemm_kernel(
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * s_am + (k_lo + ks)[None, :] * s_ak
     b_ptrs = b_base + cols.to(tl.int64)[None, :] * s_bn + (k_lo + ks)[:, None] * s_bk
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in tl.range(k_lo, k_hi, BK, warp_specialize=WS):
+    for k in range(k_lo, k_hi, BK):
         if MASK_K:
             kmask = (k + ks) < k_hi
             a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -108,16 +97,12 @@ def fp8_grouped_gemm_kernel(
         else:
             a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
-        if ACC_K == 0:
-            acc = tl.dot(a, b, acc)
-        else:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=ACC_K)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
         a_ptrs += BK * s_ak
         b_ptrs += BK * s_bk
-    if SPLIT_SCALE:
-        acc = acc * tl.load(da_ptr + g) * tl.load(db_ptr + g)
-    else:
-        acc = acc * (tl.load(da_ptr + g) * tl.load(db_ptr + g))
+    # the two decode scales' product first, as cuBLAS applies them (the other order
+    # differs in the last bit)
+    acc = acc * (tl.load(da_ptr + g) * tl.load(db_ptr + g))
     optr = out_base + rows.to(tl.int64)[:, None] * s_om + cols[None, :] * s_on
     tl.store(optr, acc.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])

@@ -9,10 +9,9 @@ How it runs is decided by the quantizers and the device:
 * high precision on Hopper: one ``torch._grouped_mm`` per direction;
 * FP8 current scaling on Hopper, bf16 activations: per-group amaxes (torch ops fused by
   inductor) and one Triton cast pass (group sizes read on the device, no host sync), one
-  ``torch._scaled_grouped_mm`` per direction. That
-  kernel takes E4M3 operands only: with E5M2 gradients (``Format.HYBRID``) dgrad and wgrad
-  run one GEMM per group, the sizes read on the host once per backward; with
-  ``Format.E4M3`` nothing waits for the host;
+  grouped GEMM per direction: lowprec's Triton kernel, bit for bit the per-expert cuBLAS
+  GEMMs (E4M3 and E5M2 operands), or ``torch._scaled_grouped_mm`` for few large experts
+  (:mod:`.grouped_current`); nothing waits for the host;
 * FP8 current scaling elsewhere: the same quantize, then each group's GEMM as
   :func:`lowprec.gemm.gemm` runs it;
 * MXFP8 (block formats emulated on bf16 GEMMs) on Hopper, bf16 activations: one quantize
@@ -36,14 +35,13 @@ import torch
 
 from ..backends import block_grouped, grouped_mm
 from ..formats.base import QuantizedTensor
-from ..formats.float8 import grouped as fp8_grouped
-from ..formats.float8.quantizer import Float8CurrentScalingQuantizer
-from ..formats.float8.tensor import Float8Tensor
-from ..gemm import gemm
-from ..kernels.transpose import transpose_contiguous
-from . import grouped_block_fp8, grouped_exact, weight_cache
-from .function import LinearQuantizers, _caching_weights, quantized_linear
-from .grouped_parts import fused, group_ids, layout, stacked, weight_grads
+from . import grouped_block_fp8, grouped_current, grouped_exact
+from .function import LinearQuantizers, quantized_linear
+from .grouped_parts import group_ids, stacked
+
+__all__ = ["current_scaling_quantizers", "group_alignment_for", "group_ids", "grouped_linear"]
+
+current_scaling_quantizers = grouped_current.current_scaling_quantizers
 
 
 def _check_sizes_tensor(group_sizes: torch.Tensor, num_groups: int) -> None:
@@ -88,31 +86,6 @@ def _host_sizes(group_sizes) -> list[int]:
     return [int(m) for m in group_sizes]
 
 
-def _same_current(qs: Sequence[Float8CurrentScalingQuantizer | None]) -> bool:
-    first = qs[0]
-    if type(first) is not Float8CurrentScalingQuantizer:
-        return False
-    if any("quantize" in q.__dict__ for q in qs):
-        # hooked (lowprec.debug, compare's SQNR probe): each group quantized through its
-        # quantizer's own quantize, so the hooks see every expert's tensors (same values)
-        return False
-    key = (first.fp8_dtype, first.force_pow_2_scales, first.amax_epsilon)
-    return all(type(q) is Float8CurrentScalingQuantizer
-               and (q.fp8_dtype, q.force_pow_2_scales, q.amax_epsilon) == key for q in qs)
-
-
-def current_scaling_quantizers(qs: Sequence[LinearQuantizers]):
-    """(input, weight, grad_output) quantizers when every group quantizes its three GEMM
-    operands with FP8 current scaling of one setting each and nothing at its boundaries;
-    else None."""
-    if any(q.output is not None or q.grad_input is not None for q in qs):
-        return None
-    slots = ([q.input for q in qs], [q.weight for q in qs], [q.grad_output for q in qs])
-    if not all(_same_current(s) for s in slots):
-        return None
-    return tuple(s[0] for s in slots)
-
-
 def group_alignment_for(quantizers: LinearQuantizers | Sequence[LinearQuantizers] | None,
                         n: int, k: int) -> int:
     """The row multiple the grouped path of ``quantizers`` (one set, or one per group) pads
@@ -123,7 +96,7 @@ def group_alignment_for(quantizers: LinearQuantizers | Sequence[LinearQuantizers
     if quantizers is None:
         return 1
     qs = [quantizers] if isinstance(quantizers, LinearQuantizers) else list(quantizers)
-    if current_scaling_quantizers(qs) is not None:
+    if grouped_current.current_scaling_quantizers(qs) is not None:
         return grouped_mm.ALIGN  # wgrad's FP8 grouped kernel
     if grouped_block_fp8.block_fp8_quantizers(qs, n, k) is not None:
         return block_grouped.ALIGN
@@ -150,132 +123,6 @@ class _GroupedPlain(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = grouped_mm.plain_rows_by_experts(dy, w3d.transpose(1, 2), offs)
         return dx, dw, None
-
-
-def _group_tensor(data, scale, shape, dtype, fp8_dtype, usage="rowwise"):
-    # one group's rows as the Float8Tensor its own quantize makes, in the direction used
-    if usage == "rowwise":
-        return Float8Tensor(shape, dtype, rowwise_data=data, columnwise_data=None,
-                            shared_scale=scale, fp8_dtype=fp8_dtype)
-    return Float8Tensor(shape, dtype, rowwise_data=None, columnwise_data=data.t().contiguous(),
-                        shared_scale=scale, fp8_dtype=fp8_dtype)
-
-
-def _quantized_experts(weights: Sequence[torch.Tensor], q_w, transposed: bool):
-    """(fp8 experts (G, N, K), their transpose (K, G * N) or None, scales (G,)) of one
-    (G, N, K) weight or G (N, K) ones, the transpose (``transposed``) from the same pass;
-    under ``lowprec.autocast(cache_weights=True)`` made once, both layouts, while the
-    weights are unchanged (gradient accumulation: once per optimizer step)."""
-    def make(transposed=transposed):
-        out = fp8_grouped.quantize_experts(stacked(weights).detach().contiguous(), q_w,
-                                           transposed)
-        return out if transposed else (out[0], None, out[1])
-    if _caching_weights() and not torch.compiler.is_compiling():
-        return weight_cache.cached_value(weights, q_w, lambda: make(True))
-    return make()
-
-
-class _GroupedCurrent(torch.autograd.Function):
-    """FP8 current scaling, every group its own scales; grouped GEMMs where the device has
-    them, else each group's GEMM as the per-expert Linear runs it. The weights are one
-    (G, N, K) tensor or G (N, K) ones (each gets its own gradient: no stacked copy)."""
-
-    @staticmethod
-    def forward(ctx, x2d, sizes, quantizers, grad_enabled, grouped, aligned, *weights):
-        q_x, q_w, q_dy = quantizers
-        rows = x2d.shape[0]
-        need_dx = grad_enabled and ctx.needs_input_grad[0]
-        need_dw = grad_enabled and any(ctx.needs_input_grad[6:])
-        ctx.grouped = grouped and _grouped_backward(x2d, weights[0].shape[-2], q_dy)
-        # dgrad's columnwise copy (K, G * N) is written by the weights' cast itself
-        wq, wq_t, sw = _quantized_experts(weights, q_w, ctx.grouped and need_dx)
-        num, w_dtype = wq.shape[0], weights[0].dtype
-        ids = group_ids(sizes, rows)
-        # groups the caller laid out at multiples of 16 rows: wgrad reads the transposed
-        # codes as they are, written by the cast itself
-        ctx.transposed = ctx.grouped and aligned
-        xq_t = None
-        if ctx.transposed and need_dw:
-            xq, xq_t, sx = fused(fp8_grouped.quantize_groups_both, x2d)(x2d, ids, num, q_x)
-        else:
-            xq, sx = fused(fp8_grouped.quantize_groups, x2d)(x2d, ids, num, q_x)
-        host = None if grouped else _host_sizes(sizes)
-        if grouped:
-            offs = grouped_mm.end_offsets(sizes)
-            y = grouped_mm.fp8_rows_by_experts(xq, torch.reciprocal(sx)[ids], wq,
-                                               torch.reciprocal(sw), offs, x2d.dtype)
-        else:
-            y = torch.cat([gemm(_group_tensor(xg, sx[g:g + 1], xg.shape, x2d.dtype, q_x.fp8_dtype),
-                                "rowwise", _group_tensor(wq[g], sw[g:g + 1], wq[g].shape,
-                                                         w_dtype, q_w.fp8_dtype),
-                                "rowwise", out_dtype=x2d.dtype)
-                           for g, xg in enumerate(torch.split(xq, host))])
-        saved_x = (xq_t if ctx.transposed else xq) if need_dw else None
-        saved_w = (wq_t if ctx.grouped else wq) if need_dx else None
-        ctx.save_for_backward(saved_x, sx, saved_w, sw, sizes, ids)
-        ctx.w_shape = wq.shape
-        ctx.q_dy, ctx.host = q_dy, host
-        ctx.weights = layout(weights)
-        ctx.dtypes = (x2d.dtype, w_dtype, q_x.fp8_dtype, q_w.fp8_dtype)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        xq, sx, wq, sw, sizes, ids = ctx.saved_tensors
-        x_dtype, w_dtype, x_fp8, w_fp8 = ctx.dtypes
-        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
-        num = sw.shape[0]
-        dy = dy.contiguous()
-        if ctx.transposed and need_dw:
-            dyq, dyq_t, sdy = fused(fp8_grouped.quantize_groups_both, dy)(dy, ids, num, ctx.q_dy)
-        else:
-            dyq, sdy = fused(fp8_grouped.quantize_groups, dy)(dy, ids, num, ctx.q_dy)
-        dy_fp8 = ctx.q_dy.fp8_dtype
-        dx = dw = None
-        if ctx.grouped:
-            dec_dy = torch.reciprocal(sdy)
-            if need_dw:
-                if ctx.transposed:  # the saved input is already (K, M)
-                    dy_t, x_t, offs = dyq_t, xq, grouped_mm.end_offsets(sizes)
-                else:
-                    src, valid, offs, _, _ = grouped_mm.padded_layout(sizes, ids, dyq.shape[0])
-                    pad = fused(grouped_mm.padded_rows, dyq)
-                    dy_t = transpose_contiguous(pad(dyq, src, valid))
-                    x_t = transpose_contiguous(pad(xq, src, valid))
-                dw = grouped_mm.fp8_wgrad(dy_t, dec_dy, x_t, torch.reciprocal(sx), offs, w_dtype)
-            if need_dx:
-                # the saved (K, G * N) codes: expert g's (K, N) are the columns g*N...
-                _, n, k = ctx.w_shape
-                w_t = wq.view(k, num, n).permute(1, 0, 2)
-                dx = grouped_mm.fp8_rows_by_experts(dyq, dec_dy[ids], w_t, torch.reciprocal(sw),
-                                                    grouped_mm.end_offsets(sizes), x_dtype)
-            return dx, None, None, None, None, None, *weight_grads(dw, ctx.weights)
-        # E5M2 gradients (the HYBRID format) have no grouped kernel: one GEMM per group,
-        # the sizes read on the host (one sync per backward on the GPU)
-        host = ctx.host if ctx.host is not None else _host_sizes(sizes)
-        dys = torch.split(dyq, host)
-        if need_dw:
-            xs = torch.split(xq, host)
-            dw = torch.stack([
-                gemm(_group_tensor(d, sdy[g:g + 1], d.shape, x_dtype, dy_fp8, "columnwise"),
-                     "columnwise",
-                     _group_tensor(xs[g], sx[g:g + 1], xs[g].shape, x_dtype, x_fp8, "columnwise"),
-                     "columnwise", out_dtype=w_dtype) for g, d in enumerate(dys)])
-        if need_dx:
-            dx = torch.cat([
-                gemm(_group_tensor(d, sdy[g:g + 1], d.shape, x_dtype, dy_fp8), "rowwise",
-                     _group_tensor(wq[g], sw[g:g + 1], wq[g].shape, w_dtype, w_fp8, "columnwise"),
-                     "columnwise", out_dtype=x_dtype) for g, d in enumerate(dys)])
-        return dx, None, None, None, None, None, *weight_grads(dw, ctx.weights)
-
-
-def _grouped_forward(x2d: torch.Tensor, n: int, q_x, q_w) -> bool:
-    return (x2d.dtype == torch.bfloat16
-            and grouped_mm.fp8_available(x2d, x2d.shape[1], n, q_x.fp8_dtype, q_w.fp8_dtype))
-
-
-def _grouped_backward(x2d: torch.Tensor, n: int, q_dy) -> bool:
-    return grouped_mm.fp8_available(x2d, x2d.shape[1], n, q_dy.fp8_dtype)
 
 
 def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
@@ -332,15 +179,17 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
                                              torch.is_grad_enabled(), aligned, *w_args)
     else:
         q_x, q_w, q_dy = picked
-        grouped = _grouped_forward(x2d, n, q_x, q_w)
-        if grouped and torch.is_grad_enabled() and not _grouped_backward(x2d, n, q_dy):
+        backend = grouped_current.gemm_backend(x2d, n, num, q_x.fp8_dtype, q_w.fp8_dtype)
+        if backend and torch.is_grad_enabled() and grouped_current.gemm_backend(
+                x2d, n, num, q_dy.fp8_dtype, q_w.fp8_dtype, q_x.fp8_dtype) is None:
             warnings.warn("grouped_linear: E5M2 gradients (Format.HYBRID) have no grouped FP8 "
-                          "kernel on Hopper, so dgrad and wgrad run one GEMM per expert and "
-                          "read the group sizes on the host; "
+                          "kernel here without Triton, so dgrad and wgrad run one GEMM per "
+                          "expert and read the group sizes on the host; "
                           "Float8CurrentScaling(fp8_format=Format.E4M3) keeps them grouped",
                           stacklevel=2)
-        y = _GroupedCurrent.apply(x2d.contiguous(), sizes, picked, torch.is_grad_enabled(),
-                                  grouped, group_alignment % grouped_mm.ALIGN == 0, *w_args)
+        y = grouped_current.GroupedCurrent.apply(
+            x2d.contiguous(), sizes, picked, torch.is_grad_enabled(), backend,
+            group_alignment % grouped_mm.ALIGN == 0, *w_args)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -361,7 +210,7 @@ def _route(x2d, w_list, qs, bias, backward_mode, on_backward_done):
         return ("plain", None) if grouped_mm.plain_available(x2d, k, n) else None
     if backward_mode != "default":
         return None
-    current = current_scaling_quantizers(qs)
+    current = grouped_current.current_scaling_quantizers(qs)
     if current is not None:
         return "current", current
     block = grouped_block_fp8.block_fp8_quantizers(qs, n, k)

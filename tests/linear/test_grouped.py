@@ -3,8 +3,6 @@ where both run the same GEMM (CPU), and the group sizes read on the device."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from grouped_helpers import (
@@ -16,8 +14,10 @@ from grouped_helpers import (
 
 import lowprec
 from lowprec.formats.float8 import grouped as fp8_grouped
+from lowprec.linear import grouped_current
 from lowprec.linear.function import LinearQuantizers
-from lowprec.linear.grouped import current_scaling_quantizers, fused, group_ids, grouped_linear
+from lowprec.linear.grouped import current_scaling_quantizers, group_ids, grouped_linear
+from lowprec.linear.grouped_parts import fused
 from lowprec.recipe import Float8CurrentScaling, MXFP8BlockScaling
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -157,12 +157,36 @@ def test_plain_grouped_gpu_bit_identical_to_per_expert(sizes):
 @HOPPER
 @pytest.mark.parametrize("grad", [E4M3, E5M2], ids=["e4m3", "hybrid"])
 @pytest.mark.parametrize("sizes", GPU_SIZES)
-def test_current_grouped_gpu_operands_exact_and_gemms_close(sizes, grad):
-    """The quantized operands are the per-expert kernels' bits; the grouped GEMM (another
-    kernel than the per-expert cuBLAS one, so another fp32 summation order) is within
-    bf16 rounding of the per-expert result."""
+def test_current_grouped_gpu_bit_identical_to_per_expert(sizes, grad):
+    """The Triton grouped GEMMs give each expert's cuBLAS bits: output and dX always, dW
+    where every group's rows are a multiple of 16 (the per-expert wgrad of other sizes is
+    not a cuBLAS GEMM, which wants contractions of 16s: it runs emulated, within fp32
+    rounding of the same sum)."""
     q = _current(grad)
     x, w, dy = _cuda(*_data(sizes, k=256, n=128))
+    assert grouped_current.gemm_backend(x, 128, len(sizes), E4M3, E4M3) == "triton"
+    got = run_grads(lambda a, b: grouped_linear(a, b, torch.tensor(sizes, device="cuda"),
+                                           quantizers=q), x, w, dy)
+    ref = run_grads(per_expert(q, sizes), x, w, dy)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    if all(m % 16 == 0 for m in sizes):
+        assert torch.equal(got[2], ref[2])
+    else:
+        torch.testing.assert_close(got[2].float(), ref[2].float(), rtol=2 ** -7,
+                                   atol=2 ** -7 * ref[2].float().abs().max().item())
+    assert torch.all(got[2][[g for g, m in enumerate(sizes) if m == 0]] == 0)
+
+
+@HOPPER
+@pytest.mark.parametrize("sizes", GPU_SIZES)
+def test_current_grouped_gpu_cutlass_operands_exact_and_gemms_close(sizes, monkeypatch):
+    """Few large experts run ``torch._scaled_grouped_mm`` (forced here for small ones): the
+    quantized operands are the per-expert kernels' bits; the GEMMs (another kernel than the
+    per-expert cuBLAS one) are within bf16 rounding of the per-expert result."""
+    monkeypatch.setattr(grouped_current, "CUTLASS_ROWS", 0)
+    q = _current(E4M3)
+    x, w, dy = _cuda(*_data(sizes, k=256, n=128))
+    assert grouped_current.gemm_backend(x, 128, len(sizes), E4M3, E4M3) == "cutlass"
     ids = group_ids(torch.tensor(sizes, device="cuda"), x.shape[0])
     data, scale = fused(fp8_grouped.quantize_groups, x)(x, ids, len(sizes), q.input)
     for g, xg in enumerate(torch.split(x, list(sizes))):
@@ -191,12 +215,11 @@ def test_fp32_current_grouped_gpu_runs_per_group():
 
 
 @HOPPER
-@pytest.mark.parametrize("quantized", [False, True])
-def test_grouped_gpu_never_syncs(quantized):
+@pytest.mark.parametrize("grad", [None, E4M3, E5M2], ids=["plain", "e4m3", "hybrid"])
+def test_grouped_gpu_never_syncs(grad):
     sizes = torch.tensor([64, 0, 17, 47], device="cuda")
     x, w, dy = _cuda(*_data([64, 0, 17, 47], k=256, n=128))
-    q = _current(E4M3) if quantized else None  # E5M2 gradients have no grouped kernel
-    assert_grouped_never_syncs(x, w, dy, sizes, q)
+    assert_grouped_never_syncs(x, w, dy, sizes, _current(grad) if grad else None)
 
 
 def test_cached_expert_weights_quantized_once_per_step(monkeypatch):
@@ -247,7 +270,7 @@ def test_bad_tensor_sizes_refused_on_every_path(q):
 def test_current_grouped_gpu_caller_aligned_rows_equal_unaligned(grad):
     """Groups laid out by the caller at multiples of 16 rows (zero rows after each; the
     cast then also writes wgrad's transposed codes) give the real rows' results and the
-    weight gradients of the unaligned call: bit for bit with E4M3 gradients."""
+    weight gradients of the unaligned call, bit for bit."""
     sizes = (5, 0, 37, 22)
     x, w, dy = _cuda(*_data(sizes, k=256, n=128))
     padded = [-(-m // 16) * 16 for m in sizes]
@@ -255,18 +278,10 @@ def test_current_grouped_gpu_caller_aligned_rows_equal_unaligned(grad):
     xp = x.new_zeros(sum(padded), x.shape[1]).index_copy_(0, rows, x)
     dyp = dy.new_zeros(sum(padded), dy.shape[1]).index_copy_(0, rows, dy)
     q = _current(grad)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # HYBRID's per-expert backward says so
-        y, dx, dw = run_grads(lambda a, b: grouped_linear(
-            a, b, torch.tensor(sizes, device="cuda"), quantizers=q), x, w, dy)
-        yp, dxp, dwp = run_grads(lambda a, b: grouped_linear(
-            a, b, torch.tensor(padded, device="cuda"), quantizers=q, group_alignment=16),
-            xp, w, dyp)
-    assert torch.equal(yp[rows], y) and torch.equal(dxp[rows], dx)
-    if grad == E4M3:  # both wgrads contract the same 16-row-aligned layout
-        assert torch.equal(dwp, dw)
-    else:  # HYBRID's per-expert wgrad contracts the groups' rows with or without the zeros:
-        # another length, so cuBLAS may sum in another order
-        # (to the bf16 rounding of the gradient's scale)
-        torch.testing.assert_close(dwp, dw, rtol=2 ** -7,
-                                   atol=2 ** -8 * dw.abs().max().item())
+    y, dx, dw = run_grads(lambda a, b: grouped_linear(
+        a, b, torch.tensor(sizes, device="cuda"), quantizers=q), x, w, dy)
+    yp, dxp, dwp = run_grads(lambda a, b: grouped_linear(
+        a, b, torch.tensor(padded, device="cuda"), quantizers=q, group_alignment=16),
+        xp, w, dyp)
+    # both wgrads contract the same 16-row-aligned layout
+    assert torch.equal(yp[rows], y) and torch.equal(dxp[rows], dx) and torch.equal(dwp, dw)

@@ -1,0 +1,212 @@
+"""FP8 current scaling over the experts of a grouped linear: every group quantized on its
+own rows (its own scale), one grouped GEMM per direction where the device has one.
+
+Which grouped GEMM runs (:func:`gemm_backend`), on Hopper with bf16 activations:
+
+* ``"triton"``: lowprec's kernel (:mod:`lowprec.backends.fp8_grouped`), bit for bit one
+  cuBLAS GEMM per expert, as :class:`lowprec.Linear` runs it; E4M3 and E5M2 operands (the
+  HYBRID format's gradients too);
+* ``"cutlass"``: ``torch._scaled_grouped_mm`` (E4M3 only; the same values to the last
+  bits), faster than the Triton kernel for few large experts (about 1,000 TFLOP/s
+  against 800 at 4,000 rows an expert on an H100) and 2-3x slower for many small ones. It
+  runs when the experts average :data:`CUTLASS_ROWS` rows or more.
+
+Without either (no Triton, not Hopper, other activations), each group's GEMM runs as
+:func:`lowprec.gemm.gemm` runs it, the group sizes read on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..backends import fp8_grouped, grouped_mm
+from ..formats.float8 import grouped as fp8_grouped_quantize
+from ..formats.float8.quantizer import Float8CurrentScalingQuantizer
+from ..formats.float8.tensor import Float8Tensor
+from ..gemm import gemm
+from ..kernels.transpose import transpose_contiguous
+from . import weight_cache
+from .function import LinearQuantizers, _caching_weights
+from .grouped_parts import fused, group_ids, layout, stacked, weight_grads
+
+#: mean rows an expert from which ``torch._scaled_grouped_mm`` outruns the Triton kernel
+#: (E4M3 operands), timed on an H100 at the MoE layer's shapes (``tools/probe_grouped_fp8.py``)
+CUTLASS_ROWS = 2048
+
+
+def _same_current(qs: Sequence[Float8CurrentScalingQuantizer | None]) -> bool:
+    first = qs[0]
+    if type(first) is not Float8CurrentScalingQuantizer:
+        return False
+    if any("quantize" in q.__dict__ for q in qs):
+        # hooked (lowprec.debug, compare's SQNR probe): each group quantized through its
+        # quantizer's own quantize, so the hooks see every expert's tensors (same values)
+        return False
+    key = (first.fp8_dtype, first.force_pow_2_scales, first.amax_epsilon)
+    return all(type(q) is Float8CurrentScalingQuantizer
+               and (q.fp8_dtype, q.force_pow_2_scales, q.amax_epsilon) == key for q in qs)
+
+
+def current_scaling_quantizers(qs: Sequence[LinearQuantizers]):
+    """(input, weight, grad_output) quantizers when every group quantizes its three GEMM
+    operands with FP8 current scaling of one setting each and nothing at its boundaries;
+    else None."""
+    if any(q.output is not None or q.grad_input is not None for q in qs):
+        return None
+    slots = ([q.input for q in qs], [q.weight for q in qs], [q.grad_output for q in qs])
+    if not all(_same_current(s) for s in slots):
+        return None
+    return tuple(s[0] for s in slots)
+
+
+def gemm_backend(x2d: torch.Tensor, n: int, num: int, *fp8_dtypes: torch.dtype) -> str | None:
+    """``"triton"``, ``"cutlass"`` or None (one GEMM per group) for grouped GEMMs over
+    ``x2d``'s rows (bf16), ``num`` experts of ``n`` outputs, operands of ``fp8_dtypes``."""
+    k = x2d.shape[1]
+    if x2d.dtype != torch.bfloat16 or k % 16 or n % 16:
+        return None
+    cutlass = grouped_mm.fp8_available(x2d, k, n, *fp8_dtypes)
+    if cutlass and x2d.shape[0] >= CUTLASS_ROWS * num:
+        return "cutlass"
+    if fp8_grouped.available(x2d, *fp8_dtypes):
+        return "triton"
+    return "cutlass" if cutlass else None
+
+
+def _rows_by_experts(backend, a, dec_a, ids, b, dec_b, offs, out_dtype):
+    if backend == "triton":
+        return fp8_grouped.rows_by_experts(a, dec_a, b, dec_b, offs, out_dtype)
+    return grouped_mm.fp8_rows_by_experts(a, dec_a[ids], b, dec_b, offs, out_dtype)
+
+
+def _wgrad(backend, *args):
+    return (fp8_grouped.wgrad if backend == "triton" else grouped_mm.fp8_wgrad)(*args)
+
+
+def _group_tensor(data, scale, shape, dtype, fp8_dtype, usage="rowwise"):
+    # one group's rows as the Float8Tensor its own quantize makes, in the direction used
+    if usage == "rowwise":
+        return Float8Tensor(shape, dtype, rowwise_data=data, columnwise_data=None,
+                            shared_scale=scale, fp8_dtype=fp8_dtype)
+    return Float8Tensor(shape, dtype, rowwise_data=None, columnwise_data=data.t().contiguous(),
+                        shared_scale=scale, fp8_dtype=fp8_dtype)
+
+
+def _host_sizes(sizes: torch.Tensor) -> list[int]:
+    return [int(m) for m in sizes.tolist()]
+
+
+def _quantized_experts(weights: Sequence[torch.Tensor], q_w, transposed: bool):
+    """(fp8 experts (G, N, K), their transpose (K, G * N) or None, scales (G,)) of one
+    (G, N, K) weight or G (N, K) ones, the transpose (``transposed``) from the same pass;
+    under ``lowprec.autocast(cache_weights=True)`` made once, both layouts, while the
+    weights are unchanged (gradient accumulation: once per optimizer step)."""
+    def make(transposed=transposed):
+        out = fp8_grouped_quantize.quantize_experts(stacked(weights).detach().contiguous(),
+                                                    q_w, transposed)
+        return out if transposed else (out[0], None, out[1])
+    if _caching_weights() and not torch.compiler.is_compiling():
+        return weight_cache.cached_value(weights, q_w, lambda: make(True))
+    return make()
+
+
+class GroupedCurrent(torch.autograd.Function):
+    """FP8 current scaling, every group its own scales; grouped GEMMs where the device has
+    them (``backend``, from :func:`gemm_backend`), else each group's GEMM as the per-expert
+    Linear runs it. The weights are one (G, N, K) tensor or G (N, K) ones (each gets its own
+    gradient: no stacked copy)."""
+
+    @staticmethod
+    def forward(ctx, x2d, sizes, quantizers, grad_enabled, backend, aligned, *weights):
+        q_x, q_w, q_dy = quantizers
+        rows = x2d.shape[0]
+        n = weights[0].shape[-2]
+        num = weights[0].shape[0] if weights[0].dim() == 3 else len(weights)
+        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dw = grad_enabled and any(ctx.needs_input_grad[6:])
+        ctx.backend = backend and gemm_backend(x2d, n, num, q_dy.fp8_dtype, q_w.fp8_dtype,
+                                               q_x.fp8_dtype)
+        # dgrad's columnwise copy (K, G * N) is written by the weights' cast itself
+        wq, wq_t, sw = _quantized_experts(weights, q_w, ctx.backend is not None and need_dx)
+        w_dtype = weights[0].dtype
+        ids = group_ids(sizes, rows)
+        # groups the caller laid out at multiples of 16 rows: wgrad reads the transposed
+        # codes as they are, written by the cast itself
+        ctx.transposed = ctx.backend is not None and aligned
+        xq_t = None
+        if ctx.transposed and need_dw:
+            xq, xq_t, sx = fused(fp8_grouped_quantize.quantize_groups_both, x2d)(x2d, ids, num,
+                                                                                 q_x)
+        else:
+            xq, sx = fused(fp8_grouped_quantize.quantize_groups, x2d)(x2d, ids, num, q_x)
+        host = None if backend else _host_sizes(sizes)
+        if backend:
+            y = _rows_by_experts(backend, xq, torch.reciprocal(sx), ids, wq,
+                                 torch.reciprocal(sw), grouped_mm.end_offsets(sizes), x2d.dtype)
+        else:
+            y = torch.cat([gemm(_group_tensor(xg, sx[g:g + 1], xg.shape, x2d.dtype, q_x.fp8_dtype),
+                                "rowwise", _group_tensor(wq[g], sw[g:g + 1], wq[g].shape,
+                                                         w_dtype, q_w.fp8_dtype),
+                                "rowwise", out_dtype=x2d.dtype)
+                           for g, xg in enumerate(torch.split(xq, host))])
+        saved_x = (xq_t if ctx.transposed else xq) if need_dw else None
+        saved_w = (wq_t if ctx.backend else wq) if need_dx else None
+        ctx.save_for_backward(saved_x, sx, saved_w, sw, sizes, ids)
+        ctx.w_shape = wq.shape
+        ctx.q_dy, ctx.host = q_dy, host
+        ctx.weights = layout(weights)
+        ctx.dtypes = (x2d.dtype, w_dtype, q_x.fp8_dtype, q_w.fp8_dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, sx, wq, sw, sizes, ids = ctx.saved_tensors
+        x_dtype, w_dtype, x_fp8, w_fp8 = ctx.dtypes
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
+        num = sw.shape[0]
+        dy = dy.contiguous()
+        quantize = fp8_grouped_quantize
+        if ctx.transposed and need_dw:
+            dyq, dyq_t, sdy = fused(quantize.quantize_groups_both, dy)(dy, ids, num, ctx.q_dy)
+        else:
+            dyq, sdy = fused(quantize.quantize_groups, dy)(dy, ids, num, ctx.q_dy)
+        dy_fp8 = ctx.q_dy.fp8_dtype
+        dx = dw = None
+        backend = ctx.backend
+        if backend:
+            dec_dy = torch.reciprocal(sdy)
+            if need_dw:
+                if ctx.transposed:  # the saved input is already (K, M)
+                    dy_t, x_t, offs = dyq_t, xq, grouped_mm.end_offsets(sizes)
+                else:
+                    src, valid, offs, _, _ = grouped_mm.padded_layout(sizes, ids, dyq.shape[0])
+                    pad = fused(grouped_mm.padded_rows, dyq)
+                    dy_t = transpose_contiguous(pad(dyq, src, valid))
+                    x_t = transpose_contiguous(pad(xq, src, valid))
+                dw = _wgrad(backend, dy_t, dec_dy, x_t, torch.reciprocal(sx), offs, w_dtype)
+            if need_dx:
+                # the saved (K, G * N) codes: expert g's (K, N) are the columns g*N...
+                _, n, k = ctx.w_shape
+                w_t = wq.view(k, num, n).permute(1, 0, 2)
+                dx = _rows_by_experts(backend, dyq, dec_dy, ids, w_t, torch.reciprocal(sw),
+                                      grouped_mm.end_offsets(sizes), x_dtype)
+            return dx, None, None, None, None, None, *weight_grads(dw, ctx.weights)
+        # no grouped kernel for these operands: one GEMM per group, the sizes read on the
+        # host (one sync per backward on the GPU)
+        host = ctx.host if ctx.host is not None else _host_sizes(sizes)
+        dys = torch.split(dyq, host)
+        if need_dw:
+            xs = torch.split(xq, host)
+            dw = torch.stack([
+                gemm(_group_tensor(d, sdy[g:g + 1], d.shape, x_dtype, dy_fp8, "columnwise"),
+                     "columnwise",
+                     _group_tensor(xs[g], sx[g:g + 1], xs[g].shape, x_dtype, x_fp8, "columnwise"),
+                     "columnwise", out_dtype=w_dtype) for g, d in enumerate(dys)])
+        if need_dx:
+            dx = torch.cat([
+                gemm(_group_tensor(d, sdy[g:g + 1], d.shape, x_dtype, dy_fp8), "rowwise",
+                     _group_tensor(wq[g], sw[g:g + 1], wq[g].shape, w_dtype, w_fp8, "columnwise"),
+                     "columnwise", out_dtype=x_dtype) for g, d in enumerate(dys)])
+        return dx, None, None, None, None, None, *weight_grads(dw, ctx.weights)
