@@ -132,7 +132,18 @@ class MoE(torch.nn.Module):
         return torch.zeros_like(x).index_add_(0, token, o * weight[:, None])
 
 
-def run_shape(name, tokens, peers, steps, warmup, top=0):
+def _print_ops(step, rows):
+    """The ``rows`` torch ops of one step with the most GPU time of their own."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(0)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows,
+                                    max_name_column_width=60))
+
+
+def run_shape(name, tokens, peers, steps, warmup, top=0, ops=0):
     hidden, experts, topk, ffn = SHAPES[name]
     torch.manual_seed(0)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -171,6 +182,8 @@ def run_shape(name, tokens, peers, steps, warmup, top=0):
         print(f"{peer:24s} {ms:8.2f} {gpu:8.2f} {1 - gpu / ms:6.1%} {peak:9.2f} {ratio:15.2f}x")
         for k_ms, launches, kname in heaviest:
             print(f"    {k_ms:7.2f} ms {launches:5.0f}x  {kname[:90]}")
+        if ops and isinstance(fn, ExpertsModule):
+            _print_ops(step, ops)
         append_rows([dict(bench="moe", shape=f"{name} {tokens}tok", recipe=peer,
                           metric="step_ms", value=round(ms, 3), baseline="bf16-grouped",
                           baseline_value=round(base, 3) if base else "",
@@ -271,6 +284,8 @@ def main() -> None:
     ap.add_argument("--no-loop", action="store_true", help="skip the bf16 per-expert loop")
     ap.add_argument("--top-kernels", type=int, default=0,
                     help="print each peer's N heaviest kernels (GPU ms a step)")
+    ap.add_argument("--ops", type=int, default=0,
+                    help="print each lowprec peer's N torch ops with the most GPU time")
     ap.add_argument("--model", default="", help="time a whole HF MoE model: mixtral, qwen3")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2)
@@ -294,7 +309,8 @@ def main() -> None:
         print(f"torchao's MoE training does not import ({exc}); no torchao peer")
     peers += [(f"lowprec-{r}", ExpertsModule(r)) for r in args.recipes.split(",") if r]
     for name in args.shapes.split(","):
-        run_shape(name, args.tokens, peers, args.steps, args.warmup, args.top_kernels)
+        run_shape(name, args.tokens, peers, args.steps, args.warmup, args.top_kernels,
+                  args.ops)
 
 
 if __name__ == "__main__":
