@@ -132,19 +132,19 @@ class GroupedExperts(LowprecModule):
             padded = (counts + (align - 1)) // align * align
             # the slack of the host-side row count goes to the last expert (zero rows)
             counts = torch.cat([padded[:-1], padded[-1:] + (total - padded.sum())])
-            # each padded row reads (and adds zero to) a token of its own: spread, not all
-            # on one token, whose gradient would then sum them one after another
+            # each padded row stands for a token of its own: spread, not all on one token,
+            # whose gradient would then sum them one after another
             spare = torch.arange(total, device=flat.device) % hidden_states.shape[0]
             rows_token = torch.where(valid, token[src], spare)
             rows_slot, rows_valid = slot[src], valid
+            x = _PaddedRows.apply(hidden_states, rows_token, valid)
+            # zero gates between the experts (no gradient reaches their rows)
+            gates = top_k_weights[rows_token, rows_slot].masked_fill(~valid, 0)
         else:
             align = 1  # the rows as routed (bf16 experts, or no tokens to lay out)
-        # advanced indexing: its backward sums each token's rows in a fixed (sorted) order
-        x = hidden_states[rows_token]
-        gates = top_k_weights[rows_token, rows_slot]
-        if rows_valid is not None:  # zero rows and zero gates between the experts
-            x = x.masked_fill(~rows_valid[:, None], 0)
-            gates = gates.masked_fill(~rows_valid, 0)
+            # advanced indexing: its backward sums each token's rows in a fixed (sorted) order
+            x = hidden_states[rows_token]
+            gates = top_k_weights[rows_token, rows_slot]
         h = grouped_linear(x, self.gate_up_proj, counts, quantizers=qs_up, backward_mode=mode,
                            on_backward_done=done, group_alignment=align)
         if self.apply_gate is not None:
@@ -155,11 +155,34 @@ class GroupedExperts(LowprecModule):
         out = grouped_linear(a, self.down_proj, counts, quantizers=qs_down, backward_mode=mode,
                              on_backward_done=done, group_alignment=align)
         out = (out * gates[:, None]).to(hidden_states.dtype)
-        if rows_valid is not None:
-            # the padded rows add exact zeros (and take no gradient), even where an
-            # expert's weights hold NaN or Inf
-            out = out.masked_fill(~rows_valid[:, None], 0)
-        return torch.zeros_like(hidden_states).index_add_(0, rows_token, out)
+        tokens, hidden = hidden_states.shape
+        if rows_valid is None:
+            return torch.zeros_like(hidden_states).index_add_(0, rows_token, out)
+        # the padded rows go to a spare row past the tokens, then dropped: zeros, or what an
+        # expert with NaN or Inf weights made of them, never reach a token
+        sums = out.new_zeros((tokens + 1, hidden))
+        return sums.index_add_(0, torch.where(rows_valid, rows_token, tokens), out)[:tokens]
+
+
+class _PaddedRows(torch.autograd.Function):
+    """``hidden_states[rows_token]`` with zero rows where ``valid`` is False (between the
+    experts' groups): one gather from the tokens and a zero row past them, no masking pass.
+    The backward sums each token's rows in a fixed (sorted) order, the padded rows' (zero,
+    or NaN from an expert's non-finite weights) left out."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, rows_token, valid):
+        ctx.save_for_backward(rows_token, valid)
+        ctx.tokens = hidden_states.shape[0]
+        read = torch.where(valid, rows_token, ctx.tokens)
+        return nn.functional.pad(hidden_states, (0, 0, 0, 1))[read]
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows_token, valid = ctx.saved_tensors
+        grad = torch.where(valid[:, None], grad, 0)  # the padded rows add zero
+        out = grad.new_zeros((ctx.tokens, grad.shape[1]))
+        return out.index_put_((rows_token,), grad, accumulate=True), None, None
 
 
 class TorchtitanGroupedExperts(LowprecModule):
