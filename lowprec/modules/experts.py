@@ -126,9 +126,10 @@ class GroupedExperts(LowprecModule):
         align = math.lcm(group_alignment_for(qs_up, 2 * self.intermediate_dim, self.hidden_dim),
                          group_alignment_for(qs_down, self.hidden_dim, self.intermediate_dim))
         rows_token, rows_slot, rows_valid = token, slot, None
+        place = torch.arange(flat.numel(), device=flat.device)  # each routed row's row
         if align > 1 and hidden_states.shape[0]:
-            src, valid, _, total, _ = grouped_mm.padded_layout(counts, flat[order],
-                                                               flat.numel(), align)
+            src, valid, _, total, place = grouped_mm.padded_layout(counts, flat[order],
+                                                                   flat.numel(), align)
             padded = (counts + (align - 1)) // align * align
             # the slack of the host-side row count goes to the last expert (zero rows)
             counts = torch.cat([padded[:-1], padded[-1:] + (total - padded.sum())])
@@ -155,13 +156,35 @@ class GroupedExperts(LowprecModule):
         out = grouped_linear(a, self.down_proj, counts, quantizers=qs_down, backward_mode=mode,
                              on_backward_done=done, group_alignment=align)
         out = (out * gates[:, None]).to(hidden_states.dtype)
-        tokens, hidden = hidden_states.shape
-        if rows_valid is None:
-            return torch.zeros_like(hidden_states).index_add_(0, rows_token, out)
-        # the padded rows go to a spare row past the tokens, then dropped: zeros, or what an
-        # expert with NaN or Inf weights made of them, never reach a token
-        sums = out.new_zeros((tokens + 1, hidden))
-        return sums.index_add_(0, torch.where(rows_valid, rows_token, tokens), out)[:tokens]
+        # each token's rows, in expert order: the row of routed slot order[r] is place[r]
+        rows_of = torch.empty_like(place).scatter_(0, order, place).view(-1, k).sort(1).values
+        token_of = rows_token if rows_valid is None else torch.where(
+            rows_valid, rows_token, hidden_states.shape[0])
+        return _SumIntoTokens.apply(out, rows_of, token_of)
+
+
+class _SumIntoTokens(torch.autograd.Function):
+    """Each token's routed rows of ``out`` summed into it, one add at a time in expert order
+    (``rows_of``: (T, k) row indices, ascending), from zero and rounded to ``out``'s dtype
+    after each add: the sums of ``index_add_`` over rows sorted by expert on the CPU and of
+    the transformers loop, the same bits on every device and every run (``index_add_`` on
+    a GPU adds with atomics in no fixed order). Rows that are no token's (padding, zeros or
+    what an expert with NaN or Inf weights made of them) reach none. ``token_of``: each
+    row's token, T for a padded row (for the backward)."""
+
+    @staticmethod
+    def forward(ctx, out, rows_of, token_of):
+        ctx.save_for_backward(token_of)
+        acc = out.new_zeros((rows_of.shape[0], out.shape[1]))
+        for rows in rows_of.unbind(1):
+            acc = acc + out[rows]
+        return acc
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_of,) = ctx.saved_tensors
+        # each row takes its token's gradient; a padded row reads the zero row past them
+        return nn.functional.pad(grad, (0, 0, 0, 1))[token_of], None, None
 
 
 class _PaddedRows(torch.autograd.Function):

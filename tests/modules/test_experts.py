@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -101,8 +102,10 @@ def test_convert_model_swaps_experts_keeping_parameters(name):
 
 
 def _per_expert_reference(mod, x, idx, w, qs):
-    """The experts as one quantized Linear per expert and GEMM (the transformers loop)."""
-    out = torch.zeros_like(x)
+    """The experts as one quantized Linear per expert and GEMM (the transformers loop), each
+    token's rows summed on the CPU (in expert order; a GPU's index_add_ adds in no fixed
+    order)."""
+    out = torch.zeros_like(x, device="cpu")
     for e in range(mod.num_experts):
         pos, tok = torch.where((idx == e).t())
         order = torch.argsort(tok, stable=True)
@@ -111,8 +114,8 @@ def _per_expert_reference(mod, x, idx, w, qs):
         gate, up = h.chunk(2, dim=-1)
         o = quantized_linear(mod.act_fn(gate) * up, mod.down_proj[e],
                              quantizers=qs[mod.num_experts + e])
-        out.index_add_(0, tok, (o * w[tok, pos, None]).to(x.dtype))
-    return out
+        out.index_add_(0, tok.cpu(), (o * w[tok, pos, None]).to(x.dtype).cpu())
+    return out.to(x.device)
 
 
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), MXFP8BlockScaling()],
@@ -156,6 +159,30 @@ def test_gpu_experts_laid_out_in_blocks_match_per_expert_linears(recipe):
         mod(xx, idx, w).float().sum().backward()
     assert xx.grad.abs().sum() > 0 and mod.gate_up_proj.grad.abs().sum() > 0
     assert torch.isfinite(mod.down_proj.grad).all()
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available()
+                         and torch.cuda.get_device_capability() >= (9, 0)),
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("recipe", [None, Float8CurrentScaling(fp8_format=Format.E4M3)],
+                         ids=["bf16", "current-e4m3"])
+def test_gpu_top8_experts_sum_each_token_in_expert_order(recipe):
+    """Eight rows a token (16 experts, top-8): each token's sum is the per-expert Linears'
+    added in expert order, the same bits on every call (no atomics)."""
+    torch.manual_seed(0)
+    experts, k = 16, 8
+    mod = lowprec.GroupedExperts(experts, 256, 128, params_dtype=torch.bfloat16,
+                                 name="experts", device="cuda")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, 256, generator=g).bfloat16().cuda()
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(T)]).cuda()
+    w = torch.rand(T, k, generator=g).cuda()
+    with lowprec.autocast(recipe=recipe) if recipe else contextlib.nullcontext():
+        got = mod(x, idx, w)
+        again = mod(x, idx, w)
+        qs, _, _ = mod.gemm_quantizers(x.device)
+        ref = _per_expert_reference(mod, x, idx, w, qs or [None] * (2 * experts))
+    assert torch.equal(got, again) and torch.equal(got, ref)
 
 
 def test_compiled_experts_bit_identical():
