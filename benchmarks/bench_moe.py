@@ -216,7 +216,7 @@ def build_model(name: str, layers: int, experts_impl: str, device: str = "cuda")
                                 experts_implementation=experts_impl).to(torch.bfloat16)
 
 
-def _time_model(name, layers, peer, mode, ids, recipe, steps, warmup, top=0):
+def _time_model(name, layers, peer, mode, ids, recipe, steps, warmup, top=0, ops=0):
     m = build_model(name, layers, "grouped_mm")
     ctx = None
     if peer != "bf16":
@@ -235,10 +235,13 @@ def _time_model(name, layers, peer, mode, ids, recipe, steps, warmup, top=0):
         step(i)
     ms, peak = median_step_ms(step, steps)
     gpu, kernels, heaviest = gpu_kernel_ms(step, steps=2, top=top)
+    if ops:
+        _print_ops(step, ops)
     return ms, peak, gpu, kernels, heaviest
 
 
-def run_model(name, layers, batch, seq, modes, steps, warmup, top=0, recipes=("current-e4m3",)):
+def run_model(name, layers, batch, seq, modes, steps, warmup, top=0, recipes=("current-e4m3",),
+              ops=0):
     tokens = batch * seq
     ids = torch.randint(0, 32000, (batch, seq), device="cuda")
     print(f"\n{name} model, {layers} layers, {tokens} tokens a step, "
@@ -252,7 +255,7 @@ def run_model(name, layers, batch, seq, modes, steps, warmup, top=0, recipes=("c
                 ms, peak, gpu, kernels, heaviest = _time_model(
                     name, layers, peer, mode, ids,
                     recipe(peer[len("lowprec-"):]) if peer != "bf16" else None, steps, warmup,
-                    top)
+                    top, ops)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 print(f"{peer:24s} {mode:9s} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
@@ -285,7 +288,8 @@ def main() -> None:
     ap.add_argument("--top-kernels", type=int, default=0,
                     help="print each peer's N heaviest kernels (GPU ms a step)")
     ap.add_argument("--ops", type=int, default=0,
-                    help="print each lowprec peer's N torch ops with the most GPU time")
+                    help="print the N torch ops with the most GPU time of each lowprec peer "
+                         "(with --model: of every peer)")
     ap.add_argument("--model", default="", help="time a whole HF MoE model: mixtral, qwen3")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2)
@@ -297,7 +301,7 @@ def main() -> None:
     if args.model:
         run_model(args.model, args.layers, args.batch, args.seq,
                   [m for m in args.modes.split(",") if m], args.steps, args.warmup,
-                  args.top_kernels, [r for r in args.recipes.split(",") if r])
+                  args.top_kernels, [r for r in args.recipes.split(",") if r], args.ops)
         return
     peers = [("bf16-grouped", _torch_grouped)]
     if not args.no_loop:
