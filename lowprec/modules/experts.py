@@ -22,6 +22,7 @@ from torch import nn
 from ..autocast import init_recipe
 from ..backends import grouped_mm
 from ..compiled_call import compiled_as_one_op
+from ..kernels.swiglu import swiglu
 from ..linear.grouped import group_alignment_for, grouped_linear
 from .base import LowprecModule
 
@@ -150,6 +151,8 @@ class GroupedExperts(LowprecModule):
                            on_backward_done=done, group_alignment=align)
         if self.apply_gate is not None:
             a = self.apply_gate(h)
+        elif self.act_fn is nn.functional.silu or type(self.act_fn) is nn.SiLU:
+            a = swiglu(h)  # one pass each way on a GPU, the same bits
         else:
             gate, up = h.chunk(2, dim=-1)
             a = self.act_fn(gate) * up

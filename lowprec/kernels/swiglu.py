@@ -1,0 +1,80 @@
+"""SwiGLU ``silu(h[:, :I]) * h[:, I:]`` of a (M, 2I) tensor and its backward, one pass each
+on a GPU with Triton (kernels: :mod:`.swiglu_kernel`), eager torch's bits in both: the
+forward reads ``h`` once and writes ``a``; the backward reads ``h`` and ``da`` and writes
+``dh`` whole (eager makes the silu, two products, silu's backward and a concatenation,
+five passes). Elsewhere the same torch ops."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import kernel_op, use_kernels
+
+_BM, _BI = 32, 128
+
+
+def _takes(h: torch.Tensor) -> bool:
+    return (use_kernels(h) and h.dim() == 2 and h.stride(1) == 1 and h.shape[1] % 2 == 0
+            and h.dtype in (torch.bfloat16, torch.float16) and h.numel() > 0)
+
+
+def _grid(m: int, i: int) -> tuple[int, int]:
+    return -(-m // _BM), -(-i // _BI)
+
+
+@kernel_op("lowprec::swiglu_fwd", mutates_args=())
+def swiglu_fwd(h: torch.Tensor) -> torch.Tensor:
+    """(M, I): ``silu(h[:, :I]) * h[:, I:]``."""
+    from .launch import launch
+    from .swiglu_kernel import swiglu_fwd_kernel
+    m, i = h.shape[0], h.shape[1] // 2
+    a = torch.empty((m, i), dtype=h.dtype, device=h.device)
+    with torch.cuda.device(h.device):
+        launch(swiglu_fwd_kernel, _grid(m, i), h, a, m, i, h.stride(0), a.stride(0),
+               BM=_BM, BI=_BI, num_warps=4)
+    return a
+
+
+@swiglu_fwd.register_fake
+def _(h):
+    return h.new_empty((h.shape[0], h.shape[1] // 2))
+
+
+@kernel_op("lowprec::swiglu_bwd", mutates_args=())
+def swiglu_bwd(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """(M, 2I): the gradient of :func:`swiglu_fwd` at ``h`` for ``da``."""
+    from .launch import launch
+    from .swiglu_kernel import swiglu_bwd_kernel
+    m, i = da.shape
+    dh = torch.empty_like(h, memory_format=torch.contiguous_format)
+    with torch.cuda.device(h.device):
+        launch(swiglu_bwd_kernel, _grid(m, i), h, da, dh, m, i, h.stride(0), da.stride(0),
+               dh.stride(0), BM=_BM, BI=_BI, num_warps=4)
+    return dh
+
+
+@swiglu_bwd.register_fake
+def _(h, da):
+    return torch.empty_like(h, memory_format=torch.contiguous_format)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return swiglu_fwd(h)
+
+    @staticmethod
+    def backward(ctx, da):
+        (h,) = ctx.saved_tensors
+        return swiglu_bwd(h, da.contiguous())
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` with ``gate, up = h.chunk(2, dim=-1)`` (bits and gradient), in
+    one pass each way where the kernels run (2-D, 16-bit, unit inner stride)."""
+    if _takes(h) and not torch.compiler.is_compiling():
+        return _SwiGLU.apply(h)
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
