@@ -17,13 +17,13 @@ from lowprec.gemm import gemm
 
 def launch(a, s_a, b, s_b, da, s_da, db, s_db, out, s_o, offs, m, n, k, g, group_k,
            a_rows, b_rows, cfg):
-    bm, bn, warps, stages, gm, *rest = cfg
+    bm, bn, warps, stages, gm = cfg
     gp = triton.next_power_of_2(max(g, 2))
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), g if group_k else 1)
     block_grouped_gemm_kernel[grid](
         a, b, da, db, out, offs, m, n, k, g, *s_a, *s_b, *s_da, *s_db, *s_o,
         GROUP_K=group_k, A_ROWS=a_rows, B_ROWS=b_rows, BM=bm, BN=bn, BK=128, GP=gp,
-        GROUP_M=gm, OVERLAP=bool(rest and rest[0]), num_warps=warps, num_stages=stages)
+        GROUP_M=gm, num_warps=warps, num_stages=stages)
 
 
 def q1(x, **usage):
@@ -146,11 +146,10 @@ def main():
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     identity((128, 128, 8, 3, 8))
-    identity((128, 128, 8, 3, 8, True))  # the overlapped loop
     if args.skip_speed:
         return
-    configs = [(128, 128, 8, 3, 8), (128, 128, 8, 3, 8, True), (128, 128, 8, 4, 8, True),
-               (64, 128, 4, 4, 8, True), (128, 64, 4, 4, 8, True)]
+    configs = [(128, 128, 8, 3, 8), (128, 128, 8, 4, 8), (64, 128, 4, 4, 8),
+               (128, 64, 4, 4, 8)]
     speed("qwen3", 16384, 8, 128, 2048, 768, configs)
     speed("mixtral", 16384, 2, 8, 4096, 14336, configs)
 

@@ -32,7 +32,7 @@ def block_grouped_gemm_kernel(
         s_og, s_om, s_on,
         GROUP_K: tl.constexpr, A_ROWS: tl.constexpr, B_ROWS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr,
-        GROUP_M: tl.constexpr, OVERLAP: tl.constexpr = False):
+        GROUP_M: tl.constexpr):
     """One (BM, BN) output tile (grid: tiles, then groups for ``GROUP_K``). ``A_ROWS`` /
     ``B_ROWS``: rows sharing one decode scale (1 for 1x128 blocks, 128 for 128x128).
     ``GP``: ``G`` rounded up to a power of two."""
@@ -77,42 +77,16 @@ def block_grouped_gemm_kernel(
     da_ptrs = da_ptr + (rows // A_ROWS).to(tl.int64) * s_dam + chunk0 * s_dak
     db_ptrs = db_base + (cols // B_ROWS).to(tl.int64) * s_dbn + chunk0 * s_dbk
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    chunks = tl.cdiv(k_hi - k_lo, BK)
-    if OVERLAP:
-        # each chunk's dot issued before the previous chunk's scaled add, so that the
-        # tensor cores and the scaling overlap (the same sums in the same order)
-        live = chunks > 0
-        a = tl.load(a_ptrs, mask=rmask[:, None] & live, other=0.0)
-        b = tl.load(b_ptrs, mask=cmask[None, :] & live, other=0.0)
-        da = tl.load(da_ptrs, mask=rmask & live, other=0.0)
-        db = tl.load(db_ptrs, mask=cmask & live, other=0.0)
+    for _ in range(0, tl.cdiv(k_hi - k_lo, BK)):
+        a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
+        da = tl.load(da_ptrs, mask=rmask, other=0.0)
+        db = tl.load(db_ptrs, mask=cmask, other=0.0)
         part = tl.dot(a, b)
-        scale = da[:, None] * db[None, :]
-        for _ in range(1, chunks):
-            a_ptrs += BK * s_ak
-            b_ptrs += BK * s_bk
-            da_ptrs += s_dak
-            db_ptrs += s_dbk
-            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
-            da = tl.load(da_ptrs, mask=rmask, other=0.0)
-            db = tl.load(db_ptrs, mask=cmask, other=0.0)
-            nxt = tl.dot(a, b)
-            acc += part * scale
-            part = nxt
-            scale = da[:, None] * db[None, :]
-        acc += part * scale
-    else:
-        for _ in range(0, chunks):
-            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
-            da = tl.load(da_ptrs, mask=rmask, other=0.0)
-            db = tl.load(db_ptrs, mask=cmask, other=0.0)
-            part = tl.dot(a, b)
-            acc += part * (da[:, None] * db[None, :])
-            a_ptrs += BK * s_ak
-            b_ptrs += BK * s_bk
-            da_ptrs += s_dak
-            db_ptrs += s_dbk
+        acc += part * (da[:, None] * db[None, :])
+        a_ptrs += BK * s_ak
+        b_ptrs += BK * s_bk
+        da_ptrs += s_dak
+        db_ptrs += s_dbk
     optr = out_base + rows.to(tl.int64)[:, None] * s_om + cols[None, :] * s_on
     tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
