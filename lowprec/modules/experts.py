@@ -79,8 +79,12 @@ class GroupedExperts(LowprecModule):
         new.act_fn = experts.act_fn
         new.gate_up_proj, new.down_proj = gate_up, down
         # the model's gating (transformers' _apply_gate: act_fn(gate) * up by default; some
-        # models clamp, or run it in fp32), called on the source module it belongs to
-        new.apply_gate = getattr(experts, "_apply_gate", None)  # None: act_fn(gate) * up
+        # models clamp, or run it in fp32), called on the source module it belongs to; None
+        # for transformers' default, which is this module's own act_fn(gate) * up
+        gating = getattr(type(experts), "_apply_gate", None)
+        default = (getattr(gating, "__name__", "") == "_default_apply_gate"
+                   and getattr(gating, "__module__", "") == "transformers.integrations.moe")
+        new.apply_gate = None if default else getattr(experts, "_apply_gate", None)
         new.train(experts.training)
         return new
 
@@ -151,7 +155,7 @@ class GroupedExperts(LowprecModule):
                            on_backward_done=done, group_alignment=align)
         if self.apply_gate is not None:
             a = self.apply_gate(h)
-        elif self.act_fn is nn.functional.silu or type(self.act_fn) is nn.SiLU:
+        elif _is_silu(self.act_fn):
             a = swiglu(h)  # one pass each way on a GPU, the same bits
         else:
             gate, up = h.chunk(2, dim=-1)
@@ -164,6 +168,16 @@ class GroupedExperts(LowprecModule):
         token_of = rows_token if rows_valid is None else torch.where(
             rows_valid, rows_token, hidden_states.shape[0])
         return _SumIntoTokens.apply(out, rows_of, token_of)
+
+
+def _is_silu(act_fn) -> bool:
+    """Whether ``act_fn`` is torch's silu: the function, ``nn.SiLU``, or transformers'
+    ``SiLUActivation`` (``F.silu`` in a module) as transformers builds it."""
+    if act_fn is nn.functional.silu or type(act_fn) is nn.SiLU:
+        return True
+    cls = type(act_fn)
+    return (cls.__name__ == "SiLUActivation" and cls.__module__ == "transformers.activations"
+            and "forward" not in vars(act_fn))
 
 
 class _SumIntoTokens(torch.autograd.Function):

@@ -10,6 +10,7 @@ import torch
 
 import lowprec
 from lowprec.linear.function import quantized_linear
+from lowprec.modules.experts import _is_silu
 from lowprec.recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling
 
 transformers = pytest.importorskip("transformers")
@@ -64,6 +65,8 @@ def test_grouped_experts_equal_transformers_loop(name):
         hf.gate_up_proj.normal_(std=0.05)
         hf.down_proj.normal_(std=0.05)
     lp = lowprec.GroupedExperts.from_experts(copy.deepcopy(hf), "experts")
+    # transformers' default gating is the module's own silu(gate) * up (the SwiGLU kernels)
+    assert lp.apply_gate is None and _is_silu(lp.act_fn)
     x, idx, w = _routing()
     outs, grads = [], []
     for mod in (hf, lp):
