@@ -167,12 +167,14 @@ def main():
     ap.add_argument("--shapes", default="mixtral,qwen3")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--triton", action="store_true", help="probe lowprec's Triton kernel")
+    ap.add_argument("--both", action="store_true",
+                    help="torch's grouped GEMMs, then lowprec's kernel in its one config")
     args = ap.parse_args()
     torch.manual_seed(0)
     for name in args.shapes.split(","):
-        if args.triton:
-            triton_run(name, args.tokens, CONFIGS)
-        else:
+        if args.triton or args.both:
+            triton_run(name, args.tokens, CONFIGS[:1] if args.both else CONFIGS)
+        if not args.triton:
             run(name, args.tokens)
 
 
