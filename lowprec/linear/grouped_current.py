@@ -7,9 +7,11 @@ Which grouped GEMM runs (:func:`gemm_backend`), on Hopper with bf16 activations:
   cuBLAS GEMM per expert, as :class:`lowprec.Linear` runs it; E4M3 and E5M2 operands (the
   HYBRID format's gradients too);
 * ``"cutlass"``: ``torch._scaled_grouped_mm`` (E4M3 only; the same values to the last
-  bits), faster than the Triton kernel for few large experts (about 1,000 TFLOP/s
-  against 800 at 4,000 rows an expert on an H100) and 2-3x slower for many small ones. It
-  runs when the experts average :data:`CUTLASS_ROWS` rows or more.
+  bits). Timed on an H100 (``tools/probe_grouped_fp8.py --both``, the six GEMMs of a
+  layer): at 2,048 rows an expert it is 8-10% faster than the Triton kernel (Mixtral's and
+  Qwen3's shapes); at 1,024 it is 3% faster at Mixtral's 8 large experts and 2.2x slower at
+  Qwen3's 128 small ones. It runs when the experts average :data:`CUTLASS_ROWS` rows or
+  more.
 
 Without either (no Triton, not Hopper, other activations), each group's GEMM runs as
 :func:`lowprec.gemm.gemm` runs it, the group sizes read on the host.
@@ -31,8 +33,8 @@ from . import weight_cache
 from .function import LinearQuantizers, _caching_weights
 from .grouped_parts import fused, group_ids, layout, stacked, weight_grads
 
-#: mean rows an expert from which ``torch._scaled_grouped_mm`` outruns the Triton kernel
-#: (E4M3 operands), timed on an H100 at the MoE layer's shapes (``tools/probe_grouped_fp8.py``)
+#: mean rows an expert from which ``torch._scaled_grouped_mm`` runs (E4M3 operands): the
+#: Triton kernel below it (see the module docstring for the timings)
 CUTLASS_ROWS = 2048
 
 
