@@ -23,6 +23,7 @@ from ..autocast import init_recipe
 from ..backends import grouped_mm
 from ..compiled_call import compiled_as_one_op
 from ..kernels.swiglu import swiglu
+from ..kernels.token_sum import token_sum
 from ..linear.grouped import group_alignment_for, grouped_linear
 from .base import LowprecModule
 
@@ -192,10 +193,7 @@ class _SumIntoTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, rows_of, token_of):
         ctx.save_for_backward(token_of)
-        acc = out.new_zeros((rows_of.shape[0], out.shape[1]))
-        for rows in rows_of.unbind(1):
-            acc = acc + out[rows]
-        return acc
+        return token_sum(out, rows_of)
 
     @staticmethod
     def backward(ctx, grad):
