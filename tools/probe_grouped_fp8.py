@@ -85,15 +85,16 @@ def run(name, tokens):
 
 def launch(a, b, da, db, offs, out, group_k, s_b, s_o, cfg):
     from lowprec.backends._fp8_grouped_kernels import fp8_grouped_gemm_kernel
-    bm, bn, warps, stages, band = cfg
+    bm, bn, warps, stages, band, *rest = cfg
+    bk = rest[0] if rest else 128
     g = offs.shape[0]
     m, n, k = a.shape[0], out.shape[-1], a.shape[1]
     m_tiles = -(-m // bm) + (0 if group_k else g)
     grid = (m_tiles * -(-n // bn), g if group_k else 1)
     fp8_grouped_gemm_kernel[grid](
         a, b, da, db, out, offs, m, n, k, g, *a.stride(), *s_b, *s_o,
-        GROUP_K=group_k, BM=bm, BN=bn, BK=128, GP=max(2, 1 << (g - 1).bit_length()),
-        GROUP_M=band, MASK_K=group_k or k % 128 != 0, num_warps=warps, num_stages=stages)
+        GROUP_K=group_k, BM=bm, BN=bn, BK=bk, GP=max(2, 1 << (g - 1).bit_length()),
+        GROUP_M=band, MASK_K=group_k or k % bk != 0, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -159,7 +160,8 @@ def triton_run(name, tokens, configs):
                       f"{flop / t / 1e9:6.0f} TFLOP/s ({t:.3f} ms)")
 
 
-CONFIGS = [(128, 128, 8, 4, 8), (128, 128, 8, 3, 8), (64, 128, 4, 4, 8)]
+CONFIGS = [(128, 128, 8, 4, 8), (128, 128, 8, 3, 8, 256), (128, 128, 8, 2, 8, 256),
+           (64, 128, 4, 3, 8, 256)]
 
 
 def main():

@@ -2,10 +2,11 @@
 :mod:`lowprec.backends.fp8_grouped`).
 
 ``out = (A @ B.T) * (da[g] * db[g])``: both operands fp8 and contiguous along the
-contraction, one decode scale per group and operand. The contraction runs in chunks of
-``BK``; each chunk's tensor-core product is summed apart and then added to the fp32
-accumulator (``max_num_imprecise_acc=BK``), the promotion cuBLAS's FP8 GEMMs without fast
-accumulation make, so that a group's result is the bits of its own ``torch._scaled_mm``.
+contraction, one decode scale per group and operand. The contraction is loaded in chunks
+of ``BK`` (a multiple of 128); each 128 of it is summed on the tensor cores apart and then
+added to the fp32 accumulator (``max_num_imprecise_acc=128``), the promotion cuBLAS's FP8
+GEMMs without fast accumulation make, so that a group's result is the bits of its own
+``torch._scaled_mm``.
 
 Two ways the groups split the problem (``GROUP_K``):
 
@@ -97,7 +98,7 @@ def fp8_grouped_gemm_kernel(
         else:
             a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=128)
         a_ptrs += BK * s_ak
         b_ptrs += BK * s_bk
     # the two decode scales' product first, as cuBLAS applies them (the other order
