@@ -285,3 +285,22 @@ def test_current_grouped_gpu_caller_aligned_rows_equal_unaligned(grad):
         xp, w, dyp)
     # both wgrads contract the same 16-row-aligned layout
     assert torch.equal(yp[rows], y) and torch.equal(dxp[rows], dx) and torch.equal(dwp, dw)
+
+
+def test_gemm_backend_rule(monkeypatch):
+    """Which grouped FP8 GEMM runs (as if on a Hopper GPU with Triton): CUTLASS from
+    CUTLASS_ROWS rows an expert with E4M3 operands, the Triton kernel below that and for
+    E5M2 gradients, none for other activations or features not multiples of 16."""
+    from lowprec.backends import fp8_grouped, grouped_mm
+    monkeypatch.setattr(fp8_grouped, "available", lambda a, *d: E5M2 not in d or E4M3 in d)
+    monkeypatch.setattr(grouped_mm, "fp8_available",
+                        lambda a, k, n, *d: all(t == E4M3 for t in d))
+    rows = grouped_current.CUTLASS_ROWS * 4
+    big = torch.empty(rows, 64, dtype=torch.bfloat16)
+    small = torch.empty(rows - 16, 64, dtype=torch.bfloat16)
+    assert grouped_current.gemm_backend(big, 48, 4, E4M3, E4M3) == "cutlass"
+    assert grouped_current.gemm_backend(small, 48, 4, E4M3, E4M3) == "triton"
+    assert grouped_current.gemm_backend(big, 48, 4, E5M2, E4M3) == "triton"
+    assert grouped_current.gemm_backend(big, 48, 4, E5M2, E5M2) is None
+    assert grouped_current.gemm_backend(big.float(), 48, 4, E4M3, E4M3) is None
+    assert grouped_current.gemm_backend(big, 40, 4, E4M3, E4M3) is None  # N not 16s
