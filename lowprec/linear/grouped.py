@@ -37,7 +37,7 @@ from ..backends import block_grouped, grouped_mm
 from ..formats.base import QuantizedTensor
 from . import grouped_block_fp8, grouped_current, grouped_exact
 from .function import LinearQuantizers, quantized_linear
-from .grouped_parts import group_ids, stacked
+from .grouped_parts import group_ids, host_sizes, stacked
 
 __all__ = ["current_scaling_quantizers", "group_alignment_for", "group_ids", "grouped_linear"]
 
@@ -78,12 +78,6 @@ def _check_sizes(sizes: list, num_groups: int, rows: int, alignment: int = 1) ->
         raise ValueError(f"m_splits sum to {sum(sizes)} but the input has {rows} rows")
     if any(m % alignment for m in sizes):
         raise ValueError(f"m_splits={sizes} must be multiples of group_alignment={alignment}")
-
-
-def _host_sizes(group_sizes) -> list[int]:
-    if isinstance(group_sizes, torch.Tensor):
-        return [int(m) for m in group_sizes.tolist()]
-    return [int(m) for m in group_sizes]
 
 
 def group_alignment_for(quantizers: LinearQuantizers | Sequence[LinearQuantizers] | None,
@@ -228,7 +222,7 @@ def _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode, on_backward
                group_alignment=1):
     if isinstance(group_sizes, torch.Tensor):
         _check_sizes_tensor(group_sizes, len(w_list))
-    sizes = _host_sizes(group_sizes)
+    sizes = host_sizes(group_sizes)
     _check_sizes(sizes, len(w_list), x2d.shape[0], group_alignment)
     biases = ([None] * len(w_list) if bias is None else list(bias))
     outs = [quantized_linear(xg, w_list[g], biases[g], quantizers=qs[g] if qs else None,

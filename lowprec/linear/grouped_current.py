@@ -31,7 +31,7 @@ from ..gemm import gemm
 from ..kernels.transpose import transpose_contiguous
 from . import weight_cache
 from .function import LinearQuantizers, _caching_weights
-from .grouped_parts import fused, group_ids, layout, stacked, weight_grads
+from .grouped_parts import fused, group_ids, host_sizes, layout, stacked, weight_grads
 
 #: mean rows an expert from which ``torch._scaled_grouped_mm`` runs (E4M3 operands): the
 #: Triton kernel below it (see the module docstring for the timings)
@@ -96,10 +96,6 @@ def _group_tensor(data, scale, shape, dtype, fp8_dtype, usage="rowwise"):
                         shared_scale=scale, fp8_dtype=fp8_dtype)
 
 
-def _host_sizes(sizes: torch.Tensor) -> list[int]:
-    return [int(m) for m in sizes.tolist()]
-
-
 def _quantized_experts(weights: Sequence[torch.Tensor], q_w, transposed: bool):
     """(fp8 experts (G, N, K), their transpose (K, G * N) or None, scales (G,)) of one
     (G, N, K) weight or G (N, K) ones, the transpose (``transposed``) from the same pass;
@@ -143,7 +139,7 @@ class GroupedCurrent(torch.autograd.Function):
                                                                                  q_x)
         else:
             xq, sx = fused(fp8_grouped_quantize.quantize_groups, x2d)(x2d, ids, num, q_x)
-        host = None if backend else _host_sizes(sizes)
+        host = None if backend else host_sizes(sizes)
         if backend:
             y = _rows_by_experts(backend, xq, torch.reciprocal(sx), ids, wq,
                                  torch.reciprocal(sw), grouped_mm.end_offsets(sizes), x2d.dtype)
@@ -197,7 +193,7 @@ class GroupedCurrent(torch.autograd.Function):
             return dx, None, None, None, None, None, *weight_grads(dw, ctx.weights)
         # no grouped kernel for these operands: one GEMM per group, the sizes read on the
         # host (one sync per backward on the GPU)
-        host = ctx.host if ctx.host is not None else _host_sizes(sizes)
+        host = ctx.host if ctx.host is not None else host_sizes(sizes)
         dys = torch.split(dyq, host)
         if need_dw:
             xs = torch.split(xq, host)

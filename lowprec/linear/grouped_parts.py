@@ -27,6 +27,13 @@ def group_ids(sizes: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.repeat_interleave(groups, sizes, output_size=rows)
 
 
+def host_sizes(group_sizes) -> list[int]:
+    """The group sizes as Python ints (a device tensor is read on the host: a sync)."""
+    if isinstance(group_sizes, torch.Tensor):
+        return [int(m) for m in group_sizes.tolist()]
+    return [int(m) for m in group_sizes]
+
+
 def stacked(weights) -> torch.Tensor:
     """The experts' weights as one (G, N, K) tensor: the one 3-D weight given, or the G
     (N, K) weights stacked."""
