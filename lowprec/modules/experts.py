@@ -131,7 +131,7 @@ class GroupedExperts(LowprecModule):
         # after each expert's: the grouped GEMMs then pad nothing themselves
         align = math.lcm(group_alignment_for(qs_up, 2 * self.intermediate_dim, self.hidden_dim),
                          group_alignment_for(qs_down, self.hidden_dim, self.intermediate_dim))
-        rows_token, rows_slot, rows_valid = token, slot, None
+        rows_token, rows_slot = token, slot
         place = torch.arange(flat.numel(), device=flat.device)  # each routed row's row
         if align > 1 and hidden_states.shape[0]:
             src, valid, _, total, place = grouped_mm.padded_layout(counts, flat[order],
@@ -143,12 +143,15 @@ class GroupedExperts(LowprecModule):
             # whose gradient would then sum them one after another
             spare = torch.arange(total, device=flat.device) % hidden_states.shape[0]
             rows_token = torch.where(valid, token[src], spare)
-            rows_slot, rows_valid = slot[src], valid
-            x = _PaddedRows.apply(hidden_states, rows_token, valid)
+            # each row's token, the count of tokens for a padded row (a zero row past them)
+            token_of = torch.where(valid, token[src], hidden_states.shape[0])
+            rows_slot = slot[src]
+            x = _PaddedRows.apply(hidden_states, token_of, rows_token, valid)
             # zero gates between the experts (no gradient reaches their rows)
             gates = top_k_weights[rows_token, rows_slot].masked_fill(~valid, 0)
         else:
             align = 1  # the rows as routed (bf16 experts, or no tokens to lay out)
+            token_of = rows_token
             # advanced indexing: its backward sums each token's rows in a fixed (sorted) order
             x = hidden_states[rows_token]
             gates = top_k_weights[rows_token, rows_slot]
@@ -166,8 +169,6 @@ class GroupedExperts(LowprecModule):
         out = (out * gates[:, None]).to(hidden_states.dtype)
         # each token's rows, in expert order: the row of routed slot order[r] is place[r]
         rows_of = torch.empty_like(place).scatter_(0, order, place).view(-1, k).sort(1).values
-        token_of = rows_token if rows_valid is None else torch.where(
-            rows_valid, rows_token, hidden_states.shape[0])
         return _SumIntoTokens.apply(out, rows_of, token_of)
 
 
@@ -203,24 +204,24 @@ class _SumIntoTokens(torch.autograd.Function):
 
 
 class _PaddedRows(torch.autograd.Function):
-    """``hidden_states[rows_token]`` with zero rows where ``valid`` is False (between the
-    experts' groups): one gather from the tokens and a zero row past them, no masking pass.
-    The backward sums each token's rows in a fixed (sorted) order, the padded rows' (zero,
-    or NaN from an expert's non-finite weights) left out."""
+    """``hidden_states[token_of]`` with zero rows where ``token_of`` is the token count
+    (between the experts' groups, ``valid`` False): one gather from the tokens and a zero row
+    past them, no masking pass. The backward sums each token's rows in a fixed (sorted)
+    order through ``rows_token`` (a padded row there stands for a token of its own), the
+    padded rows' (zero, or NaN from an expert's non-finite weights) left out."""
 
     @staticmethod
-    def forward(ctx, hidden_states, rows_token, valid):
+    def forward(ctx, hidden_states, token_of, rows_token, valid):
         ctx.save_for_backward(rows_token, valid)
         ctx.tokens = hidden_states.shape[0]
-        read = torch.where(valid, rows_token, ctx.tokens)
-        return nn.functional.pad(hidden_states, (0, 0, 0, 1))[read]
+        return nn.functional.pad(hidden_states, (0, 0, 0, 1))[token_of]
 
     @staticmethod
     def backward(ctx, grad):
         rows_token, valid = ctx.saved_tensors
         grad = torch.where(valid[:, None], grad, 0)  # the padded rows add zero
         out = grad.new_zeros((ctx.tokens, grad.shape[1]))
-        return out.index_put_((rows_token,), grad, accumulate=True), None, None
+        return out.index_put_((rows_token,), grad, accumulate=True), None, None, None
 
 
 class TorchtitanGroupedExperts(LowprecModule):
