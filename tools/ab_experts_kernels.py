@@ -11,26 +11,14 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch.nn.functional as F
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench_moe  # noqa: E402
 
 import lowprec.modules.experts as experts  # noqa: E402
-
-
-def _torch_swiglu(h):
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _torch_token_sum(rows, idx):
-    acc = rows.new_zeros((idx.shape[0], rows.shape[1]))
-    for slot in idx.unbind(1):
-        acc = acc + rows[slot]
-    return acc
+from lowprec.kernels.swiglu import swiglu_torch  # noqa: E402
+from lowprec.kernels.token_sum import token_sum_torch  # noqa: E402
 
 
 def main():
@@ -43,9 +31,9 @@ def main():
     for label in ("kernels", "torch ops", "kernels"):
         print(f"--- GroupedExperts with {label}")
         kernels = label == "kernels"
-        experts.swiglu = experts.__dict__["_kernel_swiglu"] if kernels else _torch_swiglu
+        experts.swiglu = experts.__dict__["_kernel_swiglu"] if kernels else swiglu_torch
         experts.token_sum = (experts.__dict__["_kernel_token_sum"] if kernels
-                             else _torch_token_sum)
+                             else token_sum_torch)
         bench_moe.run_model(args.model, args.layers, 2, 4096, modes, 10, 3,
                             recipes=("current-e4m3",))
 

@@ -76,5 +76,10 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     one pass each way where the kernels run (2-D, 16-bit, unit inner stride)."""
     if _takes(h) and not torch.compiler.is_compiling():
         return _SwiGLU.apply(h)
+    return swiglu_torch(h)
+
+
+def swiglu_torch(h: torch.Tensor) -> torch.Tensor:
+    """:func:`swiglu` in torch ops."""
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -37,6 +37,11 @@ def token_sum(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
             and rows.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and idx.numel() and rows.shape[1] and not torch.compiler.is_compiling()):
         return _token_sum(rows, idx)
+    return token_sum_torch(rows, idx)
+
+
+def token_sum_torch(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """:func:`token_sum` in torch ops: a gather and an add per slot."""
     acc = rows.new_zeros((idx.shape[0], rows.shape[1]))
     for slot in idx.unbind(1):
         acc = acc + rows[slot]

@@ -39,9 +39,7 @@ from . import grouped_block_fp8, grouped_current, grouped_exact
 from .function import LinearQuantizers, quantized_linear
 from .grouped_parts import group_ids, host_sizes, stacked
 
-__all__ = ["current_scaling_quantizers", "group_alignment_for", "group_ids", "grouped_linear"]
-
-current_scaling_quantizers = grouped_current.current_scaling_quantizers
+__all__ = ["group_alignment_for", "group_ids", "grouped_linear"]
 
 
 def _check_sizes_tensor(group_sizes: torch.Tensor, num_groups: int) -> None:

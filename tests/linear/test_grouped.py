@@ -16,7 +16,8 @@ import lowprec
 from lowprec.formats.float8 import grouped as fp8_grouped
 from lowprec.linear import grouped_current
 from lowprec.linear.function import LinearQuantizers
-from lowprec.linear.grouped import current_scaling_quantizers, group_ids, grouped_linear
+from lowprec.linear.grouped import group_ids, grouped_linear
+from lowprec.linear.grouped_current import current_scaling_quantizers
 from lowprec.linear.grouped_parts import fused
 from lowprec.recipe import Float8CurrentScaling, MXFP8BlockScaling
 
