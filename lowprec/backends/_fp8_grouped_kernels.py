@@ -1,12 +1,13 @@
 """@triton.jit kernel of the grouped per-tensor-scaled FP8 GEMM (launcher:
 :mod:`lowprec.backends.fp8_grouped`).
 
-``out = (A @ B.T) * (da[g] * db[g])``: both operands fp8 and contiguous along the
-contraction, one decode scale per group and operand. The contraction is loaded in chunks
-of ``BK`` (a multiple of 128); each 128 of it is summed on the tensor cores apart and then
-added to the fp32 accumulator (``max_num_imprecise_acc=128``), the promotion cuBLAS's FP8
-GEMMs without fast accumulation make, so that a group's result is the bits of its own
-``torch._scaled_mm``.
+``out = (A @ B.T) * (da[g] * db[g])``: both operands fp8 (``FP8``) or both bf16, contiguous
+along the contraction, one factor per group and operand. FP8: the contraction is loaded in
+chunks of ``BK`` (a multiple of 128); each 128 of it is summed on the tensor cores apart
+and then added to the fp32 accumulator (``max_num_imprecise_acc=128``), the promotion
+cuBLAS's FP8 GEMMs without fast accumulation make, so that a group's result is the bits of
+its own ``torch._scaled_mm``. bf16: the tensor cores accumulate in fp32 throughout, as
+cuBLAS's bf16 GEMMs do.
 
 Two ways the groups split the problem (``GROUP_K``):
 
@@ -42,7 +43,7 @@ def fp8_grouped_gemm_kernel(
         s_am, s_ak, s_bg, s_bn, s_bk,
         s_og, s_om, s_on,
         GROUP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        GP: tl.constexpr, GROUP_M: tl.constexpr, MASK_K: tl.constexpr):
+        GP: tl.constexpr, GROUP_M: tl.constexpr, MASK_K: tl.constexpr, FP8: tl.constexpr):
     """One (BM, BN) output tile (grid: row tiles x column tiles, then groups for
     ``GROUP_K``). ``GP``: ``G`` rounded up to a power of two. ``MASK_K``: the contraction
     may end inside a chunk (always so for ``GROUP_K``)."""
@@ -98,7 +99,10 @@ def fp8_grouped_gemm_kernel(
         else:
             a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, max_num_imprecise_acc=128)
+        if FP8:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=128)
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BK * s_ak
         b_ptrs += BK * s_bk
     # the two decode scales' product first, as cuBLAS applies them (the other order

@@ -1,9 +1,13 @@
 """Grouped FP8 GEMMs with per-tensor scales on Hopper, bit for bit one cuBLAS GEMM per
 group: every expert's rows in one Triton launch, the groups given by device offsets, never
-read on the host (kernel: :mod:`._fp8_grouped_kernels`).
+read on the host (kernel: :mod:`._fp8_grouped_kernels`). The same kernel takes bf16
+operands with one fp32 factor per group, applied to the fp32 sum before the one rounding:
+the grouped form of cuBLASLt's ``alpha`` epilogue over exact bf16 values (NVFP4 emulated
+on Hopper, :mod:`lowprec.linear.grouped_nvfp4`).
 
-The two shapes of problem of :mod:`.grouped_mm`, with fp8 codes contiguous along the
-contraction and one decode scale (``1 / scale``) per group and operand:
+The two shapes of problem of :mod:`.grouped_mm`, with fp8 codes (or bf16 values)
+contiguous along the contraction and one decode scale (``1 / scale``) per group and
+operand:
 
 * :func:`rows_by_experts` (forward, dgrad): ``out[rows of g] = a[rows of g] @ b[g].T``;
   groups of any size, no padding;
@@ -28,23 +32,30 @@ from ..kernels.launch import launch
 
 #: the multiple every wgrad group starts at (16-byte loads along the contraction)
 ALIGN = 16
-#: (BM, BN, warps, stages, bands of row tiles): the fastest of the configs timed on an H100
-#: at the MoE layer's shapes (``tools/probe_grouped_fp8.py``)
-_CONFIG = (128, 128, 8, 4, 8)
+#: (BM, BN, BK, warps, stages, bands of row tiles) by operand width: for fp8 the fastest
+#: of the configs timed on an H100 at the MoE layer's shapes (``tools/probe_grouped_fp8.py``);
+#: bf16 halves BK to keep the same shared memory a stage
+_CONFIG = {1: (128, 128, 128, 8, 4, 8), 2: (128, 128, 64, 8, 4, 8)}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def available(a: torch.Tensor, *fp8_dtypes: torch.dtype) -> bool:
-    """Whether the kernel runs on ``a``'s device for operands of ``fp8_dtypes``: a Hopper GPU
-    with Triton, E4M3 or E5M2 operands (not both E5M2, which cuBLAS does not take)."""
-    return (a.is_cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
-            and triton_available() and all(d in _FP8 for d in fp8_dtypes)
-            and not all(d == torch.float8_e5m2 for d in fp8_dtypes))
+def available(a: torch.Tensor, *dtypes: torch.dtype) -> bool:
+    """Whether the kernel runs on ``a``'s device for operands of ``dtypes``: a Hopper GPU
+    with Triton, and E4M3 or E5M2 operands (not both E5M2, which cuBLAS does not take) or
+    bf16 ones."""
+    if not (a.is_cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
+            and triton_available()):
+        return False
+    if all(d == torch.bfloat16 for d in dtypes):
+        return True
+    return (all(d in _FP8 for d in dtypes)
+            and not all(d == torch.float8_e5m2 for d in dtypes))
 
 
 def _launch(a, da, b, db, offs, out, group_k: bool) -> None:
     from ._fp8_grouped_kernels import fp8_grouped_gemm_kernel
-    bm, bn, warps, stages, band = _CONFIG
+    fp8 = a.element_size() == 1
+    bm, bn, bk, warps, stages, band = _CONFIG[a.element_size()]
     g = offs.shape[0]
     m, n, k = a.shape[0], out.shape[-1], a.shape[1]
     if group_k:
@@ -54,9 +65,9 @@ def _launch(a, da, b, db, offs, out, group_k: bool) -> None:
         s_b, s_o, m_tiles = b.stride(), (0, *out.stride()), -(-m // bm) + g
     grid = (m_tiles * -(-n // bn), g if group_k else 1)
     launch(fp8_grouped_gemm_kernel, grid, a, b, da, db, out, offs, m, n, k, g,
-           *a.stride(), *s_b, *s_o, GROUP_K=group_k, BM=bm, BN=bn, BK=128,
+           *a.stride(), *s_b, *s_o, GROUP_K=group_k, BM=bm, BN=bn, BK=bk,
            GP=max(2, 1 << (g - 1).bit_length()), GROUP_M=band,
-           MASK_K=group_k or k % 128 != 0, num_warps=warps, num_stages=stages)
+           MASK_K=group_k or k % bk != 0, FP8=fp8, num_warps=warps, num_stages=stages)
 
 
 def _chunked(a, b, scale) -> torch.Tensor:

@@ -21,6 +21,11 @@ How it runs is decided by the quantizers and the device:
   the same layout and quantizes, one launch of lowprec's grouped block-scaled FP8 GEMM
   per direction, bit for bit the per-expert cuBLAS GEMMs (:mod:`.grouped_block_fp8`),
   nothing read on the host;
+* NVFP4 on Hopper, bf16 activations: each expert's global scales found on the device, one
+  pass a direction writes every expert's exact bf16 values, one grouped bf16 GEMM a
+  direction with each expert's ``1 / (S_a * S_b)`` applied before the rounding, bit for
+  bit the per-expert GEMMs without stochastic rounding (:mod:`.grouped_nvfp4`), nothing
+  read on the host;
 * every other recipe, a bias, quantized weights or boundary quantizers: one
   :func:`quantized_linear` per group. This reads ``group_sizes`` on the host (a device
   tensor costs one synchronization a call).
@@ -35,7 +40,7 @@ import torch
 
 from ..backends import block_grouped, grouped_mm
 from ..formats.base import QuantizedTensor
-from . import grouped_block_fp8, grouped_current, grouped_exact
+from . import grouped_block_fp8, grouped_current, grouped_exact, grouped_nvfp4
 from .function import LinearQuantizers, quantized_linear
 from .grouped_parts import group_ids, host_sizes, stacked
 
@@ -92,6 +97,8 @@ def group_alignment_for(quantizers: LinearQuantizers | Sequence[LinearQuantizers
         return grouped_mm.ALIGN  # wgrad's FP8 grouped kernel
     if grouped_block_fp8.block_fp8_quantizers(qs, n, k) is not None:
         return block_grouped.ALIGN
+    if grouped_nvfp4.nvfp4_quantizers(qs, n, k) is not None:
+        return grouped_nvfp4.ALIGN
     exact = grouped_exact.exact_quantizers(qs, n, k)
     return grouped_exact.row_align(exact) if exact is not None else 1
 
@@ -165,6 +172,10 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
         y = grouped_block_fp8.GroupedBlockFP8.apply(
             x2d.contiguous(), sizes, picked, torch.is_grad_enabled(),
             group_alignment % block_grouped.ALIGN == 0, *w_args)
+    elif kind == "nvfp4":
+        y = grouped_nvfp4.GroupedNVFP4.apply(
+            x2d.contiguous(), sizes, picked, torch.is_grad_enabled(),
+            group_alignment % grouped_nvfp4.ALIGN == 0, *w_args)
     elif kind == "exact":
         aligned = group_alignment % grouped_exact.row_align(picked) == 0
         y = grouped_exact.GroupedExact.apply(x2d.contiguous(), sizes, picked,
@@ -186,8 +197,8 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
 
 
 def _route(x2d, w_list, qs, bias, backward_mode, on_backward_done):
-    """("plain", None), ("current", quantizers), ("block", quantizers), ("exact",
-    quantizers) or None (one Linear per group)."""
+    """("plain", None), ("current", quantizers), ("block", quantizers), ("nvfp4",
+    quantizers), ("exact", quantizers) or None (one Linear per group)."""
     if (bias is not None or on_backward_done is not None or isinstance(x2d, QuantizedTensor)
             or x2d.shape[0] == 0):
         return None  # (no rows: the per-group path runs the empty GEMMs)
@@ -208,6 +219,9 @@ def _route(x2d, w_list, qs, bias, backward_mode, on_backward_done):
     block = grouped_block_fp8.block_fp8_quantizers(qs, n, k)
     if block is not None and grouped_block_fp8.runs_on(x2d, block):
         return "block", block
+    nvfp4 = grouped_nvfp4.nvfp4_quantizers(qs, n, k)
+    if nvfp4 is not None and grouped_nvfp4.runs_on(x2d, n, k):
+        return "nvfp4", nvfp4
     if grouped_mm.plain_available(x2d, k, n):
         # block formats whose per-expert GEMMs run on the bf16 tensor cores (MXFP8)
         exact = grouped_exact.exact_quantizers(qs, n, k)

@@ -179,7 +179,8 @@ def test_group_alignment_for_each_path_and_checked():
     assert group_alignment_for(None, 96, 64) == 1
     nv = LinearQuantizers(lowprec.NVFP4Quantizer(), lowprec.NVFP4Quantizer(),
                           grad_output=lowprec.NVFP4Quantizer())
-    assert group_alignment_for([nv, nv], 96, 64) == 1
+    assert group_alignment_for([nv, nv], 96, 64) == 16
+    assert group_alignment_for([nv, nv], 96, 40) == 1  # no grouped NVFP4 path: no padding
     x, w, _ = _data((5, 0, 37, 22))
     for bad in (0, 2.0):
         with pytest.raises(ValueError, match="group_alignment"):

@@ -135,9 +135,11 @@ def _check_key(op: str, key: Optional[Tensor], device: torch.device) -> None:
                          f"{device}, got {key.dtype} {tuple(key.shape)} on {key.device}")
 
 
-def _launch_row(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx64) -> None:
+def _launch_row(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx64,
+                grouped=False) -> None:
     """The rowwise kernel over x (M, K), rows sx elements apart (see the kernel's doc);
-    ``exact`` None: no exact values written."""
+    ``exact`` None: no exact values written; ``grouped``: ``glob`` holds one S per 16-row
+    block."""
     m, kk = x.shape
     cr = tuning.nvfp4_config["row"]
     kb, rb = cr["KB"], (16 if two_d else cr["RB"])
@@ -146,12 +148,14 @@ def _launch_row(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx6
         x, m, kk, sx, data, scale, glob, key if key is not None else glob, offset, exact,
         TWO_D=bool(two_d), SR=key is not None, VEC=16 // x.element_size(), KB=kb, RB=rb,
         EVEN=m % rb == 0 and (kk // BLOCK) % kb == 0, IDX64=idx64, EXACT=exact is not None,
-        CODES=bool(codes), num_warps=max(1, kb * rb // 32), **_LAUNCH_OPTS)
+        CODES=bool(codes), GROUPED=bool(grouped), num_warps=max(1, kb * rb // 32),
+        **_LAUNCH_OPTS)
 
 
 def _launch_col(x, sx, data, scale, glob, key, offset, exact, rht, two_d, codes,
-                idx64) -> None:
-    """The columnwise kernel over x (M, K), rows sx elements apart (see the kernel's doc)."""
+                idx64, grouped=False) -> None:
+    """The columnwise kernel over x (M, K), rows sx elements apart (see the kernel's doc);
+    ``grouped``: ``glob`` holds one S per 16-row block of x."""
     m, kk = x.shape
     kw = tuning.nvfp4_config["col"]["KW"]
     grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * kw),)
@@ -159,7 +163,7 @@ def _launch_col(x, sx, data, scale, glob, key, offset, exact, rht, two_d, codes,
         x, m, kk, sx, data, scale, glob, key if key is not None else glob, offset, exact,
         RHT=bool(rht), TWO_D=bool(two_d), SR=key is not None, KW=kw,
         EVEN=m % 64 == 0 and kk % (16 * kw) == 0, IDX64=idx64, EXACT=exact is not None,
-        CODES=bool(codes), num_warps=kw, **_LAUNCH_OPTS)
+        CODES=bool(codes), GROUPED=bool(grouped), num_warps=kw, **_LAUNCH_OPTS)
 
 
 @kernel_op("lowprec::nvfp4_exact_slice", mutates_args=())

@@ -480,14 +480,49 @@ def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
                 tl.store(cglob_ptr, _global_scale(a_plain))
 
 
+@triton.jit
+def _nvfp4_group_amax_kernel(x_ptr, M, K, bgroup_ptr, ws_ptr, RHT: tl.constexpr,
+                             KW: tl.constexpr, EVEN: tl.constexpr, IDX64: tl.constexpr):
+    """Per-group amaxes of x (M, K), M a multiple of 16, each 16-row block in the group
+    ``bgroup[block]`` (int32): ws_ptr int32 (G, 2) zeroed gets, as fp32 bits, each group's
+    finite amax of x ([g, 0]) and, when RHT, of RHT(x^T) ([g, 1]), as
+    :func:`_nvfp4_amax_kernel` computes them for one tensor.
+
+    One program a band of 64 rows (4 blocks), looping over the columns; then one atomic
+    max per block and amax."""
+    pid = tl.program_id(0)
+    m0 = pid * 64
+    m_plain = tl.zeros((8, 4, KW, 2), dtype=tl.float32)
+    m_rht = tl.zeros((8, 4, KW, 2), dtype=tl.float32)
+    for k0 in range(0, K, 16 * KW):
+        sl = _load_col_tile(x_ptr, M, K, K, m0, k0, KW, EVEN, IDX64)
+        for i in tl.static_range(16):
+            m_plain = tl.maximum(m_plain, _finite_max(tl.abs(sl[i])))
+        if RHT:
+            z = _rht_half(sl)  # max before the exact * 2, as _nvfp4_amax_kernel
+            for i in tl.static_range(16):
+                az = tl.abs(z[i])
+                m_rht = tl.maximum(m_rht, tl.where(az <= FP32_HALF_MAX, az, 0.0))
+    blk = m0 // 16 + tl.arange(0, 4)
+    live = blk < M // 16
+    gid = tl.load(bgroup_ptr + blk, mask=live, other=0)
+    plain = tl.max(tl.max(tl.max(m_plain, axis=3), axis=2), axis=0)            # (4,)
+    tl.atomic_max(ws_ptr + gid * 2, plain.to(tl.int32, bitcast=True), mask=live)
+    if RHT:
+        rht = tl.max(tl.max(tl.max(m_rht, axis=3), axis=2), axis=0) * 2.0
+        tl.atomic_max(ws_ptr + gid * 2 + 1, rht.to(tl.int32, bitcast=True), mask=live)
+
+
 # ---- pass 2a: rowwise ---------------------------------------------------------------------------
 @triton.jit
 def _nvfp4_row_kernel(x_ptr, M, K, SX, data_ptr, scale_ptr, glob_ptr, key_ptr, IDX0,
                       exact_ptr, TWO_D: tl.constexpr, SR: tl.constexpr, VEC: tl.constexpr,
                       KB: tl.constexpr, RB: tl.constexpr, EVEN: tl.constexpr,
-                      IDX64: tl.constexpr, EXACT: tl.constexpr, CODES: tl.constexpr):
+                      IDX64: tl.constexpr, EXACT: tl.constexpr, CODES: tl.constexpr,
+                      GROUPED: tl.constexpr = False):
     """Rowwise NVFP4 of x (M, K), rows SX elements apart: data (M, K/2) u8, scales (M, K/16)
-    or (M/16, K/16) u8 (E4M3 bytes), S read from glob; key (2,) int64 the
+    or (M/16, K/16) u8 (E4M3 bytes), S read from glob (GROUPED: glob holds one S per
+    16-row block, the S of row r at glob[r // 16]); key (2,) int64 the
     stochastic-rounding key when SR, the element at (r, c) drawing index IDX0 + r K + c
     (a slice of a larger matrix draws the whole matrix's uniforms).
 
@@ -502,7 +537,6 @@ def _nvfp4_row_kernel(x_ptr, M, K, SX, data_ptr, scale_ptr, glob_ptr, key_ptr, I
     nkb = tl.cdiv(K // 16, KB)
     m0 = (pid // nkb) * RB
     kb0 = (pid % nkb) * KB
-    s = tl.load(glob_ptr)
     K2 = K // 2
     K16 = K // 16
     # index tensors (X, Y, ...): (blocks, rows) for 1D, (rows, blocks) for 2D
@@ -523,6 +557,8 @@ def _nvfp4_row_kernel(x_ptr, M, K, SX, data_ptr, scale_ptr, glob_ptr, key_ptr, I
     bm = tl.reduce(tl.reduce(tl.abs(x), 3, _max_nan), 2, _max_nan)        # (X, Y)
     if TWO_D:
         bm = tl.reduce(bm, 0, _max_nan)                                     # (KB,)
+        s = tl.load(glob_ptr + m0 // 16) if GROUPED else tl.load(glob_ptr)
+        s4 = s
         sc, d = _block_scale(bm, s)
         srow = m0 // 16
         if CODES:
@@ -531,15 +567,21 @@ def _nvfp4_row_kernel(x_ptr, M, K, SX, data_ptr, scale_ptr, glob_ptr, key_ptr, I
         dd = d[None, :, None, None]
         sc4 = sc[None, :, None, None]
     else:
-        sc, d = _block_scale(bm, s)
         r2 = m0 + tl.arange(0, RB)[None, :]
         b2 = kb0 + tl.arange(0, KB)[:, None]
+        if GROUPED:
+            s = tl.load(glob_ptr + r2 // 16, mask=r2 < M, other=1.0)           # (1, RB)
+            s4 = s[:, :, None, None]
+        else:
+            s = tl.load(glob_ptr)
+            s4 = s
+        sc, d = _block_scale(bm, s)
         if CODES:
             _st(scale_ptr + _wide(r2, IDX64) * K16 + b2, sc.to(tl.uint8),
                 (r2 < M) & (b2 < K16), EVEN)
         dd = d[:, :, None, None]
         sc4 = sc[:, :, None, None]
-    n = x * s
+    n = x * s4
     a = tl.abs(n)
     if SR:
         rnd = _sr_bits(key_ptr, IDX0 + _wide(r4, IDX64) * K + b4 * 16 + h4 * VEC + c4, IDX64)
@@ -566,10 +608,11 @@ def _nvfp4_row_kernel(x_ptr, M, K, SX, data_ptr, scale_ptr, glob_ptr, key_ptr, I
 def _nvfp4_col_kernel(x_ptr, M, K, SX, data_ptr, scale_ptr, glob_ptr, key_ptr, IDX0,
                       exact_ptr, RHT: tl.constexpr, TWO_D: tl.constexpr, SR: tl.constexpr,
                       KW: tl.constexpr, EVEN: tl.constexpr, IDX64: tl.constexpr,
-                      EXACT: tl.constexpr, CODES: tl.constexpr):
+                      EXACT: tl.constexpr, CODES: tl.constexpr, GROUPED: tl.constexpr = False):
     """Columnwise NVFP4 of x (M, K), rows SX elements apart: the rowwise quantization of
     x^T (RHT'd along M when RHT). data (K, M/2) u8, scales (K, M/16) or (K/16, M/16) u8, S
-    from glob; key (2,) int64 the stochastic-rounding key when SR, element (k, m) of x^T
+    from glob (GROUPED: one S per 16-row block of x, the S of a block of x^T's row at
+    glob[m // 16]); key (2,) int64 the stochastic-rounding key when SR, element (k, m) of x^T
     drawing index IDX0 + k M + m. Tile: 64 rows x 16 KW columns (see _col_tile_index); each
     thread owns the 16x1 blocks of two adjacent columns in one 16-row group. EXACT: also
     writes the exact bf16 ``q * d`` (K, M) to exact_ptr (32 contiguous bytes a column a
@@ -578,7 +621,6 @@ def _nvfp4_col_kernel(x_ptr, M, K, SX, data_ptr, scale_ptr, glob_ptr, key_ptr, I
     nk = tl.cdiv(K, 16 * KW)
     m0 = (pid // nk) * 64
     k0 = (pid % nk) * 16 * KW
-    s = tl.load(glob_ptr)
     M2 = M // 2
     M16 = M // 16
     ys = _load_col_tile(x_ptr, M, K, SX, m0, k0, KW, EVEN, IDX64)
@@ -594,9 +636,13 @@ def _nvfp4_col_kernel(x_ptr, M, K, SX, data_ptr, scale_ptr, glob_ptr, key_ptr, I
     p = tl.arange(0, 2)[None, None, None, :]
     col = k0 + kw * 16 + kp * 2 + p                                          # (8, 1, KW, 2)
     grp = m0 // 16 + g                                                       # (1, 4, 1, 1)
+    if GROUPED:
+        s = tl.load(glob_ptr + grp, mask=grp < M16, other=1.0)                # (1, 4, 1, 1)
+    else:
+        s = tl.load(glob_ptr)
     if TWO_D:
         bm2 = tl.reduce(tl.reduce(bm, 3, _max_nan), 0, _max_nan)            # (4, KW)
-        sc, d = _block_scale(bm2, s)
+        sc, d = _block_scale(bm2, tl.reshape(s, (4, 1)) if GROUPED else s)
         okb = k0 // 16 + tl.arange(0, KW)[None, :]
         og = m0 // 16 + tl.arange(0, 4)[:, None]
         if CODES:

@@ -1,0 +1,191 @@
+"""Grouped linear for NVFP4 emulated on the bf16 tensor cores (Hopper): every expert
+quantized at once with its own global scales, each direction one grouped GEMM, nothing
+read on the host.
+
+A per-expert NVFP4 Linear on Hopper quantizes its input (padded with zero rows to whole
+16-row blocks), its weight and dY, each with its own global encode scale ``S``, and
+multiplies the exact bf16 ``q * d`` values on the bf16 tensor cores, applying
+``1 / (S_a * S_b)`` to the fp32 sum before the one rounding (cuBLASLt's alpha,
+:mod:`lowprec.backends.exact_bf16`). Here:
+
+* the routed rows are spread so that each group starts at a multiple of 16 rows, zero
+  rows between the groups (the padding of each per-expert Linear);
+* one pass finds every group's ``S`` of its rows and of their (RHT'd) transpose, and one
+  pass a direction writes the exact values, each 16-row block with its group's ``S``
+  (:mod:`lowprec.formats.nvfp4.grouped`); the experts' weights likewise, stacked
+  (G * N, K), once per optimizer step under ``lowprec.autocast(cache_weights=True)``;
+* each direction is one launch of the grouped GEMM of :mod:`lowprec.backends.fp8_grouped`
+  over the bf16 values, with each group's alpha ``RN32(1 / (S_a * S_b))``.
+
+Without stochastic rounding the result is the per-expert Linears' bit for bit. With it,
+each direction draws one key for all experts (per-expert Linears draw one an expert), so
+the draws differ while their law is the same.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..backends import fp8_grouped, grouped_mm
+from ..formats.nvfp4 import NVFP4Quantizer
+from ..formats.nvfp4.compiled import draw_keys
+from ..formats.nvfp4.draws import draw_key
+from ..formats.nvfp4.grouped import group_scales, grouped_exact
+from . import weight_cache
+from .function import _caching_weights
+from .grouped_parts import fused, group_ids, layout, stacked, weight_grads
+
+#: every group starts at a multiple of this many rows (NVFP4's 16-row columnwise blocks)
+ALIGN = 16
+
+
+def _setting(q) -> tuple | None:
+    if type(q) is not NVFP4Quantizer or "quantize" in q.__dict__:
+        return None  # hooked quantizers (lowprec.debug, compare's probe) see each expert's
+    return (q.with_rht, q.with_2d_quantization, q.stochastic_rounding, id(q.generator))
+
+
+def nvfp4_quantizers(qs: Sequence, n: int, k: int):
+    """(input, weight, grad_output) quantizers when every group's slot is one NVFP4 setting
+    (one generator), nothing is quantized at the boundaries, the features ``n`` and ``k``
+    are multiples of 16, the weight carries no RHT and the input and dY carry it alike
+    (the pairs the per-expert GEMMs run on the bf16 tensor cores); else None."""
+    if n % 16 or k % 16:
+        return None
+    if any(q.output is not None or q.grad_input is not None for q in qs):
+        return None
+    picked = []
+    for slot in ("input", "weight", "grad_output"):
+        first = getattr(qs[0], slot)
+        key = _setting(first)
+        if key is None or any(_setting(getattr(q, slot)) != key for q in qs):
+            return None
+        picked.append(first)
+    q_x, q_w, q_dy = picked
+    if q_w.with_rht or q_x.with_rht != q_dy.with_rht:
+        return None
+    return tuple(picked)
+
+
+def runs_on(x2d: torch.Tensor, n: int, k: int) -> bool:
+    """Whether the grouped kernels run ``x2d``'s problem (bf16 rows on a Hopper GPU)."""
+    return (x2d.dtype == torch.bfloat16 and grouped_mm.plain_available(x2d, k, n)
+            and fp8_grouped.available(x2d, torch.bfloat16))
+
+
+def _alphas(div_a: torch.Tensor, div_b: torch.Tensor) -> torch.Tensor:
+    """Each group's ``RN32(1 / (div_a * div_b))`` (the product exact in fp64), clamped to
+    the fp32 maximum: cuBLASLt's alpha of one expert's GEMM (``backends.kernels.gemm_alpha``)."""
+    p = div_a.to(torch.float64) * div_b.to(torch.float64)
+    return p.reciprocal().to(torch.float32).clamp(max=torch.finfo(torch.float32).max)
+
+
+def _block_groups(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """The group of each 16-row block of the padded rows (int32); blocks past the last
+    group (zero rows) counted in the last."""
+    starts = torch.arange(0, rows, ALIGN, device=offs.device, dtype=offs.dtype)
+    ids = torch.searchsorted(offs, starts, right=True)
+    return ids.clamp_(max=offs.shape[0] - 1).to(torch.int32)
+
+
+def _keys(q: NVFP4Quantizer, t: torch.Tensor, rowwise: bool, columnwise: bool):
+    """The stochastic-rounding keys of the directions in use, rowwise first (None: nearest).
+    Traced, torch's default generator is read through an op that calls eager's draw
+    (``formats.nvfp4.compiled.draw_keys``), so compiled and eager draw the same keys."""
+    if not q.stochastic_rounding:
+        return None, None
+    count = int(rowwise) + int(columnwise)
+    if torch.compiler.is_compiling() and q.generator is None:
+        keys = list(draw_keys(t, count).unbind(0))
+    else:
+        keys = [draw_key(q.generator, t.device) for _ in range(count)]
+    key_row = keys.pop(0) if rowwise else None
+    key_col = keys.pop(0) if columnwise else None
+    return key_row, key_col
+
+
+def quantize_rows(q: NVFP4Quantizer, t: torch.Tensor, block_groups: torch.Tensor, num: int,
+                  rowwise: bool, columnwise: bool):
+    """(rowwise values or None, columnwise values or None, (G, 2) global scales) of the
+    grouped rows ``t``, each group quantized by ``q`` on its own."""
+    scales = group_scales(t, block_groups, num, bool(q.with_rht and columnwise))
+    key_row, key_col = _keys(q, t, rowwise, columnwise)
+    row_s = scales[:, 0][block_groups] if rowwise else None
+    col_s = scales[:, 1][block_groups] if columnwise else None
+    rows, cols = grouped_exact(t, row_s, col_s, key_row, key_col, q.with_rht,
+                               q.with_2d_quantization)
+    return (rows if rowwise else None), (cols if columnwise else None), scales
+
+
+def _quantized_weights(weights, q_w, columnwise: bool):
+    """(rowwise (G * N, K), columnwise (K, G * N) or None, (G,) S) of the stacked experts;
+    under ``lowprec.autocast(cache_weights=True)`` made once while they are unchanged."""
+    def make(columnwise=columnwise):
+        w3d = stacked(weights).detach()
+        num, n, _ = w3d.shape
+        w2d = w3d.reshape(num * n, -1)
+        blocks = torch.arange(w2d.shape[0] // ALIGN, device=w2d.device,
+                              dtype=torch.int32) // (n // ALIGN)
+        rows, cols, scales = quantize_rows(q_w, w2d, blocks, num, True, columnwise)
+        return rows, cols, scales[:, 0]
+    if _caching_weights() and not torch.compiler.is_compiling():
+        return weight_cache.cached_value(weights, q_w, lambda: make(True))
+    return make()
+
+
+class GroupedNVFP4(torch.autograd.Function):
+    """Forward, dgrad and wgrad of NVFP4 experts (see the module docstring); the weights
+    are one (G, N, K) tensor or G (N, K) ones."""
+
+    @staticmethod
+    def forward(ctx, x2d, sizes, quantizers, grad_enabled, aligned, *weights):
+        q_x, q_w, q_dy = quantizers
+        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dw = grad_enabled and any(ctx.needs_input_grad[5:])
+        rows = x2d.shape[0]
+        num = weights[0].shape[0] if weights[0].dim() == 3 else len(weights)
+        n, k = weights[0].shape[-2:]
+        if aligned:  # the caller laid the groups out in whole blocks (group_alignment)
+            src = valid = dest = None
+            offs, x_pad = grouped_mm.end_offsets(sizes), x2d
+        else:
+            src, valid, offs, _, dest = grouped_mm.padded_layout(sizes, group_ids(sizes, rows),
+                                                                 rows, ALIGN)
+            x_pad = fused(grouped_mm.padded_rows, x2d)(x2d, src, valid)
+        blocks = _block_groups(offs, x_pad.shape[0])
+        x_rows, x_cols, sx = quantize_rows(q_x, x_pad, blocks, num, True, need_dw)
+        w_rows, w_cols, sw = _quantized_weights(weights, q_w, need_dx)
+        ones = torch.ones(num, dtype=torch.float32, device=x2d.device)
+        y = fp8_grouped.rows_by_experts(x_rows, _alphas(sx[:, 0], sw), w_rows.view(num, n, k),
+                                        ones, offs, x2d.dtype)
+        if dest is not None:
+            y = y.index_select(0, dest)
+        ctx.save_for_backward(x_cols, sx[:, 1], w_cols if need_dx else None, sw, src, valid,
+                              offs, dest, blocks)
+        ctx.q_dy, ctx.weights, ctx.shape = q_dy, layout(weights), (num, n, k)
+        ctx.w_dtype = weights[0].dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_cols, sx_col, w_cols, sw, src, valid, offs, dest, blocks = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
+        num, n, k = ctx.shape
+        dy = dy.contiguous()
+        dy_pad = dy if src is None else fused(grouped_mm.padded_rows, dy)(dy, src, valid)
+        dy_rows, dy_cols, sdy = quantize_rows(ctx.q_dy, dy_pad, blocks, num, need_dx, need_dw)
+        del dy_pad
+        ones = torch.ones(num, dtype=torch.float32, device=dy.device)
+        dx = dw = None
+        if need_dw:
+            dw = fp8_grouped.wgrad(dy_cols, _alphas(sdy[:, 1], sx_col), x_cols, ones, offs,
+                                   ctx.w_dtype)
+        if need_dx:
+            w_t = w_cols.view(k, num, n).permute(1, 0, 2)  # expert g's columns g*N...
+            dx = fp8_grouped.rows_by_experts(dy_rows, _alphas(sdy[:, 0], sw), w_t, ones, offs,
+                                             dy.dtype)
+            if dest is not None:
+                dx = dx.index_select(0, dest)
+        return dx, None, None, None, None, *weight_grads(dw, ctx.weights)
