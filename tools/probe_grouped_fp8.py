@@ -2,7 +2,9 @@
 wgrad): TFLOP/s of bf16 ``torch._grouped_mm`` against FP8 ``torch._scaled_grouped_mm`` with
 and without fast accumulation (and whether the two give the same bits); with ``--triton``,
 lowprec's grouped FP8 kernel (``backends/_fp8_grouped_kernels.py``): its bits against one
-cuBLAS ``torch._scaled_mm`` per group and the TFLOP/s of tile configs. Needs a Hopper GPU."""
+cuBLAS ``torch._scaled_mm`` per group and the TFLOP/s of tile configs; with ``--bf16``, the
+same kernel over bf16 operands (the NVFP4 experts' GEMMs) in each config against bf16
+``torch._grouped_mm`` in the same run. Needs a Hopper GPU."""
 
 from __future__ import annotations
 
@@ -87,6 +89,7 @@ def launch(a, b, da, db, offs, out, group_k, s_b, s_o, cfg):
     from lowprec.backends._fp8_grouped_kernels import fp8_grouped_gemm_kernel
     bm, bn, warps, stages, band, *rest = cfg
     bk = rest[0] if rest else 128
+    fp8_ops = a.element_size() == 1
     g = offs.shape[0]
     m, n, k = a.shape[0], out.shape[-1], a.shape[1]
     m_tiles = -(-m // bm) + (0 if group_k else g)
@@ -94,7 +97,8 @@ def launch(a, b, da, db, offs, out, group_k, s_b, s_o, cfg):
     fp8_grouped_gemm_kernel[grid](
         a, b, da, db, out, offs, m, n, k, g, *a.stride(), *s_b, *s_o,
         GROUP_K=group_k, BM=bm, BN=bn, BK=bk, GP=max(2, 1 << (g - 1).bit_length()),
-        GROUP_M=band, MASK_K=group_k or k % bk != 0, num_warps=warps, num_stages=stages)
+        GROUP_M=band, MASK_K=group_k or k % bk != 0, FP8=fp8_ops, num_warps=warps,
+        num_stages=stages)
     return out
 
 
@@ -161,6 +165,47 @@ def triton_run(name, tokens, configs):
 
 #: (BM, BN, warps, stages, bands[, BK]); the first is the launcher's
 CONFIGS = [(128, 128, 8, 4, 8), (128, 128, 8, 3, 8), (128, 128, 8, 3, 8, 256)]
+BF16_CONFIGS = [(128, 128, 8, 4, 8, 64), (128, 256, 8, 3, 8, 64), (128, 256, 8, 4, 8, 64),
+                (128, 128, 4, 4, 8, 64), (128, 128, 8, 3, 8, 128), (64, 256, 4, 4, 8, 64),
+                (128, 128, 8, 5, 8, 64)]
+
+
+def bf16_run(name, tokens, configs):
+    """The kernel over bf16 operands (one factor a group) in each config, against bf16
+    ``torch._grouped_mm``, per direction: ms and TFLOP/s."""
+    hidden, experts, topk, ffn = SHAPES[name]
+    for label, n, k in (("gate/up", 2 * ffn, hidden), ("down", hidden, ffn)):
+        a, w, dy, offs = problem(tokens * topk, experts, n, k)
+        m = a.shape[0]
+        w_t = w.permute(2, 0, 1).reshape(k, experts * n).contiguous()  # (K, G*N)
+        a_t, dy_t = a.t().contiguous(), dy.t().contiguous()
+        ones = torch.ones(experts, device="cuda")
+        flop = 2 * m * n * k
+
+        def call(direction, cfg):
+            if direction == "fwd":
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                return launch(a, w, ones, ones, offs, out, False, w.stride(),
+                              (0, *out.stride()), cfg)
+            if direction == "dgrad":
+                out = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+                return launch(dy, w_t, ones, ones, offs, out, False, (n, experts * n, 1),
+                              (0, *out.stride()), cfg)
+            out = torch.empty(experts, n, k, device="cuda", dtype=torch.bfloat16)
+            return launch(dy_t, a_t, ones, ones, offs, out, True, (0, *a_t.stride()),
+                          out.stride(), cfg)
+
+        torch_calls = {"fwd": lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=offs),
+                       "dgrad": lambda: torch._grouped_mm(dy, w, offs=offs),
+                       "wgrad": lambda: torch._grouped_mm(dy_t, a, offs=offs)}
+        for direction in ("fwd", "dgrad", "wgrad"):
+            t = timed(torch_calls[direction])
+            print(f"{name:8s} {label:8s} {direction:6s} torch._grouped_mm: "
+                  f"{flop / t / 1e9:6.0f} TFLOP/s ({t:.3f} ms)")
+            for cfg in configs:
+                t = timed(lambda: call(direction, cfg))
+                print(f"{name:8s} {label:8s} {direction:6s} cfg {cfg}: "
+                      f"{flop / t / 1e9:6.0f} TFLOP/s ({t:.3f} ms)")
 
 
 def main():
@@ -168,11 +213,16 @@ def main():
     ap.add_argument("--shapes", default="mixtral,qwen3")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--triton", action="store_true", help="probe lowprec's Triton kernel")
+    ap.add_argument("--bf16", action="store_true",
+                    help="the kernel over bf16 operands against torch._grouped_mm")
     ap.add_argument("--both", action="store_true",
                     help="torch's grouped GEMMs, then lowprec's kernel in its one config")
     args = ap.parse_args()
     torch.manual_seed(0)
     for name in args.shapes.split(","):
+        if args.bf16:
+            bf16_run(name, args.tokens, BF16_CONFIGS)
+            continue
         if args.triton or args.both:
             triton_run(name, args.tokens, CONFIGS[:1] if args.both else CONFIGS)
         if not args.triton:

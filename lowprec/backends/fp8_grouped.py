@@ -105,7 +105,7 @@ def rows_by_experts(a: torch.Tensor, a_decode: torch.Tensor, b: torch.Tensor,
                     b_decode: torch.Tensor, offs: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
     """(M, N): each group's rows of ``a`` (M, K) times its ``b[g].T`` (``b`` (G, N, K), any
-    strides, contiguous along K), scaled by ``a_decode[g] * b_decode[g]`` ((G,) fp32 each).
+    strides; fp8 ones contiguous along K), scaled by ``a_decode[g] * b_decode[g]`` ((G,) fp32 each).
     ``offs``: each group's end row (int32); rows past the last group are left unwritten."""
     out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
     _run(a, a_decode, b, b_decode, offs, out, False)

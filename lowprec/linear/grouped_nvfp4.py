@@ -120,16 +120,30 @@ def quantize_rows(q: NVFP4Quantizer, t: torch.Tensor, block_groups: torch.Tensor
 
 
 def _quantized_weights(weights, q_w, columnwise: bool):
-    """(rowwise (G * N, K), columnwise (K, G * N) or None, (G,) S) of the stacked experts;
-    under ``lowprec.autocast(cache_weights=True)`` made once while they are unchanged."""
+    """(forward operand (G, N, K), dgrad operand (G, K, N) or None, (G,) S) of the stacked
+    experts' exact values; under ``lowprec.autocast(cache_weights=True)`` made once while
+    they are unchanged.
+
+    16x16 blocks rounded to nearest quantize W^T as the transpose of W's blocks (the same
+    block amaxes and S), so dgrad reads the rowwise values transposed; otherwise the
+    columnwise direction is quantized too."""
     def make(columnwise=columnwise):
         w3d = stacked(weights).detach()
-        num, n, _ = w3d.shape
-        w2d = w3d.reshape(num * n, -1)
+        num, n, k = w3d.shape
+        w2d = w3d.reshape(num * n, k)
         blocks = torch.arange(w2d.shape[0] // ALIGN, device=w2d.device,
                               dtype=torch.int32) // (n // ALIGN)
-        rows, cols, scales = quantize_rows(q_w, w2d, blocks, num, True, columnwise)
-        return rows, cols, scales[:, 0]
+        transposed = q_w.with_2d_quantization and not q_w.stochastic_rounding
+        rows, cols, scales = quantize_rows(q_w, w2d, blocks, num, True,
+                                           columnwise and not transposed)
+        fwd = rows.view(num, n, k)
+        if not columnwise:
+            dgrad = None
+        elif transposed:
+            dgrad = fwd.transpose(1, 2)
+        else:  # (K, G * N): expert g's columns g*N...
+            dgrad = cols.view(k, num, n).permute(1, 0, 2)
+        return fwd, dgrad, scales[:, 0]
     if _caching_weights() and not torch.compiler.is_compiling():
         return weight_cache.cached_value(weights, q_w, lambda: make(True))
     return make()
@@ -156,13 +170,13 @@ class GroupedNVFP4(torch.autograd.Function):
             x_pad = fused(grouped_mm.padded_rows, x2d)(x2d, src, valid)
         blocks = _block_groups(offs, x_pad.shape[0])
         x_rows, x_cols, sx = quantize_rows(q_x, x_pad, blocks, num, True, need_dw)
-        w_rows, w_cols, sw = _quantized_weights(weights, q_w, need_dx)
+        w_fwd, w_dgrad, sw = _quantized_weights(weights, q_w, need_dx)
         ones = torch.ones(num, dtype=torch.float32, device=x2d.device)
-        y = fp8_grouped.rows_by_experts(x_rows, _alphas(sx[:, 0], sw), w_rows.view(num, n, k),
-                                        ones, offs, x2d.dtype)
+        y = fp8_grouped.rows_by_experts(x_rows, _alphas(sx[:, 0], sw), w_fwd, ones, offs,
+                                        x2d.dtype)
         if dest is not None:
             y = y.index_select(0, dest)
-        ctx.save_for_backward(x_cols, sx[:, 1], w_cols if need_dx else None, sw, src, valid,
+        ctx.save_for_backward(x_cols, sx[:, 1], w_dgrad if need_dx else None, sw, src, valid,
                               offs, dest, blocks)
         ctx.q_dy, ctx.weights, ctx.shape = q_dy, layout(weights), (num, n, k)
         ctx.w_dtype = weights[0].dtype
@@ -170,9 +184,9 @@ class GroupedNVFP4(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_cols, sx_col, w_cols, sw, src, valid, offs, dest, blocks = ctx.saved_tensors
+        x_cols, sx_col, w_dgrad, sw, src, valid, offs, dest, blocks = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
-        num, n, k = ctx.shape
+        num = ctx.shape[0]
         dy = dy.contiguous()
         dy_pad = dy if src is None else fused(grouped_mm.padded_rows, dy)(dy, src, valid)
         dy_rows, dy_cols, sdy = quantize_rows(ctx.q_dy, dy_pad, blocks, num, need_dx, need_dw)
@@ -183,9 +197,8 @@ class GroupedNVFP4(torch.autograd.Function):
             dw = fp8_grouped.wgrad(dy_cols, _alphas(sdy[:, 1], sx_col), x_cols, ones, offs,
                                    ctx.w_dtype)
         if need_dx:
-            w_t = w_cols.view(k, num, n).permute(1, 0, 2)  # expert g's columns g*N...
-            dx = fp8_grouped.rows_by_experts(dy_rows, _alphas(sdy[:, 0], sw), w_t, ones, offs,
-                                             dy.dtype)
+            dx = fp8_grouped.rows_by_experts(dy_rows, _alphas(sdy[:, 0], sw), w_dgrad, ones,
+                                             offs, dy.dtype)
             if dest is not None:
                 dx = dx.index_select(0, dest)
         return dx, None, None, None, None, *weight_grads(dw, ctx.weights)
