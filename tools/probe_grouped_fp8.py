@@ -165,7 +165,8 @@ def triton_run(name, tokens, configs):
 
 #: (BM, BN, warps, stages, bands[, BK]); the first is the launcher's
 CONFIGS = [(128, 128, 8, 4, 8), (128, 128, 8, 3, 8), (128, 128, 8, 3, 8, 256)]
-BF16_CONFIGS = [(128, 128, 8, 4, 8, 64), (128, 256, 8, 3, 8, 64), (128, 256, 8, 4, 8, 64),
+#: the same for ``--bf16`` (BK 64); the first is the launcher's
+BF16_CONFIGS = [(128, 256, 8, 3, 8, 64), (128, 128, 8, 4, 8, 64), (128, 256, 8, 4, 8, 64),
                 (128, 128, 4, 4, 8, 64), (128, 128, 8, 3, 8, 128), (64, 256, 4, 4, 8, 64),
                 (128, 128, 8, 5, 8, 64)]
 
