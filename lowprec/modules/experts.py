@@ -23,7 +23,7 @@ from ..autocast import init_recipe
 from ..backends import grouped_mm
 from ..compiled_call import compiled_as_one_op
 from ..kernels.swiglu import swiglu
-from ..kernels.token_sum import token_sum
+from ..kernels.token_sum import gated_rows_grad, gated_runs, token_sum
 from ..linear.grouped import group_alignment_for, grouped_linear
 from .base import LowprecModule
 
@@ -166,10 +166,12 @@ class GroupedExperts(LowprecModule):
             a = self.act_fn(gate) * up
         out = grouped_linear(a, self.down_proj, counts, quantizers=qs_down, backward_mode=mode,
                              on_backward_done=done, group_alignment=align)
-        out = (out * gates[:, None]).to(hidden_states.dtype)
         # each token's rows, in expert order: the row of routed slot order[r] is place[r]
         rows_of = torch.empty_like(place).scatter_(0, order, place).view(-1, k).sort(1).values
-        return _SumIntoTokens.apply(out, rows_of, token_of)
+        out = out.to(hidden_states.dtype)
+        if gated_runs(out, gates, rows_of):
+            return _GatedSumIntoTokens.apply(out, gates, rows_of, token_of)
+        return _SumIntoTokens.apply((out * gates[:, None]).to(out.dtype), rows_of, token_of)
 
 
 def _is_silu(act_fn) -> bool:
@@ -201,6 +203,23 @@ class _SumIntoTokens(torch.autograd.Function):
         (token_of,) = ctx.saved_tensors
         # each row takes its token's gradient; a padded row reads the zero row past them
         return nn.functional.pad(grad, (0, 0, 0, 1))[token_of], None, None
+
+
+class _GatedSumIntoTokens(torch.autograd.Function):
+    """:class:`_SumIntoTokens` of ``(out * gates[:, None]).to(out.dtype)`` in one pass (the
+    same bits), its backward in another: the rows' gradients as torch's, the gates' summed
+    over the features in another order than torch's."""
+
+    @staticmethod
+    def forward(ctx, out, gates, rows_of, token_of):
+        ctx.save_for_backward(out, gates, token_of)
+        return token_sum(out, rows_of, gates)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, gates, token_of = ctx.saved_tensors
+        d_out, d_gates = gated_rows_grad(grad.contiguous(), out, gates, token_of)
+        return d_out, d_gates, None, None
 
 
 class _PaddedRows(torch.autograd.Function):

@@ -39,3 +39,35 @@ def test_cpu_sums_in_slot_order():
     # one add at a time, rounded: 1 + 2^-8 rounds back to 1 in bf16, twice
     assert token_sum(rows, idx).item() == 1.0
     assert token_sum(rows, torch.tensor([[1, 2, 0]])).item() == 1.0 + 2.0 ** -7
+
+
+@GPU
+@pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gated_sum_and_its_gradients(gate_dtype):
+    """With gates: the sum is ``(rows * gates[:, None]).to(rows.dtype)``'s, bit for bit; the
+    rows' gradients are torch's bits, the gates' are torch's products summed in another
+    order; a padding row (token T) gets zero gradients."""
+    from lowprec.kernels.token_sum import gated_rows_grad
+    g = torch.Generator().manual_seed(3)
+    t, k, h = 40, 4, 300
+    rows = torch.randn(t * k + 5, h, generator=g).bfloat16().cuda()
+    gates = torch.rand(rows.shape[0], generator=g).to(gate_dtype).cuda()
+    idx = torch.stack([torch.randperm(t * k, generator=g)[:k] for _ in range(t)]).sort(1).values
+    idx = idx.cuda()
+    token_of = torch.full((rows.shape[0],), t, dtype=torch.int64)
+    token_of[idx.cpu().reshape(-1)] = torch.arange(t).repeat_interleave(k)
+    token_of = token_of.cuda()
+    grad = torch.randn(t, h, generator=g).bfloat16().cuda()
+
+    r = rows.clone().requires_grad_(True)
+    gg = gates.clone().requires_grad_(True)
+    ref = _torch_adds((r * gg[:, None]).to(rows.dtype), idx)
+    ref.backward(grad)
+    got = token_sum(rows, idx, gates)
+    assert torch.equal(got.view(torch.int16), ref.detach().view(torch.int16))
+    d_rows, d_gates = gated_rows_grad(grad, rows, gates, token_of)
+    assert torch.equal(d_rows.view(torch.int16), r.grad.view(torch.int16))
+    torch.testing.assert_close(d_gates, gg.grad, rtol=1e-2 if gate_dtype != torch.float32
+                               else 1e-5, atol=1e-3)
+    pad = token_of == t
+    assert torch.all(d_rows[pad] == 0) and torch.all(d_gates[pad] == 0)
