@@ -38,7 +38,8 @@ def _token_sum(rows: torch.Tensor, gates: torch.Tensor | None,
     with torch.cuda.device(rows.device):
         launch(token_sum_kernel, (-(-t // _BT), -(-h // _BH)), rows,
                gates if gates is not None else rows, idx, out, t, h, rows.stride(0),
-               out.stride(0), K=k, HAS_GATE=gates is not None, BT=_BT, BH=_BH, num_warps=4)
+               out.stride(0), K=k, HAS_GATE=gates is not None, BT=_BT, BH=_BH, num_warps=4,
+               enable_fp_fusion=False)  # the gate's product rounded before its add
     return out
 
 
