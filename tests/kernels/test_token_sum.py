@@ -52,8 +52,8 @@ def test_gated_sum_and_its_gradients(gate_dtype):
     t, k, h = 40, 4, 300
     rows = torch.randn(t * k + 5, h, generator=g).bfloat16().cuda()
     gates = torch.rand(rows.shape[0], generator=g).to(gate_dtype).cuda()
-    idx = torch.stack([torch.randperm(t * k, generator=g)[:k] for _ in range(t)]).sort(1).values
-    idx = idx.cuda()
+    # each routed row one token's (the rows past t * k: padding)
+    idx = torch.randperm(t * k, generator=g).view(t, k).sort(1).values.cuda()
     token_of = torch.full((rows.shape[0],), t, dtype=torch.int64)
     token_of[idx.cpu().reshape(-1)] = torch.arange(t).repeat_interleave(k)
     token_of = token_of.cuda()
