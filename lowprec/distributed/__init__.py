@@ -1,8 +1,9 @@
 """lowprec on torch.distributed: FSDP2 all-gathers of quantized weights, tensor-parallel
 styles for ``parallelize_module``."""
 
+from .experts_gather import QuantizedGatherExperts
 from .fsdp import QuantizedGatherWeight, precompute_gather_statistics, quantized_all_gather
 from .tp_styles import ColwiseParallel, RowwiseParallel
 
-__all__ = ["ColwiseParallel", "QuantizedGatherWeight", "RowwiseParallel",
+__all__ = ["ColwiseParallel", "QuantizedGatherExperts", "QuantizedGatherWeight", "RowwiseParallel",
            "precompute_gather_statistics", "quantized_all_gather"]

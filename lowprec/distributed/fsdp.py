@@ -20,6 +20,9 @@ What each format gathers (a shard is a block of whole rows):
 * MXFP8 (1x32), NVFP4, block FP8 with 1x128 weight blocks: the rowwise data and scales for
   forward and, when FSDP reshards after forward, the columnwise ones for backward's own
   gather (both in forward otherwise). NVFP4's global scale comes from the all-reduced amax.
+* 3-D expert weights (``GroupedExperts``, torchtitan's experts): FP8 codes and one scale an
+  expert under FP8 current scaling, each rank quantizing its own whole experts
+  (:mod:`.experts_gather`); high precision under other recipes.
 * High precision (the parameter's FSDP dtype), where the quantized bytes would depend on
   the shard boundary or on more than the shard: delayed scaling (its scales come from the
   amax history), NVFP4 weights with stochastic rounding or a Hadamard transform, hybrid
@@ -191,9 +194,9 @@ class QuantizedGatherWeight(torch.Tensor):
     def __tensor_flatten__(self):
         return ["_data"], self._spec
 
-    @staticmethod
-    def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
-        return QuantizedGatherWeight(inner["_data"], spec)
+    @classmethod
+    def __tensor_unflatten__(cls, inner, spec, outer_size, outer_stride):
+        return cls(inner["_data"], spec)
 
     def __reduce_ex__(self, protocol):
         # Saved (torch.save, DCP, pickle) as the high-precision tensor it holds: a checkpoint
@@ -205,8 +208,7 @@ class QuantizedGatherWeight(torch.Tensor):
 
     def __deepcopy__(self, memo):
         # the copy belongs to the copied module (``memo`` has it when a whole model is copied)
-        out = QuantizedGatherWeight(copy.deepcopy(self._data, memo),
-                                    copy.deepcopy(self._spec, memo))
+        out = type(self)(copy.deepcopy(self._data, memo), copy.deepcopy(self._spec, memo))
         if getattr(self, "_is_param", False):
             out = nn.Parameter(out, requires_grad=self.requires_grad)
         memo[id(self)] = out
@@ -335,9 +337,11 @@ def quantized_all_gather(model: nn.Module, recipe) -> nn.Module:
     if not isinstance(recipe, Recipe):
         raise TypeError(f"quantized_all_gather: recipe must be a lowprec Recipe, got "
                         f"{type(recipe).__name__}")
+    from .experts_gather import wrap_expert_weights
     for module in model.modules():
         if not isinstance(module, LowprecModule):
             continue
+        wrap_expert_weights(module, recipe)
         for i, name in enumerate(module._weight_names()):
             w = module._parameters.get(name)
             if w is None or isinstance(w, QuantizedGatherWeight):

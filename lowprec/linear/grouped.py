@@ -26,6 +26,9 @@ How it runs is decided by the quantizers and the device:
   direction with each expert's ``1 / (S_a * S_b)`` applied before the rounding, bit for
   bit the per-expert GEMMs without stochastic rounding (:mod:`.grouped_nvfp4`), nothing
   read on the host;
+* a :class:`lowprec.formats.float8.experts.Float8Experts` weight (the experts as an FSDP2
+  quantized all-gather brings them): FP8 current scaling's path, the weights' codes and
+  scales as they are; other recipes refuse it;
 * every other recipe, a bias, quantized weights or boundary quantizers: one
   :func:`quantized_linear` per group. This reads ``group_sizes`` on the host (a device
   tensor costs one synchronization a call).
@@ -40,6 +43,7 @@ import torch
 
 from ..backends import block_grouped, grouped_mm
 from ..formats.base import QuantizedTensor
+from ..formats.float8.experts import Float8Experts
 from . import grouped_block_fp8, grouped_current, grouped_exact, grouped_nvfp4
 from .function import LinearQuantizers, quantized_linear
 from .grouped_parts import group_ids, host_sizes, stacked
@@ -145,6 +149,9 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     """
     if not isinstance(group_alignment, int) or group_alignment < 1:
         raise ValueError(f"group_alignment must be a positive int, got {group_alignment!r}")
+    if isinstance(weight, Float8Experts):
+        return _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
+                               on_backward_done, group_alignment)
     weights = list(weight) if not isinstance(weight, torch.Tensor) else None
     num = len(weights) if weights is not None else weight.shape[0]
     if weights is None and weight.dim() != 3:
@@ -193,6 +200,34 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
         y = grouped_current.GroupedCurrent.apply(
             x2d.contiguous(), sizes, picked, torch.is_grad_enabled(), backend,
             group_alignment % grouped_mm.ALIGN == 0, *w_args)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_backward_done,
+                    group_alignment):
+    """``grouped_linear`` over experts already in FP8 (``Float8Experts``): FP8 current
+    scaling's grouped path with the weight's codes and scales."""
+    num, n, k = weight.shape
+    qs = [quantizers] * num if isinstance(quantizers, LinearQuantizers) else quantizers
+    picked = (grouped_current.current_scaling_quantizers(qs)
+              if qs is not None and len(qs) == num else None)
+    if (picked is None or bias is not None or on_backward_done is not None
+            or backward_mode != "default" or x.shape[-1] != k):
+        raise ValueError(
+            "grouped_linear: FP8 experts (gathered quantized, Float8Experts) run under the FP8 "
+            "current-scaling recipe they were gathered for (one quantizer setting a slot, "
+            "nothing quantized at the boundaries), default backward mode, no bias, "
+            f"{k} input features; got quantizers {quantizers!r}, backward_mode "
+            f"{backward_mode!r}, input features {x.shape[-1]}")
+    x2d = x.reshape(-1, k)
+    if x2d.shape[0] == 0:
+        return x.new_zeros(*x.shape[:-1], n)
+    sizes = _sizes_tensor(group_sizes, num, x2d.shape[0], x.device, group_alignment)
+    q_x, q_w, _ = picked
+    backend = grouped_current.gemm_backend(x2d, n, num, q_x.fp8_dtype, q_w.fp8_dtype)
+    y = grouped_current.GroupedCurrent.apply(
+        x2d.contiguous(), sizes, picked, torch.is_grad_enabled(), backend,
+        group_alignment % grouped_mm.ALIGN == 0, weight)
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from ..backends import fp8_grouped, grouped_mm
 from ..formats.float8 import grouped as fp8_grouped_quantize
+from ..formats.float8.experts import Float8Experts
 from ..formats.float8.quantizer import Float8CurrentScalingQuantizer
 from ..formats.float8.tensor import Float8Tensor
 from ..gemm import gemm
@@ -38,7 +39,8 @@ from .grouped_parts import fused, group_ids, host_sizes, layout, stacked, weight
 CUTLASS_ROWS = 2048
 
 
-def _same_current(qs: Sequence[Float8CurrentScalingQuantizer | None]) -> bool:
+def same_current(qs: Sequence[Float8CurrentScalingQuantizer | None]) -> bool:
+    """Whether every quantizer is FP8 current scaling of one setting, none of them hooked."""
     first = qs[0]
     if type(first) is not Float8CurrentScalingQuantizer:
         return False
@@ -58,7 +60,7 @@ def current_scaling_quantizers(qs: Sequence[LinearQuantizers]):
     if any(q.output is not None or q.grad_input is not None for q in qs):
         return None
     slots = ([q.input for q in qs], [q.weight for q in qs], [q.grad_output for q in qs])
-    if not all(_same_current(s) for s in slots):
+    if not all(same_current(s) for s in slots):
         return None
     return tuple(s[0] for s in slots)
 
@@ -100,7 +102,17 @@ def _quantized_experts(weights: Sequence[torch.Tensor], q_w, transposed: bool):
     """(fp8 experts (G, N, K), their transpose (K, G * N) or None, scales (G,)) of one
     (G, N, K) weight or G (N, K) ones, the transpose (``transposed``) from the same pass;
     under ``lowprec.autocast(cache_weights=True)`` made once, both layouts, while the
-    weights are unchanged (gradient accumulation: once per optimizer step)."""
+    weights are unchanged (gradient accumulation: once per optimizer step). A
+    :class:`Float8Experts` weight (gathered quantized) brings its codes and scales."""
+    if isinstance(weights[0], Float8Experts):
+        w = weights[0]
+        if w.fp8_dtype != q_w.fp8_dtype:
+            raise ValueError(f"grouped_linear: the experts were gathered as {w.fp8_dtype}, the "
+                             f"recipe's weight quantizer is {q_w.fp8_dtype}")
+        g, n, k = w.codes.shape
+        codes_t = transpose_contiguous(w.codes.view(g * n, k)) if transposed else None
+        return w.codes, codes_t, w.scales
+
     def make(transposed=transposed):
         out = fp8_grouped_quantize.quantize_experts(stacked(weights).detach().contiguous(),
                                                     q_w, transposed)

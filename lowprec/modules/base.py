@@ -466,6 +466,11 @@ class LowprecModule(CompiledCallMixin, nn.Module):
     def _weight_names(self) -> list[str]:
         return ["weight"]
 
+    def _expert_weights(self) -> dict[str, range]:
+        """The 3-D expert weights (parameter name -> the GEMM slots of its experts, one an
+        expert), for FSDP2's quantized all-gathers; none here."""
+        return {}
+
     def _link_quantized_weights(self) -> None:
         """Let each quantized weight re-quantize high-precision values copied into it
         (``param.copy_(hp)``, ``load_state_dict`` of a high-precision checkpoint) with this

@@ -22,6 +22,7 @@ from torch import nn
 from ..autocast import init_recipe
 from ..backends import grouped_mm
 from ..compiled_call import compiled_as_one_op
+from ..formats.float8.experts import Float8Experts
 from ..kernels.swiglu import swiglu
 from ..kernels.token_sum import gated_rows_grad, gated_runs, token_sum
 from ..linear.grouped import group_alignment_for, grouped_linear
@@ -109,6 +110,10 @@ class GroupedExperts(LowprecModule):
 
     def _weight_names(self) -> list[str]:
         return []
+
+    def _expert_weights(self) -> dict[str, range]:
+        e = self.num_experts
+        return {"gate_up_proj": range(0, e), "down_proj": range(e, 2 * e)}
 
     def compiled_output_shapes(self, hidden_states, top_k_index, top_k_weights) -> list[tuple]:
         return [tuple(hidden_states.shape)]
@@ -292,6 +297,10 @@ class TorchtitanGroupedExperts(LowprecModule):
     def _weight_names(self) -> list[str]:
         return []
 
+    def _expert_weights(self) -> dict[str, range]:
+        e = self.num_experts
+        return {name: range(i * e, (i + 1) * e) for i, name in enumerate(self.param_names)}
+
     def reset_parameters(self) -> None:
         raise NotImplementedError("torchtitan initializes its experts (init_weights); "
                                   "TorchtitanGroupedExperts keeps its parameters")
@@ -306,7 +315,9 @@ class TorchtitanGroupedExperts(LowprecModule):
         # torchtitan's own module computes on the local shards of DTensor weights
         w1, w3, w2 = (w.to_local() if hasattr(w, "to_local") else w  # a DTensor
                       for w in (getattr(self, n) for n in self.param_names))
-        cast = (lambda t: t.bfloat16()) if self.in_bf16 else (lambda t: t)  # noqa: E731
+        def cast(t):
+            # FP8 experts (an FSDP2 quantized gather) keep their codes: the GEMMs read them
+            return t.bfloat16() if self.in_bf16 and not isinstance(t, Float8Experts) else t
 
         def gemm(inp, w, i):
             return grouped_linear(inp, cast(w), num_tokens_per_expert,

@@ -1,6 +1,7 @@
 """FSDP2 (fully_shard) over GroupedExperts on CPU gloo ranks: the 3-D expert weights are
-sharded along the experts and gathered in high precision; training matches one process
-bit for bit."""
+sharded along the experts and gathered in high precision, or, under
+``quantized_all_gather`` and FP8 current scaling, as FP8 codes with one scale an expert;
+training matches one process bit for bit."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 import lowprec
+from lowprec.distributed import quantized_all_gather
 from lowprec.recipe import Float8CurrentScaling, MXFP8BlockScaling
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -55,21 +57,33 @@ def _model():
     return MoE()
 
 
-def _worker(rank, world, rname, out_dir):
+def _worker(rank, world, rname, out_dir, quantized=False):
     model = _model()
+    seen = []
+    if quantized:
+        quantized_all_gather(model, RECIPES[rname]())
+        # what the experts' GEMMs receive: the unsharded parameter FSDP made
+        model.experts.register_forward_pre_hook(
+            lambda m, args: seen.append(type(m.gate_up_proj).__name__))
     fsdp.fully_shard(model.experts)
     fsdp.fully_shard(model)
     losses = _train(model, RECIPES[rname]())
     state = {k: v.full_tensor() for k, v in model.state_dict().items()
              if isinstance(v, torch.Tensor) and hasattr(v, "full_tensor")}
     if rank == 0:
-        torch.save({"losses": losses, "state": state}, f"{out_dir}/fsdp.pt")
+        torch.save({"losses": losses, "state": state, "seen": seen}, f"{out_dir}/fsdp.pt")
 
 
 @pytest.mark.parametrize("rname", list(RECIPES))
-def test_fsdp_experts_match_single_process(tmp_path, rname):
-    spawn.run(_worker, 2, rname, str(tmp_path))
+@pytest.mark.parametrize("quantized", [False, True], ids=["hp-gather", "quantized-gather"])
+def test_fsdp_experts_match_single_process(tmp_path, rname, quantized):
+    spawn.run(_worker, 2, rname, str(tmp_path), quantized)
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
+    # FP8 current scaling gathers the experts as FP8; MXFP8 (whose per-expert blocks the
+    # grouped path quantizes from the bf16 weight) in high precision
+    fp8 = quantized and rname == "current"
+    assert got["seen"] == (["Float8Experts"] * STEPS if fp8 else
+                           ["Parameter"] * STEPS if quantized else [])
     model = _model()
     losses = _train(model, RECIPES[rname]())
     assert torch.equal(got["losses"], losses), (got["losses"], losses)
