@@ -90,3 +90,68 @@ def test_fsdp_experts_match_single_process(tmp_path, rname, quantized):
     assert set(got["state"]) == {"experts.gate_up_proj", "experts.down_proj"}
     for k, v in got["state"].items():
         assert torch.equal(v, model.state_dict()[k]), k
+
+
+def _sharded(rank):
+    model = _model()
+    quantized_all_gather(model, Float8CurrentScaling())
+    fsdp.fully_shard(model.experts)
+    fsdp.fully_shard(model)
+    return model
+
+
+def _adamw(model, steps, first):
+    opt_losses = []
+    for step in range(first, first + steps):
+        x, idx, w, target = _batch(step)
+        with lowprec.autocast(recipe=Float8CurrentScaling()):
+            loss = ((model(x, idx, w) - target) ** 2).mean()
+        loss.backward()
+        model.opt.step()
+        model.opt.zero_grad(set_to_none=True)
+        opt_losses.append(loss.detach())
+    return opt_losses
+
+
+def _full(model):
+    return {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
+
+
+def _resume_worker(rank, world, out_dir):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def fresh():
+        model = _sharded(rank)
+        model.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model
+    model = fresh()
+    straight = _adamw(model, 3, 0)
+    want = _full(model)
+    model = fresh()
+    first = _adamw(model, 2, 0)
+    msd, osd = get_state_dict(model, model.opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out_dir}/ckpt")
+    model = fresh()  # before any forward, as a new process's
+    msd, osd = get_state_dict(model, model.opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=f"{out_dir}/ckpt")
+    set_state_dict(model, model.opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    resumed = first + _adamw(model, 1, 2)
+    got = _full(model)  # a collective: every rank
+    if rank == 0:
+        torch.save({"straight": straight, "resumed": resumed, "want": want, "got": got},
+                   f"{out_dir}/resume.pt")
+
+
+def test_dcp_resume_with_fp8_expert_gathers_is_bit_identical(tmp_path):
+    """torch.distributed.checkpoint of sharded experts gathered in FP8, with AdamW's state:
+    two steps, a checkpoint, a fresh model resuming for a third give the uninterrupted run's
+    losses and weights bit for bit (the checkpoint holds the high-precision experts)."""
+    spawn.run(_resume_worker, 2, str(tmp_path))
+    got = torch.load(tmp_path / "resume.pt", weights_only=False)
+    assert all(torch.equal(a, b) for a, b in zip(got["straight"], got["resumed"]))
+    assert set(got["want"]) == {"experts.gate_up_proj", "experts.down_proj"}
+    for k, v in got["want"].items():
+        assert torch.equal(got["got"][k], v), k
