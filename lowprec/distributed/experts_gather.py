@@ -69,11 +69,12 @@ class QuantizedGatherExperts(QuantizedGatherWeight):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         dtype = mp_policy.param_dtype or self.dtype
-        shard = self._data.to(dtype)
-        plan = self._spec.plan(shard.device, outer_size[0], mesh.size())
+        plan = self._spec.plan(self._data.device, outer_size[0], mesh.size())
         if plan.quantizer is None:
-            return (shard.contiguous(),), None
-        codes, scales = quantize_experts(shard.contiguous(), plan.quantizer)
+            return (self._data.to(dtype).contiguous(),), None
+        # the values the GEMMs read: torchtitan's experts compute in bf16 over fp32 weights
+        compute = getattr(self._spec.module, "_experts_compute_dtype", lambda d: d)(dtype)
+        codes, scales = quantize_experts(self._data.to(compute).contiguous(), plan.quantizer)
         # fp8 travels as bytes (not every backend reduces or gathers float8)
         return (codes.view(torch.uint8), scales), codes.dtype
 

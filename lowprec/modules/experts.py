@@ -22,7 +22,6 @@ from torch import nn
 from ..autocast import init_recipe
 from ..backends import grouped_mm
 from ..compiled_call import compiled_as_one_op
-from ..formats.float8.experts import Float8Experts
 from ..kernels.swiglu import swiglu
 from ..kernels.token_sum import gated_rows_grad, gated_runs, token_sum
 from ..linear.grouped import group_alignment_for, grouped_linear
@@ -301,6 +300,10 @@ class TorchtitanGroupedExperts(LowprecModule):
         e = self.num_experts
         return {name: range(i * e, (i + 1) * e) for i, name in enumerate(self.param_names)}
 
+    def _experts_compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the GEMMs read the experts in, for parameters of ``dtype``."""
+        return torch.bfloat16 if self.in_bf16 else dtype
+
     def reset_parameters(self) -> None:
         raise NotImplementedError("torchtitan initializes its experts (init_weights); "
                                   "TorchtitanGroupedExperts keeps its parameters")
@@ -315,9 +318,7 @@ class TorchtitanGroupedExperts(LowprecModule):
         # torchtitan's own module computes on the local shards of DTensor weights
         w1, w3, w2 = (w.to_local() if hasattr(w, "to_local") else w  # a DTensor
                       for w in (getattr(self, n) for n in self.param_names))
-        def cast(t):
-            # FP8 experts (an FSDP2 quantized gather) keep their codes: the GEMMs read them
-            return t.bfloat16() if self.in_bf16 and not isinstance(t, Float8Experts) else t
+        cast = (lambda t: t.bfloat16()) if self.in_bf16 else (lambda t: t)  # noqa: E731
 
         def gemm(inp, w, i):
             return grouped_linear(inp, cast(w), num_tokens_per_expert,

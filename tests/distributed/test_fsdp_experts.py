@@ -155,3 +155,58 @@ def test_dcp_resume_with_fp8_expert_gathers_is_bit_identical(tmp_path):
     assert set(got["want"]) == {"experts.gate_up_proj", "experts.down_proj"}
     for k, v in got["want"].items():
         assert torch.equal(got["got"][k], v), k
+
+
+def _titan():
+    """TorchtitanGroupedExperts over fp32 weights (torchtitan's layout: w1, w3 (E, F, D) and
+    w2 (E, D, F)), computing in bf16 as torchtitan's grouped-mm experts do."""
+    torch.manual_seed(0)
+    src = nn.Module()
+    for name, shape in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H))):
+        setattr(src, name, nn.Parameter(torch.randn(E, *shape) * 0.05))
+    return lowprec.modules.experts.TorchtitanGroupedExperts.from_experts(src, "titan")
+
+
+def _titan_train(model, seen=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(STEPS):
+        x, idx, _, target = _batch(step)
+        counts = torch.bincount(idx[:, 0], minlength=E)
+        rows = x[idx[:, 0].argsort(stable=True)]
+        with lowprec.autocast(recipe=Float8CurrentScaling()):
+            y = model(rows, counts)
+        loss = ((y - target) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def _titan_worker(rank, world, out_dir):
+    model = _titan()
+    quantized_all_gather(model, Float8CurrentScaling())
+    seen = []
+    model.register_forward_pre_hook(
+        lambda m, args: seen.append(sorted({type(getattr(m, n)).__name__
+                                            for n in m.param_names})))
+    fsdp.fully_shard(model)
+    losses = _titan_train(model)
+    state = _full(model)
+    if rank == 0:
+        torch.save({"losses": losses, "state": state, "seen": seen}, f"{out_dir}/titan.pt")
+
+
+def test_fsdp_torchtitan_experts_gathered_in_fp8_match_single_process(tmp_path):
+    """torchtitan's experts (converted) under quantized_all_gather: w1, w3 and w2 gathered
+    as FP8 experts, quantized from the bf16 values the module computes on, and training
+    equal to one process bit for bit."""
+    spawn.run(_titan_worker, 2, str(tmp_path))
+    got = torch.load(tmp_path / "titan.pt", weights_only=False)
+    assert got["seen"] == [["Float8Experts"]] * STEPS
+    model = _titan()
+    assert torch.equal(got["losses"], _titan_train(model))
+    assert set(got["state"]) == set(model.param_names)
+    for k, v in got["state"].items():
+        assert torch.equal(v, getattr(model, k)), k

@@ -39,6 +39,11 @@ def test_holds_codes_and_scales_and_refuses_other_ops():
                   torch.as_strided(fe, (3, 32, 16), (512, 16, 1), 0),
                   torch.nn.Parameter(fe)):
         assert isinstance(alias, Float8Experts) and alias.codes is fe.codes
+    as_fp32 = fe.float()  # a module computing in another dtype: the same codes
+    assert isinstance(as_fp32, Float8Experts) and as_fp32.dtype == torch.float32
+    assert as_fp32.codes is fe.codes
+    with pytest.raises(TypeError, match="does not support aten._to_copy"):
+        fe.to("meta")
     with pytest.raises(TypeError, match="does not support aten.add"):
         torch.add(fe, 1)
     with pytest.raises(TypeError, match="does not support aten.as_strided"):

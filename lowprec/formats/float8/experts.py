@@ -7,9 +7,10 @@ arrives already in that form (the unsharded parameter of an FSDP2 quantized all-
 the forward and backward, whose GEMMs read its codes and scales instead of quantizing the
 weight again (the same bits: the quantize is each expert's own).
 
-It supports what FSDP2 and autograd do to a parameter (aliases and detaches); any other
-op raises: its values are for the grouped GEMMs, :meth:`dequantize` gives them as a plain
-tensor.
+It supports what FSDP2 and autograd do to a parameter (aliases and detaches) and a cast
+to another floating dtype (the same codes, the weight's dtype changed: a module computing in
+bf16 over fp32 parameters); any other op raises: its values are for the grouped GEMMs,
+:meth:`dequantize` gives them as a plain tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ aten = torch.ops.aten
 
 #: ops that give the same weight back (FSDP2 makes its unsharded parameter with them)
 _ALIASES = frozenset({aten.detach.default, aten.alias.default})
+
+
+def _dtype_only(t, kwargs) -> bool:
+    """Whether a ``_to_copy`` only changes the (floating) dtype."""
+    extra = {k: v for k, v in kwargs.items() if k != "dtype" and v is not None}
+    device = extra.pop("device", t.device)
+    extra.pop("layout", None)
+    return (not extra and torch.device(device) == t.device
+            and kwargs.get("dtype", t.dtype).is_floating_point)
 
 
 def _identity_view(t, size, stride, storage_offset=0) -> bool:
@@ -76,5 +86,9 @@ class Float8Experts(torch.Tensor):
             # strides, 0): the one strided view these experts have
             src = args[0]
             return Float8Experts(src.codes, src.scales, src.dtype)
+        if func is aten._to_copy.default and _dtype_only(args[0], kwargs or {}):
+            # a cast of the weight (a module computing in bf16): the same codes and scales;
+            # autograd casts the gradient back
+            return Float8Experts(args[0].codes, args[0].scales, kwargs["dtype"])
         raise TypeError(f"Float8Experts (FP8 experts for grouped GEMMs) does not support "
                         f"{func}; its values are codes / scales (dequantize())")
