@@ -28,10 +28,9 @@ from typing import Sequence
 
 import torch
 
-from ..backends import grouped_mm
 from . import weight_cache
 from .function import _caching_weights, _keep_only, quantize_operand
-from .grouped_parts import fused, group_ids, layout, stacked, weight_grads
+from .grouped_parts import layout, padded_input, padded_like, stacked, weight_grads
 from .plan import BOTH, ROW
 
 
@@ -80,16 +79,10 @@ def blocks_forward(ctx, gemms, align: int, x2d, sizes, quantizers, grad_enabled,
     q_x, q_w, q_dy = quantizers
     need_dx = grad_enabled and ctx.needs_input_grad[0]
     need_dw = grad_enabled and any(ctx.needs_input_grad[5:])
-    rows = x2d.shape[0]
     num = weights[0].shape[0] if weights[0].dim() == 3 else len(weights)
     n, k = weights[0].shape[-2:]
-    if aligned:  # the caller laid the groups out in whole blocks (group_alignment)
-        src = valid = dest = None
-        offs, x_pad = grouped_mm.end_offsets(sizes), x2d
-    else:
-        src, valid, offs, _, dest = grouped_mm.padded_layout(sizes, group_ids(sizes, rows),
-                                                             rows, align)
-        x_pad = fused(grouped_mm.padded_rows, x2d)(x2d, src, valid)
+    # aligned: the caller laid the groups out in whole blocks (group_alignment)
+    x_pad, src, valid, offs, dest = padded_input(x2d, sizes, aligned, align)
     x_lp, _ = quantize_operand(q_x, x_pad, rowwise=True, columnwise=need_dw, exact=ROW)
     w_lp, w_owned = _quantized_weights(weights, q_w, need_dx)
     y = gemms.forward(x_lp, w_lp, offs, (num, n, k))
@@ -109,7 +102,7 @@ def blocks_backward(ctx, dy):
     x_lp, w_lp, src, valid, offs, dest = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
     dy = dy.contiguous()
-    dy_pad = dy if src is None else fused(grouped_mm.padded_rows, dy)(dy, src, valid)
+    dy_pad = padded_like(dy, src, valid)
     dy_lp, _ = quantize_operand(ctx.q_dy, dy_pad, rowwise=need_dx, columnwise=need_dw,
                                 exact=BOTH, codes=False)
     del dy_pad

@@ -35,7 +35,7 @@ from ..formats.nvfp4.draws import draw_key
 from ..formats.nvfp4.grouped import group_scales, grouped_exact
 from . import weight_cache
 from .function import _caching_weights
-from .grouped_parts import fused, group_ids, layout, stacked, weight_grads
+from .grouped_parts import layout, padded_input, padded_like, stacked, weight_grads
 
 #: every group starts at a multiple of this many rows (NVFP4's 16-row columnwise blocks)
 ALIGN = 16
@@ -158,16 +158,9 @@ class GroupedNVFP4(torch.autograd.Function):
         q_x, q_w, q_dy = quantizers
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and any(ctx.needs_input_grad[5:])
-        rows = x2d.shape[0]
         num = weights[0].shape[0] if weights[0].dim() == 3 else len(weights)
         n, k = weights[0].shape[-2:]
-        if aligned:  # the caller laid the groups out in whole blocks (group_alignment)
-            src = valid = dest = None
-            offs, x_pad = grouped_mm.end_offsets(sizes), x2d
-        else:
-            src, valid, offs, _, dest = grouped_mm.padded_layout(sizes, group_ids(sizes, rows),
-                                                                 rows, ALIGN)
-            x_pad = fused(grouped_mm.padded_rows, x2d)(x2d, src, valid)
+        x_pad, src, valid, offs, dest = padded_input(x2d, sizes, aligned, ALIGN)
         blocks = _block_groups(offs, x_pad.shape[0])
         x_rows, x_cols, sx = quantize_rows(q_x, x_pad, blocks, num, True, need_dw)
         w_fwd, w_dgrad, sw = _quantized_weights(weights, q_w, need_dx)
@@ -188,7 +181,7 @@ class GroupedNVFP4(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
         num = ctx.shape[0]
         dy = dy.contiguous()
-        dy_pad = dy if src is None else fused(grouped_mm.padded_rows, dy)(dy, src, valid)
+        dy_pad = padded_like(dy, src, valid)
         dy_rows, dy_cols, sdy = quantize_rows(ctx.q_dy, dy_pad, blocks, num, need_dx, need_dw)
         del dy_pad
         ones = torch.ones(num, dtype=torch.float32, device=dy.device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends import grouped_mm
 from ..kernels import use_kernels
 
 _FUSED: dict = {}
@@ -25,6 +26,24 @@ def group_ids(sizes: torch.Tensor, rows: int) -> torch.Tensor:
     """Each row's group (int64, on ``sizes``' device) for ``rows`` rows in all."""
     groups = torch.arange(sizes.shape[0], device=sizes.device)
     return torch.repeat_interleave(groups, sizes, output_size=rows)
+
+
+def padded_input(x2d: torch.Tensor, sizes: torch.Tensor, aligned: bool, align: int):
+    """(x_pad, src, valid, end offsets, dest): the rows with each group starting at a
+    multiple of ``align``, zero rows between (:func:`grouped_mm.padded_layout`), where to
+    find them again (``dest``), and what :func:`padded_like` needs; the rows as they are
+    (None for the three) when the caller laid them out so (``aligned``)."""
+    if aligned:
+        return x2d, None, None, grouped_mm.end_offsets(sizes), None
+    rows = x2d.shape[0]
+    src, valid, offs, _, dest = grouped_mm.padded_layout(sizes, group_ids(sizes, rows), rows,
+                                                         align)
+    return fused(grouped_mm.padded_rows, x2d)(x2d, src, valid), src, valid, offs, dest
+
+
+def padded_like(t: torch.Tensor, src, valid) -> torch.Tensor:
+    """``t`` (dY) in the layout :func:`padded_input` made of the input."""
+    return t if src is None else fused(grouped_mm.padded_rows, t)(t, src, valid)
 
 
 def host_sizes(group_sizes) -> list[int]:
