@@ -37,13 +37,13 @@ def _batch(step: int):
     return x, idx, torch.rand(T, K, generator=g), torch.randn(T, H, generator=g)
 
 
-def _train(model, recipe):
+def _train(model, recipe, forward=lambda model, x, idx, w: model(x, idx, w)):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
     for step in range(STEPS):
         x, idx, w, target = _batch(step)
         with lowprec.autocast(recipe=recipe):
-            y = model(x, idx, w)
+            y = forward(model, x, idx, w)
         loss = ((y - target) ** 2).mean()
         loss.backward()
         opt.step()
@@ -167,21 +167,13 @@ def _titan():
     return lowprec.modules.experts.TorchtitanGroupedExperts.from_experts(src, "titan")
 
 
-def _titan_train(model, seen=None):
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for step in range(STEPS):
-        x, idx, _, target = _batch(step)
-        counts = torch.bincount(idx[:, 0], minlength=E)
-        rows = x[idx[:, 0].argsort(stable=True)]
-        with lowprec.autocast(recipe=Float8CurrentScaling()):
-            y = model(rows, counts)
-        loss = ((y - target) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    return torch.stack(losses)
+def _titan_forward(model, x, idx, w):
+    """torchtitan's call: the rows sorted by expert (each token's first), the counts."""
+    return model(x[idx[:, 0].argsort(stable=True)], torch.bincount(idx[:, 0], minlength=E))
+
+
+def _titan_train(model):
+    return _train(model, Float8CurrentScaling(), _titan_forward)
 
 
 def _titan_worker(rank, world, out_dir):
