@@ -22,7 +22,7 @@ import torch
 
 from ..formats.float8.experts import Float8Experts
 from ..formats.float8.grouped import quantize_experts
-from .fsdp import QuantizedGatherWeight
+from .gather_wrapper import GatherWrapper
 
 
 @dataclass
@@ -63,7 +63,7 @@ class ExpertsGatherSpec:
         return _ExpertsPlan(weights[0])
 
 
-class QuantizedGatherExperts(QuantizedGatherWeight):
+class QuantizedGatherExperts(GatherWrapper):
     """A high-precision (E, N, K) expert weight that FSDP2 all-gathers in FP8 where its
     recipe allows (see the module doc); everything else sees the tensor inside."""
 
@@ -99,7 +99,7 @@ def wrap_expert_weights(module, recipe) -> None:
     name -> the GEMM slots of its experts) for FP8 all-gathers under ``recipe``."""
     for name, slots in module._expert_weights().items():
         w = module._parameters.get(name)
-        if w is None or isinstance(w, QuantizedGatherWeight):
+        if w is None or isinstance(w, GatherWrapper):
             continue
         if type(w.data) is not torch.Tensor or w.dim() != 3:
             raise TypeError(f"quantized_all_gather: {type(module).__name__}.{name} must be a "

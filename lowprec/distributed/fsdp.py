@@ -32,27 +32,19 @@ What each format gathers (a shard is a block of whole rows):
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from ..formats.base import QuantizedTensor, Quantizer
 from . import gather_codec
+from .experts_gather import wrap_expert_weights
+from .gather_wrapper import GatherWrapper
 
 aten = torch.ops.aten
 
-#: Ops FSDP2 shards, pads, moves and copies a parameter with: their results stay wrapped
-#: (every other op sees the high-precision tensor and returns plain tensors).
-_KEEP_WRAPPED = frozenset({
-    aten.detach.default, aten.alias.default, aten.clone.default, aten.view.default,
-    aten.as_strided.default, aten.slice.Tensor, aten.split.Tensor, aten.new_zeros.default,
-    aten.new_empty.default, aten.empty_like.default, aten._to_copy.default,
-    aten._pin_memory.default,
-})
 
 
 @dataclass
@@ -170,69 +162,17 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(short, *t.shape[1:])]) if short else t
 
 
-class QuantizedGatherWeight(torch.Tensor):
+class QuantizedGatherWeight(GatherWrapper):
     """A high-precision weight that FSDP2 all-gathers quantized (see the module doc)."""
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, spec: _GatherSpec):
-        self = torch.Tensor._make_wrapper_subclass(
-            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
-            dtype=data.dtype, device=data.device, layout=data.layout,
-            requires_grad=data.requires_grad)
-        self._data, self._spec = data, spec
+        self = GatherWrapper.__new__(cls, data, spec)
         #: (plan, dtype, process group) of the last quantized gather
         self._last_gather = None
         #: (data version, dtype, statistic) from ``precompute_gather_statistics``
         self._statistic = None
         return self
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    def __repr__(self, *, tensor_contents=None):
-        return f"QuantizedGatherWeight({self._data!r})"
-
-    def __tensor_flatten__(self):
-        return ["_data"], self._spec
-
-    @classmethod
-    def __tensor_unflatten__(cls, inner, spec, outer_size, outer_stride):
-        return cls(inner["_data"], spec)
-
-    def __reduce_ex__(self, protocol):
-        # Saved (torch.save, DCP, pickle) as the high-precision tensor it holds: a checkpoint
-        # does not depend on how the weight was gathered (nor hold its module).
-        data = self._data.detach()
-        if getattr(self, "_is_param", False):
-            return (nn.Parameter, (data, self.requires_grad))
-        return data.__reduce_ex__(protocol)
-
-    def __deepcopy__(self, memo):
-        # the copy belongs to the copied module (``memo`` has it when a whole model is copied)
-        out = type(self)(copy.deepcopy(self._data, memo), copy.deepcopy(self._spec, memo))
-        if getattr(self, "_is_param", False):
-            out = nn.Parameter(out, requires_grad=self.requires_grad)
-        memo[id(self)] = out
-        return out
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        spec = None
-
-        def unwrap(t):
-            nonlocal spec
-            if isinstance(t, cls):
-                spec = spec or t._spec
-                return t._data
-            return t
-
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-        name = func._schema.name.split("::")[-1]
-        if name.endswith("_") and not name.startswith("_foreach") and isinstance(args[0], cls):
-            return args[0]  # in place (an optimizer step, a copy_): the wrapper itself
-        if func in _KEEP_WRAPPED:
-            return tree_map(lambda t: cls(t, spec) if type(t) is torch.Tensor else t, out)
-        return out
 
     # ---- FSDP2 all-gather extension -----------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
@@ -337,14 +277,13 @@ def quantized_all_gather(model: nn.Module, recipe) -> nn.Module:
     if not isinstance(recipe, Recipe):
         raise TypeError(f"quantized_all_gather: recipe must be a lowprec Recipe, got "
                         f"{type(recipe).__name__}")
-    from .experts_gather import wrap_expert_weights
     for module in model.modules():
         if not isinstance(module, LowprecModule):
             continue
         wrap_expert_weights(module, recipe)
         for i, name in enumerate(module._weight_names()):
             w = module._parameters.get(name)
-            if w is None or isinstance(w, QuantizedGatherWeight):
+            if w is None or isinstance(w, GatherWrapper):
                 continue
             if isinstance(w, QuantizedTensor):
                 if w.dim() != 2 or getattr(module, "_init_recipe", None) is None:
