@@ -43,7 +43,8 @@ ALIGN = 16
 
 def _setting(q) -> tuple | None:
     if type(q) is not NVFP4Quantizer or "quantize" in q.__dict__:
-        return None  # hooked quantizers (lowprec.debug, compare's probe) see each expert's
+        # hooked quantizers (lowprec.debug, compare's probe) see each expert's own tensors
+        return None
     return (q.with_rht, q.with_2d_quantization, q.stochastic_rounding, id(q.generator))
 
 
