@@ -71,14 +71,31 @@ def _worker(rank, world, rname, out_dir, quantized=False):
     state = {k: v.full_tensor() for k, v in model.state_dict().items()
              if isinstance(v, torch.Tensor) and hasattr(v, "full_tensor")}
     if rank == 0:
-        torch.save({"losses": losses, "state": state, "seen": seen}, f"{out_dir}/fsdp.pt")
+        torch.save({"losses": losses, "state": state, "seen": seen},
+                   f"{out_dir}/fsdp-{rname}-{quantized}.pt")
+
+
+def _all_workers(rank, world, out_dir):
+    """Every distributed run of this file in one pair of processes (each spawn costs
+    seconds of start-up); each writes its own file for its test."""
+    for rname in RECIPES:
+        for quantized in (False, True):
+            _worker(rank, world, rname, out_dir, quantized)
+    _titan_worker(rank, world, out_dir)
+    _resume_worker(rank, world, out_dir)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_experts")
+    spawn.run(_all_workers, 2, str(out))
+    return out
 
 
 @pytest.mark.parametrize("rname", list(RECIPES))
 @pytest.mark.parametrize("quantized", [False, True], ids=["hp-gather", "quantized-gather"])
-def test_fsdp_experts_match_single_process(tmp_path, rname, quantized):
-    spawn.run(_worker, 2, rname, str(tmp_path), quantized)
-    got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
+def test_fsdp_experts_match_single_process(runs, rname, quantized):
+    got = torch.load(runs / f"fsdp-{rname}-{quantized}.pt", weights_only=False)
     # FP8 current scaling gathers the experts as FP8; MXFP8 (whose per-expert blocks the
     # grouped path quantizes from the bf16 weight) in high precision
     fp8 = quantized and rname == "current"
@@ -145,12 +162,11 @@ def _resume_worker(rank, world, out_dir):
                    f"{out_dir}/resume.pt")
 
 
-def test_dcp_resume_with_fp8_expert_gathers_is_bit_identical(tmp_path):
+def test_dcp_resume_with_fp8_expert_gathers_is_bit_identical(runs):
     """torch.distributed.checkpoint of sharded experts gathered in FP8, with AdamW's state:
     two steps, a checkpoint, a fresh model resuming for a third give the uninterrupted run's
     losses and weights bit for bit (the checkpoint holds the high-precision experts)."""
-    spawn.run(_resume_worker, 2, str(tmp_path))
-    got = torch.load(tmp_path / "resume.pt", weights_only=False)
+    got = torch.load(runs / "resume.pt", weights_only=False)
     assert all(torch.equal(a, b) for a, b in zip(got["straight"], got["resumed"]))
     assert set(got["want"]) == {"experts.gate_up_proj", "experts.down_proj"}
     for k, v in got["want"].items():
@@ -190,12 +206,11 @@ def _titan_worker(rank, world, out_dir):
         torch.save({"losses": losses, "state": state, "seen": seen}, f"{out_dir}/titan.pt")
 
 
-def test_fsdp_torchtitan_experts_gathered_in_fp8_match_single_process(tmp_path):
+def test_fsdp_torchtitan_experts_gathered_in_fp8_match_single_process(runs):
     """torchtitan's experts (converted) under quantized_all_gather: w1, w3 and w2 gathered
     as FP8 experts, quantized from the bf16 values the module computes on, and training
     equal to one process bit for bit."""
-    spawn.run(_titan_worker, 2, str(tmp_path))
-    got = torch.load(tmp_path / "titan.pt", weights_only=False)
+    got = torch.load(runs / "titan.pt", weights_only=False)
     assert got["seen"] == [["Float8Experts"]] * STEPS
     model = _titan()
     assert torch.equal(got["losses"], _titan_train(model))
