@@ -76,11 +76,20 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
 
 
 def run(fn, world: int, *args) -> None:
-    """``fn(rank, world, *args)`` on ``world`` spawned processes; raises if any fails."""
+    """``fn(rank, world, *args)`` on ``world`` new processes; raises if any fails.
+
+    gloo ranks are forked from a forkserver that has imported torch and lowprec once (a
+    spawned rank spends seconds importing them: most of a small test's time); NCCL ranks
+    are spawned, each initializing CUDA afresh."""
     check_world(world)
     # gloo ranks compute on the CPU. FSDP2's default mesh and DeviceMesh pick CUDA whenever
     # a GPU is visible, so on a GPU machine the ranks would move their shards there; hiding
-    # the GPUs from the spawned processes keeps them on the CPU, as on a CPU-only machine.
+    # the GPUs from the rank processes keeps them on the CPU, as on a CPU-only machine. (The
+    # forkserver starts inside this block, so its children inherit the hidden GPUs.)
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if BACKEND == "gloo" else {}
+    method = "forkserver" if BACKEND == "gloo" else "spawn"
+    if method == "forkserver":
+        mp.set_forkserver_preload(["torch", "torch.distributed", "lowprec"])
     with mock.patch.dict(os.environ, hidden):
-        mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+        mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world,
+                           join=True, start_method=method)
