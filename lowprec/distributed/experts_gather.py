@@ -22,6 +22,7 @@ import torch
 
 from ..formats.float8.experts import Float8Experts
 from ..formats.float8.grouped import quantize_experts
+from ..linear.grouped_current import same_current
 from .gather_wrapper import GatherWrapper
 
 
@@ -50,7 +51,6 @@ class ExpertsGatherSpec:
         return self._plans[key]
 
     def _make_plan(self, device, num_experts, world) -> _ExpertsPlan:
-        from ..linear.grouped_current import same_current
         if world == 1 or num_experts % world:
             return _ExpertsPlan(None)
         state = self.module._state("forward", self.recipe, device)
