@@ -75,6 +75,25 @@ def _worker(rank, world, rname, out_dir, quantized=False):
                    f"{out_dir}/fsdp-{rname}-{quantized}.pt")
 
 
+def _bf16_worker(rank, world, out_dir, quantized):
+    """FSDP computing in bf16 over fp32 experts (MixedPrecisionPolicy), the experts
+    gathered in FP8 or in bf16."""
+    model = _model()
+    if quantized:
+        quantized_all_gather(model, Float8CurrentScaling())
+    seen = []
+    model.experts.register_forward_pre_hook(
+        lambda m, args: seen.append((type(m.gate_up_proj).__name__, m.gate_up_proj.dtype)))
+    policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fsdp.fully_shard(model.experts, mp_policy=policy)
+    fsdp.fully_shard(model, mp_policy=policy)
+    losses = _train(model, Float8CurrentScaling())
+    state = _full(model)
+    if rank == 0:
+        torch.save({"losses": losses, "state": state, "seen": seen},
+                   f"{out_dir}/bf16-{quantized}.pt")
+
+
 def _all_workers(rank, world, out_dir):
     """Every distributed run of this file in one pair of processes (each spawn costs
     seconds of start-up); each writes its own file for its test."""
@@ -83,6 +102,8 @@ def _all_workers(rank, world, out_dir):
             _worker(rank, world, rname, out_dir, quantized)
     _titan_worker(rank, world, out_dir)
     _resume_worker(rank, world, out_dir)
+    for quantized in (False, True):
+        _bf16_worker(rank, world, out_dir, quantized)
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +238,16 @@ def test_fsdp_torchtitan_experts_gathered_in_fp8_match_single_process(runs):
     assert set(got["state"]) == set(model.param_names)
     for k, v in got["state"].items():
         assert torch.equal(v, getattr(model, k)), k
+
+
+def test_fsdp_in_bf16_fp8_expert_gathers_equal_bf16_gathers(runs):
+    """FSDP computing in bf16 (MixedPrecisionPolicy) over fp32 experts: gathered as FP8
+    experts of the compute dtype (quantized from the bf16 values), the run equals the one
+    gathering the bf16 weights and quantizing them in the grouped path, bit for bit."""
+    fp8 = torch.load(runs / "bf16-True.pt", weights_only=False)
+    hp = torch.load(runs / "bf16-False.pt", weights_only=False)
+    assert fp8["seen"] == [("Float8Experts", torch.bfloat16)] * STEPS
+    assert hp["seen"] == [("Parameter", torch.bfloat16)] * STEPS
+    assert torch.equal(fp8["losses"], hp["losses"]), (fp8["losses"], hp["losses"])
+    for k, v in hp["state"].items():
+        assert v.dtype == torch.float32 and torch.equal(fp8["state"][k], v), k
