@@ -40,10 +40,10 @@ def scale_bias_epilogue_torch(acc, div_a, div_b, bias, out_dtype):
 
 
 def gemm_alpha_torch(div_a, div_b):
-    p = torch.ones(1, dtype=torch.float64, device=(div_a if div_a is not None else div_b).device)
-    for d in (div_a, div_b):
-        if d is not None:
-            p = p * d.to(torch.float64).reshape(1)
+    """:func:`gemm_alpha` in torch ops, element by element over divisors of one shape (one
+    GEMM's each: (1,), or (G,) for a grouped GEMM's groups); a missing one counts as 1."""
+    ds = [d.to(torch.float64).reshape(-1) for d in (div_a, div_b) if d is not None]
+    p = ds[0] * ds[1] if len(ds) == 2 else ds[0]
     return p.reciprocal().to(torch.float32).clamp(max=torch.finfo(torch.float32).max)
 
 

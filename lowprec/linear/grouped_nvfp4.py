@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 
 from ..backends import fp8_grouped, grouped_mm
+from ..backends.kernels import gemm_alpha_torch
 from ..formats.nvfp4 import NVFP4Quantizer
 from ..formats.nvfp4.compiled import draw_keys
 from ..formats.nvfp4.draws import draw_key
@@ -74,13 +75,6 @@ def runs_on(x2d: torch.Tensor, n: int, k: int) -> bool:
     """Whether the grouped kernels run ``x2d``'s problem (bf16 rows on a Hopper GPU)."""
     return (x2d.dtype == torch.bfloat16 and grouped_mm.plain_available(x2d, k, n)
             and fp8_grouped.available(x2d, torch.bfloat16))
-
-
-def _alphas(div_a: torch.Tensor, div_b: torch.Tensor) -> torch.Tensor:
-    """Each group's ``RN32(1 / (div_a * div_b))`` (the product exact in fp64), clamped to
-    the fp32 maximum: cuBLASLt's alpha of one expert's GEMM (``backends.kernels.gemm_alpha``)."""
-    p = div_a.to(torch.float64) * div_b.to(torch.float64)
-    return p.reciprocal().to(torch.float32).clamp(max=torch.finfo(torch.float32).max)
 
 
 def _block_groups(offs: torch.Tensor, rows: int) -> torch.Tensor:
@@ -166,8 +160,9 @@ class GroupedNVFP4(torch.autograd.Function):
         x_rows, x_cols, sx = quantize_rows(q_x, x_pad, blocks, num, True, need_dw)
         w_fwd, w_dgrad, sw = _quantized_weights(weights, q_w, need_dx)
         ones = torch.ones(num, dtype=torch.float32, device=x2d.device)
-        y = fp8_grouped.rows_by_experts(x_rows, _alphas(sx[:, 0], sw), w_fwd, ones, offs,
-                                        x2d.dtype)
+        # each expert's alpha, cuBLASLt's of its own GEMM
+        alpha = gemm_alpha_torch(sx[:, 0], sw)
+        y = fp8_grouped.rows_by_experts(x_rows, alpha, w_fwd, ones, offs, x2d.dtype)
         if dest is not None:
             y = y.index_select(0, dest)
         ctx.save_for_backward(x_cols, sx[:, 1], w_dgrad if need_dx else None, sw, src, valid,
@@ -188,11 +183,11 @@ class GroupedNVFP4(torch.autograd.Function):
         ones = torch.ones(num, dtype=torch.float32, device=dy.device)
         dx = dw = None
         if need_dw:
-            dw = fp8_grouped.wgrad(dy_cols, _alphas(sdy[:, 1], sx_col), x_cols, ones, offs,
-                                   ctx.w_dtype)
+            alpha = gemm_alpha_torch(sdy[:, 1], sx_col)
+            dw = fp8_grouped.wgrad(dy_cols, alpha, x_cols, ones, offs, ctx.w_dtype)
         if need_dx:
-            dx = fp8_grouped.rows_by_experts(dy_rows, _alphas(sdy[:, 0], sw), w_dgrad, ones,
-                                             offs, dy.dtype)
+            alpha = gemm_alpha_torch(sdy[:, 0], sw)
+            dx = fp8_grouped.rows_by_experts(dy_rows, alpha, w_dgrad, ones, offs, dy.dtype)
             if dest is not None:
                 dx = dx.index_select(0, dest)
         return dx, None, None, None, None, *weight_grads(dw, ctx.weights)
