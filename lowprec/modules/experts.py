@@ -137,28 +137,29 @@ class GroupedExperts(LowprecModule):
                          group_alignment_for(qs_down, self.hidden_dim, self.intermediate_dim))
         rows_token, rows_slot = token, slot
         place = torch.arange(flat.numel(), device=flat.device)  # each routed row's row
-        if align > 1 and hidden_states.shape[0]:
+        padded = align > 1 and hidden_states.shape[0] > 0
+        if padded:
             src, valid, _, total, place = grouped_mm.padded_layout(counts, flat[order],
                                                                    flat.numel(), align)
-            padded = (counts + (align - 1)) // align * align
+            padded_counts = (counts + (align - 1)) // align * align
             # the slack of the host-side row count goes to the last expert (zero rows)
-            counts = torch.cat([padded[:-1], padded[-1:] + (total - padded.sum())])
-            # each padded row stands for a token of its own: spread, not all on one token,
-            # whose gradient would then sum them one after another
+            counts = torch.cat([padded_counts[:-1],
+                                padded_counts[-1:] + (total - padded_counts.sum())])
+            # a padded row reads the gate of some token's slot (then zeroed)
             spare = torch.arange(total, device=flat.device) % hidden_states.shape[0]
             rows_token = torch.where(valid, token[src], spare)
             # each row's token, the count of tokens for a padded row (a zero row past them)
             token_of = torch.where(valid, token[src], hidden_states.shape[0])
             rows_slot = slot[src]
-            x = _PaddedRows.apply(hidden_states, token_of, rows_token, valid)
             # zero gates between the experts (no gradient reaches their rows)
             gates = top_k_weights[rows_token, rows_slot].masked_fill(~valid, 0)
         else:
             align = 1  # the rows as routed (bf16 experts, or no tokens to lay out)
             token_of = rows_token
-            # advanced indexing: its backward sums each token's rows in a fixed (sorted) order
-            x = hidden_states[rows_token]
             gates = top_k_weights[rows_token, rows_slot]
+        # each token's rows, in expert order: the row of routed slot order[r] is place[r]
+        rows_of = torch.empty_like(place).scatter_(0, order, place).view(-1, k).sort(1).values
+        x = _RoutedRows.apply(hidden_states, token_of, rows_of, padded)
         h = grouped_linear(x, self.gate_up_proj, counts, quantizers=qs_up, backward_mode=mode,
                            on_backward_done=done, group_alignment=align)
         if self.apply_gate is not None:
@@ -170,8 +171,6 @@ class GroupedExperts(LowprecModule):
             a = self.act_fn(gate) * up
         out = grouped_linear(a, self.down_proj, counts, quantizers=qs_down, backward_mode=mode,
                              on_backward_done=done, group_alignment=align)
-        # each token's rows, in expert order: the row of routed slot order[r] is place[r]
-        rows_of = torch.empty_like(place).scatter_(0, order, place).view(-1, k).sort(1).values
         out = out.to(hidden_states.dtype)
         if gated_runs(out, gates, rows_of):
             return _GatedSumIntoTokens.apply(out, gates, rows_of, token_of)
@@ -226,25 +225,26 @@ class _GatedSumIntoTokens(torch.autograd.Function):
         return d_out, d_gates, None, None
 
 
-class _PaddedRows(torch.autograd.Function):
-    """``hidden_states[token_of]`` with zero rows where ``token_of`` is the token count
-    (between the experts' groups, ``valid`` False): one gather from the tokens and a zero row
-    past them, no masking pass. The backward sums each token's rows in a fixed (sorted)
-    order through ``rows_token`` (a padded row there stands for a token of its own), the
-    padded rows' (zero, or NaN from an expert's non-finite weights) left out."""
+class _RoutedRows(torch.autograd.Function):
+    """``hidden_states[token_of]``: each routed row a copy of its token; with ``padded``,
+    ``token_of`` is the token count for the zero rows between the experts' groups, read
+    from a zero row past the tokens (no masking pass). The backward sums each token's rows
+    (``rows_of``, ascending: expert order) one at a time from zero, in one pass on a GPU
+    (:func:`token_sum`): the bits of indexing's backward, which accumulates each token's
+    rows in sorted order; the padded rows' gradients (zero, or NaN from an expert's
+    non-finite weights) reach no token."""
 
     @staticmethod
-    def forward(ctx, hidden_states, token_of, rows_token, valid):
-        ctx.save_for_backward(rows_token, valid)
-        ctx.tokens = hidden_states.shape[0]
-        return nn.functional.pad(hidden_states, (0, 0, 0, 1))[token_of]
+    def forward(ctx, hidden_states, token_of, rows_of, padded):
+        ctx.save_for_backward(rows_of)
+        if padded:
+            return nn.functional.pad(hidden_states, (0, 0, 0, 1))[token_of]
+        return hidden_states[token_of]
 
     @staticmethod
     def backward(ctx, grad):
-        rows_token, valid = ctx.saved_tensors
-        grad = torch.where(valid[:, None], grad, 0)  # the padded rows add zero
-        out = grad.new_zeros((ctx.tokens, grad.shape[1]))
-        return out.index_put_((rows_token,), grad, accumulate=True), None, None, None
+        (rows_of,) = ctx.saved_tensors
+        return token_sum(grad.contiguous(), rows_of), None, None, None
 
 
 class TorchtitanGroupedExperts(LowprecModule):

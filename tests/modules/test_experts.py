@@ -461,3 +461,37 @@ def test_padded_rows_do_not_reach_other_tokens(recipe):
         empty = mod(x[:0], idx[:0], w[:0])
     assert torch.equal(got, ref) and torch.isfinite(got).all()
     assert empty.shape == (0, H)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="needs a GPU"))])
+@pytest.mark.parametrize("padded", [False, True])
+def test_routed_rows_gradient_is_indexings(device, padded):
+    """The routed rows' backward (each token's rows summed in expert order, one pass on a
+    GPU) gives the bits of indexing's own backward, top-8 over 300 tokens; padded rows
+    (token T, holding NaN) reach no token."""
+    from lowprec.modules.experts import _RoutedRows
+    g = torch.Generator().manual_seed(3)
+    tokens, k, h = 300, 8, 200
+    idx = torch.stack([torch.randperm(16, generator=g)[:k] for _ in range(tokens)]).view(-1)
+    token_of = (torch.argsort(idx, stable=True) // k).to(device)
+    if padded:  # a padded row after every 37th routed row
+        token_of = torch.cat([token_of.view(-1, 1)[: 37 * 64].view(64, 37),
+                              torch.full((64, 1), tokens, device=device)], 1).view(-1)
+        token_of = torch.cat([token_of, torch.argsort(idx, stable=True)[37 * 64:].to(device)
+                              // k])
+    rows = torch.arange(token_of.numel(), device=device)
+    live = token_of < tokens
+    rows_of = torch.stack([rows[live & (token_of == t)] for t in range(tokens)])
+    hs = torch.randn(tokens, h, generator=g).bfloat16().to(device).requires_grad_(True)
+    grad = (torch.randn(token_of.numel(), h, generator=g) * 5).bfloat16().to(device)
+    grad[~live] = float("nan")
+    x = _RoutedRows.apply(hs, token_of, rows_of, padded)
+    (got,) = torch.autograd.grad(x, hs, grad)
+    ref_rows = hs.detach().clone().requires_grad_(True)
+    (ref,) = torch.autograd.grad(ref_rows[token_of[live]], ref_rows, grad[live])
+    assert torch.equal(x[live], hs.detach()[token_of[live]])
+    if padded:
+        assert not x[~live].any()
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))

@@ -13,26 +13,13 @@ from __future__ import annotations
 import torch
 
 from ...kernels import use_kernels
+from ...kernels.group_amax import group_amax
 from ..casting import cast_fp8, scale_from_amax
 from . import launch
 from .quantizer import Float8CurrentScalingQuantizer
 
-_SIGN_OFF = 0x7FFFFFFF
-
-
-def _amax_bits(values: torch.Tensor) -> torch.Tensor:
-    # Non-negative floats order as their int32 bits, NaN above +Inf: a max over the bits is
-    # the max over the values with NaN propagating (scatter_reduce's float max may not).
-    return values.to(torch.float32).view(torch.int32) & _SIGN_OFF
-
-
-def group_amax(x2d: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """amax(|x|) of each group's rows as a (num_groups,) fp32 tensor (0 for an empty group,
-    NaN where a row holds NaN). ``group_ids[r]`` is row r's group."""
-    rows = _amax_bits(x2d.abs().amax(dim=1)) if x2d.shape[1] else group_ids.new_zeros(
-        group_ids.shape, dtype=torch.int32)
-    out = torch.zeros(num_groups, dtype=torch.int32, device=x2d.device)
-    return out.scatter_reduce_(0, group_ids, rows, "amax").view(torch.float32)
+__all__ = ["group_amax", "expert_amax", "scales", "quantize_rows", "quantize_groups",
+           "quantize_groups_both", "quantize_experts"]
 
 
 def expert_amax(w3d: torch.Tensor) -> torch.Tensor:
