@@ -86,12 +86,23 @@ def run(name, tokens):
 
 
 def launch(a, b, da, db, offs, out, group_k, s_b, s_o, cfg):
-    from lowprec.backends._fp8_grouped_kernels import fp8_grouped_gemm_kernel
+    from lowprec.backends._fp8_grouped_kernels import (
+        fp8_grouped_gemm_kernel,
+        fp8_grouped_gemm_persistent_kernel,
+    )
     bm, bn, warps, stages, band, *rest = cfg
     bk = rest[0] if rest else 128
     fp8_ops = a.element_size() == 1
     g = offs.shape[0]
     m, n, k = a.shape[0], out.shape[-1], a.shape[1]
+    if len(rest) > 1:  # (..., BK, programs per SM, flatten): the persistent kernel
+        programs = rest[1] * torch.cuda.get_device_properties(a.device).multi_processor_count
+        fp8_grouped_gemm_persistent_kernel[(programs,)](
+            a, b, da, db, out, offs, m, n, k, g, *a.stride(), *s_b, *s_o,
+            GROUP_K=group_k, BM=bm, BN=bn, BK=bk, GP=max(2, 1 << (g - 1).bit_length()),
+            GROUP_M=band, MASK_K=group_k or k % bk != 0, FP8=fp8_ops, PROGRAMS=programs,
+            FLATTEN=rest[2], num_warps=warps, num_stages=stages)
+        return out
     m_tiles = -(-m // bm) + (0 if group_k else g)
     grid = (m_tiles * -(-n // bn), g if group_k else 1)
     fp8_grouped_gemm_kernel[grid](
@@ -157,7 +168,12 @@ def triton_run(name, tokens, configs):
         for direction in ("fwd", "dgrad", "wgrad"):
             ref = reference(direction)
             for cfg in configs:
-                t = timed(lambda: call(direction, cfg))
+                try:
+                    t = timed(lambda: call(direction, cfg))
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile
+                    print(f"{name:8s} {label:8s} {direction:6s} cfg {cfg}: failed "
+                          f"{type(exc).__name__}: {str(exc)[:150]}")
+                    continue
                 print(f"{name:8s} {label:8s} {direction:6s} cfg {cfg}: "
                       f"{flop / t / 1e9:6.0f} TFLOP/s ({t:.3f} ms), bits off vs cuBLAS "
                       f"{bits_off(call(direction, cfg), ref)} of {ref.numel()}")
@@ -167,6 +183,12 @@ def triton_run(name, tokens, configs):
 CONFIGS = [(128, 128, 8, 4, 8), (128, 128, 8, 3, 8), (64, 128, 4, 4, 8), (64, 128, 4, 3, 8),
            (64, 128, 4, 5, 8), (128, 64, 4, 4, 8), (64, 256, 8, 3, 8), (64, 256, 8, 4, 8),
            (64, 128, 4, 4, 4), (64, 128, 8, 4, 8)]
+#: ``--persistent``: the launcher's config, then the persistent kernel's (BM, BN, warps,
+#: stages, bands, BK, programs per SM, flattened loop)
+PERSISTENT = [(128, 128, 8, 4, 8), (128, 128, 8, 4, 8, 128, 1, True),
+              (128, 128, 8, 3, 8, 128, 1, True), (128, 128, 8, 4, 8, 128, 1, False),
+              (64, 128, 4, 4, 8, 128, 2, True), (64, 128, 4, 3, 8, 128, 3, True),
+              (128, 64, 4, 4, 8, 128, 2, True), (64, 256, 8, 3, 8, 128, 1, True)]
 #: the same for ``--bf16`` (BK 64); the first is the launcher's
 BF16_CONFIGS = [(128, 256, 8, 3, 8, 64), (128, 128, 8, 4, 8, 64), (128, 256, 8, 4, 8, 64),
                 (128, 128, 4, 4, 8, 64), (128, 128, 8, 3, 8, 128), (64, 256, 4, 4, 8, 64),
@@ -218,6 +240,8 @@ def main():
     ap.add_argument("--triton", action="store_true", help="probe lowprec's Triton kernel")
     ap.add_argument("--bf16", action="store_true",
                     help="the kernel over bf16 operands against torch._grouped_mm")
+    ap.add_argument("--persistent", action="store_true",
+                    help="lowprec's kernel against its persistent form in several configs")
     ap.add_argument("--both", action="store_true",
                     help="torch's grouped GEMMs, then lowprec's kernel in its one config")
     args = ap.parse_args()
@@ -225,6 +249,9 @@ def main():
     for name in args.shapes.split(","):
         if args.bf16:
             bf16_run(name, args.tokens, BF16_CONFIGS)
+            continue
+        if args.persistent:
+            triton_run(name, args.tokens, PERSISTENT)
             continue
         if args.triton or args.both:
             triton_run(name, args.tokens, CONFIGS[:1] if args.both else CONFIGS)

@@ -111,3 +111,82 @@ def fp8_grouped_gemm_kernel(
     optr = out_base + rows.to(tl.int64)[:, None] * s_om + cols[None, :] * s_on
     tl.store(optr, acc.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _band_tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of linear tile ``tile``: tiles in bands of GROUP_M row tiles,
+    column tiles slowest inside a band, so a band's A rows stay in L2."""
+    band = GROUP_M * tiles_n
+    first_m = (tile // band) * GROUP_M
+    band_m = min(tiles_m - first_m, GROUP_M)
+    return first_m + (tile % band) % band_m, (tile % band) // band_m
+
+
+@triton.jit
+def fp8_grouped_gemm_persistent_kernel(
+        a_ptr, b_ptr, da_ptr, db_ptr, out_ptr, offs_ptr,
+        M, N, K, G,
+        s_am, s_ak, s_bg, s_bn, s_bk,
+        s_og, s_om, s_on,
+        GROUP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        GP: tl.constexpr, GROUP_M: tl.constexpr, MASK_K: tl.constexpr, FP8: tl.constexpr,
+        PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
+    """:func:`fp8_grouped_gemm_kernel`'s tiles and sums, ``PROGRAMS`` programs each taking
+    every PROGRAMS-th tile in one loop over tiles and chunks, so that the next tile's loads
+    overlap this one's epilogue (the tile loop flattened into the chunk loop)."""
+    tiles_n = tl.cdiv(N, BN)
+    if GROUP_K:
+        tiles_m = tl.cdiv(M, BM)
+        per_group = tiles_m * tiles_n
+        num_tiles = per_group * G
+    else:
+        starts, ends, tiles, tile_end = _row_tile_table(offs_ptr, G, BM, GP)
+        tiles_m = tl.sum(tiles)
+        per_group = tiles_m * tiles_n
+        num_tiles = per_group
+    ks = tl.arange(0, BK)
+    for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=FLATTEN):
+        if GROUP_K:
+            g = tile // per_group
+            pid_m, pid_n = _band_tile(tile % per_group, tiles_m, tiles_n, GROUP_M)
+            k_hi = tl.multiple_of(tl.load(offs_ptr + g), 16)
+            k_lo = tl.multiple_of(tl.load(offs_ptr + g - 1, mask=g > 0, other=0), 16)
+            rows = pid_m * BM + tl.arange(0, BM)
+            row_end = M
+            b_base = b_ptr
+            out_base = out_ptr + g.to(tl.int64) * s_og
+        else:
+            pid_m, pid_n = _band_tile(tile, tiles_m, tiles_n, GROUP_M)
+            g = tl.sum((tile_end <= pid_m).to(tl.int32))
+            pick = tl.arange(0, GP) == g
+            first = tl.sum(tl.where(pick, starts + (pid_m - (tile_end - tiles)) * BM, 0))
+            row_end = tl.sum(tl.where(pick, ends, 0))
+            rows = first + tl.arange(0, BM)
+            k_lo = 0
+            k_hi = K
+            b_base = b_ptr + g.to(tl.int64) * s_bg
+            out_base = out_ptr
+        cols = pid_n * BN + tl.arange(0, BN)
+        rmask = rows < row_end
+        cmask = cols < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(k_lo, k_hi, BK):
+            kk = k + ks
+            a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * s_am + kk[None, :] * s_ak
+            b_ptrs = b_base + cols.to(tl.int64)[None, :] * s_bn + kk[:, None] * s_bk
+            if MASK_K:
+                kmask = kk < k_hi
+                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=cmask[None, :] & kmask[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
+            if FP8:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=128)
+            else:
+                acc = tl.dot(a, b, acc)
+        acc = acc * (tl.load(da_ptr + g) * tl.load(db_ptr + g))
+        optr = out_base + rows.to(tl.int64)[:, None] * s_om + cols[None, :] * s_on
+        tl.store(optr, acc.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
