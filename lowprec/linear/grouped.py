@@ -164,14 +164,15 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     qs = ([quantizers] * num if isinstance(quantizers, LinearQuantizers) else quantizers)
     if qs is not None and len(qs) != num:
         raise ValueError(f"grouped_linear got {len(qs)} quantizer sets for {num} groups")
-    w_list = weights if weights is not None else list(weight.unbind(0))
-    route = _route(x2d, w_list, qs, bias, backward_mode, on_backward_done)
+    route = _route(x2d, weights if weights is not None else weight, qs, bias, backward_mode,
+                   on_backward_done)
     if route is None:
+        w_list = weights if weights is not None else list(weight.unbind(0))
         return _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode,
                           on_backward_done, group_alignment)
     kind, picked = route
     sizes = _sizes_tensor(group_sizes, num, x2d.shape[0], x.device, group_alignment)
-    n = w_list[0].shape[0]
+    n = weight.shape[1] if weights is None else weights[0].shape[0]
     w_args = weights if weights is not None else (weight,)
     if kind == "plain":
         y = _GroupedPlain.apply(x2d.contiguous(), stacked(w_args), sizes)
@@ -231,19 +232,30 @@ def _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_
     return y.reshape(*x.shape[:-1], n)
 
 
-def _route(x2d, w_list, qs, bias, backward_mode, on_backward_done):
+def _weights_fit(x2d, weight) -> bool:
+    """Whether the experts' weights (a (G, N, K) tensor or G (N, K) ones) are plain tensors
+    of ``x2d``'s dtype, one (N, K) shape, K ``x2d``'s features."""
+    if isinstance(weight, torch.Tensor):
+        return (not isinstance(weight, QuantizedTensor) and weight.dtype == x2d.dtype
+                and weight.shape[2] == x2d.shape[1])
+    w0 = weight[0]
+    return not any(isinstance(w, QuantizedTensor) or w.dtype != x2d.dtype
+                   or w.shape != w0.shape or w.dim() != 2
+                   for w in weight) and w0.shape[1] == x2d.shape[1]
+
+
+def _route(x2d, weight, qs, bias, backward_mode, on_backward_done):
     """("plain", None), ("current", quantizers), ("block", quantizers), ("nvfp4",
-    quantizers), ("exact", quantizers) or None (one Linear per group)."""
+    quantizers), ("exact", quantizers) or None (one Linear per group), for ``weight`` a
+    (G, N, K) tensor or G (N, K) ones."""
     if (bias is not None or on_backward_done is not None or isinstance(x2d, QuantizedTensor)
             or x2d.shape[0] == 0):
         return None  # (no rows: the per-group path runs the empty GEMMs)
     if torch.is_autocast_enabled(x2d.device.type):
         return None
-    w0 = w_list[0]
-    if any(isinstance(w, QuantizedTensor) or w.dtype != x2d.dtype or w.shape != w0.shape
-           or w.dim() != 2 for w in w_list) or w0.shape[1] != x2d.shape[1]:
+    if not _weights_fit(x2d, weight):
         return None
-    n, k = w0.shape
+    n, k = weight.shape[-2:] if isinstance(weight, torch.Tensor) else weight[0].shape
     if qs is None:
         return ("plain", None) if grouped_mm.plain_available(x2d, k, n) else None
     if backward_mode != "default":
