@@ -47,6 +47,7 @@ from ..formats.float8.experts import Float8Experts
 from . import grouped_block_fp8, grouped_current, grouped_exact, grouped_nvfp4
 from .function import LinearQuantizers, quantized_linear
 from .grouped_parts import group_ids, host_sizes, stacked
+from .plan import MAX_PLANS
 
 __all__ = ["group_alignment_for", "group_ids", "grouped_linear"]
 
@@ -97,6 +98,10 @@ def group_alignment_for(quantizers: LinearQuantizers | Sequence[LinearQuantizers
     if quantizers is None:
         return 1
     qs = [quantizers] if isinstance(quantizers, LinearQuantizers) else list(quantizers)
+    return _kept(qs, ("alignment", n, k), lambda: _alignment(qs, n, k))
+
+
+def _alignment(qs: list, n: int, k: int) -> int:
     if grouped_current.current_scaling_quantizers(qs) is not None:
         return grouped_mm.ALIGN  # wgrad's FP8 grouped kernel
     if grouped_block_fp8.block_fp8_quantizers(qs, n, k) is not None:
@@ -260,6 +265,34 @@ def _route(x2d, weight, qs, bias, backward_mode, on_backward_done):
         return ("plain", None) if grouped_mm.plain_available(x2d, k, n) else None
     if backward_mode != "default":
         return None
+    return _kept(qs, ("route", n, k, x2d.dtype, x2d.device),
+                 lambda: _quantizer_route(x2d, qs, n, k))
+
+
+def _hooked(q: LinearQuantizers) -> bool:
+    # lowprec.debug's hooks shadow a quantizer's quantize with an instance attribute
+    return any(s is not None and "quantize" in s.__dict__
+               for s in (q.input, q.weight, q.grad_output))
+
+
+def _kept(qs: list, key: tuple, decide):
+    """``decide()``, kept in the first group's plans for these very quantizers: what the
+    quantizers' types and settings decide is fixed while they live, and looking through
+    one per expert (128 and more) on every call costs the host more than the call's
+    launches. Whether they are hooked (``lowprec.debug``: each group then quantizes
+    through its own quantizer) is part of the key; hooks are put on every quantizer a
+    module's call gets, so the first group's stand for all."""
+    plans = qs[0].plans
+    full = (key, _hooked(qs[0]), tuple(map(id, qs)))
+    if full not in plans:
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plans[full] = decide()
+    return plans[full]
+
+
+def _quantizer_route(x2d, qs, n, k):
+    """The part of :func:`_route` the quantizers decide, for ``x2d``'s dtype and device."""
     current = grouped_current.current_scaling_quantizers(qs)
     if current is not None:
         return "current", current

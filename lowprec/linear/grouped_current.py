@@ -147,10 +147,9 @@ class GroupedCurrent(torch.autograd.Function):
         ctx.transposed = ctx.backend is not None and aligned
         xq_t = None
         if ctx.transposed and need_dw:
-            xq, xq_t, sx = fused(fp8_grouped_quantize.quantize_groups_both, x2d)(x2d, ids, num,
-                                                                                 q_x)
+            xq, xq_t, sx = fp8_grouped_quantize.quantize_groups_both(x2d, ids, num, q_x)
         else:
-            xq, sx = fused(fp8_grouped_quantize.quantize_groups, x2d)(x2d, ids, num, q_x)
+            xq, sx = fp8_grouped_quantize.quantize_groups(x2d, ids, num, q_x)
         host = None if backend else host_sizes(sizes)
         if backend:
             y = _rows_by_experts(backend, xq, torch.reciprocal(sx), ids, wq,
@@ -179,9 +178,9 @@ class GroupedCurrent(torch.autograd.Function):
         dy = dy.contiguous()
         quantize = fp8_grouped_quantize
         if ctx.transposed and need_dw:
-            dyq, dyq_t, sdy = fused(quantize.quantize_groups_both, dy)(dy, ids, num, ctx.q_dy)
+            dyq, dyq_t, sdy = quantize.quantize_groups_both(dy, ids, num, ctx.q_dy)
         else:
-            dyq, sdy = fused(quantize.quantize_groups, dy)(dy, ids, num, ctx.q_dy)
+            dyq, sdy = quantize.quantize_groups(dy, ids, num, ctx.q_dy)
         dy_fp8 = ctx.q_dy.fp8_dtype
         dx = dw = None
         backend = ctx.backend

@@ -305,3 +305,28 @@ def test_gemm_backend_rule(monkeypatch):
     assert grouped_current.gemm_backend(big, 48, 4, E5M2, E5M2) is None
     assert grouped_current.gemm_backend(big.float(), 48, 4, E4M3, E4M3) is None
     assert grouped_current.gemm_backend(big, 40, 4, E4M3, E4M3) is None  # N not 16s
+
+
+def test_route_kept_per_quantizers_sees_hooks_come_and_go():
+    """The route the quantizers decide is kept with them, and a debug hook put on them
+    later (an instance attribute shadowing ``quantize``) is seen: each group then
+    quantizes through its own quantizer; with the hooks gone, the grouped quantize again."""
+    sizes = (5, 0, 37, 22)
+    qs = [_current() for _ in sizes]
+    x, w, _ = _data(sizes)
+    ref = grouped_linear(x, w, torch.tensor(sizes), quantizers=qs)
+    seen = []
+    for q in qs:
+        original = q.input.quantize
+
+        def quantize(t, *args, original=original, **kwargs):
+            seen.append(t.shape[0])
+            return original(t, *args, **kwargs)
+        q.input.quantize = quantize
+    got = grouped_linear(x, w, torch.tensor(sizes), quantizers=qs)
+    assert sorted(seen) == sorted(sizes) and torch.equal(got, ref)
+    for q in qs:
+        del q.input.quantize
+    seen.clear()
+    assert torch.equal(grouped_linear(x, w, torch.tensor(sizes), quantizers=qs), ref)
+    assert seen == []
