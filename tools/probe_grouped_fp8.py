@@ -95,13 +95,13 @@ def launch(a, b, da, db, offs, out, group_k, s_b, s_o, cfg):
     fp8_ops = a.element_size() == 1
     g = offs.shape[0]
     m, n, k = a.shape[0], out.shape[-1], a.shape[1]
-    if len(rest) > 1:  # (..., BK, programs per SM, flatten): the persistent kernel
+    if len(rest) > 1:  # (..., BK, programs per SM): the persistent kernel
         programs = rest[1] * torch.cuda.get_device_properties(a.device).multi_processor_count
         fp8_grouped_gemm_persistent_kernel[(programs,)](
             a, b, da, db, out, offs, m, n, k, g, *a.stride(), *s_b, *s_o,
             GROUP_K=group_k, BM=bm, BN=bn, BK=bk, GP=max(2, 1 << (g - 1).bit_length()),
             GROUP_M=band, MASK_K=group_k or k % bk != 0, FP8=fp8_ops, PROGRAMS=programs,
-            FLATTEN=rest[2], num_warps=warps, num_stages=stages)
+            num_warps=warps, num_stages=stages)
         return out
     m_tiles = -(-m // bm) + (0 if group_k else g)
     grid = (m_tiles * -(-n // bn), g if group_k else 1)
@@ -183,12 +183,10 @@ def triton_run(name, tokens, configs):
 CONFIGS = [(128, 128, 8, 4, 8), (128, 128, 8, 3, 8), (64, 128, 4, 4, 8), (64, 128, 4, 3, 8),
            (64, 128, 4, 5, 8), (128, 64, 4, 4, 8), (64, 256, 8, 3, 8), (64, 256, 8, 4, 8),
            (64, 128, 4, 4, 4), (64, 128, 8, 4, 8)]
-#: ``--persistent``: the launcher's config, then the persistent kernel's (BM, BN, warps,
-#: stages, bands, BK, programs per SM, flattened loop)
-PERSISTENT = [(128, 128, 8, 4, 8), (128, 128, 8, 4, 8, 128, 1, True),
-              (128, 128, 8, 3, 8, 128, 1, True), (128, 128, 8, 4, 8, 128, 1, False),
-              (64, 128, 4, 4, 8, 128, 2, True), (64, 128, 4, 3, 8, 128, 3, True),
-              (128, 64, 4, 4, 8, 128, 2, True), (64, 256, 8, 3, 8, 128, 1, True)]
+#: ``--persistent``: the non-persistent kernel's config, then the persistent kernel's (BM,
+#: BN, warps, stages, bands, BK, programs per SM)
+PERSISTENT = [(128, 128, 8, 4, 8), (128, 128, 8, 4, 8, 128, 1), (128, 128, 8, 3, 8, 128, 1),
+              (64, 128, 4, 4, 8, 128, 2), (128, 128, 8, 4, 4, 128, 1)]
 #: the same for ``--bf16`` (BK 64); the first is the launcher's
 BF16_CONFIGS = [(128, 256, 8, 3, 8, 64), (128, 128, 8, 4, 8, 64), (128, 256, 8, 4, 8, 64),
                 (128, 128, 4, 4, 8, 64), (128, 128, 8, 3, 8, 128), (64, 256, 4, 4, 8, 64),

@@ -131,10 +131,11 @@ def fp8_grouped_gemm_persistent_kernel(
         s_og, s_om, s_on,
         GROUP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GP: tl.constexpr, GROUP_M: tl.constexpr, MASK_K: tl.constexpr, FP8: tl.constexpr,
-        PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
-    """:func:`fp8_grouped_gemm_kernel`'s tiles and sums, ``PROGRAMS`` programs each taking
-    every PROGRAMS-th tile in one loop over tiles and chunks, so that the next tile's loads
-    overlap this one's epilogue (the tile loop flattened into the chunk loop)."""
+        PROGRAMS: tl.constexpr):
+    """:func:`fp8_grouped_gemm_kernel`'s tiles and sums from ``PROGRAMS`` programs (one an
+    SM), each taking every PROGRAMS-th tile: the group table is read once a program, not
+    once a tile, and no program waits to be scheduled. (Flattening the tile loop into the
+    chunk loop, so that the next tile's loads overlap this one's epilogue, ran slower.)"""
     tiles_n = tl.cdiv(N, BN)
     if GROUP_K:
         tiles_m = tl.cdiv(M, BM)
@@ -146,7 +147,7 @@ def fp8_grouped_gemm_persistent_kernel(
         per_group = tiles_m * tiles_n
         num_tiles = per_group
     ks = tl.arange(0, BK)
-    for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS):
         if GROUP_K:
             g = tile // per_group
             pid_m, pid_n = _band_tile(tile % per_group, tiles_m, tiles_n, GROUP_M)

@@ -87,14 +87,21 @@ def _cublas(a, b, sa, sb):
                             use_fast_accum=False)
 
 
+#: the launcher's threshold for each form of the kernel: never / always persistent
+FORMS = pytest.mark.parametrize("persistent_rows", [0, 1 << 30], ids=["tiles", "persistent"])
+
+
 def _bits_equal(x, y):
     return torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
 @HOPPER
+@FORMS
 @pytest.mark.parametrize("k", [384, 208])  # whole 128-chunks, and a contraction ending inside one
 @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)], ids=["e4m3", "e5m2xe4m3"])
-def test_rows_by_experts_bit_identical_to_cublas_per_group(k, dtypes):
+def test_rows_by_experts_bit_identical_to_cublas_per_group(k, dtypes, persistent_rows,
+                                                           monkeypatch):
+    monkeypatch.setattr(fp8_grouped, "PERSISTENT_ROWS", persistent_rows)
     sizes = (5, 0, 300, 129, 1)
     n = 272
     a = _codes(sum(sizes), k, dtype=dtypes[0], device="cuda")
@@ -110,8 +117,10 @@ def test_rows_by_experts_bit_identical_to_cublas_per_group(k, dtypes):
 
 
 @HOPPER
-def test_rows_by_experts_reads_strided_experts():
+@FORMS
+def test_rows_by_experts_reads_strided_experts(persistent_rows, monkeypatch):
     """dgrad's experts: the (K, G * N) transposed codes viewed as (G, K, N)."""
+    monkeypatch.setattr(fp8_grouped, "PERSISTENT_ROWS", persistent_rows)
     sizes = (64, 17, 0)
     n, k = 256, 160
     dy = _codes(sum(sizes), n, device="cuda")
@@ -128,8 +137,10 @@ def test_rows_by_experts_reads_strided_experts():
 
 
 @HOPPER
+@FORMS
 @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)], ids=["e4m3", "e5m2xe4m3"])
-def test_wgrad_bit_identical_to_cublas_per_group(dtypes):
+def test_wgrad_bit_identical_to_cublas_per_group(dtypes, persistent_rows, monkeypatch):
+    monkeypatch.setattr(fp8_grouped, "PERSISTENT_ROWS", persistent_rows)
     sizes = (16, 0, 400, 144, 32)
     n, k = 144, 272
     a = _codes(n, sum(sizes), dtype=dtypes[0], device="cuda")
