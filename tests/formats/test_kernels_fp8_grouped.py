@@ -53,3 +53,21 @@ def test_quantize_groups_kernel_path_equals_each_group():
             assert torch.equal(scale[g:g + 1], ref.shared_scale)
             assert torch.equal(data[start:start + xg.shape[0]].view(torch.uint8),
                                ref.rowwise_data.view(torch.uint8))
+
+
+@CUDA
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2, eps", [(False, 0.0), (True, 0.0), (False, 1e-3)])
+def test_group_scales_kernel_gives_the_rules_bits(fp8, pow2, eps):
+    """One launch's encode scales against ``scale_from_amax`` (bit for bit) and its decode
+    scales against ``torch.reciprocal``: amaxes of every size, zero, tiny (scale past the fp32 max),
+    Inf and NaN; more groups than one program's."""
+    from lowprec.formats.casting import scale_from_amax
+    g = torch.Generator(device="cuda").manual_seed(1)
+    amax = torch.exp(torch.randn(300, generator=g, device="cuda") * 30)
+    amax[:6] = torch.tensor([0.0, 1e-45, 1e-40, float("inf"), float("nan"), 448.0])
+    scale, decode = launch.fp8_group_scales(amax, fp8 == torch.float8_e5m2, pow2, eps)
+    ref = scale_from_amax(amax, torch.finfo(fp8).max, eps=eps, pow2=pow2)
+    assert torch.equal(scale.view(torch.int32), ref.view(torch.int32))
+    # the same values; a NaN's payload may differ
+    torch.testing.assert_close(decode, torch.reciprocal(ref), rtol=0, atol=0, equal_nan=True)

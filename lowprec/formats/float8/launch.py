@@ -299,6 +299,27 @@ def _(x, scale, group_ids, e5m2):
             x.new_empty((x.shape[1], x.shape[0]), dtype=torch.uint8))
 
 
+@kernel_op("lowprec::fp8_group_scales", mutates_args=())
+def fp8_group_scales(amax: torch.Tensor, e5m2: bool, pow2: bool,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(encode, decode) scales (G,) fp32 of per-group amaxes (G,) fp32 under current
+    scaling: ``casting.scale_from_amax`` and its ``torch.reciprocal``, in one launch."""
+    from .triton_kernels import group_scales_kernel
+    scale, decode = torch.empty_like(amax), torch.empty_like(amax)
+    g, bg = amax.shape[0], 128
+    if g:
+        with device_guard(amax.device):
+            launch(group_scales_kernel, (triton_cdiv(g, bg),), amax.view(torch.int32), scale,
+                   decode, g, eps, FP8_MAX=FP8_PARAMS[fp8_dtype_of(e5m2)][3], POW2=pow2,
+                   BG=bg, num_warps=4)
+    return scale, decode
+
+
+@fp8_group_scales.register_fake
+def _(amax, e5m2, pow2, eps):
+    return torch.empty_like(amax), torch.empty_like(amax)
+
+
 # ---- what the quantizers call -------------------------------------------------------------
 def _fields(quantizer, row, col, scale, decode=None) -> dict:
     """Float8Tensor fields; ``decode``: the record of ``1 / scale`` (see ``Float8Tensor``)."""

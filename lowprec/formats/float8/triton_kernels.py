@@ -333,3 +333,15 @@ def row_scaled_cast_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, ids_ptr, M, K, strid
     tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], codes, mask=mask)
     if TRANS:
         store_t(yt_ptr, offs_m, offs_k, M, K, M, codes, COL_MODE)
+
+
+@triton.jit
+def group_scales_kernel(amax_ptr, scale_ptr, decode_ptr, G, eps, FP8_MAX: tl.constexpr,
+                        POW2: tl.constexpr, BG: tl.constexpr):
+    """Each group's encode scale from its amax bits (``casting.scale_from_amax``) and the
+    decode scale ``1 / scale`` (``torch.reciprocal``'s bits), ``BG`` groups a program."""
+    g = tl.program_id(0) * BG + tl.arange(0, BG)
+    live = g < G
+    scale = current_scale(tl.load(amax_ptr + g, mask=live, other=0), eps, FP8_MAX, POW2)
+    tl.store(scale_ptr + g, scale, mask=live)
+    tl.store(decode_ptr + g, decode_scale(scale), mask=live)
