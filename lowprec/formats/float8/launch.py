@@ -260,10 +260,15 @@ def _cast_rows(x, scale, group_ids, e5m2, y, yt) -> None:
     if m == 0 or k == 0:
         return
     bm, bn, warps = 32, 128, 4
+    # the kernel's transposed store of 4-byte rows gave wrong codes on the H100 (Triton 3.6):
+    # those rows' transpose is copied from the rowwise codes instead
+    trans = yt is not None and x.element_size() < 4
     with device_guard(x.device):
         launch(row_scaled_cast_kernel, (triton_cdiv(m, bm), triton_cdiv(k, bn)), x, y,
-               y if yt is None else yt, scale, group_ids, m, k, x.stride(0), BM=bm, BN=bn,
-               TRANS=yt is not None, num_warps=warps, **kernel_fp8_args(fp8_dtype_of(e5m2)))
+               yt if trans else y, scale, group_ids, m, k, x.stride(0), BM=bm, BN=bn,
+               TRANS=trans, num_warps=warps, **kernel_fp8_args(fp8_dtype_of(e5m2)))
+    if yt is not None and not trans:
+        yt.copy_(y.t())
 
 
 @kernel_op("lowprec::fp8_cast_rows", mutates_args=())
