@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from ..autocast import init_recipe
-from ..backends import grouped_mm
 from ..compiled_call import compiled_as_one_op
+from ..kernels.moe_route import route
 from ..kernels.swiglu import swiglu
 from ..kernels.token_sum import gated_rows_grad, gated_runs, token_sum
 from ..linear.grouped import group_alignment_for, grouped_linear
@@ -123,42 +123,21 @@ class GroupedExperts(LowprecModule):
         """``hidden_states`` (T, H); ``top_k_index`` (T, k) expert ids in ``[0, E)``;
         ``top_k_weights`` (T, k). Returns (T, H) in ``hidden_states``' dtype."""
         qs, mode, done = self.gemm_quantizers(hidden_states.device)
-        e, k = self.num_experts, top_k_index.shape[-1]
+        e = self.num_experts
         qs_up, qs_down = (qs[:e], qs[e:]) if qs else (None, None)
-        flat = top_k_index.reshape(-1)
-        _check_expert_ids(flat, e)
-        order = torch.argsort(flat, stable=True)
-        token, slot = order // k, order % k
-        counts = torch.zeros(e, dtype=torch.int64, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+        _check_expert_ids(top_k_index.reshape(-1), e)
         # the routed rows laid out in whole blocks of the recipe's grouped path, zero rows
         # after each expert's: the grouped GEMMs then pad nothing themselves
         align = math.lcm(group_alignment_for(qs_up, 2 * self.intermediate_dim, self.hidden_dim),
                          group_alignment_for(qs_down, self.hidden_dim, self.intermediate_dim))
-        rows_token, rows_slot = token, slot
-        place = torch.arange(flat.numel(), device=flat.device)  # each routed row's row
         padded = align > 1 and hidden_states.shape[0] > 0
-        if padded:
-            src, valid, _, total, place = grouped_mm.padded_layout(counts, flat[order],
-                                                                   flat.numel(), align)
-            padded_counts = (counts + (align - 1)) // align * align
-            # the slack of the host-side row count goes to the last expert (zero rows)
-            counts = torch.cat([padded_counts[:-1],
-                                padded_counts[-1:] + (total - padded_counts.sum())])
-            # a padded row reads the gate of some token's slot (then zeroed)
-            spare = torch.arange(total, device=flat.device) % hidden_states.shape[0]
-            rows_token = torch.where(valid, token[src], spare)
-            # each row's token, the count of tokens for a padded row (a zero row past them)
-            token_of = torch.where(valid, token[src], hidden_states.shape[0])
-            rows_slot = slot[src]
-            # zero gates between the experts (no gradient reaches their rows)
-            gates = top_k_weights[rows_token, rows_slot].masked_fill(~valid, 0)
-        else:
+        if not padded:
             align = 1  # the rows as routed (bf16 experts, or no tokens to lay out)
-            token_of = rows_token
-            gates = top_k_weights[rows_token, rows_slot]
-        # each token's rows, in expert order: the row of routed slot order[r] is place[r]
-        rows_of = torch.empty_like(place).scatter_(0, order, place).view(-1, k).sort(1).values
+        counts, token_of, slot_of, valid, rows_of = route(top_k_index, e, align)
+        # each row's gate, zero for the padding rows (no gradient reaches them)
+        gates = top_k_weights.reshape(-1)[slot_of]
+        if padded:
+            gates = gates.masked_fill(~valid, 0)
         x = _RoutedRows.apply(hidden_states, token_of, rows_of, padded)
         h = grouped_linear(x, self.gate_up_proj, counts, quantizers=qs_up, backward_mode=mode,
                            on_backward_done=done, group_alignment=align)
