@@ -100,6 +100,31 @@ def _(top_k_index, num_experts, align):
     return [new(num_experts), new(total), new(total), new(total, dtype=torch.bool), new(t, k)]
 
 
+@kernel_op("lowprec::group_sizes_ok", mutates_args=())
+def _group_sizes_ok(sizes: torch.Tensor, rows: int, align: int) -> torch.Tensor:
+    from .launch import launch
+    from .moe_route_kernel import group_sizes_ok_kernel
+    ok = torch.empty((), dtype=torch.bool, device=sizes.device)
+    with torch.cuda.device(sizes.device):
+        launch(group_sizes_ok_kernel, (1,), sizes, ok.view(torch.int8), sizes.shape[0], rows,
+               align, GP=max(2, 1 << (sizes.shape[0] - 1).bit_length()), num_warps=4)
+    return ok
+
+
+@_group_sizes_ok.register_fake
+def _(sizes, rows, align):
+    return sizes.new_empty((), dtype=torch.bool)
+
+
+def group_sizes_ok(sizes: torch.Tensor, rows: int, align: int = 1) -> torch.Tensor:
+    """A bool scalar on ``sizes``' device: every size (int64) non-negative and a multiple of
+    ``align``, their sum ``rows``. One launch on a GPU."""
+    if (use_kernels(sizes) and sizes.dim() == 1 and 0 < sizes.shape[0] <= 4096
+            and sizes.is_contiguous() and not torch.compiler.is_compiling()):
+        return _group_sizes_ok(sizes, rows, align)
+    return torch.all(sizes >= 0) & (sizes.sum() == rows) & torch.all(sizes % align == 0)
+
+
 def route(top_k_index: torch.Tensor, num_experts: int, align: int = 1) -> Routing:
     """The layout of the slots of ``top_k_index`` (T, k) int64 expert ids in
     ``[0, num_experts)``, each expert's group starting at a multiple of ``align``

@@ -102,3 +102,12 @@ def route_place_kernel(ids_ptr, base_ptr, token_ptr, slot_ptr, valid_ptr, rows_o
         tok = b * BT + c + tl.arange(0, CT)[:, None]
         col = tl.arange(0, KP)[None, :]
         tl.store(rows_of_ptr + tok.to(tl.int64) * K + col, rows, mask=(tok < T) & (col < K))
+
+
+@triton.jit
+def group_sizes_ok_kernel(sizes_ptr, ok_ptr, G, rows, align, GP: tl.constexpr):
+    """``ok``: every size non-negative and a multiple of ``align``, their sum ``rows``."""
+    g = tl.arange(0, GP)
+    s = tl.load(sizes_ptr + g, mask=g < G, other=0)
+    bad = tl.sum(((s < 0) | (s % align != 0)).to(tl.int32), 0)
+    tl.store(ok_ptr, ((bad == 0) & (tl.sum(s, 0) == rows)).to(tl.int8))

@@ -44,6 +44,7 @@ import torch
 from ..backends import block_grouped, grouped_mm
 from ..formats.base import QuantizedTensor
 from ..formats.float8.experts import Float8Experts
+from ..kernels.moe_route import group_sizes_ok
 from . import grouped_block_fp8, grouped_current, grouped_exact, grouped_nvfp4
 from .function import LinearQuantizers, quantized_linear
 from .grouped_parts import group_ids, host_sizes, stacked
@@ -67,8 +68,7 @@ def _sizes_tensor(group_sizes, num_groups: int, rows: int, device,
         sizes = group_sizes.to(device=device, dtype=torch.int64)
         if sizes.is_cuda:
             # checked on the device: a bad count stops the stream, the host never waits
-            torch._assert_async(torch.all(sizes >= 0) & (sizes.sum() == rows)
-                                & torch.all(sizes % alignment == 0),
+            torch._assert_async(group_sizes_ok(sizes, rows, alignment),
                                 "group sizes must be non-negative multiples of group_alignment "
                                 "and sum to the row count")
         else:

@@ -60,3 +60,16 @@ def test_kernels_give_the_torch_ops_integers(t, k, e, align, skew):
     got, ref = route(ids, e, align), route_torch(ids, e, align)
     for name, a, b in zip(ref._fields, got, ref):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+CASES = [([16, 0, 32], 48, 16, True), ([16, 0, 32], 49, 16, False), ([16, -16, 48], 48, 16, False),
+         ([5, 3], 8, 1, True), ([8, 8], 16, 16, False), ([16, 16], 32, 16, True)]
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=GPU)])
+def test_group_sizes_checked(device):
+    from lowprec.kernels.moe_route import group_sizes_ok
+    for sizes, rows, align, want in CASES:
+        ok = group_sizes_ok(torch.tensor(sizes, device=device), rows, align)
+        assert ok.dtype == torch.bool and ok.shape == () and bool(ok) == want, (sizes, rows)

@@ -80,13 +80,12 @@ def quantize_experts(w3d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer
     scale = scales(expert_amax(w3d), quantizer)
     g, n, k = w3d.shape
     if use_kernels(w3d) and w3d.is_contiguous():
-        ids = torch.arange(g, device=w3d.device).repeat_interleave(n)
         e5m2 = quantizer.fp8_dtype == torch.float8_e5m2
         if transposed:
-            rows, cols = launch.fp8_cast_rows_both(w3d.view(g * n, k), scale, ids, e5m2)
+            rows, cols = launch.fp8_cast_rows_both(w3d.view(g * n, k), scale, None, e5m2, n)
             return (rows.view(quantizer.fp8_dtype).view(g, n, k),
                     cols.view(quantizer.fp8_dtype), scale)
-        codes = launch.fp8_cast_rows(w3d.view(g * n, k), scale, ids, e5m2)
+        codes = launch.fp8_cast_rows(w3d.view(g * n, k), scale, None, e5m2, n)
         return codes.view(quantizer.fp8_dtype).view(g, n, k), scale
     codes = cast_fp8(w3d.to(torch.float32) * scale[:, None, None], quantizer.fp8_dtype)
     if transposed:

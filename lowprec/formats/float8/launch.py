@@ -254,7 +254,7 @@ def _(x, scale, e5m2, rowwise, columnwise):
 
 
 # ---- row groups ---------------------------------------------------------------------------
-def _cast_rows(x, scale, group_ids, e5m2, y, yt) -> None:
+def _cast_rows(x, scale, group_ids, rows_per_group, e5m2, y, yt) -> None:
     from .triton_kernels import row_scaled_cast_kernel
     m, k = x.shape
     if m == 0 or k == 0:
@@ -263,43 +263,46 @@ def _cast_rows(x, scale, group_ids, e5m2, y, yt) -> None:
     # the kernel's transposed store of 4-byte rows gave wrong codes on the H100 (Triton 3.6):
     # those rows' transpose is copied from the rowwise codes instead
     trans = yt is not None and x.element_size() < 4
+    by_ids = group_ids is not None
     with device_guard(x.device):
         launch(row_scaled_cast_kernel, (triton_cdiv(m, bm), triton_cdiv(k, bn)), x, y,
-               yt if trans else y, scale, group_ids, m, k, x.stride(0), BM=bm, BN=bn,
-               TRANS=trans, num_warps=warps, **kernel_fp8_args(fp8_dtype_of(e5m2)))
+               yt if trans else y, scale, group_ids if by_ids else scale, m, k, x.stride(0),
+               max(rows_per_group, 1), BM=bm, BN=bn, TRANS=trans, BY_IDS=by_ids,
+               num_warps=warps, **kernel_fp8_args(fp8_dtype_of(e5m2)))
     if yt is not None and not trans:
         yt.copy_(y.t())
 
 
 @kernel_op("lowprec::fp8_cast_rows", mutates_args=())
-def fp8_cast_rows(x: torch.Tensor, scale: torch.Tensor, group_ids: torch.Tensor,
-                  e5m2: bool) -> torch.Tensor:
-    """Rowwise fp8 codes (uint8) of ``x * scale[group_ids[row]]``: the cast of
+def fp8_cast_rows(x: torch.Tensor, scale: torch.Tensor, group_ids: Optional[torch.Tensor],
+                  e5m2: bool, rows_per_group: int = 0) -> torch.Tensor:
+    """Rowwise fp8 codes (uint8) of ``x * scale[group]``: the cast of
     ``formats.float8.grouped.quantize_rows`` in one pass (``x`` (M, K) with unit inner
-    stride, ``scale`` fp32 per group, ``group_ids`` int64 per row)."""
+    stride, ``scale`` fp32 per group). A row's group: ``group_ids[row]`` (int64), or, with
+    ``group_ids`` None, ``row // rows_per_group`` (the rows of stacked (N, K) experts)."""
     y = x.new_empty(x.shape, dtype=torch.uint8)
-    _cast_rows(x, scale, group_ids, e5m2, y, None)
+    _cast_rows(x, scale, group_ids, rows_per_group, e5m2, y, None)
     return y
 
 
 @fp8_cast_rows.register_fake
-def _(x, scale, group_ids, e5m2):
+def _(x, scale, group_ids, e5m2, rows_per_group=0):
     return x.new_empty(x.shape, dtype=torch.uint8)
 
 
 @kernel_op("lowprec::fp8_cast_rows_both", mutates_args=())
-def fp8_cast_rows_both(x: torch.Tensor, scale: torch.Tensor, group_ids: torch.Tensor,
-                       e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_cast_rows_both(x: torch.Tensor, scale: torch.Tensor, group_ids: Optional[torch.Tensor],
+                       e5m2: bool, rows_per_group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fp8_cast_rows`' codes (M, K) and their transpose (K, M), written by the same
     pass."""
     y = x.new_empty(x.shape, dtype=torch.uint8)
     yt = x.new_empty((x.shape[1], x.shape[0]), dtype=torch.uint8)
-    _cast_rows(x, scale, group_ids, e5m2, y, yt)
+    _cast_rows(x, scale, group_ids, rows_per_group, e5m2, y, yt)
     return y, yt
 
 
 @fp8_cast_rows_both.register_fake
-def _(x, scale, group_ids, e5m2):
+def _(x, scale, group_ids, e5m2, rows_per_group=0):
     return (x.new_empty(x.shape, dtype=torch.uint8),
             x.new_empty((x.shape[1], x.shape[0]), dtype=torch.uint8))
 

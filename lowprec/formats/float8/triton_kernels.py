@@ -317,15 +317,20 @@ def delayed_update_many_kernel(table_ptr, H, inv_margin, MOST_RECENT: tl.constex
 # ---- row groups (the experts of a grouped GEMM) -------------------------------------------
 @triton.jit
 def row_scaled_cast_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, ids_ptr, M, K, stride_xm,
-                           MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
-                           HW_CVT: tl.constexpr, COL_MODE: tl.constexpr, BM: tl.constexpr,
-                           BN: tl.constexpr, TRANS: tl.constexpr):
-    """Rowwise codes of ``x * scale[ids[row]]``: each row cast with its group's scale; with
-    ``TRANS`` also their transpose (K, M) at ``yt_ptr``."""
+                           rows_per_group, MBITS: tl.constexpr, BIAS: tl.constexpr,
+                           MAX_BITS: tl.constexpr, HW_CVT: tl.constexpr,
+                           COL_MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           TRANS: tl.constexpr, BY_IDS: tl.constexpr):
+    """Rowwise codes of ``x * scale[group]``: each row cast with its group's scale, the group
+    ``ids[row]`` (``BY_IDS``) or ``row // rows_per_group``; with ``TRANS`` also their
+    transpose (K, M) at ``yt_ptr``."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_k = tl.program_id(1) * BN + tl.arange(0, BN)
     rows_in = offs_m < M
-    group = tl.load(ids_ptr + offs_m, mask=rows_in, other=0)
+    if BY_IDS:
+        group = tl.load(ids_ptr + offs_m, mask=rows_in, other=0)
+    else:
+        group = tl.where(rows_in, offs_m // rows_per_group, 0)
     scale = tl.load(scale_ptr + group, mask=rows_in, other=1.0)
     x = load_tile(x_ptr, offs_m, offs_k, M, K, stride_xm, 1, 0, 0, 0, 0, 0)
     mask = rows_in[:, None] & (offs_k < K)[None, :]
