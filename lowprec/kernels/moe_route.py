@@ -14,7 +14,7 @@ import torch
 from . import kernel_op, use_kernels
 
 #: tokens a block of the kernels, and the widest expert table the kernels hold
-_BT, _MAX_EXPERTS, _MAX_K = 128, 256, 64
+_BT, _MAX_EXPERTS, _MAX_K = 32, 256, 64
 
 
 class Routing(NamedTuple):

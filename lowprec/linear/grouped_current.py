@@ -99,9 +99,9 @@ def _group_tensor(data, scale, shape, dtype, fp8_dtype, usage="rowwise"):
 
 
 def _quantized_experts(weights: Sequence[torch.Tensor], q_w, transposed: bool):
-    """(fp8 experts (G, N, K), their transpose (K, G * N) or None, scales (G,)) of one
-    (G, N, K) weight or G (N, K) ones, the transpose (``transposed``) from the same pass;
-    under ``lowprec.autocast(cache_weights=True)`` made once, both layouts, while the
+    """(fp8 experts (G, N, K), their transpose (K, G * N) or None, encode and decode scales
+    (G,)) of one (G, N, K) weight or G (N, K) ones, the transpose (``transposed``) from the
+    same pass; under ``lowprec.autocast(cache_weights=True)`` made once, both layouts, while the
     weights are unchanged (gradient accumulation: once per optimizer step). A
     :class:`Float8Experts` weight (gathered quantized) brings its codes and scales."""
     if isinstance(weights[0], Float8Experts):
@@ -111,12 +111,12 @@ def _quantized_experts(weights: Sequence[torch.Tensor], q_w, transposed: bool):
                              f"recipe's weight quantizer is {q_w.fp8_dtype}")
         g, n, k = w.codes.shape
         codes_t = transpose_contiguous(w.codes.view(g * n, k)) if transposed else None
-        return w.codes, codes_t, w.scales
+        return w.codes, codes_t, w.scales, torch.reciprocal(w.scales)
 
     def make(transposed=transposed):
         out = fp8_grouped_quantize.quantize_experts(stacked(weights).detach().contiguous(),
-                                                    q_w, transposed)
-        return out if transposed else (out[0], None, out[1])
+                                                    q_w, transposed, with_decode=True)
+        return out if transposed else (out[0], None, *out[1:])
     if _caching_weights() and not torch.compiler.is_compiling():
         return weight_cache.cached_value(weights, q_w, lambda: make(True))
     return make()
@@ -139,7 +139,8 @@ class GroupedCurrent(torch.autograd.Function):
         ctx.backend = backend and gemm_backend(x2d, n, num, q_dy.fp8_dtype, q_w.fp8_dtype,
                                                q_x.fp8_dtype)
         # dgrad's columnwise copy (K, G * N) is written by the weights' cast itself
-        wq, wq_t, sw = _quantized_experts(weights, q_w, ctx.backend is not None and need_dx)
+        wq, wq_t, sw, dec_w = _quantized_experts(weights, q_w,
+                                                 ctx.backend is not None and need_dx)
         w_dtype = weights[0].dtype
         ids = group_ids(sizes, rows)
         # groups the caller laid out at multiples of 16 rows: wgrad reads the transposed
@@ -147,13 +148,15 @@ class GroupedCurrent(torch.autograd.Function):
         ctx.transposed = ctx.backend is not None and aligned
         xq_t = None
         if ctx.transposed and need_dw:
-            xq, xq_t, sx = fp8_grouped_quantize.quantize_groups_both(x2d, ids, num, q_x)
+            xq, xq_t, sx, dec_x = fp8_grouped_quantize.quantize_groups_both(x2d, ids, num, q_x,
+                                                                            with_decode=True)
         else:
-            xq, sx = fp8_grouped_quantize.quantize_groups(x2d, ids, num, q_x)
+            xq, sx, dec_x = fp8_grouped_quantize.quantize_groups(x2d, ids, num, q_x,
+                                                                 with_decode=True)
         host = None if backend else host_sizes(sizes)
+        offs = grouped_mm.end_offsets(sizes) if backend else None
         if backend:
-            y = _rows_by_experts(backend, xq, torch.reciprocal(sx), ids, wq,
-                                 torch.reciprocal(sw), grouped_mm.end_offsets(sizes), x2d.dtype)
+            y = _rows_by_experts(backend, xq, dec_x, ids, wq, dec_w, offs, x2d.dtype)
         else:
             y = torch.cat([gemm(_group_tensor(xg, sx[g:g + 1], xg.shape, x2d.dtype, q_x.fp8_dtype),
                                 "rowwise", _group_tensor(wq[g], sw[g:g + 1], wq[g].shape,
@@ -162,7 +165,7 @@ class GroupedCurrent(torch.autograd.Function):
                            for g, xg in enumerate(torch.split(xq, host))])
         saved_x = (xq_t if ctx.transposed else xq) if need_dw else None
         saved_w = (wq_t if ctx.backend else wq) if need_dx else None
-        ctx.save_for_backward(saved_x, sx, saved_w, sw, sizes, ids)
+        ctx.save_for_backward(saved_x, sx, dec_x, saved_w, sw, dec_w, sizes, ids, offs)
         ctx.w_shape = wq.shape
         ctx.q_dy, ctx.host = q_dy, host
         ctx.weights = layout(weights)
@@ -171,36 +174,36 @@ class GroupedCurrent(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        xq, sx, wq, sw, sizes, ids = ctx.saved_tensors
+        xq, sx, dec_x, wq, sw, dec_w, sizes, ids, offs = ctx.saved_tensors
         x_dtype, w_dtype, x_fp8, w_fp8 = ctx.dtypes
         need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
         num = sw.shape[0]
         dy = dy.contiguous()
         quantize = fp8_grouped_quantize
         if ctx.transposed and need_dw:
-            dyq, dyq_t, sdy = quantize.quantize_groups_both(dy, ids, num, ctx.q_dy)
+            dyq, dyq_t, sdy, dec_dy = quantize.quantize_groups_both(dy, ids, num, ctx.q_dy,
+                                                                    with_decode=True)
         else:
-            dyq, sdy = quantize.quantize_groups(dy, ids, num, ctx.q_dy)
+            dyq, sdy, dec_dy = quantize.quantize_groups(dy, ids, num, ctx.q_dy, with_decode=True)
         dy_fp8 = ctx.q_dy.fp8_dtype
         dx = dw = None
         backend = ctx.backend
         if backend:
-            dec_dy = torch.reciprocal(sdy)
             if need_dw:
                 if ctx.transposed:  # the saved input is already (K, M)
-                    dy_t, x_t, offs = dyq_t, xq, grouped_mm.end_offsets(sizes)
+                    dy_t, x_t, w_offs = dyq_t, xq, offs
                 else:
-                    src, valid, offs, _, _ = grouped_mm.padded_layout(sizes, ids, dyq.shape[0])
+                    src, valid, w_offs, _, _ = grouped_mm.padded_layout(sizes, ids,
+                                                                        dyq.shape[0])
                     pad = fused(grouped_mm.padded_rows, dyq)
                     dy_t = transpose_contiguous(pad(dyq, src, valid))
                     x_t = transpose_contiguous(pad(xq, src, valid))
-                dw = _wgrad(backend, dy_t, dec_dy, x_t, torch.reciprocal(sx), offs, w_dtype)
+                dw = _wgrad(backend, dy_t, dec_dy, x_t, dec_x, w_offs, w_dtype)
             if need_dx:
                 # the saved (K, G * N) codes: expert g's (K, N) are the columns g*N...
                 _, n, k = ctx.w_shape
                 w_t = wq.view(k, num, n).permute(1, 0, 2)
-                dx = _rows_by_experts(backend, dyq, dec_dy, ids, w_t, torch.reciprocal(sw),
-                                      grouped_mm.end_offsets(sizes), x_dtype)
+                dx = _rows_by_experts(backend, dyq, dec_dy, ids, w_t, dec_w, offs, x_dtype)
             return dx, None, None, None, None, None, *weight_grads(dw, ctx.weights)
         # no grouped kernel for these operands: one GEMM per group, the sizes read on the
         # host (one sync per backward on the GPU)

@@ -229,7 +229,7 @@ def test_cached_expert_weights_quantized_once_per_step(monkeypatch):
     calls = []
     real = fp8_grouped.quantize_experts
     monkeypatch.setattr(fp8_grouped, "quantize_experts",
-                        lambda *a: calls.append(1) or real(*a))
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q = _current()
     x, w, dy = _data((7, 0, 9))
     w = torch.nn.Parameter(w)
@@ -249,7 +249,7 @@ def test_cached_list_weights_quantized_once(monkeypatch):
     calls = []
     real = fp8_grouped.quantize_experts
     monkeypatch.setattr(fp8_grouped, "quantize_experts",
-                        lambda *a: calls.append(1) or real(*a))
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
     mod = lowprec.GroupedLinear(3, 64, 48, bias=False, params_dtype=torch.bfloat16)
     x, _, _ = _data((7, 0, 9))
     with lowprec.autocast(recipe=Float8CurrentScaling(), cache_weights=True):

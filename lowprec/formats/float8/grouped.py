@@ -18,8 +18,8 @@ from ..casting import cast_fp8, scale_from_amax
 from . import launch
 from .quantizer import Float8CurrentScalingQuantizer
 
-__all__ = ["group_amax", "expert_amax", "scales", "quantize_rows", "quantize_groups",
-           "quantize_groups_both", "quantize_experts"]
+__all__ = ["group_amax", "expert_amax", "scales", "scales_and_decodes", "quantize_rows",
+           "quantize_groups", "quantize_groups_both", "quantize_experts"]
 
 
 def expert_amax(w3d: torch.Tensor) -> torch.Tensor:
@@ -30,15 +30,22 @@ def expert_amax(w3d: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(w3d, float("inf"), dim=(1, 2)).to(torch.float32)
 
 
-def scales(amax: torch.Tensor, quantizer: Float8CurrentScalingQuantizer) -> torch.Tensor:
-    """The current-scaling encode scale of each amax (the quantizer's rule): one launch on a
-    GPU, where the rule's torch ops make several."""
+def scales_and_decodes(amax: torch.Tensor, quantizer: Float8CurrentScalingQuantizer):
+    """(encode, decode) scales of each amax under the quantizer's current-scaling rule, the
+    decode ``torch.reciprocal`` of the encode: one launch on a GPU, where the rule's torch
+    ops make several."""
     if use_kernels(amax) and amax.is_contiguous():
         return launch.fp8_group_scales(amax, quantizer.fp8_dtype == torch.float8_e5m2,
                                        quantizer.force_pow_2_scales,
-                                       float(quantizer.amax_epsilon))[0]
-    return scale_from_amax(amax, torch.finfo(quantizer.fp8_dtype).max,
-                           eps=quantizer.amax_epsilon, pow2=quantizer.force_pow_2_scales)
+                                       float(quantizer.amax_epsilon))
+    scale = scale_from_amax(amax, torch.finfo(quantizer.fp8_dtype).max,
+                            eps=quantizer.amax_epsilon, pow2=quantizer.force_pow_2_scales)
+    return scale, torch.reciprocal(scale)
+
+
+def scales(amax: torch.Tensor, quantizer: Float8CurrentScalingQuantizer) -> torch.Tensor:
+    """The current-scaling encode scale of each amax (the quantizer's rule)."""
+    return scales_and_decodes(amax, quantizer)[0]
 
 
 def quantize_rows(x2d: torch.Tensor, row_scale: torch.Tensor, fp8_dtype: torch.dtype
@@ -48,46 +55,57 @@ def quantize_rows(x2d: torch.Tensor, row_scale: torch.Tensor, fp8_dtype: torch.d
 
 
 def quantize_groups(x2d: torch.Tensor, group_ids: torch.Tensor, num_groups: int,
-                    quantizer: Float8CurrentScalingQuantizer):
-    """(fp8 rows (M, K), per-group encode scales (G,)) of ``x2d`` under ``quantizer``."""
-    scale = scales(group_amax(x2d, group_ids, num_groups), quantizer)
+                    quantizer: Float8CurrentScalingQuantizer, with_decode: bool = False):
+    """(fp8 rows (M, K), per-group encode scales (G,)) of ``x2d`` under ``quantizer``;
+    ``with_decode``: the decode scales (G,) after them."""
+    scale, decode = scales_and_decodes(group_amax(x2d, group_ids, num_groups), quantizer)
     if use_kernels(x2d) and x2d.stride(1) == 1:
         # one pass instead of the ops' several (their values: the same cast code)
         codes = launch.fp8_cast_rows(x2d, scale, group_ids,
-                                     quantizer.fp8_dtype == torch.float8_e5m2)
-        return codes.view(quantizer.fp8_dtype), scale
-    return quantize_rows(x2d, scale[group_ids], quantizer.fp8_dtype), scale
+                                     quantizer.fp8_dtype == torch.float8_e5m2).view(
+            quantizer.fp8_dtype)
+    else:
+        codes = quantize_rows(x2d, scale[group_ids], quantizer.fp8_dtype)
+    return (codes, scale, decode) if with_decode else (codes, scale)
 
 
 def quantize_groups_both(x2d: torch.Tensor, group_ids: torch.Tensor, num_groups: int,
-                         quantizer: Float8CurrentScalingQuantizer):
+                         quantizer: Float8CurrentScalingQuantizer, with_decode: bool = False):
     """(fp8 rows (M, K), their transpose (K, M), per-group encode scales (G,)): the codes
-    of :func:`quantize_groups` in both layouts (on a GPU from one pass)."""
-    scale = scales(group_amax(x2d, group_ids, num_groups), quantizer)
+    of :func:`quantize_groups` in both layouts (on a GPU from one pass); ``with_decode``:
+    the decode scales (G,) after them."""
+    scale, decode = scales_and_decodes(group_amax(x2d, group_ids, num_groups), quantizer)
     if use_kernels(x2d) and x2d.stride(1) == 1:
         rows, cols = launch.fp8_cast_rows_both(x2d, scale, group_ids,
                                                quantizer.fp8_dtype == torch.float8_e5m2)
-        return rows.view(quantizer.fp8_dtype), cols.view(quantizer.fp8_dtype), scale
-    rows = quantize_rows(x2d, scale[group_ids], quantizer.fp8_dtype)
-    return rows, rows.t().contiguous(), scale
+        rows, cols = rows.view(quantizer.fp8_dtype), cols.view(quantizer.fp8_dtype)
+    else:
+        rows = quantize_rows(x2d, scale[group_ids], quantizer.fp8_dtype)
+        cols = rows.t().contiguous()
+    return (rows, cols, scale, decode) if with_decode else (rows, cols, scale)
 
 
 def quantize_experts(w3d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer,
-                     transposed: bool = False):
+                     transposed: bool = False, with_decode: bool = False):
     """(fp8 (G, N, K), per-expert encode scales (G,)): each expert's matrix on its own.
     ``transposed``: (fp8 (G, N, K), the stacked codes' transpose (K, G * N), scales), the
-    transpose from the same pass on a GPU (expert g's columnwise copy: columns g*N...)."""
-    scale = scales(expert_amax(w3d), quantizer)
+    transpose from the same pass on a GPU (expert g's columnwise copy: columns g*N...).
+    ``with_decode``: the decode scales (G,) last."""
+    scale, decode = scales_and_decodes(expert_amax(w3d), quantizer)
     g, n, k = w3d.shape
+    e5m2 = quantizer.fp8_dtype == torch.float8_e5m2
+    cols = None
     if use_kernels(w3d) and w3d.is_contiguous():
-        e5m2 = quantizer.fp8_dtype == torch.float8_e5m2
+        # each row's expert: row // N (the cast needs no ids tensor)
         if transposed:
             rows, cols = launch.fp8_cast_rows_both(w3d.view(g * n, k), scale, None, e5m2, n)
-            return (rows.view(quantizer.fp8_dtype).view(g, n, k),
-                    cols.view(quantizer.fp8_dtype), scale)
-        codes = launch.fp8_cast_rows(w3d.view(g * n, k), scale, None, e5m2, n)
-        return codes.view(quantizer.fp8_dtype).view(g, n, k), scale
-    codes = cast_fp8(w3d.to(torch.float32) * scale[:, None, None], quantizer.fp8_dtype)
-    if transposed:
-        return codes, codes.view(g * n, k).t().contiguous(), scale
-    return codes, scale
+            cols = cols.view(quantizer.fp8_dtype)
+        else:
+            rows = launch.fp8_cast_rows(w3d.view(g * n, k), scale, None, e5m2, n)
+        codes = rows.view(quantizer.fp8_dtype).view(g, n, k)
+    else:
+        codes = cast_fp8(w3d.to(torch.float32) * scale[:, None, None], quantizer.fp8_dtype)
+        if transposed:
+            cols = codes.view(g * n, k).t().contiguous()
+    out = (codes, cols, scale) if transposed else (codes, scale)
+    return (*out, decode) if with_decode else out
