@@ -7,11 +7,11 @@ per expert would quantize it, so the result is the per-expert one.
 How it runs is decided by the quantizers and the device:
 
 * high precision on Hopper: one ``torch._grouped_mm`` per direction;
-* FP8 current scaling on Hopper, bf16 activations: per-group amaxes (torch ops fused by
-  inductor) and one Triton cast pass (group sizes read on the device, no host sync), one
-  grouped GEMM per direction: lowprec's Triton kernel, bit for bit the per-expert cuBLAS
-  GEMMs (E4M3 and E5M2 operands), or ``torch._scaled_grouped_mm`` for few large experts
-  (:mod:`.grouped_current`); nothing waits for the host;
+* FP8 current scaling on Hopper, bf16 activations: per-group amaxes (one Triton pass),
+  the scales from one launch and one Triton cast pass (group sizes read on the device, no
+  host sync), one grouped GEMM per direction: lowprec's Triton kernel, bit for bit the
+  per-expert cuBLAS GEMMs (E4M3 and E5M2 operands), or ``torch._scaled_grouped_mm`` for
+  few large experts (:mod:`.grouped_current`); nothing waits for the host;
 * FP8 current scaling elsewhere: the same quantize, then each group's GEMM as
   :func:`lowprec.gemm.gemm` runs it;
 * MXFP8 (block formats emulated on bf16 GEMMs) on Hopper, bf16 activations: one quantize
