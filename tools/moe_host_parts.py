@@ -1,0 +1,118 @@
+"""Host (issue) time of one mixture-of-experts layer step split into its pieces: the layer
+of ``benchmarks/bench_moe.py`` with its experts as ``lowprec.GroupedExperts`` under one
+recipe, on few tokens so that the GPU never holds the host back, with inclusive
+``perf_counter`` timers wrapped around GroupedExperts' forward, the routing, the grouped
+Linears, their quantizes and GEMM calls, the Triton launches and the backward. A piece's
+time includes the pieces it calls; the timers add about a microsecond each.
+
+    python tools/moe_host_parts.py [--shape qwen3] [--tokens 256] [--recipe current-e4m3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import bench_moe  # noqa: E402
+
+import lowprec.formats.float8.grouped as fp8_grouped  # noqa: E402
+import lowprec.kernels.launch as kernel_launch  # noqa: E402
+import lowprec.linear.grouped as grouped  # noqa: E402
+import lowprec.linear.grouped_current as grouped_current  # noqa: E402
+import lowprec.modules.experts as experts  # noqa: E402
+
+TOTAL: dict = collections.defaultdict(float)
+CALLS: dict = collections.defaultdict(int)
+
+
+def _timed(name, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTAL[name] += time.perf_counter() - start
+            CALLS[name] += 1
+    return wrapper
+
+
+def _wrap(module, attr: str) -> None:
+    setattr(module, attr, _timed(f"{module.__name__.split('.')[-1]}.{attr}",
+                                 getattr(module, attr)))
+
+
+def _install() -> None:
+    for module, attrs in ((experts, ("grouped_linear", "swiglu", "route", "_check_expert_ids")),
+                          (grouped, ("_route", "_sizes_tensor")),
+                          (grouped_current, ("_quantized_experts", "_rows_by_experts",
+                                             "_wgrad", "group_ids", "gemm_backend")),
+                          (fp8_grouped, ("quantize_groups", "quantize_groups_both",
+                                         "quantize_experts", "group_amax",
+                                         "scales_and_decodes", "expert_amax")),
+                          (kernel_launch, ("launch",))):
+        for attr in attrs:
+            _wrap(module, attr)
+    for cls in (grouped_current.GroupedCurrent, experts._GatedSumIntoTokens,
+                experts._RoutedRows):
+        for method in ("forward", "backward"):
+            setattr(cls, method, staticmethod(_timed(f"{cls.__name__}.{method}",
+                                                     getattr(cls, method))))
+    experts.GroupedExperts.forward = _timed("GroupedExperts.forward",
+                                            experts.GroupedExperts.forward)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3", choices=sorted(bench_moe.SHAPES))
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--recipe", default="current-e4m3")
+    ap.add_argument("--steps", type=int, default=50)
+    args = ap.parse_args()
+    _install()
+    hidden, num_experts, topk, ffn = bench_moe.SHAPES[args.shape]
+    torch.manual_seed(0)
+    x = torch.randn(args.tokens, hidden, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    dy = torch.randn_like(x)
+    layer = bench_moe.MoE(hidden, num_experts, topk, ffn, None).to("cuda", torch.bfloat16)
+    peer = bench_moe.ExpertsModule(args.recipe)
+    layer.experts_fn = peer
+    peer.bind(layer)
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        y = layer(x)
+        start = time.perf_counter()
+        y.backward(dy)
+        TOTAL["backward (the whole step's)"] += time.perf_counter() - start
+
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    TOTAL.clear()
+    CALLS.clear()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    host = (time.perf_counter() - start) / args.steps
+    torch.cuda.synchronize()
+    print(f"{args.shape}, {args.tokens} tokens, {args.recipe}: {host * 1e3:.2f} ms of host a "
+          f"step (timers included)")
+    for name, seconds in sorted(TOTAL.items(), key=lambda kv: -kv[1]):
+        print(f"{name:40s} {seconds / args.steps * 1e3:7.3f} ms a step  "
+              f"{CALLS[name] / args.steps:5.1f} calls")
+
+
+if __name__ == "__main__":
+    main()
