@@ -11,8 +11,6 @@ time includes the pieces it calls; the timers add about a microsecond each.
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import sys
 import time
 from pathlib import Path
@@ -21,54 +19,28 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_moe  # noqa: E402
+from host_breakdown import Timers  # noqa: E402
 
-import lowprec.formats.float8.grouped as fp8_grouped  # noqa: E402
-import lowprec.kernels.launch as kernel_launch  # noqa: E402
-import lowprec.linear.grouped as grouped  # noqa: E402
-import lowprec.linear.grouped_current as grouped_current  # noqa: E402
-import lowprec.modules.experts as experts  # noqa: E402
-
-TOTAL: dict = collections.defaultdict(float)
-CALLS: dict = collections.defaultdict(int)
-
-
-def _timed(name, fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            TOTAL[name] += time.perf_counter() - start
-            CALLS[name] += 1
-    return wrapper
-
-
-def _wrap(module, attr: str) -> None:
-    setattr(module, attr, _timed(f"{module.__name__.split('.')[-1]}.{attr}",
-                                 getattr(module, attr)))
-
-
-def _install() -> None:
-    for module, attrs in ((experts, ("grouped_linear", "swiglu", "route", "_check_expert_ids")),
-                          (grouped, ("_route", "_sizes_tensor")),
-                          (grouped_current, ("_quantized_experts", "_rows_by_experts",
-                                             "_wgrad", "group_ids", "gemm_backend")),
-                          (fp8_grouped, ("quantize_groups", "quantize_groups_both",
-                                         "quantize_experts", "group_amax",
-                                         "scales_and_decodes", "expert_amax")),
-                          (kernel_launch, ("launch",))):
-        for attr in attrs:
-            _wrap(module, attr)
-    for cls in (grouped_current.GroupedCurrent, experts._GatedSumIntoTokens,
-                experts._RoutedRows):
-        for method in ("forward", "backward"):
-            setattr(cls, method, staticmethod(_timed(f"{cls.__name__}.{method}",
-                                                     getattr(cls, method))))
-    experts.GroupedExperts.forward = _timed("GroupedExperts.forward",
-                                            experts.GroupedExperts.forward)
+#: (owner as "module" or "module:Class", attribute) of every piece timed
+TARGETS = [
+    ("lowprec.modules.experts:GroupedExperts", "forward"),
+    *(("lowprec.modules.experts", a) for a in ("grouped_linear", "swiglu", "route",
+                                                "_check_expert_ids")),
+    *((f"lowprec.modules.experts:{c}", m) for c in ("_GatedSumIntoTokens", "_RoutedRows")
+      for m in ("forward", "backward")),
+    ("lowprec.linear.grouped", "_route"),
+    ("lowprec.linear.grouped", "_sizes_tensor"),
+    *(("lowprec.linear.grouped_current:GroupedCurrent", m) for m in ("forward", "backward")),
+    *(("lowprec.linear.grouped_current", a) for a in ("_quantized_experts", "_rows_by_experts",
+                                                      "_wgrad", "group_ids", "gemm_backend")),
+    *(("lowprec.formats.float8.grouped", a) for a in ("quantize_groups", "quantize_groups_both",
+                                                      "quantize_experts", "group_amax",
+                                                      "scales_and_decodes", "expert_amax")),
+    ("lowprec.kernels.launch", "launch"),
+]
 
 
 def main() -> None:
@@ -78,7 +50,9 @@ def main() -> None:
     ap.add_argument("--recipe", default="current-e4m3")
     ap.add_argument("--steps", type=int, default=50)
     args = ap.parse_args()
-    _install()
+    timers = Timers()
+    for owner, attr in TARGETS:
+        timers.wrap(owner, attr)
     hidden, num_experts, topk, ffn = bench_moe.SHAPES[args.shape]
     torch.manual_seed(0)
     x = torch.randn(args.tokens, hidden, device="cuda", dtype=torch.bfloat16,
@@ -95,13 +69,13 @@ def main() -> None:
         y = layer(x)
         start = time.perf_counter()
         y.backward(dy)
-        TOTAL["backward (the whole step's)"] += time.perf_counter() - start
+        timers.total["backward (the whole step's)"] += time.perf_counter() - start
 
     for _ in range(10):
         step()
     torch.cuda.synchronize()
-    TOTAL.clear()
-    CALLS.clear()
+    timers.total.clear()
+    timers.calls.clear()
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
@@ -109,9 +83,9 @@ def main() -> None:
     torch.cuda.synchronize()
     print(f"{args.shape}, {args.tokens} tokens, {args.recipe}: {host * 1e3:.2f} ms of host a "
           f"step (timers included)")
-    for name, seconds in sorted(TOTAL.items(), key=lambda kv: -kv[1]):
+    for name, seconds in sorted(timers.total.items(), key=lambda kv: -kv[1]):
         print(f"{name:40s} {seconds / args.steps * 1e3:7.3f} ms a step  "
-              f"{CALLS[name] / args.steps:5.1f} calls")
+              f"{timers.calls[name] / args.steps:5.1f} calls")
 
 
 if __name__ == "__main__":
