@@ -18,7 +18,7 @@ from ..casting import cast_fp8, scale_from_amax
 from . import launch
 from .quantizer import Float8CurrentScalingQuantizer
 
-__all__ = ["group_amax", "expert_amax", "scales", "scales_and_decodes", "quantize_rows",
+__all__ = ["group_amax", "expert_amax", "scales_and_decodes", "quantize_rows",
            "quantize_groups", "quantize_groups_both", "quantize_experts"]
 
 
@@ -41,11 +41,6 @@ def scales_and_decodes(amax: torch.Tensor, quantizer: Float8CurrentScalingQuanti
     scale = scale_from_amax(amax, torch.finfo(quantizer.fp8_dtype).max,
                             eps=quantizer.amax_epsilon, pow2=quantizer.force_pow_2_scales)
     return scale, torch.reciprocal(scale)
-
-
-def scales(amax: torch.Tensor, quantizer: Float8CurrentScalingQuantizer) -> torch.Tensor:
-    """The current-scaling encode scale of each amax (the quantizer's rule)."""
-    return scales_and_decodes(amax, quantizer)[0]
 
 
 def quantize_rows(x2d: torch.Tensor, row_scale: torch.Tensor, fp8_dtype: torch.dtype
