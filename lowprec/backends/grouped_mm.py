@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.moe_route import row_count
+
 #: the row multiple FP8 wgrad needs at each group start (16-byte row strides)
 ALIGN = 16
 
@@ -77,7 +79,7 @@ def padded_layout(sizes: torch.Tensor, group_ids: torch.Tensor, rows: int, align
     padded_end = torch.cumsum(padded, 0)
     shift = (padded_end - padded) - (torch.cumsum(sizes, 0) - sizes)
     dest = torch.arange(rows, device=sizes.device) + shift[group_ids]
-    total = -(-(rows + (align - 1) * sizes.shape[0]) // align) * align
+    total = row_count(rows, 1, sizes.shape[0], align)
     # index_copy_/index_fill_: an indexed assignment of a Python scalar copies it from the
     # host, a sync
     src = torch.zeros(total, dtype=torch.int64, device=sizes.device).index_copy_(

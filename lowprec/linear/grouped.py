@@ -47,7 +47,7 @@ from ..formats.float8.experts import Float8Experts
 from ..kernels.moe_route import group_sizes_ok
 from . import grouped_block_fp8, grouped_current, grouped_exact, grouped_nvfp4
 from .function import LinearQuantizers, quantized_linear
-from .grouped_parts import group_ids, host_sizes, stacked
+from .grouped_parts import group_ids, hooked, host_sizes, stacked
 from .plan import MAX_PLANS
 
 __all__ = ["group_alignment_for", "group_ids", "grouped_linear"]
@@ -270,9 +270,7 @@ def _route(x2d, weight, qs, bias, backward_mode, on_backward_done):
 
 
 def _hooked(q: LinearQuantizers) -> bool:
-    # lowprec.debug's hooks shadow a quantizer's quantize with an instance attribute
-    return any(s is not None and "quantize" in s.__dict__
-               for s in (q.input, q.weight, q.grad_output))
+    return any(s is not None and hooked(s) for s in (q.input, q.weight, q.grad_output))
 
 
 def _kept(qs: list, key: tuple, decide):

@@ -32,7 +32,7 @@ from ..gemm import gemm
 from ..kernels.transpose import transpose_contiguous
 from . import weight_cache
 from .function import LinearQuantizers, _caching_weights
-from .grouped_parts import fused, group_ids, host_sizes, layout, stacked, weight_grads
+from .grouped_parts import fused, group_ids, hooked, host_sizes, layout, stacked, weight_grads
 
 #: mean rows an expert from which ``torch._scaled_grouped_mm`` runs (E4M3 operands): the
 #: Triton kernel below it (see the module docstring for the timings)
@@ -44,9 +44,7 @@ def same_current(qs: Sequence[Float8CurrentScalingQuantizer | None]) -> bool:
     first = qs[0]
     if type(first) is not Float8CurrentScalingQuantizer:
         return False
-    if any("quantize" in q.__dict__ for q in qs):
-        # hooked (lowprec.debug, compare's SQNR probe): each group quantized through its
-        # quantizer's own quantize, so the hooks see every expert's tensors (same values)
+    if any(hooked(q) for q in qs):
         return False
     key = (first.fp8_dtype, first.force_pow_2_scales, first.amax_epsilon)
     return all(type(q) is Float8CurrentScalingQuantizer

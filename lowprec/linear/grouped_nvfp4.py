@@ -36,15 +36,14 @@ from ..formats.nvfp4.draws import draw_key
 from ..formats.nvfp4.grouped import group_scales, grouped_exact
 from . import weight_cache
 from .function import _caching_weights
-from .grouped_parts import layout, padded_input, padded_like, stacked, weight_grads
+from .grouped_parts import hooked, layout, padded_input, padded_like, stacked, weight_grads
 
 #: every group starts at a multiple of this many rows (NVFP4's 16-row columnwise blocks)
 ALIGN = 16
 
 
 def _setting(q) -> tuple | None:
-    if type(q) is not NVFP4Quantizer or "quantize" in q.__dict__:
-        # hooked quantizers (lowprec.debug, compare's probe) see each expert's own tensors
+    if type(q) is not NVFP4Quantizer or hooked(q):
         return None
     return (q.with_rht, q.with_2d_quantization, q.stochastic_rounding, id(q.generator))
 

@@ -22,6 +22,13 @@ def fused(fn, t: torch.Tensor):
     return compiled
 
 
+def hooked(quantizer) -> bool:
+    """Whether ``lowprec.debug``'s hooks (or compare's SQNR probe) are on ``quantizer``: they
+    shadow its ``quantize`` with an instance attribute. A grouped path then quantizes each
+    group through its own quantizer, so the hooks see every expert's tensors."""
+    return "quantize" in quantizer.__dict__
+
+
 def group_ids(sizes: torch.Tensor, rows: int) -> torch.Tensor:
     """Each row's group (int64, on ``sizes``' device) for ``rows`` rows in all."""
     groups = torch.arange(sizes.shape[0], device=sizes.device)
