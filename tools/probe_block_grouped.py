@@ -11,8 +11,10 @@ import torch
 import triton
 
 from lowprec import Float8BlockQuantizer
+from lowprec.backends import block_grouped
 from lowprec.backends._block_grouped_kernels import block_grouped_gemm_kernel
 from lowprec.gemm import gemm
+from lowprec.kernels import tuning
 
 
 def launch(a, s_a, b, s_b, da, s_da, db, s_db, out, s_o, offs, m, n, k, g, group_k,
@@ -140,11 +142,80 @@ def speed(name, tokens, topk, g, hidden, ffn, configs):
                   f"vs bf16 fwd {t_bf / f:.2f}x, wgrad {t_bfw / wg:.2f}x", flush=True)
 
 
+def gluon_speed(name, tokens, topk, g, hidden, ffn, configs):
+    """The Gluon kernel's configs through the launcher (``block_grouped``'s ops, as the
+    grouped block path calls them) against the Triton kernel: differing output bits and
+    GPU time of forward, dgrad and wgrad."""
+    torch.manual_seed(0)
+    sel = torch.randn(tokens, g, device="cuda").topk(topk, dim=1).indices.flatten()
+    sizes = torch.bincount(sel, minlength=g)
+    sizes[0] = 0  # an empty expert
+    padded = (sizes + 127) // 128 * 128
+    mp = int(padded.sum())
+    ends = torch.cumsum(padded, 0) - (padded - sizes)  # groups end unpadded, start aligned
+    offs = ends.to(torch.int32)
+    bf = torch.bfloat16
+    for what, k, n in (("gate_up", hidden, 2 * ffn), ("down", ffn, hidden)):
+        x = torch.randn(mp, k, device="cuda", dtype=bf)
+        w = torch.randn(g * n, k, device="cuda", dtype=bf) * 0.02
+        dy = torch.randn(mp, n, device="cuda", dtype=bf) * 1e-3
+        xq, wq, dyq = q1(x), q2(w), q1(dy)
+        flops = 2 * int(sizes.sum()) * n * k
+        w_dec = wq.decode_scale("rowwise").view(g, n // 128, k // 128)
+        w_t = wq.columnwise_data.view(k, g, n).permute(1, 0, 2)
+        w_tdec = wq.decode_scale("columnwise").view(k // 128, g, n // 128).permute(1, 0, 2)
+        calls = {
+            "fwd": lambda: block_grouped.rows_by_experts(
+                xq.rowwise_data, xq.decode_scale("rowwise").t(), wq.rowwise_data.view(g, n, k),
+                w_dec, offs, 1, 128, bf),
+            "dgrad": lambda: block_grouped.rows_by_experts(
+                dyq.rowwise_data, dyq.decode_scale("rowwise").t(), w_t, w_tdec, offs, 1, 128,
+                bf),
+            "wgrad": lambda: block_grouped.wgrad(
+                dyq.columnwise_data, dyq.decode_scale("columnwise").t(), xq.columnwise_data,
+                xq.decode_scale("columnwise").t(), offs, bf),
+        }
+        with tuning.override(block_grouped_gluon=False):
+            ref = {key: fn() for key, fn in calls.items()}
+            t_ref = {key: timed(fn) for key, fn in calls.items()}
+        valid = torch.zeros(mp, dtype=torch.bool, device="cuda")
+        start = 0
+        for size, pad in zip(sizes.tolist(), padded.tolist()):
+            valid[start:start + size] = True
+            start += pad
+        print(f"{name} {what} (rows {int(sizes.sum())}, K {k}, N {n}): triton "
+              + ", ".join(f"{key} {t:.3f} ms ({flops / t / 1e9:.0f})"
+                          for key, t in t_ref.items()), flush=True)
+        for cfg in configs:
+            try:
+                with tuning.override(block_grouped_gluon=True, block_grouped_gluon_configs={
+                        "rows": cfg, "wgrad": cfg}):
+                    got = {key: fn() for key, fn in calls.items()}
+                    t = {key: timed(fn) for key, fn in calls.items()}
+            except Exception as exc:  # noqa: BLE001 - a config that does not fit
+                print(f"  gluon {cfg}: {type(exc).__name__} {str(exc)[:300]}", flush=True)
+                continue
+            diff = {key: bits_equal(got[key][valid] if key != "wgrad" else got[key],
+                                    ref[key][valid] if key != "wgrad" else ref[key])
+                    for key in calls}
+            print(f"  gluon {cfg}: " + ", ".join(
+                f"{key} {t[key]:.3f} ms ({flops / t[key] / 1e9:.0f}, {t_ref[key] / t[key]:.2f}x"
+                f", {diff[key]} bits off)" for key in calls), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--gluon", action="store_true",
+                    help="the Gluon kernel's configs against the Triton kernel only")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+    if args.gluon:
+        configs = [(128, 3, False, 8), (128, 4, False, 8), (128, 2, False, 8),
+                   (128, 3, True, 8), (128, 4, True, 8), (64, 4, False, 8)]
+        gluon_speed("qwen3", 16384, 8, 128, 2048, 768, configs)
+        gluon_speed("mixtral", 16384, 2, 8, 4096, 14336, configs)
+        return
     identity((128, 128, 8, 3, 8))
     if args.skip_speed:
         return

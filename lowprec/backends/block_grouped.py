@@ -19,10 +19,13 @@ GPU the same sum runs in torch ops (``_reference``), for the CPU tests of the gr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..kernels import kernel_op, triton_available
+from ..kernels import gluon_available, kernel_op, triton_available
 from ..kernels.launch import launch
+from ..kernels.tuning import tuning
 
 #: the row multiple every group starts at (a block along the rows, the kernel's row tile)
 ALIGN = 128
@@ -38,7 +41,69 @@ def available(a: torch.Tensor, *fp8_dtypes: torch.dtype) -> bool:
             and triton_available() and all(d == torch.float8_e4m3fn for d in fp8_dtypes))
 
 
+#: the Gluon kernel's row tile: one warpgroup's
+_GLUON_BM = 64
+
+
+def _tma_2d(t: torch.Tensor):
+    """``t`` as the 2-D (rows, contraction) matrix a TMA descriptor reads, with the row and
+    column offsets of consecutive groups when ``t`` is (G, R, C); None where TMA cannot
+    read it (a non-unit inner stride, an unaligned row stride or base)."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or t.stride(-2) % 16:
+        return None
+    if t.dim() == 2:
+        return t, 0, 0
+    num, r, c = t.shape
+    row_stride = t.stride(1)
+    if t.stride(0) == r * row_stride and row_stride >= c:  # experts stacked by rows
+        return t.as_strided((num * r, c), (row_stride, 1)), r, 0
+    if t.stride(0) == c and row_stride >= num * c:  # experts side by side along columns
+        return t.as_strided((r, num * c), (row_stride, 1)), 0, c
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int):
+    from triton.experimental.gluon import language as gl
+    return gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)
+
+
+def _launch_gluon(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: int) -> bool:
+    """Launches the Gluon kernel (``_block_grouped_gluon.py``); False where it does not
+    apply (the Triton kernel runs instead)."""
+    if not (tuning.block_grouped_gluon and gluon_available()):
+        return False
+    a2, b2 = _tma_2d(a), _tma_2d(b)
+    if a2 is None or b2 is None:
+        return False
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ._block_grouped_gluon import block_grouped_gluon_kernel
+    bn, stages, overlap, band = tuning.block_grouped_gluon_configs[
+        "wgrad" if group_k else "rows"]
+    (a2, _, _), (b2, b_group_rows, b_group_cols) = a2, b2
+    a_desc = TensorDescriptor(a2, list(a2.shape), list(a2.stride()), [_GLUON_BM, 128],
+                              _smem_layout(_GLUON_BM))
+    b_desc = TensorDescriptor(b2, list(b2.shape), list(b2.stride()), [bn, 128],
+                              _smem_layout(bn))
+    g = offs.shape[0]
+    m, n = a.shape[-2], b.shape[-2]
+    if group_k:
+        s_db, s_o = (0, *db.stride()), out.stride()
+    else:
+        s_db, s_o = db.stride(), (0, *out.stride())
+    grid = (-(-m // _GLUON_BM) * -(-n // bn), g if group_k else 1)
+    launch(block_grouped_gluon_kernel, grid, a_desc, b_desc, da, db, out, offs, m, n, g,
+           b_group_rows, b_group_cols, *da.stride(), *s_db, *s_o,
+           GROUP_K=group_k, A_ROWS=a_rows, B_ROWS=b_rows,
+           GP=max(2, 1 << (g - 1).bit_length()), GROUP_M=band, STAGES=stages,
+           OVERLAP=overlap, num_warps=4)
+    return True
+
+
 def _launch(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: int) -> None:
+    if _launch_gluon(a, da, b, db, offs, out, group_k, a_rows, b_rows):
+        return
     from ._block_grouped_kernels import block_grouped_gemm_kernel
     bm, bn, warps, stages, band = _CONFIG[group_k]
     g = offs.shape[0]

@@ -94,6 +94,13 @@ class Tuning:
         #: 128 x 128, its columnwise pass in "col" pieces of R, T. K-fast: grid axis 0 runs
         #: along K.
         self.block_gluon_configs = {"col": (8, 8, 4, 1), "both": (32, 8, 8, 4, 1, 1)}
+        #: The grouped block-scaled FP8 GEMM (``backends/block_grouped.py``) in its Gluon
+        #: kernel where it applies (Hopper, operands TMA can read), else the Triton one;
+        #: configs by problem (``"rows"``: forward and dgrad, ``"wgrad"``):
+        #: (BN, STAGES, OVERLAP, GROUP_M) of ``backends/_block_grouped_gluon.py``.
+        self.block_grouped_gluon = True
+        self.block_grouped_gluon_configs = {"rows": (128, 3, False, 8),
+                                            "wgrad": (128, 3, False, 8)}
 
         # ---- MXFP8 (``formats/mxfp8/launch.py``) ---------------------------------------
         #: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]])

@@ -16,7 +16,7 @@ from grouped_helpers import (
 
 import lowprec
 from lowprec.backends import block_grouped
-from lowprec.kernels import triton_available
+from lowprec.kernels import triton_available, tuning
 from lowprec.linear.function import LinearQuantizers
 from lowprec.linear.grouped import group_alignment_for, grouped_linear
 from lowprec.linear.grouped_block_fp8 import GroupedBlockFP8, block_fp8_quantizers, runs_on
@@ -142,11 +142,22 @@ def test_gpu_grouped_never_syncs():
 
 
 @HOPPER
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("w_dim", [1, 2])
-def test_gpu_kernel_bit_identical_to_cublas_per_group(w_dim):
-    """Each group of the kernel's fp32 output is cuBLAS's block-scaled GEMM of that group
-    (``lowprec.gemm``), in both problem shapes; an empty group's wgrad is zeros."""
-    sizes = (384, 0, 128, 640)
+def test_gpu_kernel_bit_identical_to_cublas_per_group(w_dim, out_dtype, gluon):
+    """Each group of either kernel's output (Triton's, Gluon's where Gluon imports) is
+    cuBLAS's block-scaled GEMM of that group (``lowprec.gemm``): forward, dgrad (the
+    experts side by side in the weights' columnwise codes) and wgrad; an empty group's
+    wgrad is zeros."""
+    if gluon and not lowprec.kernels.gluon_available():
+        pytest.skip("Gluon does not import")
+    with tuning.override(block_grouped_gluon=gluon):
+        _kernel_vs_cublas(w_dim, out_dtype)
+
+
+def _kernel_vs_cublas(w_dim, out_dtype):
+    sizes = (384, 0, 128, 640, 256)
     q = _block(w_dim)
     x, w, dy = _data(sizes, device="cuda")
     num, n, k = w.shape
@@ -161,19 +172,28 @@ def test_gpu_kernel_bit_identical_to_cublas_per_group(w_dim):
         w_dec, rows = wq.decode_scale("rowwise").t().reshape(num, n, k // 128), 1
     y = block_grouped.rows_by_experts(xq.rowwise_data, xq.decode_scale("rowwise").t(),
                                       wq.rowwise_data.view(num, n, k), w_dec, offs, 1, rows,
-                                      torch.float32)
+                                      out_dtype)
+    w_t = wq.columnwise_data.view(k, num, n).permute(1, 0, 2)
+    if w_dim == 2:
+        w_tdec = wq.decode_scale("columnwise").view(k // 128, num, n // 128).permute(1, 0, 2)
+    else:
+        w_tdec = wq.decode_scale("columnwise").t().reshape(k, num, n // 128).permute(1, 0, 2)
+    dx = block_grouped.rows_by_experts(dyq.rowwise_data, dyq.decode_scale("rowwise").t(), w_t,
+                                       w_tdec, offs, 1, rows, out_dtype)
     dw = block_grouped.wgrad(dyq.columnwise_data, dyq.decode_scale("columnwise").t(),
                              xq.columnwise_data, xq.decode_scale("columnwise").t(), offs,
-                             torch.float32)
+                             out_dtype)
     start = 0
     for g, m in enumerate(sizes):
         if m:
             xg = q.input.quantize(x[start:start + m])
             dyg = q.grad_output.quantize(dy[start:start + m])
             assert torch.equal(y[start:start + m], lowprec.gemm.gemm(
-                xg, "rowwise", wqs[g], "rowwise", out_dtype=torch.float32))
+                xg, "rowwise", wqs[g], "rowwise", out_dtype=out_dtype))
+            assert torch.equal(dx[start:start + m], lowprec.gemm.gemm(
+                dyg, "rowwise", wqs[g], "columnwise", out_dtype=out_dtype))
             assert torch.equal(dw[g], lowprec.gemm.gemm(
-                dyg, "columnwise", xg, "columnwise", out_dtype=torch.float32))
+                dyg, "columnwise", xg, "columnwise", out_dtype=out_dtype))
         else:
             assert torch.all(dw[g] == 0)
         start += m
