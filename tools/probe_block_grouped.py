@@ -203,8 +203,9 @@ def main():
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     if args.gluon:
-        configs = [(128, 3, False, 8), (128, 4, False, 8), (128, 2, False, 8),
-                   (128, 3, True, 8), (128, 4, True, 8), (64, 4, False, 8)]
+        configs = [(128, 2, False, 8, 4), (128, 3, False, 8, 8), (128, 4, False, 8, 8),
+                   (128, 5, False, 8, 8), (128, 4, False, 16, 8), (128, 3, True, 8, 8),
+                   (128, 4, True, 8, 8)]
         gluon_speed("qwen3", 16384, 8, 128, 2048, 768, configs)
         gluon_speed("mixtral", 16384, 2, 8, 4096, 14336, configs)
         return

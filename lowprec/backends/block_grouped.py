@@ -41,10 +41,6 @@ def available(a: torch.Tensor, *fp8_dtypes: torch.dtype) -> bool:
             and triton_available() and all(d == torch.float8_e4m3fn for d in fp8_dtypes))
 
 
-#: the Gluon kernel's row tile: one warpgroup's
-_GLUON_BM = 64
-
-
 def _tma_2d(t: torch.Tensor):
     """``t`` as the 2-D (rows, contraction) matrix a TMA descriptor reads, with the row and
     column offsets of consecutive groups when ``t`` is (G, R, C); None where TMA cannot
@@ -79,11 +75,12 @@ def _launch_gluon(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: i
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ._block_grouped_gluon import block_grouped_gluon_kernel
-    bn, stages, overlap, band = tuning.block_grouped_gluon_configs[
+    bn, stages, overlap, band, warps = tuning.block_grouped_gluon_configs[
         "wgrad" if group_k else "rows"]
+    bm = 16 * warps  # 64 rows a warpgroup
     (a2, _, _), (b2, b_group_rows, b_group_cols) = a2, b2
-    a_desc = TensorDescriptor(a2, list(a2.shape), list(a2.stride()), [_GLUON_BM, 128],
-                              _smem_layout(_GLUON_BM))
+    a_desc = TensorDescriptor(a2, list(a2.shape), list(a2.stride()), [bm, 128],
+                              _smem_layout(bm))
     b_desc = TensorDescriptor(b2, list(b2.shape), list(b2.stride()), [bn, 128],
                               _smem_layout(bn))
     g = offs.shape[0]
@@ -92,12 +89,12 @@ def _launch_gluon(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: i
         s_db, s_o = (0, *db.stride()), out.stride()
     else:
         s_db, s_o = db.stride(), (0, *out.stride())
-    grid = (-(-m // _GLUON_BM) * -(-n // bn), g if group_k else 1)
+    grid = (-(-m // bm) * -(-n // bn), g if group_k else 1)
     launch(block_grouped_gluon_kernel, grid, a_desc, b_desc, da, db, out, offs, m, n, g,
            b_group_rows, b_group_cols, *da.stride(), *s_db, *s_o,
            GROUP_K=group_k, A_ROWS=a_rows, B_ROWS=b_rows,
            GP=max(2, 1 << (g - 1).bit_length()), GROUP_M=band, STAGES=stages,
-           OVERLAP=overlap, num_warps=4)
+           OVERLAP=overlap, num_warps=warps)
     return True
 
 

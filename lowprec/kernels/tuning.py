@@ -97,10 +97,11 @@ class Tuning:
         #: The grouped block-scaled FP8 GEMM (``backends/block_grouped.py``) in its Gluon
         #: kernel where it applies (Hopper, operands TMA can read), else the Triton one;
         #: configs by problem (``"rows"``: forward and dgrad, ``"wgrad"``):
-        #: (BN, STAGES, OVERLAP, GROUP_M) of ``backends/_block_grouped_gluon.py``.
+        #: (BN, STAGES, OVERLAP, GROUP_M, warps) of ``backends/_block_grouped_gluon.py``;
+        #: the row tile is 16 rows a warp.
         self.block_grouped_gluon = True
-        self.block_grouped_gluon_configs = {"rows": (128, 3, False, 8),
-                                            "wgrad": (128, 3, False, 8)}
+        self.block_grouped_gluon_configs = {"rows": (128, 2, False, 8, 4),
+                                            "wgrad": (128, 2, False, 8, 4)}
 
         # ---- MXFP8 (``formats/mxfp8/launch.py``) ---------------------------------------
         #: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]])
