@@ -182,8 +182,9 @@ def gluon_speed(name, tokens, topk, g, hidden, ffn, configs):
                           for key, t in t_ref.items()), flush=True)
         for cfg in configs:
             try:
-                with tuning.override(block_grouped_gluon=True, block_grouped_gluon_configs={
-                        "rows": cfg, "wgrad": cfg}):
+                every = dict.fromkeys(tuning.tuning.block_grouped_gluon_configs, cfg)
+                with tuning.override(block_grouped_gluon=True,
+                                     block_grouped_gluon_configs=every):
                     got = {key: fn() for key, fn in calls.items()}
                     t = {key: timed(fn) for key, fn in calls.items()}
             except Exception as exc:  # noqa: BLE001 - a config that does not fit

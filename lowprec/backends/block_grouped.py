@@ -69,21 +69,23 @@ def _launch_gluon(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: i
     apply (the Triton kernel runs instead)."""
     if not (tuning.block_grouped_gluon and gluon_available()):
         return False
+    g = offs.shape[0]
+    rows = a.shape[1] if group_k else a.shape[0]  # every group's rows, padding included
+    cfg = tuning.block_grouped_gluon_configs[
+        ("wgrad" if group_k else "rows", rows >= tuning.block_grouped_large_rows * g)]
     a2, b2 = _tma_2d(a), _tma_2d(b)
-    if a2 is None or b2 is None:
+    if cfg is None or a2 is None or b2 is None:
         return False
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ._block_grouped_gluon import block_grouped_gluon_kernel
-    bn, stages, overlap, band, warps = tuning.block_grouped_gluon_configs[
-        "wgrad" if group_k else "rows"]
+    bn, stages, overlap, band, warps = cfg
     bm = 16 * warps  # 64 rows a warpgroup
     (a2, _, _), (b2, b_group_rows, b_group_cols) = a2, b2
     a_desc = TensorDescriptor(a2, list(a2.shape), list(a2.stride()), [bm, 128],
                               _smem_layout(bm))
     b_desc = TensorDescriptor(b2, list(b2.shape), list(b2.stride()), [bn, 128],
                               _smem_layout(bn))
-    g = offs.shape[0]
     m, n = a.shape[-2], b.shape[-2]
     if group_k:
         s_db, s_o = (0, *db.stride()), out.stride()

@@ -95,13 +95,21 @@ class Tuning:
         #: along K.
         self.block_gluon_configs = {"col": (8, 8, 4, 1), "both": (32, 8, 8, 4, 1, 1)}
         #: The grouped block-scaled FP8 GEMM (``backends/block_grouped.py``) in its Gluon
-        #: kernel where it applies (Hopper, operands TMA can read), else the Triton one;
-        #: configs by problem (``"rows"``: forward and dgrad, ``"wgrad"``):
-        #: (BN, STAGES, OVERLAP, GROUP_M, warps) of ``backends/_block_grouped_gluon.py``;
-        #: the row tile is 16 rows a warp.
+        #: kernel where it applies (Hopper, operands TMA can read), else the Triton one.
+        #: Configs by (problem, experts averaging at least ``block_grouped_large_rows``
+        #: rows): (BN, STAGES, OVERLAP, GROUP_M, warps) of
+        #: ``backends/_block_grouped_gluon.py`` (the row tile is 16 rows a warp), or None
+        #: for the Triton kernel. Picked by ``tools/probe_block_grouped.py --gluon`` on an
+        #: H100 at the MoE layer's shapes (every config 0 bits off the Triton kernel):
+        #: small experts run one warpgroup a program, three programs an SM; large ones two
+        #: warpgroups over a 128-row tile (half the operand traffic a row) with each chunk's
+        #: dot issued before the last one's scaled add. Large experts' wgrad stays on the
+        #: Triton kernel (the Gluon one was 0.81-0.97x of it).
         self.block_grouped_gluon = True
-        self.block_grouped_gluon_configs = {"rows": (128, 2, False, 8, 4),
-                                            "wgrad": (128, 2, False, 8, 4)}
+        self.block_grouped_large_rows = 2048
+        self.block_grouped_gluon_configs = {
+            ("rows", False): (128, 2, False, 8, 4), ("rows", True): (128, 4, True, 8, 8),
+            ("wgrad", False): (128, 2, False, 8, 4), ("wgrad", True): None}
 
         # ---- MXFP8 (``formats/mxfp8/launch.py``) ---------------------------------------
         #: (BM, BN, num_warps[, tiles per program, pipeline stages[, grid axis 0 along K]])

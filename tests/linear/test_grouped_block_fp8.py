@@ -141,18 +141,27 @@ def test_gpu_grouped_never_syncs():
     assert_grouped_never_syncs(x, w, dy, torch.tensor(sizes, device="cuda"), _block())
 
 
+# the Triton kernel, then the Gluon kernel's configs of small and large experts and the
+# one-warpgroup form with OVERLAP
+KERNELS = {"triton": None, "gluon_small": (128, 2, False, 8, 4),
+           "gluon_large": (128, 4, True, 8, 8), "gluon_overlap4": (128, 3, True, 8, 4)}
+
+
 @HOPPER
-@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("w_dim", [1, 2])
-def test_gpu_kernel_bit_identical_to_cublas_per_group(w_dim, out_dtype, gluon):
-    """Each group of either kernel's output (Triton's, Gluon's where Gluon imports) is
-    cuBLAS's block-scaled GEMM of that group (``lowprec.gemm``): forward, dgrad (the
+def test_gpu_kernel_bit_identical_to_cublas_per_group(w_dim, out_dtype, kernel):
+    """Each group of every kernel's output (Triton's; Gluon's configs where Gluon imports)
+    is cuBLAS's block-scaled GEMM of that group (``lowprec.gemm``): forward, dgrad (the
     experts side by side in the weights' columnwise codes) and wgrad; an empty group's
     wgrad is zeros."""
-    if gluon and not lowprec.kernels.gluon_available():
+    cfg = KERNELS[kernel]
+    if cfg is not None and not lowprec.kernels.gluon_available():
         pytest.skip("Gluon does not import")
-    with tuning.override(block_grouped_gluon=gluon):
+    every = dict.fromkeys(tuning.tuning.block_grouped_gluon_configs, cfg)
+    with tuning.override(block_grouped_gluon=cfg is not None,
+                         block_grouped_gluon_configs=every):
         _kernel_vs_cublas(w_dim, out_dtype)
 
 
