@@ -19,10 +19,6 @@ work is explicit:
   work on the next chunk while the warpgroup adds the last one; two or three programs an
   SM interleave the rest.
 
-Per-column decode scales (wgrad's, 1x128 weights') are loaded one a thread and moved to
-the accumulator's layout through shared memory, or with ``DB_DIRECT`` loaded in that
-layout (a quarter of them a thread, their offsets held in registers).
-
 Group lookup and tile order are the Triton kernel's (``GROUP_K`` picks rows or contraction
 groups; tiles in bands of ``GROUP_M`` row tiles). Rows and columns past the operands are
 read as zeros by TMA and not written. Imported only when the launcher runs on a Hopper GPU
@@ -58,8 +54,7 @@ def _issue(a_desc, b_desc, a_smem, b_smem, bars, chunk, n_chunks, at, bt,
 
 
 @gluon.jit
-def _scales(da_ptrs, db_ptrs, rmask, cmask, col_l: gl.constexpr, DB_ONE: gl.constexpr,
-            DB_DIRECT: gl.constexpr):
+def _scales(da_ptrs, db_ptrs, rmask, cmask, col_l: gl.constexpr, DB_ONE: gl.constexpr):
     """The chunk's row decode scales and its column ones (``DB_ONE``: one for the tile).
     Column scales are loaded one a thread and then spread to the accumulator's layout,
     where each thread holds a quarter of them: their pointers would take 64 registers."""
@@ -67,9 +62,7 @@ def _scales(da_ptrs, db_ptrs, rmask, cmask, col_l: gl.constexpr, DB_ONE: gl.cons
     if DB_ONE:
         db = gl.load(db_ptrs)
     else:
-        db = gl.load(db_ptrs, mask=cmask, other=0.0)
-        if not DB_DIRECT:
-            db = gl.convert_layout(db, col_l)
+        db = gl.convert_layout(gl.load(db_ptrs, mask=cmask, other=0.0), col_l)
     return da, db
 
 
@@ -99,7 +92,7 @@ def block_grouped_gluon_kernel(
         s_og, s_om, s_on,
         GROUP_K: gl.constexpr, A_ROWS: gl.constexpr, B_ROWS: gl.constexpr,
         GP: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-        OVERLAP: gl.constexpr, DB_DIRECT: gl.constexpr, num_warps: gl.constexpr):
+        OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     """One (BM, BN) output tile; ``a_desc`` (rows, contraction) and ``b_desc`` (rows,
     contraction) are TMA descriptors of the fp8 codes, with (BM, 128) and (BN, 128) blocks.
     For row groups ``b_desc`` holds every expert's matrix, expert g's at row
@@ -143,10 +136,7 @@ def block_grouped_gluon_kernel(
 
     rows = a_row + gl.arange(0, BM, layout=row_l)
     one_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    if DB_DIRECT:
-        cols = pid_n * BN + gl.arange(0, BN, layout=col_l)
-    else:
-        cols = pid_n * BN + gl.arange(0, BN, layout=one_l)
+    cols = pid_n * BN + gl.arange(0, BN, layout=one_l)
     rmask = rows < M
     cmask = cols < N
     chunk0 = k_lo // BK
@@ -175,7 +165,7 @@ def block_grouped_gluon_kernel(
         # so that neither is copied while its dot runs (a copy serializes the dots)
         if n_chunks > 0:
             px = _dot(a_smem, b_smem, bars, 0, gl.zeros((BM, BN), gl.float32, mma), STAGES)
-            dax, dbx = _scales(da_ptrs, db_ptrs, rmask, cmask, col_l, DB_ONE, DB_DIRECT)
+            dax, dbx = _scales(da_ptrs, db_ptrs, rmask, cmask, col_l, DB_ONE)
             y = gl.zeros((BM, BN), gl.float32, mma)
             for i in range(1, n_chunks - 1, 2):
                 py = _dot(a_smem, b_smem, bars, i, y, STAGES)
@@ -184,20 +174,20 @@ def block_grouped_gluon_kernel(
                 _issue(a_desc, b_desc, a_smem, b_smem, bars, i - 1 + STAGES, n_chunks, at, bt,
                        STAGES)
                 day, dby = _scales(da_ptrs + i * s_dak, db_ptrs + i * s_dbk, rmask, cmask,
-                                   col_l, DB_ONE, DB_DIRECT)
+                                   col_l, DB_ONE)
                 px = _dot(a_smem, b_smem, bars, i + 1, x, STAGES)
                 y = warpgroup_mma_wait(1, deps=[py])
                 acc = _add(acc, y, day, dby, DB_ONE)
                 _issue(a_desc, b_desc, a_smem, b_smem, bars, i + STAGES, n_chunks, at, bt, STAGES)
                 dax, dbx = _scales(da_ptrs + (i + 1) * s_dak, db_ptrs + (i + 1) * s_dbk,
-                                   rmask, cmask, col_l, DB_ONE, DB_DIRECT)
+                                   rmask, cmask, col_l, DB_ONE)
             if n_chunks % 2 == 0:  # the last chunk, in Y
                 last = n_chunks - 1
                 py = _dot(a_smem, b_smem, bars, last, y, STAGES)
                 x = warpgroup_mma_wait(1, deps=[px])
                 acc = _add(acc, x, dax, dbx, DB_ONE)
                 day, dby = _scales(da_ptrs + last * s_dak, db_ptrs + last * s_dbk, rmask,
-                                   cmask, col_l, DB_ONE, DB_DIRECT)
+                                   cmask, col_l, DB_ONE)
                 y = warpgroup_mma_wait(0, deps=[py])
                 acc = _add(acc, y, day, dby, DB_ONE)
             else:
@@ -210,7 +200,7 @@ def block_grouped_gluon_kernel(
             _issue(a_desc, b_desc, a_smem, b_smem, bars, i - 1 + STAGES, n_chunks, at, bt,
                    STAGES)
             da, db = _scales(da_ptrs + i * s_dak, db_ptrs + i * s_dbk, rmask, cmask, col_l,
-                             DB_ONE, DB_DIRECT)
+                             DB_ONE)
             part = _dot(a_smem, b_smem, bars, i, part, STAGES)
             part = warpgroup_mma_wait(0, deps=[part])
             acc = _add(acc, part, da, db, DB_ONE)

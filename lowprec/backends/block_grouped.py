@@ -79,7 +79,7 @@ def _launch_gluon(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: i
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ._block_grouped_gluon import block_grouped_gluon_kernel
-    bn, stages, overlap, band, warps, *direct = cfg
+    bn, stages, overlap, band, warps = cfg
     bm = 16 * warps  # 64 rows a warpgroup
     (a2, _, _), (b2, b_group_rows, b_group_cols) = a2, b2
     a_desc = TensorDescriptor(a2, list(a2.shape), list(a2.stride()), [bm, 128],
@@ -96,7 +96,7 @@ def _launch_gluon(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: i
            b_group_rows, b_group_cols, *da.stride(), *s_db, *s_o,
            GROUP_K=group_k, A_ROWS=a_rows, B_ROWS=b_rows,
            GP=max(2, 1 << (g - 1).bit_length()), GROUP_M=band, STAGES=stages,
-           OVERLAP=overlap, DB_DIRECT=bool(direct and direct[0]), num_warps=warps)
+           OVERLAP=overlap, num_warps=warps)
     return True
 
 

@@ -97,7 +97,7 @@ class Tuning:
         #: The grouped block-scaled FP8 GEMM (``backends/block_grouped.py``) in its Gluon
         #: kernel where it applies (Hopper, operands TMA can read), else the Triton one.
         #: Configs by (problem, experts averaging at least ``block_grouped_large_rows``
-        #: rows): (BN, STAGES, OVERLAP, GROUP_M, warps[, DB_DIRECT]) of
+        #: rows): (BN, STAGES, OVERLAP, GROUP_M, warps) of
         #: ``backends/_block_grouped_gluon.py`` (the row tile is 16 rows a warp), or None
         #: for the Triton kernel. Picked by ``tools/probe_block_grouped.py --gluon`` on an
         #: H100 at the MoE layer's shapes (every config 0 bits off the Triton kernel):
