@@ -201,12 +201,16 @@ def main():
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--gluon", action="store_true",
                     help="the Gluon kernel's configs against the Triton kernel only")
+    ap.add_argument("--configs", type=lambda v: tuple(int(x) for x in v.split(",")),
+                    nargs="*", help="Gluon configs to time, each BN,STAGES,OVERLAP,GROUP_M,"
+                    "warps (ints)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     if args.gluon:
-        configs = [(128, 2, False, 8, 4), (128, 3, False, 8, 8), (128, 4, False, 8, 8),
-                   (128, 5, False, 8, 8), (128, 4, False, 16, 8), (128, 3, True, 8, 8),
-                   (128, 4, True, 8, 8)]
+        configs = [tuple(c) for c in args.configs] if args.configs else [
+            (128, 2, False, 8, 4), (128, 3, False, 8, 8), (128, 4, False, 8, 8),
+            (128, 5, False, 8, 8), (128, 4, False, 16, 8), (128, 3, True, 8, 8),
+            (128, 4, True, 8, 8)]
         gluon_speed("qwen3", 16384, 8, 128, 2048, 768, configs)
         gluon_speed("mixtral", 16384, 2, 8, 4096, 14336, configs)
         return

@@ -6,6 +6,7 @@ import torch
 
 from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
+from .dequant import dequantize_bf16
 from .reference import dequantize_blocks
 
 
@@ -66,7 +67,8 @@ class Float8BlockwiseTensor(QuantizedTensor):
         return "original" if bool(((mant == 0.5) | ~torch.isfinite(scale)).all()) else None
 
     def bf16_operand(self, usage: str) -> tuple[torch.Tensor, None]:
-        return self._dequantize_2d(usage).to(torch.bfloat16), None
+        return dequantize_bf16(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),
+                               self.block_scaling_dim), None
 
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         return dequantize_blocks(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),

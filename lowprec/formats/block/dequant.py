@@ -1,0 +1,38 @@
+"""Block FP8 codes to their exact bf16 values in one pass (the operands of the exact bf16
+GEMMs: ``Float8BlockTensor.bf16_operand``). The reference divides in fp32 and casts
+(``reference.dequantize_blocks``): three passes over fp32 copies of the operand. The
+kernel reads the codes once and writes bf16, the same bits on a GPU (tested against the
+reference's ops there)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...kernels import kernel_op, use_kernels
+from ...kernels.launch import launch
+from .reference import BLOCK, dequantize_blocks
+
+#: rows a program
+_BR = 32
+
+
+@kernel_op("lowprec::block_dequant_bf16", mutates_args=())
+def dequantize_bf16(data: torch.Tensor, scale: torch.Tensor,
+                    block_scaling_dim: int) -> torch.Tensor:
+    """(R, C) bf16 ``data / scale``: ``data`` (R, C) fp8 codes (unit inner stride), ``scale``
+    (R, C/128) or (R/128, C/128) fp32 encode scales, any strides."""
+    if not use_kernels(data) or data.stride(1) != 1:
+        return dequantize_blocks(data, scale, block_scaling_dim).to(torch.bfloat16)
+    from .dequant_kernel import block_dequant_bf16_kernel
+    r, c = data.shape
+    out = torch.empty((r, c), dtype=torch.bfloat16, device=data.device)
+    if r and c:
+        launch(block_dequant_bf16_kernel, (-(-r // _BR), -(-c // BLOCK)), data, scale, out,
+               r, c, data.stride(0), *scale.stride(), out.stride(0), BR=_BR,
+               S_ROWS=1 if block_scaling_dim == 1 else BLOCK, num_warps=4)
+    return out
+
+
+@dequantize_bf16.register_fake
+def _(data, scale, block_scaling_dim):
+    return data.new_empty(data.shape, dtype=torch.bfloat16)
