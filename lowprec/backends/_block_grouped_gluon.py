@@ -11,13 +11,16 @@ add, so the tensor cores idle during every add (470-650 TFLOP/s at the MoE layer
 shapes, about half of cuBLAS's per-expert block-scaled GEMM). Here the layout of the
 work is explicit:
 
-* one warpgroup a program, a 64-row tile: the accumulator, the chunk being added and the
-  chunk on the tensor cores fit in its registers;
+* 64 rows a warpgroup: with 4 warps a 64-row tile, small enough that three programs fit
+  an SM and one's scaled adds run under another's dots; with 8 warps a 128-row tile,
+  whose two warpgroups share each B tile (half the operand traffic a row);
 * the operands arrive by TMA into a ring of ``STAGES`` shared-memory buffers, each with
-  its own mbarrier; a buffer is refilled once the dot that read it has finished;
-* ``OVERLAP``: chunk i's dot is issued before chunk i-1's scaled add, so the tensor cores
-  work on the next chunk while the warpgroup adds the last one; two or three programs an
-  SM interleave the rest.
+  its own mbarrier; a buffer is refilled once the dot that read it has finished (with 8
+  warps the compiler puts a CTA barrier before the refill, which keeps the two
+  warpgroups in step);
+* ``OVERLAP``: chunk i's dot is issued before chunk i-1's scaled add, the chunks taking
+  two register sets in turn. ptxas still serializes those dots (its C7514 note), so
+  what it gains comes from the order of the loads and adds.
 
 Group lookup and tile order are the Triton kernel's (``GROUP_K`` picks rows or contraction
 groups; tiles in bands of ``GROUP_M`` row tiles). Rows and columns past the operands are

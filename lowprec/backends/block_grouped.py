@@ -1,6 +1,9 @@
-"""Grouped block-scaled FP8 GEMMs on Hopper: every expert's rows in one Triton launch, the
-groups given by device offsets, never read on the host (kernel:
-:mod:`._block_grouped_kernels`).
+"""Grouped block-scaled FP8 GEMMs on Hopper: every expert's rows in one launch, the groups
+given by device offsets, never read on the host. Two kernels compute the same bits: a
+Gluon one (:mod:`._block_grouped_gluon`, operands by TMA) where Gluon imports and TMA can
+read the operands, with configs by problem and expert size in
+``tuning.block_grouped_gluon_configs``, else the Triton one
+(:mod:`._block_grouped_kernels`).
 
 The two shapes of problem of :mod:`.grouped_mm`, with block-scaled operands (fp8 codes
 contiguous along the contraction, one decode scale ``1 / scale`` per 128 contraction
@@ -73,8 +76,10 @@ def _launch_gluon(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: i
     rows = a.shape[1] if group_k else a.shape[0]  # every group's rows, padding included
     cfg = tuning.block_grouped_gluon_configs[
         ("wgrad" if group_k else "rows", rows >= tuning.block_grouped_large_rows * g)]
+    if cfg is None or a.numel() == 0 or b.numel() == 0:
+        return False  # (a TMA descriptor needs every dimension non-empty)
     a2, b2 = _tma_2d(a), _tma_2d(b)
-    if cfg is None or a2 is None or b2 is None:
+    if a2 is None or b2 is None:
         return False
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
