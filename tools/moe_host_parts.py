@@ -39,6 +39,15 @@ TARGETS = [
     *(("lowprec.formats.float8.grouped", a) for a in ("quantize_groups", "quantize_groups_both",
                                                       "quantize_experts", "group_amax",
                                                       "scales_and_decodes", "expert_amax")),
+    # the block FP8 path's pieces
+    *(("lowprec.linear.grouped_block_fp8:GroupedBlockFP8", m) for m in ("forward", "backward")),
+    *(("lowprec.linear.grouped_block_fp8:_BlockGemms", m)
+      for m in ("forward", "dgrad", "wgrad")),
+    ("lowprec.linear.grouped_exact:ExactGemms", "dgrad"),
+    *(("lowprec.linear.grouped_blocks", a) for a in ("quantize_operand", "_quantized_weights",
+                                                     "padded_input", "padded_like")),
+    *(("lowprec.backends.block_grouped", a) for a in ("_launch_gluon", "_tma_2d")),
+    ("lowprec.formats.block.tensor", "dequantize_bf16"),
     ("lowprec.kernels.launch", "launch"),
 ]
 
