@@ -1,5 +1,5 @@
 """Block FP8 codes to their exact bf16 values in one pass (the operands of the exact bf16
-GEMMs: ``Float8BlockTensor.bf16_operand``). The reference divides in fp32 and casts
+GEMMs: ``Float8BlockwiseTensor.bf16_operand``). The reference divides in fp32 and casts
 (``reference.dequantize_blocks``): three passes over fp32 copies of the operand. The
 kernel reads the codes once and writes bf16, the same bits on a GPU (tested against the
 reference's ops there)."""
