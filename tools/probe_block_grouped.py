@@ -203,7 +203,7 @@ def main():
                     help="the Gluon kernel's configs against the Triton kernel only")
     ap.add_argument("--configs", type=lambda v: tuple(int(x) for x in v.split(",")),
                     nargs="*", help="Gluon configs to time, each BN,STAGES,OVERLAP,GROUP_M,"
-                    "warps (ints)")
+                    "warps (ints); OVERLAP 2 runs the warp-specialized kernel")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     if args.gluon:

@@ -22,6 +22,13 @@ work is explicit:
   two register sets in turn. ptxas still serializes those dots (its C7514 note), so
   what it gains comes from the order of the loads and adds.
 
+:func:`block_grouped_ws_kernel` is the warp-specialized form of the 128-row tile: a
+producer warp issues the TMA loads and each consumer warpgroup releases a buffer through an
+mbarrier of its own as soon as its dot has read it, so neither waits for the other's adds.
+It runs where a config's ``OVERLAP`` is 2 (``tools/probe_block_grouped.py --gluon --configs
+128,3,2,8,4`` and the GPU test); no entry of the tuning table picks it until it has been
+timed against the kernels above on a Hopper GPU.
+
 Group lookup and tile order are the Triton kernel's (``GROUP_K`` picks rows or contraction
 groups; tiles in bands of ``GROUP_M`` row tiles). Rows and columns past the operands are
 read as zeros by TMA and not written. Imported only when the launcher runs on a Hopper GPU
@@ -88,6 +95,41 @@ def _dot(a_smem, b_smem, bars, chunk, into, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _locate(a_desc, offs_ptr, db_ptr, out_ptr, M, N, G, B_GROUP_ROWS, B_GROUP_COLS, s_dbg,
+            s_og, BM: gl.constexpr, BN: gl.constexpr, GROUP_K: gl.constexpr,
+            GP: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+    """This program's tile and group: (pid_m, pid_n, g, k_lo, k_hi, (B's row, contraction)
+    of chunk 0, the group's column scales, its output). Tiles run in bands of ``GROUP_M``
+    row tiles, so that a band's A rows stay in L2 while every column tile reads them. For
+    row groups, ``g == G`` marks a tile past the last group."""
+    pid = gl.program_id(0)
+    tiles_n = gl.cdiv(N, BN)
+    band = GROUP_M * tiles_n
+    first_m = (pid // band) * GROUP_M
+    band_m = gl.minimum(gl.cdiv(M, BM) - first_m, GROUP_M)
+    pid_m = first_m + (pid % band) % band_m
+    pid_n = (pid % band) // band_m
+    if GROUP_K:
+        g = gl.program_id(1)
+        k_hi = gl.load(offs_ptr + g)
+        k_lo = gl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+        bt = (pid_n * BN, k_lo)
+        db_base = db_ptr
+        out_base = out_ptr + g.to(gl.int64) * s_og
+    else:
+        # the group whose rows hold this tile: the number of groups ending at or before it
+        gidx = gl.arange(0, GP, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        ends = gl.load(offs_ptr + gidx, mask=gidx < G, other=2147483647)
+        g = gl.sum((ends <= pid_m * BM).to(gl.int32), axis=0)
+        k_lo = gl.to_tensor(0)
+        k_hi = gl.to_tensor(a_desc.shape[1])
+        bt = (g * B_GROUP_ROWS + pid_n * BN, g * B_GROUP_COLS)
+        db_base = db_ptr + g.to(gl.int64) * s_dbg
+        out_base = out_ptr
+    return pid_m, pid_n, g, k_lo, k_hi, bt, db_base, out_base
+
+
+@gluon.jit
 def block_grouped_gluon_kernel(
         a_desc, b_desc, da_ptr, db_ptr, out_ptr, offs_ptr,
         M, N, G, B_GROUP_ROWS, B_GROUP_COLS,
@@ -108,31 +150,11 @@ def block_grouped_gluon_kernel(
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
 
-    pid = gl.program_id(0)
-    tiles_n = gl.cdiv(N, BN)
-    band = GROUP_M * tiles_n
-    first_m = (pid // band) * GROUP_M
-    band_m = gl.minimum(gl.cdiv(M, BM) - first_m, GROUP_M)
-    pid_m = first_m + (pid % band) % band_m
-    pid_n = (pid % band) // band_m
-    if GROUP_K:
-        g = gl.program_id(1)
-        k_hi = gl.load(offs_ptr + g)
-        k_lo = gl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-        bt = (pid_n * BN, k_lo)
-        db_base = db_ptr
-        out_base = out_ptr + g.to(gl.int64) * s_og
-    else:
-        gidx = gl.arange(0, GP, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-        ends = gl.load(offs_ptr + gidx, mask=gidx < G, other=2147483647)
-        g = gl.sum((ends <= pid_m * BM).to(gl.int32), axis=0)
-        if g >= G:
-            return  # rows past the last group
-        k_lo = 0
-        k_hi = a_desc.shape[1]
-        bt = (g * B_GROUP_ROWS + pid_n * BN, g * B_GROUP_COLS)
-        db_base = db_ptr + g.to(gl.int64) * s_dbg
-        out_base = out_ptr
+    pid_m, pid_n, g, k_lo, k_hi, bt, db_base, out_base = _locate(
+        a_desc, offs_ptr, db_ptr, out_ptr, M, N, G, B_GROUP_ROWS, B_GROUP_COLS, s_dbg, s_og,
+        BM, BN, GROUP_K, GP, GROUP_M, num_warps)
+    if g >= G:
+        return  # rows past the last group
     a_row = pid_m * BM
     at = (a_row, k_lo)
     n_chunks = gl.cdiv(k_hi - k_lo, BK)
@@ -216,3 +238,111 @@ def block_grouped_gluon_kernel(
     ocols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
     optr = out_base + orows.to(gl.int64)[:, None] * s_om + ocols[None, :] * s_on
     gl.store(optr, res, mask=(orows < M)[:, None] & (ocols < N)[None, :])
+
+
+@gluon.jit
+def _ws_loads(a_desc, b_desc, a_smem, b_smem, full, empty, n_chunks, a_row, a_k, b_row, b_k,
+              STAGES: gl.constexpr):
+    """The producer warp: each chunk's TMA loads once both consumers released its buffer."""
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    for i in range(n_chunks):
+        s = i % STAGES
+        # a buffer's first use waits on the phase before the barrier's first: no wait
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(full.index(s), nbytes)
+        tma.async_copy_global_to_shared(a_desc, [a_row, a_k + i * BK], full.index(s),
+                                        a_smem.index(s))
+        tma.async_copy_global_to_shared(b_desc, [b_row, b_k + i * BK], full.index(s),
+                                        b_smem.index(s))
+
+
+@gluon.jit
+def _ws_sums(a_smem, b_smem, full, empty, n_chunks, da_ptr, db_base, s_dam, s_dak, s_dbn,
+             s_dbk, chunk0, row0, col0, M, N, out_base, s_om, s_on, HALF: gl.constexpr,
+             A_ROWS: gl.constexpr, B_ROWS: gl.constexpr, BN: gl.constexpr,
+             STAGES: gl.constexpr):
+    """A consumer warpgroup: rows ``[64 HALF, 64 HALF + 64)`` of the tile, each chunk's dot
+    from zero, the buffer released as soon as the dot is done, then the scaled add."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BN, 32])
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    one_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    DB_ONE: gl.constexpr = B_ROWS % BN == 0
+    rows = row0 + 64 * HALF + gl.arange(0, 64, layout=row_l)
+    cols = col0 + gl.arange(0, BN, layout=one_l)
+    rmask = rows < M
+    cmask = cols < N
+    da_ptrs = da_ptr + (rows // A_ROWS).to(gl.int64) * s_dam + chunk0 * s_dak
+    if DB_ONE:
+        db_ptrs = db_base + (col0 // B_ROWS).to(gl.int64) * s_dbn + chunk0 * s_dbk
+    else:
+        db_ptrs = db_base + (cols // B_ROWS).to(gl.int64) * s_dbn + chunk0 * s_dbk
+    acc = gl.zeros((64, BN), gl.float32, mma)
+    part = gl.zeros((64, BN), gl.float32, mma)
+    for i in range(n_chunks):
+        s = i % STAGES
+        da, db = _scales(da_ptrs + i * s_dak, db_ptrs + i * s_dbk, rmask, cmask, col_l,
+                         DB_ONE)
+        mbarrier.wait(full.index(s), (i // STAGES) & 1)
+        part = warpgroup_mma(a_smem.index(s).slice(64 * HALF, 64),
+                             b_smem.index(s).permute((1, 0)), part, use_acc=False,
+                             is_async=True)
+        part = warpgroup_mma_wait(0, deps=[part])
+        mbarrier.arrive(empty.index(s))
+        acc = _add(acc, part, da, db, DB_ONE)
+    ocols = col0 + gl.arange(0, BN, layout=col_l)
+    optr = out_base + rows.to(gl.int64)[:, None] * s_om + ocols[None, :] * s_on
+    gl.store(optr, acc.to(out_base.dtype.element_ty),
+             mask=rmask[:, None] & (ocols < N)[None, :])
+
+
+@gluon.jit
+def block_grouped_ws_kernel(
+        a_desc, b_desc, da_ptr, db_ptr, out_ptr, offs_ptr,
+        M, N, G, B_GROUP_ROWS, B_GROUP_COLS,
+        s_dam, s_dak, s_dbg, s_dbn, s_dbk,
+        s_og, s_om, s_on,
+        GROUP_K: gl.constexpr, A_ROWS: gl.constexpr, B_ROWS: gl.constexpr,
+        GP: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+        num_warps: gl.constexpr):
+    """:func:`block_grouped_gluon_kernel`'s tile of 128 rows, warp-specialized: a producer
+    warp issues the TMA loads, and two consumer warpgroups (the default partition's four
+    warps and four more), 64 rows each, run their dots and scaled adds each at its own
+    pace, releasing a buffer through an mbarrier both arrive on; ``num_warps`` is 4."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    pid_m, pid_n, g, k_lo, k_hi, bt, db_base, out_base = _locate(
+        a_desc, offs_ptr, db_ptr, out_ptr, M, N, G, B_GROUP_ROWS, B_GROUP_COLS, s_dbg, s_og,
+        BM, BN, GROUP_K, GP, GROUP_M, num_warps)
+    if g >= G:
+        return  # rows past the last group
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(STAGES):
+        mbarrier.init(full.index(b), count=1)
+        mbarrier.init(empty.index(b), count=2)  # one arrival a consumer warpgroup
+    # partition arguments are scalars (integers equal to 1 arrive as constexprs: made
+    # tensors here), shared memory and descriptors
+    n_chunks = gl.to_tensor(gl.cdiv(k_hi - k_lo, BK))
+    chunk0 = gl.to_tensor(k_lo // BK)
+    row0 = gl.to_tensor(pid_m * BM)
+    col0 = gl.to_tensor(pid_n * BN)
+    mm, nn = gl.to_tensor(M), gl.to_tensor(N)
+    sdam, sdak = gl.to_tensor(s_dam), gl.to_tensor(s_dak)
+    sdbn, sdbk = gl.to_tensor(s_dbn), gl.to_tensor(s_dbk)
+    som, son = gl.to_tensor(s_om), gl.to_tensor(s_on)
+    gl.warp_specialize([
+        (_ws_sums, (a_smem, b_smem, full, empty, n_chunks, da_ptr, db_base, sdam, sdak, sdbn,
+                    sdbk, chunk0, row0, col0, mm, nn, out_base, som, son, 0, A_ROWS, B_ROWS,
+                    BN, STAGES)),
+        (_ws_sums, (a_smem, b_smem, full, empty, n_chunks, da_ptr, db_base, sdam, sdak, sdbn,
+                    sdbk, chunk0, row0, col0, mm, nn, out_base, som, son, 1, A_ROWS, B_ROWS,
+                    BN, STAGES)),
+        (_ws_loads, (a_desc, b_desc, a_smem, b_smem, full, empty, n_chunks, row0,
+                     gl.to_tensor(k_lo), gl.to_tensor(bt[0]), gl.to_tensor(bt[1]), STAGES)),
+    ], [4, 1], [216, 24])

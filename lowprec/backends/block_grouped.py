@@ -83,9 +83,12 @@ def _launch_gluon(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: i
         return False
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ._block_grouped_gluon import block_grouped_gluon_kernel
+    from ._block_grouped_gluon import block_grouped_gluon_kernel, block_grouped_ws_kernel
     bn, stages, overlap, band, warps = cfg
-    bm = 16 * warps  # 64 rows a warpgroup
+    # overlap 2: the warp-specialized kernel (two consumer warpgroups and a loader warp
+    # over a 128-row tile; ``warps`` is the default partition's 4)
+    ws = overlap == 2
+    bm = 128 if ws else 16 * warps  # 64 rows a warpgroup
     (a2, _, _), (b2, b_group_rows, b_group_cols) = a2, b2
     a_desc = TensorDescriptor(a2, list(a2.shape), list(a2.stride()), [bm, 128],
                               _smem_layout(bm))
@@ -97,11 +100,15 @@ def _launch_gluon(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: i
     else:
         s_db, s_o = db.stride(), (0, *out.stride())
     grid = (-(-m // bm) * -(-n // bn), g if group_k else 1)
-    launch(block_grouped_gluon_kernel, grid, a_desc, b_desc, da, db, out, offs, m, n, g,
-           b_group_rows, b_group_cols, *da.stride(), *s_db, *s_o,
-           GROUP_K=group_k, A_ROWS=a_rows, B_ROWS=b_rows,
-           GP=max(2, 1 << (g - 1).bit_length()), GROUP_M=band, STAGES=stages,
-           OVERLAP=overlap, num_warps=warps)
+    common = (grid, a_desc, b_desc, da, db, out, offs, m, n, g, b_group_rows, b_group_cols,
+              *da.stride(), *s_db, *s_o)
+    consts = dict(GROUP_K=group_k, A_ROWS=a_rows, B_ROWS=b_rows,
+                  GP=max(2, 1 << (g - 1).bit_length()), GROUP_M=band, STAGES=stages)
+    if ws:
+        launch(block_grouped_ws_kernel, *common, **consts, num_warps=4)
+    else:
+        launch(block_grouped_gluon_kernel, *common, **consts, OVERLAP=bool(overlap),
+               num_warps=warps)
     return True
 
 

@@ -141,10 +141,11 @@ def test_gpu_grouped_never_syncs():
     assert_grouped_never_syncs(x, w, dy, torch.tensor(sizes, device="cuda"), _block())
 
 
-# the Triton kernel, then the Gluon kernel's configs of small and large experts and the
-# one-warpgroup form with OVERLAP
+# the Triton kernel, then the Gluon kernel's configs of small and large experts, the
+# one-warpgroup form with OVERLAP and the warp-specialized kernel (OVERLAP 2, probe-only)
 KERNELS = {"triton": None, "gluon_small": (128, 2, False, 8, 4),
-           "gluon_large": (128, 4, True, 8, 8), "gluon_overlap4": (128, 3, True, 8, 4)}
+           "gluon_large": (128, 4, True, 8, 8), "gluon_overlap4": (128, 3, True, 8, 4),
+           "gluon_ws": (128, 3, 2, 8, 4)}
 
 
 @HOPPER
