@@ -1,17 +1,24 @@
 """FSDP2 all-gathers of 3-D expert weights in FP8 (``quantized_all_gather`` over MoE models).
 
 FSDP2 shards a (E, N, K) expert weight along the experts, so each rank holds whole experts.
-Under FP8 current scaling every expert is quantized on its own (its amax, its scale: what
-the grouped path does to the whole weight, :func:`lowprec.formats.float8.grouped.
-quantize_experts`), so a rank quantizes its own experts with nothing to agree on with the
-others, and the ranks gather the codes (one byte an element instead of two) and one scale
-an expert. The unsharded parameter is then a :class:`Float8Experts`, whose codes and scales
-the grouped GEMMs read as they are: the same bits as quantizing the gathered weight.
+Where the recipe quantizes every expert on its own, a rank quantizes its own experts with
+nothing to agree on with the others, and the ranks gather the codes (one byte an element
+instead of two) and the scales:
 
-Experts are gathered in high precision (as before wrapping) where that quantize is not the
-one the GEMMs would make: any other recipe, quantizers of several settings or hooked ones
-(``lowprec.debug``, ``lowprec compare``), experts that do not split evenly over the ranks,
-a world of one.
+* FP8 current scaling: each expert's amax and scale (what the grouped path does to the
+  whole weight, :func:`lowprec.formats.float8.grouped.quantize_experts`); the unsharded
+  parameter is a :class:`Float8Experts`;
+* FP8 block scaling with 128x128 weight blocks (the DeepSeek-V3 recipe), N and K
+  multiples of 128: the rowwise codes and one scale a block (no block straddles two
+  experts, so the local quantize is the whole weight's); the unsharded parameter is a
+  :class:`Float8BlockExperts`, whose columnwise codes derive from the rowwise ones.
+
+The grouped GEMMs read those codes and scales as they are: the same bits as quantizing the
+gathered weight. Experts are gathered in high precision (as before wrapping) where that
+quantize is not the one the GEMMs would make, or saves no bytes: any other recipe (MXFP8's
+rowwise and columnwise blocks differ, two bytes an element together), 1x128 weight
+blocks, quantizers of several settings or hooked ones (``lowprec.debug``, ``lowprec
+compare``), experts that do not split evenly over the ranks, a world of one.
 """
 
 from __future__ import annotations
@@ -20,15 +27,32 @@ from dataclasses import dataclass
 
 import torch
 
+from ..formats.block import BLOCK, Float8BlockQuantizer
+from ..formats.block.experts import Float8BlockExperts
 from ..formats.float8.experts import Float8Experts
 from ..formats.float8.grouped import quantize_experts
 from ..linear.grouped_current import same_current
+from ..linear.grouped_parts import hooked
 from .gather_wrapper import GatherWrapper
 
 
 @dataclass
 class _ExpertsPlan:
-    quantizer: object | None  # a Float8CurrentScalingQuantizer; None: high precision
+    #: "current" (a Float8CurrentScalingQuantizer), "block" (a Float8BlockQuantizer of
+    #: 128x128 blocks, rowwise usage only) or None: high precision
+    kind: str | None
+    quantizer: object | None = None
+
+
+def _same_blocks(qs) -> bool:
+    """Whether every quantizer is FP8 block scaling of 128x128 blocks, one setting, none
+    of them hooked."""
+    first = qs[0]
+    if type(first) is not Float8BlockQuantizer or first.block_scaling_dim != 2:
+        return False
+    key = first.share_key()
+    return all(type(q) is Float8BlockQuantizer and not hooked(q) and q.share_key() == key
+               for q in qs)
 
 
 class ExpertsGatherSpec:
@@ -44,13 +68,15 @@ class ExpertsGatherSpec:
         state["_plans"] = {}  # quantizers of this process's recipe state
         return state
 
-    def plan(self, device, num_experts: int, world: int) -> _ExpertsPlan:
-        key = (device, num_experts, world)
+    def plan(self, device, shape: tuple[int, int, int], world: int) -> _ExpertsPlan:
+        """What the (E, N, K) weight ``shape`` gathers as over ``world`` ranks."""
+        key = (device, shape, world)
         if key not in self._plans:
-            self._plans[key] = self._make_plan(device, num_experts, world)
+            self._plans[key] = self._make_plan(device, shape, world)
         return self._plans[key]
 
-    def _make_plan(self, device, num_experts, world) -> _ExpertsPlan:
+    def _make_plan(self, device, shape, world) -> _ExpertsPlan:
+        num_experts, n, k = shape
         if world == 1 or num_experts % world:
             return _ExpertsPlan(None)
         state = self.module._state("forward", self.recipe, device)
@@ -58,9 +84,13 @@ class ExpertsGatherSpec:
             return _ExpertsPlan(None)
         weights = [state.quantizers[3 * j + 1] for j in self.slots]
         inputs = [state.quantizers[3 * j] for j in self.slots]
-        if not (same_current(weights) and same_current(inputs)):
-            return _ExpertsPlan(None)
-        return _ExpertsPlan(weights[0])
+        if same_current(weights) and same_current(inputs):
+            return _ExpertsPlan("current", weights[0])
+        if _same_blocks(weights) and n % BLOCK == 0 and k % BLOCK == 0:
+            q = weights[0].copy()
+            q.set_usage(rowwise=True, columnwise=False)
+            return _ExpertsPlan("block", q)
+        return _ExpertsPlan(None)
 
 
 class QuantizedGatherExperts(GatherWrapper):
@@ -69,29 +99,43 @@ class QuantizedGatherExperts(GatherWrapper):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         dtype = mp_policy.param_dtype or self.dtype
-        plan = self._spec.plan(self._data.device, outer_size[0], mesh.size())
-        if plan.quantizer is None:
+        plan = self._spec.plan(self._data.device, tuple(outer_size), mesh.size())
+        if plan.kind is None:
             return (self._data.to(dtype).contiguous(),), None
         # the values the GEMMs read: torchtitan's experts compute in bf16 over fp32 weights
         compute = getattr(self._spec.module, "_experts_compute_dtype", lambda d: d)(dtype)
-        codes, scales = quantize_experts(self._data.to(compute).contiguous(), plan.quantizer)
+        local = self._data.to(compute).contiguous()
+        if plan.kind == "current":
+            codes, scales = quantize_experts(local, plan.quantizer)
+        else:
+            part = plan.quantizer.quantize(local.view(-1, local.shape[-1]))
+            codes, scales = part.rowwise_data, part.rowwise_scale
         # fp8 travels as bytes (not every backend reduces or gathers float8)
-        return (codes.view(torch.uint8), scales), codes.dtype
+        pow2 = plan.kind == "block" and plan.quantizer.force_pow_2_scales
+        return (codes.view(torch.uint8), scales), (plan.kind, codes.dtype, pow2)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if metadata is None:  # high precision: the parameter is the gathered tensor
             if out is None:
                 return all_gather_outputs[0], tuple(all_gather_outputs)
             return None
+        kind, fp8_dtype, pow2 = metadata
         codes, scales = all_gather_outputs
-        codes = codes.view(metadata)
+        codes = codes.view(fp8_dtype)
+        cls = Float8Experts if kind == "current" else Float8BlockExperts
         if out is not None:
-            if not isinstance(out, Float8Experts):
+            if type(out) is not cls:
                 raise TypeError(f"FSDP all-gather: the unsharded expert weight is a "
-                                f"{type(out).__name__}, the gather brought FP8 experts")
+                                f"{type(out).__name__}, the gather brought a {cls.__name__}")
             out.codes, out.scales = codes, scales
             return None
-        return Float8Experts(codes, scales, param_dtype), tuple(all_gather_outputs)
+        if kind == "current":
+            experts = Float8Experts(codes, scales, param_dtype)
+        else:
+            n, k = self.shape[1:]
+            experts = Float8BlockExperts((codes.shape[0] // n, n, k), param_dtype, codes, scales,
+                                         pow2)
+        return experts, tuple(all_gather_outputs)
 
 
 def wrap_expert_weights(module, recipe) -> None:

@@ -29,6 +29,9 @@ How it runs is decided by the quantizers and the device:
 * a :class:`lowprec.formats.float8.experts.Float8Experts` weight (the experts as an FSDP2
   quantized all-gather brings them): FP8 current scaling's path, the weights' codes and
   scales as they are; other recipes refuse it;
+* a :class:`lowprec.formats.block.experts.Float8BlockExperts` weight (likewise): the
+  block-scaled FP8 path with the weights' codes and scales where it runs, else one
+  :func:`quantized_linear` per group over that expert's own blocks (a quantized weight);
 * every other recipe, a bias, quantized weights or boundary quantizers: one
   :func:`quantized_linear` per group. This reads ``group_sizes`` on the host (a device
   tensor costs one synchronization a call).
@@ -43,6 +46,7 @@ import torch
 
 from ..backends import block_grouped, grouped_mm
 from ..formats.base import QuantizedTensor
+from ..formats.block.experts import Float8BlockExperts
 from ..formats.float8.experts import Float8Experts
 from ..kernels.moe_route import group_sizes_ok
 from . import grouped_block_fp8, grouped_current, grouped_exact, grouped_nvfp4
@@ -157,6 +161,9 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     if isinstance(weight, Float8Experts):
         return _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
                                on_backward_done, group_alignment)
+    if isinstance(weight, Float8BlockExperts):
+        return _block_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
+                              on_backward_done, group_alignment)
     weights = list(weight) if not isinstance(weight, torch.Tensor) else None
     num = len(weights) if weights is not None else weight.shape[0]
     if weights is None and weight.dim() != 3:
@@ -237,6 +244,47 @@ def _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_
     return y.reshape(*x.shape[:-1], n)
 
 
+def _block_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_backward_done,
+                   group_alignment):
+    """``grouped_linear`` over experts already block-quantized (``Float8BlockExperts``):
+    the grouped block-scaled FP8 path with the weight's codes and scales where the recipe
+    and the device run it, else one :func:`quantized_linear` per group over that expert's
+    own blocks (as a quantized weight, whatever the recipe)."""
+    num, n, k = weight.shape
+    x2d = x.reshape(-1, x.shape[-1])
+    qs = [quantizers] * num if isinstance(quantizers, LinearQuantizers) else quantizers
+    if qs is not None and len(qs) != num:
+        raise ValueError(f"grouped_linear got {len(qs)} quantizer sets for {num} groups")
+    route = None
+    if (qs is not None and backward_mode == "default" and x2d.shape[-1] == k
+            and x2d.dtype == weight.dtype and _grouped_call(x2d, bias, on_backward_done)):
+        route = _kept(qs, ("route", n, k, x2d.dtype, x2d.device),
+                      lambda: _quantizer_route(x2d, qs, n, k))
+    if route is not None and route[0] == "block" and route[1][1].fp8_dtype == weight.fp8_dtype:
+        sizes = _sizes_tensor(group_sizes, num, x2d.shape[0], x.device, group_alignment)
+        y = grouped_block_fp8.GroupedBlockFP8.apply(
+            x2d.contiguous(), sizes, route[1], torch.is_grad_enabled(),
+            group_alignment % block_grouped.ALIGN == 0, weight)
+        return y.reshape(*x.shape[:-1], n)
+    return _per_group(x, x2d, list(_ExpertWeights.apply(weight)), group_sizes, bias, qs,
+                      backward_mode, on_backward_done, group_alignment)
+
+
+class _ExpertWeights(torch.autograd.Function):
+    """Each expert's (N, K) weight of block-quantized experts, as its own quantize makes it;
+    the backward stacks their gradients into the (E, N, K) one."""
+
+    @staticmethod
+    def forward(ctx, experts):
+        ctx.shape, ctx.dtype = experts.shape, experts.dtype
+        return tuple(experts.expert(g) for g in range(experts.shape[0]))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        first = next(g for g in grads if g is not None)
+        return torch.stack([first.new_zeros(ctx.shape[1:]) if g is None else g for g in grads])
+
+
 def _weights_fit(x2d, weight) -> bool:
     """Whether the experts' weights (a (G, N, K) tensor or G (N, K) ones) are plain tensors
     of ``x2d``'s dtype, one (N, K) shape, K ``x2d``'s features."""
@@ -253,12 +301,7 @@ def _route(x2d, weight, qs, bias, backward_mode, on_backward_done):
     """("plain", None), ("current", quantizers), ("block", quantizers), ("nvfp4",
     quantizers), ("exact", quantizers) or None (one Linear per group), for ``weight`` a
     (G, N, K) tensor or G (N, K) ones."""
-    if (bias is not None or on_backward_done is not None or isinstance(x2d, QuantizedTensor)
-            or x2d.shape[0] == 0):
-        return None  # (no rows: the per-group path runs the empty GEMMs)
-    if torch.is_autocast_enabled(x2d.device.type):
-        return None
-    if not _weights_fit(x2d, weight):
+    if not (_grouped_call(x2d, bias, on_backward_done) and _weights_fit(x2d, weight)):
         return None
     n, k = weight.shape[-2:] if isinstance(weight, torch.Tensor) else weight[0].shape
     if qs is None:
@@ -267,6 +310,14 @@ def _route(x2d, weight, qs, bias, backward_mode, on_backward_done):
         return None
     return _kept(qs, ("route", n, k, x2d.dtype, x2d.device),
                  lambda: _quantizer_route(x2d, qs, n, k))
+
+
+def _grouped_call(x2d, bias, on_backward_done) -> bool:
+    """Whether a call's arguments leave the grouped paths open: no bias, no backward
+    callback, plain rows (some: with none the per-group path runs the empty GEMMs), no
+    torch.autocast."""
+    return (bias is None and on_backward_done is None and not isinstance(x2d, QuantizedTensor)
+            and x2d.shape[0] > 0 and not torch.is_autocast_enabled(x2d.device.type))
 
 
 def _hooked(q: LinearQuantizers) -> bool:

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import torch
 
+from ..formats.block.experts import Float8BlockExperts
 from . import weight_cache
 from .function import _caching_weights, _keep_only, quantize_operand
 from .grouped_parts import hooked, layout, padded_input, padded_like, stacked, weight_grads
@@ -60,7 +61,12 @@ def slot_quantizers(qs: Sequence):
 def _quantized_weights(weights: Sequence[torch.Tensor], q_w, columnwise: bool):
     """The experts' weights stacked (G * N, K) and quantized with q_w (rowwise, and
     columnwise for dgrad); under ``lowprec.autocast(cache_weights=True)`` made once while
-    the weights are unchanged. Returns (tensor, owned)."""
+    the weights are unchanged. Returns (tensor, owned). Experts that arrive block-quantized
+    (:class:`Float8BlockExperts`, an FSDP2 quantized all-gather) give their codes and
+    scales as they are."""
+    if isinstance(weights[0], Float8BlockExperts):
+        return weights[0].blocks(columnwise), True  # a new tensor over the weight's codes
+
     def make(columnwise=columnwise):
         w3d = stacked(weights)
         w2d = w3d.detach().reshape(-1, w3d.shape[-1])
