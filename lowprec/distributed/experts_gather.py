@@ -2,8 +2,8 @@
 
 FSDP2 shards a (E, N, K) expert weight along the experts, so each rank holds whole experts.
 Where the recipe quantizes every expert on its own, a rank quantizes its own experts with
-nothing to agree on with the others, and the ranks gather the codes (one byte an element
-instead of two) and the scales:
+nothing to agree on with the others, and the ranks gather the codes (one byte an element,
+or half of one, instead of two) and the scales:
 
 * FP8 current scaling: each expert's amax and scale (what the grouped path does to the
   whole weight, :func:`lowprec.formats.float8.grouped.quantize_experts`); the unsharded
@@ -11,14 +11,18 @@ instead of two) and the scales:
 * FP8 block scaling with 128x128 weight blocks (the DeepSeek-V3 recipe), N and K
   multiples of 128: the rowwise codes and one scale a block (no block straddles two
   experts, so the local quantize is the whole weight's); the unsharded parameter is a
-  :class:`Float8BlockExperts`, whose columnwise codes derive from the rowwise ones.
+  :class:`Float8BlockExperts`, whose columnwise codes derive from the rowwise ones;
+* NVFP4 with 16x16 weight blocks rounded to nearest (the recipe's weights): each expert's
+  global scale, the E2M1 codes (half a byte an element) and one E4M3 scale a block; the
+  unsharded parameter is an :class:`NVFP4Experts`.
 
 The grouped GEMMs read those codes and scales as they are: the same bits as quantizing the
 gathered weight. Experts are gathered in high precision (as before wrapping) where that
 quantize is not the one the GEMMs would make, or saves no bytes: any other recipe (MXFP8's
 rowwise and columnwise blocks differ, two bytes an element together), 1x128 weight
-blocks, quantizers of several settings or hooked ones (``lowprec.debug``, ``lowprec
-compare``), experts that do not split evenly over the ranks, a world of one.
+blocks, NVFP4 weights with stochastic rounding or a Hadamard transform, quantizers of
+several settings or hooked ones (``lowprec.debug``, ``lowprec compare``), experts that do
+not split evenly over the ranks, a world of one.
 """
 
 from __future__ import annotations
@@ -31,28 +35,89 @@ from ..formats.block import BLOCK, Float8BlockQuantizer
 from ..formats.block.experts import Float8BlockExperts
 from ..formats.float8.experts import Float8Experts
 from ..formats.float8.grouped import quantize_experts
+from ..formats.nvfp4 import NVFP4Quantizer
+from ..formats.nvfp4.experts import NVFP4Experts
+from ..formats.nvfp4.experts import quantize_experts as quantize_nvfp4_experts
 from ..linear.grouped_current import same_current
 from ..linear.grouped_parts import hooked
 from .gather_wrapper import GatherWrapper
+
+#: the unsharded parameter each kind of quantized gather makes
+_EXPERTS = {"current": Float8Experts, "block": Float8BlockExperts, "nvfp4": NVFP4Experts}
 
 
 @dataclass
 class _ExpertsPlan:
     #: "current" (a Float8CurrentScalingQuantizer), "block" (a Float8BlockQuantizer of
-    #: 128x128 blocks, rowwise usage only) or None: high precision
+    #: 128x128 blocks, rowwise usage only), "nvfp4" (an NVFP4Quantizer of 16x16 blocks,
+    #: nearest rounding, no RHT) or None: high precision
     kind: str | None
     quantizer: object | None = None
 
 
-def _same_blocks(qs) -> bool:
-    """Whether every quantizer is FP8 block scaling of 128x128 blocks, one setting, none
-    of them hooked."""
-    first = qs[0]
-    if type(first) is not Float8BlockQuantizer or first.block_scaling_dim != 2:
-        return False
-    key = first.share_key()
-    return all(type(q) is Float8BlockQuantizer and not hooked(q) and q.share_key() == key
-               for q in qs)
+def _one_setting(qs, cls, key) -> bool:
+    """Whether every quantizer is a ``cls`` with the first one's ``key(q)``, none hooked."""
+    first = key(qs[0]) if type(qs[0]) is cls else None
+    return first is not None and all(type(q) is cls and not hooked(q) and key(q) == first
+                                     for q in qs)
+
+
+def _block_key(q):
+    return q.share_key() if q.block_scaling_dim == 2 else None
+
+
+def _nvfp4_key(q):
+    if not q.with_2d_quantization or q.with_rht or q.stochastic_rounding:
+        return None
+    return q.with_2d_quantization, q.with_rht, q.stochastic_rounding
+
+
+def _pick(weights, inputs, n: int, k: int) -> _ExpertsPlan:
+    if same_current(weights) and same_current(inputs):
+        return _ExpertsPlan("current", weights[0])
+    if _one_setting(weights, Float8BlockQuantizer, _block_key) and n % BLOCK == 0 \
+            and k % BLOCK == 0:
+        q = weights[0].copy()
+        q.set_usage(rowwise=True, columnwise=False)
+        return _ExpertsPlan("block", q)
+    if _one_setting(weights, NVFP4Quantizer, _nvfp4_key) and n % 16 == 0 and k % 16 == 0:
+        return _ExpertsPlan("nvfp4", weights[0])
+    return _ExpertsPlan(None)
+
+
+def _quantize(plan: _ExpertsPlan, local: torch.Tensor):
+    """(all-gather inputs, metadata) of the local experts (E_local, N, K); float8 travels as
+    bytes (not every backend reduces or gathers float8)."""
+    if plan.kind == "current":
+        codes, scales = quantize_experts(local, plan.quantizer)
+        return (codes.view(torch.uint8), scales), (plan.kind, codes.dtype)
+    if plan.kind == "block":
+        part = plan.quantizer.quantize(local.view(-1, local.shape[-1]))
+        codes = part.rowwise_data
+        return ((codes.view(torch.uint8), part.rowwise_scale),
+                (plan.kind, codes.dtype, plan.quantizer.force_pow_2_scales))
+    codes, scales, globals_ = quantize_nvfp4_experts(local, plan.quantizer)
+    return (codes, scales.view(torch.uint8), globals_), (plan.kind, scales.dtype)
+
+
+def _fields(outputs, metadata) -> dict:
+    """The inner tensors of the unsharded experts from the gathered ``outputs``."""
+    kind, dtype = metadata[:2]
+    if kind == "nvfp4":
+        codes, scales, globals_ = outputs
+        return {"codes": codes, "scales": scales.view(dtype), "globals": globals_}
+    codes, scales = outputs
+    return {"codes": codes.view(dtype), "scales": scales}
+
+
+def _experts(metadata, fields: dict, n: int, k: int, dtype: torch.dtype):
+    kind = metadata[0]
+    if kind == "current":
+        return Float8Experts(fields["codes"], fields["scales"], dtype)
+    shape = (fields["codes"].shape[0] // n, n, k)
+    if kind == "block":
+        return Float8BlockExperts(shape, dtype, **fields, pow2=metadata[2])
+    return NVFP4Experts(shape, dtype, **fields)
 
 
 class ExpertsGatherSpec:
@@ -84,13 +149,7 @@ class ExpertsGatherSpec:
             return _ExpertsPlan(None)
         weights = [state.quantizers[3 * j + 1] for j in self.slots]
         inputs = [state.quantizers[3 * j] for j in self.slots]
-        if same_current(weights) and same_current(inputs):
-            return _ExpertsPlan("current", weights[0])
-        if _same_blocks(weights) and n % BLOCK == 0 and k % BLOCK == 0:
-            q = weights[0].copy()
-            q.set_usage(rowwise=True, columnwise=False)
-            return _ExpertsPlan("block", q)
-        return _ExpertsPlan(None)
+        return _pick(weights, inputs, n, k)
 
 
 class QuantizedGatherExperts(GatherWrapper):
@@ -104,38 +163,24 @@ class QuantizedGatherExperts(GatherWrapper):
             return (self._data.to(dtype).contiguous(),), None
         # the values the GEMMs read: torchtitan's experts compute in bf16 over fp32 weights
         compute = getattr(self._spec.module, "_experts_compute_dtype", lambda d: d)(dtype)
-        local = self._data.to(compute).contiguous()
-        if plan.kind == "current":
-            codes, scales = quantize_experts(local, plan.quantizer)
-        else:
-            part = plan.quantizer.quantize(local.view(-1, local.shape[-1]))
-            codes, scales = part.rowwise_data, part.rowwise_scale
-        # fp8 travels as bytes (not every backend reduces or gathers float8)
-        pow2 = plan.kind == "block" and plan.quantizer.force_pow_2_scales
-        return (codes.view(torch.uint8), scales), (plan.kind, codes.dtype, pow2)
+        return _quantize(plan, self._data.to(compute).contiguous())
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if metadata is None:  # high precision: the parameter is the gathered tensor
             if out is None:
                 return all_gather_outputs[0], tuple(all_gather_outputs)
             return None
-        kind, fp8_dtype, pow2 = metadata
-        codes, scales = all_gather_outputs
-        codes = codes.view(fp8_dtype)
-        cls = Float8Experts if kind == "current" else Float8BlockExperts
+        fields = _fields(all_gather_outputs, metadata)
         if out is not None:
+            cls = _EXPERTS[metadata[0]]
             if type(out) is not cls:
                 raise TypeError(f"FSDP all-gather: the unsharded expert weight is a "
                                 f"{type(out).__name__}, the gather brought a {cls.__name__}")
-            out.codes, out.scales = codes, scales
+            for name, t in fields.items():
+                setattr(out, name, t)
             return None
-        if kind == "current":
-            experts = Float8Experts(codes, scales, param_dtype)
-        else:
-            n, k = self.shape[1:]
-            experts = Float8BlockExperts((codes.shape[0] // n, n, k), param_dtype, codes, scales,
-                                         pow2)
-        return experts, tuple(all_gather_outputs)
+        n, k = self.shape[1:]
+        return _experts(metadata, fields, n, k, param_dtype), tuple(all_gather_outputs)
 
 
 def wrap_expert_weights(module, recipe) -> None:

@@ -29,9 +29,11 @@ How it runs is decided by the quantizers and the device:
 * a :class:`lowprec.formats.float8.experts.Float8Experts` weight (the experts as an FSDP2
   quantized all-gather brings them): FP8 current scaling's path, the weights' codes and
   scales as they are; other recipes refuse it;
-* a :class:`lowprec.formats.block.experts.Float8BlockExperts` weight (likewise): the
-  block-scaled FP8 path with the weights' codes and scales where it runs, else one
-  :func:`quantized_linear` per group over that expert's own blocks (a quantized weight);
+* a :class:`lowprec.formats.block.experts.Float8BlockExperts` or
+  :class:`lowprec.formats.nvfp4.experts.NVFP4Experts` weight (likewise): the recipe's
+  grouped path (block-scaled FP8, NVFP4) with the weights' codes and scales where it
+  runs, else one :func:`quantized_linear` per group over that expert's own quantized
+  weight;
 * every other recipe, a bias, quantized weights or boundary quantizers: one
   :func:`quantized_linear` per group. This reads ``group_sizes`` on the host (a device
   tensor costs one synchronization a call).
@@ -48,6 +50,7 @@ from ..backends import block_grouped, grouped_mm
 from ..formats.base import QuantizedTensor
 from ..formats.block.experts import Float8BlockExperts
 from ..formats.float8.experts import Float8Experts
+from ..formats.nvfp4.experts import NVFP4Experts
 from ..kernels.moe_route import group_sizes_ok
 from . import grouped_block_fp8, grouped_current, grouped_exact, grouped_nvfp4
 from .function import LinearQuantizers, quantized_linear
@@ -161,9 +164,9 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     if isinstance(weight, Float8Experts):
         return _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
                                on_backward_done, group_alignment)
-    if isinstance(weight, Float8BlockExperts):
-        return _block_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
-                              on_backward_done, group_alignment)
+    if isinstance(weight, (Float8BlockExperts, NVFP4Experts)):
+        return _quantized_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
+                                  on_backward_done, group_alignment)
     weights = list(weight) if not isinstance(weight, torch.Tensor) else None
     num = len(weights) if weights is not None else weight.shape[0]
     if weights is None and weight.dim() != 3:
@@ -244,12 +247,12 @@ def _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_
     return y.reshape(*x.shape[:-1], n)
 
 
-def _block_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_backward_done,
-                   group_alignment):
-    """``grouped_linear`` over experts already block-quantized (``Float8BlockExperts``):
-    the grouped block-scaled FP8 path with the weight's codes and scales where the recipe
-    and the device run it, else one :func:`quantized_linear` per group over that expert's
-    own blocks (as a quantized weight, whatever the recipe)."""
+def _quantized_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
+                       on_backward_done, group_alignment):
+    """``grouped_linear`` over experts that arrive quantized (``Float8BlockExperts``,
+    ``NVFP4Experts``): their recipe's grouped path with the weight's codes and scales where
+    the recipe and the device run it, else one :func:`quantized_linear` per group over
+    that expert's own quantized weight (whatever the recipe)."""
     num, n, k = weight.shape
     x2d = x.reshape(-1, x.shape[-1])
     qs = [quantizers] * num if isinstance(quantizers, LinearQuantizers) else quantizers
@@ -260,19 +263,25 @@ def _block_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_b
             and x2d.dtype == weight.dtype and _grouped_call(x2d, bias, on_backward_done)):
         route = _kept(qs, ("route", n, k, x2d.dtype, x2d.device),
                       lambda: _quantizer_route(x2d, qs, n, k))
-    if route is not None and route[0] == "block" and route[1][1].fp8_dtype == weight.fp8_dtype:
+    if isinstance(weight, Float8BlockExperts):
+        grouped = (route is not None and route[0] == "block"
+                   and route[1][1].fp8_dtype == weight.fp8_dtype)
+        fn, align = grouped_block_fp8.GroupedBlockFP8, block_grouped.ALIGN
+    else:
+        grouped = route is not None and route[0] == "nvfp4"
+        fn, align = grouped_nvfp4.GroupedNVFP4, grouped_nvfp4.ALIGN
+    if grouped:
         sizes = _sizes_tensor(group_sizes, num, x2d.shape[0], x.device, group_alignment)
-        y = grouped_block_fp8.GroupedBlockFP8.apply(
-            x2d.contiguous(), sizes, route[1], torch.is_grad_enabled(),
-            group_alignment % block_grouped.ALIGN == 0, weight)
+        y = fn.apply(x2d.contiguous(), sizes, route[1], torch.is_grad_enabled(),
+                     group_alignment % align == 0, weight)
         return y.reshape(*x.shape[:-1], n)
     return _per_group(x, x2d, list(_ExpertWeights.apply(weight)), group_sizes, bias, qs,
                       backward_mode, on_backward_done, group_alignment)
 
 
 class _ExpertWeights(torch.autograd.Function):
-    """Each expert's (N, K) weight of block-quantized experts, as its own quantize makes it;
-    the backward stacks their gradients into the (E, N, K) one."""
+    """Each expert's (N, K) weight of quantized experts, as its own quantize makes it; the
+    backward stacks their gradients into the (E, N, K) one."""
 
     @staticmethod
     def forward(ctx, experts):

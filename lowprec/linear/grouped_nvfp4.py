@@ -33,6 +33,7 @@ from ..backends.kernels import gemm_alpha_torch
 from ..formats.nvfp4 import NVFP4Quantizer
 from ..formats.nvfp4.compiled import draw_keys
 from ..formats.nvfp4.draws import draw_key
+from ..formats.nvfp4.experts import NVFP4Experts
 from ..formats.nvfp4.grouped import group_scales, grouped_exact
 from . import weight_cache
 from .function import _caching_weights
@@ -120,7 +121,13 @@ def _quantized_weights(weights, q_w, columnwise: bool):
 
     16x16 blocks rounded to nearest quantize W^T as the transpose of W's blocks (the same
     block amaxes and S), so dgrad reads the rowwise values transposed; otherwise the
-    columnwise direction is quantized too."""
+    columnwise direction is quantized too. Experts that arrive quantized so
+    (:class:`NVFP4Experts`, an FSDP2 quantized all-gather) give their exact values and
+    scales as they are."""
+    if isinstance(weights[0], NVFP4Experts):
+        fwd = weights[0].exact()
+        return fwd, (fwd.transpose(1, 2) if columnwise else None), weights[0].globals
+
     def make(columnwise=columnwise):
         w3d = stacked(weights).detach()
         num, n, k = w3d.shape

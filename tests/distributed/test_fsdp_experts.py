@@ -1,7 +1,8 @@
 """FSDP2 (fully_shard) over GroupedExperts on CPU gloo ranks: the 3-D expert weights are
 sharded along the experts and gathered in high precision, or, under
 ``quantized_all_gather``, as FP8 codes with one scale an expert (FP8 current scaling) or
-one a 128x128 block (FP8 block scaling); training matches one process bit for bit."""
+one a 128x128 block (FP8 block scaling), or as NVFP4 codes (16x16 blocks, one global
+scale an expert); training matches one process bit for bit."""
 
 from __future__ import annotations
 
@@ -12,16 +13,22 @@ from torch import nn
 
 import lowprec
 from lowprec.distributed import quantized_all_gather
-from lowprec.recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from lowprec.recipe import (
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
 # features of whole 128x128 blocks, so that block scaling gathers its experts quantized
 E, H, I, K, T, STEPS = 4, 128, 128, 2, 40, 3
 RECIPES = {"current": Float8CurrentScaling, "mxfp8": MXFP8BlockScaling,
-           "block": Float8BlockScaling}
+           "block": Float8BlockScaling, "nvfp4": NVFP4BlockScaling}
 #: what each recipe's quantized gather brings the experts' GEMMs
-GATHERED = {"current": "Float8Experts", "mxfp8": "Parameter", "block": "Float8BlockExperts"}
+GATHERED = {"current": "Float8Experts", "mxfp8": "Parameter", "block": "Float8BlockExperts",
+            "nvfp4": "NVFP4Experts"}
 
 
 class MoE(nn.Module):
@@ -121,8 +128,8 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("quantized", [False, True], ids=["hp-gather", "quantized-gather"])
 def test_fsdp_experts_match_single_process(runs, rname, quantized):
     got = torch.load(runs / f"fsdp-{rname}-{quantized}.pt", weights_only=False)
-    # FP8 current and block scaling gather the experts as FP8; MXFP8 (whose rowwise and
-    # columnwise blocks differ) in high precision
+    # FP8 current and block scaling and NVFP4 gather the experts quantized; MXFP8 (whose
+    # rowwise and columnwise blocks differ) in high precision
     assert got["seen"] == ([GATHERED[rname]] * STEPS if quantized else [])
     model = _model()
     losses = _train(model, RECIPES[rname]())
