@@ -27,6 +27,10 @@ Why the pieces look as they do:
   saved is returned as a copy (``_PrivateSaves``).
 * Output shapes come from each module's ``compiled_output_shapes``, so the
   op's fake implementation never runs lowprec code.
+* Expert weights an FSDP2 quantized all-gather brings (``QuantizedExperts``)
+  support no op but aliases; the op gets a data-less plain stand-in of their
+  shape, whose gradient autograd hands to the parameter, and its eager forward
+  reads the parameter itself.
 
 With ``lowprec.autocast`` outside the compiled function the call joins the
 real autocast region (delayed-scaling amaxes enter the history when it
@@ -46,6 +50,7 @@ import torch
 
 from . import autocast as _autocast
 from .formats.base import QuantizedTensor
+from .formats.experts import QuantizedExperts
 from .linear.function import graph_kept
 from .recipe import recipe_from_key
 
@@ -414,6 +419,21 @@ call_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---- tracing ---------------------------------------------------------------------------------
+class _StandIn(torch.autograd.Function):
+    """A plain tensor of a :class:`QuantizedExperts` parameter's shape and dtype (no data:
+    the call reads the parameter itself), whose gradient is the parameter's."""
+
+    @staticmethod
+    def forward(ctx, experts):
+        inner = getattr(experts, experts._inner[0])
+        return inner.new_empty_strided(tuple(experts.shape), (0,) * experts.dim(),
+                                       dtype=experts.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def _trace_call(module, args: tuple, kwargs: dict):
     """What dynamo traces in place of a lowprec forward: one ``lowprec::call``."""
     from .checkpoint import current_frame
@@ -441,6 +461,9 @@ def _trace_call(module, args: tuple, kwargs: dict):
                 f"FP8 weights) or Float8BlockScaling (128x128 weight blocks) traces one; "
                 f"build the model without quantized_model_init, shard it without "
                 f"quantized_all_gather, or leave this module eager")
+    # experts gathered quantized (FSDP2) enter as stand-ins: the call reads the live
+    # parameter, and their gradient passes through the stand-in to it
+    params = [_StandIn.apply(p) if isinstance(p, QuantizedExperts) else p for p in params]
     layout, ints, tensors = _encode(args, kwargs)
     if not tensors:
         raise TypeError(f"{type(module).__name__} called with no tensor argument")

@@ -80,9 +80,10 @@ class QuantizedExperts(torch.Tensor):
         return self.build(self.shape, dtype, self.fields())
 
     def __repr__(self, *, tensor_contents=None):
-        settings = ", ".join(f"{name}={getattr(self, name)}" for name in self._meta)
-        return (f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"{settings}, device={self.device})")
+        parts = [f"shape={tuple(self.shape)}", f"dtype={self.dtype}"]
+        parts += [f"{name}={getattr(self, name)}" for name in self._meta]
+        parts.append(f"device={self.device}")
+        return f"{type(self).__name__}({', '.join(parts)})"
 
     def __tensor_flatten__(self):
         return list(self._inner), (tuple(self.shape), self.dtype,

@@ -73,6 +73,8 @@ def test_holds_codes_and_scales_and_refuses_other_ops():
                   torch.nn.Parameter(fbe)):
         assert isinstance(alias, Float8BlockExperts) and alias.codes is fbe.codes
         assert alias.scales is fbe.scales and alias.pow2
+    assert repr(fbe) == ("Float8BlockExperts(shape=(2, 256, 128), dtype=torch.bfloat16, "
+                         "pow2=True, device=cpu)")
     as_fp32 = fbe.float()
     assert isinstance(as_fp32, Float8BlockExperts) and as_fp32.dtype == torch.float32
     assert as_fp32.codes is fbe.codes
