@@ -68,22 +68,28 @@ def _model():
     return MoE()
 
 
-def _worker(rank, world, rname, out_dir, quantized=False):
+def _worker(rank, world, rname, out_dir, quantized=False, compiled=False):
     model = _model()
     seen = []
     if quantized:
         quantized_all_gather(model, RECIPES[rname]())
-        # what the experts' GEMMs receive: the unsharded parameter FSDP made
+    if compiled:
+        # as torchtitan compiles its blocks: the module compiled, then sharded
+        model.experts = torch.compile(model.experts, fullgraph=True, backend="aot_eager")
+    if quantized:
+        # what the experts' GEMMs receive: the unsharded parameter FSDP made (the hook on
+        # the compiled wrapper runs eagerly; FSDP's unshard runs before it)
         model.experts.register_forward_pre_hook(
             lambda m, args: seen.append(type(m.gate_up_proj).__name__))
     fsdp.fully_shard(model.experts)
     fsdp.fully_shard(model)
     losses = _train(model, RECIPES[rname]())
-    state = {k: v.full_tensor() for k, v in model.state_dict().items()
+    state = {k.replace("._orig_mod", ""): v.full_tensor()
+             for k, v in model.state_dict().items()
              if isinstance(v, torch.Tensor) and hasattr(v, "full_tensor")}
     if rank == 0:
         torch.save({"losses": losses, "state": state, "seen": seen},
-                   f"{out_dir}/fsdp-{rname}-{quantized}.pt")
+                   f"{out_dir}/fsdp-{rname}-{quantized}{'-compiled' if compiled else ''}.pt")
 
 
 def _bf16_worker(rank, world, out_dir, quantized):
@@ -111,6 +117,8 @@ def _all_workers(rank, world, out_dir):
     for rname in RECIPES:
         for quantized in (False, True):
             _worker(rank, world, rname, out_dir, quantized)
+    for rname in COMPILED:
+        _worker(rank, world, rname, out_dir, True, compiled=True)
     _titan_worker(rank, world, out_dir)
     _resume_worker(rank, world, out_dir)
     for quantized in (False, True):
@@ -131,6 +139,25 @@ def test_fsdp_experts_match_single_process(runs, rname, quantized):
     # FP8 current and block scaling and NVFP4 gather the experts quantized; MXFP8 (whose
     # rowwise and columnwise blocks differ) in high precision
     assert got["seen"] == ([GATHERED[rname]] * STEPS if quantized else [])
+    model = _model()
+    losses = _train(model, RECIPES[rname]())
+    assert torch.equal(got["losses"], losses), (got["losses"], losses)
+    assert set(got["state"]) == {"experts.gate_up_proj", "experts.down_proj"}
+    for k, v in got["state"].items():
+        assert torch.equal(v, model.state_dict()[k]), k
+
+
+#: recipes whose quantized gathers are also run under torch.compile
+COMPILED = ("current", "block", "nvfp4")
+
+
+@pytest.mark.parametrize("rname", COMPILED)
+def test_fsdp_compiled_experts_gathered_quantized_match_single_process(runs, rname):
+    """The experts compiled (fullgraph) and then sharded, as torchtitan compiles its
+    blocks: the gathered quantized experts enter the compiled call and training still
+    equals one eager process bit for bit."""
+    got = torch.load(runs / f"fsdp-{rname}-True-compiled.pt", weights_only=False)
+    assert got["seen"] == [GATHERED[rname]] * STEPS
     model = _model()
     losses = _train(model, RECIPES[rname]())
     assert torch.equal(got["losses"], losses), (got["losses"], losses)
