@@ -119,7 +119,8 @@ def _all_workers(rank, world, out_dir):
             _worker(rank, world, rname, out_dir, quantized)
     for rname in COMPILED:
         _worker(rank, world, rname, out_dir, True, compiled=True)
-    _titan_worker(rank, world, out_dir)
+    for rname in TITAN:
+        _titan_worker(rank, world, out_dir, rname)
     _resume_worker(rank, world, out_dir)
     for quantized in (False, True):
         _bf16_worker(rank, world, out_dir, quantized)
@@ -245,32 +246,38 @@ def _titan_forward(model, x, idx, w):
     return model(x[idx[:, 0].argsort(stable=True)], torch.bincount(idx[:, 0], minlength=E))
 
 
-def _titan_train(model):
-    return _train(model, Float8CurrentScaling(), _titan_forward)
+def _titan_train(model, rname="current"):
+    return _train(model, RECIPES[rname](), _titan_forward)
 
 
-def _titan_worker(rank, world, out_dir):
+#: recipes torchtitan's experts are gathered quantized under
+TITAN = ("current", "block", "nvfp4")
+
+
+def _titan_worker(rank, world, out_dir, rname):
     model = _titan()
-    quantized_all_gather(model, Float8CurrentScaling())
+    quantized_all_gather(model, RECIPES[rname]())
     seen = []
     model.register_forward_pre_hook(
         lambda m, args: seen.append(sorted({type(getattr(m, n)).__name__
                                             for n in m.param_names})))
     fsdp.fully_shard(model)
-    losses = _titan_train(model)
+    losses = _titan_train(model, rname)
     state = _full(model)
     if rank == 0:
-        torch.save({"losses": losses, "state": state, "seen": seen}, f"{out_dir}/titan.pt")
+        torch.save({"losses": losses, "state": state, "seen": seen},
+                   f"{out_dir}/titan-{rname}.pt")
 
 
-def test_fsdp_torchtitan_experts_gathered_in_fp8_match_single_process(runs):
+@pytest.mark.parametrize("rname", TITAN)
+def test_fsdp_torchtitan_experts_gathered_quantized_match_single_process(runs, rname):
     """torchtitan's experts (converted) under quantized_all_gather: w1, w3 and w2 gathered
-    as FP8 experts, quantized from the bf16 values the module computes on, and training
-    equal to one process bit for bit."""
-    got = torch.load(runs / "titan.pt", weights_only=False)
-    assert got["seen"] == [["Float8Experts"]] * STEPS
+    as the recipe's quantized experts, quantized from the bf16 values the module computes
+    on, and training equal to one process bit for bit."""
+    got = torch.load(runs / f"titan-{rname}.pt", weights_only=False)
+    assert got["seen"] == [[GATHERED[rname]]] * STEPS
     model = _titan()
-    assert torch.equal(got["losses"], _titan_train(model))
+    assert torch.equal(got["losses"], _titan_train(model, rname))
     assert set(got["state"]) == set(model.param_names)
     for k, v in got["state"].items():
         assert torch.equal(v, getattr(model, k)), k
