@@ -2,6 +2,8 @@
 # One device call: the benchmarks, then the GPU backend tests; logs and results.csv go to $OUT.
 #   bash benchmarks/run_device.sh validate   # short smoke of every benchmark, then the tests
 #   bash benchmarks/run_device.sh full       # every benchmark at full length, then the tests
+#   bash benchmarks/run_device.sh moe        # the MoE GPU tests, the block kernel's configs
+#                                            # (the warp-specialized one too), the MoE layer
 # TEST_TIMEOUT (seconds, default 150) caps the test run. torchao (optional) is installed
 # from .whl/ when present (carry it: run(carry=['.whl'])).
 set -u
@@ -16,7 +18,20 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --fo
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 T0=$(date +%s)
 t() { echo "== $* (t=$(( $(date +%s) - T0 ))s)"; }
-if [ "$MODE" = validate ]; then
+if [ "$MODE" = moe ]; then
+  t moe_tests; timeout 300 python3 -m pytest -q -p no:cacheprovider -k gpu \
+    tests/linear/test_grouped_block_fp8.py tests/linear/test_grouped_block_experts.py \
+    tests/linear/test_grouped_nvfp4_experts.py > "$OUT/moe_tests.log" 2>&1
+  t probe; python3 tools/probe_block_grouped.py --gluon --configs 128,2,0,8,4 128,4,1,8,8 \
+    128,2,2,8,4 128,3,2,8,4 128,4,2,8,4 > "$OUT/probe.log" 2>&1
+  t layer; python3 benchmarks/bench_moe.py --recipes current-e4m3,block --no-loop \
+    > "$OUT/moe.log" 2>&1
+  t done
+  grep -E "passed|failed|error" "$OUT/moe_tests.log" | tail -3
+  grep -E "gluon|triton" "$OUT/probe.log" | cut -c1-200
+  grep -E "^(mixtral|qwen3|bf16|lowprec|torchao)" "$OUT/moe.log" | cut -c1-120
+  exit 0
+elif [ "$MODE" = validate ]; then
   t gemm;     python3 benchmarks/bench_gemm.py --shapes 16384x4096x4096 --iters 10 > "$OUT/gemm.log" 2>&1
   t quantize; python3 benchmarks/bench_quantize.py --iters 10 --reference > "$OUT/quantize.log" 2>&1
   t linear;   python3 benchmarks/bench_linear.py --shapes 16384x4096x4096 --rounds 1 --warmup 2 --iters 5 > "$OUT/linear.log" 2>&1
