@@ -19,7 +19,8 @@ or half of one, instead of two) and the scales:
 The grouped GEMMs read those codes and scales as they are: the same bits as quantizing the
 gathered weight. Experts are gathered in high precision (as before wrapping) where that
 quantize is not the one the GEMMs would make, or saves no bytes: any other recipe (MXFP8's
-rowwise and columnwise blocks differ, two bytes an element together), 1x128 weight
+rowwise and columnwise blocks differ, two bytes an element together; the per-phase gathers
+of 2-D MXFP8 weights are not built for experts), 1x128 weight
 blocks, NVFP4 weights with stochastic rounding or a Hadamard transform, quantizers of
 several settings or hooked ones (``lowprec.debug``, ``lowprec compare``), experts that do
 not split evenly over the ranks, a world of one.
