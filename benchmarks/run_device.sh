@@ -4,6 +4,7 @@
 #   bash benchmarks/run_device.sh full       # every benchmark at full length, then the tests
 #   bash benchmarks/run_device.sh moe        # the MoE GPU tests, the block kernel's configs
 #                                            # (the warp-specialized one too), the MoE layer
+#   bash benchmarks/run_device.sh moe-model  # the whole HF MoE model steps, compiled
 # TEST_TIMEOUT (seconds, default 150) caps the test run. torchao (optional) is installed
 # from .whl/ when present (carry it: run(carry=['.whl'])).
 set -u
@@ -30,6 +31,15 @@ if [ "$MODE" = moe ]; then
   grep -E "passed|failed|error" "$OUT/moe_tests.log" | tail -3
   grep -E "gluon|triton" "$OUT/probe.log" | cut -c1-200
   grep -E "^(mixtral|qwen3|bf16|lowprec|torchao)" "$OUT/moe.log" | cut -c1-120
+  exit 0
+elif [ "$MODE" = moe-model ]; then
+  for spec in mixtral:2 qwen3:4; do  # model:layers, as the README's rows
+    m=${spec%:*}
+    t "$m"; python3 benchmarks/bench_moe.py --model "$m" --layers "${spec#*:}" \
+      --modes compiled --recipes current-e4m3,block --top-kernels 12 > "$OUT/model_$m.log" 2>&1
+  done
+  t done
+  grep -hE "^(mixtral|qwen3|bf16|lowprec)" "$OUT"/model_*.log | cut -c1-120
   exit 0
 elif [ "$MODE" = validate ]; then
   t gemm;     python3 benchmarks/bench_gemm.py --shapes 16384x4096x4096 --iters 10 > "$OUT/gemm.log" 2>&1
