@@ -314,6 +314,7 @@ def block_grouped_ws_kernel(
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
+    gl.static_assert(BM == 128, "two consumer warpgroups of 64 rows each")
     pid_m, pid_n, g, k_lo, k_hi, bt, db_base, out_base = _locate(
         a_desc, offs_ptr, db_ptr, out_ptr, M, N, G, B_GROUP_ROWS, B_GROUP_COLS, s_dbg, s_og,
         BM, BN, GROUP_K, GP, GROUP_M, num_warps)
@@ -346,3 +347,6 @@ def block_grouped_ws_kernel(
         (_ws_loads, (a_desc, b_desc, a_smem, b_smem, full, empty, n_chunks, row0,
                      gl.to_tensor(k_lo), gl.to_tensor(bt[0]), gl.to_tensor(bt[1]), STAGES)),
     ], [4, 1], [216, 24])
+    for b in gl.static_range(STAGES):
+        mbarrier.invalidate(full.index(b))
+        mbarrier.invalidate(empty.index(b))

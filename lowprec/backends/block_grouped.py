@@ -88,6 +88,9 @@ def _launch_gluon(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: i
     # overlap 2: the warp-specialized kernel (two consumer warpgroups and a loader warp
     # over a 128-row tile; ``warps`` is the default partition's 4)
     ws = overlap == 2
+    if ws and warps != 4:
+        raise ValueError(f"block grouped Gluon config {cfg}: the warp-specialized kernel "
+                         f"(OVERLAP 2) runs 4 warps a partition, got {warps}")
     bm = 128 if ws else 16 * warps  # 64 rows a warpgroup
     (a2, _, _), (b2, b_group_rows, b_group_cols) = a2, b2
     a_desc = TensorDescriptor(a2, list(a2.shape), list(a2.stride()), [bm, 128],

@@ -34,6 +34,7 @@ import torch
 
 from ..formats.block import BLOCK, Float8BlockQuantizer
 from ..formats.block.experts import Float8BlockExperts
+from ..formats.experts import QuantizedExperts
 from ..formats.float8.experts import Float8Experts
 from ..formats.float8.grouped import quantize_experts
 from ..formats.nvfp4 import NVFP4Quantizer
@@ -170,6 +171,9 @@ class QuantizedGatherExperts(GatherWrapper):
         if metadata is None:  # high precision: the parameter is the gathered tensor
             if out is None:
                 return all_gather_outputs[0], tuple(all_gather_outputs)
+            if isinstance(out, QuantizedExperts):
+                raise TypeError(f"FSDP all-gather: the unsharded expert weight is a "
+                                f"{type(out).__name__}, the gather brought high precision")
             return None
         fields = _fields(all_gather_outputs, metadata)
         if out is not None:

@@ -53,6 +53,9 @@ class QuantizedExperts(torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype,
                                                    device=first.device,
                                                    requires_grad=requires_grad)
+        missing = [name for name in cls._inner + cls._meta if name not in fields]
+        if missing:
+            raise TypeError(f"{cls.__name__} needs the fields {missing}")
         for name in cls._inner + cls._meta:
             setattr(self, name, fields.pop(name))
         if fields:
@@ -81,6 +84,9 @@ class QuantizedExperts(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None):
         parts = [f"shape={tuple(self.shape)}", f"dtype={self.dtype}"]
+        codes = getattr(self, self._inner[0])
+        if codes.dtype.is_floating_point:  # FP8 codes: name E4M3 or E5M2
+            parts.append(f"fp8={codes.dtype}")
         parts += [f"{name}={getattr(self, name)}" for name in self._meta]
         parts.append(f"device={self.device}")
         return f"{type(self).__name__}({', '.join(parts)})"

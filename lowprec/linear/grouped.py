@@ -264,7 +264,8 @@ def _quantized_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
         route = _kept(qs, ("route", n, k, x2d.dtype, x2d.device),
                       lambda: _quantizer_route(x2d, qs, n, k))
     if isinstance(weight, Float8BlockExperts):
-        grouped = (route is not None and route[0] == "block"
+        # the path reads power-of-two scales exactly (its bf16 emulated directions too)
+        grouped = (route is not None and route[0] == "block" and weight.pow2
                    and route[1][1].fp8_dtype == weight.fp8_dtype)
         fn, align = grouped_block_fp8.GroupedBlockFP8, block_grouped.ALIGN
     else:
@@ -275,8 +276,9 @@ def _quantized_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
         y = fn.apply(x2d.contiguous(), sizes, route[1], torch.is_grad_enabled(),
                      group_alignment % align == 0, weight)
         return y.reshape(*x.shape[:-1], n)
-    return _per_group(x, x2d, list(_ExpertWeights.apply(weight)), group_sizes, bias, qs,
-                      backward_mode, on_backward_done, group_alignment)
+    experts = _ExpertWeights.apply(weight, torch.is_grad_enabled())
+    return _per_group(x, x2d, list(experts), group_sizes, bias, qs, backward_mode,
+                      on_backward_done, group_alignment)
 
 
 class _ExpertWeights(torch.autograd.Function):
@@ -284,14 +286,16 @@ class _ExpertWeights(torch.autograd.Function):
     backward stacks their gradients into the (E, N, K) one."""
 
     @staticmethod
-    def forward(ctx, experts):
-        ctx.shape, ctx.dtype = experts.shape, experts.dtype
-        return tuple(experts.expert(g) for g in range(experts.shape[0]))
+    def forward(ctx, experts, grad_enabled):
+        ctx.shape, ctx.dtype, ctx.device = experts.shape, experts.dtype, experts.device
+        # the columnwise data dgrad reads, only where a backward may run
+        return tuple(experts.expert(g, columnwise=grad_enabled)
+                     for g in range(experts.shape[0]))
 
     @staticmethod
     def backward(ctx, *grads):
-        first = next(g for g in grads if g is not None)
-        return torch.stack([first.new_zeros(ctx.shape[1:]) if g is None else g for g in grads])
+        zeros = torch.zeros(ctx.shape[1:], dtype=ctx.dtype, device=ctx.device)
+        return torch.stack([zeros if g is None else g for g in grads]), None
 
 
 def _weights_fit(x2d, weight) -> bool:

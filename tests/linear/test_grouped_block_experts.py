@@ -74,6 +74,7 @@ def test_holds_codes_and_scales_and_refuses_other_ops():
         assert isinstance(alias, Float8BlockExperts) and alias.codes is fbe.codes
         assert alias.scales is fbe.scales and alias.pow2
     assert repr(fbe) == ("Float8BlockExperts(shape=(2, 256, 128), dtype=torch.bfloat16, "
+                         "fp8=torch.float8_e4m3fn, "
                          "pow2=True, device=cpu)")
     as_fp32 = fbe.float()
     assert isinstance(as_fp32, Float8BlockExperts) and as_fp32.dtype == torch.float32
@@ -90,11 +91,16 @@ def test_holds_codes_and_scales_and_refuses_other_ops():
         Float8BlockExperts(fbe.shape, w.dtype, w.reshape(512, 128), fbe.scales, True)
 
 
-def _compare(device, sizes, call):
+#: (K, N): contractions cuBLAS takes 128x128 weight scales for (multiples of 512: the
+#: block-scaled kernel) and ones it does not (the exact bf16 emulation)
+SHAPES = [(512, 512), (256, 384)]
+
+
+def _compare(device, sizes, call, k=256, n=384):
     """``call(x, w)`` over the high-precision experts and over them block-quantized: the
     same output and input gradient, and the weight gradient reaches the quantized experts
     as a plain tensor, bit for bit."""
-    x, w, dy = grouped_data(sizes, 256, 384, w_scale=0.05, device=device)
+    x, w, dy = grouped_data(sizes, k, n, w_scale=0.05, device=device)
     ref = run_grads(call, x, w, dy)
     fbe = _experts(w).requires_grad_(True)
     xs = x.clone().requires_grad_(True)
@@ -113,15 +119,32 @@ def test_grouped_linear_over_block_experts_equals_the_weight_quantized_there(siz
 
 
 @pytest.mark.parametrize("sizes", SIZES)
-def test_grouped_block_path_over_block_experts_reads_their_codes(sizes):
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_grouped_block_path_over_block_experts_reads_their_codes(sizes, k, n):
     """The grouped block-scaled path (its kernel's sum in torch ops off the GPU) over the
     gathered codes and scales: the same bits as quantizing the weight there."""
     q = _block()
 
     def call(x, w):
-        picked = block_fp8_quantizers([q] * 3, 384, 256)
+        picked = block_fp8_quantizers([q] * len(sizes), n, k)
         return GroupedBlockFP8.apply(x, torch.tensor(sizes), picked, True, False, w)
-    _compare("cpu", sizes, call)
+    _compare("cpu", sizes, call, k, n)
+
+
+def test_experts_without_power_of_two_scales_stay_per_group(monkeypatch):
+    """Experts gathered without power-of-two scales are not the grouped path's operands
+    (it takes their values as exact in bf16): each expert's Linear runs instead."""
+    sizes = (3, 0, 5)
+    x, w, _ = grouped_data(sizes, 512, 512)
+    fbe = _experts(w, lowprec.Float8BlockQuantizer(E4M3, force_pow_2_scales=False))
+    assert not fbe.pow2
+    calls = []
+    per_group = lowprec.linear.grouped._per_group
+    monkeypatch.setattr(lowprec.linear.grouped, "_per_group",
+                        lambda *a, **kw: calls.append(1) or per_group(*a, **kw))
+    monkeypatch.setattr(lowprec.linear.grouped_block_fp8, "runs_on", lambda x, q: True)
+    grouped_linear(x, fbe, list(sizes), quantizers=_block())
+    assert calls == [1]
 
 
 def test_outside_the_recipe_each_expert_is_a_quantized_weight():
@@ -151,9 +174,16 @@ HOPPER = pytest.mark.skipif(
 
 @HOPPER
 @pytest.mark.parametrize("sizes", SIZES + [(300, 2, 129, 33, 0, 64)])
-def test_gpu_grouped_linear_over_block_experts_bit_identical(sizes):
-    """On a Hopper GPU the grouped block-scaled FP8 kernels over the gathered codes: the
-    same bits as the weight quantized in the grouped path."""
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_gpu_grouped_linear_over_block_experts_bit_identical(sizes, k, n, monkeypatch):
+    """On a Hopper GPU the grouped block-scaled FP8 kernels (and the exact bf16 emulation
+    where cuBLAS takes no 128x128 scales) over the gathered codes: the same bits as the
+    weight quantized in the grouped path, which both calls take (the per-group fallback
+    would give the same bits)."""
     q = _block()
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the per-group path ran")
+    monkeypatch.setattr(lowprec.linear.grouped, "_per_group", refused)
     _compare("cuda", sizes, lambda x, w: grouped_linear(
-        x, w, torch.tensor(sizes, device="cuda"), quantizers=q))
+        x, w, torch.tensor(sizes, device="cuda"), quantizers=q), k, n)

@@ -44,7 +44,8 @@ def test_each_expert_is_its_own_quantize_both_directions():
     q = _nv().weight
     q.set_usage(rowwise=True, columnwise=True)
     for g in range(4):
-        own, mine = q.quantize(w[g]), ne.expert(g)
+        own, mine = q.quantize(w[g]), ne.expert(g, columnwise=True)
+        assert ne.expert(g).columnwise_data is None  # made only where asked
         assert mine.shape == (N, K) and mine.dtype == torch.bfloat16
         for name in ("rowwise_data", "columnwise_data", "rowwise_global", "columnwise_global"):
             assert torch.equal(getattr(mine, name), getattr(own, name)), (g, name)
@@ -116,9 +117,14 @@ def test_grouped_nvfp4_path_over_nvfp4_experts_reads_their_values(sizes):
                          and torch.cuda.get_device_capability() >= (9, 0)),
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("sizes", SIZES + [(300, 2, 129, 33, 0, 64)])
-def test_gpu_grouped_linear_over_nvfp4_experts_bit_identical(sizes):
+def test_gpu_grouped_linear_over_nvfp4_experts_bit_identical(sizes, monkeypatch):
     """On a Hopper GPU the grouped NVFP4 kernels over the gathered codes (one dequantize
-    pass): the same bits as the weight quantized in the grouped path."""
+    pass): the same bits as the weight quantized in the grouped path, which both calls
+    take (the per-group fallback would give the same bits)."""
     q = _nv()
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the per-group path ran")
+    monkeypatch.setattr(lowprec.linear.grouped, "_per_group", refused)
     _compare(sizes, lambda x, w: grouped_linear(
         x, w, torch.tensor(sizes, device="cuda"), quantizers=q), device="cuda")

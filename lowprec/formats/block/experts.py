@@ -71,12 +71,12 @@ class Float8BlockExperts(QuantizedExperts):
         e, n, _ = self.shape
         return self._tensor(self.codes, self.scales, e * n, columnwise)
 
-    def expert(self, g: int) -> Float8BlockwiseTensor:
-        """Expert ``g``'s (N, K) weight as its own quantize makes it (rowwise; the
-        columnwise data derives from it)."""
+    def expert(self, g: int, columnwise: bool = False) -> Float8BlockwiseTensor:
+        """Expert ``g``'s (N, K) weight as its own quantize makes it: rowwise, and
+        ``columnwise`` (its transpose; else derived where a GEMM needs it)."""
         n = self.shape[1]
         return self._tensor(self.codes[g * n:(g + 1) * n],
-                            self.scales[g * n // BLOCK:(g + 1) * n // BLOCK], n, False)
+                            self.scales[g * n // BLOCK:(g + 1) * n // BLOCK], n, columnwise)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The experts' values ``codes / scale`` of their blocks as a plain tensor (the

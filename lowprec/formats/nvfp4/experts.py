@@ -82,14 +82,17 @@ class NVFP4Experts(QuantizedExperts):
         values, _ = dequantize_unscaled_bf16(self._rows(self.codes, self.scales, ones, e * n))
         return values.view(e, n, k)
 
-    def expert(self, g: int) -> NVFP4Tensor:
-        """Expert ``g``'s (N, K) weight as its own quantize makes it, both directions (the
-        columnwise one its rowwise blocks transposed)."""
-        n, k = self.shape[1:]
+    def expert(self, g: int, columnwise: bool = False) -> NVFP4Tensor:
+        """Expert ``g``'s (N, K) weight as its own quantize makes it: rowwise, and
+        ``columnwise`` (its rowwise blocks transposed: NVFP4 derives no direction from the
+        other, so a GEMM that needs it must be given it)."""
+        n = self.shape[1]
         codes = self.codes[g * n:(g + 1) * n]
         scales = self.scales[g * n // BLOCK:(g + 1) * n // BLOCK]
         s = self.globals[g:g + 1]
         t = self._rows(codes, scales, s, n)
+        if not columnwise:
+            return t
         t.columnwise_data = pack_e2m1(unpack_e2m1(codes).t().contiguous())
         t.columnwise_scale = scales.t().contiguous()
         t.columnwise_global = s
