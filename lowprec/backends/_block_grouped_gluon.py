@@ -292,10 +292,14 @@ def _ws_sums(a_smem, b_smem, full, empty, n_chunks, da_ptr, db_base, s_dam, s_da
         part = warpgroup_mma_wait(0, deps=[part])
         mbarrier.arrive(empty.index(s))
         acc = _add(acc, part, da, db, DB_ONE)
-    ocols = col0 + gl.arange(0, BN, layout=col_l)
-    optr = out_base + rows.to(gl.int64)[:, None] * s_om + ocols[None, :] * s_on
-    gl.store(optr, acc.to(out_base.dtype.element_ty),
-             mask=rmask[:, None] & (ocols < N)[None, :])
+    # stored as the other kernel stores its tile: through a blocked layout whose threads
+    # write 8 neighbouring columns each
+    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    res = gl.convert_layout(acc.to(out_base.dtype.element_ty), out_l)
+    orows = row0 + 64 * HALF + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+    ocols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
+    optr = out_base + orows.to(gl.int64)[:, None] * s_om + ocols[None, :] * s_on
+    gl.store(optr, res, mask=(orows < M)[:, None] & (ocols < N)[None, :])
 
 
 @gluon.jit
