@@ -11,7 +11,13 @@ import torch
 import lowprec
 from lowprec.linear.function import quantized_linear
 from lowprec.modules.experts import _is_silu
-from lowprec.recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling
+from lowprec.recipe import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -495,3 +501,34 @@ def test_routed_rows_gradient_is_indexings(device, padded):
     if padded:
         assert not x[~live].any()
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling, NVFP4BlockScaling],
+                         ids=["current", "nvfp4"])
+def test_hugging_face_gradient_checkpointing_of_a_converted_moe_model(recipe, use_reentrant):
+    """transformers' gradient checkpointing over a converted Qwen3-MoE model (the experts'
+    grouped path recomputed in backward; NVFP4's stochastic rounding of dY included): the
+    losses and gradients of two steps equal the run without it, bit for bit."""
+    from same_run import assert_same_grads_and_states
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    cfg = Qwen3MoeConfig(hidden_size=128, moe_intermediate_size=128, intermediate_size=128,
+                         num_experts=E, num_experts_per_tok=K, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                         head_dim=32, use_cache=False)
+    torch.manual_seed(0)
+    a = lowprec.convert_model(Qwen3MoeForCausalLM(cfg))
+    b = copy.deepcopy(a)
+    b.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    assert any(isinstance(m, lowprec.GroupedExperts) for m in b.modules())
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    for step in range(2):
+        losses = []
+        for m in (a, b):
+            torch.manual_seed(step)
+            with lowprec.autocast(recipe=recipe()):
+                loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(*losses)
+        assert_same_grads_and_states(a, b)
