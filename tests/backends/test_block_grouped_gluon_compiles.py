@@ -24,10 +24,15 @@ POINTERS = {"da_ptr": "*fp32", "db_ptr": "*fp32", "out_ptr": "*bf16", "offs_ptr"
 
 
 def _desc(rows: int) -> str:
-    """The signature of a TMA descriptor of fp8 codes in (rows, 128) blocks, as the
-    launcher builds it."""
+    """The signature Triton gives a TMA descriptor of fp8 codes in (rows, 128) blocks,
+    built as the launcher builds it (over a CPU tensor: only its type is read)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+    codes = torch.empty(2 * rows, 256, dtype=torch.float8_e4m3fn)
     layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)
-    return f"tensordesc<fp8e4nv[{rows}, 128],{layout!r}>"
+    desc = TensorDescriptor(codes, list(codes.shape), list(codes.stride()), [rows, 128], layout)
+    return mangle_type(desc)
 
 
 def _compile(cfg, group_k: bool, b_rows: int):
