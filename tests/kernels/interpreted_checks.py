@@ -139,5 +139,31 @@ def group_amax_and_expert_cast() -> None:
         assert torch.equal(y, ref) and torch.equal(yt, ref.t())
 
 
+def nvfp4_expert_codes() -> None:
+    """NVFP4 experts quantized by the kernels (each expert's S, then the row kernel with one
+    S a 16-row block; ``formats/nvfp4/experts.py``): the codes, block scales and global
+    scales of one quantize an expert, bit for bit (a NaN block and an expert 1000x the
+    others included)."""
+    from lowprec.formats.nvfp4 import NVFP4Quantizer, grouped
+    from lowprec.formats.nvfp4 import experts as nvfp4_experts
+
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(3, 32, 48, generator=gen) * 0.1).bfloat16()
+    w[2] *= 1e3
+    w[1, 3, 5] = float("nan")
+    plain = grouped.use_kernels
+    grouped.use_kernels = lambda t: True  # group_scales' kernel on these CPU tensors
+    try:
+        got = nvfp4_experts.experts_by_kernels(w)
+    finally:
+        grouped.use_kernels = plain
+    want = nvfp4_experts.quantize_experts(w, NVFP4Quantizer(with_2d_quantization=True))
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b)
+
+
 CHECKS = {"grouped_gemm_tiles": grouped_gemm_tiles, "moe_route": moe_route,
-          "group_amax_and_expert_cast": group_amax_and_expert_cast}
+          "group_amax_and_expert_cast": group_amax_and_expert_cast,
+          "nvfp4_expert_codes": nvfp4_expert_codes}

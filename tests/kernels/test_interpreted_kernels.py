@@ -19,7 +19,7 @@ ROOT = HERE.parent.parent
 
 
 @pytest.mark.parametrize("check", ["grouped_gemm_tiles", "moe_route",
-                                   "group_amax_and_expert_cast"])
+                                   "group_amax_and_expert_cast", "nvfp4_expert_codes"])
 def test_kernel_logic_in_the_interpreter(check):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{HERE}")
     code = f"import interpreted_checks as c; c.CHECKS[{check!r}]()"

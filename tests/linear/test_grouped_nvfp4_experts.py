@@ -38,8 +38,17 @@ def _data(sizes, device="cpu"):
     return x, w, dy
 
 
-def test_each_expert_is_its_own_quantize_both_directions():
-    _, w, _ = _data((1, 1, 1, 1))
+HOPPER = pytest.mark.skipif(not (torch.cuda.is_available()
+                                 and torch.cuda.get_device_capability() >= (9, 0)),
+                            reason="needs a Hopper GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=HOPPER)])
+def test_each_expert_is_its_own_quantize_both_directions(device):
+    """On a GPU every expert is quantized in two launches (each expert's S, then the row
+    kernel with one S a 16-row block), elsewhere one quantize an expert: both give each
+    expert's own quantize, bit for bit."""
+    _, w, _ = _data((1, 1, 1, 1), device)
     ne = _experts(w)
     q = _nv().weight
     q.set_usage(rowwise=True, columnwise=True)
@@ -113,9 +122,7 @@ def test_grouped_nvfp4_path_over_nvfp4_experts_reads_their_values(sizes):
     _compare(sizes, call)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available()
-                         and torch.cuda.get_device_capability() >= (9, 0)),
-                    reason="needs a Hopper GPU")
+@HOPPER
 @pytest.mark.parametrize("sizes", SIZES + [(300, 2, 129, 33, 0, 64)])
 def test_gpu_grouped_linear_over_nvfp4_experts_bit_identical(sizes, monkeypatch):
     """On a Hopper GPU the grouped NVFP4 kernels over the gathered codes (one dequantize

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import use_kernels
 from ..casting import pack_e2m1, unpack_e2m1
 from ..experts import QuantizedExperts
-from .launch import dequantize_unscaled_bf16
+from .grouped import group_scales
+from .launch import _idx64, _launch_row, dequantize_unscaled_bf16
 from .quantizer import NVFP4Quantizer
 from .reference import BLOCK, SCALE_DTYPE
 from .tensor import NVFP4Tensor
@@ -26,17 +28,39 @@ from .tensor import NVFP4Tensor
 def quantize_experts(w3d: torch.Tensor, quantizer: NVFP4Quantizer):
     """(codes (E * N, K / 2) uint8, decode scales (E * N / 16, K / 16) E4M3, global encode
     scales (E,) fp32) of each expert of ``w3d`` quantized by ``quantizer`` on its own
-    (rowwise, 16x16 blocks, nearest rounding, no Hadamard transform)."""
+    (rowwise, 16x16 blocks, nearest rounding, no Hadamard transform): on a GPU in two
+    launches for all of them, elsewhere one quantize an expert."""
     if not (quantizer.with_2d_quantization and not quantizer.with_rht
             and not quantizer.stochastic_rounding):
         raise ValueError(f"NVFP4 experts are quantized in 16x16 blocks, rounded to nearest, "
                          f"without RHT; got {quantizer!r}")
+    e, n, k = w3d.shape
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"NVFP4 experts need N and K multiples of {BLOCK}, got shape "
+                         f"{tuple(w3d.shape)}")
+    if use_kernels(w3d) and e * n and k:
+        return experts_by_kernels(w3d)
     q = quantizer.copy()
     q.set_usage(rowwise=True, columnwise=False)
     parts = [q.quantize(w) for w in w3d]
     return (torch.cat([p.rowwise_data for p in parts]),
             torch.cat([p.rowwise_scale for p in parts]),
             torch.cat([p.rowwise_global for p in parts]))
+
+
+def experts_by_kernels(w3d: torch.Tensor):
+    """:func:`quantize_experts`' result in two launches for every expert: each expert's S
+    (the grouped path's own pass), then the row kernel's codes and scales with each 16-row
+    block's S."""
+    e, n, k = w3d.shape
+    w2d = w3d.contiguous().view(e * n, k)
+    blocks = torch.arange(e * n // BLOCK, device=w3d.device, dtype=torch.int32) // (n // BLOCK)
+    s = group_scales(w2d, blocks, e, False)[:, 0].contiguous()
+    codes = torch.empty((e * n, k // 2), dtype=torch.uint8, device=w3d.device)
+    scales = torch.empty((e * n // BLOCK, k // BLOCK), dtype=torch.uint8, device=w3d.device)
+    _launch_row(w2d, k, codes, scales, s[blocks].contiguous(), None, 0, None, True, True,
+                _idx64(e * n, k), grouped=True)
+    return codes, scales.view(SCALE_DTYPE), s
 
 
 class NVFP4Experts(QuantizedExperts):
