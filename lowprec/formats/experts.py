@@ -46,6 +46,8 @@ class QuantizedExperts(torch.Tensor):
 
     _inner: ClassVar[tuple[str, ...]] = ()
     _meta: ClassVar[tuple[str, ...]] = ()
+    #: each expert holds whole (block, block) tiles: N and K are multiples of it
+    _block: ClassVar[int] = 1
 
     @staticmethod
     def __new__(cls, shape, dtype: torch.dtype, *, requires_grad: bool = False, **fields):
@@ -63,8 +65,27 @@ class QuantizedExperts(torch.Tensor):
         self._check()
         return self
 
+    def _layout(self, e: int, n: int, k: int) -> dict:
+        """Each inner tensor's (accepted dtypes, their name in messages, shape) for E experts
+        of (N, K)."""
+        raise NotImplementedError
+
     def _check(self) -> None:
-        """Raise ValueError where the fields do not describe (E, N, K) experts."""
+        """Raise ValueError where the fields do not describe (E, N, K) experts of whole
+        blocks, laid out as ``_layout`` says."""
+        name = type(self).__name__
+        if len(self.shape) != 3:
+            raise ValueError(f"{name} must be (E, N, K), got shape {tuple(self.shape)}")
+        e, n, k = self.shape
+        b = self._block
+        if n % b or k % b:
+            raise ValueError(f"{name} needs N and K multiples of {b} (whole {b}x{b} blocks in "
+                             f"each expert), got shape {tuple(self.shape)}")
+        for field, (dtypes, what, shape) in self._layout(e, n, k).items():
+            t = getattr(self, field)
+            if t.dtype not in dtypes or tuple(t.shape) != shape:
+                raise ValueError(f"{name} {field} must be {what} of shape {shape}, got "
+                                 f"{t.dtype} of shape {tuple(t.shape)}")
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 

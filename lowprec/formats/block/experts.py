@@ -27,6 +27,7 @@ class Float8BlockExperts(QuantizedExperts):
 
     _inner = ("codes", "scales")
     _meta = ("pow2",)
+    _block = BLOCK
 
     @staticmethod
     def __new__(cls, shape, dtype: torch.dtype, codes: torch.Tensor, scales: torch.Tensor,
@@ -34,23 +35,9 @@ class Float8BlockExperts(QuantizedExperts):
         return QuantizedExperts.__new__(cls, shape, dtype, requires_grad=requires_grad,
                                         codes=codes, scales=scales, pow2=pow2)
 
-    def _check(self) -> None:
-        if len(self.shape) != 3:
-            raise ValueError(f"Float8BlockExperts must be (E, N, K), got shape "
-                             f"{tuple(self.shape)}")
-        e, n, k = self.shape
-        if n % BLOCK or k % BLOCK:
-            raise ValueError(f"Float8BlockExperts needs N and K multiples of {BLOCK} (whole "
-                             f"128x128 blocks in each expert), got shape {tuple(self.shape)}")
-        codes, scales = self.codes, self.scales
-        if codes.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or tuple(
-                codes.shape) != (e * n, k):
-            raise ValueError(f"Float8BlockExperts codes must be float8 of shape {(e * n, k)}, "
-                             f"got {codes.dtype} of shape {tuple(codes.shape)}")
-        if scales.dtype != torch.float32 or tuple(scales.shape) != (e * n // BLOCK, k // BLOCK):
-            raise ValueError(f"Float8BlockExperts scales must be fp32 of shape "
-                             f"{(e * n // BLOCK, k // BLOCK)}, got {scales.dtype} of shape "
-                             f"{tuple(scales.shape)}")
+    def _layout(self, e: int, n: int, k: int) -> dict:
+        return {"codes": ((torch.float8_e4m3fn, torch.float8_e5m2), "float8", (e * n, k)),
+                "scales": ((torch.float32,), "fp32", (e * n // BLOCK, k // BLOCK))}
 
     @property
     def fp8_dtype(self) -> torch.dtype:

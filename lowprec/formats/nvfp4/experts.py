@@ -70,6 +70,7 @@ class NVFP4Experts(QuantizedExperts):
     weight's high-precision dtype (its gradient's)."""
 
     _inner = ("codes", "scales", "globals")
+    _block = BLOCK
 
     @staticmethod
     def __new__(cls, shape, dtype: torch.dtype, codes: torch.Tensor, scales: torch.Tensor,
@@ -77,20 +78,10 @@ class NVFP4Experts(QuantizedExperts):
         return QuantizedExperts.__new__(cls, shape, dtype, requires_grad=requires_grad,
                                         codes=codes, scales=scales, globals=globals)
 
-    def _check(self) -> None:
-        if len(self.shape) != 3:
-            raise ValueError(f"NVFP4Experts must be (E, N, K), got shape {tuple(self.shape)}")
-        e, n, k = self.shape
-        if n % BLOCK or k % BLOCK:
-            raise ValueError(f"NVFP4Experts needs N and K multiples of {BLOCK} (whole 16x16 "
-                             f"blocks in each expert), got shape {tuple(self.shape)}")
-        for name, dtype, shape in (("codes", torch.uint8, (e * n, k // 2)),
-                                   ("scales", SCALE_DTYPE, (e * n // BLOCK, k // BLOCK)),
-                                   ("globals", torch.float32, (e,))):
-            t = getattr(self, name)
-            if t.dtype != dtype or tuple(t.shape) != shape:
-                raise ValueError(f"NVFP4Experts {name} must be {dtype} of shape {shape}, got "
-                                 f"{t.dtype} of shape {tuple(t.shape)}")
+    def _layout(self, e: int, n: int, k: int) -> dict:
+        return {"codes": ((torch.uint8,), torch.uint8, (e * n, k // 2)),
+                "scales": ((SCALE_DTYPE,), SCALE_DTYPE, (e * n // BLOCK, k // BLOCK)),
+                "globals": ((torch.float32,), torch.float32, (e,))}
 
     def _rows(self, codes, scales, s, rows: int) -> NVFP4Tensor:
         return NVFP4Tensor((rows, self.shape[2]), self.dtype, rowwise_data=codes,
