@@ -40,6 +40,8 @@ from ..formats.float8.grouped import quantize_experts
 from ..formats.nvfp4 import NVFP4Quantizer
 from ..formats.nvfp4.experts import NVFP4Experts
 from ..formats.nvfp4.experts import quantize_experts as quantize_nvfp4_experts
+from ..formats.nvfp4.reference import BLOCK as NVFP4_BLOCK
+from ..linear.grouped_blocks import one_setting
 from ..linear.grouped_current import same_current
 from ..linear.grouped_parts import hooked
 from .gather_wrapper import GatherWrapper
@@ -57,32 +59,28 @@ class _ExpertsPlan:
     quantizer: object | None = None
 
 
-def _one_setting(qs, cls, key) -> bool:
-    """Whether every quantizer is a ``cls`` with the first one's ``key(q)``, none hooked."""
-    first = key(qs[0]) if type(qs[0]) is cls else None
-    return first is not None and all(type(q) is cls and not hooked(q) and key(q) == first
-                                     for q in qs)
+def _block_weights(qs) -> bool:
+    """Whether every quantizer is FP8 block scaling of 128x128 blocks, one setting, none
+    hooked."""
+    first = one_setting(qs)
+    return type(first) is Float8BlockQuantizer and first.block_scaling_dim == 2
 
 
-def _block_key(q):
-    return q.share_key() if q.block_scaling_dim == 2 else None
-
-
-def _nvfp4_key(q):
-    if not q.with_2d_quantization or q.with_rht or q.stochastic_rounding:
-        return None
-    return q.with_2d_quantization, q.with_rht, q.stochastic_rounding
+def _nvfp4_weights(qs) -> bool:
+    """Whether every quantizer is NVFP4 of 16x16 blocks rounded to nearest without RHT (the
+    recipe's weights; no draws, so their generators do not matter), none hooked."""
+    return all(type(q) is NVFP4Quantizer and not hooked(q) and q.with_2d_quantization
+               and not q.with_rht and not q.stochastic_rounding for q in qs)
 
 
 def _pick(weights, inputs, n: int, k: int) -> _ExpertsPlan:
     if same_current(weights) and same_current(inputs):
         return _ExpertsPlan("current", weights[0])
-    if _one_setting(weights, Float8BlockQuantizer, _block_key) and n % BLOCK == 0 \
-            and k % BLOCK == 0:
+    if _block_weights(weights) and n % BLOCK == 0 and k % BLOCK == 0:
         q = weights[0].copy()
         q.set_usage(rowwise=True, columnwise=False)
         return _ExpertsPlan("block", q)
-    if _one_setting(weights, NVFP4Quantizer, _nvfp4_key) and n % 16 == 0 and k % 16 == 0:
+    if _nvfp4_weights(weights) and n % NVFP4_BLOCK == 0 and k % NVFP4_BLOCK == 0:
         return _ExpertsPlan("nvfp4", weights[0])
     return _ExpertsPlan(None)
 

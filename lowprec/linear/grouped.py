@@ -294,8 +294,8 @@ class _ExpertWeights(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        zeros = torch.zeros(ctx.shape[1:], dtype=ctx.dtype, device=ctx.device)
-        return torch.stack([zeros if g is None else g for g in grads]), None
+        return torch.stack([torch.zeros(ctx.shape[1:], dtype=ctx.dtype, device=ctx.device)
+                            if g is None else g for g in grads]), None
 
 
 def _weights_fit(x2d, weight) -> bool:

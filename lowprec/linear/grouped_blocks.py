@@ -35,7 +35,7 @@ from .grouped_parts import hooked, layout, padded_input, padded_like, stacked, w
 from .plan import BOTH, ROW
 
 
-def _one_setting(qs: Sequence):
+def one_setting(qs: Sequence):
     """The first quantizer when every group's is the same stateless setting with no hooks;
     else None."""
     first = qs[0]
@@ -53,7 +53,7 @@ def slot_quantizers(qs: Sequence):
     boundaries; else None."""
     if any(q.output is not None or q.grad_input is not None for q in qs):
         return None
-    picked = tuple(_one_setting([getattr(q, slot) for q in qs])
+    picked = tuple(one_setting([getattr(q, slot) for q in qs])
                    for slot in ("input", "weight", "grad_output"))
     return None if any(p is None for p in picked) else picked
 
