@@ -23,7 +23,7 @@ if [ "$MODE" = moe ]; then
   t moe_tests; timeout 300 python3 -m pytest -q -p no:cacheprovider -k gpu \
     tests/linear/test_grouped_block_fp8.py tests/linear/test_grouped_block_experts.py \
     tests/linear/test_grouped_nvfp4_experts.py > "$OUT/moe_tests.log" 2>&1
-  t probe; python3 tools/probe_block_grouped.py --gluon --configs 128,2,0,8,4 128,4,1,8,8 \
+  t probe; PYTHONPATH=. python3 tools/probe_block_grouped.py --gluon --configs 128,2,0,8,4 128,4,1,8,8 \
     128,2,2,8,4 128,3,2,8,4 128,4,2,8,4 > "$OUT/probe.log" 2>&1
   t layer; python3 benchmarks/bench_moe.py --recipes current-e4m3,block --no-loop \
     > "$OUT/moe.log" 2>&1

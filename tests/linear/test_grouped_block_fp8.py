@@ -142,7 +142,7 @@ def test_gpu_grouped_never_syncs():
 
 
 # the Triton kernel, then the Gluon kernel's configs of small and large experts, the
-# one-warpgroup form with OVERLAP and the warp-specialized kernel (OVERLAP 2, probe-only)
+# one-warpgroup form with OVERLAP and the warp-specialized kernel (OVERLAP 2, large experts)
 KERNELS = {"triton": None, "gluon_small": (128, 2, False, 8, 4),
            "gluon_large": (128, 4, True, 8, 8), "gluon_overlap4": (128, 3, True, 8, 4),
            "gluon_ws": (128, 3, 2, 8, 4)}
