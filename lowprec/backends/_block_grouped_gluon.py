@@ -40,6 +40,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -177,6 +178,7 @@ def block_grouped_gluon_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(STAGES):
         mbarrier.init(bars.index(b), count=1)
+    fence_async_shared()  # the TMA engine (the async proxy) must see the barriers' init
     # the ring's first chunks (all of it under OVERLAP, which refills a buffer one chunk
     # later: after the dot that read it, not before the next dot)
     for c in gl.static_range(STAGES - 1):
@@ -331,6 +333,7 @@ def block_grouped_ws_kernel(
     for b in gl.static_range(STAGES):
         mbarrier.init(full.index(b), count=1)
         mbarrier.init(empty.index(b), count=2)  # one arrival a consumer warpgroup
+    fence_async_shared()
     # partition arguments are scalars (integers equal to 1 arrive as constexprs: made
     # tensors here), shared memory and descriptors
     n_chunks = gl.to_tensor(gl.cdiv(k_hi - k_lo, BK))
