@@ -18,16 +18,17 @@ work is explicit:
   its own mbarrier; a buffer is refilled once the dot that read it has finished (with 8
   warps the compiler puts a CTA barrier before the refill, which keeps the two
   warpgroups in step);
-* ``OVERLAP``: chunk i's dot is issued before chunk i-1's scaled add, the chunks taking
-  two register sets in turn. ptxas still serializes those dots (its C7514 note), so
-  what it gains comes from the order of the loads and adds.
+* ``OVERLAP`` (8 warps only): chunk i's dot is issued before chunk i-1's scaled add, the
+  chunks taking two register sets in turn. ptxas still serializes those dots (its C7514
+  note), so what it gains comes from the order of the loads and adds. With one warpgroup
+  this form gave outputs off cuBLAS's on an H100 (``tools/stress_block_grouped.py``), and
+  the launcher refuses it (``block_grouped.check_gluon_config``).
 
 :func:`block_grouped_ws_kernel` is the warp-specialized form of the 128-row tile: a
 producer warp issues the TMA loads and each consumer warpgroup releases a buffer through an
 mbarrier of its own as soon as its dot has read it, so neither waits for the other's adds.
-It runs where a config's ``OVERLAP`` is 2 (``tools/probe_block_grouped.py --gluon --configs
-128,3,2,8,4`` and the GPU test); no entry of the tuning table picks it until it has been
-timed against the kernels above on a Hopper GPU.
+It runs where a config's ``OVERLAP`` is 2: the tuning table's for large experts' forward
+and dgrad, where it was 1.04-1.16x the two-warpgroup ``OVERLAP`` config on an H100.
 
 Group lookup and tile order are the Triton kernel's (``GROUP_K`` picks rows or contraction
 groups; tiles in bands of ``GROUP_M`` row tiles). Rows and columns past the operands are

@@ -67,6 +67,25 @@ def _smem_layout(rows: int):
     return gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)
 
 
+def check_gluon_config(cfg) -> None:
+    """Raises on a Gluon config (BN, STAGES, OVERLAP, GROUP_M, warps) the kernels do not run:
+    OVERLAP 2 (the warp-specialized kernel: two consumer warpgroups and a loader warp over a
+    128-row tile) needs ``warps`` 4, a partition's; OVERLAP 1 needs 8 (two warpgroups). With
+    one warpgroup, OVERLAP 1 gives outputs off cuBLAS's on an H100 in every run
+    (``tools/stress_block_grouped.py``), so it is refused rather than run."""
+    overlap, warps = int(cfg[2]), cfg[4]
+    need = {0: None, 1: 8, 2: 4}
+    if overlap not in need:
+        raise ValueError(f"block grouped Gluon config {cfg}: OVERLAP must be 0, 1 or 2 "
+                         f"(2: the warp-specialized kernel), got {cfg[2]}")
+    if need[overlap] is not None and warps != need[overlap]:
+        raise ValueError(f"block grouped Gluon config {cfg}: OVERLAP {overlap} runs "
+                         f"{need[overlap]} warps, got {warps}")
+    if overlap == 0 and warps not in (4, 8):
+        raise ValueError(f"block grouped Gluon config {cfg}: warps must be 4 or 8 "
+                         f"(16 rows a warp), got {warps}")
+
+
 def _launch_gluon(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: int) -> bool:
     """Launches the Gluon kernel (``_block_grouped_gluon.py``); False where it does not
     apply (the Triton kernel runs instead)."""
@@ -84,13 +103,9 @@ def _launch_gluon(a, da, b, db, offs, out, group_k: bool, a_rows: int, b_rows: i
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ._block_grouped_gluon import block_grouped_gluon_kernel, block_grouped_ws_kernel
+    check_gluon_config(cfg)
     bn, stages, overlap, band, warps = cfg
-    # overlap 2: the warp-specialized kernel (two consumer warpgroups and a loader warp
-    # over a 128-row tile; ``warps`` is the default partition's 4)
     ws = overlap == 2
-    if ws and warps != 4:
-        raise ValueError(f"block grouped Gluon config {cfg}: the warp-specialized kernel "
-                         f"(OVERLAP 2) runs 4 warps a partition, got {warps}")
     bm = 128 if ws else 16 * warps  # 64 rows a warpgroup
     (a2, _, _), (b2, b_group_rows, b_group_cols) = a2, b2
     a_desc = TensorDescriptor(a2, list(a2.shape), list(a2.stride()), [bm, 128],

@@ -141,11 +141,23 @@ def test_gpu_grouped_never_syncs():
     assert_grouped_never_syncs(x, w, dy, torch.tensor(sizes, device="cuda"), _block())
 
 
-# the Triton kernel, then the Gluon kernel's configs of small and large experts, the
-# one-warpgroup form with OVERLAP and the warp-specialized kernel (OVERLAP 2, large experts)
+# the Triton kernel, then the Gluon kernel's configs: small experts, the two-warpgroup form
+# with OVERLAP and the warp-specialized kernel (OVERLAP 2, large experts' rows)
 KERNELS = {"triton": None, "gluon_small": (128, 2, False, 8, 4),
-           "gluon_large": (128, 4, True, 8, 8), "gluon_overlap4": (128, 3, True, 8, 4),
-           "gluon_ws": (128, 3, 2, 8, 4)}
+           "gluon_large": (128, 4, True, 8, 8), "gluon_ws": (128, 3, 2, 8, 4)}
+
+
+@pytest.mark.parametrize("cfg", [(128, 3, True, 8, 4), (128, 3, 2, 8, 8), (128, 2, 3, 8, 4),
+                                 (128, 2, False, 8, 2)])
+def test_gluon_configs_the_kernels_do_not_run_are_refused(cfg):
+    with pytest.raises(ValueError, match="block grouped Gluon config"):
+        block_grouped.check_gluon_config(cfg)
+
+
+def test_gluon_configs_of_the_table_and_the_gpu_test_are_accepted():
+    for cfg in [*tuning.tuning.block_grouped_gluon_configs.values(), *KERNELS.values()]:
+        if cfg is not None:
+            block_grouped.check_gluon_config(cfg)
 
 
 @HOPPER
