@@ -28,7 +28,7 @@ work is explicit:
 producer warp issues the TMA loads and each consumer warpgroup releases a buffer through an
 mbarrier of its own as soon as its dot has read it, so neither waits for the other's adds.
 It runs where a config's ``OVERLAP`` is 2: the tuning table's for large experts' forward
-and dgrad, where it was 1.04-1.16x the two-warpgroup ``OVERLAP`` config on an H100.
+and dgrad, where it was 1.03-1.16x the two-warpgroup ``OVERLAP`` config on an H100.
 
 Group lookup and tile order are the Triton kernel's (``GROUP_K`` picks rows or contraction
 groups; tiles in bands of ``GROUP_M`` row tiles). Rows and columns past the operands are

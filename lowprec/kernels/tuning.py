@@ -103,9 +103,9 @@ class Tuning:
         #: H100 at the MoE layer's shapes (every config 0 bits off the Triton kernel):
         #: small experts run one warpgroup a program, three programs an SM; large ones the
         #: warp-specialized kernel (OVERLAP 2: a loader warp and two consumer warpgroups over
-        #: a 128-row tile, each releasing a stage as soon as its dot has read it), 1.04-1.16x
+        #: a 128-row tile, each releasing a stage as soon as its dot has read it), 1.03-1.16x
         #: the two-warpgroup OVERLAP 1 config at Mixtral's forward and dgrad. Large experts'
-        #: wgrad stays on the Triton kernel (every Gluon config was 0.81-0.97x of it).
+        #: wgrad stays on the Triton kernel (the Gluon configs probed ran 0.80-1.00x of it).
         self.block_grouped_gluon = True
         self.block_grouped_large_rows = 2048
         self.block_grouped_gluon_configs = {
