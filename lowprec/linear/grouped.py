@@ -176,9 +176,7 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
         raise ValueError("grouped_linear needs at least one group")
     k = x.shape[-1]
     x2d = x.reshape(-1, k)
-    qs = ([quantizers] * num if isinstance(quantizers, LinearQuantizers) else quantizers)
-    if qs is not None and len(qs) != num:
-        raise ValueError(f"grouped_linear got {len(qs)} quantizer sets for {num} groups")
+    qs = _group_quantizers(quantizers, num)
     route = _route(x2d, weights if weights is not None else weight, qs, bias, backward_mode,
                    on_backward_done)
     if route is None:
@@ -191,14 +189,10 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     w_args = weights if weights is not None else (weight,)
     if kind == "plain":
         y = _GroupedPlain.apply(x2d.contiguous(), stacked(w_args), sizes)
-    elif kind == "block":
-        y = grouped_block_fp8.GroupedBlockFP8.apply(
-            x2d.contiguous(), sizes, picked, torch.is_grad_enabled(),
-            group_alignment % block_grouped.ALIGN == 0, *w_args)
-    elif kind == "nvfp4":
-        y = grouped_nvfp4.GroupedNVFP4.apply(
-            x2d.contiguous(), sizes, picked, torch.is_grad_enabled(),
-            group_alignment % grouped_nvfp4.ALIGN == 0, *w_args)
+    elif kind in _BLOCK_PATHS:
+        fn, align = _BLOCK_PATHS[kind]
+        y = fn.apply(x2d.contiguous(), sizes, picked, torch.is_grad_enabled(),
+                     group_alignment % align == 0, *w_args)
     elif kind == "exact":
         aligned = group_alignment % grouped_exact.row_align(picked) == 0
         y = grouped_exact.GroupedExact.apply(x2d.contiguous(), sizes, picked,
@@ -247,31 +241,38 @@ def _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_
     return y.reshape(*x.shape[:-1], n)
 
 
+#: the grouped paths of block-scaled recipes, by route: (autograd function, the row count
+#: each group is padded to a multiple of)
+_BLOCK_PATHS = {"block": (grouped_block_fp8.GroupedBlockFP8, block_grouped.ALIGN),
+                "nvfp4": (grouped_nvfp4.GroupedNVFP4, grouped_nvfp4.ALIGN)}
+
+
+def _group_quantizers(quantizers, num: int):
+    """One quantizer set a group: ``quantizers`` None, one :class:`LinearQuantizers` for
+    every group or one per group (checked: ``num`` of them)."""
+    qs = [quantizers] * num if isinstance(quantizers, LinearQuantizers) else quantizers
+    if qs is not None and len(qs) != num:
+        raise ValueError(f"grouped_linear got {len(qs)} quantizer sets for {num} groups")
+    return qs
+
+
 def _quantized_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
                        on_backward_done, group_alignment):
     """``grouped_linear`` over experts that arrive quantized (``Float8BlockExperts``,
     ``NVFP4Experts``): their recipe's grouped path with the weight's codes and scales where
     the recipe and the device run it, else one :func:`quantized_linear` per group over
     that expert's own quantized weight (whatever the recipe)."""
-    num, n, k = weight.shape
+    num, n, _ = weight.shape
     x2d = x.reshape(-1, x.shape[-1])
-    qs = [quantizers] * num if isinstance(quantizers, LinearQuantizers) else quantizers
-    if qs is not None and len(qs) != num:
-        raise ValueError(f"grouped_linear got {len(qs)} quantizer sets for {num} groups")
-    route = None
-    if (qs is not None and backward_mode == "default" and x2d.shape[-1] == k
-            and x2d.dtype == weight.dtype and _grouped_call(x2d, bias, on_backward_done)):
-        route = _kept(qs, ("route", n, k, x2d.dtype, x2d.device),
-                      lambda: _quantizer_route(x2d, qs, n, k))
-    if isinstance(weight, Float8BlockExperts):
+    qs = _group_quantizers(quantizers, num)
+    route = _route(x2d, weight, qs, bias, backward_mode, on_backward_done)
+    kind = "block" if isinstance(weight, Float8BlockExperts) else "nvfp4"
+    grouped = route is not None and route[0] == kind
+    if kind == "block":
         # the path reads power-of-two scales exactly (its bf16 emulated directions too)
-        grouped = (route is not None and route[0] == "block" and weight.pow2
-                   and route[1][1].fp8_dtype == weight.fp8_dtype)
-        fn, align = grouped_block_fp8.GroupedBlockFP8, block_grouped.ALIGN
-    else:
-        grouped = route is not None and route[0] == "nvfp4"
-        fn, align = grouped_nvfp4.GroupedNVFP4, grouped_nvfp4.ALIGN
+        grouped = grouped and weight.pow2 and route[1][1].fp8_dtype == weight.fp8_dtype
     if grouped:
+        fn, align = _BLOCK_PATHS[kind]
         sizes = _sizes_tensor(group_sizes, num, x2d.shape[0], x.device, group_alignment)
         y = fn.apply(x2d.contiguous(), sizes, route[1], torch.is_grad_enabled(),
                      group_alignment % align == 0, weight)
@@ -313,7 +314,8 @@ def _weights_fit(x2d, weight) -> bool:
 def _route(x2d, weight, qs, bias, backward_mode, on_backward_done):
     """("plain", None), ("current", quantizers), ("block", quantizers), ("nvfp4",
     quantizers), ("exact", quantizers) or None (one Linear per group), for ``weight`` a
-    (G, N, K) tensor or G (N, K) ones."""
+    (G, N, K) tensor (quantized experts too: their dtype is the weight's) or G (N, K)
+    ones."""
     if not (_grouped_call(x2d, bias, on_backward_done) and _weights_fit(x2d, weight)):
         return None
     n, k = weight.shape[-2:] if isinstance(weight, torch.Tensor) else weight[0].shape
