@@ -88,6 +88,33 @@ def _add(acc, part, da, db, DB_ONE: gl.constexpr):
 
 
 @gluon.jit
+def _scale_ptrs(da_ptr, db_base, rows, cols, col0, chunk0, s_dam, s_dak, s_dbn, s_dbk,
+                A_ROWS: gl.constexpr, B_ROWS: gl.constexpr, DB_ONE: gl.constexpr):
+    """Pointers to chunk 0's row decode scales (``rows``) and column ones (``cols``, or
+    the one of the tile starting at column ``col0`` with ``DB_ONE``)."""
+    da_ptrs = da_ptr + (rows // A_ROWS).to(gl.int64) * s_dam + chunk0 * s_dak
+    if DB_ONE:
+        db_ptrs = db_base + (col0 // B_ROWS).to(gl.int64) * s_dbn + chunk0 * s_dbk
+    else:
+        db_ptrs = db_base + (cols // B_ROWS).to(gl.int64) * s_dbn + chunk0 * s_dbk
+    return da_ptrs, db_ptrs
+
+
+@gluon.jit
+def _store(acc, out_base, row0, col0, M, N, s_om, s_on, ROWS: gl.constexpr,
+           COLS: gl.constexpr, num_warps: gl.constexpr):
+    """The (ROWS, COLS) tile at (``row0``, ``col0``) in the output's dtype, stored through a
+    blocked layout whose threads write 8 neighbouring columns each (not straight from the
+    wgmma layout); nothing past (M, N)."""
+    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    res = gl.convert_layout(acc.to(out_base.dtype.element_ty), out_l)
+    orows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_l))
+    ocols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, out_l))
+    optr = out_base + orows.to(gl.int64)[:, None] * s_om + ocols[None, :] * s_on
+    gl.store(optr, res, mask=(orows < M)[:, None] & (ocols < N)[None, :])
+
+
+@gluon.jit
 def _dot(a_smem, b_smem, bars, chunk, into, STAGES: gl.constexpr):
     """Waits for ``chunk``'s operands and starts its dot from zero in ``into``'s registers."""
     s = chunk % STAGES
@@ -166,13 +193,9 @@ def block_grouped_gluon_kernel(
     cols = pid_n * BN + gl.arange(0, BN, layout=one_l)
     rmask = rows < M
     cmask = cols < N
-    chunk0 = k_lo // BK
     DB_ONE: gl.constexpr = B_ROWS % BN == 0
-    da_ptrs = da_ptr + (rows // A_ROWS).to(gl.int64) * s_dam + chunk0 * s_dak
-    if DB_ONE:
-        db_ptrs = db_base + ((pid_n * BN) // B_ROWS).to(gl.int64) * s_dbn + chunk0 * s_dbk
-    else:
-        db_ptrs = db_base + (cols // B_ROWS).to(gl.int64) * s_dbn + chunk0 * s_dbk
+    da_ptrs, db_ptrs = _scale_ptrs(da_ptr, db_base, rows, cols, pid_n * BN, k_lo // BK, s_dam,
+                                   s_dak, s_dbn, s_dbk, A_ROWS, B_ROWS, DB_ONE)
 
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
@@ -235,12 +258,7 @@ def block_grouped_gluon_kernel(
     for b in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(b))
 
-    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    res = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_l)
-    orows = a_row + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
-    ocols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
-    optr = out_base + orows.to(gl.int64)[:, None] * s_om + ocols[None, :] * s_on
-    gl.store(optr, res, mask=(orows < M)[:, None] & (ocols < N)[None, :])
+    _store(acc, out_base, a_row, pid_n * BN, M, N, s_om, s_on, BM, BN, num_warps)
 
 
 @gluon.jit
@@ -277,11 +295,8 @@ def _ws_sums(a_smem, b_smem, full, empty, n_chunks, da_ptr, db_base, s_dam, s_da
     cols = col0 + gl.arange(0, BN, layout=one_l)
     rmask = rows < M
     cmask = cols < N
-    da_ptrs = da_ptr + (rows // A_ROWS).to(gl.int64) * s_dam + chunk0 * s_dak
-    if DB_ONE:
-        db_ptrs = db_base + (col0 // B_ROWS).to(gl.int64) * s_dbn + chunk0 * s_dbk
-    else:
-        db_ptrs = db_base + (cols // B_ROWS).to(gl.int64) * s_dbn + chunk0 * s_dbk
+    da_ptrs, db_ptrs = _scale_ptrs(da_ptr, db_base, rows, cols, col0, chunk0, s_dam, s_dak,
+                                   s_dbn, s_dbk, A_ROWS, B_ROWS, DB_ONE)
     acc = gl.zeros((64, BN), gl.float32, mma)
     part = gl.zeros((64, BN), gl.float32, mma)
     for i in range(n_chunks):
@@ -295,14 +310,7 @@ def _ws_sums(a_smem, b_smem, full, empty, n_chunks, da_ptr, db_base, s_dam, s_da
         part = warpgroup_mma_wait(0, deps=[part])
         mbarrier.arrive(empty.index(s))
         acc = _add(acc, part, da, db, DB_ONE)
-    # stored as the other kernel stores its tile: through a blocked layout whose threads
-    # write 8 neighbouring columns each
-    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    res = gl.convert_layout(acc.to(out_base.dtype.element_ty), out_l)
-    orows = row0 + 64 * HALF + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
-    ocols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
-    optr = out_base + orows.to(gl.int64)[:, None] * s_om + ocols[None, :] * s_on
-    gl.store(optr, res, mask=(orows < M)[:, None] & (ocols < N)[None, :])
+    _store(acc, out_base, row0 + 64 * HALF, col0, M, N, s_om, s_on, 64, BN, 4)
 
 
 @gluon.jit
