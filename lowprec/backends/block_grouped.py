@@ -67,6 +67,7 @@ def _smem_layout(rows: int):
     return gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)
 
 
+@functools.lru_cache(maxsize=None)  # checked once a config, not on every launch
 def check_gluon_config(cfg) -> None:
     """Raises on a Gluon config (BN, STAGES, OVERLAP, GROUP_M, warps) the kernels do not run:
     OVERLAP 2 (the warp-specialized kernel: two consumer warpgroups and a loader warp over a
