@@ -41,8 +41,8 @@ def _identity_view(t, size, stride, storage_offset=0) -> bool:
 
 class QuantizedExperts(torch.Tensor):
     """(E, N, K) experts in a quantized form; ``dtype``: the weight's high-precision dtype
-    (its gradient's). Subclasses declare ``_inner`` and ``_meta`` and check their fields in
-    ``_check``."""
+    (its gradient's). Subclasses declare ``_inner`` and ``_meta``, and ``_block`` and
+    ``_layout`` for the generic ``_check`` (or check their fields in their own)."""
 
     _inner: ClassVar[tuple[str, ...]] = ()
     _meta: ClassVar[tuple[str, ...]] = ()
