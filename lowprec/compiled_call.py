@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import weakref
 
 import torch
@@ -482,6 +483,30 @@ def _trace_call(module, args: tuple, kwargs: dict):
     return tuple(outs[:len(shapes)])
 
 
+_logger = logging.getLogger("lowprec.compile")
+_FALLBACKS: dict = {}
+
+
+def _note_fallback(module: str, reason: str) -> None:
+    """Log once per (module type, reason) that a compiled call stays one opaque op. Dynamo
+    runs it after the graph it traces (a reorderable logging function), so it costs no
+    graph break."""
+    key = f"{module}: {reason}"
+    if key not in _FALLBACKS:
+        _FALLBACKS[key] = True
+        _logger.warning("torch.compile runs a %s call as one opaque lowprec op: %s", module,
+                        reason)
+
+
+torch._dynamo.config.reorderable_logging_functions.add(_note_fallback)
+
+
+def fallback_reasons() -> list[str]:
+    """Every ``"<module type>: <reason>"`` for which a compiled call has stayed one opaque
+    op in this process (each logged once when it first happened)."""
+    return list(_FALLBACKS)
+
+
 def compiled_as_one_op(forward):
     """Decorates a lowprec module's ``forward``: under torch.compile the call becomes one
     ``lowprec::call`` op (see the module docstring); eager calls are unchanged. The module
@@ -489,7 +514,8 @@ def compiled_as_one_op(forward):
 
     A module may also define ``traced_forward(*args, **kwargs)``: under torch.compile it
     is tried first, and dynamo traces it into the graph (``lowprec.linear.traced``) unless
-    it returns ``NotImplemented`` (a call it does not trace), which falls back to the op."""
+    it returns a string (the reason it does not trace the call), which falls back to the
+    op and is logged once (:func:`fallback_reasons`)."""
 
     @functools.wraps(forward)
     def wrapper(self, *args, **kwargs):
@@ -497,8 +523,9 @@ def compiled_as_one_op(forward):
             traced = getattr(self, "traced_forward", None)
             if traced is not None:
                 out = traced(*args, **kwargs)
-                if out is not NotImplemented:
+                if not isinstance(out, str):
                     return out
+                _note_fallback(type(self).__name__, out)
             return _trace_call(self, args, kwargs)
         return forward(self, *args, **kwargs)
 

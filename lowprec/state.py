@@ -278,6 +278,21 @@ class DelayedScalingState:
                 self.amax_current.zero_()
 
 
+def stateful(recipe: Recipe) -> bool:
+    """Whether ``recipe``'s quantizers share state a module keeps (delayed scaling)."""
+    return isinstance(recipe, DelayedScaling)
+
+
+def stateless_quantizers(recipe: Recipe, mode: str, roles) -> list[Quantizer]:
+    """One quantizer per role of a recipe without state (every recipe but delayed
+    scaling): the built-in rule or the ``CustomRecipe`` factory. A compiled call traces
+    this to find its quantizers' traced forms (``lowprec.linear.traced``), reading of
+    each role only what the rule reads."""
+    if isinstance(recipe, CustomRecipe):
+        return [_factory_quantizer(recipe, r) for r in roles]
+    return [_builtin_quantizer(recipe, r, mode) for r in roles]
+
+
 class RecipeState:
     """Quantizers for one direction of one module under one recipe."""
 
@@ -343,16 +358,14 @@ class RecipeState:
     @classmethod
     def _create(cls, recipe, mode, roles, device) -> "RecipeState":
         delayed = None
-        if isinstance(recipe, DelayedScaling):
+        if stateful(recipe):
             fmt = recipe.fp8_format
             dtypes = [fmt.bwd_dtype if _is_grad(r, mode) else fmt.fwd_dtype for r in roles]
             delayed = DelayedScalingState(recipe, len(roles), dtypes,
                                           device or torch.device("cpu"))
             quantizers = delayed.quantizers(dtypes)
-        elif isinstance(recipe, CustomRecipe):
-            quantizers = [_factory_quantizer(recipe, r) for r in roles]
         else:
-            quantizers = [_builtin_quantizer(recipe, r, mode) for r in roles]
+            quantizers = stateless_quantizers(recipe, mode, roles)
         # One object per slot: a factory that returns a shared quantizer must not see one
         # slot's usage settings leak into another.
         seen: set[int] = set()

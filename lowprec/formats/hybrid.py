@@ -13,6 +13,7 @@ import math
 import torch
 
 from .base import QuantizedTensor, Quantizer, flatten_2d
+from .graph import HybridOperand
 
 
 class HybridQuantizedTensor(QuantizedTensor):
@@ -120,6 +121,16 @@ class HybridQuantizer(Quantizer):
                 q.set_usage(rowwise=usage == "rowwise", columnwise=usage == "columnwise")
                 fields[f"{usage}_data"] = q.make_empty(shape, dtype=dtype, device=device)
         return HybridQuantizedTensor(shape, dtype, **fields)
+
+    def graph_operand(self, t, *, grad=False):
+        if not self._quantizes_as(HybridQuantizer):
+            return super().graph_operand(t, grad=grad)
+        row = self.rowwise_quantizer.graph_operand(t, grad=grad)
+        col = self.columnwise_quantizer.graph_operand(t, grad=grad)
+        for half in (row, col):
+            if isinstance(half, str):
+                return half
+        return HybridOperand(row, col)
 
     def _repr_params(self):
         return {"rowwise_quantizer": self.rowwise_quantizer,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import HIGH_PRECISION_DTYPES, QuantizedTensor, Quantizer, flatten_2d
+from .graph import PlainOperand
 
 
 class IdentityTensor(QuantizedTensor):
@@ -72,6 +73,11 @@ class IdentityQuantizer(Quantizer):
         m, k = flatten_2d(tuple(shape))
         data = torch.empty(m, k, dtype=self.dtype or dtype, device=device)
         return IdentityTensor(tuple(shape), dtype, **self._quantize_2d(data))
+
+    def graph_operand(self, t, *, grad=False):
+        if not self._quantizes_as(IdentityQuantizer):
+            return super().graph_operand(t, grad=grad)
+        return PlainOperand(self.dtype or t.dtype)
 
     def _repr_params(self):
         return {"dtype": self.dtype}

@@ -422,6 +422,18 @@ class Quantizer:
         return (f"{type(self).__name__}({params}{', ' if params else ''}"
                 f"rowwise={self.rowwise_usage}, columnwise={self.columnwise_usage})")
 
+    def graph_operand(self, t: torch.Tensor, *, grad: bool = False):
+        """This quantizer's traced form for a compiled linear (``formats.graph``) over
+        tensors like ``t``, or a string saying why it has none (the call then stays one
+        opaque op). ``grad``: the operand is the output gradient (its quantize happens in
+        the backward). A format gives its form in its own ``graph.py``."""
+        return f"{type(self).__name__} has no traced form"
+
+    def _quantizes_as(self, cls) -> bool:
+        """Whether this quantizer quantizes as ``cls`` does (a subclass that quantizes
+        otherwise has no traced form of ``cls``'s)."""
+        return type(self)._quantize_2d is cls._quantize_2d
+
     def _repr_params(self) -> dict[str, Any]:
         return {}
 

@@ -18,22 +18,17 @@ from __future__ import annotations
 import torch
 
 from ..activations import REGISTRY, activation_fp32, activation_grad
-from ..autocast import torch_autocast_dtype
 from ..kernels import graph_op, use_kernels
-from ..recipe import NVFP4BlockScaling
 from .norm_math import norm_backward, norm_fp32, norm_gamma
 from .norm_quantize import kernel_norm
 from .prologue import activation_prologue, apply_prologue
 
 
-def producer_kernel(x: torch.Tensor, recipe) -> bool:
-    """Whether eager mode would hand the quantizer of a traced plan under ``recipe``
-    ``x``'s producer through a fused kernel (``lowprec.fused.can_fuse``: every traced
-    recipe's quantizers but NVFP4's take a prologue, and the plan's shapes fill their
-    blocks)."""
-    from . import enabled  # the switch ``lowprec.fused.unfused`` turns off
-    return (enabled and use_kernels(x) and torch_autocast_dtype(x) is None
-            and not isinstance(recipe, NVFP4BlockScaling))
+def producer_kernel(x: torch.Tensor, quantizer, backward_mode: str) -> bool:
+    """Whether eager mode hands ``quantizer`` ``x``'s producer through a fused kernel
+    (``lowprec.fused.can_fuse``), which the traced form then runs too."""
+    from . import can_fuse
+    return use_kernels(x) and can_fuse(quantizer, x, backward_mode)
 
 
 def _none(t: torch.Tensor) -> torch.Tensor:

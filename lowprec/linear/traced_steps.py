@@ -12,46 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.graph import as_output, bf16_rne_bits, rounded, rounded_amax  # noqa: F401
 from ..kernels import graph_op
-
-
-def bf16_rne_bits(bits: torch.Tensor) -> torch.Tensor:
-    """fp32 bits (int32) rounded to nearest even at bf16 precision, still 32 bits wide
-    (NaN stays NaN: eager's bf16 NaNs keep high mantissa bits, and inductor's are
-    canonical)."""
-    return bits + (0x7FFF + ((bits >> 16) & 1))
-
-
-def rounded(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in fp32, rounded to bf16 precision in integer arithmetic: for a bf16 tensor
-    its exact value. A compiler that fuses the op producing ``t`` computes it in fp32 and
-    hands on the unrounded value (inductor elides the bf16 round trip between fused ops);
-    this rounds it as eager's bf16 tensor is rounded, in whatever kernel it lands. fp32
-    passes through."""
-    if t.dtype == torch.float32:
-        return t
-    return (bf16_rne_bits(t.to(torch.float32).view(torch.int32)) & -65536).view(torch.float32)
-
-
-def rounded_amax(t2d: torch.Tensor) -> torch.Tensor:
-    """amax(|t2d|) of ``t2d``'s bf16-rounded values (1-element fp32), as eager's amax of the
-    bf16 tensor. Rounding to nearest is monotonic and symmetric, so the largest rounded
-    magnitude is the rounded largest magnitude: the rounding is applied to the one result,
-    and the reduction reads the producer's expression alone, which inductor then fuses
-    with its neighbours' reductions (the amaxes of dgate and dup in one pass) instead of
-    writing the rounded magnitudes to an fp32 buffer first. The rounding reads the
-    reduction's dtype (bf16), as inductor may hand on its fp32 value unrounded."""
-    return rounded(t2d.abs().amax()).reshape(1)
-
-
-def as_output(out_fp32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``out_fp32.to(dtype)`` whose bf16 rounding a fused consumer cannot elide: the bf16
-    values are made from their bits, so any kernel the compiler fuses this into reads the
-    rounded numbers eager's consumer reads."""
-    if dtype != torch.bfloat16:
-        return out_fp32.to(dtype)
-    half = bf16_rne_bits(out_fp32.view(torch.int32)) >> 16
-    return half.to(torch.int16).view(torch.bfloat16)
 
 
 def plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -96,14 +58,6 @@ def finish(ctx, x, weight, bias, plan, y: torch.Tensor) -> torch.Tensor:
     ctx.plan, ctx.has_bias = plan, bias is not None
     ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
     return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def finish_requantizing(ctx, x, x2d, weight, bias, plan, y: torch.Tensor) -> torch.Tensor:
-    """:func:`finish` for a Function whose backward quantizes x and the weight again from the
-    tensors themselves: keeps x (for wgrad) and the weight (for dgrad), as they came."""
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    ctx.save_for_backward(x2d if need_dw else None, weight if need_dx else None)
-    return finish(ctx, x, weight, bias, plan, y)
 
 
 def joined(parts: list) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -12,11 +13,10 @@ from ..autocast import active_region, init_recipe, register_delayed_state, torch
 from ..checkpoint import check_not_recomputing, current_frame, record, replayed
 from ..compiled_call import HANDLE_ATTR, CompiledCallMixin
 from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor, keep_quantized, user_attributes
-from ..linear import traced
 from ..linear.function import LinearQuantizers
 from ..recipe import DelayedScaling, operand_usages
 from ..roles import check_num_quantizers, gemm_roles
-from ..state import RecipeState
+from ..state import RecipeState, stateful, stateless_quantizers
 from . import extra_state
 
 PARALLEL_MODES = (None, "column", "row")
@@ -252,18 +252,6 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         return check_num_quantizers(self, fwd, num_quantizers, roles)
 
     # ---- recipe state -------------------------------------------------------------------
-    def traced_recipe(self, x: torch.Tensor):
-        """The recipe a compiled call of this module may trace into the graph
-        (``lowprec.linear.traced``), or None where it stays one opaque call: outside
-        autocast, with an amax reduction group, a boundary role, or inside a checkpointed
-        call (whose recompute replays the eager call's record, ``lowprec.checkpoint``)."""
-        region = active_region()
-        if (region is None or region.group is not None or current_frame() is not None
-                or self.output_quantizer_role is not None
-                or self.grad_input_quantizer_role is not None or not x.is_floating_point()):
-            return None
-        return region.recipe
-
     def traced_plain_call(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
         """Whether a compiled call runs no recipe and traces as the torch ops of its high
         precision path: outside autocast and checkpointing, no tensor parallelism, plain
@@ -273,29 +261,77 @@ class LowprecModule(CompiledCallMixin, nn.Module):
                 and all(type(w) in (torch.Tensor, nn.Parameter) and w.dtype == x.dtype
                         for w in weights))
 
-    def traced_call_recipe(self, x: torch.Tensor, *weights: torch.Tensor):
-        """The recipe a compiled call traces its GEMMs under, or None where it stays one
-        opaque call: :meth:`traced_recipe`'s conditions, no tensor parallelism, a plain
-        input, and weights that are plain tensors or arrive quantized under a recipe whose
-        traced GEMMs read them (``traced.reads_recipe_weights``; ``plan_for`` checks the
-        form). DTensors (tensor-parallel styles) and other subclasses keep the opaque call."""
-        recipe = self.traced_recipe(x)
-        if recipe is None or self._tp is not None or type(x) is not torch.Tensor:
-            return None
-        for w in weights:
-            if type(w) not in (torch.Tensor, nn.Parameter) and not (
-                    isinstance(w, QuantizedTensor) and traced.reads_recipe_weights(recipe)):
-                return None
-        return recipe
+    def traced_quantizers(self, x: torch.Tensor, *weights: torch.Tensor):
+        """(per-GEMM ``LinearQuantizers``, backward mode, delayed-scaling states or None)
+        that a compiled call traces its GEMMs with (``lowprec.linear.traced``), or the
+        reason (a string) it stays one opaque call.
 
-    def traced_states_for(self, recipe) -> tuple[bool, tuple | None]:
-        """(traceable, delayed): the delayed-scaling states a traced call under ``recipe``
-        records into (:meth:`traced_delayed_states`; None for other recipes), and whether
-        the call may trace at all (not where a delayed-scaling call stays opaque)."""
-        if not isinstance(recipe, DelayedScaling):
-            return True, None
-        delayed = self.traced_delayed_states(recipe)
-        return delayed is not None, delayed
+        The quantizers come from the recipe's rule for this module's roles, as its state
+        would hold them (``state.stateless_quantizers``), so that tracing them reads the
+        quantizers' settings alone: same-shaped layers whose quantizers agree share one
+        compiled code, whatever their names or states. Delayed scaling reads the state
+        the module keeps (:meth:`traced_delayed_states`)."""
+        region = active_region()
+        if region is None:
+            return "outside lowprec.autocast"
+        if region.group is not None:
+            return "an amax_reduction_group"
+        if current_frame() is not None:
+            # its recompute replays the eager call's record (lowprec.checkpoint)
+            return "inside an eagerly run activation checkpoint"
+        if self.output_quantizer_role is not None or self.grad_input_quantizer_role is not None:
+            return "a quantized output or input gradient (boundary roles)"
+        if self._tp is not None:
+            return "tensor parallelism"
+        if type(x) is not torch.Tensor or not x.is_floating_point():
+            return f"an input of type {type(x).__name__}"
+        for w in weights:
+            if type(w) not in (torch.Tensor, nn.Parameter) and not isinstance(w, QuantizedTensor):
+                return f"a weight of type {type(w).__name__}"
+        recipe = region.recipe
+        delayed = None
+        if stateful(recipe):
+            states = self.traced_delayed_states(recipe)
+            if states is None:
+                return "delayed scaling before its state exists, without gradients or checkpointed"
+            held = self.__dict__["_recipe_states"]
+            fq, bq = held["forward"].quantizers, held["backward"].quantizers
+            delayed = (*states, recipe)
+        else:
+            fwd_roles, bwd_roles = self._roles()
+            fq = stateless_quantizers(recipe, "forward", fwd_roles)
+            bq = stateless_quantizers(recipe, "backward", bwd_roles)
+        return self._linear_quantizers(fq, bq), recipe.backward_mode, delayed
+
+    def _roles(self) -> tuple[list, list]:
+        """The (forward, backward) roles, kept from construction and from each change of
+        the attributes they are built from (reading them costs a compiled call no guard
+        on those attributes)."""
+        roles = self.__dict__.get("_role_lists")
+        if roles is None:
+            roles = self._cache_roles()
+        return roles
+
+    def _cache_roles(self) -> tuple[list, list]:
+        roles = self.__dict__["_role_lists"] = (self.get_quantizer_roles(fwd=True),
+                                                self.get_quantizer_roles(fwd=False))
+        return roles
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        # Each module's roles are built once its constructor has finished (the outermost
+        # one: a subclass's constructor runs its parent's first).
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kw):
+            init(self, *args, **kw)
+            if type(self).__init__ is __init__:
+                self._cache_roles()
+
+        cls.__init__ = __init__
 
     def traced_delayed_states(self, recipe):
         """(forward, backward ``DelayedScalingState``, module handle or None) a traced
@@ -327,6 +363,8 @@ class LowprecModule(CompiledCallMixin, nn.Module):
             if states is not None:
                 for mode in states:
                     states[mode] = None
+            if "_role_lists" in self.__dict__:
+                self._cache_roles()
 
     def __getstate__(self):
         # The per-recipe caches are rebuilt at the next forward: they stay out of a pickle or
@@ -449,18 +487,23 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         cached = self.__dict__.get("_gemm_quantizers_of")
         if cached is not None and all(a is b for a, b in zip(cached[0], key)):
             return cached[1], recipe.backward_mode, callback
-        out = []
-        for i in range(len(self._gemm_names())):
-            fq, bq = fwd.quantizers[3 * i:3 * i + 3], bwd.quantizers[2 * i:2 * i + 2]
-            out.append(LinearQuantizers(
-                input=fq[0], weight=fq[1],
-                output=fq[2] if self._boundary(i, True) is not None else None,
-                grad_output=bq[0],
-                grad_input=bq[1] if self._boundary(i, False) is not None else None))
+        out = self._linear_quantizers(fwd.quantizers, bwd.quantizers)
         # Reused while the states are: the quantizers are the states' own objects, and
         # which slots a module quantizes does not change between calls.
         self._gemm_quantizers_of = (key, out)
         return out, recipe.backward_mode, callback
+
+    def _linear_quantizers(self, fq: list, bq: list) -> list[LinearQuantizers]:
+        """Per-GEMM quantizers from the forward slots ``fq`` and backward slots ``bq``."""
+        out = []
+        for i in range(len(self._gemm_names())):
+            f, b = fq[3 * i:3 * i + 3], bq[2 * i:2 * i + 2]
+            out.append(LinearQuantizers(
+                input=f[0], weight=f[1],
+                output=f[2] if self._boundary(i, True) is not None else None,
+                grad_output=b[0],
+                grad_input=b[1] if self._boundary(i, False) is not None else None))
+        return out
 
     # ---- quantized weights ----------------------------------------------------------------
     def _weight_names(self) -> list[str]:

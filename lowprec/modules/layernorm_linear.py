@@ -60,23 +60,25 @@ class LayerNormLinear(LowprecModule):
     def traced_forward(self, x: torch.Tensor):
         """The call as torch.compile traces it: the norm as one op around eager's own
         computation (``lowprec.fused.graph``), then the linear traced as ``Linear``'s
-        (``lowprec.linear.traced``); ``NotImplemented`` where it stays one opaque op
+        (``lowprec.linear.traced``); the reason (a string) where it stays one opaque op
         (under torch.autocast too)."""
         if self.traced_plain_call(x, self.weight):
             ln = graph_norm(self, x, kernel=False)  # no quantizer: eager's unfused norm
             y = F.linear(ln, self.weight, self.bias)
             return (y, ln) if self.return_layernorm_output else y
-        recipe = self.traced_call_recipe(x, self.weight)
-        if (recipe is None or torch_autocast_dtype(x) is not None
-                or traced.plan_for(recipe, x, self.weight, self.bias) is None):
-            return NotImplemented
-        traceable, delayed = self.traced_states_for(recipe)
-        if not traceable:
-            return NotImplemented
+        if torch_autocast_dtype(x) is not None:
+            return "LayerNormLinear under torch.autocast"
+        got = self.traced_quantizers(x, self.weight)
+        if isinstance(got, str):
+            return got
+        (q,), mode, delayed = got
+        plan = traced.plan_for(q, mode, x, self.weight, self.bias)
+        if isinstance(plan, str):
+            return plan
         # eager fuses the norm into the quantize unless it returns the norm output
         ln = graph_norm(self, x, kernel=not self.return_layernorm_output
-                        and producer_kernel(x, recipe))
-        y = traced.traced_linear(recipe, ln, self.weight, self.bias, delayed)
+                        and producer_kernel(x, q.input, mode))
+        y = traced.traced_linear(q, mode, ln, self.weight, self.bias, delayed)
         return (y, ln) if self.return_layernorm_output else y
 
     @compiled_as_one_op

@@ -11,7 +11,6 @@ from ..compiled_call import compiled_as_one_op
 from ..fused.graph import graph_activation, graph_norm, producer_kernel
 from ..linear import traced
 from ..linear.function import quantized_linear
-from ..recipe import DelayedScaling
 from . import tensor_parallel as tpar
 from .activations import get_activation
 from .base import LowprecModule, add_linear_params, producer_usages, release_fprop_copy
@@ -78,25 +77,33 @@ class LayerNormMLP(LowprecModule):
     def traced_forward(self, x: torch.Tensor):
         """The call as torch.compile traces it: the norm and the activation as one op each
         around eager's own computations (``lowprec.fused.graph``), both linears traced as
-        ``Linear``'s (``lowprec.linear.traced``); ``NotImplemented`` where it stays one
+        ``Linear``'s (``lowprec.linear.traced``); the reason (a string) where it stays one
         opaque op (under torch.autocast and delayed scaling too)."""
         w1, b1, w2, b2 = self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
         if self.traced_plain_call(x, w1, w2):  # no quantizer: eager's unfused norm and activation
             h1 = F.linear(graph_norm(self, x, kernel=False), w1, b1)
             return F.linear(graph_activation(self.activation, h1, kernel=False), w2, b2)
-        recipe = self.traced_call_recipe(x, w1, w2)
-        if (recipe is None or torch_autocast_dtype(x) is not None
-                or isinstance(recipe, DelayedScaling)
-                or traced.plan_for(recipe, x, w1, b1) is None
-                # fc2's input is made below: a stand-in of its shape asks its plan first
-                # (a dead op in the graph)
-                or traced.plan_for(recipe, x.new_empty((*x.shape[:-1], w2.shape[1])), w2,
-                                   b2) is None):
-            return NotImplemented
-        kernel = producer_kernel(x, recipe)  # eager's fused norm and activation
-        h1 = traced.traced_linear(recipe, graph_norm(self, x, kernel=kernel), w1, b1)
-        a = graph_activation(self.activation, h1, kernel=kernel)
-        return traced.traced_linear(recipe, a, w2, b2)
+        if torch_autocast_dtype(x) is not None:
+            return "LayerNormMLP under torch.autocast"
+        got = self.traced_quantizers(x, w1, w2)
+        if isinstance(got, str):
+            return got
+        (q1, q2), mode, delayed = got
+        if delayed is not None:
+            return "LayerNormMLP under delayed scaling"
+        # fc2's input is made below: a stand-in of its shape asks its plan first (a dead
+        # op in the graph)
+        a_like = x.new_empty((*x.shape[:-1], w2.shape[1])).requires_grad_(
+            x.requires_grad or w1.requires_grad)
+        for plan in (traced.plan_for(q1, mode, x, w1, b1),
+                     traced.plan_for(q2, mode, a_like, w2, b2)):
+            if isinstance(plan, str):
+                return plan
+        # eager's fused norm and activation
+        h1 = traced.traced_linear(q1, mode, graph_norm(
+            self, x, kernel=producer_kernel(x, q1.input, mode)), w1, b1)
+        a = graph_activation(self.activation, h1, kernel=producer_kernel(h1, q2.input, mode))
+        return traced.traced_linear(q2, mode, a, w2, b2)
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:

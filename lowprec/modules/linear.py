@@ -61,17 +61,15 @@ class Linear(LowprecModule):
         return [(rows, *x.shape[1:-1], self.weight.shape[0])]
 
     def traced_forward(self, x: torch.Tensor):
-        """The call as torch.compile traces it (``lowprec.linear.traced``), or
-        ``NotImplemented`` where it stays one opaque op."""
+        """The call as torch.compile traces it (``lowprec.linear.traced``), or the reason
+        (a string) it stays one opaque op."""
         if self._plain_call(x) and active_region() is None and current_frame() is None:
             return F.linear(x, self.weight, self.bias)
-        recipe = self.traced_call_recipe(x, self.weight)
-        if recipe is None:
-            return NotImplemented
-        traceable, delayed = self.traced_states_for(recipe)
-        if not traceable:
-            return NotImplemented
-        return traced.traced_linear(recipe, x, self.weight, self.bias, delayed)
+        got = self.traced_quantizers(x, self.weight)
+        if isinstance(got, str):
+            return got
+        qs, mode, delayed = got
+        return traced.traced_linear(qs[0], mode, x, self.weight, self.bias, delayed)
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from ..base import (
     check_divisible,
 )
 from ..casting import check_fp8_dtype
-from . import launch
+from . import graph, launch
 from .reference import BLOCK, quantize_blocks
 from .tensor import Float8BlockwiseTensor
 
@@ -130,6 +130,12 @@ class Float8BlockQuantizer(Quantizer):
                 "columnwise_data": data(k, m) if col else None,
                 "columnwise_scale": scale(*col_scale) if col else None,
                 "fp8_dtype": self.fp8_dtype, "block_scaling_dim": self.block_scaling_dim}
+
+    def graph_operand(self, t, *, grad=False):
+        if not self._quantizes_as(Float8BlockQuantizer):
+            return super().graph_operand(t, grad=grad)
+        return graph.Blockwise(self.fp8_dtype, self.block_scaling_dim, self.force_pow_2_scales,
+                               self.amax_epsilon, kernel=use_kernels(t))
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "block_scaling_dim": self.block_scaling_dim,

@@ -7,7 +7,7 @@ import torch
 from ...kernels import use_kernels
 from ..base import Quantizer, check_amax_epsilon, check_bool_option
 from ..casting import check_fp8_dtype
-from . import launch
+from . import graph, launch
 from .reference import current_scale, quantize_per_tensor, tensor_amax
 from .tensor import Float8Tensor
 
@@ -122,6 +122,11 @@ class Float8Quantizer(_PerTensorFloat8):
         scale = self._record_amax(tensor_amax(x2d), x2d.device)
         return self._slicer(lambda v: self._fields(v, scale))
 
+    def graph_operand(self, t, *, grad=False):
+        if not self._quantizes_as(Float8Quantizer):
+            return super().graph_operand(t, grad=grad)
+        return graph.Delayed(self.fp8_dtype, -1)
+
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "scale": float(self.scale)}
 
@@ -196,6 +201,11 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
             return self._slicer(lambda v: launch.quantize_current(self, v, amax_bits=bits))
         scale = self._reference_scale(x2d)
         return self._slicer(lambda v: self._fields(v, scale))
+
+    def graph_operand(self, t, *, grad=False):
+        if not self._quantizes_as(Float8CurrentScalingQuantizer):
+            return super().graph_operand(t, grad=grad)
+        return graph.Tensorwise(self.fp8_dtype, self.force_pow_2_scales, self.amax_epsilon)
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "force_pow_2_scales": self.force_pow_2_scales,

@@ -9,7 +9,7 @@ from ..base import Quantizer, check_bool_option, check_divisible
 from ..casting import check_fp8_dtype
 from ..exact import ExactTensor
 from ..gemm_slicer import block_gemm_slicer
-from . import launch
+from . import graph, launch
 from .reference import BLOCK, quantize_1x32, quantize_32x32
 from .tensor import MXFP8Tensor
 
@@ -113,6 +113,13 @@ class MXFP8Quantizer(Quantizer):
             fields.update(columnwise_data=data(k, m),
                           columnwise_scale=scale(k // rows_per_scale, m // BLOCK))
         return {**fields, **self._meta_fields()}
+
+    def graph_operand(self, t, *, grad=False):
+        if not self._quantizes_as(MXFP8Quantizer):
+            return super().graph_operand(t, grad=grad)
+        if self.with_2d_quantization:
+            return "MXFP8 with 2D (32x32) blocks has no traced form"
+        return graph.MXBlocks(self.fp8_dtype, kernel=use_kernels(t))
 
     def _repr_params(self):
         return self._meta_fields()

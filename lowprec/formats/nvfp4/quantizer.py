@@ -9,6 +9,7 @@ from ..base import Quantizer, check_bool_option, check_divisible
 from ..exact import ExactTensor
 from ..gemm_slicer import GemmSlicer
 from ..rht import rht_forward
+from . import graph
 from .draws import draw_key, uniforms_at
 from .reference import BLOCK, SCALE_DTYPE, finite_amax, global_encode_scale, quantize_matrix
 from .tensor import NVFP4Tensor
@@ -243,6 +244,19 @@ class NVFP4Quantizer(Quantizer):
                 fields.update({f"{usage}_data": data, f"{usage}_scale": scale,
                                f"{usage}_global": s})
         return fields
+
+    def graph_operand(self, t, *, grad=False):
+        if not self._quantizes_as(NVFP4Quantizer):
+            return super().graph_operand(t, grad=grad)
+        if self.stochastic_rounding and (self.generator is not None or not grad):
+            # a graph draws from the default generator, where eager draws dY's keys
+            return ("NVFP4 stochastic rounding traces for gradients drawing from torch's "
+                    "default generator only")
+        kernel = use_kernels(t)
+        if t.device.type == "cuda" and not kernel:
+            return "NVFP4 on CUDA traces with its Triton kernels only"
+        return graph.FP4Blocks(rht=self.with_rht, two_d=self.with_2d_quantization,
+                               sr=self.stochastic_rounding, kernel=kernel)
 
     def _repr_params(self):
         return {"with_rht": self.with_rht, "with_2d_quantization": self.with_2d_quantization,

@@ -1,0 +1,98 @@
+"""Block-scaled FP8 as a compiled linear traces it (``formats.graph``).
+
+With the kernels (CUDA with Triton) a quantize is eager's Triton kernel, launched by
+inductor from its own code (``fp8_block_quantize_inline``): its blocked amax and cast take
+a fraction of the GPU time of inductor's code for the same torch ops, and it makes both
+directions in one pass. Elsewhere it is the reference's torch ops. Either way the blocks
+are eager's bit for bit. The backward quantizes the input and weight again from the
+tensors (a quantize is a function of its input), so no fp8 copy lives from forward to
+backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...kernels import graph_op
+from ..graph import Blocks, GraphOperand, Kind, rounded
+from .launch import fp8_block_quantize_inline
+from .reference import dequantize_blocks, quantize_blocks
+
+E5M2 = torch.float8_e5m2
+
+
+@graph_op("dequantized_blocks")
+def dequantized_blocks(data: torch.Tensor, scale: torch.Tensor, dim: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Block FP8 values in ``dtype`` as eager dequantizes them (the reference's fp32
+    division, which inductor's GPU code would approximate)."""
+    return dequantize_blocks(data, scale, dim).to(dtype)
+
+
+@torch.library.register_fake("lowprec::dequantized_blocks")
+def _dequantized_blocks_fake(data, scale, dim, dtype):
+    return data.new_empty(data.shape, dtype=dtype)
+
+
+class _BlockForms(GraphOperand):
+    def dequantized(self, rep, dtype, usage="rowwise"):
+        return dequantized_blocks(rep.data, rep.scale, rep.dim, dtype)
+
+
+class Blockwise(_BlockForms):
+    """``Float8BlockQuantizer``'s settings: 1x128 (``dim`` 1) or 128x128 (2) blocks."""
+
+    def __init__(self, fp8_dtype: torch.dtype, dim: int, pow2: bool = True, eps: float = 0.0,
+                 kernel: bool = False) -> None:
+        self.fp8_dtype, self.dim, self.pow2, self.eps, self.kernel = (
+            fp8_dtype, dim, pow2, eps, kernel)
+        # 1x128 blocks of a row slice are the whole tensor's; 128x128 blocks span rows
+        self.sliceable = dim == 1
+
+    def kind(self, usage):
+        return Kind("blocks", self.fp8_dtype, self.dim, pow2=self.pow2)
+
+    def _launch(self, t, rowwise: bool, columnwise: bool):
+        rq, rs, _, cq, cs, _ = fp8_block_quantize_inline(
+            t, self.fp8_dtype == E5M2, self.dim, self.pow2, self.eps, rowwise, columnwise)
+        return (Blocks(rq.view(self.fp8_dtype), rs, self.dim),
+                Blocks(cq.view(self.fp8_dtype), cs, self.dim))
+
+    def _reference(self, t):
+        return Blocks(*quantize_blocks(rounded(t), self.fp8_dtype, self.dim, pow2=self.pow2,
+                                       eps=self.eps), self.dim)
+
+    def rowwise(self, t):
+        if self.kernel:
+            return self._launch(t, True, False)[0]
+        return self._reference(t)
+
+    def columnwise(self, t):
+        if self.dim == 2:  # 128x128 blocks serve both directions, read transposed
+            data, scale, _ = self.rowwise(t)
+            return Blocks(data.t().contiguous(), scale.t().contiguous(), 2)
+        if self.kernel:
+            return self._launch(t, False, True)[1]
+        return self._reference(t.t())
+
+    def grad(self, t, row, col):
+        if row and col and self.kernel and self.dim == 1:  # both directions in one pass
+            return self._launch(t, True, True)
+        return super().grad(t, row, col)
+
+
+class GivenBlocks(_BlockForms):
+    """A 128x128-block FP8 weight that arrives quantized (a ``Float8BlockwiseTensor``):
+    its own codes and block scales; dgrad reads both transposed."""
+
+    def __init__(self, fp8_dtype: torch.dtype) -> None:
+        self.fp8_dtype = fp8_dtype
+
+    def kind(self, usage):
+        return Kind("blocks", self.fp8_dtype, 2)
+
+    def rowwise(self, w):
+        return Blocks(w.rowwise_data, w.rowwise_scale, 2)
+
+    def columnwise(self, w):
+        return Blocks(w.rowwise_data.t().contiguous(), w.rowwise_scale.t().contiguous(), 2)

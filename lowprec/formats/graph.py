@@ -1,0 +1,236 @@
+"""Quantizers as ``torch.compile`` traces them: each format's *graph operand*.
+
+``Quantizer.graph_operand(t)`` gives the form of a quantizer that a compiled linear
+traces into its graph (``lowprec.linear.traced``): torch ops and lowprec's custom ops that
+compute, from a 2-D high-precision tensor, what eager's GEMMs read of that quantizer's
+quantized tensor, bit for bit. Each format writes its own in its folder
+(``formats/<format>/graph.py``); this module holds what they share: the forms a GEMM
+operand takes in a graph (:class:`Fp8`, :class:`Blocks`, :class:`Exact`, :class:`Plain`),
+the protocol (:class:`GraphOperand`), the identity and hybrid operands, and the bf16
+rounding that a fusing compiler cannot elide.
+
+A GEMM reads ``mat(t, usage)`` (``lowprec.gemm``): rowwise, the (M, K) matrix scaled
+along K; columnwise, the (K, M) matrix of ``t.T`` scaled along M. An operand makes
+either, and tells what the backward must keep to make the columnwise one later
+(``save_columnwise`` / ``saved_columnwise``): the tensor itself by default (a quantize
+is a function of its input, so making it again gives the forward's values, and the
+compiler may recompute the input from what its neighbours keep anyway).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..kernels import graph_op
+
+
+# ---- bf16 rounding a fusing compiler cannot elide -------------------------------------------
+def bf16_rne_bits(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 bits (int32) rounded to nearest even at bf16 precision, still 32 bits wide
+    (NaN stays NaN: eager's bf16 NaNs keep high mantissa bits, and inductor's are
+    canonical)."""
+    return bits + (0x7FFF + ((bits >> 16) & 1))
+
+
+def rounded(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, rounded to bf16 precision in integer arithmetic: for a bf16 tensor
+    its exact value. A compiler that fuses the op producing ``t`` computes it in fp32 and
+    hands on the unrounded value (inductor elides the bf16 round trip between fused ops);
+    this rounds it as eager's bf16 tensor is rounded, in whatever kernel it lands. fp32
+    passes through."""
+    if t.dtype == torch.float32:
+        return t
+    return (bf16_rne_bits(t.to(torch.float32).view(torch.int32)) & -65536).view(torch.float32)
+
+
+def rounded_amax(t2d: torch.Tensor) -> torch.Tensor:
+    """amax(|t2d|) of ``t2d``'s bf16-rounded values (1-element fp32), as eager's amax of the
+    bf16 tensor. Rounding to nearest is monotonic and symmetric, so the largest rounded
+    magnitude is the rounded largest magnitude: the rounding is applied to the one result,
+    and the reduction reads the producer's expression alone, which inductor then fuses
+    with its neighbours' reductions instead of writing the rounded magnitudes first."""
+    return rounded(t2d.abs().amax()).reshape(1)
+
+
+def as_output(out_fp32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out_fp32.to(dtype)`` whose bf16 rounding a fused consumer cannot elide: the bf16
+    values are made from their bits, so any kernel the compiler fuses this into reads the
+    rounded numbers eager's consumer reads."""
+    if dtype != torch.bfloat16:
+        return out_fp32.to(dtype)
+    half = bf16_rne_bits(out_fp32.view(torch.int32)) >> 16
+    return half.to(torch.int16).view(torch.bfloat16)
+
+
+# ---- the forms of a GEMM operand in a graph --------------------------------------------------
+class Fp8(NamedTuple):
+    """Per-tensor FP8: ``data`` (R, C) contiguous, ``scale`` its 1-element encode scale."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
+class Blocks(NamedTuple):
+    """Block-scaled FP8: ``data`` (R, C), encode ``scale`` per 1x128 (``dim`` 1) or
+    128x128 (``dim`` 2) block along C."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dim: int
+
+
+class Exact(NamedTuple):
+    """Values exact in bf16 (MXFP8, NVFP4): bf16 ``values`` (R, C) times ``1 / divisor``
+    (fp32, or None) where eager's kernels make them, in the transform's domain where
+    ``rht``; elsewhere the fp32 values eager's emulation multiplies (no divisor, the
+    original domain)."""
+
+    values: torch.Tensor
+    divisor: Optional[torch.Tensor] = None
+    rht: bool = False
+
+
+class Plain(NamedTuple):
+    """High-precision values (an identity quantizer, or no quantizer): the (R, C) matrix,
+    perhaps a transposed view, as eager's GEMMs read an IdentityTensor."""
+
+    values: torch.Tensor
+
+
+class Kind(NamedTuple):
+    """What a direction of an operand becomes, known before tracing (the traced GEMM
+    table checks each pair with it): ``name`` one of ``"fp8"``, ``"blocks"``, ``"exact"``,
+    ``"plain"``; the fp8 dtype, the block dim, whether values carry a transform or a
+    divisor (``"exact"``), or the values' dtype (``"plain"``)."""
+
+    name: str
+    fp8_dtype: Optional[torch.dtype] = None
+    dim: int = 0
+    rht: bool = False
+    divisor: bool = False
+    dtype: Optional[torch.dtype] = None
+    pow2: bool = True
+
+
+@graph_op("dequantized_values")
+def dequantized_values(data: torch.Tensor, divisor: Optional[torch.Tensor],
+                       dtype: torch.dtype) -> torch.Tensor:
+    """``data / divisor`` in fp32 rounded once to ``dtype``: a dequantize as eager computes
+    it (IEEE fp32 division, which inductor's GPU code would approximate)."""
+    values = data.to(torch.float32)
+    return (values if divisor is None else values / divisor).to(dtype)
+
+
+@torch.library.register_fake("lowprec::dequantized_values")
+def _dequantized_values_fake(data, divisor, dtype):
+    return data.new_empty(data.shape, dtype=dtype)
+
+
+class GraphOperand:
+    """A quantizer's traced form (see the module docstring). Subclasses implement
+    :meth:`rowwise`, :meth:`columnwise` and :meth:`kind`; the others have defaults that
+    a format overrides where one pass makes more than one thing."""
+
+    #: whether a sliced backward (``grad_split``) may quantize dY slice by slice: the
+    #: slices' blocks are the whole tensor's (no statistic spans slices)
+    sliceable = False
+
+    def kind(self, usage: str) -> Kind:
+        raise NotImplementedError
+
+    def rowwise(self, t: torch.Tensor):
+        """``mat(t, "rowwise")`` of the 2-D ``t`` as a graph form."""
+        raise NotImplementedError
+
+    def columnwise(self, t: torch.Tensor):
+        """``mat(t, "columnwise")``: the (C, R) matrix of ``t.T``, scaled along R."""
+        raise NotImplementedError
+
+    def save_columnwise(self, t: torch.Tensor) -> tuple:
+        """What the backward keeps to make :meth:`columnwise` of ``t``."""
+        return (t,)
+
+    def saved_columnwise(self, saved: tuple):
+        return self.columnwise(saved[0])
+
+    def forward(self, t: torch.Tensor, keep: bool) -> tuple:
+        """(rowwise form, what :meth:`saved_columnwise` reads, or () without ``keep``)."""
+        return self.rowwise(t), (self.save_columnwise(t) if keep else ())
+
+    def grad(self, t: torch.Tensor, row: bool, col: bool) -> tuple:
+        """(rowwise form or None, columnwise form or None) of a gradient, rowwise first
+        (the order eager quantizes, and draws random keys, in)."""
+        return (self.rowwise(t) if row else None), (self.columnwise(t) if col else None)
+
+    def dequantized(self, rep, dtype: torch.dtype, usage: str = "rowwise") -> torch.Tensor:
+        """The values of a form of this operand in ``dtype`` (fp32: what eager's fp32
+        emulation multiplies), as ``QuantizedTensor.dequantize`` gives them."""
+        if isinstance(rep, Plain):
+            return rep.values.to(dtype)
+        if isinstance(rep, Exact):
+            if rep.divisor is None:
+                return rep.values.to(dtype)
+            return dequantized_values(rep.values, rep.divisor, dtype)
+        return dequantized_values(rep.data, rep.scale, dtype)  # per-tensor FP8
+
+
+def scale_in_use(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """A delayed-scaling state's ``scale``, NaN where the matching ``amax`` is not finite
+    (plain torch ops, fused into the amax pass)."""
+    return torch.where(torch.isfinite(amax), scale, float("nan"))
+
+
+class PlainOperand(GraphOperand):
+    """An identity quantizer, or a slot with none: the values in ``dtype`` (the one the
+    identity quantizer casts to, else the tensor's own)."""
+
+    sliceable = True
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def kind(self, usage: str) -> Kind:
+        return Kind("plain", dtype=self.dtype)
+
+    def _values(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype)
+
+    def rowwise(self, t):
+        return Plain(self._values(t))
+
+    def columnwise(self, t):
+        return Plain(self._values(t).t())
+
+
+class HybridOperand(GraphOperand):
+    """One format per direction: the rowwise form from ``row``, the columnwise one from
+    ``col`` (``HybridQuantizer``)."""
+
+    def __init__(self, row: GraphOperand, col: GraphOperand) -> None:
+        self.row, self.col = row, col
+        self.sliceable = row.sliceable and col.sliceable
+
+    def kind(self, usage: str) -> Kind:
+        return (self.row if usage == "rowwise" else self.col).kind(usage)
+
+    def rowwise(self, t):
+        return self.row.rowwise(t)
+
+    def columnwise(self, t):
+        return self.col.columnwise(t)
+
+    def save_columnwise(self, t):
+        return self.col.save_columnwise(t)
+
+    def saved_columnwise(self, saved):
+        return self.col.saved_columnwise(saved)
+
+    def dequantized(self, rep, dtype, usage="rowwise"):
+        return (self.row if usage == "rowwise" else self.col).dequantized(rep, dtype, usage)
+
+    def grad(self, t, row, col):
+        # each half quantizes (and draws) on its own, rowwise first, as eager's hybrid does
+        return (self.row.grad(t, True, False)[0] if row else None,
+                self.col.grad(t, False, True)[1] if col else None)

@@ -1,0 +1,80 @@
+"""NVFP4 as a compiled linear traces it (``formats.graph``): each direction as the values
+its GEMM multiplies (``formats.nvfp4.compiled``), and dY's stochastic-rounding keys drawn
+by an op of the graph from torch's default generator, in eager's order (rowwise first).
+
+The forward keeps the values backward multiplies: the input's columnwise values, made in
+the pass of its rowwise ones (one amax pass for both, as eager's); a weight in 16x16
+blocks with nearest rounding and no transform has the transpose of its rowwise values as
+its columnwise ones, so it keeps those and dgrad reads them transposed.
+"""
+
+from __future__ import annotations
+
+from ..graph import Exact, GraphOperand, Kind, rounded
+from . import compiled as fp4
+
+
+class FP4Blocks(GraphOperand):
+    """``NVFP4Quantizer``'s settings: ``rht`` on its columnwise direction, 16x16 blocks
+    (``two_d``), stochastic rounding (``sr``); ``kernel``: eager's Triton kernels make
+    the values (CUDA)."""
+
+    def __init__(self, rht: bool = False, two_d: bool = False, sr: bool = False,
+                 kernel: bool = False) -> None:
+        self.rht, self.two_d, self.sr, self.kernel = rht, two_d, sr, kernel
+        #: the columnwise values are the rowwise ones transposed (one global scale, the
+        #: same blocks either way)
+        self.transposes = two_d and not (rht or sr)
+
+    def kind(self, usage):
+        # the kernels' values carry the global scale as a divisor and the transform; the
+        # reference's are the emulation's fp32 values in the original domain
+        return Kind("exact", rht=self.kernel and self.rht and usage == "columnwise",
+                    divisor=self.kernel)
+
+    def _values(self, t, row: bool, col: bool):
+        keys = fp4.draw_keys(t, int(row) + int(col)) if self.sr else None
+        key_row = key_col = None
+        if keys is not None:
+            key_row = keys[0] if row else None
+            key_col = keys[int(row)] if col else None
+        if self.kernel:
+            (rv, rd), (cv, cd) = fp4.kernel_values(t, row, col, rht=self.rht, two_d=self.two_d,
+                                                   key_row=key_row, key_col=key_col)
+            return (Exact(rv, rd) if row else None,
+                    Exact(cv, cd, self.rht) if col else None)
+        r = rounded(t)
+        return (Exact(fp4.reference_values(r, True, rht=self.rht, two_d=self.two_d,
+                                           key=key_row)) if row else None,
+                Exact(fp4.reference_values(r, False, rht=self.rht, two_d=self.two_d,
+                                           key=key_col)) if col else None)
+
+    def rowwise(self, t):
+        return self._values(t, True, False)[0]
+
+    def columnwise(self, t):
+        return self._values(t, False, True)[1]
+
+    def forward(self, t, keep):
+        if not keep:
+            return self.rowwise(t), ()
+        if self.transposes:
+            row = self.rowwise(t)
+            return row, (row.values, row.divisor)
+        row, col = self._values(t, True, True)
+        return row, (col.values, col.divisor)
+
+    def save_columnwise(self, t):
+        kept = self.rowwise(t) if self.transposes else self.columnwise(t)
+        return (kept.values, kept.divisor)
+
+    def saved_columnwise(self, saved):
+        values, divisor = saved
+        if self.transposes:
+            return Exact(values.t().contiguous(), divisor)
+        return Exact(values, divisor, self.rht and self.kernel)
+
+    def grad(self, t, row, col):
+        if not (row or col):
+            return None, None
+        return self._values(t, row, col)
