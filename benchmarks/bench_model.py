@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import append_rows, gpu_kernel_ms, median_step_ms  # noqa: E402
 
 import lowprec  # noqa: E402
+from lowprec import factories as F  # noqa: E402
 from lowprec import recipe as R  # noqa: E402
 
 #: hidden, ffn, layers, heads, kv heads, seq, batch
@@ -62,6 +63,11 @@ RECIPES = {
     "block": lambda: R.Float8BlockScaling(),
     "mxfp8": lambda: R.MXFP8BlockScaling(),
     "nvfp4": lambda: R.NVFP4BlockScaling(),
+    "fp8_row_mxfp8_col": lambda: R.CustomRecipe(F.fp8_row_mxfp8_col_factory),
+    "mxfp8_fwd_nvfp4_bwd": lambda: R.CustomRecipe(F.mxfp8_fwd_nvfp4_bwd_factory),
+    "nvfp4_fp8_head": lambda: R.CustomRecipe(F.NVFP4ExceptLayers()),
+    "current_hp": lambda: R.Float8CurrentScaling(backward_mode="high_precision"),
+    "current_dequantized": lambda: R.Float8CurrentScaling(backward_mode="dequantized"),
 }
 
 
