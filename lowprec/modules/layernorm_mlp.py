@@ -102,7 +102,8 @@ class LayerNormMLP(LowprecModule):
         # eager's fused norm and activation
         h1 = traced.traced_linear(q1, mode, graph_norm(
             self, x, kernel=producer_kernel(x, q1.input, mode)), w1, b1)
-        a = graph_activation(self.activation, h1, kernel=producer_kernel(h1, q2.input, mode))
+        a = graph_activation(self.activation, h1,
+                             kernel=producer_kernel(a_like, q2.input, mode))
         return traced.traced_linear(q2, mode, a, w2, b2)
 
     @compiled_as_one_op
