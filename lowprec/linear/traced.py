@@ -233,11 +233,13 @@ def _feature_padding(q, k: int, n: int) -> bool:
 
 
 def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
-             bias: torch.Tensor | None = None, *, amp: bool = False) -> TracedPlan | str:
+             bias: torch.Tensor | None = None, *, amp: bool = False,
+             input_grad: bool | None = None) -> TracedPlan | str:
     """The traced plan of ``x @ weight.T (+ bias)`` with quantizers ``q`` (a
     ``LinearQuantizers``) under ``backward_mode``, or the reason the call stays one
     opaque op. ``amp``: under torch.autocast a quantized weight's nominal dtype need not
-    be the input's, as in eager mode."""
+    be the input's, as in eager mode. ``input_grad``: whether the input needs a gradient
+    (default: ``x.requires_grad``; for a stand-in of an input made later)."""
     if q is None:
         return "no quantizers"
     if q.output is not None or q.grad_input is not None:
@@ -256,7 +258,8 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
     if m == 0 or k == 0 or n == 0:
         return "an empty GEMM"
     grad = torch.is_grad_enabled()
-    need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
+    need_dx = grad and (x.requires_grad if input_grad is None else input_grad)
+    need_dw = grad and weight.requires_grad
     default = backward_mode == "default"
     if not quantized_w and _feature_padding(q, k, n):
         return "eager pads K or N to whole blocks"

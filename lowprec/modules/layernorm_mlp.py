@@ -93,10 +93,10 @@ class LayerNormMLP(LowprecModule):
             return "LayerNormMLP under delayed scaling"
         # fc2's input is made below: a stand-in of its shape asks its plan first (a dead
         # op in the graph)
-        a_like = x.new_empty((*x.shape[:-1], w2.shape[1])).requires_grad_(
-            x.requires_grad or w1.requires_grad)
+        a_like = x.new_empty((*x.shape[:-1], w2.shape[1]))
         for plan in (traced.plan_for(q1, mode, x, w1, b1),
-                     traced.plan_for(q2, mode, a_like, w2, b2)):
+                     traced.plan_for(q2, mode, a_like, w2, b2,
+                                     input_grad=x.requires_grad or w1.requires_grad)):
             if isinstance(plan, str):
                 return plan
         # eager's fused norm and activation
