@@ -81,3 +81,22 @@ class GraphOps:
             return g
 
         return aot_autograd(fw_compiler=record, bw_compiler=record)(gm, example_inputs)
+
+
+def plan_of(recipe, x, weight, bias=None):
+    """The traced plan (``lowprec.linear.traced.plan_for``) of a Linear named "l" under
+    ``recipe`` with these operands, or None where the call stays opaque."""
+    from lowprec.linear import traced
+    from lowprec.linear.function import LinearQuantizers
+    from lowprec.roles import gemm_roles
+    from lowprec.state import RecipeState
+
+    quantizers = []
+    for mode in ("forward", "backward"):
+        roles = gemm_roles("linear", "l", fwd=mode == "forward", output_role=None,
+                           grad_input_role=None)
+        quantizers.append(RecipeState.create(recipe, mode, roles, x.device).quantizers)
+    (fi, fw, _), (bg, _) = quantizers
+    q = LinearQuantizers(input=fi, weight=fw, grad_output=bg)
+    plan = traced.plan_for(q, recipe.backward_mode, x, weight, bias)
+    return None if isinstance(plan, str) else plan

