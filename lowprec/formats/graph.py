@@ -136,6 +136,8 @@ class GraphOperand:
     #: whether a sliced backward (``grad_split``) may quantize dY slice by slice: the
     #: slices' blocks are the whole tensor's (no statistic spans slices)
     sliceable = False
+    #: whether this form reads a tensor that arrives quantized (a gathered weight) as it is
+    given = False
 
     def kind(self, usage: str) -> Kind:
         raise NotImplementedError

@@ -211,16 +211,13 @@ def _operand(quantizer, t: torch.Tensor, grad: bool = False):
 
 def _given_weight(quantizer, weight: QuantizedTensor):
     """The traced form of a weight that arrives quantized (FSDP2's quantized all-gather,
-    ``quantized_model_init``), where the weight's format reads as the quantizer's would:
-    its own data, as eager's GEMMs read it."""
-    form = weight.graph_operand() if hasattr(weight, "graph_operand") else None
-    if form is None:
-        return f"a quantized weight ({type(weight).__name__}) has no traced form here"
-    own = quantizer.graph_operand(weight) if quantizer is not None else None
-    if isinstance(own, str) or own is None or own.kind("rowwise") != form.kind("rowwise"):
-        return (f"a quantized weight ({type(weight).__name__}) in another form than its "
-                f"quantizer's")
-    return form
+    ``quantized_model_init``): the quantizer's form that reads it as it is (its own data,
+    as eager's GEMMs read it), or the reason there is none."""
+    form = (quantizer.graph_operand(weight) if quantizer is not None
+            else "a quantized weight without a weight quantizer")
+    if isinstance(form, str) or form.given:
+        return form
+    return f"a quantized weight ({type(weight).__name__}) the quantizer's form does not read"
 
 
 def _feature_padding(q, k: int, n: int) -> bool:

@@ -85,6 +85,8 @@ class GivenBlocks(_BlockForms):
     """A 128x128-block FP8 weight that arrives quantized (a ``Float8BlockwiseTensor``):
     its own codes and block scales; dgrad reads both transposed."""
 
+    given = True
+
     def __init__(self, fp8_dtype: torch.dtype) -> None:
         self.fp8_dtype = fp8_dtype
 

@@ -134,6 +134,11 @@ class Float8BlockQuantizer(Quantizer):
     def graph_operand(self, t, *, grad=False):
         if not self._quantizes_as(Float8BlockQuantizer):
             return super().graph_operand(t, grad=grad)
+        if isinstance(t, Float8BlockwiseTensor):  # a weight that arrives quantized
+            if (t.block_scaling_dim != 2 or self.block_scaling_dim != 2
+                    or t.rowwise_data is None or t.fp8_dtype != self.fp8_dtype):
+                return "a block FP8 weight that is not rowwise 128x128 blocks of this format"
+            return graph.GivenBlocks(self.fp8_dtype)
         return graph.Blockwise(self.fp8_dtype, self.block_scaling_dim, self.force_pow_2_scales,
                                self.amax_epsilon, kernel=use_kernels(t))
 

@@ -7,7 +7,6 @@ import torch
 from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
 from .dequant import dequantize_bf16
-from .graph import GivenBlocks
 from .reference import dequantize_blocks
 
 
@@ -66,13 +65,6 @@ class Float8BlockwiseTensor(QuantizedTensor):
         scale = getattr(self, f"{usage}_scale")
         mant, _ = torch.frexp(scale.to(torch.float32))  # reads the scales back: synchronizes
         return "original" if bool(((mant == 0.5) | ~torch.isfinite(scale)).all()) else None
-
-    def graph_operand(self):
-        """The traced form of a weight that arrives quantized (``formats.graph``): 128x128
-        blocks with rowwise data, else None."""
-        if self.block_scaling_dim != 2 or self.rowwise_data is None:
-            return None
-        return GivenBlocks(self.fp8_dtype)
 
     def bf16_operand(self, usage: str) -> tuple[torch.Tensor, None]:
         return dequantize_bf16(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),

@@ -83,6 +83,8 @@ class GivenTensorwise(GraphOperand):
     quantized all-gather, ``quantized_model_init``): its own codes and scale, as eager's
     GEMMs read them; dgrad reads the transpose of its codes."""
 
+    given = True
+
     def __init__(self, fp8_dtype: torch.dtype) -> None:
         self.fp8_dtype = fp8_dtype
 

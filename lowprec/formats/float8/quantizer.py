@@ -205,6 +205,10 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def graph_operand(self, t, *, grad=False):
         if not self._quantizes_as(Float8CurrentScalingQuantizer):
             return super().graph_operand(t, grad=grad)
+        if isinstance(t, Float8Tensor):  # a weight that arrives quantized: read as it is
+            if t.rowwise_data is None or t.fp8_dtype != self.fp8_dtype:
+                return "a per-tensor FP8 weight without rowwise data in this fp8 dtype"
+            return graph.GivenTensorwise(self.fp8_dtype)
         return graph.Tensorwise(self.fp8_dtype, self.force_pow_2_scales, self.amax_epsilon)
 
     def _repr_params(self):

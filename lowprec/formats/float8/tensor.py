@@ -6,7 +6,6 @@ import torch
 
 from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
-from .graph import GivenTensorwise
 from .reference import dequantize_per_tensor
 
 
@@ -41,13 +40,6 @@ class Float8Tensor(QuantizedTensor):
 
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         return dequantize_per_tensor(getattr(self, f"{usage}_data"), self.shared_scale)
-
-    def graph_operand(self):
-        """The traced form of a weight that arrives quantized (``formats.graph``), or None
-        without rowwise data."""
-        if self.rowwise_data is None:
-            return None
-        return GivenTensorwise(self.fp8_dtype)
 
     def _bf16_domain(self, usage: str) -> str:
         return "original"  # fp8 data is exact in bf16; the per-tensor scale is the divisor
