@@ -71,8 +71,9 @@ def _common_accepts(cls, a, a_usage, b, b_usage, out_dtype) -> bool:
                        getattr(b, f"{_check_usage(b_usage)}_data"), out_dtype)
 
 
-def _fusable_bias(bias, out_dtype) -> bool:
-    # cuBLAS FP8 epilogue bias: bf16 or fp16 matching the output; not with an fp32 output.
+def fusable_bias(bias, out_dtype) -> bool:
+    """Whether cuBLAS's FP8 epilogue adds ``bias``: bf16 or fp16 matching the output (not
+    with an fp32 output), contiguous."""
     return (bias is not None and out_dtype in (torch.bfloat16, torch.float16)
             and bias.dtype == out_dtype and bias.is_contiguous())
 
@@ -101,7 +102,7 @@ def _scaled_mm(ad, bd, scale_a, scale_b, bias, out_dtype, out):
 def tensorwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     ad, bd = getattr(a, f"{a_usage}_data"), getattr(b, f"{b_usage}_data")
     scale_a, scale_b = a.decode_scale(), b.decode_scale()
-    fused = _fusable_bias(bias, out_dtype)
+    fused = fusable_bias(bias, out_dtype)
     res = _scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)
     return _finish(res, bias, fused, out)
 
@@ -125,7 +126,7 @@ _BLOCK_REFUSED: dict = {}
 
 def _block_key(a, b, out_dtype, bias):
     return (a.block_scaling_dim, b.block_scaling_dim, a.fp8_dtype, b.fp8_dtype, out_dtype,
-            _fusable_bias(bias, out_dtype))
+            fusable_bias(bias, out_dtype))
 
 
 def block_scales_fit(dim_a: int, dim_b: int, k: int) -> bool:
@@ -162,7 +163,7 @@ def _block_scales(a, a_usage, b, b_usage):
 def blockwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     ad, bd = getattr(a, f"{a_usage}_data"), getattr(b, f"{b_usage}_data")
     scale_a, scale_b = _block_scales(a, a_usage, b, b_usage)
-    fused = _fusable_bias(bias, out_dtype)
+    fused = fusable_bias(bias, out_dtype)
     key = _block_key(a, b, out_dtype, bias)
     try:
         res = _scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)

@@ -138,6 +138,9 @@ class GraphOperand:
     sliceable = False
     #: whether this form reads a tensor that arrives quantized (a gathered weight) as it is
     given = False
+    #: whether its quantize reads and records into state the module keeps (delayed
+    #: scaling's scales and amaxes), which the traced linear takes as inputs
+    reads_state = False
 
     def kind(self, usage: str) -> Kind:
         raise NotImplementedError

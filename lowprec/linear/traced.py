@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..autocast import torch_autocast_dtype
-from ..backends.cublas_fp8 import block_scales_fit
+from ..backends.cublas_fp8 import block_scales_fit, fusable_bias
 from ..backends.exact_bf16 import exact_product
 from ..formats.base import QuantizedTensor
 from ..formats.graph import (
@@ -49,6 +49,8 @@ from ..formats.graph import (
     Kind,
     Plain,
     PlainOperand,
+    as_output,
+    rounded_amax,
     scale_in_use,
 )
 from ..roles import QuantizerRole
@@ -116,30 +118,25 @@ def _decode(scale: torch.Tensor) -> torch.Tensor:
 
 def _with_bias(res, bias, fused: bool, out_dtype):
     if bias is not None and not fused:
-        return steps.as_output(res.to(torch.float32) + bias.to(torch.float32), out_dtype)
+        return as_output(res.to(torch.float32) + bias.to(torch.float32), out_dtype)
     return res
 
 
-def _fusable(bias, out_dtype) -> bool:
-    return (bias is not None and out_dtype in (torch.bfloat16, torch.float16)
-            and bias.dtype == out_dtype)
-
-
-def _cublas_fp8(a: Fp8, b: Fp8, out_dtype, bias):
-    fused = _fusable(bias, out_dtype)
+def _cublas_fp8(a: Fp8, b: Fp8, out_dtype, bias, ops=None):
+    fused = fusable_bias(bias, out_dtype)
     res = torch._scaled_mm(a.data, b.data.t(), scale_a=_decode(a.scale).reshape(()),
                            scale_b=_decode(b.scale).reshape(()), bias=bias if fused else None,
                            out_dtype=out_dtype, use_fast_accum=False)
     return _with_bias(res, bias, fused, out_dtype)
 
 
-def _cublas_fp8_block(a: Blocks, b: Blocks, out_dtype, bias):
+def _cublas_fp8_block(a: Blocks, b: Blocks, out_dtype, bias, ops=None):
     # 1x128 (R, K/128): contiguous (K/128, R), read as its transpose; 128x128 as it is
     scale_a = (_decode(a.scale.t()).contiguous().t() if a.dim == 1
                else _decode(a.scale).contiguous())
     scale_b = (_decode(b.scale.t()).contiguous() if b.dim == 1
                else _decode(b.scale).contiguous().t())
-    fused = _fusable(bias, out_dtype)
+    fused = fusable_bias(bias, out_dtype)
     res = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b,
                            bias=bias if fused else None, out_dtype=out_dtype,
                            use_fast_accum=False)
@@ -155,7 +152,7 @@ def _bf16_operand(rep):
     return rep.values, None  # an IdentityTensor's data, perhaps a transposed view
 
 
-def _exact_bf16(a, b, out_dtype, bias):
+def _exact_bf16(a, b, out_dtype, bias, ops=None):
     am, div_a = _bf16_operand(a)
     bm, div_b = _bf16_operand(b)
     return exact_product(am, div_a, bm, div_b, out_dtype, bias, in_graph=True)
@@ -168,7 +165,7 @@ def _emulated(a, b, out_dtype, bias, ops):
                                   b_op.dequantized(b, torch.float32, b_usage), bias, out_dtype)
 
 
-def _plain(a: Plain, b: Plain, out_dtype, bias):
+def _plain(a: Plain, b: Plain, out_dtype, bias, ops=None):
     if bias is None:
         return a.values @ b.values.t()
     return torch.addmm(bias, a.values, b.values.t())
@@ -176,15 +173,13 @@ def _plain(a: Plain, b: Plain, out_dtype, bias):
 
 #: The traced GEMMs, by the name of the eager backend each mirrors.
 ROUTES = {"plain": _plain, "cublas_fp8": _cublas_fp8, "cublas_fp8_block": _cublas_fp8_block,
-          "exact_bf16": _exact_bf16, "emulated": None}
+          "exact_bf16": _exact_bf16, "emulated": _emulated}
 
 
-def traced_gemm(name: str, a, b, out_dtype, bias=None, ops=None) -> torch.Tensor:
+def traced_gemm(name: str, a, b, out_dtype, bias, ops) -> torch.Tensor:
     """``mat(a) @ mat(b).T (+ bias)`` of two graph forms through route ``name``; ``ops``:
     ((operand, usage) of a, of b), which the emulation asks for the fp32 values."""
-    if name == "emulated":
-        return _emulated(a, b, out_dtype, bias, ops)
-    return ROUTES[name](a, b, out_dtype, bias)
+    return ROUTES[name](a, b, out_dtype, bias, ops)
 
 
 # ---- the plan --------------------------------------------------------------------------------
@@ -270,7 +265,7 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
     for form in (xo, wo, dyo):
         if isinstance(form, str):
             return form
-    delayed = getattr(xo, "state_slot", None) is not None
+    delayed = xo.reads_state
     cuda = x.device.type == "cuda"
     wdt = weight.dtype if not (amp and quantized_w) else x.dtype
     routes = [route(xo.kind("rowwise"), wo.kind("rowwise"), m, n, k, x.dtype, bias is not None,
@@ -321,7 +316,7 @@ def _delayed_forward(plan: TracedPlan, x2d, weight, fwd):
     """fprop's operands under delayed scaling: cast with the state's scales, their amaxes
     recorded into it (slot 0 the input, 1 the weight)."""
     scale, amax, handle = fwd
-    seen = torch.cat([steps.rounded_amax(x2d), steps.rounded_amax(weight)])
+    seen = torch.cat([rounded_amax(x2d), rounded_amax(weight)])
     # Backward recasts x and W with these scales, so it keeps this copy: recomputed from
     # the state, it would read scales the region's update has moved since (autograd's
     # version check then raises). A cat is an op the partitioner saves, not recomputes.
@@ -409,27 +404,30 @@ class TracedLinear(torch.autograd.Function):
         dx = dw = None
         if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T
             xc = plan.x.saved_columnwise(x_keep)
+            ops = ((plan.dy, "columnwise"), (plan.x, "columnwise"))
             dw = steps.joined([
                 traced_gemm(plan.routes[2], dy_col if whole else
                             plan.dy.grad(dy2d[:, a:a + cols], False, True)[1], xc, ctx.w_dtype,
-                            ops=((plan.dy, "columnwise"), (plan.x, "columnwise")))
+                            None, ops)
                 for a in range(0, n, cols)])
         if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
             wc = plan.w.saved_columnwise(w_keep)
+            ops = ((plan.dy, "rowwise"), (plan.w, "columnwise"))
             dx = steps.joined([
                 traced_gemm(plan.routes[1], dy_row if whole else
                             plan.dy.grad(dy2d[a:a + rows], True, False)[0], wc, ctx.x_dtype,
-                            ops=((plan.dy, "rowwise"), (plan.w, "columnwise")))
+                            None, ops)
                 for a in range(0, m, rows)])
         return dx, dw
 
 
 def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None, delayed=None):
+                  bias: torch.Tensor | None, delayed=None, plan: TracedPlan | None = None):
     """``x @ weight.T + bias`` quantized by ``quantizers`` in ops the compiler traces, or the
     reason (a string) where :func:`plan_for` has no plan (the caller keeps the opaque op).
     ``delayed``: the (forward, backward) delayed-scaling states and the module's handle
-    that a delayed-scaling call records into.
+    that a delayed-scaling call records into. ``plan``: :func:`plan_for`'s plan, where
+    the caller has asked for it already (for an input of the same shape and dtype).
 
     Under ``torch.autocast`` the operands are first cast to its dtype (differentiably, so
     an fp32 weight gets an fp32 gradient) and the rest runs with autocast off, as
@@ -440,7 +438,8 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         if not isinstance(weight, QuantizedTensor):  # a quantized weight is read as it is
             weight = weight.to(amp)
         bias = bias.to(amp) if bias is not None else None
-    plan = plan_for(quantizers, backward_mode, x, weight, bias, amp=amp is not None)
+    if plan is None:
+        plan = plan_for(quantizers, backward_mode, x, weight, bias, amp=amp is not None)
     if isinstance(plan, str):
         return plan
     if plan.delayed != (delayed is not None):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.graph import as_output, bf16_rne_bits, rounded, rounded_amax  # noqa: F401
+from ..formats.graph import as_output
 from ..kernels import graph_op
 
 

@@ -387,7 +387,7 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         outlives forwards under other recipes (an eval under MXFP8, say): it is kept aside
         and taken up again, or carried into the state of another DelayedScaling recipe or
         other roles where it fits."""
-        roles = self.get_quantizer_roles(fwd=mode == "forward")
+        roles = self._roles()[0 if mode == "forward" else 1]
         kept = self._kept_delayed().get(mode)
         if (isinstance(recipe, DelayedScaling) and kept is not None and kept.roles == roles
                 and (kept.recipe is recipe or kept.recipe == recipe)):

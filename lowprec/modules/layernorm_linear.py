@@ -78,7 +78,7 @@ class LayerNormLinear(LowprecModule):
         # eager fuses the norm into the quantize unless it returns the norm output
         ln = graph_norm(self, x, kernel=not self.return_layernorm_output
                         and producer_kernel(x, q.input, mode))
-        y = traced.traced_linear(q, mode, ln, self.weight, self.bias, delayed)
+        y = traced.traced_linear(q, mode, ln, self.weight, self.bias, delayed, plan)
         return (y, ln) if self.return_layernorm_output else y
 
     @compiled_as_one_op

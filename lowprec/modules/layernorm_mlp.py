@@ -94,17 +94,18 @@ class LayerNormMLP(LowprecModule):
         # fc2's input is made below: a stand-in of its shape asks its plan first (a dead
         # op in the graph)
         a_like = x.new_empty((*x.shape[:-1], w2.shape[1]))
-        for plan in (traced.plan_for(q1, mode, x, w1, b1),
-                     traced.plan_for(q2, mode, a_like, w2, b2,
-                                     input_grad=x.requires_grad or w1.requires_grad)):
+        plans = (traced.plan_for(q1, mode, x, w1, b1),
+                 traced.plan_for(q2, mode, a_like, w2, b2,
+                                 input_grad=x.requires_grad or w1.requires_grad))
+        for plan in plans:
             if isinstance(plan, str):
                 return plan
         # eager's fused norm and activation
         h1 = traced.traced_linear(q1, mode, graph_norm(
-            self, x, kernel=producer_kernel(x, q1.input, mode)), w1, b1)
+            self, x, kernel=producer_kernel(x, q1.input, mode)), w1, b1, plan=plans[0])
         a = graph_activation(self.activation, h1,
                              kernel=producer_kernel(a_like, q2.input, mode))
-        return traced.traced_linear(q2, mode, a, w2, b2)
+        return traced.traced_linear(q2, mode, a, w2, b2, plan=plans[1])
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from helpers import GraphOps, plan_of
 
 import lowprec
+from lowprec.compiled_call import fallback_reasons
 from lowprec.formats.float8.graph import Delayed
 from lowprec.kernels import use_kernels
 from lowprec.linear import grad_split, traced
@@ -267,21 +268,21 @@ def test_delayed_traced_bit_identical(device, bias, algo, backend):
 def test_delayed_traced_under_no_grad_and_callable_algo_stay_opaque():
     """An evaluation forward (nothing may move the state) and a callable amax algorithm
     keep the opaque call."""
-    x, w = torch.randn(32, 64), torch.randn(16, 64)
-    m = lowprec.Linear(64, 32, name="l")
-    recipe = DelayedScaling()
-    with lowprec.autocast(recipe=recipe):
-        m(torch.randn(16, 64)).sum().backward()  # the module has its state
-    ops = GraphOps()
-    compiled = torch.compile(m, backend=ops, fullgraph=True)
-    with lowprec.autocast(recipe=recipe), torch.no_grad():
-        compiled(torch.randn(16, 64))
-    assert any("lowprec.call" in t for t in ops.targets)
+    callable_algo = DelayedScaling(amax_compute_algo=lambda h: h.amax(0))
+    for recipe, grad in ((DelayedScaling(), False), (callable_algo, True)):
+        m = lowprec.Linear(64, 32, name="l")
+        with lowprec.autocast(recipe=recipe):
+            m(torch.randn(16, 64)).sum().backward()  # the module has its state
+        ops = GraphOps()
+        compiled = torch.compile(m, backend=ops, fullgraph=True)
+        with lowprec.autocast(recipe=recipe), torch.set_grad_enabled(grad):
+            compiled(torch.randn(16, 64, requires_grad=grad))
+        assert any("lowprec.call" in t for t in ops.targets)
+    assert any("callable amax_compute_algo" in r for r in fallback_reasons())
 
 
-@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(enable_2d_quantization=True),
-                                    Float8CurrentScaling(backward_mode="high_precision")],
-                         ids=["mxfp8_2d", "hp_backward"])
+@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(enable_2d_quantization=True)],
+                         ids=["mxfp8_2d"])
 def test_untraced_recipes_keep_the_opaque_call(recipe):
     ops = GraphOps()
     m = lowprec.Linear(64, 32, name="l")

@@ -62,13 +62,10 @@ class Tensorwise(GraphOperand):
 class Delayed(Tensorwise):
     """Delayed scaling (``Float8Quantizer``): cast with a scale the recipe state holds,
     the tensor's amax recorded into the state. The scale and amax are tensors of the
-    module's state, which the traced linear takes as its inputs (``state_slot``: this
-    operand's slot in them); NaN or Inf in the tensor casts with a NaN scale, so it comes
-    back NaN, as ``Float8Quantizer`` does."""
+    module's state, which the traced linear takes as its inputs; NaN or Inf in the tensor
+    casts with a NaN scale, so it comes back NaN, as ``Float8Quantizer`` does."""
 
-    def __init__(self, fp8_dtype: torch.dtype, state_slot: int) -> None:
-        super().__init__(fp8_dtype)
-        self.state_slot = state_slot
+    reads_state = True
 
     def delayed(self, t: torch.Tensor, scale: torch.Tensor):
         """(fp8 data, the scale cast with, the amax to record) of ``t`` under the state's

@@ -125,7 +125,7 @@ class Float8Quantizer(_PerTensorFloat8):
     def graph_operand(self, t, *, grad=False):
         if not self._quantizes_as(Float8Quantizer):
             return super().graph_operand(t, grad=grad)
-        return graph.Delayed(self.fp8_dtype, -1)
+        return graph.Delayed(self.fp8_dtype)
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "scale": float(self.scale)}

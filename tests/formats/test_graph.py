@@ -1,11 +1,11 @@
-"""The steps every traced linear shares (lowprec/linear/traced_steps.py): the bf16 rounding
+"""The steps every traced linear shares (lowprec/formats/graph.py): the bf16 rounding
 helpers that keep eager's values where inductor fuses neighbours."""
 
 from __future__ import annotations
 
 import torch
 
-from lowprec.linear import traced_steps
+from lowprec.formats import graph
 
 
 def test_rounded_amax_is_the_amax_of_rounded_values():
@@ -19,13 +19,13 @@ def test_rounded_amax_is_the_amax_of_rounded_values():
     for extra in ([], [3.4e38], [-float("inf")], [float("nan"), 1.0]):
         t = torch.cat([v, torch.tensor(extra)]) if extra else v
         want = t.to(torch.bfloat16).abs().amax().float().reshape(1)
-        got = traced_steps.rounded_amax(t.to(torch.bfloat16))
-        scalar = traced_steps.rounded_amax(t.abs().amax().to(torch.bfloat16).reshape(1, 1))
+        got = graph.rounded_amax(t.to(torch.bfloat16))
+        scalar = graph.rounded_amax(t.abs().amax().to(torch.bfloat16).reshape(1, 1))
         for x in (got, scalar):
             assert x.dtype == torch.float32 and x.shape == (1,)
             assert torch.equal(x, want) or (torch.isnan(x).all() and torch.isnan(want).all())
         # the order inductor may take: max of the unrounded values, rounded once
-        once = traced_steps.as_output(t.abs().amax().reshape(1), torch.bfloat16).float()
+        once = graph.as_output(t.abs().amax().reshape(1), torch.bfloat16).float()
         assert torch.equal(once, want) or (torch.isnan(once).all() and torch.isnan(want).all())
 
 
@@ -33,7 +33,7 @@ def test_bf16_rounding_helpers_are_exact():
     """``_rounded`` is the identity on every bf16 value and rounds fp32 as ``.to(bf16)``
     does; ``_output`` is ``.to(bf16)`` bit for bit, NaN, infinities and overflow included."""
     every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    assert torch.equal(traced_steps.rounded(every).view(torch.int32),
+    assert torch.equal(graph.rounded(every).view(torch.int32),
                        every.float().view(torch.int32))
     g = torch.Generator().manual_seed(0)
     v = torch.randn(1 << 18, generator=g) * torch.exp2(
@@ -41,8 +41,8 @@ def test_bf16_rounding_helpers_are_exact():
     v = torch.cat([v, torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4028235e38,
                                     -3.4028235e38, 1e-45, -0.0])])
     want = v.to(torch.bfloat16)
-    got = traced_steps.as_output(v, torch.bfloat16)
+    got = graph.as_output(v, torch.bfloat16)
     assert torch.equal(got.view(torch.int16)[:-7], want.view(torch.int16)[:-7])
     assert torch.equal(got[-6:], want[-6:]) and torch.isnan(got[-7])
     half = v[:-7].to(torch.bfloat16)
-    assert torch.equal(traced_steps.rounded(half), half.float())
+    assert torch.equal(graph.rounded(half), half.float())
