@@ -14,7 +14,7 @@ from ..checkpoint import check_not_recomputing, current_frame, record, replayed
 from ..compiled_call import HANDLE_ATTR, CompiledCallMixin
 from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor, keep_quantized, user_attributes
 from ..linear.function import LinearQuantizers
-from ..recipe import DelayedScaling, operand_usages
+from ..recipe import operand_usages
 from ..roles import check_num_quantizers, gemm_roles
 from ..state import RecipeState, stateful, stateless_quantizers
 from . import extra_state
@@ -389,7 +389,7 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         other roles where it fits."""
         roles = self._roles()[0 if mode == "forward" else 1]
         kept = self._kept_delayed().get(mode)
-        if (isinstance(recipe, DelayedScaling) and kept is not None and kept.roles == roles
+        if (stateful(recipe) and kept is not None and kept.roles == roles
                 and (kept.recipe is recipe or kept.recipe == recipe)):
             state = kept
         else:
@@ -574,7 +574,7 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         its first forward (on the parameters' device), so that its ``_extra_state`` already
         has the size a trained module's has: ``torch.distributed.checkpoint`` loads a saved
         one into it in place. Nothing for recipes without state."""
-        if not isinstance(recipe, DelayedScaling):
+        if not stateful(recipe):
             return
         for mode in ("forward", "backward"):
             self._state(mode, recipe, self._params_device())
