@@ -286,7 +286,8 @@ def test_saved_inputs_are_private_copies():
     """A tensor the eager graph saves that shares memory with the call's input is saved as
     a copy: writing into the input afterwards (as compiled code may, reusing memory) does
     not change the gradients."""
-    recipe = Float8CurrentScaling(backward_mode="high_precision")  # saves the input itself
+    # saves the input itself, in an opaque call (2-D MXFP8 weights have no traced form)
+    recipe = MXFP8BlockScaling(enable_2d_quantization=True, backward_mode="high_precision")
     torch.manual_seed(0)
     a = lowprec.Linear(D, D, name="l")
     b = copy.deepcopy(a)

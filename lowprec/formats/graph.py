@@ -19,6 +19,7 @@ compiler may recompute the input from what its neighbours keep anyway).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
@@ -129,9 +130,10 @@ def _dequantized_values_fake(data, divisor, dtype):
 
 
 class GraphOperand:
-    """A quantizer's traced form (see the module docstring). Subclasses implement
-    :meth:`rowwise`, :meth:`columnwise` and :meth:`kind`; the others have defaults that
-    a format overrides where one pass makes more than one thing."""
+    """A quantizer's traced form (see the module docstring). Subclasses, frozen dataclasses
+    of the quantizer's settings, implement :meth:`rowwise`, :meth:`columnwise` and
+    :meth:`kind`; the others have defaults that a format overrides where one pass makes
+    more than one thing."""
 
     #: whether a sliced backward (``grad_split``) may quantize dY slice by slice: the
     #: slices' blocks are the whole tensor's (no statistic spans slices)
@@ -187,14 +189,13 @@ def scale_in_use(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), scale, float("nan"))
 
 
+@dataclass(frozen=True)
 class PlainOperand(GraphOperand):
     """An identity quantizer, or a slot with none: the values in ``dtype`` (the one the
     identity quantizer casts to, else the tensor's own)."""
 
+    dtype: torch.dtype
     sliceable = True
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
 
     def kind(self, usage: str) -> Kind:
         return Kind("plain", dtype=self.dtype)
@@ -209,13 +210,17 @@ class PlainOperand(GraphOperand):
         return Plain(self._values(t).t())
 
 
+@dataclass(frozen=True)
 class HybridOperand(GraphOperand):
     """One format per direction: the rowwise form from ``row``, the columnwise one from
     ``col`` (``HybridQuantizer``)."""
 
-    def __init__(self, row: GraphOperand, col: GraphOperand) -> None:
-        self.row, self.col = row, col
-        self.sliceable = row.sliceable and col.sliceable
+    row: GraphOperand
+    col: GraphOperand
+
+    @property
+    def sliceable(self) -> bool:
+        return self.row.sliceable and self.col.sliceable
 
     def kind(self, usage: str) -> Kind:
         return (self.row if usage == "rowwise" else self.col).kind(usage)

@@ -386,38 +386,41 @@ class TracedLinear(torch.autograd.Function):
             scale, amax, history, fp8_max = saved[nx + nw:]
             dyq, dys, seen = plan.dy.delayed(dy2d, scale[0:1])
             amax[0:1].copy_(torch.maximum(amax[0:1], seen))
-            dy_row = Fp8(dyq, dys)
-            dy_col = Fp8(dyq.t().contiguous(), dys)
-            dx, dw = TracedLinear._gemms(ctx, plan, dy2d, dy_row, dy_col, need_dx, need_dw,
-                                         x_keep, w_keep, whole=True)
+            dy = (Fp8(dyq, dys), Fp8(dyq.t().contiguous(), dys))
+            dx, dw = TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
             delayed_update(history, amax, scale, fp8_max, *ctx.update)
             return dx, dw
-        return TracedLinear._gemms(ctx, plan, dy2d, None, None, need_dx, need_dw, x_keep,
-                                   w_keep, whole=plan.split is None or not (need_dx and need_dw))
+        sliced = plan.split is not None and need_dx and need_dw
+        dy = None if sliced else plan.dy.grad(dy2d, need_dx, need_dw)
+        return TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
 
     @staticmethod
-    def _gemms(ctx, plan, dy2d, dy_row, dy_col, need_dx, need_dw, x_keep, w_keep, whole):
-        m, n = dy2d.shape
-        rows, cols = (m, n) if whole else plan.split
-        if whole and dy_row is None and dy_col is None:
-            dy_row, dy_col = plan.dy.grad(dy2d, need_dx, need_dw)
+    def _gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep):
+        """(dX, dW) from dY's (rowwise, columnwise) forms ``dy``, or, where ``dy`` is None,
+        from dY quantized slice by slice as the plan's ``split`` (``grad_split``) says."""
         dx = dw = None
         if need_dw:  # mat(dY, columnwise) @ mat(X, columnwise).T
             xc = plan.x.saved_columnwise(x_keep)
             ops = ((plan.dy, "columnwise"), (plan.x, "columnwise"))
-            dw = steps.joined([
-                traced_gemm(plan.routes[2], dy_col if whole else
-                            plan.dy.grad(dy2d[:, a:a + cols], False, True)[1], xc, ctx.w_dtype,
-                            None, ops)
-                for a in range(0, n, cols)])
+            if dy is not None:
+                dw = traced_gemm(plan.routes[2], dy[1], xc, ctx.w_dtype, None, ops)
+            else:
+                cols = plan.split[1]
+                dw = steps.joined([
+                    traced_gemm(plan.routes[2], plan.dy.grad(dy2d[:, a:a + cols], False, True)[1],
+                                xc, ctx.w_dtype, None, ops)
+                    for a in range(0, dy2d.shape[1], cols)])
         if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
             wc = plan.w.saved_columnwise(w_keep)
             ops = ((plan.dy, "rowwise"), (plan.w, "columnwise"))
-            dx = steps.joined([
-                traced_gemm(plan.routes[1], dy_row if whole else
-                            plan.dy.grad(dy2d[a:a + rows], True, False)[0], wc, ctx.x_dtype,
-                            None, ops)
-                for a in range(0, m, rows)])
+            if dy is not None:
+                dx = traced_gemm(plan.routes[1], dy[0], wc, ctx.x_dtype, None, ops)
+            else:
+                rows = plan.split[0]
+                dx = steps.joined([
+                    traced_gemm(plan.routes[1], plan.dy.grad(dy2d[a:a + rows], True, False)[0],
+                                wc, ctx.x_dtype, None, ops)
+                    for a in range(0, dy2d.shape[0], rows)])
         return dx, dw
 
 

@@ -261,7 +261,8 @@ class LowprecModule(CompiledCallMixin, nn.Module):
                 and all(type(w) in (torch.Tensor, nn.Parameter) and w.dtype == x.dtype
                         for w in weights))
 
-    def traced_quantizers(self, x: torch.Tensor, *weights: torch.Tensor):
+    def traced_quantizers(self, x: torch.Tensor, *weights: torch.Tensor,
+                          stateful_ok: bool = True):
         """(per-GEMM ``LinearQuantizers``, backward mode, delayed-scaling states or None)
         that a compiled call traces its GEMMs with (``lowprec.linear.traced``), or the
         reason (a string) it stays one opaque call.
@@ -270,7 +271,9 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         would hold them (``state.stateless_quantizers``), so that tracing them reads the
         quantizers' settings alone: same-shaped layers whose quantizers agree share one
         compiled code, whatever their names or states. Delayed scaling reads the state
-        the module keeps (:meth:`traced_delayed_states`)."""
+        the module keeps (:meth:`traced_delayed_states`), which joins the autocast region's
+        update; a module whose traced form does not take that state says so with
+        ``stateful_ok=False``, before anything is joined."""
         region = active_region()
         if region is None:
             return "outside lowprec.autocast"
@@ -291,6 +294,8 @@ class LowprecModule(CompiledCallMixin, nn.Module):
         recipe = region.recipe
         delayed = None
         if stateful(recipe):
+            if not stateful_ok:
+                return f"{type(self).__name__} under {type(recipe).__name__}"
             states = self.traced_delayed_states(recipe)
             if states is None:
                 return "delayed scaling before its state exists, without gradients or checkpointed"
@@ -495,14 +500,20 @@ class LowprecModule(CompiledCallMixin, nn.Module):
 
     def _linear_quantizers(self, fq: list, bq: list) -> list[LinearQuantizers]:
         """Per-GEMM quantizers from the forward slots ``fq`` and backward slots ``bq``."""
+        # The GEMMs are counted from the slots, and the boundary slots asked for only where
+        # a boundary role is set: both read the GEMMs' names, which a compiled call would
+        # guard on (same-shaped layers would then not share code).
+        boundary = (self.output_quantizer_role is not None
+                    or self.grad_input_quantizer_role is not None)
         out = []
-        for i in range(len(self._gemm_names())):
+        for i in range(len(fq) // 3):
             f, b = fq[3 * i:3 * i + 3], bq[2 * i:2 * i + 2]
             out.append(LinearQuantizers(
                 input=f[0], weight=f[1],
-                output=f[2] if self._boundary(i, True) is not None else None,
+                output=f[2] if boundary and self._boundary(i, True) is not None else None,
                 grad_output=b[0],
-                grad_input=b[1] if self._boundary(i, False) is not None else None))
+                grad_input=(b[1] if boundary and self._boundary(i, False) is not None
+                            else None)))
         return out
 
     # ---- quantized weights ----------------------------------------------------------------

@@ -85,12 +85,10 @@ class LayerNormMLP(LowprecModule):
             return F.linear(graph_activation(self.activation, h1, kernel=False), w2, b2)
         if torch_autocast_dtype(x) is not None:
             return "LayerNormMLP under torch.autocast"
-        got = self.traced_quantizers(x, w1, w2)
+        got = self.traced_quantizers(x, w1, w2, stateful_ok=False)
         if isinstance(got, str):
             return got
-        (q1, q2), mode, delayed = got
-        if delayed is not None:
-            return "LayerNormMLP under delayed scaling"
+        (q1, q2), mode, _ = got
         # fc2's input is made below: a stand-in of its shape asks its plan first (a dead
         # op in the graph)
         a_like = x.new_empty((*x.shape[:-1], w2.shape[1]))

@@ -296,7 +296,7 @@ def test_plan_for():
     x, w = torch.randn(32, 64), torch.randn(16, 64)
     plan = plan_of(Float8CurrentScaling(), x, w)
     assert plan.x.fp8_dtype == torch.float8_e4m3fn and plan.dy.fp8_dtype == torch.float8_e5m2
-    assert not plan.cublas  # CPU: the fp32 emulation, as eager
+    assert plan.routes == ("emulated",) * 3  # CPU: the fp32 emulation, as eager
     assert isinstance(plan_of(DelayedScaling(), x, w).x, Delayed)
     assert plan_of(Float8CurrentScaling(), x.double(), w.double()) is None
     # fp16 keeps the opaque call (the traced quantize restores bf16 rounding only)
@@ -304,16 +304,24 @@ def test_plan_for():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_shapes_cublas_does_not_take_stay_opaque():
-    """Eager runs another backend where cuBLAS needs multiples of 16 (or for E5M2 x E5M2):
-    the traced plan declines, so compiled and eager still agree."""
-    w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
-    assert plan_of(Float8CurrentScaling(), torch.randn(48, 64, device="cuda",
-                                                                dtype=torch.bfloat16), w)
-    assert plan_of(Float8CurrentScaling(), torch.randn(24, 64, device="cuda",
-                                                                dtype=torch.bfloat16), w) is None
-    assert plan_of(Float8CurrentScaling(fp8_format=Format.E5M2),
-                           torch.randn(32, 64, device="cuda", dtype=torch.bfloat16), w) is None
+def test_cuda_shapes_cublas_does_not_take_run_eagers_next_backend():
+    """Eager runs another backend where cuBLAS needs multiples of 16 (wgrad contracts over
+    the token count) or for E5M2 x E5M2: the traced plan routes those GEMMs as eager does
+    (the bf16 GEMM of the exact values), and compiled and eager agree bit for bit."""
+    cases = [(Float8CurrentScaling(), 48, ("cublas_fp8",) * 3),
+             (Float8CurrentScaling(), 24, ("cublas_fp8", "cublas_fp8", "exact_bf16")),
+             (Float8CurrentScaling(fp8_format=Format.E5M2), 32, ("exact_bf16",) * 3)]
+    for recipe, m, routes in cases:
+        torch.manual_seed(0)
+        lin = lowprec.Linear(64, 32, bias=False, name="l", params_dtype=torch.bfloat16,
+                             device="cuda")
+        x = torch.randn(m, 64, device="cuda", dtype=torch.bfloat16)
+        assert plan_of(recipe, x.requires_grad_(), lin.weight).routes == routes
+        dy = torch.randn(m, 32, device="cuda", dtype=torch.bfloat16)
+        want = _run(lin, lin, x, dy, recipe)
+        got = _run(torch.compile(lin, backend="inductor", fullgraph=True), lin, x, dy, recipe)
+        for a, b in zip(want, got):
+            assert torch.equal(a, b)
 
 
 def _amaxes(device):

@@ -134,15 +134,15 @@ def test_an_evaluation_forward_makes_only_rowwise_values(monkeypatch):
 
 def test_plan_and_what_stays_opaque():
     recipe = NVFP4BlockScaling()
-    w = torch.randn(32, 64)
+    w = torch.randn(32, 64, requires_grad=True)  # a weight gradient: eager pads M for wgrad
     plan = plan_of(recipe, torch.randn(48, 64), w)
     assert plan.x == FP4Blocks(rht=True) and plan.w == FP4Blocks(two_d=True)
-    assert plan.dy == FP4Blocks(rht=True, sr=True) and not plan.cublas
+    assert plan.dy == FP4Blocks(rht=True, sr=True) and plan.routes == ("emulated",) * 3
     # eager pads to whole 16-blocks (M here): the opaque call
     assert plan_of(recipe, torch.randn(40, 64), w) is None
     assert plan_of(recipe, torch.randn(48, 64), torch.randn(24, 64)) is None
-    with grad_split.sliced():  # eager's sliced path
-        assert plan_of(recipe, torch.randn(48, 64), w) is None
+    with grad_split.sliced():  # eager's sliced path (a call needing both gradients)
+        assert plan_of(recipe, torch.randn(48, 64, requires_grad=True), w) is None
     ops = GraphOps()
     m = lowprec.Linear(64, 32, name="l")
     with lowprec.autocast(recipe=recipe):

@@ -12,6 +12,7 @@ from helpers import GraphOps
 
 import lowprec
 from lowprec import fused
+from lowprec.formats import Float8CurrentScalingQuantizer, NVFP4Quantizer
 from lowprec.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -171,21 +172,25 @@ def test_producer_kernel_follows_eager_fusion(monkeypatch):
     """The traced norm and activation take eager's fused kernels' values exactly where
     eager fuses: kernels in use, ``lowprec.fused`` enabled, no torch.autocast, a recipe
     whose quantizers take a prologue (not NVFP4)."""
+    from lowprec import kernels
     from lowprec.fused import graph
     x = torch.randn(16, 32)
-    current = RECIPES["current"]
-    assert not graph.producer_kernel(x, current)  # no kernels on the CPU
+    current = Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+    assert not graph.producer_kernel(x, current, "default")  # no kernels on the CPU
     monkeypatch.setattr(graph, "use_kernels", lambda t: True)
-    assert graph.producer_kernel(x, current)
-    assert not graph.producer_kernel(x, NVFP4BlockScaling())
+    monkeypatch.setattr(kernels, "use_kernels", lambda t: True)
+    assert graph.producer_kernel(x, current, "default")
+    assert not graph.producer_kernel(x, NVFP4Quantizer(), "default")
+    # high_precision saves the GEMM's input, which a fused producer never writes
+    assert not graph.producer_kernel(x, current, "high_precision")
     with fused.unfused():
-        assert not graph.producer_kernel(x, current)
+        assert not graph.producer_kernel(x, current, "default")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not graph.producer_kernel(x, current)
+        assert not graph.producer_kernel(x, current, "default")
 
 
-@pytest.mark.parametrize("recipe", [Float8CurrentScaling(backward_mode="high_precision")],
-                         ids=["hp_backward"])
+@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(enable_2d_quantization=True)],
+                         ids=["mxfp8_2d"])
 @pytest.mark.parametrize("kind", ["ln_linear", "mlp_gelu"])
 def test_untraced_recipes_keep_the_opaque_call(recipe, kind):
     ops = GraphOps()

@@ -11,6 +11,8 @@ backward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...kernels import graph_op
@@ -39,15 +41,20 @@ class _BlockForms(GraphOperand):
         return dequantized_blocks(rep.data, rep.scale, rep.dim, dtype)
 
 
+@dataclass(frozen=True)
 class Blockwise(_BlockForms):
     """``Float8BlockQuantizer``'s settings: 1x128 (``dim`` 1) or 128x128 (2) blocks."""
 
-    def __init__(self, fp8_dtype: torch.dtype, dim: int, pow2: bool = True, eps: float = 0.0,
-                 kernel: bool = False) -> None:
-        self.fp8_dtype, self.dim, self.pow2, self.eps, self.kernel = (
-            fp8_dtype, dim, pow2, eps, kernel)
+    fp8_dtype: torch.dtype
+    dim: int
+    pow2: bool = True
+    eps: float = 0.0
+    kernel: bool = False
+
+    @property
+    def sliceable(self) -> bool:
         # 1x128 blocks of a row slice are the whole tensor's; 128x128 blocks span rows
-        self.sliceable = dim == 1
+        return self.dim == 1
 
     def kind(self, usage):
         return Kind("blocks", self.fp8_dtype, self.dim, pow2=self.pow2)
@@ -81,14 +88,13 @@ class Blockwise(_BlockForms):
         return super().grad(t, row, col)
 
 
+@dataclass(frozen=True)
 class GivenBlocks(_BlockForms):
     """A 128x128-block FP8 weight that arrives quantized (a ``Float8BlockwiseTensor``):
     its own codes and block scales; dgrad reads both transposed."""
 
+    fp8_dtype: torch.dtype
     given = True
-
-    def __init__(self, fp8_dtype: torch.dtype) -> None:
-        self.fp8_dtype = fp8_dtype
 
     def kind(self, usage):
         return Kind("blocks", self.fp8_dtype, 2)

@@ -10,6 +10,8 @@ rather than holding an fp8 copy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..casting import cast_fp8
@@ -17,11 +19,13 @@ from ..graph import Fp8, GraphOperand, Kind, rounded, rounded_amax, scale_in_use
 from .reference import current_scale
 
 
+@dataclass(frozen=True)
 class Tensorwise(GraphOperand):
     """Current scaling (``Float8CurrentScalingQuantizer``'s settings)."""
 
-    def __init__(self, fp8_dtype: torch.dtype, pow2: bool = False, eps: float = 0.0) -> None:
-        self.fp8_dtype, self.pow2, self.eps = fp8_dtype, pow2, eps
+    fp8_dtype: torch.dtype
+    pow2: bool = False
+    eps: float = 0.0
 
     def kind(self, usage):
         return Kind("fp8", self.fp8_dtype)
@@ -59,6 +63,7 @@ class Tensorwise(GraphOperand):
                 Fp8(data.t().contiguous(), scale) if col else None)
 
 
+@dataclass(frozen=True)
 class Delayed(Tensorwise):
     """Delayed scaling (``Float8Quantizer``): cast with a scale the recipe state holds,
     the tensor's amax recorded into the state. The scale and amax are tensors of the
@@ -75,15 +80,14 @@ class Delayed(Tensorwise):
         return self.cast(t, scale), scale, seen
 
 
+@dataclass(frozen=True)
 class GivenTensorwise(GraphOperand):
     """A per-tensor FP8 weight that arrives quantized (a ``Float8Tensor``: FSDP2's
     quantized all-gather, ``quantized_model_init``): its own codes and scale, as eager's
     GEMMs read them; dgrad reads the transpose of its codes."""
 
+    fp8_dtype: torch.dtype
     given = True
-
-    def __init__(self, fp8_dtype: torch.dtype) -> None:
-        self.fp8_dtype = fp8_dtype
 
     def kind(self, usage):
         return Kind("fp8", self.fp8_dtype)

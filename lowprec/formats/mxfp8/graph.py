@@ -9,6 +9,8 @@ pass where both are asked for; elsewhere torch ops (``formats.mxfp8.compiled``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..graph import Exact, GraphOperand, Kind, rounded
@@ -18,13 +20,13 @@ from .launch import mxfp8_exact_inline
 E5M2 = torch.float8_e5m2
 
 
+@dataclass(frozen=True)
 class MXBlocks(GraphOperand):
     """``MXFP8Quantizer``'s settings with 1x32 blocks."""
 
+    fp8_dtype: torch.dtype
+    kernel: bool = False
     sliceable = True  # 1x32 / 32x1 blocks of a slice are the whole tensor's
-
-    def __init__(self, fp8_dtype: torch.dtype, kernel: bool = False) -> None:
-        self.fp8_dtype, self.kernel = fp8_dtype, kernel
 
     def kind(self, usage):
         return Kind("exact")

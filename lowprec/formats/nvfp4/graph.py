@@ -10,21 +10,28 @@ its columnwise ones, so it keeps those and dgrad reads them transposed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..graph import Exact, GraphOperand, Kind, rounded
 from . import compiled as fp4
 
 
+@dataclass(frozen=True)
 class FP4Blocks(GraphOperand):
     """``NVFP4Quantizer``'s settings: ``rht`` on its columnwise direction, 16x16 blocks
     (``two_d``), stochastic rounding (``sr``); ``kernel``: eager's Triton kernels make
     the values (CUDA)."""
 
-    def __init__(self, rht: bool = False, two_d: bool = False, sr: bool = False,
-                 kernel: bool = False) -> None:
-        self.rht, self.two_d, self.sr, self.kernel = rht, two_d, sr, kernel
-        #: the columnwise values are the rowwise ones transposed (one global scale, the
-        #: same blocks either way)
-        self.transposes = two_d and not (rht or sr)
+    rht: bool = False
+    two_d: bool = False
+    sr: bool = False
+    kernel: bool = False
+
+    @property
+    def transposes(self) -> bool:
+        """Whether the columnwise values are the rowwise ones transposed (one global
+        scale, the same blocks either way)."""
+        return self.two_d and not (self.rht or self.sr)
 
     def kind(self, usage):
         # the kernels' values carry the global scale as a divisor and the transform; the
