@@ -1,0 +1,135 @@
+"""Host and GPU cost of one Linear forward+backward three ways: bf16 ``nn.Linear``, lowprec's
+eager Function, and the traced plan (``lowprec.linear.traced``) run eagerly with its plan
+decided once. Host: many steps on 128 tokens without a sync (the GPU keeps up); GPU:
+CUDA events around steps at a large token count. Optional cProfile of each lowprec form.
+
+    python tools/probe_eager_plan.py [--recipes current,mxfp8] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+import lowprec
+from lowprec.linear import traced
+from lowprec.recipe import Recipe
+
+
+def host_us(step, n=300):
+    for _ in range(30):
+        step()
+    torch.cuda.synchronize()
+    best = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        best.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return sorted(best)[2]
+
+
+def gpu_ms(step, n=20):
+    for _ in range(5):
+        step()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    s.record()
+    for _ in range(n):
+        step()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / n
+
+
+def steps(recipe_name, m, k=2048, n=2048):
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    lin = lowprec.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    recipe = Recipe.from_name(recipe_name)
+
+    def bf16():
+        ref(x).backward(dy)
+
+    def eager():
+        with lowprec.autocast(recipe=recipe):
+            y = lin(x)
+        y.backward(dy)
+
+    eager()  # a stateful recipe's state exists from the first call on
+    with lowprec.autocast(recipe=recipe):
+        got = lin.traced_quantizers(x, lin.weight)
+        plan = (traced.plan_for(got[0][0], got[1], x, lin.weight, None)
+                if not isinstance(got, str) else got)
+    if isinstance(plan, str):
+        return bf16, eager, None, plan
+    qs, mode, delayed = got
+
+    def planned():
+        y = traced.traced_linear(qs[0], mode, x, lin.weight, None, delayed, plan=plan)
+        y.backward(dy)
+
+    # the planned form's results against eager's
+    x.grad = None
+    lin.weight.grad = None
+    with lowprec.autocast(recipe=recipe):
+        y0 = lin(x)
+    y0.backward(dy)
+    g0 = (x.grad.clone(), lin.weight.grad.clone())
+    x.grad = None
+    lin.weight.grad = None
+    y1 = traced.traced_linear(qs[0], mode, x, lin.weight, None, delayed, plan=plan)
+    y1.backward(dy)
+    same = (torch.equal(y0, y1) and torch.equal(g0[0], x.grad)
+            and torch.equal(g0[1], lin.weight.grad))
+    return bf16, eager, planned, f"plan {plan.routes}, bits {'same' if same else 'DIFFER'}"
+
+
+def profile(fn, label):
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(200):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(22)
+    print(f"--- cProfile {label} (200 steps)\n" + out.getvalue()[-5000:])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--recipes", default="fp8_current,fp8_block,mxfp8,nvfp4,fp8_row_mxfp8_col,"
+                                         "mxfp8_fwd_nvfp4_bwd,fp8_delayed")
+    p.add_argument("--profile", default="")
+    p.add_argument("--big", type=int, default=16384)
+    a = p.parse_args()
+    for name in a.recipes.split(","):
+        try:
+            bf16, eager, planned, note = steps(name, 128)
+        except Exception as e:  # noqa: BLE001 - a probe reports and goes on
+            print(f"{name}: failed: {type(e).__name__}: {e}", flush=True)
+            continue
+        hb, he = host_us(bf16), host_us(eager)
+        hp = host_us(planned) if planned else float("nan")
+        bf16_l, eager_l, planned_l, _ = steps(name, a.big)
+        gb, ge = gpu_ms(bf16_l), gpu_ms(eager_l)
+        gp = gpu_ms(planned_l) if planned_l else float("nan")
+        print(f"{name}: host us bf16 {hb:.0f} eager {he:.0f} ({he / hb:.1f}x) planned {hp:.0f} "
+              f"({hp / hb:.1f}x) | GPU ms @{a.big} bf16 {gb:.3f} eager {ge:.3f} planned "
+              f"{gp:.3f} | {note}", flush=True)
+        if name in a.profile.split(","):
+            profile(eager, f"{name} eager")
+            if planned:
+                profile(planned, f"{name} planned")
+
+
+if __name__ == "__main__":
+    main()
