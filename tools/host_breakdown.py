@@ -134,6 +134,8 @@ def main():
     ap.add_argument("--recipes", default="current,delayed,block")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script only")
+    ap.add_argument("--extra", default="",
+                    help="more pieces to time, as module[:Class].attr, comma-separated")
     ap.add_argument("--slow-launches", action="store_true",
                     help="every Triton launch through JITFunction.run (the path before "
                          "lowprec.kernels.launch), for an A/B")
@@ -160,7 +162,8 @@ def run(args):
         step = lowprec_step(mod, RECIPES[r]())
         bare = steps_us(step, x, dy, args.steps)
         timers = Timers()
-        for owner, attr in TARGETS:
+        extra = [tuple(t.rsplit(".", 1)) for t in args.extra.split(",") if t]
+        for owner, attr in TARGETS + extra:
             timers.wrap(owner, attr)
         try:
             wrapped = steps_us(step, x, dy, args.steps)

@@ -104,13 +104,36 @@ def profile(fn, label):
     print(f"--- cProfile {label} (200 steps)\n" + out.getvalue()[-5000:])
 
 
+def gemm_host():
+    """Host microseconds of one GEMM call, 128x2048x2048: torch.mm against torch._scaled_mm."""
+    a = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    one1 = torch.ones(1, device="cuda")
+    for label, fn in [
+            ("mm", lambda: a @ b.t()),
+            ("_scaled_mm 0-d scales", lambda: torch._scaled_mm(
+                a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)),
+            ("_scaled_mm (1,) scales", lambda: torch._scaled_mm(
+                a8, b8.t(), scale_a=one1, scale_b=one1, out_dtype=torch.bfloat16)),
+            ("_scaled_mm fp32 out", lambda: torch._scaled_mm(
+                a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)),
+            ("empty", lambda: torch.empty(128, 2048, device="cuda")),
+            ("new_empty u8", lambda: a.new_empty((128, 2048), dtype=torch.uint8))]:
+        print(f"  host {label}: {host_us(fn, 1000):.1f} us", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--recipes", default="fp8_current,fp8_block,mxfp8,nvfp4,fp8_row_mxfp8_col,"
                                          "mxfp8_fwd_nvfp4_bwd,fp8_delayed")
     p.add_argument("--profile", default="")
     p.add_argument("--big", type=int, default=16384)
+    p.add_argument("--gemm-host", action="store_true")
     a = p.parse_args()
+    if a.gemm_host:
+        gemm_host()
     for name in a.recipes.split(","):
         try:
             bf16, eager, planned, note = steps(name, 128)
