@@ -2,10 +2,11 @@
 its GEMM multiplies (``formats.nvfp4.compiled``), and dY's stochastic-rounding keys drawn
 by an op of the graph from torch's default generator, in eager's order (rowwise first).
 
-The forward keeps the values backward multiplies: the input's columnwise values, made in
-the pass of its rowwise ones (one amax pass for both, as eager's); a weight in 16x16
-blocks with nearest rounding and no transform has the transpose of its rowwise values as
-its columnwise ones, so it keeps those and dgrad reads them transposed.
+The forward keeps the values backward multiplies where one pass makes them with fprop's:
+the input's columnwise values, made in the pass of its rowwise ones (one amax pass for
+both, as eager's); a weight in 16x16 blocks with nearest rounding and no transform has the
+transpose of its rowwise values as its columnwise ones, so it keeps those and dgrad reads
+them transposed. A columnwise half on its own (a hybrid's) is made in the backward.
 """
 
 from __future__ import annotations
@@ -59,9 +60,6 @@ class FP4Blocks(GraphOperand):
     def rowwise(self, t):
         return self._values(t, True, False)[0]
 
-    def columnwise(self, t):
-        return self._values(t, False, True)[1]
-
     def forward(self, t, keep):
         if not keep:
             return self.rowwise(t), ()
@@ -71,15 +69,24 @@ class FP4Blocks(GraphOperand):
         row, col = self._values(t, True, True)
         return row, (col.values, col.divisor)
 
-    def save_columnwise(self, t):
-        kept = self.rowwise(t) if self.transposes else self.columnwise(t)
-        return (kept.values, kept.divisor)
+    # save_columnwise keeps ``t`` itself (the default): where the columnwise values take a
+    # pass of their own (a hybrid's columnwise half, a weight), the backward makes them.
+    # They are as large as a bf16 ``t``, which the backward may hold anyway, and the
+    # forward, whose host time a step exposes, launches one quantize less.
 
     def saved_columnwise(self, saved):
+        if len(saved) == 1:
+            return self.columnwise(saved[0])
         values, divisor = saved
         if self.transposes:
             return Exact(values.t().contiguous(), divisor)
         return Exact(values, divisor, self.rht and self.kernel)
+
+    def columnwise(self, t):
+        if self.transposes:  # one global scale and the same blocks either way
+            row = self.rowwise(t)
+            return Exact(row.values.t().contiguous(), row.divisor)
+        return self._values(t, False, True)[1]
 
     def grad(self, t, row, col):
         if not (row or col):
