@@ -139,7 +139,7 @@ def state_bytes_per_param(model, opt) -> float:
 
 
 def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: int,
-             top_kernels: int = 0, optim: str = "torch"):
+             top_kernels: int = 0, optim: str = "torch", losses: list | None = None):
     """(median step ms, warm-up seconds, peak GiB, graph breaks, GPU kernel ms, kernels,
     median forward host ms, median optimizer-step ms, state bytes a parameter); with
     ``top_kernels``, prints that many of the step's heaviest kernels.
@@ -148,7 +148,8 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
     idle GPU (steps run after the timed ones, each after a synchronize; NaN for graph
     replays). transformers' Llama synchronizes with the GPU at the start of each forward
     (its mask code), so that time is exposed in full: a step takes about max(forward
-    host, forward GPU) + the backward's GPU time."""
+    host, forward GPU) + the backward's GPU time. ``losses``: a list that receives every
+    step's loss in order (fp32), read once the run is over (no sync a step)."""
     torch._dynamo.utils.counters.clear()
     mode, _, every = mode.partition("-rec")  # "eager-rec100": lowprec.debug.Recorder on
     m, ctx = make_peer(peer, model, device, mode)
@@ -171,6 +172,8 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
         t0 = time.perf_counter()
         loss = lm_loss(m, ctx, x)
         fwd_host.append(time.perf_counter() - t0)
+        if losses is not None and not graphed:
+            losses.append(loss.detach().float())
         loss.backward()
         if device == "cuda" and not graphed:
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -291,6 +294,10 @@ def main() -> None:
     ap.add_argument("--record-every", default="",
                     help="also run each eager lowprec peer with lowprec.debug.Recorder "
                          "recording every N steps (comma-separated Ns)")
+    ap.add_argument("--losses", type=int, default=0,
+                    help="print the first N steps' losses of each peer (same data and init "
+                         "for every peer: eager and compiled runs of a recipe should agree "
+                         "bit for bit)")
     ap.add_argument("--top-kernels", type=int, default=0,
                     help="print each peer's N heaviest kernels (GPU ms a step)")
     args = ap.parse_args()
@@ -320,16 +327,20 @@ def main() -> None:
     peers = [(p if o == "torch" else f"{p}+{o}", m, o) for o in optims for p, m in peers]
     results, lines = {}, []
     for peer, mode, optim in peers:
+        losses = [] if args.losses else None
         try:
             results[(peer, mode)] = run_peer(peer.partition("+")[0], args.model, args.device,
                                              mode, args.steps, args.warmup, args.top_kernels,
-                                             optim)
+                                             optim, losses)
         except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
             print(f"{peer:24s} {mode:8s} FAILED: {type(exc).__name__}: {str(exc)[:300]}",
                   flush=True)
             continue
         finally:
             release()
+        if losses:
+            shown = " ".join(f"{v:.6f}" for v in torch.stack(losses[:args.losses]).tolist())
+            print(f"    {peer} {mode} losses: {shown}", flush=True)
         line, row = _row(args.model, tokens, peer, mode, results[(peer, mode)], results)
         lines.append(line)
         print(line, flush=True)

@@ -169,7 +169,7 @@ def _compiled_worker(rank, world, rname, out_dir):
                    f"{out_dir}/fsdp.pt")
 
 
-@pytest.mark.parametrize("rname", ["current"])  # block traces from 128 tokens (64 here)
+@pytest.mark.parametrize("rname", ["current", "mxfp8", "nvfp4"])  # block traces from 128 tokens (64 here)
 def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     """Linears compiled one by one before fully_shard, their weights gathered quantized:
     the gathered tensor is read in the graph (no graph break, no opaque call refusing it)
