@@ -453,15 +453,6 @@ def _trace_call(module, args: tuple, kwargs: dict):
                                       "supported yet; run the autocast region eagerly")
         recipe_key = region.recipe._lowprec_key
     params = list(module.parameters())
-    for p in params:
-        if isinstance(p, QuantizedTensor):
-            raise NotImplementedError(
-                f"{type(module).__name__} holds a quantized weight ({type(p).__name__}, from "
-                f"quantized_model_init or FSDP2's quantized_all_gather) that torch.compile "
-                f"does not take here: only a Linear under Float8CurrentScaling (per-tensor "
-                f"FP8 weights) or Float8BlockScaling (128x128 weight blocks) traces one; "
-                f"build the model without quantized_model_init, shard it without "
-                f"quantized_all_gather, or leave this module eager")
     # experts gathered quantized (FSDP2) enter as stand-ins: the call reads the live
     # parameter, and their gradient passes through the stand-in to it
     params = [_StandIn.apply(p) if isinstance(p, QuantizedExperts) else p for p in params]
@@ -507,6 +498,25 @@ def fallback_reasons() -> list[str]:
     return list(_FALLBACKS)
 
 
+def _holds_quantized_weight(module) -> bool:
+    return any(isinstance(p, QuantizedTensor) for p in module.parameters())
+
+
+_QUANTIZED_WEIGHT = ("a quantized weight (quantized_model_init, FSDP2's quantized_all_gather) "
+                     "that the traced form does not read: only per-tensor FP8 weights under "
+                     "Float8CurrentScaling and 128x128 blocks under Float8BlockScaling trace; "
+                     "the call runs eagerly behind a graph break (fullgraph=True refuses it)")
+
+
+def _eager_call(forward, module, args: tuple, kwargs: dict):
+    """``forward(module, *args, **kwargs)`` run eagerly from a compiled function."""
+    return forward(module, *args, **kwargs)
+
+
+# the reason is the message fullgraph=True raises with
+_eager_call = torch._dynamo.disable(_eager_call, reason=_QUANTIZED_WEIGHT)
+
+
 def compiled_as_one_op(forward):
     """Decorates a lowprec module's ``forward``: under torch.compile the call becomes one
     ``lowprec::call`` op (see the module docstring); eager calls are unchanged. The module
@@ -526,6 +536,12 @@ def compiled_as_one_op(forward):
                 if not isinstance(out, str):
                     return out
                 _note_fallback(type(self).__name__, out)
+            if _holds_quantized_weight(self):
+                # The opaque op takes plain tensors only: the call runs eagerly, one graph
+                # break around it (never a break inside the eager code, which would
+                # compile it as a frame of its own per module)
+                _note_fallback(type(self).__name__, _QUANTIZED_WEIGHT)
+                return _eager_call(forward, self, args, kwargs)
             return _trace_call(self, args, kwargs)
         return forward(self, *args, **kwargs)
 
