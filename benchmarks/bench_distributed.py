@@ -129,8 +129,12 @@ def after_step(peer: str, m):
 
 def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int,
              profile_dir: str = "", tp: bool = False, compile: bool = False) -> tuple:
-    """(median step ms, all-gathered bytes a step, peak GiB) on this rank; with
-    ``profile_dir``, rank 0 also profiles one more step (its kernel table)."""
+    """(median step ms, all-gathered bytes a step, peak GiB, graph breaks, graphs compiled)
+    on this rank; with ``profile_dir``, rank 0 also profiles one more step (its kernel
+    table). The graphs compiled count every recompile: per-layer compiled decoder layers
+    of one shape should compile their code once."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     device = torch.device("cuda", rank)
     gen = torch.Generator(device=device).manual_seed(rank)
     if tp:
@@ -172,7 +176,9 @@ def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int,
         if rank == 0:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
             Path(profile_dir, peer.replace("+", "_") + ".txt").write_text(table)
-    return ms, counter.bytes, peak
+    counters = torch._dynamo.utils.counters
+    return (ms, counter.bytes, peak, sum(counters["graph_break"].values()),
+            counters["stats"]["unique_graphs"])
 
 
 def worker(rank: int, world: int, port: int, args) -> None:
@@ -191,7 +197,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
     bench = ("tp_sp" if args.tp else "fsdp2") + ("_compiled" if args.compile else "")
     tokens = seq * batch // world if args.tp else seq * batch  # per rank
     header = (f"{'peer':28s} {'ms':>8s} {'vs bf16':>8s} {'gathered GB':>12s} {'vs bf16':>8s} "
-              f"{'peak GiB':>9s} {'vs bf16':>8s}")
+              f"{'peak GiB':>9s} {'vs bf16':>8s} {'breaks':>6s} {'graphs':>6s}")
     if rank == 0:
         print(f"{args.model} {'TP+SP' if args.tp else 'FSDP2'} on {world} x "
               f"{torch.cuda.get_device_name()}, {tokens} tokens a rank, torch "
@@ -211,13 +217,14 @@ def worker(rank: int, world: int, port: int, args) -> None:
         t = torch.tensor([res[0], res[2]], device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         ms, peak, gathered = t[0].item(), t[1].item(), res[1]
+        breaks, graphs = res[3], res[4]
         results[peer] = (ms, gathered, peak)
         if rank != 0:
             continue
         base = results["bf16"]
         r_ms, r_b, r_p = ms / base[0], gathered / base[1], peak / base[2]
         line = (f"{peer:28s} {ms:8.2f} {r_ms:7.2f}x {gathered / 1e9:12.3f} {r_b:7.2f}x "
-                f"{peak:9.2f} {r_p:7.2f}x")
+                f"{peak:9.2f} {r_p:7.2f}x {breaks:6d} {graphs:6d}")
         lines.append(line)
         print(line, flush=True)
         shape = f"{args.model} {tokens}tok/rank x{world}"
@@ -225,7 +232,8 @@ def worker(rank: int, world: int, port: int, args) -> None:
         append_rows([
             dict(bench=bench, shape=shape, recipe=peer, metric="step_ms", value=round(ms, 3),
                  baseline=baseline, baseline_value=round(base[0], 3), ratio=round(r_ms, 4),
-                 note=f"{tokens * world / ms * 1e3:.0f} tok/s"),
+                 note=f"{tokens * world / ms * 1e3:.0f} tok/s; graph breaks {breaks}, "
+                      f"graphs compiled {graphs} (rank 0)"),
             dict(bench=bench, shape=shape, recipe=peer, metric="all_gather_GB",
                  value=round(gathered / 1e9, 4), baseline=baseline,
                  baseline_value=round(base[1] / 1e9, 4), ratio=round(r_b, 4)),
