@@ -223,3 +223,44 @@ def test_edges_see_imports(module, expected):
     """The checks above see module-level and function-level imports (a guard against a
     checker that finds nothing)."""
     assert expected in edges(module)
+
+
+#: the built-in recipe classes (``lowprec.recipe``); ``Recipe``, their base, is a type
+#: check any entry point may make of its argument
+RECIPE_CLASSES = {"DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+                  "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe"}
+#: where a recipe's type decides anything: its definitions, and the state built from it
+SWITCHES_ON_RECIPE_TYPE = {"lowprec.recipe", "lowprec.state"}
+
+
+def _recipe_type_checks(tree: ast.AST) -> list[str]:
+    """``isinstance(_, X)`` / ``type(_) is X`` of a built-in recipe class X, as source text."""
+    found = []
+    for node in ast.walk(tree):
+        classes = []
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" \
+                and len(node.args) == 2:
+            arg = node.args[1]
+            classes = arg.elts if isinstance(arg, ast.Tuple) else [arg]
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) \
+                and getattr(node.left.func, "id", None) == "type":
+            classes = node.comparators
+        names = {getattr(c, "id", getattr(c, "attr", None)) for c in classes}
+        if names & RECIPE_CLASSES:
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_one_place_switches_on_the_recipe_type():
+    """Only ``recipe.py`` and ``state.py`` ask which built-in recipe a recipe is; everything
+    else reads the quantizers (or ``state.stateful``)."""
+    bad = {m: checks for m, p in MODULES.items() if m not in SWITCHES_ON_RECIPE_TYPE
+           for checks in [_recipe_type_checks(ast.parse(p.read_text()))] if checks}
+    assert not bad, bad
+
+
+def test_recipe_type_checks_are_seen():
+    tree = ast.parse("isinstance(r, (DelayedScaling, X))\ntype(r) is lowprec.CustomRecipe\n"
+                     "isinstance(r, Recipe)\n")
+    assert _recipe_type_checks(tree) == ["isinstance(r, (DelayedScaling, X))",
+                                         "type(r) is lowprec.CustomRecipe"]

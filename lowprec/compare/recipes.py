@@ -17,7 +17,7 @@ import torch
 
 from ..formats.base import Quantizer
 from ..recipe import BACKWARD_MODES, CustomRecipe, Recipe, normalize_backward_mode
-from ..state import RecipeState, check_factory_result
+from ..state import RecipeState
 
 BASELINE = "bf16"
 
@@ -221,22 +221,11 @@ def validate_recipe(spec: RecipeSpec, model: torch.nn.Module, tokens: int) -> No
 
 
 def _quantizer_for(spec: RecipeSpec, mode: str, role) -> Quantizer:
-    recipe = spec.recipe
-    if isinstance(recipe, CustomRecipe):
-        try:
-            q = recipe.qfactory(role)
-        except Exception as err:  # noqa: BLE001 - the user's factory: say which role broke it
-            raise RecipeError(f"recipe {spec.name!r}: the factory raised {type(err).__name__} for "
-                              f"role {role!r}: {err}") from None
-        try:
-            return check_factory_result(q, role)
-        except (ValueError, TypeError) as err:
-            raise RecipeError(f"recipe {spec.name!r}: {err}") from None
     try:
-        return RecipeState.create(recipe, mode, [role]).quantizers[0]
-    except Exception as err:  # noqa: BLE001
+        return RecipeState.create(spec.recipe, mode, [role]).quantizers[0]
+    except Exception as err:  # noqa: BLE001 - a user's factory or recipe: say which role broke
         raise RecipeError(f"recipe {spec.name!r}: building the quantizer for role {role!r} "
-                          f"failed: {type(err).__name__}: {err}") from None
+                          f"raised {type(err).__name__}: {err}") from None
 
 
 def _role_shapes(module, role, tokens: int) -> list[tuple[int, int]]:

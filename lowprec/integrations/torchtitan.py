@@ -61,8 +61,8 @@ import lowprec
 from lowprec.distributed import precompute_gather_statistics, quantized_all_gather
 from lowprec.distributed.gather_codec import derives_columnwise
 from lowprec.linear.traced import reads_recipe_weights
-from lowprec.recipe import RECIPE_ALIASES, DelayedScaling
-from lowprec.state import RecipeState
+from lowprec.recipe import RECIPE_ALIASES
+from lowprec.state import RecipeState, stateful
 
 __all__ = ["JobConfig", "Lowprec", "LowprecConverter"]
 
@@ -163,7 +163,7 @@ class LowprecConverter:
             return
         lowprec.convert_model(model, self.recipe, self._keep, fuse_norms=False)
         group = None
-        if (isinstance(self.recipe, DelayedScaling) and self.config.amax_reduction
+        if (stateful(self.recipe) and self.config.amax_reduction
                 and self.parallel_dims.dp_enabled):
             group = self.parallel_dims.get_mesh("batch").get_group()
         lowprec.attach_recipe(model, self.recipe, amax_reduction_group=group)
