@@ -131,7 +131,11 @@ def main():
     p.add_argument("--profile", default="")
     p.add_argument("--big", type=int, default=16384)
     p.add_argument("--gemm-host", action="store_true")
+    p.add_argument("--launch-host", action="store_true")
     a = p.parse_args()
+    if a.launch_host:
+        launch_host()
+        return
     if a.gemm_host:
         gemm_host()
         try:
@@ -214,6 +218,41 @@ def floor_current(m=128, k=2048, n=2048, big=16384):
             print(f"floor current: host {host_us(step):.0f} us", flush=True)
         else:
             print(f"floor current: GPU @{rows} {gpu_ms(step):.3f} ms", flush=True)
+
+
+def launch_host(m=128, k=2048):
+    """Host microseconds of a prepared current-scaling quantize and of its pieces."""
+    from lowprec import Float8CurrentScalingQuantizer
+    from lowprec.formats.float8 import launch as fl
+    q = Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    for rowwise, columnwise in ((True, False), (True, True)):
+        p = q._prepared(torch.Size((m, k)), torch.bfloat16, dev, rowwise, columnwise)
+        q.set_usage(rowwise=rowwise, columnwise=columnwise)
+        for _ in range(3):
+            if p(x) is None:
+                q.quantize(x)
+        print(f"  prepared current quantize row={rowwise} col={columnwise}: "
+              f"{host_us(lambda: p(x), 2000):.1f} us; launches {len(p.launches)}", flush=True)
+    bound = p.launches
+    words = fl.kept_amax_words(q, dev)
+    scales = fl._scale_buffer(x)
+    row = x.new_empty((m, k), dtype=torch.uint8)
+    col = x.new_empty((k, m), dtype=torch.uint8)
+    print(f"  amax launch: {host_us(lambda: bound[0](x, words), 2000):.1f} us", flush=True)
+    for i, cast in enumerate(bound[1:]):
+        print(f"  cast launch {i}: "
+              f"{host_us(lambda: cast(x, row, col, words, scales, scales, scales), 2000):.1f} us",
+              flush=True)
+    print(f"  kept_amax_words: {host_us(lambda: fl.kept_amax_words(q, dev), 2000):.1f} us")
+    print(f"  _scale_buffer: {host_us(lambda: fl._scale_buffer(x), 2000):.1f} us")
+    def two_empty():
+        return (x.new_empty((m, k), dtype=torch.uint8), x.new_empty((k, m), dtype=torch.uint8))
+    print(f"  2 x new_empty: {host_us(two_empty, 2000):.1f} us")
+    print(f"  torch.cuda.current_device: {host_us(torch.cuda.current_device, 2000):.1f} us")
+    print(f"  _cuda_getCurrentRawStream: "
+          f"{host_us(lambda: torch._C._cuda_getCurrentRawStream(0), 2000):.1f} us")
 
 
 if __name__ == "__main__":
