@@ -148,11 +148,15 @@ def main():
         except Exception as e:  # noqa: BLE001 - a probe reports and goes on
             print(f"{name}: failed: {type(e).__name__}: {e}", flush=True)
             continue
-        hb, he = host_us(bf16), host_us(eager)
+        def old_eager(eager=eager):
+            with traced.eager_plans_off():
+                eager()
+        hb, he, ho = host_us(bf16), host_us(eager), host_us(old_eager)
         hp = host_us(planned) if planned else float("nan")
         bf16_l, eager_l, planned_l, _ = steps(name, a.big)
         gb, ge = gpu_ms(bf16_l), gpu_ms(eager_l)
         gp = gpu_ms(planned_l) if planned_l else float("nan")
+        print(f"{name}: host us eager Function {ho:.0f} ({ho / hb:.1f}x)")
         print(f"{name}: host us bf16 {hb:.0f} eager {he:.0f} ({he / hb:.1f}x) planned {hp:.0f} "
               f"({hp / hb:.1f}x) | GPU ms @{a.big} bf16 {gb:.3f} eager {ge:.3f} planned "
               f"{gp:.3f} | {note}", flush=True)

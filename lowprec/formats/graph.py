@@ -67,10 +67,13 @@ def as_output(out_fp32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 # ---- the forms of a GEMM operand in a graph --------------------------------------------------
 class Fp8(NamedTuple):
-    """Per-tensor FP8: ``data`` (R, C) contiguous, ``scale`` its 1-element encode scale."""
+    """Per-tensor FP8: ``data`` (R, C) contiguous, ``scale`` its 1-element encode scale;
+    ``decode``: ``1 / scale`` (0-d) where eager's quantize kernel wrote it beside the scale
+    (an eager call), else None (the GEMM computes it)."""
 
     data: torch.Tensor
     scale: torch.Tensor
+    decode: Optional[torch.Tensor] = None
 
 
 class Blocks(NamedTuple):
@@ -143,6 +146,9 @@ class GraphOperand:
     #: whether its quantize reads and records into state the module keeps (delayed
     #: scaling's scales and amaxes), which the traced linear takes as inputs
     reads_state = False
+    #: whether eager calls run this form too: outside a graph it launches eager's own
+    #: quantize kernels, so an eager linear runs the plan (``lowprec.linear.traced``)
+    eager = False
 
     def kind(self, usage: str) -> Kind:
         raise NotImplementedError
@@ -162,8 +168,9 @@ class GraphOperand:
     def saved_columnwise(self, saved: tuple):
         return self.columnwise(saved[0])
 
-    def forward(self, t: torch.Tensor, keep: bool) -> tuple:
-        """(rowwise form, what :meth:`saved_columnwise` reads, or () without ``keep``)."""
+    def forward(self, t: torch.Tensor, keep: bool, held: bool = False) -> tuple:
+        """(rowwise form, what :meth:`saved_columnwise` reads, or () without ``keep``).
+        ``held``: ``t`` lives on anyway (a parameter), so keeping it costs no memory."""
         return self.rowwise(t), (self.save_columnwise(t) if keep else ())
 
     def grad(self, t: torch.Tensor, row: bool, col: bool) -> tuple:

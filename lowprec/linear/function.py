@@ -27,10 +27,11 @@ import torch
 
 from .. import offload
 from ..autocast import active_region, torch_autocast_dtype, torch_autocast_off
+from ..checkpoint import current_frame
 from ..formats.base import QuantizedTensor, Quantizer
 from ..gemm import gemm
 from ..recipe import BACKWARD_MODES, normalize_backward_mode, operand_usages
-from . import exact_split, grad_split, shared_input, weight_cache
+from . import exact_split, grad_split, shared_input, traced, weight_cache
 from .plan import BOTH, plan_for
 
 
@@ -396,6 +397,12 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
         skip = getattr(on_backward_done, "skip", None)
         if skip is not None:
             skip()
+    if (quantizers is not None and on_backward_done is None and not _caching_weights()
+            and current_frame() is None):
+        # the plan a compiled call traces, where its forms run eagerly too (one engine)
+        plan = traced.eager_plan(quantizers, backward_mode, x, weight, bias)
+        if plan is not None:
+            return traced.run_plan(plan, x, weight, bias)
     pad_k, pad_n = feature_padding(quantizers, x, weight)
     if pad_k or pad_n:
         # zero columns along K (x, weight) and rows along N (weight, bias; dY gets zero

@@ -33,6 +33,7 @@ quantizes read them and record their amaxes into the state in place.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -122,11 +123,16 @@ def _with_bias(res, bias, fused: bool, out_dtype):
     return res
 
 
+def _decoded(rep: Fp8) -> torch.Tensor:
+    """``1 / scale`` as a 0-d tensor: the quantize kernel's (an eager call), or computed."""
+    return rep.decode if rep.decode is not None else _decode(rep.scale).reshape(())
+
+
 def _cublas_fp8(a: Fp8, b: Fp8, out_dtype, bias, ops=None):
     fused = fusable_bias(bias, out_dtype)
-    res = torch._scaled_mm(a.data, b.data.t(), scale_a=_decode(a.scale).reshape(()),
-                           scale_b=_decode(b.scale).reshape(()), bias=bias if fused else None,
-                           out_dtype=out_dtype, use_fast_accum=False)
+    res = torch._scaled_mm(a.data, b.data.t(), scale_a=_decoded(a), scale_b=_decoded(b),
+                           bias=bias if fused else None, out_dtype=out_dtype,
+                           use_fast_accum=False)
     return _with_bias(res, bias, fused, out_dtype)
 
 
@@ -352,7 +358,8 @@ class TracedLinear(torch.autograd.Function):
             ctx.update = bwd[4:]
         elif plan.mode == "default":
             xr, x_keep = plan.x.forward(x2d, need_dw)
-            wr, w_keep = plan.w.forward(weight, need_dx)
+            wr, w_keep = plan.w.forward(weight, need_dx,
+                                        held=isinstance(weight, torch.nn.Parameter))
         else:
             xr, wr = plan.x.rowwise(x2d), plan.w.rowwise(weight)
             if plan.mode == "high_precision":
@@ -459,6 +466,57 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         return TracedLinear.apply(*args)
     with torch.autocast(x.device.type, enabled=False):
         return TracedLinear.apply(*args)
+
+
+# ---- eager calls -----------------------------------------------------------------------------
+_EAGER = threading.local()
+_MISSING = object()
+#: plans kept per set of quantizers before the cache starts over (many token counts)
+MAX_PLANS = 256
+
+
+class eager_plans_off:
+    """Context manager: within the block, eager calls on this thread run the eager
+    Function (``lowprec.linear.function``) even where a plan's forms run eagerly (A/B
+    comparisons of the two, and tests)."""
+
+    def __enter__(self):
+        self._saved = getattr(_EAGER, "off", False)
+        _EAGER.off = True
+        return self
+
+    def __exit__(self, *exc):
+        _EAGER.off = self._saved
+
+
+def eager_plan(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> TracedPlan | None:
+    """The plan an eager call of these operands runs through :class:`TracedLinear`, or None
+    where the eager Function runs it (no plan, or a form that runs only in a graph).
+    Decided once per kind of call and kept with the quantizers (``q.plans``)."""
+    if getattr(_EAGER, "off", False) or torch.compiler.is_compiling():
+        return None
+    grad = torch.is_grad_enabled()
+    key = ("eager", backward_mode, x.shape, x.dtype, x.device, type(x), weight.shape,
+           weight.dtype, type(weight), None if bias is None else bias.dtype, grad,
+           grad and x.requires_grad, grad and weight.requires_grad, grad_split.mode())
+    plans = q.plans
+    plan = plans.get(key, _MISSING)
+    if plan is _MISSING:
+        got = plan_for(q, backward_mode, x, weight, bias)
+        plan = (got if not isinstance(got, str)
+                and all(f is None or f.eager for f in (got.x, got.w, got.dy)) else None)
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plans[key] = plan
+    return plan
+
+
+def run_plan(plan: TracedPlan, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` of an eager call through :func:`eager_plan`'s plan (operands
+    already in one dtype, torch.autocast off)."""
+    return TracedLinear.apply(x, weight, bias, plan, torch.is_grad_enabled(), None, None)
 
 
 def reads_recipe_weights(recipe) -> bool:

@@ -6,6 +6,12 @@ reduction gives the same amax, so the values are eager's bit for bit. The column
 is the rowwise cast transposed, with the same scale: the forward keeps the tensor and its
 scale, and the backward casts the transpose again (one pass, the forward's values)
 rather than holding an fp8 copy.
+
+With ``kernel`` (CUDA with Triton) an eager call runs the form too, through eager's own
+quantize kernels (the same bits as the torch ops, which the kernel tests check against the
+reference): one pass makes an input's rowwise codes and the columnwise ones its backward
+keeps (fp8, half a bf16 copy), and a weight that lives on anyway (a parameter) is kept as
+it is and cast columnwise in the backward with the forward's scale.
 """
 
 from __future__ import annotations
@@ -16,7 +22,15 @@ import torch
 
 from ..casting import cast_fp8
 from ..graph import Fp8, GraphOperand, Kind, rounded, rounded_amax, scale_in_use
+from .launch import DECODE_AT, fp8_cast_with_scale, fp8_current_quantize, kept_amax_words
 from .reference import current_scale
+
+
+class _Words:
+    """Holds the amax words (``launch.kept_amax_words``) of eager calls' quantizes."""
+
+
+_WORDS = _Words()
 
 
 @dataclass(frozen=True)
@@ -26,6 +40,12 @@ class Tensorwise(GraphOperand):
     fp8_dtype: torch.dtype
     pow2: bool = False
     eps: float = 0.0
+    #: eager's quantize kernels run eager calls (CUDA with Triton)
+    kernel: bool = False
+
+    @property
+    def eager(self) -> bool:
+        return self.kernel and type(self) is Tensorwise
 
     def kind(self, usage):
         return Kind("fp8", self.fp8_dtype)
@@ -36,27 +56,64 @@ class Tensorwise(GraphOperand):
     def cast(self, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return cast_fp8(rounded(t) * scale, self.fp8_dtype)
 
+    # ---- eager calls: eager's kernels ---------------------------------------------------
+    def _in_eager(self) -> bool:
+        return self.kernel and not torch.compiler.is_compiling()
+
+    def _quantize(self, t: torch.Tensor, row: bool, col: bool):
+        """(rowwise Fp8 or None, columnwise Fp8 or None) of the 2-D ``t`` in one kernel
+        quantize (an amax pass, then the cast of the directions asked for)."""
+        t = t.contiguous()
+        r, c, scales = fp8_current_quantize(
+            t, self.fp8_dtype == torch.float8_e5m2, self.pow2, self.eps, row, col, 0, [], None,
+            kept_amax_words(_WORDS, t.device))
+        scale, decode = scales[0:1], scales[DECODE_AT]
+        return (Fp8(r.view(self.fp8_dtype), scale, decode) if row else None,
+                Fp8(c.view(self.fp8_dtype), scale, decode) if col else None)
+
+    def _cast_columnwise(self, t: torch.Tensor, scale: torch.Tensor, decode) -> Fp8:
+        _, c = fp8_cast_with_scale(t.contiguous(), scale, self.fp8_dtype == torch.float8_e5m2,
+                                   False, True)
+        return Fp8(c.view(self.fp8_dtype), scale, decode)
+
+    # ---- the form ------------------------------------------------------------------------
     def rowwise(self, t):
+        if self._in_eager():
+            return self._quantize(t, True, False)[0]
         scale = self.scale(t)
         return Fp8(self.cast(t, scale), scale)
 
     def columnwise(self, t):
+        if self._in_eager():
+            return self._quantize(t, False, True)[1]
         return self.saved_columnwise((t, self.scale(t)))
 
     def save_columnwise(self, t):
         return (t, self.scale(t))
 
     def saved_columnwise(self, saved):
+        if len(saved) == 3:  # an eager call's: fp8 codes, or the tensor to cast
+            data, scale, decode = saved
+            if data.dtype == self.fp8_dtype:
+                return Fp8(data, scale, decode)
+            return self._cast_columnwise(data, scale, decode)
         t, scale = saved
         return Fp8(self.cast(t.t(), scale).contiguous(), scale)
 
-    def forward(self, t, keep):
+    def forward(self, t, keep, held=False):
+        if self._in_eager():
+            row, col = self._quantize(t, True, keep and not held)
+            if not keep:
+                return row, ()
+            return row, ((t, row.scale, row.decode) if held else col)
         scale = self.scale(t)
         return Fp8(self.cast(t, scale), scale), ((t, scale) if keep else ())
 
     def grad(self, t, row, col):
         if not (row or col):
             return None, None
+        if self._in_eager():
+            return self._quantize(t, row, col)
         scale = self.scale(t)
         data = self.cast(t, scale)
         return (Fp8(data, scale) if row else None,

@@ -209,7 +209,8 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
             if t.rowwise_data is None or t.fp8_dtype != self.fp8_dtype:
                 return "a per-tensor FP8 weight without rowwise data in this fp8 dtype"
             return graph.GivenTensorwise(self.fp8_dtype)
-        return graph.Tensorwise(self.fp8_dtype, self.force_pow_2_scales, self.amax_epsilon)
+        return graph.Tensorwise(self.fp8_dtype, self.force_pow_2_scales, self.amax_epsilon,
+                                kernel=use_kernels(t))
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "force_pow_2_scales": self.force_pow_2_scales,

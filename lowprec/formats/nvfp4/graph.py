@@ -60,7 +60,7 @@ class FP4Blocks(GraphOperand):
     def rowwise(self, t):
         return self._values(t, True, False)[0]
 
-    def forward(self, t, keep):
+    def forward(self, t, keep, held=False):
         if not keep:
             return self.rowwise(t), ()
         if self.transposes:

@@ -1,0 +1,133 @@
+"""Eager calls that run the traced plan (``lowprec.linear.traced.eager_plan``): where every
+form of a call's plan runs eagerly with eager's kernels (per-tensor FP8 current scaling on
+CUDA with Triton), an eager Linear runs :class:`TracedLinear`, the Function a compiled call
+traces. Its results are the eager Function's bit for bit (``eager_plans_off`` runs that
+one), and it keeps no more memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec
+from lowprec import Float8CurrentScaling
+from lowprec.kernels import triton_available
+from lowprec.linear import traced
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()),
+                       reason="needs a CUDA device with Triton"),
+]
+
+
+def _step(m, x, dy, recipe, **kw):
+    for p in m.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    with lowprec.autocast(recipe=recipe), torch.autocast("cuda", torch.bfloat16,
+                                                         enabled=kw.get("amp", False)):
+        y = m(x)
+    name = type(y.grad_fn).__name__
+    if y.requires_grad:
+        y.backward(dy)
+    grads = [x.grad] + [p.grad for p in m.parameters()]
+    return name, [y] + grads
+
+
+def _both(m, x, dy, recipe, **kw):
+    planned_fn, planned = _step(m, x, dy, recipe, **kw)
+    with traced.eager_plans_off():
+        eager_fn, eager = _step(m, x, dy, recipe, **kw)
+    return planned_fn, planned, eager_fn, eager
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert (u is None) == (v is None), i
+        if u is not None:
+            assert u.dtype == v.dtype and u.shape == v.shape, i
+            assert torch.equal(u, v), (i, (u.float() - v.float()).abs().max())
+
+
+@pytest.mark.parametrize("shape", [(128, 256, 512), (100, 256, 384), (2, 48, 512, 256)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("mode", ["default", "high_precision", "dequantized"])
+def test_linear_runs_the_plan_bit_for_bit(shape, bias, mode):
+    *lead, k, n = shape
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    m = lowprec.Linear(k, n, bias=bias, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(*lead, k, device="cuda", generator=gen).to(torch.bfloat16)
+    x.requires_grad_(True)
+    dy = torch.randn(*lead, n, device="cuda", generator=gen).to(torch.bfloat16)
+    recipe = Float8CurrentScaling(backward_mode=mode)
+    planned_fn, planned, eager_fn, eager = _both(m, x, dy, recipe)
+    assert planned_fn == "TracedLinearBackward" and eager_fn != planned_fn, (planned_fn,
+                                                                             eager_fn)
+    _same(planned, eager)
+
+
+def test_fp32_weights_under_torch_autocast():
+    """torch.autocast casts the fp32 weight (its gradient stays fp32); the cast copy is no
+    parameter, so the forward keeps its fp8 columnwise codes."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    m = lowprec.Linear(256, 384, device="cuda")
+    x = torch.randn(64, 256, device="cuda", generator=gen, requires_grad=True)
+    dy = torch.randn(64, 384, device="cuda", generator=gen).to(torch.bfloat16)
+    planned_fn, planned, _, eager = _both(m, x, dy, Float8CurrentScaling(), amp=True)
+    assert planned_fn == "TracedLinearBackward"
+    _same(planned, eager)
+
+
+def test_weight_only_and_input_only_gradients():
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    m = lowprec.Linear(256, 256, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(32, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    dy = torch.randn(32, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    _, planned, _, eager = _both(m, x, dy, Float8CurrentScaling())  # no input gradient
+    _same(planned, eager)
+    m.weight.requires_grad_(False)
+    _, planned, _, eager = _both(m, x.requires_grad_(True), dy, Float8CurrentScaling())
+    _same(planned, eager)
+
+
+def test_evaluation_forward():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    m = lowprec.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(48, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        with lowprec.autocast(recipe=Float8CurrentScaling()):
+            y = m(x)
+        with traced.eager_plans_off(), lowprec.autocast(recipe=Float8CurrentScaling()):
+            y0 = m(x)
+    assert torch.equal(y, y0)
+
+
+def test_stack_keeps_no_more_memory():
+    """Peak memory of a stack's training step: no more than the eager Function's."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    stack = torch.nn.Sequential(*[lowprec.Linear(1024, 1024, bias=False,
+                                                 params_dtype=torch.bfloat16, device="cuda")
+                                  for _ in range(4)])
+    x = torch.randn(4096, 1024, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def peak():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with lowprec.autocast(recipe=Float8CurrentScaling()):
+            y = stack(x.requires_grad_(True))
+        y.float().pow(2).mean().backward()
+        for p in stack.parameters():
+            p.grad = None
+        x.grad = None
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    peak()
+    planned = peak()
+    with traced.eager_plans_off():
+        peak()
+        eager = peak()
+    assert planned <= eager * 1.02, (planned, eager)
