@@ -22,15 +22,35 @@ import torch
 
 from ..casting import cast_fp8
 from ..graph import Fp8, GraphOperand, Kind, rounded, rounded_amax, scale_in_use
-from .launch import DECODE_AT, fp8_cast_with_scale, fp8_current_quantize, kept_amax_words
+from .launch import (
+    DECODE_AT,
+    PreparedCurrent,
+    PreparedUsageLike,
+    fp8_cast_with_scale,
+    fp8_current_quantize,
+    kept_amax_words,
+)
 from .reference import current_scale
 
 
-class _Words:
-    """Holds the amax words (``launch.kept_amax_words``) of eager calls' quantizes."""
+class _Settings:
+    """A current-scaling quantize's settings as ``launch.PreparedCurrent`` reads them from
+    a quantizer; it also holds that quantize's amax words (``launch.kept_amax_words``)."""
+
+    def __init__(self, fp8_dtype: torch.dtype, pow2: bool, eps: float) -> None:
+        self.fp8_dtype, self.force_pow_2_scales, self.amax_epsilon = fp8_dtype, pow2, eps
 
 
-_WORDS = _Words()
+class _Scaled:
+    """What ``launch.PreparedUsageLike`` reads of the tensor whose scale it casts with."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.shared_scale, self._decode = scale, None
+
+
+#: (form, kind, shape, dtype, device, rowwise, columnwise) -> an eager call's bound quantize
+_PREPARED: dict = {}
+_MAX_PREPARED = 1024
 
 
 @dataclass(frozen=True)
@@ -60,20 +80,43 @@ class Tensorwise(GraphOperand):
     def _in_eager(self) -> bool:
         return self.kernel and not torch.compiler.is_compiling()
 
+    def _prepared(self, t: torch.Tensor, row: bool, col: bool, kind=PreparedCurrent):
+        key = (self, kind, t.shape, t.dtype, t.device, row, col)
+        prepared = _PREPARED.get(key)
+        if prepared is None:
+            if len(_PREPARED) >= _MAX_PREPARED:
+                _PREPARED.clear()
+            prepared = _PREPARED[key] = kind(_Settings(self.fp8_dtype, self.pow2, self.eps),
+                                             t.shape, t.dtype, t.device, row, col)
+        return prepared
+
     def _quantize(self, t: torch.Tensor, row: bool, col: bool):
         """(rowwise Fp8 or None, columnwise Fp8 or None) of the 2-D ``t`` in one kernel
-        quantize (an amax pass, then the cast of the directions asked for)."""
+        quantize (an amax pass, then the cast of the directions asked for), through launches
+        bound once per kind of input (``launch.PreparedCurrent``) from its third call on."""
         t = t.contiguous()
-        r, c, scales = fp8_current_quantize(
-            t, self.fp8_dtype == torch.float8_e5m2, self.pow2, self.eps, row, col, 0, [], None,
-            kept_amax_words(_WORDS, t.device))
-        scale, decode = scales[0:1], scales[DECODE_AT]
-        return (Fp8(r.view(self.fp8_dtype), scale, decode) if row else None,
-                Fp8(c.view(self.fp8_dtype), scale, decode) if col else None)
+        prepared = self._prepared(t, row, col)
+        fields = prepared(t)
+        if fields is not None:
+            record, scale = fields["_decode"], fields["shared_scale"]
+            decode = record[2] if record is not None else None
+            r, c = fields["rowwise_data"], fields["columnwise_data"]
+        else:  # the first calls (they compile and bind), or one the bound launches refuse
+            r, c, scales = fp8_current_quantize(
+                t, self.fp8_dtype == torch.float8_e5m2, self.pow2, self.eps, row, col, 0, [],
+                None, kept_amax_words(prepared.quantizer, t.device))
+            scale, decode = scales[0:1], scales[DECODE_AT]
+            r, c = r.view(self.fp8_dtype), c.view(self.fp8_dtype)
+        return (Fp8(r, scale, decode) if row else None,
+                Fp8(c, scale, decode) if col else None)
 
     def _cast_columnwise(self, t: torch.Tensor, scale: torch.Tensor, decode) -> Fp8:
-        _, c = fp8_cast_with_scale(t.contiguous(), scale, self.fp8_dtype == torch.float8_e5m2,
-                                   False, True)
+        """The columnwise codes of ``t`` cast with ``scale`` (the rowwise quantize's)."""
+        t = t.contiguous()
+        fields = self._prepared(t, False, True, PreparedUsageLike)(t, _Scaled(scale))
+        if fields is not None:
+            return Fp8(fields["columnwise_data"], scale, decode)
+        _, c = fp8_cast_with_scale(t, scale, self.fp8_dtype == torch.float8_e5m2, False, True)
         return Fp8(c.view(self.fp8_dtype), scale, decode)
 
     # ---- the form ------------------------------------------------------------------------
