@@ -57,3 +57,24 @@ def quantize(quantizer: Quantizer | None, x: torch.Tensor, *, columnwise: bool,
     quantized = make()
     region.shared_input = _Last(weakref.ref(x), x._version, key, quantized)
     return quantized
+
+
+def shared_form(form, x: torch.Tensor, keep: bool, make):
+    """``make()``, an eager call's (rowwise form, what backward keeps) of ``x`` under the
+    traced form ``form`` (``lowprec.linear.traced``), shared as :func:`quantize` shares a
+    quantized tensor: the Linears before this one that read the same, unchanged ``x`` with
+    an equal form made it already. Only for forms that run eagerly (their quantize is a
+    function of the input and the form's settings), inside a region, outside tracing."""
+    if torch.compiler.is_compiling():
+        return make()
+    region = active_region()
+    if region is None or not form.eager or x.is_inference():
+        return make()
+    key = ("form", form, keep)
+    last = region.shared_input
+    if (last is not None and last.key == key and last.source() is x
+            and last.version == x._version):
+        return last.quantized
+    made = make()
+    region.shared_input = _Last(weakref.ref(x), x._version, key, made)
+    return made

@@ -56,7 +56,7 @@ from ..formats.graph import (
 )
 from ..roles import QuantizerRole
 from ..state import push_amaxes, stateful, stateless_quantizers
-from . import exact_split, grad_split
+from . import exact_split, grad_split, shared_input
 from . import traced_steps as steps
 from .plan import row_padding
 
@@ -357,7 +357,9 @@ class TracedLinear(torch.autograd.Function):
             ctx.save_for_backward(*x_keep, *w_keep, *bwd[:4])
             ctx.update = bwd[4:]
         elif plan.mode == "default":
-            xr, x_keep = plan.x.forward(x2d, need_dw)
+            # q/k/v (gate/up) read one input: one quantize serves them (``shared_input``)
+            xr, x_keep = shared_input.shared_form(plan.x, x, need_dw,
+                                                  lambda: plan.x.forward(x2d, need_dw))
             wr, w_keep = plan.w.forward(weight, need_dx,
                                         held=isinstance(weight, torch.nn.Parameter))
         else:

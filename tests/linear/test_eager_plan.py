@@ -131,3 +131,39 @@ def test_stack_keeps_no_more_memory():
         peak()
         eager = peak()
     assert planned <= eager * 1.02, (planned, eager)
+
+
+def test_linears_reading_one_input_share_its_quantize(monkeypatch):
+    """q/k/v read one input: one quantize of it serves the three (``shared_input``), bit
+    for bit as each would make it, as the eager Function shares it."""
+    from lowprec.formats.float8 import graph as fp8_graph
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    qkv = [lowprec.Linear(256, 384, bias=False, params_dtype=torch.bfloat16, device="cuda")
+           for _ in range(3)]
+    x = torch.randn(64, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    seen = []
+    real = fp8_graph.Tensorwise._quantize
+
+    def counted(self, t, row, col):
+        seen.append(tuple(t.shape))
+        return real(self, t, row, col)
+
+    def step():
+        xi = x.detach().clone().requires_grad_(True)
+        with lowprec.autocast(recipe=Float8CurrentScaling()):
+            ys = [m(xi) for m in qkv]
+        sum(y.float().sum() for y in ys).backward()
+        return ys + [xi.grad] + [m.weight.grad for m in qkv]
+
+    planned = step()
+    for m in qkv:
+        m.weight.grad = None
+    monkeypatch.setattr(fp8_graph.Tensorwise, "_quantize", counted)
+    step()
+    assert seen.count((64, 256)) == 1, seen  # x; the weights (384, 256), dY (64, 384)
+    assert seen.count((64, 384)) == 3, seen
+    for m in qkv:
+        m.weight.grad = None
+    with traced.eager_plans_off():
+        eager = step()
+    _same(planned, eager)
