@@ -1,0 +1,44 @@
+"""A/B of eager current scaling on the "1b" model (``bench_model.run_peer``): the traced
+plan run eagerly against the eager Function (``traced.eager_plans_off``), alternating in
+one process after bf16 eager (the host's speed varies between processes).
+
+    python tools/ab_eager_plan.py [--model 1b] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import bench_model as bm  # noqa: E402
+
+from lowprec.linear import traced  # noqa: E402
+
+
+def report(label: str, res) -> None:
+    print(f"{label:10s} ms {res[0]:7.2f}  GPU {res[4]:7.2f}  forward host {res[6]:6.2f}  "
+          f"peak {res[2]:.2f} GiB", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="1b")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    report("bf16", bm.run_peer("bf16", args.model, "cuda", "eager", 10, 3))
+    bm.release()
+    for _ in range(args.rounds):
+        for label, off in (("plan", False), ("Function", True)):
+            with traced.eager_plans_off() if off else contextlib.nullcontext():
+                res = bm.run_peer("lowprec-current", args.model, "cuda", "eager", 10, 3)
+            bm.release()
+            report(label, res)
+
+
+if __name__ == "__main__":
+    main()
