@@ -76,8 +76,9 @@ def main():
           f"bf16 {per_linear_us(bf16, a.layers):.1f}, "
           f"plan {per_linear_us(lp(False), a.layers):.1f}, "
           f"Function {per_linear_us(lp(True), a.layers):.1f}", flush=True)
-    if a.profile:
-        run = lp(False)
+    for label, off in (("plan", False), ("Function", True)) if a.profile else ():
+        print(f"---- {label}")
+        run = lp(off)
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(10):
@@ -85,11 +86,8 @@ def main():
         pr.disable()
         torch.cuda.synchronize()
         out = io.StringIO()
-        pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(45)
-        print(out.getvalue()[-9000:])
-        out = io.StringIO()
-        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
-        print(out.getvalue()[-5000:])
+        pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(32)
+        print(out.getvalue()[-7000:])
 
 
 if __name__ == "__main__":
