@@ -138,8 +138,24 @@ def state_bytes_per_param(model, opt) -> float:
     return held / n
 
 
+def _print_compile_times(peer: str, mode: str, top: int = 14) -> None:
+    """Where the warm-up's compile time went: dynamo's timed phases (seconds, summed over
+    the graphs), the ops dynamo captured and the graphs it made."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+    phases = sorted(((sum(v), k) for k, v in compilation_time_metrics.items()), reverse=True)
+    from torch._inductor import metrics
+    stats = counters["stats"]
+    print(f"    {peer} {mode} compile: {stats['unique_graphs']} graphs, "
+          f"{stats['calls_captured']} calls captured, {metrics.generated_kernel_count} "
+          f"kernels generated; "
+          + ", ".join(f"{k} {t:.1f}s" for t, k in phases[:top]), flush=True)
+    compilation_time_metrics.clear()
+    metrics.reset()
+
+
 def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: int,
-             top_kernels: int = 0, optim: str = "torch", losses: list | None = None):
+             top_kernels: int = 0, optim: str = "torch", losses: list | None = None,
+             compile_times: bool = False):
     """(median step ms, warm-up seconds, peak GiB, graph breaks, GPU kernel ms, kernels,
     median forward host ms, median optimizer-step ms, state bytes a parameter); with
     ``top_kernels``, prints that many of the step's heaviest kernels.
@@ -209,6 +225,8 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
         run = step
     sync()
     warm_s = time.perf_counter() - t0
+    if compile_times and mode != "eager":
+        _print_compile_times(peer, mode)
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     if device == "cuda":
         ms, peak = median_step_ms(run, steps)
@@ -298,6 +316,8 @@ def main() -> None:
                     help="print the first N steps' losses of each peer (same data and init "
                          "for every peer: eager and compiled runs of a recipe should agree "
                          "bit for bit)")
+    ap.add_argument("--compile-times", action="store_true",
+                    help="print where each compiled peer's warm-up went (dynamo's phases)")
     ap.add_argument("--top-kernels", type=int, default=0,
                     help="print each peer's N heaviest kernels (GPU ms a step)")
     args = ap.parse_args()
@@ -331,7 +351,7 @@ def main() -> None:
         try:
             results[(peer, mode)] = run_peer(peer.partition("+")[0], args.model, args.device,
                                              mode, args.steps, args.warmup, args.top_kernels,
-                                             optim, losses)
+                                             optim, losses, args.compile_times)
         except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
             print(f"{peer:24s} {mode:8s} FAILED: {type(exc).__name__}: {str(exc)[:300]}",
                   flush=True)
