@@ -23,10 +23,13 @@ _enabled = True
 _triton_found: bool | None = None
 
 
+@torch._dynamo.assume_constant_result
 def triton_available() -> bool:
     """True when Triton imports and a CUDA device is present."""
     # A plain cached flag rather than functools.lru_cache: the plans call this while
     # dynamo traces them, and dynamo warns about (and traces through) lru_cache wrappers.
+    # A constant to dynamo: traced, the first call's setting of the flag became a guard on
+    # the flag being unset, and every compiled model compiled twice.
     global _triton_found
     if _triton_found is None:
         _triton_found = torch.cuda.is_available() and _triton_imports()

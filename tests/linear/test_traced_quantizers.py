@@ -136,6 +136,27 @@ def test_layers_share_compiled_code_under_a_custom_recipe():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_compiles_once_when_triton_was_never_asked(device, monkeypatch):
+    """The first trace may be the process's first question about Triton (whether kernels
+    run): its answer is a constant to dynamo, not a guard on the cached flag that the
+    question sets, which recompiled every model on its second call."""
+    from torch._dynamo.utils import counters
+
+    import lowprec.kernels
+    monkeypatch.setattr(lowprec.kernels, "_triton_found", None)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    m = lowprec.Linear(128, 128, params_dtype=dtype, device=device)
+    m.compile(backend="aot_eager", fullgraph=True)
+    counters.clear()
+    x = torch.randn(32, 128, device=device, dtype=dtype, requires_grad=True)
+    for _ in range(2):
+        with lowprec.autocast(recipe=Float8CurrentScaling()):
+            y = m(x)
+        y.float().sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bias_epilogue_stays_opaque_on_cuda_only(device):
     """MXFP8's bf16 GEMM with a bias: eager's cuBLAS epilogue on CUDA keeps the opaque call
     (logged once, with its reason); elsewhere the call traces."""
