@@ -65,7 +65,7 @@ def operand_usages(mode: str, needs_dgrad: bool, needs_wgrad: bool) -> OperandUs
     (``needs_wgrad``); the other modes save high-precision or rowwise data instead.
     ``mode`` is a normalized backward mode (a ``BackwardMode`` or its string).
     """
-    quantized_bwd = mode == "default"
+    quantized_bwd = mode == BackwardMode.DEFAULT
     return OperandUsages(input=(True, quantized_bwd and bool(needs_wgrad)),
                          weight=(True, quantized_bwd and bool(needs_dgrad)))
 
@@ -224,7 +224,7 @@ class DelayedScaling(Recipe):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.backward_mode != "default":
+        if self.backward_mode != BackwardMode.DEFAULT:
             source = ("" if os.environ.get(BACKWARD_MODE_ENV) is None else
                       f" (from the environment variable {BACKWARD_MODE_ENV})")
             raise ValueError(f"DelayedScaling supports only backward_mode='default', got "

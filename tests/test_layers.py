@@ -264,3 +264,41 @@ def test_recipe_type_checks_are_seen():
                      "isinstance(r, Recipe)\n")
     assert _recipe_type_checks(tree) == ["isinstance(r, (DelayedScaling, X))",
                                          "type(r) is lowprec.CustomRecipe"]
+
+
+BACKWARD_MODE_STRINGS = {"default", "high_precision", "dequantized"}
+
+
+def _backward_mode_string_compares(tree: ast.AST) -> list[str]:
+    """Comparisons of a ``*mode`` expression with a backward mode's string (``==``,
+    ``!=``, ``in`` a tuple of them), as source text."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        consts = set()
+        for side in sides:
+            elts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            consts |= {e.value for e in elts if isinstance(e, ast.Constant)}
+        named = any(ast.unparse(s).endswith("mode") for s in sides)
+        if named and consts & BACKWARD_MODE_STRINGS:
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_backward_mode_is_compared_as_enum_members():
+    """``BackwardMode`` members, never their strings, in comparisons: one spelling, which a
+    renamed member would break loudly."""
+    bad = {m: found for m, p in MODULES.items()
+           for found in [_backward_mode_string_compares(ast.parse(p.read_text()))] if found}
+    assert not bad, bad
+
+
+def test_backward_mode_string_compares_are_seen():
+    tree = ast.parse('mode == "default"\nctx.backward_mode != "dequantized"\n'
+                     'backward_mode in ("default", "x")\nmode == BackwardMode.DEFAULT\n'
+                     'policy == "default"\n')
+    assert _backward_mode_string_compares(tree) == [
+        "mode == 'default'", "ctx.backward_mode != 'dequantized'",
+        "backward_mode in ('default', 'x')"]

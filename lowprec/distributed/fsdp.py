@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..formats.base import QuantizedTensor, Quantizer
+from ..recipe import BackwardMode
 from . import gather_codec
 from .experts_gather import wrap_expert_weights
 from .gather_wrapper import GatherWrapper
@@ -58,7 +59,7 @@ class _GatherPlan:
 
     def usages(self, backward: bool, reshard: bool) -> tuple[bool, bool]:
         """(rowwise, columnwise) to gather in this phase."""
-        if self.derivable or self.backward_mode != "default":
+        if self.derivable or self.backward_mode != BackwardMode.DEFAULT:
             return True, False
         if backward:
             return False, True
@@ -116,7 +117,7 @@ class _GatherSpec:
             return plan
         if rows % world or local % q.row_multiple(rowwise=True, columnwise=not derivable):
             return _GatherPlan(None)  # uneven or straddling shards: FSDP's padding rule
-        if not derivable and mode == "default":
+        if not derivable and mode == BackwardMode.DEFAULT:
             row_inputs = _inputs_meta(q, local, k, rowwise=True, columnwise=False)
             col_inputs = _inputs_meta(q, local, k, rowwise=False, columnwise=True)
             if gather_codec.signature(row_inputs) != gather_codec.signature(col_inputs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..autocast import torch_autocast_dtype
 from ..formats.base import rows_fit
 from ..kernels import FlagOff
+from ..recipe import BackwardMode
 from .activation_quantize import activation_then_quantize
 from .norm_quantize import norm_then_quantize
 from .prologue import Prologue, activation_prologue, apply_prologue, norm_prologue
@@ -30,7 +31,7 @@ def can_fuse(quantizer, x, backward_mode: str) -> bool:
     Not in ``high_precision`` backward mode: that mode saves the GEMM's high-precision
     input, which a fused producer never writes.
     """
-    return (enabled and quantizer is not None and backward_mode != "high_precision"
+    return (enabled and quantizer is not None and backward_mode != BackwardMode.HIGH_PRECISION
             and quantizer.supports_fused(x)
             # torch.autocast: the producer's output is rounded to the autocast dtype first
             and torch_autocast_dtype(x) is None

@@ -61,7 +61,7 @@ import lowprec
 from lowprec.distributed import precompute_gather_statistics, quantized_all_gather
 from lowprec.distributed.gather_codec import derives_columnwise
 from lowprec.linear.traced import reads_recipe_weights
-from lowprec.recipe import RECIPE_ALIASES
+from lowprec.recipe import RECIPE_ALIASES, BackwardMode
 from lowprec.state import RecipeState, stateful
 
 __all__ = ["JobConfig", "Lowprec", "LowprecConverter"]
@@ -198,7 +198,7 @@ class LowprecConverter:
         forward: both phases gather the rowwise side, because the format derives the
         columnwise side from it (per-tensor FP8, 2-D blocks) or the backward_mode is not
         the default."""
-        if self.recipe.backward_mode != "default":
+        if self.recipe.backward_mode != BackwardMode.DEFAULT:
             return True
         roles = module.get_quantizer_roles(fwd=True)
         q = RecipeState.create(self.recipe, "forward", roles).quantizers[1].copy()

@@ -33,13 +33,14 @@ import torch
 
 from ..formats.base import QuantizedTensor, Quantizer
 from ..gemm import gemm
+from ..recipe import BackwardMode
 from . import grad_split
 
 
 def applies(quantizers, x: torch.Tensor, weight: torch.Tensor, backward_mode: str,
             need_dx: bool, need_dw: bool) -> bool:
     """Whether a linear forward takes this path (see the module docstring)."""
-    if not (grad_split.exact_slicing() and backward_mode == "default" and need_dx
+    if not (grad_split.exact_slicing() and backward_mode == BackwardMode.DEFAULT and need_dx
             and need_dw and quantizers is not None):
         return False
     q = quantizers

@@ -30,7 +30,7 @@ from ..autocast import active_region, torch_autocast_dtype, torch_autocast_off
 from ..checkpoint import current_frame
 from ..formats.base import QuantizedTensor, Quantizer
 from ..gemm import gemm
-from ..recipe import BACKWARD_MODES, normalize_backward_mode, operand_usages
+from ..recipe import BACKWARD_MODES, BackwardMode, normalize_backward_mode, operand_usages
 from . import exact_split, grad_split, shared_input, traced, weight_cache
 from .plan import BOTH, plan_for
 
@@ -188,8 +188,8 @@ def _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w, q, backward_mode,
         offload.keep_on_device(saved_w)  # a weight's working copy stays with the weight
     ctx.save_for_backward(saved_x if need_dw else None, saved_w if need_dx else None)
     # Backward may free a saved operand once consumed only if nothing else holds it.
-    ctx.x_releasable = backward_mode == "default" and x_owned
-    ctx.w_releasable = backward_mode == "default" and w_owned
+    ctx.x_releasable = backward_mode == BackwardMode.DEFAULT and x_owned
+    ctx.w_releasable = backward_mode == BackwardMode.DEFAULT and w_owned
     ctx.quantizers = q
     ctx.backward_mode = backward_mode
     ctx.on_backward_done = on_backward_done
@@ -240,7 +240,7 @@ class _QuantizedLinear(torch.autograd.Function):
         # q/k/v (gate/up) read one input: one quantize serves them (``shared_input``)
         x_shared = (shared_input.quantize(x_q, x, columnwise=x_col, exact=exact,
                                           make=lambda: quantize_x()[0])
-                    if backward_mode == "default" and not pad else None)
+                    if backward_mode == BackwardMode.DEFAULT and not pad else None)
         if x_shared is not None:
             x_lp, x_owned = x_shared, False
         else:
@@ -270,9 +270,9 @@ class _QuantizedLinear(torch.autograd.Function):
         y = gemm(x_lp, "rowwise", w_lp, "rowwise", out_dtype=x.dtype, bias=bias)
         y = y.reshape(*x.shape[:-1], out_features)
 
-        if not quantized or backward_mode == "high_precision":
+        if not quantized or backward_mode == BackwardMode.HIGH_PRECISION:
             saved_x, saved_w = x, weight
-        elif backward_mode == "default":
+        elif backward_mode == BackwardMode.DEFAULT:
             if x_shared is not None:  # this backward's own view of the shared columnwise data
                 saved_x = x_shared.usage_copy("columnwise") if need_dw else None
                 x_owned = True
@@ -304,7 +304,7 @@ class _QuantizedLinear(torch.autograd.Function):
         saved_x, saved_w = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         q = ctx.quantizers
-        quantized_bwd = q is not None and ctx.backward_mode == "default"
+        quantized_bwd = q is not None and ctx.backward_mode == BackwardMode.DEFAULT
         if ctx.w_like is not None and saved_w is not None:
             # the weight's columnwise copy, with the statistics of fprop's rowwise one
             saved_w = ctx.plan.quantize_w_like(saved_w.detach(), ctx.w_like)

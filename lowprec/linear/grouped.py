@@ -52,6 +52,7 @@ from ..formats.block.experts import Float8BlockExperts
 from ..formats.float8.experts import Float8Experts
 from ..formats.nvfp4.experts import NVFP4Experts
 from ..kernels.moe_route import group_sizes_ok
+from ..recipe import BackwardMode
 from . import grouped_block_fp8, grouped_current, grouped_exact, grouped_nvfp4
 from .function import LinearQuantizers, quantized_linear
 from .grouped_parts import group_ids, hooked, host_sizes, stacked
@@ -222,7 +223,7 @@ def _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_
     picked = (grouped_current.current_scaling_quantizers(qs)
               if qs is not None and len(qs) == num else None)
     if (picked is None or bias is not None or on_backward_done is not None
-            or backward_mode != "default" or x.shape[-1] != k):
+            or backward_mode != BackwardMode.DEFAULT or x.shape[-1] != k):
         raise ValueError(
             "grouped_linear: FP8 experts (gathered quantized, Float8Experts) run under the FP8 "
             "current-scaling recipe they were gathered for (one quantizer setting a slot, "
@@ -321,7 +322,7 @@ def _route(x2d, weight, qs, bias, backward_mode, on_backward_done):
     n, k = weight.shape[-2:] if isinstance(weight, torch.Tensor) else weight[0].shape
     if qs is None:
         return ("plain", None) if grouped_mm.plain_available(x2d, k, n) else None
-    if backward_mode != "default":
+    if backward_mode != BackwardMode.DEFAULT:
         return None
     return _kept(qs, ("route", n, k, x2d.dtype, x2d.device),
                  lambda: _quantizer_route(x2d, qs, n, k))

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..formats.base import QuantizedTensor, Quantizer
-from ..recipe import operand_usages
+from ..recipe import BackwardMode, operand_usages
 from . import exact_split, grad_split
 
 #: The usages a GEMM consumes right after the quantize (see ``function.quantize_operand``):
@@ -70,7 +70,7 @@ def row_padding(q, x: torch.Tensor, backward_mode: str, need_dw: bool) -> int:
     from the output and dX: the result is the one of an input padded by hand. Only the
     columnwise (wgrad) side runs its blocks along M, so without wgrad nothing is padded.
     """
-    if (q is None or backward_mode != "default" or not need_dw
+    if (q is None or backward_mode != BackwardMode.DEFAULT or not need_dw
             or isinstance(x, QuantizedTensor) or x.shape[-1] == 0):
         return 0
     multiple = 1
@@ -104,7 +104,7 @@ def _split(q, x: torch.Tensor, weight: torch.Tensor, pad: int) -> tuple[int, int
 def _decide(q, x, weight, backward_mode: str, need_dx: bool, need_dw: bool,
             cached_weight: bool) -> LinearPlan:
     pad = row_padding(q, x, backward_mode, need_dw)
-    exact = ROW if backward_mode != "dequantized" else ()
+    exact = ROW if backward_mode != BackwardMode.DEQUANTIZED else ()
     if not cached_weight and exact_split.applies(q, x, weight, backward_mode, need_dx, need_dw):
         return LinearPlan(pad, True, True, True, exact, False, None)
     usages = operand_usages(backward_mode, need_dx, need_dw)
@@ -113,7 +113,7 @@ def _decide(q, x, weight, backward_mode: str, need_dx: bool, need_dw: bool,
     w_two_steps = (not cached_weight and not isinstance(weight, QuantizedTensor)
                    and _weight_in_two_steps(q.weight if q else None, weight, w_col))
     split = None
-    if quantized and backward_mode == "default" and need_dx and need_dw:
+    if quantized and backward_mode == BackwardMode.DEFAULT and need_dx and need_dw:
         split = _split(q, x, weight, pad)
     prepared = {}
     if quantized:
@@ -131,7 +131,7 @@ def _decide(q, x, weight, backward_mode: str, need_dx: bool, need_dw: bool,
                 prepared["quantize_w_like"] = q.weight.prepare_usage_like(
                     weight.shape, weight.dtype, weight.device, "columnwise")
                 prepared["w_in_backward"] = type(weight) is torch.nn.Parameter
-        if (q.grad_output is not None and backward_mode == "default"
+        if (q.grad_output is not None and backward_mode == BackwardMode.DEFAULT
                 and (need_dx or need_dw)):
             prepared["quantize_dy"] = q.grad_output.prepare(
                 torch.Size(lead + (weight.shape[0],)), x.dtype, x.device, rowwise=need_dx,

@@ -54,6 +54,7 @@ from ..formats.graph import (
     rounded_amax,
     scale_in_use,
 )
+from ..recipe import BackwardMode
 from ..roles import QuantizerRole
 from ..state import push_amaxes, stateful, stateless_quantizers
 from . import exact_split, grad_split, shared_input
@@ -258,7 +259,7 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
     grad = torch.is_grad_enabled()
     need_dx = grad and (x.requires_grad if input_grad is None else input_grad)
     need_dw = grad and weight.requires_grad
-    default = backward_mode == "default"
+    default = backward_mode == BackwardMode.DEFAULT
     if not quantized_w and _feature_padding(q, k, n):
         return "eager pads K or N to whole blocks"
     if not quantized_w and row_padding(q, x, backward_mode, need_dw):
@@ -356,7 +357,7 @@ class TracedLinear(torch.autograd.Function):
             x_keep, w_keep = x_keep if need_dw else (), w_keep if need_dx else ()
             ctx.save_for_backward(*x_keep, *w_keep, *bwd[:4])
             ctx.update = bwd[4:]
-        elif plan.mode == "default":
+        elif plan.mode == BackwardMode.DEFAULT:
             # q/k/v (gate/up) read one input: one quantize serves them (``shared_input``)
             xr, x_keep = shared_input.shared_form(plan.x, x, need_dw,
                                                   lambda: plan.x.forward(x2d, need_dw))
@@ -364,7 +365,7 @@ class TracedLinear(torch.autograd.Function):
                                         held=isinstance(weight, torch.nn.Parameter))
         else:
             xr, wr = plan.x.rowwise(x2d), plan.w.rowwise(weight)
-            if plan.mode == "high_precision":
+            if plan.mode == BackwardMode.HIGH_PRECISION:
                 x_keep, w_keep = (x2d,) if need_dw else (), (weight,) if need_dx else ()
             else:
                 x_keep = (plan.x.dequantized(xr, x.dtype),) if need_dw else ()
@@ -387,7 +388,7 @@ class TracedLinear(torch.autograd.Function):
         plan = ctx.plan
         nx, nw = ctx.n_saved
         x_keep, w_keep = saved[:nx], saved[nx:nx + nw]
-        if plan.mode != "default":  # high-precision GEMMs on the kept values
+        if plan.mode != BackwardMode.DEFAULT:  # high-precision GEMMs on the kept values
             dw = _hp_product(dy2d.t(), x_keep[0].t(), ctx.w_dtype) if need_dw else None
             dx = _hp_product(dy2d, w_keep[0].t(), ctx.x_dtype) if need_dx else None
             return dx, dw
@@ -525,7 +526,7 @@ def reads_recipe_weights(recipe) -> bool:
     """Whether a compiled linear reads a weight quantized under ``recipe`` as it is (FSDP2's
     quantized all-gathers of it under torch.compile, ``quantized_model_init``): where the
     weight quantizer's form and the quantized weight's own agree, default backward."""
-    if recipe.backward_mode != "default" or stateful(recipe):
+    if recipe.backward_mode != BackwardMode.DEFAULT or stateful(recipe):
         return False
     q = stateless_quantizers(recipe, "forward", [QuantizerRole("linear", "weight", "")])[0]
     weight = q.make_empty((128, 128), dtype=torch.bfloat16)

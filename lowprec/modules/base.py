@@ -14,7 +14,7 @@ from ..checkpoint import check_not_recomputing, current_frame, record, replayed
 from ..compiled_call import HANDLE_ATTR, CompiledCallMixin
 from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor, keep_quantized, user_attributes
 from ..linear.function import LinearQuantizers
-from ..recipe import operand_usages
+from ..recipe import BackwardMode, operand_usages
 from ..roles import check_num_quantizers, gemm_roles
 from ..state import RecipeState, stateful, stateless_quantizers
 from . import extra_state
@@ -59,7 +59,7 @@ def producer_usages(weight: torch.Tensor, backward_mode: str) -> tuple[bool, boo
 def release_fprop_copy(x: torch.Tensor, backward_mode: str) -> None:
     """After fprop, drop the rowwise data of an input a producer quantized for this GEMM
     alone: in default mode backward saved only the columnwise data."""
-    if (backward_mode == "default" and isinstance(x, QuantizedTensor)
+    if (backward_mode == BackwardMode.DEFAULT and isinstance(x, QuantizedTensor)
             and x.has_usage("rowwise") and x.has_usage("columnwise")):
         x.update_usage(rowwise_usage=False)
 

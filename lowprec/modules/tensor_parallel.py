@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..distributed import tp_comm
 from ..linear.function import quantized_linear
+from ..recipe import BackwardMode
 from .base import producer_usages, release_fprop_copy
 from .base import tp_group_size as check_parallel_args  # noqa: F401 (the modules call it here)
 from .norms import apply_norm
@@ -100,7 +101,7 @@ def column_input(tp: TensorParallel | None, x: torch.Tensor, quantizer, backward
         return x
     if not tp.sequence_parallel:
         return tp_comm.copy_to_group(x, tp.group)
-    quantized = backward_mode in ("default", "dequantized")
+    quantized = backward_mode in (BackwardMode.DEFAULT, BackwardMode.DEQUANTIZED)
     return tp_comm.gather_sequence(x, tp.group, quantizer if quantized else None,
                                    rowwise=usages[0], columnwise=usages[1])
 
@@ -112,7 +113,7 @@ def row_output(tp: TensorParallel | None, y: torch.Tensor, bias: torch.Tensor | 
     ``grad_quantizer`` where it can); then the bias."""
     if tp is not None:
         if tp.sequence_parallel:
-            q = grad_quantizer if backward_mode == "default" else None
+            q = grad_quantizer if backward_mode == BackwardMode.DEFAULT else None
             y = tp_comm.reduce_scatter_sequence(y, tp.group, q)
         else:
             y = tp_comm.reduce_from_group(y, tp.group)

@@ -7,7 +7,7 @@ import torch
 from ...formats.base import QuantizedTensor
 from ...linear.function import quantized_linear
 from ...modules.base import LowprecModule, add_linear_params, check_parallel_args
-from ...recipe import operand_usages
+from ...recipe import BackwardMode, operand_usages
 from ..base import BasicOperation, EmitSpec, RunContext
 from .bias import bias_forward
 
@@ -66,7 +66,7 @@ class BasicLinear(LowprecModule, BasicOperation):
         Not in ``high_precision`` backward mode: that mode saves the original input.
         """
         qs, mode, _ = prep
-        if qs is None or mode == "high_precision" or qs[0].input is None:
+        if qs is None or mode == BackwardMode.HIGH_PRECISION or qs[0].input is None:
             return None
         return EmitSpec(qs[0].input, *self.input_usages(prep))
 
@@ -74,7 +74,7 @@ class BasicLinear(LowprecModule, BasicOperation):
         """How the next op's backward may quantize this linear's grad_output for it:
         the usages its dgrad (rowwise) and wgrad (columnwise) consume, default mode only."""
         qs, mode, _ = prep
-        if qs is None or mode != "default" or qs[0].grad_output is None:
+        if qs is None or mode != BackwardMode.DEFAULT or qs[0].grad_output is None:
             return None
         need_dx, need_dw = x.requires_grad, self.weight.requires_grad
         if not torch.is_grad_enabled() or not (need_dx or need_dw):
@@ -90,7 +90,7 @@ class BasicLinear(LowprecModule, BasicOperation):
         qs, mode, done = prep
         y = quantized_linear(x, self.weight, bias, quantizers=qs[0] if qs else None,
                              backward_mode=mode, on_backward_done=done)
-        if (intermediate and qs is not None and mode == "default"
+        if (intermediate and qs is not None and mode == BackwardMode.DEFAULT
                 and isinstance(x, QuantizedTensor)
                 and x.has_usage("rowwise") and x.has_usage("columnwise")):
             x.update_usage(rowwise_usage=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...modules.base import LowprecModule
+from ...recipe import BackwardMode
 from ...roles import QuantizerRole, check_num_quantizers
 from ..base import BasicOperation, RunContext, as_plain, plain
 
@@ -79,7 +80,7 @@ class Quantize(LowprecModule, BasicOperation):
         fwd_q, bwd_q, mode, done = qs
         if not self.quantize_forward:
             fwd_q = None
-        if not self.quantize_backward or mode != "default":
+        if not self.quantize_backward or mode != BackwardMode.DEFAULT:
             bwd_q = None
         if fwd_q is None and bwd_q is None:
             return x
