@@ -49,14 +49,19 @@ def quantize(quantizer: Quantizer | None, x: torch.Tensor, *, columnwise: bool,
     share = quantizer.share_key()
     if share is None:
         return None
-    key = (share, columnwise, exact)
+    return _kept_or_made(region, x, (share, columnwise, exact), make)
+
+
+def _kept_or_made(region, x: torch.Tensor, key: tuple, make):
+    """The region's last result for this same, unchanged ``x`` under ``key``, else
+    ``make()``'s, kept in its place."""
     last = region.shared_input
     if (last is not None and last.key == key and last.source() is x
             and last.version == x._version):
         return last.quantized
-    quantized = make()
-    region.shared_input = _Last(weakref.ref(x), x._version, key, quantized)
-    return quantized
+    made = make()
+    region.shared_input = _Last(weakref.ref(x), x._version, key, made)
+    return made
 
 
 def shared_form(form, x: torch.Tensor, keep: bool, make):
@@ -70,11 +75,4 @@ def shared_form(form, x: torch.Tensor, keep: bool, make):
     region = active_region()
     if region is None or not form.eager or x.is_inference():
         return make()
-    key = ("form", form, keep)
-    last = region.shared_input
-    if (last is not None and last.key == key and last.source() is x
-            and last.version == x._version):
-        return last.quantized
-    made = make()
-    region.shared_input = _Last(weakref.ref(x), x._version, key, made)
-    return made
+    return _kept_or_made(region, x, ("form", form, keep), make)
