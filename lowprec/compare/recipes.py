@@ -224,8 +224,8 @@ def _quantizer_for(spec: RecipeSpec, mode: str, role) -> Quantizer:
     try:
         return RecipeState.create(spec.recipe, mode, [role]).quantizers[0]
     except Exception as err:  # noqa: BLE001 - a user's factory or recipe: say which role broke
-        raise RecipeError(f"recipe {spec.name!r}: building the quantizer for role {role!r} "
-                          f"raised {type(err).__name__}: {err}") from None
+        raise RecipeError(f"recipe {spec.name!r}: building the quantizer raised "
+                          f"{type(err).__name__} for role {role!r}: {err}") from None
 
 
 def _role_shapes(module, role, tokens: int) -> list[tuple[int, int]]:
