@@ -473,7 +473,6 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
 
 # ---- eager calls -----------------------------------------------------------------------------
 _EAGER = threading.local()
-_MISSING = object()
 #: plans kept per set of quantizers before the cache starts over (many token counts)
 MAX_PLANS = 256
 
@@ -504,15 +503,20 @@ def eager_plan(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
            weight.dtype, type(weight), None if bias is None else bias.dtype, grad,
            grad and x.requires_grad, grad and weight.requires_grad, grad_split.mode())
     plans = q.plans
-    plan = plans.get(key, _MISSING)
-    if plan is _MISSING:
+    plan = plans.get(key)
+    if plan is None:
         got = plan_for(q, backward_mode, x, weight, bias)
         plan = (got if not isinstance(got, str)
-                and all(f is None or f.eager for f in (got.x, got.w, got.dy)) else None)
+                and all(f is None or f.eager for f in (got.x, got.w, got.dy)) else _NoPlan())
         if len(plans) >= MAX_PLANS:
             plans.clear()
         plans[key] = plan
-    return plan
+    return plan if isinstance(plan, TracedPlan) else None
+
+
+class _NoPlan:
+    """An eager call's kept answer that the eager Function runs it (one object a call
+    kind: a copy of the quantizers decides its own)."""
 
 
 def run_plan(plan: TracedPlan, x: torch.Tensor, weight: torch.Tensor,
