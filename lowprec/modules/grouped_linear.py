@@ -6,7 +6,8 @@ import torch
 
 from ..compiled_call import compiled_as_one_op
 from ..linear.grouped import grouped_linear
-from .base import LowprecModule, add_linear_params, check_parallel_args
+from .base import LowprecModule
+from .params import add_linear_params, check_parallel_args
 
 
 class GroupedLinear(LowprecModule):

@@ -11,8 +11,9 @@ from ..fused.graph import graph_norm, producer_kernel
 from ..linear import traced
 from ..linear.function import quantized_linear
 from . import tensor_parallel as tpar
-from .base import LowprecModule, add_linear_params, release_fprop_copy
+from .base import LowprecModule
 from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params
+from .params import add_linear_params, release_fprop_copy
 
 
 class LayerNormLinear(LowprecModule):

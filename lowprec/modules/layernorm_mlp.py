@@ -13,8 +13,9 @@ from ..linear import traced
 from ..linear.function import quantized_linear
 from . import tensor_parallel as tpar
 from .activations import get_activation
-from .base import LowprecModule, add_linear_params, producer_usages, release_fprop_copy
+from .base import LowprecModule
 from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params
+from .params import add_linear_params, producer_usages, release_fprop_copy
 
 
 class LayerNormMLP(LowprecModule):

@@ -11,7 +11,8 @@ from ..compiled_call import compiled_as_one_op
 from ..linear import traced
 from ..linear.function import quantized_linear
 from . import tensor_parallel as tpar
-from .base import LowprecModule, add_linear_params
+from .base import LowprecModule
+from .params import add_linear_params
 
 
 class Linear(LowprecModule):

@@ -6,7 +6,8 @@ import torch
 
 from ...formats.base import QuantizedTensor
 from ...linear.function import quantized_linear
-from ...modules.base import LowprecModule, add_linear_params, check_parallel_args
+from ...modules.base import LowprecModule
+from ...modules.params import add_linear_params, check_parallel_args
 from ...recipe import BackwardMode, operand_usages
 from ..base import BasicOperation, EmitSpec, RunContext
 from .bias import bias_forward

@@ -1,0 +1,226 @@
+"""The recipe state a GEMM module keeps (``LowprecModule``'s share of it): one
+``RecipeState`` per direction under the active recipe, delayed scaling's kept across
+forwards under other recipes, and the per-GEMM quantizers read from them."""
+
+from __future__ import annotations
+
+import torch
+
+from ..autocast import active_region, register_delayed_state
+from ..checkpoint import check_not_recomputing, current_frame, record, replayed
+from ..compiled_call import HANDLE_ATTR
+from ..linear.function import LinearQuantizers
+from ..state import RecipeState, stateful
+
+
+def _holds(state: RecipeState | None, recipe) -> bool:
+    """Whether ``state`` is a state for ``recipe``. Identity first: the same recipe object
+    every step is the common case, and a dataclass comparison of nested recipes costs host
+    time each call."""
+    return state is not None and (state.recipe is recipe or state.recipe == recipe)
+
+
+class _BackwardDone:
+    """Counts a forward call's GEMM backwards and fires once all have run."""
+
+    def __init__(self, n: int, fn) -> None:
+        self.left, self.fn = n, fn
+
+    def __call__(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.fn()
+
+    def skip(self) -> None:
+        """One of the GEMMs will have no backward (nothing it read needs a gradient): the
+        others' backwards fire without it; with none left to run, nothing fires."""
+        self.left -= 1
+
+
+
+class ScalingStateMixin:
+    """The recipe-state methods of ``LowprecModule`` (which holds ``_recipe_states``,
+    ``_delayed_states`` and ``_pending_extra_state``)."""
+
+    def traced_delayed_states(self, recipe):
+        """(forward, backward ``DelayedScalingState``, module handle or None) a traced
+        training call under ``recipe`` records into; the forward state joins the region's
+        update as an eager forward's does (through the handle where the region was entered
+        outside the compiled call). None where the call stays opaque: the states do not exist yet
+        (the opaque call makes them, and the compiler traces the next call), gradients are
+        off (an evaluation records where nothing reads), or a checkpoint is in play."""
+        states = self.__dict__["_recipe_states"]
+        fwd, bwd = states["forward"], states["backward"]
+        if (not _holds(fwd, recipe) or not _holds(bwd, recipe) or fwd.delayed is None
+                or bwd.delayed is None or not torch.is_grad_enabled()
+                or current_frame() is not None):
+            return None
+        if active_region().traced:
+            # the region lives in the graph: its exit's update is traced with it
+            fwd.delayed.pending = True
+            register_delayed_state(fwd.delayed)
+            return fwd.delayed, bwd.delayed, None
+        # a region around the compiled call: joined at run time (``lowprec::record_amaxes``)
+        return fwd.delayed, bwd.delayed, self.__dict__[HANDLE_ATTR]
+
+    def _state(self, mode: str, recipe, device) -> RecipeState:
+        state = self._recipe_states[mode]
+        if not _holds(state, recipe):
+            state = self._new_state(mode, recipe, device)
+        return state
+
+    def _new_state(self, mode: str, recipe, device) -> RecipeState:
+        """The state for ``recipe`` under the current roles. A module's delayed-scaling state
+        outlives forwards under other recipes (an eval under MXFP8, say): it is kept aside
+        and taken up again, or carried into the state of another DelayedScaling recipe or
+        other roles where it fits."""
+        roles = self._roles()[0 if mode == "forward" else 1]
+        kept = self._kept_delayed().get(mode)
+        if (stateful(recipe) and kept is not None and kept.roles == roles
+                and (kept.recipe is recipe or kept.recipe == recipe)):
+            state = kept
+        else:
+            state = RecipeState.create(recipe, mode, roles, device)
+            if state.delayed is not None:
+                if kept is not None:
+                    state.delayed.adopt(kept.delayed)
+                self._delayed_states[mode] = state
+                self._take_pending(mode, state)
+        self._recipe_states[mode] = state
+        return state
+
+    def _kept_delayed(self) -> dict:
+        """The module's delayed-scaling state per mode (None until it has one)."""
+        kept = self.__dict__.get("_delayed_states")
+        if kept is None:  # a module pickled before the states were kept apart
+            kept = self.__dict__["_delayed_states"] = {
+                m: (s if s is not None and s.delayed is not None else None)
+                for m, s in self._recipe_states.items()}
+        return kept
+
+    def active_states(self, device, backward_calls: int = 1):
+        """(recipe, forward state, backward state, end-of-backward callback) under the active
+        autocast, or None outside it. The callback fires after ``backward_calls`` calls.
+
+        A forward with grad disabled (eval, ``no_grad``, ``inference_mode``) gets the
+        forward state's ``eval_twin``: the same quantizers, except that delayed scaling's
+        record their amaxes where no update reads them, so such calls never move the
+        state and interleaved eval steps leave training bit-identical.
+
+        Inside a ``torch.utils.checkpoint`` recompute it is what the original call
+        quantized with, autocast or not (``lowprec.checkpoint``)."""
+        frame = current_frame()
+        if frame is not None:
+            replay = replayed(self)
+            if replay is not None:
+                return self._replayed_states(*replay, backward_calls)
+        region = active_region()
+        if region is None:
+            if frame is not None:
+                record(self, None)
+            else:
+                check_not_recomputing(self, delayed=False)
+            return None
+        recipe = region.recipe
+        fwd, bwd = self._state("forward", recipe, device), self._state("backward", recipe, device)
+        if frame is not None:
+            record(self, (recipe, fwd, bwd, region.group))
+        if fwd.delayed is None:
+            return recipe, fwd, bwd, None
+        # a reentrant checkpoint runs its forward without gradients, and it trains
+        if not (torch.is_grad_enabled() or (frame is not None and frame.reentrant)):
+            return recipe, fwd.eval_twin, bwd, None
+        if frame is None:
+            check_not_recomputing(self, delayed=True)
+        fwd.delayed.pending = True
+        register_delayed_state(fwd.delayed)
+        callback = (self._backward_callback(bwd, region.group, backward_calls)
+                    if torch.is_grad_enabled() else None)
+        return recipe, fwd, bwd, callback
+
+    def _replayed_states(self, rec, reentrant: bool, backward_calls: int):
+        """``active_states`` in a checkpoint recompute, from the original call's record
+        (``lowprec.checkpoint._Record``)."""
+        if rec.active is None:  # it ran outside autocast
+            return None
+        recipe, fwd, bwd, group = rec.active
+        # Only a reentrant recompute's graph runs backward (a non-reentrant one refills the
+        # original graph's saved tensors, and the original call's callback fires).
+        if not reentrant or bwd.delayed is None:
+            return recipe, fwd, bwd, None
+        if rec.callback is None:
+            rec.callback = self._backward_callback(bwd, group, backward_calls)
+        return recipe, fwd, bwd, rec.callback
+
+    @staticmethod
+    def _backward_callback(bwd: RecipeState, group, backward_calls: int) -> "_BackwardDone":
+        """Pushes the backward amaxes into the history once ``backward_calls`` GEMM
+        backwards of one forward call have run."""
+
+        def bwd_update():
+            bwd.delayed.pending = True
+            bwd.delayed.update(group)
+
+        return _BackwardDone(backward_calls, bwd_update)
+
+    def gemm_quantizers(self, device) -> tuple[list[LinearQuantizers] | None, str, object]:
+        """Per-GEMM quantizers under the active autocast (None outside), the backward mode,
+        and a callback for the end of the backward pass."""
+        active = self.active_states(device, backward_calls=len(self._gemm_names()))
+        if active is None:
+            return None, "default", None
+        recipe, fwd, bwd, callback = active
+        key = (fwd, bwd, self.output_quantizer_role, self.grad_input_quantizer_role)
+        cached = self.__dict__.get("_gemm_quantizers_of")
+        if cached is not None and all(a is b for a, b in zip(cached[0], key)):
+            return cached[1], recipe.backward_mode, callback
+        out = self._linear_quantizers(fwd.quantizers, bwd.quantizers)
+        # Reused while the states are: the quantizers are the states' own objects, and
+        # which slots a module quantizes does not change between calls.
+        self._gemm_quantizers_of = (key, out)
+        return out, recipe.backward_mode, callback
+
+    def _linear_quantizers(self, fq: list, bq: list) -> list[LinearQuantizers]:
+        """Per-GEMM quantizers from the forward slots ``fq`` and backward slots ``bq``."""
+        # The GEMMs are counted from the slots, and the boundary slots asked for only where
+        # a boundary role is set: both read the GEMMs' names, which a compiled call would
+        # guard on (same-shaped layers would then not share code).
+        boundary = (self.output_quantizer_role is not None
+                    or self.grad_input_quantizer_role is not None)
+        out = []
+        for i in range(len(fq) // 3):
+            f, b = fq[3 * i:3 * i + 3], bq[2 * i:2 * i + 2]
+            out.append(LinearQuantizers(
+                input=f[0], weight=f[1],
+                output=f[2] if boundary and self._boundary(i, True) is not None else None,
+                grad_output=b[0],
+                grad_input=(b[1] if boundary and self._boundary(i, False) is not None
+                            else None)))
+        return out
+
+    def _move_scaling_state(self) -> None:
+        # delayed-scaling state follows the parameters (.to, .cuda, to_empty)
+        device = self._params_device()
+        if device is not None:
+            for mode, state in self._kept_delayed().items():
+                if state is not None:
+                    state.move_to(device)
+                    self._take_pending(mode, state)
+
+    def _take_pending(self, mode: str, state: RecipeState) -> None:
+        """Load a state dict's delayed-scaling state that arrived before ``state`` could
+        hold it (before the first forward, or while on the meta device)."""
+        extra = (self._pending_extra_state or {}).get(mode)
+        if extra is not None and not state.delayed.scale.is_meta:
+            state.delayed.load_state_dict(extra)
+            del self._pending_extra_state[mode]
+
+    def init_scaling_state(self, recipe) -> None:
+        """Create the delayed-scaling state ``recipe`` gives this module now instead of at
+        its first forward (on the parameters' device), so that its ``_extra_state`` already
+        has the size a trained module's has: ``torch.distributed.checkpoint`` loads a saved
+        one into it in place. Nothing for recipes without state."""
+        if not stateful(recipe):
+            return
+        for mode in ("forward", "backward"):
+            self._state(mode, recipe, self._params_device())
