@@ -9,7 +9,6 @@ import torch
 from ..autocast import active_region, register_delayed_state
 from ..checkpoint import check_not_recomputing, current_frame, record, replayed
 from ..compiled_call import HANDLE_ATTR
-from ..linear.function import LinearQuantizers
 from ..state import RecipeState, stateful
 
 
@@ -162,41 +161,6 @@ class ScalingStateMixin:
             bwd.delayed.update(group)
 
         return _BackwardDone(backward_calls, bwd_update)
-
-    def gemm_quantizers(self, device) -> tuple[list[LinearQuantizers] | None, str, object]:
-        """Per-GEMM quantizers under the active autocast (None outside), the backward mode,
-        and a callback for the end of the backward pass."""
-        active = self.active_states(device, backward_calls=len(self._gemm_names()))
-        if active is None:
-            return None, "default", None
-        recipe, fwd, bwd, callback = active
-        key = (fwd, bwd, self.output_quantizer_role, self.grad_input_quantizer_role)
-        cached = self.__dict__.get("_gemm_quantizers_of")
-        if cached is not None and all(a is b for a, b in zip(cached[0], key)):
-            return cached[1], recipe.backward_mode, callback
-        out = self._linear_quantizers(fwd.quantizers, bwd.quantizers)
-        # Reused while the states are: the quantizers are the states' own objects, and
-        # which slots a module quantizes does not change between calls.
-        self._gemm_quantizers_of = (key, out)
-        return out, recipe.backward_mode, callback
-
-    def _linear_quantizers(self, fq: list, bq: list) -> list[LinearQuantizers]:
-        """Per-GEMM quantizers from the forward slots ``fq`` and backward slots ``bq``."""
-        # The GEMMs are counted from the slots, and the boundary slots asked for only where
-        # a boundary role is set: both read the GEMMs' names, which a compiled call would
-        # guard on (same-shaped layers would then not share code).
-        boundary = (self.output_quantizer_role is not None
-                    or self.grad_input_quantizer_role is not None)
-        out = []
-        for i in range(len(fq) // 3):
-            f, b = fq[3 * i:3 * i + 3], bq[2 * i:2 * i + 2]
-            out.append(LinearQuantizers(
-                input=f[0], weight=f[1],
-                output=f[2] if boundary and self._boundary(i, True) is not None else None,
-                grad_output=b[0],
-                grad_input=(b[1] if boundary and self._boundary(i, False) is not None
-                            else None)))
-        return out
 
     def _move_scaling_state(self) -> None:
         # delayed-scaling state follows the parameters (.to, .cuda, to_empty)
