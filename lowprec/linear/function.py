@@ -19,7 +19,6 @@ The backward mode decides what the forward saves:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -32,7 +31,7 @@ from ..formats.base import QuantizedTensor, Quantizer
 from ..gemm import gemm
 from ..recipe import BACKWARD_MODES, BackwardMode, normalize_backward_mode, operand_usages
 from . import exact_split, grad_split, shared_input, traced, weight_cache
-from .plan import BOTH, plan_for
+from .plan import BOTH, feature_multiples, plan_for
 
 
 @dataclass
@@ -442,19 +441,11 @@ def feature_padding(q: LinearQuantizers | None, x: torch.Tensor,
 
 
 def _feature_multiples(q: LinearQuantizers) -> tuple[int, int]:
-    """(multiple of K, multiple of N) that ``q``'s blocks need: K for x's and W's blocks
-    along it (rowwise, or 2-D), N for W's columnwise (dgrad) blocks and dY's rowwise ones.
-    Fixed for the quantizers, so kept with their plans rather than worked out each call."""
+    """``plan.feature_multiples(q)``: fixed for the quantizers, so kept with their plans
+    rather than worked out each call."""
     multiples = q.plans.get("feature_multiples")
     if multiples is None:
-        def along_k(quantizer) -> int:
-            return 1 if quantizer is None else quantizer.col_multiple(rowwise=True,
-                                                                      columnwise=True)
-        w_along_n = (1 if q.weight is None
-                     else q.weight.row_multiple(rowwise=True, columnwise=True))
-        multiples = (math.lcm(along_k(q.input), along_k(q.weight)),
-                     math.lcm(along_k(q.grad_output), w_along_n))
-        q.plans["feature_multiples"] = multiples
+        multiples = q.plans["feature_multiples"] = feature_multiples(q)
     return multiples
 
 

@@ -56,7 +56,7 @@ from ..recipe import BackwardMode
 from . import grouped_block_fp8, grouped_current, grouped_exact, grouped_nvfp4
 from .function import LinearQuantizers, quantized_linear
 from .grouped_parts import group_ids, hooked, host_sizes, stacked
-from .plan import MAX_PLANS
+from .plan import keep
 
 __all__ = ["group_alignment_for", "group_ids", "grouped_linear"]
 
@@ -350,9 +350,7 @@ def _kept(qs: list, key: tuple, decide):
     plans = qs[0].plans
     full = (key, _hooked(qs[0]), tuple(map(id, qs)))
     if full not in plans:
-        if len(plans) >= MAX_PLANS:
-            plans.clear()
-        plans[full] = decide()
+        return keep(plans, full, decide())
     return plans[full]
 
 

@@ -62,6 +62,27 @@ class LinearPlan:
     w_in_backward: bool = False
 
 
+def keep(plans: dict, key, value):
+    """``plans[key] = value`` in a set of quantizers' plan cache, which starts over once it
+    holds :data:`MAX_PLANS` entries (many token counts: variable sequence lengths);
+    returns ``value``."""
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = value
+    return value
+
+
+def feature_multiples(q) -> tuple[int, int]:
+    """(multiple of K, multiple of N) that the blocks of ``q`` (a ``LinearQuantizers``)
+    need: K for x's and W's blocks along it (rowwise, or 2-D), N for W's columnwise
+    (dgrad) blocks and dY's rowwise ones."""
+    def along_k(quantizer) -> int:
+        return 1 if quantizer is None else quantizer.col_multiple(rowwise=True, columnwise=True)
+    w_along_n = 1 if q.weight is None else q.weight.row_multiple(rowwise=True, columnwise=True)
+    return (math.lcm(along_k(q.input), along_k(q.weight)),
+            math.lcm(along_k(q.grad_output), w_along_n))
+
+
 def row_padding(q, x: torch.Tensor, backward_mode: str, need_dw: bool) -> int:
     """Zero rows to append to the 2-D input (and to dY in backward) so that the wgrad
     operands, quantized columnwise, fill whole blocks along M (the token count).
@@ -150,7 +171,5 @@ def plan_for(q, x: torch.Tensor, weight: torch.Tensor, backward_mode: str, need_
     if plan is None:
         plan = _decide(q, x, weight, backward_mode, need_dx, need_dw, cached_weight)
         if plans is not None:
-            if len(plans) >= MAX_PLANS:  # many token counts (variable lengths): start over
-                plans.clear()
-            plans[key] = plan
+            keep(plans, key, plan)
     return plan

@@ -32,7 +32,6 @@ quantizes read them and record their amaxes into the state in place.
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass
 
@@ -59,7 +58,7 @@ from ..roles import QuantizerRole
 from ..state import push_amaxes, stateful, stateless_quantizers
 from . import exact_split, grad_split, shared_input
 from . import traced_steps as steps
-from .plan import row_padding
+from .plan import feature_multiples, keep, row_padding
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -224,11 +223,8 @@ def _given_weight(quantizer, weight: QuantizedTensor):
 
 def _feature_padding(q, k: int, n: int) -> bool:
     """Whether eager pads K or N to whole blocks (``function.feature_padding``)."""
-    def along_k(quantizer) -> int:
-        return 1 if quantizer is None else quantizer.col_multiple(rowwise=True, columnwise=True)
-    w_along_n = 1 if q.weight is None else q.weight.row_multiple(rowwise=True, columnwise=True)
-    return bool(k % math.lcm(along_k(q.input), along_k(q.weight))
-                or n % math.lcm(along_k(q.grad_output), w_along_n))
+    k_multiple, n_multiple = feature_multiples(q)
+    return bool(k % k_multiple or n % n_multiple)
 
 
 def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
@@ -473,8 +469,6 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
 
 # ---- eager calls -----------------------------------------------------------------------------
 _EAGER = threading.local()
-#: plans kept per set of quantizers before the cache starts over (many token counts)
-MAX_PLANS = 256
 
 
 class eager_plans_off:
@@ -506,11 +500,8 @@ def eager_plan(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
     plan = plans.get(key)
     if plan is None:
         got = plan_for(q, backward_mode, x, weight, bias)
-        plan = (got if not isinstance(got, str)
-                and all(f is None or f.eager for f in (got.x, got.w, got.dy)) else _NoPlan())
-        if len(plans) >= MAX_PLANS:
-            plans.clear()
-        plans[key] = plan
+        plan = keep(plans, key, got if not isinstance(got, str)
+                    and all(f is None or f.eager for f in (got.x, got.w, got.dy)) else _NoPlan())
     return plan if isinstance(plan, TracedPlan) else None
 
 
