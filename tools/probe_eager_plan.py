@@ -92,16 +92,17 @@ def steps(recipe_name, m, k=2048, n=2048):
     return bf16, eager, planned, f"plan {plan.routes}, bits {'same' if same else 'DIFFER'}"
 
 
-def profile(fn, label):
+def profile(fn, label, calls=200, sort="tottime", rows=22, chars=5000):
+    """cProfile of ``calls`` calls of ``fn``: the ``rows`` heaviest functions by ``sort``."""
     pr = cProfile.Profile()
     pr.enable()
-    for _ in range(200):
+    for _ in range(calls):
         fn()
     pr.disable()
     torch.cuda.synchronize()
     out = io.StringIO()
-    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(22)
-    print(f"--- cProfile {label} (200 steps)\n" + out.getvalue()[-5000:])
+    pstats.Stats(pr, stream=out).sort_stats(sort).print_stats(rows)
+    print(f"--- cProfile {label} ({calls} calls)\n" + out.getvalue()[-chars:])
 
 
 def gemm_host():

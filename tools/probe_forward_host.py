@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
-import io
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -22,6 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from probe_eager_plan import profile  # noqa: E402 - this folder's probe of one Linear
 
 import lowprec  # noqa: E402
 from lowprec import Float8CurrentScaling  # noqa: E402
@@ -77,17 +76,7 @@ def main():
           f"plan {per_linear_us(lp(False), a.layers):.1f}, "
           f"Function {per_linear_us(lp(True), a.layers):.1f}", flush=True)
     for label, off in (("plan", False), ("Function", True)) if a.profile else ():
-        print(f"---- {label}")
-        run = lp(off)
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(10):
-            run()
-        pr.disable()
-        torch.cuda.synchronize()
-        out = io.StringIO()
-        pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(32)
-        print(out.getvalue()[-7000:])
+        profile(lp(off), label, calls=10, sort="cumulative", rows=32, chars=7000)
 
 
 if __name__ == "__main__":
