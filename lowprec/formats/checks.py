@@ -29,9 +29,10 @@ def _check_usage(usage: str) -> str:
 
 
 def flatten_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
-    """(M, K) for a nominal shape: M = prod(shape[:-1]), K = shape[-1]."""
+    """(M, K) for a nominal shape: M = prod(shape[:-1]), K = shape[-1]; a 0-d tensor is the
+    (1, 1) matrix of its one value (one scaling unit, as Transformer Engine quantizes it)."""
     if len(shape) == 0:
-        raise ValueError("cannot quantize a 0-d tensor; give it at least one dimension")
+        return 1, 1
     k = int(shape[-1])
     m = 1
     for s in shape[:-1]:

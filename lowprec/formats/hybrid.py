@@ -120,7 +120,7 @@ class HybridQuantizer(Quantizer):
             if getattr(self, f"{usage}_usage"):
                 q.set_usage(rowwise=usage == "rowwise", columnwise=usage == "columnwise")
                 fields[f"{usage}_data"] = q.make_empty(shape, dtype=dtype, device=device)
-        return HybridQuantizedTensor(shape, dtype, **fields)
+        return self._holding_self(HybridQuantizedTensor(shape, dtype, **fields))
 
     def graph_operand(self, t, *, grad=False):
         if not self._quantizes_as(HybridQuantizer):

@@ -22,8 +22,9 @@ class IdentityTensor(QuantizedTensor):
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         return getattr(self, f"{usage}_data").to(torch.float32)
 
-    def dequantize(self, dtype=None, usage="rowwise"):
+    def dequantize(self, dtype=None, usage=None):
         # Skip the fp32 round trip: the held values are the values.
+        usage = self._held_usage(usage)
         if not self.has_usage(usage):
             return super().dequantize(dtype, usage)  # raises with the standard message
         data = getattr(self, f"{usage}_data")
@@ -72,7 +73,7 @@ class IdentityQuantizer(Quantizer):
                             f"got {dtype}")
         m, k = flatten_2d(tuple(shape))
         data = torch.empty(m, k, dtype=self.dtype or dtype, device=device)
-        return IdentityTensor(tuple(shape), dtype, **self._quantize_2d(data))
+        return self._holding_self(IdentityTensor(tuple(shape), dtype, **self._quantize_2d(data)))
 
     def graph_operand(self, t, *, grad=False):
         if not self._quantizes_as(IdentityQuantizer):

@@ -15,6 +15,7 @@ import threading
 from typing import Any, Callable, ClassVar
 
 import torch
+import torch.utils._pytree as pytree
 
 from .checks import HIGH_PRECISION_DTYPES, USAGES, _check_usage, flatten_2d
 
@@ -123,9 +124,12 @@ class QuantizedTensor(torch.Tensor):
     def _rebuild(self, fn: Callable[[torch.Tensor], torch.Tensor], *, shape=None,
                  dtype=None) -> "QuantizedTensor":
         inner = {n: (None if t is None else fn(t)) for n, t in self.inner_tensors().items()}
-        return type(self)(self.shape if shape is None else shape,
-                          self.dtype if dtype is None else dtype,
-                          **inner, **self.metadata())
+        out = type(self)(self.shape if shape is None else shape,
+                         self.dtype if dtype is None else dtype, **inner, **self.metadata())
+        quantizer = self.__dict__.get(QUANTIZER_ATTR)
+        if quantizer is not None:
+            setattr(out, QUANTIZER_ATTR, quantizer)
+        return out
 
     def __tensor_flatten__(self):
         names = [n for n in self._inner if getattr(self, n) is not None]
@@ -271,13 +275,16 @@ class QuantizedTensor(torch.Tensor):
         )
 
     # ---- dequantization -------------------------------------------------------------------
-    def dequantize(self, dtype: torch.dtype | None = None, usage: str = "rowwise") -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None,
+                   usage: str | None = None) -> torch.Tensor:
         """High-precision values of one direction, in the nominal (untransposed) shape.
 
         ``dtype`` defaults to the nominal dtype. The values are computed in
-        fp32 and rounded once to ``dtype``.
+        fp32 and rounded once to ``dtype``. ``usage`` None: the rowwise representation
+        where it is held, else the columnwise one (a tensor quantized for wgrad alone); a
+        direction asked for by name that is not held raises.
         """
-        _check_usage(usage)
+        usage = self._held_usage(usage)
         if not self.has_usage(usage):
             held = [u for u in USAGES if self.has_usage(u)]
             raise RuntimeError(
@@ -288,6 +295,13 @@ class QuantizedTensor(torch.Tensor):
         if usage == "columnwise":
             out = out.t()
         return out.reshape(self.shape).to(dtype or self.dtype)
+
+    def _held_usage(self, usage: str | None) -> str:
+        """``usage`` checked, or for None the direction :meth:`dequantize` reads."""
+        if usage is None:
+            return "rowwise" if self.has_usage("rowwise") or not self.has_usage(
+                "columnwise") else "columnwise"
+        return _check_usage(usage)
 
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         """fp32 values of one direction in its stored 2-D layout."""
@@ -321,24 +335,7 @@ class QuantizedTensor(torch.Tensor):
             return handler(func, args, kwargs)
         if func.overloadpacket in _HANDLERS_BY_PACKET:
             return _HANDLERS_BY_PACKET[func.overloadpacket](func, args, kwargs)
-        hint = ("Call .dequantize() (or .float()/.bfloat16()) to get a high-precision tensor "
-                "for other operations.")
-        if func.overloadpacket in (aten.split, aten.chunk) and any(
-                _is_parameter(a) for a in _flat_tensors(args, kwargs)):
-            hint = ("A quantized weight (quantized_model_init) is being split, as FSDP2's "
-                    "fully_shard does: call lowprec.distributed.quantized_all_gather(model, "
-                    "recipe) before fully_shard; it gives each such weight an fp32 shard "
-                    "that FSDP2 all-gathers in the weight's quantized format.")
-        elif any(_is_parameter(a) for a in _flat_tensors(args, kwargs)):
-            hint = ("This is a quantized weight (quantized_model_init): a plain torch optimizer "
-                    "cannot update it; wrap the optimizer in "
-                    "lowprec.optim.QuantizedWeightOptimizer(model, torch.optim.AdamW, ...), "
-                    "which keeps fp32 master weights and re-quantizes them after each step. "
-                    "Call .dequantize() for other operations.")
-        raise NotImplementedError(
-            f"{cls.__name__} does not support {func}. Supported: detach, clone, copy_, to, "
-            f"empty_like, view/reshape keeping the last dimension, identity as_strided, "
-            f"torch.save. {hint}")
+        return _outside_table(cls, func, args, kwargs)
 
 
 @functools.cache
@@ -497,26 +494,39 @@ def _copy(func, args, kwargs):
     return dst
 
 
+#: Attribute a quantized tensor made by ``Quantizer.quantize`` or ``make_empty`` carries:
+#: the quantizer, which an in-place op outside the table re-quantizes the tensor with
+#: (Transformer Engine's tensors hold theirs the same way). Not pickled.
+QUANTIZER_ATTR = "_quantizer"
+
 #: Attribute a quantized *parameter* may carry: ``f(src, dst)`` re-quantizes the high-precision
 #: ``src`` into ``dst`` with its module's weight quantizer (set by the lowprec modules).
 REQUANTIZE_ATTR = "_lowprec_requantize"
 
 
-def _requantize_into(dst: QuantizedTensor, src: torch.Tensor) -> QuantizedTensor:
-    """``dst.copy_(src)`` of high-precision values: re-quantized in place by the quantizer the
-    parameter's module gives (``load_state_dict`` of a high-precision checkpoint, a master
-    weight copied back)."""
+def _requantize_into(dst: QuantizedTensor, src: torch.Tensor, op: str = "copy_") -> QuantizedTensor:
+    """``dst.copy_(src)`` of high-precision values (or an in-place ``op``'s result):
+    re-quantized in place by the quantizer the parameter's module gives (``load_state_dict``
+    of a high-precision checkpoint, a master weight copied back), else by the quantizer
+    that made ``dst`` (:data:`QUANTIZER_ATTR`)."""
     requantize = getattr(dst, REQUANTIZE_ATTR, None)
-    if requantize is None:
+    quantizer = getattr(dst, QUANTIZER_ATTR, None)
+    if requantize is None and quantizer is None:
         raise TypeError(
-            f"copy_ of a high-precision tensor into a {type(dst).__name__} needs a quantizer: "
-            f"only a quantized weight of a lowprec module built under quantized_model_init "
-            f"re-quantizes by itself; use quantizer.update_quantized(src, dst)")
+            f"{op} of high-precision values into a {type(dst).__name__} re-quantizes it with "
+            f"its quantizer, and this one has none: only tensors made by Quantizer.quantize "
+            f"or make_empty, and quantized weights of lowprec modules built under "
+            f"quantized_model_init, hold one (a loaded or kernel-made tensor does not); use "
+            f"quantizer.update_quantized(values, tensor)")
     if tuple(src.shape) != tuple(dst.shape):
-        raise ValueError(f"copy_ into a quantized parameter of shape {tuple(dst.shape)} got "
+        raise ValueError(f"{op} into a quantized tensor of shape {tuple(dst.shape)} got "
                          f"shape {tuple(src.shape)}; the shapes must match (no broadcasting)")
-    # the values the parameter would hold as a plain tensor of its dtype
-    requantize(src.to(device=dst.device, dtype=dst.dtype), dst)
+    # the values the tensor would hold as a plain tensor of its dtype
+    values = src.to(device=dst.device, dtype=dst.dtype)
+    if requantize is not None:
+        requantize(values, dst)
+    else:
+        quantizer.update_quantized(values, dst)
     return dst
 
 
@@ -600,6 +610,73 @@ def _as_strided(func, args, kwargs):
             f"{stride}, offset {offset}")
     return qt._rebuild(lambda t: t)
 
+
+
+# ---- ops outside the table ----------------------------------------------------------------
+#: In-place ops that set a tensor's values without reading them (initializers): on a
+#: quantized parameter they re-quantize as ``copy_`` does; any other in-place op on one
+#: raises (see :func:`_outside_table`).
+_SETTERS = {aten.fill_, aten.zero_, aten.normal_, aten.uniform_, aten.bernoulli_,
+            aten.exponential_, aten.log_normal_, aten.cauchy_, aten.geometric_,
+            aten.random_}
+_SPLITS = {aten.split, aten.chunk, aten.split_with_sizes, aten.unbind, aten.tensor_split}
+
+
+def _written(func, args, kwargs) -> list:
+    """The quantized tensors ``func`` writes (its schema's mutated arguments)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(t, QuantizedTensor):
+                out.append(t)
+    return out
+
+
+def _outside_table(cls, func, args, kwargs):
+    """An op outside the table, as Transformer Engine's quantized tensors run it: an
+    out-of-place op on the dequantized values (a plain result); an in-place one dequantizes
+    the tensor it writes, applies the op and re-quantizes the result into it with the
+    tensor's quantizer. A quantized *parameter* keeps two clear errors, where running the
+    op would hide a bug: FSDP2 sharding it (split/chunk would shard dequantized copies) and
+    an optimizer updating it without master weights (any in-place op but ``copy_`` and the
+    initializers)."""
+    written = _written(func, args, kwargs)
+    if func.overloadpacket in _SPLITS and any(
+            _is_parameter(a) for a in _flat_tensors(args, kwargs)):
+        raise NotImplementedError(
+            f"{cls.__name__} does not support {func} on a quantized weight "
+            f"(quantized_model_init): it is being split, as FSDP2's fully_shard does; call "
+            f"lowprec.distributed.quantized_all_gather(model, recipe) before fully_shard, "
+            f"which gives each such weight an fp32 shard that FSDP2 all-gathers in the "
+            f"weight's quantized format.")
+    if func.overloadpacket not in _SETTERS and any(_is_parameter(t) for t in written):
+        raise NotImplementedError(
+            f"{cls.__name__} does not support the in-place {func} on a quantized weight "
+            f"(quantized_model_init): an update re-quantized in place loses every change "
+            f"smaller than the format's step, so a plain torch optimizer would silently stop "
+            f"training it. Wrap the optimizer in lowprec.optim.QuantizedWeightOptimizer(model, "
+            f"torch.optim.AdamW, ...), which keeps fp32 master weights and re-quantizes them "
+            f"after each step; copy_ and the initializers (fill_, zero_, normal_, uniform_, "
+            f"...) re-quantize.")
+    plain = {}
+
+    def dequantized(t: QuantizedTensor) -> torch.Tensor:
+        out = plain[id(t)] = t.dequantize()
+        return out
+
+    p_args, p_kwargs = pytree.tree_map_only(QuantizedTensor, dequantized, (args, kwargs))
+    out = func(*p_args, **p_kwargs)
+    if not written:
+        return out
+    back = {}
+    for t in written:
+        values = plain[id(t)]
+        _requantize_into(t, values, f"the in-place {func}")
+        back[id(values)] = t
+    return pytree.tree_map_only(torch.Tensor, lambda v: back.get(id(v), v), out)
 
 
 def register_safe_globals(*objs) -> None:

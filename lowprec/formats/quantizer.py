@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from .checks import HIGH_PRECISION_DTYPES, USAGES, _check_usage, check_bool_option, flatten_2d
-from .quantized_tensor import QuantizedTensor
+from .quantized_tensor import QUANTIZER_ATTR, QuantizedTensor
 
 
 class Quantizer:
@@ -199,7 +199,13 @@ class Quantizer:
             # Nothing to scale (e.g. an empty GroupedLinear split): empty buffers, unit scales.
             return self.make_empty(x.shape, dtype=x.dtype, device=x.device)
         fields = self._quantize_2d(_row_major_2d(x, m, k))
-        return self._tensor_class()(x.shape, x.dtype, **fields)
+        return self._holding_self(self._tensor_class()(x.shape, x.dtype, **fields))
+
+    def _holding_self(self, qt: QuantizedTensor) -> QuantizedTensor:
+        """``qt`` with this quantizer attached (``QUANTIZER_ATTR``): an in-place op outside
+        its table, or a ``copy_`` of high-precision values, re-quantizes it with it."""
+        setattr(qt, QUANTIZER_ATTR, self)
+        return qt
 
     __call__ = quantize
 
@@ -372,7 +378,8 @@ class Quantizer:
         shape = tuple(shape)
         m, k = flatten_2d(shape)
         self._check_shape(shape, m, k)
-        return self._tensor_class()(shape, dtype, **self._empty_fields(m, k, device))
+        return self._holding_self(self._tensor_class()(shape, dtype,
+                                                       **self._empty_fields(m, k, device)))
 
     # ---- for subclasses -------------------------------------------------------------------
     def _check_input(self, x) -> None:

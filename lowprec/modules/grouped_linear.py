@@ -54,7 +54,7 @@ class GroupedLinear(LowprecModule):
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
-        self._check_input_dtype(x)
+        self._check_input_dtype(x, self.in_features)
         qs, mode, done = self.gemm_quantizers(x.device)
         weights = [getattr(self, name) for name in self._weight_names()]
         biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]

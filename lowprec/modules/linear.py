@@ -74,7 +74,7 @@ class Linear(LowprecModule):
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input_dtype(x)
+        self._check_input_dtype(x, self.weight.shape[-1])
         qs, mode, done = self.gemm_quantizers(x.device)
         if qs is None and self._plain_call(x):
             return F.linear(x, self.weight, self.bias)  # no recipe: what nn.Linear runs

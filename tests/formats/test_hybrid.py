@@ -199,7 +199,9 @@ def test_columnwise_only_hybrid():
     assert_same_tensor(qt.sub_tensor(C), plain_direction("block1", C, x))
     assert torch.equal(qt.dequantize(usage=C), plain_direction("block1", C, x).dequantize(usage=C))
     with pytest.raises(RuntimeError, match="rowwise"):
-        qt.dequantize()  # the default direction is rowwise, not held
+        qt.dequantize(usage=R)  # asked for by name, not held
+    # without a name, the direction held
+    assert torch.equal(qt.dequantize(), qt.dequantize(usage=C))
     with pytest.raises(RuntimeError):
         gemm(qt, R, qt, C, out_dtype=torch.float32)  # a GEMM asking for the missing direction
 

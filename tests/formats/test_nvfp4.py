@@ -350,7 +350,8 @@ def test_usages_and_update_usage():
     qt = check_against_model(NVFP4Quantizer(with_rht=True).set_usage(rowwise=False), x)
     assert qt.rowwise_global is None
     with pytest.raises(RuntimeError):
-        qt.dequantize()
+        qt.dequantize(usage="rowwise")
+    assert torch.equal(qt.dequantize(), qt.dequantize(usage="columnwise"))
     with pytest.raises(RuntimeError, match="derive"):
         qt.update_usage(rowwise_usage=True)
     full = NVFP4Quantizer().quantize(x)
@@ -440,14 +441,12 @@ def test_quantizer_copy_and_round_trips(how):
     assert plain.generator is None and plain.with_2d_quantization
 
 
-def test_unsupported_ops_raise():
+def test_ops_outside_the_table_run_on_the_dequantized_values():
     qt = NVFP4Quantizer().quantize(make("normal", (16, 32), torch.float32))
-    with pytest.raises(NotImplementedError, match="NVFP4Tensor"):
-        torch.add(qt, 1.0)
-    with pytest.raises(NotImplementedError):
-        qt.sum()
-    with pytest.raises(NotImplementedError):
-        torch.matmul(qt, torch.randn(32, 4))
+    ref, w = qt.dequantize(), torch.randn(32, 4)
+    for fn in (lambda t: torch.add(t, 1.0), lambda t: t.sum(), lambda t: torch.matmul(t, w)):
+        got = fn(qt)
+        assert type(got) is torch.Tensor and torch.equal(got, fn(ref))
 
 
 # ---- stochastic rounding ----------------------------------------------------------------------

@@ -299,3 +299,26 @@ def test_identity_recipe_is_bit_identical_to_no_autocast(kind, dtype):
     assert set(plain.grads) == set(ident.grads)
     for name, t in plain.grads.items():
         assert torch.equal(t, ident.grads[name]), name
+
+
+@pytest.mark.parametrize("recipe", [None, "current"])
+@pytest.mark.parametrize("amp", [False, True])
+@pytest.mark.parametrize("kind", ["Linear", "ops.Linear", "GroupedLinear"])
+def test_wrong_input_features_name_both_sizes(kind, recipe, amp):
+    """A GEMM module given an input whose last dimension is not its in_features raises a
+    ValueError naming both, with or without a recipe and torch.autocast (torch's own
+    matmul error names neither the module nor its sizes)."""
+    if kind == "Linear":
+        m, call = lowprec.Linear(64, 32), lambda x: m(x)
+    elif kind == "ops.Linear":
+        m = lowprec.ops.Linear(64, 32)
+        call = lambda x: m(x)  # noqa: E731
+    else:
+        m = lowprec.GroupedLinear(2, 64, 32)
+        call = lambda x: m(x, [24, 24])  # noqa: E731
+    x = torch.randn(48, 48)
+    ctx = (lowprec.autocast(recipe=lowprec.Float8CurrentScaling()) if recipe
+           else contextlib.nullcontext())
+    with ctx, torch.autocast("cpu", torch.bfloat16, enabled=amp):
+        with pytest.raises(ValueError, match=r"48 features.*expects 64"):
+            call(x)

@@ -87,7 +87,7 @@ class BasicLinear(LowprecModule, BasicOperation):
         """``x W^T (+ bias in the GEMM)``. An ``intermediate`` quantized input (made by a
         previous op of this run, referenced nowhere else) loses its rowwise data once the
         fprop GEMM has run, when backward keeps only its columnwise data."""
-        self._check_input_dtype(x)
+        self._check_input_dtype(x, self.weight.shape[-1])
         qs, mode, done = prep
         y = quantized_linear(x, self.weight, bias, quantizers=qs[0] if qs else None,
                              backward_mode=mode, on_backward_done=done)
