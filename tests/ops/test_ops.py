@@ -742,3 +742,18 @@ def test_caller_quantized_input_passed_through_is_never_modified(first, recipe_n
     with lowprec.autocast(recipe=recipe[recipe_name]):
         ref(qx).sum().backward()
     assert torch.equal(ref[0].weight.grad, seq[1].weight.grad)
+
+
+@pytest.mark.parametrize("recipe_name", [None, "current", "mxfp8"])
+def test_linear_op_casts_an_input_of_another_dtype_to_its_weights(recipe_name):
+    """As Transformer Engine's fusible ops do: an fp32 input to bf16 weights is cast to bf16
+    (the result is the bf16 input's bit for bit), and its gradient comes back in fp32."""
+    recipe = RECIPES[recipe_name]() if recipe_name else None
+    op = ops.Sequential(ops.Linear(128, 64, bias=True, params_dtype=torch.bfloat16))
+    x32 = randn(32, 128, seed=1)
+    dy = randn(32, 64, seed=2).to(torch.bfloat16)
+    got = fwd_bwd(op, x32, dy, recipe=recipe)
+    want = fwd_bwd(op, x32.to(torch.bfloat16), dy, recipe=recipe)
+    assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], want[0])
+    assert got[1].dtype == torch.float32 and torch.equal(got[1], want[1].float())
+    assert_all_equal(got[2:], want[2:])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...autocast import torch_autocast_dtype
 from ...formats.base import QuantizedTensor
 from ...linear.function import quantized_linear
 from ...modules.base import LowprecModule
@@ -86,8 +87,16 @@ class BasicLinear(LowprecModule, BasicOperation):
                    intermediate: bool) -> torch.Tensor:
         """``x W^T (+ bias in the GEMM)``. An ``intermediate`` quantized input (made by a
         previous op of this run, referenced nowhere else) loses its rowwise data once the
-        fprop GEMM has run, when backward keeps only its columnwise data."""
+        fprop GEMM has run, when backward keeps only its columnwise data.
+
+        A plain input of another dtype than the weight's is cast to it (differentiably:
+        its gradient comes back in its own dtype), as Transformer Engine's fusible ops
+        compute in their parameters' dtype; under ``torch.autocast`` the autocast dtype
+        rules instead."""
         self._check_input_dtype(x, self.weight.shape[-1])
+        if (type(x) is torch.Tensor and x.dtype != self.weight.dtype
+                and torch_autocast_dtype(x) is None):
+            x = x.to(self.weight.dtype)
         qs, mode, done = prep
         y = quantized_linear(x, self.weight, bias, quantizers=qs[0] if qs else None,
                              backward_mode=mode, on_backward_done=done)
