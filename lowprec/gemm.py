@@ -118,6 +118,12 @@ def use_backends(names):
         BACKENDS[:] = saved
 
 
+def _partial(t, usage: str) -> bool:
+    """Whether ``t`` is a quantized operand whose ``usage`` ends in a partial block, which
+    only the fp32 emulation multiplies (through ``QuantizedTensor._stored_values``)."""
+    return isinstance(t, QuantizedTensor) and t.has_usage(usage) and t.partial(usage)
+
+
 def select_backend(a, a_usage, b, b_usage, out_dtype, bias=None) -> Backend:
     for backend in BACKENDS:
         if backend.accepts(a, a_usage, b, b_usage, out_dtype, bias):
@@ -135,7 +141,8 @@ def gemm(a: torch.Tensor, a_usage: str, b: torch.Tensor, b_usage: str, *,
     """
     _check_usage(a_usage)
     _check_usage(b_usage)
-    if out is None and bias is None and type(a) is type(b):
+    partial = _partial(a, a_usage) or _partial(b, b_usage)
+    if out is None and bias is None and type(a) is type(b) and not partial:
         direct = _direct_calls().get(type(a))
         if direct is not None:
             res = direct(a, a_usage, b, b_usage, out_dtype)
@@ -151,7 +158,9 @@ def gemm(a: torch.Tensor, a_usage: str, b: torch.Tensor, b_usage: str, *,
     if ka != kb:
         raise ValueError(f"GEMM contraction sizes differ: {a_usage} {tuple(a.shape)} vs "
                          f"{b_usage} {tuple(b.shape)}")
-    backend = select_backend(a, a_usage, b, b_usage, out_dtype, bias)
+    # operands ending in partial blocks: the exact product of their dequantized values
+    backend = (BACKENDS[-1] if partial
+               else select_backend(a, a_usage, b, b_usage, out_dtype, bias))
     if out is None:
         return backend.run(a, a_usage, b, b_usage, out_dtype, bias)
     rows = a.numel() // max(ka, 1)

@@ -25,7 +25,7 @@ def operand_matrix_fp32(t: torch.Tensor, usage: str) -> torch.Tensor:
     if isinstance(t, QuantizedTensor) and not isinstance(t, IdentityTensor):
         if not t.has_usage(usage):
             raise RuntimeError(f"GEMM needs the {usage} representation of {t!r}")
-        return t._dequantize_2d(usage)
+        return t._stored_values(usage)
     return plain_matrix(t, usage).to(torch.float32)
 
 

@@ -30,7 +30,13 @@ class HybridQuantizedTensor(QuantizedTensor):
         return getattr(self, f"{usage}_data")
 
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
-        return self.sub_tensor(usage)._dequantize_2d(usage)
+        return self.sub_tensor(usage)._stored_values(usage)
+
+    def partial(self, usage: str) -> bool:
+        return self.sub_tensor(usage).partial(usage)
+
+    def _stored_values(self, usage: str) -> torch.Tensor:
+        return self.sub_tensor(usage)._stored_values(usage)
 
     def __repr__(self, *, tensor_contents=None):
         subs = ", ".join(f"{u}={type(getattr(self, f'{u}_data')).__name__}"
@@ -96,6 +102,15 @@ class HybridQuantizer(Quantizer):
             self.columnwise_quantizer.set_usage(rowwise=False, columnwise=True)
             self.columnwise_quantizer._check_shape(shape, m, k)
 
+    def _whole_blocks(self, shape, m, k):
+        # each direction's quantizer takes its own partial blocks
+        for usage, q in (("rowwise", self.rowwise_quantizer),
+                         ("columnwise", self.columnwise_quantizer)):
+            if getattr(self, f"{usage}_usage"):
+                q.set_usage(rowwise=usage == "rowwise", columnwise=usage == "columnwise")
+                q._whole_blocks(shape, m, k)
+        return m, k
+
     def _quantize_2d(self, x2d):
         fields = {"rowwise_data": None, "columnwise_data": None}
         for usage, q in (("rowwise", self.rowwise_quantizer),
@@ -113,7 +128,7 @@ class HybridQuantizer(Quantizer):
         # identity half stores data in that dtype).
         shape = tuple(shape)
         m, k = flatten_2d(shape)
-        self._check_shape(shape, m, k)
+        self._whole_blocks(shape, m, k)
         fields = {"rowwise_data": None, "columnwise_data": None}
         for usage, q in (("rowwise", self.rowwise_quantizer),
                          ("columnwise", self.columnwise_quantizer)):

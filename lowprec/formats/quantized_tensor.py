@@ -41,6 +41,8 @@ class QuantizedTensor(torch.Tensor):
     #: counter: writes that bypass it, such as ``t.data.copy_()`` or a raw kernel writing
     #: an inner tensor in place, must drop the record, i.e. set the name to None).
     _derived: ClassVar[tuple[str, ...]] = ()
+    #: Elements a column of a direction's stored data holds (two 4-bit codes a byte: 2).
+    _packing: ClassVar[int] = 1
 
     @staticmethod
     def __new__(cls, shape, dtype, *, requires_grad: bool = False, **fields):
@@ -291,10 +293,48 @@ class QuantizedTensor(torch.Tensor):
                 f"{type(self).__name__} holds no {usage} data (it holds {held}); quantize with "
                 f"{usage} usage or call update_usage({usage}_usage=True) where derivable"
             )
-        out = self._dequantize_2d(usage)
+        out = self._stored_values(usage)
         if usage == "columnwise":
             out = out.t()
         return out.reshape(self.shape).to(dtype or self.dtype)
+
+    # ---- partial blocks -------------------------------------------------------------------
+    def _stored_block(self, usage: str) -> tuple[int, int]:
+        """(rows, columns) of one scaling block of ``usage``'s stored 2-D layout; (1, 1)
+        for per-tensor formats."""
+        return 1, 1
+
+    def _stored_dims(self, usage: str) -> tuple[int, int]:
+        m, k = self.shape_2d
+        return (m, k) if usage == "rowwise" else (k, m)
+
+    def partial(self, usage: str) -> bool:
+        """Whether ``usage``'s stored layout ends in a partial block (or tile): a
+        dimension that is not a whole number of blocks. Its scale covers the values the
+        block holds; the stored data has the tensor's own size."""
+        br, bc = self._stored_block(usage)
+        if br == bc == 1:
+            return False
+        rows, cols = self._stored_dims(usage)
+        return bool(rows % br or cols % bc)
+
+    def _stored_values(self, usage: str) -> torch.Tensor:
+        """fp32 values of ``usage`` in its stored 2-D layout, partial blocks included: the
+        data is zero-padded to whole blocks (zero codes decode to zero), read by the
+        format's :meth:`_dequantize_2d`, and cut back."""
+        if not self.partial(usage):
+            return self._dequantize_2d(usage)
+        (rows, cols), (br, bc) = self._stored_dims(usage), self._stored_block(usage)
+        whole_rows, whole_cols = -(-rows // br) * br, -(-cols // bc) * bc
+        data = getattr(self, f"{usage}_data")
+        padded = data.new_zeros(whole_rows, -(-whole_cols // self._packing))
+        padded[:rows, :data.shape[1]] = data
+        fields = {n: (getattr(self, n) if n.startswith(usage + "_") or n.startswith("shared_")
+                      else None) for n in self._inner}
+        fields[f"{usage}_data"] = padded
+        shape = (whole_rows, whole_cols) if usage == "rowwise" else (whole_cols, whole_rows)
+        whole = type(self)(shape, self.dtype, **fields, **self.metadata())
+        return whole._dequantize_2d(usage)[:rows, :cols]
 
     def _held_usage(self, usage: str | None) -> str:
         """``usage`` checked, or for None the direction :meth:`dequantize` reads."""

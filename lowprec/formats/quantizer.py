@@ -194,12 +194,55 @@ class Quantizer:
         if not (self.rowwise_usage or self.columnwise_usage):
             raise ValueError(f"{type(self).__name__} has both usages off; nothing to compute")
         m, k = flatten_2d(x.shape)
-        self._check_shape(x.shape, m, k)
         if m == 0 or k == 0:
             # Nothing to scale (e.g. an empty GroupedLinear split): empty buffers, unit scales.
             return self.make_empty(x.shape, dtype=x.dtype, device=x.device)
-        fields = self._quantize_2d(_row_major_2d(x, m, k))
+        whole_m, whole_k = self._whole_blocks(x.shape, m, k)
+        x2d = _row_major_2d(x, m, k)
+        if (whole_m, whole_k) == (m, k):
+            fields = self._quantize_2d(x2d)
+        else:
+            # Partial blocks: zeros change no block's amax (nor a global one), so the whole
+            # blocks of the zero-padded matrix carry each partial block's own scale; the
+            # stored data keeps the tensor's size (``QuantizedTensor._stored_values``).
+            padded = torch.nn.functional.pad(x2d, (0, whole_k - k, 0, whole_m - m))
+            return self._holding_self(self._cut(self._quantize_2d(padded), x.shape, x.dtype))
         return self._holding_self(self._tensor_class()(x.shape, x.dtype, **fields))
+
+    def _whole_blocks(self, shape, m: int, k: int) -> tuple[int, int]:
+        """(M, K) rounded up to whole blocks of this quantizer's usages (see
+        :meth:`row_multiple`, :meth:`col_multiple`), after checking what the format cannot
+        take even then (:meth:`_check_partial`)."""
+        rows = self.row_multiple(rowwise=self.rowwise_usage, columnwise=self.columnwise_usage)
+        cols = self.col_multiple(rowwise=self.rowwise_usage, columnwise=self.columnwise_usage)
+        whole = -(-m // rows) * rows, -(-k // cols) * cols
+        if whole != (m, k):
+            self._check_partial(shape, m, k)
+        self._check_shape(shape, *whole)
+        return whole
+
+    def _cut(self, fields: dict, shape, dtype: torch.dtype) -> QuantizedTensor:
+        """The tensor of nominal ``shape`` from the fields of a quantize of its zero-padded
+        matrix: each direction's data cut to its stored size ((M, K) rowwise, (K, M)
+        columnwise) and its scales to one a block, partial blocks included (a direction's
+        blocks may run whole along a dimension another direction needed padded); derived
+        records dropped (they hold the padded layout)."""
+        cls = self._tensor_class()
+        m, k = flatten_2d(shape)
+        for usage, (rows, cols) in (("rowwise", (m, k)), ("columnwise", (k, m))):
+            data = fields.get(f"{usage}_data")
+            if data is not None:
+                fields[f"{usage}_data"] = data[:rows, :-(-cols // cls._packing)].contiguous()
+        for name in cls._derived:
+            fields.pop(name, None)
+        qt = cls(shape, dtype, **fields)
+        for usage, (rows, cols) in (("rowwise", (m, k)), ("columnwise", (k, m))):
+            scale = getattr(qt, f"{usage}_scale", None)
+            if scale is not None:
+                br, bc = qt._stored_block(usage)
+                setattr(qt, f"{usage}_scale",
+                        scale[:-(-rows // br), :-(-cols // bc)].contiguous())
+        return qt
 
     def _holding_self(self, qt: QuantizedTensor) -> QuantizedTensor:
         """``qt`` with this quantizer attached (``QUANTIZER_ATTR``): an in-place op outside
@@ -377,9 +420,11 @@ class Quantizer:
         device = torch.device(device) if device is not None else torch.device("cpu")
         shape = tuple(shape)
         m, k = flatten_2d(shape)
-        self._check_shape(shape, m, k)
-        return self._holding_self(self._tensor_class()(shape, dtype,
-                                                       **self._empty_fields(m, k, device)))
+        whole_m, whole_k = self._whole_blocks(shape, m, k)
+        fields = self._empty_fields(whole_m, whole_k, device)
+        if (whole_m, whole_k) != (m, k):
+            return self._holding_self(self._cut(fields, shape, dtype))
+        return self._holding_self(self._tensor_class()(shape, dtype, **fields))
 
     # ---- for subclasses -------------------------------------------------------------------
     def _check_input(self, x) -> None:
@@ -394,19 +439,26 @@ class Quantizer:
                             f"got {x.dtype}")
 
     def _check_shape(self, shape, m: int, k: int) -> None:
-        """Raise ValueError when the shape does not fit the format's blocks."""
+        """Raise ValueError when the shape does not fit the format's blocks (the paths that
+        need whole blocks: parts, slices, fused quantizes; :meth:`quantize` pads)."""
+
+    def _check_partial(self, shape, m: int, k: int) -> None:
+        """Raise ValueError where a partial block cannot be quantized as one (a transform
+        that mixes the padding into the values)."""
 
     def row_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
-        """The multiple of M (the product of the leading dimensions) that quantizing with
-        these usages needs: the block length of blocks that run along M (columnwise 1-D
-        blocks, 2-D blocks), 1 where M is free. A GEMM module pads M up to it
-        (``lowprec.linear.function``)."""
+        """The multiple of M (the product of the leading dimensions) that fills whole blocks
+        with these usages: the block length of blocks that run along M (columnwise 1-D
+        blocks, 2-D blocks), 1 where M is free. :meth:`quantize` takes any M (a partial
+        last block); a GEMM module pads M up to it, since its GEMM kernels take whole
+        blocks (``lowprec.linear.plan.row_padding``)."""
         return 1
 
     def col_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
-        """The multiple of K (the last dimension) that quantizing with these usages needs:
+        """The multiple of K (the last dimension) that fills whole blocks with these usages:
         the block length of blocks that run along K (rowwise 1-D blocks, 2-D blocks), 1
-        where K is free. A linear pads its feature dimensions up to it with zeros
+        where K is free. :meth:`quantize` takes any K; a linear pads its feature dimensions
+        up to it with zeros for its GEMM kernels
         (``lowprec.linear.function.feature_padding``)."""
         return 1
 

@@ -342,30 +342,6 @@ def test_nan_inf_poison_their_block(dim, dtype):
     assert int(qt.rowwise_scale.isnan().sum()) == 3
 
 
-# ---- shapes and usages --------------------------------------------------------------------
-def test_unaligned_shapes_raise():
-    q1 = Float8BlockQuantizer(block_scaling_dim=1)
-    with pytest.raises(ValueError, match=r"\(100, 128\).*128x1"):
-        q1.quantize(torch.randn(100, 128))
-    q1.set_usage(columnwise=False)
-    assert q1.quantize(torch.randn(100, 128)).rowwise_data.shape == (100, 128)
-    with pytest.raises(ValueError, match=r"\(128, 96\).*1x128"):
-        q1.quantize(torch.randn(128, 96))
-    q1.set_usage(rowwise=False, columnwise=True)
-    assert q1.quantize(torch.randn(128, 96)).columnwise_data.shape == (96, 128)
-    with pytest.raises(ValueError, match=r"\(2, 50, 128\).*128x1"):
-        q1.quantize(torch.randn(2, 50, 128))
-    q2 = Float8BlockQuantizer(block_scaling_dim=2)
-    for shape in [(128, 96), (100, 128), (256,)]:
-        for row, col in [(True, False), (False, True), (True, True)]:
-            q2.set_usage(rowwise=row, columnwise=col)
-            with pytest.raises(ValueError,
-                               match=r"\(" + ", ".join(map(str, shape)) + r",?\).*128x128"):
-                q2.quantize(torch.randn(shape))
-            with pytest.raises(ValueError, match="128x128"):
-                q2.make_empty(shape)
-
-
 @pytest.mark.parametrize("dim", [1, 2])
 def test_usages(dim):
     x = make_input("lognormal", (2, 128, 256), torch.bfloat16, 9)

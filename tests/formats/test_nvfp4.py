@@ -327,23 +327,6 @@ def test_nan_and_inf_poison_only_their_block(cfg):
                                       == 0x7F).all()
 
 
-def test_unaligned_shapes_raise():
-    with pytest.raises(ValueError, match=r"\(32, 24\).*16"):
-        NVFP4Quantizer().quantize(torch.randn(32, 24))
-    with pytest.raises(ValueError, match=r"\(8, 32\).*16"):
-        NVFP4Quantizer().quantize(torch.randn(8, 32))
-    with pytest.raises(ValueError, match=r"\(8, 32\).*16x16"):
-        NVFP4Quantizer(with_2d_quantization=True).set_usage(columnwise=False).quantize(
-            torch.randn(8, 32))
-    with pytest.raises(ValueError, match=r"\(2, 3, 16\).*16"):
-        NVFP4Quantizer().make_empty((2, 3, 16))
-    # Only the requested direction's blocked dimension is checked.
-    assert NVFP4Quantizer().set_usage(columnwise=False).quantize(torch.randn(8, 32)).has_usage(
-        "rowwise")
-    assert NVFP4Quantizer().set_usage(rowwise=False).quantize(torch.randn(32, 8)).has_usage(
-        "columnwise")
-
-
 # ---- usages, empty/update, copies, serialization ----------------------------------------------
 def test_usages_and_update_usage():
     x = make("normal", (32, 48), torch.bfloat16)

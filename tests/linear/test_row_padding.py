@@ -142,14 +142,15 @@ def test_layernorm_mlp_and_ops_take_unaligned_tokens(rname):
 @pytest.mark.parametrize("recipe,quantizer,block",
                          [(MXFP8BlockScaling, lowprec.MXFP8Quantizer, 32),
                           (NVFP4BlockScaling, lowprec.NVFP4Quantizer, 16)])
-def test_unaligned_features_are_padded_where_a_quantizer_raises(recipe, quantizer, block):
-    """The linear pads unaligned feature dimensions (test_feature_padding.py); a quantizer
-    called directly still names the shape it cannot block."""
+def test_unaligned_features_are_padded_by_the_linear(recipe, quantizer, block):
+    """The linear pads unaligned feature dimensions (test_feature_padding.py) for its GEMMs;
+    a quantizer called directly takes the partial block as it is
+    (tests/formats/test_partial_blocks.py)."""
     m = lowprec.Linear(block + 8, 64)
     with lowprec.autocast(recipe=recipe()):
         assert m(torch.randn(64, block + 8)).shape == (64, 64)
-    with pytest.raises(ValueError, match=rf"shape .*{block + 8}"):
-        quantizer().quantize(torch.randn(64, block + 8))
+    qt = quantizer().quantize(torch.randn(64, block + 8))
+    assert qt.partial("rowwise") and qt.rowwise_scale.shape[1] == 2
 
 
 def test_no_padding_without_wgrad():

@@ -7,7 +7,7 @@ import torch
 from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
 from .dequant import dequantize_bf16
-from .reference import dequantize_blocks
+from .reference import BLOCK, dequantize_blocks
 
 
 class Float8BlockwiseTensor(QuantizedTensor):
@@ -69,6 +69,9 @@ class Float8BlockwiseTensor(QuantizedTensor):
     def bf16_operand(self, usage: str) -> tuple[torch.Tensor, None]:
         return dequantize_bf16(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),
                                self.block_scaling_dim), None
+
+    def _stored_block(self, usage: str) -> tuple[int, int]:
+        return (BLOCK, BLOCK) if self.block_scaling_dim == 2 else (1, BLOCK)
 
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         return dequantize_blocks(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),

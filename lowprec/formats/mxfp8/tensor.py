@@ -30,6 +30,9 @@ class MXFP8Tensor(QuantizedTensor):
     #: kernel wrote it (``Quantizer.quantize_for_gemm``); read by the bf16 GEMM emulation
     _derived = ("_exact_rowwise", "_exact_columnwise")
 
+    def _stored_block(self, usage: str) -> tuple[int, int]:
+        return (BLOCK if self.with_2d_quantization else 1), BLOCK
+
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         return dequantize_blocks(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),
                                  block_rows=BLOCK if self.with_2d_quantization else 1)

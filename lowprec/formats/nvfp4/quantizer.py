@@ -95,6 +95,15 @@ class NVFP4Quantizer(Quantizer):
             check_divisible(shape, m, k, row_block=1, col_block=BLOCK,
                             what="NVFP4 columnwise quantization (16x1 blocks)")
 
+    def _check_partial(self, shape, m, k):
+        # the transform mixes a 16-tile's values: a zero-padded partial tile along M would
+        # spread its padding into the stored codes, which then could not be cut back
+        if self.with_rht and self.columnwise_usage and m % BLOCK:
+            raise ValueError(
+                f"NVFP4 with the RHT needs whole 16-row tiles along M for its columnwise "
+                f"(wgrad) data; got shape {tuple(shape)} (M={m}). Pad M to a multiple of "
+                f"{BLOCK}, or quantize without the RHT or without columnwise usage")
+
     def row_multiple(self, *, rowwise: bool, columnwise: bool) -> int:
         return BLOCK if (self.with_2d_quantization or columnwise) else 1
 

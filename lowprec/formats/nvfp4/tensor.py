@@ -6,7 +6,7 @@ import torch
 
 from ..base import QuantizedTensor
 from ..rht import rht_inverse
-from .reference import dequantize_matrix
+from .reference import BLOCK, dequantize_matrix
 
 
 class NVFP4Tensor(QuantizedTensor):
@@ -42,6 +42,11 @@ class NVFP4Tensor(QuantizedTensor):
     #: where the quantize kernel wrote it (``Quantizer.quantize_for_gemm``); read by the
     #: bf16 GEMM emulation
     _derived = ("_exact_rowwise", "_exact_columnwise")
+
+    _packing = 2
+
+    def _stored_block(self, usage: str) -> tuple[int, int]:
+        return (BLOCK if self.with_2d_quantization else 1), BLOCK
 
     def dequantize_stored(self, usage: str = "rowwise") -> torch.Tensor:
         """fp32 ``(q * d) / S`` in the stored 2-D layout and domain.
