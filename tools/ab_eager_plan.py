@@ -1,8 +1,8 @@
-"""A/B of eager current scaling on the "1b" model (``bench_model.run_peer``): the traced
-plan run eagerly against the eager Function (``traced.eager_plans_off``), alternating in
-one process after bf16 eager (the host's speed varies between processes).
+"""A/B of eager recipes on the "1b" model (``bench_model.run_peer``): the traced plan run
+eagerly against the eager Function (``traced.eager_plans_off``), alternating in one process
+after bf16 eager (the host's speed varies between processes).
 
-    python tools/ab_eager_plan.py [--model 1b] [--rounds 2]
+    python tools/ab_eager_plan.py [--model 1b] [--rounds 2] [--recipes current,mxfp8]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lowprec.linear import traced  # noqa: E402
 
 
 def report(label: str, res) -> None:
-    print(f"{label:10s} ms {res[0]:7.2f}  GPU {res[4]:7.2f}  forward host {res[6]:6.2f}  "
+    print(f"{label:28s} ms {res[0]:7.2f}  GPU {res[4]:7.2f}  forward host {res[6]:6.2f}  "
           f"peak {res[2]:.2f} GiB", flush=True)
 
 
@@ -29,15 +29,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="1b")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--recipes", default="current", help="bench_model.RECIPES names")
     args = ap.parse_args()
     report("bf16", bm.run_peer("bf16", args.model, "cuda", "eager", 10, 3))
     bm.release()
-    for _ in range(args.rounds):
-        for label, off in (("plan", False), ("Function", True)):
-            with traced.eager_plans_off() if off else contextlib.nullcontext():
-                res = bm.run_peer("lowprec-current", args.model, "cuda", "eager", 10, 3)
-            bm.release()
-            report(label, res)
+    for recipe in args.recipes.split(","):
+        for _ in range(args.rounds):
+            for label, off in (("plan", False), ("Function", True)):
+                with traced.eager_plans_off() if off else contextlib.nullcontext():
+                    res = bm.run_peer(f"lowprec-{recipe}", args.model, "cuda", "eager", 10, 3)
+                bm.release()
+                report(f"{recipe} {label}", res)
 
 
 if __name__ == "__main__":

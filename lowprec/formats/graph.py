@@ -229,6 +229,10 @@ class HybridOperand(GraphOperand):
     def sliceable(self) -> bool:
         return self.row.sliceable and self.col.sliceable
 
+    @property
+    def eager(self) -> bool:
+        return self.row.eager and self.col.eager
+
     def kind(self, usage: str) -> Kind:
         return (self.row if usage == "rowwise" else self.col).kind(usage)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lowprec
-from lowprec import Float8CurrentScaling
+from lowprec import Float8CurrentScaling, factories
 from lowprec.kernels import triton_available
 from lowprec.linear import traced
 
@@ -166,4 +166,37 @@ def test_linears_reading_one_input_share_its_quantize(monkeypatch):
         m.weight.grad = None
     with traced.eager_plans_off():
         eager = step()
+    _same(planned, eager)
+
+
+#: recipes whose forms run eager calls with eager's kernels besides current scaling
+RECIPES = {
+    "block": lambda mode: lowprec.Float8BlockScaling(backward_mode=mode),
+    "mxfp8": lambda mode: lowprec.MXFP8BlockScaling(backward_mode=mode),
+    "nvfp4": lambda mode: lowprec.NVFP4BlockScaling(backward_mode=mode),
+    "fp8_row_mxfp8_col": lambda mode: lowprec.CustomRecipe(
+        qfactory=factories.fp8_row_mxfp8_col_factory, backward_mode=mode),
+    "mxfp8_fwd_nvfp4_bwd": lambda mode: lowprec.CustomRecipe(
+        qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory, backward_mode=mode),
+}
+
+
+@pytest.mark.parametrize("shape", [(256, 256, 512), (2, 128, 256, 384)])
+@pytest.mark.parametrize("mode", ["default", "high_precision", "dequantized"])
+@pytest.mark.parametrize("rname", list(RECIPES))
+def test_every_kernel_recipe_runs_the_plan_bit_for_bit(rname, mode, shape):
+    *lead, k, n = shape
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape) + len(rname))
+    m = lowprec.Linear(k, n, bias=True, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(*lead, k, device="cuda", generator=gen).to(torch.bfloat16)
+    x.requires_grad_(True)
+    dy = torch.randn(*lead, n, device="cuda", generator=gen).to(torch.bfloat16)
+    recipe = RECIPES[rname](mode)
+    torch.manual_seed(0)  # NVFP4's stochastic rounding of dY draws the same keys in both
+    planned_fn, planned = _step(m, x, dy, recipe)
+    torch.manual_seed(0)
+    with traced.eager_plans_off():
+        eager_fn, eager = _step(m, x, dy, recipe)
+    assert planned_fn == "TracedLinearBackward" and eager_fn != planned_fn, (planned_fn,
+                                                                             eager_fn)
     _same(planned, eager)

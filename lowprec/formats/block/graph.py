@@ -56,6 +56,11 @@ class Blockwise(_BlockForms):
         # 1x128 blocks of a row slice are the whole tensor's; 128x128 blocks span rows
         return self.dim == 1
 
+    @property
+    def eager(self) -> bool:
+        # the kernel is a triton_op, which an eager call launches as eager's quantize does
+        return self.kernel
+
     def kind(self, usage):
         return Kind("blocks", self.fp8_dtype, self.dim, pow2=self.pow2)
 

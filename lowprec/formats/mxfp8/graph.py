@@ -28,6 +28,11 @@ class MXBlocks(GraphOperand):
     kernel: bool = False
     sliceable = True  # 1x32 / 32x1 blocks of a slice are the whole tensor's
 
+    @property
+    def eager(self) -> bool:
+        # the kernel is a triton_op, which an eager call launches as eager's quantize does
+        return self.kernel
+
     def kind(self, usage):
         return Kind("exact")
 

@@ -29,6 +29,10 @@ class FP4Blocks(GraphOperand):
     kernel: bool = False
 
     @property
+    def eager(self) -> bool:
+        return self.kernel
+
+    @property
     def transposes(self) -> bool:
         """Whether the columnwise values are the rowwise ones transposed (one global
         scale, the same blocks either way)."""
