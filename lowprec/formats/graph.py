@@ -146,9 +146,15 @@ class GraphOperand:
     #: whether its quantize reads and records into state the module keeps (delayed
     #: scaling's scales and amaxes), which the traced linear takes as inputs
     reads_state = False
-    #: whether eager calls run this form too: outside a graph it launches eager's own
-    #: quantize kernels, so an eager linear runs the plan (``lowprec.linear.traced``)
+    #: whether an eager call whose input and weight take this form runs the plan
+    #: (``lowprec.linear.traced.eager_plan``; dY's form need only launch eagerly): per-tensor
+    #: current scaling, and hybrids whose rowwise half is it. On the "1b" model that is
+    #: faster than the eager Function at no more memory (``tools/ab_eager_plan.py``).
+    #: Block FP8, MXFP8 and NVFP4 forward forms launch eagerly too but measured slower
+    #: (block FP8, MXFP8) or holding more memory (NVFP4), so they keep the eager Function
     eager = False
+    #: whether this form's ops run outside a graph (eager's kernels, launched directly)
+    launches_eagerly = False
 
     def kind(self, usage: str) -> Kind:
         raise NotImplementedError
@@ -231,7 +237,9 @@ class HybridOperand(GraphOperand):
 
     @property
     def eager(self) -> bool:
-        return self.row.eager and self.col.eager
+        # the forward's quantize (the rowwise half) decides: its host time is what an
+        # eager step exposes; the columnwise half runs in the backward
+        return self.row.eager and self.col.launches_eagerly
 
     def kind(self, usage: str) -> Kind:
         return (self.row if usage == "rowwise" else self.col).kind(usage)

@@ -488,7 +488,8 @@ class eager_plans_off:
 def eager_plan(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None) -> TracedPlan | None:
     """The plan an eager call of these operands runs through :class:`TracedLinear`, or None
-    where the eager Function runs it (no plan, or a form that runs only in a graph).
+    where the eager Function runs it (no plan, a forward form that is not
+    ``GraphOperand.eager``, or a gradient form that runs only in a graph).
     Decided once per kind of call and kept with the quantizers (``q.plans``)."""
     if getattr(_EAGER, "off", False) or torch.compiler.is_compiling():
         return None
@@ -500,8 +501,8 @@ def eager_plan(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
     plan = plans.get(key)
     if plan is None:
         got = plan_for(q, backward_mode, x, weight, bias)
-        plan = keep(plans, key, got if not isinstance(got, str)
-                    and all(f is None or f.eager for f in (got.x, got.w, got.dy)) else _NoPlan())
+        plan = keep(plans, key, got if not isinstance(got, str) and got.x.eager and got.w.eager
+                    and (got.dy is None or got.dy.launches_eagerly) else _NoPlan())
     return plan if isinstance(plan, TracedPlan) else None
 
 

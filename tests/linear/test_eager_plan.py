@@ -169,22 +169,18 @@ def test_linears_reading_one_input_share_its_quantize(monkeypatch):
     _same(planned, eager)
 
 
-#: recipes whose forms run eager calls with eager's kernels besides current scaling
+#: recipes whose forms run eager calls with eager's kernels besides current scaling: hybrids
+#: whose rowwise half does (``GraphOperand.eager``)
 RECIPES = {
-    "block": lambda mode: lowprec.Float8BlockScaling(backward_mode=mode),
-    "mxfp8": lambda mode: lowprec.MXFP8BlockScaling(backward_mode=mode),
-    "nvfp4": lambda mode: lowprec.NVFP4BlockScaling(backward_mode=mode),
     "fp8_row_mxfp8_col": lambda mode: lowprec.CustomRecipe(
         qfactory=factories.fp8_row_mxfp8_col_factory, backward_mode=mode),
-    "mxfp8_fwd_nvfp4_bwd": lambda mode: lowprec.CustomRecipe(
-        qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory, backward_mode=mode),
 }
 
 
-@pytest.mark.parametrize("shape", [(256, 512, 512), (2, 96, 512, 1024)])
+@pytest.mark.parametrize("shape", [(256, 512, 512), (2, 128, 512, 1024)])
 @pytest.mark.parametrize("mode", ["default", "high_precision", "dequantized"])
 @pytest.mark.parametrize("rname", list(RECIPES))
-def test_every_kernel_recipe_runs_the_plan_bit_for_bit(rname, mode, shape):
+def test_hybrid_recipes_run_the_plan_bit_for_bit(rname, mode, shape):
     """Shapes whose GEMMs the traced table runs (cuBLAS's block-scale layout wants K/128 a
     multiple of 4; a bf16 GEMM with a bias epilogue stays with the eager Function)."""
     *lead, k, n = shape
@@ -202,3 +198,17 @@ def test_every_kernel_recipe_runs_the_plan_bit_for_bit(rname, mode, shape):
     assert planned_fn == "TracedLinearBackward" and eager_fn != planned_fn, (planned_fn,
                                                                              eager_fn)
     _same(planned, eager)
+
+
+@pytest.mark.parametrize("rname", ["block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"])
+def test_other_kernel_recipes_keep_the_eager_function(rname):
+    """Their forms launch eagerly but measured slower or holding more memory than the eager
+    Function (``GraphOperand.eager``): eager calls keep it."""
+    recipe = {"block": lowprec.Float8BlockScaling, "mxfp8": lowprec.MXFP8BlockScaling,
+              "nvfp4": lowprec.NVFP4BlockScaling,
+              "mxfp8_fwd_nvfp4_bwd": lambda: lowprec.CustomRecipe(
+                  qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory)}[rname]()
+    m = lowprec.Linear(512, 512, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    name, _ = _step(m, x, torch.ones(256, 512, device="cuda", dtype=torch.bfloat16), recipe)
+    assert name == "_QuantizedLinearBackward", name

@@ -57,8 +57,7 @@ class Blockwise(_BlockForms):
         return self.dim == 1
 
     @property
-    def eager(self) -> bool:
-        # the kernel is a triton_op, which an eager call launches as eager's quantize does
+    def launches_eagerly(self) -> bool:
         return self.kernel
 
     def kind(self, usage):

@@ -67,6 +67,10 @@ class Tensorwise(GraphOperand):
     def eager(self) -> bool:
         return self.kernel and type(self) is Tensorwise
 
+    @property
+    def launches_eagerly(self) -> bool:
+        return self.eager
+
     def kind(self, usage):
         return Kind("fp8", self.fp8_dtype)
 

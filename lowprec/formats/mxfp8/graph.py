@@ -29,8 +29,7 @@ class MXBlocks(GraphOperand):
     sliceable = True  # 1x32 / 32x1 blocks of a slice are the whole tensor's
 
     @property
-    def eager(self) -> bool:
-        # the kernel is a triton_op, which an eager call launches as eager's quantize does
+    def launches_eagerly(self) -> bool:
         return self.kernel
 
     def kind(self, usage):

@@ -29,7 +29,7 @@ class FP4Blocks(GraphOperand):
     kernel: bool = False
 
     @property
-    def eager(self) -> bool:
+    def launches_eagerly(self) -> bool:
         return self.kernel
 
     @property
