@@ -757,3 +757,16 @@ def test_linear_op_casts_an_input_of_another_dtype_to_its_weights(recipe_name):
     assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], want[0])
     assert got[1].dtype == torch.float32 and torch.equal(got[1], want[1].float())
     assert_all_equal(got[2:], want[2:])
+
+
+def test_linear_op_takes_a_quantized_input_of_another_nominal_dtype():
+    """A quantized input's nominal dtype is cast to the weights' (lossless: the same codes),
+    as TE's fusible ops take it."""
+    op = ops.Sequential(ops.Linear(128, 64, params_dtype=torch.bfloat16))
+    x = randn(32, 128, seed=3)
+    q = lowprec.Float8CurrentScalingQuantizer(E4M3)
+    xq = q.quantize(x)  # nominal fp32
+    with lowprec.autocast(recipe=RECIPES["current"]()):
+        got = op(xq)
+        want = op(xq.to(torch.bfloat16))  # the same codes, nominally bf16
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

@@ -89,13 +89,12 @@ class BasicLinear(LowprecModule, BasicOperation):
         previous op of this run, referenced nowhere else) loses its rowwise data once the
         fprop GEMM has run, when backward keeps only its columnwise data.
 
-        A plain input of another dtype than the weight's is cast to it (differentiably:
-        its gradient comes back in its own dtype), as Transformer Engine's fusible ops
-        compute in their parameters' dtype; under ``torch.autocast`` the autocast dtype
-        rules instead."""
+        An input of another dtype than the weight's is cast to it, as Transformer Engine's
+        fusible ops compute in their parameters' dtype: a plain one differentiably (its
+        gradient comes back in its own dtype), a quantized one in its nominal dtype only
+        (lossless). Under ``torch.autocast`` the autocast dtype rules instead."""
         self._check_input_dtype(x, self.weight.shape[-1])
-        if (type(x) is torch.Tensor and x.dtype != self.weight.dtype
-                and torch_autocast_dtype(x) is None):
+        if x.dtype != self.weight.dtype and torch_autocast_dtype(x) is None:
             x = x.to(self.weight.dtype)
         qs, mode, done = prep
         y = quantized_linear(x, self.weight, bias, quantizers=qs[0] if qs else None,
