@@ -16,7 +16,6 @@ Backward modes, GroupedLinear vs per-group Linears and what backward saves (3-5)
 from __future__ import annotations
 
 import contextlib
-import re
 
 import pytest
 import torch
@@ -188,20 +187,19 @@ def _weight_none_factory(role):
 
 @pytest.mark.parametrize("rname,k,block", [("mxfp8", 48, 32), ("nvfp4", 24, 16),
                                            ("block", 64, 128)])
-def test_unaligned_shape_is_padded_and_a_quantizer_names_it(rname, k, block):
-    """A Linear pads a K that is not whole blocks (tests/linear/test_feature_padding.py
-    checks the values); the recipe's quantizer called directly raises a ValueError that
-    names the shape and the block."""
+def test_unaligned_shape_is_padded_and_a_quantizer_takes_its_partial_block(rname, k, block):
+    """A Linear pads a K that is not whole blocks for its GEMMs
+    (tests/linear/test_feature_padding.py checks the values); the recipe's quantizer called
+    directly quantizes it with a partial last block (tests/formats/test_partial_blocks.py)."""
     lin = lowprec.Linear(k, 64)
     x = torch.randn(2, 64, k)
     with lowprec.autocast(recipe=make_recipe(rname)):
         y = lin(x)
     assert y.shape == (2, 64, 64) and torch.isfinite(y).all()
     q = lin._recipe_states["forward"].quantizers[0]
-    with pytest.raises(ValueError) as exc:
-        q.quantize(x)
-    msg = str(exc.value)
-    assert re.search(rf"\(2, 64, {k}\)", msg) and str(block) in msg, msg
+    qt = q.quantize(x)
+    assert qt.shape == x.shape and qt.partial("rowwise")
+    assert qt.rowwise_scale.shape[-1] == -(-k // block)  # the last block along K partial
 
 
 def test_per_tensor_fp8_accepts_any_shape():
