@@ -43,3 +43,36 @@ def test_prepared_plan_is_bit_identical(recipe_name, shape, bias):
         usual = _steps(recipe_name, shape, bias)
     for a, b in zip(fast, usual):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
+def test_prepared_block_quantize_binds_and_keeps_every_bit(dim, rowwise, columnwise):
+    """Block FP8's prepared quantize (``formats.block.launch.PreparedBlock``): the first
+    call is left to the usual path, the second binds the launches, later ones run them
+    bound, each the usual quantize's tensor bit for bit."""
+    from lowprec.formats.block import Float8BlockQuantizer, Float8BlockwiseTensor
+    from lowprec.formats.block.launch import PreparedBlock
+    q = Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=dim)
+    shape = torch.Size((256, 384))
+    prepared = PreparedBlock(q, shape, torch.bfloat16, torch.device("cuda"), rowwise,
+                             columnwise)
+    for call in range(4):
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * (call + 1)
+        fields = prepared(x)
+        with q.usages(rowwise=rowwise, columnwise=columnwise):
+            want = q.quantize(x)
+        if call == 0:
+            assert fields is None  # the usual path compiles the kernels first
+            continue
+        assert isinstance(prepared.launches, tuple), "the launches were bound"
+        got = Float8BlockwiseTensor(shape, torch.bfloat16, **fields)
+        for name, t in want.inner_tensors().items():
+            other = getattr(got, name)
+            assert (t is None) == (other is None), name
+            if t is not None:
+                assert torch.equal(t.view(torch.uint8) if t.dtype.itemsize == 1 else t,
+                                   other.view(torch.uint8) if other.dtype.itemsize == 1
+                                   else other), (call, name)
+        usage = "rowwise" if rowwise else "columnwise"
+        assert torch.equal(got.decode_scale(usage), want.decode_scale(usage))

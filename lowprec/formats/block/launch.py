@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import gluon_takes, kernel_op
+from ...kernels import _tracing, gluon_takes, kernel_op
 from ...kernels.fp8_args import FP8_PARAMS, fp8_dtype_of, kernel_fp8_args
 from ...kernels.grid import (
     device_guard,
@@ -25,7 +25,7 @@ from ...kernels.grid import (
     tile_grid,
     triton_cdiv,
 )
-from ...kernels.launch import launch, launch_in_graph
+from ...kernels.launch import bind, fast_launches, launch, launch_in_graph
 from ...kernels.tuning import tuning
 from ..base import QuantizedTensor
 from .reference import BLOCK
@@ -50,26 +50,23 @@ def _gluon_applies(x: torch.Tensor, dim: int, rowwise: bool, columnwise: bool,
             and (k % BLOCK == 0 or not rowwise) and gluon_takes(x))
 
 
-def _launch_gluon(x, outs, rowwise: bool, fp8_dtype, pow2: bool, eps: float):
+def _gluon_call(x, outs, rowwise: bool, fp8_dtype, pow2: bool, eps: float):
+    """(kernel, grid, tensors, other args, kwargs) of the Gluon launch."""
     from .gluon_kernels import block1_both_kernel, block1_col_kernel
     rq, rs, rd, cq, cs, cd = outs
     m, k = x.shape
-    if m == 0 or k == 0:
-        return
     mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
     fp8 = dict(FP8_MAX=fmax, POW2=pow2, MBITS=mbits, BIAS=bias, MAX_BITS=max_bits)
     if rowwise:
         rb, r, t, warps, k_fast, evict = gluon_config("both")
         grid, k_fast = order_axes((m // BLOCK, k // BLOCK), k_fast)
-        launch(block1_both_kernel, grid,
-            x, rq, rs, rd, cq, cs, cd, m, k, x.stride(0), eps, RB=rb, R=r, T=t, WARPS=warps,
-            K_FAST=k_fast, EVICT=bool(evict), num_warps=warps, **fp8)
-    else:
-        r, t, warps, k_fast = gluon_config("col")
-        grid, k_fast = order_axes((m // BLOCK, triton_cdiv(k, 8 * t)), k_fast)
-        launch(block1_col_kernel, grid,
-            x, cq, cs, cd, m, k, x.stride(0), eps, R=r, T=t, WARPS=warps, K_FAST=k_fast,
-            num_warps=warps, **fp8)
+        return (block1_both_kernel, grid, (x, rq, rs, rd, cq, cs, cd), (m, k, x.stride(0), eps),
+                dict(RB=rb, R=r, T=t, WARPS=warps, K_FAST=k_fast, EVICT=bool(evict),
+                     num_warps=warps, **fp8))
+    r, t, warps, k_fast = gluon_config("col")
+    grid, k_fast = order_axes((m // BLOCK, triton_cdiv(k, 8 * t)), k_fast)
+    return (block1_col_kernel, grid, (x, cq, cs, cd), (m, k, x.stride(0), eps),
+            dict(R=r, T=t, WARPS=warps, K_FAST=k_fast, num_warps=warps, **fp8))
 
 
 def _usage(rowwise: bool, columnwise: bool) -> str:
@@ -109,33 +106,50 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
     fp8_dtype = fp8_dtype_of(e5m2)
     outs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
     with device_guard(x.device):
-        if _gluon_applies(x, block_scaling_dim, rowwise, columnwise, pro):
-            both = rowwise and tuning.block_gluon_both
-            if rowwise and not both:
-                _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, True, False,
-                               pro, pro_args)
-            _launch_gluon(x, outs, both, fp8_dtype, pow2, eps)
-            return outs
-        for r, c in launches(rowwise, columnwise, f"block{block_scaling_dim}"):
-            _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro,
-                           pro_args)
+        for kernel, grid, tensors, rest, kwargs in _quantize_calls(
+                x, outs, block_scaling_dim, fp8_dtype, pow2, eps, rowwise, columnwise, pro,
+                pro_args):
+            launch(kernel, grid, *tensors, *rest, **kwargs)
     return outs
 
 
-def _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, pro_args,
-                   run=launch):
+def _triton_call(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, pro_args):
+    """(kernel, grid, tensors, other args, kwargs) of one Triton launch."""
     from ...kernels.block_scaled import block_scaled_quant_kernel
     rq, rs, rd, cq, cs, cd = outs
     m, k = logical_shape(x, pro)
     bm, bn, warps, iters, stages, k_fast = tile_config(
         tuning.block_configs[(block_scaling_dim, _usage(r, c))])
     grid, k_fast = tile_grid(m, k, bm, bn, iters, k_fast)
-    run(block_scaled_quant_kernel, grid,
-        x, rq, rs, cq, cs, rd, cd, m, k, x.stride(0), x.stride(1), *prologue_args(x, pro_args),
-        eps, PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
-        TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=False,
-        BLK=BLOCK, ITERS=iters, STAGES=stages, DECODE=True, K_FAST=k_fast, num_warps=warps,
-        **kernel_fp8_args(fp8_dtype))
+    return (block_scaled_quant_kernel, grid, (x, rq, rs, cq, cs, rd, cd),
+            (m, k, x.stride(0), x.stride(1), *prologue_args(x, pro_args), eps),
+            dict(PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3], POW2=pow2,
+                 TWO_D=block_scaling_dim == 2, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=False,
+                 BLK=BLOCK, ITERS=iters, STAGES=stages, DECODE=True, K_FAST=k_fast,
+                 num_warps=warps, **kernel_fp8_args(fp8_dtype)))
+
+
+def _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, pro_args,
+                   run=launch):
+    kernel, grid, tensors, rest, kwargs = _triton_call(x, outs, block_scaling_dim, fp8_dtype,
+                                                       pow2, eps, r, c, pro, pro_args)
+    run(kernel, grid, *tensors, *rest, **kwargs)
+
+
+def _quantize_calls(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, rowwise, columnwise,
+                    pro, pro_args) -> list:
+    """The launches of one quantize, as (kernel, grid, tensors, other args, kwargs)."""
+    if _gluon_applies(x, block_scaling_dim, rowwise, columnwise, pro):
+        both = rowwise and tuning.block_gluon_both
+        calls = []
+        if rowwise and not both:
+            calls.append(_triton_call(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, True,
+                                      False, pro, pro_args))
+        if x.numel():
+            calls.append(_gluon_call(x, outs, both, fp8_dtype, pow2, eps))
+        return calls
+    return [_triton_call(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, pro_args)
+            for r, c in launches(rowwise, columnwise, f"block{block_scaling_dim}")]
 
 
 @fp8_block_quantize.register_fake
@@ -165,13 +179,76 @@ def quantize_block(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
     """Float8BlockQuantizer._quantize_2d through the kernel (same fields)."""
     row, col = quantizer.rowwise_usage, quantizer.columnwise_usage
     dt = quantizer.fp8_dtype
-    rq, rs, rd, cq, cs, cd = fp8_block_quantize(
+    outs = fp8_block_quantize(
         x2d, dt == torch.float8_e5m2, quantizer.block_scaling_dim, quantizer.force_pow_2_scales,
         quantizer.amax_epsilon, row, col, *prologue_launch_args(prologue))
+    return _fields(dt, quantizer.block_scaling_dim, row, col, outs)
+
+
+def _fields(dt, block_scaling_dim: int, row: bool, col: bool, outs) -> dict:
+    """``Float8BlockwiseTensor`` fields of a quantize's outputs."""
+    rq, rs, rd, cq, cs, cd = outs
     record = QuantizedTensor.derived_record
     return {"rowwise_data": rq.view(dt) if row else None, "rowwise_scale": rs if row else None,
             "columnwise_data": cq.view(dt) if col else None,
             "columnwise_scale": cs if col else None,
-            "fp8_dtype": dt, "block_scaling_dim": quantizer.block_scaling_dim,
+            "fp8_dtype": dt, "block_scaling_dim": block_scaling_dim,
             "_decode_rowwise": record(rs, rd) if row else None,
             "_decode_columnwise": record(cs, cd) if col else None}
+
+
+class PreparedBlock:
+    """Block quantizes of one kind of input (shape, dtype, device; contiguous, 16-byte
+    aligned) with fixed usages, for a linear plan that makes the same call again and again:
+    the first call goes the usual way (it compiles the kernels), the second binds the
+    launches (``kernels.launch.bind``), and from then on a call allocates the outputs and
+    runs the bound launches, the same kernels with the same arguments. ``__call__`` returns
+    the tensor fields, or None where the bound path does not take the call (the caller then
+    quantizes the usual way)."""
+
+    def __init__(self, quantizer, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                 rowwise: bool, columnwise: bool) -> None:
+        self.quantizer = quantizer
+        self.settings = self._settings()
+        self.shape, self.dtype = shape, dtype
+        self.device = torch.empty(0, device=device).device  # with its index
+        self.m, self.k = shape.numel() // shape[-1], shape[-1]
+        self.rowwise, self.columnwise = rowwise, columnwise
+        #: None before the first call, True before the second, then the bound launches
+        #: with the number of tensors each takes (False: none could be bound)
+        self.launches = None
+
+    def _settings(self) -> tuple:
+        q = self.quantizer
+        return (q.fp8_dtype, q.block_scaling_dim, q.force_pow_2_scales, q.amax_epsilon)
+
+    def __call__(self, x: torch.Tensor) -> dict | None:
+        bound = self.launches
+        if (bound is None or bound is False or self._settings() != self.settings
+                or x.shape != self.shape or x.dtype != self.dtype or x.device != self.device
+                or not x.is_contiguous() or x.data_ptr() % 16
+                or self.device.index != torch.cuda.current_device()
+                or not fast_launches() or _tracing((x,))):
+            if bound is None:
+                self.launches = True
+            return None
+        fp8_dtype, dim, pow2, eps = self.settings
+        x2d = x.view(self.m, self.k)
+        outs = _empty_outputs(x2d, dim, self.rowwise, self.columnwise)
+        if bound is True:
+            calls = _quantize_calls(x2d, outs, dim, fp8_dtype, pow2, eps, self.rowwise,
+                                    self.columnwise, 0, [])
+            made = tuple(bind(kernel, grid, len(tensors), *tensors, *rest, **kwargs)
+                         for kernel, grid, tensors, rest, kwargs in calls)
+            # each launch's tensors as places among (x, *outputs), which every call makes anew
+            places = {id(t): i for i, t in enumerate((x2d, *outs))}
+            self.launches = False if None in made else tuple(
+                (b, tuple(places[id(t)] for t in tensors))
+                for b, (_, _, tensors, _, _) in zip(made, calls))
+            if not self.launches:
+                return None
+            bound = self.launches
+        now = (x2d, *outs)
+        for launch_, places in bound:
+            launch_(*(now[i] for i in places))
+        return _fields(fp8_dtype, dim, self.rowwise, self.columnwise, outs)

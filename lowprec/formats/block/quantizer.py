@@ -96,6 +96,14 @@ class Float8BlockQuantizer(Quantizer):
     def _quantize_2d(self, x2d):
         return self._pow2_records(self._quantize_2d_plain(x2d))
 
+    def _prepared(self, shape, dtype, device, rowwise, columnwise):
+        prepared = launch.PreparedBlock(self, shape, dtype, device, rowwise, columnwise)
+
+        def fields(x):
+            got = prepared(x)
+            return None if got is None else self._pow2_records(got)
+        return fields
+
     def _quantize_2d_plain(self, x2d):
         if use_kernels(x2d):
             return launch.quantize_block(self, x2d)
