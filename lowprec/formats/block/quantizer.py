@@ -28,8 +28,8 @@ class Float8BlockQuantizer(Quantizer):
     Per block: ``scale = fp8_max / max(amax, amax_epsilon)`` in fp32; amax 0
     gives 1; an infinite scale becomes the fp32 max; ``force_pow_2_scales``
     rounds the scale down to a power of two; a block holding NaN/Inf gets a
-    NaN scale. The blocked dimensions must be divisible by 128 (only those a
-    requested usage blocks, for 1x128; both for 128x128), else ValueError.
+    NaN scale. A blocked dimension that is not a multiple of 128 ends in a
+    partial block with its own scale (``Quantizer.quantize``).
     ``amax_epsilon`` must be a real number in ``[0, fp32 max]`` and
     ``force_pow_2_scales`` a bool, else ValueError.
     """

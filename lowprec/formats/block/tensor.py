@@ -20,6 +20,9 @@ class Float8BlockwiseTensor(QuantizedTensor):
     * ``columnwise_data`` (K, M) fp8; ``columnwise_scale`` fp32, (K, M/128)
       for dim 1 (blocks run 128x1 along M) and (K/128, M/128) for dim 2.
 
+    A dimension that is not a multiple of 128 rounds its scale count up: the last block
+    is partial (``partial(usage)``), scaled by the values it holds.
+
     Scales are the *encode* scales used at quantize time (data was cast from
     ``x * scale``; dequantization is ``data / scale``). A block that held
     NaN/Inf has a NaN scale and dequantizes to NaN. For 128x128 blocks the

@@ -22,6 +22,9 @@ class MXFP8Tensor(QuantizedTensor):
     With ``with_2d_quantization`` the blocks are 32x32: ``rowwise_scale`` is
     (M/32, K/32), the columnwise data and scale are the transposes of the
     rowwise ones, so either direction derives from the other.
+
+    A dimension that is not a multiple of 32 rounds its scale count up: the last block is
+    partial (``partial(usage)``), scaled by the values it holds.
     """
 
     _inner = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")

@@ -33,6 +33,10 @@ class NVFP4Tensor(QuantizedTensor):
     operands both carry the RHT consumes. Neither direction derives from the
     other (each has its own blocks and rounding), so ``update_usage`` can only
     drop a direction.
+
+    A dimension that is not a multiple of 16 rounds its scale count up (the last block is
+    partial, ``partial(usage)``) and an odd one its data bytes (the last code's partner
+    nibble is zero).
     """
 
     _inner = ("rowwise_data", "rowwise_scale", "rowwise_global",
