@@ -199,15 +199,12 @@ class Quantizer:
             return self.make_empty(x.shape, dtype=x.dtype, device=x.device)
         whole_m, whole_k = self._whole_blocks(x.shape, m, k)
         x2d = _row_major_2d(x, m, k)
-        if (whole_m, whole_k) == (m, k):
-            fields = self._quantize_2d(x2d)
-        else:
+        padded = (whole_m, whole_k) != (m, k)
+        if padded:
             # Partial blocks: zeros change no block's amax (nor a global one), so the whole
-            # blocks of the zero-padded matrix carry each partial block's own scale; the
-            # stored data keeps the tensor's size (``QuantizedTensor._stored_values``).
-            padded = torch.nn.functional.pad(x2d, (0, whole_k - k, 0, whole_m - m))
-            return self._holding_self(self._cut(self._quantize_2d(padded), x.shape, x.dtype))
-        return self._holding_self(self._tensor_class()(x.shape, x.dtype, **fields))
+            # blocks of the zero-padded matrix carry each partial block's own scale.
+            x2d = torch.nn.functional.pad(x2d, (0, whole_k - k, 0, whole_m - m))
+        return self._tensor_of(self._quantize_2d(x2d), x.shape, x.dtype, padded=padded)
 
     def _whole_blocks(self, shape, m: int, k: int) -> tuple[int, int]:
         """(M, K) rounded up to whole blocks of this quantizer's usages (see
@@ -221,28 +218,28 @@ class Quantizer:
         self._check_shape(shape, *whole)
         return whole
 
-    def _cut(self, fields: dict, shape, dtype: torch.dtype) -> QuantizedTensor:
-        """The tensor of nominal ``shape`` from the fields of a quantize of its zero-padded
-        matrix: each direction's data cut to its stored size ((M, K) rowwise, (K, M)
-        columnwise) and its scales to one a block, partial blocks included (a direction's
-        blocks may run whole along a dimension another direction needed padded); derived
-        records dropped (they hold the padded layout)."""
-        cls = self._tensor_class()
-        m, k = flatten_2d(shape)
-        for usage, (rows, cols) in (("rowwise", (m, k)), ("columnwise", (k, m))):
-            data = fields.get(f"{usage}_data")
-            if data is not None:
-                fields[f"{usage}_data"] = data[:rows, :-(-cols // cls._packing)].contiguous()
-        for name in cls._derived:
-            fields.pop(name, None)
-        qt = cls(shape, dtype, **fields)
-        for usage, (rows, cols) in (("rowwise", (m, k)), ("columnwise", (k, m))):
-            scale = getattr(qt, f"{usage}_scale", None)
-            if scale is not None:
-                br, bc = qt._stored_block(usage)
-                setattr(qt, f"{usage}_scale",
-                        scale[:-(-rows // br), :-(-cols // bc)].contiguous())
-        return qt
+    def _tensor_of(self, fields: dict, shape, dtype: torch.dtype, *,
+                   padded: bool) -> QuantizedTensor:
+        """The tensor of nominal ``shape``, holding this quantizer, from the fields of a
+        quantize (or an empty one) of its matrix zero-padded to whole blocks. Where it was
+        ``padded``, each direction's data is cut to its stored size ((M, K) rowwise, (K, M)
+        columnwise; ``QuantizedTensor._stored_values`` reads it) and its scales to one a
+        block, partial blocks included (a direction's blocks may run whole along a
+        dimension another direction needed padded); derived records are dropped (they
+        hold the padded layout)."""
+        qt = self._tensor_class()(shape, dtype, **fields)
+        for usage in USAGES if padded else ():
+            data = getattr(qt, f"{usage}_data")
+            if data is None:
+                continue
+            rows, cols = qt._stored_dims(usage)
+            br, bc = qt._stored_block(usage)
+            scale = getattr(qt, f"{usage}_scale")
+            setattr(qt, f"{usage}_data", data[:rows, :-(-cols // qt._packing)].contiguous())
+            setattr(qt, f"{usage}_scale", scale[:-(-rows // br), :-(-cols // bc)].contiguous())
+            for name in qt._derived:
+                setattr(qt, name, None)
+        return self._holding_self(qt)
 
     def _holding_self(self, qt: QuantizedTensor) -> QuantizedTensor:
         """``qt`` with this quantizer attached (``QUANTIZER_ATTR``): an in-place op outside
@@ -420,11 +417,9 @@ class Quantizer:
         device = torch.device(device) if device is not None else torch.device("cpu")
         shape = tuple(shape)
         m, k = flatten_2d(shape)
-        whole_m, whole_k = self._whole_blocks(shape, m, k)
-        fields = self._empty_fields(whole_m, whole_k, device)
-        if (whole_m, whole_k) != (m, k):
-            return self._holding_self(self._cut(fields, shape, dtype))
-        return self._holding_self(self._tensor_class()(shape, dtype, **fields))
+        whole = self._whole_blocks(shape, m, k)
+        return self._tensor_of(self._empty_fields(*whole, device), shape, dtype,
+                               padded=whole != (m, k))
 
     # ---- for subclasses -------------------------------------------------------------------
     def _check_input(self, x) -> None:

@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from . import FlagOff
+from . import FlagOff, _tracing
 
 _enabled = True
 
@@ -166,15 +166,6 @@ def bind(kernel, grid, n: int, *args, **kwargs) -> BoundLaunch | None:
     return BoundLaunch(hit[1], grid, list(bound.values()), n, device)
 
 
-def _outside_graphs(args: tuple, kwargs: dict) -> bool:
-    """Whether a ``triton_op``'s body runs on real tensors: nothing traces (dynamo, a
-    proxy, fake or functional mode) and every tensor argument is a plain tensor."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return False
-    return all(type(a) is torch.Tensor for a in (*args, *kwargs.values())
-               if isinstance(a, torch.Tensor))
-
-
 def launch_in_graph(kernel, grid, *args, **kwargs) -> None:
     """``launch`` for the body of a ``torch.library.triton_op``: the kernel goes through
     ``wrap_triton``, so a compiled graph launches it from inductor's generated code (no
@@ -183,7 +174,7 @@ def launch_in_graph(kernel, grid, *args, **kwargs) -> None:
     them out of its mutation analysis, as Triton makes them constexprs). Called outside a
     graph (an eager call of the op), it is :func:`launch`: the same kernel and arguments,
     without the signature walk and ``wrap_triton``'s Python launcher each call."""
-    if _outside_graphs(args, kwargs):
+    if not _tracing((*args, *kwargs.values())):  # the op's body on real tensors
         launch(kernel, grid, *args, **kwargs)
         return
     import inspect
