@@ -37,6 +37,18 @@ class _BackwardDone:
 
 
 
+@torch._dynamo.assume_constant_result
+def _made_states(module) -> bool:
+    """Make ``module``'s delayed-scaling states for the active recipe, run by the compiler
+    as it traces (its result a constant, the call not in the graph): a compiled call that
+    meets a module without its state makes it there and traces its quantizes with it, so
+    the next call's graph is the same one (no recompile, no opaque first call)."""
+    region = active_region()
+    if region is not None and torch.is_grad_enabled():
+        module.init_scaling_state(region.recipe)
+    return True
+
+
 class ScalingStateMixin:
     """The recipe-state methods of ``LowprecModule`` (which holds ``_recipe_states``,
     ``_delayed_states`` and ``_pending_extra_state``)."""
@@ -48,6 +60,7 @@ class ScalingStateMixin:
         outside the compiled call). None where the call stays opaque: the states do not exist yet
         (the opaque call makes them, and the compiler traces the next call), gradients are
         off (an evaluation records where nothing reads), or a checkpoint is in play."""
+        _made_states(self)
         states = self.__dict__["_recipe_states"]
         fwd, bwd = states["forward"], states["backward"]
         if (not _holds(fwd, recipe) or not _holds(bwd, recipe) or fwd.delayed is None

@@ -230,9 +230,9 @@ def test_delayed_traced_bit_identical(device, bias, algo, backend):
     """Delayed scaling traced: the quantizes read the module's scales and record their
     amaxes into its state in place, the backward state updates in the backward graph (the
     forward state at the region's exit, as eager). Over steps whose amaxes move the
-    scales, outputs, gradients and the whole state equal eager's bit for bit; the first
-    compiled call, before the module has a state, is the opaque one, and the next ones
-    trace (no ``lowprec::call``)."""
+    scales, outputs, gradients and the whole state equal eager's bit for bit. Every call
+    traces (no ``lowprec::call``), the first too: the module's state is made as the
+    compiler traces it."""
     recipe = DelayedScaling(amax_history_len=3, amax_compute_algo=algo, margin=1)
     dtype = _dtype(device)
     torch.manual_seed(0)
@@ -257,10 +257,9 @@ def test_delayed_traced_bit_identical(device, bias, algo, backend):
     assert sa["forward.scale"][0] != 1 and sa["backward.scale"][0] != 1  # the scales moved
     if backend == "aot_eager":
         graphs = " ".join(ops.targets)
-        # the first call (no state yet) is the opaque op; the later ones the traced
-        # quantizes (the scale in use plain torch ops the compiler fuses), the update an
-        # auto-functionalized custom op in the backward graph
-        assert "lowprec.call" in graphs and "aten.where" in graphs
+        # the traced quantizes (the scale in use plain torch ops the compiler fuses), the
+        # update an auto-functionalized custom op in the backward graph
+        assert "lowprec.call" not in graphs and "aten.where" in graphs
         assert "auto_functionalized" in graphs
         assert plan_of(recipe, x, b.weight) is not None
 

@@ -1,0 +1,115 @@
+"""Where the first compiled steps of ``bench_model.py``'s Llama spend their time, per peer,
+each peer in a fresh process with an empty inductor cache (the cold start a user meets).
+
+Per peer it prints the seconds of the first ``--steps`` steps, the graphs, captured calls
+and generated kernels, dynamo's timed phases (``compilation_time_metrics``), and with
+``--inlined N`` the N user functions dynamo spent most tracing time in, exclusive of the
+functions they call (timed around dynamo's inlining of each call; a function's time
+includes the fake-tensor propagation of the ops it traces).
+
+    python tools/compile_costs.py --model 1b --peers bf16,torchao-tensorwise,lowprec-current
+    python tools/compile_costs.py --model tiny --device cpu --peers lowprec-current --inlined 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _profile_inlining():
+    """Patch dynamo's inliner to time each inlined call; returns (exclusive, calls)."""
+    import torch._dynamo.symbolic_convert as sc
+
+    excl, calls, stack = collections.Counter(), collections.Counter(), []
+    inline = sc.InliningInstructionTranslator.inline_call_
+
+    def timed(self):
+        code = self.f_code
+        where = code.co_filename.split("site-packages/")[-1].replace(str(ROOT) + "/", "")
+        key = f"{where}:{code.co_firstlineno}:{code.co_name}"
+        t0 = time.perf_counter()
+        stack.append(0.0)
+        try:
+            return inline(self)
+        finally:
+            dt = time.perf_counter() - t0
+            child = stack.pop()
+            excl[key] += dt - child
+            calls[key] += 1
+            if stack:
+                stack[-1] += dt
+
+    sc.InliningInstructionTranslator.inline_call_ = timed
+    return excl, calls
+
+
+def one_peer(args) -> None:
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_model as B
+    from torch._dynamo.utils import compilation_time_metrics, counters
+    from torch._inductor import metrics
+
+    excl, calls = _profile_inlining() if args.inlined else (None, None)
+    model, ctx = B.make_peer(args.peers, args.model, args.device, "compiled")
+    opt = B.make_optimizer(model.parameters(), "torch", args.device, False)
+    *_, seq, batch = B.MODELS[args.model]
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    ids = torch.randint(0, 32000, (batch, seq), device=args.device, generator=gen)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        B.lm_loss(model, ctx, ids).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - t0)
+    stats = counters["stats"]
+    print(f"{args.peers}: first {args.steps} steps {sum(times):.1f} s "
+          f"({', '.join(f'{t:.1f}' for t in times)}); {stats['unique_graphs']} graphs, "
+          f"{stats['calls_captured']} calls captured, {metrics.generated_kernel_count} kernels, "
+          f"{sum(counters['graph_break'].values())} graph breaks", flush=True)
+    phases = sorted(((sum(v), k) for k, v in compilation_time_metrics.items()), reverse=True)
+    print("  phases: " + ", ".join(f"{k} {t:.1f}s" for t, k in phases[:args.phases]))
+    if excl:
+        print(f"  dynamo tracing, exclusive s / calls (top {args.inlined}):")
+        for key, t in excl.most_common(args.inlined):
+            print(f"    {t:7.3f} {calls[key]:6d}  {key}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="1b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--peers", default="bf16,torchao-tensorwise,lowprec-current",
+                    help="bf16, torchao-<recipe>, lowprec-<bench_model recipe>")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--phases", type=int, default=24)
+    ap.add_argument("--inlined", type=int, default=0)
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        return one_peer(args)
+    for peer in args.peers.split(","):
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache,
+                       TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+            cmd = [sys.executable, __file__, "--one", "--peers", peer,
+                   *[f"--{k}={v}" for k, v in vars(args).items()
+                     if k not in ("one", "peers")]]
+            subprocess.run(cmd, env=env, check=False)
+
+
+if __name__ == "__main__":
+    main()
