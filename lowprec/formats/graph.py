@@ -55,6 +55,12 @@ def rounded_amax(t2d: torch.Tensor) -> torch.Tensor:
     return rounded(t2d.abs().amax()).reshape(1)
 
 
+def decode_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` in fp32, correctly rounded (``torch.reciprocal``'s result in eager):
+    in fp64, for the reason ``casting.scale_from_amax`` gives."""
+    return torch.reciprocal(scale.to(torch.float64)).to(torch.float32)
+
+
 def as_output(out_fp32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``out_fp32.to(dtype)`` whose bf16 rounding a fused consumer cannot elide: the bf16
     values are made from their bits, so any kernel the compiler fuses this into reads the

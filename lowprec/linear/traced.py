@@ -50,7 +50,7 @@ from ..formats.graph import (
     Plain,
     PlainOperand,
     as_output,
-    rounded_amax,
+    decode_scale,
     scale_in_use,
 )
 from ..recipe import BackwardMode
@@ -111,12 +111,6 @@ def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype, bias
     return "emulated"
 
 
-def _decode(scale: torch.Tensor) -> torch.Tensor:
-    """``1 / scale`` in fp32, correctly rounded (``torch.reciprocal``'s result in eager; in
-    fp64 for the reason ``formats.casting.scale_from_amax`` gives)."""
-    return (1.0 / scale.to(torch.float64)).to(torch.float32)
-
-
 def _with_bias(res, bias, fused: bool, out_dtype):
     if bias is not None and not fused:
         return as_output(res.to(torch.float32) + bias.to(torch.float32), out_dtype)
@@ -124,8 +118,9 @@ def _with_bias(res, bias, fused: bool, out_dtype):
 
 
 def _decoded(rep: Fp8) -> torch.Tensor:
-    """``1 / scale`` as a 0-d tensor: the quantize kernel's (an eager call), or computed."""
-    return rep.decode if rep.decode is not None else _decode(rep.scale).reshape(())
+    """``1 / scale`` as a 0-d tensor: the quantize's (its kernel's in an eager call, or
+    computed once with the form), or computed here."""
+    return rep.decode if rep.decode is not None else decode_scale(rep.scale).reshape(())
 
 
 def _cublas_fp8(a: Fp8, b: Fp8, out_dtype, bias, ops=None):
@@ -138,10 +133,10 @@ def _cublas_fp8(a: Fp8, b: Fp8, out_dtype, bias, ops=None):
 
 def _cublas_fp8_block(a: Blocks, b: Blocks, out_dtype, bias, ops=None):
     # 1x128 (R, K/128): contiguous (K/128, R), read as its transpose; 128x128 as it is
-    scale_a = (_decode(a.scale.t()).contiguous().t() if a.dim == 1
-               else _decode(a.scale).contiguous())
-    scale_b = (_decode(b.scale.t()).contiguous() if b.dim == 1
-               else _decode(b.scale).contiguous().t())
+    scale_a = (decode_scale(a.scale.t()).contiguous().t() if a.dim == 1
+               else decode_scale(a.scale).contiguous())
+    scale_b = (decode_scale(b.scale.t()).contiguous() if b.dim == 1
+               else decode_scale(b.scale).contiguous().t())
     fused = fusable_bias(bias, out_dtype)
     res = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b,
                            bias=bias if fused else None, out_dtype=out_dtype,
@@ -319,7 +314,7 @@ def _delayed_forward(plan: TracedPlan, x2d, weight, fwd):
     """fprop's operands under delayed scaling: cast with the state's scales, their amaxes
     recorded into it (slot 0 the input, 1 the weight)."""
     scale, amax, handle = fwd
-    seen = torch.cat([rounded_amax(x2d), rounded_amax(weight)])
+    seen = torch.cat([plan.x.amax(x2d), plan.w.amax(weight)])
     # Backward recasts x and W with these scales, so it keeps this copy: recomputed from
     # the state, it would read scales the region's update has moved since (autograd's
     # version check then raises). A cat is an op the partitioner saves, not recomputes.
@@ -329,8 +324,9 @@ def _delayed_forward(plan: TracedPlan, x2d, weight, fwd):
         amax[:2].copy_(torch.maximum(amax[:2], seen))
     else:
         torch.ops.lowprec.record_amaxes(amax, seen, handle)
-    return (Fp8(plan.x.cast(x2d, xs), xs), (x2d, xs)), (Fp8(plan.w.cast(weight, ws), ws),
-                                                        (weight, ws))
+    xd, wd = decode_scale(xs).reshape(()), decode_scale(ws).reshape(())
+    return ((Fp8(plan.x.cast(x2d, xs), xs, xd), (x2d, xs, xd)),
+            (Fp8(plan.w.cast(weight, ws), ws, wd), (weight, ws, wd)))
 
 
 class TracedLinear(torch.autograd.Function):
@@ -392,7 +388,8 @@ class TracedLinear(torch.autograd.Function):
             scale, amax, history, fp8_max = saved[nx + nw:]
             dyq, dys, seen = plan.dy.delayed(dy2d, scale[0:1])
             amax[0:1].copy_(torch.maximum(amax[0:1], seen))
-            dy = (Fp8(dyq, dys), Fp8(dyq.t().contiguous(), dys))
+            dyd = decode_scale(dys).reshape(())
+            dy = (Fp8(dyq, dys, dyd), Fp8(dyq.t().contiguous(), dys, dyd))
             dx, dw = TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
             delayed_update(history, amax, scale, fp8_max, *ctx.update)
             return dx, dw

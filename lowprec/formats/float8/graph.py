@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..casting import cast_fp8
-from ..graph import Fp8, GraphOperand, Kind, rounded, rounded_amax, scale_in_use
+from ..graph import Fp8, GraphOperand, Kind, decode_scale, rounded, rounded_amax, scale_in_use
 from .launch import (
     DECODE_AT,
     PreparedCurrent,
@@ -62,6 +62,10 @@ class Tensorwise(GraphOperand):
     eps: float = 0.0
     #: eager's quantize kernels run eager calls (CUDA with Triton)
     kernel: bool = False
+    #: the tensor is a parameter, whose values are in memory in their dtype: a compiler
+    #: cannot hand on unrounded values of it, so the traced quantize need not round them
+    #: (``formats.graph.rounded``), which keeps its graph smaller
+    materialized: bool = False
 
     @property
     def eager(self) -> bool:
@@ -74,11 +78,24 @@ class Tensorwise(GraphOperand):
     def kind(self, usage):
         return Kind("fp8", self.fp8_dtype)
 
+    def amax(self, t: torch.Tensor) -> torch.Tensor:
+        """amax(|t|) of ``t``'s values in its dtype (1-element fp32)."""
+        if self.materialized:
+            return t.abs().amax().to(torch.float32).reshape(1)
+        return rounded_amax(t)
+
     def scale(self, t: torch.Tensor) -> torch.Tensor:
-        return current_scale(rounded_amax(t), self.fp8_dtype, pow2=self.pow2, eps=self.eps)
+        return current_scale(self.amax(t), self.fp8_dtype, pow2=self.pow2, eps=self.eps)
 
     def cast(self, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return cast_fp8(rounded(t) * scale, self.fp8_dtype)
+        values = t.to(torch.float32) if self.materialized else rounded(t)
+        return cast_fp8(values * scale, self.fp8_dtype)
+
+    def _fp8(self, t: torch.Tensor) -> Fp8:
+        """The rowwise form of ``t`` in the graph, its decode scale made once (every GEMM
+        that reads the operand, in either direction, takes it from here)."""
+        scale = self.scale(t)
+        return Fp8(self.cast(t, scale), scale, decode_scale(scale).reshape(()))
 
     # ---- eager calls: eager's kernels ---------------------------------------------------
     def _in_eager(self) -> bool:
@@ -127,25 +144,25 @@ class Tensorwise(GraphOperand):
     def rowwise(self, t):
         if self._in_eager():
             return self._quantize(t, True, False)[0]
-        scale = self.scale(t)
-        return Fp8(self.cast(t, scale), scale)
+        return self._fp8(t)
 
     def columnwise(self, t):
         if self._in_eager():
             return self._quantize(t, False, True)[1]
-        return self.saved_columnwise((t, self.scale(t)))
+        return self.saved_columnwise(self.save_columnwise(t))
 
     def save_columnwise(self, t):
-        return (t, self.scale(t))
+        scale = self.scale(t)
+        return (t, scale, decode_scale(scale).reshape(()))
 
     def saved_columnwise(self, saved):
-        if len(saved) == 3:  # an eager call's: fp8 codes, or the tensor to cast
-            data, scale, decode = saved
-            if data.dtype == self.fp8_dtype:
-                return Fp8(data, scale, decode)
+        # (fp8 codes, scale, decode) of an eager call, or (tensor to cast, scale, decode)
+        data, scale, decode = saved
+        if data.dtype == self.fp8_dtype:
+            return Fp8(data, scale, decode)
+        if self._in_eager():
             return self._cast_columnwise(data, scale, decode)
-        t, scale = saved
-        return Fp8(self.cast(t.t(), scale).contiguous(), scale)
+        return Fp8(self.cast(data.t(), scale).contiguous(), scale, decode)
 
     def forward(self, t, keep, held=False):
         if self._in_eager():
@@ -153,18 +170,17 @@ class Tensorwise(GraphOperand):
             if not keep:
                 return row, ()
             return row, ((t, row.scale, row.decode) if held else col)
-        scale = self.scale(t)
-        return Fp8(self.cast(t, scale), scale), ((t, scale) if keep else ())
+        row = self._fp8(t)
+        return row, ((t, row.scale, row.decode) if keep else ())
 
     def grad(self, t, row, col):
         if not (row or col):
             return None, None
         if self._in_eager():
             return self._quantize(t, row, col)
-        scale = self.scale(t)
-        data = self.cast(t, scale)
-        return (Fp8(data, scale) if row else None,
-                Fp8(data.t().contiguous(), scale) if col else None)
+        rep = self._fp8(t)
+        return (rep if row else None,
+                Fp8(rep.data.t().contiguous(), rep.scale, rep.decode) if col else None)
 
 
 @dataclass(frozen=True)
@@ -179,7 +195,7 @@ class Delayed(Tensorwise):
     def delayed(self, t: torch.Tensor, scale: torch.Tensor):
         """(fp8 data, the scale cast with, the amax to record) of ``t`` under the state's
         1-element ``scale``."""
-        seen = rounded_amax(t)
+        seen = self.amax(t)
         scale = scale_in_use(scale, seen)
         return self.cast(t, scale), scale, seen
 

@@ -125,7 +125,7 @@ class Float8Quantizer(_PerTensorFloat8):
     def graph_operand(self, t, *, grad=False):
         if not self._quantizes_as(Float8Quantizer):
             return super().graph_operand(t, grad=grad)
-        return graph.Delayed(self.fp8_dtype)
+        return graph.Delayed(self.fp8_dtype, materialized=type(t) is torch.nn.Parameter)
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "scale": float(self.scale)}
@@ -210,7 +210,8 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
                 return "a per-tensor FP8 weight without rowwise data in this fp8 dtype"
             return graph.GivenTensorwise(self.fp8_dtype)
         return graph.Tensorwise(self.fp8_dtype, self.force_pow_2_scales, self.amax_epsilon,
-                                kernel=use_kernels(t))
+                                kernel=use_kernels(t),
+                                materialized=type(t) is torch.nn.Parameter)
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "force_pow_2_scales": self.force_pow_2_scales,
