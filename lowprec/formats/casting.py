@@ -64,10 +64,10 @@ def scale_from_amax(amax: torch.Tensor, fp8_max: float, *, eps: float = 0.0,
     # two fp32 values rounded to 53 bits, then to 24, is the correctly rounded one), so a
     # compiler whose fp32 division is approximate (inductor on the GPU) gives the same bits.
     # Clamped to the fp32 max before that rounding: a quotient past it (amax tiny) becomes
-    # the max. ``amax < inf`` holds for a finite amax only (amax >= 0: a magnitude). Few ops on purpose: the rule
-    # is traced into every compiled quantize. The fp32 max from finfo, not a module global:
-    # torch.compile folds it to a constant, where a global float would become a symbolic
-    # input under dynamic=True.
+    # the max. ``amax < inf`` holds for a finite amax only (amax >= 0: a magnitude). Few ops
+    # on purpose: the rule is traced into every compiled quantize. The fp32 max from finfo,
+    # not a module global: torch.compile folds it to a constant, where a global float would
+    # become a symbolic input under dynamic=True.
     quotient = (fp8_max / clamped.to(torch.float64)).clamp(max=torch.finfo(torch.float32).max)
     scale = torch.where(clamped == 0, 1.0, quotient.to(torch.float32))
     if pow2:

@@ -12,7 +12,7 @@ import lowprec
 from lowprec.compiled_call import fallback_reasons
 from lowprec.formats.float8.graph import Delayed
 from lowprec.kernels import use_kernels
-from lowprec.linear import grad_split, traced
+from lowprec.linear import grad_split
 from lowprec.recipe import (
     DelayedScaling,
     Float8BlockScaling,
