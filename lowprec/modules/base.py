@@ -85,6 +85,7 @@ class LowprecModule(CompiledCallMixin, ScalingStateMixin, QuantizedWeightsMixin,
         self._pending_extra_state: dict | None = None
         #: tensor parallelism (``modules.tensor_parallel.TensorParallel``), None on one rank
         self._tp = None
+        self._register_live()
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Give a tensor-parallel module its process group again (one unpickled in another
@@ -261,6 +262,10 @@ class LowprecModule(CompiledCallMixin, ScalingStateMixin, QuantizedWeightsMixin,
                                    for m, s in state["_recipe_states"].items()}
         state.pop("_gemm_quantizers_of", None)
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._register_live()
 
     def _apply(self, fn, recurse=True):
         # A module's .float()/.half() keeps its quantized weights quantized (only their

@@ -4,6 +4,8 @@ forwards under other recipes, and the per-GEMM quantizers read from them."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..autocast import active_region, register_delayed_state
@@ -37,14 +39,20 @@ class _BackwardDone:
 
 
 
+#: live lowprec modules by ``id``: what :func:`_made_states`, which the compiler runs with
+#: constant arguments only, finds a module by (registered at construction and unpickling)
+_LIVE: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+
+
 @torch._dynamo.assume_constant_result
-def _made_states(module) -> bool:
-    """Make ``module``'s delayed-scaling states for the active recipe, run by the compiler
-    as it traces (its result a constant, the call not in the graph): a compiled call that
-    meets a module without its state makes it there and traces its quantizes with it, so
-    the next call's graph is the same one (no recompile, no opaque first call)."""
-    region = active_region()
-    if region is not None and torch.is_grad_enabled():
+def _made_states(module_id: int) -> bool:
+    """Make the delayed-scaling states of the module ``module_id`` names for the active
+    recipe, run by the compiler as it traces (its result a constant, the call not in the
+    graph): a compiled call that meets a module without its state makes it there and traces
+    its quantizes with it, so the next call's graph is the same one (no recompile, no
+    opaque first call)."""
+    region, module = active_region(), _LIVE.get(module_id)
+    if region is not None and module is not None and torch.is_grad_enabled():
         module.init_scaling_state(region.recipe)
     return True
 
@@ -53,6 +61,10 @@ class ScalingStateMixin:
     """The recipe-state methods of ``LowprecModule`` (which holds ``_recipe_states``,
     ``_delayed_states`` and ``_pending_extra_state``)."""
 
+    def _register_live(self) -> None:
+        """Make this module findable by :func:`_made_states` (construction, unpickling)."""
+        _LIVE[id(self)] = self
+
     def traced_delayed_states(self, recipe):
         """(forward, backward ``DelayedScalingState``, module handle or None) a traced
         training call under ``recipe`` records into; the forward state joins the region's
@@ -60,7 +72,7 @@ class ScalingStateMixin:
         outside the compiled call). None where the call stays opaque: the states do not exist yet
         (the opaque call makes them, and the compiler traces the next call), gradients are
         off (an evaluation records where nothing reads), or a checkpoint is in play."""
-        _made_states(self)
+        _made_states(id(self))
         states = self.__dict__["_recipe_states"]
         fwd, bwd = states["forward"], states["backward"]
         if (not _holds(fwd, recipe) or not _holds(bwd, recipe) or fwd.delayed is None
