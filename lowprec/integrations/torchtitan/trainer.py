@@ -28,13 +28,18 @@ class LowprecTrainer(Trainer):
         """lowprec's recipe and options (``--lowprec.recipe mxfp8``, ...)."""
 
     def __init__(self, config: Config):
+        self.prepare(config)
+        super().__init__(config)
+
+    @staticmethod
+    def prepare(config: Config) -> None:
+        """Replace ``config.model_spec`` by its lowprec form, as the trainer does first."""
         if config.model_spec is None:
             raise ValueError("LowprecTrainer.Config.model_spec is None: a config function "
                              "sets it (model_registry(...))")
         compiled = config.compile.enable and "model" in config.compile.components
         config.lowprec.model_compile_enabled = compiled
         config.model_spec = apply_lowprec(config.model_spec, config.lowprec)
-        super().__init__(config)
 
 
 def with_lowprec(config: Trainer.Config, **lowprec) -> LowprecTrainer.Config:
