@@ -217,9 +217,11 @@ def test_config_from_command_line():
         f"layers.{i}.attention.wo" for i in range(6)}
     assert set(setup.converter.converted) == {k for k, v in kinds.items()
                                               if v is LowprecLinear.Config}
-    # torchtitan's config function by model and name; the default recipe
-    cfg = job_config(config="llama3.llama3_debugmodel")
+    # torchtitan's config function by model and name; the default recipe; no filter
+    cfg = job_config("--lowprec.filter_fqns", "", config="llama3.llama3_debugmodel")
     assert cfg.lowprec.recipe == "fp8_current"
+    model_config(cfg)
+    assert "lm_head" in cfg.model_spec.parallelize_fn.converter.converted
     # the converter alone, as a custom config function passes it to model_registry
     from torchtitan.models.llama3 import model_registry
     spec = model_registry("debugmodel", converters=[LowprecConverter.Config(recipe="mxfp8")])

@@ -121,7 +121,7 @@ class LowprecConverter(QuantizationConverter):
         return model_config
 
     def _rejection(self, fqn: str) -> str | None:
-        if any(f in fqn for f in self.config.filter_fqns):
+        if any(f and f in fqn for f in self.config.filter_fqns):
             return f"chosen: matches filter_fqns {self.config.filter_fqns}"
         if "router" in fqn.split("."):
             return "chosen: an MoE router stays in high precision"
