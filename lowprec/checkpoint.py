@@ -71,6 +71,10 @@ class _Frame:
         self.records: list[_Record] = []
         self.replaying = False
         self.next = 0
+        #: a recompute's last shared input quantize (``lowprec.linear.shared_input``): the
+        #: recompute shares one quantize between Linears as the forward's region did, so
+        #: it runs the forward's ops (torch's selective checkpointing matches them by count)
+        self.shared_input = None
 
     def record(self, module, active) -> None:
         """``active``: (recipe, forward state for replays, backward state, group), or None
@@ -108,6 +112,14 @@ def current_frame() -> _Frame | None:
     return _LOCAL.frames[-1] if _LOCAL.frames else None
 
 
+def replaying_frame() -> _Frame | None:
+    """The innermost checkpointed call being recomputed on this thread, or None."""
+    for frame in reversed(_LOCAL.frames):
+        if frame.replaying:
+            return frame
+    return None
+
+
 def replayed(module) -> tuple[_Record, bool] | None:
     """What ``module`` quantizes with in a recompute: None when no checkpointed call is being
     recomputed, else (the replayed record, whether its graph is the one backward runs).
@@ -137,6 +149,7 @@ def record(module, active) -> None:
 def _in_frame(frame: _Frame, replaying: bool):
     frame.replaying = replaying
     frame.next = 0
+    frame.shared_input = None
     _LOCAL.frames.append(frame)
     try:
         yield

@@ -10,6 +10,9 @@ region instead keeps the last one made, and a Linear whose input is the same ten
 bit, and the backward graphs of those Linears hold one columnwise copy between them
 instead of one each.
 
+A ``torch.utils.checkpoint`` recompute, which runs outside the region, shares in the
+same way (its frame keeps the last quantize), so it runs the forward's ops.
+
 Only the last quantize is kept, in the region (per thread), so what it holds beyond the
 saved columnwise copy (the rowwise data fprop read) lives until the next Linear quantizes
 another input, or the region ends.
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..autocast import active_region
+from ..checkpoint import replaying_frame
 from ..formats.base import QuantizedTensor, Quantizer
 
 
@@ -42,6 +46,8 @@ def quantize(quantizer: Quantizer | None, x: torch.Tensor, *, columnwise: bool,
     inference-mode input, while tracing). The result is not the caller's to trim:
     it takes what it keeps with ``usage_copy``."""
     region = active_region()
+    if region is None:  # a checkpoint's recompute shares as its forward's region did
+        region = replaying_frame()
     # is_compiling first: dynamo cannot trace is_inference() (a graph break)
     if (region is None or quantizer is None or torch.compiler.is_compiling()
             or isinstance(x, QuantizedTensor) or x.is_inference()):

@@ -1,60 +1,76 @@
-"""lowprec's torchtitan model converter (lowprec/integrations/torchtitan.py) on torchtitan's
-debug Llama 3, on the CPU: the config parses with the ``[lowprec]`` section, the converter
-is found in ``model.converters``'s registry, and the model goes through torchtitan's own
-build steps (meta-device model, converters, ``parallelize_fn`` with per-block compile and
-FSDP2, ``init_weights``, its optimizer and loss) and trains; two gloo ranks with quantized
-all-gathers train as one process does, bit for bit.
+"""lowprec's torchtitan 0.3 integration (lowprec/integrations/torchtitan/) on torchtitan's
+debug models, on the CPU: the config parses from a command line naming the recipe
+(``--module lowprec.integrations.torchtitan --config llama3_debugmodel --lowprec.recipe
+...``), the model spec is converted as ``LowprecTrainer`` converts it, and the model goes
+through torchtitan's own build steps (config tree, meta-device build, Module-protocol
+check, ``parallelize_fn`` with its default selective activation checkpointing, per-block
+compile and FSDP2, ``init_weights``, its optimizer with ``post_optimizer_build_fn`` and its
+chunked loss) and trains; two gloo ranks with quantized all-gathers train as one process
+does, bit for bit.
 
-Skipped where torchtitan does not import (the ``torchtitan`` extra in pyproject.toml)."""
+torchtitan's Trainer needs a GPU, so the tests run its pieces in its order. FlexAttention
+has no CPU backward: ``--override.imports titan_cpu.sdpa_attention`` swaps in SDPA.
+Skipped where torchtitan 0.3 does not import (the ``torchtitan`` extra in pyproject.toml;
+it needs torch's ``DataParallelMeshDims``, which torch 2.11 lacks)."""
 
 from __future__ import annotations
 
-import copy
+import datetime
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spawn  # noqa: E402
 
-try:  # torchtitan 0.2.x and what it imports (datasets, tensorboard, triton, ...)
-    import torchtitan.protocols.model_converter  # noqa: F401
-except ImportError as err:  # any of them missing
-    pytest.skip(f"torchtitan does not import: {err}", allow_module_level=True)
+try:  # torchtitan 0.3 and what it imports (spmd_types, tyro, datasets, triton, ...)
+    import torchtitan.trainer  # noqa: F401
+
+    from lowprec.integrations import torchtitan as integration
+except ImportError as err:  # any of them missing, or a torch without its APIs
+    pytest.skip(f"torchtitan 0.3 does not import: {err}", allow_module_level=True)
 
 import torchtitan.distributed.parallel_dims as titan_parallel_dims  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.config.override import apply_overrides  # noqa: E402
 from torchtitan.distributed import ParallelDims  # noqa: E402
-from torchtitan.protocols.model_converter import build_model_converters  # noqa: E402
-from torchtitan.protocols.train_spec import get_train_spec  # noqa: E402
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
+from torchtitan.models.common.linear import Linear as TitanLinear  # noqa: E402
 
 import lowprec  # noqa: E402
 from lowprec.distributed import QuantizedGatherWeight  # noqa: E402
+from lowprec.integrations.torchtitan import (  # noqa: E402
+    LowprecConverter,
+    LowprecGroupedExperts,
+    LowprecLinear,
+    LowprecTrainer,
+)
 
 SEQ, BATCH, STEPS = 64, 2, 3
-#: recipes every debug-model Linear can take (dims 256 and 768), bf16 included
+#: recipes every debug-model Linear can take (dims 256, 768, 2048), bf16 included
 RECIPES = ["fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "bf16"]
+#: Linears of the Llama 3 debug model but the LM head: wqkv, wo, w1, w2, w3 in 6 layers
+LINEARS = 5 * 6
+FP32 = ("--training.mixed_precision_param", "float32")
+#: torchtitan 0.3.0's default spmd_types backend hands FSDP2 plain annotated parameters
+#: with ``dp_mesh_dims``, which torch 2.13's fully_shard refuses at world size > 1 (stock
+#: torchtitan models too); partial_dtensor is its DTensor path for FSDP
+PARTIAL = ("--parallelism.spmd_backend", "partial_dtensor")
+COMPILE = ("--compile.enable", "--compile.components", "model", "--compile.backend", "aot_eager")
 
 
-def job_config(*args: str):
-    """torchtitan's JobConfig parsed from a command line, with lowprec's section."""
+def job_config(*args: str, config: str = "llama3_debugmodel"):
+    """torchtitan's config parsed from a command line, through lowprec's config module."""
     return ConfigManager().parse_args([
-        "--job.custom_config_module", "lowprec.integrations.torchtitan",
-        "--model.name", "llama3", "--model.flavor", "debugmodel",
-        "--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH),
-        *args])
-
-
-def parallel_dims(cfg, world: int) -> ParallelDims:
-    p = cfg.parallelism
-    return ParallelDims(dp_shard=p.data_parallel_shard_degree,
-                        dp_replicate=p.data_parallel_replicate_degree,
-                        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
-                        pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree,
-                        etp=p.expert_tensor_parallel_degree, world_size=world)
+        "--module", "lowprec.integrations.torchtitan", "--config", config,
+        "--override.imports", "titan_cpu.sdpa_attention",
+        "--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH), *args])
 
 
 def _clean(name: str) -> str:
@@ -63,33 +79,41 @@ def _clean(name: str) -> str:
     return name
 
 
+def model_config(cfg):
+    """What Trainer.__init__ does to the config before building: LowprecTrainer's
+    conversion of the model spec, update_from_config, the --override.imports overrides."""
+    LowprecTrainer.prepare(cfg)
+    dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
+    cfg.model_spec.model.update_from_config(config=cfg)
+    apply_overrides(cfg.override, cfg)
+    return cfg.model_spec.model
+
+
 def initial_weights(cfg) -> dict:
-    """The debug model's weights as torchtitan initializes them (seed 0), by name."""
-    spec = get_train_spec(cfg.model.name)
-    args = copy.deepcopy(spec.model_args[cfg.model.flavor])
-    args.update_from_config(cfg)
+    """The model's weights as torchtitan initializes them unsharded (seed 0), by name."""
     torch.manual_seed(0)
-    model = spec.model_cls(args)
+    model = model_config(cfg).build()
     with torch.no_grad():
         model.init_weights()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def build(cfg, world: int = 1, weights: dict | None = None):
-    """What torchtitan's Trainer does to build the model and its optimizer (train.py):
-    meta-device model, converters, parallelize_fn, to_empty + init_weights, optimizers
-    with the converters' post-optimizer hook. ``weights`` (by name) then replace the
-    initialized ones, on every rank the same."""
-    dims = parallel_dims(cfg, world)
-    spec = get_train_spec(cfg.model.name)
-    args = copy.deepcopy(spec.model_args[cfg.model.flavor])
-    args.update_from_config(cfg)
+    """What torchtitan's Trainer does to build the model and its optimizer (trainer.py):
+    meta-device model from the converted config, the Module-protocol check,
+    parallelize_fn, to_empty + init_weights, the optimizer and post_optimizer_build_fn,
+    the loss (ChunkedLossWrapper over the LM head). ``weights`` (by name) then replace
+    the initialized ones, on every rank the same."""
+    mc = model_config(cfg)
+    spec = cfg.model_spec
+    dims = ParallelDims.from_config(cfg.parallelism, world)
     with torch.device("meta"):
-        model = spec.model_cls(args)
-    converters = build_model_converters(cfg, dims)
-    converters.convert(model)
-    model = spec.parallelize_fn(model, dims, cfg)
-    if dims.fsdp_enabled and torch.distributed.get_backend() == "gloo":
+        model = mc.build()
+    model.verify_module_protocol()
+    model = spec.parallelize_fn(model, parallel_dims=dims, training=cfg.training,
+                                parallelism=cfg.parallelism, compile_config=cfg.compile,
+                                ac_config=cfg.activation_checkpoint, dump_folder="/tmp")
+    if world > 1:
         # torchtitan sets FSDP's gradient divide factor to 1 (its loss is divided by the
         # global token count), which FSDP reduces with PREMUL_SUM, which gloo lacks
         for m in model.modules():
@@ -100,19 +124,24 @@ def build(cfg, world: int = 1, weights: dict | None = None):
     with torch.no_grad():
         model.init_weights(buffer_device=None)
         if weights is not None:
-            for name, p in model.named_parameters():
-                full = weights[_clean(name)]
-                if hasattr(p, "device_mesh"):  # an FSDP2 shard
-                    from torch.distributed.tensor import distribute_tensor
-                    full = distribute_tensor(full, p.device_mesh, p.placements).to_local()
-                    p = p.to_local()
-                p.copy_(full)
+            load(model, weights)
     model.train()
-    optimizers = spec.build_optimizers_fn([model], cfg.optimizer, dims)
-    optimizers.register_step_post_hook(
-        lambda *args, **kwargs: converters.post_optimizer_hook([model]))
-    loss_fn = spec.build_loss_fn(cfg, parallel_dims=dims)
-    return model, optimizers, loss_fn, converters
+    optimizers = cfg.optimizer.build(model_parts=[model])
+    spec.post_optimizer_build_fn(optimizers, [model], dims)
+    loss_fn = cfg.loss.build(compile_config=cfg.compile)
+    loss_fn.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    return model, optimizers, loss_fn, dims
+
+
+def load(model, weights: dict) -> None:
+    from torch.distributed.tensor import distribute_tensor
+    for name, p in model.named_parameters():
+        full = weights[_clean(name)]
+        if hasattr(p, "device_mesh"):  # an FSDP2 shard
+            full = distribute_tensor(full, p.device_mesh, p.placements).to_local()
+            p = p.to_local()
+        p.copy_(full)
 
 
 def batch(step: int):
@@ -121,22 +150,25 @@ def batch(step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(model, optimizers, loss_fn, steps: int = STEPS, world: int = 1,
+def train(model, optimizers, loss_fn, dims, steps: int = STEPS, world: int = 1,
           emulate: int = 1) -> torch.Tensor:
-    """torchtitan's train_step on the same batch on every rank: the loss sum over the
-    global token count, backward, gradient clipping, optimizer step. Returns the losses
-    (summed over ranks: the global average loss, as torchtitan logs it).
+    """torchtitan's train step on the same batch on every rank: forward (hidden states),
+    its chunked loss (sum over the global token count), backward, gradient clipping,
+    optimizer step (and its post-hooks). Returns the losses summed over ranks.
 
     ``emulate``: one process computes what each of ``emulate`` such ranks computes (its
     loss over ``emulate`` times its tokens) and sums the gradients as FSDP2's
     reduce-scatter does (``emulate`` equal terms: a multiplication, exact)."""
     torch.manual_seed(1)  # NVFP4's stochastic rounding draws from it
+    context = dist_utils.get_spmd_context(parallel_dims=dims)
     losses = []
     for step in range(steps):
         optimizers.zero_grad()
         inputs, labels = batch(step)
-        loss = loss_fn(model(inputs), labels) / (labels.numel() * world * emulate)
-        loss.backward()
+        tokens = torch.tensor(labels.numel() * world * emulate)
+        with context():
+            loss, _ = loss_fn(model(inputs), labels, tokens)
+            loss.backward()
         for p in model.parameters():
             if emulate > 1 and p.grad is not None:
                 p.grad.mul_(emulate)
@@ -144,111 +176,212 @@ def train(model, optimizers, loss_fn, steps: int = STEPS, world: int = 1,
         optimizers.step()
         loss = loss.detach() * emulate
         if world > 1:
-            torch.distributed.all_reduce(loss)
+            dist.all_reduce(loss)
         losses.append(loss)
     return torch.stack(losses)
 
 
-def test_registered_on_import():
-    from torchtitan.protocols.model_converter import _registry_model_converter_cls as reg
-
-    from lowprec.integrations import torchtitan as integration
-    assert reg["lowprec"] is integration.LowprecConverter
-    assert reg["lowprec.mxfp8"].recipe_name == "mxfp8" and "lowprec.delayed" in reg
-    cfg = job_config("--model.converters", "lowprec", "--lowprec.recipe", "nvfp4",
-                     "--lowprec.filter_fqns", "output,wo", "--lowprec.backward_mode", "dequant")
-    assert cfg.lowprec.recipe == "nvfp4" and cfg.lowprec.filter_fqns == ["output", "wo"]
-    converter = build_model_converters(cfg, parallel_dims(cfg, 1)).converters[0]
-    assert converter.recipe == lowprec.NVFP4BlockScaling(backward_mode="dequant")
-    cfg = job_config("--model.converters", "lowprec.mxfp8", "--lowprec.recipe", "nvfp4",
-                     "--lowprec.no-quantized-all-gather",
-                     "--parallelism.data_parallel_shard_degree", "2")
-    converter = build_model_converters(cfg, parallel_dims(cfg, 2)).converters[0]
-    assert converter.recipe == lowprec.MXFP8BlockScaling()  # the name wins
-    assert not converter.quantized_gathers
-    # imported by --experimental.custom_import alone: no [lowprec] section, the defaults
-    cfg = ConfigManager().parse_args([
-        "--experimental.custom_import", "lowprec.integrations.torchtitan",
-        "--model.converters", "lowprec.fp8_block"])
-    assert not hasattr(cfg, "lowprec")
-    converter = build_model_converters(cfg, parallel_dims(cfg, 1)).converters[0]
-    assert converter.recipe == lowprec.Float8BlockScaling() and converter.filter_fqns == [
-        "output"]
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo group (torchtitan's FSDP2 wraps the model at world size one too)."""
+    titan_parallel_dims.device_type = "cpu"  # torchtitan's meshes: "cuda" without a GPU
+    owned = not dist.is_initialized()
+    if owned:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spawn.free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=spawn.PG_TIMEOUT))
+    yield
+    if owned:
+        dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_debug_model_trains(recipe):
-    """Built as torchtitan builds it (meta device, converter, init_weights): the Linears
-    but the output head are lowprec's, the losses are finite and fall, and they are those
-    of the same model converted by hand on the CPU, bit for bit."""
-    cfg = job_config("--model.converters", "lowprec", "--lowprec.recipe", recipe)
-    weights = initial_weights(cfg)
-    model, optimizers, loss_fn, _ = build(cfg, weights=weights)
-    linears = {_clean(n): isinstance(m, lowprec.Linear) for n, m in model.named_modules()
-               if isinstance(m, (torch.nn.Linear, lowprec.Linear))}
-    assert len(linears) == 6 * 7 + 1 and not linears.pop("output")
-    assert set(linears.values()) == {recipe != "bf16"}
-    if recipe != "bf16":
-        assert lowprec.attached_recipe(model).recipe == lowprec.Recipe.from_name(recipe)
-    losses = train(model, optimizers, loss_fn)
-    assert torch.isfinite(losses).all() and losses[-1] < losses[0], losses
-
-    # the reference: the plain model on the CPU, converted and attached by hand
-    spec = get_train_spec("llama3")
-    args = copy.deepcopy(spec.model_args["debugmodel"])
-    args.update_from_config(cfg)
-    ref = spec.model_cls(args)
-    ref.load_state_dict(weights)
-    r = lowprec.Recipe.from_name(recipe)
-    if r is not None:
-        lowprec.convert_model(ref, r, lambda m, n: n != "output", fuse_norms=False,
-                              attach=True)
-    opt = spec.build_optimizers_fn([ref], cfg.optimizer, parallel_dims(cfg, 1))
-    assert torch.equal(train(ref, opt, loss_fn), losses)
+def linear_kinds(model) -> dict:
+    """fqn -> LowprecLinear or TitanLinear (FSDP2 subclasses the modules it wraps)."""
+    return {_clean(n): LowprecLinear if isinstance(m, LowprecLinear) else TitanLinear
+            for n, m in model.named_modules() if isinstance(m, (TitanLinear, LowprecLinear))}
 
 
-def test_per_block_compile():
-    """``--compile.enable``: torchtitan compiles each TransformerBlock (fullgraph) with the
-    lowprec modules inside; the losses are eager's. The ``aot_eager`` backend keeps it to
-    a minute on the CPU (inductor also gave eager's losses bit for bit, in 7 minutes)."""
-    args = ("--model.converters", "lowprec", "--lowprec.recipe", "mxfp8")
-    weights = initial_weights(job_config(*args))
-    torch._dynamo.reset()
-    compiled = build(job_config(*args, "--compile.enable", "--compile.components", "model",
-                               "--compile.backend", "aot_eager"),
-                     weights=weights)
-    assert type(compiled[0].layers["0"]).__name__ == "OptimizedModule"
-    eager = build(job_config(*args), weights=weights)
-    torch.testing.assert_close(train(*compiled[:3]), train(*eager[:3]), rtol=0, atol=0)
+def test_config_from_command_line():
+    """The recipe and options parse from the command line into LowprecTrainer's config;
+    the converted spec holds LowprecLinear configs for every Linear but ``lm_head``."""
+    cfg = job_config("--lowprec.recipe", "nvfp4", "--lowprec.filter_fqns", "lm_head,wo",
+                     "--lowprec.backward_mode", "dequant")
+    assert type(cfg) is LowprecTrainer.Config
+    assert cfg.lowprec.recipe == "nvfp4" and cfg.lowprec.filter_fqns == ["lm_head", "wo"]
+    mc = model_config(cfg)
+    setup = cfg.model_spec.parallelize_fn
+    assert setup.recipe == lowprec.NVFP4BlockScaling(backward_mode="dequant")
+    kinds = {fqn: type(c) for fqn, c, _, _ in mc.traverse(TitanLinear.Config)}
+    assert len(kinds) == LINEARS + 1 and kinds.pop("lm_head") is TitanLinear.Config
+    assert {k for k, v in kinds.items() if v is TitanLinear.Config} == {
+        f"layers.{i}.attention.wo" for i in range(6)}
+    assert set(setup.converter.converted) == {k for k, v in kinds.items()
+                                              if v is LowprecLinear.Config}
+    # torchtitan's config function by model and name; the default recipe; no filter
+    cfg = job_config("--lowprec.filter_fqns", "", config="llama3.llama3_debugmodel")
+    assert cfg.lowprec.recipe == "fp8_current"
+    model_config(cfg)
+    assert "lm_head" in cfg.model_spec.parallelize_fn.converter.converted
+    # the converter alone, as a custom config function passes it to model_registry
+    from torchtitan.models.llama3 import model_registry
+    spec = model_registry("debugmodel", converters=[LowprecConverter.Config(recipe="mxfp8")])
+    names = [f for f, c, _, _ in spec.model.traverse(TitanLinear.Config)
+             if isinstance(c, LowprecLinear.Config)]
+    assert len(names) == LINEARS and "layers.0.attention.qkv_linear.wqkv" in names
 
 
 def test_refusals():
-    cfg = job_config("--model.converters", "lowprec,quantize.linear.float8")
-    with pytest.raises(ValueError, match="both convert"):
-        build_model_converters(cfg, parallel_dims(cfg, 1))
-    cfg = job_config("--model.converters", "lowprec", "--lowprec.recipe", "fp4")
-    with pytest.raises(ValueError, match="unknown recipe name 'fp4'"):
-        build_model_converters(cfg, parallel_dims(cfg, 1))
-    cfg = job_config("--model.converters", "lowprec",
-                     "--parallelism.tensor_parallel_degree", "2")
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        build_model_converters(cfg, parallel_dims(cfg, 2))
+    with pytest.raises(ValueError, match="--lowprec.recipe 'fp4'.*accepted names: bf16"):
+        LowprecTrainer.prepare(job_config("--lowprec.recipe", "fp4"))
+    with pytest.raises(ValueError, match="'llama9_tiny'.*e.g. llama3_debugmodel"):
+        job_config(config="llama9_tiny")
+    cfg = job_config("--parallelism.tensor_parallel_degree", "2")
+    mc = model_config(cfg)
+    with torch.device("meta"):
+        model = mc.build()
+    dims = ParallelDims.from_config(cfg.parallelism, 2)
+    with pytest.raises(ValueError, match="tensor parallelism.*tensor_parallel_degree 2; "
+                                         "accepted: 1"):
+        cfg.model_spec.parallelize_fn(model, parallel_dims=dims, training=cfg.training,
+                                      parallelism=cfg.parallelism,
+                                      compile_config=cfg.compile,
+                                      ac_config=cfg.activation_checkpoint, dump_folder="/tmp")
+    cfg = job_config("--parallelism.expert_parallel_degree", "2", "--training.disable_cuda_graphs",
+                     "--parallelism.data_parallel_shard_degree", "2",
+                     config="deepseek_v3_debugmodel")
+    mc = model_config(cfg)
+    with torch.device("meta"):
+        model = mc.build()
+    dims = ParallelDims.from_config(cfg.parallelism, 2)
+    with pytest.raises(ValueError, match="expert_parallel_degree 2; accepted: 1"):
+        cfg.model_spec.parallelize_fn(model, parallel_dims=dims, training=cfg.training,
+                                      parallelism=cfg.parallelism,
+                                      compile_config=cfg.compile,
+                                      ac_config=cfg.activation_checkpoint, dump_folder="/tmp")
+    with pytest.raises(ValueError, match="already trains under lowprec"):
+        integration.apply_lowprec(cfg.model_spec, cfg.lowprec)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_debug_model_trains(one_rank, recipe):
+    """Built as torchtitan builds it (converted config, meta device, FSDP2 on one rank,
+    its default selective activation checkpointing, init_weights): the Linears but the LM
+    head are lowprec's, the losses are finite and fall, and they are those of the same
+    model converted by hand (``lowprec.convert_model``) without torchtitan's
+    parallelization, bit for bit."""
+    args = ("--lowprec.recipe", recipe, *FP32)
+    weights = initial_weights(job_config(*args))
+    model, optimizers, loss_fn, dims = build(job_config(*args), weights=weights)
+    kinds = linear_kinds(model)
+    assert len(kinds) == LINEARS + 1 and kinds.pop("lm_head") is TitanLinear
+    assert set(kinds.values()) == {LowprecLinear if recipe != "bf16" else TitanLinear}
+    if recipe != "bf16":
+        assert lowprec.attached_recipe(model).recipe == lowprec.Recipe.from_name(recipe)
+    losses = train(model, optimizers, loss_fn, dims)
+    assert torch.isfinite(losses).all() and losses[-1] < losses[0], losses
+
+    # the reference: the plain torchtitan model, converted and attached by hand
+    cfg = job_config("--lowprec.recipe", "bf16", "activation-checkpoint:none")
+    ref = model_config(cfg).build()
+    with torch.no_grad():
+        load(ref, weights)
+    r = lowprec.Recipe.from_name(recipe)
+    if r is not None:
+        lowprec.convert_model(ref, r, lambda m, n: n != "lm_head", fuse_norms=False,
+                              attach=True)
+    opt = cfg.optimizer.build(model_parts=[ref])
+    ref_loss = cfg.loss.build(compile_config=cfg.compile)
+    ref_loss.set_lm_head(ref.lm_head)
+    ref._skip_lm_head = True
+    assert torch.equal(train(ref, opt, ref_loss, dims), losses)
+
+
+def test_per_block_compile(one_rank):
+    """``--compile.enable``: torchtitan compiles each block (with its selective
+    checkpointing) with the lowprec modules inside; the losses are eager's. The
+    ``aot_eager`` backend keeps it short on the CPU."""
+    args = ("--lowprec.recipe", "mxfp8", *FP32)
+    weights = initial_weights(job_config(*args))
+    torch._dynamo.reset()
+    compiled = build(job_config(*args, *COMPILE), weights=weights)
+    assert all(block._compiled_call_impl is not None  # nn.Module.compile, in place
+               for block in compiled[0].layers.values())
+    eager = build(job_config(*args), weights=weights)
+    torch.testing.assert_close(train(*compiled), train(*eager), rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("config", ["qwen3_debugmodel", "deepseek_v3_debugmodel"])
+def test_other_debug_models(one_rank, config):
+    """Qwen3's and DeepSeek-V3's (MoE) debug models through the converter: converted
+    Linears, high-precision LM head; DeepSeek-V3's routed experts are
+    LowprecGroupedExperts initialized by their param_init and its routers stay high
+    precision; one training step runs forward and backward under FP8."""
+    model, optimizers, loss_fn, dims = build(job_config("--lowprec.recipe", "fp8_current",
+                                                        config=config))
+    moe = config.startswith("deepseek")
+    experts = [m for m in model.modules() if isinstance(m, LowprecGroupedExperts)]
+    assert bool(experts) == moe and all(m.name.endswith("experts") for m in experts)
+    assert all(p.std() > 0 for m in experts for p in m.parameters())  # param_init ran
+    kinds = linear_kinds(model)
+    routers = [n for n in kinds if n.endswith("router.gate")]
+    assert bool(routers) == moe and all(kinds[n] is TitanLinear for n in routers)
+    assert kinds.pop("lm_head") is TitanLinear
+    assert LowprecLinear in set(kinds.values())
+    losses = train(model, optimizers, loss_fn, dims, steps=1)
+    assert torch.isfinite(losses).all()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for m in experts
+               for p in m.parameters())
+
+
+def test_spmd_typechecking(one_rank):
+    """``--debug.spmd_typechecking`` (torchtitan's spmd_types backend) propagates types
+    through lowprec's autograd functions, registered as local ones; unregistered, the
+    checker refuses them. (The model is parallelized by ``Module.parallelize`` alone:
+    at world size one the checker also refuses FSDP2's own autograd functions.)"""
+    from spmd_types.runtime import _LOCAL_AUTOGRAD_FUNCTIONS
+    from spmd_types.types import SpmdTypeError
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+    from lowprec.linear.function import _QuantizedLinear
+    assert set(integration.modules.LOCAL_AUTOGRAD_FUNCTIONS) <= _LOCAL_AUTOGRAD_FUNCTIONS
+    cfg = job_config("--lowprec.recipe", "fp8_current")
+    mc = model_config(cfg)
+    dims = ParallelDims.from_config(cfg.parallelism, 1)
+    torch.manual_seed(0)
+    model = mc.build()
+    with torch.no_grad():
+        model.init_weights()
+    model.parallelize(dims)
+    lowprec.attach_recipe(model, cfg.model_spec.parallelize_fn.recipe)
+    context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=True)
+
+    def forward():
+        with context():
+            inputs, _, _ = annotate_input_spmd_types(dims, *batch(0), {})
+            return model(inputs)
+    assert torch.isfinite(forward()).all()
+    _LOCAL_AUTOGRAD_FUNCTIONS.discard(_QuantizedLinear)
+    try:
+        with pytest.raises(SpmdTypeError, match="_QuantizedLinear"):
+            forward()
+    finally:
+        _LOCAL_AUTOGRAD_FUNCTIONS.add(_QuantizedLinear)
 
 
 def _fsdp_worker(rank, world, recipe, extra, out_dir):
     # torchtitan builds its meshes on its device type ("cuda" when no accelerator is found)
     titan_parallel_dims.device_type = spawn.device(rank).type
-    cfg = job_config("--model.converters", "lowprec", "--lowprec.recipe", recipe,
-                     "--parallelism.data_parallel_shard_degree", str(world),
-                     *(() if BF16 == extra else ("--training.mixed_precision_param",
-                                                 "float32")), *extra)
-    model, optimizers, loss_fn, converters = build(cfg, world, weights=initial_weights(cfg))
+    args = ("--lowprec.recipe", recipe, "--parallelism.data_parallel_shard_degree",
+            str(world), *PARTIAL, *FP32, *extra)
+    cfg = job_config(*args)
+    model, optimizers, loss_fn, dims = build(cfg, world, weights=initial_weights(job_config(*args)))
+    setup = cfg.model_spec.parallelize_fn
     seen = []
-    hooks = [] if cfg.compile.enable else [  # (a hook in a compiled block is traced)
-        m.register_forward_pre_hook(lambda mod, args: seen.append(type(mod.weight).__name__))
-        for m in model.modules() if isinstance(m, lowprec.Linear)]
+    hooks = [m.register_forward_pre_hook(lambda mod, a: seen.append(type(mod.weight).__name__))
+             for m in model.modules() if isinstance(m, lowprec.Linear)]
     wrapped = [type(p.to_local()).__name__ for p in model.parameters()]
-    losses = train(model, optimizers, loss_fn, world=world)
+    losses = train(model, optimizers, loss_fn, dims, world=world)
     for h in hooks:
         h.remove()
     state = {}
@@ -257,87 +390,54 @@ def _fsdp_worker(rank, world, recipe, extra, out_dir):
         state[_clean(name)] = (full._data if isinstance(full, QuantizedGatherWeight)
                                else full).detach().clone()
     if rank == 0:
-        converter = converters.converters[0]
         torch.save({"losses": losses, "state": state, "seen": sorted(set(seen)),
                     "wrapped": wrapped.count("QuantizedGatherWeight"),
-                    "precompute": converter.precompute,
-                    "high": len(converter.high_precision_gathers)}, f"{out_dir}/fsdp.pt")
-
-
-NO_AC = ("--activation_checkpoint.mode", "none")
-BF16 = ("--training.mixed_precision_param", "bfloat16")
-COMPILE = ("--compile.enable", "--compile.components", "model", "--compile.backend", "aot_eager")
-LINEARS = 6 * 7
+                    "precompute": setup.precompute,
+                    "high": len(setup.high_precision_gathers)}, f"{out_dir}/fsdp.pt")
 
 
 @pytest.mark.parametrize("recipe,extra,wrapped,gathered", [
-    ("fp8_current", (), LINEARS, "Float8Tensor"),  # torchtitan's default selective AC
-    ("mxfp8", (), 0, None),  # AC: MXFP8 1x32 weights gather in high precision
-    # about 30 s each on a 2-core machine (75 s compiled): run with --slow
-    pytest.param("mxfp8", NO_AC, LINEARS, "MXFP8Tensor", marks=pytest.mark.slow),
-    # delayed scaling gathers in high precision
-    pytest.param("fp8_delayed", (), LINEARS, None, marks=pytest.mark.slow),
-    # per-block compile: the compiled Linears read the gathered per-tensor FP8 weights
-    pytest.param("fp8_current", COMPILE, LINEARS, None, marks=pytest.mark.slow),
-    # and MXFP8's do not: high-precision gathers
-    pytest.param("mxfp8", (*NO_AC, *COMPILE), 0, None, marks=pytest.mark.slow),
-    # FSDP computing in bf16
-    pytest.param("fp8_current", BF16, LINEARS, "Float8Tensor", marks=pytest.mark.slow),
-], ids=["fp8_current", "mxfp8-ac", "mxfp8-no_ac", "fp8_delayed", "compile", "mxfp8-compile",
-        "bf16"])
+    # torchtitan's default selective AC: per-tensor FP8 serves the recompute
+    ("fp8_current", (), LINEARS, "Float8Tensor"),
+    # about 40 s each on a 2-core machine: run with --slow
+    pytest.param("mxfp8", ("activation-checkpoint:none",), LINEARS, "MXFP8Tensor",
+                 marks=pytest.mark.slow),
+    pytest.param("mxfp8", (), 0, None, marks=pytest.mark.slow),  # AC: high precision
+], ids=["fp8_current", "mxfp8-no_ac", "mxfp8-ac"])
 def test_fsdp_two_ranks(tmp_path, recipe, extra, wrapped, gathered):
-    """torchtitan's FSDP2 (data_parallel_shard_degree 2: its fully_shard of each block)
-    with lowprec's quantized all-gathers where they apply, both ranks on the same batches.
-    The Linears compute on weights gathered in the recipe's format, and the losses and
-    final weights are those of one process computing a rank's share, bit for bit (in
-    fp32; FSDP computing in bf16, torchtitan's default, is checked to train)."""
-    if COMPILE[0] in extra:
-        torch._dynamo.reset()
+    """torchtitan's FSDP2 (data_parallel_shard_degree 2) with lowprec's quantized
+    all-gathers where they apply, both ranks on the same batches: the Linears compute on
+    weights gathered in the recipe's format, and the losses and final weights are those
+    of one process computing a rank's share, bit for bit (in fp32). Under the
+    partial_dtensor backend (see PARTIAL)."""
     spawn.run(_fsdp_worker, 2, recipe, extra, str(tmp_path))
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
     assert got["wrapped"] == wrapped and got["precompute"] == bool(wrapped)
-    assert got["high"] == (LINEARS if recipe == "mxfp8" and not wrapped
-                           and COMPILE[0] not in extra else 0)
+    assert got["high"] == (LINEARS if not wrapped else 0)
     if gathered:
         assert got["seen"] == [gathered]
     else:
         assert set(got["seen"]) <= {"Parameter", "Tensor"}, got["seen"]
-    if extra == BF16:
-        losses = got["losses"]
-        assert torch.isfinite(losses).all() and losses[-1] < losses[0], losses
-        return
-    cfg = job_config("--model.converters", "lowprec", "--lowprec.recipe", recipe, *extra)
-    model, optimizers, loss_fn, _ = build(cfg, weights=initial_weights(cfg))
-    losses = train(model, optimizers, loss_fn, emulate=2)
-    assert torch.equal(got["losses"], losses), (got["losses"], losses)
-    state = {_clean(k): v for k, v in model.state_dict().items() if "_extra_state" not in k}
-    assert state.keys() == got["state"].keys()
-    for k in state:
-        assert torch.equal(got["state"][k], state[k]), k
+    _one_rank_reference(recipe, extra, got)
 
 
-@pytest.mark.parametrize("name,flavor", [("deepseek_v3", "debugmodel"),
-                                         ("qwen3", "debugmodel_moe")])
-def test_moe_debug_model_converted(name, flavor):
-    """torchtitan's MoE debug models through the converter (meta device, converter,
-    init_weights): the routed experts become TorchtitanGroupedExperts initialized by
-    torchtitan's own init_weights, the router's gate stays high precision, and the experts
-    train under FP8. (torchtitan 0.2's router calls torch.histc on integers, which the CPU
-    lacks, so the whole model's step runs on a GPU only.)"""
-    cfg = job_config("--model.converters", "lowprec", "--lowprec.recipe", "fp8_current",
-                     "--model.name", name, "--model.flavor", flavor)
-    model, _, _, _ = build(cfg)
-    experts = [m for m in model.modules()
-               if isinstance(m, lowprec.modules.experts.TorchtitanGroupedExperts)]
-    assert experts and all(m.name.endswith("experts") for m in experts)
-    routers = [_clean(n) for n, m in model.named_modules() if _clean(n).endswith("router.gate")]
-    assert routers and all(type(model.get_submodule(r)) is torch.nn.Linear for r in routers)
-    ex = experts[0]
-    assert all(p.std() > 0 for p in ex.parameters())  # torchtitan's init_weights ran
-    d = ex.w1.shape[-1]
-    counts = torch.tensor([3, 0] + [1] * (ex.num_experts - 2))
-    x = torch.randn(int(counts.sum()), d, requires_grad=True)
-    with lowprec.autocast(recipe=lowprec.Float8CurrentScaling()):
-        y = ex(x, counts)
-    y.float().square().sum().backward()
-    assert torch.isfinite(y).all() and ex.w1.grad is not None and x.grad.abs().sum() > 0
+def _one_rank_reference(recipe, extra, got):
+    titan_parallel_dims.device_type = "cpu"
+    owned = not dist.is_initialized()
+    if owned:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spawn.free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        args = ("--lowprec.recipe", recipe, *PARTIAL, *FP32, *extra)
+        model, optimizers, loss_fn, dims = build(job_config(*args),
+                                                 weights=initial_weights(job_config(*args)))
+        losses = train(model, optimizers, loss_fn, dims, emulate=2)
+        assert torch.equal(got["losses"], losses), (got["losses"], losses)
+        state = {_clean(k): v.full_tensor() if hasattr(v, "full_tensor") else v
+                 for k, v in model.named_parameters()}
+        assert state.keys() == got["state"].keys()
+        for k in state:
+            assert torch.equal(got["state"][k], state[k]), k
+    finally:
+        if owned:
+            dist.destroy_process_group()
