@@ -39,18 +39,38 @@ class _BackwardDone:
 
 
 
-#: live lowprec modules by ``id``: what :func:`_made_states`, which the compiler runs with
+#: live lowprec modules by ``id``: what :func:`_traced_states_ok`, which the compiler runs with
 #: constant arguments only, finds a module by (registered at construction and unpickling)
 _LIVE: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
 
 
+#: how dynamo names the body of a ``torch.utils.checkpoint`` it traces
+_CHECKPOINT_BODY = "torch.utils.checkpoint.checkpoint"
+
+
+def _in_traced_checkpoint() -> bool:
+    """Whether dynamo is tracing the body of a ``torch.utils.checkpoint`` (its recompute
+    would run a delayed-scaling call's amax recording again, in backward)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    tracer = tx.output.current_tracer if tx is not None else None
+    while tracer is not None:
+        if getattr(tracer, "description", None) == _CHECKPOINT_BODY:
+            return True
+        tracer = getattr(tracer, "parent", None)
+    return False
+
+
 @torch._dynamo.assume_constant_result
-def _made_states(module_id: int) -> bool:
-    """Make the delayed-scaling states of the module ``module_id`` names for the active
-    recipe, run by the compiler as it traces (its result a constant, the call not in the
-    graph): a compiled call that meets a module without its state makes it there and traces
-    its quantizes with it, so the next call's graph is the same one (no recompile, no
-    opaque first call)."""
+def _traced_states_ok(module_id: int) -> bool:
+    """Whether the module ``module_id`` names may trace its delayed-scaling call: not in the
+    body of a checkpoint the compiler traces. Run by the compiler as it traces (its result
+    a constant, the call not in the graph), it also makes the module's states for the
+    active recipe where they do not exist yet, so the call traces from its first step and
+    the next call's graph is the same one (no recompile, no opaque first call)."""
+    if _in_traced_checkpoint():
+        return False
     region, module = active_region(), _LIVE.get(module_id)
     if region is not None and module is not None and torch.is_grad_enabled():
         module.init_scaling_state(region.recipe)
@@ -62,22 +82,27 @@ class ScalingStateMixin:
     ``_delayed_states`` and ``_pending_extra_state``)."""
 
     def _register_live(self) -> None:
-        """Make this module findable by :func:`_made_states` (construction, unpickling)."""
+        """Make this module findable by :func:`_traced_states_ok` (construction, unpickling)."""
         _LIVE[id(self)] = self
 
     def traced_delayed_states(self, recipe):
         """(forward, backward ``DelayedScalingState``, module handle or None) a traced
         training call under ``recipe`` records into; the forward state joins the region's
         update as an eager forward's does (through the handle where the region was entered
-        outside the compiled call). None where the call stays opaque: the states do not exist yet
-        (the opaque call makes them, and the compiler traces the next call), gradients are
-        off (an evaluation records where nothing reads), or a checkpoint is in play."""
-        _made_states(id(self))
+        outside the compiled call). None where the call stays opaque: gradients are off (an
+        evaluation records where nothing reads), a checkpoint is in play, or the states do
+        not exist yet and the region was entered inside the compiled function (the opaque
+        call makes them, and the compiler traces the next call). With the region entered
+        around the compiled call, a missing state is made here, as the call is traced.
+        In the body of a checkpoint the compiler traces, the call stays opaque, whose
+        recompute in backward refuses delayed scaling by name."""
+        if (not torch.is_grad_enabled() or current_frame() is not None
+                or not _traced_states_ok(id(self))):
+            return None
         states = self.__dict__["_recipe_states"]
         fwd, bwd = states["forward"], states["backward"]
         if (not _holds(fwd, recipe) or not _holds(bwd, recipe) or fwd.delayed is None
-                or bwd.delayed is None or not torch.is_grad_enabled()
-                or current_frame() is not None):
+                or bwd.delayed is None):
             return None
         if active_region().traced:
             # the region lives in the graph: its exit's update is traced with it
