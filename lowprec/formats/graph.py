@@ -43,6 +43,9 @@ def rounded(t: torch.Tensor) -> torch.Tensor:
     passes through."""
     if t.dtype == torch.float32:
         return t
+    if t.dtype == torch.bfloat16:
+        # the bf16 bits widened: a bitcast the compiler must apply to the rounded value
+        return (t.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
     return (bf16_rne_bits(t.to(torch.float32).view(torch.int32)) & -65536).view(torch.float32)
 
 

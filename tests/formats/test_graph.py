@@ -3,9 +3,12 @@ helpers that keep eager's values where inductor fuses neighbours."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lowprec.formats import graph
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def test_rounded_amax_is_the_amax_of_rounded_values():
@@ -46,3 +49,28 @@ def test_bf16_rounding_helpers_are_exact():
     assert torch.equal(got[-6:], want[-6:]) and torch.isnan(got[-7])
     half = v[:-7].to(torch.bfloat16)
     assert torch.equal(graph.rounded(half), half.float())
+
+
+def _product_read(x, g, read):
+    """A bf16 product (exact in fp32, so eager's tensor is it rounded once) read by a
+    quantize's first step, and its amax."""
+    y = x * g
+    v = read(y)
+    return v * 3.0, graph.rounded_amax(y)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rounded_holds_under_inductor_fusion(device):
+    """Compiled by inductor, ``rounded`` of a fused producer's output reads eager's rounded
+    bf16 values, bit for bit; the same graph reading ``.float()`` instead gets the
+    unrounded product in some elements (the check can fail: inductor does skip that
+    rounding)."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 1024, device=device, dtype=torch.bfloat16) * 3
+    g = torch.randn(1024, device=device, dtype=torch.bfloat16)
+    for read, same in ((graph.rounded, True), (lambda t: t.float(), False)):
+        torch._dynamo.reset()
+        want = _product_read(x, g, read)
+        got = torch.compile(_product_read)(x, g, read)
+        equal = [torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(want, got)]
+        assert equal[1] and equal[0] is same
