@@ -228,5 +228,8 @@ def run(args, stdout=None, stderr=None) -> int:
         print(f"lowprec make-llama: error: {err}", file=stderr)
         return 2
     print(made.describe(), file=stdout)
-    print(f"train it: lowprec compare --model {os.path.relpath(made.out)}", file=stdout)
+    shown = os.path.relpath(made.out)
+    if shown.startswith(os.pardir):
+        shown = made.out
+    print(f"train it: lowprec compare --model {shown}", file=stdout)
     return 0
