@@ -7,7 +7,9 @@ scripting: :mod:`.model` (the GPT and its presets), :mod:`.user_model` (``--mode
 :mod:`.data` (``--data``), :mod:`.recipes` (named recipes, ``--recipe-file``),
 :mod:`.train` (one run), :mod:`.resume` (checkpoints, atomic writes), :mod:`.probe`
 (SQNR and saved-tensor measurements), :mod:`.stability` (spikes, divergence) and
-:mod:`.report` (the output files and verdicts). matplotlib is needed only for the plots.
+:mod:`.report` (the output files and verdicts); :mod:`.make_llama` (``lowprec make-llama``)
+writes a Llama config and tokenizer for ``--model``. matplotlib is needed only for the
+plots.
 """
 
 from .cli import main

@@ -15,7 +15,7 @@ import textwrap
 import torch
 
 from .. import gemm
-from . import report
+from . import make_llama, report
 from .data import load_data
 from .model import PRESETS, check_config
 from .progress import Progress
@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "emulated formats are many small ops, where threads mostly add "
                         "synchronisation)")
     p.add_argument("--list-recipes", action="store_true", help="list the named recipes and exit")
+    m = sub.add_parser("make-llama", description=make_llama.DESCRIPTION,
+                       help="write a Llama config and a byte-level BPE tokenizer trained "
+                            "locally (default: the README's ./llama-110m) for --model")
+    make_llama.add_arguments(m)
     return parser
 
 
@@ -428,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "make-llama":
+        return make_llama.run(args)
     if args.command != "compare":  # pragma: no cover - argparse enforces the choices
         parser.error(f"unknown command {args.command!r}")
     if args.list_recipes:

@@ -243,10 +243,7 @@ def _load_path(path, tokenizer, glob, val_fraction, max_tokens) -> Corpus:
         if raw_dtype:
             raise ValueError(f"{path!r} is a directory; ':{raw_dtype}' applies to a raw "
                              f"token file")
-        files = _list_files(path, glob)
-        if not files:
-            raise ValueError(f"no files match {glob!r} under {path!r}" if glob else
-                             f"no files under {path!r}")
+        files = text_files(path, glob)
         tokens, used, skipped, cut = _read_text_files(files, tokenizer, max_tokens)
         if not used:
             raise ValueError(_no_text_message(path, files, skipped, glob))
@@ -311,6 +308,27 @@ def _no_text_message(path, files, skipped, glob) -> str:
     return msg
 
 
+def read_text(name: str) -> tuple[bytes, str] | None:
+    """A file's UTF-8 text as ``(bytes, str)``, a leading byte-order mark dropped; ``None``
+    for a binary file (one holding a NUL byte, or not UTF-8). ``ValueError`` when it
+    cannot be read."""
+    try:
+        with open(name, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise ValueError(f"cannot read {name!r}: {err.strerror or err}") from None
+    if b"\0" in data:
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    # A byte-order mark is an encoding marker, not text the model should learn.
+    if data.startswith(_BOM):
+        data, text = data[len(_BOM):], text[1:]
+    return data, text
+
+
 def _read_text_files(files, tokenizer, max_tokens):
     """(tokens, files used, files skipped as binary, cut at max_tokens) for these files."""
     encode = None if tokenizer is None else _encoder(tokenizer)
@@ -319,22 +337,11 @@ def _read_text_files(files, tokenizer, max_tokens):
         if max_tokens is not None and total >= max_tokens:
             cut = True
             break
-        try:
-            with open(name, "rb") as f:
-                data = f.read()
-        except OSError as err:
-            raise ValueError(f"cannot read {name!r}: {err.strerror or err}") from None
-        if b"\0" in data:
+        found = read_text(name)
+        if found is None:
             skipped += 1
             continue
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            skipped += 1
-            continue
-        # A byte-order mark is an encoding marker, not text the model should learn.
-        if data.startswith(_BOM):
-            data, text = data[len(_BOM):], text[1:]
+        data, text = found
         used += 1
         if not data:
             continue
@@ -450,13 +457,15 @@ def _read_raw(path, dtype_name, max_tokens):
     return _checked_int32(t.to(torch.int64), f"the ids in {path!r}"), dtype_name, cut
 
 
-def _load_stdlib_tokenized(tokenizer, val_fraction, max_tokens) -> Corpus:
+def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[str]:
+    """The files of the default corpus as a tokenizer reads them: the standard library's
+    top-level ``*.py`` files in sorted order, whole, until ``max_bytes`` are reached (the
+    same source text as the byte corpus)."""
     directory = stdlib_dir()
     try:
         names = sorted(n for n in os.listdir(directory) if n.endswith(".py"))
     except OSError as err:
         raise RuntimeError(f"cannot list the standard library at {directory!r}: {err}") from None
-    # The same source text as the byte corpus: files in order up to DEFAULT_MAX_BYTES.
     files, total = [], 0
     for n in names:
         p = os.path.join(directory, n)
@@ -465,10 +474,40 @@ def _load_stdlib_tokenized(tokenizer, val_fraction, max_tokens) -> Corpus:
         except OSError:
             continue
         files.append(p)
-        if total >= DEFAULT_MAX_BYTES:
+        if total >= max_bytes:
             break
+    return files
+
+
+def text_files(path: str | None = None, glob: str | None = None) -> list[str]:
+    """The files whose text ``--data path`` (with ``--data-glob glob``) names, in the order
+    they are read: the standard library's (:func:`stdlib_files`) for ``None``, a file
+    itself, or a directory's files (see :func:`load_data`). Binary files among them are
+    left for :func:`read_text` to tell."""
+    if path is None:
+        if glob is not None:
+            raise ValueError(f"the glob {glob!r} (--data-glob) selects files of a data "
+                             f"directory; give the directory too")
+        return stdlib_files()
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path!r}: no such file or directory")
+    if not os.path.isdir(path):
+        if glob is not None:
+            raise ValueError(f"the glob {glob!r} (--data-glob) selects files of a directory, "
+                             f"but {path!r} is a file")
+        return [path]
+    files = _list_files(path, glob)
+    if not files:
+        raise ValueError(f"no files match {glob!r} under {path!r}" if glob else
+                         f"no files under {path!r}")
+    return files
+
+
+def _load_stdlib_tokenized(tokenizer, val_fraction, max_tokens) -> Corpus:
+    files = stdlib_files()
     tokens, used, skipped, cut = _read_text_files(files, tokenizer, max_tokens)
-    return _split(tokens, val_fraction, directory, n_files=used, n_skipped=skipped,
+    return _split(tokens, val_fraction, stdlib_dir(), n_files=used, n_skipped=skipped,
                   kind="tokenizer", tokenizer_name=_tokenizer_name(tokenizer), truncated=cut)
 
 
