@@ -88,28 +88,22 @@ class LowprecConverter(QuantizationConverter):
             raise ValueError("lowprec: the model config already holds torchtitan's float8/"
                              "MXFP8/NVFP4 modules; use either torchtitan's quantization "
                              "converters or lowprec's, not both")
-        for fqn, cfg, parent, attr in list(model_config.traverse(TitanLinear.Config)):
-            if type(cfg) is not TitanLinear.Config:
-                continue
-            reason = self._rejection(fqn)
-            if reason is None:
-                reason = _recipe_rejection(self.recipe, fqn, cfg.out_features, cfg.in_features)
-            if reason is not None:
-                self.skipped[fqn] = reason
-                continue
-            model_config = _replace(model_config, parent, attr,
-                                    derive(cfg, LowprecLinear.Config, name=fqn))
-            self.converted.append(fqn)
+        kinds = [(TitanLinear.Config, LowprecLinear.Config, True)]
         if self.config.experts:
-            for fqn, cfg, parent, attr in list(model_config.traverse(TitanGroupedExperts.Config)):
-                if type(cfg) is not TitanGroupedExperts.Config:
+            kinds.append((TitanGroupedExperts.Config, LowprecGroupedExperts.Config, False))
+        for titan, ours, linear in kinds:
+            for fqn, cfg, parent, attr in list(model_config.traverse(titan)):
+                if type(cfg) is not titan:
                     continue
                 reason = self._rejection(fqn)
+                if reason is None and linear:
+                    reason = _recipe_rejection(self.recipe, fqn, cfg.out_features,
+                                               cfg.in_features)
                 if reason is not None:
                     self.skipped[fqn] = reason
                     continue
                 model_config = _replace(model_config, parent, attr,
-                                        derive(cfg, LowprecGroupedExperts.Config, name=fqn))
+                                        derive(cfg, ours, name=fqn))
                 self.converted.append(fqn)
         refused = {k: v for k, v in self.skipped.items() if not v.startswith("chosen")}
         if refused:
