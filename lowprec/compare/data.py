@@ -220,9 +220,7 @@ def load_data(path: str | None, *, tokenizer=None, vocab: int | None = None,
     if vocab is not None and vocab < 1:
         raise ValueError(f"vocab must be >= 1, got {vocab}")
     if path is None:
-        if glob is not None:
-            raise ValueError(f"the glob {glob!r} (--data-glob) selects files of a data "
-                             f"directory; give the directory too")
+        _check_glob(None, glob)
         if tokenizer is None:
             corpus = load_corpus(max_bytes=max_tokens or DEFAULT_MAX_BYTES,
                                  val_fraction=val_fraction)
@@ -235,10 +233,27 @@ def load_data(path: str | None, *, tokenizer=None, vocab: int | None = None,
     return corpus
 
 
-def _load_path(path, tokenizer, glob, val_fraction, max_tokens) -> Corpus:
-    path, raw_dtype = _split_dtype_suffix(path)
+def _check_exists(path: str) -> None:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path!r}: no such file or directory")
+
+
+def _check_glob(path: str | None, glob: str | None) -> None:
+    """``--data-glob`` selects files of a data directory: refused with no ``--data``
+    (``path`` None) or with an existing ``path`` that is a file."""
+    if glob is None:
+        return
+    if path is None:
+        raise ValueError(f"the glob {glob!r} (--data-glob) selects files of a data "
+                         f"directory; give the directory too")
+    if not os.path.isdir(path):
+        raise ValueError(f"the glob {glob!r} (--data-glob) selects files of a directory, "
+                         f"but {path!r} is a file")
+
+
+def _load_path(path, tokenizer, glob, val_fraction, max_tokens) -> Corpus:
+    path, raw_dtype = _split_dtype_suffix(path)
+    _check_exists(path)
     if os.path.isdir(path):
         if raw_dtype:
             raise ValueError(f"{path!r} is a directory; ':{raw_dtype}' applies to a raw "
@@ -250,9 +265,7 @@ def _load_path(path, tokenizer, glob, val_fraction, max_tokens) -> Corpus:
         return _split(tokens, val_fraction, path, n_files=used, n_skipped=skipped, glob=glob,
                       kind="bytes" if tokenizer is None else "tokenizer",
                       tokenizer_name=_tokenizer_name(tokenizer), truncated=cut)
-    if glob is not None:
-        raise ValueError(f"the glob {glob!r} (--data-glob) selects files of a directory, "
-                         f"but {path!r} is a file")
+    _check_glob(path, glob)
     ext = os.path.splitext(path)[1].lower()
     if ext == ".npy":
         if raw_dtype:
@@ -485,17 +498,12 @@ def text_files(path: str | None = None, glob: str | None = None) -> list[str]:
     itself, or a directory's files (see :func:`load_data`). Binary files among them are
     left for :func:`read_text` to tell."""
     if path is None:
-        if glob is not None:
-            raise ValueError(f"the glob {glob!r} (--data-glob) selects files of a data "
-                             f"directory; give the directory too")
+        _check_glob(None, glob)
         return stdlib_files()
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path!r}: no such file or directory")
+    _check_exists(path)
     if not os.path.isdir(path):
-        if glob is not None:
-            raise ValueError(f"the glob {glob!r} (--data-glob) selects files of a directory, "
-                             f"but {path!r} is a file")
+        _check_glob(path, glob)
         return [path]
     files = _list_files(path, glob)
     if not files:

@@ -30,7 +30,7 @@ from .launch import (
     fp8_current_quantize,
     kept_amax_words,
 )
-from .reference import current_scale
+from .reference import current_scale, tensor_amax
 
 
 class _Settings:
@@ -80,9 +80,7 @@ class Tensorwise(GraphOperand):
 
     def amax(self, t: torch.Tensor) -> torch.Tensor:
         """amax(|t|) of ``t``'s values in its dtype (1-element fp32)."""
-        if self.materialized:
-            return t.abs().amax().to(torch.float32).reshape(1)
-        return rounded_amax(t)
+        return tensor_amax(t) if self.materialized else rounded_amax(t)
 
     def scale(self, t: torch.Tensor) -> torch.Tensor:
         return current_scale(self.amax(t), self.fp8_dtype, pow2=self.pow2, eps=self.eps)
