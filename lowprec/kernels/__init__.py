@@ -149,3 +149,22 @@ def graph_op(name: str, *, tags: tuple = ()):
         _GRAPH_LIB.impl(name, fn, "CompositeExplicitAutograd")
         return getattr(torch.ops.lowprec, name).default
     return wrap
+
+
+def traced_op(name: str):
+    """Define ``lowprec::<name>`` as one op to dynamo and its torch ops to everything after.
+
+    ``fn`` (its schema inferred from its annotations; no mutated arguments, outputs that
+    alias neither the inputs nor each other) is registered as the op's
+    ``CompositeImplicitAutograd`` kernel. Dynamo records a call as one node, running ``fn``
+    on fake tensors once, instead of interpreting its Python bytecode op by op (about a
+    millisecond an op: a quantize traced into each of a model's linears is most of the
+    tracing time); AOT autograd decomposes the node into ``fn``'s ops when it traces the
+    graph, so inductor fuses them exactly as if ``fn`` had been traced inline. Outside a
+    compiler the op runs ``fn`` (through the dispatcher). Returns the op
+    (``torch.ops.lowprec.<name>.default``)."""
+    def wrap(fn):
+        _GRAPH_LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
+        _GRAPH_LIB.impl(name, fn, "CompositeImplicitAutograd")
+        return getattr(torch.ops.lowprec, name).default
+    return wrap

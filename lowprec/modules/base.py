@@ -170,11 +170,16 @@ class LowprecModule(CompiledCallMixin, ScalingStateMixin, QuantizedWeightsMixin,
             held = self.__dict__["_recipe_states"]
             fq, bq = held["forward"].quantizers, held["backward"].quantizers
             delayed = (*states, recipe)
-        else:
-            fwd_roles, bwd_roles = self._roles()
-            fq = stateless_quantizers(recipe, "forward", fwd_roles)
-            bq = stateless_quantizers(recipe, "backward", bwd_roles)
-        return self._linear_quantizers(fq, bq), recipe.backward_mode, delayed
+            return self._linear_quantizers(fq, bq), recipe.backward_mode, delayed
+        # only the slots a GEMM without boundary roles reads: its input, weight and dY
+        # (each quantizer built costs a compiled call tracing time)
+        fwd_roles, bwd_roles = self._roles()
+        fq = stateless_quantizers(recipe, "forward", fwd_roles[0::3] + fwd_roles[1::3])
+        bq = stateless_quantizers(recipe, "backward", bwd_roles[0::2])
+        n = len(bq)
+        return ([LinearQuantizers(input=fq[i], weight=fq[n + i], output=None,
+                                  grad_output=bq[i], grad_input=None) for i in range(n)],
+                recipe.backward_mode, None)
 
     def _roles(self) -> tuple[list, list]:
         """The (forward, backward) roles, kept from construction and from each change of

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels import traced_op
 from ..casting import cast_fp8
 from ..graph import Fp8, GraphOperand, Kind, decode_scale, rounded, rounded_amax, scale_in_use
 from .launch import (
@@ -51,6 +52,32 @@ class _Scaled:
 #: (form, kind, shape, dtype, device, rowwise, columnwise) -> an eager call's bound quantize
 _PREPARED: dict = {}
 _MAX_PREPARED = 1024
+
+
+@traced_op("fp8_tensorwise")
+def fp8_tensorwise(t: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, eps: float,
+                   materialized: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scale, ``1 / scale`` 0-d) of the 2-D ``t`` under current scaling: one op to
+    dynamo, the reference's ops to inductor (``kernels.traced_op``). ``materialized``: see
+    ``Tensorwise``."""
+    amax = tensor_amax(t) if materialized else rounded_amax(t)
+    scale = current_scale(amax, fp8_dtype, pow2=pow2, eps=eps)
+    return (_cast(t, scale, fp8_dtype, materialized), scale,
+            decode_scale(scale).reshape(()))
+
+
+@traced_op("fp8_cast_transposed")
+def fp8_cast_transposed(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                        materialized: bool) -> torch.Tensor:
+    """The (C, R) codes of the 2-D ``t.T`` cast with ``scale``, contiguous (a columnwise
+    operand from the tensor its forward kept)."""
+    return _cast(t.t(), scale, fp8_dtype, materialized).contiguous()
+
+
+def _cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+          materialized: bool) -> torch.Tensor:
+    values = t.to(torch.float32) if materialized else rounded(t)
+    return cast_fp8(values * scale, fp8_dtype)
 
 
 @dataclass(frozen=True)
@@ -86,14 +113,12 @@ class Tensorwise(GraphOperand):
         return current_scale(self.amax(t), self.fp8_dtype, pow2=self.pow2, eps=self.eps)
 
     def cast(self, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        values = t.to(torch.float32) if self.materialized else rounded(t)
-        return cast_fp8(values * scale, self.fp8_dtype)
+        return _cast(t, scale, self.fp8_dtype, self.materialized)
 
     def _fp8(self, t: torch.Tensor) -> Fp8:
         """The rowwise form of ``t`` in the graph, its decode scale made once (every GEMM
         that reads the operand, in either direction, takes it from here)."""
-        scale = self.scale(t)
-        return Fp8(self.cast(t, scale), scale, decode_scale(scale).reshape(()))
+        return Fp8(*fp8_tensorwise(t, self.fp8_dtype, self.pow2, self.eps, self.materialized))
 
     # ---- eager calls: eager's kernels ---------------------------------------------------
     def _in_eager(self) -> bool:
@@ -160,7 +185,8 @@ class Tensorwise(GraphOperand):
             return Fp8(data, scale, decode)
         if self._in_eager():
             return self._cast_columnwise(data, scale, decode)
-        return Fp8(self.cast(data.t(), scale).contiguous(), scale, decode)
+        return Fp8(fp8_cast_transposed(data, scale, self.fp8_dtype, self.materialized), scale,
+                   decode)
 
     def forward(self, t, keep, held=False):
         if self._in_eager():
