@@ -60,10 +60,40 @@ def fp8_tensorwise(t: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, eps: flo
     """(codes, scale, ``1 / scale`` 0-d) of the 2-D ``t`` under current scaling: one op to
     dynamo, the reference's ops to inductor (``kernels.traced_op``). ``materialized``: see
     ``Tensorwise``."""
-    amax = tensor_amax(t) if materialized else rounded_amax(t)
-    scale = current_scale(amax, fp8_dtype, pow2=pow2, eps=eps)
+    scale = current_scale(_amax(t, materialized), fp8_dtype, pow2=pow2, eps=eps)
     return (_cast(t, scale, fp8_dtype, materialized), scale,
             decode_scale(scale).reshape(()))
+
+
+@traced_op("fp8_current_scale")
+def fp8_current_scale(t: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, eps: float,
+                      materialized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, ``1 / scale`` 0-d) of the 2-D ``t`` under current scaling."""
+    scale = current_scale(_amax(t, materialized), fp8_dtype, pow2=pow2, eps=eps)
+    return scale, decode_scale(scale).reshape(())
+
+
+@traced_op("fp8_delayed")
+def fp8_delayed(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                materialized: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, the scale cast with, amax to record) of the 2-D ``t`` under a delayed-scaling
+    state's 1-element ``scale`` (NaN where the amax is not finite)."""
+    seen = _amax(t, materialized)
+    used = scale_in_use(scale, seen)
+    return _cast(t, used, fp8_dtype, materialized), used, seen
+
+
+@traced_op("fp8_tensor_amax")
+def fp8_amax(t: torch.Tensor, materialized: bool) -> torch.Tensor:
+    """amax(|t|) of the 2-D ``t``'s values in its dtype (1-element fp32)."""
+    return _amax(t, materialized)
+
+
+@traced_op("fp8_scaled_cast")
+def fp8_cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+             materialized: bool) -> torch.Tensor:
+    """The codes of ``t`` cast with the 1-element ``scale``."""
+    return _cast(t, scale, fp8_dtype, materialized)
 
 
 @traced_op("fp8_cast_transposed")
@@ -72,6 +102,10 @@ def fp8_cast_transposed(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     """The (C, R) codes of the 2-D ``t.T`` cast with ``scale``, contiguous (a columnwise
     operand from the tensor its forward kept)."""
     return _cast(t.t(), scale, fp8_dtype, materialized).contiguous()
+
+
+def _amax(t: torch.Tensor, materialized: bool) -> torch.Tensor:
+    return tensor_amax(t) if materialized else rounded_amax(t)
 
 
 def _cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
@@ -107,13 +141,10 @@ class Tensorwise(GraphOperand):
 
     def amax(self, t: torch.Tensor) -> torch.Tensor:
         """amax(|t|) of ``t``'s values in its dtype (1-element fp32)."""
-        return tensor_amax(t) if self.materialized else rounded_amax(t)
-
-    def scale(self, t: torch.Tensor) -> torch.Tensor:
-        return current_scale(self.amax(t), self.fp8_dtype, pow2=self.pow2, eps=self.eps)
+        return fp8_amax(t, self.materialized)
 
     def cast(self, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return _cast(t, scale, self.fp8_dtype, self.materialized)
+        return fp8_cast(t, scale, self.fp8_dtype, self.materialized)
 
     def _fp8(self, t: torch.Tensor) -> Fp8:
         """The rowwise form of ``t`` in the graph, its decode scale made once (every GEMM
@@ -175,8 +206,7 @@ class Tensorwise(GraphOperand):
         return self.saved_columnwise(self.save_columnwise(t))
 
     def save_columnwise(self, t):
-        scale = self.scale(t)
-        return (t, scale, decode_scale(scale).reshape(()))
+        return (t, *fp8_current_scale(t, self.fp8_dtype, self.pow2, self.eps, self.materialized))
 
     def saved_columnwise(self, saved):
         # (fp8 codes, scale, decode) of an eager call, or (tensor to cast, scale, decode)
@@ -219,9 +249,7 @@ class Delayed(Tensorwise):
     def delayed(self, t: torch.Tensor, scale: torch.Tensor):
         """(fp8 data, the scale cast with, the amax to record) of ``t`` under the state's
         1-element ``scale``."""
-        seen = self.amax(t)
-        scale = scale_in_use(scale, seen)
-        return self.cast(t, scale), scale, seen
+        return fp8_delayed(t, scale, self.fp8_dtype, self.materialized)
 
 
 @dataclass(frozen=True)
