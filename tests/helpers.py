@@ -67,20 +67,23 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class GraphOps:
-    """A torch.compile backend that records the ops of every graph dynamo hands it, then
-    runs them as aot_eager does."""
+    """A torch.compile backend that records the ops of the forward and backward graphs AOT
+    autograd makes of every graph dynamo hands it, with inductor's decompositions (the
+    graphs inductor would receive), then runs them as aot_eager does."""
 
     def __init__(self) -> None:
         self.targets: list = []
 
     def __call__(self, gm, example_inputs):
         from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.decomposition import select_decomp_table
 
         def record(g, _inputs):
             self.targets += [str(n.target) for n in g.graph.nodes if n.op == "call_function"]
             return g
 
-        return aot_autograd(fw_compiler=record, bw_compiler=record)(gm, example_inputs)
+        return aot_autograd(fw_compiler=record, bw_compiler=record,
+                            decompositions=select_decomp_table())(gm, example_inputs)
 
 
 def plan_of(recipe, x, weight, bias=None):

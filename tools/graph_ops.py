@@ -41,11 +41,15 @@ def graphs_of(peer: str, m: int, k: int, n: int, device: str):
 
     def backend(gm, inputs):
         from torch._functorch.aot_autograd import aot_module_simplified
+        from torch._inductor.decomposition import select_decomp_table
 
         def keep(g, _):
             graphs.append(g)
             return g.forward
-        return aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep)
+        # inductor's decompositions: the graphs inductor receives (lowprec's traced ops
+        # become their torch ops there, kernels.traced_op)
+        return aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep,
+                                     decompositions=select_decomp_table())
 
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)

@@ -56,6 +56,11 @@ def _pretend_gpu() -> None:
     torch._scaled_mm = scaled_mm
     from lowprec.backends import cublas_fp8
     cublas_fp8._on_cuda = lambda ad, bd: True  # both per-tensor and block backends ask it
+    from lowprec.linear import traced
+    gpu_route = traced.route
+    # the traced plan's GEMM table as on CUDA (cuBLAS FP8, not the fp32 emulation)
+    traced.route = lambda a, b, m, n, k, out, bias, cuda: gpu_route(a, b, m, n, k, out, bias,
+                                                                    True)
 
 
 def step_fn(module, recipe, x, dy, backward: bool = True):

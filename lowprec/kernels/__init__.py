@@ -152,19 +152,30 @@ def graph_op(name: str, *, tags: tuple = ()):
 
 
 def traced_op(name: str):
-    """Define ``lowprec::<name>`` as one op to dynamo and its torch ops to everything after.
+    """Define ``lowprec::<name>`` as one op to dynamo and AOT's first pass, and ``fn``'s torch
+    ops to inductor.
 
     ``fn`` (its schema inferred from its annotations; no mutated arguments, outputs that
-    alias neither the inputs nor each other) is registered as the op's
-    ``CompositeImplicitAutograd`` kernel. Dynamo records a call as one node, running ``fn``
-    on fake tensors once, instead of interpreting its Python bytecode op by op (about a
-    millisecond an op: a quantize traced into each of a model's linears is most of the
-    tracing time); AOT autograd decomposes the node into ``fn``'s ops when it traces the
-    graph, so inductor fuses them exactly as if ``fn`` had been traced inline. Outside a
-    compiler the op runs ``fn`` (through the dispatcher). Returns the op
+    alias neither the inputs nor each other) runs the op outside a compiler, and is
+    registered in inductor's decomposition table, so AOT autograd traces the graph inductor
+    receives with ``fn``'s ops in place of the node: inductor fuses them exactly as if
+    ``fn`` had been traced inline. Dynamo records a call as one node and propagates it
+    with the op's fake implementation (register it with
+    ``torch.library.register_fake("lowprec::<name>")``), where tracing ``fn`` op by op
+    costs about a millisecond an op: the quantizes traced into each of a model's linears
+    are otherwise most of its tracing time. Returns the op
     (``torch.ops.lowprec.<name>.default``)."""
     def wrap(fn):
         _GRAPH_LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
-        _GRAPH_LIB.impl(name, fn, "CompositeImplicitAutograd")
-        return getattr(torch.ops.lowprec, name).default
+        _GRAPH_LIB.impl(name, fn, "CompositeExplicitAutograd")
+        op = getattr(torch.ops.lowprec, name).default
+        _decompose_in_inductor(op, fn)
+        return op
     return wrap
+
+
+def _decompose_in_inductor(op, fn) -> None:
+    # inductor's table (torch 2.11-2.13); the table inductor reads is a cached copy
+    from torch._inductor import decomposition
+    decomposition.register_decomposition(op)(fn)
+    decomposition.fast_random_decomps.cache_clear()

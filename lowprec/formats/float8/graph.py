@@ -104,6 +104,38 @@ def fp8_cast_transposed(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     return _cast(t.t(), scale, fp8_dtype, materialized).contiguous()
 
 
+@torch.library.register_fake("lowprec::fp8_tensorwise")
+def _fp8_tensorwise_fake(t, fp8_dtype, pow2, eps, materialized):
+    return (torch.empty_like(t, dtype=fp8_dtype), *_scales_fake(t))
+
+
+@torch.library.register_fake("lowprec::fp8_current_scale")
+def _scales_fake(t, *settings):
+    return t.new_empty((1,), dtype=torch.float32), t.new_empty((), dtype=torch.float32)
+
+
+@torch.library.register_fake("lowprec::fp8_delayed")
+def _fp8_delayed_fake(t, scale, fp8_dtype, materialized):
+    return (torch.empty_like(t, dtype=fp8_dtype),
+            scale.new_empty(torch.broadcast_shapes(scale.shape, (1,))),
+            t.new_empty((1,), dtype=torch.float32))
+
+
+@torch.library.register_fake("lowprec::fp8_tensor_amax")
+def _fp8_tensor_amax_fake(t, materialized):
+    return t.new_empty((1,), dtype=torch.float32)
+
+
+@torch.library.register_fake("lowprec::fp8_scaled_cast")
+def _fp8_scaled_cast_fake(t, scale, fp8_dtype, materialized):
+    return torch.empty_like(t, dtype=fp8_dtype)
+
+
+@torch.library.register_fake("lowprec::fp8_cast_transposed")
+def _fp8_cast_transposed_fake(t, scale, fp8_dtype, materialized):
+    return t.new_empty((t.shape[1], t.shape[0]), dtype=fp8_dtype)
+
+
 def _amax(t: torch.Tensor, materialized: bool) -> torch.Tensor:
     return tensor_amax(t) if materialized else rounded_amax(t)
 
