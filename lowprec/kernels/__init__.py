@@ -163,14 +163,20 @@ def traced_op(name: str):
     with the op's fake implementation (register it with
     ``torch.library.register_fake("lowprec::<name>")``), where tracing ``fn`` op by op
     costs about a millisecond an op: the quantizes traced into each of a model's linears
-    are otherwise most of its tracing time. Returns the op
-    (``torch.ops.lowprec.<name>.default``)."""
+    are otherwise most of its tracing time. Returns a callable that calls the op under
+    dynamo and ``fn`` itself elsewhere (the dispatcher's host time is not spent on an eager
+    call); ``.op`` is the op (``torch.ops.lowprec.<name>.default``)."""
     def wrap(fn):
         _GRAPH_LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
         _GRAPH_LIB.impl(name, fn, "CompositeExplicitAutograd")
         op = getattr(torch.ops.lowprec, name).default
         _decompose_in_inductor(op, fn)
-        return op
+
+        @functools.wraps(fn)
+        def call(*args):
+            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+        call.op = op
+        return call
     return wrap
 
 

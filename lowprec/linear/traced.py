@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -53,6 +54,7 @@ from ..formats.graph import (
     decode_scale,
     scale_in_use,
 )
+from ..kernels import traced_op
 from ..recipe import BackwardMode
 from ..roles import QuantizerRole
 from ..state import push_amaxes, stateful, stateless_quantizers
@@ -117,18 +119,28 @@ def _with_bias(res, bias, fused: bool, out_dtype):
     return res
 
 
-def _decoded(rep: Fp8) -> torch.Tensor:
-    """``1 / scale`` as a 0-d tensor: the quantize's (its kernel's in an eager call, or
-    computed once with the form), or computed here."""
-    return rep.decode if rep.decode is not None else decode_scale(rep.scale).reshape(())
-
-
 def _cublas_fp8(a: Fp8, b: Fp8, out_dtype, bias, ops=None):
+    return fp8_gemm(a.data, a.scale, a.decode, b.data, b.scale, b.decode, bias, out_dtype)
+
+
+@traced_op("fp8_gemm")
+def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_decode: Optional[torch.Tensor],
+             b: torch.Tensor, b_scale: torch.Tensor, b_decode: Optional[torch.Tensor],
+             bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` of per-tensor FP8 operands (codes, scale, ``1 / scale`` or None)
+    through cuBLAS, as eager's ``cublas_fp8`` backend runs it."""
     fused = fusable_bias(bias, out_dtype)
-    res = torch._scaled_mm(a.data, b.data.t(), scale_a=_decoded(a), scale_b=_decoded(b),
+    decode_a = a_decode if a_decode is not None else decode_scale(a_scale).reshape(())
+    decode_b = b_decode if b_decode is not None else decode_scale(b_scale).reshape(())
+    res = torch._scaled_mm(a, b.t(), scale_a=decode_a, scale_b=decode_b,
                            bias=bias if fused else None, out_dtype=out_dtype,
                            use_fast_accum=False)
     return _with_bias(res, bias, fused, out_dtype)
+
+
+@torch.library.register_fake("lowprec::fp8_gemm")
+def _fp8_gemm_fake(a, a_scale, a_decode, b, b_scale, b_decode, bias, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 def _cublas_fp8_block(a: Blocks, b: Blocks, out_dtype, bias, ops=None):
