@@ -64,7 +64,7 @@ class Linear(LowprecModule):
     def traced_forward(self, x: torch.Tensor):
         """The call as torch.compile traces it (``lowprec.linear.traced``), or the reason
         (a string) it stays one opaque op."""
-        if self._plain_call(x) and active_region() is None and current_frame() is None:
+        if active_region() is None and current_frame() is None and self._plain_call(x):
             return F.linear(x, self.weight, self.bias)
         got = self.traced_quantizers(x, self.weight)
         if isinstance(got, str):
