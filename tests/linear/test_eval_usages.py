@@ -12,9 +12,8 @@ import lowprec
 from lowprec.formats.base import Quantizer
 
 
-@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
-@pytest.mark.parametrize("rname", ["current", "delayed", "block", "mxfp8", "nvfp4"])
-def test_eval_forward_quantizes_rowwise_only(rname, grad_mode, monkeypatch):
+def _spy_usages(monkeypatch) -> list:
+    """(rowwise, columnwise) usages of every quantize from now on, in order."""
     seen = []
     quantize = Quantizer.quantize
 
@@ -23,6 +22,13 @@ def test_eval_forward_quantizes_rowwise_only(rname, grad_mode, monkeypatch):
         return quantize(self, t, *args, **kwargs)
 
     monkeypatch.setattr(Quantizer, "quantize", spy)
+    return seen
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("rname", ["current", "delayed", "block", "mxfp8", "nvfp4"])
+def test_eval_forward_quantizes_rowwise_only(rname, grad_mode, monkeypatch):
+    seen = _spy_usages(monkeypatch)
     m = lowprec.Linear(128, 128, name="l")
     with grad_mode(), lowprec.autocast(recipe=RECIPES[rname]()):
         m(torch.randn(32, 128))
@@ -43,14 +49,7 @@ def test_eval_forward_of_every_module_quantizes_rowwise_only(module, rname, grad
                                                              monkeypatch):
     """The norm modules and GroupedLinear too: every quantize of an evaluation forward
     (each GEMM's input and weight) makes the rowwise direction alone."""
-    seen = []
-    quantize = Quantizer.quantize
-
-    def spy(self, t, *args, **kwargs):
-        seen.append((self.rowwise_usage, self.columnwise_usage))
-        return quantize(self, t, *args, **kwargs)
-
-    monkeypatch.setattr(Quantizer, "quantize", spy)
+    seen = _spy_usages(monkeypatch)
     build, quantizes = MODULES[module]
     m = build()
     x = torch.randn(32, 128)
