@@ -84,14 +84,14 @@ def fp8_delayed(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
 
 
 @traced_op("fp8_tensor_amax")
-def fp8_amax(t: torch.Tensor, materialized: bool) -> torch.Tensor:
+def fp8_tensor_amax(t: torch.Tensor, materialized: bool) -> torch.Tensor:
     """amax(|t|) of the 2-D ``t``'s values in its dtype (1-element fp32)."""
     return _amax(t, materialized)
 
 
 @traced_op("fp8_scaled_cast")
-def fp8_cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
-             materialized: bool) -> torch.Tensor:
+def fp8_scaled_cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                    materialized: bool) -> torch.Tensor:
     """The codes of ``t`` cast with the 1-element ``scale``."""
     return _cast(t, scale, fp8_dtype, materialized)
 
@@ -173,10 +173,10 @@ class Tensorwise(GraphOperand):
 
     def amax(self, t: torch.Tensor) -> torch.Tensor:
         """amax(|t|) of ``t``'s values in its dtype (1-element fp32)."""
-        return fp8_amax(t, self.materialized)
+        return fp8_tensor_amax(t, self.materialized)
 
     def cast(self, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return fp8_cast(t, scale, self.fp8_dtype, self.materialized)
+        return fp8_scaled_cast(t, scale, self.fp8_dtype, self.materialized)
 
     def _fp8(self, t: torch.Tensor) -> Fp8:
         """The rowwise form of ``t`` in the graph, its decode scale made once (every GEMM
