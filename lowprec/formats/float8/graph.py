@@ -60,17 +60,15 @@ def fp8_tensorwise(t: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, eps: flo
     """(codes, scale, ``1 / scale`` 0-d) of the 2-D ``t`` under current scaling: one op to
     dynamo, the reference's ops to inductor (``kernels.traced_op``). ``materialized``: see
     ``Tensorwise``."""
-    scale = current_scale(_amax(t, materialized), fp8_dtype, pow2=pow2, eps=eps)
-    return (_cast(t, scale, fp8_dtype, materialized), scale,
-            decode_scale(scale).reshape(()))
+    scale, decode = _scales(t, fp8_dtype, pow2, eps, materialized)
+    return _cast(t, scale, fp8_dtype, materialized), scale, decode
 
 
 @traced_op("fp8_current_scale")
 def fp8_current_scale(t: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, eps: float,
                       materialized: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, ``1 / scale`` 0-d) of the 2-D ``t`` under current scaling."""
-    scale = current_scale(_amax(t, materialized), fp8_dtype, pow2=pow2, eps=eps)
-    return scale, decode_scale(scale).reshape(())
+    return _scales(t, fp8_dtype, pow2, eps, materialized)
 
 
 @traced_op("fp8_delayed")
@@ -134,6 +132,12 @@ def _fp8_scaled_cast_fake(t, scale, fp8_dtype, materialized):
 @torch.library.register_fake("lowprec::fp8_cast_transposed")
 def _fp8_cast_transposed_fake(t, scale, fp8_dtype, materialized):
     return t.new_empty((t.shape[1], t.shape[0]), dtype=fp8_dtype)
+
+
+def _scales(t: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, eps: float,
+            materialized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = current_scale(_amax(t, materialized), fp8_dtype, pow2=pow2, eps=eps)
+    return scale, decode_scale(scale).reshape(())
 
 
 def _amax(t: torch.Tensor, materialized: bool) -> torch.Tensor:
