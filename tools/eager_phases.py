@@ -46,12 +46,13 @@ def _analyse(trace: dict, steps: int) -> dict:
                      for e in evs if e.get("cat") == "user_annotation"
                      and e["name"].startswith("phase:")))
     launches = {e["args"]["correlation"]: e["ts"] for e in evs
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
     kernels = sorted((e["ts"], e["ts"] + e["dur"], launches.get(e["args"].get("correlation")),
                       e["name"]) for e in evs
                      if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    out = {p: {"host_ms": 0.0, "gpu_busy_ms": 0.0, "launch_wait_ms": 0.0, "kernels": 0}
-           for p in PHASES}
+    out = {p: {"host_ms": 0.0, "gpu_busy_ms": 0.0, "launch_wait_ms": 0.0, "kernels": 0,
+               "cpu_ops": {}} for p in PHASES}
     for start, end, name in phases:
         out[name]["host_ms"] += (end - start) / 1e3
 
@@ -61,6 +62,17 @@ def _analyse(trace: dict, steps: int) -> dict:
                 return name
         return None
 
+    for e in evs:  # host time of each top-level op a phase runs (inclusive)
+        if e.get("cat") == "cpu_op":
+            p = phase_of(e["ts"])
+            if p is not None:
+                acc = out[p]["cpu_ops"].setdefault(e["name"], [0.0, 0])
+                acc[0] += e["dur"] / 1e3 / steps
+                acc[1] += 1 / steps
+    for p in PHASES:
+        out[p]["cpu_ops"] = sorted(((round(ms, 3), round(n), name)
+                                    for name, (ms, n) in out[p]["cpu_ops"].items()),
+                                   reverse=True)[:25]
     prev_end = None
     waits = []
     for start, end, launched, name in kernels:
@@ -137,6 +149,10 @@ def main() -> None:
             r = res[p]
             print(f"   {p:9s} host {r['host_ms']:8.2f} ms  GPU busy {r['gpu_busy_ms']:8.2f} ms  "
                   f"waiting for launches {r['launch_wait_ms']:7.2f} ms  {r['kernels']} kernels")
+        for p in PHASES[:2]:
+            print(f"   {p}'s ops by host ms (inclusive, nested ops counted in each):")
+            for ms, n, name in res[p]["cpu_ops"]:
+                print(f"     {ms:8.3f} ms {n:5d}x {name}")
         print(res["forward_profile"])
     if args.json:
         with open(args.json, "w") as f:

@@ -104,7 +104,8 @@ def test_evaluation_forward():
     assert torch.equal(y, y0)
 
 
-def test_stack_keeps_no_more_memory():
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling, lowprec.MXFP8BlockScaling])
+def test_stack_keeps_no_more_memory(recipe):
     """Peak memory of a stack's training step: no more than the eager Function's."""
     gen = torch.Generator(device="cuda").manual_seed(4)
     stack = torch.nn.Sequential(*[lowprec.Linear(1024, 1024, bias=False,
@@ -116,7 +117,7 @@ def test_stack_keeps_no_more_memory():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        with lowprec.autocast(recipe=Float8CurrentScaling()):
+        with lowprec.autocast(recipe=recipe()):
             y = stack(x.requires_grad_(True))
         y.float().pow(2).mean().backward()
         for p in stack.parameters():
@@ -169,11 +170,14 @@ def test_linears_reading_one_input_share_its_quantize(monkeypatch):
     _same(planned, eager)
 
 
-#: recipes whose forms run eager calls with eager's kernels besides current scaling: hybrids
-#: whose rowwise half does (``GraphOperand.eager``)
+#: recipes whose forms run eager calls with eager's kernels besides current scaling: MXFP8,
+#: and hybrids whose rowwise half does (``GraphOperand.eager``)
 RECIPES = {
     "fp8_row_mxfp8_col": lambda mode: lowprec.CustomRecipe(
         qfactory=factories.fp8_row_mxfp8_col_factory, backward_mode=mode),
+    "mxfp8": lambda mode: lowprec.MXFP8BlockScaling(backward_mode=mode),
+    "mxfp8_fwd_nvfp4_bwd": lambda mode: lowprec.CustomRecipe(
+        qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory, backward_mode=mode),
 }
 
 
@@ -200,14 +204,11 @@ def test_hybrid_recipes_run_the_plan_bit_for_bit(rname, mode, shape):
     _same(planned, eager)
 
 
-@pytest.mark.parametrize("rname", ["block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"])
+@pytest.mark.parametrize("rname", ["block", "nvfp4"])
 def test_other_kernel_recipes_keep_the_eager_function(rname):
     """Their forms launch eagerly but measured slower or holding more memory than the eager
     Function (``GraphOperand.eager``): eager calls keep it."""
-    recipe = {"block": lowprec.Float8BlockScaling, "mxfp8": lowprec.MXFP8BlockScaling,
-              "nvfp4": lowprec.NVFP4BlockScaling,
-              "mxfp8_fwd_nvfp4_bwd": lambda: lowprec.CustomRecipe(
-                  qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory)}[rname]()
+    recipe = {"block": lowprec.Float8BlockScaling, "nvfp4": lowprec.NVFP4BlockScaling}[rname]()
     m = lowprec.Linear(512, 512, bias=False, params_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     name, _ = _step(m, x, torch.ones(256, 512, device="cuda", dtype=torch.bfloat16), recipe)

@@ -5,6 +5,11 @@ values (``backends.exact_bf16``), elsewhere in the fp32 emulation.
 With the kernels (CUDA with Triton) the values are eager's Triton kernel's exact bf16
 values (``mxfp8_exact_inline``, which inductor launches itself), both directions in one
 pass where both are asked for; elsewhere torch ops (``formats.mxfp8.compiled``).
+
+An eager call (``GraphOperand.eager``) launches eager's own quantize (``mxfp8_quantize``:
+the Gluon kernel where it applies, no custom-op dispatch, the same bits), and its forward
+makes the input's columnwise values in the pass of its rowwise ones and keeps them for
+wgrad.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 
 from ..graph import Exact, GraphOperand, Kind, rounded
 from .compiled import dequantized_1x32, dequantized_32x1
-from .launch import mxfp8_exact_inline
+from .launch import mxfp8_exact_inline, mxfp8_quantize
 
 E5M2 = torch.float8_e5m2
 
@@ -32,12 +37,33 @@ class MXBlocks(GraphOperand):
     def launches_eagerly(self) -> bool:
         return self.kernel
 
+    @property
+    def eager(self) -> bool:
+        return self.kernel
+
     def kind(self, usage):
         return Kind("exact")
 
     def _launch(self, t, rowwise: bool, columnwise: bool):
-        row, col = mxfp8_exact_inline(t, self.fp8_dtype == E5M2, rowwise, columnwise)
+        e5m2 = self.fp8_dtype == E5M2
+        if torch.compiler.is_compiling():
+            row, col = mxfp8_exact_inline(t, e5m2, rowwise, columnwise)
+        else:
+            *_, row, col = mxfp8_quantize(t.contiguous(), e5m2, False, rowwise, columnwise, 0,
+                                          [], rowwise, columnwise, False)
         return Exact(row), Exact(col)
+
+    def forward(self, t, keep, held=False):
+        if keep and not held and self.kernel and not torch.compiler.is_compiling():
+            # an eager call: one pass makes both directions; wgrad reads the kept values
+            row, col = self._launch(t, True, True)
+            return row, (col.values, None)
+        return super().forward(t, keep, held)
+
+    def saved_columnwise(self, saved):
+        if len(saved) == 2:  # the columnwise values an eager forward kept
+            return Exact(saved[0])
+        return super().saved_columnwise(saved)
 
     def rowwise(self, t):
         if self.kernel:
