@@ -8,7 +8,7 @@ pass where both are asked for; elsewhere torch ops (``formats.mxfp8.compiled``).
 
 An eager call (``GraphOperand.eager``) launches eager's own quantize (``mxfp8_quantize``:
 the Gluon kernel where it applies, no custom-op dispatch, the same bits), and its forward
-makes the input's columnwise values in the pass of its rowwise ones and keeps them for
+makes the input's columnwise codes in the pass of its rowwise values and keeps them for
 wgrad.
 """
 
@@ -20,6 +20,7 @@ import torch
 
 from ..graph import Exact, GraphOperand, Kind, rounded
 from .compiled import dequantized_1x32, dequantized_32x1
+from .dequantize import mxfp8_dequantize_bf16
 from .launch import mxfp8_exact_inline, mxfp8_quantize
 
 E5M2 = torch.float8_e5m2
@@ -55,14 +56,17 @@ class MXBlocks(GraphOperand):
 
     def forward(self, t, keep, held=False):
         if keep and not held and self.kernel and not torch.compiler.is_compiling():
-            # an eager call: one pass makes both directions; wgrad reads the kept values
-            row, col = self._launch(t, True, True)
-            return row, (col.values, None)
+            # an eager call: one pass makes the rowwise values and the columnwise codes and
+            # scales, which the backward keeps (an element a byte, as the eager Function
+            # keeps them) and wgrad turns into its values
+            *_, cq, cs, re, _ = mxfp8_quantize(t.contiguous(), self.fp8_dtype == E5M2, False,
+                                               True, True, 0, [], True, False, True)
+            return Exact(re), (cq.view(self.fp8_dtype), cs)
         return super().forward(t, keep, held)
 
     def saved_columnwise(self, saved):
-        if len(saved) == 2:  # the columnwise values an eager forward kept
-            return Exact(saved[0])
+        if len(saved) == 2:  # the columnwise codes and scales an eager forward kept
+            return Exact(mxfp8_dequantize_bf16(*saved, 1))
         return super().saved_columnwise(saved)
 
     def rowwise(self, t):
