@@ -87,11 +87,14 @@ class Fp8(NamedTuple):
 
 class Blocks(NamedTuple):
     """Block-scaled FP8: ``data`` (R, C), encode ``scale`` per 1x128 (``dim`` 1) or
-    128x128 (``dim`` 2) block along C."""
+    128x128 (``dim`` 2) block along C; ``decode``: ``1 / scale`` in cuBLAS's layout where
+    eager's quantize kernel wrote it (an eager call; 1x128: (C/128, R) contiguous, 128x128:
+    the scale's shape), else None (the GEMM computes it)."""
 
     data: torch.Tensor
     scale: torch.Tensor
     dim: int
+    decode: Optional[torch.Tensor] = None
 
 
 class Exact(NamedTuple):

@@ -143,12 +143,20 @@ def _fp8_gemm_fake(a, a_scale, a_decode, b, b_scale, b_decode, bias, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
+def _block_decode(rep: Blocks) -> torch.Tensor:
+    """``1 / scale`` in cuBLAS's layout: 1x128 (R, K/128) as a contiguous (K/128, R);
+    128x128 contiguous as it is (the quantize kernel's copy where an eager call has one)."""
+    if rep.decode is not None:
+        return rep.decode
+    return decode_scale(rep.scale.t() if rep.dim == 1 else rep.scale).contiguous()
+
+
 def _cublas_fp8_block(a: Blocks, b: Blocks, out_dtype, bias, ops=None):
-    # 1x128 (R, K/128): contiguous (K/128, R), read as its transpose; 128x128 as it is
-    scale_a = (decode_scale(a.scale.t()).contiguous().t() if a.dim == 1
-               else decode_scale(a.scale).contiguous())
-    scale_b = (decode_scale(b.scale.t()).contiguous() if b.dim == 1
-               else decode_scale(b.scale).contiguous().t())
+    # mat(a)'s 1x128 scales read as the transpose of their (K/128, M) layout, mat(b)'s
+    # 128x128 ones transposed
+    da, db = _block_decode(a), _block_decode(b)
+    scale_a = da.t() if a.dim == 1 else da
+    scale_b = db if b.dim == 1 else db.t()
     fused = fusable_bias(bias, out_dtype)
     res = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b,
                            bias=bias if fused else None, out_dtype=out_dtype,

@@ -104,7 +104,8 @@ def test_evaluation_forward():
     assert torch.equal(y, y0)
 
 
-@pytest.mark.parametrize("recipe", [Float8CurrentScaling, lowprec.MXFP8BlockScaling])
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling, lowprec.MXFP8BlockScaling,
+                                    lowprec.Float8BlockScaling])
 def test_stack_keeps_no_more_memory(recipe):
     """Peak memory of a stack's training step: no more than the eager Function's."""
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -171,11 +172,12 @@ def test_linears_reading_one_input_share_its_quantize(monkeypatch):
 
 
 #: recipes whose forms run eager calls with eager's kernels besides current scaling: MXFP8,
-#: and hybrids whose rowwise half does (``GraphOperand.eager``)
+#: block FP8, and hybrids whose rowwise half does (``GraphOperand.eager``)
 RECIPES = {
     "fp8_row_mxfp8_col": lambda mode: lowprec.CustomRecipe(
         qfactory=factories.fp8_row_mxfp8_col_factory, backward_mode=mode),
     "mxfp8": lambda mode: lowprec.MXFP8BlockScaling(backward_mode=mode),
+    "block": lambda mode: lowprec.Float8BlockScaling(backward_mode=mode),
     "mxfp8_fwd_nvfp4_bwd": lambda mode: lowprec.CustomRecipe(
         qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory, backward_mode=mode),
 }
@@ -204,11 +206,10 @@ def test_hybrid_recipes_run_the_plan_bit_for_bit(rname, mode, shape):
     _same(planned, eager)
 
 
-@pytest.mark.parametrize("rname", ["block", "nvfp4"])
-def test_other_kernel_recipes_keep_the_eager_function(rname):
-    """Their forms launch eagerly but measured slower or holding more memory than the eager
-    Function (``GraphOperand.eager``): eager calls keep it."""
-    recipe = {"block": lowprec.Float8BlockScaling, "nvfp4": lowprec.NVFP4BlockScaling}[rname]()
+def test_nvfp4_keeps_the_eager_function():
+    """Its forms launch eagerly but measured holding more memory than the eager Function
+    (``GraphOperand.eager``): eager calls keep it."""
+    recipe = lowprec.NVFP4BlockScaling()
     m = lowprec.Linear(512, 512, bias=False, params_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     name, _ = _step(m, x, torch.ones(256, 512, device="cuda", dtype=torch.bfloat16), recipe)

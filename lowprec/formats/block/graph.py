@@ -6,7 +6,8 @@ a fraction of the GPU time of inductor's code for the same torch ops, and it mak
 directions in one pass. Elsewhere it is the reference's torch ops. Either way the blocks
 are eager's bit for bit. The backward quantizes the input and weight again from the
 tensors (a quantize is a function of its input), so no fp8 copy lives from forward to
-backward.
+backward in a graph. An eager call (``GraphOperand.eager``) launches eager's own quantize
+(the Gluon kernel where it applies) and keeps the input's fp8 blocks for wgrad.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from ...kernels import graph_op
 from ..graph import Blocks, GraphOperand, Kind, rounded
-from .launch import fp8_block_quantize_inline
+from .launch import fp8_block_quantize, fp8_block_quantize_inline
 from .reference import dequantize_blocks, quantize_blocks
 
 E5M2 = torch.float8_e5m2
@@ -34,6 +35,12 @@ def dequantized_blocks(data: torch.Tensor, scale: torch.Tensor, dim: int,
 @torch.library.register_fake("lowprec::dequantized_blocks")
 def _dequantized_blocks_fake(data, scale, dim, dtype):
     return data.new_empty(data.shape, dtype=dtype)
+
+
+def _transposed(rep: Blocks) -> Blocks:
+    """The columnwise form of 128x128 blocks: the rowwise ones transposed."""
+    return Blocks(rep.data.t().contiguous(), rep.scale.t().contiguous(), 2,
+                  None if rep.decode is None else rep.decode.t().contiguous())
 
 
 class _BlockForms(GraphOperand):
@@ -60,14 +67,40 @@ class Blockwise(_BlockForms):
     def launches_eagerly(self) -> bool:
         return self.kernel
 
+    @property
+    def eager(self) -> bool:
+        return self.kernel
+
     def kind(self, usage):
         return Kind("blocks", self.fp8_dtype, self.dim, pow2=self.pow2)
 
     def _launch(self, t, rowwise: bool, columnwise: bool):
-        rq, rs, _, cq, cs, _ = fp8_block_quantize_inline(
-            t, self.fp8_dtype == E5M2, self.dim, self.pow2, self.eps, rowwise, columnwise)
-        return (Blocks(rq.view(self.fp8_dtype), rs, self.dim),
-                Blocks(cq.view(self.fp8_dtype), cs, self.dim))
+        args = (self.fp8_dtype == E5M2, self.dim, self.pow2, self.eps, rowwise, columnwise)
+        if torch.compiler.is_compiling():
+            rq, rs, _, cq, cs, _ = fp8_block_quantize_inline(t, *args)
+            rd = cd = None
+        else:  # eager's own quantize (the Gluon kernel where it applies) and its decodes
+            rq, rs, rd, cq, cs, cd = fp8_block_quantize(t.contiguous(), *args, 0, [])
+        return (Blocks(rq.view(self.fp8_dtype), rs, self.dim, rd),
+                Blocks(cq.view(self.fp8_dtype), cs, self.dim, cd))
+
+    def forward(self, t, keep, held=False):
+        if keep and not held and self.kernel and not torch.compiler.is_compiling():
+            # an eager call keeps the fp8 blocks wgrad reads (made in the forward's pass)
+            # rather than the input: 1x128 blocks both directions in one pass, 128x128
+            # blocks the rowwise ones, which the backward transposes
+            row, col = self._launch(t, True, self.dim == 1)
+            kept = col if self.dim == 1 else row
+            return row, (kept.data, kept.scale, kept.decode)
+        return super().forward(t, keep, held)
+
+    def saved_columnwise(self, saved):
+        if len(saved) == 1:
+            return super().saved_columnwise(saved)
+        data, scale, decode = saved  # what an eager forward kept
+        if self.dim == 1:
+            return Blocks(data, scale, 1, decode)
+        return _transposed(Blocks(data, scale, 2, decode))
 
     def _reference(self, t):
         return Blocks(*quantize_blocks(rounded(t), self.fp8_dtype, self.dim, pow2=self.pow2,
@@ -80,8 +113,7 @@ class Blockwise(_BlockForms):
 
     def columnwise(self, t):
         if self.dim == 2:  # 128x128 blocks serve both directions, read transposed
-            data, scale, _ = self.rowwise(t)
-            return Blocks(data.t().contiguous(), scale.t().contiguous(), 2)
+            return _transposed(self.rowwise(t))
         if self.kernel:
             return self._launch(t, False, True)[1]
         return self._reference(t.t())
@@ -107,4 +139,4 @@ class GivenBlocks(_BlockForms):
         return Blocks(w.rowwise_data, w.rowwise_scale, 2)
 
     def columnwise(self, w):
-        return Blocks(w.rowwise_data.t().contiguous(), w.rowwise_scale.t().contiguous(), 2)
+        return _transposed(self.rowwise(w))
