@@ -105,7 +105,7 @@ def test_evaluation_forward():
 
 
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling, lowprec.MXFP8BlockScaling,
-                                    lowprec.Float8BlockScaling])
+                                    lowprec.Float8BlockScaling, lowprec.NVFP4BlockScaling])
 def test_stack_keeps_no_more_memory(recipe):
     """Peak memory of a stack's training step: no more than the eager Function's."""
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -172,12 +172,13 @@ def test_linears_reading_one_input_share_its_quantize(monkeypatch):
 
 
 #: recipes whose forms run eager calls with eager's kernels besides current scaling: MXFP8,
-#: block FP8, and hybrids whose rowwise half does (``GraphOperand.eager``)
+#: block FP8, NVFP4, and hybrids whose rowwise half does (``GraphOperand.eager``)
 RECIPES = {
     "fp8_row_mxfp8_col": lambda mode: lowprec.CustomRecipe(
         qfactory=factories.fp8_row_mxfp8_col_factory, backward_mode=mode),
     "mxfp8": lambda mode: lowprec.MXFP8BlockScaling(backward_mode=mode),
     "block": lambda mode: lowprec.Float8BlockScaling(backward_mode=mode),
+    "nvfp4": lambda mode: lowprec.NVFP4BlockScaling(backward_mode=mode),
     "mxfp8_fwd_nvfp4_bwd": lambda mode: lowprec.CustomRecipe(
         qfactory=factories.mxfp8_fwd_nvfp4_bwd_factory, backward_mode=mode),
 }
@@ -186,7 +187,7 @@ RECIPES = {
 @pytest.mark.parametrize("shape", [(256, 512, 512), (2, 128, 512, 1024)])
 @pytest.mark.parametrize("mode", ["default", "high_precision", "dequantized"])
 @pytest.mark.parametrize("rname", list(RECIPES))
-def test_hybrid_recipes_run_the_plan_bit_for_bit(rname, mode, shape):
+def test_kernel_recipes_run_the_plan_bit_for_bit(rname, mode, shape):
     """Shapes whose GEMMs the traced table runs (cuBLAS's block-scale layout wants K/128 a
     multiple of 4; a bf16 GEMM with a bias epilogue stays with the eager Function)."""
     *lead, k, n = shape
@@ -204,13 +205,3 @@ def test_hybrid_recipes_run_the_plan_bit_for_bit(rname, mode, shape):
     assert planned_fn == "TracedLinearBackward" and eager_fn != planned_fn, (planned_fn,
                                                                              eager_fn)
     _same(planned, eager)
-
-
-def test_nvfp4_keeps_the_eager_function():
-    """Its forms launch eagerly but measured holding more memory than the eager Function
-    (``GraphOperand.eager``): eager calls keep it."""
-    recipe = lowprec.NVFP4BlockScaling()
-    m = lowprec.Linear(512, 512, bias=False, params_dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    name, _ = _step(m, x, torch.ones(256, 512, device="cuda", dtype=torch.bfloat16), recipe)
-    assert name == "_QuantizedLinearBackward", name

@@ -30,6 +30,13 @@ from .launch import nvfp4_quantize, quantize_outputs
 from .reference import dequantize_matrix, quantize_matrix
 
 
+def keys(anchor: Tensor, count: int):
+    """:func:`draw_keys` in a graph; an eager call draws them directly (a list)."""
+    if torch.compiler.is_compiling():
+        return draw_keys(anchor, count)
+    return [draw_key(None, anchor.device) for _ in range(count)]
+
+
 @graph_op("nvfp4_draw_keys", tags=(torch.Tag.nondeterministic_seeded,))
 def draw_keys(anchor: Tensor, count: int) -> Tensor:
     """``count`` stochastic-rounding keys, (count, 2) int64 on ``anchor``'s device, drawn
@@ -62,8 +69,13 @@ def _graph_values_fake(x2d, key_row, key_col, rowwise, columnwise, rht, two_d):
 def kernel_values(x2d: Tensor, rowwise: bool, columnwise: bool, *, rht: bool, two_d: bool,
                   key_row: Optional[Tensor] = None, key_col: Optional[Tensor] = None):
     """((rowwise bf16 ``q * d``, S), (columnwise (K, M) ``q * d``, S)) of a 2-D CUDA input
-    in one pass of eager's kernels; a direction not asked for is (None, None)."""
-    rv, rs, cv, cs = _graph_values(x2d, key_row, key_col, rowwise, columnwise, rht, two_d)
+    in one pass of eager's kernels; a direction not asked for is (None, None). An eager
+    call launches them directly (no op dispatch)."""
+    if torch.compiler.is_compiling():
+        rv, rs, cv, cs = _graph_values(x2d, key_row, key_col, rowwise, columnwise, rht, two_d)
+    else:
+        _, _, rs, _, _, cs, rv, cv = nvfp4_quantize(x2d, key_row, key_col, rowwise, columnwise,
+                                                    rht, two_d, rowwise, columnwise, False)
     return (rv, rs) if rowwise else (None, None), (cv, cs) if columnwise else (None, None)
 
 

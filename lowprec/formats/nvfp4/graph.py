@@ -7,14 +7,21 @@ the input's columnwise values, made in the pass of its rowwise ones (one amax pa
 both, as eager's); a weight in 16x16 blocks with nearest rounding and no transform has the
 transpose of its rowwise values as its columnwise ones, so it keeps those and dgrad reads
 them transposed. A columnwise half on its own (a hybrid's) is made in the backward.
+
+An eager call (``GraphOperand.eager``) launches eager's quantize directly and draws its
+keys directly, and keeps the codes of those directions rather than their values (half a
+byte an element, as the eager Function keeps them); the backward turns them into values.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..graph import Exact, GraphOperand, Kind, rounded
 from . import compiled as fp4
+from .launch import nvfp4_dequantize_unscaled_bf16, nvfp4_quantize
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,10 @@ class FP4Blocks(GraphOperand):
         return self.kernel
 
     @property
+    def eager(self) -> bool:
+        return self.kernel
+
+    @property
     def transposes(self) -> bool:
         """Whether the columnwise values are the rowwise ones transposed (one global
         scale, the same blocks either way)."""
@@ -44,12 +55,15 @@ class FP4Blocks(GraphOperand):
         return Kind("exact", rht=self.kernel and self.rht and usage == "columnwise",
                     divisor=self.kernel)
 
+    def _keys(self, t, row: bool, col: bool):
+        """(rowwise key or None, columnwise key or None), drawn rowwise first."""
+        if not self.sr:
+            return None, None
+        keys = fp4.keys(t, int(row) + int(col))
+        return keys[0] if row else None, keys[int(row)] if col else None
+
     def _values(self, t, row: bool, col: bool):
-        keys = fp4.draw_keys(t, int(row) + int(col)) if self.sr else None
-        key_row = key_col = None
-        if keys is not None:
-            key_row = keys[0] if row else None
-            key_col = keys[int(row)] if col else None
+        key_row, key_col = self._keys(t, row, col)
         if self.kernel:
             (rv, rd), (cv, cd) = fp4.kernel_values(t, row, col, rht=self.rht, two_d=self.two_d,
                                                    key_row=key_row, key_col=key_col)
@@ -67,6 +81,16 @@ class FP4Blocks(GraphOperand):
     def forward(self, t, keep, held=False):
         if not keep:
             return self.rowwise(t), ()
+        if self.kernel and not torch.compiler.is_compiling() and not (held
+                                                                        and not self.transposes):
+            # an eager call keeps the codes backward reads (half a byte an element, as the
+            # eager Function keeps them), made in the forward's one pass: the columnwise
+            # ones, or for 16x16 blocks the rowwise ones, which dgrad reads transposed
+            col = not self.transposes
+            key_row, key_col = self._keys(t, True, col)
+            rd, rsc, rg, cd, csc, cg, rv, _ = nvfp4_quantize(
+                t, key_row, key_col, True, col, self.rht, self.two_d, True, False, True)
+            return Exact(rv, rg), ((cd, csc, cg) if col else (rd, rsc, rg))
         if self.transposes:
             row = self.rowwise(t)
             return row, (row.values, row.divisor)
@@ -81,6 +105,12 @@ class FP4Blocks(GraphOperand):
     def saved_columnwise(self, saved):
         if len(saved) == 1:
             return self.columnwise(saved[0])
+        if len(saved) == 3:  # the codes an eager forward kept
+            data, scale, glob = saved
+            values = nvfp4_dequantize_unscaled_bf16(data, scale, self.two_d)
+            if self.transposes:
+                return Exact(values.t().contiguous(), glob)
+            return Exact(values, glob, self.rht)
         values, divisor = saved
         if self.transposes:
             return Exact(values.t().contiguous(), divisor)
