@@ -305,7 +305,10 @@ class Quantizer:
 
     def quantize_fused(self, x: torch.Tensor, prologue) -> QuantizedTensor:
         """Quantize ``prologue(x)`` (a norm or an activation, see ``lowprec.fused``) without
-        writing it out: bit-identical to ``quantize(apply_prologue(x, prologue))``."""
+        writing it out: bit-identical to ``quantize(apply_prologue(x, prologue))``. Where
+        ``prologue(x)`` does not fill whole blocks, the prologue is written out first and
+        quantized as :meth:`quantize` quantizes partial blocks (the kernels would read the
+        prologue of padding, which is not zero)."""
         self._check_input(x)
         if not self.supports_fused(x):
             raise NotImplementedError(f"{type(self).__name__} has no fused quantize for "
@@ -314,10 +317,12 @@ class Quantizer:
             raise ValueError(f"{type(self).__name__} has both usages off; nothing to compute")
         shape = (*x.shape[:-1], prologue.out_features(x.shape[-1]))
         m, k = flatten_2d(shape)
-        self._check_shape(shape, m, k)
         if m == 0 or k == 0:
+            self._check_shape(shape, m, k)
             return self.make_empty(shape, dtype=x.dtype, device=x.device)
         x2d = x.detach().reshape(m, -1).contiguous()
+        if self._whole_blocks(shape, m, k) != (m, k):
+            return self.quantize(prologue.apply(x2d).reshape(shape))
         return self._tensor_class()(shape, x.dtype, **self._quantize_2d_fused(x2d, prologue))
 
     #: Whether :meth:`slice_quantizer` reads the whole tensor first (per-tensor amax).

@@ -47,6 +47,10 @@ class Prologue:
     def kernel_tensors(self) -> list[torch.Tensor]:
         return list(self.tensors)
 
+    def apply(self, x2d: torch.Tensor) -> torch.Tensor:
+        """This prologue of ``x2d`` written out in its dtype (:func:`apply_prologue`)."""
+        return apply_prologue(x2d, self)
+
 
 def activation_prologue(name: str) -> Prologue | None:
     """The prologue of an activation, None when there is no kernel for it."""
