@@ -160,10 +160,9 @@ class GraphOperand:
     reads_state = False
     #: whether an eager call whose input and weight take this form runs the plan
     #: (``lowprec.linear.traced.eager_plan``; dY's form need only launch eagerly): per-tensor
-    #: current scaling, block FP8 and MXFP8 with their kernels, and hybrids whose rowwise
-    #: half is one of them. On the "1b" model each is faster than the eager Function at no
-    #: more memory (``tools/ab_eager_plan.py``). NVFP4's forms launch eagerly too but
-    #: measured holding more memory, so NVFP4 keeps the eager Function
+    #: current scaling, block FP8, MXFP8 and NVFP4 with their kernels, and hybrids whose
+    #: rowwise half is one of them. On the "1b" model each is faster than the eager
+    #: Function at no more memory (``tools/ab_eager_plan.py``)
     eager = False
     #: whether this form's ops run outside a graph (eager's kernels, launched directly)
     launches_eagerly = False
