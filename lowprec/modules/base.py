@@ -223,10 +223,28 @@ class LowprecModule(CompiledCallMixin, ScalingStateMixin, QuantizedWeightsMixin,
         if cached is not None and all(a is b for a, b in zip(cached[0], key)):
             return cached[1], recipe.backward_mode, callback
         out = self._linear_quantizers(fwd.quantizers, bwd.quantizers)
+        self._check_quantized_weights(recipe, out)
         # Reused while the states are: the quantizers are the states' own objects, and
         # which slots a module quantizes does not change between calls.
         self._gemm_quantizers_of = (key, out)
         return out, recipe.backward_mode, callback
+
+    def _check_quantized_weights(self, recipe, gemms: list[LinearQuantizers]) -> None:
+        """Refuse a weight quantized in another format than ``recipe``'s weight quantizer
+        makes (``quantized_model_init`` under one recipe, autocast under another): its
+        GEMMs would read a format the recipe never asked for."""
+        for name, q in zip(self._weight_names(), gemms):
+            w = getattr(self, name, None)
+            if not isinstance(w, QuantizedTensor) or q.weight is None:
+                continue
+            made = q.weight._tensor_class()
+            if type(w) is not made:
+                raise RuntimeError(
+                    f"Recipe mismatch for {type(self).__name__} {self.name!r}: its {name} is a "
+                    f"{type(w).__name__}, but {type(recipe).__name__}'s weight quantizer "
+                    f"({type(q.weight).__name__}) makes {made.__name__}; run it under the recipe "
+                    f"its weights were quantized with, or quantize them under this one "
+                    f"(lowprec.quantized_model_init(recipe=...))")
 
     def _linear_quantizers(self, fq: list, bq: list) -> list[LinearQuantizers]:
         """Per-GEMM quantizers from the forward slots ``fq`` and backward slots ``bq``."""

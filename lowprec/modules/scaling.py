@@ -4,6 +4,7 @@ forwards under other recipes, and the per-GEMM quantizers read from them."""
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -115,6 +116,13 @@ class ScalingStateMixin:
     def _state(self, mode: str, recipe, device) -> RecipeState:
         state = self._recipe_states[mode]
         if not _holds(state, recipe):
+            if mode == "forward" and state is not None and type(state.recipe) is not type(recipe):
+                warnings.warn(
+                    f"Recipe type changed from {type(state.recipe).__name__} to "
+                    f"{type(recipe).__name__} for {type(self).__name__} {self.name!r}: its "
+                    f"quantizers are rebuilt for the new recipe (delayed scaling's state is "
+                    f"kept and taken up again when that recipe returns)", UserWarning,
+                    stacklevel=4)
             state = self._new_state(mode, recipe, device)
         return state
 
