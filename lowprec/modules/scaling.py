@@ -116,15 +116,21 @@ class ScalingStateMixin:
     def _state(self, mode: str, recipe, device) -> RecipeState:
         state = self._recipe_states[mode]
         if not _holds(state, recipe):
-            if mode == "forward" and state is not None and type(state.recipe) is not type(recipe):
-                warnings.warn(
-                    f"Recipe type changed from {type(state.recipe).__name__} to "
-                    f"{type(recipe).__name__} for {type(self).__name__} {self.name!r}: its "
-                    f"quantizers are rebuilt for the new recipe (delayed scaling's state is "
-                    f"kept and taken up again when that recipe returns)", UserWarning,
-                    stacklevel=4)
             state = self._new_state(mode, recipe, device)
         return state
+
+    def _warn_on_recipe_type_change(self, recipe) -> None:
+        """Warn where a forward runs under a recipe of another type than the module's
+        quantizers were last built for (their state is rebuilt), as Transformer Engine
+        does."""
+        held = self._recipe_states["forward"]
+        if held is None or held.recipe is recipe or type(held.recipe) is type(recipe):
+            return
+        warnings.warn(
+            f"Recipe type changed from {type(held.recipe).__name__} to {type(recipe).__name__} "
+            f"for {type(self).__name__} {self.name!r}: its quantizers are rebuilt for the new "
+            f"recipe (delayed scaling's state is kept and taken up again when that recipe "
+            f"returns)", UserWarning, stacklevel=4)
 
     def _new_state(self, mode: str, recipe, device) -> RecipeState:
         """The state for ``recipe`` under the current roles. A module's delayed-scaling state
@@ -179,6 +185,7 @@ class ScalingStateMixin:
                 check_not_recomputing(self, delayed=False)
             return None
         recipe = region.recipe
+        self._warn_on_recipe_type_change(recipe)
         fwd, bwd = self._state("forward", recipe, device), self._state("backward", recipe, device)
         if frame is not None:
             record(self, (recipe, fwd, bwd, region.group))
