@@ -5,6 +5,7 @@ weights (``quantized_weights``) and its parameters (``params``) have files of th
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch import nn
@@ -232,11 +233,15 @@ class LowprecModule(CompiledCallMixin, ScalingStateMixin, QuantizedWeightsMixin,
     def _check_quantized_weights(self, recipe, gemms: list[LinearQuantizers]) -> None:
         """Refuse a weight quantized in another format than ``recipe``'s weight quantizer
         makes (``quantized_model_init`` under one recipe, autocast under another): its
-        GEMMs would read a format the recipe never asked for."""
+        GEMMs would read a format the recipe never asked for. Under a recipe of the same
+        format but other settings, warn: the weights stay quantized, and are re-quantized
+        after each optimizer step, under the recipe they were made with."""
+        quantized = False
         for name, q in zip(self._weight_names(), gemms):
             w = getattr(self, name, None)
             if not isinstance(w, QuantizedTensor) or q.weight is None:
                 continue
+            quantized = True
             made = q.weight._tensor_class()
             if type(w) is not made:
                 raise RuntimeError(
@@ -245,6 +250,13 @@ class LowprecModule(CompiledCallMixin, ScalingStateMixin, QuantizedWeightsMixin,
                     f"({type(q.weight).__name__}) makes {made.__name__}; run it under the recipe "
                     f"its weights were quantized with, or quantize them under this one "
                     f"(lowprec.quantized_model_init(recipe=...))")
+        init = getattr(self, "_init_recipe", None)
+        if quantized and init is not None and init is not recipe and init != recipe:
+            warnings.warn(
+                f"Quantizer is being updated, this may affect model behavior: "
+                f"{type(self).__name__} {self.name!r} runs under {recipe!r}, its weights stay "
+                f"quantized (and are re-quantized after each optimizer step) under {init!r}, "
+                f"the recipe of their quantized_model_init", UserWarning, stacklevel=4)
 
     def _linear_quantizers(self, fq: list, bq: list) -> list[LinearQuantizers]:
         """Per-GEMM quantizers from the forward slots ``fq`` and backward slots ``bq``."""

@@ -100,7 +100,24 @@ def test_weights_of_the_format_the_recipe_makes_run(init, run):
     with lowprec.quantized_model_init(enabled=True, recipe=init()):
         m = lowprec.Linear(128, 128, params_dtype=BF16)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Recipe type changed")
+        warnings.simplefilter("ignore")  # the recipe-type and quantizer-update warnings
         with lowprec.autocast(recipe=run()):
             y = m(torch.randn(64, 128, dtype=BF16))
     assert y.shape == (64, 128) and torch.isfinite(y.float()).all()
+
+
+@pytest.mark.parametrize("cls", [lowprec.Linear, lowprec.LayerNormLinear, lowprec.LayerNormMLP,
+                                 lowprec.GroupedLinear])
+def test_quantized_weights_under_other_settings_warn(cls):
+    """Transformer Engine's quantizer-update warning: weights made under one DelayedScaling,
+    a forward under another (same format, other settings)."""
+    with lowprec.quantized_model_init(recipe=lowprec.DelayedScaling(amax_history_len=1024)):
+        m = _module(cls)
+    x = torch.randn(64, 128, dtype=BF16)
+    with pytest.warns(UserWarning, match="Quantizer is being updated"):
+        with lowprec.autocast(recipe=lowprec.DelayedScaling(amax_history_len=1)):
+            _forward(m, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # under the recipe the weights were made with: silent
+        with lowprec.autocast(recipe=lowprec.DelayedScaling(amax_history_len=1024)):
+            _forward(m, x)
