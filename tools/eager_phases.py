@@ -74,7 +74,6 @@ def _analyse(trace: dict, steps: int) -> dict:
                                     for name, (ms, n) in out[p]["cpu_ops"].items()),
                                    reverse=True)[:25]
     prev_end = None
-    waits = []
     for start, end, launched, name in kernels:
         p = phase_of(launched) if launched is not None else None
         if p is not None:
@@ -83,7 +82,6 @@ def _analyse(trace: dict, steps: int) -> dict:
             if prev_end is not None and start > prev_end and launched > prev_end:
                 gap = (start - prev_end) / 1e3
                 out[p]["launch_wait_ms"] += gap
-                waits.append((gap, p, name))
         prev_end = end if prev_end is None else max(prev_end, end)
     for p in PHASES:
         for k in ("host_ms", "gpu_busy_ms", "launch_wait_ms"):

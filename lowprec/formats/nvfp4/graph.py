@@ -81,8 +81,7 @@ class FP4Blocks(GraphOperand):
     def forward(self, t, keep, held=False):
         if not keep:
             return self.rowwise(t), ()
-        if self.kernel and not torch.compiler.is_compiling() and not (held
-                                                                        and not self.transposes):
+        if self.kernel and not torch.compiler.is_compiling() and (self.transposes or not held):
             # an eager call keeps the codes backward reads (half a byte an element, as the
             # eager Function keeps them), made in the forward's one pass: the columnwise
             # ones, or for 16x16 blocks the rowwise ones, which dgrad reads transposed
@@ -105,12 +104,9 @@ class FP4Blocks(GraphOperand):
     def saved_columnwise(self, saved):
         if len(saved) == 1:
             return self.columnwise(saved[0])
-        if len(saved) == 3:  # the codes an eager forward kept
+        if len(saved) == 3:  # the codes an eager forward kept: their values first
             data, scale, glob = saved
-            values = nvfp4_dequantize_unscaled_bf16(data, scale, self.two_d)
-            if self.transposes:
-                return Exact(values.t().contiguous(), glob)
-            return Exact(values, glob, self.rht)
+            saved = (nvfp4_dequantize_unscaled_bf16(data, scale, self.two_d), glob)
         values, divisor = saved
         if self.transposes:
             return Exact(values.t().contiguous(), divisor)
