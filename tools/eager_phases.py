@@ -5,11 +5,15 @@ a launch (a kernel whose launch came after the previous kernel had ended), with 
 Python functions that keep the host longest in the forward (cProfile, own time).
 
     python tools/eager_phases.py [--model 1b] [--peers bf16,lowprec-current] [--json out.json]
+
+A peer named ``<peer>:function`` runs its eager calls on the eager Function
+(``traced.eager_plans_off``) rather than the traced plan.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -26,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from bench_model import MODELS, lm_loss, make_optimizer, make_peer  # noqa: E402
+
+from lowprec.linear import traced  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -140,7 +146,9 @@ def main() -> None:
     args = ap.parse_args()
     results = {}
     for peer in args.peers.split(","):
-        res = run(peer, args.model, args.steps, args.top)
+        name, _, engine = peer.partition(":")
+        with traced.eager_plans_off() if engine == "function" else contextlib.nullcontext():
+            res = run(name, args.model, args.steps, args.top)
         results[peer] = res
         print(f"== {peer}: step {res['step_ms']} ms, GPU busy {res['gpu_busy_ms']} ms")
         for p in PHASES:

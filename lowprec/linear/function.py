@@ -396,12 +396,11 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
         skip = getattr(on_backward_done, "skip", None)
         if skip is not None:
             skip()
-    if (quantizers is not None and on_backward_done is None and not _caching_weights()
-            and current_frame() is None):
+    if quantizers is not None and not _caching_weights() and current_frame() is None:
         # the plan a compiled call traces, where its forms run eagerly too (one engine)
         plan = traced.eager_plan(quantizers, backward_mode, x, weight, bias)
         if plan is not None:
-            return traced.run_plan(plan, x, weight, bias)
+            return traced.run_plan(plan, x, weight, bias, quantizers, on_backward_done)
     pad_k, pad_n = feature_padding(quantizers, x, weight)
     if pad_k or pad_n:
         # zero columns along K (x, weight) and rows along N (weight, bias; dY gets zero

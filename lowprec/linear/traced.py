@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -273,7 +273,7 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
     default = backward_mode == BackwardMode.DEFAULT
     if not quantized_w and _feature_padding(q, k, n):
         return "eager pads K or N to whole blocks"
-    if not quantized_w and row_padding(q, x, backward_mode, need_dw):
+    if row_padding(q, x, backward_mode, need_dw):
         return "eager pads M to whole blocks"
     if exact_split.applies(q, x, weight, backward_mode, need_dx, need_dw):
         return "eager slices the whole call (grad_split.sliced)"
@@ -349,6 +349,29 @@ def _delayed_forward(plan: TracedPlan, x2d, weight, fwd):
             (Fp8(plan.w.cast(weight, ws), ws, wd), (weight, ws, wd)))
 
 
+@dataclass(frozen=True)
+class StateQuantizers:
+    """An eager delayed-scaling call's own quantizers (a ``LinearQuantizers`` of the
+    module's state: the quantizes read its scales and record amaxes into it) and the
+    module's end-of-backward callback, which updates the backward state."""
+
+    quantizers: object
+    done: Optional[Callable[[], None]] = None
+
+
+def _state_forward(plan: TracedPlan, x2d, weight, q, need_dx: bool, need_dw: bool):
+    """fprop's operands of an eager delayed-scaling call and what backward keeps: x's
+    columnwise codes from the same pass; a parameter weight as it is (cast columnwise in
+    backward with fprop's scale), another weight's columnwise codes."""
+    xr, xc = plan.x.state_quantize(x2d, q.input, True, need_dw)
+    held = isinstance(weight, torch.nn.Parameter)
+    wr, wc = plan.w.state_quantize(weight, q.weight, True, need_dx and not held)
+    x_keep = (xc.data, xc.scale, xc.decode) if need_dw else ()
+    w_keep = () if not need_dx else ((weight, wr.scale, wr.decode) if held
+                                     else (wc.data, wc.scale, wc.decode))
+    return (xr, x_keep), (wr, w_keep)
+
+
 class TracedLinear(torch.autograd.Function):
     """``y = x @ weight.T + bias`` over a :class:`TracedPlan`: fprop reads the input and
     weight rowwise; in the default mode dgrad reads dY rowwise and the weight columnwise,
@@ -364,25 +387,31 @@ class TracedLinear(torch.autograd.Function):
         # needs_input_grad ignores no_grad(): an evaluation forward keeps nothing
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
-        if plan.delayed:
+        ctx.state = fwd if isinstance(fwd, StateQuantizers) else None
+        default = plan.mode == BackwardMode.DEFAULT
+        if plan.delayed and ctx.state is None:  # a traced delayed-scaling call
             (xr, x_keep), (wr, w_keep) = _delayed_forward(plan, x2d, weight, fwd)
             x_keep, w_keep = x_keep if need_dw else (), w_keep if need_dx else ()
             ctx.save_for_backward(*x_keep, *w_keep, *bwd[:4])
             ctx.update = bwd[4:]
-        elif plan.mode == BackwardMode.DEFAULT:
-            # q/k/v (gate/up) read one input: one quantize serves them (``shared_input``)
-            xr, x_keep = shared_input.shared_form(plan.x, x, need_dw,
-                                                  lambda: plan.x.forward(x2d, need_dw))
-            wr, w_keep = plan.w.forward(weight, need_dx,
-                                        held=isinstance(weight, torch.nn.Parameter))
         else:
-            xr, wr = plan.x.rowwise(x2d), plan.w.rowwise(weight)
+            if ctx.state is not None:  # an eager delayed-scaling call
+                (xr, x_keep), (wr, w_keep) = _state_forward(
+                    plan, x2d, weight, fwd.quantizers, default and need_dx,
+                    default and need_dw)
+            elif default:
+                # q/k/v (gate/up) read one input: one quantize serves them (``shared_input``)
+                xr, x_keep = shared_input.shared_form(plan.x, x, need_dw,
+                                                      lambda: plan.x.forward(x2d, need_dw))
+                wr, w_keep = plan.w.forward(weight, need_dx,
+                                            held=isinstance(weight, torch.nn.Parameter))
+            else:
+                xr, wr = plan.x.rowwise(x2d), plan.w.rowwise(weight)
             if plan.mode == BackwardMode.HIGH_PRECISION:
                 x_keep, w_keep = (x2d,) if need_dw else (), (weight,) if need_dx else ()
-            else:
+            elif plan.mode == BackwardMode.DEQUANTIZED:
                 x_keep = (plan.x.dequantized(xr, x.dtype),) if need_dw else ()
                 w_keep = (plan.w.dequantized(wr, weight.dtype),) if need_dx else ()
-        if not plan.delayed:
             ctx.save_for_backward(*x_keep, *w_keep)
         ctx.n_saved = (len(x_keep), len(w_keep))
         y = traced_gemm(plan.routes[0], xr, wr, x.dtype, bias,
@@ -391,7 +420,10 @@ class TracedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return (*steps.traced_backward(ctx, dy, TracedLinear._grads), None, None, None)
+        grads = steps.traced_backward(ctx, dy, TracedLinear._grads)
+        if ctx.state is not None and ctx.state.done is not None:
+            ctx.state.done()  # the module's backward state update (delayed scaling)
+        return (*grads, None, None, None)
 
     @staticmethod
     def _grads(ctx, dy2d, need_dx, need_dw, *saved):
@@ -404,6 +436,9 @@ class TracedLinear(torch.autograd.Function):
             dw = _hp_product(dy2d.t(), x_keep[0].t(), ctx.w_dtype) if need_dw else None
             dx = _hp_product(dy2d, w_keep[0].t(), ctx.x_dtype) if need_dx else None
             return dx, dw
+        if ctx.state is not None:
+            dy = plan.dy.state_quantize(dy2d, ctx.state.quantizers.grad_output, need_dx, need_dw)
+            return TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
         if plan.delayed:
             scale, amax, history, fp8_max = saved[nx + nw:]
             dyq, dys, seen = plan.dy.delayed(dy2d, scale[0:1])
@@ -529,10 +564,12 @@ class _NoPlan:
 
 
 def run_plan(plan: TracedPlan, x: torch.Tensor, weight: torch.Tensor,
-             bias: torch.Tensor | None) -> torch.Tensor:
+             bias: torch.Tensor | None, q=None, done=None) -> torch.Tensor:
     """``x @ weight.T + bias`` of an eager call through :func:`eager_plan`'s plan (operands
-    already in one dtype, torch.autocast off)."""
-    return TracedLinear.apply(x, weight, bias, plan, torch.is_grad_enabled(), None, None)
+    already in one dtype, torch.autocast off). Delayed scaling's quantizes read and record
+    into the state of its quantizers ``q``; ``done``: the module's end-of-backward callback."""
+    state = StateQuantizers(q, done) if plan.delayed else None
+    return TracedLinear.apply(x, weight, bias, plan, torch.is_grad_enabled(), state, None)
 
 
 def reads_recipe_weights(recipe) -> bool:

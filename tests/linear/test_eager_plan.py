@@ -1,10 +1,11 @@
 """Eager calls that run the traced plan (``lowprec.linear.traced.eager_plan``): where every
-form of a call's plan runs eagerly with eager's kernels (per-tensor FP8 current scaling on
-CUDA with Triton), an eager Linear runs :class:`TracedLinear`, the Function a compiled call
-traces. Its results are the eager Function's bit for bit (``eager_plans_off`` runs that
-one), and it keeps no more memory."""
+form of a call's plan runs eagerly with eager's kernels (CUDA with Triton), an eager Linear
+runs :class:`TracedLinear`, the Function a compiled call traces. Its results are the eager
+Function's bit for bit (``eager_plans_off`` runs that one), and it keeps no more memory."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -14,11 +15,14 @@ from lowprec import Float8CurrentScaling, factories
 from lowprec.kernels import triton_available
 from lowprec.linear import traced
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()),
-                       reason="needs a CUDA device with Triton"),
-]
+_KERNELS = torch.cuda.is_available() and triton_available()
+
+
+def gpu(test):
+    """A test of the kernels' eager forms."""
+    return pytest.mark.gpu(pytest.mark.skipif(not _KERNELS,
+                                              reason="needs a CUDA device with Triton")(test))
+
 
 
 def _step(m, x, dy, recipe, **kw):
@@ -51,6 +55,7 @@ def _same(a, b):
             assert torch.equal(u, v), (i, (u.float() - v.float()).abs().max())
 
 
+@gpu
 @pytest.mark.parametrize("shape", [(128, 256, 512), (100, 256, 384), (2, 48, 512, 256)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("mode", ["default", "high_precision", "dequantized"])
@@ -68,6 +73,7 @@ def test_linear_runs_the_plan_bit_for_bit(shape, bias, mode):
     _same(planned, eager)
 
 
+@gpu
 def test_fp32_weights_under_torch_autocast():
     """torch.autocast casts the fp32 weight (its gradient stays fp32); the cast copy is no
     parameter, so the forward keeps its fp8 columnwise codes."""
@@ -80,6 +86,7 @@ def test_fp32_weights_under_torch_autocast():
     _same(planned, eager)
 
 
+@gpu
 def test_weight_only_and_input_only_gradients():
     gen = torch.Generator(device="cuda").manual_seed(2)
     m = lowprec.Linear(256, 256, bias=False, params_dtype=torch.bfloat16, device="cuda")
@@ -92,6 +99,7 @@ def test_weight_only_and_input_only_gradients():
     _same(planned, eager)
 
 
+@gpu
 def test_evaluation_forward():
     gen = torch.Generator(device="cuda").manual_seed(3)
     m = lowprec.Linear(256, 128, params_dtype=torch.bfloat16, device="cuda")
@@ -106,6 +114,7 @@ def test_evaluation_forward():
 
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling, lowprec.MXFP8BlockScaling,
                                     lowprec.Float8BlockScaling, lowprec.NVFP4BlockScaling])
+@gpu
 def test_stack_keeps_no_more_memory(recipe):
     """Peak memory of a stack's training step: no more than the eager Function's."""
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -135,6 +144,7 @@ def test_stack_keeps_no_more_memory(recipe):
     assert planned <= eager * 1.02, (planned, eager)
 
 
+@gpu
 def test_linears_reading_one_input_share_its_quantize(monkeypatch):
     """q/k/v read one input: one quantize of it serves the three (``shared_input``), bit
     for bit as each would make it, as the eager Function shares it."""
@@ -184,6 +194,7 @@ RECIPES = {
 }
 
 
+@gpu
 @pytest.mark.parametrize("shape", [(256, 512, 512), (2, 128, 512, 1024)])
 @pytest.mark.parametrize("mode", ["default", "high_precision", "dequantized"])
 @pytest.mark.parametrize("rname", list(RECIPES))
@@ -205,3 +216,72 @@ def test_kernel_recipes_run_the_plan_bit_for_bit(rname, mode, shape):
     assert planned_fn == "TracedLinearBackward" and eager_fn != planned_fn, (planned_fn,
                                                                              eager_fn)
     _same(planned, eager)
+
+
+# ---- delayed scaling: the quantizes read and record into the module's own state ----------
+def _delayed_module(kind: str, device: str, dtype):
+    build = {"Linear": lambda: lowprec.Linear(128, 256, params_dtype=dtype, device=device),
+             "LayerNormLinear": lambda: lowprec.LayerNormLinear(128, 256, params_dtype=dtype,
+                                                                device=device),
+             "LayerNormMLP": lambda: lowprec.LayerNormMLP(128, 256, params_dtype=dtype,
+                                                          device=device)}[kind]
+    torch.manual_seed(0)
+    a, b = build(), build()
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def _scaling_state(m) -> dict:
+    return {f"{mode}.{name}": t.clone() for mode, sd in m.scaling_state().items()
+            for name, t in sd.items()}
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_delayed_scaling_runs_the_plan_bit_for_bit(kind):
+    """DelayedScaling, the default recipe: over training steps whose amaxes move the
+    scales, each followed by an evaluation forward, the plan's outputs, gradients and the
+    whole scaling state (histories, scales, recorded amaxes) equal the eager Function's.
+    The backward state updates at the end of each module's backward (the module's
+    callback, which counts a LayerNormMLP's two GEMMs)."""
+    dtype, device = torch.bfloat16, "cuda"
+    recipe = lowprec.DelayedScaling(amax_history_len=3, margin=1)
+    planned_m, eager_m = _delayed_module(kind, device, dtype)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x = (torch.randn(64, 128, generator=gen) * 4.0 ** step).to(device, dtype)
+        dy = (torch.randn(64, 256 if kind != "LayerNormMLP" else 128, generator=gen)
+              / 2.0 ** step).to(device, dtype)
+        runs = []
+        for m, off in ((planned_m, False), (eager_m, True)):
+            with traced.eager_plans_off() if off else contextlib.nullcontext():
+                fn, out = _step(m, x.requires_grad_(True), dy, recipe)
+                with torch.no_grad(), lowprec.autocast(recipe=recipe):
+                    out.append(m(x))
+            runs.append((fn, out))
+        (planned_fn, planned), (eager_fn, eager) = runs
+        assert planned_fn == "TracedLinearBackward" or kind != "Linear", planned_fn
+        assert eager_fn != "TracedLinearBackward", eager_fn
+        _same(planned, eager)
+        want, got = _scaling_state(eager_m), _scaling_state(planned_m)
+        assert want.keys() == got.keys() and want
+        for k in want:
+            assert torch.equal(got[k], want[k]), (step, k)
+    assert want["forward.scale"][0] != 1 and want["backward.scale"][0] != 1  # they moved
+
+
+@gpu
+def test_delayed_scaling_plan_holds_what_the_function_holds():
+    """The forward keeps x's columnwise fp8 codes and the weight parameter itself (its
+    columnwise codes are cast in backward with fprop's scale): an element a byte."""
+    dtype, device = torch.bfloat16, "cuda"
+    m = lowprec.Linear(128, 256, bias=False, params_dtype=dtype, device=device)
+    x = torch.randn(64, 128, device=device, dtype=dtype, requires_grad=True)
+    with lowprec.autocast(recipe=lowprec.DelayedScaling()):
+        y = m(x)
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+    assert any(t is m.weight for t in saved)
+    codes = [t for t in saved if t.dtype == torch.float8_e4m3fn]
+    assert [tuple(t.shape) for t in codes] == [(128, 64)]
+    rest = [t for t in saved if t is not m.weight and t.dtype != torch.float8_e4m3fn]
+    assert rest and all(t.numel() <= 1 for t in rest)  # the scale and its reciprocal

@@ -27,6 +27,7 @@ from .launch import (
     DECODE_AT,
     PreparedCurrent,
     PreparedUsageLike,
+    delayed_codes,
     fp8_cast_with_scale,
     fp8_current_quantize,
     kept_amax_words,
@@ -282,10 +283,50 @@ class Delayed(Tensorwise):
 
     reads_state = True
 
+    @property
+    def eager(self) -> bool:
+        # an eager call quantizes with its quantizers' own state (``state_quantize``)
+        return self.kernel
+
+    launches_eagerly = eager
+
     def delayed(self, t: torch.Tensor, scale: torch.Tensor):
         """(fp8 data, the scale cast with, the amax to record) of ``t`` under the state's
         1-element ``scale``."""
         return fp8_delayed(t, scale, self.fp8_dtype, self.materialized)
+
+    def state_quantize(self, t: torch.Tensor, quantizer, row: bool, col: bool):
+        """(rowwise Fp8 or None, columnwise Fp8 or None) of the 2-D ``t`` in an eager call
+        (``kernel``), as ``quantizer`` (a ``Float8Quantizer`` of the module's state)
+        quantizes it: one launch, bound once per kind of input (``launch.PreparedDelayed``),
+        that casts with the state's scale (NaN where ``t`` is not finite) and records the
+        amax into the state in place."""
+        if not (row or col):
+            return None, None
+        t = t.contiguous()
+        fields = self._bound_delayed(quantizer, t, row, col)
+        if fields is not None:
+            record, scale = fields["_decode"], fields["shared_scale"]
+            decode = record[2] if record is not None else None
+            r, c = fields["rowwise_data"], fields["columnwise_data"]
+        else:  # the first calls (they compile and bind), or one the bound launch refuses
+            r, c, scales = delayed_codes(quantizer, t, row, col)
+            scale, decode = scales[0:1], scales[DECODE_AT]
+            r, c = r.view(self.fp8_dtype), c.view(self.fp8_dtype)
+        return (Fp8(r, scale, decode) if row else None,
+                Fp8(c, scale, decode) if col else None)
+
+    @staticmethod
+    def _bound_delayed(quantizer, t: torch.Tensor, row: bool, col: bool) -> dict | None:
+        """``quantizer``'s prepared quantize of ``t``'s kind (kept on it), or None."""
+        kept = quantizer.__dict__.setdefault("_state_prepared", {})
+        key = (t.shape, t.dtype, t.device, row, col)
+        prepared = kept.get(key, False)
+        if prepared is False:
+            if len(kept) >= _MAX_PREPARED:
+                kept.clear()
+            prepared = kept[key] = quantizer._prepared(t.shape, t.dtype, t.device, row, col)
+        return prepared(t) if prepared is not None else None
 
 
 @dataclass(frozen=True)

@@ -581,19 +581,28 @@ def kept_amax_words(quantizer, device: torch.device) -> Optional[torch.Tensor]:
 def quantize_delayed(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
     """Float8Quantizer._quantize_2d through the kernels: records the amax into
     ``quantizer.amax`` in place and keeps a copy of the (NaN-poisoned) scale."""
+    row, col, scale_out = delayed_codes(quantizer, x2d, quantizer.rowwise_usage,
+                                        quantizer.columnwise_usage, prologue)
+    return _kernel_fields(quantizer, row, col, scale_out)
+
+
+def delayed_codes(quantizer, x2d: torch.Tensor, rowwise: bool, columnwise: bool,
+                  prologue=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rowwise codes, columnwise codes, scale buffer) of a delayed-scaling quantize of
+    ``x2d`` with ``quantizer``'s state (``fp8_delayed_quantize``: its amax recorded into
+    ``quantizer.amax`` in place, the buffer holding the scale cast with and its
+    reciprocal at ``DECODE_AT``); codes as uint8."""
     scale = quantizer.scale.detach().reshape(1).to(device=x2d.device, dtype=torch.float32)
     target = quantizer.amax
     direct = (target.device == x2d.device and target.dtype == torch.float32
               and target.is_contiguous())
     amax = target if direct else torch.empty(1, dtype=torch.float32, device=x2d.device)
-    row, col, scale_out = fp8_delayed_quantize(
-        x2d, scale, amax,
-        quantizer.fp8_dtype == torch.float8_e5m2, quantizer.rowwise_usage,
-        quantizer.columnwise_usage, *prologue_launch_args(prologue),
-        kept_amax_words(quantizer, x2d.device))
+    out = fp8_delayed_quantize(
+        x2d, scale, amax, quantizer.fp8_dtype == torch.float8_e5m2, rowwise, columnwise,
+        *prologue_launch_args(prologue), kept_amax_words(quantizer, x2d.device))
     if not direct:
         target.copy_(amax.reshape(target.shape))
-    return _kernel_fields(quantizer, row, col, scale_out)
+    return out
 
 
 # ---- delayed-scaling state update ---------------------------------------------------------

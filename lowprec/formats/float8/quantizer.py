@@ -26,9 +26,11 @@ class _PerTensorFloat8(Quantizer):
     def __getstate__(self):
         # The kernels' kept amax words (launch.kept_amax_words) are this object's, on this
         # process's devices and streams: a copy (copy(), deepcopy, pickling) may quantize
-        # while this one does, or elsewhere, and makes its own.
+        # while this one does, or elsewhere, and makes its own; so are the launches bound
+        # to its state (graph.Delayed.state_quantize).
         state = dict(self.__dict__)
         state.pop("_amax_words", None)
+        state.pop("_state_prepared", None)
         return state
 
     def _fields(self, x2d: torch.Tensor, scale: torch.Tensor) -> dict:
@@ -125,7 +127,8 @@ class Float8Quantizer(_PerTensorFloat8):
     def graph_operand(self, t, *, grad=False):
         if not self._quantizes_as(Float8Quantizer):
             return super().graph_operand(t, grad=grad)
-        return graph.Delayed(self.fp8_dtype, materialized=type(t) is torch.nn.Parameter)
+        return graph.Delayed(self.fp8_dtype, kernel=use_kernels(t),
+                             materialized=type(t) is torch.nn.Parameter)
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "scale": float(self.scale)}
