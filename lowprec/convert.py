@@ -40,7 +40,8 @@ from torch.utils._pytree import tree_flatten
 from .attach import attach_recipe
 from .autocast import quantized_model_init
 from .formats.base import QuantizedTensor
-from .linear.function import LinearQuantizers, feature_padding
+from .linear.function import LinearQuantizers
+from .linear.padding import feature_padding
 from .modules import GroupedExperts, LayerNormLinear, Linear
 from .modules import LayerNorm as LPLayerNorm
 from .modules import RMSNorm as LPRMSNorm

@@ -23,6 +23,8 @@ import lowprec
 import lowprec.ops as ops
 from lowprec import autocast
 from lowprec.checkpoint import current_frame
+from lowprec.kernels import triton_available
+from lowprec.linear import traced
 from lowprec.recipe import DelayedScaling, Float8CurrentScaling
 
 D = 128  # every block divides it (128x128 FP8 blocks, MXFP8 32, NVFP4 16)
@@ -90,7 +92,7 @@ def _step(m, x, recipe, seed, ck=None, autocast_inside=False, fn=None):
     torch.manual_seed(seed)  # NVFP4's stochastic rounding draws from the default generator
     with autocast(recipe=recipe) if not autocast_inside else contextlib.nullcontext():
         y = body(x) if ck is None else ck(body, x)
-    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)))
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y))
     return y.detach()
 
 
@@ -149,6 +151,42 @@ def test_delayed_scaling_amaxes_recorded_once_and_scales_of_the_forward_used():
 def test_full_recompute_without_early_stop():
     with torch_checkpoint.set_checkpoint_early_stop(False):
         _compare("delayed", "block", torch_ck(False))
+
+
+# ---- on the GPU, where eager calls run the traced plan -----------------------------------------
+_KERNELS = torch.cuda.is_available() and triton_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _KERNELS, reason="needs a CUDA device with Triton")
+@REENTRANT
+@pytest.mark.parametrize("model", ["linear", "block"])
+@pytest.mark.parametrize("rname", [*RECIPES, "hybrid"])
+def test_torch_checkpoint_bit_identical_on_the_plan(rname, model, reentrant, monkeypatch):
+    """bf16 on CUDA with the kernels: the checkpointed calls and their recomputes run the
+    traced plan as the plain calls do (``traced.run_plan``; block FP8's calls, at these
+    shapes, the eager Function), shared inputs included, and give the same outputs,
+    gradients and delayed-scaling states over steps."""
+    runs = []
+    real = traced.run_plan
+    monkeypatch.setattr(traced, "run_plan", lambda *a: runs.append(1) or real(*a))
+    recipe = {**RECIPES, **SHARED_RECIPES}[rname]()
+    a, b = _pair(model)
+    a, b = a.to("cuda", torch.bfloat16), b.to("cuda", torch.bfloat16)
+    xa = torch.randn(2, D // 2, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    xb = xa.detach().clone().requires_grad_(True)
+    for step in range(3):
+        for m in (a, b):
+            m.zero_grad(set_to_none=True)
+        xa.grad = xb.grad = None
+        before = len(runs)
+        ya = _step(a, xa, recipe, 10 + step)
+        plain = len(runs) - before
+        yb = _step(b, xb, recipe, 10 + step, torch_ck(reentrant))
+        assert_same_run(a, b, xa, xb, ya, yb)
+        # the checkpointed step's calls and their recomputes take the plan where plain does
+        assert len(runs) - before - plain == 2 * plain, (plain, len(runs) - before - plain)
+    assert rname == "block" or runs
 
 
 # ---- several calls of one module -------------------------------------------------------------

@@ -459,7 +459,7 @@ class Quantizer:
         the block length of blocks that run along K (rowwise 1-D blocks, 2-D blocks), 1
         where K is free. :meth:`quantize` takes any K; a linear pads its feature dimensions
         up to it with zeros for its GEMM kernels
-        (``lowprec.linear.function.feature_padding``)."""
+        (``lowprec.linear.padding.feature_padding``)."""
         return 1
 
     def _tensor_class(self) -> type[QuantizedTensor]:

@@ -26,12 +26,11 @@ import torch
 
 from .. import offload
 from ..autocast import active_region, torch_autocast_dtype, torch_autocast_off
-from ..checkpoint import current_frame
 from ..formats.base import QuantizedTensor, Quantizer
 from ..gemm import gemm
 from ..recipe import BACKWARD_MODES, BackwardMode, normalize_backward_mode, operand_usages
-from . import exact_split, grad_split, shared_input, traced, weight_cache
-from .plan import BOTH, feature_multiples, plan_for
+from . import exact_split, grad_split, padding, shared_input, traced, weight_cache
+from .plan import BOTH, plan_for
 
 
 @dataclass
@@ -396,12 +395,12 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
         skip = getattr(on_backward_done, "skip", None)
         if skip is not None:
             skip()
-    if quantizers is not None and not _caching_weights() and current_frame() is None:
+    if quantizers is not None and not _caching_weights():
         # the plan a compiled call traces, where its forms run eagerly too (one engine)
         plan = traced.eager_plan(quantizers, backward_mode, x, weight, bias)
         if plan is not None:
             return traced.run_plan(plan, x, weight, bias, quantizers, on_backward_done)
-    pad_k, pad_n = feature_padding(quantizers, x, weight)
+    pad_k, pad_n = padding.feature_padding(quantizers, x, weight)
     if pad_k or pad_n:
         # zero columns along K (x, weight) and rows along N (weight, bias; dY gets zero
         # columns from the slice's backward): whole blocks everywhere, the same products
@@ -423,29 +422,6 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
             dtype=amp)
     return _QuantizedLinear.apply(x, weight, bias, quantizers, backward_mode, on_backward_done,
                                   grad_enabled, weight_lp)
-
-
-def feature_padding(q: LinearQuantizers | None, x: torch.Tensor,
-                    weight: torch.Tensor) -> tuple[int, int]:
-    """(zero columns for K, zero rows for N) that make every operand of ``x @ weight.T``
-    fill whole blocks along its feature dimensions: a partial block then scales by its own
-    values, as Transformer Engine's does (zeros change no amax), and every GEMM gets the
-    same products. Nothing for quantized operands or a quantized output (boundary roles),
-    whose quantizers keep refusing a partial block."""
-    if (q is None or isinstance(x, QuantizedTensor) or isinstance(weight, QuantizedTensor)
-            or q.output is not None or q.grad_input is not None or weight.dim() != 2):
-        return 0, 0
-    k_multiple, n_multiple = _feature_multiples(q)
-    return -x.shape[-1] % k_multiple, -weight.shape[0] % n_multiple
-
-
-def _feature_multiples(q: LinearQuantizers) -> tuple[int, int]:
-    """``plan.feature_multiples(q)``: fixed for the quantizers, so kept with their plans
-    rather than worked out each call."""
-    multiples = q.plans.get("feature_multiples")
-    if multiples is None:
-        multiples = q.plans["feature_multiples"] = feature_multiples(q)
-    return multiples
 
 
 def _caching_weights() -> bool:

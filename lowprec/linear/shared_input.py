@@ -79,6 +79,8 @@ def shared_form(form, x: torch.Tensor, keep: bool, make):
     if torch.compiler.is_compiling():
         return make()
     region = active_region()
+    if region is None:  # a checkpoint's recompute shares as its forward's region did
+        region = replaying_frame()
     if region is None or not form.eager or x.is_inference():
         return make()
     return _kept_or_made(region, x, ("form", form, keep), make)

@@ -60,6 +60,8 @@ from ..roles import QuantizerRole
 from ..state import push_amaxes, stateful, stateless_quantizers
 from . import exact_split, grad_split, shared_input
 from . import traced_steps as steps
+from .padding import NONE as NO_PADDING
+from .padding import Padding, padding_for
 from .plan import feature_multiples, keep, row_padding
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -237,7 +239,7 @@ def _given_weight(quantizer, weight: QuantizedTensor):
 
 
 def _feature_padding(q, k: int, n: int) -> bool:
-    """Whether eager pads K or N to whole blocks (``function.feature_padding``)."""
+    """Whether eager pads K or N to whole blocks (``padding.feature_padding``)."""
     k_multiple, n_multiple = feature_multiples(q)
     return bool(k % k_multiple or n % n_multiple)
 
@@ -499,7 +501,13 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         if not isinstance(weight, QuantizedTensor):  # a quantized weight is read as it is
             weight = weight.to(amp)
         bias = bias.to(amp) if bias is not None else None
+    pad = NO_PADDING
     if plan is None:
+        pad = padding_for(quantizers, backward_mode, x, weight,
+                          torch.is_grad_enabled() and weight.requires_grad)
+        x_shape = x.shape
+        if pad:  # zeros to whole blocks, the same ops as an eager call's
+            x, weight, bias = pad.operands(x, weight, bias)
         plan = plan_for(quantizers, backward_mode, x, weight, bias, amp=amp is not None)
     if isinstance(plan, str):
         return plan
@@ -514,9 +522,11 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
                            (bwd.scale, bwd.amax_current, bwd.amax_history, bwd.fp8_max,
                             recipe.amax_compute_algo == "most_recent", float(recipe.margin)))
     if amp is None:
-        return TracedLinear.apply(*args)
-    with torch.autocast(x.device.type, enabled=False):
-        return TracedLinear.apply(*args)
+        y = TracedLinear.apply(*args)
+    else:
+        with torch.autocast(x.device.type, enabled=False):
+            y = TracedLinear.apply(*args)
+    return pad.cut(y, x_shape) if pad else y
 
 
 # ---- eager calls -----------------------------------------------------------------------------
@@ -537,9 +547,18 @@ class eager_plans_off:
         _EAGER.off = self._saved
 
 
+@dataclass(frozen=True)
+class EagerPlan:
+    """What an eager call of one kind runs: the plan of its operands padded to whole
+    blocks (``padding``, none where they are whole already)."""
+
+    plan: TracedPlan
+    padding: Padding
+
+
 def eager_plan(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None) -> TracedPlan | None:
-    """The plan an eager call of these operands runs through :class:`TracedLinear`, or None
+               bias: torch.Tensor | None) -> EagerPlan | None:
+    """What an eager call of these operands runs through :class:`TracedLinear`, or None
     where the eager Function runs it (no plan, a forward form that is not
     ``GraphOperand.eager``, or a gradient form that runs only in a graph).
     Decided once per kind of call and kept with the quantizers (``q.plans``)."""
@@ -552,10 +571,19 @@ def eager_plan(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
     plans = q.plans
     plan = plans.get(key)
     if plan is None:
-        got = plan_for(q, backward_mode, x, weight, bias)
-        plan = keep(plans, key, got if not isinstance(got, str) and got.x.eager and got.w.eager
-                    and (got.dy is None or got.dy.launches_eagerly) else _NoPlan())
-    return plan if isinstance(plan, TracedPlan) else None
+        plan = keep(plans, key, _eager_decision(q, backward_mode, x, weight, bias))
+    return plan if isinstance(plan, EagerPlan) else None
+
+
+def _eager_decision(q, backward_mode: str, x, weight, bias):
+    pad = padding_for(q, backward_mode, x, weight, torch.is_grad_enabled() and weight.requires_grad)
+    if pad:  # the plan of the padded operands, made once for this kind of call
+        x, weight, bias = pad.operands(x, weight, bias)
+    got = plan_for(q, backward_mode, x, weight, bias)
+    if (isinstance(got, str) or not (got.x.eager and got.w.eager)
+            or (got.dy is not None and not got.dy.launches_eagerly)):
+        return _NoPlan()
+    return EagerPlan(got, pad)
 
 
 class _NoPlan:
@@ -563,13 +591,19 @@ class _NoPlan:
     kind: a copy of the quantizers decides its own)."""
 
 
-def run_plan(plan: TracedPlan, x: torch.Tensor, weight: torch.Tensor,
+def run_plan(eager: EagerPlan, x: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None, q=None, done=None) -> torch.Tensor:
-    """``x @ weight.T + bias`` of an eager call through :func:`eager_plan`'s plan (operands
-    already in one dtype, torch.autocast off). Delayed scaling's quantizes read and record
-    into the state of its quantizers ``q``; ``done``: the module's end-of-backward callback."""
+    """``x @ weight.T + bias`` of an eager call through :func:`eager_plan`'s answer
+    (operands already in one dtype, torch.autocast off). Delayed scaling's quantizes read
+    and record into the state of its quantizers ``q``; ``done``: the module's
+    end-of-backward callback."""
+    plan, pad = eager.plan, eager.padding
+    x_shape = x.shape
+    if pad:
+        x, weight, bias = pad.operands(x, weight, bias)
     state = StateQuantizers(q, done) if plan.delayed else None
-    return TracedLinear.apply(x, weight, bias, plan, torch.is_grad_enabled(), state, None)
+    y = TracedLinear.apply(x, weight, bias, plan, torch.is_grad_enabled(), state, None)
+    return pad.cut(y, x_shape) if pad else y
 
 
 def reads_recipe_weights(recipe) -> bool:

@@ -285,3 +285,31 @@ def test_delayed_scaling_plan_holds_what_the_function_holds():
     assert [tuple(t.shape) for t in codes] == [(128, 64)]
     rest = [t for t in saved if t is not m.weight and t.dtype != torch.float8_e4m3fn]
     assert rest and all(t.numel() <= 1 for t in rest)  # the scale and its reciprocal
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(200, 512, 512), (256, 480, 512), (256, 512, 400),
+                                   (2, 50, 512, 1024)])
+@pytest.mark.parametrize("rname", ["mxfp8", "block", "nvfp4", "mxfp8_fwd_nvfp4_bwd"])
+def test_padded_calls_run_the_plan_bit_for_bit(rname, shape, monkeypatch):
+    """Token counts and feature sizes that are not whole blocks: the call pads them with
+    zeros (``lowprec.linear.padding``) and runs the plan of the padded operands, with the
+    eager Function's outputs and gradients (it pads the same zeros)."""
+    *lead, k, n = shape
+    runs = []
+    real = traced.run_plan
+    monkeypatch.setattr(traced, "run_plan", lambda *a: runs.append(1) or real(*a))
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape) + len(rname))
+    m = lowprec.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(*lead, k, device="cuda", generator=gen).to(torch.bfloat16)
+    x.requires_grad_(True)
+    dy = torch.randn(*lead, n, device="cuda", generator=gen).to(torch.bfloat16)
+    recipe = RECIPES[rname]("default")
+    torch.manual_seed(0)
+    _, planned = _step(m, x, dy, recipe)
+    assert runs == [1]
+    torch.manual_seed(0)
+    with traced.eager_plans_off():
+        _, eager = _step(m, x, dy, recipe)
+    assert runs == [1]
+    _same(planned, eager)

@@ -1,5 +1,5 @@
 """A linear whose feature dimensions are not whole blocks of its formats pads them with
-zeros (``lowprec.linear.function.feature_padding``): a partial block scales by its own
+zeros (``lowprec.linear.padding.feature_padding``): a partial block scales by its own
 values, as Transformer Engine's does. Outputs and gradients equal those of the same layer
 zero-padded by hand, bit for bit, for every block format (NVFP4's stochastic rounding
 included), with bias and without."""
@@ -11,7 +11,8 @@ import torch
 from same_run import RECIPES
 
 import lowprec
-from lowprec.linear.function import LinearQuantizers, feature_padding
+from lowprec.linear.function import LinearQuantizers
+from lowprec.linear.padding import feature_padding
 
 #: (recipe, in_features, out_features, multiple of K, multiple of N). The hybrid's weight is
 #: MXFP8 along K and NVFP4 (16) along N, its dY NVFP4: N pads to 16 only (a wider dY would

@@ -138,17 +138,34 @@ def test_plan_and_what_stays_opaque():
     plan = plan_of(recipe, torch.randn(48, 64), w)
     assert plan.x == FP4Blocks(rht=True) and plan.w == FP4Blocks(two_d=True)
     assert plan.dy == FP4Blocks(rht=True, sr=True) and plan.routes == ("emulated",) * 3
-    # eager pads to whole 16-blocks (M here): the opaque call
+    # operands that are not whole 16-blocks (M here) have no plan of their own: the linear
+    # pads them first (``lowprec.linear.padding``)
     assert plan_of(recipe, torch.randn(40, 64), w) is None
     assert plan_of(recipe, torch.randn(48, 64), torch.randn(24, 64)) is None
     with grad_split.sliced():  # eager's sliced path (a call needing both gradients)
         assert plan_of(recipe, torch.randn(48, 64, requires_grad=True), w) is None
-    ops = GraphOps()
+
+
+def test_padded_call_traces_bit_identical():
+    """40 tokens: the compiled linear pads M to whole 16-blocks (zero rows) and traces,
+    with eager's outputs and gradients."""
+    recipe = NVFP4BlockScaling()
     m = lowprec.Linear(64, 32, name="l")
-    with lowprec.autocast(recipe=recipe):
-        torch.compile(m, backend=ops, fullgraph=True)(
-            torch.randn(40, 64, requires_grad=True)).sum().backward()
-    assert any("lowprec.call" in t for t in ops.targets)
+    x = torch.randn(40, 64)
+    dy = torch.randn(40, 32)
+    ops = GraphOps()
+    runs = []
+    for fn in (m, torch.compile(m, backend=ops, fullgraph=True)):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        torch.manual_seed(0)  # the stochastic rounding of dY
+        with lowprec.autocast(recipe=recipe):
+            y = fn(xi)
+        y.backward(dy)
+        runs.append((y.detach(), xi.grad, m.weight.grad, m.bias.grad))
+    for want, got in zip(*runs):
+        assert torch.equal(want, got)
+    assert not any("lowprec.call" in t for t in ops.targets)
 
 
 @pytest.mark.parametrize("device", DEVICES)
