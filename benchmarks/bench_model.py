@@ -101,7 +101,9 @@ def make_peer(peer: str, model: str, device: str, mode: str):
         recipe = RECIPES[peer.split("-", 1)[1]]()
         lowprec.convert_model(m, module_filter_fn=not_lm_head)
         ctx = lambda: lowprec.autocast(recipe=recipe)  # noqa: E731
-    if mode == "compiled":
+    if mode == "checkpointed":  # eager, with Hugging Face's gradient checkpointing
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif mode == "compiled":
         m = torch.compile(m)
     elif mode == "reduce-overhead":
         m = torch.compile(m, mode="reduce-overhead")
@@ -296,7 +298,8 @@ def main() -> None:
     ap.add_argument("--model", default="1b", choices=list(MODELS))
     ap.add_argument("--recipes", default="current,delayed,block,mxfp8,nvfp4")
     ap.add_argument("--modes", default="eager,compiled",
-                    help="eager,compiled,reduce-overhead,graphed")
+                    help="eager,compiled,reduce-overhead,graphed,checkpointed (eager with "
+                         "Hugging Face's gradient checkpointing)")
     ap.add_argument("--torchao", default="tensorwise,rowwise",
                     help="torchao recipes, '' for none")
     ap.add_argument("--torchao-modes", default="compiled",
@@ -323,8 +326,8 @@ def main() -> None:
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     bf16_modes = [m for m in (args.bf16 or args.modes).split(",") if m]
-    peers = [("bf16", m) for m in ("eager", "compiled", "reduce-overhead", "graphed")
-             if m in bf16_modes]
+    peers = [("bf16", m) for m in ("eager", "checkpointed", "compiled", "reduce-overhead",
+                                   "graphed") if m in bf16_modes]
     if args.torchao:
         try:
             import torchao.float8  # noqa: F401

@@ -61,10 +61,26 @@ class _Record:
         self.module, self.active, self.callback = module, active, None
 
 
+#: (get, set) of each thread-local setting that steers a lowprec forward
+#: (:func:`register_thread_setting`)
+_SETTINGS: list = []
+
+
+def register_thread_setting(get, set_) -> None:
+    """Declare a thread-local setting that steers a lowprec forward (``get()`` reads it,
+    ``set_(value)`` sets it): each checkpointed call keeps its value from the forward and
+    sets it around the recomputes, which run in a backward pass, perhaps on the autograd
+    engine's thread and outside the ``with`` block that set it, and must take the
+    forward's path (torch checks that they save the same tensors)."""
+    _SETTINGS.append((get, set_))
+
+
 class _Frame:
     """One checkpointed call: its records, filled by the forward, replayed by recomputes."""
 
     def __init__(self, reentrant: bool) -> None:
+        #: the forward's thread settings (``register_thread_setting``)
+        self.settings = tuple(get() for get, _ in _SETTINGS)
         # reentrant: the forward runs without gradients but trains, and the recompute's
         # graph is the one backward runs
         self.reentrant = reentrant
@@ -151,9 +167,14 @@ def _in_frame(frame: _Frame, replaying: bool):
     frame.next = 0
     frame.shared_input = None
     _LOCAL.frames.append(frame)
+    saved = tuple(get() for get, _ in _SETTINGS) if replaying else ()
+    for (_, set_), value in zip(_SETTINGS, frame.settings if replaying else ()):
+        set_(value)
     try:
         yield
     finally:
+        for (_, set_), value in zip(_SETTINGS, saved):
+            set_(value)
         _LOCAL.frames.pop()
 
 

@@ -153,6 +153,25 @@ def test_full_recompute_without_early_stop():
         _compare("delayed", "block", torch_ck(False))
 
 
+@REENTRANT
+@pytest.mark.parametrize("rname", ["current", "block"])
+def test_recompute_takes_the_forward_thread_settings(rname, reentrant):
+    """The slicing mode (``lowprec.linear.grad_split``) set around the forward alone: the
+    recompute, in the backward outside that block, runs with the forward's mode (the same
+    saved tensors, which torch checks) and gives the unsliced run's results."""
+    recipe = RECIPES[rname]()
+    a, b = _pair("block")
+    xa, xb = _inputs()
+    torch.manual_seed(0)
+    with lowprec.linear.unsliced(), autocast(recipe=recipe):
+        ya = a(xa)
+    ya.backward(torch.ones_like(ya))
+    with lowprec.linear.unsliced(), autocast(recipe=recipe):
+        yb = torch_ck(reentrant)(b, xb)
+    yb.backward(torch.ones_like(yb))  # outside unsliced(): the recompute restores it
+    assert_same_run(a, b, xa, xb, ya.detach(), yb.detach())
+
+
 # ---- on the GPU, where eager calls run the traced plan -----------------------------------------
 _KERNELS = torch.cuda.is_available() and triton_available()
 
@@ -164,9 +183,10 @@ _KERNELS = torch.cuda.is_available() and triton_available()
 @pytest.mark.parametrize("rname", [*RECIPES, "hybrid"])
 def test_torch_checkpoint_bit_identical_on_the_plan(rname, model, reentrant, monkeypatch):
     """bf16 on CUDA with the kernels: the checkpointed calls and their recomputes run the
-    traced plan as the plain calls do (``traced.run_plan``; block FP8's calls, at these
-    shapes, the eager Function), shared inputs included, and give the same outputs,
-    gradients and delayed-scaling states over steps."""
+    traced plan as the plain calls do (``traced.run_plan``; where the plan has no GEMM for
+    the call, the eager Function: block FP8 at K=128, bf16 GEMMs with a bias), shared
+    inputs included, and give the same outputs, gradients and delayed-scaling states over
+    steps."""
     runs = []
     real = traced.run_plan
     monkeypatch.setattr(traced, "run_plan", lambda *a: runs.append(1) or real(*a))
@@ -186,7 +206,7 @@ def test_torch_checkpoint_bit_identical_on_the_plan(rname, model, reentrant, mon
         assert_same_run(a, b, xa, xb, ya, yb)
         # the checkpointed step's calls and their recomputes take the plan where plain does
         assert len(runs) - before - plain == 2 * plain, (plain, len(runs) - before - plain)
-    assert rname == "block" or runs
+    assert rname in ("block", "mxfp8", "hybrid") or runs
 
 
 # ---- several calls of one module -------------------------------------------------------------

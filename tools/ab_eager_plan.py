@@ -3,6 +3,7 @@ eagerly against the eager Function (``traced.eager_plans_off``), alternating in 
 after bf16 eager (the host's speed varies between processes).
 
     python tools/ab_eager_plan.py [--model 1b] [--rounds 2] [--recipes current,mxfp8]
+        [--mode eager|checkpointed]
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ def main():
     ap.add_argument("--model", default="1b")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--recipes", default="current", help="bench_model.RECIPES names")
+    ap.add_argument("--mode", default="eager", choices=["eager", "checkpointed"],
+                    help="checkpointed: Hugging Face's gradient checkpointing")
     args = ap.parse_args()
-    report("bf16", bm.run_peer("bf16", args.model, "cuda", "eager", 10, 3))
+    report("bf16", bm.run_peer("bf16", args.model, "cuda", args.mode, 10, 3))
     bm.release()
     for recipe in args.recipes.split(","):
         for _ in range(args.rounds):
             for label, off in (("plan", False), ("Function", True)):
                 with traced.eager_plans_off() if off else contextlib.nullcontext():
-                    res = bm.run_peer(f"lowprec-{recipe}", args.model, "cuda", "eager", 10, 3)
+                    res = bm.run_peer(f"lowprec-{recipe}", args.model, "cuda",
+                                      args.mode, 10, 3)
                 bm.release()
                 report(f"{recipe} {label}", res)
 

@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from ..checkpoint import register_thread_setting
 from ..formats.base import QuantizedTensor, Quantizer
 from ..gemm import gemm
 
@@ -98,6 +99,7 @@ class _Mode(threading.local):
 
 
 _MODE = _Mode()
+register_thread_setting(lambda: _MODE.value, lambda value: setattr(_MODE, "value", value))
 
 
 def mode() -> str:

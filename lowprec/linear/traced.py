@@ -41,6 +41,7 @@ import torch
 from ..autocast import torch_autocast_dtype
 from ..backends.cublas_fp8 import block_scales_fit, fusable_bias
 from ..backends.exact_bf16 import exact_product
+from ..checkpoint import register_thread_setting
 from ..formats.base import QuantizedTensor
 from ..formats.graph import (
     Blocks,
@@ -531,6 +532,10 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
 
 # ---- eager calls -----------------------------------------------------------------------------
 _EAGER = threading.local()
+
+
+register_thread_setting(lambda: getattr(_EAGER, "off", False),
+                        lambda value: setattr(_EAGER, "off", value))
 
 
 class eager_plans_off:
