@@ -2,7 +2,8 @@
 optimizer) of ``benchmarks/bench_model.py``'s step, the host's time in the phase, the GPU's
 busy time on the kernels the phase launched, and the idle time the GPU spent waiting for
 a launch (a kernel whose launch came after the previous kernel had ended), with the
-Python functions that keep the host longest in the forward (cProfile, own time).
+Python functions that keep the host longest in the forward and the backward (cProfile,
+own time).
 
     python tools/eager_phases.py [--model 1b] [--peers bf16,lowprec-current] [--json out.json]
 
@@ -101,8 +102,8 @@ def _analyse(trace: dict, steps: int) -> dict:
     return out
 
 
-def run(peer: str, model: str, steps: int, top: int) -> dict:
-    m, ctx = make_peer(peer, model, "cuda", "eager")
+def run(peer: str, model: str, steps: int, top: int, mode: str = "eager") -> dict:
+    m, ctx = make_peer(peer, model, "cuda", mode)
     opt = make_optimizer(m.parameters(), "torch", "cuda", False)
     *_, seq, batch = MODELS[model]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -119,18 +120,22 @@ def run(peer: str, model: str, steps: int, top: int) -> dict:
         prof.export_chrome_trace(path)
         with open(path) as f:
             res = _analyse(json.load(f), steps)
-    # the forward's Python, own time (the forward starts on an idle GPU: transformers syncs)
-    pr = cProfile.Profile()
+    # the forward's and the backward's Python, own time (the forward starts on an idle
+    # GPU: transformers syncs)
+    fwd, bwd = cProfile.Profile(), cProfile.Profile()
     for _ in range(steps):
         torch.cuda.synchronize()
-        pr.enable()
+        fwd.enable()
         loss = lm_loss(m, ctx, ids)
-        pr.disable()
+        fwd.disable()
+        bwd.enable()
         loss.backward()
+        bwd.disable()
         opt.zero_grad(set_to_none=True)
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
-    res["forward_profile"] = s.getvalue()
+    for name, pr in (("forward_profile", fwd), ("backward_profile", bwd)):
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+        res[name] = s.getvalue()
     del m, opt
     torch.cuda.empty_cache()
     return res
@@ -143,12 +148,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--json", default="")
+    ap.add_argument("--mode", default="eager", choices=["eager", "checkpointed"],
+                    help="checkpointed: Hugging Face's gradient checkpointing")
     args = ap.parse_args()
     results = {}
     for peer in args.peers.split(","):
         name, _, engine = peer.partition(":")
         with traced.eager_plans_off() if engine == "function" else contextlib.nullcontext():
-            res = run(name, args.model, args.steps, args.top)
+            res = run(name, args.model, args.steps, args.top, args.mode)
         results[peer] = res
         print(f"== {peer}: step {res['step_ms']} ms, GPU busy {res['gpu_busy_ms']} ms")
         for p in PHASES:
@@ -160,6 +167,7 @@ def main() -> None:
             for ms, n, name in res[p]["cpu_ops"]:
                 print(f"     {ms:8.3f} ms {n:5d}x {name}")
         print(res["forward_profile"])
+        print(res["backward_profile"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
