@@ -37,8 +37,6 @@ import threading
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from .state import RecipeState
-
 
 class _Local(threading.local):
     def __init__(self) -> None:
@@ -50,7 +48,8 @@ _LOCAL = _Local()
 
 class _Record:
     """What one lowprec module call inside a checkpointed function quantized with:
-    ``active`` is (recipe, forward state, backward state, group), or None outside autocast.
+    ``active`` is (recipe, forward state, backward state, group, the forward's
+    delayed-scaling scales or None), or None outside autocast (:func:`replay_states`).
     ``callback``: the call's end-of-backward callback where a recompute's graph runs the
     backward (reentrant), made at the first recompute: one per call, as without
     checkpointing, however many backward passes recompute it (``retain_graph``)."""
@@ -112,15 +111,16 @@ class _Frame:
         return rec
 
 
-def _frozen(fwd: RecipeState) -> RecipeState:
-    """``fwd`` for a replay: delayed scaling's quantizers with a copy of the scales the
-    forward used (the region's exit updates them before backward) that record their amaxes
-    where nothing reads them; other recipes' quantizers hold no state and are reused."""
-    if fwd.delayed is None:
-        return fwd
-    quantizers = fwd.delayed.quantizers([q.fp8_dtype for q in fwd.quantizers], record=False,
-                                        scale=fwd.delayed.scale.detach().clone())
-    return RecipeState(fwd.recipe, fwd.mode, fwd.roles, quantizers, None)
+def replay_states(active: tuple) -> tuple:
+    """(recipe, forward state, backward state, group) a recompute quantizes with, from a
+    record's ``active``: under delayed scaling the forward state's replay twin
+    (``RecipeState.replay_twin``), holding the scales the forward used (the region's exit
+    updates the state's before backward) and recording its amaxes where nothing reads
+    them; other recipes' states hold nothing that moves and are used as they are."""
+    recipe, fwd, bwd, group, scales = active
+    if scales is not None:
+        fwd = fwd.replay_twin(scales)
+    return recipe, fwd, bwd, group
 
 
 def current_frame() -> _Frame | None:
@@ -153,10 +153,15 @@ def replayed(module) -> tuple[_Record, bool] | None:
 
 def record(module, active) -> None:
     """Record a forward call into every checkpointed call running (none is replaying).
-    ``active``: (recipe, forward state, backward state, group), or None outside autocast."""
+    ``active``: (recipe, forward state, backward state, group), or None outside autocast;
+    under delayed scaling the record keeps a copy of the scales the forward used."""
     if active is not None:
         recipe, fwd, bwd, group = active
-        active = (recipe, _frozen(fwd), bwd, group)
+        scales = None
+        if fwd.delayed is not None:  # (views made here: a recompute runs no op of its own)
+            scale = fwd.delayed.scale.detach().clone()
+            scales = tuple(scale[i:i + 1] for i in range(len(fwd.quantizers)))
+        active = (recipe, fwd, bwd, group, scales)
     for frame in _LOCAL.frames:
         frame.record(module, active)
 

@@ -318,9 +318,30 @@ class RecipeState:
         twin.eval_twin = twin
         self.eval_twin = twin
 
+    def replay_twin(self, scales: tuple) -> "RecipeState":
+        """The state a checkpoint's recompute of a delayed-scaling forward quantizes with
+        (``lowprec.checkpoint.replay_states``): this state's quantizers reading ``scales``
+        (one 1-element tensor a slot: the scales that forward used) and recording their
+        amaxes into the scratch slots. One twin a state, its quantizers pointed at each
+        recompute's scales (no op: torch's selective checkpointing matches a recompute's
+        ops to the forward's), so recomputes reuse the quantizers and what is kept with
+        them: their plans and bound launches."""
+        twin = self.__dict__.get("_replay_twin")
+        if twin is None:
+            twin = object.__new__(RecipeState)
+            twin.__dict__.update(self.__dict__)
+            twin.quantizers = self.delayed.quantizers([q.fp8_dtype for q in self.quantizers],
+                                                      record=False)
+            twin.eval_twin = twin
+            self._replay_twin = twin
+        for q, scale in zip(twin.quantizers, scales):
+            q.scale = scale
+        return twin
+
     def __getstate__(self):
         state = dict(self.__dict__)
         state.pop("eval_twin", None)
+        state.pop("_replay_twin", None)  # made again where it is needed
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -220,14 +220,21 @@ class LowprecModule(CompiledCallMixin, ScalingStateMixin, QuantizedWeightsMixin,
             return None, "default", None
         recipe, fwd, bwd, callback = active
         key = (fwd, bwd, self.output_quantizer_role, self.grad_input_quantizer_role)
-        cached = self.__dict__.get("_gemm_quantizers_of")
+        kept = self.__dict__.get("_gemm_quantizers_of")
+        if kept is None:
+            kept = self._gemm_quantizers_of = {}
+        cached = kept.get(id(fwd))
         if cached is not None and all(a is b for a, b in zip(cached[0], key)):
             return cached[1], recipe.backward_mode, callback
         out = self._linear_quantizers(fwd.quantizers, bwd.quantizers)
         self._check_quantized_weights(recipe, out)
         # Reused while the states are: the quantizers are the states' own objects, and
-        # which slots a module quantizes does not change between calls.
-        self._gemm_quantizers_of = (key, out)
+        # which slots a module quantizes does not change between calls. One entry a
+        # forward state: a checkpointed delayed-scaling call alternates between the state
+        # and its replay twin.
+        if len(kept) >= 4:
+            kept.clear()
+        kept[id(fwd)] = (key, out)
         return out, recipe.backward_mode, callback
 
     def _check_quantized_weights(self, recipe, gemms: list[LinearQuantizers]) -> None:

@@ -10,7 +10,7 @@ import weakref
 import torch
 
 from ..autocast import active_region, register_delayed_state
-from ..checkpoint import check_not_recomputing, current_frame, record, replayed
+from ..checkpoint import check_not_recomputing, current_frame, record, replay_states, replayed
 from ..compiled_call import HANDLE_ATTR
 from ..state import RecipeState, stateful
 
@@ -207,7 +207,7 @@ class ScalingStateMixin:
         (``lowprec.checkpoint._Record``)."""
         if rec.active is None:  # it ran outside autocast
             return None
-        recipe, fwd, bwd, group = rec.active
+        recipe, fwd, bwd, group = replay_states(rec.active)
         # Only a reentrant recompute's graph runs backward (a non-reentrant one refills the
         # original graph's saved tensors, and the original call's callback fires).
         if not reentrant or bwd.delayed is None:
