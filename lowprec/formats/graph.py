@@ -160,8 +160,8 @@ class GraphOperand:
     reads_state = False
     #: whether an eager call whose input and weight take this form runs the plan
     #: (``lowprec.linear.traced.eager_plan``; dY's form need only launch eagerly): per-tensor
-    #: current scaling, block FP8, MXFP8 and NVFP4 with their kernels, and hybrids whose
-    #: rowwise half is one of them. On the "1b" model each is faster than the eager
+    #: current and delayed scaling, block FP8, MXFP8 and NVFP4 with their kernels, and
+    #: hybrids whose rowwise half is one of them. On the "1b" model each is faster than the eager
     #: Function (``tools/ab_eager_plan.py``), at no more memory except a hybrid whose
     #: columnwise half re-quantizes the kept input in backward (mxfp8_fwd_nvfp4_bwd:
     #: 13.45 GiB against 12.89, bf16's peak being 13.42)
