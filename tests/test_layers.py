@@ -5,6 +5,8 @@
   and each other;
 * a format folder (``lowprec/formats/<format>/``) imports only ``kernels/``, the generic
   ``formats/*.py`` modules and its own folder: never a sibling format, never a higher layer;
+* ``lowprec/linear/`` reads the formats only through ``formats/*.py`` (a grouped path
+  reads its own format's folder);
 * ``lowprec/debug/`` is imported only by itself and ``compare/``, and never imports
   ``compare/``;
 * no import cycles between modules.
@@ -155,6 +157,18 @@ def test_format_folders_import_only_their_own_folder_and_below():
             if not (_is_kernels(t) or _is_generic_format(t) or _format_folder(t) == fmt):
                 bad.append((m, t))
     assert not bad, f"format folders import a sibling format or a higher layer: {bad}"
+
+
+def test_linear_reads_formats_through_their_base():
+    """``linear/`` reads the formats through their shared modules (``formats/*.py``: the
+    quantizer and tensor bases, the traced forms' base): never a format's folder, except
+    the grouped (MoE) paths, each over its own format's experts and kernels."""
+    bad = [(m, t) for m in _sources() if _within(m, "lowprec.linear")
+           and not m.startswith("lowprec.linear.grouped") for t in edges(m)
+           if _format_folder(t) is not None]
+    assert not bad, f"linear/ imports a format's folder: {bad}"
+    # the check sees such imports where they are allowed
+    assert any(_format_folder(t) == "nvfp4" for t in edges("lowprec.linear.grouped_nvfp4"))
 
 
 def _within(m: str, package: str) -> bool:
