@@ -179,9 +179,7 @@ def _bf16_operand(rep):
 def _exact_bf16(a, b, out_dtype, bias, ops=None):
     am, div_a = _bf16_operand(a)
     bm, div_b = _bf16_operand(b)
-    # an eager call takes eager's own call (its kept alpha and workspace, no op dispatch)
-    return exact_product(am, div_a, bm, div_b, out_dtype, bias,
-                         in_graph=torch.compiler.is_compiling())
+    return exact_product(am, div_a, bm, div_b, out_dtype, bias, in_graph=True)
 
 
 def _emulated(a, b, out_dtype, bias, ops):
