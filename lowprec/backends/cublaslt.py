@@ -285,6 +285,9 @@ def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha_beta: torch.Tensor,
     hold, and the current device must be the operands'. ``out``: a contiguous (M, N)
     tensor of ``out_dtype`` to write to. ``workspace``: ``WORKSPACE_BYTES`` of the caller's
     (a compiled graph's), else this stream's own."""
+    lib = _lib()  # loaded here too: a caller need not have asked ``available()`` first
+    if lib is None:
+        return None
     m, k = am.shape
     n = bm.shape[0]
     dev = am.device
@@ -302,7 +305,6 @@ def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha_beta: torch.Tensor,
     aligns = (_alignment(bm.data_ptr(), bm.stride(0) * isz),
               _alignment(am.data_ptr(), am.stride(0) * isz), align_out, align_out)
     key = (idx, m, n, k, am.stride(0), bm.stride(0), am.dtype, out_dtype, aligns, ws_bytes)
-    lib = _State.lib
     alpha = alpha_beta.data_ptr()
     with _State.lock:
         handle = _handle(idx)
