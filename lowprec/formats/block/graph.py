@@ -113,6 +113,9 @@ class Blockwise(_BlockForms):
 
     def columnwise(self, t):
         if self.dim == 2:  # 128x128 blocks serve both directions, read transposed
+            if self.kernel and not torch.compiler.is_compiling():
+                # an eager call: the kernel writes the transposed blocks in its one pass
+                return self._launch(t, False, True)[1]
             return _transposed(self.rowwise(t))
         if self.kernel:
             return self._launch(t, False, True)[1]
