@@ -158,9 +158,10 @@ def record(module, active) -> None:
     if active is not None:
         recipe, fwd, bwd, group = active
         scales = None
-        if fwd.delayed is not None:  # (views made here: a recompute runs no op of its own)
+        if fwd.delayed is not None:  # (made here: a recompute runs no op of its own)
             scale = fwd.delayed.scale.detach().clone()
             scales = tuple(scale[i:i + 1] for i in range(len(fwd.quantizers)))
+            fwd.replay_twin()
         active = (recipe, fwd, bwd, group, scales)
     for frame in _LOCAL.frames:
         frame.record(module, active)

@@ -318,14 +318,15 @@ class RecipeState:
         twin.eval_twin = twin
         self.eval_twin = twin
 
-    def replay_twin(self, scales: tuple) -> "RecipeState":
+    def replay_twin(self, scales: tuple | None = None) -> "RecipeState":
         """The state a checkpoint's recompute of a delayed-scaling forward quantizes with
         (``lowprec.checkpoint.replay_states``): this state's quantizers reading ``scales``
         (one 1-element tensor a slot: the scales that forward used) and recording their
-        amaxes into the scratch slots. One twin a state, its quantizers pointed at each
-        recompute's scales (no op: torch's selective checkpointing matches a recompute's
-        ops to the forward's), so recomputes reuse the quantizers and what is kept with
-        them: their plans and bound launches."""
+        amaxes into the scratch slots. One twin a state, made by the first checkpointed
+        forward (``scales`` None) and pointed at each recompute's scales (no op: torch's
+        selective checkpointing matches a recompute's ops to the forward's), so
+        recomputes reuse the quantizers and what is kept with them: their plans and bound
+        launches."""
         twin = self.__dict__.get("_replay_twin")
         if twin is None:
             twin = object.__new__(RecipeState)
@@ -334,7 +335,7 @@ class RecipeState:
                                                       record=False)
             twin.eval_twin = twin
             self._replay_twin = twin
-        for q, scale in zip(twin.quantizers, scales):
+        for q, scale in zip(twin.quantizers, scales or ()):
             q.scale = scale
         return twin
 
