@@ -88,9 +88,7 @@ def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype, bias
     operands of these kinds, as one of :data:`ROUTES`, or a string starting with ``"no "``
     saying why the traced table does not run it."""
     if a.name == "plain" and b.name == "plain" and a.dtype == b.dtype == out_dtype:
-        if bias and cuda:  # cuBLAS's bias epilogue, which a compiler may run apart
-            return "no traced plain GEMM with a bias on CUDA"
-        return "plain"
+        return "plain"  # a bias through cuBLAS's epilogue, as eager (``steps.bias_mm``)
     if not cuda:
         if "exact" in (a.name, b.name) and (a.rht or b.rht or a.divisor or b.divisor):
             return "no traced emulation of transformed or globally scaled values"
@@ -108,8 +106,9 @@ def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype, bias
         return "no traced GEMM of these block operands on CUDA"
     da, db = _bf16_domain(a), _bf16_domain(b)
     if da is not None and da == db:
-        if bias and not (a.divisor or b.divisor or a.name == "fp8" or b.name == "fp8"):
-            return "no traced bf16 GEMM with cuBLAS's bias epilogue"
+        if (bias and out_dtype != torch.bfloat16
+                and not (a.divisor or b.divisor or a.name == "fp8" or b.name == "fp8")):
+            return "no traced bf16 GEMM with a bias for this output"
         return "exact_bf16"
     if "exact" in (a.name, b.name) or "fp8" in (a.name, b.name) or "blocks" in (a.name, b.name):
         return "no traced fp32 emulation on CUDA (inductor's fp32 division is not eager's)"
@@ -179,6 +178,8 @@ def _bf16_operand(rep):
 def _exact_bf16(a, b, out_dtype, bias, ops=None):
     am, div_a = _bf16_operand(a)
     bm, div_b = _bf16_operand(b)
+    if bias is not None and div_a is None and div_b is None:
+        return steps.bias_mm(bias, am, bm)  # exact_product's bias epilogue
     return exact_product(am, div_a, bm, div_b, out_dtype, bias, in_graph=True)
 
 
@@ -192,7 +193,7 @@ def _emulated(a, b, out_dtype, bias, ops):
 def _plain(a: Plain, b: Plain, out_dtype, bias, ops=None):
     if bias is None:
         return a.values @ b.values.t()
-    return torch.addmm(bias, a.values, b.values.t())
+    return steps.bias_mm(bias, a.values, b.values)
 
 
 #: The traced GEMMs, by the name of the eager backend each mirrors.

@@ -41,6 +41,27 @@ def _bias_add_fake(out, bias):
     return torch.empty_like(out)
 
 
+def bias_mm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``bias + a @ b.T`` as eager's plain and exact-bf16 GEMMs run it, ``torch.addmm``
+    (cuBLAS adds the bias in its epilogue, before the one rounding); in a graph one op
+    the compiler keeps whole (:func:`addmm_op`), where inductor would add the bias to
+    the rounded product."""
+    if torch.compiler.is_compiling():
+        return addmm_op(bias, a, b)
+    return torch.addmm(bias, a, b.t())
+
+
+@graph_op("addmm")
+def addmm_op(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.addmm(bias, a, b.T)``."""
+    return torch.addmm(bias, a, b.t())
+
+
+@torch.library.register_fake("lowprec::addmm")
+def _addmm_fake(bias, a, b):
+    return a.new_empty((a.shape[0], b.shape[0]))
+
+
 @graph_op("bias_grad")
 def bias_grad(dy2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``dy2d.sum(0)`` in ``dtype``, as eager sums it (a reduction the compiler would

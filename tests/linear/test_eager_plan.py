@@ -197,13 +197,14 @@ RECIPES = {
 @gpu
 @pytest.mark.parametrize("shape", [(256, 512, 512), (2, 128, 512, 1024)])
 @pytest.mark.parametrize("mode", ["default", "high_precision", "dequantized"])
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rname", list(RECIPES))
-def test_kernel_recipes_run_the_plan_bit_for_bit(rname, mode, shape):
+def test_kernel_recipes_run_the_plan_bit_for_bit(rname, bias, mode, shape):
     """Shapes whose GEMMs the traced table runs (cuBLAS's block-scale layout wants K/128 a
-    multiple of 4; a bf16 GEMM with a bias epilogue stays with the eager Function)."""
+    multiple of 4); a bias in cuBLAS's epilogue on the exact bf16 GEMMs as well."""
     *lead, k, n = shape
     gen = torch.Generator(device="cuda").manual_seed(sum(shape) + len(rname))
-    m = lowprec.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    m = lowprec.Linear(k, n, bias=bias, params_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(*lead, k, device="cuda", generator=gen).to(torch.bfloat16)
     x.requires_grad_(True)
     dy = torch.randn(*lead, n, device="cuda", generator=gen).to(torch.bfloat16)
