@@ -308,15 +308,17 @@ class RecipeState:
     def _make_eval_twin(self) -> None:
         # What a forward that must not move the state uses (grad disabled): the same
         # quantizers, except that delayed scaling's record into the scratch amaxes.
-        if self.delayed is None:
-            self.eval_twin = self
-            return
+        self.eval_twin = self if self.delayed is None else self._scratch_twin()
+
+    def _scratch_twin(self) -> "RecipeState":
+        """This state with delayed scaling's quantizers recording into the scratch amaxes
+        (the same scales, which a replay twin points elsewhere)."""
         twin = object.__new__(RecipeState)
         twin.__dict__.update(self.__dict__)
         twin.quantizers = self.delayed.quantizers([q.fp8_dtype for q in self.quantizers],
                                                   record=False)
         twin.eval_twin = twin
-        self.eval_twin = twin
+        return twin
 
     def replay_twin(self, scales: tuple | None = None) -> "RecipeState":
         """The state a checkpoint's recompute of a delayed-scaling forward quantizes with
@@ -329,12 +331,7 @@ class RecipeState:
         launches."""
         twin = self.__dict__.get("_replay_twin")
         if twin is None:
-            twin = object.__new__(RecipeState)
-            twin.__dict__.update(self.__dict__)
-            twin.quantizers = self.delayed.quantizers([q.fp8_dtype for q in self.quantizers],
-                                                      record=False)
-            twin.eval_twin = twin
-            self._replay_twin = twin
+            twin = self._replay_twin = self._scratch_twin()
         for q, scale in zip(twin.quantizers, scales or ()):
             q.scale = scale
         return twin
