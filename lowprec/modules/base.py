@@ -395,11 +395,10 @@ class LowprecModule(CompiledCallMixin, ScalingStateMixin, QuantizedWeightsMixin,
 
     def _check_input_dtype(self, x: torch.Tensor, features: int | None = None) -> None:
         """A floating-point input with ``features`` in its last dimension (where given: the
-        modules whose first op is a GEMM, where torch's own error would not name the
-        module's sizes)."""
+        GEMM modules, whose error then names both sizes, in and outside autocast)."""
         if not x.is_floating_point():
             raise TypeError(f"{type(self).__name__} expects a floating-point input, got {x.dtype}")
         if features is not None and (x.dim() == 0 or x.shape[-1] != features):
             got = x.shape[-1] if x.dim() else "no"
             raise ValueError(f"{type(self).__name__} input has {got} features (shape "
-                             f"{tuple(x.shape)}), the weight expects {features}")
+                             f"{tuple(x.shape)}), the module expects {features}")

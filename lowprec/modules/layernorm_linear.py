@@ -84,7 +84,7 @@ class LayerNormLinear(LowprecModule):
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor):
-        self._check_input_dtype(x)
+        self._check_input_dtype(x, self.in_features)
         qs, mode, done = self.gemm_quantizers(x.device)
         q = qs[0] if qs else None
         if self._tp is not None:

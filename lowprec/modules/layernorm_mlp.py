@@ -108,7 +108,7 @@ class LayerNormMLP(LowprecModule):
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input_dtype(x)
+        self._check_input_dtype(x, self.hidden_size)
         qs, mode, done = self.gemm_quantizers(x.device)
         q1, q2 = (qs[0], qs[1]) if qs else (None, None)
         tp = self._tp

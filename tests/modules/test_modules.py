@@ -301,13 +301,20 @@ def test_identity_recipe_is_bit_identical_to_no_autocast(kind, dtype):
 
 @pytest.mark.parametrize("recipe", [None, "current"])
 @pytest.mark.parametrize("amp", [False, True])
-@pytest.mark.parametrize("kind", ["Linear", "ops.Linear", "GroupedLinear"])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "ops.Linear",
+                                  "GroupedLinear"])
 def test_wrong_input_features_name_both_sizes(kind, recipe, amp):
     """A GEMM module given an input whose last dimension is not its in_features raises a
     ValueError naming both, with or without a recipe and torch.autocast (torch's own
-    matmul error names neither the module nor its sizes)."""
+    matmul or layer-norm error is a RuntimeError that does not name the module)."""
     if kind == "Linear":
         m, call = lowprec.Linear(64, 32), lambda x: m(x)
+    elif kind == "LayerNormLinear":
+        m = lowprec.LayerNormLinear(64, 32)
+        call = lambda x: m(x)  # noqa: E731
+    elif kind == "LayerNormMLP":
+        m = lowprec.LayerNormMLP(64, 128)
+        call = lambda x: m(x)  # noqa: E731
     elif kind == "ops.Linear":
         m = lowprec.ops.Linear(64, 32)
         call = lambda x: m(x)  # noqa: E731
