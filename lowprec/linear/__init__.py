@@ -3,9 +3,12 @@
 * ``plan``: what one eager call pads, quantizes with which usages and slices, decided once
   per (quantizers, backward mode, slicing mode, operand shapes and kinds) and cached
   (``LinearPlan``);
-* ``function``: the eager autograd Function that runs a plan;
-* ``traced``: the form ``torch.compile`` traces (torch ops and custom ops the compiler
-  schedules), bit-identical to ``function``;
+* ``function``: ``quantized_linear``, every eager call's entry, and the eager autograd
+  Function that runs the calls the traced plan declines;
+* ``traced``: the one plan of a call decided from its quantizers' forms, and the
+  Function that runs it, traced by ``torch.compile`` and run by eager calls where the
+  forms launch eager's kernels; bit-identical to ``function``;
+* ``padding``: zeros that make a call's operands whole blocks, in both forms;
 * ``grad_split`` / ``exact_split``: the sliced backward (and forward) for a lower peak;
 * ``weight_cache``: quantized weights reused across micro-batches.
 """
