@@ -400,17 +400,14 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
         plan = traced.eager_plan(quantizers, backward_mode, x, weight, bias)
         if plan is not None:
             return traced.run_plan(plan, x, weight, bias, quantizers, on_backward_done)
-    pad_k, pad_n = padding.feature_padding(quantizers, x, weight)
-    if pad_k or pad_n:
-        # zero columns along K (x, weight) and rows along N (weight, bias; dY gets zero
-        # columns from the slice's backward): whole blocks everywhere, the same products
-        n = weight.shape[0]
-        x = torch.nn.functional.pad(x, (0, pad_k))
-        weight = torch.nn.functional.pad(weight, (0, pad_k, 0, pad_n))
-        bias = torch.nn.functional.pad(bias, (0, pad_n)) if bias is not None else None
+    pad = padding.Padding(*padding.feature_padding(quantizers, x, weight))
+    if pad:
+        # K and N to whole blocks (M the Function pads itself, ``LinearPlan.pad``)
+        x_shape = x.shape
+        x, weight, bias = pad.operands(x, weight, bias)
         y = _QuantizedLinear.apply(x, weight, bias, quantizers, backward_mode,
                                    on_backward_done, grad_enabled, None)
-        return y[..., :n]
+        return pad.cut(y, x_shape)
     weight_lp = None
     if (quantizers is not None and quantizers.weight is not None
             and not isinstance(weight, QuantizedTensor) and _caching_weights()):

@@ -58,11 +58,11 @@ class Padding:
 NONE = Padding()
 
 
-def padding_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
-                need_dw: bool) -> Padding:
-    """The padding of a call with quantizers ``q`` (a ``LinearQuantizers`` or None)."""
+def padding_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor) -> Padding:
+    """The padding of a call with quantizers ``q`` (a ``LinearQuantizers`` or None); rows
+    only where the call computes dW (gradients on, a weight that needs one)."""
     pad_k, pad_n = feature_padding(q, x, weight)
-    rows = row_padding(q, x, backward_mode, need_dw)
+    rows = row_padding(q, x, backward_mode, torch.is_grad_enabled() and weight.requires_grad)
     return Padding(pad_k, pad_n, rows) if pad_k or pad_n or rows else NONE
 
 

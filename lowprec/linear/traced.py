@@ -62,8 +62,8 @@ from ..state import push_amaxes, stateful, stateless_quantizers
 from . import exact_split, grad_split, shared_input
 from . import traced_steps as steps
 from .padding import NONE as NO_PADDING
-from .padding import Padding, padding_for
-from .plan import feature_multiples, keep, row_padding
+from .padding import Padding, feature_padding, padding_for
+from .plan import keep, row_padding
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -240,12 +240,6 @@ def _given_weight(quantizer, weight: QuantizedTensor):
     return f"a quantized weight ({type(weight).__name__}) the quantizer's form does not read"
 
 
-def _feature_padding(q, k: int, n: int) -> bool:
-    """Whether eager pads K or N to whole blocks (``padding.feature_padding``)."""
-    k_multiple, n_multiple = feature_multiples(q)
-    return bool(k % k_multiple or n % n_multiple)
-
-
 def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None = None, *, amp: bool = False,
              input_grad: bool | None = None) -> TracedPlan | str:
@@ -275,7 +269,7 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
     need_dx = grad and (x.requires_grad if input_grad is None else input_grad)
     need_dw = grad and weight.requires_grad
     default = backward_mode == BackwardMode.DEFAULT
-    if not quantized_w and _feature_padding(q, k, n):
+    if any(feature_padding(q, x, weight)):
         return "eager pads K or N to whole blocks"
     if row_padding(q, x, backward_mode, need_dw):
         return "eager pads M to whole blocks"
@@ -363,19 +357,6 @@ class StateQuantizers:
     done: Optional[Callable[[], None]] = None
 
 
-def _state_forward(plan: TracedPlan, x2d, weight, q, need_dx: bool, need_dw: bool):
-    """fprop's operands of an eager delayed-scaling call and what backward keeps: x's
-    columnwise codes from the same pass; a parameter weight as it is (cast columnwise in
-    backward with fprop's scale), another weight's columnwise codes."""
-    xr, xc = plan.x.state_quantize(x2d, q.input, True, need_dw)
-    held = isinstance(weight, torch.nn.Parameter)
-    wr, wc = plan.w.state_quantize(weight, q.weight, True, need_dx and not held)
-    x_keep = (xc.data, xc.scale, xc.decode) if need_dw else ()
-    w_keep = () if not need_dx else ((weight, wr.scale, wr.decode) if held
-                                     else (wc.data, wc.scale, wc.decode))
-    return (xr, x_keep), (wr, w_keep)
-
-
 class TracedLinear(torch.autograd.Function):
     """``y = x @ weight.T + bias`` over a :class:`TracedPlan`: fprop reads the input and
     weight rowwise; in the default mode dgrad reads dY rowwise and the weight columnwise,
@@ -399,10 +380,11 @@ class TracedLinear(torch.autograd.Function):
             ctx.save_for_backward(*x_keep, *w_keep, *bwd[:4])
             ctx.update = bwd[4:]
         else:
-            if ctx.state is not None:  # an eager delayed-scaling call
-                (xr, x_keep), (wr, w_keep) = _state_forward(
-                    plan, x2d, weight, fwd.quantizers, default and need_dx,
-                    default and need_dw)
+            if ctx.state is not None:  # an eager delayed-scaling call: the state's quantizers
+                q = fwd.quantizers
+                xr, x_keep = plan.x.state_forward(x2d, q.input, default and need_dw)
+                wr, w_keep = plan.w.state_forward(weight, q.weight, default and need_dx,
+                                                  held=isinstance(weight, torch.nn.Parameter))
             elif default:
                 # q/k/v (gate/up) read one input: one quantize serves them (``shared_input``)
                 xr, x_keep = shared_input.shared_form(plan.x, x, need_dw,
@@ -505,8 +487,7 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         bias = bias.to(amp) if bias is not None else None
     pad = NO_PADDING
     if plan is None:
-        pad = padding_for(quantizers, backward_mode, x, weight,
-                          torch.is_grad_enabled() and weight.requires_grad)
+        pad = padding_for(quantizers, backward_mode, x, weight)
         x_shape = x.shape
         if pad:  # zeros to whole blocks, the same ops as an eager call's
             x, weight, bias = pad.operands(x, weight, bias)
@@ -582,7 +563,7 @@ def eager_plan(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
 
 
 def _eager_decision(q, backward_mode: str, x, weight, bias):
-    pad = padding_for(q, backward_mode, x, weight, torch.is_grad_enabled() and weight.requires_grad)
+    pad = padding_for(q, backward_mode, x, weight)
     if pad:  # the plan of the padded operands, made once for this kind of call
         x, weight, bias = pad.operands(x, weight, bias)
     got = plan_for(q, backward_mode, x, weight, bias)

@@ -288,8 +288,6 @@ class Delayed(Tensorwise):
         # an eager call quantizes with its quantizers' own state (``state_quantize``)
         return self.kernel
 
-    launches_eagerly = eager
-
     def delayed(self, t: torch.Tensor, scale: torch.Tensor):
         """(fp8 data, the scale cast with, the amax to record) of ``t`` under the state's
         1-element ``scale``."""
@@ -315,6 +313,16 @@ class Delayed(Tensorwise):
             r, c = r.view(self.fp8_dtype), c.view(self.fp8_dtype)
         return (Fp8(r, scale, decode) if row else None,
                 Fp8(c, scale, decode) if col else None)
+
+    def state_forward(self, t: torch.Tensor, quantizer, keep: bool, held: bool = False):
+        """:meth:`forward` of an eager call through :meth:`state_quantize`: the rowwise form,
+        and for ``keep`` the columnwise codes from the same pass, or where ``t`` lives on
+        anyway (``held``, a parameter) ``t`` itself, cast columnwise in backward with the
+        rowwise scale."""
+        row, col = self.state_quantize(t, quantizer, True, keep and not held)
+        if not keep:
+            return row, ()
+        return row, ((t, row.scale, row.decode) if held else col)
 
     @staticmethod
     def _bound_delayed(quantizer, t: torch.Tensor, row: bool, col: bool) -> dict | None:
