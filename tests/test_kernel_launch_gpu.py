@@ -158,3 +158,30 @@ def test_bound_launch_reruns_the_compiled_kernel_with_new_tensors():
     # BLOCK=8 never ran through launch(): nothing compiled to bind
     assert launch_mod.bind(_axpb_kernel, (triton.cdiv(n, 8),), 2, x, y, n, 1, 2.0, 0.5,
                            BLOCK=8, NEG=False, enable_fp_fusion=False) is None
+
+
+def test_bound_calls_place_each_calls_tensors(jit_runs):
+    """``BoundCalls``: a kind's first call launches through ``launch`` (compiling), its
+    second binds, later ones run the bound launch with that call's tensors in their places
+    (here not the leading ones); a call with a tensor off 16-byte alignment, or inside
+    ``slow_launches``, takes the usual path; every result is torch's."""
+    calls_made = launch_mod.BoundCalls()
+    n, block = 1000, 64
+
+    def step(x, y, a=2.0):
+        def calls():
+            return [(_axpb_kernel, (triton.cdiv(n, block),), (x, y, n, 1, a, 0.5),
+                     dict(BLOCK=block, NEG=True, enable_fp_fusion=False))]
+        calls_made.run(("axpb", n, a), (y, None, x), calls)  # y first: places, not order
+        torch.testing.assert_close(y, -(x * a + 0.5), rtol=0, atol=0)
+
+    base = torch.randn(4 * n, device="cuda")
+    for i in range(4):
+        step(torch.randn(n, device="cuda"), torch.full((n,), float("nan"), device="cuda"))
+    first = len(jit_runs)
+    step(torch.randn(n, device="cuda"), torch.full((n,), float("nan"), device="cuda"))
+    assert len(jit_runs) == first  # bound: no JITFunction.run
+    step(base[1:n + 1], torch.full((n,), float("nan"), device="cuda"))  # unaligned x
+    with launch_mod.slow_launches():
+        step(torch.randn(n, device="cuda"), torch.full((n,), float("nan"), device="cuda"))
+    step(torch.randn(n, device="cuda"), torch.full((n,), float("nan"), device="cuda"), a=3.0)

@@ -141,11 +141,9 @@ def fast_launches() -> bool:
             and _quiet(knobs.runtime.launch_exit_hook))
 
 
-def bind(kernel, grid, n: int, *args, **kwargs) -> BoundLaunch | None:
-    """A :class:`BoundLaunch` of ``kernel[grid](*args, **kwargs)`` whose first ``n``
-    positional arguments change per call, or None where there is none: the same launch
-    has not run through :func:`launch` yet (nothing compiled to bind), or it takes the
-    ordinary path (hooks, a callable grid, another Triton)."""
+def _bound_values(kernel, grid, args, kwargs):
+    """(compiled kernel, every argument's bound value, device) of a launch that already ran
+    through :func:`launch`, or None (see :func:`bind`)."""
     caches = getattr(kernel, "device_caches", None)
     if caches is None or not fast_launches() or kernel.pre_run_hooks or callable(grid):
         return None
@@ -163,7 +161,94 @@ def bind(kernel, grid, n: int, *args, **kwargs) -> BoundLaunch | None:
         return None
     if hit is None or hit[0] is not kernel:
         return None
-    return BoundLaunch(hit[1], grid, list(bound.values()), n, device)
+    return hit[1], list(bound.values()), device
+
+
+def bind(kernel, grid, n: int, *args, **kwargs) -> BoundLaunch | None:
+    """A :class:`BoundLaunch` of ``kernel[grid](*args, **kwargs)`` whose first ``n``
+    positional arguments change per call, or None where there is none: the same launch
+    has not run through :func:`launch` yet (nothing compiled to bind), or it takes the
+    ordinary path (hooks, a callable grid, another Triton)."""
+    got = _bound_values(kernel, grid, args, kwargs)
+    return None if got is None else BoundLaunch(got[0], grid, got[1], n, got[2])
+
+
+class PlacedLaunch:
+    """One compiled kernel with its arguments fixed but those at ``places`` ((argument
+    position, index into the call's tensors) pairs): ``launch(tensors)`` puts each of the
+    call's tensors in its places and launches on the current stream."""
+
+    __slots__ = ("_run", "_grid", "_head", "_values", "_places", "_device")
+
+    def __init__(self, compiled, grid: tuple, values: list, places: tuple, device: int):
+        self._run = compiled.run
+        self._grid = tuple(grid) + (1,) * (3 - len(grid))
+        self._head = (compiled.function, compiled.packed_metadata, None, None, None)
+        self._values, self._places, self._device = values, places, device
+
+    def launch(self, tensors: tuple) -> None:
+        values = list(self._values)
+        for at, i in self._places:
+            values[at] = tensors[i]
+        g = self._grid
+        self._run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self._device),
+                  *self._head, *values)
+
+
+class BoundCalls:
+    """The launches of calls of one kind, bound at the kind's second call.
+
+    A launcher whose every call of one kind (shapes, dtypes, options) makes the same
+    launches, with only its tensors new, calls ``run(key, tensors, calls)``: ``tensors``
+    the call's tensors (inputs and fresh outputs; None entries allowed), ``calls`` a
+    callable giving the launches as (kernel, grid, args, kwargs), every tensor argument one
+    of ``tensors``. The first call of a kind launches them through :func:`launch` (which
+    compiles), the second binds them (:class:`PlacedLaunch`), and from then on a call
+    puts its tensors in place and runs the bound launches: no binder, no argument lists.
+    A kind whose launches cannot all be bound, a call with a tensor that is not 16-byte
+    aligned (Triton specializes on it) or on another current device than the binding
+    call's, launches the usual way. ``key`` names everything else the launches
+    specialize on (shapes, dtypes, options). At most ``size`` kinds
+    are kept."""
+
+    def __init__(self, size: int = 256) -> None:
+        self._kinds: dict = {}
+        self._size = size
+
+    def run(self, key, tensors: tuple, calls) -> None:
+        state = self._kinds.get(key)
+        if (state is None or state is False or not fast_launches()
+                or any(t is not None and t.data_ptr() % 16 for t in tensors)
+                or state is not True and state and state[0]._device != torch.cuda.current_device()):
+            for kernel, grid, args, kwargs in calls():
+                launch(kernel, grid, *args, **kwargs)
+            if state is None:
+                if len(self._kinds) >= self._size:
+                    self._kinds.clear()
+                self._kinds[key] = True
+            return
+        if state is True:
+            state = self._kinds[key] = self._bind(tensors, calls())
+            if state is False:
+                self.run(key, tensors, calls)
+                return
+        for bound in state:
+            bound.launch(tensors)
+
+    @staticmethod
+    def _bind(tensors: tuple, calls: list):
+        where = {id(t): i for i, t in enumerate(tensors) if t is not None}
+        made = []
+        for kernel, grid, args, kwargs in calls:
+            got = _bound_values(kernel, grid, args, kwargs)
+            if got is None:
+                return False
+            if any(id(a) not in where for a in args if isinstance(a, torch.Tensor)):
+                return False
+            places = tuple((at, where[id(a)]) for at, a in enumerate(args)
+                           if isinstance(a, torch.Tensor))
+            made.append(PlacedLaunch(got[0], grid, got[1], places, got[2]))
+        return tuple(made)
 
 
 def launch_in_graph(kernel, grid, *args, **kwargs) -> None:

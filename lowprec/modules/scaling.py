@@ -54,7 +54,10 @@ def _in_traced_checkpoint() -> bool:
     would run a delayed-scaling call's amax recording again, in backward)."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
-    tx = InstructionTranslator.current_tx()
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # this thread never traced: no translator
+        return False
     tracer = tx.output.current_tracer if tx is not None else None
     while tracer is not None:
         if getattr(tracer, "description", None) == _CHECKPOINT_BODY:

@@ -60,8 +60,9 @@ def _outputs(qt):
 @pytest.mark.parametrize("fp8_dtype", [E4, E5], ids=["e4m3", "e5m2"])
 def test_gluon_matches_reference_and_triton(fp8_dtype, dtype, dist, config, monkeypatch):
     calls = []
-    orig = launch._launch_gluon
-    monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(1) or orig(*a))
+    orig = launch._gluon_applies
+    monkeypatch.setattr(launch, "_gluon_applies",
+                        lambda *a: (orig(*a) and not calls.append(1)))
     with tuning.override(mxfp8_gluon_config=config):
         for i, (m, k) in enumerate(SHAPES):
             x = _input(m, k, dtype, dist, seed=i)
@@ -95,8 +96,9 @@ def test_gluon_matches_reference_and_triton(fp8_dtype, dtype, dist, config, monk
 def test_gluon_not_used_where_it_does_not_apply(monkeypatch):
     """One usage, 32x32 blocks or a non-unit inner stride take the Triton kernel."""
     calls = []
-    orig = launch._launch_gluon
-    monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(1) or orig(*a))
+    orig = launch._gluon_applies
+    monkeypatch.setattr(launch, "_gluon_applies",
+                        lambda *a: (orig(*a) and not calls.append(1)))
     x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
     MXFP8Quantizer(E4).set_usage(True, False).quantize(x)
     MXFP8Quantizer(E4).set_usage(False, True).quantize(x)

@@ -38,20 +38,20 @@ def _gluon_applies(x: torch.Tensor, two_d: bool, rowwise: bool, columnwise: bool
     return m % BLOCK == 0 and k % BLOCK == 0 and gluon_takes(x)
 
 
-def _launch_gluon(x, outs, fp8_dtype, exact_row: bool, exact_col: bool, codes: bool):
+def _gluon_call(x, outs, fp8_dtype, exact_row: bool, exact_col: bool, codes: bool) -> tuple:
+    """The Gluon kernel's (kernel, grid, args, kwargs) for a non-empty x."""
     from .gluon_kernels import mx1_both_kernel
     rq, rs, cq, cs, re, ce = outs
     m, k = x.shape
-    if m == 0 or k == 0:
-        return
     rb, warps, k_fast, evict = tuning.mxfp8_gluon_config
     grid, k_fast = order_axes((triton_cdiv(m, 32 * warps), triton_cdiv(k, 128)), k_fast)
     mbits, bias, max_bits, fmax = FP8_PARAMS[fp8_dtype]
-    launch(mx1_both_kernel, grid,
-        x, rq, rs, cq, cs, re if exact_row else None, ce if exact_col else None, m, k,
-        x.stride(0), FP8_MAX=fmax, MBITS=mbits, BIAS=bias, MAX_BITS=max_bits, RB=rb,
-        WARPS=warps, EXACT_ROW=exact_row, EXACT_COL=exact_col, CODES=codes,
-        K_FAST=k_fast, EVICT=bool(evict), num_warps=warps)
+    return (mx1_both_kernel, grid,
+            (x, rq, rs, cq, cs, re if exact_row else None, ce if exact_col else None, m, k,
+             x.stride(0)),
+            dict(FP8_MAX=fmax, MBITS=mbits, BIAS=bias, MAX_BITS=max_bits, RB=rb,
+                 WARPS=warps, EXACT_ROW=exact_row, EXACT_COL=exact_col, CODES=codes,
+                 K_FAST=k_fast, EVICT=bool(evict), num_warps=warps))
 
 
 def _usage(rowwise: bool, columnwise: bool) -> str:
@@ -86,32 +86,51 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
     fp8_dtype = fp8_dtype_of(e5m2)
     rq, rs, cq, cs, re, ce = _empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row,
                                             exact_col, codes)
+    if x.numel() == 0:
+        return rq, rs, cq, cs, re, ce
+    outs = (rq, rs, cq, cs, re, ce)
+    gluon = _gluon_applies(x, two_d, rowwise, columnwise, pro)
+
+    def calls():
+        if gluon:
+            return [_gluon_call(x, outs, fp8_dtype, exact_row, exact_col, codes)]
+        return _triton_calls(x, outs, fp8_dtype, two_d, rowwise, columnwise, pro, pro_args,
+                             exact_row, exact_col, codes)
+
     with device_guard(x.device):
-        if _gluon_applies(x, two_d, rowwise, columnwise, pro):
-            _launch_gluon(x, (rq, rs, cq, cs, re, ce), fp8_dtype, exact_row, exact_col, codes)
-            return rq, rs, cq, cs, re, ce
-        _launch_triton(x, (rq, rs, cq, cs, re, ce), fp8_dtype, two_d, rowwise, columnwise,
-                       pro, pro_args, exact_row, exact_col, codes)
+        if pro:  # a fused prologue's tensors: launched the usual way
+            for kernel, grid, args, kwargs in calls():
+                launch(kernel, grid, *args, **kwargs)
+        else:  # launches bound per kind of call
+            kind = (x.shape, x.stride(), x.dtype, x.device.index, e5m2, two_d, rowwise,
+                    columnwise, exact_row, exact_col, codes, gluon, tuning.mxfp8_gluon_config,
+                    tuning.mxfp8_configs.get((two_d, _usage(rowwise, columnwise))),
+                    tuning.hw_cvt, tuning.col_mode)
+            _QUANTIZES.run(kind, (x, *outs), calls)
     return rq, rs, cq, cs, re, ce
 
 
-def _launch_triton(x, outs, fp8_dtype, two_d, rowwise, columnwise, pro, pro_args, exact_row,
-                   exact_col, codes, run=launch):
+def _triton_calls(x, outs, fp8_dtype, two_d, rowwise, columnwise, pro, pro_args, exact_row,
+                  exact_col, codes) -> list:
+    """The Triton kernel's launches, (kernel, grid, args, kwargs) each."""
     from ...kernels.block_scaled import block_scaled_quant_kernel
     rq, rs, cq, cs, re, ce = outs
     m, k = logical_shape(x, pro)
+    calls = []
     for r, c in launches(rowwise, columnwise, "mx2" if two_d else "mx1"):
         bm, bn, warps, iters, stages, k_fast = tile_config(
             tuning.mxfp8_configs[(two_d, _usage(r, c))])
         grid, k_fast = tile_grid(m, k, bm, bn, iters, k_fast)
-        run(block_scaled_quant_kernel, grid,
-            x, rq, rs, cq, cs, None, None, m, k, x.stride(0), x.stride(1),
-            *prologue_args(x, pro_args), 0.0, PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3],
-            POW2=False, TWO_D=two_d, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=True,
-            BLK=BLOCK, ITERS=iters, STAGES=stages,
-            re_ptr=re if r and exact_row else None, ce_ptr=ce if c and exact_col else None,
-            EXACT_ROW=r and exact_row, EXACT_COL=c and exact_col, CODES=codes,
-            K_FAST=k_fast, num_warps=warps, **kernel_fp8_args(fp8_dtype))
+        calls.append((block_scaled_quant_kernel, grid,
+            (x, rq, rs, cq, cs, None, None, m, k, x.stride(0), x.stride(1),
+             *prologue_args(x, pro_args), 0.0),
+            dict(PRO=pro, FP8_MAX=FP8_PARAMS[fp8_dtype][3],
+                 POW2=False, TWO_D=two_d, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=True,
+                 BLK=BLOCK, ITERS=iters, STAGES=stages,
+                 re_ptr=re if r and exact_row else None, ce_ptr=ce if c and exact_col else None,
+                 EXACT_ROW=r and exact_row, EXACT_COL=c and exact_col, CODES=codes,
+                 K_FAST=k_fast, num_warps=warps, **kernel_fp8_args(fp8_dtype))))
+    return calls
 
 
 @torch.library.triton_op("lowprec::mxfp8_exact_inline", mutates_args=())
@@ -122,8 +141,10 @@ def mxfp8_exact_inline(x: torch.Tensor, e5m2: bool, rowwise: bool, columnwise: b
     compiled graphs: a ``triton_op``, which inductor launches from its own code. The
     Triton kernel of eager's path, so the same bits."""
     outs = _empty_outputs(x, False, rowwise, columnwise, 0, rowwise, columnwise, False)
-    _launch_triton(x, outs, fp8_dtype_of(e5m2), False, rowwise, columnwise, 0, [], rowwise,
-                   columnwise, False, run=launch_in_graph)
+    for kernel, grid, args, kwargs in _triton_calls(x, outs, fp8_dtype_of(e5m2), False,
+                                                    rowwise, columnwise, 0, [], rowwise,
+                                                    columnwise, False):
+        launch_in_graph(kernel, grid, *args, **kwargs)
     return outs[4], outs[5]
 
 

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ...kernels import kernel_op, use_kernels
 from ...kernels.grid import num_sms
-from ...kernels.launch import launch
+from ...kernels.launch import BoundCalls, launch
 from ...kernels.tuning import tuning
 from ..base import QuantizedTensor, check_exact_only
 from ..casting import e2m1_codes_to_float, unpack_e2m1
@@ -65,6 +65,10 @@ def _row_stride(x: Tensor) -> int:
 
 
 # ---- quantize -----------------------------------------------------------------------------------
+#: whole-tensor quantizes and dequantizes, their launches bound per kind of call
+_QUANTIZES, _DEQUANTIZES = BoundCalls(), BoundCalls()
+
+
 @kernel_op("lowprec::nvfp4_quantize", mutates_args=())
 def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tensor],
                    rowwise: bool, columnwise: bool, with_rht: bool,
@@ -117,8 +121,28 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
     if given:
         rs, cs = rglob_in, cglob_in
     else:
-        _amax_pass(x, rglob, cglob, rowwise, columnwise, rht, idx64)
-        rs, cs = rglob, cglob
+        # a whole tensor (the linear's call): its launches bound per kind of call
+        ws = torch.zeros(3, dtype=torch.int32, device=dev)
+        ex_r, ex_c = rex if exact_row else None, cex if exact_col else None
+
+        def calls():
+            made = [_amax_call(x, ws, rglob, cglob, rowwise, columnwise, rht, idx64)]
+            if rowwise:
+                made.append(_row_call(x, sx, rdata, rscale, rglob, key_row, 0, ex_r, two_d,
+                                      codes, idx64))
+            if columnwise:
+                made.append(_col_call(x, sx, cdata, cscale, cglob, key_col, 0, ex_c, rht,
+                                      two_d, codes, idx64))
+            return made
+
+        c = tuning.nvfp4_config
+        kind = (m, kk, sx, x.dtype, dev.index, rowwise, columnwise, rht, two_d, exact_row,
+                exact_col, bool(codes), key_row is None, key_col is None,
+                c["amax"]["FLAT"], c["amax"]["KW"], c["amax"]["PROGS_PER_SM"],
+                c["row"]["KB"], c["row"]["RB"], c["col"]["KW"])
+        _QUANTIZES.run(kind, (x, ws, rdata, rscale, rglob, cdata, cscale, cglob, rex, cex,
+                              key_row, key_col), calls)
+        return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
     if rowwise:
         _launch_row(x, sx, rdata, rscale, rs, key_row, row_offset, rex if exact_row else None,
                     two_d, codes, idx64)
@@ -140,30 +164,45 @@ def _launch_row(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx6
     """The rowwise kernel over x (M, K), rows sx elements apart (see the kernel's doc);
     ``exact`` None: no exact values written; ``grouped``: ``glob`` holds one S per 16-row
     block."""
+    launch(*_row_call(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx64,
+                      grouped))
+
+
+def _row_call(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx64,
+              grouped=False) -> tuple:
+    """:func:`_launch_row`'s (kernel, grid, args, kwargs)."""
     m, kk = x.shape
     cr = tuning.nvfp4_config["row"]
     kb, rb = cr["KB"], (16 if two_d else cr["RB"])
     grid = (triton_cdiv(m, rb) * triton_cdiv(kk // BLOCK, kb),)
-    launch(_kernels()._nvfp4_row_kernel, grid,
-        x, m, kk, sx, data, scale, glob, key if key is not None else glob, offset, exact,
-        TWO_D=bool(two_d), SR=key is not None, VEC=16 // x.element_size(), KB=kb, RB=rb,
-        EVEN=m % rb == 0 and (kk // BLOCK) % kb == 0, IDX64=idx64, EXACT=exact is not None,
-        CODES=bool(codes), GROUPED=bool(grouped), num_warps=max(1, kb * rb // 32),
-        **_LAUNCH_OPTS)
+    return (_kernels()._nvfp4_row_kernel, grid,
+            (x, m, kk, sx, data, scale, glob, key if key is not None else glob, offset, exact),
+            dict(TWO_D=bool(two_d), SR=key is not None, VEC=16 // x.element_size(), KB=kb,
+                 RB=rb, EVEN=m % rb == 0 and (kk // BLOCK) % kb == 0, IDX64=idx64,
+                 EXACT=exact is not None, CODES=bool(codes), GROUPED=bool(grouped),
+                 num_warps=max(1, kb * rb // 32), **_LAUNCH_OPTS))
 
 
 def _launch_col(x, sx, data, scale, glob, key, offset, exact, rht, two_d, codes,
                 idx64, grouped=False) -> None:
     """The columnwise kernel over x (M, K), rows sx elements apart (see the kernel's doc);
     ``grouped``: ``glob`` holds one S per 16-row block of x."""
+    launch(*_col_call(x, sx, data, scale, glob, key, offset, exact, rht, two_d, codes, idx64,
+                      grouped))
+
+
+def _col_call(x, sx, data, scale, glob, key, offset, exact, rht, two_d, codes, idx64,
+              grouped=False) -> tuple:
+    """:func:`_launch_col`'s (kernel, grid, args, kwargs)."""
     m, kk = x.shape
     kw = tuning.nvfp4_config["col"]["KW"]
     grid = (triton_cdiv(m, 64) * triton_cdiv(kk, 16 * kw),)
-    launch(_kernels()._nvfp4_col_kernel, grid,
-        x, m, kk, sx, data, scale, glob, key if key is not None else glob, offset, exact,
-        RHT=bool(rht), TWO_D=bool(two_d), SR=key is not None, KW=kw,
-        EVEN=m % 64 == 0 and kk % (16 * kw) == 0, IDX64=idx64, EXACT=exact is not None,
-        CODES=bool(codes), GROUPED=bool(grouped), num_warps=kw, **_LAUNCH_OPTS)
+    return (_kernels()._nvfp4_col_kernel, grid,
+            (x, m, kk, sx, data, scale, glob, key if key is not None else glob, offset, exact),
+            dict(RHT=bool(rht), TWO_D=bool(two_d), SR=key is not None, KW=kw,
+                 EVEN=m % 64 == 0 and kk % (16 * kw) == 0, IDX64=idx64,
+                 EXACT=exact is not None, CODES=bool(codes), GROUPED=bool(grouped),
+                 num_warps=kw, **_LAUNCH_OPTS))
 
 
 @kernel_op("lowprec::nvfp4_exact_slice", mutates_args=())
@@ -200,14 +239,18 @@ def _nvfp4_exact_slice_fake(x, glob, key, offset, rowwise, with_rht, two_d):
 def _amax_pass(x: Tensor, rglob: Tensor, cglob: Tensor, rowwise: bool, columnwise: bool,
                rht: bool, idx64: bool) -> None:
     """Write the global encode scales of the contiguous x's directions in use."""
-    m, kk = x.shape
     ws = torch.zeros(3, dtype=torch.int32, device=x.device)
+    launch(*_amax_call(x, ws, rglob, cglob, rowwise, columnwise, rht, idx64))
+
+
+def _amax_call(x, ws, rglob, cglob, rowwise, columnwise, rht, idx64) -> tuple:
+    """:func:`_amax_pass`'s (kernel, grid, args, kwargs), ``ws`` its zeroed int32 (3,)."""
+    m, kk = x.shape
     ca = tuning.nvfp4_config["amax"]
     grid, warps, even = amax_launch(m, kk, rht, x.device)
-    launch(_kernels()._nvfp4_amax_kernel, grid, x, m, kk, ws, rglob, cglob, ROW=bool(rowwise),
-           COL=bool(columnwise), RHT=rht, KW=ca["KW"],
-           FLAT=ca["FLAT"], EVEN=even, IDX64=idx64,
-           num_warps=warps, **_LAUNCH_OPTS)
+    return (_kernels()._nvfp4_amax_kernel, grid, (x, m, kk, ws, rglob, cglob),
+            dict(ROW=bool(rowwise), COL=bool(columnwise), RHT=rht, KW=ca["KW"],
+                 FLAT=ca["FLAT"], EVEN=even, IDX64=idx64, num_warps=warps, **_LAUNCH_OPTS))
 
 
 @kernel_op("lowprec::nvfp4_global_scales", mutates_args=())
@@ -345,11 +388,17 @@ def nvfp4_dequantize_unscaled_bf16(data: Tensor, scale: Tensor, two_d: bool) -> 
     if r == 0 or c == 0:
         return out
     cfg = tuning.nvfp4_config["dequant"]
-    grid = (triton_cdiv(r, cfg["RB"]) * triton_cdiv(c // BLOCK, cfg["KB"]),)
-    launch(_kernels()._nvfp4_dequant_unscaled_kernel, grid,
-        data.contiguous(), scale.contiguous(), out, r, c, TWO_D=bool(two_d),
-        KB=cfg["KB"], RB=cfg["RB"], EVEN=r % cfg["RB"] == 0 and (c // BLOCK) % cfg["KB"] == 0,
-        IDX64=_idx64(r, c), num_warps=max(1, cfg["KB"] * cfg["RB"] // 32), **_LAUNCH_OPTS)
+    kb, rb = cfg["KB"], cfg["RB"]
+    data, scale = data.contiguous(), scale.contiguous()
+
+    def calls():
+        grid = (triton_cdiv(r, rb) * triton_cdiv(c // BLOCK, kb),)
+        return [(_kernels()._nvfp4_dequant_unscaled_kernel, grid, (data, scale, out, r, c),
+                 dict(TWO_D=bool(two_d), KB=kb, RB=rb,
+                      EVEN=r % rb == 0 and (c // BLOCK) % kb == 0, IDX64=_idx64(r, c),
+                      num_warps=max(1, kb * rb // 32), **_LAUNCH_OPTS))]
+
+    _DEQUANTIZES.run((r, c, data.device.index, bool(two_d), kb, rb), (data, scale, out), calls)
     return out
 
 
