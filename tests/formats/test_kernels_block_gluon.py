@@ -67,8 +67,8 @@ MODES = {"gluon_col": {}, "gluon_both": {}, "gluon_col/mfast": {"col": (8, 8, 4,
 @pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "exact"])
 def test_gluon_matches_reference(pow2, fp8_dtype, dtype, usage, dist, mode, monkeypatch):
     calls = []
-    orig = launch._launch_gluon
-    monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(a[2]) or orig(*a))
+    orig = launch._gluon_call
+    monkeypatch.setattr(launch, "_gluon_call", lambda *a: calls.append(a[2]) or orig(*a))
     gluon_configs = {**tuning.tuning.block_gluon_configs, **MODES[mode]}
     with tuning.override(block_gluon=True, block_gluon_both=mode.startswith("gluon_both"),
                          block_gluon_configs=gluon_configs):
@@ -115,8 +115,8 @@ def test_gluon_matches_reference(pow2, fp8_dtype, dtype, usage, dist, mode, monk
 def test_gluon_not_used_where_it_does_not_apply(monkeypatch):
     """Row-only, 128x128 blocks and non-unit inner strides stay on the Triton kernel."""
     calls = []
-    orig = launch._launch_gluon
-    monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(1) or orig(*a))
+    orig = launch._gluon_call
+    monkeypatch.setattr(launch, "_gluon_call", lambda *a: calls.append(1) or orig(*a))
     x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
     Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1).set_usage(True, False) \
         .quantize(x)
@@ -135,8 +135,8 @@ def test_gluon_both_unaligned_rows(monkeypatch):
     """An input whose rows do not start 16-byte aligned (the kernel's loads cannot be
     vectorized) goes through the both-usage kernel all the same, with the same bytes."""
     calls = []
-    orig = launch._launch_gluon
-    monkeypatch.setattr(launch, "_launch_gluon", lambda *a: calls.append(a[2]) or orig(*a))
+    orig = launch._gluon_call
+    monkeypatch.setattr(launch, "_gluon_call", lambda *a: calls.append(a[2]) or orig(*a))
     with tuning.override(block_gluon_both=True):
         flat = torch.randn(256 * 384 + 8, device="cuda", dtype=torch.bfloat16)
         x = flat[1:1 + 256 * 384].view(256, 384)

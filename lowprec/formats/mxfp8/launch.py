@@ -24,7 +24,7 @@ from ...kernels.grid import (
     tile_grid,
     triton_cdiv,
 )
-from ...kernels.launch import launch, launch_in_graph
+from ...kernels.launch import BoundCalls, launch, launch_in_graph
 from ...kernels.tuning import tuning
 from ..base import QuantizedTensor, check_exact_only
 from .reference import BLOCK
@@ -52,6 +52,10 @@ def _gluon_call(x, outs, fp8_dtype, exact_row: bool, exact_col: bool, codes: boo
             dict(FP8_MAX=fmax, MBITS=mbits, BIAS=bias, MAX_BITS=max_bits, RB=rb,
                  WARPS=warps, EXACT_ROW=exact_row, EXACT_COL=exact_col, CODES=codes,
                  K_FAST=k_fast, EVICT=bool(evict), num_warps=warps))
+
+
+#: quantizes without a prologue, their launches bound per kind of call
+_QUANTIZES = BoundCalls()
 
 
 def _usage(rowwise: bool, columnwise: bool) -> str:

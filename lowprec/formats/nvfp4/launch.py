@@ -164,8 +164,9 @@ def _launch_row(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx6
     """The rowwise kernel over x (M, K), rows sx elements apart (see the kernel's doc);
     ``exact`` None: no exact values written; ``grouped``: ``glob`` holds one S per 16-row
     block."""
-    launch(*_row_call(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx64,
-                      grouped))
+    kernel, grid, args, kwargs = _row_call(x, sx, data, scale, glob, key, offset, exact,
+                                           two_d, codes, idx64, grouped)
+    launch(kernel, grid, *args, **kwargs)
 
 
 def _row_call(x, sx, data, scale, glob, key, offset, exact, two_d, codes, idx64,
@@ -187,8 +188,9 @@ def _launch_col(x, sx, data, scale, glob, key, offset, exact, rht, two_d, codes,
                 idx64, grouped=False) -> None:
     """The columnwise kernel over x (M, K), rows sx elements apart (see the kernel's doc);
     ``grouped``: ``glob`` holds one S per 16-row block of x."""
-    launch(*_col_call(x, sx, data, scale, glob, key, offset, exact, rht, two_d, codes, idx64,
-                      grouped))
+    kernel, grid, args, kwargs = _col_call(x, sx, data, scale, glob, key, offset, exact,
+                                           rht, two_d, codes, idx64, grouped)
+    launch(kernel, grid, *args, **kwargs)
 
 
 def _col_call(x, sx, data, scale, glob, key, offset, exact, rht, two_d, codes, idx64,
@@ -240,7 +242,9 @@ def _amax_pass(x: Tensor, rglob: Tensor, cglob: Tensor, rowwise: bool, columnwis
                rht: bool, idx64: bool) -> None:
     """Write the global encode scales of the contiguous x's directions in use."""
     ws = torch.zeros(3, dtype=torch.int32, device=x.device)
-    launch(*_amax_call(x, ws, rglob, cglob, rowwise, columnwise, rht, idx64))
+    kernel, grid, args, kwargs = _amax_call(x, ws, rglob, cglob, rowwise, columnwise, rht,
+                                            idx64)
+    launch(kernel, grid, *args, **kwargs)
 
 
 def _amax_call(x, ws, rglob, cglob, rowwise, columnwise, rht, idx64) -> tuple:
