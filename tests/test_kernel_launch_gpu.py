@@ -163,15 +163,17 @@ def test_bound_launch_reruns_the_compiled_kernel_with_new_tensors():
 def test_bound_calls_place_each_calls_tensors(jit_runs):
     """``BoundCalls``: a kind's first call launches through ``launch`` (compiling), its
     second binds, later ones run the bound launch with that call's tensors in their places
-    (here not the leading ones); a call with a tensor off 16-byte alignment, or inside
+    (here not the leading ones, one passed by name); a call with a tensor off 16-byte alignment, or inside
     ``slow_launches``, takes the usual path; every result is torch's."""
     calls_made = launch_mod.BoundCalls()
     n, block = 1000, 64
 
     def step(x, y, a=2.0):
         def calls():
-            return [(_axpb_kernel, (triton.cdiv(n, block),), (x, y, n, 1, a, 0.5),
-                     dict(BLOCK=block, NEG=True, enable_fp_fusion=False))]
+            # y by name: a named tensor argument is placed too
+            return [(_axpb_kernel, (triton.cdiv(n, block),), (x,),
+                     dict(y_ptr=y, n=n, stride=1, a=a, b=0.5, BLOCK=block, NEG=True,
+                          enable_fp_fusion=False))]
         calls_made.run(("axpb", n, a), (y, None, x), calls)  # y first: places, not order
         torch.testing.assert_close(y, -(x * a + 0.5), rtol=0, atol=0)
 

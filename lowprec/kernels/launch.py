@@ -240,13 +240,17 @@ class BoundCalls:
         where = {id(t): i for i, t in enumerate(tensors) if t is not None}
         made = []
         for kernel, grid, args, kwargs in calls:
-            got = _bound_values(kernel, grid, args, kwargs)
+            # every tensor argument by its position in the signature (the bound values'
+            # order), positional or named
+            named = [(kernel.arg_names.index(name), a) for name, a in kwargs.items()
+                     if isinstance(a, torch.Tensor)]
+            given = [(at, a) for at, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            if any(id(a) not in where for _, a in given + named):
+                return False
+            got = _bound_values(kernel, grid, args, dict(kwargs))
             if got is None:
                 return False
-            if any(id(a) not in where for a in args if isinstance(a, torch.Tensor)):
-                return False
-            places = tuple((at, where[id(a)]) for at, a in enumerate(args)
-                           if isinstance(a, torch.Tensor))
+            places = tuple((at, where[id(a)]) for at, a in given + named)
             made.append(PlacedLaunch(got[0], grid, got[1], places, got[2]))
         return tuple(made)
 
