@@ -184,6 +184,9 @@ class PlacedLaunch:
         self._run = compiled.run
         self._grid = tuple(grid) + (1,) * (3 - len(grid))
         self._head = (compiled.function, compiled.packed_metadata, None, None, None)
+        values = list(values)
+        for at, _ in places:  # the binding call's tensors are not kept alive
+            values[at] = None
         self._values, self._places, self._device = values, places, device
 
     def launch(self, tensors: tuple) -> None:
