@@ -163,8 +163,8 @@ def test_bound_launch_reruns_the_compiled_kernel_with_new_tensors():
 def test_bound_calls_place_each_calls_tensors(jit_runs):
     """``BoundCalls``: a kind's first call launches through ``launch`` (compiling), its
     second binds, later ones run the bound launch with that call's tensors in their places
-    (here not the leading ones, one passed by name); a call with a tensor off 16-byte alignment, or inside
-    ``slow_launches``, takes the usual path; every result is torch's."""
+    (here not the leading ones, one passed by name); a call with a tensor off 16-byte
+    alignment, or inside ``slow_launches``, takes the usual path; every result is torch's."""
     calls_made = launch_mod.BoundCalls()
     n, block = 1000, 64
 
