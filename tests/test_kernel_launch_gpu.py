@@ -187,3 +187,25 @@ def test_bound_calls_place_each_calls_tensors(jit_runs):
     with launch_mod.slow_launches():
         step(torch.randn(n, device="cuda"), torch.full((n,), float("nan"), device="cuda"))
     step(torch.randn(n, device="cuda"), torch.full((n,), float("nan"), device="cuda"), a=3.0)
+
+
+def test_bound_calls_keep_no_tensor_alive():
+    """The binding call's tensors are not held by the bound launches (they would leak one
+    set of outputs a kind, and CUDA graph trees refuse untracked live allocations)."""
+    import gc
+    import weakref
+    calls_made = launch_mod.BoundCalls()
+    n = 512
+
+    def step():
+        x, y = torch.randn(n, device="cuda"), torch.empty(n, device="cuda")
+        calls_made.run("k", (x, y), lambda: [(_axpb_kernel, (triton.cdiv(n, 128),),
+                                               (x, y, n, 1, 2.0, 0.5),
+                                               dict(BLOCK=128, NEG=False,
+                                                    enable_fp_fusion=False))])
+        torch.testing.assert_close(y, x * 2.0 + 0.5, rtol=0, atol=0)
+        return weakref.ref(x), weakref.ref(y)
+
+    refs = [step() for _ in range(3)]  # launched, bound, run bound
+    gc.collect()
+    assert all(r() is None for pair in refs for r in pair)
