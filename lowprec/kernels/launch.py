@@ -30,6 +30,8 @@ import torch
 from . import FlagOff, _tracing
 
 _enabled = True
+#: whether :class:`BoundCalls` binds (off: every call launches through :func:`launch`)
+_bind_calls = True
 
 #: (id(kernel), device, specialization, options) -> (kernel, compiled kernel); keyed by id
 #: because hashing a JITFunction takes a lock
@@ -40,6 +42,12 @@ class slow_launches(FlagOff):
     """Context manager: every launch goes through ``JITFunction.run`` (see module doc)."""
 
     _module, _flag = __name__, "_enabled"
+
+
+class unbound_calls(FlagOff):
+    """Context manager: :class:`BoundCalls` launches through :func:`launch` (A/B runs)."""
+
+    _module, _flag = __name__, "_bind_calls"
 
 
 @functools.lru_cache(maxsize=None)
@@ -220,7 +228,7 @@ class BoundCalls:
 
     def run(self, key, tensors: tuple, calls) -> None:
         state = self._kinds.get(key)
-        if (state is None or state is False or not fast_launches()
+        if (state is None or state is False or not _bind_calls or not fast_launches()
                 or any(t is not None and t.data_ptr() % 16 for t in tensors)
                 or state is not True and state and state[0]._device != torch.cuda.current_device()):
             for kernel, grid, args, kwargs in calls():
