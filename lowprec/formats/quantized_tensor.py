@@ -585,10 +585,18 @@ def _like_args(qt: QuantizedTensor, kwargs: dict, op: str, accepted: set) -> tor
 @_handles(aten._to_copy.default)
 def _to_copy(func, args, kwargs):
     qt = args[0]
-    dtype = _like_args(qt, kwargs, "to", {"dtype", "device", "non_blocking", "layout",
-                                          "memory_format", "pin_memory"})
     device = kwargs.get("device")
     non_blocking = kwargs.get("non_blocking", False)
+    wanted = kwargs.get("dtype")
+    if wanted == torch.float64:
+        # a dtype no quantized tensor carries: the values, as Transformer Engine gives them
+        # (an op outside the table dequantizes)
+        _like_args(qt, {k: v for k, v in kwargs.items() if k != "dtype"}, "to",
+                   {"device", "non_blocking", "layout", "memory_format", "pin_memory"})
+        return qt.dequantize().to(device=device or qt.device, dtype=wanted,
+                                  non_blocking=non_blocking)
+    dtype = _like_args(qt, kwargs, "to", {"dtype", "device", "non_blocking", "layout",
+                                          "memory_format", "pin_memory"})
     # A dtype change only changes the nominal dtype (what dequantize returns): lossless.
     # The inner tensors move by the aten op itself: inside this dispatch ``t.to`` would reach
     # a quantized inner tensor (a hybrid's) as the undecomposed ``aten.to``, which it refuses.

@@ -39,9 +39,9 @@ Where lowprec differs from what TE's test expects, the test says which side is w
     for fp32 (TE runs the case on CUDA, where fp32 autocast exists), so that case is
     not ported.
 
-* **lowprec is wrong**, fix outside ``lowprec/ops`` (strict xfail, so the test fails once
-  it is fixed): ``qt.to(torch.float64)`` raises ``TypeError`` where TE returns the
-  dequantized fp64 values (``lowprec/formats/quantized_tensor.py``'s ``_to_copy``).
+* **lowprec was wrong**, fixed outside ``lowprec/ops``: ``qt.to(torch.float64)`` raised
+  ``TypeError`` where TE returns the dequantized fp64 values; it now returns them
+  (``lowprec/formats/quantized_tensor.py``'s ``_to_copy``).
 
 Not ported: ``accumulate_into_main_grad`` (lowprec has no ``main_grad``),
 ``quantized_output`` / ``quantized_grad_input`` (TE runs them only for its plain "fp8"
@@ -740,10 +740,6 @@ def test_delayed_weight_copy_uses_the_seeded_scale():
     assert not torch.allclose(held, w, **quantization_tols("delayed"))
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="lowprec is wrong: qt.to(torch.float64) raises TypeError (not a "
-                          "nominal dtype) where TE returns the dequantized fp64 values; the "
-                          "fix belongs in lowprec/formats/quantized_tensor.py (_to_copy)")
 @pytest.mark.parametrize("quantization", QUANTS)
 def test_quantized_tensor_to_float64(quantization):
     """TE's test_dtype_cast reads a quantized weight's values with ``.to(torch.float64)``,
