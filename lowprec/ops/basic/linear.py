@@ -55,12 +55,15 @@ class BasicLinear(LowprecModule, BasicOperation):
         """(rowwise, columnwise) usages this linear needs of its input, None outside autocast.
 
         Mirrors :func:`quantized_linear`: columnwise only for wgrad in the default backward
-        mode, whenever the weight requires grad.
+        mode, when the weight requires grad and grad mode is on (an inference forward, under
+        ``torch.no_grad`` or ``torch.inference_mode``, reads the input rowwise alone).
         """
         qs, mode, _ = prep
         if qs is None:
             return None
-        return operand_usages(mode, needs_dgrad=False, needs_wgrad=self.weight.requires_grad).input
+        return operand_usages(mode, needs_dgrad=False,
+                              needs_wgrad=self.weight.requires_grad
+                              and torch.is_grad_enabled()).input
 
     def input_emit_spec(self, prep: tuple) -> EmitSpec | None:
         """How a previous op may quantize this linear's input for it (None: it may not).
