@@ -52,3 +52,28 @@ def no_kernel_loads_in_capture():
     finally:
         knobs.runtime.kernel_load_start_hook.remove(on_load)
     assert not loaded, f"Triton kernels first loaded inside a CUDA graph capture: {loaded}"
+
+
+@pytest.fixture
+def columnwise_made(monkeypatch) -> list:
+    """Every quantized tensor made holding columnwise data from now on, and every
+    ``update_usage`` that adds that direction to a tensor (the inference-usage tests of
+    modules and ops)."""
+    from lowprec.formats.base import QuantizedTensor
+
+    made = []
+    new, update_usage = QuantizedTensor.__new__, QuantizedTensor.update_usage
+
+    def spy_new(cls, shape, dtype, *, requires_grad=False, **fields):
+        if any(name.startswith("columnwise_") and t is not None for name, t in fields.items()):
+            made.append(f"{cls.__name__}{tuple(shape)}")
+        return new(cls, shape, dtype, requires_grad=requires_grad, **fields)
+
+    def spy_update_usage(self, rowwise_usage=None, columnwise_usage=None):
+        if columnwise_usage and not self.has_usage("columnwise"):
+            made.append(f"update_usage {type(self).__name__}{tuple(self.shape)}")
+        return update_usage(self, rowwise_usage, columnwise_usage)
+
+    monkeypatch.setattr(QuantizedTensor, "__new__", staticmethod(spy_new))
+    monkeypatch.setattr(QuantizedTensor, "update_usage", spy_update_usage)
+    return made

@@ -103,3 +103,18 @@ def plan_of(recipe, x, weight, bias=None):
     q = LinearQuantizers(input=fi, weight=fw, grad_output=bg)
     plan = traced.plan_for(q, recipe.backward_mode, x, weight, bias)
     return None if isinstance(plan, str) else plan
+
+
+def assert_inference_reads_rowwise_only(forward, inference, columnwise_made: list) -> None:
+    """``forward(context)`` (a forward under a recipe inside ``context()``, returning
+    (module, output)) makes columnwise data in training, which the spy ``columnwise_made``
+    (tests/conftest.py) sees, and none inside ``inference`` (``torch.no_grad``,
+    ``torch.inference_mode``), whose output has no autograd history."""
+    import contextlib
+
+    forward(contextlib.nullcontext)  # training: the backward reads some
+    assert columnwise_made, "the spy saw no columnwise data in a training forward"
+    columnwise_made.clear()
+    _, y = forward(inference)
+    assert columnwise_made == []
+    assert y.grad_fn is None and not y.requires_grad
