@@ -47,6 +47,17 @@ def _pretend_gpu() -> None:
         return True
     kernel_launch.bind.__code__ = bind.__code__
     kernel_launch.fast_launches.__code__ = fast_launches.__code__
+
+    class _NoKernel:  # what BoundCalls binds: a launcher that launches nothing
+        function = packed_metadata = None
+
+        @staticmethod
+        def run(*args):
+            return None
+
+    def bound_values(kernel, grid, args, kwargs):
+        return _NoKernel, [None] * len(kernel.arg_names), 0
+    kernel_launch._bound_values = bound_values
     torch.cuda.current_device = lambda: 0
     torch._C._cuda_getCurrentRawStream = lambda index: 0
     torch.cuda.is_current_stream_capturing = lambda: False

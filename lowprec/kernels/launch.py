@@ -153,9 +153,9 @@ def _bound_values(kernel, grid, args, kwargs):
     """(compiled kernel, every argument's bound value, device) of a launch that already ran
     through :func:`launch`, or None (see :func:`bind`)."""
     caches = getattr(kernel, "device_caches", None)
-    if caches is None or not fast_launches() or kernel.pre_run_hooks or callable(grid):
+    knobs = _knobs() if caches is not None else None
+    if knobs is None or not fast_launches() or kernel.pre_run_hooks or callable(grid):
         return None
-    knobs = _knobs()
     kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
     kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
     device = torch.cuda.current_device()
