@@ -56,6 +56,14 @@ def _forward_quantizers(module):
     return module._recipe_states["forward"].quantizers
 
 
+def _assert_forward_quantizers(module, quantizer_type) -> None:
+    """The module has forward quantizers, every one a ``quantizer_type``."""
+    quantizers = _forward_quantizers(module)
+    assert len(quantizers) > 0
+    for quantizer in quantizers:
+        assert isinstance(quantizer, quantizer_type)
+
+
 @pytest.mark.parametrize("model_init_recipe", [
     lowprec.MXFP8BlockScaling(),
     lowprec.Float8BlockScaling(),
@@ -100,10 +108,7 @@ def test_dynamic_recipe_update(target_recipe_class, expected_quantizer_type):
         loss = y.mean()
         loss.backward()
 
-    quantizers = _forward_quantizers(linear)
-    assert len(quantizers) > 0
-    for quantizer in quantizers:
-        assert isinstance(quantizer, Float8Quantizer)
+    _assert_forward_quantizers(linear, Float8Quantizer)
 
     # Change recipe
     target_recipe = target_recipe_class()
@@ -116,8 +121,7 @@ def test_dynamic_recipe_update(target_recipe_class, expected_quantizer_type):
             with pytest.warns(UserWarning, match="Recipe type changed"):
                 with lowprec.autocast(enabled=True, recipe=target_recipe):
                     y = linear(x)
-            for quantizer in _forward_quantizers(linear):
-                assert isinstance(quantizer, expected_quantizer_type)
+            _assert_forward_quantizers(linear, expected_quantizer_type)
         else:
             # No warning expected on subsequent iterations
             with warnings.catch_warnings():
@@ -128,10 +132,7 @@ def test_dynamic_recipe_update(target_recipe_class, expected_quantizer_type):
         loss.backward()
 
     # Final check
-    quantizers = _forward_quantizers(linear)
-    assert len(quantizers) > 0
-    for quantizer in quantizers:
-        assert isinstance(quantizer, expected_quantizer_type)
+    _assert_forward_quantizers(linear, expected_quantizer_type)
 
 
 @pytest.mark.parametrize("module_class", [

@@ -181,6 +181,19 @@ def bind(kernel, grid, n: int, *args, **kwargs) -> BoundLaunch | None:
     return None if got is None else BoundLaunch(got[0], grid, got[1], n, got[2])
 
 
+def launch_calls(calls) -> None:
+    """:func:`launch` each of ``calls`` ((kernel, grid, args, kwargs) each), in order."""
+    for kernel, grid, args, kwargs in calls:
+        launch(kernel, grid, *args, **kwargs)
+
+
+def _takes_bound(tensors: tuple) -> bool:
+    """Whether a call with these tensors may run bound launches: binding on, the fast path
+    open, and every tensor 16-byte aligned (as Triton specialized the bound kernels)."""
+    return (_bind_calls and fast_launches()
+            and not any(t is not None and t.data_ptr() % 16 for t in tensors))
+
+
 class PlacedLaunch:
     """One compiled kernel with its arguments fixed but those at ``places`` ((argument
     position, index into the call's tensors) pairs): ``launch(tensors)`` puts each of the
@@ -228,21 +241,22 @@ class BoundCalls:
 
     def run(self, key, tensors: tuple, calls) -> None:
         state = self._kinds.get(key)
-        if (state is None or state is False or not _bind_calls or not fast_launches()
-                or any(t is not None and t.data_ptr() % 16 for t in tensors)
-                or state is not True and state and state[0]._device != torch.cuda.current_device()):
-            for kernel, grid, args, kwargs in calls():
-                launch(kernel, grid, *args, **kwargs)
+        if state is None or state is False or not _takes_bound(tensors):
+            launch_calls(calls())
             if state is None:
                 if len(self._kinds) >= self._size:
                     self._kinds.clear()
                 self._kinds[key] = True
             return
-        if state is True:
-            state = self._kinds[key] = self._bind(tensors, calls())
+        if state is True:  # the kind's second call binds its launches
+            made = calls()
+            state = self._kinds[key] = self._bind(tensors, made)
             if state is False:
-                self.run(key, tensors, calls)
+                launch_calls(made)
                 return
+        elif state and state[0]._device != torch.cuda.current_device():
+            launch_calls(calls())
+            return
         for bound in state:
             bound.launch(tensors)
 

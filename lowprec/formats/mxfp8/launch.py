@@ -24,7 +24,7 @@ from ...kernels.grid import (
     tile_grid,
     triton_cdiv,
 )
-from ...kernels.launch import BoundCalls, launch, launch_in_graph
+from ...kernels.launch import BoundCalls, launch_calls, launch_in_graph
 from ...kernels.tuning import tuning
 from ..base import QuantizedTensor, check_exact_only
 from .reference import BLOCK
@@ -103,8 +103,7 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
 
     with device_guard(x.device):
         if pro:  # a fused prologue's tensors: launched the usual way
-            for kernel, grid, args, kwargs in calls():
-                launch(kernel, grid, *args, **kwargs)
+            launch_calls(calls())
         else:  # launches bound per kind of call
             kind = (x.shape, x.stride(), x.dtype, x.device.index, e5m2, two_d, rowwise,
                     columnwise, exact_row, exact_col, codes, gluon, tuning.mxfp8_gluon_config,

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ...kernels import kernel_op, use_kernels
 from ...kernels.grid import num_sms
-from ...kernels.launch import BoundCalls, launch
+from ...kernels.launch import BoundCalls, launch, launch_calls
 from ...kernels.tuning import tuning
 from ..base import QuantizedTensor, check_exact_only
 from ..casting import e2m1_codes_to_float, unpack_e2m1
@@ -118,23 +118,24 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
     rht = bool(with_rht and columnwise)
     sx = _row_stride(x)
     idx64 = _idx64(m, max(kk, sx), max(row_offset, col_offset))
-    if given:
-        rs, cs = rglob_in, cglob_in
-    else:
-        # a whole tensor (the linear's call): its launches bound per kind of call
-        ws = torch.zeros(3, dtype=torch.int32, device=dev)
-        ex_r, ex_c = rex if exact_row else None, cex if exact_col else None
+    rs, cs = (rglob_in, cglob_in) if given else (rglob, cglob)
+    ws = None if given else torch.zeros(3, dtype=torch.int32, device=dev)
+    ex_r, ex_c = rex if exact_row else None, cex if exact_col else None
 
-        def calls():
-            made = [_amax_call(x, ws, rglob, cglob, rowwise, columnwise, rht, idx64)]
-            if rowwise:
-                made.append(_row_call(x, sx, rdata, rscale, rglob, key_row, 0, ex_r, two_d,
-                                      codes, idx64))
-            if columnwise:
-                made.append(_col_call(x, sx, cdata, cscale, cglob, key_col, 0, ex_c, rht,
-                                      two_d, codes, idx64))
-            return made
+    def calls():
+        made = [] if given else [_amax_call(x, ws, rglob, cglob, rowwise, columnwise, rht,
+                                            idx64)]
+        if rowwise:
+            made.append(_row_call(x, sx, rdata, rscale, rs, key_row, row_offset, ex_r, two_d,
+                                  codes, idx64))
+        if columnwise:
+            made.append(_col_call(x, sx, cdata, cscale, cs, key_col, col_offset, ex_c, rht,
+                                  two_d, codes, idx64))
+        return made
 
+    if given:  # a slice of a larger tensor, read in place: launched the usual way
+        launch_calls(calls())
+    else:  # a whole tensor (the linear's call): its launches bound per kind of call
         c = tuning.nvfp4_config
         kind = (m, kk, sx, x.dtype, dev.index, rowwise, columnwise, rht, two_d, exact_row,
                 exact_col, bool(codes), key_row is None, key_col is None,
@@ -142,13 +143,6 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
                 c["row"]["KB"], c["row"]["RB"], c["col"]["KW"])
         _QUANTIZES.run(kind, (x, ws, rdata, rscale, rglob, cdata, cscale, cglob, rex, cex,
                               key_row, key_col), calls)
-        return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
-    if rowwise:
-        _launch_row(x, sx, rdata, rscale, rs, key_row, row_offset, rex if exact_row else None,
-                    two_d, codes, idx64)
-    if columnwise:
-        _launch_col(x, sx, cdata, cscale, cs, key_col, col_offset, cex if exact_col else None,
-                    rht, two_d, codes, idx64)
     return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
 
 
