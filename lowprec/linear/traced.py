@@ -368,7 +368,7 @@ class TracedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: TracedPlan, grad_enabled: bool, fwd=None,
                 bwd=None):
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = steps.as_2d(x)
         # needs_input_grad ignores no_grad(): an evaluation forward keeps nothing
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]

@@ -74,10 +74,18 @@ def _bias_grad_fake(dy2d, dtype):
     return dy2d.new_empty(dy2d.shape[1:], dtype=dtype)
 
 
+def as_2d(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a matrix of its last dimension's rows (``t`` itself when 2-D: a reshape is
+    a dispatched op even where it changes nothing, and eager calls are host-bound)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
 def finish(ctx, x, weight, bias, plan, y: torch.Tensor) -> torch.Tensor:
     """Record what backward needs besides the saved tensors; y in x's leading shape."""
     ctx.plan, ctx.has_bias = plan, bias is not None
     ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+    if x.dim() == 2 and not torch.compiler.is_compiling():
+        return y  # (dynamo 2.11 loses the weight's gradient of a forward returning y as is)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -91,9 +99,19 @@ def traced_backward(ctx, dy, grads) -> tuple:
     gives (dX as 2-D or None, dW or None); the bias gradient is eager's sum. It runs with
     torch.autocast off, as eager's backward does (AOT traces the backward under the
     forward's autocast state)."""
-    with torch.autocast(dy.device.type, enabled=False):
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        dx, dw = grads(ctx, dy2d, need_dx, need_dw, *ctx.saved_tensors)
-        db = bias_grad(dy2d, ctx.w_dtype) if need_db and ctx.has_bias else None
-        return None if dx is None else dx.reshape(ctx.x_shape), dw, db, None
+    # an eager backward outside torch.autocast skips the context (host time); a traced one
+    # always takes it, since the trace's autocast state is not the one the graph runs in
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(dy.device.type):
+        with torch.autocast(dy.device.type, enabled=False):
+            return _backward(ctx, dy, grads)
+    return _backward(ctx, dy, grads)
+
+
+def _backward(ctx, dy, grads) -> tuple:
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    dy2d = as_2d(dy)
+    dx, dw = grads(ctx, dy2d, need_dx, need_dw, *ctx.saved_tensors)
+    db = bias_grad(dy2d, ctx.w_dtype) if need_db and ctx.has_bias else None
+    if dx is not None and len(ctx.x_shape) != 2:
+        dx = dx.reshape(ctx.x_shape)
+    return dx, dw, db, None

@@ -7,6 +7,30 @@ from __future__ import annotations
 import torch
 
 
+def _scalar_index_for_numpy_2_4() -> None:
+    """Triton 3.6's interpreter holds every scalar as a shape-(1,) numpy array and gives a
+    tensor's ``__index__`` (a ``range`` bound such as a kernel's ``K``) as ``int(array)``,
+    which NumPy 2.4 refuses for an array of ndim > 0 (triton-lang/triton#9171, fixed upstream
+    by #9172): ``int(array.item())`` instead, the same integer under any NumPy."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "_item_index", False):
+        return
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patched._item_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+_scalar_index_for_numpy_2_4()
+
+
 def grouped_gemm_tiles() -> None:
     """The grouped GEMM kernel (fp16 operands: the interpreter has no bf16 or fp8 dot), one
     tile a program and persistent, rows and wgrad: the same bits as each other, within fp32

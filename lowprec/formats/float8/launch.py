@@ -336,8 +336,10 @@ def _fields(quantizer, row, col, scale, decode=None) -> dict:
 
 
 def _usage_fields(dt, rowwise: bool, columnwise: bool, row, col, scale, decode) -> dict:
-    return {"rowwise_data": row.view(dt) if rowwise else None,
-            "columnwise_data": col.view(dt) if columnwise else None,
+    # codes of a bound launch are made in ``dt`` already (a view is a dispatched op)
+    return {"rowwise_data": (row if row.dtype == dt else row.view(dt)) if rowwise else None,
+            "columnwise_data": (col if col.dtype == dt else col.view(dt)) if columnwise
+            else None,
             "shared_scale": scale, "fp8_dtype": dt, "_decode": decode}
 
 
@@ -421,12 +423,19 @@ class _Prepared:
             if bound is None:
                 self.launches = True
             return None
-        x2d = x.view(self.m, self.k)
-        row = x2d.new_empty((self.m, self.k), dtype=torch.uint8) if self.rowwise \
+        x2d = x if x.dim() == 2 else x.view(self.m, self.k)
+        # the codes in their FP8 dtype: a bound launch reads only the pointer (the launches
+        # are bound with byte views, as the usual path makes them: ``_codes``)
+        row = x2d.new_empty((self.m, self.k), dtype=self.fp8_dtype) if self.rowwise \
             else self.empty
-        col = x2d.new_empty((self.k, self.m), dtype=torch.uint8) if self.columnwise \
+        col = x2d.new_empty((self.k, self.m), dtype=self.fp8_dtype) if self.columnwise \
             else self.empty
         return bound, x2d, row, col
+
+    def _codes(self, row: torch.Tensor, col: torch.Tensor) -> tuple:
+        """``row`` and ``col`` as the bytes the kernels were compiled for (binding)."""
+        return (row if row is self.empty else row.view(torch.uint8),
+                col if col is self.empty else col.view(torch.uint8))
 
     def _bound(self, bound, calls):
         """``bound`` when already bound, else the launches of ``calls`` ((kernel, grid, n,
@@ -467,12 +476,12 @@ class PreparedCurrent(_Prepared):
         if ready is None:
             return None
         bound, x2d, row, col = ready
-        words = kept_amax_words(self.quantizer, self.device)
+        words = _stream_words(self.quantizer, self.device)
         scales = _scale_buffer(x2d)
         if bound is True:
             kernel, grid, args, kwargs = _amax_call(x2d, words)
             bound = self._bound(bound, [(kernel, grid, 2, args, kwargs)] + self._cast_calls(
-                x2d, row, col, words, scales, scales, current=True, reset=True))
+                x2d, *self._codes(row, col), words, scales, scales, current=True, reset=True))
             if bound is None:
                 return None
         try:
@@ -507,12 +516,13 @@ class PreparedDelayed(_Prepared):
         if ready is None:
             return None
         bound, x2d, row, col = ready
-        words = kept_amax_words(q, self.device)
+        words = _stream_words(q, self.device)
         scale = scale.detach().reshape(1)
         scales = _scale_buffer(x2d)
         if bound is True:
-            bound = self._bound(bound, self._cast_calls(x2d, row, col, words, scale, scales,
-                                                        current=False, amax_out=amax))
+            bound = self._bound(bound, self._cast_calls(x2d, *self._codes(row, col), words,
+                                                        scale, scales, current=False,
+                                                        amax_out=amax))
             if bound is None:
                 return None
         bound[0](x2d, row, col, words, scale, scales, amax)
@@ -534,8 +544,8 @@ class PreparedUsageLike(_Prepared):
         bound, x2d, row, col = ready
         scale = like.shared_scale
         if bound is True:
-            bound = self._bound(bound, self._cast_calls(x2d, row, col, scale, scale, scale,
-                                                        current=False))
+            bound = self._bound(bound, self._cast_calls(x2d, *self._codes(row, col), scale,
+                                                        scale, scale, current=False))
             if bound is None:
                 return None
         for cast in bound:
@@ -564,6 +574,11 @@ def kept_amax_words(quantizer, device: torch.device) -> Optional[torch.Tensor]:
     """
     if _tracing(()):
         return None
+    return _stream_words(quantizer, device)
+
+
+def _stream_words(quantizer, device: torch.device) -> torch.Tensor:
+    """:func:`kept_amax_words` of a call known not to be traced (a prepared quantize's)."""
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(AMAX_WORDS, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
