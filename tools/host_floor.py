@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import probe_eager_plan as probe  # noqa: E402
+
 from lowprec.formats.float8.graph import _Scaled, _Settings  # noqa: E402
 from lowprec.formats.float8.launch import PreparedCurrent, PreparedUsageLike  # noqa: E402
 
