@@ -9,6 +9,8 @@
   reads its own format's folder);
 * ``lowprec/debug/`` is imported only by itself and ``compare/``, and never imports
   ``compare/``;
+* the files of ``LowprecModule``'s mixins (``modules/roles.py``, ``scaling.py``, ...) are
+  imported only from ``modules/``: the rest of lowprec reaches them through the class;
 * no import cycles between modules.
 
 Every import counts, at module level or inside a function, except those under
@@ -184,6 +186,27 @@ def test_debug_sits_at_the_top():
     bad += [(m, t) for m in _sources() if _within(m, "lowprec.debug") for t in edges(m)
             if _within(t, "lowprec.compare")]
     assert not bad, f"imports of lowprec.debug from below, or of compare/ from it: {bad}"
+
+
+def _mixin_modules() -> set[str]:
+    """The modules ``LowprecModule`` (``modules/base.py``) takes its mixins from."""
+    base = "lowprec.modules.base"
+    tree = ast.parse(MODULES[base].read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LowprecModule")
+    bases = {ast.unparse(b) for b in cls.bases}
+    return {src for src, name in _raw_targets(base)
+            if name in bases and _within(src, "lowprec.modules")}
+
+
+def test_lowprec_module_mixins_stay_inside_modules():
+    """The files ``LowprecModule`` is split into by job are its own layout: the rest of
+    lowprec imports the class (``modules/base.py``), never one of its mixins' files, so
+    that they can be split or merged again without touching a caller."""
+    mixins = _mixin_modules()
+    assert {"lowprec.modules.roles", "lowprec.modules.scaling"} <= mixins  # the check sees them
+    bad = [(m, t) for m in _sources() if not _within(m, "lowprec.modules")
+           for t in edges(m) & mixins]
+    assert not bad, f"imports of LowprecModule's mixin files from outside modules/: {bad}"
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -71,7 +71,7 @@ def _assert_forward_quantizers(module, quantizer_type) -> None:
 def test_check_for_weight_tensor_and_recipe_correspondence(model_init_recipe):
     """TE: weights quantized under one recipe, a forward under ``DelayedScaling`` raises
     ``Recipe mismatch for``. lowprec agrees (``_check_quantized_weights`` in
-    ``lowprec/modules/base.py``)."""
+    ``lowprec/modules/quantizers.py``)."""
     with lowprec.quantized_model_init(enabled=True, recipe=model_init_recipe):
         linear = lowprec.Linear(IN_FEATURES, OUT_FEATURES)
     weight_type = type(linear.weight).__name__
@@ -144,7 +144,7 @@ def test_dynamic_recipe_update(target_recipe_class, expected_quantizer_type):
 def test_quantizer_update(module_class):
     """TE: weights quantized under one ``DelayedScaling``, a forward under another (same
     format, other settings) warns ``Quantizer is being updated``. lowprec agrees
-    (``_check_quantized_weights`` in ``lowprec/modules/base.py``)."""
+    (``_check_quantized_weights`` in ``lowprec/modules/quantizers.py``)."""
     recipe = lowprec.DelayedScaling(amax_history_len=1024)
     with lowprec.quantized_model_init(recipe=recipe):
         if module_class == lowprec.GroupedLinear:

@@ -1,5 +1,7 @@
 """A module's extra state as one uint8 tensor (its ``_extra_state``): the delayed-scaling
-state, and the exact bytes of its quantized weights.
+state, and the exact bytes of its quantized weights. ``ExtraStateMixin`` is
+``LowprecModule``'s side of it: ``get_extra_state``/``set_extra_state``, and
+``scaling_state()``, the delayed-scaling state read as a ``ScalingStateDict``.
 
 ``state_dict()`` must hold only tensors: safetensors, ``save_pretrained`` and
 huggingface_hub's shard splitting read every value as a tensor. The state
@@ -221,3 +223,86 @@ def decode_weights(data: torch.Tensor) -> dict:
     """The quantized weights that ``encode`` packed into ``data``: ``{param name:
     (description, raw pieces)}``, for :func:`weight_from_bytes`; empty for version 1."""
     return _parse(data)[1]
+
+
+# ---- the module's side ------------------------------------------------------------------------
+class ScalingStateDict:
+    """A module's delayed-scaling state, ``{mode: {name: tensor}}``, read like a dict
+    (``LowprecModule.scaling_state()``), compared by value. State dicts hold it packed in
+    a tensor (``lowprec.modules.extra_state``); ``set_extra_state`` still takes one, as
+    older checkpoints stored it."""
+
+    def __init__(self, states: dict | None = None) -> None:
+        self.states = dict(states or {})
+
+    def __getitem__(self, mode):
+        return self.states[mode]
+
+    def __contains__(self, mode) -> bool:
+        return mode in self.states
+
+    def __iter__(self):
+        return iter(self.states)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def keys(self):
+        return self.states.keys()
+
+    def items(self):
+        return self.states.items()
+
+    def values(self):
+        return self.states.values()
+
+    def __eq__(self, other) -> bool:
+        other = other.states if isinstance(other, ScalingStateDict) else other
+        return isinstance(other, dict) and other.keys() == self.states.keys() and all(
+            other[m].keys() == sd.keys() and all(torch.equal(other[m][k], v) for k, v in sd.items())
+            for m, sd in self.states.items())
+
+    def __repr__(self) -> str:
+        return f"ScalingStateDict({sorted(self.states)})"
+
+
+# Pickles name the class by module path, and the ``torch.load(weights_only=True)`` allowlist
+# matches that path: it stays ``lowprec.modules.base`` (which re-exports it), the path that
+# checkpoints holding a ScalingStateDict name.
+ScalingStateDict.__module__ = "lowprec.modules.base"
+torch.serialization.add_safe_globals([ScalingStateDict])
+
+
+class ExtraStateMixin:
+    """The extra-state methods of ``LowprecModule``: its delayed-scaling state read as a
+    ``ScalingStateDict``, and its ``_extra_state`` tensor written and loaded."""
+
+    def scaling_state(self) -> ScalingStateDict:
+        """The delayed-scaling state (scales, amax histories, amaxes recorded since the last
+        update) per mode, as the module holds it; empty before its first delayed-scaling
+        forward."""
+        return ScalingStateDict({mode: state.delayed.state_dict()
+                                 for mode, state in self._kept_delayed().items()
+                                 if state is not None})
+
+    def get_extra_state(self) -> torch.Tensor:
+        # a tensor, so that tensor-only formats (safetensors, save_pretrained) take it; with
+        # the exact bytes of the quantized weights (see _save_to_state_dict)
+        return encode(self.scaling_state().states, self._held_quantized_weights())
+
+    def set_extra_state(self, state) -> None:
+        if isinstance(state, torch.Tensor):
+            state = decode(state)
+        elif isinstance(state, ScalingStateDict):
+            state = state.states
+        if not state:
+            return
+        pending = {}
+        for mode, sd in state.items():
+            current = self._kept_delayed().get(mode)
+            # a state on the meta device cannot hold values: taken up once it has a device
+            if current is not None and not current.delayed.scale.is_meta:
+                current.delayed.load_state_dict(sd)
+            else:
+                pending[mode] = sd
+        self._pending_extra_state = pending or None

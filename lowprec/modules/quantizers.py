@@ -1,0 +1,154 @@
+"""The quantizers a GEMM module's call reads (``LowprecModule``'s share of them): per GEMM,
+from the recipe state under the active autocast for an eager call (``gemm_quantizers``,
+which also refuses quantized weights of another format than the recipe's), from the
+recipe's rule for the module's roles for a compiled one (``traced_quantizers``), or none
+where a compiled call traces the high-precision path (``traced_plain_call``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ..autocast import active_region, torch_autocast_dtype
+from ..checkpoint import current_frame
+from ..formats.base import QuantizedTensor
+from ..linear.function import LinearQuantizers
+from ..state import stateful, stateless_quantizers
+
+
+class CallQuantizersMixin:
+    """The per-call quantizer methods of ``LowprecModule``."""
+
+    def traced_plain_call(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
+        """Whether a compiled call runs no recipe and traces as the torch ops of its high
+        precision path: outside autocast and checkpointing, no tensor parallelism, plain
+        input and weights of one dtype, no torch.autocast."""
+        return (active_region() is None and current_frame() is None and self._tp is None
+                and type(x) is torch.Tensor and torch_autocast_dtype(x) is None
+                and all(type(w) in (torch.Tensor, nn.Parameter) and w.dtype == x.dtype
+                        for w in weights))
+
+    def traced_quantizers(self, x: torch.Tensor, *weights: torch.Tensor,
+                          stateful_ok: bool = True):
+        """(per-GEMM ``LinearQuantizers``, backward mode, delayed-scaling states or None)
+        that a compiled call traces its GEMMs with (``lowprec.linear.traced``), or the
+        reason (a string) it stays one opaque call.
+
+        The quantizers come from the recipe's rule for this module's roles, as its state
+        would hold them (``state.stateless_quantizers``), so that tracing them reads the
+        quantizers' settings alone: same-shaped layers whose quantizers agree share one
+        compiled code, whatever their names or states. Delayed scaling reads the state
+        the module keeps (:meth:`traced_delayed_states`), which joins the autocast region's
+        update; a module whose traced form does not take that state says so with
+        ``stateful_ok=False``, before anything is joined."""
+        region = active_region()
+        if region is None:
+            return "outside lowprec.autocast"
+        if region.group is not None:
+            return "an amax_reduction_group"
+        if current_frame() is not None:
+            # its recompute replays the eager call's record (lowprec.checkpoint)
+            return "inside an eagerly run activation checkpoint"
+        if self.output_quantizer_role is not None or self.grad_input_quantizer_role is not None:
+            return "a quantized output or input gradient (boundary roles)"
+        if self._tp is not None:
+            return "tensor parallelism"
+        if type(x) is not torch.Tensor or not x.is_floating_point():
+            return f"an input of type {type(x).__name__}"
+        for w in weights:
+            if type(w) not in (torch.Tensor, nn.Parameter) and not isinstance(w, QuantizedTensor):
+                return f"a weight of type {type(w).__name__}"
+        recipe = region.recipe
+        delayed = None
+        if stateful(recipe):
+            if not stateful_ok:
+                return f"{type(self).__name__} under {type(recipe).__name__}"
+            states = self.traced_delayed_states(recipe)
+            if states is None:
+                return "delayed scaling before its state exists, without gradients or checkpointed"
+            held = self.__dict__["_recipe_states"]
+            fq, bq = held["forward"].quantizers, held["backward"].quantizers
+            delayed = (*states, recipe)
+            return self._linear_quantizers(fq, bq), recipe.backward_mode, delayed
+        # only the slots a GEMM without boundary roles reads: its input, weight and dY
+        # (each quantizer built costs a compiled call tracing time)
+        fwd_roles, bwd_roles = self._roles()
+        fq = stateless_quantizers(recipe, "forward", fwd_roles[0::3] + fwd_roles[1::3])
+        bq = stateless_quantizers(recipe, "backward", bwd_roles[0::2])
+        n = len(bq)
+        return ([LinearQuantizers(input=fq[i], weight=fq[n + i], output=None,
+                                  grad_output=bq[i], grad_input=None) for i in range(n)],
+                recipe.backward_mode, None)
+
+    def gemm_quantizers(self, device) -> tuple[list[LinearQuantizers] | None, str, object]:
+        """Per-GEMM quantizers under the active autocast (None outside), the backward mode,
+        and a callback for the end of the backward pass."""
+        active = self.active_states(device, backward_calls=len(self._gemm_names()))
+        if active is None:
+            return None, "default", None
+        recipe, fwd, bwd, callback = active
+        key = (fwd, bwd, self.output_quantizer_role, self.grad_input_quantizer_role)
+        kept = self.__dict__.get("_gemm_quantizers_of")
+        if kept is None:
+            kept = self._gemm_quantizers_of = {}
+        cached = kept.get(id(fwd))
+        if cached is not None and all(a is b for a, b in zip(cached[0], key)):
+            return cached[1], recipe.backward_mode, callback
+        out = self._linear_quantizers(fwd.quantizers, bwd.quantizers)
+        self._check_quantized_weights(recipe, out)
+        # Reused while the states are: the quantizers are the states' own objects, and
+        # which slots a module quantizes does not change between calls. One entry a
+        # forward state: a checkpointed delayed-scaling call alternates between the state
+        # and its replay twin.
+        if len(kept) >= 4:
+            kept.clear()
+        kept[id(fwd)] = (key, out)
+        return out, recipe.backward_mode, callback
+
+    def _check_quantized_weights(self, recipe, gemms: list[LinearQuantizers]) -> None:
+        """Refuse a weight quantized in another format than ``recipe``'s weight quantizer
+        makes (``quantized_model_init`` under one recipe, autocast under another): its
+        GEMMs would read a format the recipe never asked for. Under a recipe of the same
+        format but other settings, warn: the weights stay quantized, and are re-quantized
+        after each optimizer step, under the recipe they were made with."""
+        quantized = False
+        for name, q in zip(self._weight_names(), gemms):
+            w = getattr(self, name, None)
+            if not isinstance(w, QuantizedTensor) or q.weight is None:
+                continue
+            quantized = True
+            made = q.weight._tensor_class()
+            if type(w) is not made:
+                raise RuntimeError(
+                    f"Recipe mismatch for {type(self).__name__} {self.name!r}: its {name} is a "
+                    f"{type(w).__name__}, but {type(recipe).__name__}'s weight quantizer "
+                    f"({type(q.weight).__name__}) makes {made.__name__}; run it under the recipe "
+                    f"its weights were quantized with, or quantize them under this one "
+                    f"(lowprec.quantized_model_init(recipe=...))")
+        init = getattr(self, "_init_recipe", None)
+        if quantized and init is not None and init is not recipe and init != recipe:
+            warnings.warn(
+                f"Quantizer is being updated, this may affect model behavior: "
+                f"{type(self).__name__} {self.name!r} runs under {recipe!r}, its weights stay "
+                f"quantized (and are re-quantized after each optimizer step) under {init!r}, "
+                f"the recipe of their quantized_model_init", UserWarning, stacklevel=4)
+
+    def _linear_quantizers(self, fq: list, bq: list) -> list[LinearQuantizers]:
+        """Per-GEMM quantizers from the forward slots ``fq`` and backward slots ``bq``."""
+        # The GEMMs are counted from the slots, and the boundary slots asked for only where
+        # a boundary role is set: both read the GEMMs' names, which a compiled call would
+        # guard on (same-shaped layers would then not share code).
+        boundary = (self.output_quantizer_role is not None
+                    or self.grad_input_quantizer_role is not None)
+        out = []
+        for i in range(len(fq) // 3):
+            f, b = fq[3 * i:3 * i + 3], bq[2 * i:2 * i + 2]
+            out.append(LinearQuantizers(
+                input=f[0], weight=f[1],
+                output=f[2] if boundary and self._boundary(i, True) is not None else None,
+                grad_output=b[0],
+                grad_input=(b[1] if boundary and self._boundary(i, False) is not None
+                            else None)))
+        return out
