@@ -25,7 +25,9 @@ Two ways to find the quantizers:
 
 While hooks are installed, linear layers quantize dY and the weight's two directions each
 in one piece (``grad_split.unsliced``, the same values): each quantize is of the whole
-tensor. ``every_operand=True`` also makes consecutive Linears that read one input (q/k/v)
+tensor; and eager calls run the eager Function (``linear.eager_plans_off``, the same bits),
+whose quantizes go through the hooked quantizers (a plan's forms launch their kernels
+without them). ``every_operand=True`` also makes consecutive Linears that read one input (q/k/v)
 quantize it each (``Quantizer.share_key``; the same values), so each layer's input is seen.
 """
 
@@ -38,7 +40,7 @@ import torch
 
 from ..formats.base import Quantizer
 from ..fused.prologue import apply_prologue
-from ..linear import grad_split
+from ..linear import eager_plans_off, grad_split
 from ..modules.base import LowprecModule
 
 #: The quantizer methods a hook records through.
@@ -144,6 +146,7 @@ class QuantizerHooks:
         self.wrapped: list[Quantizer] = []
         self._followed: list[LowprecModule] = []
         self._roles: dict[int, tuple[list, list]] = {}
+        #: the modes entered while hooks are installed (whole quantizes, the eager Function)
         self._whole = None
 
     # ---- finding the quantizers ----------------------------------------------------------
@@ -199,8 +202,9 @@ class QuantizerHooks:
                 q.__dict__[name] = _Hook(q, name, _returning(value))
         self.wrapped.append(q)
         if self._whole is None:
-            self._whole = grad_split.unsliced()
-            self._whole.__enter__()
+            self._whole = (grad_split.unsliced(), eager_plans_off())
+            for mode in self._whole:
+                mode.__enter__()
 
     def _recording(self, q: Quantizer, site: Site, name: str) -> Callable:
         original = getattr(q, name)  # the class's method, bound to q
@@ -233,7 +237,8 @@ class QuantizerHooks:
                     del q.__dict__[name]
         self.wrapped.clear()
         if self._whole is not None:
-            self._whole.__exit__(None, None, None)
+            for mode in reversed(self._whole):
+                mode.__exit__(None, None, None)
             self._whole = None
 
 

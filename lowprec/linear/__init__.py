@@ -15,5 +15,6 @@
 
 from .function import LinearQuantizers, quantized_linear
 from .grad_split import sliced, unsliced
+from .traced import eager_plans_off
 
-__all__ = ["LinearQuantizers", "quantized_linear", "sliced", "unsliced"]
+__all__ = ["LinearQuantizers", "eager_plans_off", "quantized_linear", "sliced", "unsliced"]
