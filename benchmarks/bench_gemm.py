@@ -20,14 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import append_rows, l2_rotation, print_table, time_fn  # noqa: E402
 
-import lowprec.gemm as G  # noqa: E402
+import lowprec.gemm.dispatch as G  # noqa: E402
 from lowprec import (  # noqa: E402
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     MXFP8Quantizer,
     NVFP4Quantizer,
 )
-from lowprec.backends import exact_bf16, kernels  # noqa: E402
+from lowprec.gemm import exact_bf16, kernels  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 

@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import append_rows, gpu_kernel_ms, median_step_ms  # noqa: E402
 
 import lowprec  # noqa: E402
-from lowprec import factories as F  # noqa: E402
 from lowprec import recipe as R  # noqa: E402
+from lowprec.recipe import factories as F
 
 #: hidden, ffn, layers, heads, kv heads, seq, batch
 MODELS = {

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness import append_rows, gpu_kernel_ms, median_step_ms  # noqa: E402
 
 import lowprec  # noqa: E402
-from lowprec.backends import grouped_mm  # noqa: E402
+from lowprec.gemm import grouped_mm
 from lowprec.linear.grouped import group_ids  # noqa: E402
 
 #: name: (hidden, experts, top-k, expert ffn)
@@ -49,7 +49,7 @@ SHAPES = {"mixtral": (4096, 8, 2, 14336), "qwen3": (2048, 128, 8, 768)}
 
 def recipe(name: str):
     """The lowprec recipe of a peer name."""
-    from lowprec.recipe import (
+    from lowprec.recipe.recipes import (
         Float8BlockScaling,
         Float8CurrentScaling,
         Format,

@@ -56,7 +56,7 @@ else
   t memory;   python3 benchmarks/bench_memory.py --mlp > "$OUT/memory.log" 2>&1
 fi
 t tests
-timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -s -p no:cacheprovider tests/test_backends_gpu.py \
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -s -p no:cacheprovider tests/gemm/test_backends_gpu.py \
   > "$OUT/tests.log" 2>&1; echo "tests rc=$?"
 t done
 # compact summary last (the reply shows the tail)

@@ -1,12 +1,12 @@
 """lowprec: low-precision (FP8, MXFP8, NVFP4) training for PyTorch."""
 
 from . import debug, fused, ops, optim, recipe  # noqa: F401 - subpackages as attributes of lowprec
-from .attach import attach_recipe, attached_recipe, detach_recipe, init_scaling_state
-from .autocast import autocast, quantized_model_init
-from .checkpoint import checkpoint
-from .convert import convert_model
 from .formats import *  # noqa: F401,F403
 from .formats import __all__ as _formats_all
+from .memory.checkpointing import checkpoint
+from .memory.offload import cpu_offload
+from .model.attach import attach_recipe, attached_recipe, detach_recipe, init_scaling_state
+from .model.convert import convert_model
 from .modules import (
     GroupedExperts,
     GroupedLinear,
@@ -16,8 +16,8 @@ from .modules import (
     Linear,
     RMSNorm,
 )
-from .offload import cpu_offload
-from .recipe import (
+from .recipe.autocast import autocast, quantized_model_init
+from .recipe.recipes import (
     BackwardMode,
     CustomRecipe,
     DelayedScaling,
@@ -28,7 +28,7 @@ from .recipe import (
     NVFP4BlockScaling,
     Recipe,
 )
-from .roles import QuantizerRole
+from .recipe.roles import QuantizerRole
 
 __version__ = "0.1.0"
 __all__ = [*_formats_all, "recipe", "ops", "optim", "autocast", "checkpoint", "convert_model",

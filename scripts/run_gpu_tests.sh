@@ -14,7 +14,7 @@ set -u
 PART=${1:?part a, b, c or slow}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 case "$PART" in
-  a) FILES="tests/formats tests/backends" ;;
+  a) FILES="tests/formats tests/gemm" ;;
   b) FILES="tests/fused tests/modules tests/ops $(ls tests/test_*.py | tr '\n' ' ')" ;;
   c) FILES="tests/compare tests/distributed" ;;
   slow) FILES="--slow tests/slow" ;;

@@ -91,8 +91,8 @@ def plan_of(recipe, x, weight, bias=None):
     ``recipe`` with these operands, or None where the call stays opaque."""
     from lowprec.linear import traced
     from lowprec.linear.function import LinearQuantizers
-    from lowprec.roles import gemm_roles
-    from lowprec.state import RecipeState
+    from lowprec.recipe.roles import gemm_roles
+    from lowprec.recipe.state import RecipeState
 
     quantizers = []
     for mode in ("forward", "backward"):

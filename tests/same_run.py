@@ -6,17 +6,17 @@ from __future__ import annotations
 import torch
 
 import lowprec
-from lowprec.recipe import CustomRecipe, Recipe
+from lowprec.recipe.recipes import CustomRecipe, Recipe
 
 
 def nvfp4_factory(role):
-    from lowprec.factories import nvfp4_factory as factory
+    from lowprec.recipe.factories import nvfp4_factory as factory
     return factory(role)
 
 
 def hybrid_factory(role):
     """MXFP8 forward, NVFP4 backward: a hybrid per direction."""
-    from lowprec.factories import mxfp8_fwd_nvfp4_bwd_factory
+    from lowprec.recipe.factories import mxfp8_fwd_nvfp4_bwd_factory
     return mxfp8_fwd_nvfp4_bwd_factory(role)
 
 

@@ -267,7 +267,7 @@ def test_edges_see_imports(module, expected):
 RECIPE_CLASSES = {"DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
                   "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe"}
 #: where a recipe's type decides anything: its definitions, and the state built from it
-SWITCHES_ON_RECIPE_TYPE = {"lowprec.recipe", "lowprec.state"}
+SWITCHES_ON_RECIPE_TYPE = {"lowprec.recipe", "lowprec.recipe.state"}
 
 
 def _recipe_type_checks(tree: ast.AST) -> list[str]:

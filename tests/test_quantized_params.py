@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 import lowprec
-from lowprec import factories
 from lowprec.formats import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -30,7 +29,8 @@ from lowprec.formats import (
     QuantizedTensor,
 )
 from lowprec.optim import QuantizedWeightOptimizer
-from lowprec.recipe import (
+from lowprec.recipe import factories
+from lowprec.recipe.recipes import (
     CustomRecipe,
     DelayedScaling,
     Float8BlockScaling,

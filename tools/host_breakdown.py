@@ -52,7 +52,7 @@ TARGETS = [
     ("lowprec.formats.base:Quantizer", "quantize"),
     ("lowprec.formats.float8.quantizer:_PerTensorFloat8", "quantize_usage_like"),
     ("lowprec.formats.base:QuantizedTensor", "__new__"),
-    ("lowprec.state:DelayedScalingState", "update"),
+    ("lowprec.recipe.state:DelayedScalingState", "update"),
     ("lowprec.gemm", "select_backend"),
     ("triton.runtime.jit:JITFunction", "run"),
     # every launch, cached or not (lowprec.kernels.launch), under one key per module
@@ -60,7 +60,7 @@ TARGETS = [
     ("lowprec.formats.block.launch", "launch"),
     ("lowprec.formats.mxfp8.launch", "launch"),
     ("lowprec.formats.nvfp4.launch", "launch"),
-    ("lowprec.backends.kernels", "launch"),
+    ("lowprec.gemm.kernels", "launch"),
     ("lowprec.fused.prologue", "launch"),
     ("torch", "zeros"),
     ("torch", "empty"),

@@ -65,7 +65,7 @@ def _pretend_gpu() -> None:
     def scaled_mm(a, b, scale_a=None, scale_b=None, bias=None, out_dtype=None, **kw):
         return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or a.dtype)
     torch._scaled_mm = scaled_mm
-    from lowprec.backends import cublas_fp8
+    from lowprec.gemm import cublas_fp8
     cublas_fp8._on_cuda = lambda ad, bd: True  # both per-tensor and block backends ask it
     from lowprec.linear import traced
     gpu_route = traced.route

@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import lowprec.backends.cublas_fp8 as cublas  # noqa: E402
 import lowprec.formats.block.quantizer as block_quantizer  # noqa: E402
+import lowprec.gemm.cublas_fp8 as cublas  # noqa: E402
 import lowprec.kernels  # noqa: E402
 import lowprec.kernels.block_scaled as block_kernels  # noqa: E402
 from lowprec import Float8BlockQuantizer  # noqa: E402

@@ -46,7 +46,7 @@ TARGETS = [
     ("lowprec.linear.grouped_exact:ExactGemms", "dgrad"),
     *(("lowprec.linear.grouped_blocks", a) for a in ("quantize_operand", "_quantized_weights",
                                                      "padded_input", "padded_like")),
-    *(("lowprec.backends.block_grouped", a) for a in ("_launch_gluon", "_tma_2d")),
+    *(("lowprec.gemm.block_grouped", a) for a in ("_launch_gluon", "_tma_2d")),
     ("lowprec.formats.block.tensor", "dequantize_bf16"),
     ("lowprec.kernels.launch", "launch"),
 ]

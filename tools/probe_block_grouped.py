@@ -11,9 +11,9 @@ import torch
 import triton
 
 from lowprec import Float8BlockQuantizer
-from lowprec.backends import block_grouped
-from lowprec.backends._block_grouped_kernels import block_grouped_gemm_kernel
-from lowprec.gemm import gemm
+from lowprec.gemm import block_grouped
+from lowprec.gemm._block_grouped_kernels import block_grouped_gemm_kernel
+from lowprec.gemm.dispatch import gemm
 from lowprec.kernels import tuning
 
 

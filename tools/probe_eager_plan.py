@@ -17,7 +17,7 @@ import torch
 
 import lowprec
 from lowprec.linear import traced
-from lowprec.recipe import Recipe
+from lowprec.recipe.recipes import Recipe
 
 
 def host_us(step, n=300):

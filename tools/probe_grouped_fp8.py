@@ -86,7 +86,7 @@ def run(name, tokens):
 
 
 def launch(a, b, da, db, offs, out, group_k, s_b, s_o, cfg):
-    from lowprec.backends._fp8_grouped_kernels import (
+    from lowprec.gemm._fp8_grouped_kernels import (
         fp8_grouped_gemm_kernel,
         fp8_grouped_gemm_persistent_kernel,
     )

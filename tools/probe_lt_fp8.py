@@ -2,7 +2,7 @@
 
 torch asks cuBLASLt's heuristic for one algorithm. This asks for up to ``--algos`` for the
 same problem (per-tensor, 1x128 x 128x128 and 1x128 x 1x128 block scaling, through ctypes
-as ``lowprec.backends.cublaslt`` does), times each with CUDA events against
+as ``lowprec.gemm.cublaslt`` does), times each with CUDA events against
 ``torch._scaled_mm`` on the same operands in the same run, and prints each algorithm's
 time, its ratio to torch's, and its largest difference from torch's output (0 where the
 same kernel ran).
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import time_fn  # noqa: E402
 
-from lowprec.backends import cublaslt as lt  # noqa: E402
+from lowprec.gemm import cublaslt as lt
 
 # cublasLt.h values (checked against the header where one is installed, see _header_enums)
 ENUMS = {"CUBLASLT_MATMUL_DESC_A_SCALE_POINTER": 17, "CUBLASLT_MATMUL_DESC_B_SCALE_POINTER": 18,

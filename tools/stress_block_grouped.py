@@ -11,7 +11,7 @@ import argparse
 import torch
 
 import lowprec
-from lowprec.backends import block_grouped
+from lowprec.gemm import block_grouped
 from lowprec.kernels import tuning
 
 E4M3 = torch.float8_e4m3fn

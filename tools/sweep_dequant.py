@@ -1,6 +1,6 @@
 """Tile sweep of the two bf16 dequantize kernels of the GEMM emulation, checked bit for bit.
 
-For MXFP8 (``lowprec.backends.kernels.MX_DEQUANT_CONFIG``) and NVFP4
+For MXFP8 (``lowprec.gemm.kernels.MX_DEQUANT_CONFIG``) and NVFP4
 (``lowprec.kernels.tuning.tuning.nvfp4_config["dequant"]``): every candidate tile is first
 compared with the pure-torch dequantization on odd and aligned shapes (a candidate
 that differs in any bit is dropped), then timed on a 16384x4096 operand against a
@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from harness import l2_rotation, time_fn  # noqa: E402
 
 from lowprec import MXFP8Quantizer, NVFP4Quantizer  # noqa: E402
-from lowprec.backends import kernels  # noqa: E402
 from lowprec.formats.nvfp4 import launch as nv_launch  # noqa: E402
+from lowprec.gemm import kernels
 from lowprec.kernels.tuning import override, tuning  # noqa: E402
 
 MX_CANDIDATES = [{"BR": 16, "NB": 16, "warps": 8}, {"BR": 32, "NB": 8, "warps": 8},

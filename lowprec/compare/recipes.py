@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 
 from ..formats.base import Quantizer
-from ..recipe import BACKWARD_MODES, CustomRecipe, Recipe, normalize_backward_mode
-from ..state import RecipeState
+from ..recipe.recipes import BACKWARD_MODES, CustomRecipe, Recipe, normalize_backward_mode
+from ..recipe.state import RecipeState
 
 BASELINE = "bf16"
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..autocast import autocast
 from ..optim import AdamW as LowprecAdamW
+from ..recipe.autocast import autocast
 from .data import Batches, Corpus
 from .model import GPT, ModelConfig
 from .probe import SavedTensorMeter, SQNRProbe, SQNRRecord

@@ -89,7 +89,7 @@ class QuantizedTensor(torch.Tensor):
             return rec[2]
         return None
 
-    # ---- exact bf16 GEMM operands (lowprec.backends.exact_bf16) --------------------------
+    # ---- exact bf16 GEMM operands (lowprec.gemm.exact_bf16) --------------------------
     def bf16_operand_domain(self, usage: str) -> str | None:
         """Whether ``usage``'s values enter a bf16 tensor-core GEMM exactly: ``"original"``;
         ``"rht"`` for values in NVFP4's Hadamard domain along the contraction dimension

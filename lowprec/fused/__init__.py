@@ -8,10 +8,10 @@ quantizer apart). See docs/fused.md for the passes each case makes.
 
 from __future__ import annotations
 
-from ..autocast import torch_autocast_dtype
 from ..formats.base import rows_fit
 from ..kernels import FlagOff
-from ..recipe import BackwardMode
+from ..recipe.autocast import torch_autocast_dtype
+from ..recipe.recipes import BackwardMode
 from .activation_quantize import activation_then_quantize
 from .norm_quantize import norm_then_quantize
 from .prologue import Prologue, activation_prologue, apply_prologue, norm_prologue

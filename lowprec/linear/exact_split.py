@@ -1,7 +1,7 @@
 """A quantized Linear for formats emulated on bf16 GEMMs, sliced to a bf16 Linear's peak.
 
 MXFP8 and NVFP4 GEMMs run on Hopper as bf16 GEMMs of exact dequantized values
-(``lowprec.backends.exact_bf16``). Those bf16 operands are as large as the bf16
+(``lowprec.gemm.exact_bf16``). Those bf16 operands are as large as the bf16
 tensors they come from, so the default path, which makes them whole (x's rowwise values
 for fprop, dY's two directions at once, the saved input and weight dequantized for the
 backward GEMMs), peaks at 1.3-2.1x a bf16 ``nn.Linear``. Inside
@@ -32,8 +32,8 @@ from typing import Callable
 import torch
 
 from ..formats.base import QuantizedTensor, Quantizer
-from ..gemm import gemm
-from ..recipe import BackwardMode
+from ..gemm.dispatch import gemm
+from ..recipe.recipes import BackwardMode
 from . import grad_split
 
 
@@ -122,7 +122,7 @@ def backward(quantizer: Quantizer, dy: torch.Tensor, x_col: QuantizedTensor,
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dX as (M, K), dW as (N, K)); ``release_x`` / ``release_w`` free the saved input and
     weight where nothing will read them again (they decide)."""
-    from ..backends.exact_bf16 import as_exact
+    from ..gemm.exact_bf16 import as_exact
     n = dy.shape[-1]
     dy2d = dy.detach().reshape(-1, n)
     m, k = dy2d.shape[0], w_col.shape[-1]

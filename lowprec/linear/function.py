@@ -24,11 +24,11 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import offload
-from ..autocast import active_region, torch_autocast_dtype, torch_autocast_off
 from ..formats.base import QuantizedTensor, Quantizer
-from ..gemm import gemm
-from ..recipe import BACKWARD_MODES, BackwardMode, normalize_backward_mode, operand_usages
+from ..gemm.dispatch import gemm
+from ..memory import offload
+from ..recipe.autocast import active_region, torch_autocast_dtype, torch_autocast_off
+from ..recipe.recipes import BACKWARD_MODES, BackwardMode, normalize_backward_mode, operand_usages
 from . import exact_split, grad_split, padding, shared_input, traced, weight_cache
 from .plan import BOTH, plan_for
 

@@ -32,9 +32,9 @@ from typing import Callable
 
 import torch
 
-from ..checkpoint import register_thread_setting
 from ..formats.base import QuantizedTensor, Quantizer
-from ..gemm import gemm
+from ..gemm.dispatch import gemm
+from ..memory.checkpointing import register_thread_setting
 
 #: Below this size of one quantized copy of dY (bytes) the backward never slices: the
 #: memory is small and every extra launch costs host time.

@@ -46,13 +46,13 @@ from typing import Sequence
 
 import torch
 
-from ..backends import block_grouped, grouped_mm
 from ..formats.base import QuantizedTensor
 from ..formats.block.experts import Float8BlockExperts
 from ..formats.float8.experts import Float8Experts
 from ..formats.nvfp4.experts import NVFP4Experts
+from ..gemm import block_grouped, grouped_mm
 from ..kernels.moe_route import group_sizes_ok
-from ..recipe import BackwardMode
+from ..recipe.recipes import BackwardMode
 from . import grouped_block_fp8, grouped_current, grouped_exact, grouped_nvfp4
 from .function import LinearQuantizers, quantized_linear
 from .grouped_parts import group_ids, hooked, host_sizes, stacked

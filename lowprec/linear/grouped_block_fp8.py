@@ -1,7 +1,7 @@
 """Grouped linear for block-scaled FP8 (the DeepSeek-V3 recipe: 1x128 activations and
 gradients, 128x128 or 1x128 weights) on Hopper: the grouped block layout of
 :mod:`.grouped_blocks`, each direction one launch of lowprec's grouped block-scaled FP8
-GEMM (:mod:`lowprec.backends.block_grouped`).
+GEMM (:mod:`lowprec.gemm.block_grouped`).
 
 That kernel accumulates as cuBLAS's block-scaled ``torch._scaled_mm`` does, so the result
 is bit for bit the per-expert Linears'. Where a per-expert GEMM does not run on cuBLAS,
@@ -19,9 +19,9 @@ from typing import Sequence
 
 import torch
 
-from ..backends import block_grouped
-from ..backends.cublas_fp8 import block_scales_fit
 from ..formats.block.quantizer import Float8BlockQuantizer
+from ..gemm import block_grouped
+from ..gemm.cublas_fp8 import block_scales_fit
 from .function import LinearQuantizers
 from .grouped_blocks import blocks_backward, blocks_forward, slot_quantizers
 from .grouped_exact import ExactGemms

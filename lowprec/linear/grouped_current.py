@@ -3,7 +3,7 @@ own rows (its own scale), one grouped GEMM per direction where the device has on
 
 Which grouped GEMM runs (:func:`gemm_backend`), on Hopper with bf16 activations:
 
-* ``"triton"``: lowprec's kernel (:mod:`lowprec.backends.fp8_grouped`), bit for bit one
+* ``"triton"``: lowprec's kernel (:mod:`lowprec.gemm.fp8_grouped`), bit for bit one
   cuBLAS GEMM per expert, as :class:`lowprec.Linear` runs it; E4M3 and E5M2 operands (the
   HYBRID format's gradients too);
 * ``"cutlass"``: ``torch._scaled_grouped_mm`` (E4M3 only; the same values to the last
@@ -23,12 +23,12 @@ from typing import Sequence
 
 import torch
 
-from ..backends import fp8_grouped, grouped_mm
 from ..formats.float8 import grouped as fp8_grouped_quantize
 from ..formats.float8.experts import Float8Experts
 from ..formats.float8.quantizer import Float8CurrentScalingQuantizer
 from ..formats.float8.tensor import Float8Tensor
-from ..gemm import gemm
+from ..gemm import fp8_grouped, grouped_mm
+from ..gemm.dispatch import gemm
 from ..kernels.transpose import transpose_contiguous
 from . import weight_cache
 from .function import LinearQuantizers, _caching_weights

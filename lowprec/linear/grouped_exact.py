@@ -3,7 +3,7 @@
 A per-expert MXFP8 Linear on Hopper quantizes its input (padded with zero rows to whole
 32-row blocks, for wgrad's columnwise blocks), its weight and dY, and multiplies the exact
 bf16 values of the quantized operands on the bf16 tensor cores
-(:mod:`lowprec.backends.exact_bf16`). Here every expert does the same at once:
+(:mod:`lowprec.gemm.exact_bf16`). Here every expert does the same at once:
 
 * the routed rows are spread into a layout where each group starts at a multiple of the
   row block, zero rows between the groups (:func:`grouped_mm.padded_layout`): the padding
@@ -26,8 +26,8 @@ from typing import Sequence
 
 import torch
 
-from ..backends import grouped_mm
 from ..formats.base import QuantizedTensor
+from ..gemm import grouped_mm
 from .function import LinearQuantizers
 from .grouped_blocks import blocks_backward, blocks_forward, slot_quantizers
 

@@ -6,7 +6,7 @@ A per-expert NVFP4 Linear on Hopper quantizes its input (padded with zero rows t
 16-row blocks), its weight and dY, each with its own global encode scale ``S``, and
 multiplies the exact bf16 ``q * d`` values on the bf16 tensor cores, applying
 ``1 / (S_a * S_b)`` to the fp32 sum before the one rounding (cuBLASLt's alpha,
-:mod:`lowprec.backends.exact_bf16`). Here:
+:mod:`lowprec.gemm.exact_bf16`). Here:
 
 * the routed rows are spread so that each group starts at a multiple of 16 rows, zero
   rows between the groups (the padding of each per-expert Linear);
@@ -14,7 +14,7 @@ multiplies the exact bf16 ``q * d`` values on the bf16 tensor cores, applying
   pass a direction writes the exact values, each 16-row block with its group's ``S``
   (:mod:`lowprec.formats.nvfp4.grouped`); the experts' weights likewise, stacked
   (G * N, K), once per optimizer step under ``lowprec.autocast(cache_weights=True)``;
-* each direction is one launch of the grouped GEMM of :mod:`lowprec.backends.fp8_grouped`
+* each direction is one launch of the grouped GEMM of :mod:`lowprec.gemm.fp8_grouped`
   over the bf16 values, with each group's alpha ``RN32(1 / (S_a * S_b))``.
 
 Without stochastic rounding the result is the per-expert Linears' bit for bit. With it,
@@ -28,13 +28,13 @@ from typing import Sequence
 
 import torch
 
-from ..backends import fp8_grouped, grouped_mm
-from ..backends.kernels import gemm_alpha_torch
 from ..formats.nvfp4 import NVFP4Quantizer
 from ..formats.nvfp4.compiled import draw_keys
 from ..formats.nvfp4.draws import draw_key
 from ..formats.nvfp4.experts import NVFP4Experts
 from ..formats.nvfp4.grouped import group_scales, grouped_exact
+from ..gemm import fp8_grouped, grouped_mm
+from ..gemm.kernels import gemm_alpha_torch
 from . import weight_cache
 from .function import _caching_weights
 from .grouped_parts import hooked, layout, padded_input, padded_like, stacked, weight_grads

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import grouped_mm
+from ..gemm import grouped_mm
 from ..kernels import use_kernels
 
 _FUSED: dict = {}

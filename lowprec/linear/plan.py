@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..formats.base import QuantizedTensor, Quantizer
-from ..recipe import BackwardMode, operand_usages
+from ..recipe.recipes import BackwardMode, operand_usages
 from . import exact_split, grad_split
 
 #: The usages a GEMM consumes right after the quantize (see ``function.quantize_operand``):

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..autocast import active_region
-from ..checkpoint import replaying_frame
 from ..formats.base import QuantizedTensor, Quantizer
+from ..memory.checkpointing import replaying_frame
+from ..recipe.autocast import active_region
 
 
 @dataclass

@@ -24,7 +24,7 @@ The compiled forward and gradients are eager's bit for bit:
 Where eager would do something the traced form does not (pad to whole blocks, slice a
 backward the operands cannot slice, hand a GEMM to a backend the traced table does not
 mirror, quantize the output or the input gradient), :func:`plan_for` returns the reason
-and the call stays one opaque op (``lowprec.compiled_call``), which says so once.
+and the call stays one opaque op (``lowprec.compile.call``), which says so once.
 
 Delayed scaling traces as per-tensor FP8 whose scales the module's state holds: the
 quantizes read them and record their amaxes into the state in place.
@@ -38,10 +38,6 @@ from typing import Callable, Optional
 
 import torch
 
-from ..autocast import torch_autocast_dtype
-from ..backends.cublas_fp8 import block_scales_fit, fusable_bias
-from ..backends.exact_bf16 import exact_product
-from ..checkpoint import register_thread_setting
 from ..formats.base import QuantizedTensor
 from ..formats.graph import (
     Blocks,
@@ -55,10 +51,14 @@ from ..formats.graph import (
     decode_scale,
     scale_in_use,
 )
+from ..gemm.cublas_fp8 import block_scales_fit, fusable_bias
+from ..gemm.exact_bf16 import exact_product
 from ..kernels import traced_op
-from ..recipe import BackwardMode
-from ..roles import QuantizerRole
-from ..state import push_amaxes, stateful, stateless_quantizers
+from ..memory.checkpointing import register_thread_setting
+from ..recipe.autocast import torch_autocast_dtype
+from ..recipe.recipes import BackwardMode
+from ..recipe.roles import QuantizerRole
+from ..recipe.state import push_amaxes, stateful, stateless_quantizers
 from . import exact_split, grad_split, shared_input
 from . import traced_steps as steps
 from .padding import NONE as NO_PADDING
@@ -318,7 +318,7 @@ def _hp_product(a: torch.Tensor, b: torch.Tensor, out_dtype) -> torch.Tensor:
 def delayed_update(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.Tensor,
                    fp8_max: torch.Tensor, most_recent: bool, margin: float) -> None:
     """The backward state's update once a traced delayed-scaling backward has recorded its
-    amaxes: eager's own update (``lowprec.state.push_amaxes``), one op in the graph."""
+    amaxes: eager's own update (``lowprec.recipe.state.push_amaxes``), one op in the graph."""
     push_amaxes(history, amax_current, scale, fp8_max, amax_current,
                 "most_recent" if most_recent else "max", margin)
 

@@ -11,9 +11,9 @@ import functools
 import torch
 from torch import nn
 
-from ..compiled_call import CompiledCallMixin
+from ..compile.call import CompiledCallMixin
 from ..formats.base import QuantizedTensor, keep_quantized, user_attributes
-from ..state import RecipeState
+from ..recipe.state import RecipeState
 from .extra_state import ExtraStateMixin, ScalingStateDict
 from .params import init_linear_params
 from .quantized_weights import QuantizedWeightsMixin

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..autocast import active_region, torch_autocast_dtype
-from ..checkpoint import current_frame
-from ..compiled_call import compiled_as_one_op
+from ..compile.call import compiled_as_one_op
 from ..linear import traced
 from ..linear.function import quantized_linear
+from ..memory.checkpointing import current_frame
+from ..recipe.autocast import active_region, torch_autocast_dtype
 from . import tensor_parallel as tpar
 from .base import LowprecModule
 from .params import add_linear_params

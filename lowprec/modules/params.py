@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..formats.base import QuantizedTensor
-from ..recipe import BackwardMode, operand_usages
+from ..recipe.recipes import BackwardMode, operand_usages
 
 PARALLEL_MODES = (None, "column", "row")
 

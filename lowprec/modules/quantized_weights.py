@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..autocast import init_recipe
 from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor
+from ..recipe.autocast import init_recipe
 from . import extra_state
 
 

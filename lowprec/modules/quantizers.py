@@ -11,11 +11,11 @@ import warnings
 import torch
 from torch import nn
 
-from ..autocast import active_region, torch_autocast_dtype
-from ..checkpoint import current_frame
 from ..formats.base import QuantizedTensor
 from ..linear.function import LinearQuantizers
-from ..state import stateful, stateless_quantizers
+from ..memory.checkpointing import current_frame
+from ..recipe.autocast import active_region, torch_autocast_dtype
+from ..recipe.state import stateful, stateless_quantizers
 
 
 class CallQuantizersMixin:

@@ -9,10 +9,16 @@ import weakref
 
 import torch
 
-from ..autocast import active_region, register_delayed_state
-from ..checkpoint import check_not_recomputing, current_frame, record, replay_states, replayed
-from ..compiled_call import HANDLE_ATTR
-from ..state import RecipeState, stateful
+from ..compile.call import HANDLE_ATTR
+from ..memory.checkpointing import (
+    check_not_recomputing,
+    current_frame,
+    record,
+    replay_states,
+    replayed,
+)
+from ..recipe.autocast import active_region, register_delayed_state
+from ..recipe.state import RecipeState, stateful
 
 
 def _holds(state: RecipeState | None, recipe) -> bool:
@@ -207,7 +213,7 @@ class ScalingStateMixin:
 
     def _replayed_states(self, rec, reentrant: bool, backward_calls: int):
         """``active_states`` in a checkpoint recompute, from the original call's record
-        (``lowprec.checkpoint._Record``)."""
+        (``lowprec.memory.checkpointing._Record``)."""
         if rec.active is None:  # it ran outside autocast
             return None
         recipe, fwd, bwd, group = replay_states(rec.active)

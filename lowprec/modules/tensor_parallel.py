@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..distributed import tp_comm
 from ..linear.function import quantized_linear
-from ..recipe import BackwardMode
+from ..recipe.recipes import BackwardMode
 from .norms import apply_norm
 from .params import producer_usages, release_fprop_copy
 from .params import tp_group_size as check_parallel_args  # noqa: F401 (the modules call it here)

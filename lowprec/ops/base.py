@@ -32,9 +32,9 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from ..compiled_call import CompiledCallMixin, compiled_as_one_op
+from ..compile.call import CompiledCallMixin, compiled_as_one_op
 from ..formats.base import QuantizedTensor, Quantizer, rows_fit
-from ..roles import check_num_quantizers
+from ..recipe.roles import check_num_quantizers
 
 
 # ---- quantized hand-over --------------------------------------------------------------------

@@ -78,7 +78,7 @@ def write_file(tmp_path, name, body):
 def e2e(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     recipe_file = write_file(tmp, "mirror.py", """
-        from lowprec.factories import mxfp8_factory as mirror
+        from lowprec.recipe.factories import mxfp8_factory as mirror
     """)
     out_dir = tmp / "out"
     args = ["compare", "--model", "tiny", "--steps", "3", "--device", "cpu", "--seed", "0",

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import lowprec
-from lowprec.recipe import DelayedScaling
+from lowprec.recipe.recipes import DelayedScaling
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 import lowprec
-from lowprec import factories
 from lowprec.distributed import (
     QuantizedGatherWeight,
     precompute_gather_statistics,
     quantized_all_gather,
 )
 from lowprec.formats.base import QuantizedTensor
+from lowprec.recipe import factories
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 fully_shard = fsdp.fully_shard

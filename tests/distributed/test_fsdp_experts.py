@@ -13,7 +13,7 @@ from torch import nn
 
 import lowprec
 from lowprec.distributed import quantized_all_gather
-from lowprec.recipe import (
+from lowprec.recipe.recipes import (
     Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,

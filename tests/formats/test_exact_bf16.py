@@ -16,13 +16,13 @@ from format_inputs import spread
 
 import lowprec
 import lowprec.kernels
-from lowprec.backends import kernels as gemm_kernels
-from lowprec.backends.exact_bf16 import bf16_operand
 from lowprec.formats.base import QuantizedTensor
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
 from lowprec.formats.nvfp4.launch import dequantize_unscaled_bf16
 from lowprec.formats.nvfp4.quantizer import NVFP4Quantizer
-from lowprec.gemm import gemm
+from lowprec.gemm import kernels as gemm_kernels
+from lowprec.gemm.dispatch import gemm
+from lowprec.gemm.exact_bf16 import bf16_operand
 from lowprec.linear.traced import eager_plans_off
 
 gpu = pytest.mark.skipif(not lowprec.kernels.triton_available(),
@@ -186,7 +186,7 @@ def test_record_not_used_after_inplace_write():
 @gpu
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_linear_same_bits_with_and_without_records(recipe, monkeypatch):
-    from lowprec.backends import exact_bf16
+    from lowprec.gemm import exact_bf16
     make = {"mxfp8": lowprec.MXFP8BlockScaling, "nvfp4": lowprec.NVFP4BlockScaling}[recipe]
     torch.manual_seed(0)
     mod = lowprec.Linear(192, 160, params_dtype=torch.bfloat16, device="cuda")
@@ -298,7 +298,7 @@ def test_exact_tensor_gemms(fmt):
             assert torch.equal(gemm(a_x, usage, b_x, usage, out_dtype=out), want)
         # the fp32 emulation (the fallback backend, dequantize() of each operand) agrees to
         # fp32 rounding of the sums
-        from lowprec.backends.emulated_fp32 import emulated_fp32_run
+        from lowprec.gemm.emulated_fp32 import emulated_fp32_run
         ref = emulated_fp32_run(a_q, usage, b_q, usage, torch.float32, None)
         got = emulated_fp32_run(a_x, usage, b_x, usage, torch.float32, None)
         assert torch.equal(got, ref)  # same fp32 operands, same fp32 GEMM

@@ -32,10 +32,10 @@ from lowprec import (
     IdentityQuantizer,
     MXFP8Quantizer,
     NVFP4Quantizer,
-    factories,
 )
 from lowprec.formats.base import QuantizedTensor
-from lowprec.gemm import gemm
+from lowprec.gemm.dispatch import gemm
+from lowprec.recipe import factories
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 R, C = "rowwise", "columnwise"

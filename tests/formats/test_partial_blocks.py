@@ -14,7 +14,7 @@ from lowprec import HybridQuantizer
 from lowprec.formats.block import Float8BlockQuantizer
 from lowprec.formats.mxfp8 import MXFP8Quantizer
 from lowprec.formats.nvfp4 import NVFP4Quantizer
-from lowprec.gemm import gemm
+from lowprec.gemm.dispatch import gemm
 from lowprec.kernels import triton_available
 
 E4M3 = torch.float8_e4m3fn

@@ -35,7 +35,7 @@ def grouped_gemm_tiles() -> None:
     """The grouped GEMM kernel (fp16 operands: the interpreter has no bf16 or fp8 dot), one
     tile a program and persistent, rows and wgrad: the same bits as each other, within fp32
     rounding of a torch reference, an empty group's wgrad zero."""
-    from lowprec.backends._fp8_grouped_kernels import (
+    from lowprec.gemm._fp8_grouped_kernels import (
         fp8_grouped_gemm_kernel,
         fp8_grouped_gemm_persistent_kernel,
     )

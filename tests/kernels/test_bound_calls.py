@@ -1,5 +1,5 @@
 """``lowprec.kernels.launch.BoundCalls`` on any machine: its bookkeeping with a stand-in
-kernel whose launches are recorded (the GPU test ``tests/test_kernel_launch_gpu.py`` runs
+kernel whose launches are recorded (the GPU test ``tests/kernels/test_kernel_launch_gpu.py`` runs
 real Triton kernels). The first call of a kind launches through ``launch``, the second
 binds, later calls put their tensors in their places, positional or named; fallbacks go
 through ``launch`` without binding."""

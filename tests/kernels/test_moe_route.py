@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowprec.backends import grouped_mm
+from lowprec.gemm import grouped_mm
 from lowprec.kernels import triton_available
 from lowprec.kernels.moe_route import route, route_torch, row_count
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import lowprec
-from lowprec import Float8CurrentScaling, factories
+from lowprec import Float8CurrentScaling
 from lowprec.kernels import triton_available
 from lowprec.linear import traced
+from lowprec.recipe import factories
 
 _KERNELS = torch.cuda.is_available() and triton_available()
 

@@ -199,7 +199,7 @@ def test_gpu_gemm_slices_with_64bit_indices(monkeypatch, name):
 
 @needs_gpu
 def test_gpu_as_exact_matches_dequantize():
-    from lowprec.backends.exact_bf16 import as_exact
+    from lowprec.gemm.exact_bf16 import as_exact
     x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
     t = lowprec.MXFP8Quantizer().set_usage(rowwise=False, columnwise=True).quantize(x)
     e = as_exact(t, "columnwise")

@@ -19,7 +19,7 @@ from lowprec.linear.function import LinearQuantizers
 from lowprec.linear.grouped import group_ids, grouped_linear
 from lowprec.linear.grouped_current import current_scaling_quantizers
 from lowprec.linear.grouped_parts import fused
-from lowprec.recipe import Float8CurrentScaling, MXFP8BlockScaling
+from lowprec.recipe.recipes import Float8CurrentScaling, MXFP8BlockScaling
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SIZES = [(5, 0, 37, 22), (0, 0, 16, 0), (64, 1, 0, 31)]
@@ -292,7 +292,7 @@ def test_gemm_backend_rule(monkeypatch):
     """Which grouped FP8 GEMM runs (as if on a Hopper GPU with Triton): CUTLASS from
     CUTLASS_ROWS rows an expert with E4M3 operands, the Triton kernel below that and for
     E5M2 gradients, none for other activations or features not multiples of 16."""
-    from lowprec.backends import fp8_grouped, grouped_mm
+    from lowprec.gemm import fp8_grouped, grouped_mm
     monkeypatch.setattr(fp8_grouped, "available", lambda a, *d: E5M2 not in d or E4M3 in d)
     monkeypatch.setattr(grouped_mm, "fp8_available",
                         lambda a, k, n, *d: all(t == E4M3 for t in d))

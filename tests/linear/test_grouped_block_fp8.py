@@ -15,7 +15,7 @@ from grouped_helpers import (
 )
 
 import lowprec
-from lowprec.backends import block_grouped
+from lowprec.gemm import block_grouped
 from lowprec.kernels import triton_available, tuning
 from lowprec.linear.function import LinearQuantizers
 from lowprec.linear.grouped import group_alignment_for, grouped_linear

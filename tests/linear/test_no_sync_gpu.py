@@ -10,7 +10,7 @@ from helpers import GPU_ONLY
 
 import lowprec
 import lowprec.kernels
-from lowprec.recipe import Recipe
+from lowprec.recipe.recipes import Recipe
 
 pytestmark = GPU_ONLY
 

@@ -8,7 +8,7 @@ import torch
 import lowprec
 from lowprec.linear import grad_split
 from lowprec.linear import plan as plan_mod
-from lowprec.recipe import Float8BlockScaling, Float8CurrentScaling
+from lowprec.recipe.recipes import Float8BlockScaling, Float8CurrentScaling
 
 
 def _decisions(monkeypatch):

@@ -12,7 +12,7 @@ import torch
 import lowprec
 import lowprec.kernels
 from lowprec.kernels.launch import slow_launches
-from lowprec.recipe import Recipe
+from lowprec.recipe.recipes import Recipe
 
 pytestmark = pytest.mark.skipif(not lowprec.kernels.triton_available(),
                                 reason="needs a CUDA device and Triton")

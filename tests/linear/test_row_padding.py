@@ -11,7 +11,7 @@ import torch
 from same_run import RECIPES
 
 import lowprec
-from lowprec.recipe import MXFP8BlockScaling, NVFP4BlockScaling
+from lowprec.recipe.recipes import MXFP8BlockScaling, NVFP4BlockScaling
 
 #: The multiple of M each recipe's wgrad operands need (the hybrid: NVFP4 columnwise x and dY)
 MULTIPLE = {"current": 1, "delayed": 1, "block": 128, "mxfp8": 32, "nvfp4": 16, "custom": 16,

@@ -11,7 +11,7 @@ import torch
 
 import lowprec
 from lowprec.formats.base import QuantizedTensor, Quantizer
-from lowprec.recipe import (
+from lowprec.recipe.recipes import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,

@@ -9,11 +9,11 @@ import torch
 from helpers import GraphOps, plan_of
 
 import lowprec
-from lowprec.compiled_call import fallback_reasons
+from lowprec.compile.call import fallback_reasons
 from lowprec.formats.float8.graph import Delayed
 from lowprec.kernels import use_kernels
 from lowprec.linear import grad_split
-from lowprec.recipe import (
+from lowprec.recipe.recipes import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,

@@ -14,7 +14,7 @@ from lowprec.formats.nvfp4 import compiled as fp4
 from lowprec.formats.nvfp4.draws import draw_key
 from lowprec.formats.nvfp4.graph import FP4Blocks
 from lowprec.linear import grad_split
-from lowprec.recipe import NVFP4BlockScaling
+from lowprec.recipe.recipes import NVFP4BlockScaling
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

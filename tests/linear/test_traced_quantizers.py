@@ -10,10 +10,10 @@ import torch
 from helpers import GraphOps
 
 import lowprec
-from lowprec import factories
-from lowprec.compiled_call import fallback_reasons
+from lowprec.compile.call import fallback_reasons
 from lowprec.formats import IdentityQuantizer
-from lowprec.recipe import (
+from lowprec.recipe import factories
+from lowprec.recipe.recipes import (
     CustomRecipe,
     DelayedScaling,
     Float8BlockScaling,

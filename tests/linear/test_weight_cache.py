@@ -13,7 +13,7 @@ from same_run import RECIPES as SHARED_RECIPES
 import lowprec
 from lowprec import autocast
 from lowprec.linear import weight_cache
-from lowprec.recipe import Float8CurrentScaling, MXFP8BlockScaling
+from lowprec.recipe.recipes import Float8CurrentScaling, MXFP8BlockScaling
 
 D = 128
 

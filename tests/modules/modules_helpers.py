@@ -14,7 +14,7 @@ from helpers import sqnr_db  # noqa: F401 - the module tests import it from here
 import lowprec
 import lowprec.linear.function
 from lowprec.formats.base import QuantizedTensor
-from lowprec.recipe import Recipe
+from lowprec.recipe.recipes import Recipe
 
 # ================================================================================================
 # helpers: recipes, sizes, modules, runs, SQNR, the GEMM recorder

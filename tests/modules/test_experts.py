@@ -11,7 +11,7 @@ import torch
 import lowprec
 from lowprec.linear.function import quantized_linear
 from lowprec.modules.experts import _is_silu
-from lowprec.recipe import (
+from lowprec.recipe.recipes import (
     DelayedScaling,
     Float8CurrentScaling,
     Format,

@@ -12,7 +12,7 @@ from torch import nn
 
 import lowprec
 from lowprec.distributed import experts_gather
-from lowprec.recipe import Float8BlockScaling, Float8CurrentScaling, NVFP4BlockScaling
+from lowprec.recipe.recipes import Float8BlockScaling, Float8CurrentScaling, NVFP4BlockScaling
 
 E, H, I, K, T = 4, 128, 128, 2, 24
 RECIPES = {"current": (Float8CurrentScaling, "Float8Experts"),

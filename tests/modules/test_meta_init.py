@@ -12,7 +12,7 @@ import torch
 
 import lowprec
 from lowprec.formats import QuantizedTensor
-from lowprec.recipe import MXFP8BlockScaling, Recipe
+from lowprec.recipe.recipes import MXFP8BlockScaling, Recipe
 
 KINDS = {
     "linear": lambda d: lowprec.Linear(128, 256, device=d),

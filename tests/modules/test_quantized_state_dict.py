@@ -20,7 +20,7 @@ from torch import nn
 import lowprec
 from lowprec.formats.base import QuantizedTensor
 from lowprec.modules import extra_state
-from lowprec.recipe import Float8CurrentScaling, MXFP8BlockScaling, Recipe
+from lowprec.recipe.recipes import Float8CurrentScaling, MXFP8BlockScaling, Recipe
 
 RECIPES = {
     **{name: (lambda name=name: Recipe.from_name(name)) for name in (

@@ -13,7 +13,7 @@ from helpers import GraphOps
 import lowprec
 from lowprec import fused
 from lowprec.formats import Float8CurrentScalingQuantizer, NVFP4Quantizer
-from lowprec.recipe import (
+from lowprec.recipe.recipes import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,

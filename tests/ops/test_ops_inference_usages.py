@@ -23,7 +23,7 @@ import lowprec.fused
 import lowprec.ops as ops
 from lowprec.formats.base import QuantizedTensor
 from lowprec.modules import norms
-from lowprec.recipe import Recipe
+from lowprec.recipe.recipes import Recipe
 
 #: every named recipe that quantizes ("bf16" is no recipe: autocast's default)
 RECIPE_NAMES = [name for name in Recipe.names() if Recipe.from_name(name) is not None]

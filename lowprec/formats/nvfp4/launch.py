@@ -21,7 +21,7 @@ or CUDA, where :func:`dequantize_unscaled_bf16` falls back to plain torch.
   bf16 matrix (exact: at most 6 significant bits and exponents well inside
   bf16's range) plus the fp32 global encode scale ``S``, for GEMM emulation
   (bf16 tensor-core GEMM with fp32 accumulation, ``1 / (S_a * S_b)`` applied
-  in fp32 before the one rounding; ``lowprec.backends.exact_bf16``).
+  in fp32 before the one rounding; ``lowprec.gemm.exact_bf16``).
   Values stay in the stored layout and domain (columnwise: (K, M),
   RHT-transformed when the tensor carries it).
 """

@@ -18,7 +18,7 @@ from torchtitan.models.common.moe import GroupedExperts as TitanGroupedExperts
 from torchtitan.tools.logging import logger
 
 import lowprec
-from lowprec.convert import _recipe_rejection
+from lowprec.model.convert import _recipe_rejection
 
 from .modules import LowprecGroupedExperts, LowprecLinear
 

@@ -16,8 +16,8 @@ import lowprec
 from lowprec.distributed import precompute_gather_statistics, quantized_all_gather
 from lowprec.distributed.gather_codec import derives_columnwise
 from lowprec.linear.traced import reads_recipe_weights
-from lowprec.recipe import BackwardMode
-from lowprec.state import RecipeState, stateful
+from lowprec.recipe.recipes import BackwardMode
+from lowprec.recipe.state import RecipeState, stateful
 
 from .converter import LowprecConverter
 from .modules import LowprecGroupedExperts

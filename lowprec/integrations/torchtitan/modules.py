@@ -31,7 +31,7 @@ from torchtitan.models.common.moe import GroupedExperts as TitanGroupedExperts
 from torchtitan.protocols.module import Module
 
 import lowprec
-from lowprec.compiled_call import _StandIn
+from lowprec.compile.call import _StandIn
 from lowprec.formats.quantized_tensor import _Dequantize as _DequantizeTensor
 from lowprec.linear.function import _QuantizedLinear
 from lowprec.linear.grouped import _ExpertWeights, _GroupedPlain

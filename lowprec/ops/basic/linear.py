@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from ...autocast import torch_autocast_dtype
 from ...formats.base import QuantizedTensor
 from ...linear.function import quantized_linear
 from ...modules.base import LowprecModule
 from ...modules.params import add_linear_params, check_parallel_args
-from ...recipe import BackwardMode, operand_usages
+from ...recipe.autocast import torch_autocast_dtype
+from ...recipe.recipes import BackwardMode, operand_usages
 from ..base import BasicOperation, EmitSpec, RunContext
 from .bias import bias_forward
 

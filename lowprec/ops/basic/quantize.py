@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ...modules.base import LowprecModule
-from ...recipe import BackwardMode
-from ...roles import QuantizerRole, check_num_quantizers
+from ...recipe.recipes import BackwardMode
+from ...recipe.roles import QuantizerRole, check_num_quantizers
 from ..base import BasicOperation, RunContext, as_plain, plain
 
 

@@ -1,0 +1,13 @@
+"""GEMMs: one dispatcher for every operand pair, and the backends it picks from.
+
+* ``dispatch``: :func:`gemm`, the product ``mat(a) @ mat(b).T`` of two operands in their
+  usages, with the backend table and its selection;
+* ``cuda``: the GPU backends in the order they are tried (``cublas_fp8``, ``exact_bf16``,
+  ``cublaslt``, their kernels);
+* ``emulated_fp32``: the exact fp32 emulation every pair falls back to (the CPU path);
+* ``grouped_mm``, ``fp8_grouped``, ``block_grouped``: the grouped (MoE) GEMMs.
+"""
+
+from .dispatch import BACKENDS, Backend, gemm, select_backend, use_backends
+
+__all__ = ["gemm", "select_backend", "use_backends", "Backend", "BACKENDS"]

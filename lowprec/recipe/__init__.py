@@ -1,0 +1,35 @@
+"""Recipes and the state built from them.
+
+* ``recipes``: the recipe dataclasses (which quantizer each tensor role gets), the one
+  recipe-name table, backward modes and the operand-usage rule;
+* ``roles``: :class:`QuantizerRole`, the role a quantizer serves in a module;
+* ``factories``: picklable quantizer factories for :class:`CustomRecipe`;
+* ``state``: a module's per-recipe quantizers and scaling state, decided once from the recipe;
+* ``state_batch``: delayed-scaling updates of every module batched once per step;
+* ``autocast``: the ``lowprec.autocast`` / ``quantized_model_init`` regions.
+
+This is the one place that switches on a recipe's type; the rest of lowprec reads the
+quantizers the state hands out. ``lowprec.recipe.<Name>`` is the public spelling of every
+recipe class.
+"""
+
+from .recipes import (
+    BACKWARD_MODES,
+    RECIPE_ALIASES,
+    BackwardMode,
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    OperandUsages,
+    Recipe,
+    operand_usages,
+)
+from .roles import QuantizerRole
+
+__all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+           "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "BACKWARD_MODES",
+           "RECIPE_ALIASES", "BackwardMode", "OperandUsages", "operand_usages", "QuantizerRole"]

@@ -1,0 +1,154 @@
+"""autocast (quantized compute) and quantized_model_init (quantized parameters)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .recipes import DelayedScaling, Recipe
+from .state_batch import update_states
+
+
+def torch_autocast_dtype(x) -> "torch.dtype | None":
+    """The ``torch.autocast`` dtype for ``x``'s device where torch's autocast is on there,
+    else None. Under it lowprec modules compute as ``torch.nn`` ones would: GEMM operands
+    in that dtype (and quantized from it), norms in fp32 with their output in that dtype."""
+    device_type = x.device.type
+    if device_type in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def torch_autocast_off(device_type: str):
+    """``torch.autocast`` disabled on ``device_type``, for lowprec's own math (which runs as
+    it would without torch's autocast); nothing to disable where torch has no autocast for
+    the device (``meta``: shape inference, FLOP counters)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return _NOTHING  # (it is off already: entering torch.autocast costs host time)
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def default_recipe() -> Recipe:
+    """The recipe used when autocast is given none (as Transformer Engine: delayed scaling)."""
+    return DelayedScaling()
+
+
+@dataclass
+class _Region:
+    recipe: Recipe
+    group: object = None
+    delayed_states: list = field(default_factory=list)
+    cache_weights: bool = False
+    #: the last input quantize a Linear made, for the next ones that read the same input
+    #: (``lowprec.linear.shared_input``)
+    shared_input: object = None
+    #: entered while torch.compile traced (the region lives in the compiled graph), rather
+    #: than around the compiled call
+    traced: bool = field(default_factory=torch.compiler.is_compiling)
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.regions: list = []       # autocast stack; None entries are disabled regions
+        self.init_recipes: list = []  # quantized_model_init stack
+
+
+_LOCAL = _Local()
+
+
+def _check_recipe(recipe) -> Recipe:
+    if recipe is None:
+        return default_recipe()
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a lowprec.recipe recipe, got {type(recipe).__name__}")
+    return recipe
+
+
+@contextlib.contextmanager
+def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_group=None,
+             *, cache_weights: bool = False):
+    """Run lowprec modules inside this region with quantized GEMMs per ``recipe``.
+
+    ``cache_weights=True``: a module reuses its quantized weight while the weight is
+    unchanged, so with gradient accumulation each weight is quantized once per optimizer
+    step rather than once per micro-batch (``lowprec.linear.weight_cache``; each weight then
+    holds its quantized copy between steps).
+
+    ``amax_reduction_group`` is the process group over which delayed-scaling
+    amaxes are reduced; it is passed to the state where it is used and never
+    stored on a quantizer. Forward amaxes of delayed scaling enter the
+    history when the region exits (all of the region's states together, see
+    ``lowprec.state_batch``).
+    """
+    if not isinstance(cache_weights, bool):
+        raise TypeError(f"cache_weights must be a bool, got {cache_weights!r}")
+    region = (_Region(_check_recipe(recipe), amax_reduction_group, cache_weights=cache_weights)
+              if enabled else None)
+    _LOCAL.regions.append(region)
+    try:
+        yield
+    finally:
+        _LOCAL.regions.pop()
+        if region is not None:
+            update_states(region.delayed_states, region.group)
+
+
+def active_region() -> _Region | None:
+    """The innermost enabled autocast region, or None outside (or in a disabled one)."""
+    return _LOCAL.regions[-1] if _LOCAL.regions else None
+
+
+def any_region() -> bool:
+    """Whether an autocast region, enabled or disabled, encloses this point."""
+    return bool(_LOCAL.regions)
+
+
+def push_region(recipe: Recipe | None, group=None, *, cache_weights: bool = False):
+    """Enter a region (None: a disabled one) without a ``with`` block; returns the token
+    for ``pop_region``. For calls that run a region's body elsewhere (compiled calls, a
+    model's attached recipe)."""
+    region = _Region(recipe, group, cache_weights=cache_weights) if recipe is not None else None
+    _LOCAL.regions.append(region)
+    return [region]
+
+
+def pop_region(token) -> None:
+    """Leave the region ``push_region`` entered, updating its delayed-scaling states."""
+    region = token[0]
+    if not _LOCAL.regions or _LOCAL.regions[-1] is not region:
+        raise RuntimeError("autocast regions were left out of order")
+    _LOCAL.regions.pop()
+    if region is not None:
+        update_states(region.delayed_states, region.group)
+
+
+def register_delayed_state(state) -> None:
+    """Ask the active region to update ``state`` (forward amaxes) when it exits."""
+    region = active_region()
+    if region is not None and state not in region.delayed_states:
+        region.delayed_states.append(state)
+
+
+@contextlib.contextmanager
+def quantized_model_init(enabled: bool = True, recipe: Recipe | None = None):
+    """Modules built inside keep their weights as quantized tensors (no high-precision copy).
+
+    Train them with :class:`lowprec.optim.QuantizedWeightOptimizer`, which
+    keeps fp32 master weights and re-quantizes after each step.
+    """
+    _LOCAL.init_recipes.append(_check_recipe(recipe) if enabled else None)
+    try:
+        yield
+    finally:
+        _LOCAL.init_recipes.pop()
+
+
+def init_recipe() -> Recipe | None:
+    """The recipe of the innermost enabled quantized_model_init, or None."""
+    return _LOCAL.init_recipes[-1] if _LOCAL.init_recipes else None
