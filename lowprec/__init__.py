@@ -3,10 +3,8 @@
 from . import debug, fused, ops, optim, recipe  # noqa: F401 - subpackages as attributes of lowprec
 from .formats import *  # noqa: F401,F403
 from .formats import __all__ as _formats_all
-from .memory.checkpointing import checkpoint
-from .memory.offload import cpu_offload
-from .model.attach import attach_recipe, attached_recipe, detach_recipe, init_scaling_state
-from .model.convert import convert_model
+from .memory import checkpoint, cpu_offload
+from .model import attach_recipe, attached_recipe, convert_model, detach_recipe, init_scaling_state
 from .modules import (
     GroupedExperts,
     GroupedLinear,
@@ -16,8 +14,7 @@ from .modules import (
     Linear,
     RMSNorm,
 )
-from .recipe.autocast import autocast, quantized_model_init
-from .recipe.recipes import (
+from .recipe import (
     BackwardMode,
     CustomRecipe,
     DelayedScaling,
@@ -26,9 +23,11 @@ from .recipe.recipes import (
     Format,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
+    QuantizerRole,
     Recipe,
+    autocast,
+    quantized_model_init,
 )
-from .recipe.roles import QuantizerRole
 
 __version__ = "0.1.0"
 __all__ = [*_formats_all, "recipe", "ops", "optim", "autocast", "checkpoint", "convert_model",

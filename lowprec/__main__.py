@@ -2,6 +2,6 @@
 
 import sys
 
-from .compare.cli import main
+from .compare import main
 
 sys.exit(main())

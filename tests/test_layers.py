@@ -11,6 +11,10 @@
   ``compare/``;
 * the files of ``LowprecModule``'s mixins (``modules/roles.py``, ``scaling.py``, ...) are
   imported only from ``modules/``: the rest of lowprec reaches them through the class;
+* the top level holds packages, plus ``__init__``, ``__main__`` and ``activations``;
+* a module enters another top-level package through a package's ``__init__`` (the
+  package's, or a format folder's), never one of its modules; the kernel library is the
+  exception (its modules import Triton on import, so each is entered by name);
 * no import cycles between modules.
 
 Every import counts, at module level or inside a function, except those under
@@ -240,15 +244,63 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+#: the modules the top level holds besides its packages
+TOP_LEVEL_MODULES = {"lowprec.__main__", "lowprec.activations"}
+
+
+def test_top_level_holds_packages():
+    """``lowprec/`` holds packages (recipe, gemm, linear, compile, memory, model, ...) and
+    only ``__init__``, ``__main__`` and ``activations`` beside them."""
+    top = {m for m in MODULES if m.count(".") == 1 and m not in PACKAGES}
+    assert top == TOP_LEVEL_MODULES, f"modules at the top level: {sorted(top - TOP_LEVEL_MODULES)}"
+
+
+def _top(m: str) -> str:
+    return ".".join(m.split(".")[:2])
+
+
+def _entered_past_init(module: str) -> list[str]:
+    """The modules of other top-level packages ``module`` imports from directly rather than
+    through a package's ``__init__`` (the kernel library excepted)."""
+    bad = []
+    for src, name in _raw_targets(module):
+        if _top(src) in (_top(module), "lowprec", "lowprec.kernels") or src in TOP_LEVEL_MODULES:
+            continue
+        if src not in PACKAGES:
+            bad.append(f"{src}" + (f".{name}" if name else ""))
+    return bad
+
+
+def test_packages_are_entered_through_their_init():
+    """Another package's modules are its own layout: the rest of lowprec imports what a
+    package's ``__init__`` exports (``from ..recipe import DelayedScaling``), so that its
+    modules can be split or merged without touching a caller."""
+    bad = {m: b for m in MODULES for b in [_entered_past_init(m)] if b}
+    assert not bad, f"imports past a package's __init__: {bad}"
+
+
+def test_entering_past_init_is_seen(tmp_path, monkeypatch):
+    """The check above sees a deep import, and lets an ``__init__`` import or a kernel
+    module pass."""
+    monkeypatch.setitem(MODULES, "lowprec.linear.probe", tmp_path / "probe.py")
+    (tmp_path / "probe.py").write_text(
+        "from ..recipe.state import RecipeState\nfrom ..recipe import DelayedScaling\n"
+        "from ..kernels.grid import cdiv\nfrom ..formats.float8 import Float8Tensor\n"
+        "def f():\n    import lowprec.gemm.dispatch\n")
+    assert _entered_past_init("lowprec.linear.probe") == ["lowprec.recipe.state.RecipeState",
+                                                          "lowprec.gemm.dispatch"]
+
+
 def test_no_import_cycles():
     graph = {m: edges(m) for m in _sources()}
     assert not _cycles(graph), f"import cycles: {_cycles(graph)}"
 
 
 def test_packages_defining_code_are_checked():
-    """``fused/__init__`` defines functions: its imports are edges like any module's."""
-    assert "lowprec.fused" in CODE_PACKAGES and "lowprec.fused" in _sources()
-    assert "lowprec.fused.norm_quantize" in edges("lowprec.fused")
+    """``kernels/__init__`` defines functions: it is checked like any module; ``fused/__init__``
+    only re-exports, so its imports are no edges of its own."""
+    assert "lowprec.kernels" in CODE_PACKAGES and "lowprec.kernels" in _sources()
+    assert "lowprec.fused" not in _sources()
 
 
 @pytest.mark.parametrize("module, expected", [
@@ -267,7 +319,7 @@ def test_edges_see_imports(module, expected):
 RECIPE_CLASSES = {"DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
                   "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe"}
 #: where a recipe's type decides anything: its definitions, and the state built from it
-SWITCHES_ON_RECIPE_TYPE = {"lowprec.recipe", "lowprec.recipe.state"}
+SWITCHES_ON_RECIPE_TYPE = {"lowprec.recipe.recipes", "lowprec.recipe.state"}
 
 
 def _recipe_type_checks(tree: ast.AST) -> list[str]:
@@ -289,8 +341,8 @@ def _recipe_type_checks(tree: ast.AST) -> list[str]:
 
 
 def test_one_place_switches_on_the_recipe_type():
-    """Only ``recipe.py`` and ``state.py`` ask which built-in recipe a recipe is; everything
-    else reads the quantizers (or ``state.stateful``)."""
+    """Only ``recipe/recipes.py`` and ``recipe/state.py`` ask which built-in recipe a recipe
+    is; everything else reads the quantizers (or ``state.stateful``)."""
     bad = {m: checks for m, p in MODULES.items() if m not in SWITCHES_ON_RECIPE_TYPE
            for checks in [_recipe_type_checks(ast.parse(p.read_text()))] if checks}
     assert not bad, bad

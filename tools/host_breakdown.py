@@ -32,8 +32,8 @@ import lowprec  # noqa: E402
 #: (owner as "module" or "module:Class", attribute) of every piece timed.
 TARGETS = [
     ("lowprec.modules.base:LowprecModule", "gemm_quantizers"),
-    ("lowprec.linear.function:_QuantizedLinear", "forward"),
-    ("lowprec.linear.function:_QuantizedLinear", "backward"),
+    ("lowprec.linear.function:EagerLinearFunction", "forward"),
+    ("lowprec.linear.function:EagerLinearFunction", "backward"),
     ("lowprec.linear.function", "quantize_operand"),
     ("lowprec.linear.function", "check_linear_args"),
     ("lowprec.linear.function", "gemm"),

@@ -15,3 +15,5 @@ plots.
 from .cli import main
 
 __all__ = ["main"]
+
+# The rest of lowprec enters the package here (internal names, not in __all__).

@@ -20,10 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..debug.describe import format_of
-from ..debug.hooks import QuantizerHooks
-from ..debug.stats import sqnr_db
-from ..formats.base import QuantizedTensor
+from ..debug import QuantizerHooks, format_of, sqnr_db
+from ..formats import QuantizedTensor
 
 __all__ = ["SQNRProbe", "SQNRRecord", "SavedTensorMeter", "sqnr_db"]
 

@@ -15,9 +15,8 @@ from typing import Callable
 
 import torch
 
-from ..formats.base import Quantizer
-from ..recipe.recipes import BACKWARD_MODES, CustomRecipe, Recipe, normalize_backward_mode
-from ..recipe.state import RecipeState
+from ..formats import Quantizer
+from ..recipe import BACKWARD_MODES, CustomRecipe, Recipe, RecipeState, normalize_backward_mode
 
 BASELINE = "bf16"
 
@@ -200,7 +199,7 @@ def validate_recipe(spec: RecipeSpec, model: torch.nn.Module, tokens: int) -> No
     """
     if spec.recipe is None:
         return
-    from ..modules.base import LowprecModule
+    from ..modules import LowprecModule
 
     for module in model.modules():
         if not isinstance(module, LowprecModule):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..optim import AdamW as LowprecAdamW
-from ..recipe.autocast import autocast
+from ..recipe import autocast
 from .data import Batches, Corpus
 from .model import GPT, ModelConfig
 from .probe import SavedTensorMeter, SQNRProbe, SQNRRecord

@@ -78,7 +78,7 @@ class ModelSource:
         ``shapes_only``: a checkpoint's weights are not read."""
         model = (self.shape_factory or self.factory)() if shapes_only else self.factory()
         if self.kind != "preset":
-            from ..model.convert import convert_model
+            from ..model import convert_model
             model = model.to(dtype=dtype)
             convert_model(model, module_filter_fn=lambda m, fqn: not self.keep(fqn),
                           fuse_norms=False)

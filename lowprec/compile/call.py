@@ -49,11 +49,10 @@ import weakref
 
 import torch
 
-from ..formats.base import QuantizedTensor
-from ..formats.experts import QuantizedExperts
-from ..linear.function import graph_kept
+from ..formats import QuantizedExperts, QuantizedTensor
+from ..linear import graph_kept
 from ..recipe import autocast as _autocast
-from ..recipe.recipes import recipe_from_key
+from ..recipe import recipe_from_key
 
 HANDLE_ATTR = "_lowprec_handle"
 
@@ -420,7 +419,7 @@ call_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---- tracing ---------------------------------------------------------------------------------
-class _StandIn(torch.autograd.Function):
+class ExpertsStandIn(torch.autograd.Function):
     """A plain tensor of a :class:`QuantizedExperts` parameter's shape and dtype (no data:
     the call reads the parameter itself), whose gradient is the parameter's."""
 
@@ -437,7 +436,7 @@ class _StandIn(torch.autograd.Function):
 
 def _trace_call(module, args: tuple, kwargs: dict):
     """What dynamo traces in place of a lowprec forward: one ``lowprec::call``."""
-    from ..memory.checkpointing import current_frame
+    from ..memory import current_frame
 
     if current_frame() is not None:
         # the eager recompute must replay the eager call (lowprec.checkpoint)
@@ -455,7 +454,7 @@ def _trace_call(module, args: tuple, kwargs: dict):
     params = list(module.parameters())
     # experts gathered quantized (FSDP2) enter as stand-ins: the call reads the live
     # parameter, and their gradient passes through the stand-in to it
-    params = [_StandIn.apply(p) if isinstance(p, QuantizedExperts) else p for p in params]
+    params = [ExpertsStandIn.apply(p) if isinstance(p, QuantizedExperts) else p for p in params]
     layout, ints, tensors = _encode(args, kwargs)
     if not tensors:
         raise TypeError(f"{type(module).__name__} called with no tensor argument")

@@ -15,3 +15,8 @@ from .report import ModuleRun, RunReport
 from .sinks import COLUMNS
 
 __all__ = ["Recorder", "RunReport", "ModuleRun", "NonFiniteError", "NonFiniteEvent", "COLUMNS"]
+
+# The rest of lowprec enters the package here (internal names, not in __all__).
+from .describe import format_of
+from .hooks import QuantizerHooks
+from .stats import sqnr_db

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.hybrid import HybridQuantizer
+from ..formats import HybridQuantizer
 
 _FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 

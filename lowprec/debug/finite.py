@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats.base import QuantizedTensor
+from ..formats import QuantizedTensor
 from .scaling import stored_values
 from .stats import Pending
 

@@ -38,10 +38,10 @@ from typing import Callable
 
 import torch
 
-from ..formats.base import Quantizer
-from ..fused.prologue import apply_prologue
+from ..formats import Quantizer
+from ..fused import apply_prologue
 from ..linear import eager_plans_off, grad_split
-from ..modules.base import LowprecModule
+from ..modules import LowprecModule
 
 #: The quantizer methods a hook records through.
 _RECORDED = ("quantize", "_quantize_exact", "quantize_fused")

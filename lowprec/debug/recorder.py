@@ -10,8 +10,8 @@ import warnings
 import torch
 from torch import nn
 
-from ..formats.base import USAGES, QuantizedTensor
-from ..modules.base import LowprecModule
+from ..formats import USAGES, QuantizedTensor
+from ..modules import LowprecModule
 from .describe import format_of
 from .finite import FiniteCheck, FiniteProbe, NonFiniteEvent, check_policy
 from .hooks import QuantizerHooks, Site

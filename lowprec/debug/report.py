@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..modules.base import LowprecModule
-from ..recipe.autocast import active_region
+from ..modules import LowprecModule
+from ..recipe import active_region
 
 #: why a module ran without quantization
 OUTSIDE_AUTOCAST = "ran outside lowprec.autocast (no recipe active)"

@@ -31,27 +31,29 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats.base import QuantizedTensor
-from ..formats.block import Float8BlockwiseTensor
-from ..formats.block.reference import BLOCK as FP8_BLOCK
-from ..formats.casting import (
+from ..formats import (
     E2M1_MAX,
     E8M0_BIAS,
     E8M0_NAN,
     FP8_MAX,
+    ExactTensor,
+    Float8BlockwiseTensor,
+    Float8Tensor,
+    HybridQuantizedTensor,
+    HybridQuantizer,
+    IdentityTensor,
+    MXFP8Tensor,
+    NVFP4Tensor,
+    QuantizedTensor,
     exp2_int,
+    rht_forward,
+    rht_inverse,
 )
-from ..formats.exact import ExactTensor
-from ..formats.float8 import Float8Tensor
-from ..formats.hybrid import HybridQuantizedTensor, HybridQuantizer
-from ..formats.identity import IdentityTensor
-from ..formats.mxfp8 import MXFP8Tensor
-from ..formats.mxfp8.reference import BLOCK as MX_BLOCK
-from ..formats.mxfp8.reference import block_exponents
-from ..formats.nvfp4 import NVFP4Tensor
-from ..formats.nvfp4.reference import BLOCK as NV_BLOCK
-from ..formats.nvfp4.reference import block_decode_scales
-from ..formats.rht import rht_forward, rht_inverse
+from ..formats.block import BLOCK as FP8_BLOCK
+from ..formats.mxfp8 import BLOCK as MX_BLOCK
+from ..formats.mxfp8 import block_exponents
+from ..formats.nvfp4 import BLOCK as NV_BLOCK
+from ..formats.nvfp4 import block_decode_scales
 
 
 @dataclass

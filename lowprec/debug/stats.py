@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats.base import QuantizedTensor, flatten_2d
+from ..formats import QuantizedTensor, flatten_2d
 from .scaling import direction_scaling, x_domain
 
 #: dtypes ``torch.linalg.vector_norm`` reduces into fp32 directly (others are upcast first)

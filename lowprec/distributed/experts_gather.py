@@ -32,18 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats.block import BLOCK, Float8BlockQuantizer
-from ..formats.block.experts import Float8BlockExperts
-from ..formats.experts import QuantizedExperts
-from ..formats.float8.experts import Float8Experts
-from ..formats.float8.grouped import quantize_experts
-from ..formats.nvfp4 import NVFP4Quantizer
-from ..formats.nvfp4.experts import NVFP4Experts
-from ..formats.nvfp4.experts import quantize_experts as quantize_nvfp4_experts
-from ..formats.nvfp4.reference import BLOCK as NVFP4_BLOCK
-from ..linear.grouped_blocks import one_setting
-from ..linear.grouped_current import same_current
-from ..linear.grouped_parts import hooked
+from ..formats import BLOCK, Float8BlockQuantizer, NVFP4Quantizer, QuantizedExperts
+from ..formats.block import Float8BlockExperts
+from ..formats.float8 import Float8Experts, quantize_experts
+from ..formats.nvfp4 import BLOCK as NVFP4_BLOCK
+from ..formats.nvfp4 import NVFP4Experts
+from ..formats.nvfp4 import quantize_experts as quantize_nvfp4_experts
+from ..linear import hooked, one_setting, same_current
 from .gather_wrapper import GatherWrapper
 
 #: the unsharded parameter each kind of quantized gather makes

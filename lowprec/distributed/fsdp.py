@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..formats.base import QuantizedTensor, Quantizer
-from ..recipe.recipes import BackwardMode
+from ..formats import QuantizedTensor, Quantizer
+from ..recipe import BackwardMode
 from . import gather_codec
 from .experts_gather import wrap_expert_weights
 from .gather_wrapper import GatherWrapper
@@ -273,8 +273,8 @@ def quantized_all_gather(model: nn.Module, recipe) -> nn.Module:
     (its fp32 masters, re-quantized after each step), with the master sharded and a plain
     torch optimizer. Their modules then need FSDP2 to compute in the weight's dtype
     (``MixedPrecisionPolicy(param_dtype=...)`` where that is not fp32)."""
-    from ..modules.base import LowprecModule
-    from ..recipe.recipes import Recipe
+    from ..modules import LowprecModule
+    from ..recipe import Recipe
     if not isinstance(recipe, Recipe):
         raise TypeError(f"quantized_all_gather: recipe must be a lowprec Recipe, got "
                         f"{type(recipe).__name__}")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..formats.base import QuantizedTensor, Quantizer
+from ..formats import QuantizedTensor, Quantizer
 
 
 @dataclass

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..formats.base import QuantizedTensor, Quantizer, _contiguous
+from ..formats import QuantizedTensor, Quantizer, contiguous_data
 from . import gather_codec
 from .gather_codec import derives_columnwise
 
@@ -145,7 +145,7 @@ def gather_rows(x: torch.Tensor, group, quantizer: Quantizer | None = None, *,
     inputs, packing = gather_codec.pack(part, world * x2d.shape[0])
     outputs = [_all_gather_rows(t, group) for t in inputs]
     gathered = gather_codec.unpack(outputs, packing, shape, x.dtype)
-    return gathered._rebuild(_contiguous)  # columnwise data came as transposed views
+    return gathered._rebuild(contiguous_data)  # columnwise data came as transposed views
 
 
 def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:

@@ -24,14 +24,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import style as torch_style
 
-from ..formats.base import QuantizedTensor
+from ..formats import QuantizedTensor
 
 _COLUMN_PARAMS = {"weight": Shard(0), "bias": Shard(0)}
 _ROW_PARAMS = {"weight": Shard(1), "bias": Replicate()}
 
 
 def _is_lowprec(module: nn.Module) -> bool:
-    from ..modules.base import LowprecModule
+    from ..modules import LowprecModule
     return isinstance(module, LowprecModule)
 
 
@@ -92,9 +92,8 @@ def _from_local_output(mesh, produced, layout, use_local_output: bool, y):
 
 def _make_parallel(style, module: nn.Module, mode: str, mesh) -> nn.Module:
     """Turn lowprec ``module`` tensor-parallel over ``mesh`` as ``style`` describes."""
+    from ..modules import LayerNormLinear, Linear
     from ..modules import tensor_parallel as tpar
-    from ..modules.layernorm_linear import LayerNormLinear
-    from ..modules.linear import Linear
     allowed = (Linear, LayerNormLinear) if mode == "column" else (Linear,)
     if type(module) not in allowed:
         raise NotImplementedError(

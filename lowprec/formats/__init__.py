@@ -19,3 +19,34 @@ __all__ = ["Quantizer", "QuantizedTensor",
 
 register_safe_globals(*(globals()[name] for name in __all__
                         if name not in ("Quantizer", "QuantizedTensor")))
+
+# The rest of lowprec enters the package here (internal names, not in __all__).
+from .base import (
+           REQUANTIZE_ATTR,
+           USAGES,
+           check_bool_option,
+           check_int_option,
+           check_usage,
+           contiguous_data,
+           flatten_2d,
+           keep_quantized,
+           rows_fit,
+           user_attributes,
+)
+from .block import BLOCK
+from .casting import E2M1_MAX, E8M0_BIAS, E8M0_NAN, FP8_MAX, FP32_MAX, exp2_int
+from .experts import QuantizedExperts
+from .graph import (
+           Blocks,
+           Exact,
+           Fp8,
+           GraphOperand,
+           Kind,
+           Plain,
+           PlainOperand,
+           as_output,
+           decode_scale,
+           scale_in_use,
+)
+from .quantized_tensor import DequantizeFunction
+from .rht import rht_forward, rht_inverse

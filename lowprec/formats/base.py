@@ -31,12 +31,12 @@ from __future__ import annotations
 from .checks import (
     HIGH_PRECISION_DTYPES,
     USAGES,
-    _check_usage,
     check_amax_epsilon,
     check_bool_option,
     check_divisible,
     check_exact_only,
     check_int_option,
+    check_usage,
     flatten_2d,
     rows_fit,
 )
@@ -45,13 +45,12 @@ from .quantized_tensor import (
     _HANDLERS,
     _HANDLERS_BY_PACKET,
     REQUANTIZE_ATTR,
+    DequantizeFunction,
     QuantizedTensor,
     _as_strided,
     _clone,
-    _contiguous,
     _Conversions,
     _copy,
-    _Dequantize,
     _detach,
     _empty_like,
     _flat_tensors,
@@ -64,6 +63,7 @@ from .quantized_tensor import (
     _view,
     _view_shape,
     aten,
+    contiguous_data,
     keep_quantized,
     register_safe_globals,
     user_attributes,
@@ -72,11 +72,12 @@ from .quantizer import Quantizer, _row_major_2d
 
 __all__ = [
     # checks
-    "HIGH_PRECISION_DTYPES", "USAGES", "_check_usage", "flatten_2d", "rows_fit",
+    "HIGH_PRECISION_DTYPES", "USAGES", "check_usage", "flatten_2d", "rows_fit",
     "check_divisible", "check_bool_option", "check_int_option", "check_amax_epsilon",
     "check_exact_only",
     # quantized_tensor
-    "aten", "QuantizedTensor", "_contiguous", "_Dequantize", "_Conversions", "_CONVERSIONS",
+    "aten", "QuantizedTensor", "contiguous_data", "DequantizeFunction", "_Conversions",
+    "_CONVERSIONS",
     "keep_quantized", "_flat_tensors", "user_attributes", "_is_parameter",
     "_rebuild_quantized_tensor", "_HANDLERS", "_HANDLERS_BY_PACKET", "_handles", "_detach",
     "_clone", "_copy", "REQUANTIZE_ATTR", "_requantize_into", "_like_args", "_to_copy",

@@ -22,7 +22,7 @@ HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 USAGES = ("rowwise", "columnwise")
 
 
-def _check_usage(usage: str) -> str:
+def check_usage(usage: str) -> str:
     if usage not in USAGES:
         raise ValueError(f"usage={usage!r} is not valid; use 'rowwise' or 'columnwise'")
     return usage

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..kernels import use_kernels
-from .base import QuantizedTensor, Quantizer, _check_usage
+from .base import QuantizedTensor, Quantizer, check_usage
 from .exact import ExactTensor
 
 #: ``fields(part, usage, start) -> dict``: the tensor fields of one slice, ``start`` its
@@ -44,7 +44,7 @@ class GemmSlicer:
         self._exact_of = exact_of
 
     def _part(self, start: int, stop: int, usage: str) -> torch.Tensor:
-        _check_usage(usage)
+        check_usage(usage)
         return self.x2d[start:stop] if usage == "rowwise" else self.x2d[:, start:stop]
 
     def codes(self, start: int, stop: int, usage: str) -> QuantizedTensor:

@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar
 import torch
 import torch.utils._pytree as pytree
 
-from .checks import HIGH_PRECISION_DTYPES, USAGES, _check_usage, flatten_2d
+from .checks import HIGH_PRECISION_DTYPES, USAGES, check_usage, flatten_2d
 
 aten = torch.ops.aten
 
@@ -176,7 +176,7 @@ class QuantizedTensor(torch.Tensor):
 
     # ---- usages ---------------------------------------------------------------------------
     def has_usage(self, usage: str) -> bool:
-        return getattr(self, f"{_check_usage(usage)}_data") is not None
+        return getattr(self, f"{check_usage(usage)}_data") is not None
 
     @property
     def shape_2d(self) -> tuple[int, int]:
@@ -252,13 +252,13 @@ class QuantizedTensor(torch.Tensor):
         tensors where already contiguous), or derived from the other direction where the
         format allows. ``self`` is left as it is, so a derived copy lives only as long as
         whoever asked for it (a GEMM operand of one backward)."""
-        _check_usage(usage)
+        check_usage(usage)
         other = "columnwise" if usage == "rowwise" else "rowwise"
         inner, derived, _ = _names_of(type(self), usage)
         fields = {}
         for name in inner:
             t = getattr(self, name)
-            fields[name] = t if t is None or t.is_contiguous() else _contiguous(t)
+            fields[name] = t if t is None or t.is_contiguous() else contiguous_data(t)
         if not self.has_usage(usage):
             if not self.has_usage(other):
                 raise RuntimeError(f"{type(self).__name__} holds no data to derive {usage} from")
@@ -341,7 +341,7 @@ class QuantizedTensor(torch.Tensor):
         if usage is None:
             return "rowwise" if self.has_usage("rowwise") or not self.has_usage(
                 "columnwise") else "columnwise"
-        return _check_usage(usage)
+        return check_usage(usage)
 
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         """fp32 values of one direction in its stored 2-D layout."""
@@ -352,7 +352,7 @@ class QuantizedTensor(torch.Tensor):
         if _CONVERSIONS.keep_quantized:
             # a module's .float()/.half() (``keep_quantized``): only the nominal dtype changes
             return self.to(dtype)
-        return _Dequantize.apply(self, dtype)
+        return DequantizeFunction.apply(self, dtype)
 
     def float(self, memory_format=torch.preserve_format) -> torch.Tensor:
         """The dequantized values as a plain fp32 tensor; gradients flow back to ``self``."""
@@ -398,7 +398,7 @@ def _shared_names(cls: type) -> frozenset:
     return frozenset((set(row_inner) & set(col_inner)) | (set(row_derived) & set(col_derived)))
 
 
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
+def contiguous_data(t: torch.Tensor) -> torch.Tensor:
     """``t.contiguous()``; a transposed view (FSDP's gathered columnwise data) through the
     transpose kernel."""
     if t.is_contiguous() or t.dim() != 2 or not t.t().is_contiguous():
@@ -407,7 +407,7 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return transpose_contiguous(t.t())
 
 
-class _Dequantize(torch.autograd.Function):
+class DequantizeFunction(torch.autograd.Function):
     """``qt.dequantize(dtype)`` with a straight-through gradient to the quantized tensor."""
 
     @staticmethod

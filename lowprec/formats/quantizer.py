@@ -12,7 +12,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .checks import HIGH_PRECISION_DTYPES, USAGES, _check_usage, check_bool_option, flatten_2d
+from .checks import HIGH_PRECISION_DTYPES, USAGES, check_bool_option, check_usage, flatten_2d
 from .quantized_tensor import QUANTIZER_ATTR, QuantizedTensor
 
 
@@ -151,7 +151,7 @@ class Quantizer:
                                                    QuantizedTensor]:
         """``f(x2d, like)``: :meth:`quantize_usage_like` ``(x2d, like, usage)`` for 2-D tensors
         of one kind, prepared as :meth:`prepare` prepares a quantize."""
-        _check_usage(usage)
+        check_usage(usage)
 
         def usual(x2d: torch.Tensor, like: QuantizedTensor) -> QuantizedTensor:
             return self.quantize_usage_like(x2d, like, usage)
@@ -391,7 +391,7 @@ class Quantizer:
         """One slice for :meth:`slice_quantizer`: ``fields_of(part)`` with only ``usage`` on.
         Kernels read the strided slice in place; the reference gets a contiguous copy."""
         from ..kernels import use_kernels
-        _check_usage(usage)
+        check_usage(usage)
         self._check_input(part)
         m, k = part.shape
         with self.usages(rowwise=usage == "rowwise", columnwise=usage == "columnwise"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..activations import activation_grad
-from ..formats.base import QuantizedTensor
+from ..formats import QuantizedTensor
 from .prologue import Prologue, activation_prologue, apply_prologue_with_amax
 
 

@@ -27,7 +27,7 @@ from .prologue import activation_prologue, apply_prologue
 def producer_kernel(x: torch.Tensor, quantizer, backward_mode: str) -> bool:
     """Whether eager mode hands ``quantizer`` ``x``'s producer through a fused kernel
     (``lowprec.fused.can_fuse``), which the traced form then runs too."""
-    from . import can_fuse
+    from .switch import can_fuse
     return use_kernels(x) and can_fuse(quantizer, x, backward_mode)
 
 

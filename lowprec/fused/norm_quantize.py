@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.base import QuantizedTensor
+from ..formats import QuantizedTensor
 from .norm_math import norm_backward
 from .prologue import norm_prologue, norm_stats
 

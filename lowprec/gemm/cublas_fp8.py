@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.base import _check_usage
-from ..formats.block.tensor import Float8BlockwiseTensor
-from ..formats.float8.tensor import Float8Tensor
+from ..formats import check_usage
+from ..formats.block import Float8BlockwiseTensor
+from ..formats.float8 import Float8Tensor
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -67,8 +67,8 @@ def _takes_data(a, ad, b, bd, out_dtype) -> bool:
 def _common_accepts(cls, a, a_usage, b, b_usage, out_dtype) -> bool:
     if not (type(a) is cls and type(b) is cls):
         return False
-    return _takes_data(a, getattr(a, f"{_check_usage(a_usage)}_data"), b,
-                       getattr(b, f"{_check_usage(b_usage)}_data"), out_dtype)
+    return _takes_data(a, getattr(a, f"{check_usage(a_usage)}_data"), b,
+                       getattr(b, f"{check_usage(b_usage)}_data"), out_dtype)
 
 
 def fusable_bias(bias, out_dtype) -> bool:

@@ -19,7 +19,7 @@ exact_bf16         any pair whose dequantized values are exact in bf16 (MXFP8,
 
 from __future__ import annotations
 
-from ..formats.float8.tensor import Float8Tensor
+from ..formats.float8 import Float8Tensor
 from .cublas_fp8 import (
     blockwise_accepts,
     blockwise_run,

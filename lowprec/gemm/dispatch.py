@@ -26,9 +26,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..formats.base import QuantizedTensor, _check_usage
-from ..formats.hybrid import HybridQuantizedTensor
-from ..formats.identity import IdentityTensor
+from ..formats import HybridQuantizedTensor, IdentityTensor, QuantizedTensor, check_usage
 from .cuda import cuda_backends
 from .emulated_fp32 import emulated_fp32_run, plain_matrix
 
@@ -139,8 +137,8 @@ def gemm(a: torch.Tensor, a_usage: str, b: torch.Tensor, b_usage: str, *,
     ``out``: a contiguous tensor of the product's shape and ``out_dtype`` (e.g. a row
     range of a larger result) that receives the product and is returned.
     """
-    _check_usage(a_usage)
-    _check_usage(b_usage)
+    check_usage(a_usage)
+    check_usage(b_usage)
     partial = _partial(a, a_usage) or _partial(b, b_usage)
     if out is None and bias is None and type(a) is type(b) and not partial:
         direct = _direct_calls().get(type(a))

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.base import QuantizedTensor
-from ..formats.identity import IdentityTensor
+from ..formats import IdentityTensor, QuantizedTensor
 
 
 def plain_matrix(t: torch.Tensor, usage: str) -> torch.Tensor:

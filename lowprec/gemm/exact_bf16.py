@@ -49,10 +49,9 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.base import QuantizedTensor
-from ..formats.exact import ExactTensor
-from ..formats.mxfp8.tensor import MXFP8Tensor
-from ..formats.nvfp4.tensor import NVFP4Tensor
+from ..formats import ExactTensor, QuantizedTensor
+from ..formats.mxfp8 import MXFP8Tensor
+from ..formats.nvfp4 import NVFP4Tensor
 from ..kernels import use_kernels
 from . import cublaslt, kernels
 from .emulated_fp32 import plain_matrix

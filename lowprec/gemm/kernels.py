@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..formats.mxfp8.dequantize import (  # noqa: F401 - the GEMM backends' helpers in one place
+from ..formats.mxfp8 import (  # noqa: F401 - the GEMM backends' helpers in one place
     MX_DEQUANT_CONFIG,
     mxfp8_dequantize_bf16,
     mxfp8_dequantize_bf16_torch,

@@ -18,3 +18,20 @@ from .grad_split import sliced, unsliced
 from .traced import eager_plans_off
 
 __all__ = ["LinearQuantizers", "eager_plans_off", "quantized_linear", "sliced", "unsliced"]
+
+# The rest of lowprec enters the package here (internal names, not in __all__).
+from .function import EagerLinearFunction, graph_kept
+from .grouped import (
+    ExpertWeightsFunction,
+    GroupedPlainFunction,
+    group_alignment_for,
+    grouped_linear,
+)
+from .grouped_block_fp8 import GroupedBlockFP8
+from .grouped_blocks import one_setting
+from .grouped_current import GroupedCurrent, same_current
+from .grouped_exact import GroupedExact
+from .grouped_nvfp4 import GroupedNVFP4
+from .grouped_parts import hooked
+from .padding import feature_padding
+from .traced import TracedLinear, reads_recipe_weights

@@ -31,9 +31,9 @@ from typing import Callable
 
 import torch
 
-from ..formats.base import QuantizedTensor, Quantizer
-from ..gemm.dispatch import gemm
-from ..recipe.recipes import BackwardMode
+from ..formats import QuantizedTensor, Quantizer
+from ..gemm import gemm
+from ..recipe import BackwardMode
 from . import grad_split
 
 
@@ -122,7 +122,7 @@ def backward(quantizer: Quantizer, dy: torch.Tensor, x_col: QuantizedTensor,
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dX as (M, K), dW as (N, K)); ``release_x`` / ``release_w`` free the saved input and
     weight where nothing will read them again (they decide)."""
-    from ..gemm.exact_bf16 import as_exact
+    from ..gemm import as_exact
     n = dy.shape[-1]
     dy2d = dy.detach().reshape(-1, n)
     m, k = dy2d.shape[0], w_col.shape[-1]

@@ -24,11 +24,18 @@ from typing import Callable, Optional
 
 import torch
 
-from ..formats.base import QuantizedTensor, Quantizer
-from ..gemm.dispatch import gemm
+from ..formats import QuantizedTensor, Quantizer
+from ..gemm import gemm
 from ..memory import offload
-from ..recipe.autocast import active_region, torch_autocast_dtype, torch_autocast_off
-from ..recipe.recipes import BACKWARD_MODES, BackwardMode, normalize_backward_mode, operand_usages
+from ..recipe import (
+    BACKWARD_MODES,
+    BackwardMode,
+    active_region,
+    normalize_backward_mode,
+    operand_usages,
+    torch_autocast_dtype,
+    torch_autocast_off,
+)
 from . import exact_split, grad_split, padding, shared_input, traced, weight_cache
 from .plan import BOTH, plan_for
 
@@ -201,7 +208,7 @@ def _finish_forward(ctx, x, weight, bias, y, saved_x, saved_w, q, backward_mode,
     return y
 
 
-class _QuantizedLinear(torch.autograd.Function):
+class EagerLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quantizers, backward_mode, on_backward_done, grad_enabled,
                 weight_lp):
@@ -295,7 +302,7 @@ class _QuantizedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         # the forward ran with torch.autocast off; so does its backward, whatever the caller's
         with torch_autocast_off(dy.device.type):
-            return _QuantizedLinear._backward(ctx, dy)
+            return EagerLinearFunction._backward(ctx, dy)
 
     @staticmethod
     def _backward(ctx, dy):
@@ -405,7 +412,7 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
         # K and N to whole blocks (M the Function pads itself, ``LinearPlan.pad``)
         x_shape = x.shape
         x, weight, bias = pad.operands(x, weight, bias)
-        y = _QuantizedLinear.apply(x, weight, bias, quantizers, backward_mode,
+        y = EagerLinearFunction.apply(x, weight, bias, quantizers, backward_mode,
                                    on_backward_done, grad_enabled, None)
         return pad.cut(y, x_shape)
     weight_lp = None
@@ -417,7 +424,7 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
             columnwise=operand_usages(backward_mode, grad_enabled and x.requires_grad,
                                       False).weight[1],
             dtype=amp)
-    return _QuantizedLinear.apply(x, weight, bias, quantizers, backward_mode, on_backward_done,
+    return EagerLinearFunction.apply(x, weight, bias, quantizers, backward_mode, on_backward_done,
                                   grad_enabled, weight_lp)
 
 

@@ -32,9 +32,9 @@ from typing import Callable
 
 import torch
 
-from ..formats.base import QuantizedTensor, Quantizer
-from ..gemm.dispatch import gemm
-from ..memory.checkpointing import register_thread_setting
+from ..formats import QuantizedTensor, Quantizer
+from ..gemm import gemm
+from ..memory import register_thread_setting
 
 #: Below this size of one quantized copy of dY (bytes) the backward never slices: the
 #: memory is small and every extra launch costs host time.

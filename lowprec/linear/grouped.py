@@ -46,13 +46,13 @@ from typing import Sequence
 
 import torch
 
-from ..formats.base import QuantizedTensor
-from ..formats.block.experts import Float8BlockExperts
-from ..formats.float8.experts import Float8Experts
-from ..formats.nvfp4.experts import NVFP4Experts
+from ..formats import QuantizedTensor
+from ..formats.block import Float8BlockExperts
+from ..formats.float8 import Float8Experts
+from ..formats.nvfp4 import NVFP4Experts
 from ..gemm import block_grouped, grouped_mm
 from ..kernels.moe_route import group_sizes_ok
-from ..recipe.recipes import BackwardMode
+from ..recipe import BackwardMode
 from . import grouped_block_fp8, grouped_current, grouped_exact, grouped_nvfp4
 from .function import LinearQuantizers, quantized_linear
 from .grouped_parts import group_ids, hooked, host_sizes, stacked
@@ -120,7 +120,7 @@ def _alignment(qs: list, n: int, k: int) -> int:
     return grouped_exact.row_align(exact) if exact is not None else 1
 
 
-class _GroupedPlain(torch.autograd.Function):
+class GroupedPlainFunction(torch.autograd.Function):
     """High precision, one ``torch._grouped_mm`` per direction."""
 
     @staticmethod
@@ -189,7 +189,7 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     n = weight.shape[1] if weights is None else weights[0].shape[0]
     w_args = weights if weights is not None else (weight,)
     if kind == "plain":
-        y = _GroupedPlain.apply(x2d.contiguous(), stacked(w_args), sizes)
+        y = GroupedPlainFunction.apply(x2d.contiguous(), stacked(w_args), sizes)
     elif kind in _BLOCK_PATHS:
         fn, align = _BLOCK_PATHS[kind]
         y = fn.apply(x2d.contiguous(), sizes, picked, torch.is_grad_enabled(),
@@ -278,12 +278,12 @@ def _quantized_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
         y = fn.apply(x2d.contiguous(), sizes, route[1], torch.is_grad_enabled(),
                      group_alignment % align == 0, weight)
         return y.reshape(*x.shape[:-1], n)
-    experts = _ExpertWeights.apply(weight, torch.is_grad_enabled())
+    experts = ExpertWeightsFunction.apply(weight, torch.is_grad_enabled())
     return _per_group(x, x2d, list(experts), group_sizes, bias, qs, backward_mode,
                       on_backward_done, group_alignment)
 
 
-class _ExpertWeights(torch.autograd.Function):
+class ExpertWeightsFunction(torch.autograd.Function):
     """Each expert's (N, K) weight of quantized experts, as its own quantize makes it; the
     backward stacks their gradients into the (E, N, K) one."""
 

@@ -19,9 +19,8 @@ from typing import Sequence
 
 import torch
 
-from ..formats.block.quantizer import Float8BlockQuantizer
-from ..gemm import block_grouped
-from ..gemm.cublas_fp8 import block_scales_fit
+from ..formats.block import Float8BlockQuantizer
+from ..gemm import block_grouped, block_scales_fit
 from .function import LinearQuantizers
 from .grouped_blocks import blocks_backward, blocks_forward, slot_quantizers
 from .grouped_exact import ExactGemms

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from ..formats.block.experts import Float8BlockExperts
+from ..formats.block import Float8BlockExperts
 from . import weight_cache
 from .function import _caching_weights, _keep_only, quantize_operand
 from .grouped_parts import hooked, layout, padded_input, padded_like, stacked, weight_grads

@@ -23,12 +23,9 @@ from typing import Sequence
 
 import torch
 
+from ..formats.float8 import Float8CurrentScalingQuantizer, Float8Experts, Float8Tensor
 from ..formats.float8 import grouped as fp8_grouped_quantize
-from ..formats.float8.experts import Float8Experts
-from ..formats.float8.quantizer import Float8CurrentScalingQuantizer
-from ..formats.float8.tensor import Float8Tensor
-from ..gemm import fp8_grouped, grouped_mm
-from ..gemm.dispatch import gemm
+from ..gemm import fp8_grouped, gemm, grouped_mm
 from ..kernels.transpose import transpose_contiguous
 from . import weight_cache
 from .function import LinearQuantizers, _caching_weights

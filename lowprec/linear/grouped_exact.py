@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from ..formats.base import QuantizedTensor
+from ..formats import QuantizedTensor
 from ..gemm import grouped_mm
 from .function import LinearQuantizers
 from .grouped_blocks import blocks_backward, blocks_forward, slot_quantizers

@@ -28,13 +28,9 @@ from typing import Sequence
 
 import torch
 
-from ..formats.nvfp4 import NVFP4Quantizer
-from ..formats.nvfp4.compiled import draw_keys
-from ..formats.nvfp4.draws import draw_key
-from ..formats.nvfp4.experts import NVFP4Experts
-from ..formats.nvfp4.grouped import group_scales, grouped_exact
-from ..gemm import fp8_grouped, grouped_mm
-from ..gemm.kernels import gemm_alpha_torch
+from ..formats import NVFP4Quantizer
+from ..formats.nvfp4 import NVFP4Experts, draw_key, draw_keys, group_scales, grouped_exact
+from ..gemm import fp8_grouped, gemm_alpha_torch, grouped_mm
 from . import weight_cache
 from .function import _caching_weights
 from .grouped_parts import hooked, layout, padded_input, padded_like, stacked, weight_grads

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..formats.base import QuantizedTensor
+from ..formats import QuantizedTensor
 from .plan import feature_multiples, row_padding
 
 

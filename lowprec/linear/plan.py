@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from ..formats.base import QuantizedTensor, Quantizer
-from ..recipe.recipes import BackwardMode, operand_usages
+from ..formats import QuantizedTensor, Quantizer
+from ..recipe import BackwardMode, operand_usages
 from . import exact_split, grad_split
 
 #: The usages a GEMM consumes right after the quantize (see ``function.quantize_operand``):

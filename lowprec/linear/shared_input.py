@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats.base import QuantizedTensor, Quantizer
-from ..memory.checkpointing import replaying_frame
-from ..recipe.autocast import active_region
+from ..formats import QuantizedTensor, Quantizer
+from ..memory import replaying_frame
+from ..recipe import active_region
 
 
 @dataclass

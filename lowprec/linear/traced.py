@@ -38,8 +38,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..formats.base import QuantizedTensor
-from ..formats.graph import (
+from ..formats import (
     Blocks,
     Exact,
     Fp8,
@@ -47,18 +46,22 @@ from ..formats.graph import (
     Kind,
     Plain,
     PlainOperand,
+    QuantizedTensor,
     as_output,
     decode_scale,
     scale_in_use,
 )
-from ..gemm.cublas_fp8 import block_scales_fit, fusable_bias
-from ..gemm.exact_bf16 import exact_product
+from ..gemm import block_scales_fit, exact_product, fusable_bias
 from ..kernels import traced_op
-from ..memory.checkpointing import register_thread_setting
-from ..recipe.autocast import torch_autocast_dtype
-from ..recipe.recipes import BackwardMode
-from ..recipe.roles import QuantizerRole
-from ..recipe.state import push_amaxes, stateful, stateless_quantizers
+from ..memory import register_thread_setting
+from ..recipe import (
+    BackwardMode,
+    QuantizerRole,
+    push_amaxes,
+    stateful,
+    stateless_quantizers,
+    torch_autocast_dtype,
+)
 from . import exact_split, grad_split, shared_input
 from . import traced_steps as steps
 from .padding import NONE as NO_PADDING

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.graph import as_output
+from ..formats import as_output
 from ..kernels import graph_op
 
 

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from ..formats.base import Quantizer
+from ..formats import Quantizer
 
 #: id(weight) -> (weak reference to the weight, (version, data_ptr, cast dtype), quantizer,
 #: columnwise, quantized copy); an entry goes when its weight is freed. (Keyed by id: a

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.base import QuantizedTensor
+from ..formats import QuantizedTensor
 
 #: Attribute on a saved tensor that must not be offloaded (a weight's working copy).
 _KEEP_ATTR = "_lowprec_keep_on_device"

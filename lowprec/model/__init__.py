@@ -6,3 +6,6 @@ from .convert import convert_model
 
 __all__ = ["convert_model", "attach_recipe", "attached_recipe", "detach_recipe",
            "init_scaling_state"]
+
+# The rest of lowprec enters the package here (internal names, not in __all__).
+from .convert import recipe_rejection

@@ -21,8 +21,8 @@ import threading
 
 from torch import nn
 
+from ..recipe import Recipe
 from ..recipe import autocast as _autocast
-from ..recipe.recipes import Recipe
 
 
 class _Tokens(threading.local):
@@ -119,7 +119,7 @@ def init_scaling_state(model: nn.Module, recipe: Recipe) -> nn.Module:
     place (a module without state has an empty one). Other recipes hold no state."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a lowprec recipe, got {type(recipe).__name__}")
-    from ..modules.base import LowprecModule  # the modules import this package's autocast
+    from ..modules import LowprecModule  # the modules import this package's autocast
     for mod in model.modules():
         if isinstance(mod, LowprecModule):
             mod.init_scaling_state(recipe)

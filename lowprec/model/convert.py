@@ -37,19 +37,19 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..formats.base import QuantizedTensor
-from ..linear.function import LinearQuantizers
-from ..linear.padding import feature_padding
-from ..modules import GroupedExperts, LayerNormLinear, Linear
+from ..formats import QuantizedTensor
+from ..linear import LinearQuantizers, feature_padding
+from ..modules import (
+    GroupedExperts,
+    LayerNormLinear,
+    Linear,
+    LowprecModule,
+    TorchtitanGroupedExperts,
+    apply_norm,
+)
 from ..modules import LayerNorm as LPLayerNorm
 from ..modules import RMSNorm as LPRMSNorm
-from ..modules.base import LowprecModule
-from ..modules.experts import TorchtitanGroupedExperts
-from ..modules.norms import apply_norm
-from ..recipe.autocast import quantized_model_init
-from ..recipe.recipes import Recipe
-from ..recipe.roles import gemm_roles
-from ..recipe.state import RecipeState
+from ..recipe import Recipe, RecipeState, gemm_roles, quantized_model_init
 from .attach import attach_recipe
 
 __all__ = ["convert_model"]
@@ -268,11 +268,11 @@ def _linear_rejection(mod: nn.Linear, fqn: str, recipe, module_filter_fn) -> str
     if mod.bias is not None and mod.bias.dtype != w.dtype:
         return f"bias dtype {mod.bias.dtype} differs from the weight's {w.dtype}"
     if recipe is not None:
-        return _recipe_rejection(recipe, fqn, mod.out_features, mod.in_features)
+        return recipe_rejection(recipe, fqn, mod.out_features, mod.in_features)
     return None
 
 
-def _recipe_rejection(recipe: Recipe, fqn: str, out_f: int, in_f: int) -> str | None:
+def recipe_rejection(recipe: Recipe, fqn: str, out_f: int, in_f: int) -> str | None:
     """Why ``recipe``'s quantizers cannot handle a (out_f x in_f) Linear, or None. Feature
     dimensions that are not whole blocks are padded by the linear (``feature_padding``)."""
     states = {}

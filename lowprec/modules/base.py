@@ -11,9 +11,9 @@ import functools
 import torch
 from torch import nn
 
-from ..compile.call import CompiledCallMixin
-from ..formats.base import QuantizedTensor, keep_quantized, user_attributes
-from ..recipe.state import RecipeState
+from ..compile import CompiledCallMixin
+from ..formats import QuantizedTensor, keep_quantized, user_attributes
+from ..recipe import RecipeState
 from .extra_state import ExtraStateMixin, ScalingStateDict
 from .params import init_linear_params
 from .quantized_weights import QuantizedWeightsMixin

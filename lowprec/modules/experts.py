@@ -19,12 +19,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..compile.call import compiled_as_one_op
+from ..compile import compiled_as_one_op
 from ..kernels.moe_route import route
 from ..kernels.swiglu import swiglu
 from ..kernels.token_sum import gated_rows_grad, gated_runs, token_sum
-from ..linear.grouped import group_alignment_for, grouped_linear
-from ..recipe.autocast import init_recipe
+from ..linear import group_alignment_for, grouped_linear
+from ..recipe import init_recipe
 from .base import LowprecModule
 
 

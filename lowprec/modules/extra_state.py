@@ -30,7 +30,7 @@ import json
 
 import torch
 
-from ..formats.base import QuantizedTensor
+from ..formats import QuantizedTensor
 
 _MAGIC = 0x6C6F7770  # "lowp"
 _VERSION = 1

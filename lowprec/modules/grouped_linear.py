@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..compile.call import compiled_as_one_op
-from ..linear.grouped import grouped_linear
+from ..compile import compiled_as_one_op
+from ..linear import grouped_linear
 from .base import LowprecModule
 from .params import add_linear_params, check_parallel_args
 

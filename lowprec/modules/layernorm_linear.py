@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..compile.call import compiled_as_one_op
-from ..fused.graph import graph_norm, producer_kernel
-from ..linear import traced
-from ..linear.function import quantized_linear
-from ..recipe.autocast import torch_autocast_dtype
+from ..compile import compiled_as_one_op
+from ..fused import graph_norm, producer_kernel
+from ..linear import quantized_linear, traced
+from ..recipe import torch_autocast_dtype
 from . import tensor_parallel as tpar
 from .base import LowprecModule
 from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params

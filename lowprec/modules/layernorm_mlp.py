@@ -6,11 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import fused
-from ..compile.call import compiled_as_one_op
-from ..fused.graph import graph_activation, graph_norm, producer_kernel
-from ..linear import traced
-from ..linear.function import quantized_linear
-from ..recipe.autocast import torch_autocast_dtype
+from ..compile import compiled_as_one_op
+from ..fused import graph_activation, graph_norm, producer_kernel
+from ..linear import quantized_linear, traced
+from ..recipe import torch_autocast_dtype
 from . import tensor_parallel as tpar
 from .activations import get_activation
 from .base import LowprecModule

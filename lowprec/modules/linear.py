@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..compile.call import compiled_as_one_op
-from ..linear import traced
-from ..linear.function import quantized_linear
-from ..memory.checkpointing import current_frame
-from ..recipe.autocast import active_region, torch_autocast_dtype
+from ..compile import compiled_as_one_op
+from ..linear import quantized_linear, traced
+from ..memory import current_frame
+from ..recipe import active_region, torch_autocast_dtype
 from . import tensor_parallel as tpar
 from .base import LowprecModule
 from .params import add_linear_params

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from .. import fused
-from ..fused.norm_math import norm_backward, norm_fp32, norm_gamma
-from ..recipe.autocast import torch_autocast_dtype, torch_autocast_off
+from ..fused import norm_backward, norm_fp32, norm_gamma
+from ..recipe import torch_autocast_dtype, torch_autocast_off
 from .params import producer_usages
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..formats.base import QuantizedTensor
-from ..recipe.recipes import BackwardMode, operand_usages
+from ..formats import QuantizedTensor
+from ..recipe import BackwardMode, operand_usages
 
 PARALLEL_MODES = (None, "column", "row")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor
-from ..recipe.autocast import init_recipe
+from ..formats import REQUANTIZE_ATTR, QuantizedTensor
+from ..recipe import init_recipe
 from . import extra_state
 
 

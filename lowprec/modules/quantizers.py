@@ -11,11 +11,10 @@ import warnings
 import torch
 from torch import nn
 
-from ..formats.base import QuantizedTensor
-from ..linear.function import LinearQuantizers
-from ..memory.checkpointing import current_frame
-from ..recipe.autocast import active_region, torch_autocast_dtype
-from ..recipe.state import stateful, stateless_quantizers
+from ..formats import QuantizedTensor
+from ..linear import LinearQuantizers
+from ..memory import current_frame
+from ..recipe import active_region, stateful, stateless_quantizers, torch_autocast_dtype
 
 
 class CallQuantizersMixin:

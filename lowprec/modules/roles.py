@@ -4,7 +4,7 @@ from construction and from each change of the attributes they are built from."""
 
 from __future__ import annotations
 
-from ..recipe.roles import check_num_quantizers, gemm_roles
+from ..recipe import check_num_quantizers, gemm_roles
 
 #: Attributes the roles are built from (``get_quantizer_roles``)
 _ROLE_ATTRS = frozenset({"name", "output_quantizer_role", "grad_input_quantizer_role"})

@@ -9,16 +9,15 @@ import weakref
 
 import torch
 
-from ..compile.call import HANDLE_ATTR
-from ..memory.checkpointing import (
+from ..compile import HANDLE_ATTR
+from ..memory import (
     check_not_recomputing,
     current_frame,
     record,
     replay_states,
     replayed,
 )
-from ..recipe.autocast import active_region, register_delayed_state
-from ..recipe.state import RecipeState, stateful
+from ..recipe import RecipeState, active_region, register_delayed_state, stateful
 
 
 def _holds(state: RecipeState | None, recipe) -> bool:

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import tp_comm
-from ..linear.function import quantized_linear
-from ..recipe.recipes import BackwardMode
+from ..linear import quantized_linear
+from ..recipe import BackwardMode
 from .norms import apply_norm
 from .params import producer_usages, release_fprop_copy
 from .params import tp_group_size as check_parallel_args  # noqa: F401 (the modules call it here)

@@ -32,9 +32,9 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from ..compile.call import CompiledCallMixin, compiled_as_one_op
-from ..formats.base import QuantizedTensor, Quantizer, rows_fit
-from ..recipe.roles import check_num_quantizers
+from ..compile import CompiledCallMixin, compiled_as_one_op
+from ..formats import QuantizedTensor, Quantizer, rows_fit
+from ..recipe import check_num_quantizers
 
 
 # ---- quantized hand-over --------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..formats.base import REQUANTIZE_ATTR, QuantizedTensor
+from ..formats import REQUANTIZE_ATTR, QuantizedTensor
 from . import fp8_state, launch
 from .rounding import round_to_bf16_stochastic, stream_base, stream_key
 

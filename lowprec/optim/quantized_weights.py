@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.base import QuantizedTensor
+from ..formats import QuantizedTensor
 
 
 class QuantizedWeightOptimizer:
@@ -18,7 +18,7 @@ class QuantizedWeightOptimizer:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer_cls, **optimizer_kwargs) -> None:
-        from ..modules.base import LowprecModule
+        from ..modules import LowprecModule
 
         self._links = []  # (module, gemm index, quantized parameter, fp32 master)
         plain, seen = [], set()

@@ -115,7 +115,7 @@ def _check_field_types(recipe: "Recipe") -> None:
     the int 1."""
     # the same checks as the quantizers' options; imported here so that recipes stay
     # importable without the formats loaded first
-    from ..formats.base import check_bool_option, check_int_option
+    from ..formats import check_bool_option, check_int_option
 
     checks = {"bool": check_bool_option, "int": check_int_option}
     for f in dataclasses.fields(recipe):
@@ -329,7 +329,7 @@ class CustomRecipe(Recipe):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from ..formats.base import Quantizer  # recipes stay importable without formats loaded first
+        from ..formats import Quantizer  # recipes stay importable without formats loaded first
 
         if isinstance(self.qfactory, Quantizer):
             raise TypeError(f"CustomRecipe got a quantizer ({type(self.qfactory).__name__}) "

@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..formats import (
+    FP8_MAX,
+    FP32_MAX,
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
@@ -21,7 +23,6 @@ from ..formats import (
     NVFP4Quantizer,
     Quantizer,
 )
-from ..formats.casting import FP8_MAX, FP32_MAX
 from ..kernels import use_kernels
 from .recipes import (
     CustomRecipe,
@@ -124,7 +125,7 @@ def push_amaxes(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.
     if use_kernels(scale) and _kernel_update_fits(history, algo):
         if current is not amax_current:
             amax_current.copy_(current)
-        from ..formats.float8.launch import fp8_delayed_update
+        from ..formats.float8 import fp8_delayed_update
         fp8_delayed_update(history, amax_current, scale, fp8_max, _inv_margin(margin),
                            algo == "most_recent")
         return
@@ -149,7 +150,7 @@ def push_amaxes(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.
 
 def _kernel_update_fits(history: torch.Tensor, algo) -> bool:
     """Whether the update kernel computes ``algo`` on ``history``."""
-    from ..formats.float8.launch import UPDATE_MAX_HISTORY
+    from ..formats.float8 import UPDATE_MAX_HISTORY
     return (algo in ("max", "most_recent") and history.shape[0] <= UPDATE_MAX_HISTORY
             and history.is_contiguous())
 

@@ -80,7 +80,7 @@ def update_states(states, group=None) -> None:
         if len(members) == 1:
             members[0].update()
             continue
-        from ..formats.float8.launch import fp8_delayed_update_many
+        from ..formats.float8 import fp8_delayed_update_many
         fp8_delayed_update_many(_table(members, device), h,
                                 max(s.scale.numel() for s in members), inv_margin,
                                 algo == "most_recent")

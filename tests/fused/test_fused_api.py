@@ -36,11 +36,11 @@ def test_gated_prologue_needs_even_width():
 
 
 def test_unfused_context_restores_the_switch():
-    assert fused.enabled
+    assert fused.switch.enabled
     with fused.unfused():
-        assert not fused.enabled
+        assert not fused.switch.enabled
         assert not fused.can_fuse(Float8CurrentScalingQuantizer(), torch.randn(2, 2), "default")
-    assert fused.enabled
+    assert fused.switch.enabled
 
 
 def test_cpu_modules_unchanged_under_autocast():

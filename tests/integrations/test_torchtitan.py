@@ -343,7 +343,7 @@ def test_spmd_typechecking(one_rank):
     from spmd_types.types import SpmdTypeError
     from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 
-    from lowprec.linear.function import _QuantizedLinear
+    from lowprec.linear.function import EagerLinearFunction
     assert set(integration.modules.LOCAL_AUTOGRAD_FUNCTIONS) <= _LOCAL_AUTOGRAD_FUNCTIONS
     cfg = job_config("--lowprec.recipe", "fp8_current")
     mc = model_config(cfg)
@@ -361,12 +361,12 @@ def test_spmd_typechecking(one_rank):
             inputs, _, _ = annotate_input_spmd_types(dims, *batch(0), {})
             return model(inputs)
     assert torch.isfinite(forward()).all()
-    _LOCAL_AUTOGRAD_FUNCTIONS.discard(_QuantizedLinear)
+    _LOCAL_AUTOGRAD_FUNCTIONS.discard(EagerLinearFunction)
     try:
-        with pytest.raises(SpmdTypeError, match="_QuantizedLinear"):
+        with pytest.raises(SpmdTypeError, match="EagerLinearFunction"):
             forward()
     finally:
-        _LOCAL_AUTOGRAD_FUNCTIONS.add(_QuantizedLinear)
+        _LOCAL_AUTOGRAD_FUNCTIONS.add(EagerLinearFunction)
 
 
 def _fsdp_worker(rank, world, recipe, extra, out_dir):

@@ -18,3 +18,6 @@ from .reference import BLOCK
 from .tensor import Float8BlockwiseTensor
 
 __all__ = ["Float8BlockQuantizer", "Float8BlockwiseTensor", "BLOCK"]
+
+# The rest of lowprec enters the package here (internal names, not in __all__).
+from .experts import Float8BlockExperts

@@ -14,3 +14,7 @@ from .quantizer import MXFP8Quantizer
 from .tensor import MXFP8Tensor
 
 __all__ = ["MXFP8Quantizer", "MXFP8Tensor"]
+
+# The rest of lowprec enters the package here (internal names, not in __all__).
+from .dequantize import MX_DEQUANT_CONFIG, mxfp8_dequantize_bf16, mxfp8_dequantize_bf16_torch
+from .reference import BLOCK, block_exponents

@@ -18,7 +18,7 @@ from torchtitan.models.common.moe import GroupedExperts as TitanGroupedExperts
 from torchtitan.tools.logging import logger
 
 import lowprec
-from lowprec.model.convert import _recipe_rejection
+from lowprec.model import recipe_rejection
 
 from .modules import LowprecGroupedExperts, LowprecLinear
 
@@ -97,7 +97,7 @@ class LowprecConverter(QuantizationConverter):
                     continue
                 reason = self._rejection(fqn)
                 if reason is None and linear:
-                    reason = _recipe_rejection(self.recipe, fqn, cfg.out_features,
+                    reason = recipe_rejection(self.recipe, fqn, cfg.out_features,
                                                cfg.in_features)
                 if reason is not None:
                     self.skipped[fqn] = reason

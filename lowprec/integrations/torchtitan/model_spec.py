@@ -13,11 +13,13 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import logger
 
 import lowprec
-from lowprec.distributed import precompute_gather_statistics, quantized_all_gather
-from lowprec.distributed.gather_codec import derives_columnwise
-from lowprec.linear.traced import reads_recipe_weights
-from lowprec.recipe.recipes import BackwardMode
-from lowprec.recipe.state import RecipeState, stateful
+from lowprec.distributed import (
+    derives_columnwise,
+    precompute_gather_statistics,
+    quantized_all_gather,
+)
+from lowprec.linear import reads_recipe_weights
+from lowprec.recipe import BackwardMode, RecipeState, stateful
 
 from .converter import LowprecConverter
 from .modules import LowprecGroupedExperts

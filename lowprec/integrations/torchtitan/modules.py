@@ -31,24 +31,26 @@ from torchtitan.models.common.moe import GroupedExperts as TitanGroupedExperts
 from torchtitan.protocols.module import Module
 
 import lowprec
-from lowprec.compile.call import _StandIn
-from lowprec.formats.quantized_tensor import _Dequantize as _DequantizeTensor
-from lowprec.linear.function import _QuantizedLinear
-from lowprec.linear.grouped import _ExpertWeights, _GroupedPlain
-from lowprec.linear.grouped_block_fp8 import GroupedBlockFP8
-from lowprec.linear.grouped_current import GroupedCurrent
-from lowprec.linear.grouped_exact import GroupedExact
-from lowprec.linear.grouped_nvfp4 import GroupedNVFP4
-from lowprec.linear.traced import TracedLinear
-from lowprec.modules.base import LowprecModule
-from lowprec.modules.experts import TorchtitanGroupedExperts
+from lowprec.compile import ExpertsStandIn
+from lowprec.formats import DequantizeFunction
+from lowprec.linear import (
+    EagerLinearFunction,
+    ExpertWeightsFunction,
+    GroupedBlockFP8,
+    GroupedCurrent,
+    GroupedExact,
+    GroupedNVFP4,
+    GroupedPlainFunction,
+    TracedLinear,
+)
+from lowprec.modules import LowprecModule, TorchtitanGroupedExperts
 
 __all__ = ["LowprecGroupedExperts", "LowprecLinear", "LOCAL_AUTOGRAD_FUNCTIONS"]
 
 #: the autograd functions a converted Linear or experts module runs (eager and compiled)
-LOCAL_AUTOGRAD_FUNCTIONS = (_QuantizedLinear, TracedLinear, _StandIn, _DequantizeTensor,
-                            _GroupedPlain, _ExpertWeights, GroupedCurrent, GroupedBlockFP8,
-                            GroupedExact, GroupedNVFP4)
+LOCAL_AUTOGRAD_FUNCTIONS = (EagerLinearFunction, TracedLinear, ExpertsStandIn, DequantizeFunction,
+                            GroupedPlainFunction, ExpertWeightsFunction, GroupedCurrent,
+                            GroupedBlockFP8, GroupedExact, GroupedNVFP4)
 for _fn in LOCAL_AUTOGRAD_FUNCTIONS:
     spmd.register_local_autograd_function(_fn)
 

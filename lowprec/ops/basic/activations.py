@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...modules.activations import get_activation
+from ...modules import get_activation
 from ..base import BasicOperation, RunContext, as_plain
 from ..fused.activation_bias_backward import bias_activation
 

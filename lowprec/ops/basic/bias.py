@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...recipe.autocast import torch_autocast_dtype
+from ...recipe import torch_autocast_dtype
 from ..base import BasicOperation, RunContext, as_plain, emit_output
 
 

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ...formats.base import QuantizedTensor
-from ...linear.function import quantized_linear
-from ...modules.base import LowprecModule
-from ...modules.params import add_linear_params, check_parallel_args
-from ...recipe.autocast import torch_autocast_dtype
-from ...recipe.recipes import BackwardMode, operand_usages
+from ...formats import QuantizedTensor
+from ...linear import quantized_linear
+from ...modules import LowprecModule, add_linear_params, check_parallel_args
+from ...recipe import BackwardMode, operand_usages, torch_autocast_dtype
 from ..base import BasicOperation, EmitSpec, RunContext
 from .bias import bias_forward
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ...modules.base import LowprecModule
-from ...recipe.recipes import BackwardMode
-from ...recipe.roles import QuantizerRole, check_num_quantizers
+from ...modules import LowprecModule
+from ...recipe import BackwardMode, QuantizerRole, check_num_quantizers
 from ..base import BasicOperation, RunContext, as_plain, plain
 
 

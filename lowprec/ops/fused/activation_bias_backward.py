@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...activations import activation_fp32, activation_grad_fp32
-from ...recipe.autocast import torch_autocast_dtype
+from ...recipe import torch_autocast_dtype
 from ..base import EmitSpec, Piece, RunContext, as_plain, plain, register_fusion
 
 
