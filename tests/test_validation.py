@@ -1,6 +1,6 @@
 """Constructor options of every quantizer: flags must be bools and amax_epsilon a real
 number that stays finite in fp32, else a ValueError naming the quantizer, the option and
-the value (the recipes' fields are in ``test_recipe.py``)."""
+the value (the recipes' fields are in ``recipe/test_recipe.py``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Probe of the grouped block-scaled FP8 GEMM kernel (``backends/_block_grouped_kernels.py``):
+"""Probe of the grouped block-scaled FP8 GEMM kernel (``gemm/_block_grouped_kernels.py``):
 bit-identity against cuBLAS's block-scaled ``torch._scaled_mm``
 (one group), and GPU time of tile configs at the MoE layer's shapes against bf16
 ``torch._grouped_mm`` and a per-expert cuBLAS loop. Needs a Hopper GPU."""

@@ -1,7 +1,7 @@
 """Probe of the grouped GEMMs at the MoE layer's shapes, per direction (forward, dgrad,
 wgrad): TFLOP/s of bf16 ``torch._grouped_mm`` against FP8 ``torch._scaled_grouped_mm`` with
 and without fast accumulation (and whether the two give the same bits); with ``--triton``,
-lowprec's grouped FP8 kernel (``backends/_fp8_grouped_kernels.py``): its bits against one
+lowprec's grouped FP8 kernel (``gemm/_fp8_grouped_kernels.py``): its bits against one
 cuBLAS ``torch._scaled_mm`` per group and the TFLOP/s of tile configs; with ``--bf16``, the
 same kernel over bf16 operands (the NVFP4 experts' GEMMs) in each config against bf16
 ``torch._grouped_mm`` in the same run. Needs a Hopper GPU."""

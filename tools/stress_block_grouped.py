@@ -1,4 +1,4 @@
-"""Repeats the grouped block-scaled FP8 GEMM (``backends/block_grouped.py``) of each kernel
+"""Repeats the grouped block-scaled FP8 GEMM (``gemm/block_grouped.py``) of each kernel
 config on the same seeded data many times and counts the runs whose output differs from
 cuBLAS's per-group block-scaled GEMM: a race shows as a run-to-run difference that one
 test run may miss. ``--kernels`` takes names of ``KERNELS`` or configs BN/STAGES/OVERLAP/

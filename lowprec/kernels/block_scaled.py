@@ -14,7 +14,7 @@ scales. Numerics: see ``fp8_cast.py`` and ``e8m0.py``.
 
 With ``DECODE`` (Float8Block only) it also writes each direction's decode scales
 (``1 / scale``, correctly rounded as ``torch.reciprocal``) in the layout cuBLAS reads them
-(``backends/cublas_fp8.py``): for 1-D blocks the transpose of the scales, (K/128, M) rowwise
+(``gemm/cublas_fp8.py``): for 1-D blocks the transpose of the scales, (K/128, M) rowwise
 and (M/128, K) columnwise; for 128x128 blocks the scales' own layout.
 
 With ``EXACT_ROW`` / ``EXACT_COL`` (MXFP8 only) it also writes that direction's exact bf16

@@ -94,11 +94,11 @@ class Tuning:
         #: 128 x 128, its columnwise pass in "col" pieces of R, T. K-fast: grid axis 0 runs
         #: along K.
         self.block_gluon_configs = {"col": (8, 8, 4, 1), "both": (32, 8, 8, 4, 1, 1)}
-        #: The grouped block-scaled FP8 GEMM (``backends/block_grouped.py``) in its Gluon
+        #: The grouped block-scaled FP8 GEMM (``gemm/block_grouped.py``) in its Gluon
         #: kernel where it applies (Hopper, operands TMA can read), else the Triton one.
         #: Configs by (problem, experts averaging at least ``block_grouped_large_rows``
         #: rows): (BN, STAGES, OVERLAP, GROUP_M, warps) of
-        #: ``backends/_block_grouped_gluon.py`` (the row tile is 16 rows a warp), or None
+        #: ``gemm/_block_grouped_gluon.py`` (the row tile is 16 rows a warp), or None
         #: for the Triton kernel. Picked by ``tools/probe_block_grouped.py --gluon`` on an
         #: H100 at the MoE layer's shapes (every config 0 bits off the Triton kernel):
         #: small experts run one warpgroup a program, three programs an SM; large ones the

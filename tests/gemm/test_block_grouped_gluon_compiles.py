@@ -1,4 +1,4 @@
-"""The Gluon kernels of the grouped block-scaled FP8 GEMM (``backends/_block_grouped_gluon.py``)
+"""The Gluon kernels of the grouped block-scaled FP8 GEMM (``gemm/_block_grouped_gluon.py``)
 compiled for a Hopper GPU (sm_90a) without one: Triton's whole pipeline down to ptxas's
 cubin, for every config the tuning table picks and the warp-specialized kernel's, both
 problem shapes (row groups, contraction groups) and both weight scale layouts. A kernel that
