@@ -51,8 +51,14 @@ import torch
 
 from ..formats import QuantizedExperts, QuantizedTensor
 from ..linear import graph_kept
-from ..recipe import autocast as _autocast
-from ..recipe import recipe_from_key
+from ..recipe import (
+    active_region,
+    pop_region,
+    push_region,
+    recipe_from_key,
+    register_delayed_state,
+    torch_autocast_dtype,
+)
 
 HANDLE_ATTR = "_lowprec_handle"
 
@@ -108,7 +114,7 @@ def record_amaxes(amax: torch.Tensor, seen: torch.Tensor, handle: torch.Tensor) 
     torch.maximum(amax[:n], seen, out=amax[:n])
     state = _module_of(handle).__dict__["_recipe_states"]["forward"].delayed
     state.pending = True
-    _autocast.register_delayed_state(state)
+    register_delayed_state(state)
 
 
 @record_amaxes.register_fake
@@ -252,17 +258,17 @@ class _RuntimeRegion:
         self.own = None
 
     def __enter__(self):
-        real = _autocast.active_region()
+        real = active_region()
         if self.recipe is None:
             if real is not None:
-                self.own = _autocast.push_region(None)
+                self.own = push_region(None)
         elif real is None or real.recipe is not self.recipe:
-            self.own = _autocast.push_region(self.recipe)
+            self.own = push_region(self.recipe)
         return self
 
     def __exit__(self, *exc) -> None:
         if self.own is not None:
-            _autocast.pop_region(self.own)
+            pop_region(self.own)
 
 
 # ---- the ops ---------------------------------------------------------------------------------
@@ -444,7 +450,7 @@ def _trace_call(module, args: tuple, kwargs: dict):
                            "checkpoint is not supported: put the checkpoint inside the "
                            "compiled function (a recipe without delayed scaling), or leave "
                            "the checkpointed function eager")
-    region = _autocast.active_region()
+    region = active_region()
     recipe_key = -1
     if region is not None:
         if region.group is not None:
@@ -464,7 +470,7 @@ def _trace_call(module, args: tuple, kwargs: dict):
     grad_enabled = torch.is_grad_enabled()
     needs = [grad_enabled and t.requires_grad and t.is_floating_point()
              for t in tensors + params]
-    amp = _autocast.torch_autocast_dtype(tensors[0])
+    amp = torch_autocast_dtype(tensors[0])
     outs = call_op(getattr(module, HANDLE_ATTR), recipe_key,
                    -1 if amp is None else _DTYPES.index(amp), grad_enabled, needs, layout, ints,
                    tensors, params, out_shapes, out_ndims)

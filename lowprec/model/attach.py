@@ -21,8 +21,7 @@ import threading
 
 from torch import nn
 
-from ..recipe import Recipe
-from ..recipe import autocast as _autocast
+from ..recipe import Recipe, any_region, pop_region, push_region
 
 
 class _Tokens(threading.local):
@@ -44,15 +43,15 @@ class AttachedRecipe:
 
     def enter(self, module, args) -> None:
         token = None
-        if not _autocast.any_region():
-            token = _autocast.push_region(self.recipe, self.amax_reduction_group,
+        if not any_region():
+            token = push_region(self.recipe, self.amax_reduction_group,
                                           cache_weights=self.cache_weights)
         _TOKENS.stack.append(token)
 
     def exit(self, module, args, output) -> None:
         token = _TOKENS.stack.pop()
         if token is not None:
-            _autocast.pop_region(token)
+            pop_region(token)
 
     def __getstate__(self):
         # a process group does not pickle; a copy in another process sets its own

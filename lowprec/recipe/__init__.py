@@ -35,15 +35,18 @@ __all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8
            "RECIPE_ALIASES", "BackwardMode", "OperandUsages", "operand_usages", "QuantizerRole"]
 
 # The rest of lowprec enters the package here (internal names, not in __all__).
-from .autocast import (
+from .recipes import normalize_backward_mode, recipe_from_key
+from .regions import (
     active_region,
+    any_region,
     autocast,
     init_recipe,
+    pop_region,
+    push_region,
     quantized_model_init,
     register_delayed_state,
     torch_autocast_dtype,
     torch_autocast_off,
 )
-from .recipes import normalize_backward_mode, recipe_from_key
 from .roles import check_num_quantizers, gemm_roles
 from .state import RecipeState, push_amaxes, stateful, stateless_quantizers

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import lowprec
-from lowprec import gemm as G
 from lowprec.formats.float8.tensor import Float8Tensor
+from lowprec.gemm import dispatch as G
 
 
 def test_use_backends_keeps_the_direct_calls_with_their_backends():
