@@ -588,12 +588,13 @@ def run_plan(eager: EagerPlan, x: torch.Tensor, weight: torch.Tensor,
     and record into the state of its quantizers ``q``; ``done``: the module's
     end-of-backward callback."""
     plan, pad = eager.plan, eager.padding
-    x_shape = x.shape
-    if pad:
-        x, weight, bias = pad.operands(x, weight, bias)
     state = StateQuantizers(q, done) if plan.delayed else None
+    if not pad:
+        return TracedLinear.apply(x, weight, bias, plan, torch.is_grad_enabled(), state, None)
+    x_shape = x.shape
+    x, weight, bias = pad.operands(x, weight, bias)
     y = TracedLinear.apply(x, weight, bias, plan, torch.is_grad_enabled(), state, None)
-    return pad.cut(y, x_shape) if pad else y
+    return pad.cut(y, x_shape)
 
 
 def reads_recipe_weights(recipe) -> bool:

@@ -88,13 +88,16 @@ class CallQuantizersMixin:
         if active is None:
             return None, "default", None
         recipe, fwd, bwd, callback = active
-        key = (fwd, bwd, self.output_quantizer_role, self.grad_input_quantizer_role)
+        out_role, gi_role = self.output_quantizer_role, self.grad_input_quantizer_role
         kept = self.__dict__.get("_gemm_quantizers_of")
         if kept is None:
             kept = self._gemm_quantizers_of = {}
         cached = kept.get(id(fwd))
-        if cached is not None and all(a is b for a, b in zip(cached[0], key)):
-            return cached[1], recipe.backward_mode, callback
+        if cached is not None:
+            k = cached[0]
+            if k[0] is fwd and k[1] is bwd and k[2] is out_role and k[3] is gi_role:
+                return cached[1], recipe.backward_mode, callback
+        key = (fwd, bwd, out_role, gi_role)
         out = self._linear_quantizers(fwd.quantizers, bwd.quantizers)
         self._check_quantized_weights(recipe, out)
         # Reused while the states are: the quantizers are the states' own objects, and

@@ -39,6 +39,9 @@ class _Settings:
     """A current-scaling quantize's settings as ``launch.PreparedCurrent`` reads them from
     a quantizer; it also holds that quantize's amax words (``launch.kept_amax_words``)."""
 
+    #: set once from the form's frozen fields: never changed (``launch._Prepared``)
+    fixed_settings = True
+
     def __init__(self, fp8_dtype: torch.dtype, pow2: bool, eps: float) -> None:
         self.fp8_dtype, self.force_pow_2_scales, self.amax_epsilon = fp8_dtype, pow2, eps
 
@@ -50,9 +53,8 @@ class _Scaled:
         self.shared_scale, self._decode = scale, None
 
 
-#: (form, kind, shape, dtype, device, rowwise, columnwise) -> an eager call's bound quantize
-_PREPARED: dict = {}
-_MAX_PREPARED = 1024
+#: the bound quantizes a form keeps, one a (kind, usages, shape, dtype), at most
+_MAX_PREPARED = 64
 
 
 @traced_op("fp8_tensorwise")
@@ -193,13 +195,19 @@ class Tensorwise(GraphOperand):
         return self.kernel and not torch.compiler.is_compiling()
 
     def _prepared(self, t: torch.Tensor, row: bool, col: bool, kind=PreparedCurrent):
-        key = (self, kind, t.shape, t.dtype, t.device, row, col)
-        prepared = _PREPARED.get(key)
+        # kept on the form (an eager plan's, made once per kind of call): the key need not
+        # hash the form, and the device is the prepared quantize's own check
+        kept = self.__dict__.get("_kept")
+        if kept is None:
+            kept = {}
+            object.__setattr__(self, "_kept", kept)
+        key = (kind, row, col, t.shape, t.dtype)
+        prepared = kept.get(key)
         if prepared is None:
-            if len(_PREPARED) >= _MAX_PREPARED:
-                _PREPARED.clear()
-            prepared = _PREPARED[key] = kind(_Settings(self.fp8_dtype, self.pow2, self.eps),
-                                             t.shape, t.dtype, t.device, row, col)
+            if len(kept) >= _MAX_PREPARED:
+                kept.clear()
+            prepared = kept[key] = kind(_Settings(self.fp8_dtype, self.pow2, self.eps),
+                                        t.shape, t.dtype, t.device, row, col)
         return prepared
 
     def _quantize(self, t: torch.Tensor, row: bool, col: bool):
@@ -208,11 +216,9 @@ class Tensorwise(GraphOperand):
         bound once per kind of input (``launch.PreparedCurrent``) from its third call on."""
         t = t.contiguous()
         prepared = self._prepared(t, row, col)
-        fields = prepared(t)
-        if fields is not None:
-            record, scale = fields["_decode"], fields["shared_scale"]
-            decode = record[2] if record is not None else None
-            r, c = fields["rowwise_data"], fields["columnwise_data"]
+        got = prepared.codes(t)
+        if got is not None:
+            r, c, scale, decode = got
         else:  # the first calls (they compile and bind), or one the bound launches refuse
             r, c, scales = fp8_current_quantize(
                 t, self.fp8_dtype == torch.float8_e5m2, self.pow2, self.eps, row, col, 0, [],

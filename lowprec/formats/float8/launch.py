@@ -402,6 +402,8 @@ class _Prepared:
         #: the quantizer's settings the launches are bound with (a later change of them
         #: sends calls the usual way)
         self.settings = self._settings()
+        #: settings that cannot change (a traced form's, ``fixed_settings``) go unchecked
+        self.fixed = getattr(quantizer, "fixed_settings", False)
         #: None before the first call, True before the second, then the bound launches
         #: (False: none could be bound)
         self.launches = None
@@ -412,10 +414,12 @@ class _Prepared:
                 getattr(q, "amax_epsilon", 0.0))
 
     def _outputs(self, x: torch.Tensor):
-        """(launches, x as (m, k), rowwise codes, columnwise codes), or None where the bound
-        path does not take ``x`` (see the class docstring)."""
+        """(launches, x (as (m, k) before the launches are bound), rowwise codes, columnwise
+        codes), or None where the bound path does not take ``x`` (see the class
+        docstring)."""
         bound = self.launches
-        if (bound is None or bound is False or self._settings() != self.settings
+        if (bound is None or bound is False
+                or (not self.fixed and self._settings() != self.settings)
                 or x.shape != self.shape
                 or x.dtype != self.dtype or x.device != self.device or not x.is_contiguous()
                 or x.data_ptr() % 16 or self.device.index not in (None, torch.cuda.current_device())
@@ -423,7 +427,8 @@ class _Prepared:
             if bound is None:
                 self.launches = True
             return None
-        x2d = x if x.dim() == 2 else x.view(self.m, self.k)
+        # a bound launch reads x's pointer alone: the (m, k) view only to bind them
+        x2d = x if bound is not True or x.dim() == 2 else x.view(self.m, self.k)
         # the codes in their FP8 dtype: a bound launch reads only the pointer (the launches
         # are bound with byte views, as the usual path makes them: ``_codes``)
         row = x2d.new_empty((self.m, self.k), dtype=self.fp8_dtype) if self.rowwise \
@@ -470,6 +475,17 @@ class PreparedCurrent(_Prepared):
     """Current-scaling quantizes (amax pass and cast) of one kind of input; see ``_Prepared``."""
 
     def __call__(self, x: torch.Tensor) -> dict | None:
+        got = self.codes(x)
+        if got is None:
+            return None
+        row, col, scale, decode = got
+        return _usage_fields(self.fp8_dtype, self.rowwise, self.columnwise, row, col, scale,
+                             QuantizedTensor.derived_record(scale, decode))
+
+    def codes(self, x: torch.Tensor) -> tuple | None:
+        """(rowwise codes, columnwise codes, scale, ``1 / scale``) of ``x``, the codes in
+        the FP8 dtype (``self.empty`` for a usage not asked for), or None as ``__call__``:
+        what a traced form's eager call reads, without a tensor's fields around it."""
         if tuning.one_launch_current:
             return None
         ready = self._outputs(x)
@@ -492,9 +508,7 @@ class PreparedCurrent(_Prepared):
             if not torch.cuda.is_current_stream_capturing():
                 words.zero_()
             raise
-        scale = scales[0:1]
-        return _usage_fields(self.fp8_dtype, self.rowwise, self.columnwise, row, col, scale,
-                             QuantizedTensor.derived_record(scale, scales[DECODE_AT]))
+        return row, col, scales[0:1], scales[DECODE_AT]
 
 
 class PreparedDelayed(_Prepared):
