@@ -38,6 +38,11 @@ class HybridQuantizedTensor(QuantizedTensor):
     def _stored_values(self, usage: str) -> torch.Tensor:
         return self.sub_tensor(usage)._stored_values(usage)
 
+    def form(self) -> str:
+        subs = ", ".join(f"{u}={type(getattr(self, f'{u}_data')).__name__}"
+                         for u in ("rowwise", "columnwise") if self.has_usage(u))
+        return f"HybridQuantizedTensor({subs})"
+
     def __repr__(self, *, tensor_contents=None):
         subs = ", ".join(f"{u}={type(getattr(self, f'{u}_data')).__name__}"
                          for u in ("rowwise", "columnwise") if self.has_usage(u))
@@ -79,6 +84,17 @@ class HybridQuantizer(Quantizer):
 
     def _tensor_class(self):
         return HybridQuantizedTensor
+
+    def tensor_form(self) -> str:
+        return (f"HybridQuantizedTensor(rowwise={self.rowwise_quantizer.tensor_form()}, "
+                f"columnwise={self.columnwise_quantizer.tensor_form()})")
+
+    def makes_form_of(self, t) -> bool:
+        # each half that ``t`` holds must be its direction's quantizer's form
+        return type(t) is HybridQuantizedTensor and all(
+            q.makes_form_of(t.sub_tensor(usage))
+            for usage, q in (("rowwise", self.rowwise_quantizer),
+                             ("columnwise", self.columnwise_quantizer)) if t.has_usage(usage))
 
     def _both(self, method: str, rowwise: bool, columnwise: bool) -> int:
         """lcm of what each direction's quantizer needs (``row_multiple``/``col_multiple``)."""

@@ -168,6 +168,11 @@ class QuantizedTensor(torch.Tensor):
         memo[id(self)] = out
         return out
 
+    def form(self) -> str:
+        """This tensor's form by name (a hybrid's names each half's; see
+        ``Quantizer.tensor_form``)."""
+        return type(self).__name__
+
     def __repr__(self, *, tensor_contents=None):
         meta = ", ".join(f"{k}={v}" for k, v in self.metadata().items())
         return (f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "

@@ -469,6 +469,17 @@ class Quantizer:
     def _tensor_class(self) -> type[QuantizedTensor]:
         raise NotImplementedError
 
+    def tensor_form(self) -> str:
+        """The form of the quantized tensors this quantizer makes, by name (a hybrid's names
+        each direction's)."""
+        return self._tensor_class().__name__
+
+    def makes_form_of(self, t: QuantizedTensor) -> bool:
+        """Whether ``t`` is of the form this quantizer makes: its tensor class (for a hybrid,
+        each direction's that ``t`` holds). A weight quantized in another form would have
+        its GEMMs read a format the recipe never asked for."""
+        return type(t) is self._tensor_class()
+
     def _quantize_2d(self, x2d: torch.Tensor) -> dict[str, torch.Tensor | Any]:
         """Return the tensor fields for an (M, K) input, for the usages that are on."""
         raise NotImplementedError

@@ -121,14 +121,13 @@ class CallQuantizersMixin:
             if not isinstance(w, QuantizedTensor) or q.weight is None:
                 continue
             quantized = True
-            made = q.weight._tensor_class()
-            if type(w) is not made:
+            if not q.weight.makes_form_of(w):
                 raise RuntimeError(
                     f"Recipe mismatch for {type(self).__name__} {self.name!r}: its {name} is a "
-                    f"{type(w).__name__}, but {type(recipe).__name__}'s weight quantizer "
-                    f"({type(q.weight).__name__}) makes {made.__name__}; run it under the recipe "
-                    f"its weights were quantized with, or quantize them under this one "
-                    f"(lowprec.quantized_model_init(recipe=...))")
+                    f"{w.form()}, but {type(recipe).__name__}'s weight quantizer "
+                    f"({type(q.weight).__name__}) makes {q.weight.tensor_form()}; run it under "
+                    f"the recipe its weights were quantized with, or quantize them under this "
+                    f"one (lowprec.quantized_model_init(recipe=...))")
         init = getattr(self, "_init_recipe", None)
         if quantized and init is not None and init is not recipe and init != recipe:
             warnings.warn(

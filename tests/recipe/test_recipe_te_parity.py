@@ -16,7 +16,12 @@ and TE's assertions:
   a forward under ``DelayedScaling(amax_history_len=1)`` warns ``Quantizer is being
   updated, this may affect model behavior``.
 
-All eight cases agree with TE: neither side is wrong, no case needed a change to lowprec.
+* ``test_hybrid_weight_of_other_halves_is_a_recipe_mismatch`` (2 cases, eager and
+  compiled): TE's hybrid quantization tests refuse a hybrid weight whose halves are not
+  the active hybrid recipe's formats. lowprec compared only the tensor type (both
+  ``HybridQuantizedTensor``) and ran it: a lowprec bug, fixed by comparing each half.
+
+The first eight cases agree with TE: neither side is wrong, no case needed a change to lowprec.
 
 lowprec's API differs from TE's in two places these tests touch, by design (neither
 changes what is asserted):
@@ -85,6 +90,30 @@ def test_check_for_weight_tensor_and_recipe_correspondence(model_init_recipe):
     assert "Recipe mismatch for " in str(excinfo.value)
     # the message names the weight's format and the recipe that refused it
     assert weight_type in str(excinfo.value) and "DelayedScaling" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_hybrid_weight_of_other_halves_is_a_recipe_mismatch(compiled):
+    """TE's hybrid quantization refuses a weight quantized under one hybrid recipe in a
+    forward under another whose halves are other formats. lowprec compares each half of a
+    hybrid weight with its direction's quantizer: a weight of FP8 rows and MXFP8 columns
+    under MXFP8-forward/NVFP4-backward raises (the tensor types alone, both
+    ``HybridQuantizedTensor``, would pass), and under its own recipe it runs."""
+    made_under = lowprec.recipe.Recipe.from_name("fp8_row_mxfp8_col")
+    with lowprec.quantized_model_init(recipe=made_under):
+        linear = lowprec.Linear(IN_FEATURES, OUT_FEATURES, params_dtype=torch.bfloat16)
+    x = torch.randn(BATCH, IN_FEATURES, dtype=torch.bfloat16)
+    run = torch.compile(linear, fullgraph=False) if compiled else linear
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the recipe type change's warning
+        with lowprec.autocast(recipe=made_under):
+            run(x)
+        with pytest.raises(RuntimeError, match="Recipe mismatch for") as excinfo:
+            with lowprec.autocast(recipe=lowprec.recipe.Recipe.from_name("mxfp8_fwd_nvfp4_bwd")):
+                run(x)
+    message = str(excinfo.value)
+    assert "rowwise=Float8Tensor, columnwise=MXFP8Tensor" in message
+    assert "rowwise=MXFP8Tensor, columnwise=NVFP4Tensor" in message
 
 
 @pytest.mark.parametrize("target_recipe_class, expected_quantizer_type", [
