@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU test suite in parts, each meant for one 10-minute device call:
-#   bash scripts/run_gpu_tests.sh a       # formats, backends
-#   bash scripts/run_gpu_tests.sh b       # fused, modules, ops and the top-level tests
-#   bash scripts/run_gpu_tests.sh c       # compare, distributed (gloo ranks on the CPU)
+#   bash scripts/run_gpu_tests.sh a       # formats, gemm, kernels, linear
+#   bash scripts/run_gpu_tests.sh b       # recipe, memory, model, compile, fused, modules, ops,
+#                                         # debug, optim and the top-level tests
+#   bash scripts/run_gpu_tests.sh c       # compare, distributed (gloo ranks on the CPU),
+#                                         # integrations
 #   bash scripts/run_gpu_tests.sh slow    # the kernel fuzzers of tests/slow (minutes each)
 # Serially a part runs past 10 minutes on a fresh machine (Triton compiles every kernel
 # variant). With pytest-xdist importable (its wheel and execnet's carried in .whl/ and
@@ -14,9 +16,10 @@ set -u
 PART=${1:?part a, b, c or slow}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 case "$PART" in
-  a) FILES="tests/formats tests/gemm" ;;
-  b) FILES="tests/fused tests/modules tests/ops $(ls tests/test_*.py | tr '\n' ' ')" ;;
-  c) FILES="tests/compare tests/distributed" ;;
+  a) FILES="tests/formats tests/gemm tests/kernels tests/linear" ;;
+  b) FILES="tests/recipe tests/memory tests/model tests/compile tests/fused tests/modules tests/ops
+     tests/debug tests/optim $(ls tests/test_*.py | tr '\n' ' ')" ;;
+  c) FILES="tests/compare tests/distributed tests/integrations" ;;
   slow) FILES="--slow tests/slow" ;;
   *) echo "unknown part '$PART': use a, b, c or slow" >&2; exit 2 ;;
 esac

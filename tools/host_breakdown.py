@@ -53,12 +53,11 @@ TARGETS = [
     ("lowprec.formats.float8.quantizer:_PerTensorFloat8", "quantize_usage_like"),
     ("lowprec.formats.base:QuantizedTensor", "__new__"),
     ("lowprec.recipe.state:DelayedScalingState", "update"),
-    ("lowprec.gemm", "select_backend"),
+    ("lowprec.gemm.dispatch", "select_backend"),
     ("triton.runtime.jit:JITFunction", "run"),
     # every launch, cached or not (lowprec.kernels.launch), under one key per module
     ("lowprec.formats.float8.launch", "launch"),
     ("lowprec.formats.block.launch", "launch"),
-    ("lowprec.formats.mxfp8.launch", "launch"),
     ("lowprec.formats.nvfp4.launch", "launch"),
     ("lowprec.gemm.kernels", "launch"),
     ("lowprec.fused.prologue", "launch"),

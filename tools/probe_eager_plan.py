@@ -161,11 +161,6 @@ def main():
         print(f"{name}: host us bf16 {hb:.0f} eager {he:.0f} ({he / hb:.1f}x) planned {hp:.0f} "
               f"({hp / hb:.1f}x) | GPU ms @{a.big} bf16 {gb:.3f} eager {ge:.3f} planned "
               f"{gp:.3f} | {note}", flush=True)
-        from lowprec.formats.float8 import graph as fp8_graph
-        for key, prep in fp8_graph._PREPARED.items():
-            state = prep.launches
-            print(f"  prepared {type(prep).__name__} {tuple(key[2])} row={key[5]} col={key[6]}:"
-                  f" {'bound' if isinstance(state, tuple) else state}", flush=True)
         if name in a.profile.split(","):
             profile(eager, f"{name} eager")
             if planned:

@@ -26,7 +26,7 @@ def plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 def emulated_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                      out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b.T (+ bias)`` of fp32 operand values rounded once to ``out_dtype``: the fp32
-    GEMM emulation eager runs off CUDA (``backends.emulated_fp32``), every traced plan's."""
+    GEMM emulation eager runs off CUDA (``gemm.emulated_fp32``), every traced plan's."""
     return as_output(plus_bias(a @ b.t(), bias), out_dtype)
 
 

@@ -6,7 +6,7 @@
 * ``factories``: picklable quantizer factories for :class:`CustomRecipe`;
 * ``state``: a module's per-recipe quantizers and scaling state, decided once from the recipe;
 * ``state_batch``: delayed-scaling updates of every module batched once per step;
-* ``autocast``: the ``lowprec.autocast`` / ``quantized_model_init`` regions.
+* ``regions``: the ``lowprec.autocast`` / ``quantized_model_init`` regions.
 
 This is the one place that switches on a recipe's type; the rest of lowprec reads the
 quantizers the state hands out. ``lowprec.recipe.<Name>`` is the public spelling of every

@@ -84,7 +84,7 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_
     amaxes are reduced; it is passed to the state where it is used and never
     stored on a quantizer. Forward amaxes of delayed scaling enter the
     history when the region exits (all of the region's states together, see
-    ``lowprec.state_batch``).
+    ``lowprec.recipe.state_batch``).
     """
     if not isinstance(cache_weights, bool):
         raise TypeError(f"cache_weights must be a bool, got {cache_weights!r}")

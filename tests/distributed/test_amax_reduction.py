@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, reduce_amax: bool, out_dir: str, modules: int
 @pytest.mark.parametrize("reduce_amax", [True, False])
 def test_delayed_scaling_reduces_amax_over_group(tmp_path, reduce_amax, modules):
     """Every module's forward and backward amaxes are reduced; with several modules the
-    forward amaxes go in one all-reduce at the region's exit (``lowprec.state_batch``),
+    forward amaxes go in one all-reduce at the region's exit (``lowprec.recipe.state_batch``),
     the backward ones one module at a time, as each module's backward ends."""
     world = 2
     spawn.run(_worker, world, reduce_amax, str(tmp_path), modules)

@@ -232,7 +232,7 @@ def test_sliced_backward_delayed_amax_history_matches(slicing):
 @pytest.mark.parametrize("rname", ["hybrid"])
 def test_formats_without_slices_keep_the_whole_backward(rname, slicing, monkeypatch):
     # (MXFP8 and NVFP4 slice inside sliced() through lowprec.linear.exact_split:
-    # tests/test_exact_split.py)
+    # tests/linear/test_exact_split.py)
     slicing(True)
     calls = _count_gemms(monkeypatch)
     _step(UNSLICED[rname]())

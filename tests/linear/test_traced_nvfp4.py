@@ -1,4 +1,4 @@
-"""NVFP4 linears under torch.compile (lowprec/linear/traced_nvfp4.py): traced into the graph
+"""NVFP4 linears under torch.compile (lowprec/linear/traced.py): traced into the graph
 (no opaque ``lowprec::call``), forward and gradients eager's bit for bit, stochastic
 rounding included (the compiled step draws dY's keys from torch's generator as eager
 does); shapes eager would pad or slice keep the opaque op."""

@@ -85,7 +85,7 @@ def test_update_kernel_sequence_matches_torch():
         _same(a.amax_history, b.amax_history)
 
 
-# ---- many states in one launch (lowprec.state_batch) ---------------------------------------
+# ---- many states in one launch (lowprec.recipe.state_batch) ---------------------------------
 def _random_states(specs, seed):
     """One random state per (recipe, n) spec, the same for the same seed."""
     gen = torch.Generator().manual_seed(seed)

@@ -674,8 +674,8 @@ def fp8_delayed_update_many(table: torch.Tensor, h: int, max_n: int, inv_margin:
                             most_recent: bool) -> None:
     """``fp8_delayed_update`` of many states in one launch (``delayed_update_many_kernel``):
     ``table`` is the int64 (S, 5) table of their tensors' addresses and column counts (see
-    ``lowprec.state_batch``), all of histories with ``h`` rows. Eager only, not a custom op:
-    a table of addresses means nothing to a tracer."""
+    ``lowprec.recipe.state_batch``), all of histories with ``h`` rows. Eager only, not a
+    custom op: a table of addresses means nothing to a tracer."""
     from .triton_kernels import delayed_update_many_kernel
     bh, bn = _update_tile(h, max_n)
     with device_guard(table.device):

@@ -1,6 +1,6 @@
 """MXFP8 as a compiled linear traces it (``formats.graph``): each direction as the exact
 values its GEMM multiplies. On Hopper eager runs MXFP8 GEMMs as bf16 GEMMs of these
-values (``backends.exact_bf16``), elsewhere in the fp32 emulation.
+values (``gemm.exact_bf16``), elsewhere in the fp32 emulation.
 
 With the kernels (CUDA with Triton) the values are eager's Triton kernel's exact bf16
 values (``mxfp8_exact_inline``, which inductor launches itself), both directions in one

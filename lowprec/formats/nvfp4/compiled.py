@@ -1,4 +1,4 @@
-"""NVFP4 in a traced graph (``lowprec.linear.traced_nvfp4``): each direction's values as
+"""NVFP4 in a traced graph (``lowprec.linear.traced``): each direction's values as
 eager's GEMMs read them, and the stochastic-rounding keys drawn where eager draws them.
 
 * With the kernels (CUDA with Triton) a direction is the exact bf16 ``q * d`` that

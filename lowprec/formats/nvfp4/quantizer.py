@@ -19,7 +19,7 @@ class NVFP4Quantizer(Quantizer):
     """NVFP4: E2M1 values, E4M3 decode scale per 16 elements, fp32 global encode scale.
 
     * ``with_rht``: the columnwise (wgrad) representation is quantized after a
-      16-point random Hadamard transform along M (see :mod:`.rht`); the
+      16-point random Hadamard transform along M (see :mod:`..rht`); the
       rowwise one never is.
     * ``with_2d_quantization``: 16x16 blocks instead of 1x16 (both
       dimensions must then divide by 16 for either usage).
