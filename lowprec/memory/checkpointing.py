@@ -208,7 +208,7 @@ def check_not_recomputing(module, delayed: bool) -> None:
         f"other than torch.utils.checkpoint (whose recomputes lowprec replays exactly"
         f"{'' if _INSTALLED else '; its wrapping is not installed on this torch version'}): "
         f"{why}. Recompute it with torch.utils.checkpoint (or lowprec.checkpoint), or run "
-        f"it under the same lowprec.recipe.regions.")
+        f"it under the same lowprec.autocast.")
 
 
 # ---- the wrapping of torch.utils.checkpoint ---------------------------------------------------
