@@ -38,16 +38,17 @@ class HybridQuantizedTensor(QuantizedTensor):
     def _stored_values(self, usage: str) -> torch.Tensor:
         return self.sub_tensor(usage)._stored_values(usage)
 
-    def form(self) -> str:
-        subs = ", ".join(f"{u}={type(getattr(self, f'{u}_data')).__name__}"
+    def _halves(self) -> str:
+        """Each half this tensor holds, by its type (``rowwise=Float8Tensor, ...``)."""
+        return ", ".join(f"{u}={type(getattr(self, f'{u}_data')).__name__}"
                          for u in ("rowwise", "columnwise") if self.has_usage(u))
-        return f"HybridQuantizedTensor({subs})"
+
+    def form(self) -> str:
+        return f"HybridQuantizedTensor({self._halves()})"
 
     def __repr__(self, *, tensor_contents=None):
-        subs = ", ".join(f"{u}={type(getattr(self, f'{u}_data')).__name__}"
-                         for u in ("rowwise", "columnwise") if self.has_usage(u))
         return (f"HybridQuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"device={self.device}, {subs})")
+                f"device={self.device}, {self._halves()})")
 
 
 class HybridQuantizer(Quantizer):
