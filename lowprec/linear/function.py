@@ -413,7 +413,7 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
         x_shape = x.shape
         x, weight, bias = pad.operands(x, weight, bias)
         y = EagerLinearFunction.apply(x, weight, bias, quantizers, backward_mode,
-                                   on_backward_done, grad_enabled, None)
+                                      on_backward_done, grad_enabled, None)
         return pad.cut(y, x_shape)
     weight_lp = None
     if (quantizers is not None and quantizers.weight is not None
@@ -424,8 +424,8 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
             columnwise=operand_usages(backward_mode, grad_enabled and x.requires_grad,
                                       False).weight[1],
             dtype=amp)
-    return EagerLinearFunction.apply(x, weight, bias, quantizers, backward_mode, on_backward_done,
-                                  grad_enabled, weight_lp)
+    return EagerLinearFunction.apply(x, weight, bias, quantizers, backward_mode,
+                                     on_backward_done, grad_enabled, weight_lp)
 
 
 def _caching_weights() -> bool:

@@ -45,7 +45,7 @@ class AttachedRecipe:
         token = None
         if not any_region():
             token = push_region(self.recipe, self.amax_reduction_group,
-                                          cache_weights=self.cache_weights)
+                                cache_weights=self.cache_weights)
         _TOKENS.stack.append(token)
 
     def exit(self, module, args, output) -> None:

@@ -98,7 +98,7 @@ class LowprecConverter(QuantizationConverter):
                 reason = self._rejection(fqn)
                 if reason is None and linear:
                     reason = recipe_rejection(self.recipe, fqn, cfg.out_features,
-                                               cfg.in_features)
+                                              cfg.in_features)
                 if reason is not None:
                     self.skipped[fqn] = reason
                     continue
