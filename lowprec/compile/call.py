@@ -509,7 +509,8 @@ def _holds_quantized_weight(module) -> bool:
 
 _QUANTIZED_WEIGHT = ("a quantized weight (quantized_model_init, FSDP2's quantized_all_gather) "
                      "that the traced form does not read: only per-tensor FP8 weights under "
-                     "Float8CurrentScaling and 128x128 blocks under Float8BlockScaling trace; "
+                     "Float8CurrentScaling, 128x128 blocks under Float8BlockScaling and "
+                     "NVFP4 16x16 tiles trace; "
                      "the call runs eagerly behind a graph break (fullgraph=True refuses it)")
 
 

@@ -15,11 +15,12 @@ What each format gathers (a shard is a block of whole rows):
 
 * Per-tensor FP8 (current scaling): the rowwise FP8 data, with one scale from the
   all-reduced amax; dgrad's transposed copy is made in backward (one layer at a time).
-* Block FP8 with 128x128 weight blocks, MXFP8 with 32x32 blocks (2-D): the rowwise data
-  and block scales; the columnwise side derives from them.
-* MXFP8 (1x32), NVFP4, block FP8 with 1x128 weight blocks: the rowwise data and scales for
-  forward and, when FSDP reshards after forward, the columnwise ones for backward's own
-  gather (both in forward otherwise). NVFP4's global scale comes from the all-reduced amax.
+* Block FP8 with 128x128 weight blocks, MXFP8 with 32x32 blocks, NVFP4 with 16x16 tiles
+  (2-D): the rowwise data and block scales; the columnwise side derives from them.
+* MXFP8 (1x32), NVFP4 (1x16), block FP8 with 1x128 weight blocks: the rowwise data and
+  scales for forward and, when FSDP reshards after forward, the columnwise ones for
+  backward's own gather (both in forward otherwise).
+* NVFP4's global scale comes from the all-reduced amax.
 * 3-D expert weights (``GroupedExperts``, torchtitan's experts): FP8 codes and one scale an
   expert under FP8 current scaling, each rank quantizing its own whole experts
   (:mod:`.experts_gather`); high precision under other recipes.
@@ -64,6 +65,12 @@ class _GatherPlan:
         if backward:
             return False, True
         return True, not reshard
+
+    def columnwise_in_backward(self, backward: bool, reshard: bool) -> bool:
+        """Whether this phase's gather is rowwise and the backward's brings the columnwise
+        data into the same buffers."""
+        return self.usages(backward, reshard) == (True, False) and self.usages(True, reshard) \
+            == (False, True)
 
 
 class _GatherSpec:
@@ -200,7 +207,8 @@ class QuantizedGatherWeight(GatherWrapper):
         with plan.quantizer.usages(rowwise=rowwise, columnwise=columnwise):
             statistic = self._whole_statistic(plan.quantizer, shard, dtype, group)
             part = plan.quantizer.quantize_part(shard, statistic)
-        return gather_codec.pack(part, rows, padded_rows if plan.padded else None)
+        return gather_codec.pack(part, rows, padded_rows if plan.padded else None,
+                                 plan.columnwise_in_backward(backward, reshard))
 
     def _source(self, dtype) -> torch.Tensor:
         """The values a gather quantizes: a master's own fp32 values, a high-precision

@@ -7,6 +7,11 @@ columnwise ones transposed (they are stored (K, rows)); 1-element per-tensor sca
 same on every rank, the amax having been reduced) travel beside the gather, in FSDP's
 metadata. The gathered columnwise tensors come back as transposed views of the gathered
 rows, without a copy; ``lowprec.linear.function`` makes the contiguous operand a GEMM reads.
+
+Where a phase gathers the rowwise data only and the backward's gather brings the
+columnwise data into the same buffers (FSDP keeps one set of gather outputs a parameter,
+sized by the first gather), the whole tensor says so (``COLUMNWISE_IN_BACKWARD_ATTR``), for
+a compiled backward that reads only what its forward kept.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..formats import QuantizedTensor, Quantizer
+from ..formats import COLUMNWISE_IN_BACKWARD_ATTR, QuantizedTensor, Quantizer
 
 
 @dataclass
@@ -30,13 +35,16 @@ class Packing:
     meta: dict = field(default_factory=dict)
     #: rows of the whole tensor: gathered rows beyond it are the padding of uneven shards
     rows: int = 0
+    #: the backward's gather fills these buffers with the columnwise data, transposed
+    columnwise_in_backward: bool = False
 
 
-def pack(part: QuantizedTensor, rows: int, padded_rows: int | None = None
-         ) -> tuple[tuple[torch.Tensor, ...], Packing]:
+def pack(part: QuantizedTensor, rows: int, padded_rows: int | None = None,
+         columnwise_in_backward: bool = False) -> tuple[tuple[torch.Tensor, ...], Packing]:
     """All-gather inputs of ``part`` (a quantized block of whole rows) and its Packing.
     ``padded_rows``: pad the single input with zero rows up to it (an uneven shard; FSDP
-    wants every rank's input of the padded shard size)."""
+    wants every rank's input of the padded shard size). ``columnwise_in_backward``: ``part``
+    is rowwise and the backward's gather sends the columnwise data in its place."""
     inputs, gathered, per_tensor = [], [], {}
     for name, t in part.inner_tensors().items():
         if t is None:
@@ -54,7 +62,8 @@ def pack(part: QuantizedTensor, rows: int, padded_rows: int | None = None
         short = padded_rows - inputs[0].shape[0]
         if short:
             inputs[0] = torch.cat([inputs[0], inputs[0].new_zeros(short, inputs[0].shape[1])])
-    return tuple(inputs), Packing(type(part), tuple(gathered), per_tensor, part.metadata(), rows)
+    return tuple(inputs), Packing(type(part), tuple(gathered), per_tensor, part.metadata(), rows,
+                                  columnwise_in_backward)
 
 
 def signature(inputs) -> list[tuple[int, torch.dtype]]:
@@ -76,7 +85,10 @@ def _fields(outputs, packing: Packing) -> dict:
 
 def unpack(outputs, packing: Packing, shape, dtype: torch.dtype) -> QuantizedTensor:
     """The whole quantized tensor, its inner tensors views of the gathered ``outputs``."""
-    return packing.cls(shape, dtype, **_fields(outputs, packing), **packing.meta)
+    qt = packing.cls(shape, dtype, **_fields(outputs, packing), **packing.meta)
+    if packing.columnwise_in_backward:
+        setattr(qt, COLUMNWISE_IN_BACKWARD_ATTR, True)
+    return qt
 
 
 def refill(dst: QuantizedTensor, outputs, packing: Packing) -> None:
@@ -89,6 +101,7 @@ def refill(dst: QuantizedTensor, outputs, packing: Packing) -> None:
         setattr(dst, name, None)
     for name, value in _fields(outputs, packing).items():
         setattr(dst, name, value)
+    setattr(dst, COLUMNWISE_IN_BACKWARD_ATTR, packing.columnwise_in_backward)
 
 
 def derives_columnwise(q: Quantizer, m: int, k: int) -> bool:

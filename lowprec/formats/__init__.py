@@ -22,6 +22,7 @@ register_safe_globals(*(globals()[name] for name in __all__
 
 # The rest of lowprec enters the package here (internal names, not in __all__).
 from .base import (
+           COLUMNWISE_IN_BACKWARD_ATTR,
            REQUANTIZE_ATTR,
            USAGES,
            check_bool_option,

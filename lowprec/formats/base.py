@@ -44,6 +44,7 @@ from .quantized_tensor import (
     _CONVERSIONS,
     _HANDLERS,
     _HANDLERS_BY_PACKET,
+    COLUMNWISE_IN_BACKWARD_ATTR,
     REQUANTIZE_ATTR,
     DequantizeFunction,
     QuantizedTensor,
@@ -80,7 +81,8 @@ __all__ = [
     "_CONVERSIONS",
     "keep_quantized", "_flat_tensors", "user_attributes", "_is_parameter",
     "_rebuild_quantized_tensor", "_HANDLERS", "_HANDLERS_BY_PACKET", "_handles", "_detach",
-    "_clone", "_copy", "REQUANTIZE_ATTR", "_requantize_into", "_like_args", "_to_copy",
+    "_clone", "_copy", "REQUANTIZE_ATTR", "COLUMNWISE_IN_BACKWARD_ATTR", "_requantize_into",
+    "_like_args", "_to_copy",
     "_empty_like", "_view_shape", "_view", "_as_strided", "register_safe_globals",
     # quantizer
     "Quantizer", "_row_major_2d",

@@ -144,6 +144,23 @@ def _dequantized_values_fake(data, divisor, dtype):
     return data.new_empty(data.shape, dtype=dtype)
 
 
+@graph_op("transposed_in_backward")
+def transposed_in_backward(t: torch.Tensor, grad: torch.Tensor, rows: int) -> torch.Tensor:
+    """A contiguous copy of the transpose of the contiguous ``t`` read as ``rows`` rows,
+    made in the backward. ``t`` is a buffer the forward kept whose contents the backward's
+    own FSDP2 gather replaces (a quantized weight's columnwise data, which travels
+    transposed, perhaps in another shape of as many elements): read in the forward, it
+    would hold the forward's rowwise data. ``grad`` (the backward's incoming gradient) is
+    read by no one but the compiler's partitioner, for which an op depending on it runs
+    in the backward."""
+    return t.view(rows, -1).t().clone(memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("lowprec::transposed_in_backward")
+def _transposed_in_backward_fake(t, grad, rows):
+    return t.new_empty((t.numel() // rows, rows))
+
+
 class GraphOperand:
     """A quantizer's traced form (see the module docstring). Subclasses, frozen dataclasses
     of the quantizer's settings, implement :meth:`rowwise`, :meth:`columnwise` and
@@ -168,6 +185,11 @@ class GraphOperand:
     eager = False
     #: whether this form's ops run outside a graph (eager's kernels, launched directly)
     launches_eagerly = False
+    #: whether what the forward keeps holds the columnwise data only once the backward has
+    #: begun (a weight that FSDP2 gathers again for the backward, in its other direction:
+    #: ``formats.COLUMNWISE_IN_BACKWARD_ATTR``); its backward reads it through
+    #: :func:`transposed_in_backward`
+    columnwise_in_backward = False
 
     def kind(self, usage: str) -> Kind:
         raise NotImplementedError
@@ -184,7 +206,10 @@ class GraphOperand:
         """What the backward keeps to make :meth:`columnwise` of ``t``."""
         return (t,)
 
-    def saved_columnwise(self, saved: tuple):
+    def saved_columnwise(self, saved: tuple, grad: torch.Tensor | None = None):
+        """:meth:`columnwise` from what the forward kept. ``grad``: the backward's incoming
+        gradient, which a form that must read what it kept only in the backward
+        (``columnwise_in_backward``) hands to :func:`transposed_in_backward`."""
         return self.columnwise(saved[0])
 
     def forward(self, t: torch.Tensor, keep: bool, held: bool = False) -> tuple:
@@ -266,8 +291,8 @@ class HybridOperand(GraphOperand):
     def save_columnwise(self, t):
         return self.col.save_columnwise(t)
 
-    def saved_columnwise(self, saved):
-        return self.col.saved_columnwise(saved)
+    def saved_columnwise(self, saved, grad=None):
+        return self.col.saved_columnwise(saved, grad)
 
     def dequantized(self, rep, dtype, usage="rowwise"):
         return (self.row if usage == "rowwise" else self.col).dequantized(rep, dtype, usage)

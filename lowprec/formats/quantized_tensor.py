@@ -124,13 +124,18 @@ class QuantizedTensor(torch.Tensor):
         return {name: getattr(self, name) for name in self._meta}
 
     def _rebuild(self, fn: Callable[[torch.Tensor], torch.Tensor], *, shape=None,
-                 dtype=None) -> "QuantizedTensor":
+                 dtype=None, alias: bool = False) -> "QuantizedTensor":
+        """The tensor of ``fn`` applied to each inner tensor. ``alias``: the new inner
+        tensors are views of the same storage, of the same shapes (detach, the identity
+        ``as_strided``), so what is promised of that storage holds for them too."""
         inner = {n: (None if t is None else fn(t)) for n, t in self.inner_tensors().items()}
         out = type(self)(self.shape if shape is None else shape,
                          self.dtype if dtype is None else dtype, **inner, **self.metadata())
         quantizer = self.__dict__.get(QUANTIZER_ATTR)
         if quantizer is not None:
             setattr(out, QUANTIZER_ATTR, quantizer)
+        if alias and self.__dict__.get(COLUMNWISE_IN_BACKWARD_ATTR):
+            setattr(out, COLUMNWISE_IN_BACKWARD_ATTR, True)
         return out
 
     def __tensor_flatten__(self):
@@ -504,8 +509,8 @@ def _detach(func, args, kwargs):
         # has none of: the wrapper is made as a normal tensor (state_dict() under
         # inference_mode detaches every parameter).
         with torch.inference_mode(False):
-            return qt._rebuild(lambda t: t.detach())
-    return qt._rebuild(lambda t: t.detach())
+            return qt._rebuild(lambda t: t.detach(), alias=True)
+    return qt._rebuild(lambda t: t.detach(), alias=True)
 
 
 @_handles(aten.clone.default)
@@ -547,6 +552,14 @@ QUANTIZER_ATTR = "_quantizer"
 #: Attribute a quantized *parameter* may carry: ``f(src, dst)`` re-quantizes the high-precision
 #: ``src`` into ``dst`` with its module's weight quantizer (set by the lowprec modules).
 REQUANTIZE_ATTR = "_lowprec_requantize"
+
+#: Attribute (True) of a quantized weight holding only its rowwise data whose columnwise
+#: data the backward brings into the storage of its rowwise inner tensors, each transposed
+#: (FSDP2's quantized all-gather of a format whose columnwise side does not derive: the
+#: backward's gather refills the forward's buffers, ``lowprec.distributed``). A compiled
+#: linear keeps those buffers and reads them in its backward (``formats.graph``). Kept by
+#: aliases of the same storage (``_rebuild(alias=True)``), by nothing else.
+COLUMNWISE_IN_BACKWARD_ATTR = "_lowprec_columnwise_in_backward"
 
 
 def _requantize_into(dst: QuantizedTensor, src: torch.Tensor, op: str = "copy_") -> QuantizedTensor:
@@ -661,7 +674,7 @@ def _as_strided(func, args, kwargs):
             f"{type(qt).__name__} supports as_strided only as the identity (size "
             f"{tuple(qt.shape)}, contiguous stride, offset 0); got size {size}, stride "
             f"{stride}, offset {offset}")
-    return qt._rebuild(lambda t: t)
+    return qt._rebuild(lambda t: t, alias=True)
 
 
 

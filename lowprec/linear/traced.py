@@ -458,7 +458,7 @@ class TracedLinear(torch.autograd.Function):
                                 xc, ctx.w_dtype, None, ops)
                     for a in range(0, dy2d.shape[1], cols)])
         if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
-            wc = plan.w.saved_columnwise(w_keep)
+            wc = plan.w.saved_columnwise(w_keep, dy2d)
             ops = ((plan.dy, "rowwise"), (plan.w, "columnwise"))
             if dy is not None:
                 dx = traced_gemm(plan.routes[1], dy[0], wc, ctx.x_dtype, None, ops)

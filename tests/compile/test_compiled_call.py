@@ -390,8 +390,9 @@ def test_checkpoint_inside_compile(reentrant):
 
 
 def test_quantized_weights_raise_under_compile():
-    """Quantized weights the traced path does not read (MXFP8 here) are refused by name."""
-    recipe = MXFP8BlockScaling()
+    """Quantized weights the traced path does not read (NVFP4 in 1x16 blocks here) are
+    refused by name."""
+    recipe = lowprec.CustomRecipe(qfactory=lambda role: lowprec.NVFP4Quantizer())
     with lowprec.quantized_model_init(recipe=recipe):
         m = lowprec.Linear(D, D, name="l")
     compiled = torch.compile(m, backend="aot_eager", fullgraph=True)

@@ -65,9 +65,10 @@ def _data(step: int, device):
     return x.to(device), t.to(device)
 
 
-def train(model, recipe, steps: int = STEPS, record=None, after_step=None):
+def train(model, recipe, steps: int = STEPS, record=None, after_step=None, input_grads=None):
     """Losses of ``steps`` SGD steps on the same batches; ``record(module)`` is called in
-    each Linear's forward, ``after_step()`` after each optimizer step."""
+    each Linear's forward, ``after_step()`` after each optimizer step. ``input_grads``: a
+    list that gets the gradient of each step's input (which every layer's dgrad makes)."""
     hooks = []
     if record is not None:
         for m in model.modules():
@@ -78,10 +79,13 @@ def train(model, recipe, steps: int = STEPS, record=None, after_step=None):
     losses = []
     for step in range(steps):
         x, target = _data(step, device)
+        x.requires_grad_(input_grads is not None)
         with lowprec.autocast(recipe=recipe):
             y = model(x)
         loss = ((y.float() - target) ** 2).mean()
         loss.backward()
+        if input_grads is not None:
+            input_grads.append(x.grad.cpu())
         opt.step()
         opt.zero_grad(set_to_none=True)
         if after_step is not None:
@@ -157,37 +161,40 @@ def _compiled_worker(rank, world, rname, out_dir):
     quantized_all_gather(model, recipe)
     for layer in model.layers:
         if isinstance(layer, lowprec.Linear):  # compiled, then sharded (torchtitan's order)
-            layer.compile(backend="aot_eager")
+            # on GPUs inductor, whose partitioner chooses what the forward keeps
+            layer.compile(backend="inductor" if spawn.BACKEND == "nccl" else "aot_eager")
         fully_shard(layer)
     fully_shard(model)
     torch._dynamo.utils.counters.clear()
-    losses = train(model, recipe)
+    grads = []
+    losses = train(model, recipe, input_grads=grads)
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     state = full_state(model)
     if rank == 0:
         torch.save({"losses": losses.cpu(), "state": state, "breaks": breaks,
-                    "graphs": frames}, f"{out_dir}/fsdp.pt")
+                    "graphs": frames, "grads": grads}, f"{out_dir}/fsdp.pt")
 
 
 @pytest.mark.parametrize("rname", ["current", "mxfp8", "nvfp4"])
 def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     """Linears compiled one by one before fully_shard, their weights gathered quantized,
-    training matches one eager process bit for bit. Per-tensor FP8: the gathered tensor is
-    read in the graph (no graph break). MXFP8 and NVFP4 (1x32 / 1x16 weights, whose dgrad
-    reads the backward's own gather) have no traced form of a gathered weight yet: the
-    call runs eagerly behind one graph break, and no eager code is compiled as frames of
-    its own (which recompiled per module). (Block FP8 traces from 128 tokens; 64 here.)"""
+    training matches one eager process bit for bit: losses, weights and every step's input
+    gradient (which each Linear's dgrad makes, from weights FSDP re-gathered for the
+    backward). The graphs read the gathered tensors: per-tensor FP8 and NVFP4 (16x16 tiles)
+    their rowwise codes, which dgrad transposes; MXFP8 (1x32 blocks) the columnwise codes
+    that the backward's gather brings into the forward's buffers. No graph break, and one
+    graph serves both Linears (no recompile per module)."""
     spawn.run(_compiled_worker, 2, rname, str(tmp_path))
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
-    if rname == "current":
-        assert got["breaks"] == {}, list(got["breaks"])
-    else:
-        assert all("disable" in reason for reason in got["breaks"]), list(got["breaks"])
-        # one graph a compiled Linear before its eager call (l0, l2), none after
-        assert got["graphs"] <= 2, got["graphs"]
-    losses, state = _single(rname, HIDDEN)
+    assert got["breaks"] == {}, list(got["breaks"])
+    assert got["graphs"] == 1, got["graphs"]
+    model, grads = _model(), []
+    losses = train(model, RECIPES[rname](), input_grads=grads)
+    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     assert torch.equal(got["losses"], losses), (got["losses"], losses)
+    for got_grad, grad in zip(got["grads"], grads, strict=True):  # every layer's dgrad
+        assert torch.equal(got_grad, grad)
     for k in state:
         assert torch.equal(got["state"][k], state[k]), k
 

@@ -349,6 +349,26 @@ def bits(t):
     return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
+@pytest.mark.parametrize("shape", [(64, 64), (48, 80), (33, 47), (16, 17)])
+@pytest.mark.parametrize("usage", ["rowwise", "columnwise"])
+def test_16x16_tiles_derive_the_other_direction_bit_for_bit(shape, usage):
+    """In 16x16 tiles without the transform a direction is the other's codes, tiles and
+    global scale transposed: update_usage derives it as a quantize would make it (odd and
+    partial dimensions included). 1x16 blocks and the transform refuse."""
+    x = make("normal", shape, torch.float32)
+    q = NVFP4Quantizer(with_2d_quantization=True)
+    full = q.quantize(x)
+    other = "columnwise" if usage == "rowwise" else "rowwise"
+    one = q.set_usage(**{usage: True, other: False}).quantize(x)
+    one.update_usage(**{f"{other}_usage": True})
+    for name in full._inner:
+        assert torch.equal(bits(getattr(one, name)), bits(getattr(full, name))), name
+    for refused in (NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True, with_rht=True)):
+        t = refused.set_usage(rowwise=True, columnwise=False).quantize(x)
+        with pytest.raises(RuntimeError, match="derive"):
+            t.update_usage(columnwise_usage=True)
+
+
 def assert_same_tensor(a, b):
     assert type(a) is type(b) and a.shape == b.shape and a.dtype == b.dtype
     assert a.metadata() == b.metadata()

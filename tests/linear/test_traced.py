@@ -19,6 +19,7 @@ from lowprec.recipe.recipes import (
     Float8CurrentScaling,
     Format,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
 )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -134,12 +135,16 @@ def test_block_traced_bit_identical_cpu(dtype, bias, w_dim, backend):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8BlockScaling()],
-                         ids=["current", "block"])
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), Float8BlockScaling(),
+                                    MXFP8BlockScaling(),
+                                    NVFP4BlockScaling(disable_stochastic_rounding=True)],
+                         ids=["current", "block", "mxfp8", "nvfp4"])
 def test_quantized_weight_traced_bit_identical(device, recipe):
     """A weight that arrives quantized (``quantized_model_init`` here; FSDP2's quantized
     all-gather gives the same tensors) is read as it is in the graph: its codes and scales
-    for fprop, their transpose for dgrad; forward and gradients are eager's."""
+    for fprop; for dgrad their transpose (per-tensor FP8, 128x128 blocks, NVFP4's 16x16
+    tiles) or its columnwise ones (MXFP8's 1x32 blocks); forward and gradients are
+    eager's."""
     dtype = _dtype(device)
     torch.manual_seed(0)
     with lowprec.quantized_model_init(recipe=recipe):

@@ -94,7 +94,7 @@ class Blockwise(_BlockForms):
             return row, (kept.data, kept.scale, kept.decode)
         return super().forward(t, keep, held)
 
-    def saved_columnwise(self, saved):
+    def saved_columnwise(self, saved, grad=None):
         if len(saved) == 1:
             return super().saved_columnwise(saved)
         data, scale, decode = saved  # what an eager forward kept

@@ -251,7 +251,7 @@ class Tensorwise(GraphOperand):
     def save_columnwise(self, t):
         return (t, *fp8_current_scale(t, self.fp8_dtype, self.pow2, self.eps, self.materialized))
 
-    def saved_columnwise(self, saved):
+    def saved_columnwise(self, saved, grad=None):
         # (fp8 codes, scale, decode) of an eager call, or (tensor to cast, scale, decode)
         data, scale, decode = saved
         if data.dtype == self.fp8_dtype:

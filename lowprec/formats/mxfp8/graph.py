@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..graph import Exact, GraphOperand, Kind, rounded
+from ..graph import Exact, GraphOperand, Kind, rounded, transposed_in_backward
 from .compiled import dequantized_1x32, dequantized_32x1
 from .dequantize import mxfp8_dequantize_bf16
 from .launch import mxfp8_exact_inline, mxfp8_quantize
+from .reference import BLOCK, dequantize_blocks
 
 E5M2 = torch.float8_e5m2
 
@@ -64,7 +65,7 @@ class MXBlocks(GraphOperand):
             return Exact(re), (cq.view(self.fp8_dtype), cs)
         return super().forward(t, keep, held)
 
-    def saved_columnwise(self, saved):
+    def saved_columnwise(self, saved, grad=None):
         if len(saved) == 2:  # the columnwise codes and scales an eager forward kept
             return Exact(mxfp8_dequantize_bf16(*saved, 1))
         return super().saved_columnwise(saved)
@@ -83,3 +84,44 @@ class MXBlocks(GraphOperand):
         if row and col and self.kernel:
             return self._launch(t, True, True)
         return super().grad(t, row, col)
+
+
+@dataclass(frozen=True)
+class GivenMX(GraphOperand):
+    """An MXFP8 weight in 1x32 blocks that arrives quantized (an ``MXFP8Tensor``: FSDP2's
+    quantized all-gather, ``quantized_model_init``): the values of its own codes and
+    scales, as eager's GEMMs read them. Dgrad reads its columnwise data: kept from the
+    forward where the weight holds it, else (``columnwise_in_backward``) the buffers of
+    its rowwise data, which the backward's own gather fills with the columnwise data
+    transposed, read in the backward."""
+
+    kernel: bool = False
+    columnwise_in_backward: bool = False
+    given = True
+
+    def kind(self, usage):
+        return Kind("exact")
+
+    def _values(self, data, scale) -> Exact:
+        if self.kernel:
+            return Exact(mxfp8_dequantize_bf16(data, scale, 1))
+        return Exact(dequantize_blocks(data, scale, block_rows=1))
+
+    def rowwise(self, w):
+        return self._values(w.rowwise_data, w.rowwise_scale)
+
+    def save_columnwise(self, w):
+        if self.columnwise_in_backward:
+            return (w.rowwise_data, w.rowwise_scale)
+        return (w.columnwise_data, w.columnwise_scale)
+
+    def saved_columnwise(self, saved, grad=None):
+        data, scale = saved
+        if self.columnwise_in_backward:  # (K, N) codes and (K, N/32) scales, sent transposed
+            n = data.shape[0]
+            data, scale = (transposed_in_backward(data, grad, n),
+                           transposed_in_backward(scale, grad, n // BLOCK))
+        return self._values(data, scale)
+
+    def columnwise(self, w):
+        return self._values(w.columnwise_data, w.columnwise_scale)

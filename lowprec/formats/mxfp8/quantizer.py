@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import use_kernels
-from ..base import Quantizer, check_bool_option, check_divisible
+from ..base import COLUMNWISE_IN_BACKWARD_ATTR, Quantizer, check_bool_option, check_divisible
 from ..casting import check_fp8_dtype
 from ..exact import ExactTensor
 from ..gemm_slicer import block_gemm_slicer
@@ -119,6 +119,14 @@ class MXFP8Quantizer(Quantizer):
             return super().graph_operand(t, grad=grad)
         if self.with_2d_quantization:
             return "MXFP8 with 2D (32x32) blocks has no traced form"
+        if isinstance(t, MXFP8Tensor):  # a weight that arrives quantized: read as it is
+            later = t.columnwise_data is None and getattr(t, COLUMNWISE_IN_BACKWARD_ATTR, False)
+            if (t.rowwise_data is None or t.with_2d_quantization or t.fp8_dtype != self.fp8_dtype
+                    or (t.columnwise_data is None and not later)
+                    or t.dim() != 2 or t.shape[0] % BLOCK or t.shape[1] % BLOCK):
+                return ("an MXFP8 weight that is not 1x32 blocks of this fp8 dtype, whole, "
+                        "with its columnwise data now or from the backward's gather")
+            return graph.GivenMX(kernel=use_kernels(t), columnwise_in_backward=later)
         return graph.MXBlocks(self.fp8_dtype, kernel=use_kernels(t))
 
     def _repr_params(self):

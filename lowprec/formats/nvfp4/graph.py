@@ -22,6 +22,7 @@ import torch
 from ..graph import Exact, GraphOperand, Kind, rounded
 from . import compiled as fp4
 from .launch import nvfp4_dequantize_unscaled_bf16, nvfp4_quantize
+from .reference import dequantize_matrix
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class FP4Blocks(GraphOperand):
     # They are as large as a bf16 ``t``, which the backward may hold anyway, and the
     # forward, whose host time a step exposes, launches one quantize less.
 
-    def saved_columnwise(self, saved):
+    def saved_columnwise(self, saved, grad=None):
         if len(saved) == 1:
             return self.columnwise(saved[0])
         if len(saved) == 3:  # the codes an eager forward kept: their values first
@@ -122,3 +123,38 @@ class FP4Blocks(GraphOperand):
         if not (row or col):
             return None, None
         return self._values(t, row, col)
+
+
+@dataclass(frozen=True)
+class GivenFP4(GraphOperand):
+    """An NVFP4 weight in 16x16 blocks that arrives quantized (an ``NVFP4Tensor``: FSDP2's
+    quantized all-gather, ``quantized_model_init``): the values of its own rowwise codes,
+    as eager's GEMMs read them. Its columnwise values are the rowwise ones transposed (one
+    global scale, the same blocks), so the backward keeps the codes, half a byte an
+    element (a gathered weight's own buffers, which FSDP gathers again for the backward),
+    and dgrad reads their values transposed."""
+
+    kernel: bool = False
+    given = True
+
+    def kind(self, usage):
+        return Kind("exact", divisor=self.kernel)
+
+    def _values(self, data, scale, glob) -> Exact:
+        if self.kernel:
+            return Exact(nvfp4_dequantize_unscaled_bf16(data, scale.view(torch.uint8), True),
+                         glob)
+        return Exact(dequantize_matrix(data, scale, glob, two_d=True))
+
+    def rowwise(self, w):
+        return self._values(w.rowwise_data, w.rowwise_scale, w.rowwise_global)
+
+    def save_columnwise(self, w):
+        return (w.rowwise_data, w.rowwise_scale, w.rowwise_global)
+
+    def saved_columnwise(self, saved, grad=None):
+        row = self._values(*saved)
+        return Exact(row.values.t().contiguous(), row.divisor)
+
+    def columnwise(self, w):
+        return self.saved_columnwise(self.save_columnwise(w))

@@ -264,6 +264,12 @@ class NVFP4Quantizer(Quantizer):
         kernel = use_kernels(t)
         if t.device.type == "cuda" and not kernel:
             return "NVFP4 on CUDA traces with its Triton kernels only"
+        if isinstance(t, NVFP4Tensor):  # a weight that arrives quantized: read as it is
+            if (t.rowwise_data is None or not t.with_2d_quantization or t.with_rht
+                    or t.dim() != 2 or t.shape[0] % BLOCK or t.shape[1] % BLOCK):
+                return ("an NVFP4 weight that is not rowwise codes in whole 16x16 blocks "
+                        "without the Hadamard transform")
+            return graph.GivenFP4(kernel=kernel)
         return graph.FP4Blocks(rht=self.with_rht, two_d=self.with_2d_quantization,
                                sr=self.stochastic_rounding, kernel=kernel)
 

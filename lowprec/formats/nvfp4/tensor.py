@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
+from ..casting import pack_e2m1, unpack_e2m1
 from ..rht import rht_inverse
 from .reference import BLOCK, dequantize_matrix
 
@@ -30,9 +32,11 @@ class NVFP4Tensor(QuantizedTensor):
     dequantizes to NaN. ``dequantize(usage="columnwise")`` returns the
     original domain (inverse RHT applied in fp32);
     :meth:`dequantize_stored` gives the stored-domain values a GEMM whose two
-    operands both carry the RHT consumes. Neither direction derives from the
-    other (each has its own blocks and rounding), so ``update_usage`` can only
-    drop a direction.
+    operands both carry the RHT consumes. In 16x16 tiles without the transform
+    each direction derives from the other (the same tiles, decode scales and
+    global scale, transposed: ``update_usage`` makes the missing one); in 1x16
+    blocks, or with the transform, neither does (each has its own blocks), so
+    ``update_usage`` can only drop a direction.
 
     A dimension that is not a multiple of 16 rounds its scale count up (the last block is
     partial, ``partial(usage)``) and an odd one its data bytes (the last code's partner
@@ -76,6 +80,18 @@ class NVFP4Tensor(QuantizedTensor):
             return exact, getattr(self, f"{usage}_global")
         from .launch import dequantize_unscaled_bf16  # kernel on CUDA, else torch
         return dequantize_unscaled_bf16(self, usage)
+
+    def _derive(self, usage: str) -> dict[str, torch.Tensor]:
+        if not self.with_2d_quantization or self.with_rht:
+            return super()._derive(usage)
+        other = "columnwise" if usage == "rowwise" else "rowwise"
+        rows, cols = self._stored_dims(other)
+        codes = unpack_e2m1(getattr(self, f"{other}_data"))[:, :cols].t()
+        if rows % 2:  # an odd count of codes: the last one's partner nibble is zero
+            codes = torch.cat([codes, codes.new_zeros(cols, 1)], dim=1)
+        return {f"{usage}_data": pack_e2m1(codes),
+                f"{usage}_scale": transpose_contiguous(getattr(self, f"{other}_scale")),
+                f"{usage}_global": getattr(self, f"{other}_global")}
 
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         out = self.dequantize_stored(usage)
