@@ -109,9 +109,6 @@ def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype, bias
         return "no traced GEMM of these block operands on CUDA"
     da, db = _bf16_domain(a), _bf16_domain(b)
     if da is not None and da == db:
-        if (bias and out_dtype != torch.bfloat16
-                and not (a.divisor or b.divisor or a.name == "fp8" or b.name == "fp8")):
-            return "no traced bf16 GEMM with a bias for this output"
         return "exact_bf16"
     if "exact" in (a.name, b.name) or "fp8" in (a.name, b.name) or "blocks" in (a.name, b.name):
         return "no traced fp32 emulation on CUDA (inductor's fp32 division is not eager's)"
@@ -181,7 +178,7 @@ def _bf16_operand(rep):
 def _exact_bf16(a, b, out_dtype, bias, ops=None):
     am, div_a = _bf16_operand(a)
     bm, div_b = _bf16_operand(b)
-    if bias is not None and div_a is None and div_b is None:
+    if bias is not None and div_a is None and div_b is None and out_dtype == torch.bfloat16:
         return steps.bias_mm(bias, am, bm)  # exact_product's bias epilogue
     return exact_product(am, div_a, bm, div_b, out_dtype, bias, in_graph=True)
 

@@ -190,8 +190,8 @@ def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     assert got["breaks"] == {}, list(got["breaks"])
     assert got["graphs"] == 1, got["graphs"]
     model, grads = _model(), []
-    losses = train(model, RECIPES[rname](), input_grads=grads)
-    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    losses = train(model, RECIPES[rname](), input_grads=grads).cpu()
+    state = {k: v.cpu() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     assert torch.equal(got["losses"], losses), (got["losses"], losses)
     for got_grad, grad in zip(got["grads"], grads, strict=True):  # every layer's dgrad
         assert torch.equal(got_grad, grad)
