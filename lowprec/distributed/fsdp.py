@@ -178,8 +178,16 @@ class QuantizedGatherWeight(GatherWrapper):
         self = GatherWrapper.__new__(cls, data, spec)
         #: (plan, dtype, process group) of the last quantized gather
         self._last_gather = None
-        #: (data version, dtype, statistic) from ``precompute_gather_statistics``
+        #: (dtype, whether a forward's gather has read it, statistic): from
+        #: ``precompute_gather_statistics`` for the next forward, or the forward's own,
+        #: which its backward's gather reads (the weight is the same until the optimizer
+        #: steps; a version counter cannot tell, the wrapper's tensor being one of FSDP's
+        #: views of the parameter, which the optimizer writes through another)
         self._statistic = None
+        #: (dtype, usages, all-gather inputs and packing) of the last forward's quantized
+        #: gather: its backward's gather, in the same directions, sends them again (no
+        #: second quantize)
+        self._forward_inputs = None
         return self
 
     # ---- FSDP2 all-gather extension -----------------------------------------------------
@@ -204,11 +212,17 @@ class QuantizedGatherWeight(GatherWrapper):
         rowwise, columnwise = plan.usages(backward, reshard)
         group = mesh.get_group()
         self._last_gather = (plan, dtype, group)
+        key = (dtype, rowwise, columnwise, plan.columnwise_in_backward(backward, reshard))
+        kept, self._forward_inputs = self._forward_inputs, None
+        if backward and kept is not None and kept[0] == key:  # every rank takes one branch
+            return kept[1]
         with plan.quantizer.usages(rowwise=rowwise, columnwise=columnwise):
-            statistic = self._whole_statistic(plan.quantizer, shard, dtype, group)
+            statistic = self._whole_statistic(plan.quantizer, shard, dtype, group, backward)
             part = plan.quantizer.quantize_part(shard, statistic)
-        return gather_codec.pack(part, rows, padded_rows if plan.padded else None,
-                                 plan.columnwise_in_backward(backward, reshard))
+        packed = gather_codec.pack(part, rows, padded_rows if plan.padded else None, key[3])
+        if not backward:
+            self._forward_inputs = (key, packed)
+        return packed
 
     def _source(self, dtype) -> torch.Tensor:
         """The values a gather quantizes: a master's own fp32 values, a high-precision
@@ -216,16 +230,19 @@ class QuantizedGatherWeight(GatherWrapper):
         return (self._data if getattr(self._spec, "master", None) is not None
                 else self._data.to(dtype))
 
-    def _whole_statistic(self, quantizer, shard, dtype, group):
-        """The whole weight's per-tensor statistic: the one precomputed for these values, or
-        an all-reduce of the shards' (every rank takes the same branch: the same steps)."""
+    def _whole_statistic(self, quantizer, shard, dtype, group, backward: bool):
+        """The whole weight's per-tensor statistic: in a forward, the one precomputed for
+        it or else an all-reduce of the shards'; in a backward, its forward's (every rank
+        takes the same branch: the same steps)."""
         kept = self._statistic
-        if kept is not None and kept[0] == self._data._version and kept[1] == dtype:
+        if kept is not None and kept[0] == dtype and (backward or not kept[1]):
+            self._statistic = (dtype, True, kept[2])
             return kept[2]
         statistic = quantizer.part_statistic(shard)
         if statistic is not None:
             torch.distributed.all_reduce(statistic, op=torch.distributed.ReduceOp.MAX,
                                          group=group)
+        self._statistic = (dtype, True, statistic) if statistic is not None else None
         return statistic
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -247,8 +264,11 @@ def precompute_gather_statistics(model: nn.Module) -> None:
     every weight of ``model`` wrapped by :func:`quantized_all_gather`, in one all-reduce per
     process group, instead of one small all-reduce per weight inside each gather (where it
     waits behind the gradient reduce-scatters). Call it after ``optimizer.step()``, on every
-    rank; a weight changed since is all-reduced by its gather as usual, so a missed call
-    costs time, never correctness. The gathered bytes are the same either way."""
+    rank, once the weights hold the values the next forward reads: each statistic serves
+    the next forward's gather (and its backward's), and is not checked against the values
+    (write the weights after it, by loading a checkpoint say, and call it again). A missed
+    call costs time, never correctness: a forward with no fresh statistic all-reduces its
+    own. The gathered bytes are the same either way."""
     pending: dict = {}
     for p in model.parameters():
         local = getattr(p, "_local_tensor", p)
@@ -262,7 +282,7 @@ def precompute_gather_statistics(model: nn.Module) -> None:
         flat = torch.cat([s for *_, s in items])
         torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
         for (local, dtype, _), whole in zip(items, flat.split([s.numel() for *_, s in items])):
-            local._statistic = (local._data._version, dtype, whole)
+            local._statistic = (dtype, False, whole)
 
 
 def quantized_all_gather(model: nn.Module, recipe) -> nn.Module:

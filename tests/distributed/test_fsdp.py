@@ -121,9 +121,14 @@ def _worker(rank, world, rname, wrap, rows, reshard, out_dir, precompute=False):
     fully_shard(model, reshard_after_forward=reshard)
     seen = []
     with spawn.counted_all_reduces() as reduces:
+        steps = []
+
+        def after_step():  # precompute="once": after the first step only
+            if precompute is True or not steps:
+                precompute_gather_statistics(model)
+            steps.append(1)
         losses = train(model, recipe, record=lambda m: seen.append(type(m.weight).__name__),
-                       after_step=(lambda: precompute_gather_statistics(model)) if precompute
-                       else None)
+                       after_step=after_step if precompute else None)
     state = full_state(model)
     if rank == 0:
         torch.save({"losses": losses.cpu(), "state": state, "seen": seen, "reduces": reduces},
@@ -316,21 +321,29 @@ def test_formats_gathered_in_high_precision(tmp_path, rname):
     test_fsdp_matches_single_process(tmp_path, rname, True, True)
 
 
+@pytest.mark.parametrize("precompute", [True, "once"], ids=["every_step", "first_step_only"])
 @pytest.mark.parametrize("rname", ["current", "nvfp4"])
-def test_precomputed_statistics(tmp_path, rname):
+def test_precomputed_statistics(tmp_path, rname, precompute):
     """precompute_gather_statistics after each step: the same training bit for bit, and
     the gathers of the following steps run no all-reduce of their own (one per step for
-    every weight instead of one per weight and gather)."""
-    spawn.run(_worker, 2, rname, True, HIDDEN, True, str(tmp_path), True)
+    every weight instead of one per weight and gather). Called after the first step only,
+    the later steps' gathers all-reduce their own statistics again (never the stale one):
+    still bit for bit."""
+    spawn.run(_worker, 2, rname, True, HIDDEN, True, str(tmp_path), precompute)
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
     losses, state = _single(rname, HIDDEN)
     assert torch.equal(got["losses"], losses)
     for k in state:
         assert torch.equal(got["state"][k], state[k]), k
     weights = 4
-    # step 1: a reduce per weight and gather (forward, backward); after each step, one
-    # reduce of every weight's statistic; then no more in the gathers
-    assert got["reduces"] == [1] * (2 * weights) + [weights] * STEPS, got["reduces"]
+    # step 1: a reduce per weight in its forward's gather (the backward's reads the
+    # forward's); after each step, one reduce of every weight's statistic; then no more in
+    # the gathers
+    if precompute is True:
+        assert got["reduces"] == [1] * weights + [weights] * STEPS, got["reduces"]
+    else:
+        assert got["reduces"] == [1] * weights + [weights] + [1] * weights * (STEPS - 2), \
+            got["reduces"]
 
 
 def _group_worker(rank, world, out_dir):
