@@ -184,10 +184,6 @@ class QuantizedGatherWeight(GatherWrapper):
         #: steps; a version counter cannot tell, the wrapper's tensor being one of FSDP's
         #: views of the parameter, which the optimizer writes through another)
         self._statistic = None
-        #: (dtype, usages, all-gather inputs and packing) of the last forward's quantized
-        #: gather: its backward's gather, in the same directions, sends them again (no
-        #: second quantize)
-        self._forward_inputs = None
         return self
 
     # ---- FSDP2 all-gather extension -----------------------------------------------------
@@ -212,17 +208,11 @@ class QuantizedGatherWeight(GatherWrapper):
         rowwise, columnwise = plan.usages(backward, reshard)
         group = mesh.get_group()
         self._last_gather = (plan, dtype, group)
-        key = (dtype, rowwise, columnwise, plan.columnwise_in_backward(backward, reshard))
-        kept, self._forward_inputs = self._forward_inputs, None
-        if backward and kept is not None and kept[0] == key:  # every rank takes one branch
-            return kept[1]
         with plan.quantizer.usages(rowwise=rowwise, columnwise=columnwise):
             statistic = self._whole_statistic(plan.quantizer, shard, dtype, group, backward)
             part = plan.quantizer.quantize_part(shard, statistic)
-        packed = gather_codec.pack(part, rows, padded_rows if plan.padded else None, key[3])
-        if not backward:
-            self._forward_inputs = (key, packed)
-        return packed
+        return gather_codec.pack(part, rows, padded_rows if plan.padded else None,
+                                 plan.columnwise_in_backward(backward, reshard))
 
     def _source(self, dtype) -> torch.Tensor:
         """The values a gather quantizes: a master's own fp32 values, a high-precision
