@@ -3,7 +3,8 @@ next GEMM's quantized input without being written in high precision (GPU with Tr
 per-tensor FP8, block FP8 and MXFP8 quantizers; everything else runs the producer and the
 quantizer apart). See docs/fused.md for the passes each case makes.
 
-``switch.enabled`` / :class:`unfused` switch the fusion off (benchmarks and tests compare both).
+:class:`unfused` switches the fusion off on its thread (``switch.enabled()`` reads it;
+benchmarks and tests compare both).
 """
 
 from .activation_quantize import activation_then_quantize

@@ -72,7 +72,10 @@ def use_kernels(t: torch.Tensor) -> bool:
 
 class FlagOff:
     """Base of context managers that turn a module-level boolean off and restore it;
-    subclasses name the module (``_module``) and the flag (``_flag``)."""
+    subclasses name the module (``_module``) and the flag (``_flag``). For switches of the
+    implementation alone (kernels or reference, bound or unbound launches: the same bits
+    either way), which tests and benchmarks set for the whole process: the backward runs
+    on the autograd engine's device threads, which must see them too."""
 
     _module: str
     _flag: str

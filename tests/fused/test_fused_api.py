@@ -3,6 +3,8 @@ it must say so, never silently compute something else."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -36,11 +38,22 @@ def test_gated_prologue_needs_even_width():
 
 
 def test_unfused_context_restores_the_switch():
-    assert fused.switch.enabled
+    assert fused.switch.enabled()
     with fused.unfused():
-        assert not fused.switch.enabled
+        assert not fused.switch.enabled()
         assert not fused.can_fuse(Float8CurrentScalingQuantizer(), torch.randn(2, 2), "default")
-    assert fused.switch.enabled
+    assert fused.switch.enabled()
+
+
+def test_unfused_is_a_setting_of_its_thread():
+    """Another thread's forwards fuse while one thread runs unfused."""
+    seen = []
+    with fused.unfused():
+        worker = threading.Thread(target=lambda: seen.append(fused.switch.enabled()))
+        worker.start()
+        worker.join()
+        assert not fused.switch.enabled()
+    assert seen == [True]
 
 
 def test_cpu_modules_unchanged_under_autocast():
