@@ -164,10 +164,9 @@ def _compiled_worker(rank, world, rname, out_dir):
     model = _model(rank=rank)
     recipe = RECIPES[rname]()
     quantized_all_gather(model, recipe)
-    for layer in model.layers:
-        if isinstance(layer, lowprec.Linear):  # compiled, then sharded (torchtitan's order)
-            # on GPUs inductor, whose partitioner chooses what the forward keeps
-            layer.compile(backend="inductor" if spawn.BACKEND == "nccl" else "aot_eager")
+    for layer in model.layers:  # compiled, then sharded (torchtitan's order)
+        # on GPUs inductor, whose partitioner chooses what the forward keeps
+        layer.compile(backend="inductor" if spawn.BACKEND == "nccl" else "aot_eager")
         fully_shard(layer)
     fully_shard(model)
     torch._dynamo.utils.counters.clear()
@@ -183,17 +182,18 @@ def _compiled_worker(rank, world, rname, out_dir):
 
 @pytest.mark.parametrize("rname", ["current", "mxfp8", "nvfp4"])
 def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
-    """Linears compiled one by one before fully_shard, their weights gathered quantized,
+    """Layers (Linear, LayerNormMLP) compiled one by one before fully_shard, their weights
+    gathered quantized,
     training matches one eager process bit for bit: losses, weights and every step's input
     gradient (which each Linear's dgrad makes, from weights FSDP re-gathered for the
     backward). The graphs read the gathered tensors: per-tensor FP8 and NVFP4 (16x16 tiles)
     their rowwise codes, which dgrad transposes; MXFP8 (1x32 blocks) the columnwise codes
-    that the backward's gather brings into the forward's buffers. No graph break, and one
-    graph serves both Linears (no recompile per module)."""
+    that the backward's gather brings into the forward's buffers. No graph break: one graph
+    for the two Linears (no recompile per module), one for the LayerNormMLP."""
     spawn.run(_compiled_worker, 2, rname, str(tmp_path))
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
     assert got["breaks"] == {}, list(got["breaks"])
-    assert got["graphs"] == 1, got["graphs"]
+    assert got["graphs"] == 2, got["graphs"]
     model, grads = _model(), []
     losses = train(model, RECIPES[rname](), input_grads=grads).cpu()
     state = {k: v.cpu() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
