@@ -185,11 +185,6 @@ class GraphOperand:
     eager = False
     #: whether this form's ops run outside a graph (eager's kernels, launched directly)
     launches_eagerly = False
-    #: whether what the forward keeps holds the columnwise data only once the backward has
-    #: begun (a weight that FSDP2 gathers again for the backward, in its other direction:
-    #: ``formats.COLUMNWISE_IN_BACKWARD_ATTR``); its backward reads it through
-    #: :func:`transposed_in_backward`
-    columnwise_in_backward = False
 
     def kind(self, usage: str) -> Kind:
         raise NotImplementedError
@@ -208,8 +203,10 @@ class GraphOperand:
 
     def saved_columnwise(self, saved: tuple, grad: torch.Tensor | None = None):
         """:meth:`columnwise` from what the forward kept. ``grad``: the backward's incoming
-        gradient, which a form that must read what it kept only in the backward
-        (``columnwise_in_backward``) hands to :func:`transposed_in_backward`."""
+        gradient, which a form whose kept buffers hold the columnwise data only once the
+        backward has begun (a weight FSDP2 gathers again for the backward, in its other
+        direction: ``formats.COLUMNWISE_IN_BACKWARD_ATTR``) hands to
+        :func:`transposed_in_backward`."""
         return self.columnwise(saved[0])
 
     def forward(self, t: torch.Tensor, keep: bool, held: bool = False) -> tuple:
