@@ -185,9 +185,10 @@ def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     """Layers (Linear, LayerNormMLP) compiled one by one before fully_shard, their weights
     gathered quantized: training matches one eager process bit for bit, losses, weights
     and every step's input gradient (which each layer's dgrad makes, from weights FSDP
-    re-gathered for the backward). The graphs read the gathered tensors: per-tensor FP8 and NVFP4 (16x16 tiles)
-    their rowwise codes, which dgrad transposes; MXFP8 (1x32 blocks) the columnwise codes
-    that the backward's gather brings into the forward's buffers. No graph break: one graph
+    re-gathered for the backward). The graphs read the gathered tensors: per-tensor FP8
+    and NVFP4 (16x16 tiles) their rowwise codes, which dgrad transposes; MXFP8 (1x32
+    blocks) the columnwise codes that the backward's gather brings into the forward's
+    buffers. No graph break: one graph
     for the two Linears (no recompile per module), one for the LayerNormMLP."""
     spawn.run(_compiled_worker, 2, rname, str(tmp_path))
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
