@@ -390,9 +390,10 @@ def test_checkpoint_inside_compile(reentrant):
 
 
 def test_quantized_weights_raise_under_compile():
-    """Quantized weights the traced path does not read (NVFP4 in 1x16 blocks here) are
-    refused by name."""
-    recipe = lowprec.CustomRecipe(qfactory=lambda role: lowprec.NVFP4Quantizer())
+    """Quantized weights the traced path does not read (block FP8 in 1x128 blocks here)
+    are refused by name."""
+    recipe = lowprec.CustomRecipe(qfactory=lambda role: lowprec.Float8BlockQuantizer(
+        torch.float8_e4m3fn, block_scaling_dim=1))
     with lowprec.quantized_model_init(recipe=recipe):
         m = lowprec.Linear(D, D, name="l")
     compiled = torch.compile(m, backend="aot_eager", fullgraph=True)

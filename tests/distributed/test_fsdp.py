@@ -24,12 +24,18 @@ def _nvfp4_sr_everywhere(role):
     return lowprec.NVFP4Quantizer(stochastic_rounding=True)
 
 
+def _nvfp4_1x16_everywhere(role):
+    return lowprec.NVFP4Quantizer()
+
+
 RECIPES = {
     "current": lambda: lowprec.Float8CurrentScaling(),
     "delayed": lambda: lowprec.DelayedScaling(),
     "block": lambda: lowprec.Float8BlockScaling(),
     "mxfp8": lambda: lowprec.MXFP8BlockScaling(),
     "nvfp4": lambda: lowprec.NVFP4BlockScaling(disable_stochastic_rounding=True),
+    # 1x16 weight blocks: the columnwise codes do not derive (gathered apart, as MXFP8's)
+    "nvfp4_1x16": lambda: lowprec.CustomRecipe(qfactory=_nvfp4_1x16_everywhere),
 }
 #: gathered in high precision (see test_formats_gathered_in_high_precision)
 HP_RECIPES = {
@@ -40,7 +46,8 @@ HP_RECIPES = {
 #: weight is gathered in high precision)
 GATHERED = {"current": lowprec.Float8Tensor, "delayed": None,
             "block": lowprec.Float8BlockwiseTensor, "mxfp8": lowprec.MXFP8Tensor,
-            "nvfp4": lowprec.NVFP4Tensor, "nvfp4_sr": None, "hybrid": None}
+            "nvfp4": lowprec.NVFP4Tensor, "nvfp4_1x16": lowprec.NVFP4Tensor, "nvfp4_sr": None,
+            "hybrid": None}
 RECIPES.update(HP_RECIPES)
 HIDDEN, TOKENS, STEPS = 256, 64, 3
 
@@ -180,15 +187,15 @@ def _compiled_worker(rank, world, rname, out_dir):
                     "graphs": frames, "grads": grads}, f"{out_dir}/fsdp.pt")
 
 
-@pytest.mark.parametrize("rname", ["current", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("rname", ["current", "mxfp8", "nvfp4", "nvfp4_1x16"])
 def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     """Layers (Linear, LayerNormMLP) compiled one by one before fully_shard, their weights
     gathered quantized: training matches one eager process bit for bit, losses, weights
     and every step's input gradient (which each layer's dgrad makes, from weights FSDP
     re-gathered for the backward). The graphs read the gathered tensors: per-tensor FP8
     and NVFP4 (16x16 tiles) their rowwise codes, which dgrad transposes; MXFP8 (1x32
-    blocks) the columnwise codes that the backward's gather brings into the forward's
-    buffers. No graph break: one graph
+    blocks) and NVFP4 in 1x16 blocks the columnwise codes that the backward's gather
+    brings into the forward's buffers. No graph break: one graph
     for the two Linears (no recompile per module), one for the LayerNormMLP."""
     spawn.run(_compiled_worker, 2, rname, str(tmp_path))
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)

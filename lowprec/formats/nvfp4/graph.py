@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..graph import Exact, GraphOperand, Kind, rounded
+from ..graph import Exact, GraphOperand, Kind, rounded, transposed_in_backward
 from . import compiled as fp4
 from .launch import nvfp4_dequantize_unscaled_bf16, nvfp4_quantize
-from .reference import dequantize_matrix
+from .reference import BLOCK, dequantize_matrix
 
 
 @dataclass(frozen=True)
@@ -127,14 +127,20 @@ class FP4Blocks(GraphOperand):
 
 @dataclass(frozen=True)
 class GivenFP4(GraphOperand):
-    """An NVFP4 weight in 16x16 blocks that arrives quantized (an ``NVFP4Tensor``: FSDP2's
-    quantized all-gather, ``quantized_model_init``): the values of its own rowwise codes,
-    as eager's GEMMs read them. Its columnwise values are the rowwise ones transposed (one
-    global scale, the same blocks), so the backward keeps the codes, half a byte an
-    element (a gathered weight's own buffers, which FSDP gathers again for the backward),
-    and dgrad reads their values transposed."""
+    """An NVFP4 weight without the transform that arrives quantized (an ``NVFP4Tensor``:
+    FSDP2's quantized all-gather, ``quantized_model_init``): the values of its own codes,
+    as eager's GEMMs read them. In 16x16 tiles (``two_d``) the columnwise values are the
+    rowwise ones transposed (one global scale, the same tiles): the backward keeps the
+    rowwise codes, half a byte an element (a gathered weight's own buffers, which FSDP
+    gathers again for the backward), and dgrad reads their values transposed. In 1x16
+    blocks dgrad reads the weight's columnwise codes: kept from the forward where the
+    weight holds them, else (``columnwise_in_backward``) the buffers of its rowwise codes,
+    which the backward's own gather fills with the columnwise ones transposed, read in the
+    backward (the global scale is one for both directions without the transform)."""
 
     kernel: bool = False
+    two_d: bool = True
+    columnwise_in_backward: bool = False
     given = True
 
     def kind(self, usage):
@@ -142,19 +148,28 @@ class GivenFP4(GraphOperand):
 
     def _values(self, data, scale, glob) -> Exact:
         if self.kernel:
-            return Exact(nvfp4_dequantize_unscaled_bf16(data, scale.view(torch.uint8), True),
-                         glob)
-        return Exact(dequantize_matrix(data, scale, glob, two_d=True))
+            return Exact(nvfp4_dequantize_unscaled_bf16(data, scale.view(torch.uint8),
+                                                        self.two_d), glob)
+        return Exact(dequantize_matrix(data, scale, glob, two_d=self.two_d))
 
     def rowwise(self, w):
         return self._values(w.rowwise_data, w.rowwise_scale, w.rowwise_global)
 
     def save_columnwise(self, w):
-        return (w.rowwise_data, w.rowwise_scale, w.rowwise_global)
+        if self.two_d or self.columnwise_in_backward:
+            return (w.rowwise_data, w.rowwise_scale, w.rowwise_global)
+        return (w.columnwise_data, w.columnwise_scale, w.columnwise_global)
 
     def saved_columnwise(self, saved, grad=None):
-        row = self._values(*saved)
-        return Exact(row.values.t().contiguous(), row.divisor)
+        if self.two_d:
+            row = self._values(*saved)
+            return Exact(row.values.t().contiguous(), row.divisor)
+        data, scale, glob = saved
+        if self.columnwise_in_backward:  # (K, N/2) codes, (K, N/16) scales, sent transposed
+            n = data.shape[0]
+            data, scale = (transposed_in_backward(data, grad, n // 2),
+                           transposed_in_backward(scale, grad, n // BLOCK))
+        return self._values(data, scale, glob)
 
     def columnwise(self, w):
         return self.saved_columnwise(self.save_columnwise(w))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import use_kernels
-from ..base import Quantizer, check_bool_option, check_divisible
+from ..base import COLUMNWISE_IN_BACKWARD_ATTR, Quantizer, check_bool_option, check_divisible
 from ..exact import ExactTensor
 from ..gemm_slicer import GemmSlicer
 from ..rht import rht_forward
@@ -265,11 +265,15 @@ class NVFP4Quantizer(Quantizer):
         if t.device.type == "cuda" and not kernel:
             return "NVFP4 on CUDA traces with its Triton kernels only"
         if isinstance(t, NVFP4Tensor):  # a weight that arrives quantized: read as it is
-            if (t.rowwise_data is None or not t.with_2d_quantization or t.with_rht
-                    or t.dim() != 2 or t.shape[0] % BLOCK or t.shape[1] % BLOCK):
-                return ("an NVFP4 weight that is not rowwise codes in whole 16x16 blocks "
-                        "without the Hadamard transform")
-            return graph.GivenFP4(kernel=kernel)
+            two_d = t.with_2d_quantization
+            later = (not two_d and t.columnwise_data is None
+                     and getattr(t, COLUMNWISE_IN_BACKWARD_ATTR, False))
+            if (t.rowwise_data is None or t.with_rht or t.dim() != 2
+                    or t.shape[0] % BLOCK or t.shape[1] % BLOCK
+                    or not (two_d or later or t.columnwise_data is not None)):
+                return ("an NVFP4 weight that is not whole blocks without the Hadamard "
+                        "transform, with its columnwise codes where they do not derive")
+            return graph.GivenFP4(kernel=kernel, two_d=two_d, columnwise_in_backward=later)
         return graph.FP4Blocks(rht=self.with_rht, two_d=self.with_2d_quantization,
                                sr=self.stochastic_rounding, kernel=kernel)
 
