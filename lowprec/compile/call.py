@@ -508,8 +508,8 @@ def _holds_quantized_weight(module) -> bool:
 
 
 _QUANTIZED_WEIGHT = ("a quantized weight (quantized_model_init, FSDP2's quantized_all_gather) "
-                     "that the traced form does not read: per-tensor FP8, 128x128 block FP8, "
-                     "MXFP8 1x32 and NVFP4 weights without the transform trace; "
+                     "that the traced form does not read: per-tensor FP8, block FP8, MXFP8 1x32 "
+                     "and NVFP4 weights without the transform trace; "
                      "the call runs eagerly behind a graph break (fullgraph=True refuses it)")
 
 

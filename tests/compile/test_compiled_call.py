@@ -390,10 +390,10 @@ def test_checkpoint_inside_compile(reentrant):
 
 
 def test_quantized_weights_raise_under_compile():
-    """Quantized weights the traced path does not read (block FP8 in 1x128 blocks here)
-    are refused by name."""
-    recipe = lowprec.CustomRecipe(qfactory=lambda role: lowprec.Float8BlockQuantizer(
-        torch.float8_e4m3fn, block_scaling_dim=1))
+    """Quantized weights the traced path does not read (MXFP8 in 32x32 blocks here) are
+    refused by name."""
+    recipe = lowprec.CustomRecipe(
+        qfactory=lambda role: lowprec.MXFP8Quantizer(with_2d_quantization=True))
     with lowprec.quantized_model_init(recipe=recipe):
         m = lowprec.Linear(D, D, name="l")
     compiled = torch.compile(m, backend="aot_eager", fullgraph=True)

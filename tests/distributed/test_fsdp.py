@@ -28,6 +28,10 @@ def _nvfp4_1x16_everywhere(role):
     return lowprec.NVFP4Quantizer()
 
 
+def _block_1x128_everywhere(role):
+    return lowprec.Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1)
+
+
 RECIPES = {
     "current": lambda: lowprec.Float8CurrentScaling(),
     "delayed": lambda: lowprec.DelayedScaling(),
@@ -36,6 +40,7 @@ RECIPES = {
     "nvfp4": lambda: lowprec.NVFP4BlockScaling(disable_stochastic_rounding=True),
     # 1x16 weight blocks: the columnwise codes do not derive (gathered apart, as MXFP8's)
     "nvfp4_1x16": lambda: lowprec.CustomRecipe(qfactory=_nvfp4_1x16_everywhere),
+    "block_1x128": lambda: lowprec.CustomRecipe(qfactory=_block_1x128_everywhere),
 }
 #: gathered in high precision (see test_formats_gathered_in_high_precision)
 HP_RECIPES = {
@@ -46,7 +51,8 @@ HP_RECIPES = {
 #: weight is gathered in high precision)
 GATHERED = {"current": lowprec.Float8Tensor, "delayed": None,
             "block": lowprec.Float8BlockwiseTensor, "mxfp8": lowprec.MXFP8Tensor,
-            "nvfp4": lowprec.NVFP4Tensor, "nvfp4_1x16": lowprec.NVFP4Tensor, "nvfp4_sr": None,
+            "nvfp4": lowprec.NVFP4Tensor, "nvfp4_1x16": lowprec.NVFP4Tensor,
+            "block_1x128": lowprec.Float8BlockwiseTensor, "nvfp4_sr": None,
             "hybrid": None}
 RECIPES.update(HP_RECIPES)
 HIDDEN, TOKENS, STEPS = 256, 64, 3
@@ -66,16 +72,18 @@ class Model(nn.Module):
         return x
 
 
-def _data(step: int, device):
+def _data(step: int, device, tokens: int = TOKENS):
     g = torch.Generator().manual_seed(100 + step)
-    x, t = torch.randn(TOKENS, HIDDEN, generator=g), torch.randn(TOKENS, HIDDEN, generator=g)
+    x, t = torch.randn(tokens, HIDDEN, generator=g), torch.randn(tokens, HIDDEN, generator=g)
     return x.to(device), t.to(device)
 
 
-def train(model, recipe, steps: int = STEPS, record=None, after_step=None, input_grads=None):
-    """Losses of ``steps`` SGD steps on the same batches; ``record(module)`` is called in
-    each Linear's forward, ``after_step()`` after each optimizer step. ``input_grads``: a
-    list that gets the gradient of each step's input (which every layer's dgrad makes)."""
+def train(model, recipe, steps: int = STEPS, record=None, after_step=None, input_grads=None,
+          tokens: int = TOKENS):
+    """Losses of ``steps`` SGD steps on the same batches of ``tokens`` rows;
+    ``record(module)`` is called in each Linear's forward, ``after_step()`` after each
+    optimizer step. ``input_grads``: a list that gets the gradient of each step's input
+    (which every layer's dgrad makes)."""
     hooks = []
     if record is not None:
         for m in model.modules():
@@ -85,7 +93,7 @@ def train(model, recipe, steps: int = STEPS, record=None, after_step=None, input
     device = next(model.parameters()).device
     losses = []
     for step in range(steps):
-        x, target = _data(step, device)
+        x, target = _data(step, device, tokens)
         x.requires_grad_(input_grads is not None)
         with lowprec.autocast(recipe=recipe):
             y = model(x)
@@ -167,7 +175,7 @@ def test_fsdp_matches_single_process(tmp_path, rname, wrap, reshard):
         expect == "Parameter" and set(got["seen"]) == {"Tensor"}), got["seen"]
 
 
-def _compiled_worker(rank, world, rname, out_dir):
+def _compiled_worker(rank, world, rname, tokens, out_dir):
     model = _model(rank=rank)
     recipe = RECIPES[rname]()
     quantized_all_gather(model, recipe)
@@ -178,7 +186,7 @@ def _compiled_worker(rank, world, rname, out_dir):
     fully_shard(model)
     torch._dynamo.utils.counters.clear()
     grads = []
-    losses = train(model, recipe, input_grads=grads)
+    losses = train(model, recipe, input_grads=grads, tokens=tokens)
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     state = full_state(model)
@@ -187,22 +195,24 @@ def _compiled_worker(rank, world, rname, out_dir):
                     "graphs": frames, "grads": grads}, f"{out_dir}/fsdp.pt")
 
 
-@pytest.mark.parametrize("rname", ["current", "mxfp8", "nvfp4", "nvfp4_1x16"])
+@pytest.mark.parametrize("rname", ["current", "mxfp8", "nvfp4", "nvfp4_1x16", "block_1x128"])
 def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     """Layers (Linear, LayerNormMLP) compiled one by one before fully_shard, their weights
     gathered quantized: training matches one eager process bit for bit, losses, weights
     and every step's input gradient (which each layer's dgrad makes, from weights FSDP
     re-gathered for the backward). The graphs read the gathered tensors: per-tensor FP8
     and NVFP4 (16x16 tiles) their rowwise codes, which dgrad transposes; MXFP8 (1x32
-    blocks) and NVFP4 in 1x16 blocks the columnwise codes that the backward's gather
-    brings into the forward's buffers. No graph break: one graph
-    for the two Linears (no recompile per module), one for the LayerNormMLP."""
-    spawn.run(_compiled_worker, 2, rname, str(tmp_path))
+    blocks), NVFP4 in 1x16 blocks and block FP8 in 1x128 blocks (traced from 128 tokens)
+    the columnwise codes that the backward's gather brings into the forward's buffers. No
+    graph break: one graph for the two Linears (no recompile per module), one for the
+    LayerNormMLP."""
+    tokens = 128 if rname.startswith("block") else TOKENS
+    spawn.run(_compiled_worker, 2, rname, tokens, str(tmp_path))
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
     assert got["breaks"] == {}, list(got["breaks"])
     assert got["graphs"] == 2, got["graphs"]
     model, grads = _model(), []
-    losses = train(model, RECIPES[rname](), input_grads=grads).cpu()
+    losses = train(model, RECIPES[rname](), input_grads=grads, tokens=tokens).cpu()
     state = {k: v.cpu() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     assert torch.equal(got["losses"], losses), (got["losses"], losses)
     for got_grad, grad in zip(got["grads"], grads, strict=True):  # every layer's dgrad

@@ -138,8 +138,10 @@ def test_block_traced_bit_identical_cpu(dtype, bias, w_dim, backend):
 @pytest.mark.parametrize("recipe", [
     Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling(),
     NVFP4BlockScaling(disable_stochastic_rounding=True),
-    lowprec.CustomRecipe(qfactory=lambda role: lowprec.NVFP4Quantizer())],
-    ids=["current", "block", "mxfp8", "nvfp4", "nvfp4_1x16"])
+    lowprec.CustomRecipe(qfactory=lambda role: lowprec.NVFP4Quantizer()),
+    lowprec.CustomRecipe(qfactory=lambda role: lowprec.Float8BlockQuantizer(
+        torch.float8_e4m3fn, block_scaling_dim=1))],
+    ids=["current", "block", "mxfp8", "nvfp4", "nvfp4_1x16", "block_1x128"])
 def test_quantized_weight_traced_bit_identical(device, recipe):
     """A weight that arrives quantized (``quantized_model_init`` here; FSDP2's quantized
     all-gather gives the same tensors) is read as it is in the graph: its codes and scales

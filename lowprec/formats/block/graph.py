@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import graph_op
-from ..graph import Blocks, GraphOperand, Kind, rounded
+from ..graph import Blocks, GraphOperand, Kind, rounded, transposed_in_backward
 from .launch import fp8_block_quantize, fp8_block_quantize_inline
-from .reference import dequantize_blocks, quantize_blocks
+from .reference import BLOCK, dequantize_blocks, quantize_blocks
 
 E5M2 = torch.float8_e5m2
 
@@ -129,17 +129,38 @@ class Blockwise(_BlockForms):
 
 @dataclass(frozen=True)
 class GivenBlocks(_BlockForms):
-    """A 128x128-block FP8 weight that arrives quantized (a ``Float8BlockwiseTensor``):
-    its own codes and block scales; dgrad reads both transposed."""
+    """A block FP8 weight that arrives quantized (a ``Float8BlockwiseTensor``: FSDP2's
+    quantized all-gather, ``quantized_model_init``): its own codes and block scales. In
+    128x128 blocks (``dim`` 2) dgrad reads both transposed; in 1x128 blocks its
+    columnwise ones: kept from the forward where the weight holds them, else
+    (``columnwise_in_backward``) the buffers of its rowwise ones, which the backward's own
+    gather fills with the columnwise ones transposed, read in the backward."""
 
     fp8_dtype: torch.dtype
+    dim: int = 2
+    columnwise_in_backward: bool = False
     given = True
 
     def kind(self, usage):
-        return Kind("blocks", self.fp8_dtype, 2)
+        return Kind("blocks", self.fp8_dtype, self.dim)
 
     def rowwise(self, w):
-        return Blocks(w.rowwise_data, w.rowwise_scale, 2)
+        return Blocks(w.rowwise_data, w.rowwise_scale, self.dim)
+
+    def save_columnwise(self, w):
+        if self.dim == 2 or self.columnwise_in_backward:
+            return (w.rowwise_data, w.rowwise_scale)
+        return (w.columnwise_data, w.columnwise_scale)
+
+    def saved_columnwise(self, saved, grad=None):
+        data, scale = saved
+        if self.dim == 2:
+            return _transposed(Blocks(data, scale, 2))
+        if self.columnwise_in_backward:  # (K, N) codes and (K, N/128) scales, sent transposed
+            n = data.shape[0]
+            data, scale = (transposed_in_backward(data, grad, n),
+                           transposed_in_backward(scale, grad, n // BLOCK))
+        return Blocks(data.contiguous(), scale.contiguous(), 1)
 
     def columnwise(self, w):
-        return _transposed(self.rowwise(w))
+        return self.saved_columnwise(self.save_columnwise(w))

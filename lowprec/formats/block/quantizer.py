@@ -6,6 +6,7 @@ import torch
 
 from ...kernels import use_kernels
 from ..base import (
+    COLUMNWISE_IN_BACKWARD_ATTR,
     QuantizedTensor,
     Quantizer,
     check_amax_epsilon,
@@ -143,10 +144,15 @@ class Float8BlockQuantizer(Quantizer):
         if not self._quantizes_as(Float8BlockQuantizer):
             return super().graph_operand(t, grad=grad)
         if isinstance(t, Float8BlockwiseTensor):  # a weight that arrives quantized
-            if (t.block_scaling_dim != 2 or self.block_scaling_dim != 2
-                    or t.rowwise_data is None or t.fp8_dtype != self.fp8_dtype):
-                return "a block FP8 weight that is not rowwise 128x128 blocks of this format"
-            return graph.GivenBlocks(self.fp8_dtype)
+            dim = t.block_scaling_dim
+            later = (dim == 1 and t.columnwise_data is None
+                     and getattr(t, COLUMNWISE_IN_BACKWARD_ATTR, False))
+            if (dim != self.block_scaling_dim or t.rowwise_data is None
+                    or t.fp8_dtype != self.fp8_dtype
+                    or not (dim == 2 or later or t.columnwise_data is not None)):
+                return ("a block FP8 weight that is not this format's blocks, with its "
+                        "columnwise data where it does not derive")
+            return graph.GivenBlocks(self.fp8_dtype, dim, later)
         return graph.Blockwise(self.fp8_dtype, self.block_scaling_dim, self.force_pow_2_scales,
                                self.amax_epsilon, kernel=use_kernels(t))
 
