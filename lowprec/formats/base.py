@@ -64,6 +64,7 @@ from .quantized_tensor import (
     _view,
     _view_shape,
     aten,
+    columnwise_from_backward,
     contiguous_data,
     keep_quantized,
     register_safe_globals,
@@ -81,7 +82,8 @@ __all__ = [
     "_CONVERSIONS",
     "keep_quantized", "_flat_tensors", "user_attributes", "_is_parameter",
     "_rebuild_quantized_tensor", "_HANDLERS", "_HANDLERS_BY_PACKET", "_handles", "_detach",
-    "_clone", "_copy", "REQUANTIZE_ATTR", "COLUMNWISE_IN_BACKWARD_ATTR", "_requantize_into",
+    "_clone", "_copy", "REQUANTIZE_ATTR", "COLUMNWISE_IN_BACKWARD_ATTR",
+    "columnwise_from_backward", "_requantize_into",
     "_like_args", "_to_copy",
     "_empty_like", "_view_shape", "_view", "_as_strided", "register_safe_globals",
     # quantizer

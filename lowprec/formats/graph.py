@@ -161,6 +161,18 @@ def _transposed_in_backward_fake(t, grad, rows):
     return t.new_empty((t.numel() // rows, rows))
 
 
+def gathered_columnwise(data: torch.Tensor, scale: torch.Tensor, grad: torch.Tensor,
+                        packing: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(columnwise codes, columnwise scales) of an (N, K) weight that the backward's
+    gather brought into the kept rowwise buffers ``data`` and ``scale``, read in the
+    backward (:func:`transposed_in_backward`). They travel transposed: codes in N /
+    ``packing`` rows (elements a byte), scales in N / ``block`` rows (the columnwise
+    blocks run along N)."""
+    n = data.shape[0]
+    return (transposed_in_backward(data, grad, n // packing),
+            transposed_in_backward(scale, grad, n // block))
+
+
 class GraphOperand:
     """A quantizer's traced form (see the module docstring). Subclasses, frozen dataclasses
     of the quantizer's settings, implement :meth:`rowwise`, :meth:`columnwise` and

@@ -562,6 +562,13 @@ REQUANTIZE_ATTR = "_lowprec_requantize"
 COLUMNWISE_IN_BACKWARD_ATTR = "_lowprec_columnwise_in_backward"
 
 
+def columnwise_from_backward(t: QuantizedTensor) -> bool:
+    """Whether ``t`` holds no columnwise data and the backward's gather brings it into its
+    rowwise buffers (``COLUMNWISE_IN_BACKWARD_ATTR``). A function, not a method: dynamo
+    traces it, where it would take a method of a tensor subclass for a torch op."""
+    return t.columnwise_data is None and bool(getattr(t, COLUMNWISE_IN_BACKWARD_ATTR, False))
+
+
 def _requantize_into(dst: QuantizedTensor, src: torch.Tensor, op: str = "copy_") -> QuantizedTensor:
     """``dst.copy_(src)`` of high-precision values (or an in-place ``op``'s result):
     re-quantized in place by the quantizer the parameter's module gives (``load_state_dict``

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import graph_op
-from ..graph import Blocks, GraphOperand, Kind, rounded, transposed_in_backward
+from ..graph import Blocks, GraphOperand, Kind, gathered_columnwise, rounded
 from .launch import fp8_block_quantize, fp8_block_quantize_inline
 from .reference import BLOCK, dequantize_blocks, quantize_blocks
 
@@ -156,10 +156,8 @@ class GivenBlocks(_BlockForms):
         data, scale = saved
         if self.dim == 2:
             return _transposed(Blocks(data, scale, 2))
-        if self.columnwise_in_backward:  # (K, N) codes and (K, N/128) scales, sent transposed
-            n = data.shape[0]
-            data, scale = (transposed_in_backward(data, grad, n),
-                           transposed_in_backward(scale, grad, n // BLOCK))
+        if self.columnwise_in_backward:
+            data, scale = gathered_columnwise(data, scale, grad, 1, BLOCK)
         return Blocks(data.contiguous(), scale.contiguous(), 1)
 
     def columnwise(self, w):

@@ -6,12 +6,12 @@ import torch
 
 from ...kernels import use_kernels
 from ..base import (
-    COLUMNWISE_IN_BACKWARD_ATTR,
     QuantizedTensor,
     Quantizer,
     check_amax_epsilon,
     check_bool_option,
     check_divisible,
+    columnwise_from_backward,
 )
 from ..casting import check_fp8_dtype
 from . import graph, launch
@@ -145,8 +145,7 @@ class Float8BlockQuantizer(Quantizer):
             return super().graph_operand(t, grad=grad)
         if isinstance(t, Float8BlockwiseTensor):  # a weight that arrives quantized
             dim = t.block_scaling_dim
-            later = (dim == 1 and t.columnwise_data is None
-                     and getattr(t, COLUMNWISE_IN_BACKWARD_ATTR, False))
+            later = dim == 1 and columnwise_from_backward(t)
             if (dim != self.block_scaling_dim or t.rowwise_data is None
                     or t.fp8_dtype != self.fp8_dtype
                     or not (dim == 2 or later or t.columnwise_data is not None)):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..graph import Exact, GraphOperand, Kind, rounded, transposed_in_backward
+from ..graph import Exact, GraphOperand, Kind, gathered_columnwise, rounded
 from .compiled import dequantized_1x32, dequantized_32x1
 from .dequantize import mxfp8_dequantize_bf16
 from .launch import mxfp8_exact_inline, mxfp8_quantize
@@ -117,10 +117,8 @@ class GivenMX(GraphOperand):
 
     def saved_columnwise(self, saved, grad=None):
         data, scale = saved
-        if self.columnwise_in_backward:  # (K, N) codes and (K, N/32) scales, sent transposed
-            n = data.shape[0]
-            data, scale = (transposed_in_backward(data, grad, n),
-                           transposed_in_backward(scale, grad, n // BLOCK))
+        if self.columnwise_in_backward:
+            data, scale = gathered_columnwise(data, scale, grad, 1, BLOCK)
         return self._values(data, scale)
 
     def columnwise(self, w):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import use_kernels
-from ..base import COLUMNWISE_IN_BACKWARD_ATTR, Quantizer, check_bool_option, check_divisible
+from ..base import Quantizer, check_bool_option, check_divisible, columnwise_from_backward
 from ..casting import check_fp8_dtype
 from ..exact import ExactTensor
 from ..gemm_slicer import block_gemm_slicer
@@ -120,7 +120,7 @@ class MXFP8Quantizer(Quantizer):
         if self.with_2d_quantization:
             return "MXFP8 with 2D (32x32) blocks has no traced form"
         if isinstance(t, MXFP8Tensor):  # a weight that arrives quantized: read as it is
-            later = t.columnwise_data is None and getattr(t, COLUMNWISE_IN_BACKWARD_ATTR, False)
+            later = columnwise_from_backward(t)
             if (t.rowwise_data is None or t.with_2d_quantization or t.fp8_dtype != self.fp8_dtype
                     or (t.columnwise_data is None and not later)
                     or t.dim() != 2 or t.shape[0] % BLOCK or t.shape[1] % BLOCK):

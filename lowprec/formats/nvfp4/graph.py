@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..graph import Exact, GraphOperand, Kind, rounded, transposed_in_backward
+from ..graph import Exact, GraphOperand, Kind, gathered_columnwise, rounded
 from . import compiled as fp4
 from .launch import nvfp4_dequantize_unscaled_bf16, nvfp4_quantize
 from .reference import BLOCK, dequantize_matrix
@@ -165,10 +165,8 @@ class GivenFP4(GraphOperand):
             row = self._values(*saved)
             return Exact(row.values.t().contiguous(), row.divisor)
         data, scale, glob = saved
-        if self.columnwise_in_backward:  # (K, N/2) codes, (K, N/16) scales, sent transposed
-            n = data.shape[0]
-            data, scale = (transposed_in_backward(data, grad, n // 2),
-                           transposed_in_backward(scale, grad, n // BLOCK))
+        if self.columnwise_in_backward:
+            data, scale = gathered_columnwise(data, scale, grad, 2, BLOCK)
         return self._values(data, scale, glob)
 
     def columnwise(self, w):

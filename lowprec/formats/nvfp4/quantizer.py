@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import use_kernels
-from ..base import COLUMNWISE_IN_BACKWARD_ATTR, Quantizer, check_bool_option, check_divisible
+from ..base import Quantizer, check_bool_option, check_divisible, columnwise_from_backward
 from ..exact import ExactTensor
 from ..gemm_slicer import GemmSlicer
 from ..rht import rht_forward
@@ -266,8 +266,7 @@ class NVFP4Quantizer(Quantizer):
             return "NVFP4 on CUDA traces with its Triton kernels only"
         if isinstance(t, NVFP4Tensor):  # a weight that arrives quantized: read as it is
             two_d = t.with_2d_quantization
-            later = (not two_d and t.columnwise_data is None
-                     and getattr(t, COLUMNWISE_IN_BACKWARD_ATTR, False))
+            later = not two_d and columnwise_from_backward(t)
             if (t.rowwise_data is None or t.with_rht or t.dim() != 2
                     or t.shape[0] % BLOCK or t.shape[1] % BLOCK
                     or not (two_d or later or t.columnwise_data is not None)):
