@@ -2,8 +2,8 @@
 
 One step is forward + backward + fused AdamW on ``tokens`` tokens (``--optim``: also
 ``lowprec.optim.AdamW`` with low-precision state, its step time and the state's bytes a
-parameter in the last columns). Every Linear but ``lm_head`` runs through the peer under
-test. Peers, all in one process and run:
+parameter in the last columns). Every Linear but ``lm_head`` (all of them with
+``--lm-head``) runs through the peer under test. Peers, all in one process and run:
 
 * ``bf16``: plain bf16, eager and ``torch.compile``;
 * ``torchao-tensorwise`` / ``torchao-rowwise``: torchao float8 training, compiled
@@ -55,6 +55,8 @@ MODELS = {
     "1b": (2048, 8192, 8, 16, 8, 2048, 4),
     "8b-wide": (4096, 14336, 4, 32, 8, 4096, 2),
     "tiny": (256, 512, 2, 4, 2, 128, 2),
+    # the shapes of compare's ``lowprec make-llama`` model (README), untied head
+    "110m": (768, 2048, 12, 12, 12, 512, 16),
 }
 
 RECIPES = {
@@ -89,17 +91,19 @@ def not_lm_head(module, name: str) -> bool:
     return "lm_head" not in name
 
 
-def make_peer(peer: str, model: str, device: str, mode: str):
-    """(model, autocast context factory or None) for one peer."""
+def make_peer(peer: str, model: str, device: str, mode: str, head: bool = False):
+    """(model, autocast context factory or None) for one peer; ``head``: the output head is
+    converted too (as ``lowprec compare`` does)."""
     m = build(model, device)
+    converted = None if head else not_lm_head
     ctx = None
     if peer.startswith("torchao-"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         cfg = Float8LinearConfig.from_recipe_name(peer.split("-", 1)[1])
-        convert_to_float8_training(m, config=cfg, module_filter_fn=not_lm_head)
+        convert_to_float8_training(m, config=cfg, module_filter_fn=converted)
     elif peer.startswith("lowprec-"):
         recipe = RECIPES[peer.split("-", 1)[1]]()
-        lowprec.convert_model(m, module_filter_fn=not_lm_head)
+        lowprec.convert_model(m, module_filter_fn=converted)
         ctx = lambda: lowprec.autocast(recipe=recipe)  # noqa: E731
     if mode == "checkpointed":  # eager, with Hugging Face's gradient checkpointing
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -157,7 +161,7 @@ def _print_compile_times(peer: str, mode: str, top: int = 14) -> None:
 
 def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: int,
              top_kernels: int = 0, optim: str = "torch", losses: list | None = None,
-             compile_times: bool = False):
+             compile_times: bool = False, head: bool = False):
     """(median step ms, warm-up seconds, peak GiB, graph breaks, GPU kernel ms, kernels,
     median forward host ms, median optimizer-step ms, state bytes a parameter); with
     ``top_kernels``, prints that many of the step's heaviest kernels.
@@ -170,7 +174,7 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
     step's loss in order (fp32), read once the run is over (no sync a step)."""
     torch._dynamo.utils.counters.clear()
     mode, _, every = mode.partition("-rec")  # "eager-rec100": lowprec.debug.Recorder on
-    m, ctx = make_peer(peer, model, device, mode)
+    m, ctx = make_peer(peer, model, device, mode, head)
     recorder = lowprec.debug.Recorder(m, every=int(every)) if every else None
     graphed = mode == "graphed"
     if graphed and optim != "torch":
@@ -264,7 +268,7 @@ def release() -> None:
     torch._dynamo.reset()
 
 
-def _row(model, tokens, peer, mode, res, results):
+def _row(model, tokens, peer, mode, res, results, head=False):
     ms, warm, peak, breaks, gpu_ms, kernels, fwd_ms, opt_ms, state_b = res
     host = 1 - gpu_ms / ms
     base_e, base_c = results.get(("bf16", "eager")), results.get(("bf16", "compiled"))
@@ -275,7 +279,8 @@ def _row(model, tokens, peer, mode, res, results):
     line = (f"{peer:24s} {mode:8s} {ms:9.2f} {tokens / ms * 1e3:10.0f} {se:13.2f}x "
             f"{sc:13.2f}x {peak:9.2f} {pk:11.2f}x {breaks:6d} {gpu_ms:8.2f} {host:6.1%} "
             f"{kernels:8.0f} {fwd_ms:8.2f} {opt_ms:7.2f} {state_b:6.2f}")
-    row = dict(bench="model", shape=f"{model} {tokens}tok", recipe=f"{peer} {mode}",
+    shape = f"{model} {tokens}tok" + (" +head" if head else "")
+    row = dict(bench="model", shape=shape, recipe=f"{peer} {mode}",
                metric="step_ms", value=round(ms, 3), baseline="bf16 eager",
                baseline_value=round(base_e[0], 3) if base_e else "",
                ratio=round(se, 4) if base_e else "",
@@ -323,6 +328,8 @@ def main() -> None:
                     help="print where each compiled peer's warm-up went (dynamo's phases)")
     ap.add_argument("--top-kernels", type=int, default=0,
                     help="print each peer's N heaviest kernels (GPU ms a step)")
+    ap.add_argument("--lm-head", action="store_true",
+                    help="quantize the output head too (as lowprec compare does)")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     bf16_modes = [m for m in (args.bf16 or args.modes).split(",") if m]
@@ -354,7 +361,7 @@ def main() -> None:
         try:
             results[(peer, mode)] = run_peer(peer.partition("+")[0], args.model, args.device,
                                              mode, args.steps, args.warmup, args.top_kernels,
-                                             optim, losses, args.compile_times)
+                                             optim, losses, args.compile_times, args.lm_head)
         except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
             print(f"{peer:24s} {mode:8s} FAILED: {type(exc).__name__}: {str(exc)[:300]}",
                   flush=True)
@@ -364,7 +371,8 @@ def main() -> None:
         if losses:
             shown = " ".join(f"{v:.6f}" for v in torch.stack(losses[:args.losses]).tolist())
             print(f"    {peer} {mode} losses: {shown}", flush=True)
-        line, row = _row(args.model, tokens, peer, mode, results[(peer, mode)], results)
+        line, row = _row(args.model, tokens, peer, mode, results[(peer, mode)], results,
+                          args.lm_head)
         lines.append(line)
         print(line, flush=True)
         if args.device == "cuda":
