@@ -82,7 +82,9 @@ def _bf16_domain(kind: Kind) -> str | None:
         return "rht" if kind.rht else "original"
     if kind.name == "plain":
         return "original" if kind.dtype == torch.bfloat16 else None
-    return None  # block FP8 goes through cuBLAS's block GEMM only, in a graph
+    if kind.name == "blocks":  # data / scale is exact in bf16 for power-of-two scales
+        return "original" if kind.pow2 else None
+    return None
 
 
 def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype, bias: bool,
@@ -106,7 +108,7 @@ def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype, bias
                 and k % 128 == 0 and m % 16 == 0 and n % 16 == 0
                 and block_scales_fit(a.dim, b.dim, k)):
             return "cublas_fp8_block"
-        return "no traced GEMM of these block operands on CUDA"
+        # else eager's next backend: the bf16 GEMM of the exact values (below)
     da, db = _bf16_domain(a), _bf16_domain(b)
     if da is not None and da == db:
         return "exact_bf16"
@@ -166,18 +168,21 @@ def _cublas_fp8_block(a: Blocks, b: Blocks, out_dtype, bias, ops=None):
     return _with_bias(res, bias, fused, out_dtype)
 
 
-def _bf16_operand(rep):
-    """(exact bf16 matrix, fp32 divisor or None), as ``QuantizedTensor.bf16_operand``."""
+def _bf16_operand(rep, form):
+    """(exact bf16 matrix, fp32 divisor or None) of ``rep``, an operand of ``form``, as
+    ``QuantizedTensor.bf16_operand``."""
     if isinstance(rep, Fp8):
         return rep.data.to(torch.bfloat16), rep.scale
     if isinstance(rep, Exact):  # stored contiguous by eager's quantize
         return rep.values.to(torch.bfloat16).contiguous(), rep.divisor
+    if isinstance(rep, Blocks):  # power-of-two scales (``_bf16_domain``)
+        return form.bf16_values(rep), None
     return rep.values, None  # an IdentityTensor's data, perhaps a transposed view
 
 
-def _exact_bf16(a, b, out_dtype, bias, ops=None):
-    am, div_a = _bf16_operand(a)
-    bm, div_b = _bf16_operand(b)
+def _exact_bf16(a, b, out_dtype, bias, ops):
+    am, div_a = _bf16_operand(a, ops[0][0])
+    bm, div_b = _bf16_operand(b, ops[1][0])
     if bias is not None and div_a is None and div_b is None and out_dtype == torch.bfloat16:
         return steps.bias_mm(bias, am, bm)  # exact_product's bias epilogue
     return exact_product(am, div_a, bm, div_b, out_dtype, bias, in_graph=True)

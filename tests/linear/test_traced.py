@@ -332,6 +332,53 @@ def test_cuda_shapes_cublas_does_not_take_run_eagers_next_backend():
             assert torch.equal(a, b)
 
 
+def test_block_pairs_cublas_does_not_take_route_as_eager():
+    """The traced GEMM table picks eager's backend for block FP8 pairs on CUDA: cuBLAS's
+    block GEMM where it takes the pair, else (128x128 scales over K/128 not a multiple of 4,
+    128x128 x 128x128, E5M2 x E5M2) the bf16 GEMM of the exact values, which power-of-two
+    scales make exact; scales not known to be powers of two do not trace."""
+    from lowprec.formats import Kind
+    from lowprec.linear.traced import route
+
+    e4, e5, bf16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
+    x, w, dy = Kind("blocks", e4, 1), Kind("blocks", e4, 2), Kind("blocks", e5, 1)
+    assert route(x, w, 256, 512, 512, bf16, False, True) == "cublas_fp8_block"
+    assert route(x, w, 256, 512, 768, bf16, False, True) == "exact_bf16"  # 768 / 128 = 6
+    assert route(w, w, 256, 512, 512, bf16, False, True) == "exact_bf16"
+    assert route(dy, dy, 256, 512, 512, bf16, False, True) == "exact_bf16"
+    assert route(dy, x, 256, 512, 512, bf16, False, True) == "cublas_fp8_block"
+    assert route(x, Kind("fp8", e4), 256, 512, 512, bf16, False, True) == "exact_bf16"
+    unknown = Kind("blocks", e4, 2, pow2=False)
+    assert route(x, unknown, 256, 512, 768, bf16, False, True).startswith("no ")
+    assert route(x, w, 256, 512, 768, bf16, False, False) == "emulated"  # CPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_block_pairs_cublas_does_not_take_trace_bit_identical():
+    """Hidden 768 (a 110M Llama) under Float8BlockScaling: fprop and dgrad contract over
+    K/128 = 3 and 6 blocks of the 128x128 weight, which cuBLAS's block GEMM does not take,
+    so eager multiplies the exact bf16 values; the compiled linear traces the same GEMMs
+    (no opaque call) and matches eager, and the eager Function, bit for bit."""
+    recipe = Float8BlockScaling()
+    torch.manual_seed(0)
+    lin = lowprec.Linear(384, 768, bias=False, name="l", params_dtype=torch.bfloat16,
+                         device="cuda")
+    x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    assert plan_of(recipe, x.requires_grad_(), lin.weight).routes == (
+        "exact_bf16", "exact_bf16", "cublas_fp8_block")
+    dy = torch.randn(256, 768, device="cuda", dtype=torch.bfloat16)
+    want = _run(lin, lin, x, dy, recipe)
+    with lowprec.linear.traced.eager_plans_off():
+        function = _run(lin, lin, x, dy, recipe)
+    ops = GraphOps()
+    got = _run(torch.compile(lin, backend=ops, fullgraph=True), lin, x, dy, recipe)
+    assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
+    torch._dynamo.reset()
+    inductor = _run(torch.compile(lin, backend="inductor", fullgraph=True), lin, x, dy, recipe)
+    for a, b, c, d in zip(want, function, got, inductor):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+
+
 def _amaxes(device):
     """fp32 amaxes over the whole range: random bit patterns (positive, finite), subnormals,
     and the special values."""

@@ -18,6 +18,7 @@ import torch
 
 from ...kernels import graph_op
 from ..graph import Blocks, GraphOperand, Kind, gathered_columnwise, rounded
+from .dequant import dequantize_bf16
 from .launch import fp8_block_quantize, fp8_block_quantize_inline
 from .reference import BLOCK, dequantize_blocks, quantize_blocks
 
@@ -46,6 +47,12 @@ def _transposed(rep: Blocks) -> Blocks:
 class _BlockForms(GraphOperand):
     def dequantized(self, rep, dtype, usage="rowwise"):
         return dequantized_blocks(rep.data, rep.scale, rep.dim, dtype)
+
+    def bf16_values(self, rep: Blocks) -> torch.Tensor:
+        """The bf16 values of blocks with power-of-two scales (exact), through eager's
+        dequantize (``Float8BlockwiseTensor.bf16_operand``): the operand of the bf16 GEMM
+        eager runs where cuBLAS's block GEMM does not take the pair."""
+        return dequantize_bf16(rep.data, rep.scale, rep.dim)
 
 
 @dataclass(frozen=True)
@@ -142,7 +149,9 @@ class GivenBlocks(_BlockForms):
     given = True
 
     def kind(self, usage):
-        return Kind("blocks", self.fp8_dtype, self.dim)
+        # whether its scales are powers of two is not known from the settings (eager reads
+        # them back): the pair traces through cuBLAS's block GEMM or not at all
+        return Kind("blocks", self.fp8_dtype, self.dim, pow2=False)
 
     def rowwise(self, w):
         return Blocks(w.rowwise_data, w.rowwise_scale, self.dim)
