@@ -104,21 +104,22 @@ def _module_of(handle: torch.Tensor) -> torch.nn.Module:
 
 
 @torch.library.custom_op("lowprec::record_amaxes", mutates_args=("amax",))
-def record_amaxes(amax: torch.Tensor, seen: torch.Tensor, handle: torch.Tensor) -> None:
+def record_amaxes(amax: torch.Tensor, seen: torch.Tensor, handle: torch.Tensor,
+                  start: int = 0) -> None:
     """A traced delayed-scaling forward's record, run where the autocast region is real
-    (entered around the compiled call): ``amax[:n]`` takes the max with ``seen`` (n,), and
-    the module's forward state joins the region's update, as an eager forward's does. An
-    op rather than traced Python: the region's list is appended to at run time, beside
-    the opaque calls' own appends."""
-    n = seen.numel()
-    torch.maximum(amax[:n], seen, out=amax[:n])
+    (entered around the compiled call): ``amax[start:start + n]`` takes the max with
+    ``seen`` (n,), and the module's forward state joins the region's update, as an eager
+    forward's does. An op rather than traced Python: the region's list is appended to at
+    run time, beside the opaque calls' own appends."""
+    at = amax[start:start + seen.numel()]
+    torch.maximum(at, seen, out=at)
     state = _module_of(handle).__dict__["_recipe_states"]["forward"].delayed
     state.pending = True
     register_delayed_state(state)
 
 
 @record_amaxes.register_fake
-def _record_amaxes_fake(amax, seen, handle):
+def _record_amaxes_fake(amax, seen, handle, start=0):
     return None
 
 

@@ -335,18 +335,18 @@ def _delayed_update_fake(history, amax_current, scale, fp8_max, most_recent, mar
 
 def _delayed_forward(plan: TracedPlan, x2d, weight, fwd):
     """fprop's operands under delayed scaling: cast with the state's scales, their amaxes
-    recorded into it (slot 0 the input, 1 the weight)."""
-    scale, amax, handle = fwd
+    recorded into it (slot ``s`` the input, ``s + 1`` the weight)."""
+    scale, amax, handle, s = fwd
     seen = torch.cat([plan.x.amax(x2d), plan.w.amax(weight)])
     # Backward recasts x and W with these scales, so it keeps this copy: recomputed from
     # the state, it would read scales the region's update has moved since (autograd's
     # version check then raises). A cat is an op the partitioner saves, not recomputes.
-    scales = scale_in_use(torch.cat([scale[0:1], scale[1:2]]), seen)
+    scales = scale_in_use(torch.cat([scale[s:s + 1], scale[s + 1:s + 2]]), seen)
     xs, ws = scales[0:1], scales[1:2]
     if handle is None:  # the region is in the graph
-        amax[:2].copy_(torch.maximum(amax[:2], seen))
+        amax[s:s + 2].copy_(torch.maximum(amax[s:s + 2], seen))
     else:
-        torch.ops.lowprec.record_amaxes(amax, seen, handle)
+        torch.ops.lowprec.record_amaxes(amax, seen, handle, s)
     xd, wd = decode_scale(xs).reshape(()), decode_scale(ws).reshape(())
     return ((Fp8(plan.x.cast(x2d, xs), xs, xd), (x2d, xs, xd)),
             (Fp8(plan.w.cast(weight, ws), ws, wd), (weight, ws, wd)))
@@ -432,12 +432,14 @@ class TracedLinear(torch.autograd.Function):
             return TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
         if plan.delayed:
             scale, amax, history, fp8_max = saved[nx + nw:]
-            dyq, dys, seen = plan.dy.delayed(dy2d, scale[0:1])
-            amax[0:1].copy_(torch.maximum(amax[0:1], seen))
+            most_recent, margin, s, updates = ctx.update
+            dyq, dys, seen = plan.dy.delayed(dy2d, scale[s:s + 1])
+            amax[s:s + 1].copy_(torch.maximum(amax[s:s + 1], seen))
             dyd = decode_scale(dys).reshape(())
             dy = (Fp8(dyq, dys, dyd), Fp8(dyq.t().contiguous(), dys, dyd))
             dx, dw = TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
-            delayed_update(history, amax, scale, fp8_max, *ctx.update)
+            if updates:  # the module's last GEMM to run backward: its whole state's update
+                delayed_update(history, amax, scale, fp8_max, most_recent, margin)
             return dx, dw
         sliced = plan.split is not None and need_dx and need_dw
         dy = None if sliced else plan.dy.grad(dy2d, need_dx, need_dw)
@@ -473,13 +475,26 @@ class TracedLinear(torch.autograd.Function):
         return dx, dw
 
 
+def delayed_refusal(delayed) -> str | None:
+    """Why a delayed-scaling call with these states (``traced_linear``'s ``delayed``) stays
+    opaque, or None: the traced update computes the amax as ``"max"`` or
+    ``"most_recent"`` only."""
+    if delayed[3].amax_compute_algo not in ("max", "most_recent"):
+        return "delayed scaling with a callable amax_compute_algo"
+    return None
+
+
 def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None, delayed=None, plan: TracedPlan | None = None):
+                  bias: torch.Tensor | None, delayed=None, plan: TracedPlan | None = None, *,
+                  gemm: int = 0, updates: bool = True):
     """``x @ weight.T + bias`` quantized by ``quantizers`` in ops the compiler traces, or the
     reason (a string) where :func:`plan_for` has no plan (the caller keeps the opaque op).
     ``delayed``: the (forward, backward) delayed-scaling states and the module's handle
-    that a delayed-scaling call records into. ``plan``: :func:`plan_for`'s plan, where
-    the caller has asked for it already (for an input of the same shape and dtype).
+    that a delayed-scaling call records into; ``gemm``: which of the module's GEMMs this is
+    (its slots in the states); ``updates``: whether its backward, the module's last to run,
+    updates the backward state (eager's end-of-backward callback). ``plan``:
+    :func:`plan_for`'s plan, where the caller has asked for it already (for an input of the
+    same shape and dtype).
 
     Under ``torch.autocast`` the operands are first cast to its dtype (differentiably, so
     an fp32 weight gets an fp32 gradient) and the rest runs with autocast off, as
@@ -503,12 +518,15 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         return "delayed scaling without its state"
     args = (x, weight, bias, plan, torch.is_grad_enabled(), None, None)
     if delayed is not None:
+        refused = delayed_refusal(delayed)
+        if refused is not None:
+            return refused
         fwd, bwd, handle, recipe = delayed
-        if recipe.amax_compute_algo not in ("max", "most_recent"):
-            return "delayed scaling with a callable amax_compute_algo"
-        args = args[:5] + ((fwd.scale, fwd.amax_current, handle),
+        # a GEMM's slots: (input, weight, output) forward, (grad_output, grad_input) backward
+        args = args[:5] + ((fwd.scale, fwd.amax_current, handle, 3 * gemm),
                            (bwd.scale, bwd.amax_current, bwd.amax_history, bwd.fp8_max,
-                            recipe.amax_compute_algo == "most_recent", float(recipe.margin)))
+                            recipe.amax_compute_algo == "most_recent", float(recipe.margin),
+                            2 * gemm, updates))
     if amp is None:
         y = TracedLinear.apply(*args)
     else:

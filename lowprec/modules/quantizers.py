@@ -29,8 +29,7 @@ class CallQuantizersMixin:
                 and all(type(w) in (torch.Tensor, nn.Parameter) and w.dtype == x.dtype
                         for w in weights))
 
-    def traced_quantizers(self, x: torch.Tensor, *weights: torch.Tensor,
-                          stateful_ok: bool = True):
+    def traced_quantizers(self, x: torch.Tensor, *weights: torch.Tensor):
         """(per-GEMM ``LinearQuantizers``, backward mode, delayed-scaling states or None)
         that a compiled call traces its GEMMs with (``lowprec.linear.traced``), or the
         reason (a string) it stays one opaque call.
@@ -40,8 +39,7 @@ class CallQuantizersMixin:
         quantizers' settings alone: same-shaped layers whose quantizers agree share one
         compiled code, whatever their names or states. Delayed scaling reads the state
         the module keeps (:meth:`traced_delayed_states`), which joins the autocast region's
-        update; a module whose traced form does not take that state says so with
-        ``stateful_ok=False``, before anything is joined."""
+        update."""
         region = active_region()
         if region is None:
             return "outside lowprec.autocast"
@@ -62,8 +60,6 @@ class CallQuantizersMixin:
         recipe = region.recipe
         delayed = None
         if stateful(recipe):
-            if not stateful_ok:
-                return f"{type(self).__name__} under {type(recipe).__name__}"
             states = self.traced_delayed_states(recipe)
             if states is None:
                 return "delayed scaling before its state exists, without gradients or checkpointed"

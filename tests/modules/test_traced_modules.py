@@ -131,16 +131,76 @@ def test_traced_modules_inductor_bit_identical(kind, recipe_name, device):
     _assert_same(want, got)
 
 
+@pytest.mark.parametrize("kind", ["ln_linear", "mlp_gelu", "mlp_swiglu"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_layernorm_linear_delayed_traced(device):
-    """Delayed scaling: LayerNormLinear's one GEMM records into its state as Linear's does
-    (the state made as the first call is traced); LayerNormMLP keeps the opaque call."""
-    want, got, ops = _case("ln_linear", "delayed", device, True, "aot_eager")
+def test_norm_modules_delayed_traced(kind, device):
+    """Delayed scaling: each GEMM of LayerNormLinear and LayerNormMLP records into its slots
+    of the module's states, as Linear's does (the states made as the first call is
+    traced), and LayerNormMLP's backward state is updated once, after fc1's backward."""
+    want, got, ops = _case(kind, "delayed", device, True, "aot_eager")
     _assert_same(want, got)
     assert _traced_graphs(ops) and any("graph_norm" in t for t in ops.targets)
-    want, got, ops = _case("mlp_gelu", "delayed", device, True, "aot_eager")
-    _assert_same(want, got)
-    assert not any("graph_norm" in t for t in ops.targets)
+
+
+def _delayed_states(m):
+    states = m.__dict__["_recipe_states"]
+    return [t.clone() for mode in ("forward", "backward") for t in
+            (states[mode].delayed.scale, states[mode].delayed.amax_history,
+             states[mode].delayed.amax_current)]
+
+
+@pytest.mark.parametrize("frozen", [(), ("x",), ("x", "layer_norm_weight", "layer_norm_bias",
+                                                  "fc1_weight", "fc1_bias")],
+                         ids=["trained", "input_frozen", "fc1_frozen"])
+@pytest.mark.parametrize("inside", [False, True], ids=["region_outside", "region_inside"])
+def test_layernorm_mlp_delayed_states_over_steps(frozen, inside):
+    """Four steps of LayerNormMLP under delayed scaling (history 3), eager against compiled
+    with the autocast region around or inside the compiled call (where the first call,
+    which makes the states, stays opaque and the next ones trace): outputs, gradients and
+    both states (scales, histories, pending amaxes) bit for bit after every step, also where
+    fc1 needs no gradient (fc2's backward then updates the backward state, as eager's
+    callback does after the one GEMM backward that runs)."""
+    recipe = DelayedScaling(amax_history_len=3)
+    torch.manual_seed(0)
+    a = _module("mlp_gelu", "cpu", torch.float32, True)
+    _perturb(a)
+    b = _module("mlp_gelu", "cpu", torch.float32, True)
+    b.load_state_dict(a.state_dict())
+    for m in (a, b):
+        for name in frozen:
+            if name != "x":
+                getattr(m, name).requires_grad_(False)
+    ops = GraphOps()
+    if inside:
+        def body(x):
+            with lowprec.autocast(recipe=recipe):
+                return b(x)
+        compiled = torch.compile(body, backend=ops, fullgraph=True)
+    else:
+        compiled = torch.compile(b, backend=ops, fullgraph=True)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(2, 64, HIDDEN, generator=g) * (1 + step)
+        dy = torch.randn(2, 64, HIDDEN, generator=g)
+        outs = []
+        for fn, m, region in ((a, a, True), (compiled, b, not inside)):
+            xi = x.clone().requires_grad_("x" not in frozen)
+            for p in m.parameters():
+                p.grad = None
+            with lowprec.autocast(enabled=region, recipe=recipe):
+                y = fn(xi)
+            y.backward(dy)
+            outs.append([y.detach(), xi.grad] + [p.grad for p in m.parameters()
+                                                 if p.requires_grad] + _delayed_states(m))
+        want, got = outs
+        assert len(want) == len(got)
+        for i, (w, g_) in enumerate(zip(want, got)):
+            assert (w is None) == (g_ is None), (step, i)
+            assert w is None or torch.equal(w, g_), (step, i)
+    # with the region inside, the first call makes the states as an opaque call and the
+    # next ones trace
+    assert any("graph_norm" in t for t in ops.targets)
+    assert inside or _traced_graphs(ops)
 
 
 @pytest.mark.parametrize("kind", ["ln_linear", "mlp_gelu"])
