@@ -38,9 +38,10 @@ def _none(t: torch.Tensor) -> torch.Tensor:
 # ---- the norm ---------------------------------------------------------------------------------
 @graph_op("graph_norm")
 def _norm_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rms: bool,
-             eps: float, zero_centered_gamma: bool, kernel: bool
+             eps: float, zero_centered_gamma: bool, kernel: bool, dtype: torch.dtype
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(norm output in x's dtype, fp32 (M,) mean (zeros for RMSNorm), fp32 (M,) rstd)."""
+    """(norm output in ``dtype``, fp32 (M,) mean (zeros for RMSNorm), fp32 (M,) rstd);
+    ``kernel`` (the fused kernel's computation) only for ``dtype`` x's."""
     m = x2d.shape[0]
     if kernel:  # as ``norm_quantize._NormQuantize`` computes it
         x2d = x2d.contiguous()
@@ -48,13 +49,13 @@ def _norm_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return apply_prologue(x2d, pro), mean, rstd
     y, mean, rstd = norm_fp32(x2d, rms, norm_gamma(weight, zero_centered_gamma), bias, eps)
     mean = rstd.new_zeros(m) if mean is None else mean.reshape(m)
-    return y.to(x2d.dtype), mean, rstd.reshape(m)
+    return y.to(dtype), mean, rstd.reshape(m)
 
 
 @torch.library.register_fake("lowprec::graph_norm")
-def _(x2d, weight, bias, rms, eps, zero_centered_gamma, kernel):
+def _(x2d, weight, bias, rms, eps, zero_centered_gamma, kernel, dtype):
     m = x2d.shape[0]
-    return (torch.empty_like(x2d), x2d.new_empty((m,), dtype=torch.float32),
+    return (torch.empty_like(x2d, dtype=dtype), x2d.new_empty((m,), dtype=torch.float32),
             x2d.new_empty((m,), dtype=torch.float32))
 
 
@@ -81,9 +82,10 @@ def _(g2d, x2d, weight, bias, mean, rstd, rms, zero_centered_gamma, need_x, need
 
 class _GraphNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, rms, eps, zero_centered_gamma, kernel):
+    def forward(ctx, x, weight, bias, rms, eps, zero_centered_gamma, kernel, dtype):
         x2d = x.reshape(-1, x.shape[-1])
-        y, mean, rstd = _norm_op(x2d, weight, bias, rms, eps, zero_centered_gamma, kernel)
+        y, mean, rstd = _norm_op(x2d, weight, bias, rms, eps, zero_centered_gamma, kernel,
+                                 dtype)
         ctx.save_for_backward(x2d, weight, bias, mean, rstd)
         ctx.rms, ctx.zero_centered_gamma, ctx.x_shape = rms, zero_centered_gamma, x.shape
         return y.view(x.shape)
@@ -96,17 +98,19 @@ class _GraphNorm(torch.autograd.Function):
                                        ctx.rms, ctx.zero_centered_gamma, need_x, need_w,
                                        need_b and bias is not None)
         return (dx.view(ctx.x_shape) if need_x else None, dw if need_w else None,
-                db if need_b and bias is not None else None, None, None, None, None)
+                db if need_b and bias is not None else None, None, None, None, None, None)
 
 
-def graph_norm(module, x: torch.Tensor, *, kernel: bool) -> torch.Tensor:
+def graph_norm(module, x: torch.Tensor, *, kernel: bool,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
     """The norm of ``module`` (its ``layer_norm_*`` parameters, as ``norms.norm_into_gemm``
     reads them) of ``x``, in x's dtype: computed as eager's fused kernel computes it with
-    ``kernel``, else as ``norms.apply_norm``."""
+    ``kernel``, else as ``norms.apply_norm``, whose output under torch.autocast is in the
+    autocast dtype (``dtype``; its gradients stay in x's and the parameters' dtypes)."""
     rms = module.normalization == "RMSNorm"
     return _GraphNorm.apply(x, module.layer_norm_weight,
                             None if rms else module.layer_norm_bias, rms, float(module.eps),
-                            module.zero_centered_gamma, kernel)
+                            module.zero_centered_gamma, kernel, dtype or x.dtype)
 
 
 # ---- the activation ---------------------------------------------------------------------------

@@ -247,12 +247,14 @@ def _given_weight(quantizer, weight: QuantizedTensor):
 
 def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None = None, *, amp: bool = False,
-             input_grad: bool | None = None) -> TracedPlan | str:
+             input_grad: bool | None = None, weight_grad: bool | None = None
+             ) -> TracedPlan | str:
     """The traced plan of ``x @ weight.T (+ bias)`` with quantizers ``q`` (a
     ``LinearQuantizers``) under ``backward_mode``, or the reason the call stays one
     opaque op. ``amp``: under torch.autocast a quantized weight's nominal dtype need not
-    be the input's, as in eager mode. ``input_grad``: whether the input needs a gradient
-    (default: ``x.requires_grad``; for a stand-in of an input made later)."""
+    be the input's, as in eager mode. ``input_grad``, ``weight_grad``: whether the input
+    and the weight need a gradient (default: their ``requires_grad``; for stand-ins of
+    operands made later)."""
     if q is None:
         return "no quantizers"
     if q.output is not None or q.grad_input is not None:
@@ -272,7 +274,7 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
         return "an empty GEMM"
     grad = torch.is_grad_enabled()
     need_dx = grad and (x.requires_grad if input_grad is None else input_grad)
-    need_dw = grad and weight.requires_grad
+    need_dw = grad and (weight.requires_grad if weight_grad is None else weight_grad)
     default = backward_mode == BackwardMode.DEFAULT
     if any(feature_padding(q, x, weight)):
         return "eager pads K or N to whole blocks"
@@ -473,6 +475,25 @@ class TracedLinear(torch.autograd.Function):
                                 wc, ctx.x_dtype, None, ops)
                     for a in range(0, dy2d.shape[0], rows)])
         return dx, dw
+
+
+def planned(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None, *, input_grad: bool | None = None
+            ) -> TracedPlan | str:
+    """:func:`plan_for` of the operands :func:`traced_linear` reads, asked before they
+    exist (a module that must know every GEMM's plan before it traces the first): under
+    torch.autocast the input, a weight that is not quantized and the bias in its dtype,
+    from stand-ins of their shapes (dead ops in the graph)."""
+    amp = torch_autocast_dtype(x)
+    if amp is None:
+        return plan_for(q, backward_mode, x, weight, bias, input_grad=input_grad)
+    like = x.new_empty(x.shape, dtype=amp)
+    w_like = (weight if isinstance(weight, QuantizedTensor)
+              else weight.new_empty(weight.shape, dtype=amp))
+    b_like = None if bias is None else bias.new_empty(bias.shape, dtype=amp)
+    return plan_for(q, backward_mode, like, w_like, b_like, amp=True,
+                    input_grad=x.requires_grad if input_grad is None else input_grad,
+                    weight_grad=weight.requires_grad)
 
 
 def delayed_refusal(delayed) -> str | None:

@@ -11,7 +11,13 @@ from ..linear import quantized_linear, traced
 from ..recipe import torch_autocast_dtype
 from . import tensor_parallel as tpar
 from .base import LowprecModule
-from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params
+from .norms import (
+    check_normalization,
+    make_norm_params,
+    norm_into_gemm,
+    norm_output_grad,
+    reset_norm_params,
+)
 from .params import add_linear_params, release_fprop_copy
 
 
@@ -61,23 +67,22 @@ class LayerNormLinear(LowprecModule):
         """The call as torch.compile traces it: the norm as one op around eager's own
         computation (``lowprec.fused.graph``), then the linear traced as ``Linear``'s
         (``lowprec.linear.traced``); the reason (a string) where it stays one opaque op
-        (under torch.autocast too)."""
+        (under torch.autocast, the norm's output in the autocast dtype as eager's)."""
         if self.traced_plain_call(x, self.weight):
             ln = graph_norm(self, x, kernel=False)  # no quantizer: eager's unfused norm
             y = F.linear(ln, self.weight, self.bias)
             return (y, ln) if self.return_layernorm_output else y
-        if torch_autocast_dtype(x) is not None:
-            return "LayerNormLinear under torch.autocast"
         got = self.traced_quantizers(x, self.weight)
         if isinstance(got, str):
             return got
         (q,), mode, delayed = got
-        plan = traced.plan_for(q, mode, x, self.weight, self.bias)
+        plan = traced.planned(q, mode, x, self.weight, self.bias,
+                              input_grad=norm_output_grad(self, x))
         if isinstance(plan, str):
             return plan
         # eager fuses the norm into the quantize unless it returns the norm output
         ln = graph_norm(self, x, kernel=not self.return_layernorm_output
-                        and producer_kernel(x, q.input, mode))
+                        and producer_kernel(x, q.input, mode), dtype=torch_autocast_dtype(x))
         y = traced.traced_linear(q, mode, ln, self.weight, self.bias, delayed, plan)
         return (y, ln) if self.return_layernorm_output else y
 

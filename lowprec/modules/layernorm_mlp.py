@@ -13,7 +13,13 @@ from ..recipe import torch_autocast_dtype
 from . import tensor_parallel as tpar
 from .activations import get_activation
 from .base import LowprecModule
-from .norms import check_normalization, make_norm_params, norm_into_gemm, reset_norm_params
+from .norms import (
+    check_normalization,
+    make_norm_params,
+    norm_into_gemm,
+    norm_output_grad,
+    reset_norm_params,
+)
 from .params import add_linear_params, producer_usages, release_fprop_copy
 
 
@@ -78,7 +84,8 @@ class LayerNormMLP(LowprecModule):
         """The call as torch.compile traces it: the norm and the activation as one op each
         around eager's own computations (``lowprec.fused.graph``), both linears traced as
         ``Linear``'s (``lowprec.linear.traced``); the reason (a string) where it stays one
-        opaque op (under torch.autocast too). Under delayed scaling each GEMM records into
+        opaque op. Under torch.autocast the norm's output is in the autocast dtype, as
+        eager's, and the linears cast their operands. Under delayed scaling each GEMM records into
         its slots of the module's states, and the backward state is updated once, after
         the last GEMM's backward (fc1's, or fc2's where fc1 needs no gradient), as eager's
         end-of-backward callback does."""
@@ -86,8 +93,6 @@ class LayerNormMLP(LowprecModule):
         if self.traced_plain_call(x, w1, w2):  # no quantizer: eager's unfused norm and activation
             h1 = F.linear(graph_norm(self, x, kernel=False), w1, b1)
             return F.linear(graph_activation(self.activation, h1, kernel=False), w2, b2)
-        if torch_autocast_dtype(x) is not None:
-            return "LayerNormMLP under torch.autocast"
         got = self.traced_quantizers(x, w1, w2)
         if isinstance(got, str):
             return got
@@ -96,21 +101,21 @@ class LayerNormMLP(LowprecModule):
             return traced.delayed_refusal(delayed)  # before fc1 records anything
         # whether fc1's output, fc2's input, needs a gradient: then fc1's backward runs,
         # after fc2's
-        fc1_backward = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad
-            for t in (x, self.layer_norm_weight, self.layer_norm_bias, w1, b1))
+        ln_grad = norm_output_grad(self, x)
+        fc1_backward = torch.is_grad_enabled() and (
+            ln_grad or any(t is not None and t.requires_grad for t in (w1, b1)))
         # fc2's input is made below: a stand-in of its shape asks its plan first (a dead
         # op in the graph)
         a_like = x.new_empty((*x.shape[:-1], w2.shape[1]))
-        plans = (traced.plan_for(q1, mode, x, w1, b1),
-                 traced.plan_for(q2, mode, a_like, w2, b2,
-                                 input_grad=fc1_backward))
+        plans = (traced.planned(q1, mode, x, w1, b1, input_grad=ln_grad),
+                 traced.planned(q2, mode, a_like, w2, b2, input_grad=fc1_backward))
         for plan in plans:
             if isinstance(plan, str):
                 return plan
         # eager's fused norm and activation
         h1 = traced.traced_linear(q1, mode, graph_norm(
-            self, x, kernel=producer_kernel(x, q1.input, mode)), w1, b1, delayed,
+            self, x, kernel=producer_kernel(x, q1.input, mode),
+            dtype=torch_autocast_dtype(x)), w1, b1, delayed,
             plan=plans[0], gemm=0, updates=fc1_backward)
         a = graph_activation(self.activation, h1,
                              kernel=producer_kernel(a_like, q2.input, mode))

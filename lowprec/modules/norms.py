@@ -53,6 +53,14 @@ def apply_norm(x: torch.Tensor, normalization: str, weight: torch.Tensor,
         return _NormFn.apply(*args)
 
 
+def norm_output_grad(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the norm's output of ``x`` needs a gradient (the input or a norm parameter
+    does, with gradients on): the input gradient the GEMM after it computes."""
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (x, module.layer_norm_weight, getattr(module, "layer_norm_bias", None)))
+
+
 def norm_into_gemm(module: nn.Module, x: torch.Tensor, quantizers, backward_mode: str,
                    gemm_weight: torch.Tensor, *, fuse: bool = True) -> torch.Tensor:
     """The norm of ``module`` (its ``layer_norm_*`` parameters) applied to ``x`` as the input

@@ -261,11 +261,38 @@ def test_untraced_recipes_keep_the_opaque_call(recipe, kind):
     assert not any("graph_norm" in t for t in ops.targets)
 
 
-def test_torch_autocast_keeps_the_opaque_call():
-    """Under torch.autocast eager's norm rounds to the autocast dtype: kept opaque."""
+@pytest.mark.parametrize("kind", ["ln_linear", "ln_linear_out", "mlp_gelu", "mlp_swiglu"])
+@pytest.mark.parametrize("recipe_name", ["current", "mxfp8", "delayed"])
+@pytest.mark.parametrize("inside", [False, True], ids=["autocast_outside", "autocast_inside"])
+def test_torch_autocast_traced_bit_identical(kind, recipe_name, inside):
+    """fp32 modules under torch.autocast(bf16), entered around or inside the compiled
+    call: the norm's output in bf16 (eager's one rounding of its fp32 math), the linears'
+    operands cast to bf16, gradients in fp32; traced (no opaque call) and eager's bits,
+    two steps (delayed scaling's second reads the first's scales)."""
+    recipe = RECIPES[recipe_name]
+    torch.manual_seed(0)
+    a = _module(kind, "cpu", torch.float32, True)
+    _perturb(a)
+    b = _module(kind, "cpu", torch.float32, True)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 64, HIDDEN) * 2 + 0.3
+    dy = torch.randn(2, 64, 512, dtype=torch.bfloat16)
+
+    def under_autocast(m):
+        def call(t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return m(t)
+        return call
+
     ops = GraphOps()
-    m = _module("ln_linear", "cpu", torch.float32, True)
-    with lowprec.autocast(recipe=Float8CurrentScaling()), \
-            torch.autocast("cpu", dtype=torch.bfloat16):
-        torch.compile(m, backend=ops, fullgraph=True)(torch.randn(64, HIDDEN))
-    assert any("lowprec.call" in t for t in ops.targets)
+    if inside:
+        compiled = torch.compile(under_autocast(b), backend=ops, fullgraph=True)
+    else:
+        inner = torch.compile(b, backend=ops, fullgraph=True)
+        compiled = under_autocast(inner)
+    want = _run(under_autocast(a), a, x, dy, recipe, 2)
+    got = _run(compiled, b, x, dy, recipe, 2)
+    _assert_same(want, got)
+    assert want[0].dtype == torch.bfloat16 and want[-1].dtype == torch.float32
+    assert any("graph_norm" in t for t in ops.targets)
+    assert recipe_name == "delayed" or _traced_graphs(ops)
