@@ -338,14 +338,16 @@ def _delayed_update_fake(history, amax_current, scale, fp8_max, most_recent, mar
 def _delayed_forward(plan: TracedPlan, x2d, weight, fwd):
     """fprop's operands under delayed scaling: cast with the state's scales, their amaxes
     recorded into it (slot ``s`` the input, ``s + 1`` the weight)."""
-    scale, amax, handle, s = fwd
+    scale, amax, handle, s, records = fwd
     seen = torch.cat([plan.x.amax(x2d), plan.w.amax(weight)])
     # Backward recasts x and W with these scales, so it keeps this copy: recomputed from
     # the state, it would read scales the region's update has moved since (autograd's
     # version check then raises). A cat is an op the partitioner saves, not recomputes.
     scales = scale_in_use(torch.cat([scale[s:s + 1], scale[s + 1:s + 2]]), seen)
     xs, ws = scales[0:1], scales[1:2]
-    if handle is None:  # the region is in the graph
+    if not records:  # an evaluation
+        pass
+    elif handle is None:  # the region is in the graph
         amax[s:s + 2].copy_(torch.maximum(amax[s:s + 2], seen))
     else:
         torch.ops.lowprec.record_amaxes(amax, seen, handle, s)
@@ -510,10 +512,12 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
                   gemm: int = 0, updates: bool = True):
     """``x @ weight.T + bias`` quantized by ``quantizers`` in ops the compiler traces, or the
     reason (a string) where :func:`plan_for` has no plan (the caller keeps the opaque op).
-    ``delayed``: the (forward, backward) delayed-scaling states and the module's handle
-    that a delayed-scaling call records into; ``gemm``: which of the module's GEMMs this is
-    (its slots in the states); ``updates``: whether its backward, the module's last to run,
-    updates the backward state (eager's end-of-backward callback). ``plan``:
+    ``delayed``: the (forward, backward) delayed-scaling states, the module's handle
+    that a delayed-scaling call records into (None: the region is in the graph), the
+    recipe, and whether the forward records its amaxes (not in an evaluation); ``gemm``:
+    which of the module's GEMMs this is (its slots in the states); ``updates``: whether its
+    backward, the module's last to run, updates the backward state (eager's end-of-backward
+    callback). ``plan``:
     :func:`plan_for`'s plan, where the caller has asked for it already (for an input of the
     same shape and dtype).
 
@@ -542,9 +546,9 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         refused = delayed_refusal(delayed)
         if refused is not None:
             return refused
-        fwd, bwd, handle, recipe = delayed
+        fwd, bwd, handle, recipe, records = delayed
         # a GEMM's slots: (input, weight, output) forward, (grad_output, grad_input) backward
-        args = args[:5] + ((fwd.scale, fwd.amax_current, handle, 3 * gemm),
+        args = args[:5] + ((fwd.scale, fwd.amax_current, handle, 3 * gemm, records),
                            (bwd.scale, bwd.amax_current, bwd.amax_history, bwd.fp8_max,
                             recipe.amax_compute_algo == "most_recent", float(recipe.margin),
                             2 * gemm, updates))

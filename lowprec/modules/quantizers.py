@@ -62,10 +62,11 @@ class CallQuantizersMixin:
         if stateful(recipe):
             states = self.traced_delayed_states(recipe)
             if states is None:
-                return "delayed scaling before its state exists, without gradients or checkpointed"
+                return "delayed scaling before its state exists, or checkpointed"
             held = self.__dict__["_recipe_states"]
             fq, bq = held["forward"].quantizers, held["backward"].quantizers
-            delayed = (*states, recipe)
+            fwd_state, bwd_state, handle, records = states
+            delayed = (fwd_state, bwd_state, handle, recipe, records)
             return self._linear_quantizers(fq, bq), recipe.backward_mode, delayed
         # only the slots a GEMM without boundary roles reads: its input, weight and dY
         # (each quantizer built costs a compiled call tracing time)

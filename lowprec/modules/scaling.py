@@ -95,31 +95,36 @@ class ScalingStateMixin:
         _LIVE[id(self)] = self
 
     def traced_delayed_states(self, recipe):
-        """(forward, backward ``DelayedScalingState``, module handle or None) a traced
-        training call under ``recipe`` records into; the forward state joins the region's
-        update as an eager forward's does (through the handle where the region was entered
-        outside the compiled call). None where the call stays opaque: gradients are off (an
-        evaluation records where nothing reads), a checkpoint is in play, or the states do
-        not exist yet and the region was entered inside the compiled function (the opaque
-        call makes them, and the compiler traces the next call). With the region entered
+        """(forward, backward ``DelayedScalingState``, module handle or None, whether the
+        call records) a traced call under ``recipe`` reads: a training call records its
+        amaxes, and the forward state joins the region's update as an eager forward's does
+        (through the handle where the region was entered outside the compiled call); an
+        evaluation (gradients off) casts with the states' scales and records nothing, as
+        eager's records where nothing reads. None where the call stays opaque: a
+        checkpoint is in play, or the states do not exist yet and the region was entered
+        inside the compiled function or gradients are off (the opaque call makes them, and
+        the compiler traces the next call). With the region entered
         around the compiled call, a missing state is made here, as the call is traced.
         In the body of a checkpoint the compiler traces, the call stays opaque, whose
         recompute in backward refuses delayed scaling by name."""
-        if (not torch.is_grad_enabled() or current_frame() is not None
-                or not _traced_states_ok(id(self))):
+        if current_frame() is not None or not _traced_states_ok(id(self)):
             return None
         states = self.__dict__["_recipe_states"]
         fwd, bwd = states["forward"], states["backward"]
         if (not _holds(fwd, recipe) or not _holds(bwd, recipe) or fwd.delayed is None
                 or bwd.delayed is None):
             return None
+        if not torch.is_grad_enabled():
+            # an evaluation casts with the states' scales and records nothing (eager's
+            # records into scratch amaxes nothing reads)
+            return fwd.delayed, bwd.delayed, None, False
         if active_region().traced:
             # the region lives in the graph: its exit's update is traced with it
             fwd.delayed.pending = True
             register_delayed_state(fwd.delayed)
-            return fwd.delayed, bwd.delayed, None
+            return fwd.delayed, bwd.delayed, None, True
         # a region around the compiled call: joined at run time (``lowprec::record_amaxes``)
-        return fwd.delayed, bwd.delayed, self.__dict__[HANDLE_ATTR]
+        return fwd.delayed, bwd.delayed, self.__dict__[HANDLE_ATTR], True
 
     def _state(self, mode: str, recipe, device) -> RecipeState:
         state = self._recipe_states[mode]

@@ -273,20 +273,64 @@ def test_delayed_traced_bit_identical(device, bias, algo, backend):
         assert plan_of(recipe, x, b.weight) is not None
 
 
-def test_delayed_traced_under_no_grad_and_callable_algo_stay_opaque():
-    """An evaluation forward (nothing may move the state) and a callable amax algorithm
-    keep the opaque call."""
-    callable_algo = DelayedScaling(amax_compute_algo=lambda h: h.amax(0))
-    for recipe, grad in ((DelayedScaling(), False), (callable_algo, True)):
-        m = lowprec.Linear(64, 32, name="l")
-        with lowprec.autocast(recipe=recipe):
-            m(torch.randn(16, 64)).sum().backward()  # the module has its state
-        ops = GraphOps()
-        compiled = torch.compile(m, backend=ops, fullgraph=True)
-        with lowprec.autocast(recipe=recipe), torch.set_grad_enabled(grad):
-            compiled(torch.randn(16, 64, requires_grad=grad))
-        assert any("lowprec.call" in t for t in ops.targets)
+def test_delayed_callable_algo_stays_opaque():
+    """A callable amax algorithm keeps the opaque call (the traced update computes "max"
+    and "most_recent" only), and says so."""
+    recipe = DelayedScaling(amax_compute_algo=lambda h: h.amax(0))
+    m = lowprec.Linear(64, 32, name="l")
+    with lowprec.autocast(recipe=recipe):
+        m(torch.randn(16, 64)).sum().backward()  # the module has its state
+    ops = GraphOps()
+    compiled = torch.compile(m, backend=ops, fullgraph=True)
+    with lowprec.autocast(recipe=recipe):
+        compiled(torch.randn(16, 64, requires_grad=True))
+    assert any("lowprec.call" in t for t in ops.targets)
     assert any("callable amax_compute_algo" in r for r in fallback_reasons())
+
+
+@pytest.mark.parametrize("module", ["linear", "mlp"])
+def test_delayed_evaluation_traces_and_leaves_the_state(module):
+    """An evaluation forward (gradients off) under delayed scaling traces: it casts with
+    the states' scales and records nothing, so its outputs are eager's bit for bit and
+    both states (scales, histories, pending amaxes) are left as eager leaves them; before
+    any training step (no state yet) it stays opaque."""
+    recipe = DelayedScaling(amax_history_len=4)
+
+    def make():
+        torch.manual_seed(0)
+        if module == "linear":
+            return lowprec.Linear(64, 32, name="l")
+        return lowprec.LayerNormMLP(64, 128, name="m")
+
+    def states(m):
+        held = m.__dict__["_recipe_states"]
+        return [t.clone() for mode in ("forward", "backward") for t in
+                (held[mode].delayed.scale, held[mode].delayed.amax_history,
+                 held[mode].delayed.amax_current)]
+
+    a, b = make(), make()
+    x0 = torch.randn(16, 64) * 3
+    for m in (a, b):  # one training step each: the states exist and have moved
+        with lowprec.autocast(recipe=recipe):
+            m(x0).sum().backward()
+    ops = GraphOps()
+    compiled = torch.compile(b, backend=ops, fullgraph=True)
+    for step in range(2):
+        x = torch.randn(16, 64) * (2 + step)
+        with torch.no_grad():
+            with lowprec.autocast(recipe=recipe):
+                want = a(x)
+            with lowprec.autocast(recipe=recipe):
+                got = compiled(x)
+        assert torch.equal(want, got)
+        for s_a, s_b in zip(states(a), states(b)):
+            assert torch.equal(s_a, s_b)
+    assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
+    fresh = make()
+    ops = GraphOps()
+    with torch.no_grad(), lowprec.autocast(recipe=recipe):
+        torch.compile(fresh, backend=ops, fullgraph=True)(x0)
+    assert any("lowprec.call" in t for t in ops.targets)
 
 
 @pytest.mark.parametrize("recipe", [MXFP8BlockScaling(enable_2d_quantization=True)],
