@@ -345,11 +345,9 @@ def _delayed_forward(plan: TracedPlan, x2d, weight, fwd):
     # version check then raises). A cat is an op the partitioner saves, not recomputes.
     scales = scale_in_use(torch.cat([scale[s:s + 1], scale[s + 1:s + 2]]), seen)
     xs, ws = scales[0:1], scales[1:2]
-    if not records:  # an evaluation
-        pass
-    elif handle is None:  # the region is in the graph
+    if records and handle is None:  # training, the region in the graph
         amax[s:s + 2].copy_(torch.maximum(amax[s:s + 2], seen))
-    else:
+    elif records:  # training, the region around the compiled call
         torch.ops.lowprec.record_amaxes(amax, seen, handle, s)
     xd, wd = decode_scale(xs).reshape(()), decode_scale(ws).reshape(())
     return ((Fp8(plan.x.cast(x2d, xs), xs, xd), (x2d, xs, xd)),
