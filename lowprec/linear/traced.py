@@ -515,9 +515,8 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
     recipe, and whether the forward records its amaxes (not in an evaluation); ``gemm``:
     which of the module's GEMMs this is (its slots in the states); ``updates``: whether its
     backward, the module's last to run, updates the backward state (eager's end-of-backward
-    callback). ``plan``:
-    :func:`plan_for`'s plan, where the caller has asked for it already (for an input of the
-    same shape and dtype).
+    callback). ``plan``: :func:`plan_for`'s plan, where the caller has asked for it already
+    (for an input of the same shape and dtype).
 
     Under ``torch.autocast`` the operands are first cast to its dtype (differentiably, so
     an fp32 weight gets an fp32 gradient) and the rest runs with autocast off, as

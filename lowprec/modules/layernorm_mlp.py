@@ -85,10 +85,10 @@ class LayerNormMLP(LowprecModule):
         around eager's own computations (``lowprec.fused.graph``), both linears traced as
         ``Linear``'s (``lowprec.linear.traced``); the reason (a string) where it stays one
         opaque op. Under torch.autocast the norm's output is in the autocast dtype, as
-        eager's, and the linears cast their operands. Under delayed scaling each GEMM records into
-        its slots of the module's states, and the backward state is updated once, after
-        the last GEMM's backward (fc1's, or fc2's where fc1 needs no gradient), as eager's
-        end-of-backward callback does."""
+        eager's, and the linears cast their operands. Under delayed scaling each GEMM
+        records into its slots of the module's states, and the backward state is updated
+        once, after the last GEMM's backward (fc1's, or fc2's where fc1 needs no gradient),
+        as eager's end-of-backward callback does."""
         w1, b1, w2, b2 = self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
         if self.traced_plain_call(x, w1, w2):  # no quantizer: eager's unfused norm and activation
             h1 = F.linear(graph_norm(self, x, kernel=False), w1, b1)
@@ -97,8 +97,9 @@ class LayerNormMLP(LowprecModule):
         if isinstance(got, str):
             return got
         (q1, q2), mode, delayed = got
-        if delayed is not None and traced.delayed_refusal(delayed) is not None:
-            return traced.delayed_refusal(delayed)  # before fc1 records anything
+        refused = delayed is not None and traced.delayed_refusal(delayed)
+        if refused:
+            return refused  # before fc1 records anything
         # whether fc1's output, fc2's input, needs a gradient: then fc1's backward runs,
         # after fc2's
         ln_grad = norm_output_grad(self, x)

@@ -58,7 +58,7 @@ def norm_output_grad(module: nn.Module, x: torch.Tensor) -> bool:
     does, with gradients on): the input gradient the GEMM after it computes."""
     return torch.is_grad_enabled() and any(
         t is not None and t.requires_grad
-        for t in (x, module.layer_norm_weight, getattr(module, "layer_norm_bias", None)))
+        for t in (x, module.layer_norm_weight, module.layer_norm_bias))
 
 
 def norm_into_gemm(module: nn.Module, x: torch.Tensor, quantizers, backward_mode: str,

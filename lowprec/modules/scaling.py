@@ -103,10 +103,10 @@ class ScalingStateMixin:
         eager's records where nothing reads. None where the call stays opaque: a
         checkpoint is in play, or the states do not exist yet and the region was entered
         inside the compiled function or gradients are off (the opaque call makes them, and
-        the compiler traces the next call). With the region entered
-        around the compiled call, a missing state is made here, as the call is traced.
-        In the body of a checkpoint the compiler traces, the call stays opaque, whose
-        recompute in backward refuses delayed scaling by name."""
+        the compiler traces the next call). With the region entered around the compiled
+        call, a missing state is made here, as the call is traced. In the body of a
+        checkpoint the compiler traces, the call stays opaque, whose recompute in backward
+        refuses delayed scaling by name."""
         if current_frame() is not None or not _traced_states_ok(id(self)):
             return None
         states = self.__dict__["_recipe_states"]
