@@ -64,3 +64,21 @@ def test_gpu_kernel_bit_identical_to_reference_ops(dim, m, k, fp8, pow2, dist):
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), usage
         assert bool(got.isnan().any())  # the NaN block came through
         assert torch.equal(qt.bf16_operand(usage)[0].view(torch.int16), got.view(torch.int16))
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim,m,k,fp8,pow2", [c for c in _cases() if c[3] == torch.float8_e4m3fn])
+def test_gpu_inline_op_compiled_bit_identical(dim, m, k, fp8, pow2):
+    """The ``triton_op`` a compiled graph launches from inductor's code: called eagerly and
+    compiled, the kernel's bits."""
+    from lowprec.formats.block.dequant import dequantize_bf16_inline
+
+    qt = _quantized(m, k, dim, fp8, pow2, "wide", "cuda")
+    compiled = torch.compile(lambda d, s: dequantize_bf16_inline(d, s, dim) * 1,
+                             fullgraph=True)
+    for usage in _usages(m):
+        data, scale = getattr(qt, f"{usage}_data"), getattr(qt, f"{usage}_scale")
+        want = dequantize_bf16(data, scale, dim).view(torch.int16)
+        assert torch.equal(dequantize_bf16_inline(data, scale, dim).view(torch.int16), want)
+        assert torch.equal(compiled(data, scale).view(torch.int16), want), usage

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import kernel_op, use_kernels
-from ...kernels.launch import launch
+from ...kernels.launch import launch, launch_in_graph
 from .reference import BLOCK, dequantize_blocks
 
 #: rows a program
@@ -23,16 +23,37 @@ def dequantize_bf16(data: torch.Tensor, scale: torch.Tensor,
     (R, C/128) or (R/128, C/128) fp32 encode scales, any strides."""
     if not use_kernels(data) or data.stride(1) != 1:
         return dequantize_blocks(data, scale, block_scaling_dim).to(torch.bfloat16)
+    return _run(data, scale, block_scaling_dim, launch)
+
+
+def _run(data, scale, block_scaling_dim: int, run) -> torch.Tensor:
     from .dequant_kernel import block_dequant_bf16_kernel
     r, c = data.shape
     out = torch.empty((r, c), dtype=torch.bfloat16, device=data.device)
     if r and c:
-        launch(block_dequant_bf16_kernel, (-(-r // _BR), -(-c // BLOCK)), data, scale, out,
-               r, c, data.stride(0), *scale.stride(), out.stride(0), BR=_BR,
-               S_ROWS=1 if block_scaling_dim == 1 else BLOCK, num_warps=4)
+        run(block_dequant_bf16_kernel, (-(-r // _BR), -(-c // BLOCK)), data, scale, out,
+            r, c, data.stride(0), *scale.stride(), out.stride(0), BR=_BR,
+            S_ROWS=1 if block_scaling_dim == 1 else BLOCK, num_warps=4)
     return out
 
 
 @dequantize_bf16.register_fake
 def _(data, scale, block_scaling_dim):
     return data.new_empty(data.shape, dtype=torch.bfloat16)
+
+
+@torch.library.triton_op("lowprec::block_dequant_bf16_inline", mutates_args=())
+def dequantize_bf16_inline(data: torch.Tensor, scale: torch.Tensor,
+                           block_scaling_dim: int) -> torch.Tensor:
+    """:func:`dequantize_bf16` for compiled graphs on CUDA with Triton (``data`` of unit
+    inner stride): a ``triton_op``, so inductor launches the same kernel from its own code,
+    without a custom-op dispatch and a Python launcher per GEMM operand."""
+    return _run(data, scale, block_scaling_dim, launch_in_graph)
+
+
+def dequantized_bf16(data: torch.Tensor, scale: torch.Tensor,
+                     block_scaling_dim: int) -> torch.Tensor:
+    """:func:`dequantize_bf16`, as :func:`dequantize_bf16_inline` where the kernel runs."""
+    if use_kernels(data) and data.stride(1) == 1:
+        return dequantize_bf16_inline(data, scale, block_scaling_dim)
+    return dequantize_bf16(data, scale, block_scaling_dim)

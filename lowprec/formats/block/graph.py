@@ -18,7 +18,7 @@ import torch
 
 from ...kernels import graph_op
 from ..graph import Blocks, GraphOperand, Kind, gathered_columnwise, rounded
-from .dequant import dequantize_bf16
+from .dequant import dequantized_bf16
 from .launch import fp8_block_quantize, fp8_block_quantize_inline
 from .reference import BLOCK, dequantize_blocks, quantize_blocks
 
@@ -51,8 +51,9 @@ class _BlockForms(GraphOperand):
     def bf16_values(self, rep: Blocks) -> torch.Tensor:
         """The bf16 values of blocks with power-of-two scales (exact), through eager's
         dequantize (``Float8BlockwiseTensor.bf16_operand``): the operand of the bf16 GEMM
-        eager runs where cuBLAS's block GEMM does not take the pair."""
-        return dequantize_bf16(rep.data, rep.scale, rep.dim)
+        eager runs where cuBLAS's block GEMM does not take the pair; in a compiled graph
+        the kernel is launched from inductor's code."""
+        return dequantized_bf16(rep.data, rep.scale, rep.dim)
 
 
 @dataclass(frozen=True)
