@@ -16,5 +16,5 @@ __all__ = ["Prologue", "activation_prologue", "activation_then_quantize", "apply
            "can_fuse", "norm_prologue", "norm_then_quantize", "unfused"]
 
 # The rest of lowprec enters the package here (internal names, not in __all__).
-from .graph import graph_activation, graph_norm, producer_kernel
+from .graph import graph_activation, graph_norm, graph_norm_of, producer_kernel
 from .norm_math import norm_backward, norm_fp32, norm_gamma

@@ -107,10 +107,19 @@ def graph_norm(module, x: torch.Tensor, *, kernel: bool,
     reads them) of ``x``, in x's dtype: computed as eager's fused kernel computes it with
     ``kernel``, else as ``norms.apply_norm``, whose output under torch.autocast is in the
     autocast dtype (``dtype``; its gradients stay in x's and the parameters' dtypes)."""
-    rms = module.normalization == "RMSNorm"
-    return _GraphNorm.apply(x, module.layer_norm_weight,
-                            None if rms else module.layer_norm_bias, rms, float(module.eps),
-                            module.zero_centered_gamma, kernel, dtype or x.dtype)
+    return graph_norm_of(x, module.normalization, module.layer_norm_weight,
+                         module.layer_norm_bias, module.eps, module.zero_centered_gamma,
+                         kernel=kernel, dtype=dtype)
+
+
+def graph_norm_of(x: torch.Tensor, normalization: str, weight: torch.Tensor,
+                  bias: torch.Tensor | None, eps: float, zero_centered_gamma: bool, *,
+                  kernel: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`graph_norm` of the norm with these settings and parameters (``bias`` is
+    ignored for RMSNorm), as ``norms.apply_norm`` takes them."""
+    rms = normalization == "RMSNorm"
+    return _GraphNorm.apply(x, weight, None if rms else bias, rms, float(eps),
+                            zero_centered_gamma, kernel, dtype or x.dtype)
 
 
 # ---- the activation ---------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from torch import nn
 from ..compile import CompiledCallMixin, compiled_as_one_op
 from ..formats import QuantizedTensor, Quantizer, rows_fit
 from ..recipe import check_num_quantizers
+from .traced import traced_run
 
 
 # ---- quantized hand-over --------------------------------------------------------------------
@@ -153,6 +154,12 @@ class BasicOperation(CompiledCallMixin, nn.Module):
     def compiled_output_shapes(self, x: torch.Tensor, *extra_inputs) -> list[tuple]:
         return [output_shape_of(self.basic_parts(), tuple(x.shape))]
 
+    def traced_forward(self, x: torch.Tensor, *extra_inputs):
+        """The call as torch.compile traces it (``lowprec.ops.traced``), or the reason (a
+        string) it stays one opaque op."""
+        parts = self.basic_parts()
+        return traced_run(parts, plan(parts, True), x, extra_inputs, fuse=True)
+
     @compiled_as_one_op
     def forward(self, x: torch.Tensor, *extra_inputs) -> torch.Tensor:
         return run_parts(self.basic_parts(), x, extra_inputs, fuse=True)
@@ -161,6 +168,10 @@ class BasicOperation(CompiledCallMixin, nn.Module):
 # ---- pieces and plans ------------------------------------------------------------------------
 class Piece:
     """One step of a run: one basic part, or (subclasses) a fused group of parts."""
+
+    #: how a compiled run traces the piece (``lowprec.ops.traced``): ``"op"`` (one part),
+    #: ``"linear"`` (linear, bias, activation), ``"bias_act"``; None: it does not
+    graph_kind = None
 
     def __init__(self, *parts) -> None:
         self.parts = tuple(parts)
@@ -200,6 +211,8 @@ def part_name(part) -> str:
 
 class OpPiece(Piece):
     """A single basic part, run on its own."""
+
+    graph_kind = "op"
 
     @property
     def name(self) -> str:
@@ -336,6 +349,12 @@ class Sequential(CompiledCallMixin, nn.Module):
 
     def compiled_output_shapes(self, x: torch.Tensor, *extra_inputs) -> list[tuple]:
         return [output_shape_of(self.basic_parts(), tuple(x.shape))]
+
+    def traced_forward(self, x: torch.Tensor, *extra_inputs):
+        """The call as torch.compile traces it (``lowprec.ops.traced``), or the reason (a
+        string) it stays one opaque op."""
+        parts = self.basic_parts()
+        return traced_run(parts, plan(parts, self.fuse), x, extra_inputs, fuse=self.fuse)
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor, *extra_inputs) -> torch.Tensor:

@@ -68,6 +68,8 @@ class BiasActivation(Piece):
     """Pattern ``Bias, Activation`` (not after a linear): one pass forward, fused
     dact + dbias backward."""
 
+    graph_kind = "bias_act"
+
     def run(self, x: torch.Tensor, extra_inputs: list, ctx: RunContext) -> torch.Tensor:
         bias_part, act = self.parts
         x = as_plain(x)

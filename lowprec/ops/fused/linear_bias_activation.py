@@ -23,6 +23,8 @@ from .activation_bias_backward import bias_activation
 
 
 class LinearBiasActivation(Piece):
+    graph_kind = "linear"
+
     def __init__(self, linear, bias_part, act) -> None:
         super().__init__(*[p for p in (linear, bias_part, act) if p is not None])
         self.linear, self.bias_part, self.act = linear, bias_part, act

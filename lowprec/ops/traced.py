@@ -1,0 +1,196 @@
+"""A ``Sequential`` (or one op) as ``torch.compile`` traces it under ``lowprec.autocast``:
+the pieces of its run (``base.plan``), each in the graph form of what eager runs.
+
+* a linear is ``lowprec.Linear``'s traced form (``lowprec.linear.traced``), its bias in the
+  GEMM where the piece puts it there;
+* a norm is ``fused.graph_norm_of``, through the fused kernel's computation where eager
+  hands the next linear its input from ``fused.norm_then_quantize``;
+* an activation, and the bias + activation step, are ``graph``'s ops around eager's fp32
+  math (the bias gradient summed from the fp32 values, as the fused backward sums it);
+* a quantized hand-over (a norm, bias or activation quantizing its output for the next
+  linear, or a fused backward quantizing dY for the previous one) is the next linear's own
+  quantize of the same values with the same quantizer, so the traced linear quantizes.
+
+What it does not mirror it declines, and the call stays one opaque op: a ``Quantize`` or
+``GroupedLinear`` op, a fusion registered outside lowprec, a quantized input, calls
+outside ``lowprec.autocast`` and anything ``lowprec.Linear``'s traced form declines.
+Under delayed scaling every linear's plan is decided before any op is traced: a traced
+linear records its amaxes, which a later refusal (then the opaque call) would record twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fused import graph_activation, graph_norm_of, producer_kernel
+from ..linear import traced
+from ..recipe import BackwardMode, active_region, torch_autocast_dtype
+from .graph import graph_bias, graph_bias_activation
+
+_SUPPORTED_KINDS = ("linear", "bias", "activation", "norm", "quantize")
+
+
+def _declined(parts: list, x: torch.Tensor, extra_inputs: tuple) -> str | None:
+    if active_region() is None:
+        return "outside lowprec.autocast"
+    if type(x) is not torch.Tensor or not x.is_floating_point():
+        return f"an input of type {type(x).__name__}"
+    for part in parts:
+        kind = part.op_kind
+        if kind not in _SUPPORTED_KINDS:
+            return f"a {type(part).__name__} op"
+        if kind == "quantize" and (part.quantize_forward or part.quantize_backward):
+            return "a Quantize op"
+    if extra_inputs:
+        return "extra inputs"
+    return None
+
+
+def _piece_kind(piece) -> str | None:
+    """``"op"``, ``"linear"`` (linear [+ bias] [+ activation]), ``"bias_act"``, or None for
+    a piece of a fusion registered outside lowprec (``Piece.graph_kind``)."""
+    if piece.graph_kind == "op" and piece.leading_linear is not None:
+        return "linear"
+    return piece.graph_kind
+
+
+class _Linear:
+    """One linear piece's traced quantizers, backward mode, delayed states and plan."""
+
+    def __init__(self, linear, got, plan_) -> None:
+        self.linear = linear
+        (self.quantizers,), self.mode, self.delayed = got
+        self.plan = plan_
+
+    def emit(self) -> bool:
+        """Whether eager hands this linear its input quantized (``input_emit_spec``)."""
+        return (self.mode != BackwardMode.HIGH_PRECISION
+                and self.quantizers.input is not None)
+
+
+def _params(piece) -> list[torch.Tensor]:
+    params = []
+    for part in piece.parts:
+        if isinstance(part, torch.nn.Module):
+            params += list(part.parameters(recurse=False))
+        else:  # the bias half of an ops.Linear
+            params.append(part.bias)
+    return params
+
+
+def _decide(pieces: list, x: torch.Tensor):
+    """{piece index: ``_Linear``} of every linear piece, or the reason the run declines."""
+    linears = {}
+    shape, dtype = tuple(x.shape), x.dtype
+    needs_grad = torch.is_grad_enabled() and x.requires_grad
+    amp = torch_autocast_dtype(x)
+    for k, piece in enumerate(pieces):
+        kind = _piece_kind(piece)
+        if kind is None:
+            return f"a fusion of its own ({piece.name})"
+        lin = piece.leading_linear
+        if lin is not None:
+            if amp is None:
+                dtype = lin.weight.dtype  # run_linear's cast
+            like = x.new_empty(shape, dtype=dtype)
+            got = lin.traced_quantizers(like, lin.weight)
+            if isinstance(got, str):
+                return got
+            plan_ = None
+            delayed = got[2]
+            if delayed is not None:
+                refused = traced.delayed_refusal(delayed)
+                if refused is not None:
+                    return refused
+                bias = _gemm_bias(piece)
+                plan_ = traced.planned(got[0][0], got[1], like, lin.weight, bias,
+                                       input_grad=needs_grad)
+                if isinstance(plan_, str):
+                    return plan_
+            linears[k] = _Linear(lin, got, plan_)
+        for part in piece.parts:
+            shape = part.output_shape(shape)
+        needs_grad = needs_grad or (torch.is_grad_enabled()
+                                    and any(p.requires_grad for p in _params(piece)))
+    return linears
+
+
+def _gemm_bias(piece) -> torch.Tensor | None:
+    """The bias a linear piece adds in its GEMM."""
+    bias_part = getattr(piece, "bias_part", None)
+    return None if bias_part is None else bias_part.bias
+
+
+def traced_run(parts: list, pieces: list, x: torch.Tensor, extra_inputs: tuple, fuse: bool):
+    """``base.run_parts(parts, x, extra_inputs, fuse=fuse)`` in traced form (``pieces``:
+    ``base.plan(parts, fuse)``), or the reason (a string) the call stays one opaque op."""
+    reason = _declined(parts, x, extra_inputs)
+    if reason is not None:
+        return reason
+    linears = _decide(pieces, x)
+    if isinstance(linears, str):
+        return linears
+    for k, piece in enumerate(pieces):
+        nxt = linears.get(k + 1)
+        emit = nxt if (fuse and piece.can_emit and nxt is not None and nxt.emit()) else None
+        x = _run_piece(piece, linears.get(k), x, emit)
+        if isinstance(x, str):
+            return x
+    return x
+
+
+def _linear(lin: _Linear, x: torch.Tensor, bias: torch.Tensor | None):
+    w = lin.linear.weight
+    lin.linear._check_input_dtype(x, w.shape[-1])
+    if x.dtype != w.dtype and torch_autocast_dtype(x) is None:
+        x = x.to(w.dtype)
+    return traced.traced_linear(lin.quantizers, lin.mode, x, w, bias, lin.delayed,
+                                plan=lin.plan)
+
+
+def _activation_dtype(y: torch.Tensor, added: torch.Tensor | None) -> torch.dtype:
+    """The output dtype of the eager bias + activation step (its ``out_dtype``)."""
+    if added is None or torch_autocast_dtype(y) is not None:
+        return y.dtype
+    return torch.promote_types(y.dtype, added.dtype)
+
+
+def _run_piece(piece, lin: _Linear | None, x: torch.Tensor, emit: _Linear | None):
+    if lin is not None:  # linear [+ bias] [+ activation]
+        bias = _gemm_bias(piece)
+        act = getattr(piece, "act", None)
+        if act is None:
+            return _linear(lin, x, bias)
+        y = _linear(lin, x, None if bias is None else bias.detach())
+        if isinstance(y, str):
+            return y
+        act.check_input(y)
+        if bias is None:
+            return graph_activation(act.activation, y, kernel=False)
+        return graph_bias_activation(y, bias, act.activation, add_bias=False, dtype=y.dtype)
+    if _piece_kind(piece) == "bias_act":
+        bias_part, act = piece.parts
+        act.check_input(x)
+        return graph_bias_activation(x, bias_part.bias, act.activation, add_bias=True,
+                                     dtype=_activation_dtype(x, bias_part.bias))
+    (part,) = piece.parts
+    kind = part.op_kind
+    if kind == "quantize":  # one that quantizes nothing
+        return x
+    if kind == "activation":
+        part.check_input(x)
+        return graph_activation(part.activation, x, kernel=False)
+    if kind == "bias":
+        bias = part.bias
+        if x.shape[-1] != bias.shape[0]:
+            raise ValueError(f"Bias of size {bias.shape[0]} cannot be added to an input of "
+                             f"shape {tuple(x.shape)}")
+        if torch_autocast_dtype(x) is not None:
+            bias = bias.to(x.dtype)
+        return graph_bias(x, bias)
+    # a norm: the fused kernel's computation where eager quantizes its output with it
+    kernel = emit is not None and producer_kernel(x, emit.quantizers.input,
+                                                  BackwardMode.DEFAULT)
+    return graph_norm_of(x, part.normalization, part.weight, getattr(part, "bias", None),
+                         part.eps, part.zero_centered_gamma, kernel=kernel,
+                         dtype=torch_autocast_dtype(x))

@@ -1,0 +1,175 @@
+"""lowprec.ops under torch.compile (``lowprec.ops.traced``): a Sequential traces into the
+graph (no opaque ``lowprec::call``) under every named recipe, fused and unfused, and its
+outputs, input gradient and parameter gradients equal eager's bit for bit over two steps
+(delayed scaling's second reads the first's scales, and its states match too). Calls the
+traced form declines keep the opaque op, with eager's bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import GraphOps, randn
+
+import lowprec
+import lowprec.ops as ops
+from lowprec.compile.call import fallback_reasons
+from lowprec.recipe import Recipe
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+RECIPES = ["fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
+
+
+def _block(hidden, ffn, device, dtype, fuse=True):
+    """Every piece the traced form runs: norm -> linear (quantized hand-over), linear +
+    bias + activation (fused dact + dbias), a BasicLinear with a separate Bias, bias +
+    activation, linear + activation, linear + bias."""
+    torch.manual_seed(0)
+    kw = dict(params_dtype=dtype, device=device)
+    seq = ops.Sequential(
+        ops.RMSNorm(hidden, **kw),
+        ops.Linear(hidden, ffn, **kw), ops.GELU(),
+        ops.BasicLinear(ffn, 2 * hidden, **kw),
+        ops.Bias(2 * hidden, **kw),
+        ops.SwiGLU(),
+        ops.BasicLinear(hidden, hidden, **kw), ops.SiLU(),
+        ops.LayerNorm(hidden, **kw),
+        ops.Linear(hidden, hidden, **kw),
+        ops.Bias(hidden, **kw), ops.QGELU(),
+        fuse=fuse)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in seq.named_parameters():
+            if "bias" in name or name.startswith(("0.", "8.")):  # biases and norm parameters
+                p.add_((0.1 * torch.randn(p.shape, generator=g)).to(device, dtype))
+    return seq
+
+
+def _steps(fn, module, x, dy, recipe, steps=2):
+    outs = []
+    for step in range(steps):
+        module.zero_grad(set_to_none=True)
+        xi = x.detach().clone().requires_grad_(True)
+        torch.manual_seed(7 + step)  # NVFP4 draws dY's stochastic-rounding keys
+        with lowprec.autocast(recipe=recipe):
+            y = fn(xi)
+        y.backward(dy)
+        outs += [y.detach(), xi.grad] + [p.grad.clone() for p in module.parameters()]
+    return outs
+
+
+def _states(module):
+    """Every delayed-scaling state tensor of the Sequential's linears."""
+    out = []
+    for m in module.modules():
+        held = m.__dict__.get("_recipe_states")
+        if held:
+            for key in ("forward", "backward"):
+                st = getattr(held.get(key), "delayed", None)
+                if st is not None:
+                    out += [st.scale, st.amax_history, st.amax_current]
+    return out
+
+
+def _assert_same(want, got):
+    assert len(want) == len(got)
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert w.dtype == g.dtype and torch.equal(w, g), i
+
+
+def _compare(make, x, dy, recipe, backend="graph_ops"):
+    a, b = make(), make()
+    ops_ = GraphOps()
+    compiled = torch.compile(b, backend=ops_ if backend == "graph_ops" else backend,
+                             fullgraph=True)
+    want = _steps(a, a, x, dy, recipe)
+    got = _steps(compiled, b, x, dy, recipe)
+    _assert_same(want, got)
+    _assert_same(_states(a), _states(b))
+    return ops_
+
+
+def _dims(recipe_name):
+    # 128x128 weight blocks: cuBLAS's block GEMM contracts over multiples of 512
+    return (512, 512, 256) if recipe_name == "fp8_block" else (64, 128, 64)
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("recipe_name", RECIPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_sequential_traced_bit_identical(recipe_name, fuse, device):
+    hidden, ffn, tokens = _dims(recipe_name)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = randn(2, tokens // 2, hidden, seed=1).to(device, dtype)
+    dy = randn(2, tokens // 2, hidden, seed=2).to(device, dtype)
+    recipe = Recipe.from_name(recipe_name)
+    got = _compare(lambda: _block(hidden, ffn, device, dtype, fuse), x, dy, recipe)
+    assert not any(t.startswith("lowprec.call.") for t in got.targets)
+    assert any("graph_bias_activation" in t for t in got.targets) == fuse
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8_current", "mxfp8"])
+def test_sequential_inductor_bit_identical(recipe_name):
+    x, dy = randn(2, 32, 64, seed=1), randn(2, 32, 64, seed=2)
+    _compare(lambda: _block(64, 128, "cpu", torch.float32), x, dy,
+             Recipe.from_name(recipe_name), backend="inductor")
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8_current", "fp8_delayed"])
+def test_lone_linear_op_traced(recipe_name):
+    """An op called on its own (not in a Sequential) traces as its one piece."""
+    def make():
+        torch.manual_seed(0)
+        return ops.Linear(64, 96)
+    x, dy = randn(4, 16, 64, seed=1), randn(4, 16, 96, seed=2)
+    got = _compare(make, x, dy, Recipe.from_name(recipe_name))
+    assert not any(t.startswith("lowprec.call.") for t in got.targets)
+
+
+def test_torch_autocast_traced_bit_identical():
+    """fp32 ops under torch.autocast(bf16): the linears cast their operands, the norm writes
+    bf16, the bias + activation steps keep eager's dtypes."""
+    x, dy = randn(2, 32, 64, seed=1), randn(2, 32, 64, seed=2).bfloat16()
+
+    def make():
+        return _block(64, 128, "cpu", torch.float32)
+
+    a, b = make(), make()
+    ops_ = GraphOps()
+    inner = torch.compile(b, backend=ops_, fullgraph=True)
+
+    def under(m):
+        def call(t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return m(t)
+        return call
+
+    recipe = Recipe.from_name("fp8_current")
+    _assert_same(_steps(under(a), a, x, dy, recipe), _steps(under(inner), b, x, dy, recipe))
+    assert not any(t.startswith("lowprec.call.") for t in ops_.targets)
+
+
+@pytest.mark.parametrize("extra", ["grouped", "quantize"])
+def test_declined_runs_keep_the_opaque_call(extra):
+    """A GroupedLinear or a quantizing Quantize op: the opaque op, eager's bits, the reason
+    logged."""
+    def make():
+        torch.manual_seed(0)
+        if extra == "grouped":
+            return ops.Sequential(ops.Linear(64, 64), ops.GELU(), ops.GroupedLinear(2, 64, 64))
+        return ops.Sequential(ops.Linear(64, 64), ops.Quantize(forward=True, backward=True),
+                              ops.Linear(64, 64))
+
+    x, dy = randn(64, 64, seed=1), randn(64, 64, seed=2)
+    recipe = Recipe.from_name("fp8_current")
+    a, b = make(), make()
+    ops_ = GraphOps()
+    compiled = torch.compile(b, backend=ops_, fullgraph=True)
+    args = ([32, 32],) if extra == "grouped" else ()
+    want = _steps(lambda t: a(t, *args), a, x, dy, recipe)
+    got = _steps(lambda t: compiled(t, *args), b, x, dy, recipe)
+    _assert_same(want, got)
+    assert any(t.startswith("lowprec.call.") for t in ops_.targets)
+    reason = "a GroupedLinear op" if extra == "grouped" else "a Quantize op"
+    assert f"Sequential: {reason}" in fallback_reasons()
