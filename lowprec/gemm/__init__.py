@@ -14,5 +14,6 @@ __all__ = ["gemm", "select_backend", "use_backends", "Backend", "BACKENDS"]
 
 # The rest of lowprec enters the package here (internal names, not in __all__).
 from .cublas_fp8 import block_scales_fit, fusable_bias
+from .emulated_fp32 import fp32_product
 from .exact_bf16 import as_exact, exact_product
 from .kernels import gemm_alpha_torch

@@ -28,9 +28,17 @@ def operand_matrix_fp32(t: torch.Tensor, usage: str) -> torch.Tensor:
     return plain_matrix(t, usage).to(torch.float32)
 
 
+def fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b.T`` of fp32 matrices, each read row-major: the BLAS call, and so its order
+    of accumulation, is then the same whichever layout the operands arrive in (an eager
+    call and a compiled graph lay out a transposed operand differently, and CPU BLAS
+    kernels for the two layouts can sum in different orders)."""
+    return a.contiguous() @ b.contiguous().t()
+
+
 def emulated_fp32_run(a, a_usage, b, b_usage, out_dtype, bias):
     """``mat(a) @ mat(b).T (+ bias)`` in fp32, rounded once to ``out_dtype``."""
-    out = operand_matrix_fp32(a, a_usage) @ operand_matrix_fp32(b, b_usage).t()
+    out = fp32_product(operand_matrix_fp32(a, a_usage), operand_matrix_fp32(b, b_usage))
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(out_dtype)

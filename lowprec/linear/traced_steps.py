@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import as_output
+from ..gemm import fp32_product
 from ..kernels import graph_op
 
 
@@ -27,7 +28,7 @@ def emulated_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
                      out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b.T (+ bias)`` of fp32 operand values rounded once to ``out_dtype``: the fp32
     GEMM emulation eager runs off CUDA (``gemm.emulated_fp32``), every traced plan's."""
-    return as_output(plus_bias(a @ b.t(), bias), out_dtype)
+    return as_output(plus_bias(fp32_product(a, b), bias), out_dtype)
 
 
 @graph_op("bias_add")
