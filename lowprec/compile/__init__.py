@@ -3,4 +3,10 @@ one opaque custom op (``lowprec::call``) where it cannot trace, with the handle,
 records and the logged fallback reasons it needs."""
 
 # The rest of lowprec enters the package here (internal names, not in __all__).
-from .call import HANDLE_ATTR, CompiledCallMixin, ExpertsStandIn, compiled_as_one_op
+from .call import (
+    HANDLE_ATTR,
+    CompiledCallMixin,
+    ExpertsStandIn,
+    compiled_as_one_op,
+    opaque_call,
+)

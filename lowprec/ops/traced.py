@@ -11,9 +11,12 @@ the pieces of its run (``base.plan``), each in the graph form of what eager runs
   linear, or a fused backward quantizing dY for the previous one) is the next linear's own
   quantize of the same values with the same quantizer, so the traced linear quantizes.
 
-What it does not mirror it declines, and the call stays one opaque op: a ``Quantize`` or
-``GroupedLinear`` op, a fusion registered outside lowprec, a quantized input, calls
-outside ``lowprec.autocast`` and anything ``lowprec.Linear``'s traced form declines.
+A ``GroupedLinear`` op, which has no traced form, is one opaque ``lowprec::call`` of its
+own between the traced pieces (it takes and hands on plain tensors, as in eager). What it
+does not mirror it declines, and the whole call stays one opaque op: a ``Quantize`` op that
+quantizes, a fusion registered outside lowprec, a quantized input or weight of a
+``GroupedLinear`` op, calls outside ``lowprec.autocast`` and anything ``lowprec.Linear``'s
+traced form declines.
 Under delayed scaling every linear's plan is decided before any op is traced: a traced
 linear records its amaxes, which a later refusal (then the opaque call) would record twice.
 """
@@ -22,12 +25,14 @@ from __future__ import annotations
 
 import torch
 
+from ..compile import opaque_call
+from ..formats import QuantizedTensor
 from ..fused import graph_activation, graph_norm_of, producer_kernel
 from ..linear import traced
 from ..recipe import BackwardMode, active_region, torch_autocast_dtype
 from .graph import graph_bias, graph_bias_activation
 
-_SUPPORTED_KINDS = ("linear", "bias", "activation", "norm", "quantize")
+_SUPPORTED_KINDS = ("linear", "bias", "activation", "norm", "quantize", "grouped_linear")
 
 
 def _declined(parts: list, x: torch.Tensor, extra_inputs: tuple) -> str | None:
@@ -41,16 +46,20 @@ def _declined(parts: list, x: torch.Tensor, extra_inputs: tuple) -> str | None:
             return f"a {type(part).__name__} op"
         if kind == "quantize" and (part.quantize_forward or part.quantize_backward):
             return "a Quantize op"
-    if extra_inputs:
-        return "extra inputs"
+    if len(extra_inputs) != sum(p.num_extra_inputs for p in parts):
+        return "a wrong number of extra inputs"  # the eager call raises
     return None
 
 
 def _piece_kind(piece) -> str | None:
-    """``"op"``, ``"linear"`` (linear [+ bias] [+ activation]), ``"bias_act"``, or None for
-    a piece of a fusion registered outside lowprec (``Piece.graph_kind``)."""
-    if piece.graph_kind == "op" and piece.leading_linear is not None:
-        return "linear"
+    """``"op"``, ``"linear"`` (linear [+ bias] [+ activation]), ``"bias_act"``,
+    ``"opaque"`` (a ``GroupedLinear`` op), or None for a piece of a fusion registered
+    outside lowprec (``Piece.graph_kind``)."""
+    if piece.graph_kind == "op":
+        if piece.leading_linear is not None:
+            return "linear"
+        if piece.parts[0].op_kind == "grouped_linear":
+            return "opaque"
     return piece.graph_kind
 
 
@@ -88,6 +97,9 @@ def _decide(pieces: list, x: torch.Tensor):
         kind = _piece_kind(piece)
         if kind is None:
             return f"a fusion of its own ({piece.name})"
+        if kind == "opaque" and any(isinstance(p, QuantizedTensor)
+                                    for p in piece.parts[0].parameters()):
+            return "a quantized weight of a GroupedLinear op"
         lin = piece.leading_linear
         if lin is not None:
             if amp is None:
@@ -130,10 +142,15 @@ def traced_run(parts: list, pieces: list, x: torch.Tensor, extra_inputs: tuple, 
     linears = _decide(pieces, x)
     if isinstance(linears, str):
         return linears
+    extra = iter(extra_inputs)
     for k, piece in enumerate(pieces):
         nxt = linears.get(k + 1)
         emit = nxt if (fuse and piece.can_emit and nxt is not None and nxt.emit()) else None
-        x = _run_piece(piece, linears.get(k), x, emit)
+        if _piece_kind(piece) == "opaque":
+            extras = [next(extra) for _ in range(piece.num_extra_inputs)]
+            x = opaque_call(piece.parts[0], x, *extras)
+        else:
+            x = _run_piece(piece, linears.get(k), x, emit)
         if isinstance(x, str):
             return x
     return x

@@ -150,14 +150,34 @@ def test_torch_autocast_traced_bit_identical():
     assert not any(t.startswith("lowprec.call.") for t in ops_.targets)
 
 
-@pytest.mark.parametrize("extra", ["grouped", "quantize"])
-def test_declined_runs_keep_the_opaque_call(extra):
-    """A GroupedLinear or a quantizing Quantize op: the opaque op, eager's bits, the reason
-    logged."""
+@pytest.mark.parametrize("recipe_name", ["fp8_current", "fp8_delayed"])
+def test_grouped_linear_op_is_one_opaque_call_between_traced_pieces(recipe_name):
+    """A GroupedLinear op in a Sequential: its own opaque call, the pieces around it
+    traced; eager's bits (delayed scaling's states too)."""
     def make():
         torch.manual_seed(0)
-        if extra == "grouped":
-            return ops.Sequential(ops.Linear(64, 64), ops.GELU(), ops.GroupedLinear(2, 64, 64))
+        return ops.Sequential(ops.Linear(64, 64), ops.GELU(), ops.GroupedLinear(2, 64, 64),
+                              ops.Linear(64, 64))
+
+    x, dy = randn(64, 64, seed=1), randn(64, 64, seed=2)
+    recipe = Recipe.from_name(recipe_name)
+    a, b = make(), make()
+    ops_ = GraphOps()
+    compiled = torch.compile(b, backend=ops_, fullgraph=True)
+    want = _steps(lambda t: a(t, [32, 32]), a, x, dy, recipe)
+    got = _steps(lambda t: compiled(t, [32, 32]), b, x, dy, recipe)
+    _assert_same(want, got)
+    _assert_same(_states(a), _states(b))
+    # one compiled graph: the grouped op is the one opaque call of its forward
+    assert [t for t in ops_.targets if t.startswith("lowprec.call.")] == ["lowprec.call.default"]
+    assert any("graph_bias_activation" in t for t in ops_.targets)
+
+
+def test_quantizing_quantize_op_keeps_the_opaque_call():
+    """A Quantize op that quantizes: the whole run is the opaque op, eager's bits, the
+    reason logged."""
+    def make():
+        torch.manual_seed(0)
         return ops.Sequential(ops.Linear(64, 64), ops.Quantize(forward=True, backward=True),
                               ops.Linear(64, 64))
 
@@ -166,10 +186,7 @@ def test_declined_runs_keep_the_opaque_call(extra):
     a, b = make(), make()
     ops_ = GraphOps()
     compiled = torch.compile(b, backend=ops_, fullgraph=True)
-    args = ([32, 32],) if extra == "grouped" else ()
-    want = _steps(lambda t: a(t, *args), a, x, dy, recipe)
-    got = _steps(lambda t: compiled(t, *args), b, x, dy, recipe)
-    _assert_same(want, got)
+    _assert_same(_steps(a, a, x, dy, recipe), _steps(compiled, b, x, dy, recipe))
     assert any(t.startswith("lowprec.call.") for t in ops_.targets)
-    reason = "a GroupedLinear op" if extra == "grouped" else "a Quantize op"
-    assert f"Sequential: {reason}" in fallback_reasons()
+    assert not any("graph_" in t for t in ops_.targets)
+    assert "Sequential: a Quantize op" in fallback_reasons()
