@@ -104,9 +104,10 @@ def _compare(rname, model, autocast_inside, backend="aot_eager", steps=2, device
 def _frames(model, rname, autocast_inside: bool) -> int:
     """Frames compiled over the steps: one. With autocast entered outside the compiled
     function, a module's delayed-scaling state is made as the compiler traces it; entered
-    inside, a Linear or LayerNormLinear under delayed scaling runs its first call as the
-    opaque op (which makes the state) and the next call compiles again."""
-    linears = any(type(m) in (lowprec.Linear, lowprec.LayerNormLinear) for m in model.modules())
+    inside, a Linear, LayerNormLinear or ops linear under delayed scaling runs its first
+    call as the opaque op (which makes the state) and the next call compiles again."""
+    linears = any(type(m) in (lowprec.Linear, lowprec.LayerNormLinear, lowprec.ops.Linear,
+                              lowprec.ops.BasicLinear) for m in model.modules())
     return 2 if rname == "delayed" and linears and autocast_inside else 1
 
 
