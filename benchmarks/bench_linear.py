@@ -14,6 +14,10 @@ LayerNormMLP (``--mlp``): ``lowprec.LayerNormMLP(K, N, activation="gelu")`` on a
 (M, K) input, against the same module outside autocast (bf16) and a plain torch
 LayerNorm -> Linear -> GELU -> Linear.
 
+Ops (``--ops``): that MLP as ``lowprec.ops.Sequential``, compiled (traced into the graph,
+and declining its traced form: one opaque op) and eager, with ``LayerNormMLP`` compiled,
+against the torch modules compiled.
+
 ``ratio`` in the CSV is peer time / bf16 time (below 1 = faster); the table
 also prints the speedup (bf16 time / peer time).
 
@@ -163,6 +167,40 @@ def mlp_peers(m, hidden, ffn, recipes, device="cuda", **step_kw):
     return peers
 
 
+class _OpaqueSequential(lowprec.ops.Sequential):
+    """A Sequential that declines its traced form: the whole run one opaque op."""
+
+    def traced_forward(self, x, *extra_inputs):
+        return "benchmark peer: the opaque op"
+
+
+def ops_peers(m, hidden, ffn, recipes, device="cuda", **step_kw):
+    """The LayerNormMLP computation as ``lowprec.ops.Sequential(LayerNorm, Linear, GELU,
+    Linear)``, compiled: traced (``lowprec.ops.traced``), as the opaque op, and eager;
+    against ``LayerNormMLP`` compiled and the torch modules compiled (the baseline)."""
+    torch.manual_seed(0)
+    kw = dict(device=device, dtype=torch.bfloat16)
+    ref = nn.Sequential(nn.LayerNorm(hidden, **kw), nn.Linear(hidden, ffn, **kw), nn.GELU(),
+                        nn.Linear(ffn, hidden, **kw))
+    peers = [("bf16/compiled", plain_step(torch.compile(ref), **step_kw))]
+    lkw = dict(params_dtype=torch.bfloat16, device=device)
+
+    def seq(cls):
+        return cls(lowprec.ops.LayerNorm(hidden, **lkw), lowprec.ops.Linear(hidden, ffn, **lkw),
+                   lowprec.ops.GELU(), lowprec.ops.Linear(ffn, hidden, **lkw))
+    for r in recipes:
+        mlp = lowprec.LayerNormMLP(hidden, ffn, activation="gelu", **lkw)
+        peers += [
+            (f"mlp/{r}/compiled", lowprec_step(torch.compile(mlp), RECIPES[r](), **step_kw)),
+            (f"ops/{r}/compiled", lowprec_step(torch.compile(seq(lowprec.ops.Sequential)),
+                                               RECIPES[r](), **step_kw)),
+            (f"ops/{r}/opaque", lowprec_step(torch.compile(seq(_OpaqueSequential)),
+                                             RECIPES[r](), **step_kw)),
+            (f"ops/{r}/eager", lowprec_step(seq(lowprec.ops.Sequential), RECIPES[r](),
+                                            **step_kw))]
+    return peers
+
+
 def within(context, step):
     """``step`` run inside ``context()`` (keeps ``zero_grads``)."""
     def run(x, dy):
@@ -233,6 +271,9 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mlp", action="store_true", help="also LayerNormMLP (M x hidden x ffn)")
     ap.add_argument("--mlp-shape", default="16384x4096x14336")
     ap.add_argument("--no-linear", action="store_true")
+    ap.add_argument("--ops", action="store_true",
+                    help="also the MLP as lowprec.ops.Sequential, compiled (traced and "
+                         "opaque) and eager (--mlp-shape; bench 'ops')")
 
 
 def main(argv=None):
@@ -277,6 +318,10 @@ def main(argv=None):
         m, h, f = parse_shape(args.mlp_shape)
         inputs = make_inputs(m, h, h, "cuda")
         rows += run_peers("mlp", args.mlp_shape, mlp_peers(m, h, f, recipes), inputs, args)
+    if args.ops:
+        m, h, f = parse_shape(args.mlp_shape)
+        inputs = make_inputs(m, h, h, "cuda")
+        rows += run_peers("ops", args.mlp_shape, ops_peers(m, h, f, recipes), inputs, args)
     if rows:
         print_table(rows, ["bench", "shape", "recipe", "value", "baseline_value", "ratio", "note"])
         if not args.no_csv:
