@@ -1,5 +1,5 @@
-"""A ``Sequential`` (or one op) as ``torch.compile`` traces it under ``lowprec.autocast``:
-the pieces of its run (``base.plan``), each in the graph form of what eager runs.
+"""A ``Sequential`` (or one op) as ``torch.compile`` traces it: the pieces of its run
+(``base.plan``), each in the graph form of what eager runs.
 
 * a linear is ``lowprec.Linear``'s traced form (``lowprec.linear.traced``), its bias in the
   GEMM where the piece puts it there;
@@ -15,8 +15,10 @@ A ``GroupedLinear`` op, which has no traced form, is one opaque ``lowprec::call`
 own between the traced pieces (it takes and hands on plain tensors, as in eager). What it
 does not mirror it declines, and the whole call stays one opaque op: a ``Quantize`` op that
 quantizes, a fusion registered outside lowprec, a quantized input or weight of a
-``GroupedLinear`` op, calls outside ``lowprec.autocast`` and anything ``lowprec.Linear``'s
-traced form declines.
+``GroupedLinear`` op and anything ``lowprec.Linear``'s traced form declines. Outside
+``lowprec.autocast`` (and torch.autocast) the linears are torch's linear, the
+high-precision path eager runs, and a ``Quantize`` op is the identity.
+
 Under delayed scaling every linear's plan is decided before any op is traced: a traced
 linear records its amaxes, which a later refusal (then the opaque call) would record twice.
 """
@@ -24,6 +26,7 @@ linear records its amaxes, which a later refusal (then the opaque call) would re
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..compile import opaque_call
 from ..formats import QuantizedTensor
@@ -36,15 +39,14 @@ _SUPPORTED_KINDS = ("linear", "bias", "activation", "norm", "quantize", "grouped
 
 
 def _declined(parts: list, x: torch.Tensor, extra_inputs: tuple) -> str | None:
-    if active_region() is None:
-        return "outside lowprec.autocast"
     if type(x) is not torch.Tensor or not x.is_floating_point():
         return f"an input of type {type(x).__name__}"
     for part in parts:
         kind = part.op_kind
         if kind not in _SUPPORTED_KINDS:
             return f"a {type(part).__name__} op"
-        if kind == "quantize" and (part.quantize_forward or part.quantize_backward):
+        if kind == "quantize" and active_region() is not None and (
+                part.quantize_forward or part.quantize_backward):
             return "a Quantize op"
     if len(extra_inputs) != sum(p.num_extra_inputs for p in parts):
         return "a wrong number of extra inputs"  # the eager call raises
@@ -64,7 +66,8 @@ def _piece_kind(piece) -> str | None:
 
 
 class _Linear:
-    """One linear piece's traced quantizers, backward mode, delayed states and plan."""
+    """One linear piece's traced quantizers (None: torch's linear, outside autocast),
+    backward mode, delayed states and plan."""
 
     def __init__(self, linear, got, plan_) -> None:
         self.linear = linear
@@ -73,8 +76,11 @@ class _Linear:
 
     def emit(self) -> bool:
         """Whether eager hands this linear its input quantized (``input_emit_spec``)."""
-        return (self.mode != BackwardMode.HIGH_PRECISION
+        return (self.quantizers is not None and self.mode != BackwardMode.HIGH_PRECISION
                 and self.quantizers.input is not None)
+
+
+_PLAIN = ([None], BackwardMode.DEFAULT, None)
 
 
 def _params(piece) -> list[torch.Tensor]:
@@ -104,27 +110,39 @@ def _decide(pieces: list, x: torch.Tensor):
         if lin is not None:
             if amp is None:
                 dtype = lin.weight.dtype  # run_linear's cast
-            like = x.new_empty(shape, dtype=dtype)
-            got = lin.traced_quantizers(like, lin.weight)
+            got = _linear_of(piece, x.new_empty(shape, dtype=dtype), needs_grad)
             if isinstance(got, str):
                 return got
-            plan_ = None
-            delayed = got[2]
-            if delayed is not None:
-                refused = traced.delayed_refusal(delayed)
-                if refused is not None:
-                    return refused
-                bias = _gemm_bias(piece)
-                plan_ = traced.planned(got[0][0], got[1], like, lin.weight, bias,
-                                       input_grad=needs_grad)
-                if isinstance(plan_, str):
-                    return plan_
-            linears[k] = _Linear(lin, got, plan_)
+            linears[k] = got
         for part in piece.parts:
             shape = part.output_shape(shape)
         needs_grad = needs_grad or (torch.is_grad_enabled()
                                     and any(p.requires_grad for p in _params(piece)))
     return linears
+
+
+def _linear_of(piece, like: torch.Tensor, needs_grad: bool) -> _Linear | str:
+    """The ``_Linear`` of a linear piece whose input is like ``like``, or the reason the run
+    declines; under delayed scaling with its plan (the stand-in's)."""
+    lin = piece.leading_linear
+    if active_region() is None:  # high precision, as torch's linear
+        if not lin.traced_plain_call(like, lin.weight):
+            return "outside lowprec.autocast, under torch.autocast or checkpointed"
+        return _Linear(lin, _PLAIN, None)
+    got = lin.traced_quantizers(like, lin.weight)
+    if isinstance(got, str):
+        return got
+    plan_ = None
+    delayed = got[2]
+    if delayed is not None:
+        refused = traced.delayed_refusal(delayed)
+        if refused is not None:
+            return refused
+        plan_ = traced.planned(got[0][0], got[1], like, lin.weight, _gemm_bias(piece),
+                               input_grad=needs_grad)
+        if isinstance(plan_, str):
+            return plan_
+    return _Linear(lin, got, plan_)
 
 
 def _gemm_bias(piece) -> torch.Tensor | None:
@@ -161,6 +179,8 @@ def _linear(lin: _Linear, x: torch.Tensor, bias: torch.Tensor | None):
     lin.linear._check_input_dtype(x, w.shape[-1])
     if x.dtype != w.dtype and torch_autocast_dtype(x) is None:
         x = x.to(w.dtype)
+    if lin.quantizers is None:
+        return F.linear(x, w, bias)
     return traced.traced_linear(lin.quantizers, lin.mode, x, w, bias, lin.delayed,
                                 plan=lin.plan)
 

@@ -52,7 +52,7 @@ def _steps(fn, module, x, dy, recipe, steps=2):
         module.zero_grad(set_to_none=True)
         xi = x.detach().clone().requires_grad_(True)
         torch.manual_seed(7 + step)  # NVFP4 draws dY's stochastic-rounding keys
-        with lowprec.autocast(recipe=recipe):
+        with lowprec.autocast(enabled=recipe is not None, recipe=recipe):
             y = fn(xi)
         y.backward(dy)
         outs += [y.detach(), xi.grad] + [p.grad.clone() for p in module.parameters()]
@@ -197,3 +197,25 @@ def test_quantizing_quantize_op_keeps_the_opaque_call():
     assert any(t.startswith("lowprec.call.") for t in ops_.targets)
     assert not any("graph_" in t for t in ops_.targets)
     assert "Sequential: a Quantize op" in fallback_reasons()
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_outside_autocast_traces_the_high_precision_path(fuse):
+    """No recipe: torch's linear for each linear, the ops' graph forms around them (a
+    Quantize op the identity); no opaque call, eager's values (the fp32 GEMMs of the same
+    operands; bias gradients of torch's linear are the compiler's sums)."""
+    def make():
+        torch.manual_seed(0)
+        return ops.Sequential(ops.LayerNorm(64), ops.Linear(64, 128), ops.GELU(),
+                              ops.Quantize(forward=True, backward=True),
+                              ops.BasicLinear(128, 64), ops.Bias(64), ops.SiLU(), fuse=fuse)
+
+    x, dy = randn(2, 16, 64, seed=1), randn(2, 16, 64, seed=2)
+    a, b = make(), make()
+    ops_ = GraphOps()
+    compiled = torch.compile(b, backend=ops_, fullgraph=True)
+    want, got = _steps(a, a, x, dy, None), _steps(compiled, b, x, dy, None)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert not any(t.startswith("lowprec.call.") for t in ops_.targets)
+    assert any("graph_norm" in t for t in ops_.targets)
