@@ -53,7 +53,8 @@ def dequantize_bf16_inline(data: torch.Tensor, scale: torch.Tensor,
 
 def dequantized_bf16(data: torch.Tensor, scale: torch.Tensor,
                      block_scaling_dim: int) -> torch.Tensor:
-    """:func:`dequantize_bf16`, as :func:`dequantize_bf16_inline` where the kernel runs."""
-    if use_kernels(data) and data.stride(1) == 1:
+    """:func:`dequantize_bf16`; in a compiled graph, :func:`dequantize_bf16_inline` where
+    the kernel runs (an eager call skips the op's dispatch through the kernel op)."""
+    if torch.compiler.is_compiling() and use_kernels(data) and data.stride(1) == 1:
         return dequantize_bf16_inline(data, scale, block_scaling_dim)
     return dequantize_bf16(data, scale, block_scaling_dim)
