@@ -247,14 +247,15 @@ def _given_weight(quantizer, weight: QuantizedTensor):
 
 def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None = None, *, amp: bool = False,
-             input_grad: bool | None = None, weight_grad: bool | None = None
-             ) -> TracedPlan | str:
+             input_grad: bool | None = None, weight_grad: bool | None = None,
+             padded: bool = False) -> TracedPlan | str:
     """The traced plan of ``x @ weight.T (+ bias)`` with quantizers ``q`` (a
     ``LinearQuantizers``) under ``backward_mode``, or the reason the call stays one
     opaque op. ``amp``: under torch.autocast a quantized weight's nominal dtype need not
     be the input's, as in eager mode. ``input_grad``, ``weight_grad``: whether the input
     and the weight need a gradient (default: their ``requires_grad``; for stand-ins of
-    operands made later)."""
+    operands made later); ``padded``: the caller has padded the operands to whole blocks
+    (``padding.padding_for``), so the padding checks are skipped."""
     if q is None:
         return "no quantizers"
     if q.output is not None or q.grad_input is not None:
@@ -276,10 +277,11 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
     need_dx = grad and (x.requires_grad if input_grad is None else input_grad)
     need_dw = grad and (weight.requires_grad if weight_grad is None else weight_grad)
     default = backward_mode == BackwardMode.DEFAULT
-    if any(feature_padding(q, x, weight)):
-        return "eager pads K or N to whole blocks"
-    if row_padding(q, x, backward_mode, need_dw):
-        return "eager pads M to whole blocks"
+    if not padded:
+        if any(feature_padding(q, x, weight)):
+            return "eager pads K or N to whole blocks"
+        if row_padding(q, x, backward_mode, need_dw):
+            return "eager pads M to whole blocks"
     if exact_split.applies(q, x, weight, backward_mode, need_dx, need_dw):
         return "eager slices the whole call (grad_split.sliced)"
     xo = _operand(q.input, x)
@@ -533,7 +535,8 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         x_shape = x.shape
         if pad:  # zeros to whole blocks, the same ops as an eager call's
             x, weight, bias = pad.operands(x, weight, bias)
-        plan = plan_for(quantizers, backward_mode, x, weight, bias, amp=amp is not None)
+        plan = plan_for(quantizers, backward_mode, x, weight, bias, amp=amp is not None,
+                        padded=True)
     if isinstance(plan, str):
         return plan
     if plan.delayed != (delayed is not None):
@@ -611,7 +614,7 @@ def _eager_decision(q, backward_mode: str, x, weight, bias):
     pad = padding_for(q, backward_mode, x, weight)
     if pad:  # the plan of the padded operands, made once for this kind of call
         x, weight, bias = pad.operands(x, weight, bias)
-    got = plan_for(q, backward_mode, x, weight, bias)
+    got = plan_for(q, backward_mode, x, weight, bias, padded=True)
     if (isinstance(got, str) or not (got.x.eager and got.w.eager)
             or (got.dy is not None and not got.dy.launches_eagerly)):
         return _NoPlan()
