@@ -9,4 +9,5 @@ from .call import (
     ExpertsStandIn,
     compiled_as_one_op,
     opaque_call,
+    opaque_refusal,
 )

@@ -523,13 +523,16 @@ def _eager_call(forward, module, args: tuple, kwargs: dict):
 _eager_call = torch._dynamo.disable(_eager_call, reason=_QUANTIZED_WEIGHT)
 
 
+def opaque_refusal(module) -> str | None:
+    """Why ``module`` cannot be one ``lowprec::call`` op (a quantized weight, which the op
+    does not take), or None."""
+    return _QUANTIZED_WEIGHT if _holds_quantized_weight(module) else None
+
+
 def opaque_call(module, *args):
     """``module(*args)`` as one ``lowprec::call`` op inside a caller dynamo traces (the
-    piece of a traced ``lowprec.ops`` run that has no traced form), or the reason (a
-    string) it cannot be one: a module holding a quantized weight, which the op does not
-    take."""
-    if _holds_quantized_weight(module):
-        return _QUANTIZED_WEIGHT
+    piece of a traced ``lowprec.ops`` run that has no traced form), for a module
+    :func:`opaque_refusal` takes."""
     return _trace_call(module, args, {})
 
 

@@ -2,7 +2,9 @@
 bias + activation step (``fused/activation_bias_backward.py``), each an op around eager's
 computation, so a traced ``Sequential`` gives eager's bits (inductor's own code for a sum
 or an fp32 activation may round differently). The add of a ``Bias`` op is one rounding,
-which inductor computes as eager does; its gradient, a sum over the rows, is an op."""
+which inductor computes as eager does; its gradient, a sum over the rows, is an op. The
+steps' shared rules (the bias an add reads, the fp32 pre-activation, the output dtype)
+live here, read by the eager steps too."""
 
 from __future__ import annotations
 
@@ -10,6 +12,29 @@ import torch
 
 from ..activations import REGISTRY, activation_fp32, activation_grad_fp32
 from ..kernels import graph_op
+from ..recipe import torch_autocast_dtype
+
+
+def bias_operand(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The bias a ``Bias`` op adds to ``x``: checked against x's last dimension, and in the
+    autocast dtype under torch.autocast (as ``nn.Linear``'s bias)."""
+    if x.shape[-1] != bias.shape[0]:
+        raise ValueError(f"Bias of size {bias.shape[0]} cannot be added to an input of shape "
+                         f"{tuple(x.shape)}")
+    return bias.to(x.dtype) if torch_autocast_dtype(x) is not None else bias
+
+
+def pre_activation(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y + bias`` in fp32 (``y`` itself when there is no bias to add)."""
+    return y.float() if bias is None else y.float() + bias.float()
+
+
+def bias_activation_dtype(y: torch.Tensor, added: torch.Tensor | None) -> torch.dtype:
+    """The output dtype of the bias + activation step: that of the unfused Bias op then the
+    activation (under torch.autocast that op adds the bias in y's dtype)."""
+    if added is None or torch_autocast_dtype(y) is not None:
+        return y.dtype
+    return torch.promote_types(y.dtype, added.dtype)
 
 
 # ---- Bias -------------------------------------------------------------------------------------
@@ -46,15 +71,11 @@ def graph_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 # ---- bias + activation ------------------------------------------------------------------------
-def _pre(y2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return y2d.float() if bias is None else y2d.float() + bias.float()
-
-
 @graph_op("graph_bias_activation")
 def _bias_activation_op(y2d: torch.Tensor, bias: torch.Tensor | None, name: str,
                         dtype: torch.dtype) -> torch.Tensor:
     """``activation(y + bias)`` in fp32, rounded once to ``dtype``."""
-    return activation_fp32(name, _pre(y2d, bias)).to(dtype)
+    return activation_fp32(name, pre_activation(y2d, bias)).to(dtype)
 
 
 @torch.library.register_fake("lowprec::graph_bias_activation")
@@ -69,7 +90,7 @@ def _bias_activation_backward_op(g2d: torch.Tensor, y2d: torch.Tensor,
                                  bias_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(dy in ``dtype``, dbias in ``bias_dtype``): both from the fp32 ``act'(z) * g``, the
     bias gradient summed before any rounding."""
-    dz = activation_grad_fp32(name, _pre(y2d, added), g2d)
+    dz = activation_grad_fp32(name, pre_activation(y2d, added), g2d)
     return dz.to(dtype), dz.sum(dim=0).to(bias_dtype)
 
 

@@ -14,10 +14,10 @@
 A ``GroupedLinear`` op, which has no traced form, is one opaque ``lowprec::call`` of its
 own between the traced pieces (it takes and hands on plain tensors, as in eager). What it
 does not mirror it declines, and the whole call stays one opaque op: a ``Quantize`` op that
-quantizes, a fusion registered outside lowprec, a quantized input or weight of a
-``GroupedLinear`` op and anything ``lowprec.Linear``'s traced form declines. Outside
-``lowprec.autocast`` (and torch.autocast) the linears are torch's linear, the
-high-precision path eager runs, and a ``Quantize`` op is the identity.
+quantizes, a fusion registered outside lowprec, a quantized input, a quantized weight of a
+``GroupedLinear`` op (``compile.opaque_refusal``) and anything ``lowprec.Linear``'s
+traced form declines. Outside ``lowprec.autocast`` (and torch.autocast) the linears are
+torch's linear, the high-precision path eager runs, and a ``Quantize`` op is the identity.
 
 Under delayed scaling every linear's plan is decided before any op is traced: a traced
 linear records its amaxes, which a later refusal (then the opaque call) would record twice.
@@ -28,12 +28,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..compile import opaque_call
-from ..formats import QuantizedTensor
+from ..compile import opaque_call, opaque_refusal
 from ..fused import graph_activation, graph_norm_of, producer_kernel
 from ..linear import traced
 from ..recipe import BackwardMode, active_region, torch_autocast_dtype
-from .graph import graph_bias, graph_bias_activation
+from .graph import bias_activation_dtype, bias_operand, graph_bias, graph_bias_activation
 
 _SUPPORTED_KINDS = ("linear", "bias", "activation", "norm", "quantize", "grouped_linear")
 
@@ -96,21 +95,21 @@ def _params(piece) -> list[torch.Tensor]:
 def _decide(pieces: list, x: torch.Tensor):
     """{piece index: ``_Linear``} of every linear piece, or the reason the run declines."""
     linears = {}
-    shape, dtype = tuple(x.shape), x.dtype
+    shape = tuple(x.shape)
     needs_grad = torch.is_grad_enabled() and x.requires_grad
     amp = torch_autocast_dtype(x)
     for k, piece in enumerate(pieces):
         kind = _piece_kind(piece)
         if kind is None:
             return f"a fusion of its own ({piece.name})"
-        if kind == "opaque" and any(isinstance(p, QuantizedTensor)
-                                    for p in piece.parts[0].parameters()):
-            return "a quantized weight of a GroupedLinear op"
+        refused = opaque_refusal(piece.parts[0]) if kind == "opaque" else None
+        if refused is not None:
+            return refused
         lin = piece.leading_linear
         if lin is not None:
-            if amp is None:
-                dtype = lin.weight.dtype  # run_linear's cast
-            got = _linear_of(piece, x.new_empty(shape, dtype=dtype), needs_grad)
+            # outside torch.autocast run_linear casts the input to the weight's dtype
+            like = x.new_empty(shape, dtype=x.dtype if amp is not None else lin.weight.dtype)
+            got = _linear_of(piece, like, needs_grad)
             if isinstance(got, str):
                 return got
             linears[k] = got
@@ -185,13 +184,6 @@ def _linear(lin: _Linear, x: torch.Tensor, bias: torch.Tensor | None):
                                 plan=lin.plan)
 
 
-def _activation_dtype(y: torch.Tensor, added: torch.Tensor | None) -> torch.dtype:
-    """The output dtype of the eager bias + activation step (its ``out_dtype``)."""
-    if added is None or torch_autocast_dtype(y) is not None:
-        return y.dtype
-    return torch.promote_types(y.dtype, added.dtype)
-
-
 def _run_piece(piece, lin: _Linear | None, x: torch.Tensor, emit: _Linear | None):
     if lin is not None:  # linear [+ bias] [+ activation]
         bias = _gemm_bias(piece)
@@ -209,7 +201,7 @@ def _run_piece(piece, lin: _Linear | None, x: torch.Tensor, emit: _Linear | None
         bias_part, act = piece.parts
         act.check_input(x)
         return graph_bias_activation(x, bias_part.bias, act.activation, add_bias=True,
-                                     dtype=_activation_dtype(x, bias_part.bias))
+                                     dtype=bias_activation_dtype(x, bias_part.bias))
     (part,) = piece.parts
     kind = part.op_kind
     if kind == "quantize":  # one that quantizes nothing
@@ -218,13 +210,7 @@ def _run_piece(piece, lin: _Linear | None, x: torch.Tensor, emit: _Linear | None
         part.check_input(x)
         return graph_activation(part.activation, x, kernel=False)
     if kind == "bias":
-        bias = part.bias
-        if x.shape[-1] != bias.shape[0]:
-            raise ValueError(f"Bias of size {bias.shape[0]} cannot be added to an input of "
-                             f"shape {tuple(x.shape)}")
-        if torch_autocast_dtype(x) is not None:
-            bias = bias.to(x.dtype)
-        return graph_bias(x, bias)
+        return graph_bias(x, bias_operand(x, part.bias))
     # a norm: the fused kernel's computation where eager quantizes its output with it
     kernel = emit is not None and producer_kernel(x, emit.quantizers.input,
                                                   BackwardMode.DEFAULT)

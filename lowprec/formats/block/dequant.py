@@ -21,9 +21,13 @@ def dequantize_bf16(data: torch.Tensor, scale: torch.Tensor,
                     block_scaling_dim: int) -> torch.Tensor:
     """(R, C) bf16 ``data / scale``: ``data`` (R, C) fp8 codes (unit inner stride), ``scale``
     (R, C/128) or (R/128, C/128) fp32 encode scales, any strides."""
-    if not use_kernels(data) or data.stride(1) != 1:
+    if not _kernel_takes(data):
         return dequantize_blocks(data, scale, block_scaling_dim).to(torch.bfloat16)
     return _run(data, scale, block_scaling_dim, launch)
+
+
+def _kernel_takes(data: torch.Tensor) -> bool:
+    return use_kernels(data) and data.stride(1) == 1
 
 
 def _run(data, scale, block_scaling_dim: int, run) -> torch.Tensor:
@@ -55,6 +59,6 @@ def dequantized_bf16(data: torch.Tensor, scale: torch.Tensor,
                      block_scaling_dim: int) -> torch.Tensor:
     """:func:`dequantize_bf16`; in a compiled graph, :func:`dequantize_bf16_inline` where
     the kernel runs (an eager call skips the op's dispatch through the kernel op)."""
-    if torch.compiler.is_compiling() and use_kernels(data) and data.stride(1) == 1:
+    if torch.compiler.is_compiling() and _kernel_takes(data):
         return dequantize_bf16_inline(data, scale, block_scaling_dim)
     return dequantize_bf16(data, scale, block_scaling_dim)

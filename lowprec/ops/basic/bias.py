@@ -5,18 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...recipe import torch_autocast_dtype
 from ..base import BasicOperation, RunContext, as_plain, emit_output
+from ..graph import bias_operand
 
 
 def bias_forward(x: torch.Tensor, bias: torch.Tensor, ctx: RunContext) -> torch.Tensor:
-    if x.shape[-1] != bias.shape[0]:
-        raise ValueError(f"Bias of size {bias.shape[0]} cannot be added to an input of shape "
-                         f"{tuple(x.shape)}")
     x = as_plain(x)
-    if torch_autocast_dtype(x) is not None:
-        bias = bias.to(x.dtype)  # as nn.Linear's bias under torch.autocast
-    return emit_output(x + bias, ctx)
+    return emit_output(x + bias_operand(x, bias), ctx)
 
 
 class Bias(BasicOperation):

@@ -16,33 +16,26 @@ from __future__ import annotations
 import torch
 
 from ...activations import activation_fp32, activation_grad_fp32
-from ...recipe import torch_autocast_dtype
 from ..base import EmitSpec, Piece, RunContext, as_plain, plain, register_fusion
-
-
-def _pre_activation(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``y + bias`` in fp32 (``y`` itself when there is no bias to add)."""
-    return y.float() if bias is None else y.float() + bias.float()
+from ..graph import bias_activation_dtype, pre_activation
 
 
 class _BiasActivationFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, bias, add_bias, activation, emit, grad_emit):
         added = bias if add_bias else None
-        # The output dtype of the unfused Bias op then the activation (under torch.autocast
-        # that op adds the bias in y's dtype); the sum itself stays fp32 until the one rounding.
-        ctx.out_dtype = (y.dtype if added is None or torch_autocast_dtype(y) is not None
-                         else torch.result_type(y, added))
+        # the sum itself stays fp32 until the one rounding
+        ctx.out_dtype = bias_activation_dtype(y, added)
         ctx.save_for_backward(y, added)
         ctx.activation, ctx.grad_emit = activation, grad_emit
         ctx.bias_dtype = None if bias is None else bias.dtype
-        out = activation_fp32(activation, _pre_activation(y, added)).to(ctx.out_dtype)
+        out = activation_fp32(activation, pre_activation(y, added)).to(ctx.out_dtype)
         return emit.quantize(out) if emit is not None else out
 
     @staticmethod
     def backward(ctx, g):
         y, added = ctx.saved_tensors
-        dz = activation_grad_fp32(ctx.activation, _pre_activation(y, added), plain(g))
+        dz = activation_grad_fp32(ctx.activation, pre_activation(y, added), plain(g))
         db = None
         if ctx.needs_input_grad[1]:
             db = dz.reshape(-1, dz.shape[-1]).sum(dim=0).to(ctx.bias_dtype)
