@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ..formats import QuantizedTensor, Quantizer, contiguous_data
 from . import gather_codec
@@ -83,7 +84,15 @@ def _reduce_scatter_fn():
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# A compiled call traces torch's functional collectives, which dynamo and inductor know
+# (the in-place ones above would break the graph); torch 2.13 renames them too.
+_traced_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_traced_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
 def _all_gather_rows(t2d: torch.Tensor, group) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _traced_gather(t2d.contiguous(), 0, group)
     world = dist.get_world_size(group)
     out = t2d.new_empty((world * t2d.shape[0], *t2d.shape[1:]))
     src = t2d.contiguous()
@@ -103,8 +112,11 @@ def quantized_gather_applies(quantizer: Quantizer | None, x: torch.Tensor, *, ro
                              columnwise: bool) -> bool:
     """Whether :func:`gather_rows` can send ``x``'s rows quantized by ``quantizer`` with
     these usages: the format quantizes a part as the whole would, and the row shard of
-    each rank fills whole blocks along the rows."""
-    if quantizer is None or isinstance(x, QuantizedTensor) or x.dim() < 2 or x.numel() == 0:
+    each rank fills whole blocks along the rows. Never in a compiled call: it gathers the
+    high-precision rows, and its traced GEMM quantizes them into the same bits."""
+    if torch.compiler.is_compiling() or quantizer is None:
+        return False
+    if isinstance(x, QuantizedTensor) or x.dim() < 2 or x.numel() == 0:
         return False
     with quantizer.usages(rowwise=rowwise, columnwise=columnwise):
         if not quantizer.can_quantize_part():
@@ -156,12 +168,17 @@ def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"sequence parallelism splits the first dimension over {world} ranks; "
                          f"a tensor of shape {tuple(x.shape)} does not split evenly")
     x2d = _rows_2d(x)
-    out = x2d.new_empty((x2d.shape[0] // world, x2d.shape[1]))
-    _reduce_scatter_fn()(out, x2d, op=dist.ReduceOp.SUM, group=group)
+    if torch.compiler.is_compiling():
+        out = _traced_scatter(x2d, "sum", 0, group)
+    else:
+        out = x2d.new_empty((x2d.shape[0] // world, x2d.shape[1]))
+        _reduce_scatter_fn()(out, x2d, op=dist.ReduceOp.SUM, group=group)
     return out.view(x.shape[0] // world, *x.shape[1:])
 
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(x.contiguous(), "sum", group)
     out = _plain(x).clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out

@@ -507,6 +507,17 @@ def delayed_refusal(delayed) -> str | None:
     return None
 
 
+def refusal(plan: TracedPlan | str, delayed) -> str | None:
+    """Why :func:`traced_linear` does not trace a call with this plan (or :func:`plan_for`'s
+    reason) and these delayed-scaling states, or None: a caller that must not trace
+    anything before a refusal (a collective, a norm) asks first."""
+    if isinstance(plan, str):
+        return plan
+    if plan.delayed != (delayed is not None):
+        return "delayed scaling without its state"
+    return None if delayed is None else delayed_refusal(delayed)
+
+
 def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None, delayed=None, plan: TracedPlan | None = None, *,
                   gemm: int = 0, updates: bool = True):
@@ -537,15 +548,11 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
             x, weight, bias = pad.operands(x, weight, bias)
         plan = plan_for(quantizers, backward_mode, x, weight, bias, amp=amp is not None,
                         padded=True)
-    if isinstance(plan, str):
-        return plan
-    if plan.delayed != (delayed is not None):
-        return "delayed scaling without its state"
+    refused = refusal(plan, delayed)
+    if refused is not None:
+        return refused
     args = (x, weight, bias, plan, torch.is_grad_enabled(), None, None)
     if delayed is not None:
-        refused = delayed_refusal(delayed)
-        if refused is not None:
-            return refused
         fwd, bwd, handle, recipe, records = delayed
         # a GEMM's slots: (input, weight, output) forward, (grad_output, grad_input) backward
         args = args[:5] + ((fwd.scale, fwd.amax_current, handle, 3 * gemm, records),

@@ -66,24 +66,36 @@ class LayerNormLinear(LowprecModule):
     def traced_forward(self, x: torch.Tensor):
         """The call as torch.compile traces it: the norm as one op around eager's own
         computation (``lowprec.fused.graph``), then the linear traced as ``Linear``'s
-        (``lowprec.linear.traced``); the reason (a string) where it stays one opaque op
-        (under torch.autocast, the norm's output in the autocast dtype as eager's)."""
-        if self.traced_plain_call(x, self.weight):
-            ln = graph_norm(self, x, kernel=False)  # no quantizer: eager's unfused norm
-            y = F.linear(ln, self.weight, self.bias)
+        (``lowprec.linear.traced``; tensor-parallel, between its collectives); the reason
+        (a string) where it stays one opaque op (under torch.autocast, the norm's output in
+        the autocast dtype as eager's)."""
+        tp, w = self._tp, self.weight
+        if self.traced_plain_call(x, w):
+            if tp is None:
+                ln = graph_norm(self, x, kernel=False)  # no quantizer: eager's unfused norm
+                y = F.linear(ln, w, self.bias)
+            else:
+                ln = tpar.graph_norm_rows(self, tp, x)
+                y = tpar.traced_split(tp, ln, self.bias, lambda a, b: F.linear(a, w, b))
             return (y, ln) if self.return_layernorm_output else y
-        got = self.traced_quantizers(x, self.weight)
+        got = self.traced_quantizers(x, w)
         if isinstance(got, str):
             return got
         (q,), mode, delayed = got
-        plan = traced.planned(q, mode, x, self.weight, self.bias,
+        plan = traced.planned(q, mode, tpar.gemm_input_like(tp, x), w, self.bias,
                               input_grad=norm_output_grad(self, x))
-        if isinstance(plan, str):
-            return plan
-        # eager fuses the norm into the quantize unless it returns the norm output
-        ln = graph_norm(self, x, kernel=not self.return_layernorm_output
-                        and producer_kernel(x, q.input, mode), dtype=torch_autocast_dtype(x))
-        y = traced.traced_linear(q, mode, ln, self.weight, self.bias, delayed, plan)
+        refused = traced.refusal(plan, delayed)
+        if refused is not None:
+            return refused
+        if tp is None:
+            # eager fuses the norm into the quantize unless it returns the norm output
+            ln = graph_norm(self, x, kernel=not self.return_layernorm_output
+                            and producer_kernel(x, q.input, mode), dtype=torch_autocast_dtype(x))
+            y = traced.traced_linear(q, mode, ln, w, self.bias, delayed, plan)
+        else:  # the norm on this rank's rows, then replicated or gathered
+            ln = tpar.graph_norm_rows(self, tp, x)
+            y = tpar.traced_split(tp, ln, self.bias, lambda a, b: traced.traced_linear(
+                q, mode, a, w, b, delayed, plan))
         return (y, ln) if self.return_layernorm_output else y
 
     @compiled_as_one_op

@@ -9,7 +9,7 @@ from .. import fused
 from ..compile import compiled_as_one_op
 from ..fused import graph_activation, graph_norm, producer_kernel
 from ..linear import quantized_linear, traced
-from ..recipe import torch_autocast_dtype
+from ..recipe import BackwardMode, torch_autocast_dtype
 from . import tensor_parallel as tpar
 from .activations import get_activation
 from .base import LowprecModule
@@ -88,11 +88,19 @@ class LayerNormMLP(LowprecModule):
         eager's, and the linears cast their operands. Under delayed scaling each GEMM
         records into its slots of the module's states, and the backward state is updated
         once, after the last GEMM's backward (fc1's, or fc2's where fc1 needs no gradient),
-        as eager's end-of-backward callback does."""
+        as eager's end-of-backward callback does. Tensor-parallel, fc1's input is replicated
+        or gathered and fc2's partial outputs reduced as eager's, by the same functions
+        (``tensor_parallel.traced_split``)."""
         w1, b1, w2, b2 = self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
+        tp = self._tp
         if self.traced_plain_call(x, w1, w2):  # no quantizer: eager's unfused norm and activation
-            h1 = F.linear(graph_norm(self, x, kernel=False), w1, b1)
-            return F.linear(graph_activation(self.activation, h1, kernel=False), w2, b2)
+            if tp is None:
+                h1 = F.linear(graph_norm(self, x, kernel=False), w1, b1)
+                return F.linear(graph_activation(self.activation, h1, kernel=False), w2, b2)
+            h1 = tpar.traced_split(tp, tpar.graph_norm_rows(self, tp, x), b1,
+                                   lambda a, b: F.linear(a, w1, b))
+            a = graph_activation(self.activation, h1, kernel=False)
+            return tpar.row_output(tp, F.linear(a, w2), b2, None, BackwardMode.DEFAULT)
         got = self.traced_quantizers(x, w1, w2)
         if isinstance(got, str):
             return got
@@ -106,22 +114,30 @@ class LayerNormMLP(LowprecModule):
         fc1_backward = torch.is_grad_enabled() and (
             ln_grad or any(t is not None and t.requires_grad for t in (w1, b1)))
         # fc2's input is made below: a stand-in of its shape asks its plan first (a dead
-        # op in the graph)
-        a_like = x.new_empty((*x.shape[:-1], w2.shape[1]))
-        plans = (traced.planned(q1, mode, x, w1, b1, input_grad=ln_grad),
-                 traced.planned(q2, mode, a_like, w2, b2, input_grad=fc1_backward))
+        # op in the graph); under tensor parallelism fc1 reads the gathered rows
+        x_like = tpar.gemm_input_like(tp, x)
+        a_like = x_like.new_empty((*x_like.shape[:-1], w2.shape[1]))
+        b2_gemm = b2 if tp is None else None  # a row-parallel bias follows the reduction
+        plans = (traced.planned(q1, mode, x_like, w1, b1, input_grad=ln_grad),
+                 traced.planned(q2, mode, a_like, w2, b2_gemm, input_grad=fc1_backward))
         for plan in plans:
-            if isinstance(plan, str):
-                return plan
-        # eager's fused norm and activation
-        h1 = traced.traced_linear(q1, mode, graph_norm(
-            self, x, kernel=producer_kernel(x, q1.input, mode),
-            dtype=torch_autocast_dtype(x)), w1, b1, delayed,
-            plan=plans[0], gemm=0, updates=fc1_backward)
+            refused = traced.refusal(plan, delayed)
+            if refused is not None:
+                return refused
+
+        def fc1(a, b):
+            return traced.traced_linear(q1, mode, a, w1, b, delayed, plan=plans[0], gemm=0,
+                                        updates=fc1_backward)
+        if tp is None:  # eager's fused norm
+            h1 = fc1(graph_norm(self, x, kernel=producer_kernel(x, q1.input, mode),
+                                dtype=torch_autocast_dtype(x)), b1)
+        else:
+            h1 = tpar.traced_split(tp, tpar.graph_norm_rows(self, tp, x), b1, fc1)
         a = graph_activation(self.activation, h1,
                              kernel=producer_kernel(a_like, q2.input, mode))
-        return traced.traced_linear(q2, mode, a, w2, b2, delayed, plan=plans[1], gemm=1,
-                                    updates=not fc1_backward)
+        y = traced.traced_linear(q2, mode, a, w2, b2_gemm, delayed, plan=plans[1], gemm=1,
+                                 updates=not fc1_backward)
+        return y if tp is None else tpar.row_output(tp, y, b2, None, mode)
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -61,15 +61,30 @@ class Linear(LowprecModule):
         return [(rows, *x.shape[1:-1], self.weight.shape[0])]
 
     def traced_forward(self, x: torch.Tensor):
-        """The call as torch.compile traces it (``lowprec.linear.traced``), or the reason
-        (a string) it stays one opaque op."""
-        if active_region() is None and current_frame() is None and self._plain_call(x):
-            return F.linear(x, self.weight, self.bias)
-        got = self.traced_quantizers(x, self.weight)
+        """The call as torch.compile traces it (``lowprec.linear.traced``; a
+        tensor-parallel one between its collectives, ``tensor_parallel.traced_split``), or
+        the reason (a string) it stays one opaque op."""
+        tp, w = self._tp, self.weight
+        if tp is None and active_region() is None and current_frame() is None \
+                and self._plain_call(x):
+            return F.linear(x, w, self.bias)
+        if tp is not None and self.traced_plain_call(x, w):
+            return tpar.traced_split(tp, x, self.bias, lambda a, b: F.linear(a, w, b))
+        got = self.traced_quantizers(x, w)
         if isinstance(got, str):
             return got
-        qs, mode, delayed = got
-        return traced.traced_linear(qs[0], mode, x, self.weight, self.bias, delayed)
+        (q, *_), mode, delayed = got
+        if tp is None:
+            return traced.traced_linear(q, mode, x, w, self.bias, delayed)
+        row = tp.mode == "row"
+        plan = traced.planned(q, mode, tpar.gemm_input_like(tp, x), w,
+                              None if row else self.bias,
+                              input_grad=torch.is_grad_enabled() and x.requires_grad)
+        refused = traced.refusal(plan, delayed)
+        if refused is not None:
+            return refused  # before any collective is traced
+        return tpar.traced_split(tp, x, self.bias, lambda a, b: traced.traced_linear(
+            q, mode, a, w, b, delayed, plan))
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:

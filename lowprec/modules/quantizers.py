@@ -22,9 +22,9 @@ class CallQuantizersMixin:
 
     def traced_plain_call(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
         """Whether a compiled call runs no recipe and traces as the torch ops of its high
-        precision path: outside autocast and checkpointing, no tensor parallelism, plain
-        input and weights of one dtype, no torch.autocast."""
-        return (active_region() is None and current_frame() is None and self._tp is None
+        precision path: outside autocast and checkpointing, plain input and weights of one
+        dtype, no torch.autocast."""
+        return (active_region() is None and current_frame() is None
                 and type(x) is torch.Tensor and torch_autocast_dtype(x) is None
                 and all(type(w) in (torch.Tensor, nn.Parameter) and w.dtype == x.dtype
                         for w in weights))
@@ -50,8 +50,6 @@ class CallQuantizersMixin:
             return "inside an eagerly run activation checkpoint"
         if self.output_quantizer_role is not None or self.grad_input_quantizer_role is not None:
             return "a quantized output or input gradient (boundary roles)"
-        if self._tp is not None:
-            return "tensor parallelism"
         if type(x) is not torch.Tensor or not x.is_floating_point():
             return f"an input of type {type(x).__name__}"
         for w in weights:

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import tp_comm
+from ..fused import graph_norm_of
 from ..linear import quantized_linear
-from ..recipe import BackwardMode
+from ..recipe import BackwardMode, torch_autocast_dtype
 from .norms import apply_norm
 from .params import producer_usages, release_fprop_copy
 from .params import tp_group_size as check_parallel_args  # noqa: F401 (the modules call it here)
@@ -157,3 +158,35 @@ def norm_rows(module, tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
     return apply_norm(x, module.normalization, replicated_param(tp, module.layer_norm_weight),
                       replicated_param(tp, module.layer_norm_bias), module.eps,
                       module.zero_centered_gamma)
+
+
+# ---- in a compiled call -----------------------------------------------------------------------
+# The same autograd functions and collectives, traced: the collectives are torch's functional
+# ones there, and a sequence-parallel gather moves the high-precision rows, which the traced
+# GEMM quantizes into the bits a quantized gather would have delivered
+# (``tp_comm.quantized_gather_applies``).
+
+def gemm_input_like(tp: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
+    """``x``, or for a column-parallel GEMM under sequence parallelism a stand-in of the
+    gathered input it reads (a dead op in the graph), for asking its plan first."""
+    if tp is None or tp.mode == "row" or not tp.sequence_parallel:
+        return x
+    return x.new_empty((x.shape[0] * tp.size, *x.shape[1:]))
+
+
+def traced_split(tp: TensorParallel | None, x: torch.Tensor, bias, gemm):
+    """``gemm(input, bias)`` of a tensor-parallel linear in a compiled call: column-parallel,
+    its input replicated or gathered first; row-parallel, its partial outputs reduced, then
+    the bias (as :func:`column_linear` and :func:`row_output`)."""
+    if tp is not None and tp.mode == "row":
+        return row_output(tp, gemm(x, None), bias, None, BackwardMode.DEFAULT)
+    return gemm(column_input(tp, x, None, BackwardMode.DEFAULT, (True, False)), bias)
+
+
+def graph_norm_rows(module, tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+    """:func:`norm_rows` in a compiled call: the same unfused computation as a graph op."""
+    return graph_norm_of(x, module.normalization,
+                         replicated_param(tp, module.layer_norm_weight),
+                         replicated_param(tp, module.layer_norm_bias), module.eps,
+                         module.zero_centered_gamma, kernel=False,
+                         dtype=torch_autocast_dtype(x))

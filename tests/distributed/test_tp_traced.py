@@ -1,0 +1,133 @@
+"""Tensor and sequence parallelism under torch.compile on 2 ranks (CPU gloo): Linear,
+LayerNormLinear and LayerNormMLP trace between torch's functional collectives, with no
+opaque ``lowprec::call``, one graph, and outputs, input gradients and parameter gradients
+bit-identical to eager's over two steps, for every recipe (without one, torch's linear
+in the graph agrees to fp32 rounding, as without tensor parallelism). A sequence-parallel gather
+moves the high-precision rows in the graph where eager sends quantized ones: the GEMMs
+read the same bits either way (``test_tensor_parallel``'s quantized-gather test)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import spawn
+import torch
+import torch.distributed as dist
+from helpers import GraphOps
+from test_tensor_parallel import TP, Block, _batch, _rows
+from test_tp_styles import Net, _local, _plan
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+import lowprec
+from lowprec.recipe import Recipe
+
+RECIPES = ["none", "current", "delayed", "block", "mxfp8", "nvfp4", "nvfp4_plain",
+           "mxfp8_fwd_nvfp4_bwd"]
+STEPS = 2
+
+
+class _Block(Block):
+    """``Block`` without its torch GELU between the column- and the row-parallel Linear
+    (inductor's decomposition of it, which the graphs run, rounds otherwise than eager)."""
+
+    def forward(self, x):
+        h = x + self.proj(self.qkv(x))
+        return h + self.mlp(h)
+
+
+def _recipe(name: str):
+    if name == "none":
+        return None
+    if name == "delayed":
+        return lowprec.DelayedScaling(amax_history_len=2)
+    if name == "nvfp4_plain":
+        return lowprec.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True)
+    return Recipe.from_name(name)
+
+
+def _steps(fn, model, recipe, rank: int, sp: bool):
+    """Per step: the output, the input's gradient and every parameter's gradient."""
+    torch.manual_seed(11)  # NVFP4's stochastic-rounding keys: the same draws each run
+    out = []
+    for step in range(STEPS):
+        x, t = _batch(step, spawn.device(rank))
+        x = _rows(x, rank, sp).requires_grad_(True)
+        t = _rows(t, rank, sp)
+        for p in model.parameters():
+            p.grad = None
+        with lowprec.autocast(enabled=recipe is not None, recipe=recipe):
+            y = fn(x)
+        ((y.float() - t) ** 2).sum().backward()
+        out.append([y.detach(), x.grad] + [p.grad for p in model.parameters()])
+    return out
+
+
+def _worker(rank, world, sp):
+    for rname in RECIPES:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        eager = _Block(dist.group.WORLD, sp).to(spawn.device(rank))
+        torch.manual_seed(0)
+        model = _Block(dist.group.WORLD, sp).to(spawn.device(rank))
+        model.load_state_dict(eager.state_dict())
+        ops = GraphOps()
+        compiled = torch.compile(model, backend=ops, fullgraph=True)
+        want = _steps(eager, eager, _recipe(rname), rank, sp)
+        got = _steps(compiled, model, _recipe(rname), rank, sp)
+        for step, (w, g) in enumerate(zip(want, got)):
+            for i, (a, b) in enumerate(zip(w, g)):
+                where = f"{rname} sp={sp}: step {step}, tensor {i}"
+                if rname == "none":  # torch's linear in the graph: fp32 rounding apart
+                    err = (a - b).norm().item()
+                    assert err <= 1e-5 * a.norm().item(), f"{where}: {err:.3e} apart"
+                else:
+                    assert torch.equal(a, b), where
+        assert not any(t.startswith("lowprec.call") for t in ops.targets), rname
+        collectives = [t for t in ops.targets if "_c10d_functional" in t]
+        assert collectives, rname
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
+def test_tensor_parallel_traces_bit_identical(sp):
+    """Every recipe (delayed scaling: its first call makes the state, then it traces),
+    TP=2 with and without SP: compiled equals eager bit for bit with no opaque call."""
+    spawn.run(_worker, TP, sp)
+
+
+class _Net(Net):
+    """``test_tp_styles``' net without its torch ReLUs (see ``_Block``)."""
+
+    def forward(self, x):
+        h = x + self.proj(self.qkv(x))
+        return h + self.fc2(self.fc1(h))
+
+
+def _styles_worker(rank, world):
+    mesh = init_device_mesh(spawn.device(rank).type, (world,))
+    for rname, sp in itertools.product(("current", "mxfp8"), (False, True)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        eager = parallelize_module(_Net().to(spawn.device(rank)), mesh, _plan(sp))
+        model = parallelize_module(_Net().to(spawn.device(rank)), mesh, _plan(sp))
+        model.load_state_dict(eager.state_dict())
+        ops = GraphOps()
+        compiled = torch.compile(model, backend=ops, fullgraph=True)
+        x, t = _batch(0, spawn.device(rank))
+        x, t = _rows(x, rank, sp), _rows(t, rank, sp)
+        outs = []
+        for fn, m in ((eager, eager), (compiled, model)):
+            with lowprec.autocast(recipe=_recipe(rname)):
+                y = fn(x)
+            ((y.float() - t) ** 2).sum().backward()
+            outs.append([y.detach()] + [_local(p.grad) for p in m.parameters()])
+        for i, (a, b) in enumerate(zip(*outs)):
+            assert torch.equal(a, b), f"{rname} sp={sp}: tensor {i}"
+        assert not any(t.startswith("lowprec.call") for t in ops.targets), (rname, sp)
+
+
+def test_tensor_parallel_styles_trace_bit_identical():
+    """The DTensor styles (``parallelize_module``): the swapped-in local shards trace like
+    the modules' own split, bit for bit against eager, TP and SP."""
+    spawn.run(_styles_worker, TP)
