@@ -18,6 +18,9 @@ Why the pieces look as they do:
   same-shaped layers with different names share one compiled code.
 * The recipe is named by ``Recipe._lowprec_key``, an int that every recipe
   object gets at construction; the guard is on the recipe, which layers share.
+  A region with an ``amax_reduction_group`` is named by a negative int standing
+  for the (recipe, group) pair (``_region_key``), so that a region of the call's
+  own reduces delayed scaling's amaxes over the group as the traced one would.
 * The call's graph is held by the returned token tensor (its storage owns
   the record), so it lives exactly as long as the compiled graph keeps the
   token for backward.
@@ -48,6 +51,7 @@ import logging
 import weakref
 
 import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..formats import QuantizedExperts, QuantizedTensor
 from ..linear import graph_kept
@@ -255,6 +259,9 @@ class _RuntimeRegion:
     the compiled function, else one of its own (see the module docstring)."""
 
     def __init__(self, recipe_key: int) -> None:
+        self.group = None
+        if recipe_key <= -2:
+            recipe_key, self.group = _GROUPED[recipe_key]
         self.recipe = recipe_from_key(recipe_key) if recipe_key >= 0 else None
         self.own = None
 
@@ -263,13 +270,37 @@ class _RuntimeRegion:
         if self.recipe is None:
             if real is not None:
                 self.own = push_region(None)
-        elif real is None or real.recipe is not self.recipe:
-            self.own = push_region(self.recipe)
+        elif real is None or real.recipe is not self.recipe or real.group is not self.group:
+            self.own = push_region(self.recipe, self.group)
         return self
 
     def __exit__(self, *exc) -> None:
         if self.own is not None:
             pop_region(self.own)
+
+
+#: regions with an amax reduction group: key (-2, -3, ...) -> (recipe key, group), and
+#: (recipe key, group name) -> key. Process groups live as long as the program does.
+_GROUPED: dict[int, tuple] = {}
+_GROUPED_KEYS: dict[tuple, int] = {}
+
+
+def _region_key(region) -> int:
+    """The int a compiled call names its autocast region by (see the module docstring)."""
+    key = region.recipe._lowprec_key
+    return key if region.group is None else _grouped_key(key, region.group.group_name)
+
+
+@torch._dynamo.assume_constant_result
+def _grouped_key(recipe_key: int, group_name: str) -> int:
+    # run for real while dynamo traces (the op reads the table when the graph runs), with
+    # the group's name: dynamo hands a function it runs a stand-in of the group itself
+    named = _GROUPED_KEYS.get((recipe_key, group_name))
+    if named is None:
+        named = _GROUPED_KEYS[(recipe_key, group_name)] = -2 - len(_GROUPED)
+        _GROUPED[named] = (recipe_key, _resolve_process_group(group_name))
+    return named
+
 
 
 # ---- the ops ---------------------------------------------------------------------------------
@@ -454,10 +485,7 @@ def _trace_call(module, args: tuple, kwargs: dict):
     region = active_region()
     recipe_key = -1
     if region is not None:
-        if region.group is not None:
-            raise NotImplementedError("an amax_reduction_group under torch.compile is not "
-                                      "supported yet; run the autocast region eagerly")
-        recipe_key = region.recipe._lowprec_key
+        recipe_key = _region_key(region)
     params = list(module.parameters())
     # experts gathered quantized (FSDP2) enter as stand-ins: the call reads the live
     # parameter, and their gradient passes through the stand-in to it

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed._functional_collectives as funcol
 
 from ..formats import (
     Blocks,
@@ -325,15 +326,18 @@ def _hp_product(a: torch.Tensor, b: torch.Tensor, out_dtype) -> torch.Tensor:
 @torch.library.custom_op("lowprec::delayed_update",
                          mutates_args=("history", "amax_current", "scale"))
 def delayed_update(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.Tensor,
-                   fp8_max: torch.Tensor, most_recent: bool, margin: float) -> None:
+                   fp8_max: torch.Tensor, reduced: Optional[torch.Tensor], most_recent: bool,
+                   margin: float) -> None:
     """The backward state's update once a traced delayed-scaling backward has recorded its
-    amaxes: eager's own update (``lowprec.recipe.state.push_amaxes``), one op in the graph."""
-    push_amaxes(history, amax_current, scale, fp8_max, amax_current,
+    amaxes: eager's own update (``lowprec.recipe.state.push_amaxes``), one op in the graph;
+    ``reduced``: the amaxes all-reduced over the amax reduction group, where there is one."""
+    push_amaxes(history, amax_current, scale, fp8_max,
+                amax_current if reduced is None else reduced,
                 "most_recent" if most_recent else "max", margin)
 
 
 @delayed_update.register_fake
-def _delayed_update_fake(history, amax_current, scale, fp8_max, most_recent, margin):
+def _delayed_update_fake(history, amax_current, scale, fp8_max, reduced, most_recent, margin):
     return None
 
 
@@ -436,14 +440,16 @@ class TracedLinear(torch.autograd.Function):
             return TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
         if plan.delayed:
             scale, amax, history, fp8_max = saved[nx + nw:]
-            most_recent, margin, s, updates = ctx.update
+            most_recent, margin, s, updates, group = ctx.update
             dyq, dys, seen = plan.dy.delayed(dy2d, scale[s:s + 1])
             amax[s:s + 1].copy_(torch.maximum(amax[s:s + 1], seen))
             dyd = decode_scale(dys).reshape(())
             dy = (Fp8(dyq, dys, dyd), Fp8(dyq.t().contiguous(), dys, dyd))
             dx, dw = TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
             if updates:  # the module's last GEMM to run backward: its whole state's update
-                delayed_update(history, amax, scale, fp8_max, most_recent, margin)
+                # (the amaxes all-reduced over the autocast's amax_reduction_group first)
+                reduced = None if group is None else funcol.all_reduce(amax, "max", group)
+                delayed_update(history, amax, scale, fp8_max, reduced, most_recent, margin)
             return dx, dw
         sliced = plan.split is not None and need_dx and need_dw
         dy = None if sliced else plan.dy.grad(dy2d, need_dx, need_dw)
@@ -525,7 +531,8 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
     reason (a string) where :func:`plan_for` has no plan (the caller keeps the opaque op).
     ``delayed``: the (forward, backward) delayed-scaling states, the module's handle
     that a delayed-scaling call records into (None: the region is in the graph), the
-    recipe, and whether the forward records its amaxes (not in an evaluation); ``gemm``:
+    recipe, whether the forward records its amaxes (not in an evaluation), and the group
+    the backward state's update all-reduces its amaxes over (or None); ``gemm``:
     which of the module's GEMMs this is (its slots in the states); ``updates``: whether its
     backward, the module's last to run, updates the backward state (eager's end-of-backward
     callback). ``plan``: :func:`plan_for`'s plan, where the caller has asked for it already
@@ -553,12 +560,12 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         return refused
     args = (x, weight, bias, plan, torch.is_grad_enabled(), None, None)
     if delayed is not None:
-        fwd, bwd, handle, recipe, records = delayed
+        fwd, bwd, handle, recipe, records, group = delayed
         # a GEMM's slots: (input, weight, output) forward, (grad_output, grad_input) backward
         args = args[:5] + ((fwd.scale, fwd.amax_current, handle, 3 * gemm, records),
                            (bwd.scale, bwd.amax_current, bwd.amax_history, bwd.fp8_max,
                             recipe.amax_compute_algo == "most_recent", float(recipe.margin),
-                            2 * gemm, updates))
+                            2 * gemm, updates, group))
     if amp is None:
         y = TracedLinear.apply(*args)
     else:

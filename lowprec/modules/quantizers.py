@@ -43,8 +43,6 @@ class CallQuantizersMixin:
         region = active_region()
         if region is None:
             return "outside lowprec.autocast"
-        if region.group is not None:
-            return "an amax_reduction_group"
         if current_frame() is not None:
             # its recompute replays the eager call's record (lowprec.checkpoint)
             return "inside an eagerly run activation checkpoint"
@@ -64,7 +62,9 @@ class CallQuantizersMixin:
             held = self.__dict__["_recipe_states"]
             fq, bq = held["forward"].quantizers, held["backward"].quantizers
             fwd_state, bwd_state, handle, records = states
-            delayed = (fwd_state, bwd_state, handle, recipe, records)
+            # the group the backward state's update all-reduces its amaxes over, as eager's
+            group = region.group if recipe.reduce_amax else None
+            delayed = (fwd_state, bwd_state, handle, recipe, records, group)
             return self._linear_quantizers(fq, bq), recipe.backward_mode, delayed
         # only the slots a GEMM without boundary roles reads: its input, weight and dY
         # (each quantizer built costs a compiled call tracing time)
