@@ -51,16 +51,20 @@ def _distribute(module: nn.Module, mesh, placements: dict, src_data_rank) -> Non
 
 
 def _swap_to_local(module, _args) -> None:
-    # The module's GEMMs and collectives work on this rank's shards.
-    module._dtensor_params = {n: p for n, p in module._parameters.items()
-                              if isinstance(p, DTensor)}
-    for name, p in module._dtensor_params.items():
+    # The module's GEMMs and collectives work on this rank's shards. (Plain attribute
+    # reads and writes: dynamo traces these hooks under torch.compile.)
+    swapped = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+    module._dtensor_params = swapped
+    for name, p in swapped.items():
         module._parameters[name] = p.to_local()
 
 
 def _swap_back(module, _args, _output) -> None:
-    for name, p in module.__dict__.pop("_dtensor_params", {}).items():
-        module._parameters[name] = p
+    swapped = getattr(module, "_dtensor_params", None)
+    if swapped:
+        for name, p in swapped.items():
+            module._parameters[name] = p
+        module._dtensor_params = {}
 
 
 def _input_hook(mesh, layout, desired, module, args):

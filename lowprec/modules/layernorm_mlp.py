@@ -162,9 +162,10 @@ class LayerNormMLP(LowprecModule):
                                                *producer_usages(self.fc2_weight, mode))
         else:
             a = self._act(h1)
+        gq = tpar.gathered_grad_quantizer(q2, mode, a, self.fc2_weight) if tp else None
         y = quantized_linear(a, self.fc2_weight, self.fc2_bias if tp is None else None,
                              quantizers=q2, backward_mode=mode, on_backward_done=done)
         release_fprop_copy(a, mode)
         if tp is not None:
-            y = tpar.row_output(tp, y, self.fc2_bias, q2.grad_output if q2 else None, mode)
+            y = tpar.row_output(tp, y, self.fc2_bias, gq, mode)
         return y

@@ -97,7 +97,8 @@ class Linear(LowprecModule):
         if tp is not None and tp.mode == "row":
             y = quantized_linear(x, self.weight, None, quantizers=q, backward_mode=mode,
                                  on_backward_done=done)
-            return tpar.row_output(tp, y, self.bias, q.grad_output if q else None, mode)
+            return tpar.row_output(tp, y, self.bias,
+                                   tpar.gathered_grad_quantizer(q, mode, x, self.weight), mode)
         return tpar.column_linear(tp, x, self.weight, self.bias, q, mode, done)
 
     def extra_repr(self) -> str:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..distributed import tp_comm
 from ..fused import graph_norm_of
-from ..linear import quantized_linear
+from ..linear import quantized_linear, traced
 from ..recipe import BackwardMode, torch_autocast_dtype
 from .norms import apply_norm
 from .params import producer_usages, release_fprop_copy
@@ -121,6 +121,21 @@ def row_output(tp: TensorParallel | None, y: torch.Tensor, bias: torch.Tensor | 
     if bias is not None:
         y = y + replicated_param(tp, bias)
     return y
+
+
+def gathered_grad_quantizer(quantizers, backward_mode: str, x: torch.Tensor,
+                            weight: torch.Tensor):
+    """The quantizer a sequence-parallel row-parallel GEMM's gradient is gathered with
+    (:func:`row_output`), or None for a high-precision gather: where the GEMM's backward
+    runs through an eager plan (``linear.traced.eager_plan``), which quantizes dY from its
+    values, gathered codes would be dequantized and quantized again (for NVFP4 into other
+    bits than the gathered values' own quantize). Under torch.autocast, where the GEMM
+    reads a cast input, also None."""
+    if quantizers is None or torch_autocast_dtype(x) is not None:
+        return None
+    if traced.eager_plan(quantizers, backward_mode, x, weight, None) is not None:
+        return None
+    return quantizers.grad_output
 
 
 def output_rows(tp: TensorParallel | None, rows: int, mode: str) -> int:
