@@ -202,6 +202,13 @@ def _gather_worker(rank, world, rname, out_dir):
 #: directions, codes and scales; NVFP4 with its Hadamard transform gathers fp32)
 GATHER_RATIO = {"current": (0.25, 0.26), "block": (0.51, 0.53), "mxfp8": (0.51, 0.53),
                 "nvfp4_plain": (0.27, 0.29), "nvfp4": (1.0, 1.0)}
+if spawn.BACKEND == "nccl":
+    # With the CUDA kernels the row-parallel GEMMs' backward runs through an eager plan,
+    # which quantizes dY from its values: their gradient gathers move high-precision rows
+    # (``tensor_parallel.gathered_grad_quantizer``), the forward input gathers stay quantized
+    # (2x H200, 22cef8d: 0.438, 0.637, 0.637, 0.641, 1.0)
+    GATHER_RATIO = {"current": (0.43, 0.45), "block": (0.63, 0.65), "mxfp8": (0.63, 0.65),
+                    "nvfp4_plain": (0.63, 0.65), "nvfp4": (1.0, 1.0)}
 
 
 @pytest.mark.parametrize("rname", list(GATHER_RATIO))
