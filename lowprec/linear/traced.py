@@ -326,19 +326,46 @@ def _hp_product(a: torch.Tensor, b: torch.Tensor, out_dtype) -> torch.Tensor:
 @torch.library.custom_op("lowprec::delayed_update",
                          mutates_args=("history", "amax_current", "scale"))
 def delayed_update(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.Tensor,
-                   fp8_max: torch.Tensor, reduced: Optional[torch.Tensor], most_recent: bool,
+                   fp8_max: torch.Tensor, reduced: Optional[torch.Tensor], algo: int,
                    margin: float) -> None:
     """The backward state's update once a traced delayed-scaling backward has recorded its
     amaxes: eager's own update (``lowprec.recipe.state.push_amaxes``), one op in the graph;
-    ``reduced``: the amaxes all-reduced over the amax reduction group, where there is one."""
+    ``reduced``: the amaxes all-reduced over the amax reduction group, where there is one;
+    ``algo``: :func:`algo_code`'s name of the amax algorithm."""
     push_amaxes(history, amax_current, scale, fp8_max,
-                amax_current if reduced is None else reduced,
-                "most_recent" if most_recent else "max", margin)
+                amax_current if reduced is None else reduced, _ALGO_NAMES.get(algo)
+                or _ALGOS[algo], margin)
 
 
 @delayed_update.register_fake
-def _delayed_update_fake(history, amax_current, scale, fp8_max, reduced, most_recent, margin):
+def _delayed_update_fake(history, amax_current, scale, fp8_max, reduced, algo, margin):
     return None
+
+
+_ALGO_NAMES = {-1: "max", -2: "most_recent"}
+#: callable amax algorithms a traced update runs, by the int :func:`algo_code` names them by
+_ALGOS: list = []
+
+
+def algo_code(algo) -> int:
+    """The int the traced update op names ``DelayedScaling.amax_compute_algo`` by: -1
+    "max", -2 "most_recent", else a callable's place in a table the op reads (the callable
+    runs in the op, as eager's update runs it)."""
+    if algo == "max":
+        return -1
+    if algo == "most_recent":
+        return -2
+    return _callable_code(algo)
+
+
+@torch._dynamo.assume_constant_result
+def _callable_code(algo) -> int:
+    # run for real while dynamo traces: the op reads the table when the graph runs
+    for i, known in enumerate(_ALGOS):
+        if known is algo:
+            return i
+    _ALGOS.append(algo)
+    return len(_ALGOS) - 1
 
 
 def _delayed_forward(plan: TracedPlan, x2d, weight, fwd):
@@ -440,7 +467,7 @@ class TracedLinear(torch.autograd.Function):
             return TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
         if plan.delayed:
             scale, amax, history, fp8_max = saved[nx + nw:]
-            most_recent, margin, s, updates, group = ctx.update
+            algo, margin, s, updates, group = ctx.update
             dyq, dys, seen = plan.dy.delayed(dy2d, scale[s:s + 1])
             amax[s:s + 1].copy_(torch.maximum(amax[s:s + 1], seen))
             dyd = decode_scale(dys).reshape(())
@@ -449,7 +476,7 @@ class TracedLinear(torch.autograd.Function):
             if updates:  # the module's last GEMM to run backward: its whole state's update
                 # (the amaxes all-reduced over the autocast's amax_reduction_group first)
                 reduced = None if group is None else funcol.all_reduce(amax, "max", group)
-                delayed_update(history, amax, scale, fp8_max, reduced, most_recent, margin)
+                delayed_update(history, amax, scale, fp8_max, reduced, algo, margin)
             return dx, dw
         sliced = plan.split is not None and need_dx and need_dw
         dy = None if sliced else plan.dy.grad(dy2d, need_dx, need_dw)
@@ -504,15 +531,6 @@ def planned(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
                     weight_grad=weight.requires_grad)
 
 
-def delayed_refusal(delayed) -> str | None:
-    """Why a delayed-scaling call with these states (``traced_linear``'s ``delayed``) stays
-    opaque, or None: the traced update computes the amax as ``"max"`` or
-    ``"most_recent"`` only."""
-    if delayed[3].amax_compute_algo not in ("max", "most_recent"):
-        return "delayed scaling with a callable amax_compute_algo"
-    return None
-
-
 def refusal(plan: TracedPlan | str, delayed) -> str | None:
     """Why :func:`traced_linear` does not trace a call with this plan (or :func:`plan_for`'s
     reason) and these delayed-scaling states, or None: a caller that must not trace
@@ -521,7 +539,7 @@ def refusal(plan: TracedPlan | str, delayed) -> str | None:
         return plan
     if plan.delayed != (delayed is not None):
         return "delayed scaling without its state"
-    return None if delayed is None else delayed_refusal(delayed)
+    return None
 
 
 def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
@@ -564,7 +582,7 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         # a GEMM's slots: (input, weight, output) forward, (grad_output, grad_input) backward
         args = args[:5] + ((fwd.scale, fwd.amax_current, handle, 3 * gemm, records),
                            (bwd.scale, bwd.amax_current, bwd.amax_history, bwd.fp8_max,
-                            recipe.amax_compute_algo == "most_recent", float(recipe.margin),
+                            algo_code(recipe.amax_compute_algo), float(recipe.margin),
                             2 * gemm, updates, group))
     if amp is None:
         y = TracedLinear.apply(*args)

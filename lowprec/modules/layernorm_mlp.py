@@ -105,9 +105,6 @@ class LayerNormMLP(LowprecModule):
         if isinstance(got, str):
             return got
         (q1, q2), mode, delayed = got
-        refused = delayed is not None and traced.delayed_refusal(delayed)
-        if refused:
-            return refused  # before fc1 records anything
         # whether fc1's output, fc2's input, needs a gradient: then fc1's backward runs,
         # after fc2's
         ln_grad = norm_output_grad(self, x)

@@ -134,9 +134,6 @@ def _linear_of(piece, like: torch.Tensor, needs_grad: bool) -> _Linear | str:
     plan_ = None
     delayed = got[2]
     if delayed is not None:
-        refused = traced.delayed_refusal(delayed)
-        if refused is not None:
-            return refused
         plan_ = traced.planned(got[0][0], got[1], like, lin.weight, _gemm_bias(piece),
                                input_grad=needs_grad)
         if isinstance(plan_, str):

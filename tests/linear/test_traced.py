@@ -9,7 +9,6 @@ import torch
 from helpers import GraphOps, plan_of
 
 import lowprec
-from lowprec.compile.call import fallback_reasons
 from lowprec.formats.float8.graph import Delayed
 from lowprec.kernels import use_kernels
 from lowprec.linear import grad_split
@@ -231,9 +230,14 @@ def _delayed_states(m):
             ((f"{mode}.{n}", t) for n, t in sd.items())}
 
 
+def _two_newest(history):
+    """A callable amax algorithm: the larger of the two newest amaxes."""
+    return history[:2].amax(0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("algo", ["max", "most_recent", "callable"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_delayed_traced_bit_identical(device, bias, algo, backend):
     """Delayed scaling traced: the quantizes read the module's scales and record their
@@ -241,8 +245,9 @@ def test_delayed_traced_bit_identical(device, bias, algo, backend):
     forward state at the region's exit, as eager). Over steps whose amaxes move the
     scales, outputs, gradients and the whole state equal eager's bit for bit. Every call
     traces (no ``lowprec::call``), the first too: the module's state is made as the
-    compiler traces it."""
-    recipe = DelayedScaling(amax_history_len=3, amax_compute_algo=algo, margin=1)
+    compiler traces it. A callable algorithm runs in the update op, as eager runs it."""
+    recipe = DelayedScaling(amax_history_len=3, margin=1,
+                            amax_compute_algo=_two_newest if algo == "callable" else algo)
     dtype = _dtype(device)
     torch.manual_seed(0)
     a = lowprec.Linear(128, 96, bias=bias, name="l", params_dtype=dtype, device=device)
@@ -271,21 +276,6 @@ def test_delayed_traced_bit_identical(device, bias, algo, backend):
         assert "lowprec.call" not in graphs and "aten.where" in graphs
         assert "auto_functionalized" in graphs
         assert plan_of(recipe, x, b.weight) is not None
-
-
-def test_delayed_callable_algo_stays_opaque():
-    """A callable amax algorithm keeps the opaque call (the traced update computes "max"
-    and "most_recent" only), and says so."""
-    recipe = DelayedScaling(amax_compute_algo=lambda h: h.amax(0))
-    m = lowprec.Linear(64, 32, name="l")
-    with lowprec.autocast(recipe=recipe):
-        m(torch.randn(16, 64)).sum().backward()  # the module has its state
-    ops = GraphOps()
-    compiled = torch.compile(m, backend=ops, fullgraph=True)
-    with lowprec.autocast(recipe=recipe):
-        compiled(torch.randn(16, 64, requires_grad=True))
-    assert any("lowprec.call" in t for t in ops.targets)
-    assert any("callable amax_compute_algo" in r for r in fallback_reasons())
 
 
 @pytest.mark.parametrize("module", ["linear", "mlp"])
