@@ -222,7 +222,10 @@ def worker(rank: int, world: int, port: int, args) -> None:
         if rank != 0:
             continue
         base = results["bf16"]
-        r_ms, r_b, r_p = ms / base[0], gathered / base[1], peak / base[2]
+        # (a compiled TP step's gathers are functional collectives in the graph, which the
+        # byte counter does not see: no ratio then)
+        r_ms, r_p = ms / base[0], peak / base[2]
+        r_b = gathered / base[1] if base[1] else float("nan")
         line = (f"{peer:28s} {ms:8.2f} {r_ms:7.2f}x {gathered / 1e9:12.3f} {r_b:7.2f}x "
                 f"{peak:9.2f} {r_p:7.2f}x {breaks:6d} {graphs:6d}")
         lines.append(line)
