@@ -261,7 +261,10 @@ class _RuntimeRegion:
     def __init__(self, recipe_key: int) -> None:
         self.group = None
         if recipe_key <= -2:
-            recipe_key, self.group = _GROUPED[recipe_key]
+            recipe_key, group_name = _GROUPED[recipe_key]
+            # resolved when the call runs: a process group made again under the same
+            # name (a new init in this process) is the one the region reduces over
+            self.group = _resolve_process_group(group_name)
         self.recipe = recipe_from_key(recipe_key) if recipe_key >= 0 else None
         self.own = None
 
@@ -279,8 +282,8 @@ class _RuntimeRegion:
             pop_region(self.own)
 
 
-#: regions with an amax reduction group: key (-2, -3, ...) -> (recipe key, group), and
-#: (recipe key, group name) -> key. Process groups live as long as the program does.
+#: regions with an amax reduction group: key (-2, -3, ...) -> (recipe key, group name),
+#: and (recipe key, group name) -> key
 _GROUPED: dict[int, tuple] = {}
 _GROUPED_KEYS: dict[tuple, int] = {}
 
@@ -298,7 +301,7 @@ def _grouped_key(recipe_key: int, group_name: str) -> int:
     named = _GROUPED_KEYS.get((recipe_key, group_name))
     if named is None:
         named = _GROUPED_KEYS[(recipe_key, group_name)] = -2 - len(_GROUPED)
-        _GROUPED[named] = (recipe_key, _resolve_process_group(group_name))
+        _GROUPED[named] = (recipe_key, group_name)
     return named
 
 

@@ -390,6 +390,16 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_done, None)
 
 
+def eager_plan_of(quantizers, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None):
+    """The plan an eager call of these operands (cast already under torch.autocast) runs:
+    the one a compiled call traces, where its forms run eagerly too (one engine;
+    ``traced.eager_plan``); None where the eager Function runs the call."""
+    if quantizers is None or _caching_weights():
+        return None
+    return traced.eager_plan(quantizers, backward_mode, x, weight, bias)
+
+
 def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_done, amp):
     param = weight
     if amp is not None and not isinstance(weight, QuantizedTensor):
@@ -402,11 +412,9 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
         skip = getattr(on_backward_done, "skip", None)
         if skip is not None:
             skip()
-    if quantizers is not None and not _caching_weights():
-        # the plan a compiled call traces, where its forms run eagerly too (one engine)
-        plan = traced.eager_plan(quantizers, backward_mode, x, weight, bias)
-        if plan is not None:
-            return traced.run_plan(plan, x, weight, bias, quantizers, on_backward_done)
+    plan = eager_plan_of(quantizers, backward_mode, x, weight, bias)
+    if plan is not None:
+        return traced.run_plan(plan, x, weight, bias, quantizers, on_backward_done)
     pad = padding.Padding(*padding.feature_padding(quantizers, x, weight))
     if pad:
         # K and N to whole blocks (M the Function pads itself, ``LinearPlan.pad``)

@@ -134,7 +134,7 @@ class LayerNormMLP(LowprecModule):
                              kernel=producer_kernel(a_like, q2.input, mode))
         y = traced.traced_linear(q2, mode, a, w2, b2_gemm, delayed, plan=plans[1], gemm=1,
                                  updates=not fc1_backward)
-        return y if tp is None else tpar.row_output(tp, y, b2, None, mode)
+        return y if tp is None else tpar.row_output(tp, y, b2, None, BackwardMode.DEFAULT)
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +159,7 @@ class LayerNormMLP(LowprecModule):
                                                *producer_usages(self.fc2_weight, mode))
         else:
             a = self._act(h1)
-        gq = tpar.gathered_grad_quantizer(q2, mode, a, self.fc2_weight) if tp else None
+        gq = tpar.gathered_grad_quantizer(tp, q2, mode, a, self.fc2_weight)
         y = quantized_linear(a, self.fc2_weight, self.fc2_bias if tp is None else None,
                              quantizers=q2, backward_mode=mode, on_backward_done=done)
         release_fprop_copy(a, mode)

@@ -98,7 +98,8 @@ class Linear(LowprecModule):
             y = quantized_linear(x, self.weight, None, quantizers=q, backward_mode=mode,
                                  on_backward_done=done)
             return tpar.row_output(tp, y, self.bias,
-                                   tpar.gathered_grad_quantizer(q, mode, x, self.weight), mode)
+                                   tpar.gathered_grad_quantizer(tp, q, mode, x, self.weight),
+                                   mode)
         return tpar.column_linear(tp, x, self.weight, self.bias, q, mode, done)
 
     def extra_repr(self) -> str:

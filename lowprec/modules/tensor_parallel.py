@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..distributed import tp_comm
 from ..fused import graph_norm_of
-from ..linear import quantized_linear, traced
+from ..linear import eager_plan_of, quantized_linear
 from ..recipe import BackwardMode, torch_autocast_dtype
 from .norms import apply_norm
 from .params import producer_usages, release_fprop_copy
@@ -102,7 +102,10 @@ def column_input(tp: TensorParallel | None, x: torch.Tensor, quantizer, backward
         return x
     if not tp.sequence_parallel:
         return tp_comm.copy_to_group(x, tp.group)
-    quantized = backward_mode in (BackwardMode.DEFAULT, BackwardMode.DEQUANTIZED)
+    # under torch.autocast the GEMM quantizes the input cast to the autocast dtype: a
+    # quantized gather of the uncast rows would give other bits
+    quantized = (backward_mode in (BackwardMode.DEFAULT, BackwardMode.DEQUANTIZED)
+                 and torch_autocast_dtype(x) is None)
     return tp_comm.gather_sequence(x, tp.group, quantizer if quantized else None,
                                    rowwise=usages[0], columnwise=usages[1])
 
@@ -123,17 +126,18 @@ def row_output(tp: TensorParallel | None, y: torch.Tensor, bias: torch.Tensor | 
     return y
 
 
-def gathered_grad_quantizer(quantizers, backward_mode: str, x: torch.Tensor,
-                            weight: torch.Tensor):
+def gathered_grad_quantizer(tp: TensorParallel | None, quantizers, backward_mode: str,
+                            x: torch.Tensor, weight: torch.Tensor):
     """The quantizer a sequence-parallel row-parallel GEMM's gradient is gathered with
     (:func:`row_output`), or None for a high-precision gather: where the GEMM's backward
-    runs through an eager plan (``linear.traced.eager_plan``), which quantizes dY from its
+    runs through an eager plan (``linear.eager_plan_of``), which quantizes dY from its
     values, gathered codes would be dequantized and quantized again (for NVFP4 into other
     bits than the gathered values' own quantize). Under torch.autocast, where the GEMM
     reads a cast input, also None."""
-    if quantizers is None or torch_autocast_dtype(x) is not None:
+    if (quantizers is None or tp is None or not tp.sequence_parallel
+            or backward_mode != BackwardMode.DEFAULT or torch_autocast_dtype(x) is not None):
         return None
-    if traced.eager_plan(quantizers, backward_mode, x, weight, None) is not None:
+    if eager_plan_of(quantizers, backward_mode, x, weight, None) is not None:
         return None
     return quantizers.grad_output
 

@@ -144,14 +144,17 @@ def _styles_worker(rank, world):
         model.load_state_dict(eager.state_dict())
         ops = GraphOps()
         compiled = torch.compile(model, backend=ops, fullgraph=True)
-        x, t = _batch(0, spawn.device(rank))
-        x, t = _rows(x, rank, sp).to(DTYPE), _rows(t, rank, sp)
-        outs = []
-        for fn, m in ((eager, eager), (compiled, model)):
-            with lowprec.autocast(recipe=_recipe(rname)):
-                y = fn(x)
-            ((y.float() - t) ** 2).sum().backward()
-            outs.append([y.detach()] + [_local(p.grad) for p in m.parameters()])
+        outs = ([], [])
+        for step in range(STEPS):
+            x, t = _batch(step, spawn.device(rank))
+            x, t = _rows(x, rank, sp).to(DTYPE), _rows(t, rank, sp)
+            for out, (fn, m) in zip(outs, ((eager, eager), (compiled, model))):
+                for p in m.parameters():
+                    p.grad = None
+                with lowprec.autocast(recipe=_recipe(rname)):
+                    y = fn(x)
+                ((y.float() - t) ** 2).sum().backward()
+                out += [y.detach()] + [_local(p.grad) for p in m.parameters()]
         for i, (a, b) in enumerate(zip(*outs)):
             assert torch.equal(a, b), f"{rname} sp={sp}: tensor {i}"
         assert not any(t.startswith("lowprec.call") for t in ops.targets), (rname, sp)
@@ -161,3 +164,62 @@ def test_tensor_parallel_styles_trace_bit_identical():
     """The DTensor styles (``parallelize_module``): the swapped-in local shards trace like
     the modules' own split, bit for bit against eager, TP and SP."""
     spawn.run(_styles_worker, TP)
+
+
+def _module_cases(group):
+    """(name, module factory, recipe, torch.autocast on) of the module-level cases."""
+    h = HIDDEN
+    sp = dict(tp_group=group, sequence_parallel=True)
+    return [
+        ("ln_linear_out", lambda: lowprec.LayerNormLinear(
+            h, 2 * h, parallel_mode="column", return_layernorm_output=True, **sp),
+         lowprec.Float8CurrentScaling(), False),
+        ("column_amp", lambda: lowprec.Linear(h, 2 * h, parallel_mode="column", **sp),
+         lowprec.Float8CurrentScaling(), True),
+        ("row_amp", lambda: lowprec.Linear(2 * h, h, parallel_mode="row", **sp),
+         lowprec.MXFP8BlockScaling(), True),
+        ("mlp_dequantized", lambda: lowprec.LayerNormMLP(h, 2 * h, **sp),
+         lowprec.Float8CurrentScaling(backward_mode="dequantized"), False),
+        ("mlp_high_precision", lambda: lowprec.LayerNormMLP(h, 2 * h, **sp),
+         lowprec.MXFP8BlockScaling(backward_mode="high_precision"), False),
+        ("row_delayed", lambda: lowprec.Linear(2 * h, h, parallel_mode="row", tp_group=group),
+         lowprec.DelayedScaling(amax_history_len=2), False),
+    ]
+
+
+def _modules_worker(rank, world):
+    device = spawn.device(rank)
+    for name, make, recipe, amp in _module_cases(dist.group.WORLD):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        eager = make().to(device, DTYPE)
+        model = make().to(device, DTYPE)
+        model.load_state_dict(eager.state_dict())
+        ops = GraphOps()
+        compiled = torch.compile(model, backend=ops, fullgraph=True)
+        k = model.weight.shape[1] if name.startswith("row") else HIDDEN
+        outs = ([], [])
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(20 + 10 * step + rank)
+            x = torch.randn(64, 2, k, generator=g).to(device, DTYPE)
+            for out, (fn, m) in zip(outs, ((eager, eager), (compiled, model))):
+                for p in m.parameters():
+                    p.grad = None
+                xx = x.clone().requires_grad_(True)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp), \
+                        lowprec.autocast(recipe=recipe):
+                    y = fn(xx)
+                ys = y if isinstance(y, tuple) else (y,)
+                sum((t.float() ** 2).sum() for t in ys).backward()
+                out += [t.detach() for t in ys] + [xx.grad] + [p.grad for p in m.parameters()]
+        for i, (a, b) in enumerate(zip(*outs)):
+            assert torch.equal(a, b), f"{name}: tensor {i}"
+        assert not any(t.startswith("lowprec.call") for t in ops.targets), name
+
+
+def test_tensor_parallel_module_cases_trace_bit_identical():
+    """The norm's output returned, torch.autocast around the call (where eager's
+    sequence-parallel gather then moves the cast rows' high-precision values), the
+    dequantized and high-precision backward modes and delayed scaling on a row-parallel
+    GEMM: compiled equals eager bit for bit over two steps, with no opaque call."""
+    spawn.run(_modules_worker, TP)
