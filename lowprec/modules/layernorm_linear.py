@@ -71,8 +71,8 @@ class LayerNormLinear(LowprecModule):
         the autocast dtype as eager's)."""
         tp, w = self._tp, self.weight
         if self.traced_plain_call(x, w):
-            if tp is None:
-                ln = graph_norm(self, x, kernel=False)  # no quantizer: eager's unfused norm
+            if tp is None:  # no quantizer: eager's unfused norm
+                ln = graph_norm(self, x, kernel=False, dtype=torch_autocast_dtype(x))
                 y = F.linear(ln, w, self.bias)
             else:
                 ln = tpar.graph_norm_rows(self, tp, x)

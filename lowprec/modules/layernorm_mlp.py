@@ -95,7 +95,8 @@ class LayerNormMLP(LowprecModule):
         tp = self._tp
         if self.traced_plain_call(x, w1, w2):  # no quantizer: eager's unfused norm and activation
             if tp is None:
-                h1 = F.linear(graph_norm(self, x, kernel=False), w1, b1)
+                h1 = F.linear(graph_norm(self, x, kernel=False, dtype=torch_autocast_dtype(x)),
+                              w1, b1)
                 return F.linear(graph_activation(self.activation, h1, kernel=False), w2, b2)
             h1 = tpar.traced_split(tp, tpar.graph_norm_rows(self, tp, x), b1,
                                    lambda a, b: F.linear(a, w1, b))

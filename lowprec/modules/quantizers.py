@@ -14,7 +14,7 @@ from torch import nn
 from ..formats import QuantizedTensor
 from ..linear import LinearQuantizers
 from ..memory import current_frame
-from ..recipe import active_region, stateful, stateless_quantizers, torch_autocast_dtype
+from ..recipe import active_region, stateful, stateless_quantizers
 
 
 class CallQuantizersMixin:
@@ -23,9 +23,10 @@ class CallQuantizersMixin:
     def traced_plain_call(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
         """Whether a compiled call runs no recipe and traces as the torch ops of its high
         precision path: outside autocast and checkpointing, plain input and weights of one
-        dtype, no torch.autocast."""
+        dtype (under torch.autocast, which casts torch's linear's operands as eager's
+        high-precision path casts them)."""
         return (active_region() is None and current_frame() is None
-                and type(x) is torch.Tensor and torch_autocast_dtype(x) is None
+                and type(x) is torch.Tensor
                 and all(type(w) in (torch.Tensor, nn.Parameter) and w.dtype == x.dtype
                         for w in weights))
 

@@ -125,7 +125,8 @@ def _linear_of(piece, like: torch.Tensor, needs_grad: bool) -> _Linear | str:
     declines; under delayed scaling with its plan (the stand-in's)."""
     lin = piece.leading_linear
     if active_region() is None:  # high precision, as torch's linear
-        if not lin.traced_plain_call(like, lin.weight):
+        if torch_autocast_dtype(like) is not None or not lin.traced_plain_call(like,
+                                                                                lin.weight):
             return "outside lowprec.autocast, under torch.autocast or checkpointed"
         return _Linear(lin, _PLAIN, None)
     got = lin.traced_quantizers(like, lin.weight)

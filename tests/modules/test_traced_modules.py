@@ -203,27 +203,35 @@ def test_layernorm_mlp_delayed_states_over_steps(frozen, inside):
     assert inside or _traced_graphs(ops)
 
 
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "torch_autocast"])
 @pytest.mark.parametrize("kind", ["ln_linear", "mlp_gelu"])
-def test_no_recipe_traces_the_high_precision_path(kind):
+def test_no_recipe_traces_the_high_precision_path(kind, amp):
     """Outside autocast the call is the norm op and torch's linear ops: no opaque call,
     and the values eager's high-precision path gives (the fp32 GEMMs of the same
-    operands; the bias gradient is the compiler's sum, as for ``Linear``)."""
-    want, got, ops = _case_plain(kind)
+    operands; the bias gradient is the compiler's sum, as for ``Linear``). Under
+    torch.autocast (bf16) as well, bit for bit there: the norm's output in bf16 and
+    torch's linear cast as eager casts its operands."""
+    want, got, ops = _case_plain(kind, amp)
     for w, g in zip(want, got):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert w.dtype == g.dtype
+        if amp:
+            assert torch.equal(g, w)
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert not any("lowprec.call" in t for t in ops.targets)
     assert any("graph_norm" in t for t in ops.targets)
 
 
-def _case_plain(kind):
+def _case_plain(kind, amp=False):
     torch.manual_seed(0)
     m = _module(kind, "cpu", torch.float32, True)
     _perturb(m)
     x = torch.randn(4, 32, HIDDEN)
     dy = torch.randn(4, 32, 512)
     ops = GraphOps()
-    want = _run(m, m, x, dy, None)
-    got = _run(torch.compile(m, backend=ops, fullgraph=True), m, x, dy, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        want = _run(m, m, x, dy, None)
+        got = _run(torch.compile(m, backend=ops, fullgraph=True), m, x, dy, None)
     return want, got, ops
 
 
