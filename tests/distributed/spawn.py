@@ -90,6 +90,14 @@ def run(fn, world: int, *args) -> None:
     method = "forkserver" if BACKEND == "gloo" else "spawn"
     if method == "forkserver":
         mp.set_forkserver_preload(["torch", "torch.distributed", "lowprec"])
-    with mock.patch.dict(os.environ, hidden):
-        mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world,
-                           join=True, start_method=method)
+    for attempt in range(3):
+        try:
+            with mock.patch.dict(os.environ, hidden):
+                mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world,
+                                   join=True, start_method=method)
+            return
+        except mp.ProcessRaisedException as exc:
+            # free_port's port was free when asked for, but another test's process group
+            # may bind it before rank 0 does: a new port, rather than a flaky failure
+            if "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
