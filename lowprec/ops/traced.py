@@ -16,8 +16,9 @@ own between the traced pieces (it takes and hands on plain tensors, as in eager)
 does not mirror it declines, and the whole call stays one opaque op: a ``Quantize`` op that
 quantizes, a fusion registered outside lowprec, a quantized input, a quantized weight of a
 ``GroupedLinear`` op (``compile.opaque_refusal``) and anything ``lowprec.Linear``'s
-traced form declines. Outside ``lowprec.autocast`` (and torch.autocast) the linears are
-torch's linear, the high-precision path eager runs, and a ``Quantize`` op is the identity.
+traced form declines. Outside ``lowprec.autocast`` the linears are torch's linear (cast
+by torch.autocast where it is on), the high-precision path eager runs, and a ``Quantize``
+op is the identity.
 
 Under delayed scaling every linear's plan is decided before any op is traced: a traced
 linear records its amaxes, which a later refusal (then the opaque call) would record twice.
@@ -125,9 +126,8 @@ def _linear_of(piece, like: torch.Tensor, needs_grad: bool) -> _Linear | str:
     declines; under delayed scaling with its plan (the stand-in's)."""
     lin = piece.leading_linear
     if active_region() is None:  # high precision, as torch's linear
-        if torch_autocast_dtype(like) is not None or not lin.traced_plain_call(like,
-                                                                                lin.weight):
-            return "outside lowprec.autocast, under torch.autocast or checkpointed"
+        if not lin.traced_plain_call(like, lin.weight):
+            return "outside lowprec.autocast and checkpointed"
         return _Linear(lin, _PLAIN, None)
     got = lin.traced_quantizers(like, lin.weight)
     if isinstance(got, str):

@@ -199,11 +199,13 @@ def test_quantizing_quantize_op_keeps_the_opaque_call():
     assert "Sequential: a Quantize op" in fallback_reasons()
 
 
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "torch_autocast"])
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
-def test_outside_autocast_traces_the_high_precision_path(fuse):
+def test_outside_autocast_traces_the_high_precision_path(fuse, amp):
     """No recipe: torch's linear for each linear, the ops' graph forms around them (a
     Quantize op the identity); no opaque call, eager's values (the fp32 GEMMs of the same
-    operands; bias gradients of torch's linear are the compiler's sums)."""
+    operands; bias gradients of torch's linear are the compiler's sums). Under
+    torch.autocast (bf16) too, bit for bit there."""
     def make():
         torch.manual_seed(0)
         return ops.Sequential(ops.LayerNorm(64), ops.Linear(64, 128), ops.GELU(),
@@ -214,8 +216,13 @@ def test_outside_autocast_traces_the_high_precision_path(fuse):
     a, b = make(), make()
     ops_ = GraphOps()
     compiled = torch.compile(b, backend=ops_, fullgraph=True)
-    want, got = _steps(a, a, x, dy, None), _steps(compiled, b, x, dy, None)
-    for w, g in zip(want, got):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        want, got = _steps(a, a, x, dy, None), _steps(compiled, b, x, dy, None)
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert w.dtype == g.dtype, i
+        if amp:  # torch's linear casting as eager's high-precision path: the same bits
+            assert torch.equal(w, g), i
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert not any(t.startswith("lowprec.call.") for t in ops_.targets)
     assert any("graph_norm" in t for t in ops_.targets)
