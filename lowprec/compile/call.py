@@ -261,7 +261,7 @@ class _RuntimeRegion:
     def __init__(self, recipe_key: int) -> None:
         self.group = None
         if recipe_key <= -2:
-            recipe_key, group_name = _GROUPED[recipe_key]
+            recipe_key, group_name = _GROUPED[-2 - recipe_key]
             # resolved when the call runs: a process group made again under the same
             # name (a new init in this process) is the one the region reduces over
             self.group = _resolve_process_group(group_name)
@@ -282,10 +282,9 @@ class _RuntimeRegion:
             pop_region(self.own)
 
 
-#: regions with an amax reduction group: key (-2, -3, ...) -> (recipe key, group name),
-#: and (recipe key, group name) -> key
-_GROUPED: dict[int, tuple] = {}
-_GROUPED_KEYS: dict[tuple, int] = {}
+#: the (recipe key, group name) of each region with an amax reduction group; the region's
+#: key is -2 - its place here
+_GROUPED: list[tuple[int, str]] = []
 
 
 def _region_key(region) -> int:
@@ -298,11 +297,10 @@ def _region_key(region) -> int:
 def _grouped_key(recipe_key: int, group_name: str) -> int:
     # run for real while dynamo traces (the op reads the table when the graph runs), with
     # the group's name: dynamo hands a function it runs a stand-in of the group itself
-    named = _GROUPED_KEYS.get((recipe_key, group_name))
-    if named is None:
-        named = _GROUPED_KEYS[(recipe_key, group_name)] = -2 - len(_GROUPED)
-        _GROUPED[named] = (recipe_key, group_name)
-    return named
+    entry = (recipe_key, group_name)
+    if entry not in _GROUPED:
+        _GROUPED.append(entry)
+    return -2 - _GROUPED.index(entry)
 
 
 

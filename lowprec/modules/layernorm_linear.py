@@ -70,13 +70,9 @@ class LayerNormLinear(LowprecModule):
         (a string) where it stays one opaque op (under torch.autocast, the norm's output in
         the autocast dtype as eager's)."""
         tp, w = self._tp, self.weight
-        if self.traced_plain_call(x, w):
-            if tp is None:  # no quantizer: eager's unfused norm
-                ln = graph_norm(self, x, kernel=False, dtype=torch_autocast_dtype(x))
-                y = F.linear(ln, w, self.bias)
-            else:
-                ln = tpar.graph_norm_rows(self, tp, x)
-                y = tpar.traced_split(tp, ln, self.bias, lambda a, b: F.linear(a, w, b))
+        if self.traced_plain_call(x, w):  # no quantizer: eager's unfused norm
+            ln = tpar.graph_norm_rows(self, tp, x)
+            y = tpar.traced_split(tp, ln, self.bias, lambda a, b: F.linear(a, w, b))
             return (y, ln) if self.return_layernorm_output else y
         got = self.traced_quantizers(x, w)
         if isinstance(got, str):

@@ -93,15 +93,12 @@ class LayerNormMLP(LowprecModule):
         (``tensor_parallel.traced_split``)."""
         w1, b1, w2, b2 = self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
         tp = self._tp
+        b2_gemm = b2 if tp is None else None  # a row-parallel bias follows the reduction
         if self.traced_plain_call(x, w1, w2):  # no quantizer: eager's unfused norm and activation
-            if tp is None:
-                h1 = F.linear(graph_norm(self, x, kernel=False, dtype=torch_autocast_dtype(x)),
-                              w1, b1)
-                return F.linear(graph_activation(self.activation, h1, kernel=False), w2, b2)
             h1 = tpar.traced_split(tp, tpar.graph_norm_rows(self, tp, x), b1,
                                    lambda a, b: F.linear(a, w1, b))
-            a = graph_activation(self.activation, h1, kernel=False)
-            return tpar.row_output(tp, F.linear(a, w2), b2, None, BackwardMode.DEFAULT)
+            y = F.linear(graph_activation(self.activation, h1, kernel=False), w2, b2_gemm)
+            return y if tp is None else tpar.row_output(tp, y, b2, None, BackwardMode.DEFAULT)
         got = self.traced_quantizers(x, w1, w2)
         if isinstance(got, str):
             return got
@@ -115,7 +112,6 @@ class LayerNormMLP(LowprecModule):
         # op in the graph); under tensor parallelism fc1 reads the gathered rows
         x_like = tpar.gemm_input_like(tp, x)
         a_like = x_like.new_empty((*x_like.shape[:-1], w2.shape[1]))
-        b2_gemm = b2 if tp is None else None  # a row-parallel bias follows the reduction
         plans = (traced.planned(q1, mode, x_like, w1, b1, input_grad=ln_grad),
                  traced.planned(q2, mode, a_like, w2, b2_gemm, input_grad=fc1_backward))
         for plan in plans:

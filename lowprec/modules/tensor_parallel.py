@@ -202,8 +202,9 @@ def traced_split(tp: TensorParallel | None, x: torch.Tensor, bias, gemm):
     return gemm(column_input(tp, x, None, BackwardMode.DEFAULT, (True, False)), bias)
 
 
-def graph_norm_rows(module, tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
-    """:func:`norm_rows` in a compiled call: the same unfused computation as a graph op."""
+def graph_norm_rows(module, tp: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
+    """:func:`norm_rows` in a compiled call: the same unfused computation as a graph op
+    (with ``tp`` None, the unsplit module's unfused norm)."""
     return graph_norm_of(x, module.normalization,
                          replicated_param(tp, module.layer_norm_weight),
                          replicated_param(tp, module.layer_norm_bias), module.eps,
