@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -231,13 +232,16 @@ def _time_model(name, layers, peer, mode, ids, recipe, steps, warmup, top=0, ops
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    start = time.perf_counter()
     for i in range(warmup):
         step(i)
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - start  # compile time included
     ms, peak = median_step_ms(step, steps)
     gpu, kernels, heaviest = gpu_kernel_ms(step, steps=2, top=top)
     if ops:
         _print_ops(step, ops)
-    return ms, peak, gpu, kernels, heaviest
+    return ms, peak, gpu, kernels, heaviest, warm_s
 
 
 def run_model(name, layers, batch, seq, modes, steps, warmup, top=0, recipes=("current-e4m3",),
@@ -252,7 +256,7 @@ def run_model(name, layers, batch, seq, modes, steps, warmup, top=0, recipes=("c
     for peer in ("bf16", *(f"lowprec-{r}" for r in recipes)):
         for mode in modes:
             try:
-                ms, peak, gpu, kernels, heaviest = _time_model(
+                ms, peak, gpu, kernels, heaviest, warm_s = _time_model(
                     name, layers, peer, mode, ids,
                     recipe(peer[len("lowprec-"):]) if peer != "bf16" else None, steps, warmup,
                     top, ops)
@@ -265,7 +269,7 @@ def run_model(name, layers, batch, seq, modes, steps, warmup, top=0, recipes=("c
                 base[mode] = ms
             ratio = base[mode] / ms if mode in base else float("nan")
             print(f"{peer:24s} {mode:9s} {ms:8.2f} {gpu:8.2f} {1 - gpu / ms:6.1%} {peak:9.2f} "
-                  f"{ratio:17.2f}x")
+                  f"{ratio:17.2f}x  warm-up {warm_s:.0f} s")
             for k_ms, launches, kname in heaviest:
                 print(f"    {k_ms:7.2f} ms {launches:5.0f}x  {kname[:90]}")
             append_rows([dict(bench="moe_model", shape=f"{name} {layers}L {tokens}tok",
@@ -274,7 +278,8 @@ def run_model(name, layers, batch, seq, modes, steps, warmup, top=0, recipes=("c
                               baseline_value=round(base[mode], 3) if mode in base else "",
                               ratio=round(ratio, 4) if mode in base else "",
                               note=f"GPU kernels {gpu:.2f} ms ({kernels:.0f}); host share "
-                                   f"{1 - gpu / ms:.1%}; peak {peak:.2f} GiB")])
+                                   f"{1 - gpu / ms:.1%}; peak {peak:.2f} GiB; "
+                                   f"warm-up {warm_s:.0f} s ({warmup} steps)")])
 
 
 def main() -> None:

@@ -513,18 +513,18 @@ _logger = logging.getLogger("lowprec.compile")
 _FALLBACKS: dict = {}
 
 
-def _note_fallback(module: str, reason: str) -> None:
+@torch._dynamo.assume_constant_result
+def _note_fallback(module: str, reason: str) -> bool:
     """Log once per (module type, reason) that a compiled call stays one opaque op. Dynamo
-    runs it after the graph it traces (a reorderable logging function), so it costs no
-    graph break."""
+    runs it while it traces (a constant result), so it costs no graph break and is seen
+    from a module called anywhere inside a compiled function (dynamo drops the deferred
+    calls of a reorderable logging function made below the compiled frame)."""
     key = f"{module}: {reason}"
     if key not in _FALLBACKS:
         _FALLBACKS[key] = True
         _logger.warning("torch.compile runs a %s call as one opaque lowprec op: %s", module,
                         reason)
-
-
-torch._dynamo.config.reorderable_logging_functions.add(_note_fallback)
+    return True
 
 
 def fallback_reasons() -> list[str]:

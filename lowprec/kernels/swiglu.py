@@ -74,7 +74,7 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` with ``gate, up = h.chunk(2, dim=-1)`` (bits and gradient), in
     one pass each way where the kernels run (2-D, 16-bit, unit inner stride)."""
-    if _takes(h) and not torch.compiler.is_compiling():
+    if _takes(h):  # in a compiled graph too: the kernels' bits are eager's
         return _SwiGLU.apply(h)
     return swiglu_torch(h)
 
@@ -83,3 +83,45 @@ def swiglu_torch(h: torch.Tensor) -> torch.Tensor:
     """:func:`swiglu` in torch ops."""
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+@torch.library.custom_op("lowprec::silu", mutates_args=())
+def _silu_op(x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x)
+
+
+@_silu_op.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("lowprec::silu_backward", mutates_args=())
+def _silu_backward_op(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.silu_backward(grad, x)
+
+
+@_silu_backward_op.register_fake
+def _(grad, x):
+    return torch.empty_like(x)
+
+
+def _silu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _silu_grad(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return _silu_backward_op(grad, x)
+
+
+_silu_op.register_autograd(_silu_grad, setup_context=_silu_setup)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``F.silu(x)`` whose result a compiled graph keeps as eager makes it: one op of its own
+    (eager's kernel), so a fusing compiler cannot carry the unrounded fp32 silu into the
+    product that follows (a gated activation's ``silu(gate) * up``), whose bits then are
+    eager's too. Eager calls are ``F.silu``."""
+    if torch.compiler.is_compiling():
+        return _silu_op(x)
+    return F.silu(x)

@@ -18,7 +18,7 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 def _runs(rows: torch.Tensor, idx: torch.Tensor) -> bool:
     return (use_kernels(rows) and rows.dim() == 2 and rows.stride(1) == 1
             and idx.is_contiguous() and rows.dtype in _FLOATS and idx.numel() > 0
-            and rows.shape[1] > 0 and not torch.compiler.is_compiling())
+            and rows.shape[1] > 0)
 
 
 def gated_runs(rows: torch.Tensor, gates: torch.Tensor, idx: torch.Tensor) -> bool:

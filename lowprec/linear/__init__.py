@@ -26,6 +26,7 @@ from .grouped import (
     GroupedPlainFunction,
     group_alignment_for,
     grouped_linear,
+    grouped_refusal,
 )
 from .grouped_block_fp8 import GroupedBlockFP8
 from .grouped_blocks import one_setting

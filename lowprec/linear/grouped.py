@@ -58,7 +58,7 @@ from .function import LinearQuantizers, quantized_linear
 from .grouped_parts import group_ids, hooked, host_sizes, stacked
 from .plan import keep
 
-__all__ = ["group_alignment_for", "group_ids", "grouped_linear"]
+__all__ = ["group_alignment_for", "group_ids", "grouped_linear", "grouped_refusal"]
 
 
 def _check_sizes_tensor(group_sizes: torch.Tensor, num_groups: int) -> None:
@@ -74,8 +74,9 @@ def _sizes_tensor(group_sizes, num_groups: int, rows: int, device,
     if isinstance(group_sizes, torch.Tensor):
         _check_sizes_tensor(group_sizes, num_groups)
         sizes = group_sizes.to(device=device, dtype=torch.int64)
-        if sizes.is_cuda:
+        if sizes.is_cuda or torch.compiler.is_compiling():
             # checked on the device: a bad count stops the stream, the host never waits
+            # (and a compiled graph does not break)
             torch._assert_async(group_sizes_ok(sizes, rows, alignment),
                                 "group sizes must be non-negative multiples of group_alignment "
                                 "and sum to the row count")
@@ -214,6 +215,42 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     return y.reshape(*x.shape[:-1], n)
 
 
+def grouped_refusal(x2d: torch.Tensor, weight, quantizers=None, bias=None,
+                   backward_mode: str = "default", on_backward_done=None) -> str | None:
+    """Why dynamo cannot trace :func:`grouped_linear` over rows like ``x2d`` (a 2-D tensor
+    of the call's input dtype, device and features; its row count only has to be
+    positive where the call's is), or None where it can: a grouped path that reads
+    nothing on the host in either direction. Those paths are autograd Functions over
+    custom ops, so the compiled call runs eager's kernels in eager's order: the same
+    bits. The rest (one :func:`quantized_linear` per group, which reads the group sizes
+    on the host) stays one opaque op."""
+    if isinstance(weight, (Float8Experts, Float8BlockExperts, NVFP4Experts)):
+        return "experts gathered quantized (FSDP2's quantized_all_gather) run eagerly"
+    num = weight.shape[0] if isinstance(weight, torch.Tensor) else len(weight)
+    if num < 1 or (isinstance(weight, torch.Tensor) and weight.dim() != 3):
+        return "no experts to trace"
+    route = _route(x2d, weight, _group_quantizers(quantizers, num), bias, backward_mode,
+                   on_backward_done)
+    if route is None:
+        return ("no grouped GEMM for this recipe, device or call (bias, backward mode, "
+                "torch.autocast, no rows): one Linear per expert reads the group sizes on "
+                "the host")
+    kind, picked = route
+    if kind in _SUBCLASS_PATHS:
+        return (f"the {kind} grouped path quantizes into quantized tensors (subclasses), "
+                f"which dynamo does not trace inside an autograd Function")
+    if kind == "current":
+        n = weight.shape[1] if isinstance(weight, torch.Tensor) else weight[0].shape[0]
+        q_x, q_w, q_dy = picked
+        if grouped_current.gemm_backend(x2d, n, num, q_x.fp8_dtype, q_w.fp8_dtype) is None:
+            return "no grouped FP8 GEMM here: one GEMM per expert reads the group sizes"
+        if torch.is_grad_enabled() and grouped_current.gemm_backend(
+                x2d, n, num, q_dy.fp8_dtype, q_w.fp8_dtype, q_x.fp8_dtype) is None:
+            return ("no grouped FP8 GEMM here for E5M2 gradients: one GEMM per expert reads "
+                    "the group sizes")
+    return None
+
+
 def _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_backward_done,
                     group_alignment):
     """``grouped_linear`` over experts already in FP8 (``Float8Experts``): FP8 current
@@ -241,6 +278,9 @@ def _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_
         group_alignment % grouped_mm.ALIGN == 0, weight)
     return y.reshape(*x.shape[:-1], n)
 
+
+#: the routes whose Functions build quantized tensor subclasses (``quantize_operand``)
+_SUBCLASS_PATHS = ("block", "nvfp4", "exact")
 
 #: the grouped paths of block-scaled recipes, by route: (autograd function, the row count
 #: each group is padded to a multiple of)

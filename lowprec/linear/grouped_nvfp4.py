@@ -42,7 +42,9 @@ ALIGN = 16
 def _setting(q) -> tuple | None:
     if type(q) is not NVFP4Quantizer or hooked(q):
         return None
-    return (q.with_rht, q.with_2d_quantization, q.stochastic_rounding, id(q.generator))
+    # the generator by identity (None: torch's default one; dynamo takes no id() of None)
+    gen = None if q.generator is None else id(q.generator)
+    return (q.with_rht, q.with_2d_quantization, q.stochastic_rounding, gen)
 
 
 def nvfp4_quantizers(qs: Sequence, n: int, k: int):

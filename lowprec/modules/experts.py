@@ -21,9 +21,9 @@ from torch import nn
 
 from ..compile import compiled_as_one_op
 from ..kernels.moe_route import route
-from ..kernels.swiglu import swiglu
+from ..kernels.swiglu import silu, swiglu
 from ..kernels.token_sum import gated_rows_grad, gated_runs, token_sum
-from ..linear import group_alignment_for, grouped_linear
+from ..linear import group_alignment_for, grouped_linear, grouped_refusal
 from ..recipe import init_recipe
 from .base import LowprecModule
 
@@ -31,8 +31,9 @@ from .base import LowprecModule
 def _check_expert_ids(ids: torch.Tensor, num_experts: int) -> None:
     # transformers' expert parallelism routes foreign tokens to id E: not supported here
     msg = f"expert ids must be in [0, {num_experts}) (expert parallelism is not supported)"
-    if ids.is_cuda:
-        torch._assert_async(((ids >= 0) & (ids < num_experts)).all(), msg)  # no host sync
+    if ids.is_cuda or torch.compiler.is_compiling():
+        # checked on the device (no host sync) and in a compiled graph (no graph break)
+        torch._assert_async(((ids >= 0) & (ids < num_experts)).all(), msg)
     elif ids.numel() and not bool(((ids >= 0) & (ids < num_experts)).all()):
         raise ValueError(f"{msg}; got ids from {int(ids.min())} to {int(ids.max())}")
 
@@ -117,6 +118,27 @@ class GroupedExperts(LowprecModule):
     def compiled_output_shapes(self, hidden_states, top_k_index, top_k_weights) -> list[tuple]:
         return [tuple(hidden_states.shape)]
 
+    def traced_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor):
+        """The call as torch.compile traces it: eager's code, whose grouped paths are
+        autograd Functions over custom ops, with the quantizers of the recipe's rule
+        (:meth:`traced_quantizers`); or the reason (a string) it stays one opaque op
+        (``grouped_refusal``)."""
+        got = self.traced_grouped_quantizers(hidden_states, self.gate_up_proj,
+                                             self.down_proj)
+        if isinstance(got, str):
+            return got
+        qs, mode = got
+        e = self.num_experts
+        qs_up, qs_down = (qs[:e], qs[e:]) if qs else (None, None)
+        # the down GEMM's input: the gating's output, of the input's dtype and device
+        down_rows = hidden_states.new_empty((1, self.intermediate_dim))
+        refused = (grouped_refusal(hidden_states, self.gate_up_proj, qs_up, backward_mode=mode)
+                   or grouped_refusal(down_rows, self.down_proj, qs_down, backward_mode=mode))
+        if refused is not None:
+            return refused
+        return self._run(hidden_states, top_k_index, top_k_weights, qs_up, qs_down, mode, None)
+
     @compiled_as_one_op
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -125,6 +147,10 @@ class GroupedExperts(LowprecModule):
         qs, mode, done = self.gemm_quantizers(hidden_states.device)
         e = self.num_experts
         qs_up, qs_down = (qs[:e], qs[e:]) if qs else (None, None)
+        return self._run(hidden_states, top_k_index, top_k_weights, qs_up, qs_down, mode, done)
+
+    def _run(self, hidden_states, top_k_index, top_k_weights, qs_up, qs_down, mode, done):
+        e = self.num_experts
         _check_expert_ids(top_k_index.reshape(-1), e)
         # the routed rows laid out in whole blocks of the recipe's grouped path, zero rows
         # after each expert's: the grouped GEMMs then pad nothing themselves
@@ -313,19 +339,44 @@ class TorchtitanGroupedExperts(LowprecModule):
     def compiled_output_shapes(self, x, num_tokens_per_expert) -> list[tuple]:
         return [tuple(x.shape)]
 
+    def _local_weights(self) -> tuple:
+        # torchtitan's own module computes on the local shards of DTensor weights; w1, w3, w2
+        # in the dtype the GEMMs read
+        ws = (getattr(self, n) for n in self.param_names)
+        ws = (w.to_local() if hasattr(w, "to_local") else w for w in ws)  # a DTensor
+        return tuple(w.bfloat16() if self.in_bf16 else w for w in ws)
+
+    def traced_forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor):
+        """The call as torch.compile traces it (eager's code over the grouped paths, as
+        :meth:`GroupedExperts.traced_forward`), or the reason it stays one opaque op."""
+        got = self.traced_grouped_quantizers(x, *(getattr(self, n) for n in self.param_names))
+        if isinstance(got, str):
+            return got
+        qs, mode = got
+        weights = self._local_weights()
+        xc = x.bfloat16() if self.in_bf16 else x
+        e = self.num_experts
+        hidden = xc.new_empty((1, weights[0].shape[1]))  # w2's input: the gated rows
+        for i, (w, rows) in enumerate(zip(weights, (xc, xc, hidden))):
+            refused = grouped_refusal(rows, w, qs[i * e:(i + 1) * e] if qs else None,
+                                      backward_mode=mode)
+            if refused is not None:
+                return refused
+        return self._run(x, num_tokens_per_expert, weights, qs, mode, None)
+
     @compiled_as_one_op
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         qs, mode, done = self.gemm_quantizers(x.device)
+        return self._run(x, num_tokens_per_expert, self._local_weights(), qs, mode, done)
+
+    def _run(self, x, num_tokens_per_expert, weights, qs, mode, done):
         e = self.num_experts
-        # torchtitan's own module computes on the local shards of DTensor weights
-        w1, w3, w2 = (w.to_local() if hasattr(w, "to_local") else w  # a DTensor
-                      for w in (getattr(self, n) for n in self.param_names))
-        cast = (lambda t: t.bfloat16()) if self.in_bf16 else (lambda t: t)  # noqa: E731
+        w1, w3, w2 = weights
 
         def gemm(inp, w, i):
-            return grouped_linear(inp, cast(w), num_tokens_per_expert,
+            return grouped_linear(inp, w, num_tokens_per_expert,
                                   quantizers=qs[i * e:(i + 1) * e] if qs else None,
                                   backward_mode=mode, on_backward_done=done)
-        xc = cast(x)
-        h = nn.functional.silu(gemm(xc, w1, 0)) * gemm(xc, w3, 1)
+        xc = x.bfloat16() if self.in_bf16 else x
+        h = silu(gemm(xc, w1, 0)) * gemm(xc, w3, 1)
         return gemm(h, w2, 2).type_as(x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..compile import compiled_as_one_op
-from ..linear import grouped_linear
+from ..linear import grouped_linear, grouped_refusal
 from .base import LowprecModule
 from .params import add_linear_params, check_parallel_args
 
@@ -51,6 +51,22 @@ class GroupedLinear(LowprecModule):
 
     def compiled_output_shapes(self, x: torch.Tensor, m_splits) -> list[tuple]:
         return [self.output_shape(tuple(x.shape))]
+
+    def traced_forward(self, x: torch.Tensor, m_splits):
+        """The call as torch.compile traces it where ``grouped_linear`` takes a grouped
+        path (no bias, one quantizer setting, see ``grouped_refusal``): eager's autograd
+        Function over custom ops; else the reason (a string) it stays one opaque op."""
+        weights = [getattr(self, name) for name in self._weight_names()]
+        if self.bias0 is not None:
+            return "biases: one Linear per group"
+        got = self.traced_grouped_quantizers(x, *weights)
+        if isinstance(got, str):
+            return got
+        qs, mode = got
+        refused = grouped_refusal(x.reshape(-1, x.shape[-1]), weights, qs, backward_mode=mode)
+        if refused is not None:
+            return refused
+        return grouped_linear(x, weights, m_splits, quantizers=qs, backward_mode=mode)
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch import nn
 from ..formats import QuantizedTensor
 from ..linear import LinearQuantizers
 from ..memory import current_frame
-from ..recipe import active_region, stateful, stateless_quantizers
+from ..recipe import BackwardMode, active_region, stateful, stateless_quantizers
 
 
 class CallQuantizersMixin:
@@ -76,6 +76,24 @@ class CallQuantizersMixin:
         return ([LinearQuantizers(input=fq[i], weight=fq[n + i], output=None,
                                   grad_output=bq[i], grad_input=None) for i in range(n)],
                 recipe.backward_mode, None)
+
+    def traced_grouped_quantizers(self, x: torch.Tensor, *weights: torch.Tensor):
+        """(per-GEMM quantizers or None, backward mode) a compiled call of a grouped module
+        (experts, ``GroupedLinear``) traces its grouped GEMMs with: none outside
+        ``lowprec.autocast``, else :meth:`traced_quantizers`'; or the reason (a string) it
+        stays one opaque op (delayed scaling, whose grouped calls run one Linear a
+        group)."""
+        if active_region() is None:
+            if current_frame() is not None:
+                return "inside an eagerly run activation checkpoint"
+            return None, BackwardMode.DEFAULT
+        got = self.traced_quantizers(x, *weights)
+        if isinstance(got, str):
+            return got
+        qs, mode, delayed = got
+        if delayed is not None:
+            return "delayed scaling: its grouped GEMMs run one Linear a group"
+        return qs, mode
 
     def gemm_quantizers(self, device) -> tuple[list[LinearQuantizers] | None, str, object]:
         """Per-GEMM quantizers under the active autocast (None outside), the backward mode,

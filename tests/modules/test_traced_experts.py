@@ -1,0 +1,188 @@
+"""Grouped modules under torch.compile: ``GroupedExperts``, torchtitan's experts and
+``GroupedLinear`` trace eager's grouped paths (autograd Functions over custom ops, group
+sizes never read on the host) into the graph, with no opaque ``lowprec::call``; forward and
+gradients equal eager's bit for bit. Calls whose grouped GEMMs would read the sizes on
+the host (one Linear a group) keep the opaque op and say why.
+
+On the CPU each grouped path runs its torch forms; the tests open the path there by
+declaring its device check true (eager and compiled alike), which is what a Hopper GPU
+answers. On a Hopper GPU the same cases run through inductor, unpatched."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import GraphOps
+
+import lowprec
+from lowprec.compile.call import fallback_reasons
+from lowprec.gemm import grouped_mm
+from lowprec.linear import grouped_block_fp8, grouped_current, grouped_nvfp4
+from lowprec.recipe.recipes import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+H, I, E, K, T = 256, 128, 4, 2, 96
+#: recipe, and the device checks a Hopper GPU answers true for its grouped path
+CASES = {
+    "bf16": (None, {(grouped_mm, "plain_available"): lambda a, k, n: True}),
+    "current": (Float8CurrentScaling(),
+                {(grouped_current, "gemm_backend"): lambda *a: "triton"}),
+}
+#: recipes whose grouped paths build quantized tensor subclasses: still one opaque op
+SUBCLASS_CASES = {
+    "mxfp8": (MXFP8BlockScaling(), {(grouped_mm, "plain_available"): lambda a, k, n: True}),
+    "nvfp4": (NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True),
+              {(grouped_nvfp4, "runs_on"): lambda *a: True}),
+    "block": (Float8BlockScaling(), {(grouped_block_fp8, "runs_on"): lambda *a: True}),
+}
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def _routing(device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g).to(torch.bfloat16)
+    return x.to(device), idx.to(device), w.to(device)
+
+
+def _experts(device):
+    torch.manual_seed(0)
+    return lowprec.GroupedExperts(E, H, I, params_dtype=torch.bfloat16, name="experts",
+                                  device=device)
+
+
+def _step(call, mod, x, recipe):
+    """(output, dX, the experts' gradients) of ``call(mod, x)`` under ``recipe``."""
+    x = x.clone().requires_grad_(True)
+    if recipe is None:
+        y = call(mod, x)
+    else:
+        with lowprec.autocast(recipe=recipe):
+            y = call(mod, x)
+    y.float().square().sum().backward()
+    grads = [p.grad.clone() for p in mod.parameters()]
+    mod.zero_grad(set_to_none=True)
+    return [y.detach(), x.grad, *grads]
+
+
+def _compare(mod, x, recipe, call, backend):
+    """Eager (``mod``) against compiled (fullgraph, a copy of ``mod``) bits over two steps,
+    each seeded alike (stochastic rounding); the compiled graphs' ops."""
+    ops = GraphOps()
+    twin = copy.deepcopy(mod)
+    compiled = torch.compile(call, backend=ops if backend == "graph_ops" else backend,
+                             fullgraph=True)
+    for step in range(2):
+        torch.manual_seed(step)
+        want = _step(call, mod, x, recipe)
+        torch.manual_seed(step)
+        got = _step(compiled, twin, x, recipe)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), (step, i)
+        with torch.no_grad():  # the second step on other weights
+            for p in (*mod.parameters(), *twin.parameters()):
+                p.mul_(-1.5)
+    return ops
+
+
+def _patch(monkeypatch, checks):
+    for (module, name), fn in checks.items():
+        monkeypatch.setattr(module, name, fn)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_experts_trace_every_grouped_path(name, monkeypatch):
+    recipe, checks = CASES[name]
+    _patch(monkeypatch, checks)
+    mod = _experts("cpu")
+    x, idx, w = _routing("cpu")
+    ops = _compare(mod, x, recipe, lambda m, t: m(t, idx, w), "graph_ops")
+    assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
+
+
+@pytest.mark.parametrize("name", list(SUBCLASS_CASES))
+def test_experts_subclass_paths_keep_the_opaque_op(name, monkeypatch):
+    recipe, checks = SUBCLASS_CASES[name]
+    _patch(monkeypatch, checks)
+    mod = _experts("cpu")
+    x, idx, w = _routing("cpu")
+    ops = _compare(mod, x, recipe, lambda m, t: m(t, idx, w), "graph_ops")
+    assert any("lowprec.call" in t for t in ops.targets)
+    assert any(r.startswith(f"GroupedExperts: the {name if name != 'mxfp8' else 'exact'} "
+                            "grouped path") for r in fallback_reasons())
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(),
+                                    NVFP4BlockScaling()], ids=["current", "delayed", "nvfp4"])
+def test_experts_without_a_grouped_path_keep_the_opaque_op(recipe):
+    """On the CPU (no grouped GEMM), under delayed scaling and NVFP4's transform (one
+    Linear an expert on every device), the call stays one op and says why."""
+    mod = _experts("cpu")
+    x, idx, w = _routing("cpu")
+    ops = _compare(mod, x, recipe, lambda m, t: m(t, idx, w), "graph_ops")
+    assert any("lowprec.call" in t for t in ops.targets)
+    assert any(r.startswith("GroupedExperts: ") for r in fallback_reasons())
+
+
+def _titan_experts(device):
+    from lowprec.modules.experts import TorchtitanGroupedExperts
+
+    torch.manual_seed(0)
+    src = torch.nn.Module()
+    for n, shape in (("w1", (E, I, H)), ("w2", (E, H, I)), ("w3", (E, I, H))):
+        setattr(src, n, torch.nn.Parameter(
+            torch.randn(shape, dtype=torch.bfloat16, device=device) * 0.05))
+    mod = TorchtitanGroupedExperts.from_experts(src, "experts")
+    x = torch.randn(T, H, dtype=torch.bfloat16, device=device)
+    return mod, x, torch.tensor([30, 0, 50, 16], device=device)
+
+
+def test_torchtitan_experts_trace(monkeypatch):
+    _patch(monkeypatch, CASES["current"][1])
+    mod, x, sizes = _titan_experts("cpu")
+    ops = _compare(mod, x, Float8CurrentScaling(), lambda m, t: m(t, sizes), "graph_ops")
+    assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
+
+
+@pytest.mark.parametrize("sizes", [torch.tensor([30, 0, 50, 16]), [30, 0, 50, 16]],
+                         ids=["tensor", "list"])
+def test_grouped_linear_traces_without_bias(sizes, monkeypatch):
+    _patch(monkeypatch, CASES["current"][1])
+    torch.manual_seed(0)
+    mod = lowprec.GroupedLinear(E, H, I, bias=False, params_dtype=torch.bfloat16, name="g")
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    ops = _compare(mod, x, Float8CurrentScaling(), lambda m, t: m(t, sizes), "graph_ops")
+    assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
+    with_bias = lowprec.GroupedLinear(E, H, I, params_dtype=torch.bfloat16, name="g")
+    ops = _compare(with_bias, x, Float8CurrentScaling(), lambda m, t: m(t, sizes), "graph_ops")
+    assert any("lowprec.call" in t for t in ops.targets)
+    assert "GroupedLinear: biases: one Linear per group" in fallback_reasons()
+
+
+@pytest.mark.skipif(not HOPPER, reason="the grouped GEMMs run on Hopper GPUs")
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_experts_inductor_bit_identical(name):
+    recipe, _ = CASES[name]
+    mod = _experts("cuda")
+    x, idx, w = _routing("cuda")
+    _compare(mod, x, recipe, lambda m, t: m(t, idx, w), "inductor")
+    ops = _compare(mod, x, recipe, lambda m, t: m(t, idx, w), "graph_ops")
+    assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the grouped GEMMs run on Hopper GPUs")
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_torchtitan_experts_inductor_bit_identical(name):
+    """torchtitan's experts, ``silu(w1 x) * w3 x`` in eager's bits under inductor too."""
+    mod, x, sizes = _titan_experts("cuda")
+    _compare(mod, x, CASES[name][0], lambda m, t: m(t, sizes), "inductor")
