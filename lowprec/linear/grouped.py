@@ -289,12 +289,16 @@ _BLOCK_PATHS = {"block": (grouped_block_fp8.GroupedBlockFP8, block_grouped.ALIGN
 
 
 def _group_quantizers(quantizers, num: int):
-    """One quantizer set a group: ``quantizers`` None, one :class:`LinearQuantizers` for
-    every group or one per group (checked: ``num`` of them)."""
-    qs = [quantizers] * num if isinstance(quantizers, LinearQuantizers) else quantizers
-    if qs is not None and len(qs) != num:
-        raise ValueError(f"grouped_linear got {len(qs)} quantizer sets for {num} groups")
-    return qs
+    """The quantizer sets the groups read: None, ``[quantizers]`` where one
+    :class:`LinearQuantizers` serves every group (the paths then look at one set, not
+    ``num`` copies: a compiled call traces that look), or one per group (checked: ``num``
+    of them)."""
+    if isinstance(quantizers, LinearQuantizers):
+        return [quantizers]
+    if quantizers is not None and len(quantizers) != num:
+        raise ValueError(f"grouped_linear got {len(quantizers)} quantizer sets for {num} "
+                         f"groups")
+    return quantizers
 
 
 def _quantized_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
@@ -420,7 +424,9 @@ def _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode, on_backward
     sizes = host_sizes(group_sizes)
     _check_sizes(sizes, len(w_list), x2d.shape[0], group_alignment)
     biases = ([None] * len(w_list) if bias is None else list(bias))
-    outs = [quantized_linear(xg, w_list[g], biases[g], quantizers=qs[g] if qs else None,
+    shared = qs is not None and len(qs) == 1
+    outs = [quantized_linear(xg, w_list[g], biases[g],
+                             quantizers=None if qs is None else qs[0] if shared else qs[g],
                              backward_mode=backward_mode, on_backward_done=on_backward_done)
             for g, xg in enumerate(torch.split(x2d, sizes))]
     return torch.cat(outs).reshape(*x.shape[:-1], w_list[0].shape[0])

@@ -130,7 +130,7 @@ class GroupedExperts(LowprecModule):
             return got
         qs, mode = got
         e = self.num_experts
-        qs_up, qs_down = (qs[:e], qs[e:]) if qs else (None, None)
+        qs_up, qs_down = (qs[:e], qs[e:]) if isinstance(qs, list) else (qs, qs)
         # the down GEMM's input: the gating's output, of the input's dtype and device
         down_rows = hidden_states.new_empty((1, self.intermediate_dim))
         refused = (grouped_refusal(hidden_states, self.gate_up_proj, qs_up, backward_mode=mode)
@@ -358,8 +358,7 @@ class TorchtitanGroupedExperts(LowprecModule):
         e = self.num_experts
         hidden = xc.new_empty((1, weights[0].shape[1]))  # w2's input: the gated rows
         for i, (w, rows) in enumerate(zip(weights, (xc, xc, hidden))):
-            refused = grouped_refusal(rows, w, qs[i * e:(i + 1) * e] if qs else None,
-                                      backward_mode=mode)
+            refused = grouped_refusal(rows, w, _slice(qs, i, e), backward_mode=mode)
             if refused is not None:
                 return refused
         return self._run(x, num_tokens_per_expert, weights, qs, mode, None)
@@ -374,9 +373,14 @@ class TorchtitanGroupedExperts(LowprecModule):
         w1, w3, w2 = weights
 
         def gemm(inp, w, i):
-            return grouped_linear(inp, w, num_tokens_per_expert,
-                                  quantizers=qs[i * e:(i + 1) * e] if qs else None,
+            return grouped_linear(inp, w, num_tokens_per_expert, quantizers=_slice(qs, i, e),
                                   backward_mode=mode, on_backward_done=done)
         xc = x.bfloat16() if self.in_bf16 else x
         h = silu(gemm(xc, w1, 0)) * gemm(xc, w3, 1)
         return gemm(h, w2, 2).type_as(x)
+
+
+def _slice(qs, i: int, e: int):
+    """GEMM ``i``'s experts' quantizers: ``e`` of a per-GEMM list, or the one set all share
+    (or None)."""
+    return qs[i * e:(i + 1) * e] if isinstance(qs, list) else qs

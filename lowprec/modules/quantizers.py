@@ -14,7 +14,13 @@ from torch import nn
 from ..formats import QuantizedTensor
 from ..linear import LinearQuantizers
 from ..memory import current_frame
-from ..recipe import BackwardMode, active_region, stateful, stateless_quantizers
+from ..recipe import (
+    BackwardMode,
+    CustomRecipe,
+    active_region,
+    stateful,
+    stateless_quantizers,
+)
 
 
 class CallQuantizersMixin:
@@ -30,7 +36,8 @@ class CallQuantizersMixin:
                 and all(type(w) in (torch.Tensor, nn.Parameter) and w.dtype == x.dtype
                         for w in weights))
 
-    def traced_quantizers(self, x: torch.Tensor, *weights: torch.Tensor):
+    def traced_quantizers(self, x: torch.Tensor, *weights: torch.Tensor,
+                          gemms: int | None = None):
         """(per-GEMM ``LinearQuantizers``, backward mode, delayed-scaling states or None)
         that a compiled call traces its GEMMs with (``lowprec.linear.traced``), or the
         reason (a string) it stays one opaque call.
@@ -40,7 +47,8 @@ class CallQuantizersMixin:
         quantizers' settings alone: same-shaped layers whose quantizers agree share one
         compiled code, whatever their names or states. Delayed scaling reads the state
         the module keeps (:meth:`traced_delayed_states`), which joins the autocast region's
-        update."""
+        update. ``gemms``: the first so many GEMMs' quantizers only (a recipe without
+        state)."""
         region = active_region()
         if region is None:
             return "outside lowprec.autocast"
@@ -67,33 +75,42 @@ class CallQuantizersMixin:
             group = region.group if recipe.reduce_amax else None
             delayed = (fwd_state, bwd_state, handle, recipe, records, group)
             return self._linear_quantizers(fq, bq), recipe.backward_mode, delayed
-        # only the slots a GEMM without boundary roles reads: its input, weight and dY
-        # (each quantizer built costs a compiled call tracing time)
+        return self._stateless_gemms(recipe, gemms), recipe.backward_mode, None
+
+    def _stateless_gemms(self, recipe, gemms: int | None = None) -> list[LinearQuantizers]:
+        """The first ``gemms`` GEMMs' quantizers (all: None) under a recipe without state:
+        only the slots a GEMM without boundary roles reads, its input, weight and dY
+        (each quantizer built costs a compiled call tracing time)."""
         fwd_roles, bwd_roles = self._roles()
+        if gemms is not None:
+            fwd_roles, bwd_roles = fwd_roles[:3 * gemms], bwd_roles[:2 * gemms]
         fq = stateless_quantizers(recipe, "forward", fwd_roles[0::3] + fwd_roles[1::3])
         bq = stateless_quantizers(recipe, "backward", bwd_roles[0::2])
         n = len(bq)
-        return ([LinearQuantizers(input=fq[i], weight=fq[n + i], output=None,
-                                  grad_output=bq[i], grad_input=None) for i in range(n)],
-                recipe.backward_mode, None)
+        return [LinearQuantizers(input=fq[i], weight=fq[n + i], output=None, grad_output=bq[i],
+                                 grad_input=None) for i in range(n)]
 
     def traced_grouped_quantizers(self, x: torch.Tensor, *weights: torch.Tensor):
-        """(per-GEMM quantizers or None, backward mode) a compiled call of a grouped module
-        (experts, ``GroupedLinear``) traces its grouped GEMMs with: none outside
-        ``lowprec.autocast``, else :meth:`traced_quantizers`'; or the reason (a string) it
-        stays one opaque op (delayed scaling, whose grouped calls run one Linear a
-        group)."""
-        if active_region() is None:
+        """(quantizers, backward mode) a compiled call of a grouped module (experts,
+        ``GroupedLinear``) traces its grouped GEMMs with: None outside ``lowprec.autocast``;
+        one ``LinearQuantizers`` for every GEMM under a built-in recipe, whose rule reads
+        a role's tensor type, never its name (a module of 128 experts then traces one set,
+        not 256); else :meth:`traced_quantizers`' list, one set a GEMM (a ``CustomRecipe``
+        factory may read the names). Or the reason (a string) the call stays one opaque op
+        (delayed scaling, whose grouped calls run one Linear a group)."""
+        region = active_region()
+        if region is None:
             if current_frame() is not None:
                 return "inside an eagerly run activation checkpoint"
             return None, BackwardMode.DEFAULT
-        got = self.traced_quantizers(x, *weights)
+        if stateful(region.recipe):
+            return "delayed scaling: its grouped GEMMs run one Linear a group"
+        shared = not isinstance(region.recipe, CustomRecipe)
+        got = self.traced_quantizers(x, *weights, gemms=1 if shared else None)
         if isinstance(got, str):
             return got
-        qs, mode, delayed = got
-        if delayed is not None:
-            return "delayed scaling: its grouped GEMMs run one Linear a group"
-        return qs, mode
+        qs, mode, _ = got
+        return (qs[0] if shared else qs), mode
 
     def gemm_quantizers(self, device) -> tuple[list[LinearQuantizers] | None, str, object]:
         """Per-GEMM quantizers under the active autocast (None outside), the backward mode,

@@ -20,7 +20,9 @@ import lowprec
 from lowprec.compile.call import fallback_reasons
 from lowprec.gemm import grouped_mm
 from lowprec.linear import grouped_block_fp8, grouped_current, grouped_nvfp4
+from lowprec.recipe import factories
 from lowprec.recipe.recipes import (
+    CustomRecipe,
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
@@ -36,6 +38,9 @@ CASES = {
     "bf16": (None, {(grouped_mm, "plain_available"): lambda a, k, n: True}),
     "current": (Float8CurrentScaling(),
                 {(grouped_current, "gemm_backend"): lambda *a: "triton"}),
+    # a factory may read the roles' names: one quantizer set an expert is traced
+    "custom_current": (CustomRecipe(qfactory=factories.fp8_current_scaling_factory),
+                       {(grouped_current, "gemm_backend"): lambda *a: "triton"}),
 }
 #: recipes whose grouped paths build quantized tensor subclasses: still one opaque op
 SUBCLASS_CASES = {
@@ -186,3 +191,23 @@ def test_gpu_torchtitan_experts_inductor_bit_identical(name):
     """torchtitan's experts, ``silu(w1 x) * w3 x`` in eager's bits under inductor too."""
     mod, x, sizes = _titan_experts("cuda")
     _compare(mod, x, CASES[name][0], lambda m, t: m(t, sizes), "inductor")
+
+
+def test_builtin_recipe_traces_one_quantizer_set(monkeypatch):
+    """Under a built-in recipe the trace builds one quantizer set for all 2E GEMMs (its
+    rule never reads a role's name): tracing time does not grow with the experts."""
+    from lowprec.modules import quantizers
+
+    built = []
+
+    def counting(recipe, mode, roles):
+        built.extend(roles)
+        return stateless(recipe, mode, roles)
+    stateless = quantizers.stateless_quantizers
+    monkeypatch.setattr(quantizers, "stateless_quantizers", counting)
+    _patch(monkeypatch, CASES["current"][1])
+    mod = _experts("cpu")
+    x, idx, w = _routing("cpu")
+    _compare(mod, x, Float8CurrentScaling(), lambda m, t: m(t, idx, w), "graph_ops")
+    # input, weight and dY of the first GEMM (dynamo may trace the frame more than once)
+    assert built and {r.name for r in built} == {"experts.0.gate_up"}
