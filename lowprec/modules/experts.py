@@ -88,6 +88,9 @@ class GroupedExperts(LowprecModule):
                    and getattr(gating, "__module__", "") == "transformers.integrations.moe")
         new.apply_gate = None if default else getattr(experts, "_apply_gate", None)
         new.train(experts.training)
+        # built here, as a constructor builds them: a compiled call would otherwise build
+        # every expert's roles while dynamo traces it
+        new._cache_roles()
         return new
 
     def _init_weights(self) -> None:
@@ -306,6 +309,9 @@ class TorchtitanGroupedExperts(LowprecModule):
         # own, which reads the parameters by the names this module keeps
         new._source_init = getattr(type(experts), "init_weights", None)
         new.train(experts.training)
+        # built here, as a constructor builds them: a compiled call would otherwise build
+        # every expert's roles while dynamo traces it
+        new._cache_roles()
         return new
 
     def init_weights(self, *args, **kwargs):

@@ -211,3 +211,17 @@ def test_builtin_recipe_traces_one_quantizer_set(monkeypatch):
     _compare(mod, x, Float8CurrentScaling(), lambda m, t: m(t, idx, w), "graph_ops")
     # input, weight and dY of the first GEMM (dynamo may trace the frame more than once)
     assert built and {r.name for r in built} == {"experts.0.gate_up"}
+
+
+def test_converted_experts_keep_their_roles():
+    """``from_experts`` builds the roles as a constructor does: a compiled call never
+    builds every expert's roles while dynamo traces it."""
+    from lowprec.modules.experts import TorchtitanGroupedExperts
+
+    src = torch.nn.Module()
+    src.gate_up_proj = torch.nn.Parameter(torch.zeros(E, 2 * I, H))
+    src.down_proj = torch.nn.Parameter(torch.zeros(E, H, I))
+    src.act_fn = torch.nn.SiLU()
+    assert "_role_lists" in lowprec.GroupedExperts.from_experts(src, "e").__dict__
+    titan, _, _ = _titan_experts("cpu")
+    assert "_role_lists" in titan.__dict__ and isinstance(titan, TorchtitanGroupedExperts)
