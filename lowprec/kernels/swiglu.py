@@ -80,9 +80,10 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_torch(h: torch.Tensor) -> torch.Tensor:
-    """:func:`swiglu` in torch ops."""
+    """:func:`swiglu` in torch ops (in a compiled graph, silu as an op of its own:
+    :func:`silu`)."""
     gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return silu(gate) * up
 
 
 @torch.library.custom_op("lowprec::silu", mutates_args=())

@@ -55,7 +55,22 @@ def token_sum(rows: torch.Tensor, idx: torch.Tensor,
     ``(row * gate).to(rows.dtype)`` first."""
     if _runs(rows, idx) and (gates is None or gated_runs(rows, gates, idx)):
         return _token_sum(rows, gates, idx)
+    if torch.compiler.is_compiling():
+        # one op of eager's torch ops: a fusing compiler would sum in fp32 and round
+        # once, where eager rounds after each add
+        return _token_sum_ops(rows, gates, idx)
     return token_sum_torch(rows, idx, gates)
+
+
+@torch.library.custom_op("lowprec::token_sum_ops", mutates_args=())
+def _token_sum_ops(rows: torch.Tensor, gates: torch.Tensor | None,
+                   idx: torch.Tensor) -> torch.Tensor:
+    return token_sum_torch(rows, idx, gates)
+
+
+@_token_sum_ops.register_fake
+def _(rows, gates, idx):
+    return rows.new_empty((idx.shape[0], rows.shape[1]))
 
 
 def token_sum_torch(rows: torch.Tensor, idx: torch.Tensor,

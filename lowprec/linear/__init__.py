@@ -24,9 +24,11 @@ from .function import EagerLinearFunction, eager_plan_of, graph_kept
 from .grouped import (
     ExpertWeightsFunction,
     GroupedPlainFunction,
+    check_sizes,
     group_alignment_for,
     grouped_linear,
     grouped_refusal,
+    per_group_equivalent,
 )
 from .grouped_block_fp8 import GroupedBlockFP8
 from .grouped_blocks import one_setting

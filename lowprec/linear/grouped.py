@@ -58,7 +58,8 @@ from .function import LinearQuantizers, quantized_linear
 from .grouped_parts import group_ids, hooked, host_sizes, stacked
 from .plan import keep
 
-__all__ = ["group_alignment_for", "group_ids", "grouped_linear", "grouped_refusal"]
+__all__ = ["group_alignment_for", "group_ids", "grouped_linear", "grouped_refusal",
+           "per_group_equivalent", "check_sizes"]
 
 
 def _check_sizes_tensor(group_sizes: torch.Tensor, num_groups: int) -> None:
@@ -81,14 +82,16 @@ def _sizes_tensor(group_sizes, num_groups: int, rows: int, device,
                                 "group sizes must be non-negative multiples of group_alignment "
                                 "and sum to the row count")
         else:
-            _check_sizes(sizes.tolist(), num_groups, rows, alignment)
+            check_sizes(sizes.tolist(), num_groups, rows, alignment)
         return sizes
     sizes = [int(m) for m in group_sizes]
-    _check_sizes(sizes, num_groups, rows, alignment)
+    check_sizes(sizes, num_groups, rows, alignment)
     return torch.tensor(sizes, dtype=torch.int64, device=device)
 
 
-def _check_sizes(sizes: list, num_groups: int, rows: int, alignment: int = 1) -> None:
+def check_sizes(sizes: list, num_groups: int, rows: int, alignment: int = 1) -> None:
+    """Refuse group sizes (ints) that are not ``num_groups`` non-negative multiples of
+    ``alignment`` summing to ``rows``."""
     if len(sizes) != num_groups or any(m < 0 for m in sizes):
         raise ValueError(f"m_splits={sizes} must have {num_groups} non-negative sizes")
     if sum(sizes) != rows:
@@ -217,16 +220,17 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
 
 def grouped_refusal(x2d: torch.Tensor, weight, quantizers=None, bias=None,
                    backward_mode: str = "default", on_backward_done=None) -> str | None:
-    """Why dynamo cannot trace :func:`grouped_linear` over rows like ``x2d`` (a 2-D tensor
-    of the call's input dtype, device and features; its row count only has to be
-    positive where the call's is), or None where it can: a grouped path that reads
-    nothing on the host in either direction. Those paths are autograd Functions over
-    custom ops, so the compiled call runs eager's kernels in eager's order: the same
-    bits. The rest (one :func:`quantized_linear` per group, which reads the group sizes
-    on the host) stays one opaque op."""
+    """Why dynamo cannot trace :func:`grouped_linear`'s grouped path over rows like
+    ``x2d`` (a 2-D tensor of the call's input dtype, device and features; its row count
+    only has to be positive where the call's is), or None where it can: a grouped path
+    that reads nothing on the host in either direction. Those paths are autograd
+    Functions over custom ops, so the compiled call runs eager's kernels in eager's
+    order: the same bits. One :func:`quantized_linear` a group reads the group sizes on
+    the host (a caller with sizes known to the host may trace the groups itself, see
+    :func:`per_group_equivalent`)."""
     if isinstance(weight, (Float8Experts, Float8BlockExperts, NVFP4Experts)):
         return "experts gathered quantized (FSDP2's quantized_all_gather) run eagerly"
-    num = weight.shape[0] if isinstance(weight, torch.Tensor) else len(weight)
+    num = _num_groups(weight)
     if num < 1 or (isinstance(weight, torch.Tensor) and weight.dim() != 3):
         return "no experts to trace"
     route = _route(x2d, weight, _group_quantizers(quantizers, num), bias, backward_mode,
@@ -251,14 +255,30 @@ def grouped_refusal(x2d: torch.Tensor, weight, quantizers=None, bias=None,
     return None
 
 
+def per_group_equivalent(x2d: torch.Tensor, weight, quantizers=None, bias=None,
+                         backward_mode: str = "default") -> bool:
+    """Whether :func:`grouped_linear` gives, for rows like ``x2d`` (as
+    :func:`grouped_refusal` reads them), the bits of one :func:`quantized_linear` a group
+    on every device: no grouped path takes the call, or FP8 current scaling's does (each
+    group quantized on its own rows and multiplied as its Linear multiplies it). The
+    other grouped paths equal the per-group Linears where they run, but NVFP4's stochastic
+    rounding draws its own random bits."""
+    route = _route(x2d, weight, _group_quantizers(quantizers, _num_groups(weight)), bias,
+                   backward_mode, None)
+    return route is None or route[0] == "current"
+
+
+def _num_groups(weight) -> int:
+    return weight.shape[0] if isinstance(weight, torch.Tensor) else len(weight)
+
+
 def _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_backward_done,
                     group_alignment):
     """``grouped_linear`` over experts already in FP8 (``Float8Experts``): FP8 current
     scaling's grouped path with the weight's codes and scales."""
     num, n, k = weight.shape
-    qs = [quantizers] * num if isinstance(quantizers, LinearQuantizers) else quantizers
-    picked = (grouped_current.current_scaling_quantizers(qs)
-              if qs is not None and len(qs) == num else None)
+    qs = None if quantizers is None else _group_quantizers(quantizers, num)
+    picked = grouped_current.current_scaling_quantizers(qs) if qs is not None else None
     if (picked is None or bias is not None or on_backward_done is not None
             or backward_mode != BackwardMode.DEFAULT or x.shape[-1] != k):
         raise ValueError(
@@ -422,7 +442,7 @@ def _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode, on_backward
     if isinstance(group_sizes, torch.Tensor):
         _check_sizes_tensor(group_sizes, len(w_list))
     sizes = host_sizes(group_sizes)
-    _check_sizes(sizes, len(w_list), x2d.shape[0], group_alignment)
+    check_sizes(sizes, len(w_list), x2d.shape[0], group_alignment)
     biases = ([None] * len(w_list) if bias is None else list(bias))
     shared = qs is not None and len(qs) == 1
     outs = [quantized_linear(xg, w_list[g], biases[g],

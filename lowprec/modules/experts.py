@@ -125,8 +125,12 @@ class GroupedExperts(LowprecModule):
                        top_k_weights: torch.Tensor):
         """The call as torch.compile traces it: eager's code, whose grouped paths are
         autograd Functions over custom ops, with the quantizers of the recipe's rule
-        (:meth:`traced_quantizers`); or the reason (a string) it stays one opaque op
-        (``grouped_refusal``)."""
+        (:meth:`traced_grouped_quantizers`); or the reason (a string) it stays one opaque
+        op (``grouped_refusal``). A gating of the model's own stays opaque: its ops are
+        not lowprec's to keep in eager's bits, and its output's dtype decides the down
+        GEMM's path."""
+        if self.apply_gate is not None or not _is_silu(self.act_fn):
+            return "a gating of the model's own (apply_gate, or an activation but silu)"
         got = self.traced_grouped_quantizers(hidden_states, self.gate_up_proj,
                                              self.down_proj)
         if isinstance(got, str):
@@ -346,11 +350,13 @@ class TorchtitanGroupedExperts(LowprecModule):
         return [tuple(x.shape)]
 
     def _local_weights(self) -> tuple:
-        # torchtitan's own module computes on the local shards of DTensor weights; w1, w3, w2
-        # in the dtype the GEMMs read
+        # torchtitan's own module computes on the local shards of DTensor weights
         ws = (getattr(self, n) for n in self.param_names)
-        ws = (w.to_local() if hasattr(w, "to_local") else w for w in ws)  # a DTensor
-        return tuple(w.bfloat16() if self.in_bf16 else w for w in ws)
+        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in ws)  # a DTensor
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        # the dtype the GEMMs read (cast at each GEMM: one bf16 copy of a weight at a time)
+        return t.bfloat16() if self.in_bf16 else t
 
     def traced_forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor):
         """The call as torch.compile traces it (eager's code over the grouped paths, as
@@ -360,11 +366,14 @@ class TorchtitanGroupedExperts(LowprecModule):
             return got
         qs, mode = got
         weights = self._local_weights()
-        xc = x.bfloat16() if self.in_bf16 else x
+        xc = self._cast(x)
         e = self.num_experts
         hidden = xc.new_empty((1, weights[0].shape[1]))  # w2's input: the gated rows
         for i, (w, rows) in enumerate(zip(weights, (xc, xc, hidden))):
-            refused = grouped_refusal(rows, w, _slice(qs, i, e), backward_mode=mode)
+            # a stand-in of the weight as the GEMM reads it (a dead op in the graph)
+            w_like = (w.new_empty(w.shape, dtype=torch.bfloat16)
+                      if self.in_bf16 and w.dtype != torch.bfloat16 else w)
+            refused = grouped_refusal(rows, w_like, _slice(qs, i, e), backward_mode=mode)
             if refused is not None:
                 return refused
         return self._run(x, num_tokens_per_expert, weights, qs, mode, None)
@@ -379,9 +388,10 @@ class TorchtitanGroupedExperts(LowprecModule):
         w1, w3, w2 = weights
 
         def gemm(inp, w, i):
-            return grouped_linear(inp, w, num_tokens_per_expert, quantizers=_slice(qs, i, e),
-                                  backward_mode=mode, on_backward_done=done)
-        xc = x.bfloat16() if self.in_bf16 else x
+            return grouped_linear(inp, self._cast(w), num_tokens_per_expert,
+                                  quantizers=_slice(qs, i, e), backward_mode=mode,
+                                  on_backward_done=done)
+        xc = self._cast(x)
         h = silu(gemm(xc, w1, 0)) * gemm(xc, w3, 1)
         return gemm(h, w2, 2).type_as(x)
 

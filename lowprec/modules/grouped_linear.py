@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..compile import compiled_as_one_op
-from ..linear import grouped_linear, grouped_refusal
+from ..formats import QuantizedTensor
+from ..linear import (
+    LinearQuantizers,
+    check_sizes,
+    grouped_linear,
+    grouped_refusal,
+    per_group_equivalent,
+    traced,
+)
 from .base import LowprecModule
 from .params import add_linear_params, check_parallel_args
 
@@ -53,26 +62,56 @@ class GroupedLinear(LowprecModule):
         return [self.output_shape(tuple(x.shape))]
 
     def traced_forward(self, x: torch.Tensor, m_splits):
-        """The call as torch.compile traces it where ``grouped_linear`` takes a grouped
-        path (no bias, one quantizer setting, see ``grouped_refusal``): eager's autograd
-        Function over custom ops; else the reason (a string) it stays one opaque op."""
+        """The call as torch.compile traces it, or the reason (a string) it stays one
+        opaque op. Where ``grouped_linear`` takes a grouped path (no bias, one quantizer
+        setting, see ``grouped_refusal``): eager's autograd Function over custom ops.
+        Where it gives one Linear a group's bits and the sizes are Python ints: each group
+        as a traced ``Linear`` (``lowprec.linear.traced``), an empty group as torch's
+        linear (zero gradients, as eager's); a group that refuses leaves only dead ops
+        before the opaque op."""
+        self._check_input_dtype(x, self.in_features)
         weights = [getattr(self, name) for name in self._weight_names()]
-        if self.bias0 is not None:
-            return "biases: one Linear per group"
+        bias = self._biases()
         got = self.traced_grouped_quantizers(x, *weights)
         if isinstance(got, str):
             return got
         qs, mode = got
-        refused = grouped_refusal(x.reshape(-1, x.shape[-1]), weights, qs, backward_mode=mode)
-        if refused is not None:
-            return refused
-        return grouped_linear(x, weights, m_splits, quantizers=qs, backward_mode=mode)
+        x2d = x.reshape(-1, x.shape[-1])
+        if bias is None and grouped_refusal(x2d, weights, qs, backward_mode=mode) is None:
+            return grouped_linear(x, weights, m_splits, quantizers=qs, backward_mode=mode)
+        if not per_group_equivalent(x2d, weights, qs, bias, mode):
+            return grouped_refusal(x2d, weights, qs, bias, mode)
+        if isinstance(m_splits, torch.Tensor):
+            return "group sizes in a tensor: one Linear a group reads them on the host"
+        if not isinstance(m_splits, (list, tuple)) or not all(
+                isinstance(m, int) for m in m_splits):
+            return f"group sizes of type {type(m_splits).__name__}"
+        sizes = list(m_splits)
+        check_sizes(sizes, self.num_gemms, x2d.shape[0])
+        outs = []
+        for g, xg in enumerate(torch.split(x2d, sizes)):
+            b, w = None if bias is None else bias[g], weights[g]
+            if qs is None or xg.shape[0] == 0:
+                if isinstance(w, QuantizedTensor):
+                    return "an empty group of a quantized weight"
+                # no recipe, or no rows: torch's linear
+                outs.append(F.linear(xg, w, b))
+                continue
+            y = traced.traced_linear(qs if isinstance(qs, LinearQuantizers) else qs[g], mode,
+                                     xg, w, b)
+            if isinstance(y, str):
+                return y
+            outs.append(y)
+        return torch.cat(outs).reshape(*x.shape[:-1], self.out_features)
+
+    def _biases(self) -> list | None:
+        biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        return None if biases[0] is None else biases
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
         self._check_input_dtype(x, self.in_features)
         qs, mode, done = self.gemm_quantizers(x.device)
         weights = [getattr(self, name) for name in self._weight_names()]
-        biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
-        return grouped_linear(x, weights, m_splits, None if biases[0] is None else biases,
-                              quantizers=qs, backward_mode=mode, on_backward_done=done)
+        return grouped_linear(x, weights, m_splits, self._biases(), quantizers=qs,
+                              backward_mode=mode, on_backward_done=done)

@@ -16,10 +16,11 @@ from ..linear import LinearQuantizers
 from ..memory import current_frame
 from ..recipe import (
     BackwardMode,
-    CustomRecipe,
     active_region,
+    reads_role_names,
     stateful,
     stateless_quantizers,
+    torch_autocast_dtype,
 )
 
 
@@ -102,10 +103,16 @@ class CallQuantizersMixin:
         if region is None:
             if current_frame() is not None:
                 return "inside an eagerly run activation checkpoint"
+            if not self.traced_plain_call(x, *weights) and not (
+                    type(x) is torch.Tensor and torch_autocast_dtype(x) is not None
+                    and all(type(w) in (torch.Tensor, nn.Parameter) for w in weights)):
+                # a quantized weight dequantizes in eager's high-precision call, which
+                # the traced torch ops would not mirror
+                return "no recipe, and an input or weight that is not a plain tensor of one dtype"
             return None, BackwardMode.DEFAULT
         if stateful(region.recipe):
             return "delayed scaling: its grouped GEMMs run one Linear a group"
-        shared = not isinstance(region.recipe, CustomRecipe)
+        shared = not reads_role_names(region.recipe)
         got = self.traced_quantizers(x, *weights, gemms=1 if shared else None)
         if isinstance(got, str):
             return got

@@ -11,8 +11,9 @@
   linear, or a fused backward quantizing dY for the previous one) is the next linear's own
   quantize of the same values with the same quantizer, so the traced linear quantizes.
 
-A ``GroupedLinear`` op, which has no traced form, is one opaque ``lowprec::call`` of its
-own between the traced pieces (it takes and hands on plain tensors, as in eager). What it
+A ``GroupedLinear`` op is ``lowprec.GroupedLinear``'s traced form where it has one, else
+one opaque ``lowprec::call`` of its own between the traced pieces (it takes and hands on
+plain tensors, as in eager). What it
 does not mirror it declines, and the whole call stays one opaque op: a ``Quantize`` op that
 quantizes, a fusion registered outside lowprec, a quantized input, a quantized weight of a
 ``GroupedLinear`` op (``compile.opaque_refusal``) and anything ``lowprec.Linear``'s
@@ -163,7 +164,9 @@ def traced_run(parts: list, pieces: list, x: torch.Tensor, extra_inputs: tuple, 
         emit = nxt if (fuse and piece.can_emit and nxt is not None and nxt.emit()) else None
         if _piece_kind(piece) == "opaque":
             extras = [next(extra) for _ in range(piece.num_extra_inputs)]
-            x = opaque_call(piece.parts[0], x, *extras)
+            op = piece.parts[0]
+            y = op.traced_forward(x, *extras)
+            x = opaque_call(op, x, *extras) if isinstance(y, str) else y
         else:
             x = _run_piece(piece, linears.get(k), x, emit)
         if isinstance(x, str):

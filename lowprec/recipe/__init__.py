@@ -49,4 +49,10 @@ from .regions import (
     torch_autocast_off,
 )
 from .roles import check_num_quantizers, gemm_roles
-from .state import RecipeState, push_amaxes, stateful, stateless_quantizers
+from .state import (
+    RecipeState,
+    push_amaxes,
+    reads_role_names,
+    stateful,
+    stateless_quantizers,
+)

@@ -284,6 +284,13 @@ def stateful(recipe: Recipe) -> bool:
     return isinstance(recipe, DelayedScaling)
 
 
+def reads_role_names(recipe: Recipe) -> bool:
+    """Whether a recipe's quantizer for a role may depend on the role's name or GEMM (a
+    ``CustomRecipe`` factory); the built-in rules read a role's tensor type and direction
+    only, so every GEMM of a module gets the same quantizers."""
+    return isinstance(recipe, CustomRecipe)
+
+
 def stateless_quantizers(recipe: Recipe, mode: str, roles) -> list[Quantizer]:
     """One quantizer per role of a recipe without state (every recipe but delayed
     scaling): the built-in rule or the ``CustomRecipe`` factory. A compiled call traces

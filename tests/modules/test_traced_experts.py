@@ -139,39 +139,80 @@ def test_experts_without_a_grouped_path_keep_the_opaque_op(recipe):
     assert any(r.startswith("GroupedExperts: ") for r in fallback_reasons())
 
 
-def _titan_experts(device):
+def _titan_experts(device, dtype=torch.bfloat16):
     from lowprec.modules.experts import TorchtitanGroupedExperts
 
     torch.manual_seed(0)
     src = torch.nn.Module()
     for n, shape in (("w1", (E, I, H)), ("w2", (E, H, I)), ("w3", (E, I, H))):
         setattr(src, n, torch.nn.Parameter(
-            torch.randn(shape, dtype=torch.bfloat16, device=device) * 0.05))
+            torch.randn(shape, dtype=dtype, device=device) * 0.05))
     mod = TorchtitanGroupedExperts.from_experts(src, "experts")
-    x = torch.randn(T, H, dtype=torch.bfloat16, device=device)
+    x = torch.randn(T, H, dtype=dtype, device=device)
     return mod, x, torch.tensor([30, 0, 50, 16], device=device)
 
 
-def test_torchtitan_experts_trace(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_torchtitan_experts_trace(dtype, monkeypatch):
+    """torchtitan's experts (fp32 parameters read in bf16, as its grouped-mm path)."""
     _patch(monkeypatch, CASES["current"][1])
-    mod, x, sizes = _titan_experts("cpu")
+    mod, x, sizes = _titan_experts("cpu", dtype)
     ops = _compare(mod, x, Float8CurrentScaling(), lambda m, t: m(t, sizes), "graph_ops")
     assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
 
 
 @pytest.mark.parametrize("sizes", [torch.tensor([30, 0, 50, 16]), [30, 0, 50, 16]],
                          ids=["tensor", "list"])
-def test_grouped_linear_traces_without_bias(sizes, monkeypatch):
+def test_grouped_linear_grouped_path_traces(sizes, monkeypatch):
     _patch(monkeypatch, CASES["current"][1])
     torch.manual_seed(0)
     mod = lowprec.GroupedLinear(E, H, I, bias=False, params_dtype=torch.bfloat16, name="g")
     x = torch.randn(T, H, dtype=torch.bfloat16)
     ops = _compare(mod, x, Float8CurrentScaling(), lambda m, t: m(t, sizes), "graph_ops")
     assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
-    with_bias = lowprec.GroupedLinear(E, H, I, params_dtype=torch.bfloat16, name="g")
-    ops = _compare(with_bias, x, Float8CurrentScaling(), lambda m, t: m(t, sizes), "graph_ops")
+
+
+PER_GROUP = ["fp8_current", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd",
+             "fp8_row_mxfp8_col"]
+
+
+# CI runs each recipe once, with or without biases in turn; --slow both ways
+PER_GROUP_CASES = [pytest.param(name, bias, marks=() if (i + bias) % 2 else pytest.mark.slow)
+                   for i, name in enumerate(PER_GROUP) for bias in (True, False)]
+
+
+@pytest.mark.parametrize("name, bias", PER_GROUP_CASES)
+def test_grouped_linear_per_group_traces(name, bias):
+    """One Linear a group (biases, or no grouped path on this device), the sizes a list:
+    each group a traced Linear, an empty group torch's linear; eager's bits."""
+    recipe = lowprec.Recipe.from_name(name)
+    if name == "nvfp4":  # stochastic rounding of dY only: the forward operands trace
+        recipe = NVFP4BlockScaling()
+    torch.manual_seed(0)
+    mod = lowprec.GroupedLinear(E, H, I, bias=bias, params_dtype=torch.bfloat16, name="g")
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    ops = _compare(mod, x, recipe, lambda m, t: m(t, [32, 0, 48, 16]), "graph_ops")
+    assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
+
+
+def test_grouped_linear_per_group_refusals():
+    """Sizes in a tensor where each group runs its own Linear, and delayed scaling, keep
+    the opaque op and say why; bad list sizes fail as eager's do."""
+    torch.manual_seed(0)
+    mod = lowprec.GroupedLinear(E, H, I, params_dtype=torch.bfloat16, name="g")
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    sizes = torch.tensor([30, 0, 50, 16])
+    ops = _compare(mod, x, Float8CurrentScaling(), lambda m, t: m(t, sizes), "graph_ops")
     assert any("lowprec.call" in t for t in ops.targets)
-    assert "GroupedLinear: biases: one Linear per group" in fallback_reasons()
+    assert ("GroupedLinear: group sizes in a tensor: one Linear a group reads them on the host"
+            in fallback_reasons())
+    ops = _compare(mod, x, DelayedScaling(), lambda m, t: m(t, [30, 0, 50, 16]), "graph_ops")
+    assert any("lowprec.call" in t for t in ops.targets)
+    compiled = torch.compile(lambda m, t: m(t, [30, 0, 50, 17]), backend="aot_eager",
+                             fullgraph=True)
+    with pytest.raises(Exception, match="m_splits sum to 97 but the input has 96 rows"):
+        with lowprec.autocast(recipe=Float8CurrentScaling()):
+            compiled(mod, x)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the grouped GEMMs run on Hopper GPUs")
@@ -225,3 +266,36 @@ def test_converted_experts_keep_their_roles():
     assert "_role_lists" in lowprec.GroupedExperts.from_experts(src, "e").__dict__
     titan, _, _ = _titan_experts("cpu")
     assert "_role_lists" in titan.__dict__ and isinstance(titan, TorchtitanGroupedExperts)
+
+
+def test_experts_with_a_gating_of_their_own_stay_opaque(monkeypatch):
+    _patch(monkeypatch, CASES["current"][1])
+    mod = _experts("cpu")
+    mod.act_fn = torch.nn.functional.gelu
+    x, idx, w = _routing("cpu")
+    ops = _compare(mod, x, Float8CurrentScaling(), lambda m, t: m(t, idx, w), "graph_ops")
+    assert any("lowprec.call" in t for t in ops.targets)
+    assert any("gating of the model's own" in r for r in fallback_reasons())
+
+
+def test_grouped_linear_without_a_recipe():
+    """No recipe, one Linear a group: torch's linear, eager's values to fp32 rounding (the
+    contract of a Linear without a recipe); quantized weights keep eager's call."""
+    torch.manual_seed(0)
+    mod = lowprec.GroupedLinear(E, H, I, name="g")
+    x = torch.randn(T, H)
+    sizes = [30, 0, 50, 16]
+    ops = GraphOps()
+    want = _step(lambda m, t: m(t, sizes), mod, x, None)
+    got = _step(torch.compile(lambda m, t: m(t, sizes), backend=ops, fullgraph=True), mod,
+                x, None)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
+    with lowprec.quantized_model_init(recipe=Float8CurrentScaling()):
+        quantized = lowprec.GroupedLinear(E, H, I, name="g")
+    want = quantized(x, sizes)
+    got = torch.compile(lambda m, t: m(t, sizes), backend="aot_eager")(quantized, x)
+    assert torch.equal(want, got)
+    assert any(r.startswith("GroupedLinear: no recipe, and an input or weight")
+               for r in fallback_reasons())

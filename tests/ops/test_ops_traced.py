@@ -158,9 +158,10 @@ def test_torch_autocast_traced_bit_identical():
 
 
 @pytest.mark.parametrize("recipe_name", ["fp8_current", "fp8_delayed"])
-def test_grouped_linear_op_is_one_opaque_call_between_traced_pieces(recipe_name):
-    """A GroupedLinear op in a Sequential: its own opaque call, the pieces around it
-    traced; eager's bits (delayed scaling's states too)."""
+def test_grouped_linear_op_between_traced_pieces(recipe_name):
+    """A GroupedLinear op in a Sequential, the pieces around it traced: traced itself (one
+    Linear a group, its sizes a list) under current scaling, its own opaque call under
+    delayed scaling; eager's bits (delayed scaling's states too)."""
     def make():
         torch.manual_seed(0)
         return ops.Sequential(ops.Linear(64, 64), ops.GELU(), ops.GroupedLinear(2, 64, 64),
@@ -175,8 +176,10 @@ def test_grouped_linear_op_is_one_opaque_call_between_traced_pieces(recipe_name)
     got = _steps(lambda t: compiled(t, [32, 32]), b, x, dy, recipe)
     _assert_same(want, got)
     _assert_same(_states(a), _states(b))
-    # one compiled graph: the grouped op is the one opaque call of its forward
-    assert [t for t in ops_.targets if t.startswith("lowprec.call.")] == ["lowprec.call.default"]
+    # one compiled graph: under delayed scaling the grouped op is the one opaque call of
+    # its forward
+    calls = [t for t in ops_.targets if t.startswith("lowprec.call.")]
+    assert calls == (["lowprec.call.default"] if recipe_name == "fp8_delayed" else [])
     assert any("graph_bias_activation" in t for t in ops_.targets)
 
 
