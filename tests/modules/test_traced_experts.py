@@ -105,23 +105,26 @@ def _patch(monkeypatch, checks):
         monkeypatch.setattr(module, name, fn)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_experts_trace_every_grouped_path(name, monkeypatch):
-    recipe, checks = CASES[name]
+def _patched_experts(case, monkeypatch):
+    """The CPU experts compared compiled against eager under ``case``'s recipe, its
+    grouped path opened; the graphs' ops."""
+    recipe, checks = case
     _patch(monkeypatch, checks)
     mod = _experts("cpu")
     x, idx, w = _routing("cpu")
-    ops = _compare(mod, x, recipe, lambda m, t: m(t, idx, w), "graph_ops")
+    return _compare(mod, x, recipe, lambda m, t: m(t, idx, w), "graph_ops")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_experts_trace_every_grouped_path(name, monkeypatch):
+    ops = _patched_experts(CASES[name], monkeypatch)
     assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
 
 
-@pytest.mark.parametrize("name", list(SUBCLASS_CASES))
+@pytest.mark.parametrize("name", [n if n == "mxfp8" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in SUBCLASS_CASES])
 def test_experts_subclass_paths_keep_the_opaque_op(name, monkeypatch):
-    recipe, checks = SUBCLASS_CASES[name]
-    _patch(monkeypatch, checks)
-    mod = _experts("cpu")
-    x, idx, w = _routing("cpu")
-    ops = _compare(mod, x, recipe, lambda m, t: m(t, idx, w), "graph_ops")
+    ops = _patched_experts(SUBCLASS_CASES[name], monkeypatch)
     assert any("lowprec.call" in t for t in ops.targets)
     assert any(r.startswith(f"GroupedExperts: the {name if name != 'mxfp8' else 'exact'} "
                             "grouped path") for r in fallback_reasons())
@@ -176,9 +179,11 @@ PER_GROUP = ["fp8_current", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"
              "fp8_row_mxfp8_col"]
 
 
-# CI runs each recipe once, with or without biases in turn; --slow both ways
-PER_GROUP_CASES = [pytest.param(name, bias, marks=() if (i + bias) % 2 else pytest.mark.slow)
-                   for i, name in enumerate(PER_GROUP) for bias in (True, False)]
+# CI runs three recipes, one of them without biases; --slow every recipe both ways
+_CI = {("fp8_current", True), ("mxfp8", False), ("fp8_row_mxfp8_col", True)}
+PER_GROUP_CASES = [pytest.param(name, bias, marks=() if (name, bias) in _CI
+                                else pytest.mark.slow)
+                   for name in PER_GROUP for bias in (True, False)]
 
 
 @pytest.mark.parametrize("name, bias", PER_GROUP_CASES)
