@@ -46,13 +46,13 @@ from typing import Sequence
 
 import torch
 
-from ..formats import QuantizedTensor
+from ..formats import QuantizedExperts, QuantizedTensor
 from ..formats.block import Float8BlockExperts
 from ..formats.float8 import Float8Experts
 from ..formats.nvfp4 import NVFP4Experts
 from ..gemm import block_grouped, grouped_mm
 from ..kernels.moe_route import group_sizes_ok
-from ..recipe import BackwardMode
+from ..recipe import BackwardMode, torch_autocast_dtype, torch_autocast_off
 from . import grouped_block_fp8, grouped_current, grouped_exact, grouped_nvfp4
 from .function import LinearQuantizers, quantized_linear
 from .grouped_parts import group_ids, hooked, host_sizes, stacked
@@ -163,9 +163,22 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     that pads each group to whole blocks itself then uses the rows as they are. Zero rows
     change no scale and give zero products, so the result on the real rows is the same.
     Checked (on the device for a device tensor).
+
+    Under ``torch.autocast`` the rows, the high-precision weights and the biases are cast
+    to its dtype (differentiably: fp32 weights get fp32 gradients) and the call runs with
+    autocast off, as each group's :func:`quantized_linear` would run it: the grouped
+    paths then take it (Hugging Face Trainer's ``bf16=True`` over fp32 parameters).
     """
     if not isinstance(group_alignment, int) or group_alignment < 1:
         raise ValueError(f"group_alignment must be a positive int, got {group_alignment!r}")
+    amp = torch_autocast_dtype(x)
+    if amp is not None and not isinstance(x, QuantizedTensor):
+        with torch_autocast_off(x.device.type):
+            return grouped_linear(x.to(amp), _cast(weight, amp), group_sizes,
+                                  _cast(bias, amp), quantizers=quantizers,
+                                  backward_mode=backward_mode,
+                                  on_backward_done=on_backward_done,
+                                  group_alignment=group_alignment)
     if isinstance(weight, Float8Experts):
         return _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
                                on_backward_done, group_alignment)
@@ -218,6 +231,16 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     return y.reshape(*x.shape[:-1], n)
 
 
+def _cast(t, dtype: torch.dtype):
+    """A high-precision (G, ...) tensor or list of tensors cast to ``dtype``; quantized
+    ones (experts gathered quantized) and None as they are."""
+    if t is None or isinstance(t, (QuantizedTensor, QuantizedExperts)):
+        return t
+    if isinstance(t, torch.Tensor):
+        return t.to(dtype)
+    return [u if isinstance(u, QuantizedTensor) else u.to(dtype) for u in t]
+
+
 def grouped_refusal(x2d: torch.Tensor, weight, quantizers=None, bias=None,
                    backward_mode: str = "default", on_backward_done=None) -> str | None:
     """Why dynamo cannot trace :func:`grouped_linear`'s grouped path over rows like
@@ -233,12 +256,12 @@ def grouped_refusal(x2d: torch.Tensor, weight, quantizers=None, bias=None,
     num = _num_groups(weight)
     if num < 1 or (isinstance(weight, torch.Tensor) and weight.dim() != 3):
         return "no experts to trace"
+    x2d, weight, bias = _as_called(x2d, weight, bias)
     route = _route(x2d, weight, _group_quantizers(quantizers, num), bias, backward_mode,
                    on_backward_done)
     if route is None:
         return ("no grouped GEMM for this recipe, device or call (bias, backward mode, "
-                "torch.autocast, no rows): one Linear per expert reads the group sizes on "
-                "the host")
+                "no rows): one Linear per expert reads the group sizes on the host")
     kind, picked = route
     if kind in _SUBCLASS_PATHS:
         return (f"the {kind} grouped path quantizes into quantized tensors (subclasses), "
@@ -263,9 +286,27 @@ def per_group_equivalent(x2d: torch.Tensor, weight, quantizers=None, bias=None,
     group quantized on its own rows and multiplied as its Linear multiplies it). The
     other grouped paths equal the per-group Linears where they run, but NVFP4's stochastic
     rounding draws its own random bits."""
-    route = _route(x2d, weight, _group_quantizers(quantizers, _num_groups(weight)), bias,
-                   backward_mode, None)
+    num = _num_groups(weight)
+    x2d, weight, bias = _as_called(x2d, weight, bias)
+    route = _route(x2d, weight, _group_quantizers(quantizers, num), bias, backward_mode, None)
     return route is None or route[0] == "current"
+
+
+def _as_called(x2d, weight, bias):
+    """The operands as :func:`grouped_linear` routes them: under torch.autocast, stand-ins
+    of their shapes in its dtype (dead ops in a graph), read with autocast off."""
+    amp = torch_autocast_dtype(x2d)
+    if amp is None or isinstance(x2d, QuantizedTensor):
+        return x2d, weight, bias
+
+    def like(t):
+        plain = isinstance(t, torch.Tensor) and not isinstance(
+            t, (QuantizedTensor, QuantizedExperts))
+        return t.new_empty(t.shape, dtype=amp) if plain else t
+    weight = like(weight) if isinstance(weight, torch.Tensor) else [like(w) for w in weight]
+    if bias is not None:
+        bias = like(bias) if isinstance(bias, torch.Tensor) else [like(b) for b in bias]
+    return like(x2d), weight, bias
 
 
 def _num_groups(weight) -> int:
@@ -394,10 +435,10 @@ def _route(x2d, weight, qs, bias, backward_mode, on_backward_done):
 
 def _grouped_call(x2d, bias, on_backward_done) -> bool:
     """Whether a call's arguments leave the grouped paths open: no bias, no backward
-    callback, plain rows (some: with none the per-group path runs the empty GEMMs), no
-    torch.autocast."""
+    callback, plain rows (some: with none the per-group path runs the empty GEMMs).
+    Under torch.autocast :func:`grouped_linear` has cast them and turned it off."""
     return (bias is None and on_backward_done is None and not isinstance(x2d, QuantizedTensor)
-            and x2d.shape[0] > 0 and not torch.is_autocast_enabled(x2d.device.type))
+            and x2d.shape[0] > 0)
 
 
 def _hooked(q: LinearQuantizers) -> bool:

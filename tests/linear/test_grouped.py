@@ -330,3 +330,59 @@ def test_route_kept_per_quantizers_sees_hooks_come_and_go():
     seen.clear()
     assert torch.equal(grouped_linear(x, w, torch.tensor(sizes), quantizers=qs), ref)
     assert seen == []
+
+
+def _under_torch_autocast(fn, device):
+    def run(a, b):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return fn(a, b)
+    return run
+
+
+@pytest.mark.parametrize("q", [None, "current", "mxfp8"])
+def test_torch_autocast_equals_per_expert_linears(q, monkeypatch):
+    """Under torch.autocast over fp32 rows and weights: each group's Linear bits (the
+    operands cast to bf16, fp32 weight gradients), the grouped paths open (current
+    scaling's grouped quantize runs)."""
+    grouped_quantizes = []
+    quantize_groups = fp8_grouped.quantize_groups
+
+    def counting(*args, **kwargs):
+        grouped_quantizes.append(1)
+        return quantize_groups(*args, **kwargs)
+    monkeypatch.setattr(fp8_grouped, "quantize_groups", counting)
+    qs = {None: None, "current": _current(E4M3),
+          "mxfp8": lowprec.Recipe.from_name("mxfp8")}[q]
+    if q == "mxfp8":
+        from lowprec.recipe.state import stateless_quantizers
+        fq = stateless_quantizers(qs, "forward", [None, None])
+        bq = stateless_quantizers(qs, "backward", [None])
+        qs = LinearQuantizers(input=fq[0], weight=fq[1], grad_output=bq[0])
+    sizes = (32, 0, 64, 32)
+    x, w, dy = _data(sizes, k=64, n=64, dtype=torch.float32)
+    t = torch.tensor(sizes)
+    got = run_grads(_under_torch_autocast(
+        lambda a, b: grouped_linear(a, b, t, quantizers=qs), "cpu"), x, w, dy)
+    ref = run_grads(_under_torch_autocast(per_expert(qs, sizes), "cpu"), x, w, dy)
+    assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.float32
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert bool(grouped_quantizes) == (q == "current")
+
+
+@HOPPER
+@pytest.mark.parametrize("q", [None, "current"])
+def test_torch_autocast_gpu_takes_the_grouped_path(q):
+    """On a Hopper GPU under torch.autocast: the grouped path (nothing waits for the
+    host), each expert's bits."""
+    qs = None if q is None else _current(E4M3)
+    sizes = (32, 0, 64, 32)
+    x, w, dy = _cuda(*_data(sizes, k=256, n=128, dtype=torch.float32))
+    t = torch.tensor(sizes, device="cuda")
+    got = run_grads(_under_torch_autocast(
+        lambda a, b: grouped_linear(a, b, t, quantizers=qs), "cuda"), x, w, dy)
+    ref = run_grads(_under_torch_autocast(per_expert(qs, sizes), "cuda"), x, w, dy)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert_grouped_never_syncs(x, w, dy.bfloat16(), t, qs)

@@ -304,3 +304,20 @@ def test_grouped_linear_without_a_recipe():
     assert torch.equal(want, got)
     assert any(r.startswith("GroupedLinear: no recipe, and an input or weight")
                for r in fallback_reasons())
+
+
+@pytest.mark.parametrize("name", ["bf16", "current"])
+def test_experts_trace_under_torch_autocast(name, monkeypatch):
+    """fp32 experts and rows under torch.autocast (Hugging Face Trainer's bf16=True): the
+    grouped paths run on the operands cast to bf16, in eager and in the graph alike."""
+    recipe, checks = CASES[name]
+    _patch(monkeypatch, checks)
+    torch.manual_seed(0)
+    mod = lowprec.GroupedExperts(E, H, I, name="experts")
+    x, idx, w = _routing("cpu")
+
+    def call(m, t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(t, idx, w)
+    ops = _compare(mod, x.float(), recipe, call, "graph_ops")
+    assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
