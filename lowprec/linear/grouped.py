@@ -234,11 +234,17 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
 def _cast(t, dtype: torch.dtype):
     """A high-precision (G, ...) tensor or list of tensors cast to ``dtype``; quantized
     ones (experts gathered quantized) and None as they are."""
-    if t is None or isinstance(t, (QuantizedTensor, QuantizedExperts)):
-        return t
+    return _each_plain(t, lambda u: u.to(dtype))
+
+
+def _each_plain(t, fn):
+    """``fn`` of the high-precision tensors of an operand (a tensor, a list of them, or
+    None); quantized ones as they are."""
+    if t is None:
+        return None
     if isinstance(t, torch.Tensor):
-        return t.to(dtype)
-    return [u if isinstance(u, QuantizedTensor) else u.to(dtype) for u in t]
+        return t if isinstance(t, (QuantizedTensor, QuantizedExperts)) else fn(t)
+    return [_each_plain(u, fn) for u in t]
 
 
 def grouped_refusal(x2d: torch.Tensor, weight, quantizers=None, bias=None,
@@ -300,13 +306,8 @@ def _as_called(x2d, weight, bias):
         return x2d, weight, bias
 
     def like(t):
-        plain = isinstance(t, torch.Tensor) and not isinstance(
-            t, (QuantizedTensor, QuantizedExperts))
-        return t.new_empty(t.shape, dtype=amp) if plain else t
-    weight = like(weight) if isinstance(weight, torch.Tensor) else [like(w) for w in weight]
-    if bias is not None:
-        bias = like(bias) if isinstance(bias, torch.Tensor) else [like(b) for b in bias]
-    return like(x2d), weight, bias
+        return t.new_empty(t.shape, dtype=amp)
+    return like(x2d), _each_plain(weight, like), _each_plain(bias, like)
 
 
 def _num_groups(weight) -> int:

@@ -137,7 +137,7 @@ class GroupedExperts(LowprecModule):
             return got
         qs, mode = got
         e = self.num_experts
-        qs_up, qs_down = (qs[:e], qs[e:]) if isinstance(qs, list) else (qs, qs)
+        qs_up, qs_down = _slice(qs, 0, e), _slice(qs, 1, e)
         # the down GEMM's input: the gating's output, of the input's dtype and device
         down_rows = hidden_states.new_empty((1, self.intermediate_dim))
         refused = (grouped_refusal(hidden_states, self.gate_up_proj, qs_up, backward_mode=mode)
@@ -153,7 +153,7 @@ class GroupedExperts(LowprecModule):
         ``top_k_weights`` (T, k). Returns (T, H) in ``hidden_states``' dtype."""
         qs, mode, done = self.gemm_quantizers(hidden_states.device)
         e = self.num_experts
-        qs_up, qs_down = (qs[:e], qs[e:]) if qs else (None, None)
+        qs_up, qs_down = _slice(qs, 0, e), _slice(qs, 1, e)
         return self._run(hidden_states, top_k_index, top_k_weights, qs_up, qs_down, mode, done)
 
     def _run(self, hidden_states, top_k_index, top_k_weights, qs_up, qs_down, mode, done):

@@ -77,10 +77,11 @@ class GroupedLinear(LowprecModule):
             return got
         qs, mode = got
         x2d = x.reshape(-1, x.shape[-1])
-        if bias is None and grouped_refusal(x2d, weights, qs, backward_mode=mode) is None:
-            return grouped_linear(x, weights, m_splits, quantizers=qs, backward_mode=mode)
+        refused = grouped_refusal(x2d, weights, qs, bias, mode)  # biases refuse
+        if refused is None:
+            return grouped_linear(x, weights, m_splits, bias, quantizers=qs, backward_mode=mode)
         if not per_group_equivalent(x2d, weights, qs, bias, mode):
-            return grouped_refusal(x2d, weights, qs, bias, mode)
+            return refused
         if isinstance(m_splits, torch.Tensor):
             return "group sizes in a tensor: one Linear a group reads them on the host"
         if not isinstance(m_splits, (list, tuple)) or not all(

@@ -103,11 +103,13 @@ class CallQuantizersMixin:
         if region is None:
             if current_frame() is not None:
                 return "inside an eagerly run activation checkpoint"
-            if not self.traced_plain_call(x, *weights) and not (
-                    type(x) is torch.Tensor and torch_autocast_dtype(x) is not None
-                    and all(type(w) in (torch.Tensor, nn.Parameter) for w in weights)):
-                # a quantized weight dequantizes in eager's high-precision call, which
-                # the traced torch ops would not mirror
+            # plain operands of one dtype, or any under torch.autocast (which casts them): a
+            # quantized weight dequantizes in eager's high-precision call, which the traced
+            # torch ops would not mirror
+            amp = type(x) is torch.Tensor and torch_autocast_dtype(x) is not None
+            if type(x) is not torch.Tensor or not all(
+                    type(w) in (torch.Tensor, nn.Parameter) and (amp or w.dtype == x.dtype)
+                    for w in weights):
                 return "no recipe, and an input or weight that is not a plain tensor of one dtype"
             return None, BackwardMode.DEFAULT
         if stateful(region.recipe):

@@ -13,13 +13,12 @@
 
 A ``GroupedLinear`` op is ``lowprec.GroupedLinear``'s traced form where it has one, else
 one opaque ``lowprec::call`` of its own between the traced pieces (it takes and hands on
-plain tensors, as in eager). What it
-does not mirror it declines, and the whole call stays one opaque op: a ``Quantize`` op that
-quantizes, a fusion registered outside lowprec, a quantized input, a quantized weight of a
-``GroupedLinear`` op (``compile.opaque_refusal``) and anything ``lowprec.Linear``'s
-traced form declines. Outside ``lowprec.autocast`` the linears are torch's linear (cast
-by torch.autocast where it is on), the high-precision path eager runs, and a ``Quantize``
-op is the identity.
+plain tensors, as in eager). What it does not mirror it declines, and the whole call
+stays one opaque op: a ``Quantize`` op that quantizes, a fusion registered outside
+lowprec, a quantized input, a quantized weight of a ``GroupedLinear`` op
+(``compile.opaque_refusal``) and anything ``lowprec.Linear``'s traced form declines.
+Outside ``lowprec.autocast`` the linears are torch's linear (cast by torch.autocast where
+it is on), the high-precision path eager runs, and a ``Quantize`` op is the identity.
 
 Under delayed scaling every linear's plan is decided before any op is traced: a traced
 linear records its amaxes, which a later refusal (then the opaque call) would record twice.
