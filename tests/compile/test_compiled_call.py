@@ -284,12 +284,19 @@ def test_retain_graph_and_double_backward_of_the_call():
         yb.sum().backward()
 
 
+class _OwnMXFP8(lowprec.MXFP8Quantizer):
+    def _quantize_2d(self, x2d):
+        return super()._quantize_2d(x2d)
+
+
 def test_saved_inputs_are_private_copies():
     """A tensor the eager graph saves that shares memory with the call's input is saved as
     a copy: writing into the input afterwards (as compiled code may, reusing memory) does
     not change the gradients."""
-    # saves the input itself, in an opaque call (2-D MXFP8 weights have no traced form)
-    recipe = MXFP8BlockScaling(enable_2d_quantization=True, backward_mode="high_precision")
+    # saves the input itself, in an opaque call (a quantizer class of the user's own has
+    # no traced form)
+    recipe = lowprec.CustomRecipe(qfactory=lambda role: _OwnMXFP8(),
+                                  backward_mode="high_precision")
     torch.manual_seed(0)
     a = lowprec.Linear(D, D, name="l")
     b = copy.deepcopy(a)

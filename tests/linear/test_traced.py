@@ -86,12 +86,13 @@ def test_fused_neighbours_keep_eager_rounding(device, bias):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_mxfp8_traced_bit_identical(device, bias, fmt, backend):
+@pytest.mark.parametrize("two_d", [False, True], ids=["1x32", "32x32_weight"])
+def test_mxfp8_traced_bit_identical(device, bias, fmt, backend, two_d):
     """MXFP8 traced: every operand's exact values made in the graph, multiplied in bf16 on
     CUDA (as ``exact_bf16``, a bias in cuBLAS's epilogue through one op the compiler keeps
-    whole, ``traced_steps.addmm_op``) or in the fp32 emulation. Eager's bits, and no
-    opaque call."""
-    recipe = MXFP8BlockScaling(fp8_format=fmt)
+    whole, ``traced_steps.addmm_op``) or in the fp32 emulation; a weight in 32x32 blocks
+    too. Eager's bits, and no opaque call."""
+    recipe = MXFP8BlockScaling(fp8_format=fmt, enable_2d_quantization=two_d)
     torch.manual_seed(0)
     m = lowprec.Linear(128, 96, bias=bias, name="l", params_dtype=_dtype(device), device=device)
     x = torch.randn(4, 48, 128, device=device, dtype=_dtype(device))
@@ -323,12 +324,18 @@ def test_delayed_evaluation_traces_and_leaves_the_state(module):
     assert any("lowprec.call" in t for t in ops.targets)
 
 
-@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(enable_2d_quantization=True)],
-                         ids=["mxfp8_2d"])
-def test_untraced_recipes_keep_the_opaque_call(recipe):
+class _OwnMXFP8(lowprec.MXFP8Quantizer):
+    """A user's quantizer that quantizes its own way: it has no traced form."""
+
+    def _quantize_2d(self, x2d):
+        return super()._quantize_2d(x2d)
+
+
+def test_quantizers_without_a_form_keep_the_opaque_call():
     ops = GraphOps()
     m = lowprec.Linear(64, 32, name="l")
     compiled = torch.compile(m, backend=ops, fullgraph=True)
+    recipe = lowprec.CustomRecipe(qfactory=lambda role: _OwnMXFP8())
     with lowprec.autocast(recipe=recipe):
         compiled(torch.randn(16, 64, requires_grad=True)).sum().backward()
     assert any("lowprec.call" in t for t in ops.targets)

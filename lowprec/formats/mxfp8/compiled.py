@@ -43,8 +43,8 @@ def block_exponents(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
     return torch.where(finite, e, 0).to(torch.int32)
 
 
-def _dequantized(blocks: torch.Tensor, dim: int, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """``blocks`` (fp32) quantized with one E8M0 scale over dimension ``dim`` and
+def _dequantized(blocks: torch.Tensor, dim, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``blocks`` (fp32) quantized with one E8M0 scale over dimension(s) ``dim`` and
     dequantized: ``data * 2**e``, NaN over a block whose amax is not finite."""
     amax = blocks.abs().amax(dim=dim, keepdim=True)
     e = block_exponents(amax, torch.finfo(fp8_dtype).max)
@@ -69,3 +69,12 @@ def dequantized_32x1(x2d: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     r, c = x2d.shape
     blocks = x2d.to(torch.float32).reshape(r // BLOCK, BLOCK, c)
     return _dequantized(blocks, 1, fp8_dtype).reshape(r, c).t()
+
+
+def dequantized_32x32(x2d: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values of ``x2d`` (R, C) quantized in 32x32 blocks (``reference.quantize_32x32``)
+    and dequantized; the columnwise values are their transpose (a block's one scale serves
+    both directions)."""
+    r, c = x2d.shape
+    blocks = x2d.to(torch.float32).reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
+    return _dequantized(blocks, (1, 3), fp8_dtype).reshape(r, c)

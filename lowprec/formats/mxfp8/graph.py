@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..graph import Exact, GraphOperand, Kind, gathered_columnwise, rounded
-from .compiled import dequantized_1x32, dequantized_32x1
+from .compiled import dequantized_1x32, dequantized_32x1, dequantized_32x32
 from .dequantize import mxfp8_dequantize_bf16
 from .launch import mxfp8_exact_inline, mxfp8_quantize
 from .reference import BLOCK, dequantize_blocks
@@ -29,11 +29,16 @@ E5M2 = torch.float8_e5m2
 
 @dataclass(frozen=True)
 class MXBlocks(GraphOperand):
-    """``MXFP8Quantizer``'s settings with 1x32 blocks."""
+    """``MXFP8Quantizer``'s settings: 1x32 blocks, or 32x32 ones (``two_d``, a weight's),
+    whose one scale serves both directions."""
 
     fp8_dtype: torch.dtype
     kernel: bool = False
-    sliceable = True  # 1x32 / 32x1 blocks of a slice are the whole tensor's
+    two_d: bool = False
+
+    @property
+    def sliceable(self) -> bool:
+        return not self.two_d  # 1x32 / 32x1 blocks of a slice are the whole tensor's
 
     @property
     def launches_eagerly(self) -> bool:
@@ -49,10 +54,10 @@ class MXBlocks(GraphOperand):
     def _launch(self, t, rowwise: bool, columnwise: bool):
         e5m2 = self.fp8_dtype == E5M2
         if torch.compiler.is_compiling():
-            row, col = mxfp8_exact_inline(t, e5m2, rowwise, columnwise)
+            row, col = mxfp8_exact_inline(t, e5m2, rowwise, columnwise, self.two_d)
         else:
-            *_, row, col = mxfp8_quantize(t.contiguous(), e5m2, False, rowwise, columnwise, 0,
-                                          [], rowwise, columnwise, False)
+            *_, row, col = mxfp8_quantize(t.contiguous(), e5m2, self.two_d, rowwise,
+                                          columnwise, 0, [], rowwise, columnwise, False)
         return Exact(row), Exact(col)
 
     def forward(self, t, keep, held=False):
@@ -60,24 +65,29 @@ class MXBlocks(GraphOperand):
             # an eager call: one pass makes the rowwise values and the columnwise codes and
             # scales, which the backward keeps (an element a byte, as the eager Function
             # keeps them) and wgrad turns into its values
-            *_, cq, cs, re, _ = mxfp8_quantize(t.contiguous(), self.fp8_dtype == E5M2, False,
-                                               True, True, 0, [], True, False, True)
+            *_, cq, cs, re, _ = mxfp8_quantize(t.contiguous(), self.fp8_dtype == E5M2,
+                                               self.two_d, True, True, 0, [], True, False,
+                                               True)
             return Exact(re), (cq.view(self.fp8_dtype), cs)
         return super().forward(t, keep, held)
 
     def saved_columnwise(self, saved, grad=None):
         if len(saved) == 2:  # the columnwise codes and scales an eager forward kept
-            return Exact(mxfp8_dequantize_bf16(*saved, 1))
+            return Exact(mxfp8_dequantize_bf16(*saved, BLOCK if self.two_d else 1))
         return super().saved_columnwise(saved)
 
     def rowwise(self, t):
         if self.kernel:
             return self._launch(t, True, False)[0]
+        if self.two_d:
+            return Exact(dequantized_32x32(rounded(t), self.fp8_dtype))
         return Exact(dequantized_1x32(rounded(t), self.fp8_dtype))
 
     def columnwise(self, t):
         if self.kernel:
             return self._launch(t, False, True)[1]
+        if self.two_d:
+            return Exact(dequantized_32x32(rounded(t), self.fp8_dtype).t())
         return Exact(dequantized_32x1(rounded(t), self.fp8_dtype))
 
     def grad(self, t, row, col):

@@ -137,14 +137,14 @@ def _triton_calls(x, outs, fp8_dtype, two_d, rowwise, columnwise, pro, pro_args,
 
 
 @torch.library.triton_op("lowprec::mxfp8_exact_inline", mutates_args=())
-def mxfp8_exact_inline(x: torch.Tensor, e5m2: bool, rowwise: bool, columnwise: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact bf16 values of ``x``'s 1x32 blocks (rowwise (M, K), columnwise (K, M);
-    empty where not asked for), as ``mxfp8_quantize`` with ``codes=False`` makes them, for
-    compiled graphs: a ``triton_op``, which inductor launches from its own code. The
-    Triton kernel of eager's path, so the same bits."""
-    outs = _empty_outputs(x, False, rowwise, columnwise, 0, rowwise, columnwise, False)
-    for kernel, grid, args, kwargs in _triton_calls(x, outs, fp8_dtype_of(e5m2), False,
+def mxfp8_exact_inline(x: torch.Tensor, e5m2: bool, rowwise: bool, columnwise: bool,
+                       two_d: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact bf16 values of ``x``'s 1x32 blocks (32x32 with ``two_d``; rowwise (M, K),
+    columnwise (K, M); empty where not asked for), as ``mxfp8_quantize`` with
+    ``codes=False`` makes them, for compiled graphs: a ``triton_op``, which inductor
+    launches from its own code. The Triton kernel of eager's path, so the same bits."""
+    outs = _empty_outputs(x, two_d, rowwise, columnwise, 0, rowwise, columnwise, False)
+    for kernel, grid, args, kwargs in _triton_calls(x, outs, fp8_dtype_of(e5m2), two_d,
                                                     rowwise, columnwise, 0, [], rowwise,
                                                     columnwise, False):
         launch_in_graph(kernel, grid, *args, **kwargs)

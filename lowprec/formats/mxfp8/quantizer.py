@@ -117,8 +117,6 @@ class MXFP8Quantizer(Quantizer):
     def graph_operand(self, t, *, grad=False):
         if not self._quantizes_as(MXFP8Quantizer):
             return super().graph_operand(t, grad=grad)
-        if self.with_2d_quantization:
-            return "MXFP8 with 2D (32x32) blocks has no traced form"
         if isinstance(t, MXFP8Tensor):  # a weight that arrives quantized: read as it is
             later = columnwise_from_backward(t)
             if (t.rowwise_data is None or t.with_2d_quantization or t.fp8_dtype != self.fp8_dtype
@@ -127,7 +125,8 @@ class MXFP8Quantizer(Quantizer):
                 return ("an MXFP8 weight that is not 1x32 blocks of this fp8 dtype, whole, "
                         "with its columnwise data now or from the backward's gather")
             return graph.GivenMX(kernel=use_kernels(t), columnwise_in_backward=later)
-        return graph.MXBlocks(self.fp8_dtype, kernel=use_kernels(t))
+        return graph.MXBlocks(self.fp8_dtype, kernel=use_kernels(t),
+                              two_d=self.with_2d_quantization)
 
     def _repr_params(self):
         return self._meta_fields()
