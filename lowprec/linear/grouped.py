@@ -53,7 +53,7 @@ from ..formats.nvfp4 import NVFP4Experts
 from ..gemm import block_grouped, grouped_mm
 from ..kernels.moe_route import group_sizes_ok
 from ..recipe import BackwardMode, torch_autocast_dtype, torch_autocast_off
-from . import grouped_block_fp8, grouped_current, grouped_exact, grouped_nvfp4
+from . import grouped_block_fp8, grouped_blocks, grouped_current, grouped_exact, grouped_nvfp4
 from .function import LinearQuantizers, quantized_linear
 from .grouped_parts import group_ids, hooked, host_sizes, stacked
 from .plan import keep
@@ -269,9 +269,6 @@ def grouped_refusal(x2d: torch.Tensor, weight, quantizers=None, bias=None,
         return ("no grouped GEMM for this recipe, device or call (bias, backward mode, "
                 "no rows): one Linear per expert reads the group sizes on the host")
     kind, picked = route
-    if kind in _SUBCLASS_PATHS:
-        return (f"the {kind} grouped path quantizes into quantized tensors (subclasses), "
-                f"which dynamo does not trace inside an autograd Function")
     if kind == "current":
         n = weight.shape[1] if isinstance(weight, torch.Tensor) else weight[0].shape[0]
         q_x, q_w, q_dy = picked
@@ -342,8 +339,6 @@ def _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_
 
 
 #: the routes whose Functions build quantized tensor subclasses (``quantize_operand``)
-_SUBCLASS_PATHS = ("block", "nvfp4", "exact")
-
 #: the grouped paths of block-scaled recipes, by route: (autograd function, the row count
 #: each group is padded to a multiple of)
 _BLOCK_PATHS = {"block": (grouped_block_fp8.GroupedBlockFP8, block_grouped.ALIGN),
@@ -466,7 +461,7 @@ def _quantizer_route(x2d, qs, n, k):
     if current is not None:
         return "current", current
     block = grouped_block_fp8.block_fp8_quantizers(qs, n, k)
-    if block is not None and grouped_block_fp8.runs_on(x2d, block):
+    if block is not None and grouped_block_fp8.runs_on(x2d, block) and _formed(block, x2d):
         return "block", block
     nvfp4 = grouped_nvfp4.nvfp4_quantizers(qs, n, k)
     if nvfp4 is not None and grouped_nvfp4.runs_on(x2d, n, k):
@@ -474,9 +469,15 @@ def _quantizer_route(x2d, qs, n, k):
     if grouped_mm.plain_available(x2d, k, n):
         # block formats whose per-expert GEMMs run on the bf16 tensor cores (MXFP8)
         exact = grouped_exact.exact_quantizers(qs, n, k)
-        if exact is not None:
+        if exact is not None and _formed(exact, x2d):
             return "exact", exact
     return None
+
+
+def _formed(quantizers, x2d) -> bool:
+    """Whether every quantizer of a block format's grouped path has its graph operand
+    (``Quantizer.graph_operand``), through which the path quantizes in both forms."""
+    return not isinstance(grouped_blocks.forms(quantizers, x2d), str)
 
 
 def _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode, on_backward_done,

@@ -24,6 +24,7 @@ from ..gemm import block_grouped, block_scales_fit
 from .function import LinearQuantizers
 from .grouped_blocks import blocks_backward, blocks_forward, slot_quantizers
 from .grouped_exact import ExactGemms
+from .traced import block_decode
 
 
 def block_fp8_quantizers(qs: Sequence[LinearQuantizers], n: int, k: int):
@@ -48,54 +49,50 @@ def runs_on(x: torch.Tensor, quantizers) -> bool:
         x, *(q.fp8_dtype for q in quantizers))
 
 
-def _w_rows(w_lp) -> int:
-    return 128 if w_lp.block_scaling_dim == 2 else 1
+def _rows(rep) -> int:
+    """The rows of a weight's block: 128 for 128x128 blocks, 1 for 1x128 ones."""
+    return 128 if rep.dim == 2 else 1
 
 
-def _on_cublas(w_lp, contraction: int) -> bool:
-    """Whether the per-expert GEMM of the weight (against 1x128 blocks) over
-    ``contraction`` runs on cuBLAS, else on the exact bf16 emulation."""
-    return block_scales_fit(1, w_lp.block_scaling_dim, contraction)
+def _decode(rep) -> torch.Tensor:
+    """``1 / scale`` of 1x128 blocks as the (rows, K/128) view of their cuBLAS layout, of
+    128x128 blocks as it is."""
+    decode = block_decode(rep)
+    return decode if rep.dim == 2 else decode.t()
 
 
 class _BlockGemms:
-    """The three grouped GEMMs over block-scaled FP8 codes and decode scales. For 1x128
-    blocks ``decode_scale`` is the transpose of the scales' (rows, chunks) matrix: ``.t()``
-    gives it back as a view."""
+    """The three grouped GEMMs over block-scaled FP8 codes and decode scales (the graph
+    forms ``Blocks``). Where a per-expert GEMM of the weight does not run on cuBLAS
+    (:func:`block_scales_fit` over its contraction), the exact bf16 GEMMs."""
 
     @staticmethod
-    def forward(x_lp, w_lp, offs, shape):
+    def forward(x, w, offs, shape, forms):
         num, n, k = shape
-        if not _on_cublas(w_lp, k):
-            return ExactGemms.forward(x_lp, w_lp, offs, shape)
-        b_rows = _w_rows(w_lp)
-        w_dec = w_lp.decode_scale("rowwise")
-        w_dec = (w_dec.view(num, n // 128, k // 128) if b_rows == 128
-                 else w_dec.t().reshape(num, n, k // 128))
-        return block_grouped.rows_by_experts(
-            x_lp.rowwise_data, x_lp.decode_scale("rowwise").t(),
-            w_lp.rowwise_data.view(num, n, k), w_dec, offs, 1, b_rows, x_lp.dtype)
+        if not block_scales_fit(1, w.dim, k):
+            return ExactGemms.forward(x, w, offs, shape, forms)
+        w_dec = _decode(w)
+        w_dec = (w_dec.view(num, n // 128, k // 128) if w.dim == 2
+                 else w_dec.reshape(num, n, k // 128))
+        return block_grouped.rows_by_experts(x.data, _decode(x), w.data.view(num, n, k), w_dec,
+                                             offs, 1, _rows(w), torch.bfloat16)
 
     @staticmethod
-    def dgrad(dy_lp, w_lp, offs, shape):
+    def dgrad(dy, w, offs, shape, forms):
         num, n, k = shape
-        if not _on_cublas(w_lp, n):
-            return ExactGemms.dgrad(dy_lp, w_lp, offs, shape)
-        b_rows = _w_rows(w_lp)
+        if not block_scales_fit(1, w.dim, n):
+            return ExactGemms.dgrad(dy, w, offs, shape, forms)
         # the weights' columnwise codes are (K, G * N): expert g's (K, N) are columns g*N...
-        w_t = w_lp.columnwise_data.view(k, num, n).permute(1, 0, 2)
-        w_dec = w_lp.decode_scale("columnwise")
-        w_dec = (w_dec.view(k // 128, num, n // 128) if b_rows == 128
-                 else w_dec.t().reshape(k, num, n // 128)).permute(1, 0, 2)
-        return block_grouped.rows_by_experts(
-            dy_lp.rowwise_data, dy_lp.decode_scale("rowwise").t(), w_t, w_dec, offs, 1,
-            b_rows, dy_lp.dtype)
+        w_t = w.data.view(k, num, n).permute(1, 0, 2)
+        w_dec = _decode(w)
+        w_dec = (w_dec.view(k // 128, num, n // 128) if w.dim == 2
+                 else w_dec.reshape(k, num, n // 128)).permute(1, 0, 2)
+        return block_grouped.rows_by_experts(dy.data, _decode(dy), w_t, w_dec, offs, 1,
+                                             _rows(w), torch.bfloat16)
 
     @staticmethod
-    def wgrad(dy_lp, x_lp, offs, w_dtype):
-        return block_grouped.wgrad(dy_lp.columnwise_data, dy_lp.decode_scale("columnwise").t(),
-                                   x_lp.columnwise_data, x_lp.decode_scale("columnwise").t(),
-                                   offs, w_dtype)
+    def wgrad(dy, x, offs, w_dtype, forms):
+        return block_grouped.wgrad(dy.data, _decode(dy), x.data, _decode(x), offs, w_dtype)
 
 
 class GroupedBlockFP8(torch.autograd.Function):

@@ -11,11 +11,17 @@ expert does the same at once:
   no block's scale, so one quantize of the whole padded tensor is each group's quantize;
 * the experts' weights, stacked (G * N, K), are quantized once: rowwise blocks lie along
   K, columnwise ones along N, inside one expert when N is a multiple of the block;
-* each direction is one grouped GEMM, offsets on the device. ``gemms`` says which: a
-  namespace of ``forward(x_lp, w_lp, offs, (G, N, K))``, ``dgrad(dy_lp, w_lp, offs,
-  (G, N, K))`` and ``wgrad(dy_lp, x_lp, offs, weight dtype)`` over the quantized operands
-  (:mod:`.grouped_exact`: bf16 GEMMs over exact values, MXFP8; :mod:`.grouped_block_fp8`:
-  block-scaled FP8 GEMMs).
+* each direction is one grouped GEMM, offsets on the device.
+
+Each operand is quantized through its quantizer's graph operand
+(``Quantizer.graph_operand``, ``formats.graph``), the form a compiled linear traces: in
+an eager call it launches eager's quantize kernels, in a compiled one it is traced into
+the graph. So the same Function runs both, with the same bits. ``gemms`` says which GEMMs
+run: a namespace of ``forward(x, w, offs, (G, N, K), forms)``, ``dgrad(dy, w, offs,
+(G, N, K), forms)`` and ``wgrad(dy, x, offs, weight dtype, forms)`` over the operands'
+graph forms (``Exact``, ``Blocks``), ``forms`` the (input, weight, grad_output) graph
+operands (:mod:`.grouped_exact`: bf16 GEMMs over exact values, MXFP8;
+:mod:`.grouped_block_fp8`: block-scaled FP8 GEMMs).
 
 The autograd Functions of those modules hand their ``forward`` and ``backward`` to
 :func:`blocks_forward` and :func:`blocks_backward`, with the arguments ``(x2d, sizes,
@@ -30,9 +36,8 @@ import torch
 
 from ..formats.block import Float8BlockExperts
 from . import weight_cache
-from .function import _caching_weights, _keep_only, quantize_operand
+from .function import _caching_weights
 from .grouped_parts import hooked, layout, padded_input, padded_like, stacked, weight_grads
-from .plan import BOTH, ROW
 
 
 def one_setting(qs: Sequence):
@@ -58,22 +63,39 @@ def slot_quantizers(qs: Sequence):
     return None if any(p is None for p in picked) else picked
 
 
-def _quantized_weights(weights: Sequence[torch.Tensor], q_w, columnwise: bool):
-    """The experts' weights stacked (G * N, K) and quantized with q_w (rowwise, and
-    columnwise for dgrad); under ``lowprec.autocast(cache_weights=True)`` made once while
-    the weights are unchanged. Returns (tensor, owned). Experts that arrive block-quantized
-    (:class:`Float8BlockExperts`, an FSDP2 quantized all-gather) give their codes and
-    scales as they are."""
-    if isinstance(weights[0], Float8BlockExperts):
-        return weights[0].blocks(columnwise), True  # a new tensor over the weight's codes
+def forms(quantizers, x: torch.Tensor) -> tuple | str:
+    """The (input, weight, grad_output) graph operands of ``quantizers`` over rows like
+    ``x``, or the reason one has none."""
+    picked = tuple(q.graph_operand(x, grad=slot == 2) for slot, q in enumerate(quantizers))
+    return next((f for f in picked if isinstance(f, str)), picked)
 
-    def make(columnwise=columnwise):
+
+def _weight_operand(weights: Sequence[torch.Tensor], q_w, keep: bool):
+    """(weight form, rowwise form of the experts stacked (G * N, K), their columnwise form
+    where it is made now or None, else what the form keeps to make it). Under
+    ``lowprec.autocast(cache_weights=True)`` both forms are made once while the weights
+    are unchanged. Experts that arrive block-quantized (:class:`Float8BlockExperts`, an
+    FSDP2 quantized all-gather) give their own codes and scales."""
+    if isinstance(weights[0], Float8BlockExperts):
+        w2d = weights[0].blocks()
+    else:
         w3d = stacked(weights)
         w2d = w3d.detach().reshape(-1, w3d.shape[-1])
-        return quantize_operand(q_w, w2d, rowwise=True, columnwise=columnwise, exact=ROW)[0]
+    form = q_w.graph_operand(w2d)
+    if isinstance(form, str):
+        raise ValueError(f"grouped_linear: the weight quantizer {q_w!r} has no form for "
+                         f"these experts: {form}")
+    if form.given:
+        row, kept = form.forward(w2d, keep)
+        return form, row, None, kept
     if _caching_weights() and not torch.compiler.is_compiling():
-        return weight_cache.cached_value(weights, q_w, lambda: make(True)), False
-    return make(), True
+        # both directions, in one pass where the form makes them so
+        row, col = weight_cache.cached_value(weights, q_w, lambda: form.grad(w2d, True, True))
+        return form, row, col, ()
+    # a 3-D parameter's rows are a view of it: the backward may quantize them again
+    held = len(weights) == 1 and isinstance(weights[0], torch.nn.Parameter)
+    row, kept = form.forward(w2d, keep, held=held)
+    return form, row, None, kept
 
 
 def blocks_forward(ctx, gemms, align: int, x2d, sizes, quantizers, grad_enabled, aligned,
@@ -81,41 +103,47 @@ def blocks_forward(ctx, gemms, align: int, x2d, sizes, quantizers, grad_enabled,
     """The forward of a grouped block-format Function (see the module docstring); groups
     padded to multiples of ``align`` rows unless the caller laid them out so
     (``aligned``)."""
-    q_x, q_w, q_dy = quantizers
     need_dx = grad_enabled and ctx.needs_input_grad[0]
     need_dw = grad_enabled and any(ctx.needs_input_grad[5:])
     num = weights[0].shape[0] if weights[0].dim() == 3 else len(weights)
     n, k = weights[0].shape[-2:]
     # aligned: the caller laid the groups out in whole blocks (group_alignment)
     x_pad, src, valid, offs, dest = padded_input(x2d, sizes, aligned, align)
-    x_lp, _ = quantize_operand(q_x, x_pad, rowwise=True, columnwise=need_dw, exact=ROW)
-    w_lp, w_owned = _quantized_weights(weights, q_w, need_dx)
-    y = gemms.forward(x_lp, w_lp, offs, (num, n, k))
+    q_x, q_w, q_dy = quantizers
+    op_x, op_dy = q_x.graph_operand(x_pad), q_dy.graph_operand(x_pad, grad=True)
+    x_row, x_keep = op_x.forward(x_pad, need_dw)
+    op_w, w_row, w_col, w_keep = _weight_operand(weights, q_w, need_dx)
+    ops = (op_x, op_w, op_dy)
+    y = gemms.forward(x_row, w_row, offs, (num, n, k), ops)
     if dest is not None:
         y = y.index_select(0, dest)
     del x_pad
-    saved_x = _keep_only(x_lp, True, "columnwise") if need_dw else None
-    saved_w = _keep_only(w_lp, w_owned, "columnwise") if need_dx else None
-    ctx.save_for_backward(saved_x, saved_w, src, valid, offs, dest)
-    ctx.q_dy, ctx.weights, ctx.shape, ctx.gemms = q_dy, layout(weights), (num, n, k), gemms
+    x_keep, w_keep = (x_keep if need_dw else ()), (w_keep if need_dx else ())
+    ctx.w_col = w_col if need_dx else None  # a cached weight's (eager only)
+    ctx.save_for_backward(src, valid, offs, dest, *x_keep, *w_keep)
+    ctx.n_x = len(x_keep)
+    ctx.ops, ctx.weights, ctx.shape, ctx.gemms = ops, layout(weights), (num, n, k), gemms
     ctx.w_dtype = weights[0].dtype
     return y
 
 
 def blocks_backward(ctx, dy):
     """The backward of a grouped block-format Function: (dx, four Nones, *weight grads)."""
-    x_lp, w_lp, src, valid, offs, dest = ctx.saved_tensors
+    src, valid, offs, dest, *kept = ctx.saved_tensors
+    x_keep, w_keep = kept[:ctx.n_x], kept[ctx.n_x:]
+    op_x, op_w, op_dy = ctx.ops
     need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
     dy = dy.contiguous()
     dy_pad = padded_like(dy, src, valid)
-    dy_lp, _ = quantize_operand(ctx.q_dy, dy_pad, rowwise=need_dx, columnwise=need_dw,
-                                exact=BOTH, codes=False)
+    dy_row, dy_col = op_dy.grad(dy_pad, need_dx, need_dw)
     del dy_pad
     dx = dw = None
     if need_dw:
-        dw = ctx.gemms.wgrad(dy_lp, x_lp, offs, ctx.w_dtype)
+        x_col = op_x.saved_columnwise(tuple(x_keep))
+        dw = ctx.gemms.wgrad(dy_col, x_col, offs, ctx.w_dtype, ctx.ops)
     if need_dx:
-        dx = ctx.gemms.dgrad(dy_lp, w_lp, offs, ctx.shape)
+        w_col = ctx.w_col if ctx.w_col is not None else op_w.saved_columnwise(tuple(w_keep), dy)
+        dx = ctx.gemms.dgrad(dy_row, w_col, offs, ctx.shape, ctx.ops)
         if dest is not None:
             dx = dx.index_select(0, dest)
     return dx, None, None, None, None, *weight_grads(dw, ctx.weights)

@@ -26,10 +26,10 @@ from typing import Sequence
 
 import torch
 
-from ..formats import QuantizedTensor
 from ..gemm import grouped_mm
 from .function import LinearQuantizers
 from .grouped_blocks import blocks_backward, blocks_forward, slot_quantizers
+from .traced import bf16_operand
 
 
 def exact_quantizers(qs: Sequence[LinearQuantizers], n: int, k: int):
@@ -55,11 +55,11 @@ def row_align(quantizers) -> int:
     return math.lcm(16, q_x.row_multiple(**both), q_dy.row_multiple(**both))
 
 
-def _values(t: QuantizedTensor, usage: str) -> torch.Tensor:
-    values, divisor = t.bf16_operand(usage)
+def _values(rep, form) -> torch.Tensor:
+    values, divisor = bf16_operand(rep, form)
     if divisor is not None:  # exact_quantizers admits formats without one
-        raise RuntimeError(f"{type(t).__name__} {usage} values need a divisor; the grouped "
-                           f"exact path takes formats whose values are exact as they are")
+        raise RuntimeError(f"{type(form).__name__} values need a divisor; the grouped exact "
+                           f"path takes formats whose values are exact as they are")
     return values
 
 
@@ -68,22 +68,22 @@ class ExactGemms:
     bf16 out, as the per-expert emulation writes them)."""
 
     @staticmethod
-    def forward(x_lp, w_lp, offs, shape):
-        return grouped_mm.plain_rows_by_experts(_values(x_lp, "rowwise"),
-                                                _values(w_lp, "rowwise").view(shape), offs)
+    def forward(x, w, offs, shape, forms):
+        return grouped_mm.plain_rows_by_experts(_values(x, forms[0]),
+                                                _values(w, forms[1]).view(shape), offs)
 
     @staticmethod
-    def dgrad(dy_lp, w_lp, offs, shape):
+    def dgrad(dy, w, offs, shape, forms):
         num, n, k = shape
         # the weights' columnwise values are (K, G * N): expert g's are columns g*N...
-        w_t = _values(w_lp, "columnwise").view(k, num, n).permute(1, 0, 2)
-        return grouped_mm.plain_rows_by_experts(_values(dy_lp, "rowwise"), w_t, offs)
+        w_t = _values(w, forms[1]).view(k, num, n).permute(1, 0, 2)
+        return grouped_mm.plain_rows_by_experts(_values(dy, forms[2]), w_t, offs)
 
     @staticmethod
-    def wgrad(dy_lp, x_lp, offs, w_dtype):
+    def wgrad(dy, x, offs, w_dtype, forms):
         # (N, padded) and (K, padded): per group, the rows of its padded range
-        return grouped_mm.plain_wgrad(_values(dy_lp, "columnwise").t(),
-                                      _values(x_lp, "columnwise").t(), offs)
+        return grouped_mm.plain_wgrad(_values(dy, forms[2]).t(), _values(x, forms[0]).t(),
+                                      offs)
 
 
 class GroupedExact(torch.autograd.Function):

@@ -148,7 +148,7 @@ def _fp8_gemm_fake(a, a_scale, a_decode, b, b_scale, b_decode, bias, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-def _block_decode(rep: Blocks) -> torch.Tensor:
+def block_decode(rep: Blocks) -> torch.Tensor:
     """``1 / scale`` in cuBLAS's layout: 1x128 (R, K/128) as a contiguous (K/128, R);
     128x128 contiguous as it is (the quantize kernel's copy where an eager call has one)."""
     if rep.decode is not None:
@@ -159,7 +159,7 @@ def _block_decode(rep: Blocks) -> torch.Tensor:
 def _cublas_fp8_block(a: Blocks, b: Blocks, out_dtype, bias, ops=None):
     # mat(a)'s 1x128 scales read as the transpose of their (K/128, M) layout, mat(b)'s
     # 128x128 ones transposed
-    da, db = _block_decode(a), _block_decode(b)
+    da, db = block_decode(a), block_decode(b)
     scale_a = da.t() if a.dim == 1 else da
     scale_b = db if b.dim == 1 else db.t()
     fused = fusable_bias(bias, out_dtype)
@@ -169,7 +169,7 @@ def _cublas_fp8_block(a: Blocks, b: Blocks, out_dtype, bias, ops=None):
     return _with_bias(res, bias, fused, out_dtype)
 
 
-def _bf16_operand(rep, form):
+def bf16_operand(rep, form):
     """(exact bf16 matrix, fp32 divisor or None) of ``rep``, an operand of ``form``, as
     ``QuantizedTensor.bf16_operand``."""
     if isinstance(rep, Fp8):
@@ -182,8 +182,8 @@ def _bf16_operand(rep, form):
 
 
 def _exact_bf16(a, b, out_dtype, bias, ops):
-    am, div_a = _bf16_operand(a, ops[0][0])
-    bm, div_b = _bf16_operand(b, ops[1][0])
+    am, div_a = bf16_operand(a, ops[0][0])
+    bm, div_b = bf16_operand(b, ops[1][0])
     if bias is not None and div_a is None and div_b is None and out_dtype == torch.bfloat16:
         return steps.bias_mm(bias, am, bm)  # exact_product's bias epilogue
     return exact_product(am, div_a, bm, div_b, out_dtype, bias, in_graph=True)

@@ -41,11 +41,11 @@ CASES = {
     # a factory may read the roles' names: one quantizer set an expert is traced
     "custom_current": (CustomRecipe(qfactory=factories.fp8_current_scaling_factory),
                        {(grouped_current, "gemm_backend"): lambda *a: "triton"}),
-}
-#: recipes whose grouped paths build quantized tensor subclasses: still one opaque op
-SUBCLASS_CASES = {
     "mxfp8": (MXFP8BlockScaling(), {(grouped_mm, "plain_available"): lambda a, k, n: True}),
-    "nvfp4": (NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True),
+    "mxfp8_2d": (MXFP8BlockScaling(enable_2d_quantization=True),
+                 {(grouped_mm, "plain_available"): lambda a, k, n: True}),
+    # stochastic rounding: the compiled call draws the keys eager draws
+    "nvfp4": (NVFP4BlockScaling(disable_rht=True),
               {(grouped_nvfp4, "runs_on"): lambda *a: True}),
     "block": (Float8BlockScaling(), {(grouped_block_fp8, "runs_on"): lambda *a: True}),
 }
@@ -119,15 +119,6 @@ def _patched_experts(case, monkeypatch):
 def test_experts_trace_every_grouped_path(name, monkeypatch):
     ops = _patched_experts(CASES[name], monkeypatch)
     assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
-
-
-@pytest.mark.parametrize("name", [n if n == "mxfp8" else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in SUBCLASS_CASES])
-def test_experts_subclass_paths_keep_the_opaque_op(name, monkeypatch):
-    ops = _patched_experts(SUBCLASS_CASES[name], monkeypatch)
-    assert any("lowprec.call" in t for t in ops.targets)
-    assert any(r.startswith(f"GroupedExperts: the {name if name != 'mxfp8' else 'exact'} "
-                            "grouped path") for r in fallback_reasons())
 
 
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(),
