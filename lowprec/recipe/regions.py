@@ -11,22 +11,26 @@ import torch
 from .recipes import DelayedScaling, Recipe
 from .state_batch import update_states
 
+#: the device types whose torch.autocast lowprec follows (``torch.amp.is_autocast_available``
+#: is not traced by dynamo before torch 2.13)
+_AUTOCAST_DEVICES = ("cuda", "cpu", "xpu")
+
 
 def torch_autocast_dtype(x) -> "torch.dtype | None":
     """The ``torch.autocast`` dtype for ``x``'s device where torch's autocast is on there,
     else None. Under it lowprec modules compute as ``torch.nn`` ones would: GEMM operands
     in that dtype (and quantized from it), norms in fp32 with their output in that dtype."""
     device_type = x.device.type
-    if device_type in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(device_type):
+    if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
 
 
 def torch_autocast_off(device_type: str):
     """``torch.autocast`` disabled on ``device_type``, for lowprec's own math (which runs as
-    it would without torch's autocast); nothing to disable where torch has no autocast for
-    the device (``meta``: shape inference, FLOP counters)."""
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    it would without torch's autocast); nothing to disable where lowprec does not follow
+    torch's autocast (``meta``: shape inference, FLOP counters)."""
+    if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return _NOTHING  # (it is off already: entering torch.autocast costs host time)
 
