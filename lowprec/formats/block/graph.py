@@ -94,21 +94,17 @@ class Blockwise(_BlockForms):
 
     def forward(self, t, keep, held=False):
         if keep and not held and self.kernel and not torch.compiler.is_compiling():
-            # an eager call keeps the fp8 blocks wgrad reads (made in the forward's pass)
-            # rather than the input: 1x128 blocks both directions in one pass, 128x128
-            # blocks the rowwise ones, which the backward transposes
-            row, col = self._launch(t, True, self.dim == 1)
-            kept = col if self.dim == 1 else row
-            return row, (kept.data, kept.scale, kept.decode)
+            # an eager call keeps the fp8 blocks the backward reads rather than the input,
+            # both directions made in the forward's one pass
+            row, col = self._launch(t, True, True)
+            return row, (col.data, col.scale, col.decode)
         return super().forward(t, keep, held)
 
     def saved_columnwise(self, saved, grad=None):
         if len(saved) == 1:
             return super().saved_columnwise(saved)
         data, scale, decode = saved  # what an eager forward kept
-        if self.dim == 1:
-            return Blocks(data, scale, 1, decode)
-        return _transposed(Blocks(data, scale, 2, decode))
+        return Blocks(data, scale, self.dim, decode)
 
     def _reference(self, t):
         return Blocks(*quantize_blocks(rounded(t), self.fp8_dtype, self.dim, pow2=self.pow2,
@@ -120,13 +116,10 @@ class Blockwise(_BlockForms):
         return self._reference(t)
 
     def columnwise(self, t):
-        if self.dim == 2:  # 128x128 blocks serve both directions, read transposed
-            if self.kernel and not torch.compiler.is_compiling():
-                # an eager call: the kernel writes the transposed blocks in its one pass
-                return self._launch(t, False, True)[1]
-            return _transposed(self.rowwise(t))
-        if self.kernel:
+        if self.kernel:  # 128x128 blocks: the kernel writes them transposed in its one pass
             return self._launch(t, False, True)[1]
+        if self.dim == 2:  # 128x128 blocks serve both directions, read transposed
+            return _transposed(self.rowwise(t))
         return self._reference(t.t())
 
     def grad(self, t, row, col):
