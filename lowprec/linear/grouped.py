@@ -338,7 +338,6 @@ def _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_
     return y.reshape(*x.shape[:-1], n)
 
 
-#: the routes whose Functions build quantized tensor subclasses (``quantize_operand``)
 #: the grouped paths of block-scaled recipes, by route: (autograd function, the row count
 #: each group is padded to a multiple of)
 _BLOCK_PATHS = {"block": (grouped_block_fp8.GroupedBlockFP8, block_grouped.ALIGN),
