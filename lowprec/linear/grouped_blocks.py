@@ -92,9 +92,10 @@ def _weight_operand(weights: Sequence[torch.Tensor], q_w, keep: bool):
         # both directions, in one pass where the form makes them so
         row, col = weight_cache.cached_value(weights, q_w, lambda: form.grad(w2d, True, True))
         return form, row, col, ()
-    # a 3-D parameter's rows are a view of it: the backward may quantize them again
-    held = len(weights) == 1 and isinstance(weights[0], torch.nn.Parameter)
-    row, kept = form.forward(w2d, keep, held=held)
+    # not ``held`` even for a 3-D parameter: an eager call keeps the quantized columnwise
+    # data from the forward's one pass (the experts' weights outweigh their routed rows,
+    # so quantizing them again in the backward costs more than the memory it saves)
+    row, kept = form.forward(w2d, keep)
     return form, row, None, kept
 
 
