@@ -24,7 +24,8 @@ from lowprec.recipe.recipes import (
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 RECIPES = {"current": Float8CurrentScaling(), "block": Float8BlockScaling(),
            "mxfp8": MXFP8BlockScaling(), "nvfp4": NVFP4BlockScaling(),
-           "delayed": DelayedScaling(amax_history_len=2)}
+           "delayed": DelayedScaling(amax_history_len=2),
+           "mxfp8_2d": MXFP8BlockScaling(enable_2d_quantization=True)}
 # cuBLAS's 128x128-block GEMMs contract over multiples of 512
 HIDDEN = FFN = 512
 
@@ -256,17 +257,29 @@ def test_producer_kernel_follows_eager_fusion(monkeypatch):
         assert not graph.producer_kernel(x, current, "default")
 
 
-@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(enable_2d_quantization=True)],
-                         ids=["mxfp8_2d"])
+class _OwnMXFP8(lowprec.MXFP8Quantizer):
+    """A user's quantizer that quantizes its own way: it has no traced form."""
+
+    def _quantize_2d(self, x2d):
+        return super()._quantize_2d(x2d)
+
+
 @pytest.mark.parametrize("kind", ["ln_linear", "mlp_gelu"])
-def test_untraced_recipes_keep_the_opaque_call(recipe, kind):
+def test_quantizers_without_a_form_keep_the_opaque_call(kind):
     ops = GraphOps()
     m = _module(kind, "cpu", torch.float32, True)
     compiled = torch.compile(m, backend=ops, fullgraph=True)
-    with lowprec.autocast(recipe=recipe):
+    with lowprec.autocast(recipe=lowprec.CustomRecipe(qfactory=lambda role: _OwnMXFP8())):
         compiled(torch.randn(64, HIDDEN, requires_grad=True)).sum().backward()
     assert any("lowprec.call" in t for t in ops.targets)
     assert not any("graph_norm" in t for t in ops.targets)
+
+
+@pytest.mark.parametrize("kind", ["ln_linear", "mlp_gelu"])
+def test_mxfp8_2d_weights_trace_bit_identical(kind):
+    want, got, ops = _case(kind, "mxfp8_2d", "cpu", True, "aot_eager")
+    _assert_same(want, got)
+    assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
 
 
 @pytest.mark.parametrize("kind", ["ln_linear", "ln_linear_out", "mlp_gelu", "mlp_swiglu"])
