@@ -92,11 +92,31 @@ def _weight_operand(weights: Sequence[torch.Tensor], q_w, keep: bool):
         # both directions, in one pass where the form makes them so
         row, col = weight_cache.cached_value(weights, q_w, lambda: form.grad(w2d, True, True))
         return form, row, col, ()
+    if keep and torch.compiler.is_compiling() and form.kind("columnwise").name == "blocks":
+        # fp8 blocks, a byte an element: kept from the forward's one pass as an eager call
+        # keeps them, rather than the experts' weights quantized again in the backward
+        row, col = form.grad(w2d, True, True)
+        return form, row, col, ()
     # not ``held`` even for a 3-D parameter: an eager call keeps the quantized columnwise
     # data from the forward's one pass (the experts' weights outweigh their routed rows,
     # so quantizing them again in the backward costs more than the memory it saves)
     row, kept = form.forward(w2d, keep)
     return form, row, None, kept
+
+
+def _packed(form) -> tuple:
+    """(tensors, layout) of a graph form (a NamedTuple of tensors, None and constants):
+    the tensors for ``save_for_backward``, the rest for :func:`_unpacked`."""
+    slots = tuple(v is None or isinstance(v, torch.Tensor) for v in form)
+    tensors = tuple(v for v, s in zip(form, slots) if s)
+    return tensors, (type(form), slots, tuple(None if s else v for v, s in zip(form, slots)))
+
+
+def _unpacked(layout, tensors):
+    """The graph form :func:`_packed` took apart."""
+    cls, slots, constants = layout
+    it = iter(tensors)
+    return cls(*(next(it) if s else c for s, c in zip(slots, constants)))
 
 
 def blocks_forward(ctx, gemms, align: int, x2d, sizes, quantizers, grad_enabled, aligned,
@@ -120,7 +140,9 @@ def blocks_forward(ctx, gemms, align: int, x2d, sizes, quantizers, grad_enabled,
         y = y.index_select(0, dest)
     del x_pad
     x_keep, w_keep = (x_keep if need_dw else ()), (w_keep if need_dx else ())
-    ctx.w_col = w_col if need_dx else None  # a cached weight's (eager only)
+    ctx.w_layout = None
+    if need_dx and w_col is not None:  # a columnwise form made now: its tensors kept
+        w_keep, ctx.w_layout = _packed(w_col)
     ctx.save_for_backward(src, valid, offs, dest, *x_keep, *w_keep)
     ctx.n_x = len(x_keep)
     ctx.ops, ctx.weights, ctx.shape, ctx.gemms = ops, layout(weights), (num, n, k), gemms
@@ -143,7 +165,8 @@ def blocks_backward(ctx, dy):
         x_col = op_x.saved_columnwise(tuple(x_keep))
         dw = ctx.gemms.wgrad(dy_col, x_col, offs, ctx.w_dtype, ctx.ops)
     if need_dx:
-        w_col = ctx.w_col if ctx.w_col is not None else op_w.saved_columnwise(tuple(w_keep), dy)
+        w_col = (_unpacked(ctx.w_layout, w_keep) if ctx.w_layout is not None
+                 else op_w.saved_columnwise(tuple(w_keep), dy))
         dx = ctx.gemms.dgrad(dy_row, w_col, offs, ctx.shape, ctx.ops)
         if dest is not None:
             dx = dx.index_select(0, dest)

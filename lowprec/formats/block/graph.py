@@ -123,7 +123,7 @@ class Blockwise(_BlockForms):
         return self._reference(t.t())
 
     def grad(self, t, row, col):
-        if row and col and self.kernel and self.dim == 1:  # both directions in one pass
+        if row and col and self.kernel:  # both directions in one pass
             return self._launch(t, True, True)
         return super().grad(t, row, col)
 
