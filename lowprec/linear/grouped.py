@@ -262,9 +262,8 @@ def grouped_refusal(x2d: torch.Tensor, weight, quantizers=None, bias=None,
     num = _num_groups(weight)
     if num < 1 or (isinstance(weight, torch.Tensor) and weight.dim() != 3):
         return "no experts to trace"
-    x2d, weight, bias = _as_called(x2d, weight, bias)
-    route = _route(x2d, weight, _group_quantizers(quantizers, num), bias, backward_mode,
-                   on_backward_done)
+    x2d, weight, route = _called_route(x2d, weight, quantizers, bias, backward_mode,
+                                       on_backward_done)
     if route is None:
         return ("no grouped GEMM for this recipe, device or call (bias, backward mode, "
                 "no rows): one Linear per expert reads the group sizes on the host")
@@ -289,10 +288,16 @@ def per_group_equivalent(x2d: torch.Tensor, weight, quantizers=None, bias=None,
     group quantized on its own rows and multiplied as its Linear multiplies it). The
     other grouped paths equal the per-group Linears where they run, but NVFP4's stochastic
     rounding draws its own random bits."""
-    num = _num_groups(weight)
-    x2d, weight, bias = _as_called(x2d, weight, bias)
-    route = _route(x2d, weight, _group_quantizers(quantizers, num), bias, backward_mode, None)
+    route = _called_route(x2d, weight, quantizers, bias, backward_mode, None)[2]
     return route is None or route[0] == "current"
+
+
+def _called_route(x2d, weight, quantizers, bias, backward_mode, on_backward_done):
+    """(rows, weight, :func:`_route`) as :func:`grouped_linear` routes the call (see
+    :func:`_as_called`)."""
+    x2d, weight, bias = _as_called(x2d, weight, bias)
+    qs = _group_quantizers(quantizers, _num_groups(weight))
+    return x2d, weight, _route(x2d, weight, qs, bias, backward_mode, on_backward_done)
 
 
 def _as_called(x2d, weight, bias):
@@ -460,7 +465,7 @@ def _quantizer_route(x2d, qs, n, k):
     if current is not None:
         return "current", current
     block = grouped_block_fp8.block_fp8_quantizers(qs, n, k)
-    if block is not None and grouped_block_fp8.runs_on(x2d, block) and _formed(block, x2d):
+    if block is not None and grouped_block_fp8.runs_on(x2d, block):
         return "block", block
     nvfp4 = grouped_nvfp4.nvfp4_quantizers(qs, n, k)
     if nvfp4 is not None and grouped_nvfp4.runs_on(x2d, n, k):
@@ -475,7 +480,9 @@ def _quantizer_route(x2d, qs, n, k):
 
 def _formed(quantizers, x2d) -> bool:
     """Whether every quantizer of a block format's grouped path has its graph operand
-    (``Quantizer.graph_operand``), through which the path quantizes in both forms."""
+    (``Quantizer.graph_operand``), through which the path quantizes in both forms. The
+    block FP8 path takes ``Float8BlockQuantizer`` itself only, which always has one; the
+    exact path takes any class with its flags, a user's subclass too."""
     return not isinstance(grouped_blocks.forms(quantizers, x2d), str)
 
 

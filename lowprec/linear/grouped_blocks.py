@@ -85,18 +85,18 @@ def _weight_operand(weights: Sequence[torch.Tensor], q_w, keep: bool):
     if isinstance(form, str):
         raise ValueError(f"grouped_linear: the weight quantizer {q_w!r} has no form for "
                          f"these experts: {form}")
-    if form.given:
-        row, kept = form.forward(w2d, keep)
-        return form, row, None, kept
-    if _caching_weights() and not torch.compiler.is_compiling():
-        # both directions, in one pass where the form makes them so
-        row, col = weight_cache.cached_value(weights, q_w, lambda: form.grad(w2d, True, True))
-        return form, row, col, ()
-    if keep and torch.compiler.is_compiling() and form.kind("columnwise").name == "blocks":
-        # fp8 blocks, a byte an element: kept from the forward's one pass as an eager call
-        # keeps them, rather than the experts' weights quantized again in the backward
-        row, col = form.grad(w2d, True, True)
-        return form, row, col, ()
+    if not form.given:  # (given experts run eagerly and are not cached: their own data)
+        if _caching_weights() and not torch.compiler.is_compiling():
+            # both directions, in one pass where the form makes them so
+            row, col = weight_cache.cached_value(weights, q_w,
+                                                 lambda: form.grad(w2d, True, True))
+            return form, row, col, ()
+        if keep and torch.compiler.is_compiling() and form.kind("columnwise").name == "blocks":
+            # fp8 blocks, a byte an element: kept from the forward's one pass as an eager
+            # call keeps them, rather than the experts' weights quantized again in the
+            # backward
+            row, col = form.grad(w2d, True, True)
+            return form, row, col, ()
     # not ``held`` even for a 3-D parameter: an eager call keeps the quantized columnwise
     # data from the forward's one pass (the experts' weights outweigh their routed rows,
     # so quantizing them again in the backward costs more than the memory it saves)
