@@ -488,3 +488,37 @@ def test_block_traced_bit_identical_cuda(shape, w_dim, monkeypatch):
     with lowprec.autocast(recipe=recipe):
         torch.compile(lin, backend=ops, fullgraph=True)(x.requires_grad_()).sum().backward()
     assert not any("lowprec.call" in t for t in ops.targets)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and use_kernels(torch.empty(1))),
+                    reason="needs CUDA and Triton (block FP8 kernels)")
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_block_linears_reading_one_input_quantize_it_once(backend, monkeypatch):
+    """q/k/v-like Linears on one input: a graph quantizes that input once for all three,
+    both directions in one pass whose columnwise blocks the backward keeps (eager's Gluon
+    quantize, merged by the compiler's common-subexpression pass), with eager's bits."""
+    from lowprec.formats.block import graph as block_graph
+    calls = []
+    launcher = block_graph.fp8_block_quantize
+
+    def counted(x, *args):
+        calls.append((tuple(x.shape), args[4], args[5]))
+        return launcher(x, *args)
+    monkeypatch.setattr(block_graph, "fp8_block_quantize", counted)
+    recipe = Float8BlockScaling()
+    torch.manual_seed(0)
+    lins = torch.nn.ModuleList(
+        lowprec.Linear(512, 512, bias=False, name=f"l{i}", params_dtype=torch.bfloat16,
+                       device="cuda") for i in range(3))
+
+    def block(x):
+        return lins[0](x) * lins[1](x) + lins[2](x)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    want = _run(block, lins, x, dy, recipe)
+    calls.clear()
+    got = _run(torch.compile(block, backend=backend, fullgraph=True), lins, x, dy, recipe)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    # the input once (both directions), then each dY once (both directions)
+    assert calls == [((256, 512), True, True)] * 4

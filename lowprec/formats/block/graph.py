@@ -3,11 +3,14 @@
 With the kernels (CUDA with Triton) a quantize is eager's Triton kernel, launched by
 inductor from its own code (``fp8_block_quantize_inline``): its blocked amax and cast take
 a fraction of the GPU time of inductor's code for the same torch ops, and it makes both
-directions in one pass. Elsewhere it is the reference's torch ops. Either way the blocks
-are eager's bit for bit. The backward quantizes the input and weight again from the
-tensors (a quantize is a function of its input), so no fp8 copy lives from forward to
-backward in a graph. An eager call (``GraphOperand.eager``) launches eager's own quantize
-(the Gluon kernel where it applies) and keeps the input's fp8 blocks for wgrad.
+directions in one pass. A quantize that makes 1x128 columnwise blocks is eager's whole
+quantize instead (``fp8_block_quantize_graph``: the Gluon kernel, which reads the input once
+for both directions and which inductor cannot launch from its own code), one op that the
+compiler's common-subexpression pass merges where q/k/v (gate/up) quantize one input.
+Elsewhere it is the reference's torch ops. Either way the blocks are eager's bit for bit.
+The forward keeps an input's fp8 columnwise blocks for wgrad, made in its one pass, and the
+backward quantizes a parameter weight again (it lives on anyway, so no fp8 copy of it
+lives from forward to backward), as an eager call (``GraphOperand.eager``) does.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from ...kernels import graph_op
 from ..graph import Blocks, GraphOperand, Kind, gathered_columnwise, rounded
 from .dequant import dequantized_bf16
-from .launch import fp8_block_quantize, fp8_block_quantize_inline
+from .launch import empty_outputs, fp8_block_quantize, fp8_block_quantize_inline
 from .reference import BLOCK, dequantize_blocks, quantize_blocks
 
 E5M2 = torch.float8_e5m2
@@ -36,6 +39,21 @@ def dequantized_blocks(data: torch.Tensor, scale: torch.Tensor, dim: int,
 @torch.library.register_fake("lowprec::dequantized_blocks")
 def _dequantized_blocks_fake(data, scale, dim, dtype):
     return data.new_empty(data.shape, dtype=dtype)
+
+
+@graph_op("fp8_block_quantize_graph")
+def fp8_block_quantize_graph(x: torch.Tensor, e5m2: bool, dim: int, pow2: bool, eps: float,
+                             rowwise: bool, columnwise: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eager's quantize of the contiguous ``x`` as one op of a compiled graph (the outputs
+    of ``fp8_block_quantize``)."""
+    return fp8_block_quantize(x, e5m2, dim, pow2, eps, rowwise, columnwise, 0, [])
+
+
+@torch.library.register_fake("lowprec::fp8_block_quantize_graph")
+def _fp8_block_quantize_graph_fake(x, e5m2, dim, pow2, eps, rowwise, columnwise):
+    return empty_outputs(x, dim, rowwise, columnwise)
 
 
 def _transposed(rep: Blocks) -> Blocks:
@@ -84,18 +102,20 @@ class Blockwise(_BlockForms):
 
     def _launch(self, t, rowwise: bool, columnwise: bool):
         args = (self.fp8_dtype == E5M2, self.dim, self.pow2, self.eps, rowwise, columnwise)
-        if torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():  # eager's own quantize and its decodes
+            rq, rs, rd, cq, cs, cd = fp8_block_quantize(t.contiguous(), *args, 0, [])
+        elif columnwise and self.dim == 1:  # the Gluon kernel's pass (module docstring)
+            rq, rs, rd, cq, cs, cd = fp8_block_quantize_graph(t.contiguous(), *args)
+        else:
             rq, rs, _, cq, cs, _ = fp8_block_quantize_inline(t, *args)
             rd = cd = None
-        else:  # eager's own quantize (the Gluon kernel where it applies) and its decodes
-            rq, rs, rd, cq, cs, cd = fp8_block_quantize(t.contiguous(), *args, 0, [])
         return (Blocks(rq.view(self.fp8_dtype), rs, self.dim, rd),
                 Blocks(cq.view(self.fp8_dtype), cs, self.dim, cd))
 
     def forward(self, t, keep, held=False):
-        if keep and not held and self.kernel and not torch.compiler.is_compiling():
-            # an eager call keeps the fp8 blocks the backward reads rather than the input,
-            # both directions made in the forward's one pass
+        if keep and not held and self.kernel:
+            # keep the fp8 blocks the backward reads rather than the input, both directions
+            # made in the forward's one pass
             row, col = self._launch(t, True, True)
             return row, (col.data, col.scale, col.decode)
         return super().forward(t, keep, held)

@@ -88,7 +88,7 @@ def _shapes(m: int, k: int, dim: int, rowwise: bool, columnwise: bool):
             cd if columnwise else none)
 
 
-def _empty_outputs(x, dim, rowwise, columnwise, pro=0):
+def empty_outputs(x, dim, rowwise, columnwise, pro=0):
     m, k = logical_shape(x, pro)
     rq, rs, rd, cq, cs, cd = _shapes(m, k, dim, rowwise, columnwise)
     u8, f32 = torch.uint8, torch.float32
@@ -104,7 +104,7 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
                                   torch.Tensor, torch.Tensor]:
     """(rowwise data, scale, decode scale, columnwise data, scale, decode scale)."""
     fp8_dtype = fp8_dtype_of(e5m2)
-    outs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
+    outs = empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
     with device_guard(x.device):
         for kernel, grid, tensors, rest, kwargs in _quantize_calls(
                 x, outs, block_scaling_dim, fp8_dtype, pow2, eps, rowwise, columnwise, pro,
@@ -154,7 +154,7 @@ def _quantize_calls(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, rowwise, c
 
 @fp8_block_quantize.register_fake
 def _(x, e5m2, block_scaling_dim, pow2, eps, rowwise, columnwise, pro, pro_args):
-    return _empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
+    return empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
 
 
 @torch.library.triton_op("lowprec::fp8_block_quantize_inline", mutates_args=())
@@ -168,7 +168,7 @@ def fp8_block_quantize_inline(x: torch.Tensor, e5m2: bool, block_scaling_dim: in
     spend on every quantize). The same kernel as eager's Triton path, so the same bits; the
     Gluon kernel is not traceable this way."""
     fp8_dtype = fp8_dtype_of(e5m2)
-    outs = _empty_outputs(x, block_scaling_dim, rowwise, columnwise)
+    outs = empty_outputs(x, block_scaling_dim, rowwise, columnwise)
     for r, c in launches(rowwise, columnwise, f"block{block_scaling_dim}"):
         _launch_triton(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, 0, [],
                        run=launch_in_graph)
@@ -234,7 +234,7 @@ class PreparedBlock:
             return None
         fp8_dtype, dim, pow2, eps = self.settings
         x2d = x.view(self.m, self.k)
-        outs = _empty_outputs(x2d, dim, self.rowwise, self.columnwise)
+        outs = empty_outputs(x2d, dim, self.rowwise, self.columnwise)
         if bound is True:
             calls = _quantize_calls(x2d, outs, dim, fp8_dtype, pow2, eps, self.rowwise,
                                     self.columnwise, 0, [])
