@@ -25,7 +25,14 @@ from ...kernels.grid import (
     tile_grid,
     triton_cdiv,
 )
-from ...kernels.launch import bind, fast_launches, launch, launch_in_graph
+from ...kernels.launch import (
+    BoundCalls,
+    bind,
+    fast_launches,
+    launch,
+    launch_calls,
+    launch_in_graph,
+)
 from ...kernels.tuning import tuning
 from ..base import QuantizedTensor
 from .reference import BLOCK
@@ -105,12 +112,35 @@ def fp8_block_quantize(x: torch.Tensor, e5m2: bool, block_scaling_dim: int, pow2
     """(rowwise data, scale, decode scale, columnwise data, scale, decode scale)."""
     fp8_dtype = fp8_dtype_of(e5m2)
     outs = empty_outputs(x, block_scaling_dim, rowwise, columnwise, pro)
+    if x.numel() == 0:  # every output is empty
+        return outs
+
+    def calls():
+        return [(kernel, grid, (*tensors, *rest), kwargs) for kernel, grid, tensors, rest, kwargs
+                in _quantize_calls(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, rowwise,
+                                   columnwise, pro, pro_args)]
+
     with device_guard(x.device):
-        for kernel, grid, tensors, rest, kwargs in _quantize_calls(
-                x, outs, block_scaling_dim, fp8_dtype, pow2, eps, rowwise, columnwise, pro,
-                pro_args):
-            launch(kernel, grid, *tensors, *rest, **kwargs)
+        if pro:  # a fused prologue's tensors: launched the usual way
+            launch_calls(calls())
+        else:  # launches bound per kind of call
+            _QUANTIZES.run(_kind(x, e5m2, block_scaling_dim, pow2, eps, rowwise, columnwise),
+                           (x, *outs), calls)
     return outs
+
+
+#: quantizes without a prologue, their launches bound per kind of call
+_QUANTIZES = BoundCalls()
+
+
+def _kind(x, e5m2, dim, pow2, eps, rowwise, columnwise) -> tuple:
+    """What the launches of a quantize without a prologue specialize on besides its
+    tensors: shapes, strides, dtypes, options and the tuning entries they read."""
+    usages = [_usage(r, c) for r, c in launches(rowwise, columnwise, f"block{dim}")]
+    return (x.shape, x.stride(), x.dtype, x.device.index, e5m2, dim, pow2, eps, rowwise,
+            columnwise, tuple(tuning.block_configs.get((dim, u)) for u in usages),
+            _gluon_applies(x, dim, rowwise, columnwise, 0), tuning.block_gluon_both,
+            tuple(tuning.block_gluon_configs.items()), tuning.hw_cvt, tuning.col_mode)
 
 
 def _triton_call(x, outs, block_scaling_dim, fp8_dtype, pow2, eps, r, c, pro, pro_args):
