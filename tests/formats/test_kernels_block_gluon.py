@@ -11,6 +11,7 @@ from format_inputs import spread
 import lowprec.kernels
 from lowprec.formats.block import launch
 from lowprec.formats.block.quantizer import Float8BlockQuantizer
+from lowprec.kernels import launch as kernel_launch
 from lowprec.kernels import reference_only, tuning
 
 pytestmark = [
@@ -70,8 +71,9 @@ def test_gluon_matches_reference(pow2, fp8_dtype, dtype, usage, dist, mode, monk
     orig = launch._gluon_call
     monkeypatch.setattr(launch, "_gluon_call", lambda *a: calls.append(a[2]) or orig(*a))
     gluon_configs = {**tuning.tuning.block_gluon_configs, **MODES[mode]}
+    # unbound: every call picks its launches (a bound kind reruns them without asking)
     with tuning.override(block_gluon=True, block_gluon_both=mode.startswith("gluon_both"),
-                         block_gluon_configs=gluon_configs):
+                         block_gluon_configs=gluon_configs), kernel_launch.unbound_calls():
         launched = 0
         row, col = USAGES[usage]
         for i, (m, k) in enumerate(SHAPES):
@@ -158,3 +160,24 @@ def test_gluon_both_unaligned_rows(monkeypatch):
         _same(rs, ref.rowwise_scale, "rowwise scale")
         _same(cq.view(ref.columnwise_data.dtype), ref.columnwise_data, "columnwise")
         _same(cs, ref.columnwise_scale, "columnwise scale")
+
+
+@pytest.mark.parametrize("dim,usage", [(1, "both"), (1, "col"), (1, "row"), (2, "both")])
+def test_bound_launches_keep_the_bits(dim, usage):
+    """The launcher binds a kind's launches at its second call; every later call of the kind
+    (new tensors in place) gives the reference's bits."""
+    row, col = {"both": (True, True), "col": (False, True), "row": (True, False)}[usage]
+    m, k = 256, 384
+    for seed in range(4):
+        x = _input(m, k, torch.bfloat16, "wide", seed).contiguous()
+        with reference_only():
+            ref = Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=dim
+                                       ).set_usage(row, col).quantize(x)
+        outs = launch.fp8_block_quantize(x, False, dim, True, 0.0, row, col, 0, [])
+        want = [ref.rowwise_data, ref.rowwise_scale, ref.columnwise_data, ref.columnwise_scale]
+        for name, a, b in zip(("rq", "rs", "cq", "cs"), (outs[0], outs[1], outs[3], outs[4]),
+                              want):
+            if b is not None:
+                _same(a.view(b.dtype), b, f"call {seed} {name}")
+    kind = launch._kind(x, False, dim, True, 0.0, row, col)
+    assert isinstance(launch._QUANTIZES._kinds.get(kind), tuple)  # bound
