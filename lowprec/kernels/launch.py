@@ -226,9 +226,10 @@ class BoundCalls:
     launches, with only its tensors new, calls ``run(key, tensors, calls)``: ``tensors``
     the call's tensors (inputs and fresh outputs; None entries allowed), ``calls`` a
     callable giving the launches as (kernel, grid, args, kwargs), every tensor argument one
-    of ``tensors``. The first call of a kind launches them through :func:`launch` (which
-    compiles), the second binds them (:class:`PlacedLaunch`), and from then on a call
-    puts its tensors in place and runs the bound launches: no binder, no argument lists.
+    of ``tensors``. The first call of a kind that could bind launches them through
+    :func:`launch` (which compiles), the second binds them (:class:`PlacedLaunch`), and
+    from then on a call puts its tensors in place and runs the bound launches: no binder,
+    no argument lists.
     A kind whose launches cannot all be bound, a call with a tensor that is not 16-byte
     aligned (Triton specializes on it) or on another current device than the binding
     call's, launches the usual way. ``key`` names everything else the launches
@@ -241,9 +242,13 @@ class BoundCalls:
 
     def run(self, key, tensors: tuple, calls) -> None:
         state = self._kinds.get(key)
-        if state is None or state is False or not _takes_bound(tensors):
+        takes = _takes_bound(tensors)
+        if state is None or state is False or not takes:
             launch_calls(calls())
-            if state is None:
+            # only a call that could bind counts as the kind's first: binding reads the
+            # compiled kernel of the specialization its launches ran (an unaligned tensor
+            # compiles another one)
+            if state is None and takes:
                 if len(self._kinds) >= self._size:
                     self._kinds.clear()
                 self._kinds[key] = True

@@ -77,6 +77,19 @@ def test_fallbacks_launch_without_binding(monkeypatch):
     assert len(launched) == 4 and len(bound) == 1 and len(_Compiled.runs) == 1
 
 
+def test_an_unaligned_first_call_does_not_count_as_the_kinds_first(monkeypatch):
+    """Binding reads the compiled kernel of the specialization the kind's first launch ran;
+    an unaligned tensor's launch compiles another one, so it leaves the kind unseen."""
+    launched, bound = _setup(monkeypatch)
+    calls = launch_mod.BoundCalls()
+    off, x, y = torch.zeros(64)[1:9], torch.zeros(8), torch.zeros(8)
+    calls.run("kind", (off, y), _calls(off, y))
+    assert "kind" not in calls._kinds
+    calls.run("kind", (x, y), _calls(x, y))  # the kind's first call
+    calls.run("kind", (x, y), _calls(x, y))  # binds
+    assert len(launched) == 2 and len(bound) == 1 and len(_Compiled.runs) == 1
+
+
 def test_a_kind_whose_launch_does_not_bind_keeps_launching(monkeypatch):
     launched, bound = _setup(monkeypatch)
     monkeypatch.setattr(launch_mod, "_bound_values", lambda *a: bound.append(1))
