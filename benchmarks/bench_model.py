@@ -55,6 +55,8 @@ MODELS = {
     "1b": (2048, 8192, 8, 16, 8, 2048, 4),
     "8b-wide": (4096, 14336, 4, 32, 8, 4096, 2),
     "tiny": (256, 512, 2, 4, 2, 128, 2),
+    # "1b"'s 8 layers (56 Linears) at tiny widths: what tracing costs, without the GPU time
+    "tiny8": (256, 512, 8, 4, 2, 128, 2),
     # the shapes of compare's ``lowprec make-llama`` model (README), untied head
     "110m": (768, 2048, 12, 12, 12, 512, 16),
 }

@@ -5,10 +5,16 @@ Per peer it prints the seconds of the first ``--steps`` steps, the graphs, captu
 and generated kernels, dynamo's timed phases (``compilation_time_metrics``), and with
 ``--inlined N`` the N user functions dynamo spent most tracing time in, exclusive of the
 functions they call (timed around dynamo's inlining of each call; a function's time
-includes the fake-tensor propagation of the ops it traces).
+includes the fake-tensor propagation of the ops it traces). With ``--classes N`` also the
+N classes whose instantiation inside the trace cost dynamo most (inclusive seconds).
+
+Without a GPU, ``--pretend`` traces the GPU code path on the CPU (``host_calls.py``'s no-op
+launches and GEMMs, the model in bf16), and ``--backend aot_eager`` times dynamo and AOT
+autograd alone: dynamo's tracing time of lowprec's Python is the same on both hosts.
 
     python tools/compile_costs.py --model 1b --peers bf16,torchao-tensorwise,lowprec-current
-    python tools/compile_costs.py --model tiny --device cpu --peers lowprec-current --inlined 30
+    python tools/compile_costs.py --model tiny8 --device cpu --pretend --backend aot_eager \
+        --peers bf16,lowprec-current --steps 1 --inlined 12 --classes 8
 """
 
 from __future__ import annotations
@@ -30,12 +36,19 @@ def _profile_inlining():
     import torch._dynamo.symbolic_convert as sc
 
     excl, calls, stack = collections.Counter(), collections.Counter(), []
+    # dynamo builds a user class's object through one polyfill: the class, inclusive time
+    excl.instances = collections.Counter()
+    excl.instances.calls = collections.Counter()
     inline = sc.InliningInstructionTranslator.inline_call_
 
     def timed(self):
         code = self.f_code
         where = code.co_filename.split("site-packages/")[-1].replace(str(ROOT) + "/", "")
         key = f"{where}:{code.co_firstlineno}:{code.co_name}"
+        made = None
+        if code.co_name == "instantiate_user_defined_class_object":
+            cls = getattr(self.symbolic_locals.get("cls"), "value", None)
+            made = getattr(cls, "__qualname__", "?")
         t0 = time.perf_counter()
         stack.append(0.0)
         try:
@@ -45,6 +58,9 @@ def _profile_inlining():
             child = stack.pop()
             excl[key] += dt - child
             calls[key] += 1
+            if made is not None:
+                excl.instances[made] += dt
+                excl.instances.calls[made] += 1
             if stack:
                 stack[-1] += dt
 
@@ -56,12 +72,19 @@ def one_peer(args) -> None:
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "tools"))
+    if args.pretend:
+        import host_calls
+        host_calls._pretend_gpu()
     import bench_model as B
     from torch._dynamo.utils import compilation_time_metrics, counters
     from torch._inductor import metrics
 
-    excl, calls = _profile_inlining() if args.inlined else (None, None)
-    model, ctx = B.make_peer(args.peers, args.model, args.device, "compiled")
+    excl, calls = _profile_inlining() if args.inlined or args.classes else (None, None)
+    model, ctx = B.make_peer(args.peers, args.model, args.device, "eager")
+    if args.pretend:
+        model = model.to(torch.bfloat16)  # the dtype of the GPU runs
+    model = torch.compile(model, backend=args.backend)
     opt = B.make_optimizer(model.parameters(), "torch", args.device, False)
     *_, seq, batch = B.MODELS[args.model]
     gen = torch.Generator(device=args.device).manual_seed(0)
@@ -82,10 +105,16 @@ def one_peer(args) -> None:
           f"{sum(counters['graph_break'].values())} graph breaks", flush=True)
     phases = sorted(((sum(v), k) for k, v in compilation_time_metrics.items()), reverse=True)
     print("  phases: " + ", ".join(f"{k} {t:.1f}s" for t, k in phases[:args.phases]))
-    if excl:
+    if args.inlined:
         print(f"  dynamo tracing, exclusive s / calls (top {args.inlined}):")
         for key, t in excl.most_common(args.inlined):
             print(f"    {t:7.3f} {calls[key]:6d}  {key}")
+    if args.classes:
+        made = excl.instances
+        print(f"  classes instantiated while tracing, inclusive s / objects "
+              f"(top {args.classes}):")
+        for name, t in made.most_common(args.classes):
+            print(f"    {t:7.3f} {made.calls[name]:6d}  {name}")
 
 
 def main() -> None:
@@ -97,6 +126,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--phases", type=int, default=24)
     ap.add_argument("--inlined", type=int, default=0)
+    ap.add_argument("--classes", type=int, default=0)
+    ap.add_argument("--backend", default="inductor", help="torch.compile backend")
+    ap.add_argument("--pretend", action="store_true",
+                    help="no GPU: the GPU code path on CPU tensors (see the module doc)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -106,8 +139,8 @@ def main() -> None:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache,
                        TRITON_CACHE_DIR=os.path.join(cache, "triton"))
             cmd = [sys.executable, __file__, "--one", "--peers", peer,
-                   *[f"--{k}={v}" for k, v in vars(args).items()
-                     if k not in ("one", "peers")]]
+                   *[f"--{k}" if v is True else f"--{k}={v}" for k, v in vars(args).items()
+                     if k not in ("one", "peers") and v is not False]]
             subprocess.run(cmd, env=env, check=False)
 
 
