@@ -9,16 +9,22 @@
   math (the bias gradient summed from the fp32 values, as the fused backward sums it);
 * a quantized hand-over (a norm, bias or activation quantizing its output for the next
   linear, or a fused backward quantizing dY for the previous one) is the next linear's own
-  quantize of the same values with the same quantizer, so the traced linear quantizes.
+  quantize of the same values with the same quantizer, so the traced linear quantizes;
+* a ``Quantize`` op that quantizes hands its quantized tensor to a linear next to it,
+  which consumes it as is: its forward quantizer becomes the next linear's input
+  quantizer, its backward one the previous linear's dY quantizer, and the op itself is
+  the identity in the graph.
 
 A ``GroupedLinear`` op is ``lowprec.GroupedLinear``'s traced form where it has one, else
 one opaque ``lowprec::call`` of its own between the traced pieces (it takes and hands on
 plain tensors, as in eager). What it does not mirror it declines, and the whole call
-stays one opaque op: a ``Quantize`` op that quantizes, a fusion registered outside
-lowprec, a quantized input, a quantized weight of a ``GroupedLinear`` op
-(``compile.opaque_refusal``) and anything ``lowprec.Linear``'s traced form declines.
-Outside ``lowprec.autocast`` the linears are torch's linear (cast by torch.autocast where
-it is on), the high-precision path eager runs, and a ``Quantize`` op is the identity.
+stays one opaque op: a ``Quantize`` op whose quantized tensor another kind of op reads
+(or the caller), or under delayed scaling (its own state) or another backward mode than
+the default, a fusion registered outside lowprec, a quantized input, a quantized weight of
+a ``GroupedLinear`` op (``compile.opaque_refusal``) and anything ``lowprec.Linear``'s
+traced form declines. Outside ``lowprec.autocast`` the linears are torch's linear (cast
+by torch.autocast where it is on), the high-precision path eager runs, and a ``Quantize``
+op is the identity.
 
 Under delayed scaling every linear's plan is decided before any op is traced: a traced
 linear records its amaxes, which a later refusal (then the opaque call) would record twice.
@@ -26,13 +32,21 @@ linear records its amaxes, which a later refusal (then the opaque call) would re
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from ..compile import opaque_call, opaque_refusal
 from ..fused import graph_activation, graph_norm_of, producer_kernel
 from ..linear import traced
-from ..recipe import BackwardMode, active_region, torch_autocast_dtype
+from ..recipe import (
+    BackwardMode,
+    active_region,
+    stateful,
+    stateless_quantizers,
+    torch_autocast_dtype,
+)
 from .graph import bias_activation_dtype, bias_operand, graph_bias, graph_bias_activation
 
 _SUPPORTED_KINDS = ("linear", "bias", "activation", "norm", "quantize", "grouped_linear")
@@ -45,9 +59,6 @@ def _declined(parts: list, x: torch.Tensor, extra_inputs: tuple) -> str | None:
         kind = part.op_kind
         if kind not in _SUPPORTED_KINDS:
             return f"a {type(part).__name__} op"
-        if kind == "quantize" and active_region() is not None and (
-                part.quantize_forward or part.quantize_backward):
-            return "a Quantize op"
     if len(extra_inputs) != sum(p.num_extra_inputs for p in parts):
         return "a wrong number of extra inputs"  # the eager call raises
     return None
@@ -70,7 +81,7 @@ class _Linear:
     backward mode, delayed states and plan."""
 
     def __init__(self, linear, got, plan_) -> None:
-        self.linear = linear
+        self.linear, self.got = linear, got
         (self.quantizers,), self.mode, self.delayed = got
         self.plan = plan_
 
@@ -99,6 +110,7 @@ def _decide(pieces: list, x: torch.Tensor):
     shape = tuple(x.shape)
     needs_grad = torch.is_grad_enabled() and x.requires_grad
     amp = torch_autocast_dtype(x)
+    handed = None  # a Quantize op's forward quantizer, for the next linear's input
     for k, piece in enumerate(pieces):
         kind = _piece_kind(piece)
         if kind is None:
@@ -106,24 +118,70 @@ def _decide(pieces: list, x: torch.Tensor):
         refused = opaque_refusal(piece.parts[0]) if kind == "opaque" else None
         if refused is not None:
             return refused
+        if handed is not None and piece.leading_linear is None:
+            return "a Quantize op whose quantized output is not a linear's input"
         lin = piece.leading_linear
         if lin is not None:
             # outside torch.autocast run_linear casts the input to the weight's dtype
             like = x.new_empty(shape, dtype=x.dtype if amp is not None else lin.weight.dtype)
-            got = _linear_of(piece, like, needs_grad)
+            got = _linear_of(piece, like, needs_grad, handed)
             if isinstance(got, str):
                 return got
-            linears[k] = got
+            linears[k], handed = got, None
+        elif piece.parts[0].op_kind == "quantize":
+            got = _quantize_hand_over(pieces, linears, k)
+            if isinstance(got, str):
+                return got
+            handed = got
         for part in piece.parts:
             shape = part.output_shape(shape)
         needs_grad = needs_grad or (torch.is_grad_enabled()
                                     and any(p.requires_grad for p in _params(piece)))
+    if handed is not None:
+        return "a Quantize op whose quantized output is not a linear's input"
     return linears
 
 
-def _linear_of(piece, like: torch.Tensor, needs_grad: bool) -> _Linear | str:
+def _quantize_hand_over(pieces: list, linears: dict, k: int):
+    """For the ``Quantize`` op of piece ``k``: its forward quantizer (or None), which the
+    next linear takes as its input quantizer; its backward quantizer becomes the previous
+    linear's dY quantizer (in ``linears``). The reason the run declines where eager hands
+    its quantized tensor to anything but a linear's GEMM, or the op keeps state."""
+    op = pieces[k].parts[0]
+    region = active_region()
+    if region is None or not (op.quantize_forward or op.quantize_backward):
+        return None  # the identity
+    recipe = region.recipe
+    if stateful(recipe):
+        return "a Quantize op under delayed scaling (its own state)"
+    if recipe.backward_mode != BackwardMode.DEFAULT:
+        # eager's linear reads a quantized input in place of the high-precision one it keeps
+        return f"a Quantize op under backward_mode={recipe.backward_mode!r}"
+    if op.quantize_backward:
+        prev = linears.get(k - 1)
+        # the dY of a linear whose bias or activation comes after its GEMM is not the GEMM's
+        if (prev is None or not pieces[k - 1].takes_quantized_grad
+                or _gemm_bias(pieces[k - 1]) is not None):
+            return "a Quantize op whose quantized gradient is not a linear's dY"
+        (q,), mode, delayed = prev.got
+        bwd = stateless_quantizers(recipe, "backward", op.get_quantizer_roles(fwd=False))[0]
+        linears[k - 1] = _Linear(prev.linear, ((_with(q, grad_output=bwd),), mode, delayed),
+                                 prev.plan)
+    if not op.quantize_forward:
+        return None
+    return stateless_quantizers(recipe, "forward", op.get_quantizer_roles(fwd=True))[0]
+
+
+def _with(q, **slots):
+    """``q`` (``LinearQuantizers``) with other quantizers in ``slots``, deciding its own
+    plans."""
+    return dataclasses.replace(q, plans={}, **slots)
+
+
+def _linear_of(piece, like: torch.Tensor, needs_grad: bool, handed=None) -> _Linear | str:
     """The ``_Linear`` of a linear piece whose input is like ``like``, or the reason the run
-    declines; under delayed scaling with its plan (the stand-in's)."""
+    declines; under delayed scaling with its plan (the stand-in's). ``handed``: the input
+    quantizer of a ``Quantize`` op before it, which eager quantizes the input with."""
     lin = piece.leading_linear
     if active_region() is None:  # high precision, as torch's linear
         if not lin.traced_plain_call(like, lin.weight):
@@ -132,6 +190,13 @@ def _linear_of(piece, like: torch.Tensor, needs_grad: bool) -> _Linear | str:
     got = lin.traced_quantizers(like, lin.weight)
     if isinstance(got, str):
         return got
+    if handed is not None:
+        (q,), mode, delayed = got
+        q = _with(q, input=handed)
+        # eager's Quantize op quantizes the rows as they are; the traced linear would pad
+        if traced.padding_for(q, mode, like, lin.weight):
+            return "a Quantize op before a linear whose operands are not whole blocks"
+        got = ((q,), mode, delayed)
     plan_ = None
     delayed = got[2]
     if delayed is not None:
@@ -204,7 +269,7 @@ def _run_piece(piece, lin: _Linear | None, x: torch.Tensor, emit: _Linear | None
                                      dtype=bias_activation_dtype(x, bias_part.bias))
     (part,) = piece.parts
     kind = part.op_kind
-    if kind == "quantize":  # one that quantizes nothing
+    if kind == "quantize":  # its quantizes are its neighbouring linears' own (_decide)
         return x
     if kind == "activation":
         part.check_input(x)
