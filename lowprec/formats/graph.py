@@ -249,6 +249,12 @@ def scale_in_use(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), scale, float("nan"))
 
 
+#: kinds made once (a ``Kind`` built while dynamo traces costs it milliseconds, and every
+#: traced linear asks for six; a constant read costs next to nothing)
+_PLAIN_KINDS = {dt: Kind("plain", dtype=dt)
+                for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
+
+
 @dataclass(frozen=True)
 class PlainOperand(GraphOperand):
     """An identity quantizer, or a slot with none: the values in ``dtype`` (the one the
@@ -258,7 +264,8 @@ class PlainOperand(GraphOperand):
     sliceable = True
 
     def kind(self, usage: str) -> Kind:
-        return Kind("plain", dtype=self.dtype)
+        got = _PLAIN_KINDS.get(self.dtype)
+        return got if got is not None else Kind("plain", dtype=self.dtype)
 
     def _values(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.dtype)

@@ -74,3 +74,28 @@ def test_rounded_holds_under_inductor_fusion(device):
         got = torch.compile(_product_read)(x, g, read)
         equal = [torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(want, got)]
         assert equal[1] and equal[0] is same
+
+
+def test_kinds_are_made_once():
+    """Each form hands out kinds made at import (a Kind built while dynamo traces costs it
+    milliseconds), equal to the Kind of the same fields."""
+    from lowprec.formats import (
+        Float8BlockQuantizer,
+        Float8CurrentScalingQuantizer,
+        IdentityQuantizer,
+        MXFP8Quantizer,
+        NVFP4Quantizer,
+    )
+    from lowprec.formats.graph import Kind
+    e4m3 = torch.float8_e4m3fn
+    x = torch.randn(128, 128)
+    want = {Float8CurrentScalingQuantizer: Kind("fp8", e4m3),
+            Float8BlockQuantizer: Kind("blocks", e4m3, 2),
+            MXFP8Quantizer: Kind("exact"), NVFP4Quantizer: Kind("exact"),
+            IdentityQuantizer: Kind("plain", dtype=torch.float32)}
+    for cls, kind in want.items():
+        q = cls(e4m3) if cls in (Float8CurrentScalingQuantizer, Float8BlockQuantizer,
+                                 MXFP8Quantizer) else cls()
+        form = q.graph_operand(x)
+        assert form.kind("rowwise") == kind, cls
+        assert form.kind("rowwise") is form.kind("rowwise"), cls

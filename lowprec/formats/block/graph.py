@@ -26,6 +26,9 @@ from .launch import empty_outputs, fp8_block_quantize, fp8_block_quantize_inline
 from .reference import BLOCK, dequantize_blocks, quantize_blocks
 
 E5M2 = torch.float8_e5m2
+#: the kinds of block operands, made once (``formats.graph._PLAIN_KINDS`` says why)
+_KINDS = {(dt, dim, pow2): Kind("blocks", dt, dim, pow2=pow2)
+          for dt in (torch.float8_e4m3fn, E5M2) for dim in (1, 2) for pow2 in (True, False)}
 
 
 @graph_op("dequantized_blocks")
@@ -98,7 +101,7 @@ class Blockwise(_BlockForms):
         return self.kernel
 
     def kind(self, usage):
-        return Kind("blocks", self.fp8_dtype, self.dim, pow2=self.pow2)
+        return _KINDS[self.fp8_dtype, self.dim, self.pow2]
 
     def _launch(self, t, rowwise: bool, columnwise: bool):
         args = (self.fp8_dtype == E5M2, self.dim, self.pow2, self.eps, rowwise, columnwise)
@@ -165,7 +168,7 @@ class GivenBlocks(_BlockForms):
     def kind(self, usage):
         # whether its scales are powers of two is not known from the settings (eager reads
         # them back): the pair traces through cuBLAS's block GEMM or not at all
-        return Kind("blocks", self.fp8_dtype, self.dim, pow2=False)
+        return _KINDS[self.fp8_dtype, self.dim, False]
 
     def rowwise(self, w):
         return Blocks(w.rowwise_data, w.rowwise_scale, self.dim)

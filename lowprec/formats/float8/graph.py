@@ -22,7 +22,15 @@ import torch
 
 from ...kernels import traced_op
 from ..casting import cast_fp8
-from ..graph import Fp8, GraphOperand, Kind, decode_scale, rounded, rounded_amax, scale_in_use
+from ..graph import (
+    Fp8,
+    GraphOperand,
+    Kind,
+    decode_scale,
+    rounded,
+    rounded_amax,
+    scale_in_use,
+)
 from .launch import (
     DECODE_AT,
     PreparedCurrent,
@@ -153,6 +161,10 @@ def _cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
     return cast_fp8(values * scale, fp8_dtype)
 
 
+#: the kinds of per-tensor FP8 operands, made once (``formats.graph._PLAIN_KINDS`` says why)
+_KINDS = {dt: Kind("fp8", dt) for dt in (torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
 @dataclass(frozen=True)
 class Tensorwise(GraphOperand):
     """Current scaling (``Float8CurrentScalingQuantizer``'s settings)."""
@@ -176,7 +188,7 @@ class Tensorwise(GraphOperand):
         return self.eager
 
     def kind(self, usage):
-        return Kind("fp8", self.fp8_dtype)
+        return _KINDS[self.fp8_dtype]
 
     def amax(self, t: torch.Tensor) -> torch.Tensor:
         """amax(|t|) of ``t``'s values in its dtype (1-element fp32)."""
@@ -353,7 +365,7 @@ class GivenTensorwise(GraphOperand):
     given = True
 
     def kind(self, usage):
-        return Kind("fp8", self.fp8_dtype)
+        return _KINDS[self.fp8_dtype]
 
     def rowwise(self, w):
         return Fp8(w.rowwise_data, w.shared_scale)

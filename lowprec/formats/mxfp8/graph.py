@@ -25,6 +25,8 @@ from .launch import mxfp8_exact_inline, mxfp8_quantize
 from .reference import BLOCK, dequantize_blocks
 
 E5M2 = torch.float8_e5m2
+#: the kind of every MXFP8 operand, made once (``formats.graph._PLAIN_KINDS`` says why)
+_EXACT = Kind("exact")
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class MXBlocks(GraphOperand):
         return self.kernel
 
     def kind(self, usage):
-        return Kind("exact")
+        return _EXACT
 
     def _launch(self, t, rowwise: bool, columnwise: bool):
         e5m2 = self.fp8_dtype == E5M2
@@ -110,7 +112,7 @@ class GivenMX(GraphOperand):
     given = True
 
     def kind(self, usage):
-        return Kind("exact")
+        return _EXACT
 
     def _values(self, data, scale) -> Exact:
         if self.kernel:

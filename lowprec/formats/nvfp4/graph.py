@@ -24,6 +24,11 @@ from . import compiled as fp4
 from .launch import nvfp4_dequantize_unscaled_bf16, nvfp4_quantize
 from .reference import BLOCK, dequantize_matrix
 
+#: the kinds of NVFP4 operands by (transform, divisor), made once
+#: (``formats.graph._PLAIN_KINDS`` says why)
+_KINDS = {(rht, div): Kind("exact", rht=rht, divisor=div)
+          for rht in (False, True) for div in (False, True)}
+
 
 @dataclass(frozen=True)
 class FP4Blocks(GraphOperand):
@@ -53,8 +58,7 @@ class FP4Blocks(GraphOperand):
     def kind(self, usage):
         # the kernels' values carry the global scale as a divisor and the transform; the
         # reference's are the emulation's fp32 values in the original domain
-        return Kind("exact", rht=self.kernel and self.rht and usage == "columnwise",
-                    divisor=self.kernel)
+        return _KINDS[self.kernel and self.rht and usage == "columnwise", self.kernel]
 
     def _keys(self, t, row: bool, col: bool):
         """(rowwise key or None, columnwise key or None), drawn rowwise first."""
@@ -144,7 +148,7 @@ class GivenFP4(GraphOperand):
     given = True
 
     def kind(self, usage):
-        return Kind("exact", divisor=self.kernel)
+        return _KINDS[False, self.kernel]
 
     def _values(self, data, scale, glob) -> Exact:
         if self.kernel:
