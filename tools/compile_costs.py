@@ -32,13 +32,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _profile_inlining():
-    """Patch dynamo's inliner to time each inlined call; returns (exclusive, calls)."""
+    """Patch dynamo's inliner to time each inlined call; returns (exclusive seconds, calls)
+    by function and (inclusive seconds, objects) by class instantiated."""
     import torch._dynamo.symbolic_convert as sc
 
     excl, calls, stack = collections.Counter(), collections.Counter(), []
     # dynamo builds a user class's object through one polyfill: the class, inclusive time
-    excl.instances = collections.Counter()
-    excl.instances.calls = collections.Counter()
+    made_s, made_n = collections.Counter(), collections.Counter()
     inline = sc.InliningInstructionTranslator.inline_call_
 
     def timed(self):
@@ -59,13 +59,13 @@ def _profile_inlining():
             excl[key] += dt - child
             calls[key] += 1
             if made is not None:
-                excl.instances[made] += dt
-                excl.instances.calls[made] += 1
+                made_s[made] += dt
+                made_n[made] += 1
             if stack:
                 stack[-1] += dt
 
     sc.InliningInstructionTranslator.inline_call_ = timed
-    return excl, calls
+    return excl, calls, made_s, made_n
 
 
 def one_peer(args) -> None:
@@ -80,7 +80,8 @@ def one_peer(args) -> None:
     from torch._dynamo.utils import compilation_time_metrics, counters
     from torch._inductor import metrics
 
-    excl, calls = _profile_inlining() if args.inlined or args.classes else (None, None)
+    profiled = args.inlined or args.classes
+    excl, calls, made_s, made_n = _profile_inlining() if profiled else (None,) * 4
     model, ctx = B.make_peer(args.peers, args.model, args.device, "eager")
     if args.pretend:
         model = model.to(torch.bfloat16)  # the dtype of the GPU runs
@@ -110,11 +111,10 @@ def one_peer(args) -> None:
         for key, t in excl.most_common(args.inlined):
             print(f"    {t:7.3f} {calls[key]:6d}  {key}")
     if args.classes:
-        made = excl.instances
         print(f"  classes instantiated while tracing, inclusive s / objects "
               f"(top {args.classes}):")
-        for name, t in made.most_common(args.classes):
-            print(f"    {t:7.3f} {made.calls[name]:6d}  {name}")
+        for name, t in made_s.most_common(args.classes):
+            print(f"    {t:7.3f} {made_n[name]:6d}  {name}")
 
 
 def main() -> None:

@@ -81,7 +81,7 @@ class _Linear:
     backward mode, delayed states and plan."""
 
     def __init__(self, linear, got, plan_) -> None:
-        self.linear, self.got = linear, got
+        self.linear = linear
         (self.quantizers,), self.mode, self.delayed = got
         self.plan = plan_
 
@@ -92,6 +92,7 @@ class _Linear:
 
 
 _PLAIN = ([None], BackwardMode.DEFAULT, None)
+_NOT_HANDED = "a Quantize op whose quantized output is not a linear's input"
 
 
 def _params(piece) -> list[torch.Tensor]:
@@ -119,7 +120,7 @@ def _decide(pieces: list, x: torch.Tensor):
         if refused is not None:
             return refused
         if handed is not None and piece.leading_linear is None:
-            return "a Quantize op whose quantized output is not a linear's input"
+            return _NOT_HANDED
         lin = piece.leading_linear
         if lin is not None:
             # outside torch.autocast run_linear casts the input to the weight's dtype
@@ -137,8 +138,8 @@ def _decide(pieces: list, x: torch.Tensor):
             shape = part.output_shape(shape)
         needs_grad = needs_grad or (torch.is_grad_enabled()
                                     and any(p.requires_grad for p in _params(piece)))
-    if handed is not None:
-        return "a Quantize op whose quantized output is not a linear's input"
+    if handed is not None:  # the run's last op
+        return _NOT_HANDED
     return linears
 
 
@@ -163,10 +164,9 @@ def _quantize_hand_over(pieces: list, linears: dict, k: int):
         if (prev is None or not pieces[k - 1].takes_quantized_grad
                 or _gemm_bias(pieces[k - 1]) is not None):
             return "a Quantize op whose quantized gradient is not a linear's dY"
-        (q,), mode, delayed = prev.got
         bwd = stateless_quantizers(recipe, "backward", op.get_quantizer_roles(fwd=False))[0]
-        linears[k - 1] = _Linear(prev.linear, ((_with(q, grad_output=bwd),), mode, delayed),
-                                 prev.plan)
+        linears[k - 1] = _Linear(prev.linear, ((_with(prev.quantizers, grad_output=bwd),),
+                                               prev.mode, prev.delayed), prev.plan)
     if not op.quantize_forward:
         return None
     return stateless_quantizers(recipe, "forward", op.get_quantizer_roles(fwd=True))[0]
