@@ -490,22 +490,30 @@ def test_block_traced_bit_identical_cuda(shape, w_dim, monkeypatch):
     assert not any("lowprec.call" in t for t in ops.targets)
 
 
+#: (recipe, graph module, launcher name, where its rowwise and columnwise flags sit)
+_ONE_PASS = {"block": (Float8BlockScaling, "lowprec.formats.block.graph", "fp8_block_quantize", 4),
+             "mxfp8": (MXFP8BlockScaling, "lowprec.formats.mxfp8.graph", "mxfp8_quantize", 2)}
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and use_kernels(torch.empty(1))),
-                    reason="needs CUDA and Triton (block FP8 kernels)")
+                    reason="needs CUDA and Triton (block FP8 / MXFP8 kernels)")
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_block_linears_reading_one_input_quantize_it_once(backend, monkeypatch):
+@pytest.mark.parametrize("fmt", sorted(_ONE_PASS))
+def test_linears_reading_one_input_quantize_it_once(fmt, backend, monkeypatch):
     """q/k/v-like Linears on one input: a graph quantizes that input once for all three,
     both directions in one pass whose columnwise blocks the backward keeps (eager's Gluon
     quantize, merged by the compiler's common-subexpression pass), with eager's bits."""
-    from lowprec.formats.block import graph as block_graph
+    import importlib
+    recipe_cls, module, name, at = _ONE_PASS[fmt]
+    graph = importlib.import_module(module)
     calls = []
-    launcher = block_graph.fp8_block_quantize
+    launcher = getattr(graph, name)
 
     def counted(x, *args):
-        calls.append((tuple(x.shape), args[4], args[5]))
+        calls.append((tuple(x.shape), args[at], args[at + 1]))
         return launcher(x, *args)
-    monkeypatch.setattr(block_graph, "fp8_block_quantize", counted)
-    recipe = Float8BlockScaling()
+    monkeypatch.setattr(graph, name, counted)
+    recipe = recipe_cls()
     torch.manual_seed(0)
     lins = torch.nn.ModuleList(
         lowprec.Linear(512, 512, bias=False, name=f"l{i}", params_dtype=torch.bfloat16,

@@ -4,12 +4,16 @@ values (``gemm.exact_bf16``), elsewhere in the fp32 emulation.
 
 With the kernels (CUDA with Triton) the values are eager's Triton kernel's exact bf16
 values (``mxfp8_exact_inline``, which inductor launches itself), both directions in one
-pass where both are asked for; elsewhere torch ops (``formats.mxfp8.compiled``).
+pass where both are asked for; elsewhere torch ops (``formats.mxfp8.compiled``). A 1x32
+quantize of both directions (an input's forward, dY) is eager's whole quantize instead
+(``mxfp8_quantize_graph``: the Gluon kernel, which reads the input once for both and which
+inductor cannot launch from its own code), one op that the compiler's
+common-subexpression pass merges where q/k/v (gate/up) quantize one input.
 
 An eager call (``GraphOperand.eager``) launches eager's own quantize (``mxfp8_quantize``:
-the Gluon kernel where it applies, no custom-op dispatch, the same bits), and its forward
-makes the input's columnwise codes in the pass of its rowwise values and keeps them for
-wgrad.
+the Gluon kernel where it applies, no custom-op dispatch, the same bits). The forward,
+eager or traced, makes the input's columnwise codes in the pass of its rowwise values and
+keeps them for wgrad (an element a byte), which dequantizes them.
 """
 
 from __future__ import annotations
@@ -18,15 +22,41 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels import graph_op
 from ..graph import Exact, GraphOperand, Kind, gathered_columnwise, rounded
 from .compiled import dequantized_1x32, dequantized_32x1, dequantized_32x32
 from .dequantize import mxfp8_dequantize_bf16
-from .launch import mxfp8_exact_inline, mxfp8_quantize
+from .launch import empty_outputs, mxfp8_exact_inline, mxfp8_quantize
 from .reference import BLOCK, dequantize_blocks
 
 E5M2 = torch.float8_e5m2
 #: the kind of every MXFP8 operand, made once (``formats.graph._PLAIN_KINDS`` says why)
 _EXACT = Kind("exact")
+
+
+@graph_op("mxfp8_quantize_graph")
+def mxfp8_quantize_graph(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool,
+                         columnwise: bool, exact_row: bool, exact_col: bool, codes: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor, torch.Tensor]:
+    """Eager's quantize of the contiguous ``x`` as one op of a compiled graph (the outputs
+    of ``mxfp8_quantize``)."""
+    return mxfp8_quantize(x, e5m2, two_d, rowwise, columnwise, 0, [], exact_row, exact_col,
+                          codes)
+
+
+@torch.library.register_fake("lowprec::mxfp8_quantize_graph")
+def _mxfp8_quantize_graph_fake(x, e5m2, two_d, rowwise, columnwise, exact_row, exact_col,
+                               codes):
+    return empty_outputs(x, two_d, rowwise, columnwise, 0, exact_row, exact_col, codes)
+
+
+def _quantize(t, *args):
+    """``mxfp8_quantize`` of ``t`` without a prologue: eager's own call outside a compiler,
+    the graph op in one."""
+    if torch.compiler.is_compiling():
+        return mxfp8_quantize_graph(t.contiguous(), *args)
+    return mxfp8_quantize(t.contiguous(), *args[:4], 0, [], *args[4:])
 
 
 @dataclass(frozen=True)
@@ -55,21 +85,20 @@ class MXBlocks(GraphOperand):
 
     def _launch(self, t, rowwise: bool, columnwise: bool):
         e5m2 = self.fp8_dtype == E5M2
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not (rowwise and columnwise and not self.two_d):
             row, col = mxfp8_exact_inline(t, e5m2, rowwise, columnwise, self.two_d)
-        else:
-            *_, row, col = mxfp8_quantize(t.contiguous(), e5m2, self.two_d, rowwise,
-                                          columnwise, 0, [], rowwise, columnwise, False)
+        else:  # eager's quantize; in a graph, its Gluon pass over both directions
+            *_, row, col = _quantize(t, e5m2, self.two_d, rowwise, columnwise, rowwise,
+                                     columnwise, False)
         return Exact(row), Exact(col)
 
     def forward(self, t, keep, held=False):
-        if keep and not held and self.kernel and not torch.compiler.is_compiling():
-            # an eager call: one pass makes the rowwise values and the columnwise codes and
-            # scales, which the backward keeps (an element a byte, as the eager Function
-            # keeps them) and wgrad turns into its values
-            *_, cq, cs, re, _ = mxfp8_quantize(t.contiguous(), self.fp8_dtype == E5M2,
-                                               self.two_d, True, True, 0, [], True, False,
-                                               True)
+        if keep and not held and self.kernel:
+            # one pass makes the rowwise values and the columnwise codes and scales, which
+            # the backward keeps (an element a byte, as the eager Function keeps them) and
+            # wgrad turns into its values
+            *_, cq, cs, re, _ = _quantize(t, self.fp8_dtype == E5M2, self.two_d, True, True,
+                                          True, False, True)
             return Exact(re), (cq.view(self.fp8_dtype), cs)
         return super().forward(t, keep, held)
 

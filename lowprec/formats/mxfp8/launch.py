@@ -62,7 +62,7 @@ def _usage(rowwise: bool, columnwise: bool) -> str:
     return "both" if rowwise and columnwise else ("row" if rowwise else "col")
 
 
-def _empty_outputs(x, two_d, rowwise, columnwise, pro=0, exact_row=False, exact_col=False,
+def empty_outputs(x, two_d, rowwise, columnwise, pro=0, exact_row=False, exact_col=False,
                    codes=True):
     m, k = logical_shape(x, pro)
     per = BLOCK if two_d else 1
@@ -88,7 +88,7 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
     if not codes:
         check_exact_only("mxfp8_quantize", rowwise, columnwise, exact_row, exact_col)
     fp8_dtype = fp8_dtype_of(e5m2)
-    rq, rs, cq, cs, re, ce = _empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row,
+    rq, rs, cq, cs, re, ce = empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row,
                                             exact_col, codes)
     if x.numel() == 0:
         return rq, rs, cq, cs, re, ce
@@ -143,7 +143,7 @@ def mxfp8_exact_inline(x: torch.Tensor, e5m2: bool, rowwise: bool, columnwise: b
     columnwise (K, M); empty where not asked for), as ``mxfp8_quantize`` with
     ``codes=False`` makes them, for compiled graphs: a ``triton_op``, which inductor
     launches from its own code. The Triton kernel of eager's path, so the same bits."""
-    outs = _empty_outputs(x, two_d, rowwise, columnwise, 0, rowwise, columnwise, False)
+    outs = empty_outputs(x, two_d, rowwise, columnwise, 0, rowwise, columnwise, False)
     for kernel, grid, args, kwargs in _triton_calls(x, outs, fp8_dtype_of(e5m2), two_d,
                                                     rowwise, columnwise, 0, [], rowwise,
                                                     columnwise, False):
@@ -154,7 +154,7 @@ def mxfp8_exact_inline(x: torch.Tensor, e5m2: bool, rowwise: bool, columnwise: b
 @mxfp8_quantize.register_fake
 def _(x, e5m2, two_d, rowwise, columnwise, pro, pro_args, exact_row=False, exact_col=False,
       codes=True):
-    return _empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row, exact_col, codes)
+    return empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row, exact_col, codes)
 
 
 def quantize_mxfp8(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
