@@ -22,6 +22,20 @@ GPU_ONLY = [
 ]
 
 
+def cases(axes: dict, quick) -> list:
+    """The product of ``axes`` (argument name -> values) as ``pytest.param``s, the ones
+    ``quick(**case)`` refuses marked ``slow`` (run with ``--slow``): CI's CPU run covers
+    each axis without the whole matrix."""
+    import itertools
+    names = list(axes)
+    out = []
+    for values in itertools.product(*axes.values()):
+        case = dict(zip(names, values))
+        out.append(pytest.param(*values, id="-".join(map(str, values)),
+                                marks=() if quick(**case) else pytest.mark.slow))
+    return out
+
+
 def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of ``test`` against ``ref`` in dB, in float64:
     ``10 log10(sum ref^2 / sum (ref - test)^2)``; inf when they are equal (zeros included),

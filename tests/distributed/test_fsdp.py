@@ -195,7 +195,8 @@ def _compiled_worker(rank, world, rname, tokens, out_dir):
                     "graphs": frames, "grads": grads}, f"{out_dir}/fsdp.pt")
 
 
-@pytest.mark.parametrize("rname", ["current", "mxfp8", "nvfp4", "nvfp4_1x16", "block_1x128"])
+@pytest.mark.parametrize("rname", ["current", "mxfp8", "nvfp4", "block_1x128",
+                                   pytest.param("nvfp4_1x16", marks=pytest.mark.slow)])
 def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     """Layers (Linear, LayerNormMLP) compiled one by one before fully_shard, their weights
     gathered quantized: training matches one eager process bit for bit, losses, weights
