@@ -23,16 +23,24 @@ GPU_ONLY = [
 
 
 def cases(axes: dict, quick) -> list:
-    """The product of ``axes`` (argument name -> values) as ``pytest.param``s, the ones
-    ``quick(**case)`` refuses marked ``slow`` (run with ``--slow``): CI's CPU run covers
-    each axis without the whole matrix."""
+    """The product of ``axes`` (argument name -> values, a list, or a dict of test id ->
+    value) as ``pytest.param``s, the ones ``quick(**case)`` refuses marked ``slow`` (run
+    with ``--slow``): CI's CPU run covers each axis without the whole matrix. Every value
+    of every axis must be in some quick case."""
     import itertools
-    names = list(axes)
-    out = []
-    for values in itertools.product(*axes.values()):
-        case = dict(zip(names, values))
-        out.append(pytest.param(*values, id="-".join(map(str, values)),
-                                marks=() if quick(**case) else pytest.mark.slow))
+    named = {name: (vals if isinstance(vals, dict) else {str(v): v for v in vals})
+             for name, vals in axes.items()}
+    out, covered = [], {name: set() for name in named}
+    for ids in itertools.product(*named.values()):
+        case = {name: named[name][i] for name, i in zip(named, ids)}
+        fast = quick(**case)
+        if fast:
+            for name, i in zip(named, ids):
+                covered[name].add(i)
+        out.append(pytest.param(*case.values(), id="-".join(ids),
+                                marks=() if fast else pytest.mark.slow))
+    missing = {name: sorted(set(named[name]) - covered[name]) for name in named}
+    assert not any(missing.values()), f"values in no quick case: {missing}"
     return out
 
 

@@ -114,7 +114,8 @@ def _frames(model, rname, autocast_inside: bool) -> int:
 
 
 #: the recipes whose block (Linear, LayerNormLinear, LayerNormMLP in one graph) CI runs;
-#: every recipe runs on each module alone and on the ops and grouped models
+#: every recipe runs on Linear alone and on the ops and grouped models, and the norm
+#: modules alone under these and MXFP8
 _BLOCK_QUICK = ("current", "delayed", "hybrid")
 
 

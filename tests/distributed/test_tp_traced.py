@@ -135,7 +135,7 @@ class _Net(Net):
 def _styles_worker(rank, world, every=False):
     mesh = init_device_mesh(spawn.device(rank).type, (world,))
     # (the net has biases: MXFP8 with NCCL on CUDA would keep its opaque op)
-    recipes = ("current", "mxfp8") if BIAS and every else ("current",)
+    recipes = ("mxfp8",) if every else ("current",)
     for rname, sp in itertools.product(recipes, (False, True)):
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -167,8 +167,9 @@ def test_tensor_parallel_styles_trace_bit_identical():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not BIAS, reason="the net's biases keep MXFP8's opaque op under NCCL")
 def test_tensor_parallel_styles_trace_bit_identical_mxfp8():
-    """As above, under MXFP8 too (gloo: the net's biases keep MXFP8's opaque op on CUDA)."""
+    """As above, under MXFP8."""
     spawn.run(_styles_worker, TP, True)
 
 

@@ -209,7 +209,7 @@ _HAND_OVERS = {
 
 @pytest.mark.parametrize("recipe_name, case, fuse", cases(
     {"recipe_name": ["fp8_current", "mxfp8", "own_roles"], "case": list(_HAND_OVERS),
-     "fuse": [True, False]},
+     "fuse": {"fused": True, "unfused": False}},
     # MXFP8 (blocks whose hand-over needs whole blocks) in its fullest case on the CPU
     lambda recipe_name, case, fuse: recipe_name != "mxfp8" or (case, fuse) == ("after_norm",
                                                                                 True)))

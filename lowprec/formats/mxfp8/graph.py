@@ -2,13 +2,14 @@
 values its GEMM multiplies. On Hopper eager runs MXFP8 GEMMs as bf16 GEMMs of these
 values (``gemm.exact_bf16``), elsewhere in the fp32 emulation.
 
-With the kernels (CUDA with Triton) the values are eager's Triton kernel's exact bf16
+With the kernels (CUDA with Triton) a quantize is eager's Triton kernel's exact bf16
 values (``mxfp8_exact_inline``, which inductor launches itself), both directions in one
-pass where both are asked for; elsewhere torch ops (``formats.mxfp8.compiled``). A 1x32
-quantize of both directions (an input's forward, dY) is eager's whole quantize instead
-(``mxfp8_quantize_graph``: the Gluon kernel, which reads the input once for both and which
-inductor cannot launch from its own code), one op that the compiler's
-common-subexpression pass merges where q/k/v (gate/up) quantize one input.
+pass where both are asked for; elsewhere torch ops (``formats.mxfp8.compiled``). Two
+quantizes are eager's whole quantize instead, one graph op (``mxfp8_quantize_graph``) that
+the compiler's common-subexpression pass merges where q/k/v (gate/up) quantize one input:
+dY's in both directions, and the forward's of a tensor that is not a parameter (an input),
+which keeps its columnwise codes. In 1x32 blocks that op runs the Gluon kernel, which reads
+the input once for both directions and which inductor cannot launch from its own code.
 
 An eager call (``GraphOperand.eager``) launches eager's own quantize (``mxfp8_quantize``:
 the Gluon kernel where it applies, no custom-op dispatch, the same bits). The forward,
