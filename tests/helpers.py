@@ -7,6 +7,7 @@ path through its conftest).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -27,7 +28,6 @@ def cases(axes: dict, quick) -> list:
     value) as ``pytest.param``s, the ones ``quick(**case)`` refuses marked ``slow`` (run
     with ``--slow``): CI's CPU run covers each axis without the whole matrix. Every value
     of every axis must be in some quick case."""
-    import itertools
     named = {name: (vals if isinstance(vals, dict) else {str(v): v for v in vals})
              for name, vals in axes.items()}
     out, covered = [], {name: set() for name in named}

@@ -9,7 +9,9 @@ import torch
 from helpers import GraphOps, plan_of
 
 import lowprec
+from lowprec.formats.block import graph as block_graph
 from lowprec.formats.float8.graph import Delayed
+from lowprec.formats.mxfp8 import graph as mxfp8_graph
 from lowprec.kernels import use_kernels
 from lowprec.linear import grad_split
 from lowprec.recipe.recipes import (
@@ -491,8 +493,8 @@ def test_block_traced_bit_identical_cuda(shape, w_dim, monkeypatch):
 
 
 #: (recipe, graph module, launcher name, where its rowwise and columnwise flags sit)
-_ONE_PASS = {"block": (Float8BlockScaling, "lowprec.formats.block.graph", "fp8_block_quantize", 4),
-             "mxfp8": (MXFP8BlockScaling, "lowprec.formats.mxfp8.graph", "mxfp8_quantize", 2)}
+_ONE_PASS = {"block": (Float8BlockScaling, block_graph, "fp8_block_quantize", 4),
+             "mxfp8": (MXFP8BlockScaling, mxfp8_graph, "mxfp8_quantize", 2)}
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and use_kernels(torch.empty(1))),
@@ -503,9 +505,7 @@ def test_linears_reading_one_input_quantize_it_once(fmt, backend, monkeypatch):
     """q/k/v-like Linears on one input: a graph quantizes that input once for all three,
     both directions in one pass whose columnwise blocks the backward keeps (eager's Gluon
     quantize, merged by the compiler's common-subexpression pass), with eager's bits."""
-    import importlib
-    recipe_cls, module, name, at = _ONE_PASS[fmt]
-    graph = importlib.import_module(module)
+    recipe_cls, graph, name, at = _ONE_PASS[fmt]
     calls = []
     launcher = getattr(graph, name)
 

@@ -96,19 +96,19 @@ def _dims(recipe_name):
 
 
 def _cases():
-    # unfused (each op on its own) under two recipes: its pieces are the fused run's parts
+    # unfused (each op on its own) under two recipes: its pieces are the fused run's parts;
+    # NVFP4 alone on the CPU runs with --slow (mxfp8_fwd_nvfp4_bwd's backward is NVFP4's,
+    # and test_compiled_call traces NVFP4's ops model)
     for device in DEVICES:
         for recipe_name in RECIPES:
             for fuse in (True, False):
                 if fuse or recipe_name in ("fp8_current", "fp8_delayed") or device == "cuda":
-                    yield device, recipe_name, fuse
+                    slow = (device, recipe_name) == ("cpu", "nvfp4")
+                    yield pytest.param(device, recipe_name, fuse,
+                                       marks=pytest.mark.slow if slow else ())
 
 
-@pytest.mark.parametrize("device,recipe_name,fuse", [
-    # NVFP4 alone on the CPU runs with --slow: mxfp8_fwd_nvfp4_bwd's backward is NVFP4's
-    # and test_compiled_call traces NVFP4's ops model
-    pytest.param(*c, marks=pytest.mark.slow) if c == ("cpu", "nvfp4", True) else c
-    for c in _cases()])
+@pytest.mark.parametrize("device,recipe_name,fuse", list(_cases()))
 def test_sequential_traced_bit_identical(recipe_name, fuse, device):
     hidden, ffn, tokens = _dims(recipe_name)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
