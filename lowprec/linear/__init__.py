@@ -8,6 +8,8 @@
 * ``traced``: the one plan of a call decided from its quantizers' forms, and the
   Function that runs it, traced by ``torch.compile`` and run by eager calls where the
   forms launch eager's kernels; bit-identical to ``function``;
+* ``decided``: a compiled call's decisions made once per kind of call, outside dynamo's
+  interpretation;
 * ``padding``: zeros that make a call's operands whole blocks, in both forms;
 * ``grad_split`` / ``exact_split``: the sliced backward (and forward) for a lower peak;
 * ``weight_cache``: quantized weights reused across micro-batches.
@@ -20,6 +22,7 @@ from .traced import eager_plans_off
 __all__ = ["LinearQuantizers", "eager_plans_off", "quantized_linear", "sliced", "unsliced"]
 
 # The rest of lowprec enters the package here (internal names, not in __all__).
+from .decided import decided_linear
 from .function import EagerLinearFunction, eager_plan_of, graph_kept
 from .grouped import (
     ExpertWeightsFunction,

@@ -162,6 +162,14 @@ class sliced(_SetMode):
     _value = "always"
 
 
+class in_mode(_SetMode):
+    """Context manager: this thread's slicing mode is ``value`` inside it (a decision made
+    for a call of that mode, ``lowprec.linear.decided``)."""
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+
 def sliced_backward(quantizer: Quantizer, dy: torch.Tensor, x_op: QuantizedTensor,
                     w_op: QuantizedTensor, rows: int, cols: int, dx_dtype: torch.dtype,
                     dw_dtype: torch.dtype, after_wgrad: Callable[[], None]

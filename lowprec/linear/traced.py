@@ -542,9 +542,21 @@ def refusal(plan: TracedPlan | str, delayed) -> str | None:
     return None
 
 
+def decide(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None, amp: bool = False) -> tuple[TracedPlan | str, Padding]:
+    """(:func:`plan_for`'s plan or reason, padding) of :func:`traced_linear`'s operands
+    ``x``, ``weight``, ``bias`` (after torch.autocast's casts, ``amp``): the plan of the
+    operands padded to whole blocks."""
+    pad = padding_for(q, backward_mode, x, weight)
+    if pad:
+        x, weight, bias = pad.operands(x, weight, bias)
+    return plan_for(q, backward_mode, x, weight, bias, amp=amp, padded=True), pad
+
+
 def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None, delayed=None, plan: TracedPlan | None = None, *,
-                  gemm: int = 0, updates: bool = True):
+                  gemm: int = 0, updates: bool = True, padding: Padding = NO_PADDING,
+                  function=None):
     """``x @ weight.T + bias`` quantized by ``quantizers`` in ops the compiler traces, or the
     reason (a string) where :func:`plan_for` has no plan (the caller keeps the opaque op).
     ``delayed``: the (forward, backward) delayed-scaling states, the module's handle
@@ -554,7 +566,9 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
     which of the module's GEMMs this is (its slots in the states); ``updates``: whether its
     backward, the module's last to run, updates the backward state (eager's end-of-backward
     callback). ``plan``: :func:`plan_for`'s plan, where the caller has asked for it already
-    (for an input of the same shape and dtype).
+    (for an input of the same shape and dtype), with its ``padding`` (:func:`decide`).
+    ``function``: ``(x, weight, bias) -> y`` of the padded operands in TracedLinear's
+    place (a decided call's graph ops, ``lowprec.linear.graph_linear``).
 
     Under ``torch.autocast`` the operands are first cast to its dtype (differentiably, so
     an fp32 weight gets an fp32 gradient) and the rest runs with autocast off, as
@@ -565,17 +579,15 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         if not isinstance(weight, QuantizedTensor):  # a quantized weight is read as it is
             weight = weight.to(amp)
         bias = bias.to(amp) if bias is not None else None
-    pad = NO_PADDING
+    pad = padding
     if plan is None:
-        pad = padding_for(quantizers, backward_mode, x, weight)
-        x_shape = x.shape
-        if pad:  # zeros to whole blocks, the same ops as an eager call's
-            x, weight, bias = pad.operands(x, weight, bias)
-        plan = plan_for(quantizers, backward_mode, x, weight, bias, amp=amp is not None,
-                        padded=True)
+        plan, pad = decide(quantizers, backward_mode, x, weight, bias, amp is not None)
     refused = refusal(plan, delayed)
     if refused is not None:
         return refused
+    x_shape = x.shape
+    if pad:  # zeros to whole blocks, the same ops as an eager call's
+        x, weight, bias = pad.operands(x, weight, bias)
     args = (x, weight, bias, plan, torch.is_grad_enabled(), None, None)
     if delayed is not None:
         fwd, bwd, handle, recipe, records, group = delayed
@@ -585,10 +597,10 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
                             algo_code(recipe.amax_compute_algo), float(recipe.margin),
                             2 * gemm, updates, group))
     if amp is None:
-        y = TracedLinear.apply(*args)
+        y = TracedLinear.apply(*args) if function is None else function(x, weight, bias)
     else:
         with torch.autocast(x.device.type, enabled=False):
-            y = TracedLinear.apply(*args)
+            y = TracedLinear.apply(*args) if function is None else function(x, weight, bias)
     return pad.cut(y, x_shape) if pad else y
 
 
@@ -643,10 +655,7 @@ def eager_plan(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
 
 
 def _eager_decision(q, backward_mode: str, x, weight, bias):
-    pad = padding_for(q, backward_mode, x, weight)
-    if pad:  # the plan of the padded operands, made once for this kind of call
-        x, weight, bias = pad.operands(x, weight, bias)
-    got = plan_for(q, backward_mode, x, weight, bias, padded=True)
+    got, pad = decide(q, backward_mode, x, weight, bias)
     if (isinstance(got, str) or not (got.x.eager and got.w.eager)
             or (got.dy is not None and not got.dy.launches_eagerly)):
         return _NoPlan()

@@ -70,6 +70,10 @@ class Linear(LowprecModule):
             return F.linear(x, w, self.bias)
         if tp is not None and self.traced_plain_call(x, w):
             return tpar.traced_split(tp, x, self.bias, lambda a, b: F.linear(a, w, b))
+        if tp is None:
+            decided = self.traced_decision(x, w, self.bias)
+            if decided is not None:
+                return decided.call(x, w, self.bias)
         got = self.traced_quantizers(x, w)
         if isinstance(got, str):
             return got

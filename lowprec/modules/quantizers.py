@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..formats import QuantizedTensor
-from ..linear import LinearQuantizers
+from ..linear import LinearQuantizers, decided_linear
 from ..memory import current_frame
 from ..recipe import (
     BackwardMode,
@@ -77,6 +77,22 @@ class CallQuantizersMixin:
             delayed = (fwd_state, bwd_state, handle, recipe, records, group)
             return self._linear_quantizers(fq, bq), recipe.backward_mode, delayed
         return self._stateless_gemms(recipe, gemms), recipe.backward_mode, None
+
+    def traced_decision(self, x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None):
+        """The ``Decision`` (quantizers, backward mode, plan, padding) of a compiled one-GEMM
+        call under a built-in recipe without state, decided once per kind of call outside
+        dynamo's interpretation (``lowprec.linear.decided``); None where
+        :meth:`traced_quantizers` decides in the trace (outside an autocast region, in an
+        eagerly run checkpoint, boundary roles, delayed scaling, a ``CustomRecipe``
+        factory that may read role names, symbolic shapes, quantized operands)."""
+        region = active_region()
+        if (region is None or current_frame() is not None
+                or self.output_quantizer_role is not None
+                or self.grad_input_quantizer_role is not None
+                or stateful(region.recipe) or reads_role_names(region.recipe)):
+            return None
+        return decided_linear(region.recipe, x, weight, bias)
 
     def _stateless_gemms(self, recipe, gemms: int | None = None) -> list[LinearQuantizers]:
         """The first ``gemms`` GEMMs' quantizers (all: None) under a recipe without state:

@@ -35,7 +35,7 @@ __all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8
            "RECIPE_ALIASES", "BackwardMode", "OperandUsages", "operand_usages", "QuantizerRole"]
 
 # The rest of lowprec enters the package here (internal names, not in __all__).
-from .recipes import normalize_backward_mode, recipe_from_key
+from .recipes import normalize_backward_mode, recipe_from_key, recipe_of_value
 from .regions import (
     active_region,
     any_region,

@@ -129,10 +129,32 @@ _RECIPES: "weakref.WeakValueDictionary[int, Recipe]" = weakref.WeakValueDictiona
 _next_key = itertools.count()
 
 
+#: one int per distinct recipe value (``Recipe._lowprec_value``), and the first recipe of
+#: each value (one object a value is kept: equal recipes made each step add nothing)
+_VALUES: "dict[Recipe, int]" = {}
+_BY_VALUE: "dict[int, Recipe]" = {}
+
+
 def _register(recipe: "Recipe") -> None:
     key = next(_next_key)
     object.__setattr__(recipe, "_lowprec_key", key)
     _RECIPES[key] = recipe
+    try:
+        value = _VALUES.get(recipe)
+        if value is None:
+            value = _VALUES[recipe] = len(_VALUES)
+            _BY_VALUE[value] = recipe
+    except TypeError:  # a field that does not hash: the object stands for itself
+        value = -1 - key
+    object.__setattr__(recipe, "_lowprec_value", value)
+
+
+def recipe_of_value(value: int) -> "Recipe":
+    """A live recipe whose ``_lowprec_value`` is ``value`` (any: they are equal)."""
+    recipe = _BY_VALUE.get(value)
+    if recipe is None:
+        raise RuntimeError(f"no live recipe has the value key {value}")
+    return recipe
 
 
 def recipe_from_key(key: int) -> "Recipe":
@@ -151,8 +173,9 @@ class Recipe:
     """Base of all recipes; holds the backward mode.
 
     Each recipe object also carries ``_lowprec_key``, an int naming that object for
-    ``torch.compile`` (not a field: it takes no part in comparison, hashing or repr;
-    a copy or an unpickled recipe gets its own).
+    ``torch.compile``, and ``_lowprec_value``, an int that equal recipes share (neither
+    is a field: they take no part in comparison, hashing or repr; a copy or an unpickled
+    recipe gets its own key).
     """
 
     backward_mode: str | None = field(default=None, kw_only=True)
@@ -160,6 +183,7 @@ class Recipe:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state.pop("_lowprec_key", None)
+        state.pop("_lowprec_value", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -188,7 +212,6 @@ class Recipe:
         return _named_entry(name, "describe")[1]
 
     def __post_init__(self) -> None:
-        _register(self)
         if self.backward_mode is None:
             env = os.environ.get(BACKWARD_MODE_ENV)
             mode = (normalize_backward_mode(env, source=f"environment {BACKWARD_MODE_ENV}")
@@ -197,6 +220,7 @@ class Recipe:
             mode = normalize_backward_mode(self.backward_mode)
         object.__setattr__(self, "backward_mode", mode)
         _check_field_types(self)
+        _register(self)  # its value is final: subclasses only check theirs
 
 
 # 2**127 is the largest power of two fp32 holds; the scale divides by 2**margin in fp32

@@ -1,0 +1,117 @@
+"""A compiled linear's decisions, made once per kind of call outside dynamo's interpretation.
+
+Tracing a quantized linear, dynamo interprets the Python that decides what the call runs:
+the recipe's rule building the quantizers, their traced forms, the padding and the GEMM
+table (``traced.decide``). Each of a model's layers pays it again, and it is about half of
+a linear's tracing time. Under a built-in recipe without state these decisions read only
+the recipe's value (not the role names), the call's shapes, dtypes and gradient flags, the
+autocast dtype and the slicing mode. :func:`decided_linear` reads those as constants and
+hands them to :func:`_decided`, which dynamo runs natively
+(``torch._dynamo.assume_constant_result``) and which keeps its answers: same-shaped layers
+share one answer, and dynamo guards on the constants alone, so equal recipe objects and
+layers of other names share compiled code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+from ..recipe import QuantizerRole, recipe_of_value, stateless_quantizers, torch_autocast_dtype
+from . import grad_split, traced
+from .function import LinearQuantizers
+from .graph_linear import DECISIONS, GraphLinear, Layout, decision, layout_of
+from .padding import Padding
+
+_NAMES: dict[tuple, str] = {}
+
+
+def decided_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The :class:`Decision` of a compiled one-GEMM call of ``x @ weight.T + bias`` under
+    ``recipe`` (built-in, without state, no boundary roles), or None where the shapes are
+    symbolic or the operands not plain contiguous tensors (the caller decides in the
+    trace)."""
+    if (type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, nn.Parameter)
+            or (bias is not None and type(bias) not in (torch.Tensor, nn.Parameter))
+            or not (x.is_contiguous() and weight.is_contiguous())):
+        return None
+    x_shape, w_shape = tuple(x.shape), tuple(weight.shape)
+    for d in x_shape + w_shape:
+        if d.__class__ is not int:  # (type() of a symbolic size is int to dynamo)
+            return None
+    key = (recipe._lowprec_value, x_shape, x.dtype, x.requires_grad, x.device.type,
+           x.device.index, w_shape, weight.dtype, type(weight) is nn.Parameter,
+           weight.requires_grad, None if bias is None else (tuple(bias.shape), bias.dtype),
+           torch.is_grad_enabled(), torch_autocast_dtype(x), grad_split.mode())
+    return decision(_decided(key))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A call's quantizers, backward mode, plan (or the reason it has none), padding, and
+    the layout of its two graph ops (None: it runs as ``TracedLinear``)."""
+
+    name: str
+    q: LinearQuantizers
+    mode: str
+    plan: object
+    pad: Padding
+    layout: Layout | None
+
+    def call(self, x, weight, bias):
+        """``traced.traced_linear`` of this call."""
+        function = None
+        if self.layout is not None:
+            def function(a, b, c):
+                return GraphLinear.apply(a, b, c, self.name, self.layout)
+        return traced.traced_linear(self.q, self.mode, x, weight, bias, None, self.plan,
+                                    padding=self.pad, function=function)
+
+
+@torch._dynamo.assume_constant_result
+def _decided(key: tuple) -> str:
+    # The name of the decision's attribute of DECISIONS, a constant of the graph. The trace
+    # then reads that one attribute, which dynamo guards as it is (the same objects for
+    # every layer of this kind), where objects returned from here would carry a source
+    # dynamo cannot guard, and a table read as a whole would be the table as it was when
+    # the trace first read it.
+    name = _NAMES.get(key)
+    if name is None:
+        name = _NAMES[key] = f"d{len(_NAMES)}"
+        setattr(DECISIONS, name, _decide(name, *key))
+    return name
+
+
+def _decide(name, value, x_shape, x_dtype, x_grad, device_type, device_index, w_shape, w_dtype,
+            w_param, w_grad, b_meta, grad, amp, split_mode):
+    recipe = recipe_of_value(value)
+    # built-in rules read a role's tensor type and direction only (reads_role_names)
+    fq = stateless_quantizers(recipe, "forward", [QuantizerRole(tensor_type="input"),
+                                                  QuantizerRole(tensor_type="weight")])
+    (bq,) = stateless_quantizers(recipe, "backward", [QuantizerRole(tensor_type="grad_output")])
+    q = LinearQuantizers(input=fq[0], weight=fq[1], output=None, grad_output=bq,
+                         grad_input=None)
+    mode = recipe.backward_mode
+    device = torch.device(device_type, device_index)
+    # stand-ins with the operands' metadata, put through traced_linear's own steps
+    with unset_fake_temporarily(), FakeTensorMode(), torch.set_grad_enabled(grad), \
+            grad_split.in_mode(split_mode):
+        x = torch.empty(x_shape, dtype=x_dtype, device=device, requires_grad=x_grad)
+        w = torch.empty(w_shape, dtype=w_dtype, device=device, requires_grad=w_grad)
+        if w_param:
+            w = nn.Parameter(w, requires_grad=w_grad)
+        b = None if b_meta is None else torch.empty(b_meta[0], dtype=b_meta[1], device=device)
+        if amp is not None:
+            x, w = x.to(amp), w.to(amp)
+            b = b.to(amp) if b is not None else None
+        plan, pad = traced.decide(q, mode, x, w, b, amp is not None)
+        layout = None
+        if not isinstance(plan, str) and not plan.delayed:
+            if pad:
+                x, w, b = pad.operands(x, w, b)
+            with torch.autocast(device_type, enabled=False):  # as traced_linear runs it
+                layout = layout_of(plan, x, w, b, grad and x_grad, grad and w_grad)
+    return Decision(name, q, mode, plan, pad, layout)
