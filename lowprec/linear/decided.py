@@ -38,10 +38,9 @@ def decided_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
             or (bias is not None and type(bias) not in (torch.Tensor, nn.Parameter))
             or not (x.is_contiguous() and weight.is_contiguous())):
         return None
+    if _symbolic_sizes():
+        return None
     x_shape, w_shape = tuple(x.shape), tuple(weight.shape)
-    for d in x_shape + w_shape:
-        if d.__class__ is not int:  # (type() of a symbolic size is int to dynamo)
-            return None
     key = (recipe._lowprec_value, x_shape, x.dtype, x.requires_grad, x.device.type,
            x.device.index, w_shape, weight.dtype, type(weight) is nn.Parameter,
            weight.requires_grad, None if bias is None else (tuple(bias.shape), bias.dtype),
@@ -69,6 +68,20 @@ class Decision:
                 return GraphLinear.apply(a, b, c, self.name, self.layout)
         return traced.traced_linear(self.q, self.mode, x, weight, bias, None, self.plan,
                                     padding=self.pad, function=function)
+
+
+@torch._dynamo.assume_constant_result
+def _symbolic_sizes() -> bool:
+    """Whether the frame being traced has symbolic sizes (dynamic shapes), which cannot be
+    a decision's key. Asked of the trace's shape environment: dynamo shows a symbolic
+    size to traced code as an int, and no expression tells the two apart on every
+    supported torch."""
+    context = torch._guards.TracingContext.try_get()
+    env = None if context is None or context.fake_mode is None else context.fake_mode.shape_env
+    if env is None:
+        return False
+    # torch 2.13 names the sizes' symbols backed_var_to_val (var_to_val before)
+    return bool(env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val)
 
 
 @torch._dynamo.assume_constant_result
@@ -112,6 +125,8 @@ def _decide(name, value, x_shape, x_dtype, x_grad, device_type, device_index, w_
         if not isinstance(plan, str) and not plan.delayed:
             if pad:
                 x, w, b = pad.operands(x, w, b)
-            with torch.autocast(device_type, enabled=False):  # as traced_linear runs it
+            # autocast off, as traced_linear runs the Function (without touching the
+            # global autocast state, which dynamo checks is the same after tracing)
+            with torch._C._DisableAutocast():
                 layout = layout_of(plan, x, w, b, grad and x_grad, grad and w_grad)
     return Decision(name, q, mode, plan, pad, layout)
