@@ -174,8 +174,11 @@ def _grads(lay: Layout, plan: TracedPlan, dy, saved, need_dx: bool, need_dw: boo
     ctx = _Ctx((need_dx, need_dw, need_db), tuple(saved))
     ctx.plan, ctx.n_saved, ctx.has_bias = plan, lay.n_saved, lay.has_bias
     ctx.x_shape, ctx.x_dtype, ctx.w_dtype = lay.x_shape, lay.x_dtype, lay.w_dtype
-    with in_graph():
-        return steps.traced_backward(ctx, dy, TracedLinear._grads)[:3]
+    # autocast off as TracedLinear's backward runs (its traced form enters
+    # ``torch.autocast(enabled=False)``; here the keys are excluded for the block, which
+    # leaves the global autocast state as it was)
+    with in_graph(), torch._C._DisableAutocast():
+        return steps.backward_grads(ctx, dy, TracedLinear._grads)[:3]
 
 
 @torch.library.register_fake("lowprec::linear_backward")
