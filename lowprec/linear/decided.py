@@ -23,9 +23,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from ..recipe import QuantizerRole, recipe_of_value, stateless_quantizers, torch_autocast_dtype
 from . import grad_split, traced
 from .function import LinearQuantizers
-from .graph_linear import DECISIONS, GraphLinear, Layout, decision, layout_of
 from .padding import Padding
 
+
+class _Decisions:
+    """Every decision made, one attribute each (never dropped: compiled graphs' guards
+    read them)."""
+
+
+DECISIONS = _Decisions()
 _NAMES: dict[tuple, str] = {}
 
 
@@ -45,29 +51,22 @@ def decided_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
            x.device.index, w_shape, weight.dtype, type(weight) is nn.Parameter,
            weight.requires_grad, None if bias is None else (tuple(bias.shape), bias.dtype),
            torch.is_grad_enabled(), torch_autocast_dtype(x), grad_split.mode())
-    return decision(_decided(key))
+    return getattr(DECISIONS, _decided(key))
 
 
 @dataclass(frozen=True)
 class Decision:
-    """A call's quantizers, backward mode, plan (or the reason it has none), padding, and
-    the layout of its two graph ops (None: it runs as ``TracedLinear``)."""
+    """A call's quantizers, backward mode, plan (or the reason it has none) and padding."""
 
-    name: str
     q: LinearQuantizers
     mode: str
     plan: object
     pad: Padding
-    layout: Layout | None
 
     def call(self, x, weight, bias):
         """``traced.traced_linear`` of this call."""
-        function = None
-        if self.layout is not None:
-            def function(a, b, c):
-                return GraphLinear.apply(a, b, c, self.name, self.layout)
         return traced.traced_linear(self.q, self.mode, x, weight, bias, None, self.plan,
-                                    padding=self.pad, function=function)
+                                    padding=self.pad)
 
 
 @torch._dynamo.assume_constant_result
@@ -94,11 +93,11 @@ def _decided(key: tuple) -> str:
     name = _NAMES.get(key)
     if name is None:
         name = _NAMES[key] = f"d{len(_NAMES)}"
-        setattr(DECISIONS, name, _decide(name, *key))
+        setattr(DECISIONS, name, _decide(*key))
     return name
 
 
-def _decide(name, value, x_shape, x_dtype, x_grad, device_type, device_index, w_shape, w_dtype,
+def _decide(value, x_shape, x_dtype, x_grad, device_type, device_index, w_shape, w_dtype,
             w_param, w_grad, b_meta, grad, amp, split_mode):
     recipe = recipe_of_value(value)
     # built-in rules read a role's tensor type and direction only (reads_role_names)
@@ -121,12 +120,4 @@ def _decide(name, value, x_shape, x_dtype, x_grad, device_type, device_index, w_
             x, w = x.to(amp), w.to(amp)
             b = b.to(amp) if b is not None else None
         plan, pad = traced.decide(q, mode, x, w, b, amp is not None)
-        layout = None
-        if not isinstance(plan, str) and not plan.delayed:
-            if pad:
-                x, w, b = pad.operands(x, w, b)
-            # autocast off, as traced_linear runs the Function (without touching the
-            # global autocast state, which dynamo checks is the same after tracing)
-            with torch._C._DisableAutocast():
-                layout = layout_of(plan, x, w, b, grad and x_grad, grad and w_grad)
-    return Decision(name, q, mode, plan, pad, layout)
+    return Decision(q, mode, plan, pad)

@@ -555,8 +555,7 @@ def decide(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
 
 def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None, delayed=None, plan: TracedPlan | None = None, *,
-                  gemm: int = 0, updates: bool = True, padding: Padding = NO_PADDING,
-                  function=None):
+                  gemm: int = 0, updates: bool = True, padding: Padding = NO_PADDING):
     """``x @ weight.T + bias`` quantized by ``quantizers`` in ops the compiler traces, or the
     reason (a string) where :func:`plan_for` has no plan (the caller keeps the opaque op).
     ``delayed``: the (forward, backward) delayed-scaling states, the module's handle
@@ -567,8 +566,6 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
     backward, the module's last to run, updates the backward state (eager's end-of-backward
     callback). ``plan``: :func:`plan_for`'s plan, where the caller has asked for it already
     (for an input of the same shape and dtype), with its ``padding`` (:func:`decide`).
-    ``function``: ``(x, weight, bias) -> y`` of the padded operands in TracedLinear's
-    place (a decided call's graph ops, ``lowprec.linear.graph_linear``).
 
     Under ``torch.autocast`` the operands are first cast to its dtype (differentiably, so
     an fp32 weight gets an fp32 gradient) and the rest runs with autocast off, as
@@ -597,10 +594,10 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
                             algo_code(recipe.amax_compute_algo), float(recipe.margin),
                             2 * gemm, updates, group))
     if amp is None:
-        y = TracedLinear.apply(*args) if function is None else function(x, weight, bias)
+        y = TracedLinear.apply(*args)
     else:
         with torch.autocast(x.device.type, enabled=False):
-            y = TracedLinear.apply(*args) if function is None else function(x, weight, bias)
+            y = TracedLinear.apply(*args)
     return pad.cut(y, x_shape) if pad else y
 
 

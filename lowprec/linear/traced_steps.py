@@ -104,13 +104,11 @@ def traced_backward(ctx, dy, grads) -> tuple:
     # always takes it, since the trace's autocast state is not the one the graph runs in
     if torch.compiler.is_compiling() or torch.is_autocast_enabled(dy.device.type):
         with torch.autocast(dy.device.type, enabled=False):
-            return backward_grads(ctx, dy, grads)
-    return backward_grads(ctx, dy, grads)
+            return _backward(ctx, dy, grads)
+    return _backward(ctx, dy, grads)
 
 
-def backward_grads(ctx, dy, grads) -> tuple:
-    """:func:`traced_backward`'s gradients in the autocast state of the caller (one that
-    has switched autocast off itself)."""
+def _backward(ctx, dy, grads) -> tuple:
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     dy2d = as_2d(dy)
     dx, dw = grads(ctx, dy2d, need_dx, need_dw, *ctx.saved_tensors)

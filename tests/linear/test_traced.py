@@ -499,16 +499,12 @@ _ONE_PASS = {"block": (Float8BlockScaling, block_graph, "fp8_block_quantize", 4)
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and use_kernels(torch.empty(1))),
                     reason="needs CUDA and Triton (block FP8 / MXFP8 kernels)")
-@pytest.mark.parametrize("backend", ["decomposed", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("fmt", sorted(_ONE_PASS))
 def test_linears_reading_one_input_quantize_it_once(fmt, backend, monkeypatch):
     """q/k/v-like Linears on one input: a graph quantizes that input once for all three,
     both directions in one pass whose columnwise blocks the backward keeps (eager's Gluon
-    quantize, merged by the compiler's common-subexpression pass), with eager's bits.
-    ``decomposed``: aot_eager over the graphs inductor receives (each Linear's graph ops
-    taken apart into its quantizes and GEMMs, ``lowprec.linear.graph_linear``)."""
-    if backend == "decomposed":
-        backend = GraphOps()
+    quantize, merged by the compiler's common-subexpression pass), with eager's bits."""
     recipe_cls, graph, name, at = _ONE_PASS[fmt]
     calls = []
     launcher = getattr(graph, name)
