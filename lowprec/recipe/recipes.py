@@ -129,8 +129,9 @@ _RECIPES: "weakref.WeakValueDictionary[int, Recipe]" = weakref.WeakValueDictiona
 _next_key = itertools.count()
 
 
-#: one int per distinct recipe value (``Recipe._lowprec_value``), and the first recipe of
-#: each value (one object a value is kept: equal recipes made each step add nothing)
+#: one int per distinct value of a built-in recipe (``Recipe._lowprec_value``), and the
+#: first recipe of each value (one object a value is kept: equal recipes made each step
+#: add nothing; a CustomRecipe, whose factory may hold anything, is never kept)
 _VALUES: "dict[Recipe, int]" = {}
 _BY_VALUE: "dict[int, Recipe]" = {}
 
@@ -139,13 +140,15 @@ def _register(recipe: "Recipe") -> None:
     key = next(_next_key)
     object.__setattr__(recipe, "_lowprec_key", key)
     _RECIPES[key] = recipe
-    try:
-        value = _VALUES.get(recipe)
-        if value is None:
-            value = _VALUES[recipe] = len(_VALUES)
-            _BY_VALUE[value] = recipe
-    except TypeError:  # a field that does not hash: the object stands for itself
-        value = -1 - key
+    value = -1 - key  # a CustomRecipe, or a field that does not hash: the object itself
+    if not isinstance(recipe, CustomRecipe):
+        try:
+            value = _VALUES.get(recipe)
+            if value is None:
+                value = _VALUES[recipe] = len(_VALUES)
+                _BY_VALUE[value] = recipe
+        except TypeError:
+            value = -1 - key
     object.__setattr__(recipe, "_lowprec_value", value)
 
 

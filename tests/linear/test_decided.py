@@ -12,13 +12,16 @@ import torch
 from helpers import GraphOps
 
 import lowprec
+from lowprec.formats import IdentityQuantizer
 from lowprec.linear import decided
 from lowprec.modules import quantizers
 from lowprec.recipe.recipes import (
+    CustomRecipe,
     Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
+    recipe_of_value,
 )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -130,3 +133,9 @@ def test_recipe_value_keys():
     c = Float8CurrentScaling(use_power_2_scales=True)
     assert a._lowprec_value == b._lowprec_value != c._lowprec_value
     assert a._lowprec_key != b._lowprec_key
+    assert recipe_of_value(b._lowprec_value) == b
+    # a CustomRecipe names only itself (its factory is not kept alive)
+    d, e = (CustomRecipe(qfactory=lambda role: IdentityQuantizer()) for _ in range(2))
+    assert d._lowprec_value < 0 and d._lowprec_value != e._lowprec_value
+    with pytest.raises(RuntimeError, match="value key"):
+        recipe_of_value(d._lowprec_value)
