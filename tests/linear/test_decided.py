@@ -46,6 +46,17 @@ def _run(fn, m, x, dy, recipe, *, x_grad=True, amp=None):
     return [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
 
 
+def _count_decided_calls(monkeypatch) -> list:
+    """A list that each traced call of a decided Linear appends its decision to."""
+    calls, call = [], decided.Decision.call
+
+    def counted(self, x, weight, bias):
+        calls.append(self)
+        return call(self, x, weight, bias)
+    monkeypatch.setattr(decided.Decision, "call", counted)
+    return calls
+
+
 def _dtype(device):
     return torch.bfloat16 if device == "cuda" else torch.float32
 
@@ -74,9 +85,9 @@ def test_decided_call_is_eager_bit_for_bit(device, case, name, monkeypatch):
     dy = torch.randn(*shape[:-1], n, device=device)
     want = _run(m, m, x, dy, recipe, amp=amp)
     ops, traced = GraphOps(), GraphOps()
-    before = len(decided._NAMES)
+    calls = _count_decided_calls(monkeypatch)
     got = _run(torch.compile(m, backend=ops, fullgraph=True), m, x, dy, recipe, amp=amp)
-    assert len(decided._NAMES) == before + 1  # the call was decided outside the trace
+    assert calls  # the call was decided outside the trace
     for w, g in zip(want, got):
         assert torch.equal(w, g)
     # the graphs inductor receives are those of the plan decided in the trace
@@ -110,20 +121,20 @@ def test_same_shaped_layers_and_equal_recipes_share_one_decision():
     for _ in range(2):  # an equal recipe object each step
         with lowprec.autocast(recipe=Float8CurrentScaling()):
             compiled(x).sum().backward()
-    assert len(decided._NAMES) - before == 1
+    assert len(decided._NAMES) - before <= 1  # (none where this kind was decided before)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
 
 
-def test_symbolic_shapes_trace_as_before():
+def test_symbolic_shapes_trace_as_before(monkeypatch):
     """Symbolic sizes cannot be a decision's key: the call traces its plan in the graph."""
     recipe = Float8CurrentScaling()
     m = lowprec.Linear(64, 32, name="l")
     x, dy = torch.randn(24, 64), torch.randn(24, 32)
     want = _run(m, m, x, dy, recipe)
-    before = len(decided._NAMES)
+    calls = _count_decided_calls(monkeypatch)
     got = _run(torch.compile(m, backend="aot_eager", fullgraph=True, dynamic=True), m, x, dy,
                recipe)
-    assert len(decided._NAMES) == before
+    assert not calls
     for w, g in zip(want, got):
         assert torch.equal(w, g)
 
