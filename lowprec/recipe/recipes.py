@@ -147,8 +147,8 @@ def _register(recipe: "Recipe") -> None:
             if value is None:
                 value = _VALUES[recipe] = len(_VALUES)
                 _BY_VALUE[value] = recipe
-        except TypeError:
-            value = -1 - key
+        except TypeError:  # (the lookup raised before assigning: the object's own value)
+            pass
     object.__setattr__(recipe, "_lowprec_value", value)
 
 
