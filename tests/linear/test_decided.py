@@ -67,6 +67,8 @@ CASES = {
     "2d": ((64, 128), 128, 64, False, None, None),
     "padded": ((3, 7, 80), 80, 48, True, None, None),  # K, N and M in part blocks
     "amp": ((2, 32, 128), 128, 64, True, torch.float32, torch.bfloat16),
+    # bf16 parameters: a parameter's values need no rounding in the graph (CUDA's default)
+    "bf16": ((64, 128), 128, 64, False, torch.bfloat16, None),
 }
 
 

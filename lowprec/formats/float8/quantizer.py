@@ -128,7 +128,7 @@ class Float8Quantizer(_PerTensorFloat8):
         if not self._quantizes_as(Float8Quantizer):
             return super().graph_operand(t, grad=grad)
         return graph.Delayed(self.fp8_dtype, kernel=use_kernels(t),
-                             materialized=type(t) is torch.nn.Parameter)
+                             materialized=isinstance(t, torch.nn.Parameter))
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "scale": float(self.scale)}
@@ -212,9 +212,11 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
             if t.rowwise_data is None or t.fp8_dtype != self.fp8_dtype:
                 return "a per-tensor FP8 weight without rowwise data in this fp8 dtype"
             return graph.GivenTensorwise(self.fp8_dtype)
+        # isinstance: a compiled linear decides on fake stand-ins, and a parameter of a
+        # FakeTensor keeps FakeTensor's type (nn.Parameter marks it instead)
         return graph.Tensorwise(self.fp8_dtype, self.force_pow_2_scales, self.amax_epsilon,
                                 kernel=use_kernels(t),
-                                materialized=type(t) is torch.nn.Parameter)
+                                materialized=isinstance(t, torch.nn.Parameter))
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "force_pow_2_scales": self.force_pow_2_scales,
