@@ -51,14 +51,20 @@ def dequantize_bf16_inline(data: torch.Tensor, scale: torch.Tensor,
                            block_scaling_dim: int) -> torch.Tensor:
     """:func:`dequantize_bf16` for compiled graphs on CUDA with Triton (``data`` of unit
     inner stride): a ``triton_op``, so inductor launches the same kernel from its own code,
-    without a custom-op dispatch and a Python launcher per GEMM operand."""
+    without a custom-op dispatch and a Python launcher per GEMM operand. ``data`` of another
+    inner stride gets the reference's ops, which inductor then fuses."""
+    if data.stride(1) != 1:
+        return dequantize_blocks(data, scale, block_scaling_dim).to(torch.bfloat16)
     return _run(data, scale, block_scaling_dim, launch_in_graph)
 
 
 def dequantized_bf16(data: torch.Tensor, scale: torch.Tensor,
                      block_scaling_dim: int) -> torch.Tensor:
     """:func:`dequantize_bf16`; in a compiled graph, :func:`dequantize_bf16_inline` where
-    the kernel runs (an eager call skips the op's dispatch through the kernel op)."""
-    if torch.compiler.is_compiling() and _kernel_takes(data):
+    kernels run (an eager call skips the op's dispatch through the kernel op)."""
+    # the stride is asked inside the op: dynamo speculates a backward that reads a tensor's
+    # strides a second time, and torch 2.11 then leaves the first attempt's torch.autocast
+    # state behind ("Global autocast state changed while dynamo tracing")
+    if torch.compiler.is_compiling() and use_kernels(data):
         return dequantize_bf16_inline(data, scale, block_scaling_dim)
     return dequantize_bf16(data, scale, block_scaling_dim)
