@@ -260,20 +260,29 @@ def _plan_locked(handle, key) -> _Plan | None:
     return plan
 
 
-def shape_ok(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """What can be decided without data pointers (so also under tracing): dtypes, rows
-    contiguous, 16-byte row pitch."""
+def shape_ok(am: torch.Tensor, bm: torch.Tensor, out_dtype: torch.dtype,
+             strides: bool = True) -> bool:
+    """What can be decided without data pointers (so also under tracing): dtypes, shapes
+    and, unless ``strides`` is False, :func:`strides_ok`."""
     if not available() or am.dtype != torch.bfloat16 or bm.dtype != torch.bfloat16:
         return False
     if out_dtype not in _CUDA_TYPES or am.dim() != 2 or bm.dim() != 2:
         return False
     m, k = am.shape
     n = bm.shape[0]
-    if min(m, n, k) == 0 or bm.shape[1] != k or am.stride(1) != 1 or bm.stride(1) != 1:
+    if min(m, n, k) == 0 or bm.shape[1] != k or k % 8:
+        return False
+    return not strides or strides_ok(am, bm)
+
+
+def strides_ok(am: torch.Tensor, bm: torch.Tensor) -> bool:
+    """Rows contiguous, not overlapping, and a 16-byte row pitch."""
+    k = am.shape[1]
+    if am.stride(1) != 1 or bm.stride(1) != 1:
         return False
     if am.stride(0) < k or bm.stride(0) < k:  # overlapping rows (expanded views)
         return False
-    return am.stride(0) % 8 == 0 and bm.stride(0) % 8 == 0 and k % 8 == 0
+    return am.stride(0) % 8 == 0 and bm.stride(0) % 8 == 0
 
 
 def mm_scaled(am: torch.Tensor, bm: torch.Tensor, alpha_beta: torch.Tensor,

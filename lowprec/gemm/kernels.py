@@ -159,9 +159,16 @@ def scaled_mm_lt_in_graph(am: torch.Tensor, bm: torch.Tensor, div_a: Optional[to
     """:func:`scaled_mm_lt` as an op of a compiled graph: the cuBLASLt workspace is a tensor
     of the graph (``cublaslt.WORKSPACE_BYTES``) and alpha is made for the call, so nothing
     outlives it (CUDA graph trees require the graph's memory pool to own every allocation a
-    step keeps). The same cuBLASLt call as eager's, so the same bits."""
-    return _scaled_mm_lt(am, bm, _divisor(div_a), _divisor(div_b), out_dtype,
-                         workspace=workspace)
+    step keeps). The same cuBLASLt call as eager's, so the same bits; operands whose
+    strides cuBLASLt does not take (``cublaslt.strides_ok``) get eager's fp32 GEMM and
+    epilogue instead."""
+    from . import cublaslt
+
+    div_a, div_b = _divisor(div_a), _divisor(div_b)
+    if not cublaslt.strides_ok(am, bm):
+        acc = torch.mm(am, bm.t(), out_dtype=torch.float32)
+        return _epilogue_op(acc, div_a, div_b, None, out_dtype)
+    return _scaled_mm_lt(am, bm, div_a, div_b, out_dtype, workspace=workspace)
 
 
 @torch.library.register_fake("lowprec::scaled_mm_lt_in_graph")

@@ -172,6 +172,34 @@ def test_unaligned_and_strided_operands(lt_calls):
     assert not cublaslt.shape_ok(odd, bm[:, :1000], torch.bfloat16)
 
 
+def test_strides_ok_cpu():
+    store = torch.zeros(64, 1001, dtype=torch.bfloat16)
+    rows = torch.zeros(32, 1000, dtype=torch.bfloat16)
+    assert cublaslt.strides_ok(rows, rows[:16])
+    assert not cublaslt.strides_ok(store[:, :1000], rows)       # row pitch 1001 elements
+    assert not cublaslt.strides_ok(rows, rows.t().contiguous().t()[:16])  # columns contiguous
+    assert not cublaslt.strides_ok(rows[:1].expand(32, 1000), rows)       # overlapping rows
+
+
+@gpu
+def test_in_graph_op_takes_the_strides_cublaslt_refuses(lt_calls):
+    # a graph's call leaves the strides to the op (a traced backward must not read them):
+    # where cuBLASLt takes them, eager's bits; where not, eager's fp32 path's, without a launch
+    am, bm, da, db = _operands(8, 64, 96, 1000, 7.0, 0.01)
+    workspace = am.new_empty(cublaslt.WORKSPACE_BYTES, dtype=torch.uint8)
+    got = kernels.scaled_mm_lt_in_graph(am, bm, da, db, workspace, torch.bfloat16)
+    assert lt_calls == [True]
+    assert torch.equal(got, kernels.scaled_mm_lt(am, bm, da, db, torch.bfloat16))
+    lt_calls.clear()
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    odd = _exactish_bf16(64, 1001, gen)[:, :1000]
+    assert cublaslt.shape_ok(odd, bm, torch.bfloat16, strides=False)
+    assert not cublaslt.shape_ok(odd, bm, torch.bfloat16)
+    got = kernels.scaled_mm_lt_in_graph(odd, bm, da, db, workspace, torch.bfloat16)
+    assert lt_calls == []
+    assert torch.equal(got, _old_path(odd, bm, da, db, None, torch.bfloat16))
+
+
 @gpu
 def test_under_compile_and_cuda_graph(lt_calls):
     am, bm, da, db = _operands(6, 512, 256, 768, 7.0, 0.01)
