@@ -130,8 +130,8 @@ def exact_product(am, div_a, bm, div_b, out_dtype, bias=None, out=None, *, in_gr
             return torch.mm(am, bm.t(), out=out)
         return torch.addmm(bias, am, bm.t(), out=out)
     # in a graph the op asks the strides itself: dynamo speculates a backward that reads a
-    # tensor's strides a second time (and torch 2.11 then leaves the first attempt's
-    # torch.autocast state behind)
+    # tensor's strides a second time (and torch, 2.11 to 2.13, then leaves the first
+    # attempt's torch.autocast state behind)
     if bias is None and use_kernels(am) and cublaslt.shape_ok(am, bm, out_dtype,
                                                               strides=not in_graph):
         # the divisors in cuBLASLt's epilogue: no fp32 result in memory

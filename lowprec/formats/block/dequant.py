@@ -63,8 +63,8 @@ def dequantized_bf16(data: torch.Tensor, scale: torch.Tensor,
     """:func:`dequantize_bf16`; in a compiled graph, :func:`dequantize_bf16_inline` where
     kernels run (an eager call skips the op's dispatch through the kernel op)."""
     # the stride is asked inside the op: dynamo speculates a backward that reads a tensor's
-    # strides a second time, and torch 2.11 then leaves the first attempt's torch.autocast
-    # state behind ("Global autocast state changed while dynamo tracing")
+    # strides a second time, and torch (2.11 to 2.13) then leaves the first attempt's
+    # torch.autocast state behind ("Global autocast state changed while dynamo tracing")
     if torch.compiler.is_compiling() and use_kernels(data):
         return dequantize_bf16_inline(data, scale, block_scaling_dim)
     return dequantize_bf16(data, scale, block_scaling_dim)
