@@ -4,9 +4,10 @@ each peer in a fresh process with an empty inductor cache (the cold start a user
 Per peer it prints the seconds of the first ``--steps`` steps, the graphs, captured calls
 and generated kernels, dynamo's timed phases (``compilation_time_metrics``), and with
 ``--inlined N`` the N user functions dynamo spent most tracing time in, exclusive of the
-functions they call (timed around dynamo's inlining of each call; a function's time
-includes the fake-tensor propagation of the ops it traces). With ``--classes N`` also the
-N classes whose instantiation inside the trace cost dynamo most (inclusive seconds).
+functions they call (``--inclusive N``: the N with most time including their callees;
+timed around dynamo's inlining of each call, so a function's time includes the
+fake-tensor propagation of the ops it traces). With ``--classes N`` also the N classes
+whose instantiation inside the trace cost dynamo most (inclusive seconds).
 
 Without a GPU, ``--pretend`` traces the GPU code path on the CPU (``host_calls.py``'s no-op
 launches and GEMMs, the model in bf16), and ``--backend aot_eager`` times dynamo and AOT
@@ -36,7 +37,8 @@ def _profile_inlining():
     by function and (inclusive seconds, objects) by class instantiated."""
     import torch._dynamo.symbolic_convert as sc
 
-    excl, calls, stack = collections.Counter(), collections.Counter(), []
+    excl, incl = collections.Counter(), collections.Counter()
+    calls, stack, active = collections.Counter(), [], collections.Counter()
     # dynamo builds a user class's object through one polyfill: the class, inclusive time
     made_s, made_n = collections.Counter(), collections.Counter()
     inline = sc.InliningInstructionTranslator.inline_call_
@@ -51,12 +53,16 @@ def _profile_inlining():
             made = getattr(cls, "__qualname__", "?")
         t0 = time.perf_counter()
         stack.append(0.0)
+        active[key] += 1
         try:
             return inline(self)
         finally:
             dt = time.perf_counter() - t0
             child = stack.pop()
             excl[key] += dt - child
+            active[key] -= 1
+            if not active[key]:  # a recursive call's time counts once
+                incl[key] += dt
             calls[key] += 1
             if made is not None:
                 made_s[made] += dt
@@ -65,7 +71,7 @@ def _profile_inlining():
                 stack[-1] += dt
 
     sc.InliningInstructionTranslator.inline_call_ = timed
-    return excl, calls, made_s, made_n
+    return excl, incl, calls, made_s, made_n
 
 
 def one_peer(args) -> None:
@@ -80,8 +86,8 @@ def one_peer(args) -> None:
     from torch._dynamo.utils import compilation_time_metrics, counters
     from torch._inductor import metrics
 
-    profiled = args.inlined or args.classes
-    excl, calls, made_s, made_n = _profile_inlining() if profiled else (None,) * 4
+    profiled = args.inlined or args.inclusive or args.classes
+    excl, incl, calls, made_s, made_n = _profile_inlining() if profiled else (None,) * 5
     model, ctx = B.make_peer(args.peers, args.model, args.device, "eager")
     if args.pretend:
         model = model.to(torch.bfloat16)  # the dtype of the GPU runs
@@ -110,6 +116,10 @@ def one_peer(args) -> None:
         print(f"  dynamo tracing, exclusive s / calls (top {args.inlined}):")
         for key, t in excl.most_common(args.inlined):
             print(f"    {t:7.3f} {calls[key]:6d}  {key}")
+    if args.inclusive:
+        print(f"  dynamo tracing, inclusive s / calls (top {args.inclusive}):")
+        for key, t in incl.most_common(args.inclusive):
+            print(f"    {t:7.3f} {calls[key]:6d}  {key}")
     if args.classes:
         print(f"  classes instantiated while tracing, inclusive s / objects "
               f"(top {args.classes}):")
@@ -126,6 +136,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--phases", type=int, default=24)
     ap.add_argument("--inlined", type=int, default=0)
+    ap.add_argument("--inclusive", type=int, default=0)
     ap.add_argument("--classes", type=int, default=0)
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
     ap.add_argument("--pretend", action="store_true",
