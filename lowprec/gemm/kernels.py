@@ -117,12 +117,16 @@ def _scaled_mm_lt(am, bm, div_a, div_b, out_dtype, out=None, workspace=None):
     from . import cublaslt
 
     with device_guard(am.device):
-        # alpha and beta are written on the stream the GEMM reads them on; a graph's call
-        # (a workspace given) keeps nothing for the next one
-        alpha = (_LastAlpha.get(div_a, div_b, am.device) if workspace is None
-                 else _alpha_launch(div_a, div_b, am.device))
-        result = cublaslt.mm_scaled(am, bm, alpha, out_dtype, out, workspace)
-        if result is None:  # no cuBLASLt algorithm for these pointers: fp32 GEMM, then scale
+        result = None
+        # a graph's call (a workspace given) leaves the strides to be checked here (an eager
+        # caller has checked them: cublaslt.shape_ok)
+        if workspace is None or cublaslt.strides_ok(am, bm):
+            # alpha and beta are written on the stream the GEMM reads them on; a graph's
+            # call keeps nothing for the next one
+            alpha = (_LastAlpha.get(div_a, div_b, am.device) if workspace is None
+                     else _alpha_launch(div_a, div_b, am.device))
+            result = cublaslt.mm_scaled(am, bm, alpha, out_dtype, out, workspace)
+        if result is None:  # strides or pointers cuBLASLt does not take: fp32 GEMM, then scale
             acc = torch.mm(am, bm.t(), out_dtype=torch.float32)
             result = _epilogue_op(acc, div_a, div_b, None, out_dtype)
             if out is not None:
@@ -162,13 +166,8 @@ def scaled_mm_lt_in_graph(am: torch.Tensor, bm: torch.Tensor, div_a: Optional[to
     step keeps). The same cuBLASLt call as eager's, so the same bits; operands whose
     strides cuBLASLt does not take (``cublaslt.strides_ok``) get eager's fp32 GEMM and
     epilogue instead."""
-    from . import cublaslt
-
-    div_a, div_b = _divisor(div_a), _divisor(div_b)
-    if not cublaslt.strides_ok(am, bm):
-        acc = torch.mm(am, bm.t(), out_dtype=torch.float32)
-        return _epilogue_op(acc, div_a, div_b, None, out_dtype)
-    return _scaled_mm_lt(am, bm, div_a, div_b, out_dtype, workspace=workspace)
+    return _scaled_mm_lt(am, bm, _divisor(div_a), _divisor(div_b), out_dtype,
+                         workspace=workspace)
 
 
 @torch.library.register_fake("lowprec::scaled_mm_lt_in_graph")

@@ -21,16 +21,14 @@ def dequantize_bf16(data: torch.Tensor, scale: torch.Tensor,
                     block_scaling_dim: int) -> torch.Tensor:
     """(R, C) bf16 ``data / scale``: ``data`` (R, C) fp8 codes (unit inner stride), ``scale``
     (R, C/128) or (R/128, C/128) fp32 encode scales, any strides."""
-    if not _kernel_takes(data):
+    return _dequantize(data, scale, block_scaling_dim, launch)
+
+
+def _dequantize(data, scale, block_scaling_dim: int, run) -> torch.Tensor:
+    """The kernel, launched by ``run``; the reference's ops where it does not take ``data``
+    (no kernels, or an inner stride other than 1)."""
+    if not (use_kernels(data) and data.stride(1) == 1):
         return dequantize_blocks(data, scale, block_scaling_dim).to(torch.bfloat16)
-    return _run(data, scale, block_scaling_dim, launch)
-
-
-def _kernel_takes(data: torch.Tensor) -> bool:
-    return use_kernels(data) and data.stride(1) == 1
-
-
-def _run(data, scale, block_scaling_dim: int, run) -> torch.Tensor:
     from .dequant_kernel import block_dequant_bf16_kernel
     r, c = data.shape
     out = torch.empty((r, c), dtype=torch.bfloat16, device=data.device)
@@ -49,13 +47,11 @@ def _(data, scale, block_scaling_dim):
 @torch.library.triton_op("lowprec::block_dequant_bf16_inline", mutates_args=())
 def dequantize_bf16_inline(data: torch.Tensor, scale: torch.Tensor,
                            block_scaling_dim: int) -> torch.Tensor:
-    """:func:`dequantize_bf16` for compiled graphs on CUDA with Triton (``data`` of unit
-    inner stride): a ``triton_op``, so inductor launches the same kernel from its own code,
-    without a custom-op dispatch and a Python launcher per GEMM operand. ``data`` of another
-    inner stride gets the reference's ops, which inductor then fuses."""
-    if data.stride(1) != 1:
-        return dequantize_blocks(data, scale, block_scaling_dim).to(torch.bfloat16)
-    return _run(data, scale, block_scaling_dim, launch_in_graph)
+    """:func:`dequantize_bf16` for compiled graphs on CUDA with Triton: a ``triton_op``, so
+    inductor launches the same kernel from its own code, without a custom-op dispatch and a
+    Python launcher per GEMM operand (``data`` of another inner stride than 1 gets the
+    reference's ops, which inductor then fuses)."""
+    return _dequantize(data, scale, block_scaling_dim, launch_in_graph)
 
 
 def dequantized_bf16(data: torch.Tensor, scale: torch.Tensor,
