@@ -154,6 +154,8 @@ def _convert(model, recipe, module_filter_fn, example_inputs, fuse_norms) -> nn.
             _replace(parents, fqn, kind.from_experts(mod, fqn))
             report["converted"].append(fqn)
 
+    # the converted modules prepare their recipe state together under torch.compile
+    LowprecModule.new_group(m for m in model.modules() if isinstance(m, LowprecModule))
     # chosen, not refused: no warning for these
     skipped = {k: v for k, v in report["skipped"].items()
                if not v.startswith(("module_filter_fn", "an MoE router"))}

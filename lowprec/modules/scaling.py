@@ -4,6 +4,7 @@ forwards under other recipes, and the per-GEMM quantizers read from them."""
 
 from __future__ import annotations
 
+import itertools
 import warnings
 import weakref
 
@@ -17,7 +18,13 @@ from ..memory import (
     replay_states,
     replayed,
 )
-from ..recipe import RecipeState, active_region, register_delayed_state, stateful
+from ..recipe import (
+    RecipeState,
+    active_region,
+    reads_role_names,
+    register_delayed_state,
+    stateful,
+)
 
 
 def _holds(state: RecipeState | None, recipe) -> bool:
@@ -45,9 +52,15 @@ class _BackwardDone:
 
 
 
-#: live lowprec modules by ``id``: what :func:`_traced_states_ok`, which the compiler runs with
-#: constant arguments only, finds a module by (registered at construction and unpickling)
+#: live lowprec modules by ``id``: what :func:`prepare_group`, which the compiler runs with
+#: constant arguments only, finds a model's modules in (registered at construction and
+#: unpickling)
 _LIVE: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+
+#: the attribute naming a module's group: the modules ``convert_model`` made together (one
+#: model) share one; modules built directly are group 0
+GROUP_ATTR = "_lowprec_group"
+_next_group = itertools.count(1)
 
 
 #: how dynamo names the body of a ``torch.utils.checkpoint`` it traces
@@ -72,17 +85,27 @@ def _in_traced_checkpoint() -> bool:
 
 
 @torch._dynamo.assume_constant_result
-def _traced_states_ok(module_id: int) -> bool:
-    """Whether the module ``module_id`` names may trace its delayed-scaling call: not in the
-    body of a checkpoint the compiler traces. Run by the compiler as it traces (its result
-    a constant, the call not in the graph), it also makes the module's states for the
-    active recipe where they do not exist yet, so the call traces from its first step and
-    the next call's graph is the same one (no recompile, no opaque first call)."""
-    if _in_traced_checkpoint():
-        return False
-    region, module = active_region(), _LIVE.get(module_id)
-    if region is not None and module is not None and torch.is_grad_enabled():
-        module.init_scaling_state(region.recipe)
+def _outside_traced_checkpoint() -> bool:
+    """Whether a delayed-scaling call may trace: not in the body of a checkpoint the
+    compiler traces. Run by the compiler as it traces (its result a constant)."""
+    return not _in_traced_checkpoint()
+
+
+@torch._dynamo.assume_constant_result
+def prepare_group(group: int) -> bool:
+    """Make, for the active recipe, the recipe state of every module of ``group`` (one
+    model's modules) that lacks it: delayed scaling's scales and histories, a
+    ``CustomRecipe`` factory's quantizers per role. Run by the compiler as the group's
+    first call is traced (its result a constant, the call not in the graph), so that the
+    trace reads state every layer already holds: a model compiled decoder layer by decoder
+    layer compiles the layer's code once, where state made for the traced module alone
+    would fail the next layer's guards and compile every layer again. Returns True."""
+    region = active_region()
+    if region is None or torch.is_inference_mode_enabled():
+        return True  # inference tensors could not be updated in training later
+    for module in list(_LIVE.values()):
+        if module.__dict__.get(GROUP_ATTR, 0) == group:
+            module.prepare_state(region.recipe)
     return True
 
 
@@ -90,9 +113,43 @@ class ScalingStateMixin:
     """The recipe-state methods of ``LowprecModule`` (which holds ``_recipe_states``,
     ``_delayed_states`` and ``_pending_extra_state``)."""
 
+    @staticmethod
+    def new_group(modules) -> None:
+        """Make ``modules`` (the lowprec modules of one model) a group of their own: a
+        compiled call prepares its whole group's recipe state when it is traced
+        (:func:`prepare_group`)."""
+        group = next(_next_group)
+        for m in modules:
+            m.__dict__[GROUP_ATTR] = group
+
     def _register_live(self) -> None:
-        """Make this module findable by :func:`_traced_states_ok` (construction, unpickling)."""
+        """Make this module findable by :func:`prepare_group` (construction, unpickling)."""
         _LIVE[id(self)] = self
+
+    def prepare_state(self, recipe) -> None:
+        """Make the recipe state a compiled call under ``recipe`` reads, where the module
+        lacks it: delayed scaling's (as :meth:`init_scaling_state`), or the quantizers a
+        ``CustomRecipe`` factory gives each role, whose choice may read the roles' names
+        (a trace that asked the factory would guard on them). On the parameters' device;
+        nothing on the meta device or for other recipes."""
+        if not (stateful(recipe) or reads_role_names(recipe)):
+            return
+        device = self._params_device()
+        if device is None or device.type == "meta":
+            return
+        held = self.__dict__["_recipe_states"]
+        for mode in ("forward", "backward"):
+            if not _holds(held[mode], recipe):
+                self._state(mode, recipe, device)
+
+    def held_quantizers(self, recipe):
+        """(forward, backward) quantizer lists of the states the module holds for ``recipe``
+        (:meth:`prepare_state`), or None where it holds none."""
+        held = self.__dict__["_recipe_states"]
+        fwd, bwd = held["forward"], held["backward"]
+        if not (_holds(fwd, recipe) and _holds(bwd, recipe)):
+            return None
+        return fwd.quantizers, bwd.quantizers
 
     def traced_delayed_states(self, recipe):
         """(forward, backward ``DelayedScalingState``, module handle or None, whether the
@@ -100,14 +157,13 @@ class ScalingStateMixin:
         amaxes, and the forward state joins the region's update as an eager forward's does
         (through the handle where the region was entered outside the compiled call); an
         evaluation (gradients off) casts with the states' scales and records nothing, as
-        eager's records where nothing reads. None where the call stays opaque: a
-        checkpoint is in play, or the states do not exist yet and the region was entered
-        inside the compiled function or gradients are off (the opaque call makes them, and
-        the compiler traces the next call). With the region entered around the compiled
-        call, a missing state is made here, as the call is traced. In the body of a
+        eager's records where nothing reads. The states are made as the module's group is
+        traced (:func:`prepare_group`). None where the call stays opaque: a checkpoint is
+        in play, or the states do not exist (an inference-mode trace of a fresh module; the
+        opaque call makes them, and the compiler traces the next call). In the body of a
         checkpoint the compiler traces, the call stays opaque, whose recompute in backward
         refuses delayed scaling by name."""
-        if current_frame() is not None or not _traced_states_ok(id(self)):
+        if current_frame() is not None or not _outside_traced_checkpoint():
             return None
         states = self.__dict__["_recipe_states"]
         fwd, bwd = states["forward"], states["backward"]

@@ -1,6 +1,8 @@
 """A Hugging Face Llama compiled decoder layer by decoder layer (the torchtitan order)
 compiles the layer's code once: the layers' Linears differ in name only
-(``tools/layer_recompiles.py``)."""
+(``tools/layer_recompiles.py``). Delayed scaling's state and a name-reading
+``CustomRecipe``'s quantizers are made for the whole model as its first layer is traced,
+and the compiled steps are eager's, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,14 +10,27 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-from layer_recompiles import frames  # noqa: E402
+from layer_recompiles import run  # noqa: E402
 
 
 @pytest.mark.parametrize("recipe", ["current", "nvfp4", "fp8_row_mxfp8_col"])
 def test_decoder_layers_share_compiled_code(recipe):
-    n, breaks, reasons = frames(recipe, layers=2)
-    assert (n, breaks) == (1, 0), reasons
+    got = run(recipe, layers=2)
+    assert (got["frames"], got["breaks"], got["fallbacks"]) == (1, 0, []), got["reasons"]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "nvfp4_fp8_head"])
+def test_per_module_state_is_made_before_the_layers_are_guarded(recipe):
+    """Delayed scaling (each module its own scales, made at its first call) and a factory
+    that reads role names: one frame for three layers, nothing opaque, and three steps
+    (delayed scaling's scales moving between them) equal to eager's bit for bit."""
+    got = run(recipe, layers=3, steps=3)
+    assert (got["frames"], got["breaks"], got["fallbacks"]) == (1, 0, []), got["reasons"]
+    ref = run(recipe, layers=3, steps=3, compiled=False)
+    for a, b in zip(got["losses"] + got["grads"], ref["losses"] + ref["grads"], strict=True):
+        assert torch.equal(a, b)
