@@ -107,6 +107,9 @@ def attach_recipe(model: nn.Module, recipe: Recipe | None, *, amax_reduction_gro
     model.register_forward_pre_hook(attached.enter)
     model.register_forward_hook(attached.exit, always_call=True)
     init_scaling_state(model, recipe)
+    from ..modules import LowprecModule  # the modules import this package's autocast
+    # one group: a compiled call makes the recipe state of all of them as it is traced
+    LowprecModule.new_group(m for m in model.modules() if isinstance(m, LowprecModule))
     return model
 
 

@@ -71,7 +71,7 @@ class CallQuantizersMixin:
         if stateful(recipe) or reads_role_names(recipe):
             # the state this trace reads, made for the whole model now: each layer's own
             # made as it is traced would fail the next layer's guards
-            prepare_group(self.__dict__.get(GROUP_ATTR, 0))
+            prepare_group(self.__dict__[GROUP_ATTR])
         if stateful(recipe):
             states = self.traced_delayed_states(recipe)
             if states is None:

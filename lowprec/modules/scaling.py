@@ -4,7 +4,7 @@ forwards under other recipes, and the per-GEMM quantizers read from them."""
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import warnings
 import weakref
 
@@ -57,10 +57,14 @@ class _BackwardDone:
 #: unpickling)
 _LIVE: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
 
-#: the attribute naming a module's group: the modules ``convert_model`` made together (one
-#: model) share one; modules built directly are group 0
+#: the attribute naming a module's group, a random int: the modules of one model share one
+#: (``convert_model``, ``attach_recipe``), a module built directly has its own. Random, so
+#: that unpickled models of other processes keep theirs without meeting another's.
 GROUP_ATTR = "_lowprec_group"
-_next_group = itertools.count(1)
+
+
+def _fresh_group() -> int:
+    return secrets.randbits(62)
 
 
 #: how dynamo names the body of a ``torch.utils.checkpoint`` it traces
@@ -101,10 +105,10 @@ def prepare_group(group: int) -> bool:
     layer compiles the layer's code once, where state made for the traced module alone
     would fail the next layer's guards and compile every layer again. Returns True."""
     region = active_region()
-    if region is None or torch.is_inference_mode_enabled():
-        return True  # inference tensors could not be updated in training later
+    if region is None:
+        return True
     for module in list(_LIVE.values()):
-        if module.__dict__.get(GROUP_ATTR, 0) == group:
+        if module.__dict__.get(GROUP_ATTR) == group:
             module.prepare_state(region.recipe)
     return True
 
@@ -118,13 +122,15 @@ class ScalingStateMixin:
         """Make ``modules`` (the lowprec modules of one model) a group of their own: a
         compiled call prepares its whole group's recipe state when it is traced
         (:func:`prepare_group`)."""
-        group = next(_next_group)
+        group = _fresh_group()
         for m in modules:
             m.__dict__[GROUP_ATTR] = group
 
     def _register_live(self) -> None:
-        """Make this module findable by :func:`prepare_group` (construction, unpickling)."""
+        """Make this module findable by :func:`prepare_group` (construction, unpickling),
+        in a group of its own until a model's modules are grouped (:meth:`new_group`)."""
         _LIVE[id(self)] = self
+        self.__dict__.setdefault(GROUP_ATTR, _fresh_group())
 
     def prepare_state(self, recipe) -> None:
         """Make the recipe state a compiled call under ``recipe`` reads, where the module
@@ -159,8 +165,9 @@ class ScalingStateMixin:
         evaluation (gradients off) casts with the states' scales and records nothing, as
         eager's records where nothing reads. The states are made as the module's group is
         traced (:func:`prepare_group`). None where the call stays opaque: a checkpoint is
-        in play, or the states do not exist (an inference-mode trace of a fresh module; the
-        opaque call makes them, and the compiler traces the next call). In the body of a
+        in play, or the states do not exist (a module without parameters, or on the meta
+        device: the opaque call makes them, and the compiler traces the next call). In the
+        body of a
         checkpoint the compiler traces, the call stays opaque, whose recompute in backward
         refuses delayed scaling by name."""
         if current_frame() is not None or not _outside_traced_checkpoint():

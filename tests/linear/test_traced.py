@@ -285,8 +285,8 @@ def test_delayed_traced_bit_identical(device, bias, algo, backend):
 def test_delayed_evaluation_traces_and_leaves_the_state(module):
     """An evaluation forward (gradients off) under delayed scaling traces: it casts with
     the states' scales and records nothing, so its outputs are eager's bit for bit and
-    both states (scales, histories, pending amaxes) are left as eager leaves them; before
-    any training step (no state yet) it stays opaque."""
+    both states (scales, histories, pending amaxes) are left as eager leaves them, also
+    before any training step (the trace makes the states)."""
     recipe = DelayedScaling(amax_history_len=4)
 
     def make():
@@ -319,11 +319,17 @@ def test_delayed_evaluation_traces_and_leaves_the_state(module):
         for s_a, s_b in zip(states(a), states(b)):
             assert torch.equal(s_a, s_b)
     assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
-    fresh = make()
+    # before any training step the trace makes the states (as eager's first call does),
+    # and traces: scale 1, nothing recorded, both states left as eager leaves them
+    fresh, fresh_ref = make(), make()
     ops = GraphOps()
     with torch.no_grad(), lowprec.autocast(recipe=recipe):
-        torch.compile(fresh, backend=ops, fullgraph=True)(x0)
-    assert any("lowprec.call" in t for t in ops.targets)
+        got = torch.compile(fresh, backend=ops, fullgraph=True)(x0)
+        want = fresh_ref(x0)
+    assert ops.targets and not any("lowprec.call" in t for t in ops.targets)
+    assert torch.equal(want, got)
+    for s_a, s_b in zip(states(fresh_ref), states(fresh), strict=True):
+        assert torch.equal(s_a, s_b)
 
 
 class _OwnMXFP8(lowprec.MXFP8Quantizer):
