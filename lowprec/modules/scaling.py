@@ -103,7 +103,9 @@ def prepare_group(group: int) -> bool:
     first call is traced (its result a constant, the call not in the graph), so that the
     trace reads state every layer already holds: a model compiled decoder layer by decoder
     layer compiles the layer's code once, where state made for the traced module alone
-    would fail the next layer's guards and compile every layer again. Returns True."""
+    would fail the next layer's guards and compile every layer again. Nothing where the
+    autocast region is entered inside the compiled function (dynamo enters it as the graph
+    runs, not while it traces). Returns True."""
     region = active_region()
     if region is None:
         return True
@@ -165,11 +167,11 @@ class ScalingStateMixin:
         evaluation (gradients off) casts with the states' scales and records nothing, as
         eager's records where nothing reads. The states are made as the module's group is
         traced (:func:`prepare_group`). None where the call stays opaque: a checkpoint is
-        in play, or the states do not exist (a module without parameters, or on the meta
-        device: the opaque call makes them, and the compiler traces the next call). In the
-        body of a
-        checkpoint the compiler traces, the call stays opaque, whose recompute in backward
-        refuses delayed scaling by name."""
+        in play, or the states do not exist (the region entered inside the compiled
+        function, a module without parameters or on the meta device): the opaque call
+        makes them, and the compiler traces the next call. In the body of a checkpoint the
+        compiler traces, the call stays opaque, whose recompute in backward refuses
+        delayed scaling by name."""
         if current_frame() is not None or not _outside_traced_checkpoint():
             return None
         states = self.__dict__["_recipe_states"]
