@@ -107,9 +107,6 @@ def attach_recipe(model: nn.Module, recipe: Recipe | None, *, amax_reduction_gro
     model.register_forward_pre_hook(attached.enter)
     model.register_forward_hook(attached.exit, always_call=True)
     init_scaling_state(model, recipe)
-    from ..modules import LowprecModule  # the modules import this package's autocast
-    # one group: a compiled call makes the recipe state of all of them as it is traced
-    LowprecModule.new_group(m for m in model.modules() if isinstance(m, LowprecModule))
     return model
 
 
@@ -118,11 +115,17 @@ def init_scaling_state(model: nn.Module, recipe: Recipe) -> nn.Module:
     forward; returns ``model``. Under ``DelayedScaling`` the modules' ``_extra_state``
     tensors then have the sizes a trained model's have, which is what
     ``torch.distributed.checkpoint`` needs to load saved state into a fresh model in
-    place (a module without state has an empty one). Other recipes hold no state."""
+    place (a module without state has an empty one). Other recipes hold no state.
+
+    The model's lowprec modules also become one group: under ``torch.compile`` the first
+    traced call makes the recipe state of all of them (delayed scaling's, a
+    ``CustomRecipe`` factory's quantizers), so that layers compiled one by one share one
+    compiled code (``convert_model`` groups the modules it makes the same way)."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a lowprec recipe, got {type(recipe).__name__}")
     from ..modules import LowprecModule  # the modules import this package's autocast
-    for mod in model.modules():
-        if isinstance(mod, LowprecModule):
-            mod.init_scaling_state(recipe)
+    mods = [m for m in model.modules() if isinstance(m, LowprecModule)]
+    LowprecModule.new_group(mods)
+    for mod in mods:
+        mod.init_scaling_state(recipe)
     return model

@@ -8,6 +8,7 @@ import copy
 import pickle
 
 import torch
+import torch._dynamo.testing
 from torch import nn
 
 import lowprec
@@ -37,6 +38,36 @@ def test_convert_model_groups_a_models_modules_and_no_other():
     assert _group(loose[0]) != _group(loose[1])
     attached = lowprec.attach_recipe(nn.Sequential(*loose), DelayedScaling())
     assert _group(attached[0]) == _group(attached[1])
+    built = nn.Sequential(lowprec.Linear(32, 32), lowprec.Linear(32, 32))
+    lowprec.init_scaling_state(built, DelayedScaling())
+    assert _group(built[0]) == _group(built[1]) != _group(attached[0])
+
+
+def test_modules_built_directly_share_code_once_grouped():
+    """Layers of lowprec modules built directly (Transformer Engine's way) and compiled one
+    by one: one frame each while every module is its own group, one for all once
+    ``init_scaling_state`` has grouped them."""
+    recipe = DelayedScaling()
+
+    def frames(group: bool) -> int:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(*[lowprec.Linear(32, 32, name=f"l{i}") for i in range(3)])
+        if group:
+            lowprec.init_scaling_state(model, recipe)
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        layers = [torch.compile(m, backend=counter) for m in model]
+        x = torch.randn(8, 32, requires_grad=True)
+        for _ in range(2):
+            with lowprec.autocast(recipe=recipe):
+                y = x
+                for layer in layers:
+                    y = layer(y)
+            y.sum().backward()
+        return counter.frame_count
+
+    assert frames(group=False) == 3
+    assert frames(group=True) == 1
 
 
 def test_tracing_one_module_makes_its_models_state_only():
