@@ -22,7 +22,7 @@ from ..recipe import (
     stateless_quantizers,
     torch_autocast_dtype,
 )
-from .scaling import GROUP_ATTR, prepare_group
+from .scaling import GROUP_ATTR, prepare_group, prepare_module
 
 
 class CallQuantizersMixin:
@@ -49,9 +49,11 @@ class CallQuantizersMixin:
         quantizers' settings alone: same-shaped layers whose quantizers agree share one
         compiled code, whatever their names or states. Delayed scaling reads the state
         the module keeps (:meth:`traced_delayed_states`), which joins the autocast region's
-        update, and a ``CustomRecipe`` the quantizers its factory gave the module's roles
-        (``prepare_state``): both are made for the module's whole group as the first of them
-        is traced, so the trace reads no role names. ``gemms``: the first so many GEMMs'
+        update, and in a grouped module (a model's, ``convert_model``) a ``CustomRecipe``
+        the quantizers its factory gave the module's roles (``prepare_state``): both are
+        made for the whole group as the first of its modules is traced, so the trace reads
+        no role names. A module of no group asks the factory in the trace, and makes its
+        own delayed-scaling state there. ``gemms``: the first so many GEMMs'
         quantizers only (a recipe without state)."""
         region = active_region()
         if region is None:
@@ -68,10 +70,13 @@ class CallQuantizersMixin:
                 return f"a weight of type {type(w).__name__}"
         recipe = region.recipe
         delayed = None
-        if stateful(recipe) or reads_role_names(recipe):
+        group = self.__dict__.get(GROUP_ATTR)
+        if group is not None and (stateful(recipe) or reads_role_names(recipe)):
             # the state this trace reads, made for the whole model now: each layer's own
             # made as it is traced would fail the next layer's guards
-            prepare_group(self.__dict__[GROUP_ATTR])
+            prepare_group(group)
+        elif group is None and stateful(recipe):
+            prepare_module(id(self))
         if stateful(recipe):
             states = self.traced_delayed_states(recipe)
             if states is None:
@@ -83,7 +88,7 @@ class CallQuantizersMixin:
             group = region.group if recipe.reduce_amax else None
             delayed = (fwd_state, bwd_state, handle, recipe, records, group)
             return self._linear_quantizers(fq, bq), recipe.backward_mode, delayed
-        if reads_role_names(recipe):
+        if group is not None and reads_role_names(recipe):
             held = self.held_quantizers(recipe)
             if held is not None:  # the factory's choices, made outside the trace
                 qs = self._linear_quantizers(*held)

@@ -58,8 +58,9 @@ class _BackwardDone:
 _LIVE: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
 
 #: the attribute naming a module's group, a random int: the modules of one model share one
-#: (``convert_model``, ``attach_recipe``), a module built directly has its own. Random, so
-#: that unpickled models of other processes keep theirs without meeting another's.
+#: (``convert_model``, ``init_scaling_state``, ``attach_recipe``); a module built directly
+#: has none until then. Random, so that unpickled models of other processes keep theirs
+#: without meeting another's.
 GROUP_ATTR = "_lowprec_group"
 
 
@@ -107,11 +108,21 @@ def prepare_group(group: int) -> bool:
     autocast region is entered inside the compiled function (dynamo enters it as the graph
     runs, not while it traces). Returns True."""
     region = active_region()
-    if region is None:
-        return True
-    for module in list(_LIVE.values()):
-        if module.__dict__.get(GROUP_ATTR) == group:
-            module.prepare_state(region.recipe)
+    if region is not None:
+        for module in list(_LIVE.values()):
+            if module.__dict__.get(GROUP_ATTR) == group:
+                module.prepare_state(region.recipe)
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def prepare_module(module_id: int) -> bool:
+    """:func:`prepare_group` for the one module ``module_id`` names, a module of no group:
+    the trace then guards on that module, so same-shaped modules each compile their own
+    code (one compiled model still compiles once). Returns True."""
+    region, module = active_region(), _LIVE.get(module_id)
+    if region is not None and module is not None:
+        module.prepare_state(region.recipe)
     return True
 
 
@@ -129,10 +140,8 @@ class ScalingStateMixin:
             m.__dict__[GROUP_ATTR] = group
 
     def _register_live(self) -> None:
-        """Make this module findable by :func:`prepare_group` (construction, unpickling),
-        in a group of its own until a model's modules are grouped (:meth:`new_group`)."""
+        """Make this module findable by :func:`prepare_group` (construction, unpickling)."""
         _LIVE[id(self)] = self
-        self.__dict__.setdefault(GROUP_ATTR, _fresh_group())
 
     def prepare_state(self, recipe) -> None:
         """Make the recipe state a compiled call under ``recipe`` reads, where the module
