@@ -178,6 +178,9 @@ def test_fsdp_matches_single_process(tmp_path, rname, wrap, reshard):
 def _compiled_worker(rank, world, rname, tokens, out_dir):
     model = _model(rank=rank)
     recipe = RECIPES[rname]()
+    # one group (torchtitan's converter attaches the recipe, which does the same): delayed
+    # scaling's states are made for every layer as the first is traced
+    lowprec.init_scaling_state(model, recipe)
     quantized_all_gather(model, recipe)
     for layer in model.layers:  # compiled, then sharded (torchtitan's order)
         # on GPUs inductor, whose partitioner chooses what the forward keeps
@@ -195,7 +198,7 @@ def _compiled_worker(rank, world, rname, tokens, out_dir):
                     "graphs": frames, "grads": grads}, f"{out_dir}/fsdp.pt")
 
 
-@pytest.mark.parametrize("rname", ["current", "mxfp8", "nvfp4", "block_1x128",
+@pytest.mark.parametrize("rname", ["current", "delayed", "mxfp8", "nvfp4", "block_1x128",
                                    pytest.param("nvfp4_1x16", marks=pytest.mark.slow)])
 def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     """Layers (Linear, LayerNormMLP) compiled one by one before fully_shard, their weights
@@ -204,8 +207,9 @@ def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     re-gathered for the backward). The graphs read the gathered tensors: per-tensor FP8
     and NVFP4 (16x16 tiles) their rowwise codes, which dgrad transposes; MXFP8 (1x32
     blocks), NVFP4 in 1x16 blocks and block FP8 in 1x128 blocks (traced from 128 tokens)
-    the columnwise codes that the backward's gather brings into the forward's buffers. No
-    graph break: one graph for the two Linears (no recompile per module), one for the
+    the columnwise codes that the backward's gather brings into the forward's buffers.
+    Delayed scaling (gathered in high precision) reads each layer's own scales. No graph
+    break: one graph for the two Linears (no recompile per module), one for the
     LayerNormMLP."""
     tokens = 128 if rname.startswith("block") else TOKENS
     spawn.run(_compiled_worker, 2, rname, tokens, str(tmp_path))
