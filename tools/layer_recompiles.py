@@ -39,8 +39,9 @@ class _Reasons(logging.Handler):
         self.reasons.append(guard[:240])
 
 
-def run(recipe_name: str, layers: int, steps: int = 2, compiled: bool = True) -> dict:
-    """``steps`` training steps of the Llama under ``recipe_name``, its decoder layers
+def run(recipe_name, layers: int, steps: int = 2, compiled: bool = True) -> dict:
+    """``steps`` training steps of the Llama under ``recipe_name`` (a ``bench_model.py``
+    recipe name, or a recipe), its decoder layers
     compiled one by one (``compiled``) or eager: {"frames": frames compiled, "breaks":
     graph breaks, "reasons": recompile reasons, "fallbacks": calls left opaque, "losses":
     the steps' losses, "grads": the last step's gradients}."""
@@ -59,7 +60,7 @@ def run(recipe_name: str, layers: int, steps: int = 2, compiled: bool = True) ->
     if compiled:
         for i, layer in enumerate(model.model.layers):
             model.model.layers[i] = torch.compile(layer, backend=counter)
-    recipe = B.RECIPES[recipe_name]()
+    recipe = B.RECIPES[recipe_name]() if isinstance(recipe_name, str) else recipe_name
     ids = torch.randint(0, cfg.vocab_size, (2, 32))
     handler = _Reasons()
     log = logging.getLogger("torch._dynamo.guards.__recompiles")

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import lowprec
+
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
@@ -24,11 +26,23 @@ def test_decoder_layers_share_compiled_code(recipe):
     assert (got["frames"], got["breaks"], got["fallbacks"]) == (1, 0, []), got["reasons"]
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "nvfp4_fp8_head"])
+def _by_name(role):
+    """A factory that reads role names (as ``nvfp4_fp8_head``'s does, at the cost of FP8
+    current scaling): E5M2 for the down projections' inputs, E4M3 elsewhere, E5M2
+    gradients."""
+    e5m2 = role is not None and (role.is_gradient or (role.tensor_type == "input"
+                                                     and role.name.endswith("down_proj")))
+    return lowprec.Float8CurrentScalingQuantizer(
+        torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "by_name"])
 def test_per_module_state_is_made_before_the_layers_are_guarded(recipe):
     """Delayed scaling (each module its own scales, made at its first call) and a factory
     that reads role names: one frame for two layers, nothing opaque, and two steps
     (delayed scaling's scales moving between them) equal to eager's bit for bit."""
+    if recipe == "by_name":
+        recipe = lowprec.CustomRecipe(qfactory=_by_name)
     got = run(recipe, layers=2, steps=2)
     assert (got["frames"], got["breaks"], got["fallbacks"]) == (1, 0, []), got["reasons"]
     ref = run(recipe, layers=2, steps=2, compiled=False)
