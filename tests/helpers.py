@@ -127,6 +127,17 @@ def plan_of(recipe, x, weight, bias=None):
     return None if isinstance(plan, str) else plan
 
 
+def train_layers(layers, recipe, x: torch.Tensor, steps: int = 2) -> None:
+    """``steps`` forward + backward passes of ``x`` through ``layers`` one after another
+    under ``lowprec.autocast(recipe)`` (layers compiled one by one, say)."""
+    for _ in range(steps):
+        with lowprec.autocast(recipe=recipe):
+            y = x
+            for layer in layers:
+                y = layer(y)
+        y.sum().backward()
+
+
 def assert_inference_reads_rowwise_only(forward, inference, columnwise_made: list) -> None:
     """``forward(context)`` (a forward under a recipe inside ``context()``, returning
     (module, output)) makes columnwise data in training, which the spy ``columnwise_made``

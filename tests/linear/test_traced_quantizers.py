@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import GraphOps
+from helpers import GraphOps, train_layers
 
 import lowprec
 from lowprec.compile.call import fallback_reasons
@@ -125,13 +125,7 @@ def test_layers_share_compiled_code_under_a_custom_recipe():
     for layer in layers:
         layer.compile(backend="aot_eager", fullgraph=True)
     counters.clear()
-    x = torch.randn(32, 64, requires_grad=True)
-    for _ in range(2):
-        with lowprec.autocast(recipe=recipe):
-            y = x
-            for layer in layers:
-                y = layer(y)
-        y.sum().backward()
+    train_layers(layers, recipe, torch.randn(32, 64, requires_grad=True))
     assert counters["stats"]["unique_graphs"] == 1
 
 

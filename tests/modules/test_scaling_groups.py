@@ -9,6 +9,7 @@ import pickle
 
 import torch
 import torch._dynamo.testing
+from helpers import train_layers
 from torch import nn
 
 import lowprec
@@ -57,14 +58,8 @@ def test_modules_built_directly_share_code_once_grouped():
         if group:
             lowprec.init_scaling_state(model, recipe)
         counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-        layers = [torch.compile(m, backend=counter) for m in model]
-        x = torch.randn(8, 32, requires_grad=True)
-        for _ in range(2):
-            with lowprec.autocast(recipe=recipe):
-                y = x
-                for layer in layers:
-                    y = layer(y)
-            y.sum().backward()
+        train_layers([torch.compile(m, backend=counter) for m in model], recipe,
+                     torch.randn(8, 32, requires_grad=True))
         return counter.frame_count
 
     assert frames(group=False) == 3
