@@ -70,12 +70,12 @@ class CallQuantizersMixin:
                 return f"a weight of type {type(w).__name__}"
         recipe = region.recipe
         delayed = None
-        group = self.__dict__.get(GROUP_ATTR)
-        if group is not None and (stateful(recipe) or reads_role_names(recipe)):
+        model_group = self.__dict__.get(GROUP_ATTR)
+        if model_group is not None and (stateful(recipe) or reads_role_names(recipe)):
             # the state this trace reads, made for the whole model now: each layer's own
             # made as it is traced would fail the next layer's guards
-            prepare_group(group)
-        elif group is None and stateful(recipe):
+            prepare_group(model_group)
+        elif model_group is None and stateful(recipe):
             prepare_module(id(self))
         if stateful(recipe):
             states = self.traced_delayed_states(recipe)
@@ -88,7 +88,7 @@ class CallQuantizersMixin:
             group = region.group if recipe.reduce_amax else None
             delayed = (fwd_state, bwd_state, handle, recipe, records, group)
             return self._linear_quantizers(fq, bq), recipe.backward_mode, delayed
-        if group is not None and reads_role_names(recipe):
+        if model_group is not None and reads_role_names(recipe):
             held = self.held_quantizers(recipe)
             if held is not None:  # the factory's choices, made outside the trace
                 qs = self._linear_quantizers(*held)

@@ -154,10 +154,8 @@ class ScalingStateMixin:
         device = self._params_device()
         if device is None or device.type == "meta":
             return
-        held = self.__dict__["_recipe_states"]
         for mode in ("forward", "backward"):
-            if not _holds(held[mode], recipe):
-                self._state(mode, recipe, device)
+            self._state(mode, recipe, device)  # a state it holds already is kept
 
     def held_quantizers(self, recipe):
         """(forward, backward) quantizer lists of the states the module holds for ``recipe``
