@@ -121,10 +121,10 @@ class LowprecSetup:
             # a quantized gather makes the unsharded weight a quantized tensor, which the
             # compiled Linear reads only in some formats (lowprec.linear.traced)
             logger.warning(f"lowprec: quantized FSDP all-gathers are off under "
-                           f"--compile.enable for {type(self.recipe).__name__} (compiled "
-                           f"Linears read gathered weights of Float8CurrentScaling and of "
-                           f"128x128-block Float8BlockScaling only); FSDP gathers the "
-                           f"weights in high precision")
+                           f"--compile.enable for {self.recipe!r} (its compiled Linear "
+                           f"does not read a gathered weight as it is: delayed scaling, "
+                           f"per-direction hybrids and non-default backward modes); FSDP "
+                           f"gathers the weights in high precision")
             on = False
         linears = [(n, m) for n, m in model.named_modules() if isinstance(m, lowprec.Linear)]
         if on:
