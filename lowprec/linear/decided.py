@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from ..recipe import QuantizerRole, recipe_of_value, stateless_quantizers, torch_autocast_dtype
 from . import grad_split, traced
+from . import traced_steps as steps
 from .function import LinearQuantizers
 from .padding import Padding
 
@@ -56,17 +57,35 @@ def decided_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 @dataclass(frozen=True)
 class Decision:
-    """A call's quantizers, backward mode, plan (or the reason it has none) and padding."""
+    """A call's quantizers, backward mode, plan (or the reason it has none), padding, and
+    its attribute of ``DECISIONS``."""
 
     q: LinearQuantizers
     mode: str
     plan: object
     pad: Padding
+    name: str
 
     def call(self, x, weight, bias):
-        """``traced.traced_linear`` of this call."""
+        """``traced.traced_linear`` of this call, as one node of dynamo's graph (the reason,
+        a string, where there is no plan)."""
+        if isinstance(self.plan, str):
+            return self.plan
+        return _linear_node(x, weight, bias, self.name)
+
+    def run(self, x, weight, bias):
         return traced.traced_linear(self.q, self.mode, x, weight, bias, None, self.plan,
                                     padding=self.pad)
+
+
+@torch._dynamo.allow_in_graph
+def _linear_node(x, weight, bias, name: str):
+    # Dynamo puts this call into its graph as it is, without interpreting the Python below
+    # (the linear's casts, padding and autograd Function): AOT autograd runs that Python
+    # natively when it traces the graph, and records the same ops. ``name`` is a constant
+    # of the graph, so equal calls share one node function and one plan.
+    with steps.compile_session():
+        return getattr(DECISIONS, name).run(x, weight, bias)
 
 
 @torch._dynamo.assume_constant_result
@@ -93,11 +112,11 @@ def _decided(key: tuple) -> str:
     name = _NAMES.get(key)
     if name is None:
         name = _NAMES[key] = f"d{len(_NAMES)}"
-        setattr(DECISIONS, name, _decide(*key))
+        setattr(DECISIONS, name, _decide(name, *key))
     return name
 
 
-def _decide(value, x_shape, x_dtype, x_grad, device_type, device_index, w_shape, w_dtype,
+def _decide(name, value, x_shape, x_dtype, x_grad, device_type, device_index, w_shape, w_dtype,
             w_param, w_grad, b_meta, grad, amp, split_mode):
     recipe = recipe_of_value(value)
     # built-in rules read a role's tensor type and direction only (reads_role_names)
@@ -120,4 +139,4 @@ def _decide(value, x_shape, x_dtype, x_grad, device_type, device_index, w_shape,
             x, w = x.to(amp), w.to(amp)
             b = b.to(amp) if b is not None else None
         plan, pad = traced.decide(q, mode, x, w, b, amp is not None)
-    return Decision(q, mode, plan, pad)
+    return Decision(q, mode, plan, pad, name)

@@ -10,6 +10,8 @@ and hands on eager's values.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..formats import as_output
@@ -84,6 +86,7 @@ def as_2d(t: torch.Tensor) -> torch.Tensor:
 def finish(ctx, x, weight, bias, plan, y: torch.Tensor) -> torch.Tensor:
     """Record what backward needs besides the saved tensors; y in x's leading shape."""
     ctx.plan, ctx.has_bias = plan, bias is not None
+    ctx.compiling = torch.compiler.is_compiling()
     ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
     if x.dim() == 2 and not torch.compiler.is_compiling():
         return y  # (dynamo 2.11 loses the weight's gradient of a forward returning y as is)
@@ -100,6 +103,11 @@ def traced_backward(ctx, dy, grads) -> tuple:
     gives (dX as 2-D or None, dW or None); the bias gradient is eager's sum. It runs with
     torch.autocast off, as eager's backward does (AOT traces the backward under the
     forward's autocast state)."""
+    if ctx.compiling and not torch.compiler.is_compiling():
+        # AOT autograd tracing the backward of a forward it traced natively (a decided
+        # linear's graph node), under torch 2.11
+        with compile_session():
+            return traced_backward(ctx, dy, grads)
     # an eager backward outside torch.autocast skips the context (host time); a traced one
     # always takes it, since the trace's autocast state is not the one the graph runs in
     if torch.compiler.is_compiling() or torch.is_autocast_enabled(dy.device.type):
@@ -116,3 +124,18 @@ def _backward(ctx, dy, grads) -> tuple:
     if dx is not None and len(ctx.x_shape) != 2:
         dx = dx.reshape(ctx.x_shape)
     return dx, dw, db, None
+
+
+@contextlib.contextmanager
+def compile_session():
+    """Hold ``torch.compiler.is_compiling()`` True within the block, as torch 2.13 holds it
+    for a whole compile session. torch 2.11 holds it only while dynamo interprets bytecode,
+    so Python that AOT autograd runs natively as it traces (a graph node dynamo did not
+    interpret) would take eager's paths: kernel launches on fake tensors, random draws
+    recorded inline."""
+    held = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = held

@@ -152,3 +152,22 @@ def test_recipe_value_keys():
     assert d._lowprec_value < 0 and d._lowprec_value != e._lowprec_value
     with pytest.raises(RuntimeError, match="value key"):
         recipe_of_value(d._lowprec_value)
+
+
+def test_decided_call_is_one_node_of_dynamos_graph():
+    """Dynamo does not interpret a decided Linear's Python: each call is one node of the
+    graph it hands AOT autograd, which traces the node's quantizes and GEMMs."""
+    layers = torch.nn.Sequential(*(lowprec.Linear(64, 64, name=f"l{i}") for i in range(3)))
+    x = torch.randn(16, 64, requires_grad=True)
+    dynamo_graphs, ops = [], GraphOps()
+
+    def backend(gm, example_inputs):
+        dynamo_graphs.append(gm)
+        return ops(gm, example_inputs)
+    with lowprec.autocast(recipe=Float8CurrentScaling()):
+        torch.compile(layers, backend=backend, fullgraph=True)(x).sum().backward()
+    (gm,) = dynamo_graphs
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(decided._linear_node) == 3
+    assert not [t for t in targets if "lowprec" in str(t)]  # no quantize or GEMM op
+    assert any("lowprec" in str(t) for t in ops.targets)  # AOT autograd traced them
