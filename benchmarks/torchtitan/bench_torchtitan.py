@@ -139,15 +139,11 @@ def main(argv=None) -> None:
         print(f"{peer:14s} {r['tps']:10,.0f} {ratio or float('nan'):6.3f} {r['mfu']:6.2f} "
               f"{r['peak']:7.2f} {r['loss']:8.4f} ({r['steps']} steps)")
         note = f"{r['steps']} steps; mfu {r['mfu']:.2f}%; last-10 loss {r['loss']:.4f}"
-        rows.append({"bench": "torchtitan", "shape": shape, "recipe": peer,
-                     "metric": "tokens/s a GPU", "value": r["tps"],
-                     "baseline": "bf16" if base else "", "ratio": ratio,
-                     "baseline_value": base["tps"] if base else "", "note": note})
-        rows.append({"bench": "torchtitan", "shape": shape, "recipe": peer,
-                     "metric": "peak reserved GiB", "value": r["peak"],
-                     "baseline": "bf16" if base else "",
-                     "baseline_value": base["peak"] if base else "",
-                     "ratio": r["peak"] / base["peak"] if base else None, "note": note})
+        for metric, key in (("tokens/s a GPU", "tps"), ("peak reserved GiB", "peak")):
+            rows.append({"bench": "torchtitan", "shape": shape, "recipe": peer,
+                         "metric": metric, "value": r[key], "baseline": "bf16" if base else "",
+                         "baseline_value": base[key] if base else "",
+                         "ratio": r[key] / base[key] if base else None, "note": note})
     from harness import append_rows
     append_rows(rows)
 

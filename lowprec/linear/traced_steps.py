@@ -88,7 +88,7 @@ def finish(ctx, x, weight, bias, plan, y: torch.Tensor) -> torch.Tensor:
     ctx.plan, ctx.has_bias = plan, bias is not None
     ctx.compiling = torch.compiler.is_compiling()
     ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-    if x.dim() == 2 and not torch.compiler.is_compiling():
+    if x.dim() == 2 and not ctx.compiling:
         return y  # (dynamo 2.11 loses the weight's gradient of a forward returning y as is)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
