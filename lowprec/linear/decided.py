@@ -65,6 +65,7 @@ class Decision:
     plan: object
     pad: Padding
     name: str
+    w_param: bool
 
     def call(self, x, weight, bias):
         """``traced.traced_linear`` of this call, as one node of dynamo's graph (the reason,
@@ -75,7 +76,7 @@ class Decision:
 
     def run(self, x, weight, bias):
         return traced.traced_linear(self.q, self.mode, x, weight, bias, None, self.plan,
-                                    padding=self.pad)
+                                    padding=self.pad, weight_param=self.w_param)
 
 
 @torch._dynamo.allow_in_graph
@@ -139,4 +140,4 @@ def _decide(name, value, x_shape, x_dtype, x_grad, device_type, device_index, w_
             x, w = x.to(amp), w.to(amp)
             b = b.to(amp) if b is not None else None
         plan, pad = traced.decide(q, mode, x, w, b, amp is not None)
-    return Decision(q, mode, plan, pad, name)
+    return Decision(q, mode, plan, pad, name, w_param)

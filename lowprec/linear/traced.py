@@ -406,8 +406,8 @@ class TracedLinear(torch.autograd.Function):
     the unquantized dY."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan: TracedPlan, grad_enabled: bool, fwd=None,
-                bwd=None):
+    def forward(ctx, x, weight, bias, plan: TracedPlan, grad_enabled: bool, held: bool,
+                fwd=None, bwd=None):
         x2d = steps.as_2d(x)
         # needs_input_grad ignores no_grad(): an evaluation forward keeps nothing
         need_dx = grad_enabled and ctx.needs_input_grad[0]
@@ -424,13 +424,12 @@ class TracedLinear(torch.autograd.Function):
                 q = fwd.quantizers
                 xr, x_keep = plan.x.state_forward(x2d, q.input, default and need_dw)
                 wr, w_keep = plan.w.state_forward(weight, q.weight, default and need_dx,
-                                                  held=isinstance(weight, torch.nn.Parameter))
+                                                  held=held)
             elif default:
                 # q/k/v (gate/up) read one input: one quantize serves them (``shared_input``)
                 xr, x_keep = shared_input.shared_form(plan.x, x, need_dw,
                                                       lambda: plan.x.forward(x2d, need_dw))
-                wr, w_keep = plan.w.forward(weight, need_dx,
-                                            held=isinstance(weight, torch.nn.Parameter))
+                wr, w_keep = plan.w.forward(weight, need_dx, held=held)
             else:
                 xr, wr = plan.x.rowwise(x2d), plan.w.rowwise(weight)
             if plan.mode == BackwardMode.HIGH_PRECISION:
@@ -449,7 +448,7 @@ class TracedLinear(torch.autograd.Function):
         grads = steps.traced_backward(ctx, dy, TracedLinear._grads)
         if ctx.state is not None and ctx.state.done is not None:
             ctx.state.done()  # the module's backward state update (delayed scaling)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
     @staticmethod
     def _grads(ctx, dy2d, need_dx, need_dw, *saved):
@@ -555,7 +554,8 @@ def decide(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
 
 def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None, delayed=None, plan: TracedPlan | None = None, *,
-                  gemm: int = 0, updates: bool = True, padding: Padding = NO_PADDING):
+                  gemm: int = 0, updates: bool = True, padding: Padding = NO_PADDING,
+                  weight_param: bool | None = None):
     """``x @ weight.T + bias`` quantized by ``quantizers`` in ops the compiler traces, or the
     reason (a string) where :func:`plan_for` has no plan (the caller keeps the opaque op).
     ``delayed``: the (forward, backward) delayed-scaling states, the module's handle
@@ -566,15 +566,19 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
     backward, the module's last to run, updates the backward state (eager's end-of-backward
     callback). ``plan``: :func:`plan_for`'s plan, where the caller has asked for it already
     (for an input of the same shape and dtype), with its ``padding`` (:func:`decide`).
+    ``weight_param``: whether ``weight`` is a parameter (default: its type), for a caller
+    whose weight is a stand-in that has lost the type (AOT autograd's functional tensors).
 
     Under ``torch.autocast`` the operands are first cast to its dtype (differentiably, so
     an fp32 weight gets an fp32 gradient) and the rest runs with autocast off, as
     ``lowprec.linear.quantized_linear`` does in eager mode."""
+    held = weight_param  # stays None where the type of the weight read tells
     amp = torch_autocast_dtype(x)
     if amp is not None:
         x = x.to(amp)
         if not isinstance(weight, QuantizedTensor):  # a quantized weight is read as it is
-            weight = weight.to(amp)
+            cast = weight.to(amp)
+            held, weight = held and cast is weight, cast
         bias = bias.to(amp) if bias is not None else None
     pad = padding
     if plan is None:
@@ -584,12 +588,16 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         return refused
     x_shape = x.shape
     if pad:  # zeros to whole blocks, the same ops as an eager call's
-        x, weight, bias = pad.operands(x, weight, bias)
-    args = (x, weight, bias, plan, torch.is_grad_enabled(), None, None)
+        x, padded, bias = pad.operands(x, weight, bias)
+        held, weight = held and padded is weight, padded
+    # a parameter's columnwise copy is cast in backward from the parameter itself (which
+    # lives anyway), where a temporary weight's is cast in forward and saved
+    held = isinstance(weight, torch.nn.Parameter) if held is None else held
+    args = (x, weight, bias, plan, torch.is_grad_enabled(), held, None, None)
     if delayed is not None:
         fwd, bwd, handle, recipe, records, group = delayed
         # a GEMM's slots: (input, weight, output) forward, (grad_output, grad_input) backward
-        args = args[:5] + ((fwd.scale, fwd.amax_current, handle, 3 * gemm, records),
+        args = args[:6] + ((fwd.scale, fwd.amax_current, handle, 3 * gemm, records),
                            (bwd.scale, bwd.amax_current, bwd.amax_history, bwd.fp8_max,
                             algo_code(recipe.amax_compute_algo), float(recipe.margin),
                             2 * gemm, updates, group))
@@ -673,10 +681,12 @@ def run_plan(eager: EagerPlan, x: torch.Tensor, weight: torch.Tensor,
     plan, pad = eager.plan, eager.padding
     state = StateQuantizers(q, done) if plan.delayed else None
     if not pad:
-        return TracedLinear.apply(x, weight, bias, plan, torch.is_grad_enabled(), state, None)
+        return TracedLinear.apply(x, weight, bias, plan, torch.is_grad_enabled(),
+                                  isinstance(weight, torch.nn.Parameter), state, None)
     x_shape = x.shape
     x, weight, bias = pad.operands(x, weight, bias)
-    y = TracedLinear.apply(x, weight, bias, plan, torch.is_grad_enabled(), state, None)
+    y = TracedLinear.apply(x, weight, bias, plan, torch.is_grad_enabled(),
+                           isinstance(weight, torch.nn.Parameter), state, None)
     return pad.cut(y, x_shape)
 
 

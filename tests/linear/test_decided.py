@@ -13,7 +13,7 @@ from helpers import GraphOps
 
 import lowprec
 from lowprec.formats import IdentityQuantizer
-from lowprec.linear import decided
+from lowprec.linear import decided, traced
 from lowprec.modules import quantizers
 from lowprec.recipe.recipes import (
     CustomRecipe,
@@ -171,3 +171,30 @@ def test_decided_call_is_one_node_of_dynamos_graph():
     assert targets.count(decided._linear_node) == 3
     assert not [t for t in targets if "lowprec" in str(t)]  # no quantize or GEMM op
     assert any("lowprec" in str(t) for t in ops.targets)  # AOT autograd traced them
+
+
+@pytest.mark.parametrize("name", ["current", "block"])
+@pytest.mark.parametrize("case", ["2d", "amp", "padded"])
+def test_decided_call_holds_a_parameter_weight(case, name, monkeypatch):
+    """A parameter weight's columnwise copy is cast in backward from the parameter, not
+    saved from forward: AOT autograd hands the node's Python a functional tensor, which
+    is not an ``nn.Parameter``, so the decision tells the Function what the type said.
+    Casts (torch.autocast) and padding make a temporary weight, which is not held."""
+    shape, k, n, bias, dtype, amp = CASES[case]
+    m = lowprec.Linear(k, n, bias=bias, name="l", params_dtype=dtype or torch.float32)
+    x = torch.randn(shape, dtype=dtype or torch.float32)
+    dy = torch.randn(*shape[:-1], n)
+    held, forward = [], traced.TracedLinear.forward
+
+    def spy(ctx, x, weight, bias, plan, grad_enabled, weight_held, *rest):
+        held.append(weight_held)
+        return forward(ctx, x, weight, bias, plan, grad_enabled, weight_held, *rest)
+    monkeypatch.setattr(traced.TracedLinear, "forward", staticmethod(spy))
+    calls = _count_decided_calls(monkeypatch)
+    _run(torch.compile(m, backend="aot_eager", fullgraph=True), m, x, dy, RECIPES[name](),
+         amp=amp)
+    assert calls and held
+    expected = amp is None and not calls[0].pad
+    assert set(held) == {expected}
+    # per-tensor FP8 pads nothing, 128x128 blocks pad these weights
+    assert expected == (name == "current" and case != "amp")
