@@ -22,7 +22,7 @@ from .traced import eager_plans_off
 __all__ = ["LinearQuantizers", "eager_plans_off", "quantized_linear", "sliced", "unsliced"]
 
 # The rest of lowprec enters the package here (internal names, not in __all__).
-from .decided import decided_linear
+from .decided import decided_delayed_linear, decided_linear
 from .function import EagerLinearFunction, eager_plan_of, graph_kept
 from .grouped import (
     ExpertWeightsFunction,

@@ -18,9 +18,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._dynamo.source import TensorPropertySource
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from ..recipe import QuantizerRole, recipe_of_value, stateless_quantizers, torch_autocast_dtype
+from ..formats import Float8Quantizer
+from ..recipe import (
+    BackwardMode,
+    QuantizerRole,
+    recipe_of_value,
+    stateless_quantizers,
+    torch_autocast_dtype,
+)
 from . import grad_split, traced
 from . import traced_steps as steps
 from .function import LinearQuantizers
@@ -41,18 +49,41 @@ def decided_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     ``recipe`` (built-in, without state, no boundary roles), or None where the shapes are
     symbolic or the operands not plain contiguous tensors (the caller decides in the
     trace)."""
+    call = _call_key(x, weight, bias)
+    return None if call is None else getattr(DECISIONS, _decided((recipe._lowprec_value, *call)))
+
+
+def decided_delayed_linear(q: LinearQuantizers, x: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None, delayed) -> "Decision | None":
+    """The :class:`Decision` of a compiled delayed-scaling call (``traced.traced_linear``'s
+    ``delayed``: the module's states, handle, recipe, records, group) with the module's
+    quantizers ``q``, or None where it is decided in the trace: an amax reduction group
+    or a callable ``amax_compute_algo`` (neither a constant of the graph), or as for
+    :func:`decided_linear`. The plan reads the quantizers' FP8 dtypes only: the states
+    come in as the node's tensors."""
+    recipe, group = delayed[3], delayed[5]
+    if group is not None or not isinstance(recipe.amax_compute_algo, str):
+        return None
+    call = _call_key(x, weight, bias)
+    if call is None:
+        return None
+    dtypes = (q.input.fp8_dtype, q.weight.fp8_dtype, q.grad_output.fp8_dtype)
+    return getattr(DECISIONS, _decided((dtypes, *call)))
+
+
+def _call_key(x, weight, bias) -> tuple | None:
+    """What a decision reads of a call: the operands' metadata, the grad mode, the autocast
+    dtype and the slicing mode (None: decided in the trace)."""
     if (type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, nn.Parameter)
             or (bias is not None and type(bias) not in (torch.Tensor, nn.Parameter))
             or not (x.is_contiguous() and weight.is_contiguous())):
         return None
     if _symbolic_sizes():
         return None
-    x_shape, w_shape = tuple(x.shape), tuple(weight.shape)
-    key = (recipe._lowprec_value, x_shape, x.dtype, x.requires_grad, x.device.type,
-           x.device.index, w_shape, weight.dtype, type(weight) is nn.Parameter,
-           weight.requires_grad, None if bias is None else (tuple(bias.shape), bias.dtype),
-           torch.is_grad_enabled(), torch_autocast_dtype(x), grad_split.mode())
-    return getattr(DECISIONS, _decided(key))
+    return (tuple(x.shape), x.dtype, x.requires_grad, x.device.type, x.device.index,
+            tuple(weight.shape), weight.dtype, type(weight) is nn.Parameter,
+            weight.requires_grad, None if bias is None else (tuple(bias.shape), bias.dtype),
+            torch.is_grad_enabled(), torch_autocast_dtype(x), grad_split.mode())
 
 
 @dataclass(frozen=True)
@@ -67,16 +98,33 @@ class Decision:
     name: str
     w_param: bool
 
-    def call(self, x, weight, bias):
-        """``traced.traced_linear`` of this call, as one node of dynamo's graph (the reason,
-        a string, where there is no plan)."""
+    def call(self, x, weight, bias, delayed=None):
+        """``traced.traced_linear`` of this call (with the delayed-scaling ``delayed`` it
+        was decided for), as one node of dynamo's graph (the reason, a string, where there
+        is no plan)."""
         if isinstance(self.plan, str):
             return self.plan
-        return _linear_node(x, weight, bias, self.name)
+        if delayed is None:
+            return _linear_node(x, weight, bias, self.name)
+        fwd, bwd, handle, recipe, records, _ = delayed
+        return _delayed_node(x, weight, bias, fwd.scale, fwd.amax_current, handle, bwd.scale,
+                             bwd.amax_current, bwd.amax_history, bwd.fp8_max, self.name,
+                             records, recipe._lowprec_value)
 
-    def run(self, x, weight, bias):
-        return traced.traced_linear(self.q, self.mode, x, weight, bias, None, self.plan,
+    def run(self, x, weight, bias, delayed=None):
+        return traced.traced_linear(self.q, self.mode, x, weight, bias, delayed, self.plan,
                                     padding=self.pad, weight_param=self.w_param)
+
+
+@dataclass(frozen=True)
+class _StateTensors:
+    """A delayed-scaling state's tensors as a node receives them (what ``traced_linear``
+    reads of a ``DelayedScalingState``)."""
+
+    scale: torch.Tensor
+    amax_current: torch.Tensor
+    amax_history: torch.Tensor | None = None
+    fp8_max: torch.Tensor | None = None
 
 
 @torch._dynamo.allow_in_graph
@@ -89,18 +137,32 @@ def _linear_node(x, weight, bias, name: str):
         return getattr(DECISIONS, name).run(x, weight, bias)
 
 
+@torch._dynamo.allow_in_graph
+def _delayed_node(x, weight, bias, scale, amax, handle, bwd_scale, bwd_amax, history, fp8_max,
+                  name: str, records: bool, value: int):
+    # _linear_node's delayed-scaling twin: the states' tensors are the node's inputs, which
+    # the forward records into and the backward updates in place (AOT autograd
+    # functionalizes both, as it does the interpreted call's)
+    fwd = _StateTensors(scale, amax)
+    bwd = _StateTensors(bwd_scale, bwd_amax, history, fp8_max)
+    with steps.compile_session():
+        return getattr(DECISIONS, name).run(
+            x, weight, bias, (fwd, bwd, handle, recipe_of_value(value), records, None))
+
+
 @torch._dynamo.assume_constant_result
 def _symbolic_sizes() -> bool:
     """Whether the frame being traced has symbolic sizes (dynamic shapes), which cannot be
     a decision's key. Asked of the trace's shape environment: dynamo shows a symbolic
     size to traced code as an int, and no expression tells the two apart on every
-    supported torch."""
+    supported torch. Only symbols that stand for a tensor's sizes or strides count: an
+    int read from a tensor (a delayed-scaling module's handle) is not a size."""
     context = torch._guards.TracingContext.try_get()
     env = None if context is None or context.fake_mode is None else context.fake_mode.shape_env
     if env is None:
         return False
-    # torch 2.13 names the sizes' symbols backed_var_to_val (var_to_val before)
-    return bool(env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val)
+    return any(isinstance(source, TensorPropertySource)
+               for sources in env.var_to_sources.values() for source in sources)
 
 
 @torch._dynamo.assume_constant_result
@@ -117,16 +179,9 @@ def _decided(key: tuple) -> str:
     return name
 
 
-def _decide(name, value, x_shape, x_dtype, x_grad, device_type, device_index, w_shape, w_dtype,
+def _decide(name, head, x_shape, x_dtype, x_grad, device_type, device_index, w_shape, w_dtype,
             w_param, w_grad, b_meta, grad, amp, split_mode):
-    recipe = recipe_of_value(value)
-    # built-in rules read a role's tensor type and direction only (reads_role_names)
-    fq = stateless_quantizers(recipe, "forward", [QuantizerRole(tensor_type="input"),
-                                                  QuantizerRole(tensor_type="weight")])
-    (bq,) = stateless_quantizers(recipe, "backward", [QuantizerRole(tensor_type="grad_output")])
-    q = LinearQuantizers(input=fq[0], weight=fq[1], output=None, grad_output=bq,
-                         grad_input=None)
-    mode = recipe.backward_mode
+    q, mode = _quantizers(head)
     device = torch.device(device_type, device_index)
     # stand-ins with the operands' metadata, put through traced_linear's own steps
     with unset_fake_temporarily(), FakeTensorMode(), torch.set_grad_enabled(grad), \
@@ -141,3 +196,20 @@ def _decide(name, value, x_shape, x_dtype, x_grad, device_type, device_index, w_
             b = b.to(amp) if b is not None else None
         plan, pad = traced.decide(q, mode, x, w, b, amp is not None)
     return Decision(q, mode, plan, pad, name, w_param)
+
+
+def _quantizers(head) -> tuple[LinearQuantizers, str]:
+    """(quantizers, backward mode) of a key's head: a recipe's value, or delayed scaling's
+    (input, weight, dY) FP8 dtypes, whose quantizers here are stand-ins: a delayed form
+    reads its scales and amaxes from the tensors the call passes."""
+    if isinstance(head, tuple):
+        x, w, dy = (Float8Quantizer(torch.ones(1), torch.zeros(1), d) for d in head)
+        return LinearQuantizers(input=x, weight=w, output=None, grad_output=dy,
+                                grad_input=None), BackwardMode.DEFAULT
+    recipe = recipe_of_value(head)
+    # built-in rules read a role's tensor type and direction only (reads_role_names)
+    fq = stateless_quantizers(recipe, "forward", [QuantizerRole(tensor_type="input"),
+                                                  QuantizerRole(tensor_type="weight")])
+    (bq,) = stateless_quantizers(recipe, "backward", [QuantizerRole(tensor_type="grad_output")])
+    return LinearQuantizers(input=fq[0], weight=fq[1], output=None, grad_output=bq,
+                            grad_input=None), recipe.backward_mode

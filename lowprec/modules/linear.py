@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..compile import compiled_as_one_op
-from ..linear import quantized_linear, traced
+from ..linear import decided_delayed_linear, quantized_linear, traced
 from ..memory import current_frame
 from ..recipe import active_region, torch_autocast_dtype
 from . import tensor_parallel as tpar
@@ -79,6 +79,10 @@ class Linear(LowprecModule):
             return got
         (q, *_), mode, delayed = got
         if tp is None:
+            if delayed is not None:
+                decided = decided_delayed_linear(q, x, w, self.bias, delayed)
+                if decided is not None:
+                    return decided.call(x, w, self.bias, delayed)
             return traced.traced_linear(q, mode, x, w, self.bias, delayed)
         row = tp.mode == "row"
         plan = traced.planned(q, mode, tpar.gemm_input_like(tp, x), w,

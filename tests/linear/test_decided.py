@@ -17,6 +17,7 @@ from lowprec.linear import decided, traced
 from lowprec.modules import quantizers
 from lowprec.recipe.recipes import (
     CustomRecipe,
+    DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
@@ -198,3 +199,82 @@ def test_decided_call_holds_a_parameter_weight(case, name, monkeypatch):
     assert set(held) == {expected}
     # per-tensor FP8 pads nothing, 128x128 blocks pad these weights
     assert expected == (name == "current" and case != "amp")
+
+
+def _delayed_steps(fn, model, recipe, steps, *, region_inside=False, amp=None):
+    """Parameters and delayed-scaling states after ``steps`` SGD steps of ``fn``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    device = next(model.parameters()).device
+    torch.manual_seed(3)
+    for step in range(steps):
+        x = torch.randn(2, 8, 64, device=device) * (step + 1)
+
+        def run(x):
+            if amp is None:
+                return fn(x)
+            with torch.autocast(device.type, dtype=amp):
+                return fn(x)
+        if region_inside:
+            y = run(x)
+        else:
+            with lowprec.autocast(recipe=recipe):
+                y = run(x)
+        y.float().pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    states = [t for m in model for mode in ("forward", "backward")
+              for t in (m._recipe_states[mode].delayed.scale,
+                        m._recipe_states[mode].delayed.amax_history)]
+    return [p.detach().clone() for p in model.parameters()] + [s.clone() for s in states]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("region_inside", [False, True], ids=["region-outside", "region-inside"])
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "amp"])
+def test_delayed_call_is_one_node_and_eager_bit_for_bit(region_inside, amp, device,
+                                                        monkeypatch):
+    """A compiled delayed-scaling Linear is one node of dynamo's graph over its states'
+    tensors: over steps that move the scales, parameters and states equal eager's, with
+    the autocast region around the compiled call (recorded through the module's handle)
+    or inside it (its exit's update traced), and AOT autograd records the interpreted
+    call's graphs."""
+    import copy
+
+    from lowprec.modules import linear as linear_module
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(lowprec.Linear(64, 64, name="a", device=device),
+                                lowprec.Linear(64, 32, name="b", device=device))
+    start = copy.deepcopy(model)
+    want = _delayed_steps(model, model, recipe, 4, amp=amp)
+
+    def compiled(fresh, backend):
+        if not region_inside:
+            return torch.compile(fresh, backend=backend, fullgraph=True)
+
+        def region(x):
+            with lowprec.autocast(recipe=recipe):
+                return fresh(x)
+        return torch.compile(region, backend=backend, fullgraph=True)
+
+    dynamo_graphs, ops = [], GraphOps()
+
+    def backend(gm, example_inputs):
+        dynamo_graphs.append(gm)
+        return ops(gm, example_inputs)
+    fresh = copy.deepcopy(start)
+    got = _delayed_steps(compiled(fresh, backend), fresh, recipe, 4,
+                         region_inside=region_inside, amp=amp)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    # (a first call before the states exist stays opaque, and makes them)
+    targets = [n.target for n in dynamo_graphs[-1].graph.nodes if n.op == "call_function"]
+    assert targets.count(decided._delayed_node) == 2
+    # the same graphs as the call interpreted by dynamo
+    torch._dynamo.reset()
+    interpreted = GraphOps()
+    monkeypatch.setattr(linear_module, "decided_delayed_linear", lambda *args: None)
+    fresh = copy.deepcopy(start)
+    _delayed_steps(compiled(fresh, interpreted), fresh, recipe, 4, region_inside=region_inside,
+                   amp=amp)
+    assert Counter(ops.targets) == Counter(interpreted.targets)
