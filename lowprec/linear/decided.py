@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch._dynamo.source import TensorPropertySource
+from torch._dynamo.source import CallMethodItemSource
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from ..formats import Float8Quantizer
@@ -155,14 +155,19 @@ def _symbolic_sizes() -> bool:
     """Whether the frame being traced has symbolic sizes (dynamic shapes), which cannot be
     a decision's key. Asked of the trace's shape environment: dynamo shows a symbolic
     size to traced code as an int, and no expression tells the two apart on every
-    supported torch. Only symbols that stand for a tensor's sizes or strides count: an
-    int read from a tensor (a delayed-scaling module's handle) is not a size."""
+    supported torch. A symbol read from a tensor's value (``.item()``: a delayed-scaling
+    module's handle) is not a size."""
     context = torch._guards.TracingContext.try_get()
     env = None if context is None or context.fake_mode is None else context.fake_mode.shape_env
     if env is None:
         return False
-    return any(isinstance(source, TensorPropertySource)
-               for sources in env.var_to_sources.values() for source in sources)
+    # torch 2.13 names the sizes' symbols backed_var_to_val (var_to_val before)
+    symbols = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
+    for symbol in symbols:
+        sources = env.var_to_sources.get(symbol)
+        if not sources or not all(isinstance(s, CallMethodItemSource) for s in sources):
+            return True
+    return False
 
 
 @torch._dynamo.assume_constant_result
