@@ -44,12 +44,14 @@ DECISIONS = _Decisions()
 _NAMES: dict[tuple, str] = {}
 
 
-def decided_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def decided_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   input_grad: bool | None = None):
     """The :class:`Decision` of a compiled one-GEMM call of ``x @ weight.T + bias`` under
     ``recipe`` (built-in, without state, no boundary roles), or None where the shapes are
     symbolic or the operands not plain contiguous tensors (the caller decides in the
-    trace)."""
-    call = _call_key(x, weight, bias)
+    trace). ``input_grad``: whether the GEMM's input needs a gradient, for a caller that
+    decides before it makes the input from ``x`` (default: ``x.requires_grad``)."""
+    call = _call_key(x, weight, bias, input_grad)
     return None if call is None else getattr(DECISIONS, _decided((recipe._lowprec_value, *call)))
 
 
@@ -71,7 +73,7 @@ def decided_delayed_linear(q: LinearQuantizers, x: torch.Tensor, weight: torch.T
     return getattr(DECISIONS, _decided((dtypes, *call)))
 
 
-def _call_key(x, weight, bias) -> tuple | None:
+def _call_key(x, weight, bias, input_grad: bool | None = None) -> tuple | None:
     """What a decision reads of a call: the operands' metadata, the grad mode, the autocast
     dtype and the slicing mode (None: decided in the trace)."""
     if (type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, nn.Parameter)
@@ -80,7 +82,8 @@ def _call_key(x, weight, bias) -> tuple | None:
         return None
     if _symbolic_sizes():
         return None
-    return (tuple(x.shape), x.dtype, x.requires_grad, x.device.type, x.device.index,
+    x_grad = x.requires_grad if input_grad is None else input_grad
+    return (tuple(x.shape), x.dtype, x_grad, x.device.type, x.device.index,
             tuple(weight.shape), weight.dtype, type(weight) is nn.Parameter,
             weight.requires_grad, None if bias is None else (tuple(bias.shape), bias.dtype),
             torch.is_grad_enabled(), torch_autocast_dtype(x), grad_split.mode())

@@ -74,6 +74,16 @@ class LayerNormLinear(LowprecModule):
             ln = tpar.graph_norm_rows(self, tp, x)
             y = tpar.traced_split(tp, ln, self.bias, lambda a, b: F.linear(a, w, b))
             return (y, ln) if self.return_layernorm_output else y
+        if tp is None:
+            # decided outside dynamo from x's metadata, before the norm is traced (a refusal
+            # leaves nothing traced)
+            decided = self.traced_decision(x, w, self.bias, norm_output_grad(self, x))
+            if decided is not None:
+                if isinstance(decided.plan, str):
+                    return decided.plan
+                ln = self._graph_norm(x, decided.q.input, decided.mode)
+                y = decided.call(ln, w, self.bias)
+                return (y, ln) if self.return_layernorm_output else y
         got = self.traced_quantizers(x, w)
         if isinstance(got, str):
             return got
@@ -84,15 +94,18 @@ class LayerNormLinear(LowprecModule):
         if refused is not None:
             return refused
         if tp is None:
-            # eager fuses the norm into the quantize unless it returns the norm output
-            ln = graph_norm(self, x, kernel=not self.return_layernorm_output
-                            and producer_kernel(x, q.input, mode), dtype=torch_autocast_dtype(x))
+            ln = self._graph_norm(x, q.input, mode)
             y = traced.traced_linear(q, mode, ln, w, self.bias, delayed, plan)
         else:  # the norm on this rank's rows, then replicated or gathered
             ln = tpar.graph_norm_rows(self, tp, x)
             y = tpar.traced_split(tp, ln, self.bias, lambda a, b: traced.traced_linear(
                 q, mode, a, w, b, delayed, plan))
         return (y, ln) if self.return_layernorm_output else y
+
+    def _graph_norm(self, x: torch.Tensor, quantizer, mode: str) -> torch.Tensor:
+        # eager fuses the norm into the quantize unless it returns the norm output
+        return graph_norm(self, x, kernel=not self.return_layernorm_output
+                          and producer_kernel(x, quantizer, mode), dtype=torch_autocast_dtype(x))
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor):

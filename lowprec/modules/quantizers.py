@@ -96,7 +96,7 @@ class CallQuantizersMixin:
         return self._stateless_gemms(recipe, gemms), recipe.backward_mode, None
 
     def traced_decision(self, x: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None):
+                        bias: torch.Tensor | None, input_grad: bool | None = None):
         """The ``Decision`` (quantizers, backward mode, plan, padding) of a compiled one-GEMM
         call under a built-in recipe without state, decided once per kind of call outside
         dynamo's interpretation (``lowprec.linear.decided``); None where
@@ -109,7 +109,7 @@ class CallQuantizersMixin:
                 or self.grad_input_quantizer_role is not None
                 or stateful(region.recipe) or reads_role_names(region.recipe)):
             return None
-        return decided_linear(region.recipe, x, weight, bias)
+        return decided_linear(region.recipe, x, weight, bias, input_grad)
 
     def _stateless_gemms(self, recipe, gemms: int | None = None) -> list[LinearQuantizers]:
         """The first ``gemms`` GEMMs' quantizers (all: None) under a recipe without state:

@@ -73,16 +73,22 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_decided_call_is_eager_bit_for_bit(device, case, name, monkeypatch):
+def _case(case, name, device):
+    """(recipe, input shape, in, out, bias, params dtype, torch.autocast dtype) of a case,
+    torch's generator seeded for the module and operands made next."""
     shape, k, n, bias, dtype, amp = CASES[case]
     if name == "nvfp4" and device == "cuda" and not lowprec.kernels.triton_available():
         pytest.skip("NVFP4 traces on CUDA with its Triton kernels only")
     recipe = RECIPES[name]()
     torch.manual_seed(0)
-    dtype = dtype or _dtype(device)
+    return recipe, shape, k, n, bias, dtype or _dtype(device), amp
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_decided_call_is_eager_bit_for_bit(device, case, name, monkeypatch):
+    recipe, shape, k, n, bias, dtype, amp = _case(case, name, device)
     m = lowprec.Linear(k, n, bias=bias, name="l", params_dtype=dtype, device=device)
     x = torch.randn(shape, device=device, dtype=dtype)
     dy = torch.randn(*shape[:-1], n, device=device)
@@ -278,3 +284,38 @@ def test_delayed_call_is_one_node_and_eager_bit_for_bit(region_inside, amp, devi
     _delayed_steps(compiled(fresh, interpreted), fresh, recipe, 4, region_inside=region_inside,
                    amp=amp)
     assert Counter(ops.targets) == Counter(interpreted.targets)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ln_out", [False, True], ids=["y", "y-and-ln"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_decided_layernorm_linear_is_eager_bit_for_bit(device, case, name, ln_out,
+                                                       monkeypatch):
+    """A compiled LayerNormLinear's GEMM is decided from its input's metadata before the
+    norm is traced, and is one node: eager's bits (the norm output too), and where the
+    call decided in the trace has a plan, its graphs."""
+    recipe, shape, k, n, bias, dtype, amp = _case(case, name, device)
+    m = lowprec.LayerNormLinear(k, n, bias=bias, name="l", params_dtype=dtype, device=device,
+                                normalization="RMSNorm", return_layernorm_output=ln_out)
+    x = torch.randn(shape, device=device, dtype=dtype)
+    dy = torch.randn(*shape[:-1], n, device=device)
+
+    def first(fn):
+        return lambda x: fn(x)[0] if ln_out else fn(x)
+    want = _run(first(m), m, x, dy, recipe, amp=amp)
+    ops, traced_ops = GraphOps(), GraphOps()
+    calls = _count_decided_calls(monkeypatch)
+    compiled = torch.compile(m, backend=ops, fullgraph=True)
+    got = _run(first(compiled), m, x, dy, recipe, amp=amp)
+    assert calls
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    if ln_out:
+        with lowprec.autocast(recipe=recipe), torch.no_grad():
+            assert torch.equal(m(x)[1], torch.compile(m, backend="aot_eager")(x)[1])
+    torch._dynamo.reset()
+    monkeypatch.setattr(quantizers, "decided_linear", lambda *args: None)
+    _run(first(torch.compile(m, backend=traced_ops, fullgraph=True)), m, x, dy, recipe, amp=amp)
+    if "lowprec.call.default" not in traced_ops.targets:  # the trace's own plan traced too
+        assert Counter(ops.targets) == Counter(traced_ops.targets)
