@@ -99,10 +99,6 @@ class LayerNormMLP(LowprecModule):
                                    lambda a, b: F.linear(a, w1, b))
             y = F.linear(graph_activation(self.activation, h1, kernel=False), w2, b2_gemm)
             return y if tp is None else tpar.row_output(tp, y, b2, None, BackwardMode.DEFAULT)
-        got = self.traced_quantizers(x, w1, w2)
-        if isinstance(got, str):
-            return got
-        (q1, q2), mode, delayed = got
         # whether fc1's output, fc2's input, needs a gradient: then fc1's backward runs,
         # after fc2's
         ln_grad = norm_output_grad(self, x)
@@ -112,6 +108,16 @@ class LayerNormMLP(LowprecModule):
         # op in the graph); under tensor parallelism fc1 reads the gathered rows
         x_like = tpar.gemm_input_like(tp, x)
         a_like = x_like.new_empty((*x_like.shape[:-1], w2.shape[1]))
+        if tp is None:
+            # both GEMMs decided outside dynamo, before the norm is traced
+            decided = (self.traced_decision(x, w1, b1, ln_grad),
+                       self.traced_decision(a_like, w2, b2, fc1_backward))
+            if None not in decided:
+                return self._decided_forward(x, a_like, *decided)
+        got = self.traced_quantizers(x, w1, w2)
+        if isinstance(got, str):
+            return got
+        (q1, q2), mode, delayed = got
         plans = (traced.planned(q1, mode, x_like, w1, b1, input_grad=ln_grad),
                  traced.planned(q2, mode, a_like, w2, b2_gemm, input_grad=fc1_backward))
         for plan in plans:
@@ -132,6 +138,19 @@ class LayerNormMLP(LowprecModule):
         y = traced.traced_linear(q2, mode, a, w2, b2_gemm, delayed, plan=plans[1], gemm=1,
                                  updates=not fc1_backward)
         return y if tp is None else tpar.row_output(tp, y, b2, None, BackwardMode.DEFAULT)
+
+    def _decided_forward(self, x, a_like, fc1, fc2):
+        """The call with its two GEMMs' ``Decision`` s (``traced_decision``): each one node,
+        or the reason (a string) it stays opaque, given before anything is traced."""
+        for d in (fc1, fc2):
+            if isinstance(d.plan, str):
+                return d.plan
+        ln = graph_norm(self, x, kernel=producer_kernel(x, fc1.q.input, fc1.mode),
+                        dtype=torch_autocast_dtype(x))
+        h1 = fc1.call(ln, self.fc1_weight, self.fc1_bias)
+        a = graph_activation(self.activation, h1,
+                             kernel=producer_kernel(a_like, fc2.q.input, fc2.mode))
+        return fc2.call(a, self.fc2_weight, self.fc2_bias)
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:

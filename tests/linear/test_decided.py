@@ -319,3 +319,31 @@ def test_decided_layernorm_linear_is_eager_bit_for_bit(device, case, name, ln_ou
     _run(first(torch.compile(m, backend=traced_ops, fullgraph=True)), m, x, dy, recipe, amp=amp)
     if "lowprec.call.default" not in traced_ops.targets:  # the trace's own plan traced too
         assert Counter(ops.targets) == Counter(traced_ops.targets)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_decided_layernorm_mlp_is_eager_bit_for_bit(device, case, name, activation,
+                                                    monkeypatch):
+    """A compiled LayerNormMLP's two GEMMs are decided before its norm is traced, fc2's
+    from a stand-in of its input, and are one node each: eager's bits, and where the call
+    decided in the trace has a plan, its graphs."""
+    recipe, shape, k, n, bias, dtype, amp = _case(case, name, device)
+    m = lowprec.LayerNormMLP(k, n, bias=bias, name="l", params_dtype=dtype, device=device,
+                             normalization="RMSNorm", activation=activation)
+    x = torch.randn(shape, device=device, dtype=dtype)
+    dy = torch.randn(*shape[:-1], k, device=device)
+    want = _run(m, m, x, dy, recipe, amp=amp)
+    ops, traced_ops = GraphOps(), GraphOps()
+    calls = _count_decided_calls(monkeypatch)
+    got = _run(torch.compile(m, backend=ops, fullgraph=True), m, x, dy, recipe, amp=amp)
+    assert len(calls) >= 2
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    torch._dynamo.reset()
+    monkeypatch.setattr(quantizers, "decided_linear", lambda *args: None)
+    _run(torch.compile(m, backend=traced_ops, fullgraph=True), m, x, dy, recipe, amp=amp)
+    if "lowprec.call.default" not in traced_ops.targets:  # the trace's own plans traced too
+        assert Counter(ops.targets) == Counter(traced_ops.targets)
