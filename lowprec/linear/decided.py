@@ -56,7 +56,8 @@ def decided_linear(recipe, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 
 def decided_delayed_linear(q: LinearQuantizers, x: torch.Tensor, weight: torch.Tensor,
-                           bias: torch.Tensor | None, delayed) -> "Decision | None":
+                           bias: torch.Tensor | None, delayed,
+                           input_grad: bool | None = None) -> "Decision | None":
     """The :class:`Decision` of a compiled delayed-scaling call (``traced.traced_linear``'s
     ``delayed``: the module's states, handle, recipe, records, group) with the module's
     quantizers ``q``, or None where it is decided in the trace: an amax reduction group
@@ -66,7 +67,7 @@ def decided_delayed_linear(q: LinearQuantizers, x: torch.Tensor, weight: torch.T
     recipe, group = delayed[3], delayed[5]
     if group is not None or not isinstance(recipe.amax_compute_algo, str):
         return None
-    call = _call_key(x, weight, bias)
+    call = _call_key(x, weight, bias, input_grad)
     if call is None:
         return None
     dtypes = (q.input.fp8_dtype, q.weight.fp8_dtype, q.grad_output.fp8_dtype)
@@ -101,10 +102,11 @@ class Decision:
     name: str
     w_param: bool
 
-    def call(self, x, weight, bias, delayed=None):
+    def call(self, x, weight, bias, delayed=None, gemm: int = 0, updates: bool = True):
         """``traced.traced_linear`` of this call (with the delayed-scaling ``delayed`` it
-        was decided for), as one node of dynamo's graph (the reason, a string, where there
-        is no plan)."""
+        was decided for, the module's GEMM ``gemm`` and whether its backward ``updates``
+        the backward state), as one node of dynamo's graph (the reason, a string, where
+        there is no plan)."""
         if isinstance(self.plan, str):
             return self.plan
         if delayed is None:
@@ -112,11 +114,12 @@ class Decision:
         fwd, bwd, handle, recipe, records, _ = delayed
         return _delayed_node(x, weight, bias, fwd.scale, fwd.amax_current, handle, bwd.scale,
                              bwd.amax_current, bwd.amax_history, bwd.fp8_max, self.name,
-                             records, recipe._lowprec_value)
+                             records, recipe._lowprec_value, gemm, updates)
 
-    def run(self, x, weight, bias, delayed=None):
+    def run(self, x, weight, bias, delayed=None, gemm: int = 0, updates: bool = True):
         return traced.traced_linear(self.q, self.mode, x, weight, bias, delayed, self.plan,
-                                    padding=self.pad, weight_param=self.w_param)
+                                    gemm=gemm, updates=updates, padding=self.pad,
+                                    weight_param=self.w_param)
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ def _linear_node(x, weight, bias, name: str):
 
 @torch._dynamo.allow_in_graph
 def _delayed_node(x, weight, bias, scale, amax, handle, bwd_scale, bwd_amax, history, fp8_max,
-                  name: str, records: bool, value: int):
+                  name: str, records: bool, value: int, gemm: int, updates: bool):
     # _linear_node's delayed-scaling twin: the states' tensors are the node's inputs, which
     # the forward records into and the backward updates in place (AOT autograd
     # functionalizes both, as it does the interpreted call's)
@@ -150,7 +153,8 @@ def _delayed_node(x, weight, bias, scale, amax, handle, bwd_scale, bwd_amax, his
     bwd = _StateTensors(bwd_scale, bwd_amax, history, fp8_max)
     with steps.compile_session():
         return getattr(DECISIONS, name).run(
-            x, weight, bias, (fwd, bwd, handle, recipe_of_value(value), records, None))
+            x, weight, bias, (fwd, bwd, handle, recipe_of_value(value), records, None),
+            gemm, updates)
 
 
 @torch._dynamo.assume_constant_result

@@ -417,8 +417,11 @@ class TracedLinear(torch.autograd.Function):
         if plan.delayed and ctx.state is None:  # a traced delayed-scaling call
             (xr, x_keep), (wr, w_keep) = _delayed_forward(plan, x2d, weight, fwd)
             x_keep, w_keep = x_keep if need_dw else (), w_keep if need_dx else ()
-            ctx.save_for_backward(*x_keep, *w_keep, *bwd[:4])
-            ctx.update = bwd[4:]
+            ctx.save_for_backward(*x_keep, *w_keep)
+            # the backward state's tensors are kept as they are, not saved: another GEMM's
+            # backward of this state (the module's other GEMM, a second call) records into
+            # them before this one reads them, which autograd's version check would refuse
+            ctx.update = bwd
         else:
             if ctx.state is not None:  # an eager delayed-scaling call: the state's quantizers
                 q = fwd.quantizers
@@ -465,8 +468,7 @@ class TracedLinear(torch.autograd.Function):
             dy = plan.dy.state_quantize(dy2d, ctx.state.quantizers.grad_output, need_dx, need_dw)
             return TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
         if plan.delayed:
-            scale, amax, history, fp8_max = saved[nx + nw:]
-            algo, margin, s, updates, group = ctx.update
+            scale, amax, history, fp8_max, algo, margin, s, updates, group = ctx.update
             dyq, dys, seen = plan.dy.delayed(dy2d, scale[s:s + 1])
             amax[s:s + 1].copy_(torch.maximum(amax[s:s + 1], seen))
             dyd = decode_scale(dys).reshape(())

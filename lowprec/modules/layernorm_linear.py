@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..compile import compiled_as_one_op
 from ..fused import graph_norm, producer_kernel
-from ..linear import quantized_linear, traced
+from ..linear import decided_delayed_linear, quantized_linear, traced
 from ..recipe import torch_autocast_dtype
 from . import tensor_parallel as tpar
 from .base import LowprecModule
@@ -74,22 +74,23 @@ class LayerNormLinear(LowprecModule):
             ln = tpar.graph_norm_rows(self, tp, x)
             y = tpar.traced_split(tp, ln, self.bias, lambda a, b: F.linear(a, w, b))
             return (y, ln) if self.return_layernorm_output else y
+        ln_grad = norm_output_grad(self, x)
         if tp is None:
             # decided outside dynamo from x's metadata, before the norm is traced (a refusal
             # leaves nothing traced)
-            decided = self.traced_decision(x, w, self.bias, norm_output_grad(self, x))
+            decided = self.traced_decision(x, w, self.bias, ln_grad)
             if decided is not None:
-                if isinstance(decided.plan, str):
-                    return decided.plan
-                ln = self._graph_norm(x, decided.q.input, decided.mode)
-                y = decided.call(ln, w, self.bias)
-                return (y, ln) if self.return_layernorm_output else y
+                return self._decided_forward(x, decided)
         got = self.traced_quantizers(x, w)
         if isinstance(got, str):
             return got
         (q,), mode, delayed = got
+        if tp is None and delayed is not None:
+            decided = decided_delayed_linear(q, x, w, self.bias, delayed, ln_grad)
+            if decided is not None:
+                return self._decided_forward(x, decided, delayed)
         plan = traced.planned(q, mode, tpar.gemm_input_like(tp, x), w, self.bias,
-                              input_grad=norm_output_grad(self, x))
+                              input_grad=ln_grad)
         refused = traced.refusal(plan, delayed)
         if refused is not None:
             return refused
@@ -100,6 +101,15 @@ class LayerNormLinear(LowprecModule):
             ln = tpar.graph_norm_rows(self, tp, x)
             y = tpar.traced_split(tp, ln, self.bias, lambda a, b: traced.traced_linear(
                 q, mode, a, w, b, delayed, plan))
+        return (y, ln) if self.return_layernorm_output else y
+
+    def _decided_forward(self, x: torch.Tensor, decided, delayed=None):
+        """The call with its GEMM's ``Decision`` (one node; the reason, a string, where it
+        stays opaque, given before the norm is traced)."""
+        if isinstance(decided.plan, str):
+            return decided.plan
+        ln = self._graph_norm(x, decided.q.input, decided.mode)
+        y = decided.call(ln, self.weight, self.bias, delayed)
         return (y, ln) if self.return_layernorm_output else y
 
     def _graph_norm(self, x: torch.Tensor, quantizer, mode: str) -> torch.Tensor:

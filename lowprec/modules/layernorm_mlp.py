@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from .. import fused
 from ..compile import compiled_as_one_op
 from ..fused import graph_activation, graph_norm, producer_kernel
-from ..linear import quantized_linear, traced
+from ..linear import decided_delayed_linear, quantized_linear, traced
 from ..recipe import BackwardMode, torch_autocast_dtype
 from . import tensor_parallel as tpar
 from .activations import get_activation
@@ -112,12 +112,17 @@ class LayerNormMLP(LowprecModule):
             # both GEMMs decided outside dynamo, before the norm is traced
             decided = (self.traced_decision(x, w1, b1, ln_grad),
                        self.traced_decision(a_like, w2, b2, fc1_backward))
-            if None not in decided:
+            if all(d is not None for d in decided):
                 return self._decided_forward(x, a_like, *decided)
         got = self.traced_quantizers(x, w1, w2)
         if isinstance(got, str):
             return got
         (q1, q2), mode, delayed = got
+        if tp is None and delayed is not None:
+            decided = (decided_delayed_linear(q1, x, w1, b1, delayed, ln_grad),
+                       decided_delayed_linear(q2, a_like, w2, b2, delayed, fc1_backward))
+            if all(d is not None for d in decided):
+                return self._decided_forward(x, a_like, *decided, delayed, fc1_backward)
         plans = (traced.planned(q1, mode, x_like, w1, b1, input_grad=ln_grad),
                  traced.planned(q2, mode, a_like, w2, b2_gemm, input_grad=fc1_backward))
         for plan in plans:
@@ -139,18 +144,20 @@ class LayerNormMLP(LowprecModule):
                                  updates=not fc1_backward)
         return y if tp is None else tpar.row_output(tp, y, b2, None, BackwardMode.DEFAULT)
 
-    def _decided_forward(self, x, a_like, fc1, fc2):
-        """The call with its two GEMMs' ``Decision`` s (``traced_decision``): each one node,
-        or the reason (a string) it stays opaque, given before anything is traced."""
+    def _decided_forward(self, x, a_like, fc1, fc2, delayed=None, fc1_backward=True):
+        """The call with its two GEMMs' ``Decision`` s: each one node, or the reason (a
+        string) it stays opaque, given before anything is traced. Under delayed scaling
+        (``delayed``) each GEMM records into its own slots of the states, and the backward
+        state is updated once, by fc1's backward where it runs, else fc2's."""
         for d in (fc1, fc2):
             if isinstance(d.plan, str):
                 return d.plan
         ln = graph_norm(self, x, kernel=producer_kernel(x, fc1.q.input, fc1.mode),
                         dtype=torch_autocast_dtype(x))
-        h1 = fc1.call(ln, self.fc1_weight, self.fc1_bias)
+        h1 = fc1.call(ln, self.fc1_weight, self.fc1_bias, delayed, 0, fc1_backward)
         a = graph_activation(self.activation, h1,
                              kernel=producer_kernel(a_like, fc2.q.input, fc2.mode))
-        return fc2.call(a, self.fc2_weight, self.fc2_bias)
+        return fc2.call(a, self.fc2_weight, self.fc2_bias, delayed, 1, not fc1_backward)
 
     @compiled_as_one_op
     def forward(self, x: torch.Tensor) -> torch.Tensor:
