@@ -21,10 +21,10 @@ from torch import nn
 from torch._dynamo.source import CallMethodItemSource
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from ..formats import Float8Quantizer
 from ..recipe import (
     BackwardMode,
     QuantizerRole,
+    delayed_stand_ins,
     recipe_of_value,
     stateless_quantizers,
     torch_autocast_dtype,
@@ -215,7 +215,7 @@ def _quantizers(head) -> tuple[LinearQuantizers, str]:
     (input, weight, dY) FP8 dtypes, whose quantizers here are stand-ins: a delayed form
     reads its scales and amaxes from the tensors the call passes."""
     if isinstance(head, tuple):
-        x, w, dy = (Float8Quantizer(torch.ones(1), torch.zeros(1), d) for d in head)
+        x, w, dy = delayed_stand_ins(head)
         return LinearQuantizers(input=x, weight=w, output=None, grad_output=dy,
                                 grad_input=None), BackwardMode.DEFAULT
     recipe = recipe_of_value(head)

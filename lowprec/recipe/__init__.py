@@ -51,6 +51,7 @@ from .regions import (
 from .roles import check_num_quantizers, gemm_roles
 from .state import (
     RecipeState,
+    delayed_stand_ins,
     push_amaxes,
     reads_role_names,
     stateful,

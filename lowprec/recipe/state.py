@@ -301,6 +301,13 @@ def stateless_quantizers(recipe: Recipe, mode: str, roles) -> list[Quantizer]:
     return [_builtin_quantizer(recipe, r, mode) for r in roles]
 
 
+def delayed_stand_ins(fp8_dtypes: Sequence[torch.dtype]) -> list[Quantizer]:
+    """Delayed-scaling quantizers of these FP8 dtypes over scratch scales and amaxes of
+    their own: what a compiled call decides its plan from (a delayed form reads the
+    dtype; the module's scales and amaxes come with the call)."""
+    return [Float8Quantizer(torch.ones(1), torch.zeros(1), d) for d in fp8_dtypes]
+
+
 class RecipeState:
     """Quantizers for one direction of one module under one recipe."""
 
