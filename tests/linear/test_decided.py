@@ -84,6 +84,23 @@ def _case(case, name, device):
     return recipe, shape, k, n, bias, dtype or _dtype(device), amp
 
 
+def _decided_is_eager(m, x, dy, recipe, amp, monkeypatch, *, gemms=1, wrap=lambda fn: fn):
+    """Compiles ``m`` (called through ``wrap``): its ``gemms`` decided calls give eager's
+    bits. Returns (the graphs' ops, those of the calls decided in the trace)."""
+    want = _run(wrap(m), m, x, dy, recipe, amp=amp)
+    ops, interpreted = GraphOps(), GraphOps()
+    calls = _count_decided_calls(monkeypatch)
+    got = _run(wrap(torch.compile(m, backend=ops, fullgraph=True)), m, x, dy, recipe, amp=amp)
+    assert len(calls) >= gemms  # decided outside the trace
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    torch._dynamo.reset()
+    monkeypatch.setattr(quantizers, "decided_linear", lambda *args: None)
+    _run(wrap(torch.compile(m, backend=interpreted, fullgraph=True)), m, x, dy, recipe,
+         amp=amp)
+    return Counter(ops.targets), Counter(interpreted.targets)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -92,18 +109,9 @@ def test_decided_call_is_eager_bit_for_bit(device, case, name, monkeypatch):
     m = lowprec.Linear(k, n, bias=bias, name="l", params_dtype=dtype, device=device)
     x = torch.randn(shape, device=device, dtype=dtype)
     dy = torch.randn(*shape[:-1], n, device=device)
-    want = _run(m, m, x, dy, recipe, amp=amp)
-    ops, traced = GraphOps(), GraphOps()
-    calls = _count_decided_calls(monkeypatch)
-    got = _run(torch.compile(m, backend=ops, fullgraph=True), m, x, dy, recipe, amp=amp)
-    assert calls  # the call was decided outside the trace
-    for w, g in zip(want, got):
-        assert torch.equal(w, g)
+    ops, interpreted = _decided_is_eager(m, x, dy, recipe, amp, monkeypatch)
     # the graphs inductor receives are those of the plan decided in the trace
-    torch._dynamo.reset()
-    monkeypatch.setattr(quantizers, "decided_linear", lambda *args: None)
-    _run(torch.compile(m, backend=traced, fullgraph=True), m, x, dy, recipe, amp=amp)
-    assert Counter(ops.targets) == Counter(traced.targets)
+    assert ops == interpreted
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -325,22 +333,12 @@ def test_decided_layernorm_linear_is_eager_bit_for_bit(device, case, name, ln_ou
 
     def first(fn):
         return lambda x: fn(x)[0] if ln_out else fn(x)
-    want = _run(first(m), m, x, dy, recipe, amp=amp)
-    ops, traced_ops = GraphOps(), GraphOps()
-    calls = _count_decided_calls(monkeypatch)
-    compiled = torch.compile(m, backend=ops, fullgraph=True)
-    got = _run(first(compiled), m, x, dy, recipe, amp=amp)
-    assert calls
-    for w, g in zip(want, got):
-        assert torch.equal(w, g)
+    ops, interpreted = _decided_is_eager(m, x, dy, recipe, amp, monkeypatch, wrap=first)
+    if "lowprec.call.default" not in interpreted:  # the trace's own plan traced too
+        assert ops == interpreted
     if ln_out:
         with lowprec.autocast(recipe=recipe), torch.no_grad():
             assert torch.equal(m(x)[1], torch.compile(m, backend="aot_eager")(x)[1])
-    torch._dynamo.reset()
-    monkeypatch.setattr(quantizers, "decided_linear", lambda *args: None)
-    _run(first(torch.compile(m, backend=traced_ops, fullgraph=True)), m, x, dy, recipe, amp=amp)
-    if "lowprec.call.default" not in traced_ops.targets:  # the trace's own plan traced too
-        assert Counter(ops.targets) == Counter(traced_ops.targets)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -357,15 +355,6 @@ def test_decided_layernorm_mlp_is_eager_bit_for_bit(device, case, name, activati
                              normalization="RMSNorm", activation=activation)
     x = torch.randn(shape, device=device, dtype=dtype)
     dy = torch.randn(*shape[:-1], k, device=device)
-    want = _run(m, m, x, dy, recipe, amp=amp)
-    ops, traced_ops = GraphOps(), GraphOps()
-    calls = _count_decided_calls(monkeypatch)
-    got = _run(torch.compile(m, backend=ops, fullgraph=True), m, x, dy, recipe, amp=amp)
-    assert len(calls) >= 2
-    for w, g in zip(want, got):
-        assert torch.equal(w, g)
-    torch._dynamo.reset()
-    monkeypatch.setattr(quantizers, "decided_linear", lambda *args: None)
-    _run(torch.compile(m, backend=traced_ops, fullgraph=True), m, x, dy, recipe, amp=amp)
-    if "lowprec.call.default" not in traced_ops.targets:  # the trace's own plans traced too
-        assert Counter(ops.targets) == Counter(traced_ops.targets)
+    ops, interpreted = _decided_is_eager(m, x, dy, recipe, amp, monkeypatch, gemms=2)
+    if "lowprec.call.default" not in interpreted:  # the trace's own plans traced too
+        assert ops == interpreted
