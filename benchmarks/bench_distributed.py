@@ -35,7 +35,9 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import gzip
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -131,8 +133,8 @@ def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int,
              profile_dir: str = "", tp: bool = False, compile: bool = False) -> tuple:
     """(median step ms, all-gathered bytes a step, peak GiB, graph breaks, graphs compiled)
     on this rank; with ``profile_dir``, rank 0 also profiles one more step (its kernel
-    table). The graphs compiled count every recompile: per-layer compiled decoder layers
-    of one shape should compile their code once."""
+    table and its trace). The graphs compiled count every recompile: per-layer compiled
+    decoder layers of one shape should compile their code once."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     device = torch.device("cuda", rank)
@@ -175,7 +177,13 @@ def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int,
             torch.cuda.synchronize()
         if rank == 0:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-            Path(profile_dir, peer.replace("+", "_") + ".txt").write_text(table)
+            stem = Path(profile_dir, peer.replace("+", "_"))
+            stem.with_suffix(".txt").write_text(table)
+            trace = stem.with_suffix(".json")  # the step's timeline (chrome://tracing)
+            prof.export_chrome_trace(str(trace))
+            with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            trace.unlink()
     counters = torch._dynamo.utils.counters
     return (ms, counter.bytes, peak, sum(counters["graph_break"].values()),
             counters["stats"]["unique_graphs"])
@@ -268,7 +276,9 @@ def main() -> None:
                          "e.g. tensorwise), with the same --gathers: hp, quantized "
                          "(enable_fsdp_float8_all_gather), precomputed (and "
                          "precompute_float8_dynamic_scale_for_fsdp after each step)")
-    ap.add_argument("--profile", default="", help="directory for per-peer kernel tables (rank 0)")
+    ap.add_argument("--profile", default="",
+                    help="directory for per-peer kernel tables and gzipped step traces "
+                         "(rank 0)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()

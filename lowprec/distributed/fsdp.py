@@ -34,7 +34,7 @@ What each format gathers (a shard is a block of whole rows):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -57,6 +57,19 @@ class _GatherPlan:
     derivable: bool = True  # columnwise derives from rowwise: gather rowwise only
     padded: bool = False  # one input, padded by FSDP's rule for uneven shards
     backward_mode: str = "default"
+    #: (usages, shard kind) -> the quantizer's prepared ``quantize_part`` (the same shard
+    #: is quantized every step: its launches are bound once)
+    parts: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def quantize_part(self, shard: torch.Tensor, statistic, rowwise: bool,
+                      columnwise: bool) -> QuantizedTensor:
+        """``quantizer.quantize_part(shard, statistic)`` with these usages."""
+        key = (rowwise, columnwise, shard.shape, shard.dtype, shard.device)
+        quantize = self.parts.get(key)
+        if quantize is None:
+            quantize = self.parts[key] = self.quantizer.prepare_part(
+                shard.shape, shard.dtype, shard.device, rowwise=rowwise, columnwise=columnwise)
+        return quantize(shard, statistic)
 
     def usages(self, backward: bool, reshard: bool) -> tuple[bool, bool]:
         """(rowwise, columnwise) to gather in this phase."""
@@ -208,9 +221,8 @@ class QuantizedGatherWeight(GatherWrapper):
         rowwise, columnwise = plan.usages(backward, reshard)
         group = mesh.get_group()
         self._last_gather = (plan, dtype, group)
-        with plan.quantizer.usages(rowwise=rowwise, columnwise=columnwise):
-            statistic = self._whole_statistic(plan.quantizer, shard, dtype, group, backward)
-            part = plan.quantizer.quantize_part(shard, statistic)
+        statistic = self._whole_statistic(plan.quantizer, shard, dtype, group, backward)
+        part = plan.quantize_part(shard, statistic, rowwise, columnwise)
         return gather_codec.pack(part, rows, padded_rows if plan.padded else None,
                                  plan.columnwise_in_backward(backward, reshard))
 

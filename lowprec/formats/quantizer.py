@@ -162,6 +162,26 @@ class Quantizer:
                 else None)
         return self._prepared_or_usual(fast, usual)
 
+    def prepare_part(self, shape: torch.Size, dtype: torch.dtype, device: torch.device, *,
+                     rowwise: bool, columnwise: bool
+                     ) -> Callable[[torch.Tensor, torch.Tensor | None], QuantizedTensor]:
+        """``f(part, statistic)``: :meth:`quantize_part` with these usages for parts of one
+        kind (``shape``, ``dtype``, ``device``), prepared as :meth:`prepare` prepares a
+        quantize: for a caller that quantizes the same shard every step (an FSDP gather)."""
+        def usual(part: torch.Tensor, statistic: torch.Tensor | None) -> QuantizedTensor:
+            with self.usages(rowwise=rowwise, columnwise=columnwise):
+                return self.quantize_part(part, statistic)
+
+        fast = (self._prepared_part(shape, dtype, device, rowwise, columnwise)
+                if (rowwise or columnwise) and len(shape) == 2 and self.can_quantize_part()
+                and _kernels_for(shape, dtype, device) else None)
+        return self._prepared_or_usual(fast, usual)
+
+    def _prepared_part(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                       rowwise: bool, columnwise: bool):
+        """As :meth:`_prepared`, for :meth:`prepare_part` (called ``(part, statistic)``)."""
+        return None
+
     def _prepared_or_usual(self, fast, usual):
         """``usual`` where there is no prepared path, else a function that builds the tensor
         from ``fast``'s fields and turns to ``usual`` for a call ``fast`` does not take."""

@@ -10,7 +10,7 @@ import torch
 
 import lowprec.kernels
 from lowprec import Float8CurrentScalingQuantizer, Float8Quantizer
-from lowprec.formats.float8.launch import PreparedCurrent, PreparedDelayed
+from lowprec.formats.float8.launch import PreparedCurrent, PreparedDelayed, PreparedPart
 
 DEVICES = ["cpu"] + (["cuda"] if lowprec.kernels.triton_available() else [])
 
@@ -135,6 +135,34 @@ def test_prepared_usage_like_matches(device, make, usage):
         assert got.has_usage(usage) and not got.has_usage(other)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("usages", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("shape", [(40, 96), (130, 72)])
+def test_prepared_part_matches_quantize_part(device, usages, shape):
+    """``prepare_part`` gives ``quantize_part``'s tensor (the part quantized with the whole
+    tensor's amax) on every call, whatever usages the quantizer is set to meanwhile."""
+    rowwise, columnwise = usages
+    q = Float8CurrentScalingQuantizer()
+    ref_q = Float8CurrentScalingQuantizer().set_usage(rowwise=rowwise, columnwise=columnwise)
+    prepared = q.prepare_part(torch.Size(shape), torch.bfloat16, torch.device(device),
+                              rowwise=rowwise, columnwise=columnwise)
+    gen = torch.Generator(device=device).manual_seed(sum(shape))
+    for step in range(5):
+        whole = torch.randn(2 * shape[0], shape[1], device=device, dtype=torch.bfloat16,
+                            generator=gen) * 10 ** step
+        if step == 4:
+            whole[-1, 3] = float("inf")  # in the other part: NaN codes and scale here too
+        part = whole[:shape[0]]
+        statistic = torch.maximum(ref_q.part_statistic(part),
+                                  ref_q.part_statistic(whole[shape[0]:]))
+        q.set_usage(rowwise=not rowwise, columnwise=True)
+        got = prepared(part, statistic)
+        _same(got, ref_q.quantize_part(part, statistic))
+        assert got.has_usage("rowwise") == rowwise and got.has_usage("columnwise") == columnwise
+    with pytest.raises(ValueError, match="needs the statistic"):
+        prepared(part, None)
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and Triton")
 def test_prepared_paths_bind_their_launches_on_cuda():
     """On CUDA the third call of each prepared path runs bound launches (it is not left to
@@ -146,13 +174,17 @@ def test_prepared_paths_bind_their_launches_on_cuda():
         q.scale, q.amax = q.scale.to(dev), q.amax.to(dev)
     current = Float8CurrentScalingQuantizer()
     like = current.quantize(torch.randn(shape, device=dev, dtype=torch.bfloat16))
+    bits = current.part_statistic(torch.randn(shape, device=dev, dtype=torch.bfloat16) * 3)
     cases = [(PreparedCurrent(current, shape, torch.bfloat16, dev, True, True), (),
               lambda x: Float8CurrentScalingQuantizer().quantize(x)),
              (PreparedDelayed(delayed, shape, torch.bfloat16, dev, True, True), (),
               lambda x: ref_delayed.quantize(x)),
              (PreparedUsageLike(current, shape, torch.bfloat16, dev, False, True), (like,),
               lambda x: Float8CurrentScalingQuantizer().quantize_usage_like(x, like,
-                                                                             "columnwise"))]
+                                                                             "columnwise")),
+             (PreparedPart(current, shape, torch.bfloat16, dev, True, False), (bits,),
+              lambda x: Float8CurrentScalingQuantizer().set_usage(
+                  rowwise=True, columnwise=False).quantize_part(x, bits))]
     for prepared, extra, usual in cases:
         for _ in range(3):
             x = torch.randn(shape, device=dev, dtype=torch.bfloat16)

@@ -511,6 +511,32 @@ class PreparedCurrent(_Prepared):
         return row, col, scales[0:1], scales[DECODE_AT]
 
 
+class PreparedPart(_Prepared):
+    """Current-scaling casts of one kind of part (rows of a larger tensor: a weight shard
+    under FSDP) with the whole tensor's amax bits given (``quantize_part``'s statistic), as
+    ``quantize_current(..., amax_bits=)`` launches them; see ``_Prepared``.
+    ``__call__(x, amax_bits)``."""
+
+    def __call__(self, x: torch.Tensor, amax_bits: torch.Tensor | None) -> dict | None:
+        if amax_bits is None or amax_bits.device != self.device or amax_bits.data_ptr() % 16:
+            return None
+        ready = self._outputs(x)
+        if ready is None:
+            return None
+        bound, x2d, row, col = ready
+        scales = _scale_buffer(x2d)
+        if bound is True:
+            bound = self._bound(bound, self._cast_calls(x2d, *self._codes(row, col), amax_bits,
+                                                        scales, scales, current=True))
+            if bound is None:
+                return None
+        for cast in bound:
+            cast(x2d, row, col, amax_bits, scales, scales, scales)
+        scale = scales[0:1]
+        return _usage_fields(self.fp8_dtype, self.rowwise, self.columnwise, row, col, scale,
+                             QuantizedTensor.derived_record(scale, scales[DECODE_AT]))
+
+
 class PreparedDelayed(_Prepared):
     """Delayed-scaling quantizes (one cast that records the amax and finishes) of one kind of
     input; see ``_Prepared``. Calls whose state tensors (``quantizer.scale``/``amax``) are

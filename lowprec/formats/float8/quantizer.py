@@ -167,6 +167,11 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
             return None
         return launch.PreparedCurrent(self, shape, dtype, device, rowwise, columnwise)
 
+    def _prepared_part(self, shape, dtype, device, rowwise, columnwise):
+        if type(self) is not Float8CurrentScalingQuantizer:
+            return None
+        return launch.PreparedPart(self, shape, dtype, device, rowwise, columnwise)
+
     def _reference_scale(self, x2d):
         return current_scale(tensor_amax(x2d), self.fp8_dtype, pow2=self.force_pow_2_scales,
                              eps=self.amax_epsilon)
