@@ -197,6 +197,8 @@ class QuantizedGatherWeight(GatherWrapper):
         #: steps; a version counter cannot tell, the wrapper's tensor being one of FSDP's
         #: views of the parameter, which the optimizer writes through another)
         self._statistic = None
+        #: (FSDP's mesh, its size, its process group), asked of the mesh once
+        self._mesh = None
         return self
 
     # ---- FSDP2 all-gather extension -----------------------------------------------------
@@ -208,7 +210,10 @@ class QuantizedGatherWeight(GatherWrapper):
                 f"this weight was built under quantized_model_init as {master} and is kept as "
                 f"an fp32 master shard; FSDP2 must compute in {master}: fully_shard(..., "
                 f"mp_policy=MixedPrecisionPolicy(param_dtype={master})) (got {dtype})")
-        world = mesh.size()
+        seen = self._mesh
+        if seen is None or seen[0] is not mesh:  # asked once: each costs host time a gather
+            seen = self._mesh = (mesh, mesh.size(), mesh.get_group())
+        _, world, group = seen
         rows, k = outer_size
         padded_rows = math.ceil(rows / world)
         # a master quantizes from its fp32 values; a high-precision weight from the values
@@ -219,7 +224,6 @@ class QuantizedGatherWeight(GatherWrapper):
             return (_pad_rows(shard.to(dtype), padded_rows),), None
         backward, reshard = _fsdp_phase(self._spec.fsdp_group())
         rowwise, columnwise = plan.usages(backward, reshard)
-        group = mesh.get_group()
         self._last_gather = (plan, dtype, group)
         statistic = self._whole_statistic(plan.quantizer, shard, dtype, group, backward)
         part = plan.quantize_part(shard, statistic, rowwise, columnwise)
@@ -229,8 +233,9 @@ class QuantizedGatherWeight(GatherWrapper):
     def _source(self, dtype) -> torch.Tensor:
         """The values a gather quantizes: a master's own fp32 values, a high-precision
         weight's in the compute dtype (the values its GEMM would read)."""
-        return (self._data if getattr(self._spec, "master", None) is not None
-                else self._data.to(dtype))
+        data = self._data
+        return data if data.dtype == dtype or getattr(self._spec, "master", None) is not None \
+            else data.to(dtype)
 
     def _whole_statistic(self, quantizer, shard, dtype, group, backward: bool):
         """The whole weight's per-tensor statistic: in a forward, the one precomputed for
