@@ -286,10 +286,24 @@ def precompute_gather_statistics(model: nn.Module) -> None:
         if statistic is not None:
             pending.setdefault(group, []).append((local, dtype, statistic))
     for group, items in pending.items():
-        flat = torch.cat([s for *_, s in items])
-        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
-        for (local, dtype, _), whole in zip(items, flat.split([s.numel() for *_, s in items])):
-            local._statistic = (dtype, False, whole)
+        rows = _aligned_rows([s for *_, s in items])
+        torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.MAX, group=group)
+        for (local, dtype, s), row in zip(items, rows):
+            local._statistic = (dtype, False, row[:s.numel()])
+
+
+def _aligned_rows(statistics: list[torch.Tensor]) -> torch.Tensor:
+    """The int32 ``statistics`` as the rows of one tensor, each row padded with zeros to a
+    multiple of 16 bytes: a gather's kernel then reads its statistic from a 16-byte
+    aligned address, as from a tensor of its own, and takes its bound launch."""
+    n = statistics[0].numel()
+    width = -(-max(s.numel() for s in statistics) // 4) * 4
+    if all(s.numel() == n for s in statistics):
+        rows = torch.stack([s.reshape(n) for s in statistics])
+    else:
+        rows = torch.stack([torch.nn.functional.pad(s.reshape(-1), (0, width - s.numel()))
+                            for s in statistics])
+    return torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
 
 
 def quantized_all_gather(model: nn.Module, recipe) -> nn.Module:

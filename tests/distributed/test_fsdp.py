@@ -134,20 +134,24 @@ def _worker(rank, world, rname, wrap, rows, reshard, out_dir, precompute=False):
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
-    seen = []
+    seen, aligned = [], []
     with spawn.counted_all_reduces() as reduces:
         steps = []
 
         def after_step():  # precompute="once": after the first step only
             if precompute is True or not steps:
                 precompute_gather_statistics(model)
+                # each statistic 16-byte aligned, as the gathers' bound launches want them
+                stats = [p._local_tensor._statistic[2] for p in model.parameters()
+                         if isinstance(p._local_tensor, QuantizedGatherWeight)]
+                aligned.append(bool(stats) and all(t.data_ptr() % 16 == 0 for t in stats))
             steps.append(1)
         losses = train(model, recipe, record=lambda m: seen.append(type(m.weight).__name__),
                        after_step=after_step if precompute else None)
     state = full_state(model)
     if rank == 0:
-        torch.save({"losses": losses.cpu(), "state": state, "seen": seen, "reduces": reduces},
-                   f"{out_dir}/fsdp.pt")
+        torch.save({"losses": losses.cpu(), "state": state, "seen": seen, "reduces": reduces,
+                    "aligned": aligned}, f"{out_dir}/fsdp.pt")
 
 
 def _single(rname, rows):
@@ -357,14 +361,15 @@ def test_precomputed_statistics(tmp_path, rname, precompute):
     assert torch.equal(got["losses"], losses)
     for k in state:
         assert torch.equal(got["state"][k], state[k]), k
+    assert got["aligned"] and all(got["aligned"]), got["aligned"]
     weights = 4
     # step 1: a reduce per weight in its forward's gather (the backward's reads the
-    # forward's); after each step, one reduce of every weight's statistic; then no more in
-    # the gathers
+    # forward's); after each step, one reduce of every weight's statistic (a row of four
+    # int32 words each, 16 bytes); then no more in the gathers
     if precompute is True:
-        assert got["reduces"] == [1] * weights + [weights] * STEPS, got["reduces"]
+        assert got["reduces"] == [1] * weights + [4 * weights] * STEPS, got["reduces"]
     else:
-        assert got["reduces"] == [1] * weights + [weights] + [1] * weights * (STEPS - 2), \
+        assert got["reduces"] == [1] * weights + [4 * weights] + [1] * weights * (STEPS - 2), \
             got["reduces"]
 
 
