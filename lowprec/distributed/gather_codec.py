@@ -86,8 +86,9 @@ def _fields(outputs, packing: Packing) -> dict:
 def unpack(outputs, packing: Packing, shape, dtype: torch.dtype) -> QuantizedTensor:
     """The whole quantized tensor, its inner tensors views of the gathered ``outputs``."""
     qt = packing.cls(shape, dtype, **_fields(outputs, packing), **packing.meta)
-    if packing.columnwise_in_backward:
-        setattr(qt, COLUMNWISE_IN_BACKWARD_ATTR, True)
+    # set either way, as ``refill`` sets it: a compiled call that reads it guards on the
+    # attribute being there
+    setattr(qt, COLUMNWISE_IN_BACKWARD_ATTR, packing.columnwise_in_backward)
     return qt
 
 

@@ -28,6 +28,7 @@ from .base import (
            check_bool_option,
            check_int_option,
            check_usage,
+           columnwise_from_backward,
            contiguous_data,
            flatten_2d,
            keep_quantized,

@@ -134,8 +134,9 @@ class QuantizedTensor(torch.Tensor):
         quantizer = self.__dict__.get(QUANTIZER_ATTR)
         if quantizer is not None:
             setattr(out, QUANTIZER_ATTR, quantizer)
-        if alias and self.__dict__.get(COLUMNWISE_IN_BACKWARD_ATTR):
-            setattr(out, COLUMNWISE_IN_BACKWARD_ATTR, True)
+        if alias and COLUMNWISE_IN_BACKWARD_ATTR in self.__dict__:
+            # kept as it is, False too: a compiled call guards on the attribute being there
+            setattr(out, COLUMNWISE_IN_BACKWARD_ATTR, self.__dict__[COLUMNWISE_IN_BACKWARD_ATTR])
         return out
 
     def __tensor_flatten__(self):

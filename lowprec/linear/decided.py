@@ -21,6 +21,7 @@ from torch import nn
 from torch._dynamo.source import CallMethodItemSource
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from ..formats import COLUMNWISE_IN_BACKWARD_ATTR, QuantizedTensor, columnwise_from_backward
 from ..recipe import (
     BackwardMode,
     QuantizerRole,
@@ -77,17 +78,59 @@ def decided_delayed_linear(q: LinearQuantizers, x: torch.Tensor, weight: torch.T
 def _call_key(x, weight, bias, input_grad: bool | None = None) -> tuple | None:
     """What a decision reads of a call: the operands' metadata, the grad mode, the autocast
     dtype and the slicing mode (None: decided in the trace)."""
-    if (type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, nn.Parameter)
-            or (bias is not None and type(bias) not in (torch.Tensor, nn.Parameter))
-            or not (x.is_contiguous() and weight.is_contiguous())):
+    if (type(x) is not torch.Tensor or not x.is_contiguous()
+            or (bias is not None and type(bias) not in (torch.Tensor, nn.Parameter))):
         return None
-    if _symbolic_sizes():
+    w_key = _weight_key(weight)
+    if w_key is None or _symbolic_sizes():
         return None
     x_grad = x.requires_grad if input_grad is None else input_grad
-    return (tuple(x.shape), x.dtype, x_grad, x.device.type, x.device.index,
-            tuple(weight.shape), weight.dtype, type(weight) is nn.Parameter,
-            weight.requires_grad, None if bias is None else (tuple(bias.shape), bias.dtype),
+    return (tuple(x.shape), x.dtype, x_grad, x.device.type, x.device.index, w_key,
+            None if bias is None else (tuple(bias.shape), bias.dtype),
             torch.is_grad_enabled(), torch_autocast_dtype(x), grad_split.mode())
+
+
+def _weight_key(weight) -> tuple | None:
+    """What a decision reads of the weight: a plain contiguous tensor's shape, dtype,
+    parameter type and gradient flag; or, for a weight that arrives quantized (FSDP2's
+    quantized all-gather, ``quantized_model_init``), its class, shape, dtype, gradient
+    flag, inner tensors' metadata, its format's settings and whether its backward's gather
+    brings the columnwise data (None: decided in the trace). Read attribute by attribute:
+    dynamo interprets this, and would take a method of a tensor subclass for a torch op."""
+    if type(weight) in (torch.Tensor, nn.Parameter):
+        if not weight.is_contiguous():
+            return None
+        return (tuple(weight.shape), weight.dtype, type(weight) is nn.Parameter,
+                weight.requires_grad)
+    if not isinstance(weight, QuantizedTensor):
+        return None
+    cls = type(weight)
+    inner = []
+    for name in cls._inner:
+        t = getattr(weight, name)
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor:
+            return None
+        inner.append((name, tuple(t.shape), tuple(t.stride()), t.dtype))
+    meta = tuple((name, getattr(weight, name)) for name in cls._meta)
+    return (cls, tuple(weight.shape), weight.dtype, weight.requires_grad, tuple(inner), meta,
+            columnwise_from_backward(weight))
+
+
+def _weight_stand_in(w_key: tuple, device: torch.device) -> torch.Tensor:
+    """A fake weight with the metadata ``w_key`` (:func:`_weight_key`) records."""
+    if not isinstance(w_key[0], type):
+        shape, dtype, param, grad = w_key
+        w = torch.empty(shape, dtype=dtype, device=device, requires_grad=grad)
+        return nn.Parameter(w, requires_grad=grad) if param else w
+    cls, shape, dtype, grad, inner, meta, later = w_key
+    tensors = {name: torch.empty_strided(size, stride, dtype=dt, device=device)
+               for name, size, stride, dt in inner}
+    w = cls(torch.Size(shape), dtype, **tensors, **dict(meta))
+    if later:
+        setattr(w, COLUMNWISE_IN_BACKWARD_ATTR, True)
+    return w.requires_grad_(grad)
 
 
 @dataclass(frozen=True)
@@ -191,20 +234,21 @@ def _decided(key: tuple) -> str:
     return name
 
 
-def _decide(name, head, x_shape, x_dtype, x_grad, device_type, device_index, w_shape, w_dtype,
-            w_param, w_grad, b_meta, grad, amp, split_mode):
+def _decide(name, head, x_shape, x_dtype, x_grad, device_type, device_index, w_key, b_meta,
+            grad, amp, split_mode):
     q, mode = _quantizers(head)
     device = torch.device(device_type, device_index)
+    # a quantized weight is read as it is, never as a parameter's copy (traced_linear)
+    w_param = not isinstance(w_key[0], type) and w_key[2]
     # stand-ins with the operands' metadata, put through traced_linear's own steps
     with unset_fake_temporarily(), FakeTensorMode(), torch.set_grad_enabled(grad), \
             grad_split.in_mode(split_mode):
         x = torch.empty(x_shape, dtype=x_dtype, device=device, requires_grad=x_grad)
-        w = torch.empty(w_shape, dtype=w_dtype, device=device, requires_grad=w_grad)
-        if w_param:
-            w = nn.Parameter(w, requires_grad=w_grad)
+        w = _weight_stand_in(w_key, device)
         b = None if b_meta is None else torch.empty(b_meta[0], dtype=b_meta[1], device=device)
         if amp is not None:
-            x, w = x.to(amp), w.to(amp)
+            x = x.to(amp)
+            w = w if isinstance(w, QuantizedTensor) else w.to(amp)
             b = b.to(amp) if b is not None else None
         plan, pad = traced.decide(q, mode, x, w, b, amp is not None)
     return Decision(q, mode, plan, pad, name, w_param)

@@ -196,10 +196,15 @@ def _compiled_worker(rank, world, rname, tokens, out_dir):
     losses = train(model, recipe, input_grads=grads, tokens=tokens)
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # the classes of the quantized weights whose calls were decided outside the trace (a
+    # decision's key holds the weight's key seventh: its class where it is quantized)
+    from lowprec.linear import decided
+    quantized = sorted({k[6][0].__name__ for k in decided._NAMES if isinstance(k[6][0], type)})
     state = full_state(model)
     if rank == 0:
         torch.save({"losses": losses.cpu(), "state": state, "breaks": breaks,
-                    "graphs": frames, "grads": grads}, f"{out_dir}/fsdp.pt")
+                    "graphs": frames, "grads": grads, "decided": quantized},
+                   f"{out_dir}/fsdp.pt")
 
 
 @pytest.mark.parametrize("rname", ["current", "delayed", "mxfp8", "nvfp4", "block_1x128",
@@ -214,12 +219,18 @@ def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     the columnwise codes that the backward's gather brings into the forward's buffers.
     Delayed scaling (gathered in high precision) reads each layer's own scales. No graph
     break: one graph for the two Linears (no recompile per module), one for the
-    LayerNormMLP."""
+    LayerNormMLP. Under the built-in recipes the gathered weights' calls are decided once
+    outside the trace."""
     tokens = 128 if rname.startswith("block") else TOKENS
     spawn.run(_compiled_worker, 2, rname, tokens, str(tmp_path))
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
     assert got["breaks"] == {}, list(got["breaks"])
     assert got["graphs"] == 2, got["graphs"]
+    # under a built-in recipe the gathered weights' calls are decided once, outside
+    # dynamo's interpretation (lowprec.linear.decided); a CustomRecipe's factory is asked
+    # in the trace, and delayed scaling gathers in high precision
+    builtin = not rname.startswith(("nvfp4_", "block_")) and GATHERED[rname] is not None
+    assert got["decided"] == ([GATHERED[rname].__name__] if builtin else []), got["decided"]
     model, grads = _model(), []
     losses = train(model, RECIPES[rname](), input_grads=grads, tokens=tokens).cpu()
     state = {k: v.cpu() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
