@@ -239,16 +239,21 @@ class QuantizedGatherWeight(GatherWrapper):
 
     def _whole_statistic(self, quantizer, shard, dtype, group, backward: bool):
         """The whole weight's per-tensor statistic: in a forward, the one precomputed for
-        it or else an all-reduce of the shards'; in a backward, its forward's (every rank
-        takes the same branch: the same steps)."""
+        it or else an all-reduce of the shards' (with those of the other weights of its
+        FSDP parameter group, :func:`_reduce_with_layer`); in a backward, its forward's
+        (every rank takes the same branch: the same steps)."""
         kept = self._statistic
         if kept is not None and kept[0] == dtype and (backward or not kept[1]):
             self._statistic = (dtype, True, kept[2])
             return kept[2]
         statistic = quantizer.part_statistic(shard)
         if statistic is not None:
-            torch.distributed.all_reduce(statistic, op=torch.distributed.ReduceOp.MAX,
-                                         group=group)
+            others = [] if backward else _waiting_layer_weights(self, dtype, group)
+            if others:
+                statistic = _reduce_with_layer(statistic, others, dtype, group)
+            else:
+                torch.distributed.all_reduce(statistic, op=torch.distributed.ReduceOp.MAX,
+                                             group=group)
         self._statistic = (dtype, True, statistic) if statistic is not None else None
         return statistic
 
@@ -269,13 +274,13 @@ class QuantizedGatherWeight(GatherWrapper):
 def precompute_gather_statistics(model: nn.Module) -> None:
     """Compute the per-tensor statistics (amaxes) the next quantized all-gathers need, for
     every weight of ``model`` wrapped by :func:`quantized_all_gather`, in one all-reduce per
-    process group, instead of one small all-reduce per weight inside each gather (where it
-    waits behind the gradient reduce-scatters). Call it after ``optimizer.step()``, on every
-    rank, once the weights hold the values the next forward reads: each statistic serves
-    the next forward's gather (and its backward's), and is not checked against the values
-    (write the weights after it, by loading a checkpoint say, and call it again). A missed
-    call costs time, never correctness: a forward with no fresh statistic all-reduces its
-    own. The gathered bytes are the same either way."""
+    process group, instead of one small all-reduce per layer inside its forward's gathers
+    (where it waits behind the gradient reduce-scatters). Call it after
+    ``optimizer.step()``, on every rank, once the weights hold the values the next forward
+    reads: each statistic serves the next forward's gather (and its backward's), and is not
+    checked against the values (write the weights after it, by loading a checkpoint say,
+    and call it again). A missed call costs time, never correctness: a forward with no
+    fresh statistics all-reduces its own. The gathered bytes are the same either way."""
     pending: dict = {}
     for p in model.parameters():
         local = getattr(p, "_local_tensor", p)
@@ -290,6 +295,43 @@ def precompute_gather_statistics(model: nn.Module) -> None:
         torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.MAX, group=group)
         for (local, dtype, s), row in zip(items, rows):
             local._statistic = (dtype, False, row[:s.numel()])
+
+
+def _waiting_layer_weights(weight: QuantizedGatherWeight, dtype, group) -> list:
+    """Where ``weight`` is the first wrapped weight of its FSDP parameter group (a
+    layer's), the group's other wrapped weights that gathered before in ``dtype`` over
+    ``group`` and hold no statistic for this forward: FSDP gathers them right after
+    ``weight`` (in the group's order), so their statistics can travel in ``weight``'s
+    all-reduce, one a layer instead of one a weight. Empty otherwise."""
+    fsdp_group = weight._spec.fsdp_group()
+    wrapped = []
+    for fsdp_param in getattr(fsdp_group, "fsdp_params", ()):
+        param = getattr(fsdp_param, "sharded_param", None)
+        local = getattr(param, "_local_tensor", param)
+        if isinstance(local, QuantizedGatherWeight) and local._last_gather is not None:
+            wrapped.append(local)
+    if not wrapped or wrapped[0] is not weight:
+        return []
+    others = []
+    for local in wrapped[1:]:
+        plan, last_dtype, last_group = local._last_gather
+        kept = local._statistic
+        if (last_dtype == dtype and last_group is group
+                and not (kept is not None and kept[0] == dtype and not kept[1])):
+            others.append((local, plan))
+    return others
+
+
+def _reduce_with_layer(statistic: torch.Tensor, others: list, dtype, group) -> torch.Tensor:
+    """``statistic`` all-reduced together with the statistics of ``others`` (weights and
+    their gather plans, :func:`_waiting_layer_weights`), which each keep theirs for their
+    next forward's gather, as ``precompute_gather_statistics`` leaves them."""
+    theirs = [plan.quantizer.part_statistic(local._source(dtype)) for local, plan in others]
+    rows = _aligned_rows([statistic, *theirs])
+    torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.MAX, group=group)
+    for (local, _), s, row in zip(others, theirs, rows[1:]):
+        local._statistic = (dtype, False, row[:s.numel()])
+    return rows[0, :statistic.numel()]
 
 
 def _aligned_rows(statistics: list[torch.Tensor]) -> torch.Tensor:

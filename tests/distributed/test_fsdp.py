@@ -365,7 +365,8 @@ def test_precomputed_statistics(tmp_path, rname, precompute):
     the gathers of the following steps run no all-reduce of their own (one per step for
     every weight instead of one per weight and gather). Called after the first step only,
     the later steps' gathers all-reduce their own statistics again (never the stale one):
-    still bit for bit."""
+    still bit for bit, one all-reduce a layer (its first weight's gather reduces the
+    layer's statistics together)."""
     spawn.run(_worker, 2, rname, True, HIDDEN, True, str(tmp_path), precompute)
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
     losses, state = _single(rname, HIDDEN)
@@ -376,11 +377,13 @@ def test_precomputed_statistics(tmp_path, rname, precompute):
     weights = 4
     # step 1: a reduce per weight in its forward's gather (the backward's reads the
     # forward's); after each step, one reduce of every weight's statistic (a row of four
-    # int32 words each, 16 bytes); then no more in the gathers
+    # int32 words each, 16 bytes); then no more in the gathers. Without the call, a
+    # layer's gathers reduce once from the second step on: l0's, the LayerNormMLP's two
+    # weights together (two rows), l2's
     if precompute is True:
         assert got["reduces"] == [1] * weights + [4 * weights] * STEPS, got["reduces"]
     else:
-        assert got["reduces"] == [1] * weights + [4 * weights] + [1] * weights * (STEPS - 2), \
+        assert got["reduces"] == [1] * weights + [4 * weights] + [1, 8, 1] * (STEPS - 2), \
             got["reduces"]
 
 
