@@ -453,6 +453,20 @@ class _Prepared:
         self.launches = False if None in made else made
         return self.launches or None
 
+    def _casts(self, bound, x2d, row, col, amax_bits, scale_in, scale_out, *,
+               current: bool) -> bool:
+        """Run the cast launches alone (no amax pass, nothing recorded) with these tensors,
+        binding them first where ``bound`` is True; False where they could not be bound
+        (the caller then takes the usual path)."""
+        if bound is True:
+            bound = self._bound(bound, self._cast_calls(x2d, *self._codes(row, col), amax_bits,
+                                                        scale_in, scale_out, current=current))
+            if bound is None:
+                return False
+        for cast in bound:
+            cast(x2d, row, col, amax_bits, scale_in, scale_out, scale_out)
+        return True
+
     def _cast_calls(self, x2d, row, col, amax_bits, scale_in, scale_out, *, current,
                     reset=False, amax_out=None):
         """The (kernel, grid, n, args, kwargs) of the cast launches, as ``_launch_cast``
@@ -525,13 +539,8 @@ class PreparedPart(_Prepared):
             return None
         bound, x2d, row, col = ready
         scales = _scale_buffer(x2d)
-        if bound is True:
-            bound = self._bound(bound, self._cast_calls(x2d, *self._codes(row, col), amax_bits,
-                                                        scales, scales, current=True))
-            if bound is None:
-                return None
-        for cast in bound:
-            cast(x2d, row, col, amax_bits, scales, scales, scales)
+        if not self._casts(bound, x2d, row, col, amax_bits, scales, scales, current=True):
+            return None
         scale = scales[0:1]
         return _usage_fields(self.fp8_dtype, self.rowwise, self.columnwise, row, col, scale,
                              QuantizedTensor.derived_record(scale, scales[DECODE_AT]))
@@ -583,13 +592,8 @@ class PreparedUsageLike(_Prepared):
             return None
         bound, x2d, row, col = ready
         scale = like.shared_scale
-        if bound is True:
-            bound = self._bound(bound, self._cast_calls(x2d, *self._codes(row, col), scale,
-                                                        scale, scale, current=False))
-            if bound is None:
-                return None
-        for cast in bound:
-            cast(x2d, row, col, scale, scale, scale, scale)
+        if not self._casts(bound, x2d, row, col, scale, scale, scale, current=False):
+            return None
         return _usage_fields(self.fp8_dtype, self.rowwise, self.columnwise, row, col, scale,
                              like._decode)
 
