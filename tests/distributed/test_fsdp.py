@@ -207,14 +207,16 @@ def _compiled_worker(rank, world, rname, tokens, out_dir):
                    f"{out_dir}/fsdp.pt")
 
 
-@pytest.mark.parametrize("rname", ["current", "delayed", "mxfp8", "nvfp4", "block_1x128",
+@pytest.mark.parametrize("rname", ["current", "delayed", "mxfp8", "nvfp4", "block",
+                                   "block_1x128",
                                    pytest.param("nvfp4_1x16", marks=pytest.mark.slow)])
 def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     """Layers (Linear, LayerNormMLP) compiled one by one before fully_shard, their weights
     gathered quantized: training matches one eager process bit for bit, losses, weights
     and every step's input gradient (which each layer's dgrad makes, from weights FSDP
     re-gathered for the backward). The graphs read the gathered tensors: per-tensor FP8
-    and NVFP4 (16x16 tiles) their rowwise codes, which dgrad transposes; MXFP8 (1x32
+    NVFP4 (16x16 tiles) and block FP8 (128x128 blocks) their rowwise codes, which
+    dgrad transposes; MXFP8 (1x32
     blocks), NVFP4 in 1x16 blocks and block FP8 in 1x128 blocks (traced from 128 tokens)
     the columnwise codes that the backward's gather brings into the forward's buffers.
     Delayed scaling (gathered in high precision) reads each layer's own scales. No graph
