@@ -214,11 +214,11 @@ def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     """Layers (Linear, LayerNormMLP) compiled one by one before fully_shard, their weights
     gathered quantized: training matches one eager process bit for bit, losses, weights
     and every step's input gradient (which each layer's dgrad makes, from weights FSDP
-    re-gathered for the backward). The graphs read the gathered tensors: per-tensor FP8
-    NVFP4 (16x16 tiles) and block FP8 (128x128 blocks) their rowwise codes, which
-    dgrad transposes; MXFP8 (1x32
-    blocks), NVFP4 in 1x16 blocks and block FP8 in 1x128 blocks (traced from 128 tokens)
-    the columnwise codes that the backward's gather brings into the forward's buffers.
+    re-gathered for the backward). The graphs read the gathered tensors: per-tensor FP8,
+    NVFP4 (16x16 tiles) and block FP8 (128x128 blocks) their rowwise codes, which dgrad
+    transposes; MXFP8 (1x32 blocks), NVFP4 in 1x16 blocks and block FP8 in 1x128 blocks
+    (block FP8 traced from 128 tokens) the columnwise codes that the backward's gather
+    brings into the forward's buffers.
     Delayed scaling (gathered in high precision) reads each layer's own scales. No graph
     break: one graph for the two Linears (no recompile per module), one for the
     LayerNormMLP. Under the built-in recipes the gathered weights' calls are decided once
