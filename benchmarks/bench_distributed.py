@@ -35,9 +35,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
-import gzip
 import os
-import shutil
 import socket
 import sys
 from pathlib import Path
@@ -179,11 +177,8 @@ def run_peer(peer: str, model: str, rank: int, steps: int, warmup: int,
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
             stem = Path(profile_dir, peer.replace("+", "_"))
             stem.with_suffix(".txt").write_text(table)
-            trace = stem.with_suffix(".json")  # the step's timeline (chrome://tracing)
-            prof.export_chrome_trace(str(trace))
-            with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            trace.unlink()
+            # the step's timeline (chrome://tracing), gzipped by the profiler (".gz")
+            prof.export_chrome_trace(f"{stem}.json.gz")
     counters = torch._dynamo.utils.counters
     return (ms, counter.bytes, peak, sum(counters["graph_break"].values()),
             counters["stats"]["unique_graphs"])
