@@ -250,7 +250,7 @@ class QuantizedGatherWeight(GatherWrapper):
         if statistic is not None:
             others = [] if backward else _waiting_layer_weights(self, dtype, group)
             if others:
-                statistic = _reduce_with_layer(statistic, others, dtype, group)
+                statistic = _reduce_with_layer(self, statistic, others, dtype, group)
             else:
                 torch.distributed.all_reduce(statistic, op=torch.distributed.ReduceOp.MAX,
                                              group=group)
@@ -291,10 +291,18 @@ def precompute_gather_statistics(model: nn.Module) -> None:
         if statistic is not None:
             pending.setdefault(group, []).append((local, dtype, statistic))
     for group, items in pending.items():
-        rows = _aligned_rows([s for *_, s in items])
-        torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.MAX, group=group)
-        for (local, dtype, s), row in zip(items, rows):
-            local._statistic = (dtype, False, row[:s.numel()])
+        _reduce_and_keep(items, group)
+
+
+def _reduce_and_keep(items: list, group) -> torch.Tensor:
+    """All-reduce the shards' statistics of ``items`` ((weight, dtype, statistic) each)
+    over ``group`` in one collective; each weight keeps its whole statistic for its next
+    forward's gather (and that gather's backward). Returns the reduced rows, in order."""
+    rows = _aligned_rows([s for *_, s in items])
+    torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.MAX, group=group)
+    for (local, dtype, s), row in zip(items, rows):
+        local._statistic = (dtype, False, row[:s.numel()])
+    return rows
 
 
 def _waiting_layer_weights(weight: QuantizedGatherWeight, dtype, group) -> list:
@@ -322,16 +330,16 @@ def _waiting_layer_weights(weight: QuantizedGatherWeight, dtype, group) -> list:
     return others
 
 
-def _reduce_with_layer(statistic: torch.Tensor, others: list, dtype, group) -> torch.Tensor:
-    """``statistic`` all-reduced together with the statistics of ``others`` (weights and
-    their gather plans, :func:`_waiting_layer_weights`), which each keep theirs for their
-    next forward's gather, as ``precompute_gather_statistics`` leaves them."""
-    theirs = [plan.quantizer.part_statistic(local._source(dtype)) for local, plan in others]
-    rows = _aligned_rows([statistic, *theirs])
-    torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.MAX, group=group)
-    for (local, _), s, row in zip(others, theirs, rows[1:]):
-        local._statistic = (dtype, False, row[:s.numel()])
-    return rows[0, :statistic.numel()]
+def _reduce_with_layer(weight: QuantizedGatherWeight, statistic: torch.Tensor, others: list,
+                       dtype, group) -> torch.Tensor:
+    """``weight``'s ``statistic`` all-reduced together with the statistics of ``others``
+    (weights and their gather plans, :func:`_waiting_layer_weights`), which each keep
+    theirs for their next forward's gather, as ``precompute_gather_statistics`` leaves
+    them."""
+    items = [(weight, dtype, statistic)] + [
+        (local, dtype, plan.quantizer.part_statistic(local._source(dtype)))
+        for local, plan in others]
+    return _reduce_and_keep(items, group)[0, :statistic.numel()]
 
 
 def _aligned_rows(statistics: list[torch.Tensor]) -> torch.Tensor:
