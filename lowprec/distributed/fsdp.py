@@ -348,12 +348,11 @@ def _aligned_rows(statistics: list[torch.Tensor]) -> torch.Tensor:
     aligned address, as from a tensor of its own, and takes its bound launch."""
     n = statistics[0].numel()
     width = -(-max(s.numel() for s in statistics) // 4) * 4
-    if all(s.numel() == n for s in statistics):
-        rows = torch.stack([s.reshape(n) for s in statistics])
-    else:
-        rows = torch.stack([torch.nn.functional.pad(s.reshape(-1), (0, width - s.numel()))
-                            for s in statistics])
-    return torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
+    if all(s.numel() == n for s in statistics):  # one stack and one pad for them all
+        return torch.nn.functional.pad(torch.stack([s.reshape(n) for s in statistics]),
+                                       (0, width - n))
+    return torch.stack([torch.nn.functional.pad(s.reshape(-1), (0, width - s.numel()))
+                        for s in statistics])
 
 
 def quantized_all_gather(model: nn.Module, recipe) -> nn.Module:
