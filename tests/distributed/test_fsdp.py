@@ -59,12 +59,12 @@ HIDDEN, TOKENS, STEPS = 256, 64, 3
 
 
 class Model(nn.Module):
-    def __init__(self, rows: int = HIDDEN):
+    def __init__(self, rows: int = HIDDEN, hidden: int = HIDDEN):
         super().__init__()
         self.layers = nn.ModuleList([
-            lowprec.Linear(HIDDEN, rows, name="l0"),
-            lowprec.LayerNormMLP(rows, 2 * HIDDEN, name="mlp"),
-            lowprec.Linear(rows, HIDDEN, name="l2")])
+            lowprec.Linear(hidden, rows, name="l0"),
+            lowprec.LayerNormMLP(rows, 2 * hidden, name="mlp"),
+            lowprec.Linear(rows, hidden, name="l2")])
 
     def forward(self, x):
         for layer in self.layers:
@@ -72,9 +72,9 @@ class Model(nn.Module):
         return x
 
 
-def _data(step: int, device, tokens: int = TOKENS):
+def _data(step: int, device, tokens: int = TOKENS, hidden: int = HIDDEN):
     g = torch.Generator().manual_seed(100 + step)
-    x, t = torch.randn(tokens, HIDDEN, generator=g), torch.randn(tokens, HIDDEN, generator=g)
+    x, t = torch.randn(tokens, hidden, generator=g), torch.randn(tokens, hidden, generator=g)
     return x.to(device), t.to(device)
 
 
@@ -93,7 +93,7 @@ def train(model, recipe, steps: int = STEPS, record=None, after_step=None, input
     device = next(model.parameters()).device
     losses = []
     for step in range(steps):
-        x, target = _data(step, device, tokens)
+        x, target = _data(step, device, tokens, model.layers[0].in_features)
         x.requires_grad_(input_grads is not None)
         with lowprec.autocast(recipe=recipe):
             y = model(x)
@@ -121,9 +121,9 @@ def full_state(model) -> dict:
     return out
 
 
-def _model(rows: int = HIDDEN, rank: int = 0):
+def _model(rows: int = HIDDEN, rank: int = 0, hidden: int = HIDDEN):
     torch.manual_seed(0)
-    return Model(rows).to(spawn.device(rank))
+    return Model(rows, hidden).to(spawn.device(rank))
 
 
 def _worker(rank, world, rname, wrap, rows, reshard, out_dir, precompute=False):
@@ -179,8 +179,8 @@ def test_fsdp_matches_single_process(tmp_path, rname, wrap, reshard):
         expect == "Parameter" and set(got["seen"]) == {"Tensor"}), got["seen"]
 
 
-def _compiled_worker(rank, world, rname, tokens, out_dir):
-    model = _model(rank=rank)
+def _compiled_worker(rank, world, rname, tokens, width, out_dir):
+    model = _model(width, rank, width)
     recipe = RECIPES[rname]()
     # one group (torchtitan's converter attaches the recipe, which does the same): delayed
     # scaling's states are made for every layer as the first is traced
@@ -217,14 +217,17 @@ def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     re-gathered for the backward). The graphs read the gathered tensors: per-tensor FP8,
     NVFP4 (16x16 tiles) and block FP8 (128x128 blocks) their rowwise codes, which dgrad
     transposes; MXFP8 (1x32 blocks), NVFP4 in 1x16 blocks and block FP8 in 1x128 blocks
-    (block FP8 traced from 128 tokens) the columnwise codes that the backward's gather
-    brings into the forward's buffers.
+    the columnwise codes that the backward's gather brings into the forward's buffers.
+    Block FP8 runs 128 tokens at a width of 512, so that every GEMM is one cuBLAS takes
+    (128x128 scales need K / 128 a multiple of 4 on CUDA; eager's fp32 emulation of other
+    shapes does not trace there).
     Delayed scaling (gathered in high precision) reads each layer's own scales. No graph
     break: one graph for the two Linears (no recompile per module), one for the
     LayerNormMLP. Under the built-in recipes the gathered weights' calls are decided once
     outside the trace."""
-    tokens = 128 if rname.startswith("block") else TOKENS
-    spawn.run(_compiled_worker, 2, rname, tokens, str(tmp_path))
+    block = rname.startswith("block")
+    tokens, width = (128, 512) if block else (TOKENS, HIDDEN)
+    spawn.run(_compiled_worker, 2, rname, tokens, width, str(tmp_path))
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
     assert got["breaks"] == {}, list(got["breaks"])
     assert got["graphs"] == 2, got["graphs"]
@@ -233,7 +236,7 @@ def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     # in the trace, and delayed scaling gathers in high precision
     builtin = not rname.startswith(("nvfp4_", "block_")) and GATHERED[rname] is not None
     assert got["decided"] == ([GATHERED[rname].__name__] if builtin else []), got["decided"]
-    model, grads = _model(), []
+    model, grads = _model(width, hidden=width), []
     losses = train(model, RECIPES[rname](), input_grads=grads, tokens=tokens).cpu()
     state = {k: v.cpu() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     assert torch.equal(got["losses"], losses), (got["losses"], losses)
