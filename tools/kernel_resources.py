@@ -206,7 +206,8 @@ def gluon_report():
              dict(fp8, RB=rb, R=rr, T=tb, WARPS=wb, K_FAST=bool(kfb), EVICT=bool(ev)), wb,
              128 * 128),
             *((f"mxfp8 both RB{mrb} W{mw}{tag}", mk.mx1_both_kernel, mx,
-               dict(mx_const, EXACT_ROW=er, EXACT_COL=ec, CODES=True), mw, 32 * mw * 128)
+               dict(mx_const, EXACT_ROW=er, EXACT_COL=ec, ROW_CODES=True, COL_CODES=True), mw,
+               32 * mw * 128)
               for tag, er, ec in (("", False, False), (" +exact row", True, False),
                                   (" +exact both", True, True)))):
         res = resources(_compile(fn, sig, const, warps))

@@ -21,8 +21,9 @@ With ``EXACT_ROW`` / ``EXACT_COL`` (MXFP8 only) it also writes that direction's 
 values ``data * 2**e`` in the data's layout (``re_ptr`` (M, K), ``ce_ptr`` (K, M)): what the
 bf16 GEMM emulation consumes, bit for bit the dequantize kernel's output
 (``formats/mxfp8/triton_kernels.py``), so an operand consumed at once needs no dequantize pass.
-``CODES=False`` then skips the data and scale stores (an operand nothing reads but its
-GEMMs keeps only the exact values).
+``ROW_CODES=False`` / ``COL_CODES=False`` then skip that direction's data and scale stores
+(an operand nothing reads but its GEMMs keeps only the exact values; an input keeps only
+its columnwise codes for wgrad).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_p
                        BM: tl.constexpr, BN: tl.constexpr, COL_MODE: tl.constexpr,
                        E8M0: tl.constexpr, BLK: tl.constexpr, DECODE: tl.constexpr,
                        re_ptr, ce_ptr, EXACT_ROW: tl.constexpr, EXACT_COL: tl.constexpr,
-                       CODES: tl.constexpr):
+                       ROW_CODES: tl.constexpr, COL_CODES: tl.constexpr):
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BN + tl.arange(0, BN)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
@@ -87,7 +88,7 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_p
         smask = (sm < M // BLK)[:, None] & (sk < K // BLK)[None, :]
         if ROWWISE:
             q = fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT)
-            if CODES:
+            if ROW_CODES:
                 tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :], q, mask=mask)
                 tl.store(rs_ptr + sm[:, None] * (K // BLK) + sk[None, :], sc, mask=smask)
             if EXACT_ROW:
@@ -100,7 +101,7 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_p
             # chains of their own when the rowwise codes exist too (see float8 cast_kernel)
             q_c = fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT, ROWWISE)
             sc_c, _ = block_scales(amax, eps, FP8_MAX, POW2, E8M0, ROWWISE)
-            if CODES:
+            if COL_CODES:
                 store_t(cq_ptr, offs_m, offs_k, M, K, M, q_c, COL_MODE)
                 store_t(cs_ptr, sm, sk, M // BLK, K // BLK, M // BLK, sc_c, COL_MODE)
             if EXACT_COL:
@@ -119,7 +120,7 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_p
                           HW_CVT)
             sk = pid_k * (BN // BLK) + tl.arange(0, BN // BLK)
             smask = (offs_m < M)[:, None] & (sk < K // BLK)[None, :]
-            if CODES:
+            if ROW_CODES:
                 tl.store(rq_ptr + offs_m64[:, None] * K + offs_k[None, :], q, mask=mask)
                 tl.store(rs_ptr + offs_m64[:, None] * (K // BLK) + sk[None, :], sc_r,
                          mask=smask)
@@ -137,7 +138,7 @@ def _block_scaled_tile(pid_m, pid_k, x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_p
             y = tl.reshape(x3 * mult_c[:, None, :], (BM, BN))
             q_c = fp8_codes(y, MBITS, BIAS, MAX_BITS, HW_CVT)
             sm = pid_m * (BM // BLK) + tl.arange(0, BM // BLK)
-            if CODES:
+            if COL_CODES:
                 store_t(cq_ptr, offs_m, offs_k, M, K, M, q_c, COL_MODE)
                 store_t(cs_ptr, sm, offs_k, M // BLK, K, M // BLK, sc_c, COL_MODE)
             if EXACT_COL:
@@ -160,7 +161,8 @@ def block_scaled_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_ptr, cd_
                               ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1,
                               DECODE: tl.constexpr = False, re_ptr=None, ce_ptr=None,
                               EXACT_ROW: tl.constexpr = False,
-                              EXACT_COL: tl.constexpr = False, CODES: tl.constexpr = True,
+                              EXACT_COL: tl.constexpr = False,
+                              ROW_CODES: tl.constexpr = True, COL_CODES: tl.constexpr = True,
                               K_FAST: tl.constexpr = False):
     """One program quantizes ITERS (BM, BN) tiles down a column of tiles; with STAGES > 1
     the loads of the next tiles are issued (asynchronously) while one is converted.
@@ -173,4 +175,4 @@ def block_scaled_quant_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, rd_ptr, cd_
                            cs_ptr, rd_ptr, cd_ptr, M, K, stride_xm, stride_xk, p0, p1, p2, p3,
                            eps, PRO, FP8_MAX, POW2, MBITS, BIAS, MAX_BITS, HW_CVT, TWO_D,
                            ROWWISE, COLWISE, BM, BN, COL_MODE, E8M0, BLK, DECODE, re_ptr,
-                           ce_ptr, EXACT_ROW, EXACT_COL, CODES)
+                           ce_ptr, EXACT_ROW, EXACT_COL, ROW_CODES, COL_CODES)

@@ -89,8 +89,21 @@ def test_gluon_matches_reference_and_triton(fp8_dtype, dtype, dist, config, monk
                 want = launch.mxfp8_quantize(x, e5m2, False, True, True, 0, [], True, True, False)
             for a, b in zip(outs, want):
                 assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            # an input's forward: the rowwise exact values and the columnwise codes, no
+            # rowwise codes; the same bits as the whole quantize's
+            keep = (e5m2, False, True, True, 0, [], True, False, True, False)
+            with tuning.override(mxfp8_gluon=True):
+                outs = launch.mxfp8_quantize(x, *keep)
+            with tuning.override(mxfp8_gluon=False):
+                want = launch.mxfp8_quantize(x, *keep)
+                whole = launch.mxfp8_quantize(x, *keep[:-1])
+            assert outs[0].numel() == outs[1].numel() == outs[5].numel() == 0
+            for a, b in zip(outs, want):
+                assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for i in (2, 3, 4):
+                assert torch.equal(outs[i].view(torch.uint8), whole[i].view(torch.uint8)), i
         # every quantize that asked for the Gluon kernel went through it
-        assert len(calls) == len(SHAPES) * (len(REQUESTS) + 1)
+        assert len(calls) == len(SHAPES) * (len(REQUESTS) + 2)
 
 
 def test_gluon_not_used_where_it_does_not_apply(monkeypatch):

@@ -162,12 +162,13 @@ def _col_store(x, cq_ptr, cs_ptr, ce_ptr, M, K, pid_m, pid_c, FP8_MAX: gl.conste
 def mx1_both_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, re_ptr, ce_ptr, M, K, stride_xm,
                     FP8_MAX: gl.constexpr, MBITS: gl.constexpr, BIAS: gl.constexpr,
                     MAX_BITS: gl.constexpr, RB: gl.constexpr, WARPS: gl.constexpr,
-                    EXACT_ROW: gl.constexpr, EXACT_COL: gl.constexpr, CODES: gl.constexpr,
-                    K_FAST: gl.constexpr = True, EVICT: gl.constexpr = True):
+                    EXACT_ROW: gl.constexpr, EXACT_COL: gl.constexpr, ROW_CODES: gl.constexpr,
+                    COL_CODES: gl.constexpr, K_FAST: gl.constexpr = True,
+                    EVICT: gl.constexpr = True):
     """Both usages of the tile of 32 * WARPS rows and 128 columns (pid_m, pid_k): rowwise
-    codes (M, K) and E8M0 codes (M, K / 32), columnwise codes (K, M) and E8M0 codes
-    (K, M / 32); with ``EXACT_ROW`` / ``EXACT_COL`` that direction's exact bf16 values in
-    its data's layout, and ``CODES=False`` none of the codes. ``K_FAST``: grid axis 0 runs
+    codes (M, K) and E8M0 codes (M, K / 32) where ``ROW_CODES``, columnwise codes (K, M)
+    and E8M0 codes (K, M / 32) where ``COL_CODES``; with ``EXACT_ROW`` / ``EXACT_COL``
+    that direction's exact bf16 values in its data's layout. ``K_FAST``: grid axis 0 runs
     along K. ``EVICT``: hint L2 to keep the tile after the first read and drop it after
     the second."""
     pid_m, pid_k = tile_ids(K_FAST)
@@ -183,11 +184,11 @@ def mx1_both_kernel(x_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, re_ptr, ce_ptr, M, K,
         else:
             y = _col_load(x_ptr, stride_xm, M, K, pid_m, pid_k * 2, WARPS, SECOND)
         _row_store(x, rq_ptr, rs_ptr, re_ptr, M, K, pid_m * BM + c * RB, pid_k, FP8_MAX, MBITS,
-                   BIAS, MAX_BITS, RB, WARPS, EXACT_ROW, CODES)
+                   BIAS, MAX_BITS, RB, WARPS, EXACT_ROW, ROW_CODES)
         if c + 1 < NR:
             x = nxt
     _col_store(y, cq_ptr, cs_ptr, ce_ptr, M, K, pid_m, pid_k * 2, FP8_MAX, MBITS, BIAS,
-               MAX_BITS, WARPS, EXACT_COL, CODES)
+               MAX_BITS, WARPS, EXACT_COL, COL_CODES)
     y = _col_load(x_ptr, stride_xm, M, K, pid_m, pid_k * 2 + 1, WARPS, SECOND)
     _col_store(y, cq_ptr, cs_ptr, ce_ptr, M, K, pid_m, pid_k * 2 + 1, FP8_MAX, MBITS, BIAS,
-               MAX_BITS, WARPS, EXACT_COL, CODES)
+               MAX_BITS, WARPS, EXACT_COL, COL_CODES)

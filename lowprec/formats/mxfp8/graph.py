@@ -37,19 +37,21 @@ _EXACT = Kind("exact")
 
 @graph_op("mxfp8_quantize_graph")
 def mxfp8_quantize_graph(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool,
-                         columnwise: bool, exact_row: bool, exact_col: bool, codes: bool
+                         columnwise: bool, exact_row: bool, exact_col: bool, codes: bool,
+                         row_codes: bool
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                     torch.Tensor, torch.Tensor]:
     """Eager's quantize of the contiguous ``x`` as one op of a compiled graph (the outputs
     of ``mxfp8_quantize``)."""
     return mxfp8_quantize(x, e5m2, two_d, rowwise, columnwise, 0, [], exact_row, exact_col,
-                          codes)
+                          codes, row_codes)
 
 
 @torch.library.register_fake("lowprec::mxfp8_quantize_graph")
 def _mxfp8_quantize_graph_fake(x, e5m2, two_d, rowwise, columnwise, exact_row, exact_col,
-                               codes):
-    return empty_outputs(x, two_d, rowwise, columnwise, 0, exact_row, exact_col, codes)
+                               codes, row_codes):
+    return empty_outputs(x, two_d, rowwise, columnwise, 0, exact_row, exact_col, codes,
+                         row_codes)
 
 
 def _quantize(t, *args):
@@ -90,16 +92,16 @@ class MXBlocks(GraphOperand):
             row, col = mxfp8_exact_inline(t, e5m2, rowwise, columnwise, self.two_d)
         else:  # eager's quantize; in a graph, its Gluon pass over both directions
             *_, row, col = _quantize(t, e5m2, self.two_d, rowwise, columnwise, rowwise,
-                                     columnwise, False)
+                                     columnwise, False, True)
         return Exact(row), Exact(col)
 
     def forward(self, t, keep, held=False):
         if keep and not held and self.kernel:
             # one pass makes the rowwise values and the columnwise codes and scales, which
             # the backward keeps (an element a byte, as the eager Function keeps them) and
-            # wgrad turns into its values
+            # wgrad turns into its values; no rowwise codes, which nothing reads
             *_, cq, cs, re, _ = _quantize(t, self.fp8_dtype == E5M2, self.two_d, True, True,
-                                          True, False, True)
+                                          True, False, True, False)
             return Exact(re), (cq.view(self.fp8_dtype), cs)
         return super().forward(t, keep, held)
 

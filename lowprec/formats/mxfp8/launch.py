@@ -38,7 +38,8 @@ def _gluon_applies(x: torch.Tensor, two_d: bool, rowwise: bool, columnwise: bool
     return m % BLOCK == 0 and k % BLOCK == 0 and gluon_takes(x)
 
 
-def _gluon_call(x, outs, fp8_dtype, exact_row: bool, exact_col: bool, codes: bool) -> tuple:
+def _gluon_call(x, outs, fp8_dtype, exact_row: bool, exact_col: bool, codes: bool,
+                row_codes: bool) -> tuple:
     """The Gluon kernel's (kernel, grid, args, kwargs) for a non-empty x."""
     from .gluon_kernels import mx1_both_kernel
     rq, rs, cq, cs, re, ce = outs
@@ -50,8 +51,9 @@ def _gluon_call(x, outs, fp8_dtype, exact_row: bool, exact_col: bool, codes: boo
             (x, rq, rs, cq, cs, re if exact_row else None, ce if exact_col else None, m, k,
              x.stride(0)),
             dict(FP8_MAX=fmax, MBITS=mbits, BIAS=bias, MAX_BITS=max_bits, RB=rb,
-                 WARPS=warps, EXACT_ROW=exact_row, EXACT_COL=exact_col, CODES=codes,
-                 K_FAST=k_fast, EVICT=bool(evict), num_warps=warps))
+                 WARPS=warps, EXACT_ROW=exact_row, EXACT_COL=exact_col,
+                 ROW_CODES=codes and row_codes, COL_CODES=codes, K_FAST=k_fast,
+                 EVICT=bool(evict), num_warps=warps))
 
 
 #: quantizes without a prologue, their launches bound per kind of call
@@ -63,11 +65,11 @@ def _usage(rowwise: bool, columnwise: bool) -> str:
 
 
 def empty_outputs(x, two_d, rowwise, columnwise, pro=0, exact_row=False, exact_col=False,
-                   codes=True):
+                  codes=True, row_codes=True):
     m, k = logical_shape(x, pro)
     per = BLOCK if two_d else 1
     u8, bf16 = torch.uint8, torch.bfloat16
-    row_codes, col_codes = rowwise and codes, columnwise and codes
+    row_codes, col_codes = rowwise and codes and row_codes, columnwise and codes
     return (x.new_empty((m, k) if row_codes else (0,), dtype=u8),
             x.new_empty((m // per, k // BLOCK) if row_codes else (0,), dtype=u8),
             x.new_empty((k, m) if col_codes else (0,), dtype=u8),
@@ -79,17 +81,22 @@ def empty_outputs(x, two_d, rowwise, columnwise, pro=0, exact_row=False, exact_c
 @kernel_op("lowprec::mxfp8_quantize", mutates_args=())
 def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, columnwise: bool,
                    pro: int, pro_args: list[torch.Tensor], exact_row: bool = False,
-                   exact_col: bool = False, codes: bool = True
+                   exact_col: bool = False, codes: bool = True, row_codes: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor, torch.Tensor]:
     """(rowwise data, scale, columnwise data, scale, rowwise exact bf16, columnwise exact
     bf16); a direction not asked for gets empty tensors. ``codes=False`` (every direction
-    in use asks for its exact values): no data or scales, empty tensors in their place."""
+    in use asks for its exact values): no data or scales, empty tensors in their place.
+    ``row_codes=False`` (with ``exact_row``): no rowwise data or scale, for an input whose
+    fprop reads its exact values and whose backward keeps only its columnwise codes."""
     if not codes:
         check_exact_only("mxfp8_quantize", rowwise, columnwise, exact_row, exact_col)
+    elif rowwise and not row_codes and not exact_row:
+        raise ValueError("mxfp8_quantize: row_codes=False needs exact_row (the rowwise "
+                         "direction would hold nothing)")
     fp8_dtype = fp8_dtype_of(e5m2)
     rq, rs, cq, cs, re, ce = empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row,
-                                            exact_col, codes)
+                                            exact_col, codes, row_codes)
     if x.numel() == 0:
         return rq, rs, cq, cs, re, ce
     outs = (rq, rs, cq, cs, re, ce)
@@ -97,16 +104,17 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
 
     def calls():
         if gluon:
-            return [_gluon_call(x, outs, fp8_dtype, exact_row, exact_col, codes)]
+            return [_gluon_call(x, outs, fp8_dtype, exact_row, exact_col, codes, row_codes)]
         return _triton_calls(x, outs, fp8_dtype, two_d, rowwise, columnwise, pro, pro_args,
-                             exact_row, exact_col, codes)
+                             exact_row, exact_col, codes, row_codes)
 
     with device_guard(x.device):
         if pro:  # a fused prologue's tensors: launched the usual way
             launch_calls(calls())
         else:  # launches bound per kind of call
             kind = (x.shape, x.stride(), x.dtype, x.device.index, e5m2, two_d, rowwise,
-                    columnwise, exact_row, exact_col, codes, gluon, tuning.mxfp8_gluon_config,
+                    columnwise, exact_row, exact_col, codes, row_codes, gluon,
+                    tuning.mxfp8_gluon_config,
                     tuning.mxfp8_configs.get((two_d, _usage(rowwise, columnwise))),
                     tuning.hw_cvt, tuning.col_mode)
             _QUANTIZES.run(kind, (x, *outs), calls)
@@ -114,7 +122,7 @@ def mxfp8_quantize(x: torch.Tensor, e5m2: bool, two_d: bool, rowwise: bool, colu
 
 
 def _triton_calls(x, outs, fp8_dtype, two_d, rowwise, columnwise, pro, pro_args, exact_row,
-                  exact_col, codes) -> list:
+                  exact_col, codes, row_codes=True) -> list:
     """The Triton kernel's launches, (kernel, grid, args, kwargs) each."""
     from ...kernels.block_scaled import block_scaled_quant_kernel
     rq, rs, cq, cs, re, ce = outs
@@ -131,7 +139,8 @@ def _triton_calls(x, outs, fp8_dtype, two_d, rowwise, columnwise, pro, pro_args,
                  POW2=False, TWO_D=two_d, ROWWISE=r, COLWISE=c, BM=bm, BN=bn, E8M0=True,
                  BLK=BLOCK, ITERS=iters, STAGES=stages,
                  re_ptr=re if r and exact_row else None, ce_ptr=ce if c and exact_col else None,
-                 EXACT_ROW=r and exact_row, EXACT_COL=c and exact_col, CODES=codes,
+                 EXACT_ROW=r and exact_row, EXACT_COL=c and exact_col,
+                 ROW_CODES=codes and row_codes, COL_CODES=codes,
                  K_FAST=k_fast, num_warps=warps, **kernel_fp8_args(fp8_dtype))))
     return calls
 
@@ -153,8 +162,9 @@ def mxfp8_exact_inline(x: torch.Tensor, e5m2: bool, rowwise: bool, columnwise: b
 
 @mxfp8_quantize.register_fake
 def _(x, e5m2, two_d, rowwise, columnwise, pro, pro_args, exact_row=False, exact_col=False,
-      codes=True):
-    return empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row, exact_col, codes)
+      codes=True, row_codes=True):
+    return empty_outputs(x, two_d, rowwise, columnwise, pro, exact_row, exact_col, codes,
+                         row_codes)
 
 
 def quantize_mxfp8(quantizer, x2d: torch.Tensor, prologue=None) -> dict:
