@@ -466,6 +466,23 @@ def test_mxfp8_scale_rule_at_edge_amaxes(fp8_dtype):
     assert torch.equal(cs.reshape(-1), want), "columnwise scales"
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("fp8_dtype", [E4, E5], ids=["e4m3", "e5m2"])
+def test_mxfp8_input_pass_without_rowwise_codes(shape, fp8_dtype):
+    """An input's forward pass (``row_codes=False``: the rowwise exact values and the
+    columnwise codes and scales, no rowwise codes) writes what the whole quantize writes in
+    those outputs, through the kernel each shape takes (Triton where a dimension is not a
+    multiple of 32 or the view is strided)."""
+    x = _input(shape, torch.bfloat16, "special", seed=3)
+    x2 = x.reshape(-1, x.shape[-1])
+    e5 = fp8_dtype == E5
+    keep = mx_launch.mxfp8_quantize(x2, e5, False, True, True, 0, [], True, False, True, False)
+    whole = mx_launch.mxfp8_quantize(x2, e5, False, True, True, 0, [], True, False)
+    assert keep[0].numel() == keep[1].numel() == keep[5].numel() == 0
+    for i in (2, 3, 4):
+        assert torch.equal(keep[i].view(torch.uint8), whole[i].view(torch.uint8)), i
+
+
 @pytest.mark.parametrize("held", ["smaller", "larger", "nan", "zero"])
 @pytest.mark.parametrize("usage", ["both", "row"])
 @pytest.mark.parametrize("dist", ["normal", "special"])

@@ -14,6 +14,7 @@ import torch
 
 from lowprec.formats.base import register_safe_globals
 from lowprec.formats.mxfp8 import MXFP8Quantizer, MXFP8Tensor
+from lowprec.formats.mxfp8 import launch as mx_launch
 
 register_safe_globals(MXFP8Quantizer, MXFP8Tensor)
 
@@ -486,3 +487,11 @@ def test_supported_and_unsupported_ops():
     for fn in (lambda t: t + 1, lambda t: torch.matmul(t, w), lambda t: t.sum()):
         got = fn(qt)
         assert type(got) is torch.Tensor and torch.equal(got, fn(ref))
+
+
+def test_quantize_without_rowwise_codes_needs_exact_rowwise_values():
+    """``row_codes=False`` leaves the rowwise direction only its exact values: without them
+    it would hold nothing, which the launcher refuses before any launch."""
+    with pytest.raises(ValueError, match="row_codes=False needs exact_row"):
+        mx_launch.mxfp8_quantize(torch.zeros(32, 32), False, False, True, True, 0, [], False,
+                                 False, True, False)
