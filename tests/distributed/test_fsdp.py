@@ -79,8 +79,8 @@ def _data(step: int, device, tokens: int = TOKENS, hidden: int = HIDDEN):
 
 
 def train(model, recipe, steps: int = STEPS, record=None, after_step=None, input_grads=None,
-          tokens: int = TOKENS):
-    """Losses of ``steps`` SGD steps on the same batches of ``tokens`` rows;
+          tokens: int = TOKENS, hidden: int = HIDDEN):
+    """Losses of ``steps`` SGD steps on the same batches of ``tokens`` rows of ``hidden``;
     ``record(module)`` is called in each Linear's forward, ``after_step()`` after each
     optimizer step. ``input_grads``: a list that gets the gradient of each step's input
     (which every layer's dgrad makes)."""
@@ -93,7 +93,7 @@ def train(model, recipe, steps: int = STEPS, record=None, after_step=None, input
     device = next(model.parameters()).device
     losses = []
     for step in range(steps):
-        x, target = _data(step, device, tokens, model.layers[0].in_features)
+        x, target = _data(step, device, tokens, hidden)
         x.requires_grad_(input_grads is not None)
         with lowprec.autocast(recipe=recipe):
             y = model(x)
@@ -193,7 +193,7 @@ def _compiled_worker(rank, world, rname, tokens, width, out_dir):
     fully_shard(model)
     torch._dynamo.utils.counters.clear()
     grads = []
-    losses = train(model, recipe, input_grads=grads, tokens=tokens)
+    losses = train(model, recipe, input_grads=grads, tokens=tokens, hidden=width)
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     # the classes of the quantized weights whose calls were decided outside the trace (a
@@ -237,7 +237,8 @@ def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     builtin = not rname.startswith(("nvfp4_", "block_")) and GATHERED[rname] is not None
     assert got["decided"] == ([GATHERED[rname].__name__] if builtin else []), got["decided"]
     model, grads = _model(width, hidden=width), []
-    losses = train(model, RECIPES[rname](), input_grads=grads, tokens=tokens).cpu()
+    losses = train(model, RECIPES[rname](), input_grads=grads, tokens=tokens,
+                   hidden=width).cpu()
     state = {k: v.cpu() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     assert torch.equal(got["losses"], losses), (got["losses"], losses)
     for got_grad, grad in zip(got["grads"], grads, strict=True):  # every layer's dgrad
