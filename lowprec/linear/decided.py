@@ -128,8 +128,7 @@ def _weight_stand_in(w_key: tuple, device: torch.device) -> torch.Tensor:
     tensors = {name: torch.empty_strided(size, stride, dtype=dt, device=device)
                for name, size, stride, dt in inner}
     w = cls(torch.Size(shape), dtype, **tensors, **dict(meta))
-    if later:
-        setattr(w, COLUMNWISE_IN_BACKWARD_ATTR, True)
+    setattr(w, COLUMNWISE_IN_BACKWARD_ATTR, later)  # set either way, as a gather sets it
     return w.requires_grad_(grad)
 
 
