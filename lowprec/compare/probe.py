@@ -65,7 +65,7 @@ class SQNRProbe:
             for usage in ("rowwise", "columnwise"):
                 if qt.has_usage(usage):
                     approx = qt.dequantize(dtype=torch.float32, usage=usage)
-                    vals[usage] = sqnr_db(x.float(), approx)
+                    vals[usage] = sqnr_db(x, approx)
         key = (site.layer, site.role)
         old = self.records.get(key)
         row, col = vals.get("rowwise"), vals.get("columnwise")

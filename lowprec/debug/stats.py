@@ -24,7 +24,9 @@ gives each direction's :class:`DirectionStats`. :func:`direction_stats` does all
 one direction (one transfer). ``signal`` and ``noise`` are the squares of fp32 2-norms:
 about 1e-7 relative rounding, and an operand whose 2-norm exceeds the fp32 range (about
 1.8e19) gives an infinite sum, so its SQNR reads NaN (unknown) rather than a wrong value.
-:func:`sqnr_db` computes one SQNR in float64 for checks outside the recorder.
+:func:`sqnr_db` computes one SQNR in float64 for checks outside the recorder (and for
+``lowprec compare``'s probe), over row chunks so that no float64 copy of a whole operand
+is made.
 """
 
 from __future__ import annotations
@@ -42,11 +44,33 @@ _NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INF = float("inf")
 
 
-def signal_noise(x: torch.Tensor, approx: torch.Tensor) -> tuple[float, float]:
-    """``(sum x^2, sum (x - approx)^2)`` in float64 (one host synchronization)."""
-    x64, a64 = x.detach().double(), approx.detach().double()
-    both = torch.stack(((x64 * x64).sum(), ((x64 - a64) ** 2).sum()))
-    signal, noise = both.tolist()
+#: elements of each row chunk :func:`signal_noise` upcasts at once (128 MiB of float64 each)
+SQNR_CHUNK_ELEMENTS = 1 << 24
+
+
+def signal_noise(x: torch.Tensor, approx: torch.Tensor,
+                 chunk_elements: int = SQNR_CHUNK_ELEMENTS) -> tuple[float, float]:
+    """``(sum x^2, sum (x - approx)^2)`` in float64 (one host synchronization).
+
+    The sums run over chunks of whole rows of at most ``chunk_elements`` elements (one row
+    where a row is longer), so the float64 copies stay small whatever the operand: an
+    output head's gradient (8192 x 32000) would otherwise take four 2 GiB copies at once."""
+    if x.shape != approx.shape:
+        raise ValueError(f"signal_noise: x has shape {tuple(x.shape)} and approx "
+                         f"{tuple(approx.shape)}; they must match")
+    if chunk_elements < 1:
+        raise ValueError(f"signal_noise: chunk_elements={chunk_elements}; it must be >= 1")
+    if x.numel() == 0:
+        return 0.0, 0.0
+    cols = x.shape[-1] if x.dim() else 1
+    x2, a2 = x.detach().reshape(-1, cols), approx.detach().reshape(-1, cols)
+    rows = max(1, chunk_elements // max(cols, 1))
+    sums = torch.zeros(2, dtype=torch.float64, device=x.device)
+    for i in range(0, x2.shape[0], rows):
+        x64, a64 = x2[i:i + rows].double(), a2[i:i + rows].double()
+        sums[0] += (x64 * x64).sum()
+        sums[1] += (x64 - a64).square_().sum()
+    signal, noise = sums.tolist()
     return signal, noise
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lowprec
-from lowprec.debug.stats import StepStats, direction_stats, sqnr_db
+from lowprec.debug.stats import StepStats, direction_stats, signal_noise, sqnr_db
 from lowprec.formats import ExactTensor
 
 #: relative tolerance of an SQNR against an fp64 computation: the recorder accumulates its
@@ -171,3 +171,25 @@ def test_debug_nvfp4_dequantize_matches_the_format_bit_for_bit(q):
     for usage in ("rowwise", "columnwise"):
         got, want = stored_values(qt, usage), qt.dequantize_stored(usage)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), usage
+
+
+@pytest.mark.parametrize("shape", [(37, 129), (5, 3, 40), (1000,), (), (0, 8)])
+@pytest.mark.parametrize("chunk", [1, 100, 1 << 24])
+def test_signal_noise_chunks_give_the_whole_sums(shape, chunk):
+    """The float64 sums over row chunks equal numpy's over the whole tensor (bf16 operand,
+    fp32 approximation, as the compare probe passes them; a transposed view as well)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g).bfloat16()
+    approx = x.float() + 0.01 * torch.randn(shape, generator=g)
+    for xs, ap in ((x, approx), (x.mT, approx.mT) if x.dim() >= 2 else (x, approx)):
+        x64, a64 = xs.double().numpy(), ap.double().numpy()
+        signal, noise = signal_noise(xs, ap, chunk_elements=chunk)
+        assert signal == pytest.approx(float((x64 * x64).sum()), rel=1e-12, abs=0)
+        assert noise == pytest.approx(float(((x64 - a64) ** 2).sum()), rel=1e-12, abs=0)
+
+
+def test_signal_noise_refuses_bad_input():
+    with pytest.raises(ValueError, match=r"shape \(4, 4\) and approx \(4, 5\)"):
+        signal_noise(torch.zeros(4, 4), torch.zeros(4, 5))
+    with pytest.raises(ValueError, match="chunk_elements=0"):
+        signal_noise(torch.zeros(4), torch.zeros(4), chunk_elements=0)
