@@ -182,6 +182,11 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
     probe = SQNRProbe(model)
     # The SQNR probe and the saved-tensor meter of the last step hook the eager modules;
     # that step runs eagerly.
+    if settings.compile:
+        # Every recipe's model is a new object running the same code, and dynamo counts the
+        # compiles of one code object against one recompile limit (8): past it, a later
+        # recipe would train eagerly. Each recipe starts from an empty cache instead.
+        torch._dynamo.reset()
     forward = (torch.compile(model, mode="reduce-overhead" if settings.cuda_graphs else None)
                if settings.compile else model)
     base_wall = base_cpu = 0.0  # time spent in the saved part of a resumed run

@@ -484,6 +484,28 @@ def test_plot_is_skipped_with_a_reason_without_matplotlib(monkeypatch, tmp_path)
     assert not (tmp_path / "loss.png").exists()
 
 
+def test_compile_gives_every_recipe_its_own_compile(tmp_path, capsys, monkeypatch):
+    """Each recipe's model compiles anew. Dynamo counts every model of one process against
+    one recompile limit (8 by default, 1 here): without a fresh cache per recipe, the
+    recipes past it would train eagerly while the report says compiled."""
+    from torch._dynamo.testing import CompileCounter
+    counters = []
+    real = torch.compile
+
+    def counting(model, mode=None, **kw):  # dynamo's capture, run eagerly (no inductor)
+        counters.append(CompileCounter())
+        return real(model, backend=counters[-1])
+
+    monkeypatch.setattr(torch, "compile", counting)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        code, _, err = run_cli(["--model", "tiny", "--steps", "2", "--recipes",
+                                "bf16,fp8_current", "--no-noise-floor", "--compile",
+                                "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert len(counters) == 2
+    assert [c.frame_count > 0 for c in counters] == [True, True]
+
+
 def test_compile_runs_every_recipe_compiled_and_says_so(tmp_path, capsys):
     """--compile trains through torch.compile; the losses follow the eager run's (inductor
     may round the bf16 model's elementwise math differently, so not bit for bit)."""
