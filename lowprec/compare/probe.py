@@ -64,8 +64,10 @@ class SQNRProbe:
             vals = {}
             for usage in ("rowwise", "columnwise"):
                 if qt.has_usage(usage):
+                    # one float32 copy alive at a time (1 GiB for an 8192 x 32000 head's dY)
                     approx = qt.dequantize(dtype=torch.float32, usage=usage)
                     vals[usage] = sqnr_db(x, approx)
+                    del approx
         key = (site.layer, site.role)
         old = self.records.get(key)
         row, col = vals.get("rowwise"), vals.get("columnwise")
