@@ -103,3 +103,20 @@ def rht_inverse(y: torch.Tensor) -> torch.Tensor:
     t = _tiles(y)
     t = _butterflies(t * 0.125) * device_constant("rht_inv", lambda: rht_signs() * 2.0, t.device)
     return t.reshape(y.shape)
+
+
+#: elements :func:`rht_inverse_` transforms at once outside a graph
+RHT_CHUNK_ELEMENTS = 1 << 22
+
+
+def rht_inverse_(y: torch.Tensor) -> torch.Tensor:
+    """:func:`rht_inverse` of a 2-D fp32 ``y`` written back into ``y``, chunk of rows by
+    chunk of rows (the tiles run along rows): a chunk's temporaries are alive at a time
+    instead of three copies of ``y``. For a ``y`` the caller owns; in a graph, where
+    inductor fuses the transform, it returns :func:`rht_inverse`'s new tensor."""
+    if torch.compiler.is_compiling() or y.dim() != 2 or y.dtype != torch.float32:
+        return rht_inverse(y)
+    rows = max(1, RHT_CHUNK_ELEMENTS // max(y.shape[1], 1))
+    for i in range(0, y.shape[0], rows):
+        y[i:i + rows] = rht_inverse(y[i:i + rows])
+    return y

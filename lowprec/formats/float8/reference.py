@@ -32,5 +32,6 @@ def quantize_per_tensor(x2d: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch
 
 
 def dequantize_per_tensor(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``data / scale`` in fp32 (the scale used at quantize time)."""
-    return data.to(torch.float32) / scale
+    """``data / scale`` in fp32 (the scale used at quantize time), divided in place: one
+    fp32 copy of the data, not two."""
+    return data.to(torch.float32, copy=True).div_(scale)

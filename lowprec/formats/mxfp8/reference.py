@@ -81,5 +81,7 @@ def dequantize_blocks(data: torch.Tensor, scale: torch.Tensor, *, block_rows: in
     nan = scale == E8M0_NAN
     e = torch.where(nan, torch.zeros_like(scale), scale).to(torch.int32) - E8M0_BIAS
     factor = torch.where(nan, torch.full(e.shape, float("nan"), device=e.device), exp2_int(e))
-    blocks = data.to(torch.float32).reshape(r // block_rows, block_rows, c // BLOCK, BLOCK)
-    return (blocks * factor[:, None, :, None]).reshape(r, c)
+    # multiplied in place: one fp32 copy of the data, not two
+    blocks = data.to(torch.float32, copy=True).reshape(r // block_rows, block_rows, c // BLOCK,
+                                                        BLOCK)
+    return blocks.mul_(factor[:, None, :, None]).reshape(r, c)

@@ -102,8 +102,14 @@ def quantize_matrix(x: torch.Tensor, *, two_d: bool, rand: torch.Tensor | None =
 
 def dequantize_matrix(packed: torch.Tensor, scales: torch.Tensor, s: torch.Tensor, *,
                       two_d: bool) -> torch.Tensor:
-    """fp32 ``(q * d) / S`` for one stored direction, shape (R, C)."""
+    """fp32 ``(q * d) / S`` for one stored direction, shape (R, C), computed in the decoded
+    values' own buffer (one (R, C) fp32 tensor alive, not three)."""
     q = e2m1_codes_to_float(unpack_e2m1(packed))
-    shape = tuple(q.shape)
-    d = scales.to(torch.float32).unsqueeze(-1)
-    return _unblocked(_blocked(q, two_d) * d, shape, two_d) / s
+    r, c = q.shape
+    d = scales.to(torch.float32)
+    if two_d:  # a view of q with each 16 x 16 block's rows and columns on their own axes
+        q.view(r // BLOCK, BLOCK, c // BLOCK, BLOCK).mul_(
+            d.reshape(r // BLOCK, 1, c // BLOCK, 1))
+    else:
+        q.view(r, c // BLOCK, BLOCK).mul_(d.unsqueeze(-1))
+    return q.div_(s)

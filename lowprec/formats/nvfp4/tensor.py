@@ -7,7 +7,7 @@ import torch
 from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
 from ..casting import pack_e2m1, unpack_e2m1
-from ..rht import rht_inverse
+from ..rht import rht_inverse_
 from .reference import BLOCK, dequantize_matrix
 
 
@@ -96,5 +96,5 @@ class NVFP4Tensor(QuantizedTensor):
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         out = self.dequantize_stored(usage)
         if usage == "columnwise" and self.with_rht:
-            out = rht_inverse(out)
+            out = rht_inverse_(out)  # a new tensor of this call's own
         return out
