@@ -112,8 +112,9 @@ RHT_CHUNK_ELEMENTS = 1 << 22
 def rht_inverse_(y: torch.Tensor) -> torch.Tensor:
     """:func:`rht_inverse` of a 2-D fp32 ``y`` written back into ``y``, chunk of rows by
     chunk of rows (the tiles run along rows): a chunk's temporaries are alive at a time
-    instead of three copies of ``y``. For a ``y`` the caller owns; in a graph, where
-    inductor fuses the transform, it returns :func:`rht_inverse`'s new tensor."""
+    instead of three copies of ``y``. For a ``y`` the caller owns. In a graph (where
+    inductor fuses the transform), or for a ``y`` that is not 2-D fp32, it returns
+    :func:`rht_inverse`'s new tensor instead; use the return value."""
     if torch.compiler.is_compiling() or y.dim() != 2 or y.dtype != torch.float32:
         return rht_inverse(y)
     rows = max(1, RHT_CHUNK_ELEMENTS // max(y.shape[1], 1))
