@@ -516,7 +516,13 @@ def notes(info: RunInfo, results: list[RunResult]) -> list[str]:
                "that median.")
     out.append("Saved for bwd: bytes autograd kept from the forward for the backward "
                "(activations and quantized operands, parameters excluded), measured at the last "
-               "step; peak mem is torch.cuda.max_memory_allocated (n/a on CPU).")
+               "step; peak mem is torch.cuda.max_memory_allocated over the training steps and "
+               "the held-out evaluation (n/a on CPU), the last step left out when there are "
+               "several: it runs eagerly with the SQNR probe, which dequantizes each operand.")
+    probe = [f"{r.name} {_mib(r.probe_peak_bytes)}" for r in results
+             if r.probe_peak_bytes is not None and r.probe_peak_bytes != r.peak_mem_bytes]
+    if probe:
+        out.append("Peak of that measurement step: " + ", ".join(probe) + ".")
     for r in results:
         if r.status == "nan":
             out.append(f"{r.name}: {r.status_detail}; its rows in results.csv stop there and it "

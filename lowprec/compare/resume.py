@@ -317,7 +317,8 @@ class RecipeCheckpoint:
         if device.type == "cuda" and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"], device)
         saved = result_from_dict(data["result"])
-        for name in ("steps", "sqnr", "saved_bytes", "peak_mem_bytes", "wall_s", "cpu_s"):
+        for name in ("steps", "sqnr", "saved_bytes", "peak_mem_bytes", "probe_peak_bytes",
+                     "wall_s", "cpu_s"):
             setattr(result, name, getattr(saved, name))
         return int(data["step"]) + 1
 

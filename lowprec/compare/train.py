@@ -56,7 +56,11 @@ class RunResult:
     val_losses: list[float] = field(default_factory=list)
     sqnr: list[SQNRRecord] = field(default_factory=list)
     saved_bytes: int | None = None
+    #: CUDA peak of the training steps and the evaluation; with more than one step, the
+    #: last (the measurement step, eager with the SQNR probe) is left out: ``probe_peak_bytes``
     peak_mem_bytes: int | None = None
+    #: CUDA peak of the measurement step alone (None on CPU, or where it did not run)
+    probe_peak_bytes: int | None = None
     wall_s: float = 0.0
     cpu_s: float = 0.0
     traceback: str = ""
@@ -140,6 +144,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _peak_bytes(device: torch.device) -> int | None:
+    """The CUDA peak since the last call (None off CUDA); starts the next one."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
+def _close_peak(result: RunResult, device: torch.device) -> None:
+    """Fold the peak since the last reset into ``result.peak_mem_bytes`` and reset it."""
+    peak = _peak_bytes(device)
+    if peak is not None:
+        result.peak_mem_bytes = max(result.peak_mem_bytes or 0, peak)
+
+
 def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: TrainSettings,
               progress: Progress | None = None, source: ModelSource | None = None,
               grad_accum: int = 1, checkpoint: RecipeCheckpoint | None = None) -> RunResult:
@@ -161,7 +181,7 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
     t_wall, t_cpu = time.perf_counter(), time.process_time()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    _peak_bytes(device)
     torch.manual_seed(settings.seed + spec.init_seed_offset)
     model = (source.build(device) if source is not None
              else GPT(cfg, dtype=torch.bfloat16, device=device))
@@ -203,6 +223,8 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
         for step in range(first, settings.steps + 1):
             last = step == settings.steps
             _sync(device)
+            if last and step > 1:
+                _close_peak(result, device)  # the measurement step's peak is kept apart
             t0 = time.perf_counter()
             if last and enabled:
                 probe.arm(spec.recipe, device)
@@ -250,15 +272,15 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
                 probe.disarm()
                 result.sqnr = probe.results()
                 result.saved_bytes = meter.bytes
+                if step > 1:
+                    result.probe_peak_bytes = _peak_bytes(device)
             result.steps.append(StepRecord(step, loss_value, tokens / (ms / 1e3), ms))
             if progress is not None:
                 progress.update(step, loss_value, ms)
             if checkpoint is not None and checkpoint.due(step):
                 result.wall_s = base_wall + time.perf_counter() - t_wall
                 result.cpu_s = base_cpu + time.process_time() - t_cpu
-                if device.type == "cuda":
-                    result.peak_mem_bytes = max(result.peak_mem_bytes or 0,
-                                                torch.cuda.max_memory_allocated(device))
+                _close_peak(result, device)
                 checkpoint.save(step, result, model, master, opt, batches, device)
         if result.ok:
             result.val_losses = evaluate(model, spec, batches, settings, cfg)
@@ -278,10 +300,10 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
                             note=f"error: {type(err).__name__}")
     finally:
         probe.disarm()
-    if device.type == "cuda":
-        # a resumed run's peak is the larger of the saved part's and this process's
-        result.peak_mem_bytes = max(result.peak_mem_bytes or 0,
-                                    torch.cuda.max_memory_allocated(device))
+    # a resumed run's peak is the larger of the saved part's and this process's
+    _close_peak(result, device)
+    if settings.steps == 1 and result.steps:  # the one step is the measurement step
+        result.probe_peak_bytes = result.peak_mem_bytes
     result.wall_s = base_wall + time.perf_counter() - t_wall
     result.cpu_s = base_cpu + time.process_time() - t_cpu
     if progress is not None:
