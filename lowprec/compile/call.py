@@ -54,6 +54,7 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..formats import QuantizedExperts, QuantizedTensor
+from ..kernels import graph_op
 from ..linear import graph_kept
 from ..recipe import (
     active_region,
@@ -107,23 +108,23 @@ def _module_of(handle: torch.Tensor) -> torch.nn.Module:
     return module
 
 
-@torch.library.custom_op("lowprec::record_amaxes", mutates_args=("amax",))
-def record_amaxes(amax: torch.Tensor, seen: torch.Tensor, handle: torch.Tensor,
-                  start: int = 0) -> None:
-    """A traced delayed-scaling forward's record, run where the autocast region is real
-    (entered around the compiled call): ``amax[start:start + n]`` takes the max with
-    ``seen`` (n,), and the module's forward state joins the region's update, as an eager
+@graph_op("join_region", mutates_args=("amax",))
+def join_region(amax: torch.Tensor, handle: torch.Tensor) -> None:
+    """A traced delayed-scaling forward that has recorded its amaxes into ``amax`` (its
+    forward state's, in the graph), run where the autocast region is real (entered around
+    the compiled call): the module's forward state joins the region's update, as an eager
     forward's does. An op rather than traced Python: the region's list is appended to at
-    run time, beside the opaque calls' own appends."""
-    at = amax[start:start + seen.numel()]
-    torch.maximum(at, seen, out=at)
+    run time, beside the opaque calls' own appends. ``amax`` is declared written because
+    the region's update writes it (which keeps the compiler from dropping the op); the op
+    itself only reads the handle. Defined through ``kernels.graph_op``: a compiled step
+    runs one per module."""
     state = _module_of(handle).__dict__["_recipe_states"]["forward"].delayed
     state.pending = True
     register_delayed_state(state)
 
 
-@record_amaxes.register_fake
-def _record_amaxes_fake(amax, seen, handle, start=0):
+@torch.library.register_fake("lowprec::join_region")
+def _join_region_fake(amax, handle):
     return None
 
 

@@ -135,11 +135,11 @@ def kernel_op(name: str, *, mutates_args=()):
 _GRAPH_LIB = torch.library.Library("lowprec", "FRAGMENT")
 
 
-def graph_op(name: str, *, tags: tuple = ()):
+def graph_op(name: str, *, tags: tuple = (), mutates_args: tuple = ()):
     """Define ``lowprec::<name>`` as an op of the compiled graph that runs ``fn`` (its
-    schema inferred from ``fn``'s annotations; no mutated arguments), with the op ``tags``
-    (``torch.Tag.nondeterministic_seeded`` for an op that draws from torch's generator:
-    the compiler then neither merges nor recomputes it).
+    schema inferred from ``fn``'s annotations, ``mutates_args`` the arguments it writes),
+    with the op ``tags`` (``torch.Tag.nondeterministic_seeded`` for an op that draws from
+    torch's generator: the compiler then neither merges nor recomputes it).
 
     Defined through ``torch.library.Library`` rather than ``custom_op``: a compiled step
     calls these ops from inductor's code, and ``custom_op``'s Python autograd layer costs
@@ -148,7 +148,8 @@ def graph_op(name: str, *, tags: tuple = ()):
     are off. Returns the op (``torch.ops.lowprec.<name>.default``); register its fake
     implementation with ``torch.library.register_fake("lowprec::<name>")``."""
     def wrap(fn):
-        _GRAPH_LIB.define(name + torch.library.infer_schema(fn, mutates_args=()), tags=tags)
+        _GRAPH_LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args),
+                          tags=tags)
         _GRAPH_LIB.impl(name, fn, "CompositeExplicitAutograd")
         return getattr(torch.ops.lowprec, name).default
     return wrap

@@ -59,6 +59,7 @@ from ..recipe import (
     BackwardMode,
     QuantizerRole,
     push_amaxes,
+    pushed_amaxes,
     stateful,
     stateless_quantizers,
     torch_autocast_dtype,
@@ -329,7 +330,8 @@ def delayed_update(history: torch.Tensor, amax_current: torch.Tensor, scale: tor
                    fp8_max: torch.Tensor, reduced: Optional[torch.Tensor], algo: int,
                    margin: float) -> None:
     """The backward state's update once a traced delayed-scaling backward has recorded its
-    amaxes: eager's own update (``lowprec.recipe.state.push_amaxes``), one op in the graph;
+    amaxes, under a callable amax algorithm (the others trace ``pushed_amaxes``): eager's
+    own update (``lowprec.recipe.state.push_amaxes``), one op in the graph;
     ``reduced``: the amaxes all-reduced over the amax reduction group, where there is one;
     ``algo``: :func:`algo_code`'s name of the amax algorithm."""
     push_amaxes(history, amax_current, scale, fp8_max,
@@ -378,10 +380,10 @@ def _delayed_forward(plan: TracedPlan, x2d, weight, fwd):
     # version check then raises). A cat is an op the partitioner saves, not recomputes.
     scales = scale_in_use(torch.cat([scale[s:s + 1], scale[s + 1:s + 2]]), seen)
     xs, ws = scales[0:1], scales[1:2]
-    if records and handle is None:  # training, the region in the graph
+    if records:  # training
         amax[s:s + 2].copy_(torch.maximum(amax[s:s + 2], seen))
-    elif records:  # training, the region around the compiled call
-        torch.ops.lowprec.record_amaxes(amax, seen, handle, s)
+        if handle is not None:  # the region around the compiled call: joined at run time
+            torch.ops.lowprec.join_region(amax, handle)
     xd, wd = decode_scale(xs).reshape(()), decode_scale(ws).reshape(())
     return ((Fp8(plan.x.cast(x2d, xs), xs, xd), (x2d, xs, xd)),
             (Fp8(plan.w.cast(weight, ws), ws, wd), (weight, ws, wd)))
@@ -477,7 +479,15 @@ class TracedLinear(torch.autograd.Function):
             if updates:  # the module's last GEMM to run backward: its whole state's update
                 # (the amaxes all-reduced over the autocast's amax_reduction_group first)
                 reduced = None if group is None else funcol.all_reduce(amax, "max", group)
-                delayed_update(history, amax, scale, fp8_max, reduced, algo, margin)
+                if algo in _ALGO_NAMES:  # traced, fused by the compiler: no op of its own
+                    pushed, new_scale = pushed_amaxes(history, scale, fp8_max,
+                                                      amax if reduced is None else reduced,
+                                                      _ALGO_NAMES[algo], margin)
+                    history.copy_(pushed)
+                    scale.copy_(new_scale)
+                    amax.zero_()
+                else:  # a callable runs as eager runs it
+                    delayed_update(history, amax, scale, fp8_max, reduced, algo, margin)
             return dx, dw
         sliced = plan.split is not None and need_dx and need_dw
         dy = None if sliced else plan.dy.grad(dy2d, need_dx, need_dw)

@@ -195,7 +195,7 @@ class ScalingStateMixin:
             fwd.delayed.pending = True
             register_delayed_state(fwd.delayed)
             return fwd.delayed, bwd.delayed, None, True
-        # a region around the compiled call: joined at run time (``lowprec::record_amaxes``)
+        # a region around the compiled call: joined at run time (``lowprec::join_region``)
         return fwd.delayed, bwd.delayed, self.__dict__[HANDLE_ATTR], True
 
     def _state(self, mode: str, recipe, device) -> RecipeState:

@@ -9,13 +9,13 @@ and hands the quantizers views into them.
 
 from __future__ import annotations
 
+import struct
 from typing import Callable, Sequence
 
 import torch
 
 from ..formats import (
     FP8_MAX,
-    FP32_MAX,
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
@@ -121,7 +121,7 @@ def push_amaxes(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.
                 fp8_max: torch.Tensor, current: torch.Tensor, algo, margin: float) -> None:
     """One delayed-scaling update in place: roll ``history``, push ``current`` (the recorded
     amaxes, perhaps all-reduced), recompute ``scale`` per ``algo``, zero ``amax_current``.
-    One kernel launch where the kernel computes ``algo``, else torch ops."""
+    One kernel launch where the kernel computes ``algo``, else :func:`pushed_amaxes`."""
     if use_kernels(scale) and _kernel_update_fits(history, algo):
         if current is not amax_current:
             amax_current.copy_(current)
@@ -129,23 +129,40 @@ def push_amaxes(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.
         fp8_delayed_update(history, amax_current, scale, fp8_max, _inv_margin(margin),
                            algo == "most_recent")
         return
-    history.copy_(torch.roll(history, 1, dims=0))
-    history[0].copy_(current)
+    new_history, new_scale = pushed_amaxes(history, scale, fp8_max, current, algo, margin)
+    history.copy_(new_history)
+    scale.copy_(new_scale)
+    amax_current.zero_()
+
+
+def pushed_amaxes(history: torch.Tensor, scale: torch.Tensor, fp8_max: torch.Tensor,
+                  current: torch.Tensor, algo, margin: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(history, scale) after one delayed-scaling update, out of place, in torch ops a
+    compiler traces: ``history`` rolled down a row with ``current`` on top, and the scale
+    ``fp8_max / amax / 2**margin`` (at most the fp32 max) where the ``algo`` amax is finite
+    and > 0, else the old one. The update kernel's bits: the quotient is correctly rounded
+    (in fp64, then fp32, as ``casting.scale_from_amax`` does: inductor's fp32 division is
+    approximate), and on CUDA the margin multiplies by its fp32 reciprocal, as torch's CUDA
+    division by a scalar does."""
+    rolled = torch.cat([current.reshape(1, -1).to(history.dtype), history[:-1]])
     if algo == "max":
-        amax = history.amax(dim=0)
-        # amax() ignores NaN on some backends; a NaN in the history must keep the scale.
-        amax = torch.where(torch.isnan(history).any(dim=0), torch.full_like(amax, float("nan")),
+        amax = rolled.amax(dim=0)
+        # amax() ignores NaN on some backends; a NaN in the history must keep the scale. The
+        # NaN from full_like: a scalar NaN compiles to other bits than eager's.
+        amax = torch.where(torch.isnan(rolled).any(dim=0), torch.full_like(amax, float("nan")),
                            amax)
     elif algo == "most_recent":
-        amax = history[0].clone()
+        amax = rolled[0]
     else:
-        amax = amax_from_callable(algo, history)
+        amax = amax_from_callable(algo, rolled)
+    quotient = (fp8_max.to(torch.float64) / amax.to(torch.float64)).to(torch.float32)
+    new = quotient * _inv_margin(margin) if history.is_cuda else quotient / (2.0 ** margin)
     # A tiny amax must not give an infinite scale (0 * inf is NaN): the fp32 max, as
     # current scaling does.
-    new = (fp8_max / amax / (2.0 ** margin)).clamp(max=FP32_MAX)
+    new = new.clamp(max=torch.finfo(torch.float32).max)  # folded to a constant when traced
     ok = torch.isfinite(amax) & (amax > 0)
-    scale.copy_(torch.where(ok, new, scale))
-    amax_current.zero_()
+    return rolled, torch.where(ok, new, scale)
 
 
 def _kernel_update_fits(history: torch.Tensor, algo) -> bool:
@@ -155,17 +172,19 @@ def _kernel_update_fits(history: torch.Tensor, algo) -> bool:
             and history.is_contiguous())
 
 
-_INV_MARGINS: dict = {}
+def _fp32(value: float) -> float:
+    """``value`` rounded to the nearest fp32 (as a Python float)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def _inv_margin(margin: float) -> float:
-    """What torch's ``t / (2.0 ** margin)`` multiplies by: the fp32 reciprocal of the
-    fp32-rounded divisor (the update kernel multiplies by it)."""
-    inv = _INV_MARGINS.get(margin)
-    if inv is None:
-        div = torch.tensor(2.0 ** margin, dtype=torch.float32)
-        inv = _INV_MARGINS[margin] = float(torch.ones((), dtype=torch.float32) / div)
-    return inv
+    """What torch's ``t / (2.0 ** margin)`` multiplies by on CUDA: the fp32 reciprocal of
+    the fp32-rounded divisor (the update kernel multiplies by it). In Python floats, no
+    tensor: it also runs while a compiler traces a backward, where a tensor would be fake.
+    The reciprocal in double, rounded once to fp32, is the correctly rounded fp32 one (53
+    bits are enough for a quotient of fp32 values). ``DelayedScaling`` keeps ``margin`` in
+    [0, 127], so ``2**margin`` is a finite fp32."""
+    return _fp32(1.0 / _fp32(2.0 ** margin))
 
 
 class DelayedScalingState:

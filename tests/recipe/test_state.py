@@ -639,3 +639,33 @@ def test_amax_compute_algo_takes_n_floating_amaxes(algo):
     assert st.scale.dtype == torch.float32 and st.scale.shape == (3,)
     expected = torch.full((3,), 448.0) / torch.tensor([1.0, 2.0, 3.0])  # fp32, amaxes 1, 2, 3
     assert torch.equal(st.scale, expected)
+
+
+@pytest.mark.parametrize("margin", [0, 1, 0.5, 1.7, 3.3, 31.25, 126.9, 127])
+def test_inv_margin_is_torch_fp32_reciprocal(margin):
+    """The update's margin factor is the fp32 reciprocal of the fp32 divisor, as torch's
+    CUDA division by a scalar multiplies; computed without tensors, so it also runs where
+    a compiler traces the backward with fake tensors (a tensor's ``item`` would raise)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lowprec.recipe.state import _inv_margin
+    with FakeTensorMode():  # first: nothing cached from an eager call
+        traced = _inv_margin(margin)
+    div = torch.tensor(2.0 ** margin, dtype=torch.float32)
+    expected = float(torch.ones((), dtype=torch.float32) / div)
+    assert traced == _inv_margin(margin) == expected
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_pushed_amaxes_traces_without_data_dependence(algo):
+    """The traced backward's update is plain tensor ops: it traces with fake tensors."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lowprec.recipe import pushed_amaxes
+    h, scale = torch.rand(4, 3), torch.ones(3)
+    fmax, cur = torch.full((3,), 448.0), torch.rand(3)
+    traced = make_fx(lambda *a: pushed_amaxes(*a, algo, 0.5), tracing_mode="fake")(
+        h, scale, fmax, cur)
+    got, want = traced(h, scale, fmax, cur), pushed_amaxes(h, scale, fmax, cur, algo, 0.5)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
