@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import append_rows, gpu_kernel_ms, median_step_ms  # noqa: E402
+from harness import append_rows, gpu_kernel_ms, host_ops, median_step_ms  # noqa: E402
 
 import lowprec  # noqa: E402
 from lowprec import recipe as R  # noqa: E402
@@ -163,10 +163,11 @@ def _print_compile_times(peer: str, mode: str, top: int = 14) -> None:
 
 def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: int,
              top_kernels: int = 0, optim: str = "torch", losses: list | None = None,
-             compile_times: bool = False, head: bool = False):
+             compile_times: bool = False, head: bool = False, top_host: int = 0):
     """(median step ms, warm-up seconds, peak GiB, graph breaks, GPU kernel ms, kernels,
     median forward host ms, median optimizer-step ms, state bytes a parameter); with
-    ``top_kernels``, prints that many of the step's heaviest kernels.
+    ``top_kernels``, prints that many of the step's heaviest kernels, with ``top_host``
+    that many of its host ops by their own CPU time.
 
     The forward host ms is how long the forward call keeps the host when it starts on an
     idle GPU (steps run after the timed ones, each after a synchronize; NaN for graph
@@ -255,6 +256,9 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
         ms, peak = statistics.median(t), 0.0
         gpu_ms, kernels = float("nan"), 0
         fwd_ms = statistics.median(fwd_host[-steps:]) * 1e3
+    if top_host and not graphed:
+        for h_ms, h_n, name in host_ops(run, top_host):
+            print(f"    {peer} {mode} host: {h_ms:7.3f} ms {h_n:5.0f}x  {name[:110]}")
     sync()
     done = [t if isinstance(t, float) else t[0].elapsed_time(t[1]) for t in opt_times[-steps:]]
     opt_ms = statistics.median(done) if done and not graphed else float("nan")
@@ -330,6 +334,9 @@ def main() -> None:
                     help="print where each compiled peer's warm-up went (dynamo's phases)")
     ap.add_argument("--top-kernels", type=int, default=0,
                     help="print each peer's N heaviest kernels (GPU ms a step)")
+    ap.add_argument("--host-ops", type=int, default=0,
+                    help="print each peer's N heaviest host ops (own CPU ms a step, under "
+                         "torch.profiler): where a host-bound step's time goes")
     ap.add_argument("--lm-head", action="store_true",
                     help="quantize the output head too (as lowprec compare does)")
     args = ap.parse_args()
@@ -363,7 +370,8 @@ def main() -> None:
         try:
             results[(peer, mode)] = run_peer(peer.partition("+")[0], args.model, args.device,
                                              mode, args.steps, args.warmup, args.top_kernels,
-                                             optim, losses, args.compile_times, args.lm_head)
+                                             optim, losses, args.compile_times, args.lm_head,
+                                             args.host_ops)
         except Exception as exc:  # noqa: BLE001 - report the peer as failed, go on
             print(f"{peer:24s} {mode:8s} FAILED: {type(exc).__name__}: {str(exc)[:300]}",
                   flush=True)

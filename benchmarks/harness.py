@@ -245,6 +245,24 @@ def gpu_kernel_ms(run: Callable[[int], None], steps: int = 3,
     return total_us / 1e3 / steps, len(evs) / steps, heaviest
 
 
+def host_ops(run: Callable[[int], None], top: int, steps: int = 1) -> list:
+    """The ``top`` host ops by their own CPU time per call of ``run(i)``, as (ms, calls,
+    name), from ``torch.profiler``: where a host-bound step's time goes. The inductor
+    wrapper's own Python shows as its ``## Call CompiledFxGraph`` frame, a custom op as its
+    ``lowprec::`` name, each ``aten::`` call apart. Times are under the profiler, which
+    adds a few microseconds an op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(steps):
+            run(i)
+        sync()
+    return sorted(((e.self_cpu_time_total / 1e3 / steps, e.count / steps, e.key)
+                   for e in prof.key_averages()), reverse=True)[:top]
+
+
 def append_rows(rows: list[dict], path: Path | str | None = None) -> Path:
     path = Path(path or RESULTS)
     new = not path.exists()
