@@ -14,6 +14,19 @@ from .draws import draw_key, uniforms_at
 from .reference import BLOCK, SCALE_DTYPE, finite_amax, global_encode_scale, quantize_matrix
 from .tensor import NVFP4Tensor
 
+#: elements the reference quantize rounds at once outside a graph (row chunks of a
+#: direction; see ``NVFP4Quantizer._reference_direction``)
+REFERENCE_CHUNK_ELEMENTS = 1 << 22
+
+
+def _draws(key, offset: int, rows: int, cols: int, like: torch.Tensor):
+    """The (rows, cols) uniforms of ``key`` from row-major index ``offset`` on, on
+    ``like``'s device (None without a key: nearest-even rounding)."""
+    if key is None:
+        return None
+    index = offset + torch.arange(rows * cols, dtype=torch.int64, device=like.device)
+    return uniforms_at(key, index).reshape(rows, cols)
+
 
 class NVFP4Quantizer(Quantizer):
     """NVFP4: E2M1 values, E4M3 decode scale per 16 elements, fp32 global encode scale.
@@ -214,29 +227,43 @@ class NVFP4Quantizer(Quantizer):
         """NVFP4Tensor fields through :mod:`.reference`: ``keys`` the (rowwise, columnwise)
         stochastic-rounding keys (None: nearest-even); ``scales`` / ``offsets`` those of a
         slice (see ``launch.nvfp4_quantize``)."""
-        m, k = x2d.shape
         x = x2d.to(torch.float32)
         fields = {"with_rht": self.with_rht, "with_2d_quantization": self.with_2d_quantization}
-        two_d = self.with_2d_quantization
-
-        def rand(key, offset, rows, cols):
-            if key is None:
-                return None
-            index = offset + torch.arange(rows * cols, dtype=torch.int64, device=x.device)
-            return uniforms_at(key, index).reshape(rows, cols)
-
         if rowwise:
-            data, scale, s = quantize_matrix(x, two_d=two_d, rand=rand(keys[0], offsets[0], m, k),
-                                             s=scales[0])
+            data, scale, s = self._reference_direction(x, keys[0], offsets[0], scales[0])
             fields.update(rowwise_data=data, rowwise_scale=scale, rowwise_global=s)
         if columnwise:
             xt = x.t().contiguous()
             if self.with_rht:
                 xt = rht_forward(xt)
-            data, scale, s = quantize_matrix(xt, two_d=two_d, rand=rand(keys[1], offsets[1], k, m),
-                                             s=scales[1])
+            data, scale, s = self._reference_direction(xt, keys[1], offsets[1], scales[1])
             fields.update(columnwise_data=data, columnwise_scale=scale, columnwise_global=s)
         return fields
+
+    def _reference_direction(self, x, key, offset: int, s):
+        """``reference.quantize_matrix`` of the fp32 (R, C) ``x`` with the draws of ``key``
+        from row-major index ``offset`` on (None: nearest-even). Outside a graph, in row
+        chunks of about :data:`REFERENCE_CHUNK_ELEMENTS` (whole 16-row blocks) with the
+        whole matrix's encode scale (its amax taken chunk by chunk too): the temporaries
+        (the draws' int64 hash among them) then stay a few chunks in size instead of
+        several times the matrix.
+        Blocks never cross a chunk and each draw depends on its index alone, so the codes
+        and scales are the one-shot ones."""
+        rows, cols = x.shape
+        two_d = self.with_2d_quantization
+        step = max(BLOCK, REFERENCE_CHUNK_ELEMENTS // max(cols, 1) // BLOCK * BLOCK)
+        if step >= rows or torch.compiler.is_compiling():
+            return quantize_matrix(x, two_d=two_d, rand=_draws(key, offset, rows, cols, x),
+                                   s=s)
+        chunks = range(0, rows, step)
+        if s is None:  # a max is exact in any grouping: the whole matrix's, by chunks
+            s = global_encode_scale(torch.cat([finite_amax(x[a:a + step]) for a in chunks])
+                                    .amax().reshape(1))
+        parts = [quantize_matrix(x[a:a + step], two_d=two_d, s=s,
+                                 rand=_draws(key, offset + a * cols, min(step, rows - a),
+                                             cols, x))
+                 for a in chunks]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), s
 
     def _empty_fields(self, m, k, device):
         def direction(rows, cols):
