@@ -59,7 +59,6 @@ from ..recipe import (
     BackwardMode,
     QuantizerRole,
     push_amaxes,
-    pushed_amaxes,
     stateful,
     stateless_quantizers,
     torch_autocast_dtype,
@@ -330,7 +329,7 @@ def delayed_update(history: torch.Tensor, amax_current: torch.Tensor, scale: tor
                    fp8_max: torch.Tensor, reduced: Optional[torch.Tensor], algo: int,
                    margin: float) -> None:
     """The backward state's update once a traced delayed-scaling backward has recorded its
-    amaxes, under a callable amax algorithm (the others trace ``pushed_amaxes``): eager's
+    amaxes, under a callable amax algorithm (the others trace ``push_amaxes``'s torch ops): eager's
     own update (``lowprec.recipe.state.push_amaxes``), one op in the graph;
     ``reduced``: the amaxes all-reduced over the amax reduction group, where there is one;
     ``algo``: :func:`algo_code`'s name of the amax algorithm."""
@@ -480,12 +479,9 @@ class TracedLinear(torch.autograd.Function):
                 # (the amaxes all-reduced over the autocast's amax_reduction_group first)
                 reduced = None if group is None else funcol.all_reduce(amax, "max", group)
                 if algo in _ALGO_NAMES:  # traced, fused by the compiler: no op of its own
-                    pushed, new_scale = pushed_amaxes(history, scale, fp8_max,
-                                                      amax if reduced is None else reduced,
-                                                      _ALGO_NAMES[algo], margin)
-                    history.copy_(pushed)
-                    scale.copy_(new_scale)
-                    amax.zero_()
+                    push_amaxes(history, amax, scale, fp8_max,
+                                amax if reduced is None else reduced, _ALGO_NAMES[algo],
+                                margin, kernel=False)
                 else:  # a callable runs as eager runs it
                     delayed_update(history, amax, scale, fp8_max, reduced, algo, margin)
             return dx, dw

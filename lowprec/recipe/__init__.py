@@ -53,7 +53,6 @@ from .state import (
     RecipeState,
     delayed_stand_ins,
     push_amaxes,
-    pushed_amaxes,
     reads_role_names,
     stateful,
     stateless_quantizers,

@@ -118,11 +118,14 @@ def amax_from_callable(algo: Callable, history: torch.Tensor) -> torch.Tensor:
 
 
 def push_amaxes(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.Tensor,
-                fp8_max: torch.Tensor, current: torch.Tensor, algo, margin: float) -> None:
+                fp8_max: torch.Tensor, current: torch.Tensor, algo, margin: float, *,
+                kernel: bool = True) -> None:
     """One delayed-scaling update in place: roll ``history``, push ``current`` (the recorded
     amaxes, perhaps all-reduced), recompute ``scale`` per ``algo``, zero ``amax_current``.
-    One kernel launch where the kernel computes ``algo``, else :func:`pushed_amaxes`."""
-    if use_kernels(scale) and _kernel_update_fits(history, algo):
+    One kernel launch where the kernel computes ``algo`` (and ``kernel``), else
+    :func:`pushed_amaxes`: torch ops, which a traced backward asks for (``kernel=False``)
+    so the compiler fuses them."""
+    if kernel and use_kernels(scale) and _kernel_update_fits(history, algo):
         if current is not amax_current:
             amax_current.copy_(current)
         from ..formats.float8 import fp8_delayed_update
@@ -177,6 +180,9 @@ def _fp32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
+_INV_MARGINS: dict = {}  # margin -> its factor: a delayed update asks once a step
+
+
 def _inv_margin(margin: float) -> float:
     """What torch's ``t / (2.0 ** margin)`` multiplies by on CUDA: the fp32 reciprocal of
     the fp32-rounded divisor (the update kernel multiplies by it). In Python floats, no
@@ -184,7 +190,10 @@ def _inv_margin(margin: float) -> float:
     The reciprocal in double, rounded once to fp32, is the correctly rounded fp32 one (53
     bits are enough for a quotient of fp32 values). ``DelayedScaling`` keeps ``margin`` in
     [0, 127], so ``2**margin`` is a finite fp32."""
-    return _fp32(1.0 / _fp32(2.0 ** margin))
+    inv = _INV_MARGINS.get(margin)
+    if inv is None:
+        inv = _INV_MARGINS[margin] = _fp32(1.0 / _fp32(2.0 ** margin))
+    return inv
 
 
 class DelayedScalingState:

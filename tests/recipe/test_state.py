@@ -661,7 +661,7 @@ def test_pushed_amaxes_traces_without_data_dependence(algo):
     """The traced backward's update is plain tensor ops: it traces with fake tensors."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from lowprec.recipe import pushed_amaxes
+    from lowprec.recipe.state import pushed_amaxes
     h, scale = torch.rand(4, 3), torch.ones(3)
     fmax, cur = torch.full((3,), 448.0), torch.rand(3)
     traced = make_fx(lambda *a: pushed_amaxes(*a, algo, 0.5), tracing_mode="fake")(
