@@ -67,7 +67,11 @@ def uniforms_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (h >> 10).to(torch.float32) * (2.0 ** -22)
 
 
-def uniforms(key: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """The (rows, cols) fp32 uniforms of one direction (see the module doc)."""
-    index = torch.arange(rows * cols, dtype=torch.int64, device=key.device)
+def uniforms(key: torch.Tensor, rows: int, cols: int, start: int = 0,
+             device=None) -> torch.Tensor:
+    """The (rows, cols) fp32 uniforms of one direction (see the module doc), of the
+    row-major indices from ``start`` on (a slice of a larger matrix), on ``device``
+    (default: the key's)."""
+    index = start + torch.arange(rows * cols, dtype=torch.int64,
+                                 device=key.device if device is None else device)
     return uniforms_at(key, index).reshape(rows, cols)

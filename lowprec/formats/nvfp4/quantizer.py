@@ -10,7 +10,7 @@ from ..exact import ExactTensor
 from ..gemm_slicer import GemmSlicer
 from ..rht import rht_forward
 from . import graph
-from .draws import draw_key, uniforms_at
+from .draws import draw_key, uniforms
 from .reference import BLOCK, SCALE_DTYPE, finite_amax, global_encode_scale, quantize_matrix
 from .tensor import NVFP4Tensor
 
@@ -22,10 +22,7 @@ REFERENCE_CHUNK_ELEMENTS = 1 << 22
 def _draws(key, offset: int, rows: int, cols: int, like: torch.Tensor):
     """The (rows, cols) uniforms of ``key`` from row-major index ``offset`` on, on
     ``like``'s device (None without a key: nearest-even rounding)."""
-    if key is None:
-        return None
-    index = offset + torch.arange(rows * cols, dtype=torch.int64, device=like.device)
-    return uniforms_at(key, index).reshape(rows, cols)
+    return None if key is None else uniforms(key, rows, cols, offset, like.device)
 
 
 class NVFP4Quantizer(Quantizer):
