@@ -11,8 +11,10 @@ parameter in the last columns). Every Linear but ``lm_head`` (all of them with
 * ``lowprec-<recipe>``: ``lowprec.convert_model`` + ``lowprec.autocast``, eager and
   compiled.
 
-Modes: ``eager``, ``compiled`` (``torch.compile(model)``), ``reduce-overhead``
-(``torch.compile(model, mode="reduce-overhead")``: inductor's CUDA graphs) and ``graphed``
+Modes: ``eager``, ``compiled`` (``torch.compile(model)``), ``compiled-cpp`` (compiled with
+inductor's C++ wrapper, ``options={"cpp_wrapper": True}``: less host time a kernel),
+``reduce-overhead`` (``torch.compile(model, mode="reduce-overhead")``: inductor's CUDA
+graphs) and ``graphed``
 (the whole eager step captured in one CUDA graph and replayed: no host time at all, so the
 step time is the GPU's; what a step costs once host overhead is out of the way).
 
@@ -113,6 +115,8 @@ def make_peer(peer: str, model: str, device: str, mode: str, head: bool = False)
         m = torch.compile(m)
     elif mode == "reduce-overhead":
         m = torch.compile(m, mode="reduce-overhead")
+    elif mode == "compiled-cpp":  # inductor's C++ wrapper launches the kernels
+        m = torch.compile(m, options={"cpp_wrapper": True})
     return m, ctx
 
 
@@ -342,8 +346,8 @@ def main() -> None:
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     bf16_modes = [m for m in (args.bf16 or args.modes).split(",") if m]
-    peers = [("bf16", m) for m in ("eager", "checkpointed", "compiled", "reduce-overhead",
-                                   "graphed") if m in bf16_modes]
+    peers = [("bf16", m) for m in ("eager", "checkpointed", "compiled", "compiled-cpp",
+                                   "reduce-overhead", "graphed") if m in bf16_modes]
     if args.torchao:
         try:
             import torchao.float8  # noqa: F401
