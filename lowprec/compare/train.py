@@ -98,8 +98,6 @@ class TrainSettings:
     compile: bool = False
     #: compile in mode "reduce-overhead" (CUDA graphs; the same numbers, no host time)
     cuda_graphs: bool = False
-    #: inductor's C++ wrapper launches the compiled graphs' kernels (less host time)
-    cpp_wrapper: bool = False
     #: learning-rate warm-up in steps (0: none); None: the default rule of warmup_steps()
     warmup: int | None = None
 
@@ -116,17 +114,6 @@ class TrainSettings:
         warm = max(self.WARMUP_MIN_STEPS, int(self.steps * self.warmup_frac))
         # A short run still needs its decay half: that is where the last iterates settle.
         return max(1, min(warm, self.steps // 2))
-
-
-def compile_args(settings: TrainSettings) -> dict:
-    """``torch.compile``'s keyword arguments for the training forward: mode
-    "reduce-overhead" for ``cuda_graphs``; with ``cpp_wrapper``, that mode's inductor
-    options and the C++ wrapper (``torch.compile`` takes a mode or options, not both)."""
-    mode = "reduce-overhead" if settings.cuda_graphs else None
-    if not settings.cpp_wrapper:
-        return {"mode": mode}
-    from torch._inductor import list_mode_options
-    return {"options": {**list_mode_options(mode or "default"), "cpp_wrapper": True}}
 
 
 def lr_at(step: int, settings: TrainSettings) -> float:
@@ -220,7 +207,8 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
         # compiles of one code object against one recompile limit (8): past it, a later
         # recipe would train eagerly. Each recipe starts from an empty cache instead.
         torch._dynamo.reset()
-    forward = torch.compile(model, **compile_args(settings)) if settings.compile else model
+    forward = (torch.compile(model, mode="reduce-overhead" if settings.cuda_graphs else None)
+               if settings.compile else model)
     base_wall = base_cpu = 0.0  # time spent in the saved part of a resumed run
     try:
         first = 1

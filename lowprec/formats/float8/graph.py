@@ -62,9 +62,6 @@ class _Scaled:
         self.shared_scale, self._decode = scale, None
 
 
-#: dY's graph quantize takes the decode scale its kernel stores (else it is traced)
-_KERNEL_DECODE = True
-
 #: the bound quantizes a form keeps, one a (kind, usages, shape, dtype), at most
 _MAX_PREPARED = 64
 
@@ -262,8 +259,10 @@ class Tensorwise(GraphOperand):
         r, c, scales = fp8_current_quantize_graph(t.contiguous(),
                                                   self.fp8_dtype == torch.float8_e5m2,
                                                   self.pow2, self.eps, row, col)
+        # the decode scale is traced from the scale (the kernel's own copy of it, a view of
+        # the scale buffer, is refused by inductor's lowering of _scaled_mm)
         scale = scales[0:1]
-        decode = scales[DECODE_AT] if _KERNEL_DECODE else decode_scale(scale).reshape(())
+        decode = decode_scale(scale).reshape(())
         return (Fp8(r.view(self.fp8_dtype), scale, decode) if row else None,
                 Fp8(c.view(self.fp8_dtype), scale, decode) if col else None)
 
