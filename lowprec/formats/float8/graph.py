@@ -38,7 +38,6 @@ from .launch import (
     delayed_codes,
     fp8_cast_with_scale,
     fp8_current_quantize,
-    fp8_current_quantize_graph,
     kept_amax_words,
 )
 from .reference import current_scale, tensor_amax
@@ -250,22 +249,6 @@ class Tensorwise(GraphOperand):
         _, c = fp8_cast_with_scale(t, scale, self.fp8_dtype == torch.float8_e5m2, False, True)
         return Fp8(c.view(self.fp8_dtype), scale, decode)
 
-    def _graph_quantize(self, t: torch.Tensor, row: bool, col: bool):
-        """(rowwise Fp8 or None, columnwise Fp8 or None) of the 2-D ``t`` in a compiled graph
-        through eager's kernels: ``t`` materialized, then one amax pass and one pass that
-        writes both layouts. For dY, whose producer (a RoPE or SwiGLU backward, the loss's
-        softmax) inductor would otherwise fuse into an amax reduction and two casts that
-        each recompute it from strided reads, this is the cheaper form."""
-        r, c, scales = fp8_current_quantize_graph(t.contiguous(),
-                                                  self.fp8_dtype == torch.float8_e5m2,
-                                                  self.pow2, self.eps, row, col)
-        # the decode scale is traced from the scale (the kernel's own copy of it, a view of
-        # the scale buffer, is refused by inductor's lowering of _scaled_mm)
-        scale = scales[0:1]
-        decode = decode_scale(scale).reshape(())
-        return (Fp8(r.view(self.fp8_dtype), scale, decode) if row else None,
-                Fp8(c.view(self.fp8_dtype), scale, decode) if col else None)
-
     # ---- the form ------------------------------------------------------------------------
     def rowwise(self, t):
         if self._in_eager():
@@ -304,8 +287,6 @@ class Tensorwise(GraphOperand):
             return None, None
         if self._in_eager():
             return self._quantize(t, row, col)
-        if self.kernel and type(self) is Tensorwise:
-            return self._graph_quantize(t, row, col)
         rep = self._fp8(t)
         return (rep if row else None,
                 Fp8(rep.data.t().contiguous(), rep.scale, rep.decode) if col else None)

@@ -159,41 +159,10 @@ def _(x, e5m2, pow2, eps, rowwise, columnwise, pro, pro_args, amax_bits, amax_wo
     return row, col, x.new_empty((SCALE_BUFFER,), dtype=torch.float32)
 
 
-@torch.library.triton_op("lowprec::fp8_current_quantize_graph", mutates_args=())
-def fp8_current_quantize_graph(x: torch.Tensor, e5m2: bool, pow2: bool, eps: float,
-                               rowwise: bool, columnwise: bool
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`fp8_current_quantize` of a compiled graph: (rowwise codes, columnwise codes,
-    scale buffer) of the 2-D ``x`` from the same amax and cast kernels, which inductor
-    launches itself (``torch.library.wrap_triton``) as it launches its own, without a
-    call into Python a quantize. The amax counts into a fresh zero word."""
-    from torch.library import wrap_triton
-    fp8_dtype = fp8_dtype_of(e5m2)
-    m, k = x.shape
-    row, col = _outputs(x, rowwise, columnwise)
-    scales = _scale_buffer(x)
-    amax_bits = x.new_zeros((1,), dtype=torch.int32)
-    kernel, grid, args, kwargs = _amax_call(x, amax_bits)
-    wrap_triton(kernel)[grid](*args, **kwargs)
-    # The functional form of a user kernel copies each argument it may write apart and
-    # hands back one copy per argument name: one tensor passed for the three scale pointers
-    # would come back as the copy of a pointer the kernel never writes. The two that a
-    # current-scaling cast does not use (the given scale, the delayed amax) get a spare.
-    spare = x.new_empty((1,), dtype=torch.float32)
-    p = prologue_args(x, [])
-    for r, c in launches(rowwise, columnwise, "pertensor"):
-        kernel, grid, args, kwargs = _cast_call(x, row, col, amax_bits, spare, scales, m, k, p,
-                                                eps, 0, r, c, fp8_dtype, current=True,
-                                                pow2=pow2, record=False, spare=spare)
-        wrap_triton(kernel)[grid](*args, **kwargs)
-    return row, col, scales
-
-
 def _cast_call(x, row, col, amax_bits, scale_in, scale_out, m, k, p, eps, pro, r, c,
-               fp8_dtype, *, current, pow2, record, amax_out=None, reset=False, spare=None):
+               fp8_dtype, *, current, pow2, record, amax_out=None, reset=False):
     """(kernel, grid, args, kwargs) of one ``cast_kernel`` launch (see ``_launch_cast``); the
-    seven tensors that change per call lead the arguments. ``spare``: the tensor passed for
-    ``amax_out`` when the launch does not finish (default ``scale_out``)."""
+    seven tensors that change per call lead the arguments."""
     from .triton_kernels import cast_kernel
     cfg = _cast_cfg(r, c)
     bm, bn, warps, iters, stages, k_fast = tile_config(cfg)
@@ -201,8 +170,7 @@ def _cast_call(x, row, col, amax_bits, scale_in, scale_out, m, k, p, eps, pro, r
     grid, k_fast = tile_grid(m, k, bm, bn, iters, k_fast)
     finish = amax_out is not None
     return (cast_kernel, grid,
-            (x, row, col, amax_bits, scale_in, scale_out,
-             amax_out if finish else scale_out if spare is None else spare,
+            (x, row, col, amax_bits, scale_in, scale_out, amax_out if finish else scale_out,
              m, k, x.stride(0), x.stride(1), *p, eps),
             dict(PRO=pro, CURRENT=current, POW2=pow2, FP8_MAX=FP8_PARAMS[fp8_dtype][3],
                  ROWWISE=r, COLWISE=c, BM=bm, BN=bn, RECORD=record, FINISH=finish,

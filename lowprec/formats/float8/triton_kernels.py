@@ -128,9 +128,7 @@ def cast_kernel(x_ptr, row_ptr, col_ptr, amax_ptr, scale_in_ptr, scale_out_ptr, 
     if BOTTOM_UP:
         pid_m = groups_m - 1 - pid_m
     if CURRENT:
-        # eps in fp32, as a launch from Python passes it (inductor passes a float as fp64,
-        # and its analysis of which arguments a kernel writes passes a Python float)
-        scale = current_scale(tl.load(amax_ptr), tl.cast(eps, tl.float32), FP8_MAX, POW2)
+        scale = current_scale(tl.load(amax_ptr), eps, FP8_MAX, POW2)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(scale_out_ptr, scale)
             tl.store(scale_out_ptr + DECODE_AT, decode_scale(scale))
