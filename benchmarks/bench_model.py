@@ -12,7 +12,8 @@ parameter in the last columns). Every Linear but ``lm_head`` (all of them with
   compiled.
 
 Modes: ``eager``, ``compiled`` (``torch.compile(model)``), ``compiled-cpp`` (compiled with
-inductor's C++ wrapper, ``options={"cpp_wrapper": True}``: less host time a kernel),
+inductor's C++ wrapper, its config ``cpp_wrapper`` held through every step as ``lowprec
+compare --cpp-wrapper`` holds it: less host time a kernel),
 ``reduce-overhead`` (``torch.compile(model, mode="reduce-overhead")``: inductor's CUDA
 graphs) and ``graphed``
 (the whole eager step captured in one CUDA graph and replayed: no host time at all, so the
@@ -115,8 +116,8 @@ def make_peer(peer: str, model: str, device: str, mode: str, head: bool = False)
         m = torch.compile(m)
     elif mode == "reduce-overhead":
         m = torch.compile(m, mode="reduce-overhead")
-    elif mode == "compiled-cpp":  # inductor's C++ wrapper launches the kernels
-        m = torch.compile(m, options={"cpp_wrapper": True})
+    elif mode == "compiled-cpp":  # the C++ wrapper: see run_peer
+        m = torch.compile(m)
     return m, ctx
 
 
@@ -179,6 +180,16 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
     (its mask code), so that time is exposed in full: a step takes about max(forward
     host, forward GPU) + the backward's GPU time. ``losses``: a list that receives every
     step's loss in order (fp32), read once the run is over (no sync a step)."""
+    # The C++ wrapper is inductor's config for the whole run: the backward graph compiles
+    # at the first backward(), after a torch.compile option's scope has closed
+    with (torch._inductor.config.patch(cpp_wrapper=True) if mode == "compiled-cpp"
+          else contextlib.nullcontext()):
+        return _run_peer(peer, model, device, mode, steps, warmup, top_kernels, optim, losses,
+                         compile_times, head, top_host)
+
+
+def _run_peer(peer, model, device, mode, steps, warmup, top_kernels, optim, losses,
+              compile_times, head, top_host):
     torch._dynamo.utils.counters.clear()
     mode, _, every = mode.partition("-rec")  # "eager-rec100": lowprec.debug.Recorder on
     m, ctx = make_peer(peer, model, device, mode, head)

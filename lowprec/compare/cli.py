@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --compile on CUDA: compile in mode='reduce-overhead', so CUDA "
                         "graphs replay each step's kernels and the step time is the GPU's, "
                         "not the host's (the same numbers; more memory)")
+    p.add_argument("--cpp-wrapper", action="store_true",
+                   help="with --compile: inductor's C++ wrapper launches each compiled graph's "
+                        "kernels instead of its Python one (less host time a kernel, which "
+                        "host-bound steps feel: quantized recipes launch 2-3x bf16's kernels; "
+                        "longer compiles; needs a C++ compiler)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: preset's)")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
@@ -268,9 +273,11 @@ def run(args, stdout=None, stderr=None) -> int:
     if args.cuda_graphs and not (compiled and device.type == "cuda"):
         raise UsageError(f"--cuda-graphs needs a compiled run on CUDA; got device "
                          f"{device.type} with compile {'on' if compiled else 'off'}")
+    if args.cpp_wrapper and not compiled:
+        raise UsageError("--cpp-wrapper needs a compiled run (--compile); got compile off")
     settings = TrainSettings(steps=steps, seed=args.seed, device=device, lr=cfg.lr,
                              compile=compiled, warmup=args.warmup,
-                             cuda_graphs=args.cuda_graphs)
+                             cuda_graphs=args.cuda_graphs, cpp_wrapper=args.cpp_wrapper)
     model_desc = (cfg.describe() if source.kind == "preset" else
                   f"{source.describe()}, seq={cfg.seq_len}, batch={cfg.batch_size}")
     if args.grad_accum > 1:
@@ -341,7 +348,7 @@ def run(args, stdout=None, stderr=None) -> int:
         corpus=corpus.describe(), steps=steps, seed=args.seed,
         backward_mode=check_backward_mode(args.backward_mode) or "default",
         emulated=device.type != "cuda" or not native, backends=native, compiled=compiled,
-        cuda_graphs=args.cuda_graphs)
+        cuda_graphs=args.cuda_graphs, cpp_wrapper=args.cpp_wrapper)
     # Each file is written under a temporary name and then moved into place: an interrupt
     # or a failure while writing leaves the previous file, never a half-written one.
     with atomic_path(os.path.join(out_dir, "results.csv")) as tmp:

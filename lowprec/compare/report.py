@@ -39,6 +39,8 @@ class RunInfo:
     compiled: bool = False
     #: compiled with CUDA graphs (mode "reduce-overhead")
     cuda_graphs: bool = False
+    #: compiled with inductor's C++ wrapper
+    cpp_wrapper: bool = False
     #: peak learning rate and warm-up steps the runs used (None: not known), for the
     #: suggested fix when a run is unstable
     lr: float | None = None
@@ -488,7 +490,10 @@ def notes(info: RunInfo, results: list[RunResult]) -> list[str]:
     else:
         out.append(f"Native GEMM backends available: {', '.join(info.backends)}; formats without "
                    f"one run through the exact emulation.")
-    graphs = " with CUDA graphs (mode 'reduce-overhead')" if info.cuda_graphs else ""
+    graphs = " and ".join(name for name, on in (
+        ("CUDA graphs (mode 'reduce-overhead')", info.cuda_graphs),
+        ("inductor's C++ wrapper", info.cpp_wrapper)) if on)
+    graphs = f" with {graphs}" if graphs else ""
     out.append(f"Every recipe's model, bf16 included, ran under torch.compile{graphs} (the "
                "first step, which compiles, and the last, which measures SQNR eagerly, are "
                "left out of the step time)." if info.compiled else

@@ -11,6 +11,7 @@ without lowprec autocast; every other recipe runs its forward under
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import traceback
@@ -98,6 +99,8 @@ class TrainSettings:
     compile: bool = False
     #: compile in mode "reduce-overhead" (CUDA graphs; the same numbers, no host time)
     cuda_graphs: bool = False
+    #: inductor's C++ wrapper launches the compiled graphs' kernels (less host time a kernel)
+    cpp_wrapper: bool = False
     #: learning-rate warm-up in steps (0: none); None: the default rule of warmup_steps()
     warmup: int | None = None
 
@@ -114,6 +117,19 @@ class TrainSettings:
         warm = max(self.WARMUP_MIN_STEPS, int(self.steps * self.warmup_frac))
         # A short run still needs its decay half: that is where the last iterates settle.
         return max(1, min(warm, self.steps // 2))
+
+
+def inductor_config(settings: TrainSettings):
+    """The inductor settings a compiled run's steps run under (a context manager).
+
+    The C++ wrapper is held as inductor's config around each step, not passed as a
+    ``torch.compile`` option: the backward graph compiles at the first ``backward()``, after
+    the options' scope has closed, and a backward compiled without the option's companion
+    settings fails to build its C++ wrapper on some torch releases (pytorch#178845)."""
+    if not settings.cpp_wrapper:
+        return contextlib.nullcontext()
+    from torch._inductor import config
+    return config.patch(cpp_wrapper=True)
 
 
 def lr_at(step: int, settings: TrainSettings) -> float:
@@ -230,18 +246,19 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
                 probe.arm(spec.recipe, device)
             meter = SavedTensorMeter(model) if last else None
             losses = []
-            for micro in range(grad_accum):
-                x, y = batches.train_batch()
-                with autocast(enabled=enabled, recipe=spec.recipe):
-                    if meter is not None and micro == 0:
-                        with meter:
-                            logits = logits_of(model(x))
-                    else:
-                        logits = logits_of(forward(x))
-                loss = F.cross_entropy(logits.float().view(-1, cfg.vocab),
-                                       y.reshape(-1)) / grad_accum
-                loss.backward()
-                losses.append(loss.detach())
+            with inductor_config(settings):
+                for micro in range(grad_accum):
+                    x, y = batches.train_batch()
+                    with autocast(enabled=enabled, recipe=spec.recipe):
+                        if meter is not None and micro == 0:
+                            with meter:
+                                logits = logits_of(model(x))
+                        else:
+                            logits = logits_of(forward(x))
+                    loss = F.cross_entropy(logits.float().view(-1, cfg.vocab),
+                                           y.reshape(-1)) / grad_accum
+                    loss.backward()
+                    losses.append(loss.detach())
             for p, m in zip(params, master):
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None

@@ -382,6 +382,9 @@ def test_bad_options(tmp_path, capsys):
     code, _, err = run_cli(["--model", "tiny", "--device", "cpu", "--cuda-graphs",
                             "--out", str(tmp_path)], capsys)
     assert code == 2 and "--cuda-graphs" in err and "cpu" in err
+    code, _, err = run_cli(["--model", "tiny", "--device", "cpu", "--no-compile",
+                            "--cpp-wrapper", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "--cpp-wrapper" in err and "compile off" in err
 
 
 def test_nan_loss_stops_that_run_and_the_others_continue(tmp_path, capsys):
@@ -504,6 +507,38 @@ def test_compile_gives_every_recipe_its_own_compile(tmp_path, capsys, monkeypatc
     assert code == 0, err
     assert len(counters) == 2
     assert [c.frame_count > 0 for c in counters] == [True, True]
+
+
+def test_cpp_wrapper_is_inductor_config_through_forward_and_backward(tmp_path, capsys,
+                                                                    monkeypatch):
+    """--cpp-wrapper: inductor's ``cpp_wrapper`` is on when the forward graph compiles and
+    when the backward graph compiles (lazily, at the first backward(), where a
+    torch.compile option would no longer be in force), and off again after the run."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor import config
+    seen = []
+    real = torch.compile
+
+    def recording(which):
+        def compiler(gm, example_inputs):
+            seen.append((which, config.cpp_wrapper))
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def compile_recording(model, mode=None, **kw):  # AOT autograd's two graphs, run eagerly
+        return real(model, backend=aot_autograd(fw_compiler=recording("forward"),
+                                                bw_compiler=recording("backward")))
+
+    monkeypatch.setattr(torch, "compile", compile_recording)
+    code, _, err = run_cli(["--model", "tiny", "--steps", "2", "--recipes", "fp8_current",
+                            "--no-noise-floor", "--compile", "--cpp-wrapper",
+                            "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert {w for w, _ in seen} == {"forward", "backward"}
+    assert all(on for _, on in seen), seen
+    assert not config.cpp_wrapper
+    assert "C++ wrapper" in (tmp_path / "report.md").read_text()
 
 
 def test_compile_runs_every_recipe_compiled_and_says_so(tmp_path, capsys):
