@@ -51,6 +51,7 @@ from harness import append_rows, gpu_kernel_ms, host_ops, median_step_ms  # noqa
 
 import lowprec  # noqa: E402
 from lowprec import recipe as R  # noqa: E402
+from lowprec.compare.train import inductor_config  # noqa: E402
 from lowprec.recipe import factories as F
 
 #: hidden, ffn, layers, heads, kv heads, seq, batch
@@ -180,10 +181,8 @@ def run_peer(peer: str, model: str, device: str, mode: str, steps: int, warmup: 
     (its mask code), so that time is exposed in full: a step takes about max(forward
     host, forward GPU) + the backward's GPU time. ``losses``: a list that receives every
     step's loss in order (fp32), read once the run is over (no sync a step)."""
-    # The C++ wrapper is inductor's config for the whole run: the backward graph compiles
-    # at the first backward(), after a torch.compile option's scope has closed
-    with (torch._inductor.config.patch(cpp_wrapper=True) if mode == "compiled-cpp"
-          else contextlib.nullcontext()):
+    # the C++ wrapper held for the whole run, as compare holds it (inductor_config says why)
+    with inductor_config(mode == "compiled-cpp"):
         return _run_peer(peer, model, device, mode, steps, warmup, top_kernels, optim, losses,
                          compile_times, head, top_host)
 

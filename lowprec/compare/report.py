@@ -490,11 +490,11 @@ def notes(info: RunInfo, results: list[RunResult]) -> list[str]:
     else:
         out.append(f"Native GEMM backends available: {', '.join(info.backends)}; formats without "
                    f"one run through the exact emulation.")
-    graphs = " and ".join(name for name, on in (
+    options = " and ".join(name for name, on in (
         ("CUDA graphs (mode 'reduce-overhead')", info.cuda_graphs),
         ("inductor's C++ wrapper", info.cpp_wrapper)) if on)
-    graphs = f" with {graphs}" if graphs else ""
-    out.append(f"Every recipe's model, bf16 included, ran under torch.compile{graphs} (the "
+    options = f" with {options}" if options else ""
+    out.append(f"Every recipe's model, bf16 included, ran under torch.compile{options} (the "
                "first step, which compiles, and the last, which measures SQNR eagerly, are "
                "left out of the step time)." if info.compiled else
                "Every recipe's model, bf16 included, ran eagerly (--no-compile).")

@@ -119,14 +119,15 @@ class TrainSettings:
         return max(1, min(warm, self.steps // 2))
 
 
-def inductor_config(settings: TrainSettings):
-    """The inductor settings a compiled run's steps run under (a context manager).
+def inductor_config(cpp_wrapper: bool):
+    """The inductor settings a compiled run's steps run under (a context manager), also
+    ``benchmarks/bench_model.py``'s.
 
     The C++ wrapper is held as inductor's config around each step, not passed as a
     ``torch.compile`` option: the backward graph compiles at the first ``backward()``, after
     the options' scope has closed, and a backward compiled without the option's companion
     settings fails to build its C++ wrapper on some torch releases (pytorch#178845)."""
-    if not settings.cpp_wrapper:
+    if not cpp_wrapper:
         return contextlib.nullcontext()
     from torch._inductor import config
     return config.patch(cpp_wrapper=True)
@@ -246,7 +247,7 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
                 probe.arm(spec.recipe, device)
             meter = SavedTensorMeter(model) if last else None
             losses = []
-            with inductor_config(settings):
+            with inductor_config(settings.cpp_wrapper):
                 for micro in range(grad_accum):
                     x, y = batches.train_batch()
                     with autocast(enabled=enabled, recipe=spec.recipe):
