@@ -231,6 +231,10 @@ class GraphOperand:
         (the order eager quantizes, and draws random keys, in)."""
         return (self.rowwise(t) if row else None), (self.columnwise(t) if col else None)
 
+    def half(self, usage: str) -> "GraphOperand":
+        """The form that makes direction ``usage`` (itself, but for a hybrid)."""
+        return self
+
     def dequantized(self, rep, dtype: torch.dtype, usage: str = "rowwise") -> torch.Tensor:
         """The values of a form of this operand in ``dtype`` (fp32: what eager's fp32
         emulation multiplies), as ``QuantizedTensor.dequantize`` gives them."""
@@ -296,7 +300,10 @@ class HybridOperand(GraphOperand):
         return self.row.eager and self.col.launches_eagerly
 
     def kind(self, usage: str) -> Kind:
-        return (self.row if usage == "rowwise" else self.col).kind(usage)
+        return self.half(usage).kind(usage)
+
+    def half(self, usage: str) -> GraphOperand:
+        return self.row if usage == "rowwise" else self.col
 
     def rowwise(self, t):
         return self.row.rowwise(t)
@@ -311,7 +318,7 @@ class HybridOperand(GraphOperand):
         return self.col.saved_columnwise(saved, grad)
 
     def dequantized(self, rep, dtype, usage="rowwise"):
-        return (self.row if usage == "rowwise" else self.col).dequantized(rep, dtype, usage)
+        return self.half(usage).dequantized(rep, dtype, usage)
 
     def grad(self, t, row, col):
         # each half quantizes (and draws) on its own, rowwise first, as eager's hybrid does

@@ -31,6 +31,7 @@ import torch
 from ..formats import check_usage
 from ..formats.block import Float8BlockwiseTensor
 from ..formats.float8 import Float8Tensor
+from .device import block_scaled_mm_cpu, routes_cuda
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -45,7 +46,7 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def _on_cuda(ad: torch.Tensor, bd: torch.Tensor) -> bool:
-    return ad.is_cuda and bd.is_cuda and scaled_mm_available()
+    return routes_cuda(ad, bd) and scaled_mm_available()
 
 
 def _takes_data(a, ad, b, bd, out_dtype) -> bool:
@@ -92,8 +93,12 @@ def tensorwise_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
     return _common_accepts(Float8Tensor, a, a_usage, b, b_usage, out_dtype)
 
 
-def _scaled_mm(ad, bd, scale_a, scale_b, bias, out_dtype, out):
+def scaled_mm(ad, bd, scale_a, scale_b, bias, out_dtype, out):
     """``torch._scaled_mm(ad, bd.T)``, into ``out`` when given (exact fp32 accumulation)."""
+    if not ad.is_cuda and scale_a.numel() > 1:  # block scales, CPU (``device.cuda_routes``)
+        res = block_scaled_mm_cpu(ad, bd.t(), scale_a, scale_b, torch.float32)
+        res = res if bias is None else res + bias.to(torch.float32)
+        return res.to(out_dtype) if out is None else out.copy_(res)
     extra = {} if out is None else {"out": out}
     return torch._scaled_mm(ad, bd.t(), scale_a=scale_a, scale_b=scale_b, bias=bias,
                             out_dtype=out_dtype, use_fast_accum=False, **extra)
@@ -103,7 +108,7 @@ def tensorwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     ad, bd = getattr(a, f"{a_usage}_data"), getattr(b, f"{b_usage}_data")
     scale_a, scale_b = a.decode_scale(), b.decode_scale()
     fused = fusable_bias(bias, out_dtype)
-    res = _scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)
+    res = scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)
     return _finish(res, bias, fused, out)
 
 
@@ -116,7 +121,7 @@ def tensorwise_direct(a, a_usage, b, b_usage, out_dtype):
     bd = b.rowwise_data if b_usage == "rowwise" else b.columnwise_data
     if not _takes_data(a, ad, b, bd, out_dtype):
         return None
-    return _scaled_mm(ad, bd, a.decode_scale(), b.decode_scale(), None, out_dtype, None)
+    return scaled_mm(ad, bd, a.decode_scale(), b.decode_scale(), None, out_dtype, None)
 
 
 # ---- block-scaled -------------------------------------------------------------------------
@@ -166,7 +171,7 @@ def blockwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     fused = fusable_bias(bias, out_dtype)
     key = _block_key(a, b, out_dtype, bias)
     try:
-        res = _scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)
+        res = scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)
     except (RuntimeError, ValueError, NotImplementedError):
         if torch.cuda.is_current_stream_capturing():
             # Under CUDA graph capture a cuBLAS failure may already have invalidated the

@@ -54,6 +54,7 @@ from ..formats.mxfp8 import MXFP8Tensor
 from ..formats.nvfp4 import NVFP4Tensor
 from ..kernels import use_kernels
 from . import cublaslt, kernels
+from .device import routes_cuda
 from .emulated_fp32 import plain_matrix
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -68,7 +69,7 @@ def _operand_domain(t, usage: str) -> str | None:
 
 
 def exact_bf16_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
-    if not (a.is_cuda and b.is_cuda) or out_dtype not in _OUT_DTYPES:
+    if not routes_cuda(a, b) or out_dtype not in _OUT_DTYPES:
         return False
     da = _operand_domain(a, a_usage)
     if da is None:
@@ -103,6 +104,8 @@ def as_exact(t, usage: str):
 
 def _mm_fp32_out(am: torch.Tensor, bm: torch.Tensor) -> torch.Tensor:
     """bf16 x bf16 -> fp32 on the tensor cores (fp32 accumulation, fp32 result)."""
+    if not am.is_cuda:  # the CPU has no mm(..., out_dtype) (``device.cuda_routes``)
+        return am.to(torch.float32) @ bm.to(torch.float32).t()
     try:
         return torch.mm(am, bm.t(), out_dtype=torch.float32)
     except (TypeError, RuntimeError):

@@ -55,8 +55,8 @@ def row_align(quantizers) -> int:
     return math.lcm(16, q_x.row_multiple(**both), q_dy.row_multiple(**both))
 
 
-def _values(rep, form) -> torch.Tensor:
-    values, divisor = bf16_operand(rep, form)
+def _values(rep, form, usage: str) -> torch.Tensor:
+    values, divisor = bf16_operand(rep, form.half(usage))
     if divisor is not None:  # exact_quantizers admits formats without one
         raise RuntimeError(f"{type(form).__name__} values need a divisor; the grouped exact "
                            f"path takes formats whose values are exact as they are")
@@ -69,21 +69,21 @@ class ExactGemms:
 
     @staticmethod
     def forward(x, w, offs, shape, forms):
-        return grouped_mm.plain_rows_by_experts(_values(x, forms[0]),
-                                                _values(w, forms[1]).view(shape), offs)
+        return grouped_mm.plain_rows_by_experts(_values(x, forms[0], "rowwise"),
+                                                _values(w, forms[1], "rowwise").view(shape), offs)
 
     @staticmethod
     def dgrad(dy, w, offs, shape, forms):
         num, n, k = shape
         # the weights' columnwise values are (K, G * N): expert g's are columns g*N...
-        w_t = _values(w, forms[1]).view(k, num, n).permute(1, 0, 2)
-        return grouped_mm.plain_rows_by_experts(_values(dy, forms[2]), w_t, offs)
+        w_t = _values(w, forms[1], "columnwise").view(k, num, n).permute(1, 0, 2)
+        return grouped_mm.plain_rows_by_experts(_values(dy, forms[2], "rowwise"), w_t, offs)
 
     @staticmethod
     def wgrad(dy, x, offs, w_dtype, forms):
         # (N, padded) and (K, padded): per group, the rows of its padded range
-        return grouped_mm.plain_wgrad(_values(dy, forms[2]).t(), _values(x, forms[0]).t(),
-                                      offs)
+        return grouped_mm.plain_wgrad(_values(dy, forms[2], "columnwise").t(),
+                                      _values(x, forms[0], "columnwise").t(), offs)
 
 
 class GroupedExact(torch.autograd.Function):

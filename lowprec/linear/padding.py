@@ -58,11 +58,14 @@ class Padding:
 NONE = Padding()
 
 
-def padding_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor) -> Padding:
+def padding_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
+                weight_grad: bool | None = None) -> Padding:
     """The padding of a call with quantizers ``q`` (a ``LinearQuantizers`` or None); rows
-    only where the call computes dW (gradients on, a weight that needs one)."""
+    for the wgrad operands only where the call computes dW (gradients on, a weight that
+    needs one: ``weight_grad``, default ``weight.requires_grad``)."""
     pad_k, pad_n = feature_padding(q, x, weight)
-    rows = row_padding(q, x, backward_mode, torch.is_grad_enabled() and weight.requires_grad)
+    need_dw = weight.requires_grad if weight_grad is None else weight_grad
+    rows = row_padding(q, x, backward_mode, torch.is_grad_enabled() and need_dw)
     return Padding(pad_k, pad_n, rows) if pad_k or pad_n or rows else NONE
 
 

@@ -84,20 +84,22 @@ def feature_multiples(q) -> tuple[int, int]:
 
 
 def row_padding(q, x: torch.Tensor, backward_mode: str, need_dw: bool) -> int:
-    """Zero rows to append to the 2-D input (and to dY in backward) so that the wgrad
-    operands, quantized columnwise, fill whole blocks along M (the token count).
+    """Zero rows to append to the 2-D input (and to dY in backward) so that the operands
+    whose blocks run along M (the token count) fill whole blocks: the wgrad operands,
+    quantized columnwise, and an input in 2-D blocks (fprop's rows too).
 
     Zero rows change no block's amax or scale, give zero products in every GEMM and are cut
-    from the output and dX: the result is the one of an input padded by hand. Only the
-    columnwise (wgrad) side runs its blocks along M, so without wgrad nothing is padded.
+    from the output and dX: the result is the one of an input padded by hand. Without
+    wgrad only 2-D input blocks run along M.
     """
-    if (q is None or backward_mode != BackwardMode.DEFAULT or not need_dw
-            or isinstance(x, QuantizedTensor) or x.shape[-1] == 0):
+    if q is None or isinstance(x, QuantizedTensor) or x.shape[-1] == 0:
         return 0
-    multiple = 1
-    for quantizer in (q.input, q.grad_output):
-        if quantizer is not None:
-            multiple = math.lcm(multiple, quantizer.row_multiple(rowwise=True, columnwise=True))
+    multiple = 1 if q.input is None else q.input.row_multiple(rowwise=True, columnwise=False)
+    if backward_mode == BackwardMode.DEFAULT and need_dw:
+        for quantizer in (q.input, q.grad_output):
+            if quantizer is not None:
+                multiple = math.lcm(multiple,
+                                    quantizer.row_multiple(rowwise=True, columnwise=True))
     m = x.numel() // x.shape[-1]
     return -m % multiple
 

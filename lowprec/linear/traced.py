@@ -52,7 +52,7 @@ from ..formats import (
     decode_scale,
     scale_in_use,
 )
-from ..gemm import block_scales_fit, exact_product, fusable_bias
+from ..gemm import block_scales_fit, exact_product, fusable_bias, routes_cuda, scaled_mm
 from ..kernels import traced_op
 from ..memory import register_thread_setting
 from ..recipe import (
@@ -137,9 +137,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_decode: Optional[torch.Te
     fused = fusable_bias(bias, out_dtype)
     decode_a = a_decode if a_decode is not None else decode_scale(a_scale).reshape(())
     decode_b = b_decode if b_decode is not None else decode_scale(b_scale).reshape(())
-    res = torch._scaled_mm(a, b.t(), scale_a=decode_a, scale_b=decode_b,
-                           bias=bias if fused else None, out_dtype=out_dtype,
-                           use_fast_accum=False)
+    res = scaled_mm(a, b, decode_a, decode_b, bias if fused else None, out_dtype, None)
     return _with_bias(res, bias, fused, out_dtype)
 
 
@@ -163,9 +161,8 @@ def _cublas_fp8_block(a: Blocks, b: Blocks, out_dtype, bias, ops=None):
     scale_a = da.t() if a.dim == 1 else da
     scale_b = db if b.dim == 1 else db.t()
     fused = fusable_bias(bias, out_dtype)
-    res = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b,
-                           bias=bias if fused else None, out_dtype=out_dtype,
-                           use_fast_accum=False)
+    res = scaled_mm(a.data, b.data, scale_a, scale_b, bias if fused else None, out_dtype,
+                    None)
     return _with_bias(res, bias, fused, out_dtype)
 
 
@@ -182,8 +179,8 @@ def bf16_operand(rep, form):
 
 
 def _exact_bf16(a, b, out_dtype, bias, ops):
-    am, div_a = bf16_operand(a, ops[0][0])
-    bm, div_b = bf16_operand(b, ops[1][0])
+    am, div_a = bf16_operand(a, ops[0][0].half(ops[0][1]))
+    bm, div_b = bf16_operand(b, ops[1][0].half(ops[1][1]))
     if bias is not None and div_a is None and div_b is None and out_dtype == torch.bfloat16:
         return steps.bias_mm(bias, am, bm)  # exact_product's bias epilogue
     return exact_product(am, div_a, bm, div_b, out_dtype, bias, in_graph=True)
@@ -227,6 +224,8 @@ class TracedPlan:
     split: tuple[int, int] | None = None
     #: delayed scaling: the operands read the state's scales and record amaxes into it
     delayed: bool = False
+    #: the zeros that make the call's operands whole blocks (:func:`decide`)
+    padding: Padding = NO_PADDING
 
 
 def _operand(quantizer, t: torch.Tensor, grad: bool = False):
@@ -249,14 +248,15 @@ def _given_weight(quantizer, weight: QuantizedTensor):
 def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None = None, *, amp: bool = False,
              input_grad: bool | None = None, weight_grad: bool | None = None,
-             padded: bool = False) -> TracedPlan | str:
+             padded: Padding | bool = False) -> TracedPlan | str:
     """The traced plan of ``x @ weight.T (+ bias)`` with quantizers ``q`` (a
     ``LinearQuantizers``) under ``backward_mode``, or the reason the call stays one
     opaque op. ``amp``: under torch.autocast a quantized weight's nominal dtype need not
     be the input's, as in eager mode. ``input_grad``, ``weight_grad``: whether the input
     and the weight need a gradient (default: their ``requires_grad``; for stand-ins of
     operands made later); ``padded``: the caller has padded the operands to whole blocks
-    (``padding.padding_for``), so the padding checks are skipped."""
+    (``padding.padding_for``, that ``Padding``, which the plan carries, or True), so the
+    padding checks are skipped."""
     if q is None:
         return "no quantizers"
     if q.output is not None or q.grad_input is not None:
@@ -292,7 +292,7 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
         if isinstance(form, str):
             return form
     delayed = xo.reads_state
-    cuda = x.device.type == "cuda"
+    cuda = routes_cuda(x)
     wdt = weight.dtype if not (amp and quantized_w) else x.dtype
     routes = [route(xo.kind("rowwise"), wo.kind("rowwise"), m, n, k, x.dtype, bias is not None,
                     cuda)]
@@ -311,7 +311,8 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
         split = grad_split.split_sizes(m, n, k, x.dtype.itemsize, weight.dtype.itemsize)
         if split is not None and not dyo.sliceable:
             return "eager slices dY where its quantize cannot be sliced in a graph"
-    return TracedPlan(xo, wo, dyo, backward_mode, tuple(routes), split, delayed)
+    return TracedPlan(xo, wo, dyo, backward_mode, tuple(routes), split, delayed,
+                      padded if isinstance(padded, Padding) else NO_PADDING)
 
 
 # ---- the Function ----------------------------------------------------------------------------
@@ -528,14 +529,14 @@ def planned(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
     from stand-ins of their shapes (dead ops in the graph)."""
     amp = torch_autocast_dtype(x)
     if amp is None:
-        return plan_for(q, backward_mode, x, weight, bias, input_grad=input_grad)
+        return decide(q, backward_mode, x, weight, bias, input_grad=input_grad)[0]
     like = x.new_empty(x.shape, dtype=amp)
     w_like = (weight if isinstance(weight, QuantizedTensor)
               else weight.new_empty(weight.shape, dtype=amp))
     b_like = None if bias is None else bias.new_empty(bias.shape, dtype=amp)
-    return plan_for(q, backward_mode, like, w_like, b_like, amp=True,
-                    input_grad=x.requires_grad if input_grad is None else input_grad,
-                    weight_grad=weight.requires_grad)
+    return decide(q, backward_mode, like, w_like, b_like, True,
+                  input_grad=x.requires_grad if input_grad is None else input_grad,
+                  weight_grad=weight.requires_grad)[0]
 
 
 def refusal(plan: TracedPlan | str, delayed) -> str | None:
@@ -550,14 +551,18 @@ def refusal(plan: TracedPlan | str, delayed) -> str | None:
 
 
 def decide(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None, amp: bool = False) -> tuple[TracedPlan | str, Padding]:
+           bias: torch.Tensor | None, amp: bool = False, *, input_grad: bool | None = None,
+           weight_grad: bool | None = None) -> tuple[TracedPlan | str, Padding]:
     """(:func:`plan_for`'s plan or reason, padding) of :func:`traced_linear`'s operands
     ``x``, ``weight``, ``bias`` (after torch.autocast's casts, ``amp``): the plan of the
-    operands padded to whole blocks."""
-    pad = padding_for(q, backward_mode, x, weight)
+    operands padded to whole blocks, which carries that padding. ``input_grad``,
+    ``weight_grad``: as :func:`plan_for`'s."""
+    pad = padding_for(q, backward_mode, x, weight, weight_grad)
     if pad:
         x, weight, bias = pad.operands(x, weight, bias)
-    return plan_for(q, backward_mode, x, weight, bias, amp=amp, padded=True), pad
+    plan = plan_for(q, backward_mode, x, weight, bias, amp=amp, padded=pad,
+                    input_grad=input_grad, weight_grad=weight_grad)
+    return plan, pad
 
 
 def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
@@ -588,7 +593,7 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
             cast = weight.to(amp)
             held, weight = held and cast is weight, cast
         bias = bias.to(amp) if bias is not None else None
-    pad = padding
+    pad = padding if padding or plan is None or isinstance(plan, str) else plan.padding
     if plan is None:
         plan, pad = decide(quantizers, backward_mode, x, weight, bias, amp is not None)
     refused = refusal(plan, delayed)

@@ -247,7 +247,7 @@ class DelayedScalingState:
         and never reach the history."""
         amax = self.amax_current if record else self.amax_scratch
         scale = self.scale if scale is None else scale
-        return [Float8Quantizer(scale[i:i + 1], amax[i:i + 1], dt)
+        return [_state_owned(Float8Quantizer(scale[i:i + 1], amax[i:i + 1], dt))
                 for i, dt in enumerate(fp8_dtypes)]
 
     def adopt(self, other: "DelayedScalingState") -> None:
@@ -333,7 +333,12 @@ def delayed_stand_ins(fp8_dtypes: Sequence[torch.dtype]) -> list[Quantizer]:
     """Delayed-scaling quantizers of these FP8 dtypes over scratch scales and amaxes of
     their own: what a compiled call decides its plan from (a delayed form reads the
     dtype; the module's scales and amaxes come with the call)."""
-    return [Float8Quantizer(torch.ones(1), torch.zeros(1), d) for d in fp8_dtypes]
+    return [_state_owned(Float8Quantizer(torch.ones(1), torch.zeros(1), d)) for d in fp8_dtypes]
+
+
+def _state_owned(q: Float8Quantizer) -> Float8Quantizer:
+    q.state_owned = True
+    return q
 
 
 class RecipeState:

@@ -90,6 +90,9 @@ class Float8Quantizer(_PerTensorFloat8):
                     f"{t if not isinstance(t, torch.Tensor) else (t.dtype, tuple(t.shape))}")
         self.scale = scale
         self.amax = amax
+        #: the scale and amax are a delayed-scaling state's slots (``RecipeState``), which a
+        #: compiled call takes as inputs; False for tensors a ``CustomRecipe`` factory holds
+        self.state_owned = False
 
     def _quantize_2d(self, x2d):
         if use_kernels(x2d):
@@ -127,6 +130,9 @@ class Float8Quantizer(_PerTensorFloat8):
     def graph_operand(self, t, *, grad=False):
         if not self._quantizes_as(Float8Quantizer):
             return super().graph_operand(t, grad=grad)
+        if not self.state_owned:
+            return ("a Float8Quantizer over scale and amax tensors of its own (not a "
+                    "DelayedScaling state's): its quantize reads and records them eagerly")
         return graph.Delayed(self.fp8_dtype, kernel=use_kernels(t),
                              materialized=isinstance(t, torch.nn.Parameter))
 
