@@ -119,7 +119,9 @@ class Kind(NamedTuple):
     """What a direction of an operand becomes, known before tracing (the traced GEMM
     table checks each pair with it): ``name`` one of ``"fp8"``, ``"blocks"``, ``"exact"``,
     ``"plain"``; the fp8 dtype, the block dim, whether values carry a transform or a
-    divisor (``"exact"``), or the values' dtype (``"plain"``)."""
+    divisor (``"exact"``), or the values' dtype (``"plain"``); ``bf16``: whether
+    ``"exact"`` values are exact in bf16 as the form makes them (not the reference's fp32
+    NVFP4 values, whose global scale is applied)."""
 
     name: str
     fp8_dtype: Optional[torch.dtype] = None
@@ -128,6 +130,7 @@ class Kind(NamedTuple):
     divisor: bool = False
     dtype: Optional[torch.dtype] = None
     pow2: bool = True
+    bf16: bool = True
 
 
 @graph_op("dequantized_values")

@@ -71,6 +71,11 @@ def _operand_domain(t, usage: str) -> str | None:
 def exact_bf16_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
     if not routes_cuda(a, b) or out_dtype not in _OUT_DTYPES:
         return False
+    if not a.is_cuda and (isinstance(a, NVFP4Tensor) or isinstance(b, NVFP4Tensor)):
+        # CUDA's routes on the CPU: NVFP4's traced form there is the reference's fp32
+        # values (no kernel writes bf16 values beside a divisor), which the fp32 emulation
+        # multiplies; this backend then declines the tensors too, as the traced table does
+        return False
     da = _operand_domain(a, a_usage)
     if da is None:
         return False

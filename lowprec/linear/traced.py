@@ -80,7 +80,7 @@ def _bf16_domain(kind: Kind) -> str | None:
     if kind.name == "fp8":
         return "original"
     if kind.name == "exact":
-        return "rht" if kind.rht else "original"
+        return None if not kind.bf16 else "rht" if kind.rht else "original"
     if kind.name == "plain":
         return "original" if kind.dtype == torch.bfloat16 else None
     if kind.name == "blocks":  # data / scale is exact in bf16 for power-of-two scales
@@ -89,10 +89,11 @@ def _bf16_domain(kind: Kind) -> str | None:
 
 
 def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype, bias: bool,
-          cuda: bool) -> str:
+          cuda: bool, simulated: bool = False) -> str:
     """The backend eager's dispatcher picks for ``mat(a) (m, k) @ mat(b) (n, k).T`` with
     operands of these kinds, as one of :data:`ROUTES`, or a string starting with ``"no "``
-    saying why the traced table does not run it."""
+    saying why the traced table does not run it. ``simulated``: CUDA's routes taken on
+    the CPU (``gemm.cuda_routes``), where the fp32 emulation's arithmetic is eager's."""
     if a.name == "plain" and b.name == "plain" and a.dtype == b.dtype == out_dtype:
         return "plain"  # a bias through cuBLAS's epilogue, as eager (``steps.bias_mm``)
     if not cuda:
@@ -113,7 +114,8 @@ def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype, bias
     da, db = _bf16_domain(a), _bf16_domain(b)
     if da is not None and da == db:
         return "exact_bf16"
-    if "exact" in (a.name, b.name) or "fp8" in (a.name, b.name) or "blocks" in (a.name, b.name):
+    if not simulated and ("exact" in (a.name, b.name) or "fp8" in (a.name, b.name)
+                          or "blocks" in (a.name, b.name)):
         return "no traced fp32 emulation on CUDA (inductor's fp32 division is not eager's)"
     return "emulated"
 
@@ -224,8 +226,13 @@ class TracedPlan:
     split: tuple[int, int] | None = None
     #: delayed scaling: the operands read the state's scales and record amaxes into it
     delayed: bool = False
-    #: the zeros that make the call's operands whole blocks (:func:`decide`)
-    padding: Padding = NO_PADDING
+    #: the zeros that make the call's operands whole blocks (:func:`decide`), as
+    #: ``Padding``'s (k, n, rows): plain ints, which dynamo builds into a plan it traces
+    pads: tuple = (0, 0, 0)
+
+    @property
+    def padding(self) -> Padding:
+        return Padding(*self.pads) if any(self.pads) else NO_PADDING
 
 
 def _operand(quantizer, t: torch.Tensor, grad: bool = False):
@@ -293,14 +300,15 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
             return form
     delayed = xo.reads_state
     cuda = routes_cuda(x)
+    simulated = cuda and not x.is_cuda
     wdt = weight.dtype if not (amp and quantized_w) else x.dtype
     routes = [route(xo.kind("rowwise"), wo.kind("rowwise"), m, n, k, x.dtype, bias is not None,
-                    cuda)]
+                    cuda, simulated)]
     if default:
         routes += [route(dyo.kind("rowwise"), wo.kind("columnwise"), m, k, n, x.dtype, False,
-                         cuda),
+                         cuda, simulated),
                    route(dyo.kind("columnwise"), xo.kind("columnwise"), n, k, m, wdt, False,
-                         cuda)]
+                         cuda, simulated)]
     elif quantized_w:
         return f"a quantized weight under backward_mode={backward_mode!r}"
     for r in routes:
@@ -311,8 +319,8 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
         split = grad_split.split_sizes(m, n, k, x.dtype.itemsize, weight.dtype.itemsize)
         if split is not None and not dyo.sliceable:
             return "eager slices dY where its quantize cannot be sliced in a graph"
-    return TracedPlan(xo, wo, dyo, backward_mode, tuple(routes), split, delayed,
-                      padded if isinstance(padded, Padding) else NO_PADDING)
+    pads = (padded.k, padded.n, padded.rows) if isinstance(padded, Padding) else (0, 0, 0)
+    return TracedPlan(xo, wo, dyo, backward_mode, tuple(routes), split, delayed, pads)
 
 
 # ---- the Function ----------------------------------------------------------------------------

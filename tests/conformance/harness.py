@@ -189,6 +189,15 @@ def _oracle_failures(case, device, module, x, dy, got) -> list[str]:
     return failures
 
 
+def _crash(stage: str, e: BaseException) -> str:
+    """``stage: Type: message (innermost lowprec frame)``."""
+    import traceback
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/lowprec/" in f.filename]
+    where = f" at {frames[-1].filename.split('/lowprec/')[-1]}:{frames[-1].lineno}" if frames else ""
+    first = (str(e).splitlines() or [""])[0][:300]
+    return f"{stage}: {type(e).__name__}: {first}{where}"
+
+
 def check(case: Case, device: str = "cpu", dtype=None, *, oracle: bool = True,
           cuda_routes: bool = False) -> Outcome:
     """Run ``case`` (see the module docstring) and return its :class:`Outcome`.
@@ -219,10 +228,10 @@ def check(case: Case, device: str = "cpu", dtype=None, *, oracle: bool = True,
         if "input" in str(e) or "weight" in str(e) or "grad_output" in str(e):
             out.refusal = f"{type(e).__name__}: {e}"
             return out
-        out.failures.append(f"eager: {type(e).__name__}: {e}")
+        out.failures.append(_crash("eager", e))
         return out
     except Exception as e:  # noqa: BLE001 - every crash is a finding
-        out.failures.append(f"eager: {type(e).__name__}: {str(e)[:300]}")
+        out.failures.append(_crash("eager", e))
         return out
     torch._dynamo.reset()
     from lowprec.compile import call as opaque_call
@@ -232,7 +241,7 @@ def check(case: Case, device: str = "cpu", dtype=None, *, oracle: bool = True,
     try:
         got = _step(compiled, compiled_m, case, recipe, x, dy, inside)
     except Exception as e:  # noqa: BLE001
-        out.failures.append(f"compiled: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        out.failures.append(_crash("compiled", e))
         return out
     opaque = [t for t in rec.targets if "lowprec.call" in t]
     if opaque:

@@ -63,9 +63,9 @@ class Float8BlockwiseTensor(QuantizedTensor):
         # data / scale is exact in bf16 only for power-of-two scales
         if self.pow2_scales(usage):
             return "original"
-        if torch.cuda.is_current_stream_capturing():
-            return None  # the scales cannot be read back under capture
         scale = getattr(self, f"{usage}_scale")
+        if scale.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # the scales cannot be read back under capture
         mant, _ = torch.frexp(scale.to(torch.float32))  # reads the scales back: synchronizes
         return "original" if bool(((mant == 0.5) | ~torch.isfinite(scale)).all()) else None
 

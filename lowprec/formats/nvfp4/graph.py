@@ -26,7 +26,7 @@ from .reference import BLOCK, dequantize_matrix
 
 #: the kinds of NVFP4 operands by (transform, divisor), made once
 #: (``formats.graph._PLAIN_KINDS`` says why)
-_KINDS = {(rht, div): Kind("exact", rht=rht, divisor=div)
+_KINDS = {(rht, div): Kind("exact", rht=rht, divisor=div, bf16=div)
           for rht in (False, True) for div in (False, True)}
 
 
