@@ -13,8 +13,7 @@ from .dispatch import BACKENDS, Backend, gemm, select_backend, use_backends
 __all__ = ["gemm", "select_backend", "use_backends", "Backend", "BACKENDS"]
 
 # The rest of lowprec enters the package here (internal names, not in __all__).
-from .cublas_fp8 import block_scales_fit, fusable_bias
-from .cublas_fp8 import scaled_mm
+from .cublas_fp8 import block_scales_fit, fusable_bias, scaled_mm
 from .device import cuda_routes, routes_cuda
 from .emulated_fp32 import fp32_product
 from .exact_bf16 import as_exact, exact_product

@@ -24,7 +24,7 @@ import torch
 import lowprec
 from lowprec.recipe import BackwardMode
 
-from .space import KINDS, Case
+from .space import Case
 
 #: The least SQNR (dB) of a module's output and gradients against the unquantized module,
 #: by the weakest kind whose values reach a GEMM (random normal data; docs/formats.md).
@@ -193,7 +193,9 @@ def _crash(stage: str, e: BaseException) -> str:
     """``stage: Type: message (innermost lowprec frame)``."""
     import traceback
     frames = [f for f in traceback.extract_tb(e.__traceback__) if "/lowprec/" in f.filename]
-    where = f" at {frames[-1].filename.split('/lowprec/')[-1]}:{frames[-1].lineno}" if frames else ""
+    where = ""
+    if frames:
+        where = f" at {frames[-1].filename.split('/lowprec/')[-1]}:{frames[-1].lineno}"
     first = (str(e).splitlines() or [""])[0][:300]
     return f"{stage}: {type(e).__name__}: {first}{where}"
 

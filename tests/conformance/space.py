@@ -121,27 +121,38 @@ def _case(row: dict) -> Case:
                 tuple((row[f"{r}_row"], row[f"{r}_col"]) for r in ROLES))
 
 
-def all_pairs(seed: int = 0, candidates: int = 20) -> list[Case]:
-    """Cases covering every pair of values of every two :func:`factors` (greedy: each new
-    case is the best of ``candidates`` random completions of an uncovered pair)."""
+def all_pairs(seed: int = 0, candidates: int = 8) -> list[Case]:
+    """Cases covering every pair of values of every two :func:`factors` (AETG's greedy:
+    each new case starts from an uncovered pair and fixes the other factors one at a time,
+    in a random order, to the value that covers the most uncovered pairs with the factors
+    already fixed; the best of ``candidates`` such cases is kept)."""
     rng = random.Random(seed)
-    names = list(factors())
     values = factors()
+    names = list(values)
     uncovered = {(a, va, b, vb) for a, b in itertools.combinations(names, 2)
                  for va in values[a] for vb in values[b]}
+
+    def covers(row: dict) -> set:
+        fixed = [n for n in names if n in row]
+        return {(x, row[x], y, row[y]) for x, y in itertools.combinations(fixed, 2)} & uncovered
+
     rows = []
     while uncovered:
         a, va, b, vb = min(uncovered)  # deterministic order; the draws below vary
         best, gain = None, -1
         for _ in range(candidates):
-            row = {n: rng.choice(values[n]) for n in names}
-            row[a], row[b] = va, vb
-            got = sum((x, row[x], y, row[y]) in uncovered
-                      for x, y in itertools.combinations(names, 2))
+            row = {a: va, b: vb}
+            rest = [n for n in names if n not in row]
+            rng.shuffle(rest)
+            for n in rest:
+                options = list(values[n])
+                rng.shuffle(options)
+                row[n] = max(options, key=lambda v: len(covers({**row, n: v})))
+            got = len(covers(row))
             if got > gain:
-                best, gain = row, got
+                best, gain = {n: row[n] for n in names}, got
         rows.append(best)
-        uncovered -= {(x, best[x], y, best[y]) for x, y in itertools.combinations(names, 2)}
+        uncovered -= covers(best)
     return [_case(r) for r in rows]
 
 
