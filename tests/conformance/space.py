@@ -89,11 +89,18 @@ class Case:
         return lowprec.HybridQuantizer(rowwise_quantizer=KINDS[row](device),
                                        columnwise_quantizer=KINDS[col](device))
 
-    def expected_fallbacks(self) -> set[str]:
+    def expected_fallbacks(self, device: str = "cpu") -> set[str]:
         """The documented reasons (``docs/formats.md``, Compiled) this case's compiled calls
         stay one opaque op: a ``CustomRecipe``'s own ``Float8Quantizer`` in a role a
-        forward traces, NVFP4 stochastic rounding for an input or weight."""
+        forward traces, NVFP4 stochastic rounding for an input or weight, and on CUDA a
+        GEMM with the Hadamard transform on one operand only (dgrad with a transformed
+        weight, wgrad with one of dY and the input transformed), whose fp32 emulation does
+        not trace there."""
         out = set()
+        (_, x_col), (_, w_col), (_, dy_col) = self.kinds
+        if device == "cuda" and self.backward_mode == BackwardMode.DEFAULT and (
+                w_col == "nvfp4_rht" or (x_col == "nvfp4_rht") != (dy_col == "nvfp4_rht")):
+            out.add(ONE_SIDED_RHT)
         traced = [*self.kinds[0], *self.kinds[1]]
         if self.backward_mode == BackwardMode.DEFAULT:
             traced += self.kinds[2]
@@ -114,6 +121,7 @@ class Case:
 #: The reasons of :meth:`Case.expected_fallbacks`, as the fallback log words them.
 OWN_FLOAT8 = "a Float8Quantizer over scale and amax tensors of its own"
 FORWARD_SR = "NVFP4 stochastic rounding traces for gradients drawing from torch's default"
+ONE_SIDED_RHT = "no traced fp32 emulation on CUDA"
 
 
 def _case(row: dict) -> Case:

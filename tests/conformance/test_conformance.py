@@ -24,11 +24,11 @@ CASES = plain_recipes() + all_pairs(seed=0)
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
-def _assert_conforms(case, got):
+def _assert_conforms(case, got, device="cpu"):
     """No failure, but the opaque fallback where the case predicts it
     (``Case.expected_fallbacks``: a call logs the first reason it meets), with every other
     check (eager's crash-free run, compiled bits, oracle) passed."""
-    expected = case.expected_fallbacks()
+    expected = case.expected_fallbacks(device)
     if not expected:
         assert not got.failures, "\n".join(got.failures)
         return
@@ -41,7 +41,7 @@ def _assert_conforms(case, got):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_case_conforms(case, device):
-    _assert_conforms(case, check(case, device))
+    _assert_conforms(case, check(case, device), device)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
