@@ -16,6 +16,8 @@ import threading
 
 import torch
 
+from ..kernels import ThreadFlagOn
+
 _LOCAL = threading.local()
 
 
@@ -25,18 +27,12 @@ def routes_cuda(*tensors: torch.Tensor) -> bool:
     return getattr(_LOCAL, "cuda", False) or all(t.is_cuda for t in tensors)
 
 
-class cuda_routes:
+class cuda_routes(ThreadFlagOn):
     """Context manager: within the block, GEMMs of CPU tensors on this thread take the
     CUDA routes (see the module docstring). The CPU autograd engine runs a CPU backward
     on the thread that called ``backward``, so a backward inside the block takes them too."""
 
-    def __enter__(self):
-        self._saved = getattr(_LOCAL, "cuda", False)
-        _LOCAL.cuda = True
-        return self
-
-    def __exit__(self, *exc):
-        _LOCAL.cuda = self._saved
+    _local, _flag = _LOCAL, "cuda"
 
 
 def block_scaled_mm_cpu(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,

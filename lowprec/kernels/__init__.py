@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -88,6 +89,25 @@ class FlagOff:
 
     def __exit__(self, *exc):
         setattr(sys.modules[self._module], self._flag, self._saved)
+        return False
+
+
+class ThreadFlagOn:
+    """Base of context managers that turn a thread-local boolean on and restore it;
+    subclasses name the ``threading.local`` (``_local``) and its attribute (``_flag``),
+    which reads False where unset. For settings that steer what a call computes: state of
+    the thread that sets it, never of the module."""
+
+    _local: threading.local
+    _flag: str
+
+    def __enter__(self):
+        self._saved = getattr(self._local, self._flag, False)
+        setattr(self._local, self._flag, True)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self._local, self._flag, self._saved)
         return False
 
 

@@ -33,7 +33,6 @@ from ..recipe import (
 from . import grad_split, traced
 from . import traced_steps as steps
 from .function import LinearQuantizers
-from .padding import Padding
 
 
 class _Decisions:
@@ -134,13 +133,12 @@ def _weight_stand_in(w_key: tuple, device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Decision:
-    """A call's quantizers, backward mode, plan (or the reason it has none), padding, and
-    its attribute of ``DECISIONS``."""
+    """A call's quantizers, backward mode, plan (or the reason it has none; a plan carries
+    its padding), and its attribute of ``DECISIONS``."""
 
     q: LinearQuantizers
     mode: str
     plan: object
-    pad: Padding
     name: str
     w_param: bool
 
@@ -160,8 +158,7 @@ class Decision:
 
     def run(self, x, weight, bias, delayed=None, gemm: int = 0, updates: bool = True):
         return traced.traced_linear(self.q, self.mode, x, weight, bias, delayed, self.plan,
-                                    gemm=gemm, updates=updates, padding=self.pad,
-                                    weight_param=self.w_param)
+                                    gemm=gemm, updates=updates, weight_param=self.w_param)
 
 
 @dataclass(frozen=True)
@@ -249,8 +246,8 @@ def _decide(name, head, x_shape, x_dtype, x_grad, device_type, device_index, w_k
             x = x.to(amp)
             w = w if isinstance(w, QuantizedTensor) else w.to(amp)
             b = b.to(amp) if b is not None else None
-        plan, pad = traced.decide(q, mode, x, w, b, amp is not None)
-    return Decision(q, mode, plan, pad, name, w_param)
+        plan = traced.decide(q, mode, x, w, b, amp is not None)
+    return Decision(q, mode, plan, name, w_param)
 
 
 def _quantizers(head) -> tuple[LinearQuantizers, str]:

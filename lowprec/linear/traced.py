@@ -53,7 +53,7 @@ from ..formats import (
     scale_in_use,
 )
 from ..gemm import block_scales_fit, exact_product, fusable_bias, routes_cuda, scaled_mm
-from ..kernels import traced_op
+from ..kernels import ThreadFlagOn, traced_op
 from ..memory import register_thread_setting
 from ..recipe import (
     BackwardMode,
@@ -537,14 +537,14 @@ def planned(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
     from stand-ins of their shapes (dead ops in the graph)."""
     amp = torch_autocast_dtype(x)
     if amp is None:
-        return decide(q, backward_mode, x, weight, bias, input_grad=input_grad)[0]
+        return decide(q, backward_mode, x, weight, bias, input_grad=input_grad)
     like = x.new_empty(x.shape, dtype=amp)
     w_like = (weight if isinstance(weight, QuantizedTensor)
               else weight.new_empty(weight.shape, dtype=amp))
     b_like = None if bias is None else bias.new_empty(bias.shape, dtype=amp)
     return decide(q, backward_mode, like, w_like, b_like, True,
                   input_grad=x.requires_grad if input_grad is None else input_grad,
-                  weight_grad=weight.requires_grad)[0]
+                  weight_grad=weight.requires_grad)
 
 
 def refusal(plan: TracedPlan | str, delayed) -> str | None:
@@ -560,23 +560,21 @@ def refusal(plan: TracedPlan | str, delayed) -> str | None:
 
 def decide(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None, amp: bool = False, *, input_grad: bool | None = None,
-           weight_grad: bool | None = None) -> tuple[TracedPlan | str, Padding]:
-    """(:func:`plan_for`'s plan or reason, padding) of :func:`traced_linear`'s operands
-    ``x``, ``weight``, ``bias`` (after torch.autocast's casts, ``amp``): the plan of the
-    operands padded to whole blocks, which carries that padding. ``input_grad``,
-    ``weight_grad``: as :func:`plan_for`'s."""
+           weight_grad: bool | None = None) -> TracedPlan | str:
+    """:func:`plan_for`'s plan or reason for :func:`traced_linear`'s operands ``x``,
+    ``weight``, ``bias`` (after torch.autocast's casts, ``amp``): the plan of the operands
+    padded to whole blocks, which carries that padding (``TracedPlan.padding``).
+    ``input_grad``, ``weight_grad``: as :func:`plan_for`'s."""
     pad = padding_for(q, backward_mode, x, weight, weight_grad)
     if pad:
         x, weight, bias = pad.operands(x, weight, bias)
-    plan = plan_for(q, backward_mode, x, weight, bias, amp=amp, padded=pad,
+    return plan_for(q, backward_mode, x, weight, bias, amp=amp, padded=pad,
                     input_grad=input_grad, weight_grad=weight_grad)
-    return plan, pad
 
 
 def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None, delayed=None, plan: TracedPlan | None = None, *,
-                  gemm: int = 0, updates: bool = True, padding: Padding = NO_PADDING,
-                  weight_param: bool | None = None):
+                  gemm: int = 0, updates: bool = True, weight_param: bool | None = None):
     """``x @ weight.T + bias`` quantized by ``quantizers`` in ops the compiler traces, or the
     reason (a string) where :func:`plan_for` has no plan (the caller keeps the opaque op).
     ``delayed``: the (forward, backward) delayed-scaling states, the module's handle
@@ -585,8 +583,8 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
     the backward state's update all-reduces its amaxes over (or None); ``gemm``:
     which of the module's GEMMs this is (its slots in the states); ``updates``: whether its
     backward, the module's last to run, updates the backward state (eager's end-of-backward
-    callback). ``plan``: :func:`plan_for`'s plan, where the caller has asked for it already
-    (for an input of the same shape and dtype), with its ``padding`` (:func:`decide`).
+    callback). ``plan``: :func:`decide`'s plan, where the caller has asked for it already
+    (for an input of the same shape and dtype), padding included.
     ``weight_param``: whether ``weight`` is a parameter (default: its type), for a caller
     whose weight is a stand-in that has lost the type (AOT autograd's functional tensors).
 
@@ -601,12 +599,12 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
             cast = weight.to(amp)
             held, weight = held and cast is weight, cast
         bias = bias.to(amp) if bias is not None else None
-    pad = padding if padding or plan is None or isinstance(plan, str) else plan.padding
     if plan is None:
-        plan, pad = decide(quantizers, backward_mode, x, weight, bias, amp is not None)
+        plan = decide(quantizers, backward_mode, x, weight, bias, amp is not None)
     refused = refusal(plan, delayed)
     if refused is not None:
         return refused
+    pad = plan.padding
     x_shape = x.shape
     if pad:  # zeros to whole blocks, the same ops as an eager call's
         x, padded, bias = pad.operands(x, weight, bias)
@@ -638,24 +636,18 @@ register_thread_setting(lambda: getattr(_EAGER, "off", False),
                         lambda value: setattr(_EAGER, "off", value))
 
 
-class eager_plans_off:
+class eager_plans_off(ThreadFlagOn):
     """Context manager: within the block, eager calls on this thread run the eager
     Function (``lowprec.linear.function``) even where a plan's forms run eagerly (A/B
     comparisons of the two, and tests)."""
 
-    def __enter__(self):
-        self._saved = getattr(_EAGER, "off", False)
-        _EAGER.off = True
-        return self
-
-    def __exit__(self, *exc):
-        _EAGER.off = self._saved
+    _local, _flag = _EAGER, "off"
 
 
 @dataclass(frozen=True)
 class EagerPlan:
     """What an eager call of one kind runs: the plan of its operands padded to whole
-    blocks (``padding``, none where they are whole already)."""
+    blocks, and that ``padding`` (the plan's, made once for the call's hot path)."""
 
     plan: TracedPlan
     padding: Padding
@@ -681,11 +673,11 @@ def eager_plan(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
 
 
 def _eager_decision(q, backward_mode: str, x, weight, bias):
-    got, pad = decide(q, backward_mode, x, weight, bias)
+    got = decide(q, backward_mode, x, weight, bias)
     if (isinstance(got, str) or not (got.x.eager and got.w.eager)
             or (got.dy is not None and not got.dy.launches_eagerly)):
         return _NoPlan()
-    return EagerPlan(got, pad)
+    return EagerPlan(got, got.padding)
 
 
 class _NoPlan:

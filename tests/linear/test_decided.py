@@ -209,7 +209,7 @@ def test_decided_call_holds_a_parameter_weight(case, name, monkeypatch):
     _run(torch.compile(m, backend="aot_eager", fullgraph=True), m, x, dy, RECIPES[name](),
          amp=amp)
     assert calls and held
-    expected = amp is None and not calls[0].pad
+    expected = amp is None and not calls[0].plan.padding
     assert set(held) == {expected}
     # per-tensor FP8 pads nothing, 128x128 blocks pad these weights
     assert expected == (name == "current" and case != "amp")
