@@ -106,8 +106,6 @@ class Case:
             traced += self.kinds[2]
         if "delayed" in traced:
             out.add(OWN_FLOAT8)
-        if "nvfp4_sr" in (*self.kinds[0], *self.kinds[1]):
-            out.add(FORWARD_SR)
         return out
 
     def kinds_used(self) -> set[str]:
@@ -120,7 +118,6 @@ class Case:
 
 #: The reasons of :meth:`Case.expected_fallbacks`, as the fallback log words them.
 OWN_FLOAT8 = "a Float8Quantizer over scale and amax tensors of its own"
-FORWARD_SR = "NVFP4 stochastic rounding traces for gradients drawing from torch's default"
 ONE_SIDED_RHT = "no traced fp32 emulation on CUDA"
 
 

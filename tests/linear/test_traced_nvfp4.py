@@ -82,6 +82,41 @@ def test_nvfp4_traced_bit_identical(device, bias, recipe_name, backend):
         assert draws == (0 if recipe.disable_stochastic_rounding else 2)
 
 
+def _forward_sr_recipe(device, hybrid_weight: bool):
+    """Stochastic rounding on the input and weight too; ``hybrid_weight``: the weight's
+    columnwise half only (an MXFP8/NVFP4 hybrid), which the traced form makes in the
+    backward from the weight but must key in the forward, where eager draws it."""
+    def sr():
+        return lowprec.NVFP4Quantizer(stochastic_rounding=True)
+
+    def factory(role):
+        if role is None or role.tensor_type not in ("input", "weight", "grad_output"):
+            return lowprec.IdentityQuantizer()
+        if role.tensor_type == "weight" and hybrid_weight:
+            return lowprec.HybridQuantizer(rowwise_quantizer=lowprec.MXFP8Quantizer(),
+                                           columnwise_quantizer=sr())
+        return sr()
+    return lowprec.recipe.CustomRecipe(factory)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hybrid_weight", [False, True])
+def test_forward_stochastic_rounding_traces_bit_identical(device, hybrid_weight):
+    """Input and weight stochastically rounded: the compiled step draws every key where
+    eager does (both directions in the forward, layer by layer), so its bits are eager's."""
+    recipe = _forward_sr_recipe(device, hybrid_weight)
+    torch.manual_seed(0)
+    m = _stack(device, True)
+    x, dy = _inputs(device)
+    want = _run(m, m, x, dy, recipe, seed=5)
+    ops = GraphOps()
+    got = _run(torch.compile(m, backend=ops, fullgraph=True), m, x, dy, recipe, seed=5)
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert torch.equal(w, g), i
+    assert not any("lowprec.call" in t for t in ops.targets)
+    assert any("nvfp4_draw_keys" in t for t in ops.targets)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_stochastic_rounding_follows_the_seed(device):
     """The compiled step's draws come from torch's generator: another seed gives other

@@ -30,6 +30,11 @@ _KINDS = {(rht, div): Kind("exact", rht=rht, divisor=div, bf16=div)
           for rht in (False, True) for div in (False, True)}
 
 
+def _is_key(t) -> bool:
+    """Whether a kept tensor is a stochastic-rounding key (int64), not a divisor (fp32)."""
+    return t is not None and t.dtype == torch.int64
+
+
 @dataclass(frozen=True)
 class FP4Blocks(GraphOperand):
     """``NVFP4Quantizer``'s settings: ``rht`` on its columnwise direction, 16x16 blocks
@@ -69,6 +74,12 @@ class FP4Blocks(GraphOperand):
 
     def _values(self, t, row: bool, col: bool):
         key_row, key_col = self._keys(t, row, col)
+        return self._keyed_values(t, row, col, key_row, key_col)
+
+    def _column_values(self, t, key_col):
+        return self._keyed_values(t, False, True, None, key_col)[1]
+
+    def _keyed_values(self, t, row: bool, col: bool, key_row, key_col):
         if self.kernel:
             (rv, rd), (cv, cd) = fp4.kernel_values(t, row, col, rht=self.rht, two_d=self.two_d,
                                                    key_row=key_row, key_col=key_col)
@@ -101,14 +112,24 @@ class FP4Blocks(GraphOperand):
         row, col = self._values(t, True, True)
         return row, (col.values, col.divisor)
 
-    # save_columnwise keeps ``t`` itself (the default): where the columnwise values take a
-    # pass of their own (a hybrid's columnwise half, a weight), the backward makes them.
-    # They are as large as a bf16 ``t``, which the backward may hold anyway, and the
-    # forward, whose host time a step exposes, launches one quantize less.
+    # save_columnwise keeps ``t`` itself: where the columnwise values take a pass of their
+    # own (a hybrid's columnwise half, a weight), the backward makes them. They are as
+    # large as a bf16 ``t``, which the backward may hold anyway, and the forward, whose
+    # host time a step exposes, launches one quantize less. Stochastic rounding draws the
+    # key now all the same: eager quantizes both directions in the forward, and a key
+    # drawn in the backward would come from another point of the generator's sequence
+    # (the backward runs the layers in reverse).
+
+    def save_columnwise(self, t):
+        if not self.sr:
+            return (t,)
+        return (t, self._keys(t, False, True)[1])
 
     def saved_columnwise(self, saved, grad=None):
         if len(saved) == 1:
             return self.columnwise(saved[0])
+        if len(saved) == 2 and _is_key(saved[1]):  # (t, its columnwise key)
+            return self._column_values(saved[0], saved[1])
         if len(saved) == 3:  # the codes an eager forward kept: their values first
             data, scale, glob = saved
             saved = (nvfp4_dequantize_unscaled_bf16(data, scale, self.two_d), glob)

@@ -281,10 +281,10 @@ class NVFP4Quantizer(Quantizer):
     def graph_operand(self, t, *, grad=False):
         if not self._quantizes_as(NVFP4Quantizer):
             return super().graph_operand(t, grad=grad)
-        if self.stochastic_rounding and (self.generator is not None or not grad):
-            # a graph draws from the default generator, where eager draws dY's keys
-            return ("NVFP4 stochastic rounding traces for gradients drawing from torch's "
-                    "default generator only")
+        if self.stochastic_rounding and self.generator is not None:
+            # a graph op draws from the default generator (``compiled.draw_keys``)
+            return ("NVFP4 stochastic rounding traces drawing from torch's default "
+                    "generator only")
         kernel = use_kernels(t)
         if t.device.type == "cuda" and not kernel:
             return "NVFP4 on CUDA traces with its Triton kernels only"
