@@ -25,6 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..kernels import graph_op
+from .rht import rht_inverse_
 
 
 # ---- bf16 rounding a fusing compiler cannot elide -------------------------------------------
@@ -147,6 +148,23 @@ def _dequantized_values_fake(data, divisor, dtype):
     return data.new_empty(data.shape, dtype=dtype)
 
 
+@graph_op("rht_restored_values")
+def rht_restored_values(data: torch.Tensor, divisor: Optional[torch.Tensor],
+                        dtype: torch.dtype) -> torch.Tensor:
+    """The original-domain values of Hadamard-transformed ``data / divisor`` (its rows run
+    along the transform's tiles): the fp32 dequantize and inverse transform eager's fp32
+    emulation multiplies (``NVFP4Tensor._dequantize_2d``), rounded once to ``dtype``. One
+    op the compiler keeps whole: inductor's GPU code would approximate the division."""
+    values = data.to(torch.float32)
+    values = values / divisor if divisor is not None else values.clone()
+    return rht_inverse_(values).to(dtype)
+
+
+@torch.library.register_fake("lowprec::rht_restored_values")
+def _rht_restored_values_fake(data, divisor, dtype):
+    return data.new_empty(data.shape, dtype=dtype)
+
+
 @graph_op("transposed_in_backward")
 def transposed_in_backward(t: torch.Tensor, grad: torch.Tensor, rows: int) -> torch.Tensor:
     """A contiguous copy of the transpose of the contiguous ``t`` read as ``rows`` rows,
@@ -244,6 +262,8 @@ class GraphOperand:
         if isinstance(rep, Plain):
             return rep.values.to(dtype)
         if isinstance(rep, Exact):
+            if rep.rht:  # one-sided: the emulation multiplies the original domain
+                return rht_restored_values(rep.values, rep.divisor, dtype)
             if rep.divisor is None:
                 return rep.values.to(dtype)
             return dequantized_values(rep.values, rep.divisor, dtype)

@@ -89,16 +89,15 @@ def _bf16_domain(kind: Kind) -> str | None:
 
 
 def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype, bias: bool,
-          cuda: bool, simulated: bool = False) -> str:
+          cuda: bool) -> str:
     """The backend eager's dispatcher picks for ``mat(a) (m, k) @ mat(b) (n, k).T`` with
     operands of these kinds, as one of :data:`ROUTES`, or a string starting with ``"no "``
-    saying why the traced table does not run it. ``simulated``: CUDA's routes taken on
-    the CPU (``gemm.cuda_routes``), where the fp32 emulation's arithmetic is eager's."""
+    saying why the traced table does not run it. The fp32 emulation takes every pair it
+    reaches: its operands' values come from ops that compute eager's dequantize
+    (``GraphOperand.dequantized``), so its bits do not depend on inductor."""
     if a.name == "plain" and b.name == "plain" and a.dtype == b.dtype == out_dtype:
         return "plain"  # a bias through cuBLAS's epilogue, as eager (``steps.bias_mm``)
     if not cuda:
-        if "exact" in (a.name, b.name) and (a.rht or b.rht or a.divisor or b.divisor):
-            return "no traced emulation of transformed or globally scaled values"
         return "emulated"
     if out_dtype not in _OUT_DTYPES or m == 0 or n == 0 or k == 0:
         return "no traced GEMM for this output"
@@ -114,9 +113,6 @@ def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype, bias
     da, db = _bf16_domain(a), _bf16_domain(b)
     if da is not None and da == db:
         return "exact_bf16"
-    if not simulated and ("exact" in (a.name, b.name) or "fp8" in (a.name, b.name)
-                          or "blocks" in (a.name, b.name)):
-        return "no traced fp32 emulation on CUDA (inductor's fp32 division is not eager's)"
     return "emulated"
 
 
@@ -300,15 +296,14 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
             return form
     delayed = xo.reads_state
     cuda = routes_cuda(x)
-    simulated = cuda and not x.is_cuda
     wdt = weight.dtype if not (amp and quantized_w) else x.dtype
     routes = [route(xo.kind("rowwise"), wo.kind("rowwise"), m, n, k, x.dtype, bias is not None,
-                    cuda, simulated)]
+                    cuda)]
     if default:
         routes += [route(dyo.kind("rowwise"), wo.kind("columnwise"), m, k, n, x.dtype, False,
-                         cuda, simulated),
+                         cuda),
                    route(dyo.kind("columnwise"), xo.kind("columnwise"), n, k, m, wdt, False,
-                         cuda, simulated)]
+                         cuda)]
     elif quantized_w:
         return f"a quantized weight under backward_mode={backward_mode!r}"
     for r in routes:

@@ -90,17 +90,10 @@ class Case:
                                        columnwise_quantizer=KINDS[col](device))
 
     def expected_fallbacks(self, device: str = "cpu") -> set[str]:
-        """The documented reasons (``docs/formats.md``, Compiled) this case's compiled calls
-        stay one opaque op: a ``CustomRecipe``'s own ``Float8Quantizer`` in a role a
-        forward traces, NVFP4 stochastic rounding for an input or weight, and on CUDA a
-        GEMM with the Hadamard transform on one operand only (dgrad with a transformed
-        weight, wgrad with one of dY and the input transformed), whose fp32 emulation does
-        not trace there."""
+        """The documented reasons (``docs/recipes.md``, the conformance suite) this case's
+        compiled calls stay one opaque op: a ``CustomRecipe``'s own ``Float8Quantizer`` in
+        a role a forward traces. ``device``: the same on every device."""
         out = set()
-        (_, x_col), (_, w_col), (_, dy_col) = self.kinds
-        if device == "cuda" and self.backward_mode == BackwardMode.DEFAULT and (
-                w_col == "nvfp4_rht" or (x_col == "nvfp4_rht") != (dy_col == "nvfp4_rht")):
-            out.add(ONE_SIDED_RHT)
         traced = [*self.kinds[0], *self.kinds[1]]
         if self.backward_mode == BackwardMode.DEFAULT:
             traced += self.kinds[2]
@@ -118,7 +111,6 @@ class Case:
 
 #: The reasons of :meth:`Case.expected_fallbacks`, as the fallback log words them.
 OWN_FLOAT8 = "a Float8Quantizer over scale and amax tensors of its own"
-ONE_SIDED_RHT = "no traced fp32 emulation on CUDA"
 
 
 def _case(row: dict) -> Case:
