@@ -296,7 +296,7 @@ def test_optimizer_trains_and_requantizes(rname):
     loss0.backward()
     refs = {}
     for key, w in weights.items():
-        ref = w.dequantize(torch.float32).clone().requires_grad_(True)
+        ref = w.detach().dequantize(torch.float32).clone().requires_grad_(True)
         ref.grad = w.grad.detach().to(torch.float32).clone()
         refs[key] = ref
     ref_opt = torch.optim.AdamW(list(refs.values()), lr=lr)
@@ -642,14 +642,16 @@ def _quantized_pair(rname, kind):
 
 
 def _expect_requantized(module, ref_module, hp_values):
-    """Each quantized weight of ``module`` equals ``ref_module``'s weight quantizer applied to
-    the same values directly (every usage the parameter holds)."""
+    """Each quantized weight of ``module`` equals ``ref_module``'s weight quantizer for the same
+    values (under delayed scaling, seeded from them before training) applied to them directly
+    (every usage the parameter holds)."""
     for i, pname in enumerate(weight_names(module)):
         p = getattr(module, pname)
         assert isinstance(p, QuantizedTensor) and isinstance(p, nn.Parameter), pname
-        q = ref_module.weight_quantizer(i, p.device)
+        values = hp_values[pname].to(p.dtype)
+        q = ref_module.weight_quantizer(i, p.device, values=values, copied=True)
         with q.usages(rowwise=p.has_usage("rowwise"), columnwise=p.has_usage("columnwise")):
-            expected = q.quantize(hp_values[pname].to(p.dtype))
+            expected = q.quantize(values)
         assert_bits_equal(p, expected, pname)
     s1, s2 = module.scaling_state(), ref_module.scaling_state()
     assert s1.keys() == s2.keys()

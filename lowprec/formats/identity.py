@@ -22,11 +22,11 @@ class IdentityTensor(QuantizedTensor):
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         return getattr(self, f"{usage}_data").to(torch.float32)
 
-    def dequantize(self, dtype=None, usage=None):
+    def _dequantize(self, dtype=None, usage=None):
         # Skip the fp32 round trip: the held values are the values.
         usage = self._held_usage(usage)
         if not self.has_usage(usage):
-            return super().dequantize(dtype, usage)  # raises with the standard message
+            return super()._dequantize(dtype, usage)  # raises with the standard message
         data = getattr(self, f"{usage}_data")
         data = data.t() if usage == "columnwise" else data
         return data.reshape(self.shape).to(dtype or self.dtype)

@@ -296,7 +296,19 @@ class QuantizedTensor(torch.Tensor):
         fp32 and rounded once to ``dtype``. ``usage`` None: the rowwise representation
         where it is held, else the columnwise one (a tensor quantized for wgrad alone); a
         direction asked for by name that is not held raises.
+
+        Differentiable, as Transformer Engine's dequantize is: where autograd records (grad
+        mode on and ``self`` requires grad, e.g. the output of a differentiable
+        ``Quantizer.quantize``) the gradient reaches ``self`` unchanged, in its nominal
+        dtype.
         """
+        if self.requires_grad and torch.is_grad_enabled():
+            return DequantizeFunction.apply(self, dtype, usage)
+        return self._dequantize(dtype, usage)
+
+    def _dequantize(self, dtype: torch.dtype | None = None,
+                    usage: str | None = None) -> torch.Tensor:
+        """:meth:`dequantize` outside autograd (formats override this one)."""
         usage = self._held_usage(usage)
         if not self.has_usage(usage):
             held = [u for u in USAGES if self.has_usage(u)]
@@ -422,13 +434,13 @@ class DequantizeFunction(torch.autograd.Function):
     """``qt.dequantize(dtype)`` with a straight-through gradient to the quantized tensor."""
 
     @staticmethod
-    def forward(ctx, qt, dtype):
+    def forward(ctx, qt, dtype, usage=None):
         ctx.dtype = qt.dtype
-        return qt.dequantize(dtype)
+        return qt._dequantize(dtype, usage)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.to(ctx.dtype), None
+        return grad.to(ctx.dtype), None, None
 
 
 class _Conversions(threading.local):
@@ -531,7 +543,7 @@ def _copy(func, args, kwargs):
                 f"dequantized values; to offload saved activations use "
                 f"lowprec.cpu_offload(pin_memory=True), which moves quantized tensors as "
                 f"their codes and scales")
-        return dst.copy_(src.dequantize(dst.dtype))
+        return dst.copy_(src._dequantize(dst.dtype))
     if not isinstance(src, QuantizedTensor):
         return _requantize_into(dst, src)
     if type(src) is not type(dst) or src.metadata() != dst.metadata() or src.shape != dst.shape:
@@ -619,7 +631,7 @@ def _to_copy(func, args, kwargs):
         # (an op outside the table dequantizes)
         _like_args(qt, {k: v for k, v in kwargs.items() if k != "dtype"}, "to",
                    {"device", "non_blocking", "layout", "memory_format", "pin_memory"})
-        return qt.dequantize().to(device=device or qt.device, dtype=wanted,
+        return qt._dequantize().to(device=device or qt.device, dtype=wanted,
                                   non_blocking=non_blocking)
     dtype = _like_args(qt, kwargs, "to", {"dtype", "device", "non_blocking", "layout",
                                           "memory_format", "pin_memory"})
@@ -738,7 +750,7 @@ def _outside_table(cls, func, args, kwargs):
     plain = {}
 
     def dequantized(t: QuantizedTensor) -> torch.Tensor:
-        out = plain[id(t)] = t.dequantize()
+        out = plain[id(t)] = t._dequantize()
         return out
 
     p_args, p_kwargs = pytree.tree_map_only(QuantizedTensor, dequantized, (args, kwargs))

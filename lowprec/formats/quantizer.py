@@ -213,7 +213,20 @@ class Quantizer:
 
     # ---- quantize -------------------------------------------------------------------------
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        """Quantize ``x`` into the directions whose usage is on."""
+        """Quantize ``x`` into the directions whose usage is on.
+
+        Differentiable, as Transformer Engine's quantize is: where autograd records (grad
+        mode on and ``x`` requires grad) the result has a ``grad_fn`` whose gradient reaches
+        ``x`` unchanged (straight through). Elsewhere (``no_grad``, the linear modules'
+        own autograd Functions) no graph is built."""
+        if not isinstance(x, torch.Tensor):
+            self._check_input(x)  # raises, naming what it got
+        if x.requires_grad and torch.is_grad_enabled():
+            return _QuantizeFunction.apply(x, self)
+        return self._quantize_impl(x)
+
+    def _quantize_impl(self, x: torch.Tensor) -> QuantizedTensor:
+        """:meth:`quantize` outside autograd."""
         self._check_input(x)
         if not (self.rowwise_usage or self.columnwise_usage):
             raise ValueError(f"{type(self).__name__} has both usages off; nothing to compute")
@@ -271,7 +284,9 @@ class Quantizer:
         setattr(qt, QUANTIZER_ATTR, self)
         return qt
 
-    __call__ = quantize
+    def __call__(self, x: torch.Tensor) -> QuantizedTensor:
+        """``quantize(x)`` (a subclass's own quantize included)."""
+        return self.quantize(x)
 
     def part_statistic(self, part: torch.Tensor) -> torch.Tensor | None:
         """The per-tensor statistic of ``part`` (rows of a larger 2-D tensor) that
@@ -543,4 +558,17 @@ def _row_major_2d(x: torch.Tensor, m: int, k: int) -> torch.Tensor:
     """``x`` detached as a contiguous (m, k) matrix (stored data is always row-major)."""
     return x.detach() if x.dim() == 2 and x.is_contiguous() else \
         x.detach().reshape(m, k).contiguous()
+
+
+class _QuantizeFunction(torch.autograd.Function):
+    """``quantizer.quantize(x)`` with a straight-through gradient: the gradient of the
+    quantized tensor (of its nominal dtype and shape, ``x``'s) goes to ``x`` as it is."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, quantizer: Quantizer) -> QuantizedTensor:
+        return quantizer._quantize_impl(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 

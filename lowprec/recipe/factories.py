@@ -21,23 +21,33 @@ from ..formats import (
     MXFP8Quantizer,
     NVFP4Quantizer,
 )
+from .roles import BACKWARD_TENSOR_TYPES, slot_tensor_type
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-_GRAD_TYPES = ("grad_output", "grad_input")
+_GRAD_TYPES = BACKWARD_TENSOR_TYPES
 
 
+def _tensor_type(role) -> str:
+    """The tensor type the built-in rules read for ``role`` (``slot_tensor_type``; a factory
+    sees no slot index, so an unknown type counts as its direction's first slot)."""
+    return slot_tensor_type(role, "backward" if role.is_gradient else "forward", 0)
+
+
+# Each mirror below gives what ``state.builtin_quantizer`` gives the default recipe
+# (tests/recipe/test_role_dispatch.py checks it); the factories import no recipe class,
+# since ``recipes`` imports this module.
 def fp8_current_scaling_factory(role):
     """Mirror of ``Float8CurrentScaling()``: E4M3 forward, E5M2 gradients."""
     if role is None:
         return IdentityQuantizer()
-    return Float8CurrentScalingQuantizer(E5M2 if role.tensor_type in _GRAD_TYPES else E4M3)
+    return Float8CurrentScalingQuantizer(E5M2 if _tensor_type(role) in _GRAD_TYPES else E4M3)
 
 
 def fp8_block_scaling_factory(role):
     """Mirror of ``Float8BlockScaling()``: 128x128 weights, 1x128 inputs and gradients."""
     if role is None:
         return IdentityQuantizer()
-    dim = 2 if role.tensor_type == "weight" else 1
+    dim = 2 if _tensor_type(role) == "weight" else 1
     return Float8BlockQuantizer(E4M3, block_scaling_dim=dim, force_pow_2_scales=True)
 
 
@@ -49,17 +59,16 @@ def mxfp8_factory(role):
 
 
 def nvfp4_factory(role):
-    """Mirror of ``NVFP4BlockScaling()``: RHT on inputs' and gradients' columnwise side,
-    16x16 weights, stochastic rounding for gradients."""
+    """Mirror of ``NVFP4BlockScaling()``: 16x16 weights; RHT on the columnwise side of
+    everything else; stochastic rounding for gradients (``grad_output``, ``grad_input``)."""
     if role is None:
         return IdentityQuantizer()
-    if role.tensor_type == "weight":
-        return NVFP4Quantizer(with_2d_quantization=True)
-    if role.tensor_type == "input":
-        return NVFP4Quantizer(with_rht=True)
-    if role.tensor_type == "grad_output":
+    ttype = _tensor_type(role)
+    if ttype in _GRAD_TYPES:
         return NVFP4Quantizer(with_rht=True, stochastic_rounding=True)
-    return NVFP4Quantizer()
+    if ttype == "weight":
+        return NVFP4Quantizer(with_2d_quantization=True)
+    return NVFP4Quantizer(with_rht=True)
 
 
 def mxfp8_fwd_nvfp4_bwd_factory(role):

@@ -327,7 +327,10 @@ class NVFP4BlockScaling(Recipe):
 
     Inputs get the random Hadamard transform on their columnwise (wgrad)
     side, weights 16x16 2-D blocks, gradients RHT and stochastic rounding;
-    each can be switched off.
+    each can be switched off. Boundary slots follow the same rule by tensor type
+    (an ``output`` quantizer as an input, a ``grad_input`` one as a gradient), and a
+    ``None`` or unknown role takes the type of its slot's place in the layout
+    (``lowprec.recipe.roles.slot_tensor_type``).
     """
 
     disable_rht: bool = False

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 FORWARD_TENSOR_TYPES = ("input", "weight", "output")
 BACKWARD_TENSOR_TYPES = ("grad_output", "grad_input")
+#: The tensor types the built-in recipes' rules know.
+KNOWN_TENSOR_TYPES = FORWARD_TENSOR_TYPES + BACKWARD_TENSOR_TYPES
 
 
 @dataclass(frozen=True)
@@ -50,3 +52,20 @@ def check_num_quantizers(module, fwd: bool, num_quantizers: int | None, roles: l
                          f"{'forward' if fwd else 'backward'} "
                          f"quantizer slots, asked for {num_quantizers}")
     return roles
+
+
+def slot_tensor_type(role: "QuantizerRole | None", mode: str, index: int) -> str:
+    """The tensor type a built-in recipe gives slot ``index`` of a ``mode`` (``"forward"`` or
+    ``"backward"``) recipe state: the role's own where it is one of
+    :data:`KNOWN_TENSOR_TYPES`; for a ``None`` role (an unset boundary slot) or one of
+    another tensor type (``""``, ``"qkv"``), the slot's place in the usual layout, forward
+    ``[input, weight, output, ...]``, backward ``[grad_output, grad_input, ...]``, as
+    Transformer Engine's recipe states fall back. Every built-in rule reads this."""
+    if role is not None and role.tensor_type in KNOWN_TENSOR_TYPES:
+        return role.tensor_type
+    if mode == "forward":
+        return FORWARD_TENSOR_TYPES[index % len(FORWARD_TENSOR_TYPES)]
+    if mode == "backward":
+        return BACKWARD_TENSOR_TYPES[index % len(BACKWARD_TENSOR_TYPES)]
+    raise ValueError(f"mode={mode!r}; use 'forward' or 'backward'")
+

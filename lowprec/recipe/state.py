@@ -33,20 +33,28 @@ from .recipes import (
     NVFP4BlockScaling,
     Recipe,
 )
-from .roles import QuantizerRole
+from .roles import BACKWARD_TENSOR_TYPES, QuantizerRole, slot_tensor_type
 
 MODES = ("forward", "backward")
 
 
-def _is_grad(role: QuantizerRole | None, mode: str) -> bool:
-    # An unset boundary role takes its direction from the mode it sits in.
-    return role.is_gradient if role is not None else mode == "backward"
+def _is_grad(role: QuantizerRole | None, mode: str, index: int) -> bool:
+    return slot_tensor_type(role, mode, index) in BACKWARD_TENSOR_TYPES
 
 
-def _builtin_quantizer(recipe: Recipe, role: QuantizerRole | None, mode: str) -> Quantizer:
-    """Per-role quantizer of a built-in (non-delayed) recipe."""
-    grad = _is_grad(role, mode)
-    ttype = role.tensor_type if role is not None else None
+def builtin_quantizer(recipe: Recipe, role: QuantizerRole | None, mode: str = "forward",
+                      index: int = 0) -> Quantizer:
+    """The quantizer a built-in recipe (delayed scaling aside: its quantizers share the
+    state's scales) gives slot ``index`` of a ``mode`` recipe state whose role is ``role``.
+
+    Every rule reads the slot's tensor type (:func:`~lowprec.recipe.roles.slot_tensor_type`:
+    the role's own, or for a ``None`` or unknown one the slot's place in the layout):
+    gradients (``grad_output``, ``grad_input``) take the recipe's backward settings,
+    ``weight`` its weight settings, and everything else (``input``, ``output``) its input
+    settings, as Transformer Engine's recipe states pick them. MXFP8's 2D weight blocks go
+    to a forward slot whose role names a weight, never to a fallback."""
+    ttype = slot_tensor_type(role, mode, index)
+    grad = ttype in BACKWARD_TENSOR_TYPES
     if isinstance(recipe, Float8CurrentScaling):
         fmt = recipe.fp8_format
         return Float8CurrentScalingQuantizer(fmt.bwd_dtype if grad else fmt.fwd_dtype,
@@ -59,19 +67,20 @@ def _builtin_quantizer(recipe: Recipe, role: QuantizerRole | None, mode: str) ->
                                     force_pow_2_scales=True)
     if isinstance(recipe, MXFP8BlockScaling):
         fmt = recipe.fp8_format
+        two_d = (recipe.enable_2d_quantization and mode == "forward" and role is not None
+                 and role.tensor_type == "weight")
         return MXFP8Quantizer(fmt.bwd_dtype if grad else fmt.fwd_dtype,
-                              with_2d_quantization=(recipe.enable_2d_quantization
-                                                    and ttype == "weight"))
+                              with_2d_quantization=two_d)
     if isinstance(recipe, NVFP4BlockScaling):
-        if ttype == "weight":
-            return NVFP4Quantizer(with_2d_quantization=not recipe.disable_2d_quantization)
-        if ttype == "input":
-            return NVFP4Quantizer(with_rht=not recipe.disable_rht)
-        if ttype == "grad_output":
+        if grad:
             return NVFP4Quantizer(with_rht=not recipe.disable_rht,
                                   stochastic_rounding=not recipe.disable_stochastic_rounding)
-        return NVFP4Quantizer()
-    raise TypeError(f"unsupported recipe {type(recipe).__name__}")
+        if ttype == "weight":
+            return NVFP4Quantizer(with_2d_quantization=not recipe.disable_2d_quantization)
+        return NVFP4Quantizer(with_rht=not recipe.disable_rht)
+    raise TypeError(f"builtin_quantizer: no per-role rule for {type(recipe).__name__}; "
+                    f"accepted: Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, "
+                    f"NVFP4BlockScaling")
 
 
 def check_factory_result(q, role: QuantizerRole | None) -> Quantizer:
@@ -326,7 +335,7 @@ def stateless_quantizers(recipe: Recipe, mode: str, roles) -> list[Quantizer]:
     each role only what the rule reads."""
     if isinstance(recipe, CustomRecipe):
         return [_factory_quantizer(recipe, r) for r in roles]
-    return [_builtin_quantizer(recipe, r, mode) for r in roles]
+    return [builtin_quantizer(recipe, r, mode, i) for i, r in enumerate(roles)]
 
 
 def delayed_stand_ins(fp8_dtypes: Sequence[torch.dtype]) -> list[Quantizer]:
@@ -427,7 +436,8 @@ class RecipeState:
         delayed = None
         if stateful(recipe):
             fmt = recipe.fp8_format
-            dtypes = [fmt.bwd_dtype if _is_grad(r, mode) else fmt.fwd_dtype for r in roles]
+            dtypes = [fmt.bwd_dtype if _is_grad(r, mode, i) else fmt.fwd_dtype
+                      for i, r in enumerate(roles)]
             delayed = DelayedScalingState(recipe, len(roles), dtypes,
                                           device or torch.device("cpu"))
             quantizers = delayed.quantizers(dtypes)
