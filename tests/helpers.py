@@ -101,7 +101,10 @@ class GraphOps:
         from torch._inductor.decomposition import select_decomp_table
 
         def record(g, _inputs):
-            self.targets += [str(n.target) for n in g.graph.nodes if n.op == "call_function"]
+            # an ordered effectful op (``kernels.register_ordered``) is a ``with_effects``
+            # node whose second argument is the op
+            self.targets += [str(n.args[1]) if "with_effects" in str(n.target) else str(n.target)
+                             for n in g.graph.nodes if n.op == "call_function"]
             return g
 
         return aot_autograd(fw_compiler=record, bw_compiler=record,

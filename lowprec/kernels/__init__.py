@@ -175,6 +175,19 @@ def graph_op(name: str, *, tags: tuple = (), mutates_args: tuple = ()):
     return wrap
 
 
+def register_ordered(op) -> None:
+    """Make ``op`` (a :func:`graph_op`) an ordered effectful op: AOT autograd threads one
+    effect token through every such op of a graph, so the compiler keeps them in the
+    order they were traced (random draws from torch's generator, which eager makes in
+    program order), even where no data dependency orders them."""
+    register = getattr(torch.library, "_register_effectful_op", None)
+    if register is not None:
+        register(op, torch.library.EffectType.ORDERED)
+    else:  # torch 2.11
+        from torch._higher_order_ops import effects
+        effects._register_effectful_op(op, effects._EffectType.ORDERED)
+
+
 def traced_op(name: str):
     """Define ``lowprec::<name>`` as one op to dynamo and AOT's first pass, and ``fn``'s torch
     ops to inductor.

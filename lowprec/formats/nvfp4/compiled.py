@@ -12,8 +12,11 @@ eager's GEMMs read them, and the stochastic-rounding keys drawn where eager draw
 * Keys: eager draws one key per quantized direction from torch's default generator when
   it quantizes, rowwise first (``NVFP4Quantizer._kernel_keys``). ``torch.randint`` traced
   into a graph would draw from the compiler's own generator, so :func:`draw_keys` is an op
-  that calls eager's ``draws.draw_key``; it reads the tensor being quantized, which places
-  it where eager draws (after the layer above's backward produced that tensor).
+  that calls eager's ``draws.draw_key``. It reads the tensor being quantized, which places
+  it after that tensor's producer, and it is an *ordered* effectful op: the compiler
+  threads one effect token through every draw of a graph, so draws with no data
+  dependency between them (two layers' forward keys, two experts') keep the order eager
+  drew them in, where the scheduler would otherwise be free to swap them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...kernels import graph_op
+from ...kernels import graph_op, register_ordered
 from ..rht import rht_forward, rht_inverse
 from .draws import draw_key, uniforms
 from .launch import nvfp4_quantize, quantize_outputs
@@ -47,6 +50,9 @@ def draw_keys(anchor: Tensor, count: int) -> Tensor:
 @torch.library.register_fake("lowprec::nvfp4_draw_keys")
 def _draw_keys_fake(anchor, count):
     return anchor.new_empty((count, 2), dtype=torch.int64)
+
+
+register_ordered(draw_keys)
 
 
 @graph_op("nvfp4_graph_values")
