@@ -89,28 +89,12 @@ class Case:
         return lowprec.HybridQuantizer(rowwise_quantizer=KINDS[row](device),
                                        columnwise_quantizer=KINDS[col](device))
 
-    def expected_fallbacks(self, device: str = "cpu") -> set[str]:
-        """The documented reasons (``docs/recipes.md``, the conformance suite) this case's
-        compiled calls stay one opaque op: a ``CustomRecipe``'s own ``Float8Quantizer`` in
-        a role a forward traces. ``device``: the same on every device."""
-        out = set()
-        traced = [*self.kinds[0], *self.kinds[1]]
-        if self.backward_mode == BackwardMode.DEFAULT:
-            traced += self.kinds[2]
-        if "delayed" in traced:
-            out.add(OWN_FLOAT8)
-        return out
-
     def kinds_used(self) -> set[str]:
         """The kinds whose values reach a GEMM under this case's backward mode."""
         used = {self.kinds[0][0], self.kinds[1][0]}
         if self.backward_mode == BackwardMode.DEFAULT:
             used |= {self.kinds[0][1], self.kinds[1][1], *self.kinds[2]}
         return used
-
-
-#: The reasons of :meth:`Case.expected_fallbacks`, as the fallback log words them.
-OWN_FLOAT8 = "a Float8Quantizer over scale and amax tensors of its own"
 
 
 def _case(row: dict) -> Case:

@@ -115,6 +115,62 @@ def test_inductor_bit_identical(device, recipe_name):
         assert torch.equal(w, g)
 
 
+class _HeldFactory:
+    """A ``CustomRecipe`` factory handing out ``Float8Quantizer``s over tensors it holds
+    (static scales the user sets; amaxes recorded into them), one per tensor type."""
+
+    def __init__(self, device):
+        self.q = {t: lowprec.Float8Quantizer(torch.full((1,), s, device=device),
+                                             torch.zeros(1, device=device), dt)
+                  for t, s, dt in (("input", 8.0, torch.float8_e4m3fn),
+                                   ("weight", 64.0, torch.float8_e4m3fn),
+                                   ("grad_output", 2.0, torch.float8_e5m2))}
+
+    def __call__(self, role):
+        if role is None or role.tensor_type not in self.q:
+            return IdentityQuantizer()
+        return self.q[role.tensor_type]
+
+    def amaxes(self):
+        return [q.amax.clone() for q in self.q.values()]
+
+    def reset(self):
+        for q in self.q.values():
+            q.amax.zero_()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_factory_held_float8_quantizers_trace(device):
+    """A factory's own ``Float8Quantizer``s trace (no opaque call): the compiled step casts
+    with the scales they hold at each call (graph inputs: a changed scale takes effect
+    without a recompile) and records the same amaxes as eager, bit for bit."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    m = _module("linear", device, dtype)
+    k, n = _sizes(device)
+    x = torch.randn(2, 128, k, device=device, dtype=dtype)
+    dy = torch.randn(2, 128, n, device=device, dtype=dtype)
+    held = _HeldFactory(device)
+    recipe = CustomRecipe(held)
+    ops, compiles = GraphOps(), [0]
+
+    def backend(gm, inputs):
+        compiles[0] += 1
+        return ops(gm, inputs)
+    compiled = torch.compile(m, backend=backend, fullgraph=True)
+    for scale in (8.0, 0.5):
+        held.q["input"].scale.fill_(scale)
+        held.reset()
+        want = _step(m, m, x, dy, recipe, 1)
+        want_amax = held.amaxes()
+        held.reset()
+        got = _step(compiled, m, x, dy, recipe, 1)
+        for w, g in zip(want + want_amax, got + held.amaxes()):
+            assert torch.equal(w, g)
+        assert all(float(a) > 0 for a in want_amax)
+    assert not any("lowprec.call" in t for t in ops.targets), fallback_reasons()
+    assert compiles == [1]  # one graph for both scales: the scale is read when it runs
+
+
 def test_layers_share_compiled_code_under_a_custom_recipe():
     """Same-shaped layers whose quantizers agree share one compiled code, whatever their
     names: tracing reads the quantizers' settings, not the roles' names."""

@@ -293,6 +293,38 @@ class Tensorwise(GraphOperand):
 
 
 @dataclass(frozen=True)
+class HeldScale(Tensorwise):
+    """A ``Float8Quantizer`` over scale and amax tensors of its own (a ``CustomRecipe``
+    factory's, not a ``DelayedScaling`` state's): cast with ``quantizer.scale``, the
+    tensor's amax recorded into ``quantizer.amax`` (the max with what it holds, NaN
+    sticking), as its eager quantize does. The form reads the tensors through the
+    quantizer when it runs, so a compiled graph takes them as inputs and sees the scale
+    the quantizer holds at each call. Both directions of one tensor share one scale and
+    one record (eager quantizes both usages at once); eager calls run the eager Function.
+    """
+
+    quantizer: object = None
+
+    @property
+    def eager(self) -> bool:
+        return False
+
+    def _in_eager(self) -> bool:
+        return False
+
+    def _fp8(self, t):
+        q = self.quantizer
+        data, used, seen = fp8_delayed(t, q.scale.reshape(1).to(t.device, torch.float32),
+                                       self.fp8_dtype, self.materialized)
+        q.amax.copy_(torch.maximum(q.amax, seen.reshape(q.amax.shape).to(q.amax.device)))
+        return Fp8(data, used, decode_scale(used).reshape(()))
+
+    def save_columnwise(self, t):
+        rep = self._fp8(t)
+        return (t, rep.scale, rep.decode)
+
+
+@dataclass(frozen=True)
 class Delayed(Tensorwise):
     """Delayed scaling (``Float8Quantizer``): cast with a scale the recipe state holds,
     the tensor's amax recorded into the state. The scale and amax are tensors of the

@@ -130,9 +130,9 @@ class Float8Quantizer(_PerTensorFloat8):
     def graph_operand(self, t, *, grad=False):
         if not self._quantizes_as(Float8Quantizer):
             return super().graph_operand(t, grad=grad)
-        if not self.state_owned:
-            return ("a Float8Quantizer over scale and amax tensors of its own (not a "
-                    "DelayedScaling state's): its quantize reads and records them eagerly")
+        if not self.state_owned:  # a CustomRecipe factory's own tensors
+            return graph.HeldScale(self.fp8_dtype, quantizer=self,
+                                   materialized=isinstance(t, torch.nn.Parameter))
         return graph.Delayed(self.fp8_dtype, kernel=use_kernels(t),
                              materialized=isinstance(t, torch.nn.Parameter))
 
