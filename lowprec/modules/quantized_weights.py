@@ -4,11 +4,13 @@ their place in state dicts (plain values, with the exact bytes in ``_extra_state
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from ..formats import REQUANTIZE_ATTR, QuantizedTensor
-from ..recipe import init_recipe
+from ..recipe import init_recipe, push_amaxes
 from . import extra_state
 
 
@@ -21,7 +23,8 @@ class _WeightSlot:
         self.module, self.index = module, index
 
     def __call__(self, src: torch.Tensor, dst: QuantizedTensor) -> None:
-        self.module.weight_quantizer(self.index, dst.device).update_quantized(src, dst)
+        q = self.module.weight_quantizer(self.index, dst.device, values=src, copied=True)
+        q.update_quantized(src, dst)
 
 
 
@@ -79,29 +82,98 @@ class QuantizedWeightsMixin:
                                               requires_grad=w.requires_grad))
         self._link_quantized_weights()
 
-    def weight_quantizer(self, gemm_index: int, device=None, values: torch.Tensor | None = None):
+    def weight_quantizer(self, gemm_index: int, device=None, values: torch.Tensor | None = None,
+                         *, copied: bool = False):
         """The quantizer (both usages on) for GEMM ``gemm_index``'s weight under the
         quantized_model_init recipe; used to (re)quantize quantized weights.
 
-        Under delayed scaling an empty amax history of the weight's slot is first seeded
-        from ``values`` (default: the weight, when it is still high precision)."""
+        Under delayed scaling a weight slot that no training step has updated yet is
+        seeded from ``values``, the high-precision values about to be quantized into it
+        (default: the weight, when it is still high precision); ``copied``: values from
+        outside the module (``copy_``, ``fill_``, ``load_state_dict``). See
+        :meth:`_seed_slot`."""
         recipe = getattr(self, "_init_recipe", None)
         if recipe is None:
             raise RuntimeError(f"{type(self).__name__} was not built under quantized_model_init")
         state = self._state("forward", recipe, device)
         q = state.quantizers[3 * gemm_index + 1]
         if state.delayed is not None:
-            # Delayed scaling: seed this slot from the weight's own amax so the first
-            # quantization is not done with the placeholder scale 1.
-            w = values if values is not None else getattr(self, self._weight_names()[gemm_index])
+            name = self._weight_names()[gemm_index]
+            w = values if values is not None else getattr(self, name)
             slot = 3 * gemm_index + 1
             if (not isinstance(w, QuantizedTensor) and w.device.type != "meta"
-                    and state.delayed.amax_history[:, slot].abs().sum() == 0):
-                q.quantize(w.detach())  # records the amax into this slot
-                state.delayed.pending = True
-                state.delayed.update()
+                    and self._slot_takes_seed(state.delayed, slot)):
+                self._seed_slot(state.delayed, slot, w.detach().to(getattr(self, name).dtype),
+                                power_of_two=copied)
         q.set_usage(rowwise=True, columnwise=True)
         return q
+
+    def _slot_takes_seed(self, delayed, slot: int) -> bool:
+        """Whether delayed-scaling weight ``slot`` holds no history of training yet: empty,
+        or still exactly the seed :meth:`_seed_slot` wrote (no update has rolled it since).
+        Reading the state syncs with the device, so a slot known to be past its seed is
+        remembered on the host and not read again: an optimizer's re-quantize of every
+        step costs nothing. Captured or compiled code never seeds."""
+        if torch.compiler.is_compiling() or (
+                delayed.scale.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return False
+        seeds = self.__dict__.setdefault("_weight_seeds", {})
+        held = seeds.get(slot)
+        column = delayed.amax_history[:, slot]
+        if held is None or held[0] is not delayed:  # a state this slot has not seen
+            empty = bool(column.abs().sum() == 0)
+            if not empty:
+                seeds[slot] = (delayed, None)
+            return empty
+        if held[1] is None:
+            return False
+        amax, scale = held[1]
+        expected = torch.zeros_like(column)
+        expected[0] = amax
+        still = bool(torch.equal(column, expected) and float(delayed.scale[slot]) == scale)
+        if not still:
+            seeds[slot] = (delayed, None)
+        return still
+
+    def _seed_slot(self, delayed, slot: int, values: torch.Tensor, *,
+                   power_of_two: bool) -> None:
+        """Make ``values``' amax the only history of delayed-scaling weight ``slot``, and its
+        scale the one that amax calls for: the recipe's ``fp8_max / amax / 2**margin``, or
+        with ``power_of_two`` the largest power of two at most that.
+
+        Seeded, not Transformer Engine's placeholder scale 1: initial weights of a wide
+        layer (amax ~0.02) would fall among the format's subnormals at scale 1, and the
+        master weights of QuantizedWeightOptimizer start from what init quantized. Values
+        copied in before training (a checkpoint, TE's test values) seed the slot again,
+        or any larger than the initial weights would saturate. Their scale is a power of
+        two because such values often lie on the format's grid at some power-of-two scale
+        (TE quantizes a fresh weight at scale 1), and a power of two only moves exponents:
+        they keep their exact values. The slot's first update then takes the recipe's
+        scale from the amax the quantize records."""
+        seeds = self.__dict__.setdefault("_weight_seeds", {})
+        amax = values.abs().amax().float() if values.numel() else torch.zeros(())
+        amax_host = float(amax)
+        if not (math.isfinite(amax_host) and amax_host > 0):
+            seeds.pop(slot, None)  # nothing to seed from: looked at again next time
+            return
+        device = delayed.scale.device
+        if power_of_two:
+            ratio = delayed.fp8_maxima[slot] / amax_host / 2.0 ** delayed.recipe.margin
+            exponent = min(max(math.frexp(ratio)[1] - 1, -126), 127)  # a normal fp32
+            scale = torch.tensor(math.ldexp(1.0, exponent), device=device)
+        else:
+            # the recipe's update on a history of this one amax (every algorithm's amax)
+            current = amax.to(device).reshape(1)
+            scale = delayed.scale[slot:slot + 1].clone()
+            push_amaxes(torch.zeros_like(delayed.amax_history[:, slot:slot + 1]),
+                        current.clone(), scale, delayed.fp8_max[slot:slot + 1], current, "max",
+                        delayed.recipe.margin)
+        with torch.no_grad():
+            delayed.amax_history[:, slot].zero_()
+            delayed.amax_history[0, slot] = amax.to(device)
+            delayed.scale[slot] = scale.reshape(())
+            delayed.amax_current[slot] = 0.0
+        seeds[slot] = (delayed, (amax_host, float(delayed.scale[slot])))
 
     def _held_quantized_weights(self) -> dict:
         """``{param name: quantized weight}`` of this module's weights that are quantized."""
@@ -175,7 +247,7 @@ class QuantizedWeightsMixin:
             # a wrong shape is left to torch, which reports it as a size mismatch
             if (isinstance(w, QuantizedTensor) and isinstance(hp, torch.Tensor)
                     and not isinstance(hp, QuantizedTensor) and hp.shape == w.shape):
-                q = self.weight_quantizer(i, hp.device)
+                q = self.weight_quantizer(i, hp.device, values=hp, copied=True)
                 with q.usages(rowwise=w.has_usage("rowwise"),
                               columnwise=w.has_usage("columnwise")):
                     state_dict[key] = q.quantize(hp.detach().to(w.dtype))

@@ -116,13 +116,14 @@ def test_the_saved_bytes_are_needed(rname):
 @pytest.mark.parametrize("rname", ["mxfp8", "fp8_current", "fp8_delayed"])
 def test_an_edited_weight_is_requantized(rname):
     """A weight changed in the state dict after saving is not overridden by the saved
-    bytes: it is re-quantized by the module's weight quantizer, as a plain checkpoint."""
+    bytes: it is re-quantized by the module's weight quantizer for those values, as a plain
+    checkpoint (delayed scaling: the untrained module's slot seeded from them)."""
     m = _trained_weights(_build(rname, "linear", seed=0), seed=1)
     sd = m.state_dict()
     sd["weight"] = sd["weight"] * 2
     fresh, ref = _build(rname, "linear", seed=5), _build(rname, "linear", seed=5)
     fresh.load_state_dict(sd)
-    q = ref.weight_quantizer(0)
+    q = ref.weight_quantizer(0, values=sd["weight"], copied=True)
     assert_same_quantized(fresh.weight, q.quantize(sd["weight"]))
 
 
