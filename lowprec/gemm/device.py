@@ -1,6 +1,6 @@
 """Which device's GEMM routes a call takes.
 
-A GEMM's route (``lowprec.gemm``'s backends, ``lowprec.linear.traced.route``) depends on
+A GEMM's route (``lowprec.gemm``'s backends, ``lowprec.gemm.route``) depends on
 the device: cuBLAS FP8 and the exact bf16 emulation on CUDA, the fp32 emulation on the CPU.
 :class:`cuda_routes` makes CPU calls on this thread decide as CUDA calls do and run each
 CUDA route's computation with CPU ops (``torch._scaled_mm``'s CPU kernel, the bf16 GEMM,

@@ -20,11 +20,10 @@ from typing import Sequence
 import torch
 
 from ..formats.block import Float8BlockQuantizer
-from ..gemm import block_grouped, block_scales_fit
+from ..gemm import block_decode, block_grouped, block_scales_fit
 from .function import LinearQuantizers
 from .grouped_blocks import blocks_backward, blocks_forward, slot_quantizers
 from .grouped_exact import ExactGemms
-from .traced import block_decode
 
 
 def block_fp8_quantizers(qs: Sequence[LinearQuantizers], n: int, k: int):

@@ -26,10 +26,9 @@ from typing import Sequence
 
 import torch
 
-from ..gemm import grouped_mm
+from ..gemm import bf16_operand, grouped_mm
 from .function import LinearQuantizers
 from .grouped_blocks import blocks_backward, blocks_forward, slot_quantizers
-from .traced import bf16_operand
 
 
 def exact_quantizers(qs: Sequence[LinearQuantizers], n: int, k: int):

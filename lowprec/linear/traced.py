@@ -14,9 +14,9 @@ The compiled forward and gradients are eager's bit for bit:
 * each operand's traced form computes the values eager's quantize makes (a quantize is a
   function of its input; any order of a max reduction gives the same amax);
 * each GEMM is the one eager's dispatcher (``lowprec.gemm``) picks for the same operand
-  pair, through the same library calls: :data:`ROUTES` mirrors the eager table
-  (``plain``, ``cublas_fp8``, ``cublas_fp8_block``, ``exact_bf16``, the fp32 emulation),
-  and :func:`plan_for` checks every GEMM of the call against it before tracing;
+  pair, through the same library calls: ``lowprec.gemm.traced``'s table (:func:`route`,
+  ``plain``, ``cublas_fp8``, ``cublas_fp8_block``, ``exact_bf16``, the fp32 emulation),
+  which :func:`plan_for` asks for every GEMM of the call before tracing;
 * the one reduction whose order matters (the bias gradient) runs as a custom op around
   eager's own sum, and bf16 rounding a fusing compiler would skip is kept
   (``formats.graph.rounded``, ``as_output``).
@@ -40,20 +40,15 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from ..formats import (
-    Blocks,
-    Exact,
     Fp8,
     GraphOperand,
-    Kind,
-    Plain,
     PlainOperand,
     QuantizedTensor,
-    as_output,
     decode_scale,
     scale_in_use,
 )
-from ..gemm import block_scales_fit, exact_product, fusable_bias, routes_cuda, scaled_mm
-from ..kernels import ThreadFlagOn, traced_op
+from ..gemm import ROUTES, emulated_product, route, routes_cuda, traced_gemm
+from ..kernels import ThreadFlagOn
 from ..memory import register_thread_setting
 from ..recipe import (
     BackwardMode,
@@ -68,145 +63,6 @@ from . import traced_steps as steps
 from .padding import NONE as NO_PADDING
 from .padding import Padding, feature_padding, padding_for
 from .plan import keep, row_padding
-
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-# ---- the GEMM table --------------------------------------------------------------------------
-def _bf16_domain(kind: Kind) -> str | None:
-    """``exact_bf16``'s domain of an operand of ``kind`` (``bf16_operand_domain``), or None
-    where its values are not exact in bf16 as the traced GEMM makes them."""
-    if kind.name == "fp8":
-        return "original"
-    if kind.name == "exact":
-        return None if not kind.bf16 else "rht" if kind.rht else "original"
-    if kind.name == "plain":
-        return "original" if kind.dtype == torch.bfloat16 else None
-    if kind.name == "blocks":  # data / scale is exact in bf16 for power-of-two scales
-        return "original" if kind.pow2 else None
-    return None
-
-
-def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype, bias: bool,
-          cuda: bool) -> str:
-    """The backend eager's dispatcher picks for ``mat(a) (m, k) @ mat(b) (n, k).T`` with
-    operands of these kinds, as one of :data:`ROUTES`, or a string starting with ``"no "``
-    saying why the traced table does not run it. The fp32 emulation takes every pair it
-    reaches: its operands' values come from ops that compute eager's dequantize
-    (``GraphOperand.dequantized``), so its bits do not depend on inductor."""
-    if a.name == "plain" and b.name == "plain" and a.dtype == b.dtype == out_dtype:
-        return "plain"  # a bias through cuBLAS's epilogue, as eager (``steps.bias_mm``)
-    if not cuda:
-        return "emulated"
-    if out_dtype not in _OUT_DTYPES or m == 0 or n == 0 or k == 0:
-        return "no traced GEMM for this output"
-    if a.name == b.name == "fp8":
-        if not (a.fp8_dtype == E5M2 and b.fp8_dtype == E5M2) and k % 16 == 0 and n % 16 == 0:
-            return "cublas_fp8"
-    if a.name == b.name == "blocks":
-        if (not (a.dim == 2 and b.dim == 2) and not (a.fp8_dtype == E5M2 and b.fp8_dtype == E5M2)
-                and k % 128 == 0 and m % 16 == 0 and n % 16 == 0
-                and block_scales_fit(a.dim, b.dim, k)):
-            return "cublas_fp8_block"
-        # else eager's next backend: the bf16 GEMM of the exact values (below)
-    da, db = _bf16_domain(a), _bf16_domain(b)
-    if da is not None and da == db:
-        return "exact_bf16"
-    return "emulated"
-
-
-def _with_bias(res, bias, fused: bool, out_dtype):
-    if bias is not None and not fused:
-        return as_output(res.to(torch.float32) + bias.to(torch.float32), out_dtype)
-    return res
-
-
-def _cublas_fp8(a: Fp8, b: Fp8, out_dtype, bias, ops=None):
-    return fp8_gemm(a.data, a.scale, a.decode, b.data, b.scale, b.decode, bias, out_dtype)
-
-
-@traced_op("fp8_gemm")
-def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_decode: Optional[torch.Tensor],
-             b: torch.Tensor, b_scale: torch.Tensor, b_decode: Optional[torch.Tensor],
-             bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b.T (+ bias)`` of per-tensor FP8 operands (codes, scale, ``1 / scale`` or None)
-    through cuBLAS, as eager's ``cublas_fp8`` backend runs it."""
-    fused = fusable_bias(bias, out_dtype)
-    decode_a = a_decode if a_decode is not None else decode_scale(a_scale).reshape(())
-    decode_b = b_decode if b_decode is not None else decode_scale(b_scale).reshape(())
-    res = scaled_mm(a, b, decode_a, decode_b, bias if fused else None, out_dtype, None)
-    return _with_bias(res, bias, fused, out_dtype)
-
-
-@torch.library.register_fake("lowprec::fp8_gemm")
-def _fp8_gemm_fake(a, a_scale, a_decode, b, b_scale, b_decode, bias, out_dtype):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
-
-
-def block_decode(rep: Blocks) -> torch.Tensor:
-    """``1 / scale`` in cuBLAS's layout: 1x128 (R, K/128) as a contiguous (K/128, R);
-    128x128 contiguous as it is (the quantize kernel's copy where an eager call has one)."""
-    if rep.decode is not None:
-        return rep.decode
-    return decode_scale(rep.scale.t() if rep.dim == 1 else rep.scale).contiguous()
-
-
-def _cublas_fp8_block(a: Blocks, b: Blocks, out_dtype, bias, ops=None):
-    # mat(a)'s 1x128 scales read as the transpose of their (K/128, M) layout, mat(b)'s
-    # 128x128 ones transposed
-    da, db = block_decode(a), block_decode(b)
-    scale_a = da.t() if a.dim == 1 else da
-    scale_b = db if b.dim == 1 else db.t()
-    fused = fusable_bias(bias, out_dtype)
-    res = scaled_mm(a.data, b.data, scale_a, scale_b, bias if fused else None, out_dtype,
-                    None)
-    return _with_bias(res, bias, fused, out_dtype)
-
-
-def bf16_operand(rep, form):
-    """(exact bf16 matrix, fp32 divisor or None) of ``rep``, an operand of ``form``, as
-    ``QuantizedTensor.bf16_operand``."""
-    if isinstance(rep, Fp8):
-        return rep.data.to(torch.bfloat16), rep.scale
-    if isinstance(rep, Exact):  # stored contiguous by eager's quantize
-        return rep.values.to(torch.bfloat16).contiguous(), rep.divisor
-    if isinstance(rep, Blocks):  # power-of-two scales (``_bf16_domain``)
-        return form.bf16_values(rep), None
-    return rep.values, None  # an IdentityTensor's data, perhaps a transposed view
-
-
-def _exact_bf16(a, b, out_dtype, bias, ops):
-    am, div_a = bf16_operand(a, ops[0][0].half(ops[0][1]))
-    bm, div_b = bf16_operand(b, ops[1][0].half(ops[1][1]))
-    if bias is not None and div_a is None and div_b is None and out_dtype == torch.bfloat16:
-        return steps.bias_mm(bias, am, bm)  # exact_product's bias epilogue
-    return exact_product(am, div_a, bm, div_b, out_dtype, bias, in_graph=True)
-
-
-def _emulated(a, b, out_dtype, bias, ops):
-    """The fp32 emulation: both operands' fp32 values (``operand_matrix_fp32``)."""
-    (a_op, a_usage), (b_op, b_usage) = ops
-    return steps.emulated_product(a_op.dequantized(a, torch.float32, a_usage),
-                                  b_op.dequantized(b, torch.float32, b_usage), bias, out_dtype)
-
-
-def _plain(a: Plain, b: Plain, out_dtype, bias, ops=None):
-    if bias is None:
-        return a.values @ b.values.t()
-    return steps.bias_mm(bias, a.values, b.values)
-
-
-#: The traced GEMMs, by the name of the eager backend each mirrors.
-ROUTES = {"plain": _plain, "cublas_fp8": _cublas_fp8, "cublas_fp8_block": _cublas_fp8_block,
-          "exact_bf16": _exact_bf16, "emulated": _emulated}
-
-
-def traced_gemm(name: str, a, b, out_dtype, bias, ops) -> torch.Tensor:
-    """``mat(a) @ mat(b).T (+ bias)`` of two graph forms through route ``name``; ``ops``:
-    ((operand, usage) of a, of b), which the emulation asks for the fp32 values."""
-    return ROUTES[name](a, b, out_dtype, bias, ops)
-
 
 # ---- the plan --------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -324,7 +180,7 @@ def _hp_product(a: torch.Tensor, b: torch.Tensor, out_dtype) -> torch.Tensor:
     ``plain`` backend where every dtype is the output's, else the fp32 emulation."""
     if a.dtype == b.dtype == out_dtype:
         return a @ b.t()
-    return steps.emulated_product(a.to(torch.float32), b.to(torch.float32), None, out_dtype)
+    return emulated_product(a.to(torch.float32), b.to(torch.float32), None, out_dtype)
 
 
 @torch.library.custom_op("lowprec::delayed_update",

@@ -14,55 +14,7 @@ import contextlib
 
 import torch
 
-from ..formats import as_output
-from ..gemm import fp32_product
 from ..kernels import graph_op
-
-
-def plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``out + bias`` in fp32 after the GEMM, as eager's emulation adds it: a custom op,
-    so the compiler does not fold the add into the GEMM (an ``addmm`` accumulates the bias
-    with the products and rounds differently)."""
-    return out if bias is None else bias_add(out, bias)
-
-
-def emulated_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                     out_dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b.T (+ bias)`` of fp32 operand values rounded once to ``out_dtype``: the fp32
-    GEMM emulation eager runs off CUDA (``gemm.emulated_fp32``), every traced plan's."""
-    return as_output(plus_bias(fp32_product(a, b), bias), out_dtype)
-
-
-@graph_op("bias_add")
-def bias_add(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``out + bias`` in fp32 (``out`` fp32 (M, N), ``bias`` (N,))."""
-    return out + bias.to(torch.float32)
-
-
-@torch.library.register_fake("lowprec::bias_add")
-def _bias_add_fake(out, bias):
-    return torch.empty_like(out)
-
-
-def bias_mm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``bias + a @ b.T`` as eager's plain and exact-bf16 GEMMs run it, ``torch.addmm``
-    (cuBLAS adds the bias in its epilogue, before the one rounding); in a graph one op
-    the compiler keeps whole (:func:`addmm_op`), where inductor would add the bias to
-    the rounded product."""
-    if torch.compiler.is_compiling():
-        return addmm_op(bias, a, b)
-    return torch.addmm(bias, a, b.t())
-
-
-@graph_op("addmm")
-def addmm_op(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.addmm(bias, a, b.T)``."""
-    return torch.addmm(bias, a, b.t())
-
-
-@torch.library.register_fake("lowprec::addmm")
-def _addmm_fake(bias, a, b):
-    return a.new_empty((a.shape[0], b.shape[0]))
 
 
 @graph_op("bias_grad")

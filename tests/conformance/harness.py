@@ -120,12 +120,16 @@ class _Recorder:
             from torch._inductor.compile_fx import compile_fx
             return compile_fx(gm, example_inputs)
         from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
         from torch._inductor.decomposition import select_decomp_table
 
         def record(g, _inputs):
             self.targets += [str(n.target) for n in g.graph.nodes if n.op == "call_function"]
             return g
+        # inductor's partitioner: what the forward keeps and what the backward recomputes
+        # is decided as on CUDA
         return aot_autograd(fw_compiler=record, bw_compiler=record,
+                            partition_fn=min_cut_rematerialization_partition,
                             decompositions=select_decomp_table())(gm, example_inputs)
 
 

@@ -2,9 +2,11 @@
 every backward mode and module, eager against compiled against the oracle.
 
 The cases are :func:`space.all_pairs` (seed 0): every pair of values of every two factors
-occurs in some case. On a CUDA machine the same cases also run on the GPU under inductor
-(``LOWPREC_CONFORMANCE_DEVICES=cpu`` keeps only the CPU ones there);
-``tests/conformance/run_matrix.py`` runs more seeds and writes the results as CSV.
+occurs in some case. On the CPU each case runs under CUDA's route decisions
+(``lowprec.gemm.cuda_routes``), and the named recipes on the CPU's own routes (every case
+with ``--slow``); on a CUDA machine every case also runs on the GPU under inductor
+(``LOWPREC_CONFORMANCE_DEVICES=cpu`` turns that off). ``tests/conformance/run_matrix.py``
+runs more seeds and writes the results as CSV.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import torch
 from .harness import check
 from .space import all_pairs, plain_recipes
 
-DEVICES = os.environ.get("LOWPREC_CONFORMANCE_DEVICES",
-                         "cpu,cuda" if torch.cuda.is_available() else "cpu").split(",")
 CASES = plain_recipes() + all_pairs(seed=0)
+#: The CPU's own routes: every case under ``--slow`` (CI runs the named recipes there; the
+#: route decisions CUDA makes, which the CPU routes do not exercise, run for every case)
+CPU_CASES = plain_recipes() + [pytest.param(c, marks=pytest.mark.slow) for c in all_pairs(0)]
+ON_CUDA = torch.cuda.is_available() and os.environ.get("LOWPREC_CONFORMANCE_DEVICES") != "cpu"
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -30,10 +34,16 @@ def _assert_conforms(got):
     assert not got.failures, "\n".join(got.failures)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.id)
+def test_case_conforms_on_cpu_routes(case):
+    _assert_conforms(check(case, "cpu"))
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_case_conforms(case, device):
-    _assert_conforms(check(case, device))
+def test_case_conforms_on_cuda(case):
+    """The case on the GPU under inductor."""
+    _assert_conforms(check(case, "cuda"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lowprec.formats.float8 import graph as fp8_graph
-from lowprec.linear import traced
+from lowprec.gemm import traced
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

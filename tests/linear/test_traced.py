@@ -381,28 +381,6 @@ def test_cuda_shapes_cublas_does_not_take_run_eagers_next_backend():
             assert torch.equal(a, b)
 
 
-def test_block_pairs_cublas_does_not_take_route_as_eager():
-    """The traced GEMM table picks eager's backend for block FP8 pairs on CUDA: cuBLAS's
-    block GEMM where it takes the pair, else (128x128 scales over K/128 not a multiple of 4,
-    128x128 x 128x128, E5M2 x E5M2) the bf16 GEMM of the exact values, which power-of-two
-    scales make exact; scales not known to be powers of two take the fp32 emulation, as
-    eager does (its operands dequantized by eager's ops)."""
-    from lowprec.formats import Kind
-    from lowprec.linear.traced import route
-
-    e4, e5, bf16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
-    x, w, dy = Kind("blocks", e4, 1), Kind("blocks", e4, 2), Kind("blocks", e5, 1)
-    assert route(x, w, 256, 512, 512, bf16, False, True) == "cublas_fp8_block"
-    assert route(x, w, 256, 512, 768, bf16, False, True) == "exact_bf16"  # 768 / 128 = 6
-    assert route(w, w, 256, 512, 512, bf16, False, True) == "exact_bf16"
-    assert route(dy, dy, 256, 512, 512, bf16, False, True) == "exact_bf16"
-    assert route(dy, x, 256, 512, 512, bf16, False, True) == "cublas_fp8_block"
-    assert route(x, Kind("fp8", e4), 256, 512, 512, bf16, False, True) == "exact_bf16"
-    unknown = Kind("blocks", e4, 2, pow2=False)
-    assert route(x, unknown, 256, 512, 768, bf16, False, True) == "emulated"
-    assert route(x, w, 256, 512, 768, bf16, False, False) == "emulated"  # CPU
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_block_pairs_cublas_does_not_take_trace_bit_identical():
     """Hidden 768 (a 110M Llama) under Float8BlockScaling: fprop and dgrad contract over

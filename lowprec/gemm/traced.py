@@ -1,0 +1,210 @@
+"""The traced GEMM table: the route eager's dispatcher (:func:`lowprec.gemm.gemm`) takes for
+a pair of operand kinds, and each route's computation as ops a compiled graph holds.
+
+A traced linear (``lowprec.linear.traced``) describes each operand by its traced form's
+:class:`~lowprec.formats.Kind` (per-tensor FP8, FP8 blocks, exact bf16 values, plain
+values) and asks :func:`route` for each of its GEMMs when it plans the call; eager calls
+that run through the plan take the same routes. Every pair has a route on every device:
+the fp32 emulation takes whatever no tensor-core route takes, its operands' values made by
+ops that run eager's own dequantize (IEEE division, the inverse Hadamard transform), so a
+route's bits do not depend on whether inductor compiled it. The names are eager's
+backends: ``plain``, ``cublas_fp8``, ``cublas_fp8_block``, ``exact_bf16``, ``emulated``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..formats import Blocks, Exact, Fp8, Kind, Plain, as_output, decode_scale
+from ..kernels import graph_op, traced_op
+from .cublas_fp8 import block_scales_fit, fusable_bias, scaled_mm
+from .emulated_fp32 import fp32_product
+from .exact_bf16 import exact_product
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``out + bias`` in fp32 after the GEMM, as eager's emulation adds it: a custom op,
+    so the compiler does not fold the add into the GEMM (an ``addmm`` accumulates the bias
+    with the products and rounds differently)."""
+    return out if bias is None else bias_add(out, bias)
+
+
+def emulated_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` of fp32 operand values rounded once to ``out_dtype``: the fp32
+    GEMM emulation eager runs off CUDA (``gemm.emulated_fp32``), every traced plan's."""
+    return as_output(plus_bias(fp32_product(a, b), bias), out_dtype)
+
+
+@graph_op("bias_add")
+def bias_add(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``out + bias`` in fp32 (``out`` fp32 (M, N), ``bias`` (N,))."""
+    return out + bias.to(torch.float32)
+
+
+@torch.library.register_fake("lowprec::bias_add")
+def _bias_add_fake(out, bias):
+    return torch.empty_like(out)
+
+
+def bias_mm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``bias + a @ b.T`` as eager's plain and exact-bf16 GEMMs run it, ``torch.addmm``
+    (cuBLAS adds the bias in its epilogue, before the one rounding); in a graph one op
+    the compiler keeps whole (:func:`addmm_op`), where inductor would add the bias to
+    the rounded product."""
+    if torch.compiler.is_compiling():
+        return addmm_op(bias, a, b)
+    return torch.addmm(bias, a, b.t())
+
+
+@graph_op("addmm")
+def addmm_op(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.addmm(bias, a, b.T)``."""
+    return torch.addmm(bias, a, b.t())
+
+
+@torch.library.register_fake("lowprec::addmm")
+def _addmm_fake(bias, a, b):
+    return a.new_empty((a.shape[0], b.shape[0]))
+
+
+
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _bf16_domain(kind: Kind) -> str | None:
+    """``exact_bf16``'s domain of an operand of ``kind`` (``bf16_operand_domain``), or None
+    where its values are not exact in bf16 as the traced GEMM makes them."""
+    if kind.name == "fp8":
+        return "original"
+    if kind.name == "exact":
+        return None if not kind.bf16 else "rht" if kind.rht else "original"
+    if kind.name == "plain":
+        return "original" if kind.dtype == torch.bfloat16 else None
+    if kind.name == "blocks":  # data / scale is exact in bf16 for power-of-two scales
+        return "original" if kind.pow2 else None
+    return None
+
+
+def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype, bias: bool,
+          cuda: bool) -> str:
+    """The backend eager's dispatcher picks for ``mat(a) (m, k) @ mat(b) (n, k).T`` with
+    operands of these kinds, as one of :data:`ROUTES`, or a string starting with ``"no "``
+    saying why the traced table does not run it. The fp32 emulation takes every pair it
+    reaches: its operands' values come from ops that compute eager's dequantize
+    (``GraphOperand.dequantized``), so its bits do not depend on inductor."""
+    if a.name == "plain" and b.name == "plain" and a.dtype == b.dtype == out_dtype:
+        return "plain"  # a bias through cuBLAS's epilogue, as eager (``bias_mm``)
+    if not cuda:
+        return "emulated"
+    if out_dtype not in _OUT_DTYPES or m == 0 or n == 0 or k == 0:
+        return "no traced GEMM for this output"
+    if a.name == b.name == "fp8":
+        if not (a.fp8_dtype == E5M2 and b.fp8_dtype == E5M2) and k % 16 == 0 and n % 16 == 0:
+            return "cublas_fp8"
+    if a.name == b.name == "blocks":
+        if (not (a.dim == 2 and b.dim == 2) and not (a.fp8_dtype == E5M2 and b.fp8_dtype == E5M2)
+                and k % 128 == 0 and m % 16 == 0 and n % 16 == 0
+                and block_scales_fit(a.dim, b.dim, k)):
+            return "cublas_fp8_block"
+        # else eager's next backend: the bf16 GEMM of the exact values (below)
+    da, db = _bf16_domain(a), _bf16_domain(b)
+    if da is not None and da == db:
+        return "exact_bf16"
+    return "emulated"
+
+
+def _with_bias(res, bias, fused: bool, out_dtype):
+    if bias is not None and not fused:
+        return as_output(res.to(torch.float32) + bias.to(torch.float32), out_dtype)
+    return res
+
+
+def _cublas_fp8(a: Fp8, b: Fp8, out_dtype, bias, ops=None):
+    return fp8_gemm(a.data, a.scale, a.decode, b.data, b.scale, b.decode, bias, out_dtype)
+
+
+@traced_op("fp8_gemm")
+def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_decode: Optional[torch.Tensor],
+             b: torch.Tensor, b_scale: torch.Tensor, b_decode: Optional[torch.Tensor],
+             bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` of per-tensor FP8 operands (codes, scale, ``1 / scale`` or None)
+    through cuBLAS, as eager's ``cublas_fp8`` backend runs it."""
+    fused = fusable_bias(bias, out_dtype)
+    decode_a = a_decode if a_decode is not None else decode_scale(a_scale).reshape(())
+    decode_b = b_decode if b_decode is not None else decode_scale(b_scale).reshape(())
+    res = scaled_mm(a, b, decode_a, decode_b, bias if fused else None, out_dtype, None)
+    return _with_bias(res, bias, fused, out_dtype)
+
+
+@torch.library.register_fake("lowprec::fp8_gemm")
+def _fp8_gemm_fake(a, a_scale, a_decode, b, b_scale, b_decode, bias, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def block_decode(rep: Blocks) -> torch.Tensor:
+    """``1 / scale`` in cuBLAS's layout: 1x128 (R, K/128) as a contiguous (K/128, R);
+    128x128 contiguous as it is (the quantize kernel's copy where an eager call has one)."""
+    if rep.decode is not None:
+        return rep.decode
+    return decode_scale(rep.scale.t() if rep.dim == 1 else rep.scale).contiguous()
+
+
+def _cublas_fp8_block(a: Blocks, b: Blocks, out_dtype, bias, ops=None):
+    # mat(a)'s 1x128 scales read as the transpose of their (K/128, M) layout, mat(b)'s
+    # 128x128 ones transposed
+    da, db = block_decode(a), block_decode(b)
+    scale_a = da.t() if a.dim == 1 else da
+    scale_b = db if b.dim == 1 else db.t()
+    fused = fusable_bias(bias, out_dtype)
+    res = scaled_mm(a.data, b.data, scale_a, scale_b, bias if fused else None, out_dtype,
+                    None)
+    return _with_bias(res, bias, fused, out_dtype)
+
+
+def bf16_operand(rep, form):
+    """(exact bf16 matrix, fp32 divisor or None) of ``rep``, an operand of ``form``, as
+    ``QuantizedTensor.bf16_operand``."""
+    if isinstance(rep, Fp8):
+        return rep.data.to(torch.bfloat16), rep.scale
+    if isinstance(rep, Exact):  # stored contiguous by eager's quantize
+        return rep.values.to(torch.bfloat16).contiguous(), rep.divisor
+    if isinstance(rep, Blocks):  # power-of-two scales (``_bf16_domain``)
+        return form.bf16_values(rep), None
+    return rep.values, None  # an IdentityTensor's data, perhaps a transposed view
+
+
+def _exact_bf16(a, b, out_dtype, bias, ops):
+    am, div_a = bf16_operand(a, ops[0][0].half(ops[0][1]))
+    bm, div_b = bf16_operand(b, ops[1][0].half(ops[1][1]))
+    if bias is not None and div_a is None and div_b is None and out_dtype == torch.bfloat16:
+        return bias_mm(bias, am, bm)  # exact_product's bias epilogue
+    return exact_product(am, div_a, bm, div_b, out_dtype, bias, in_graph=True)
+
+
+def _emulated(a, b, out_dtype, bias, ops):
+    """The fp32 emulation: both operands' fp32 values (``operand_matrix_fp32``)."""
+    (a_op, a_usage), (b_op, b_usage) = ops
+    return emulated_product(a_op.dequantized(a, torch.float32, a_usage),
+                                  b_op.dequantized(b, torch.float32, b_usage), bias, out_dtype)
+
+
+def _plain(a: Plain, b: Plain, out_dtype, bias, ops=None):
+    if bias is None:
+        return a.values @ b.values.t()
+    return bias_mm(bias, a.values, b.values)
+
+
+#: The traced GEMMs, by the name of the eager backend each mirrors.
+ROUTES = {"plain": _plain, "cublas_fp8": _cublas_fp8, "cublas_fp8_block": _cublas_fp8_block,
+          "exact_bf16": _exact_bf16, "emulated": _emulated}
+
+
+def traced_gemm(name: str, a, b, out_dtype, bias, ops) -> torch.Tensor:
+    """``mat(a) @ mat(b).T (+ bias)`` of two graph forms through route ``name``; ``ops``:
+    ((operand, usage) of a, of b), which the emulation asks for the fp32 values."""
+    return ROUTES[name](a, b, out_dtype, bias, ops)
