@@ -111,6 +111,9 @@ def verdicts(results: list[RunResult]) -> list[tuple[str, str]]:
     base_stab = stabs[id(base)]
     ref = reference(results)
     noise = noise_delta(results, stabs)
+    no_noise = ("the noise-floor run has no stable result to measure it with"
+                if any(r.name == NOISE_FLOOR for r in results)
+                else "run the same command without --no-noise-floor to measure it")
     out = []
     for r in results:
         if r is base:
@@ -126,7 +129,8 @@ def verdicts(results: list[RunResult]) -> list[tuple[str, str]]:
             text = stability.verdict(st, delta_vs(ref, r), baseline=BASELINE,
                                      base_stab=base_stab, base_ok=ref is not None,
                                      noise=None if r.name == NOISE_FLOOR else noise,
-                                     noise_name=NOISE_FLOOR, failed=failed)
+                                     noise_name=NOISE_FLOOR, failed=failed,
+                                     no_noise=no_noise)
         out.append((r.name, text))
     return out
 

@@ -223,7 +223,7 @@ def problem(stab: Stability) -> str:
 def verdict(stab: Stability, delta: tuple[float, float] | None, *,
             baseline: str, base_stab: Stability | None, base_ok: bool = True,
             noise: tuple[float, float] | None = None, noise_name: str = "",
-            failed: str = "") -> str:
+            failed: str = "", no_noise: str = "") -> str:
     """One line of plain words on a recipe against the baseline.
 
     ``delta``: (held-out loss difference to the baseline, its paired standard error), as
@@ -232,7 +232,10 @@ def verdict(stab: Stability, delta: tuple[float, float] | None, *,
     why the run failed, if it did. The noise floor's delta is one draw of what a recipe
     that changes nothing shows against the baseline, so it enters the standard error as
     one more independent term: se = sqrt(paired_se^2 + noise_delta^2). No number is given
-    when either run is unstable."""
+    when either run is unstable. Without a noise floor the verdict says better or worse
+    on nothing: the paired standard error leaves seed-to-seed noise out, so it gives the
+    delta and its paired standard error, says the noise was not measured and
+    ``no_noise``, what would measure it."""
     own = problem(stab)
     if failed:
         return f"failed ({failed}): no comparison"
@@ -247,12 +250,12 @@ def verdict(stab: Stability, delta: tuple[float, float] | None, *,
     if base_stab is None or not base_ok or delta is None:
         return f"no finished {baseline} baseline: no comparison"
     d, se = delta
-    parts = [se if math.isfinite(se) else 0.0]
-    if noise is not None:
-        parts.append(noise[0])
-    total = math.sqrt(sum(p * p for p in parts))
-    what = "standard errors" + (f", {noise_name} seed noise included" if noise is not None
-                                else "")
+    if noise is None:
+        return (f"{d:+.4f} ± {se:.4f} (paired standard error over the held-out batches); "
+                f"seed-to-seed noise not measured, so no verdict"
+                + (f": {no_noise}" if no_noise else ""))
+    total = math.sqrt((se if math.isfinite(se) else 0.0) ** 2 + noise[0] ** 2)
+    what = f"standard errors, {noise_name} seed noise included"
     if total <= 0.0:
         n_se = math.inf if d else 0.0
     else:

@@ -235,3 +235,27 @@ def test_plot_marks_spikes(tmp_path):
     path = tmp_path / "loss.png"
     assert report.plot(str(path), spiking_baseline_results()) is None
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_a_noise_floor_no_verdict_says_better_or_worse():
+    """--no-noise-floor: the paired standard error leaves seed-to-seed noise out, so even a
+    delta of many paired standard errors gets no better/worse; the verdict gives the delta,
+    its paired standard error, and what would measure the noise."""
+    def r(name, seed, val):
+        return run(name, curve(40, seed=seed), val=val, seed=seed, val_spread=0.001)
+
+    base, far, better = r(BASELINE, 20, 2.50), r("nvfp4", 22, 2.70), r("fp8_block", 23, 2.40)
+    judged = dict(report.verdicts([base, far, better]))
+    for name, other in (("nvfp4", far), ("fp8_block", better)):
+        text = judged[name]
+        assert "worse" not in text and "better" not in text, text
+        d, se = report.delta_vs(base, other)
+        assert text.startswith(f"{d:+.4f} ± {se:.4f} (paired standard error"), text
+        assert "seed-to-seed noise not measured" in text
+        assert "without --no-noise-floor" in text
+    # a noise-floor run without a stable result: no verdict either, and it says why
+    spiky = curve(40, seed=24)
+    spiky[14] *= 2.0
+    judged = dict(report.verdicts([base, run(NOISE_FLOOR, spiky, seed=24), far]))
+    assert "worse" not in judged["nvfp4"]
+    assert "noise-floor run has no stable result" in judged["nvfp4"]
