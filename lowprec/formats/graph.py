@@ -212,7 +212,7 @@ class GraphOperand:
     #: (``lowprec.linear.traced.eager_plan``; dY's form need only launch eagerly): per-tensor
     #: current and delayed scaling, block FP8, MXFP8 and NVFP4 with their kernels, and
     #: hybrids whose rowwise half is one of them. On the "1b" model each is faster than the eager
-    #: Function (``tools/ab_eager_plan.py``), at no more memory except a hybrid whose
+    #: Function, at no more memory except a hybrid whose
     #: columnwise half re-quantizes the kept input in backward (mxfp8_fwd_nvfp4_bwd:
     #: 13.45 GiB against 12.89, bf16's peak being 13.42)
     eager = False

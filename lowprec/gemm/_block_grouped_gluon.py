@@ -21,7 +21,7 @@ work is explicit:
 * ``OVERLAP`` (8 warps only): chunk i's dot is issued before chunk i-1's scaled add, the
   chunks taking two register sets in turn. ptxas still serializes those dots (its C7514
   note), so what it gains comes from the order of the loads and adds. With one warpgroup
-  this form gave outputs off cuBLAS's on an H100 (``tools/stress_block_grouped.py``), and
+  this form gave outputs off cuBLAS's on an H100 (repeated runs of one config), and
   the launcher refuses it (``block_grouped.check_gluon_config``).
 
 :func:`block_grouped_ws_kernel` is the warp-specialized form of the 128-row tile: a

@@ -72,8 +72,8 @@ def check_gluon_config(cfg) -> None:
     """Raises on a Gluon config (BN, STAGES, OVERLAP, GROUP_M, warps) the kernels do not run:
     OVERLAP 2 (the warp-specialized kernel: two consumer warpgroups and a loader warp over a
     128-row tile) needs ``warps`` 4, a partition's; OVERLAP 1 needs 8 (two warpgroups). With
-    one warpgroup, OVERLAP 1 gives outputs off cuBLAS's on an H100 in every run
-    (``tools/stress_block_grouped.py``), so it is refused rather than run."""
+    one warpgroup, OVERLAP 1 gives outputs off cuBLAS's on an H100 in every run, so it is
+    refused rather than run."""
     overlap, warps = int(cfg[2]), cfg[4]
     need = {0: None, 1: 8, 2: 4}
     if overlap not in need:

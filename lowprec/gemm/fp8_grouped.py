@@ -17,7 +17,7 @@ operand:
 The contraction is summed in 128-long tensor-core chunks, each added to an fp32
 accumulator, and the product of the two decode scales is applied at the end: cuBLAS's
 ``torch._scaled_mm`` without fast accumulation gives the same bits on the H100
-(``tools/probe_grouped_fp8.py``, ``tests/gemm/test_fp8_grouped.py``), where
+(``tests/gemm/test_fp8_grouped.py``), where
 ``torch._scaled_grouped_mm`` differs in the last bits and runs at 250-290 TFLOP/s at
 fine-grained experts' shapes (about 1,000 rows an expert), against 450-720 here. Off the
 GPU the same sum runs in torch ops (``_reference``), for the CPU tests.
@@ -33,14 +33,13 @@ from ..kernels.launch import launch
 #: the multiple every wgrad group starts at (16-byte loads along the contraction)
 ALIGN = 16
 #: (BM, BN, BK, warps, stages, bands of row tiles) by operand width: the fastest of the
-#: configs timed on an H100 at the MoE layer's shapes (``tools/probe_grouped_fp8.py``, fp8
-#: and ``--bf16``); bf16 at 94-98% of ``torch._grouped_mm`` there
+#: configs timed on an H100 at the MoE layer's shapes (fp8 and bf16 operands); bf16 at 94-98% of ``torch._grouped_mm`` there
 _CONFIG = {1: (128, 128, 128, 8, 4, 8), 2: (128, 256, 64, 8, 3, 8)}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: mean rows an expert below which FP8 operands take the persistent form of the kernel (one
 #: program an SM looping over the tiles, same sums): at Qwen3's 1,000 rows an expert it ran
 #: 4-13% faster in each of the six GEMMs of a layer, at Mixtral's 4,000 from 14% slower to
-#: 3% faster (``tools/probe_grouped_fp8.py --persistent``, H100)
+#: 3% faster (H100)
 PERSISTENT_ROWS = 2048
 
 

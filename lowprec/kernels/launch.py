@@ -3,8 +3,8 @@
 A Triton launch through ``JITFunction.run`` spends most of its host time outside the
 launch itself: it looks up the current device and stream, turns the options into a string
 for its cache key, builds launch metadata, checks the globals the kernel read and then
-calls the compiled kernel's C launcher. Measured on an H200 host (Triton 3.6,
-``tools/launch_cost.py``): 26 us a launch that way, 9.6 us calling the C launcher
+calls the compiled kernel's C launcher. Measured on an H200 host (Triton 3.6): 26 us a
+launch that way, 9.6 us calling the C launcher
 directly. A quantized Linear step makes 6-14 launches, and small steps are bound by the
 host.
 

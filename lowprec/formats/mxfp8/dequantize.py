@@ -14,8 +14,8 @@ from ..casting import E8M0_BIAS, E8M0_NAN, exp2_int
 
 _MX_BLOCK = 32
 
-#: MXFP8 dequantize tile: BR rows x NB blocks of 32 per program, num_warps (timed on an H200
-#: with tools/sweep_dequant.py, which may override it).
+#: MXFP8 dequantize tile: BR rows x NB blocks of 32 per program, num_warps (timed on an
+#: H200).
 MX_DEQUANT_CONFIG = {"BR": 32, "NB": 8, "warps": 8}
 
 
