@@ -33,7 +33,8 @@ from ..kernels.launch import launch
 #: the multiple every wgrad group starts at (16-byte loads along the contraction)
 ALIGN = 16
 #: (BM, BN, BK, warps, stages, bands of row tiles) by operand width: the fastest of the
-#: configs timed on an H100 at the MoE layer's shapes (fp8 and bf16 operands); bf16 at 94-98% of ``torch._grouped_mm`` there
+#: configs timed on an H100 at the MoE layer's shapes (fp8 and bf16 operands); bf16 at
+#: 94-98% of ``torch._grouped_mm`` there
 _CONFIG = {1: (128, 128, 128, 8, 4, 8), 2: (128, 256, 64, 8, 3, 8)}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: mean rows an expert below which FP8 operands take the persistent form of the kernel (one

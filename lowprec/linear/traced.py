@@ -64,6 +64,7 @@ from .padding import NONE as NO_PADDING
 from .padding import Padding, feature_padding, padding_for
 from .plan import keep, row_padding
 
+
 # ---- the plan --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TracedPlan:
