@@ -13,10 +13,10 @@ eager's GEMMs read them, and the stochastic-rounding keys drawn where eager draw
   it quantizes, rowwise first (``NVFP4Quantizer._kernel_keys``). ``torch.randint`` traced
   into a graph would draw from the compiler's own generator, so :func:`draw_keys` is an op
   that calls eager's ``draws.draw_key``. It reads the tensor being quantized, which places
-  it after that tensor's producer, and it is an *ordered* effectful op: the compiler
-  threads one effect token through every draw of a graph, so draws with no data
-  dependency between them (two layers' forward keys, two experts') keep the order eager
-  drew them in, where the scheduler would otherwise be free to swap them.
+  it after that tensor's producer. A forward operand's draws (:func:`draw_keys_ordered`)
+  are an *ordered* effectful op besides: the compiler threads one effect token through
+  them, so draws with no data dependency between them (two layers' forward keys, two
+  experts') keep the order eager drew them in, where the scheduler could swap them.
 """
 
 from __future__ import annotations
@@ -33,26 +33,41 @@ from .launch import nvfp4_quantize, quantize_outputs
 from .reference import dequantize_matrix, quantize_matrix
 
 
-def keys(anchor: Tensor, count: int):
-    """:func:`draw_keys` in a graph; an eager call draws them directly (a list)."""
+def keys(anchor: Tensor, count: int, ordered: bool = False):
+    """:func:`draw_keys` in a graph (:func:`draw_keys_ordered` for ``ordered``); an eager
+    call draws them directly (a list)."""
     if torch.compiler.is_compiling():
-        return draw_keys(anchor, count)
+        return (draw_keys_ordered if ordered else draw_keys)(anchor, count)
     return [draw_key(None, anchor.device) for _ in range(count)]
+
+
+def _draw(anchor: Tensor, count: int) -> Tensor:
+    return torch.stack([draw_key(None, anchor.device) for _ in range(count)])
 
 
 @graph_op("nvfp4_draw_keys", tags=(torch.Tag.nondeterministic_seeded,))
 def draw_keys(anchor: Tensor, count: int) -> Tensor:
     """``count`` stochastic-rounding keys, (count, 2) int64 on ``anchor``'s device, drawn
-    one after another from its default generator as eager's quantize draws them."""
-    return torch.stack([draw_key(None, anchor.device) for _ in range(count)])
+    one after another from its default generator as eager's quantize draws them. For a
+    gradient's keys: the gradient itself orders the draw (it exists once the layer above's
+    backward made it)."""
+    return _draw(anchor, count)
 
 
-@torch.library.register_fake("lowprec::nvfp4_draw_keys")
-def _draw_keys_fake(anchor, count):
-    return anchor.new_empty((count, 2), dtype=torch.int64)
+@graph_op("nvfp4_draw_keys_ordered", tags=(torch.Tag.nondeterministic_seeded,))
+def draw_keys_ordered(anchor: Tensor, count: int) -> Tensor:
+    """:func:`draw_keys` for a forward operand's keys, as an ordered effectful op: nothing
+    in the data orders two layers' (or two experts') forward draws, so the compiler
+    threads an effect token through them and keeps eager's order. (The token costs
+    compile time, so the gradients' draws, which their data orders, do without it.)"""
+    return _draw(anchor, count)
 
 
-register_ordered(draw_keys)
+for _name in ("nvfp4_draw_keys", "nvfp4_draw_keys_ordered"):
+    torch.library.register_fake(f"lowprec::{_name}")(
+        lambda anchor, count: anchor.new_empty((count, 2), dtype=torch.int64))
+
+register_ordered(draw_keys_ordered)
 
 
 @graph_op("nvfp4_graph_values")

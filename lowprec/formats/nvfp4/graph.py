@@ -65,15 +65,16 @@ class FP4Blocks(GraphOperand):
         # reference's are the emulation's fp32 values in the original domain
         return _KINDS[self.kernel and self.rht and usage == "columnwise", self.kernel]
 
-    def _keys(self, t, row: bool, col: bool):
-        """(rowwise key or None, columnwise key or None), drawn rowwise first."""
+    def _keys(self, t, row: bool, col: bool, grad: bool = False):
+        """(rowwise key or None, columnwise key or None), drawn rowwise first; a forward
+        operand's (not ``grad``) in the graph's order of effects (``draw_keys_ordered``)."""
         if not self.sr:
             return None, None
-        keys = fp4.keys(t, int(row) + int(col))
+        keys = fp4.keys(t, int(row) + int(col), ordered=not grad)
         return keys[0] if row else None, keys[int(row)] if col else None
 
-    def _values(self, t, row: bool, col: bool):
-        key_row, key_col = self._keys(t, row, col)
+    def _values(self, t, row: bool, col: bool, grad: bool = False):
+        key_row, key_col = self._keys(t, row, col, grad)
         return self._keyed_values(t, row, col, key_row, key_col)
 
     def _column_values(self, t, key_col):
@@ -147,7 +148,7 @@ class FP4Blocks(GraphOperand):
     def grad(self, t, row, col):
         if not (row or col):
             return None, None
-        return self._values(t, row, col)
+        return self._values(t, row, col, grad=True)
 
 
 @dataclass(frozen=True)
