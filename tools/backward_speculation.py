@@ -9,7 +9,7 @@ under ``torch.autocast`` fails. For each module, recipe and autocast setting thi
 one forward (``fullgraph=True``, AOT autograd) and prints how often a backward was traced
 again, with the lowprec frames that asked. Exits 1 if any was.
 
-Without a GPU the GPU code path is traced (``host_calls.py``'s no-op launches, cuBLASLt
+Without a GPU the GPU code path is traced (``_pretend_gpu.py``'s no-op launches, cuBLASLt
 taken as present): tracing is all this looks at, so what runs afterwards may fail on the
 CPU and is reported, not counted.
 
@@ -85,10 +85,10 @@ def main() -> int:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
-        from host_calls import _pretend_gpu
+        from _pretend_gpu import pretend_gpu
 
         from lowprec.gemm import cublaslt
-        _pretend_gpu()
+        pretend_gpu()
         cublaslt.available = lambda: True
     import lowprec
     from lowprec.recipe import Recipe

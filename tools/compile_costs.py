@@ -9,7 +9,7 @@ timed around dynamo's inlining of each call, so a function's time includes the
 fake-tensor propagation of the ops it traces). With ``--classes N`` also the N classes
 whose instantiation inside the trace cost dynamo most (inclusive seconds).
 
-Without a GPU, ``--pretend`` traces the GPU code path on the CPU (``host_calls.py``'s no-op
+Without a GPU, ``--pretend`` traces the GPU code path on the CPU (``_pretend_gpu.py``'s no-op
 launches and GEMMs, the model in bf16), and ``--backend aot_eager`` times dynamo and AOT
 autograd alone: dynamo's tracing time of lowprec's Python is the same on both hosts.
 
@@ -80,8 +80,8 @@ def one_peer(args) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     sys.path.insert(0, str(ROOT / "tools"))
     if args.pretend:
-        import host_calls
-        host_calls._pretend_gpu()
+        from _pretend_gpu import pretend_gpu
+        pretend_gpu()
     import bench_model as B
     from torch._dynamo.utils import compilation_time_metrics, counters
     from torch._inductor import metrics
