@@ -9,8 +9,8 @@ under ``torch.autocast`` fails. For each module, recipe and autocast setting thi
 one forward (``fullgraph=True``, AOT autograd) and prints how often a backward was traced
 again, with the lowprec frames that asked. Exits 1 if any was.
 
-Without a GPU the GPU code path is traced (``_pretend_gpu.py``'s no-op launches, cuBLASLt
-taken as present): tracing is all this looks at, so what runs afterwards may fail on the
+Without a GPU the GPU code path is traced (no-op launches, ``benchmarks/harness.pretend_gpu``;
+cuBLASLt taken as present): tracing is all this looks at, so what runs afterwards may fail on the
 CPU and is reported, not counted.
 
     python tools/backward_speculation.py
@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 MODULES = {
     "linear": lambda lp, dt, dev: lp.Linear(256, 128, name="l", params_dtype=dt, device=dev),
@@ -85,7 +86,7 @@ def main() -> int:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
-        from _pretend_gpu import pretend_gpu
+        from harness import pretend_gpu
 
         from lowprec.gemm import cublaslt
         pretend_gpu()

@@ -9,9 +9,10 @@ timed around dynamo's inlining of each call, so a function's time includes the
 fake-tensor propagation of the ops it traces). With ``--classes N`` also the N classes
 whose instantiation inside the trace cost dynamo most (inclusive seconds).
 
-Without a GPU, ``--pretend`` traces the GPU code path on the CPU (``_pretend_gpu.py``'s no-op
-launches and GEMMs, the model in bf16), and ``--backend aot_eager`` times dynamo and AOT
-autograd alone: dynamo's tracing time of lowprec's Python is the same on both hosts.
+Without a GPU, ``--pretend`` traces the GPU code path on the CPU (no-op launches and GEMMs,
+``benchmarks/harness.pretend_gpu``; the model in bf16), and ``--backend aot_eager`` times
+dynamo and AOT autograd alone: dynamo's tracing time of lowprec's Python is the same on both
+hosts.
 
     python tools/compile_costs.py --model 1b --peers bf16,torchao-tensorwise,lowprec-current
     python tools/compile_costs.py --model tiny8 --device cpu --pretend --backend aot_eager \
@@ -80,7 +81,7 @@ def one_peer(args) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     sys.path.insert(0, str(ROOT / "tools"))
     if args.pretend:
-        from _pretend_gpu import pretend_gpu
+        from harness import pretend_gpu
         pretend_gpu()
     import bench_model as B
     from torch._dynamo.utils import compilation_time_metrics, counters

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
-#: the scripts (a leading underscore marks a helper module they import, not a script)
-SCRIPTS = sorted(p.name for p in TOOLS.glob("*.py") if not p.name.startswith("_"))
+SCRIPTS = sorted(p.name for p in TOOLS.glob("*.py"))
 
 
 def test_readme_lists_exactly_the_scripts():
