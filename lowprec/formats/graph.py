@@ -212,9 +212,9 @@ class GraphOperand:
     #: (``lowprec.linear.traced.eager_plan``; dY's form need only launch eagerly): per-tensor
     #: current and delayed scaling, block FP8, MXFP8 and NVFP4 with their kernels, and
     #: hybrids whose rowwise half is one of them. On the "1b" model each is faster than the eager
-    #: Function, at no more memory except a hybrid whose
-    #: columnwise half re-quantizes the kept input in backward (mxfp8_fwd_nvfp4_bwd:
-    #: 13.45 GiB against 12.89, bf16's peak being 13.42)
+    #: Function, at no more memory except a hybrid whose columnwise half re-quantizes the
+    #: kept input in backward (mxfp8_fwd_nvfp4_bwd: 13.45 GiB against 12.89, bf16's peak
+    #: being 13.42)
     eager = False
     #: whether this form's ops run outside a graph (eager's kernels, launched directly)
     launches_eagerly = False

@@ -571,4 +571,3 @@ class _QuantizeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
-

@@ -21,12 +21,12 @@ from .emulated_fp32 import fp32_product
 from .exact_bf16 import as_exact, exact_product
 from .kernels import gemm_alpha_torch
 from .traced import (
-                     ROUTES,
-                     bf16_operand,
-                     bias_mm,
-                     block_decode,
-                     emulated_product,
-                     fp8_gemm,
-                     route,
-                     traced_gemm,
+    ROUTES,
+    bf16_operand,
+    bias_mm,
+    block_decode,
+    emulated_product,
+    fp8_gemm,
+    route,
+    traced_gemm,
 )

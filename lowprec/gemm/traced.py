@@ -72,7 +72,6 @@ def _addmm_fake(bias, a, b):
     return a.new_empty((a.shape[0], b.shape[0]))
 
 
-
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -4,9 +4,8 @@ A Triton launch through ``JITFunction.run`` spends most of its host time outside
 launch itself: it looks up the current device and stream, turns the options into a string
 for its cache key, builds launch metadata, checks the globals the kernel read and then
 calls the compiled kernel's C launcher. Measured on an H200 host (Triton 3.6): 26 us a
-launch that way, 9.6 us calling the C launcher
-directly. A quantized Linear step makes 6-14 launches, and small steps are bound by the
-host.
+launch that way, 9.6 us calling the C launcher directly. A quantized Linear step makes
+6-14 launches, and small steps are bound by the host.
 
 :func:`launch` keeps the part that decides *which* compiled kernel runs, Triton's own
 binder (the same specialization: dtypes, 16-byte alignment of pointers and integers,

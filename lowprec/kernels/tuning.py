@@ -44,9 +44,8 @@ class Tuning:
         #: Tile configs: name -> (BM, BN, num_warps[, ITERS, STAGES, K_FAST, BOTTOM_UP] of
         #: the casts: see ``grid.tile_config`` and ``grid.cast_bottom_up``), picked by
         #: timing 16384x4096 bf16 on an H200 (tools/sweep_fp8_quantize.py);
-        #: tests/slow/test_fuzz_kernels_fp8.py checks them bit for
-        #: bit. The casts take the rows the
-        #: amax pass read last first, from L2 (``cast_kernel``).
+        #: tests/slow/test_fuzz_kernels_fp8.py checks them bit for bit. The casts take the
+        #: rows the amax pass read last first, from L2 (``cast_kernel``).
         self.fp8_configs = {
             "amax": (32, 256, 8),
             "cast_row": (32, 512, 8, 4, 1, 1, 1),

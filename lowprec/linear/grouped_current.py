@@ -8,10 +8,9 @@ Which grouped GEMM runs (:func:`gemm_backend`), on Hopper with bf16 activations:
   HYBRID format's gradients too);
 * ``"cutlass"``: ``torch._scaled_grouped_mm`` (E4M3 only; the same values to the last
   bits). Timed on an H100 (the six GEMMs of a layer): at 2,048 rows an expert it is
-  8-10% faster than the Triton kernel (Mixtral's and
-  Qwen3's shapes); at 1,024 it is 3% faster at Mixtral's 8 large experts and 2.2x slower at
-  Qwen3's 128 small ones. It runs when the experts average :data:`CUTLASS_ROWS` rows or
-  more.
+  8-10% faster than the Triton kernel (Mixtral's and Qwen3's shapes); at 1,024 it is 3%
+  faster at Mixtral's 8 large experts and 2.2x slower at Qwen3's 128 small ones. It runs
+  when the experts average :data:`CUTLASS_ROWS` rows or more.
 
 Without either (no Triton, not Hopper, other activations), each group's GEMM runs as
 :func:`lowprec.gemm.gemm` runs it, the group sizes read on the host.

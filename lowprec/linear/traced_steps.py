@@ -1,11 +1,7 @@
-"""The steps every traced linear shares (``lowprec.linear.traced``): bf16 rounding that a
-fusing compiler cannot elide, the bias add and bias gradient as ops of the graph, and the
-bookkeeping between an ``autograd.Function``'s forward and backward.
-
-Inductor computes fused bf16 ops in fp32 and skips the rounding between them; a traced
-quantize therefore rounds its input to bf16 in integer arithmetic (:func:`rounded`) and
-builds bf16 outputs from their bits (:func:`as_output`), so a neighbour fused into it reads
-and hands on eager's values.
+"""The steps every traced linear shares (``lowprec.linear.traced``): the bias gradient as
+an op of the graph, and the bookkeeping between an ``autograd.Function``'s forward and
+backward. The GEMMs and their bias add are ``lowprec.gemm.traced``'s; the bf16 rounding a
+fusing compiler cannot elide (``rounded``, ``as_output``) is ``lowprec.formats.graph``'s.
 """
 
 from __future__ import annotations

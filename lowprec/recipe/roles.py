@@ -68,4 +68,3 @@ def slot_tensor_type(role: "QuantizerRole | None", mode: str, index: int) -> str
     if mode == "backward":
         return BACKWARD_TENSOR_TYPES[index % len(BACKWARD_TENSOR_TYPES)]
     raise ValueError(f"mode={mode!r}; use 'forward' or 'backward'")
-

@@ -300,17 +300,13 @@ class HeldScale(Tensorwise):
     sticking), as its eager quantize does. The form reads the tensors through the
     quantizer when it runs, so a compiled graph takes them as inputs and sees the scale
     the quantizer holds at each call. Both directions of one tensor share one scale and
-    one record (eager quantizes both usages at once); eager calls run the eager Function.
+    one record (eager quantizes both usages at once).
     """
 
     quantizer: object = None
 
-    @property
-    def eager(self) -> bool:
-        return False
-
-    def _in_eager(self) -> bool:
-        return False
+    # not ``eager`` (a subclass) and no ``kernel``: eager calls run the eager Function, and
+    # the base's forms take the graph path, through :meth:`_fp8` below
 
     def _fp8(self, t):
         q = self.quantizer
