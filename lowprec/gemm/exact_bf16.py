@@ -144,8 +144,11 @@ def exact_product(am, div_a, bm, div_b, out_dtype, bias=None, out=None, *, in_gr
                                                               strides=not in_graph):
         # the divisors in cuBLASLt's epilogue: no fp32 result in memory
         if in_graph:
+            div_a, div_b = kernels.divisor(div_a), kernels.divisor(div_b)
             workspace = am.new_empty(cublaslt.WORKSPACE_BYTES, dtype=torch.uint8)
-            return kernels.scaled_mm_lt_in_graph(am, bm, div_a, div_b, workspace, out_dtype)
+            return kernels.scaled_mm_lt_in_graph(am, bm, div_a, div_b,
+                                                 kernels.graph_alpha_beta(div_a, div_b, am),
+                                                 workspace, out_dtype)
         return kernels.scaled_mm_lt(am, bm, div_a, div_b, out_dtype, out=out)
     acc = _mm_fp32_out(am, bm)
     result = kernels.scale_bias_epilogue(acc, div_a, div_b, bias, out_dtype)

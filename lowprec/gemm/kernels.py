@@ -156,27 +156,50 @@ def _(am, bm, div_a, div_b, out):
     return None
 
 
+def graph_alpha_beta(div_a: torch.Tensor | None, div_b: torch.Tensor | None,
+                     like: torch.Tensor) -> torch.Tensor:
+    """``[alpha, 0.0]`` of :func:`scaled_mm_lt` (alpha as :func:`gemm_alpha` and the
+    ``gemm_alpha_kernel`` compute it: the fp64 reciprocal of the exact fp64 product, rounded
+    to fp32 and clamped) in torch ops, for a compiled graph: the compiler fuses them into
+    the kernel that makes the divisors, where a launch of the alpha kernel would cost a
+    Python call of its own. ``like``: a tensor on the GEMM's device (both divisors may be
+    missing, alpha then 1)."""
+    if div_a is None and div_b is None:
+        alpha = like.new_ones(1, dtype=torch.float32)
+    else:
+        alpha = gemm_alpha_torch(div_a, div_b)
+    return torch.cat([alpha, alpha.new_zeros(1)])
+
+
 @graph_op("scaled_mm_lt_in_graph")
 def scaled_mm_lt_in_graph(am: torch.Tensor, bm: torch.Tensor, div_a: Optional[torch.Tensor],
-                          div_b: Optional[torch.Tensor], workspace: torch.Tensor,
-                          out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`scaled_mm_lt` as an op of a compiled graph: the cuBLASLt workspace is a tensor
-    of the graph (``cublaslt.WORKSPACE_BYTES``) and alpha is made for the call, so nothing
-    outlives it (CUDA graph trees require the graph's memory pool to own every allocation a
-    step keeps). The same cuBLASLt call as eager's, so the same bits; operands whose
-    strides cuBLASLt does not take (``cublaslt.strides_ok``) get eager's fp32 GEMM and
-    epilogue instead."""
-    return _scaled_mm_lt(am, bm, _divisor(div_a), _divisor(div_b), out_dtype,
-                         workspace=workspace)
+                          div_b: Optional[torch.Tensor], alpha_beta: torch.Tensor,
+                          workspace: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`scaled_mm_lt` as an op of a compiled graph: ``alpha_beta`` is the graph's own
+    :func:`graph_alpha_beta` of the fp32 (1,) divisors and the cuBLASLt workspace a tensor
+    of the graph (``cublaslt.WORKSPACE_BYTES``), so nothing outlives the call (CUDA graph
+    trees require the graph's memory pool to own every allocation a step keeps). The same
+    cuBLASLt call as eager's, so the same bits; operands whose strides cuBLASLt does not
+    take (``cublaslt.strides_ok``) get eager's fp32 GEMM and epilogue instead."""
+    from ..kernels.grid import device_guard
+    from . import cublaslt
+
+    with device_guard(am.device):
+        if cublaslt.strides_ok(am, bm):
+            result = cublaslt.mm_scaled(am, bm, alpha_beta, out_dtype, None, workspace)
+            if result is not None:
+                return result
+        acc = torch.mm(am, bm.t(), out_dtype=torch.float32)
+        return _epilogue_op(acc, div_a, div_b, None, out_dtype)
 
 
 @torch.library.register_fake("lowprec::scaled_mm_lt_in_graph")
-def _(am, bm, div_a, div_b, workspace, out_dtype):
+def _(am, bm, div_a, div_b, alpha_beta, workspace, out_dtype):
     return am.new_empty((am.shape[0], bm.shape[0]), dtype=out_dtype)
 
 
 # ---- dispatch -----------------------------------------------------------------------------
-def _divisor(d: torch.Tensor | None) -> torch.Tensor | None:
+def divisor(d: torch.Tensor | None) -> torch.Tensor | None:
     """A per-tensor divisor as the (1,) fp32 tensor the kernels read (None stays None)."""
     return None if d is None else d.to(torch.float32).reshape(1)
 
@@ -184,7 +207,7 @@ def _divisor(d: torch.Tensor | None) -> torch.Tensor | None:
 def scale_bias_epilogue(acc: torch.Tensor, div_a: torch.Tensor | None, div_b: torch.Tensor | None,
                         bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``acc / div_a / div_b + bias`` in fp32, rounded once to ``out_dtype``."""
-    div_a, div_b = _divisor(div_a), _divisor(div_b)
+    div_a, div_b = divisor(div_a), divisor(div_b)
     if use_kernels(acc) and acc.numel():
         if bias is not None:
             bias = bias.contiguous()
@@ -197,7 +220,7 @@ def gemm_alpha(div_a: torch.Tensor | None, div_b: torch.Tensor | None) -> torch.
     product ``div_a * div_b`` rounded to fp32 (within one fp32 ulp of ``1 / (div_a *
     div_b)``), clamped to the fp32 maximum; a missing divisor counts as 1 (one of the two
     must be given)."""
-    div_a, div_b = _divisor(div_a), _divisor(div_b)
+    div_a, div_b = divisor(div_a), divisor(div_b)
     some = div_a if div_a is not None else div_b
     if use_kernels(some):
         from ..kernels.grid import device_guard
@@ -214,8 +237,8 @@ def scaled_mm_lt(am: torch.Tensor, bm: torch.Tensor, div_a: torch.Tensor | None,
     :func:`lowprec.gemm.cublaslt.shape_ok`); written to ``out`` (a contiguous tensor of
     the product's shape and ``out_dtype``) where given."""
     if out is None:
-        return _scaled_mm_lt_op(am, bm, _divisor(div_a), _divisor(div_b), out_dtype)
+        return _scaled_mm_lt_op(am, bm, divisor(div_a), divisor(div_b), out_dtype)
     if out.dtype != out_dtype:
         raise ValueError(f"scaled_mm_lt: out is {out.dtype}, the product {out_dtype}")
-    _scaled_mm_lt_out_op(am, bm, _divisor(div_a), _divisor(div_b), out)
+    _scaled_mm_lt_out_op(am, bm, divisor(div_a), divisor(div_b), out)
     return out

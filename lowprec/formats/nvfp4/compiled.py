@@ -29,7 +29,7 @@ from torch import Tensor
 from ...kernels import graph_op, register_ordered
 from ..rht import rht_forward, rht_inverse
 from .draws import draw_key, uniforms
-from .launch import nvfp4_quantize, quantize_outputs
+from .launch import exact_values, nvfp4_quantize, quantize_outputs
 from .reference import dequantize_matrix, quantize_matrix
 
 
@@ -70,15 +70,37 @@ for _name in ("nvfp4_draw_keys", "nvfp4_draw_keys_ordered"):
 register_ordered(draw_keys_ordered)
 
 
+def _values(x2d: Tensor, key_row: Optional[Tensor], key_col: Optional[Tensor],
+            rowwise: bool, columnwise: bool, rht: bool, two_d: bool):
+    if x2d.numel():
+        return exact_values(x2d, key_row, key_col, rowwise, columnwise, rht, two_d)
+    _, _, rs, _, _, cs, rv, cv = nvfp4_quantize(x2d, key_row, key_col, rowwise, columnwise,
+                                                rht, two_d, rowwise, columnwise, False)
+    return rv, rs, cv, cs
+
+
 @graph_op("nvfp4_graph_values")
 def _graph_values(x2d: Tensor, key_row: Optional[Tensor], key_col: Optional[Tensor],
                   rowwise: bool, columnwise: bool, rht: bool,
                   two_d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(rowwise ``q * d``, its S, columnwise ``q * d``, its S): eager's quantize launcher
+    """(rowwise ``q * d``, its S, columnwise ``q * d``, its S): eager's quantize launches
     with ``codes=False`` (a graph op costs a third of the custom op's host time)."""
-    _, _, rs, _, _, cs, rv, cv = nvfp4_quantize(x2d, key_row, key_col, rowwise, columnwise,
-                                                rht, two_d, rowwise, columnwise, False)
-    return rv, rs, cv, cs
+    return _values(x2d, key_row, key_col, rowwise, columnwise, rht, two_d)
+
+
+def _drawn_keys(x2d: Tensor, rowwise: bool, columnwise: bool):
+    key_row = draw_key(None, x2d.device) if rowwise else None
+    return key_row, draw_key(None, x2d.device) if columnwise else None
+
+
+@graph_op("nvfp4_graph_values_drawn", tags=(torch.Tag.nondeterministic_seeded,))
+def _graph_values_drawn(x2d: Tensor, rowwise: bool, columnwise: bool, rht: bool,
+                        two_d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_graph_values` with stochastic rounding, its keys drawn in the op as
+    :func:`draw_keys` draws them (rowwise first): one op for a gradient, whose data orders
+    the draw, where a separate draw would cost a second op's host time."""
+    return _values(x2d, *_drawn_keys(x2d, rowwise, columnwise), rowwise, columnwise, rht,
+                   two_d)
 
 
 @torch.library.register_fake("lowprec::nvfp4_graph_values")
@@ -87,16 +109,28 @@ def _graph_values_fake(x2d, key_row, key_col, rowwise, columnwise, rht, two_d):
     return outs[6], outs[2], outs[7], outs[5]
 
 
+@torch.library.register_fake("lowprec::nvfp4_graph_values_drawn")
+def _graph_values_drawn_fake(x2d, rowwise, columnwise, rht, two_d):
+    return _graph_values_fake(x2d, None, None, rowwise, columnwise, rht, two_d)
+
+
 def kernel_values(x2d: Tensor, rowwise: bool, columnwise: bool, *, rht: bool, two_d: bool,
-                  key_row: Optional[Tensor] = None, key_col: Optional[Tensor] = None):
+                  key_row: Optional[Tensor] = None, key_col: Optional[Tensor] = None,
+                  draw: bool = False):
     """((rowwise bf16 ``q * d``, S), (columnwise (K, M) ``q * d``, S)) of a 2-D CUDA input
-    in one pass of eager's kernels; a direction not asked for is (None, None). An eager
-    call launches them directly (no op dispatch)."""
+    in one pass of eager's kernels; a direction not asked for is (None, None). ``draw``:
+    stochastic rounding with keys drawn now, rowwise first (a gradient's; the keys are
+    then not given). An eager call launches them directly (no op dispatch)."""
     if torch.compiler.is_compiling():
-        rv, rs, cv, cs = _graph_values(x2d, key_row, key_col, rowwise, columnwise, rht, two_d)
+        if draw:
+            rv, rs, cv, cs = _graph_values_drawn(x2d, rowwise, columnwise, rht, two_d)
+        else:
+            rv, rs, cv, cs = _graph_values(x2d, key_row, key_col, rowwise, columnwise, rht,
+                                           two_d)
     else:
-        _, _, rs, _, _, cs, rv, cv = nvfp4_quantize(x2d, key_row, key_col, rowwise, columnwise,
-                                                    rht, two_d, rowwise, columnwise, False)
+        if draw:
+            key_row, key_col = _drawn_keys(x2d, rowwise, columnwise)
+        rv, rs, cv, cs = _values(x2d, key_row, key_col, rowwise, columnwise, rht, two_d)
     return (rv, rs) if rowwise else (None, None), (cv, cs) if columnwise else (None, None)
 
 

@@ -74,16 +74,19 @@ class FP4Blocks(GraphOperand):
         return keys[0] if row else None, keys[int(row)] if col else None
 
     def _values(self, t, row: bool, col: bool, grad: bool = False):
+        if grad and self.sr and self.kernel:  # keys drawn in the values' own op
+            return self._keyed_values(t, row, col, None, None, draw=True)
         key_row, key_col = self._keys(t, row, col, grad)
         return self._keyed_values(t, row, col, key_row, key_col)
 
     def _column_values(self, t, key_col):
         return self._keyed_values(t, False, True, None, key_col)[1]
 
-    def _keyed_values(self, t, row: bool, col: bool, key_row, key_col):
+    def _keyed_values(self, t, row: bool, col: bool, key_row, key_col, draw: bool = False):
         if self.kernel:
             (rv, rd), (cv, cd) = fp4.kernel_values(t, row, col, rht=self.rht, two_d=self.two_d,
-                                                   key_row=key_row, key_col=key_col)
+                                                   key_row=key_row, key_col=key_col,
+                                                   draw=draw)
             return (Exact(rv, rd) if row else None,
                     Exact(cv, cd, self.rht) if col else None)
         r = rounded(t)

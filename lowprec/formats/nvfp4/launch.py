@@ -36,6 +36,7 @@ from torch import Tensor
 from ...kernels import kernel_op, use_kernels
 from ...kernels.grid import num_sms
 from ...kernels.launch import BoundCalls, launch, launch_calls
+from ...kernels.scratch import zeroed_scratch
 from ...kernels.tuning import tuning
 from ..base import QuantizedTensor, check_exact_only
 from ..casting import e2m1_codes_to_float, unpack_e2m1
@@ -91,7 +92,6 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
     ``col_offset``: the stochastic-rounding index of each direction's first element in the
     whole tensor's matrix of that direction."""
     m, kk = x.shape
-    dev = x.device
     given = rglob_in is not None or cglob_in is not None
     if given and (rowwise and rglob_in is None or columnwise and cglob_in is None):
         raise ValueError("nvfp4_quantize: given global scales must cover every direction it "
@@ -106,20 +106,55 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
         raise ValueError("nvfp4_quantize: stochastic rounding needs a key for every "
                          "direction it quantizes")
     for key in (key_row, key_col):
-        _check_key("nvfp4_quantize", key, dev)
+        _check_key("nvfp4_quantize", key, x.device)
     if not codes:
         check_exact_only("nvfp4_quantize", rowwise, columnwise, exact_row, exact_col)
-    rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = quantize_outputs(
-        x, rowwise, columnwise, two_d, exact_row, exact_col, codes, given)
-    exact_row, exact_col = bool(rowwise and exact_row), bool(columnwise and exact_col)
+    outs = quantize_outputs(x, rowwise, columnwise, two_d, exact_row, exact_col, codes, given)
     if not (rowwise or columnwise) or m == 0 or kk == 0:
-        return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
+        return outs
+    _quantize(x, key_row, key_col, rowwise, columnwise, with_rht, two_d,
+              bool(rowwise and exact_row), bool(columnwise and exact_col), codes, outs,
+              rglob_in, cglob_in, row_offset, col_offset)
+    return outs
 
+
+def exact_values(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tensor],
+                 rowwise: bool, columnwise: bool, with_rht: bool, two_d: bool
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(rowwise exact bf16 ``q * d``, its S, columnwise one, its S) of a 2-D x with at
+    least one element and the keys its directions need: :func:`nvfp4_quantize`'s launches
+    with ``codes=False`` for the directions asked, and one shared placeholder for the codes
+    and scales it does not write. A compiled graph's op (``compiled.nvfp4_graph_values``),
+    whose host time a step pays: nothing is allocated that is not returned."""
+    x = x.contiguous()
+    none = x.new_empty(0, dtype=torch.uint8)
+    m, kk = x.shape
+
+    def direction(on, rows, cols):
+        if not on:  # outputs of an op: each its own tensor
+            return (x.new_empty(0, dtype=torch.bfloat16), x.new_empty(0, dtype=torch.float32))
+        return (x.new_empty((rows, cols), dtype=torch.bfloat16),
+                x.new_empty(1, dtype=torch.float32))
+
+    (rv, rs), (cv, cs) = direction(rowwise, m, kk), direction(columnwise, kk, m)
+    _quantize(x, key_row, key_col, rowwise, columnwise, with_rht, two_d, rowwise, columnwise,
+              False, (none, none, rs, none, none, cs, rv, cv))
+    return rv, rs, cv, cs
+
+
+def _quantize(x, key_row, key_col, rowwise, columnwise, with_rht, two_d, exact_row, exact_col,
+              codes, outs, rglob_in=None, cglob_in=None, row_offset=0, col_offset=0) -> None:
+    """Runs the launches of :func:`nvfp4_quantize` into ``outs`` (its eight outputs) for a
+    checked x with at least one element."""
+    rdata, rscale, rglob, cdata, cscale, cglob, rex, cex = outs
+    m, kk = x.shape
+    dev = x.device
+    given = rglob_in is not None or cglob_in is not None
     rht = bool(with_rht and columnwise)
     sx = _row_stride(x)
     idx64 = _idx64(m, max(kk, sx), max(row_offset, col_offset))
     rs, cs = (rglob_in, cglob_in) if given else (rglob, cglob)
-    ws = None if given else torch.zeros(3, dtype=torch.int32, device=dev)
+    ws = None if given else zeroed_scratch(3, dev)
     ex_r, ex_c = rex if exact_row else None, cex if exact_col else None
 
     def calls():
@@ -143,7 +178,6 @@ def nvfp4_quantize(x: Tensor, key_row: Optional[Tensor], key_col: Optional[Tenso
                 c["row"]["KB"], c["row"]["RB"], c["col"]["KW"])
         _QUANTIZES.run(kind, (x, ws, rdata, rscale, rglob, cdata, cscale, cglob, rex, cex,
                               key_row, key_col), calls)
-    return rdata, rscale, rglob, cdata, cscale, cglob, rex, cex
 
 
 def _check_key(op: str, key: Optional[Tensor], device: torch.device) -> None:
@@ -235,14 +269,15 @@ def _nvfp4_exact_slice_fake(x, glob, key, offset, rowwise, with_rht, two_d):
 def _amax_pass(x: Tensor, rglob: Tensor, cglob: Tensor, rowwise: bool, columnwise: bool,
                rht: bool, idx64: bool) -> None:
     """Write the global encode scales of the contiguous x's directions in use."""
-    ws = torch.zeros(3, dtype=torch.int32, device=x.device)
+    ws = zeroed_scratch(3, x.device)
     kernel, grid, args, kwargs = _amax_call(x, ws, rglob, cglob, rowwise, columnwise, rht,
                                             idx64)
     launch(kernel, grid, *args, **kwargs)
 
 
 def _amax_call(x, ws, rglob, cglob, rowwise, columnwise, rht, idx64) -> tuple:
-    """:func:`_amax_pass`'s (kernel, grid, args, kwargs), ``ws`` its zeroed int32 (3,)."""
+    """:func:`_amax_pass`'s (kernel, grid, args, kwargs), ``ws`` its zeroed int32 (3,),
+    which the kernel leaves zeroed."""
     m, kk = x.shape
     ca = tuning.nvfp4_config["amax"]
     grid, warps, even = amax_launch(m, kk, rht, x.device)
