@@ -129,8 +129,14 @@ class QuantizedTensor(torch.Tensor):
         tensors are views of the same storage, of the same shapes (detach, the identity
         ``as_strided``), so what is promised of that storage holds for them too."""
         inner = {n: (None if t is None else fn(t)) for n, t in self.inner_tensors().items()}
+        # a record stays where its source is the same tensor in the new one (``fn`` the
+        # identity, a reshape of the outer tensor): its value still holds, and a read
+        # checks the version. Others are dropped, not to keep the old tensors alive.
+        kept = {n: rec for n in self._derived if (rec := getattr(self, n)) is not None
+                and any(rec[0] is t for t in inner.values())}
         out = type(self)(self.shape if shape is None else shape,
-                         self.dtype if dtype is None else dtype, **inner, **self.metadata())
+                         self.dtype if dtype is None else dtype, **inner, **self.metadata(),
+                         **kept)
         quantizer = self.__dict__.get(QUANTIZER_ATTR)
         if quantizer is not None:
             setattr(out, QUANTIZER_ATTR, quantizer)

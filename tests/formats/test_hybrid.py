@@ -154,6 +154,21 @@ def test_each_direction_equals_its_plain_quantizer(rname, cname):
         assert torch.equal(bits(got_c), bits(want_c.dequantize(dtype, usage=C)))
 
 
+def test_halves_keep_what_their_quantizer_noted():
+    """A half keeps its quantizer's derived records (here: power-of-two block scales), so a
+    GEMM that needs them need not read the scales back (a host sync a GEMM in eager)."""
+    for dim in (1, 2):
+        q = HybridQuantizer(Float8CurrentScalingQuantizer(),
+                            Float8BlockQuantizer(block_scaling_dim=dim))
+        half = q.quantize(randn(256, 384, seed=0, dtype=torch.bfloat16)).columnwise_data
+        assert half.shape == (256, 384) and half.dtype == torch.bfloat16
+        assert half.pow2_scales("columnwise")
+    half = HybridQuantizer(Float8CurrentScalingQuantizer(),
+                           Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False)
+                           ).quantize(randn(256, 384, seed=1)).columnwise_data
+    assert not half.pow2_scales("columnwise")
+
+
 def test_bf16_input_keeps_nominal_dtype_per_direction():
     x = randn(*SMALL_SHAPE, seed=2, dtype=torch.bfloat16)
     qt = hybrid("fp8", "nvfp4_rht").quantize(x)
