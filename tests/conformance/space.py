@@ -137,6 +137,34 @@ def all_pairs(seed: int = 0, candidates: int = 8) -> list[Case]:
     return [_case(r) for r in rows]
 
 
+def _values(case: Case) -> set:
+    """The (factor, value) pairs of ``case`` that matter to it: a kind only in a role and
+    direction whose values reach a GEMM under the case's backward mode (``kinds_used``)."""
+    out = {("module", case.module), ("backward_mode", case.backward_mode),
+           ("autocast", case.autocast)}
+    default = case.backward_mode == BackwardMode.DEFAULT
+    for role, (row, col) in zip(ROLES, case.kinds):
+        if default or role != "grad_output":
+            out.add((f"{role}_row", row))
+        if default:
+            out.add((f"{role}_col", col))
+    return out
+
+
+def every_value(cases: list[Case]) -> list[Case]:
+    """A few of ``cases`` in which every value of every factor still occurs: greedily, the
+    first case adding the most values not yet seen, until none is missing. (The quick
+    run's subset of the all-pairs draw: each kind in each role and direction, each module,
+    backward mode and autocast placement, without every pair of them.)"""
+    missing = set().union(*(_values(c) for c in cases))
+    chosen = []
+    while missing:
+        best = max(cases, key=lambda c: len(_values(c) & missing))
+        chosen.append(best)
+        missing -= _values(best)
+    return [c for c in cases if c in chosen]
+
+
 def plain_recipes() -> list[Case]:
     """Each kind alone in every role (both directions), on a Linear, default backward: the
     single-format recipes the all-pairs draw mixes."""

@@ -2,11 +2,13 @@
 every backward mode and module, eager against compiled against the oracle.
 
 The cases are :func:`space.all_pairs` (seed 0): every pair of values of every two factors
-occurs in some case. On the CPU each case runs under CUDA's route decisions
-(``lowprec.gemm.cuda_routes``), and the named recipes on the CPU's own routes (every case
-with ``--slow``); on a CUDA machine every case also runs on the GPU under inductor
-(``LOWPREC_CONFORMANCE_DEVICES=cpu`` turns that off). ``tests/conformance/run_matrix.py``
-runs more seeds and writes the results as CSV.
+occurs in some case. On the CPU the named recipes and :func:`space.every_value`'s few
+cases (every kind in every role and direction it reaches a GEMM from, every module,
+backward mode and autocast placement) run under CUDA's route decisions
+(``lowprec.gemm.cuda_routes``), every case with ``--slow``; the named recipes also run on
+the CPU's own routes (every case with ``--slow``). On a CUDA machine every case also runs
+on the GPU under inductor (``LOWPREC_CONFORMANCE_DEVICES=cpu`` turns that off).
+``tests/conformance/run_matrix.py`` runs more seeds and writes the results as CSV.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ import pytest
 import torch
 
 from .harness import check
-from .space import all_pairs, plain_recipes
+from .space import all_pairs, every_value, plain_recipes
 
 CASES = plain_recipes() + all_pairs(seed=0)
-#: The CPU's own routes: every case under ``--slow`` (CI runs the named recipes there; the
-#: route decisions CUDA makes, which the CPU routes do not exercise, run for every case)
+#: The CPU's own routes: every case under ``--slow`` (CI runs the named recipes there)
 CPU_CASES = plain_recipes() + [pytest.param(c, marks=pytest.mark.slow) for c in all_pairs(0)]
+#: CUDA's route decisions on the CPU: the named recipes and a case for every factor value
+#: in the quick run (each case is a compile: the 160 of the draw take minutes on 2 cores),
+#: the whole draw under ``--slow``
+_QUICK = set(every_value(all_pairs(0)))
+CUDA_ROUTE_CASES = plain_recipes() + [
+    pytest.param(c, marks=() if c in _QUICK else pytest.mark.slow) for c in all_pairs(0)]
 ON_CUDA = torch.cuda.is_available() and os.environ.get("LOWPREC_CONFORMANCE_DEVICES") != "cpu"
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -46,7 +53,7 @@ def test_case_conforms_on_cuda(case):
     _assert_conforms(check(case, "cuda"))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CUDA_ROUTE_CASES, ids=lambda c: c.id)
 def test_case_conforms_on_cuda_routes(case):
     """The same case on the CPU with every GEMM taking CUDA's route
     (``lowprec.gemm.cuda_routes``): CUDA's route decisions, eager and traced, agree."""
