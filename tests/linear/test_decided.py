@@ -5,11 +5,12 @@ apply (symbolic sizes)."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
 import torch
-from helpers import GraphOps
+from helpers import GraphOps, cases
 
 import lowprec
 from lowprec.formats import IdentityQuantizer
@@ -71,6 +72,15 @@ CASES = {
     # bf16 parameters: a parameter's values need no rounding in the graph (CUDA's default)
     "bf16": ((64, 128), 128, 64, False, torch.bfloat16, None),
 }
+
+
+def _each_case(flags, shift):
+    """(recipe, flag) -> the one ``CASES`` entry a module test runs it with on the CPU
+    without ``--slow``: every recipe with every flag, the entries in turn (so each runs;
+    ``shift`` varies which recipe meets which between the tests). The Linear test runs
+    every recipe on every entry."""
+    pairs = itertools.product(RECIPES, flags)
+    return {p: list(CASES)[(i + shift) % len(CASES)] for i, p in enumerate(pairs)}
 
 
 def _case(case, name, device):
@@ -259,10 +269,19 @@ def _delayed_model(kind, device):
         [layernorm_linear, layernorm_mlp]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["linear", "twice", "layernorm"])
-@pytest.mark.parametrize("region_inside", [False, True], ids=["region-outside", "region-inside"])
-@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "amp"])
+#: (kind, region inside, torch.autocast) the CPU runs without ``--slow``: every pair of
+#: two of the three axes
+_DELAYED_QUICK = {("linear", False, False), ("linear", True, True), ("twice", False, True),
+                  ("twice", True, False), ("layernorm", False, False),
+                  ("layernorm", True, True)}
+
+
+@pytest.mark.parametrize("amp, region_inside, kind, device", cases(
+    {"amp": {"fp32": None, "amp": torch.bfloat16},
+     "region_inside": {"region-outside": False, "region-inside": True},
+     "kind": ["linear", "twice", "layernorm"], "device": DEVICES},
+    lambda amp, region_inside, kind, device: device != "cpu"
+    or (kind, region_inside, amp is not None) in _DELAYED_QUICK))
 def test_delayed_call_is_one_node_and_eager_bit_for_bit(region_inside, amp, kind, device,
                                                         monkeypatch):
     """A compiled delayed-scaling GEMM (a Linear's, twice for a Linear called twice,
@@ -316,10 +335,14 @@ def test_delayed_call_is_one_node_and_eager_bit_for_bit(region_inside, amp, kind
     assert Counter(ops.targets) == Counter(interpreted.targets)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("ln_out", [False, True], ids=["y", "y-and-ln"])
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("name", list(RECIPES))
+_LN_LINEAR_QUICK = _each_case([False, True], 0)
+
+
+@pytest.mark.parametrize("name, case, ln_out, device", cases(
+    {"name": list(RECIPES), "case": list(CASES), "ln_out": {"y": False, "y-and-ln": True},
+     "device": DEVICES},
+    lambda name, case, ln_out, device: device != "cpu"
+    or _LN_LINEAR_QUICK[name, ln_out] == case))
 def test_decided_layernorm_linear_is_eager_bit_for_bit(device, case, name, ln_out,
                                                        monkeypatch):
     """A compiled LayerNormLinear's GEMM is decided from its input's metadata before the
@@ -341,10 +364,14 @@ def test_decided_layernorm_linear_is_eager_bit_for_bit(device, case, name, ln_ou
             assert torch.equal(m(x)[1], torch.compile(m, backend="aot_eager")(x)[1])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("name", list(RECIPES))
+_LN_MLP_QUICK = _each_case(["gelu", "swiglu"], 2)
+
+
+@pytest.mark.parametrize("name, case, activation, device", cases(
+    {"name": list(RECIPES), "case": list(CASES), "activation": ["gelu", "swiglu"],
+     "device": DEVICES},
+    lambda name, case, activation, device: device != "cpu"
+    or _LN_MLP_QUICK[name, activation] == case))
 def test_decided_layernorm_mlp_is_eager_bit_for_bit(device, case, name, activation,
                                                     monkeypatch):
     """A compiled LayerNormMLP's two GEMMs are decided before its norm is traced, fc2's
