@@ -70,8 +70,10 @@ def decided_delayed_linear(q: LinearQuantizers, x: torch.Tensor, weight: torch.T
     call = _call_key(x, weight, bias, input_grad)
     if call is None:
         return None
-    dtypes = (q.input.fp8_dtype, q.weight.fp8_dtype, q.grad_output.fp8_dtype)
-    return getattr(DECISIONS, _decided((dtypes, *call)))
+    first = q.input.first
+    head = (q.input.fp8_dtype, q.weight.fp8_dtype, q.grad_output.fp8_dtype,
+            None if first is None else first.margin)
+    return getattr(DECISIONS, _decided((head, *call)))
 
 
 def _call_key(x, weight, bias, input_grad: bool | None = None) -> tuple | None:

@@ -238,7 +238,8 @@ def _delayed_forward(plan: TracedPlan, x2d, weight, fwd):
     # Backward recasts x and W with these scales, so it keeps this copy: recomputed from
     # the state, it would read scales the region's update has moved since (autograd's
     # version check then raises). A cat is an op the partitioner saves, not recomputes.
-    scales = scale_in_use(torch.cat([scale[s:s + 1], scale[s + 1:s + 2]]), seen)
+    scales = scale_in_use(torch.cat([plan.x.seeded(scale[s:s + 1], seen[0:1]),
+                                     plan.w.seeded(scale[s + 1:s + 2], seen[1:2])]), seen)
     xs, ws = scales[0:1], scales[1:2]
     if records:  # training
         amax[s:s + 2].copy_(torch.maximum(amax[s:s + 2], seen))

@@ -241,6 +241,11 @@ class DelayedScaling(Recipe):
     ``margin`` is an int or a float in [0, 127] (``2**margin`` stays finite in
     fp32), ``amax_history_len`` an int >= 1 and ``reduce_amax`` a bool. Only
     ``backward_mode="default"`` is supported.
+
+    ``first_scale``: how a tensor is scaled before its slot's history holds an amax.
+    ``"current"`` (default): with the scale of its own amax, as current scaling does, so
+    the first step's gradients are not flushed to zero. ``"one"``: with scale 1 until
+    the first update, as Transformer Engine does (bit parity with it).
     """
 
     margin: float = 0
@@ -248,6 +253,7 @@ class DelayedScaling(Recipe):
     amax_history_len: int = 1024
     amax_compute_algo: Union[str, Callable] = "max"
     reduce_amax: bool = True
+    first_scale: str = "current"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -271,6 +277,10 @@ class DelayedScaling(Recipe):
         if self.amax_history_len < 1:
             raise ValueError(f"DelayedScaling: amax_history_len must be an int >= 1, got "
                              f"{self.amax_history_len!r}")
+        if self.first_scale not in ("current", "one"):
+            raise ValueError(f"DelayedScaling: first_scale={self.first_scale!r}; use 'current' "
+                             f"(the tensor's own amax until the history holds one) or 'one' "
+                             f"(scale 1, as Transformer Engine)")
         if not (callable(self.amax_compute_algo)
                 or self.amax_compute_algo in ("max", "most_recent")):
             raise ValueError(f"DelayedScaling: amax_compute_algo={self.amax_compute_algo!r}; use "

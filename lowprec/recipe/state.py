@@ -9,7 +9,6 @@ and hands the quantizers views into them.
 
 from __future__ import annotations
 
-import struct
 from typing import Callable, Sequence
 
 import torch
@@ -23,6 +22,7 @@ from ..formats import (
     NVFP4Quantizer,
     Quantizer,
 )
+from ..formats.float8 import FirstScale, delayed_scale, inv_margin
 from ..kernels import use_kernels
 from .recipes import (
     CustomRecipe,
@@ -138,7 +138,7 @@ def push_amaxes(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.
         if current is not amax_current:
             amax_current.copy_(current)
         from ..formats.float8 import fp8_delayed_update
-        fp8_delayed_update(history, amax_current, scale, fp8_max, _inv_margin(margin),
+        fp8_delayed_update(history, amax_current, scale, fp8_max, inv_margin(margin),
                            algo == "most_recent")
         return
     new_history, new_scale = pushed_amaxes(history, scale, fp8_max, current, algo, margin)
@@ -168,11 +168,7 @@ def pushed_amaxes(history: torch.Tensor, scale: torch.Tensor, fp8_max: torch.Ten
         amax = rolled[0]
     else:
         amax = amax_from_callable(algo, rolled)
-    quotient = (fp8_max.to(torch.float64) / amax.to(torch.float64)).to(torch.float32)
-    new = quotient * _inv_margin(margin) if history.is_cuda else quotient / (2.0 ** margin)
-    # A tiny amax must not give an infinite scale (0 * inf is NaN): the fp32 max, as
-    # current scaling does.
-    new = new.clamp(max=torch.finfo(torch.float32).max)  # folded to a constant when traced
+    new = delayed_scale(fp8_max, amax, margin)
     ok = torch.isfinite(amax) & (amax > 0)
     return rolled, torch.where(ok, new, scale)
 
@@ -184,25 +180,24 @@ def _kernel_update_fits(history: torch.Tensor, algo) -> bool:
             and history.is_contiguous())
 
 
-def _fp32(value: float) -> float:
-    """``value`` rounded to the nearest fp32 (as a Python float)."""
-    return struct.unpack("f", struct.pack("f", value))[0]
-
-
-_INV_MARGINS: dict = {}  # margin -> its factor: a delayed update asks once a step
-
-
-def _inv_margin(margin: float) -> float:
-    """What torch's ``t / (2.0 ** margin)`` multiplies by on CUDA: the fp32 reciprocal of
-    the fp32-rounded divisor (the update kernel multiplies by it). In Python floats, no
-    tensor: it also runs while a compiler traces a backward, where a tensor would be fake.
-    The reciprocal in double, rounded once to fp32, is the correctly rounded fp32 one (53
-    bits are enough for a quotient of fp32 values). ``DelayedScaling`` keeps ``margin`` in
-    [0, 127], so ``2**margin`` is a finite fp32."""
-    inv = _INV_MARGINS.get(margin)
-    if inv is None:
-        inv = _INV_MARGINS[margin] = _fp32(1.0 / _fp32(2.0 ** margin))
-    return inv
+def note_seeded(states) -> None:
+    """After an update of ``states``: clear the ``unseeded`` note of each slot an eager
+    quantize used (``FirstScale.used``) that holds a scale now. One read of those scales
+    per device, a sync, made only while such a slot may be without one: in practice after
+    the first step. Not while a compiler traces or a CUDA graph captures (the notes then
+    stay set: eager quantizes keep checking, which costs time, never bits)."""
+    slots = [(s, i) for s in states if s.firsts is not None and not s.scale.is_meta
+             for i, first in enumerate(s.firsts) if first.unseeded and first.used]
+    if not slots or torch.compiler.is_compiling() or (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    by_device: dict = {}
+    for s, i in slots:
+        by_device.setdefault(s.scale.device, []).append((s, i))
+    for group in by_device.values():
+        zero = torch.stack([s.scale[i] == 0 for s, i in group]).tolist()
+        for (s, i), still in zip(group, zero):
+            s.firsts[i].unseeded, s.firsts[i].used = still, False
 
 
 class DelayedScalingState:
@@ -214,6 +209,11 @@ class DelayedScalingState:
     Quantizers of calls that must not move the state (grad disabled: eval,
     ``no_grad``, ``inference_mode``) record into ``amax_scratch`` instead,
     which nothing reads.
+
+    With the recipe's ``first_scale="current"`` a slot starts at scale 0, "no scale yet":
+    its quantizes take the scale of the tensor's own amax until an update finds an amax
+    for it (``formats.float8.FirstScale``); with ``"one"`` it starts at 1, as Transformer
+    Engine's does.
     """
 
     def __init__(self, recipe: DelayedScaling, n: int, fp8_dtypes: Sequence[torch.dtype],
@@ -222,12 +222,19 @@ class DelayedScalingState:
         #: the formats' maxima, kept on the host too (a state on the meta device has none)
         self.fp8_maxima = tuple(float(FP8_MAX[d]) for d in fp8_dtypes)
         self.fp8_max = torch.tensor(self.fp8_maxima, dtype=torch.float32, device=device)
-        self.scale = torch.ones(n, dtype=torch.float32, device=device)
+        #: each slot's ``FirstScale`` (``first_scale="current"``), else None
+        self.firsts = ([FirstScale(recipe.margin) for _ in range(n)]
+                       if recipe.first_scale == "current" else None)
+        self.scale = torch.full((n,), self._start_scale, dtype=torch.float32, device=device)
         self.amax_history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32,
                                         device=device)
         self.amax_current = torch.zeros(n, dtype=torch.float32, device=device)
         self.amax_scratch = torch.zeros(n, dtype=torch.float32, device=device)
         self.pending = False
+
+    @property
+    def _start_scale(self) -> float:
+        return 0.0 if self.firsts is not None else 1.0
 
     def __getstate__(self):
         # A copy (deepcopy, pickling, perhaps loaded onto another device) works out its own
@@ -238,12 +245,14 @@ class DelayedScalingState:
 
     def move_to(self, device: torch.device) -> None:
         """Put the state's tensors on ``device`` (values kept; a state on the meta device,
-        which has none, starts afresh: scales of one, an empty history)."""
+        which has none, starts afresh: its first scales, an empty history)."""
         fresh = self.scale.is_meta
+        if fresh:
+            self._may_be_unseeded()
         self.fp8_max = (torch.tensor(self.fp8_maxima, dtype=torch.float32, device=device)
                         if fresh else self.fp8_max.to(device))
-        for name, start in (("scale", 1.0), ("amax_history", 0.0), ("amax_current", 0.0),
-                            ("amax_scratch", 0.0)):
+        for name, start in (("scale", self._start_scale), ("amax_history", 0.0),
+                            ("amax_current", 0.0), ("amax_scratch", 0.0)):
             t = getattr(self, name)
             setattr(self, name, torch.full_like(t, start, device=device) if fresh
                     else t.to(device))
@@ -256,8 +265,11 @@ class DelayedScalingState:
         and never reach the history."""
         amax = self.amax_current if record else self.amax_scratch
         scale = self.scale if scale is None else scale
-        return [_state_owned(Float8Quantizer(scale[i:i + 1], amax[i:i + 1], dt))
+        made = [_state_owned(Float8Quantizer(scale[i:i + 1], amax[i:i + 1], dt))
                 for i, dt in enumerate(fp8_dtypes)]
+        for i, q in enumerate(made):
+            q.first = None if self.firsts is None else self.firsts[i]
+        return made
 
     def adopt(self, other: "DelayedScalingState") -> None:
         """Take ``other``'s scales, history and recorded amaxes when they fit this state
@@ -271,6 +283,7 @@ class DelayedScalingState:
             self.amax_history.copy_(other.amax_history)
             self.amax_current.copy_(other.amax_current)
         self.pending = other.pending
+        self._may_be_unseeded()
 
     def update(self, group=None) -> None:
         """Push the recorded amaxes into the history and recompute the scales."""
@@ -283,6 +296,13 @@ class DelayedScalingState:
             torch.distributed.all_reduce(current, op=torch.distributed.ReduceOp.MAX, group=group)
         push_amaxes(self.amax_history, self.amax_current, self.scale, self.fp8_max, current,
                     self.recipe.amax_compute_algo, self.recipe.margin)
+        note_seeded([self])
+
+    def _may_be_unseeded(self) -> None:
+        """Scales came from elsewhere (a checkpoint, another state, a fresh start): eager
+        quantizes check for slots without a scale again until the next update."""
+        for first in self.firsts or ():
+            first.unseeded = True
 
     def _update_with_kernel(self, algo) -> bool:
         return use_kernels(self.scale) and self._kernel_update_fits(algo)
@@ -291,7 +311,7 @@ class DelayedScalingState:
         return _kernel_update_fits(self.amax_history, algo)
 
     def _inv_margin(self) -> float:
-        return _inv_margin(self.recipe.margin)
+        return inv_margin(self.recipe.margin)
 
     def state_dict(self) -> dict:
         """Scales, history and the amaxes recorded since the last update (a quantized
@@ -314,6 +334,7 @@ class DelayedScalingState:
                 self.amax_current.copy_(current)
             else:
                 self.amax_current.zero_()
+        self._may_be_unseeded()
 
 
 def stateful(recipe: Recipe) -> bool:
@@ -338,11 +359,16 @@ def stateless_quantizers(recipe: Recipe, mode: str, roles) -> list[Quantizer]:
     return [builtin_quantizer(recipe, r, mode, i) for i, r in enumerate(roles)]
 
 
-def delayed_stand_ins(fp8_dtypes: Sequence[torch.dtype]) -> list[Quantizer]:
-    """Delayed-scaling quantizers of these FP8 dtypes over scratch scales and amaxes of
-    their own: what a compiled call decides its plan from (a delayed form reads the
-    dtype; the module's scales and amaxes come with the call)."""
-    return [_state_owned(Float8Quantizer(torch.ones(1), torch.zeros(1), d)) for d in fp8_dtypes]
+def delayed_stand_ins(head: tuple) -> list[Quantizer]:
+    """Delayed-scaling quantizers over scratch scales and amaxes of their own, for ``head``:
+    the FP8 dtypes of the input, weight and dY, then the ``FirstScale`` margin or None.
+    What a compiled call decides its plan from (a delayed form reads the dtype and the
+    margin; the module's scales and amaxes come with the call)."""
+    *fp8_dtypes, margin = head
+    made = [_state_owned(Float8Quantizer(torch.ones(1), torch.zeros(1), d)) for d in fp8_dtypes]
+    for q in made:
+        q.first = None if margin is None else FirstScale(margin)
+    return made
 
 
 def _state_owned(q: Float8Quantizer) -> Float8Quantizer:

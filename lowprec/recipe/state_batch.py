@@ -33,6 +33,7 @@ import torch
 
 from .. import kernels as lowprec_kernels
 from ..kernels import FlagOff, _tracing
+from .state import note_seeded
 
 #: Whether states update in batches (off: each alone, for A/B comparisons and tests)
 BATCHED = True
@@ -86,6 +87,7 @@ def update_states(states, group=None) -> None:
                                 algo == "most_recent")
         for s in members:
             s.pending = False
+        note_seeded(members)
 
 
 def _batch_key(state):

@@ -107,7 +107,8 @@ def make_recipe(quantization: str | None):
     rounding or 2D weight blocks."""
     fmt = lowprec.recipe.Format.E4M3
     return {None: lambda: None,
-            "delayed": lambda: lowprec.DelayedScaling(fp8_format=fmt, amax_history_len=8),
+            "delayed": lambda: lowprec.DelayedScaling(fp8_format=fmt, amax_history_len=8,
+                                                 first_scale="one"),
             "current": lambda: lowprec.Float8CurrentScaling(fp8_format=fmt),
             "mxfp8": lambda: lowprec.MXFP8BlockScaling(fp8_format=fmt),
             "block": lambda: lowprec.Float8BlockScaling(),

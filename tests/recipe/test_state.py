@@ -648,7 +648,7 @@ def test_inv_margin_is_torch_fp32_reciprocal(margin):
     a compiler traces the backward with fake tensors (a tensor's ``item`` would raise)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lowprec.recipe.state import _inv_margin
+    from lowprec.formats.float8 import inv_margin as _inv_margin
     with FakeTensorMode():  # first: nothing cached from an eager call
         traced = _inv_margin(margin)
     div = torch.tensor(2.0 ** margin, dtype=torch.float32)

@@ -9,3 +9,4 @@ __all__ = ["Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8Tensor"]
 from .experts import Float8Experts
 from .grouped import quantize_experts
 from .launch import UPDATE_MAX_HISTORY, fp8_delayed_update, fp8_delayed_update_many
+from .reference import FirstScale, delayed_scale, inv_margin, seeded_scale

@@ -17,6 +17,7 @@ it is and cast columnwise in the backward with the forward's scale.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -40,7 +41,7 @@ from .launch import (
     fp8_current_quantize,
     kept_amax_words,
 )
-from .reference import current_scale, tensor_amax
+from .reference import current_scale, seeded_scale, tensor_amax
 
 
 class _Settings:
@@ -84,10 +85,14 @@ def fp8_current_scale(t: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, eps: 
 
 @traced_op("fp8_delayed")
 def fp8_delayed(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
-                materialized: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                materialized: bool, first_margin: Optional[float] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, the scale cast with, amax to record) of the 2-D ``t`` under a delayed-scaling
-    state's 1-element ``scale`` (NaN where the amax is not finite)."""
+    state's 1-element ``scale`` (NaN where the amax is not finite). ``first_margin``: the
+    state's ``FirstScale`` margin, a scale of 0 then taking the one of ``t``'s own amax."""
     seen = _amax(t, materialized)
+    if first_margin is not None:
+        scale = seeded_scale(scale, seen, fp8_dtype, first_margin)
     used = scale_in_use(scale, seen)
     return _cast(t, used, fp8_dtype, materialized), used, seen
 
@@ -124,7 +129,7 @@ def _scales_fake(t, *settings):
 
 
 @torch.library.register_fake("lowprec::fp8_delayed")
-def _fp8_delayed_fake(t, scale, fp8_dtype, materialized):
+def _fp8_delayed_fake(t, scale, fp8_dtype, materialized, first_margin=None):
     return (torch.empty_like(t, dtype=fp8_dtype),
             scale.new_empty(torch.broadcast_shapes(scale.shape, (1,))),
             t.new_empty((1,), dtype=torch.float32))
@@ -328,6 +333,14 @@ class Delayed(Tensorwise):
     casts with a NaN scale, so it comes back NaN, as ``Float8Quantizer`` does."""
 
     reads_state = True
+    #: the state's ``FirstScale`` margin (a scale of 0: the tensor's own amax's), or None
+    first_margin: Optional[float] = None
+
+    def seeded(self, scale: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """The scale this slot casts with before NaN poisoning, ``seen`` the tensor's amax."""
+        if self.first_margin is None:
+            return scale
+        return seeded_scale(scale, seen, self.fp8_dtype, self.first_margin)
 
     @property
     def eager(self) -> bool:
@@ -337,7 +350,7 @@ class Delayed(Tensorwise):
     def delayed(self, t: torch.Tensor, scale: torch.Tensor):
         """(fp8 data, the scale cast with, the amax to record) of ``t`` under the state's
         1-element ``scale``."""
-        return fp8_delayed(t, scale, self.fp8_dtype, self.materialized)
+        return fp8_delayed(t, scale, self.fp8_dtype, self.materialized, self.first_margin)
 
     def state_quantize(self, t: torch.Tensor, quantizer, row: bool, col: bool):
         """(rowwise Fp8 or None, columnwise Fp8 or None) of the 2-D ``t`` in an eager call

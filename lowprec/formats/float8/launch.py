@@ -555,7 +555,8 @@ class PreparedDelayed(_Prepared):
     def __call__(self, x: torch.Tensor) -> dict | None:
         q = self.quantizer
         scale, amax = q.scale, q.amax
-        if (len(launches(self.rowwise, self.columnwise, "pertensor")) != 1
+        if (q.needs_amax_first()
+                or len(launches(self.rowwise, self.columnwise, "pertensor")) != 1
                 or self.m * self.k >= 2 ** 31
                 or scale.device != self.device or amax.device != self.device
                 or scale.dtype != torch.float32 or amax.dtype != torch.float32
@@ -650,8 +651,17 @@ def delayed_codes(quantizer, x2d: torch.Tensor, rowwise: bool, columnwise: bool,
     """(rowwise codes, columnwise codes, scale buffer) of a delayed-scaling quantize of
     ``x2d`` with ``quantizer``'s state (``fp8_delayed_quantize``: its amax recorded into
     ``quantizer.amax`` in place, the buffer holding the scale cast with and its
-    reciprocal at ``DECODE_AT``); codes as uint8."""
-    scale = quantizer.scale.detach().reshape(1).to(device=x2d.device, dtype=torch.float32)
+    reciprocal at ``DECODE_AT``); codes as uint8. A slot that may have no scale yet
+    (``Float8Quantizer.needs_amax_first``) takes the tensor's amax in a pass of its own
+    first, for the scale it casts with."""
+    if quantizer.needs_amax_first():
+        if prologue is not None:
+            raise ValueError("delayed_codes: a slot without a scale yet takes its amax before "
+                             "the cast; quantize the prologue's output instead")
+        scale = quantizer.cast_scale(fp8_amax(x2d).view(torch.float32))
+    else:
+        scale = quantizer.scale
+    scale = scale.detach().reshape(1).to(device=x2d.device, dtype=torch.float32)
     target = quantizer.amax
     direct = (target.device == x2d.device and target.dtype == torch.float32
               and target.is_contiguous())

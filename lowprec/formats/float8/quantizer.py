@@ -8,7 +8,7 @@ from ...kernels import use_kernels
 from ..base import Quantizer, check_amax_epsilon, check_bool_option
 from ..casting import check_fp8_dtype
 from . import graph, launch
-from .reference import current_scale, quantize_per_tensor, tensor_amax
+from .reference import current_scale, quantize_per_tensor, seeded_scale, tensor_amax
 from .tensor import Float8Tensor
 
 
@@ -93,6 +93,26 @@ class Float8Quantizer(_PerTensorFloat8):
         #: the scale and amax are a delayed-scaling state's slots (``RecipeState``), which a
         #: compiled call takes as inputs; False for tensors a ``CustomRecipe`` factory holds
         self.state_owned = False
+        #: the state's ``FirstScale`` (a scale of 0 means: the tensor's own amax's scale),
+        #: or None: the scale is used as it is
+        self.first = None
+
+    def cast_scale(self, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """The 1-element scale to cast with, before NaN poisoning: ``self.scale``, or with
+        ``first`` set, the seeded one of ``amax`` (the tensor's, taken before the cast)."""
+        if self.first is None:
+            return self.scale
+        return seeded_scale(self.scale.reshape(1), amax.reshape(1).to(self.scale.device),
+                            self.fp8_dtype, self.first.margin)
+
+    def needs_amax_first(self) -> bool:
+        """Whether an eager quantize must take the tensor's amax before its cast: the slot
+        may have no scale yet (``FirstScale.unseeded``; asking marks it used)."""
+        first = self.first
+        if first is None or not first.unseeded:
+            return False
+        first.used = True
+        return True
 
     def _quantize_2d(self, x2d):
         if use_kernels(x2d):
@@ -106,11 +126,16 @@ class Float8Quantizer(_PerTensorFloat8):
         # torch.maximum propagates NaN: a NaN input keeps the state's scale at its update
         torch.maximum(self.amax, amax.reshape(self.amax.shape).to(self.amax.device),
                       out=self.amax)
-        scale = self.scale.detach().reshape(1).to(device=device, dtype=torch.float32, copy=True)
+        if not torch.compiler.is_compiling():
+            self.needs_amax_first()  # the reference has the amax first anyway: notes the use
+        scale = self.cast_scale(amax).detach().reshape(1).to(device=device, dtype=torch.float32,
+                                                              copy=True)
         return torch.where(torch.isfinite(amax.to(device)), scale,
                            torch.full_like(scale, float("nan")))
 
     def _quantize_2d_fused(self, x2d, prologue):
+        if self.needs_amax_first():  # the amax of the prologue's output comes first
+            return self._quantize_2d(prologue.apply(x2d))
         return launch.quantize_delayed(self, x2d, prologue)
 
     def _prepared(self, shape, dtype, device, rowwise, columnwise):
@@ -134,7 +159,8 @@ class Float8Quantizer(_PerTensorFloat8):
             return graph.HeldScale(self.fp8_dtype, quantizer=self,
                                    materialized=isinstance(t, torch.nn.Parameter))
         return graph.Delayed(self.fp8_dtype, kernel=use_kernels(t),
-                             materialized=isinstance(t, torch.nn.Parameter))
+                             materialized=isinstance(t, torch.nn.Parameter),
+                             first_margin=None if self.first is None else self.first.margin)
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "scale": float(self.scale)}
