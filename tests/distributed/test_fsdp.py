@@ -126,6 +126,21 @@ def _model(rows: int = HIDDEN, rank: int = 0, hidden: int = HIDDEN):
     return Model(rows, hidden).to(spawn.device(rank))
 
 
+#: (quantized_all_gather, reshard_after_forward) of each run test_fsdp_matches_single_process
+#: makes in one spawn
+WAYS = [(True, True), (True, False), (False, True), (False, False)]
+
+
+def _ways_worker(rank, world, rname, ways, out_dir):
+    """``_worker`` for each of ``ways`` on the same ranks (starting ranks and their first
+    calls cost more than a run), each saved to its own file."""
+    import os
+    for wrap, reshard in ways:
+        way_dir = f"{out_dir}/{int(wrap)}{int(reshard)}"
+        os.makedirs(way_dir, exist_ok=True)
+        _worker(rank, world, rname, wrap, HIDDEN, reshard, way_dir)
+
+
 def _worker(rank, world, rname, wrap, rows, reshard, out_dir, precompute=False):
     model = _model(rows, rank)
     recipe = RECIPES[rname]()
@@ -161,22 +176,24 @@ def _single(rname, rows):
                           if isinstance(v, torch.Tensor)}
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
-@pytest.mark.parametrize("wrap", [True, False], ids=["quantized_gather", "hp_gather"])
 @pytest.mark.parametrize("rname", [r for r in RECIPES if r not in HP_RECIPES])
-def test_fsdp_matches_single_process(tmp_path, rname, wrap, reshard):
-    """Two ranks on the same batches (the averaged gradient is the one process's exactly):
+def test_fsdp_matches_single_process(tmp_path, rname, ways=WAYS):
+    """Two ranks on the same batches (the averaged gradient is the one process's exactly),
+    weights gathered quantized and in high precision, resharded after forward and kept:
     losses and the final weights bit-identical to one process."""
-    spawn.run(_worker, 2, rname, wrap, HIDDEN, reshard, str(tmp_path))
-    got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
+    spawn.run(_ways_worker, 2, rname, ways, str(tmp_path))
     losses, state = _single(rname, HIDDEN)
-    assert torch.equal(got["losses"], losses), (got["losses"], losses)
-    assert state.keys() == got["state"].keys()
-    for k in state:
-        assert torch.equal(got["state"][k], state[k]), k
-    expect = GATHERED[rname].__name__ if wrap and GATHERED[rname] else "Parameter"
-    assert set(got["seen"]) == {expect} or (
-        expect == "Parameter" and set(got["seen"]) == {"Tensor"}), got["seen"]
+    for wrap, reshard in ways:
+        way = f"quantized_all_gather={wrap} reshard_after_forward={reshard}"
+        got = torch.load(tmp_path / f"{int(wrap)}{int(reshard)}" / "fsdp.pt",
+                         weights_only=False)
+        assert torch.equal(got["losses"], losses), (way, got["losses"], losses)
+        assert state.keys() == got["state"].keys(), way
+        for k in state:
+            assert torch.equal(got["state"][k], state[k]), (way, k)
+        expect = GATHERED[rname].__name__ if wrap and GATHERED[rname] else "Parameter"
+        assert set(got["seen"]) == {expect} or (
+            expect == "Parameter" and set(got["seen"]) == {"Tensor"}), (way, got["seen"])
 
 
 def _compiled_worker(rank, world, rname, tokens, width, out_dir):
@@ -218,14 +235,14 @@ def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
     NVFP4 (16x16 tiles) and block FP8 (128x128 blocks) their rowwise codes, which dgrad
     transposes; MXFP8 (1x32 blocks), NVFP4 in 1x16 blocks and block FP8 in 1x128 blocks
     the columnwise codes that the backward's gather brings into the forward's buffers.
-    Block FP8 runs 128 tokens at a width of 512, so that every GEMM is one cuBLAS takes
-    (128x128 scales need K / 128 a multiple of 4 on CUDA; eager's fp32 emulation of other
-    shapes does not trace there).
+    With NCCL block FP8 runs 128 tokens at a width of 512, so that every GEMM is one
+    cuBLAS takes (128x128 scales need K / 128 a multiple of 4 on CUDA; eager's fp32
+    emulation of other shapes does not trace there); gloo ranks emulate any shape.
     Delayed scaling (gathered in high precision) reads each layer's own scales. No graph
     break: one graph for the two Linears (no recompile per module), one for the
     LayerNormMLP. Under the built-in recipes the gathered weights' calls are decided once
     outside the trace."""
-    block = rname.startswith("block")
+    block = rname.startswith("block") and spawn.BACKEND == "nccl"
     tokens, width = (128, 512) if block else (TOKENS, HIDDEN)
     spawn.run(_compiled_worker, 2, rname, tokens, width, str(tmp_path))
     got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
@@ -247,25 +264,26 @@ def test_compiled_layers_with_quantized_gathers(tmp_path, rname):
         assert torch.equal(got["state"][k], state[k]), k
 
 
-def _bytes_worker(rank, world, rname, wrap, out_dir):
+def _bytes_worker(rank, world, out_dir):
+    """The bytes a step's gathers move in high precision (under per-tensor FP8: the recipe
+    does not change what FSDP gathers of plain parameters), then quantized under each
+    recipe of ``GATHER_BYTES``."""
     from lowprec.distributed.diagnostics import count_all_gather_bytes
-    model = _model(rank=rank)
-    recipe = RECIPES[rname]()
-    if wrap:
-        quantized_all_gather(model, recipe)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    train(model, recipe, steps=1)  # the first step sizes FSDP's buffers
-    with count_all_gather_bytes() as counter:
-        train(model, recipe, steps=1)
+    out = {}
+    for rname, wrap in [("current", False)] + [(r, True) for r in GATHER_BYTES]:
+        model = _model(rank=rank)
+        recipe = RECIPES[rname]()
+        if wrap:
+            quantized_all_gather(model, recipe)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        train(model, recipe, steps=1)  # the first step sizes FSDP's buffers
+        with count_all_gather_bytes() as counter:
+            train(model, recipe, steps=1)
+        out[rname if wrap else "hp"] = counter.bytes
     if rank == 0:
-        torch.save(counter.bytes, f"{out_dir}/bytes.pt")
-
-
-def _gathered_bytes(tmp_path, rname, wrap):
-    spawn.run(_bytes_worker, 2, rname, wrap, str(tmp_path))
-    return torch.load(tmp_path / "bytes.pt")
+        torch.save(out, f"{out_dir}/bytes.pt")
 
 
 #: bytes per weight element a step gathers, twice (forward, and backward again after
@@ -275,30 +293,34 @@ GATHER_BYTES = {"current": 2 * 1, "block": 2 * (1 + 4 / 128 ** 2),
                 "mxfp8": 2 * (1 + 1 / 32), "nvfp4": 2 * (0.5 + 1 / 16 ** 2)}
 
 
-@pytest.mark.parametrize("rname", list(GATHER_BYTES))
-def test_quantized_all_gather_bytes(tmp_path, rname):
-    """The gathers of a training step move the format's bytes per weight element (plus the
-    norms and biases, gathered in their fp32)."""
-    hp = _gathered_bytes(tmp_path, rname, False)
-    q = _gathered_bytes(tmp_path, rname, True)
+def test_quantized_all_gather_bytes(tmp_path):
+    """The gathers of a training step move each format's bytes per weight element (plus
+    the norms and biases, gathered in their fp32)."""
+    spawn.run(_bytes_worker, 2, str(tmp_path))
+    got = torch.load(tmp_path / "bytes.pt")
+    hp = got["hp"]
     weights = 2 * HIDDEN * HIDDEN + 2 * (2 * HIDDEN * HIDDEN)
     others = hp - 2 * 4 * weights  # forward and backward gathers, 4 bytes an element
     assert others >= 0
-    assert q == pytest.approx(weights * GATHER_BYTES[rname] + others, rel=1e-6), (q, hp)
+    for rname, per_element in GATHER_BYTES.items():
+        q = got[rname]
+        assert q == pytest.approx(weights * per_element + others, rel=1e-6), (rname, q, hp)
 
 
-def _uneven_worker(rank, world, rname, out_dir):
-    model = _model(rank=rank)
-    recipe = RECIPES[rname]()
-    quantized_all_gather(model, recipe)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    seen = []
-    losses = train(model, recipe, record=lambda m: seen.append(type(m.weight).__name__))
-    state = full_state(model)
-    if rank == 0:
-        torch.save({"losses": losses.cpu(), "state": state, "seen": seen}, f"{out_dir}/fsdp.pt")
+def _uneven_worker(rank, world, rnames, out_dir):
+    for rname in rnames:
+        model = _model(rank=rank)
+        recipe = RECIPES[rname]()
+        quantized_all_gather(model, recipe)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        seen = []
+        losses = train(model, recipe, record=lambda m: seen.append(type(m.weight).__name__))
+        state = full_state(model)
+        if rank == 0:
+            torch.save({"losses": losses.cpu(), "state": state, "seen": seen},
+                       f"{out_dir}/{rname}.pt")
 
 
 #: what an uneven shard (256 rows on 3 ranks) gathers: per-tensor FP8 sends one input,
@@ -307,19 +329,21 @@ UNEVEN = {"current": "Float8Tensor", "block": "Parameter", "mxfp8": "Parameter",
           "nvfp4": "Parameter"}
 
 
-@pytest.mark.parametrize("rname", list(UNEVEN))
-def test_uneven_shards(tmp_path, rname):
-    """World size 3 on 256 rows (shards of 86, 86 and 84 rows): the first forward is one
-    process's bit for bit; the next steps, whose gradients are means over three equal
-    contributions (rounded), stay within float tolerance of it."""
-    spawn.run(_uneven_worker, 3, rname, str(tmp_path))
-    got = torch.load(tmp_path / "fsdp.pt", weights_only=False)
-    losses, state = _single(rname, HIDDEN)
-    assert torch.equal(got["losses"][0], losses[0])
-    torch.testing.assert_close(got["losses"], losses, rtol=1e-3, atol=0)
-    for k in state:
-        torch.testing.assert_close(got["state"][k], state[k], rtol=1e-3, atol=1e-4)
-    assert set(got["seen"]) == {UNEVEN[rname]}, got["seen"]
+def test_uneven_shards(tmp_path):
+    """World size 3 on 256 rows (shards of 86, 86 and 84 rows), under each recipe of
+    ``UNEVEN`` (one spawn): the first forward is one process's bit for bit; the next
+    steps, whose gradients are means over three equal contributions (rounded), stay
+    within float tolerance of it."""
+    spawn.run(_uneven_worker, 3, list(UNEVEN), str(tmp_path))
+    for rname, gathered in UNEVEN.items():
+        got = torch.load(tmp_path / f"{rname}.pt", weights_only=False)
+        losses, state = _single(rname, HIDDEN)
+        assert torch.equal(got["losses"][0], losses[0]), rname
+        torch.testing.assert_close(got["losses"], losses, rtol=1e-3, atol=0, msg=rname)
+        for k in state:
+            torch.testing.assert_close(got["state"][k], state[k], rtol=1e-3, atol=1e-4,
+                                       msg=f"{rname}: {k}")
+        assert set(got["seen"]) == {gathered}, (rname, got["seen"])
 
 
 def _meta_worker(rank, world, rname, out_dir):
@@ -361,7 +385,7 @@ def test_meta_device_init(tmp_path, rname):
 def test_formats_gathered_in_high_precision(tmp_path, rname):
     """NVFP4 weights with stochastic rounding and hybrid formats depend on more than the
     shard: they gather in high precision and still train as one process does."""
-    test_fsdp_matches_single_process(tmp_path, rname, True, True)
+    test_fsdp_matches_single_process(tmp_path, rname, ways=[(True, True)])
 
 
 @pytest.mark.parametrize("precompute", [True, "once"], ids=["every_step", "first_step_only"])
