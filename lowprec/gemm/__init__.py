@@ -7,7 +7,8 @@
 * ``emulated_fp32``: the exact fp32 emulation every pair falls back to (the CPU path);
 * ``traced``: the same table over the operand kinds of traced forms (:func:`route`), and
   each route's computation as ops of a compiled graph (:func:`traced_gemm`);
-* ``grouped_mm``, ``fp8_grouped``, ``block_grouped``: the grouped (MoE) GEMMs.
+* ``grouped_mm``, ``fp8_grouped``, ``block_grouped``: the grouped (MoE) GEMMs;
+* ``accumulation``: fast accumulation of per-tensor FP8 GEMMs where a recipe asks for it.
 """
 
 from .dispatch import BACKENDS, Backend, gemm, select_backend, use_backends
@@ -15,6 +16,7 @@ from .dispatch import BACKENDS, Backend, gemm, select_backend, use_backends
 __all__ = ["gemm", "select_backend", "use_backends", "Backend", "BACKENDS"]
 
 # The rest of lowprec enters the package here (internal names, not in __all__).
+from .accumulation import accumulating, fast_accumulation
 from .cublas_fp8 import block_scales_fit, fusable_bias, scaled_mm
 from .device import cuda_routes, routes_cuda
 from .emulated_fp32 import fp32_product

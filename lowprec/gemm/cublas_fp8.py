@@ -6,8 +6,9 @@ Both backends take the operands exactly as lowprec stores them: ``mat(a)`` is
 
 * :data:`TENSORWISE` -- two :class:`Float8Tensor` operands (E4M3 x E4M3,
   E4M3 x E5M2, E5M2 x E4M3). cuBLAS gets the *decode* scales ``1 / scale``
-  (one element each); the product is accumulated in fp32
-  (``use_fast_accum=False``) and written once in ``out_dtype``. A bias is
+  (one element each); the product is accumulated in fp32, or with cuBLAS's fast
+  accumulation where the running linear's recipe asks for it (``accumulation``), and
+  written once in ``out_dtype``. A bias is
   fused into the epilogue when cuBLAS allows it (bf16/fp16 output with a
   bias of that dtype), else added in fp32 afterwards.
 * :data:`BLOCKWISE` -- two :class:`Float8BlockwiseTensor` operands with
@@ -31,6 +32,7 @@ import torch
 from ..formats import check_usage
 from ..formats.block import Float8BlockwiseTensor
 from ..formats.float8 import Float8Tensor
+from .accumulation import fast_accumulation
 from .device import block_scaled_mm_cpu, routes_cuda
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -93,22 +95,26 @@ def tensorwise_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
     return _common_accepts(Float8Tensor, a, a_usage, b, b_usage, out_dtype)
 
 
-def scaled_mm(ad, bd, scale_a, scale_b, bias, out_dtype, out):
-    """``torch._scaled_mm(ad, bd.T)``, into ``out`` when given (exact fp32 accumulation)."""
+def scaled_mm(ad, bd, scale_a, scale_b, bias, out_dtype, out, fast_accum: bool = False):
+    """``torch._scaled_mm(ad, bd.T)``, into ``out`` when given: exact fp32 accumulation, or
+    for per-tensor scales with ``fast_accum`` cuBLAS's fast accumulation (block scales
+    always accumulate in fp32)."""
     if not ad.is_cuda and scale_a.numel() > 1:  # block scales, CPU (``device.cuda_routes``)
         res = block_scaled_mm_cpu(ad, bd.t(), scale_a, scale_b, torch.float32)
         res = res if bias is None else res + bias.to(torch.float32)
         return res.to(out_dtype) if out is None else out.copy_(res)
     extra = {} if out is None else {"out": out}
     return torch._scaled_mm(ad, bd.t(), scale_a=scale_a, scale_b=scale_b, bias=bias,
-                            out_dtype=out_dtype, use_fast_accum=False, **extra)
+                            out_dtype=out_dtype,
+                            use_fast_accum=fast_accum and scale_a.numel() == 1, **extra)
 
 
 def tensorwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     ad, bd = getattr(a, f"{a_usage}_data"), getattr(b, f"{b_usage}_data")
     scale_a, scale_b = a.decode_scale(), b.decode_scale()
     fused = fusable_bias(bias, out_dtype)
-    res = scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out)
+    res = scaled_mm(ad, bd, scale_a, scale_b, bias if fused else None, out_dtype, out,
+                    fast_accumulation())
     return _finish(res, bias, fused, out)
 
 
@@ -121,7 +127,8 @@ def tensorwise_direct(a, a_usage, b, b_usage, out_dtype):
     bd = b.rowwise_data if b_usage == "rowwise" else b.columnwise_data
     if not _takes_data(a, ad, b, bd, out_dtype):
         return None
-    return scaled_mm(ad, bd, a.decode_scale(), b.decode_scale(), None, out_dtype, None)
+    return scaled_mm(ad, bd, a.decode_scale(), b.decode_scale(), None, out_dtype, None,
+                     fast_accumulation())
 
 
 # ---- block-scaled -------------------------------------------------------------------------

@@ -123,25 +123,30 @@ def _with_bias(res, bias, fused: bool, out_dtype):
     return res
 
 
-def _cublas_fp8(a: Fp8, b: Fp8, out_dtype, bias, ops=None):
-    return fp8_gemm(a.data, a.scale, a.decode, b.data, b.scale, b.decode, bias, out_dtype)
+def _cublas_fp8(a: Fp8, b: Fp8, out_dtype, bias, ops=None, fast=False):
+    return fp8_gemm(a.data, a.scale, a.decode, b.data, b.scale, b.decode, bias, out_dtype,
+                    fast)
 
 
 @traced_op("fp8_gemm")
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, a_decode: Optional[torch.Tensor],
              b: torch.Tensor, b_scale: torch.Tensor, b_decode: Optional[torch.Tensor],
-             bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+             bias: Optional[torch.Tensor], out_dtype: torch.dtype,
+             fast_accum: bool = False) -> torch.Tensor:
     """``a @ b.T (+ bias)`` of per-tensor FP8 operands (codes, scale, ``1 / scale`` or None)
-    through cuBLAS, as eager's ``cublas_fp8`` backend runs it."""
+    through cuBLAS, as eager's ``cublas_fp8`` backend runs it (``fast_accum``: cuBLAS's
+    fast accumulation)."""
     fused = fusable_bias(bias, out_dtype)
     decode_a = a_decode if a_decode is not None else decode_scale(a_scale).reshape(())
     decode_b = b_decode if b_decode is not None else decode_scale(b_scale).reshape(())
-    res = scaled_mm(a, b, decode_a, decode_b, bias if fused else None, out_dtype, None)
+    res = scaled_mm(a, b, decode_a, decode_b, bias if fused else None, out_dtype, None,
+                    fast_accum)
     return _with_bias(res, bias, fused, out_dtype)
 
 
 @torch.library.register_fake("lowprec::fp8_gemm")
-def _fp8_gemm_fake(a, a_scale, a_decode, b, b_scale, b_decode, bias, out_dtype):
+def _fp8_gemm_fake(a, a_scale, a_decode, b, b_scale, b_decode, bias, out_dtype,
+                   fast_accum=False):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
@@ -203,7 +208,10 @@ ROUTES = {"plain": _plain, "cublas_fp8": _cublas_fp8, "cublas_fp8_block": _cubla
           "exact_bf16": _exact_bf16, "emulated": _emulated}
 
 
-def traced_gemm(name: str, a, b, out_dtype, bias, ops) -> torch.Tensor:
+def traced_gemm(name: str, a, b, out_dtype, bias, ops, fast: bool = False) -> torch.Tensor:
     """``mat(a) @ mat(b).T (+ bias)`` of two graph forms through route ``name``; ``ops``:
-    ((operand, usage) of a, of b), which the emulation asks for the fp32 values."""
+    ((operand, usage) of a, of b), which the emulation asks for the fp32 values; ``fast``:
+    fast accumulation where the route is two per-tensor FP8 operands (``cublas_fp8``)."""
+    if name == "cublas_fp8":
+        return _cublas_fp8(a, b, out_dtype, bias, ops, fast)
     return ROUTES[name](a, b, out_dtype, bias, ops)

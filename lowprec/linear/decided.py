@@ -26,6 +26,7 @@ from ..recipe import (
     BackwardMode,
     QuantizerRole,
     delayed_stand_ins,
+    gemm_fast_accum,
     recipe_of_value,
     stateless_quantizers,
     torch_autocast_dtype,
@@ -72,7 +73,7 @@ def decided_delayed_linear(q: LinearQuantizers, x: torch.Tensor, weight: torch.T
         return None
     first = q.input.first
     head = (q.input.fp8_dtype, q.weight.fp8_dtype, q.grad_output.fp8_dtype,
-            None if first is None else first.margin)
+            None if first is None else first.margin, q.fast_accum)
     return getattr(DECISIONS, _decided((head, *call)))
 
 
@@ -257,13 +258,15 @@ def _quantizers(head) -> tuple[LinearQuantizers, str]:
     (input, weight, dY) FP8 dtypes, whose quantizers here are stand-ins: a delayed form
     reads its scales and amaxes from the tensors the call passes."""
     if isinstance(head, tuple):
-        x, w, dy = delayed_stand_ins(head)
+        *dtypes_margin, fast = head
+        x, w, dy = delayed_stand_ins(tuple(dtypes_margin))
         return LinearQuantizers(input=x, weight=w, output=None, grad_output=dy,
-                                grad_input=None), BackwardMode.DEFAULT
+                                grad_input=None, fast_accum=fast), BackwardMode.DEFAULT
     recipe = recipe_of_value(head)
     # built-in rules read a role's tensor type and direction only (reads_role_names)
     fq = stateless_quantizers(recipe, "forward", [QuantizerRole(tensor_type="input"),
                                                   QuantizerRole(tensor_type="weight")])
     (bq,) = stateless_quantizers(recipe, "backward", [QuantizerRole(tensor_type="grad_output")])
     return LinearQuantizers(input=fq[0], weight=fq[1], output=None, grad_output=bq,
-                            grad_input=None), recipe.backward_mode
+                            grad_input=None, fast_accum=gemm_fast_accum(recipe)), \
+        recipe.backward_mode

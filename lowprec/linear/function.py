@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from ..formats import QuantizedTensor, Quantizer
-from ..gemm import gemm
+from ..gemm import accumulating, gemm
 from ..memory import offload
 from ..recipe import (
     BACKWARD_MODES,
@@ -49,6 +49,9 @@ class LinearQuantizers:
     output: Optional[Quantizer] = None
     grad_output: Optional[Quantizer] = None
     grad_input: Optional[Quantizer] = None
+    #: (fprop, dgrad, wgrad): whether the GEMMs of two per-tensor FP8 operands accumulate
+    #: fast, as the recipe's ``fp8_gemm_*`` ask (``recipe.gemm_fast_accum``)
+    fast_accum: tuple = (False, False, False)
     #: the calls' plans (``lowprec.linear.plan``), decided once per kind of call
     plans: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -168,13 +171,16 @@ def _whole_backward(ctx, dy, saved_x, saved_w, need_dx: bool, need_dw: bool,
         x_op = _plain(saved_x) if saved_x is not None else None
     # wgrad first, so dY's columnwise copy and the saved input are freed before dgrad
     # allocates dX (lower peak).
+    fast = ctx.quantizers.fast_accum if ctx.quantizers is not None else (False,) * 3
     if need_dw:
-        dw = gemm(dy_lp, "columnwise", x_op, "columnwise", out_dtype=ctx.w_dtype)
+        with accumulating(fast[2]):
+            dw = gemm(dy_lp, "columnwise", x_op, "columnwise", out_dtype=ctx.w_dtype)
         if need_dx:
             _keep_only(dy_lp, dy_owned, "rowwise")
         release_x()
     if need_dx:
-        dx = gemm(dy_lp, "rowwise", w_op, "columnwise", out_dtype=ctx.x_dtype)
+        with accumulating(fast[1]):
+            dx = gemm(dy_lp, "rowwise", w_op, "columnwise", out_dtype=ctx.x_dtype)
     return dx, dw
 
 
@@ -272,7 +278,8 @@ class EagerLinearFunction(torch.autograd.Function):
                                                  columnwise=w_col and not w_two_steps,
                                                  exact=exact)
         out_features = weight.shape[0]
-        y = gemm(x_lp, "rowwise", w_lp, "rowwise", out_dtype=x.dtype, bias=bias)
+        with accumulating(quantized and q.fast_accum[0]):
+            y = gemm(x_lp, "rowwise", w_lp, "rowwise", out_dtype=x.dtype, bias=bias)
         y = y.reshape(*x.shape[:-1], out_features)
 
         if not quantized or backward_mode == BackwardMode.HIGH_PRECISION:
@@ -346,7 +353,8 @@ class EagerLinearFunction(torch.autograd.Function):
                                           ctx.w_dtype, release_x, release_w)
         elif split is not None:
             dx, dw = grad_split.sliced_backward(q.grad_output, dy, saved_x, saved_w, *split,
-                                                ctx.x_dtype, ctx.w_dtype, release_x)
+                                                ctx.x_dtype, ctx.w_dtype, release_x,
+                                                q.fast_accum[1:])
         else:
             dx, dw = _whole_backward(ctx, dy, saved_x, saved_w, need_dx, need_dw,
                                      quantized_bwd, release_x)

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from ..formats import QuantizedTensor, Quantizer
-from ..gemm import gemm
+from ..gemm import accumulating, gemm
 from ..memory import register_thread_setting
 
 #: Below this size of one quantized copy of dY (bytes) the backward never slices: the
@@ -172,10 +172,12 @@ class in_mode(_SetMode):
 
 def sliced_backward(quantizer: Quantizer, dy: torch.Tensor, x_op: QuantizedTensor,
                     w_op: QuantizedTensor, rows: int, cols: int, dx_dtype: torch.dtype,
-                    dw_dtype: torch.dtype, after_wgrad: Callable[[], None]
+                    dw_dtype: torch.dtype, after_wgrad: Callable[[], None],
+                    fast: tuple[bool, bool] = (False, False)
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dX as (M, K), dW as (N, K)) with dY quantized in slices; ``after_wgrad`` runs
-    between the two GEMM loops (the caller frees the saved input there)."""
+    between the two GEMM loops (the caller frees the saved input there); ``fast``: (dgrad,
+    wgrad) fast accumulation (``LinearQuantizers.fast_accum``)."""
     n = dy.shape[-1]
     dy2d = dy.detach().reshape(-1, n)
     m, k = dy2d.shape[0], w_op.shape[-1]
@@ -186,12 +188,14 @@ def sliced_backward(quantizer: Quantizer, dy: torch.Tensor, x_op: QuantizedTenso
     dw = torch.empty((n, k), dtype=dw_dtype, device=dy.device)
     for a in range(0, n, cols):
         part = slice_quantize(dy2d[:, a:a + cols], "columnwise")
-        gemm(part, "columnwise", x_op, "columnwise", out_dtype=dw_dtype, out=dw[a:a + cols])
+        with accumulating(fast[1]):
+            gemm(part, "columnwise", x_op, "columnwise", out_dtype=dw_dtype, out=dw[a:a + cols])
         del part  # free this slice before the next is made
     after_wgrad()
     dx = torch.empty((m, k), dtype=dx_dtype, device=dy.device)
     for a in range(0, m, rows):
         part = slice_quantize(dy2d[a:a + rows], "rowwise")
-        gemm(part, "rowwise", w_op, "columnwise", out_dtype=dx_dtype, out=dx[a:a + rows])
+        with accumulating(fast[0]):
+            gemm(part, "rowwise", w_op, "columnwise", out_dtype=dx_dtype, out=dx[a:a + rows])
         del part
     return dx, dw

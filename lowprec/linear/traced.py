@@ -82,6 +82,8 @@ class TracedPlan:
     #: the zeros that make the call's operands whole blocks (:func:`decide`), as
     #: ``Padding``'s (k, n, rows): plain ints, which dynamo builds into a plan it traces
     pads: tuple = (0, 0, 0)
+    #: (fprop, dgrad, wgrad) fast accumulation of per-tensor FP8 GEMMs (the quantizers')
+    fast: tuple = (False, False, False)
 
     @property
     def padding(self) -> Padding:
@@ -172,7 +174,8 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
         if split is not None and not dyo.sliceable:
             return "eager slices dY where its quantize cannot be sliced in a graph"
     pads = (padded.k, padded.n, padded.rows) if isinstance(padded, Padding) else (0, 0, 0)
-    return TracedPlan(xo, wo, dyo, backward_mode, tuple(routes), split, delayed, pads)
+    return TracedPlan(xo, wo, dyo, backward_mode, tuple(routes), split, delayed, pads,
+                      tuple(q.fast_accum))
 
 
 # ---- the Function ----------------------------------------------------------------------------
@@ -306,7 +309,7 @@ class TracedLinear(torch.autograd.Function):
             ctx.save_for_backward(*x_keep, *w_keep)
         ctx.n_saved = (len(x_keep), len(w_keep))
         y = traced_gemm(plan.routes[0], xr, wr, x.dtype, bias,
-                        ((plan.x, "rowwise"), (plan.w, "rowwise")))
+                        ((plan.x, "rowwise"), (plan.w, "rowwise")), plan.fast[0])
         return steps.finish(ctx, x, weight, bias, plan, y)
 
     @staticmethod
@@ -360,23 +363,23 @@ class TracedLinear(torch.autograd.Function):
             xc = plan.x.saved_columnwise(x_keep)
             ops = ((plan.dy, "columnwise"), (plan.x, "columnwise"))
             if dy is not None:
-                dw = traced_gemm(plan.routes[2], dy[1], xc, ctx.w_dtype, None, ops)
+                dw = traced_gemm(plan.routes[2], dy[1], xc, ctx.w_dtype, None, ops, plan.fast[2])
             else:
                 cols = plan.split[1]
                 dw = steps.joined([
                     traced_gemm(plan.routes[2], plan.dy.grad(dy2d[:, a:a + cols], False, True)[1],
-                                xc, ctx.w_dtype, None, ops)
+                                xc, ctx.w_dtype, None, ops, plan.fast[2])
                     for a in range(0, dy2d.shape[1], cols)])
         if need_dx:  # mat(dY, rowwise) @ mat(W, columnwise).T
             wc = plan.w.saved_columnwise(w_keep, dy2d)
             ops = ((plan.dy, "rowwise"), (plan.w, "columnwise"))
             if dy is not None:
-                dx = traced_gemm(plan.routes[1], dy[0], wc, ctx.x_dtype, None, ops)
+                dx = traced_gemm(plan.routes[1], dy[0], wc, ctx.x_dtype, None, ops, plan.fast[1])
             else:
                 rows = plan.split[0]
                 dx = steps.joined([
                     traced_gemm(plan.routes[1], plan.dy.grad(dy2d[a:a + rows], True, False)[0],
-                                wc, ctx.x_dtype, None, ops)
+                                wc, ctx.x_dtype, None, ops, plan.fast[1])
                     for a in range(0, dy2d.shape[0], rows)])
         return dx, dw
 

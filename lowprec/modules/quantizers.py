@@ -17,6 +17,7 @@ from ..memory import current_frame
 from ..recipe import (
     BackwardMode,
     active_region,
+    gemm_fast_accum,
     reads_role_names,
     stateful,
     stateless_quantizers,
@@ -87,11 +88,11 @@ class CallQuantizersMixin:
             # the group the backward state's update all-reduces its amaxes over, as eager's
             group = region.group if recipe.reduce_amax else None
             delayed = (fwd_state, bwd_state, handle, recipe, records, group)
-            return self._linear_quantizers(fq, bq), recipe.backward_mode, delayed
+            return self._linear_quantizers(fq, bq, recipe), recipe.backward_mode, delayed
         if model_group is not None and reads_role_names(recipe):
             held = self.held_quantizers(recipe)
             if held is not None:  # the factory's choices, made outside the trace
-                qs = self._linear_quantizers(*held)
+                qs = self._linear_quantizers(*held, recipe)
                 return (qs if gemms is None else qs[:gemms]), recipe.backward_mode, None
         return self._stateless_gemms(recipe, gemms), recipe.backward_mode, None
 
@@ -121,8 +122,9 @@ class CallQuantizersMixin:
         fq = stateless_quantizers(recipe, "forward", fwd_roles[0::3] + fwd_roles[1::3])
         bq = stateless_quantizers(recipe, "backward", bwd_roles[0::2])
         n = len(bq)
+        fast = gemm_fast_accum(recipe)
         return [LinearQuantizers(input=fq[i], weight=fq[n + i], output=None, grad_output=bq[i],
-                                 grad_input=None) for i in range(n)]
+                                 grad_input=None, fast_accum=fast) for i in range(n)]
 
     def traced_grouped_quantizers(self, x: torch.Tensor, *weights: torch.Tensor):
         """(quantizers, backward mode) a compiled call of a grouped module (experts,
@@ -171,7 +173,7 @@ class CallQuantizersMixin:
             if k[0] is fwd and k[1] is bwd and k[2] is out_role and k[3] is gi_role:
                 return cached[1], recipe.backward_mode, callback
         key = (fwd, bwd, out_role, gi_role)
-        out = self._linear_quantizers(fwd.quantizers, bwd.quantizers)
+        out = self._linear_quantizers(fwd.quantizers, bwd.quantizers, recipe)
         self._check_quantized_weights(recipe, out)
         # Reused while the states are: the quantizers are the states' own objects, and
         # which slots a module quantizes does not change between calls. One entry a
@@ -209,8 +211,10 @@ class CallQuantizersMixin:
                 f"quantized (and are re-quantized after each optimizer step) under {init!r}, "
                 f"the recipe of their quantized_model_init", UserWarning, stacklevel=4)
 
-    def _linear_quantizers(self, fq: list, bq: list) -> list[LinearQuantizers]:
-        """Per-GEMM quantizers from the forward slots ``fq`` and backward slots ``bq``."""
+    def _linear_quantizers(self, fq: list, bq: list, recipe) -> list[LinearQuantizers]:
+        """Per-GEMM quantizers from the forward slots ``fq`` and backward slots ``bq`` of
+        ``recipe`` (whose ``fp8_gemm_*`` say how their FP8 GEMMs accumulate)."""
+        fast = gemm_fast_accum(recipe)
         # The GEMMs are counted from the slots, and the boundary slots asked for only where
         # a boundary role is set: both read the GEMMs' names, which a compiled call would
         # guard on (same-shaped layers would then not share code).
@@ -224,5 +228,5 @@ class CallQuantizersMixin:
                 output=f[2] if boundary and self._boundary(i, True) is not None else None,
                 grad_output=b[0],
                 grad_input=(b[1] if boundary and self._boundary(i, False) is not None
-                            else None)))
+                            else None), fast_accum=fast))
         return out

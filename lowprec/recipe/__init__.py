@@ -22,6 +22,7 @@ from .recipes import (
     Float8BlockScaling,
     Float8CurrentScaling,
     Format,
+    MMParams,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
     OperandUsages,
@@ -32,10 +33,11 @@ from .roles import QuantizerRole
 
 __all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
            "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe", "BACKWARD_MODES",
-           "RECIPE_ALIASES", "BackwardMode", "OperandUsages", "operand_usages", "QuantizerRole"]
+           "RECIPE_ALIASES", "BackwardMode", "OperandUsages", "operand_usages", "QuantizerRole",
+           "MMParams"]
 
 # The rest of lowprec enters the package here (internal names, not in __all__).
-from .recipes import normalize_backward_mode, recipe_from_key, recipe_of_value
+from .recipes import gemm_fast_accum, normalize_backward_mode, recipe_from_key, recipe_of_value
 from .regions import (
     active_region,
     any_region,

@@ -172,6 +172,43 @@ def recipe_from_key(key: int) -> "Recipe":
 
 
 @dataclass(frozen=True)
+class MMParams:
+    """How a recipe's FP8 GEMMs of one direction accumulate (Transformer Engine's
+    ``MMParams``). ``use_split_accumulator=True``: cuBLAS promotes partial sums to fp32
+    (the exact fp32-accumulated product, bit for bit the reference). False: its fast
+    accumulation, which keeps partial sums at lower precision inside the tensor cores and
+    is faster; ``docs/formats.md`` states its error against the fp32-accumulated product.
+    It steers GEMMs of two per-tensor FP8 operands: cuBLAS's block-scaled GEMMs and the
+    emulated formats (MXFP8, NVFP4 on Hopper) always accumulate in fp32."""
+
+    use_split_accumulator: bool = True
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+
+
+#: TE's defaults for per-tensor FP8: fast accumulation in fprop, split in dgrad and wgrad
+_FAST, _SPLIT = MMParams(use_split_accumulator=False), MMParams(use_split_accumulator=True)
+
+GEMM_PARAMS = ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad")
+
+
+def gemm_fast_accum(recipe: "Recipe | None") -> tuple[bool, bool, bool]:
+    """(fprop, dgrad, wgrad): whether ``recipe``'s per-tensor FP8 GEMMs of each direction
+    accumulate fast (its ``fp8_gemm_*`` fields; a recipe without them: split everywhere)."""
+    return tuple(not getattr(recipe, name, _SPLIT).use_split_accumulator
+                 for name in GEMM_PARAMS)
+
+
+def _check_gemm_params(recipe: "Recipe") -> None:
+    for name in GEMM_PARAMS:
+        value = getattr(recipe, name)
+        if not isinstance(value, MMParams):
+            raise TypeError(f"{type(recipe).__name__}: {name} must be a "
+                            f"lowprec.recipe.MMParams, got {value!r} ({type(value).__name__})")
+
+
+@dataclass(frozen=True)
 class Recipe:
     """Base of all recipes; holds the backward mode.
 
@@ -246,6 +283,9 @@ class DelayedScaling(Recipe):
     ``"current"`` (default): with the scale of its own amax, as current scaling does, so
     the first step's gradients are not flushed to zero. ``"one"``: with scale 1 until
     the first update, as Transformer Engine does (bit parity with it).
+
+    ``fp8_gemm_fprop`` / ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad``: :class:`MMParams` of each
+    GEMM direction, Transformer Engine's defaults (fast accumulation in fprop only).
     """
 
     margin: float = 0
@@ -254,6 +294,9 @@ class DelayedScaling(Recipe):
     amax_compute_algo: Union[str, Callable] = "max"
     reduce_amax: bool = True
     first_scale: str = "current"
+    fp8_gemm_fprop: MMParams = _FAST
+    fp8_gemm_dgrad: MMParams = _SPLIT
+    fp8_gemm_wgrad: MMParams = _SPLIT
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -277,6 +320,7 @@ class DelayedScaling(Recipe):
         if self.amax_history_len < 1:
             raise ValueError(f"DelayedScaling: amax_history_len must be an int >= 1, got "
                              f"{self.amax_history_len!r}")
+        _check_gemm_params(self)
         if self.first_scale not in ("current", "one"):
             raise ValueError(f"DelayedScaling: first_scale={self.first_scale!r}; use 'current' "
                              f"(the tensor's own amax until the history holds one) or 'one' "
@@ -289,13 +333,21 @@ class DelayedScaling(Recipe):
 
 @dataclass(frozen=True)
 class Float8CurrentScaling(Recipe):
-    """Per-tensor FP8 with the scale computed from each tensor's own amax."""
+    """Per-tensor FP8 with the scale computed from each tensor's own amax.
+
+    ``fp8_gemm_fprop`` / ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad``: :class:`MMParams` of each
+    GEMM direction, Transformer Engine's defaults (fast accumulation in fprop only).
+    """
 
     fp8_format: Format = Format.HYBRID
     use_power_2_scales: bool = False
+    fp8_gemm_fprop: MMParams = _FAST
+    fp8_gemm_dgrad: MMParams = _SPLIT
+    fp8_gemm_wgrad: MMParams = _SPLIT
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_gemm_params(self)
         _check_fp8_format("Float8CurrentScaling", self.fp8_format,
                           (Format.E4M3, Format.E5M2, Format.HYBRID))
 
@@ -363,12 +415,19 @@ class CustomRecipe(Recipe):
     and must return a quantizer; return ``IdentityQuantizer()`` to keep a
     tensor in high precision. A module-level function pickles; a closure or
     lambda does not.
+
+    ``fp8_gemm_fprop`` / ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad``: :class:`MMParams` of the
+    GEMMs whose operands are both per-tensor FP8; split accumulation (exact) by default.
     """
 
     qfactory: Callable | None = None
+    fp8_gemm_fprop: MMParams = _SPLIT
+    fp8_gemm_dgrad: MMParams = _SPLIT
+    fp8_gemm_wgrad: MMParams = _SPLIT
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_gemm_params(self)
         from ..formats import Quantizer  # recipes stay importable without formats loaded first
 
         if isinstance(self.qfactory, Quantizer):
