@@ -36,7 +36,6 @@ from torch import Tensor
 from ...kernels import kernel_op, use_kernels
 from ...kernels.grid import num_sms
 from ...kernels.launch import BoundCalls, launch, launch_calls
-from ...kernels.scratch import zeroed_scratch
 from ...kernels.tuning import tuning
 from ..base import QuantizedTensor, check_exact_only
 from ..casting import e2m1_codes_to_float, unpack_e2m1
@@ -154,7 +153,7 @@ def _quantize(x, key_row, key_col, rowwise, columnwise, with_rht, two_d, exact_r
     sx = _row_stride(x)
     idx64 = _idx64(m, max(kk, sx), max(row_offset, col_offset))
     rs, cs = (rglob_in, cglob_in) if given else (rglob, cglob)
-    ws = None if given else zeroed_scratch(3, dev)
+    ws = None if given else torch.zeros(3, dtype=torch.int32, device=dev)
     ex_r, ex_c = rex if exact_row else None, cex if exact_col else None
 
     def calls():
@@ -269,15 +268,14 @@ def _nvfp4_exact_slice_fake(x, glob, key, offset, rowwise, with_rht, two_d):
 def _amax_pass(x: Tensor, rglob: Tensor, cglob: Tensor, rowwise: bool, columnwise: bool,
                rht: bool, idx64: bool) -> None:
     """Write the global encode scales of the contiguous x's directions in use."""
-    ws = zeroed_scratch(3, x.device)
+    ws = torch.zeros(3, dtype=torch.int32, device=x.device)
     kernel, grid, args, kwargs = _amax_call(x, ws, rglob, cglob, rowwise, columnwise, rht,
                                             idx64)
     launch(kernel, grid, *args, **kwargs)
 
 
 def _amax_call(x, ws, rglob, cglob, rowwise, columnwise, rht, idx64) -> tuple:
-    """:func:`_amax_pass`'s (kernel, grid, args, kwargs), ``ws`` its zeroed int32 (3,),
-    which the kernel leaves zeroed."""
+    """:func:`_amax_pass`'s (kernel, grid, args, kwargs), ``ws`` its zeroed int32 (3,)."""
     m, kk = x.shape
     ca = tuning.nvfp4_config["amax"]
     grid, warps, even = amax_launch(m, kk, rht, x.device)

@@ -432,8 +432,7 @@ def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
                        KW: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr,
                        IDX64: tl.constexpr):
     """ws_ptr int32[3] zeroed: [0] finite amax of x, [1] finite amax of RHT(x^T) (fp32
-    bits), [2] ticket counter. The last program writes S into rglob / cglob and zeroes
-    ws again (``kernels.scratch``: the next call on the stream may share it).
+    bits), [2] ticket counter. The last program writes S into rglob / cglob.
 
     Grid-stride: each program folds many tiles into register maxima and makes one atomic
     per amax (same-address atomics from one program per tile serialized in L2). Without
@@ -479,9 +478,6 @@ def _nvfp4_amax_kernel(x_ptr, M, K, ws_ptr, rglob_ptr, cglob_ptr,
                 tl.store(cglob_ptr, _global_scale(a_rht))
             else:
                 tl.store(cglob_ptr, _global_scale(a_plain))
-        tl.store(ws_ptr, 0)
-        tl.store(ws_ptr + 1, 0)
-        tl.store(ws_ptr + 2, 0)
 
 
 @triton.jit
