@@ -23,11 +23,13 @@ GPU_ONLY = [
 ]
 
 
-def cases(axes: dict, quick) -> list:
+def cases(axes: dict, quick, covered_elsewhere: dict | None = None) -> list:
     """The product of ``axes`` (argument name -> values, a list, or a dict of test id ->
     value) as ``pytest.param``s, the ones ``quick(**case)`` refuses marked ``slow`` (run
     with ``--slow``): CI's CPU run covers each axis without the whole matrix. Every value
-    of every axis must be in some quick case."""
+    of every axis must be in some quick case, but those ``covered_elsewhere`` names (axis
+    -> ids) for the values another test of the default run covers (say why where it is
+    passed)."""
     named = {name: (vals if isinstance(vals, dict) else {str(v): v for v in vals})
              for name, vals in axes.items()}
     out, covered = [], {name: set() for name in named}
@@ -39,9 +41,36 @@ def cases(axes: dict, quick) -> list:
                 covered[name].add(i)
         out.append(pytest.param(*case.values(), id="-".join(ids),
                                 marks=() if fast else pytest.mark.slow))
-    missing = {name: sorted(set(named[name]) - covered[name]) for name in named}
+    elsewhere = covered_elsewhere or {}
+    missing = {name: sorted(set(named[name]) - covered[name] - set(elsewhere.get(name, ())))
+               for name in named}
     assert not any(missing.values()), f"values in no quick case: {missing}"
     return out
+
+
+def pairwise(axes: dict):
+    """A ``quick`` for :func:`cases`: true on a few cases of the product of ``axes`` (as
+    for ``cases``; other arguments are ignored) in which every pair of values of every two
+    axes occurs. Greedy: each next case is the product's first covering the most pairs not
+    yet covered, so the choice is the same on every run."""
+    values = [list(v.values()) if isinstance(v, dict) else list(v) for v in axes.values()]
+    rows = list(itertools.product(*(range(len(v)) for v in values)))
+
+    def pairs(row):
+        return {(a, row[a], b, row[b]) for a, b in itertools.combinations(range(len(row)), 2)}
+    uncovered = set().union(*(pairs(r) for r in rows))
+    chosen = set() if uncovered else set(rows)
+    while uncovered:
+        best = max(rows, key=lambda r: len(pairs(r) & uncovered))
+        chosen.add(best)
+        uncovered -= pairs(best)
+
+    def index(vals, v):
+        return next(i for i, w in enumerate(vals) if w is v or w == v)
+
+    def quick(**case):
+        return tuple(index(vals, case[name]) for name, vals in zip(axes, values)) in chosen
+    return quick
 
 
 def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import GraphOps, plan_of
+from helpers import GraphOps, cases, pairwise, plan_of
 
 import lowprec
 from lowprec.formats.block import graph as block_graph
@@ -44,10 +44,18 @@ def _dtype(device):
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3])
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def _quick_pairs(axes: dict) -> list:
+    """``cases`` of ``axes`` and ``DEVICES``: on the CPU the few holding every pair of the
+    axes' values (the whole product with --slow), on CUDA all."""
+    pairs = pairwise(axes)
+    return cases({**axes, "device": DEVICES},
+                 lambda device, **case: device != "cpu" or pairs(**case))
+
+
+@pytest.mark.parametrize("backend, fmt, bias, device", _quick_pairs(
+    {"backend": ["aot_eager", "inductor"], "fmt": {"Format.HYBRID": Format.HYBRID,
+                                                   "Format.E4M3": Format.E4M3},
+     "bias": [True, False]}))
 def test_traced_bit_identical(device, bias, fmt, backend):
     recipe = Float8CurrentScaling(fp8_format=fmt)
     torch.manual_seed(0)
@@ -84,11 +92,10 @@ def test_fused_neighbours_keep_eager_rounding(device, bias):
         assert torch.equal(w, g)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID])
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("two_d", [False, True], ids=["1x32", "32x32_weight"])
+@pytest.mark.parametrize("two_d, backend, fmt, bias, device", _quick_pairs(
+    {"two_d": {"1x32": False, "32x32_weight": True}, "backend": ["aot_eager", "inductor"],
+     "fmt": {"Format.E4M3": Format.E4M3, "Format.HYBRID": Format.HYBRID},
+     "bias": [True, False]}))
 def test_mxfp8_traced_bit_identical(device, bias, fmt, backend, two_d):
     """MXFP8 traced: every operand's exact values made in the graph, multiplied in bf16 on
     CUDA (as ``exact_bf16``, a bias in cuBLAS's epilogue through one op the compiler keeps
@@ -113,10 +120,12 @@ def test_mxfp8_traced_bit_identical(device, bias, fmt, backend, two_d):
         assert (device == "cuda" and bias) == any("lowprec.addmm" in t for t in ops.targets)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("w_dim", [2, 1])
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+_BLOCK_CPU_AXES = {"backend": ["aot_eager", "inductor"], "w_dim": [2, 1], "bias": [True, False],
+                   "dtype": {"dtype0": torch.float32, "dtype1": torch.bfloat16}}
+
+
+@pytest.mark.parametrize("backend, w_dim, bias, dtype", cases(
+    _BLOCK_CPU_AXES, pairwise(_BLOCK_CPU_AXES)))
 def test_block_traced_bit_identical_cpu(dtype, bias, w_dim, backend):
     """Block FP8 on the CPU: the reference's blocks in the graph and the fp32 emulation,
     as eager's CPU path; traced (no opaque call) for shapes that fill whole blocks."""
@@ -238,10 +247,9 @@ def _two_newest(history):
     return history[:2].amax(0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("algo", ["max", "most_recent", "callable"])
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend, algo, bias, device", _quick_pairs(
+    {"backend": ["aot_eager", "inductor"], "algo": ["max", "most_recent", "callable"],
+     "bias": [True, False]}))
 def test_delayed_traced_bit_identical(device, bias, algo, backend):
     """Delayed scaling traced: the quantizes read the module's scales and record their
     amaxes into its state in place, the backward state updates in the backward graph (the
