@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import GraphOps, cases, randn
+from helpers import GraphOps, cases, pairwise, randn
 
 import lowprec
 import lowprec.ops as ops
@@ -98,12 +98,14 @@ def _dims(recipe_name):
 def _cases():
     # unfused (each op on its own) under two recipes: its pieces are the fused run's parts;
     # NVFP4 alone on the CPU runs with --slow (mxfp8_fwd_nvfp4_bwd's backward is NVFP4's,
-    # and test_compiled_call traces NVFP4's ops model)
+    # and test_compiled_call traces NVFP4's ops model), and so does delayed scaling
+    # unfused (its states per op: test_lone_linear_op_traced)
     for device in DEVICES:
         for recipe_name in RECIPES:
             for fuse in (True, False):
                 if fuse or recipe_name in ("fp8_current", "fp8_delayed") or device == "cuda":
-                    slow = (device, recipe_name) == ("cpu", "nvfp4")
+                    slow = device == "cpu" and (recipe_name == "nvfp4" or (
+                        recipe_name, fuse) == ("fp8_delayed", False))
                     yield pytest.param(device, recipe_name, fuse,
                                        marks=pytest.mark.slow if slow else ())
 
@@ -207,12 +209,18 @@ _HAND_OVERS = {
 }
 
 
+_HAND_OVER_PAIRS = pairwise({"recipe_name": ["fp8_current", "own_roles"],
+                             "case": list(_HAND_OVERS), "fuse": [True, False]})
+
+
 @pytest.mark.parametrize("recipe_name, case, fuse", cases(
     {"recipe_name": ["fp8_current", "mxfp8", "own_roles"], "case": list(_HAND_OVERS),
      "fuse": {"fused": True, "unfused": False}},
-    # MXFP8 (blocks whose hand-over needs whole blocks) in its fullest case on the CPU
-    lambda recipe_name, case, fuse: recipe_name != "mxfp8" or (case, fuse) == ("after_norm",
-                                                                                True)))
+    # MXFP8 (blocks whose hand-over needs whole blocks) in its fullest case on the CPU;
+    # the other two every pair of recipe, case and fusing
+    lambda recipe_name, case, fuse: (case, fuse) == ("after_norm", True)
+    if recipe_name == "mxfp8" else _HAND_OVER_PAIRS(recipe_name=recipe_name, case=case,
+                                                    fuse=fuse)))
 def test_quantize_op_handing_a_linear_its_operand_traces(recipe_name, case, fuse):
     """A Quantize op that quantizes a linear's input (forward) or dY (backward): the
     linear next to it reads the op's quantized tensor as eager does (its quantizer, not
