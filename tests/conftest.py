@@ -1,5 +1,8 @@
 """Suite-wide settings."""
 
+import gc
+import itertools
+
 import pytest
 import torch
 
@@ -21,6 +24,26 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+#: tests a worker runs between two collections of all its objects (see young_collections)
+FULL_COLLECTION_EVERY = 200
+_tests_run = itertools.count(1)
+
+
+@pytest.fixture(autouse=True)
+def young_collections():
+    """The garbage collector's passes during a test walk only the objects made since it
+    began. A worker's older objects (imported modules, compiled code and caches of earlier
+    tests: a million objects after a few hundred compile tests) are frozen out of them:
+    walking those took about half a second a full pass, tens of passes a worker (lowprec's
+    convert_model collects once a call). What earlier tests left in reference cycles is
+    freed by a full collection every ``FULL_COLLECTION_EVERY`` tests."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
+    if next(_tests_run) % FULL_COLLECTION_EVERY == 0:
+        gc.collect()
 
 
 @pytest.fixture
