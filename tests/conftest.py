@@ -13,7 +13,8 @@ torch.set_num_threads(1)
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true",
-                     help="also run the tests marked slow (the GPU kernel fuzzers in tests/slow/)")
+                     help="also run the tests marked slow: the GPU kernel fuzzers in "
+                          "tests/slow/ and the exhaustive matrices the default run samples")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,8 +27,10 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
-#: tests a worker runs between two collections of all its objects (see young_collections)
-FULL_COLLECTION_EVERY = 200
+#: tests a worker runs between two collections of all its objects (see young_collections):
+#: each walks a million or more objects (a second or two); what they free in between is
+#: some hundreds of MB a worker
+FULL_COLLECTION_EVERY = 1000
 _tests_run = itertools.count(1)
 
 
