@@ -2,12 +2,12 @@
 every backward mode and module, eager against compiled against the oracle.
 
 The cases are :func:`space.all_pairs` (seed 0): every pair of values of every two factors
-occurs in some case. On the CPU the named recipes and :func:`space.every_value`'s few
-cases (every kind in every role and direction it reaches a GEMM from, every module,
-backward mode and autocast placement) run under CUDA's route decisions
-(``lowprec.gemm.cuda_routes``), every case with ``--slow``; the named recipes also run on
-the CPU's own routes (every case with ``--slow``). On a CUDA machine every case also runs
-on the GPU under inductor (``LOWPREC_CONFORMANCE_DEVICES=cpu`` turns that off).
+occurs in some case. On the CPU the named recipes (each kind alone) and
+:func:`space.every_value`'s few cases (every kind in every role and direction it reaches
+a GEMM from, every module, backward mode and autocast placement) run under CUDA's route
+decisions (``lowprec.gemm.cuda_routes``), and the named recipes on the CPU's own routes;
+every case runs both ways with ``--slow``. On a CUDA machine every case also runs on the
+GPU under inductor (``LOWPREC_CONFORMANCE_DEVICES=cpu`` turns that off).
 ``tests/conformance/run_matrix.py`` runs more seeds and writes the results as CSV.
 """
 
@@ -21,15 +21,16 @@ import torch
 from .harness import check
 from .space import all_pairs, every_value, plain_recipes
 
-CASES = plain_recipes() + all_pairs(seed=0)
+_DRAW = all_pairs(seed=0)
+CASES = plain_recipes() + _DRAW
 #: The CPU's own routes: every case under ``--slow`` (CI runs the named recipes there)
-CPU_CASES = plain_recipes() + [pytest.param(c, marks=pytest.mark.slow) for c in all_pairs(0)]
-#: CUDA's route decisions on the CPU: the named recipes and a case for every factor value
-#: in the quick run (each case is a compile: the 160 of the draw take minutes on 2 cores),
-#: the whole draw under ``--slow``
-_QUICK = set(every_value(all_pairs(0)))
+CPU_CASES = plain_recipes() + [pytest.param(c, marks=pytest.mark.slow) for c in _DRAW]
+#: CUDA's route decisions on the CPU: the named recipes (the routes of one format's
+#: operand pairs) and a case for every factor value in the quick run (each case is a
+#: compile: the 160 of the draw take minutes on 2 cores), the whole draw under ``--slow``
+_QUICK = set(every_value(_DRAW))
 CUDA_ROUTE_CASES = plain_recipes() + [
-    pytest.param(c, marks=() if c in _QUICK else pytest.mark.slow) for c in all_pairs(0)]
+    pytest.param(c, marks=() if c in _QUICK else pytest.mark.slow) for c in _DRAW]
 ON_CUDA = torch.cuda.is_available() and os.environ.get("LOWPREC_CONFORMANCE_DEVICES") != "cpu"
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
