@@ -113,14 +113,15 @@ def _frames(model, rname, autocast_inside: bool) -> int:
 
 
 
-#: what CI runs of the recipe x model matrix (the rest with --slow): the ops and grouped
-#: models under each recipe but ``custom`` (the named NVFP4 recipe's quantizers from a
-#: factory: a Linear alone runs it; test_traced_quantizers runs every other recipe on a
-#: Linear alone) and, on the ops model, the hybrid (test_ops_traced traces it there,
-#: test_traced_quantizers on the norm modules); the norm modules and the block under
-#: per-tensor and delayed scaling, the norm modules under MXFP8 too
+#: what CI runs of the recipe x model matrix (the rest with --slow): the grouped model
+#: under each recipe but ``custom`` (the named NVFP4 recipe's quantizers from a factory: a
+#: Linear alone runs it; test_traced_quantizers runs every other recipe on a Linear
+#: alone); the ops model under NVFP4 and the high-precision backward, which
+#: test_ops_traced's Sequential (every other named recipe and the hybrid) leaves out; the
+#: norm modules and the block under per-tensor and delayed scaling, the norm modules under
+#: MXFP8 too
 _QUICK = {"linear": {"custom"},
-          "ops": set(RECIPES) - {"custom", "hybrid"},
+          "ops": {"nvfp4", "current_hp_backward"},
           "grouped": set(RECIPES) - {"custom"},
           "layernorm_linear": {"current", "delayed", "mxfp8"},
           "layernorm_mlp": {"current", "delayed", "mxfp8"},
