@@ -44,18 +44,20 @@ def _dtype(device):
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 
-def _quick_pairs(axes: dict) -> list:
-    """``cases`` of ``axes`` and ``DEVICES``: on the CPU the few holding every pair of the
-    axes' values (the whole product with --slow), on CUDA all."""
+def _quick_pairs(axes: dict, inductor: dict) -> list:
+    """``cases`` of the backends, ``axes`` and ``DEVICES``: on the CPU, under aot_eager the
+    few holding every pair of the axes' values, under inductor the one case ``inductor``
+    (its C++ kernels of each new graph take seconds to build on 2 cores, tens on an empty
+    cache), the whole product with --slow; on CUDA all."""
     pairs = pairwise(axes)
-    return cases({**axes, "device": DEVICES},
-                 lambda device, **case: device != "cpu" or pairs(**case))
+    return cases({"backend": ["aot_eager", "inductor"], **axes, "device": DEVICES},
+                 lambda backend, device, **case: device != "cpu" or (
+                     pairs(**case) if backend == "aot_eager" else case == inductor))
 
 
 @pytest.mark.parametrize("backend, fmt, bias, device", _quick_pairs(
-    {"backend": ["aot_eager", "inductor"], "fmt": {"Format.HYBRID": Format.HYBRID,
-                                                   "Format.E4M3": Format.E4M3},
-     "bias": [True, False]}))
+    {"fmt": {"Format.HYBRID": Format.HYBRID, "Format.E4M3": Format.E4M3},
+     "bias": [True, False]}, inductor={"fmt": Format.HYBRID, "bias": True}))
 def test_traced_bit_identical(device, bias, fmt, backend):
     recipe = Float8CurrentScaling(fp8_format=fmt)
     torch.manual_seed(0)
@@ -92,10 +94,10 @@ def test_fused_neighbours_keep_eager_rounding(device, bias):
         assert torch.equal(w, g)
 
 
-@pytest.mark.parametrize("two_d, backend, fmt, bias, device", _quick_pairs(
-    {"two_d": {"1x32": False, "32x32_weight": True}, "backend": ["aot_eager", "inductor"],
+@pytest.mark.parametrize("backend, two_d, fmt, bias, device", _quick_pairs(
+    {"two_d": {"1x32": False, "32x32_weight": True},
      "fmt": {"Format.E4M3": Format.E4M3, "Format.HYBRID": Format.HYBRID},
-     "bias": [True, False]}))
+     "bias": [True, False]}, inductor={"two_d": True, "fmt": Format.HYBRID, "bias": True}))
 def test_mxfp8_traced_bit_identical(device, bias, fmt, backend, two_d):
     """MXFP8 traced: every operand's exact values made in the graph, multiplied in bf16 on
     CUDA (as ``exact_bf16``, a bias in cuBLAS's epilogue through one op the compiler keeps
@@ -120,12 +122,16 @@ def test_mxfp8_traced_bit_identical(device, bias, fmt, backend, two_d):
         assert (device == "cuda" and bias) == any("lowprec.addmm" in t for t in ops.targets)
 
 
-_BLOCK_CPU_AXES = {"backend": ["aot_eager", "inductor"], "w_dim": [2, 1], "bias": [True, False],
+_BLOCK_CPU_AXES = {"w_dim": [2, 1], "bias": [True, False],
                    "dtype": {"dtype0": torch.float32, "dtype1": torch.bfloat16}}
+_BLOCK_CPU_PAIRS = pairwise(_BLOCK_CPU_AXES)
 
 
 @pytest.mark.parametrize("backend, w_dim, bias, dtype", cases(
-    _BLOCK_CPU_AXES, pairwise(_BLOCK_CPU_AXES)))
+    {"backend": ["aot_eager", "inductor"], **_BLOCK_CPU_AXES},
+    # every pair under aot_eager, one case under inductor (see _quick_pairs)
+    lambda backend, **case: _BLOCK_CPU_PAIRS(**case) if backend == "aot_eager"
+    else case == {"w_dim": 2, "bias": True, "dtype": torch.bfloat16}))
 def test_block_traced_bit_identical_cpu(dtype, bias, w_dim, backend):
     """Block FP8 on the CPU: the reference's blocks in the graph and the fp32 emulation,
     as eager's CPU path; traced (no opaque call) for shapes that fill whole blocks."""
@@ -248,8 +254,8 @@ def _two_newest(history):
 
 
 @pytest.mark.parametrize("backend, algo, bias, device", _quick_pairs(
-    {"backend": ["aot_eager", "inductor"], "algo": ["max", "most_recent", "callable"],
-     "bias": [True, False]}))
+    {"algo": ["max", "most_recent", "callable"], "bias": [True, False]},
+    inductor={"algo": "callable", "bias": True}))
 def test_delayed_traced_bit_identical(device, bias, algo, backend):
     """Delayed scaling traced: the quantizes read the module's scales and record their
     amaxes into its state in place, the backward state updates in the backward graph (the

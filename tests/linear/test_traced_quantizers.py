@@ -109,8 +109,10 @@ def test_every_recipe_traces_bit_identical(device, recipe_name, kind):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("recipe_name", ["current", "fp8_row_mxfp8_col", "mxfp8_fwd_nvfp4_bwd",
-                                         "current_dequantized"])
+@pytest.mark.parametrize("recipe_name", [
+    # (per-tensor FP8 under inductor: test_traced's Linear, with --slow here)
+    pytest.param("current", marks=pytest.mark.slow), "fp8_row_mxfp8_col",
+    "mxfp8_fwd_nvfp4_bwd", "current_dequantized"])
 def test_inductor_bit_identical(device, recipe_name):
     recipe = RECIPES[recipe_name]()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

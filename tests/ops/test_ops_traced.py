@@ -122,7 +122,10 @@ def test_sequential_traced_bit_identical(recipe_name, fuse, device):
     assert any("graph_bias_activation" in t for t in got.targets) == fuse
 
 
-@pytest.mark.parametrize("recipe_name", ["fp8_current", "mxfp8"])
+# (MXFP8 with --slow: inductor's C++ kernels of each new graph take tens of seconds to
+# build on 2 cores; MXFP8's Linear runs under inductor in test_traced)
+@pytest.mark.parametrize("recipe_name", ["fp8_current",
+                                         pytest.param("mxfp8", marks=pytest.mark.slow)])
 def test_sequential_inductor_bit_identical(recipe_name):
     x, dy = randn(2, 32, 64, seed=1), randn(2, 32, 64, seed=2)
     _compare(lambda: _block(64, 128, "cpu", torch.float32), x, dy,
