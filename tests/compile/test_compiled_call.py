@@ -354,11 +354,12 @@ def inductor_available():
         torch._dynamo.reset()
 
 
-#: inductor's C++ kernels of a new graph take tens of seconds to build on 2 cores (the
-#: cache starts empty on CI): MXFP8 and NVFP4 here with --slow, their Linears under
-#: inductor in test_traced and test_traced_nvfp4, the norm modules in test_traced_modules
-@pytest.mark.parametrize("rname", ["current", pytest.param("mxfp8", marks=pytest.mark.slow),
-                                   pytest.param("nvfp4", marks=pytest.mark.slow)])
+#: with --slow: inductor's C++ kernels of a new graph take tens of seconds to build on 2
+#: cores (the cache starts empty on CI); by default these recipes' Linears run under
+#: inductor in test_traced and test_traced_nvfp4, LayerNormMLP in test_traced_modules, and
+#: inductor's fusion between the calls in the bf16 block below
+@pytest.mark.slow
+@pytest.mark.parametrize("rname", ["current", "mxfp8", "nvfp4"])
 def test_inductor_bit_identical(rname, inductor_available):
     """Inductor fuses the plain torch between the calls; the lowprec calls themselves are
     exact, and so is the block here (the gelu/add of inductor match eager on CPU)."""

@@ -61,14 +61,18 @@ RECIPES = {"default": NVFP4BlockScaling(),
 def _cases():
     """(backend, recipe, bias, device): inductor on the CPU under the default recipe only
     (its C++ kernels take tens of seconds to build, the other recipes' pieces are the
-    default's), with a bias (without, with --slow)."""
+    default's), with a bias; the other recipes each with or without one, the default
+    (whose draws the test counts) both ways; the rest with --slow."""
+    quick_aot = {("default", True), ("default", False), ("no_rht_1d", True), ("no_sr", False)}
     for backend in ("aot_eager", "inductor"):
         for recipe_name in RECIPES:
             for bias in (True, False):
                 for device in DEVICES:
                     if backend == "inductor" and recipe_name != "default" and device == "cpu":
                         continue
-                    slow = (backend, bias, device) == ("inductor", False, "cpu")
+                    slow = device == "cpu" and (
+                        (backend == "inductor" and not bias)
+                        or (backend == "aot_eager" and (recipe_name, bias) not in quick_aot))
                     yield pytest.param(backend, recipe_name, bias, device,
                                        id=f"{backend}-{recipe_name}-{bias}-{device}",
                                        marks=pytest.mark.slow if slow else ())
