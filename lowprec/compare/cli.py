@@ -336,7 +336,7 @@ def run(args, stdout=None, stderr=None) -> int:
                 stopped = (spec.name, checkpoint)  # the result is complete: report it
                 break
 
-    native = [b.name for b in gemm.BACKENDS if b.name not in ("plain", "emulated_fp32")]
+    native = gemm.native_routes()
     info = report.RunInfo(
         command="lowprec compare " + " ".join(shlex.quote(a) for a in args.argv),
         device=str(device),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import QuantizedTensor
+from .graph import Kind
 
 
 class ExactTensor(QuantizedTensor):
@@ -43,8 +44,10 @@ class ExactTensor(QuantizedTensor):
                 f"{other}_divisor": None, "source_format": source_format,
                 "columnwise_rht": bool(rht and usage == "columnwise")}
 
-    def _bf16_domain(self, usage: str) -> str:
-        return "rht" if (usage == "columnwise" and self.columnwise_rht) else "original"
+    def _gemm_kind(self, usage: str, read: bool) -> Kind:
+        return Kind("exact", rht=usage == "columnwise" and self.columnwise_rht,
+                    divisor=getattr(self, f"{usage}_divisor") is not None,
+                    bf16=getattr(self, f"{usage}_data").dtype == torch.bfloat16)
 
     def bf16_operand(self, usage: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         return getattr(self, f"{usage}_data"), getattr(self, f"{usage}_divisor")

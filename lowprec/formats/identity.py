@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import HIGH_PRECISION_DTYPES, QuantizedTensor, Quantizer, flatten_2d
-from .graph import PlainOperand
+from .graph import Kind, PlainOperand
 
 
 class IdentityTensor(QuantizedTensor):
@@ -31,8 +31,8 @@ class IdentityTensor(QuantizedTensor):
         data = data.t() if usage == "columnwise" else data
         return data.reshape(self.shape).to(dtype or self.dtype)
 
-    def bf16_operand_domain(self, usage: str) -> str | None:
-        return "original" if getattr(self, f"{usage}_data").dtype == torch.bfloat16 else None
+    def _gemm_kind(self, usage: str, read: bool) -> Kind:
+        return Kind("plain", dtype=getattr(self, f"{usage}_data").dtype)
 
     def bf16_operand(self, usage: str) -> tuple[torch.Tensor, None]:
         return getattr(self, f"{usage}_data"), None

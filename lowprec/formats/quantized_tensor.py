@@ -18,6 +18,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from .checks import HIGH_PRECISION_DTYPES, USAGES, check_usage, flatten_2d
+from .graph import Kind
+
+_EMULATED = Kind("emulated")
 
 aten = torch.ops.aten
 
@@ -89,23 +92,29 @@ class QuantizedTensor(torch.Tensor):
             return rec[2]
         return None
 
-    # ---- exact bf16 GEMM operands (lowprec.gemm.exact_bf16) --------------------------
-    def bf16_operand_domain(self, usage: str) -> str | None:
-        """Whether ``usage``'s values enter a bf16 tensor-core GEMM exactly: ``"original"``;
-        ``"rht"`` for values in NVFP4's Hadamard domain along the contraction dimension
-        (exact only against another such operand, where the transform cancels); None where
-        they are not exact in bf16 or ``usage`` is not held."""
-        if not self.has_usage(usage):
+    # ---- what the GEMM table reads (lowprec.gemm.table) ---------------------------------
+    def gemm_kind(self, usage: str, read: bool = False) -> Kind | None:
+        """What ``mat(self, usage)`` is to the GEMM table (``lowprec.gemm.table.route``):
+        the same :class:`~lowprec.formats.Kind` a traced form of the format gives, so an
+        eager GEMM and a traced one of the same operands take the same route. None where
+        ``usage`` is not held (the fp32 emulation then raises the proper error).
+        ``read``: a kind that depends on the values (block FP8's power-of-two scales) may
+        be learned by reading them back (a host sync); without it, the kind says only what
+        is known without looking. A usage ending in a partial block (:meth:`partial`) is
+        ``Kind("emulated")``: only the fp32 emulation multiplies it."""
+        if getattr(self, f"{usage}_data") is None:
             return None
-        return self._bf16_domain(usage)
+        if self.partial(usage):
+            return _EMULATED
+        return self._gemm_kind(usage, read)
 
-    def _bf16_domain(self, usage: str) -> str | None:
-        return None  # formats whose values are exact in bf16 say so
+    def _gemm_kind(self, usage: str, read: bool) -> Kind | None:
+        return _EMULATED  # formats the tensor cores take say how
 
     def bf16_operand(self, usage: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(bf16 matrix, fp32 divisor or None)``: ``usage``'s values, in the layout and
-        domain it is stored in, are exactly ``matrix / divisor`` (see
-        :meth:`bf16_operand_domain`)."""
+        domain it is stored in, are exactly ``matrix / divisor`` (where the table's
+        ``bf16_domain`` of :meth:`gemm_kind` says so)."""
         raise TypeError(f"no exact bf16 form for {type(self).__name__}")
 
     def _exact_bf16_record(self, usage: str) -> torch.Tensor | None:

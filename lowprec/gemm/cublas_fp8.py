@@ -1,6 +1,7 @@
 """FP8 GEMMs through cuBLAS (``torch._scaled_mm``) on Hopper.
 
-Both backends take the operands exactly as lowprec stores them: ``mat(a)`` is
+Both routes (``table.route``'s ``cublas_fp8`` and ``cublas_fp8_block``) take the operands
+exactly as lowprec stores them: ``mat(a)`` is
 (M, K) row-major and ``mat(b)`` is (N, K) row-major, so ``mat(b).T`` is the
 (K, N) column-major second operand cuBLAS FP8 wants, with no copy.
 
@@ -19,21 +20,20 @@ Both backends take the operands exactly as lowprec stores them: ``mat(a)`` is
   the second operand as the transpose of their (N/128, K/128) matrix; the
   128x128 scale rows must be 16-byte aligned, so those need K/128 % 4 == 0.
   A combination cuBLAS refuses on this machine (an fp8 dtype pair, an output
-  dtype) is remembered and handed to the exact bf16 emulation instead.
+  dtype) is remembered, and the table's next route runs it (:class:`RouteRefused`).
 
-Anything either backend does not take (shapes not multiples of 16, E5M2 x
-E5M2, CPU tensors) falls through to the next backend.
+The table sends these routes only what cuBLAS FP8 takes (shapes multiples of 16, not
+E5M2 x E5M2, CUDA); :func:`fits` adds what an eager tensor's kind cannot say (its data
+contiguous and 16-byte aligned).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..formats import check_usage
-from ..formats.block import Float8BlockwiseTensor
-from ..formats.float8 import Float8Tensor
 from .accumulation import fast_accumulation
-from .device import block_scaled_mm_cpu, routes_cuda
+from .device import block_scaled_mm_cpu
+from .table import RouteRefused
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,35 +43,21 @@ def scaled_mm_available() -> bool:
     return hasattr(torch, "_scaled_mm")
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    return t.is_contiguous() and t.data_ptr() % 16 == 0
+def _aligned(t: torch.Tensor | None) -> bool:
+    return t is not None and t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
-def _on_cuda(ad: torch.Tensor, bd: torch.Tensor) -> bool:
-    return routes_cuda(ad, bd) and scaled_mm_available()
-
-
-def _takes_data(a, ad, b, bd, out_dtype) -> bool:
-    """Whether cuBLAS FP8 takes ``mat(a) = ad`` and ``mat(b) = bd`` (the data of the
-    directions the GEMM reads, None where not held) for an ``out_dtype`` product."""
-    if ad is None or bd is None:
-        return False  # the emulation raises the proper error
-    if not _on_cuda(ad, bd) or out_dtype not in _OUT_DTYPES:
+def fits(a, a_usage: str, b, b_usage: str, out_dtype, bias) -> bool:
+    """Whether the cuBLAS route the table chose for these eager operands runs them: their
+    data contiguous and 16-byte aligned, ``torch._scaled_mm`` present, and (block
+    scales) a combination cuBLAS has not refused here."""
+    ad = a.rowwise_data if a_usage == "rowwise" else a.columnwise_data
+    bd = b.rowwise_data if b_usage == "rowwise" else b.columnwise_data
+    if not (_aligned(ad) and _aligned(bd) and scaled_mm_available()):
         return False
-    if a.fp8_dtype == E5M2 and b.fp8_dtype == E5M2:
-        return False  # cuBLAS has no E5M2 x E5M2 kernel
-    m, k = ad.shape
-    n = bd.shape[0]
-    if m == 0 or n == 0 or k == 0:
-        return False
-    return k % 16 == 0 and n % 16 == 0 and _aligned(ad) and _aligned(bd)
-
-
-def _common_accepts(cls, a, a_usage, b, b_usage, out_dtype) -> bool:
-    if not (type(a) is cls and type(b) is cls):
-        return False
-    return _takes_data(a, getattr(a, f"{check_usage(a_usage)}_data"), b,
-                       getattr(b, f"{check_usage(b_usage)}_data"), out_dtype)
+    if hasattr(a, "block_scaling_dim"):
+        return _BLOCK_REFUSED.get(_block_key(a, b, out_dtype, bias), True)
+    return True
 
 
 def fusable_bias(bias, out_dtype) -> bool:
@@ -91,10 +77,6 @@ def _finish(res, bias, fused, out):
 
 
 # ---- per-tensor ---------------------------------------------------------------------------
-def tensorwise_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
-    return _common_accepts(Float8Tensor, a, a_usage, b, b_usage, out_dtype)
-
-
 def scaled_mm(ad, bd, scale_a, scale_b, bias, out_dtype, out, fast_accum: bool = False):
     """``torch._scaled_mm(ad, bd.T)``, into ``out`` when given: exact fp32 accumulation, or
     for per-tensor scales with ``fast_accum`` cuBLAS's fast accumulation (block scales
@@ -118,19 +100,6 @@ def tensorwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
     return _finish(res, bias, fused, out)
 
 
-def tensorwise_direct(a, a_usage, b, b_usage, out_dtype):
-    """``tensorwise_accepts`` and ``tensorwise_run`` for a pair of ``Float8Tensor`` with no
-    bias, in one short call: the product, or None where the backend does not take the pair.
-    (Every per-tensor linear GEMM comes here: the dispatcher's general checks cost more
-    host time than ``torch._scaled_mm`` itself.)"""
-    ad = a.rowwise_data if a_usage == "rowwise" else a.columnwise_data
-    bd = b.rowwise_data if b_usage == "rowwise" else b.columnwise_data
-    if not _takes_data(a, ad, b, bd, out_dtype):
-        return None
-    return scaled_mm(ad, bd, a.decode_scale(), b.decode_scale(), None, out_dtype, None,
-                     fast_accumulation())
-
-
 # ---- block-scaled -------------------------------------------------------------------------
 #: (block dims, fp8 dtypes, out dtype, fused bias) -> False once cuBLAS refused the combination.
 _BLOCK_REFUSED: dict = {}
@@ -139,27 +108,6 @@ _BLOCK_REFUSED: dict = {}
 def _block_key(a, b, out_dtype, bias):
     return (a.block_scaling_dim, b.block_scaling_dim, a.fp8_dtype, b.fp8_dtype, out_dtype,
             fusable_bias(bias, out_dtype))
-
-
-def block_scales_fit(dim_a: int, dim_b: int, k: int) -> bool:
-    """Whether cuBLAS takes the block scales of operands with block dims ``dim_a`` and
-    ``dim_b`` over a contraction of ``k`` (a multiple of 128): 128x128 scale rows must be
-    16-byte aligned, so a 128x128 operand needs K/128 % 4 == 0."""
-    return not ((dim_a == 2 or dim_b == 2) and (k // 128) % 4)
-
-
-def blockwise_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
-    if not _common_accepts(Float8BlockwiseTensor, a, a_usage, b, b_usage, out_dtype):
-        return False
-    da, db = a.block_scaling_dim, b.block_scaling_dim
-    if da == 2 and db == 2:
-        return False  # no 128x128 x 128x128 cuBLAS kernel
-    m, k = getattr(a, f"{a_usage}_data").shape
-    if k % 128 or m % 16:
-        return False
-    if not block_scales_fit(da, db, k):
-        return False
-    return _BLOCK_REFUSED.get(_block_key(a, b, out_dtype, bias), True)
 
 
 def _block_scales(a, a_usage, b, b_usage):
@@ -186,13 +134,8 @@ def blockwise_run(a, a_usage, b, b_usage, out_dtype, bias, out=None):
             # the eager steps: raise (run an eager step before capturing, as capture
             # requires anyway, and a refused pair is known and emulated by then).
             raise
-        # This torch/cuBLAS refuses the combination: remember it, emulate exactly instead.
+        # This torch/cuBLAS refuses the combination: remember it; the table's next route
+        # runs the pair.
         _BLOCK_REFUSED[key] = False
-        from .exact_bf16 import exact_bf16_accepts, exact_bf16_run
-        if exact_bf16_accepts(a, a_usage, b, b_usage, out_dtype, bias):
-            res = exact_bf16_run(a, a_usage, b, b_usage, out_dtype, bias)
-        else:
-            from .emulated_fp32 import emulated_fp32_run
-            res = emulated_fp32_run(a, a_usage, b, b_usage, out_dtype, bias)
-        return res if out is None else out.copy_(res)
+        raise RouteRefused(f"cuBLAS refused block-scaled {key}") from None
     return _finish(res, bias, fused, out)

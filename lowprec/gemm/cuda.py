@@ -1,14 +1,12 @@
-"""GPU GEMM backends, tried by :func:`lowprec.gemm.gemm` ahead of the fp32 emulation.
-
-Each backend accepts only CUDA operands, so on CPU (and for any pair none of
-them takes) the exact fp32 emulation runs.
+"""The eager computations of the CUDA routes (``table.ROUTE_NAMES``), and what each needs
+of eager operands beyond their kinds.
 
 =================  ==============================================================
-backend            operand pairs
+route              operand pairs (``table.route`` decides)
 =================  ==============================================================
-cublas_fp8         Float8Tensor x Float8Tensor (E4M3/E5M2, not both E5M2),
+cublas_fp8         per-tensor FP8 x per-tensor FP8 (E4M3/E5M2, not both E5M2),
                    ``torch._scaled_mm`` with per-tensor decode scales
-cublas_fp8_block   Float8BlockwiseTensor pairs 1x128 x 128x128, 128x128 x 1x128,
+cublas_fp8_block   block FP8 pairs 1x128 x 128x128, 128x128 x 1x128,
                    1x128 x 1x128, ``torch._scaled_mm`` block scaling (sm90)
 exact_bf16         any pair whose dequantized values are exact in bf16 (MXFP8,
                    NVFP4, FP8, power-of-two block FP8, bf16): bf16 tensor-core
@@ -19,26 +17,16 @@ exact_bf16         any pair whose dequantized values are exact in bf16 (MXFP8,
 
 from __future__ import annotations
 
-from ..formats.float8 import Float8Tensor
-from .cublas_fp8 import (
-    blockwise_accepts,
-    blockwise_run,
-    tensorwise_accepts,
-    tensorwise_direct,
-    tensorwise_run,
-)
-from .exact_bf16 import exact_bf16_accepts, exact_bf16_run
+from .cublas_fp8 import blockwise_run, fits, tensorwise_run
+from .exact_bf16 import exact_bf16_run
 
+#: route -> ``run(a, a_usage, b, b_usage, out_dtype, bias, out=None)``; each writes into
+#: ``out`` itself
+CUDA_RUNS = {"cublas_fp8": tensorwise_run, "cublas_fp8_block": blockwise_run,
+             "exact_bf16": exact_bf16_run}
 
-def cuda_backends(backend_cls):
-    """The GPU backends as ``backend_cls(name, accepts, run, takes_out, direct)`` entries, in
-    dispatch order."""
-    return [
-        backend_cls("cublas_fp8", tensorwise_accepts, tensorwise_run, True,
-                    (Float8Tensor, tensorwise_direct)),
-        backend_cls("cublas_fp8_block", blockwise_accepts, blockwise_run, True),
-        backend_cls("exact_bf16", exact_bf16_accepts, exact_bf16_run, True),
-    ]
+#: route -> ``fits(a, a_usage, b, b_usage, out_dtype, bias)``: whether it runs these eager
+#: operands (what their kinds do not say); a route not listed runs every pair it is given
+CUDA_FITS = {"cublas_fp8": fits, "cublas_fp8_block": fits}
 
-
-__all__ = ["cuda_backends"]
+__all__ = ["CUDA_RUNS", "CUDA_FITS"]

@@ -18,7 +18,8 @@ IdentityTensor)
 =================  ==========================================  ===============
 
 Each quantized tensor class gives its matrix and divisor itself
-(``QuantizedTensor.bf16_operand`` and ``bf16_operand_domain``).
+(``QuantizedTensor.bf16_operand``); the GEMM table (``table.bf16_domain`` of the operands'
+kinds) decides which pairs come here.
 
 The GEMM multiplies the bf16 matrices on the tensor cores with fp32
 accumulation; the divisors and the bias are then applied in fp32 and the
@@ -36,9 +37,9 @@ NVFP4 RHT: when both operands carry the Hadamard transform along the
 contraction dimension (the wgrad pair of NVFP4BlockScaling), their stored
 values are multiplied directly, since the orthogonal transform cancels.
 When only one does, its original-domain values are no longer exact in bf16,
-so this backend declines and the fp32 emulation (which undoes the transform
-in fp32) runs instead. It declines likewise for fp16/fp32 operands and for
-block FP8 with scales that are not powers of two.
+so the table sends the pair to the fp32 emulation (which undoes the transform
+in fp32) instead; likewise fp16/fp32 operands and block FP8 with scales that
+are not powers of two.
 
 Limitation: values below bf16's subnormal grid (2**-133), which only occur
 in MXFP8 blocks with a scale near 2**-127, would be rounded; their
@@ -54,36 +55,7 @@ from ..formats.mxfp8 import MXFP8Tensor
 from ..formats.nvfp4 import NVFP4Tensor
 from ..kernels import use_kernels
 from . import cublaslt, kernels
-from .device import routes_cuda
 from .emulated_fp32 import plain_matrix
-
-_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _operand_domain(t, usage: str) -> str | None:
-    """``"original"``/``"rht"`` where ``mat(t, usage)`` is exact in bf16, else None
-    (:meth:`QuantizedTensor.bf16_operand_domain`)."""
-    if isinstance(t, QuantizedTensor):
-        return t.bf16_operand_domain(usage)
-    return "original" if t.dtype == torch.bfloat16 else None
-
-
-def exact_bf16_accepts(a, a_usage, b, b_usage, out_dtype, bias) -> bool:
-    if not routes_cuda(a, b) or out_dtype not in _OUT_DTYPES:
-        return False
-    if not a.is_cuda and (isinstance(a, NVFP4Tensor) or isinstance(b, NVFP4Tensor)):
-        # CUDA's routes on the CPU: NVFP4's traced form there is the reference's fp32
-        # values (no kernel writes bf16 values beside a divisor), which the fp32 emulation
-        # multiplies; this backend then declines the tensors too, as the traced table does
-        return False
-    da = _operand_domain(a, a_usage)
-    if da is None:
-        return False
-    db = _operand_domain(b, b_usage)
-    if db is None:
-        return False
-    # one-sided RHT: the original domain is not exact in bf16
-    return da == db
 
 
 def bf16_operand(t, usage: str):

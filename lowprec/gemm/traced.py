@@ -1,14 +1,12 @@
-"""The traced GEMM table: the route eager's dispatcher (:func:`lowprec.gemm.gemm`) takes for
-a pair of operand kinds, and each route's computation as ops a compiled graph holds.
+"""Each route of the GEMM table (``table.route``) as ops a compiled graph holds.
 
 A traced linear (``lowprec.linear.traced``) describes each operand by its traced form's
 :class:`~lowprec.formats.Kind` (per-tensor FP8, FP8 blocks, exact bf16 values, plain
-values) and asks :func:`route` for each of its GEMMs when it plans the call; eager calls
-that run through the plan take the same routes. Every pair has a route on every device:
-the fp32 emulation takes whatever no tensor-core route takes, its operands' values made by
-ops that run eager's own dequantize (IEEE division, the inverse Hadamard transform), so a
-route's bits do not depend on whether inductor compiled it. The names are eager's
-backends: ``plain``, ``cublas_fp8``, ``cublas_fp8_block``, ``exact_bf16``, ``emulated``.
+values) and asks the table for each of its GEMMs when it plans the call, as eager's
+dispatcher asks it of its tensors' kinds; eager calls that run through the plan take the
+same routes. The fp32 emulation's operand values are made by ops that run eager's own
+dequantize (IEEE division, the inverse Hadamard transform), so a route's bits do not
+depend on whether inductor compiled it.
 """
 
 from __future__ import annotations
@@ -17,13 +15,11 @@ from typing import Optional
 
 import torch
 
-from ..formats import Blocks, Exact, Fp8, Kind, Plain, as_output, decode_scale
+from ..formats import Blocks, Exact, Fp8, Plain, as_output, decode_scale
 from ..kernels import graph_op, traced_op
-from .cublas_fp8 import block_scales_fit, fusable_bias, scaled_mm
+from .cublas_fp8 import fusable_bias, scaled_mm
 from .emulated_fp32 import fp32_product
 from .exact_bf16 import exact_product
-
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -70,51 +66,6 @@ def addmm_op(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
 @torch.library.register_fake("lowprec::addmm")
 def _addmm_fake(bias, a, b):
     return a.new_empty((a.shape[0], b.shape[0]))
-
-
-_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _bf16_domain(kind: Kind) -> str | None:
-    """``exact_bf16``'s domain of an operand of ``kind`` (``bf16_operand_domain``), or None
-    where its values are not exact in bf16 as the traced GEMM makes them."""
-    if kind.name == "fp8":
-        return "original"
-    if kind.name == "exact":
-        return None if not kind.bf16 else "rht" if kind.rht else "original"
-    if kind.name == "plain":
-        return "original" if kind.dtype == torch.bfloat16 else None
-    if kind.name == "blocks":  # data / scale is exact in bf16 for power-of-two scales
-        return "original" if kind.pow2 else None
-    return None
-
-
-def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype, bias: bool,
-          cuda: bool) -> str:
-    """The backend eager's dispatcher picks for ``mat(a) (m, k) @ mat(b) (n, k).T`` with
-    operands of these kinds, as one of :data:`ROUTES`, or a string starting with ``"no "``
-    saying why the traced table does not run it. The fp32 emulation takes every pair it
-    reaches: its operands' values come from ops that compute eager's dequantize
-    (``GraphOperand.dequantized``), so its bits do not depend on inductor."""
-    if a.name == "plain" and b.name == "plain" and a.dtype == b.dtype == out_dtype:
-        return "plain"  # a bias through cuBLAS's epilogue, as eager (``bias_mm``)
-    if not cuda:
-        return "emulated"
-    if out_dtype not in _OUT_DTYPES or m == 0 or n == 0 or k == 0:
-        return "no traced GEMM for this output"
-    if a.name == b.name == "fp8":
-        if not (a.fp8_dtype == E5M2 and b.fp8_dtype == E5M2) and k % 16 == 0 and n % 16 == 0:
-            return "cublas_fp8"
-    if a.name == b.name == "blocks":
-        if (not (a.dim == 2 and b.dim == 2) and not (a.fp8_dtype == E5M2 and b.fp8_dtype == E5M2)
-                and k % 128 == 0 and m % 16 == 0 and n % 16 == 0
-                and block_scales_fit(a.dim, b.dim, k)):
-            return "cublas_fp8_block"
-        # else eager's next backend: the bf16 GEMM of the exact values (below)
-    da, db = _bf16_domain(a), _bf16_domain(b)
-    if da is not None and da == db:
-        return "exact_bf16"
-    return "emulated"
 
 
 def _with_bias(res, bias, fused: bool, out_dtype):
@@ -177,7 +128,7 @@ def bf16_operand(rep, form):
         return rep.data.to(torch.bfloat16), rep.scale
     if isinstance(rep, Exact):  # stored contiguous by eager's quantize
         return rep.values.to(torch.bfloat16).contiguous(), rep.divisor
-    if isinstance(rep, Blocks):  # power-of-two scales (``_bf16_domain``)
+    if isinstance(rep, Blocks):  # power-of-two scales (``table.bf16_domain``)
         return form.bf16_values(rep), None
     return rep.values, None  # an IdentityTensor's data, perhaps a transposed view
 
@@ -203,7 +154,7 @@ def _plain(a: Plain, b: Plain, out_dtype, bias, ops=None):
     return bias_mm(bias, a.values, b.values)
 
 
-#: The traced GEMMs, by the name of the eager backend each mirrors.
+#: The traced computation of each route (``table.ROUTE_NAMES``).
 ROUTES = {"plain": _plain, "cublas_fp8": _cublas_fp8, "cublas_fp8_block": _cublas_fp8_block,
           "exact_bf16": _exact_bf16, "emulated": _emulated}
 

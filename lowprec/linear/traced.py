@@ -47,7 +47,7 @@ from ..formats import (
     decode_scale,
     scale_in_use,
 )
-from ..gemm import ROUTES, emulated_product, route, routes_cuda, traced_gemm
+from ..gemm import emulated_product, route, routes_cuda, traced_gemm
 from ..kernels import ThreadFlagOn
 from ..memory import register_thread_setting
 from ..recipe import (
@@ -156,18 +156,15 @@ def plan_for(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
     delayed = xo.reads_state
     cuda = routes_cuda(x)
     wdt = weight.dtype if not (amp and quantized_w) else x.dtype
-    routes = [route(xo.kind("rowwise"), wo.kind("rowwise"), m, n, k, x.dtype, bias is not None,
-                    cuda)]
+    routes = [route(xo.kind("rowwise"), wo.kind("rowwise"), m, n, k, x.dtype,
+                    None if bias is None else bias.dtype, cuda)]
     if default:
-        routes += [route(dyo.kind("rowwise"), wo.kind("columnwise"), m, k, n, x.dtype, False,
+        routes += [route(dyo.kind("rowwise"), wo.kind("columnwise"), m, k, n, x.dtype, None,
                          cuda),
-                   route(dyo.kind("columnwise"), xo.kind("columnwise"), n, k, m, wdt, False,
+                   route(dyo.kind("columnwise"), xo.kind("columnwise"), n, k, m, wdt, None,
                          cuda)]
     elif quantized_w:
         return f"a quantized weight under backward_mode={backward_mode!r}"
-    for r in routes:
-        if r not in ROUTES:
-            return r
     split = None
     if default and need_dx and need_dw and grad_split.slicing_enabled(q.grad_output):
         split = grad_split.split_sizes(m, n, k, x.dtype.itemsize, weight.dtype.itemsize)

@@ -16,10 +16,12 @@ from format_inputs import spread
 
 import lowprec
 import lowprec.kernels
+from lowprec.formats import Kind
 from lowprec.formats.base import QuantizedTensor
 from lowprec.formats.mxfp8.quantizer import MXFP8Quantizer
 from lowprec.formats.nvfp4.launch import dequantize_unscaled_bf16
 from lowprec.formats.nvfp4.quantizer import NVFP4Quantizer
+from lowprec.gemm import bf16_domain
 from lowprec.gemm import kernels as gemm_kernels
 from lowprec.gemm.dispatch import gemm
 from lowprec.gemm.exact_bf16 import bf16_operand
@@ -382,7 +384,10 @@ def test_tensor_bf16_operand_is_its_dequantized_values(make):
     format's dequantized values bit for bit."""
     qt = make().quantize(torch.randn(128, 256, generator=torch.Generator().manual_seed(3)))
     for usage in ("rowwise", "columnwise"):
-        assert qt.bf16_operand_domain(usage) == "original"
+        # the GEMM table's view: NVFP4's CPU tensors hold the reference's values, which the
+        # fp32 emulation multiplies (as their traced form's do)
+        want_domain = None if isinstance(qt, lowprec.NVFP4Tensor) else "original"
+        assert bf16_domain(qt.gemm_kind(usage, read=True)) == want_domain
         values, divisor = qt.bf16_operand(usage)
         assert values.dtype == torch.bfloat16
         got = values.float() if divisor is None else values.float() / divisor
@@ -392,6 +397,16 @@ def test_tensor_bf16_operand_is_its_dequantized_values(make):
 
 def test_tensor_without_exact_bf16_form():
     qt = lowprec.IdentityQuantizer().quantize(torch.randn(4, 32))  # fp32 values
-    assert qt.bf16_operand_domain("rowwise") is None
+    assert bf16_domain(qt.gemm_kind("rowwise")) is None
     qt = lowprec.NVFP4Quantizer(with_rht=True).quantize(torch.randn(32, 32))
-    assert qt.bf16_operand_domain("columnwise") == "rht"
+    assert bf16_domain(qt.gemm_kind("columnwise")) is None  # the reference's fp32 values
+
+
+@gpu
+def test_nvfp4_kernel_tensor_kinds():
+    """NVFP4's kernel tensors are exact in bf16 beside their global scale; the RHT'd
+    columnwise values only in the Hadamard domain."""
+    qt = lowprec.NVFP4Quantizer(with_rht=True).quantize(torch.randn(128, 128, device="cuda"))
+    assert qt.gemm_kind("rowwise") == Kind("exact", divisor=True)
+    assert bf16_domain(qt.gemm_kind("rowwise")) == "original"
+    assert bf16_domain(qt.gemm_kind("columnwise")) == "rht"

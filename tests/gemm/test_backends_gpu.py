@@ -77,7 +77,7 @@ def _bound(backend, out_dtype):
 
 
 def _check(case, a, au, b, bu, out_dtype, *, backend, bias=None):
-    chosen = G.select_backend(a, au, b, bu, out_dtype, bias).name
+    chosen = G.select_route(a, au, b, bu, out_dtype, bias)
     assert chosen == backend, f"{case}: expected backend {backend}, got {chosen}"
     out = G.gemm(a, au, b, bu, out_dtype=out_dtype, bias=bias)
     ref = emulated_fp32_run(a, au, b, bu, torch.float32, None if bias is None else bias.float())
@@ -90,7 +90,7 @@ def _check(case, a, au, b, bu, out_dtype, *, backend, bias=None):
         ref = torch.where(nan_ref, torch.zeros_like(ref), ref)
     rel = _rel(out, ref)
     # after a cuBLAS refusal the block backend hands over to the emulation: record what ran
-    now = G.select_backend(a, au, b, bu, out_dtype, bias).name
+    now = G.select_route(a, au, b, bu, out_dtype, bias)
     ran = chosen if now == chosen else f"{now} ({chosen} refused)"
     REPORT.append((case, ran, str(out_dtype).replace("torch.", ""), rel))
     bound = _bound(chosen, out_dtype)
@@ -177,10 +177,10 @@ def test_blockwise_e5m2_mixed(dtypes, dims):
                  "rowwise", gen)
     b = _operand(Float8BlockQuantizer(dtypes[1], block_scaling_dim=dims[1]), 256, 1024,
                  "rowwise", gen)
-    chosen = G.select_backend(a, "rowwise", b, "rowwise", torch.float32).name
+    chosen = G.select_route(a, "rowwise", b, "rowwise", torch.float32)
     out = G.gemm(a, "rowwise", b, "rowwise", out_dtype=torch.float32)
     ref = emulated_fp32_run(a, "rowwise", b, "rowwise", torch.float32, None)
-    now = G.select_backend(a, "rowwise", b, "rowwise", torch.float32).name
+    now = G.select_route(a, "rowwise", b, "rowwise", torch.float32)
     ran = chosen if now == chosen else f"{now} ({chosen} refused)"
     rel = _rel(out, ref)
     REPORT.append((f"block {dtypes} {dims}", ran, "float32", rel))
@@ -204,7 +204,7 @@ def test_blockwise_non_pow2_goes_to_fp32():
     b = _operand(Float8BlockQuantizer(E5M2, block_scaling_dim=1, force_pow_2_scales=False),
                  256, 512, "rowwise", gen)
     _check("block e5m2 non-pow2", a, "rowwise", b, "rowwise", torch.float32,
-           backend="emulated_fp32")
+           backend="emulated")
 
 
 def test_blockwise_nan_block():
@@ -272,7 +272,7 @@ def test_nvfp4_rht_one_side_goes_to_fp32():
     a = _operand(NVFP4Quantizer(with_rht=True), 512, 2048, "columnwise", gen)
     b = _operand(_mx(), 384, 2048, "columnwise", gen)
     _check("nvfp4 rht x mx", a, "columnwise", b, "columnwise", torch.float32,
-           backend="emulated_fp32")
+           backend="emulated")
 
 
 def test_emulated_nan_and_tiny_blocks():
@@ -328,7 +328,7 @@ def test_epilogue_kernel_matches_torch():
 
 # ---- whole modules: GPU backends vs the fp32 emulation -----------------------------------
 def _emulation_only():
-    return G.use_backends(("plain", "emulated_fp32"))
+    return G.use_backends(("plain", "emulated"))
 
 
 RECIPES = {name: functools.partial(lowprec.recipe.Recipe.from_name, name)

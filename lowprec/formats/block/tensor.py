@@ -6,6 +6,7 @@ import torch
 
 from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
+from ..graph import Kind
 from .dequant import dequantize_bf16
 from .reference import BLOCK, dequantize_blocks
 
@@ -59,15 +60,17 @@ class Float8BlockwiseTensor(QuantizedTensor):
         out = torch.empty((s.shape[1], s.shape[0]), dtype=torch.float32, device=s.device)
         return torch.reciprocal(s.t(), out=out)
 
-    def _bf16_domain(self, usage: str) -> str | None:
+    def _gemm_kind(self, usage: str, read: bool) -> Kind:
         # data / scale is exact in bf16 only for power-of-two scales
-        if self.pow2_scales(usage):
-            return "original"
+        return Kind("blocks", self.fp8_dtype, self.block_scaling_dim,
+                    pow2=self.pow2_scales(usage) or (read and self._read_pow2(usage)))
+
+    def _read_pow2(self, usage: str) -> bool:
         scale = getattr(self, f"{usage}_scale")
         if scale.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None  # the scales cannot be read back under capture
+            return False  # the scales cannot be read back under capture
         mant, _ = torch.frexp(scale.to(torch.float32))  # reads the scales back: synchronizes
-        return "original" if bool(((mant == 0.5) | ~torch.isfinite(scale)).all()) else None
+        return bool(((mant == 0.5) | ~torch.isfinite(scale)).all())
 
     def bf16_operand(self, usage: str) -> tuple[torch.Tensor, None]:
         return dequantize_bf16(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),

@@ -6,6 +6,7 @@ import torch
 
 from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
+from ..graph import Kind
 from .reference import dequantize_per_tensor
 
 
@@ -41,8 +42,8 @@ class Float8Tensor(QuantizedTensor):
     def _dequantize_2d(self, usage: str) -> torch.Tensor:
         return dequantize_per_tensor(getattr(self, f"{usage}_data"), self.shared_scale)
 
-    def _bf16_domain(self, usage: str) -> str:
-        return "original"  # fp8 data is exact in bf16; the per-tensor scale is the divisor
+    def _gemm_kind(self, usage: str, read: bool) -> Kind:
+        return Kind("fp8", self.fp8_dtype)
 
     def bf16_operand(self, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"{usage}_data").to(torch.bfloat16), self.shared_scale

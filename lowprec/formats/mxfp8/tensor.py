@@ -6,6 +6,7 @@ import torch
 
 from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
+from ..graph import Kind
 from .dequantize import mxfp8_dequantize_bf16
 from .reference import BLOCK, dequantize_blocks
 
@@ -40,8 +41,8 @@ class MXFP8Tensor(QuantizedTensor):
         return dequantize_blocks(getattr(self, f"{usage}_data"), getattr(self, f"{usage}_scale"),
                                  block_rows=BLOCK if self.with_2d_quantization else 1)
 
-    def _bf16_domain(self, usage: str) -> str:
-        return "original"  # E4M3/E5M2 times 2**e: at most 4 significant bits
+    def _gemm_kind(self, usage: str, read: bool) -> Kind:
+        return Kind("exact")  # E4M3/E5M2 times 2**e: at most 4 significant bits, in bf16
 
     def bf16_operand(self, usage: str) -> tuple[torch.Tensor, None]:
         exact = self._exact_bf16_record(usage)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import use_kernels
 from ...kernels.transpose import transpose_contiguous
 from ..base import QuantizedTensor
 from ..casting import pack_e2m1, unpack_e2m1
+from ..graph import Kind
 from ..rht import rht_inverse_
 from .reference import BLOCK, dequantize_matrix
 
@@ -68,10 +70,13 @@ class NVFP4Tensor(QuantizedTensor):
                                  getattr(self, f"{usage}_global"),
                                  two_d=self.with_2d_quantization)
 
-    def _bf16_domain(self, usage: str) -> str:
-        # E2M1 x E4M3 has at most 6 significant bits; the RHT'd columnwise values only
-        # meet another RHT'd operand exactly
-        return "rht" if (usage == "columnwise" and self.with_rht) else "original"
+    def _gemm_kind(self, usage: str, read: bool) -> Kind:
+        # E2M1 x E4M3 has at most 6 significant bits, exact in bf16 beside the global scale
+        # where the kernels make them (the reference's are fp32 values, as its traced form's
+        # are); the RHT'd columnwise values only meet another RHT'd operand exactly
+        kernel = use_kernels(self)
+        return Kind("exact", rht=kernel and usage == "columnwise" and self.with_rht,
+                    divisor=kernel, bf16=kernel)
 
     def bf16_operand(self, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
         """bf16 ``q * d`` in the stored layout and domain, divisor the global encode scale S."""
