@@ -322,6 +322,11 @@ class HybridOperand(GraphOperand):
         # eager step exposes; the columnwise half runs in the backward
         return self.row.eager and self.col.launches_eagerly
 
+    @property
+    def launches_eagerly(self) -> bool:
+        # a gradient's quantize: each half quantizes on its own (``grad``)
+        return self.row.launches_eagerly and self.col.launches_eagerly
+
     def kind(self, usage: str) -> Kind:
         return self.half(usage).kind(usage)
 
