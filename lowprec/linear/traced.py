@@ -340,10 +340,13 @@ class TracedLinear(torch.autograd.Function):
             if updates:  # the module's last GEMM to run backward: its whole state's update
                 # (the amaxes all-reduced over the autocast's amax_reduction_group first)
                 reduced = None if group is None else funcol.all_reduce(amax, "max", group)
-                if algo in _ALGO_NAMES:  # traced, fused by the compiler: no op of its own
+                if algo in _ALGO_NAMES:
+                    # eager's update: on CUDA its one kernel launch (the compiler would
+                    # make several small kernels of the torch ops, which the CPU traces;
+                    # the same bits either way)
                     push_amaxes(history, amax, scale, fp8_max,
                                 amax if reduced is None else reduced, _ALGO_NAMES[algo],
-                                margin, kernel=False)
+                                margin)
                 else:  # a callable runs as eager runs it
                     delayed_update(history, amax, scale, fp8_max, reduced, algo, margin)
             return dx, dw

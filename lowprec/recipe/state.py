@@ -127,14 +127,12 @@ def amax_from_callable(algo: Callable, history: torch.Tensor) -> torch.Tensor:
 
 
 def push_amaxes(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.Tensor,
-                fp8_max: torch.Tensor, current: torch.Tensor, algo, margin: float, *,
-                kernel: bool = True) -> None:
+                fp8_max: torch.Tensor, current: torch.Tensor, algo, margin: float) -> None:
     """One delayed-scaling update in place: roll ``history``, push ``current`` (the recorded
     amaxes, perhaps all-reduced), recompute ``scale`` per ``algo``, zero ``amax_current``.
-    One kernel launch where the kernel computes ``algo`` (and ``kernel``), else
-    :func:`pushed_amaxes`: torch ops, which a traced backward asks for (``kernel=False``)
-    so the compiler fuses them."""
-    if kernel and use_kernels(scale) and _kernel_update_fits(history, algo):
+    One kernel launch (an op a traced backward holds as it is) where the kernel computes
+    ``algo``, else :func:`pushed_amaxes`: torch ops, with the kernel's bits."""
+    if use_kernels(scale) and _kernel_update_fits(history, algo):
         if current is not amax_current:
             amax_current.copy_(current)
         from ..formats.float8 import fp8_delayed_update
