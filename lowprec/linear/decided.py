@@ -22,6 +22,7 @@ from torch._dynamo.source import CallMethodItemSource
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from ..formats import COLUMNWISE_IN_BACKWARD_ATTR, QuantizedTensor, columnwise_from_backward
+from ..kernels import use_kernels
 from ..recipe import (
     BackwardMode,
     QuantizerRole,
@@ -63,7 +64,8 @@ def decided_delayed_linear(q: LinearQuantizers, x: torch.Tensor, weight: torch.T
     ``delayed``: the module's states, handle, recipe, records, group) with the module's
     quantizers ``q``, or None where it is decided in the trace: an amax reduction group
     or a callable ``amax_compute_algo`` (neither a constant of the graph), or as for
-    :func:`decided_linear`. The plan reads the quantizers' FP8 dtypes only: the states
+    :func:`decided_linear`. The plan reads the quantizers' FP8 dtypes and whether each
+    slot seeds a missing scale (``Float8Quantizer.graph_first_margin``) only: the states
     come in as the node's tensors."""
     recipe, group = delayed[3], delayed[5]
     if group is not None or not isinstance(recipe.amax_compute_algo, str):
@@ -71,9 +73,10 @@ def decided_delayed_linear(q: LinearQuantizers, x: torch.Tensor, weight: torch.T
     call = _call_key(x, weight, bias, input_grad)
     if call is None:
         return None
-    first = q.input.first
-    head = (q.input.fp8_dtype, q.weight.fp8_dtype, q.grad_output.fp8_dtype,
-            None if first is None else first.margin, q.fast_accum)
+    slots = (q.input, q.weight, q.grad_output)
+    kernel = use_kernels(x)  # the forms seed as their slots' eager quantizes do
+    head = (*(s.fp8_dtype for s in slots), tuple(s.graph_first_margin(kernel) for s in slots),
+            q.fast_accum)
     return getattr(DECISIONS, _decided((head, *call)))
 
 

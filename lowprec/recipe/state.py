@@ -359,13 +359,14 @@ def stateless_quantizers(recipe: Recipe, mode: str, roles) -> list[Quantizer]:
 
 def delayed_stand_ins(head: tuple) -> list[Quantizer]:
     """Delayed-scaling quantizers over scratch scales and amaxes of their own, for ``head``:
-    the FP8 dtypes of the input, weight and dY, then the ``FirstScale`` margin or None.
-    What a compiled call decides its plan from (a delayed form reads the dtype and the
-    margin; the module's scales and amaxes come with the call)."""
-    *fp8_dtypes, margin = head
+    the FP8 dtypes of the input, weight and dY, then each one's seeding margin
+    (``Float8Quantizer.graph_first_margin``) or None. What a compiled call decides its plan
+    from (a delayed form reads the dtype and the margin; the module's scales and amaxes
+    come with the call)."""
+    *fp8_dtypes, margins = head
     made = [_state_owned(Float8Quantizer(torch.ones(1), torch.zeros(1), d)) for d in fp8_dtypes]
-    for q in made:
-        q.first = None if margin is None else FirstScale(margin)
+    for q, margin in zip(made, margins):
+        q.first = None if margin is None else FirstScale(margin)  # unseeded: seeds
     return made
 
 

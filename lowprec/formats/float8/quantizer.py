@@ -105,6 +105,17 @@ class Float8Quantizer(_PerTensorFloat8):
         return seeded_scale(self.scale.reshape(1), amax.reshape(1).to(self.scale.device),
                             self.fp8_dtype, self.first.margin)
 
+    def graph_first_margin(self, kernel: bool) -> float | None:
+        """The ``FirstScale`` margin this slot's traced form seeds a missing scale with, as
+        its eager quantizes do (``kernel``: the form launches the kernels): the reference
+        always (it takes the amax before the cast anyway), the kernels only while the slot
+        may be without a scale (``FirstScale.unseeded``; a compiled graph then reads the
+        note as a guard). None: the form casts with the state's scale as it is."""
+        first = self.first
+        if first is None or (kernel and not first.unseeded):
+            return None
+        return first.margin
+
     def needs_amax_first(self) -> bool:
         """Whether an eager quantize must take the tensor's amax before its cast: the slot
         may have no scale yet (``FirstScale.unseeded``; asking marks it used)."""
@@ -158,9 +169,10 @@ class Float8Quantizer(_PerTensorFloat8):
         if not self.state_owned:  # a CustomRecipe factory's own tensors
             return graph.HeldScale(self.fp8_dtype, quantizer=self,
                                    materialized=isinstance(t, torch.nn.Parameter))
-        return graph.Delayed(self.fp8_dtype, kernel=use_kernels(t),
+        kernel = use_kernels(t)
+        return graph.Delayed(self.fp8_dtype, kernel=kernel,
                              materialized=isinstance(t, torch.nn.Parameter),
-                             first_margin=None if self.first is None else self.first.margin)
+                             first_margin=self.graph_first_margin(kernel))
 
     def _repr_params(self):
         return {"fp8_dtype": self.fp8_dtype, "scale": float(self.scale)}
