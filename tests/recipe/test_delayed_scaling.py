@@ -743,3 +743,23 @@ def test_first_scale_is_validated_and_kept_across_checkpoints():
     with autocast(recipe=DelayedScaling()):
         y = model(x)
     assert torch.equal(y_fresh, y)
+
+
+def test_traced_forms_seed_as_their_slots_eager_quantizes():
+    """A delayed slot's traced form seeds a missing scale as the slot's eager quantizes do:
+    the reference always (it takes the amax before the cast), the kernels only while the
+    state's note says the slot may lack a scale. The note is read while dynamo traces, so
+    a graph made after the first step holds no seeding arithmetic, and setting the note
+    again (a state loaded from elsewhere) gives a graph that seeds."""
+    from lowprec.formats.float8 import FirstScale
+    from lowprec.recipe import delayed_stand_ins
+    q = lowprec.Float8Quantizer(torch.ones(1), torch.zeros(1), torch.float8_e4m3fn)
+    assert q.graph_first_margin(kernel=True) is None and q.graph_first_margin(False) is None
+    q.first = FirstScale(1.0)
+    assert q.graph_first_margin(kernel=True) == 1.0 and q.graph_first_margin(False) == 1.0
+    q.first.unseeded = False
+    assert q.graph_first_margin(kernel=True) is None  # the kernels cast in one pass
+    assert q.graph_first_margin(kernel=False) == 1.0  # the reference seeds by value
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    x, w, dy = delayed_stand_ins((e4, e4, e5, (None, 2.0, None)))
+    assert (x.first, dy.first) == (None, None) and w.graph_first_margin(kernel=True) == 2.0
