@@ -65,18 +65,6 @@ MODELS = {
     "110m": (768, 2048, 12, 12, 12, 512, 16),
 }
 
-def fp8_block_hybrid_factory(role):
-    """Issue 97's hybrid: per-tensor E4M3 rowwise and 1x128 blocks columnwise for inputs and
-    weights; E5M2 per-tensor rowwise and MXFP8 columnwise for gradients."""
-    if role is None or role.tensor_type not in ("input", "weight", "grad_output"):
-        return lowprec.IdentityQuantizer()
-    if role.tensor_type == "grad_output":
-        return lowprec.HybridQuantizer(
-            lowprec.Float8CurrentScalingQuantizer(torch.float8_e5m2), lowprec.MXFP8Quantizer())
-    return lowprec.HybridQuantizer(lowprec.Float8CurrentScalingQuantizer(),
-                                   lowprec.Float8BlockQuantizer(block_scaling_dim=1))
-
-
 RECIPES = {
     "current": lambda: R.Float8CurrentScaling(),
     "delayed": lambda: R.DelayedScaling(),
@@ -86,7 +74,7 @@ RECIPES = {
     "fp8_row_mxfp8_col": lambda: R.CustomRecipe(F.fp8_row_mxfp8_col_factory),
     "mxfp8_fwd_nvfp4_bwd": lambda: R.CustomRecipe(F.mxfp8_fwd_nvfp4_bwd_factory),
     "nvfp4_fp8_head": lambda: R.CustomRecipe(F.NVFP4ExceptLayers()),
-    "fp8_block_hybrid": lambda: R.CustomRecipe(fp8_block_hybrid_factory),
+    "fp8_block_hybrid": lambda: R.CustomRecipe(F.fp8_block_hybrid_factory),
     "current_hp": lambda: R.Float8CurrentScaling(backward_mode="high_precision"),
     "current_dequantized": lambda: R.Float8CurrentScaling(backward_mode="dequantized"),
 }

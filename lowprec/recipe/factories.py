@@ -1,7 +1,7 @@
 """Ready-made ``CustomRecipe`` factories.
 
 The first four mirror the built-in recipes (default arguments) and give
-bit-identical results; the last two mix formats. All are module-level
+bit-identical results; the rest mix formats. All are module-level
 callables, so a ``CustomRecipe`` that uses them pickles.
 
 A factory receives a :class:`~lowprec.QuantizerRole`, or ``None`` for an
@@ -98,6 +98,18 @@ def fp8_row_mxfp8_col_factory(role):
     if role.tensor_type in _GRAD_TYPES:
         return MXFP8Quantizer(E4M3)
     return HybridQuantizer(Float8CurrentScalingQuantizer(E4M3), MXFP8Quantizer(E4M3))
+
+
+def fp8_block_hybrid_factory(role):
+    """Per-tensor FP8 (current scaling, E4M3) rowwise and 1x128 FP8 blocks columnwise for
+    inputs and weights; E5M2 per-tensor rowwise and MXFP8 columnwise for output gradients;
+    every other slot in high precision. Each backward GEMM then meets two formats."""
+    if role is None or role.tensor_type not in ("input", "weight", "grad_output"):
+        return IdentityQuantizer()
+    if role.tensor_type == "grad_output":
+        return HybridQuantizer(Float8CurrentScalingQuantizer(E5M2), MXFP8Quantizer())
+    return HybridQuantizer(Float8CurrentScalingQuantizer(),
+                           Float8BlockQuantizer(block_scaling_dim=1))
 
 
 class NVFP4ExceptLayers:

@@ -182,24 +182,12 @@ def test_linears_reading_one_input_share_its_quantize(monkeypatch):
     _same(planned, eager)
 
 
-def _fp8_block_hybrid(role):
-    """Per-tensor E4M3 rowwise and 1x128 blocks columnwise for inputs and weights; a hybrid
-    gradient too (E5M2 per-tensor rowwise, MXFP8 columnwise)."""
-    if role is None or role.tensor_type not in ("input", "weight", "grad_output"):
-        return lowprec.IdentityQuantizer()
-    if role.tensor_type == "grad_output":
-        return lowprec.HybridQuantizer(
-            lowprec.Float8CurrentScalingQuantizer(torch.float8_e5m2), lowprec.MXFP8Quantizer())
-    return lowprec.HybridQuantizer(lowprec.Float8CurrentScalingQuantizer(),
-                                   lowprec.Float8BlockQuantizer(block_scaling_dim=1))
-
-
 #: recipes whose forms run eager calls with eager's kernels besides current scaling: MXFP8,
 #: block FP8, NVFP4, and hybrids whose rowwise half does (``GraphOperand.eager``), a
 #: hybrid gradient whose halves both launch eagerly included
 RECIPES = {
-    "fp8_block_hybrid": lambda mode: lowprec.CustomRecipe(qfactory=_fp8_block_hybrid,
-                                                          backward_mode=mode),
+    "fp8_block_hybrid": lambda mode: lowprec.CustomRecipe(
+        qfactory=factories.fp8_block_hybrid_factory, backward_mode=mode),
     "fp8_row_mxfp8_col": lambda mode: lowprec.CustomRecipe(
         qfactory=factories.fp8_row_mxfp8_col_factory, backward_mode=mode),
     "mxfp8": lambda mode: lowprec.MXFP8BlockScaling(backward_mode=mode),
