@@ -282,6 +282,13 @@ _PLAIN_KINDS = {dt: Kind("plain", dtype=dt)
                 for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
 
 
+def plain_kind(dtype: torch.dtype) -> Kind:
+    """The kind of plain values of ``dtype`` (a traced identity form, an eager plain or
+    identity tensor)."""
+    got = _PLAIN_KINDS.get(dtype)
+    return got if got is not None else Kind("plain", dtype=dtype)
+
+
 @dataclass(frozen=True)
 class PlainOperand(GraphOperand):
     """An identity quantizer, or a slot with none: the values in ``dtype`` (the one the
@@ -291,8 +298,7 @@ class PlainOperand(GraphOperand):
     sliceable = True
 
     def kind(self, usage: str) -> Kind:
-        got = _PLAIN_KINDS.get(self.dtype)
-        return got if got is not None else Kind("plain", dtype=self.dtype)
+        return plain_kind(self.dtype)
 
     def _values(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import HIGH_PRECISION_DTYPES, QuantizedTensor, Quantizer, flatten_2d
-from .graph import Kind, PlainOperand
+from .graph import Kind, PlainOperand, plain_kind
 
 
 class IdentityTensor(QuantizedTensor):
@@ -32,7 +32,7 @@ class IdentityTensor(QuantizedTensor):
         return data.reshape(self.shape).to(dtype or self.dtype)
 
     def _gemm_kind(self, usage: str, read: bool) -> Kind:
-        return Kind("plain", dtype=getattr(self, f"{usage}_data").dtype)
+        return plain_kind(getattr(self, f"{usage}_data").dtype)
 
     def bf16_operand(self, usage: str) -> tuple[torch.Tensor, None]:
         return getattr(self, f"{usage}_data"), None

@@ -28,11 +28,11 @@ from .exact_bf16 import as_exact, exact_product
 from .kernels import gemm_alpha_torch
 from .table import RouteRefused, bf16_domain, block_scales_fit
 from .traced import (
-           ROUTES,
-           bf16_operand,
-           bias_mm,
-           block_decode,
-           emulated_product,
-           fp8_gemm,
-           traced_gemm,
+    ROUTES,
+    bf16_operand,
+    bias_mm,
+    block_decode,
+    emulated_product,
+    fp8_gemm,
+    traced_gemm,
 )

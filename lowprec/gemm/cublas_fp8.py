@@ -23,8 +23,8 @@ exactly as lowprec stores them: ``mat(a)`` is
   dtype) is remembered, and the table's next route runs it (:class:`RouteRefused`).
 
 The table sends these routes only what cuBLAS FP8 takes (shapes multiples of 16, not
-E5M2 x E5M2, CUDA); :func:`fits` adds what an eager tensor's kind cannot say (its data
-contiguous and 16-byte aligned).
+E5M2 x E5M2, CUDA); :func:`tensorwise_fits` and :func:`blockwise_fits` add what an eager
+tensor's kind cannot say (its data contiguous and 16-byte aligned, a refused block pair).
 """
 
 from __future__ import annotations
@@ -35,9 +35,6 @@ from .accumulation import fast_accumulation
 from .device import block_scaled_mm_cpu
 from .table import RouteRefused
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 def scaled_mm_available() -> bool:
     return hasattr(torch, "_scaled_mm")
@@ -47,17 +44,18 @@ def _aligned(t: torch.Tensor | None) -> bool:
     return t is not None and t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
-def fits(a, a_usage: str, b, b_usage: str, out_dtype, bias) -> bool:
-    """Whether the cuBLAS route the table chose for these eager operands runs them: their
-    data contiguous and 16-byte aligned, ``torch._scaled_mm`` present, and (block
-    scales) a combination cuBLAS has not refused here."""
+def tensorwise_fits(a, a_usage: str, b, b_usage: str, out_dtype, bias) -> bool:
+    """Whether cuBLAS FP8 runs these eager operands the table sent it: their data
+    contiguous and 16-byte aligned, ``torch._scaled_mm`` present."""
     ad = a.rowwise_data if a_usage == "rowwise" else a.columnwise_data
     bd = b.rowwise_data if b_usage == "rowwise" else b.columnwise_data
-    if not (_aligned(ad) and _aligned(bd) and scaled_mm_available()):
-        return False
-    if hasattr(a, "block_scaling_dim"):
-        return _BLOCK_REFUSED.get(_block_key(a, b, out_dtype, bias), True)
-    return True
+    return _aligned(ad) and _aligned(bd) and scaled_mm_available()
+
+
+def blockwise_fits(a, a_usage: str, b, b_usage: str, out_dtype, bias) -> bool:
+    """:func:`tensorwise_fits`, and a block-scale combination cuBLAS has not refused here."""
+    return (tensorwise_fits(a, a_usage, b, b_usage, out_dtype, bias)
+            and _BLOCK_REFUSED.get(_block_key(a, b, out_dtype, bias), True))
 
 
 def fusable_bias(bias, out_dtype) -> bool:

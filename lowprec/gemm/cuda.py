@@ -17,7 +17,7 @@ exact_bf16         any pair whose dequantized values are exact in bf16 (MXFP8,
 
 from __future__ import annotations
 
-from .cublas_fp8 import blockwise_run, fits, tensorwise_run
+from .cublas_fp8 import blockwise_fits, blockwise_run, tensorwise_fits, tensorwise_run
 from .exact_bf16 import exact_bf16_run
 
 #: route -> ``run(a, a_usage, b, b_usage, out_dtype, bias, out=None)``; each writes into
@@ -27,6 +27,6 @@ CUDA_RUNS = {"cublas_fp8": tensorwise_run, "cublas_fp8_block": blockwise_run,
 
 #: route -> ``fits(a, a_usage, b, b_usage, out_dtype, bias)``: whether it runs these eager
 #: operands (what their kinds do not say); a route not listed runs every pair it is given
-CUDA_FITS = {"cublas_fp8": fits, "cublas_fp8_block": fits}
+CUDA_FITS = {"cublas_fp8": tensorwise_fits, "cublas_fp8_block": blockwise_fits}
 
 __all__ = ["CUDA_RUNS", "CUDA_FITS"]

@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from ..formats import HybridQuantizedTensor, Kind, QuantizedTensor, check_usage
+from ..formats import HybridQuantizedTensor, Kind, QuantizedTensor, check_usage, plain_kind
 from .cuda import CUDA_FITS, CUDA_RUNS
 from .device import routes_cuda
 from .emulated_fp32 import emulated_fp32_run, plain_matrix
@@ -53,7 +53,6 @@ EAGER_RUNS = {"plain": _plain_run, **CUDA_RUNS, "emulated": emulated_fp32_run}
 _TAKES_OUT = frozenset(CUDA_RUNS)
 
 _LOCAL = threading.local()
-_PLAIN_KINDS: dict = {}
 
 
 def _excluded() -> frozenset:
@@ -87,10 +86,7 @@ def native_routes() -> list[str]:
 def _kind(t, usage: str, read: bool = False) -> Kind | None:
     if isinstance(t, QuantizedTensor):
         return t.gemm_kind(usage, read)
-    got = _PLAIN_KINDS.get(t.dtype)
-    if got is None:
-        got = _PLAIN_KINDS[t.dtype] = Kind("plain", dtype=t.dtype)
-    return got
+    return plain_kind(t.dtype)
 
 
 def _unsure(kind: Kind) -> bool:
