@@ -174,8 +174,12 @@ def pushed_amaxes(history: torch.Tensor, scale: torch.Tensor, fp8_max: torch.Ten
 def _kernel_update_fits(history: torch.Tensor, algo) -> bool:
     """Whether the update kernel computes ``algo`` on ``history``."""
     from ..formats.float8 import UPDATE_MAX_HISTORY
+    # A state's history is made contiguous and stays so (the update op checks when it
+    # runs). A traced backward does not ask: dynamo cannot answer ``is_contiguous`` of a
+    # tensor while it speculates an autograd.Function's backward, and its retry leaves
+    # torch.autocast's state changed (torch 2.11).
     return (algo in ("max", "most_recent") and history.shape[0] <= UPDATE_MAX_HISTORY
-            and history.is_contiguous())
+            and (torch.compiler.is_compiling() or history.is_contiguous()))
 
 
 def note_seeded(states) -> None:

@@ -343,6 +343,50 @@ def test_delayed_call_is_one_node_and_eager_bit_for_bit(region_inside, amp, kind
     assert Counter(ops.targets) == Counter(interpreted.targets)
 
 
+@pytest.mark.parametrize("region_inside", [False, True], ids=["region-outside",
+                                                              "region-inside"])
+def test_interpreted_delayed_backward_traces_with_the_update_kernel(region_inside,
+                                                                   monkeypatch):
+    """Where no decided node runs a delayed-scaling call (dynamic shapes, an amax reduction
+    group), dynamo interprets the Function and speculates its backward. There, the state
+    update that launches its kernel (CUDA) asks nothing dynamo cannot answer (a tensor's
+    contiguity) and writes no global: under torch.autocast such a failed speculation is
+    retried and leaves autocast's state changed. Here CUDA's update choice on CPU
+    tensors, in the trace only (the backend stops once it has the graph)."""
+    from lowprec.modules import linear as linear_module
+    from lowprec.recipe import state
+    recipe = DelayedScaling(amax_history_len=4)
+    model = torch.nn.Sequential(lowprec.Linear(64, 64, name="a"), lowprec.Linear(64, 32, name="b"))
+    lowprec.init_scaling_state(model, recipe)
+    monkeypatch.setattr(linear_module, "decided_delayed_linear", lambda *args: None)
+    monkeypatch.setattr(state, "use_kernels", lambda t: torch.compiler.is_compiling())
+    graphs = []
+
+    class Traced(Exception):
+        pass
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        raise Traced
+
+    def region(x):
+        with lowprec.autocast(recipe=recipe):
+            return model(x)
+    compiled = torch.compile(region if region_inside else model, backend=backend,
+                             fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            torch._dynamo.exc.BackendCompilerFailed):
+        if region_inside:
+            compiled(torch.randn(2, 8, 64))
+        else:
+            with lowprec.autocast(recipe=recipe):
+                compiled(torch.randn(2, 8, 64))
+    (gm,) = graphs
+    targets = [str(n.target) for n in gm.graph.nodes]
+    assert sum("autograd_function_apply" in t for t in targets) == 2
+    assert not any("lowprec.call" in t for t in targets)
+
+
 _LN_LINEAR_QUICK = _each_case([False, True], 0)
 
 

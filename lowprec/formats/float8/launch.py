@@ -685,6 +685,10 @@ def fp8_delayed_update(history: torch.Tensor, current: torch.Tensor, scale: torc
     """Roll ``history`` (H, N), push ``current``, recompute ``scale`` and zero ``current``,
     in one launch (see ``delayed_update_kernel``)."""
     from .triton_kernels import delayed_update_kernel
+    for name, t in (("history", history), ("current", current), ("scale", scale)):
+        if not t.is_contiguous():
+            raise ValueError(f"fp8_delayed_update: the state's {name} (shape "
+                             f"{tuple(t.shape)}, strides {t.stride()}) must be contiguous")
     h, n = history.shape
     bh, bn = _update_tile(h, n)
     with device_guard(history.device):

@@ -56,6 +56,9 @@ def inv_margin(margin: float) -> float:
     The reciprocal in double, rounded once to fp32, is the correctly rounded fp32 one (53
     bits are enough for a quotient of fp32 values). ``DelayedScaling`` keeps ``margin`` in
     [0, 127], so ``2**margin`` is a finite fp32."""
+    if torch.compiler.is_compiling():
+        # a traced backward (dynamo's autograd.Function) must not write a global dict
+        return _fp32(1.0 / _fp32(2.0 ** margin))
     inv = _INV_MARGINS.get(margin)
     if inv is None:
         inv = _INV_MARGINS[margin] = _fp32(1.0 / _fp32(2.0 ** margin))
