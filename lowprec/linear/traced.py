@@ -238,16 +238,19 @@ def _delayed_forward(plan: TracedPlan, x2d, weight, fwd):
     # Backward recasts x and W with these scales, so it keeps this copy: recomputed from
     # the state, it would read scales the region's update has moved since (autograd's
     # version check then raises). A cat is an op the partitioner saves, not recomputes.
-    scales = scale_in_use(torch.cat([plan.x.seeded(scale[s:s + 1], seen[0:1]),
-                                     plan.w.seeded(scale[s + 1:s + 2], seen[1:2])]), seen)
+    # The codes are cast with the state's scales; the GEMMs read them NaN where an amax is
+    # not finite (``formats.float8.graph.fp8_delayed`` says why).
+    cast = torch.cat([plan.x.seeded(scale[s:s + 1], seen[0:1]),
+                      plan.w.seeded(scale[s + 1:s + 2], seen[1:2])])
+    scales = scale_in_use(cast, seen)
     xs, ws = scales[0:1], scales[1:2]
     if records:  # training
         amax[s:s + 2].copy_(torch.maximum(amax[s:s + 2], seen))
         if handle is not None:  # the region around the compiled call: joined at run time
             torch.ops.lowprec.join_region(amax, handle)
     xd, wd = decode_scale(xs).reshape(()), decode_scale(ws).reshape(())
-    return ((Fp8(plan.x.cast(x2d, xs), xs, xd), (x2d, xs, xd)),
-            (Fp8(plan.w.cast(weight, ws), ws, wd), (weight, ws, wd)))
+    return ((Fp8(plan.x.cast(x2d, cast[0:1]), xs, xd), (x2d, xs, xd)),
+            (Fp8(plan.w.cast(weight, cast[1:2]), ws, wd), (weight, ws, wd)))
 
 
 @dataclass(frozen=True)

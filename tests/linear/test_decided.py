@@ -387,6 +387,40 @@ def test_interpreted_delayed_backward_traces_with_the_update_kernel(region_insid
     assert not any("lowprec.call" in t for t in targets)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_delayed_non_finite_input_is_nan_as_eager(bad):
+    """A compiled delayed-scaling Linear casts with the state's scale before its amax is
+    known; an input holding Inf or NaN still gives NaN everywhere in the output and the
+    weight gradient, as eager's (whose codes are NaN), and records the same amaxes. TE's start
+    (scale 1, no seeding) so that no cast waits for an amax."""
+    import copy
+    recipe = DelayedScaling(amax_history_len=4, first_scale="one")
+    torch.manual_seed(0)
+    model = lowprec.Linear(64, 32, name="a")
+    lowprec.init_scaling_state(model, recipe)
+    compiled_model = copy.deepcopy(model)
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(16, 64)
+    x[3, 5] = bad
+    got = []
+    for fn, m in ((model, model), (compiled, compiled_model)):
+        xi = x.clone().requires_grad_()
+        with lowprec.autocast(recipe=recipe):
+            y = fn(xi)
+        y.sum().backward()
+        got.append((y, xi.grad, m.weight.grad))
+    (y, dx, dw), (cy, cdx, cdw) = got
+    # y and dW read the input's NaN scale; dX does not read the input
+    assert torch.isnan(y).all() and torch.isnan(cy).all()
+    assert torch.isnan(dw).all() and torch.isnan(cdw).all()
+    assert torch.equal(dx, cdx)
+    eager_state, compiled_state = model.scaling_state(), compiled_model.scaling_state()
+    for mode, state in eager_state.states.items():
+        for name, t in state.items():
+            if isinstance(t, torch.Tensor):
+                assert torch.equal(t.nan_to_num(), compiled_state.states[mode][name].nan_to_num())
+
+
 _LN_LINEAR_QUICK = _each_case([False, True], 0)
 
 

@@ -87,14 +87,19 @@ def fp8_current_scale(t: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, eps: 
 def fp8_delayed(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
                 materialized: bool, first_margin: Optional[float] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, the scale cast with, amax to record) of the 2-D ``t`` under a delayed-scaling
-    state's 1-element ``scale`` (NaN where the amax is not finite). ``first_margin``: the
-    state's ``FirstScale`` margin, a scale of 0 then taking the one of ``t``'s own amax."""
+    """(codes, the scale the GEMMs read, amax to record) of the 2-D ``t`` under a
+    delayed-scaling state's 1-element ``scale``. ``first_margin``: the state's
+    ``FirstScale`` margin, a scale of 0 then taking the one of ``t``'s own amax.
+
+    Where the amax is not finite the scale returned is NaN, so every product of the
+    operand is NaN, as eager's (whose codes are then NaN too). The codes are cast with the
+    state's scale, not that one: the cast does not wait for the amax, so the compiler
+    fuses it into the pass that makes ``t`` (delayed scaling's head start over current
+    scaling), and the amax reduction reads ``t`` beside it."""
     seen = _amax(t, materialized)
     if first_margin is not None:
         scale = seeded_scale(scale, seen, fp8_dtype, first_margin)
-    used = scale_in_use(scale, seen)
-    return _cast(t, used, fp8_dtype, materialized), used, seen
+    return _cast(t, scale, fp8_dtype, materialized), scale_in_use(scale, seen), seen
 
 
 @traced_op("fp8_tensor_amax")
