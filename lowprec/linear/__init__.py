@@ -12,6 +12,9 @@
   interpretation;
 * ``padding``: zeros that make a call's operands whole blocks, in both forms;
 * ``grad_split`` / ``exact_split``: the sliced backward (and forward) for a lower peak;
+* ``grouped`` / ``grouped_engine``: the experts of an MoE layer, one autograd Function over
+  a plan whose scheme (``grouped_current``, ``grouped_blocks``, ``grouped_nvfp4``) the
+  quantizers pick;
 * ``weight_cache``: quantized weights reused across micro-batches.
 """
 
@@ -26,18 +29,15 @@ from .decided import decided_delayed_linear, decided_linear
 from .function import EagerLinearFunction, eager_plan_of, graph_kept
 from .grouped import (
     ExpertWeightsFunction,
-    GroupedPlainFunction,
     check_sizes,
     group_alignment_for,
     grouped_linear,
     grouped_refusal,
     per_group_equivalent,
 )
-from .grouped_block_fp8 import GroupedBlockFP8
 from .grouped_blocks import one_setting
-from .grouped_current import GroupedCurrent, same_current
-from .grouped_exact import GroupedExact
-from .grouped_nvfp4 import GroupedNVFP4
+from .grouped_current import same_current
+from .grouped_engine import GroupedFunction, GroupedPlan
 from .grouped_parts import hooked
 from .padding import feature_padding
 from .traced import TracedLinear, reads_recipe_weights

@@ -4,7 +4,9 @@
 ``g``'s weight. Each group is quantized on its own rows, as one :class:`lowprec.Linear`
 per expert would quantize it, so the result is the per-expert one.
 
-How it runs is decided by the quantizers and the device:
+How it runs is decided once per set of quantizers and kind of call (a
+``grouped_engine.GroupedPlan``, which the one ``grouped_engine.GroupedFunction`` runs), by
+the quantizers and the device:
 
 * high precision on Hopper: one ``torch._grouped_mm`` per direction;
 * FP8 current scaling on Hopper, bf16 activations: per-group amaxes (one Triton pass),
@@ -55,7 +57,8 @@ from ..kernels.moe_route import group_sizes_ok
 from ..recipe import BackwardMode, torch_autocast_dtype, torch_autocast_off
 from . import grouped_block_fp8, grouped_blocks, grouped_current, grouped_exact, grouped_nvfp4
 from .function import LinearQuantizers, quantized_linear
-from .grouped_parts import group_ids, hooked, host_sizes, stacked
+from .grouped_engine import PLAIN, GroupedFunction, GroupedPlan
+from .grouped_parts import group_ids, hooked, host_sizes
 from .plan import keep
 
 __all__ = ["group_alignment_for", "group_ids", "grouped_linear", "grouped_refusal",
@@ -124,27 +127,6 @@ def _alignment(qs: list, n: int, k: int) -> int:
     return grouped_exact.row_align(exact) if exact is not None else 1
 
 
-class GroupedPlainFunction(torch.autograd.Function):
-    """High precision, one ``torch._grouped_mm`` per direction."""
-
-    @staticmethod
-    def forward(ctx, x2d, w3d, sizes):
-        offs = grouped_mm.end_offsets(sizes)
-        ctx.save_for_backward(x2d, w3d, offs)
-        return grouped_mm.plain_rows_by_experts(x2d, w3d, offs)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2d, w3d, offs = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[1]:
-            dw = grouped_mm.plain_wgrad(dy, x2d, offs)
-        if ctx.needs_input_grad[0]:
-            dx = grouped_mm.plain_rows_by_experts(dy, w3d.transpose(1, 2), offs)
-        return dx, dw, None
-
-
 def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
                    quantizers: LinearQuantizers | Sequence[LinearQuantizers] | None = None,
                    backward_mode: str = "default", on_backward_done=None,
@@ -195,39 +177,19 @@ def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
     k = x.shape[-1]
     x2d = x.reshape(-1, k)
     qs = _group_quantizers(quantizers, num)
-    route = _route(x2d, weights if weights is not None else weight, qs, bias, backward_mode,
-                   on_backward_done)
-    if route is None:
+    plan = _route(x2d, weights if weights is not None else weight, qs, bias, backward_mode,
+                  on_backward_done)
+    if plan is None:
         w_list = weights if weights is not None else list(weight.unbind(0))
         return _per_group(x, x2d, w_list, group_sizes, bias, qs, backward_mode,
                           on_backward_done, group_alignment)
-    kind, picked = route
     sizes = _sizes_tensor(group_sizes, num, x2d.shape[0], x.device, group_alignment)
     n = weight.shape[1] if weights is None else weights[0].shape[0]
     w_args = weights if weights is not None else (weight,)
-    if kind == "plain":
-        y = GroupedPlainFunction.apply(x2d.contiguous(), stacked(w_args), sizes)
-    elif kind in _BLOCK_PATHS:
-        fn, align = _BLOCK_PATHS[kind]
-        y = fn.apply(x2d.contiguous(), sizes, picked, torch.is_grad_enabled(),
-                     group_alignment % align == 0, *w_args)
-    elif kind == "exact":
-        aligned = group_alignment % grouped_exact.row_align(picked) == 0
-        y = grouped_exact.GroupedExact.apply(x2d.contiguous(), sizes, picked,
-                                             torch.is_grad_enabled(), aligned, *w_args)
-    else:
-        q_x, q_w, q_dy = picked
-        backend = grouped_current.gemm_backend(x2d, n, num, q_x.fp8_dtype, q_w.fp8_dtype)
-        if backend and torch.is_grad_enabled() and grouped_current.gemm_backend(
-                x2d, n, num, q_dy.fp8_dtype, q_w.fp8_dtype, q_x.fp8_dtype) is None:
-            warnings.warn("grouped_linear: E5M2 gradients (Format.HYBRID) have no grouped FP8 "
-                          "kernel here without Triton, so dgrad and wgrad run one GEMM per "
-                          "expert and read the group sizes on the host; "
-                          "Float8CurrentScaling(fp8_format=Format.E4M3) keeps them grouped",
-                          stacklevel=2)
-        y = grouped_current.GroupedCurrent.apply(
-            x2d.contiguous(), sizes, picked, torch.is_grad_enabled(), backend,
-            group_alignment % grouped_mm.ALIGN == 0, *w_args)
+    if plan.name == "current":
+        plan = _with_backend(plan, x2d, n, num)
+    y = GroupedFunction.apply(x2d.contiguous(), sizes, plan, torch.is_grad_enabled(),
+                              group_alignment % plan.align == 0, *w_args)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -267,10 +229,9 @@ def grouped_refusal(x2d: torch.Tensor, weight, quantizers=None, bias=None,
     if route is None:
         return ("no grouped GEMM for this recipe, device or call (bias, backward mode, "
                 "no rows): one Linear per expert reads the group sizes on the host")
-    kind, picked = route
-    if kind == "current":
+    if route.name == "current":
         n = weight.shape[1] if isinstance(weight, torch.Tensor) else weight[0].shape[0]
-        q_x, q_w, q_dy = picked
+        q_x, q_w, q_dy = route.quantizers
         if grouped_current.gemm_backend(x2d, n, num, q_x.fp8_dtype, q_w.fp8_dtype) is None:
             return "no grouped FP8 GEMM here: one GEMM per expert reads the group sizes"
         if torch.is_grad_enabled() and grouped_current.gemm_backend(
@@ -289,7 +250,7 @@ def per_group_equivalent(x2d: torch.Tensor, weight, quantizers=None, bias=None,
     other grouped paths equal the per-group Linears where they run, but NVFP4's stochastic
     rounding draws its own random bits."""
     route = _called_route(x2d, weight, quantizers, bias, backward_mode, None)[2]
-    return route is None or route[0] == "current"
+    return route is None or route.name == "current"
 
 
 def _called_route(x2d, weight, quantizers, bias, backward_mode, on_backward_done):
@@ -337,16 +298,10 @@ def _float8_experts(x, weight, group_sizes, bias, quantizers, backward_mode, on_
     sizes = _sizes_tensor(group_sizes, num, x2d.shape[0], x.device, group_alignment)
     q_x, q_w, _ = picked
     backend = grouped_current.gemm_backend(x2d, n, num, q_x.fp8_dtype, q_w.fp8_dtype)
-    y = grouped_current.GroupedCurrent.apply(
-        x2d.contiguous(), sizes, picked, torch.is_grad_enabled(), backend,
-        group_alignment % grouped_mm.ALIGN == 0, weight)
+    plan = GroupedPlan(grouped_current.CURRENT, picked, backend)
+    y = GroupedFunction.apply(x2d.contiguous(), sizes, plan, torch.is_grad_enabled(),
+                              group_alignment % plan.align == 0, weight)
     return y.reshape(*x.shape[:-1], n)
-
-
-#: the grouped paths of block-scaled recipes, by route: (autograd function, the row count
-#: each group is padded to a multiple of)
-_BLOCK_PATHS = {"block": (grouped_block_fp8.GroupedBlockFP8, block_grouped.ALIGN),
-                "nvfp4": (grouped_nvfp4.GroupedNVFP4, grouped_nvfp4.ALIGN)}
 
 
 def _group_quantizers(quantizers, num: int):
@@ -373,15 +328,14 @@ def _quantized_experts(x, weight, group_sizes, bias, quantizers, backward_mode,
     qs = _group_quantizers(quantizers, num)
     route = _route(x2d, weight, qs, bias, backward_mode, on_backward_done)
     kind = "block" if isinstance(weight, Float8BlockExperts) else "nvfp4"
-    grouped = route is not None and route[0] == kind
+    grouped = route is not None and route.name == kind
     if kind == "block":
         # the path reads power-of-two scales exactly (its bf16 emulated directions too)
-        grouped = grouped and weight.pow2 and route[1][1].fp8_dtype == weight.fp8_dtype
+        grouped = grouped and weight.pow2 and route.quantizers[1].fp8_dtype == weight.fp8_dtype
     if grouped:
-        fn, align = _BLOCK_PATHS[kind]
         sizes = _sizes_tensor(group_sizes, num, x2d.shape[0], x.device, group_alignment)
-        y = fn.apply(x2d.contiguous(), sizes, route[1], torch.is_grad_enabled(),
-                     group_alignment % align == 0, weight)
+        y = GroupedFunction.apply(x2d.contiguous(), sizes, route, torch.is_grad_enabled(),
+                                  group_alignment % route.align == 0, weight)
         return y.reshape(*x.shape[:-1], n)
     experts = ExpertWeightsFunction.apply(weight, torch.is_grad_enabled())
     return _per_group(x, x2d, list(experts), group_sizes, bias, qs, backward_mode,
@@ -418,15 +372,15 @@ def _weights_fit(x2d, weight) -> bool:
 
 
 def _route(x2d, weight, qs, bias, backward_mode, on_backward_done):
-    """("plain", None), ("current", quantizers), ("block", quantizers), ("nvfp4",
-    quantizers), ("exact", quantizers) or None (one Linear per group), for ``weight`` a
-    (G, N, K) tensor (quantized experts too: their dtype is the weight's) or G (N, K)
-    ones."""
+    """The :class:`GroupedPlan` of the call (FP8 current scaling's without its per-call
+    ``backend``, see :func:`_with_backend`), or None (one Linear per group), for
+    ``weight`` a (G, N, K) tensor (quantized experts too: their dtype is the weight's) or
+    G (N, K) ones. Decided once per set of quantizers and kind of call."""
     if not (_grouped_call(x2d, bias, on_backward_done) and _weights_fit(x2d, weight)):
         return None
     n, k = weight.shape[-2:] if isinstance(weight, torch.Tensor) else weight[0].shape
     if qs is None:
-        return ("plain", None) if grouped_mm.plain_available(x2d, k, n) else None
+        return _PLAIN_PLAN if grouped_mm.plain_available(x2d, k, n) else None
     if backward_mode != BackwardMode.DEFAULT:
         return None
     return _kept(qs, ("route", n, k, x2d.dtype, x2d.device),
@@ -463,19 +417,37 @@ def _quantizer_route(x2d, qs, n, k):
     """The part of :func:`_route` the quantizers decide, for ``x2d``'s dtype and device."""
     current = grouped_current.current_scaling_quantizers(qs)
     if current is not None:
-        return "current", current
+        return GroupedPlan(grouped_current.CURRENT, current)
     block = grouped_block_fp8.block_fp8_quantizers(qs, n, k)
     if block is not None and grouped_block_fp8.runs_on(x2d, block):
-        return "block", block
+        return GroupedPlan(grouped_block_fp8.BLOCK_FP8, block)
     nvfp4 = grouped_nvfp4.nvfp4_quantizers(qs, n, k)
     if nvfp4 is not None and grouped_nvfp4.runs_on(x2d, n, k):
-        return "nvfp4", nvfp4
+        return GroupedPlan(grouped_nvfp4.NVFP4, nvfp4)
     if grouped_mm.plain_available(x2d, k, n):
         # block formats whose per-expert GEMMs run on the bf16 tensor cores (MXFP8)
         exact = grouped_exact.exact_quantizers(qs, n, k)
         if exact is not None and _formed(exact, x2d):
-            return "exact", exact
+            return GroupedPlan(grouped_exact.EXACT, exact)
     return None
+
+
+_PLAIN_PLAN = GroupedPlan(PLAIN)
+
+
+def _with_backend(plan: GroupedPlan, x2d, n: int, num: int) -> GroupedPlan:
+    """FP8 current scaling's plan with the grouped GEMM the device and the row count take
+    (``grouped_current.gemm_backend``); warns where only the forward has one."""
+    q_x, q_w, q_dy = plan.quantizers
+    backend = grouped_current.gemm_backend(x2d, n, num, q_x.fp8_dtype, q_w.fp8_dtype)
+    if backend and torch.is_grad_enabled() and grouped_current.gemm_backend(
+            x2d, n, num, q_dy.fp8_dtype, q_w.fp8_dtype, q_x.fp8_dtype) is None:
+        warnings.warn("grouped_linear: E5M2 gradients (Format.HYBRID) have no grouped FP8 "
+                      "kernel here without Triton, so dgrad and wgrad run one GEMM per "
+                      "expert and read the group sizes on the host; "
+                      "Float8CurrentScaling(fp8_format=Format.E4M3) keeps them grouped",
+                      stacklevel=3)
+    return plan._replace(backend=backend)
 
 
 def _formed(quantizers, x2d) -> bool:

@@ -22,7 +22,7 @@ import torch
 from ..formats.block import Float8BlockQuantizer
 from ..gemm import block_decode, block_grouped, block_scales_fit
 from .function import LinearQuantizers
-from .grouped_blocks import blocks_backward, blocks_forward, slot_quantizers
+from .grouped_blocks import Blocks, slot_quantizers
 from .grouped_exact import ExactGemms
 
 
@@ -94,15 +94,5 @@ class _BlockGemms:
         return block_grouped.wgrad(dy.data, _decode(dy), x.data, _decode(x), offs, w_dtype)
 
 
-class GroupedBlockFP8(torch.autograd.Function):
-    """Forward, dgrad and wgrad as grouped block-scaled FP8 GEMMs (see the module
-    docstring). The weights are one (G, N, K) tensor or G (N, K) ones."""
-
-    @staticmethod
-    def forward(ctx, x2d, sizes, quantizers, grad_enabled, aligned, *weights):
-        return blocks_forward(ctx, _BlockGemms, block_grouped.ALIGN, x2d, sizes, quantizers,
-                              grad_enabled, aligned, weights)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return blocks_backward(ctx, dy)
+#: the scheme of block-scaled FP8 (``grouped_engine``)
+BLOCK_FP8 = Blocks("block", _BlockGemms, lambda quantizers: block_grouped.ALIGN)

@@ -16,16 +16,12 @@ expert does the same at once:
 Each operand is quantized through its quantizer's graph operand
 (``Quantizer.graph_operand``, ``formats.graph``), the form a compiled linear traces: in
 an eager call it launches eager's quantize kernels, in a compiled one it is traced into
-the graph. So the same Function runs both, with the same bits. ``gemms`` says which GEMMs
-run: a namespace of ``forward(x, w, offs, (G, N, K), forms)``, ``dgrad(dy, w, offs,
+the graph. So the same scheme runs both, with the same bits. Its ``gemms`` say which
+GEMMs run: a namespace of ``forward(x, w, offs, (G, N, K), forms)``, ``dgrad(dy, w, offs,
 (G, N, K), forms)`` and ``wgrad(dy, x, offs, weight dtype, forms)`` over the operands'
 graph forms (``Exact``, ``Blocks``), ``forms`` the (input, weight, grad_output) graph
 operands (:mod:`.grouped_exact`: bf16 GEMMs over exact values, MXFP8;
 :mod:`.grouped_block_fp8`: block-scaled FP8 GEMMs).
-
-The autograd Functions of those modules hand their ``forward`` and ``backward`` to
-:func:`blocks_forward` and :func:`blocks_backward`, with the arguments ``(x2d, sizes,
-quantizers, grad_enabled, aligned, *weights)``.
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ import torch
 from ..formats.block import Float8BlockExperts
 from . import weight_cache
 from .function import _caching_weights
-from .grouped_parts import hooked, layout, padded_input, padded_like, stacked, weight_grads
+from .grouped_parts import hooked, padded_input, padded_like, stacked
 
 
 def one_setting(qs: Sequence):
@@ -119,55 +115,52 @@ def _unpacked(layout, tensors):
     return cls(*(next(it) if s else c for s, c in zip(slots, constants)))
 
 
-def blocks_forward(ctx, gemms, align: int, x2d, sizes, quantizers, grad_enabled, aligned,
-                   weights):
-    """The forward of a grouped block-format Function (see the module docstring); groups
-    padded to multiples of ``align`` rows unless the caller laid them out so
-    (``aligned``)."""
-    need_dx = grad_enabled and ctx.needs_input_grad[0]
-    need_dw = grad_enabled and any(ctx.needs_input_grad[5:])
-    num = weights[0].shape[0] if weights[0].dim() == 3 else len(weights)
-    n, k = weights[0].shape[-2:]
-    # aligned: the caller laid the groups out in whole blocks (group_alignment)
-    x_pad, src, valid, offs, dest = padded_input(x2d, sizes, aligned, align)
-    q_x, q_w, q_dy = quantizers
-    op_x, op_dy = q_x.graph_operand(x_pad), q_dy.graph_operand(x_pad, grad=True)
-    x_row, x_keep = op_x.forward(x_pad, need_dw)
-    op_w, w_row, w_col, w_keep = _weight_operand(weights, q_w, need_dx)
-    ops = (op_x, op_w, op_dy)
-    y = gemms.forward(x_row, w_row, offs, (num, n, k), ops)
-    if dest is not None:
-        y = y.index_select(0, dest)
-    del x_pad
-    x_keep, w_keep = (x_keep if need_dw else ()), (w_keep if need_dx else ())
-    ctx.w_layout = None
-    if need_dx and w_col is not None:  # a columnwise form made now: its tensors kept
-        w_keep, ctx.w_layout = _packed(w_col)
-    ctx.save_for_backward(src, valid, offs, dest, *x_keep, *w_keep)
-    ctx.n_x = len(x_keep)
-    ctx.ops, ctx.weights, ctx.shape, ctx.gemms = ops, layout(weights), (num, n, k), gemms
-    ctx.w_dtype = weights[0].dtype
-    return y
+class Blocks:
+    """The scheme of block formats (``grouped_engine.GroupedFunction``): the padded layout,
+    the operands quantized through their graph operands, and ``gemms``'s grouped GEMMs;
+    ``row_align(quantizers)``: the row multiple each group is padded to."""
 
+    def __init__(self, name: str, gemms, row_align) -> None:
+        self.name, self.gemms, self.align = name, gemms, row_align
 
-def blocks_backward(ctx, dy):
-    """The backward of a grouped block-format Function: (dx, four Nones, *weight grads)."""
-    src, valid, offs, dest, *kept = ctx.saved_tensors
-    x_keep, w_keep = kept[:ctx.n_x], kept[ctx.n_x:]
-    op_x, op_w, op_dy = ctx.ops
-    need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
-    dy = dy.contiguous()
-    dy_pad = padded_like(dy, src, valid)
-    dy_row, dy_col = op_dy.grad(dy_pad, need_dx, need_dw)
-    del dy_pad
-    dx = dw = None
-    if need_dw:
-        x_col = op_x.saved_columnwise(tuple(x_keep))
-        dw = ctx.gemms.wgrad(dy_col, x_col, offs, ctx.w_dtype, ctx.ops)
-    if need_dx:
-        w_col = (_unpacked(ctx.w_layout, w_keep) if ctx.w_layout is not None
-                 else op_w.saved_columnwise(tuple(w_keep), dy))
-        dx = ctx.gemms.dgrad(dy_row, w_col, offs, ctx.shape, ctx.ops)
+    def forward(self, plan, x2d, sizes, aligned, weights, need_dx, need_dw):
+        num = weights[0].shape[0] if weights[0].dim() == 3 else len(weights)
+        n, k = weights[0].shape[-2:]
+        # aligned: the caller laid the groups out in whole blocks (group_alignment)
+        x_pad, src, valid, offs, dest = padded_input(x2d, sizes, aligned,
+                                                     self.align(plan.quantizers))
+        q_x, q_w, q_dy = plan.quantizers
+        op_x, op_dy = q_x.graph_operand(x_pad), q_dy.graph_operand(x_pad, grad=True)
+        x_row, x_keep = op_x.forward(x_pad, need_dw)
+        op_w, w_row, w_col, w_keep = _weight_operand(weights, q_w, need_dx)
+        ops = (op_x, op_w, op_dy)
+        y = self.gemms.forward(x_row, w_row, offs, (num, n, k), ops)
         if dest is not None:
-            dx = dx.index_select(0, dest)
-    return dx, None, None, None, None, *weight_grads(dw, ctx.weights)
+            y = y.index_select(0, dest)
+        del x_pad
+        x_keep, w_keep = (x_keep if need_dw else ()), (w_keep if need_dx else ())
+        w_layout = None
+        if need_dx and w_col is not None:  # a columnwise form made now: its tensors kept
+            w_keep, w_layout = _packed(w_col)
+        state = (ops, (num, n, k), weights[0].dtype, len(x_keep), w_layout)
+        return y, (src, valid, offs, dest, *x_keep, *w_keep), state
+
+    def backward(self, plan, state, saved, dy, need_dx, need_dw):
+        ops, shape, w_dtype, n_x, w_layout = state
+        src, valid, offs, dest, *kept = saved
+        x_keep, w_keep = kept[:n_x], kept[n_x:]
+        op_x, op_w, op_dy = ops
+        dy_pad = padded_like(dy, src, valid)
+        dy_row, dy_col = op_dy.grad(dy_pad, need_dx, need_dw)
+        del dy_pad
+        dx = dw = None
+        if need_dw:
+            x_col = op_x.saved_columnwise(tuple(x_keep))
+            dw = self.gemms.wgrad(dy_col, x_col, offs, w_dtype, ops)
+        if need_dx:
+            w_col = (_unpacked(w_layout, w_keep) if w_layout is not None
+                     else op_w.saved_columnwise(tuple(w_keep), dy))
+            dx = self.gemms.dgrad(dy_row, w_col, offs, shape, ops)
+            if dest is not None:
+                dx = dx.index_select(0, dest)
+        return dx, dw

@@ -28,7 +28,7 @@ from ..gemm import fp8_grouped, gemm, grouped_mm
 from ..kernels.transpose import transpose_contiguous
 from . import weight_cache
 from .function import LinearQuantizers, _caching_weights
-from .grouped_parts import fused, group_ids, hooked, host_sizes, layout, stacked, weight_grads
+from .grouped_parts import fused, group_ids, hooked, host_sizes, stacked
 
 #: mean rows an expert from which ``torch._scaled_grouped_mm`` runs (E4M3 operands): the
 #: Triton kernel below it (see the module docstring for the timings)
@@ -116,32 +116,35 @@ def _quantized_experts(weights: Sequence[torch.Tensor], q_w, transposed: bool):
     return make()
 
 
-class GroupedCurrent(torch.autograd.Function):
-    """FP8 current scaling, every group its own scales; grouped GEMMs where the device has
-    them (``backend``, from :func:`gemm_backend`), else each group's GEMM as the per-expert
-    Linear runs it. The weights are one (G, N, K) tensor or G (N, K) ones (each gets its own
-    gradient: no stacked copy)."""
+class _Current:
+    """FP8 current scaling's scheme (``grouped_engine``): every group its own scales;
+    grouped GEMMs where the device has them (the plan's ``backend``, from
+    :func:`gemm_backend`), else each group's GEMM as the per-expert Linear runs it."""
+
+    name = "current"
 
     @staticmethod
-    def forward(ctx, x2d, sizes, quantizers, grad_enabled, backend, aligned, *weights):
-        q_x, q_w, q_dy = quantizers
+    def align(quantizers) -> int:
+        return grouped_mm.ALIGN  # wgrad reads the transposed codes of 16-row groups
+
+    @staticmethod
+    def forward(plan, x2d, sizes, aligned, weights, need_dx, need_dw):
+        q_x, q_w, q_dy = plan.quantizers
+        backend = plan.backend
         rows = x2d.shape[0]
         n = weights[0].shape[-2]
         num = weights[0].shape[0] if weights[0].dim() == 3 else len(weights)
-        need_dx = grad_enabled and ctx.needs_input_grad[0]
-        need_dw = grad_enabled and any(ctx.needs_input_grad[6:])
-        ctx.backend = backend and gemm_backend(x2d, n, num, q_dy.fp8_dtype, q_w.fp8_dtype,
+        bwd_backend = backend and gemm_backend(x2d, n, num, q_dy.fp8_dtype, q_w.fp8_dtype,
                                                q_x.fp8_dtype)
         # dgrad's columnwise copy (K, G * N) is written by the weights' cast itself
-        wq, wq_t, sw, dec_w = _quantized_experts(weights, q_w,
-                                                 ctx.backend is not None and need_dx)
+        wq, wq_t, sw, dec_w = _quantized_experts(weights, q_w, bwd_backend is not None and need_dx)
         w_dtype = weights[0].dtype
         ids = group_ids(sizes, rows)
         # groups the caller laid out at multiples of 16 rows: wgrad reads the transposed
         # codes as they are, written by the cast itself
-        ctx.transposed = ctx.backend is not None and aligned
+        transposed = bwd_backend is not None and aligned
         xq_t = None
-        if ctx.transposed and need_dw:
+        if transposed and need_dw:
             xq, xq_t, sx, dec_x = fp8_grouped_quantize.quantize_groups_both(x2d, ids, num, q_x,
                                                                             with_decode=True)
         else:
@@ -157,34 +160,30 @@ class GroupedCurrent(torch.autograd.Function):
                                                          w_dtype, q_w.fp8_dtype),
                                 "rowwise", out_dtype=x2d.dtype)
                            for g, xg in enumerate(torch.split(xq, host))])
-        saved_x = (xq_t if ctx.transposed else xq) if need_dw else None
-        saved_w = (wq_t if ctx.backend else wq) if need_dx else None
-        ctx.save_for_backward(saved_x, sx, dec_x, saved_w, sw, dec_w, sizes, ids, offs)
-        ctx.w_shape = wq.shape
-        ctx.q_dy, ctx.host = q_dy, host
-        ctx.weights = layout(weights)
-        ctx.dtypes = (x2d.dtype, w_dtype, q_x.fp8_dtype, q_w.fp8_dtype)
-        return y
+        saved_x = (xq_t if transposed else xq) if need_dw else None
+        saved_w = (wq_t if bwd_backend else wq) if need_dx else None
+        state = (bwd_backend, transposed, host, wq.shape,
+                 (x2d.dtype, w_dtype, q_x.fp8_dtype, q_w.fp8_dtype))
+        return y, (saved_x, sx, dec_x, saved_w, sw, dec_w, sizes, ids, offs), state
 
     @staticmethod
-    def backward(ctx, dy):
-        xq, sx, dec_x, wq, sw, dec_w, sizes, ids, offs = ctx.saved_tensors
-        x_dtype, w_dtype, x_fp8, w_fp8 = ctx.dtypes
-        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
+    def backward(plan, state, saved, dy, need_dx, need_dw):
+        xq, sx, dec_x, wq, sw, dec_w, sizes, ids, offs = saved
+        backend, transposed, host, w_shape, dtypes = state
+        x_dtype, w_dtype, x_fp8, w_fp8 = dtypes
+        q_dy = plan.quantizers[2]
         num = sw.shape[0]
-        dy = dy.contiguous()
         quantize = fp8_grouped_quantize
-        if ctx.transposed and need_dw:
-            dyq, dyq_t, sdy, dec_dy = quantize.quantize_groups_both(dy, ids, num, ctx.q_dy,
+        if transposed and need_dw:
+            dyq, dyq_t, sdy, dec_dy = quantize.quantize_groups_both(dy, ids, num, q_dy,
                                                                     with_decode=True)
         else:
-            dyq, sdy, dec_dy = quantize.quantize_groups(dy, ids, num, ctx.q_dy, with_decode=True)
-        dy_fp8 = ctx.q_dy.fp8_dtype
+            dyq, sdy, dec_dy = quantize.quantize_groups(dy, ids, num, q_dy, with_decode=True)
+        dy_fp8 = q_dy.fp8_dtype
         dx = dw = None
-        backend = ctx.backend
         if backend:
             if need_dw:
-                if ctx.transposed:  # the saved input is already (K, M)
+                if transposed:  # the saved input is already (K, M)
                     dy_t, x_t, w_offs = dyq_t, xq, offs
                 else:
                     src, valid, w_offs, _, _ = grouped_mm.padded_layout(sizes, ids,
@@ -195,13 +194,13 @@ class GroupedCurrent(torch.autograd.Function):
                 dw = _wgrad(backend, dy_t, dec_dy, x_t, dec_x, w_offs, w_dtype)
             if need_dx:
                 # the saved (K, G * N) codes: expert g's (K, N) are the columns g*N...
-                _, n, k = ctx.w_shape
+                _, n, k = w_shape
                 w_t = wq.view(k, num, n).permute(1, 0, 2)
                 dx = _rows_by_experts(backend, dyq, dec_dy, ids, w_t, dec_w, offs, x_dtype)
-            return dx, None, None, None, None, None, *weight_grads(dw, ctx.weights)
+            return dx, dw
         # no grouped kernel for these operands: one GEMM per group, the sizes read on the
         # host (one sync per backward on the GPU)
-        host = ctx.host if ctx.host is not None else host_sizes(sizes)
+        host = host if host is not None else host_sizes(sizes)
         dys = torch.split(dyq, host)
         if need_dw:
             xs = torch.split(xq, host)
@@ -215,4 +214,8 @@ class GroupedCurrent(torch.autograd.Function):
                 gemm(_group_tensor(d, sdy[g:g + 1], d.shape, x_dtype, dy_fp8), "rowwise",
                      _group_tensor(wq[g], sw[g:g + 1], wq[g].shape, w_dtype, w_fp8, "columnwise"),
                      "columnwise", out_dtype=x_dtype) for g, d in enumerate(dys)])
-        return dx, None, None, None, None, None, *weight_grads(dw, ctx.weights)
+        return dx, dw
+
+
+#: FP8 current scaling's scheme
+CURRENT = _Current()

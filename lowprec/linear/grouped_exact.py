@@ -28,7 +28,7 @@ import torch
 
 from ..gemm import bf16_operand, grouped_mm
 from .function import LinearQuantizers
-from .grouped_blocks import blocks_backward, blocks_forward, slot_quantizers
+from .grouped_blocks import Blocks, slot_quantizers
 
 
 def exact_quantizers(qs: Sequence[LinearQuantizers], n: int, k: int):
@@ -85,15 +85,5 @@ class ExactGemms:
                                       _values(x, forms[0], "columnwise").t(), offs)
 
 
-class GroupedExact(torch.autograd.Function):
-    """Forward, dgrad and wgrad as ``torch._grouped_mm`` over exact bf16 operands (see
-    the module docstring). The weights are one (G, N, K) tensor or G (N, K) ones."""
-
-    @staticmethod
-    def forward(ctx, x2d, sizes, quantizers, grad_enabled, aligned, *weights):
-        return blocks_forward(ctx, ExactGemms, row_align(quantizers), x2d, sizes, quantizers,
-                              grad_enabled, aligned, weights)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return blocks_backward(ctx, dy)
+#: the scheme of block formats emulated on bf16 GEMMs (``grouped_engine``)
+EXACT = Blocks("exact", ExactGemms, row_align)

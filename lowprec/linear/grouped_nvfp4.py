@@ -33,7 +33,7 @@ from ..formats.nvfp4 import NVFP4Experts, draw_key, draw_keys, group_scales, gro
 from ..gemm import fp8_grouped, gemm_alpha_torch, grouped_mm
 from . import weight_cache
 from .function import _caching_weights
-from .grouped_parts import hooked, layout, padded_input, padded_like, stacked, weight_grads
+from .grouped_parts import hooked, padded_input, padded_like, stacked
 
 #: every group starts at a multiple of this many rows (NVFP4's 16-row columnwise blocks)
 ALIGN = 16
@@ -148,15 +148,18 @@ def _quantized_weights(weights, q_w, columnwise: bool):
     return make()
 
 
-class GroupedNVFP4(torch.autograd.Function):
-    """Forward, dgrad and wgrad of NVFP4 experts (see the module docstring); the weights
-    are one (G, N, K) tensor or G (N, K) ones."""
+class _NVFP4:
+    """NVFP4's scheme (``grouped_engine``): see the module docstring."""
+
+    name = "nvfp4"
 
     @staticmethod
-    def forward(ctx, x2d, sizes, quantizers, grad_enabled, aligned, *weights):
-        q_x, q_w, q_dy = quantizers
-        need_dx = grad_enabled and ctx.needs_input_grad[0]
-        need_dw = grad_enabled and any(ctx.needs_input_grad[5:])
+    def align(quantizers) -> int:
+        return ALIGN
+
+    @staticmethod
+    def forward(plan, x2d, sizes, aligned, weights, need_dx, need_dw):
+        q_x, q_w, _ = plan.quantizers
         num = weights[0].shape[0] if weights[0].dim() == 3 else len(weights)
         n, k = weights[0].shape[-2:]
         x_pad, src, valid, offs, dest = padded_input(x2d, sizes, aligned, ALIGN)
@@ -169,29 +172,30 @@ class GroupedNVFP4(torch.autograd.Function):
         y = fp8_grouped.rows_by_experts(x_rows, alpha, w_fwd, ones, offs, x2d.dtype)
         if dest is not None:
             y = y.index_select(0, dest)
-        ctx.save_for_backward(x_cols, sx[:, 1], w_dgrad if need_dx else None, sw, src, valid,
-                              offs, dest, blocks)
-        ctx.q_dy, ctx.weights, ctx.shape = q_dy, layout(weights), (num, n, k)
-        ctx.w_dtype = weights[0].dtype
-        return y
+        saved = (x_cols, sx[:, 1], w_dgrad if need_dx else None, sw, src, valid, offs, dest,
+                 blocks)
+        return y, saved, weights[0].dtype
 
     @staticmethod
-    def backward(ctx, dy):
-        x_cols, sx_col, w_dgrad, sw, src, valid, offs, dest, blocks = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
-        num = ctx.shape[0]
-        dy = dy.contiguous()
+    def backward(plan, w_dtype, saved, dy, need_dx, need_dw):
+        x_cols, sx_col, w_dgrad, sw, src, valid, offs, dest, blocks = saved
+        num = sw.shape[0]
         dy_pad = padded_like(dy, src, valid)
-        dy_rows, dy_cols, sdy = quantize_rows(ctx.q_dy, dy_pad, blocks, num, need_dx, need_dw)
+        dy_rows, dy_cols, sdy = quantize_rows(plan.quantizers[2], dy_pad, blocks, num, need_dx,
+                                              need_dw)
         del dy_pad
         ones = torch.ones(num, dtype=torch.float32, device=dy.device)
         dx = dw = None
         if need_dw:
             alpha = gemm_alpha_torch(sdy[:, 1], sx_col)
-            dw = fp8_grouped.wgrad(dy_cols, alpha, x_cols, ones, offs, ctx.w_dtype)
+            dw = fp8_grouped.wgrad(dy_cols, alpha, x_cols, ones, offs, w_dtype)
         if need_dx:
             alpha = gemm_alpha_torch(sdy[:, 0], sw)
             dx = fp8_grouped.rows_by_experts(dy_rows, alpha, w_dgrad, ones, offs, dy.dtype)
             if dest is not None:
                 dx = dx.index_select(0, dest)
-        return dx, None, None, None, None, *weight_grads(dw, ctx.weights)
+        return dx, dw
+
+
+#: NVFP4's scheme
+NVFP4 = _NVFP4()

@@ -14,7 +14,8 @@ from lowprec.formats.block.experts import Float8BlockExperts
 from lowprec.kernels import triton_available
 from lowprec.linear.function import LinearQuantizers
 from lowprec.linear.grouped import grouped_linear
-from lowprec.linear.grouped_block_fp8 import GroupedBlockFP8, block_fp8_quantizers
+from lowprec.linear.grouped_block_fp8 import BLOCK_FP8, block_fp8_quantizers
+from lowprec.linear.grouped_engine import GroupedFunction, GroupedPlan
 
 E4M3 = torch.float8_e4m3fn
 SIZES = [(5, 0, 200, 130), (0, 0, 16, 0), (128, 1, 0, 255)]
@@ -127,7 +128,8 @@ def test_grouped_block_path_over_block_experts_reads_their_codes(sizes, k, n):
 
     def call(x, w):
         picked = block_fp8_quantizers([q] * len(sizes), n, k)
-        return GroupedBlockFP8.apply(x, torch.tensor(sizes), picked, True, False, w)
+        return GroupedFunction.apply(x, torch.tensor(sizes), GroupedPlan(BLOCK_FP8, picked),
+                                     True, False, w)
     _compare("cpu", sizes, call, k, n)
 
 

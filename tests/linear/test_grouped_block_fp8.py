@@ -19,7 +19,8 @@ from lowprec.gemm import block_grouped
 from lowprec.kernels import triton_available, tuning
 from lowprec.linear.function import LinearQuantizers
 from lowprec.linear.grouped import group_alignment_for, grouped_linear
-from lowprec.linear.grouped_block_fp8 import GroupedBlockFP8, block_fp8_quantizers, runs_on
+from lowprec.linear.grouped_block_fp8 import BLOCK_FP8, block_fp8_quantizers, runs_on
+from lowprec.linear.grouped_engine import GroupedFunction, GroupedPlan
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SIZES = [(5, 0, 200, 130), (0, 0, 16, 0), (128, 1, 0, 255)]
@@ -58,8 +59,8 @@ def test_takes_the_deepseek_settings_only():
 def _grouped(q, sizes, aligned=False):
     def fn(x, w):
         picked = block_fp8_quantizers([q] * w.shape[0], w.shape[1], w.shape[2])
-        return GroupedBlockFP8.apply(x, torch.tensor(sizes, device=x.device), picked, True,
-                                     aligned, w)
+        return GroupedFunction.apply(x, torch.tensor(sizes, device=x.device),
+                                     GroupedPlan(BLOCK_FP8, picked), True, aligned, w)
     return fn
 
 

@@ -12,7 +12,8 @@ from grouped_helpers import assert_grouped_equals_per_expert, grouped_data, per_
 import lowprec
 from lowprec.linear.function import LinearQuantizers
 from lowprec.linear.grouped import group_alignment_for, grouped_linear
-from lowprec.linear.grouped_exact import GroupedExact, exact_quantizers, row_align
+from lowprec.linear.grouped_engine import GroupedFunction, GroupedPlan
+from lowprec.linear.grouped_exact import EXACT, exact_quantizers, row_align
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SIZES = [(5, 0, 37, 22), (0, 0, 32, 0), (64, 1, 0, 31)]
@@ -49,7 +50,7 @@ def _exact(quantizers, sizes):
     def fn(x, w):
         picked = exact_quantizers([quantizers] * w.shape[0], w.shape[1], w.shape[2])
         sizes_t = torch.tensor(sizes, device=x.device)
-        return GroupedExact.apply(x, sizes_t, picked, True, False, w)
+        return GroupedFunction.apply(x, sizes_t, GroupedPlan(EXACT, picked), True, False, w)
     return fn
 
 
@@ -205,7 +206,8 @@ def test_rows_laid_out_by_the_caller_give_the_same_result():
     def run(inp, grad, sizes_, aligned):
         inp = inp.clone().requires_grad_(True)
         ww = w.clone().requires_grad_(True)
-        y = GroupedExact.apply(inp, torch.tensor(sizes_), picked, True, aligned, ww)
+        y = GroupedFunction.apply(inp, torch.tensor(sizes_), GroupedPlan(EXACT, picked), True,
+                                  aligned, ww)
         y.backward(grad)
         return y.detach(), inp.grad, ww.grad
     y, dx, dw = run(x, dy, sizes, False)
@@ -223,7 +225,8 @@ def test_one_expert_given_as_a_list():
     ref = run_grads(_exact(q, sizes), x, w, dy)
     xx = x.clone().requires_grad_(True)
     ww = w[0].clone().requires_grad_(True)
-    y = GroupedExact.apply(xx, torch.tensor(sizes), picked, True, False, ww)
+    y = GroupedFunction.apply(xx, torch.tensor(sizes), GroupedPlan(EXACT, picked), True, False,
+                              ww)
     y.backward(dy)
     assert torch.equal(y, ref[0]) and torch.equal(xx.grad, ref[1])
     assert torch.equal(ww.grad, ref[2][0])

@@ -18,7 +18,8 @@ from grouped_helpers import (
 import lowprec
 from lowprec.linear.function import LinearQuantizers
 from lowprec.linear.grouped import group_alignment_for, grouped_linear
-from lowprec.linear.grouped_nvfp4 import GroupedNVFP4, nvfp4_quantizers
+from lowprec.linear.grouped_engine import GroupedFunction, GroupedPlan
+from lowprec.linear.grouped_nvfp4 import NVFP4, nvfp4_quantizers
 
 SIZES = [(5, 0, 37, 22), (0, 0, 32, 0), (64, 1, 0, 31)]
 
@@ -62,8 +63,8 @@ def test_takes_one_nvfp4_setting_whose_pairs_are_exact_in_bf16():
 def _grouped(q, sizes):
     def fn(x, w):
         picked = nvfp4_quantizers([q] * w.shape[0], w.shape[1], w.shape[2])
-        return GroupedNVFP4.apply(x, torch.tensor(sizes, device=x.device), picked, True,
-                                  False, w)
+        return GroupedFunction.apply(x, torch.tensor(sizes, device=x.device),
+                                     GroupedPlan(NVFP4, picked), True, False, w)
     return fn
 
 
@@ -113,16 +114,16 @@ def test_nvfp4_grouped_gpu_takes_the_grouped_path():
     sizes = [64, 0, 17, 47]
     x, w, dy = grouped_data(sizes, 256, 128, device="cuda")
     calls = []
-    orig = GroupedNVFP4.forward
+    orig = NVFP4.forward
 
     def spy(*args):
         calls.append(1)
         return orig(*args)
-    GroupedNVFP4.forward = staticmethod(spy)
+    NVFP4.forward = spy
     try:
         grouped_linear(x, w, torch.tensor(sizes, device="cuda"), quantizers=_nv())
     finally:
-        GroupedNVFP4.forward = staticmethod(orig)
+        del NVFP4.forward  # the class's own again
     assert calls
 
 

@@ -13,7 +13,8 @@ import lowprec
 from lowprec.formats.nvfp4.experts import NVFP4Experts, quantize_experts
 from lowprec.linear.function import LinearQuantizers
 from lowprec.linear.grouped import grouped_linear
-from lowprec.linear.grouped_nvfp4 import GroupedNVFP4, nvfp4_quantizers
+from lowprec.linear.grouped_engine import GroupedFunction, GroupedPlan
+from lowprec.linear.grouped_nvfp4 import NVFP4, nvfp4_quantizers
 
 SIZES = [(5, 0, 37, 22), (0, 0, 32, 0), (64, 1, 0, 31)]
 K, N = 64, 96
@@ -118,7 +119,8 @@ def test_grouped_nvfp4_path_over_nvfp4_experts_reads_their_values(sizes):
 
     def call(x, w):
         picked = nvfp4_quantizers([q] * len(sizes), N, K)
-        return GroupedNVFP4.apply(x, torch.tensor(sizes), picked, True, False, w)
+        return GroupedFunction.apply(x, torch.tensor(sizes), GroupedPlan(NVFP4, picked), True,
+                                     False, w)
     _compare(sizes, call)
 
 

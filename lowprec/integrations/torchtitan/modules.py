@@ -36,11 +36,7 @@ from lowprec.formats import DequantizeFunction
 from lowprec.linear import (
     EagerLinearFunction,
     ExpertWeightsFunction,
-    GroupedBlockFP8,
-    GroupedCurrent,
-    GroupedExact,
-    GroupedNVFP4,
-    GroupedPlainFunction,
+    GroupedFunction,
     TracedLinear,
 )
 from lowprec.modules import LowprecModule, TorchtitanGroupedExperts
@@ -49,8 +45,7 @@ __all__ = ["LowprecGroupedExperts", "LowprecLinear", "LOCAL_AUTOGRAD_FUNCTIONS"]
 
 #: the autograd functions a converted Linear or experts module runs (eager and compiled)
 LOCAL_AUTOGRAD_FUNCTIONS = (EagerLinearFunction, TracedLinear, ExpertsStandIn, DequantizeFunction,
-                            GroupedPlainFunction, ExpertWeightsFunction, GroupedCurrent,
-                            GroupedBlockFP8, GroupedExact, GroupedNVFP4)
+                            ExpertWeightsFunction, GroupedFunction)
 for _fn in LOCAL_AUTOGRAD_FUNCTIONS:
     spmd.register_local_autograd_function(_fn)
 
