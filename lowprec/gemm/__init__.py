@@ -1,7 +1,8 @@
 """GEMMs: one table of routes for every operand pair, run eagerly or in a graph.
 
 * ``table``: :func:`route`, the route of ``mat(a) @ mat(b).T`` from the operands' kinds,
-  which eager calls and traced plans both ask;
+  which eager calls and traced plans both ask, and ``grouped_route``, the route of a
+  grouped (MoE) call's GEMMs from its scheme, shapes and device description;
 * ``dispatch``: :func:`gemm`, the eager product of two operands in their usages, the
   table's route run eagerly;
 * ``cuda``: the eager computations of the GPU routes (``cublas_fp8``,
@@ -22,11 +23,18 @@ __all__ = ["gemm", "select_route", "use_backends", "native_routes", "route", "RO
 # The rest of lowprec enters the package here (internal names, not in __all__).
 from .accumulation import accumulating, fast_accumulation
 from .cublas_fp8 import fusable_bias, scaled_mm
-from .device import cuda_routes, routes_cuda
+from .device import cuda_routes, grouped_device, routes_cuda
 from .emulated_fp32 import fp32_product
 from .exact_bf16 import as_exact, exact_product
 from .kernels import gemm_alpha_torch
-from .table import RouteRefused, bf16_domain, block_scales_fit
+from .table import (
+    GROUPED_ROUTES,
+    GroupedDevice,
+    RouteRefused,
+    bf16_domain,
+    block_scales_fit,
+    grouped_route,
+)
 from .traced import (
     ROUTES,
     bf16_operand,

@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from ..kernels import gluon_available, kernel_op, triton_available
+from ..kernels import gluon_available, kernel_op
 from ..kernels.launch import launch
 from ..kernels.tuning import tuning
 
@@ -35,13 +35,6 @@ ALIGN = 128
 #: (BM, BN, warps, stages, bands of row tiles): the fastest of the configs timed on an H100
 #: at the MoE layer's shapes (``tools/probe_block_grouped.py``)
 _CONFIG = {False: (128, 128, 8, 3, 8), True: (128, 128, 8, 3, 8)}
-
-
-def available(a: torch.Tensor, *fp8_dtypes: torch.dtype) -> bool:
-    """Whether the kernel runs on ``a``'s device for operands of ``fp8_dtypes`` (E4M3, the
-    pairing tested bit-identical to cuBLAS): a Hopper GPU with Triton."""
-    return (a.is_cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
-            and triton_available() and all(d == torch.float8_e4m3fn for d in fp8_dtypes))
 
 
 def _tma_2d(t: torch.Tensor):

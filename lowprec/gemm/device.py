@@ -16,7 +16,8 @@ import threading
 
 import torch
 
-from ..kernels import ThreadFlagOn
+from ..kernels import ThreadFlagOn, triton_available
+from .table import GroupedDevice
 
 _LOCAL = threading.local()
 
@@ -53,3 +54,18 @@ def block_scaled_mm_cpu(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     av = expanded(a, scale_a, m, k)
     bv = expanded(b, scale_b, k, n)
     return (av @ bv).to(out_dtype)
+
+
+_GROUPED_DEVICES: dict = {}
+
+
+def grouped_device(t: torch.Tensor) -> GroupedDevice:
+    """What ``t``'s device offers the grouped routes (``table.grouped_route``)."""
+    got = _GROUPED_DEVICES.get(t.device)
+    if got is None:
+        hopper = t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
+        got = _GROUPED_DEVICES[t.device] = GroupedDevice(
+            hopper=hopper, triton=hopper and triton_available(),
+            grouped_mm=hasattr(torch, "_grouped_mm"),
+            scaled_grouped_mm=hasattr(torch, "_scaled_grouped_mm"))
+    return got

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import kernel_op, triton_available
+from ..kernels import kernel_op
 from ..kernels.launch import launch
+from .device import grouped_device
+from .table import fp8_grouped_takes
 
 #: the multiple every wgrad group starts at (16-byte loads along the contraction)
 ALIGN = 16
@@ -36,7 +38,6 @@ ALIGN = 16
 #: configs timed on an H100 at the MoE layer's shapes (fp8 and bf16 operands); bf16 at
 #: 94-98% of ``torch._grouped_mm`` there
 _CONFIG = {1: (128, 128, 128, 8, 4, 8), 2: (128, 256, 64, 8, 3, 8)}
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: mean rows an expert below which FP8 operands take the persistent form of the kernel (one
 #: program an SM looping over the tiles, same sums): at Qwen3's 1,000 rows an expert it ran
 #: 4-13% faster in each of the six GEMMs of a layer, at Mixtral's 4,000 from 14% slower to
@@ -47,14 +48,8 @@ PERSISTENT_ROWS = 2048
 def available(a: torch.Tensor, *dtypes: torch.dtype) -> bool:
     """Whether the kernel runs on ``a``'s device for operands of ``dtypes``: a Hopper GPU
     with Triton, and E4M3 or E5M2 operands (not both E5M2, which cuBLAS does not take) or
-    bf16 ones."""
-    if not (a.is_cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
-            and triton_available()):
-        return False
-    if all(d == torch.bfloat16 for d in dtypes):
-        return True
-    return (all(d in _FP8 for d in dtypes)
-            and not all(d == torch.float8_e5m2 for d in dtypes))
+    bf16 ones (the GEMM table's ``fp8_grouped_takes``)."""
+    return fp8_grouped_takes(grouped_device(a), dtypes)
 
 
 def _launch(a, da, b, db, offs, out, group_k: bool) -> None:

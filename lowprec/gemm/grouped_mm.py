@@ -19,27 +19,18 @@ from __future__ import annotations
 import torch
 
 from ..kernels.moe_route import row_count
+from .device import grouped_device
+from .table import grouped_mm_takes
 
 #: the row multiple FP8 wgrad needs at each group start (16-byte row strides)
 ALIGN = 16
 
 
-def _hopper(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
-
-
 def plain_available(a: torch.Tensor, k: int, n: int) -> bool:
     """Whether :func:`plain_rows_by_experts` / :func:`plain_wgrad` run ``a``'s problem
-    (bf16 on a Hopper GPU, feature sizes the kernel's 16-byte strides allow)."""
-    return (hasattr(torch, "_grouped_mm") and a.dtype == torch.bfloat16 and _hopper(a)
-            and k % 8 == 0 and n % 8 == 0)
-
-
-def fp8_available(a: torch.Tensor, k: int, n: int, *fp8_dtypes: torch.dtype) -> bool:
-    """Whether the FP8 grouped GEMMs run on ``a``'s device for features ``k`` and ``n`` and
-    operands of ``fp8_dtypes`` (the Hopper kernel takes E4M3 operands only)."""
-    return (hasattr(torch, "_scaled_grouped_mm") and _hopper(a) and k % ALIGN == 0
-            and n % ALIGN == 0 and all(d == torch.float8_e4m3fn for d in fp8_dtypes))
+    (bf16 on a Hopper GPU, feature sizes the kernel's 16-byte strides allow; the GEMM
+    table's ``grouped_mm_takes``)."""
+    return grouped_mm_takes(grouped_device(a), a.dtype, n, k)
 
 
 def end_offsets(sizes: torch.Tensor) -> torch.Tensor:

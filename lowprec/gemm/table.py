@@ -15,9 +15,16 @@ without the route (``exclude``): a cuBLAS route needs its data contiguous and 16
 aligned, and cuBLAS may refuse a block-scaled pair (:class:`RouteRefused`). A traced
 graph's operands are its own aligned tensors, and a refused pair is known from eager
 steps, so traced calls never exclude.
+
+A grouped call (the experts of an MoE layer) asks :func:`grouped_route` for its GEMMs,
+from the grouped scheme its quantizers pick, its shapes and what the device offers
+(:class:`GroupedDevice`): a plain description, so the choices a GPU makes are tested
+on any machine.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -87,5 +94,76 @@ def route(a: Kind, b: Kind, m: int, n: int, k: int, out_dtype: torch.dtype,
     return "emulated"
 
 
+# ---- grouped GEMMs -----------------------------------------------------------------------
+#: the routes of a grouped call's GEMMs (every group's rows against its expert's weight):
+#: one launch for all groups, offsets on the device (``torch._grouped_mm``,
+#: ``torch._scaled_grouped_mm``, lowprec's ``fp8_grouped`` and ``block_grouped`` kernels),
+#: or ``per_group``: one :func:`route` GEMM a group, the group sizes read on the host
+GROUPED_ROUTES = ("grouped_mm", "scaled_grouped_mm", "fp8_grouped", "block_grouped",
+                  "per_group")
+#: mean rows an expert from which FP8 current scaling takes ``torch._scaled_grouped_mm``
+#: (E4M3 operands) over lowprec's kernel (``linear/grouped_current.py`` gives the timings)
+CUTLASS_ROWS = 2048
+
+
+@dataclass(frozen=True)
+class GroupedDevice:
+    """What the grouped routes need of a device: a Hopper-class GPU (sm_90 or newer),
+    Triton on it, and torch's grouped GEMMs (``gemm.device.grouped_device`` reads them
+    off a tensor; a test gives them by hand)."""
+
+    hopper: bool = False
+    triton: bool = False
+    grouped_mm: bool = False
+    scaled_grouped_mm: bool = False
+
+
+def fp8_grouped_takes(device: GroupedDevice, dtypes) -> bool:
+    """Whether lowprec's grouped GEMM kernel runs operands of ``dtypes`` on ``device``:
+    bf16 ones, or E4M3 and E5M2 ones but not both E5M2 (which cuBLAS does not take)."""
+    if not (device.hopper and device.triton):
+        return False
+    if all(d == torch.bfloat16 for d in dtypes):
+        return True
+    return all(d in (E4M3, E5M2) for d in dtypes) and not all(d == E5M2 for d in dtypes)
+
+
+def grouped_mm_takes(device: GroupedDevice, rows_dtype: torch.dtype, n: int, k: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs bf16 rows of ``k`` features against experts of
+    ``n`` outputs on ``device`` (16-byte strides)."""
+    return (device.grouped_mm and device.hopper and rows_dtype == torch.bfloat16
+            and k % 8 == 0 and n % 8 == 0)
+
+
+def grouped_route(scheme: str, rows_dtype: torch.dtype, dtypes: tuple, rows: int, n: int,
+                  k: int, groups: int, device: GroupedDevice) -> str:
+    """The route of a grouped call's GEMMs (one of :data:`GROUPED_ROUTES`) for the grouped
+    ``scheme`` its quantizers pick (``linear.grouped_engine``: ``"plain"``,
+    ``"current"``, ``"exact"``, ``"block"``, ``"nvfp4"``), ``rows`` rows of
+    ``rows_dtype`` with ``k`` features, ``groups`` experts of ``n`` outputs, GEMM operands
+    of ``dtypes`` (the fp8 dtypes of a current-scaling or block-scaled pair), on
+    ``device``."""
+    if scheme in ("plain", "exact"):
+        return "grouped_mm" if grouped_mm_takes(device, rows_dtype, n, k) else "per_group"
+    if scheme == "current":
+        if rows_dtype != torch.bfloat16 or k % 16 or n % 16:
+            return "per_group"
+        cutlass = (device.scaled_grouped_mm and device.hopper
+                   and all(d == E4M3 for d in dtypes))
+        if cutlass and rows >= CUTLASS_ROWS * groups:
+            return "scaled_grouped_mm"
+        if fp8_grouped_takes(device, dtypes):
+            return "fp8_grouped"
+        return "scaled_grouped_mm" if cutlass else "per_group"
+    if scheme == "block":
+        return ("block_grouped" if rows_dtype == torch.bfloat16 and device.hopper
+                and device.triton and all(d == E4M3 for d in dtypes) else "per_group")
+    if scheme == "nvfp4":  # exact bf16 values, each expert's alpha: lowprec's kernel
+        return ("fp8_grouped" if grouped_mm_takes(device, rows_dtype, n, k)
+                and fp8_grouped_takes(device, (torch.bfloat16,)) else "per_group")
+    raise ValueError(f"grouped_route: unknown scheme {scheme!r}; the schemes are plain, "
+                     f"current, exact, block and nvfp4")
+
+
 __all__ = ["ROUTE_NAMES", "NATIVE_ROUTES", "RouteRefused", "bf16_domain", "block_scales_fit",
-           "route"]
+           "route", "GROUPED_ROUTES", "GroupedDevice", "grouped_route"]

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from ..formats.block import Float8BlockQuantizer
-from ..gemm import block_decode, block_grouped, block_scales_fit
+from ..gemm import block_decode, block_grouped, block_scales_fit, grouped_device, grouped_route
 from .function import LinearQuantizers
 from .grouped_blocks import Blocks, slot_quantizers
 from .grouped_exact import ExactGemms
@@ -44,8 +44,8 @@ def block_fp8_quantizers(qs: Sequence[LinearQuantizers], n: int, k: int):
 def runs_on(x: torch.Tensor, quantizers) -> bool:
     """Whether the grouped kernel runs ``x``'s rows with ``quantizers``
     (:func:`block_fp8_quantizers`): bf16 on a Hopper GPU, E4M3 operands."""
-    return x.dtype == torch.bfloat16 and block_grouped.available(
-        x, *(q.fp8_dtype for q in quantizers))
+    return grouped_route("block", x.dtype, tuple(q.fp8_dtype for q in quantizers), x.shape[0],
+                         0, 0, 1, grouped_device(x)) == "block_grouped"
 
 
 def _rows(rep) -> int:

@@ -10,7 +10,9 @@ Which grouped GEMM runs (:func:`gemm_backend`), on Hopper with bf16 activations:
   bits). Timed on an H100 (the six GEMMs of a layer): at 2,048 rows an expert it is
   8-10% faster than the Triton kernel (Mixtral's and Qwen3's shapes); at 1,024 it is 3%
   faster at Mixtral's 8 large experts and 2.2x slower at Qwen3's 128 small ones. It runs
-  when the experts average :data:`CUTLASS_ROWS` rows or more.
+  when the experts average ``gemm.table.CUTLASS_ROWS`` rows or more.
+
+The GEMM table decides (``gemm.grouped_route``), from the device's description.
 
 Without either (no Triton, not Hopper, other activations), each group's GEMM runs as
 :func:`lowprec.gemm.gemm` runs it, the group sizes read on the host.
@@ -24,15 +26,11 @@ import torch
 
 from ..formats.float8 import Float8CurrentScalingQuantizer, Float8Experts, Float8Tensor
 from ..formats.float8 import grouped as fp8_grouped_quantize
-from ..gemm import fp8_grouped, gemm, grouped_mm
+from ..gemm import fp8_grouped, gemm, grouped_device, grouped_mm, grouped_route
 from ..kernels.transpose import transpose_contiguous
 from . import weight_cache
 from .function import LinearQuantizers, _caching_weights
 from .grouped_parts import fused, group_ids, hooked, host_sizes, stacked
-
-#: mean rows an expert from which ``torch._scaled_grouped_mm`` runs (E4M3 operands): the
-#: Triton kernel below it (see the module docstring for the timings)
-CUTLASS_ROWS = 2048
 
 
 def same_current(qs: Sequence[Float8CurrentScalingQuantizer | None]) -> bool:
@@ -59,18 +57,17 @@ def current_scaling_quantizers(qs: Sequence[LinearQuantizers]):
     return tuple(s[0] for s in slots)
 
 
+#: the GEMM table's grouped routes of FP8 current scaling, by the names the GEMM
+#: helpers below take
+_BACKENDS = {"fp8_grouped": "triton", "scaled_grouped_mm": "cutlass", "per_group": None}
+
+
 def gemm_backend(x2d: torch.Tensor, n: int, num: int, *fp8_dtypes: torch.dtype) -> str | None:
     """``"triton"``, ``"cutlass"`` or None (one GEMM per group) for grouped GEMMs over
-    ``x2d``'s rows (bf16), ``num`` experts of ``n`` outputs, operands of ``fp8_dtypes``."""
-    k = x2d.shape[1]
-    if x2d.dtype != torch.bfloat16 or k % 16 or n % 16:
-        return None
-    cutlass = grouped_mm.fp8_available(x2d, k, n, *fp8_dtypes)
-    if cutlass and x2d.shape[0] >= CUTLASS_ROWS * num:
-        return "cutlass"
-    if fp8_grouped.available(x2d, *fp8_dtypes):
-        return "triton"
-    return "cutlass" if cutlass else None
+    ``x2d``'s rows, ``num`` experts of ``n`` outputs, operands of ``fp8_dtypes``: the
+    GEMM table's grouped route (``gemm.grouped_route``)."""
+    return _BACKENDS[grouped_route("current", x2d.dtype, fp8_dtypes, x2d.shape[0], n,
+                                   x2d.shape[1], num, grouped_device(x2d))]
 
 
 def _rows_by_experts(backend, a, dec_a, ids, b, dec_b, offs, out_dtype):

@@ -30,7 +30,7 @@ import torch
 
 from ..formats import NVFP4Quantizer
 from ..formats.nvfp4 import NVFP4Experts, draw_key, draw_keys, group_scales, grouped_exact
-from ..gemm import fp8_grouped, gemm_alpha_torch, grouped_mm
+from ..gemm import fp8_grouped, gemm_alpha_torch, grouped_device, grouped_route
 from . import weight_cache
 from .function import _caching_weights
 from .grouped_parts import hooked, padded_input, padded_like, stacked
@@ -71,8 +71,8 @@ def nvfp4_quantizers(qs: Sequence, n: int, k: int):
 
 def runs_on(x2d: torch.Tensor, n: int, k: int) -> bool:
     """Whether the grouped kernels run ``x2d``'s problem (bf16 rows on a Hopper GPU)."""
-    return (x2d.dtype == torch.bfloat16 and grouped_mm.plain_available(x2d, k, n)
-            and fp8_grouped.available(x2d, torch.bfloat16))
+    return grouped_route("nvfp4", x2d.dtype, (), x2d.shape[0], n, k, 1,
+                         grouped_device(x2d)) == "fp8_grouped"
 
 
 def _block_groups(offs: torch.Tensor, rows: int) -> torch.Tensor:

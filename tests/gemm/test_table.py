@@ -10,7 +10,16 @@ import torch
 
 import lowprec
 from lowprec.formats import Kind
-from lowprec.gemm import ROUTE_NAMES, ROUTES, route, select_route, use_backends
+from lowprec.gemm import (
+    ROUTE_NAMES,
+    ROUTES,
+    GroupedDevice,
+    grouped_route,
+    route,
+    select_route,
+    use_backends,
+)
+from lowprec.gemm.table import CUTLASS_ROWS
 
 E4, E5, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 
@@ -136,3 +145,38 @@ def test_use_backends_names_routes():
     with pytest.raises(ValueError, match="emulated_fp32"):
         with use_backends(("plain", "emulated_fp32")):
             pass
+
+
+HOPPER = GroupedDevice(hopper=True, triton=True, grouped_mm=True, scaled_grouped_mm=True)
+
+
+def test_grouped_routes_as_a_gpu_takes_them():
+    """The grouped (MoE) GEMMs' routes from the scheme, shapes and a device described by
+    hand: what a Hopper GPU with Triton runs, and every call one GEMM a group elsewhere."""
+    def r(scheme, dtypes=(), rows=4096, n=256, k=512, groups=4, device=HOPPER, dt=BF16):
+        return grouped_route(scheme, dt, dtypes, rows, n, k, groups, device)
+    assert r("plain") == r("exact") == "grouped_mm"
+    assert r("plain", k=510) == r("plain", dt=torch.float32) == "per_group"
+    assert r("current", (E4, E4), rows=CUTLASS_ROWS * 4) == "scaled_grouped_mm"
+    assert r("current", (E4, E4), rows=CUTLASS_ROWS * 4 - 16) == "fp8_grouped"
+    assert r("current", (E5, E4), rows=CUTLASS_ROWS * 4) == "fp8_grouped"  # E5M2 dY
+    assert r("current", (E5, E5)) == "per_group"
+    assert r("current", (E4, E4), n=40) == r("current", (E4, E4), dt=torch.float16) \
+        == "per_group"
+    no_triton = GroupedDevice(hopper=True, grouped_mm=True, scaled_grouped_mm=True)
+    assert r("current", (E4, E4), rows=16, device=no_triton) == "scaled_grouped_mm"
+    assert r("current", (E5, E4), device=no_triton) == "per_group"
+    assert r("block", (E4, E4, E4)) == "block_grouped"
+    assert r("block", (E4, E4, E5)) == r("block", (E4,) * 3, device=no_triton) == "per_group"
+    assert r("nvfp4") == "fp8_grouped"
+    assert r("nvfp4", device=no_triton) == "per_group"
+    for scheme in ("plain", "exact", "current", "block", "nvfp4"):
+        assert r(scheme, (E4, E4, E4), device=GroupedDevice()) == "per_group"
+    with pytest.raises(ValueError, match="unknown scheme 'mxfp8'"):
+        r("mxfp8")
+
+
+def test_grouped_device_of_a_cpu_tensor_offers_nothing_grouped():
+    from lowprec.gemm import grouped_device
+    got = grouped_device(torch.empty(1))
+    assert not (got.hopper or got.triton)

@@ -184,7 +184,7 @@ def test_current_grouped_gpu_cutlass_operands_exact_and_gemms_close(sizes, monke
     """Few large experts run ``torch._scaled_grouped_mm`` (forced here for small ones): the
     quantized operands are the per-expert kernels' bits; the GEMMs (another kernel than the
     per-expert cuBLAS one) are within bf16 rounding of the per-expert result."""
-    monkeypatch.setattr(grouped_current, "CUTLASS_ROWS", 0)
+    monkeypatch.setattr(lowprec.gemm.table, "CUTLASS_ROWS", 0)
     q = _current(E4M3)
     x, w, dy = _cuda(*_data(sizes, k=256, n=128))
     assert grouped_current.gemm_backend(x, 128, len(sizes), E4M3, E4M3) == "cutlass"
@@ -288,15 +288,15 @@ def test_current_grouped_gpu_caller_aligned_rows_equal_unaligned(grad):
     assert torch.equal(yp[rows], y) and torch.equal(dxp[rows], dx) and torch.equal(dwp, dw)
 
 
-def test_gemm_backend_rule(monkeypatch):
-    """Which grouped FP8 GEMM runs (as if on a Hopper GPU with Triton): CUTLASS from
-    CUTLASS_ROWS rows an expert with E4M3 operands, the Triton kernel below that and for
-    E5M2 gradients, none for other activations or features not multiples of 16."""
-    from lowprec.gemm import fp8_grouped, grouped_mm
-    monkeypatch.setattr(fp8_grouped, "available", lambda a, *d: E5M2 not in d or E4M3 in d)
-    monkeypatch.setattr(grouped_mm, "fp8_available",
-                        lambda a, k, n, *d: all(t == E4M3 for t in d))
-    rows = grouped_current.CUTLASS_ROWS * 4
+def test_gemm_backend_follows_the_table(monkeypatch):
+    """FP8 current scaling's grouped GEMM is the GEMM table's route for its device (here a
+    Hopper GPU with Triton, described by hand): CUTLASS from CUTLASS_ROWS rows an expert
+    with E4M3 operands, the Triton kernel below that and for E5M2 gradients, none for
+    other activations or features not multiples of 16."""
+    from lowprec.gemm import GroupedDevice, table
+    monkeypatch.setattr(grouped_current, "grouped_device",
+                        lambda t: GroupedDevice(True, True, True, True))
+    rows = table.CUTLASS_ROWS * 4
     big = torch.empty(rows, 64, dtype=torch.bfloat16)
     small = torch.empty(rows - 16, 64, dtype=torch.bfloat16)
     assert grouped_current.gemm_backend(big, 48, 4, E4M3, E4M3) == "cutlass"
@@ -305,6 +305,9 @@ def test_gemm_backend_rule(monkeypatch):
     assert grouped_current.gemm_backend(big, 48, 4, E5M2, E5M2) is None
     assert grouped_current.gemm_backend(big.float(), 48, 4, E4M3, E4M3) is None
     assert grouped_current.gemm_backend(big, 40, 4, E4M3, E4M3) is None  # N not 16s
+    assert grouped_current.gemm_backend(big, 48, 4, E4M3, E4M3) is not None
+    monkeypatch.setattr(grouped_current, "grouped_device", lambda t: GroupedDevice())
+    assert grouped_current.gemm_backend(big, 48, 4, E4M3, E4M3) is None  # the CPU
 
 
 def test_route_kept_per_quantizers_sees_hooks_come_and_go():
