@@ -61,11 +61,17 @@ _GROUPED_DEVICES: dict = {}
 
 def grouped_device(t: torch.Tensor) -> GroupedDevice:
     """What ``t``'s device offers the grouped routes (``table.grouped_route``)."""
+    if torch.compiler.is_compiling():
+        # (a traced autograd.Function asks too, where dynamo refuses a write to a global)
+        return _described(t)
     got = _GROUPED_DEVICES.get(t.device)
     if got is None:
-        hopper = t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
-        got = _GROUPED_DEVICES[t.device] = GroupedDevice(
-            hopper=hopper, triton=hopper and triton_available(),
-            grouped_mm=hasattr(torch, "_grouped_mm"),
-            scaled_grouped_mm=hasattr(torch, "_scaled_grouped_mm"))
+        got = _GROUPED_DEVICES[t.device] = _described(t)
     return got
+
+
+def _described(t: torch.Tensor) -> GroupedDevice:
+    hopper = t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
+    return GroupedDevice(hopper=hopper, triton=hopper and triton_available(),
+                         grouped_mm=hasattr(torch, "_grouped_mm"),
+                         scaled_grouped_mm=hasattr(torch, "_scaled_grouped_mm"))
