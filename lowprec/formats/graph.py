@@ -209,7 +209,7 @@ class GraphOperand:
     #: scaling's scales and amaxes), which the traced linear takes as inputs
     reads_state = False
     #: whether an eager call whose input and weight take this form runs the plan
-    #: (``lowprec.linear.traced.eager_plan``; dY's form need only launch eagerly): per-tensor
+    #: (``lowprec.linear.eager_plan.eager_plan``; dY's form need only launch eagerly): per-tensor
     #: current and delayed scaling, block FP8, MXFP8 and NVFP4 with their kernels, and
     #: hybrids whose rowwise half is one of them. On the "1b" model each is faster than the eager
     #: Function, at no more memory except a hybrid whose columnwise half re-quantizes the

@@ -6,8 +6,10 @@
 * ``function``: ``quantized_linear``, every eager call's entry, and the eager autograd
   Function that runs the calls the traced plan declines;
 * ``traced``: the one plan of a call decided from its quantizers' forms, and the
-  Function that runs it, traced by ``torch.compile`` and run by eager calls where the
-  forms launch eager's kernels; bit-identical to ``function``;
+  Function that runs it, traced by ``torch.compile``; bit-identical to ``function``
+  (``traced_delayed``: its delayed-scaling records and update);
+* ``eager_plan``: eager calls that run that Function where the forms launch eager's
+  kernels;
 * ``decided``: a compiled call's decisions made once per kind of call, outside dynamo's
   interpretation;
 * ``padding``: zeros that make a call's operands whole blocks, in both forms;
@@ -18,9 +20,9 @@
 * ``weight_cache``: quantized weights reused across micro-batches.
 """
 
+from .eager_plan import eager_plans_off
 from .function import LinearQuantizers, quantized_linear
 from .grad_split import sliced, unsliced
-from .traced import eager_plans_off
 
 __all__ = ["LinearQuantizers", "eager_plans_off", "quantized_linear", "sliced", "unsliced"]
 

@@ -36,7 +36,7 @@ from ..recipe import (
     torch_autocast_dtype,
     torch_autocast_off,
 )
-from . import exact_split, grad_split, padding, shared_input, traced, weight_cache
+from . import eager_plan, exact_split, grad_split, padding, shared_input, weight_cache
 from .plan import BOTH, plan_for
 
 
@@ -402,10 +402,10 @@ def eager_plan_of(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
                   bias: torch.Tensor | None):
     """The plan an eager call of these operands (cast already under torch.autocast) runs:
     the one a compiled call traces, where its forms run eagerly too (one engine;
-    ``traced.eager_plan``); None where the eager Function runs the call."""
+    ``eager_plan.eager_plan``); None where the eager Function runs the call."""
     if quantizers is None or _caching_weights():
         return None
-    return traced.eager_plan(quantizers, backward_mode, x, weight, bias)
+    return eager_plan.eager_plan(quantizers, backward_mode, x, weight, bias)
 
 
 def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_done, amp):
@@ -422,7 +422,7 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
             skip()
     plan = eager_plan_of(quantizers, backward_mode, x, weight, bias)
     if plan is not None:
-        return traced.run_plan(plan, x, weight, bias, quantizers, on_backward_done)
+        return eager_plan.run_plan(plan, x, weight, bias, quantizers, on_backward_done)
     pad = padding.Padding(*padding.feature_padding(quantizers, x, weight))
     if pad:
         # K and N to whole blocks (M the Function pads itself, ``LinearPlan.pad``)

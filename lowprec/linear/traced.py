@@ -27,33 +27,22 @@ mirror, quantize the output or the input gradient), :func:`plan_for` returns the
 and the call stays one opaque op (``lowprec.compile.call``), which says so once.
 
 Delayed scaling traces as per-tensor FP8 whose scales the module's state holds: the
-quantizes read them and record their amaxes into the state in place.
+quantizes read them and record their amaxes into the state in place
+(:mod:`.traced_delayed`). Eager calls run :class:`TracedLinear` too where the plan's forms
+launch eager's kernels (:mod:`.eager_plan`).
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
-from ..formats import (
-    Fp8,
-    GraphOperand,
-    PlainOperand,
-    QuantizedTensor,
-    decode_scale,
-    scale_in_use,
-)
+from ..formats import GraphOperand, PlainOperand, QuantizedTensor
 from ..gemm import emulated_product, route, routes_cuda, traced_gemm
-from ..kernels import ThreadFlagOn
-from ..memory import register_thread_setting
 from ..recipe import (
     BackwardMode,
     QuantizerRole,
-    push_amaxes,
     stateful,
     stateless_quantizers,
     torch_autocast_dtype,
@@ -62,7 +51,14 @@ from . import exact_split, grad_split, shared_input
 from . import traced_steps as steps
 from .padding import NONE as NO_PADDING
 from .padding import Padding, feature_padding, padding_for
-from .plan import keep, row_padding
+from .plan import row_padding
+from .traced_delayed import (
+    StateQuantizers,
+    algo_code,
+    delayed_forward,
+    delayed_grad,
+    update_backward_state,
+)
 
 
 # ---- the plan --------------------------------------------------------------------------------
@@ -184,85 +180,6 @@ def _hp_product(a: torch.Tensor, b: torch.Tensor, out_dtype) -> torch.Tensor:
     return emulated_product(a.to(torch.float32), b.to(torch.float32), None, out_dtype)
 
 
-@torch.library.custom_op("lowprec::delayed_update",
-                         mutates_args=("history", "amax_current", "scale"))
-def delayed_update(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.Tensor,
-                   fp8_max: torch.Tensor, reduced: Optional[torch.Tensor], algo: int,
-                   margin: float) -> None:
-    """The backward state's update once a traced delayed-scaling backward has recorded its
-    amaxes, under a callable amax algorithm (the named ones trace ``push_amaxes``'s torch
-    ops instead): eager's own update (``lowprec.recipe.state.push_amaxes``), one op in the
-    graph; ``reduced``: the amaxes all-reduced over the amax reduction group, where there
-    is one; ``algo``: :func:`algo_code`'s name of the amax algorithm."""
-    push_amaxes(history, amax_current, scale, fp8_max,
-                amax_current if reduced is None else reduced, _ALGO_NAMES.get(algo)
-                or _ALGOS[algo], margin)
-
-
-@delayed_update.register_fake
-def _delayed_update_fake(history, amax_current, scale, fp8_max, reduced, algo, margin):
-    return None
-
-
-_ALGO_NAMES = {-1: "max", -2: "most_recent"}
-#: callable amax algorithms a traced update runs, by the int :func:`algo_code` names them by
-_ALGOS: list = []
-
-
-def algo_code(algo) -> int:
-    """The int the traced update op names ``DelayedScaling.amax_compute_algo`` by: -1
-    "max", -2 "most_recent", else a callable's place in a table the op reads (the callable
-    runs in the op, as eager's update runs it)."""
-    if algo == "max":
-        return -1
-    if algo == "most_recent":
-        return -2
-    return _callable_code(algo)
-
-
-@torch._dynamo.assume_constant_result
-def _callable_code(algo) -> int:
-    # run for real while dynamo traces: the op reads the table when the graph runs
-    for i, known in enumerate(_ALGOS):
-        if known is algo:
-            return i
-    _ALGOS.append(algo)
-    return len(_ALGOS) - 1
-
-
-def _delayed_forward(plan: TracedPlan, x2d, weight, fwd):
-    """fprop's operands under delayed scaling: cast with the state's scales, their amaxes
-    recorded into it (slot ``s`` the input, ``s + 1`` the weight)."""
-    scale, amax, handle, s, records = fwd
-    seen = torch.cat([plan.x.amax(x2d), plan.w.amax(weight)])
-    # Backward recasts x and W with these scales, so it keeps this copy: recomputed from
-    # the state, it would read scales the region's update has moved since (autograd's
-    # version check then raises). A cat is an op the partitioner saves, not recomputes.
-    # The codes are cast with the state's scales; the GEMMs read them NaN where an amax is
-    # not finite (``formats.float8.graph.fp8_delayed`` says why).
-    cast = torch.cat([plan.x.seeded(scale[s:s + 1], seen[0:1]),
-                      plan.w.seeded(scale[s + 1:s + 2], seen[1:2])])
-    scales = scale_in_use(cast, seen)
-    xs, ws = scales[0:1], scales[1:2]
-    if records:  # training
-        amax[s:s + 2].copy_(torch.maximum(amax[s:s + 2], seen))
-        if handle is not None:  # the region around the compiled call: joined at run time
-            torch.ops.lowprec.join_region(amax, handle)
-    xd, wd = decode_scale(xs).reshape(()), decode_scale(ws).reshape(())
-    return ((Fp8(plan.x.cast(x2d, cast[0:1]), xs, xd), (x2d, xs, xd)),
-            (Fp8(plan.w.cast(weight, cast[1:2]), ws, wd), (weight, ws, wd)))
-
-
-@dataclass(frozen=True)
-class StateQuantizers:
-    """An eager delayed-scaling call's own quantizers (a ``LinearQuantizers`` of the
-    module's state: the quantizes read its scales and record amaxes into it) and the
-    module's end-of-backward callback, which updates the backward state."""
-
-    quantizers: object
-    done: Optional[Callable[[], None]] = None
-
-
 class TracedLinear(torch.autograd.Function):
     """``y = x @ weight.T + bias`` over a :class:`TracedPlan`: fprop reads the input and
     weight rowwise; in the default mode dgrad reads dY rowwise and the weight columnwise,
@@ -281,7 +198,7 @@ class TracedLinear(torch.autograd.Function):
         ctx.state = fwd if isinstance(fwd, StateQuantizers) else None
         default = plan.mode == BackwardMode.DEFAULT
         if plan.delayed and ctx.state is None:  # a traced delayed-scaling call
-            (xr, x_keep), (wr, w_keep) = _delayed_forward(plan, x2d, weight, fwd)
+            (xr, x_keep), (wr, w_keep) = delayed_forward(plan, x2d, weight, fwd)
             x_keep, w_keep = x_keep if need_dw else (), w_keep if need_dx else ()
             ctx.save_for_backward(*x_keep, *w_keep)
             # the backward state's tensors are kept as they are, not saved: another GEMM's
@@ -334,24 +251,9 @@ class TracedLinear(torch.autograd.Function):
             dy = plan.dy.state_quantize(dy2d, ctx.state.quantizers.grad_output, need_dx, need_dw)
             return TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
         if plan.delayed:
-            scale, amax, history, fp8_max, algo, margin, s, updates, group = ctx.update
-            dyq, dys, seen = plan.dy.delayed(dy2d, scale[s:s + 1])
-            amax[s:s + 1].copy_(torch.maximum(amax[s:s + 1], seen))
-            dyd = decode_scale(dys).reshape(())
-            dy = (Fp8(dyq, dys, dyd), Fp8(dyq.t().contiguous(), dys, dyd))
+            dy = delayed_grad(plan, dy2d, ctx.update)
             dx, dw = TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
-            if updates:  # the module's last GEMM to run backward: its whole state's update
-                # (the amaxes all-reduced over the autocast's amax_reduction_group first)
-                reduced = None if group is None else funcol.all_reduce(amax, "max", group)
-                if algo in _ALGO_NAMES:
-                    # eager's update: on CUDA its one kernel launch (the compiler would
-                    # make several small kernels of the torch ops, which the CPU traces;
-                    # the same bits either way)
-                    push_amaxes(history, amax, scale, fp8_max,
-                                amax if reduced is None else reduced, _ALGO_NAMES[algo],
-                                margin)
-                else:  # a callable runs as eager runs it
-                    delayed_update(history, amax, scale, fp8_max, reduced, algo, margin)
+            update_backward_state(ctx.update)
             return dx, dw
         sliced = plan.split is not None and need_dx and need_dw
         dy = None if sliced else plan.dy.grad(dy2d, need_dx, need_dw)
@@ -485,81 +387,6 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         with torch.autocast(x.device.type, enabled=False):
             y = TracedLinear.apply(*args)
     return pad.cut(y, x_shape) if pad else y
-
-
-# ---- eager calls -----------------------------------------------------------------------------
-_EAGER = threading.local()
-
-
-register_thread_setting(lambda: getattr(_EAGER, "off", False),
-                        lambda value: setattr(_EAGER, "off", value))
-
-
-class eager_plans_off(ThreadFlagOn):
-    """Context manager: within the block, eager calls on this thread run the eager
-    Function (``lowprec.linear.function``) even where a plan's forms run eagerly (A/B
-    comparisons of the two, and tests)."""
-
-    _local, _flag = _EAGER, "off"
-
-
-@dataclass(frozen=True)
-class EagerPlan:
-    """What an eager call of one kind runs: the plan of its operands padded to whole
-    blocks, and that ``padding`` (the plan's, made once for the call's hot path)."""
-
-    plan: TracedPlan
-    padding: Padding
-
-
-def eager_plan(q, backward_mode: str, x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None) -> EagerPlan | None:
-    """What an eager call of these operands runs through :class:`TracedLinear`, or None
-    where the eager Function runs it (no plan, a forward form that is not
-    ``GraphOperand.eager``, or a gradient form that runs only in a graph).
-    Decided once per kind of call and kept with the quantizers (``q.plans``)."""
-    if getattr(_EAGER, "off", False) or torch.compiler.is_compiling():
-        return None
-    grad = torch.is_grad_enabled()
-    key = ("eager", backward_mode, x.shape, x.dtype, x.device, type(x), weight.shape,
-           weight.dtype, type(weight), None if bias is None else bias.dtype, grad,
-           grad and x.requires_grad, grad and weight.requires_grad, grad_split.mode())
-    plans = q.plans
-    plan = plans.get(key)
-    if plan is None:
-        plan = keep(plans, key, _eager_decision(q, backward_mode, x, weight, bias))
-    return plan if isinstance(plan, EagerPlan) else None
-
-
-def _eager_decision(q, backward_mode: str, x, weight, bias):
-    got = decide(q, backward_mode, x, weight, bias)
-    if (isinstance(got, str) or not (got.x.eager and got.w.eager)
-            or (got.dy is not None and not got.dy.launches_eagerly)):
-        return _NoPlan()
-    return EagerPlan(got, got.padding)
-
-
-class _NoPlan:
-    """An eager call's kept answer that the eager Function runs it (one object a call
-    kind: a copy of the quantizers decides its own)."""
-
-
-def run_plan(eager: EagerPlan, x: torch.Tensor, weight: torch.Tensor,
-             bias: torch.Tensor | None, q=None, done=None) -> torch.Tensor:
-    """``x @ weight.T + bias`` of an eager call through :func:`eager_plan`'s answer
-    (operands already in one dtype, torch.autocast off). Delayed scaling's quantizes read
-    and record into the state of its quantizers ``q``; ``done``: the module's
-    end-of-backward callback."""
-    plan, pad = eager.plan, eager.padding
-    state = StateQuantizers(q, done) if plan.delayed else None
-    if not pad:
-        return TracedLinear.apply(x, weight, bias, plan, torch.is_grad_enabled(),
-                                  isinstance(weight, torch.nn.Parameter), state, None)
-    x_shape = x.shape
-    x, weight, bias = pad.operands(x, weight, bias)
-    y = TracedLinear.apply(x, weight, bias, plan, torch.is_grad_enabled(),
-                           isinstance(weight, torch.nn.Parameter), state, None)
-    return pad.cut(y, x_shape)
 
 
 def reads_recipe_weights(recipe) -> bool:

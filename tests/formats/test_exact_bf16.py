@@ -25,7 +25,7 @@ from lowprec.gemm import bf16_domain
 from lowprec.gemm import kernels as gemm_kernels
 from lowprec.gemm.dispatch import gemm
 from lowprec.gemm.exact_bf16 import bf16_operand
-from lowprec.linear.traced import eager_plans_off
+from lowprec.linear.eager_plan import eager_plans_off
 
 gpu = pytest.mark.skipif(not lowprec.kernels.triton_available(),
                          reason="needs a CUDA device and Triton")

@@ -1,4 +1,4 @@
-"""Eager calls that run the traced plan (``lowprec.linear.traced.eager_plan``): where every
+"""Eager calls that run the traced plan (``lowprec.linear.eager_plan.eager_plan``): where every
 form of a call's plan runs eagerly with eager's kernels (CUDA with Triton), an eager Linear
 runs :class:`TracedLinear`, the Function a compiled call traces. Its results are the eager
 Function's bit for bit (``eager_plans_off`` runs that one), and it keeps no more memory."""
@@ -13,7 +13,7 @@ import torch
 import lowprec
 from lowprec import Float8CurrentScaling
 from lowprec.kernels import triton_available
-from lowprec.linear import traced
+from lowprec.linear import eager_plan
 from lowprec.recipe import factories
 
 _KERNELS = torch.cuda.is_available() and triton_available()
@@ -42,7 +42,7 @@ def _step(m, x, dy, recipe, **kw):
 
 def _both(m, x, dy, recipe, **kw):
     planned_fn, planned = _step(m, x, dy, recipe, **kw)
-    with traced.eager_plans_off():
+    with eager_plan.eager_plans_off():
         eager_fn, eager = _step(m, x, dy, recipe, **kw)
     return planned_fn, planned, eager_fn, eager
 
@@ -108,7 +108,7 @@ def test_evaluation_forward():
     with torch.no_grad():
         with lowprec.autocast(recipe=Float8CurrentScaling()):
             y = m(x)
-        with traced.eager_plans_off(), lowprec.autocast(recipe=Float8CurrentScaling()):
+        with eager_plan.eager_plans_off(), lowprec.autocast(recipe=Float8CurrentScaling()):
             y0 = m(x)
     assert torch.equal(y, y0)
 
@@ -139,7 +139,7 @@ def test_stack_keeps_no_more_memory(recipe):
 
     peak()
     planned = peak()
-    with traced.eager_plans_off():
+    with eager_plan.eager_plans_off():
         peak()
         eager = peak()
     assert planned <= eager * 1.02, (planned, eager)
@@ -177,7 +177,7 @@ def test_linears_reading_one_input_share_its_quantize(monkeypatch):
     assert seen.count((64, 384)) == 3, seen
     for m in qkv:
         m.weight.grad = None
-    with traced.eager_plans_off():
+    with eager_plan.eager_plans_off():
         eager = step()
     _same(planned, eager)
 
@@ -216,7 +216,7 @@ def test_kernel_recipes_run_the_plan_bit_for_bit(rname, bias, mode, shape):
     torch.manual_seed(0)  # NVFP4's stochastic rounding of dY draws the same keys in both
     planned_fn, planned = _step(m, x, dy, recipe)
     torch.manual_seed(0)
-    with traced.eager_plans_off():
+    with eager_plan.eager_plans_off():
         eager_fn, eager = _step(m, x, dy, recipe)
     assert planned_fn == "TracedLinearBackward" and eager_fn != planned_fn, (planned_fn,
                                                                              eager_fn)
@@ -259,7 +259,7 @@ def test_delayed_scaling_runs_the_plan_bit_for_bit(kind):
               / 2.0 ** step).to(device, dtype)
         runs = []
         for m, off in ((planned_m, False), (eager_m, True)):
-            with traced.eager_plans_off() if off else contextlib.nullcontext():
+            with eager_plan.eager_plans_off() if off else contextlib.nullcontext():
                 fn, out = _step(m, x.requires_grad_(True), dy, recipe)
                 with torch.no_grad(), lowprec.autocast(recipe=recipe):
                     out.append(m(x))
@@ -302,8 +302,8 @@ def test_padded_calls_run_the_plan_bit_for_bit(rname, shape, monkeypatch):
     eager Function's outputs and gradients (it pads the same zeros)."""
     *lead, k, n = shape
     runs = []
-    real = traced.run_plan
-    monkeypatch.setattr(traced, "run_plan", lambda *a: runs.append(1) or real(*a))
+    real = eager_plan.run_plan
+    monkeypatch.setattr(eager_plan, "run_plan", lambda *a: runs.append(1) or real(*a))
     gen = torch.Generator(device="cuda").manual_seed(sum(shape) + len(rname))
     m = lowprec.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(*lead, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -314,7 +314,7 @@ def test_padded_calls_run_the_plan_bit_for_bit(rname, shape, monkeypatch):
     _, planned = _step(m, x, dy, recipe)
     assert runs == [1]
     torch.manual_seed(0)
-    with traced.eager_plans_off():
+    with eager_plan.eager_plans_off():
         _, eager = _step(m, x, dy, recipe)
     assert runs == [1]
     _same(planned, eager)

@@ -410,7 +410,7 @@ def test_cuda_block_pairs_cublas_does_not_take_trace_bit_identical():
         "exact_bf16", "exact_bf16", "cublas_fp8_block")
     dy = torch.randn(256, 768, device="cuda", dtype=torch.bfloat16)
     want = _run(lin, lin, x, dy, recipe)
-    with lowprec.linear.traced.eager_plans_off():
+    with lowprec.linear.eager_plans_off():
         function = _run(lin, lin, x, dy, recipe)
     ops = GraphOps()
     got = _run(torch.compile(lin, backend=ops, fullgraph=True), lin, x, dy, recipe)

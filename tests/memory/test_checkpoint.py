@@ -23,7 +23,7 @@ import lowprec
 import lowprec.ops as ops
 from lowprec import autocast
 from lowprec.kernels import triton_available
-from lowprec.linear import traced
+from lowprec.linear import eager_plan
 from lowprec.memory.checkpointing import current_frame
 from lowprec.recipe.recipes import DelayedScaling, Float8CurrentScaling
 
@@ -183,12 +183,12 @@ _KERNELS = torch.cuda.is_available() and triton_available()
 @pytest.mark.parametrize("rname", [*RECIPES, "hybrid"])
 def test_torch_checkpoint_bit_identical_on_the_plan(rname, model, reentrant, monkeypatch):
     """bf16 on CUDA with the kernels: the checkpointed calls and their recomputes run the
-    traced plan as the plain calls do (``traced.run_plan``; where the plan has no GEMM for
+    traced plan as the plain calls do (``eager_plan.run_plan``; where the plan has no GEMM for
     the call, the eager Function: block FP8 at K=128), shared inputs included, and give the
     same outputs, gradients and delayed-scaling states over steps."""
     runs = []
-    real = traced.run_plan
-    monkeypatch.setattr(traced, "run_plan", lambda *a: runs.append(1) or real(*a))
+    real = eager_plan.run_plan
+    monkeypatch.setattr(eager_plan, "run_plan", lambda *a: runs.append(1) or real(*a))
     recipe = {**RECIPES, **SHARED_RECIPES}[rname]()
     a, b = _pair(model)
     a, b = a.to("cuda", torch.bfloat16), b.to("cuda", torch.bfloat16)
