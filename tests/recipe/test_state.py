@@ -669,3 +669,18 @@ def test_pushed_amaxes_traces_without_data_dependence(algo):
     got, want = traced(h, scale, fmax, cur), pushed_amaxes(h, scale, fmax, cur, algo, 0.5)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("name", ["history", "current", "scale"])
+def test_update_kernel_refuses_a_non_contiguous_state(name):
+    """The one-launch update reads the state's tensors as contiguous; a traced backward
+    does not ask (dynamo cannot answer while it speculates), so the op checks when it runs
+    and names the tensor, before any launch."""
+    from lowprec.formats.float8.launch import fp8_delayed_update
+    state = {"history": torch.zeros(4, 3), "current": torch.zeros(3),
+             "scale": torch.ones(3)}
+    wide = torch.zeros(*state[name].shape[:-1], 6)
+    state[name] = wide[..., ::2]  # the same shape, every other column
+    with pytest.raises(ValueError, match=f"the state's {name} .* must be contiguous"):
+        fp8_delayed_update(state["history"], state["current"], state["scale"],
+                           torch.full((3,), 448.0), 1.0, False)
