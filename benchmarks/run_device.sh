@@ -5,6 +5,7 @@
 #   bash benchmarks/run_device.sh moe        # the MoE GPU tests, the block kernel's configs
 #                                            # (the warp-specialized one too), the MoE layer
 #   bash benchmarks/run_device.sh moe-model  # the whole HF MoE model steps, compiled
+#   bash benchmarks/run_device.sh conformance  # the whole CUDA conformance matrix
 # TEST_TIMEOUT (seconds, default 150) caps the test run. torchao (optional) is installed
 # from .whl/ when present (carry it: run(carry=['.whl'])).
 set -u
@@ -31,6 +32,14 @@ if [ "$MODE" = moe ]; then
   grep -E "passed|failed|error" "$OUT/moe_tests.log" | tail -3
   grep -E "gluon|triton" "$OUT/probe.log" | cut -c1-200
   grep -E "^(mixtral|qwen3|bf16|lowprec|torchao)" "$OUT/moe.log" | cut -c1-120
+  exit 0
+elif [ "$MODE" = conformance ]; then
+  # the whole CUDA conformance matrix (seed 0 and the named recipes), a case a process
+  # task in 8 workers: about 3 s a case in one cold process, 171 cases
+  t conformance; timeout "${TEST_TIMEOUT:-500}" python3 -m tests.conformance.run_matrix \
+    --device cuda --seeds 0 --workers 8 --out "$OUT/conformance.csv" > "$OUT/conformance.log" 2>&1
+  t done
+  grep -vE "^ok " "$OUT/conformance.log" | tail -20
   exit 0
 elif [ "$MODE" = moe-model ]; then
   for spec in mixtral:2 qwen3:4; do  # model:layers, as the README's rows
