@@ -52,7 +52,7 @@ from ..formats import QuantizedExperts, QuantizedTensor
 from ..formats.block import Float8BlockExperts
 from ..formats.float8 import Float8Experts
 from ..formats.nvfp4 import NVFP4Experts
-from ..gemm import block_grouped, grouped_mm
+from ..gemm import grouped_mm
 from ..kernels.moe_route import group_sizes_ok
 from ..recipe import BackwardMode, torch_autocast_dtype, torch_autocast_off
 from . import grouped_block_fp8, grouped_blocks, grouped_current, grouped_exact, grouped_nvfp4
@@ -117,14 +117,16 @@ def group_alignment_for(quantizers: LinearQuantizers | Sequence[LinearQuantizers
 
 
 def _alignment(qs: list, n: int, k: int) -> int:
-    if grouped_current.current_scaling_quantizers(qs) is not None:
-        return grouped_mm.ALIGN  # wgrad's FP8 grouped kernel
-    if grouped_block_fp8.block_fp8_quantizers(qs, n, k) is not None:
-        return block_grouped.ALIGN
-    if grouped_nvfp4.nvfp4_quantizers(qs, n, k) is not None:
-        return grouped_nvfp4.ALIGN
-    exact = grouped_exact.exact_quantizers(qs, n, k)
-    return grouped_exact.row_align(exact) if exact is not None else 1
+    """The row multiple of the scheme the quantizers pick, on any device (the scheme's
+    ``align``)."""
+    for scheme, picked in (
+            (grouped_current.CURRENT, grouped_current.current_scaling_quantizers(qs)),
+            (grouped_block_fp8.BLOCK_FP8, grouped_block_fp8.block_fp8_quantizers(qs, n, k)),
+            (grouped_nvfp4.NVFP4, grouped_nvfp4.nvfp4_quantizers(qs, n, k)),
+            (grouped_exact.EXACT, grouped_exact.exact_quantizers(qs, n, k))):
+        if picked is not None:
+            return scheme.align(picked)
+    return 1
 
 
 def grouped_linear(x: torch.Tensor, weight, group_sizes, bias=None, *,
