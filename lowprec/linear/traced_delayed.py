@@ -21,13 +21,13 @@ def delayed_update(history: torch.Tensor, amax_current: torch.Tensor, scale: tor
                    fp8_max: torch.Tensor, reduced: Optional[torch.Tensor], algo: int,
                    margin: float) -> None:
     """The backward state's update once a traced delayed-scaling backward has recorded its
-    amaxes, under a callable amax algorithm (the named ones trace ``push_amaxes``'s torch
-    ops instead): eager's own update (``lowprec.recipe.state.push_amaxes``), one op in the
-    graph; ``reduced``: the amaxes all-reduced over the amax reduction group, where there
-    is one; ``algo``: :func:`algo_code`'s name of the amax algorithm."""
+    amaxes, under a callable amax algorithm (:func:`update_backward_state` runs the named
+    ones through ``push_amaxes`` in the graph itself): eager's own update
+    (``lowprec.recipe.state.push_amaxes``), one op in the graph; ``reduced``: the amaxes
+    all-reduced over the amax reduction group, where there is one; ``algo``:
+    :func:`algo_code`'s place of the callable."""
     push_amaxes(history, amax_current, scale, fp8_max,
-                amax_current if reduced is None else reduced, _ALGO_NAMES.get(algo)
-                or _ALGOS[algo], margin)
+                amax_current if reduced is None else reduced, _ALGOS[algo], margin)
 
 
 @delayed_update.register_fake
