@@ -159,16 +159,15 @@ class _Current:
                            for g, xg in enumerate(torch.split(xq, host))])
         saved_x = (xq_t if transposed else xq) if need_dw else None
         saved_w = (wq_t if bwd_backend else wq) if need_dx else None
-        state = (bwd_backend, transposed, host, wq.shape,
-                 (x2d.dtype, w_dtype, q_x.fp8_dtype, q_w.fp8_dtype))
+        state = (bwd_backend, transposed, host, wq.shape, x2d.dtype, w_dtype)
         return y, (saved_x, sx, dec_x, saved_w, sw, dec_w, sizes, ids, offs), state
 
     @staticmethod
     def backward(plan, state, saved, dy, need_dx, need_dw):
         xq, sx, dec_x, wq, sw, dec_w, sizes, ids, offs = saved
-        backend, transposed, host, w_shape, dtypes = state
-        x_dtype, w_dtype, x_fp8, w_fp8 = dtypes
-        q_dy = plan.quantizers[2]
+        backend, transposed, host, w_shape, x_dtype, w_dtype = state
+        q_x, q_w, q_dy = plan.quantizers
+        x_fp8, w_fp8 = q_x.fp8_dtype, q_w.fp8_dtype
         num = sw.shape[0]
         quantize = fp8_grouped_quantize
         if transposed and need_dw:
