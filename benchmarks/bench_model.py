@@ -15,7 +15,8 @@ Modes: ``eager``, ``compiled`` (``torch.compile(model)``), ``compiled-cpp`` (com
 inductor's C++ wrapper, its config ``cpp_wrapper`` held through every step as ``lowprec
 compare --cpp-wrapper`` holds it: less host time a kernel),
 ``reduce-overhead`` (``torch.compile(model, mode="reduce-overhead")``: inductor's CUDA
-graphs) and ``graphed``
+graphs), ``eager-graphs`` (eager, each lowprec Linear call replayed from its CUDA graphs:
+``lowprec.autocast(cuda_graphs=True)``) and ``graphed``
 (the whole eager step captured in one CUDA graph and replayed: no host time at all, so the
 step time is the GPU's; what a step costs once host overhead is out of the way).
 
@@ -111,7 +112,8 @@ def make_peer(peer: str, model: str, device: str, mode: str, head: bool = False)
     elif peer.startswith("lowprec-"):
         recipe = RECIPES[peer.split("-", 1)[1]]()
         lowprec.convert_model(m, module_filter_fn=converted)
-        ctx = lambda: lowprec.autocast(recipe=recipe)  # noqa: E731
+        graphs = mode == "eager-graphs"
+        ctx = lambda: lowprec.autocast(recipe=recipe, cuda_graphs=graphs)  # noqa: E731
     if mode == "checkpointed":  # eager, with Hugging Face's gradient checkpointing
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif mode == "compiled":
@@ -324,8 +326,8 @@ def main() -> None:
     ap.add_argument("--model", default="1b", choices=list(MODELS))
     ap.add_argument("--recipes", default="current,delayed,block,mxfp8,nvfp4")
     ap.add_argument("--modes", default="eager,compiled",
-                    help="eager,compiled,reduce-overhead,graphed,checkpointed (eager with "
-                         "Hugging Face's gradient checkpointing)")
+                    help="eager,eager-graphs,compiled,reduce-overhead,graphed,checkpointed "
+                         "(eager with Hugging Face's gradient checkpointing)")
     ap.add_argument("--torchao", default="tensorwise,rowwise",
                     help="torchao recipes, '' for none")
     ap.add_argument("--torchao-modes", default="compiled",
@@ -396,6 +398,10 @@ def main() -> None:
         if losses:
             shown = " ".join(f"{v:.6f}" for v in torch.stack(losses[:args.losses]).tolist())
             print(f"    {peer} {mode} losses: {shown}", flush=True)
+        if mode == "eager-graphs":  # what the Linear calls did: captured, replayed, eager
+            from lowprec.linear import graphed
+            print(f"    {peer} {mode} Linear calls: {dict(graphed.counts)}", flush=True)
+            graphed.counts.clear()
         line, row = _row(args.model, tokens, peer, mode, results[(peer, mode)], results,
                           args.lm_head)
         lines.append(line)

@@ -34,6 +34,11 @@ class eager_plans_off(ThreadFlagOn):
     _local, _flag = _EAGER, "off"
 
 
+def eager_plans_are_off() -> bool:
+    """Whether :class:`eager_plans_off` holds on this thread."""
+    return getattr(_EAGER, "off", False)
+
+
 @dataclass(frozen=True)
 class EagerPlan:
     """What an eager call of one kind runs: the plan of its operands padded to whole

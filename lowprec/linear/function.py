@@ -36,7 +36,7 @@ from ..recipe import (
     torch_autocast_dtype,
     torch_autocast_off,
 )
-from . import eager_plan, exact_split, grad_split, padding, shared_input, weight_cache
+from . import eager_plan, exact_split, grad_split, graphed, padding, shared_input, weight_cache
 from .plan import BOTH, plan_for
 
 
@@ -54,12 +54,15 @@ class LinearQuantizers:
     fast_accum: tuple = (False, False, False)
     #: the calls' plans (``lowprec.linear.plan``), decided once per kind of call
     plans: dict = field(default_factory=dict, compare=False, repr=False)
+    #: the calls' CUDA graphs (``lowprec.linear.graphed``), captured once per kind of call
+    graphs: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __getstate__(self):
-        # Plans are a cache whose prepared quantizes hold these very quantizers: a copy
-        # (pickle, deepcopy) starts without any, deciding its own.
+        # Plans are a cache whose prepared quantizes hold these very quantizers, and graphs
+        # belong to the device memory they were captured on: a copy (pickle, deepcopy)
+        # starts without any, deciding and capturing its own.
         state = dict(self.__dict__)
-        state["plans"] = {}
+        state["plans"], state["graphs"] = {}, {}
         return state
 
 
@@ -409,6 +412,23 @@ def eager_plan_of(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
 
 
 def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_done, amp):
+    region = active_region()
+    if (region is None or not region.cuda_graphs or quantizers is None
+            or not graphed.applies(x)):
+        return _eager_linear(x, weight, bias, quantizers, backward_mode, on_backward_done, amp)
+    grad = torch.is_grad_enabled()
+    key = (backward_mode, amp, x.shape, x.stride(), x.dtype, x.device, grad and x.requires_grad,
+           grad, id(weight), weight.shape, weight.dtype, grad and weight.requires_grad,
+           None if bias is None else (id(bias), grad and bias.requires_grad),
+           grad_split.mode(), eager_plan.eager_plans_are_off())
+    reason = graphed.refusal(x, weight, bias, quantizers, on_backward_done, region.cache_weights)
+    return graphed.call(
+        lambda x_, w_, b_: _eager_linear(x_, w_, b_, quantizers, backward_mode,
+                                         on_backward_done, amp),
+        x, weight, bias, quantizers.graphs, key, reason)
+
+
+def _eager_linear(x, weight, bias, quantizers, backward_mode, on_backward_done, amp):
     param = weight
     if amp is not None and not isinstance(weight, QuantizedTensor):
         weight = weight.to(amp)

@@ -36,16 +36,18 @@ class AttachedRecipe:
     """The recipe (and autocast options) a model runs under (``attached_recipe(model)``)."""
 
     def __init__(self, recipe: Recipe, amax_reduction_group=None,
-                 cache_weights: bool = False) -> None:
+                 cache_weights: bool = False, cuda_graphs: bool = False) -> None:
         self.recipe = recipe
         self.amax_reduction_group = amax_reduction_group
         self.cache_weights = cache_weights
+        self.cuda_graphs = cuda_graphs
 
     def enter(self, module, args) -> None:
         token = None
         if not any_region():
             token = push_region(self.recipe, self.amax_reduction_group,
-                                cache_weights=self.cache_weights)
+                                cache_weights=self.cache_weights,
+                                cuda_graphs=self.cuda_graphs)
         _TOKENS.stack.append(token)
 
     def exit(self, module, args, output) -> None:
@@ -82,7 +84,7 @@ def detach_recipe(model: nn.Module) -> None:
 
 
 def attach_recipe(model: nn.Module, recipe: Recipe | None, *, amax_reduction_group=None,
-                  cache_weights: bool = False) -> nn.Module:
+                  cache_weights: bool = False, cuda_graphs: bool = False) -> nn.Module:
     """Make every call of ``model`` run under ``lowprec.autocast(recipe=recipe, ...)``
     without an autocast block in the training loop; returns ``model``.
 
@@ -98,12 +100,13 @@ def attach_recipe(model: nn.Module, recipe: Recipe | None, *, amax_reduction_gro
         raise TypeError(f"attach_recipe expects a torch.nn.Module, got {type(model).__name__}")
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a lowprec recipe or None, got {type(recipe).__name__}")
-    if not isinstance(cache_weights, bool):
-        raise TypeError(f"cache_weights must be a bool, got {cache_weights!r}")
+    for name, value in (("cache_weights", cache_weights), ("cuda_graphs", cuda_graphs)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
     detach_recipe(model)
     if recipe is None:
         return model
-    attached = AttachedRecipe(recipe, amax_reduction_group, cache_weights)
+    attached = AttachedRecipe(recipe, amax_reduction_group, cache_weights, cuda_graphs)
     model.register_forward_pre_hook(attached.enter)
     model.register_forward_hook(attached.exit, always_call=True)
     init_scaling_state(model, recipe)

@@ -49,6 +49,8 @@ class _Region:
     group: object = None
     delayed_states: list = field(default_factory=list)
     cache_weights: bool = False
+    #: eager Linear calls replay CUDA graphs (``lowprec.linear.graphed``)
+    cuda_graphs: bool = False
     #: the last input quantize a Linear made, for the next ones that read the same input
     #: (``lowprec.linear.shared_input``)
     shared_input: object = None
@@ -76,7 +78,7 @@ def _check_recipe(recipe) -> Recipe:
 
 @contextlib.contextmanager
 def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_group=None,
-             *, cache_weights: bool = False):
+             *, cache_weights: bool = False, cuda_graphs: bool = False):
     """Run lowprec modules inside this region with quantized GEMMs per ``recipe``.
 
     ``cache_weights=True``: a module reuses its quantized weight while the weight is
@@ -84,15 +86,21 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_
     step rather than once per micro-batch (``lowprec.linear.weight_cache``; each weight then
     holds its quantized copy between steps).
 
+    ``cuda_graphs=True``: an eager Linear call on CUDA is captured, forward and backward, in
+    CUDA graphs on its second call of a kind (shapes, dtypes, gradient flags), and later
+    calls of that kind replay them: the same kernels and bits without the host time of
+    launching them, for about one step's activations more memory per Linear
+    (``lowprec.linear.graphed`` says what runs eagerly instead, with a warning).
+
     ``amax_reduction_group`` is the process group over which delayed-scaling
     amaxes are reduced; it is passed to the state where it is used and never
     stored on a quantizer. Forward amaxes of delayed scaling enter the
     history when the region exits (all of the region's states together, see
     ``lowprec.recipe.state_batch``).
     """
-    if not isinstance(cache_weights, bool):
-        raise TypeError(f"cache_weights must be a bool, got {cache_weights!r}")
-    region = (_Region(_check_recipe(recipe), amax_reduction_group, cache_weights=cache_weights)
+    _check_flags(cache_weights, cuda_graphs)
+    region = (_Region(_check_recipe(recipe), amax_reduction_group, cache_weights=cache_weights,
+                      cuda_graphs=cuda_graphs)
               if enabled else None)
     _LOCAL.regions.append(region)
     try:
@@ -113,11 +121,19 @@ def any_region() -> bool:
     return bool(_LOCAL.regions)
 
 
-def push_region(recipe: Recipe | None, group=None, *, cache_weights: bool = False):
+def _check_flags(cache_weights, cuda_graphs) -> None:
+    for name, value in (("cache_weights", cache_weights), ("cuda_graphs", cuda_graphs)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def push_region(recipe: Recipe | None, group=None, *, cache_weights: bool = False,
+                cuda_graphs: bool = False):
     """Enter a region (None: a disabled one) without a ``with`` block; returns the token
     for ``pop_region``. For calls that run a region's body elsewhere (compiled calls, a
     model's attached recipe)."""
-    region = _Region(recipe, group, cache_weights=cache_weights) if recipe is not None else None
+    region = (_Region(recipe, group, cache_weights=cache_weights, cuda_graphs=cuda_graphs)
+              if recipe is not None else None)
     _LOCAL.regions.append(region)
     return [region]
 

@@ -1,0 +1,234 @@
+"""Eager Linear calls replayed from CUDA graphs (``lowprec.autocast(cuda_graphs=True)``).
+
+An eager quantized Linear launches a handful of kernels a direction (the quantizes, the
+GEMM, their scales), and at the widths of a 1B model its host time exceeds its GPU time:
+the GPU waits for Python. Under ``cuda_graphs=True`` each kind of call (its shapes,
+strides, dtypes, gradient flags, backward mode and the storage of its weight and bias) is
+captured on its second call, forward and backward, in two CUDA graphs that share a
+private memory pool; every later call of that kind copies its input into the graph's
+input buffer and replays them. A replay runs the kernels the eager call runs, with the
+same arguments, so its results are the eager call's bit for bit (stochastic rounding
+draws its bits from counters on the device, which the replays advance as eager calls do).
+
+The graphs own their memory: the input buffer, the output and the gradients they hand
+out, and what the forward saves for backward stay allocated between steps (about the
+activations of one step per graphed Linear, as with Transformer Engine's
+``make_graphed_callables``). The output a replay hands out aliases its graph's output
+buffer, and the gradients alias the graph's gradient buffers (autograd copies one into a
+``.grad`` rather than keeping it). So a graph is replayed only when what it handed out last
+time is free: its backward has run or its autograd graph is gone, and nothing references
+its output any more. When none of a kind's graphs is free (a second forward before the
+first one's backward, as pipeline schedules run), another is captured, up to
+``MAX_GRAPHS`` a kind, and beyond that the call runs eagerly (same bits). A backward run
+twice (``retain_graph=True``) raises: the second run would read buffers the first one
+released.
+
+What is not graphed runs eagerly, with a warning once per reason: calls whose step keeps
+state on the host (delayed scaling's per-backward amax push, a cached quantized weight),
+quantized inputs, weights or outputs (``output``/``grad_input`` quantizers), weights that
+are not leaf tensors (their storage may move), calls under saved-tensor hooks (activation
+checkpointing, CPU offload: they would not see the graph's saved tensors) or in inference
+mode. Calls off CUDA, under ``torch.compile`` or inside a capture of the caller's own are
+not graphed, silently: there the option has nothing to do.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import Counter
+
+import torch
+
+from ..formats import QuantizedTensor
+
+#: graphs a kind of call may hold at once (each with its own buffers and pool)
+MAX_GRAPHS = 2
+#: kinds of call a Linear captures (variable token counts would otherwise hold a graph,
+#: and its memory, per count); later kinds run eagerly
+MAX_KINDS = 4
+
+#: what happened to graphed-eligible calls: "captured", "replayed", "eager (<reason>)"
+counts: Counter = Counter()
+
+_WARNED: set = set()
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _Graphs:
+    """One captured kind of call: its two graphs and their buffers."""
+
+    def __init__(self, fwd, bwd, x, y, dy, grads, pins):
+        self.fwd, self.bwd = fwd, bwd
+        self.x, self.y, self.dy, self.grads = x, y, dy, grads
+        self.pins = pins  # (weight, bias) data pointers the graphs read
+        self.node = None  # weakref to the autograd node of the last replay awaiting backward
+        self.generation = 0
+        self.y_refs = _storage_refs(y)  # references to y's storage when nothing is handed out
+
+    def free(self) -> bool:
+        node = self.node
+        if node is not None and node() is not None:
+            return False
+        return _storage_refs(self.y) == self.y_refs
+
+
+class _Kind:
+    """The calls of one kind: how many ran, and their graphs (None: refused)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.graphs: list | None = []
+
+
+def refusal(x: torch.Tensor, weight: torch.Tensor, bias, quantizers, on_backward_done,
+            caching_weights: bool) -> str | None:
+    """Why this call is not graphed (None: it is). Only asked of CUDA calls outside tracing
+    and capture."""
+    if on_backward_done is not None:
+        return "delayed scaling pushes its backward amaxes on the host after each backward"
+    if caching_weights:
+        return "cache_weights keeps the quantized weight on the host side"
+    if quantizers.output is not None or quantizers.grad_input is not None:
+        return "an output or grad_input quantizer hands out quantized tensors"
+    if isinstance(x, QuantizedTensor) or isinstance(weight, QuantizedTensor):
+        return "a quantized input or weight"
+    if weight.grad_fn is not None or (bias is not None and bias.grad_fn is not None):
+        return "a weight or bias that is not a leaf tensor (its storage may move)"
+    if torch.is_inference_mode_enabled() or x.is_inference():
+        return "inference mode"
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return "saved-tensor hooks (activation checkpointing or CPU offload) are active"
+    return None
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether graphs can apply at all: a CUDA call outside tracing and capture."""
+    return (x.is_cuda and not torch.compiler.is_compiling()
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def call(run, x: torch.Tensor, weight: torch.Tensor, bias, kinds: dict, key: tuple,
+         reason: str | None):
+    """``run(x, weight, bias)`` (the eager call), replayed from this kind's graphs where
+    they apply. ``kinds``: where the kinds of call are kept (the quantizers' plans)."""
+    if reason is not None:
+        _eager(reason)
+        return run(x, weight, bias)
+    kind = kinds.get(key)
+    if kind is None:
+        kind = kinds[key] = _Kind()
+        if sum(k.graphs is not None for k in kinds.values()) > MAX_KINDS:
+            kind.graphs = None
+            _eager(f"more than {MAX_KINDS} kinds of call (shapes, strides, gradient flags) "
+                   "for one Linear")
+            return run(x, weight, bias)
+    kind.calls += 1
+    if kind.graphs is None:
+        counts["eager (refused before)"] += 1
+        return run(x, weight, bias)
+    if kind.calls < 2:
+        # the first call runs eagerly: it loads the kernels and decides the plans, which a
+        # capture cannot do
+        return run(x, weight, bias)
+    pins = (weight.data_ptr(), None if bias is None else bias.data_ptr())
+    graphs = next((g for g in kind.graphs if g.free()), None)
+    if graphs is not None and graphs.pins != pins:
+        kind.graphs = [g for g in kind.graphs if g.pins == pins]  # the weight moved
+        graphs = None
+    if graphs is None:
+        if len(kind.graphs) >= MAX_GRAPHS:
+            counts["eager (every graph of the kind is in use)"] += 1
+            return run(x, weight, bias)
+        try:
+            graphs = _capture(run, x, weight, bias, pins)
+        except Exception as err:  # noqa: BLE001 - any capture failure: this kind runs eagerly
+            kind.graphs = None
+            _warn(f"capture failed ({type(err).__name__}: {err})")
+            return run(x, weight, bias)
+        kind.graphs.append(graphs)
+        counts["captured"] += 1
+    counts["replayed"] += 1
+    return _Replay.apply(graphs, x, weight, bias)
+
+
+def _eager(reason: str) -> None:
+    counts[f"eager ({reason})"] += 1
+    if reason not in _WARNED:
+        _warn(reason)
+
+
+def _warn(reason: str) -> None:
+    _WARNED.add(reason)
+    warnings.warn(f"lowprec.autocast(cuda_graphs=True): a Linear call runs eagerly: {reason}",
+                  stacklevel=4)
+
+
+def _capture(run, x, weight, bias, pins) -> _Graphs:
+    """Capture ``run`` on static buffers, forward and (where a gradient is asked) backward."""
+    current = torch.cuda.current_stream(x.device)
+    stream = torch.cuda.Stream(x.device)
+    stream.wait_stream(current)
+    pool = torch.cuda.graph_pool_handle()
+    fwd, bwd = torch.cuda.CUDAGraph(), None
+    sx = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    sx.requires_grad_(x.requires_grad and torch.is_grad_enabled())
+    with torch.cuda.stream(stream):
+        fwd.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            y = run(sx, weight, bias)
+        finally:
+            fwd.capture_end()
+        dy, grads = None, ()
+        if y.grad_fn is not None:
+            inputs = [t for t in (sx, weight, bias) if t is not None and t.requires_grad]
+            with torch.cuda.stream(current):
+                dy = torch.empty_like(y)
+            bwd = torch.cuda.CUDAGraph()
+            bwd.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                got = iter(torch.autograd.grad(y, inputs, dy, allow_unused=True))
+            finally:
+                bwd.capture_end()
+            grads = tuple(next(got) if t is not None and t.requires_grad else None
+                          for t in (sx, weight, bias))
+    current.wait_stream(stream)
+    return _Graphs(fwd, bwd, sx.detach(), y.detach(), dy, grads, pins)
+
+
+class _Replay(torch.autograd.Function):
+    """A replay of captured graphs as one autograd node."""
+
+    @staticmethod
+    def forward(ctx, graphs: _Graphs, x, weight, bias):
+        graphs.x.copy_(x)
+        graphs.fwd.replay()
+        graphs.generation += 1
+        ctx.graphs, ctx.generation = graphs, graphs.generation
+        if graphs.bwd is not None:
+            graphs.node = weakref.ref(ctx)
+        return graphs.y.detach()
+
+    @staticmethod
+    def backward(ctx, dy):
+        graphs = ctx.graphs
+        if (graphs.bwd is None or graphs.node is None or graphs.node() is not ctx
+                or graphs.generation != ctx.generation):
+            raise RuntimeError(
+                "lowprec.autocast(cuda_graphs=True): a graphed Linear's backward ran twice "
+                "(retain_graph=True) or after its graphs were reused; run such steps with "
+                "cuda_graphs=False")
+        if isinstance(dy, QuantizedTensor):
+            raise TypeError(
+                "lowprec.autocast(cuda_graphs=True): a graphed Linear got a quantized "
+                f"grad_output ({type(dy).__name__}); its graph reads a high-precision one. "
+                "Run without cuda_graphs, or without the grad_input quantizer above it")
+        graphs.dy.copy_(dy)
+        graphs.bwd.replay()
+        graphs.node = None
+        # the buffers themselves: autograd copies them into a .grad (they are referenced
+        # here, so never taken over) and reads them once as another node's gradient
+        return (None, *graphs.grads)

@@ -1,0 +1,248 @@
+"""Eager Linear calls replayed from CUDA graphs (``lowprec.autocast(cuda_graphs=True)``).
+
+A replay must be the eager call bit for bit, step after step (weights updated in place in
+between, so the graphs must read the parameters, not a copy), and must never hand out
+a buffer that something still reads: a second forward before the first one's backward, or
+an output still held at the next call, takes another graph (or runs eagerly). Calls the
+graphs cannot serve run eagerly with a warning; those checks run on the CPU too.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from helpers import GPU_ONLY
+
+import lowprec
+from lowprec.linear import graphed
+from lowprec.recipe import factories as F
+
+M, K, N = 200, 256, 384  # M off every block multiple: padded rows replay too
+
+
+
+def GPU(test):
+    for mark in GPU_ONLY:
+        test = mark(test)
+    return test
+
+
+RECIPES = {
+    "current": lambda: lowprec.recipe.Float8CurrentScaling(),
+    "block": lambda: lowprec.recipe.Float8BlockScaling(),
+    "mxfp8": lambda: lowprec.recipe.MXFP8BlockScaling(),
+    "nvfp4": lambda: lowprec.recipe.NVFP4BlockScaling(),
+    "mxfp8_fwd_nvfp4_bwd": lambda: lowprec.recipe.CustomRecipe(
+        qfactory=F.mxfp8_fwd_nvfp4_bwd_factory),
+    "fp8_block_hybrid": lambda: lowprec.recipe.CustomRecipe(qfactory=F.fp8_block_hybrid_factory),
+}
+
+
+class _Block(torch.nn.Module):
+    """Three Linears, two reading one input (q/k-like: the shared quantize), bias on one."""
+
+    def __init__(self):
+        super().__init__()
+        kw = dict(params_dtype=torch.bfloat16, device="cuda")
+        self.a = lowprec.Linear(K, N, bias=False, **kw)
+        self.b = lowprec.Linear(K, N, bias=True, **kw)
+        self.c = lowprec.Linear(N, K, bias=False, **kw)
+
+    def forward(self, x):
+        return self.c(torch.nn.functional.gelu(self.a(x)) * self.b(x))
+
+
+def _steps(model, recipe, graphs: bool, steps: int = 4, lr: float = 0.05):
+    """Outputs, input gradients and weights of ``steps`` SGD steps on fixed data."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        x.requires_grad_(True)
+        dy = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        with lowprec.autocast(recipe=recipe, cuda_graphs=graphs):
+            y = model(x)
+        y.backward(dy)
+        out.append((y.detach().clone(), x.grad.clone(),
+                    [p.grad.clone() for p in model.parameters()]))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out, [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_same(got, want, what):
+    (steps_g, params_g), (steps_w, params_w) = got, want
+    for i, ((yg, dxg, gg), (yw, dxw, gw)) in enumerate(zip(steps_g, steps_w)):
+        assert torch.equal(yg, yw), f"{what}: step {i} output"
+        assert torch.equal(dxg, dxw), f"{what}: step {i} input gradient"
+        for j, (a, b) in enumerate(zip(gg, gw)):
+            assert torch.equal(a, b), f"{what}: step {i} gradient of parameter {j}"
+    for j, (a, b) in enumerate(zip(params_g, params_w)):
+        assert torch.equal(a, b), f"{what}: parameter {j} after the steps"
+
+
+@GPU
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_replays_are_eager_steps_bit_for_bit(name):
+    torch.manual_seed(0)
+    model = _Block()
+    twin = copy.deepcopy(model)
+    graphed.counts.clear()
+    got = _steps(model, RECIPES[name](), graphs=True)
+    # the first call of each Linear runs eagerly, the second captures, later ones replay
+    assert graphed.counts["captured"] == 3, dict(graphed.counts)
+    assert graphed.counts["replayed"] == 3 * 3, dict(graphed.counts)
+    _assert_same(got, _steps(twin, RECIPES[name](), graphs=False), name)
+
+
+@GPU
+def test_under_torch_autocast_with_fp32_weights():
+    torch.manual_seed(0)
+    lin = lowprec.Linear(K, N, params_dtype=torch.float32, device="cuda")
+    twin = copy.deepcopy(lin)
+    results = []
+    for module, graphs in ((lin, True), (twin, False)):
+        outs = []
+        for step in range(3):
+            gen = torch.Generator("cuda").manual_seed(step)
+            x = torch.randn(M, K, device="cuda", generator=gen)
+            with torch.autocast("cuda", dtype=torch.bfloat16), lowprec.autocast(
+                    recipe=lowprec.recipe.Float8CurrentScaling(), cuda_graphs=graphs):
+                y = module(x)
+            y.float().square().sum().backward()
+            outs.append((y.detach().clone(), module.weight.grad.clone()))
+            module.weight.grad = None
+        results.append(outs)
+    for (yg, dwg), (yw, dww) in zip(*results):
+        assert dwg.dtype == torch.float32
+        assert torch.equal(yg, yw) and torch.equal(dwg, dww)
+
+
+@GPU
+def test_second_forward_before_backward_takes_another_graph():
+    torch.manual_seed(0)
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    twin = copy.deepcopy(lin)
+    recipe = lowprec.recipe.Float8CurrentScaling()
+    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+          for _ in range(4)]
+    graphed.counts.clear()
+    with lowprec.autocast(recipe=recipe, cuda_graphs=True):
+        lin(xs[0]).sum().backward()           # eager
+        y1, y2 = lin(xs[1]), lin(xs[2])       # capture, then a second graph (the first waits)
+        y3 = lin(xs[3])                       # both wait: eager
+    assert graphed.counts["captured"] == 2, dict(graphed.counts)
+    assert graphed.counts["eager (every graph of the kind is in use)"] == 1
+    ys = [y1.detach().clone(), y2.detach().clone(), y3.detach().clone()]
+    grads = []
+    for y in (y3, y2, y1):
+        lin.weight.grad = None
+        y.float().square().sum().backward()
+        grads.append(lin.weight.grad.clone())
+    for i, (x, y) in enumerate(zip(xs[1:], ys)):
+        xe = x.detach().clone().requires_grad_(True)
+        twin.weight.grad = None
+        with lowprec.autocast(recipe=recipe):
+            ye = twin(xe)
+        ye.float().square().sum().backward()
+        assert torch.equal(y, ye), f"call {i + 1}: output"
+        assert torch.equal(x.grad, xe.grad), f"call {i + 1}: input gradient"
+        assert torch.equal(grads[2 - i], twin.weight.grad), f"call {i + 1}: weight gradient"
+
+
+@GPU
+def test_held_output_is_never_overwritten():
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    recipe = lowprec.recipe.Float8CurrentScaling()
+    with torch.no_grad(), lowprec.autocast(recipe=recipe, cuda_graphs=True):
+        lin(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
+        held = lin(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))[:10]  # a view
+        kept = held.clone()
+        for _ in range(3):
+            lin(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
+    assert torch.equal(held, kept)
+
+
+@GPU
+def test_backward_twice_raises():
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    with lowprec.autocast(recipe=lowprec.recipe.Float8CurrentScaling(), cuda_graphs=True):
+        for _ in range(2):
+            y = lin(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        y.sum().backward()
+
+
+@GPU
+def test_delayed_scaling_runs_eagerly_with_a_warning():
+    torch.manual_seed(0)
+    model = _Block()
+    twin = copy.deepcopy(model)
+    graphed.counts.clear()
+    graphed._WARNED.clear()
+    with pytest.warns(UserWarning, match="delayed scaling"):
+        got = _steps(model, lowprec.recipe.DelayedScaling(), graphs=True)
+    assert graphed.counts["captured"] == 0
+    _assert_same(got, _steps(twin, lowprec.recipe.DelayedScaling(), graphs=False), "delayed")
+
+
+def test_flag_must_be_a_bool():
+    with pytest.raises(TypeError, match="cuda_graphs must be a bool, got 1"):
+        with lowprec.autocast(cuda_graphs=1):
+            pass
+    with pytest.raises(TypeError, match="cuda_graphs must be a bool"):
+        lowprec.attach_recipe(torch.nn.Linear(4, 4), lowprec.recipe.Float8CurrentScaling(),
+                              cuda_graphs="yes")
+
+
+def test_cpu_calls_run_eagerly_without_a_warning():
+    lin = lowprec.Linear(64, 32, params_dtype=torch.bfloat16)
+    twin = copy.deepcopy(lin)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    graphed.counts.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with lowprec.autocast(recipe=lowprec.recipe.Float8CurrentScaling(), cuda_graphs=True):
+            y = lin(x)
+    with lowprec.autocast(recipe=lowprec.recipe.Float8CurrentScaling()):
+        ye = twin(x)
+    assert torch.equal(y, ye) and not graphed.counts
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("delayed", "delayed scaling"),
+    ("cache", "cache_weights"),
+    ("output", "output or grad_input quantizer"),
+    ("nonleaf", "not a leaf"),
+    ("hooks", "saved-tensor hooks"),
+    ("inference", "inference mode"),
+])
+def test_refusal_names_the_reason(case, reason):
+    q = lowprec.linear.LinearQuantizers(input=None, weight=None)
+    x, w = torch.randn(4, 8), torch.randn(6, 8, requires_grad=True)
+    done, cache = None, False
+    if case == "delayed":
+        done = lambda: None  # noqa: E731
+    elif case == "cache":
+        cache = True
+    elif case == "output":
+        q.output = object()
+    elif case == "nonleaf":
+        w = w * 2
+    if case == "hooks":
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            got = graphed.refusal(x, w, None, q, done, cache)
+    elif case == "inference":
+        with torch.inference_mode():
+            got = graphed.refusal(x, w, None, q, done, cache)
+    else:
+        got = graphed.refusal(x, w, None, q, done, cache)
+    assert got is not None and reason in got
+    assert graphed.refusal(x, torch.randn(6, 8, requires_grad=True), None,
+                           lowprec.linear.LinearQuantizers(input=None, weight=None),
+                           None, False) is None
