@@ -67,7 +67,12 @@ class _Graphs:
         self.pins = pins  # (weight, bias) data pointers the graphs read
         self.node = None  # weakref to the autograd node of the last replay awaiting backward
         self.generation = 0
-        self.y_refs = _storage_refs(y)  # references to y's storage when nothing is handed out
+        self.y_refs = 0  # references to y's storage while nothing is handed out (``settle``)
+
+    def settle(self) -> None:
+        """Count the references to the output's storage that the graphs hold themselves
+        (once the capture's own tensors are gone)."""
+        self.y_refs = _storage_refs(self.y)
 
     def free(self) -> bool:
         node = self.node
@@ -149,6 +154,7 @@ def call(run, x: torch.Tensor, weight: torch.Tensor, bias, kinds: dict, key: tup
             kind.graphs = None
             _warn(f"capture failed ({type(err).__name__}: {err})")
             return run(x, weight, bias)
+        graphs.settle()
         kind.graphs.append(graphs)
         counts["captured"] += 1
     counts["replayed"] += 1
@@ -176,6 +182,11 @@ def _capture(run, x, weight, bias, pins) -> _Graphs:
     fwd, bwd = torch.cuda.CUDAGraph(), None
     sx = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
     sx.requires_grad_(x.requires_grad and torch.is_grad_enabled())
+    # The graphs read the parameters' storage through leaves of their own: autograd then
+    # never reaches the parameters' gradient accumulators during the capture (one made on
+    # another stream, kept alive by a previous step's graph, would make the backward wait
+    # on that stream: not allowed in a capture).
+    weight, bias = (_leaf_alias(p) for p in (weight, bias))
     with torch.cuda.stream(stream):
         fwd.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
@@ -197,6 +208,15 @@ def _capture(run, x, weight, bias, pins) -> _Graphs:
                           for t in (sx, weight, bias))
     current.wait_stream(stream)
     return _Graphs(fwd, bwd, sx.detach(), y.detach(), dy, grads, pins)
+
+
+def _leaf_alias(p: torch.Tensor | None) -> torch.Tensor | None:
+    """A leaf on ``p``'s storage, of ``p``'s kind (a Parameter stays one)."""
+    if p is None:
+        return None
+    if isinstance(p, torch.nn.Parameter):
+        return torch.nn.Parameter(p.detach(), p.requires_grad)
+    return p.detach().requires_grad_(p.requires_grad)
 
 
 class _Replay(torch.autograd.Function):

@@ -69,6 +69,7 @@ def _steps(model, recipe, graphs: bool, steps: int = 4, lr: float = 0.05):
         y.backward(dy)
         out.append((y.detach().clone(), x.grad.clone(),
                     [p.grad.clone() for p in model.parameters()]))
+        del y  # (an output held into the next step takes another graph: tested apart)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return out, [p.detach().clone() for p in model.parameters()]
