@@ -34,6 +34,7 @@ not graphed, silently: there the option has nothing to do.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections import Counter
@@ -58,10 +59,49 @@ def _storage_refs(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+class _Input:
+    """An input buffer that graphs read only while they replay their forward, so every
+    such graph of one shape shares it, and the graphs that read one tensor in a row (q/k/v,
+    gate/up) copy it in once: the buffer knows which tensor (and which version of it) it
+    holds."""
+
+    def __init__(self, like: torch.Tensor):
+        self.buffer = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype,
+                                          device=like.device)
+        self.source = None  # weakref to the tensor copied in last
+        self.version = -1
+
+    def fill(self, x: torch.Tensor) -> None:
+        if self.source is None or self.source() is not x or self.version != x._version:
+            self.buffer.copy_(x)
+            self.source, self.version = weakref.ref(x), x._version
+
+    def forget(self) -> None:
+        self.source = None
+
+
+class _Inputs(threading.local):
+    """This thread's shared input buffers, by (device, shape, strides, dtype); the graphs
+    hold them, the table only finds them for the next capture."""
+
+    def __init__(self):
+        self.by_layout = weakref.WeakValueDictionary()
+
+    def get(self, x: torch.Tensor) -> _Input:
+        key = (x.device, x.shape, x.stride(), x.dtype)
+        found = self.by_layout.get(key)
+        if found is None:
+            found = self.by_layout[key] = _Input(x)
+        return found
+
+
+_INPUTS = _Inputs()
+
+
 class _Graphs:
     """One captured kind of call: its two graphs and their buffers."""
 
-    def __init__(self, fwd, bwd, x, y, dy, grads, pins):
+    def __init__(self, fwd, bwd, x: _Input, y, dy, grads, pins):
         self.fwd, self.bwd = fwd, bwd
         self.x, self.y, self.dy, self.grads = x, y, dy, grads
         self.pins = pins  # (weight, bias) data pointers the graphs read
@@ -149,7 +189,9 @@ def call(run, x: torch.Tensor, weight: torch.Tensor, bias, kinds: dict, key: tup
             counts["eager (every graph of the kind is in use)"] += 1
             return run(x, weight, bias)
         try:
-            graphs = _capture(run, x, weight, bias, pins)
+            graphs = _capture(run, x, weight, bias, pins, _INPUTS.get(x))
+            if graphs is None:  # its backward reads the input itself: a buffer of its own
+                graphs = _capture(run, x, weight, bias, pins, _Input(x))
         except Exception as err:  # noqa: BLE001 - any capture failure: this kind runs eagerly
             kind.graphs = None
             _warn(f"capture failed ({type(err).__name__}: {err})")
@@ -173,15 +215,24 @@ def _warn(reason: str) -> None:
                   stacklevel=4)
 
 
-def _capture(run, x, weight, bias, pins) -> _Graphs:
-    """Capture ``run`` on static buffers, forward and (where a gradient is asked) backward."""
+def _capture(run, x, weight, bias, pins, source: _Input) -> _Graphs | None:
+    """Capture ``run`` on static buffers, forward and (where a gradient is asked) backward;
+    None where the forward saves its input for backward while ``source`` is shared."""
     current = torch.cuda.current_stream(x.device)
     stream = torch.cuda.Stream(x.device)
     stream.wait_stream(current)
     pool = torch.cuda.graph_pool_handle()
     fwd, bwd = torch.cuda.CUDAGraph(), None
-    sx = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-    sx.requires_grad_(x.requires_grad and torch.is_grad_enabled())
+    sx = source.buffer.detach().requires_grad_(x.requires_grad and torch.is_grad_enabled())
+    shared = source is _INPUTS.by_layout.get((x.device, x.shape, x.stride(), x.dtype))
+    saves_input = []
+
+    def pack(t):
+        if (not saves_input and type(t) is torch.Tensor
+                and t.untyped_storage().data_ptr() == sx.untyped_storage().data_ptr()):
+            saves_input.append(True)
+        return t
+
     # The graphs read the parameters' storage through leaves of their own: autograd then
     # never reaches the parameters' gradient accumulators during the capture (one made on
     # another stream, kept alive by a previous step's graph, would make the backward wait
@@ -190,9 +241,13 @@ def _capture(run, x, weight, bias, pins) -> _Graphs:
     with torch.cuda.stream(stream):
         fwd.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
-            y = run(sx, weight, bias)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = run(sx, weight, bias)
         finally:
             fwd.capture_end()
+        if shared and saves_input:
+            current.wait_stream(stream)
+            return None
         dy, grads = None, ()
         if y.grad_fn is not None:
             inputs = [t for t in (sx, weight, bias) if t is not None and t.requires_grad]
@@ -207,7 +262,7 @@ def _capture(run, x, weight, bias, pins) -> _Graphs:
             grads = tuple(next(got) if t is not None and t.requires_grad else None
                           for t in (sx, weight, bias))
     current.wait_stream(stream)
-    return _Graphs(fwd, bwd, sx.detach(), y.detach(), dy, grads, pins)
+    return _Graphs(fwd, bwd, source, y.detach(), dy, grads, pins)
 
 
 def _leaf_alias(p: torch.Tensor | None) -> torch.Tensor | None:
@@ -224,7 +279,7 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, graphs: _Graphs, x, weight, bias):
-        graphs.x.copy_(x)
+        graphs.x.fill(x)
         graphs.fwd.replay()
         graphs.generation += 1
         ctx.graphs, ctx.generation = graphs, graphs.generation
