@@ -392,9 +392,9 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         # torch.autocast: compute as nn.Linear would under it, the activations and a
         # high-precision weight cast (differentiably: the gradient reaches an fp32 .grad) to
         # the autocast dtype, quantized from there; lowprec's own math runs with autocast off.
+        # (the parameters are cast inside: a graphed call captures their casts)
         device_type = x.device.type
         x = x.to(amp)
-        bias = bias.to(amp) if bias is not None else None
         with torch_autocast_off(device_type):
             return _quantized_linear(x, weight, bias, quantizers, backward_mode,
                                      on_backward_done, amp)
@@ -430,8 +430,10 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
 
 def _eager_linear(x, weight, bias, quantizers, backward_mode, on_backward_done, amp):
     param = weight
-    if amp is not None and not isinstance(weight, QuantizedTensor):
-        weight = weight.to(amp)
+    if amp is not None:
+        if not isinstance(weight, QuantizedTensor):
+            weight = weight.to(amp)
+        bias = bias.to(amp) if bias is not None else None
     check_linear_args(x, weight, bias, quantized_weight_dtype_free=amp is not None)
     grad_enabled = torch.is_grad_enabled()
     if on_backward_done is not None and grad_enabled and not (

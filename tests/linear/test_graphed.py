@@ -107,6 +107,7 @@ def test_under_torch_autocast_with_fp32_weights():
     lin = lowprec.Linear(K, N, params_dtype=torch.float32, device="cuda")
     twin = copy.deepcopy(lin)
     results = []
+    graphed.counts.clear()
     for module, graphs in ((lin, True), (twin, False)):
         outs = []
         for step in range(3):
@@ -119,6 +120,7 @@ def test_under_torch_autocast_with_fp32_weights():
             outs.append((y.detach().clone(), module.weight.grad.clone()))
             module.weight.grad = None
         results.append(outs)
+    assert graphed.counts["replayed"] == 2, dict(graphed.counts)  # the casts are captured
     for (yg, dwg), (yw, dww) in zip(*results):
         assert dwg.dtype == torch.float32
         assert torch.equal(yg, yw) and torch.equal(dwg, dww)
