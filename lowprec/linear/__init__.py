@@ -17,7 +17,9 @@
 * ``grouped`` / ``grouped_engine``: the experts of an MoE layer, one autograd Function over
   a plan whose scheme (``grouped_current``, ``grouped_blocks``, ``grouped_nvfp4``) the
   quantizers pick;
-* ``weight_cache``: quantized weights reused across micro-batches.
+* ``weight_cache``: quantized weights reused across micro-batches;
+* ``graphed``: eager calls captured in CUDA graphs and replayed
+  (``lowprec.autocast(cuda_graphs=True)``).
 """
 
 from .eager_plan import eager_plans_off
