@@ -126,7 +126,13 @@ class _Kind:
 
     def __init__(self):
         self.calls = 0
+        self.moves = 0
         self.graphs: list | None = []
+
+
+def _pins(weight, bias) -> tuple:
+    """The parameters' storage the graphs read."""
+    return weight.data_ptr(), None if bias is None else bias.data_ptr()
 
 
 def refusal(x: torch.Tensor, weight: torch.Tensor, bias, quantizers, on_backward_done,
@@ -179,11 +185,16 @@ def call(run, x: torch.Tensor, weight: torch.Tensor, bias, kinds: dict, key: tup
         # the first call runs eagerly: it loads the kernels and decides the plans, which a
         # capture cannot do
         return run(x, weight, bias)
-    pins = (weight.data_ptr(), None if bias is None else bias.data_ptr())
+    pins = _pins(weight, bias)
+    if kind.graphs and kind.graphs[0].pins != pins:
+        # the parameters' storage moved (loaded anew, or resharded by FSDP): capture again
+        # once; a second move refuses the kind
+        kind.moves += 1
+        kind.graphs = [] if kind.moves < 2 else None
+        if kind.graphs is None:
+            _eager("the weight's storage moves between calls (FSDP resharding?)")
+            return run(x, weight, bias)
     graphs = next((g for g in kind.graphs if g.free()), None)
-    if graphs is not None and graphs.pins != pins:
-        kind.graphs = [g for g in kind.graphs if g.pins == pins]  # the weight moved
-        graphs = None
     if graphs is None:
         if len(kind.graphs) >= MAX_GRAPHS:
             counts["eager (every graph of the kind is in use)"] += 1
@@ -283,6 +294,7 @@ class _Replay(torch.autograd.Function):
         graphs.fwd.replay()
         graphs.generation += 1
         ctx.graphs, ctx.generation = graphs, graphs.generation
+        ctx.params = weight, bias
         if graphs.bwd is not None:
             graphs.node = weakref.ref(ctx)
         return graphs.y.detach()
@@ -296,6 +308,11 @@ class _Replay(torch.autograd.Function):
                 "lowprec.autocast(cuda_graphs=True): a graphed Linear's backward ran twice "
                 "(retain_graph=True) or after its graphs were reused; run such steps with "
                 "cuda_graphs=False")
+        if _pins(*ctx.params) != graphs.pins:
+            raise RuntimeError(
+                "lowprec.autocast(cuda_graphs=True): a graphed Linear's weight moved to other "
+                "storage between its forward and its backward (FSDP resharding?); the graph "
+                "would read the old storage. Run it with cuda_graphs=False")
         if isinstance(dy, QuantizedTensor):
             raise TypeError(
                 "lowprec.autocast(cuda_graphs=True): a graphed Linear got a quantized "

@@ -4,7 +4,13 @@ A replay must be the eager call bit for bit, step after step (weights updated in
 between, so the graphs must read the parameters, not a copy), and must never hand out
 a buffer that something still reads: a second forward before the first one's backward, or
 an output still held at the next call, takes another graph (or runs eagerly). Calls the
-graphs cannot serve run eagerly with a warning; those checks run on the CPU too.
+graphs cannot serve run eagerly with a warning.
+
+The bookkeeping (which graph a call takes, when one is free, what a moved weight or a
+second backward does) runs on the CPU too, over a pretend of the graphs (``pretend``: a
+"capture" records the eager call, a "replay" runs it again on the graph's own buffers and
+copies its results into them, so an output or gradient handed out and overwritten too
+early shows as wrong values); on a GPU the same tests run real CUDA graphs.
 """
 
 from __future__ import annotations
@@ -23,11 +29,59 @@ from lowprec.recipe import factories as F
 M, K, N = 200, 256, 384  # M off every block multiple: padded rows replay too
 
 
-
 def GPU(test):
     for mark in GPU_ONLY:
         test = mark(test)
     return test
+
+
+class _Recorded:
+    def __init__(self, fn):
+        self.replay = fn
+
+
+def _pretend_capture(run, x, weight, bias, pins, source):
+    """What ``graphed._capture`` makes, with replays that rerun the eager call on the
+    graph's buffers (the input buffer, the parameters' storage) and write its results
+    into the graph's output and gradient buffers."""
+    grad = torch.is_grad_enabled()
+    sx = source.buffer.detach().requires_grad_(x.requires_grad and grad)
+    weight, bias = graphed._leaf_alias(weight), graphed._leaf_alias(bias)
+    leaves = (sx, weight, bias)
+    y = run(sx, weight, bias).detach()
+    needs = [t is not None and t.requires_grad for t in leaves]
+    dy = torch.empty_like(y) if grad and any(needs) else None
+    grads = tuple(torch.empty_like(t) if need else None for t, need in zip(leaves, needs))
+    held = {}
+
+    def forward():
+        with torch.enable_grad() if dy is not None else torch.no_grad():
+            out = run(sx, weight, bias)
+        y.copy_(out.detach())
+        held["y"] = out
+
+    def backward():
+        wanted = [t for t, need in zip(leaves, needs) if need]
+        got = iter(torch.autograd.grad(held.pop("y"), wanted, dy))
+        for g, need in zip(grads, needs):
+            if need:
+                g.copy_(next(got))
+
+    return graphed._Graphs(_Recorded(forward), _Recorded(backward) if dy is not None else None,
+                           source, y, dy, grads if dy is not None else (), pins)
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request, monkeypatch):
+    """"cpu": the pretend graphs; "cuda": real ones (skipped without CUDA and Triton)."""
+    if request.param == "cuda":
+        if not lowprec.kernels.triton_available():
+            pytest.skip("needs a CUDA device and Triton")
+    else:
+        monkeypatch.setattr(graphed, "applies", lambda x: not torch.compiler.is_compiling())
+        monkeypatch.setattr(graphed, "_capture", _pretend_capture)
+    graphed.counts.clear()
+    return request.param
 
 
 RECIPES = {
@@ -44,9 +98,9 @@ RECIPES = {
 class _Block(torch.nn.Module):
     """Three Linears, two reading one input (q/k-like: the shared quantize), bias on one."""
 
-    def __init__(self):
+    def __init__(self, device="cuda"):
         super().__init__()
-        kw = dict(params_dtype=torch.bfloat16, device="cuda")
+        kw = dict(params_dtype=torch.bfloat16, device=device)
         self.a = lowprec.Linear(K, N, bias=False, **kw)
         self.b = lowprec.Linear(K, N, bias=True, **kw)
         self.c = lowprec.Linear(N, K, bias=False, **kw)
@@ -57,14 +111,15 @@ class _Block(torch.nn.Module):
 
 def _steps(model, recipe, graphs: bool, steps: int = 4, lr: float = 0.05):
     """Outputs, input gradients and weights of ``steps`` SGD steps on fixed data."""
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    torch.cuda.manual_seed(7)  # stochastic rounding draws from torch's CUDA generator
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(1)
+    torch.manual_seed(7)  # stochastic rounding draws from torch's generator
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     out = []
     for _ in range(steps):
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16, generator=gen)
         x.requires_grad_(True)
-        dy = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        dy = torch.randn(M, K, device=device, dtype=torch.bfloat16, generator=gen)
         with lowprec.autocast(recipe=recipe, cuda_graphs=graphs):
             y = model(x)
         y.backward(dy)
@@ -87,13 +142,11 @@ def _assert_same(got, want, what):
         assert torch.equal(a, b), f"{what}: parameter {j} after the steps"
 
 
-@GPU
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_replays_are_eager_steps_bit_for_bit(name):
+def test_replays_are_eager_steps_bit_for_bit(name, device):
     torch.manual_seed(0)
-    model = _Block()
+    model = _Block(device)
     twin = copy.deepcopy(model)
-    graphed.counts.clear()
     got = _steps(model, RECIPES[name](), graphs=True)
     # the first call of each Linear runs eagerly, the second captures, later ones replay
     assert graphed.counts["captured"] == 3, dict(graphed.counts)
@@ -101,19 +154,17 @@ def test_replays_are_eager_steps_bit_for_bit(name):
     _assert_same(got, _steps(twin, RECIPES[name](), graphs=False), name)
 
 
-@GPU
-def test_under_torch_autocast_with_fp32_weights():
+def test_under_torch_autocast_with_fp32_weights(device):
     torch.manual_seed(0)
-    lin = lowprec.Linear(K, N, params_dtype=torch.float32, device="cuda")
+    lin = lowprec.Linear(K, N, params_dtype=torch.float32, device=device)
     twin = copy.deepcopy(lin)
     results = []
-    graphed.counts.clear()
     for module, graphs in ((lin, True), (twin, False)):
         outs = []
         for step in range(3):
-            gen = torch.Generator("cuda").manual_seed(step)
-            x = torch.randn(M, K, device="cuda", generator=gen)
-            with torch.autocast("cuda", dtype=torch.bfloat16), lowprec.autocast(
+            gen = torch.Generator(device).manual_seed(step)
+            x = torch.randn(M, K, device=device, generator=gen)
+            with torch.autocast(device, dtype=torch.bfloat16), lowprec.autocast(
                     recipe=lowprec.recipe.Float8CurrentScaling(), cuda_graphs=graphs):
                 y = module(x)
             y.float().square().sum().backward()
@@ -126,15 +177,13 @@ def test_under_torch_autocast_with_fp32_weights():
         assert torch.equal(yg, yw) and torch.equal(dwg, dww)
 
 
-@GPU
-def test_second_forward_before_backward_takes_another_graph():
+def test_second_forward_before_backward_takes_another_graph(device):
     torch.manual_seed(0)
-    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
     twin = copy.deepcopy(lin)
     recipe = lowprec.recipe.Float8CurrentScaling()
-    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
           for _ in range(4)]
-    graphed.counts.clear()
     with lowprec.autocast(recipe=recipe, cuda_graphs=True):
         lin(xs[0]).sum().backward()           # eager
         y1, y2 = lin(xs[1]), lin(xs[2])       # capture, then a second graph (the first waits)
@@ -158,18 +207,17 @@ def test_second_forward_before_backward_takes_another_graph():
         assert torch.equal(grads[2 - i], twin.weight.grad), f"call {i + 1}: weight gradient"
 
 
-@GPU
-def test_an_input_changed_in_place_is_copied_again():
+def test_an_input_changed_in_place_is_copied_again(device):
     """Graphs of one input shape share one input buffer, and one tensor read by several
     Linears in a row is copied in once: a tensor changed in place in between (its version
     moved) must be copied again."""
     torch.manual_seed(0)
-    kw = dict(bias=False, params_dtype=torch.bfloat16, device="cuda")
+    kw = dict(bias=False, params_dtype=torch.bfloat16, device=device)
     one, two = lowprec.Linear(K, N, **kw), lowprec.Linear(K, N, **kw)
     twins = copy.deepcopy(one), copy.deepcopy(two)
     recipe = lowprec.recipe.Float8CurrentScaling()
     for step in range(3):
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
         got, want = [], []
         for modules, graphs, out in (((one, two), True, got), (twins, False, want)):
             xs = x.clone()
@@ -182,41 +230,77 @@ def test_an_input_changed_in_place_is_copied_again():
             assert torch.equal(a, b), f"step {step}, call {i}"
 
 
-@GPU
-def test_held_output_is_never_overwritten():
-    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
+def test_held_output_is_never_overwritten(device):
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
     recipe = lowprec.recipe.Float8CurrentScaling()
     with torch.no_grad(), lowprec.autocast(recipe=recipe, cuda_graphs=True):
-        lin(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
-        held = lin(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))[:10]  # a view
+        lin(torch.randn(M, K, device=device, dtype=torch.bfloat16))
+        held = lin(torch.randn(M, K, device=device, dtype=torch.bfloat16))[:10]  # a view
         kept = held.clone()
         for _ in range(3):
-            lin(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
+            lin(torch.randn(M, K, device=device, dtype=torch.bfloat16))
     assert torch.equal(held, kept)
 
 
-@GPU
-def test_backward_twice_raises():
-    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
+def test_backward_twice_raises(device):
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
     with lowprec.autocast(recipe=lowprec.recipe.Float8CurrentScaling(), cuda_graphs=True):
         for _ in range(2):
-            y = lin(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
+            y = lin(torch.randn(M, K, device=device, dtype=torch.bfloat16))
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         y.sum().backward()
 
 
-@GPU
-def test_delayed_scaling_runs_eagerly_with_a_warning():
+def test_delayed_scaling_runs_eagerly_with_a_warning(device):
     torch.manual_seed(0)
-    model = _Block()
+    model = _Block(device)
     twin = copy.deepcopy(model)
-    graphed.counts.clear()
     graphed._WARNED.clear()
     with pytest.warns(UserWarning, match="delayed scaling"):
         got = _steps(model, lowprec.recipe.DelayedScaling(), graphs=True)
     assert graphed.counts["captured"] == 0
     _assert_same(got, _steps(twin, lowprec.recipe.DelayedScaling(), graphs=False), "delayed")
+
+
+def _train_call(module, x, graphs: bool):
+    with lowprec.autocast(recipe=lowprec.recipe.Float8CurrentScaling(), cuda_graphs=graphs):
+        y = module(x)
+    module.weight.grad = None
+    y.float().square().sum().backward()
+    return y.detach().clone(), module.weight.grad.clone()
+
+
+def test_a_moved_weight_is_captured_again_then_refused(device):
+    torch.manual_seed(0)
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
+    twin = copy.deepcopy(lin)
+    graphed._WARNED.clear()
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    for step, move in enumerate((False, False, True, False, True, False)):
+        if move:  # new storage, same values (a reload, or FSDP's resharding)
+            for m in (lin, twin):
+                m.weight.data = m.weight.data.clone()
+        if step == 4:
+            with pytest.warns(UserWarning, match="storage moves"):
+                got = _train_call(lin, x, True)
+        else:
+            got = _train_call(lin, x, True)
+        want = _train_call(twin, x, False)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"step {step}"
+    assert graphed.counts["captured"] == 2, dict(graphed.counts)
+
+
+def test_backward_after_the_weight_moved_raises(device):
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    with lowprec.autocast(recipe=lowprec.recipe.Float8CurrentScaling(), cuda_graphs=True):
+        lin(x)
+        y = lin(x)
+    assert graphed.counts["replayed"] == 1
+    lin.weight.data = lin.weight.data.clone()
+    with pytest.raises(RuntimeError, match="moved to other storage"):
+        y.float().sum().backward()
 
 
 def test_flag_must_be_a_bool():
