@@ -27,9 +27,10 @@ What is not graphed runs eagerly, with a warning once per reason: calls whose st
 state on the host (delayed scaling's per-backward amax push, a cached quantized weight),
 quantized inputs, weights or outputs (``output``/``grad_input`` quantizers), weights that
 are not leaf tensors (their storage may move), calls under saved-tensor hooks (activation
-checkpointing, CPU offload: they would not see the graph's saved tensors) or in inference
-mode. Calls off CUDA, under ``torch.compile`` or inside a capture of the caller's own are
-not graphed, silently: there the option has nothing to do.
+checkpointing, CPU offload: they would not see the graph's saved tensors), calls inside a
+backward pass (a reentrant checkpoint's recompute) or in inference mode. Calls off CUDA,
+under ``torch.compile`` or inside a capture of the caller's own are not graphed, silently:
+there the option has nothing to do.
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ def refusal(x: torch.Tensor, weight: torch.Tensor, bias, quantizers, on_backward
         return "inference mode"
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         return "saved-tensor hooks (activation checkpointing or CPU offload) are active"
+    if torch._C._current_graph_task_id() != -1:
+        return "a call inside a backward pass (a reentrant checkpoint's recompute)"
     return None
 
 

@@ -333,6 +333,7 @@ def test_cpu_calls_run_eagerly_without_a_warning():
     ("nonleaf", "not a leaf"),
     ("hooks", "saved-tensor hooks"),
     ("inference", "inference mode"),
+    ("backward", "inside a backward pass"),
 ])
 def test_refusal_names_the_reason(case, reason):
     q = lowprec.linear.LinearQuantizers(input=None, weight=None)
@@ -352,6 +353,21 @@ def test_refusal_names_the_reason(case, reason):
     elif case == "inference":
         with torch.inference_mode():
             got = graphed.refusal(x, w, None, q, done, cache)
+    elif case == "backward":
+        seen = []
+
+        class _Probe(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                seen.append(graphed.refusal(x, w, None, q, done, cache))
+                return g
+
+        _Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+        got = seen[0]
     else:
         got = graphed.refusal(x, w, None, q, done, cache)
     assert got is not None and reason in got
