@@ -61,10 +61,10 @@ def _storage_refs(t: torch.Tensor) -> int:
 
 
 class _Input:
-    """An input buffer that graphs read only while they replay their forward, so every
-    such graph of one shape shares it, and the graphs that read one tensor in a row (q/k/v,
-    gate/up) copy it in once: the buffer knows which tensor (and which version of it) it
-    holds."""
+    """A buffer that graphs read only while they replay (a forward's input that the
+    forward does not save, a backward's dY), so every such graph of one layout shares it,
+    and graphs that read one tensor in a row (q/k/v, gate/up) copy it in once: the buffer
+    knows which tensor (and which version of it) it holds."""
 
     def __init__(self, like: torch.Tensor):
         self.buffer = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype,
@@ -229,21 +229,51 @@ def _warn(reason: str) -> None:
                   stacklevel=4)
 
 
+class _CudaRecorder:
+    """Records a kind's graphs on a side stream, into one private memory pool."""
+
+    def __init__(self, device: torch.device):
+        self.current = torch.cuda.current_stream(device)
+        self.stream = torch.cuda.Stream(device)
+        self.stream.wait_stream(self.current)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def record(self, fn):
+        """(the graph of what ``fn()`` launches, what it returned)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
+        return graph, out
+
+    def done(self) -> None:
+        self.current.wait_stream(self.stream)
+
+
+#: what records the graphs (the tests' CPU pretend replaces it)
+RECORDER = _CudaRecorder
+
+
 def _capture(run, x, weight, bias, pins, source: _Input) -> _Graphs | None:
     """Capture ``run`` on static buffers, forward and (where a gradient is asked) backward;
     None where the forward saves its input for backward while ``source`` is shared."""
-    current = torch.cuda.current_stream(x.device)
-    stream = torch.cuda.Stream(x.device)
-    stream.wait_stream(current)
-    pool = torch.cuda.graph_pool_handle()
-    fwd, bwd = torch.cuda.CUDAGraph(), None
+    recorder = RECORDER(x.device)
+    try:
+        return _record_call(recorder, run, x, weight, bias, pins, source)
+    finally:
+        recorder.done()
+
+
+def _record_call(recorder, run, x, weight, bias, pins, source: _Input) -> _Graphs | None:
     sx = source.buffer.detach().requires_grad_(x.requires_grad and torch.is_grad_enabled())
     shared = source is _INPUTS.by_layout.get((x.device, x.shape, x.stride(), x.dtype))
     saves_input = []
 
     def pack(t):
-        if (not saves_input and type(t) is torch.Tensor
-                and t.untyped_storage().data_ptr() == sx.untyped_storage().data_ptr()):
+        if not saves_input and type(t) is torch.Tensor and _same_storage(t, sx):
             saves_input.append(True)
         return t
 
@@ -252,31 +282,33 @@ def _capture(run, x, weight, bias, pins, source: _Input) -> _Graphs | None:
     # another stream, kept alive by a previous step's graph, would make the backward wait
     # on that stream: not allowed in a capture).
     weight, bias = (_leaf_alias(p) for p in (weight, bias))
-    with torch.cuda.stream(stream):
-        fwd.capture_begin(pool=pool, capture_error_mode="thread_local")
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = run(sx, weight, bias)
-        finally:
-            fwd.capture_end()
-        if shared and saves_input:
-            current.wait_stream(stream)
-            return None
-        dy, grads = None, ()
-        if y.grad_fn is not None:
-            inputs = [t for t in (sx, weight, bias) if t is not None and t.requires_grad]
-            with torch.cuda.stream(current):
-                dy = torch.empty_like(y)
-            bwd = torch.cuda.CUDAGraph()
-            bwd.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                got = iter(torch.autograd.grad(y, inputs, dy, allow_unused=True))
-            finally:
-                bwd.capture_end()
-            grads = tuple(next(got) if t is not None and t.requires_grad else None
-                          for t in (sx, weight, bias))
-    current.wait_stream(stream)
+    held = {}
+
+    def forward():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            held["y"] = run(sx, weight, bias)
+        return held["y"]
+
+    fwd, y = recorder.record(forward)
+    if shared and saves_input:
+        return None
+    if y.grad_fn is None:
+        return _Graphs(fwd, None, source, y.detach(), None, (), pins)
+    # dY's buffer is read only while the backward replays: shared, as the inputs' are
+    dy = _INPUTS.get(y)
+    leaves = (sx, weight, bias)
+    inputs = [t for t in leaves if t is not None and t.requires_grad]
+    bwd, got = recorder.record(
+        lambda: torch.autograd.grad(held["y"], inputs, dy.buffer, allow_unused=True))
+    got = iter(got)
+    grads = tuple(next(got) if t is not None and t.requires_grad else None for t in leaves)
+    if any(g is not None and _same_storage(g, dy.buffer) for g in grads):
+        raise RuntimeError("a gradient is a view of dY's buffer, which other graphs share")
     return _Graphs(fwd, bwd, source, y.detach(), dy, grads, pins)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _leaf_alias(p: torch.Tensor | None) -> torch.Tensor | None:
@@ -321,7 +353,7 @@ class _Replay(torch.autograd.Function):
                 "lowprec.autocast(cuda_graphs=True): a graphed Linear got a quantized "
                 f"grad_output ({type(dy).__name__}); its graph reads a high-precision one. "
                 "Run without cuda_graphs, or without the grad_input quantizer above it")
-        graphs.dy.copy_(dy)
+        graphs.dy.fill(dy)
         graphs.bwd.replay()
         graphs.node = None
         # the buffers themselves: autograd copies them into a .grad (they are referenced

@@ -6,11 +6,12 @@ a buffer that something still reads: a second forward before the first one's bac
 an output still held at the next call, takes another graph (or runs eagerly). Calls the
 graphs cannot serve run eagerly with a warning.
 
-The bookkeeping (which graph a call takes, when one is free, what a moved weight or a
-second backward does) runs on the CPU too, over a pretend of the graphs (``pretend``: a
-"capture" records the eager call, a "replay" runs it again on the graph's own buffers and
-copies its results into them, so an output or gradient handed out and overwritten too
-early shows as wrong values); on a GPU the same tests run real CUDA graphs.
+The bookkeeping (which buffers a capture takes, which graph a call takes, when one is
+free, what a moved weight or a second backward does) runs on the CPU too, over a pretend
+of the recording (``_PretendRecorder``: a "capture" runs the eager call, a "replay" runs it
+again on the graph's own buffers and copies its results into the captured ones, so a
+buffer shared or handed out and overwritten too early shows as wrong values); on a GPU
+the same tests record real CUDA graphs.
 """
 
 from __future__ import annotations
@@ -40,35 +41,32 @@ class _Recorded:
         self.replay = fn
 
 
-def _pretend_capture(run, x, weight, bias, pins, source):
-    """What ``graphed._capture`` makes, with replays that rerun the eager call on the
-    graph's buffers (the input buffer, the parameters' storage) and write its results
-    into the graph's output and gradient buffers."""
-    grad = torch.is_grad_enabled()
-    sx = source.buffer.detach().requires_grad_(x.requires_grad and grad)
-    weight, bias = graphed._leaf_alias(weight), graphed._leaf_alias(bias)
-    leaves = (sx, weight, bias)
-    y = run(sx, weight, bias).detach()
-    needs = [t is not None and t.requires_grad for t in leaves]
-    dy = torch.empty_like(y) if grad and any(needs) else None
-    grads = tuple(torch.empty_like(t) if need else None for t, need in zip(leaves, needs))
-    held = {}
+class _PretendRecorder:
+    """``graphed.RECORDER`` without CUDA: recording runs the call once (and gives back the
+    random numbers it drew), and a replay runs it again (in the grad mode it was recorded
+    in) and copies what it returns into what the recording returned: the graph's buffers,
+    as a real replay writes them."""
 
-    def forward():
-        with torch.enable_grad() if dy is not None else torch.no_grad():
-            out = run(sx, weight, bias)
-        y.copy_(out.detach())
-        held["y"] = out
+    def __init__(self, device):
+        pass
 
-    def backward():
-        wanted = [t for t, need in zip(leaves, needs) if need]
-        got = iter(torch.autograd.grad(held.pop("y"), wanted, dy))
-        for g, need in zip(grads, needs):
-            if need:
-                g.copy_(next(got))
+    def record(self, fn):
+        grad = torch.is_grad_enabled()
+        rng = torch.get_rng_state()
+        first = fn()
+        torch.set_rng_state(rng)  # a capture draws nothing: its replays do
 
-    return graphed._Graphs(_Recorded(forward), _Recorded(backward) if dy is not None else None,
-                           source, y, dy, grads if dy is not None else (), pins)
+        def replay():
+            with torch.set_grad_enabled(grad):
+                again = fn()
+            pairs = zip(first, again) if isinstance(first, tuple) else [(first, again)]
+            for into, out in pairs:
+                if into is not None:
+                    into.detach().copy_(out.detach())
+        return _Recorded(replay), first
+
+    def done(self):
+        pass
 
 
 @pytest.fixture(params=["cpu", "cuda"])
@@ -79,7 +77,7 @@ def device(request, monkeypatch):
             pytest.skip("needs a CUDA device and Triton")
     else:
         monkeypatch.setattr(graphed, "applies", lambda x: not torch.compiler.is_compiling())
-        monkeypatch.setattr(graphed, "_capture", _pretend_capture)
+        monkeypatch.setattr(graphed, "RECORDER", _PretendRecorder)
     graphed.counts.clear()
     return request.param
 
@@ -261,6 +259,29 @@ def test_delayed_scaling_runs_eagerly_with_a_warning(device):
         got = _steps(model, lowprec.recipe.DelayedScaling(), graphs=True)
     assert graphed.counts["captured"] == 0
     _assert_same(got, _steps(twin, lowprec.recipe.DelayedScaling(), graphs=False), "delayed")
+
+
+def test_a_forward_that_saves_its_input_keeps_its_own_buffer(device):
+    """A high-precision backward saves the input itself: two such Linears of one input
+    layout, reading different tensors, must not share an input buffer (the second copy
+    would become the first one's saved input)."""
+    torch.manual_seed(0)
+    kw = dict(bias=False, params_dtype=torch.bfloat16, device=device)
+    pair = lowprec.Linear(K, N, **kw), lowprec.Linear(K, N, **kw)
+    twins = copy.deepcopy(pair[0]), copy.deepcopy(pair[1])
+    recipe = lowprec.recipe.Float8CurrentScaling(backward_mode="high_precision")
+    for step in range(3):
+        xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(2)]
+        grads = []
+        for (one, two), graphs in ((pair, True), (twins, False)):
+            one.weight.grad = two.weight.grad = None
+            with lowprec.autocast(recipe=recipe, cuda_graphs=graphs):
+                y = one(xs[0]).float() + two(xs[1]).float()
+            y.square().sum().backward()
+            grads.append((one.weight.grad, two.weight.grad))
+        assert torch.equal(grads[0][0], grads[1][0]), f"step {step}: first weight gradient"
+        assert torch.equal(grads[0][1], grads[1][1]), f"step {step}: second weight gradient"
+    assert graphed.counts["replayed"] == 4, dict(graphed.counts)
 
 
 def _train_call(module, x, graphs: bool):
