@@ -324,6 +324,31 @@ def test_backward_after_the_weight_moved_raises(device):
         y.float().sum().backward()
 
 
+def test_attach_recipe_carries_the_flag(device):
+    """A model with an attached recipe (the Hugging Face Trainer's way) replays its Linears
+    under ``attach_recipe(..., cuda_graphs=True)``, bit for bit as without."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        lowprec.Linear(K, N, params_dtype=torch.bfloat16, device=device), torch.nn.GELU(),
+        lowprec.Linear(N, K, params_dtype=torch.bfloat16, device=device))
+    twin = copy.deepcopy(model)
+    lowprec.attach_recipe(model, lowprec.recipe.Float8CurrentScaling(), cuda_graphs=True)
+    lowprec.attach_recipe(twin, lowprec.recipe.Float8CurrentScaling())
+    for step in range(3):
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+        outs = []
+        for m in (model, twin):
+            m.zero_grad(set_to_none=True)
+            y = m(x)
+            y.float().square().sum().backward()
+            outs.append((y.detach().clone(), [p.grad for p in m.parameters()]))
+        (yg, gg), (yw, gw) = outs
+        assert torch.equal(yg, yw), f"step {step}: output"
+        assert all(torch.equal(a, b) for a, b in zip(gg, gw)), f"step {step}: gradients"
+    assert graphed.counts["captured"] == 2 and graphed.counts["replayed"] == 4, \
+        dict(graphed.counts)
+
+
 def test_flag_must_be_a_bool():
     with pytest.raises(TypeError, match="cuda_graphs must be a bool, got 1"):
         with lowprec.autocast(cuda_graphs=1):
