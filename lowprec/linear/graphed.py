@@ -21,7 +21,9 @@ its output any more. When none of a kind's graphs is free (a second forward befo
 first one's backward, as pipeline schedules run), another is captured, up to
 ``MAX_GRAPHS`` a kind, and beyond that the call runs eagerly (same bits). A backward run
 twice (``retain_graph=True``) raises: the second run would read buffers the first one
-released.
+released. A weight whose storage moves between calls (a reload, FSDP's resharding) is
+captured again once, and then its calls run eagerly; a backward that reads the weight
+itself (its forward saved it) raises if the weight moved since its forward.
 
 What is not graphed runs eagerly, with a warning once per reason: calls whose step keeps
 state on the host (delayed scaling's per-backward amax push, a cached quantized weight),
@@ -106,6 +108,9 @@ class _Graphs:
         self.fwd, self.bwd = fwd, bwd
         self.x, self.y, self.dy, self.grads = x, y, dy, grads
         self.pins = pins  # (weight, bias) data pointers the graphs read
+        #: whether the backward graph reads the parameters' storage (a forward that saves
+        #: them: a high-precision backward); else it reads only what the forward made
+        self.backward_reads_params = False
         self.node = None  # weakref to the autograd node of the last replay awaiting backward
         self.generation = 0
         self.y_refs = 0  # references to y's storage while nothing is handed out (``settle``)
@@ -270,18 +275,23 @@ def _capture(run, x, weight, bias, pins, source: _Input) -> _Graphs | None:
 def _record_call(recorder, run, x, weight, bias, pins, source: _Input) -> _Graphs | None:
     sx = source.buffer.detach().requires_grad_(x.requires_grad and torch.is_grad_enabled())
     shared = source is _INPUTS.by_layout.get((x.device, x.shape, x.stride(), x.dtype))
-    saves_input = []
-
-    def pack(t):
-        if not saves_input and type(t) is torch.Tensor and _same_storage(t, sx):
-            saves_input.append(True)
-        return t
-
     # The graphs read the parameters' storage through leaves of their own: autograd then
     # never reaches the parameters' gradient accumulators during the capture (one made on
     # another stream, kept alive by a previous step's graph, would make the backward wait
     # on that stream: not allowed in a capture).
     weight, bias = (_leaf_alias(p) for p in (weight, bias))
+    saves_input, saves_params = [], []
+
+    def pack(t):
+        # what the forward saves for backward: the input buffer, or the parameters'
+        # storage (then the backward graph reads them where they were at capture)
+        if type(t) in (torch.Tensor, torch.nn.Parameter):
+            if _same_storage(t, sx):
+                saves_input.append(True)
+            if any(p is not None and _same_storage(t, p) for p in (weight, bias)):
+                saves_params.append(True)
+        return t
+
     held = {}
 
     def forward():
@@ -304,7 +314,9 @@ def _record_call(recorder, run, x, weight, bias, pins, source: _Input) -> _Graph
     grads = tuple(next(got) if t is not None and t.requires_grad else None for t in leaves)
     if any(g is not None and _same_storage(g, dy.buffer) for g in grads):
         raise RuntimeError("a gradient is a view of dY's buffer, which other graphs share")
-    return _Graphs(fwd, bwd, source, y.detach(), dy, grads, pins)
+    graphs = _Graphs(fwd, bwd, source, y.detach(), dy, grads, pins)
+    graphs.backward_reads_params = bool(saves_params)
+    return graphs
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -343,11 +355,12 @@ class _Replay(torch.autograd.Function):
                 "lowprec.autocast(cuda_graphs=True): a graphed Linear's backward ran twice "
                 "(retain_graph=True) or after its graphs were reused; run such steps with "
                 "cuda_graphs=False")
-        if _pins(*ctx.params) != graphs.pins:
+        if graphs.backward_reads_params and _pins(*ctx.params) != graphs.pins:
             raise RuntimeError(
-                "lowprec.autocast(cuda_graphs=True): a graphed Linear's weight moved to other "
-                "storage between its forward and its backward (FSDP resharding?); the graph "
-                "would read the old storage. Run it with cuda_graphs=False")
+                "lowprec.autocast(cuda_graphs=True): a graphed Linear whose backward reads its "
+                "weight saw the weight move to other storage between its forward and its "
+                "backward (FSDP resharding?); the graph would read the old storage. Run it "
+                "with cuda_graphs=False")
         if isinstance(dy, QuantizedTensor):
             raise TypeError(
                 "lowprec.autocast(cuda_graphs=True): a graphed Linear got a quantized "

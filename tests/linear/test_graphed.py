@@ -16,6 +16,7 @@ the same tests record real CUDA graphs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -312,16 +313,39 @@ def test_a_moved_weight_is_captured_again_then_refused(device):
     assert graphed.counts["captured"] == 2, dict(graphed.counts)
 
 
-def test_backward_after_the_weight_moved_raises(device):
+@pytest.mark.parametrize("mode", ["default", "unsliced", "high_precision"])
+def test_weight_moved_between_forward_and_backward(device, mode):
+    """After the weight moves (FSDP frees and gathers it again), a backward that reads
+    only what its forward made (a quantized weight) gives eager's gradients, and one that
+    reads the weight itself (a high-precision backward saves it; the default one may make
+    the weight's columnwise copy from it) raises rather than read the old storage: never
+    a silently wrong gradient."""
+    torch.manual_seed(0)
     lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
-    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-    with lowprec.autocast(recipe=lowprec.recipe.Float8CurrentScaling(), cuda_graphs=True):
+    twin = copy.deepcopy(lin)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+    recipe = lowprec.recipe.Float8CurrentScaling(
+        backward_mode="high_precision" if mode == "high_precision" else "default")
+    # unsliced: the forward quantizes the weight's columnwise copy too (nothing reads the
+    # weight in backward)
+    slicing = lowprec.linear.unsliced() if mode == "unsliced" else contextlib.nullcontext()
+    with slicing, lowprec.autocast(recipe=recipe, cuda_graphs=True):
         lin(x)
         y = lin(x)
     assert graphed.counts["replayed"] == 1
     lin.weight.data = lin.weight.data.clone()
-    with pytest.raises(RuntimeError, match="moved to other storage"):
-        y.float().sum().backward()
+    try:
+        y.float().square().sum().backward()
+    except RuntimeError as err:
+        assert "move to other storage" in str(err)
+        assert mode != "unsliced", "a backward that reads only its forward's copies raised"
+        return
+    assert mode != "high_precision", "a high-precision backward reads the moved weight"
+    xe = x.detach().clone().requires_grad_(True)
+    with slicing, lowprec.autocast(recipe=recipe):
+        ye = twin(xe)
+    ye.float().square().sum().backward()
+    assert torch.equal(x.grad, xe.grad) and torch.equal(lin.weight.grad, twin.weight.grad)
 
 
 def test_attach_recipe_carries_the_flag(device):
