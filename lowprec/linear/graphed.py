@@ -79,13 +79,10 @@ class _Input:
             self.buffer.copy_(x)
             self.source, self.version = weakref.ref(x), x._version
 
-    def forget(self) -> None:
-        self.source = None
-
 
 class _Inputs(threading.local):
-    """This thread's shared input buffers, by (device, shape, strides, dtype); the graphs
-    hold them, the table only finds them for the next capture."""
+    """This thread's shared buffers (inputs, dY), by (device, shape, strides, dtype); the
+    graphs hold them, the table only finds them for the next capture."""
 
     def __init__(self):
         self.by_layout = weakref.WeakValueDictionary()
@@ -108,8 +105,9 @@ class _Graphs:
         self.fwd, self.bwd = fwd, bwd
         self.x, self.y, self.dy, self.grads = x, y, dy, grads
         self.pins = pins  # (weight, bias) data pointers the graphs read
-        #: whether the backward graph reads the parameters' storage (a forward that saves
-        #: them: a high-precision backward); else it reads only what the forward made
+        #: whether the backward graph reads the parameters' storage (its forward saved
+        #: them: a high-precision backward, or a weight's columnwise copy made in backward);
+        #: else it reads only what the forward made
         self.backward_reads_params = False
         self.node = None  # weakref to the autograd node of the last replay awaiting backward
         self.generation = 0
