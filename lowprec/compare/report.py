@@ -37,7 +37,7 @@ class RunInfo:
     emulated: bool
     backends: list
     compiled: bool = False
-    #: compiled with CUDA graphs (mode "reduce-overhead")
+    #: CUDA graphs: compiled in mode "reduce-overhead", or eager Linears' own
     cuda_graphs: bool = False
     #: compiled with inductor's C++ wrapper
     cpp_wrapper: bool = False
@@ -498,10 +498,13 @@ def notes(info: RunInfo, results: list[RunResult]) -> list[str]:
         ("CUDA graphs (mode 'reduce-overhead')", info.cuda_graphs),
         ("inductor's C++ wrapper", info.cpp_wrapper)) if on)
     options = f" with {options}" if options else ""
+    eager_graphs = (", the quantized recipes' Linears replaying CUDA graphs (bf16's and "
+                    "every last step, which measures SQNR, without them: speedups over bf16 "
+                    "include the host time the graphs save)" if info.cuda_graphs else "")
     out.append(f"Every recipe's model, bf16 included, ran under torch.compile{options} (the "
                "first step, which compiles, and the last, which measures SQNR eagerly, are "
                "left out of the step time)." if info.compiled else
-               "Every recipe's model, bf16 included, ran eagerly (--no-compile).")
+               f"Every recipe's model, bf16 included, ran eagerly (--no-compile){eager_graphs}.")
     out.append("Held-out loss: mean over fixed held-out batches, evaluated with each recipe's own "
                "quantized forward. The delta's ± is the paired standard error over those "
                "batches; a delta within about two of it is not a measurable difference, and a "

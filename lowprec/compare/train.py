@@ -97,7 +97,8 @@ class TrainSettings:
     warmup_frac: float = 0.1
     #: run the training forward through torch.compile (every recipe alike)
     compile: bool = False
-    #: compile in mode "reduce-overhead" (CUDA graphs; the same numbers, no host time)
+    #: CUDA graphs (the same numbers, no host time): compiled, mode "reduce-overhead";
+    #: eager, the lowprec Linears' own (``lowprec.autocast(cuda_graphs=True)``)
     cuda_graphs: bool = False
     #: inductor's C++ wrapper launches the compiled graphs' kernels (less host time a kernel)
     cpp_wrapper: bool = False
@@ -250,7 +251,10 @@ def train_one(spec: RecipeSpec, cfg: ModelConfig, corpus: Corpus, settings: Trai
             with inductor_config(settings.cpp_wrapper):
                 for micro in range(grad_accum):
                     x, y = batches.train_batch()
-                    with autocast(enabled=enabled, recipe=spec.recipe):
+                    # eager --cuda-graphs: the Linears replay CUDA graphs (not in the
+                    # measurement step, whose meter and probe hook the eager modules)
+                    graphs = settings.cuda_graphs and not settings.compile and not last
+                    with autocast(enabled=enabled, recipe=spec.recipe, cuda_graphs=graphs):
                         if meter is not None and micro == 0:
                             with meter:
                                 logits = logits_of(model(x))
