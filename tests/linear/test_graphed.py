@@ -373,6 +373,48 @@ def test_attach_recipe_carries_the_flag(device):
         dict(graphed.counts)
 
 
+def test_gradient_accumulation_and_interleaved_evaluation(device):
+    """Two micro-batches a step accumulate into ``.grad`` (autograd adds the graph's
+    gradient buffer into it, never keeps the buffer), and an evaluation under ``no_grad``
+    between steps (a kind of its own) leaves training as eager's."""
+    torch.manual_seed(0)
+    model = _Block(device)
+    twin = copy.deepcopy(model)
+    recipe = lowprec.recipe.Float8CurrentScaling()
+    gen = torch.Generator(device=device).manual_seed(3)
+    for step in range(3):
+        xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16, generator=gen)
+              for _ in range(3)]
+        results = []
+        for m, graphs in ((model, True), (twin, False)):
+            m.zero_grad(set_to_none=True)
+            for x in xs[:2]:
+                with lowprec.autocast(recipe=recipe, cuda_graphs=graphs):
+                    y = m(x)
+                y.float().square().sum().backward()
+                del y  # (held into the next call, it would take a second graph)
+            with torch.no_grad(), lowprec.autocast(recipe=recipe, cuda_graphs=graphs):
+                evaluated = m(xs[2]).clone()
+            results.append((evaluated, [p.grad.clone() for p in m.parameters()]))
+        (eg, gg), (ew, gw) = results
+        assert torch.equal(eg, ew), f"step {step}: evaluation"
+        assert all(torch.equal(a, b) for a, b in zip(gg, gw)), f"step {step}: gradients"
+    assert graphed.counts["captured"] == 6, dict(graphed.counts)  # 3 Linears x 2 kinds
+
+
+def test_a_forward_whose_graph_is_dropped_frees_its_graph(device):
+    """A forward whose output is dropped without a backward (a discarded loss) frees its
+    graph for the next call once its autograd graph is gone."""
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+    with lowprec.autocast(recipe=lowprec.recipe.Float8CurrentScaling(), cuda_graphs=True):
+        for _ in range(4):
+            y = lin(x)
+            del y
+    assert graphed.counts["captured"] == 1 and graphed.counts["replayed"] == 3, \
+        dict(graphed.counts)
+
+
 def test_flag_must_be_a_bool():
     with pytest.raises(TypeError, match="cuda_graphs must be a bool, got 1"):
         with lowprec.autocast(cuda_graphs=1):
