@@ -149,12 +149,7 @@ def kernel_op(name: str, *, mutates_args=()):
         raise ValueError(f"kernel_op {name!r}: the name must be <namespace>::<name>")
 
     def wrap(fn):
-        lib = _LIBS.get(namespace)
-        if lib is None:
-            lib = _LIBS[namespace] = torch.library.Library(namespace, "FRAGMENT")
-        lib.define(short + torch.library.infer_schema(fn, mutates_args=mutates_args))
-        lib.impl(short, fn, "CompositeExplicitAutograd")
-        op = getattr(getattr(torch.ops, namespace), short).default
+        op = _define(namespace, short, fn, mutates_args)
 
         @functools.wraps(fn)
         def call(*args):
@@ -165,9 +160,19 @@ def kernel_op(name: str, *, mutates_args=()):
     return wrap
 
 
-_GRAPH_LIB = torch.library.Library("lowprec", "FRAGMENT")
-#: the kernel ops' libraries, by namespace
-_LIBS = {"lowprec": _GRAPH_LIB}
+#: the ops' libraries, by namespace
+_LIBS: dict = {}
+
+
+def _define(namespace: str, name: str, fn, mutates_args=(), tags: tuple = ()):
+    """``<namespace>::<name>`` defined with ``fn``'s inferred schema and ``fn`` as its
+    implementation (``CompositeExplicitAutograd``); returns the op's default overload."""
+    lib = _LIBS.get(namespace)
+    if lib is None:
+        lib = _LIBS[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    lib.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args), tags=tags)
+    lib.impl(name, fn, "CompositeExplicitAutograd")
+    return getattr(getattr(torch.ops, namespace), name).default
 
 
 def graph_op(name: str, *, tags: tuple = (), mutates_args: tuple = ()):
@@ -183,10 +188,7 @@ def graph_op(name: str, *, tags: tuple = (), mutates_args: tuple = ()):
     are off. Returns the op (``torch.ops.lowprec.<name>.default``); register its fake
     implementation with ``torch.library.register_fake("lowprec::<name>")``."""
     def wrap(fn):
-        _GRAPH_LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args),
-                          tags=tags)
-        _GRAPH_LIB.impl(name, fn, "CompositeExplicitAutograd")
-        return getattr(torch.ops.lowprec, name).default
+        return _define("lowprec", name, fn, mutates_args, tags)
     return wrap
 
 
@@ -219,9 +221,7 @@ def traced_op(name: str):
     dynamo and ``fn`` itself elsewhere (the dispatcher's host time is not spent on an eager
     call); ``.op`` is the op (``torch.ops.lowprec.<name>.default``)."""
     def wrap(fn):
-        _GRAPH_LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
-        _GRAPH_LIB.impl(name, fn, "CompositeExplicitAutograd")
-        op = getattr(torch.ops.lowprec, name).default
+        op = _define("lowprec", name, fn)
         _decompose_in_inductor(op, fn)
 
         @functools.wraps(fn)

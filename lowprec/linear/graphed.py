@@ -101,14 +101,14 @@ _INPUTS = _Inputs()
 class _Graphs:
     """One captured kind of call: its two graphs and their buffers."""
 
-    def __init__(self, fwd, bwd, x: _Input, y, dy, grads, pins):
+    def __init__(self, fwd, bwd, x: _Input, y, dy, grads, pins, backward_reads_params):
         self.fwd, self.bwd = fwd, bwd
         self.x, self.y, self.dy, self.grads = x, y, dy, grads
         self.pins = pins  # (weight, bias) data pointers the graphs read
         #: whether the backward graph reads the parameters' storage (its forward saved
         #: them: a high-precision backward, or a weight's columnwise copy made in backward);
         #: else it reads only what the forward made
-        self.backward_reads_params = False
+        self.backward_reads_params = backward_reads_params
         self.node = None  # weakref to the autograd node of the last replay awaiting backward
         self.generation = 0
         self.y_refs = 0  # references to y's storage while nothing is handed out (``settle``)
@@ -301,7 +301,7 @@ def _record_call(recorder, run, x, weight, bias, pins, source: _Input) -> _Graph
     if shared and saves_input:
         return None
     if y.grad_fn is None:
-        return _Graphs(fwd, None, source, y.detach(), None, (), pins)
+        return _Graphs(fwd, None, source, y.detach(), None, (), pins, False)
     # dY's buffer is read only while the backward replays: shared, as the inputs' are
     dy = _INPUTS.get(y)
     leaves = (sx, weight, bias)
@@ -312,9 +312,7 @@ def _record_call(recorder, run, x, weight, bias, pins, source: _Input) -> _Graph
     grads = tuple(next(got) if t is not None and t.requires_grad else None for t in leaves)
     if any(g is not None and _same_storage(g, dy.buffer) for g in grads):
         raise RuntimeError("a gradient is a view of dY's buffer, which other graphs share")
-    graphs = _Graphs(fwd, bwd, source, y.detach(), dy, grads, pins)
-    graphs.backward_reads_params = bool(saves_params)
-    return graphs
+    return _Graphs(fwd, bwd, source, y.detach(), dy, grads, pins, bool(saves_params))
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

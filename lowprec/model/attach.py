@@ -21,7 +21,7 @@ import threading
 
 from torch import nn
 
-from ..recipe import Recipe, any_region, pop_region, push_region
+from ..recipe import Recipe, any_region, check_region_flags, pop_region, push_region
 
 
 class _Tokens(threading.local):
@@ -100,9 +100,7 @@ def attach_recipe(model: nn.Module, recipe: Recipe | None, *, amax_reduction_gro
         raise TypeError(f"attach_recipe expects a torch.nn.Module, got {type(model).__name__}")
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a lowprec recipe or None, got {type(recipe).__name__}")
-    for name, value in (("cache_weights", cache_weights), ("cuda_graphs", cuda_graphs)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
+    check_region_flags(cache_weights, cuda_graphs)
     detach_recipe(model)
     if recipe is None:
         return model

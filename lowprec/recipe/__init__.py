@@ -42,6 +42,7 @@ from .regions import (
     active_region,
     any_region,
     autocast,
+    check_region_flags,
     init_recipe,
     pop_region,
     push_region,

@@ -98,7 +98,7 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_
     history when the region exits (all of the region's states together, see
     ``lowprec.recipe.state_batch``).
     """
-    _check_flags(cache_weights, cuda_graphs)
+    check_region_flags(cache_weights, cuda_graphs)
     region = (_Region(_check_recipe(recipe), amax_reduction_group, cache_weights=cache_weights,
                       cuda_graphs=cuda_graphs)
               if enabled else None)
@@ -121,7 +121,8 @@ def any_region() -> bool:
     return bool(_LOCAL.regions)
 
 
-def _check_flags(cache_weights, cuda_graphs) -> None:
+def check_region_flags(cache_weights, cuda_graphs) -> None:
+    """The autocast options that take a bool (TypeError naming the one that is not)."""
     for name, value in (("cache_weights", cache_weights), ("cuda_graphs", cuda_graphs)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")
