@@ -318,8 +318,9 @@ def test_weight_moved_between_forward_and_backward(device, mode):
     """After the weight moves (FSDP frees and gathers it again), a backward that reads
     only what its forward made (a quantized weight) gives eager's gradients, and one that
     reads the weight itself (a high-precision backward saves it; the default one may make
-    the weight's columnwise copy from it) raises rather than read the old storage: never
-    a silently wrong gradient."""
+    the weight's columnwise copy from it, and the traced plan that CUDA runs eagerly
+    quantizes it again) raises rather than read the old storage: never a silently wrong
+    gradient."""
     torch.manual_seed(0)
     lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
     twin = copy.deepcopy(lin)
@@ -338,7 +339,10 @@ def test_weight_moved_between_forward_and_backward(device, mode):
         y.float().square().sum().backward()
     except RuntimeError as err:
         assert "move to other storage" in str(err)
-        assert mode != "unsliced", "a backward that reads only its forward's copies raised"
+        # CUDA runs current scaling's traced plan eagerly, whose backward quantizes the
+        # weight again from the weight itself; the eager Function (CPU) keeps the copies
+        assert mode != "unsliced" or device == "cuda", (
+            "a backward that reads only its forward's copies raised")
         return
     assert mode != "high_precision", "a high-precision backward reads the moved weight"
     xe = x.detach().clone().requires_grad_(True)
