@@ -4,26 +4,36 @@ An eager quantized Linear launches a handful of kernels a direction (the quantiz
 GEMM, their scales), and at the widths of a 1B model its host time exceeds its GPU time:
 the GPU waits for Python. Under ``cuda_graphs=True`` each kind of call (its shapes,
 strides, dtypes, gradient flags, backward mode and the storage of its weight and bias) is
-captured on its second call, forward and backward, in two CUDA graphs that share a
-private memory pool; every later call of that kind copies its input into the graph's
-input buffer and replays them. A replay runs the kernels the eager call runs, with the
-same arguments, so its results are the eager call's bit for bit (stochastic rounding
-draws its bits from counters on the device, which the replays advance as eager calls do).
+captured on its second call, its forward then and its backward at its first backward, in
+CUDA graphs that share a private memory pool; every later call of that kind replays them.
+A replay runs the kernels the eager call runs, with the same arguments, so its results are
+the eager call's bit for bit (stochastic rounding draws its bits from counters on the
+device, which the replays advance as eager calls do).
 
-The graphs own their memory: the input buffer, the output and the gradients they hand
-out, and what the forward saves for backward stay allocated between steps (about the
-activations of one step per graphed Linear, as with Transformer Engine's
-``make_graphed_callables``). The output a replay hands out aliases its graph's output
-buffer, and the gradients alias the graph's gradient buffers (autograd copies one into a
-``.grad`` rather than keeping it). So a graph is replayed only when what it handed out last
-time is free: its backward has run or its autograd graph is gone, and nothing references
-its output any more. When none of a kind's graphs is free (a second forward before the
-first one's backward, as pipeline schedules run), another is captured, up to
-``MAX_GRAPHS`` a kind, and beyond that the call runs eagerly (same bits). A backward run
-twice (``retain_graph=True``) raises: the second run would read buffers the first one
-released. A weight whose storage moves between calls (a reload, FSDP's resharding) is
-captured again once, and then its calls run eagerly; a backward that reads the weight
-itself (its forward saved it) raises if the weight moved since its forward.
+A graph reads its input, and its backward reads dY, where the capture found them: the
+caching allocator hands a training step's tensors the same memory step after step, so in
+steady state nothing is copied in. A call whose input lies elsewhere (checked by address
+and layout on every call) takes a graph that copies it into a buffer, as does every later
+capture of that kind; a dY elsewhere takes a second backward graph, over a buffer. Such
+buffers are read only while a graph replays, so graphs of one layout share them, and
+graphs that read one tensor in a row (q/k/v, gate/up) copy it in once. A forward that
+saves its input for backward (a high-precision backward) copies it into a buffer of its
+own.
+
+The graphs own their memory: the output and the gradients they hand out, and what the
+forward saves for backward, stay allocated between steps (about the activations of one
+step per graphed Linear, as with Transformer Engine's ``make_graphed_callables``). The
+output a replay hands out aliases its graph's output buffer, and the gradients alias the
+graph's gradient buffers (autograd copies one into a ``.grad`` rather than keeping it). So
+a graph is replayed only when what it handed out last time is free: its backward has run
+or its autograd graph is gone, and nothing references its output any more. When none of a
+kind's graphs is free (a second forward before the first one's backward, as pipeline
+schedules run), another is captured, up to ``MAX_GRAPHS`` a kind, and beyond that the call
+runs eagerly (same bits). A backward run twice (``retain_graph=True``) raises: the second
+run would read buffers the first one released. A weight whose storage moves between calls
+(a reload, FSDP's resharding) is captured again once, and then its calls run eagerly; a
+backward that reads the weight itself (its forward saved it) raises if the weight moved
+since its forward.
 
 What is not graphed runs eagerly, with a warning once per reason: calls whose step keeps
 state on the host (delayed scaling's per-backward amax push, a cached quantized weight),
@@ -62,22 +72,57 @@ def _storage_refs(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-class _Input:
-    """A buffer that graphs read only while they replay (a forward's input that the
-    forward does not save, a backward's dY), so every such graph of one layout shares it,
-    and graphs that read one tensor in a row (q/k/v, gate/up) copy it in once: the buffer
-    knows which tensor (and which version of it) it holds."""
+def _layout(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
-    def __init__(self, like: torch.Tensor):
+
+class _At:
+    """A graph's view of the tensor it was captured on, read where it lies: a later call
+    whose tensor lies at the same address, in the same layout, replays without a copy. The
+    caching allocator hands a training step's tensors the same memory step after step, so
+    in steady state a replay copies nothing in. The view does not own the memory (the
+    tensor it was made from may be freed and its memory reused): a graph reads it only
+    while it replays for a tensor that lies there."""
+
+    shared = True
+
+    def __init__(self, t: torch.Tensor):
+        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        memory = torch._C._construct_storage_from_data_pointer(
+            t.data_ptr(), t.device, span * t.element_size())
+        self.buffer = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            memory, 0, t.shape, t.stride())
+        self.layout = _layout(t)
+
+    def accepts(self, t: torch.Tensor) -> bool:
+        return _layout(t) == self.layout
+
+    def fill(self, t: torch.Tensor) -> None:
+        pass
+
+
+class _Input:
+    """A buffer that graphs copy a tensor into. ``shared``: read only while a graph replays
+    (a forward's input that the forward does not save, a backward's dY), so every such
+    graph of one layout shares it, and graphs that read one tensor in a row (q/k/v,
+    gate/up) copy it in once: the buffer knows which tensor (and which version of it) it
+    holds."""
+
+    def __init__(self, like: torch.Tensor, shared: bool = False):
         self.buffer = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype,
                                           device=like.device)
+        self.shared = shared
         self.source = None  # weakref to the tensor copied in last
         self.version = -1
+
+    def accepts(self, t: torch.Tensor) -> bool:
+        return True
 
     def fill(self, x: torch.Tensor) -> None:
         if self.source is None or self.source() is not x or self.version != x._version:
             self.buffer.copy_(x)
             self.source, self.version = weakref.ref(x), x._version
+            counts["copied in"] += 1
 
 
 class _Inputs(threading.local):
@@ -91,24 +136,39 @@ class _Inputs(threading.local):
         key = (x.device, x.shape, x.stride(), x.dtype)
         found = self.by_layout.get(key)
         if found is None:
-            found = self.by_layout[key] = _Input(x)
+            found = self.by_layout[key] = _Input(x, shared=True)
         return found
 
 
 _INPUTS = _Inputs()
 
 
-class _Graphs:
-    """One captured kind of call: its two graphs and their buffers."""
+def _source(t: torch.Tensor, where: bool):
+    """What a forward graph reads ``t`` from: where it lies (``where``), else a shared
+    buffer."""
+    return _At(t) if where and t.numel() > 0 else _INPUTS.get(t)
 
-    def __init__(self, fwd, bwd, x: _Input, y, dy, grads, pins, backward_reads_params):
-        self.fwd, self.bwd = fwd, bwd
-        self.x, self.y, self.dy, self.grads = x, y, dy, grads
+
+class _Graphs:
+    """One captured kind of call: its forward graph, the backward graphs (one for dY where
+    the first backward found it, one over a shared buffer for dY elsewhere), and what they
+    read and write."""
+
+    def __init__(self, kind, recorder, fwd, x, y, held, leaves, pins, backward_reads_params):
+        self.kind = kind
+        self.recorder = recorder  # the backward graphs record on the forward's stream and pool
+        self.fwd = fwd
+        self.x, self.y = x, y
+        #: the capture's output with its autograd graph, which the backward graphs run
+        #: (None without gradients)
+        self.held = held
+        self.leaves = leaves  # the capture's leaves: input, weight and bias aliases
         self.pins = pins  # (weight, bias) data pointers the graphs read
         #: whether the backward graph reads the parameters' storage (its forward saved
         #: them: a high-precision backward, or a weight's columnwise copy made in backward);
         #: else it reads only what the forward made
         self.backward_reads_params = backward_reads_params
+        self.backwards: list = []  # (dY's source, graph, the gradients it writes)
         self.node = None  # weakref to the autograd node of the last replay awaiting backward
         self.generation = 0
         self.y_refs = 0  # references to y's storage while nothing is handed out (``settle``)
@@ -124,6 +184,49 @@ class _Graphs:
             return False
         return _storage_refs(self.y) == self.y_refs
 
+    def backward(self, dy: torch.Tensor) -> tuple:
+        """The gradients of (input, weight, bias) for ``dy``, from the backward graph that
+        reads it (recorded on the first backward that needs it)."""
+        found = next((b for b in self.backwards if b[0].accepts(dy)), None)
+        if found is None:
+            try:
+                # the first backward reads dY where it lies; a dY found elsewhere later is
+                # copied into a shared buffer of the output's layout, as every later
+                # capture of the kind does
+                if self.backwards:
+                    self.kind.dy_where = False
+                source = (_At(dy) if self.kind.dy_where and dy.numel() > 0
+                          else _INPUTS.get(self.y))
+                found = self._record_backward(source)
+            except Exception as err:  # noqa: BLE001 - the kind runs eagerly from now on
+                self.kind.graphs = None
+                _warn(f"capture failed ({type(err).__name__}: {err})")
+                return self._leaf_grads(torch.autograd.grad(
+                    self.held["y"], self._inputs(), dy, retain_graph=True, allow_unused=True))
+            self.backwards.append(found)
+            counts["captured backward"] += 1
+        source, graph, grads = found
+        source.fill(dy)
+        graph.replay()
+        return grads
+
+    def _inputs(self) -> list:
+        return [t for t in self.leaves if t is not None and t.requires_grad]
+
+    def _leaf_grads(self, got) -> tuple:
+        got = iter(got)
+        return tuple(next(got) if t is not None and t.requires_grad else None
+                     for t in self.leaves)
+
+    def _record_backward(self, source) -> tuple:
+        inputs = self._inputs()
+        graph, got = self.recorder.record(lambda: torch.autograd.grad(
+            self.held["y"], inputs, source.buffer, retain_graph=True, allow_unused=True))
+        grads = self._leaf_grads(got)
+        if any(g is not None and _same_storage(g, source.buffer) for g in grads):
+            raise RuntimeError("a gradient is a view of dY, which the graph does not own")
+        return source, graph, grads
+
 
 class _Kind:
     """The calls of one kind: how many ran, and their graphs (None: refused)."""
@@ -132,6 +235,9 @@ class _Kind:
         self.calls = 0
         self.moves = 0
         self.graphs: list | None = []
+        #: whether captures read the input (and dY) where it lies, until a call's input
+        #: (dY) lies elsewhere; then they copy it into a buffer
+        self.where = self.dy_where = True
 
 
 def _pins(weight, bias) -> tuple:
@@ -200,15 +306,19 @@ def call(run, x: torch.Tensor, weight: torch.Tensor, bias, kinds: dict, key: tup
         if kind.graphs is None:
             _eager("the weight's storage moves between calls (FSDP resharding?)")
             return run(x, weight, bias)
-    graphs = next((g for g in kind.graphs if g.free()), None)
+    graphs = next((g for g in kind.graphs if g.free() and g.x.accepts(x)), None)
     if graphs is None:
+        stale = next((g for g in kind.graphs if g.free()), None)
+        if stale is not None:
+            # free, but reading its input where it no longer lies: this kind's inputs move
+            # from call to call, so its graphs copy them in from now on
+            kind.graphs.remove(stale)
+            kind.where = False
         if len(kind.graphs) >= MAX_GRAPHS:
             counts["eager (every graph of the kind is in use)"] += 1
             return run(x, weight, bias)
         try:
-            graphs = _capture(run, x, weight, bias, pins, _INPUTS.get(x))
-            if graphs is None:  # its backward reads the input itself: a buffer of its own
-                graphs = _capture(run, x, weight, bias, pins, _Input(x))
+            graphs = _capture(run, x, weight, bias, pins, kind)
         except Exception as err:  # noqa: BLE001 - any capture failure: this kind runs eagerly
             kind.graphs = None
             _warn(f"capture failed ({type(err).__name__}: {err})")
@@ -233,46 +343,50 @@ def _warn(reason: str) -> None:
 
 
 class _CudaRecorder:
-    """Records a kind's graphs on a side stream, into one private memory pool."""
+    """Records a kind's graphs on a side stream of its own, into one private memory pool
+    (the backward graphs on the forward's stream: autograd runs the captured nodes there)."""
 
     def __init__(self, device: torch.device):
-        self.current = torch.cuda.current_stream(device)
+        self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.stream.wait_stream(self.current)
         self.pool = torch.cuda.graph_pool_handle()
 
     def record(self, fn):
         """(the graph of what ``fn()`` launches, what it returned)."""
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(self.stream):
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
-                out = fn()
-            finally:
-                graph.capture_end()
+        try:
+            with torch.cuda.stream(self.stream):
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    out = fn()
+                finally:
+                    graph.capture_end()
+        finally:
+            current.wait_stream(self.stream)
         return graph, out
-
-    def done(self) -> None:
-        self.current.wait_stream(self.stream)
 
 
 #: what records the graphs (the tests' CPU pretend replaces it)
 RECORDER = _CudaRecorder
 
 
-def _capture(run, x, weight, bias, pins, source: _Input) -> _Graphs | None:
-    """Capture ``run`` on static buffers, forward and (where a gradient is asked) backward;
-    None where the forward saves its input for backward while ``source`` is shared."""
-    recorder = RECORDER(x.device)
-    try:
-        return _record_call(recorder, run, x, weight, bias, pins, source)
-    finally:
-        recorder.done()
+def _capture(run, x, weight, bias, pins, kind: _Kind) -> _Graphs:
+    """Capture the forward of ``run`` reading ``x`` where it lies (or from a shared buffer,
+    once the kind's inputs have moved); a forward that saves its input for backward reads
+    a buffer of its own instead, since its backward reads the input after the call."""
+    graphs = _record_forward(RECORDER(x.device), run, x, weight, bias, pins, kind,
+                             _source(x, kind.where))
+    if graphs is None:
+        graphs = _record_forward(RECORDER(x.device), run, x, weight, bias, pins, kind,
+                                 _Input(x))
+    return graphs
 
 
-def _record_call(recorder, run, x, weight, bias, pins, source: _Input) -> _Graphs | None:
+def _record_forward(recorder, run, x, weight, bias, pins, kind, source) -> _Graphs | None:
+    """The forward's graph, or None where it saves its input while ``source`` is shared."""
     sx = source.buffer.detach().requires_grad_(x.requires_grad and torch.is_grad_enabled())
-    shared = source is _INPUTS.by_layout.get((x.device, x.shape, x.stride(), x.dtype))
     # The graphs read the parameters' storage through leaves of their own: autograd then
     # never reaches the parameters' gradient accumulators during the capture (one made on
     # another stream, kept alive by a previous step's graph, would make the backward wait
@@ -281,8 +395,8 @@ def _record_call(recorder, run, x, weight, bias, pins, source: _Input) -> _Graph
     saves_input, saves_params = [], []
 
     def pack(t):
-        # what the forward saves for backward: the input buffer, or the parameters'
-        # storage (then the backward graph reads them where they were at capture)
+        # what the forward saves for backward: the input, or the parameters' storage
+        # (then the backward graph reads them where they were at capture)
         if type(t) in (torch.Tensor, torch.nn.Parameter):
             if _same_storage(t, sx):
                 saves_input.append(True)
@@ -298,21 +412,11 @@ def _record_call(recorder, run, x, weight, bias, pins, source: _Input) -> _Graph
         return held["y"]
 
     fwd, y = recorder.record(forward)
-    if shared and saves_input:
+    if source.shared and saves_input:
         return None
-    if y.grad_fn is None:
-        return _Graphs(fwd, None, source, y.detach(), None, (), pins, False)
-    # dY's buffer is read only while the backward replays: shared, as the inputs' are
-    dy = _INPUTS.get(y)
-    leaves = (sx, weight, bias)
-    inputs = [t for t in leaves if t is not None and t.requires_grad]
-    bwd, got = recorder.record(
-        lambda: torch.autograd.grad(held["y"], inputs, dy.buffer, allow_unused=True))
-    got = iter(got)
-    grads = tuple(next(got) if t is not None and t.requires_grad else None for t in leaves)
-    if any(g is not None and _same_storage(g, dy.buffer) for g in grads):
-        raise RuntimeError("a gradient is a view of dY's buffer, which other graphs share")
-    return _Graphs(fwd, bwd, source, y.detach(), dy, grads, pins, bool(saves_params))
+    return _Graphs(kind, recorder, fwd, source, y.detach(),
+                   held if y.grad_fn is not None else None, (sx, weight, bias), pins,
+                   bool(saves_params))
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -333,19 +437,19 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, graphs: _Graphs, x, weight, bias):
-        graphs.x.fill(x)
+        graphs.x.fill(x)  # (a graph chosen for x reads it where it lies or from a buffer)
         graphs.fwd.replay()
         graphs.generation += 1
         ctx.graphs, ctx.generation = graphs, graphs.generation
         ctx.params = weight, bias
-        if graphs.bwd is not None:
+        if graphs.held is not None:
             graphs.node = weakref.ref(ctx)
         return graphs.y.detach()
 
     @staticmethod
     def backward(ctx, dy):
         graphs = ctx.graphs
-        if (graphs.bwd is None or graphs.node is None or graphs.node() is not ctx
+        if (graphs.held is None or graphs.node is None or graphs.node() is not ctx
                 or graphs.generation != ctx.generation):
             raise RuntimeError(
                 "lowprec.autocast(cuda_graphs=True): a graphed Linear's backward ran twice "
@@ -362,9 +466,8 @@ class _Replay(torch.autograd.Function):
                 "lowprec.autocast(cuda_graphs=True): a graphed Linear got a quantized "
                 f"grad_output ({type(dy).__name__}); its graph reads a high-precision one. "
                 "Run without cuda_graphs, or without the grad_input quantizer above it")
-        graphs.dy.fill(dy)
-        graphs.bwd.replay()
+        grads = graphs.backward(dy)
         graphs.node = None
         # the buffers themselves: autograd copies them into a .grad (they are referenced
         # here, so never taken over) and reads them once as another node's gradient
-        return (None, *graphs.grads)
+        return (None, *grads)

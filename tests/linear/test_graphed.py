@@ -148,7 +148,8 @@ def test_replays_are_eager_steps_bit_for_bit(name, device):
     twin = copy.deepcopy(model)
     got = _steps(model, RECIPES[name](), graphs=True)
     # the first call of each Linear runs eagerly, the second captures, later ones replay
-    assert graphed.counts["captured"] == 3, dict(graphed.counts)
+    # (a Linear whose input lies elsewhere on a later step captures once more, copying)
+    assert 3 <= graphed.counts["captured"] <= 6, dict(graphed.counts)
     assert graphed.counts["replayed"] == 3 * 3, dict(graphed.counts)
     _assert_same(got, _steps(twin, RECIPES[name](), graphs=False), name)
 
@@ -227,6 +228,76 @@ def test_an_input_changed_in_place_is_copied_again(device):
                 out.append(modules[1](xs))      # changed in place: copied again
         for i, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"step {step}, call {i}"
+
+
+def _lying_still(lin, twin, xs, dys):
+    """Trains ``lin`` (graphed) and ``twin`` (eager) one call per (x, dY) pair, and checks
+    each call's output and gradients bit for bit."""
+    recipe = lowprec.recipe.Float8CurrentScaling()
+    for i, (x, dy) in enumerate(zip(xs, dys)):
+        got = []
+        for module, graphs in ((lin, True), (twin, False)):
+            x.grad = module.weight.grad = None
+            with lowprec.autocast(recipe=recipe, cuda_graphs=graphs):
+                y = module(x)
+            y.backward(dy)
+            got.append((y.detach().clone(), x.grad.clone(), module.weight.grad.clone()))
+            del y
+        for what, a, b in zip(("output", "input gradient", "weight gradient"), *got):
+            assert torch.equal(a, b), f"call {i}: {what}"
+
+
+def test_inputs_that_lie_still_are_read_where_they_lie(device):
+    """An input and a dY that lie at the same address call after call (as the caching
+    allocator hands out a training step's tensors) are read there: nothing is copied in.
+    New values in the same memory are read as they are."""
+    torch.manual_seed(0)
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
+    twin = copy.deepcopy(lin)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+
+    def refreshed(_):  # new values in the same memory
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x))
+            dy.copy_(torch.randn_like(dy))
+        return x
+    _lying_still(lin, twin, map(refreshed, range(4)), [dy] * 4)
+    assert graphed.counts["captured"] == 1 and graphed.counts["replayed"] == 3, \
+        dict(graphed.counts)
+    assert graphed.counts["captured backward"] == 1, dict(graphed.counts)
+    assert graphed.counts["copied in"] == 0, dict(graphed.counts)
+
+
+def test_an_input_found_elsewhere_is_copied_from_then_on(device):
+    """A graph reads its input where the capture found it; a later input elsewhere (the
+    first one still alive, so surely elsewhere) takes a graph that copies, and so do the
+    kind's later calls."""
+    torch.manual_seed(0)
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
+    twin = copy.deepcopy(lin)
+    xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+          for _ in range(5)]
+    dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+    _lying_still(lin, twin, [xs[0], xs[0], xs[1], xs[2], xs[0]], [dy] * 5)
+    assert graphed.counts["captured"] == 2 and graphed.counts["replayed"] == 4, \
+        dict(graphed.counts)
+    assert graphed.counts["copied in"] == 3, dict(graphed.counts)
+
+
+def test_a_dy_found_elsewhere_takes_a_backward_graph_that_copies(device):
+    """The first backward reads dY where it found it; a dY elsewhere later takes a second
+    backward graph, over a shared buffer, and a dY back in the first place the first."""
+    torch.manual_seed(0)
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
+    twin = copy.deepcopy(lin)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dys = [torch.randn(M, N, device=device, dtype=torch.bfloat16) for _ in range(3)]
+    _lying_still(lin, twin, [x] * 5, [dys[0], dys[0], dys[1], dys[0], dys[2]])
+    assert graphed.counts["captured"] == 1 and graphed.counts["replayed"] == 4, \
+        dict(graphed.counts)
+    assert graphed.counts["captured backward"] == 2, dict(graphed.counts)
+    assert graphed.counts["copied in"] == 2, dict(graphed.counts)
 
 
 def test_held_output_is_never_overwritten(device):
@@ -373,7 +444,8 @@ def test_attach_recipe_carries_the_flag(device):
         (yg, gg), (yw, gw) = outs
         assert torch.equal(yg, yw), f"step {step}: output"
         assert all(torch.equal(a, b) for a, b in zip(gg, gw)), f"step {step}: gradients"
-    assert graphed.counts["captured"] == 2 and graphed.counts["replayed"] == 4, \
+    # (each Linear captures once more where its input lies elsewhere on a later step)
+    assert 2 <= graphed.counts["captured"] <= 4 and graphed.counts["replayed"] == 4, \
         dict(graphed.counts)
 
 
@@ -403,7 +475,8 @@ def test_gradient_accumulation_and_interleaved_evaluation(device):
         (eg, gg), (ew, gw) = results
         assert torch.equal(eg, ew), f"step {step}: evaluation"
         assert all(torch.equal(a, b) for a, b in zip(gg, gw)), f"step {step}: gradients"
-    assert graphed.counts["captured"] == 6, dict(graphed.counts)  # 3 Linears x 2 kinds
+    # 3 Linears x 2 kinds, each captured once more where its input lies elsewhere
+    assert 6 <= graphed.counts["captured"] <= 12, dict(graphed.counts)
 
 
 def test_a_forward_whose_graph_is_dropped_frees_its_graph(device):
