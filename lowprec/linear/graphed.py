@@ -14,11 +14,14 @@ A graph reads its input, and its backward reads dY, where the capture found them
 caching allocator hands a training step's tensors the same memory step after step, so in
 steady state nothing is copied in. A call whose input lies elsewhere (checked by address
 and layout on every call) takes a graph that copies it into a buffer, as does every later
-capture of that kind; a dY elsewhere takes a second backward graph, over a buffer. Such
+capture of that kind; a dY elsewhere takes a second backward graph, over a buffer, until
+dY is found twice in a row at a new place, where the first graph is recorded again. Such
 buffers are read only while a graph replays, so graphs of one layout share them, and
 graphs that read one tensor in a row (q/k/v, gate/up) copy it in once. A forward that
-saves its input for backward (a high-precision backward) copies it into a buffer of its
-own.
+saves its input for backward (a high-precision backward, a plan that quantizes the input
+again in backward) and reads it where it lies keeps the caller's tensor until its
+backward, as autograd does, and raises there if it was changed in place; where it would
+copy, it copies into a buffer of its own.
 
 The graphs own their memory: the output and the gradients they hand out, and what the
 forward saves for backward, stay allocated between steps (about the activations of one
@@ -58,6 +61,8 @@ from ..formats import QuantizedTensor
 
 #: graphs a kind of call may hold at once (each with its own buffers and pool)
 MAX_GRAPHS = 2
+#: times a backward graph is recorded again for dY's new place
+MAX_AIMS = 2
 #: kinds of call a Linear captures (variable token counts would otherwise hold a graph,
 #: and its memory, per count); later kinds run eagerly
 MAX_KINDS = 4
@@ -83,8 +88,6 @@ class _At:
     in steady state a replay copies nothing in. The view does not own the memory (the
     tensor it was made from may be freed and its memory reused): a graph reads it only
     while it replays for a tensor that lies there."""
-
-    shared = True
 
     def __init__(self, t: torch.Tensor):
         span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
@@ -154,7 +157,8 @@ class _Graphs:
     the first backward found it, one over a shared buffer for dY elsewhere), and what they
     read and write."""
 
-    def __init__(self, kind, recorder, fwd, x, y, held, leaves, pins, backward_reads_params):
+    def __init__(self, kind, recorder, fwd, x, y, held, leaves, pins, backward_reads_params,
+                 keeps_input):
         self.kind = kind
         self.recorder = recorder  # the backward graphs record on the forward's stream and pool
         self.fwd = fwd
@@ -168,7 +172,14 @@ class _Graphs:
         #: them: a high-precision backward, or a weight's columnwise copy made in backward);
         #: else it reads only what the forward made
         self.backward_reads_params = backward_reads_params
-        self.backwards: list = []  # (dY's source, graph, the gradients it writes)
+        #: the backward graphs, each (dY's source, graph, the gradients it writes): the one
+        #: reading dY where it lies, and the one reading a shared buffer (None until needed)
+        self.backward_where = self.backward_buffered = None
+        self.missed = None  # the layout of the last dY found elsewhere
+        self.aims = 0  # times the first graph was recorded again for dY's new place
+        #: the forward saves its input, read where it lies: the replay's node keeps the
+        #: caller's tensor (and checks its version) until its backward
+        self.keeps_input = keeps_input
         self.node = None  # weakref to the autograd node of the last replay awaiting backward
         self.generation = 0
         self.y_refs = 0  # references to y's storage while nothing is handed out (``settle``)
@@ -186,25 +197,32 @@ class _Graphs:
 
     def backward(self, dy: torch.Tensor) -> tuple:
         """The gradients of (input, weight, bias) for ``dy``, from the backward graph that
-        reads it (recorded on the first backward that needs it)."""
-        found = next((b for b in self.backwards if b[0].accepts(dy)), None)
-        if found is None:
-            try:
-                # the first backward reads dY where it lies; a dY found elsewhere later is
-                # copied into a shared buffer of the output's layout, as every later
-                # capture of the kind does
-                if self.backwards:
-                    self.kind.dy_where = False
-                source = (_At(dy) if self.kind.dy_where and dy.numel() > 0
-                          else _INPUTS.get(self.y))
-                found = self._record_backward(source)
-            except Exception as err:  # noqa: BLE001 - the kind runs eagerly from now on
-                self.kind.graphs = None
-                _warn(f"capture failed ({type(err).__name__}: {err})")
-                return self._leaf_grads(torch.autograd.grad(
-                    self.held["y"], self._inputs(), dy, retain_graph=True, allow_unused=True))
-            self.backwards.append(found)
-            counts["captured backward"] += 1
+        reads it (recorded at the first backward that needs it). One graph reads dY where
+        it lies: where the first backward found it, or where dY has since been found twice
+        in a row (the first backward of a run may find it elsewhere than the steps after);
+        a dY elsewhere is copied into a shared buffer that a second graph reads."""
+        where, buffered = self.backward_where, self.backward_buffered
+        if where is not None and where[0].accepts(dy):
+            found = where
+        else:
+            again, self.missed = self.missed == _layout(dy), _layout(dy)
+            aim = dy.numel() > 0 and (where is None or (again and self.aims < MAX_AIMS))
+            found = buffered if not aim else None
+            if found is None:
+                try:
+                    found = self._record_backward(_At(dy) if aim else _INPUTS.get(self.y))
+                except Exception as err:  # noqa: BLE001 - the kind runs eagerly from now on
+                    self.kind.graphs = None
+                    _warn(f"capture failed ({type(err).__name__}: {err})")
+                    return self._leaf_grads(torch.autograd.grad(
+                        self.held["y"], self._inputs(), dy, retain_graph=True,
+                        allow_unused=True))
+                counts["captured backward"] += 1
+                if aim:
+                    self.aims += where is not None
+                    self.backward_where = found
+                else:
+                    self.backward_buffered = found
         source, graph, grads = found
         source.fill(dy)
         graph.replay()
@@ -235,9 +253,9 @@ class _Kind:
         self.calls = 0
         self.moves = 0
         self.graphs: list | None = []
-        #: whether captures read the input (and dY) where it lies, until a call's input
-        #: (dY) lies elsewhere; then they copy it into a buffer
-        self.where = self.dy_where = True
+        #: whether captures read the input where it lies, until a call's input lies
+        #: elsewhere; then they copy it into a buffer
+        self.where = True
 
 
 def _pins(weight, bias) -> tuple:
@@ -374,8 +392,9 @@ RECORDER = _CudaRecorder
 
 def _capture(run, x, weight, bias, pins, kind: _Kind) -> _Graphs:
     """Capture the forward of ``run`` reading ``x`` where it lies (or from a shared buffer,
-    once the kind's inputs have moved); a forward that saves its input for backward reads
-    a buffer of its own instead, since its backward reads the input after the call."""
+    once the kind's inputs have moved). A forward that saves its input for backward and
+    reads it where it lies keeps the caller's tensor until its backward; one that would
+    read a shared buffer takes a buffer of its own instead."""
     graphs = _record_forward(RECORDER(x.device), run, x, weight, bias, pins, kind,
                              _source(x, kind.where))
     if graphs is None:
@@ -385,7 +404,8 @@ def _capture(run, x, weight, bias, pins, kind: _Kind) -> _Graphs:
 
 
 def _record_forward(recorder, run, x, weight, bias, pins, kind, source) -> _Graphs | None:
-    """The forward's graph, or None where it saves its input while ``source`` is shared."""
+    """The forward's graph, or None where it saves its input while ``source`` is a shared
+    buffer."""
     sx = source.buffer.detach().requires_grad_(x.requires_grad and torch.is_grad_enabled())
     # The graphs read the parameters' storage through leaves of their own: autograd then
     # never reaches the parameters' gradient accumulators during the capture (one made on
@@ -412,11 +432,11 @@ def _record_forward(recorder, run, x, weight, bias, pins, kind, source) -> _Grap
         return held["y"]
 
     fwd, y = recorder.record(forward)
-    if source.shared and saves_input:
+    if saves_input and isinstance(source, _Input) and source.shared:
         return None
     return _Graphs(kind, recorder, fwd, source, y.detach(),
                    held if y.grad_fn is not None else None, (sx, weight, bias), pins,
-                   bool(saves_params))
+                   bool(saves_params), bool(saves_input) and isinstance(source, _At))
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -442,6 +462,8 @@ class _Replay(torch.autograd.Function):
         graphs.generation += 1
         ctx.graphs, ctx.generation = graphs, graphs.generation
         ctx.params = weight, bias
+        if graphs.keeps_input:  # the backward graph reads x's memory: x must live till then
+            ctx.x, ctx.x_version = x, x._version
         if graphs.held is not None:
             graphs.node = weakref.ref(ctx)
         return graphs.y.detach()
@@ -461,6 +483,13 @@ class _Replay(torch.autograd.Function):
                 "weight saw the weight move to other storage between its forward and its "
                 "backward (FSDP resharding?); the graph would read the old storage. Run it "
                 "with cuda_graphs=False")
+        if graphs.keeps_input:
+            if ctx.x._version != ctx.x_version:
+                raise RuntimeError(
+                    "lowprec.autocast(cuda_graphs=True): the input of a graphed Linear whose "
+                    "backward reads it was modified by an inplace operation between its "
+                    f"forward and its backward (version {ctx.x_version} -> {ctx.x._version})")
+            ctx.x = None
         if isinstance(dy, QuantizedTensor):
             raise TypeError(
                 "lowprec.autocast(cuda_graphs=True): a graphed Linear got a quantized "

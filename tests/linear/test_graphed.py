@@ -300,6 +300,35 @@ def test_a_dy_found_elsewhere_takes_a_backward_graph_that_copies(device):
     assert graphed.counts["copied in"] == 2, dict(graphed.counts)
 
 
+def test_a_dy_found_twice_at_a_new_place_is_read_there(device):
+    """The first backward may find dY elsewhere than the steps after it: once dY is found
+    twice in a row at a new place, the backward graph is recorded again to read it there."""
+    torch.manual_seed(0)
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
+    twin = copy.deepcopy(lin)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dys = [torch.randn(M, N, device=device, dtype=torch.bfloat16) for _ in range(2)]
+    _lying_still(lin, twin, [x] * 5, [dys[0], dys[0], dys[1], dys[1], dys[1]])
+    assert graphed.counts["captured backward"] == 3, dict(graphed.counts)
+    assert graphed.counts["copied in"] == 1, dict(graphed.counts)
+
+
+def test_a_saved_input_changed_in_place_raises_in_backward(device):
+    """A high-precision backward reads the input itself; read where it lies, the replay
+    keeps the caller's tensor, and a change in place before the backward raises, as
+    autograd does for an eager call."""
+    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    recipe = lowprec.recipe.Float8CurrentScaling(backward_mode="high_precision")
+    with lowprec.autocast(recipe=recipe, cuda_graphs=True):
+        lin(x).float().sum().backward()
+        y = lin(x)
+    assert graphed.counts["replayed"] == 1, dict(graphed.counts)
+    x.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.float().sum().backward()
+
+
 def test_held_output_is_never_overwritten(device):
     lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
     recipe = lowprec.recipe.Float8CurrentScaling()
@@ -333,10 +362,11 @@ def test_delayed_scaling_runs_eagerly_with_a_warning(device):
     _assert_same(got, _steps(twin, lowprec.recipe.DelayedScaling(), graphs=False), "delayed")
 
 
-def test_a_forward_that_saves_its_input_keeps_its_own_buffer(device):
+def test_a_forward_that_saves_its_input_never_shares_a_buffer(device):
     """A high-precision backward saves the input itself: two such Linears of one input
     layout, reading different tensors, must not share an input buffer (the second copy
-    would become the first one's saved input)."""
+    would become the first one's saved input). They read their inputs where they lie, and
+    once those move, each copies into a buffer of its own."""
     torch.manual_seed(0)
     kw = dict(bias=False, params_dtype=torch.bfloat16, device=device)
     pair = lowprec.Linear(K, N, **kw), lowprec.Linear(K, N, **kw)
