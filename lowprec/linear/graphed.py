@@ -58,6 +58,7 @@ from collections import Counter
 import torch
 
 from ..formats import QuantizedTensor
+from . import shared_input
 
 #: graphs a kind of call may hold at once (each with its own buffers and pool)
 MAX_GRAPHS = 2
@@ -146,6 +147,16 @@ class _Inputs(threading.local):
 _INPUTS = _Inputs()
 
 
+class _Shares(threading.local):
+    """This thread's last replayed graph that made a quantize of its input that the next
+    Linears reading that input may take (a weakref, or None)."""
+
+    last = None
+
+
+_SHARES = _Shares()
+
+
 def _source(t: torch.Tensor, where: bool):
     """What a forward graph reads ``t`` from: where it lies (``where``), else a shared
     buffer."""
@@ -158,7 +169,7 @@ class _Graphs:
     read and write."""
 
     def __init__(self, kind, recorder, fwd, x, y, held, leaves, pins, backward_reads_params,
-                 keeps_input):
+                 keeps_input, made, reads):
         self.kind = kind
         self.recorder = recorder  # the backward graphs record on the forward's stream and pool
         self.fwd = fwd
@@ -180,6 +191,15 @@ class _Graphs:
         #: the forward saves its input, read where it lies: the replay's node keeps the
         #: caller's tensor (and checks its version) until its backward
         self.keeps_input = keeps_input
+        #: the quantize of the input this graph's forward makes, kept for the graphs of
+        #: the Linears after it that read the same input (q/k/v, gate/up): {"made": the
+        #: region's record of it, or None}
+        self.made = made
+        #: the graphs whose quantize this one reads instead of making its own (None: it
+        #: quantizes its input itself); those that read this one's
+        self.reads = reads
+        self.readers = weakref.WeakSet()
+        self.last_input = None  # (weakref, version) of the input of the last replay
         self.node = None  # weakref to the autograd node of the last replay awaiting backward
         self.generation = 0
         self.y_refs = 0  # references to y's storage while nothing is handed out (``settle``)
@@ -189,11 +209,29 @@ class _Graphs:
         (once the capture's own tensors are gone)."""
         self.y_refs = _storage_refs(self.y)
 
-    def free(self) -> bool:
+    def pending(self) -> bool:
+        """Whether a replay's backward is still to run."""
         node = self.node
-        if node is not None and node() is not None:
+        return node is not None and node() is not None
+
+    def free(self) -> bool:
+        """Whether a replay may overwrite what the last one handed out: its backward has
+        run (and the backward of every graph that read its quantize), and nothing else
+        references its output."""
+        if self.pending() or any(r.pending() for r in self.readers):
             return False
         return _storage_refs(self.y) == self.y_refs
+
+    def fed(self, x: torch.Tensor) -> bool:
+        """Whether this graph's last replay read ``x`` as it is now (so the quantize it
+        made is ``x``'s)."""
+        last = self.last_input
+        return last is not None and last[0]() is x and last[1] == x._version
+
+    def serves(self, x: torch.Tensor) -> bool:
+        """Whether a replay for ``x`` reads the right input: where it lies (or from a
+        buffer), and, where the graph reads another's quantize, that graph's of ``x``."""
+        return self.x.accepts(x) and (self.reads is None or self.reads.fed(x))
 
     def backward(self, dy: torch.Tensor) -> tuple:
         """The gradients of (input, weight, bias) for ``dy``, from the backward graph that
@@ -324,9 +362,9 @@ def call(run, x: torch.Tensor, weight: torch.Tensor, bias, kinds: dict, key: tup
         if kind.graphs is None:
             _eager("the weight's storage moves between calls (FSDP resharding?)")
             return run(x, weight, bias)
-    graphs = next((g for g in kind.graphs if g.free() and g.x.accepts(x)), None)
+    graphs = next((g for g in kind.graphs if g.free() and g.serves(x)), None)
     if graphs is None:
-        stale = next((g for g in kind.graphs if g.free()), None)
+        stale = next((g for g in kind.graphs if g.free() and not g.x.accepts(x)), None)
         if stale is not None:
             # free, but reading its input where it no longer lies: this kind's inputs move
             # from call to call, so its graphs copy them in from now on
@@ -424,19 +462,36 @@ def _record_forward(recorder, run, x, weight, bias, pins, kind, source) -> _Grap
                 saves_params.append(True)
         return t
 
-    held = {}
+    held, made, lending = {}, {"made": None}, {}
+    # The Linear before this one read the same input (q before k and v, gate before up)
+    # and its graph kept its quantize: lend it to this capture (``shared_input``), which
+    # then reads it from that graph's memory instead of quantizing again.
+    feeder = _SHARES.last() if _SHARES.last is not None else None
+    if feeder is not None and (feeder.kind is kind or not feeder.fed(x)):
+        feeder = None
 
     def forward():
+        # (a recording runs this once; the tests' pretend recorder on every replay)
+        if feeder is not None and feeder.made["made"] is not None:
+            lending["lent"] = shared_input.lend(feeder.made["made"], sx)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             held["y"] = run(sx, weight, bias)
+        made["made"] = shared_input.made_from(sx)
         return held["y"]
 
     fwd, y = recorder.record(forward)
     if saves_input and isinstance(source, _Input) and source.shared:
         return None
-    return _Graphs(kind, recorder, fwd, source, y.detach(),
-                   held if y.grad_fn is not None else None, (sx, weight, bias), pins,
-                   bool(saves_params), bool(saves_input) and isinstance(source, _At))
+    lent = lending.get("lent")
+    reads = feeder if lent is not None and lent.hits else None
+    graphs = _Graphs(kind, recorder, fwd, source, y.detach(),
+                     held if y.grad_fn is not None else None, (sx, weight, bias), pins,
+                     bool(saves_params), bool(saves_input) and isinstance(source, _At),
+                     made, reads)
+    if reads is not None:
+        reads.readers.add(graphs)
+        counts["captured reading another's quantize"] += 1
+    return graphs
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -459,6 +514,9 @@ class _Replay(torch.autograd.Function):
     def forward(ctx, graphs: _Graphs, x, weight, bias):
         graphs.x.fill(x)  # (a graph chosen for x reads it where it lies or from a buffer)
         graphs.fwd.replay()
+        graphs.last_input = weakref.ref(x), x._version
+        if graphs.made["made"] is not None:
+            _SHARES.last = weakref.ref(graphs)
         graphs.generation += 1
         ctx.graphs, ctx.generation = graphs, graphs.generation
         ctx.params = weight, bias

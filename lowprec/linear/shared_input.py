@@ -36,6 +36,7 @@ class _Last:
     version: int
     key: tuple
     quantized: QuantizedTensor
+    hits: int = 0  # Linears that took it after the one that made it
 
 
 def quantize(quantizer: Quantizer | None, x: torch.Tensor, *, columnwise: bool,
@@ -64,6 +65,7 @@ def _kept_or_made(region, x: torch.Tensor, key: tuple, make):
     last = region.shared_input
     if (last is not None and last.key == key and last.source() is x
             and last.version == x._version):
+        last.hits += 1
         return last.quantized
     made = make()
     region.shared_input = _Last(weakref.ref(x), x._version, key, made)
@@ -84,3 +86,23 @@ def shared_form(form, x: torch.Tensor, keep: bool, make):
     if region is None or not form.eager or x.is_inference():
         return make()
     return _kept_or_made(region, x, ("form", form, keep), make)
+
+
+def made_from(x: torch.Tensor) -> _Last | None:
+    """The active region's kept quantize where ``x`` made it, else None (a CUDA graph's
+    capture keeps it, so that the Linears after it read the quantize from its memory:
+    ``lowprec.linear.graphed``)."""
+    region = active_region()
+    last = region.shared_input if region is not None else None
+    return last if last is not None and last.source() is x else None
+
+
+def lend(made: _Last, x: torch.Tensor) -> _Last | None:
+    """Keeps ``made``'s quantize in the active region as made from ``x`` (as it is now), so
+    that the next Linear reading ``x`` with an equal quantize takes it; returns the kept
+    record, whose ``hits`` say whether one did (None outside a region)."""
+    region = active_region()
+    if region is None:
+        return None
+    region.shared_input = lent = _Last(weakref.ref(x), x._version, made.key, made.quantized)
+    return lent

@@ -329,6 +329,73 @@ def test_a_saved_input_changed_in_place_raises_in_backward(device):
         y.float().sum().backward()
 
 
+def test_linears_reading_one_input_share_its_quantize(device):
+    """a and b read one input: b's graph reads the quantize a's graph made (as eager
+    calls share it), bit for bit as eager."""
+    torch.manual_seed(0)
+    model = _Block(device)
+    twin = copy.deepcopy(model)
+    recipe = lowprec.recipe.Float8CurrentScaling()
+    _assert_same(_steps(model, recipe, graphs=True), _steps(twin, recipe, graphs=False),
+                 "shared")
+    assert graphed.counts["captured reading another's quantize"] >= 1, dict(graphed.counts)
+
+
+def test_a_graph_reading_another_quantize_needs_it_made_from_its_input(device):
+    """b's graph reads a's quantize only where a's last replay read b's input as it is
+    now: b called on another tensor, or on a's input changed since, takes a graph of its
+    own."""
+    torch.manual_seed(0)
+    kw = dict(bias=False, params_dtype=torch.bfloat16, device=device)
+    a, b = lowprec.Linear(K, N, **kw), lowprec.Linear(K, N, **kw)
+    twins = copy.deepcopy(a), copy.deepcopy(b)
+    recipe = lowprec.recipe.Float8CurrentScaling()
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    other = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    for step, change in enumerate((None, None, None, "other", "in place", None)):
+        got, want = [], []
+        for (one, two), graphs, out in (((a, b), True, got), (twins, False, want)):
+            with torch.no_grad(), lowprec.autocast(recipe=recipe, cuda_graphs=graphs):
+                out.append(one(x))
+                if change == "other":
+                    out.append(two(other))
+                elif change == "in place":
+                    x.mul_(2)
+                    out.append(two(x))
+                    x.div_(2)
+                else:
+                    out.append(two(x))
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), f"step {step} ({change}): call {i}"
+    assert graphed.counts["captured reading another's quantize"] >= 1, dict(graphed.counts)
+
+
+def test_a_quantize_read_by_a_pending_backward_is_not_overwritten(device):
+    """While b's backward, which reads a's quantize, is still to run, a's next call takes
+    another graph rather than overwrite it."""
+    torch.manual_seed(0)
+    kw = dict(bias=False, params_dtype=torch.bfloat16, device=device)
+    a, b = lowprec.Linear(K, N, **kw), lowprec.Linear(K, N, **kw)
+    twins = copy.deepcopy(a), copy.deepcopy(b)
+    recipe = lowprec.recipe.Float8CurrentScaling()
+    xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(3)]
+    grads = []
+    for (one, two), graphs in (((a, b), True), (twins, False)):
+        with lowprec.autocast(recipe=recipe, cuda_graphs=graphs):
+            for x in xs[:2]:  # eager, then captured: b reads a's quantize
+                ya, yb = one(x), two(x)
+                (ya.float().sum() + yb.float().square().sum()).backward()
+            ya, yb = one(xs[2]), two(xs[2])
+            ya.float().sum().backward()  # b's backward still to run
+            one.weight.grad = None
+            one(xs[0]).float().sum().backward()  # must not overwrite what b reads
+        two.weight.grad = None
+        yb.float().square().sum().backward()
+        grads.append((one.weight.grad, two.weight.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert graphed.counts["captured reading another's quantize"] >= 1, dict(graphed.counts)
+
+
 def test_held_output_is_never_overwritten(device):
     lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
     recipe = lowprec.recipe.Float8CurrentScaling()
