@@ -391,6 +391,7 @@ def test_a_quantize_read_by_a_pending_backward_is_not_overwritten(name, device):
                 (ya.float().sum() + yb.float().square().sum()).backward()
             ya, yb = one(xs[2]), two(xs[2])
             ya.float().sum().backward()  # b's backward still to run
+            del ya  # (held, it alone would keep a's graph from being reused)
             one.weight.grad = None
             one(xs[0]).float().sum().backward()  # must not overwrite what b reads
         two.weight.grad = None
