@@ -23,6 +23,13 @@ again in backward) and reads it where it lies keeps the caller's tensor until it
 backward, as autograd does, and raises there if it was changed in place; where it would
 copy, it copies into a buffer of its own.
 
+Linears that read one input in a row (q/k/v, gate/up) share its quantize as eager calls
+do (``shared_input``): a capture that follows a graph which quantized the same input reads
+that graph's quantize from its memory. Such a graph replays only where the feeding
+graph's last replay read the very input it is called with, unchanged since, and the
+feeding graph is not replayed again while a reader's backward (which may read its
+columnwise form) is still to run.
+
 The graphs own their memory: the output and the gradients they hand out, and what the
 forward saves for backward, stay allocated between steps (about the activations of one
 step per graphed Linear, as with Transformer Engine's ``make_graphed_callables``). The

@@ -285,32 +285,26 @@ def test_an_input_found_elsewhere_is_copied_from_then_on(device):
     assert graphed.counts["copied in"] == 3, dict(graphed.counts)
 
 
-def test_a_dy_found_elsewhere_takes_a_backward_graph_that_copies(device):
-    """The first backward reads dY where it found it; a dY elsewhere later takes a second
-    backward graph, over a shared buffer, and a dY back in the first place the first."""
+@pytest.mark.parametrize("order,backward_graphs,copies", [
+    # a dY elsewhere takes a second backward graph, over a shared buffer, and a dY back in
+    # the first place the first graph
+    ((0, 0, 1, 0, 2), 2, 2),
+    # the first backward may find dY elsewhere than the steps after it: once dY is found
+    # twice in a row at a new place, the first graph is recorded again to read it there
+    ((0, 0, 1, 1, 1), 3, 1),
+])
+def test_backward_graphs_follow_where_dy_lies(order, backward_graphs, copies, device):
+    """The first backward reads dY where it found it; later dYs are read where they lie
+    or copied into a buffer, as the cases say."""
     torch.manual_seed(0)
     lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
     twin = copy.deepcopy(lin)
     x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
     dys = [torch.randn(M, N, device=device, dtype=torch.bfloat16) for _ in range(3)]
-    _lying_still(lin, twin, [x] * 5, [dys[0], dys[0], dys[1], dys[0], dys[2]])
-    assert graphed.counts["captured"] == 1 and graphed.counts["replayed"] == 4, \
-        dict(graphed.counts)
-    assert graphed.counts["captured backward"] == 2, dict(graphed.counts)
-    assert graphed.counts["copied in"] == 2, dict(graphed.counts)
-
-
-def test_a_dy_found_twice_at_a_new_place_is_read_there(device):
-    """The first backward may find dY elsewhere than the steps after it: once dY is found
-    twice in a row at a new place, the backward graph is recorded again to read it there."""
-    torch.manual_seed(0)
-    lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
-    twin = copy.deepcopy(lin)
-    x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
-    dys = [torch.randn(M, N, device=device, dtype=torch.bfloat16) for _ in range(2)]
-    _lying_still(lin, twin, [x] * 5, [dys[0], dys[0], dys[1], dys[1], dys[1]])
-    assert graphed.counts["captured backward"] == 3, dict(graphed.counts)
-    assert graphed.counts["copied in"] == 1, dict(graphed.counts)
+    _lying_still(lin, twin, [x] * len(order), [dys[i] for i in order])
+    assert graphed.counts["captured"] == 1, dict(graphed.counts)
+    assert graphed.counts["captured backward"] == backward_graphs, dict(graphed.counts)
+    assert graphed.counts["copied in"] == copies, dict(graphed.counts)
 
 
 def test_a_saved_input_changed_in_place_raises_in_backward(device):
