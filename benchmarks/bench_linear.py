@@ -68,16 +68,18 @@ def parse_shape(s):
 # ---- step functions -----------------------------------------------------------------------
 # ``fresh=True`` feeds the module ``x * 1.0``, an activation that only autograd keeps alive
 # (as a previous layer's output would be), so the memory bench sees what each peer saves.
-def plain_step(module, fresh=False, on_forward=None, recipe=None):
-    """One ``y = module(x); y.backward(dy)`` step (under ``lowprec.autocast(recipe)`` when a
-    recipe is given); ``fresh``: the module input is an activation made inside the step."""
+def plain_step(module, fresh=False, on_forward=None, recipe=None, cuda_graphs=False):
+    """One ``y = module(x); y.backward(dy)`` step (under ``lowprec.autocast(recipe,
+    cuda_graphs=cuda_graphs)`` when a recipe is given); ``fresh``: the module input is an
+    activation made inside the step."""
     params = [p for p in module.parameters()]
 
     def step(x, dy):
         for p in params:
             p.grad = None
         x.grad = None
-        with lowprec.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext():
+        with (lowprec.autocast(recipe=recipe, cuda_graphs=cuda_graphs) if recipe is not None
+              else contextlib.nullcontext()):
             y = module(x * 1.0 if fresh else x)
         if on_forward is not None:
             on_forward()
@@ -86,8 +88,8 @@ def plain_step(module, fresh=False, on_forward=None, recipe=None):
     return step
 
 
-def lowprec_step(module, recipe, fresh=False, on_forward=None):
-    return plain_step(module, fresh, on_forward, recipe)
+def lowprec_step(module, recipe, fresh=False, on_forward=None, cuda_graphs=False):
+    return plain_step(module, fresh, on_forward, recipe, cuda_graphs)
 
 
 def torchao_linear(k, n, recipe_name, device):
@@ -108,8 +110,11 @@ def make_inputs(m, k, n, device, count_bytes=True):
 
 
 # ---- benches ------------------------------------------------------------------------------
-def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", **step_kw):
-    """(name, step) for one shape, the bf16 baseline first."""
+def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", cuda_graphs=False,
+                 **step_kw):
+    """(name, step) for one shape, the bf16 baseline first; ``cuda_graphs``: the lowprec
+    peers replay their Linear calls from CUDA graphs (``lowprec.autocast(cuda_graphs=
+    True)``)."""
     torch.manual_seed(0)
     base = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     peers = [("bf16", plain_step(base, **step_kw))]
@@ -117,7 +122,9 @@ def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", **step_kw):
         mod = lowprec.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=device)
         with torch.no_grad():
             mod.weight.copy_(base.weight)
-        peers.append((f"lowprec/{r}", lowprec_step(mod, RECIPES[r](), **step_kw)))
+        name = f"lowprec/{r}" + ("+graphs" if cuda_graphs else "")
+        peers.append((name, lowprec_step(mod, RECIPES[r](), cuda_graphs=cuda_graphs,
+                                         **step_kw)))
     for r in torchao_recipes:
         try:
             peers.append((f"torchao/{r}",
@@ -129,7 +136,8 @@ def linear_peers(m, k, n, recipes, torchao_recipes, device="cuda", **step_kw):
 
 def shape_peers(args, m, k, n, **step_kw):
     """``linear_peers`` for one shape with the options of ``add_peer_args``."""
-    return linear_peers(m, k, n, split_list(args.recipes), split_list(args.torchao), **step_kw)
+    return linear_peers(m, k, n, split_list(args.recipes), split_list(args.torchao),
+                        cuda_graphs=getattr(args, "cuda_graphs", False), **step_kw)
 
 
 def stack_peers(layers, m, k, recipes, device="cuda", **step_kw):
@@ -296,6 +304,9 @@ def main(argv=None):
                     help="also time every peer (bf16 included) with its step captured in a "
                          "CUDA graph and replayed: GPU time without the host's issue time "
                          "(bench 'linear_graph' in the CSV)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="the lowprec Linear peers replay their calls from CUDA graphs "
+                         "(lowprec.autocast(cuda_graphs=True)); the rest of the step eager")
     ap.add_argument("--no-csv", action="store_true")
     args = ap.parse_args(argv)
     recipes = split_list(args.recipes)
