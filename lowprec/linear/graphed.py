@@ -66,6 +66,7 @@ import torch
 
 from ..formats import QuantizedTensor
 from . import shared_input
+from .graph_sources import SHARED, At, Input, forward_source, layout
 
 #: graphs a kind of call may hold at once (each with its own buffers and pool)
 MAX_GRAPHS = 2
@@ -85,75 +86,6 @@ def _storage_refs(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-def _layout(t: torch.Tensor) -> tuple:
-    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
-
-
-class _At:
-    """A graph's view of the tensor it was captured on, read where it lies: a later call
-    whose tensor lies at the same address, in the same layout, replays without a copy. The
-    caching allocator hands a training step's tensors the same memory step after step, so
-    in steady state a replay copies nothing in. The view does not own the memory (the
-    tensor it was made from may be freed and its memory reused): a graph reads it only
-    while it replays for a tensor that lies there."""
-
-    def __init__(self, t: torch.Tensor):
-        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-        memory = torch._C._construct_storage_from_data_pointer(
-            t.data_ptr(), t.device, span * t.element_size())
-        self.buffer = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            memory, 0, t.shape, t.stride())
-        self.layout = _layout(t)
-
-    def accepts(self, t: torch.Tensor) -> bool:
-        return _layout(t) == self.layout
-
-    def fill(self, t: torch.Tensor) -> None:
-        pass
-
-
-class _Input:
-    """A buffer that graphs copy a tensor into. ``shared``: read only while a graph replays
-    (a forward's input that the forward does not save, a backward's dY), so every such
-    graph of one layout shares it, and graphs that read one tensor in a row (q/k/v,
-    gate/up) copy it in once: the buffer knows which tensor (and which version of it) it
-    holds."""
-
-    def __init__(self, like: torch.Tensor, shared: bool = False):
-        self.buffer = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype,
-                                          device=like.device)
-        self.shared = shared
-        self.source = None  # weakref to the tensor copied in last
-        self.version = -1
-
-    def accepts(self, t: torch.Tensor) -> bool:
-        return True
-
-    def fill(self, x: torch.Tensor) -> None:
-        if self.source is None or self.source() is not x or self.version != x._version:
-            self.buffer.copy_(x)
-            self.source, self.version = weakref.ref(x), x._version
-            counts["copied in"] += 1
-
-
-class _Inputs(threading.local):
-    """This thread's shared buffers (inputs, dY), by (device, shape, strides, dtype); the
-    graphs hold them, the table only finds them for the next capture."""
-
-    def __init__(self):
-        self.by_layout = weakref.WeakValueDictionary()
-
-    def get(self, x: torch.Tensor) -> _Input:
-        key = (x.device, x.shape, x.stride(), x.dtype)
-        found = self.by_layout.get(key)
-        if found is None:
-            found = self.by_layout[key] = _Input(x, shared=True)
-        return found
-
-
-_INPUTS = _Inputs()
-
-
 class _Shares(threading.local):
     """This thread's last replayed graph that made a quantize of its input that the next
     Linears reading that input may take (a weakref, or None)."""
@@ -163,11 +95,6 @@ class _Shares(threading.local):
 
 _SHARES = _Shares()
 
-
-def _source(t: torch.Tensor, where: bool):
-    """What a forward graph reads ``t`` from: where it lies (``where``), else a shared
-    buffer."""
-    return _At(t) if where and t.numel() > 0 else _INPUTS.get(t)
 
 
 class _Graphs:
@@ -200,7 +127,8 @@ class _Graphs:
         self.keeps_input = keeps_input
         #: the quantize of the input this graph's forward makes, kept for the graphs of
         #: the Linears after it that read the same input (q/k/v, gate/up): {"made": the
-        #: region's record of it, or None}
+        #: region's record of it, or None}; dropped at the second replay where no graph
+        #: reads it (those Linears are captured right after this one)
         self.made = made
         #: the graphs whose quantize this one reads instead of making its own (None: it
         #: quantizes its input itself); those that read this one's
@@ -250,12 +178,12 @@ class _Graphs:
         if where is not None and where[0].accepts(dy):
             found = where
         else:
-            again, self.missed = self.missed == _layout(dy), _layout(dy)
+            again, self.missed = self.missed == layout(dy), layout(dy)
             aim = dy.numel() > 0 and (where is None or (again and self.aims < MAX_AIMS))
             found = buffered if not aim else None
             if found is None:
                 try:
-                    found = self._record_backward(_At(dy) if aim else _INPUTS.get(self.y))
+                    found = self._record_backward(At(dy) if aim else SHARED.get(self.y))
                 except Exception as err:  # noqa: BLE001 - the kind runs eagerly from now on
                     self.kind.graphs = None
                     _warn(f"capture failed ({type(err).__name__}: {err})")
@@ -269,7 +197,8 @@ class _Graphs:
                 else:
                     self.backward_buffered = found
         source, graph, grads = found
-        source.fill(dy)
+        if source.fill(dy):
+            counts["copied in"] += 1
         graph.replay()
         return grads
 
@@ -441,10 +370,10 @@ def _capture(run, x, weight, bias, pins, kind: _Kind) -> _Graphs:
     reads it where it lies keeps the caller's tensor until its backward; one that would
     read a shared buffer takes a buffer of its own instead."""
     graphs = _record_forward(RECORDER(x.device), run, x, weight, bias, pins, kind,
-                             _source(x, kind.where))
+                             forward_source(x, kind.where))
     if graphs is None:
         graphs = _record_forward(RECORDER(x.device), run, x, weight, bias, pins, kind,
-                                 _Input(x))
+                                 Input(x))
     return graphs
 
 
@@ -487,13 +416,13 @@ def _record_forward(recorder, run, x, weight, bias, pins, kind, source) -> _Grap
         return held["y"]
 
     fwd, y = recorder.record(forward)
-    if saves_input and isinstance(source, _Input) and source.shared:
+    if saves_input and isinstance(source, Input) and source.shared:
         return None
     lent = lending.get("lent")
     reads = feeder if lent is not None and lent.hits else None
     graphs = _Graphs(kind, recorder, fwd, source, y.detach(),
                      held if y.grad_fn is not None else None, (sx, weight, bias), pins,
-                     bool(saves_params), bool(saves_input) and isinstance(source, _At),
+                     bool(saves_params), bool(saves_input) and isinstance(source, At),
                      made, reads)
     if reads is not None:
         reads.readers.add(graphs)
@@ -519,9 +448,14 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, graphs: _Graphs, x, weight, bias):
-        graphs.x.fill(x)  # (a graph chosen for x reads it where it lies or from a buffer)
+        if graphs.x.fill(x):  # (a graph chosen for x reads it where it lies, or a buffer)
+            counts["copied in"] += 1
         graphs.fwd.replay()
         graphs.last_input = weakref.ref(x), x._version
+        if graphs.generation and not graphs.readers:
+            # no Linear after this one took its quantize when both were captured: let the
+            # pool reuse the rowwise copy it kept for them
+            graphs.made["made"] = None
         if graphs.made["made"] is not None:
             _SHARES.last = weakref.ref(graphs)
         graphs.generation += 1
