@@ -14,16 +14,6 @@ def layout(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
-def alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``t``'s memory, in ``t``'s layout, that does not own the memory (the
-    caching allocator may reuse it once ``t`` is freed): what a graph reads where a
-    tensor lies, and what it hands out of the buffers it keeps."""
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
-    memory = torch._C._construct_storage_from_data_pointer(
-        t.data_ptr(), t.device, span * t.element_size())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(memory, 0, t.shape, t.stride())
-
-
 class At:
     """A graph's view of the tensor it was captured on, read where it lies: a later call
     whose tensor lies at the same address, in the same layout, replays without a copy. The
@@ -33,7 +23,11 @@ class At:
     while it replays for a tensor that lies there."""
 
     def __init__(self, t: torch.Tensor):
-        self.buffer = alias(t)
+        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        memory = torch._C._construct_storage_from_data_pointer(
+            t.data_ptr(), t.device, span * t.element_size())
+        self.buffer = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            memory, 0, t.shape, t.stride())
         self.layout = layout(t)
 
     def accepts(self, t: torch.Tensor) -> bool:

@@ -63,11 +63,10 @@ import weakref
 from collections import Counter
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..formats import QuantizedTensor
 from . import shared_input
-from .graph_sources import SHARED, At, Input, alias, forward_source, layout
+from .graph_sources import SHARED, At, Input, forward_source, layout
 
 #: graphs a kind of call may hold at once (each with its own buffers and pool)
 MAX_GRAPHS = 2
@@ -118,8 +117,8 @@ class _Graphs:
         #: them: a high-precision backward, or a weight's columnwise copy made in backward);
         #: else it reads only what the forward made
         self.backward_reads_params = backward_reads_params
-        #: the backward graphs (``_Backward``): the one reading dY where it lies, and the
-        #: one reading a shared buffer (None until needed)
+        #: the backward graphs, each (dY's source, graph, the gradients it writes): the one
+        #: reading dY where it lies, and the one reading a shared buffer (None until needed)
         self.backward_where = self.backward_buffered = None
         self.missed = None  # the layout of the last dY found elsewhere
         self.aims = 0  # times the first graph was recorded again for dY's new place
@@ -169,16 +168,14 @@ class _Graphs:
         buffer), and, where the graph reads another's quantize, that graph's of ``x``."""
         return self.x.accepts(x) and (self.reads is None or self.reads.fed(x))
 
-    def backward(self, dy: torch.Tensor, params: tuple) -> tuple:
+    def backward(self, dy: torch.Tensor) -> tuple:
         """The gradients of (input, weight, bias) for ``dy``, from the backward graph that
         reads it (recorded at the first backward that needs it). One graph reads dY where
         it lies: where the first backward found it, or where dY has since been found twice
         in a row (the first backward of a run may find it elsewhere than the steps after);
-        a dY elsewhere is copied into a shared buffer that a second graph reads.
-        ``params``: the call's (weight, bias), whose ``.grad`` may hold what the last
-        backward handed out."""
+        a dY elsewhere is copied into a shared buffer that a second graph reads."""
         where, buffered = self.backward_where, self.backward_buffered
-        if where is not None and where.source.accepts(dy):
+        if where is not None and where[0].accepts(dy):
             found = where
         else:
             again, self.missed = self.missed == layout(dy), layout(dy)
@@ -190,26 +187,20 @@ class _Graphs:
                 except Exception as err:  # noqa: BLE001 - the kind runs eagerly from now on
                     self.kind.graphs = None
                     _warn(f"capture failed ({type(err).__name__}: {err})")
-                    return self._eager_backward(dy)
+                    return self._leaf_grads(torch.autograd.grad(
+                        self.held["y"], self._inputs(), dy, retain_graph=True,
+                        allow_unused=True))
                 counts["captured backward"] += 1
                 if aim:
                     self.aims += where is not None
                     self.backward_where = found
                 else:
                     self.backward_buffered = found
-        if not found.free(params):
-            counts["eager backward (a gradient it handed out is still referenced)"] += 1
-            return self._eager_backward(dy)
-        if found.source.fill(dy):
+        source, graph, grads = found
+        if source.fill(dy):
             counts["copied in"] += 1
-        found.graph.replay()
-        return found.hand_out()
-
-    def _eager_backward(self, dy: torch.Tensor) -> tuple:
-        """The gradients computed eagerly through the capture's autograd graph, over what
-        the forward's replay left in its buffers (no gradient buffer is touched)."""
-        return self._leaf_grads(torch.autograd.grad(
-            self.held["y"], self._inputs(), dy, retain_graph=True, allow_unused=True))
+        graph.replay()
+        return grads
 
     def _inputs(self) -> list:
         return [t for t in self.leaves if t is not None and t.requires_grad]
@@ -219,48 +210,14 @@ class _Graphs:
         return tuple(next(got) if t is not None and t.requires_grad else None
                      for t in self.leaves)
 
-    def _record_backward(self, source) -> _Backward:
+    def _record_backward(self, source) -> tuple:
         inputs = self._inputs()
         graph, got = self.recorder.record(lambda: torch.autograd.grad(
             self.held["y"], inputs, source.buffer, retain_graph=True, allow_unused=True))
         grads = self._leaf_grads(got)
         if any(g is not None and _same_storage(g, source.buffer) for g in grads):
             raise RuntimeError("a gradient is a view of dY, which the graph does not own")
-        return _Backward(source, graph, grads)
-
-
-class _Backward:
-    """One backward graph: where it reads dY, and the gradient buffers it writes.
-
-    It hands out each gradient as a view that does not own the buffer's memory, so
-    autograd takes it over as a parameter's ``.grad`` rather than copying it (the way
-    ``torch.compile``'s CUDA graphs hand out their outputs), and it keeps weak references
-    to those views' storage. Before it writes the buffers again, each must be free: a
-    ``.grad`` still holding one (gradient accumulation) is copied out first, and anything
-    else still holding one (a hook that kept a gradient, ``torch.autograd.grad``'s
-    caller) makes that backward run eagerly instead."""
-
-    def __init__(self, source, graph, grads: tuple):
-        self.source, self.graph, self.grads = source, graph, grads
-        self.handed: tuple = ()  # weak references to the storage last handed out
-
-    def free(self, params: tuple) -> bool:
-        """Whether the buffers may be written: nothing references what was handed out,
-        once the parameters' ``.grad`` that do are copied out."""
-        held = [r for r in self.handed if not r.expired()]
-        if not held:
-            return True
-        for p in params:
-            if p is not None and p.grad is not None and any(
-                    StorageWeakRef(p.grad.untyped_storage()).cdata == r.cdata for r in held):
-                p.grad = p.grad.clone()
-                counts["gradient copied out of its graph"] += 1
-        return all(r.expired() for r in self.handed)
-
-    def hand_out(self) -> tuple:
-        out = tuple(None if g is None else alias(g) for g in self.grads)
-        self.handed = tuple(StorageWeakRef(t.untyped_storage()) for t in out if t is not None)
-        return out
+        return source, graph, grads
 
 
 class _Kind:
@@ -537,6 +494,8 @@ class _Replay(torch.autograd.Function):
                 "lowprec.autocast(cuda_graphs=True): a graphed Linear got a quantized "
                 f"grad_output ({type(dy).__name__}); its graph reads a high-precision one. "
                 "Run without cuda_graphs, or without the grad_input quantizer above it")
-        grads = graphs.backward(dy, ctx.params)
+        grads = graphs.backward(dy)
         graphs.node = None
+        # the buffers themselves: autograd copies them into a .grad (they are referenced
+        # here, so never taken over) and reads them once as another node's gradient
         return (None, *grads)
