@@ -70,16 +70,22 @@ def delayed_forward(plan, x2d, weight, fwd):
     # the state, it would read scales the region's update has moved since (autograd's
     # version check then raises). A cat is an op the partitioner saves, not recomputes.
     # The codes are cast with the state's scales; the GEMMs read them NaN where an amax is
-    # not finite (``formats.float8.graph.fp8_delayed`` says why).
-    cast = torch.cat([plan.x.seeded(scale[s:s + 1], seen[0:1]),
-                      plan.w.seeded(scale[s + 1:s + 2], seen[1:2])])
+    # not finite (``formats.float8.graph.fp8_delayed`` says why). Where both slots seed
+    # alike, both are seeded in one set of elementwise ops (half the graph's nodes: the
+    # compiler's time goes with them).
+    if plan.x.seeds_like(plan.w):
+        cast = plan.x.seeded(scale[s:s + 2], seen)
+    else:
+        cast = torch.cat([plan.x.seeded(scale[s:s + 1], seen[0:1]),
+                          plan.w.seeded(scale[s + 1:s + 2], seen[1:2])])
     scales = scale_in_use(cast, seen)
     xs, ws = scales[0:1], scales[1:2]
     if records:  # training
         amax[s:s + 2].copy_(torch.maximum(amax[s:s + 2], seen))
         if handle is not None:  # the region around the compiled call: joined at run time
             torch.ops.lowprec.join_region(amax, handle)
-    xd, wd = decode_scale(xs).reshape(()), decode_scale(ws).reshape(())
+    decoded = decode_scale(scales)
+    xd, wd = decoded[0].reshape(()), decoded[1].reshape(())
     return ((Fp8(plan.x.cast(x2d, cast[0:1]), xs, xd), (x2d, xs, xd)),
             (Fp8(plan.w.cast(weight, cast[1:2]), ws, wd), (weight, ws, wd)))
 
