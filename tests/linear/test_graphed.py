@@ -398,6 +398,37 @@ def test_a_quantize_read_by_a_pending_backward_is_not_overwritten(name, device):
     assert graphed.counts["captured"] == 5, dict(graphed.counts)
 
 
+def test_accumulation_whose_second_micro_batch_drops_the_graph(device):
+    """The first micro-batch of each step finds its input where the capture did (the same
+    tensor), so its replay hands out a gradient that ``.grad`` takes over; the second's
+    input lies elsewhere, so the graph is dropped while that ``.grad`` still views its
+    buffer: the accumulated gradients stay eager's."""
+    torch.manual_seed(0)
+    lin = lowprec.Linear(K, N, bias=True, params_dtype=torch.bfloat16, device=device)
+    twin = copy.deepcopy(lin)
+    recipe = lowprec.recipe.Float8CurrentScaling()
+    first = torch.empty(M, K, device=device, dtype=torch.bfloat16)
+    for step in range(3):
+        first.normal_()
+        second = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+        # step 0 calls twice on ``first`` (eager, then the capture, where it lies)
+        micro = (first, first) if step == 0 else (first, second)
+        grads = []
+        for module, graphs in ((lin, True), (twin, False)):
+            module.zero_grad(set_to_none=True)
+            for x in micro:
+                with lowprec.autocast(recipe=recipe, cuda_graphs=graphs):
+                    y = module(x)
+                y.float().square().sum().backward()
+                del y
+            torch.randn(4 * M, K, device=device)  # memory asked for again
+            grads.append((module.weight.grad.clone(), module.bias.grad.clone()))
+        assert torch.equal(grads[0][0], grads[1][0]), f"step {step}: weight"
+        assert torch.equal(grads[0][1], grads[1][1]), f"step {step}: bias"
+    # captured on ``first``, dropped at step 1's second micro-batch, captured again
+    assert graphed.counts["captured"] == 2, dict(graphed.counts)
+
+
 def test_held_output_is_never_overwritten(device):
     lin = lowprec.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=device)
     recipe = lowprec.recipe.Float8CurrentScaling()
