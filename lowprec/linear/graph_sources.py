@@ -9,6 +9,16 @@ import weakref
 import torch
 
 
+def mark(t: torch.Tensor) -> tuple:
+    """``t`` as it is now (a weak reference and its version), for :func:`unchanged`."""
+    return weakref.ref(t), t._version
+
+
+def unchanged(marked: tuple | None, t: torch.Tensor) -> bool:
+    """Whether ``t`` is the tensor ``marked`` was taken of, unchanged since."""
+    return marked is not None and marked[0]() is t and marked[1] == t._version
+
+
 def layout(t: torch.Tensor) -> tuple:
     """What a graph that reads ``t`` where it lies checks of a later tensor."""
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
@@ -49,18 +59,17 @@ class Input:
         self.buffer = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype,
                                           device=like.device)
         self.shared = shared
-        self.source = None  # weakref to the tensor copied in last
-        self.version = -1
+        self.holds = None  # ``mark`` of the tensor copied in last
 
     def accepts(self, t: torch.Tensor) -> bool:
         return True
 
     def fill(self, x: torch.Tensor) -> bool:
         """Copies ``x`` in unless the buffer holds it already; whether it copied."""
-        if self.source is not None and self.source() is x and self.version == x._version:
+        if unchanged(self.holds, x):
             return False
         self.buffer.copy_(x)
-        self.source, self.version = weakref.ref(x), x._version
+        self.holds = mark(x)
         return True
 
 

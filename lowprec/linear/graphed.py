@@ -66,7 +66,7 @@ import torch
 
 from ..formats import QuantizedTensor
 from . import shared_input
-from .graph_sources import SHARED, At, Input, forward_source, layout
+from .graph_sources import SHARED, At, Input, forward_source, layout, mark, unchanged
 
 #: graphs a kind of call may hold at once (each with its own buffers and pool)
 MAX_GRAPHS = 2
@@ -94,7 +94,6 @@ class _Shares(threading.local):
 
 
 _SHARES = _Shares()
-
 
 
 class _Graphs:
@@ -134,7 +133,7 @@ class _Graphs:
         #: quantizes its input itself); those that read this one's
         self.reads = reads
         self.readers = weakref.WeakSet()
-        self.last_input = None  # (weakref, version) of the input of the last replay
+        self.last_input = None  # ``mark`` of the input of the last replay
         self.node = None  # weakref to the autograd node of the last replay awaiting backward
         self.generation = 0
         self.y_refs = 0  # references to y's storage while nothing is handed out (``settle``)
@@ -160,8 +159,7 @@ class _Graphs:
     def fed(self, x: torch.Tensor) -> bool:
         """Whether this graph's last replay read ``x`` as it is now (so the quantize it
         made is ``x``'s)."""
-        last = self.last_input
-        return last is not None and last[0]() is x and last[1] == x._version
+        return unchanged(self.last_input, x)
 
     def serves(self, x: torch.Tensor) -> bool:
         """Whether a replay for ``x`` reads the right input: where it lies (or from a
@@ -187,9 +185,7 @@ class _Graphs:
                 except Exception as err:  # noqa: BLE001 - the kind runs eagerly from now on
                     self.kind.graphs = None
                     _warn(f"capture failed ({type(err).__name__}: {err})")
-                    return self._leaf_grads(torch.autograd.grad(
-                        self.held["y"], self._inputs(), dy, retain_graph=True,
-                        allow_unused=True))
+                    return self._through_capture(dy)
                 counts["captured backward"] += 1
                 if aim:
                     self.aims += where is not None
@@ -202,19 +198,18 @@ class _Graphs:
         graph.replay()
         return grads
 
-    def _inputs(self) -> list:
-        return [t for t in self.leaves if t is not None and t.requires_grad]
-
-    def _leaf_grads(self, got) -> tuple:
-        got = iter(got)
+    def _through_capture(self, dy: torch.Tensor) -> tuple:
+        """The gradients of (input, weight, bias) for ``dy`` through the capture's autograd
+        graph: what a backward graph records, or, where the recording failed, the call's
+        gradients computed eagerly."""
+        inputs = [t for t in self.leaves if t is not None and t.requires_grad]
+        got = iter(torch.autograd.grad(self.held["y"], inputs, dy, retain_graph=True,
+                                       allow_unused=True))
         return tuple(next(got) if t is not None and t.requires_grad else None
                      for t in self.leaves)
 
     def _record_backward(self, source) -> tuple:
-        inputs = self._inputs()
-        graph, got = self.recorder.record(lambda: torch.autograd.grad(
-            self.held["y"], inputs, source.buffer, retain_graph=True, allow_unused=True))
-        grads = self._leaf_grads(got)
+        graph, grads = self.recorder.record(lambda: self._through_capture(source.buffer))
         if any(g is not None and _same_storage(g, source.buffer) for g in grads):
             raise RuntimeError("a gradient is a view of dY, which the graph does not own")
         return source, graph, grads
@@ -451,7 +446,7 @@ class _Replay(torch.autograd.Function):
         if graphs.x.fill(x):  # (a graph chosen for x reads it where it lies, or a buffer)
             counts["copied in"] += 1
         graphs.fwd.replay()
-        graphs.last_input = weakref.ref(x), x._version
+        graphs.last_input = mark(x)
         if graphs.generation and not graphs.readers:
             # no Linear after this one took its quantize when both were captured: let the
             # pool reuse the rowwise copy it kept for them
