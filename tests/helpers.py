@@ -129,11 +129,18 @@ class GraphOps:
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.decomposition import select_decomp_table
 
-        def record(g, _inputs):
+        def name(n):
             # an ordered effectful op (``kernels.register_ordered``) is a ``with_effects``
-            # node whose second argument is the op
-            self.targets += [str(n.args[1]) if "with_effects" in str(n.target) else str(n.target)
-                             for n in g.graph.nodes if n.op == "call_function"]
+            # node whose second argument is the op, an op that writes its inputs an
+            # ``auto_functionalized`` node whose first argument is
+            if "with_effects" in str(n.target):
+                return str(n.args[1])
+            if "auto_functionalized" in str(n.target):
+                return str(n.args[0])
+            return str(n.target)
+
+        def record(g, _inputs):
+            self.targets += [name(n) for n in g.graph.nodes if n.op == "call_function"]
             return g
 
         return aot_autograd(fw_compiler=record, bw_compiler=record,

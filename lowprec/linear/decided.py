@@ -35,6 +35,7 @@ from ..recipe import (
 from . import grad_split, traced
 from . import traced_steps as steps
 from .function import LinearQuantizers
+from .traced_delayed import group_name
 
 
 class _Decisions:
@@ -62,14 +63,10 @@ def decided_delayed_linear(q: LinearQuantizers, x: torch.Tensor, weight: torch.T
                            input_grad: bool | None = None) -> "Decision | None":
     """The :class:`Decision` of a compiled delayed-scaling call (``traced.traced_linear``'s
     ``delayed``: the module's states, handle, recipe, records, group) with the module's
-    quantizers ``q``, or None where it is decided in the trace: an amax reduction group
-    or a callable ``amax_compute_algo`` (neither a constant of the graph), or as for
-    :func:`decided_linear`. The plan reads the quantizers' FP8 dtypes and whether each
+    quantizers ``q``, or None where it is decided in the trace (as for
+    :func:`decided_linear`). The plan reads the quantizers' FP8 dtypes and whether each
     slot seeds a missing scale (``Float8Quantizer.graph_first_margin``) only: the states
-    come in as the node's tensors."""
-    recipe, group = delayed[3], delayed[5]
-    if group is not None or not isinstance(recipe.amax_compute_algo, str):
-        return None
+    come in as the node's tensors, and their updates run outside the graph."""
     call = _call_key(x, weight, bias, input_grad)
     if call is None:
         return None
@@ -157,10 +154,10 @@ class Decision:
             return self.plan
         if delayed is None:
             return _linear_node(x, weight, bias, self.name)
-        fwd, bwd, handle, recipe, records, _ = delayed
+        fwd, bwd, handle, recipe, records, group = delayed
         return _delayed_node(x, weight, bias, fwd.scale, fwd.amax_current, handle, bwd.scale,
-                             bwd.amax_current, bwd.amax_history, bwd.fp8_max, self.name,
-                             records, recipe._lowprec_value, gemm, updates)
+                             bwd.amax_current, bwd.key, self.name, records,
+                             recipe._lowprec_value, gemm, updates, group_name(group))
 
     def run(self, x, weight, bias, delayed=None, gemm: int = 0, updates: bool = True):
         return traced.traced_linear(self.q, self.mode, x, weight, bias, delayed, self.plan,
@@ -174,8 +171,7 @@ class _StateTensors:
 
     scale: torch.Tensor
     amax_current: torch.Tensor
-    amax_history: torch.Tensor | None = None
-    fp8_max: torch.Tensor | None = None
+    key: torch.Tensor | None = None
 
 
 @torch._dynamo.allow_in_graph
@@ -189,16 +185,16 @@ def _linear_node(x, weight, bias, name: str):
 
 
 @torch._dynamo.allow_in_graph
-def _delayed_node(x, weight, bias, scale, amax, handle, bwd_scale, bwd_amax, history, fp8_max,
-                  name: str, records: bool, value: int, gemm: int, updates: bool):
+def _delayed_node(x, weight, bias, scale, amax, handle, bwd_scale, bwd_amax, bwd_key,
+                  name: str, records: bool, value: int, gemm: int, updates: bool, group: str):
     # _linear_node's delayed-scaling twin: the states' tensors are the node's inputs, which
-    # the forward records into and the backward updates in place (AOT autograd
-    # functionalizes both, as it does the interpreted call's)
+    # the forward and the backward record into in place (AOT autograd functionalizes both,
+    # as it does the interpreted call's); ``group`` is the amax reduction group's name
     fwd = _StateTensors(scale, amax)
-    bwd = _StateTensors(bwd_scale, bwd_amax, history, fp8_max)
+    bwd = _StateTensors(bwd_scale, bwd_amax, bwd_key)
     with steps.compile_session():
         return getattr(DECISIONS, name).run(
-            x, weight, bias, (fwd, bwd, handle, recipe_of_value(value), records, None),
+            x, weight, bias, (fwd, bwd, handle, recipe_of_value(value), records, group),
             gemm, updates)
 
 

@@ -54,9 +54,9 @@ from .padding import Padding, feature_padding, padding_for
 from .plan import row_padding
 from .traced_delayed import (
     StateQuantizers,
-    algo_code,
     delayed_forward,
     delayed_grad,
+    group_name,
     update_backward_state,
 )
 
@@ -378,9 +378,8 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         fwd, bwd, handle, recipe, records, group = delayed
         # a GEMM's slots: (input, weight, output) forward, (grad_output, grad_input) backward
         args = args[:6] + ((fwd.scale, fwd.amax_current, handle, 3 * gemm, records),
-                           (bwd.scale, bwd.amax_current, bwd.amax_history, bwd.fp8_max,
-                            algo_code(recipe.amax_compute_algo), float(recipe.margin),
-                            2 * gemm, updates, group))
+                           (bwd.scale, bwd.amax_current, bwd.key, 2 * gemm, updates,
+                            group_name(group)))
     if amp is None:
         y = TracedLinear.apply(*args)
     else:

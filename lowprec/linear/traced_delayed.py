@@ -1,7 +1,8 @@
 """Delayed scaling in a traced linear (``traced.TracedLinear`` with a plan whose forms read
 a module's state): the forward's operands cast with the state's scales and their amaxes
-recorded into it, dY's likewise, and the backward state's update once the module's last
-GEMM has run its backward, as eager's end-of-backward callback does."""
+recorded into it, dY's likewise, and the backward state joined to the backward pass's
+update once the module's last GEMM has run its backward, as eager's end-of-backward
+callback does."""
 
 from __future__ import annotations
 
@@ -9,56 +10,34 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
 from ..formats import Fp8, decode_scale, scale_in_use
-from ..recipe import push_amaxes
+from ..kernels import graph_op
+from ..recipe import join_backward_pass, state_of_key
+
+#: the op tag that keeps a compiled graph's CUDA graphs from capturing an op (torch 2.11+)
+CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),)
+                         if t is not None)
 
 
-@torch.library.custom_op("lowprec::delayed_update",
-                         mutates_args=("history", "amax_current", "scale"))
-def delayed_update(history: torch.Tensor, amax_current: torch.Tensor, scale: torch.Tensor,
-                   fp8_max: torch.Tensor, reduced: Optional[torch.Tensor], algo: int,
-                   margin: float) -> None:
-    """The backward state's update once a traced delayed-scaling backward has recorded its
-    amaxes, under a callable amax algorithm (:func:`update_backward_state` runs the named
-    ones through ``push_amaxes`` in the graph itself): eager's own update
-    (``lowprec.recipe.state.push_amaxes``), one op in the graph; ``reduced``: the amaxes
-    all-reduced over the amax reduction group, where there is one; ``algo``:
-    :func:`algo_code`'s place of the callable."""
-    push_amaxes(history, amax_current, scale, fp8_max,
-                amax_current if reduced is None else reduced, _ALGOS[algo], margin)
+@graph_op("join_backward", mutates_args=("amax",), tags=CUDAGRAPH_UNSAFE)
+def join_backward(amax: torch.Tensor, key: torch.Tensor, group: str) -> None:
+    """A traced delayed-scaling backward whose module's last GEMM has recorded dY's amax
+    into ``amax`` (its backward state's): the state named by ``key`` joins the running
+    backward pass's update (``lowprec.recipe.backward_pass``), its amaxes all-reduced
+    there over the process group named ``group`` ("" for none), as an eager backward's
+    state joins. A host-side op: the update runs once for every module at the pass's end,
+    outside the graph. ``amax`` is declared written because that update writes it (which
+    keeps the compiler from dropping the op and orders it after the record). Not for a
+    CUDA graph: a replay would not run it."""
+    resolved = None if not group else \
+        torch.distributed.distributed_c10d._resolve_process_group(group)
+    join_backward_pass(state_of_key(key), resolved)
 
 
-@delayed_update.register_fake
-def _delayed_update_fake(history, amax_current, scale, fp8_max, reduced, algo, margin):
+@torch.library.register_fake("lowprec::join_backward")
+def _join_backward_fake(amax, key, group):
     return None
-
-
-_ALGO_NAMES = {-1: "max", -2: "most_recent"}
-#: callable amax algorithms a traced update runs, by the int :func:`algo_code` names them by
-_ALGOS: list = []
-
-
-def algo_code(algo) -> int:
-    """The int the traced update op names ``DelayedScaling.amax_compute_algo`` by: -1
-    "max", -2 "most_recent", else a callable's place in a table the op reads (the callable
-    runs in the op, as eager's update runs it)."""
-    if algo == "max":
-        return -1
-    if algo == "most_recent":
-        return -2
-    return _callable_code(algo)
-
-
-@torch._dynamo.assume_constant_result
-def _callable_code(algo) -> int:
-    # run for real while dynamo traces: the op reads the table when the graph runs
-    for i, known in enumerate(_ALGOS):
-        if known is algo:
-            return i
-    _ALGOS.append(algo)
-    return len(_ALGOS) - 1
 
 
 def delayed_forward(plan, x2d, weight, fwd):
@@ -94,7 +73,8 @@ def delayed_forward(plan, x2d, weight, fwd):
 class StateQuantizers:
     """An eager delayed-scaling call's own quantizers (a ``LinearQuantizers`` of the
     module's state: the quantizes read its scales and record amaxes into it) and the
-    module's end-of-backward callback, which updates the backward state."""
+    module's end-of-backward callback, which joins the backward state to the backward
+    pass's update."""
 
     quantizers: object
     done: Optional[Callable[[], None]] = None
@@ -104,24 +84,24 @@ def delayed_grad(plan, dy2d: torch.Tensor, update) -> tuple[Fp8, Fp8]:
     """dY's (rowwise, columnwise) forms under the backward state's scale (``update``: the
     backward state's tensors and settings, as ``traced.traced_linear`` hands them on),
     its amax recorded into the state."""
-    scale, amax, _, _, _, _, s, _, _ = update
+    scale, amax, _, s, _, _ = update
     dyq, dys, seen = plan.dy.delayed(dy2d, scale[s:s + 1])
     amax[s:s + 1].copy_(torch.maximum(amax[s:s + 1], seen))
     dyd = decode_scale(dys).reshape(())
     return Fp8(dyq, dys, dyd), Fp8(dyq.t().contiguous(), dys, dyd)
 
 
+def group_name(group) -> str:
+    """The name the ``join_backward`` op takes an amax reduction group by: ``group``'s own
+    (a process group, or its name already), "" for None."""
+    if group is None or isinstance(group, str):
+        return group or ""
+    return group.group_name
+
+
 def update_backward_state(update) -> None:
-    """The backward state's update where this GEMM is the module's last to run backward
-    (the amaxes all-reduced over the autocast's amax_reduction_group first)."""
-    scale, amax, history, fp8_max, algo, margin, _, updates, group = update
-    if not updates:
-        return
-    reduced = None if group is None else funcol.all_reduce(amax, "max", group)
-    if algo in _ALGO_NAMES:
-        # eager's update: on CUDA its one kernel launch (the compiler would make several
-        # small kernels of the torch ops, which the CPU traces; the same bits either way)
-        push_amaxes(history, amax, scale, fp8_max, amax if reduced is None else reduced,
-                    _ALGO_NAMES[algo], margin)
-    else:  # a callable runs as eager runs it
-        delayed_update(history, amax, scale, fp8_max, reduced, algo, margin)
+    """The backward state joins the backward pass's update where this GEMM is the module's
+    last to run backward."""
+    _, amax, key, _, updates, group = update
+    if updates:
+        torch.ops.lowprec.join_backward(amax, key, group)

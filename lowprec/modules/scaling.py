@@ -21,8 +21,10 @@ from ..memory import (
 from ..recipe import (
     RecipeState,
     active_region,
+    join_backward_pass,
     reads_role_names,
     register_delayed_state,
+    running_backward_pass,
     stateful,
 )
 
@@ -298,19 +300,19 @@ class ScalingStateMixin:
         if not reentrant or bwd.delayed is None:
             return recipe, fwd, bwd, None
         if rec.callback is None:
-            rec.callback = self._backward_callback(bwd, group, backward_calls)
+            # the recompute's backward is a pass of its own, within the pass running now
+            rec.callback = self._backward_callback(bwd, group, backward_calls,
+                                                   running_backward_pass())
         return recipe, fwd, bwd, rec.callback
 
     @staticmethod
-    def _backward_callback(bwd: RecipeState, group, backward_calls: int) -> "_BackwardDone":
-        """Pushes the backward amaxes into the history once ``backward_calls`` GEMM
+    def _backward_callback(bwd: RecipeState, group, backward_calls: int,
+                           task: int | None = None) -> "_BackwardDone":
+        """Joins the backward state to the update of backward pass ``task`` (default: the
+        pass running then; ``lowprec.recipe.backward_pass``) once ``backward_calls`` GEMM
         backwards of one forward call have run."""
-
-        def bwd_update():
-            bwd.delayed.pending = True
-            bwd.delayed.update(group)
-
-        return _BackwardDone(backward_calls, bwd_update)
+        return _BackwardDone(backward_calls,
+                             lambda: join_backward_pass(bwd.delayed, group, task))
 
     def _move_scaling_state(self) -> None:
         # delayed-scaling state follows the parameters (.to, .cuda, to_empty)

@@ -6,6 +6,7 @@
 * ``factories``: picklable quantizer factories for :class:`CustomRecipe`;
 * ``state``: a module's per-recipe quantizers and scaling state, decided once from the recipe;
 * ``state_batch``: delayed-scaling updates of every module batched once per step;
+* ``backward_pass``: the backward states' updates, once per backward pass;
 * ``regions``: the ``lowprec.autocast`` / ``quantized_model_init`` regions.
 
 This is the one place that switches on a recipe's type; the rest of lowprec reads the
@@ -37,6 +38,8 @@ __all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8
            "MMParams"]
 
 # The rest of lowprec enters the package here (internal names, not in __all__).
+from .backward_pass import join as join_backward_pass
+from .backward_pass import running as running_backward_pass
 from .recipes import gemm_fast_accum, normalize_backward_mode, recipe_from_key, recipe_of_value
 from .regions import (
     active_region,
@@ -57,6 +60,7 @@ from .state import (
     delayed_stand_ins,
     push_amaxes,
     reads_role_names,
+    state_of_key,
     stateful,
     stateless_quantizers,
 )

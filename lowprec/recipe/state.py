@@ -9,6 +9,8 @@ and hands the quantizers views into them.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -202,6 +204,22 @@ def note_seeded(states) -> None:
             s.firsts[i].unseeded, s.firsts[i].used = still, False
 
 
+#: each delayed-scaling state's serial number, in creation order
+_SERIALS = itertools.count()
+#: live delayed-scaling states by serial: what a compiled backward's ``join_backward`` op
+#: finds its state by
+_STATES: "weakref.WeakValueDictionary[int, DelayedScalingState]" = weakref.WeakValueDictionary()
+
+
+def state_of_key(key: torch.Tensor) -> "DelayedScalingState":
+    """The live state whose ``key`` tensor holds ``key``'s value."""
+    state = _STATES.get(int(key.item()))
+    if state is None:
+        raise RuntimeError("a compiled delayed-scaling backward names a state that no "
+                           "longer exists")
+    return state
+
+
 class DelayedScalingState:
     """Scales and amax history for one direction of one module (delayed scaling).
 
@@ -233,6 +251,15 @@ class DelayedScalingState:
         self.amax_current = torch.zeros(n, dtype=torch.float32, device=device)
         self.amax_scratch = torch.zeros(n, dtype=torch.float32, device=device)
         self.pending = False
+        self._register()
+
+    def _register(self) -> None:
+        #: creation order (batched updates run in it, alike on every rank), and the same
+        #: number as a CPU tensor, which a compiled graph takes as an input to name the
+        #: state by (``state_of_key``)
+        self.serial = next(_SERIALS)
+        self.key = torch.tensor(self.serial, dtype=torch.int64)
+        _STATES[self.serial] = self
 
     @property
     def _start_scale(self) -> float:
@@ -242,8 +269,13 @@ class DelayedScalingState:
         # A copy (deepcopy, pickling, perhaps loaded onto another device) works out its own
         # batch key (lowprec.recipe.state_batch).
         state = dict(self.__dict__)
-        state.pop("_batch_key", None)
+        for name in ("_batch_key", "serial", "key"):  # a copy is another state
+            state.pop(name, None)
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._register()
 
     def move_to(self, device: torch.device) -> None:
         """Put the state's tensors on ``device`` (values kept; a state on the meta device,

@@ -1,8 +1,8 @@
-"""Delayed-scaling forward states updated in a batch: one amax all-reduce and one launch.
+"""Delayed-scaling states updated in a batch: one amax all-reduce and one launch.
 
 Under :class:`~lowprec.recipe.DelayedScaling` every lowprec module keeps two states, one
-per direction, and each updated on its own: one launch (tens of microseconds of host
-time) and, with amax reduction, one all-reduce per state. The forward states of an
+per direction. Each updated on its own would take one launch (tens of microseconds of
+host time) and, with amax reduction, one all-reduce. The forward states of an
 autocast region all update when the region exits, so :func:`update_states` does them
 together, as Transformer Engine does: one all-reduce of their amaxes per device and one
 launch per set of states with the same device, history length, algorithm and margin.
@@ -11,17 +11,12 @@ Each state ends exactly as its own :meth:`~lowprec.recipe.state.DelayedScalingSt
 it: the all-reduce is elementwise MAX over the concatenated amaxes, and the batched kernel
 runs the single-state kernel's code on each state's columns.
 
-Backward states still update one by one, at the end of their module's backward: deferring
-them to the end of the backward pass would make one update of a module whose forward ran
-several times before that backward, and each call's quantize overwrites the amax of the
-one before (a shared layer would lose the larger gradient amax). Knowing whether more
-calls are still to come depends on which graphs are alive, which ranks need not agree on,
-and their all-reduces must match.
+The backward states of a backward pass update together at its end in the same way
+(``lowprec.recipe.backward_pass``).
 
 The batched launch takes an int64 table of the states' tensor addresses, so it runs only in
 eager mode outside CUDA graph capture (the table is made on the first update of a set of
-states and kept while they live); under tracing or capture each state updates alone, as
-before.
+states and kept while they live); under tracing or capture each state updates alone.
 """
 
 from __future__ import annotations

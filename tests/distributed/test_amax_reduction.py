@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, reduce_amax: bool, out_dir: str, modules: int
 def test_delayed_scaling_reduces_amax_over_group(tmp_path, reduce_amax, modules):
     """Every module's forward and backward amaxes are reduced; with several modules the
     forward amaxes go in one all-reduce at the region's exit (``lowprec.recipe.state_batch``),
-    the backward ones one module at a time, as each module's backward ends."""
+    the backward ones in one at the backward pass's end (``lowprec.recipe.backward_pass``)."""
     world = 2
     spawn.run(_worker, world, reduce_amax, str(tmp_path), modules)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
@@ -47,8 +47,8 @@ def test_delayed_scaling_reduces_amax_over_group(tmp_path, reduce_amax, modules)
     x0 = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
     g0 = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
     for r, res in enumerate(results):
-        # one all-reduce of 3 forward amaxes a module, then one of 2 per module backward
-        expect_calls = [3 * modules] + [2] * modules if reduce_amax else []
+        # one all-reduce of 3 forward amaxes a module, then one of 2 backward ones a module
+        expect_calls = [3 * modules] + [2 * modules] if reduce_amax else []
         assert res["calls"].tolist() == expect_calls
         seen = world if reduce_amax else r + 1  # largest input scale this rank's history saw
         x_amax, g_amax = x0.abs().max() * seen, g0.abs().max() * seen

@@ -1,6 +1,6 @@
 """An ``amax_reduction_group`` under torch.compile (2 CPU gloo ranks): the calls trace, and
 delayed scaling's amaxes are all-reduced as eager's (the forward states' at the region's
-exit, each backward state's before its traced update), so outputs, gradients and the
+exit, the backward states' at the backward pass's end), so outputs, gradients and the
 states after three steps equal eager's bit for bit, with the region entered around the
 compiled function or inside it (where delayed scaling's first call, which makes the
 states, is the opaque op in a region of its own over the group). A recipe without state
@@ -91,8 +91,13 @@ def _worker(rank, world, rname, inside):
     for i, (a, b) in enumerate(zip(want, got)):
         assert torch.equal(a, b), f"{rname} inside={inside}: tensor {i}"
     assert ops.targets and not any(t.startswith("lowprec.call") for t in ops.targets)
+    # the forward states' all-reduce is traced where the region is; the backward states'
+    # runs at the backward pass's end, outside the graph, which holds one op a module that
+    # joins them to it
     reduces = [t for t in ops.targets if "all_reduce" in t]
-    assert bool(reduces) == (rname == "delayed"), reduces
+    assert bool(reduces) == (rname == "delayed" and inside), reduces
+    joins = [t for t in ops.targets if "join_backward" in t]
+    assert bool(joins) == (rname == "delayed"), sorted(set(ops.targets))
 
 
 @pytest.mark.parametrize("rname, inside", [

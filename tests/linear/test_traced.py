@@ -258,11 +258,12 @@ def _two_newest(history):
     inductor={"algo": "callable", "bias": True}))
 def test_delayed_traced_bit_identical(device, bias, algo, backend):
     """Delayed scaling traced: the quantizes read the module's scales and record their
-    amaxes into its state in place, the backward state updates in the backward graph (the
-    forward state at the region's exit, as eager). Over steps whose amaxes move the
-    scales, outputs, gradients and the whole state equal eager's bit for bit. Every call
-    traces (no ``lowprec::call``), the first too: the module's state is made as the
-    compiler traces it. A callable algorithm runs in the update op, as eager runs it."""
+    amaxes into its state in place, the backward state joins the backward pass's update,
+    which runs at its end (the forward state at the region's exit, as eager). Over steps
+    whose amaxes move the scales, outputs, gradients and the whole state equal eager's bit
+    for bit. Every call traces (no ``lowprec::call``), the first too: the module's state is
+    made as the compiler traces it. A callable algorithm runs in the update, as eager runs
+    it."""
     recipe = DelayedScaling(amax_history_len=3, margin=1,
                             amax_compute_algo=_two_newest if algo == "callable" else algo)
     dtype = _dtype(device)
@@ -288,10 +289,10 @@ def test_delayed_traced_bit_identical(device, bias, algo, backend):
     assert sa["forward.scale"][0] != 1 and sa["backward.scale"][0] != 1  # the scales moved
     if backend == "aot_eager":
         graphs = " ".join(ops.targets)
-        # the traced quantizes (the scale in use plain torch ops the compiler fuses), the
-        # update an auto-functionalized custom op in the backward graph
+        # the traced quantizes (the scale in use plain torch ops the compiler fuses); the
+        # backward graph only joins its state to the pass's update, which runs outside it
         assert "lowprec.call" not in graphs and "aten.where" in graphs
-        assert "auto_functionalized" in graphs
+        assert "lowprec.join_backward" in graphs and "delayed_update" not in graphs
         assert plan_of(recipe, x, b.weight) is not None
 
 

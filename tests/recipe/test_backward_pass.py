@@ -1,0 +1,126 @@
+"""Delayed-scaling backward states updated once per backward pass (``lowprec.recipe
+.backward_pass``): one batched update of every module's state at the pass's end, in the
+states' creation order; a module called several times before one backward pushes one
+history row, the max of its calls' amaxes; a compiled backward joins through one op a
+module and updates as eager does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec
+from lowprec.recipe import backward_pass
+from lowprec.recipe.recipes import DelayedScaling
+
+E5M2_MAX = 57344.0
+
+
+def _linears(n: int, seed: int = 0):
+    torch.manual_seed(seed)
+    return [lowprec.Linear(32, 32, name=f"l{i}") for i in range(n)]
+
+
+def _backward_state(m):
+    return m.scaling_state()["backward"]
+
+
+@pytest.fixture
+def updates(monkeypatch):
+    """The lists of backward states each end-of-pass update was handed."""
+    seen = []
+    real = backward_pass.update_states
+
+    def spy(states, group=None):
+        seen.append(list(states))
+        real(states, group)
+
+    monkeypatch.setattr(backward_pass, "update_states", spy)
+    return seen
+
+
+def test_one_update_a_backward_pass_in_creation_order(updates):
+    """Three modules, one backward pass: one update, handed all three backward states in
+    the order they were made (the backward ran them last to first), each of which then
+    holds dY's amax as its newest history row."""
+    lins = _linears(3)
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(16, 32, requires_grad=True)
+    dys = {}
+    with lowprec.autocast(recipe=recipe):
+        h = x
+        for lin in lins:
+            h = lin(h)
+            h.register_hook(lambda g, lin=lin: dys.__setitem__(lin, g.abs().max()))
+    h.backward(torch.randn(16, 32))
+    assert len(updates) == 1, updates
+    serials = [s.serial for s in updates[0]]
+    assert serials == sorted(serials) and len(serials) == 3
+    states = [lin._kept_delayed()["backward"].delayed for lin in lins]
+    assert updates[0] == states
+    for lin in lins:
+        st = _backward_state(lin)
+        assert torch.equal(st["amax_history"][0, 0], dys[lin].float()), lin.name
+        assert torch.equal(st["scale"][0], torch.tensor(E5M2_MAX) / dys[lin].float())
+    assert backward_pass.pending_passes() == 0
+
+
+def test_a_module_called_twice_pushes_one_row_with_the_larger_amax(updates):
+    """A shared module called twice before one backward: one history row, the max of the
+    two calls' dY amaxes, and one update."""
+    (lin,) = _linears(1)
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(16, 32)
+    a, b = torch.randn(16, 32), torch.randn(16, 32) * 5
+    for step in range(2):
+        with lowprec.autocast(recipe=recipe):
+            y1, y2 = lin(x), lin(x * 2)
+        ((y1 * a).sum() + (y2 * b).sum()).backward()
+        hist = _backward_state(lin)["amax_history"]
+        want = torch.maximum(a.abs().max(), b.abs().max())
+        assert torch.equal(hist[0, 0], want), step
+        assert torch.equal(hist[1, 0], want if step else torch.tensor(0.0)), step
+    assert len(updates) == 2
+
+
+def test_outside_a_pass_a_state_updates_at_once():
+    """Joined outside the autograd engine (a backward function called by hand), a state
+    updates as it joins."""
+    (lin,) = _linears(1)
+    with lowprec.autocast(recipe=DelayedScaling(amax_history_len=2)):
+        lin(torch.randn(8, 32))
+    state = lin._kept_delayed()["backward"].delayed
+    state.amax_current.fill_(3.0)
+    backward_pass.join(state)
+    assert not state.pending and state.amax_history[0, 0] == 3.0
+    assert backward_pass.pending_passes() == 0
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_backward_joins_the_pass_as_eager(updates, backend):
+    """A compiled model's backward states update in one end-of-pass update, as eager's,
+    with eager's bits over steps whose amaxes move the scales."""
+    recipe = DelayedScaling(amax_history_len=3)
+    eager = torch.nn.Sequential(*_linears(2))
+    model = torch.nn.Sequential(*_linears(2))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    for step in range(3):
+        x = torch.randn(16, 32, generator=g) * 3.0 ** step
+        dy = torch.randn(16, 32, generator=g) / 2.0 ** step
+        outs = []
+        for m in (eager, compiled):
+            with lowprec.autocast(recipe=recipe):
+                y = m(x)
+            y.backward(dy)
+            outs.append([y.detach()] + [p.grad.clone() for p in m.parameters()])
+            for p in m.parameters():
+                p.grad = None
+        for want, got in zip(*outs):
+            assert torch.equal(want, got), step
+    # one update a backward pass, eager's and compiled's alike, of both modules' states
+    assert len(updates) == 6 and all(len(u) == 2 for u in updates), updates
+    for a, b in zip(eager, model):
+        for mode in ("forward", "backward"):
+            for name, t in a.scaling_state()[mode].items():
+                assert torch.equal(t, b.scaling_state()[mode][name]), (mode, name)
