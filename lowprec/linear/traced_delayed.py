@@ -63,8 +63,9 @@ def delayed_forward(plan, x2d, weight, fwd):
         amax[s:s + 2].copy_(torch.maximum(amax[s:s + 2], seen))
         if handle is not None:  # the region around the compiled call: joined at run time
             torch.ops.lowprec.join_region(amax, handle)
-    decoded = decode_scale(scales)
-    xd, wd = decoded[0].reshape(()), decoded[1].reshape(())
+    # each operand's decode scale of its own: inductor's scaled-GEMM lowering cannot view
+    # an element of a shared buffer as the GEMM's scale (its lowering asserts, on CUDA)
+    xd, wd = decode_scale(xs).reshape(()), decode_scale(ws).reshape(())
     return ((Fp8(plan.x.cast(x2d, cast[0:1]), xs, xd), (x2d, xs, xd)),
             (Fp8(plan.w.cast(weight, cast[1:2]), ws, wd), (weight, ws, wd)))
 
