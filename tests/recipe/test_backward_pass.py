@@ -14,11 +14,16 @@ from lowprec.recipe import backward_pass
 from lowprec.recipe.recipes import DelayedScaling
 
 E5M2_MAX = 57344.0
+#: on CUDA the end-of-pass update is the batched kernel, and the compiled Linears trace in
+#: bf16
+DEVICES = ["cpu"] + (["cuda"] if lowprec.kernels.triton_available() else [])
 
 
-def _linears(n: int, seed: int = 0):
+def _linears(n: int, seed: int = 0, device: str = "cpu"):
     torch.manual_seed(seed)
-    return [lowprec.Linear(32, 32, name=f"l{i}") for i in range(n)]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return [lowprec.Linear(32, 32, name=f"l{i}", params_dtype=dtype, device=device)
+            for i in range(n)]
 
 
 def _backward_state(m):
@@ -39,20 +44,22 @@ def updates(monkeypatch):
     return seen
 
 
-def test_one_update_a_backward_pass_in_creation_order(updates):
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_update_a_backward_pass_in_creation_order(updates, device):
     """Three modules, one backward pass: one update, handed all three backward states in
     the order they were made (the backward ran them last to first), each of which then
     holds dY's amax as its newest history row."""
-    lins = _linears(3)
+    lins = _linears(3, device=device)
     recipe = DelayedScaling(amax_history_len=4)
-    x = torch.randn(16, 32, requires_grad=True)
+    dtype = lins[0].weight.dtype
+    x = torch.randn(16, 32, device=device, dtype=dtype, requires_grad=True)
     dys = {}
     with lowprec.autocast(recipe=recipe):
         h = x
         for lin in lins:
             h = lin(h)
             h.register_hook(lambda g, lin=lin: dys.__setitem__(lin, g.abs().max()))
-    h.backward(torch.randn(16, 32))
+    h.backward(torch.randn(16, 32, device=device, dtype=dtype))
     assert len(updates) == 1, updates
     serials = [s.serial for s in updates[0]]
     assert serials == sorted(serials) and len(serials) == 3
@@ -61,7 +68,7 @@ def test_one_update_a_backward_pass_in_creation_order(updates):
     for lin in lins:
         st = _backward_state(lin)
         assert torch.equal(st["amax_history"][0, 0], dys[lin].float()), lin.name
-        assert torch.equal(st["scale"][0], torch.tensor(E5M2_MAX) / dys[lin].float())
+        assert torch.equal(st["scale"][0].cpu(), torch.tensor(E5M2_MAX) / dys[lin].float().cpu())
     assert backward_pass.pending_passes() == 0
 
 
@@ -96,18 +103,20 @@ def test_outside_a_pass_a_state_updates_at_once():
     assert backward_pass.pending_passes() == 0
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_backward_joins_the_pass_as_eager(updates, backend):
+@pytest.mark.parametrize("backend, device", [("aot_eager", "cpu"), ("inductor", "cpu")]
+                         + [("inductor", "cuda")] * ("cuda" in DEVICES))
+def test_compiled_backward_joins_the_pass_as_eager(updates, backend, device):
     """A compiled model's backward states update in one end-of-pass update, as eager's,
     with eager's bits over steps whose amaxes move the scales."""
     recipe = DelayedScaling(amax_history_len=3)
-    eager = torch.nn.Sequential(*_linears(2))
-    model = torch.nn.Sequential(*_linears(2))
+    eager = torch.nn.Sequential(*_linears(2, device=device))
+    model = torch.nn.Sequential(*_linears(2, device=device))
+    dtype = model[0].weight.dtype
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     g = torch.Generator().manual_seed(3)
     for step in range(3):
-        x = torch.randn(16, 32, generator=g) * 3.0 ** step
-        dy = torch.randn(16, 32, generator=g) / 2.0 ** step
+        x = (torch.randn(16, 32, generator=g) * 3.0 ** step).to(device, dtype)
+        dy = (torch.randn(16, 32, generator=g) / 2.0 ** step).to(device, dtype)
         outs = []
         for m in (eager, compiled):
             with lowprec.autocast(recipe=recipe):
