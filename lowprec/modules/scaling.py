@@ -37,19 +37,26 @@ def _holds(state: RecipeState | None, recipe) -> bool:
 
 
 class _BackwardDone:
-    """Counts a forward call's GEMM backwards and fires once all have run."""
+    """Counts a forward call's GEMM backwards; once all have run, joins the module's
+    backward state to the update of backward pass ``task`` (None: the pass running then;
+    ``lowprec.recipe.backward_pass``). A second backward through a graph kept with
+    ``retain_graph=True`` counts them again and joins its own pass, as every backward
+    pass that runs the module's backward does (a compiled backward too)."""
 
-    def __init__(self, n: int, fn) -> None:
-        self.left, self.fn = n, fn
+    def __init__(self, n: int, state, group, task: int | None = None) -> None:
+        self.n = self.left = n
+        self.state, self.group, self.task = state, group, task
 
     def __call__(self) -> None:
         self.left -= 1
         if self.left == 0:
-            self.fn()
+            self.left = self.n
+            join_backward_pass(self.state, self.group, self.task)
 
     def skip(self) -> None:
         """One of the GEMMs will have no backward (nothing it read needs a gradient): the
         others' backwards fire without it; with none left to run, nothing fires."""
+        self.n -= 1
         self.left -= 1
 
 
@@ -300,19 +307,17 @@ class ScalingStateMixin:
         if not reentrant or bwd.delayed is None:
             return recipe, fwd, bwd, None
         if rec.callback is None:
-            # the recompute's backward is a pass of its own, within the pass running now
-            rec.callback = self._backward_callback(bwd, group, backward_calls,
-                                                   running_backward_pass())
+            rec.callback = self._backward_callback(bwd, group, backward_calls)
+        # the recompute's backward is a pass of its own, within the pass running now (each
+        # backward through a retained graph recomputes, in its own pass)
+        rec.callback.task = running_backward_pass()
         return recipe, fwd, bwd, rec.callback
 
     @staticmethod
-    def _backward_callback(bwd: RecipeState, group, backward_calls: int,
-                           task: int | None = None) -> "_BackwardDone":
-        """Joins the backward state to the update of backward pass ``task`` (default: the
-        pass running then; ``lowprec.recipe.backward_pass``) once ``backward_calls`` GEMM
-        backwards of one forward call have run."""
-        return _BackwardDone(backward_calls,
-                             lambda: join_backward_pass(bwd.delayed, group, task))
+    def _backward_callback(bwd: RecipeState, group, backward_calls: int) -> "_BackwardDone":
+        """Joins the backward state to the running backward pass's update once
+        ``backward_calls`` GEMM backwards of one forward call have run."""
+        return _BackwardDone(backward_calls, bwd.delayed, group)
 
     def _move_scaling_state(self) -> None:
         # delayed-scaling state follows the parameters (.to, .cuda, to_empty)

@@ -90,6 +90,27 @@ def test_a_module_called_twice_pushes_one_row_with_the_larger_amax(updates):
     assert len(updates) == 2
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_each_backward_through_a_retained_graph_updates(updates, compiled):
+    """A backward through a graph kept with ``retain_graph=True`` is a pass of its own: it
+    pushes a row of its own. Compiled, the second backward raises autograd's in-place
+    error (the graph saved the state's tensors, which the first backward wrote), never
+    a silent second update from stale tensors."""
+    (lin,) = _linears(1)
+    f = torch.compile(lin, backend="aot_eager", fullgraph=True) if compiled else lin
+    with lowprec.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        y = f(torch.randn(8, 32))
+    y.sum().backward(retain_graph=True)
+    if compiled:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (2 * y).sum().backward()
+        return
+    (2 * y).sum().backward()
+    hist = _backward_state(lin)["amax_history"]
+    assert hist[0, 0] == 2.0 and hist[1, 0] == 1.0, hist[:3, 0]
+    assert len(updates) == 2
+
+
 def test_outside_a_pass_a_state_updates_at_once():
     """Joined outside the autograd engine (a backward function called by hand), a state
     updates as it joins."""
