@@ -25,6 +25,7 @@ its modules join the outer pass (:func:`running`), as they would without the che
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -32,9 +33,12 @@ from .state_batch import update_states
 
 _LOCK = threading.Lock()
 
-#: autograd graph task id -> {id(group): (group, {id(state): state})}, for the passes
-#: under way
+#: autograd graph task id -> {id(group): (group, {id(state): state}, held weakly)}, for the
+#: passes under way. A pass that raises never runs its end's callback: its entry stays
+#: (its states stay pending, and the next pass that joins them updates them), so the
+#: oldest entries go past ``_MAX_PASSES`` (more than any nesting of passes).
 _PASSES: dict = {}
+_MAX_PASSES = 64
 
 
 def running() -> int:
@@ -60,7 +64,7 @@ def join(state, group=None, task: int | None = None) -> None:
         state.update(group)
         return
     with _LOCK:
-        joined.setdefault(id(group), (group, {}))[1][id(state)] = state
+        joined.setdefault(id(group), (group, weakref.WeakValueDictionary()))[1][id(state)] = state
 
 
 def _joined(task: int):
@@ -72,6 +76,8 @@ def _joined(task: int):
             return joined
         if task != torch._C._current_graph_task_id():
             return None
+        while len(_PASSES) >= _MAX_PASSES:
+            del _PASSES[min(_PASSES)]
         joined = _PASSES[task] = {}
     torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish(task))
     return joined
@@ -81,7 +87,7 @@ def _finish(task: int) -> None:
     with _LOCK:
         joined = _PASSES.pop(task, {})
     for group, states in joined.values():
-        update_states(sorted(states.values(), key=lambda s: s.serial), group)
+        update_states(sorted(list(states.values()), key=lambda s: s.serial), group)
 
 
 def pending_passes() -> int:

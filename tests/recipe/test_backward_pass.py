@@ -51,6 +51,7 @@ def test_one_update_a_backward_pass_in_creation_order(updates, device):
     holds dY's amax as its newest history row."""
     lins = _linears(3, device=device)
     recipe = DelayedScaling(amax_history_len=4)
+    before = backward_pass.pending_passes()
     dtype = lins[0].weight.dtype
     x = torch.randn(16, 32, device=device, dtype=dtype, requires_grad=True)
     dys = {}
@@ -69,7 +70,7 @@ def test_one_update_a_backward_pass_in_creation_order(updates, device):
         st = _backward_state(lin)
         assert torch.equal(st["amax_history"][0, 0], dys[lin].float()), lin.name
         assert torch.equal(st["scale"][0].cpu(), torch.tensor(E5M2_MAX) / dys[lin].float().cpu())
-    assert backward_pass.pending_passes() == 0
+    assert backward_pass.pending_passes() == before
 
 
 def test_a_module_called_twice_pushes_one_row_with_the_larger_amax(updates):
@@ -111,6 +112,30 @@ def test_each_backward_through_a_retained_graph_updates(updates, compiled):
     assert len(updates) == 2
 
 
+def test_a_pass_that_raises_leaves_its_states_to_the_next():
+    """A backward that raises before its end runs no update: its states stay pending with
+    their amaxes, and the next pass that joins them pushes the max of both."""
+    (lin,) = _linears(1)
+    recipe = DelayedScaling(amax_history_len=4)
+
+    def fail(g):
+        raise ValueError("stop")
+
+    with lowprec.autocast(recipe=recipe):
+        x = torch.randn(8, 32, requires_grad=True)
+        x.register_hook(fail)
+        y = lin(x)
+    with pytest.raises(ValueError, match="stop"):
+        (3 * y).sum().backward()
+    state = lin._kept_delayed()["backward"].delayed
+    assert state.pending and state.amax_history[0, 0] == 0
+    with lowprec.autocast(recipe=recipe):
+        y = lin(torch.randn(8, 32))
+    y.sum().backward()
+    assert state.amax_history[0, 0] == 3.0 and state.amax_history[1, 0] == 0
+    assert not state.pending
+
+
 def test_outside_a_pass_a_state_updates_at_once():
     """Joined outside the autograd engine (a backward function called by hand), a state
     updates as it joins."""
@@ -119,9 +144,10 @@ def test_outside_a_pass_a_state_updates_at_once():
         lin(torch.randn(8, 32))
     state = lin._kept_delayed()["backward"].delayed
     state.amax_current.fill_(3.0)
+    before = backward_pass.pending_passes()
     backward_pass.join(state)
     assert not state.pending and state.amax_history[0, 0] == 3.0
-    assert backward_pass.pending_passes() == 0
+    assert backward_pass.pending_passes() == before
 
 
 @pytest.mark.parametrize("backend, device", [("aot_eager", "cpu"), ("inductor", "cpu")]
