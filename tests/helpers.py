@@ -124,6 +124,14 @@ class GraphOps:
 
     def __init__(self) -> None:
         self.targets: list = []
+        #: each graph's targets, in the order they were compiled
+        self.graphs: list = []
+
+    def steady(self) -> list:
+        """The targets of the last forward and backward graphs compiled: what the steps run
+        once nothing recompiles (a delayed-scaling model on CUDA compiles again after its
+        first step, whose Linears are opaque while their slots have no scales)."""
+        return [t for g in self.graphs[-2:] for t in g]
 
     def __call__(self, gm, example_inputs):
         from torch._dynamo.backends.common import aot_autograd
@@ -140,7 +148,8 @@ class GraphOps:
             return str(n.target)
 
         def record(g, _inputs):
-            self.targets += [name(n) for n in g.graph.nodes if n.op == "call_function"]
+            self.graphs.append([name(n) for n in g.graph.nodes if n.op == "call_function"])
+            self.targets += self.graphs[-1]
             return g
 
         return aot_autograd(fw_compiler=record, bw_compiler=record,

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..formats import QuantizedTensor
+from ..kernels import use_kernels
 from ..linear import LinearQuantizers, decided_linear
 from ..memory import current_frame
 from ..recipe import (
@@ -85,10 +86,13 @@ class CallQuantizersMixin:
             held = self.__dict__["_recipe_states"]
             fq, bq = held["forward"].quantizers, held["backward"].quantizers
             fwd_state, bwd_state, handle, records = states
+            qs = self._linear_quantizers(fq, bq, recipe)
+            if use_kernels(x) and _unseeded(qs):
+                return "delayed scaling's first step (a slot without a scale yet)"
             # the group the backward state's update all-reduces its amaxes over, as eager's
             group = region.group if recipe.reduce_amax else None
             delayed = (fwd_state, bwd_state, handle, recipe, records, group)
-            return self._linear_quantizers(fq, bq, recipe), recipe.backward_mode, delayed
+            return qs, recipe.backward_mode, delayed
         if model_group is not None and reads_role_names(recipe):
             held = self.held_quantizers(recipe)
             if held is not None:  # the factory's choices, made outside the trace
@@ -230,3 +234,21 @@ class CallQuantizersMixin:
                 grad_input=(b[1] if boundary and self._boundary(i, False) is not None
                             else None), fast_accum=fast))
         return out
+
+
+def _unseeded(qs) -> bool:
+    """Whether a slot these delayed-scaling GEMMs read may still be without a scale
+    (``FirstScale.unseeded``). Such a call stays the opaque op on the GPU, whose eager
+    quantizes seed the slot: a traced call that seeds casts only once the tensor's amax is
+    known, which takes delayed scaling's head start (the cast fused into the pass that
+    makes the tensor) for every later step of the compiled graph. The first update clears
+    the notes (one read of the scales), and the compiler traces the next call (the notes
+    are its guards): a first compile of the model with its Linears opaque, which is cheap,
+    and a second with their traced forms."""
+    for q in qs:
+        for slot in (q.input, q.weight, q.grad_output):
+            first = getattr(slot, "first", None)
+            if first is not None and first.unseeded:
+                return True
+    return False
+

@@ -109,8 +109,8 @@ def _worker(rank, world, sp, recipes, mlp=True):
                     assert err <= 1e-5 * a.norm().item(), f"{where}: {err:.3e} apart"
                 else:
                     assert torch.equal(a, b), where
-        assert not any(t.startswith("lowprec.call") for t in ops.targets), rname
-        collectives = [t for t in ops.targets if "_c10d_functional" in t]
+        assert not any(t.startswith("lowprec.call") for t in ops.steady()), rname
+        collectives = [t for t in ops.steady() if "_c10d_functional" in t]
         assert collectives, rname
 
 
@@ -164,7 +164,7 @@ def _styles_worker(rank, world, every=False):
                 out += [y.detach()] + [_local(p.grad) for p in m.parameters()]
         for i, (a, b) in enumerate(zip(*outs)):
             assert torch.equal(a, b), f"{rname} sp={sp}: tensor {i}"
-        assert not any(t.startswith("lowprec.call") for t in ops.targets), (rname, sp)
+        assert not any(t.startswith("lowprec.call") for t in ops.steady()), (rname, sp)
 
 
 def test_tensor_parallel_styles_trace_bit_identical():
@@ -228,7 +228,7 @@ def _modules_worker(rank, world):
                 out += [t.detach() for t in ys] + [xx.grad] + [p.grad for p in m.parameters()]
         for i, (a, b) in enumerate(zip(*outs)):
             assert torch.equal(a, b), f"{name}: tensor {i}"
-        assert not any(t.startswith("lowprec.call") for t in ops.targets), name
+        assert not any(t.startswith("lowprec.call") for t in ops.steady()), name
 
 
 def test_tensor_parallel_module_cases_trace_bit_identical():

@@ -1,0 +1,57 @@
+"""A compiled delayed-scaling call on the kernel path (CUDA) stays the opaque op while a
+slot it reads has no scale yet (``FirstScale.unseeded``), so that no traced graph seeds a
+scale from the tensor's own amax (which would make every later step's cast wait for the
+amax); once the notes clear it traces. The decision is taken on the CPU here, with the
+kernel switch forced on (the route CUDA takes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec
+from lowprec.modules import quantizers as module_quantizers
+from lowprec.recipe.recipes import DelayedScaling
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    monkeypatch.setattr(module_quantizers, "use_kernels", lambda t: True)
+
+
+def _firsts(module):
+    states = module._recipe_states
+    return [f for mode in ("forward", "backward") for f in states[mode].delayed.firsts]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: lowprec.Linear(64, 32, name="l"),
+    lambda: lowprec.LayerNormMLP(64, 128, name="mlp")])
+def test_opaque_until_every_read_slot_is_seeded(kernel_path, make):
+    module = make()
+    x = torch.randn(8, 64)
+    with lowprec.autocast(recipe=DelayedScaling()):
+        module.prepare_state(DelayedScaling())
+        got = module.traced_quantizers(x, *[p for p in module.parameters() if p.dim() == 2])
+        assert isinstance(got, str) and "first step" in got, got
+        # seeded: every slot a GEMM reads (the output and grad_input slots, which nothing
+        # reads, may stay without a scale)
+        for f in _firsts(module):
+            f.unseeded = False
+        module._recipe_states["forward"].delayed.firsts[2].unseeded = True  # an output slot
+        got = module.traced_quantizers(x, *[p for p in module.parameters() if p.dim() == 2])
+        assert not isinstance(got, str), got
+        # one read slot without a scale (the second GEMM's dY, say) keeps the call opaque
+        _firsts(module)[-2].unseeded = True
+        got = module.traced_quantizers(x, *[p for p in module.parameters() if p.dim() == 2])
+        assert isinstance(got, str), got
+
+
+def test_the_reference_path_traces_its_first_step():
+    """Off the kernel path (the CPU reference, which takes the amax first anyway) a first
+    step traces, seeding in the graph."""
+    module = lowprec.Linear(64, 32, name="l")
+    with lowprec.autocast(recipe=DelayedScaling()):
+        module.prepare_state(DelayedScaling())
+        got = module.traced_quantizers(torch.randn(8, 64), module.weight)
+    assert not isinstance(got, str), got
