@@ -55,3 +55,37 @@ def test_the_reference_path_traces_its_first_step():
         module.prepare_state(DelayedScaling())
         got = module.traced_quantizers(torch.randn(8, 64), module.weight)
     assert not isinstance(got, str), got
+
+
+def test_the_next_step_traces_once_the_notes_clear(kernel_path):
+    """Compiled: the first step's graph holds the opaque op; once the notes clear (as the
+    first update clears them on CUDA) the compiler traces the call, and every step equals
+    eager's."""
+    from helpers import GraphOps
+
+    recipe = DelayedScaling(amax_history_len=3)
+    torch.manual_seed(0)
+    eager = lowprec.Linear(64, 32, name="l")
+    model = lowprec.Linear(64, 32, name="l")
+    model.load_state_dict(eager.state_dict())
+    ops = GraphOps()
+    compiled = torch.compile(model, backend=ops, fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(16, 64, generator=g) * 2.0 ** step
+        dy = torch.randn(16, 32, generator=g)
+        outs = []
+        for m, params in ((eager, eager), (compiled, model)):
+            with lowprec.autocast(recipe=recipe):
+                y = m(x)
+            y.backward(dy)
+            outs.append([y.detach()] + [p.grad.clone() for p in params.parameters()])
+            for p in params.parameters():
+                p.grad = None
+        for want, got in zip(*outs):
+            assert torch.equal(want, got), step
+        if step == 0:
+            assert any(t.startswith("lowprec.call") for t in ops.steady())
+            for f in _firsts(model):  # the first update's note_seeded, on CUDA
+                f.unseeded = False
+    assert ops.steady() and not any(t.startswith("lowprec.call") for t in ops.steady())
