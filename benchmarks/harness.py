@@ -294,7 +294,8 @@ def pretend_gpu() -> None:
     --pretend``, ``tools/backward_speculation.py``): CPU tensors stand in for CUDA ones, the
     kernel switch says yes, each Triton launch is a no-op, ``torch._scaled_mm`` returns an
     empty result and the traced plans pick CUDA's GEMM routes, so what dynamo and AOT
-    autograd trace is what they trace on a GPU. For the process's rest: it patches lowprec
+    autograd trace is what they trace on a GPU (delayed scaling: from its second step,
+    every slot seeded). For the process's rest: it patches lowprec
     and torch in place."""
     import lowprec.kernels as kernels
     from lowprec.kernels import launch as kernel_launch
@@ -340,3 +341,10 @@ def pretend_gpu() -> None:
     # the traced plan's GEMM table as on CUDA (cuBLAS FP8, not the fp32 emulation)
     traced.route = lambda a, b, m, n, k, out, bias, cuda: gpu_route(a, b, m, n, k, out, bias,
                                                                     True)
+    # No launch records an amax, so no delayed-scaling slot would ever get a scale, and its
+    # calls would stay opaque: trace them as CUDA does from its second step, every slot
+    # seeded (no seeding in the graph)
+    from lowprec.formats.float8 import Float8Quantizer
+    from lowprec.modules import quantizers as module_quantizers
+    module_quantizers._unseeded = lambda qs: False
+    Float8Quantizer.graph_first_margin = lambda self, kernel: None
