@@ -118,7 +118,9 @@ def test_sequential_traced_bit_identical(recipe_name, fuse, device):
     dy = randn(2, tokens // 2, hidden, seed=2).to(device, dtype)
     recipe = Recipe.from_name(recipe_name)
     got = _compare(lambda: _block(hidden, ffn, device, dtype, fuse), x, dy, recipe)
-    assert not any(t.startswith("lowprec.call.") for t in got.targets)
+    # the graphs the steps settle on (delayed scaling's first step on CUDA is opaque while
+    # its slots have no scales)
+    assert not any(t.startswith("lowprec.call.") for t in got.steady())
     assert any("graph_bias_activation" in t for t in got.targets) == fuse
 
 
