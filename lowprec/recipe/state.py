@@ -258,7 +258,7 @@ class DelayedScalingState:
         #: number as a CPU tensor, which a compiled graph takes as an input to name the
         #: state by (``state_of_key``)
         self.serial = next(_SERIALS)
-        self.key = torch.tensor(self.serial, dtype=torch.int64)
+        self.key = torch.tensor(self.serial, dtype=torch.int64, device="cpu")
         _STATES[self.serial] = self
 
     @property
