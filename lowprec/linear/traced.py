@@ -233,7 +233,7 @@ class TracedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         grads = steps.traced_backward(ctx, dy, TracedLinear._grads)
         if ctx.state is not None and ctx.state.done is not None:
-            ctx.state.done()  # the module's backward state update (delayed scaling)
+            ctx.state.done()  # joins the backward state to the pass's update (delayed scaling)
         return (*grads, None, None, None, None)
 
     @staticmethod

@@ -345,14 +345,14 @@ def test_delayed_call_is_one_node_and_eager_bit_for_bit(region_inside, amp, kind
 
 @pytest.mark.parametrize("region_inside", [False, True], ids=["region-outside",
                                                               "region-inside"])
-def test_interpreted_delayed_backward_traces_with_the_update_kernel(region_inside,
-                                                                   monkeypatch):
-    """Where no decided node runs a delayed-scaling call (dynamic shapes, an amax reduction
-    group), dynamo interprets the Function and speculates its backward. There, the state
-    update that launches its kernel (CUDA) asks nothing dynamo cannot answer (a tensor's
-    contiguity) and writes no global: under torch.autocast such a failed speculation is
-    retried and leaves autocast's state changed. Here CUDA's update choice on CPU
-    tensors, in the trace only (the backend stops once it has the graph)."""
+def test_interpreted_delayed_call_traces_with_the_update_kernel(region_inside, monkeypatch):
+    """Where no decided node runs a delayed-scaling call (dynamic shapes), dynamo interprets
+    the Function and speculates its backward (which joins the state to the backward pass's
+    update, a host-side op), and with the region inside traces the region exit's update of
+    the forward states. That update, which launches its kernel on CUDA, asks nothing dynamo
+    cannot answer (a tensor's contiguity) and writes no global: under torch.autocast a
+    failed speculation is retried and leaves autocast's state changed. Here CUDA's update
+    choice on CPU tensors, in the trace only (the backend stops once it has the graph)."""
     from lowprec.modules import linear as linear_module
     from lowprec.recipe import state
     recipe = DelayedScaling(amax_history_len=4)
