@@ -54,7 +54,7 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..formats import QuantizedExperts, QuantizedTensor
-from ..kernels import graph_op
+from ..kernels import CUDAGRAPH_UNSAFE, graph_op
 from ..linear import graph_kept
 from ..recipe import (
     active_region,
@@ -413,16 +413,14 @@ def _call_backward_fake(token, grads, shapes, ndims, dtypes, device):
     return out
 
 
-_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
-
 call_op = torch.library.custom_op(
-    "lowprec::call", _call_impl, mutates_args=(), tags=_TAGS,
+    "lowprec::call", _call_impl, mutates_args=(), tags=CUDAGRAPH_UNSAFE,
     schema="(Tensor handle, int recipe_key, int amp, bool grad_enabled, bool[] needs, str layout, "
            "SymInt[] ints, Tensor[] tensors, Tensor[] params, SymInt[] out_shapes, "
            "int[] out_ndims) -> Tensor[]")
 call_op.register_fake(_call_fake)
 call_backward_op = torch.library.custom_op(
-    "lowprec::call_backward", _call_backward_impl, mutates_args=(), tags=_TAGS,
+    "lowprec::call_backward", _call_backward_impl, mutates_args=(), tags=CUDAGRAPH_UNSAFE,
     schema="(Tensor token, Tensor?[] grads, SymInt[] shapes, int[] ndims, int[] dtypes, "
            "Device device) -> Tensor[]")
 call_backward_op.register_fake(_call_backward_fake)

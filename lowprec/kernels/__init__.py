@@ -175,6 +175,12 @@ def _define(namespace: str, name: str, fn, mutates_args=(), tags: tuple = ()):
     return getattr(getattr(torch.ops, namespace), name).default
 
 
+#: the op tag that keeps a compiled graph's CUDA graphs from capturing an op, for an op whose
+#: work is on the host, which a replay would not do (torch 2.11+; none before)
+CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),)
+                         if t is not None)
+
+
 def graph_op(name: str, *, tags: tuple = (), mutates_args: tuple = ()):
     """Define ``lowprec::<name>`` as an op of the compiled graph that runs ``fn`` (its
     schema inferred from ``fn``'s annotations, ``mutates_args`` the arguments it writes),

@@ -12,12 +12,8 @@ from typing import Callable, Optional
 import torch
 
 from ..formats import Fp8, decode_scale, scale_in_use
-from ..kernels import graph_op
+from ..kernels import CUDAGRAPH_UNSAFE, graph_op
 from ..recipe import join_backward_pass, state_of_key
-
-#: the op tag that keeps a compiled graph's CUDA graphs from capturing an op (torch 2.11+)
-CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),)
-                         if t is not None)
 
 
 @graph_op("join_backward", mutates_args=("amax",), tags=CUDAGRAPH_UNSAFE)
