@@ -343,8 +343,6 @@ def pretend_gpu() -> None:
                                                                     True)
     # No launch records an amax, so no delayed-scaling slot would ever get a scale, and its
     # calls would stay opaque: trace them as CUDA does from its second step, every slot
-    # seeded (no seeding in the graph)
+    # seeded (no seeding in the graph, so nothing keeps a call opaque)
     from lowprec.formats.float8 import Float8Quantizer
-    from lowprec.modules import quantizers as module_quantizers
-    module_quantizers._unseeded = lambda qs: False
     Float8Quantizer.graph_first_margin = lambda self, kernel: None

@@ -87,7 +87,7 @@ class CallQuantizersMixin:
             fq, bq = held["forward"].quantizers, held["backward"].quantizers
             fwd_state, bwd_state, handle, records = states
             qs = self._linear_quantizers(fq, bq, recipe)
-            if use_kernels(x) and _unseeded(qs):
+            if use_kernels(x) and _seeds(qs):
                 return "delayed scaling's first step (a slot without a scale yet)"
             # the group the backward state's update all-reduces its amaxes over, as eager's
             group = region.group if recipe.reduce_amax else None
@@ -236,19 +236,16 @@ class CallQuantizersMixin:
         return out
 
 
-def _unseeded(qs) -> bool:
-    """Whether a slot these delayed-scaling GEMMs read may still be without a scale
-    (``FirstScale.unseeded``). Such a call stays the opaque op on the GPU, whose eager
+def _seeds(qs) -> bool:
+    """Whether the kernel path's traced form of a slot these delayed-scaling GEMMs read
+    would seed a missing scale (``Float8Quantizer.graph_first_margin``: the slot may
+    still be without one). Such a call stays the opaque op on the GPU, whose eager
     quantizes seed the slot: a traced call that seeds casts only once the tensor's amax is
     known, which takes delayed scaling's head start (the cast fused into the pass that
     makes the tensor) for every later step of the compiled graph. The first update clears
     the notes (one read of the scales), and the compiler traces the next call (the notes
     are its guards): a first compile of the model with its Linears opaque, which is cheap,
     and a second with their traced forms."""
-    for q in qs:
-        for slot in (q.input, q.weight, q.grad_output):
-            first = getattr(slot, "first", None)
-            if first is not None and first.unseeded:
-                return True
-    return False
+    return any(slot is not None and slot.graph_first_margin(True) is not None
+               for q in qs for slot in (q.input, q.weight, q.grad_output))
 
