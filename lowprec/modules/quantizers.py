@@ -248,4 +248,3 @@ def _seeds(qs) -> bool:
     and a second with their traced forms."""
     return any(slot is not None and slot.graph_first_margin(True) is not None
                for q in qs for slot in (q.input, q.weight, q.grad_output))
-
