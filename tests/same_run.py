@@ -46,6 +46,21 @@ def assert_same_run(a, b, xa, xb, ya, yb) -> None:
     assert_same_grads_and_states(a, b)
 
 
+def assert_same_step(eager, compiled, model, recipe, x, dy, what="") -> None:
+    """One step of ``eager`` and of ``compiled`` (which runs ``model``) under ``recipe`` on
+    ``x`` and ``dy``: outputs, parameter gradients and delayed-scaling states all equal;
+    the gradients are cleared after."""
+    ys = []
+    for m in (eager, compiled):
+        with lowprec.autocast(recipe=recipe):
+            ys.append(m(x))
+        ys[-1].backward(dy)
+    assert torch.equal(ys[0], ys[1]), what
+    assert_same_grads_and_states(eager, model)
+    for p in (*eager.parameters(), *model.parameters()):
+        p.grad = None
+
+
 def assert_same_grads_and_states(a, b) -> None:
     """Parameter gradients and delayed-scaling states of two models all equal."""
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):

@@ -62,7 +62,7 @@ def test_the_next_step_traces_once_the_notes_clear(kernel_path):
     first update clears them on CUDA) the compiler traces the call, and every step equals
     eager's."""
     from helpers import GraphOps
-    from same_run import assert_same_grads_and_states
+    from same_run import assert_same_step
 
     recipe = DelayedScaling(amax_history_len=3)
     torch.manual_seed(0)
@@ -75,15 +75,7 @@ def test_the_next_step_traces_once_the_notes_clear(kernel_path):
     for step in range(3):
         x = torch.randn(16, 64, generator=g) * 2.0 ** step
         dy = torch.randn(16, 32, generator=g)
-        ys = []
-        for m in (eager, compiled):
-            with lowprec.autocast(recipe=recipe):
-                ys.append(m(x))
-            ys[-1].backward(dy)
-        assert torch.equal(ys[0], ys[1]), step
-        assert_same_grads_and_states(eager, model)
-        for p in (*eager.parameters(), *model.parameters()):
-            p.grad = None
+        assert_same_step(eager, compiled, model, recipe, x, dy, step)
         if step == 0:
             assert any(t.startswith("lowprec.call") for t in ops.steady())
             for f in _firsts(model):  # the first update's note_seeded, on CUDA

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from same_run import assert_same_grads_and_states
+from same_run import assert_same_step
 
 import lowprec
 from lowprec.recipe import backward_pass
@@ -168,14 +168,6 @@ def test_compiled_backward_joins_the_pass_as_eager(updates, backend, device):
     for step in range(3):
         x = (torch.randn(16, 32, generator=g) * 3.0 ** step).to(device, dtype)
         dy = (torch.randn(16, 32, generator=g) / 2.0 ** step).to(device, dtype)
-        ys = []
-        for m in (eager, compiled):
-            with lowprec.autocast(recipe=recipe):
-                ys.append(m(x))
-            ys[-1].backward(dy)
-        assert torch.equal(ys[0], ys[1]), step
-        assert_same_grads_and_states(eager, model)  # the states after every step
-        for p in (*eager.parameters(), *model.parameters()):
-            p.grad = None
+        assert_same_step(eager, compiled, model, recipe, x, dy, step)  # states too
     # one update a backward pass, eager's and compiled's alike, of both modules' states
     assert len(updates) == 6 and all(len(u) == 2 for u in updates), updates
