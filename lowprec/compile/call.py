@@ -58,6 +58,7 @@ from ..kernels import CUDAGRAPH_UNSAFE, graph_op
 from ..linear import graph_kept
 from ..recipe import (
     active_region,
+    for_running_backward_pass,
     pop_region,
     push_region,
     recipe_from_key,
@@ -390,7 +391,9 @@ def _call_backward_impl(token: torch.Tensor, grads: list[torch.Tensor | None],
     pairs = [(o, g) for o, g in zip(rec.outputs, grads) if g is not None and o.requires_grad]
     keep = graph_kept()
     if pairs:
-        with _autograd_dispatch():
+        # the nested pass is the running one's part: a delayed-scaling module called more
+        # than once updates its backward state once, at that pass's end, as in eager
+        with _autograd_dispatch(), for_running_backward_pass():
             got = torch.autograd.grad([o for o, _ in pairs], rec.leaves, [g for _, g in pairs],
                                       retain_graph=keep, allow_unused=True)
     else:

@@ -40,19 +40,23 @@ def delayed_forward(plan, x2d, weight, fwd):
     """fprop's operands under delayed scaling: cast with the state's scales, their amaxes
     recorded into it (slot ``s`` the input, ``s + 1`` the weight)."""
     scale, amax, handle, s, records = fwd
+    # Backward recasts x and W with the scales read here, so it must keep a copy of them:
+    # left a read of the state, they would be recomputed from the state's tensor in backward
+    # (the partitioner saves an input rather than what is computed from it) after the
+    # region's update has moved them. Autograd's version check raises where that update is
+    # torch ops; nothing checks a kernel's write. A cat is an op the partitioner saves, never
+    # recomputes (of the scales alone: the casts must not wait for the amaxes).
+    held = torch.cat([scale[s:s + 1], scale[s + 1:s + 2]])
     seen = torch.cat([plan.x.amax(x2d), plan.w.amax(weight)])
-    # Backward recasts x and W with these scales, so it keeps this copy: recomputed from
-    # the state, it would read scales the region's update has moved since (autograd's
-    # version check then raises). A cat is an op the partitioner saves, not recomputes.
     # The codes are cast with the state's scales; the GEMMs read them NaN where an amax is
     # not finite (``formats.float8.graph.fp8_delayed`` says why). Where both slots seed
     # alike, both are seeded in one set of elementwise ops (half the graph's nodes: the
     # compiler's time goes with them).
     if plan.x.seeds_like(plan.w):
-        cast = plan.x.seeded(scale[s:s + 2], seen)
+        cast = plan.x.seeded(held[0:2], seen)
     else:
-        cast = torch.cat([plan.x.seeded(scale[s:s + 1], seen[0:1]),
-                          plan.w.seeded(scale[s + 1:s + 2], seen[1:2])])
+        cast = torch.cat([plan.x.seeded(held[0:1], seen[0:1]),
+                          plan.w.seeded(held[1:2], seen[1:2])])
     scales = scale_in_use(cast, seen)
     xs, ws = scales[0:1], scales[1:2]
     if records:  # training

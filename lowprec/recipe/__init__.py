@@ -38,6 +38,7 @@ __all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8
            "MMParams"]
 
 # The rest of lowprec enters the package here (internal names, not in __all__).
+from .backward_pass import for_running as for_running_backward_pass
 from .backward_pass import join as join_backward_pass
 from .backward_pass import running as running_backward_pass
 from .recipes import gemm_fast_accum, normalize_backward_mode, recipe_from_key, recipe_of_value

@@ -18,14 +18,16 @@ amaxes, and every call's backward quantizes dY with the scale the pass began wit
 The states are updated in the order they were created, so that every rank concatenates
 the same amaxes for the all-reduce whatever order its backward ran the modules in.
 Outside an autograd engine pass (a backward function called by hand) a state updates at
-once, as it joins. A reentrant checkpoint's recompute runs its backward as a nested pass;
-its modules join the outer pass (:func:`running`), as they would without the checkpoint.
+once, as it joins. A reentrant checkpoint's recompute and a compiled opaque call
+(``lowprec::call``) run their backward as a nested pass; their modules join the outer pass
+(:func:`running`, :func:`for_running`), as they would run without the nesting.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from contextlib import contextmanager
 
 import torch
 
@@ -39,6 +41,8 @@ _LOCK = threading.Lock()
 #: oldest entries go past ``_MAX_PASSES`` (more than any nesting of passes).
 _PASSES: dict = {}
 _MAX_PASSES = 64
+#: ``outer``: the pass a nested one runs for (:func:`for_running`), per thread
+_NESTED = threading.local()
 
 
 def running() -> int:
@@ -52,13 +56,32 @@ def running() -> int:
     return task
 
 
+@contextmanager
+def for_running():
+    """Within: a backward pass run by hand inside the one running now, on its behalf (an
+    opaque compiled call's backward, ``torch.autograd.grad`` over the graph its forward
+    recorded). States that join it join the outer pass instead, so a module called more
+    than once updates once, at the outer pass's end, and each call's backward quantizes
+    with the scale that pass began with."""
+    outer = running()
+    before = getattr(_NESTED, "outer", -1)
+    _NESTED.outer = outer if outer >= 0 else before
+    try:
+        yield
+    finally:
+        _NESTED.outer = before
+
+
 def join(state, group=None, task: int | None = None) -> None:
     """Mark ``state`` (a backward ``DelayedScalingState``) for the update at the end of the
-    backward pass ``task`` (:func:`running`; default: the pass running now), its amaxes
-    all-reduced over ``group`` (None: not reduced)."""
+    backward pass ``task`` (:func:`running`; default: the pass running now, or the one it
+    runs for, :func:`for_running`), its amaxes all-reduced over ``group`` (None: not
+    reduced)."""
     state.pending = True
     if task is None:
-        task = torch._C._current_graph_task_id()
+        task = getattr(_NESTED, "outer", -1)
+        if task < 0:
+            task = torch._C._current_graph_task_id()
     joined = _joined(task) if task >= 0 else None
     if joined is None:
         state.update(group)

@@ -57,27 +57,34 @@ def test_the_reference_path_traces_its_first_step():
     assert not isinstance(got, str), got
 
 
-def test_the_next_step_traces_once_the_notes_clear(kernel_path):
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
+def test_the_next_step_traces_once_the_notes_clear(kernel_path, twice):
     """Compiled: the first step's graph holds the opaque op; once the notes clear (as the
     first update clears them on CUDA) the compiler traces the call, and every step equals
-    eager's."""
+    eager's. A Linear called twice a step, opaque: each call's backward is a nested pass,
+    which joins the outer one, so its backward state updates once, at the outer pass's
+    end, and the first call's backward quantizes with the scale the pass began with."""
     from helpers import GraphOps
     from same_run import assert_same_step
 
     recipe = DelayedScaling(amax_history_len=3)
     torch.manual_seed(0)
-    eager = lowprec.Linear(64, 32, name="l")
-    model = lowprec.Linear(64, 32, name="l")
+
+    def make():
+        layer = lowprec.Linear(64, 64 if twice else 32, name="l")
+        return (torch.nn.Sequential(layer, layer) if twice else layer), layer
+    eager, _ = make()
+    model, layer = make()
     model.load_state_dict(eager.state_dict())
     ops = GraphOps()
     compiled = torch.compile(model, backend=ops, fullgraph=True)
     g = torch.Generator().manual_seed(1)
     for step in range(3):
         x = torch.randn(16, 64, generator=g) * 2.0 ** step
-        dy = torch.randn(16, 32, generator=g)
+        dy = torch.randn(16, 64 if twice else 32, generator=g)
         assert_same_step(eager, compiled, model, recipe, x, dy, step)
         if step == 0:
             assert any(t.startswith("lowprec.call") for t in ops.steady())
-            for f in _firsts(model):  # the first update's note_seeded, on CUDA
+            for f in _firsts(layer):  # the first update's note_seeded, on CUDA
                 f.unseeded = False
     assert ops.steady() and not any(t.startswith("lowprec.call") for t in ops.steady())
