@@ -38,9 +38,10 @@ Why the pieces look as they do:
 With ``lowprec.autocast`` outside the compiled function the call joins the
 real autocast region (delayed-scaling amaxes enter the history when it
 exits, as in eager mode). With ``autocast`` inside it, the region exists only
-while tracing; each call then runs in a region of its own, so a
-delayed-scaling module's forward amaxes enter its history right after its
-forward (the same result unless a module runs twice in one region).
+while tracing; the region's calls then share one region at run time
+(``recipe.enter_deferred``), whose states the traced region's exit updates
+through ``lowprec::exit_deferred``: the eager result again, also for a module
+called twice in one region.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ from ..kernels import CUDAGRAPH_UNSAFE, graph_op
 from ..linear import graph_kept
 from ..recipe import (
     active_region,
+    enter_deferred,
     for_running_backward_pass,
+    leave_deferred,
     pop_region,
     push_region,
     recipe_from_key,
@@ -260,8 +263,8 @@ class _RuntimeRegion:
     """The autocast region a compiled call runs in: the real one where autocast encloses
     the compiled function, else one of its own (see the module docstring)."""
 
-    def __init__(self, recipe_key: int) -> None:
-        self.group = None
+    def __init__(self, recipe_key: int, deferred: bool = False) -> None:
+        self.group, self.key, self.deferred = None, recipe_key, deferred
         if recipe_key <= -2:
             recipe_key, group_name = _GROUPED[-2 - recipe_key]
             # resolved when the call runs: a process group made again under the same
@@ -276,12 +279,14 @@ class _RuntimeRegion:
             if real is not None:
                 self.own = push_region(None)
         elif real is None or real.recipe is not self.recipe or real.group is not self.group:
-            self.own = push_region(self.recipe, self.group)
+            self.own = (enter_deferred(self.key, self.recipe, self.group) if self.deferred
+                        else push_region(self.recipe, self.group))
         return self
 
     def __exit__(self, *exc) -> None:
         if self.own is not None:
-            pop_region(self.own)
+            (leave_deferred if self.deferred and self.recipe is not None
+             else pop_region)(self.own)
 
 
 #: the (recipe key, group name) of each region with an amax reduction group; the region's
@@ -338,8 +343,8 @@ def _fix_aliases(outs: list, inputs: list, private: _PrivateSaves | None) -> lis
 def _call_impl(handle: torch.Tensor, recipe_key: int, amp: int, grad_enabled: bool,
                needs: list[bool],
                layout: str, ints: list[int], tensors: list[torch.Tensor],
-               params: list[torch.Tensor], out_shapes: list[int], out_ndims: list[int]
-               ) -> list[torch.Tensor]:
+               params: list[torch.Tensor], out_shapes: list[int], out_ndims: list[int],
+               deferred: bool) -> list[torch.Tensor]:
     module = _module_of(handle)
     n_in = len(tensors)
     params_live = list(module.parameters())
@@ -353,7 +358,8 @@ def _call_impl(handle: torch.Tensor, recipe_key: int, amp: int, grad_enabled: bo
         leaves += [p for p, need in zip(params_live, needs[n_in:]) if grad_enabled and need]
         args, kwargs = _decode(layout, ints, inner)
         private = _PrivateSaves(tensors) if leaves else None
-        with _RuntimeRegion(recipe_key), _torch_autocast(tensors[0].device.type, amp):
+        with _RuntimeRegion(recipe_key, deferred), \
+                _torch_autocast(tensors[0].device.type, amp):
             if private is not None:
                 with private.hooks():
                     out = module.forward(*args, **kwargs)
@@ -371,7 +377,7 @@ def _call_impl(handle: torch.Tensor, recipe_key: int, amp: int, grad_enabled: bo
 
 
 def _call_fake(handle, recipe_key, amp, grad_enabled, needs, layout, ints, tensors, params,
-               out_shapes, out_ndims):
+               out_shapes, out_ndims, deferred):
     x = tensors[0]
     dtype = _DTYPES[amp] if amp >= 0 else x.dtype  # under torch.autocast: its dtype
     outs, pos = [], 0
@@ -420,7 +426,7 @@ call_op = torch.library.custom_op(
     "lowprec::call", _call_impl, mutates_args=(), tags=CUDAGRAPH_UNSAFE,
     schema="(Tensor handle, int recipe_key, int amp, bool grad_enabled, bool[] needs, str layout, "
            "SymInt[] ints, Tensor[] tensors, Tensor[] params, SymInt[] out_shapes, "
-           "int[] out_ndims) -> Tensor[]")
+           "int[] out_ndims, bool deferred) -> Tensor[]")
 call_op.register_fake(_call_fake)
 call_backward_op = torch.library.custom_op(
     "lowprec::call_backward", _call_backward_impl, mutates_args=(), tags=CUDAGRAPH_UNSAFE,
@@ -431,7 +437,7 @@ call_backward_op.register_fake(_call_backward_fake)
 
 def _setup_context(ctx, inputs, output) -> None:
     (handle, recipe_key, amp, grad_enabled, needs, layout, ints, tensors, params,
-     out_shapes, out_ndims) = inputs
+     out_shapes, out_ndims, _deferred) = inputs
     ctx.n_in, ctx.n_params = len(tensors), len(params)
     ctx.needs = list(needs)
     wanted = [t for t, need in zip(list(tensors) + list(params), needs) if need]
@@ -503,12 +509,25 @@ def _trace_call(module, args: tuple, kwargs: dict):
     needs = [grad_enabled and t.requires_grad and t.is_floating_point()
              for t in tensors + params]
     amp = torch_autocast_dtype(tensors[0])
+    # in a region of the compiled function: its exit updates the states (enter_deferred)
+    deferred = region is not None and region.traced
     outs = call_op(getattr(module, HANDLE_ATTR), recipe_key,
                    -1 if amp is None else _DTYPES.index(amp), grad_enabled, needs, layout, ints,
-                   tensors, params, out_shapes, out_ndims)
+                   tensors, params, out_shapes, out_ndims, deferred)
+    if deferred:
+        _defer(region, recipe_key, outs[-1])
     if len(shapes) == 1:
         return outs[0]
     return tuple(outs[:len(shapes)])
+
+
+def _defer(region, key: int, token) -> None:
+    """Hand the traced ``region``'s exit the token of a call in region ``key``."""
+    for k, tokens in region.deferred:
+        if k == key:
+            tokens.append(token)
+            return
+    region.deferred.append((key, [token]))
 
 
 _logger = logging.getLogger("lowprec.compile")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels import CUDAGRAPH_UNSAFE, graph_op, register_ordered
 from .recipes import DelayedScaling, Recipe
 from .state_batch import update_states
 
@@ -57,12 +58,16 @@ class _Region:
     #: entered while torch.compile traced (the region lives in the compiled graph), rather
     #: than around the compiled call
     traced: bool = field(default_factory=torch.compiler.is_compiling)
+    #: a traced region's opaque calls (``lowprec::call``) inside it: (their region key,
+    #: their tokens), whose states its exit updates (:func:`enter_deferred`)
+    deferred: list = field(default_factory=list)
 
 
 class _Local(threading.local):
     def __init__(self) -> None:
         self.regions: list = []       # autocast stack; None entries are disabled regions
         self.init_recipes: list = []  # quantized_model_init stack
+        self.deferred: dict = {}      # region key -> the region opaque calls share
 
 
 _LOCAL = _Local()
@@ -108,7 +113,7 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_
     finally:
         _LOCAL.regions.pop()
         if region is not None:
-            update_states(region.delayed_states, region.group)
+            _exit(region)
 
 
 def active_region() -> _Region | None:
@@ -146,7 +151,51 @@ def pop_region(token) -> None:
         raise RuntimeError("autocast regions were left out of order")
     _LOCAL.regions.pop()
     if region is not None:
+        _exit(region)
+
+
+def _exit(region: _Region) -> None:
+    update_states(region.delayed_states, region.group)
+    for key, tokens in region.deferred:
+        torch.ops.lowprec.exit_deferred(tokens, key)
+
+
+def enter_deferred(key: int, recipe: Recipe, group):
+    """Enter the region an opaque compiled call (``lowprec::call``) traced inside a region
+    of the compiled function runs in: one region per ``key`` (recipe and group) that every
+    such call shares until ``lowprec::exit_deferred``, which the traced region's exit runs,
+    updates its delayed-scaling states. So a module called twice in that region quantizes
+    both calls with one scale and pushes one history row, as in eager. Returns the token
+    for :func:`leave_deferred`."""
+    region = _LOCAL.deferred.get(key)
+    if region is None:
+        region = _LOCAL.deferred[key] = _Region(recipe, group)
+    _LOCAL.regions.append(region)
+    return [region]
+
+
+def leave_deferred(token) -> None:
+    """Leave the region :func:`enter_deferred` entered, its states left to update."""
+    if not _LOCAL.regions or _LOCAL.regions[-1] is not token[0]:
+        raise RuntimeError("autocast regions were left out of order")
+    _LOCAL.regions.pop()
+
+
+@graph_op("exit_deferred", tags=CUDAGRAPH_UNSAFE)
+def _exit_deferred(tokens: list[torch.Tensor], key: int) -> None:
+    # ``tokens``, the opaque calls' outputs, order this after them; an ordered effect keeps
+    # the compiler from dropping it (it returns nothing)
+    region = _LOCAL.deferred.pop(key, None)
+    if region is not None:
         update_states(region.delayed_states, region.group)
+
+
+@torch.library.register_fake("lowprec::exit_deferred")
+def _exit_deferred_fake(tokens, key):
+    return None
+
+
+register_ordered(_exit_deferred)
 
 
 def register_delayed_state(state) -> None:

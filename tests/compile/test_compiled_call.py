@@ -99,18 +99,19 @@ def _compare(rname, model, autocast_inside, backend="aot_eager", steps=2, device
         ya = _run(eager, recipe, xa, 10 + step, autocast_inside)
         yb = _run(compiled, recipe, xb, 10 + step, autocast_inside)
         assert_same_run(a, b, xa, xb, ya, yb)
-    assert counter.frame_count == _frames(b, rname, autocast_inside)
+    assert counter.frame_count == _frames(b, rname, autocast_inside, device)
 
 
-def _frames(model, rname, autocast_inside: bool) -> int:
-    """Frames compiled over the steps: one. With autocast entered outside the compiled
-    function, a module's delayed-scaling state is made as the compiler traces it; entered
-    inside, a Linear, LayerNormLinear or ops linear under delayed scaling runs its first
-    call as the opaque op (which makes the state) and the next call compiles again."""
+def _frames(model, rname, autocast_inside: bool, device: str = "cpu") -> int:
+    """Frames compiled over the steps: one. A Linear, LayerNormLinear or ops linear under
+    delayed scaling runs its first call as the opaque op, and the next call compiles again,
+    with autocast entered inside the compiled function (the opaque op makes the state) and
+    on CUDA (the op seeds the slots' first scales); otherwise the state is made as the
+    compiler traces the call."""
     linears = any(type(m) in (lowprec.Linear, lowprec.LayerNormLinear, lowprec.ops.Linear,
                               lowprec.ops.BasicLinear) for m in model.modules())
-    return 2 if rname == "delayed" and linears and autocast_inside else 1
-
+    opaque_first = autocast_inside or device == "cuda"
+    return 2 if rname == "delayed" and linears and opaque_first else 1
 
 
 #: what CI runs of the recipe x model matrix (the rest with --slow): the grouped model

@@ -88,3 +88,50 @@ def test_the_next_step_traces_once_the_notes_clear(kernel_path, twice):
             for f in _firsts(layer):  # the first update's note_seeded, on CUDA
                 f.unseeded = False
     assert ops.steady() and not any(t.startswith("lowprec.call") for t in ops.steady())
+
+
+@pytest.mark.parametrize("init", [False, True], ids=["state-from-call", "state-made"])
+def test_opaque_calls_in_a_region_of_the_compiled_function_update_at_its_exit(kernel_path,
+                                                                               init):
+    """With ``lowprec.autocast`` inside the compiled function, its opaque calls (here a
+    Linear called twice, its first step opaque) share one region at run time, which the
+    traced region's exit updates: both calls cast with one scale and the step pushes one
+    history row, eager's bits, whether the state was made before or by the first call."""
+    from helpers import GraphOps
+    from same_run import assert_same_run
+
+    recipe = DelayedScaling(amax_history_len=3)
+    torch.manual_seed(0)
+
+    def make():
+        layer = lowprec.Linear(64, 64, name="l")
+        if init:
+            lowprec.init_scaling_state(layer, recipe)
+        return torch.nn.Sequential(layer, layer), layer
+
+    def step(model):
+        def run(x):
+            with lowprec.autocast(recipe=recipe):
+                return model(x)
+        return run
+    eager, _ = make()
+    model, layer = make()
+    model.load_state_dict(eager.state_dict())
+    ops = GraphOps()
+    compiled = torch.compile(step(model), backend=ops, fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for n in range(3):
+        x = torch.randn(16, 64, generator=g) * 2.0 ** n
+        dy = torch.randn(16, 64, generator=g)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = step(eager)(xa), compiled(xb)
+        ya.backward(dy)
+        yb.backward(dy)
+        assert_same_run(eager, model, xa, xb, ya, yb)
+        for p in (*eager.parameters(), *model.parameters()):
+            p.grad = None
+        if n == 0:
+            assert "lowprec.exit_deferred.default" in ops.steady()
+            for f in _firsts(layer):  # the first update's note_seeded, on CUDA
+                f.unseeded = False
+    assert not any(t.startswith("lowprec.call") for t in ops.steady())
