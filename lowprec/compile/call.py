@@ -62,24 +62,22 @@ from ..recipe import (
     enter_deferred,
     for_running_backward_pass,
     leave_deferred,
+    new_handle,
     pop_region,
     push_region,
     recipe_from_key,
     register_delayed_state,
+    resolve_handle,
     torch_autocast_dtype,
 )
 
 HANDLE_ATTR = "_lowprec_handle"
 
-_MODULES: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
-_next_handle = itertools.count(1)
 
 
 def assign_handle(module: torch.nn.Module) -> None:
-    """Give ``module`` a fresh handle (a CPU int64 scalar) for compiled calls."""
-    key = next(_next_handle)
-    _MODULES[key] = module
-    object.__setattr__(module, HANDLE_ATTR, torch.tensor(key, dtype=torch.int64))
+    """Give ``module`` a fresh handle (``recipe.new_handle``) for compiled calls."""
+    object.__setattr__(module, HANDLE_ATTR, new_handle(module))
 
 
 def ensure_handle(module: torch.nn.Module) -> None:
@@ -106,10 +104,7 @@ class CompiledCallMixin:
 
 
 def _module_of(handle: torch.Tensor) -> torch.nn.Module:
-    module = _MODULES.get(int(handle.item()))
-    if module is None:
-        raise RuntimeError("a compiled lowprec call names a module that no longer exists")
-    return module
+    return resolve_handle(handle, "module")
 
 
 @graph_op("join_region", mutates_args=("amax",))

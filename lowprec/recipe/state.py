@@ -10,7 +10,6 @@ and hands the quantizers views into them.
 from __future__ import annotations
 
 import itertools
-import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -26,6 +25,7 @@ from ..formats import (
 )
 from ..formats.float8 import FirstScale, delayed_scale, inv_margin
 from ..kernels import use_kernels
+from .handles import new_handle, resolve
 from .recipes import (
     CustomRecipe,
     DelayedScaling,
@@ -206,18 +206,11 @@ def note_seeded(states) -> None:
 
 #: each delayed-scaling state's serial number, in creation order
 _SERIALS = itertools.count()
-#: live delayed-scaling states by serial: what a compiled backward's ``join_backward`` op
-#: finds its state by
-_STATES: "weakref.WeakValueDictionary[int, DelayedScalingState]" = weakref.WeakValueDictionary()
 
 
 def state_of_key(key: torch.Tensor) -> "DelayedScalingState":
-    """The live state whose ``key`` tensor holds ``key``'s value."""
-    state = _STATES.get(int(key.item()))
-    if state is None:
-        raise RuntimeError("a compiled delayed-scaling backward names a state that no "
-                           "longer exists")
-    return state
+    """The live state whose ``key`` is ``key``."""
+    return resolve(key, "delayed-scaling state")
 
 
 class DelayedScalingState:
@@ -254,12 +247,10 @@ class DelayedScalingState:
         self._register()
 
     def _register(self) -> None:
-        #: creation order (batched updates run in it, alike on every rank), and the same
-        #: number as a CPU tensor, which a compiled graph takes as an input to name the
-        #: state by (``state_of_key``)
+        #: creation order (batched updates run in it, alike on every rank)
         self.serial = next(_SERIALS)
-        self.key = torch.tensor(self.serial, dtype=torch.int64, device="cpu")
-        _STATES[self.serial] = self
+        #: the handle a compiled graph names the state by (``state_of_key``)
+        self.key = new_handle(self)
 
     @property
     def _start_scale(self) -> float:
