@@ -35,7 +35,6 @@ from ..recipe import (
 from . import grad_split, traced
 from . import traced_steps as steps
 from .function import LinearQuantizers
-from .traced_delayed import group_name
 
 
 class _Decisions:
@@ -157,7 +156,7 @@ class Decision:
         fwd, bwd, handle, recipe, records, group = delayed
         return _delayed_node(x, weight, bias, fwd.scale, fwd.amax_current, handle, bwd.scale,
                              bwd.amax_current, bwd.key, self.name, records,
-                             recipe._lowprec_value, gemm, updates, group_name(group))
+                             recipe._lowprec_value, gemm, updates, group)
 
     def run(self, x, weight, bias, delayed=None, gemm: int = 0, updates: bool = True):
         return traced.traced_linear(self.q, self.mode, x, weight, bias, delayed, self.plan,

@@ -56,7 +56,6 @@ from .traced_delayed import (
     StateQuantizers,
     delayed_forward,
     delayed_grad,
-    group_name,
     update_backward_state,
 )
 
@@ -340,8 +339,8 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
     reason (a string) where :func:`plan_for` has no plan (the caller keeps the opaque op).
     ``delayed``: the (forward, backward) delayed-scaling states, the module's handle
     that a delayed-scaling call records into (None: the region is in the graph), the
-    recipe, whether the forward records its amaxes (not in an evaluation), and the group
-    the backward state's update all-reduces its amaxes over (or None); ``gemm``:
+    recipe, whether the forward records its amaxes (not in an evaluation), and the name of
+    the group the backward state's update all-reduces its amaxes over ("" for none); ``gemm``:
     which of the module's GEMMs this is (its slots in the states); ``updates``: whether its
     backward, the module's last to run, updates the backward state (eager's end-of-backward
     callback). ``plan``: :func:`decide`'s plan, where the caller has asked for it already
@@ -378,8 +377,7 @@ def traced_linear(quantizers, backward_mode: str, x: torch.Tensor, weight: torch
         fwd, bwd, handle, recipe, records, group = delayed
         # a GEMM's slots: (input, weight, output) forward, (grad_output, grad_input) backward
         args = args[:6] + ((fwd.scale, fwd.amax_current, handle, 3 * gemm, records),
-                           (bwd.scale, bwd.amax_current, bwd.key, 2 * gemm, updates,
-                            group_name(group)))
+                           (bwd.scale, bwd.amax_current, bwd.key, 2 * gemm, updates, group))
     if amp is None:
         y = TracedLinear.apply(*args)
     else:

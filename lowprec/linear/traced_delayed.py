@@ -92,14 +92,6 @@ def delayed_grad(plan, dy2d: torch.Tensor, update) -> tuple[Fp8, Fp8]:
     return Fp8(dyq, dys, dyd), Fp8(dyq.t().contiguous(), dys, dyd)
 
 
-def group_name(group) -> str:
-    """The name the ``join_backward`` op takes an amax reduction group by: ``group``'s own
-    (a process group, or its name already), "" for None."""
-    if group is None or isinstance(group, str):
-        return group or ""
-    return group.group_name
-
-
 def update_backward_state(update) -> None:
     """The backward state joins the backward pass's update where this GEMM is the module's
     last to run backward."""

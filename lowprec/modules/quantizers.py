@@ -89,8 +89,10 @@ class CallQuantizersMixin:
             qs = self._linear_quantizers(fq, bq, recipe)
             if use_kernels(x) and _seeds(qs):
                 return "delayed scaling's first step (a slot without a scale yet)"
-            # the group the backward state's update all-reduces its amaxes over, as eager's
-            group = region.group if recipe.reduce_amax else None
+            # the name of the group the backward state's update all-reduces its amaxes over,
+            # as eager's ("" for none): the traced backward's join op takes it by name
+            group = region.group.group_name \
+                if recipe.reduce_amax and region.group is not None else ""
             delayed = (fwd_state, bwd_state, handle, recipe, records, group)
             return qs, recipe.backward_mode, delayed
         if model_group is not None and reads_role_names(recipe):
