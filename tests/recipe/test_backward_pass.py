@@ -6,6 +6,8 @@ module and updates as eager does."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from same_run import assert_same_step
@@ -171,3 +173,42 @@ def test_compiled_backward_joins_the_pass_as_eager(updates, backend, device):
         assert_same_step(eager, compiled, model, recipe, x, dy, step)  # states too
     # one update a backward pass, eager's and compiled's alike, of both modules' states
     assert len(updates) == 6 and all(len(u) == 2 for u in updates), updates
+
+
+@pytest.mark.parametrize("nested_for_outer", [True, False], ids=["for-running", "own-pass"])
+def test_a_nested_pass_run_for_the_outer_one_joins_it(updates, nested_for_outer):
+    """A backward that runs ``autograd.grad`` over a graph of its own (an opaque compiled
+    call's) inside ``for_running``: the states joining in that nested pass update with the
+    outer pass's, once, at its end; without it the nested pass updates them at its own
+    end, before the outer pass goes on."""
+    a, b = _linears(2)
+    recipe = DelayedScaling(amax_history_len=3)
+    x = torch.randn(8, 32)
+    with lowprec.autocast(recipe=recipe):
+        inner_in = torch.randn(8, 32, requires_grad=True)
+        inner_out = b(inner_in)  # a graph the outer backward runs by hand
+
+    class Outer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            with backward_pass.for_running() if nested_for_outer else nullcontext():
+                torch.autograd.grad(inner_out, inner_in, g)
+            seen_inside.append(len(updates))
+            return g
+
+    seen_inside = []
+    with lowprec.autocast(recipe=recipe):
+        y = Outer.apply(a(x.requires_grad_()))
+    y.sum().backward()
+    state_a, state_b = (m._kept_delayed()["backward"].delayed for m in (a, b))
+    if nested_for_outer:
+        # nothing updated inside; one update at the outer end, with both states
+        assert seen_inside == [0] and [len(u) for u in updates] == [2]
+        assert updates[0] == [state_b, state_a]  # creation order: b ran first
+    else:
+        assert seen_inside == [1] and [len(u) for u in updates] == [1, 1]
+    assert not state_a.pending and not state_b.pending
