@@ -7,7 +7,9 @@
 * ``state``: a module's per-recipe quantizers and scaling state, decided once from the recipe;
 * ``state_batch``: delayed-scaling updates of every module batched once per step;
 * ``backward_pass``: the backward states' updates, once per backward pass;
-* ``regions``: the ``lowprec.autocast`` / ``quantized_model_init`` regions.
+* ``regions``: the ``lowprec.autocast`` / ``quantized_model_init`` regions (and the one
+  region a compiled function's opaque calls share at run time);
+* ``handles``: CPU tensors that name modules and states to compiled graphs' host ops.
 
 This is the one place that switches on a recipe's type; the rest of lowprec reads the
 quantizers the state hands out. ``lowprec.recipe.<Name>`` is the public spelling of every
