@@ -74,7 +74,6 @@ from ..recipe import (
 HANDLE_ATTR = "_lowprec_handle"
 
 
-
 def assign_handle(module: torch.nn.Module) -> None:
     """Give ``module`` a fresh handle (``recipe.new_handle``) for compiled calls."""
     object.__setattr__(module, HANDLE_ATTR, new_handle(module))
