@@ -508,20 +508,11 @@ def _trace_call(module, args: tuple, kwargs: dict):
     outs = call_op(getattr(module, HANDLE_ATTR), recipe_key,
                    -1 if amp is None else _DTYPES.index(amp), grad_enabled, needs, layout, ints,
                    tensors, params, out_shapes, out_ndims, deferred)
-    if deferred:
-        _defer(region, recipe_key, outs[-1])
+    if deferred:  # the traced region's exit runs after this call (its token)
+        region.deferred.setdefault(recipe_key, []).append(outs[-1])
     if len(shapes) == 1:
         return outs[0]
     return tuple(outs[:len(shapes)])
-
-
-def _defer(region, key: int, token) -> None:
-    """Hand the traced ``region``'s exit the token of a call in region ``key``."""
-    for k, tokens in region.deferred:
-        if k == key:
-            tokens.append(token)
-            return
-    region.deferred.append((key, [token]))
 
 
 _logger = logging.getLogger("lowprec.compile")

@@ -58,9 +58,9 @@ class _Region:
     #: entered while torch.compile traced (the region lives in the compiled graph), rather
     #: than around the compiled call
     traced: bool = field(default_factory=torch.compiler.is_compiling)
-    #: a traced region's opaque calls (``lowprec::call``) inside it: (their region key,
-    #: their tokens), whose states its exit updates (:func:`enter_deferred`)
-    deferred: list = field(default_factory=list)
+    #: a traced region's opaque calls (``lowprec::call``) inside it: their tokens by their
+    #: region's key, whose states its exit updates (:func:`enter_deferred`)
+    deferred: dict = field(default_factory=dict)
 
 
 class _Local(threading.local):
@@ -156,7 +156,7 @@ def pop_region(token) -> None:
 
 def _exit(region: _Region) -> None:
     update_states(region.delayed_states, region.group)
-    for key, tokens in region.deferred:
+    for key, tokens in region.deferred.items():
         torch.ops.lowprec.exit_deferred(tokens, key)
 
 

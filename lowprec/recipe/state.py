@@ -9,7 +9,6 @@ and hands the quantizers views into them.
 
 from __future__ import annotations
 
-import itertools
 from typing import Callable, Sequence
 
 import torch
@@ -204,10 +203,6 @@ def note_seeded(states) -> None:
             s.firsts[i].unseeded, s.firsts[i].used = still, False
 
 
-#: each delayed-scaling state's serial number, in creation order
-_SERIALS = itertools.count()
-
-
 def state_of_key(key: torch.Tensor) -> "DelayedScalingState":
     """The live state whose ``key`` is ``key``."""
     return resolve(key, "delayed-scaling state")
@@ -247,10 +242,11 @@ class DelayedScalingState:
         self._register()
 
     def _register(self) -> None:
-        #: creation order (batched updates run in it, alike on every rank)
-        self.serial = next(_SERIALS)
-        #: the handle a compiled graph names the state by (``state_of_key``)
+        #: the handle a compiled graph names the state by (``state_of_key``), and its value:
+        #: handles are numbered in creation order, which batched updates run in (alike on
+        #: every rank)
         self.key = new_handle(self)
+        self.serial = int(self.key)
 
     @property
     def _start_scale(self) -> float:
