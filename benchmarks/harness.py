@@ -224,8 +224,9 @@ def gpu_kernel_ms(run: Callable[[int], None], steps: int = 3,
     """(GPU kernel ms, kernels, heaviest) per call of ``run(i)``, from ``torch.profiler``:
     the sum of every CUDA kernel's (and memcpy/memset's) own time, whatever the host did
     between them. Against the wall time of the same step it gives the host's share
-    (1 - GPU / wall). ``heaviest``: the ``top`` kernel names by GPU time per call, as
-    (ms, launches, name)."""
+    (1 - GPU / wall). ``heaviest``: the ``top`` kernel names by GPU time per call and the
+    ``top`` by launches (where a host-bound step's small kernels show), as (ms, launches,
+    name), heaviest first."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -240,8 +241,10 @@ def gpu_kernel_ms(run: Callable[[int], None], steps: int = 3,
         acc = by_name.setdefault(e.name, [0.0, 0])
         acc[0] += e.device_time
         acc[1] += 1
-    heaviest = sorted(((us / 1e3 / steps, n / steps, name) for name, (us, n) in by_name.items()),
-                      reverse=True)[:top]
+    rows = [(us / 1e3 / steps, n / steps, name) for name, (us, n) in by_name.items()]
+    by_time = sorted(rows, reverse=True)[:top]
+    by_launches = sorted(rows, key=lambda r: r[1], reverse=True)[:top]
+    heaviest = sorted(set(by_time) | set(by_launches), reverse=True)
     return total_us / 1e3 / steps, len(evs) / steps, heaviest
 
 
