@@ -40,25 +40,19 @@ def delayed_forward(plan, x2d, weight, fwd):
     """fprop's operands under delayed scaling: cast with the state's scales, their amaxes
     recorded into it (slot ``s`` the input, ``s + 1`` the weight)."""
     scale, amax, handle, s, records = fwd
-    # Backward recasts x and W with the scales read here, so it must keep a copy of them:
-    # left a read of the state, they would be recomputed from the state's tensor in backward
-    # (the partitioner saves an input rather than what is computed from it) after the
-    # region's update has moved them. Autograd's version check raises where that update is
-    # torch ops; nothing checks a kernel's write. A cat is an op the partitioner saves, never
-    # recomputes (of the scales alone: the casts must not wait for the amaxes).
-    held = torch.cat([scale[s:s + 1], scale[s + 1:s + 2]])
-    seen = torch.cat([plan.x.amax(x2d), plan.w.amax(weight)])
-    # The codes are cast with the state's scales; the GEMMs read them NaN where an amax is
-    # not finite (``formats.float8.graph.fp8_delayed`` says why). Where both slots seed
-    # alike, both are seeded in one set of elementwise ops (half the graph's nodes: the
-    # compiler's time goes with them).
-    if plan.x.seeds_like(plan.w):
-        cast = plan.x.seeded(held[0:2], seen)
-    else:
-        cast = torch.cat([plan.x.seeded(held[0:1], seen[0:1]),
-                          plan.w.seeded(held[1:2], seen[1:2])])
-    scales = scale_in_use(cast, seen)
-    xs, ws = scales[0:1], scales[1:2]
+    # The codes are cast with the state's scales as they are (seeded from the tensor's own
+    # amax only while the slot may have none): the casts need not wait for the amaxes. The
+    # GEMMs read the scales NaN where an amax is not finite (``formats.float8.graph.
+    # fp8_delayed`` says why).
+    ax, aw = plan.x.amax(x2d), plan.w.amax(weight)
+    cx, cw = plan.x.seeded(scale[s:s + 1], ax), plan.w.seeded(scale[s + 1:s + 2], aw)
+    # Backward recasts x and W with the scales in use, so it keeps this copy of them, each
+    # computed where its amax is. Left reads of the state, the partitioner would save the
+    # state's tensor and recompute from it in backward, after the region's update has moved
+    # it (autograd's version check raises where that update is torch ops; nothing checks a
+    # kernel's write). A cat is an op the partitioner saves, never recomputes.
+    held = torch.cat([ax, aw, scale_in_use(cx, ax), scale_in_use(cw, aw)])
+    seen, xs, ws = held[0:2], held[2:3], held[3:4]
     if records:  # training
         amax[s:s + 2].copy_(torch.maximum(amax[s:s + 2], seen))
         if handle is not None:  # the region around the compiled call: joined at run time
@@ -66,8 +60,8 @@ def delayed_forward(plan, x2d, weight, fwd):
     # each operand's decode scale of its own: inductor's scaled-GEMM lowering cannot view
     # an element of a shared buffer as the GEMM's scale (its lowering asserts, on CUDA)
     xd, wd = decode_scale(xs).reshape(()), decode_scale(ws).reshape(())
-    return ((Fp8(plan.x.cast(x2d, cast[0:1]), xs, xd), (x2d, xs, xd)),
-            (Fp8(plan.w.cast(weight, cast[1:2]), ws, wd), (weight, ws, wd)))
+    return ((Fp8(plan.x.cast(x2d, cx), xs, xd), (x2d, xs, xd)),
+            (Fp8(plan.w.cast(weight, cw), ws, wd), (weight, ws, wd)))
 
 
 @dataclass(frozen=True)

@@ -341,15 +341,9 @@ class Delayed(Tensorwise):
     #: the state's ``FirstScale`` margin (a scale of 0: the tensor's own amax's), or None
     first_margin: Optional[float] = None
 
-    def seeds_like(self, other) -> bool:
-        """Whether ``other`` (another operand's form) seeds its slot with the same
-        arithmetic, so :meth:`seeded` may take both slots at once."""
-        return (isinstance(other, Delayed) and other.fp8_dtype == self.fp8_dtype
-                and other.first_margin == self.first_margin)
-
     def seeded(self, scale: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        """The scale this slot casts with before NaN poisoning, ``seen`` the tensor's amax
-        (elementwise: several slots at once where they seed alike)."""
+        """The scale this slot casts with before NaN poisoning, ``seen`` the tensor's
+        amax."""
         if self.first_margin is None:
             return scale
         return seeded_scale(scale, seen, self.fp8_dtype, self.first_margin)
