@@ -421,11 +421,11 @@ def _quantized_linear(x, weight, bias, quantizers, backward_mode, on_backward_do
            grad, id(weight), weight.shape, weight.dtype, grad and weight.requires_grad,
            None if bias is None else (id(bias), grad and bias.requires_grad),
            grad_split.mode(), eager_plan.eager_plans_are_off())
-    reason = graphed.refusal(x, weight, bias, quantizers, on_backward_done, region.cache_weights)
+    reason = graphed.refusal(x, weight, bias, quantizers, region.cache_weights)
     return graphed.call(
         lambda x_, w_, b_: _eager_linear(x_, w_, b_, quantizers, backward_mode,
                                          on_backward_done, amp),
-        x, weight, bias, quantizers.graphs, key, reason)
+        x, weight, bias, quantizers.graphs, key, reason, on_backward_done)
 
 
 def _eager_linear(x, weight, bias, quantizers, backward_mode, on_backward_done, amp):

@@ -45,8 +45,15 @@ run would read buffers the first one released. A weight whose storage moves betw
 backward that reads the weight itself (its forward saved it) raises if the weight moved
 since its forward.
 
+Delayed scaling is graphed too: a replay casts with the state's scales and records the
+amaxes into it on the device, as the eager call's kernels do, and the replayed backward
+joins the module's backward state to the pass's update on the host
+(``lowprec.recipe.backward_pass``); a slot still without a scale when its kind is
+captured records the amax-first quantize, which casts with the state's scale once there
+is one.
+
 What is not graphed runs eagerly, with a warning once per reason: calls whose step keeps
-state on the host (delayed scaling's per-backward amax push, a cached quantized weight),
+state on the host (a cached quantized weight),
 quantized inputs, weights or outputs (``output``/``grad_input`` quantizers), weights that
 are not leaf tensors (their storage may move), calls under saved-tensor hooks (activation
 checkpointing, CPU offload: they would not see the graph's saved tensors), calls inside a
@@ -65,6 +72,7 @@ from collections import Counter
 import torch
 
 from ..formats import QuantizedTensor
+from ..recipe import running_backward_pass
 from . import shared_input
 from .graph_sources import SHARED, At, Input, forward_source, layout, mark, unchanged
 
@@ -105,6 +113,9 @@ class _Graphs:
                  keeps_input, made, reads):
         self.kind = kind
         self.recorder = recorder  # the backward graphs record on the forward's stream and pool
+        #: the capturing call's end-of-backward callback, which the capture's autograd
+        #: graph calls whenever it runs (delayed scaling: joins the backward pass)
+        self.capture_done = None
         self.fwd = fwd
         self.x, self.y = x, y
         #: the capture's output with its autograd graph, which the backward graphs run
@@ -180,8 +191,12 @@ class _Graphs:
             aim = dy.numel() > 0 and (where is None or (again and self.aims < MAX_AIMS))
             found = buffered if not aim else None
             if found is None:
+                source = At(dy) if aim else SHARED.get(self.y)
+                # dY's values in the buffer before the recording (see _record_forward)
+                if source.fill(dy):
+                    counts["copied in"] += 1
                 try:
-                    found = self._record_backward(At(dy) if aim else SHARED.get(self.y))
+                    found = self._record_backward(source)
                 except Exception as err:  # noqa: BLE001 - the kind runs eagerly from now on
                     self.kind.graphs = None
                     _warn(f"capture failed ({type(err).__name__}: {err})")
@@ -203,6 +218,11 @@ class _Graphs:
         graph: what a backward graph records, or, where the recording failed, the call's
         gradients computed eagerly."""
         inputs = [t for t in self.leaves if t is not None and t.requires_grad]
+        if self.capture_done is not None:
+            # ``autograd.grad`` runs a pass of its own, nested in the one running: the
+            # capture's callback joins the outer pass, whose end updates the state once
+            # (never inside the recording, nor twice in a step)
+            self.capture_done.task = running_backward_pass()
         got = iter(torch.autograd.grad(self.held["y"], inputs, dy, retain_graph=True,
                                        allow_unused=True))
         return tuple(next(got) if t is not None and t.requires_grad else None
@@ -232,12 +252,10 @@ def _pins(weight, bias) -> tuple:
     return weight.data_ptr(), None if bias is None else bias.data_ptr()
 
 
-def refusal(x: torch.Tensor, weight: torch.Tensor, bias, quantizers, on_backward_done,
+def refusal(x: torch.Tensor, weight: torch.Tensor, bias, quantizers,
             caching_weights: bool) -> str | None:
     """Why this call is not graphed (None: it is). Only asked of CUDA calls outside tracing
     and capture."""
-    if on_backward_done is not None:
-        return "delayed scaling pushes its backward amaxes on the host after each backward"
     if caching_weights:
         return "cache_weights keeps the quantized weight on the host side"
     if quantizers.output is not None or quantizers.grad_input is not None:
@@ -262,9 +280,12 @@ def applies(x: torch.Tensor) -> bool:
 
 
 def call(run, x: torch.Tensor, weight: torch.Tensor, bias, kinds: dict, key: tuple,
-         reason: str | None):
+         reason: str | None, done=None):
     """``run(x, weight, bias)`` (the eager call), replayed from this kind's graphs where
-    they apply. ``kinds``: where the kinds of call are kept (the quantizers' plans)."""
+    they apply. ``kinds``: where the kinds of call are kept (the quantizers' plans).
+    ``done``: the call's end-of-backward callback (delayed scaling: it joins the module's
+    backward state to the backward pass's update, host bookkeeping that a replay does not
+    run), which a replayed backward calls itself."""
     if reason is not None:
         _eager(reason)
         return run(x, weight, bias)
@@ -311,10 +332,11 @@ def call(run, x: torch.Tensor, weight: torch.Tensor, bias, kinds: dict, key: tup
             _warn(f"capture failed ({type(err).__name__}: {err})")
             return run(x, weight, bias)
         graphs.settle()
+        graphs.capture_done = done
         kind.graphs.append(graphs)
         counts["captured"] += 1
     counts["replayed"] += 1
-    return _Replay.apply(graphs, x, weight, bias)
+    return _Replay.apply(graphs, x, weight, bias, done)
 
 
 def _eager(reason: str) -> None:
@@ -375,6 +397,10 @@ def _capture(run, x, weight, bias, pins, kind: _Kind) -> _Graphs:
 def _record_forward(recorder, run, x, weight, bias, pins, kind, source) -> _Graphs | None:
     """The forward's graph, or None where it saves its input while ``source`` is a shared
     buffer."""
+    # x's values in the buffer before the recording: a recording that runs its kernels
+    # (the tests' pretend recorder) then records the amaxes a delayed-scaling state sees
+    if source.fill(x):
+        counts["copied in"] += 1
     sx = source.buffer.detach().requires_grad_(x.requires_grad and torch.is_grad_enabled())
     # The graphs read the parameters' storage through leaves of their own: autograd then
     # never reaches the parameters' gradient accumulators during the capture (one made on
@@ -442,7 +468,7 @@ class _Replay(torch.autograd.Function):
     """A replay of captured graphs as one autograd node."""
 
     @staticmethod
-    def forward(ctx, graphs: _Graphs, x, weight, bias):
+    def forward(ctx, graphs: _Graphs, x, weight, bias, done=None):
         if graphs.x.fill(x):  # (a graph chosen for x reads it where it lies, or a buffer)
             counts["copied in"] += 1
         graphs.fwd.replay()
@@ -455,7 +481,7 @@ class _Replay(torch.autograd.Function):
             _SHARES.last = weakref.ref(graphs)
         graphs.generation += 1
         ctx.graphs, ctx.generation = graphs, graphs.generation
-        ctx.params = weight, bias
+        ctx.params, ctx.done = (weight, bias), done
         if graphs.keeps_input:  # the backward graph reads x's memory: x must live till then
             ctx.x, ctx.x_version = x, x._version
         if graphs.held is not None:
@@ -491,6 +517,12 @@ class _Replay(torch.autograd.Function):
                 "Run without cuda_graphs, or without the grad_input quantizer above it")
         grads = graphs.backward(dy)
         graphs.node = None
+        if ctx.done is not None:
+            # the replay ran the GEMM's backward kernels (dY's amax recorded into the
+            # state on the device); the join to the pass's update is the host's part.
+            # Joining twice in a pass (a backward recorded or run through the capture
+            # calls the capture's callback too) is joining once.
+            ctx.done()
         # the buffers themselves: autograd copies them into a .grad (they are referenced
         # here, so never taken over) and reads them once as another node's gradient
-        return (None, *grads)
+        return (None, *grads, None)

@@ -451,15 +451,26 @@ def test_backward_twice_raises(device):
         y.sum().backward()
 
 
-def test_delayed_scaling_runs_eagerly_with_a_warning(device):
+def test_delayed_scaling_is_graphed(device):
+    """Delayed scaling replays too: the graphs cast with the states' scales and record the
+    amaxes into them, the replayed backward joins each backward state to the pass's
+    update, and over steps that move the scales the outputs, gradients, weights and
+    states are eager's."""
     torch.manual_seed(0)
     model = _Block(device)
     twin = copy.deepcopy(model)
-    graphed._WARNED.clear()
-    with pytest.warns(UserWarning, match="delayed scaling"):
-        got = _steps(model, lowprec.recipe.DelayedScaling(), graphs=True)
-    assert graphed.counts["captured"] == 0
-    _assert_same(got, _steps(twin, lowprec.recipe.DelayedScaling(), graphs=False), "delayed")
+    recipe = lowprec.recipe.DelayedScaling(amax_history_len=3)
+    got = _steps(model, recipe, graphs=True, steps=5)
+    assert graphed.counts["captured"] > 0 and graphed.counts["replayed"] > 0, \
+        dict(graphed.counts)
+    _assert_same(got, _steps(twin, recipe, graphs=False, steps=5), "delayed")
+    for a, b in zip(model.modules(), twin.modules()):
+        if isinstance(a, lowprec.Linear):
+            for mode in ("forward", "backward"):
+                for name, t in a.scaling_state()[mode].items():
+                    assert torch.equal(t, b.scaling_state()[mode][name]), (mode, name)
+            # the backward state moved in every step (each replay joined its pass)
+            assert (a.scaling_state()["backward"]["amax_history"][:3, 0] > 0).all()
 
 
 def test_a_forward_that_saves_its_input_never_shares_a_buffer(device):
@@ -646,7 +657,6 @@ def test_cpu_calls_run_eagerly_without_a_warning():
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("delayed", "delayed scaling"),
     ("cache", "cache_weights"),
     ("output", "output or grad_input quantizer"),
     ("nonleaf", "not a leaf"),
@@ -657,10 +667,8 @@ def test_cpu_calls_run_eagerly_without_a_warning():
 def test_refusal_names_the_reason(case, reason):
     q = lowprec.linear.LinearQuantizers(input=None, weight=None)
     x, w = torch.randn(4, 8), torch.randn(6, 8, requires_grad=True)
-    done, cache = None, False
-    if case == "delayed":
-        done = lambda: None  # noqa: E731
-    elif case == "cache":
+    cache = False
+    if case == "cache":
         cache = True
     elif case == "output":
         q.output = object()
@@ -668,10 +676,10 @@ def test_refusal_names_the_reason(case, reason):
         w = w * 2
     if case == "hooks":
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            got = graphed.refusal(x, w, None, q, done, cache)
+            got = graphed.refusal(x, w, None, q, cache)
     elif case == "inference":
         with torch.inference_mode():
-            got = graphed.refusal(x, w, None, q, done, cache)
+            got = graphed.refusal(x, w, None, q, cache)
     elif case == "backward":
         seen = []
 
@@ -682,14 +690,14 @@ def test_refusal_names_the_reason(case, reason):
 
             @staticmethod
             def backward(ctx, g):
-                seen.append(graphed.refusal(x, w, None, q, done, cache))
+                seen.append(graphed.refusal(x, w, None, q, cache))
                 return g
 
         _Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
         got = seen[0]
     else:
-        got = graphed.refusal(x, w, None, q, done, cache)
+        got = graphed.refusal(x, w, None, q, cache)
     assert got is not None and reason in got
     assert graphed.refusal(x, torch.randn(6, 8, requires_grad=True), None,
                            lowprec.linear.LinearQuantizers(input=None, weight=None),
-                           None, False) is None
+                           False) is None
