@@ -72,7 +72,7 @@ from collections import Counter
 import torch
 
 from ..formats import QuantizedTensor
-from ..recipe import running_backward_pass
+from ..recipe import for_running_backward_pass
 from . import shared_input
 from .graph_sources import SHARED, At, Input, forward_source, layout, mark, unchanged
 
@@ -218,13 +218,12 @@ class _Graphs:
         graph: what a backward graph records, or, where the recording failed, the call's
         gradients computed eagerly."""
         inputs = [t for t in self.leaves if t is not None and t.requires_grad]
-        if self.capture_done is not None:
-            # ``autograd.grad`` runs a pass of its own, nested in the one running: the
-            # capture's callback joins the outer pass, whose end updates the state once
-            # (never inside the recording, nor twice in a step)
-            self.capture_done.task = running_backward_pass()
-        got = iter(torch.autograd.grad(self.held["y"], inputs, dy, retain_graph=True,
-                                       allow_unused=True))
+        # ``autograd.grad`` runs a pass of its own, nested in the one running: the capture's
+        # callback joins the outer pass, whose end updates the state once (never inside the
+        # recording, nor twice in a step)
+        with for_running_backward_pass():
+            got = iter(torch.autograd.grad(self.held["y"], inputs, dy, retain_graph=True,
+                                           allow_unused=True))
         return tuple(next(got) if t is not None and t.requires_grad else None
                      for t in self.leaves)
 
