@@ -50,13 +50,22 @@ def rounded(t: torch.Tensor) -> torch.Tensor:
     return (bf16_rne_bits(t.to(torch.float32).view(torch.int32)) & -65536).view(torch.float32)
 
 
+def largest_magnitude(t2d: torch.Tensor) -> torch.Tensor:
+    """amax(|t2d|) in ``t2d``'s dtype (0-d), reduced over each row first. A max is the same
+    in any order; reduced by rows, the first pass runs over the tensor's own rows, and
+    inductor fuses a pass over the same tensor (a cast that need not wait for this amax,
+    delayed scaling's) into it, so the tensor is read once. A whole-tensor reduction is
+    split into chunks no other pass shares, and the cast reads the tensor again."""
+    return t2d.abs().amax(dim=-1).amax()
+
+
 def rounded_amax(t2d: torch.Tensor) -> torch.Tensor:
     """amax(|t2d|) of ``t2d``'s bf16-rounded values (1-element fp32), as eager's amax of the
     bf16 tensor. Rounding to nearest is monotonic and symmetric, so the largest rounded
     magnitude is the rounded largest magnitude: the rounding is applied to the one result,
     and the reduction reads the producer's expression alone, which inductor then fuses
     with its neighbours' reductions instead of writing the rounded magnitudes first."""
-    return rounded(t2d.abs().amax()).reshape(1)
+    return rounded(largest_magnitude(t2d)).reshape(1)
 
 
 def decode_scale(scale: torch.Tensor) -> torch.Tensor:

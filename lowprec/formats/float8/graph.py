@@ -28,6 +28,7 @@ from ..graph import (
     GraphOperand,
     Kind,
     decode_scale,
+    largest_magnitude,
     rounded,
     rounded_amax,
     scale_in_use,
@@ -41,7 +42,7 @@ from .launch import (
     fp8_current_quantize,
     kept_amax_words,
 )
-from .reference import current_scale, seeded_scale, tensor_amax
+from .reference import current_scale, seeded_scale
 
 
 class _Settings:
@@ -162,7 +163,9 @@ def _scales(t: torch.Tensor, fp8_dtype: torch.dtype, pow2: bool, eps: float,
 
 
 def _amax(t: torch.Tensor, materialized: bool) -> torch.Tensor:
-    return tensor_amax(t) if materialized else rounded_amax(t)
+    if materialized:
+        return largest_magnitude(t).to(torch.float32).reshape(1)
+    return rounded_amax(t)
 
 
 def _cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
