@@ -36,15 +36,6 @@ def _join_backward_fake(amax, key, group):
     return None
 
 
-def _record(amax: torch.Tensor, seen: torch.Tensor, s: int) -> None:
-    """``seen`` maxed into ``amax`` from slot ``s`` on. Over the whole tensor, padded with
-    zeros (which a max with an amax, never negative, leaves as it is, NaN included): one
-    kernel on CUDA, where a max over a slice and its write-back into the state are two of
-    different sizes, which inductor's Triton backend does not fuse."""
-    padded = torch.nn.functional.pad(seen, (s, amax.numel() - s - seen.numel()))
-    amax.copy_(torch.maximum(amax, padded))
-
-
 def delayed_forward(plan, x2d, weight, fwd):
     """fprop's operands under delayed scaling: cast with the state's scales, their amaxes
     recorded into it (slot ``s`` the input, ``s + 1`` the weight)."""
@@ -63,7 +54,7 @@ def delayed_forward(plan, x2d, weight, fwd):
     held = torch.cat([ax, aw, scale_in_use(cx, ax), scale_in_use(cw, aw)])
     seen, xs, ws = held[0:2], held[2:3], held[3:4]
     if records:  # training
-        _record(amax, seen, s)
+        amax[s:s + 2].copy_(torch.maximum(amax[s:s + 2], seen))
         if handle is not None:  # the region around the compiled call: joined at run time
             torch.ops.lowprec.join_region(amax, handle)
     # each operand's decode scale of its own: inductor's scaled-GEMM lowering cannot view
@@ -90,7 +81,7 @@ def delayed_grad(plan, dy2d: torch.Tensor, update) -> tuple[Fp8, Fp8]:
     its amax recorded into the state."""
     scale, amax, _, s, _, _ = update
     dyq, dys, seen = plan.dy.delayed(dy2d, scale[s:s + 1])
-    _record(amax, seen, s)
+    amax[s:s + 1].copy_(torch.maximum(amax[s:s + 1], seen))
     dyd = decode_scale(dys).reshape(())
     return Fp8(dyq, dys, dyd), Fp8(dyq.t().contiguous(), dys, dyd)
 
