@@ -32,6 +32,28 @@ def test_rounded_amax_is_the_amax_of_rounded_values():
         assert torch.equal(once, want) or (torch.isnan(once).all() and torch.isnan(want).all())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_largest_magnitude_by_rows_is_the_whole_amax(device, dtype):
+    """``largest_magnitude`` (rows first, then the rows' maxima) gives ``t.abs().amax()``'s
+    bits: on one row, one column and unaligned shapes; with -0 alone (+0), an infinity,
+    and a NaN anywhere (NaN)."""
+    g = torch.Generator().manual_seed(1)
+    for shape in ((1, 1), (1, 300), (300, 1), (37, 129), (256, 512)):
+        t = (torch.randn(shape, generator=g) * 100).to(dtype).to(device)
+        cases = [t, torch.full(shape, -0.0, dtype=dtype, device=device)]
+        for value in (float("inf"), float("nan")):
+            c = t.clone()
+            c[shape[0] // 2, shape[1] // 2] = value
+            cases.append(c)
+        for c in cases:
+            got, want = graph.largest_magnitude(c), c.abs().amax()
+            assert got.dtype == dtype and got.shape == ()
+            assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)) \
+                or (torch.isnan(got) and torch.isnan(want))
+
+
 def test_bf16_rounding_helpers_are_exact():
     """``_rounded`` is the identity on every bf16 value and rounds fp32 as ``.to(bf16)``
     does; ``_output`` is ``.to(bf16)`` bit for bit, NaN, infinities and overflow included."""
