@@ -61,7 +61,6 @@ from ..recipe import (
     active_region,
     enter_deferred,
     for_running_backward_pass,
-    leave_deferred,
     new_handle,
     pop_region,
     push_region,
@@ -279,8 +278,8 @@ class _RuntimeRegion:
 
     def __exit__(self, *exc) -> None:
         if self.own is not None:
-            (leave_deferred if self.deferred and self.recipe is not None
-             else pop_region)(self.own)
+            # a deferred region's states wait for its traced exit (enter_deferred)
+            pop_region(self.own, update=not self.deferred)
 
 
 #: the (recipe key, group name) of each region with an amax reduction group; the region's

@@ -192,9 +192,7 @@ class _Graphs:
             found = buffered if not aim else None
             if found is None:
                 source = At(dy) if aim else SHARED.get(self.y)
-                # dY's values in the buffer before the recording (see _record_forward)
-                if source.fill(dy):
-                    counts["copied in"] += 1
+                _copy_in(source, dy)  # before the recording (see _record_forward)
                 try:
                     found = self._record_backward(source)
                 except Exception as err:  # noqa: BLE001 - the kind runs eagerly from now on
@@ -208,8 +206,7 @@ class _Graphs:
                 else:
                     self.backward_buffered = found
         source, graph, grads = found
-        if source.fill(dy):
-            counts["copied in"] += 1
+        _copy_in(source, dy)
         graph.replay()
         return grads
 
@@ -338,6 +335,13 @@ def call(run, x: torch.Tensor, weight: torch.Tensor, bias, kinds: dict, key: tup
     return _Replay.apply(graphs, x, weight, bias, done)
 
 
+def _copy_in(source, t: torch.Tensor) -> None:
+    """``t``'s values into ``source``'s buffer, where its graph does not read ``t`` where it
+    lies (counted)."""
+    if source.fill(t):
+        counts["copied in"] += 1
+
+
 def _eager(reason: str) -> None:
     counts[f"eager ({reason})"] += 1
     if reason not in _WARNED:
@@ -398,8 +402,7 @@ def _record_forward(recorder, run, x, weight, bias, pins, kind, source) -> _Grap
     buffer."""
     # x's values in the buffer before the recording: a recording that runs its kernels
     # (the tests' pretend recorder) then records the amaxes a delayed-scaling state sees
-    if source.fill(x):
-        counts["copied in"] += 1
+    _copy_in(source, x)
     sx = source.buffer.detach().requires_grad_(x.requires_grad and torch.is_grad_enabled())
     # The graphs read the parameters' storage through leaves of their own: autograd then
     # never reaches the parameters' gradient accumulators during the capture (one made on
@@ -468,8 +471,7 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, graphs: _Graphs, x, weight, bias, done=None):
-        if graphs.x.fill(x):  # (a graph chosen for x reads it where it lies, or a buffer)
-            counts["copied in"] += 1
+        _copy_in(graphs.x, x)  # (a graph chosen for x reads it where it lies, or a buffer)
         graphs.fwd.replay()
         graphs.last_input = mark(x)
         if graphs.generation and not graphs.readers:

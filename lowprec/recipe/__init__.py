@@ -53,7 +53,6 @@ from .regions import (
     check_region_flags,
     enter_deferred,
     init_recipe,
-    leave_deferred,
     pop_region,
     push_region,
     quantized_model_init,

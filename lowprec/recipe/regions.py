@@ -144,13 +144,15 @@ def push_region(recipe: Recipe | None, group=None, *, cache_weights: bool = Fals
     return [region]
 
 
-def pop_region(token) -> None:
-    """Leave the region ``push_region`` entered, updating its delayed-scaling states."""
+def pop_region(token, *, update: bool = True) -> None:
+    """Leave the region ``push_region`` (or :func:`enter_deferred`) entered, updating its
+    delayed-scaling states unless ``update`` is False (a deferred region's states wait for
+    ``lowprec::exit_deferred``)."""
     region = token[0]
     if not _LOCAL.regions or _LOCAL.regions[-1] is not region:
         raise RuntimeError("autocast regions were left out of order")
     _LOCAL.regions.pop()
-    if region is not None:
+    if region is not None and update:
         _exit(region)
 
 
@@ -166,19 +168,12 @@ def enter_deferred(key: int, recipe: Recipe, group):
     such call shares until ``lowprec::exit_deferred``, which the traced region's exit runs,
     updates its delayed-scaling states. So a module called twice in that region quantizes
     both calls with one scale and pushes one history row, as in eager. Returns the token
-    for :func:`leave_deferred`."""
+    for ``pop_region(token, update=False)``."""
     region = _LOCAL.deferred.get(key)
     if region is None:
         region = _LOCAL.deferred[key] = _Region(recipe, group)
     _LOCAL.regions.append(region)
     return [region]
-
-
-def leave_deferred(token) -> None:
-    """Leave the region :func:`enter_deferred` entered, its states left to update."""
-    if not _LOCAL.regions or _LOCAL.regions[-1] is not token[0]:
-        raise RuntimeError("autocast regions were left out of order")
-    _LOCAL.regions.pop()
 
 
 @graph_op("exit_deferred", tags=CUDAGRAPH_UNSAFE)
