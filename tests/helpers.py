@@ -199,3 +199,20 @@ def assert_inference_reads_rowwise_only(forward, inference, columnwise_made: lis
     _, y = forward(inference)
     assert columnwise_made == []
     assert y.grad_fn is None and not y.requires_grad
+
+
+class _RunsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, fn):
+        ctx.fn = fn
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.fn(g), None
+
+
+def runs_in_backward(t: torch.Tensor, fn) -> torch.Tensor:
+    """A copy of ``t`` whose gradient is ``fn(g)``: code that an autograd node runs in its
+    backward (a probe of what lowprec sees there)."""
+    return _RunsInBackward.apply(t, fn)

@@ -22,7 +22,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import GPU_ONLY
+from helpers import GPU_ONLY, runs_in_backward
 
 import lowprec
 from lowprec.linear import graphed
@@ -683,17 +683,11 @@ def test_refusal_names_the_reason(case, reason):
     elif case == "backward":
         seen = []
 
-        class _Probe(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, t):
-                return t.clone()
+        def probe(g):
+            seen.append(graphed.refusal(x, w, None, q, cache))
+            return g
 
-            @staticmethod
-            def backward(ctx, g):
-                seen.append(graphed.refusal(x, w, None, q, cache))
-                return g
-
-        _Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+        runs_in_backward(torch.ones(2, requires_grad=True), probe).sum().backward()
         got = seen[0]
     else:
         got = graphed.refusal(x, w, None, q, cache)

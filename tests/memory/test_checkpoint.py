@@ -16,6 +16,7 @@ import weakref
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from helpers import runs_in_backward
 from same_run import RECIPES as SHARED_RECIPES
 from same_run import assert_same_grads_and_states, assert_same_run, delayed_states
 
@@ -410,18 +411,9 @@ def test_module_run_in_backward_outside_a_checkpoint_raises():
     checkpoint) is refused rather than silently high precision."""
     m = lowprec.Linear(D, D, name="l")
 
-    class RunsInBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            return m(g)
-
     x = torch.randn(D, D, requires_grad=True)
     with autocast(recipe=Float8CurrentScaling()):
-        y = RunsInBackward.apply(m(x))
+        y = runs_in_backward(m(x), m)
     with pytest.raises(RuntimeError, match="run during backward by something other than"):
         y.sum().backward()
 

@@ -10,6 +10,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from helpers import runs_in_backward
 from same_run import assert_same_step
 
 import lowprec
@@ -188,21 +189,15 @@ def test_a_nested_pass_run_for_the_outer_one_joins_it(updates, nested_for_outer)
         inner_in = torch.randn(8, 32, requires_grad=True)
         inner_out = b(inner_in)  # a graph the outer backward runs by hand
 
-    class Outer(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            with backward_pass.for_running() if nested_for_outer else nullcontext():
-                torch.autograd.grad(inner_out, inner_in, g)
-            seen_inside.append(len(updates))
-            return g
+    def outer_backward(g):
+        with backward_pass.for_running() if nested_for_outer else nullcontext():
+            torch.autograd.grad(inner_out, inner_in, g)
+        seen_inside.append(len(updates))
+        return g
 
     seen_inside = []
     with lowprec.autocast(recipe=recipe):
-        y = Outer.apply(a(x.requires_grad_()))
+        y = runs_in_backward(a(x.requires_grad_()), outer_backward)
     y.sum().backward()
     state_a, state_b = (m._kept_delayed()["backward"].delayed for m in (a, b))
     if nested_for_outer:
