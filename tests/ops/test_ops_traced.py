@@ -90,21 +90,22 @@ def _compare(make, x, dy, recipe, backend="graph_ops"):
     return ops_
 
 
-def _dims(recipe_name):
+def _dims(recipe_name, device):
     # 128x128 weight blocks: cuBLAS's block GEMM contracts over multiples of 512
-    return (512, 512, 256) if recipe_name == "fp8_block" else (64, 128, 64)
+    return (512, 512, 256) if (recipe_name, device) == ("fp8_block", "cuda") else (64, 128, 64)
 
 
 def _cases():
     # unfused (each op on its own) under two recipes: its pieces are the fused run's parts;
-    # NVFP4 alone on the CPU runs with --slow (mxfp8_fwd_nvfp4_bwd's backward is NVFP4's,
-    # and test_compiled_call traces NVFP4's ops model), and so does delayed scaling
-    # unfused (its states per op: test_lone_linear_op_traced)
+    # NVFP4 and MXFP8 alone on the CPU run with --slow (mxfp8_fwd_nvfp4_bwd's forward is
+    # MXFP8's and its backward NVFP4's, and test_compiled_call traces both formats' ops
+    # model under torch.autocast), and so does delayed scaling unfused (its states per op:
+    # test_lone_linear_op_traced)
     for device in DEVICES:
         for recipe_name in RECIPES:
             for fuse in (True, False):
                 if fuse or recipe_name in ("fp8_current", "fp8_delayed") or device == "cuda":
-                    slow = device == "cpu" and (recipe_name == "nvfp4" or (
+                    slow = device == "cpu" and (recipe_name in ("nvfp4", "mxfp8") or (
                         recipe_name, fuse) == ("fp8_delayed", False))
                     yield pytest.param(device, recipe_name, fuse,
                                        marks=pytest.mark.slow if slow else ())
@@ -112,7 +113,7 @@ def _cases():
 
 @pytest.mark.parametrize("device,recipe_name,fuse", list(_cases()))
 def test_sequential_traced_bit_identical(recipe_name, fuse, device):
-    hidden, ffn, tokens = _dims(recipe_name)
+    hidden, ffn, tokens = _dims(recipe_name, device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x = randn(2, tokens // 2, hidden, seed=1).to(device, dtype)
     dy = randn(2, tokens // 2, hidden, seed=2).to(device, dtype)
