@@ -24,7 +24,7 @@ from ..recipe import (
     stateless_quantizers,
     torch_autocast_dtype,
 )
-from .scaling import GROUP_ATTR, prepare_group, prepare_module
+from .scaling import GROUP_ATTR, prepare_group
 
 
 class CallQuantizersMixin:
@@ -72,13 +72,11 @@ class CallQuantizersMixin:
                 return f"a weight of type {type(w).__name__}"
         recipe = region.recipe
         delayed = None
-        model_group = self.__dict__.get(GROUP_ATTR)
-        if model_group is not None and (stateful(recipe) or reads_role_names(recipe)):
-            # the state this trace reads, made for the whole model now: each layer's own
-            # made as it is traced would fail the next layer's guards
-            prepare_group(model_group)
-        elif model_group is None and stateful(recipe):
-            prepare_module(id(self))
+        if stateful(recipe) or reads_role_names(recipe):
+            # the state this trace reads, made for the whole model now (the modules never
+            # grouped count as one model): each layer's own made as it is traced would
+            # fail the next layer's guards
+            prepare_group(self.__dict__.get(GROUP_ATTR))
         if stateful(recipe):
             states = self.traced_delayed_states(recipe)
             if states is None:
@@ -95,7 +93,7 @@ class CallQuantizersMixin:
                 if recipe.reduce_amax and region.group is not None else ""
             delayed = (fwd_state, bwd_state, handle, recipe, records, group)
             return qs, recipe.backward_mode, delayed
-        if model_group is not None and reads_role_names(recipe):
+        if reads_role_names(recipe):
             held = self.held_quantizers(recipe)
             if held is not None:  # the factory's choices, made outside the trace
                 qs = self._linear_quantizers(*held, recipe)

@@ -106,9 +106,10 @@ def _outside_traced_checkpoint() -> bool:
 
 
 @torch._dynamo.assume_constant_result
-def prepare_group(group: int) -> bool:
+def prepare_group(group: int | None) -> bool:
     """Make, for the active recipe, the recipe state of every module of ``group`` (one
-    model's modules) that lacks it: delayed scaling's scales and histories, a
+    model's modules; ``None``: every live module never grouped, which a model built of
+    lowprec modules directly is) that lacks it: delayed scaling's scales and histories, a
     ``CustomRecipe`` factory's quantizers per role. Run by the compiler as the group's
     first call is traced (its result a constant, the call not in the graph), so that the
     trace reads state every layer already holds: a model compiled decoder layer by decoder
@@ -121,17 +122,6 @@ def prepare_group(group: int) -> bool:
         for module in list(_LIVE.values()):
             if module.__dict__.get(GROUP_ATTR) == group:
                 module.prepare_state(region.recipe)
-    return True
-
-
-@torch._dynamo.assume_constant_result
-def prepare_module(module_id: int) -> bool:
-    """:func:`prepare_group` for the one module ``module_id`` names, a module of no group:
-    the trace then guards on that module, so same-shaped modules each compile their own
-    code (one compiled model still compiles once). Returns True."""
-    region, module = active_region(), _LIVE.get(module_id)
-    if region is not None and module is not None:
-        module.prepare_state(region.recipe)
     return True
 
 

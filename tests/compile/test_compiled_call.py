@@ -225,21 +225,45 @@ def test_no_grad_compiled_forward_matches_eval():
         assert torch.equal(a(x), compiled(x))
 
 
-def test_layers_with_different_names_share_compiled_code():
-    """A stack of same-shaped layers, each compiled on its own (as torchtitan does per
-    block), compiles the block's code once."""
-    recipe = Float8CurrentScaling()
+def _by_name(role):
+    """A factory that reads role names: E5M2 for the projections' inputs and every
+    gradient, E4M3 elsewhere."""
+    e5m2 = role is not None and (role.is_gradient or role.name.endswith("proj"))
+    return lowprec.Float8CurrentScalingQuantizer(
+        torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn)
+
+
+LAYER_RECIPES = {"current": Float8CurrentScaling, "delayed": lowprec.DelayedScaling,
+                 "by_name": lambda: lowprec.CustomRecipe(qfactory=_by_name)}
+
+
+@pytest.mark.parametrize("rname", list(LAYER_RECIPES))
+def test_layers_with_different_names_share_compiled_code(rname):
+    """A stack of same-shaped layers built directly (never grouped by ``convert_model`` or
+    ``init_scaling_state``), each compiled on its own (as torchtitan does per block),
+    compiles the block's code once, under delayed scaling's per-module state and a factory
+    that reads role names too (made for every module never grouped as the first layer is
+    traced); two steps equal eager's bit for bit."""
+    recipe = LAYER_RECIPES[rname]()
+    torch.manual_seed(0)
     layers = [Block(name=f"model.layers.{i}") for i in range(4)]
+    eager = copy.deepcopy(layers)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = [torch.compile(layer, backend=counter, fullgraph=True) for layer in layers]
-    x = torch.randn(2, 8, D, requires_grad=True)
-    with autocast(recipe=recipe):
-        h = x
-        for layer in compiled:
-            h = layer(h)
-    h.sum().backward()
+    for _ in range(2):
+        x = torch.randn(2, 8, D)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        with autocast(recipe=recipe):
+            ha, hb = xa, xb
+            for a, b in zip(eager, compiled):
+                ha, hb = a(ha), b(hb)
+        ha.sum().backward()
+        hb.sum().backward()
+        assert torch.equal(ha, hb) and torch.equal(xa.grad, xb.grad)
+    for a, b in zip(eager, layers):
+        for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+            assert torch.equal(p.grad, q.grad), name
     assert counter.frame_count == 1
-    assert all(p.grad is not None for layer in layers for p in layer.parameters())
 
 
 def _one_step_same(a, recipe, x_shape, counter="aot_eager"):
