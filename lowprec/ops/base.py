@@ -147,6 +147,10 @@ class BasicOperation(CompiledCallMixin, nn.Module):
     def op_forward(self, x: torch.Tensor, extra_inputs: list, ctx: RunContext) -> torch.Tensor:
         raise NotImplementedError
 
+    def reset_parameters(self) -> None:
+        """Draw the op's parameters again (meta-device init: ``to_empty``, then this).
+        Nothing for an op without parameters; ops with parameters override it."""
+
     def output_shape(self, shape: tuple) -> tuple:
         """The shape of this op's output for an input of ``shape``."""
         return shape
@@ -336,6 +340,11 @@ class Sequential(CompiledCallMixin, nn.Module):
 
     def basic_parts(self) -> list:
         return [part for op in self for part in op.basic_parts()]
+
+    def reset_parameters(self) -> None:
+        """Nothing: a Sequential holds no parameters of its own. As with torch's modules,
+        each module resets its own (``for m in model.modules(): m.reset_parameters()``),
+        so a Sequential that reset its ops would draw theirs twice."""
 
     def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int | None = None) -> list:
         """Every op's roles, in op order."""

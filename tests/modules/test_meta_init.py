@@ -83,6 +83,27 @@ def test_meta_init_matches_construction(kind, rname, quantized):
         assert torch.equal(_run(got, kind, recipe), _run(want, kind, recipe))
 
 
+def test_every_module_has_reset_parameters():
+    """Every module of an ops Sequential (activations, quantize ops and the Sequentials,
+    which hold no parameters of their own, included) has ``reset_parameters``, so meta-device
+    init resets every module of the model, each its own parameters, as construction drew
+    them."""
+    def build(d):
+        return lowprec.ops.Sequential(
+            lowprec.ops.LayerNorm(128, device=d), lowprec.ops.Linear(128, 256, device=d),
+            lowprec.ops.GELU(), lowprec.ops.Quantize(),
+            lowprec.ops.Sequential(lowprec.ops.Linear(256, 128, device=d), lowprec.ops.SwiGLU()))
+    torch.manual_seed(0)
+    want = build(None)
+    got = build("meta").to_empty(device="cpu")
+    torch.manual_seed(0)
+    for m in got.modules():
+        m.reset_parameters()
+    for (name, w), (_, g) in zip(want.state_dict().items(), got.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(g, w), name
+
+
 def test_reset_parameters_redraws_in_place():
     with lowprec.quantized_model_init(recipe=MXFP8BlockScaling()):
         m = lowprec.LayerNormMLP(128, 256)
