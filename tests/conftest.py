@@ -49,6 +49,29 @@ def young_collections():
         gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def compiled_first_steps():
+    """Delayed scaling's first training step compiles as the test writes it: the eager first
+    steps of a thread (``lowprec.recipe.first_step``) would fall on whichever tests of a
+    worker enter a delayed region first. Their own tests take them (``eager_first_step``)."""
+    from lowprec.recipe import first_step
+    first_step._TAKEN.count = first_step.MAX_EAGER_REGIONS
+    yield
+
+
+@pytest.fixture
+def eager_first_step():
+    """The thread's eager first steps not yet taken (``lowprec.recipe.first_step``), and no
+    earlier test's delayed-scaling state alive (a seeded one would count as a step taken)."""
+    from lowprec.recipe import first_step
+    gc.unfreeze()  # what young_collections froze holds the earlier tests' states
+    gc.collect()
+    gc.freeze()
+    first_step._TAKEN.count = 0
+    yield
+    first_step._TAKEN.count = first_step.MAX_EAGER_REGIONS
+
+
 @pytest.fixture
 def fresh_dynamo():
     """dynamo's caches emptied before and after the test (files of compiled tests use it

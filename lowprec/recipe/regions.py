@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels import CUDAGRAPH_UNSAFE, graph_op, register_ordered
+from .first_step import first_step_eagerly
 from .recipes import DelayedScaling, Recipe
 from .state_batch import update_states
 
@@ -107,9 +108,16 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_
     region = (_Region(_check_recipe(recipe), amax_reduction_group, cache_weights=cache_weights,
                       cuda_graphs=cuda_graphs)
               if enabled else None)
+    # delayed scaling's first step eagerly, where it would be compiled twice (first_step.py)
+    stance = None if region is None or torch.compiler.is_compiling() \
+        else first_step_eagerly(region.recipe)
     _LOCAL.regions.append(region)
     try:
-        yield
+        if stance is None:
+            yield
+        else:
+            with stance:
+                yield
     finally:
         _LOCAL.regions.pop()
         if region is not None:
