@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import threading
 
+import torch
 from torch import nn
 
 from ..recipe import Recipe, any_region, check_region_flags, pop_region, push_region
+from ..recipe.first_step import first_step_eagerly
 
 
 class _Tokens(threading.local):
@@ -43,15 +45,22 @@ class AttachedRecipe:
         self.cuda_graphs = cuda_graphs
 
     def enter(self, module, args) -> None:
-        token = None
+        token = stance = None
         if not any_region():
             token = push_region(self.recipe, self.amax_reduction_group,
                                 cache_weights=self.cache_weights,
                                 cuda_graphs=self.cuda_graphs)
-        _TOKENS.stack.append(token)
+            # around compiled layers (the root itself not compiled): delayed scaling's first
+            # step eagerly, as lowprec.autocast's (lowprec.recipe.first_step); the forward
+            # hook runs even where the forward raises
+            if not torch.compiler.is_compiling():
+                stance = first_step_eagerly(self.recipe)
+        _TOKENS.stack.append((token, stance))
 
     def exit(self, module, args, output) -> None:
-        token = _TOKENS.stack.pop()
+        token, stance = _TOKENS.stack.pop()
+        if stance is not None:
+            stance.__exit__(None, None, None)
         if token is not None:
             pop_region(token)
 

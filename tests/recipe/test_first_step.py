@@ -107,3 +107,28 @@ def test_an_error_in_the_first_step_leaves_the_compiler_on():
     assert counter.frame_count == 0
     torch.compile(lambda t: t * 2, backend=counter, fullgraph=True)(torch.randn(3))
     assert counter.frame_count == 1
+
+
+def test_an_attached_recipe_around_compiled_layers():
+    """``attach_recipe``'s hooks on a root that is not compiled, around layers compiled one
+    by one: the first step eagerly, then one compile for every layer, eager's bits."""
+    recipe = DelayedScaling(amax_history_len=4)
+    eager = _model()
+    model = copy.deepcopy(eager)
+    lowprec.attach_recipe(model, recipe)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    for i, layer in enumerate(model):
+        model[i] = torch.compile(layer, backend=counter, fullgraph=True)
+    frames = []
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 64, generator=g)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        yb = model(xb)
+        yb.sum().backward()
+        with lowprec.autocast(recipe=recipe):
+            ya = eager(xa)
+        ya.sum().backward()
+        assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
+        frames.append(counter.frame_count)
+    assert frames == [0, 1, 1]
