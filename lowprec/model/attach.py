@@ -22,8 +22,14 @@ import threading
 import torch
 from torch import nn
 
-from ..recipe import Recipe, any_region, check_region_flags, pop_region, push_region
-from ..recipe.first_step import first_step_eagerly
+from ..recipe import (
+    Recipe,
+    any_region,
+    check_region_flags,
+    first_step_eagerly,
+    pop_region,
+    push_region,
+)
 
 
 class _Tokens(threading.local):

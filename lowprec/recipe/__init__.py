@@ -43,6 +43,7 @@ __all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8
 from .backward_pass import for_running as for_running_backward_pass
 from .backward_pass import join as join_backward_pass
 from .backward_pass import running as running_backward_pass
+from .first_step import first_step_eagerly
 from .handles import new_handle
 from .handles import resolve as resolve_handle
 from .recipes import gemm_fast_accum, normalize_backward_mode, recipe_from_key, recipe_of_value

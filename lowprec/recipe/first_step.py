@@ -7,7 +7,7 @@ tensor's own amax, so a graph traced before the first update differs from the st
 start, a model compiles its whole graph twice, once for the first step and once after it
 (on "1b" 26 s more than the one compile of current scaling). An autocast region entered
 around compiled code under such a recipe, with gradients on, while no delayed-scaling slot
-of the process holds a scale, runs its code under ``torch.compiler.set_stance
+made under an equal recipe holds a scale, runs its code under ``torch.compiler.set_stance
 ("force_eager")``: the first step runs eagerly (lowprec's calls give the bits their compiled
 forms give), seeds the states, and the next step compiles the steady graph once. At most
 ``MAX_EAGER_REGIONS`` regions a thread run so: one that seeds nothing (an evaluation entered
@@ -24,7 +24,8 @@ import threading
 import torch
 
 from .handles import _LIVE
-from .recipes import DelayedScaling, Recipe
+from .recipes import Recipe
+from .state import DelayedScalingState, stateful
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +43,13 @@ class _Taken(threading.local):
 _TAKEN = _Taken()
 
 
-def _any_slot_seeded() -> bool:
-    """Whether a live delayed-scaling state has a slot known to hold a scale (its note
-    cleared by an update; a loaded state counts as unseeded until its next update)."""
-    from .state import DelayedScalingState
-
+def _any_slot_seeded(recipe: Recipe) -> bool:
+    """Whether a live delayed-scaling state made under a recipe equal to ``recipe`` has a
+    slot known to hold a scale (its note cleared by an update; a loaded state counts as
+    unseeded until its next update)."""
     for obj in list(_LIVE.values()):
-        if isinstance(obj, DelayedScalingState) and obj.firsts is not None and any(
-                not first.unseeded for first in obj.firsts):
+        if (isinstance(obj, DelayedScalingState) and obj.firsts is not None
+                and obj.recipe == recipe and any(not first.unseeded for first in obj.firsts)):
             return True
     return False
 
@@ -57,10 +57,10 @@ def _any_slot_seeded() -> bool:
 def first_step_eagerly(recipe: Recipe | None):
     """The context a region under ``recipe`` runs its code in: ``force_eager`` for the first
     training step of delayed scaling (see the module docstring), else None."""
-    if (_TAKEN.count >= MAX_EAGER_REGIONS or not isinstance(recipe, DelayedScaling)
+    if (_TAKEN.count >= MAX_EAGER_REGIONS or not stateful(recipe)
             or recipe.first_scale != "current" or torch.compiler.is_compiling()
             or not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
-            or _any_slot_seeded()):
+            or _any_slot_seeded(recipe)):
         return None
     _TAKEN.count += 1
     log.info("lowprec: delayed scaling's first step runs eagerly (torch.compiler.set_stance"

@@ -16,6 +16,12 @@ from lowprec.recipe.recipes import DelayedScaling, Float8CurrentScaling
 pytestmark = pytest.mark.usefixtures("fresh_dynamo", "eager_first_step")
 
 
+def _delayed(n: int = 0) -> DelayedScaling:
+    """A delayed recipe no other test's state was made under (a state made under an equal
+    recipe that holds a scale counts as a first step taken)."""
+    return DelayedScaling(amax_history_len=101 + n)
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(*[lowprec.Linear(64, 64, name=f"l{i}") for i in range(3)])
@@ -60,14 +66,15 @@ def _steps(recipe, n=3, *, inside=False, eval_first=False):
 
 
 def test_first_step_eager_then_one_compile():
-    assert _steps(DelayedScaling(amax_history_len=4)) == [0, 1, 1]
+    assert _steps(_delayed()) == [0, 1, 1]
 
 
 def test_a_later_model_compiles_its_first_step():
-    """Once a slot holds a scale, a later model's first step compiles."""
-    assert _steps(DelayedScaling(amax_history_len=4), n=1) == [0]
+    """Once a slot made under an equal recipe holds a scale, a later model's first step
+    compiles."""
+    assert _steps(_delayed(), n=1) == [0]
     torch._dynamo.reset()
-    assert _steps(DelayedScaling(amax_history_len=5), n=1) == [1]
+    assert _steps(_delayed(), n=1) == [1]
 
 
 def test_regions_that_seed_nothing_run_eagerly_twice_at_most():
@@ -75,7 +82,7 @@ def test_regions_that_seed_nothing_run_eagerly_twice_at_most():
     compiled = torch.compile(lambda t: (t * 2).sum(), backend=counter, fullgraph=True)
     frames = []
     for _ in range(3):
-        with lowprec.autocast(recipe=DelayedScaling()):
+        with lowprec.autocast(recipe=_delayed(2)):
             compiled(torch.randn(4, requires_grad=True)).backward()
         frames.append(counter.frame_count)
     assert frames == [0, 0, 1]
@@ -85,7 +92,7 @@ def test_regions_that_seed_nothing_run_eagerly_twice_at_most():
 def test_where_the_first_step_compiles(case):
     """A region the compiler traces (entered inside the compiled function) and a recipe
     without state compile their first step."""
-    recipe = Float8CurrentScaling() if case == "current" else DelayedScaling(amax_history_len=4)
+    recipe = Float8CurrentScaling() if case == "current" else _delayed()
     assert _steps(recipe, n=1, inside=case == "region_inside") == [1]
 
 
@@ -93,7 +100,7 @@ def test_an_evaluation_first_leaves_the_eager_step_to_training():
     """``with autocast(...), torch.no_grad():`` enters the region with gradients on: the
     evaluation runs eagerly, seeds nothing, and the training step after it runs eagerly
     too."""
-    assert _steps(DelayedScaling(amax_history_len=4), eval_first=True) == [0, 1, 1]
+    assert _steps(_delayed(), eval_first=True) == [0, 1, 1]
 
 
 def test_an_error_in_the_first_step_leaves_the_compiler_on():
@@ -101,7 +108,7 @@ def test_an_error_in_the_first_step_leaves_the_compiler_on():
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     with pytest.raises(RuntimeError, match="in the step"):
-        with lowprec.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        with lowprec.autocast(recipe=_delayed()):
             compiled(torch.randn(8, 64, requires_grad=True))
             raise RuntimeError("an error in the step")
     assert counter.frame_count == 0
@@ -112,7 +119,7 @@ def test_an_error_in_the_first_step_leaves_the_compiler_on():
 def test_an_attached_recipe_around_compiled_layers():
     """``attach_recipe``'s hooks on a root that is not compiled, around layers compiled one
     by one: the first step eagerly, then one compile for every layer, eager's bits."""
-    recipe = DelayedScaling(amax_history_len=4)
+    recipe = _delayed()
     eager = _model()
     model = copy.deepcopy(eager)
     lowprec.attach_recipe(model, recipe)
