@@ -22,16 +22,21 @@ def _delayed(n: int = 0) -> DelayedScaling:
     return DelayedScaling(amax_history_len=101 + n)
 
 
-def _model():
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _model(device="cpu"):
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[lowprec.Linear(64, 64, name=f"l{i}") for i in range(3)])
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return torch.nn.Sequential(*[lowprec.Linear(64, 64, name=f"l{i}", params_dtype=dtype,
+                                                device=device) for i in range(3)])
 
 
-def _steps(recipe, n=3, *, inside=False, eval_first=False):
+def _steps(recipe, n=3, *, inside=False, eval_first=False, device="cpu"):
     """``n`` training steps of a compiled model, then of an eager copy (the compiled model's
     region comes first in the thread), each step's output and gradients compared; returns
     the frames compiled after each step."""
-    eager = _model()
+    eager = _model(device)
     model = copy.deepcopy(eager)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
 
@@ -47,7 +52,7 @@ def _steps(recipe, n=3, *, inside=False, eval_first=False):
     frames = []
     g = torch.Generator().manual_seed(1)
     for _ in range(n):
-        x = torch.randn(8, 64, generator=g)
+        x = torch.randn(8, 64, generator=g).to(device, next(model.parameters()).dtype)
         xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         if inside:
             yb = compiled(xb)
@@ -65,8 +70,11 @@ def _steps(recipe, n=3, *, inside=False, eval_first=False):
     return frames
 
 
-def test_first_step_eager_then_one_compile():
-    assert _steps(_delayed()) == [0, 1, 1]
+@pytest.mark.parametrize("device", DEVICES)
+def test_first_step_eager_then_one_compile(device):
+    """On CUDA a compiled first step would be the opaque op (its slots have no scales) and
+    the second step a second compile."""
+    assert _steps(_delayed(), device=device) == [0, 1, 1]
 
 
 def test_a_later_model_compiles_its_first_step():
