@@ -49,25 +49,33 @@ def _steps(recipe, n=3, *, inside=False, eval_first=False, device="cpu"):
     if eval_first:
         with lowprec.autocast(recipe=recipe), torch.no_grad():
             compiled(torch.randn(8, 64))
+    def compiled_step(x):
+        if inside:
+            return compiled(x)
+        with lowprec.autocast(recipe=recipe):
+            return compiled(x)
     frames = []
     g = torch.Generator().manual_seed(1)
     for _ in range(n):
         x = torch.randn(8, 64, generator=g).to(device, next(model.parameters()).dtype)
-        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        if inside:
-            yb = compiled(xb)
-        else:
-            with lowprec.autocast(recipe=recipe):
-                yb = compiled(xb)
-        yb.sum().backward()
-        with lowprec.autocast(recipe=recipe):
-            ya = eager(xa)
-        ya.sum().backward()
-        assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
-        for a, b in zip(eager.parameters(), model.parameters(), strict=True):
-            assert torch.equal(a.grad, b.grad)
+        _same_step(compiled_step, model, eager, recipe, x)
         frames.append(counter.frame_count)
     return frames
+
+
+def _same_step(compiled_step, model, eager, recipe, x):
+    """A training step of the compiled model (``compiled_step``, which enters its own region
+    where it needs one), then one of its eager copy under ``recipe``: the outputs and every
+    gradient equal."""
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    yb = compiled_step(xb)
+    yb.sum().backward()
+    with lowprec.autocast(recipe=recipe):
+        ya = eager(xa)
+    ya.sum().backward()
+    assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
+    for a, b in zip(eager.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -137,13 +145,6 @@ def test_an_attached_recipe_around_compiled_layers():
     frames = []
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
-        x = torch.randn(8, 64, generator=g)
-        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        yb = model(xb)
-        yb.sum().backward()
-        with lowprec.autocast(recipe=recipe):
-            ya = eager(xa)
-        ya.sum().backward()
-        assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
+        _same_step(model, model, eager, recipe, torch.randn(8, 64, generator=g))
         frames.append(counter.frame_count)
     assert frames == [0, 1, 1]
