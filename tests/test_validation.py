@@ -1,6 +1,8 @@
 """Constructor options of every quantizer: flags must be bools and amax_epsilon a real
 number that stays finite in fp32, else a ValueError naming the quantizer, the option and
-the value (the recipes' fields are in ``recipe/test_recipe.py``)."""
+the value (the recipes' fields are in ``recipe/test_recipe.py``); and the public API's other
+arguments a value of the wrong kind would silently change (a truthy string taken as True, a
+falsy int ignored), which raise naming the argument."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import math
 import pytest
 import torch
 
+import lowprec
 from lowprec import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -75,3 +78,40 @@ def test_large_finite_amax_epsilon_quantizes_to_finite_values(cls):
     # legal however large: the amax is raised to it, the scale stays a positive fp32 number
     x = torch.full((128, 128), 0.5)
     assert torch.isfinite(cls(amax_epsilon=1e30).quantize(x).dequantize()).all()
+
+
+# ---- the public API's other arguments ----------------------------------------------------------
+def _quantized():
+    return Float8CurrentScalingQuantizer(torch.float8_e4m3fn).quantize(torch.randn(4, 32))
+
+
+@pytest.mark.parametrize("make, error, names", [
+    (lambda: lowprec.Linear(4, 4, bias="no"), ValueError, "bias"),
+    (lambda: lowprec.LayerNormLinear(8, 8, bias=1), ValueError, "bias"),
+    (lambda: lowprec.GroupedLinear(2, 8, 8, bias="yes"), ValueError, "bias"),
+    (lambda: lowprec.Linear(4, -1), ValueError, "out_features"),
+    (lambda: lowprec.Linear(4.5, 4), ValueError, "in_features"),
+    (lambda: lowprec.Linear(True, 4), ValueError, "in_features"),
+    (lambda: lowprec.LayerNormMLP(8, -2), ValueError, "features"),
+    (lambda: lowprec.autocast(enabled="no").__enter__(), TypeError, "enabled"),
+    (lambda: lowprec.quantized_model_init(enabled="no").__enter__(), TypeError, "enabled"),
+    (lambda: lowprec.autocast(recipe=lowprec.DelayedScaling(),
+                              amax_reduction_group=5).__enter__(),
+     TypeError, "amax_reduction_group"),
+    (lambda: _quantized().update_usage(rowwise_usage=0), TypeError, "rowwise_usage"),
+    (lambda: _quantized().update_usage(columnwise_usage="no"), TypeError, "columnwise_usage"),
+    (lambda: _quantized().dequantize(dtype=torch.int32), TypeError, "dtype"),
+    (lambda: _quantized().dequantize(dtype="x"), TypeError, "dtype"),
+], ids=["linear-bias", "layernorm_linear-bias", "grouped-bias", "out_features", "float-size",
+        "bool-size", "mlp-ffn", "autocast-enabled", "init-enabled", "group", "update_usage-0",
+        "update_usage-str", "dequantize-int", "dequantize-str"])
+def test_bad_arguments_raise_naming_them(make, error, names):
+    with pytest.raises(error, match=names):
+        make()
+
+
+def test_sizes_and_flags_take_numpy_scalars_and_zero():
+    np = pytest.importorskip("numpy")
+    m = lowprec.Linear(np.int64(4), 0, bias=np.bool_(False))
+    assert m.weight.shape == (0, 4) and m.bias is None
+    assert _quantized().dequantize(dtype=torch.float64).dtype == torch.float64

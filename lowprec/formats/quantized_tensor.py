@@ -217,6 +217,10 @@ class QuantizedTensor(torch.Tensor):
         """
         wanted = {"rowwise": rowwise_usage, "columnwise": columnwise_usage}
         for usage, want in wanted.items():
+            if want is not None and not isinstance(want, bool):
+                raise TypeError(f"update_usage: {usage}_usage must be True, False or None, "
+                                f"got {want!r}")
+        for usage, want in wanted.items():
             if want and not self.has_usage(usage):
                 other = "columnwise" if usage == "rowwise" else "rowwise"
                 if not self.has_usage(other):
@@ -317,6 +321,9 @@ class QuantizedTensor(torch.Tensor):
         ``Quantizer.quantize``) the gradient reaches ``self`` unchanged, in its nominal
         dtype.
         """
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dequantize: dtype must be a floating-point torch.dtype (or None "
+                            f"for the nominal {self.dtype}), got {dtype!r}")
         if self.requires_grad and torch.is_grad_enabled():
             return DequantizeFunction.apply(self, dtype, usage)
         return self._dequantize(dtype, usage)

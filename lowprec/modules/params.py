@@ -5,12 +5,13 @@ norm or activation) quantizes a GEMM's input with."""
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..formats import QuantizedTensor
+from ..formats import QuantizedTensor, check_bool_option
 from ..recipe import BackwardMode, operand_usages
 
 PARALLEL_MODES = (None, "column", "row")
@@ -81,6 +82,11 @@ def add_linear_params(module: nn.Module, weight_name: str, bias_name: str | None
     With ``bias=False`` the bias name (if given) is registered as ``None``.
     ``bias_features``/``fan_in``: a row-parallel shard's whole bias and whole fan-in.
     """
+    owner = type(module).__name__
+    for what, n in (("out_features", out_features), ("in_features", in_features)):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ValueError(f"{owner}: {what} must be an int >= 0, got {n!r}")
+    bias = check_bool_option(owner, "bias", bias)
     w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
     b = (nn.Parameter(torch.empty(bias_features or out_features, dtype=dtype, device=device))
          if bias else None)

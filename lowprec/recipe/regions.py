@@ -104,7 +104,8 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_
     history when the region exits (all of the region's states together, see
     ``lowprec.recipe.state_batch``).
     """
-    check_region_flags(cache_weights, cuda_graphs)
+    check_region_flags(cache_weights, cuda_graphs, enabled=enabled)
+    _check_group(amax_reduction_group)
     region = (_Region(_check_recipe(recipe), amax_reduction_group, cache_weights=cache_weights,
                       cuda_graphs=cuda_graphs)
               if enabled else None)
@@ -134,11 +135,19 @@ def any_region() -> bool:
     return bool(_LOCAL.regions)
 
 
-def check_region_flags(cache_weights, cuda_graphs) -> None:
+def check_region_flags(cache_weights=False, cuda_graphs=False, *, enabled=True) -> None:
     """The autocast options that take a bool (TypeError naming the one that is not)."""
-    for name, value in (("cache_weights", cache_weights), ("cuda_graphs", cuda_graphs)):
+    for name, value in (("enabled", enabled), ("cache_weights", cache_weights),
+                        ("cuda_graphs", cuda_graphs)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_group(group) -> None:
+    if group is not None and not isinstance(group, getattr(torch.distributed, "ProcessGroup",
+                                                           ())):
+        raise TypeError(f"amax_reduction_group must be a torch.distributed ProcessGroup or "
+                        f"None, got {group!r}")
 
 
 def push_region(recipe: Recipe | None, group=None, *, cache_weights: bool = False,
@@ -215,6 +224,7 @@ def quantized_model_init(enabled: bool = True, recipe: Recipe | None = None):
     Train them with :class:`lowprec.optim.QuantizedWeightOptimizer`, which
     keeps fp32 master weights and re-quantizes after each step.
     """
+    check_region_flags(enabled=enabled)
     _LOCAL.init_recipes.append(_check_recipe(recipe) if enabled else None)
     try:
         yield
