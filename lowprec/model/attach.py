@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 
-import torch
 from torch import nn
 
 from ..recipe import (
@@ -59,8 +58,7 @@ class AttachedRecipe:
             # around compiled layers (the root itself not compiled): delayed scaling's first
             # step eagerly, as lowprec.autocast's (lowprec.recipe.first_step); the forward
             # hook runs even where the forward raises
-            if not torch.compiler.is_compiling():
-                stance = first_step_eagerly(self.recipe)
+            stance = first_step_eagerly(self.recipe)
         _TOKENS.stack.append((token, stance))
 
     def exit(self, module, args, output) -> None:

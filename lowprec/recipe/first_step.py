@@ -55,10 +55,12 @@ def _any_slot_seeded(recipe: Recipe) -> bool:
 
 
 def first_step_eagerly(recipe: Recipe | None):
-    """The context a region under ``recipe`` runs its code in: ``force_eager`` for the first
-    training step of delayed scaling (see the module docstring), else None."""
-    if (_TAKEN.count >= MAX_EAGER_REGIONS or not stateful(recipe)
-            or recipe.first_scale != "current" or torch.compiler.is_compiling()
+    """The context a region under ``recipe`` (None: a disabled region) runs its code in:
+    ``force_eager`` for the first training step of delayed scaling (see the module
+    docstring), else None."""
+    # not while the compiler traces the region (first, so a trace reads nothing else)
+    if (torch.compiler.is_compiling() or _TAKEN.count >= MAX_EAGER_REGIONS
+            or not stateful(recipe) or recipe.first_scale != "current"
             or not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
             or _any_slot_seeded(recipe)):
         return None

@@ -110,8 +110,7 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_
                       cuda_graphs=cuda_graphs)
               if enabled else None)
     # delayed scaling's first step eagerly, where it would be compiled twice (first_step.py)
-    stance = None if region is None or torch.compiler.is_compiling() \
-        else first_step_eagerly(region.recipe)
+    stance = first_step_eagerly(region.recipe if region is not None else None)
     _LOCAL.regions.append(region)
     try:
         if stance is None:
