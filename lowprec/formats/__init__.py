@@ -48,6 +48,7 @@ from .graph import (
            PlainOperand,
            as_output,
            decode_scale,
+           form_tensors,
            plain_kind,
            scale_in_use,
 )

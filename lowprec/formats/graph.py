@@ -239,8 +239,9 @@ class GraphOperand:
         """``mat(t, "columnwise")``: the (C, R) matrix of ``t.T``, scaled along R."""
         raise NotImplementedError
 
-    def save_columnwise(self, t: torch.Tensor) -> tuple:
-        """What the backward keeps to make :meth:`columnwise` of ``t``."""
+    def save_columnwise(self, t: torch.Tensor, after: tuple = ()) -> tuple:
+        """What the backward keeps to make :meth:`columnwise` of ``t``. ``after``: as for
+        :meth:`forward`."""
         return (t,)
 
     def saved_columnwise(self, saved: tuple, grad: torch.Tensor | None = None):
@@ -251,9 +252,14 @@ class GraphOperand:
         :func:`transposed_in_backward`."""
         return self.columnwise(saved[0])
 
-    def forward(self, t: torch.Tensor, keep: bool, held: bool = False) -> tuple:
+    def forward(self, t: torch.Tensor, keep: bool, held: bool = False,
+                after: tuple = ()) -> tuple:
         """(rowwise form, what :meth:`saved_columnwise` reads, or () without ``keep``).
-        ``held``: ``t`` lives on anyway (a parameter), so keeping it costs no memory."""
+        ``held``: ``t`` lives on anyway (a parameter), so keeping it costs no memory.
+        ``after``: tensors made by the forms that eager quantizes before this one in the
+        same call (the input's, for the weight); this operand's random draws take them as
+        inputs, so that a compiled graph draws in eager's order however its scheduler
+        orders the ops (``nvfp4.compiled.keys``)."""
         return self.rowwise(t), (self.save_columnwise(t) if keep else ())
 
     def grad(self, t: torch.Tensor, row: bool, col: bool) -> tuple:
@@ -277,6 +283,16 @@ class GraphOperand:
                 return rep.values.to(dtype)
             return dequantized_values(rep.values, rep.divisor, dtype)
         return dequantized_values(rep.data, rep.scale, dtype)  # per-tensor FP8
+
+
+def form_tensors(form) -> tuple:
+    """The tensors in a graph form, or in a tuple of forms and tensors (what a forward
+    keeps), in order."""
+    if isinstance(form, torch.Tensor):
+        return (form,)
+    if isinstance(form, tuple):  # the forms are named tuples
+        return tuple(t for part in form for t in form_tensors(part))
+    return ()
 
 
 def scale_in_use(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -354,8 +370,15 @@ class HybridOperand(GraphOperand):
     def columnwise(self, t):
         return self.col.columnwise(t)
 
-    def save_columnwise(self, t):
-        return self.col.save_columnwise(t)
+    def save_columnwise(self, t, after=()):
+        return self.col.save_columnwise(t, after)
+
+    def forward(self, t, keep, held=False, after=()):
+        # eager's hybrid quantizes (and draws) rowwise first, then columnwise
+        row, _ = self.row.forward(t, False, held, after)
+        if not keep:
+            return row, ()
+        return row, self.col.save_columnwise(t, (*after, *form_tensors(row)))
 
     def saved_columnwise(self, saved, grad=None):
         return self.col.saved_columnwise(saved, grad)

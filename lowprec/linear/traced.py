@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import GraphOperand, PlainOperand, QuantizedTensor
+from ..formats import GraphOperand, PlainOperand, QuantizedTensor, form_tensors
 from ..gemm import emulated_product, route, routes_cuda, traced_gemm
 from ..recipe import (
     BackwardMode,
@@ -214,9 +214,12 @@ class TracedLinear(torch.autograd.Function):
                 # q/k/v (gate/up) read one input: one quantize serves them (``shared_input``)
                 xr, x_keep = shared_input.shared_form(plan.x, x, need_dw,
                                                       lambda: plan.x.forward(x2d, need_dw))
-                wr, w_keep = plan.w.forward(weight, need_dx, held=held)
+                # eager quantizes (and draws random keys for) the input before the weight
+                wr, w_keep = plan.w.forward(weight, need_dx, held=held,
+                                            after=form_tensors((xr, x_keep)))
             else:
-                xr, wr = plan.x.rowwise(x2d), plan.w.rowwise(weight)
+                xr = plan.x.rowwise(x2d)
+                wr, _ = plan.w.forward(weight, False, held=held, after=form_tensors(xr))
             if plan.mode == BackwardMode.HIGH_PRECISION:
                 x_keep, w_keep = (x2d,) if need_dw else (), (weight,) if need_dx else ()
             elif plan.mode == BackwardMode.DEQUANTIZED:

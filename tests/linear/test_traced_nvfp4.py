@@ -136,6 +136,77 @@ def test_forward_stochastic_rounding_traces_bit_identical(device, hybrid_weight)
     assert any("nvfp4_draw_keys_ordered" in t for t in ops.targets)  # the forward's
 
 
+def _ordered_draws(gm) -> list:
+    """The forward graph's ordered key draws (``with_effects`` nodes), in graph order."""
+    return [n for n in gm.graph.nodes
+            if "with_effects" in str(n.target) and "draw_keys_ordered" in str(n.args[1])]
+
+
+def _data_ancestors(node) -> set:
+    """The nodes ``node`` reads, directly or not, leaving out effect tokens (a
+    ``with_effects`` node's first argument)."""
+    def inputs(n):
+        if "with_effects" in str(n.target):
+            return [a for a in n.all_input_nodes if a is not n.args[0]]
+        return n.all_input_nodes
+    seen, todo = set(), inputs(node)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += inputs(n)
+    return seen
+
+
+@pytest.mark.parametrize("module", ["linear", "layernorm_linear"])
+@pytest.mark.parametrize("mode", ["default", "dequantized"])
+@pytest.mark.parametrize("weight_row", ["mxfp8", "nvfp4_sr"])
+def test_a_calls_forward_draws_follow_one_another_in_the_data(module, mode, weight_row):
+    """The weight's forward keys are drawn after the input's, and a hybrid's columnwise
+    half's after its rowwise half's, as eager draws them, through data: the effect token
+    that orders the draws does not order inductor's kernels (on CUDA a LayerNormLinear's
+    weight draw, whose anchor is ready first, ran before the input's, and the two
+    columnwise operands swapped keys). So each draw reads what the forms before it
+    made, which any scheduler respects."""
+    def sr():
+        return lowprec.NVFP4Quantizer(stochastic_rounding=True)
+
+    def factory(role):
+        if role is None or role.tensor_type not in ("input", "weight"):
+            return lowprec.IdentityQuantizer()
+        if role.tensor_type == "input":
+            return lowprec.HybridQuantizer(rowwise_quantizer=sr(), columnwise_quantizer=sr())
+        row = lowprec.MXFP8Quantizer() if weight_row == "mxfp8" else sr()
+        return lowprec.HybridQuantizer(rowwise_quantizer=row, columnwise_quantizer=sr())
+    recipe = lowprec.recipe.CustomRecipe(factory, backward_mode=mode)
+    make = lowprec.Linear if module == "linear" else lowprec.LayerNormLinear
+    m = make(64, 32, bias=False, params_dtype=torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+
+        def fw(g, _inputs):
+            graphs.append(g)
+            return g
+        return aot_autograd(fw_compiler=fw, bw_compiler=lambda g, _: g)(gm, example_inputs)
+
+    x = torch.randn(32, 64, requires_grad=True)
+    torch.manual_seed(0)
+    with lowprec.autocast(recipe=recipe):
+        want = m(x)
+    torch.manual_seed(0)
+    with lowprec.autocast(recipe=recipe):
+        got = torch.compile(m, backend=backend, fullgraph=True)(x)
+    assert torch.equal(want, got)
+    draws = _ordered_draws(graphs[0])
+    # each operand's rowwise half, then (default mode) its columnwise half
+    halves = 2 if mode == "default" else 1
+    assert len(draws) == halves + (halves - 1 if weight_row == "mxfp8" else halves)
+    for before, after in zip(draws, draws[1:]):
+        assert before in _data_ancestors(after)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_stochastic_rounding_follows_the_seed(device):
     """The compiled step's draws come from torch's generator: another seed gives other

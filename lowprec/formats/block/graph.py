@@ -115,13 +115,13 @@ class Blockwise(_BlockForms):
         return (Blocks(rq.view(self.fp8_dtype), rs, self.dim, rd),
                 Blocks(cq.view(self.fp8_dtype), cs, self.dim, cd))
 
-    def forward(self, t, keep, held=False):
+    def forward(self, t, keep, held=False, after=()):
         if keep and not held and self.kernel:
             # keep the fp8 blocks the backward reads rather than the input, both directions
             # made in the forward's one pass
             row, col = self._launch(t, True, True)
             return row, (col.data, col.scale, col.decode)
-        return super().forward(t, keep, held)
+        return super().forward(t, keep, held, after)
 
     def saved_columnwise(self, saved, grad=None):
         if len(saved) == 1:
@@ -173,7 +173,7 @@ class GivenBlocks(_BlockForms):
     def rowwise(self, w):
         return Blocks(w.rowwise_data, w.rowwise_scale, self.dim)
 
-    def save_columnwise(self, w):
+    def save_columnwise(self, w, after=()):
         if self.dim == 2 or self.columnwise_in_backward:
             return (w.rowwise_data, w.rowwise_scale)
         return (w.columnwise_data, w.columnwise_scale)

@@ -273,7 +273,7 @@ class Tensorwise(GraphOperand):
             return self._quantize(t, False, True)[1]
         return self.saved_columnwise(self.save_columnwise(t))
 
-    def save_columnwise(self, t):
+    def save_columnwise(self, t, after=()):
         return (t, *fp8_current_scale(t, self.fp8_dtype, self.pow2, self.eps, self.materialized))
 
     def saved_columnwise(self, saved, grad=None):
@@ -286,7 +286,7 @@ class Tensorwise(GraphOperand):
         return Fp8(fp8_cast_transposed(data, scale, self.fp8_dtype, self.materialized), scale,
                    decode)
 
-    def forward(self, t, keep, held=False):
+    def forward(self, t, keep, held=False, after=()):
         if self._in_eager():
             row, col = self._quantize(t, True, keep and not held)
             if not keep:
@@ -328,7 +328,7 @@ class HeldScale(Tensorwise):
         q.amax.copy_(torch.maximum(q.amax, seen.reshape(q.amax.shape).to(q.amax.device)))
         return Fp8(data, used, decode_scale(used).reshape(()))
 
-    def save_columnwise(self, t):
+    def save_columnwise(self, t, after=()):
         rep = self._fp8(t)
         return (t, rep.scale, rep.decode)
 

@@ -95,7 +95,7 @@ class MXBlocks(GraphOperand):
                                      columnwise, False, True)
         return Exact(row), Exact(col)
 
-    def forward(self, t, keep, held=False):
+    def forward(self, t, keep, held=False, after=()):
         if keep and not held and self.kernel:
             # one pass makes the rowwise values and the columnwise codes and scales, which
             # the backward keeps (an element a byte, as the eager Function keeps them) and
@@ -103,7 +103,7 @@ class MXBlocks(GraphOperand):
             *_, cq, cs, re, _ = _quantize(t, self.fp8_dtype == E5M2, self.two_d, True, True,
                                           True, False, True, False)
             return Exact(re), (cq.view(self.fp8_dtype), cs)
-        return super().forward(t, keep, held)
+        return super().forward(t, keep, held, after)
 
     def saved_columnwise(self, saved, grad=None):
         if len(saved) == 2:  # the columnwise codes and scales an eager forward kept
@@ -154,7 +154,7 @@ class GivenMX(GraphOperand):
     def rowwise(self, w):
         return self._values(w.rowwise_data, w.rowwise_scale)
 
-    def save_columnwise(self, w):
+    def save_columnwise(self, w, after=()):
         if self.columnwise_in_backward:
             return (w.rowwise_data, w.rowwise_scale)
         return (w.columnwise_data, w.columnwise_scale)

@@ -33,11 +33,13 @@ from .launch import exact_values, nvfp4_quantize, quantize_outputs
 from .reference import dequantize_matrix, quantize_matrix
 
 
-def keys(anchor: Tensor, count: int, ordered: bool = False):
-    """:func:`draw_keys` in a graph (:func:`draw_keys_ordered` for ``ordered``); an eager
-    call draws them directly (a list)."""
+def keys(anchor: Tensor, count: int, ordered: bool = False, after: tuple = ()):
+    """:func:`draw_keys` in a graph (:func:`draw_keys_ordered` for ``ordered``, drawn after
+    the tensors ``after`` exist); an eager call draws them directly (a list)."""
     if torch.compiler.is_compiling():
-        return (draw_keys_ordered if ordered else draw_keys)(anchor, count)
+        if ordered:
+            return draw_keys_ordered(anchor, count, list(after))
+        return draw_keys(anchor, count)
     return [draw_key(None, anchor.device) for _ in range(count)]
 
 
@@ -55,17 +57,23 @@ def draw_keys(anchor: Tensor, count: int) -> Tensor:
 
 
 @graph_op("nvfp4_draw_keys_ordered", tags=(torch.Tag.nondeterministic_seeded,))
-def draw_keys_ordered(anchor: Tensor, count: int) -> Tensor:
+def draw_keys_ordered(anchor: Tensor, count: int, after: list[Tensor]) -> Tensor:
     """:func:`draw_keys` for a forward operand's keys, as an ordered effectful op: nothing
-    in the data orders two layers' (or two experts') forward draws, so the compiler
-    threads an effect token through them and keeps eager's order. (The token costs
-    compile time, so the gradients' draws, which their data orders, do without it.)"""
+    in the data orders two layers' (or two experts') forward draws, so AOT autograd
+    threads an effect token through them. Inductor (2.11-2.13) does not order its
+    kernels by that token (the dependency it records is filed under the buffer's name,
+    and its scheduler looks it up under the operation's), so a draw whose anchor is ready
+    early (a weight) can run before one traced ahead of it; ``after`` (the forms of the
+    same call made before this one, unread) makes that order a data dependency. (The
+    token costs compile time, so the gradients' draws, which their data orders, do
+    without it.)"""
     return _draw(anchor, count)
 
 
-for _name in ("nvfp4_draw_keys", "nvfp4_draw_keys_ordered"):
-    torch.library.register_fake(f"lowprec::{_name}")(
-        lambda anchor, count: anchor.new_empty((count, 2), dtype=torch.int64))
+torch.library.register_fake("lowprec::nvfp4_draw_keys")(
+    lambda anchor, count: anchor.new_empty((count, 2), dtype=torch.int64))
+torch.library.register_fake("lowprec::nvfp4_draw_keys_ordered")(
+    lambda anchor, count, after: anchor.new_empty((count, 2), dtype=torch.int64))
 
 register_ordered(draw_keys_ordered)
 

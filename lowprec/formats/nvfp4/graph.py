@@ -65,18 +65,19 @@ class FP4Blocks(GraphOperand):
         # reference's are the emulation's fp32 values in the original domain
         return _KINDS[self.kernel and self.rht and usage == "columnwise", self.kernel]
 
-    def _keys(self, t, row: bool, col: bool, grad: bool = False):
+    def _keys(self, t, row: bool, col: bool, grad: bool = False, after: tuple = ()):
         """(rowwise key or None, columnwise key or None), drawn rowwise first; a forward
-        operand's (not ``grad``) in the graph's order of effects (``draw_keys_ordered``)."""
+        operand's (not ``grad``) in the graph's order of effects (``draw_keys_ordered``),
+        after the tensors ``after`` (``GraphOperand.forward``)."""
         if not self.sr:
             return None, None
-        keys = fp4.keys(t, int(row) + int(col), ordered=not grad)
+        keys = fp4.keys(t, int(row) + int(col), ordered=not grad, after=after)
         return keys[0] if row else None, keys[int(row)] if col else None
 
-    def _values(self, t, row: bool, col: bool, grad: bool = False):
+    def _values(self, t, row: bool, col: bool, grad: bool = False, after: tuple = ()):
         if grad and self.sr and self.kernel:  # keys drawn in the values' own op
             return self._keyed_values(t, row, col, None, None, draw=True)
-        key_row, key_col = self._keys(t, row, col, grad)
+        key_row, key_col = self._keys(t, row, col, grad, after)
         return self._keyed_values(t, row, col, key_row, key_col)
 
     def _column_values(self, t, key_col):
@@ -98,9 +99,9 @@ class FP4Blocks(GraphOperand):
     def rowwise(self, t):
         return self._values(t, True, False)[0]
 
-    def forward(self, t, keep, held=False):
+    def forward(self, t, keep, held=False, after=()):
         if not keep:
-            return self.rowwise(t), ()
+            return self._values(t, True, False, after=after)[0], ()
         if self.kernel and not torch.compiler.is_compiling() and (self.transposes or not held):
             # an eager call keeps the codes backward reads (half a byte an element, as the
             # eager Function keeps them), made in the forward's one pass: the columnwise
@@ -113,7 +114,7 @@ class FP4Blocks(GraphOperand):
         if self.transposes:
             row = self.rowwise(t)
             return row, (row.values, row.divisor)
-        row, col = self._values(t, True, True)
+        row, col = self._values(t, True, True, after=after)
         return row, (col.values, col.divisor)
 
     # save_columnwise keeps ``t`` itself: where the columnwise values take a pass of their
@@ -124,10 +125,10 @@ class FP4Blocks(GraphOperand):
     # drawn in the backward would come from another point of the generator's sequence
     # (the backward runs the layers in reverse).
 
-    def save_columnwise(self, t):
+    def save_columnwise(self, t, after=()):
         if not self.sr:
             return (t,)
-        return (t, self._keys(t, False, True)[1])
+        return (t, self._keys(t, False, True, after=after)[1])
 
     def saved_columnwise(self, saved, grad=None):
         if len(saved) == 1:
@@ -184,7 +185,7 @@ class GivenFP4(GraphOperand):
     def rowwise(self, w):
         return self._values(w.rowwise_data, w.rowwise_scale, w.rowwise_global)
 
-    def save_columnwise(self, w):
+    def save_columnwise(self, w, after=()):
         if self.two_d or self.columnwise_in_backward:
             return (w.rowwise_data, w.rowwise_scale, w.rowwise_global)
         return (w.columnwise_data, w.columnwise_scale, w.columnwise_global)
