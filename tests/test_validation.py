@@ -102,9 +102,19 @@ def _quantized():
     (lambda: _quantized().update_usage(columnwise_usage="no"), TypeError, "columnwise_usage"),
     (lambda: _quantized().dequantize(dtype=torch.int32), TypeError, "dtype"),
     (lambda: _quantized().dequantize(dtype="x"), TypeError, "dtype"),
+    (lambda: lowprec.attach_recipe(lowprec.Linear(4, 4), lowprec.DelayedScaling(),
+                                   amax_reduction_group="world"),
+     TypeError, "amax_reduction_group"),
+    (lambda: lowprec.Linear(4, 4, name=3), TypeError, "name"),
+    (lambda: lowprec.LayerNormLinear(8, 8, eps="1e-5"), ValueError, "eps"),
+    (lambda: lowprec.LayerNormMLP(8, 16, eps=-1.0), ValueError, "eps"),
+    (lambda: lowprec.RMSNorm(8, eps=math.nan), ValueError, "eps"),
+    (lambda: lowprec.recipe.CustomRecipe(lambda: None), TypeError, "one argument"),
+    (lambda: lowprec.recipe.CustomRecipe(lambda role, layer: None), TypeError, "one argument"),
 ], ids=["linear-bias", "layernorm_linear-bias", "grouped-bias", "out_features", "float-size",
         "bool-size", "mlp-ffn", "autocast-enabled", "init-enabled", "group", "update_usage-0",
-        "update_usage-str", "dequantize-int", "dequantize-str"])
+        "update_usage-str", "dequantize-int", "dequantize-str", "attach-group", "name",
+        "eps-str", "eps-negative", "eps-nan", "factory-no-argument", "factory-two-arguments"])
 def test_bad_arguments_raise_naming_them(make, error, names):
     with pytest.raises(error, match=names):
         make()
@@ -115,3 +125,6 @@ def test_sizes_and_flags_take_numpy_scalars_and_zero():
     m = lowprec.Linear(np.int64(4), 0, bias=np.bool_(False))
     assert m.weight.shape == (0, 4) and m.bias is None
     assert _quantized().dequantize(dtype=torch.float64).dtype == torch.float64
+    assert lowprec.LayerNormLinear(8, 8, eps=np.float32(0.5)).eps == 0.5
+    # a factory whose further parameters have defaults
+    lowprec.recipe.CustomRecipe(lambda role, scale=1: lowprec.IdentityQuantizer())

@@ -24,6 +24,7 @@ from torch import nn
 from ..recipe import (
     Recipe,
     any_region,
+    check_group,
     check_region_flags,
     first_step_eagerly,
     pop_region,
@@ -114,6 +115,7 @@ def attach_recipe(model: nn.Module, recipe: Recipe | None, *, amax_reduction_gro
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a lowprec recipe or None, got {type(recipe).__name__}")
     check_region_flags(cache_weights, cuda_graphs)
+    check_group(amax_reduction_group)
     detach_recipe(model)
     if recipe is None:
         return model

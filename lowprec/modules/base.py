@@ -41,6 +41,8 @@ class LowprecModule(CompiledCallMixin, RolesMixin, CallQuantizersMixin, ExtraSta
     def __init__(self, name: str | None, output_quantizer_role=None,
                  grad_input_quantizer_role=None) -> None:
         super().__init__()
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"{type(self).__name__}: name must be a str or None, got {name!r}")
         self.name = name or ""
         self.output_quantizer_role = output_quantizer_role
         self.grad_input_quantizer_role = grad_input_quantizer_role

@@ -12,6 +12,7 @@ from ..recipe import torch_autocast_dtype
 from . import tensor_parallel as tpar
 from .base import LowprecModule
 from .norms import (
+    check_eps,
     check_normalization,
     make_norm_params,
     norm_into_gemm,
@@ -42,7 +43,7 @@ class LayerNormLinear(LowprecModule):
         tpar.check_boundary_roles(self._tp, row_output=False,
                                   column_grad_input=grad_input_quantizer_role is not None)
         self.normalization = check_normalization(normalization)
-        self.in_features, self.out_features, self.eps = in_features, out_features, eps
+        self.in_features, self.out_features, self.eps = in_features, out_features, check_eps(eps)
         self.zero_centered_gamma = zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
         self.parallel_mode, self.sequence_parallel = parallel_mode, sequence_parallel

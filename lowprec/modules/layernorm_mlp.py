@@ -14,6 +14,7 @@ from . import tensor_parallel as tpar
 from .activations import get_activation
 from .base import LowprecModule
 from .norms import (
+    check_eps,
     check_normalization,
     make_norm_params,
     norm_into_gemm,
@@ -54,7 +55,8 @@ class LayerNormMLP(LowprecModule):
         self.normalization = check_normalization(normalization)
         self.activation = activation
         self._act, gated = get_activation(activation)
-        self.hidden_size, self.ffn_hidden_size, self.eps = hidden_size, ffn_hidden_size, eps
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.eps = check_eps(eps)
         self.zero_centered_gamma = zero_centered_gamma
         dtype = params_dtype or torch.get_default_dtype()
         make_norm_params(self, hidden_size, normalization, zero_centered_gamma=zero_centered_gamma,

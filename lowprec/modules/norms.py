@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import nn
 
@@ -11,6 +14,14 @@ from ..recipe import torch_autocast_dtype, torch_autocast_off
 from .params import producer_usages
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def check_eps(eps) -> float:
+    """A norm's ``eps``: a finite real number >= 0 (numpy scalars too), as a float."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (
+            math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    return float(eps)
 
 
 def check_normalization(normalization: str) -> str:
@@ -101,7 +112,8 @@ class _Norm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, zero_centered_gamma: bool = False,
                  params_dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
-        self.hidden_size, self.eps, self.zero_centered_gamma = hidden_size, eps, zero_centered_gamma
+        self.hidden_size, self.eps = hidden_size, check_eps(eps)
+        self.zero_centered_gamma = zero_centered_gamma
         make_norm_params(self, hidden_size, self.normalization,
                          zero_centered_gamma=zero_centered_gamma,
                          dtype=params_dtype or torch.get_default_dtype(), device=device, prefix="")

@@ -51,6 +51,7 @@ from .regions import (
     active_region,
     any_region,
     autocast,
+    check_group,
     check_region_flags,
     enter_deferred,
     init_recipe,

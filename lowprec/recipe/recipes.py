@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import itertools
 import numbers
 import os
@@ -437,6 +438,16 @@ class CustomRecipe(Recipe):
         if not callable(self.qfactory):
             raise TypeError(f"CustomRecipe needs a callable qfactory(role) -> Quantizer, got "
                             f"{self.qfactory!r}")
+        try:
+            signature = inspect.signature(self.qfactory)
+        except (TypeError, ValueError):  # a callable without a signature: called as it is
+            return
+        try:
+            signature.bind(None)
+        except TypeError:
+            raise TypeError(f"CustomRecipe's qfactory is called with one argument (the "
+                            f"QuantizerRole, or None), but {self.qfactory!r} takes "
+                            f"{signature}") from None
 
 
 def _custom(factory_name: str, *args):

@@ -105,7 +105,7 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None, amax_reduction_
     ``lowprec.recipe.state_batch``).
     """
     check_region_flags(cache_weights, cuda_graphs, enabled=enabled)
-    _check_group(amax_reduction_group)
+    check_group(amax_reduction_group)
     region = (_Region(_check_recipe(recipe), amax_reduction_group, cache_weights=cache_weights,
                       cuda_graphs=cuda_graphs)
               if enabled else None)
@@ -142,7 +142,8 @@ def check_region_flags(cache_weights=False, cuda_graphs=False, *, enabled=True) 
             raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
-def _check_group(group) -> None:
+def check_group(group) -> None:
+    """Raise unless ``group`` is a process group or None (an amax reduction group)."""
     if group is not None and not isinstance(group, getattr(torch.distributed, "ProcessGroup",
                                                            ())):
         raise TypeError(f"amax_reduction_group must be a torch.distributed ProcessGroup or "
