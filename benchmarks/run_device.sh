@@ -6,6 +6,8 @@
 #                                            # (the warp-specialized one too), the MoE layer
 #   bash benchmarks/run_device.sh moe-model  # the whole HF MoE model steps, compiled
 #   bash benchmarks/run_device.sh conformance  # the whole CUDA conformance matrix
+#   bash benchmarks/run_device.sh compile  # "1b"'s first three steps, compile included, a
+#                                          # fresh process a peer (PEERS: which, in order)
 # TEST_TIMEOUT (seconds, default 150) caps the test run. torchao (optional) is installed
 # from .whl/ when present (carry it: run(carry=['.whl'])).
 set -u
@@ -40,6 +42,15 @@ elif [ "$MODE" = conformance ]; then
     --device cuda --seeds 0 --workers 8 --out "$OUT/conformance.csv" > "$OUT/conformance.log" 2>&1
   t done
   grep -vE "^ok " "$OUT/conformance.log" | tail -20
+  exit 0
+elif [ "$MODE" = compile ]; then
+  # torchao both first and last: a loan's first process also pays for cold disks and
+  # libraries, so the peers compare in the places after it
+  t compile; timeout "${TEST_TIMEOUT:-560}" python3 tools/compile_costs.py --model 1b \
+    --peers "${PEERS:-torchao-tensorwise,lowprec-current,lowprec-delayed,torchao-tensorwise}" \
+    > "$OUT/compile.log" 2>&1
+  t done
+  grep -E "^(torchao|lowprec|bf16)" "$OUT/compile.log"
   exit 0
 elif [ "$MODE" = moe-model ]; then
   for spec in mixtral:2 qwen3:4; do  # model:layers, as the README's rows

@@ -1,7 +1,8 @@
 """Where the first compiled steps of ``bench_model.py``'s Llama spend their time, per peer,
 each peer in a fresh process with an empty inductor cache (the cold start a user meets).
 
-Per peer it prints the seconds of the first ``--steps`` steps, the graphs, captured calls
+Per peer it prints (and on a GPU appends to ``benchmarks/results.csv``) the seconds of the
+first ``--steps`` steps, the graphs, captured calls
 and generated kernels, dynamo's timed phases (``compilation_time_metrics``), and with
 ``--inlined N`` the N user functions dynamo spent most tracing time in, exclusive of the
 functions they call (``--inclusive N``: the N with most time including their callees;
@@ -113,6 +114,18 @@ def one_peer(args) -> None:
           f"{sum(counters['graph_break'].values())} graph breaks", flush=True)
     phases = sorted(((sum(v), k) for k, v in compilation_time_metrics.items()), reverse=True)
     print("  phases: " + ", ".join(f"{k} {t:.1f}s" for t, k in phases[:args.phases]))
+    if args.device == "cuda" and not args.pretend:  # a GPU measurement: a row of results.csv
+        from harness import append_rows
+        named = dict((k, t) for t, k in phases)
+        append_rows([dict(
+            bench="compile", shape=f"{args.model} {seq * batch}tok", recipe=args.peers,
+            metric=f"first{args.steps}_s", value=round(sum(times), 1),
+            note=(f"fresh process, empty inductor and Triton caches (tools/compile_costs.py); "
+                  f"steps {', '.join(f'{t:.1f}' for t in times)} s; "
+                  f"{stats['unique_graphs']} graphs, {metrics.generated_kernel_count} kernels; "
+                  + ", ".join(f"{k} {named[k]:.1f} s" for k in (
+                      "compile_fx_inner", "compile_fx.<locals>.fw_compiler_base",
+                      "compile_fx.<locals>.bw_compiler") if k in named)))])
     if args.inlined:
         print(f"  dynamo tracing, exclusive s / calls (top {args.inlined}):")
         for key, t in excl.most_common(args.inlined):
