@@ -378,7 +378,9 @@ class HybridOperand(GraphOperand):
         row, _ = self.row.forward(t, False, held, after)
         if not keep:
             return row, ()
-        return row, self.col.save_columnwise(t, (*after, *form_tensors(row)))
+        if torch.compiler.is_compiling():  # an eager call draws in program order
+            after = (*after, *form_tensors(row))
+        return row, self.col.save_columnwise(t, after)
 
     def saved_columnwise(self, saved, grad=None):
         return self.col.saved_columnwise(saved, grad)
