@@ -111,10 +111,13 @@ def _quantized():
     (lambda: lowprec.RMSNorm(8, eps=math.nan), ValueError, "eps"),
     (lambda: lowprec.recipe.CustomRecipe(lambda: None), TypeError, "one argument"),
     (lambda: lowprec.recipe.CustomRecipe(lambda role, layer: None), TypeError, "one argument"),
+    (lambda: lowprec.Linear(4, 4)([1.0, 2.0, 3.0, 4.0]), TypeError, "tensor input, got list"),
+    (lambda: lowprec.LayerNormMLP(4, 8)(None), TypeError, "tensor input, got NoneType"),
 ], ids=["linear-bias", "layernorm_linear-bias", "grouped-bias", "out_features", "float-size",
         "bool-size", "mlp-ffn", "autocast-enabled", "init-enabled", "group", "update_usage-0",
         "update_usage-str", "dequantize-int", "dequantize-str", "attach-group", "name",
-        "eps-str", "eps-negative", "eps-nan", "factory-no-argument", "factory-two-arguments"])
+        "eps-str", "eps-negative", "eps-nan", "factory-no-argument", "factory-two-arguments",
+        "list-input", "none-input"])
 def test_bad_arguments_raise_naming_them(make, error, names):
     with pytest.raises(error, match=names):
         make()

@@ -161,6 +161,9 @@ class LowprecModule(CompiledCallMixin, RolesMixin, CallQuantizersMixin, ExtraSta
     def _check_input_dtype(self, x: torch.Tensor, features: int | None = None) -> None:
         """A floating-point input with ``features`` in its last dimension (where given: the
         GEMM modules, whose error then names both sizes, in and outside autocast)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{type(self).__name__} expects a tensor input, got "
+                            f"{type(x).__name__}")
         if not x.is_floating_point():
             raise TypeError(f"{type(self).__name__} expects a floating-point input, got {x.dtype}")
         if features is not None and (x.dim() == 0 or x.shape[-1] != features):
