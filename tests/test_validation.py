@@ -113,11 +113,15 @@ def _quantized():
     (lambda: lowprec.recipe.CustomRecipe(lambda role, layer: None), TypeError, "one argument"),
     (lambda: lowprec.Linear(4, 4)([1.0, 2.0, 3.0, 4.0]), TypeError, "tensor input, got list"),
     (lambda: lowprec.LayerNormMLP(4, 8)(None), TypeError, "tensor input, got NoneType"),
+    (lambda: lowprec.LayerNormLinear(0, 4), ValueError, "norm needs"),
+    (lambda: lowprec.RMSNorm(0), ValueError, "norm needs"),
+    (lambda: lowprec.LayerNormMLP(8, 0), ValueError, "ffn_hidden_size"),
 ], ids=["linear-bias", "layernorm_linear-bias", "grouped-bias", "out_features", "float-size",
         "bool-size", "mlp-ffn", "autocast-enabled", "init-enabled", "group", "update_usage-0",
         "update_usage-str", "dequantize-int", "dequantize-str", "attach-group", "name",
         "eps-str", "eps-negative", "eps-nan", "factory-no-argument", "factory-two-arguments",
-        "list-input", "none-input"])
+        "list-input", "none-input", "norm-no-features", "rmsnorm-no-features",
+        "mlp-no-hidden"])
 def test_bad_arguments_raise_naming_them(make, error, names):
     with pytest.raises(error, match=names):
         make()

@@ -98,6 +98,11 @@ def reset_norm_params(module: nn.Module, prefix: str, zero_centered_gamma: bool)
 def make_norm_params(module: nn.Module, hidden_size: int, normalization: str, *,
                      zero_centered_gamma: bool, dtype, device, prefix: str) -> None:
     """Register ``<prefix>weight`` (and ``<prefix>bias`` for LayerNorm) on ``module``."""
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, numbers.Integral) or \
+            hidden_size < 1:
+        # a norm over no features has no mean or scale to take
+        raise ValueError(f"{type(module).__name__}: the norm needs an int number of features "
+                         f">= 1, got {hidden_size!r}")
     init = torch.zeros if zero_centered_gamma else torch.ones
     module.register_parameter(prefix + "weight", nn.Parameter(init(hidden_size, dtype=dtype,
                                                                     device=device)))
