@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import torch.nn.functional as F
 
@@ -23,7 +21,7 @@ from .norms import (
     norm_output_grad,
     reset_norm_params,
 )
-from .params import add_linear_params, producer_usages, release_fprop_copy
+from .params import add_linear_params, is_count, producer_usages, release_fprop_copy
 
 
 class LayerNormMLP(LowprecModule):
@@ -53,8 +51,7 @@ class LayerNormMLP(LowprecModule):
         self.parallel_mode, self.sequence_parallel = parallel_mode, sequence_parallel
         tpar.check_boundary_roles(self._tp, row_output=output_quantizer_role is not None,
                                   column_grad_input=grad_input_quantizer_role is not None)
-        if isinstance(ffn_hidden_size, numbers.Integral) and not isinstance(
-                ffn_hidden_size, bool) and ffn_hidden_size == 0:
+        if is_count(ffn_hidden_size) and ffn_hidden_size == 0:
             raise ValueError("LayerNormMLP: ffn_hidden_size must be >= 1, got 0 (an FFN of no "
                              "hidden features has no activation to apply)")
         ffn_local = tpar.shard_size(ffn_hidden_size, tp_size, "ffn_hidden_size")

@@ -11,7 +11,7 @@ from torch import nn
 from .. import fused
 from ..fused import norm_backward, norm_fp32, norm_gamma
 from ..recipe import torch_autocast_dtype, torch_autocast_off
-from .params import producer_usages
+from .params import is_count, producer_usages
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -98,8 +98,7 @@ def reset_norm_params(module: nn.Module, prefix: str, zero_centered_gamma: bool)
 def make_norm_params(module: nn.Module, hidden_size: int, normalization: str, *,
                      zero_centered_gamma: bool, dtype, device, prefix: str) -> None:
     """Register ``<prefix>weight`` (and ``<prefix>bias`` for LayerNorm) on ``module``."""
-    if isinstance(hidden_size, bool) or not isinstance(hidden_size, numbers.Integral) or \
-            hidden_size < 1:
+    if not is_count(hidden_size, 1):
         # a norm over no features has no mean or scale to take
         raise ValueError(f"{type(module).__name__}: the norm needs an int number of features "
                          f">= 1, got {hidden_size!r}")

@@ -74,6 +74,11 @@ def init_linear_params(weight: torch.Tensor, bias: torch.Tensor | None,
         nn.init.uniform_(bias, -bound, bound)
 
 
+def is_count(n, least: int = 0) -> bool:
+    """Whether ``n`` is an int (numpy's too, not a bool) of at least ``least``: a size."""
+    return not isinstance(n, bool) and isinstance(n, numbers.Integral) and n >= least
+
+
 def add_linear_params(module: nn.Module, weight_name: str, bias_name: str | None,
                       out_features: int, in_features: int, *, bias: bool, dtype, device,
                       bias_features: int | None = None, fan_in: int | None = None) -> None:
@@ -84,7 +89,7 @@ def add_linear_params(module: nn.Module, weight_name: str, bias_name: str | None
     """
     owner = type(module).__name__
     for what, n in (("out_features", out_features), ("in_features", in_features)):
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        if not is_count(n):
             raise ValueError(f"{owner}: {what} must be an int >= 0, got {n!r}")
     bias = check_bool_option(owner, "bias", bias)
     w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
