@@ -48,7 +48,7 @@ from .graph import (
            PlainOperand,
            as_output,
            decode_scale,
-           form_tensors,
+           drawn_after,
            plain_kind,
            scale_in_use,
 )

@@ -285,14 +285,23 @@ class GraphOperand:
         return dequantized_values(rep.data, rep.scale, dtype)  # per-tensor FP8
 
 
-def form_tensors(form) -> tuple:
+def _form_tensors(form) -> tuple:
     """The tensors in a graph form, or in a tuple of forms and tensors (what a forward
     keeps), in order."""
     if isinstance(form, torch.Tensor):
         return (form,)
     if isinstance(form, tuple):  # the forms are named tuples
-        return tuple(t for part in form for t in form_tensors(part))
+        return tuple(t for part in form for t in _form_tensors(part))
     return ()
+
+
+def drawn_after(forms, after: tuple = ()) -> tuple:
+    """``after`` and the tensors of ``forms`` (forms made before an operand's in the same
+    call), for that operand's random draws to follow in a graph (:meth:`GraphOperand.forward`).
+    An eager call draws in program order: ``after`` as it is, no host time spent."""
+    if not torch.compiler.is_compiling():
+        return after
+    return (*after, *_form_tensors(forms))
 
 
 def scale_in_use(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -378,9 +387,7 @@ class HybridOperand(GraphOperand):
         row, _ = self.row.forward(t, False, held, after)
         if not keep:
             return row, ()
-        if torch.compiler.is_compiling():  # an eager call draws in program order
-            after = (*after, *form_tensors(row))
-        return row, self.col.save_columnwise(t, after)
+        return row, self.col.save_columnwise(t, drawn_after(row, after))
 
     def saved_columnwise(self, saved, grad=None):
         return self.col.saved_columnwise(saved, grad)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import GraphOperand, PlainOperand, QuantizedTensor, form_tensors
+from ..formats import GraphOperand, PlainOperand, QuantizedTensor, drawn_after
 from ..gemm import emulated_product, route, routes_cuda, traced_gemm
 from ..recipe import (
     BackwardMode,
@@ -179,13 +179,6 @@ def _hp_product(a: torch.Tensor, b: torch.Tensor, out_dtype) -> torch.Tensor:
     return emulated_product(a.to(torch.float32), b.to(torch.float32), None, out_dtype)
 
 
-def _drawn_after(forms) -> tuple:
-    """What the weight's random draws must follow in a graph: the input's forms (eager
-    quantizes, and draws keys for, the input first; ``GraphOperand.forward``). An eager
-    call draws in program order, so it hands on nothing (no host time spent)."""
-    return form_tensors(forms) if torch.compiler.is_compiling() else ()
-
-
 class TracedLinear(torch.autograd.Function):
     """``y = x @ weight.T + bias`` over a :class:`TracedPlan`: fprop reads the input and
     weight rowwise; in the default mode dgrad reads dY rowwise and the weight columnwise,
@@ -221,11 +214,12 @@ class TracedLinear(torch.autograd.Function):
                 # q/k/v (gate/up) read one input: one quantize serves them (``shared_input``)
                 xr, x_keep = shared_input.shared_form(plan.x, x, need_dw,
                                                       lambda: plan.x.forward(x2d, need_dw))
+                # eager quantizes (and draws keys for) the input before the weight
                 wr, w_keep = plan.w.forward(weight, need_dx, held=held,
-                                            after=_drawn_after((xr, x_keep)))
+                                            after=drawn_after((xr, x_keep)))
             else:
                 xr = plan.x.rowwise(x2d)
-                wr, _ = plan.w.forward(weight, False, held=held, after=_drawn_after(xr))
+                wr, _ = plan.w.forward(weight, False, held=held, after=drawn_after(xr))
             if plan.mode == BackwardMode.HIGH_PRECISION:
                 x_keep, w_keep = (x2d,) if need_dw else (), (weight,) if need_dx else ()
             elif plan.mode == BackwardMode.DEQUANTIZED:
