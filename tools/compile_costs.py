@@ -108,20 +108,21 @@ def one_peer(args) -> None:
         sync()
         times.append(time.perf_counter() - t0)
     stats = counters["stats"]
+    steps = ", ".join(f"{t:.1f}" for t in times)
     print(f"{args.peers}: first {args.steps} steps {sum(times):.1f} s "
-          f"({', '.join(f'{t:.1f}' for t in times)}); {stats['unique_graphs']} graphs, "
+          f"({steps}); {stats['unique_graphs']} graphs, "
           f"{stats['calls_captured']} calls captured, {metrics.generated_kernel_count} kernels, "
           f"{sum(counters['graph_break'].values())} graph breaks", flush=True)
-    phases = sorted(((sum(v), k) for k, v in compilation_time_metrics.items()), reverse=True)
+    named = {k: sum(v) for k, v in compilation_time_metrics.items()}
+    phases = sorted(((t, k) for k, t in named.items()), reverse=True)
     print("  phases: " + ", ".join(f"{k} {t:.1f}s" for t, k in phases[:args.phases]))
     if args.device == "cuda" and not args.pretend:  # a GPU measurement: a row of results.csv
         from harness import append_rows
-        named = dict((k, t) for t, k in phases)
         append_rows([dict(
             bench="compile", shape=f"{args.model} {seq * batch}tok", recipe=args.peers,
             metric=f"first{args.steps}_s", value=round(sum(times), 1),
             note=(f"fresh process, empty inductor and Triton caches (tools/compile_costs.py); "
-                  f"steps {', '.join(f'{t:.1f}' for t in times)} s; "
+                  f"steps {steps} s; "
                   f"{stats['unique_graphs']} graphs, {metrics.generated_kernel_count} kernels; "
                   + ", ".join(f"{k} {named[k]:.1f} s" for k in (
                       "compile_fx_inner", "compile_fx.<locals>.fw_compiler_base",
