@@ -106,22 +106,23 @@ def _module_of(handle: torch.Tensor) -> torch.nn.Module:
 
 
 @graph_op("join_region", mutates_args=("amax",))
-def join_region(amax: torch.Tensor, handle: torch.Tensor) -> None:
-    """A traced delayed-scaling forward that has recorded its amaxes into ``amax`` (its
-    forward state's, in the graph), run where the autocast region is real (entered around
+def join_region(amax: torch.Tensor, handle: torch.Tensor, held: torch.Tensor) -> None:
+    """A traced delayed-scaling forward that records its amaxes into ``amax`` (its forward
+    state's, in the graph) next, run where the autocast region is real (entered around
     the compiled call): the module's forward state joins the region's update, as an eager
     forward's does. An op rather than traced Python: the region's list is appended to at
     run time, beside the opaque calls' own appends. ``amax`` is declared written because
     the region's update writes it (which keeps the compiler from dropping the op); the op
-    itself only reads the handle. Defined through ``kernels.graph_op``: a compiled step
-    runs one per module."""
+    itself only reads the handle. ``held``, the scales the call's backward reads, is
+    passed only so that the forward reads it (``linear.traced_delayed`` says why).
+    Defined through ``kernels.graph_op``: a compiled step runs one per module."""
     state = _module_of(handle).__dict__["_recipe_states"]["forward"].delayed
     state.pending = True
     register_delayed_state(state)
 
 
 @torch.library.register_fake("lowprec::join_region")
-def _join_region_fake(amax, handle):
+def _join_region_fake(amax, handle, held):
     return None
 
 

@@ -56,7 +56,6 @@ from .traced_delayed import (
     StateQuantizers,
     delayed_forward,
     delayed_grad,
-    update_backward_state,
 )
 
 
@@ -254,9 +253,7 @@ class TracedLinear(torch.autograd.Function):
             return TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
         if plan.delayed:
             dy = delayed_grad(plan, dy2d, ctx.update)
-            dx, dw = TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
-            update_backward_state(ctx.update)
-            return dx, dw
+            return TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)
         sliced = plan.split is not None and need_dx and need_dw
         dy = None if sliced else plan.dy.grad(dy2d, need_dx, need_dw)
         return TracedLinear._gemms(ctx, plan, dy2d, dy, need_dx, need_dw, x_keep, w_keep)

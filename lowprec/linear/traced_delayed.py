@@ -18,13 +18,13 @@ from ..recipe import join_backward_pass, state_of_key
 
 @graph_op("join_backward", mutates_args=("amax",), tags=CUDAGRAPH_UNSAFE)
 def join_backward(amax: torch.Tensor, key: torch.Tensor, group: str) -> None:
-    """A traced delayed-scaling backward whose module's last GEMM has recorded dY's amax
-    into ``amax`` (its backward state's): the state named by ``key`` joins the running
+    """A traced delayed-scaling backward at its module's last GEMM, which records dY's amax
+    into ``amax`` (its backward state's) next: the state named by ``key`` joins the running
     backward pass's update (``lowprec.recipe.backward_pass``), its amaxes all-reduced
     there over the process group named ``group`` ("" for none), as an eager backward's
     state joins. A host-side op: the update runs once for every module at the pass's end,
     outside the graph. ``amax`` is declared written because that update writes it (which
-    keeps the compiler from dropping the op and orders it after the record). Not for a
+    keeps the compiler from dropping the op and orders it before the record). Not for a
     CUDA graph: a replay would not run it."""
     resolved = None if not group else \
         torch.distributed.distributed_c10d._resolve_process_group(group)
@@ -46,22 +46,32 @@ def delayed_forward(plan, x2d, weight, fwd):
     # fp8_delayed`` says why).
     ax, aw = plan.x.amax(x2d), plan.w.amax(weight)
     cx, cw = plan.x.seeded(scale[s:s + 1], ax), plan.w.seeded(scale[s + 1:s + 2], aw)
-    # Backward recasts x and W with the scales in use, so it keeps this copy of them, each
-    # computed where its amax is. Left reads of the state, the partitioner would save the
-    # state's tensor and recompute from it in backward, after the region's update has moved
-    # it (autograd's version check raises where that update is torch ops; nothing checks a
-    # kernel's write). A cat is an op the partitioner saves, never recomputes.
-    held = torch.cat([ax, aw, scale_in_use(cx, ax), scale_in_use(cw, aw)])
-    seen, xs, ws = held[0:2], held[2:3], held[3:4]
+    xs, ws = scale_in_use(cx, ax), scale_in_use(cw, aw)
+    # Backward recasts x and W with the scales in use, so it keeps this copy of them. Left
+    # reads of the state, a partitioner would save the state's tensor and recompute from
+    # it in backward, after the region's update has moved it (autograd's version check
+    # raises where that update is torch ops; nothing checks a kernel's write). The copy is
+    # a cat, which the min-cut partitioner saves, never recomputes, and the forward reads
+    # it, so that the default partitioner (which places in backward what no forward
+    # output needs) keeps it in the forward too.
+    held = torch.cat([xs, ws, ax, aw])
     if records:  # training
-        amax[s:s + 2].copy_(torch.maximum(amax[s:s + 2], seen))
         if handle is not None:  # the region around the compiled call: joined at run time
-            torch.ops.lowprec.join_region(amax, handle)
-    # each operand's decode scale of its own: inductor's scaled-GEMM lowering cannot view
-    # an element of a shared buffer as the GEMM's scale (its lowering asserts, on CUDA)
+            # before the records, so that nothing sits between a record and its write-back
+            # and the compiler folds each into its amax's reduction; it reads the copy
+            torch.ops.lowprec.join_region(amax, handle, held)
+            seen = ax, aw
+        else:  # the region's update is traced with the call: the records read the copy
+            seen = held[2:3], held[3:4]
+        amax[s:s + 1].copy_(torch.maximum(amax[s:s + 1], seen[0]))
+        amax[s + 1:s + 2].copy_(torch.maximum(amax[s + 1:s + 2], seen[1]))
+    # each operand's decode scale of its own, from the scale itself, not the kept copy: so
+    # the reduction that makes the scale makes it too (inductor's scaled-GEMM lowering
+    # cannot view an element of a shared buffer as the GEMM's scale: it asserts, on CUDA)
     xd, wd = decode_scale(xs).reshape(()), decode_scale(ws).reshape(())
-    return ((Fp8(plan.x.cast(x2d, cx), xs, xd), (x2d, xs, xd)),
-            (Fp8(plan.w.cast(weight, cw), ws, wd), (weight, ws, wd)))
+    kx, kw = held[0:1], held[1:2]
+    return ((Fp8(plan.x.cast(x2d, cx), xs, xd), (x2d, kx, decode_scale(kx).reshape(()))),
+            (Fp8(plan.w.cast(weight, cw), ws, wd), (weight, kw, decode_scale(kw).reshape(()))))
 
 
 @dataclass(frozen=True)
@@ -78,17 +88,14 @@ class StateQuantizers:
 def delayed_grad(plan, dy2d: torch.Tensor, update) -> tuple[Fp8, Fp8]:
     """dY's (rowwise, columnwise) forms under the backward state's scale (``update``: the
     backward state's tensors and settings, as ``traced.traced_linear`` hands them on),
-    its amax recorded into the state."""
-    scale, amax, _, s, _, _ = update
+    its amax recorded into the state. Where this GEMM is the module's last to run
+    backward, the state joins the backward pass's update (which runs at the pass's end,
+    outside the graph) before the record, so that nothing sits between the record and
+    its write-back and the compiler folds both into dY's amax reduction."""
+    scale, amax, key, s, updates, group = update
+    if updates:
+        torch.ops.lowprec.join_backward(amax, key, group)
     dyq, dys, seen = plan.dy.delayed(dy2d, scale[s:s + 1])
     amax[s:s + 1].copy_(torch.maximum(amax[s:s + 1], seen))
     dyd = decode_scale(dys).reshape(())
     return Fp8(dyq, dys, dyd), Fp8(dyq.t().contiguous(), dys, dyd)
-
-
-def update_backward_state(update) -> None:
-    """The backward state joins the backward pass's update where this GEMM is the module's
-    last to run backward."""
-    _, amax, key, _, updates, group = update
-    if updates:
-        torch.ops.lowprec.join_backward(amax, key, group)
