@@ -106,7 +106,7 @@ def _module_of(handle: torch.Tensor) -> torch.nn.Module:
 
 
 @graph_op("join_region", mutates_args=("amax",))
-def join_region(amax: torch.Tensor, handle: torch.Tensor, held: torch.Tensor) -> None:
+def join_region(amax: torch.Tensor, handle: torch.Tensor, held: list[torch.Tensor]) -> None:
     """A traced delayed-scaling forward that records its amaxes into ``amax`` (its forward
     state's, in the graph) next, run where the autocast region is real (entered around
     the compiled call): the module's forward state joins the region's update, as an eager

@@ -53,23 +53,25 @@ def delayed_forward(plan, x2d, weight, fwd):
     # raises where that update is torch ops; nothing checks a kernel's write). The copy is
     # a cat, which the min-cut partitioner saves, never recomputes, and the forward reads
     # it, so that the default partitioner (which places in backward what no forward
-    # output needs) keeps it in the forward too.
-    held = torch.cat([xs, ws, ax, aw])
+    # output needs) keeps it in the forward too. One cat an operand, its scale first: the
+    # compiler may make the backward's decode scale in the copy's place, and cuBLAS
+    # refuses a scale at an offset of 4 bytes (CUBLAS_STATUS_NOT_SUPPORTED).
+    held = torch.cat([xs, ax]), torch.cat([ws, aw])
     if records:  # training
         if handle is not None:  # the region around the compiled call: joined at run time
             # before the records, so that nothing sits between a record and its write-back
-            # and the compiler folds each into its amax's reduction; it reads the copy
-            torch.ops.lowprec.join_region(amax, handle, held)
+            # and the compiler folds each into its amax's reduction; it reads the copies
+            torch.ops.lowprec.join_region(amax, handle, list(held))
             seen = ax, aw
-        else:  # the region's update is traced with the call: the records read the copy
-            seen = held[2:3], held[3:4]
+        else:  # the region's update is traced with the call: the records read the copies
+            seen = held[0][1:2], held[1][1:2]
         amax[s:s + 1].copy_(torch.maximum(amax[s:s + 1], seen[0]))
         amax[s + 1:s + 2].copy_(torch.maximum(amax[s + 1:s + 2], seen[1]))
     # each operand's decode scale of its own, from the scale itself, not the kept copy: so
     # the reduction that makes the scale makes it too (inductor's scaled-GEMM lowering
     # cannot view an element of a shared buffer as the GEMM's scale: it asserts, on CUDA)
     xd, wd = decode_scale(xs).reshape(()), decode_scale(ws).reshape(())
-    kx, kw = held[0:1], held[1:2]
+    kx, kw = held[0][0:1], held[1][0:1]
     return ((Fp8(plan.x.cast(x2d, cx), xs, xd), (x2d, kx, decode_scale(kx).reshape(()))),
             (Fp8(plan.w.cast(weight, cw), ws, wd), (weight, kw, decode_scale(kw).reshape(()))))
 
