@@ -531,3 +531,35 @@ def test_linears_reading_one_input_quantize_it_once(fmt, backend, monkeypatch):
         assert torch.equal(w, g)
     # the input once (both directions), then each dY once (both directions)
     assert calls == [((256, 512), True, True)] * 4
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+@pytest.mark.parametrize("first_scale", ["one", "current"])
+def test_delayed_backward_keeps_the_forwards_scales(partition, first_scale):
+    """A compiled delayed-scaling Linear's backward recasts x and W with the scales its
+    forward cast with, never with the state's: the region's update moves the state between
+    the forward and the backward. Under either partitioner AOT autograd may use (the
+    default one, which moves to backward what no forward output needs, and the min-cut one
+    inductor uses, which recomputes cheap ops from saved inputs), over steps whose amaxes
+    move the scales, outputs and gradients equal eager's bit for bit."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch import partitioners
+    from torch._inductor.decomposition import select_decomp_table
+
+    split = {"default": partitioners.default_partition,
+             "min_cut": partitioners.min_cut_rematerialization_partition}[partition]
+    backend = aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
+                           partition_fn=split, decompositions=select_decomp_table())
+    recipe = DelayedScaling(amax_history_len=2, first_scale=first_scale)
+    torch.manual_seed(0)
+    a = lowprec.Linear(64, 32, name="l")
+    b = lowprec.Linear(64, 32, name="l")
+    b.load_state_dict(a.state_dict())
+    compiled = torch.compile(b, backend=backend, fullgraph=True)
+    g = torch.Generator().manual_seed(2)
+    for step in range(4):
+        x = torch.randn(16, 64, generator=g) * 8.0 ** step
+        dy = torch.randn(16, 32, generator=g)
+        for w, t in zip(_run(a, a, x, dy, recipe), _run(compiled, b, x, dy, recipe)):
+            assert torch.equal(w, t), step
+    assert a.scaling_state()["forward"]["scale"][0] != 1  # the scales moved
