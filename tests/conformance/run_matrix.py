@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--limit", type=int, default=0, help="run only this many cases")
+    p.add_argument("--match", default="",
+                   help="run only the cases whose id holds this text (a kind, a module, a mode)")
     p.add_argument("--out", default="conformance.csv")
     a = p.parse_args(argv)
     from .space import all_pairs, plain_recipes
@@ -43,6 +45,7 @@ def main(argv=None) -> int:
         if c.id not in seen:
             seen.add(c.id)
             cases.append(c)
+    cases = [c for c in cases if a.match in c.id]
     if a.limit:
         cases = cases[:a.limit]
     ctx = mp.get_context("spawn")
