@@ -17,22 +17,25 @@ from ..recipe import join_backward_pass, state_of_key
 
 
 @graph_op("join_backward", mutates_args=("amax",), tags=CUDAGRAPH_UNSAFE)
-def join_backward(amax: torch.Tensor, key: torch.Tensor, group: str) -> None:
+def join_backward(amax: torch.Tensor, key: torch.Tensor, group: str,
+                  seen: torch.Tensor) -> None:
     """A traced delayed-scaling backward at its module's last GEMM, which records dY's amax
-    into ``amax`` (its backward state's) next: the state named by ``key`` joins the running
-    backward pass's update (``lowprec.recipe.backward_pass``), its amaxes all-reduced
-    there over the process group named ``group`` ("" for none), as an eager backward's
-    state joins. A host-side op: the update runs once for every module at the pass's end,
-    outside the graph. ``amax`` is declared written because that update writes it (which
-    keeps the compiler from dropping the op and orders it before the record). Not for a
-    CUDA graph: a replay would not run it."""
+    ``seen`` into ``amax`` (its backward state's) next: the state named by ``key`` joins
+    the running backward pass's update (``lowprec.recipe.backward_pass``), its amaxes
+    all-reduced there over the process group named ``group`` ("" for none), as an eager
+    backward's state joins. A host-side op: the update runs once for every module at the
+    pass's end, outside the graph. ``amax`` is declared written because that update writes
+    it (which keeps the compiler from dropping the op and orders it before the record).
+    ``seen`` is only read, so that the op depends on dY: reading the state alone, it would
+    be moved into the forward graph by the partitioners (and join no pass there). Not for
+    a CUDA graph: a replay would not run it."""
     resolved = None if not group else \
         torch.distributed.distributed_c10d._resolve_process_group(group)
     join_backward_pass(state_of_key(key), resolved)
 
 
 @torch.library.register_fake("lowprec::join_backward")
-def _join_backward_fake(amax, key, group):
+def _join_backward_fake(amax, key, group, seen):
     return None
 
 
@@ -93,11 +96,11 @@ def delayed_grad(plan, dy2d: torch.Tensor, update) -> tuple[Fp8, Fp8]:
     its amax recorded into the state. Where this GEMM is the module's last to run
     backward, the state joins the backward pass's update (which runs at the pass's end,
     outside the graph) before the record, so that nothing sits between the record and
-    its write-back and the compiler folds both into dY's amax reduction."""
+    its write-back: the compiler makes both in one small kernel."""
     scale, amax, key, s, updates, group = update
-    if updates:
-        torch.ops.lowprec.join_backward(amax, key, group)
     dyq, dys, seen = plan.dy.delayed(dy2d, scale[s:s + 1])
+    if updates:
+        torch.ops.lowprec.join_backward(amax, key, group, seen)
     amax[s:s + 1].copy_(torch.maximum(amax[s:s + 1], seen))
     dyd = decode_scale(dys).reshape(())
     return Fp8(dyq, dys, dyd), Fp8(dyq.t().contiguous(), dys, dyd)
