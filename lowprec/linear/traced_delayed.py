@@ -63,7 +63,8 @@ def delayed_forward(plan, x2d, weight, fwd):
     if records:  # training
         if handle is not None:  # the region around the compiled call: joined at run time
             # before the records, so that nothing sits between a record and its write-back
-            # and the compiler folds each into its amax's reduction; it reads the copies
+            # and the compiler makes the call's records one small kernel; it reads the
+            # copies
             torch.ops.lowprec.join_region(amax, handle, list(held))
             seen = ax, aw
         else:  # the region's update is traced with the call: the records read the copies
