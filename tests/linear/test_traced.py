@@ -563,3 +563,23 @@ def test_delayed_backward_keeps_the_forwards_scales(partition, first_scale):
         for w, t in zip(_run(a, a, x, dy, recipe), _run(compiled, b, x, dy, recipe)):
             assert torch.equal(w, t), step
     assert a.scaling_state()["forward"]["scale"][0] != 1  # the scales moved
+
+
+def test_delayed_kept_scales_are_each_the_start_of_its_own_copy():
+    """The scales a traced delayed-scaling forward keeps for its backward are each element
+    0 of a copy of its own: the compiler may make the backward's decode scale in the
+    copy's place, and cuBLAS refuses a scale pointer at an offset of 4 bytes into a buffer
+    (CUBLAS_STATUS_NOT_SUPPORTED, which a shared copy of both scales met on "1b")."""
+    from lowprec.linear.traced_delayed import delayed_forward
+
+    recipe = DelayedScaling(amax_history_len=2)
+    x, w = torch.randn(16, 64), torch.randn(32, 64)
+    plan = plan_of(recipe, x, w)
+    assert plan is not None and plan.delayed
+    scale = torch.tensor([2.0, 4.0, 1.0])
+    (_, x_keep), (_, w_keep) = delayed_forward(plan, x, w, (scale, torch.zeros(3), None, 0,
+                                                            False))
+    kept = [x_keep[1], w_keep[1]]
+    assert [k.storage_offset() for k in kept] == [0, 0]
+    assert kept[0].untyped_storage().data_ptr() != kept[1].untyped_storage().data_ptr()
+    assert [k.item() for k in kept] == [2.0, 4.0]  # the scales the forward cast with
