@@ -8,6 +8,8 @@
 #   bash benchmarks/run_device.sh conformance  # the whole CUDA conformance matrix
 #   bash benchmarks/run_device.sh compile  # "1b"'s first three steps, compile included, a
 #                                          # fresh process a peer (PEERS: which, in order)
+#   bash benchmarks/run_device.sh model    # "1b" and "8b-wide" compiled: torchao tensorwise,
+#                                          # lowprec delayed and current, one process a model
 # TEST_TIMEOUT (seconds, default 150) caps the test run. torchao (optional) is installed
 # from .whl/ when present (carry it: run(carry=['.whl'])).
 set -u
@@ -51,6 +53,16 @@ elif [ "$MODE" = compile ]; then
     > "$OUT/compile.log" 2>&1
   t done
   grep -E "^(torchao|lowprec|bf16)" "$OUT/compile.log"
+  exit 0
+elif [ "$MODE" = model ]; then
+  # the per-tensor recipes against torchao at both widths (issue 98's speed targets)
+  for m in 1b 8b-wide; do
+    t "$m"; timeout "${TEST_TIMEOUT:-280}" python3 benchmarks/bench_model.py --model "$m" \
+      --modes compiled --recipes "${RECIPES:-delayed,current}" --torchao tensorwise \
+      --bf16 none > "$OUT/model_$m.log" 2>&1
+  done
+  t done
+  grep -hE "^(torchao|lowprec)" "$OUT"/model_*.log | cut -c1-120
   exit 0
 elif [ "$MODE" = moe-model ]; then
   for spec in mixtral:2 qwen3:4; do  # model:layers, as the README's rows
