@@ -120,12 +120,15 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class GraphOps:
     """A torch.compile backend that records the ops of the forward and backward graphs AOT
     autograd makes of every graph dynamo hands it, with inductor's decompositions (the
-    graphs inductor would receive), then runs them as aot_eager does."""
+    graphs inductor would receive), then runs them as aot_eager does. ``partition_fn``:
+    the partitioner that splits them (default: AOT autograd's own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, partition_fn=None) -> None:
         self.targets: list = []
         #: each graph's targets, in the order they were compiled
         self.graphs: list = []
+        #: AOT autograd's partitioner (None: its default one)
+        self.partition_fn = partition_fn
 
     def steady(self) -> list:
         """The targets of the last forward and backward graphs compiled: what the steps run
@@ -152,8 +155,9 @@ class GraphOps:
             self.targets += self.graphs[-1]
             return g
 
+        split = {} if self.partition_fn is None else {"partition_fn": self.partition_fn}
         return aot_autograd(fw_compiler=record, bw_compiler=record,
-                            decompositions=select_decomp_table())(gm, example_inputs)
+                            decompositions=select_decomp_table(), **split)(gm, example_inputs)
 
 
 def plan_of(recipe, x, weight, bias=None):

@@ -1,8 +1,8 @@
 """Delayed scaling in a traced linear (``traced.TracedLinear`` with a plan whose forms read
 a module's state): the forward's operands cast with the state's scales and their amaxes
 recorded into it, dY's likewise, and the backward state joined to the backward pass's
-update once the module's last GEMM has run its backward, as eager's end-of-backward
-callback does."""
+update when the module's last GEMM runs its backward, as eager's end-of-backward callback
+joins it."""
 
 from __future__ import annotations
 

@@ -542,14 +542,10 @@ def test_delayed_backward_keeps_the_forwards_scales(partition, first_scale):
     default one, which moves to backward what no forward output needs, and the min-cut one
     inductor uses, which recomputes cheap ops from saved inputs), over steps whose amaxes
     move the scales, outputs and gradients equal eager's bit for bit."""
-    from torch._dynamo.backends.common import aot_autograd
     from torch._functorch import partitioners
-    from torch._inductor.decomposition import select_decomp_table
 
-    split = {"default": partitioners.default_partition,
-             "min_cut": partitioners.min_cut_rematerialization_partition}[partition]
-    backend = aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
-                           partition_fn=split, decompositions=select_decomp_table())
+    backend = GraphOps({"default": partitioners.default_partition,
+                        "min_cut": partitioners.min_cut_rematerialization_partition}[partition])
     recipe = DelayedScaling(amax_history_len=2, first_scale=first_scale)
     torch.manual_seed(0)
     a = lowprec.Linear(64, 32, name="l")
